@@ -1,0 +1,62 @@
+"""Typed messages between processes (msgspec structs, sent over ZMQ).
+
+Flow: API server -> tokenizer -> scheduler rank 0 (broadcast to other ranks) -> detokenizer
+-> API server. Only rank 0 talks to the tokenizer and detokenizer.
+"""
+
+from __future__ import annotations
+
+import msgspec
+
+from tpserve.sampling_params import SamplingParams
+
+
+# ---- into the scheduler (from tokenizers, the detokenizer or the API server) ----
+class GenerateRequest(msgspec.Struct, tag="generate"):
+    """A tokenized request. ``rid`` is unique per server; sampling params are final (seed set)."""
+
+    rid: int
+    input_ids: list[int]
+    params: SamplingParams
+
+
+class AbortRequest(msgspec.Struct, tag="abort"):
+    """Client gone or stop string hit: free the request's KV pages now."""
+
+    rid: int
+
+
+class FlushCache(msgspec.Struct, tag="flush_cache"):
+    pass
+
+
+class Shutdown(msgspec.Struct, tag="shutdown"):
+    pass
+
+
+SchedulerInput = GenerateRequest | AbortRequest | FlushCache | Shutdown
+
+
+# ---- out of scheduler rank 0 (to the detokenizer) ----
+class TokenOutput(msgspec.Struct):
+    """New tokens of one request from one step. finish_reason: None, "stop", "length", "abort",
+    or "error" (then ``error`` says why, e.g. the request can never fit in the KV cache)."""
+
+    rid: int
+    token_ids: list[int]
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    error: str | None = None
+
+
+class SchedulerStats(msgspec.Struct):
+    running: int
+    waiting: int
+    kv_pages_used: int
+    kv_pages_total: int
+
+
+class BatchTokenOutput(msgspec.Struct, tag="batch_output"):
+    outputs: list[TokenOutput]
+    stats: SchedulerStats | None = None
