@@ -86,6 +86,18 @@ class ModelConfig:
             eos_token_ids=tuple(sorted(eos)),
         )
 
+    def check_tp_size(self, tp_size: int) -> None:
+        """Raise a clear error when the model cannot be split over ``tp_size`` ranks."""
+        if tp_size < 1:
+            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+        if self.num_attention_heads % tp_size:
+            raise ValueError(f"tp_size {tp_size} does not divide num_attention_heads {self.num_attention_heads}")
+        kv = self.num_key_value_heads
+        if kv % tp_size and tp_size % kv:
+            raise ValueError(f"num_key_value_heads {kv} neither divides nor is divided by tp_size {tp_size}")
+        if self.intermediate_size % tp_size:
+            raise ValueError(f"tp_size {tp_size} does not divide intermediate_size {self.intermediate_size}")
+
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
         with open(os.path.join(model_dir, "config.json")) as f:

@@ -1,0 +1,84 @@
+"""Collectives used by the parallel layers, behind one small interface.
+
+Layers hold a ``Communicator``; the implementation is torch.distributed today (Gloo on CPU,
+NCCL on GPU) and can be swapped for a custom all-reduce later without touching the layers.
+"""
+
+from __future__ import annotations
+
+import socket
+from typing import Protocol
+
+import torch
+import torch.distributed as dist
+
+
+class Communicator(Protocol):
+    world_size: int
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor: ...
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        """Concatenate every rank's ``x`` along the last dimension."""
+        ...
+
+
+# torch 2.13 renamed all_gather_into_tensor (gathers along dim 0) to all_gather_single.
+_all_gather_single = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+class SingleRankCommunicator:
+    world_size = 1
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+
+class TorchDistCommunicator:
+    """torch.distributed on the default (device) group: Gloo on CPU, NCCL on GPU."""
+
+    def __init__(self, world_size: int, group: dist.ProcessGroup | None = None) -> None:
+        self.world_size = world_size
+        self.group = group
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        dist.all_reduce(x, group=self.group)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> torch.Tensor:
+        x = x.contiguous()
+        out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
+        _all_gather_single(out, x, group=self.group)
+        return torch.cat(out.chunk(self.world_size, dim=0), dim=-1)
+
+
+def free_port() -> int:
+    """A free TCP port on loopback, picked by the parent and handed to every rank."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def init_process_groups(
+    rank: int, world_size: int, init_addr: str, device: torch.device
+) -> tuple[Communicator, dist.ProcessGroup | None]:
+    """Returns (the tensor communicator, a Gloo CPU group for control messages).
+
+    On CPU one Gloo group serves both; on GPU NCCL carries tensors and a separate Gloo group
+    carries the scheduler's small control broadcasts.
+    """
+    if world_size == 1:
+        return SingleRankCommunicator(), None
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(
+        backend=backend,
+        init_method=init_addr,
+        rank=rank,
+        world_size=world_size,
+        device_id=device if device.type == "cuda" else None,
+    )
+    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
+    return TorchDistCommunicator(world_size), cpu_group

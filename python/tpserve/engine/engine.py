@@ -1,0 +1,118 @@
+"""One rank's engine: device, communication, sharded model, KV cache, forward and sampling."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tpserve.attention.base import create_backend
+from tpserve.config import EngineConfig, ModelConfig, resolve_dtype
+from tpserve.distributed.comm import init_process_groups
+from tpserve.distributed.info import set_tp_info
+from tpserve.engine.batch import SequenceInput, build_forward_inputs
+from tpserve.engine.sampler import Sampler, SamplingBatch
+from tpserve.kvcache.pool import KVCachePool
+from tpserve.models.decoder import CausalLM, ForwardContext
+from tpserve.models.loader import load_model_weights
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_CPU_KV_TOKENS = 32768
+
+
+def resolve_device(device: str | None, rank: int) -> torch.device:
+    if device is None:
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise RuntimeError("device cuda was asked for but CUDA is not available")
+        if rank >= torch.cuda.device_count():
+            raise RuntimeError(f"tp rank {rank} needs cuda:{rank} but only {torch.cuda.device_count()} GPUs are visible")
+        return torch.device(f"cuda:{rank}")
+    return torch.device("cpu")
+
+
+class Engine:
+    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+        self.config = config
+        self.tp = set_tp_info(rank, config.tp_size)  # before any layer is built
+        self.device = resolve_device(config.device, rank)
+        if self.device.type == "cuda":
+            torch.cuda.set_device(self.device)
+        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.model_config.check_tp_size(config.tp_size)
+        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
+        if config.tp_size > 1 and config.dist_init_addr is None:
+            raise ValueError("tp_size > 1 needs dist_init_addr (tcp://host:port chosen by the parent)")
+        self.comm, self.cpu_group = init_process_groups(rank, config.tp_size, config.dist_init_addr or "", self.device)
+
+        with torch.device("meta"):
+            self.model = CausalLM(self.model_config, self.comm, self.max_model_len)
+        load_model_weights(
+            self.model, config.model, config.load_format, self.device, self.dtype, config.seed, show_progress=rank == 0
+        )
+        self.model.eval()
+
+        attn = self.model.model.layers[0].self_attn
+        self.num_kv_heads, self.num_heads = attn.num_kv_heads, attn.num_heads
+        self.page_size = config.page_size
+        self.num_pages = self._count_pages()
+        self.kv_pool = KVCachePool(
+            self.model_config.num_hidden_layers,
+            self.num_pages,
+            self.page_size,
+            self.num_kv_heads,
+            self.model_config.head_dim,
+            self.dtype,
+            self.device,
+        )
+        self.attention = create_backend(
+            config.attention_backend, self.kv_pool, self.num_heads, self.num_kv_heads, self.model_config.head_dim, self.device
+        )
+        self.sampler = Sampler()
+        if rank == 0:
+            logger.info(
+                "engine ready: %s on %s, %s, tp %d, %d KV pages of %d tokens",
+                self.model_config.architecture, self.device, self.dtype, config.tp_size, self.num_pages - 1, self.page_size,
+            )
+
+    def _count_pages(self) -> int:
+        cfg = self.model_config
+        page_bytes = KVCachePool.bytes_per_page(
+            cfg.num_hidden_layers, self.page_size, self.num_kv_heads, cfg.head_dim, self.dtype
+        )
+        if self.device.type == "cuda":
+            free, total = torch.cuda.mem_get_info(self.device)
+            budget = free - (1.0 - self.config.mem_fraction) * total
+            pages = int(budget // page_bytes)
+            if self.config.max_total_tokens is not None:
+                pages = min(pages, -(-self.config.max_total_tokens // self.page_size))
+        else:
+            tokens = self.config.max_total_tokens or DEFAULT_CPU_KV_TOKENS
+            pages = -(-tokens // self.page_size)
+        pages += 1  # the scratch page
+        if self.cpu_group is not None:  # every rank must have the same pool size
+            count = torch.tensor([pages], dtype=torch.int64)
+            torch.distributed.all_reduce(count, op=torch.distributed.ReduceOp.MIN, group=self.cpu_group)
+            pages = int(count.item())
+        if pages < 2:
+            raise RuntimeError(f"no memory left for the KV cache ({page_bytes} bytes per page)")
+        return pages
+
+    @torch.inference_mode()
+    def forward(self, seqs: list[SequenceInput]) -> torch.Tensor:
+        """Run one step over prefills and decodes alike; returns [B, vocab] float logits."""
+        meta = self.attention.prepare(seqs, self.device)
+        inputs = build_forward_inputs(seqs, self.page_size, self.device, meta)
+        return self.model(ForwardContext(inputs, self.attention))
+
+    @torch.inference_mode()
+    def step(self, seqs: list[SequenceInput], sampling: SamplingBatch) -> list[int]:
+        logits = self.forward(seqs)
+        return self.sampler(logits, sampling).tolist()
+
+    def shutdown(self) -> None:
+        if torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()

@@ -1,0 +1,64 @@
+"""Vocabulary-parallel embedding and LM head.
+
+The vocabulary is split by ceiling division; the last rank's slice is padded with zero rows so
+every rank holds the same shape (the all-gather needs it) and the padding is cut off after.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpserve.distributed.comm import Communicator
+from tpserve.distributed.info import get_tp_info
+
+
+class VocabParallelEmbedding(nn.Module):
+    def __init__(self, vocab_size: int, embedding_dim: int, comm: Communicator) -> None:
+        super().__init__()
+        tp = get_tp_info()
+        self.comm = comm
+        self.vocab_size = vocab_size
+        self.rows_per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = min(tp.rank * self.rows_per_rank, vocab_size)
+        self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim), requires_grad=False)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.comm.world_size == 1:
+            return F.embedding(input_ids, self.weight)
+        outside = (input_ids < self.vocab_start) | (input_ids >= self.vocab_end)
+        local_ids = (input_ids - self.vocab_start).masked_fill(outside, 0)
+        y = F.embedding(local_ids, self.weight).masked_fill(outside.unsqueeze(-1), 0.0)
+        return self.comm.all_reduce(y)
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        if loaded.shape[0] != self.vocab_size or loaded.shape[1] != self.weight.shape[1]:
+            raise ValueError(
+                f"vocabulary weight: expected shape ({self.vocab_size}, {self.weight.shape[1]}), "
+                f"got {tuple(loaded.shape)}"
+            )
+        n = self.vocab_end - self.vocab_start
+        self.weight.data[:n].copy_(loaded[self.vocab_start : self.vocab_end])
+        self.weight.data[n:].zero_()
+
+
+class ParallelLMHead(VocabParallelEmbedding):
+    """Logits for the whole vocabulary: each rank computes its slice, then all-gather.
+
+    With tied embeddings it reuses the embedding's weight (which is already split the same way).
+    """
+
+    def __init__(
+        self, vocab_size: int, hidden_size: int, comm: Communicator, tied: VocabParallelEmbedding | None = None
+    ) -> None:
+        super().__init__(vocab_size, hidden_size, comm)
+        if tied is not None:
+            self.weight = tied.weight
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = F.linear(hidden, self.weight)
+        if self.comm.world_size > 1:
+            logits = self.comm.all_gather(logits)
+        return logits[..., : self.vocab_size]

@@ -1,0 +1,258 @@
+"""The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``.
+
+With tp_size 1 the engine runs in this process. With tp_size N it runs one spawned process per
+rank; every rank receives the same requests (with the same seeds) and runs the same continuous
+batching, and rank 0 sends the results back.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing as mp
+import random
+import traceback
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+
+from tqdm import tqdm
+
+from tpserve.config import EngineConfig, ModelConfig
+from tpserve.distributed.comm import free_port
+from tpserve.sampling_params import SamplingParams
+
+logger = logging.getLogger(__name__)
+
+STARTUP_POLL_SECONDS = 0.5
+SHUTDOWN_SECONDS = 10.0
+
+
+@dataclass
+class RequestOutput:
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str
+
+
+@dataclass(frozen=True)
+class _Job:
+    rid: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+
+
+def run_jobs(scheduler, jobs: list[_Job], show_progress: bool) -> dict[int, tuple[list[int], str]]:
+    """Feed every job to a scheduler and step until all finish."""
+    for job in jobs:
+        scheduler.add_request(job.rid, job.prompt_ids, job.params, job.seed)
+    results: dict[int, tuple[list[int], str]] = {}
+    tokens: dict[int, list[int]] = {job.rid: [] for job in jobs}
+    with tqdm(total=len(jobs), desc="Generating", unit="req", disable=not show_progress) as bar:
+        while scheduler.has_work:
+            for out in scheduler.step():
+                tokens[out.rid].extend(out.token_ids)
+                if out.finish_reason is not None:
+                    results[out.rid] = (tokens[out.rid], out.finish_reason)
+                    bar.update(1)
+    return results
+
+
+def _rank_main(config: EngineConfig, rank: int, conn: Connection) -> None:
+    """A TP rank's process: build the engine, then serve generate calls until told to stop."""
+    from tpserve.engine.engine import Engine
+    from tpserve.scheduler.scheduler import Scheduler
+
+    try:
+        engine = Engine(config, rank)
+        scheduler = Scheduler(engine)
+        conn.send(("ready", None))
+        while True:
+            try:
+                command, payload = conn.recv()
+            except (EOFError, OSError):  # the parent is gone
+                return
+            if command == "close":
+                break
+            try:
+                results = run_jobs(scheduler, payload, show_progress=False)
+                conn.send(("results", results if rank == 0 else None))
+            except Exception as exc:  # report, keep the rank alive for the next call
+                conn.send(("error", f"{type(exc).__name__}: {exc}"))
+        engine.shutdown()
+    except Exception:
+        try:
+            conn.send(("error", traceback.format_exc()))
+        except OSError:
+            pass
+
+
+class _RankProcesses:
+    """The spawned rank processes and their pipes; stops them all on close or at exit."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        ctx = mp.get_context("spawn")
+        config = replace(config, dist_init_addr=f"tcp://127.0.0.1:{free_port()}")
+        self.conns: list[Connection] = []
+        self.procs: list[mp.Process] = []
+        for rank in range(config.tp_size):
+            parent_end, child_end = ctx.Pipe()
+            proc = ctx.Process(target=_rank_main, args=(config, rank, child_end), name=f"tpserve-rank{rank}", daemon=True)
+            proc.start()
+            child_end.close()
+            self.conns.append(parent_end)
+            self.procs.append(proc)
+        self._finalizer = weakref.finalize(self, _stop_processes, self.procs, self.conns)
+        try:
+            self.receive_all()
+        except BaseException:
+            self.close()
+            raise
+
+    def receive_all(self) -> list[object]:
+        """One reply from every rank; raises if any rank reports an error or dies."""
+        replies: list[object] = []
+        for rank, (conn, proc) in enumerate(zip(self.conns, self.procs)):
+            while not conn.poll(STARTUP_POLL_SECONDS):
+                if not proc.is_alive():
+                    raise RuntimeError(f"tp rank {rank} died (exit code {proc.exitcode})")
+                for other, other_proc in enumerate(self.procs):  # a peer dying leaves this one hanging
+                    if not other_proc.is_alive() and other != rank:
+                        self._raise_from(other)
+            try:
+                kind, payload = conn.recv()
+            except EOFError:
+                raise RuntimeError(f"tp rank {rank} died (exit code {proc.exitcode})") from None
+            if kind == "error":
+                raise RuntimeError(f"tp rank {rank} failed:\n{payload}")
+            replies.append(payload)
+        return replies
+
+    def _raise_from(self, rank: int) -> None:
+        conn = self.conns[rank]
+        if conn.poll():
+            kind, payload = conn.recv()
+            if kind == "error":
+                raise RuntimeError(f"tp rank {rank} failed:\n{payload}")
+        raise RuntimeError(f"tp rank {rank} died (exit code {self.procs[rank].exitcode})")
+
+    def broadcast(self, message: tuple[str, object]) -> None:
+        for conn in self.conns:
+            conn.send(message)
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _stop_processes(procs: list[mp.Process], conns: list[Connection]) -> None:
+    for conn in conns:
+        try:
+            conn.send(("close", None))
+        except (OSError, ValueError):
+            pass
+    for proc in procs:
+        proc.join(SHUTDOWN_SECONDS)
+        if proc.is_alive():
+            proc.terminate()
+            proc.join(2)
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    for conn in conns:
+        conn.close()
+
+
+class LLM:
+    """Offline generation. ``LLM(model_dir, tp_size=2)`` runs two rank processes on this host."""
+
+    def __init__(
+        self,
+        model: str,
+        tp_size: int = 1,
+        device: str | None = None,
+        dtype: str | None = None,
+        load_format: str = "auto",
+        **engine_kwargs,
+    ) -> None:
+        self.config = EngineConfig(
+            model=model, tp_size=tp_size, device=device, dtype=dtype, load_format=load_format, **engine_kwargs
+        )
+        self.model_config = ModelConfig.from_pretrained(model)
+        self.model_config.check_tp_size(tp_size)  # fail here, before spawning anything
+        self.tokenizer = _load_tokenizer(model)
+        self._next_rid = 0
+        self._seed_rng = random.Random()
+        self._ranks: _RankProcesses | None = None
+        self._scheduler = None
+        if tp_size == 1:
+            from tpserve.engine.engine import Engine
+            from tpserve.scheduler.scheduler import Scheduler
+
+            self._engine = Engine(self.config, rank=0)
+            self._scheduler = Scheduler(self._engine)
+        else:
+            self._ranks = _RankProcesses(self.config)
+
+    def generate(
+        self,
+        prompts: Sequence[str] | Sequence[Sequence[int]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise TypeError("prompts must be a list of strings or a list of token-id lists")
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        jobs = []
+        for prompt, params in zip(prompts, sampling_params):
+            ids = self._encode(prompt)
+            seed = params.seed if params.seed is not None else self._seed_rng.getrandbits(63)
+            jobs.append(_Job(self._next_rid, ids, params, seed))
+            self._next_rid += 1
+        if self._scheduler is not None:
+            results = run_jobs(self._scheduler, jobs, use_tqdm)
+        elif self._ranks is not None:
+            self._ranks.broadcast(("generate", jobs))
+            results = self._ranks.receive_all()[0]
+        else:
+            raise RuntimeError("generate() called after close()")
+        return [self._output(job, *results[job.rid]) for job in jobs]
+
+    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
+            return self.tokenizer.encode(prompt, add_special_tokens=False)
+        return [int(t) for t in prompt]
+
+    def _output(self, job: _Job, token_ids: list[int], finish_reason: str) -> RequestOutput:
+        text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        return RequestOutput(job.prompt_ids, token_ids, text, finish_reason)
+
+    def close(self) -> None:
+        if self._ranks is not None:
+            self._ranks.close()
+            self._ranks = None
+        self._scheduler = None
+
+    def __enter__(self) -> "LLM":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _load_tokenizer(model_dir: str):
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(model_dir)
+    except (OSError, ValueError):
+        logger.warning("no tokenizer in %s: prompts must be token ids and outputs have no text", model_dir)
+        return None

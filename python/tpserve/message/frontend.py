@@ -1,0 +1,94 @@
+"""Messages between the frontend processes (API server, tokenizer workers, detokenizer).
+
+The scheduler never sees these; its messages are in ``tpserve.message``.
+
+Flow of one request::
+
+    API server --TokenizeRequest--> tokenizer worker --GenerateRequest--> scheduler rank 0
+                                           |
+                                           +--DetokenizeRegister--> detokenizer
+    scheduler rank 0 --BatchTokenOutput--> detokenizer --ApiOutputBatch--> API server
+    tokenizer worker --RequestRejected--> API server      (invalid request: never scheduled)
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import msgspec
+
+from tpserve.message import BatchTokenOutput, SchedulerStats, Shutdown
+from tpserve.sampling_params import SamplingParams
+
+
+# ---- API server -> tokenizer workers ----
+class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True):
+    """One prompt to tokenize, validate and schedule.
+
+    Exactly one of ``messages`` (chat), ``text`` or ``input_ids`` is set. ``params.max_tokens``
+    may be None (= up to the context limit) and ``params.seed`` None (= pick one); the tokenizer
+    worker makes both final before the scheduler sees the request.
+    """
+
+    rid: int
+    params: SamplingParams
+    messages: list[dict[str, Any]] | None = None
+    text: str | None = None
+    input_ids: list[int] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    skip_special_tokens: bool = True
+
+
+TokenizerInput = TokenizeRequest | Shutdown
+
+
+# ---- tokenizer worker -> detokenizer ----
+class DetokenizeRegister(msgspec.Struct, tag="detok_register", kw_only=True):
+    """What the detokenizer must know about a request before it can turn its tokens into text.
+
+    Sent before the request reaches the scheduler; outputs that still overtake it are buffered.
+    """
+
+    rid: int
+    stop: list[str] = []
+    skip_special_tokens: bool = True
+    prompt_tokens: int = 0
+
+
+DetokenizerInput = BatchTokenOutput | DetokenizeRegister | Shutdown
+
+
+# ---- detokenizer / tokenizer worker -> API server ----
+class RequestOutput(msgspec.Struct, kw_only=True):
+    """New text of one request. ``completion_tokens`` counts all tokens generated so far.
+
+    finish_reason: None while running, else "stop", "length", "abort" or "error" (then
+    ``error`` says why).
+    """
+
+    rid: int
+    text: str
+    new_tokens: int
+    completion_tokens: int
+    prompt_tokens: int
+    cached_tokens: int = 0
+    finish_reason: str | None = None
+    error: str | None = None
+
+
+class ApiOutputBatch(msgspec.Struct, tag="api_outputs", kw_only=True):
+    outputs: list[RequestOutput]
+    stats: SchedulerStats | None = None
+
+
+class RequestRejected(msgspec.Struct, tag="rejected", kw_only=True):
+    """The tokenizer worker refused the request (e.g. prompt too long); it was not scheduled."""
+
+    rid: int
+    message: str
+    param: str | None = None
+    status: int = 400  # HTTP status for the API server: 400 invalid request, 500 internal error
+
+
+ApiInput = ApiOutputBatch | RequestRejected

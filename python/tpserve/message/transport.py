@@ -1,0 +1,57 @@
+"""ZMQ PUSH/PULL sockets that carry msgpack-encoded msgspec structs (frontend helpers)."""
+
+from __future__ import annotations
+
+from typing import Any, Generic, TypeVar
+
+import msgspec
+import zmq
+
+T = TypeVar("T")
+
+_ENCODER = msgspec.msgpack.Encoder()
+
+
+def encode(msg: msgspec.Struct) -> bytes:
+    return _ENCODER.encode(msg)
+
+
+def open_socket(ctx: zmq.Context, kind: int, address: str, bind: bool) -> Any:
+    """A PUSH or PULL socket that never blocks process exit (linger 0)."""
+    sock = ctx.socket(kind)
+    sock.setsockopt(zmq.LINGER, 0)
+    if bind:
+        sock.bind(address)
+    else:
+        sock.connect(address)
+    return sock
+
+
+class Receiver(Generic[T]):
+    """A blocking PULL socket decoding one message type (usually a tagged union)."""
+
+    def __init__(self, ctx: zmq.Context, address: str, msg_type: Any, bind: bool) -> None:
+        self.socket = open_socket(ctx, zmq.PULL, address, bind)
+        self._decoder = msgspec.msgpack.Decoder(msg_type)
+
+    def recv(self, timeout_ms: int) -> T | None:
+        """The next message, or None if none came within ``timeout_ms``."""
+        if not self.socket.poll(timeout_ms):
+            return None
+        return self._decoder.decode(self.socket.recv())
+
+    def recv_nowait(self) -> T | None:
+        try:
+            return self._decoder.decode(self.socket.recv(zmq.NOBLOCK))
+        except zmq.Again:
+            return None
+
+
+class Sender:
+    """A PUSH socket for msgspec structs."""
+
+    def __init__(self, ctx: zmq.Context, address: str, bind: bool = False) -> None:
+        self.socket = open_socket(ctx, zmq.PUSH, address, bind)
+
+    def send(self, msg: msgspec.Struct) -> None:
+        self.socket.send(encode(msg))

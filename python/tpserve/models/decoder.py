@@ -1,0 +1,122 @@
+"""The dense decoder shared by Qwen3, Qwen2/2.5, Llama 3.x and Mistral.
+
+They differ only in switches on ModelConfig: Qwen3 normalises each q/k head (``qk_norm``),
+Qwen2 has q/k/v biases (``qkv_bias``), Llama 3 scales rotary frequencies (``rope_scaling``).
+Parameter names follow the Hugging Face checkpoints, with q/k/v merged into ``qkv_proj`` and
+gate/up into ``gate_up_proj``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tpserve.attention.base import AttentionBackend
+from tpserve.config import ModelConfig
+from tpserve.distributed.comm import Communicator
+from tpserve.engine.batch import ForwardInputs
+from tpserve.layers.activation import silu_and_mul
+from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tpserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tpserve.layers.norm import RMSNorm
+from tpserve.layers.rotary import RotaryEmbedding
+
+
+@dataclass
+class ForwardContext:
+    """What every layer needs for one step, passed explicitly down the model."""
+
+    inputs: ForwardInputs
+    attention: AttentionBackend
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, comm: Communicator) -> None:
+        super().__init__()
+        self.layer_id = layer_id
+        self.head_dim = cfg.head_dim
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.qkv_bias
+        )
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, comm)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.rotary = [rotary]  # a list so the shared module is not registered once per layer
+
+    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        qkv = self.qkv_proj(x)
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        q = q.view(-1, self.num_heads, self.head_dim)
+        k = k.view(-1, self.num_kv_heads, self.head_dim)
+        v = v.view(-1, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None and self.k_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q, k = self.rotary[0](ctx.inputs.positions, q, k)
+        out = ctx.attention.forward(self.layer_id, q, k, v.contiguous(), ctx.inputs.out_slots, ctx.inputs.attn)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Communicator) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, comm)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, comm: Communicator) -> None:
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, layer_id, rotary, comm)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg, comm)
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if residual is None:
+            residual, x = x, self.input_layernorm(x)
+        else:
+            x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(x, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class DecoderBody(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, comm: Communicator) -> None:
+        super().__init__()
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, comm) for i in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+    def forward(self, ctx: ForwardContext) -> torch.Tensor:
+        x = self.embed_tokens(ctx.inputs.input_ids)
+        residual = None
+        for layer in self.layers:
+            x, residual = layer(x, residual, ctx)
+        x, _ = self.norm(x, residual)
+        return x
+
+
+class CausalLM(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Communicator, max_positions: int) -> None:
+        super().__init__()
+        self.config = cfg
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.model = DecoderBody(cfg, self.rotary, comm)
+        tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, tied=tied)
+
+    def forward(self, ctx: ForwardContext) -> torch.Tensor:
+        """Logits [B, vocab] of each sequence's last new token (only those go through the head)."""
+        hidden = self.model(ctx)
+        return self.lm_head(hidden[ctx.inputs.last_indices])

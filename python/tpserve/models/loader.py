@@ -1,0 +1,134 @@
+"""Weight loading: stream safetensors one tensor at a time; each rank keeps only its shard.
+
+Every checkpoint tensor is mapped to a (module, parameter, shard id) target; the module cuts its
+rank's shard and copies it into its slot of the (possibly merged) parameter. So q/k/v land in
+``qkv_proj`` and gate/up in ``gate_up_proj`` shard by shard, and the extra host memory at any
+time is about one full checkpoint tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+
+import torch
+from safetensors import safe_open
+from torch import nn
+from tqdm import tqdm
+
+from tpserve.models.decoder import CausalLM
+
+# checkpoint projection name -> (merged parameter name, shard id)
+_MERGED = {
+    "q_proj": ("qkv_proj", "q"),
+    "k_proj": ("qkv_proj", "k"),
+    "v_proj": ("qkv_proj", "v"),
+    "gate_proj": ("gate_up_proj", 0),
+    "up_proj": ("gate_up_proj", 1),
+}
+_SHARDS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+Target = tuple[str, str, str | int | None]  # (module path, parameter name, shard id)
+
+
+def safetensors_files(model_dir: str) -> list[str]:
+    index = os.path.join(model_dir, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            files = sorted(set(json.load(f)["weight_map"].values()))
+        return [os.path.join(model_dir, name) for name in files]
+    single = os.path.join(model_dir, "model.safetensors")
+    if os.path.exists(single):
+        return [single]
+    found = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
+    if not found:
+        raise FileNotFoundError(f"no .safetensors weights in {model_dir} (use load_format='dummy' for random weights)")
+    return [os.path.join(model_dir, n) for n in found]
+
+
+def checkpoint_target(name: str) -> Target:
+    name = name.removeprefix("language_model.")
+    module, _, param = name.rpartition(".")
+    parent, _, leaf = module.rpartition(".")
+    if leaf in _MERGED:
+        merged, shard_id = _MERGED[leaf]
+        return f"{parent}.{merged}", param, shard_id
+    return module, param, None
+
+
+def expected_targets(model: nn.Module) -> set[Target]:
+    """Every (module, parameter, shard) the checkpoint must provide."""
+    expected: set[Target] = set()
+    for full_name, _ in model.named_parameters():  # tied weights are listed once
+        module, _, param = full_name.rpartition(".")
+        leaf = module.rpartition(".")[2]
+        for shard_id in _SHARDS.get(leaf, (None,)):
+            expected.add((module, param, shard_id))
+    return expected
+
+
+def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
+    """Allocate (uninitialised) storage for a model built on the meta device."""
+    model.to(dtype=dtype)
+    model.to_empty(device=device)
+    if isinstance(model, CausalLM) and model.config.tie_word_embeddings:
+        model.lm_head.weight = model.model.embed_tokens.weight  # to_empty breaks the tie
+
+
+def _iter_checkpoint(files: list[str], show_progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+    handles = [safe_open(path, framework="pt", device="cpu") for path in files]
+    total = sum(len(h.keys()) for h in handles)
+    with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
+        for handle in handles:
+            for name in handle.keys():
+                yield name, handle.get_tensor(name)
+                bar.update(1)
+
+
+def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = False) -> None:
+    expected = expected_targets(model)
+    loaded: set[Target] = set()
+    tied = model.config.tie_word_embeddings
+    for name, tensor in _iter_checkpoint(safetensors_files(model_dir), show_progress):
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            continue
+        target = checkpoint_target(name)
+        if target not in expected:
+            raise ValueError(f"unexpected weight {name!r} in the checkpoint (no parameter {target[0]}.{target[1]})")
+        if target in loaded:
+            raise ValueError(f"weight {name!r} appears twice in the checkpoint")
+        module, param, shard_id = target
+        with torch.no_grad():
+            model.get_submodule(module).load_weight(param, tensor, shard_id)
+        loaded.add(target)
+        del tensor
+    missing = expected - loaded
+    if missing:
+        names = sorted(f"{m}.{p}" + (f" ({s})" if s is not None else "") for m, p, s in missing)
+        raise ValueError(f"weights missing from the checkpoint: {', '.join(names[:10])}" + (" ..." if len(names) > 10 else ""))
+
+
+def init_dummy(model: CausalLM, seed: int) -> None:
+    """Random weights from config.json alone, for speed work on real shapes."""
+    generator = torch.Generator(device=next(model.parameters()).device).manual_seed(seed)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            elif name.endswith("bias"):
+                param.zero_()
+            else:
+                param.normal_(0.0, 0.02, generator=generator)
+
+
+def load_model_weights(
+    model: CausalLM, model_dir: str, load_format: str, device: torch.device, dtype: torch.dtype, seed: int, show_progress: bool
+) -> None:
+    materialize(model, device, dtype)
+    if load_format == "dummy":
+        init_dummy(model, seed)
+    else:
+        load_safetensors(model, model_dir, show_progress)
+    model.rotary.build_cache(device, dtype)

@@ -1,0 +1,186 @@
+"""Command-line arguments of ``tpserve`` / ``python -m tpserve``."""
+
+from __future__ import annotations
+
+import argparse
+import logging
+import os
+from dataclasses import dataclass
+
+from tpserve.config import EngineConfig, ModelConfig
+from tpserve.server.model_path import ModelNotFound, resolve_model_dir
+
+logger = logging.getLogger(__name__)
+
+DEFAULT_SCHEDULER_ENTRY = "tpserve.scheduler.process:run_scheduler"
+DEMO_MODEL_NAME = "tpserve-tiny-random"
+API_KEY_ENV = "TPSERVE_API_KEY"
+LOG_LEVELS = ("debug", "info", "warning", "error")
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    """Everything the server needs: the engine's config plus the frontend's settings."""
+
+    engine: EngineConfig
+    served_model_name: str
+    context_len: int  # prompt + completion tokens of one request
+    vocab_size: int
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0: pick a free port (logged)
+    shell: bool = False
+    num_tokenizers: int = 1
+    api_key: str | None = None
+    log_level: str = "info"
+    demo_model: bool = False  # serving the built-in tiny random-weight model
+    scheduler_entry: str = DEFAULT_SCHEDULER_ENTRY  # "module:function" run once per TP rank
+
+    @property
+    def model_dir(self) -> str:
+        return self.engine.model
+
+
+def _int_at_least(low: int):
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
+        if value < low:
+            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _port(text: str) -> int:
+    value = _int_at_least(0)(text)
+    if value > 65535:
+        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {text!r}")
+    return value
+
+
+def _fraction(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0.0 < value <= 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tpserve",
+        description="Serve an LLM with tensor parallelism behind an OpenAI-compatible HTTP API "
+        "(or an interactive shell with --shell). Runs offline.",
+        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+    )
+    model = p.add_argument_group("model")
+    model.add_argument(
+        "--model", "--model-path", dest="model", default=None,
+        help="local model directory, or a Hugging Face id (org/name) already in the local HF "
+        "cache; default: a built-in tiny random-weight demo model",
+    )
+    model.add_argument("--served-model-name", default=None,
+                       help="model name in the API (default: the --model value)")
+    model.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
+                       help="weights: safetensors files, or dummy (random, for benchmarks)")
+    model.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+                       default="auto", help="compute dtype; auto: checkpoint dtype on GPU, "
+                       "float32 on CPU")
+    model.add_argument("--max-model-len", type=_int_at_least(2), default=None,
+                       help="context limit (prompt + completion tokens); default: the model's "
+                       "max_position_embeddings")
+    engine = p.add_argument_group("engine")
+    engine.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size",
+                        type=_int_at_least(1), default=1,
+                        help="tensor-parallel size: number of GPUs (processes) the model is split over")
+    engine.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+                        help="auto: cuda when available, else cpu")
+    engine.add_argument("--max-running-requests", type=_int_at_least(1), default=256,
+                        help="most requests decoded together")
+    engine.add_argument("--page-size", type=_int_at_least(1), default=16,
+                        help="tokens per KV-cache page")
+    engine.add_argument("--mem-fraction", type=_fraction, default=0.85,
+                        help="fraction of free GPU memory used for the KV cache")
+    engine.add_argument("--max-total-tokens", type=_int_at_least(1), default=None,
+                        help="KV-cache size in tokens (default: from --mem-fraction on GPU, "
+                        "32768 on CPU)")
+    engine.add_argument("--seed", type=_int_at_least(0), default=0, help="engine random seed")
+    engine.add_argument("--debug-check-ranks", action="store_true",
+                        help="check that all TP ranks schedule identical batches (slow; debugging)")
+    server = p.add_argument_group("server")
+    server.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
+    server.add_argument("--port", type=_port, default=8000, help="HTTP port (0: any free port)")
+    server.add_argument("--api-key", default=None,
+                        help=f"require 'Authorization: Bearer KEY' on /v1/* (env {API_KEY_ENV})")
+    server.add_argument("--num-tokenizers", type=_int_at_least(1), default=1,
+                        help="tokenizer worker processes")
+    server.add_argument("--shell", action="store_true",
+                        help="chat in the terminal instead of serving HTTP")
+    server.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level")
+    # For tests: run another scheduler entry point ("module:function").
+    server.add_argument("--scheduler-entry", default=DEFAULT_SCHEDULER_ENTRY, help=argparse.SUPPRESS)
+    return p
+
+
+def parse_args(argv: list[str] | None = None) -> ServerArgs:
+    """Parse and validate; a bad value exits with a usage error that names it."""
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    try:
+        return _to_server_args(ns)
+    except (ModelNotFound, ValueError, KeyError, OSError) as e:
+        parser.error(str(e))  # exits with status 2
+
+
+def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
+    demo = ns.model is None
+    if demo:
+        from tpserve.tiny import default_tiny_model_dir
+
+        model_dir = default_tiny_model_dir()
+        name = ns.served_model_name or DEMO_MODEL_NAME
+    else:
+        model_dir = resolve_model_dir(ns.model)
+        name = ns.served_model_name or ns.model
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise ValueError(f"--model: {model_dir} has no config.json")
+    model_config = ModelConfig.from_pretrained(model_dir)
+    if ns.max_model_len is not None and ns.max_model_len > model_config.max_position_embeddings:
+        raise ValueError(
+            f"--max-model-len {ns.max_model_len} exceeds the model's max_position_embeddings "
+            f"({model_config.max_position_embeddings})"
+        )
+    engine = EngineConfig(
+        model=model_dir,
+        tp_size=ns.tp_size,
+        device=None if ns.device == "auto" else ns.device,
+        dtype=None if ns.dtype == "auto" else ns.dtype,
+        load_format=ns.load_format,
+        page_size=ns.page_size,
+        max_total_tokens=ns.max_total_tokens,
+        mem_fraction=ns.mem_fraction,
+        max_running_requests=ns.max_running_requests,
+        max_model_len=ns.max_model_len,
+        seed=ns.seed,
+        debug_check_ranks=ns.debug_check_ranks,
+    )
+    if ":" not in ns.scheduler_entry:
+        raise ValueError(f"--scheduler-entry must be module:function, got {ns.scheduler_entry!r}")
+    return ServerArgs(
+        engine=engine,
+        served_model_name=name,
+        context_len=ns.max_model_len or model_config.max_position_embeddings,
+        vocab_size=model_config.vocab_size,
+        host=ns.host,
+        port=ns.port,
+        shell=ns.shell,
+        num_tokenizers=ns.num_tokenizers,
+        api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
+        log_level=ns.log_level,
+        demo_model=demo,
+        scheduler_entry=ns.scheduler_entry,
+    )

@@ -1,0 +1,57 @@
+"""What every server child process runs first: logging, signals and the parent-death guard.
+
+Children never outlive the server: on Linux the kernel kills them when the parent dies
+(PR_SET_PDEATHSIG), and everywhere a daemon thread exits the process once its parent is gone.
+SIGINT is ignored (a terminal's Ctrl-C reaches the whole process group; the parent decides).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import importlib
+import logging
+import os
+import signal
+import sys
+import threading
+import time
+from typing import Any, Callable
+
+PARENT_POLL_S = 0.5
+LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
+
+
+def setup_logging(level: str) -> None:
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+
+
+def load_entry(entry: str) -> Callable[..., Any]:
+    """``"package.module:function"`` -> the function."""
+    module_name, _, attr = entry.partition(":")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def child_main(entry: str, args: tuple, parent_pid: int, log_level: str) -> None:
+    """Target of every spawned child: guard, then run ``entry(*args)``."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    setup_logging(log_level)
+    _die_with_parent(parent_pid)
+    load_entry(entry)(*args)
+
+
+def _die_with_parent(parent_pid: int) -> None:
+    if sys.platform.startswith("linux"):
+        try:
+            libc = ctypes.CDLL(None, use_errno=True)
+            libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+        except (OSError, AttributeError):
+            pass
+    if os.getppid() != parent_pid:  # the parent died before the guard was set
+        os._exit(1)
+    threading.Thread(target=_watch_parent, args=(parent_pid,), name="parent-watch", daemon=True).start()
+
+
+def _watch_parent(parent_pid: int) -> None:
+    while os.getppid() == parent_pid:
+        time.sleep(PARENT_POLL_S)
+    os._exit(1)

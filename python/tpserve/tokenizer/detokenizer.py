@@ -1,0 +1,49 @@
+"""The detokenizer process: scheduler tokens -> text deltas for the API server."""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+
+import zmq
+
+from tpserve.message import BatchTokenOutput, Shutdown
+from tpserve.message.endpoints import Endpoints
+from tpserve.message.frontend import DetokenizeRegister, DetokenizerInput
+from tpserve.message.transport import Receiver, Sender
+from tpserve.tokenizer.detok_manager import DetokenizeResult, DetokenizerManager
+from tpserve.tokenizer.loader import load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+def run_detokenizer(model_dir: str, endpoints: Endpoints, ack_queue: multiprocessing.Queue) -> None:
+    manager = DetokenizerManager(load_tokenizer(model_dir))
+    ctx = zmq.Context()
+    inbox: Receiver[DetokenizerInput] = Receiver(ctx, endpoints.detokenizer, DetokenizerInput, bind=True)
+    to_api = Sender(ctx, endpoints.api)
+    to_scheduler = Sender(ctx, endpoints.scheduler)
+    ack_queue.put("detokenizer ready")
+    try:
+        while True:
+            msg = inbox.recv(timeout_ms=1000)
+            if msg is None:
+                continue
+            if isinstance(msg, Shutdown):
+                return
+            if isinstance(msg, DetokenizeRegister):
+                result = manager.register(msg)
+            elif isinstance(msg, BatchTokenOutput):
+                result = manager.on_batch(msg)
+            else:  # pragma: no cover - the decoder only yields the union's types
+                raise TypeError(f"unexpected message {type(msg).__name__}")
+            _forward(result, to_api, to_scheduler)
+    finally:
+        ctx.destroy(linger=0)
+
+
+def _forward(result: DetokenizeResult, to_api: Sender, to_scheduler: Sender) -> None:
+    for abort in result.aborts:
+        to_scheduler.send(abort)
+    if result.api is not None:
+        to_api.send(result.api)

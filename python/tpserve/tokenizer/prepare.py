@@ -1,0 +1,125 @@
+"""Turning a TokenizeRequest into a final GenerateRequest: template, tokenize, validate, seed."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from typing import Any
+
+import msgspec
+
+from tpserve.message import GenerateRequest
+from tpserve.message.frontend import DetokenizeRegister, TokenizeRequest
+
+SEED_LIMIT = 2**63
+
+# apply_chat_template arguments that chat_template_kwargs must not override.
+RESERVED_TEMPLATE_KWARGS = frozenset(
+    {
+        "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
+        "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding", "truncation",
+        "max_length", "tokenizer_kwargs", "chat_template", "tools", "documents",
+    }
+)
+
+
+class InvalidRequest(Exception):
+    """A request the server refuses (HTTP 400); ``param`` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+@dataclass(frozen=True)
+class PromptLimits:
+    context_len: int  # prompt + generated tokens
+    vocab_size: int  # valid token ids are [0, vocab_size)
+
+
+@dataclass(frozen=True)
+class PreparedRequest:
+    generate: GenerateRequest
+    register: DetokenizeRegister
+
+
+class PromptPreparer:
+    def __init__(self, tokenizer: Any, limits: PromptLimits, rng: random.Random | None = None) -> None:
+        self._tokenizer = tokenizer
+        self._limits = limits
+        self._rng = rng or random.SystemRandom()
+
+    def prepare(self, req: TokenizeRequest) -> PreparedRequest:
+        input_ids, param = self._input_ids(req)
+        n = len(input_ids)
+        ctx = self._limits.context_len
+        if n == 0:
+            raise InvalidRequest("the prompt is empty", param)
+        if n >= ctx:
+            raise InvalidRequest(
+                f"the prompt has {n} tokens, but this model's context length is {ctx} tokens "
+                "(the prompt must leave room for at least one generated token)",
+                param,
+            )
+        params = req.params
+        if params.max_tokens is not None and n + params.max_tokens > ctx:
+            raise InvalidRequest(
+                f"this model's context length is {ctx} tokens, but {n + params.max_tokens} were "
+                f"requested ({n} in the prompt, {params.max_tokens} for the completion); "
+                "lower max_tokens or shorten the prompt",
+                "max_tokens",
+            )
+        self._check_ids(params.stop_token_ids or [], "stop_token_ids")
+        final = msgspec.structs.replace(
+            params,
+            max_tokens=ctx - n if params.max_tokens is None else params.max_tokens,
+            seed=self._rng.randrange(SEED_LIMIT) if params.seed is None else params.seed,
+        )
+        return PreparedRequest(
+            generate=GenerateRequest(rid=req.rid, input_ids=input_ids, params=final),
+            register=DetokenizeRegister(
+                rid=req.rid,
+                stop=list(final.stop or []),
+                skip_special_tokens=req.skip_special_tokens,
+                prompt_tokens=n,
+            ),
+        )
+
+    def _input_ids(self, req: TokenizeRequest) -> tuple[list[int], str]:
+        if req.messages is not None:
+            return self._chat_ids(req), "messages"
+        if req.text is not None:
+            return list(self._tokenizer.encode(req.text)), "prompt"
+        if req.input_ids is not None:
+            self._check_ids(req.input_ids, "prompt")
+            return list(req.input_ids), "prompt"
+        raise InvalidRequest("the request has no prompt", "prompt")
+
+    def _chat_ids(self, req: TokenizeRequest) -> list[int]:
+        kwargs = dict(req.chat_template_kwargs or {})
+        reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
+        if reserved:
+            raise InvalidRequest(
+                f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"
+            )
+        if not getattr(self._tokenizer, "chat_template", None):
+            raise InvalidRequest(
+                "this model has no chat template: use /v1/completions instead", "messages"
+            )
+        try:
+            text = self._tokenizer.apply_chat_template(
+                req.messages,
+                tokenize=False,
+                add_generation_prompt=req.add_generation_prompt,
+                **kwargs,
+            )
+        except Exception as e:  # the template is model code and may raise anything on odd input
+            raise InvalidRequest(f"cannot apply the chat template: {e}", "messages") from e
+        return list(self._tokenizer.encode(text, add_special_tokens=False))
+
+    def _check_ids(self, ids: list[int], param: str) -> None:
+        vocab = self._limits.vocab_size
+        bad = next((i for i in ids if not 0 <= i < vocab), None)
+        if bad is not None:
+            raise InvalidRequest(f"token id {bad} is out of range [0, {vocab})", param)

@@ -1,0 +1,56 @@
+"""Stop strings over streamed text: trim the output at the first stop string, even when it
+spans several chunks, and hold back any tail that could still grow into one."""
+
+from __future__ import annotations
+
+
+class StopStringFilter:
+    """Feed text chunks, get back the text that is safe to emit.
+
+    ``stopped`` becomes True once a stop string is complete; the stop string and everything
+    after it are never emitted (OpenAI semantics).
+    """
+
+    def __init__(self, stop: list[str] | None) -> None:
+        self._stop = [s for s in (stop or []) if s]
+        self._max_len = max((len(s) for s in self._stop), default=0)
+        self._text = ""  # everything received
+        self._emitted = 0  # chars of _text already returned
+        self.stopped = False
+
+    def feed(self, chunk: str, final: bool = False) -> str:
+        """Add ``chunk``; return the newly emittable text. ``final`` releases held-back text."""
+        if self.stopped:
+            return ""
+        self._text += chunk
+        if not self._stop:
+            return self._take(len(self._text))
+        # Emitted text never holds the start of a stop string (a possible start is held back),
+        # and an earlier complete match would have stopped us: a match must end in the new chunk.
+        search_from = max(self._emitted, len(self._text) - len(chunk) - (self._max_len - 1))
+        cut = self._first_stop(search_from)
+        if cut is not None:
+            self.stopped = True
+            return self._take(cut)
+        if final:
+            return self._take(len(self._text))
+        return self._take(len(self._text) - self._partial_stop_len())
+
+    def _first_stop(self, start: int) -> int | None:
+        hits = [i for i in (self._text.find(s, start) for s in self._stop) if i >= 0]
+        return min(hits) if hits else None
+
+    def _partial_stop_len(self) -> int:
+        """Length of the longest tail of the text that is a proper prefix of a stop string."""
+        text = self._text
+        for n in range(min(self._max_len - 1, len(text) - self._emitted), 0, -1):
+            tail = text[-n:]
+            if any(s.startswith(tail) for s in self._stop):
+                return n
+        return 0
+
+    def _take(self, end: int) -> str:
+        end = max(end, self._emitted)
+        out = self._text[self._emitted : end]
+        self._emitted = end
+        return out
