@@ -377,20 +377,26 @@ def weight_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
 def _init_tensor(name: str, shape: tuple[int, ...], seed: int, hidden_size: int) -> torch.Tensor:
     """Random tensor for one parameter, seeded by (seed, name) so it does not depend on order.
 
-    Scales: RMSNorm weights ~1 (+-10%); projections N(0, 1/fan_in) so activations stay O(1);
-    embeddings (also the tied LM head) N(0, 4/hidden) so logits have std ~2, while the token
-    embedding stays small next to the layers' outputs and the model does not just echo its
-    input; biases N(0, 0.5^2) so a missing bias changes the output visibly.
+    Scales, chosen empirically so that greedy continuations vary with the prompt and rarely
+    settle into repeating one token (with or without tied embeddings):
+    - projections N(0, 1/fan_in) keep activations O(1); q/k get 3x and Qwen3's q/k norms weigh
+      ~3, so attention is sharp and the context matters; o/down get 3x so the layers' outputs
+      dominate the residual stream (otherwise a tied LM head mostly echoes the input token);
+    - embeddings (also the tied LM head) N(0, 4/hidden): logits with std ~2;
+    - other RMSNorm weights ~1 (+-10%); biases N(0, 0.5^2) so a missing bias shows.
     """
     gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
     noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return 3.0 * (1.0 + 0.1 * noise)
     if name.endswith("norm.weight"):
         return 1.0 + 0.1 * noise
     if name.endswith(".bias"):
         return 0.5 * noise
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return noise * (2.0 / hidden_size**0.5)
-    return noise / shape[1] ** 0.5
+    gain = 3.0 if name.endswith(("q_proj.weight", "k_proj.weight", "o_proj.weight", "down_proj.weight")) else 1.0
+    return noise * (gain / shape[1] ** 0.5)
 
 
 def random_weights(spec: TinySpec) -> dict[str, torch.Tensor]:

@@ -1,31 +1,36 @@
 """Batched next-token sampling that every tensor-parallel rank computes identically.
 
 Each row of a step has its own temperature, top-k, top-p, min-p and seed. The per-step path is
-vectorised torch (no Python loop over requests or tokens), so it is the same code on CPU and GPU.
+vectorised torch (no Python loop over requests or tokens), the same code on CPU and GPU.
 
-Randomness is counter-based, not drawn from a generator: the noise for request ``i`` at output
-step ``s`` and vocab index ``v`` is a pure function of ``(seed_i, s, v)`` (see
-``random_bits``). So ranks holding identical logits pick identical tokens without talking, and a
-seeded request samples the same tokens whatever else shares its batch.
+Randomness is counter-based, never drawn from a generator: the noise for request ``i`` at output
+step ``s`` and vocab index ``v`` is a pure function of ``(seed_i, s, v)`` (see ``random_bits``).
+So ranks holding identical logits pick identical tokens without communicating, and a seeded
+request samples the same tokens whatever else shares its batch.
 
 Order of operations for a sampled row (greedy rows, temperature 0, are a plain argmax):
 
 1. temperature: ``w = exp((logits - max) / t)``, unnormalised probabilities whose top is exactly 1;
 2. top-k: keep the k largest;
-3. top-p: keep the smallest prefix (largest first) whose mass, renormalised over what top-k
-   kept, reaches ``top_p``; the top token is always kept;
+3. top-p: keep the smallest largest-first prefix whose mass, renormalised over what top-k kept,
+   reaches ``top_p``; the top token is always kept;
 4. min-p: drop tokens with ``p < min_p * p_max``;
-5. race: ``token = argmax(w / E)`` with ``E ~ Exp(1)`` per token. This draws from ``w``
-   renormalised over the kept tokens (the Gumbel-max trick in exponential form), so no step ever
-   needs to renormalise explicitly.
+5. race: ``token = argmax(w / E)`` with ``E ~ Exp(1)`` per token, which draws from ``w``
+   renormalised over the kept tokens (the Gumbel-max trick in exponential form), so nothing is
+   ever renormalised explicitly.
+
+Steps 2-4 each reduce to a per-row threshold and tokens below it are dropped, so tokens tied with
+the last kept one are kept too: the result never depends on how a sort orders ties.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 
 from tpserve.sampling_params import SamplingParams
 
@@ -40,11 +45,32 @@ _COL_DOMAIN = 0x85EB_CA6B
 _UNIFORM_BITS = 23  # k + 0.5 is exact in float32 for k < 2**23, so u never rounds to 0 or 1
 
 
+class Workspace:
+    """Large scratch tensors reused from step to step, by name.
+
+    Only on CPU, where freshly allocated B x V tensors are page-faulted in on every step at more
+    cost than the arithmetic on them. Elsewhere it allocates: the CUDA caching allocator already
+    reuses memory, and pinning buffers here would take it from the KV cache.
+    """
+
+    def __init__(self) -> None:
+        self._buffers: dict[str, torch.Tensor] = {}
+
+    def empty(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        if device.type != "cpu":
+            return torch.empty(shape, dtype=dtype, device=device)
+        numel = math.prod(shape)
+        buffer = self._buffers.get(name)
+        if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
+            buffer = self._buffers[name] = torch.empty(numel, dtype=dtype)
+        return buffer[:numel].view(shape)
+
+
 def _mix32_(x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
     """In place: the splitmix32 output function on uint32 values held in an int64 tensor.
 
-    Every intermediate stays non-negative and below 2**63, so ``>>`` is a logical shift and the
-    result is bit-identical to uint32 arithmetic on every device.
+    Every intermediate stays non-negative and below 2**63, so ``>>`` acts as a logical shift and
+    the result is bit-identical to uint32 arithmetic on every device.
     """
     tmp = torch.empty_like(x) if scratch is None else scratch
     for mul, shift in ((_MUL1, 16), (_MUL2, 15)):
@@ -55,7 +81,7 @@ def _mix32_(x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tenso
 
 
 def _row_keys(seeds: torch.Tensor, steps: torch.Tensor) -> torch.Tensor:
-    """[B] uint32 key per (seed, step): the four 32-bit words absorbed one mix at a time."""
+    """[B] uint32 key per (seed, step): their four 32-bit words absorbed one mix at a time."""
     key = torch.full_like(seeds, _ROW_DOMAIN)
     for word in (seeds, seeds >> 32, steps, steps >> 32):
         key = _mix32_(key ^ (word & _MASK32))
@@ -67,16 +93,162 @@ def _col_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
     return _mix32_(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ _COL_DOMAIN)
 
 
-def random_bits(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
-    """[B, V] int64 of uniform uint32 values: ``mix32(row_key(seed, step) ^ col_key(v))``."""
-    bits = _row_keys(seeds, steps)[:, None] ^ _col_keys(vocab_size, seeds.device)[None, :]
-    return _mix32_(bits)
+def random_bits(
+    seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int, ws: Workspace | None = None
+) -> torch.Tensor:
+    """[B, V] int64 holding uniform uint32s: ``mix32(row_key(seed, step) ^ col_key(v))``."""
+    ws = ws or Workspace()
+    shape = (seeds.shape[0], vocab_size)
+    bits = ws.empty("bits", shape, torch.int64, seeds.device)
+    torch.bitwise_xor(_row_keys(seeds, steps)[:, None], _col_keys(vocab_size, seeds.device)[None, :], out=bits)
+    return _mix32_(bits, ws.empty("scratch", shape, torch.int64, seeds.device))
 
 
-def uniform_noise(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int) -> torch.Tensor:
+def uniform_noise(
+    seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int, ws: Workspace | None = None
+) -> torch.Tensor:
     """[B, V] float32 uniforms in the open interval (0, 1): ``((bits >> 9) + 0.5) / 2**23``."""
-    bits = random_bits(seeds, steps, vocab_size)
-    u = bits.bitwise_right_shift_(32 - _UNIFORM_BITS).to(torch.float32)
+    ws = ws or Workspace()
+    bits = random_bits(seeds, steps, vocab_size, ws).bitwise_right_shift_(32 - _UNIFORM_BITS)
+    u = ws.empty("noise", tuple(bits.shape), torch.float32, bits.device).copy_(bits)
     return u.add_(0.5).mul_(2.0**-_UNIFORM_BITS)
 
 
+@dataclass
+class SamplingBatch:
+    """One step's sampling parameters as device tensors, one row per request."""
+
+    temperatures: torch.Tensor  # [B] float32, 0 for greedy rows
+    top_ks: torch.Tensor  # [B] int64, vocab size when disabled
+    top_ps: torch.Tensor  # [B] float32
+    min_ps: torch.Tensor  # [B] float32
+    seeds: torch.Tensor  # [B] int64
+    steps: torch.Tensor  # [B] int64, index of the output token being generated (0 = first)
+    all_greedy: bool
+    needs_top_k: bool
+    needs_top_p: bool
+    needs_min_p: bool
+    any_greedy: bool = True
+    # [R] int64 rows that need top-k/top-p (None: every row), and how many of each row's largest
+    # weights that needs (None: the whole vocab). Only rows with top-p but no top-k need them all.
+    sort_rows: torch.Tensor | None = None
+    sort_width: int | None = None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        seeds: Sequence[int],
+        steps: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> SamplingBatch:
+        if not len(params) == len(seeds) == len(steps):
+            raise ValueError(f"got {len(params)} params, {len(seeds)} seeds and {len(steps)} steps")
+        greedy = [p.temperature == 0.0 for p in params]
+        top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
+        uses_top_k = [not g and k < vocab_size for g, k in zip(greedy, top_ks)]
+        uses_top_p = [not g and p.top_p < 1.0 for g, p in zip(greedy, params)]
+        uses_min_p = [not g and p.min_p > 0.0 for g, p in zip(greedy, params)]
+        sort_rows = [i for i, (k, p) in enumerate(zip(uses_top_k, uses_top_p)) if k or p]
+
+        # One host-to-device copy per dtype.
+        floats = torch.tensor(
+            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+            dtype=torch.float32,
+        ).to(device, non_blocking=True)
+        ints = torch.tensor([top_ks, list(seeds), list(steps)], dtype=torch.int64)
+        ints = ints.to(device, non_blocking=True)
+        return cls(
+            temperatures=floats[0],
+            top_ks=ints[0],
+            top_ps=floats[1],
+            min_ps=floats[2],
+            seeds=ints[1],
+            steps=ints[2],
+            all_greedy=all(greedy),
+            needs_top_k=any(uses_top_k),
+            needs_top_p=any(uses_top_p),
+            needs_min_p=any(uses_min_p),
+            any_greedy=any(greedy),
+            sort_rows=(
+                None
+                if len(sort_rows) == len(params)
+                else torch.tensor(sort_rows, dtype=torch.int64).to(device, non_blocking=True)
+            ),
+            sort_width=max((top_ks[i] for i in sort_rows), default=None),
+        )
+
+
+class Sampler:
+    """Picks one token per row from ``[B, V]`` logits of any float dtype; see the module doc."""
+
+    def __init__(self) -> None:
+        self._ws = Workspace()
+
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        greedy_tokens = logits.argmax(dim=-1) if batch.any_greedy else None
+        if batch.all_greedy:
+            assert greedy_tokens is not None
+            return greedy_tokens
+
+        weights = _tempered_weights(logits, batch.temperatures, self._ws)
+        threshold = _keep_thresholds(weights, batch)
+        if threshold is not None:
+            weights.masked_fill_(weights < threshold[:, None], 0.0)
+
+        u = uniform_noise(batch.seeds, batch.steps, logits.shape[-1], self._ws)
+        tokens = weights.div_(u.log_().neg_()).argmax(dim=-1)
+        if greedy_tokens is not None:
+            tokens = torch.where(batch.temperatures == 0, greedy_tokens, tokens)
+        return tokens
+
+
+def _tempered_weights(logits: torch.Tensor, temperatures: torch.Tensor, ws: Workspace) -> torch.Tensor:
+    """float32 ``exp((logits - max) / t)``; greedy rows (t = 0) get t = 1, their result unused."""
+    t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
+    weights = ws.empty("weights", tuple(logits.shape), torch.float32, logits.device).copy_(logits)
+    weights.sub_(weights.amax(dim=-1, keepdim=True))
+    return weights.div_(t[:, None]).exp_()
+
+
+def _keep_thresholds(weights: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
+    """[B] smallest weight each row keeps after top-k, top-p and min-p; None when none filters.
+
+    The top weight is exactly 1 and always kept, so min-p's ``min_p * p_max`` is just ``min_p``.
+    """
+    threshold = batch.min_ps if batch.needs_min_p else None
+    if batch.needs_top_k or batch.needs_top_p:
+        top_kp = _top_k_top_p_thresholds(weights, batch)
+        threshold = top_kp if threshold is None else torch.maximum(top_kp, threshold)
+    return threshold
+
+
+def _top_k_top_p_thresholds(weights: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B] weight of the last token top-k then top-p keep (0 for rows using neither), from one
+    sort (a top-k when every such row has a k) of the rows that need it."""
+    rows = batch.sort_rows
+    sub = weights if rows is None else weights.index_select(0, rows)
+    top_ks = batch.top_ks if rows is None else batch.top_ks.index_select(0, rows)
+    top_ps = batch.top_ps if rows is None else batch.top_ps.index_select(0, rows)
+
+    width = min(batch.sort_width or sub.shape[-1], sub.shape[-1])
+    if width < sub.shape[-1]:
+        sorted_w = sub.topk(width, dim=-1).values
+    else:
+        sorted_w = sub.sort(dim=-1, descending=True).values
+
+    keep_count = top_ks.clamp(1, width)
+    if batch.needs_top_p:
+        in_top_k = torch.arange(width, device=sub.device)[None, :] < keep_count[:, None]
+        kept = sorted_w * in_top_k
+        cumulative = kept.cumsum(dim=-1)
+        mass_before = F.pad(cumulative[:, :-1], (1, 0))
+        in_top_p = (mass_before < top_ps[:, None] * cumulative[:, -1:]) & in_top_k
+        # top_p = 1 keeps everything: a float cumsum could otherwise drop a tiny tail.
+        keep_count = torch.where(top_ps >= 1.0, keep_count, in_top_p.sum(dim=-1))
+    threshold = sorted_w.gather(1, (keep_count - 1)[:, None]).squeeze(1)
+
+    if rows is None:
+        return threshold
+    return torch.zeros_like(batch.temperatures).index_copy_(0, rows, threshold)

@@ -1,0 +1,168 @@
+"""The FastAPI application: OpenAI-compatible routes plus health, version, metrics, flush."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+import tpserve
+from tpserve.server.args import ServerArgs
+from tpserve.server.errors import APIError, error_body
+from tpserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tpserve.server.serving import Serving
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class AppState:
+    """Everything the routes use (kept in ``app.state.server``)."""
+
+    args: ServerArgs
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    serving: Serving | None = None  # set once the backend is ready
+    created: int = field(default_factory=lambda: int(time.time()))
+
+    @property
+    def ready(self) -> bool:
+        return self.serving is not None
+
+
+def _state(request: Request) -> AppState:
+    return request.app.state.server
+
+
+def _check_api_key(request: Request) -> None:
+    key = _state(request).args.api_key
+    if key is None:
+        return
+    header = request.headers.get("authorization", "")
+    scheme, _, token = header.partition(" ")
+    if scheme.lower() != "bearer" or not secrets.compare_digest(token.strip().encode(), key.encode()):
+        raise APIError.unauthorized()
+
+
+def _serving(request: Request) -> Serving:
+    serving = _state(request).serving
+    if serving is None:
+        raise APIError.not_ready()
+    return serving
+
+
+def _model_card(state: AppState) -> dict[str, Any]:
+    return {
+        "id": state.args.served_model_name,
+        "object": "model",
+        "created": state.created,
+        "owned_by": "tpserve",
+        "root": state.args.model_dir,
+        "parent": None,
+        "max_model_len": state.args.context_len,
+    }
+
+
+def _v1_router() -> APIRouter:
+    router = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
+
+    @router.get("/models")
+    async def list_models(request: Request) -> dict[str, Any]:
+        return {"object": "list", "data": [_model_card(_state(request))]}
+
+    @router.get("/models/{model:path}")
+    async def get_model(model: str, request: Request) -> dict[str, Any]:
+        state = _state(request)
+        if model != state.args.served_model_name:
+            raise APIError.model_not_found(model)
+        return _model_card(state)
+
+    @router.post("/chat/completions")
+    async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
+        return await _serving(request).chat(body, request)
+
+    @router.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        return await _serving(request).completion(body, request)
+
+    return router
+
+
+def _admin_router() -> APIRouter:
+    router = APIRouter()
+
+    @router.get("/health")
+    async def health(request: Request) -> Response:
+        if not _state(request).ready:
+            return APIError.not_ready().response()
+        return JSONResponse({"status": "ok"})
+
+    @router.get("/version")
+    async def version() -> dict[str, str]:
+        return {"version": tpserve.__version__}
+
+    @router.get("/metrics")
+    async def metrics(request: Request) -> Response:
+        return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+    @router.post("/flush_cache", dependencies=[Depends(_check_api_key)])
+    async def flush_cache(request: Request) -> dict[str, str]:
+        await _serving(request).frontend.flush_cache()
+        return {"status": "ok", "message": "prefix cache flush requested"}
+
+    return router
+
+
+def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
+    parts: list[str] = []
+    param = None
+    for err in exc.errors():
+        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        where = ".".join(loc)
+        param = param or (where or None)
+        if err.get("type") == "json_invalid":
+            parts.append(f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
+        elif err.get("type") == "extra_forbidden":
+            parts.append(f"unsupported parameter '{where}'")
+        elif err.get("type") == "missing":
+            parts.append(f"missing required parameter '{where}'")
+        else:
+            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    return "; ".join(parts) or "invalid request", param
+
+
+def _install_error_handlers(app: FastAPI) -> None:
+    @app.exception_handler(APIError)
+    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
+        message, param = _validation_message(exc)
+        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_request"), 400)
+
+    @app.exception_handler(StarletteHTTPException)
+    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
+        return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, headers=exc.headers)
+
+    @app.exception_handler(Exception)
+    async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
+        logger.exception("internal error on %s", request.url.path)
+        return JSONResponse(error_body(f"internal server error: {exc}", "server_error"), 500)
+
+
+def create_app(state: AppState) -> FastAPI:
+    app = FastAPI(title="tpserve", version=tpserve.__version__, docs_url=None, redoc_url=None)
+    app.state.server = state
+    app.include_router(_admin_router())
+    app.include_router(_v1_router())
+    _install_error_handlers(app)
+    return app

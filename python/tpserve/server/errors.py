@@ -1,0 +1,52 @@
+"""OpenAI-style errors: ``{"error": {"message", "type", "param", "code"}}``."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from fastapi.responses import JSONResponse
+
+
+class APIError(Exception):
+    def __init__(
+        self,
+        status: int,
+        message: str,
+        type: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.status = status
+        self.message = message
+        self.type = type
+        self.param = param
+        self.code = code
+
+    @classmethod
+    def invalid(cls, message: str, param: str | None = None) -> "APIError":
+        return cls(400, message, param=param, code="invalid_request")
+
+    @classmethod
+    def model_not_found(cls, model: str) -> "APIError":
+        return cls(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
+
+    @classmethod
+    def unauthorized(cls) -> "APIError":
+        return cls(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
+                   code="invalid_api_key")
+
+    @classmethod
+    def not_ready(cls) -> "APIError":
+        return cls(503, "The server is starting up (loading the model); retry shortly.",
+                   type="server_error", code="not_ready")
+
+    def body(self) -> dict[str, Any]:
+        return error_body(self.message, self.type, self.param, self.code)
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
+    return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -1,0 +1,125 @@
+"""The backend requests of one API call (one per prompt), read as one stream of events."""
+
+from __future__ import annotations
+
+import asyncio
+from dataclasses import dataclass, field
+from typing import Awaitable, Callable
+
+from tpserve.message.frontend import RequestOutput, RequestRejected, TokenizeRequest
+from tpserve.server.errors import APIError
+from tpserve.server.frontend import BackendEvent, FrontendClient
+from tpserve.server.metrics import RequestTimer, ServerMetrics
+
+DISCONNECT_POLL_S = 1.0
+
+
+@dataclass
+class Choice:
+    """Progress of one prompt (one backend rid)."""
+
+    index: int
+    rid: int
+    timer: RequestTimer
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    started: bool = False  # the backend answered at least once
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass(frozen=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int
+
+    def to_dict(self) -> dict:
+        return {
+            "prompt_tokens": self.prompt_tokens,
+            "completion_tokens": self.completion_tokens,
+            "total_tokens": self.prompt_tokens + self.completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
+        }
+
+
+class Generation:
+    """Submits the requests, then yields ``(choice, output)`` as outputs arrive.
+
+    A rejection or a backend error raises APIError; ``abort`` stops whatever still runs.
+    """
+
+    def __init__(self, frontend: FrontendClient, metrics: ServerMetrics, requests: list[TokenizeRequest]) -> None:
+        self._frontend = frontend
+        self._metrics = metrics
+        self._requests = requests
+        self._queue: asyncio.Queue[BackendEvent] = asyncio.Queue()
+        self.choices = {req.rid: Choice(i, req.rid, RequestTimer(metrics)) for i, req in enumerate(requests)}
+
+    async def start(self) -> None:
+        await self._frontend.submit(self._requests, self._queue)
+
+    @property
+    def finished(self) -> bool:
+        return all(c.finished for c in self.choices.values())
+
+    @property
+    def all_started(self) -> bool:
+        return all(c.started or c.finished for c in self.choices.values())
+
+    def usage(self) -> Usage:
+        cs = self.choices.values()
+        return Usage(
+            prompt_tokens=sum(c.prompt_tokens for c in cs),
+            completion_tokens=sum(c.completion_tokens for c in cs),
+            cached_tokens=sum(c.cached_tokens for c in cs),
+        )
+
+    async def next(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> tuple[Choice, RequestOutput]:
+        """The next output. Raises APIError (rejected / backend error) or ClientGone."""
+        while True:
+            try:
+                event = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if is_disconnected is not None and await is_disconnected():
+                    raise ClientGone()
+                continue
+            return self._apply(event)
+
+    def _apply(self, event: BackendEvent) -> tuple[Choice, RequestOutput]:
+        choice = self.choices[event.rid]
+        if isinstance(event, RequestRejected):
+            choice.finish_reason = "rejected"
+            self._metrics.rejected.inc()
+            raise APIError(event.status, event.message, param=event.param,
+                           type="invalid_request_error" if event.status == 400 else "server_error")
+        choice.started = True
+        choice.text.append(event.text)
+        choice.prompt_tokens = event.prompt_tokens
+        choice.completion_tokens = event.completion_tokens
+        choice.cached_tokens = event.cached_tokens
+        choice.timer.on_output(event.new_tokens, event.prompt_tokens)
+        if event.finish_reason is not None:
+            choice.finish_reason = event.finish_reason
+            choice.timer.on_finish(event.finish_reason)
+            if event.finish_reason == "error":
+                raise APIError(400, event.error or "the request failed in the scheduler")
+        return choice, event
+
+    async def abort(self, client_gone: bool = False) -> None:
+        """Abort every unfinished choice (frees their KV pages)."""
+        for choice in self.choices.values():
+            if not choice.finished:
+                choice.finish_reason = "abort"
+                if client_gone:
+                    self._metrics.client_aborts.inc()
+                await self._frontend.abort(choice.rid)
+
+
+class ClientGone(Exception):
+    """The HTTP client disconnected."""

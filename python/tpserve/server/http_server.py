@@ -1,0 +1,153 @@
+"""Running the HTTP server: bind, serve /health at once, start the backend, watch it, stop it.
+
+The port is bound before anything is spawned (a busy port fails fast), and uvicorn serves from
+the first moment, so /health answers 503 during start-up and 200 once every process is ready.
+SIGINT/SIGTERM, a dead child or a failed start-up all end in the same clean shut-down.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import signal
+import socket
+import threading
+from typing import Iterator
+
+import uvicorn
+
+from tpserve.server.api import AppState, create_app
+from tpserve.server.args import ServerArgs
+from tpserve.server.frontend import FrontendClient
+from tpserve.server.launch import Backend, ChildDied, StartupCancelled
+from tpserve.server.serving import Serving
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.5
+HTTP_GRACEFUL_S = 2  # open connections get this long to finish when stopping
+
+
+class _Server(uvicorn.Server):
+    """uvicorn without its own signal handling: the serve loop owns SIGINT/SIGTERM."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+class ServerError(Exception):
+    pass
+
+
+def bind_socket(host: str, port: int) -> socket.socket:
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as e:
+        sock.close()
+        raise ServerError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
+    sock.listen(2048)
+    sock.setblocking(False)
+    return sock
+
+
+def run_http_server(args: ServerArgs) -> int:
+    """Serve until a signal or a failure; return the process exit code."""
+    try:
+        sock = bind_socket(args.host, args.port)
+    except ServerError as e:
+        logger.error("%s", e)
+        return 1
+    with sock:
+        return asyncio.run(_serve(args, sock))
+
+
+async def _serve(args: ServerArgs, sock: socket.socket) -> int:
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, _on_signal, sig, stop)
+
+    host, port = sock.getsockname()[:2]
+    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    state = AppState(args)
+    config = uvicorn.Config(
+        create_app(state),
+        log_config=None,
+        log_level=args.log_level,
+        access_log=args.log_level == "debug",
+        timeout_graceful_shutdown=HTTP_GRACEFUL_S,
+    )
+    server = _Server(config)
+    http_task = asyncio.create_task(server.serve(sockets=[sock]), name="http")
+    logger.info("listening on %s (starting up: /health is 503 until the model is loaded)", url)
+
+    backend = Backend(args)
+    frontend = FrontendClient(backend.endpoints, on_stats=state.metrics.on_stats)
+    dispatcher: asyncio.Task | None = None
+    try:
+        backend.start()
+        if not await _wait_ready(backend, stop, http_task):
+            return 1 if not stop.is_set() else 0
+        dispatcher = asyncio.create_task(frontend.run(), name="dispatcher")
+        state.serving = Serving(frontend, state.metrics, args.served_model_name)
+        logger.info("ready: serving %r on %s", args.served_model_name, url)
+        return await _watch(backend, stop, [http_task, dispatcher])
+    finally:
+        server.should_exit = True
+        with contextlib.suppress(Exception, asyncio.CancelledError):
+            await asyncio.wait_for(http_task, HTTP_GRACEFUL_S + 2)
+        if dispatcher is not None:
+            dispatcher.cancel()
+        await asyncio.to_thread(backend.shutdown)
+        frontend.close()
+        logger.info("stopped")
+
+
+def _on_signal(sig: int, stop: asyncio.Event) -> None:
+    if not stop.is_set():
+        logger.info("received %s: shutting down", signal.Signals(sig).name)
+    stop.set()
+
+
+async def _wait_ready(backend: Backend, stop: asyncio.Event, http_task: asyncio.Task) -> bool:
+    """True once every child acknowledged; False on a signal or a start-up failure."""
+    cancel = threading.Event()
+    ready = asyncio.create_task(asyncio.to_thread(backend.wait_ready, cancel))
+    stopped = asyncio.create_task(stop.wait())
+    await asyncio.wait([ready, stopped, http_task], return_when=asyncio.FIRST_COMPLETED)
+    stopped.cancel()
+    cancel.set()
+    try:
+        await ready
+    except StartupCancelled:
+        return False
+    except ChildDied as e:
+        logger.error("start-up failed: %s", e)
+        return False
+    if http_task.done():
+        logger.error("the HTTP server stopped during start-up")
+        return False
+    return not stop.is_set()
+
+
+async def _watch(backend: Backend, stop: asyncio.Event, tasks: list[asyncio.Task]) -> int:
+    """Serve until a signal (exit 0) or a dead child or task (exit 1)."""
+    while True:
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(stop.wait(), WATCH_INTERVAL_S)
+        if stop.is_set():
+            return 0
+        dead = backend.dead_child()
+        if dead is not None:
+            logger.error("%s: shutting the server down", dead)
+            return 1
+        for task in tasks:
+            if task.done():
+                exc = None if task.cancelled() else task.exception()
+                logger.error("the %s task stopped (%r): shutting the server down", task.get_name(), exc)
+                return 1

@@ -1,0 +1,194 @@
+"""Starting and stopping the backend processes of one server.
+
+One scheduler per TP rank, one detokenizer, N tokenizer workers, all spawned. Rank 0, the
+detokenizer and each tokenizer put an acknowledgement on a queue when ready. The API server (or
+the shell) runs in the parent process.
+"""
+
+from __future__ import annotations
+
+import logging
+import multiprocessing
+import os
+import queue
+import shutil
+import signal
+import socket
+import threading
+import time
+from dataclasses import dataclass, replace
+
+import zmq
+
+from tpserve.message import Shutdown
+from tpserve.message.endpoints import Endpoints
+from tpserve.message.transport import Sender
+from tpserve.server.args import ServerArgs
+from tpserve.server.child import child_main
+from tpserve.tokenizer.prepare import PromptLimits
+from tpserve.tokenizer.worker import TokenizerConfig
+
+logger = logging.getLogger(__name__)
+
+DETOKENIZER_ENTRY = "tpserve.tokenizer.detokenizer:run_detokenizer"
+TOKENIZER_ENTRY = "tpserve.tokenizer.worker:run_tokenizer_worker"
+GRACEFUL_STOP_S = 5.0  # after Shutdown, before SIGTERM
+TERMINATE_STOP_S = 2.0  # after SIGTERM, before SIGKILL
+
+
+class ChildDied(Exception):
+    def __init__(self, name: str, exitcode: int | None) -> None:
+        super().__init__(f"{name} exited ({describe_exit(exitcode)})")
+        self.name = name
+        self.exitcode = exitcode
+
+
+class StartupCancelled(Exception):
+    pass
+
+
+def describe_exit(exitcode: int | None) -> str:
+    if exitcode is None:
+        return "still running"
+    if exitcode < 0:
+        try:
+            return f"killed by {signal.Signals(-exitcode).name}"
+        except ValueError:
+            return f"killed by signal {-exitcode}"
+    return f"exit code {exitcode}"
+
+
+def free_tcp_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass(frozen=True)
+class _ChildSpec:
+    name: str
+    entry: str  # "module:function"
+    args: tuple
+
+
+class Backend:
+    """The child processes of one server and their ipc directory."""
+
+    def __init__(self, args: ServerArgs, endpoints: Endpoints | None = None) -> None:
+        self.args = args
+        self.endpoints = endpoints or Endpoints.create()
+        self._mp = multiprocessing.get_context("spawn")
+        self._ack_queue = self._mp.Queue()
+        self._procs: list[multiprocessing.process.BaseProcess] = []
+        self._acks_expected = 2 + args.num_tokenizers
+        self._stopping = False
+
+    # ---- start-up ----
+    def _specs(self) -> list[_ChildSpec]:
+        args, ep = self.args, self.endpoints
+        engine = args.engine
+        if engine.tp_size > 1 and engine.dist_init_addr is None:
+            engine = replace(engine, dist_init_addr=f"tcp://127.0.0.1:{free_tcp_port()}")
+        specs = [
+            _ChildSpec(f"scheduler-tp{rank}", args.scheduler_entry, (engine, rank, ep, self._ack_queue))
+            for rank in range(engine.tp_size)
+        ]
+        specs.append(_ChildSpec("detokenizer", DETOKENIZER_ENTRY, (args.model_dir, ep, self._ack_queue)))
+        tok_config = TokenizerConfig(args.model_dir, PromptLimits(args.context_len, args.vocab_size))
+        specs += [
+            _ChildSpec(f"tokenizer-{i}", TOKENIZER_ENTRY, (tok_config, ep, self._ack_queue, i))
+            for i in range(args.num_tokenizers)
+        ]
+        return specs
+
+    def start(self) -> None:
+        """Spawn every child (returns at once; see ``wait_ready``)."""
+        for spec in self._specs():
+            proc = self._mp.Process(
+                target=child_main,
+                args=(spec.entry, spec.args, os.getpid(), self.args.log_level),
+                name=f"tpserve-{spec.name}",
+                daemon=False,
+            )
+            proc.start()
+            self._procs.append(proc)
+            logger.debug("started %s (pid %d)", proc.name, proc.pid)
+
+    def wait_ready(self, cancel: threading.Event | None = None, poll_s: float = 0.2) -> None:
+        """Block until every acknowledgement came. Raises ChildDied or StartupCancelled."""
+        received = 0
+        while received < self._acks_expected:
+            try:
+                ack = self._ack_queue.get(timeout=poll_s)
+            except queue.Empty:
+                dead = self.dead_child()
+                if dead is not None:
+                    raise dead
+                if cancel is not None and cancel.is_set():
+                    raise StartupCancelled("start-up cancelled")
+                continue
+            received += 1
+            logger.info("%s (%d/%d)", ack, received, self._acks_expected)
+
+    # ---- while serving ----
+    def dead_child(self) -> ChildDied | None:
+        """The first child that is no longer running, if any."""
+        for proc in self._procs:
+            if proc.exitcode is not None:
+                return ChildDied(proc.name, proc.exitcode)
+        return None
+
+    @property
+    def pids(self) -> list[int]:
+        return [p.pid for p in self._procs if p.pid is not None]
+
+    # ---- shut-down ----
+    def shutdown(self) -> None:
+        """Stop every child (Shutdown message, then SIGTERM, then SIGKILL); remove the ipc dir."""
+        if self._stopping:
+            return
+        self._stopping = True
+        try:
+            self._stop_children()
+        finally:
+            shutil.rmtree(self.endpoints.directory, ignore_errors=True)
+            self._ack_queue.close()
+            self._ack_queue.cancel_join_thread()
+
+    def _stop_children(self) -> None:
+        alive = [p for p in self._procs if p.exitcode is None]
+        if not alive:
+            return
+        self._send_shutdown()
+        for proc in alive:
+            if proc.name.startswith("tpserve-tokenizer"):
+                proc.terminate()  # stateless: no need to wait for a Shutdown message
+        deadline = time.monotonic() + GRACEFUL_STOP_S
+        for proc in alive:
+            proc.join(max(0.0, deadline - time.monotonic()))
+        for method, sig_name, wait_s in (("terminate", "SIGTERM", TERMINATE_STOP_S), ("kill", "SIGKILL", 1.0)):
+            alive = [p for p in alive if p.exitcode is None]
+            if not alive:
+                break
+            for proc in alive:
+                logger.warning("%s did not stop: sending %s", proc.name, sig_name)
+                getattr(proc, method)()
+            deadline = time.monotonic() + wait_s
+            for proc in alive:
+                proc.join(max(0.0, deadline - time.monotonic()))
+        for proc in self._procs:
+            if proc.exitcode is None:  # pragma: no cover - SIGKILL failed
+                logger.error("%s (pid %s) is still running", proc.name, proc.pid)
+
+    def _send_shutdown(self) -> None:
+        ctx = zmq.Context()
+        try:
+            for address in (self.endpoints.scheduler, self.endpoints.detokenizer):
+                sender = Sender(ctx, address)
+                sender.socket.setsockopt(zmq.SNDTIMEO, 200)
+                try:
+                    sender.send(Shutdown())
+                except zmq.ZMQError:
+                    pass  # the receiver is gone: SIGTERM follows anyway
+        finally:
+            ctx.destroy(linger=500)  # wait (briefly) until the messages are delivered

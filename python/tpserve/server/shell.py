@@ -1,0 +1,178 @@
+"""``tpserve --shell``: chat with the model in the terminal, over the same processes as the
+HTTP server (no HTTP). Line editing and history come from readline; the conversation is kept
+across turns; ``/reset`` forgets it; ``/exit`` or Ctrl-D quits; Ctrl-C stops the current answer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import signal
+import sys
+import time
+from typing import Any, Callable, TextIO
+
+import msgspec
+import zmq
+
+from tpserve.message import AbortRequest
+from tpserve.message.endpoints import Endpoints
+from tpserve.message.frontend import ApiInput, ApiOutputBatch, RequestRejected, TokenizeRequest
+from tpserve.message.transport import encode, open_socket
+from tpserve.sampling_params import SamplingParams
+from tpserve.server.args import ServerArgs
+from tpserve.server.launch import Backend, ChildDied
+
+logger = logging.getLogger(__name__)
+
+POLL_MS = 200
+BANNER = "tpserve shell: type a message. /reset clears the conversation, /exit or Ctrl-D quits, " \
+         "Ctrl-C stops an answer."
+
+
+class ShellClient:
+    """Blocking link to the backend for one interactive user."""
+
+    def __init__(self, endpoints: Endpoints) -> None:
+        self._ctx = zmq.Context()
+        self._to_tokenizer = open_socket(self._ctx, zmq.PUSH, endpoints.tokenizer, bind=True)
+        self._from_backend = open_socket(self._ctx, zmq.PULL, endpoints.api, bind=True)
+        self._to_scheduler = open_socket(self._ctx, zmq.PUSH, endpoints.scheduler, bind=False)
+        self._decoder = msgspec.msgpack.Decoder(ApiInput)
+        self._rids = itertools.count(1)
+        self._aborted: set[int] = set()
+
+    def submit(self, messages: list[dict[str, Any]], params: SamplingParams) -> int:
+        rid = next(self._rids)
+        self._to_tokenizer.send(encode(TokenizeRequest(rid=rid, params=params, messages=messages)))
+        return rid
+
+    def abort(self, rid: int) -> None:
+        self._aborted.add(rid)
+        self._to_scheduler.send(encode(AbortRequest(rid=rid)))
+
+    def poll(self, rid: int, timeout_ms: int) -> list[Any]:
+        """Outputs (RequestOutput / RequestRejected) of ``rid`` that arrived within the timeout."""
+        events: list[Any] = []
+        if not self._from_backend.poll(timeout_ms):
+            return events
+        while True:
+            try:
+                msg = self._decoder.decode(self._from_backend.recv(zmq.NOBLOCK))
+            except zmq.Again:
+                return events
+            if isinstance(msg, RequestRejected):
+                if msg.rid == rid:
+                    events.append(msg)
+                continue
+            assert isinstance(msg, ApiOutputBatch)
+            for out in msg.outputs:
+                if out.rid == rid:
+                    events.append(out)
+                elif out.rid in self._aborted and out.finish_reason is None:
+                    self.abort(out.rid)  # the first abort overtook the request
+                elif out.finish_reason is not None:
+                    self._aborted.discard(out.rid)
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)
+
+
+class Shell:
+    def __init__(self, client: ShellClient, check_backend: Callable[[], None], out: TextIO = sys.stdout) -> None:
+        self._client = client
+        self._check_backend = check_backend
+        self._out = out
+        self.history: list[dict[str, Any]] = []
+
+    def run(self) -> None:
+        try:
+            import readline  # noqa: F401  (line editing and history for input())
+        except ImportError:  # pragma: no cover - not on every platform
+            pass
+        self._print(BANNER + "\n")
+        while True:
+            try:
+                line = input(">>> ")
+            except EOFError:
+                self._print("\n")
+                return
+            except KeyboardInterrupt:
+                self._print("\n")
+                continue
+            text = line.strip()
+            if not text:
+                continue
+            if text in ("/exit", "/quit"):
+                return
+            if text == "/reset":
+                self.history.clear()
+                self._print("(conversation cleared)\n")
+                continue
+            self._turn(text)
+
+    def _turn(self, text: str) -> None:
+        messages = self.history + [{"role": "user", "content": text}]
+        rid = self._client.submit(messages, SamplingParams(max_tokens=None))
+        answer: list[str] = []
+        try:
+            finished = self._stream(rid, answer)
+        except KeyboardInterrupt:
+            self._client.abort(rid)
+            self._print("\n(stopped)\n")
+            finished = True
+        if finished is None:
+            return  # rejected: the conversation is unchanged
+        self.history = messages + [{"role": "assistant", "content": "".join(answer)}]
+
+    def _stream(self, rid: int, answer: list[str]) -> bool | None:
+        while True:
+            self._check_backend()
+            for event in self._client.poll(rid, POLL_MS):
+                if isinstance(event, RequestRejected):
+                    self._print(f"error: {event.message}\n")
+                    return None
+                if event.text:
+                    answer.append(event.text)
+                    self._print(event.text)
+                if event.finish_reason is not None:
+                    if event.finish_reason == "error":
+                        self._print(f"\nerror: {event.error}")
+                    self._print("\n")
+                    return True
+
+    def _print(self, text: str) -> None:
+        self._out.write(text)
+        self._out.flush()
+
+
+def run_shell(args: ServerArgs) -> int:
+    """Start the backend, chat until the user quits; return the exit code."""
+
+    def on_sigterm(signum: int, frame: Any) -> None:
+        raise SystemExit(0)
+
+    signal.signal(signal.SIGTERM, on_sigterm)
+    backend = Backend(args)
+    client = ShellClient(backend.endpoints)
+
+    def check_backend() -> None:
+        dead = backend.dead_child()
+        if dead is not None:
+            raise dead
+
+    try:
+        backend.start()
+        logger.info("loading %s ...", args.served_model_name)
+        backend.wait_ready()
+        Shell(client, check_backend).run()
+        return 0
+    except ChildDied as e:
+        logger.error("%s", e)
+        return 1
+    except KeyboardInterrupt:  # Ctrl-C during start-up
+        return 130
+    finally:
+        client.close()
+        backend.shutdown()
+        time.sleep(0)
