@@ -420,7 +420,15 @@ def _split_evenly(names: list[str], sizes: dict[str, int], num_shards: int) -> l
     return shards
 
 
+def _remove_old_weights(out_dir: str) -> None:
+    """Rewriting a directory with another shard count must not leave the old files to be loaded."""
+    for name in os.listdir(out_dir):
+        if name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json")):
+            os.remove(os.path.join(out_dir, name))
+
+
 def write_weights(weights: dict[str, torch.Tensor], out_dir: str, num_shards: int) -> None:
+    _remove_old_weights(out_dir)
     metadata = {"format": "pt"}
     if num_shards == 1:
         save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata=metadata)

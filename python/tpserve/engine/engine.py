@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 
 import torch
 
@@ -40,6 +41,8 @@ class Engine:
         self.device = resolve_device(config.device, rank)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
+        elif config.tp_size > 1:  # ranks share the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.model_config.check_tp_size(config.tp_size)
         self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings

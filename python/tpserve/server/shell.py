@@ -9,7 +9,6 @@ import itertools
 import logging
 import signal
 import sys
-import time
 from typing import Any, Callable, TextIO
 
 import msgspec
@@ -65,7 +64,8 @@ class ShellClient:
                 if msg.rid == rid:
                     events.append(msg)
                 continue
-            assert isinstance(msg, ApiOutputBatch)
+            if not isinstance(msg, ApiOutputBatch):
+                continue
             for out in msg.outputs:
                 if out.rid == rid:
                     events.append(out)
@@ -173,6 +173,6 @@ def run_shell(args: ServerArgs) -> int:
     except KeyboardInterrupt:  # Ctrl-C during start-up
         return 130
     finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
         client.close()
         backend.shutdown()
-        time.sleep(0)

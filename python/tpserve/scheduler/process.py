@@ -1,0 +1,109 @@
+"""Entry point of a scheduler process (one per TP rank)."""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import multiprocessing as mp
+import os
+import time
+
+import torch
+import torch.distributed as dist
+
+from tpserve.config import EngineConfig
+from tpserve.message import AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, Shutdown, TokenOutput
+from tpserve.message.endpoints import Endpoints
+from tpserve.scheduler.io import SchedulerIO
+from tpserve.scheduler.scheduler import RequestRejected, Scheduler
+
+logger = logging.getLogger("tpserve.scheduler")
+
+LOG_INTERVAL_S = 10.0
+
+
+def run_scheduler(engine_config: EngineConfig, rank: int, endpoints: Endpoints, ack_queue: mp.Queue) -> None:
+    from tpserve.engine.engine import Engine
+
+    logging.basicConfig(
+        level=engine_config.extra.get("log_level", "INFO").upper(),
+        format=f"%(asctime)s [TP{rank}] %(levelname)s %(name)s: %(message)s",
+    )
+    parent = os.getppid()
+    engine = Engine(engine_config, rank)
+    scheduler = Scheduler(engine)
+    io = SchedulerIO(rank, engine_config.tp_size, endpoints, engine.cpu_group)
+    io.wait_for_peers()
+    if rank == 0:
+        ack_queue.put(f"scheduler ready: {engine_config.tp_size} rank(s), {scheduler.allocator.total} KV pages")
+    try:
+        SchedulerLoop(scheduler, io, engine_config.debug_check_ranks, parent).run()
+    finally:
+        io.close()
+        engine.shutdown()
+
+
+class SchedulerLoop:
+    def __init__(self, scheduler: Scheduler, io: SchedulerIO, check_ranks: bool, parent_pid: int) -> None:
+        self.scheduler = scheduler
+        self.io = io
+        self.check_ranks = check_ranks
+        self.parent_pid = parent_pid
+        self.generated_since_log = 0
+        self.last_log = time.monotonic()
+
+    def run(self) -> None:
+        while True:
+            if os.getppid() != self.parent_pid:
+                logger.error("parent process is gone; exiting")
+                return
+            replies: list[TokenOutput] = []
+            for msg in self.io.receive(blocking=not self.scheduler.has_work):
+                if isinstance(msg, Shutdown):
+                    return
+                replies.extend(self.apply(msg))
+            outputs = self.scheduler.step() if self.scheduler.has_work else []
+            if self.check_ranks and outputs:
+                self.check_agreement(outputs)
+            replies.extend(outputs)
+            if replies:
+                self.io.send(BatchTokenOutput(replies, self.scheduler.stats()))
+            self.maybe_log(len(outputs))
+
+    def apply(self, msg: GenerateRequest | AbortRequest | FlushCache) -> list[TokenOutput]:
+        if isinstance(msg, GenerateRequest):
+            try:
+                seed = msg.params.seed if msg.params.seed is not None else msg.rid
+                self.scheduler.add_request(msg.rid, msg.input_ids, msg.params, seed)
+            except RequestRejected as exc:
+                return [TokenOutput(msg.rid, [], "error", prompt_tokens=len(msg.input_ids), error=str(exc))]
+        elif isinstance(msg, AbortRequest):
+            if self.scheduler.abort(msg.rid):
+                return [TokenOutput(msg.rid, [], "abort")]
+        return []
+
+    def check_agreement(self, outputs: list[TokenOutput]) -> None:
+        """Debug mode: every rank must have scheduled and sampled exactly the same."""
+        if self.io.cpu_group is None:
+            return
+        digest = hashlib.sha256(repr([(o.rid, o.token_ids, o.finish_reason) for o in outputs]).encode()).digest()
+        mine = torch.tensor([int.from_bytes(digest[:7], "little")], dtype=torch.int64)
+        every = [torch.zeros_like(mine) for _ in range(self.io.tp_size)]
+        dist.all_gather(every, mine, group=self.io.cpu_group)
+        if any(int(x) != int(mine) for x in every):
+            raise RuntimeError(f"TP ranks disagree on this step's batch: {[int(x) for x in every]}")
+
+    def maybe_log(self, generated: int) -> None:
+        self.generated_since_log += generated
+        now = time.monotonic()
+        if self.io.rank != 0 or now - self.last_log < LOG_INTERVAL_S:
+            return
+        stats = self.scheduler.stats()
+        if self.generated_since_log or stats.running or stats.waiting:
+            logger.info(
+                "running %d, waiting %d, KV pages %d/%d, %.1f generated tok/s",
+                stats.running, stats.waiting, stats.kv_pages_used, stats.kv_pages_total,
+                self.generated_since_log / (now - self.last_log),
+            )
+        self.generated_since_log = 0
+        self.last_log = now

@@ -1,0 +1,88 @@
+"""Scheduler processes driven over their real ZMQ sockets, as the server drives them."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+from dataclasses import replace
+
+import msgspec
+import pytest
+import zmq
+
+from reference import hf_greedy
+from tpserve.config import EngineConfig
+from tpserve.distributed.comm import free_port
+from tpserve.message import AbortRequest, BatchTokenOutput, GenerateRequest, Shutdown
+from tpserve.message.endpoints import Endpoints
+from tpserve.sampling_params import SamplingParams
+from tpserve.scheduler.process import run_scheduler
+
+
+class Ranks:
+    def __init__(self, model_dir: str, tp_size: int, **kwargs) -> None:
+        self.endpoints = Endpoints.create()
+        ctx = mp.get_context("spawn")
+        config = EngineConfig(model=model_dir, tp_size=tp_size, device="cpu", debug_check_ranks=True,
+                              dist_init_addr=f"tcp://127.0.0.1:{free_port()}", **kwargs)
+        self.zmq = zmq.Context()
+        self.detok = self.zmq.socket(zmq.PULL)
+        self.detok.bind(self.endpoints.detokenizer)
+        self.to_scheduler = self.zmq.socket(zmq.PUSH)
+        self.to_scheduler.connect(self.endpoints.scheduler)
+        acks = ctx.Queue()
+        self.procs = [ctx.Process(target=run_scheduler, args=(config, r, self.endpoints, acks)) for r in range(tp_size)]
+        for p in self.procs:
+            p.start()
+        assert "scheduler ready" in acks.get(timeout=120)
+        self.decoder = msgspec.msgpack.Decoder(BatchTokenOutput)
+
+    def send(self, msg) -> None:
+        self.to_scheduler.send(msgspec.msgpack.encode(msg))
+
+    def collect(self, rids: set[int], timeout_ms: int = 60000) -> dict[int, tuple[list[int], str, str | None]]:
+        tokens: dict[int, list[int]] = {r: [] for r in rids}
+        done: dict[int, tuple[list[int], str, str | None]] = {}
+        self.last_stats = None
+        while len(done) < len(rids):
+            if not self.detok.poll(timeout_ms):
+                raise TimeoutError(f"no output; finished {sorted(done)}")
+            batch = self.decoder.decode(self.detok.recv())
+            self.last_stats = batch.stats
+            for out in batch.outputs:
+                tokens[out.rid].extend(out.token_ids)
+                if out.finish_reason:
+                    done[out.rid] = (tokens[out.rid], out.finish_reason, out.error)
+        return done
+
+    def close(self) -> None:
+        self.send(Shutdown())
+        for p in self.procs:
+            p.join(20)
+        self.zmq.destroy(linger=0)
+        assert all(p.exitcode == 0 for p in self.procs), [p.exitcode for p in self.procs]
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_scheduler_ranks_serve_requests(qwen3_dir, tp_size):
+    ranks = Ranks(qwen3_dir, tp_size, max_total_tokens=512, page_size=4)
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, seed=0)
+        prompts = {i: [10 + i, 20 + i, 30 + i, 40 + i] for i in range(6)}
+        for rid, prompt in prompts.items():
+            ranks.send(GenerateRequest(rid, prompt, greedy))
+        done = ranks.collect(set(prompts))
+        for rid, prompt in prompts.items():
+            assert done[rid][0] == hf_greedy(qwen3_dir, prompt, 10)
+            assert done[rid][1] == "length"
+        assert ranks.last_stats.kv_pages_used == 0
+
+        # A request the KV cache can never hold is rejected; an aborted one frees its pages.
+        ranks.send(GenerateRequest(100, [1] * 8, SamplingParams(max_tokens=1000, seed=1)))
+        ranks.send(GenerateRequest(101, [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True, seed=1)))
+        ranks.send(AbortRequest(101))
+        done = ranks.collect({100, 101})
+        assert done[100][1] == "error" and "KV cache" in done[100][2]
+        assert done[101][1] == "abort"
+        assert ranks.last_stats.kv_pages_used == 0
+    finally:
+        ranks.close()
