@@ -22,6 +22,7 @@ hf_logging.disable_progress_bar()
 
 ARCHS = ["qwen3", "qwen2", "llama", "mistral"]
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "今天天气", "1 2 3 4"]
+SAME_LAST_TOKEN = ["The capital of France is", "My favourite colour is", "What time is", "1 2 3 is"]
 ROUND_TRIP = [
     "The quick brown fox jumps over the lazy dog.",
     "  leading spaces, trailing spaces  \n\n\ttabs\r\n",
@@ -202,6 +203,12 @@ def test_greedy_generation_is_diverse(tmp_path: Path, arch: str, tie: bool) -> N
     assert len({t for c in continuations for t in c}) >= 30
     near_ties = sum(m <= 1e-3 for m in margins)
     assert near_ties <= len(margins) // 20, f"{near_ties}/{len(margins)} steps have top-2 margins <= 1e-3"
+
+    # The context, not just the last token, decides the next token.
+    prompts = [tok.encode(p) for p in SAME_LAST_TOKEN]
+    assert len({p[-1] for p in prompts}) == 1
+    next_tokens = {greedy(model, p, steps=1)[0][0] for p in prompts}
+    assert len(next_tokens) >= 3, "the next token barely depends on the context"
 
 
 def test_deterministic(tmp_path: Path) -> None:

@@ -126,9 +126,16 @@ class _RankProcesses:
             except EOFError:
                 raise RuntimeError(f"tp rank {rank} died (exit code {proc.exitcode})") from None
             if kind == "error":
+                self._raise_if_any_died()  # a dead peer is the root cause of the others' errors
                 raise RuntimeError(f"tp rank {rank} failed:\n{payload}")
             replies.append(payload)
         return replies
+
+    def _raise_if_any_died(self) -> None:
+        for rank, proc in enumerate(self.procs):
+            proc.join(1.0)
+            if not proc.is_alive() and proc.exitcode != 0:
+                raise RuntimeError(f"tp rank {rank} died (exit code {proc.exitcode})")
 
     def _raise_from(self, rank: int) -> None:
         conn = self.conns[rank]

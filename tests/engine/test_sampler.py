@@ -19,7 +19,9 @@ PROBS = torch.tensor([0.04, 0.25, 0.01, 0.35, 0.10, 0.02, 0.15, 0.08], dtype=tor
 LOGITS = PROBS.log().float()
 
 
-def sample(logits: torch.Tensor, params: list[SP], seeds: list[int], steps: list[int] | None = None) -> torch.Tensor:
+def sample(
+    logits: torch.Tensor, params: list[SP], seeds: list[int], steps: list[int] | None = None
+) -> torch.Tensor:
     steps = [0] * len(params) if steps is None else steps
     batch = SamplingBatch.build(params, seeds, steps, logits.shape[-1], "cpu")
     return Sampler()(logits, batch)
@@ -68,7 +70,8 @@ def chi2_critical(df: int, z: float = 3.72) -> float:
 def assert_distribution(tokens: torch.Tensor, probs: torch.Tensor) -> None:
     stat = chi2_stat(tokens, probs)
     df = int((probs > 0).sum()) - 1
-    assert stat <= chi2_critical(df), f"chi2 {stat:.1f} with {df} dof; counts {torch.bincount(tokens).tolist()}"
+    counts = torch.bincount(tokens).tolist()
+    assert stat <= chi2_critical(df), f"chi2 {stat:.1f} with {df} dof; counts {counts}"
 
 
 # --- the counter-based RNG -------------------------------------------------------------------
@@ -100,7 +103,8 @@ def test_hash_is_bit_identical_to_pure_python_reference():
     assert torch.equal(got, want)
 
     u = uniform_noise(torch.tensor(seeds), torch.tensor(steps), vocab)
-    want_u = torch.tensor([[((b >> 9) + 0.5) / 2**23 for b in row] for row in want.tolist()], dtype=torch.float32)
+    want_u = [[((b >> 9) + 0.5) / 2**23 for b in row] for row in want.tolist()]
+    want_u = torch.tensor(want_u, dtype=torch.float32)
     assert u.dtype == torch.float32 and torch.equal(u, want_u)
     assert 0.0 < u.min().item() and u.max().item() < 1.0
 
@@ -146,7 +150,8 @@ def test_greedy_equals_argmax_with_ties(dtype):
 
 def test_greedy_rows_in_a_sampled_batch():
     logits = torch.randint(0, 3, (40, 30), generator=torch.Generator().manual_seed(1)).float()
-    params = [SP(temperature=0.0) if i % 3 == 0 else SP(temperature=2.0, top_k=10, top_p=0.7, min_p=0.1) for i in range(40)]
+    sampled = SP(temperature=2.0, top_k=10, top_p=0.7, min_p=0.1)
+    params = [SP(temperature=0.0) if i % 3 == 0 else sampled for i in range(40)]
     tokens = sample(logits, params, list(range(40)))
     greedy = torch.arange(40) % 3 == 0
     assert torch.equal(tokens[greedy], logits.argmax(dim=-1)[greedy])
@@ -177,13 +182,14 @@ def test_same_seed_and_step_same_token_whatever_the_batch():
     gen = torch.Generator().manual_seed(3)
     # Flat-ish logits so that most rows have many plausible tokens.
     requests = [
-        (torch.randn(VOCAB, generator=gen) * 0.5, random_params(rng), rng.randrange(2**63), rng.randrange(100))
-        for _ in range(60)
+        (torch.randn(VOCAB, generator=gen) * 0.5, random_params(rng), rng.randrange(2**63), step)
+        for step in range(60)
     ]
 
     def run(members: list[int]) -> dict[int, int]:
         logits = torch.stack([requests[i][0] for i in members])
-        tokens = sample(logits, [requests[i][1] for i in members], [requests[i][2] for i in members], [requests[i][3] for i in members])
+        _, params, seeds, steps = zip(*(requests[i] for i in members))
+        tokens = sample(logits, list(params), list(seeds), list(steps))
         return dict(zip(members, tokens.tolist()))
 
     alone = {i: run([i])[i] for i in range(len(requests))}
@@ -257,7 +263,8 @@ def test_top_k_disabled_changes_nothing(disabled):
         (SP(top_p=0.9), 5),  # ..., 0.85, 0.93
         (SP(top_p=0.3), 1),  # the top token alone already reaches it
         (SP(top_p=0.01), 1),
-        # top-p after top-k, on the renormalised top 3: 0.467, 0.8 >= 0.78 keeps 2 (3 unrenormalised).
+        # top-p after top-k, on the renormalised top 3: 0.467, 0.8 >= 0.78 keeps 2
+        # (3 if it were not renormalised).
         (SP(top_k=3, top_p=0.78), 2),
     ],
 )
@@ -313,9 +320,8 @@ def test_mixed_batch_with_all_features():
         else:
             assert_distribution(mine, expected_probs(row_logits[c], params))
         # Each row is what a batch of its own config alone gives (another sort subset and width).
-        alone = sample(
-            logits[config_of == c], [params] * per_config, [s for s, k in zip(seeds, configs) if k == c]
-        )
+        my_seeds = [s for s, k in zip(seeds, configs) if k == c]
+        alone = sample(logits[config_of == c], [params] * per_config, my_seeds)
         assert torch.equal(mine, alone)
 
 
@@ -323,7 +329,8 @@ def test_minus_inf_logits_are_never_sampled():
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(5))
     logits[:, ::3] = float("-inf")
     allowed = torch.isfinite(logits[0])
-    for params in (SP(), SP(temperature=3.0, top_k=90), SP(top_p=0.999), SP(min_p=0.01), SP(temperature=0.0)):
+    all_params = (SP(), SP(temperature=3.0, top_k=90), SP(top_p=0.999), SP(min_p=0.01), SP(temperature=0))
+    for params in all_params:
         tokens = sample_row(logits[0], params, n=1000)
         assert allowed[tokens].all(), params
 
@@ -340,14 +347,21 @@ def test_low_precision_logits(dtype):
     logits = torch.randn(1000, 300, generator=torch.Generator().manual_seed(6)).to(dtype)
     tokens = sample(logits, params, list(range(1000)))
     assert torch.equal(tokens, sample(logits.float(), params, list(range(1000))))
-    assert_distribution(sample_row(LOGITS.to(dtype), SP()), torch.softmax(LOGITS.to(dtype).double(), dim=-1))
+    low = LOGITS.to(dtype)
+    assert_distribution(sample_row(low, SP()), torch.softmax(low.double(), dim=-1))
 
 
 # --- building the batch -----------------------------------------------------------------------
 
 
 def test_build():
-    params = [SP(temperature=0.0, top_k=5, top_p=0.5), SP(top_k=-1), SP(top_k=0, min_p=0.1), SP(top_k=500), SP(top_k=7)]
+    params = [
+        SP(temperature=0.0, top_k=5, top_p=0.5),
+        SP(top_k=-1),
+        SP(top_k=0, min_p=0.1),
+        SP(top_k=500),
+        SP(top_k=7),
+    ]
     batch = SamplingBatch.build(params, [1, 2, 3, 4, 5], [0, 0, 9, 1, 2], 100, "cpu")
     assert batch.top_ks.tolist() == [5, 100, 100, 100, 7]
     assert batch.temperatures.dtype == batch.top_ps.dtype == batch.min_ps.dtype == torch.float32

@@ -6,7 +6,7 @@ strings). It honours max_tokens ("length"), stop_token_ids and EOS ("stop", unle
 AbortRequest ("abort") and Shutdown, and reports stats like the real scheduler.
 
 Env: FAKE_SCHEDULER_STEP_S (seconds per step, default 0.005), FAKE_SCHEDULER_FAIL=1 (exit with
-code 3 at start-up, to test start-up failures), FAKE_SCHEDULER_EOS (comma-separated eos ids).
+code 3 at start-up, to test start-up failures). EOS ids come from the model's config.
 """
 
 from __future__ import annotations
@@ -21,7 +21,7 @@ from dataclasses import dataclass
 import msgspec
 import zmq
 
-from tpserve.config import EngineConfig
+from tpserve.config import EngineConfig, ModelConfig
 from tpserve.message import (
     AbortRequest,
     BatchTokenOutput,
@@ -52,7 +52,7 @@ def run_fake_scheduler(
         while True:
             time.sleep(1)
     step_s = float(os.environ.get("FAKE_SCHEDULER_STEP_S", "0.005"))
-    eos = {int(x) for x in os.environ.get("FAKE_SCHEDULER_EOS", "").split(",") if x}
+    eos = set(ModelConfig.from_pretrained(engine_config.model).eos_token_ids)
     ctx = zmq.Context()
     inbox = ctx.socket(zmq.PULL)
     inbox.bind(endpoints.scheduler)
@@ -73,7 +73,9 @@ def run_fake_scheduler(
                 except zmq.Again:
                     break
                 if isinstance(msg, Shutdown):
+                    print("FAKE got shutdown", flush=True)
                     ctx.destroy(linger=0)
+                    print("FAKE destroyed", flush=True)
                     return
                 if isinstance(msg, GenerateRequest):
                     running[msg.rid] = _Running(msg)

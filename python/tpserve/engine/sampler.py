@@ -209,7 +209,7 @@ def _tempered_weights(logits: torch.Tensor, temperatures: torch.Tensor, ws: Work
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     weights = ws.empty("weights", tuple(logits.shape), torch.float32, logits.device).copy_(logits)
     weights.sub_(weights.amax(dim=-1, keepdim=True))
-    return weights.div_(t[:, None]).exp_()
+    return weights.exp_()
 
 
 def _keep_thresholds(weights: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:

@@ -1,0 +1,99 @@
+"""Continuous batching on one rank: admission under KV pressure, finishing, rejection."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpserve.config import EngineConfig
+from tpserve.engine.engine import Engine
+from tpserve.sampling_params import SamplingParams
+from tpserve.scheduler.scheduler import RequestRejected, Scheduler
+
+
+@pytest.fixture(scope="module")
+def small_engine(qwen3_dir):
+    # 64 tokens of KV cache in pages of 4: only two 30-token requests fit at once.
+    return Engine(EngineConfig(model=qwen3_dir, device="cpu", page_size=4, max_total_tokens=64))
+
+
+def run(scheduler: Scheduler, requests: dict[int, tuple[list[int], SamplingParams]]):
+    for rid, (prompt, params) in requests.items():
+        scheduler.add_request(rid, prompt, params, seed=rid)
+    tokens: dict[int, list[int]] = {rid: [] for rid in requests}
+    finish: dict[int, str] = {}
+    concurrency = []
+    while scheduler.has_work:
+        outs = scheduler.step()
+        concurrency.append(sorted(o.rid for o in outs))
+        for out in outs:
+            tokens[out.rid].extend(out.token_ids)
+            if out.finish_reason:
+                finish[out.rid] = out.finish_reason
+    return tokens, finish, concurrency
+
+
+def test_requests_wait_for_pages_and_all_finish(small_engine):
+    requests = {
+        rid: ([rid + 1, rid + 2, rid + 3, rid + 4, rid + 5, rid + 6], SamplingParams(temperature=0, ignore_eos=True, max_tokens=20 + rid))
+        for rid in range(8)
+    }
+    scheduler = Scheduler(small_engine)
+    tokens, finish, concurrency = run(scheduler, requests)
+    assert all(finish[rid] == "length" and len(tokens[rid]) == 20 + rid for rid in requests)
+    assert max(len(step) for step in concurrency) == 2, "the pool holds two requests at a time"
+    # Continuous batching: a request joins while another is mid-decode.
+    assert any(set(a) & set(b) and set(b) - set(a) for a, b in zip(concurrency, concurrency[1:]))
+    assert scheduler.allocator.num_free == scheduler.allocator.total
+    # Each request's tokens equal those it gets alone (batching does not change results).
+    for rid in (0, 5):
+        alone, _, _ = run(Scheduler(small_engine), {rid: requests[rid]})
+        assert alone[rid] == tokens[rid]
+
+
+def test_stop_token_and_max_running(qwen3_dir, small_engine):
+    scheduler = Scheduler(small_engine)
+    probe, _, _ = run(scheduler, {0: ([7, 8, 9], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))})
+    stop_at = probe[0][3]
+    first = probe[0].index(stop_at)
+    tokens, finish, _ = run(scheduler, {1: ([7, 8, 9], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, stop_token_ids=[stop_at]))})
+    assert finish[1] == "stop" and tokens[1] == probe[0][: first + 1]
+
+    engine = Engine(EngineConfig(model=qwen3_dir, device="cpu", max_running_requests=3))
+    _, _, concurrency = run(Scheduler(engine), {r: ([r + 3, 4], SamplingParams(max_tokens=4, ignore_eos=True)) for r in range(7)})
+    assert max(len(step) for step in concurrency) == 3
+
+
+def test_eos_finishes_with_stop(small_engine):
+    scheduler = Scheduler(small_engine)
+    eos = sorted(small_engine.model_config.eos_token_ids)
+    assert len(eos) >= 2, "EOS ids come from generation_config.json (a list) and config.json"
+    probe, _, _ = run(scheduler, {0: ([11, 12], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))})
+    # Pretend the 3rd greedy token is an EOS id: a scheduler whose EOS set contains it stops there.
+    scheduler.eos_ids = frozenset({probe[0][2]})
+    tokens, finish, _ = run(scheduler, {1: ([11, 12], SamplingParams(temperature=0, max_tokens=8))})
+    assert finish[1] == "stop" and tokens[1] == probe[0][: probe[0].index(probe[0][2]) + 1]
+
+
+@pytest.mark.parametrize(
+    "prompt,params,message",
+    [
+        ([], SamplingParams(), "empty"),
+        ([1] * 5000, SamplingParams(), "context limit"),
+        ([1, 10**6], SamplingParams(), "token ids must be in"),
+        ([1, 2, 3], SamplingParams(max_tokens=100), "KV cache"),
+    ],
+)
+def test_rejections(small_engine, prompt, params, message):
+    with pytest.raises(RequestRejected, match=message):
+        Scheduler(small_engine).add_request(0, prompt, params, seed=0)
+
+
+def test_abort_frees_pages(small_engine):
+    scheduler = Scheduler(small_engine)
+    scheduler.add_request(0, [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True), seed=0)
+    scheduler.add_request(1, [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True), seed=0)
+    scheduler.step()
+    assert scheduler.allocator.num_used > 0 and len(scheduler.waiting) == 1
+    assert scheduler.abort(0) and scheduler.abort(1)
+    assert not scheduler.abort(1)
+    assert scheduler.allocator.num_free == scheduler.allocator.total and not scheduler.has_work

@@ -1,0 +1,125 @@
+"""The offline LLM API: inputs, outputs, sampling, and process lifecycle."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import textwrap
+import time
+
+import psutil
+import pytest
+
+from tpserve import LLM, SamplingParams
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    with LLM(qwen3_dir, device="cpu") as llm:
+        yield llm
+
+
+def test_text_and_token_prompts_agree(llm):
+    text = "Hello world, 你好"
+    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    a, b = llm.generate([text, ids], greedy, use_tqdm=False)
+    assert a.token_ids == b.token_ids and a.prompt_token_ids == ids
+    assert a.text == llm.tokenizer.decode(a.token_ids, skip_special_tokens=True)
+
+
+def test_results_in_order_with_per_prompt_params(llm):
+    prompts = [[3, 4, 5], [6] * 30, [7, 8], [9, 10, 11, 12]]
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (5, 1, 9, 3)]
+    outs = llm.generate(prompts, params, use_tqdm=False)
+    assert [len(o.token_ids) for o in outs] == [5, 1, 9, 3]
+    assert [o.prompt_token_ids for o in outs] == prompts
+    for prompt, out in zip(prompts, outs):  # each equals its own solo run
+        solo = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=len(out.token_ids), ignore_eos=True), use_tqdm=False)
+        assert solo[0].token_ids == out.token_ids
+
+
+def test_seeds(llm):
+    prompts = [[20, 21, 22]] * 4
+    seeded = [SamplingParams(temperature=1.0, seed=s, max_tokens=12, ignore_eos=True) for s in (1, 1, 2, 3)]
+    outs = llm.generate(prompts, seeded, use_tqdm=False)
+    assert outs[0].token_ids == outs[1].token_ids
+    assert len({tuple(o.token_ids) for o in outs[1:]}) == 3
+    again = llm.generate([prompts[0]], seeded[0], use_tqdm=False)
+    assert again[0].token_ids == outs[0].token_ids, "same seed, same output, whatever the batch"
+    unseeded = llm.generate(prompts, SamplingParams(temperature=1.0, max_tokens=12, ignore_eos=True), use_tqdm=False)
+    assert len({tuple(o.token_ids) for o in unseeded}) > 1
+
+
+def test_bad_inputs(llm):
+    with pytest.raises(TypeError):
+        llm.generate("a string, not a list")
+    with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
+        llm.generate(["hi"], [SamplingParams(), SamplingParams()])
+    with pytest.raises(ValueError, match="temperature must be >= 0"):
+        SamplingParams(temperature=-1)
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="tp_size 3 does not divide num_attention_heads 4"):
+        LLM(llm.config.model, tp_size=3, device="cpu")
+
+
+SCRIPT = """
+import os, sys
+from tpserve import LLM, SamplingParams
+llm = LLM({model!r}, tp_size=2, device="cpu")
+print("CHILDREN", *[p.pid for p in llm._ranks.procs], flush=True)
+out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
+print("TOKENS", len(out[0].token_ids), flush=True)
+{ending}
+"""
+
+
+def run_script(model_dir: str, ending: str) -> list[int]:
+    code = SCRIPT.format(model=model_dir, ending=ending)
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert "TOKENS 4" in proc.stdout, proc.stderr[-3000:]
+    return [int(p) for p in proc.stdout.split("CHILDREN")[1].split("\n")[0].split()]
+
+
+def assert_gone(pids: list[int]) -> None:
+    deadline = time.time() + 15
+    while time.time() < deadline and any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE for p in pids):
+        time.sleep(0.2)
+    alive = [p for p in pids if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert not alive, f"orphan rank processes {alive}"
+
+
+@pytest.mark.parametrize("ending", ["", "llm.close()", "os.kill(os.getpid(), 9)"], ids=["exit", "close", "killed"])
+def test_no_orphan_rank_processes(qwen3_dir, ending):
+    if ending.startswith("os.kill"):
+        # A SIGKILLed parent runs no cleanup: ranks notice the closed pipe once idle.
+        pids = run_script_killed(qwen3_dir)
+    else:
+        pids = run_script(qwen3_dir, ending)
+    assert len(pids) == 2
+    assert_gone(pids)
+
+
+def run_script_killed(model_dir: str) -> list[int]:
+    code = SCRIPT.format(model=model_dir, ending="os.kill(os.getpid(), 9)")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=180)
+    assert proc.returncode == -signal.SIGKILL
+    return [int(p) for p in proc.stdout.split("CHILDREN")[1].split("\n")[0].split()]
+
+
+def test_dead_rank_is_an_error_not_a_hang(qwen3_dir):
+    llm = LLM(qwen3_dir, tp_size=2, device="cpu")
+    try:
+        os.kill(llm._ranks.procs[1].pid, signal.SIGKILL)
+        with pytest.raises(RuntimeError, match="tp rank 1 died"):
+            llm.generate([[1, 2, 3]], SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
+    finally:
+        llm.close()
+    assert all(not p.is_alive() for p in llm_procs(llm))
+
+
+def llm_procs(llm):
+    return [] if llm._ranks is None else llm._ranks.procs
