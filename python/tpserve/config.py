@@ -138,11 +138,14 @@ class EngineConfig:
     max_total_tokens: int | None = None  # KV cache size in tokens (default on CPU: 32768)
     mem_fraction: float = 0.85  # fraction of free GPU memory for weights' leftovers + KV cache
     max_running_requests: int = 256
-    max_num_batched_tokens: int = 8192  # per-step token budget (prefill chunks + decodes)
+    chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts are chunked (<= 0: off)
+    cache: str = "radix"  # prefix cache: radix | naive
+    schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first)
     max_model_len: int | None = None  # context limit; default: the model's max_position_embeddings
     seed: int = 0
     dist_init_addr: str | None = None  # tcp://127.0.0.1:PORT chosen by the parent; None for tp 1
-    attention_backend: str = "auto"
+    attention_backend: str = "auto"  # auto (flashinfer on CUDA when installed) | flashinfer | torch
+    cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
     debug_check_ranks: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -153,7 +156,13 @@ class EngineConfig:
             raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.cache not in ("radix", "naive"):
+            raise ValueError(f"cache must be radix or naive, got {self.cache!r}")
+        if self.schedule_policy not in ("fcfs", "lpm"):
+            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.cuda_graph_max_bs < 0:
+            raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")

@@ -19,7 +19,7 @@ import shutil
 import sys
 import tempfile
 import zlib
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 
 import torch
 from safetensors.torch import save_file
@@ -374,6 +374,9 @@ def weight_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+_AMPLIFIED = ("q_proj.weight", "k_proj.weight", "o_proj.weight", "down_proj.weight")
+
+
 def _init_tensor(name: str, shape: tuple[int, ...], seed: int, hidden_size: int) -> torch.Tensor:
     """Random tensor for one parameter, seeded by (seed, name) so it does not depend on order.
 
@@ -395,7 +398,7 @@ def _init_tensor(name: str, shape: tuple[int, ...], seed: int, hidden_size: int)
         return 0.5 * noise
     if name in ("model.embed_tokens.weight", "lm_head.weight"):
         return noise * (2.0 / hidden_size**0.5)
-    gain = 3.0 if name.endswith(("q_proj.weight", "k_proj.weight", "o_proj.weight", "down_proj.weight")) else 1.0
+    gain = 3.0 if name.endswith(_AMPLIFIED) else 1.0
     return noise * (gain / shape[1] ** 0.5)
 
 
@@ -553,31 +556,33 @@ def build_parser() -> argparse.ArgumentParser:
         prog="python -m tpserve.tiny",
         description="Write a tiny random Hugging Face-format model (config, safetensors weights, "
         "byte-level BPE tokenizer with a ChatML chat template) to OUT_DIR, offline.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
     )
-    parser.add_argument("out_dir", metavar="OUT_DIR", help="directory to write (created if missing)")
-    parser.add_argument("--arch", choices=list(ARCHITECTURES), default="qwen3",
-                        help="architecture: qwen3 (q/k RMSNorm), qwen2 (q/k/v bias), "
-                        "llama (llama3 rope scaling), mistral")
-    parser.add_argument("--layers", type=int, default=2, help="number of decoder layers")
-    parser.add_argument("--hidden", type=int, default=64, help="hidden size")
-    parser.add_argument("--heads", type=int, default=4, help="number of attention (query) heads")
-    parser.add_argument("--kv-heads", type=int, default=2,
-                        help="number of key/value heads; must divide --heads")
-    parser.add_argument("--head-dim", type=int, default=None,
-                        help="per-head dimension (default: hidden / heads; qwen2 allows only that)")
-    parser.add_argument("--intermediate", type=int, default=None,
-                        help="MLP intermediate size (default: 2 * hidden)")
-    parser.add_argument("--vocab", type=int, default=None,
-                        help="model vocab size, >= the tokenizer's size (default: the tokenizer's "
-                        f"size rounded up to a multiple of {VOCAB_MULTIPLE})")
-    parser.add_argument("--tie", action="store_true",
-                        help="tie the LM head to the token embedding (no lm_head.weight is saved)")
-    parser.add_argument("--shards", type=int, default=1,
-                        help="number of safetensors files; >1 also writes model.safetensors.index.json")
-    parser.add_argument("--seed", type=int, default=0, help="random seed for the weights")
-    parser.add_argument("--max-position-embeddings", type=int, default=4096,
-                        help="context length written to config.json")
+    add = parser.add_argument
+    add("out_dir", metavar="OUT_DIR", help="directory to write (created if missing)")
+    add("--arch", choices=list(ARCHITECTURES), default="qwen3",
+        help="architecture: qwen3 (q/k RMSNorm), qwen2 (q/k/v bias), llama (llama3 rope "
+        "scaling), mistral (default: %(default)s)")
+    add("--layers", type=int, default=2, help="number of decoder layers (default: %(default)s)")
+    add("--hidden", type=int, default=64, help="hidden size (default: %(default)s)")
+    add("--heads", type=int, default=4,
+        help="number of attention (query) heads (default: %(default)s)")
+    add("--kv-heads", type=int, default=2,
+        help="number of key/value heads; must divide --heads (default: %(default)s)")
+    add("--head-dim", type=int, default=None,
+        help="per-head dimension, even (default: hidden / heads, the only value qwen2 allows)")
+    add("--intermediate", type=int, default=None,
+        help="MLP intermediate size (default: 2 * hidden)")
+    add("--vocab", type=int, default=None,
+        help="model vocab size, >= the tokenizer's size (default: the tokenizer's size rounded "
+        f"up to a multiple of {VOCAB_MULTIPLE})")
+    add("--tie", action="store_true",
+        help="tie the LM head to the token embedding (then no lm_head.weight is saved)")
+    add("--shards", type=int, default=1,
+        help="number of safetensors files; more than 1 also writes "
+        "model.safetensors.index.json (default: %(default)s)")
+    add("--seed", type=int, default=0, help="random seed for the weights (default: %(default)s)")
+    add("--max-position-embeddings", type=int, default=4096,
+        help="context length written to config.json (default: %(default)s)")
     return parser
 
 

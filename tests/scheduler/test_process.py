@@ -77,7 +77,7 @@ def test_scheduler_ranks_serve_requests(qwen3_dir, tp_size):
         assert ranks.last_stats.kv_pages_used == 0
 
         # A request the KV cache can never hold is rejected; an aborted one frees its pages.
-        ranks.send(GenerateRequest(100, [1] * 8, SamplingParams(max_tokens=1000, seed=1)))
+        ranks.send(GenerateRequest(100, [1] * 600, SamplingParams(max_tokens=10, seed=1)))
         ranks.send(GenerateRequest(101, [5, 6, 7], SamplingParams(max_tokens=400, ignore_eos=True, seed=1)))
         ranks.send(AbortRequest(101))
         done = ranks.collect({100, 101})

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from tpserve.config import EngineConfig
@@ -32,20 +34,21 @@ def run(scheduler: Scheduler, requests: dict[int, tuple[list[int], SamplingParam
     return tokens, finish, concurrency
 
 
-def test_requests_wait_for_pages_and_all_finish(small_engine):
+def test_kv_pressure_preempts_and_every_request_finishes(small_engine):
     requests = {
         rid: ([rid + 1, rid + 2, rid + 3, rid + 4, rid + 5, rid + 6], SamplingParams(temperature=0, ignore_eos=True, max_tokens=20 + rid))
         for rid in range(8)
     }
     scheduler = Scheduler(small_engine)
+    scheduler.check_accounting = True
     tokens, finish, concurrency = run(scheduler, requests)
     assert all(finish[rid] == "length" and len(tokens[rid]) == 20 + rid for rid in requests)
-    assert max(len(step) for step in concurrency) == 2, "the pool holds two requests at a time"
+    assert scheduler.preemptions_total > 0, "64 tokens of KV cache cannot hold 8 growing requests"
     # Continuous batching: a request joins while another is mid-decode.
     assert any(set(a) & set(b) and set(b) - set(a) for a, b in zip(concurrency, concurrency[1:]))
-    assert scheduler.allocator.num_free == scheduler.allocator.total
-    # Each request's tokens equal those it gets alone (batching does not change results).
-    for rid in (0, 5):
+    assert scheduler.flush_cache() and scheduler.allocator.num_free == scheduler.allocator.total
+    # Each request's tokens equal those it gets alone (batching and preemption change nothing).
+    for rid in (0, 5, 7):
         alone, _, _ = run(Scheduler(small_engine), {rid: requests[rid]})
         assert alone[rid] == tokens[rid]
 
@@ -80,7 +83,7 @@ def test_eos_finishes_with_stop(small_engine):
         ([], SamplingParams(), "empty"),
         ([1] * 5000, SamplingParams(), "context limit"),
         ([1, 10**6], SamplingParams(), "token ids must be in"),
-        ([1, 2, 3], SamplingParams(max_tokens=100), "KV cache"),
+        ([1] * 64, SamplingParams(max_tokens=1), "KV cache holds 64 tokens"),
     ],
 )
 def test_rejections(small_engine, prompt, params, message):
@@ -92,8 +95,11 @@ def test_abort_frees_pages(small_engine):
     scheduler = Scheduler(small_engine)
     scheduler.add_request(0, [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True), seed=0)
     scheduler.add_request(1, [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True), seed=0)
+    scheduler.add_request(2, [1, 2, 3], SamplingParams(max_tokens=40, ignore_eos=True), seed=0)
+    scheduler.config = replace(scheduler.config, max_running_requests=2)
     scheduler.step()
     assert scheduler.allocator.num_used > 0 and len(scheduler.waiting) == 1
-    assert scheduler.abort(0) and scheduler.abort(1)
+    assert scheduler.abort(0) and scheduler.abort(1) and scheduler.abort(2)
+    scheduler.flush_cache()
     assert not scheduler.abort(1)
     assert scheduler.allocator.num_free == scheduler.allocator.total and not scheduler.has_work

@@ -73,9 +73,7 @@ def run_fake_scheduler(
                 except zmq.Again:
                     break
                 if isinstance(msg, Shutdown):
-                    print("FAKE got shutdown", flush=True)
                     ctx.destroy(linger=0)
-                    print("FAKE destroyed", flush=True)
                     return
                 if isinstance(msg, GenerateRequest):
                     running[msg.rid] = _Running(msg)

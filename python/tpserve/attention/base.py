@@ -8,6 +8,8 @@ into the paged cache and returns the attention output.
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Mapping
+from typing import Any
 
 import torch
 
@@ -16,6 +18,8 @@ from tpserve.kvcache.pool import KVCachePool
 
 
 class AttentionBackend(ABC):
+    supports_cuda_graphs = False  # whether cuda_graph_metadata/plan_cuda_graph are implemented
+
     def __init__(self, pool: KVCachePool, num_heads: int, num_kv_heads: int, head_dim: int) -> None:
         self.pool = pool
         self.num_heads = num_heads
@@ -33,14 +37,47 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
 
+    def cuda_graph_metadata(self, batch_size: int, max_pages_per_seq: int) -> object:
+        """Metadata with fixed-address buffers for a decode graph of ``batch_size`` sequences."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+    def plan_cuda_graph(self, seqs: list[SequenceInput], meta: object, batch_size: int) -> None:
+        """Fill ``meta`` (from cuda_graph_metadata) for ``seqs`` padded to ``batch_size``."""
+        raise NotImplementedError(f"{type(self).__name__} does not support CUDA graphs")
+
+
+BACKENDS = ("auto", "flashinfer", "torch")
+
+
+def resolve_backend_name(name: str, device: torch.device) -> str:
+    """``auto`` is flashinfer on CUDA when it imports, else torch."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} (choose {', '.join(BACKENDS)})")
+    if name != "auto":
+        return name
+    if device.type == "cuda":
+        from tpserve.attention.flashinfer_backend import flashinfer_available
+
+        if flashinfer_available():
+            return "flashinfer"
+    return "torch"
+
 
 def create_backend(
-    name: str, pool: KVCachePool, num_heads: int, num_kv_heads: int, head_dim: int, device: torch.device
+    name: str,
+    pool: KVCachePool,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    options: Mapping[str, Any] | None = None,
 ) -> AttentionBackend:
-    if name == "auto":
-        name = "torch"  # FlashInfer becomes the CUDA default once its backend lands
-    if name == "torch":
-        from tpserve.attention.torch_backend import TorchAttentionBackend
+    """``options`` go to the FlashInfer backend (decode_tensor_cores, prefill_backend)."""
+    name = resolve_backend_name(name, device)
+    if name == "flashinfer":
+        from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
 
-        return TorchAttentionBackend(pool, num_heads, num_kv_heads, head_dim)
-    raise ValueError(f"unknown attention backend {name!r} (choose auto or torch)")
+        return FlashInferAttentionBackend(pool, num_heads, num_kv_heads, head_dim, device, **dict(options or {}))
+    from tpserve.attention.torch_backend import TorchAttentionBackend
+
+    return TorchAttentionBackend(pool, num_heads, num_kv_heads, head_dim)

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from itertools import chain
 
+import numpy as np
 import torch
 
 
@@ -35,23 +37,80 @@ class ForwardInputs:
     attn: object
 
 
+@dataclass
+class HostBatch:
+    """A step's per-token arrays on the host, built without a Python loop over tokens."""
+
+    tokens: np.ndarray  # [3, T] int64 rows: token ids, positions, flat KV slots
+    last_indices: np.ndarray  # [B] int64
+    prefix_lens: np.ndarray  # [B] int64
+    extend_lens: np.ndarray  # [B] int64
+
+    @property
+    def seq_lens(self) -> np.ndarray:
+        return self.prefix_lens + self.extend_lens
+
+    @property
+    def is_decode(self) -> bool:
+        return bool((self.extend_lens == 1).all())
+
+
+def _int_array(values, count: int) -> np.ndarray:
+    return np.fromiter(values, dtype=np.int64, count=count)
+
+
+def check_page_tables(seqs: list[SequenceInput], seq_lens: np.ndarray, page_size: int) -> None:
+    table_lens = _int_array((len(s.page_table) for s in seqs), len(seqs))
+    short = np.flatnonzero(-(-seq_lens // page_size) > table_lens)
+    if short.size:
+        b = int(short[0])
+        raise ValueError(f"page table of {table_lens[b]} pages is too short for {seq_lens[b]} tokens")
+
+
+def build_host_batch(seqs: list[SequenceInput], page_size: int) -> HostBatch:
+    if not seqs:
+        raise ValueError("a step needs at least one sequence")
+    batch = len(seqs)
+    extend = _int_array((len(s.token_ids) for s in seqs), batch)
+    prefix = _int_array((s.prefix_len for s in seqs), batch)
+    if (extend < 1).any():
+        raise ValueError("every sequence of a step needs at least one new token")
+    seq_lens = prefix + extend
+    check_page_tables(seqs, seq_lens, page_size)
+    ends = np.cumsum(extend)
+    total = int(ends[-1])
+
+    tokens = np.empty((3, total), dtype=np.int64)
+    tokens[0] = _int_array(chain.from_iterable(s.token_ids for s in seqs), total)
+    positions = np.arange(total, dtype=np.int64) + np.repeat(prefix - (ends - extend), extend)
+    tokens[1] = positions
+    # Only the pages the new tokens land on: [prefix // page_size, (seq_len - 1) // page_size].
+    first_page = prefix // page_size
+    page_counts = (seq_lens - 1) // page_size - first_page + 1
+    pages = _int_array(
+        chain.from_iterable(
+            s.page_table[f : f + c] for s, f, c in zip(seqs, first_page.tolist(), page_counts.tolist())
+        ),
+        int(page_counts.sum()),
+    )
+    page_base = np.cumsum(page_counts) - page_counts
+    page_index = np.repeat(page_base - first_page, extend) + positions // page_size
+    tokens[2] = pages[page_index] * page_size + positions % page_size
+    return HostBatch(tokens, ends - 1, prefix, extend)
+
+
 def build_forward_inputs(
     seqs: list[SequenceInput], page_size: int, device: torch.device, attn: object
 ) -> ForwardInputs:
-    ids: list[int] = []
-    positions: list[int] = []
-    slots: list[int] = []
-    last: list[int] = []
-    for seq in seqs:
-        if (seq.seq_len + page_size - 1) // page_size > len(seq.page_table):
-            raise ValueError(f"page table of {len(seq.page_table)} pages is too short for {seq.seq_len} tokens")
-        ids.extend(seq.token_ids)
-        for pos in range(seq.prefix_len, seq.seq_len):
-            positions.append(pos)
-            slots.append(seq.page_table[pos // page_size] * page_size + pos % page_size)
-        last.append(len(ids) - 1)
-
-    def tensor(values: list[int]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
-
-    return ForwardInputs(tensor(ids), tensor(positions), tensor(slots), tensor(last), attn)
+    host = build_host_batch(seqs, page_size)
+    total = host.tokens.shape[1]
+    # One host-to-device copy for all four index arrays.
+    packed = np.concatenate([host.tokens.reshape(-1), host.last_indices])
+    flat = torch.from_numpy(packed).to(device, non_blocking=True)
+    return ForwardInputs(
+        input_ids=flat[:total],
+        positions=flat[total : 2 * total],
+        out_slots=flat[2 * total : 3 * total],
+        last_indices=flat[3 * total :],
+        attn=attn,
+    )

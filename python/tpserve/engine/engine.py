@@ -12,6 +12,7 @@ from tpserve.config import EngineConfig, ModelConfig, resolve_dtype
 from tpserve.distributed.comm import init_process_groups
 from tpserve.distributed.info import set_tp_info
 from tpserve.engine.batch import SequenceInput, build_forward_inputs
+from tpserve.engine.cuda_graph import CUDAGraphRunner
 from tpserve.engine.sampler import Sampler, SamplingBatch
 from tpserve.kvcache.pool import KVCachePool
 from tpserve.models.decoder import CausalLM, ForwardContext
@@ -72,14 +73,31 @@ class Engine:
             self.device,
         )
         self.attention = create_backend(
-            config.attention_backend, self.kv_pool, self.num_heads, self.num_kv_heads, self.model_config.head_dim, self.device
+            config.attention_backend,
+            self.kv_pool,
+            self.num_heads,
+            self.num_kv_heads,
+            self.model_config.head_dim,
+            self.device,
+            config.extra.get("attention_options"),
         )
         self.sampler = Sampler()
+        self.graph_runner = self._capture_cuda_graphs()
         if rank == 0:
             logger.info(
-                "engine ready: %s on %s, %s, tp %d, %d KV pages of %d tokens",
-                self.model_config.architecture, self.device, self.dtype, config.tp_size, self.num_pages - 1, self.page_size,
+                "engine ready: %s on %s, %s, tp %d, %s attention, %d KV pages of %d tokens, CUDA graphs %s",
+                self.model_config.architecture, self.device, self.dtype, config.tp_size,
+                type(self.attention).__name__, self.num_pages - 1, self.page_size,
+                f"up to batch {self.graph_runner.max_batch_size}" if self.graph_runner else "off",
             )
+
+    def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
+        if self.device.type != "cuda" or max_bs <= 0 or not self.attention.supports_cuda_graphs:
+            return None
+        runner = CUDAGraphRunner(self.model, self.attention, self.page_size, self.max_model_len, max_bs, self.device)
+        runner.capture()
+        return runner
 
     def _count_pages(self) -> int:
         cfg = self.model_config
@@ -106,7 +124,13 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, seqs: list[SequenceInput]) -> torch.Tensor:
-        """Run one step over prefills and decodes alike; returns [B, vocab] float logits."""
+        """Run one step over prefills and decodes alike; returns [B, vocab] float logits.
+
+        Decode batches that fit a captured CUDA graph replay it; the logits it returns are
+        overwritten by the next replay.
+        """
+        if self.graph_runner is not None and self.graph_runner.can_run(seqs):
+            return self.graph_runner.run(seqs)
         meta = self.attention.prepare(seqs, self.device)
         inputs = build_forward_inputs(seqs, self.page_size, self.device, meta)
         return self.model(ForwardContext(inputs, self.attention))

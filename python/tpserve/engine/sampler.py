@@ -6,7 +6,9 @@ vectorised torch (no Python loop over requests or tokens), the same code on CPU 
 Randomness is counter-based, never drawn from a generator: the noise for request ``i`` at output
 step ``s`` and vocab index ``v`` is a pure function of ``(seed_i, s, v)`` (see ``random_bits``).
 So ranks holding identical logits pick identical tokens without communicating, and a seeded
-request samples the same tokens whatever else shares its batch.
+request samples the same tokens whatever else shares its batch. The hashing is exact integer
+arithmetic, bit-identical on every device; the float math around it (exp, log) may differ by an
+ulp between CPU and GPU kernels, which can only matter at a near-exact tie.
 
 Order of operations for a sampled row (greedy rows, temperature 0, are a plain argmax):
 
@@ -56,7 +58,9 @@ class Workspace:
     def __init__(self) -> None:
         self._buffers: dict[str, torch.Tensor] = {}
 
-    def empty(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    def empty(
+        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
+    ) -> torch.Tensor:
         if device.type != "cpu":
             return torch.empty(shape, dtype=dtype, device=device)
         numel = math.prod(shape)
@@ -100,7 +104,8 @@ def random_bits(
     ws = ws or Workspace()
     shape = (seeds.shape[0], vocab_size)
     bits = ws.empty("bits", shape, torch.int64, seeds.device)
-    torch.bitwise_xor(_row_keys(seeds, steps)[:, None], _col_keys(vocab_size, seeds.device)[None, :], out=bits)
+    row_keys, col_keys = _row_keys(seeds, steps), _col_keys(vocab_size, seeds.device)
+    torch.bitwise_xor(row_keys[:, None], col_keys[None, :], out=bits)
     return _mix32_(bits, ws.empty("scratch", shape, torch.int64, seeds.device))
 
 
@@ -187,10 +192,8 @@ class Sampler:
         self._ws = Workspace()
 
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        greedy_tokens = logits.argmax(dim=-1) if batch.any_greedy else None
         if batch.all_greedy:
-            assert greedy_tokens is not None
-            return greedy_tokens
+            return logits.argmax(dim=-1)
 
         weights = _tempered_weights(logits, batch.temperatures, self._ws)
         threshold = _keep_thresholds(weights, batch)
@@ -199,17 +202,19 @@ class Sampler:
 
         u = uniform_noise(batch.seeds, batch.steps, logits.shape[-1], self._ws)
         tokens = weights.div_(u.log_().neg_()).argmax(dim=-1)
-        if greedy_tokens is not None:
-            tokens = torch.where(batch.temperatures == 0, greedy_tokens, tokens)
+        if batch.any_greedy:
+            tokens = torch.where(batch.temperatures == 0, logits.argmax(dim=-1), tokens)
         return tokens
 
 
-def _tempered_weights(logits: torch.Tensor, temperatures: torch.Tensor, ws: Workspace) -> torch.Tensor:
+def _tempered_weights(
+    logits: torch.Tensor, temperatures: torch.Tensor, ws: Workspace
+) -> torch.Tensor:
     """float32 ``exp((logits - max) / t)``; greedy rows (t = 0) get t = 1, their result unused."""
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     weights = ws.empty("weights", tuple(logits.shape), torch.float32, logits.device).copy_(logits)
     weights.sub_(weights.amax(dim=-1, keepdim=True))
-    return weights.exp_()
+    return weights.div_(t[:, None]).exp_()
 
 
 def _keep_thresholds(weights: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:

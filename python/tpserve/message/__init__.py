@@ -53,8 +53,13 @@ class TokenOutput(msgspec.Struct):
 class SchedulerStats(msgspec.Struct):
     running: int
     waiting: int
-    kv_pages_used: int
+    kv_pages_used: int  # held by running requests (their own pages and the cached ones they use)
     kv_pages_total: int
+    kv_pages_cached: int = 0  # in the prefix cache and used by no request (evictable)
+    prompt_tokens_total: int = 0  # cumulative, for the cache hit rate
+    cached_tokens_total: int = 0  # cumulative prompt tokens served from the prefix cache
+    evicted_pages_total: int = 0
+    preemptions_total: int = 0
 
 
 class BatchTokenOutput(msgspec.Struct, tag="batch_output"):

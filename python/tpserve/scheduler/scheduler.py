@@ -1,7 +1,10 @@
-"""Continuous batching: every step decodes the running requests and admits waiting ones.
+"""Continuous batching with a prefix cache, chunked prefill and preemption.
 
-Every rank runs this same code on the same inputs, so all ranks take the same decisions: the
-waiting queue is FCFS, batches are ordered by request id, and nothing depends on timing.
+Every step: running requests, oldest first, each get their next tokens (one when decoding, a
+chunk when prefilling) and the pages those need, evicting cached prefixes and, if that is not
+enough, preempting the newest requests; then waiting requests are admitted while the prefill
+budget and pages allow. Every rank runs this same code on the same inputs, so all ranks take
+the same decisions: queues are ordered, batches sorted by request id, recency is a step count.
 """
 
 from __future__ import annotations
@@ -13,11 +16,14 @@ from tpserve.engine.batch import SequenceInput
 from tpserve.engine.engine import Engine
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.kvcache.pool import PageAllocator
+from tpserve.kvcache.radix import create_prefix_cache
 from tpserve.message import SchedulerStats, TokenOutput
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler.request import Request
 
 logger = logging.getLogger(__name__)
+
+LPM_MAX_QUEUE = 128  # longest-prefix-match ordering costs a tree walk per waiting request
 
 
 class RequestRejected(ValueError):
@@ -32,8 +38,16 @@ class Scheduler:
         self.max_model_len = engine.max_model_len
         self.eos_ids = frozenset(engine.model_config.eos_token_ids)
         self.allocator = PageAllocator(engine.num_pages)
+        self.cache = create_prefix_cache(self.config.cache, self.page_size)
         self.waiting: deque[Request] = deque()
         self.running: dict[int, Request] = {}
+        self.step_count = 0
+        self.admissions = 0
+        self.prompt_tokens_total = 0
+        self.cached_tokens_total = 0
+        self.evicted_pages_total = 0
+        self.preemptions_total = 0
+        self.check_accounting = self.config.debug_check_ranks
 
     # ---- requests in and out ----
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
@@ -47,15 +61,14 @@ class Scheduler:
                 f"the prompt has {len(prompt_ids)} tokens; the context limit is {self.max_model_len} "
                 "(prompt plus at least one generated token)"
             )
+        capacity = self.allocator.total * self.page_size
+        if len(prompt_ids) + 1 > capacity:
+            raise RequestRejected(
+                f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {capacity} tokens in all"
+            )
         room = self.max_model_len - len(prompt_ids)
         max_new = room if params.max_tokens is None else min(params.max_tokens, room)
-        req = Request(rid, list(prompt_ids), params, seed, max_new)
-        if self._pages_needed(req) > self.allocator.total:
-            raise RequestRejected(
-                f"the request needs {len(prompt_ids) + max_new} tokens of KV cache; the cache holds "
-                f"{self.allocator.total * self.page_size}"
-            )
-        self.waiting.append(req)
+        self.waiting.append(Request(rid, list(prompt_ids), params, seed, max_new))
 
     def abort(self, rid: int) -> bool:
         if rid in self.running:
@@ -67,37 +80,74 @@ class Scheduler:
                 return True
         return False
 
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix no request uses; True when the whole pool is free again."""
+        self.allocator.free(self.cache.evict(self.cache.num_pages))
+        return self.allocator.num_free == self.allocator.total
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
 
     def stats(self) -> SchedulerStats:
+        free, cached = self.allocator.num_free, self.cache.num_evictable
         return SchedulerStats(
             running=len(self.running),
             waiting=len(self.waiting),
-            kv_pages_used=self.allocator.num_used,
+            kv_pages_used=self.allocator.total - free - cached,
             kv_pages_total=self.allocator.total,
+            kv_pages_cached=cached,
+            prompt_tokens_total=self.prompt_tokens_total,
+            cached_tokens_total=self.cached_tokens_total,
+            evicted_pages_total=self.evicted_pages_total,
+            preemptions_total=self.preemptions_total,
         )
 
     # ---- one step ----
     def step(self) -> list[TokenOutput]:
-        """Admit, run one forward pass, sample; returns each scheduled request's new token."""
-        admitted = self._admit()
-        batch = sorted(self.running.values(), key=lambda r: r.rid)
-        if not batch:
-            return []
-        seqs = [SequenceInput(r.next_input(), r.num_cached, r.pages) for r in batch]
+        """Schedule, run one forward pass, sample; returns the requests' new tokens."""
+        self.step_count += 1
+        self.cache.clock = self.step_count
+        outputs: list[TokenOutput] = []
+        budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
+        scheduled: list[tuple[Request, int]] = []
+        for req in sorted(self.running.values(), key=lambda r: r.admit_order):
+            if req.rid not in self.running:
+                continue  # preempted by an older request this step
+            n = 1 if req.num_pending == 1 else min(req.num_pending, budget)
+            if n == 0:
+                continue
+            if self._grow(req, req.num_cached + n, outputs):
+                scheduled.append((req, n))
+                if req.num_pending > 1:
+                    budget -= n
+        scheduled.extend(self._admit(budget))
+        if self.check_accounting:
+            self._check_accounting()
+        if not scheduled:
+            return outputs
+        scheduled.sort(key=lambda item: item[0].rid)
+        return outputs + self._run(scheduled)
+
+    def _run(self, scheduled: list[tuple[Request, int]]) -> list[TokenOutput]:
+        seqs = [
+            SequenceInput(req.all_ids[req.num_cached : req.num_cached + n], req.num_cached, req.pages)
+            for req, n in scheduled
+        ]
         sampling = SamplingBatch.build(
-            [r.params for r in batch],
-            [r.seed for r in batch],
-            [len(r.output_ids) for r in batch],
+            [req.params for req, _ in scheduled],
+            [req.seed for req, _ in scheduled],
+            [len(req.output_ids) for req, _ in scheduled],
             self.engine.model_config.vocab_size,
             self.engine.device,
         )
         tokens = self.engine.step(seqs, sampling)
         outputs = []
-        for req, seq, token in zip(batch, seqs, tokens):
-            req.num_cached = seq.seq_len
+        for (req, n), token in zip(scheduled, tokens):
+            req.num_cached += n
+            if req.num_cached < req.num_tokens:
+                continue  # a prefill chunk that does not reach the end: its sample is not used
+            first = not req.output_ids
             req.output_ids.append(token)
             req.finish_reason = self._finish_reason(req, token)
             outputs.append(
@@ -105,33 +155,94 @@ class Scheduler:
                     rid=req.rid,
                     token_ids=[token],
                     finish_reason=req.finish_reason,
-                    prompt_tokens=len(req.prompt_ids) if req in admitted else 0,
+                    prompt_tokens=len(req.prompt_ids) if first else 0,
+                    cached_tokens=req.cached_tokens if first else 0,
                 )
             )
             if req.finished:
                 self._release(self.running.pop(req.rid))
         return outputs
 
-    def _admit(self) -> list[Request]:
-        admitted: list[Request] = []
-        budget = self.config.max_num_batched_tokens - len(self.running)
-        while self.waiting and len(self.running) < self.config.max_running_requests:
-            req = self.waiting[0]
-            need = self._pages_needed(req)
-            if need > self.allocator.num_free:
-                break  # FCFS: it waits for pages; later requests do not overtake it
-            if len(req.prompt_ids) > budget and (admitted or self.running):
-                break
-            self.waiting.popleft()
-            req.pages = self.allocator.allocate(need)
-            budget -= len(req.prompt_ids)
+    # ---- admission ----
+    def _admit(self, budget: int) -> list[tuple[Request, int]]:
+        admitted: list[tuple[Request, int]] = []
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req = self._next_waiting()
+            ids = req.all_ids
+            usable = (len(ids) - 1) // self.page_size * self.page_size  # keep >= 1 token to compute
+            match = self.cache.match(ids[:usable])
+            cached = match.num_pages * self.page_size
+            n = min(len(ids) - cached, budget)
+            need = -(-(cached + n) // self.page_size) - match.num_pages
+            self.cache.lock(match.node)
+            if need > self.allocator.num_free + self.cache.num_evictable:
+                self.cache.unlock(match.node)
+                break  # it waits for pages; requests behind it do not overtake it
+            self.waiting.remove(req)
+            req.pages, req.num_shared_pages, req.prefix_node = list(match.pages), match.num_pages, match.node
+            req.num_cached = cached
+            self._allocate(req, need)
+            if req.cached_tokens < 0:  # first admission (not a re-admission after preemption)
+                req.cached_tokens = cached
+                self.prompt_tokens_total += len(req.prompt_ids)
+                self.cached_tokens_total += cached
+            req.admit_order = self.admissions
+            self.admissions += 1
             self.running[req.rid] = req
-            admitted.append(req)
+            admitted.append((req, n))
+            budget -= n
         return admitted
 
-    def _pages_needed(self, req: Request) -> int:
-        # The whole request is reserved up front, so a running request never runs out of pages.
-        return -(-(len(req.prompt_ids) + req.max_new_tokens) // self.page_size)
+    def _next_waiting(self) -> Request:
+        if self.config.schedule_policy == "fcfs" or len(self.waiting) > LPM_MAX_QUEUE:
+            return self.waiting[0]
+        # lpm: the longest cached prefix first; ties keep queue order (max returns the first).
+        return max(self.waiting, key=lambda r: self.cache.match(r.all_ids[: r.num_tokens - 1]).num_pages)
+
+    # ---- pages ----
+    def _grow(self, req: Request, num_tokens: int, outputs: list[TokenOutput]) -> bool:
+        """Give ``req`` pages for ``num_tokens`` tokens, evicting cache and preempting newer
+        requests as needed. False if ``req`` itself had to give way."""
+        need = -(-num_tokens // self.page_size) - len(req.pages)
+        while need > self.allocator.num_free + self.cache.num_evictable:
+            newer = [r for r in self.running.values() if r.admit_order > req.admit_order]
+            if newer:
+                self._preempt(max(newer, key=lambda r: r.admit_order))
+            elif len(self.running) > 1:
+                self._preempt(req)
+                return False
+            else:  # alone and still too big: the KV cache is its length limit
+                logger.warning("request %d stopped: it fills the whole KV cache", req.rid)
+                req.finish_reason = "length"
+                outputs.append(TokenOutput(req.rid, [], "length"))
+                self._release(self.running.pop(req.rid))
+                return False
+        if need > 0:
+            self._allocate(req, need)
+        return True
+
+    def _allocate(self, req: Request, need: int) -> None:
+        if need > self.allocator.num_free:
+            freed = self.cache.evict(need - self.allocator.num_free)
+            self.evicted_pages_total += len(freed)
+            self.allocator.free(freed)
+        req.pages.extend(self.allocator.allocate(need))
+
+    def _preempt(self, req: Request) -> None:
+        """Give back a running request's pages (its computed prefix goes to the cache) and
+        queue it first for recompute; its sampled tokens are kept, so its output is unchanged."""
+        self.preemptions_total += 1
+        logger.info("preempting request %d (%d tokens) to free KV pages", req.rid, req.num_tokens)
+        self._release(self.running.pop(req.rid))
+        req.num_cached = 0
+        self.waiting.appendleft(req)
+
+    def _release(self, req: Request) -> None:
+        full = req.num_cached // self.page_size
+        duplicates = self.cache.insert(req.all_ids[: full * self.page_size], req.pages[:full])
+        self.allocator.free(duplicates + req.pages[full:])
+        self.cache.unlock(req.prefix_node)
+        req.pages, req.num_shared_pages, req.prefix_node = [], 0, None
 
     def _finish_reason(self, req: Request, token: int) -> str | None:
         params = req.params
@@ -143,6 +254,11 @@ class Scheduler:
             return "length"
         return None
 
-    def _release(self, req: Request) -> None:
-        self.allocator.free(req.pages)
-        req.pages = []
+    def _check_accounting(self) -> None:
+        own = sum(len(r.pages) - r.num_shared_pages for r in self.running.values())
+        total = self.allocator.num_free + self.cache.num_pages + own
+        if total != self.allocator.total:
+            raise RuntimeError(
+                f"KV page accounting broken: free {self.allocator.num_free} + cached {self.cache.num_pages} "
+                f"+ request-owned {own} != total {self.allocator.total}"
+            )

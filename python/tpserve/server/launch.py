@@ -182,13 +182,14 @@ class Backend:
 
     def _send_shutdown(self) -> None:
         ctx = zmq.Context()
+        senders = [Sender(ctx, a) for a in (self.endpoints.scheduler, self.endpoints.detokenizer)]
         try:
-            for address in (self.endpoints.scheduler, self.endpoints.detokenizer):
-                sender = Sender(ctx, address)
+            for sender in senders:
                 sender.socket.setsockopt(zmq.SNDTIMEO, 200)
+                sender.socket.setsockopt(zmq.LINGER, 500)  # deliver before the socket closes
                 try:
                     sender.send(Shutdown())
                 except zmq.ZMQError:
                     pass  # the receiver is gone: SIGTERM follows anyway
         finally:
-            ctx.destroy(linger=500)  # wait (briefly) until the messages are delivered
+            ctx.destroy(linger=500)

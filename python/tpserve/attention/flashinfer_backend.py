@@ -1,0 +1,211 @@
+"""Paged attention through FlashInfer's prefill and decode wrappers (the CUDA default).
+
+Each step is planned once in ``prepare``: a step whose sequences all add exactly one token runs
+the decode wrapper; any other step runs the causal paged prefill wrapper for every sequence,
+decodes included (a decode is a one-token extend). Layers then only store their new k/v into
+the pool and call ``run``. For CUDA graphs each captured batch size gets its own decode
+wrapper whose index buffers have a fixed size and address; ``plan_cuda_graph`` re-plans it
+before every replay, padding the batch with one-token sequences on the scratch page 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from importlib import import_module
+from itertools import chain
+from types import ModuleType
+
+import logging
+
+import numpy as np
+import torch
+
+from tpserve.attention.base import AttentionBackend
+from tpserve.engine.batch import SequenceInput
+from tpserve.kvcache.pool import KVCachePool
+
+WORKSPACE_BYTES = 256 * 1024 * 1024  # split-kv partial results; FlashInfer recommends >= 128 MiB
+SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
+
+logger = logging.getLogger(__name__)
+
+
+def import_flashinfer() -> ModuleType:
+    try:
+        return import_module("flashinfer")
+    except ImportError as exc:
+        raise RuntimeError(
+            "the flashinfer attention backend needs the flashinfer-python package "
+            "(pip install 'tpserve[gpu]'); use --attention-backend torch without it"
+        ) from exc
+
+
+def flashinfer_available() -> bool:
+    try:
+        import_module("flashinfer")
+    except ImportError:
+        return False
+    except Exception as exc:  # installed but broken (e.g. a CUDA library mismatch)
+        logger.warning("flashinfer failed to import (%s: %s); using torch attention", type(exc).__name__, exc)
+        return False
+    return True
+
+
+def default_decode_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
+    # The tensor-core (prefill-kernel) decode path pays once a KV head serves 4+ query heads.
+    return num_heads // num_kv_heads >= 4
+
+
+@dataclass
+class PagedLayout:
+    """FlashInfer's CSR page table of a batch, on the host (int32)."""
+
+    kv_indptr: torch.Tensor  # [B + 1]
+    kv_indices: torch.Tensor  # [kv_indptr[-1]] page ids
+    last_page_len: torch.Tensor  # [B] tokens in each sequence's last page, 1..page_size
+    qo_indptr: torch.Tensor  # [B + 1] offsets of each sequence's new tokens
+
+    @property
+    def batch_size(self) -> int:
+        return self.last_page_len.shape[0]
+
+
+def paged_layout(seqs: list[SequenceInput], page_size: int, pad_to: int = 0) -> PagedLayout:
+    """The page table of ``seqs``; with ``pad_to`` > len(seqs), extra one-token sequences whose
+    only page is the scratch page 0 fill the batch up to ``pad_to``."""
+    batch = len(seqs)
+    pad = max(pad_to - batch, 0)
+    extend = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=batch)
+    seq_lens = extend + np.fromiter((s.prefix_len for s in seqs), dtype=np.int64, count=batch)
+    num_pages = -(-seq_lens // page_size)
+    table_lens = np.fromiter((len(s.page_table) for s in seqs), dtype=np.int64, count=batch)
+    if (num_pages > table_lens).any():
+        b = int(np.flatnonzero(num_pages > table_lens)[0])
+        raise ValueError(f"page table of {table_lens[b]} pages is too short for {seq_lens[b]} tokens")
+    total_pages = int(num_pages.sum())
+    indices = np.zeros(total_pages + pad, dtype=np.int32)  # padding rows use page 0
+    indices[:total_pages] = np.fromiter(
+        chain.from_iterable(s.page_table[:n] for s, n in zip(seqs, num_pages.tolist())),
+        dtype=np.int32,
+        count=total_pages,
+    )
+    indptr = np.zeros(batch + pad + 1, dtype=np.int32)
+    indptr[1:] = np.cumsum(np.concatenate([num_pages, np.ones(pad, dtype=np.int64)]))
+    last = np.ones(batch + pad, dtype=np.int32)
+    last[:batch] = seq_lens - (num_pages - 1) * page_size
+    qo_indptr = np.zeros(batch + pad + 1, dtype=np.int32)
+    qo_indptr[1:] = np.cumsum(np.concatenate([extend, np.ones(pad, dtype=np.int64)]))
+    return PagedLayout(
+        torch.from_numpy(indptr), torch.from_numpy(indices), torch.from_numpy(last), torch.from_numpy(qo_indptr)
+    )
+
+
+@dataclass
+class FlashInferMetadata:
+    wrapper: object  # the planned BatchDecode/BatchPrefill wrapper that every layer runs
+    is_decode: bool
+
+
+class FlashInferAttentionBackend(AttentionBackend):
+    supports_cuda_graphs = True
+
+    def __init__(
+        self,
+        pool: KVCachePool,
+        num_heads: int,
+        num_kv_heads: int,
+        head_dim: int,
+        device: torch.device,
+        decode_tensor_cores: bool | None = None,
+        prefill_backend: str = "auto",
+    ) -> None:
+        super().__init__(pool, num_heads, num_kv_heads, head_dim)
+        if device.type != "cuda":
+            raise ValueError(f"the flashinfer attention backend needs a CUDA device, got {device}")
+        self.dtype = pool.k[0].dtype
+        if self.dtype not in SUPPORTED_DTYPES:
+            raise ValueError(f"the flashinfer attention backend supports bfloat16 and float16, not {self.dtype}")
+        self.flashinfer = import_flashinfer()
+        self.device = device
+        self.decode_tensor_cores = (
+            default_decode_tensor_cores(num_heads, num_kv_heads) if decode_tensor_cores is None else decode_tensor_cores
+        )
+        # Shared by every wrapper: only one of them runs at a time.
+        self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        self.prefill_wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
+            self.workspace, "NHD", backend=prefill_backend
+        )
+        self.decode_wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
+        )
+        self._graph_indices: torch.Tensor | None = None  # page ids of graph batches, shared by size
+
+    def prepare(self, seqs: list[SequenceInput], device: torch.device) -> FlashInferMetadata:
+        layout = paged_layout(seqs, self.pool.page_size)
+        if all(len(s.token_ids) == 1 for s in seqs):
+            self._plan_decode(self.decode_wrapper, layout)
+            return FlashInferMetadata(self.decode_wrapper, is_decode=True)
+        self.prefill_wrapper.plan(
+            layout.qo_indptr,
+            layout.kv_indptr,
+            layout.kv_indices,
+            layout.last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.pool.page_size,
+            causal=True,
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+        return FlashInferMetadata(self.prefill_wrapper, is_decode=False)
+
+    def _plan_decode(self, wrapper: object, layout: PagedLayout) -> None:
+        wrapper.plan(
+            layout.kv_indptr,
+            layout.kv_indices,
+            layout.last_page_len,
+            self.num_heads,
+            self.num_kv_heads,
+            self.head_dim,
+            self.pool.page_size,
+            sm_scale=self.scale,
+            q_data_type=self.dtype,
+            kv_data_type=self.dtype,
+        )
+
+    def forward(
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor,
+        v: torch.Tensor,
+        out_slots: torch.Tensor,
+        meta: FlashInferMetadata,
+    ) -> torch.Tensor:
+        self.pool.store(layer, out_slots, k, v)
+        return meta.wrapper.run(q.contiguous(), (self.pool.k[layer], self.pool.v[layer]))
+
+    # ---- CUDA graphs (decode only) ----
+    def cuda_graph_metadata(self, batch_size: int, max_pages_per_seq: int) -> FlashInferMetadata:
+        """A decode wrapper for one captured batch size, with fixed-size, fixed-address buffers."""
+        capacity = batch_size * max_pages_per_seq
+        if self._graph_indices is None or self._graph_indices.numel() < capacity:
+            if self._graph_indices is not None:
+                raise RuntimeError("capture CUDA graphs largest batch first (the page-id buffer is shared)")
+            self._graph_indices = torch.zeros(capacity, dtype=torch.int32, device=self.device)
+        wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+            self.workspace,
+            "NHD",
+            use_cuda_graph=True,
+            use_tensor_cores=self.decode_tensor_cores,
+            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
+            paged_kv_indices_buffer=self._graph_indices,
+            paged_kv_last_page_len_buffer=torch.ones(batch_size, dtype=torch.int32, device=self.device),
+        )
+        return FlashInferMetadata(wrapper, is_decode=True)
+
+    def plan_cuda_graph(self, seqs: list[SequenceInput], meta: FlashInferMetadata, batch_size: int) -> None:
+        """Plan a captured size's wrapper for ``seqs`` padded to ``batch_size`` (before replay)."""
+        self._plan_decode(meta.wrapper, paged_layout(seqs, self.pool.page_size, pad_to=batch_size))

@@ -1,0 +1,125 @@
+"""CUDA graphs for decode steps: captured once at start-up, replayed for every decode batch.
+
+A decode step launches hundreds of small kernels; replaying a graph removes their launch gaps.
+One graph is captured per batch size in ``capture_sizes``; a batch is padded up to the next
+captured size. Padding rows carry token 0 at position 0 and write their k/v to slot 0 of the
+scratch page 0, which the pool never hands out, so they touch no request's cache.
+
+Every graph reads its inputs from the same static buffers and the attention backend's
+fixed-address metadata, which ``plan_cuda_graph`` refills before each replay.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from bisect import bisect_left
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from tpserve.attention.base import AttentionBackend
+from tpserve.engine.batch import ForwardInputs, SequenceInput, build_host_batch
+from tpserve.models.decoder import CausalLM, ForwardContext
+
+logger = logging.getLogger(__name__)
+
+
+def capture_sizes(max_batch_size: int) -> list[int]:
+    """1, 2, 4, 8, then every multiple of 8 up to ``max_batch_size`` (which is always included)."""
+    if max_batch_size < 1:
+        return []
+    sizes = [s for s in (1, 2, 4, 8) if s <= max_batch_size]
+    sizes += list(range(16, max_batch_size + 1, 8))
+    if sizes[-1] != max_batch_size:
+        sizes.append(max_batch_size)
+    return sizes
+
+
+@dataclass
+class _Graph:
+    graph: torch.cuda.CUDAGraph
+    logits: torch.Tensor  # [batch_size, vocab], overwritten by every replay
+    attn_meta: object
+
+
+class CUDAGraphRunner:
+    def __init__(
+        self,
+        model: CausalLM,
+        attention: AttentionBackend,
+        page_size: int,
+        max_model_len: int,
+        max_batch_size: int,
+        device: torch.device,
+    ) -> None:
+        if not attention.supports_cuda_graphs:
+            raise ValueError(f"{type(attention).__name__} does not support CUDA graphs")
+        self.model = model
+        self.attention = attention
+        self.page_size = page_size
+        self.max_pages_per_seq = -(-max_model_len // page_size)
+        self.sizes = capture_sizes(max_batch_size)
+        self.max_batch_size = self.sizes[-1] if self.sizes else 0
+        self.device = device
+        # rows: token ids, positions, KV slots; zeros make every unused row a scratch-page write
+        self.tokens = torch.zeros((3, self.max_batch_size), dtype=torch.int64, device=device)
+        self.last_indices = torch.arange(self.max_batch_size, dtype=torch.int64, device=device)
+        self.graphs: dict[int, _Graph] = {}
+
+    def can_run(self, seqs: list[SequenceInput]) -> bool:
+        return 0 < len(seqs) <= self.max_batch_size and all(len(s.token_ids) == 1 for s in seqs)
+
+    def _inputs(self, batch_size: int, attn_meta: object) -> ForwardInputs:
+        return ForwardInputs(
+            input_ids=self.tokens[0, :batch_size],
+            positions=self.tokens[1, :batch_size],
+            out_slots=self.tokens[2, :batch_size],
+            last_indices=self.last_indices[:batch_size],
+            attn=attn_meta,
+        )
+
+    @torch.inference_mode()
+    def capture(self) -> None:
+        start = time.perf_counter()
+        free_before = torch.cuda.mem_get_info(self.device)[0]
+        pool = torch.cuda.graph_pool_handle()
+        stream = torch.cuda.Stream(self.device)
+        # Largest first: smaller graphs then reuse the pool's memory.
+        for size in reversed(self.sizes):
+            meta = self.attention.cuda_graph_metadata(size, self.max_pages_per_seq)
+            self.attention.plan_cuda_graph([], meta, size)  # all padding: scratch page only
+            ctx = ForwardContext(self._inputs(size, meta), self.attention)
+            stream.wait_stream(torch.cuda.current_stream(self.device))
+            with torch.cuda.stream(stream):
+                for _ in range(2):  # warm up outside the graph (lazy inits, autotuning)
+                    self.model(ctx)
+            torch.cuda.current_stream(self.device).wait_stream(stream)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool, stream=stream):
+                logits = self.model(ctx)
+            self.graphs[size] = _Graph(graph, logits, meta)
+        torch.cuda.synchronize(self.device)
+        used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        logger.info(
+            "captured %d CUDA graphs (batch sizes %s) in %.1f s using %.0f MiB",
+            len(self.sizes), _format_sizes(self.sizes), time.perf_counter() - start, used / 2**20,
+        )
+
+    def run(self, seqs: list[SequenceInput]) -> torch.Tensor:
+        """[len(seqs), vocab] logits of a decode batch; valid until the next replay."""
+        batch = len(seqs)
+        size = self.sizes[bisect_left(self.sizes, batch)]
+        graph = self.graphs[size]
+        host = build_host_batch(seqs, self.page_size)
+        padded = np.zeros((3, size), dtype=np.int64)
+        padded[:, :batch] = host.tokens
+        self.tokens[:, :size].copy_(torch.from_numpy(padded), non_blocking=True)
+        self.attention.plan_cuda_graph(seqs, graph.attn_meta, size)
+        graph.graph.replay()
+        return graph.logits[:batch]
+
+
+def _format_sizes(sizes: list[int]) -> str:
+    return f"{sizes[:5]}...{sizes[-1]}" if len(sizes) > 6 else str(sizes)

@@ -1,0 +1,189 @@
+"""Prefix caches over KV pages.
+
+``RadixCache`` is a radix tree over token ids at page granularity: each node holds a run of
+whole pages and the tokens they hold. A request reuses the longest cached prefix (locking it
+with reference counts) and prefills only the rest; a finished request inserts its sequence;
+unreferenced leaves are evicted least-recently-used when pages run short. Recency is a logical
+clock (the scheduler's step count), never wall time, so every rank evicts the same pages.
+``NoPrefixCache`` is the same interface caching nothing (``--cache naive``).
+"""
+
+from __future__ import annotations
+
+import heapq
+from dataclasses import dataclass, field
+
+
+@dataclass(eq=False)
+class Node:
+    tokens: tuple[int, ...]  # a whole number of pages of tokens
+    pages: list[int]
+    parent: "Node | None" = None
+    children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
+    ref: int = 0
+    last_used: int = 0
+
+
+@dataclass
+class PrefixMatch:
+    pages: list[int]
+    node: Node | None  # lock this while the request uses ``pages``
+
+    @property
+    def num_pages(self) -> int:
+        return len(self.pages)
+
+
+class RadixCache:
+    def __init__(self, page_size: int) -> None:
+        self.page_size = page_size
+        self.root = Node(tokens=(), pages=[])
+        self.root.ref = 1  # never evicted
+        self.num_pages = 0  # pages held by the tree
+        self.num_evictable = 0  # of those, pages no running request uses
+        self.clock = 0
+
+    def _key(self, tokens: tuple[int, ...] | list[int], start: int) -> tuple[int, ...]:
+        return tuple(tokens[start : start + self.page_size])
+
+    # ---- lookup ----
+    def match(self, tokens: list[int]) -> PrefixMatch:
+        """The longest cached prefix of ``tokens`` made of whole pages."""
+        node, pages, pos = self.root, [], 0
+        usable = len(tokens) - len(tokens) % self.page_size
+        while pos < usable:
+            child = node.children.get(self._key(tokens, pos))
+            if child is None:
+                break
+            n = self._common_pages(child, tokens, pos)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_used = self.clock
+            pages.extend(child.pages)
+            pos += len(child.tokens)
+            node = child
+        return PrefixMatch(pages, node if node is not self.root else None)
+
+    def _common_pages(self, node: Node, tokens: list[int], pos: int) -> int:
+        n = 0
+        ps = self.page_size
+        while n < len(node.pages) and pos + (n + 1) * ps <= len(tokens):
+            if node.tokens[n * ps : (n + 1) * ps] != tuple(tokens[pos + n * ps : pos + (n + 1) * ps]):
+                break
+            n += 1
+        return n
+
+    def _split(self, node: Node, n_pages: int) -> Node:
+        """Cut ``node`` after n_pages; returns the new upper part (same refs: same users)."""
+        cut = n_pages * self.page_size
+        parent = node.parent
+        if parent is None:
+            raise RuntimeError("cannot split the root")
+        upper = Node(node.tokens[:cut], node.pages[:n_pages], parent, ref=node.ref, last_used=node.last_used)
+        parent.children[self._key(upper.tokens, 0)] = upper
+        node.tokens, node.pages, node.parent = node.tokens[cut:], node.pages[n_pages:], upper
+        upper.children[self._key(node.tokens, 0)] = node
+        return upper
+
+    # ---- references ----
+    def lock(self, node: Node | None) -> None:
+        while node is not None and node is not self.root:
+            if node.ref == 0:
+                self.num_evictable -= len(node.pages)
+            node.ref += 1
+            node = node.parent
+
+    def unlock(self, node: Node | None) -> None:
+        while node is not None and node is not self.root:
+            node.ref -= 1
+            if node.ref == 0:
+                self.num_evictable += len(node.pages)
+            node = node.parent
+
+    # ---- insertion and eviction ----
+    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+        """Cache ``pages`` holding ``tokens`` (whole pages). Returns the pages the tree did not
+        take because it already holds the same tokens elsewhere: the caller frees them."""
+        ps = self.page_size
+        if len(tokens) != len(pages) * ps:
+            raise ValueError(f"insert needs whole pages: {len(tokens)} tokens, {len(pages)} pages")
+        duplicates: list[int] = []
+        node, pos = self.root, 0
+        while pos < len(tokens):
+            child = node.children.get(self._key(tokens, pos))
+            if child is None:
+                leaf = Node(tuple(tokens[pos:]), list(pages[pos // ps :]), node, last_used=self.clock)
+                node.children[self._key(leaf.tokens, 0)] = leaf
+                self.num_pages += len(leaf.pages)
+                self.num_evictable += len(leaf.pages)
+                return duplicates
+            n = self._common_pages(child, tokens, pos)
+            if n < len(child.pages):
+                child = self._split(child, n)
+            child.last_used = self.clock
+            mine = pages[pos // ps : pos // ps + n]
+            duplicates.extend(p for p, cached in zip(mine, child.pages) if p != cached)
+            pos += len(child.tokens)
+            node = child
+        return duplicates
+
+    def evict(self, num_pages: int) -> list[int]:
+        """Free at least ``num_pages`` (if that many are evictable), least recently used first."""
+        heap = [(n.last_used, i, n) for i, n in enumerate(self._leaves()) if n.ref == 0]
+        heapq.heapify(heap)
+        freed: list[int] = []
+        counter = len(heap)
+        while heap and len(freed) < num_pages:
+            _, _, node = heapq.heappop(heap)
+            freed.extend(node.pages)
+            self.num_pages -= len(node.pages)
+            self.num_evictable -= len(node.pages)
+            parent = node.parent or self.root
+            del parent.children[self._key(node.tokens, 0)]
+            if parent is not self.root and not parent.children and parent.ref == 0:
+                counter += 1
+                heapq.heappush(heap, (parent.last_used, counter, parent))
+        return freed
+
+    def _leaves(self) -> list[Node]:
+        leaves, stack = [], [self.root]
+        while stack:  # depth-first in insertion order: the same order on every rank
+            node = stack.pop()
+            if not node.children and node is not self.root:
+                leaves.append(node)
+            stack.extend(node.children.values())
+        return leaves
+
+
+class NoPrefixCache:
+    """``--cache naive``: nothing is shared or kept after a request ends."""
+
+    num_pages = 0
+    num_evictable = 0
+    clock = 0
+
+    def match(self, tokens: list[int]) -> PrefixMatch:
+        return PrefixMatch([], None)
+
+    def lock(self, node: Node | None) -> None:
+        pass
+
+    def unlock(self, node: Node | None) -> None:
+        pass
+
+    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
+        return list(pages)
+
+    def evict(self, num_pages: int) -> list[int]:
+        return []
+
+
+PrefixCache = RadixCache | NoPrefixCache
+
+
+def create_prefix_cache(kind: str, page_size: int) -> PrefixCache:
+    if kind == "radix":
+        return RadixCache(page_size)
+    if kind == "naive":
+        return NoPrefixCache()
+    raise ValueError(f"cache must be radix or naive, got {kind!r}")
