@@ -20,6 +20,7 @@ from tqdm import tqdm
 
 from tpserve.config import EngineConfig, ModelConfig
 from tpserve.distributed.comm import free_port
+from tpserve.message import SchedulerStats
 from tpserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -77,8 +78,13 @@ def _rank_main(config: EngineConfig, rank: int, conn: Connection) -> None:
             if command == "close":
                 break
             try:
-                results = run_jobs(scheduler, payload, show_progress=False)
-                conn.send(("results", results if rank == 0 else None))
+                if command == "flush_cache":
+                    conn.send(("flushed", scheduler.flush_cache()))
+                elif command == "stats":
+                    conn.send(("stats", scheduler.stats()))
+                else:
+                    results = run_jobs(scheduler, payload, show_progress=False)
+                    conn.send(("results", results if rank == 0 else None))
             except Exception as exc:  # report, keep the rank alive for the next call
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
         engine.shutdown()
@@ -230,6 +236,24 @@ class LLM:
         else:
             raise RuntimeError("generate() called after close()")
         return [self._output(job, *results[job.rid]) for job in jobs]
+
+    def flush_cache(self) -> bool:
+        """Drop every cached prefix; True when the whole KV pool is free again."""
+        if self._scheduler is not None:
+            return self._scheduler.flush_cache()
+        if self._ranks is None:
+            raise RuntimeError("flush_cache() called after close()")
+        self._ranks.broadcast(("flush_cache", None))
+        return all(self._ranks.receive_all())
+
+    def stats(self) -> SchedulerStats:
+        """KV pages in use, cached and free; cumulative cache hits, evictions, preemptions."""
+        if self._scheduler is not None:
+            return self._scheduler.stats()
+        if self._ranks is None:
+            raise RuntimeError("stats() called after close()")
+        self._ranks.broadcast(("stats", None))
+        return self._ranks.receive_all()[0]
 
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):

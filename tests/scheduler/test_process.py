@@ -12,7 +12,7 @@ import zmq
 from reference import hf_greedy
 from tpserve.config import EngineConfig
 from tpserve.distributed.comm import free_port
-from tpserve.message import AbortRequest, BatchTokenOutput, GenerateRequest, Shutdown
+from tpserve.message import AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, Shutdown
 from tpserve.message.endpoints import Endpoints
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler.process import run_scheduler
@@ -86,3 +86,32 @@ def test_scheduler_ranks_serve_requests(qwen3_dir, tp_size):
         assert ranks.last_stats.kv_pages_used == 0
     finally:
         ranks.close()
+
+
+def test_tp2_mixed_workload_small_pool_matches_cacheless_tp1(qwen3_dir):
+    """Shared prefixes over a small pool at TP=2 (eviction, preemption, chunking; ranks checked
+    to agree every step) give exactly the outputs of a cache-less TP=1 run; the pool ends free."""
+    from test_prefix_cache import random_workload
+
+    work = [(prompt, msgspec.structs.replace(params, max_tokens=20 + rid % 10)) for rid, (prompt, params) in enumerate(random_workload(60, seed=3))]
+    results = {}
+    for tp_size, kwargs in [(1, dict(cache="naive", max_total_tokens=4096)),
+                            (2, dict(cache="radix", max_total_tokens=160, chunked_prefill_size=16))]:
+        ranks = Ranks(qwen3_dir, tp_size, page_size=4, **kwargs)
+        try:
+            for rid, (prompt, params) in enumerate(work):
+                ranks.send(GenerateRequest(rid, prompt, msgspec.structs.replace(params, seed=rid)))
+            results[tp_size] = ranks.collect(set(range(len(work))))
+            stats = ranks.last_stats
+            ranks.send(FlushCache())
+            ranks.send(GenerateRequest(999, [1, 2, 3], SamplingParams(max_tokens=1, seed=0)))
+            ranks.collect({999})
+            after_flush = ranks.last_stats
+        finally:
+            ranks.close()
+        if tp_size == 2:
+            assert stats.preemptions_total > 0 and stats.evicted_pages_total > 0 and stats.cached_tokens_total > 0
+            assert after_flush.kv_pages_used == 0
+            assert after_flush.kv_pages_cached <= 1, "only request 999's own page may be cached"
+    assert results[1] == results[2]
+    assert all(reason == "length" for _, reason, _ in results[2].values())

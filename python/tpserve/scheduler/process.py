@@ -80,6 +80,9 @@ class SchedulerLoop:
         elif isinstance(msg, AbortRequest):
             if self.scheduler.abort(msg.rid):
                 return [TokenOutput(msg.rid, [], "abort")]
+        elif isinstance(msg, FlushCache):
+            flushed = self.scheduler.flush_cache()
+            logger.info("prefix cache flushed (%s)", "pool fully free" if flushed else "requests still running")
         return []
 
     def check_agreement(self, outputs: list[TokenOutput]) -> None:

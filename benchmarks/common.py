@@ -1,0 +1,129 @@
+"""Shared by the benchmarks: the device's ceilings measured in the same run, engine set-up,
+model byte/FLOP counts, tables and JSON output."""
+
+from __future__ import annotations
+
+import json
+import os
+import statistics
+import time
+from collections.abc import Callable, Sequence
+
+import torch
+
+from tpserve.config import EngineConfig
+from tpserve.engine.engine import Engine
+
+
+def device_name() -> str:
+    return torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+
+
+def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
+    """Median seconds of ``fn`` on the current stream, timed with CUDA events."""
+    for _ in range(warmup):
+        fn()
+    times = []
+    for _ in range(iters):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3)
+    return statistics.median(times)
+
+
+def copy_bandwidth(gib: float = 4.0) -> float:
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
+    n = int(gib * 2**30) // 2
+    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(src)
+    seconds = time_cuda(lambda: dst.copy_(src), warmup=3, iters=20)
+    del src, dst
+    torch.cuda.empty_cache()
+    return 2 * n * 2 / seconds
+
+
+def matmul_peak(n: int = 8192, sets: int = 3) -> float:
+    """bf16 matmul FLOP/s on random inputs, rotating among ``sets`` input pairs."""
+    pairs = [
+        (torch.randn(n, n, dtype=torch.bfloat16, device="cuda"), torch.randn(n, n, dtype=torch.bfloat16, device="cuda"))
+        for _ in range(sets)
+    ]
+    out = torch.empty(n, n, dtype=torch.bfloat16, device="cuda")
+    state = {"i": 0}
+
+    def run() -> None:
+        a, b = pairs[state["i"] % sets]
+        state["i"] += 1
+        torch.matmul(a, b, out=out)
+
+    seconds = time_cuda(run, warmup=5, iters=30)
+    del pairs, out
+    torch.cuda.empty_cache()
+    return 2 * n**3 / seconds
+
+
+def make_engine(model: str, **overrides) -> Engine:
+    config = EngineConfig(model=model, load_format="dummy", dtype="bfloat16", **overrides)
+    return Engine(config)
+
+
+def weight_bytes_per_decode_step(engine: Engine, batch_size: int) -> int:
+    """Parameter bytes a decode step reads: every weight once, but an untied input embedding
+    only for the batch's rows."""
+    model = engine.model
+    total = sum(p.numel() * p.element_size() for p in model.parameters())
+    embed = model.model.embed_tokens.weight
+    if engine.model_config.tie_word_embeddings:
+        return total
+    row_bytes = embed.shape[1] * embed.element_size()
+    return total - embed.numel() * embed.element_size() + batch_size * row_bytes
+
+
+def kv_bytes_per_token(engine: Engine) -> int:
+    cfg = engine.model_config
+    return 2 * cfg.num_hidden_layers * engine.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
+
+
+def prefill_flops(engine: Engine, tokens: int) -> float:
+    """Matmul FLOPs of one causal prefill: 2 per weight per token for the decoder layers, plus
+    QK^T and PV over the causal triangle. The LM head runs on the last token only."""
+    cfg = engine.model_config
+    layer_weights = sum(p.numel() for p in engine.model.model.layers.parameters() if p.dim() == 2)
+    linear = 2 * layer_weights * tokens + 2 * cfg.vocab_size * cfg.hidden_size
+    heads = engine.num_heads
+    attention = cfg.num_hidden_layers * 2 * 2 * heads * cfg.head_dim * tokens * (tokens + 1) / 2
+    return linear + attention
+
+
+def fill_kv_randomly(engine: Engine) -> None:
+    """Timings never run on a zero cache."""
+    gen = torch.Generator(device=engine.device).manual_seed(0)
+    for k, v in zip(engine.kv_pool.k, engine.kv_pool.v):
+        k.normal_(generator=gen)
+        v.normal_(generator=gen)
+
+
+def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:
+    def fmt(value: object) -> str:
+        if isinstance(value, float):
+            return f"{value:,.3f}" if abs(value) < 100 else f"{value:,.0f}"
+        return str(value)
+
+    cells = [[fmt(r.get(c, "")) for c in columns] for r in rows]
+    widths = [max(len(c), *(len(row[i]) for row in cells)) for i, c in enumerate(columns)]
+    print("  ".join(c.rjust(w) for c, w in zip(columns, widths)))
+    for row in cells:
+        print("  ".join(v.rjust(w) for v, w in zip(row, widths)))
+
+
+def write_json(path: str | None, payload: dict) -> None:
+    if not path:
+        return
+    payload = {"date": time.strftime("%Y-%m-%d"), "gpu": device_name(), **payload}
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    with open(path, "w") as f:
+        json.dump(payload, f, indent=2)
+        f.write("\n")
