@@ -4,15 +4,20 @@ model byte/FLOP counts, tables and JSON output."""
 from __future__ import annotations
 
 import json
+import logging
 import os
 import statistics
 import time
 from collections.abc import Callable, Sequence
 
 import torch
-
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
+
+
+def setup_logging() -> None:
+    """Show the engine's start-up log (backend, KV pages, CUDA graph sizes, capture time)."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
 
 
 def device_name() -> str:
@@ -40,8 +45,6 @@ def copy_bandwidth(gib: float = 4.0) -> float:
     src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
     dst = torch.empty_like(src)
     seconds = time_cuda(lambda: dst.copy_(src), warmup=3, iters=20)
-    del src, dst
-    torch.cuda.empty_cache()
     return 2 * n * 2 / seconds
 
 
@@ -60,8 +63,6 @@ def matmul_peak(n: int = 8192, sets: int = 3) -> float:
         torch.matmul(a, b, out=out)
 
     seconds = time_cuda(run, warmup=5, iters=30)
-    del pairs, out
-    torch.cuda.empty_cache()
     return 2 * n**3 / seconds
 
 

@@ -10,12 +10,11 @@ before every replay, padding the batch with one-token sequences on the scratch p
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from importlib import import_module
 from itertools import chain
 from types import ModuleType
-
-import logging
 
 import numpy as np
 import torch
@@ -45,7 +44,7 @@ def flashinfer_available() -> bool:
         import_module("flashinfer")
     except ImportError:
         return False
-    except Exception as exc:  # installed but broken (e.g. a CUDA library mismatch)
+    except Exception as exc:  # noqa: BLE001 -- installed but broken (e.g. a CUDA library mismatch)
         logger.warning("flashinfer failed to import (%s: %s); using torch attention", type(exc).__name__, exc)
         return False
     return True
@@ -206,6 +205,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         return FlashInferMetadata(wrapper, is_decode=True)
 
+    @torch.inference_mode()  # the buffers were made during capture, in inference mode
     def plan_cuda_graph(self, seqs: list[SequenceInput], meta: FlashInferMetadata, batch_size: int) -> None:
         """Plan a captured size's wrapper for ``seqs`` padded to ``batch_size`` (before replay)."""
         self._plan_decode(meta.wrapper, paged_layout(seqs, self.pool.page_size, pad_to=batch_size))

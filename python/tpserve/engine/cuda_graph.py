@@ -107,6 +107,7 @@ class CUDAGraphRunner:
             len(self.sizes), _format_sizes(self.sizes), time.perf_counter() - start, used / 2**20,
         )
 
+    @torch.inference_mode()
     def run(self, seqs: list[SequenceInput]) -> torch.Tensor:
         """[len(seqs), vocab] logits of a decode batch; valid until the next replay."""
         batch = len(seqs)

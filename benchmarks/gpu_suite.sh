@@ -1,0 +1,50 @@
+#!/usr/bin/env bash
+# The GPU run, on the lent GPU machine, from the repository root (carry .whl .ficache .models):
+#   bash benchmarks/gpu_suite.sh "$OUT" [stage ...]
+# Installs the carried wheels, warms FlashInfer's JIT kernels, runs tests/gpu, then the
+# benchmarks; every stage has a time limit so the whole run ends inside the device call.
+# Writes $OUT/suite.log, $OUT/results/*.json (one per benchmark) and $OUT/ficache.tgz.
+set -u
+out=${1:?usage: gpu_suite.sh OUT_DIR [stage ...]}
+shift
+stages=${*:-warm tests decode06 prefill06 offline06 decode8 prefill8 offline06_eager}
+log=$out/suite.log
+results=$out/results
+mkdir -p "$results" .ficache
+
+python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  && find /tmp/site -exec touch -h -d '2020-01-01' {} + \
+  && export PYTHONPATH=/tmp/site:$PWD/python FLASHINFER_WORKSPACE_BASE=$PWD/.ficache PYTHONUNBUFFERED=1 \
+     MAX_JOBS=16 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false || exit 1
+
+stage() {  # stage NAME SECONDS COMMAND...
+  local name=$1 limit=$2
+  shift 2
+  echo "=== $name: $*" | tee -a "$log"
+  local start=$SECONDS
+  timeout "$limit" "$@" 2>&1 | grep -v '^Loading weights' | tee -a "$log"
+  echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - start)) s" | tee -a "$log"
+}
+
+small=.models/Qwen3-0.6B
+large=.models/Qwen3-8B
+nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$log"
+for s in $stages; do
+  case $s in
+    warm)
+      stage warm 300 python3 benchmarks/warm_flashinfer.py --head-dim 128 --dtype bfloat16
+      tar czf "$out/ficache.tgz" -C .ficache . ;;
+    tests) stage tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
+    decode06) stage decode06 150 python3 benchmarks/decode_latency.py --model $small --out $results/decode_qwen3_0.6b.json ;;
+    prefill06) stage prefill06 60 python3 benchmarks/prefill_throughput.py --model $small --out $results/prefill_qwen3_0.6b.json ;;
+    offline06) stage offline06 150 python3 benchmarks/offline_throughput.py --model $small --out $results/offline_qwen3_0.6b_graphs.json ;;
+    offline06_eager) stage offline06_eager 180 python3 benchmarks/offline_throughput.py --model $small --cuda-graph-max-bs 0 --out $results/offline_qwen3_0.6b_eager.json ;;
+    decode8) stage decode8 120 python3 benchmarks/decode_latency.py --model $large --batch-sizes 1,64 --contexts 512 --out $results/decode_qwen3_8b.json ;;
+    prefill8) stage prefill8 90 python3 benchmarks/prefill_throughput.py --model $large --lengths 1024,4096,8192,16384 --out $results/prefill_qwen3_8b.json ;;
+    profile06) stage profile06 90 python3 benchmarks/profile_decode.py --model $small --batch-sizes 1,64,256 --out $results/profile_qwen3_0.6b.json ;;
+    profile8) stage profile8 120 python3 benchmarks/profile_decode.py --model $large --batch-sizes 1,64 --out $results/profile_qwen3_8b.json ;;
+    *) echo "unknown stage $s" | tee -a "$log" ;;
+  esac
+done
+echo "=== summary" | tee -a "$log"
+python3 benchmarks/summarize.py "$results" /tmp/tpserve-results.json 2>&1 | tee -a "$log"

@@ -1,0 +1,95 @@
+"""Where a decode step's time goes: the CUDA graph's GPU time, the host's planning, sampling and
+sync around it, and (eager) how many kernels one forward launches and how long they run.
+
+    python benchmarks/profile_decode.py --model ../shared/models/configs/Qwen3-8B --batch-sizes 1,64
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import time
+from functools import partial
+
+import torch
+from common import (
+    fill_kv_randomly,
+    make_engine,
+    print_table,
+    setup_logging,
+    time_cuda,
+    write_json,
+)
+from torch.profiler import ProfilerActivity, profile
+from tpserve.engine.batch import SequenceInput
+from tpserve.engine.sampler import SamplingBatch
+from tpserve.kvcache.pool import PageAllocator
+from tpserve.sampling_params import SamplingParams
+
+
+def sample_and_sync(sampler, logits: torch.Tensor, sampling: SamplingBatch) -> list[int]:
+    return sampler(logits, sampling).tolist()
+
+
+def wall(fn, iters: int = 20) -> float:
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        times.append(time.perf_counter() - start)
+    return statistics.median(times)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--batch-sizes", default="1,64")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    setup_logging()
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    engine = make_engine(args.model, cuda_graph_max_bs=max(sizes))
+    fill_kv_randomly(engine)
+    runner = engine.graph_runner
+    allocator = PageAllocator(engine.num_pages)
+    rows = []
+    for batch in sizes:
+        tables = [allocator.allocate(-(-(args.context + 1) // engine.page_size)) for _ in range(batch)]
+        seqs = [SequenceInput([7], args.context, t) for t in tables]
+        sampling = SamplingBatch.build(
+            [SamplingParams(temperature=0.0)] * batch, [0] * batch, [0] * batch,
+            engine.model_config.vocab_size, engine.device,
+        )
+        size = runner.sizes[next(i for i, s in enumerate(runner.sizes) if s >= batch)]
+        graph = runner.graphs[size]
+        row = {"batch": batch}
+        row["step_graph_ms"] = wall(partial(engine.step, seqs, sampling)) * 1e3
+        row["replay_gpu_ms"] = time_cuda(graph.graph.replay, warmup=3, iters=20) * 1e3
+        row["plan_host_ms"] = wall(partial(engine.attention.plan_cuda_graph, seqs, graph.attn_meta, size)) * 1e3
+        logits = runner.run(seqs)
+        row["sample_sync_ms"] = wall(partial(sample_and_sync, engine.sampler, logits, sampling)) * 1e3
+        engine.graph_runner = None
+        row["step_eager_ms"] = wall(partial(engine.step, seqs, sampling)) * 1e3
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            engine.forward(seqs)
+            torch.cuda.synchronize()
+        engine.graph_runner = runner
+        kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+        row["eager_kernels"] = len(kernels)
+        row["eager_kernel_ms"] = sum(e.device_time_total for e in kernels) / 1e3
+        rows.append(row)
+        print(row, flush=True)
+        top = prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60)
+        print(f"eager forward, batch {batch}: top kernels\n{top}", flush=True)
+        for t in tables:
+            allocator.free(t)
+    print(f"\nDecode step breakdown; model {args.model}; context {args.context}")
+    print_table(rows, list(rows[0]))
+    write_json(args.out, {"benchmark": "profile_decode", "model": args.model, "context": args.context, "rows": rows})
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""Merge the benchmark JSON files of one run into one file and print a short table.
+
+    python benchmarks/summarize.py RESULTS_DIR MERGED_JSON
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import os
+import sys
+
+
+def main() -> None:
+    results_dir, merged_path = sys.argv[1], sys.argv[2]
+    merged = {}
+    for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
+        with open(path) as f:
+            merged[os.path.basename(path)[:-5]] = json.load(f)
+    with open(merged_path, "w") as f:
+        json.dump(merged, f, indent=2)
+
+    lines = []
+    for name, res in merged.items():
+        kind = res.get("benchmark")
+        if kind == "offline_throughput":
+            lines.append(f"{name}: {res['output_tok_per_s']:,.0f} output tok/s ({res['seconds']:.1f} s, graphs<= {res['cuda_graph_max_bs']})")
+        elif kind == "decode_latency":
+            lines.append(f"{name}: copy bw {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, {res['attention']}")
+            for row in res["rows"]:
+                cells = [f"ctx {row['context']:>5} bs {row['batch']:>3} floor {row['floor_ms']:.2f} ms"]
+                for mode in ("graph", "eager"):
+                    if f"{mode}_ms" in row and isinstance(row[f"{mode}_ms"], float):
+                        cells.append(f"{mode} {row[f'{mode}_ms']:.2f} ms ({row[f'{mode}_x_floor']:.2f}x)")
+                lines.append("   " + ", ".join(cells))
+        elif kind == "prefill_throughput":
+            lines.append(f"{name}: matmul peak {res['matmul_peak_flops'] / 1e12:.0f} TFLOP/s, {res['attention']}")
+            for row in res["rows"]:
+                lines.append(
+                    f"   {row['tokens']:>6} tokens: {row['ms']:.1f} ms, {row['tok_per_s']:,.0f} tok/s, MFU {row['MFU']:.2f}"
+                )
+        elif kind == "profile_decode":
+            lines.append(f"{name}: context {res['context']}")
+            for row in res["rows"]:
+                lines.append("   " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,65 @@
+"""Compile (JIT) the FlashInfer kernels tpserve uses, in parallel processes, before anything
+else needs them: CUDA-core decode, tensor-core decode (FlashInfer's fa2 prefill module) and
+paged prefill (fa3 on Hopper). Each is built for the given head_dim and dtype.
+
+    python benchmarks/warm_flashinfer.py --head-dim 128 --dtype bfloat16
+"""
+
+from __future__ import annotations
+
+import argparse
+import subprocess
+import sys
+import time
+
+import torch
+
+PARTS = ("decode", "decode_tensor_cores", "prefill")
+
+
+def warm(part: str, head_dim: int, dtype: torch.dtype) -> None:
+    from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
+    from tpserve.engine.batch import SequenceInput, build_forward_inputs
+    from tpserve.kvcache.pool import KVCachePool
+
+    device = torch.device("cuda")
+    heads, kv_heads = 8, 2
+    pool = KVCachePool(1, 8, 16, kv_heads, head_dim, dtype, device)
+    backend = FlashInferAttentionBackend(
+        pool, heads, kv_heads, head_dim, device, decode_tensor_cores=part == "decode_tensor_cores"
+    )
+    new_tokens = 20 if part == "prefill" else 1
+    seqs = [SequenceInput([1] * new_tokens, 3, [1, 2])]
+    meta = backend.prepare(seqs, device)
+    inputs = build_forward_inputs(seqs, 16, device, meta)
+    q = torch.randn(new_tokens, heads, head_dim, dtype=dtype, device=device)
+    k = torch.randn(new_tokens, kv_heads, head_dim, dtype=dtype, device=device)
+    out = backend.forward(0, q, k, k.clone(), inputs.out_slots, meta)
+    torch.cuda.synchronize()
+    assert torch.isfinite(out).all(), f"{part}: non-finite attention output"
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--head-dim", type=int, default=128)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
+    parser.add_argument("--part", choices=PARTS, default=None, help="warm one part in this process")
+    args = parser.parse_args()
+    if args.part is not None:
+        warm(args.part, args.head_dim, getattr(torch, args.dtype))
+        return
+    start = time.perf_counter()
+    procs = {
+        part: subprocess.Popen(
+            [sys.executable, __file__, "--part", part, "--head-dim", str(args.head_dim), "--dtype", args.dtype]
+        )
+        for part in PARTS
+    }
+    failed = [part for part, proc in procs.items() if proc.wait() != 0]
+    print(f"flashinfer kernels warmed in {time.perf_counter() - start:.0f} s; failed: {failed or 'none'}")
+    if failed:
+        sys.exit(1)
+
+
+if __name__ == "__main__":
+    main()

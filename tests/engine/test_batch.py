@@ -1,0 +1,87 @@
+"""Step inputs built without Python loops over tokens, FlashInfer's page-table layout, CUDA-graph
+batch sizes and attention backend selection: the CPU-checkable parts of the GPU path."""
+
+from __future__ import annotations
+
+import random
+from itertools import pairwise
+
+import pytest
+import torch
+from tpserve.attention.base import create_backend, resolve_backend_name
+from tpserve.attention.flashinfer_backend import paged_layout
+from tpserve.engine.batch import SequenceInput, build_forward_inputs
+from tpserve.engine.cuda_graph import capture_sizes
+from tpserve.kvcache.pool import KVCachePool
+
+
+def reference_inputs(seqs: list[SequenceInput], page_size: int) -> tuple[list[int], ...]:
+    ids, positions, slots, last = [], [], [], []
+    for seq in seqs:
+        ids.extend(seq.token_ids)
+        for pos in range(seq.prefix_len, seq.seq_len):
+            positions.append(pos)
+            slots.append(seq.page_table[pos // page_size] * page_size + pos % page_size)
+        last.append(len(ids) - 1)
+    return ids, positions, slots, last
+
+
+def random_seqs(rng: random.Random, page_size: int) -> list[SequenceInput]:
+    seqs = []
+    for _ in range(rng.randint(1, 6)):
+        prefix, new = rng.randint(0, 40), rng.randint(1, 30)
+        pages = -(-(prefix + new) // page_size) + rng.randint(0, 3)  # tables may be longer
+        seqs.append(SequenceInput([rng.randrange(100) for _ in range(new)], prefix, rng.sample(range(1, 500), pages)))
+    return seqs
+
+
+@pytest.mark.parametrize("page_size", [1, 3, 16])
+def test_forward_inputs_match_per_token_reference(page_size):
+    rng = random.Random(page_size)
+    for _ in range(50):
+        seqs = random_seqs(rng, page_size)
+        inputs = build_forward_inputs(seqs, page_size, torch.device("cpu"), None)
+        got = (inputs.input_ids, inputs.positions, inputs.out_slots, inputs.last_indices)
+        assert [t.tolist() for t in got] == list(reference_inputs(seqs, page_size))
+
+
+def test_forward_inputs_errors():
+    cpu = torch.device("cpu")
+    with pytest.raises(ValueError, match="too short for 20 tokens"):
+        build_forward_inputs([SequenceInput([1] * 4, 16, [1])], 16, cpu, None)
+    with pytest.raises(ValueError, match="at least one new token"):
+        build_forward_inputs([SequenceInput([], 3, [1])], 16, cpu, None)
+    with pytest.raises(ValueError, match="at least one sequence"):
+        build_forward_inputs([], 16, cpu, None)
+
+
+def test_paged_layout_and_padding():
+    seqs = [SequenceInput([1, 2, 3], 14, [7, 9, 11]), SequenceInput([4], 0, [5, 6])]
+    layout = paged_layout(seqs, 16, pad_to=4)
+    assert layout.kv_indptr.tolist() == [0, 2, 3, 4, 5]
+    assert layout.kv_indices.tolist() == [7, 9, 5, 0, 0]  # padding rows read the scratch page
+    assert layout.last_page_len.tolist() == [1, 1, 1, 1]
+    assert layout.qo_indptr.tolist() == [0, 3, 4, 5, 6]
+    assert layout.kv_indptr.dtype == torch.int32 and layout.kv_indices.dtype == torch.int32
+    with pytest.raises(ValueError, match="too short"):
+        paged_layout([SequenceInput([1], 16, [3])], 16)
+
+
+def test_capture_sizes():
+    assert capture_sizes(0) == []
+    assert capture_sizes(1) == [1]
+    assert capture_sizes(6) == [1, 2, 4, 6]
+    assert capture_sizes(20) == [1, 2, 4, 8, 16, 20]
+    sizes = capture_sizes(256)
+    assert sizes[:5] == [1, 2, 4, 8, 16] and sizes[-1] == 256 and all(b - a == 8 for a, b in pairwise(sizes[4:]))
+
+
+def test_backend_selection_on_cpu():
+    cpu = torch.device("cpu")
+    assert resolve_backend_name("auto", cpu) == "torch"
+    assert resolve_backend_name("flashinfer", cpu) == "flashinfer"
+    with pytest.raises(ValueError, match="unknown attention backend"):
+        resolve_backend_name("xformers", cpu)
+    pool = KVCachePool(1, 4, 16, 2, 128, torch.bfloat16, cpu)
+    with pytest.raises(ValueError, match="needs a CUDA device"):
+        create_backend("flashinfer", pool, 4, 2, 128, cpu)
