@@ -145,6 +145,7 @@ class EngineConfig:
     seed: int = 0
     dist_init_addr: str | None = None  # tcp://127.0.0.1:PORT chosen by the parent; None for tp 1
     attention_backend: str = "auto"  # auto (flashinfer on CUDA when installed) | flashinfer | torch
+    disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
     debug_check_ranks: bool = False
     extra: dict[str, Any] = field(default_factory=dict)

@@ -95,7 +95,7 @@ def test_tp2_mixed_workload_small_pool_matches_cacheless_tp1(qwen3_dir):
 
     work = [(prompt, msgspec.structs.replace(params, max_tokens=20 + rid % 10)) for rid, (prompt, params) in enumerate(random_workload(60, seed=3))]
     results = {}
-    for tp_size, kwargs in [(1, dict(cache="naive", max_total_tokens=4096)),
+    for tp_size, kwargs in [(1, dict(cache="naive", max_total_tokens=4096, disable_overlap=True)),
                             (2, dict(cache="radix", max_total_tokens=160, chunked_prefill_size=16))]:
         ranks = Ranks(qwen3_dir, tp_size, page_size=4, **kwargs)
         try:

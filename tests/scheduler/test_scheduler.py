@@ -100,6 +100,7 @@ def test_abort_frees_pages(small_engine):
     scheduler.step()
     assert scheduler.allocator.num_used > 0 and len(scheduler.waiting) == 1
     assert scheduler.abort(0) and scheduler.abort(1) and scheduler.abort(2)
+    assert scheduler.step() == [], "the step in flight is discarded"
     scheduler.flush_cache()
     assert not scheduler.abort(1)
     assert scheduler.allocator.num_free == scheduler.allocator.total and not scheduler.has_work

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tpserve.attention.base import AttentionBackend
-from tpserve.engine.batch import ForwardInputs, SequenceInput, build_host_batch
+from tpserve.engine.batch import ForwardInputs, SequenceInput, build_host_batch, resolve_future_tokens
 from tpserve.models.decoder import CausalLM, ForwardContext
 
 logger = logging.getLogger(__name__)
@@ -108,8 +108,9 @@ class CUDAGraphRunner:
         )
 
     @torch.inference_mode()
-    def run(self, seqs: list[SequenceInput]) -> torch.Tensor:
-        """[len(seqs), vocab] logits of a decode batch; valid until the next replay."""
+    def run(self, seqs: list[SequenceInput], previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+        """[len(seqs), vocab] logits of a decode batch; valid until the next replay.
+        Negative token ids are placeholders for rows of ``previous_tokens`` (overlap scheduling)."""
         batch = len(seqs)
         size = self.sizes[bisect_left(self.sizes, batch)]
         graph = self.graphs[size]
@@ -117,6 +118,8 @@ class CUDAGraphRunner:
         padded = np.zeros((3, size), dtype=np.int64)
         padded[:, :batch] = host.tokens
         self.tokens[:, :size].copy_(torch.from_numpy(padded), non_blocking=True)
+        if previous_tokens is not None:
+            self.tokens[0, :batch] = resolve_future_tokens(self.tokens[0, :batch], previous_tokens)
         self.attention.plan_cuda_graph(seqs, graph.attn_meta, size)
         graph.graph.replay()
         return graph.logits[:batch]

@@ -11,7 +11,7 @@ from tpserve.attention.base import create_backend
 from tpserve.config import EngineConfig, ModelConfig, resolve_dtype
 from tpserve.distributed.comm import init_process_groups
 from tpserve.distributed.info import set_tp_info
-from tpserve.engine.batch import SequenceInput, build_forward_inputs
+from tpserve.engine.batch import SequenceInput, build_forward_inputs, resolve_future_tokens
 from tpserve.engine.cuda_graph import CUDAGraphRunner
 from tpserve.engine.sampler import Sampler, SamplingBatch
 from tpserve.kvcache.pool import KVCachePool
@@ -21,6 +21,19 @@ from tpserve.models.loader import load_model_weights
 logger = logging.getLogger(__name__)
 
 DEFAULT_CPU_KV_TOKENS = 32768
+
+
+class LaunchedStep:
+    """A step's sampled tokens, copied to the host in the background."""
+
+    def __init__(self, host_tokens: torch.Tensor, done: "torch.cuda.Event | None") -> None:
+        self.host_tokens = host_tokens
+        self.done = done
+
+    def result(self) -> list[int]:
+        if self.done is not None:
+            self.done.synchronize()
+        return self.host_tokens.tolist()
 
 
 def resolve_device(device: str | None, rank: int) -> torch.device:
@@ -83,6 +96,8 @@ class Engine:
         )
         self.sampler = Sampler()
         self.graph_runner = self._capture_cuda_graphs()
+        self._last_tokens: torch.Tensor | None = None  # the last launched step's samples
+        self._planned: torch.cuda.Event | None = None
         if rank == 0:
             logger.info(
                 "engine ready: %s on %s, %s, tp %d, %s attention, %d KV pages of %d tokens, CUDA graphs %s",
@@ -123,22 +138,45 @@ class Engine:
         return pages
 
     @torch.inference_mode()
-    def forward(self, seqs: list[SequenceInput]) -> torch.Tensor:
+    def forward(self, seqs: list[SequenceInput], previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """Run one step over prefills and decodes alike; returns [B, vocab] float logits.
 
+        A negative token id -(r + 1) stands for row r of ``previous_tokens`` (the last step's
+        samples, still on the device): overlap scheduling plans a step before it knows them.
         Decode batches that fit a captured CUDA graph replay it; the logits it returns are
         overwritten by the next replay.
         """
         if self.graph_runner is not None and self.graph_runner.can_run(seqs):
-            return self.graph_runner.run(seqs)
+            return self.graph_runner.run(seqs, previous_tokens)
         meta = self.attention.prepare(seqs, self.device)
         inputs = build_forward_inputs(seqs, self.page_size, self.device, meta)
+        if previous_tokens is not None:
+            inputs.input_ids = resolve_future_tokens(inputs.input_ids, previous_tokens)
         return self.model(ForwardContext(inputs, self.attention))
 
     @torch.inference_mode()
+    def launch(self, seqs: list[SequenceInput], sampling: SamplingBatch) -> "LaunchedStep":
+        """Enqueue one step (forward + sampling) without waiting for it; see ``LaunchedStep``."""
+        if self._planned is not None:
+            # Attention planning fills pinned host buffers that the previous step's queued
+            # copies may still read: wait until those copies have run.
+            self._planned.synchronize()
+        has_futures = any(t < 0 for s in seqs for t in s.token_ids[:1])
+        logits = self.forward(seqs, self._last_tokens if has_futures else None)
+        tokens = self.sampler(logits, sampling)
+        self._last_tokens = tokens
+        if self.device.type != "cuda":
+            return LaunchedStep(tokens, None)
+        self._planned = torch.cuda.Event()
+        self._planned.record()
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
+        return LaunchedStep(host, done)
+
     def step(self, seqs: list[SequenceInput], sampling: SamplingBatch) -> list[int]:
-        logits = self.forward(seqs)
-        return self.sampler(logits, sampling).tolist()
+        return self.launch(seqs, sampling).result()
 
     def shutdown(self) -> None:
         if torch.distributed.is_initialized():

@@ -19,7 +19,9 @@ class Request:
     pages: list[int] = field(default_factory=list)  # page table: shared prefix pages, then its own
     num_shared_pages: int = 0  # leading pages that belong to the prefix cache
     prefix_node: Node | None = None  # the locked prefix-cache node behind the shared pages
-    num_cached: int = 0  # leading tokens whose K/V are in the cache
+    num_cached: int = 0  # leading tokens whose K/V are computed (or enqueued on the device)
+    pending: int = 0  # 1 while a launched step's sample for it is not yet known on the host
+    future_row: int = -1  # its row in the last launched step, where that pending sample is
     admit_order: int = -1  # when it was (last) admitted; the newest is preempted first
     cached_tokens: int = -1  # prefix-cache hit at first admission, reported in usage
     finish_reason: str | None = None
@@ -33,9 +35,20 @@ class Request:
         return len(self.prompt_ids) + len(self.output_ids)
 
     @property
-    def num_pending(self) -> int:
+    def num_to_compute(self) -> int:
         """Tokens to compute before the next sample: 1 when decoding, more when (re)prefilling."""
-        return self.num_tokens - self.num_cached
+        return self.num_tokens + self.pending - self.num_cached
+
+    @property
+    def samples_left(self) -> int:
+        return self.max_new_tokens - len(self.output_ids) - self.pending
+
+    def input_ids(self, n: int) -> list[int]:
+        """The next ``n`` tokens to compute; a pending sample is the placeholder -(row + 1)."""
+        ids = self.all_ids[self.num_cached : self.num_cached + n]
+        if self.pending and len(ids) < n:
+            ids.append(-(self.future_row + 1))
+        return ids
 
     @property
     def finished(self) -> bool:

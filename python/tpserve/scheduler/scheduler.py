@@ -11,9 +11,10 @@ from __future__ import annotations
 
 import logging
 from collections import deque
+from dataclasses import dataclass
 
 from tpserve.engine.batch import SequenceInput
-from tpserve.engine.engine import Engine
+from tpserve.engine.engine import Engine, LaunchedStep
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.kvcache.pool import PageAllocator
 from tpserve.kvcache.radix import create_prefix_cache
@@ -24,6 +25,12 @@ from tpserve.scheduler.request import Request
 logger = logging.getLogger(__name__)
 
 LPM_MAX_QUEUE = 128  # longest-prefix-match ordering costs a tree walk per waiting request
+
+
+@dataclass
+class _Launched:
+    entries: list[tuple[Request, bool]]  # (request, whether its sample counts), in batch order
+    handle: LaunchedStep
 
 
 class RequestRejected(ValueError):
@@ -48,6 +55,8 @@ class Scheduler:
         self.evicted_pages_total = 0
         self.preemptions_total = 0
         self.check_accounting = self.config.debug_check_ranks
+        self.overlap = not self.config.disable_overlap
+        self.inflight: _Launched | None = None
 
     # ---- requests in and out ----
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
@@ -87,7 +96,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.running or self.inflight)
 
     def stats(self) -> SchedulerStats:
         free, cached = self.allocator.num_free, self.cache.num_evictable
@@ -105,48 +114,67 @@ class Scheduler:
 
     # ---- one step ----
     def step(self) -> list[TokenOutput]:
-        """Schedule, run one forward pass, sample; returns the requests' new tokens."""
+        """Schedule and launch one step, then apply the samples of the step before it (overlap)
+        or of this one (no overlap). Returns the requests' new tokens."""
         self.step_count += 1
         self.cache.clock = self.step_count
         outputs: list[TokenOutput] = []
+        scheduled = self._schedule(outputs)
+        launched = self._launch(scheduled) if scheduled else None
+        if self.inflight is not None:  # the device ran it while this step was being planned
+            outputs += self._process(self.inflight)
+        self.inflight = launched
+        if self.inflight is not None and not self.overlap:
+            outputs += self._drain()
+        if self.check_accounting:
+            self._check_accounting()
+        return outputs
+
+    def _schedule(self, outputs: list[TokenOutput]) -> list[tuple[Request, int]]:
         budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
         scheduled: list[tuple[Request, int]] = []
         for req in sorted(self.running.values(), key=lambda r: r.admit_order):
-            if req.rid not in self.running:
-                continue  # preempted by an older request this step
-            n = 1 if req.num_pending == 1 else min(req.num_pending, budget)
-            if n == 0:
-                continue
-            if self._grow(req, req.num_cached + n, outputs):
+            if self.running.get(req.rid) is not req or req.samples_left <= 0:
+                continue  # gone during a drain, or only waiting for its last sample
+            todo = req.num_to_compute
+            n = 1 if todo == 1 else min(todo, budget)
+            if n > 0 and self._grow(req, req.num_cached + n, outputs):
                 scheduled.append((req, n))
-                if req.num_pending > 1:
+                if todo > 1:
                     budget -= n
-        scheduled.extend(self._admit(budget))
-        if self.check_accounting:
-            self._check_accounting()
-        if not scheduled:
-            return outputs
-        scheduled.sort(key=lambda item: item[0].rid)
-        return outputs + self._run(scheduled)
+        # A drain inside _grow may have finished requests scheduled before it.
+        scheduled = [(req, n) for req, n in scheduled if self.running.get(req.rid) is req]
+        return scheduled + self._admit(budget, outputs)
 
-    def _run(self, scheduled: list[tuple[Request, int]]) -> list[TokenOutput]:
-        seqs = [
-            SequenceInput(req.all_ids[req.num_cached : req.num_cached + n], req.num_cached, req.pages)
-            for req, n in scheduled
-        ]
+    def _launch(self, scheduled: list[tuple[Request, int]]) -> _Launched:
+        scheduled.sort(key=lambda item: item[0].rid)
+        seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages) for req, n in scheduled]
         sampling = SamplingBatch.build(
             [req.params for req, _ in scheduled],
             [req.seed for req, _ in scheduled],
-            [len(req.output_ids) for req, _ in scheduled],
+            [len(req.output_ids) + req.pending for req, _ in scheduled],
             self.engine.model_config.vocab_size,
             self.engine.device,
         )
-        tokens = self.engine.step(seqs, sampling)
-        outputs = []
-        for (req, n), token in zip(scheduled, tokens):
+        handle = self.engine.launch(seqs, sampling)
+        entries = []
+        for row, (req, n) in enumerate(scheduled):
+            # Only a chunk that reaches the end of the known sequence yields a usable sample.
+            sampled = req.num_cached + n == req.num_tokens + req.pending
             req.num_cached += n
-            if req.num_cached < req.num_tokens:
-                continue  # a prefill chunk that does not reach the end: its sample is not used
+            if sampled:
+                req.pending += 1
+                req.future_row = row
+            entries.append((req, sampled))
+        return _Launched(entries, handle)
+
+    def _process(self, launched: _Launched) -> list[TokenOutput]:
+        tokens = launched.handle.result()
+        outputs = []
+        for (req, sampled), token in zip(launched.entries, tokens):
+            if not sampled or self.running.get(req.rid) is not req:
+                continue  # a mid-prompt chunk, or the request finished/aborted meanwhile
+            req.pending -= 1
             first = not req.output_ids
             req.output_ids.append(token)
             req.finish_reason = self._finish_reason(req, token)
@@ -163,8 +191,13 @@ class Scheduler:
                 self._release(self.running.pop(req.rid))
         return outputs
 
+    def _drain(self) -> list[TokenOutput]:
+        """Wait for the step in flight and apply its samples."""
+        launched, self.inflight = self.inflight, None
+        return self._process(launched) if launched is not None else []
+
     # ---- admission ----
-    def _admit(self, budget: int) -> list[tuple[Request, int]]:
+    def _admit(self, budget: int, outputs: list[TokenOutput]) -> list[tuple[Request, int]]:
         admitted: list[tuple[Request, int]] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
             req = self._next_waiting()
@@ -177,6 +210,11 @@ class Scheduler:
             self.cache.lock(match.node)
             if need > self.allocator.num_free + self.cache.num_evictable:
                 self.cache.unlock(match.node)
+                if not self.running and self.inflight is None:  # it can never fit
+                    self.waiting.remove(req)
+                    logger.warning("request %d stopped: it no longer fits in the whole KV cache", req.rid)
+                    outputs.append(TokenOutput(req.rid, [], "length"))
+                    continue
                 break  # it waits for pages; requests behind it do not overtake it
             self.waiting.remove(req)
             req.pages, req.num_shared_pages, req.prefix_node = list(match.pages), match.num_pages, match.node
@@ -205,6 +243,13 @@ class Scheduler:
         requests as needed. False if ``req`` itself had to give way."""
         need = -(-num_tokens // self.page_size) - len(req.pages)
         while need > self.allocator.num_free + self.cache.num_evictable:
+            if self.inflight is not None:
+                # Preempted requests are recomputed from their tokens: learn the pending ones
+                # first (finishing requests may also free enough pages).
+                outputs += self._drain()
+                if self.running.get(req.rid) is not req:
+                    return False
+                continue
             newer = [r for r in self.running.values() if r.admit_order > req.admit_order]
             if newer:
                 self._preempt(max(newer, key=lambda r: r.admit_order))
@@ -234,7 +279,7 @@ class Scheduler:
         self.preemptions_total += 1
         logger.info("preempting request %d (%d tokens) to free KV pages", req.rid, req.num_tokens)
         self._release(self.running.pop(req.rid))
-        req.num_cached = 0
+        req.num_cached, req.pending = 0, 0
         self.waiting.appendleft(req)
 
     def _release(self, req: Request) -> None:
