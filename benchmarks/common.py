@@ -123,7 +123,9 @@ def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:
 def write_json(path: str | None, payload: dict) -> None:
     if not path:
         return
-    payload = {"date": time.strftime("%Y-%m-%d"), "gpu": device_name(), **payload}
+    from tpserve import kernels
+
+    payload = {"date": time.strftime("%Y-%m-%d"), "gpu": device_name(), "fused_kernels": kernels.ENABLED, **payload}
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
     with open(path, "w") as f:
         json.dump(payload, f, indent=2)

@@ -16,6 +16,12 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && find /tmp/site -exec touch -h -d '2020-01-01' {} + \
   && export PYTHONPATH=/tmp/site:$PWD/python FLASHINFER_WORKSPACE_BASE=$PWD/.ficache PYTHONUNBUFFERED=1 \
      MAX_JOBS=16 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false || exit 1
+# FlashInfer's norm, rotary and SiLU-and-mul modules, prebuilt off the GPU machine
+# (benchmarks/build_flashinfer_aot.sh), load as AOT modules: no JIT build on this machine.
+if [ -d .fiaot ]; then
+  mkdir -p /tmp/site/flashinfer/data/aot && cp -r .fiaot/. /tmp/site/flashinfer/data/aot/
+fi
+touch /tmp/ficache-marker
 
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 limit=$2
@@ -42,9 +48,20 @@ for s in $stages; do
     decode8) stage decode8 120 python3 benchmarks/decode_latency.py --model $large --batch-sizes 1,64 --contexts 512 --out $results/decode_qwen3_8b.json ;;
     prefill8) stage prefill8 90 python3 benchmarks/prefill_throughput.py --model $large --lengths 1024,4096,8192,16384 --out $results/prefill_qwen3_8b.json ;;
     profile06) stage profile06 90 python3 benchmarks/profile_decode.py --model $small --batch-sizes 1,64,256 --out $results/profile_qwen3_0.6b.json ;;
+    fused_tests) stage fused_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fused_kernels.py tests/gpu/test_flashinfer_and_graphs.py ;;
+    decode06_fused) stage decode06_fused 45 python3 benchmarks/decode_latency.py --model $small --batch-sizes 1,64,256 --contexts 512 --out $results/decode_qwen3_0.6b_fused.json ;;
+    decode06_torch) stage decode06_torch 35 env TPSERVE_FUSED_KERNELS=0 python3 benchmarks/decode_latency.py --model $small --batch-sizes 1,64,256 --contexts 512 --modes graph --out $results/decode_qwen3_0.6b_torchops.json ;;
+    decode8_fused) stage decode8_fused 45 python3 benchmarks/decode_latency.py --model $large --batch-sizes 1,64 --contexts 512 --out $results/decode_qwen3_8b_fused.json ;;
+    profile8_b1) stage profile8_b1 35 python3 benchmarks/profile_decode.py --model $large --batch-sizes 1 --out $results/profile_qwen3_8b_bs1.json ;;
+    offline06_fused) stage offline06_fused 75 python3 benchmarks/offline_throughput.py --model $small --out $results/offline_qwen3_0.6b_fused.json ;;
+    sampler) stage sampler 25 python3 benchmarks/sampler_latency.py --batch-sizes 1,64,256 --out $results/sampler.json ;;
+    ceilings) stage ceilings 20 python3 benchmarks/ceilings.py --out $results/ceilings.json ;;
     profile8) stage profile8 120 python3 benchmarks/profile_decode.py --model $large --batch-sizes 1,64 --out $results/profile_qwen3_8b.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done
+if [ -n "$(find .ficache -newer /tmp/ficache-marker -name '*.so' 2>/dev/null)" ]; then
+  tar czf "$out/ficache.tgz" -C .ficache . && echo "new FlashInfer JIT modules: bring back $out/ficache.tgz" | tee -a "$log"
+fi
 echo "=== summary" | tee -a "$log"
 python3 benchmarks/summarize.py "$results" /tmp/tpserve-results.json 2>&1 | tee -a "$log"

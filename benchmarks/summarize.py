@@ -26,7 +26,8 @@ def main() -> None:
         if kind == "offline_throughput":
             lines.append(f"{name}: {res['output_tok_per_s']:,.0f} output tok/s ({res['seconds']:.1f} s, graphs<= {res['cuda_graph_max_bs']})")
         elif kind == "decode_latency":
-            lines.append(f"{name}: copy bw {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, {res['attention']}")
+            fused = "fused kernels" if res.get("fused_kernels", False) else "torch ops"
+            lines.append(f"{name}: copy bw {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, {res['attention']}, {fused}")
             for row in res["rows"]:
                 cells = [f"ctx {row['context']:>5} bs {row['batch']:>3} floor {row['floor_ms']:.2f} ms"]
                 for mode in ("graph", "eager"):
@@ -38,6 +39,18 @@ def main() -> None:
             for row in res["rows"]:
                 lines.append(
                     f"   {row['tokens']:>6} tokens: {row['ms']:.1f} ms, {row['tok_per_s']:,.0f} tok/s, MFU {row['MFU']:.2f}"
+                )
+        elif kind == "ceilings":
+            lines.append(
+                f"{name}: copy {res['copy_bandwidth_Bps'] / 1e12:.2f} TB/s, "
+                f"bf16 matmul {res['matmul_peak_flops'] / 1e12:.0f} TFLOP/s"
+            )
+        elif kind == "sampler_latency":
+            lines.append(f"{name}: vocab {res['vocab']}")
+            for row in res["rows"]:
+                lines.append(
+                    f"   bs {row['batch']:>3}: fused {row['fused_ms']:.3f} ms, torch {row['torch_ms']:.3f} ms, "
+                    f"rows agreeing {row['agree']:.1%}"
                 )
         elif kind == "profile_decode":
             lines.append(f"{name}: context {res['context']}")

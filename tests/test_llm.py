@@ -23,7 +23,7 @@ def llm(qwen3_dir):
 
 def test_text_and_token_prompts_agree(llm):
     text = "Hello world, 你好"
-    ids = llm.tokenizer.encode(text, add_special_tokens=False)
+    ids = llm.tokenizer.encode(text)
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
     a, b = llm.generate([text, ids], greedy, use_tqdm=False)
     assert a.token_ids == b.token_ids and a.prompt_token_ids == ids

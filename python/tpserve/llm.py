@@ -7,6 +7,7 @@ batching, and rank 0 sends the results back.
 
 from __future__ import annotations
 
+import gc
 import logging
 import multiprocessing as mp
 import random
@@ -16,6 +17,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 
+import torch
 from tqdm import tqdm
 
 from tpserve.config import EngineConfig, ModelConfig
@@ -199,6 +201,7 @@ class LLM:
         self._seed_rng = random.Random()
         self._ranks: _RankProcesses | None = None
         self._scheduler = None
+        self._engine = None
         if tp_size == 1:
             from tpserve.engine.engine import Engine
             from tpserve.scheduler.scheduler import Scheduler
@@ -259,7 +262,7 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
-            return self.tokenizer.encode(prompt, add_special_tokens=False)
+            return self.tokenizer.encode(prompt)  # with the model's special tokens (e.g. BOS), as the server does
         return [int(t) for t in prompt]
 
     def _output(self, job: _Job, token_ids: list[int], finish_reason: str) -> RequestOutput:
@@ -267,10 +270,18 @@ class LLM:
         return RequestOutput(job.prompt_ids, token_ids, text, finish_reason)
 
     def close(self) -> None:
+        """Stop the rank processes, or free this process's engine (GPU memory included)."""
         if self._ranks is not None:
             self._ranks.close()
             self._ranks = None
-        self._scheduler = None
+        if self._scheduler is not None:
+            self._scheduler = None
+            engine, self._engine = self._engine, None
+            engine.shutdown()
+            del engine
+            gc.collect()
+            if torch.cuda.is_available():
+                torch.cuda.empty_cache()
 
     def __enter__(self) -> "LLM":
         return self

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import multiprocessing as mp
+import shutil
 from dataclasses import replace
 
 import msgspec
@@ -59,6 +60,7 @@ class Ranks:
         for p in self.procs:
             p.join(20)
         self.zmq.destroy(linger=0)
+        shutil.rmtree(self.endpoints.directory, ignore_errors=True)
         assert all(p.exitcode == 0 for p in self.procs), [p.exitcode for p in self.procs]
 
 

@@ -6,7 +6,8 @@ strings). It honours max_tokens ("length"), stop_token_ids and EOS ("stop", unle
 AbortRequest ("abort") and Shutdown, and reports stats like the real scheduler.
 
 Env: FAKE_SCHEDULER_STEP_S (seconds per step, default 0.005), FAKE_SCHEDULER_FAIL=1 (exit with
-code 3 at start-up, to test start-up failures). EOS ids come from the model's config.
+code 3 at start-up, to test start-up failures), FAKE_SCHEDULER_START_DELAY_S (a slow model load).
+EOS ids come from the model's config.
 """
 
 from __future__ import annotations
@@ -20,7 +21,6 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
-
 from tpserve.config import EngineConfig, ModelConfig
 from tpserve.message import (
     AbortRequest,
@@ -48,6 +48,7 @@ def run_fake_scheduler(
 ) -> None:
     if os.environ.get("FAKE_SCHEDULER_FAIL") == "1":
         sys.exit(3)
+    time.sleep(float(os.environ.get("FAKE_SCHEDULER_START_DELAY_S", "0")))
     if rank != 0:  # other ranks just idle until the parent stops them
         while True:
             time.sleep(1)

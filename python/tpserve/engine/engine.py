@@ -179,5 +179,14 @@ class Engine:
         return self.launch(seqs, sampling).result()
 
     def shutdown(self) -> None:
+        """Release the device memory (graphs, KV cache, weights) and the process groups."""
+        self.graph_runner = None
+        self.kv_pool.k.clear()
+        self.kv_pool.v.clear()
+        self.model = None  # type: ignore[assignment]
+        self._last_tokens = None
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.empty_cache()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()

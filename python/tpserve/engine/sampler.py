@@ -23,6 +23,10 @@ Order of operations for a sampled row (greedy rows, temperature 0, are a plain a
 
 Steps 2-4 each reduce to a per-row threshold and tokens below it are dropped, so tokens tied with
 the last kept one are kept too: the result never depends on how a sort orders ties.
+
+On CUDA with Triton, rows without top-k/top-p/min-p (and greedy rows) take one fused kernel
+(``tpserve.kernels.sampling``) that computes the same race with the same noise; rows with a
+filter keep this torch path (only those rows go through it).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tpserve.kernels import use_triton
 from tpserve.sampling_params import SamplingParams
 
 _MASK32 = 0xFFFF_FFFF
@@ -138,6 +143,14 @@ class SamplingBatch:
     # weights that needs (None: the whole vocab). Only rows with top-p but no top-k need them all.
     sort_rows: torch.Tensor | None = None
     sort_width: int | None = None
+    # On CUDA, when only some rows have top-k/top-p/min-p: those rows, and they as a batch of
+    # their own (the fused kernel samples the others). Otherwise None.
+    filtered_rows: torch.Tensor | None = None
+    filtered: SamplingBatch | None = None
+
+    @property
+    def needs_filter(self) -> bool:
+        return self.needs_top_k or self.needs_top_p or self.needs_min_p
 
     @classmethod
     def build(
@@ -156,6 +169,17 @@ class SamplingBatch:
         uses_top_p = [not g and p.top_p < 1.0 for g, p in zip(greedy, params)]
         uses_min_p = [not g and p.min_p > 0.0 for g, p in zip(greedy, params)]
         sort_rows = [i for i, (k, p) in enumerate(zip(uses_top_k, uses_top_p)) if k or p]
+        filtered_rows = [i for i in range(len(params)) if uses_top_k[i] or uses_top_p[i] or uses_min_p[i]]
+        filtered = None
+        # Only the fused CUDA path samples the unfiltered rows apart from the others.
+        if 0 < len(filtered_rows) < len(params) and torch.device(device).type == "cuda":
+            filtered = cls.build(
+                [params[i] for i in filtered_rows],
+                [seeds[i] for i in filtered_rows],
+                [steps[i] for i in filtered_rows],
+                vocab_size,
+                device,
+            )
 
         # One host-to-device copy per dtype.
         floats = torch.tensor(
@@ -182,6 +206,10 @@ class SamplingBatch:
                 else torch.tensor(sort_rows, dtype=torch.int64).to(device, non_blocking=True)
             ),
             sort_width=max((top_ks[i] for i in sort_rows), default=None),
+            filtered_rows=(
+                None if filtered is None else torch.tensor(filtered_rows, dtype=torch.int64).to(device, non_blocking=True)
+            ),
+            filtered=filtered,
         )
 
 
@@ -194,7 +222,20 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
             return logits.argmax(dim=-1)
+        if use_triton(logits.device) and logits.stride(-1) == 1 and (not batch.needs_filter or batch.filtered is not None):
+            from tpserve.kernels.sampling import sample
 
+            tokens = sample(logits, batch.temperatures, batch.seeds, batch.steps)
+            if batch.filtered is not None and batch.filtered_rows is not None:
+                rows = batch.filtered_rows
+                tokens.index_copy_(0, rows, self.sample_torch(logits.index_select(0, rows), batch.filtered))
+            return tokens
+        return self.sample_torch(logits, batch)
+
+    def sample_torch(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+        """The reference path, for every device and every filter."""
+        if batch.all_greedy:
+            return logits.argmax(dim=-1)
         weights = _tempered_weights(logits, batch.temperatures, self._ws)
         threshold = _keep_thresholds(weights, batch)
         if threshold is not None:

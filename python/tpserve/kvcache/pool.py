@@ -9,6 +9,8 @@ from __future__ import annotations
 
 import torch
 
+from tpserve.kernels import use_triton
+
 
 class PageAllocator:
     def __init__(self, num_pages: int) -> None:
@@ -59,6 +61,13 @@ class KVCachePool:
         return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write new tokens' k/v ([T, kv_heads, head_dim]) into flat slots page*page_size+offset."""
+        """Write new tokens' k/v ([T, kv_heads, head_dim]) into flat slots page*page_size+offset.
+        On CUDA one Triton kernel writes both (k and v may be strided views of the qkv output)."""
+        if use_triton(k.device):
+            from tpserve.kernels import kv_store
+
+            if kv_store.rows_supported(k) and kv_store.rows_supported(v):
+                kv_store.store_kv(self.k[layer], self.v[layer], slots, k, v)
+                return
         self.k[layer].view(-1, *k.shape[1:])[slots] = k
         self.v[layer].view(-1, *v.shape[1:])[slots] = v

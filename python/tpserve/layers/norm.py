@@ -3,12 +3,19 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from tpserve.kernels import use_flashinfer
 from tpserve.layers.linear import ReplicatedWeights
 
 
 class RMSNorm(ReplicatedWeights):
     """RMSNorm computed in float32, as in transformers. With ``residual`` it first adds the
-    residual and returns (normed, new residual), the shape a fused kernel will have."""
+    residual and returns (normed, new residual).
+
+    On CUDA in half precision it runs FlashInfer's kernels (``tpserve.kernels``). The fused add
+    works in place there: ``x`` becomes the normed output and ``residual`` the new residual, so
+    callers must own both and not read the old values after the call. A [T, heads, head_dim]
+    input (Qwen3's q/k norm) is normalised per head and may be a strided view.
+    """
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()
@@ -24,6 +31,12 @@ class RMSNorm(ReplicatedWeights):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if use_flashinfer(x.device, x.dtype):
+            from tpserve.kernels import flashinfer_ops
+
+            if residual is None:
+                return flashinfer_ops.rms_norm(x, self.weight, self.eps)
+            return flashinfer_ops.fused_add_rms_norm_(x, residual, self.weight, self.eps)
         if residual is None:
             return self._norm(x)
         residual = x + residual

@@ -7,6 +7,8 @@ from typing import Any
 
 import torch
 
+from tpserve.kernels import use_flashinfer
+
 
 def inverse_frequencies(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
     # Same float32 arithmetic as transformers, so positions encode bit-identically.
@@ -30,7 +32,12 @@ def inverse_frequencies(head_dim: int, base: float, scaling: dict[str, Any] | No
 
 class RotaryEmbedding(torch.nn.Module):
     """Holds a [max_positions, head_dim] cos/sin table, built on the engine's device after the
-    model is materialised (it is not a checkpoint weight)."""
+    model is materialised (it is not a checkpoint weight).
+
+    On CUDA in half precision it also holds the float32 [max_positions, head_dim] table of
+    FlashInfer's rotary kernel (cos then sin of the same angles) and rotates q and k in place:
+    ``forward`` then returns its own (modified) inputs.
+    """
 
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None) -> None:
         super().__init__()
@@ -40,6 +47,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.scaling = scaling
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
+        self.cos_sin_cache: torch.Tensor | None = None  # float32, for the fused kernel only
 
     def build_cache(self, device: torch.device, dtype: torch.dtype) -> None:
         inv_freq = inverse_frequencies(self.head_dim, self.base, self.scaling).to(device)
@@ -47,11 +55,20 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        if use_flashinfer(device, dtype):
+            from tpserve.kernels.flashinfer_ops import cos_sin_cache
+
+            self.cos_sin_cache = cos_sin_cache(inv_freq, self.max_positions, device)
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T]."""
         if self.cos is None or self.sin is None:
             raise RuntimeError("RotaryEmbedding.build_cache was not called")
+        if self.cos_sin_cache is not None and use_flashinfer(q.device, q.dtype):
+            from tpserve.kernels.flashinfer_ops import rotary_
+
+            rotary_(positions, q, k, self.cos_sin_cache)
+            return q, k
         cos = self.cos[positions].unsqueeze(1)
         sin = self.sin[positions].unsqueeze(1)
         return _apply(q, cos, sin), _apply(k, cos, sin)

@@ -57,7 +57,7 @@ class Attention(nn.Module):
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q, k = self.rotary[0](ctx.inputs.positions, q, k)
-        out = ctx.attention.forward(self.layer_id, q, k, v.contiguous(), ctx.inputs.out_slots, ctx.inputs.attn)
+        out = ctx.attention.forward(self.layer_id, q, k, v, ctx.inputs.out_slots, ctx.inputs.attn)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
 

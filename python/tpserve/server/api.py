@@ -29,7 +29,8 @@ class AppState:
 
     args: ServerArgs
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
-    serving: Serving | None = None  # set once the backend is ready
+    serving: Serving | None = None  # set once the backend is ready, unset when stopping
+    stopping: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
 
     @property
@@ -52,10 +53,10 @@ def _check_api_key(request: Request) -> None:
 
 
 def _serving(request: Request) -> Serving:
-    serving = _state(request).serving
-    if serving is None:
-        raise APIError.not_ready()
-    return serving
+    state = _state(request)
+    if state.serving is None:
+        raise APIError.stopping() if state.stopping else APIError.not_ready()
+    return state.serving
 
 
 def _model_card(state: AppState) -> dict[str, Any]:
@@ -100,8 +101,9 @@ def _admin_router() -> APIRouter:
 
     @router.get("/health")
     async def health(request: Request) -> Response:
-        if not _state(request).ready:
-            return APIError.not_ready().response()
+        state = _state(request)
+        if not state.ready:
+            return (APIError.stopping() if state.stopping else APIError.not_ready()).response()
         return JSONResponse({"status": "ok"})
 
     @router.get("/version")

@@ -3,14 +3,11 @@
 from __future__ import annotations
 
 import argparse
-import logging
 import os
 from dataclasses import dataclass
 
 from tpserve.config import EngineConfig, ModelConfig
 from tpserve.server.model_path import ModelNotFound, resolve_model_dir
-
-logger = logging.getLogger(__name__)
 
 DEFAULT_SCHEDULER_ENTRY = "tpserve.scheduler.process:run_scheduler"
 DEMO_MODEL_NAME = "tpserve-tiny-random"
@@ -70,12 +67,21 @@ def _fraction(text: str) -> float:
     return value
 
 
+class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" unless the help already explains the default or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default in (None, False) or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tpserve",
         description="Serve an LLM with tensor parallelism behind an OpenAI-compatible HTTP API "
         "(or an interactive shell with --shell). Runs offline.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=_HelpFormatter,
     )
     model = p.add_argument_group("model")
     model.add_argument(
@@ -109,13 +115,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KV-cache size in tokens (default: from --mem-fraction on GPU, "
                         "32768 on CPU)")
     engine.add_argument("--seed", type=_int_at_least(0), default=0, help="engine random seed")
+    engine.add_argument("--chunked-prefill-size", type=int, default=8192,
+                        help="prefill tokens per step; longer prompts are split (<= 0: no chunking)")
+    engine.add_argument("--prefix-cache", choices=["radix", "naive"], default="radix",
+                        help="prefix cache: radix (shared prefixes reuse KV pages) or naive (none)")
+    engine.add_argument("--schedule-policy", choices=["fcfs", "lpm"], default="fcfs",
+                        help="admission order: fcfs, or lpm (longest cached prefix first)")
+    engine.add_argument("--attention-backend", choices=["auto", "flashinfer", "torch"], default="auto",
+                        help="auto: flashinfer on CUDA when installed, else torch")
+    engine.add_argument("--cuda-graph-max-bs", type=_int_at_least(0), default=256,
+                        help="largest decode batch captured in a CUDA graph (0: no CUDA graphs)")
+    engine.add_argument("--disable-overlap", action="store_true",
+                        help="do not overlap scheduling of the next step with the running one")
     engine.add_argument("--debug-check-ranks", action="store_true",
                         help="check that all TP ranks schedule identical batches (slow; debugging)")
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     server.add_argument("--port", type=_port, default=8000, help="HTTP port (0: any free port)")
     server.add_argument("--api-key", default=None,
-                        help=f"require 'Authorization: Bearer KEY' on /v1/* (env {API_KEY_ENV})")
+                        help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache "
+                        f"(env {API_KEY_ENV})")
     server.add_argument("--num-tokenizers", type=_int_at_least(1), default=1,
                         help="tokenizer worker processes")
     server.add_argument("--shell", action="store_true",
@@ -166,7 +185,14 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         max_running_requests=ns.max_running_requests,
         max_model_len=ns.max_model_len,
         seed=ns.seed,
+        chunked_prefill_size=ns.chunked_prefill_size,
+        cache=ns.prefix_cache,
+        schedule_policy=ns.schedule_policy,
+        attention_backend=ns.attention_backend,
+        cuda_graph_max_bs=ns.cuda_graph_max_bs,
+        disable_overlap=ns.disable_overlap,
         debug_check_ranks=ns.debug_check_ranks,
+        extra={"log_level": ns.log_level},
     )
     if ":" not in ns.scheduler_entry:
         raise ValueError(f"--scheduler-entry must be module:function, got {ns.scheduler_entry!r}")

@@ -24,22 +24,26 @@ class APIError(Exception):
         self.code = code
 
     @classmethod
-    def invalid(cls, message: str, param: str | None = None) -> "APIError":
+    def invalid(cls, message: str, param: str | None = None) -> APIError:
         return cls(400, message, param=param, code="invalid_request")
 
     @classmethod
-    def model_not_found(cls, model: str) -> "APIError":
+    def model_not_found(cls, model: str) -> APIError:
         return cls(404, f"The model `{model}` does not exist.", param="model", code="model_not_found")
 
     @classmethod
-    def unauthorized(cls) -> "APIError":
+    def unauthorized(cls) -> APIError:
         return cls(401, "Incorrect or missing API key: send 'Authorization: Bearer <key>'.",
                    code="invalid_api_key")
 
     @classmethod
-    def not_ready(cls) -> "APIError":
+    def not_ready(cls) -> APIError:
         return cls(503, "The server is starting up (loading the model); retry shortly.",
                    type="server_error", code="not_ready")
+
+    @classmethod
+    def stopping(cls) -> APIError:
+        return cls(503, "The server is shutting down.", type="server_error", code="shutting_down")
 
     def body(self) -> dict[str, Any]:
         return error_body(self.message, self.type, self.param, self.code)

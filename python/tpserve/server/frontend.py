@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import asyncio
 import itertools
-import logging
 import time
+from dataclasses import dataclass
 from typing import Callable, Union
 
 import msgspec
@@ -22,14 +22,28 @@ from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import ApiInput, ApiOutputBatch, RequestOutput, RequestRejected, TokenizeRequest
 from tpserve.message.transport import encode
 
-logger = logging.getLogger(__name__)
 
-BackendEvent = Union[RequestOutput, RequestRejected]
+@dataclass(frozen=True)
+class RequestCancelled:
+    """Not from the backend: the server ends the request itself (it is shutting down)."""
+
+    rid: int
+    message: str
+
+
+BackendEvent = Union[RequestOutput, RequestRejected, RequestCancelled]
 ABORT_MEMORY_S = 300.0  # how long an aborted rid's late outputs still trigger a repeat abort
 
 
 class FrontendClient:
-    def __init__(self, endpoints: Endpoints, on_stats: Callable[[SchedulerStats], None] | None = None) -> None:
+    def __init__(
+        self,
+        endpoints: Endpoints,
+        on_stats: Callable[[SchedulerStats], None] | None = None,
+        on_aborted_finish: Callable[[str], None] | None = None,
+    ) -> None:
+        """``on_aborted_finish(finish_reason)`` reports how the scheduler ended an aborted
+        request: "abort" once the abort took effect (its KV pages are free)."""
         self._ctx = zmq.asyncio.Context()
         self._to_tokenizer = self._socket(zmq.PUSH, endpoints.tokenizer, bind=True)
         self._from_backend = self._socket(zmq.PULL, endpoints.api, bind=True)
@@ -39,11 +53,15 @@ class FrontendClient:
         self._queues: dict[int, asyncio.Queue[BackendEvent]] = {}
         self._aborted: dict[int, float] = {}  # rid -> when; until the scheduler confirms
         self._on_stats = on_stats
+        self._on_aborted_finish = on_aborted_finish
 
     def _socket(self, kind: int, address: str, bind: bool) -> zmq.asyncio.Socket:
         sock = self._ctx.socket(kind)
         sock.setsockopt(zmq.LINGER, 0)
-        sock.bind(address) if bind else sock.connect(address)
+        if bind:
+            sock.bind(address)
+        else:
+            sock.connect(address)
         return sock
 
     def new_rid(self) -> int:
@@ -93,6 +111,8 @@ class FrontendClient:
             if out.rid in self._aborted:
                 if finished:
                     del self._aborted[out.rid]
+                    if self._on_aborted_finish is not None:
+                        self._on_aborted_finish(out.finish_reason)
                 else:  # the first abort overtook the request: say it again
                     await self._to_scheduler.send(encode(AbortRequest(rid=out.rid)))
         self._forget_old_aborts()
@@ -112,6 +132,12 @@ class FrontendClient:
         horizon = time.monotonic() - ABORT_MEMORY_S
         for rid in [r for r, t in self._aborted.items() if t < horizon]:
             del self._aborted[rid]
+
+    def cancel_all(self, message: str) -> None:
+        """End every request in flight with a RequestCancelled event (e.g. at shut-down)."""
+        for rid, queue in list(self._queues.items()):
+            queue.put_nowait(RequestCancelled(rid, message))
+        self._queues.clear()
 
     def close(self) -> None:
         self._ctx.destroy(linger=0)

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
 from tpserve.message.frontend import RequestOutput, RequestRejected, TokenizeRequest
 from tpserve.server.errors import APIError
-from tpserve.server.frontend import BackendEvent, FrontendClient
+from tpserve.server.frontend import BackendEvent, FrontendClient, RequestCancelled
 from tpserve.server.metrics import RequestTimer, ServerMetrics
 
 DISCONNECT_POLL_S = 1.0
@@ -60,6 +61,7 @@ class Generation:
         self._requests = requests
         self._queue: asyncio.Queue[BackendEvent] = asyncio.Queue()
         self.choices = {req.rid: Choice(i, req.rid, RequestTimer(metrics)) for i, req in enumerate(requests)}
+        self._last_disconnect_check = time.monotonic()
 
     async def start(self) -> None:
         await self._frontend.submit(self._requests, self._queue)
@@ -82,17 +84,25 @@ class Generation:
 
     async def next(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> tuple[Choice, RequestOutput]:
         """The next output. Raises APIError (rejected / backend error) or ClientGone."""
+        if is_disconnected is None:
+            return self._apply(await self._queue.get())
         while True:
+            now = time.monotonic()
+            if now - self._last_disconnect_check >= DISCONNECT_POLL_S:
+                self._last_disconnect_check = now
+                if await is_disconnected():
+                    raise ClientGone()
             try:
                 event = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
             except asyncio.TimeoutError:
-                if is_disconnected is not None and await is_disconnected():
-                    raise ClientGone()
                 continue
             return self._apply(event)
 
     def _apply(self, event: BackendEvent) -> tuple[Choice, RequestOutput]:
         choice = self.choices[event.rid]
+        if isinstance(event, RequestCancelled):
+            choice.finish_reason = "abort"
+            raise APIError(503, event.message, type="server_error", code="shutting_down")
         if isinstance(event, RequestRejected):
             choice.finish_reason = "rejected"
             self._metrics.rejected.inc()

@@ -87,7 +87,7 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
     logger.info("listening on %s (starting up: /health is 503 until the model is loaded)", url)
 
     backend = Backend(args)
-    frontend = FrontendClient(backend.endpoints, on_stats=state.metrics.on_stats)
+    frontend = FrontendClient(backend.endpoints, state.metrics.on_stats, state.metrics.on_aborted_finish)
     dispatcher: asyncio.Task | None = None
     try:
         backend.start()
@@ -98,6 +98,9 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
         logger.info("ready: serving %r on %s", args.served_model_name, url)
         return await _watch(backend, stop, [http_task, dispatcher])
     finally:
+        state.serving = None  # new requests: 503
+        state.stopping = True
+        frontend.cancel_all("the server is shutting down")  # open streams end cleanly
         server.should_exit = True
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await asyncio.wait_for(http_task, HTTP_GRACEFUL_S + 2)

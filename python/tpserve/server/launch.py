@@ -82,6 +82,7 @@ class Backend:
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._acks_expected = 2 + args.num_tokenizers
         self._stopping = False
+        self._ready = False
 
     # ---- start-up ----
     def _specs(self) -> list[_ChildSpec]:
@@ -112,7 +113,11 @@ class Backend:
             )
             proc.start()
             self._procs.append(proc)
-            logger.debug("started %s (pid %d)", proc.name, proc.pid)
+        logger.info(
+            "started %s; ipc directory %s",
+            ", ".join(f"{p.name} (pid {p.pid})" for p in self._procs),
+            self.endpoints.directory,
+        )
 
     def wait_ready(self, cancel: threading.Event | None = None, poll_s: float = 0.2) -> None:
         """Block until every acknowledgement came. Raises ChildDied or StartupCancelled."""
@@ -123,12 +128,13 @@ class Backend:
             except queue.Empty:
                 dead = self.dead_child()
                 if dead is not None:
-                    raise dead
+                    raise dead from None
                 if cancel is not None and cancel.is_set():
-                    raise StartupCancelled("start-up cancelled")
+                    raise StartupCancelled("start-up cancelled") from None
                 continue
             received += 1
             logger.info("%s (%d/%d)", ack, received, self._acks_expected)
+        self._ready = True
 
     # ---- while serving ----
     def dead_child(self) -> ChildDied | None:
@@ -137,10 +143,6 @@ class Backend:
             if proc.exitcode is not None:
                 return ChildDied(proc.name, proc.exitcode)
         return None
-
-    @property
-    def pids(self) -> list[int]:
-        return [p.pid for p in self._procs if p.pid is not None]
 
     # ---- shut-down ----
     def shutdown(self) -> None:
@@ -159,19 +161,21 @@ class Backend:
         alive = [p for p in self._procs if p.exitcode is None]
         if not alive:
             return
-        self._send_shutdown()
-        for proc in alive:
-            if proc.name.startswith("tpserve-tokenizer"):
-                proc.terminate()  # stateless: no need to wait for a Shutdown message
-        deadline = time.monotonic() + GRACEFUL_STOP_S
-        for proc in alive:
-            proc.join(max(0.0, deadline - time.monotonic()))
+        if self._ready:  # before that, children may not listen yet: SIGTERM at once
+            self._send_shutdown()
+            for proc in alive:
+                if proc.name.startswith("tpserve-tokenizer"):
+                    proc.terminate()  # stateless: no need to wait for a Shutdown message
+            deadline = time.monotonic() + GRACEFUL_STOP_S
+            for proc in alive:
+                proc.join(max(0.0, deadline - time.monotonic()))
         for method, sig_name, wait_s in (("terminate", "SIGTERM", TERMINATE_STOP_S), ("kill", "SIGKILL", 1.0)):
             alive = [p for p in alive if p.exitcode is None]
             if not alive:
                 break
             for proc in alive:
-                logger.warning("%s did not stop: sending %s", proc.name, sig_name)
+                if self._ready or method == "kill":
+                    logger.warning("%s did not stop: sending %s", proc.name, sig_name)
                 getattr(proc, method)()
             deadline = time.monotonic() + wait_s
             for proc in alive:

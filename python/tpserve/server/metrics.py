@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import time
+from typing import Iterator
 
-from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tpserve.message import SchedulerStats
 
@@ -14,13 +16,38 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0
                     0.75, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 80.0)
 
 
+class _SchedulerCollector:
+    """Exports the latest SchedulerStats (forwarded by the detokenizer) at scrape time."""
+
+    def __init__(self) -> None:
+        self.stats = SchedulerStats(running=0, waiting=0, kv_pages_used=0, kv_pages_total=0)
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        s = self.stats
+        gauges = (
+            ("tpserve_num_requests_running", "Requests being decoded (scheduler).", s.running),
+            ("tpserve_num_requests_waiting", "Requests waiting for admission (scheduler).", s.waiting),
+            ("tpserve_kv_pages_used", "KV-cache pages held by running requests.", s.kv_pages_used),
+            ("tpserve_kv_pages_cached", "KV-cache pages holding evictable cached prefixes.", s.kv_pages_cached),
+            ("tpserve_kv_pages_total", "KV-cache pages in all.", s.kv_pages_total),
+        )
+        for name, doc, value in gauges:
+            yield GaugeMetricFamily(name, doc, value=value)
+        counters = (
+            ("tpserve_scheduler_prompt_tokens", "Prompt tokens admitted by the scheduler.", s.prompt_tokens_total),
+            ("tpserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", s.cached_tokens_total),
+            ("tpserve_kv_pages_evicted", "Cached KV pages evicted.", s.evicted_pages_total),
+            ("tpserve_preemptions", "Requests preempted under KV-cache pressure.", s.preemptions_total),
+        )
+        for name, doc, value in counters:
+            yield CounterMetricFamily(name, doc, value=value)
+
+
 class ServerMetrics:
     def __init__(self) -> None:
         r = self.registry = CollectorRegistry()
-        self.running = Gauge("tpserve_num_requests_running", "Requests being decoded (scheduler).", registry=r)
-        self.waiting = Gauge("tpserve_num_requests_waiting", "Requests waiting for admission (scheduler).", registry=r)
-        self.kv_pages_used = Gauge("tpserve_kv_pages_used", "KV-cache pages in use.", registry=r)
-        self.kv_pages_total = Gauge("tpserve_kv_pages_total", "KV-cache pages in all.", registry=r)
+        self._scheduler = _SchedulerCollector()
+        r.register(self._scheduler)
         self.prompt_tokens = Counter("tpserve_prompt_tokens", "Prompt tokens of requests that ran.", registry=r)
         self.generation_tokens = Counter("tpserve_generation_tokens", "Generated tokens.", registry=r)
         self.finished = Counter("tpserve_requests_finished", "Finished requests by finish reason.",
@@ -35,11 +62,12 @@ class ServerMetrics:
         self.e2e = Histogram("tpserve_e2e_request_latency_seconds", "Request latency, end to end.",
                              buckets=_LATENCY_BUCKETS, registry=r)
 
+    def on_aborted_finish(self, finish_reason: str) -> None:
+        """An aborted request's last output arrived: how did the scheduler end it?"""
+        self.finished.labels(finish_reason=finish_reason).inc()
+
     def on_stats(self, stats: SchedulerStats) -> None:
-        self.running.set(stats.running)
-        self.waiting.set(stats.waiting)
-        self.kv_pages_used.set(stats.kv_pages_used)
-        self.kv_pages_total.set(stats.kv_pages_total)
+        self._scheduler.stats = stats
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

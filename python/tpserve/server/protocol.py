@@ -190,7 +190,7 @@ class CompletionRequest(_SamplingFields):
             return [p]
         if not p:
             raise APIError.invalid("prompt must not be empty", "prompt")
-        if isinstance(p[0], str) or isinstance(p[0], list):
+        if isinstance(p[0], (str, list)):
             if any(isinstance(x, list) and not x for x in p):
                 raise APIError.invalid("a token-id prompt must not be empty", "prompt")
             return list(p)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 from typing import AsyncIterator
 
@@ -16,8 +15,6 @@ from tpserve.server.frontend import FrontendClient
 from tpserve.server.generation import Choice, ClientGone, Generation
 from tpserve.server.metrics import ServerMetrics
 from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest
-
-logger = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -79,7 +76,9 @@ class Serving:
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-async def _stream(gen: Generation, fmt: ResponseFormat, early: list[tuple[Choice, RequestOutput]]) -> AsyncIterator[bytes]:
+async def _stream(
+    gen: Generation, fmt: ResponseFormat, early: list[tuple[Choice, RequestOutput]]
+) -> AsyncIterator[bytes]:
     """SSE body. If the client goes away (the task is cancelled), the rest is aborted."""
     failed = False
     try:

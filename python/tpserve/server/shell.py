@@ -1,6 +1,7 @@
 """``tpserve --shell``: chat with the model in the terminal, over the same processes as the
 HTTP server (no HTTP). Line editing and history come from readline; the conversation is kept
-across turns; ``/reset`` forgets it; ``/exit`` or Ctrl-D quits; Ctrl-C stops the current answer.
+across turns; ``/reset`` forgets it, ``/history`` prints it; ``/exit`` or Ctrl-D quits; Ctrl-C
+stops the current answer.
 """
 
 from __future__ import annotations
@@ -25,8 +26,10 @@ from tpserve.server.launch import Backend, ChildDied
 logger = logging.getLogger(__name__)
 
 POLL_MS = 200
-BANNER = "tpserve shell: type a message. /reset clears the conversation, /exit or Ctrl-D quits, " \
-         "Ctrl-C stops an answer."
+BANNER = (
+    "tpserve shell: type a message. /reset clears the conversation, /history shows it, "
+    "/exit or Ctrl-D quits, Ctrl-C stops an answer."
+)
 
 
 class ShellClient:
@@ -109,6 +112,9 @@ class Shell:
                 self.history.clear()
                 self._print("(conversation cleared)\n")
                 continue
+            if text == "/history":
+                self._print_history()
+                continue
             self._turn(text)
 
     def _turn(self, text: str) -> None:
@@ -130,7 +136,7 @@ class Shell:
             self._check_backend()
             for event in self._client.poll(rid, POLL_MS):
                 if isinstance(event, RequestRejected):
-                    self._print(f"error: {event.message}\n")
+                    self._print(f"error: {event.message}\n(the conversation is unchanged; /reset starts anew)\n")
                     return None
                 if event.text:
                     answer.append(event.text)
@@ -140,6 +146,11 @@ class Shell:
                         self._print(f"\nerror: {event.error}")
                     self._print("\n")
                     return True
+
+    def _print_history(self) -> None:
+        self._print(f"({len(self.history)} messages)\n")
+        for msg in self.history:
+            self._print(f"[{msg['role']}] {msg['content']}\n")
 
     def _print(self, text: str) -> None:
         self._out.write(text)
@@ -173,6 +184,7 @@ def run_shell(args: ServerArgs) -> int:
     except KeyboardInterrupt:  # Ctrl-C during start-up
         return 130
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the clean-up short
+        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the clean-up short
+            signal.signal(sig, signal.SIG_IGN)
         client.close()
         backend.shutdown()

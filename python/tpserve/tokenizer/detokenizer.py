@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import logging
 import multiprocessing
 
 import zmq
@@ -13,8 +12,6 @@ from tpserve.message.frontend import DetokenizeRegister, DetokenizerInput
 from tpserve.message.transport import Receiver, Sender
 from tpserve.tokenizer.detok_manager import DetokenizeResult, DetokenizerManager
 from tpserve.tokenizer.loader import load_tokenizer
-
-logger = logging.getLogger(__name__)
 
 
 def run_detokenizer(model_dir: str, endpoints: Endpoints, ack_queue: multiprocessing.Queue) -> None:

@@ -1,0 +1,41 @@
+#!/usr/bin/env bash
+# Prebuild FlashInfer's norm, rotary and SiLU-and-mul modules for sm_90a on a machine without a
+# GPU, into ./.fiaot/<module>/<module>.so (ignored by git; carry it to the GPU machine, where
+# gpu_suite.sh copies it into flashinfer/data/aot so FlashInfer loads it instead of JIT-building
+# for ~2 minutes). Needs nvcc 13 at /usr/local/cuda, ninja, and pip access; run from the repo root:
+#   bash benchmarks/build_flashinfer_aot.sh
+# If FlashInfer cannot load a module built here it logs a warning and JIT-builds it as before.
+set -euo pipefail
+work=${TMPDIR:-/tmp}/tpserve-fiaot
+site=$work/site
+cuda=$work/cuda
+mkdir -p "$work" "$site" "$cuda/include" "$cuda/lib64/stubs" .fiaot
+
+# FlashInfer from the carried wheel; tvm-ffi and nvidia-ml-py for this machine's Python.
+python3 -m pip install -q --no-deps --target "$site" .whl/flashinfer_python-0.7.0-py3-none-any.whl \
+  "apache-tvm-ffi==0.1.15.post2" nvidia-ml-py
+# The CUDA toolkit here lacks the cuBLAS and cuRAND headers that FlashInfer's norm sources include.
+python3 -m pip download -q --no-deps --only-binary=:all: -d "$work/wheels" "nvidia-cublas>=13,<13.1" "nvidia-curand>=10.4,<10.5"
+for w in "$work"/wheels/*.whl; do unzip -q -o "$w" 'nvidia/cu13/include/*' -d "$work/headers"; done
+# A CUDA_HOME that is /usr/local/cuda plus those headers, and an empty libcuda stub to link with
+# (the driver library is resolved on the GPU machine).
+ln -sfn /usr/local/cuda/bin "$cuda/bin"
+for f in /usr/local/cuda/include/* "$work"/headers/nvidia/cu13/include/*; do ln -sf "$f" "$cuda/include/"; done
+for f in /usr/local/cuda/lib64/*; do ln -sf "$f" "$cuda/lib64/"; done
+echo "" > "$work/empty.c" && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cuda/lib64/stubs/libcuda.so" "$work/empty.c"
+
+export PYTHONPATH=$site FLASHINFER_WORKSPACE_BASE=$work/ws FLASHINFER_CUDA_ARCH_LIST=9.0a CUDA_HOME=$cuda MAX_JOBS=2
+python3 - <<'PY'
+import shutil
+from pathlib import Path
+from flashinfer.jit.activation import gen_act_and_mul_module
+from flashinfer.jit.norm import gen_norm_module
+from flashinfer.jit.rope import gen_rope_module
+
+for spec in (gen_norm_module(), gen_rope_module(), gen_act_and_mul_module("silu")):
+    spec.build()
+    target = Path(".fiaot") / spec.name
+    target.mkdir(parents=True, exist_ok=True)
+    shutil.copy2(spec.jit_library_path, target / f"{spec.name}.so")
+    print("built", target / f"{spec.name}.so")
+PY

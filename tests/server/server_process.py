@@ -1,0 +1,93 @@
+"""Run ``python -m tpserve`` as a subprocess for end-to-end tests (port 0: no fixed ports)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+import psutil
+
+HERE = Path(__file__).resolve().parent
+FAKE_SCHEDULER = "fake_scheduler:run_fake_scheduler"
+_URL = re.compile(r"listening on (http://\S+)")
+
+
+class ServerProcess:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+        full_env = dict(os.environ)
+        full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), full_env.get("PYTHONPATH")]))
+        full_env.update(env or {})
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "tpserve", "--port", "0", *args],
+            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
+        )
+        self.lines: list[str] = []
+        self._url_seen = threading.Event()
+        self.url: str | None = None
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self.lines.append(line)
+            m = _URL.search(line)
+            if m and self.url is None:
+                self.url = m.group(1)
+                self._url_seen.set()
+
+    @property
+    def log(self) -> str:
+        return "".join(self.lines)
+
+    def wait_url(self, timeout: float = 60) -> str:
+        if not self._url_seen.wait(timeout):
+            raise TimeoutError(f"no URL logged:\n{self.log}")
+        return self.url  # type: ignore[return-value]
+
+    def wait_ready(self, timeout: float = 180) -> str:
+        url = self.wait_url(timeout)
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    return url
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.2)
+        raise TimeoutError(f"server not ready:\n{self.log}")
+
+    def descendants(self) -> list[psutil.Process]:
+        try:
+            return psutil.Process(self.proc.pid).children(recursive=True)
+        except psutil.NoSuchProcess:
+            return []
+
+    def stop(self, sig: int = signal.SIGTERM, timeout: float = 15) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            self.kill_all()
+            raise
+
+    def kill_all(self) -> None:
+        for p in self.descendants():
+            p.kill()
+        self.proc.kill()
+        self.proc.wait()
+
+
+def wait_gone(procs: list[psutil.Process], timeout: float = 10) -> list[psutil.Process]:
+    """The processes still alive after ``timeout`` (zombies count as gone)."""
+    _, alive = psutil.wait_procs(procs, timeout=timeout)
+    return [p for p in alive if p.is_running() and p.status() != psutil.STATUS_ZOMBIE]

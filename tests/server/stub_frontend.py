@@ -1,0 +1,57 @@
+"""An in-process stand-in for FrontendClient: answers each request with a scripted output, so
+the HTTP layer can be tested without any backend process."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+from tpserve.message.frontend import RequestOutput, RequestRejected, TokenizeRequest
+
+
+class StubFrontend:
+    """Each prompt's "completion" is ``reply`` split into ``pieces`` outputs.
+
+    A prompt text containing "REJECT" is rejected like an over-long prompt.
+    """
+
+    def __init__(self, reply: str = "Hello 你好!", pieces: int = 3, prompt_tokens: int = 5) -> None:
+        self.reply = reply
+        self.pieces = pieces
+        self.prompt_tokens = prompt_tokens
+        self.submitted: list[TokenizeRequest] = []
+        self.aborted: list[int] = []
+        self.flushes = 0
+        self._rids = itertools.count(1)
+
+    def new_rid(self) -> int:
+        return next(self._rids)
+
+    async def submit(self, requests, queue) -> None:
+        self.submitted.extend(requests)
+        for req in requests:
+            asyncio.get_running_loop().create_task(self._answer(req, queue))
+
+    async def _answer(self, req: TokenizeRequest, queue) -> None:
+        await asyncio.sleep(0)
+        if req.text is not None and "REJECT" in req.text:
+            queue.put_nowait(RequestRejected(rid=req.rid, message="the prompt is too long", param="prompt"))
+            return
+        size = -(-len(self.reply) // self.pieces)
+        chunks = [self.reply[i : i + size] for i in range(0, len(self.reply), size)]
+        for i, text in enumerate(chunks):
+            last = i == len(chunks) - 1
+            queue.put_nowait(
+                RequestOutput(
+                    rid=req.rid, text=text, new_tokens=1, completion_tokens=i + 1,
+                    prompt_tokens=self.prompt_tokens, cached_tokens=0,
+                    finish_reason="length" if last else None,
+                )
+            )
+            await asyncio.sleep(0)
+
+    async def abort(self, rid: int) -> None:
+        self.aborted.append(rid)
+
+    async def flush_cache(self) -> None:
+        self.flushes += 1

@@ -1,0 +1,109 @@
+"""Command-line parsing: aliases, defaults, validation errors without tracebacks."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+
+import pytest
+from tpserve.server.args import API_KEY_ENV, DEMO_MODEL_NAME, build_parser, parse_args
+
+
+def test_aliases_and_values(qwen3_dir):
+    for flag in ("--tp-size", "--tensor-parallel-size", "--tp"):
+        assert parse_args(["--model", qwen3_dir, flag, "2"]).engine.tp_size == 2
+    a = parse_args(["--model-path", qwen3_dir, "--device", "cpu", "--dtype", "float32", "--host", "0.0.0.0",
+                    "--port", "0", "--num-tokenizers", "2", "--max-running-requests", "8", "--page-size", "4",
+                    "--mem-fraction", "0.5", "--max-total-tokens", "1024", "--load-format", "dummy",
+                    "--served-model-name", "m", "--api-key", "k", "--log-level", "debug",
+                    "--max-model-len", "100", "--debug-check-ranks", "--shell"])
+    e = a.engine
+    assert (e.model, e.device, e.dtype, e.max_running_requests, e.page_size) == (qwen3_dir, "cpu", "float32", 8, 4)
+    assert (e.mem_fraction, e.max_total_tokens, e.load_format, e.max_model_len) == (0.5, 1024, "dummy", 100)
+    assert e.debug_check_ranks and a.shell
+    assert (a.host, a.port, a.num_tokenizers, a.served_model_name, a.api_key) == ("0.0.0.0", 0, 2, "m", "k")
+    assert a.log_level == "debug" and a.context_len == 100
+
+
+def test_advanced_engine_flags(qwen3_dir):
+    e = parse_args(["--model", qwen3_dir, "--chunked-prefill-size", "64", "--prefix-cache", "naive",
+                    "--schedule-policy", "lpm", "--attention-backend", "torch", "--cuda-graph-max-bs", "0",
+                    "--disable-overlap"]).engine
+    assert (e.chunked_prefill_size, e.cache, e.schedule_policy) == (64, "naive", "lpm")
+    assert (e.attention_backend, e.cuda_graph_max_bs, e.disable_overlap) == ("torch", 0, True)
+
+
+def test_defaults(qwen3_dir, monkeypatch):
+    monkeypatch.delenv(API_KEY_ENV, raising=False)
+    a = parse_args(["--model", qwen3_dir])
+    assert (a.host, a.port, a.num_tokenizers, a.shell, a.api_key) == ("127.0.0.1", 8000, 1, False, None)
+    assert a.engine.tp_size == 1 and a.engine.device is None and a.engine.dtype is None
+    assert a.served_model_name == qwen3_dir and not a.demo_model
+    assert a.context_len == 4096 and a.vocab_size >= 600
+
+
+def test_api_key_from_env(qwen3_dir, monkeypatch):
+    monkeypatch.setenv(API_KEY_ENV, "from-env")
+    assert parse_args(["--model", qwen3_dir]).api_key == "from-env"
+    assert parse_args(["--model", qwen3_dir, "--api-key", "flag"]).api_key == "flag"
+
+
+def test_default_is_the_tiny_demo_model(monkeypatch, tmp_path):
+    monkeypatch.setenv("TPSERVE_CACHE", str(tmp_path))
+    a = parse_args([])
+    assert a.demo_model and a.served_model_name == DEMO_MODEL_NAME
+    assert a.model_dir.startswith(str(tmp_path))
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--tp", "0"], "--tp-size/--tensor-parallel-size/--tp: must be >= 1, got '0'"),
+        (["--tp-size", "two"], "must be an integer, got 'two'"),
+        (["--port", "70000"], "must be in [0, 65535], got '70000'"),
+        (["--mem-fraction", "1.5"], "must be in (0, 1], got '1.5'"),
+        (["--page-size", "0"], "--page-size: must be >= 1"),
+        (["--device", "tpu"], "invalid choice: 'tpu'"),
+        (["--dtype", "int8"], "invalid choice: 'int8'"),
+        (["--num-tokenizers", "0"], "--num-tokenizers: must be >= 1"),
+        (["--max-model-len", "999999"], "exceeds the model's max_position_embeddings"),
+        (["--bogus"], "unrecognized arguments: --bogus"),
+    ],
+)
+def test_bad_values_are_usage_errors(qwen3_dir, capsys, argv, fragment):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", qwen3_dir, *argv])
+    assert e.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_missing_model(capsys, tmp_path):
+    for model, fragment in (
+        (str(tmp_path / "nope"), "is not a local directory"),
+        (str(tmp_path), "has no config.json"),
+        ("no-such-org/no-such-model", "not in the local Hugging Face cache"),
+    ):
+        with pytest.raises(SystemExit):
+            parse_args(["--model", model])
+        err = capsys.readouterr().err
+        assert fragment in err
+    with pytest.raises(SystemExit):
+        parse_args(["--model", "no-such-org/no-such-model"])
+    assert "offline" in capsys.readouterr().err
+
+
+def test_help_explains_every_flag():
+    text = build_parser().format_help()
+    for flag in ("--model", "--model-path", "--tp-size", "--tensor-parallel-size", "--tp", "--device", "--dtype",
+                 "--host", "--port", "--shell", "--num-tokenizers", "--max-running-requests", "--page-size",
+                 "--mem-fraction", "--max-total-tokens", "--load-format", "--served-model-name", "--api-key",
+                 "--log-level", "--max-model-len", "--debug-check-ranks"):
+        assert flag in text
+    assert "--scheduler-entry" not in text  # a hidden testing hook
+
+
+def test_cli_error_has_no_traceback():
+    proc = subprocess.run([sys.executable, "-m", "tpserve", "--tp", "-3"], capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    assert "must be >= 1, got '-3'" in proc.stderr

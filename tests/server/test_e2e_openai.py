@@ -1,0 +1,278 @@
+"""End to end: a real server (real scheduler, tiny random model, CPU) driven by the official
+``openai`` client. One server for the whole module."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import time
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+
+API_KEY = "test-key"
+GREEDY = {"temperature": 0}
+IGNORE_EOS = {"ignore_eos": True}
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir):
+    srv = ServerProcess(["--model", qwen3_dir, "--device", "cpu", "--api-key", API_KEY,
+                         "--served-model-name", "tiny", "--num-tokenizers", "2"])
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def url(server) -> str:
+    return server.url
+
+
+@pytest.fixture(scope="module")
+def client(url) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+
+
+@pytest.fixture(scope="module")
+def tokenizer(qwen3_dir):
+    from tpserve.tokenizer.loader import load_tokenizer
+
+    return load_tokenizer(qwen3_dir)
+
+
+def metric(url: str, name: str) -> float:
+    text = httpx.get(f"{url}/metrics").text
+    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
+    return float(m.group(1)) if m else 0.0
+
+
+def chat_stream(client, **kwargs):
+    stream = client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kwargs)
+    chunks = list(stream)
+    text = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    finish = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    return chunks, text, finish, chunks[-1].usage
+
+
+MESSAGES = [{"role": "user", "content": "Tell me about the clockmaker 你好"}]
+
+
+def test_models_and_health(client, url):
+    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert httpx.get(f"{url}/health").status_code == 200
+    assert httpx.get(f"{url}/version").json()["version"]
+
+
+def test_chat_stream_equals_non_stream(client, tokenizer):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=24, seed=7, extra_body=IGNORE_EOS)
+    full = client.chat.completions.create(**kwargs)
+    assert full.id.startswith("chatcmpl-") and full.object == "chat.completion"
+    choice = full.choices[0]
+    assert choice.message.role == "assistant" and choice.finish_reason == "length"
+    chunks, text, finish, usage = chat_stream(client, **kwargs)
+    assert text == choice.message.content
+    assert finish == ["length"]
+    assert chunks[0].choices[0].delta.role == "assistant"
+    assert all(c.id == chunks[0].id and c.object == "chat.completion.chunk" for c in chunks)
+    prompt_ids = tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True)
+    n_prompt = len(tokenizer.encode(prompt_ids, add_special_tokens=False))
+    for u in (full.usage, usage):
+        assert (u.prompt_tokens, u.completion_tokens, u.total_tokens) == (n_prompt, 24, n_prompt + 24)
+        assert u.prompt_tokens_details.cached_tokens >= 0
+
+
+def test_seeded_sampling_is_reproducible(client):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=16, temperature=1.0, seed=1234, extra_body=IGNORE_EOS)
+    a = client.chat.completions.create(**kwargs).choices[0].message.content
+    b = client.chat.completions.create(**kwargs).choices[0].message.content
+    assert a == b
+
+
+def test_enable_thinking_changes_the_prompt(client):
+    base = dict(model="tiny", messages=MESSAGES, max_tokens=1)
+    plain = client.chat.completions.create(**base).usage.prompt_tokens
+    no_think = client.chat.completions.create(
+        **base, extra_body={"chat_template_kwargs": {"enable_thinking": False}}).usage.prompt_tokens
+    assert no_think > plain
+
+
+def test_completions_text_ids_and_lists(client, tokenizer):
+    prompt = "Once upon a time"
+    ids = tokenizer.encode(prompt)
+    kwargs = dict(model="tiny", max_tokens=12, extra_body=IGNORE_EOS, **GREEDY)
+    by_text = client.completions.create(prompt=prompt, **kwargs)
+    assert by_text.object == "text_completion" and by_text.id.startswith("cmpl-")
+    by_ids = client.completions.create(prompt=ids, **kwargs)
+    assert by_ids.choices[0].text == by_text.choices[0].text
+    assert by_text.usage.prompt_tokens == len(ids) and by_text.usage.completion_tokens == 12
+    other = "The quick brown fox"
+    many = client.completions.create(prompt=[prompt, other], **kwargs)
+    assert [c.index for c in many.choices] == [0, 1]
+    assert many.choices[0].text == by_text.choices[0].text
+    single_other = client.completions.create(prompt=other, **kwargs).choices[0].text
+    assert many.choices[1].text == single_other
+    lists = client.completions.create(prompt=[ids, tokenizer.encode(other)], **kwargs)
+    assert [c.text for c in lists.choices] == [c.text for c in many.choices]
+    assert many.usage.completion_tokens == 24
+    streamed = {0: "", 1: ""}
+    for chunk in client.completions.create(prompt=[prompt, other], stream=True, **kwargs):
+        for c in chunk.choices:
+            streamed[c.index] += c.text
+    assert streamed == {0: many.choices[0].text, 1: many.choices[1].text}
+
+
+def test_stop_strings(client):
+    kwargs = dict(model="tiny", prompt="Weather report: Monday", max_tokens=40, extra_body=IGNORE_EOS, **GREEDY)
+    text = client.completions.create(**kwargs).choices[0].text
+    # a 3-character stop string from the middle of the output
+    stop = next(text[i : i + 3] for i in range(len(text) // 3, len(text) - 3)
+                if "\ufffd" not in text[i : i + 3] and text[i : i + 3].strip())
+    expected = text[: text.find(stop)]
+    cut = client.completions.create(stop=[stop, "never-generated-xyz"], **kwargs)
+    assert cut.choices[0].text == expected and cut.choices[0].finish_reason == "stop"
+    assert cut.usage.completion_tokens < 40
+    streamed = "".join(c.choices[0].text for c in client.completions.create(stop=stop, stream=True, **kwargs)
+                       if c.choices)
+    assert streamed == expected
+
+
+def test_matches_offline_llm_and_transformers(client, qwen3_dir, tokenizer):
+    from reference import hf_greedy
+    from tpserve import LLM, SamplingParams
+
+    ids = tokenizer.encode("A serving engine keeps many requests")
+    served = client.completions.create(model="tiny", prompt=ids, max_tokens=16, extra_body=IGNORE_EOS, **GREEDY)
+    hf_text = tokenizer.decode(hf_greedy(qwen3_dir, ids, 16), skip_special_tokens=True)
+    assert served.choices[0].text == hf_text
+    sampled = client.completions.create(model="tiny", prompt=ids, max_tokens=16, temperature=0.8, seed=99,
+                                        extra_body=IGNORE_EOS)
+    with LLM(qwen3_dir, device="cpu") as llm:
+        offline = llm.generate([ids], SamplingParams(temperature=0.8, seed=99, max_tokens=16, ignore_eos=True),
+                               use_tqdm=False)[0]
+    assert sampled.choices[0].text == offline.text
+
+
+def test_32_concurrent_streams(url, client):
+    prompts = [f"Question {i}: what is the capital of France?" for i in range(32)]
+    kwargs = dict(model="tiny", max_tokens=16, extra_body=IGNORE_EOS, **GREEDY)
+    expected = {p: client.completions.create(prompt=p, **kwargs).choices[0].text for p in prompts[:4]}
+
+    async def one(aclient, prompt):
+        text, finish, usage = "", None, None
+        stream = await aclient.completions.create(prompt=prompt, stream=True,
+                                                  stream_options={"include_usage": True}, **kwargs)
+        async for chunk in stream:
+            if chunk.choices:
+                text += chunk.choices[0].text
+                finish = chunk.choices[0].finish_reason or finish
+            if chunk.usage:
+                usage = chunk.usage
+        return text, finish, usage
+
+    async def main():
+        aclient = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=120)
+        try:
+            return await asyncio.gather(*(one(aclient, p) for p in prompts))
+        finally:
+            await aclient.close()
+
+    results = asyncio.run(main())
+    assert all(finish == "length" and usage.completion_tokens == 16 for _, finish, usage in results)
+    for p, (text, _, _) in zip(prompts, results, strict=True):
+        if p in expected:
+            assert text == expected[p]
+
+
+def test_client_disconnect_aborts(url):
+    before = metric(url, 'tpserve_requests_finished_total{finish_reason="abort"}')
+    # ~4000 tokens: many seconds of work, unless the abort frees the request at once
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{url}/v1/completions", json=body,
+                      headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        for _ in range(5):
+            next(lines)
+    # the server saw the disconnect and the scheduler freed the request
+    for _ in range(100):
+        aborted = metric(url, 'tpserve_requests_finished_total{finish_reason="abort"}')
+        if aborted > before and metric(url, "tpserve_num_requests_running") == 0:
+            break
+        time.sleep(0.1)
+    assert aborted == before + 1
+    assert metric(url, "tpserve_client_disconnects_total") >= 1
+    assert metric(url, "tpserve_num_requests_running") == 0
+    assert metric(url, "tpserve_kv_pages_used") == 0
+
+
+def test_client_timeout_on_non_streaming_request_aborts(url):
+    before = metric(url, 'tpserve_requests_finished_total{finish_reason="abort"}')
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True}
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{url}/v1/completions", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=0.5)
+    for _ in range(100):
+        if metric(url, 'tpserve_requests_finished_total{finish_reason="abort"}') > before:
+            break
+        time.sleep(0.1)
+    assert metric(url, 'tpserve_requests_finished_total{finish_reason="abort"}') == before + 1
+    assert metric(url, "tpserve_num_requests_running") == 0
+
+
+@pytest.mark.parametrize(
+    "path, body, status, fragment",
+    [
+        ("/v1/completions", {"prompt": "word " * 5000, "max_tokens": 1}, 400, "context length"),
+        ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "context length"),
+        ("/v1/completions", {"prompt": [1, 2, 10**6]}, 400, "out of range"),
+        ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n=3"),
+        ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-4o"),
+        ("/v1/chat/completions", {"messages": "nope"}, 400, "messages"),
+    ],
+)
+def test_bad_requests_then_still_serving(client, url, path, body, status, fragment):
+    resp = httpx.post(f"{url}{path}", json=body, headers={"Authorization": f"Bearer {API_KEY}"}, timeout=30)
+    assert resp.status_code == status, resp.text
+    assert fragment in resp.json()["error"]["message"]
+    ok = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
+def test_bad_requests_via_openai_client(client):
+    with pytest.raises(openai.BadRequestError) as e:
+        client.completions.create(model="tiny", prompt="word " * 5000, max_tokens=1)
+    assert "context length" in e.value.message
+    with pytest.raises(openai.BadRequestError):
+        client.chat.completions.create(model="tiny", messages=MESSAGES, stream=True, max_tokens=10**6)
+    with pytest.raises(openai.NotFoundError):
+        client.chat.completions.create(model="other", messages=MESSAGES)
+
+
+def test_invalid_json(url):
+    resp = httpx.post(f"{url}/v1/completions", content=b"{oops", timeout=10,
+                      headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})
+    assert resp.status_code == 400 and resp.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_api_key_required(url):
+    bad = openai.OpenAI(base_url=f"{url}/v1", api_key="wrong", max_retries=0)
+    with pytest.raises(openai.AuthenticationError):
+        bad.models.list()
+    assert httpx.get(f"{url}/v1/models").status_code == 401
+    assert httpx.get(f"{url}/health").status_code == 200
+
+
+def test_flush_cache_and_metrics(url, client):
+    client.completions.create(model="tiny", prompt="hello", max_tokens=3)
+    resp = httpx.post(f"{url}/flush_cache", headers={"Authorization": f"Bearer {API_KEY}"})
+    assert resp.status_code == 200
+    assert metric(url, "tpserve_prompt_tokens_total") > 0
+    assert metric(url, "tpserve_generation_tokens_total") > 0
+    assert metric(url, "tpserve_kv_pages_total") > 0
+    assert metric(url, "tpserve_time_to_first_token_seconds_count") > 0
+    assert metric(url, "tpserve_inter_token_latency_seconds_count") > 0

@@ -1,0 +1,115 @@
+"""Process lifecycle: /health during start-up, clean stops on signals, the watchdog, start-up
+failures, and no orphans on any path. Uses the fake scheduler (no model needed)."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import threading
+import time
+
+import httpx
+import psutil
+import pytest
+from server_process import FAKE_SCHEDULER, ServerProcess, wait_gone
+
+
+def start(qwen3_dir, env=None, extra=()):
+    return ServerProcess(["--model", qwen3_dir, "--scheduler-entry", FAKE_SCHEDULER, *extra], env=env)
+
+
+def read_long_stream(url: str) -> None:
+    body = {"prompt": "Once upon a time", "max_tokens": 4000, "ignore_eos": True, "stream": True}
+    try:
+        with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=30) as resp:
+            for _ in resp.iter_lines():
+                pass
+    except httpx.HTTPError:
+        pass
+
+
+def pids_from_log(log: str) -> dict[str, int]:
+    return {name: int(pid) for name, pid in re.findall(r"tpserve-([\w-]+) \(pid (\d+)\)", log)}
+
+
+def ipc_dir_from_log(log: str) -> str:
+    return re.search(r"ipc directory (\S+)", log).group(1)
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_health_503_until_ready_then_signal_stops_everything(qwen3_dir, sig):
+    if sig == signal.SIGTERM:  # fake scheduler with a slow "model load"
+        srv = start(qwen3_dir, env={"FAKE_SCHEDULER_START_DELAY_S": "2"}, extra=["--num-tokenizers", "2"])
+        expected_children = 4  # scheduler, detokenizer, 2 tokenizers
+    else:  # the real scheduler, two TP ranks on the CPU
+        srv = ServerProcess(["--model", qwen3_dir, "--device", "cpu", "--tp", "2"])
+        expected_children = 4  # 2 scheduler ranks, detokenizer, tokenizer
+    try:
+        url = srv.wait_url()
+        assert httpx.get(f"{url}/health", timeout=5).status_code == 503
+        srv.wait_ready()
+        body = {"prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+        resp = httpx.post(f"{url}/v1/completions", json=body, timeout=60)
+        assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 8
+        children = srv.descendants()
+        assert len(pids_from_log(srv.log)) == expected_children
+        ipc_dir = ipc_dir_from_log(srv.log)
+        assert os.path.isdir(ipc_dir)
+        streaming = threading.Thread(target=read_long_stream, args=(url,), daemon=True)
+        streaming.start()  # a request still streaming must not hold the shut-down up
+        time.sleep(0.5)
+        t0 = time.monotonic()
+        code = srv.stop(sig)
+        assert time.monotonic() - t0 < 10
+        assert code == 0, srv.log
+        assert wait_gone(children, timeout=5) == []
+        assert not os.path.exists(ipc_dir)
+        assert "Traceback" not in srv.log
+    finally:
+        srv.kill_all()
+        print(srv.log)  # shown when the test fails
+
+
+def test_watchdog_exits_when_a_child_dies(qwen3_dir):
+    srv = start(qwen3_dir)
+    try:
+        srv.wait_ready()
+        children = srv.descendants()
+        os.kill(pids_from_log(srv.log)["detokenizer"], signal.SIGKILL)
+        code = srv.proc.wait(15)
+        assert code == 1
+        assert "tpserve-detokenizer exited (killed by SIGKILL)" in srv.log
+        assert wait_gone(children, timeout=5) == []
+        assert not os.path.exists(ipc_dir_from_log(srv.log))
+    finally:
+        srv.kill_all()
+        print(srv.log)  # shown when the test fails
+
+
+def test_startup_failure_exits_nonzero(qwen3_dir):
+    srv = start(qwen3_dir, env={"FAKE_SCHEDULER_FAIL": "1"})
+    try:
+        code = srv.proc.wait(60)
+        assert code == 1
+        assert "start-up failed: tpserve-scheduler-tp0 exited (exit code 3)" in srv.log
+        pids = pids_from_log(srv.log)
+        assert pids and not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
+                                for p in pids.values())
+    finally:
+        srv.kill_all()
+        print(srv.log)  # shown when the test fails
+
+
+def test_children_exit_when_the_server_is_killed(qwen3_dir):
+    srv = start(qwen3_dir)
+    try:
+        srv.wait_ready()
+        children = srv.descendants()
+        assert children
+        srv.proc.kill()
+        srv.proc.wait(5)
+        assert wait_gone(children, timeout=5) == []
+    finally:
+        srv.kill_all()
+        print(srv.log)  # shown when the test fails

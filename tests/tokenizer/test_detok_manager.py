@@ -1,0 +1,136 @@
+"""The detokenizer's bookkeeping: registration races, stop strings, finish, stats."""
+
+from __future__ import annotations
+
+from tpserve.message import AbortRequest, BatchTokenOutput, SchedulerStats, TokenOutput
+from tpserve.message.frontend import DetokenizeRegister
+from tpserve.tokenizer.detok_manager import ORPHAN_TIMEOUT_S, DetokenizerManager
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def ids_of(tok, text):
+    return tok.encode(text, add_special_tokens=False)
+
+
+def batch(*outputs, stats=None):
+    return BatchTokenOutput(outputs=list(outputs), stats=stats)
+
+
+def feed_tokens(manager, rid, ids, finish="length"):
+    """One token per batch; returns (texts, last RequestOutput, aborts)."""
+    texts, aborts, last = [], [], None
+    for i, t in enumerate(ids):
+        done = finish if i == len(ids) - 1 else None
+        out = TokenOutput(rid=rid, token_ids=[t], finish_reason=done, prompt_tokens=7 if i == 0 else 0)
+        res = manager.on_batch(batch(out))
+        aborts += res.aborts
+        if res.api is not None and res.api.outputs:
+            last = res.api.outputs[-1]
+            texts.append(last.text)
+            if last.finish_reason is not None:
+                break
+    return texts, last, aborts
+
+
+def test_streams_text_and_counts(tiny_tokenizer):
+    m = DetokenizerManager(tiny_tokenizer)
+    m.register(DetokenizeRegister(rid=1, prompt_tokens=7))
+    ids = ids_of(tiny_tokenizer, "Hello 你好 🙂!")
+    texts, last, aborts = feed_tokens(m, 1, ids)
+    assert "".join(texts) == "Hello 你好 🙂!"
+    assert "\ufffd" not in "".join(texts)
+    assert last.finish_reason == "length"
+    assert last.completion_tokens == len(ids) and last.prompt_tokens == 7
+    assert aborts == [] and m.num_active == 0
+
+
+def test_tokens_before_registration_are_buffered(tiny_tokenizer):
+    m = DetokenizerManager(tiny_tokenizer)
+    ids = ids_of(tiny_tokenizer, "early bird")
+    res = m.on_batch(batch(TokenOutput(rid=5, token_ids=ids[:2], prompt_tokens=3)))
+    assert res.api is None or res.api.outputs == []
+    res = m.register(DetokenizeRegister(rid=5, prompt_tokens=3))
+    assert res.api.outputs[0].text == tiny_tokenizer.decode(ids[:2])
+    res = m.on_batch(batch(TokenOutput(rid=5, token_ids=ids[2:], finish_reason="stop")))
+    out = res.api.outputs[0]
+    assert out.finish_reason == "stop" and out.completion_tokens == len(ids)
+
+
+def test_stop_string_spanning_outputs_finishes_and_aborts(tiny_tokenizer):
+    m = DetokenizerManager(tiny_tokenizer)
+    m.register(DetokenizeRegister(rid=2, stop=["STOP here"]))
+    ids = ids_of(tiny_tokenizer, "keep this STOP here and not this")
+    texts, last, aborts = feed_tokens(m, 2, ids)
+    assert "".join(texts) == "keep this "
+    assert last.finish_reason == "stop"
+    assert aborts == [AbortRequest(rid=2)]
+    # tokens still in flight for the request are dropped
+    late = [TokenOutput(rid=2, token_ids=ids[:1]), TokenOutput(rid=2, token_ids=[], finish_reason="abort")]
+    res = m.on_batch(batch(*late))
+    assert res.api is None or res.api.outputs == []
+
+
+def test_stop_string_in_last_output_needs_no_abort(tiny_tokenizer):
+    m = DetokenizerManager(tiny_tokenizer)
+    m.register(DetokenizeRegister(rid=3, stop=["!"]))
+    ids = ids_of(tiny_tokenizer, "hi!")
+    res = m.on_batch(batch(TokenOutput(rid=3, token_ids=ids, finish_reason="length")))
+    assert res.aborts == []
+    assert res.api.outputs[0].text == "hi" and res.api.outputs[0].finish_reason == "stop"
+
+
+def test_chinese_stop_string(tiny_tokenizer):
+    m = DetokenizerManager(tiny_tokenizer)
+    m.register(DetokenizeRegister(rid=4, stop=["公园"]))
+    ids = ids_of(tiny_tokenizer, "我们去公园散步吧")
+    texts, last, aborts = feed_tokens(m, 4, ids)
+    assert "".join(texts) == "我们去" and last.finish_reason == "stop"
+    assert all("\ufffd" not in t for t in texts)
+
+
+def test_error_finish_passes_message(tiny_tokenizer):
+    m = DetokenizerManager(tiny_tokenizer)
+    m.register(DetokenizeRegister(rid=9))
+    res = m.on_batch(batch(TokenOutput(rid=9, token_ids=[], finish_reason="error", error="too big")))
+    out = res.api.outputs[0]
+    assert out.finish_reason == "error" and out.error == "too big"
+
+
+def test_stats_forwarded_even_without_outputs(tiny_tokenizer):
+    m = DetokenizerManager(tiny_tokenizer)
+    stats = SchedulerStats(running=1, waiting=2, kv_pages_used=3, kv_pages_total=4)
+    res = m.on_batch(batch(stats=stats))
+    assert res.api is not None and res.api.stats == stats and res.api.outputs == []
+
+
+def test_interleaved_requests(tiny_tokenizer):
+    m = DetokenizerManager(tiny_tokenizer)
+    a, b = ids_of(tiny_tokenizer, "alpha 你好"), ids_of(tiny_tokenizer, "beta 🙂 x")
+    m.register(DetokenizeRegister(rid=1))
+    m.register(DetokenizeRegister(rid=2))
+    texts = {1: "", 2: ""}
+    for i in range(max(len(a), len(b))):
+        outs = []
+        for rid, ids in ((1, a), (2, b)):
+            if i < len(ids):
+                finish = "length" if i == len(ids) - 1 else None
+                outs.append(TokenOutput(rid=rid, token_ids=[ids[i]], finish_reason=finish))
+        for o in m.on_batch(batch(*outs)).api.outputs:
+            texts[o.rid] += o.text
+    assert texts == {1: "alpha 你好", 2: "beta 🙂 x"}
+
+
+def test_never_registered_tokens_are_dropped_after_timeout(tiny_tokenizer):
+    clock = Clock()
+    m = DetokenizerManager(tiny_tokenizer, clock=clock)
+    m.on_batch(batch(TokenOutput(rid=77, token_ids=[1])))
+    clock.now = ORPHAN_TIMEOUT_S + 1
+    m.on_batch(batch())
+    assert m.register(DetokenizeRegister(rid=77)).api is None

@@ -1,0 +1,93 @@
+"""Tokenizer-worker request preparation: template, ids, validation, seeds, max_tokens."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+from tpserve.message.frontend import TokenizeRequest
+from tpserve.sampling_params import SamplingParams
+from tpserve.tokenizer.prepare import InvalidRequest, PromptLimits, PromptPreparer
+
+
+@pytest.fixture()
+def preparer(tiny_tokenizer):
+    return PromptPreparer(tiny_tokenizer, PromptLimits(context_len=64, vocab_size=700), rng=random.Random(1))
+
+
+def req(**kw):
+    params = kw.pop("params", SamplingParams(max_tokens=None))
+    return TokenizeRequest(rid=kw.pop("rid", 1), params=params, **kw)
+
+
+def test_chat_template_and_enable_thinking(preparer, tiny_tokenizer):
+    msgs = [{"role": "user", "content": "hi"}]
+    plain = preparer.prepare(req(messages=msgs)).generate.input_ids
+    no_think = preparer.prepare(req(messages=msgs, chat_template_kwargs={"enable_thinking": False})).generate.input_ids
+    assert tiny_tokenizer.decode(plain) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert tiny_tokenizer.decode(no_think).endswith("<think>\n\n</think>\n\n")
+
+
+def test_text_and_ids(preparer, tiny_tokenizer):
+    p = preparer.prepare(req(text="Hello world"))
+    assert p.generate.input_ids == tiny_tokenizer.encode("Hello world")
+    assert preparer.prepare(req(input_ids=[1, 2, 3])).generate.input_ids == [1, 2, 3]
+
+
+def test_max_tokens_and_seed_made_final(preparer):
+    p = preparer.prepare(req(input_ids=[1, 2, 3]))
+    assert p.generate.params.max_tokens == 64 - 3
+    assert p.generate.params.seed is not None
+    assert p.register.prompt_tokens == 3
+    fixed = preparer.prepare(req(input_ids=[1], params=SamplingParams(max_tokens=5, seed=42, stop=["x"])))
+    assert fixed.generate.params.max_tokens == 5 and fixed.generate.params.seed == 42
+    assert fixed.register.stop == ["x"]
+
+
+def test_seeds_differ_between_requests(preparer):
+    seeds = {preparer.prepare(req(rid=i, input_ids=[1])).generate.params.seed for i in range(5)}
+    assert len(seeds) == 5
+
+
+@pytest.mark.parametrize(
+    "kwargs, param, fragment",
+    [
+        ({"input_ids": list(range(64))}, "prompt", "context length is 64"),
+        ({"input_ids": []}, "prompt", "empty"),
+        ({"text": ""}, "prompt", "empty"),
+        ({"input_ids": [1, 700]}, "prompt", "out of range"),
+        ({"input_ids": [-1]}, "prompt", "out of range"),
+        ({"input_ids": [1] * 10, "params": SamplingParams(max_tokens=60)}, "max_tokens", "70 were requested"),
+        ({"input_ids": [1], "params": SamplingParams(stop_token_ids=[9999])}, "stop_token_ids", "out of range"),
+        ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}},
+         "chat_template_kwargs", "tokenize"),
+        ({"messages": [{"role": "user", "content": "word " * 80}]}, "messages", "context length"),
+        ({}, "prompt", "no prompt"),
+    ],
+)
+def test_invalid_requests(preparer, kwargs, param, fragment):
+    with pytest.raises(InvalidRequest) as e:
+        preparer.prepare(req(**kwargs))
+    assert e.value.param == param
+    assert fragment in e.value.message
+
+
+def test_template_errors_become_invalid_requests(tiny_tokenizer):
+    class Broken:
+        chat_template = "{{ raise_exception('bad role') }}"
+
+        def apply_chat_template(self, *a, **k):
+            raise ValueError("bad role")
+
+    p = PromptPreparer(Broken(), PromptLimits(64, 700))
+    with pytest.raises(InvalidRequest, match="bad role"):
+        p.prepare(req(messages=[{"role": "user", "content": "x"}]))
+
+
+def test_no_chat_template():
+    class NoTemplate:
+        chat_template = None
+
+    p = PromptPreparer(NoTemplate(), PromptLimits(64, 700))
+    with pytest.raises(InvalidRequest, match="no chat template"):
+        p.prepare(req(messages=[{"role": "user", "content": "x"}]))
