@@ -57,6 +57,20 @@ for s in $stages; do
     sampler) stage sampler 25 python3 benchmarks/sampler_latency.py --batch-sizes 1,64,256 --out $results/sampler.json ;;
     ceilings) stage ceilings 20 python3 benchmarks/ceilings.py --out $results/ceilings.json ;;
     profile8) stage profile8 120 python3 benchmarks/profile_decode.py --model $large --batch-sizes 1,64 --out $results/profile_qwen3_8b.json ;;
+    offline06_nooverlap) stage offline06_nooverlap 90 python3 benchmarks/offline_throughput.py --model $small --disable-overlap --out $results/offline_qwen3_0.6b_nooverlap.json ;;
+    offline06_nographs) stage offline06_nographs 120 python3 benchmarks/offline_throughput.py --model $small --cuda-graph-max-bs 0 --out $results/offline_qwen3_0.6b_nographs.json ;;
+    offline14) stage offline14 200 python3 benchmarks/offline_throughput.py --model .models/Qwen3-14B --out $results/offline_qwen3_14b.json ;;
+    hf06) stage hf06 150 python3 benchmarks/offline_throughput.py --model $small --hf-baseline --num-requests 64 --out $results/offline_qwen3_0.6b_hf.json ;;
+    prefill8k) stage prefill8k 60 python3 benchmarks/prefill_throughput.py --model $large --lengths 8192 --out $results/prefill_qwen3_8b_8k.json ;;
+    serving06)  # a real server (dummy weights, the real Qwen3 tokenizer) and the online client
+      srv=/tmp/qwen3-0.6b && mkdir -p $srv && cp $small/*.json $srv/ && tar xJf .models/qwen3-tokenizer.tar.xz -C $srv
+      port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
+      python3 -m tpserve --model $srv --load-format dummy --port $port > $out/server.log 2>&1 &
+      spid=$!
+      for _ in $(seq 120); do python3 -c "import httpx, sys; sys.exit(httpx.get('http://127.0.0.1:$port/health').status_code != 200)" 2>/dev/null && break; sleep 1; done
+      grep -E "attention|graphs|KV pages|listening|ready" $out/server.log | head -8 | tee -a "$log"
+      stage serving06 150 python3 benchmarks/serving.py --url http://127.0.0.1:$port --rates 16,inf --num-requests 200 --out $results/serving_qwen3_0.6b.json
+      kill -TERM $spid; wait $spid; echo "server exit $?" | tee -a "$log" ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done
