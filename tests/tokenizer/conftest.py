@@ -1,13 +1,18 @@
-"""Tokenizers for the frontend unit tests: the tiny model's and (when shared/ has it) Qwen3's."""
+"""Tokenizers for the frontend unit tests: the tiny model's and the real Qwen3 one.
+
+tests/data/qwen3-tokenizer.tar.xz holds the official Qwen3 vocab.json, merges.txt and
+tokenizer_config.json (byte-identical to ../shared/models/qwen3-tokenizer, 1.3 MB compressed),
+so CI tests real multi-byte merges without a download.
+"""
 
 from __future__ import annotations
 
-import os
+import tarfile
 from pathlib import Path
 
 import pytest
 
-QWEN3_TOKENIZER = Path(__file__).resolve().parents[3] / "shared" / "models" / "qwen3-tokenizer"
+QWEN3_TOKENIZER_ARCHIVE = Path(__file__).resolve().parents[1] / "data" / "qwen3-tokenizer.tar.xz"
 
 
 @pytest.fixture(scope="session")
@@ -18,10 +23,10 @@ def tiny_tokenizer(qwen3_dir):
 
 
 @pytest.fixture(scope="session")
-def qwen3_tokenizer():
-    path = Path(os.environ.get("TPSERVE_QWEN3_TOKENIZER", QWEN3_TOKENIZER))
-    if not (path / "vocab.json").exists():
-        pytest.skip(f"no Qwen3 tokenizer files at {path}")
+def qwen3_tokenizer(tmp_path_factory):
     from tpserve.tokenizer.loader import load_tokenizer
 
+    path = tmp_path_factory.mktemp("qwen3-tokenizer")
+    with tarfile.open(QWEN3_TOKENIZER_ARCHIVE) as archive:
+        archive.extractall(path, filter="data")
     return load_tokenizer(str(path))

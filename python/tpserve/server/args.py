@@ -115,9 +115,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="KV-cache size in tokens (default: from --mem-fraction on GPU, "
                         "32768 on CPU)")
     engine.add_argument("--seed", type=_int_at_least(0), default=0, help="engine random seed")
-    engine.add_argument("--chunked-prefill-size", type=int, default=8192,
+    engine.add_argument("--chunked-prefill-size", "--max-prefill-tokens", type=int, default=8192,
                         help="prefill tokens per step; longer prompts are split (<= 0: no chunking)")
-    engine.add_argument("--prefix-cache", choices=["radix", "naive"], default="radix",
+    engine.add_argument("--cache", "--prefix-cache", choices=["radix", "naive"], default="radix",
                         help="prefix cache: radix (shared prefixes reuse KV pages) or naive (none)")
     engine.add_argument("--schedule-policy", choices=["fcfs", "lpm"], default="fcfs",
                         help="admission order: fcfs, or lpm (longest cached prefix first)")
@@ -186,7 +186,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         max_model_len=ns.max_model_len,
         seed=ns.seed,
         chunked_prefill_size=ns.chunked_prefill_size,
-        cache=ns.prefix_cache,
+        cache=ns.cache,
         schedule_policy=ns.schedule_policy,
         attention_backend=ns.attention_backend,
         cuda_graph_max_bs=ns.cuda_graph_max_bs,

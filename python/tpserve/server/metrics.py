@@ -30,6 +30,8 @@ class _SchedulerCollector:
             ("tpserve_kv_pages_used", "KV-cache pages held by running requests.", s.kv_pages_used),
             ("tpserve_kv_pages_cached", "KV-cache pages holding evictable cached prefixes.", s.kv_pages_cached),
             ("tpserve_kv_pages_total", "KV-cache pages in all.", s.kv_pages_total),
+            ("tpserve_prefix_cache_hit_rate", "Share of admitted prompt tokens served from the prefix cache.",
+             s.cached_tokens_total / s.prompt_tokens_total if s.prompt_tokens_total else 0.0),
         )
         for name, doc, value in gauges:
             yield GaugeMetricFamily(name, doc, value=value)

@@ -1,0 +1,78 @@
+"""End to end at TP=2 over a deliberately small KV cache: prefix reuse across chat turns,
+preemption and eviction under load, 400 for a request larger than the pool while others
+proceed, and a flush that returns every page. Ranks are checked to agree every step."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+
+import httpx
+import openai
+import pytest
+from server_process import ServerProcess
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir):
+    srv = ServerProcess(["--model", qwen3_dir, "--device", "cpu", "--tp-size", "2", "--max-total-tokens", "256",
+                         "--page-size", "4", "--max-prefill-tokens", "16", "--cache", "radix",
+                         "--debug-check-ranks", "--served-model-name", "tiny"])
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+def metrics(url: str) -> dict[str, float]:
+    text = httpx.get(f"{url}/metrics").text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(tpserve_\w+) ([0-9.e+-]+)$", text, re.M)}
+
+
+def test_second_chat_turn_reuses_the_first(server):
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    messages = [{"role": "user", "content": "Describe the old clock tower in the town square."}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=12, temperature=0)
+    assert first.usage.prompt_tokens_details.cached_tokens == 0
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "And the bells?"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=4, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert cached >= first.usage.prompt_tokens // 4 * 4 - 4, (cached, first.usage.prompt_tokens)
+    assert metrics(server.url)["tpserve_prefix_cache_hit_rate"] > 0
+
+
+async def _load(url: str) -> tuple[list[int], httpx.Response]:
+    rng = random.Random(5)
+    shared = [[rng.randrange(3, 600) for _ in range(rng.randint(8, 24))] for _ in range(3)]
+    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+        async def one(i: int) -> int:
+            prompt = rng.choice(shared) + [rng.randrange(3, 600) for _ in range(rng.randint(1, 12))]
+            body = {"model": "tiny", "prompt": prompt, "max_tokens": 30 + i % 10, "temperature": 0, "ignore_eos": True}
+            response = await client.post("/v1/completions", json=body)
+            assert response.status_code == 200, response.text
+            return response.json()["usage"]["completion_tokens"]
+
+        tasks = [asyncio.create_task(one(i)) for i in range(24)]
+        await asyncio.sleep(0.5)
+        too_big = await client.post("/v1/completions", json={"model": "tiny", "prompt": [5] * 300, "max_tokens": 1})
+        return await asyncio.gather(*tasks), too_big
+
+
+def test_load_over_a_small_pool_then_flush(server):
+    before = metrics(server.url)
+    counts, too_big = asyncio.run(_load(server.url))
+    assert counts == [30 + i % 10 for i in range(24)], "every accepted request completes in full"
+    assert too_big.status_code == 400
+    assert "KV cache" in too_big.json()["error"]["message"]
+    after = metrics(server.url)
+    assert after["tpserve_preemptions_total"] > before.get("tpserve_preemptions_total", 0)
+    assert after["tpserve_kv_pages_evicted_total"] > before.get("tpserve_kv_pages_evicted_total", 0)
+    assert httpx.post(f"{server.url}/flush_cache").status_code == 200
+    # A tiny request afterwards carries fresh scheduler stats to the metrics.
+    httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": [1, 2], "max_tokens": 1}, timeout=60)
+    final = metrics(server.url)
+    assert final["tpserve_kv_pages_used"] == 0 and final["tpserve_num_requests_running"] == 0
+    assert final["tpserve_kv_pages_cached"] <= 1, "only the last request's own page may stay cached"
