@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -108,7 +109,12 @@ class CUDAGraphRunner:
         )
 
     @torch.inference_mode()
-    def run(self, seqs: list[SequenceInput], previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
+    def run(
+        self,
+        seqs: list[SequenceInput],
+        previous_tokens: torch.Tensor | None = None,
+        on_planned: Callable[[], None] | None = None,
+    ) -> torch.Tensor:
         """[len(seqs), vocab] logits of a decode batch; valid until the next replay.
         Negative token ids are placeholders for rows of ``previous_tokens`` (overlap scheduling)."""
         batch = len(seqs)
@@ -121,6 +127,8 @@ class CUDAGraphRunner:
         if previous_tokens is not None:
             self.tokens[0, :batch] = resolve_future_tokens(self.tokens[0, :batch], previous_tokens)
         self.attention.plan_cuda_graph(seqs, graph.attn_meta, size)
+        if on_planned is not None:
+            on_planned()
         graph.graph.replay()
         return graph.logits[:batch]
 

@@ -147,9 +147,10 @@ class Engine:
         overwritten by the next replay.
         """
         if self.graph_runner is not None and self.graph_runner.can_run(seqs):
-            return self.graph_runner.run(seqs, previous_tokens)
+            return self.graph_runner.run(seqs, previous_tokens, on_planned=self._mark_planned)
         meta = self.attention.prepare(seqs, self.device)
         inputs = build_forward_inputs(seqs, self.page_size, self.device, meta)
+        self._mark_planned()
         if previous_tokens is not None:
             inputs.input_ids = resolve_future_tokens(inputs.input_ids, previous_tokens)
         return self.model(ForwardContext(inputs, self.attention))
@@ -159,7 +160,8 @@ class Engine:
         """Enqueue one step (forward + sampling) without waiting for it; see ``LaunchedStep``."""
         if self._planned is not None:
             # Attention planning fills pinned host buffers that the previous step's queued
-            # copies may still read: wait until those copies have run.
+            # copies may still read: wait until those copies have run (the device has started
+            # that step), not for the step itself.
             self._planned.synchronize()
         has_futures = any(t < 0 for s in seqs for t in s.token_ids[:1])
         logits = self.forward(seqs, self._last_tokens if has_futures else None)
@@ -167,13 +169,17 @@ class Engine:
         self._last_tokens = tokens
         if self.device.type != "cuda":
             return LaunchedStep(tokens, None)
-        self._planned = torch.cuda.Event()
-        self._planned.record()
         host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
         host.copy_(tokens, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         return LaunchedStep(host, done)
+
+    def _mark_planned(self) -> None:
+        """Record that this step's host-to-device metadata copies are enqueued."""
+        if self.device.type == "cuda":
+            self._planned = torch.cuda.Event()
+            self._planned.record()
 
     def step(self, seqs: list[SequenceInput], sampling: SamplingBatch) -> list[int]:
         return self.launch(seqs, sampling).result()
