@@ -20,7 +20,7 @@ import zmq.asyncio
 from tpserve.message import AbortRequest, FlushCache, SchedulerStats
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import ApiInput, ApiOutputBatch, RequestOutput, RequestRejected, TokenizeRequest
-from tpserve.message.transport import encode
+from tpserve.message.transport import encode, open_socket
 
 
 @dataclass(frozen=True)
@@ -56,13 +56,7 @@ class FrontendClient:
         self._on_aborted_finish = on_aborted_finish
 
     def _socket(self, kind: int, address: str, bind: bool) -> zmq.asyncio.Socket:
-        sock = self._ctx.socket(kind)
-        sock.setsockopt(zmq.LINGER, 0)
-        if bind:
-            sock.bind(address)
-        else:
-            sock.connect(address)
-        return sock
+        return open_socket(self._ctx, kind, address, bind)
 
     def new_rid(self) -> int:
         return next(self._rids)
