@@ -1,5 +1,5 @@
 """End to end: a real server (real scheduler, tiny random model, CPU) driven by the official
-``openai`` client. One server for the whole module."""
+``openai`` client. One server per TP size (1 and 2) for the whole module."""
 
 from __future__ import annotations
 
@@ -17,9 +17,9 @@ GREEDY = {"temperature": 0}
 IGNORE_EOS = {"ignore_eos": True}
 
 
-@pytest.fixture(scope="module")
-def server(qwen3_dir):
-    srv = ServerProcess(["--model", qwen3_dir, "--device", "cpu", "--api-key", API_KEY,
+@pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
+def server(qwen3_dir, request):
+    srv = ServerProcess(["--model", qwen3_dir, "--device", "cpu", "--api-key", API_KEY, "--tp-size", str(request.param),
                          "--served-model-name", "tiny", "--num-tokenizers", "2"])
     try:
         srv.wait_ready()
