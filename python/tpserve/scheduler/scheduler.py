@@ -5,6 +5,11 @@ chunk when prefilling) and the pages those need, evicting cached prefixes and, i
 enough, preempting the newest requests; then waiting requests are admitted while the prefill
 budget and pages allow. Every rank runs this same code on the same inputs, so all ranks take
 the same decisions: queues are ordered, batches sorted by request id, recency is a step count.
+
+With overlap (the default) step i+1 is planned and launched before step i's samples are read:
+a decoding request's next input is then a placeholder for its pending sample, which the engine
+fills in on the device, and finishing (EOS, stop tokens) is noticed one step late. Before any
+preemption the step in flight is drained, so a preempted request's tokens are all known.
 """
 
 from __future__ import annotations
