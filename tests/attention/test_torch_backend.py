@@ -1,0 +1,50 @@
+"""The torch attention backend over the paged cache against plain causal attention."""
+
+from __future__ import annotations
+
+import torch
+
+from tpserve.attention.torch_backend import TorchAttentionBackend
+from tpserve.engine.batch import SequenceInput, build_forward_inputs
+from tpserve.kvcache.pool import KVCachePool
+
+
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int) -> torch.Tensor:
+    """q: [n, H, D] new tokens at positions prefix.., k/v: [prefix + n, Hkv, D]."""
+    rep = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    allowed = torch.arange(k.shape[0])[None, :] <= torch.arange(prefix, prefix + q.shape[0])[:, None]
+    scores = scores.masked_fill(~allowed, float("-inf"))
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+
+
+def test_mixed_prefill_chunk_and_decode_batch():
+    torch.manual_seed(0)
+    heads, kv_heads, dim, page = 4, 2, 8, 3
+    pool = KVCachePool(1, 32, page, kv_heads, dim, torch.float32, torch.device("cpu"))
+    backend = TorchAttentionBackend(pool, heads, kv_heads, dim)
+    # (cached prefix, new tokens, page table): a fresh prefill, a chunk on a prefix, a decode.
+    shapes = [(0, 7, [5, 9, 2]), (4, 5, [1, 3, 4]), (10, 1, [6, 7, 8, 10])]
+    full_k = [torch.randn(p + n, kv_heads, dim) for p, n, _ in shapes]
+    full_v = [torch.randn(p + n, kv_heads, dim) for p, n, _ in shapes]
+    # Write each prefix into the cache as earlier steps would have.
+    for (p, _, table), k, v in zip(shapes, full_k, full_v):
+        if p:
+            slots = torch.tensor([table[i // page] * page + i % page for i in range(p)])
+            pool.store(0, slots, k[:p], v[:p])
+    seqs = [SequenceInput([1] * n, p, table) for p, n, table in shapes]
+    meta = backend.prepare(seqs, torch.device("cpu"))
+    inputs = build_forward_inputs(seqs, page, torch.device("cpu"), meta)
+    qs = [torch.randn(n, heads, dim) for _, n, _ in shapes]
+    out = backend.forward(
+        0,
+        torch.cat(qs),
+        torch.cat([k[p:] for (p, _, _), k in zip(shapes, full_k)]),
+        torch.cat([v[p:] for (p, _, _), v in zip(shapes, full_v)]),
+        inputs.out_slots,
+        meta,
+    )
+    expected = torch.cat([reference(q, k, v, p) for q, k, v, (p, _, _) in zip(qs, full_k, full_v, shapes)])
+    assert torch.allclose(out, expected, atol=1e-5), (out - expected).abs().max()
+    assert pool.k[0][0].abs().sum() == 0, "the scratch page is never written by real tokens"
