@@ -45,7 +45,13 @@ class Request:
 
     def input_ids(self, n: int) -> list[int]:
         """The next ``n`` tokens to compute; a pending sample is the placeholder -(row + 1)."""
-        ids = self.all_ids[self.num_cached : self.num_cached + n]
+        start, end, prompt_len = self.num_cached, self.num_cached + n, len(self.prompt_ids)
+        if end <= prompt_len:  # without building prompt + output, which grows every step
+            ids = self.prompt_ids[start:end]
+        elif start >= prompt_len:
+            ids = self.output_ids[start - prompt_len : end - prompt_len]
+        else:
+            ids = self.prompt_ids[start:] + self.output_ids[: end - prompt_len]
         if self.pending and len(ids) < n:
             ids.append(-(self.future_row + 1))
         return ids
