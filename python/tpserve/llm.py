@@ -85,7 +85,8 @@ def _rank_main(config: EngineConfig, rank: int, conn: Connection) -> None:
                 elif command == "stats":
                     conn.send(("stats", scheduler.stats()))
                 else:
-                    results = run_jobs(scheduler, payload, show_progress=False)
+                    jobs, use_tqdm = payload
+                    results = run_jobs(scheduler, jobs, show_progress=use_tqdm and rank == 0)
                     conn.send(("results", results if rank == 0 else None))
             except Exception as exc:  # report, keep the rank alive for the next call
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -234,7 +235,7 @@ class LLM:
         if self._scheduler is not None:
             results = run_jobs(self._scheduler, jobs, use_tqdm)
         elif self._ranks is not None:
-            self._ranks.broadcast(("generate", jobs))
+            self._ranks.broadcast(("generate", (jobs, use_tqdm)))
             results = self._ranks.receive_all()[0]
         else:
             raise RuntimeError("generate() called after close()")

@@ -36,6 +36,53 @@ def check_sampler() -> None:
     assert int(got[5]) == 17
 
 
+def kept_sets(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    """[B, V] bool: the tokens the torch path's top-k/top-p/min-p keep."""
+    from tpserve.engine.sampler import Workspace, _keep_thresholds, _tempered_weights
+
+    weights = _tempered_weights(logits, batch.temperatures, Workspace()).clone()
+    threshold = _keep_thresholds(weights, batch)
+    return weights >= threshold[:, None] if threshold is not None else torch.ones_like(weights, dtype=torch.bool)
+
+
+def check_sampler_filters() -> None:
+    """top-k/top-p/min-p mixes, bisection in the kernel against the torch path's sort."""
+    from tpserve.kernels.sampling import sample
+
+    gen = torch.Generator().manual_seed(2)
+    rows, vocab = 40, 600
+    # bf16 logits over a small vocab: many exact ties, also at the cut-offs.
+    logits = (3 * torch.randn(rows, vocab, generator=gen)).to(torch.bfloat16)
+    logits[3, :50] = 5.0  # 50 tokens tied at the top: top-k 20 keeps all of them
+    kinds = [
+        SP(temperature=0.8, top_k=20), SP(temperature=1.0, top_p=0.8), SP(temperature=0.7, min_p=0.1),
+        SP(temperature=0.9, top_k=20, top_p=0.8), SP(temperature=0.0, top_k=3), SP(temperature=1.2),
+        SP(temperature=1.5, top_k=5, top_p=0.5, min_p=0.2), SP(temperature=2.0, top_p=0.95),
+        SP(temperature=0.6, top_k=1), SP(temperature=3.0, top_k=200, top_p=0.3, min_p=0.01),
+    ]
+    params = [kinds[i % len(kinds)] for i in range(rows)]
+    seeds = torch.randint(-(2**63), 2**63 - 1, (rows,), generator=gen).tolist()
+    steps = [i * 31 for i in range(rows)]
+    batch = SamplingBatch.build(params, seeds, steps, vocab, "cpu")
+    reference = Sampler().sample_torch(logits, batch)
+    got = sample(logits, batch.temperatures, batch.seeds, batch.steps, batch.top_ks, batch.top_ps, batch.min_ps)
+    kept = kept_sets(logits, batch)
+    greedy = batch.temperatures == 0
+    assert bool(kept[~greedy].gather(1, got[~greedy, None]).all()), "a token outside the kept set"
+    agree = (got == reference).float().mean().item()
+    assert agree >= 0.99, f"only {agree:.1%} of rows agree: kernel {got.tolist()} != torch {reference.tolist()}"
+
+    # One row, many seeds: every kept token's share tracks the torch path's.
+    samples = 24
+    row = logits[1:2].expand(samples, -1)
+    for param in (SP(temperature=1.0, top_k=20, top_p=0.7), SP(temperature=2.0, top_p=0.5, min_p=0.05)):
+        batch = SamplingBatch.build([param] * samples, list(range(samples)), [7] * samples, vocab, "cpu")
+        reference = Sampler().sample_torch(row, batch)
+        got = sample(row, batch.temperatures, batch.seeds, batch.steps, batch.top_ks, batch.top_ps, batch.min_ps)
+        assert bool(kept_sets(row, batch).gather(1, got[:, None]).all()), "a token outside the kept set"
+        assert (got == reference).float().mean().item() >= 0.99, f"{got.tolist()} != {reference.tolist()}"
+
+
 def check_kv_store() -> None:
     from tpserve.kernels.kv_store import store_kv
 
@@ -56,5 +103,6 @@ if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1")
     check_sampler()
+    check_sampler_filters()
     check_kv_store()
     print("ok")

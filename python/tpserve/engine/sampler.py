@@ -24,9 +24,9 @@ Order of operations for a sampled row (greedy rows, temperature 0, are a plain a
 Steps 2-4 each reduce to a per-row threshold and tokens below it are dropped, so tokens tied with
 the last kept one are kept too: the result never depends on how a sort orders ties.
 
-On CUDA with Triton, rows without top-k/top-p/min-p (and greedy rows) take one fused kernel
-(``tpserve.kernels.sampling``) that computes the same race with the same noise; rows with a
-filter keep this torch path (only those rows go through it).
+On CUDA with Triton, every row takes one fused kernel (``tpserve.kernels.sampling``) that computes
+the same race with the same noise, and finds the top-k/top-p cut-offs by bisection instead of a
+sort; this torch path is the CPU path and the reference.
 """
 
 from __future__ import annotations
@@ -222,14 +222,15 @@ class Sampler:
     def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:
             return logits.argmax(dim=-1)
-        if use_triton(logits.device) and logits.stride(-1) == 1 and (not batch.needs_filter or batch.filtered is not None):
+        if use_triton(logits.device) and logits.stride(-1) == 1:
             from tpserve.kernels.sampling import sample
 
-            tokens = sample(logits, batch.temperatures, batch.seeds, batch.steps)
-            if batch.filtered is not None and batch.filtered_rows is not None:
-                rows = batch.filtered_rows
-                tokens.index_copy_(0, rows, self.sample_torch(logits.index_select(0, rows), batch.filtered))
-            return tokens
+            if not batch.needs_filter:
+                return sample(logits, batch.temperatures, batch.seeds, batch.steps)
+            # Every row, filtered or not, in the kernel's bisection variant (no sort).
+            return sample(
+                logits, batch.temperatures, batch.seeds, batch.steps, batch.top_ks, batch.top_ps, batch.min_ps
+            )
         return self.sample_torch(logits, batch)
 
     def sample_torch(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:

@@ -1,13 +1,31 @@
-"""Sampling in one Triton kernel for rows with a temperature and no top-k/top-p/min-p filter
-(and greedy rows): the same counter-based noise and exponential race as ``engine/sampler.py``.
+"""Sampling in one Triton kernel: the counter-based noise and exponential race of
+``engine/sampler.py``, greedy rows, and top-k / top-p / min-p without sorting.
 
-Each program owns one row and makes two passes over its logits: the row max, then
-``argmax(exp((logit - max) / t) / -log(u))`` with ``u`` from the same splitmix32 hash of
+Each program owns one row. Pass 1 is the row max; the last pass is
+``argmax(keep * exp((logit - max) / t) / -log(u))`` with ``u`` from the same splitmix32 hash of
 (seed, step, vocab index). The operations are the torch path's, each rounded the same way
 (IEEE division, CUDA's libdevice ``expf``/``logf``, first index on ties), so tokens are expected
 to match the torch path; a difference could only come from an ulp of ``exp``/``log`` at a
 near-exact tie. There are no atomics: a row's result depends only on that row, so every
 tensor-parallel rank picks the same tokens from the same logits.
+
+Filters (the ``FILTER`` variant). ``w = f(x) = exp((x - max) / t)`` is monotone in the logit
+``x``, so the sorted weights are ``f`` of the sorted logits and every cut-off is found on the
+logits, by bisection over the monotone int32 keys of their float32 values (at most 32 steps,
+each a pass over the row):
+
+* top-k: the k-th largest logit ``x_k`` is the largest key with ``count(x >= key) >= k``; the
+  torch path's threshold ``sorted_w[k - 1]`` is exactly ``f(x_k)``, so ties are kept the same way;
+* top-p: the mass of the k largest weights is ``sum(f(x), x > x_k) + (k - count(x > x_k)) f(x_k)``
+  (all of them without top-k); the torch path keeps the sorted positions whose preceding mass is
+  below ``top_p`` times it, i.e. down to the smallest logit ``c >= x_k`` whose strictly-larger
+  mass ``S(c) = sum(f(x), x > c)`` is below it; ``S`` is monotone, so ``c`` is the smallest key
+  with ``S(key) < top_p * mass``. The sums use ``exp2`` with ``log2(e) / t`` and sum in another
+  order than torch's cumsum: only a near-exact tie of the mass with ``top_p`` can differ;
+* min-p: weights below ``min_p`` (the top weight is exactly 1).
+
+The race keeps ``w >= max(f(cut-off logit), min_p)``, ``f`` computed exactly as in the race, so
+the token at the cut-off and every token tied with it are kept, as in the torch path.
 """
 
 from __future__ import annotations
@@ -121,18 +139,166 @@ def _sample_kernel(
     tl.store(out_ptr + row, token.to(tl.int64))
 
 
+@triton.jit
+def _key(x):
+    """Monotone int32 key of float32 values (-0.0 and +0.0 share the key 0)."""
+    bits = x.to(tl.int32, bitcast=True)
+    key = tl.where(bits >= 0, bits, bits ^ 0x7FFFFFFF)
+    return tl.where(x == 0.0, 0, key)
+
+
+@triton.jit
+def _unkey(key):
+    """The float32 value of a key (inverse of ``_key``)."""
+    bits = tl.where(key >= 0, key, key ^ 0x7FFFFFFF)
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _count_ge(row_logits, mid, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+    """How many logits of the row have a key >= mid."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, VOCAB, BLOCK):
+        cols = start + offs
+        x = tl.load(row_logits + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32)
+        acc += ((_key(x) >= mid) & (cols < VOCAB)).to(tl.int32)
+    return tl.sum(acc, axis=0)
+
+
+@triton.jit
+def _mass_gt(row_logits, mid, m, scale, VOCAB: tl.constexpr, BLOCK: tl.constexpr):
+    """(sum of exp2((x - m) * scale), count) over the row's logits with a key > mid."""
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros((BLOCK,), tl.float32)
+    cnt = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, VOCAB, BLOCK):
+        cols = start + offs
+        x = tl.load(row_logits + cols, mask=cols < VOCAB, other=float("-inf")).to(tl.float32)
+        above = (_key(x) > mid) & (cols < VOCAB)
+        acc += tl.where(above, tl.exp2((x - m) * scale), 0.0)
+        cnt += above.to(tl.int32)
+    return tl.sum(acc, axis=0), tl.sum(cnt, axis=0)
+
+
+@triton.jit
+def _filter_sample_kernel(
+    logits_ptr, row_stride, temperatures_ptr, seeds_ptr, steps_ptr, top_ks_ptr, top_ps_ptr, min_ps_ptr,
+    out_ptr, VOCAB: tl.constexpr, BLOCK: tl.constexpr, LIBDEVICE: tl.constexpr,
+):
+    row = tl.program_id(0)
+    row_logits = logits_ptr + row.to(tl.int64) * row_stride
+    offs = tl.arange(0, BLOCK)
+
+    # Pass 1: the row max and min, in float32 (exact for half-precision logits).
+    row_max = tl.full((BLOCK,), float("-inf"), tl.float32)
+    row_min = tl.full((BLOCK,), float("inf"), tl.float32)
+    for start in range(0, VOCAB, BLOCK):
+        cols = start + offs
+        valid = cols < VOCAB
+        x = tl.load(row_logits + cols, mask=valid, other=float("-inf")).to(tl.float32)
+        row_max = tl.maximum(row_max, x)
+        row_min = tl.minimum(row_min, tl.where(valid, x, float("inf")))
+    m = tl.max(row_max, axis=0)
+    lowest = tl.min(row_min, axis=0)
+
+    t_in = tl.load(temperatures_ptr + row)
+    greedy = t_in == 0.0
+    t = tl.where(greedy, 1.0, t_in)
+    top_k = tl.minimum(tl.maximum(tl.load(top_ks_ptr + row), 1), VOCAB).to(tl.int32)
+    top_p = tl.load(top_ps_ptr + row)
+    min_p = tl.load(min_ps_ptr + row)
+
+    # The cut-off logit's key (the row min's key: keep everything) and the weight threshold.
+    low_key = _key(lowest).to(tl.int64)
+    high_key = _key(m).to(tl.int64)
+    cut = low_key
+    if t_in != 0.0:
+        if top_k < VOCAB:
+            # Largest key with count(key(x) >= key) >= k: the k-th largest logit.
+            lo = low_key
+            hi = high_key
+            while lo < hi:
+                mid = lo + (hi - lo + 1) // 2
+                if _count_ge(row_logits, mid.to(tl.int32), VOCAB, BLOCK) >= top_k:
+                    lo = mid
+                else:
+                    hi = mid - 1
+            cut = lo
+        if top_p < 1.0:
+            scale = 1.4426950408889634 / t
+            x_k = _unkey(cut.to(tl.int32))
+            w_k = tl.exp2((x_k - m) * scale)
+            mass_above, count_above = _mass_gt(row_logits, cut.to(tl.int32), m, scale, VOCAB, BLOCK)
+            target = top_p * (mass_above + (top_k - count_above).to(tl.float32) * w_k)
+            # Smallest key in [cut, max] whose strictly-larger mass is below the target.
+            lo = cut
+            hi = high_key
+            while lo < hi:
+                mid = lo + (hi - lo) // 2
+                mass, _ = _mass_gt(row_logits, mid.to(tl.int32), m, scale, VOCAB, BLOCK)
+                if mass < target:
+                    hi = mid
+                else:
+                    lo = mid + 1
+            cut = lo
+    # Exactly the race's weight of the cut-off logit (the row min's when nothing cuts: <= every w).
+    cut_x = _unkey(cut.to(tl.int32))
+    threshold = _exp(_div(cut_x - m, t, LIBDEVICE), LIBDEVICE)
+    threshold = tl.maximum(threshold, min_p)
+
+    key = _row_key(tl.load(seeds_ptr + row + tl.zeros((1,), tl.int32)), tl.load(steps_ptr + row + tl.zeros((1,), tl.int32)))
+
+    # The race, as in _sample_kernel; dropped tokens score 0 (the torch path's 0 / E).
+    best = tl.full((BLOCK,), float("-inf"), tl.float32)
+    best_idx = tl.zeros((BLOCK,), tl.int32)
+    for start in range(0, VOCAB, BLOCK):
+        cols = start + offs
+        valid = cols < VOCAB
+        x = tl.load(row_logits + cols, mask=valid, other=float("-inf")).to(tl.float32)
+        bits = _mix32(key ^ _mix32(cols.to(tl.uint32) ^ _COL_DOMAIN))
+        u = ((bits >> _UNIFORM_SHIFT).to(tl.float32) + 0.5) * _UNIFORM_SCALE
+        weight = _exp(_div(x - m, t, LIBDEVICE), LIBDEVICE)
+        race = tl.where(weight >= threshold, _div(weight, -_log(u, LIBDEVICE), LIBDEVICE), 0.0)
+        score = tl.where(greedy, x, race)
+        score = tl.where(valid, score, float("-inf"))
+        better = score > best
+        best = tl.where(better, score, best)
+        best_idx = tl.where(better, cols, best_idx)
+    top = tl.max(best, axis=0)
+    token = tl.min(tl.where(best == top, best_idx, VOCAB), axis=0)
+    tl.store(out_ptr + row, token.to(tl.int64))
+
+
 def sample(
-    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor
+    logits: torch.Tensor,
+    temperatures: torch.Tensor,
+    seeds: torch.Tensor,
+    steps: torch.Tensor,
+    top_ks: torch.Tensor | None = None,
+    top_ps: torch.Tensor | None = None,
+    min_ps: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B] int64 tokens of [B, V] logits (any float dtype, last dim contiguous): argmax for rows
-    with temperature 0, the unfiltered exponential race at temperature t otherwise."""
+    with temperature 0, the exponential race at temperature t otherwise, over the tokens that
+    top-k ([B] int64, V when off), top-p and min-p ([B] float32) keep when those are given (all
+    three or none)."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"sampling kernel needs [B, V] logits with a contiguous last dim, got {tuple(logits.shape)}")
+    filters = (top_ks, top_ps, min_ps)
+    if any(f is None for f in filters) and not all(f is None for f in filters):
+        raise ValueError("give top_ks, top_ps and min_ps together, or none of them")
     batch, vocab = logits.shape
     out = torch.empty(batch, dtype=torch.int64, device=logits.device)
     if batch == 0:
         return out
-    _sample_kernel[(batch,)](
-        logits, logits.stride(0), temperatures, seeds, steps, out, VOCAB=vocab, BLOCK=BLOCK, LIBDEVICE=_LIBDEVICE, num_warps=8
-    )
+    if top_ks is None:
+        _sample_kernel[(batch,)](
+            logits, logits.stride(0), temperatures, seeds, steps, out, VOCAB=vocab, BLOCK=BLOCK, LIBDEVICE=_LIBDEVICE, num_warps=8
+        )
+    else:
+        _filter_sample_kernel[(batch,)](
+            logits, logits.stride(0), temperatures, seeds, steps, top_ks, top_ps, min_ps, out,
+            VOCAB=vocab, BLOCK=BLOCK, LIBDEVICE=_LIBDEVICE, num_warps=8,
+        )
     return out
