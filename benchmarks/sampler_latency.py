@@ -1,7 +1,8 @@
 """Sampler time per step: the fused Triton kernel against the torch path, on random logits.
 
-Rows have temperature 0.6 and no top-k/top-p/min-p (the fused kernel's case); each size is
-timed with CUDA events (median), including the output tokens' allocation, not the host copy.
+Two cases: temperature 0.6 with no filter, and temperature 0.6 with top-k 20 + top-p 0.8 (the
+kernel's bisection variant); each size is timed with CUDA events (median), including the output
+tokens' allocation, not the host copy.
 
     python benchmarks/sampler_latency.py --batch-sizes 1,64,256 --vocab 151936
 """
@@ -25,18 +26,18 @@ def main() -> None:
     args = parser.parse_args()
     sampler = Sampler()
     rows = []
-    for batch in [int(b) for b in args.batch_sizes.split(",")]:
+    cases = {"t0.6": SamplingParams(temperature=0.6), "t0.6 k20 p0.8": SamplingParams(temperature=0.6, top_k=20, top_p=0.8),
+             "t1.0 p0.95 minp0.02": SamplingParams(temperature=1.0, top_p=0.95, min_p=0.02)}
+    for (case, params), batch in [(c, int(b)) for c in cases.items() for b in args.batch_sizes.split(",")]:
         logits = torch.randn(batch, args.vocab, device="cuda").mul_(3).to(torch.bfloat16)
-        sampling = SamplingBatch.build(
-            [SamplingParams(temperature=0.6)] * batch, list(range(batch)), [1] * batch, args.vocab, "cuda"
-        )
+        sampling = SamplingBatch.build([params] * batch, list(range(batch)), [1] * batch, args.vocab, "cuda")
         fused_ms = time_cuda(partial(sampler, logits, sampling), warmup=3, iters=20) * 1e3
         torch_ms = time_cuda(partial(sampler.sample_torch, logits, sampling), warmup=3, iters=20) * 1e3
         agree = (sampler(logits, sampling) == sampler.sample_torch(logits, sampling)).float().mean().item()
-        rows.append({"batch": batch, "fused_ms": fused_ms, "torch_ms": torch_ms, "speedup": torch_ms / fused_ms, "agree": agree})
+        rows.append({"case": case, "batch": batch, "fused_ms": fused_ms, "torch_ms": torch_ms, "speedup": torch_ms / fused_ms, "agree": agree})
         print(rows[-1], flush=True)
-    print(f"\nSampler, vocab {args.vocab}, temperature 0.6, bf16 logits")
-    print_table(rows, ["batch", "fused_ms", "torch_ms", "speedup", "agree"])
+    print(f"\nSampler, vocab {args.vocab}, bf16 logits")
+    print_table(rows, ["case", "batch", "fused_ms", "torch_ms", "speedup", "agree"])
     write_json(args.out, {"benchmark": "sampler_latency", "vocab": args.vocab, "rows": rows})
 
 

@@ -50,7 +50,7 @@ def check_sampler_filters() -> None:
     from tpserve.kernels.sampling import sample
 
     gen = torch.Generator().manual_seed(2)
-    rows, vocab = 40, 600
+    rows, vocab = 20, 600
     # bf16 logits over a small vocab: many exact ties, also at the cut-offs.
     logits = (3 * torch.randn(rows, vocab, generator=gen)).to(torch.bfloat16)
     logits[3, :50] = 5.0  # 50 tokens tied at the top: top-k 20 keeps all of them
@@ -73,7 +73,7 @@ def check_sampler_filters() -> None:
     assert agree >= 0.99, f"only {agree:.1%} of rows agree: kernel {got.tolist()} != torch {reference.tolist()}"
 
     # One row, many seeds: every kept token's share tracks the torch path's.
-    samples = 24
+    samples = 8
     row = logits[1:2].expand(samples, -1)
     for param in (SP(temperature=1.0, top_k=20, top_p=0.7), SP(temperature=2.0, top_p=0.5, min_p=0.05)):
         batch = SamplingBatch.build([param] * samples, list(range(samples)), [7] * samples, vocab, "cpu")
