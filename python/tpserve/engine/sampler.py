@@ -143,10 +143,6 @@ class SamplingBatch:
     # weights that needs (None: the whole vocab). Only rows with top-p but no top-k need them all.
     sort_rows: torch.Tensor | None = None
     sort_width: int | None = None
-    # On CUDA, when only some rows have top-k/top-p/min-p: those rows, and they as a batch of
-    # their own (the fused kernel samples the others). Otherwise None.
-    filtered_rows: torch.Tensor | None = None
-    filtered: SamplingBatch | None = None
 
     @property
     def needs_filter(self) -> bool:
@@ -169,17 +165,6 @@ class SamplingBatch:
         uses_top_p = [not g and p.top_p < 1.0 for g, p in zip(greedy, params)]
         uses_min_p = [not g and p.min_p > 0.0 for g, p in zip(greedy, params)]
         sort_rows = [i for i, (k, p) in enumerate(zip(uses_top_k, uses_top_p)) if k or p]
-        filtered_rows = [i for i in range(len(params)) if uses_top_k[i] or uses_top_p[i] or uses_min_p[i]]
-        filtered = None
-        # Only the fused CUDA path samples the unfiltered rows apart from the others.
-        if 0 < len(filtered_rows) < len(params) and torch.device(device).type == "cuda":
-            filtered = cls.build(
-                [params[i] for i in filtered_rows],
-                [seeds[i] for i in filtered_rows],
-                [steps[i] for i in filtered_rows],
-                vocab_size,
-                device,
-            )
 
         # One host-to-device copy per dtype.
         floats = torch.tensor(
@@ -206,10 +191,6 @@ class SamplingBatch:
                 else torch.tensor(sort_rows, dtype=torch.int64).to(device, non_blocking=True)
             ),
             sort_width=max((top_ks[i] for i in sort_rows), default=None),
-            filtered_rows=(
-                None if filtered is None else torch.tensor(filtered_rows, dtype=torch.int64).to(device, non_blocking=True)
-            ),
-            filtered=filtered,
         )
 
 
