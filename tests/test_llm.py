@@ -123,3 +123,31 @@ def test_dead_rank_is_an_error_not_a_hang(qwen3_dir):
 
 def llm_procs(llm):
     return [] if llm._ranks is None else llm._ranks.procs
+
+
+def test_logprobs_match_transformers(llm, qwen3_dir):
+    import torch
+
+    from reference import hf_logits
+
+    prompt = [30, 31, 32, 33]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+                          use_tqdm=False)[0]
+    sampled = llm.generate([prompt], SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True,
+                                                    logprobs=0), use_tqdm=False)[0]
+    plain = llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)[0]
+    assert plain.logprobs is None and plain.top_logprobs is None
+    for out, top_n in ((greedy, 3), (sampled, 0)):
+        ref = torch.log_softmax(hf_logits(qwen3_dir, prompt + out.token_ids)[len(prompt) - 1 : -1], dim=-1)
+        assert len(out.logprobs) == len(out.token_ids) == 6
+        expected = ref.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+        for pos, top in enumerate(out.top_logprobs):
+            assert len(top) == top_n
+            ids = [t for t, _ in top]
+            assert ids == ref[pos].topk(top_n).indices.tolist()
+            assert torch.allclose(torch.tensor([v for _, v in top]), ref[pos, ids], atol=1e-4)
+    # Greedy: the sampled token is the most likely one.
+    assert [top[0][0] for top in greedy.top_logprobs] == greedy.token_ids
+    with pytest.raises(ValueError, match="logprobs must be in"):
+        SamplingParams(logprobs=21)

@@ -14,7 +14,7 @@ import random
 import traceback
 import weakref
 from collections.abc import Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from multiprocessing.connection import Connection
 
 import torch
@@ -37,6 +37,18 @@ class RequestOutput:
     token_ids: list[int]
     text: str
     finish_reason: str
+    # With SamplingParams(logprobs=n): each token's log-probability, and the n most likely
+    # (token id, log-probability) pairs at each position.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class _Result:
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 @dataclass(frozen=True)
@@ -47,18 +59,21 @@ class _Job:
     seed: int
 
 
-def run_jobs(scheduler, jobs: list[_Job], show_progress: bool) -> dict[int, tuple[list[int], str]]:
+def run_jobs(scheduler, jobs: list[_Job], show_progress: bool) -> dict[int, _Result]:
     """Feed every job to a scheduler and step until all finish."""
     for job in jobs:
         scheduler.add_request(job.rid, job.prompt_ids, job.params, job.seed)
-    results: dict[int, tuple[list[int], str]] = {}
-    tokens: dict[int, list[int]] = {job.rid: [] for job in jobs}
+    results = {job.rid: _Result() for job in jobs}
     with tqdm(total=len(jobs), desc="Generating", unit="req", disable=not show_progress) as bar:
         while scheduler.has_work:
             for out in scheduler.step():
-                tokens[out.rid].extend(out.token_ids)
+                result = results[out.rid]
+                result.token_ids.extend(out.token_ids)
+                if out.logprobs is not None:
+                    result.logprobs = (result.logprobs or []) + out.logprobs
+                    result.top_logprobs = (result.top_logprobs or []) + (out.top_logprobs or [])
                 if out.finish_reason is not None:
-                    results[out.rid] = (tokens[out.rid], out.finish_reason)
+                    result.finish_reason = out.finish_reason
                     bar.update(1)
     return results
 
@@ -239,7 +254,7 @@ class LLM:
             results = self._ranks.receive_all()[0]
         else:
             raise RuntimeError("generate() called after close()")
-        return [self._output(job, *results[job.rid]) for job in jobs]
+        return [self._output(job, results[job.rid]) for job in jobs]
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix; True when the whole KV pool is free again."""
@@ -266,9 +281,11 @@ class LLM:
             return self.tokenizer.encode(prompt)  # with the model's special tokens (e.g. BOS), as the server does
         return [int(t) for t in prompt]
 
-    def _output(self, job: _Job, token_ids: list[int], finish_reason: str) -> RequestOutput:
-        text = self.tokenizer.decode(token_ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        return RequestOutput(job.prompt_ids, token_ids, text, finish_reason)
+    def _output(self, job: _Job, result: _Result) -> RequestOutput:
+        ids = result.token_ids
+        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        reason = result.finish_reason or "abort"
+        return RequestOutput(job.prompt_ids, ids, text, reason, result.logprobs, result.top_logprobs)
 
     def close(self) -> None:
         """Stop the rank processes, or free this process's engine (GPU memory included)."""

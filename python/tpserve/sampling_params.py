@@ -5,6 +5,9 @@ from __future__ import annotations
 import msgspec
 
 
+MAX_LOGPROBS = 20
+
+
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick each next token and when to stop.
 
@@ -21,6 +24,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     seed: int | None = None
     stop_token_ids: list[int] | None = None
     stop: list[str] | None = None
+    # None: no log-probabilities; n >= 0: each sampled token's log-probability under the model
+    # (before temperature and filters) plus the n most likely tokens' at that position.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -33,6 +39,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
 

@@ -24,16 +24,30 @@ DEFAULT_CPU_KV_TOKENS = 32768
 
 
 class LaunchedStep:
-    """A step's sampled tokens, copied to the host in the background."""
+    """A step's sampled tokens (and, when asked, log-probabilities), copied to the host in the
+    background."""
 
-    def __init__(self, host_tokens: torch.Tensor, done: "torch.cuda.Event | None") -> None:
-        self.host_tokens = host_tokens
+    def __init__(self, host: dict[str, torch.Tensor], done: "torch.cuda.Event | None") -> None:
+        self.host = host
         self.done = done
 
     def result(self) -> list[int]:
         if self.done is not None:
             self.done.synchronize()
-        return self.host_tokens.tolist()
+        return self.host["tokens"].tolist()
+
+    def logprobs(self) -> tuple[list[float], list[list[int]], list[list[float]]] | None:
+        """(sampled token's logprob, top ids, top logprobs) per row; call after ``result``."""
+        if "logprobs" not in self.host:
+            return None
+        return self.host["logprobs"].tolist(), self.host["top_ids"].tolist(), self.host["top_logprobs"].tolist()
+
+
+def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> dict[str, torch.Tensor]:
+    """Log-probabilities under the model (raw logits, before temperature and filters)."""
+    logprobs = torch.log_softmax(logits.float(), dim=-1)
+    top_logprobs, top_ids = logprobs.topk(top_n, dim=-1) if top_n > 0 else (logprobs[:, :0], tokens[:, None][:, :0])
+    return {"logprobs": logprobs.gather(1, tokens[:, None]).squeeze(1), "top_ids": top_ids, "top_logprobs": top_logprobs}
 
 
 def resolve_device(device: str | None, rank: int) -> torch.device:
@@ -156,8 +170,9 @@ class Engine:
         return self.model(ForwardContext(inputs, self.attention))
 
     @torch.inference_mode()
-    def launch(self, seqs: list[SequenceInput], sampling: SamplingBatch) -> "LaunchedStep":
-        """Enqueue one step (forward + sampling) without waiting for it; see ``LaunchedStep``."""
+    def launch(self, seqs: list[SequenceInput], sampling: SamplingBatch, top_logprobs: int | None = None) -> "LaunchedStep":
+        """Enqueue one step (forward + sampling) without waiting for it; see ``LaunchedStep``.
+        With ``top_logprobs`` (not None) it also returns log-probabilities for every row."""
         if self._planned is not None:
             # Attention planning fills pinned host buffers that the previous step's queued
             # copies may still read: wait until those copies have run (the device has started
@@ -167,10 +182,15 @@ class Engine:
         logits = self.forward(seqs, self._last_tokens if has_futures else None)
         tokens = self.sampler(logits, sampling)
         self._last_tokens = tokens
+        outputs = {"tokens": tokens}
+        if top_logprobs is not None:  # before the next graph replay overwrites the logits
+            outputs.update(compute_logprobs(logits, tokens, top_logprobs))
         if self.device.type != "cuda":
-            return LaunchedStep(tokens, None)
-        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
-        host.copy_(tokens, non_blocking=True)
+            return LaunchedStep(outputs, None)
+        host = {}
+        for name, tensor in outputs.items():
+            host[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+            host[name].copy_(tensor, non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         return LaunchedStep(host, done)

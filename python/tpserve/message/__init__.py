@@ -48,6 +48,9 @@ class TokenOutput(msgspec.Struct):
     prompt_tokens: int = 0
     cached_tokens: int = 0
     error: str | None = None
+    # Only for requests that asked for logprobs: one entry per token in token_ids.
+    logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class SchedulerStats(msgspec.Struct):

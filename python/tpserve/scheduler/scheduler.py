@@ -161,7 +161,8 @@ class Scheduler:
             self.engine.model_config.vocab_size,
             self.engine.device,
         )
-        handle = self.engine.launch(seqs, sampling)
+        wanted = [req.params.logprobs for req, _ in scheduled if req.params.logprobs is not None]
+        handle = self.engine.launch(seqs, sampling, max(wanted) if wanted else None)
         entries = []
         for row, (req, n) in enumerate(scheduled):
             # Only a chunk that reaches the end of the known sequence yields a usable sample.
@@ -175,23 +176,28 @@ class Scheduler:
 
     def _process(self, launched: _Launched) -> list[TokenOutput]:
         tokens = launched.handle.result()
+        logprobs = launched.handle.logprobs()
         outputs = []
-        for (req, sampled), token in zip(launched.entries, tokens):
+        for row, ((req, sampled), token) in enumerate(zip(launched.entries, tokens)):
             if not sampled or self.running.get(req.rid) is not req:
                 continue  # a mid-prompt chunk, or the request finished/aborted meanwhile
             req.pending -= 1
             first = not req.output_ids
             req.output_ids.append(token)
             req.finish_reason = self._finish_reason(req, token)
-            outputs.append(
-                TokenOutput(
-                    rid=req.rid,
-                    token_ids=[token],
-                    finish_reason=req.finish_reason,
-                    prompt_tokens=len(req.prompt_ids) if first else 0,
-                    cached_tokens=req.cached_tokens if first else 0,
-                )
+            out = TokenOutput(
+                rid=req.rid,
+                token_ids=[token],
+                finish_reason=req.finish_reason,
+                prompt_tokens=len(req.prompt_ids) if first else 0,
+                cached_tokens=req.cached_tokens if first else 0,
             )
+            if logprobs is not None and req.params.logprobs is not None:
+                chosen, top_ids, top_values = logprobs
+                n = req.params.logprobs
+                out.logprobs = [chosen[row]]
+                out.top_logprobs = [list(zip(top_ids[row][:n], top_values[row][:n]))]
+            outputs.append(out)
             if req.finished:
                 self._release(self.running.pop(req.rid))
         return outputs
