@@ -276,3 +276,35 @@ def test_flush_cache_and_metrics(url, client):
     assert metric(url, "tpserve_kv_pages_total") > 0
     assert metric(url, "tpserve_time_to_first_token_seconds_count") > 0
     assert metric(url, "tpserve_inter_token_latency_seconds_count") > 0
+
+
+def test_logprobs_chat_and_completions(client, qwen3_dir):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=8, logprobs=True, top_logprobs=2,
+                  extra_body=IGNORE_EOS, **GREEDY)
+    full = client.chat.completions.create(**kwargs)
+    content = full.choices[0].logprobs.content
+    assert len(content) == full.usage.completion_tokens == 8
+    for entry in content:
+        assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
+        assert entry.token == entry.top_logprobs[0].token, "greedy picks the most likely token"
+        assert abs(entry.logprob - entry.top_logprobs[0].logprob) < 1e-6 and entry.logprob <= 0
+        assert entry.bytes == list(entry.token.encode("utf-8", errors="replace"))
+    streamed = [e for c in client.chat.completions.create(stream=True, **kwargs) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert plain.choices[0].logprobs is None
+
+    from tpserve import LLM, SamplingParams
+
+    ids = [12, 13, 14, 15]
+    served = client.completions.create(model="tiny", prompt=ids, max_tokens=6, logprobs=3, extra_body=IGNORE_EOS,
+                                       **GREEDY).choices[0].logprobs
+    with LLM(qwen3_dir, device="cpu") as llm:
+        offline = llm.generate([ids], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=3),
+                               use_tqdm=False)[0]
+    assert len(served.tokens) == len(served.token_logprobs) == len(served.top_logprobs) == 6
+    assert all(abs(a - b) < 1e-4 for a, b in zip(served.token_logprobs, offline.logprobs))
+    # keyed by token text (the legacy layout), so two byte-piece tokens that both read as U+FFFD merge
+    assert all(1 <= len(top) <= 3 for top in served.top_logprobs)
+    assert served.text_offset == sorted(served.text_offset) and served.text_offset[0] == 0

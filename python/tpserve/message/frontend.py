@@ -60,6 +60,14 @@ DetokenizerInput = BatchTokenOutput | DetokenizeRegister | Shutdown
 
 
 # ---- detokenizer / tokenizer worker -> API server ----
+class TokenLogprob(msgspec.Struct, array_like=True):
+    """One generated token's text, its log-probability and the most likely alternatives."""
+
+    token: str
+    logprob: float
+    top: list[tuple[str, float]]
+
+
 class RequestOutput(msgspec.Struct, kw_only=True):
     """New text of one request. ``completion_tokens`` counts all tokens generated so far.
 
@@ -75,6 +83,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
     cached_tokens: int = 0
     finish_reason: str | None = None
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
 
 
 class ApiOutputBatch(msgspec.Struct, tag="api_outputs", kw_only=True):

@@ -7,7 +7,7 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from tpserve.message.frontend import RequestOutput, RequestRejected, TokenizeRequest
+from tpserve.message.frontend import RequestOutput, RequestRejected, TokenizeRequest, TokenLogprob
 from tpserve.server.errors import APIError
 from tpserve.server.frontend import BackendEvent, FrontendClient, RequestCancelled
 from tpserve.server.metrics import RequestTimer, ServerMetrics
@@ -28,6 +28,7 @@ class Choice:
     completion_tokens: int = 0
     cached_tokens: int = 0
     started: bool = False  # the backend answered at least once
+    logprobs: list[TokenLogprob] = field(default_factory=list)
 
     @property
     def finished(self) -> bool:
@@ -110,6 +111,8 @@ class Generation:
                            type="invalid_request_error" if event.status == 400 else "server_error")
         choice.started = True
         choice.text.append(event.text)
+        if event.logprobs:
+            choice.logprobs.extend(event.logprobs)
         choice.prompt_tokens = event.prompt_tokens
         choice.completion_tokens = event.completion_tokens
         choice.cached_tokens = event.cached_tokens

@@ -12,7 +12,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 
-from tpserve.sampling_params import SamplingParams
+from tpserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpserve.server.errors import APIError
 
 SEED_LIMIT = 2**63
@@ -101,6 +101,10 @@ class _SamplingFields(BaseModel):
             raise APIError.invalid("stop strings must not be empty", "stop")
         return stops or None
 
+    @property
+    def requested_logprobs(self) -> int | None:
+        return None
+
     def sampling_params(self, max_tokens: int | None) -> SamplingParams:
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
@@ -108,6 +112,7 @@ class _SamplingFields(BaseModel):
             "seed": self.seed,
             "stop": self.stop_list(),
             "stop_token_ids": list(self.stop_token_ids) if self.stop_token_ids else None,
+            "logprobs": self.requested_logprobs,
         }
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(self, name)
@@ -134,10 +139,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self.check_common()
-        if self.logprobs:
-            raise APIError.invalid("logprobs are not supported", "logprobs")
-        if self.top_logprobs:
-            raise APIError.invalid("top_logprobs is not supported", "top_logprobs")
+        if self.top_logprobs is not None and not self.logprobs:
+            raise APIError.invalid("top_logprobs needs logprobs: true", "top_logprobs")
+        if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
+            raise APIError.invalid(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
         if self.response_format is not None and self.response_format.get("type") != "text":
             raise APIError.invalid("only response_format {\"type\": \"text\"} is supported", "response_format")
         if self.tools:
@@ -150,6 +155,10 @@ class ChatCompletionRequest(_SamplingFields):
             and self.max_tokens != self.max_completion_tokens
         ):
             raise APIError.invalid("give max_tokens or max_completion_tokens, not both", "max_tokens")
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return (self.top_logprobs or 0) if self.logprobs else None
 
     @property
     def effective_max_tokens(self) -> int | None:
@@ -176,12 +185,16 @@ class CompletionRequest(_SamplingFields):
         self.check_common()
         if self.echo:
             raise APIError.invalid("echo is not supported", "echo")
-        if self.logprobs:
-            raise APIError.invalid("logprobs are not supported", "logprobs")
+        if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
+            raise APIError.invalid(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
         if self.suffix:
             raise APIError.invalid("suffix is not supported", "suffix")
         if self.best_of is not None and self.best_of != 1:
             raise APIError.invalid("best_of is not supported (only 1)", "best_of")
+
+    @property
+    def requested_logprobs(self) -> int | None:
+        return self.logprobs
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """One entry per choice: a text or a list of token ids."""

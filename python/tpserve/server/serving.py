@@ -39,7 +39,7 @@ class Serving:
             add_generation_prompt=body.add_generation_prompt,
             skip_special_tokens=body.skip_special_tokens,
         )
-        fmt = ChatFormat(self.model_name, body.include_usage)
+        fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None)
         return await self._run([req], fmt, body.stream, request)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
@@ -51,7 +51,7 @@ class Serving:
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             reqs.append(TokenizeRequest(rid=self.frontend.new_rid(), params=params, text=text,
                                         input_ids=ids, skip_special_tokens=body.skip_special_tokens))
-        fmt = CompletionFormat(self.model_name, body.include_usage)
+        fmt = CompletionFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None)
         return await self._run(reqs, fmt, body.stream, request)
 
     async def _run(self, reqs: list[TokenizeRequest], fmt: ResponseFormat, stream: bool, request: Request) -> Response:
@@ -108,8 +108,8 @@ async def _stream(
 
 def _chunks(fmt: ResponseFormat, choice: Choice, out: RequestOutput) -> list[bytes]:
     chunks = []
-    if out.text:
-        chunks.append(fmt.text_chunk(choice.index, out.text))
+    if out.text or (fmt.logprobs and out.logprobs):
+        chunks.append(fmt.text_chunk(choice.index, out.text, out.logprobs))
     if out.finish_reason is not None:
         chunks.append(fmt.finish_chunk(choice.index, out.finish_reason))
     return chunks

@@ -13,7 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from tpserve.message import AbortRequest, BatchTokenOutput, TokenOutput
-from tpserve.message.frontend import ApiOutputBatch, DetokenizeRegister, RequestOutput
+from tpserve.message.frontend import ApiOutputBatch, DetokenizeRegister, RequestOutput, TokenLogprob
 from tpserve.tokenizer.incremental import Decoder, IncrementalDecoder
 from tpserve.tokenizer.stop import StopStringFilter
 
@@ -53,6 +53,7 @@ class DetokenizerManager:
         self._states: dict[int, _RequestState] = {}
         self._orphans: dict[int, _Orphan] = {}
         self._finished: OrderedDict[int, None] = OrderedDict()
+        self._token_text: dict[int, str] = {}
 
     @property
     def num_active(self) -> int:
@@ -108,7 +109,24 @@ class DetokenizerManager:
             cached_tokens=state.cached_tokens,
             finish_reason=finish_reason,
             error=out.error,
+            logprobs=self._logprobs(out),
         )
+
+    def _logprobs(self, out: TokenOutput) -> list[TokenLogprob] | None:
+        if out.logprobs is None:
+            return None
+        tops = out.top_logprobs or [[] for _ in out.token_ids]
+        return [
+            TokenLogprob(self._text_of(token), logprob, [(self._text_of(t), v) for t, v in top])
+            for token, logprob, top in zip(out.token_ids, out.logprobs, tops)
+        ]
+
+    def _text_of(self, token_id: int) -> str:
+        """A single token's text, as OpenAI's logprobs show it (special tokens included)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
 
     def _forget(self, rid: int) -> None:
         del self._states[rid]
