@@ -103,7 +103,7 @@ def test_flush_cache():
     [
         (CHAT, {"messages": []}, None, "messages"),
         (CHAT, {}, "missing required parameter 'messages'", "messages"),
-        (CHAT, {"messages": USER, "n": 2}, "n=2", "n"),
+        (CHAT, {"messages": USER, "n": 17}, "n must be at most 16", "n"),
         (CHAT, {"messages": USER, "top_logprobs": 2}, "needs logprobs: true", "top_logprobs"),
         (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs must be in", "top_logprobs"),
         (CHAT, {"messages": USER, "presence_penalty": 0.5}, "presence_penalty", "presence_penalty"),

@@ -230,7 +230,7 @@ def test_client_timeout_on_non_streaming_request_aborts(url):
         ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "context length"),
         ("/v1/completions", {"prompt": [1, 2, 10**6]}, 400, "out of range"),
         ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
-        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 3}, 400, "n=3"),
+        ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 99}, 400, "n must be at most"),
         ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-4o"),
         ("/v1/chat/completions", {"messages": "nope"}, 400, "messages"),
     ],
@@ -308,3 +308,24 @@ def test_logprobs_chat_and_completions(client, qwen3_dir):
     # keyed by token text (the legacy layout), so two byte-piece tokens that both read as U+FFFD merge
     assert all(1 <= len(top) <= 3 for top in served.top_logprobs)
     assert served.text_offset == sorted(served.text_offset) and served.text_offset[0] == 0
+
+
+def test_n_choices(client):
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=6, temperature=1.0, seed=11, extra_body=IGNORE_EOS)
+    three = client.chat.completions.create(n=3, **kwargs)
+    one = client.chat.completions.create(**kwargs)
+    assert [c.index for c in three.choices] == [0, 1, 2]
+    assert three.choices[0].message.content == one.choices[0].message.content, "choice 0 uses the seed itself"
+    assert len({c.message.content for c in three.choices}) > 1
+    assert three.usage.prompt_tokens == one.usage.prompt_tokens, "the prompt counts once"
+    assert three.usage.completion_tokens == 18
+    chunks = list(client.chat.completions.create(n=2, stream=True, **kwargs))
+    texts = {0: "", 1: ""}
+    for c in chunks:
+        for choice in c.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {i: three.choices[i].message.content for i in (0, 1)}
+    done = client.completions.create(model="tiny", prompt=["a b", "c d"], n=2, max_tokens=3, extra_body=IGNORE_EOS,
+                                     **GREEDY)
+    assert [c.index for c in done.choices] == [0, 1, 2, 3]
+    assert done.choices[0].text == done.choices[1].text and done.choices[2].text == done.choices[3].text

@@ -56,7 +56,14 @@ class Generation:
     A rejection or a backend error raises APIError; ``abort`` stops whatever still runs.
     """
 
-    def __init__(self, frontend: FrontendClient, metrics: ServerMetrics, requests: list[TokenizeRequest]) -> None:
+    def __init__(
+        self,
+        frontend: FrontendClient,
+        metrics: ServerMetrics,
+        requests: list[TokenizeRequest],
+        choices_per_prompt: int = 1,
+    ) -> None:
+        self._choices_per_prompt = choices_per_prompt
         self._frontend = frontend
         self._metrics = metrics
         self._requests = requests
@@ -76,11 +83,13 @@ class Generation:
         return all(c.started or c.finished for c in self.choices.values())
 
     def usage(self) -> Usage:
+        """Prompt tokens count once per prompt (not per choice), as OpenAI counts them with n > 1."""
         cs = self.choices.values()
+        firsts = [c for c in cs if c.index % self._choices_per_prompt == 0]
         return Usage(
-            prompt_tokens=sum(c.prompt_tokens for c in cs),
+            prompt_tokens=sum(c.prompt_tokens for c in firsts),
             completion_tokens=sum(c.completion_tokens for c in cs),
-            cached_tokens=sum(c.cached_tokens for c in cs),
+            cached_tokens=sum(c.cached_tokens for c in firsts),
         )
 
     async def next(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> tuple[Choice, RequestOutput]:

@@ -15,6 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from tpserve.sampling_params import MAX_LOGPROBS, SamplingParams
 from tpserve.server.errors import APIError
 
+MAX_N = 16  # choices per prompt
+
 SEED_LIMIT = 2**63
 
 
@@ -76,8 +78,8 @@ class _SamplingFields(BaseModel):
     service_tier: str | None = None
 
     def check_common(self) -> None:
-        if self.n != 1:
-            raise APIError.invalid(f"n={self.n} is not supported (only n=1)", "n")
+        if self.n > MAX_N:
+            raise APIError.invalid(f"n must be at most {MAX_N}, got {self.n}", "n")
         for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
             value = getattr(self, name)
             if value is not None and value != neutral:

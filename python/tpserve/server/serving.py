@@ -5,16 +5,18 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import AsyncIterator
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tpserve.message.frontend import RequestOutput, TokenizeRequest
+from tpserve.sampling_params import SamplingParams
 from tpserve.server.errors import APIError, error_body
 from tpserve.server.formats import SSE_DONE, ChatFormat, CompletionFormat, ResponseFormat, sse
 from tpserve.server.frontend import FrontendClient
 from tpserve.server.generation import Choice, ClientGone, Generation
 from tpserve.server.metrics import ServerMetrics
-from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tpserve.server.protocol import SEED_LIMIT, ChatCompletionRequest, CompletionRequest
 
 
 @dataclass(frozen=True)
@@ -31,31 +33,37 @@ class Serving:
         self.check_model(body.model)
         body.check()
         params = body.sampling_params(body.effective_max_tokens)
-        req = TokenizeRequest(
-            rid=self.frontend.new_rid(),
-            params=params,
-            messages=body.template_messages(),
-            chat_template_kwargs=body.chat_template_kwargs,
-            add_generation_prompt=body.add_generation_prompt,
-            skip_special_tokens=body.skip_special_tokens,
-        )
+        reqs = [
+            TokenizeRequest(
+                rid=self.frontend.new_rid(),
+                params=choice_params,
+                messages=body.template_messages(),
+                chat_template_kwargs=body.chat_template_kwargs,
+                add_generation_prompt=body.add_generation_prompt,
+                skip_special_tokens=body.skip_special_tokens,
+            )
+            for choice_params in _per_choice(params, body.n)
+        ]
         fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None)
-        return await self._run([req], fmt, body.stream, request)
+        return await self._run(reqs, fmt, body.stream, request, body.n)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         body.check()
         params = body.sampling_params(body.max_tokens)
         reqs = []
-        for prompt in body.prompts():
+        for prompt in body.prompts():  # choice index = prompt index * n + i, as OpenAI orders them
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-            reqs.append(TokenizeRequest(rid=self.frontend.new_rid(), params=params, text=text,
-                                        input_ids=ids, skip_special_tokens=body.skip_special_tokens))
+            for choice_params in _per_choice(params, body.n):
+                reqs.append(TokenizeRequest(rid=self.frontend.new_rid(), params=choice_params, text=text,
+                                            input_ids=ids, skip_special_tokens=body.skip_special_tokens))
         fmt = CompletionFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None)
-        return await self._run(reqs, fmt, body.stream, request)
+        return await self._run(reqs, fmt, body.stream, request, body.n)
 
-    async def _run(self, reqs: list[TokenizeRequest], fmt: ResponseFormat, stream: bool, request: Request) -> Response:
-        gen = Generation(self.frontend, self.metrics, reqs)
+    async def _run(
+        self, reqs: list[TokenizeRequest], fmt: ResponseFormat, stream: bool, request: Request, n: int = 1
+    ) -> Response:
+        gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n)
         await gen.start()
         try:
             if not stream:
@@ -74,6 +82,14 @@ class Serving:
             raise
         return StreamingResponse(_stream(gen, fmt, early), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
+    """n choices of one prompt: with a seed, choice i samples with seed + i (reproducible and
+    different); without one, each gets its own random seed downstream."""
+    if params.seed is None:
+        return [params] * n
+    return [msgspec.structs.replace(params, seed=(params.seed + i) % SEED_LIMIT) for i in range(n)]
 
 
 async def _stream(
