@@ -1,0 +1,5 @@
+import sys
+
+from tpserve.tiny.cli import main
+
+sys.exit(main())

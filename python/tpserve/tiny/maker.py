@@ -1,0 +1,96 @@
+"""Making a tiny model directory, and the cached built-in demo model."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from typing import Any
+
+from tpserve.tiny.spec import generation_config, model_config, resolve_spec
+from tpserve.tiny.tokenizer import (
+    CORPUS,
+    ENDOFTEXT,
+    IM_END,
+    build_tokenizer,
+    tokenizer_config,
+)
+from tpserve.tiny.weights import random_weights, write_weights
+
+FORMAT_VERSION = 1
+
+
+def make_tiny_model(out_dir: str, arch: str = "qwen3", **shape: Any) -> str:
+    """Write a random Hugging Face-format model with a tokenizer to ``out_dir``; return it.
+
+    ``shape``: the keyword arguments of ``resolve_spec`` (num_layers, hidden_size, num_heads,
+    num_kv_heads, head_dim, intermediate_size, vocab_size, tie_word_embeddings, num_shards,
+    seed, max_position_embeddings), with its defaults.
+    """
+    tok = build_tokenizer()
+    spec = resolve_spec(arch, tokenizer_size=tok.get_vocab_size(with_added_tokens=True), **shape)
+    weights = random_weights(spec)
+    if spec.num_shards > len(weights):
+        raise ValueError(f"num_shards ({spec.num_shards}) exceeds the number of tensors ({len(weights)})")
+    endoftext, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
+    os.makedirs(out_dir, exist_ok=True)
+    _write_json(os.path.join(out_dir, "config.json"), model_config(spec, endoftext, im_end))
+    _write_json(os.path.join(out_dir, "generation_config.json"), generation_config(endoftext, im_end))
+    tok.save(os.path.join(out_dir, "tokenizer.json"))
+    _write_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_config(spec.max_position_embeddings))
+    write_weights(weights, out_dir, spec.num_shards)
+    return out_dir
+
+
+DEMO_MODEL_PARAMS: dict = {
+    "arch": "qwen3",
+    "num_layers": 4,
+    "hidden_size": 128,
+    "num_heads": 4,
+    "num_kv_heads": 2,
+    "head_dim": 32,
+    "intermediate_size": 256,
+    "seed": 0,
+}
+
+
+def cache_root() -> str:
+    return os.environ.get("TPSERVE_CACHE") or os.path.join(os.path.expanduser("~"), ".cache", "tpserve")
+
+
+def default_tiny_model_dir() -> str:
+    """The built-in demo model's directory in the cache, made on first use.
+
+    The directory name hashes the parameters, the format version and the corpus, so any change
+    gives a new directory. It is built in a temporary sibling and renamed into place; if another
+    process wins the race, its (identical) copy is used.
+    """
+    key = json.dumps(
+        {"params": DEMO_MODEL_PARAMS, "format": FORMAT_VERSION, "corpus": CORPUS}, sort_keys=True
+    )
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    root = cache_root()
+    final = os.path.join(root, f"tiny-{DEMO_MODEL_PARAMS['arch']}-{digest}")
+    if os.path.isdir(final):
+        return final
+    os.makedirs(root, exist_ok=True)
+    tmp = tempfile.mkdtemp(prefix=".tmp-tiny-", dir=root)
+    try:
+        params = dict(DEMO_MODEL_PARAMS)
+        make_tiny_model(tmp, params.pop("arch"), **params)
+        try:
+            os.rename(tmp, final)
+        except OSError:
+            if not os.path.isdir(final):  # a real failure, not a lost race
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return final
+
+
+def _write_json(path: str, obj: dict) -> None:
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(obj, f, indent=2, ensure_ascii=False)
+        f.write("\n")

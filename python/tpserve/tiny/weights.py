@@ -1,0 +1,115 @@
+"""A tiny model's random weights: seeded per tensor, scaled so the model is not degenerate,
+written as safetensors (optionally sharded, with an index)."""
+
+from __future__ import annotations
+
+import json
+import os
+import zlib
+
+import torch
+from safetensors.torch import save_file
+
+from tpserve.tiny.spec import TinySpec
+
+
+def weight_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
+    """Hugging Face parameter names and shapes, in checkpoint order."""
+    h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
+    q_out, kv_out = spec.num_heads * d, spec.num_kv_heads * d
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h)}
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}."
+        shapes[p + "input_layernorm.weight"] = (h,)
+        shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
+        shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
+        shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
+        if spec.arch == "qwen2":
+            shapes[p + "self_attn.q_proj.bias"] = (q_out,)
+            shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
+            shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
+        if spec.arch == "qwen3":
+            shapes[p + "self_attn.q_norm.weight"] = (d,)
+            shapes[p + "self_attn.k_norm.weight"] = (d,)
+        shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+        shapes[p + "post_attention_layernorm.weight"] = (h,)
+        shapes[p + "mlp.gate_proj.weight"] = (inter, h)
+        shapes[p + "mlp.up_proj.weight"] = (inter, h)
+        shapes[p + "mlp.down_proj.weight"] = (h, inter)
+    shapes["model.norm.weight"] = (h,)
+    if not spec.tie_word_embeddings:
+        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    return shapes
+
+
+_AMPLIFIED = ("q_proj.weight", "k_proj.weight", "o_proj.weight", "down_proj.weight")
+
+
+def _init_tensor(name: str, shape: tuple[int, ...], seed: int, hidden_size: int) -> torch.Tensor:
+    """Random tensor for one parameter, seeded by (seed, name) so it does not depend on order.
+
+    Scales, chosen empirically so that greedy continuations vary with the prompt and rarely
+    settle into repeating one token (with or without tied embeddings):
+    - projections N(0, 1/fan_in) keep activations O(1); q/k get 3x and Qwen3's q/k norms weigh
+      ~3, so attention is sharp and the context matters; o/down get 3x so the layers' outputs
+      dominate the residual stream (otherwise a tied LM head mostly echoes the input token);
+    - embeddings (also the tied LM head) N(0, 4/hidden): logits with std ~2;
+    - other RMSNorm weights ~1 (+-10%); biases N(0, 0.5^2) so a missing bias shows.
+    """
+    gen = torch.Generator().manual_seed(seed * 1_000_003 + zlib.crc32(name.encode()))
+    noise = torch.randn(shape, generator=gen, dtype=torch.float32)
+    if name.endswith(("q_norm.weight", "k_norm.weight")):
+        return 3.0 * (1.0 + 0.1 * noise)
+    if name.endswith("norm.weight"):
+        return 1.0 + 0.1 * noise
+    if name.endswith(".bias"):
+        return 0.5 * noise
+    if name in ("model.embed_tokens.weight", "lm_head.weight"):
+        return noise * (2.0 / hidden_size**0.5)
+    gain = 3.0 if name.endswith(_AMPLIFIED) else 1.0
+    return noise * (gain / shape[1] ** 0.5)
+
+
+def random_weights(spec: TinySpec) -> dict[str, torch.Tensor]:
+    return {
+        name: _init_tensor(name, shape, spec.seed, spec.hidden_size)
+        for name, shape in weight_shapes(spec).items()
+    }
+
+
+def _split_evenly(names: list[str], sizes: dict[str, int], num_shards: int) -> list[list[str]]:
+    """Split ``names`` (kept in order) into exactly ``num_shards`` non-empty runs of ~equal bytes."""
+    total = sum(sizes.values())
+    shards: list[list[str]] = [[] for _ in range(num_shards)]
+    done, prev = 0, -1
+    for i, name in enumerate(names):
+        by_bytes = done * num_shards // total
+        # Never skip a shard, and leave at least one tensor for each later shard.
+        k = min(max(by_bytes, prev, num_shards - (len(names) - i)), prev + 1)
+        shards[k].append(name)
+        done, prev = done + sizes[name], k
+    return shards
+
+
+def _remove_old_weights(out_dir: str) -> None:
+    """Rewriting a directory with another shard count must not leave the old files to be loaded."""
+    for name in os.listdir(out_dir):
+        if name.startswith("model") and name.endswith((".safetensors", ".safetensors.index.json")):
+            os.remove(os.path.join(out_dir, name))
+
+
+def write_weights(weights: dict[str, torch.Tensor], out_dir: str, num_shards: int) -> None:
+    _remove_old_weights(out_dir)
+    metadata = {"format": "pt"}
+    if num_shards == 1:
+        save_file(weights, os.path.join(out_dir, "model.safetensors"), metadata=metadata)
+        return
+    sizes = {name: t.numel() * t.element_size() for name, t in weights.items()}
+    weight_map: dict[str, str] = {}
+    for k, names in enumerate(_split_evenly(list(weights), sizes, num_shards)):
+        filename = f"model-{k + 1:05d}-of-{num_shards:05d}.safetensors"
+        save_file({n: weights[n] for n in names}, os.path.join(out_dir, filename), metadata=metadata)
+        weight_map.update({n: filename for n in names})
+    index = {"metadata": {"total_size": sum(sizes.values())}, "weight_map": weight_map}
+    with open(os.path.join(out_dir, "model.safetensors.index.json"), "w", encoding="utf-8") as f:
+        json.dump(index, f, indent=2)
