@@ -17,7 +17,7 @@ class Endpoints:
     directory: str
 
     @classmethod
-    def create(cls) -> "Endpoints":
+    def create(cls) -> Endpoints:
         directory = tempfile.mkdtemp(prefix="tpserve-")
         os.chmod(directory, 0o700)
 

@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
 import msgspec
 import zmq
+
+from tpserve.message import Shutdown
 
 T = TypeVar("T")
 
@@ -39,6 +42,15 @@ class Receiver(Generic[T]):
         if not self.socket.poll(timeout_ms):
             return None
         return self._decoder.decode(self.socket.recv())
+
+    def serve(self, handle: Callable[[T], None], poll_ms: int = 1000) -> None:
+        """Pass every message to ``handle`` until a Shutdown arrives."""
+        while True:
+            msg = self.recv(poll_ms)
+            if isinstance(msg, Shutdown):
+                return
+            if msg is not None:
+                handle(msg)
 
     def recv_nowait(self) -> T | None:
         try:

@@ -14,6 +14,7 @@ import zmq
 
 from tpserve.message import BatchTokenOutput, SchedulerInput
 from tpserve.message.endpoints import Endpoints
+from tpserve.message.transport import encode, open_socket
 
 IDLE_POLL_MS = 500  # an idle rank 0 still broadcasts (a zero count) this often, so peers never time out
 
@@ -23,12 +24,9 @@ class SchedulerIO:
         self.rank, self.tp_size, self.cpu_group = rank, tp_size, cpu_group
         self.ctx = zmq.Context()
         self.decoder = msgspec.msgpack.Decoder(SchedulerInput)
-        self.encoder = msgspec.msgpack.Encoder()
         if rank == 0:
-            self.pull = self.ctx.socket(zmq.PULL)
-            self.pull.bind(endpoints.scheduler)
-            self.push = self.ctx.socket(zmq.PUSH)
-            self.push.connect(endpoints.detokenizer)
+            self.pull = open_socket(self.ctx, zmq.PULL, endpoints.scheduler, bind=True)
+            self.push = open_socket(self.ctx, zmq.PUSH, endpoints.detokenizer, bind=False)
             if tp_size > 1:
                 self.pub = self.ctx.socket(zmq.XPUB)
                 self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
@@ -75,7 +73,7 @@ class SchedulerIO:
 
     def send(self, output: BatchTokenOutput) -> None:
         if self.rank == 0:
-            self.push.send(self.encoder.encode(output))
+            self.push.send(encode(output))
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)

@@ -13,7 +13,12 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from tpserve.message import AbortRequest, BatchTokenOutput, TokenOutput
-from tpserve.message.frontend import ApiOutputBatch, DetokenizeRegister, RequestOutput, TokenLogprob
+from tpserve.message.frontend import (
+    ApiOutputBatch,
+    DetokenizeRegister,
+    RequestOutput,
+    TokenLogprob,
+)
 from tpserve.tokenizer.incremental import Decoder, IncrementalDecoder
 from tpserve.tokenizer.stop import StopStringFilter
 

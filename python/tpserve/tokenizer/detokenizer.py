@@ -6,7 +6,7 @@ import multiprocessing
 
 import zmq
 
-from tpserve.message import BatchTokenOutput, Shutdown
+from tpserve.message import BatchTokenOutput
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import DetokenizeRegister, DetokenizerInput
 from tpserve.message.transport import Receiver, Sender
@@ -21,20 +21,18 @@ def run_detokenizer(model_dir: str, endpoints: Endpoints, ack_queue: multiproces
     to_api = Sender(ctx, endpoints.api)
     to_scheduler = Sender(ctx, endpoints.scheduler)
     ack_queue.put("detokenizer ready")
+
+    def handle(msg: DetokenizeRegister | BatchTokenOutput) -> None:
+        if isinstance(msg, DetokenizeRegister):
+            result = manager.register(msg)
+        elif isinstance(msg, BatchTokenOutput):
+            result = manager.on_batch(msg)
+        else:  # pragma: no cover - the decoder only yields the union's types
+            raise TypeError(f"unexpected message {type(msg).__name__}")
+        _forward(result, to_api, to_scheduler)
+
     try:
-        while True:
-            msg = inbox.recv(timeout_ms=1000)
-            if msg is None:
-                continue
-            if isinstance(msg, Shutdown):
-                return
-            if isinstance(msg, DetokenizeRegister):
-                result = manager.register(msg)
-            elif isinstance(msg, BatchTokenOutput):
-                result = manager.on_batch(msg)
-            else:  # pragma: no cover - the decoder only yields the union's types
-                raise TypeError(f"unexpected message {type(msg).__name__}")
-            _forward(result, to_api, to_scheduler)
+        inbox.serve(handle)
     finally:
         ctx.destroy(linger=0)
 

@@ -14,7 +14,6 @@ from dataclasses import dataclass
 
 import zmq
 
-from tpserve.message import Shutdown
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import RequestRejected, TokenizeRequest, TokenizerInput
 from tpserve.message.transport import Receiver, Sender
@@ -41,13 +40,7 @@ def run_tokenizer_worker(
     to_api = Sender(ctx, endpoints.api)
     ack_queue.put(f"tokenizer {worker_id} ready")
     try:
-        while True:
-            msg = inbox.recv(timeout_ms=1000)
-            if msg is None:
-                continue
-            if isinstance(msg, Shutdown):
-                return
-            _handle(msg, preparer, to_scheduler, to_detokenizer, to_api)
+        inbox.serve(lambda msg: _handle(msg, preparer, to_scheduler, to_detokenizer, to_api))
     finally:
         ctx.destroy(linger=0)
 
