@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tpserve.attention.base import AttentionBackend
-from tpserve.engine.batch import SequenceInput
+from tpserve.engine.batch import SequenceInput, check_page_tables
 from tpserve.kvcache.pool import KVCachePool
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # split-kv partial results; FlashInfer recommends >= 128 MiB
@@ -77,10 +77,7 @@ def paged_layout(seqs: list[SequenceInput], page_size: int, pad_to: int = 0) -> 
     extend = np.fromiter((len(s.token_ids) for s in seqs), dtype=np.int64, count=batch)
     seq_lens = extend + np.fromiter((s.prefix_len for s in seqs), dtype=np.int64, count=batch)
     num_pages = -(-seq_lens // page_size)
-    table_lens = np.fromiter((len(s.page_table) for s in seqs), dtype=np.int64, count=batch)
-    if (num_pages > table_lens).any():
-        b = int(np.flatnonzero(num_pages > table_lens)[0])
-        raise ValueError(f"page table of {table_lens[b]} pages is too short for {seq_lens[b]} tokens")
+    check_page_tables(seqs, seq_lens, page_size)
     total_pages = int(num_pages.sum())
     indices = np.zeros(total_pages + pad, dtype=np.int32)  # padding rows use page 0
     indices[:total_pages] = np.fromiter(

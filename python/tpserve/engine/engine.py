@@ -46,7 +46,7 @@ class LaunchedStep:
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> dict[str, torch.Tensor]:
     """Log-probabilities under the model (raw logits, before temperature and filters)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top_logprobs, top_ids = logprobs.topk(top_n, dim=-1) if top_n > 0 else (logprobs[:, :0], tokens[:, None][:, :0])
+    top_logprobs, top_ids = logprobs.topk(top_n, dim=-1)  # top_n 0 gives empty [B, 0] tensors
     return {"logprobs": logprobs.gather(1, tokens[:, None]).squeeze(1), "top_ids": top_ids, "top_logprobs": top_logprobs}
 
 
