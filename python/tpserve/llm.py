@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 
 from tpserve.config import EngineConfig, ModelConfig
-from tpserve.distributed.comm import free_port
+from tpserve.distributed.comm import local_init_addr
 from tpserve.message import SchedulerStats
 from tpserve.sampling_params import SamplingParams
 
@@ -118,7 +118,7 @@ class _RankProcesses:
 
     def __init__(self, config: EngineConfig) -> None:
         ctx = mp.get_context("spawn")
-        config = replace(config, dist_init_addr=f"tcp://127.0.0.1:{free_port()}")
+        config = replace(config, dist_init_addr=local_init_addr())
         self.conns: list[Connection] = []
         self.procs: list[mp.Process] = []
         for rank in range(config.tp_size):
@@ -301,7 +301,7 @@ class LLM:
             if torch.cuda.is_available():
                 torch.cuda.empty_cache()
 
-    def __enter__(self) -> "LLM":
+    def __enter__(self) -> LLM:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -5,8 +5,7 @@ from __future__ import annotations
 import multiprocessing as mp
 
 import torch
-
-from tpserve.distributed.comm import free_port, init_process_groups
+from tpserve.distributed.comm import init_process_groups, local_init_addr
 
 
 def _rank(rank: int, addr: str, out: mp.Queue) -> None:
@@ -20,7 +19,7 @@ def _rank(rank: int, addr: str, out: mp.Queue) -> None:
 def test_all_reduce_and_all_gather_two_ranks():
     ctx = mp.get_context("spawn")
     out = ctx.Queue()
-    addr = f"tcp://127.0.0.1:{free_port()}"
+    addr = local_init_addr()
     procs = [ctx.Process(target=_rank, args=(r, addr, out)) for r in range(2)]
     for p in procs:
         p.start()

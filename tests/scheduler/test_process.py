@@ -4,16 +4,20 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import shutil
-from dataclasses import replace
 
 import msgspec
 import pytest
 import zmq
-
 from reference import hf_greedy
 from tpserve.config import EngineConfig
-from tpserve.distributed.comm import free_port
-from tpserve.message import AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, Shutdown
+from tpserve.distributed.comm import local_init_addr
+from tpserve.message import (
+    AbortRequest,
+    BatchTokenOutput,
+    FlushCache,
+    GenerateRequest,
+    Shutdown,
+)
 from tpserve.message.endpoints import Endpoints
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler.process import run_scheduler
@@ -24,7 +28,7 @@ class Ranks:
         self.endpoints = Endpoints.create()
         ctx = mp.get_context("spawn")
         config = EngineConfig(model=model_dir, tp_size=tp_size, device="cpu", debug_check_ranks=True,
-                              dist_init_addr=f"tcp://127.0.0.1:{free_port()}", **kwargs)
+                              dist_init_addr=local_init_addr(), **kwargs)
         self.zmq = zmq.Context()
         self.detok = self.zmq.socket(zmq.PULL)
         self.detok.bind(self.endpoints.detokenizer)

@@ -62,6 +62,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def local_init_addr() -> str:
+    """A fresh ``tcp://127.0.0.1:PORT`` for a new group of ranks on this host."""
+    return f"tcp://127.0.0.1:{free_port()}"
+
+
 def init_process_groups(
     rank: int, world_size: int, init_addr: str, device: torch.device
 ) -> tuple[Communicator, dist.ProcessGroup | None]:

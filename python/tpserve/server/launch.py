@@ -13,13 +13,13 @@ import os
 import queue
 import shutil
 import signal
-import socket
 import threading
 import time
 from dataclasses import dataclass, replace
 
 import zmq
 
+from tpserve.distributed.comm import local_init_addr
 from tpserve.message import Shutdown
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.transport import Sender
@@ -58,12 +58,6 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-def free_tcp_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @dataclass(frozen=True)
 class _ChildSpec:
     name: str
@@ -89,7 +83,7 @@ class Backend:
         args, ep = self.args, self.endpoints
         engine = args.engine
         if engine.tp_size > 1 and engine.dist_init_addr is None:
-            engine = replace(engine, dist_init_addr=f"tcp://127.0.0.1:{free_tcp_port()}")
+            engine = replace(engine, dist_init_addr=local_init_addr())
         specs = [
             _ChildSpec(f"scheduler-tp{rank}", args.scheduler_entry, (engine, rank, ep, self._ack_queue))
             for rank in range(engine.tp_size)
