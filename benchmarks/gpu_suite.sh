@@ -71,6 +71,18 @@ for s in $stages; do
       grep -E "attention|graphs|KV pages|listening|ready" $out/server.log | head -8 | tee -a "$log"
       stage serving06 150 python3 benchmarks/serving.py --url http://127.0.0.1:$port --rates 16,inf --num-requests 200 --out $results/serving_qwen3_0.6b.json
       kill -TERM $spid; wait $spid; echo "server exit $?" | tee -a "$log" ;;
+    offline06_trace) stage offline06_trace 150 python3 benchmarks/offline_throughput.py --model $small --trace --out $results/offline_qwen3_0.6b_traced.json ;;
+    offline14_trace) stage offline14_trace 240 python3 benchmarks/offline_throughput.py --model .models/Qwen3-14B --trace --out $results/offline_qwen3_14b_traced.json ;;
+    decode06_pipe) stage decode06_pipe 90 python3 benchmarks/decode_latency.py --model $small --batch-sizes 1,64,256 --contexts 512 --modes graph,pipelined --out $results/decode_qwen3_0.6b_pipelined.json ;;
+    decode8_pipe) stage decode8_pipe 120 python3 benchmarks/decode_latency.py --model $large --batch-sizes 1,64 --contexts 512 --modes graph,pipelined --out $results/decode_qwen3_8b_pipelined.json ;;
+    gemm) stage gemm 240 python3 benchmarks/gemm_small_m.py --models $small,$large,.models/Qwen3-14B --out $results/gemm_small_m.json ;;
+    attn) stage attn 200 python3 benchmarks/attention_decode.py --out $results/attention_decode.json ;;
+    attn_layouts)  # page layout and size of the decode kernels (Qwen3-0.6B and -8B heads)
+      for layout in NHD HND; do for ps in 16 64; do
+        stage attn_${layout}_$ps 120 python3 benchmarks/attention_decode.py --heads 16:8,32:8 --batch-sizes 64,256 \
+          --contexts 512,1024,4096 --variants decode_cuda_cores,decode_tensor_cores --layout $layout --page-size $ps \
+          --out $results/attention_decode_${layout}_$ps.json
+      done; done ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done

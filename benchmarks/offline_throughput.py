@@ -5,23 +5,32 @@
 ``randint(100, 1024)``; temperature 0.6, ``ignore_eos``. Random weights on a real config.json.
 
     python benchmarks/offline_throughput.py --model ../shared/models/configs/Qwen3-0.6B --out out/offline.json
+
+With ``--trace`` every scheduler step is recorded (see step_trace.py): host time, time blocked on
+the device, composition and, on CUDA, device time and idle gaps; the summary table is printed
+last and the per-step records go into the JSON. The throughput of a traced run is flagged.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import time
 
-from common import device_name, print_table, setup_logging, write_json
+import torch
+from common import copy_bandwidth, device_name, print_table, setup_logging, write_json
+from step_trace import FloorModel, StepTracer, print_summary, summarize
 from tpserve import LLM, SamplingParams
 
 
 def workload(num: int, max_input: int, max_output: int) -> tuple[list[list[int]], list[SamplingParams]]:
     random.seed(0)
-    prompts = [[random.randint(0, 10000) for _ in range(random.randint(100, max_input))] for _ in range(num)]
+    # Lengths are drawn from [100, max]; a max under 100 (small CPU runs) draws from [max, max].
+    min_input, min_output = min(100, max_input), min(100, max_output)
+    prompts = [[random.randint(0, 10000) for _ in range(random.randint(min_input, max_input))] for _ in range(num)]
     params = [
-        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(100, max_output))
+        SamplingParams(temperature=0.6, ignore_eos=True, max_tokens=random.randint(min_output, max_output))
         for _ in range(num)
     ]
     return prompts, params
@@ -39,6 +48,9 @@ def main() -> None:
     parser.add_argument("--hf-baseline", action="store_true",
                         help="instead run transformers' generate (static batches) on the same workload")
     parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the baseline")
+    parser.add_argument("--dtype", default="bfloat16", help="engine dtype (float32 for quick CPU runs)")
+    parser.add_argument("--trace", action="store_true",
+                        help="record every scheduler step and print where the time goes (throughput flagged as traced)")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
     setup_logging()
@@ -46,11 +58,15 @@ def main() -> None:
     prompts, params = workload(args.num_requests, args.max_input_len, args.max_output_len)
     if args.hf_baseline:
         return run_hf_baseline(args, prompts, params)
+    bandwidth = None
+    if args.trace and torch.cuda.is_available():  # for the decode floors; before the KV cache is sized
+        bandwidth = copy_bandwidth()
+        torch.cuda.empty_cache()
     start = time.perf_counter()
     llm = LLM(
         args.model,
         load_format="dummy",
-        dtype="bfloat16",
+        dtype=args.dtype,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         attention_backend=args.attention_backend,
         disable_overlap=args.disable_overlap,
@@ -58,9 +74,16 @@ def main() -> None:
     startup = time.perf_counter() - start
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
 
-    start = time.perf_counter()
-    outputs = llm.generate(prompts, params, use_tqdm=False)
-    seconds = time.perf_counter() - start
+    tracer, floor = None, None
+    if args.trace:
+        engine = llm._engine  # in-process at tp 1
+        if engine is None:
+            raise RuntimeError("--trace needs the engine in this process (tp 1)")
+        tracer, floor = StepTracer(), FloorModel.from_engine(engine, bandwidth)
+    with tracer or contextlib.nullcontext():
+        start = time.perf_counter()
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        seconds = time.perf_counter() - start
     output_tokens = sum(len(o.token_ids) for o in outputs)
     expected = sum(p.max_tokens for p in params)
     if output_tokens != expected:
@@ -79,9 +102,21 @@ def main() -> None:
         "overlap": not args.disable_overlap,
         "startup_s": startup,
     }
-    print(f"\nOffline throughput on {device_name()}; model {args.model}")
+    if args.dtype != "bfloat16":
+        row["dtype"] = args.dtype
+    extra = {}
+    if tracer is not None:
+        row["traced"] = True
+        summary = summarize(tracer, floor)
+        extra["copy_bandwidth_Bps"] = bandwidth
+        extra["trace"] = tracer.to_json(summary)
+    traced = " (TRACED: the tracer adds host work to every step)" if tracer is not None else ""
+    print(f"\nOffline throughput on {device_name()}; model {args.model}{traced}")
     print_table([row], list(row))
-    write_json(args.out, {"benchmark": "offline_throughput", "model": args.model, **row})
+    if tracer is not None:
+        bw = "n/a (no CUDA)" if bandwidth is None else f"{bandwidth / 1e12:.2f} TB/s"
+        print_summary(extra["trace"]["summary"], f"Step trace (copy bandwidth {bw})")
+    write_json(args.out, {"benchmark": "offline_throughput", "model": args.model, **row, **extra})
 
 
 def run_hf_baseline(args: argparse.Namespace, prompts: list[list[int]], params: list[SamplingParams]) -> None:

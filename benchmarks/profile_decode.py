@@ -7,6 +7,7 @@ sync around it, and (eager) how many kernels one forward launches and how long t
 from __future__ import annotations
 
 import argparse
+import re
 import statistics
 import time
 from functools import partial
@@ -40,6 +41,27 @@ def wall(fn, iters: int = 20) -> float:
         fn()
         times.append(time.perf_counter() - start)
     return statistics.median(times)
+
+
+# Kernel name patterns, first match wins; "other" takes the rest.
+CATEGORIES = {
+    "attention": r"BatchDecode|BatchPrefill|PersistentVariableLength|MergeStates|decode_kernel|prefill",
+    "gemm": r"gemm|gemv|cutlass|cublas|nvjet|sm90_xmma|splitKreduce",
+    "norm": r"[Nn]orm",
+    "rope_store": r"rope_store|rope|kv_kernel",
+    "activation": r"silu|act_and_mul",
+    "embedding": r"embedding|index_select|indexSelect",
+}
+
+
+def kernel_categories(kernels: list) -> dict[str, tuple[int, float]]:
+    """(kernel count, device microseconds) per category of one forward's kernels."""
+    totals = {name: [0, 0.0] for name in [*CATEGORIES, "other"]}
+    for event in kernels:
+        name = next((c for c, pattern in CATEGORIES.items() if re.search(pattern, event.name)), "other")
+        totals[name][0] += 1
+        totals[name][1] += event.device_time_total
+    return {name: (count, micros) for name, (count, micros) in totals.items()}
 
 
 def main() -> None:
@@ -80,6 +102,9 @@ def main() -> None:
         kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
         row["eager_kernels"] = len(kernels)
         row["eager_kernel_ms"] = sum(e.device_time_total for e in kernels) / 1e3
+        for category, (count, micros) in kernel_categories(kernels).items():
+            row[f"{category}_ms"] = micros / 1e3
+            row[f"{category}_n"] = count
         rows.append(row)
         print(row, flush=True)
         top = prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60)

@@ -15,9 +15,8 @@ import argparse
 import asyncio
 import json
 import random
-import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 
 import httpx
 

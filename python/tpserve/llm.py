@@ -24,6 +24,7 @@ from tpserve.config import EngineConfig, ModelConfig
 from tpserve.distributed.comm import local_init_addr
 from tpserve.message import SchedulerStats
 from tpserve.sampling_params import SamplingParams
+from tpserve.scheduler.gc_control import frozen_heap
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +65,7 @@ def run_jobs(scheduler, jobs: list[_Job], show_progress: bool) -> dict[int, _Res
     for job in jobs:
         scheduler.add_request(job.rid, job.prompt_ids, job.params, job.seed)
     results = {job.rid: _Result() for job in jobs}
-    with tqdm(total=len(jobs), desc="Generating", unit="req", disable=not show_progress) as bar:
+    with tqdm(total=len(jobs), desc="Generating", unit="req", disable=not show_progress) as bar, frozen_heap():
         while scheduler.has_work:
             for out in scheduler.step():
                 result = results[out.rid]

@@ -1,8 +1,8 @@
 """Fused GPU kernels (tpserve.kernels) against the torch code they replace.
 
 Per kernel: FlashInfer's RMSNorm (plain, per-head on a strided view, with fused residual add),
-SiLU-and-mul and rotary (plain and Llama 3 scaled), the Triton KV-cache store and the Triton
-sampler. Then whole tiny models with every fused path on against every fused path off.
+SiLU-and-mul and rotary (plain and Llama 3 scaled), the Triton KV-cache store, the Triton
+q/k norm + rotary + store kernel and the Triton sampler. Then whole tiny models with every fused path on against every fused path off.
 Skipped without CUDA, flashinfer or triton, so CI on CPU stays green.
 """
 
@@ -160,6 +160,43 @@ def test_kv_store_matches_torch(tokens, monkeypatch):
     reference.store(1, slots, k, v)
     for layer in range(2):
         assert torch.equal(fused.k[layer], reference.k[layer]) and torch.equal(fused.v[layer], reference.v[layer])
+
+
+@pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
+@pytest.mark.parametrize("tokens", [1, 40, 1000])
+def test_norm_rope_store_matches_unfused(tokens, qk_norm):
+    """The one-kernel q/k norm + rotary + KV store against FlashInfer's norm and rotary kernels
+    followed by the Triton store: same rounding steps, so equal up to float32 summation order."""
+    from tpserve.kernels import flashinfer_ops
+    from tpserve.kernels.rope_store import norm_rope_store
+
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    pages, page_size, heads, kv_heads, head_dim, max_pos = 128, 16, 8, 2, 128, 40960
+    rotary = RotaryEmbedding(head_dim, max_pos, 1000000.0, None)
+    rotary.build_cache(DEVICE, DTYPE)
+    q_norm, k_norm = make_norm(head_dim, gen), make_norm(head_dim, gen)
+    qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen, device=DEVICE).to(DTYPE)
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen, device=DEVICE)
+    slots = torch.randperm(pages * page_size, generator=gen, device=DEVICE)[:tokens]
+    fused = KVCachePool(1, pages, page_size, kv_heads, head_dim, DTYPE, DEVICE)
+    weights = (q_norm.weight, k_norm.weight) if qk_norm else (None, None)
+    q_fused = norm_rope_store(qkv, positions, rotary.cos_sin_cache, *weights, 1e-6, fused.k[0], fused.v[0], slots,
+                              heads, kv_heads, head_dim)
+
+    q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+    q, k, v = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+    if qk_norm:
+        q, k = q_norm(q), k_norm(k)
+    else:
+        q, k = q.clone(), k.clone()
+    flashinfer_ops.rotary_(positions, q, k, rotary.cos_sin_cache)
+    unfused = KVCachePool(1, pages, page_size, kv_heads, head_dim, DTYPE, DEVICE)
+    unfused.store(0, slots, k, v)
+    # One bf16 ulp where a float32 sum in another order rounds the other way.
+    torch.testing.assert_close(q_fused, q, rtol=8e-3, atol=8e-3)
+    torch.testing.assert_close(fused.k[0], unfused.k[0], rtol=8e-3, atol=8e-3)
+    assert torch.equal(fused.v[0], unfused.v[0])
+    assert (q_fused == q).float().mean() > 0.99
 
 
 # ---- sampling ----

@@ -35,6 +35,18 @@ def check_sampler() -> None:
     assert torch.equal(got, reference), f"kernel {got.tolist()} != torch {reference.tolist()}"
     assert int(got[5]) == 17
 
+    # Rows wider than one chunk: the chunks' maxes and winners are combined; a greedy tie
+    # across chunks still goes to the first index.
+    vocab = 10_000
+    logits = (3 * torch.randn(6, vocab, generator=gen)).to(torch.bfloat16)
+    logits[0, 9_000] = logits[0, 100] = 40.0
+    logits[1, 8_500] = 40.0  # the max in the last chunk
+    params = [SP(temperature=0.0), SP(temperature=0.5)] + [SP(temperature=1.0 + i) for i in range(4)]
+    batch = SamplingBatch.build(params, list(range(6)), [3] * 6, vocab, "cpu")
+    got = sample(logits, batch.temperatures, batch.seeds, batch.steps)
+    assert torch.equal(got, Sampler().sample_torch(logits, batch)), got.tolist()
+    assert got[:2].tolist() == [100, 8_500]
+
 
 def kept_sets(logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
     """[B, V] bool: the tokens the torch path's top-k/top-p/min-p keep."""
@@ -99,10 +111,46 @@ def check_kv_store() -> None:
     assert torch.equal(fused.k[0], reference.k[0]) and torch.equal(fused.v[0], reference.v[0])
 
 
+def check_norm_rope_store() -> None:
+    """q/k norm + rotary + KV store in one kernel against the layers' torch code."""
+    from tpserve.kernels.rope_store import norm_rope_store
+    from tpserve.layers.norm import RMSNorm
+    from tpserve.layers.rotary import RotaryEmbedding
+
+    gen = torch.Generator().manual_seed(3)
+    tokens, heads, kv_heads, head_dim, max_pos = 7, 4, 2, 32, 64
+    width = (heads + 2 * kv_heads) * head_dim
+    qkv = torch.randn(tokens, width + 5, generator=gen)[:, :width]  # a padded row stride
+    positions = torch.randint(0, max_pos, (tokens,), generator=gen)
+    slots = torch.randperm(8 * 4, generator=gen)[:tokens]
+    rotary = RotaryEmbedding(head_dim, max_pos, 10000.0, None)
+    rotary.build_cache(torch.device("cpu"), torch.float32)
+    half = head_dim // 2  # the fused table: cos then sin of each angle, once
+    table = torch.cat((rotary.cos[:, :half], rotary.sin[:, :half]), dim=-1).contiguous()
+    for with_norm in (True, False):
+        q_norm, k_norm = RMSNorm(head_dim, 1e-6), RMSNorm(head_dim, 1e-6)
+        q_norm.weight.data = 1 + 0.1 * torch.randn(head_dim, generator=gen)
+        k_norm.weight.data = 1 + 0.1 * torch.randn(head_dim, generator=gen)
+        q, k, v = qkv.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        q, k, v = q.view(tokens, heads, head_dim), k.view(tokens, kv_heads, head_dim), v.view(tokens, kv_heads, head_dim)
+        if with_norm:
+            q, k = q_norm(q), k_norm(k)
+        q_ref, k_ref = rotary(positions, q, k)
+        reference = KVCachePool(1, 8, 4, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+        reference.store(0, slots, k_ref, v)
+        fused = KVCachePool(1, 8, 4, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+        weights = (q_norm.weight, k_norm.weight) if with_norm else (None, None)
+        got = norm_rope_store(qkv, positions, table, *weights, 1e-6, fused.k[0], fused.v[0], slots, heads, kv_heads, head_dim)
+        torch.testing.assert_close(got, q_ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(fused.k[0], reference.k[0], rtol=1e-5, atol=1e-5)
+        assert torch.equal(fused.v[0], reference.v[0])
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1")
     check_sampler()
     check_sampler_filters()
     check_kv_store()
+    check_norm_rope_store()
     print("ok")

@@ -2,7 +2,8 @@
 
 ``prepare`` turns a step's sequences into backend metadata once per step (FlashInfer plans its
 wrappers there); ``forward`` is called by every layer with that metadata, stores the new k/v
-into the paged cache and returns the attention output.
+into the paged cache (unless the layer's fused kernel already did) and returns the attention
+output.
 """
 
 from __future__ import annotations
@@ -33,9 +34,16 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def forward(
-        self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, out_slots: torch.Tensor, meta: object
+        self,
+        layer: int,
+        q: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
+        out_slots: torch.Tensor,
+        meta: object,
     ) -> torch.Tensor:
-        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim]."""
+        """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
+        k and v None: the caller already wrote them into the pool at ``out_slots``."""
 
     def cuda_graph_metadata(self, batch_size: int, max_pages_per_seq: int) -> object:
         """Metadata with fixed-address buffers for a decode graph of ``batch_size`` sequences."""

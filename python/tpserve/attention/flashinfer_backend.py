@@ -96,6 +96,33 @@ def paged_layout(seqs: list[SequenceInput], page_size: int, pad_to: int = 0) -> 
     )
 
 
+class PinnedStaging:
+    """A reusable pinned host buffer that a plan's index arrays are copied into first.
+
+    FlashInfer uploads what ``plan`` gets with ``non_blocking=True``: from pageable memory
+    that copy may wait for the stream, i.e. for the step in flight, which would undo overlap
+    scheduling. The caller must not stage again before the last staged copies have run
+    (``FlashInferAttentionBackend._before_plan`` waits for that).
+    """
+
+    def __init__(self) -> None:
+        self.buffer = torch.empty(0, dtype=torch.int32)
+
+    def stage(self, layout: PagedLayout) -> PagedLayout:
+        arrays = (layout.kv_indptr, layout.kv_indices, layout.last_page_len, layout.qo_indptr)
+        total = sum(a.numel() for a in arrays)
+        if self.buffer.numel() < total:
+            # The caching host allocator keeps the old block until its queued copies are done.
+            self.buffer = torch.empty(max(total, 2 * self.buffer.numel()), dtype=torch.int32, pin_memory=True)
+        views, offset = [], 0
+        for array in arrays:
+            view = self.buffer[offset : offset + array.numel()]
+            view.copy_(array)
+            views.append(view)
+            offset += array.numel()
+        return PagedLayout(*views)
+
+
 @dataclass
 class FlashInferMetadata:
     wrapper: object  # the planned BatchDecode/BatchPrefill wrapper that every layer runs
@@ -135,11 +162,27 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
         )
         self._graph_indices: torch.Tensor | None = None  # page ids of graph batches, shared by size
+        self._planned: torch.cuda.Event | None = None  # the last plan's copies are enqueued
+        self._staging = PinnedStaging()
+
+    def _before_plan(self) -> None:
+        # plan() fills pinned host buffers that the previous plan's queued copies to the device
+        # may still be reading: wait until those copies have run (the device has started that
+        # step), not for the step itself, so overlap scheduling keeps planning ahead.
+        if self._planned is not None:
+            self._planned.synchronize()
+
+    def _after_plan(self) -> None:
+        self._planned = torch.cuda.Event()
+        self._planned.record()
 
     def prepare(self, seqs: list[SequenceInput], device: torch.device) -> FlashInferMetadata:
         layout = paged_layout(seqs, self.pool.page_size)
+        self._before_plan()
+        layout = self._staging.stage(layout)
         if all(len(s.token_ids) == 1 for s in seqs):
             self._plan_decode(self.decode_wrapper, layout)
+            self._after_plan()
             return FlashInferMetadata(self.decode_wrapper, is_decode=True)
         self.prefill_wrapper.plan(
             layout.qo_indptr,
@@ -155,6 +198,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
+        self._after_plan()
         return FlashInferMetadata(self.prefill_wrapper, is_decode=False)
 
     def _plan_decode(self, wrapper: object, layout: PagedLayout) -> None:
@@ -175,12 +219,13 @@ class FlashInferAttentionBackend(AttentionBackend):
         self,
         layer: int,
         q: torch.Tensor,
-        k: torch.Tensor,
-        v: torch.Tensor,
+        k: torch.Tensor | None,
+        v: torch.Tensor | None,
         out_slots: torch.Tensor,
         meta: FlashInferMetadata,
     ) -> torch.Tensor:
-        self.pool.store(layer, out_slots, k, v)
+        if k is not None and v is not None:
+            self.pool.store(layer, out_slots, k, v)
         return meta.wrapper.run(q.contiguous(), (self.pool.k[layer], self.pool.v[layer]))
 
     # ---- CUDA graphs (decode only) ----
@@ -205,4 +250,13 @@ class FlashInferAttentionBackend(AttentionBackend):
     @torch.inference_mode()  # the buffers were made during capture, in inference mode
     def plan_cuda_graph(self, seqs: list[SequenceInput], meta: FlashInferMetadata, batch_size: int) -> None:
         """Plan a captured size's wrapper for ``seqs`` padded to ``batch_size`` (before replay)."""
-        self._plan_decode(meta.wrapper, paged_layout(seqs, self.pool.page_size, pad_to=batch_size))
+        layout = paged_layout(seqs, self.pool.page_size, pad_to=batch_size)
+        self._before_plan()
+        layout = self._staging.stage(layout)
+        # A graph wrapper copies host page ids into its fixed buffer with a blocking copy (a
+        # stream sync); handing it that buffer, already filled asynchronously, skips the copy.
+        indices = self._graph_indices[: layout.kv_indices.numel()]
+        indices.copy_(layout.kv_indices, non_blocking=True)
+        layout.kv_indices = indices
+        self._plan_decode(meta.wrapper, layout)
+        self._after_plan()

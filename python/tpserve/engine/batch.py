@@ -103,15 +103,19 @@ def build_forward_inputs(
     seqs: list[SequenceInput], page_size: int, device: torch.device, attn: object
 ) -> ForwardInputs:
     host = build_host_batch(seqs, page_size)
-    total = host.tokens.shape[1]
-    # One host-to-device copy for all four index arrays.
-    packed = np.concatenate([host.tokens.reshape(-1), host.last_indices])
+    total, batch = host.tokens.shape[1], len(seqs)
+    # One host-to-device copy for all four index arrays, each starting 16-byte aligned (an
+    # even offset): Triton compiles a kernel variant per pointer alignment.
+    row = total + total % 2
+    packed = np.zeros(3 * row + batch, dtype=np.int64)
+    packed[: 3 * row].reshape(3, row)[:, :total] = host.tokens
+    packed[3 * row :] = host.last_indices
     flat = torch.from_numpy(packed).to(device, non_blocking=True)
     return ForwardInputs(
         input_ids=flat[:total],
-        positions=flat[total : 2 * total],
-        out_slots=flat[2 * total : 3 * total],
-        last_indices=flat[3 * total :],
+        positions=flat[row : row + total],
+        out_slots=flat[2 * row : 2 * row + total],
+        last_indices=flat[3 * row :],
         attn=attn,
     )
 

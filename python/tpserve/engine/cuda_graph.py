@@ -14,7 +14,6 @@ from __future__ import annotations
 import logging
 import time
 from bisect import bisect_left
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -65,7 +64,8 @@ class CUDAGraphRunner:
         self.max_batch_size = self.sizes[-1] if self.sizes else 0
         self.device = device
         # rows: token ids, positions, KV slots; zeros make every unused row a scratch-page write
-        self.tokens = torch.zeros((3, self.max_batch_size), dtype=torch.int64, device=device)
+        # (an even row length keeps every row 16-byte aligned for the Triton kernels)
+        self.tokens = torch.zeros((3, self.max_batch_size + self.max_batch_size % 2), dtype=torch.int64, device=device)
         self.last_indices = torch.arange(self.max_batch_size, dtype=torch.int64, device=device)
         self.graphs: dict[int, _Graph] = {}
 
@@ -113,7 +113,6 @@ class CUDAGraphRunner:
         self,
         seqs: list[SequenceInput],
         previous_tokens: torch.Tensor | None = None,
-        on_planned: Callable[[], None] | None = None,
     ) -> torch.Tensor:
         """[len(seqs), vocab] logits of a decode batch; valid until the next replay.
         Negative token ids are placeholders for rows of ``previous_tokens`` (overlap scheduling)."""
@@ -127,8 +126,6 @@ class CUDAGraphRunner:
         if previous_tokens is not None:
             self.tokens[0, :batch] = resolve_future_tokens(self.tokens[0, :batch], previous_tokens)
         self.attention.plan_cuda_graph(seqs, graph.attn_meta, size)
-        if on_planned is not None:
-            on_planned()
         graph.graph.replay()
         return graph.logits[:batch]
 

@@ -111,7 +111,6 @@ class Engine:
         self.sampler = Sampler()
         self.graph_runner = self._capture_cuda_graphs()
         self._last_tokens: torch.Tensor | None = None  # the last launched step's samples
-        self._planned: torch.cuda.Event | None = None
         if rank == 0:
             logger.info(
                 "engine ready: %s on %s, %s, tp %d, %s attention, %d KV pages of %d tokens, CUDA graphs %s",
@@ -161,10 +160,9 @@ class Engine:
         overwritten by the next replay.
         """
         if self.graph_runner is not None and self.graph_runner.can_run(seqs):
-            return self.graph_runner.run(seqs, previous_tokens, on_planned=self._mark_planned)
+            return self.graph_runner.run(seqs, previous_tokens)
         meta = self.attention.prepare(seqs, self.device)
         inputs = build_forward_inputs(seqs, self.page_size, self.device, meta)
-        self._mark_planned()
         if previous_tokens is not None:
             inputs.input_ids = resolve_future_tokens(inputs.input_ids, previous_tokens)
         return self.model(ForwardContext(inputs, self.attention))
@@ -173,11 +171,6 @@ class Engine:
     def launch(self, seqs: list[SequenceInput], sampling: SamplingBatch, top_logprobs: int | None = None) -> "LaunchedStep":
         """Enqueue one step (forward + sampling) without waiting for it; see ``LaunchedStep``.
         With ``top_logprobs`` (not None) it also returns log-probabilities for every row."""
-        if self._planned is not None:
-            # Attention planning fills pinned host buffers that the previous step's queued
-            # copies may still read: wait until those copies have run (the device has started
-            # that step), not for the step itself.
-            self._planned.synchronize()
         has_futures = any(t < 0 for s in seqs for t in s.token_ids[:1])
         logits = self.forward(seqs, self._last_tokens if has_futures else None)
         tokens = self.sampler(logits, sampling)
@@ -194,12 +187,6 @@ class Engine:
         done = torch.cuda.Event()
         done.record()
         return LaunchedStep(host, done)
-
-    def _mark_planned(self) -> None:
-        """Record that this step's host-to-device metadata copies are enqueued."""
-        if self.device.type == "cuda":
-            self._planned = torch.cuda.Event()
-            self._planned.record()
 
     def step(self, seqs: list[SequenceInput], sampling: SamplingBatch) -> list[int]:
         return self.launch(seqs, sampling).result()

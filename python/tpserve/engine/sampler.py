@@ -166,20 +166,27 @@ class SamplingBatch:
         uses_min_p = [not g and p.min_p > 0.0 for g, p in zip(greedy, params)]
         sort_rows = [i for i, (k, p) in enumerate(zip(uses_top_k, uses_top_p)) if k or p]
 
-        # One host-to-device copy per dtype.
-        floats = torch.tensor(
+        # One host-to-device copy per dtype. Rows are padded to whole 16-byte units so every
+        # row starts aligned: Triton compiles a kernel variant per pointer alignment, and a
+        # batch size that changed it would stall a step on a compile.
+        batch = len(params)
+        width = -(-max(batch, 1) // 4) * 4
+        floats = torch.zeros((3, width), dtype=torch.float32)
+        floats[:, :batch] = torch.tensor(
             [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
             dtype=torch.float32,
-        ).to(device, non_blocking=True)
-        ints = torch.tensor([top_ks, list(seeds), list(steps)], dtype=torch.int64)
+        )
+        floats = floats.to(device, non_blocking=True)
+        ints = torch.zeros((3, width), dtype=torch.int64)
+        ints[:, :batch] = torch.tensor([top_ks, list(seeds), list(steps)], dtype=torch.int64)
         ints = ints.to(device, non_blocking=True)
         return cls(
-            temperatures=floats[0],
-            top_ks=ints[0],
-            top_ps=floats[1],
-            min_ps=floats[2],
-            seeds=ints[1],
-            steps=ints[2],
+            temperatures=floats[0, :batch],
+            top_ks=ints[0, :batch],
+            top_ps=floats[1, :batch],
+            min_ps=floats[2, :batch],
+            seeds=ints[1, :batch],
+            steps=ints[2, :batch],
             all_greedy=all(greedy),
             needs_top_k=any(uses_top_k),
             needs_top_p=any(uses_top_p),

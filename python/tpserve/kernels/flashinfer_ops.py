@@ -65,15 +65,6 @@ def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
     return _ops().silu_and_mul(x)
 
 
-def cos_sin_cache(inv_freq: torch.Tensor, max_positions: int, device: torch.device) -> torch.Tensor:
-    """[max_positions, head_dim] float32: cos of each position's angles, then their sin (the
-    layout of FlashInfer's rotary kernel), from the same (possibly Llama 3 scaled) inv_freq and
-    float32 arithmetic as the torch table."""
-    positions = torch.arange(max_positions, device=device, dtype=torch.float32)
-    freqs = positions[:, None] * inv_freq.to(device)[None, :]
-    return torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
-
-
 def rotary_(positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, cache: torch.Tensor) -> None:
     """In place, neox style: rotate q [T, Hq, D] and k [T, Hk, D] (strided views allowed, last
     dim contiguous) by the angles of ``positions`` [T] (int32 or int64)."""

@@ -7,7 +7,7 @@ from typing import Any
 
 import torch
 
-from tpserve.kernels import use_flashinfer
+from tpserve.kernels import FLASHINFER_DTYPES, use_flashinfer, use_triton
 
 
 def inverse_frequencies(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
@@ -34,9 +34,10 @@ class RotaryEmbedding(torch.nn.Module):
     """Holds a [max_positions, head_dim] cos/sin table, built on the engine's device after the
     model is materialised (it is not a checkpoint weight).
 
-    On CUDA in half precision it also holds the float32 [max_positions, head_dim] table of
-    FlashInfer's rotary kernel (cos then sin of the same angles) and rotates q and k in place:
-    ``forward`` then returns its own (modified) inputs.
+    On CUDA in half precision it also holds the float32 [max_positions, head_dim] table of the
+    fused rotary kernels (FlashInfer's, and tpserve's ``kernels.rope_store``): cos then sin of the
+    same angles. With FlashInfer ``forward`` rotates q and k in place and returns its own
+    (modified) inputs.
     """
 
     def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None) -> None:
@@ -55,10 +56,8 @@ class RotaryEmbedding(torch.nn.Module):
         freqs = positions[:, None] * inv_freq[None, :]
         emb = torch.cat((freqs, freqs), dim=-1)
         self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
-        if use_flashinfer(device, dtype):
-            from tpserve.kernels.flashinfer_ops import cos_sin_cache
-
-            self.cos_sin_cache = cos_sin_cache(inv_freq, self.max_positions, device)
+        if use_flashinfer(device, dtype) or (use_triton(device) and dtype in FLASHINFER_DTYPES):
+            self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T]."""

@@ -14,6 +14,7 @@ import torch.distributed as dist
 from tpserve.config import EngineConfig
 from tpserve.message import AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, Shutdown, TokenOutput
 from tpserve.message.endpoints import Endpoints
+from tpserve.scheduler.gc_control import freeze_startup_heap
 from tpserve.scheduler.io import SchedulerIO
 from tpserve.scheduler.scheduler import RequestRejected, Scheduler
 
@@ -36,6 +37,7 @@ def run_scheduler(engine_config: EngineConfig, rank: int, endpoints: Endpoints, 
     io.wait_for_peers()
     if rank == 0:
         ack_queue.put(f"scheduler ready: {engine_config.tp_size} rank(s), {scheduler.allocator.total} KV pages")
+    freeze_startup_heap()
     try:
         SchedulerLoop(scheduler, io, engine_config.debug_check_ranks, parent).run()
     finally:

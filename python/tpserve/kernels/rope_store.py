@@ -1,0 +1,115 @@
+"""One Triton kernel per layer from the fused qkv output to attention's inputs.
+
+Between the qkv projection and attention the unfused path runs four kernels per layer: Qwen3's
+per-head q norm and k norm, the rotary embedding and the KV-cache store (plus a copy that makes
+q contiguous for models without q/k norm). At decode each is a few microseconds of launch-bound
+work, so per layer they cost more than the bytes they move. This kernel does all of it in one
+pass over qkv: program (token, head) normalises its head (when the model has q/k norm), rotates
+q and k heads (neox style, float32 cos/sin table) and writes q to a new contiguous tensor, k and
+v straight into their cache slots.
+
+Rounding follows the unfused fused-kernel path: the normalised head is rounded to the model
+dtype once, then rotated in float32 and rounded again.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _rotated_head(
+    src, weight_ptr, cos, sin, eps, cols,
+    HALF: tl.constexpr, HAS_NORM: tl.constexpr,
+):
+    x1 = tl.load(src + cols).to(tl.float32)
+    x2 = tl.load(src + HALF + cols).to(tl.float32)
+    if HAS_NORM:
+        rms = tl.rsqrt((tl.sum(x1 * x1, axis=0) + tl.sum(x2 * x2, axis=0)) / (2 * HALF) + eps)
+        w1 = tl.load(weight_ptr + cols).to(tl.float32)
+        w2 = tl.load(weight_ptr + HALF + cols).to(tl.float32)
+        x1 = (x1 * rms * w1).to(src.dtype.element_ty).to(tl.float32)
+        x2 = (x2 * rms * w2).to(src.dtype.element_ty).to(tl.float32)
+    return x1 * cos - x2 * sin, x2 * cos + x1 * sin
+
+
+@triton.jit
+def _norm_rope_store_kernel(
+    qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr,
+    q_weight_ptr, k_weight_ptr, qkv_row_stride, eps,
+    NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
+    HAS_NORM: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    head = tl.program_id(1)
+    HALF: tl.constexpr = HEAD_DIM // 2
+    cols = tl.arange(0, HALF)
+    src = qkv_ptr + token * qkv_row_stride + head * HEAD_DIM
+    if head < NUM_Q_HEADS + NUM_KV_HEADS:
+        position = tl.load(positions_ptr + token).to(tl.int64)
+        cos = tl.load(cos_sin_ptr + position * HEAD_DIM + cols)
+        sin = tl.load(cos_sin_ptr + position * HEAD_DIM + HALF + cols)
+        if head < NUM_Q_HEADS:
+            o1, o2 = _rotated_head(src, q_weight_ptr, cos, sin, eps, cols, HALF, HAS_NORM)
+            dst = q_out_ptr + (token * NUM_Q_HEADS + head) * HEAD_DIM
+        else:
+            o1, o2 = _rotated_head(src, k_weight_ptr, cos, sin, eps, cols, HALF, HAS_NORM)
+            slot = tl.load(slots_ptr + token).to(tl.int64)
+            dst = k_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS) * HEAD_DIM
+        tl.store(dst + cols, o1.to(dst.dtype.element_ty))
+        tl.store(dst + HALF + cols, o2.to(dst.dtype.element_ty))
+    else:  # a v head: copied as is
+        slot = tl.load(slots_ptr + token).to(tl.int64)
+        dst = v_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
+        tl.store(dst + cols, tl.load(src + cols))
+        tl.store(dst + HALF + cols, tl.load(src + HALF + cols))
+
+
+def supported(qkv: torch.Tensor, head_dim: int, cos_sin_cache: torch.Tensor | None) -> bool:
+    """Rows of qkv contiguous, a power-of-two head_dim (the kernel's block), a float32 table."""
+    return (
+        cos_sin_cache is not None
+        and cos_sin_cache.dtype == torch.float32
+        and qkv.dim() == 2
+        and qkv.stride(1) == 1
+        and head_dim >= 32
+        and head_dim & (head_dim - 1) == 0
+    )
+
+
+def norm_rope_store(
+    qkv: torch.Tensor,
+    positions: torch.Tensor,
+    cos_sin_cache: torch.Tensor,
+    q_weight: torch.Tensor | None,
+    k_weight: torch.Tensor | None,
+    eps: float,
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    slots: torch.Tensor,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+) -> torch.Tensor:
+    """From qkv [T, (Hq + 2 Hkv) * D]: returns rotated (and normalised) q [T, Hq, D] and writes
+    rotated (normalised) k and v into the contiguous caches [pages, page_size, Hkv, D] at flat
+    ``slots`` [T]. ``cos_sin_cache`` is [max_positions, D] float32, cos then sin of each angle.
+    Without q/k norm pass None for both weights."""
+    if (q_weight is None) != (k_weight is None):
+        raise ValueError("pass both q/k norm weights or neither")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
+        raise ValueError("norm_rope_store needs contiguous KV caches")
+    tokens = qkv.shape[0]
+    q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
+    if tokens == 0:
+        return q
+    has_norm = q_weight is not None
+    _norm_rope_store_kernel[(tokens, num_heads + 2 * num_kv_heads)](
+        qkv, q, k_cache, v_cache, slots, positions, cos_sin_cache,
+        q_weight if has_norm else qkv, k_weight if has_norm else qkv, qkv.stride(0), eps,
+        NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
+        num_warps=1,
+    )
+    return q
