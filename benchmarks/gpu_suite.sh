@@ -83,6 +83,9 @@ for s in $stages; do
           --contexts 512,1024,4096 --variants decode_cuda_cores,decode_tensor_cores --layout $layout --page-size $ps \
           --out $results/attention_decode_${layout}_$ps.json
       done; done ;;
+    profile06_cat) stage profile06_cat 90 python3 benchmarks/profile_decode.py --model $small --batch-sizes 1,64,256 --out $results/profile_qwen3_0.6b.json ;;
+    profile8_cat) stage profile8_cat 90 python3 benchmarks/profile_decode.py --model $large --batch-sizes 1,64 --out $results/profile_qwen3_8b.json ;;
+    profile14_cat) stage profile14_cat 90 python3 benchmarks/profile_decode.py --model .models/Qwen3-14B --batch-sizes 64,256 --out $results/profile_qwen3_14b.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done
@@ -90,4 +93,5 @@ if [ -n "$(find .ficache -newer /tmp/ficache-marker -name '*.so' 2>/dev/null)" ]
   tar czf "$out/ficache.tgz" -C .ficache . && echo "new FlashInfer JIT modules: bring back $out/ficache.tgz" | tee -a "$log"
 fi
 echo "=== summary" | tee -a "$log"
+tar czf "$out/results.tgz" -C "$results" .  # one file: the tool brings back at most 8
 python3 benchmarks/summarize.py "$results" /tmp/tpserve-results.json 2>&1 | tee -a "$log"

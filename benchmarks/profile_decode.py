@@ -47,8 +47,8 @@ def wall(fn, iters: int = 20) -> float:
 CATEGORIES = {
     "attention": r"BatchDecode|BatchPrefill|PersistentVariableLength|MergeStates|decode_kernel|prefill",
     "gemm": r"gemm|gemv|cutlass|cublas|nvjet|sm90_xmma|splitKreduce",
+    "rope_store": r"rope_store|rope|kv_kernel",  # before "norm": the fused kernel's name has both
     "norm": r"[Nn]orm",
-    "rope_store": r"rope_store|rope|kv_kernel",
     "activation": r"silu|act_and_mul",
     "embedding": r"embedding|index_select|indexSelect",
 }

@@ -17,6 +17,7 @@ from tpserve.engine.sampler import Sampler, SamplingBatch
 from tpserve.kvcache.pool import KVCachePool
 from tpserve.models.decoder import CausalLM, ForwardContext
 from tpserve.models.loader import load_model_weights
+from tpserve.sampling_params import SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -110,6 +111,8 @@ class Engine:
         )
         self.sampler = Sampler()
         self.graph_runner = self._capture_cuda_graphs()
+        if self.device.type == "cuda":
+            self._warm_up_sampler()
         self._last_tokens: torch.Tensor | None = None  # the last launched step's samples
         if rank == 0:
             logger.info(
@@ -126,6 +129,16 @@ class Engine:
         runner = CUDAGraphRunner(self.model, self.attention, self.page_size, self.max_model_len, max_bs, self.device)
         runner.capture()
         return runner
+
+    def _warm_up_sampler(self) -> None:
+        """Compile the sampler's kernels (plain and filtered) now rather than on the first
+        requests, on logits laid out as the LM head returns them (rows padded at TP > 1)."""
+        vocab = self.model_config.vocab_size
+        padded = self.model.lm_head.weight.shape[0] * self.config.tp_size
+        logits = torch.zeros((2, padded), dtype=self.dtype, device=self.device)[:, :vocab]
+        for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2, top_p=0.9)):
+            self.sampler(logits, SamplingBatch.build([params] * 2, [0, 1], [0, 0], vocab, self.device))
+        torch.cuda.synchronize(self.device)
 
     def _count_pages(self) -> int:
         cfg = self.model_config
