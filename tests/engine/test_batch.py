@@ -85,3 +85,13 @@ def test_backend_selection_on_cpu():
     pool = KVCachePool(1, 4, 16, 2, 128, torch.bfloat16, cpu)
     with pytest.raises(ValueError, match="needs a CUDA device"):
         create_backend("flashinfer", pool, 4, 2, 128, cpu)
+
+
+@pytest.mark.parametrize("lengths", [[1], [3], [1, 1, 1], [2, 5], [7, 1, 1, 4]])
+def test_forward_inputs_start_16_byte_aligned(lengths):
+    """Triton compiles one kernel variant per pointer alignment: whatever the token count, every
+    index array must start aligned, or a new count would stall a step on a compile."""
+    seqs = [SequenceInput(list(range(n)), 0, [1]) for n in lengths]
+    inputs = build_forward_inputs(seqs, 16, torch.device("cpu"), None)
+    for tensor in (inputs.input_ids, inputs.positions, inputs.out_slots, inputs.last_indices):
+        assert tensor.data_ptr() % 16 == 0

@@ -375,3 +375,13 @@ def test_build():
     assert SamplingBatch.build([SP(temperature=0.0)] * 2, [1, 2], [0, 0], 100, "cpu").all_greedy
     with pytest.raises(ValueError, match="2 seeds"):
         SamplingBatch.build([SP()], [1, 2], [0], 100, "cpu")
+
+
+@pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7])
+def test_build_rows_start_16_byte_aligned(rows):
+    """The sampler's kernels get these tensors: each must start aligned whatever the batch size
+    (Triton compiles a variant per pointer alignment)."""
+    batch = SamplingBatch.build([SP(temperature=0.5, top_k=3)] * rows, list(range(rows)), [0] * rows, 100, "cpu")
+    for tensor in (batch.temperatures, batch.top_ks, batch.top_ps, batch.min_ps, batch.seeds, batch.steps):
+        assert tensor.data_ptr() % 16 == 0 and tensor.shape == (rows,)
+    assert batch.seeds.tolist() == list(range(rows))
