@@ -22,7 +22,7 @@ from tpserve.engine.batch import SequenceInput
 from tpserve.engine.engine import Engine, LaunchedStep
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.kvcache.pool import PageAllocator
-from tpserve.kvcache.radix import create_prefix_cache
+from tpserve.kvcache.radix import PrefixMatch, create_prefix_cache
 from tpserve.message import SchedulerStats, TokenOutput
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler.request import Request
@@ -211,10 +211,8 @@ class Scheduler:
     def _admit(self, budget: int, outputs: list[TokenOutput]) -> list[tuple[Request, int]]:
         admitted: list[tuple[Request, int]] = []
         while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
-            req = self._next_waiting()
+            req, match = self._next_waiting()
             ids = req.all_ids
-            usable = (len(ids) - 1) // self.page_size * self.page_size  # keep >= 1 token to compute
-            match = self.cache.match(ids[:usable])
             cached = match.num_pages * self.page_size
             n = min(len(ids) - cached, budget)
             need = -(-(cached + n) // self.page_size) - match.num_pages
@@ -242,11 +240,17 @@ class Scheduler:
             budget -= n
         return admitted
 
-    def _next_waiting(self) -> Request:
+    def _next_waiting(self) -> tuple[Request, PrefixMatch]:
+        """The request to admit next and its cached prefix (whole pages, leaving at least one
+        token to compute)."""
         if self.config.schedule_policy == "fcfs" or len(self.waiting) > LPM_MAX_QUEUE:
-            return self.waiting[0]
+            return self.waiting[0], self._cached_prefix(self.waiting[0])
         # lpm: the longest cached prefix first; ties keep queue order (max returns the first).
-        return max(self.waiting, key=lambda r: self.cache.match(r.all_ids[: r.num_tokens - 1]).num_pages)
+        matches = [(req, self._cached_prefix(req)) for req in self.waiting]
+        return max(matches, key=lambda item: item[1].num_pages)
+
+    def _cached_prefix(self, req: Request) -> PrefixMatch:
+        return self.cache.match(req.all_ids[: req.num_tokens - 1])
 
     # ---- pages ----
     def _grow(self, req: Request, num_tokens: int, outputs: list[TokenOutput]) -> bool:
