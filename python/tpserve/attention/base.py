@@ -1,9 +1,9 @@
 """The attention backend interface.
 
 ``prepare`` turns a step's sequences into backend metadata once per step (FlashInfer plans its
-wrappers there); ``forward`` is called by every layer with that metadata, stores the new k/v
-into the paged cache (unless the layer's fused kernel already did) and returns the attention
-output.
+wrappers there). Every layer calls ``forward`` with that metadata: it stores the new k/v into
+the paged cache (unless the layer's fused kernel already did), then the backend's ``attend``
+computes attention over the cache.
 """
 
 from __future__ import annotations
@@ -32,7 +32,6 @@ class AttentionBackend(ABC):
     def prepare(self, seqs: list[SequenceInput], device: torch.device) -> object:
         """Per-step metadata, built once and shared by all layers."""
 
-    @abstractmethod
     def forward(
         self,
         layer: int,
@@ -44,6 +43,14 @@ class AttentionBackend(ABC):
     ) -> torch.Tensor:
         """q: [T, num_heads, head_dim]; k, v: [T, num_kv_heads, head_dim] -> [T, num_heads, head_dim].
         k and v None: the caller already wrote them into the pool at ``out_slots``."""
+        if k is not None and v is not None:
+            self.pool.store(layer, out_slots, k, v)
+        return self.attend(layer, q, meta)
+
+    @abstractmethod
+    def attend(self, layer: int, q: torch.Tensor, meta: object) -> torch.Tensor:
+        """Attention of q [T, num_heads, head_dim] over layer ``layer``'s cache, this step's k/v
+        already stored."""
 
     def cuda_graph_metadata(self, batch_size: int, max_pages_per_seq: int) -> object:
         """Metadata with fixed-address buffers for a decode graph of ``batch_size`` sequences."""

@@ -215,17 +215,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             kv_data_type=self.dtype,
         )
 
-    def forward(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        out_slots: torch.Tensor,
-        meta: FlashInferMetadata,
-    ) -> torch.Tensor:
-        if k is not None and v is not None:
-            self.pool.store(layer, out_slots, k, v)
+    def attend(self, layer: int, q: torch.Tensor, meta: FlashInferMetadata) -> torch.Tensor:
         return meta.wrapper.run(q.contiguous(), (self.pool.k[layer], self.pool.v[layer]))
 
     # ---- CUDA graphs (decode only) ----

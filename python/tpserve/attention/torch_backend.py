@@ -58,17 +58,7 @@ class TorchAttentionBackend(AttentionBackend):
             token_rows=torch.cat(token_rows).to(device),
         )
 
-    def forward(
-        self,
-        layer: int,
-        q: torch.Tensor,
-        k: torch.Tensor | None,
-        v: torch.Tensor | None,
-        out_slots: torch.Tensor,
-        meta: TorchAttentionMetadata,
-    ) -> torch.Tensor:
-        if k is not None and v is not None:
-            self.pool.store(layer, out_slots, k, v)
+    def attend(self, layer: int, q: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
         k_cache = self.pool.k[layer].view(-1, self.num_kv_heads, self.head_dim)
         v_cache = self.pool.v[layer].view(-1, self.num_kv_heads, self.head_dim)
         q_padded = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[meta.query_index]  # [B, N, H, D]
