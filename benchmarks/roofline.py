@@ -21,18 +21,16 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
+
+from tpserve.config import ModelConfig
 
 
 def model_numbers(model_dir: str) -> tuple[int, int, int]:
     """(decoder-layer linear weights, LM-head weights, KV bytes per token) of a bf16 model."""
-    with open(os.path.join(model_dir, "config.json")) as f:
-        cfg = json.load(f)
-    hidden, inter, layers = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_hidden_layers"]
-    heads, kv_heads = cfg["num_attention_heads"], cfg.get("num_key_value_heads", cfg["num_attention_heads"])
-    head_dim = cfg.get("head_dim") or hidden // heads
-    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * inter
-    return layers * per_layer, cfg["vocab_size"] * hidden, 2 * layers * kv_heads * head_dim * 2
+    cfg = ModelConfig.from_pretrained(model_dir)
+    hidden, heads, kv_heads, head_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
+    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * cfg.intermediate_size
+    return cfg.num_hidden_layers * per_layer, cfg.vocab_size * hidden, 2 * cfg.num_hidden_layers * kv_heads * head_dim * 2
 
 
 def main() -> None:

@@ -102,7 +102,7 @@ class PinnedStaging:
     FlashInfer uploads what ``plan`` gets with ``non_blocking=True``: from pageable memory
     that copy may wait for the stream, i.e. for the step in flight, which would undo overlap
     scheduling. The caller must not stage again before the last staged copies have run
-    (``FlashInferAttentionBackend._before_plan`` waits for that).
+    (``FlashInferAttentionBackend._stage`` waits for that).
     """
 
     def __init__(self) -> None:
@@ -165,24 +165,25 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._planned: torch.cuda.Event | None = None  # the last plan's copies are enqueued
         self._staging = PinnedStaging()
 
-    def _before_plan(self) -> None:
-        # plan() fills pinned host buffers that the previous plan's queued copies to the device
-        # may still be reading: wait until those copies have run (the device has started that
-        # step), not for the step itself, so overlap scheduling keeps planning ahead.
+    def _stage(self, layout: PagedLayout) -> PagedLayout:
+        """``layout`` in the pinned staging buffer, for this step's plan. That buffer (and
+        FlashInfer's own pinned buffers) may still be read by the previous plan's queued copies:
+        wait until those have run (the device has started that step), not for the step itself,
+        so overlap scheduling keeps planning ahead."""
         if self._planned is not None:
             self._planned.synchronize()
+        return self._staging.stage(layout)
 
-    def _after_plan(self) -> None:
+    def _mark_planned(self) -> None:
+        """Record that this plan's copies are enqueued (``_stage`` waits for them next time)."""
         self._planned = torch.cuda.Event()
         self._planned.record()
 
     def prepare(self, seqs: list[SequenceInput], device: torch.device) -> FlashInferMetadata:
-        layout = paged_layout(seqs, self.pool.page_size)
-        self._before_plan()
-        layout = self._staging.stage(layout)
+        layout = self._stage(paged_layout(seqs, self.pool.page_size))
         if all(len(s.token_ids) == 1 for s in seqs):
             self._plan_decode(self.decode_wrapper, layout)
-            self._after_plan()
+            self._mark_planned()
             return FlashInferMetadata(self.decode_wrapper, is_decode=True)
         self.prefill_wrapper.plan(
             layout.qo_indptr,
@@ -198,7 +199,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             q_data_type=self.dtype,
             kv_data_type=self.dtype,
         )
-        self._after_plan()
+        self._mark_planned()
         return FlashInferMetadata(self.prefill_wrapper, is_decode=False)
 
     def _plan_decode(self, wrapper: object, layout: PagedLayout) -> None:
@@ -240,13 +241,11 @@ class FlashInferAttentionBackend(AttentionBackend):
     @torch.inference_mode()  # the buffers were made during capture, in inference mode
     def plan_cuda_graph(self, seqs: list[SequenceInput], meta: FlashInferMetadata, batch_size: int) -> None:
         """Plan a captured size's wrapper for ``seqs`` padded to ``batch_size`` (before replay)."""
-        layout = paged_layout(seqs, self.pool.page_size, pad_to=batch_size)
-        self._before_plan()
-        layout = self._staging.stage(layout)
+        layout = self._stage(paged_layout(seqs, self.pool.page_size, pad_to=batch_size))
         # A graph wrapper copies host page ids into its fixed buffer with a blocking copy (a
         # stream sync); handing it that buffer, already filled asynchronously, skips the copy.
         indices = self._graph_indices[: layout.kv_indices.numel()]
         indices.copy_(layout.kv_indices, non_blocking=True)
         layout.kv_indices = indices
         self._plan_decode(meta.wrapper, layout)
-        self._after_plan()
+        self._mark_planned()
