@@ -13,6 +13,7 @@ from tpserve.distributed.comm import init_process_groups
 from tpserve.distributed.info import set_tp_info
 from tpserve.engine.batch import SequenceInput, build_forward_inputs, resolve_future_tokens
 from tpserve.engine.cuda_graph import CUDAGraphRunner
+from tpserve.engine.logit_edits import PenaltyState
 from tpserve.engine.sampler import Sampler, SamplingBatch
 from tpserve.kvcache.pool import KVCachePool
 from tpserve.models.decoder import CausalLM, ForwardContext
@@ -110,6 +111,7 @@ class Engine:
             config.extra.get("attention_options"),
         )
         self.sampler = Sampler()
+        self.penalty_state = PenaltyState(self.model_config.vocab_size, self.device)
         self.graph_runner = self._capture_cuda_graphs()
         if self.device.type == "cuda":
             self._warm_up_sampler()
@@ -186,7 +188,9 @@ class Engine:
         With ``top_logprobs`` (not None) it also returns log-probabilities for every row."""
         has_futures = any(t < 0 for s in seqs for t in s.token_ids[:1])
         logits = self.forward(seqs, self._last_tokens if has_futures else None)
-        tokens = self.sampler(logits, sampling)
+        edits = sampling.edits
+        tokens = self.sampler(logits if edits is None else self.penalty_state.apply(logits, edits), sampling)
+        self.penalty_state.record(tokens, edits)
         self._last_tokens = tokens
         outputs = {"tokens": tokens}
         if top_logprobs is not None:  # before the next graph replay overwrites the logits

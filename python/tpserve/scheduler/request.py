@@ -25,6 +25,7 @@ class Request:
     admit_order: int = -1  # when it was (last) admitted; the newest is preempted first
     cached_tokens: int = -1  # prefix-cache hit at first admission, reported in usage
     finish_reason: str | None = None
+    slot: int = -1  # its row of the engine's penalty state (-1: none), kept until it finishes
 
     @property
     def all_ids(self) -> list[int]:

@@ -14,12 +14,14 @@ preemption the step in flight is drained, so a preempted request's tokens are al
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import deque
 from dataclasses import dataclass
 
 from tpserve.engine.batch import SequenceInput
 from tpserve.engine.engine import Engine, LaunchedStep
+from tpserve.engine.logit_edits import LogitEdits
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.kvcache.pool import PageAllocator
 from tpserve.kvcache.radix import PrefixMatch, create_prefix_cache
@@ -62,6 +64,8 @@ class Scheduler:
         self.check_accounting = self.config.debug_check_ranks
         self.overlap = not self.config.disable_overlap
         self.inflight: _Launched | None = None
+        self.free_slots: list[int] = []  # penalty-state slots given back (a min-heap)
+        self.num_slots = 0
 
     # ---- requests in and out ----
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
@@ -86,11 +90,12 @@ class Scheduler:
 
     def abort(self, rid: int) -> bool:
         if rid in self.running:
-            self._release(self.running.pop(rid))
+            self._retire(self.running.pop(rid))
             return True
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
+                self._free_slot(req)
                 return True
         return False
 
@@ -154,13 +159,12 @@ class Scheduler:
     def _launch(self, scheduled: list[tuple[Request, int]]) -> _Launched:
         scheduled.sort(key=lambda item: item[0].rid)
         seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages) for req, n in scheduled]
-        sampling = SamplingBatch.build(
-            [req.params for req, _ in scheduled],
-            [req.seed for req, _ in scheduled],
-            [len(req.output_ids) + req.pending for req, _ in scheduled],
-            self.engine.model_config.vocab_size,
-            self.engine.device,
-        )
+        params = [req.params for req, _ in scheduled]
+        steps = [len(req.output_ids) + req.pending for req, _ in scheduled]
+        vocab = self.engine.model_config.vocab_size
+        sampling = SamplingBatch.build(params, [req.seed for req, _ in scheduled], steps, vocab, self.engine.device)
+        if any(p.edits_logits for p in params):
+            sampling.edits = self._logit_edits(scheduled, params, steps)
         wanted = [req.params.logprobs for req, _ in scheduled if req.params.logprobs is not None]
         handle = self.engine.launch(seqs, sampling, max(wanted) if wanted else None)
         entries = []
@@ -173,6 +177,41 @@ class Scheduler:
                 req.future_row = row
             entries.append((req, sampled))
         return _Launched(entries, handle)
+
+    def _logit_edits(
+        self, scheduled: list[tuple[Request, int]], params: list[SamplingParams], steps: list[int]
+    ) -> LogitEdits | None:
+        new_slots = []
+        for req, _ in scheduled:
+            if req.params.has_penalties and req.slot < 0:
+                req.slot = self._take_slot()
+                new_slots.append((req.slot, req.prompt_ids))
+        return LogitEdits.build(
+            params,
+            [req.slot for req, _ in scheduled],
+            steps,
+            [req.num_cached + n == req.num_tokens + req.pending for req, n in scheduled],
+            new_slots,
+            sorted(self.eos_ids),
+            self.engine.model_config.vocab_size,
+            self.engine.device,
+        )
+
+    def _take_slot(self) -> int:
+        if self.free_slots:
+            return heapq.heappop(self.free_slots)
+        self.num_slots += 1
+        return self.num_slots - 1
+
+    def _free_slot(self, req: Request) -> None:
+        if req.slot >= 0:
+            heapq.heappush(self.free_slots, req.slot)
+            req.slot = -1
+
+    def _retire(self, req: Request) -> None:
+        """A running request leaves for good (finished or aborted)."""
+        self._release(req)
+        self._free_slot(req)
 
     def _process(self, launched: _Launched) -> list[TokenOutput]:
         tokens = launched.handle.result()
@@ -199,7 +238,7 @@ class Scheduler:
                 out.top_logprobs = [list(zip(top_ids[row][:n], top_values[row][:n]))]
             outputs.append(out)
             if req.finished:
-                self._release(self.running.pop(req.rid))
+                self._retire(self.running.pop(req.rid))
         return outputs
 
     def _drain(self) -> list[TokenOutput]:
@@ -221,6 +260,7 @@ class Scheduler:
                 self.cache.unlock(match.node)
                 if not self.running and self.inflight is None:  # it can never fit
                     self.waiting.remove(req)
+                    self._free_slot(req)
                     logger.warning("request %d stopped: it no longer fits in the whole KV cache", req.rid)
                     outputs.append(TokenOutput(req.rid, [], "length"))
                     continue
@@ -275,7 +315,7 @@ class Scheduler:
                 logger.warning("request %d stopped: it fills the whole KV cache", req.rid)
                 req.finish_reason = "length"
                 outputs.append(TokenOutput(req.rid, [], "length"))
-                self._release(self.running.pop(req.rid))
+                self._retire(self.running.pop(req.rid))
                 return False
         if need > 0:
             self._allocate(req, need)
