@@ -90,6 +90,8 @@ def run_jobs(scheduler, jobs: list[_Job], show_progress: bool, tokenizer=None) -
                 raise ValueError("stop strings need the model's tokenizer")
             watchers[job.rid] = _StopWatcher(tokenizer, job.params)
     results = {job.rid: _Result() for job in jobs}
+    for out in scheduler.attach_all_grammars():  # compiles them; all ranks start together
+        results[out.rid].finish_reason = out.finish_reason
     with tqdm(total=len(jobs), desc="Generating", unit="req", disable=not show_progress) as bar, frozen_heap():
         while scheduler.has_work:
             for out in scheduler.step():
@@ -314,6 +316,12 @@ class LLM:
 
     def _check_params(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
+        if params.structured is not None:
+            from tpserve.structured.grammar import check_spec
+
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer; this model has none")
+            check_spec(params.structured)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer; this model has none")
         for name, ids in (("stop_token_ids", params.stop_token_ids or []), ("logit_bias", params.logit_bias or {})):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -19,6 +20,7 @@ from tpserve.kvcache.pool import KVCachePool
 from tpserve.models.decoder import CausalLM, ForwardContext
 from tpserve.models.loader import load_model_weights
 from tpserve.sampling_params import SamplingParams
+from tpserve.structured.mask import apply_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -43,6 +45,24 @@ class LaunchedStep:
         if "logprobs" not in self.host:
             return None
         return self.host["logprobs"].tolist(), self.host["top_ids"].tolist(), self.host["top_logprobs"].tolist()
+
+
+@dataclass
+class PendingSample:
+    """A step whose forward is enqueued and whose sampling waits for ``Engine.sample``."""
+
+    logits: torch.Tensor
+    sampling: SamplingBatch
+    top_logprobs: int | None
+
+
+@dataclass
+class TokenMask:
+    """Grammar masks for some rows of a step: ``bitmask[i]`` (xgrammar's packed int32 layout)
+    allows the tokens of row ``rows[i]``."""
+
+    rows: torch.Tensor  # [R] int64, host
+    bitmask: torch.Tensor  # [R, ceil(V / 32)] int32, host
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> dict[str, torch.Tensor]:
@@ -183,18 +203,42 @@ class Engine:
         return self.model(ForwardContext(inputs, self.attention))
 
     @torch.inference_mode()
-    def launch(self, seqs: list[SequenceInput], sampling: SamplingBatch, top_logprobs: int | None = None) -> "LaunchedStep":
+    def launch(
+        self,
+        seqs: list[SequenceInput],
+        sampling: SamplingBatch,
+        top_logprobs: int | None = None,
+        defer_sampling: bool = False,
+    ) -> "LaunchedStep | PendingSample":
         """Enqueue one step (forward + sampling) without waiting for it; see ``LaunchedStep``.
-        With ``top_logprobs`` (not None) it also returns log-probabilities for every row."""
+        With ``top_logprobs`` (not None) it also returns log-probabilities for every row.
+
+        With ``defer_sampling`` only the forward is enqueued: the caller finishes the step with
+        ``sample`` once it knows the grammar masks (they need the previous step's tokens, which
+        the host learns while this forward runs)."""
         has_futures = any(t < 0 for s in seqs for t in s.token_ids[:1])
         logits = self.forward(seqs, self._last_tokens if has_futures else None)
+        pending = PendingSample(logits, sampling, top_logprobs)
+        return pending if defer_sampling else self.sample(pending)
+
+    @torch.inference_mode()
+    def sample(self, pending: "PendingSample", mask: "TokenMask | None" = None) -> "LaunchedStep":
+        """Edit the logits (penalties, bias, bans, then the grammar ``mask``), sample, and copy the
+        tokens to the host in the background. Must run before the next forward (a CUDA graph
+        replay overwrites the logits)."""
+        logits, sampling = pending.logits, pending.sampling
         edits = sampling.edits
-        tokens = self.sampler(logits if edits is None else self.penalty_state.apply(logits, edits), sampling)
+        edited = logits if edits is None else self.penalty_state.apply(logits, edits)
+        if mask is not None:
+            if edited is logits:
+                edited = logits.float().clone()
+            apply_bitmask(edited, mask.rows.to(self.device, non_blocking=True), mask.bitmask.to(self.device, non_blocking=True))
+        tokens = self.sampler(edited, sampling)
         self.penalty_state.record(tokens, edits)
         self._last_tokens = tokens
         outputs = {"tokens": tokens}
-        if top_logprobs is not None:  # before the next graph replay overwrites the logits
-            outputs.update(compute_logprobs(logits, tokens, top_logprobs))
+        if pending.top_logprobs is not None:  # before the next graph replay overwrites the logits
+            outputs.update(compute_logprobs(logits, tokens, pending.top_logprobs))
         if self.device.type != "cuda":
             return LaunchedStep(outputs, None)
         host = {}

@@ -17,10 +17,13 @@ from __future__ import annotations
 import heapq
 import logging
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
+
 from tpserve.engine.batch import SequenceInput
-from tpserve.engine.engine import Engine, LaunchedStep
+from tpserve.engine.engine import Engine, LaunchedStep, PendingSample, TokenMask
 from tpserve.engine.logit_edits import LogitEdits
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.kvcache.pool import PageAllocator
@@ -28,6 +31,7 @@ from tpserve.kvcache.radix import PrefixMatch, create_prefix_cache
 from tpserve.message import SchedulerStats, TokenOutput
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler.request import Request
+from tpserve.structured.grammar import GrammarCompiler, InvalidGrammar, allocate_bitmask, new_matcher
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +41,8 @@ LPM_MAX_QUEUE = 128  # longest-prefix-match ordering costs a tree walk per waiti
 @dataclass
 class _Launched:
     entries: list[tuple[Request, bool]]  # (request, whether its sample counts), in batch order
-    handle: LaunchedStep
+    handle: LaunchedStep | None  # None until a deferred sampling ran
+    pending: PendingSample | None = None  # forward enqueued, sampling waits for grammar masks
 
 
 class RequestRejected(ValueError):
@@ -66,6 +71,11 @@ class Scheduler:
         self.inflight: _Launched | None = None
         self.free_slots: list[int] = []  # penalty-state slots given back (a min-heap)
         self.num_slots = 0
+        # Structured-output requests wait here until their grammar is compiled and attached.
+        self.compiling: dict[int, tuple[Request, Future]] = {}
+        self.grammar_compiler = GrammarCompiler(
+            self.config.model, engine.model_config.vocab_size, sorted(self.eos_ids)
+        )
 
     # ---- requests in and out ----
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
@@ -86,9 +96,42 @@ class Scheduler:
             )
         room = self.max_model_len - len(prompt_ids)
         max_new = room if params.max_tokens is None else min(params.max_tokens, room)
-        self.waiting.append(Request(rid, list(prompt_ids), params, seed, max_new))
+        req = Request(rid, list(prompt_ids), params, seed, max_new)
+        if params.structured is not None:
+            self.compiling[rid] = (req, self.grammar_compiler.submit(params.structured))
+        else:
+            self.waiting.append(req)
+
+    # ---- grammars ----
+    # Every rank compiles each grammar on its own thread, but a request must become runnable at
+    # the same step on every rank. So readiness is decided by one party: rank 0 (the scheduler
+    # loop) announces the grammars ``grammars_ready`` reports to every rank in its message
+    # broadcast, and each rank then attaches them, waiting for its own compile if it is
+    # behind. The offline LLM attaches every grammar before its first step.
+    def grammars_ready(self) -> list[int]:
+        """Requests whose grammar has compiled (or failed) on this rank, in arrival order."""
+        return [rid for rid, (_, future) in self.compiling.items() if future.done()]
+
+    def attach_grammar(self, rid: int) -> list[TokenOutput]:
+        """Queue a compiling request with its matcher; a grammar that failed to compile ends the
+        request with an error."""
+        entry = self.compiling.pop(rid, None)
+        if entry is None:  # aborted meanwhile
+            return []
+        req, future = entry
+        try:
+            req.matcher = new_matcher(future.result())
+        except InvalidGrammar as e:
+            return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=str(e))]
+        self.waiting.append(req)
+        return []
+
+    def attach_all_grammars(self) -> list[TokenOutput]:
+        return [out for rid in list(self.compiling) for out in self.attach_grammar(rid)]
 
     def abort(self, rid: int) -> bool:
+        if self.compiling.pop(rid, None) is not None:
+            return True
         if rid in self.running:
             self._retire(self.running.pop(rid))
             return True
@@ -106,6 +149,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """Something to step (requests compiling their grammar wait for ``attach_grammar``)."""
         return bool(self.waiting or self.running or self.inflight)
 
     def stats(self) -> SchedulerStats:
@@ -133,6 +177,8 @@ class Scheduler:
         launched = self._launch(scheduled) if scheduled else None
         if self.inflight is not None:  # the device ran it while this step was being planned
             outputs += self._process(self.inflight)
+        if launched is not None and launched.pending is not None:
+            self._sample_constrained(launched)
         self.inflight = launched
         if self.inflight is not None and not self.overlap:
             outputs += self._drain()
@@ -165,8 +211,9 @@ class Scheduler:
         sampling = SamplingBatch.build(params, [req.seed for req, _ in scheduled], steps, vocab, self.engine.device)
         if any(p.edits_logits for p in params):
             sampling.edits = self._logit_edits(scheduled, params, steps)
+        defer = any(req.matcher is not None for req, _ in scheduled)
         wanted = [req.params.logprobs for req, _ in scheduled if req.params.logprobs is not None]
-        handle = self.engine.launch(seqs, sampling, max(wanted) if wanted else None)
+        handle = self.engine.launch(seqs, sampling, max(wanted) if wanted else None, defer_sampling=defer)
         entries = []
         for row, (req, n) in enumerate(scheduled):
             # Only a chunk that reaches the end of the known sequence yields a usable sample.
@@ -176,7 +223,28 @@ class Scheduler:
                 req.pending += 1
                 req.future_row = row
             entries.append((req, sampled))
+        if defer:
+            return _Launched(entries, None, handle)
         return _Launched(entries, handle)
+
+    def _sample_constrained(self, launched: _Launched) -> None:
+        """Finish a deferred step: grammar masks from the matchers, which by now have accepted
+        every earlier sample (with overlap, the previous step's were applied while this step's
+        forward ran), then sampling."""
+        rows, matchers = [], []
+        for row, (req, sampled) in enumerate(launched.entries):
+            matcher = req.matcher
+            if sampled and matcher is not None and self.running.get(req.rid) is req and not matcher.is_terminated():
+                rows.append(row)
+                matchers.append(matcher)
+        mask = None
+        if rows:
+            bitmask = allocate_bitmask(len(rows), self.engine.model_config.vocab_size)
+            for i, matcher in enumerate(matchers):
+                matcher.fill_next_token_bitmask(bitmask, i)
+            mask = TokenMask(torch.tensor(rows, dtype=torch.int64), bitmask)
+        launched.handle = self.engine.sample(launched.pending, mask)
+        launched.pending = None
 
     def _logit_edits(
         self, scheduled: list[tuple[Request, int]], params: list[SamplingParams], steps: list[int]
@@ -223,6 +291,8 @@ class Scheduler:
             req.pending -= 1
             first = not req.output_ids
             req.output_ids.append(token)
+            if req.matcher is not None and not req.matcher.is_terminated() and not req.matcher.accept_token(token):
+                logger.warning("request %d: its grammar rejected token %d", req.rid, token)
             req.finish_reason = self._finish_reason(req, token)
             out = TokenOutput(
                 rid=req.rid,
