@@ -57,6 +57,7 @@ class TokenOutput(msgspec.Struct):
     # Only for requests that asked for logprobs: one entry per token in token_ids.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    matched_stop: int | None = None  # the EOS or stop token id that ended it (finish "stop")
 
 
 class SchedulerStats(msgspec.Struct):

@@ -300,6 +300,7 @@ class Scheduler:
                 finish_reason=req.finish_reason,
                 prompt_tokens=len(req.prompt_ids) if first else 0,
                 cached_tokens=req.cached_tokens if first else 0,
+                matched_stop=token if req.finish_reason == "stop" else None,
             )
             if logprobs is not None and req.params.logprobs is not None:
                 chosen, top_ids, top_values = logprobs
