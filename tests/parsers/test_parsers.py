@@ -118,3 +118,46 @@ def test_forced_tool_calls():
     content, calls = run_tools(ForcedToolCalls("f"), ['{"x": ', '2}'])
     assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("f", {"x": 2})]
     assert run_tools(ForcedToolCalls("f"), ['{"x": '])[0] == '{"x": '  # cut short: left as text
+
+
+def test_chat_output_reasoning_then_tool_call():
+    from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
+
+    text = 'weigh options</think>\n\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    for chunks in splits(text):
+        parser = ChatOutputParser(ChatOutputConfig(reasoning=True, starts_in_reasoning=True, tool_parser="hermes"))
+        reasoning = content = ""
+        args = ""
+        for i, chunk in enumerate(chunks + [""]):
+            delta = parser.feed(chunk, final=i == len(chunks))
+            reasoning += delta.reasoning
+            content += delta.content
+            args += "".join(d.arguments for d in delta.tool_calls)
+        assert (reasoning, content, json.loads(args)) == ("weigh options", "", {"a": 1})
+        assert parser.finish_reason("stop") == "tool_calls" and parser.finish_reason("length") == "length"
+
+
+def test_constraints():
+    from tpserve.parsers.constraints import FieldError, output_structure
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g"}}]
+    assert output_structure(None, tools=tools, tool_choice="auto") is None
+    required = output_structure(None, tools=tools, tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(required.spec)
+    assert schema["maxItems"] == 1 and [a["properties"]["name"]["const"] for a in schema["items"]["anyOf"]] == ["f", "g"]
+    named = output_structure(None, tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})
+    assert json.loads(named.spec) == {"type": "object"}
+    assert output_structure({"type": "json_object"}).kind == "json_object"
+    assert output_structure({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}).spec == '{"type": "integer"}'
+    assert output_structure(None, regex="[ab]+").kind == "regex"
+    for bad, param in [
+        (dict(response_format={"type": "xml"}), "response_format"),
+        (dict(response_format={"type": "json_object"}, regex="a"), "regex"),
+        (dict(response_format=None, tools=tools, tool_choice={"type": "function", "function": {"name": "h"}}), "tool_choice"),
+        (dict(response_format=None, tool_choice="required"), "tool_choice"),
+        (dict(response_format=None, tools=[{"type": "retrieval"}], tool_choice="required"), "tools"),
+    ]:
+        with pytest.raises(FieldError) as e:
+            output_structure(**bad)
+        assert e.value.param == param
