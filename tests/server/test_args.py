@@ -107,3 +107,19 @@ def test_cli_error_has_no_traceback():
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "must be >= 1, got '-3'" in proc.stderr
+
+
+def test_api_flags_of_issue_12(qwen3_dir, tmp_path):
+    a = parse_args(["--model", qwen3_dir])
+    assert a.tool_call_parser == "hermes"  # the tiny model's template writes <tool_call> blocks
+    assert a.reasoning_parser is None and a.chat_template is None and a.model_aliases == ()
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    a = parse_args(["--model", qwen3_dir, "--served-model-name", "a", "b", "--chat-template", str(template),
+                    "--reasoning-parser", "qwen3"])
+    assert (a.served_model_name, a.model_aliases, a.reasoning_parser) == ("a", ("b",), "qwen3")
+    assert a.chat_template.startswith("{% for") and a.tool_call_parser is None  # the new template has no tools
+    assert parse_args(["--model", qwen3_dir, "--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
+    assert parse_args(["--model", qwen3_dir, "--tool-call-parser", "none"]).tool_call_parser is None
+    with pytest.raises(SystemExit):
+        parse_args(["--model", qwen3_dir, "--chat-template", str(tmp_path / "missing.jinja")])

@@ -6,7 +6,13 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from tpserve.parsers.reasoning import ReasoningParser
-from tpserve.parsers.tool_calls import ForcedToolCalls, ToolCallDelta, ToolCallParser, create_tool_parser
+from tpserve.parsers.tool_calls import (
+    ForcedToolCalls,
+    ToolCallDelta,
+    ToolCallParser,
+    create_tool_parser,
+    merge_deltas,
+)
 
 
 @dataclass
@@ -40,8 +46,13 @@ class ChatOutputParser:
             self._tools = create_tool_parser(config.tool_parser)
 
     @property
+    def tool_calls(self) -> list[ToolCallDelta]:
+        """Every call so far, whole (id, name, all its arguments)."""
+        return self._tools.calls if self._tools is not None else []
+
+    @property
     def called_tools(self) -> bool:
-        return self._tools is not None and bool(self._tools.calls)
+        return bool(self.tool_calls)
 
     def feed(self, text: str, final: bool = False) -> ChatDelta:
         out = ChatDelta()
@@ -53,7 +64,7 @@ class ChatOutputParser:
             out.content = content
             return out
         parsed = self._tools.feed(content, final)
-        out.content, out.tool_calls = parsed.content, parsed.calls
+        out.content, out.tool_calls = parsed.content, merge_deltas(parsed.calls)
         return out
 
     def finish_reason(self, reason: str | None) -> str | None:

@@ -57,6 +57,17 @@ class ToolParse:
     calls: list[ToolCallDelta] = field(default_factory=list)
 
 
+def merge_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """One delta per call (a chunk carries each call's index once, as OpenAI sends them)."""
+    merged: list[ToolCallDelta] = []
+    for d in deltas:
+        if merged and merged[-1].index == d.index and d.id is None:
+            merged[-1] = ToolCallDelta(d.index, merged[-1].id, merged[-1].name, merged[-1].arguments + d.arguments)
+        else:
+            merged.append(d)
+    return merged
+
+
 def _arguments_text(value: Any) -> str:
     return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
 
@@ -255,6 +266,16 @@ class ForcedToolCalls(ToolCallParser):
                     self._add_arguments(self._start_call(parsed[0], out), parsed[1], out)
         self._buffer = ""
         return out
+
+
+def detect_tool_parser(chat_template: str | None) -> str | None:
+    """The parser for the tool-call format a chat template teaches the model, if recognisable."""
+    template = chat_template or ""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or ("tools" in template and '"parameters"' in template):
+        return "llama3_json"
+    return None
 
 
 def create_tool_parser(name: str) -> ToolCallParser:
