@@ -73,3 +73,15 @@ def test_invalid_spec_is_a_value_error(llm):
         llm.generate([[1]], params(StructuredOutput("regex", "(unclosed")), use_tqdm=False)
     with pytest.raises(ValueError, match="not valid JSON"):
         llm.generate([[1]], params(StructuredOutput("json_schema", "{bad")), use_tqdm=False)
+
+
+def test_printable_token_filter():
+    from types import SimpleNamespace
+
+    from tpserve.structured.grammar import _printable_tokens
+    from tpserve.structured.mask import unpack_bitmask
+
+    vocab = [b"a", b"\x05", b"ok", b"\n"] + [b"x"] * 60 + [b"\x1f"]
+    mask = _printable_tokens(SimpleNamespace(vocab_size=len(vocab), decoded_vocab=vocab))
+    allowed = unpack_bitmask(mask[None], len(vocab))[0]
+    assert allowed.nonzero().flatten().tolist() == [0, 2] + list(range(4, 64))

@@ -148,7 +148,7 @@ class HermesParser(ToolCallParser):
         if match is None:
             return
         if self._call is None:
-            self._call = self._start_call(json.loads(f'"{match.group(1)}"'), out)
+            self._call = self._start_call(json.loads(f'"{match.group(1)}"', strict=False), out)
         safe = _strip_closing(body[match.end():])
         if len(safe) > self._args_sent:
             self._add_arguments(self._call, safe[self._args_sent:], out)
@@ -156,7 +156,7 @@ class HermesParser(ToolCallParser):
 
     def _finish_call(self, body: str, out: ToolParse) -> None:
         try:
-            parsed = _call_from_json(json.loads(body))
+            parsed = _call_from_json(json.loads(body, strict=False))
         except json.JSONDecodeError:
             parsed = None
         if self._call is not None:  # its name and a prefix of its raw arguments went out already
@@ -222,7 +222,7 @@ def _parse_llama_calls(text: str) -> list[tuple[str, str]] | None:
     text = text.strip()
     if text.startswith(Llama3JsonParser.PYTHON_TAG):
         text = text[len(Llama3JsonParser.PYTHON_TAG):].strip()
-    decoder = json.JSONDecoder()
+    decoder = json.JSONDecoder(strict=False)
     calls, pos = [], 0
     while pos < len(text):
         try:
@@ -253,7 +253,7 @@ class ForcedToolCalls(ToolCallParser):
         if not final:
             return out
         try:
-            value = json.loads(self._buffer)
+            value = json.loads(self._buffer, strict=False)
         except json.JSONDecodeError:  # cut short (max_tokens): show what was written
             out.content, self._buffer = self._buffer, ""
             return out

@@ -120,7 +120,8 @@ class Scheduler:
             return []
         req, future = entry
         try:
-            req.matcher = new_matcher(future.result())
+            compiled = future.result()
+            req.matcher, req.token_filter = new_matcher(compiled.grammar), compiled.token_filter
         except InvalidGrammar as e:
             return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=str(e))]
         self.waiting.append(req)
@@ -231,17 +232,19 @@ class Scheduler:
         """Finish a deferred step: grammar masks from the matchers, which by now have accepted
         every earlier sample (with overlap, the previous step's were applied while this step's
         forward ran), then sampling."""
-        rows, matchers = [], []
+        rows, reqs = [], []
         for row, (req, sampled) in enumerate(launched.entries):
             matcher = req.matcher
             if sampled and matcher is not None and self.running.get(req.rid) is req and not matcher.is_terminated():
                 rows.append(row)
-                matchers.append(matcher)
+                reqs.append(req)
         mask = None
         if rows:
             bitmask = allocate_bitmask(len(rows), self.engine.model_config.vocab_size)
-            for i, matcher in enumerate(matchers):
-                matcher.fill_next_token_bitmask(bitmask, i)
+            for i, req in enumerate(reqs):
+                req.matcher.fill_next_token_bitmask(bitmask, i)
+                if req.token_filter is not None:
+                    bitmask[i] &= req.token_filter
             mask = TokenMask(torch.tensor(rows, dtype=torch.int64), bitmask)
         launched.handle = self.engine.sample(launched.pending, mask)
         launched.pending = None

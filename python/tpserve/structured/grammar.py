@@ -13,7 +13,10 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
+
+import torch
 
 from tpserve.sampling_params import StructuredOutput
 
@@ -54,8 +57,29 @@ def check_spec(spec: StructuredOutput) -> None:
         raise InvalidGrammar(f"invalid {spec.kind}: {str(e).strip().splitlines()[0] if str(e).strip() else e}") from e
 
 
+JSON_KINDS = ("json_object", "json_schema")
+
+
+@dataclass(frozen=True)
+class CompiledSpec:
+    grammar: Any  # xgrammar CompiledGrammar
+    # For JSON: the tokens allowed at all, as a packed bitmask row. xgrammar's JSON strings
+    # accept raw control characters, which JSON (and so every client's parser) rejects.
+    token_filter: torch.Tensor | None
+
+
+def _printable_tokens(info: Any) -> torch.Tensor:
+    """Packed [ceil(V / 32)] int32 bitmask of the tokens whose text has no control character."""
+    words = -(-info.vocab_size // 32)
+    bad = [i for i, text in enumerate(info.decoded_vocab) if any(b < 0x20 for b in text)]
+    index = torch.tensor(bad, dtype=torch.int64)
+    cleared = torch.zeros(words, dtype=torch.int64).index_add_(0, index // 32, torch.ones_like(index) << (index % 32))
+    allowed = ~cleared & 0xFFFF_FFFF  # uint32 values held in int64
+    return torch.where(allowed >= 2**31, allowed - 2**32, allowed).to(torch.int32)
+
+
 class GrammarCompiler:
-    """Compiles specs on one worker thread; ``submit`` returns a future of the compiled grammar."""
+    """Compiles specs on one worker thread; ``submit`` returns a future of a CompiledSpec."""
 
     def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: list[int]) -> None:
         self._model_dir = model_dir
@@ -63,6 +87,7 @@ class GrammarCompiler:
         self._stop_token_ids = stop_token_ids
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-grammar")
         self._compiler: Any = None  # built on the worker thread
+        self._printable: torch.Tensor | None = None
         self._cache: dict[tuple[str, str], Future] = {}
 
     def submit(self, spec: StructuredOutput) -> Future:
@@ -84,11 +109,13 @@ class GrammarCompiler:
             info = xgr.TokenizerInfo.from_huggingface(
                 load_tokenizer(self._model_dir), vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
             )
+            self._printable = _printable_tokens(info)
             self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         try:
-            return self._compiler.compile_grammar(_grammar(spec))
+            compiled = self._compiler.compile_grammar(_grammar(spec))
         except Exception as e:
             raise InvalidGrammar(f"invalid {spec.kind}: {e}") from e
+        return CompiledSpec(compiled, self._printable if spec.kind in JSON_KINDS else None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
