@@ -133,3 +133,17 @@ def test_reasoning_content_split_from_content(client):
     off = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True}
     msg = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=8, extra_body=off).choices[0].message
     assert msg.content and msg.reasoning_content is None
+
+
+def test_langchain_bind_tools_and_with_structured_output(server):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="tiny", base_url=f"{server.url}/v1", api_key="unused", max_tokens=200, seed=8,
+                     max_retries=0, timeout=120)
+    reply = llm.bind_tools(TOOLS, tool_choice="get_weather").invoke("Weather in Paris?")
+    assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather"
+    jsonschema.validate(reply.tool_calls[0]["args"], WEATHER_PARAMS)
+    forecast = llm.with_structured_output(Forecast, method="json_schema").invoke("Forecast for Paris?")
+    assert isinstance(forecast, Forecast)
+    forecast = llm.with_structured_output(Forecast, method="function_calling").invoke("Forecast for Paris?")
+    assert isinstance(forecast, Forecast)
