@@ -147,3 +147,17 @@ def test_langchain_bind_tools_and_with_structured_output(server):
     assert isinstance(forecast, Forecast)
     forecast = llm.with_structured_output(Forecast, method="function_calling").invoke("Forecast for Paris?")
     assert isinstance(forecast, Forecast)
+
+
+def test_penalties_at_tp2_equal_the_offline_engine(client, qwen3_dir):
+    from tpserve import LLM, SamplingParams
+
+    prompt = [20, 21, 22, 20, 21]
+    edits = dict(repetition_penalty=1.4, presence_penalty=0.7, frequency_penalty=0.3, logit_bias={302: -5.0, 9: 3.0})
+    resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                     presence_penalty=0.7, frequency_penalty=0.3, logit_bias={"302": -5, "9": 3},
+                                     extra_body={"repetition_penalty": 1.4, "ignore_eos": True, "min_tokens": 16})
+    with LLM(qwen3_dir, device="cpu") as llm:
+        offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **edits),
+                               use_tqdm=False)[0]
+    assert resp.choices[0].text == offline.text
