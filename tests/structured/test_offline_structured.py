@@ -85,3 +85,20 @@ def test_printable_token_filter():
     mask = _printable_tokens(SimpleNamespace(vocab_size=len(vocab), decoded_vocab=vocab))
     allowed = unpack_bitmask(mask[None], len(vocab))[0]
     assert allowed.nonzero().flatten().tolist() == [0, 2] + list(range(4, 64))
+
+
+def test_batched_mask_fill_equals_one_by_one(llm):
+    from tpserve.structured.grammar import GrammarCompiler, MaskFiller, allocate_bitmask, new_matcher
+
+    vocab = llm.model_config.vocab_size
+    compiler = GrammarCompiler(llm.config.model, vocab, list(llm.model_config.eos_token_ids))
+    compiled = compiler.submit(StructuredOutput("json_schema", json.dumps(SCHEMA))).result()
+    matchers = [new_matcher(compiled.grammar) for _ in range(12)]
+    for i, m in enumerate(matchers):  # different states: each has accepted a different prefix
+        assert m.accept_string('{"city": "' + "ab"[: i % 3])
+    batched, single = allocate_bitmask(12, vocab), allocate_bitmask(12, vocab)
+    MaskFiller().fill(matchers, batched)
+    for i, m in enumerate(matchers):
+        m.fill_next_token_bitmask(single, i)
+    assert (batched == single).all()
+    compiler.close()

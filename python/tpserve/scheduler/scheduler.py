@@ -31,7 +31,7 @@ from tpserve.kvcache.radix import PrefixMatch, create_prefix_cache
 from tpserve.message import SchedulerStats, TokenOutput
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler.request import Request
-from tpserve.structured.grammar import GrammarCompiler, InvalidGrammar, allocate_bitmask, new_matcher
+from tpserve.structured.grammar import GrammarCompiler, InvalidGrammar, MaskFiller, allocate_bitmask, new_matcher
 
 logger = logging.getLogger(__name__)
 
@@ -76,6 +76,7 @@ class Scheduler:
         self.grammar_compiler = GrammarCompiler(
             self.config.model, engine.model_config.vocab_size, sorted(self.eos_ids)
         )
+        self.mask_filler = MaskFiller()
 
     # ---- requests in and out ----
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
@@ -241,8 +242,8 @@ class Scheduler:
         mask = None
         if rows:
             bitmask = allocate_bitmask(len(rows), self.engine.model_config.vocab_size)
+            self.mask_filler.fill([req.matcher for req in reqs], bitmask)
             for i, req in enumerate(reqs):
-                req.matcher.fill_next_token_bitmask(bitmask, i)
                 if req.token_filter is not None:
                     bitmask[i] &= req.token_filter
             mask = TokenMask(torch.tensor(rows, dtype=torch.int64), bitmask)

@@ -132,3 +132,23 @@ def allocate_bitmask(rows: int, vocab_size: int):
     import xgrammar as xgr
 
     return xgr.allocate_token_bitmask(rows, vocab_size)
+
+
+class MaskFiller:
+    """Fills many matchers' next-token bitmasks at once, on xgrammar's own threads."""
+
+    PARALLEL_FROM = 8  # fewer rows are filled one by one (no thread hand-off)
+
+    def __init__(self) -> None:
+        self._batch: Any = None
+
+    def fill(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
+        if len(matchers) < self.PARALLEL_FROM:
+            for i, matcher in enumerate(matchers):
+                matcher.fill_next_token_bitmask(bitmask, i)
+            return
+        if self._batch is None:
+            import xgrammar as xgr
+
+            self._batch = xgr.BatchGrammarMatcher()
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
