@@ -345,6 +345,8 @@ def test_reasoning_content_whole_and_streamed():
         deltas = [e["choices"][0]["delta"] for e in sse_events(resp)]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "let me think"
     assert "".join(d.get("content") or "" for d in deltas) == "The answer"
+    msg = c.post(CHAT, json={"messages": USER, "separate_reasoning": False}).json()["choices"][0]["message"]
+    assert msg["content"] == stub.reply and "reasoning_content" not in msg
 
 
 def test_tool_message_history_reaches_the_template():

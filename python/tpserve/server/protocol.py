@@ -196,6 +196,7 @@ class ChatCompletionRequest(_SamplingFields):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool = True
+    separate_reasoning: bool = True  # SGLang's: false keeps the thinking in content
 
     def structure(self) -> StructuredOutput | None:
         """The grammar of response_format/regex/ebnf, or the one that forces tool calls."""

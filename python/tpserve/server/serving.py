@@ -43,7 +43,7 @@ class Serving:
             )
         named = body.tool_choice["function"]["name"] if body.forced_tool and body.tool_choice != "required" else None
         return ChatOutputConfig(
-            reasoning=self.reasoning_parser is not None,
+            reasoning=self.reasoning_parser is not None and body.separate_reasoning,
             tool_parser=self.tool_call_parser if wants_tools and not body.forced_tool else None,
             forced_tools=body.forced_tool,
             forced_function=named,
