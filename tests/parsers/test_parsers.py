@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from tpserve.parsers.reasoning import ReasoningParser, starts_in_reasoning
+from tpserve.parsers.reasoning import ReasoningParser, prompt_opens_reasoning
 from tpserve.parsers.tool_calls import ForcedToolCalls, create_tool_parser
 
 
@@ -48,11 +48,10 @@ def test_reasoning_split_in_any_chunking(text, in_reasoning, expected):
 
 
 def test_start_state_follows_the_prompt():
-    assert starts_in_reasoning("qwen3", "<|im_start|>assistant\n<think>\n")
-    assert not starts_in_reasoning("qwen3", "<|im_start|>assistant\n<think>\n\n</think>\n\n")  # enable_thinking off
-    assert not starts_in_reasoning("qwen3", "<|im_start|>assistant\n")
-    assert starts_in_reasoning("deepseek_r1", "<｜Assistant｜>")
-    assert not starts_in_reasoning("deepseek_r1", "<think>\n\n</think>")
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n") is False  # thinking off
+    assert prompt_opens_reasoning("<|im_start|>assistant\n") is None
+    assert prompt_opens_reasoning("<｜Assistant｜><think>\n")
 
 
 def run_tools(parser, chunks: list[str]) -> tuple[str, list[dict]]:

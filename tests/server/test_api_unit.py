@@ -347,6 +347,9 @@ def test_reasoning_content_whole_and_streamed():
     assert "".join(d.get("content") or "" for d in deltas) == "The answer"
     msg = c.post(CHAT, json={"messages": USER, "separate_reasoning": False}).json()["choices"][0]["message"]
     assert msg["content"] == stub.reply and "reasoning_content" not in msg
+    # constrained output has no think block, even when the template opened one
+    msg = c.post(CHAT, json={"messages": USER, "regex": ".*"}).json()["choices"][0]["message"]
+    assert msg["content"] == stub.reply
 
 
 def test_tool_message_history_reaches_the_template():

@@ -31,6 +31,9 @@ class ChatOutputConfig:
 
     reasoning: bool = False  # a reasoning parser is on
     starts_in_reasoning: bool = False
+    # A grammar constrains the output: a think block is only one if the output writes <think>
+    # (a JSON answer is never reasoning, whatever state the prompt left).
+    constrained: bool = False
     tool_parser: str | None = None  # --tool-call-parser, when the request has tools (auto)
     forced_tools: bool = False  # tool_choice "required" or named: the output is the calls' JSON
     forced_function: str | None = None  # the named function
@@ -38,7 +41,8 @@ class ChatOutputConfig:
 
 class ChatOutputParser:
     def __init__(self, config: ChatOutputConfig) -> None:
-        self._reasoning = ReasoningParser(config.starts_in_reasoning) if config.reasoning else None
+        start = config.starts_in_reasoning and not config.constrained
+        self._reasoning = ReasoningParser(start) if config.reasoning else None
         self._tools: ToolCallParser | None = None
         if config.forced_tools:
             self._tools = ForcedToolCalls(config.forced_function)

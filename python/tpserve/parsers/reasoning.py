@@ -2,9 +2,10 @@
 the rest to ``content`` (``--reasoning-parser qwen3`` or ``deepseek_r1``).
 
 A chat template may open the think block itself (the prompt then ends inside it, and the output
-has no ``<think>``), or close an empty one (Qwen3 with ``enable_thinking: false``), so the parser
-starts in the state the prompt leaves it in (``starts_in_reasoning``). DeepSeek-R1 always thinks
-first: its parser assumes so unless the prompt closed the block.
+has no ``<think>``: DeepSeek-R1-0528, QwQ), or close an empty one (Qwen3 with
+``enable_thinking: false``), so the parser starts in the state the prompt leaves it in
+(``prompt_opens_reasoning``); a model that opens the block itself writes ``<think>`` first. Both
+parser names (qwen3, deepseek_r1) use the same ``<think>``/``</think>`` rules.
 """
 
 from __future__ import annotations
@@ -25,13 +26,6 @@ def prompt_opens_reasoning(prompt_text: str) -> bool | None:
     if start < 0 and end < 0:
         return None
     return start > end
-
-
-def starts_in_reasoning(parser: str, prompt_text: str) -> bool:
-    opened = prompt_opens_reasoning(prompt_text)
-    if parser == "deepseek_r1":
-        return opened is not False
-    return bool(opened)
 
 
 @dataclass

@@ -33,7 +33,7 @@ class Serving:
         if model is not None and model != self.model_name and model not in self.aliases:
             raise APIError.model_not_found(model)
 
-    def chat_output(self, body: ChatCompletionRequest) -> ChatOutputConfig:
+    def chat_output(self, body: ChatCompletionRequest, constrained: bool) -> ChatOutputConfig:
         """How to split this request's output into reasoning, content and tool calls."""
         wants_tools = bool(body.tools) and body.tool_choice != "none"
         if wants_tools and not body.forced_tool and self.tool_call_parser is None:
@@ -44,6 +44,7 @@ class Serving:
         named = body.tool_choice["function"]["name"] if body.forced_tool and body.tool_choice != "required" else None
         return ChatOutputConfig(
             reasoning=self.reasoning_parser is not None and body.separate_reasoning,
+            constrained=constrained,
             tool_parser=self.tool_call_parser if wants_tools and not body.forced_tool else None,
             forced_tools=body.forced_tool,
             forced_function=named,
@@ -52,8 +53,9 @@ class Serving:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         body.check()
-        params = body.sampling_params(body.effective_max_tokens, body.structure())
-        output = self.chat_output(body)
+        structure = body.structure()
+        params = body.sampling_params(body.effective_max_tokens, structure)
+        output = self.chat_output(body, constrained=structure is not None)
         reqs = [
             TokenizeRequest(
                 rid=self.frontend.new_rid(),
