@@ -102,3 +102,16 @@ def test_batched_mask_fill_equals_one_by_one(llm):
         m.fill_next_token_bitmask(single, i)
     assert (batched == single).all()
     compiler.close()
+
+
+def test_tp2_ranks_agree_with_tp1(qwen3_dir):
+    """Each rank process compiles the grammar and watches the stop strings itself."""
+    regex = StructuredOutput("regex", r"(yes|no) [0-9]{2}")
+    ps = [SamplingParams(temperature=0.8, seed=i, max_tokens=60, structured=regex, repetition_penalty=1.2,
+                         stop=["9"]) for i in range(4)]
+    results = {}
+    for tp in (1, 2):
+        with LLM(qwen3_dir, tp_size=tp, device="cpu") as llm:
+            results[tp] = [(o.text, o.finish_reason) for o in llm.generate([[5, 6, 7]] * 4, ps, use_tqdm=False)]
+    assert results[1] == results[2]
+    assert all(reason == "stop" and re.fullmatch(r"(yes|no) [0-8]{0,2}", text) for text, reason in results[2])
