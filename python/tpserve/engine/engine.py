@@ -154,12 +154,15 @@ class Engine:
 
     def _warm_up_sampler(self) -> None:
         """Compile the sampler's kernels (plain and filtered) now rather than on the first
-        requests, on logits laid out as the LM head returns them (rows padded at TP > 1)."""
+        requests, on logits laid out as the LM head returns them (rows padded at TP > 1), and
+        as logit edits (penalties, grammar masks) return them: contiguous float32."""
         vocab = self.model_config.vocab_size
         padded = self.model.lm_head.weight.shape[0] * self.config.tp_size
-        logits = torch.zeros((2, padded), dtype=self.dtype, device=self.device)[:, :vocab]
-        for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2, top_p=0.9)):
-            self.sampler(logits, SamplingBatch.build([params] * 2, [0, 1], [0, 0], vocab, self.device))
+        raw = torch.zeros((2, padded), dtype=self.dtype, device=self.device)[:, :vocab]
+        edited = torch.zeros((2, vocab), dtype=torch.float32, device=self.device)
+        for logits in (raw, edited):
+            for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2, top_p=0.9)):
+                self.sampler(logits, SamplingBatch.build([params] * 2, [0, 1], [0, 0], vocab, self.device))
         torch.cuda.synchronize(self.device)
 
     def _count_pages(self) -> int:
