@@ -115,3 +115,17 @@ def test_tp2_ranks_agree_with_tp1(qwen3_dir):
             results[tp] = [(o.text, o.finish_reason) for o in llm.generate([[5, 6, 7]] * 4, ps, use_tqdm=False)]
     assert results[1] == results[2]
     assert all(reason == "stop" and re.fullmatch(r"(yes|no) [0-8]{0,2}", text) for text, reason in results[2])
+
+
+def test_compile_failure_fails_the_request_not_the_scheduler(llm):
+    from concurrent.futures import Future
+
+    from tpserve.scheduler.request import Request
+
+    scheduler = llm._scheduler
+    failed: Future = Future()
+    failed.set_exception(OSError("no tokenizer files"))
+    scheduler.compiling[999] = (Request(999, [1, 2], params(StructuredOutput("regex", "a")), 0, 4), failed)
+    assert scheduler.grammars_ready() == [999]
+    (out,) = scheduler.attach_grammar(999)
+    assert out.finish_reason == "error" and "no tokenizer files" in out.error and not scheduler.compiling

@@ -125,6 +125,10 @@ class Scheduler:
             req.matcher, req.token_filter = new_matcher(compiled.grammar), compiled.token_filter
         except InvalidGrammar as e:
             return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=str(e))]
+        except Exception as e:  # e.g. no tokenizer files: fail this request, not the scheduler
+            logger.exception("request %d: compiling its grammar failed", rid)
+            error = f"structured output is unavailable: {type(e).__name__}: {e}"
+            return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=error)]
         self.waiting.append(req)
         return []
 
