@@ -40,7 +40,7 @@ def test_launch_does_not_wait_for_the_device(tmp_path, graphs):
     import time
 
     from tpserve.config import EngineConfig
-    from tpserve.engine.batch import SequenceInput
+    from tpserve.forward import SequenceInput
     from tpserve.engine.engine import Engine
     from tpserve.engine.sampler import SamplingBatch
     from tpserve.kvcache.pool import PageAllocator

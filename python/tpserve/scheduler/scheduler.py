@@ -18,7 +18,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from tpserve.engine.batch import SequenceInput
+from tpserve.forward import SequenceInput
 from tpserve.engine.engine import Engine, LaunchedStep
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.kvcache.pool import PageAllocator
