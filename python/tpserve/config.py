@@ -22,7 +22,6 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
-    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -67,7 +66,6 @@ class ModelConfig:
             eos.update(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])
         return cls(
             architecture=arch,
-            model_type=kind,
             vocab_size=cfg["vocab_size"],
             hidden_size=cfg["hidden_size"],
             intermediate_size=cfg["intermediate_size"],

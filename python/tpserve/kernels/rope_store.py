@@ -69,12 +69,8 @@ def _norm_rope_store_kernel(
 
 def supported(head_dim: int, cos_sin_cache: torch.Tensor | None) -> bool:
     """A power-of-two head_dim (the kernel's block) and a float32 table."""
-    return (
-        cos_sin_cache is not None
-        and cos_sin_cache.dtype == torch.float32
-        and head_dim >= 32
-        and head_dim & (head_dim - 1) == 0
-    )
+    table_ok = cos_sin_cache is not None and cos_sin_cache.dtype == torch.float32
+    return table_ok and head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
 def norm_rope_store(
