@@ -1,8 +1,5 @@
-"""One step's data as every layer sees it: the sequences, their device tensors and the context.
-
-The bottom floor of the step: the engine builds these, the attention backends and the model
-read them, and this module imports neither.
-"""
+"""One step's data, as the engine builds it and the attention backends and the model read it
+(below all three: this module imports none of them)."""
 
 from __future__ import annotations
 
