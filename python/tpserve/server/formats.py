@@ -9,7 +9,7 @@ from typing import Any
 
 import msgspec
 
-from tpserve.message.frontend import RequestOutput, TokenLogprob
+from tpserve.message.frontend import ApiOutput, TokenLogprob
 from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
 from tpserve.server.generation import Choice, Generation, Usage
 
@@ -60,7 +60,7 @@ class ResponseFormat:
         body["usage"] = gen.usage().to_dict()
         return body
 
-    def output_chunks(self, choice: Choice, out: RequestOutput) -> list[bytes]:
+    def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
         """The stream chunks of one backend output: its text, then its finish if it is the last."""
         chunks = []
         if out.text or (self.logprobs and out.logprobs):
@@ -124,7 +124,7 @@ class ChatFormat(ResponseFormat):
             choice["matched_stop"] = matched_stop
         return self.chunk([choice])
 
-    def output_chunks(self, choice: Choice, out: RequestOutput) -> list[bytes]:
+    def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
         parser = self._parsers.get(choice.index)
         if parser is None:
             parser = self._parsers[choice.index] = self._parser(out.prompt_in_reasoning)

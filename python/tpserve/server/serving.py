@@ -9,12 +9,12 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tpserve.message.frontend import RequestOutput, TokenizeRequest
+from tpserve.message.frontend import ApiOutput, TokenizeRequest
 from tpserve.parsers.chat_output import ChatOutputConfig
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.errors import APIError, error_body
 from tpserve.server.formats import SSE_DONE, ChatFormat, CompletionFormat, ResponseFormat, sse
-from tpserve.server.frontend import FrontendClient
+from tpserve.server.client import FrontendClient
 from tpserve.server.generation import Choice, ClientGone, Generation
 from tpserve.server.metrics import ServerMetrics
 from tpserve.server.protocol import SEED_LIMIT, ChatCompletionRequest, CompletionRequest
@@ -95,7 +95,7 @@ class Serving:
                     await gen.next(request.is_disconnected)
                 return JSONResponse(fmt.response(gen))
             # Wait for every prompt's first answer, so a rejection still gets a 4xx status.
-            early: list[tuple[Choice, RequestOutput]] = []
+            early: list[tuple[Choice, ApiOutput]] = []
             while not gen.all_started:
                 early.append(await gen.next(request.is_disconnected))
         except ClientGone:
@@ -117,7 +117,7 @@ def _per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 async def _stream(
-    gen: Generation, fmt: ResponseFormat, early: list[tuple[Choice, RequestOutput]]
+    gen: Generation, fmt: ResponseFormat, early: list[tuple[Choice, ApiOutput]]
 ) -> AsyncIterator[bytes]:
     """SSE body. If the client goes away (the task is cancelled), the rest is aborted."""
     failed = False

@@ -30,7 +30,7 @@ class TokenizerConfig:
     chat_template: str | None = None  # replaces the model's (--chat-template)
 
 
-def run_tokenizer_worker(
+def run_tokenizer(
     config: TokenizerConfig, endpoints: Endpoints, ack_queue: multiprocessing.Queue, worker_id: int
 ) -> None:
     tokenizer = load_tokenizer(config.model_dir)
