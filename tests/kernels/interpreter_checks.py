@@ -95,6 +95,36 @@ def check_sampler_filters() -> None:
         assert (got == reference).float().mean().item() >= 0.99, f"{got.tolist()} != {reference.tolist()}"
 
 
+def check_sampler_on_edited_logits() -> None:
+    """The kernel samples the logits the engine edits (penalties, bias, -inf bans and grammar
+    masks) exactly as the torch path does, filtered or not."""
+    from tpserve.engine.logit_edits import LogitEdits, PenaltyState
+    from tpserve.kernels.sampling import sample
+    from tpserve.structured.mask import apply_bitmask
+
+    gen = torch.Generator().manual_seed(2)
+    rows, vocab = 8, 1500
+    raw = (3 * torch.randn(rows, vocab, generator=gen)).to(torch.bfloat16)
+    params = [SP(temperature=0.7 + 0.1 * i, repetition_penalty=1.3, presence_penalty=0.5, logit_bias={3: 5.0},
+                 min_tokens=4, top_k=50 if i % 2 else -1, top_p=0.9 if i % 3 else 1.0) for i in range(rows)]
+    state = PenaltyState(vocab, torch.device("cpu"))
+    new = [(i, [i, i + 1, 40]) for i in range(rows)]
+    edits = LogitEdits.build(params, list(range(rows)), [0] * rows, [True] * rows, new, [7, 9], vocab, "cpu")
+    logits = state.apply(raw, edits)
+    bitmask = torch.full((rows // 2, -(-vocab // 32)), -1, dtype=torch.int32)
+    bitmask[:, 1:] = 0x0F0F0F0F  # a grammar allowing a scattered half of the tokens
+    apply_bitmask(logits, torch.arange(0, rows, 2), bitmask)
+    batch = SamplingBatch.build(params, list(range(rows)), [0] * rows, vocab, "cpu")
+    reference = Sampler().sample_torch(logits, batch)
+    got = sample(logits, batch.temperatures, batch.seeds, batch.steps, batch.top_ks, batch.top_ps, batch.min_ps)
+    assert torch.equal(got, reference), f"kernel {got.tolist()} != torch {reference.tolist()}"
+    plain = [SP(temperature=0.8)] * rows
+    batch = SamplingBatch.build(plain, list(range(rows)), [0] * rows, vocab, "cpu")
+    got = sample(logits, batch.temperatures, batch.seeds, batch.steps)
+    assert torch.equal(got, Sampler().sample_torch(logits, batch))
+    assert not torch.isin(got, torch.tensor([7, 9])).any()  # banned by min_tokens
+
+
 def check_kv_store() -> None:
     from tpserve.kernels.kv_store import store_kv
 
@@ -155,6 +185,7 @@ if __name__ == "__main__":
         sys.exit("run with TRITON_INTERPRET=1")
     check_sampler()
     check_sampler_filters()
+    check_sampler_on_edited_logits()
     check_kv_store()
     check_norm_rope_store()
     print("ok")
