@@ -19,7 +19,8 @@ PARTS = ("decode", "decode_tensor_cores", "prefill")
 
 def warm(part: str, head_dim: int, dtype: torch.dtype) -> None:
     from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
-    from tpserve.engine.batch import SequenceInput, build_forward_inputs
+    from tpserve.engine.batch import build_forward_inputs
+    from tpserve.forward import SequenceInput
     from tpserve.kvcache.pool import KVCachePool
 
     device = torch.device("cuda")
