@@ -2,10 +2,16 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 
 MAX_LOGPROBS = 20
+# Temperatures below this are greedy, as in vLLM: dividing logits by 1e-50 would overflow to inf
+# (and the row would sample at random), while any temperature this small is an argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
+
 MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
 MAX_LOGIT_BIAS = 100.0
 
@@ -33,7 +39,7 @@ class StructuredOutput(msgspec.Struct, frozen=True):
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy. top_k -1 (or 0) disables top-k. A request with a ``seed``
+    temperature 0 (or below 1e-5) means greedy. top_k -1 (or 0) disables top-k. A request with a ``seed``
     samples the same tokens every time, whatever else is in its batch.
 
     Logit edits, applied in this order before temperature and the filters (greedy rows too):
@@ -66,8 +72,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -88,7 +94,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
-        if not self.repetition_penalty > 0.0:
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0:
@@ -100,7 +106,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE
 
     @property
     def has_penalties(self) -> bool:
