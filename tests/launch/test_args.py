@@ -144,3 +144,19 @@ def test_bad_tp_size_fails_before_any_process_starts(qwen3_dir):
     error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert error_lines == ["tpserve: error: --tp-size 3 does not divide num_attention_heads 4"]
     assert time.monotonic() - start < 30
+
+
+def test_api_flags_of_issue_12(qwen3_dir, tmp_path):
+    a = parse_args(["--model", qwen3_dir])
+    assert a.tool_call_parser == "hermes"  # the tiny model's template writes <tool_call> blocks
+    assert a.reasoning_parser is None and a.chat_template is None and a.model_aliases == ()
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    a = parse_args(["--model", qwen3_dir, "--served-model-name", "a", "b", "--chat-template", str(template),
+                    "--reasoning-parser", "qwen3"])
+    assert (a.served_model_name, a.model_aliases, a.reasoning_parser) == ("a", ("b",), "qwen3")
+    assert a.chat_template.startswith("{% for") and a.tool_call_parser is None  # the new template has no tools
+    assert parse_args(["--model", qwen3_dir, "--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
+    assert parse_args(["--model", qwen3_dir, "--tool-call-parser", "none"]).tool_call_parser is None
+    with pytest.raises(SystemExit):
+        parse_args(["--model", qwen3_dir, "--chat-template", str(tmp_path / "missing.jinja")])

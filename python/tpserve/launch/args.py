@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 from dataclasses import dataclass
 
 from tpserve.config import EngineConfig, ModelConfig, check_can_start
+from tpserve.parsers.reasoning import REASONING_PARSERS
+from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
 
 DEFAULT_SCHEDULER_ENTRY = "tpserve.scheduler.process:run_scheduler"
@@ -20,7 +23,7 @@ class ServerArgs:
     """Everything the server needs: the engine's config plus the frontend's settings."""
 
     engine: EngineConfig
-    served_model_name: str
+    served_model_name: str  # the first --served-model-name (the name responses carry)
     context_len: int  # prompt + completion tokens of one request
     vocab_size: int
     host: str = "127.0.0.1"
@@ -31,6 +34,10 @@ class ServerArgs:
     log_level: str = "info"
     demo_model: bool = False  # serving the built-in tiny random-weight model
     scheduler_entry: str = DEFAULT_SCHEDULER_ENTRY  # "module:function" run once per TP rank
+    model_aliases: tuple[str, ...] = ()  # the other --served-model-name values
+    chat_template: str | None = None  # --chat-template FILE's text (None: the model's own)
+    tool_call_parser: str | None = None  # resolved from --tool-call-parser (auto: from the template)
+    reasoning_parser: str | None = None
 
     @property
     def model_dir(self) -> str:
@@ -89,8 +96,18 @@ def build_parser() -> argparse.ArgumentParser:
         help="local model directory, or a Hugging Face id (org/name) already in the local HF "
         "cache; default: a built-in tiny random-weight demo model",
     )
-    model.add_argument("--served-model-name", default=None,
-                       help="model name in the API (default: the --model value)")
+    model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model name(s) in the API; requests may use any, responses carry the first "
+                       "(default: the --model value)")
+    model.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="Jinja chat template file to use instead of the model's own")
+    model.add_argument("--tool-call-parser", choices=["auto", "none", *TOOL_CALL_PARSERS], default="auto",
+                       help="how the model writes tool calls: hermes (Qwen2.5/Qwen3 <tool_call> JSON), "
+                       "llama3_json (Llama 3.1 JSON); auto: from the chat template, none: no tool "
+                       "parsing (tool_choice required or named still work)")
+    model.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                       help="split <think>...</think> into reasoning_content (qwen3, deepseek_r1); "
+                       "default: reasoning stays in content")
     model.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
                        help="weights: safetensors files, or dummy (random, for benchmarks)")
     model.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
@@ -163,10 +180,10 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         from tpserve.tiny import default_tiny_model_dir
 
         model_dir = default_tiny_model_dir()
-        name = ns.served_model_name or DEMO_MODEL_NAME
+        names = ns.served_model_name or [DEMO_MODEL_NAME]
     else:
         model_dir = resolve_model_dir(ns.model)
-        name = ns.served_model_name or ns.model
+        names = ns.served_model_name or [ns.model]
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"--model: {model_dir} has no config.json")
     model_config = ModelConfig.from_pretrained(model_dir)
@@ -194,9 +211,17 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     check_can_start(engine, model_config, cli=True)
     if ":" not in ns.scheduler_entry:
         raise ValueError(f"--scheduler-entry must be module:function, got {ns.scheduler_entry!r}")
+    chat_template = _read_template(ns.chat_template) if ns.chat_template else None
+    tool_parser = ns.tool_call_parser
+    if tool_parser == "auto":
+        tool_parser = detect_tool_parser(chat_template or _model_chat_template(model_dir))
     return ServerArgs(
         engine=engine,
-        served_model_name=name,
+        served_model_name=names[0],
+        model_aliases=tuple(n for n in names[1:] if n != names[0]),
+        chat_template=chat_template,
+        tool_call_parser=None if tool_parser == "none" else tool_parser,
+        reasoning_parser=ns.reasoning_parser,
         context_len=ns.max_model_len or model_config.context_length,
         vocab_size=model_config.vocab_size,
         host=ns.host,
@@ -208,3 +233,26 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         demo_model=demo,
         scheduler_entry=ns.scheduler_entry,
     )
+
+
+def _read_template(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--chat-template: cannot read {path}: {e.strerror}") from None
+
+
+def _model_chat_template(model_dir: str) -> str | None:
+    """The model's chat template text (tokenizer_config.json or chat_template.jinja), if any."""
+    jinja = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        return _read_template(jinja)
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        template = "\n".join(t.get("template", "") for t in template if isinstance(t, dict))
+    return template if isinstance(template, str) else None

@@ -89,7 +89,7 @@ class Backend:
             for rank in range(engine.tp_size)
         ]
         specs.append(_ChildSpec("detokenizer", DETOKENIZER_ENTRY, (args.model_dir, ep, self._ack_queue)))
-        tok_config = TokenizerConfig(args.model_dir, PromptLimits(args.context_len, args.vocab_size))
+        tok_config = TokenizerConfig(args.model_dir, PromptLimits(args.context_len, args.vocab_size), args.chat_template)
         specs += [
             _ChildSpec(f"tokenizer-{i}", TOKENIZER_ENTRY, (tok_config, ep, self._ack_queue, i))
             for i in range(args.num_tokenizers)

@@ -94,7 +94,8 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
         if not await _wait_ready(backend, stop, http_task):
             return 1 if not stop.is_set() else 0
         dispatcher = asyncio.create_task(frontend.run(), name="dispatcher")
-        state.serving = Serving(frontend, state.metrics, args.served_model_name)
+        state.serving = Serving(frontend, state.metrics, args.served_model_name, args.model_aliases,
+                                args.reasoning_parser, args.tool_call_parser)
         logger.info("ready: serving %r on %s", args.served_model_name, url)
         return await _watch(backend, stop, [http_task, dispatcher])
     finally:

@@ -11,7 +11,15 @@ import torch
 import torch.distributed as dist
 
 from tpserve.config import EngineConfig
-from tpserve.message import AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, Shutdown, TokenOutput
+from tpserve.message import (
+    AbortRequest,
+    BatchTokenOutput,
+    FlushCache,
+    GenerateRequest,
+    GrammarReady,
+    Shutdown,
+    TokenOutput,
+)
 from tpserve.message.endpoints import Endpoints
 from tpserve.scheduler.gc_control import freeze_startup_heap
 from tpserve.scheduler.io import SchedulerIO
@@ -20,6 +28,7 @@ from tpserve.scheduler.scheduler import AdmissionError, Scheduler
 logger = logging.getLogger("tpserve.scheduler")
 
 LOG_INTERVAL_S = 10.0
+COMPILE_POLL_S = 0.002  # how often an otherwise idle rank 0 looks at grammars being compiled
 
 
 def run_scheduler(engine_config: EngineConfig, rank: int, endpoints: Endpoints, ack_queue: mp.Queue) -> None:
@@ -50,7 +59,11 @@ class SchedulerLoop:
     def run(self) -> None:
         while True:  # the process dies with its parent (tpserve.launch.child)
             replies: list[TokenOutput] = []
-            for msg in self.io.receive(blocking=not self.scheduler.has_work):
+            compiling = bool(self.scheduler.compiling)
+            ready = [GrammarReady(rid) for rid in self.scheduler.grammars_ready()] if self.io.rank == 0 else []
+            if compiling and not ready and not self.scheduler.has_work:
+                time.sleep(COMPILE_POLL_S)
+            for msg in self.io.receive(blocking=not self.scheduler.has_work and not compiling, local=ready):
                 if isinstance(msg, Shutdown):
                     return
                 replies.extend(self.apply(msg))
@@ -62,7 +75,9 @@ class SchedulerLoop:
                 self.io.send(BatchTokenOutput(replies, self.scheduler.stats()))
             self.maybe_log(len(outputs))
 
-    def apply(self, msg: GenerateRequest | AbortRequest | FlushCache) -> list[TokenOutput]:
+    def apply(self, msg: GenerateRequest | AbortRequest | GrammarReady | FlushCache) -> list[TokenOutput]:
+        if isinstance(msg, GrammarReady):
+            return self.scheduler.attach_grammar(msg.rid)
         if isinstance(msg, GenerateRequest):
             try:
                 seed = msg.params.seed if msg.params.seed is not None else msg.rid

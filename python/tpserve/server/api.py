@@ -17,8 +17,9 @@ import tpserve
 from tpserve.launch.args import ServerArgs
 from tpserve.server.errors import APIError, error_body
 from tpserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody
 from tpserve.server.serving import Serving
+from tpserve.server.tokenize import TokenizeService
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +33,12 @@ class AppState:
     serving: Serving | None = None  # set once the backend is ready, unset when stopping
     stopping: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    tokenize: TokenizeService | None = None  # /tokenize and /detokenize, made on first use
+
+    def tokenize_service(self) -> TokenizeService:
+        if self.tokenize is None:
+            self.tokenize = TokenizeService(self.args.model_dir, self.args.chat_template, self.args.context_len)
+        return self.tokenize
 
     @property
     def ready(self) -> bool:
@@ -59,9 +66,9 @@ def _serving(request: Request) -> Serving:
     return state.serving
 
 
-def _model_card(state: AppState) -> dict[str, Any]:
+def _model_card(state: AppState, name: str) -> dict[str, Any]:
     return {
-        "id": state.args.served_model_name,
+        "id": name,
         "object": "model",
         "created": state.created,
         "owned_by": "tpserve",
@@ -71,19 +78,24 @@ def _model_card(state: AppState) -> dict[str, Any]:
     }
 
 
+def _model_names(state: AppState) -> tuple[str, ...]:
+    return (state.args.served_model_name, *state.args.model_aliases)
+
+
 def _v1_router() -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
 
     @router.get("/models")
     async def list_models(request: Request) -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(_state(request))]}
+        state = _state(request)
+        return {"object": "list", "data": [_model_card(state, name) for name in _model_names(state)]}
 
     @router.get("/models/{model:path}")
     async def get_model(model: str, request: Request) -> dict[str, Any]:
         state = _state(request)
-        if model != state.args.served_model_name:
+        if model not in _model_names(state):
             raise APIError.model_not_found(model)
-        return _model_card(state)
+        return _model_card(state, model)
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -113,6 +125,14 @@ def _admin_router() -> APIRouter:
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+    @router.post("/tokenize", dependencies=[Depends(_check_api_key)])
+    async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
+        return await _state(request).tokenize_service().tokenize(body)
+
+    @router.post("/detokenize", dependencies=[Depends(_check_api_key)])
+    async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
+        return await _state(request).tokenize_service().detokenize(body)
 
     @router.post("/flush_cache", dependencies=[Depends(_check_api_key)])
     async def flush_cache(request: Request) -> dict[str, str]:

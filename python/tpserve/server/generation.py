@@ -29,6 +29,8 @@ class Choice:
     cached_tokens: int = 0
     started: bool = False  # the backend answered at least once
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_in_reasoning: bool = False  # the prompt ends inside an open think block
+    matched_stop: int | str | None = None
 
     @property
     def finished(self) -> bool:
@@ -119,6 +121,8 @@ class Generation:
             raise APIError(event.status, event.message, param=event.param,
                            type="invalid_request_error" if event.status == 400 else "server_error")
         choice.started = True
+        choice.prompt_in_reasoning = event.prompt_in_reasoning
+        choice.matched_stop = event.matched_stop
         choice.text.append(event.text)
         if event.logprobs:
             choice.logprobs.extend(event.logprobs)

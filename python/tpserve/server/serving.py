@@ -10,6 +10,7 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tpserve.message.frontend import ApiOutput, TokenizeRequest
+from tpserve.parsers.chat_output import ChatOutputConfig
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.errors import APIError, error_body
 from tpserve.server.formats import SSE_DONE, ChatFormat, CompletionFormat, ResponseFormat, sse
@@ -24,15 +25,37 @@ class Serving:
     frontend: FrontendClient
     metrics: ServerMetrics
     model_name: str
+    aliases: tuple[str, ...] = ()  # more names the model answers to (--served-model-name A B)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.aliases:
             raise APIError.model_not_found(model)
+
+    def chat_output(self, body: ChatCompletionRequest, constrained: bool) -> ChatOutputConfig:
+        """How to split this request's output into reasoning, content and tool calls."""
+        wants_tools = bool(body.tools) and body.tool_choice != "none"
+        if wants_tools and not body.forced_tool and self.tool_call_parser is None:
+            raise APIError.invalid(
+                "tools with tool_choice \"auto\" need the server started with --tool-call-parser "
+                "(this model's chat template does not show which format it uses)", "tools",
+            )
+        named = body.tool_choice["function"]["name"] if body.forced_tool and body.tool_choice != "required" else None
+        return ChatOutputConfig(
+            reasoning=self.reasoning_parser is not None and body.separate_reasoning,
+            constrained=constrained,
+            tool_parser=self.tool_call_parser if wants_tools and not body.forced_tool else None,
+            forced_tools=body.forced_tool,
+            forced_function=named,
+        )
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         body.check()
-        params = body.sampling_params(body.effective_max_tokens)
+        structure = body.structure()
+        params = body.sampling_params(body.effective_max_tokens, structure)
+        output = self.chat_output(body, constrained=structure is not None)
         reqs = [
             TokenizeRequest(
                 rid=self.frontend.new_rid(),
@@ -41,16 +64,17 @@ class Serving:
                 chat_template_kwargs=body.chat_template_kwargs,
                 add_generation_prompt=body.add_generation_prompt,
                 skip_special_tokens=body.skip_special_tokens,
+                tools=body.tools_for_template,
             )
             for choice_params in _per_choice(params, body.n)
         ]
-        fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None)
+        fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output)
         return await self._run(reqs, fmt, body.stream, request, body.n)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         body.check()
-        params = body.sampling_params(body.max_tokens)
+        params = body.sampling_params(body.max_tokens, body.structure())
         reqs = []
         for prompt in body.prompts():  # choice index = prompt index * n + i, as OpenAI orders them
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
@@ -103,7 +127,7 @@ async def _stream(
             if start is not None:
                 yield start
         for choice, out in early:
-            for chunk in _chunks(fmt, choice, out):
+            for chunk in fmt.output_chunks(choice, out):
                 yield chunk
         while not gen.finished:
             try:
@@ -112,7 +136,7 @@ async def _stream(
                 failed = True
                 yield sse(error_body(e.message, e.type, e.param, e.code))
                 break
-            for chunk in _chunks(fmt, choice, out):
+            for chunk in fmt.output_chunks(choice, out):
                 yield chunk
         if fmt.include_usage and not failed:
             yield fmt.usage_chunk(gen.usage())
@@ -120,12 +144,3 @@ async def _stream(
     finally:
         if not gen.finished:
             await gen.abort(client_gone=not failed)
-
-
-def _chunks(fmt: ResponseFormat, choice: Choice, out: ApiOutput) -> list[bytes]:
-    chunks = []
-    if out.text or (fmt.logprobs and out.logprobs):
-        chunks.append(fmt.text_chunk(choice.index, out.text, out.logprobs))
-    if out.finish_reason is not None:
-        chunks.append(fmt.finish_chunk(choice.index, out.finish_reason))
-    return chunks

@@ -27,12 +27,16 @@ logger = logging.getLogger(__name__)
 class TokenizerConfig:
     model_dir: str
     limits: PromptLimits
+    chat_template: str | None = None  # replaces the model's (--chat-template)
 
 
 def run_tokenizer(
     config: TokenizerConfig, endpoints: Endpoints, ack_queue: multiprocessing.Queue, worker_id: int
 ) -> None:
-    preparer = PromptPreparer(load_tokenizer(config.model_dir), config.limits)
+    tokenizer = load_tokenizer(config.model_dir)
+    if config.chat_template is not None:
+        tokenizer.chat_template = config.chat_template
+    preparer = PromptPreparer(tokenizer, config.limits)
     ctx = zmq.Context()
     inbox: Receiver[TokenizerInput] = Receiver(ctx, endpoints.tokenizer, TokenizerInput, bind=False)
     to_scheduler = Sender(ctx, endpoints.scheduler)
