@@ -195,6 +195,16 @@ def test_flush_cache_updates_the_gauges(url):
     assert metric(url, "tpserve_kv_pages_cached") == 0
 
 
+def test_defaults_and_tiny_temperatures_mean_what_they_say(url):
+    body = {"prompt": "Once upon a time", "max_tokens": None, "ignore_eos": True}
+    usage = httpx.post(f"{url}{COMPLETIONS}", json=body, timeout=60).json()["usage"]
+    assert usage["completion_tokens"] == 16  # OpenAI's default for /v1/completions, not the context
+    greedy = {"prompt": "Once upon a time", "max_tokens": 12, "ignore_eos": True, "temperature": 0}
+    tiny = {**greedy, "temperature": 1e-50}
+    texts = [httpx.post(f"{url}{COMPLETIONS}", json=b, timeout=60).json()["choices"][0]["text"] for b in (greedy, tiny)]
+    assert texts[0] == texts[1]
+
+
 def test_a_stopped_rank_turns_health_503(server, url):
     """Last in the module: SIGSTOP on rank 1, then /health must say so within the window."""
     pid = int(re.search(r"tpserve-scheduler-tp1 \(pid (\d+)\)", server.log).group(1))
