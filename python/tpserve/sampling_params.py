@@ -11,7 +11,6 @@ MAX_LOGPROBS = 20
 # Temperatures below this are greedy, as in vLLM: dividing logits by 1e-50 would overflow to inf
 # (and the row would sample at random), while any temperature this small is an argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
-
 MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
 MAX_LOGIT_BIAS = 100.0
 
