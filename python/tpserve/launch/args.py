@@ -35,6 +35,7 @@ class ServerArgs:
     num_tokenizers: int = 1
     api_key: str | None = None
     log_level: str = "info"
+    log_file: str | None = None  # every process logs here instead of stderr (the shell sets it)
     demo_model: bool = False  # serving the built-in tiny random-weight model
     scheduler_entry: str = DEFAULT_SCHEDULER_ENTRY  # "module:function" run once per TP rank
     model_aliases: tuple[str, ...] = ()  # the other --served-model-name values
