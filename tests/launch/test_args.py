@@ -171,6 +171,7 @@ def test_api_flags_of_issue_12(qwen3_dir, tmp_path):
         (["--dtype", "half"], ["--dtype", "float16"]),
         (["--dtype", "float"], ["--dtype", "float32"]),
         (["--dtype", "bf16"], ["--dtype", "bfloat16"]),
+        (["--trust-remote-code"], []),
     ],
 )
 def test_vllm_and_sglang_spellings_parse_to_the_same_config(qwen3_dir, alias, original):

@@ -156,6 +156,9 @@ def build_parser() -> argparse.ArgumentParser:
                        default=None,
                        help="context limit (prompt + completion tokens); default: the model's "
                        "context length (max_position_embeddings, extended by YaRN or linear rope scaling)")
+    model.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM/SGLang compatibility and ignored: tpserve runs no code from "
+                       "model repositories (only the architectures it implements)")
     engine = p.add_argument_group("engine")
     engine.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size",
                         type=_int_at_least(1), default=1,
