@@ -216,7 +216,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (flashinfer on CUDA when installed) | flashinfer | torch
     disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
-    debug_check_ranks: bool = False
+    debug_check_invariants: bool = False  # --debug-check-invariants
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:

@@ -24,7 +24,7 @@ def test_aliases_and_values(qwen3_dir):
     e = a.engine
     assert (e.model, e.device, e.dtype, e.max_running_requests, e.page_size) == (qwen3_dir, "cpu", "float32", 8, 4)
     assert (e.mem_fraction, e.max_total_tokens, e.load_format, e.max_model_len) == (0.5, 1024, "dummy", 100)
-    assert e.debug_check_ranks and a.shell
+    assert e.debug_check_invariants and a.shell
     assert (a.host, a.port, a.num_tokenizers, a.served_model_name, a.api_key) == ("0.0.0.0", 0, 2, "m", "k")
     assert a.log_level == "debug" and a.context_len == 100
 

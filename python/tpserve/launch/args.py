@@ -205,7 +205,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         attention_backend=ns.attention_backend,
         cuda_graph_max_bs=ns.cuda_graph_max_bs,
         disable_overlap=ns.disable_overlap,
-        debug_check_ranks=ns.debug_check_invariants,
+        debug_check_invariants=ns.debug_check_invariants,
         extra={"log_level": ns.log_level},
     )
     check_can_start(engine, model_config, cli=True)

@@ -145,7 +145,7 @@ def run_shell(args: ServerArgs) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
-    backend = Backend(args)
+    backend = Backend(args.engine, args.log_level, args)
     client = ShellClient(backend.endpoints)
 
     def check_backend() -> None:

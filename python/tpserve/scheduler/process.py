@@ -16,13 +16,14 @@ from tpserve.message import (
     BatchTokenOutput,
     FlushCache,
     GenerateRequest,
+    GetStats,
     GrammarReady,
     Shutdown,
     TokenOutput,
 )
 from tpserve.message.endpoints import Endpoints
 from tpserve.scheduler.gc_control import freeze_startup_heap
-from tpserve.scheduler.io import SchedulerIO
+from tpserve.scheduler.io import LocalIO, SchedulerIO
 from tpserve.scheduler.scheduler import AdmissionError, Scheduler
 
 logger = logging.getLogger("tpserve.scheduler")
@@ -42,14 +43,18 @@ def run_scheduler(engine_config: EngineConfig, rank: int, endpoints: Endpoints, 
         ack_queue.put(f"scheduler ready: {engine_config.tp_size} rank(s), {scheduler.allocator.total} KV pages")
     freeze_startup_heap()
     try:
-        SchedulerLoop(scheduler, io, engine_config.debug_check_ranks).run()
+        SchedulerLoop(scheduler, io, engine_config.debug_check_invariants).run()
     finally:
         io.close()
         engine.shutdown()
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, io: SchedulerIO, check_ranks: bool) -> None:
+    """A rank's loop: take the new messages (the same on every rank), step, send the outputs.
+    The scheduler processes run it until Shutdown; the offline LLM at tp 1 steps it in its own
+    process (``tpserve.launch.ranks.LocalRank``)."""
+
+    def __init__(self, scheduler: Scheduler, io: SchedulerIO | LocalIO, check_ranks: bool) -> None:
         self.scheduler = scheduler
         self.io = io
         self.check_ranks = check_ranks
@@ -57,25 +62,30 @@ class SchedulerLoop:
         self.last_log = time.monotonic()
 
     def run(self) -> None:
-        while True:  # the process dies with its parent (tpserve.launch.child)
-            replies: list[TokenOutput] = []
-            compiling = bool(self.scheduler.compiling)
-            ready = [GrammarReady(rid) for rid in self.scheduler.grammars_ready()] if self.io.rank == 0 else []
-            if compiling and not ready and not self.scheduler.has_work:
-                time.sleep(COMPILE_POLL_S)
-            for msg in self.io.receive(blocking=not self.scheduler.has_work and not compiling, local=ready):
-                if isinstance(msg, Shutdown):
-                    return
-                replies.extend(self.apply(msg))
-            outputs = self.scheduler.step() if self.scheduler.has_work else []
-            if self.check_ranks and outputs:
-                self.check_agreement(outputs)
-            replies.extend(outputs)
-            if replies:
-                self.io.send(BatchTokenOutput(replies, self.scheduler.stats()))
-            self.maybe_log(len(outputs))
+        while self.run_once():  # the process dies with its parent (tpserve.launch.child)
+            pass
 
-    def apply(self, msg: GenerateRequest | AbortRequest | GrammarReady | FlushCache) -> list[TokenOutput]:
+    def run_once(self) -> bool:
+        """One iteration; False once a Shutdown arrived."""
+        replies: list[TokenOutput] = []
+        compiling = bool(self.scheduler.compiling)
+        ready = [GrammarReady(rid) for rid in self.scheduler.grammars_ready()] if self.io.rank == 0 else []
+        if compiling and not ready and not self.scheduler.has_work:
+            time.sleep(COMPILE_POLL_S)
+        for msg in self.io.receive(blocking=not self.scheduler.has_work and not compiling, local=ready):
+            if isinstance(msg, Shutdown):
+                return False
+            replies.extend(self.apply(msg))
+        outputs = self.scheduler.step() if self.scheduler.has_work else []
+        if self.check_ranks and outputs:
+            self.check_agreement(outputs)
+        replies.extend(outputs)
+        if replies:
+            self.io.send(BatchTokenOutput(replies, self.scheduler.stats()))
+        self.maybe_log(len(outputs))
+        return True
+
+    def apply(self, msg: GenerateRequest | AbortRequest | GrammarReady | FlushCache | GetStats) -> list[TokenOutput]:
         if isinstance(msg, GrammarReady):
             return self.scheduler.attach_grammar(msg.rid)
         if isinstance(msg, GenerateRequest):
@@ -90,6 +100,9 @@ class SchedulerLoop:
         elif isinstance(msg, FlushCache):
             flushed = self.scheduler.flush_cache()
             logger.info("prefix cache flushed (%s)", "pool fully free" if flushed else "requests still running")
+            self.io.send(BatchTokenOutput([], self.scheduler.stats(), answers="flush_cache", flushed=flushed))
+        elif isinstance(msg, GetStats):
+            self.io.send(BatchTokenOutput([], self.scheduler.stats(), answers="get_stats"))
         return []
 
     def check_agreement(self, outputs: list[TokenOutput]) -> None:
