@@ -105,7 +105,6 @@ def test_help_explains_every_flag():
                  "--mem-fraction", "--max-total-tokens", "--load-format", "--served-model-name", "--api-key",
                  "--log-level", "--max-model-len", "--debug-check-invariants"):
         assert flag in text
-    assert "--scheduler-entry" not in text  # a hidden testing hook
 
 
 def test_cli_error_has_no_traceback():

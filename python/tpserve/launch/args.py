@@ -5,9 +5,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
-from tpserve.config import EngineConfig, ModelConfig, check_can_start
+from tpserve.config import CHOICES, EngineConfig, ModelConfig, check_can_start
 from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
@@ -33,7 +34,7 @@ class ServerArgs:
     api_key: str | None = None
     log_level: str = "info"
     demo_model: bool = False  # serving the built-in tiny random-weight model
-    scheduler_entry: str = DEFAULT_SCHEDULER_ENTRY  # "module:function" run once per TP rank
+    scheduler_entry: str = DEFAULT_SCHEDULER_ENTRY  # "module:function" run once per TP rank (tests set another)
     model_aliases: tuple[str, ...] = ()  # the other --served-model-name values
     chat_template: str | None = None  # --chat-template FILE's text (None: the model's own)
     tool_call_parser: str | None = None  # resolved from --tool-call-parser (auto: from the template)
@@ -42,6 +43,11 @@ class ServerArgs:
     @property
     def model_dir(self) -> str:
         return self.engine.model
+
+
+def _default(name: str, cls: type = EngineConfig) -> Any:
+    """A field's default: the CLI's defaults are those of EngineConfig and ServerArgs."""
+    return next(f.default for f in fields(cls) if f.name == name)
 
 
 def _int_at_least(low: int):
@@ -108,9 +114,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="split <think>...</think> into reasoning_content (qwen3, deepseek_r1); "
                        "default: reasoning stays in content")
-    model.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
+    model.add_argument("--load-format", choices=CHOICES["load_format"], default=_default("load_format"),
                        help="weights: safetensors files, or dummy (random, for benchmarks)")
-    model.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
+    model.add_argument("--dtype", choices=["auto", *CHOICES["dtype"]],
                        default="auto", help="compute dtype; auto: checkpoint dtype on GPU, "
                        "float32 on CPU")
     model.add_argument("--max-model-len", type=_int_at_least(2), default=None,
@@ -118,30 +124,32 @@ def build_parser() -> argparse.ArgumentParser:
                        "context length (max_position_embeddings, extended by YaRN or linear rope scaling)")
     engine = p.add_argument_group("engine")
     engine.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size",
-                        type=_int_at_least(1), default=1,
+                        type=_int_at_least(1), default=_default("tp_size"),
                         help="tensor-parallel size: number of GPUs (processes) the model is split over")
-    engine.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+    engine.add_argument("--device", choices=["auto", *CHOICES["device"]], default="auto",
                         help="auto: cuda when available, else cpu")
-    engine.add_argument("--max-running-requests", type=_int_at_least(1), default=256,
+    engine.add_argument("--max-running-requests", type=_int_at_least(1), default=_default("max_running_requests"),
                         help="most requests decoded together")
-    engine.add_argument("--page-size", type=_int_at_least(1), default=16,
+    engine.add_argument("--page-size", type=_int_at_least(1), default=_default("page_size"),
                         help="tokens per KV-cache page")
-    engine.add_argument("--mem-fraction", type=_fraction, default=0.85,
+    engine.add_argument("--mem-fraction", type=_fraction, default=_default("mem_fraction"),
                         help="fraction of free GPU memory used for the KV cache")
     engine.add_argument("--max-total-tokens", type=_int_at_least(1), default=None,
                         help="KV-cache size in tokens (default: from --mem-fraction on GPU, "
                         "32768 on CPU)")
-    engine.add_argument("--seed", type=_int_at_least(0), default=0, help="engine random seed")
-    engine.add_argument("--chunked-prefill-size", "--max-prefill-tokens", type=int, default=8192,
+    engine.add_argument("--seed", type=_int_at_least(0), default=_default("seed"), help="engine random seed")
+    engine.add_argument("--chunked-prefill-size", "--max-prefill-tokens", type=int,
+                        default=_default("chunked_prefill_size"),
                         help="prefill tokens per step; longer prompts are split (<= 0: no chunking)")
-    engine.add_argument("--cache", "--prefix-cache", choices=["radix", "naive"], default="radix",
+    engine.add_argument("--cache", "--prefix-cache", choices=CHOICES["cache"], default=_default("cache"),
                         help="prefix cache: radix (shared prefixes reuse KV pages) or naive (none)")
-    engine.add_argument("--schedule-policy", choices=["fcfs", "lpm"], default="fcfs",
+    engine.add_argument("--schedule-policy", choices=CHOICES["schedule_policy"], default=_default("schedule_policy"),
                         help="admission order: fcfs, or lpm (longest cached prefix first)")
-    engine.add_argument("--attention-backend", choices=["auto", "flashinfer", "torch"], default="auto",
+    engine.add_argument("--attention-backend", choices=CHOICES["attention_backend"],
+                        default=_default("attention_backend"),
                         help="auto: flashinfer on CUDA in bfloat16/float16 when installed, else torch "
                         "(flashinfer takes no float32)")
-    engine.add_argument("--cuda-graph-max-bs", type=_int_at_least(0), default=256,
+    engine.add_argument("--cuda-graph-max-bs", type=_int_at_least(0), default=_default("cuda_graph_max_bs"),
                         help="largest decode batch captured in a CUDA graph (0: no CUDA graphs)")
     engine.add_argument("--disable-overlap", action="store_true",
                         help="do not overlap scheduling of the next step with the running one")
@@ -149,18 +157,16 @@ def build_parser() -> argparse.ArgumentParser:
                         help="check every step that all TP ranks agree and that every KV page is "
                         "accounted for (slow; debugging)")
     server = p.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
-    server.add_argument("--port", type=_port, default=8000, help="HTTP port (0: any free port)")
+    server.add_argument("--host", default=_default("host", ServerArgs), help="HTTP bind address")
+    server.add_argument("--port", type=_port, default=_default("port", ServerArgs), help="HTTP port (0: any free port)")
     server.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache "
                         f"(env {API_KEY_ENV})")
-    server.add_argument("--num-tokenizers", type=_int_at_least(1), default=1,
+    server.add_argument("--num-tokenizers", type=_int_at_least(1), default=_default("num_tokenizers", ServerArgs),
                         help="tokenizer worker processes")
     server.add_argument("--shell", action="store_true",
                         help="chat in the terminal instead of serving HTTP")
-    server.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level")
-    # For tests: run another scheduler entry point ("module:function").
-    server.add_argument("--scheduler-entry", default=DEFAULT_SCHEDULER_ENTRY, help=argparse.SUPPRESS)
+    server.add_argument("--log-level", choices=LOG_LEVELS, default=_default("log_level", ServerArgs), help="logging level")
     return p
 
 
@@ -206,11 +212,8 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         cuda_graph_max_bs=ns.cuda_graph_max_bs,
         disable_overlap=ns.disable_overlap,
         debug_check_invariants=ns.debug_check_invariants,
-        extra={"log_level": ns.log_level},
     )
     check_can_start(engine, model_config, cli=True)
-    if ":" not in ns.scheduler_entry:
-        raise ValueError(f"--scheduler-entry must be module:function, got {ns.scheduler_entry!r}")
     chat_template = _read_template(ns.chat_template) if ns.chat_template else None
     tool_parser = ns.tool_call_parser
     if tool_parser == "auto":
@@ -231,7 +234,6 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
         log_level=ns.log_level,
         demo_model=demo,
-        scheduler_entry=ns.scheduler_entry,
     )
 
 
