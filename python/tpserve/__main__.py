@@ -4,17 +4,13 @@ from __future__ import annotations
 
 import logging
 import sys
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    from tpserve.launch.args import ServerArgs
+from tpserve.launch.args import ServerArgs, parse_args
 
 logger = logging.getLogger("tpserve")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tpserve.launch.args import parse_args
-
     return serve(parse_args(argv))
 
 

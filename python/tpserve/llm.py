@@ -104,12 +104,13 @@ class LLM:
         requests = []
         for prompt, params in zip(prompts, sampling_params):
             seed = params.seed if params.seed is not None else self._seed_rng.randrange(SEED_LIMIT)
-            requests.append(GenerateRequest(self._next_rid, self._encode(prompt), msgspec.structs.replace(params, seed=seed)))
+            params = msgspec.structs.replace(params, seed=seed)
+            requests.append(GenerateRequest(self._next_rid, self._encode(prompt), params))
             self._next_rid += 1
         results = self._run(self._live_driver("generate"), requests, use_tqdm)
         return [self._output(req, results[req.rid]) for req in requests]
 
-    def _run(self, driver: RankDriver, requests: list[GenerateRequest], show_progress: bool) -> dict[int, _Result]:
+    def _run(self, driver: RankDriver, requests: list[GenerateRequest], progress: bool) -> dict[int, _Result]:
         """Send the requests and collect their outputs until all finish. A request that cannot run
         raises ValueError; on any exception the ranks drop what is left of this call."""
         results = {req.rid: _Result() for req in requests}
@@ -118,7 +119,8 @@ class LLM:
         for req in requests:
             driver.send(req)
         try:
-            with tqdm(total=len(requests), desc="Generating", unit="req", disable=not show_progress) as bar, frozen_heap():
+            bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not progress)
+            with bar, frozen_heap():
                 while unfinished:
                     for out in driver.receive().outputs:
                         if out.rid not in unfinished:
@@ -131,8 +133,9 @@ class LLM:
                             result.logprobs = (result.logprobs or []) + out.logprobs
                             result.top_logprobs = (result.top_logprobs or []) + (out.top_logprobs or [])
                         watcher = watchers.get(out.rid)
+                        final = out.finish_reason is not None
                         if watcher is not None:
-                            if watcher.feed(out.token_ids, final=out.finish_reason is not None) and out.finish_reason is None:
+                            if watcher.feed(out.token_ids, final=final) and not final:  # at its stop string
                                 driver.send(AbortRequest(out.rid))
                                 out.finish_reason = "stop"
                             result.text = "".join(watcher.parts)
@@ -155,7 +158,7 @@ class LLM:
         return self._ask(GetStats(), "get_stats").stats
 
     def _ask(self, msg: FlushCache | GetStats, tag: str) -> BatchTokenOutput:
-        driver = self._live_driver(f"{tag}")
+        driver = self._live_driver(tag)
         driver.send(msg)
         while True:
             reply = driver.receive()

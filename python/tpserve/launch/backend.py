@@ -67,8 +67,7 @@ class _ChildSpec:
 
 
 class Backend:
-    """The child processes of one server (or, with ``server`` None, only the scheduler ranks)
-    and their ipc directory."""
+    """The child processes of one server (without ``server``: only the ranks) and their ipc dir."""
 
     def __init__(self, engine: EngineConfig, log_level: str, server: ServerArgs | None = None) -> None:
         self.engine, self.log_level, self.server = engine, log_level, server
@@ -184,8 +183,8 @@ class Backend:
 
     def _send_shutdown(self) -> None:
         ctx = zmq.Context()
-        addresses = [self.endpoints.scheduler] + ([self.endpoints.detokenizer] if self.server is not None else [])
-        senders = [Sender(ctx, a) for a in addresses]
+        ep = self.endpoints
+        senders = [Sender(ctx, a) for a in [ep.scheduler] + ([ep.detokenizer] if self.server is not None else [])]
         try:
             for sender in senders:
                 sender.socket.setsockopt(zmq.SNDTIMEO, 200)

@@ -4,14 +4,14 @@
 without the tokenizers and the detokenizer) and takes the detokenizer's place: it pushes
 messages to rank 0 and pulls rank 0's outputs. ``LocalRank`` runs the only rank's loop in this
 process and steps it whenever output is wanted. Both take ``SchedulerInput`` messages and give
-back ``BatchTokenOutput``s, so the LLM never branches on the mode.
+back ``BatchTokenOutput``s (``receive`` waits for the next; a dead rank is a RuntimeError), so
+the LLM never branches on the mode.
 """
 
 from __future__ import annotations
 
 import gc
 import multiprocessing.util
-from typing import Protocol
 
 import msgspec
 import torch
@@ -23,16 +23,6 @@ from tpserve.message import BatchTokenOutput, SchedulerInput
 from tpserve.message.transport import encode, open_socket
 
 POLL_MS = 500  # how often a wait for output checks that every rank is alive
-
-
-class RankDriver(Protocol):
-    def send(self, msg: SchedulerInput) -> None: ...
-
-    def receive(self) -> BatchTokenOutput:
-        """The next output of rank 0 (waits; raises RuntimeError if a rank died)."""
-        ...
-
-    def close(self) -> None: ...
 
 
 def start_ranks(config: EngineConfig) -> RankDriver:
@@ -49,8 +39,7 @@ class LocalRank:
         from tpserve.scheduler.scheduler import Scheduler
 
         self.engine = Engine(config, rank=0)
-        self.scheduler = Scheduler(self.engine)
-        self.io = LocalIO()
+        self.scheduler, self.io = Scheduler(self.engine), LocalIO()
         self.loop = SchedulerLoop(self.scheduler, self.io, config.debug_check_invariants)
 
     def send(self, msg: SchedulerInput) -> None:
@@ -63,10 +52,8 @@ class LocalRank:
 
     def close(self) -> None:
         """Free the engine now (its GPU memory included)."""
-        engine = self.engine
+        self.engine.shutdown()
         del self.engine, self.scheduler, self.loop
-        engine.shutdown()
-        del engine
         gc.collect()
         if torch.cuda.is_available():
             torch.cuda.empty_cache()
@@ -89,10 +76,11 @@ class RankProcesses:
         try:
             self.backend.start()
             self.backend.wait_ready()
-        except BaseException as e:
+        except ChildDied:
             self.close()
-            if isinstance(e, ChildDied):
-                raise self._died() from None
+            raise self._died() from None
+        except BaseException:
+            self.close()
             raise
 
     @property
@@ -119,3 +107,6 @@ class RankProcesses:
 def _stop(backend: Backend, ctx: zmq.Context) -> None:
     backend.shutdown()
     ctx.destroy(linger=0)
+
+
+RankDriver = LocalRank | RankProcesses

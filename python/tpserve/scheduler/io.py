@@ -86,8 +86,7 @@ class SchedulerIO:
 
 
 class LocalIO:
-    """The I/O of the only rank, run by its driver in the driver's own process: messages in and
-    outputs out are plain queues."""
+    """The only rank's I/O inside the process that drives it: messages in and outputs out are queues."""
 
     rank, tp_size, cpu_group = 0, 1, None
 

@@ -51,8 +51,7 @@ def run_scheduler(engine_config: EngineConfig, rank: int, endpoints: Endpoints, 
 
 class SchedulerLoop:
     """A rank's loop: take the new messages (the same on every rank), step, send the outputs.
-    The scheduler processes run it until Shutdown; the offline LLM at tp 1 steps it in its own
-    process (``tpserve.launch.ranks.LocalRank``)."""
+    Scheduler processes run it until Shutdown; the offline LLM at tp 1 steps it (``LocalRank``)."""
 
     def __init__(self, scheduler: Scheduler, io: SchedulerIO | LocalIO, check_ranks: bool) -> None:
         self.scheduler = scheduler
