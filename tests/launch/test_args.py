@@ -42,7 +42,7 @@ def test_defaults(qwen3_dir, monkeypatch):
     a = parse_args(["--model", qwen3_dir])
     assert (a.host, a.port, a.num_tokenizers, a.shell, a.api_key) == ("127.0.0.1", 8000, 1, False, None)
     assert a.engine.tp_size == 1 and a.engine.device is None and a.engine.dtype is None
-    assert a.served_model_name == qwen3_dir and not a.demo_model
+    assert a.served_model_name == os.path.basename(qwen3_dir) and not a.demo_model  # no local path shown
     assert a.context_len == 4096 and a.vocab_size >= 600
 
 

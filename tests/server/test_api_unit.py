@@ -4,6 +4,7 @@ auth, readiness, response and stream formats."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -11,6 +12,7 @@ from stub_frontend import StubFrontend
 from tpserve.config import EngineConfig
 from tpserve.server.api import AppState, create_app
 from tpserve.launch.args import ServerArgs
+from tpserve.server.limits import RequestLimits
 from tpserve.server.serving import Serving
 
 MODEL = "tiny-test"
@@ -19,13 +21,17 @@ COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
 
 
-def make_client(api_key: str | None = None, ready: bool = True, stub: StubFrontend | None = None, **serving):
+LIMITS = RequestLimits(context_len=128, max_sequences=64)
+
+
+def make_client(api_key: str | None = None, ready: bool = True, stub: StubFrontend | None = None,
+                max_request_bytes: int = 1 << 20, **serving):
     args = ServerArgs(engine=EngineConfig(model="/nonexistent"), served_model_name=MODEL,
-                      context_len=128, vocab_size=700, api_key=api_key)
+                      context_len=128, vocab_size=700, api_key=api_key, max_request_bytes=max_request_bytes)
     state = AppState(args)
     stub = stub or StubFrontend()
     if ready:
-        state.serving = Serving(stub, state.metrics, MODEL, **serving)  # type: ignore[arg-type]
+        state.serving = Serving(stub, state.metrics, MODEL, LIMITS, **serving)  # type: ignore[arg-type]
     return TestClient(create_app(state)), stub
 
 
@@ -369,7 +375,7 @@ def test_tokenize_detokenize_and_model_aliases(qwen3_dir):
     args = ServerArgs(engine=EngineConfig(model=qwen3_dir), served_model_name=MODEL, context_len=128,
                       vocab_size=700, model_aliases=("alias",))
     state = AppState(args)
-    state.serving = Serving(StubFrontend(), state.metrics, MODEL, ("alias",))  # type: ignore[arg-type]
+    state.serving = Serving(StubFrontend(), state.metrics, MODEL, LIMITS, ("alias",))  # type: ignore[arg-type]
     c = TestClient(create_app(state))
     from tpserve.tokenizer.loader import load_tokenizer
 
@@ -383,3 +389,61 @@ def test_tokenize_detokenize_and_model_aliases(qwen3_dir):
     assert_error(c.post("/tokenize", json={}), 400, "prompt or messages")
     assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [MODEL, "alias"]
     assert c.post(CHAT, json={"model": "alias", "messages": USER}).json()["model"] == MODEL
+
+
+class SilentFrontend(StubFrontend):
+    """Accepts requests and never answers: a backend that makes no progress."""
+
+    async def submit(self, requests, queue) -> None:
+        self.submitted.extend(requests)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_timeout_aborts_with_504(stream):
+    stub = SilentFrontend()
+    c, _ = make_client(stub=stub, request_timeout=0.3)
+    start = time.monotonic()
+    resp = c.post(CHAT, json={"messages": USER, "stream": stream})
+    assert time.monotonic() - start < 5
+    assert_error(resp, 504, "--request-timeout")
+    assert resp.json()["error"]["code"] == "request_timeout"
+    assert stub.aborted == [r.rid for r in stub.submitted]
+
+
+class BrokenFrontend(StubFrontend):
+    async def submit(self, requests, queue) -> None:
+        self.submitted.extend(requests)
+        raise RuntimeError("the tokenizer socket is gone")
+
+
+def test_a_failed_submit_aborts_what_it_started():
+    stub = BrokenFrontend()
+    c, _ = make_client(stub=stub)
+    c = TestClient(c.app, raise_server_exceptions=False)
+    resp = c.post(COMPLETIONS, json={"prompt": ["a", "b"], "max_tokens": 3})
+    assert resp.status_code == 500
+    assert sorted(stub.aborted) == sorted(r.rid for r in stub.submitted) and stub.aborted
+
+
+def test_openapi_schema_needs_no_key_only_without_one():
+    open_client, _ = make_client()
+    assert open_client.get("/openapi.json").status_code == 200
+    keyed, _ = make_client(api_key="k")
+    assert keyed.get("/openapi.json").status_code == 404
+
+
+def test_body_over_the_cap_is_413_before_parsing():
+    c, stub = make_client(max_request_bytes=2000)
+    resp = c.post(CHAT, json={"messages": [{"role": "user", "content": "x" * 5000}]})
+    assert_error(resp, 413, "--max-request-bytes")
+    assert resp.json()["error"]["code"] == "request_too_large" and not stub.submitted
+
+
+def test_health_503_when_a_rank_stalls():
+    c, _ = make_client()
+    state = c.app.state.server
+    state.liveness = lambda: None
+    assert c.get("/health").status_code == 200
+    state.liveness = lambda: "scheduler rank 1 has made no progress for 61.0 s"
+    resp = c.get("/health")
+    assert_error(resp, 503, "rank 1")

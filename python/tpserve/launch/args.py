@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import logging
 import os
 from dataclasses import dataclass, fields
 from typing import Any
@@ -12,6 +13,8 @@ from tpserve.config import CHOICES, EngineConfig, ModelConfig, check_can_start
 from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SCHEDULER_ENTRY = "tpserve.scheduler.process:run_scheduler"
 DEMO_MODEL_NAME = "tpserve-tiny-random"
@@ -39,6 +42,10 @@ class ServerArgs:
     chat_template: str | None = None  # --chat-template FILE's text (None: the model's own)
     tool_call_parser: str | None = None  # resolved from --tool-call-parser (auto: from the template)
     reasoning_parser: str | None = None
+    max_request_bytes: int = 16 << 20
+    max_sequences_per_request: int = 256  # prompts x n of one API call
+    health_timeout: float = 60.0  # /health is 503 when a rank's loop stalls this long
+    request_timeout: float | None = None  # seconds one API call may take (None: no limit)
 
     @property
     def model_dir(self) -> str:
@@ -61,6 +68,16 @@ def _int_at_least(low: int):
         return value
 
     return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
 
 
 def _port(text: str) -> int:
@@ -162,6 +179,16 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache "
                         f"(env {API_KEY_ENV})")
+    server.add_argument("--max-request-bytes", type=_int_at_least(1024), default=_default("max_request_bytes", ServerArgs),
+                        help="largest request body in bytes; larger ones get 413 before they are read")
+    server.add_argument("--max-sequences-per-request", type=_int_at_least(1),
+                        default=_default("max_sequences_per_request", ServerArgs),
+                        help="most sequences (prompts x n) one API call may start")
+    server.add_argument("--health-timeout", type=_positive_float, default=_default("health_timeout", ServerArgs),
+                        help="seconds a scheduler rank may go without finishing a loop iteration before "
+                        "/health answers 503 (a stuck or stopped rank)")
+    server.add_argument("--request-timeout", type=_positive_float, default=None,
+                        help="seconds one API call may take; then it is aborted with a 504 (default: no limit)")
     server.add_argument("--num-tokenizers", type=_int_at_least(1), default=_default("num_tokenizers", ServerArgs),
                         help="tokenizer worker processes")
     server.add_argument("--shell", action="store_true",
@@ -189,7 +216,8 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         names = ns.served_model_name or [DEMO_MODEL_NAME]
     else:
         model_dir = resolve_model_dir(ns.model)
-        names = ns.served_model_name or [ns.model]
+        # a local path is not shown to clients: the directory's name is (a HF id stays as given)
+        names = ns.served_model_name or [os.path.basename(model_dir) if os.path.isdir(os.path.expanduser(ns.model)) else ns.model]
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"--model: {model_dir} has no config.json")
     model_config = ModelConfig.from_pretrained(model_dir)
@@ -225,7 +253,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         chat_template=chat_template,
         tool_call_parser=None if tool_parser == "none" else tool_parser,
         reasoning_parser=ns.reasoning_parser,
-        context_len=ns.max_model_len or model_config.context_length,
+        context_len=_context_len(ns.max_model_len or model_config.context_length, ns.max_total_tokens),
         vocab_size=model_config.vocab_size,
         host=ns.host,
         port=ns.port,
@@ -234,7 +262,22 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
         log_level=ns.log_level,
         demo_model=demo,
+        max_request_bytes=ns.max_request_bytes,
+        max_sequences_per_request=ns.max_sequences_per_request,
+        health_timeout=ns.health_timeout,
+        request_timeout=ns.request_timeout,
     )
+
+
+def _context_len(context: int, kv_tokens: int | None) -> int:
+    """A request can be no longer than the KV cache holds: advertise and enforce that, not more."""
+    if kv_tokens is not None and kv_tokens < context:
+        logger.warning(
+            "--max-total-tokens %d is below the context length %d: requests are limited to %d tokens",
+            kv_tokens, context, kv_tokens,
+        )
+        return kv_tokens
+    return context
 
 
 def _read_template(path: str) -> str:

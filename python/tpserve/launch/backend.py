@@ -76,6 +76,9 @@ class Backend:
         self._ack_queue = self._mp.Queue()
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._acks_expected = 1 if server is None else 2 + server.num_tokenizers
+        # Each scheduler rank writes time.monotonic() here at every loop iteration (a liveness
+        # signal that needs no message: a stopped or stuck rank simply stops writing).
+        self.heartbeats = [self._mp.Value("d", 0.0, lock=False) for _ in range(engine.tp_size)]
         self._stopping = False
         self._ready = False
 
@@ -86,7 +89,7 @@ class Backend:
             engine = replace(engine, dist_init_addr=local_init_addr())
         entry = DEFAULT_SCHEDULER_ENTRY if args is None else args.scheduler_entry
         specs = [
-            _ChildSpec(f"scheduler-tp{rank}", entry, (engine, rank, ep, self._ack_queue))
+            _ChildSpec(f"scheduler-tp{rank}", entry, (engine, rank, ep, self._ack_queue, self.heartbeats[rank]))
             for rank in range(engine.tp_size)
         ]
         if args is None:
@@ -139,6 +142,14 @@ class Backend:
         for proc in self.procs:
             if proc.exitcode is not None:
                 return ChildDied(proc.name, proc.exitcode)
+        return None
+
+    def stalled_rank(self, timeout: float) -> str | None:
+        """Why the backend is not live, if a rank's loop has not come round for ``timeout`` s."""
+        now = time.monotonic()
+        for rank, beat in enumerate(self.heartbeats):
+            if beat.value and now - beat.value > timeout:
+                return f"scheduler rank {rank} has made no progress for {now - beat.value:.1f} s"
         return None
 
     # ---- shut-down ----

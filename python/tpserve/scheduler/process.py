@@ -32,7 +32,13 @@ LOG_INTERVAL_S = 10.0
 COMPILE_POLL_S = 0.002  # how often an otherwise idle rank 0 looks at grammars being compiled
 
 
-def run_scheduler(engine_config: EngineConfig, rank: int, endpoints: Endpoints, ack_queue: mp.Queue) -> None:
+def run_scheduler(
+    engine_config: EngineConfig,
+    rank: int,
+    endpoints: Endpoints,
+    ack_queue: mp.Queue,
+    heartbeat: "mp.sharedctypes.Synchronized[float] | None" = None,
+) -> None:
     from tpserve.engine.engine import Engine
 
     engine = Engine(engine_config, rank)
@@ -43,7 +49,7 @@ def run_scheduler(engine_config: EngineConfig, rank: int, endpoints: Endpoints, 
         ack_queue.put(f"scheduler ready: {engine_config.tp_size} rank(s), {scheduler.allocator.total} KV pages")
     freeze_startup_heap()
     try:
-        SchedulerLoop(scheduler, io, engine_config.debug_check_invariants).run()
+        SchedulerLoop(scheduler, io, engine_config.debug_check_invariants, heartbeat).run()
     finally:
         io.close()
         engine.shutdown()
@@ -53,19 +59,23 @@ class SchedulerLoop:
     """A rank's loop: take the new messages (the same on every rank), step, send the outputs.
     Scheduler processes run it until Shutdown; the offline LLM at tp 1 steps it (``LocalRank``)."""
 
-    def __init__(self, scheduler: Scheduler, io: SchedulerIO | LocalIO, check_ranks: bool) -> None:
+    def __init__(self, scheduler: Scheduler, io: SchedulerIO | LocalIO, check_ranks: bool, heartbeat=None) -> None:
         self.scheduler = scheduler
+        self.heartbeat = heartbeat  # shared double: the time of the last loop iteration
         self.io = io
         self.check_ranks = check_ranks
         self.generated_since_log = 0
         self.last_log = time.monotonic()
 
     def run(self) -> None:
+        self.io.send(BatchTokenOutput([], self.scheduler.stats()))  # /metrics shows the pool at once
         while self.run_once():  # the process dies with its parent (tpserve.launch.child)
             pass
 
     def run_once(self) -> bool:
         """One iteration; False once a Shutdown arrived."""
+        if self.heartbeat is not None:
+            self.heartbeat.value = time.monotonic()
         replies: list[TokenOutput] = []
         compiling = bool(self.scheduler.compiling)
         ready = [GrammarReady(rid) for rid in self.scheduler.grammars_ready()] if self.io.rank == 0 else []

@@ -6,7 +6,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,6 +16,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tpserve
 from tpserve.launch.args import ServerArgs
 from tpserve.server.errors import APIError, error_body
+from tpserve.server.limits import BodySizeLimit
 from tpserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody
 from tpserve.server.serving import Serving
@@ -34,6 +35,8 @@ class AppState:
     stopping: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     tokenize: TokenizeService | None = None  # /tokenize and /detokenize, made on first use
+    # Why the backend is not live (a rank stopped making progress), or None; set once serving.
+    liveness: Callable[[], str | None] | None = None
 
     def tokenize_service(self) -> TokenizeService:
         if self.tokenize is None:
@@ -116,6 +119,9 @@ def _admin_router() -> APIRouter:
         state = _state(request)
         if not state.ready:
             return (APIError.stopping() if state.stopping else APIError.not_ready()).response()
+        problem = state.liveness() if state.liveness is not None else None
+        if problem is not None:
+            return APIError(503, problem, type="server_error", code="backend_stalled").response()
         return JSONResponse({"status": "ok"})
 
     @router.get("/version")
@@ -182,7 +188,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(state: AppState) -> FastAPI:
-    app = FastAPI(title="tpserve", version=tpserve.__version__, docs_url=None, redoc_url=None)
+    # The OpenAPI schema is public only where the API is (no --api-key).
+    openapi_url = "/openapi.json" if state.args.api_key is None else None
+    app = FastAPI(title="tpserve", version=tpserve.__version__, docs_url=None, redoc_url=None, openapi_url=openapi_url)
+    app.add_middleware(BodySizeLimit, max_bytes=state.args.max_request_bytes)
     app.state.server = state
     app.include_router(_admin_router())
     app.include_router(_v1_router())

@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_v
 from tpserve.parsers.constraints import FieldError, output_structure
 from tpserve.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams, StructuredOutput
 from tpserve.server.errors import APIError
+from tpserve.server.limits import check_transportable
 
 logger = logging.getLogger(__name__)
 
@@ -34,6 +35,16 @@ class _Lenient(BaseModel):
     def _nulls_are_defaults(cls, data: Any) -> Any:
         if isinstance(data, dict):
             return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class _Body(_Lenient):
+    """A whole request body: every value must be encodable for the backend (see limits)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _transportable(cls, data: Any) -> Any:
+        check_transportable(data)
         return data
 
 
@@ -84,7 +95,7 @@ class ChatMessage(_Lenient):
         return msg
 
 
-class _SamplingFields(_Lenient):
+class _SamplingFields(_Body):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
     model: str | None = None
@@ -287,7 +298,7 @@ def _param_of(message: str) -> str | None:
     return first if first.isidentifier() else None
 
 
-class TokenizeBody(_Lenient):
+class TokenizeBody(_Body):
     """POST /tokenize: a text ``prompt``, or chat ``messages`` rendered by the chat template."""
 
     model: str | None = None
@@ -303,6 +314,6 @@ class TokenizeBody(_Lenient):
             raise APIError.invalid("give either prompt or messages", "prompt")
 
 
-class DetokenizeBody(_Lenient):
+class DetokenizeBody(_Body):
     model: str | None = None
     tokens: list[StrictInt]

@@ -16,6 +16,7 @@ from tpserve.server.errors import APIError, error_body
 from tpserve.server.formats import SSE_DONE, ChatFormat, CompletionFormat, ResponseFormat, sse
 from tpserve.server.client import FrontendClient
 from tpserve.server.generation import Choice, ClientGone, Generation
+from tpserve.server.limits import RequestLimits
 from tpserve.server.metrics import ServerMetrics
 from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
@@ -25,9 +26,11 @@ class Serving:
     frontend: FrontendClient
     metrics: ServerMetrics
     model_name: str
+    limits: RequestLimits
     aliases: tuple[str, ...] = ()  # more names the model answers to (--served-model-name A B)
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    request_timeout: float | None = None  # seconds; None: no limit
 
     def check_model(self, model: str | None) -> None:
         if model is not None and model != self.model_name and model not in self.aliases:
@@ -56,11 +59,14 @@ class Serving:
         structure = body.structure()
         params = body.sampling_params(body.effective_max_tokens, structure)
         output = self.chat_output(body, constrained=structure is not None)
+        self.limits.check_sequences(1, body.n)
+        messages = body.template_messages()
+        self.limits.check_text(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
         reqs = [
             TokenizeRequest(
                 rid=self.frontend.new_rid(),
                 params=choice_params,
-                messages=body.template_messages(),
+                messages=messages,
                 chat_template_kwargs=body.chat_template_kwargs,
                 add_generation_prompt=body.add_generation_prompt,
                 skip_special_tokens=body.skip_special_tokens,
@@ -76,7 +82,14 @@ class Serving:
         body.check()
         params = body.sampling_params(body.max_tokens, body.structure())
         reqs = []
-        for prompt in body.prompts():  # choice index = prompt index * n + i, as OpenAI orders them
+        prompts = body.prompts()
+        self.limits.check_sequences(len(prompts), body.n)
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self.limits.check_text(len(prompt), "prompt")
+            else:
+                self.limits.check_ids(len(prompt), "prompt")
+        for prompt in prompts:  # choice index = prompt index * n + i, as OpenAI orders them
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             for choice_params in _per_choice(params, body.n):
                 reqs.append(TokenizeRequest(rid=self.frontend.new_rid(), params=choice_params, text=text,
@@ -87,9 +100,9 @@ class Serving:
     async def _run(
         self, reqs: list[TokenizeRequest], fmt: ResponseFormat, stream: bool, request: Request, n: int = 1
     ) -> Response:
-        gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n)
-        await gen.start()
-        try:
+        gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n, timeout=self.request_timeout)
+        try:  # from the first submit: whatever fails later, nothing this call started keeps running
+            await gen.start()
             if not stream:
                 while not gen.finished:
                     await gen.next(request.is_disconnected)
