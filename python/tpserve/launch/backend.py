@@ -107,7 +107,7 @@ class Backend:
         for spec in self._specs():
             proc = self._mp.Process(
                 target=child_main,
-                args=(spec.entry, spec.args, os.getpid(), self.log_level),
+                args=(spec.entry, spec.args, os.getpid(), self.log_level, self.server and self.server.log_file),
                 name=f"tpserve-{spec.name}",
                 daemon=False,
             )
