@@ -69,7 +69,7 @@ SCRIPT = """
 import os, sys
 from tpserve import LLM, SamplingParams
 llm = LLM({model!r}, tp_size=2, device="cpu")
-print("CHILDREN", *llm._driver.pids, flush=True)
+print("CHILDREN", *[p.pid for p in llm._driver.backend.procs], flush=True)
 out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 print("TOKENS", len(out[0].token_ids), flush=True)
 {ending}

@@ -76,16 +76,10 @@ class RankProcesses:
         try:
             self.backend.start()
             self.backend.wait_ready()
-        except ChildDied:
+        except BaseException as e:
+            error = self._died() if isinstance(e, ChildDied) else e  # named before close stops the rest
             self.close()
-            raise self._died() from None
-        except BaseException:
-            self.close()
-            raise
-
-    @property
-    def pids(self) -> list[int]:
-        return [proc.pid for proc in self.backend.procs]
+            raise error from None
 
     def send(self, msg: SchedulerInput) -> None:
         self._inputs.send(encode(msg))
