@@ -1,8 +1,8 @@
 """Decode step time against the memory floor.
 
 For each context length and batch size, ``batch`` sequences sit at ``context`` cached tokens and
-decode greedily for a few steps through ``Engine.step`` (forward, sampling and the host sync, the
-way the scheduler calls it). The floor is the bytes one step must read (every weight once plus
+decode greedily for a few steps through ``common.engine_step`` (forward, sampling and the host
+sync, the way the scheduler calls it). The floor is the bytes one step must read (every weight once plus
 every sequence's KV) over the device-copy bandwidth measured in this run.
 
 Mode ``pipelined`` measures decode the way the engine really runs: a fresh ``Scheduler`` on the
@@ -25,6 +25,7 @@ import time
 import torch
 from common import (
     copy_bandwidth,
+    engine_step,
     fill_kv_randomly,
     kv_bytes_per_token,
     make_engine,
@@ -64,7 +65,7 @@ def time_decode(engine: Engine, batch: int, context: int, warmup: int, iters: in
     for step in range(warmup + iters):
         seqs = [SequenceInput([t], context + step, table) for t, table in zip(tokens, tables)]
         start = time.perf_counter()
-        tokens = engine.step(seqs, sampling)
+        tokens = engine_step(engine, seqs, sampling)
         times.append(time.perf_counter() - start)
     return statistics.median(times[warmup:])
 

@@ -5,14 +5,19 @@ from __future__ import annotations
 import logging
 import sys
 
+from tpserve.launch.args import ServerArgs, parse_args
+
 logger = logging.getLogger("tpserve")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tpserve.launch.args import parse_args
+    return serve(parse_args(argv))
+
+
+def serve(args: ServerArgs) -> int:
+    """Serve over HTTP, or chat in the terminal (``args.shell``); return the exit code."""
     from tpserve.launch.child import setup_logging
 
-    args = parse_args(argv)
     setup_logging(args.log_level)
     if args.demo_model:
         logger.warning(

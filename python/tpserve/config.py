@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -25,6 +25,17 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 UNSUPPORTED_IF_SET = ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "attention_multiplier")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# FlashInfer's kernels (attention, norm, activation, rotary) take half precision only.
+FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
+# The choices of EngineConfig's string settings (the CLI offers the same).
+CHOICES = {
+    "device": ("cpu", "cuda"),
+    "dtype": tuple(DTYPES),
+    "load_format": ("auto", "safetensors", "dummy"),
+    "cache": ("radix", "naive"),
+    "schedule_policy": ("fcfs", "lpm"),
+    "attention_backend": ("auto", "flashinfer", "torch"),
+}
 
 
 def _hf_config(cfg: dict[str, Any], model_type: str) -> Any:
@@ -200,46 +211,37 @@ class EngineConfig:
 
     model: str
     tp_size: int = 1
-    device: str | None = None  # "cuda", "cpu" or None (cuda when available)
-    dtype: str | None = None  # auto | float32 | bfloat16 | float16
-    load_format: str = "auto"  # auto | safetensors | dummy
+    device: str | None = None  # None: cuda when available
+    dtype: str | None = None  # None or auto: the checkpoint's on GPU, float32 on the CPU
+    load_format: str = "auto"  # dummy: random weights
     page_size: int = 16
     max_total_tokens: int | None = None  # KV cache size in tokens (default on CPU: 32768)
     mem_fraction: float = 0.85  # fraction of free GPU memory for weights' leftovers + KV cache
     max_running_requests: int = 256
     chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts are chunked (<= 0: off)
-    cache: str = "radix"  # prefix cache: radix | naive
-    schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first)
+    cache: str = "radix"  # prefix cache (naive: none)
+    schedule_policy: str = "fcfs"  # lpm: longest cached prefix first
     max_model_len: int | None = None  # context limit; default: the model's max_position_embeddings
     seed: int = 0
     dist_init_addr: str | None = None  # tcp://127.0.0.1:PORT chosen by the parent; None for tp 1
-    attention_backend: str = "auto"  # auto (flashinfer on CUDA when installed) | flashinfer | torch
+    attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed
     disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
-    debug_check_ranks: bool = False
-    extra: dict[str, Any] = field(default_factory=dict)
+    debug_check_invariants: bool = False  # check every step that ranks agree and KV pages add up
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices + {"device": (None,), "dtype": (None, "auto")}.get(name, ()):
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.cache not in ("radix", "naive"):
-            raise ValueError(f"cache must be radix or naive, got {self.cache!r}")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
-        if self.device not in (None, "cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
-
-
-# FlashInfer's attention kernels take half precision only.
-FLASHINFER_ATTENTION_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _option(name: str, value: Any, cli: bool) -> str:
@@ -272,7 +274,7 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
             )
     if engine.attention_backend == "flashinfer":
         dtype = resolve_dtype(engine.dtype, model, torch.device(device))
-        if device != "cuda" or dtype not in FLASHINFER_ATTENTION_DTYPES:
+        if device != "cuda" or dtype not in FLASHINFER_DTYPES:
             raise ValueError(
                 f"{_option('attention_backend', 'flashinfer', cli)} runs on CUDA in bfloat16 or float16, "
                 f"not on {device} in {str(dtype).removeprefix('torch.')}; use "
