@@ -51,6 +51,7 @@ def _fraction(text: str) -> float:
 def build_parser() -> argparse.ArgumentParser:
     p = _Parser(
         prog="tpserve plan",
+        allow_abbrev=False,
         description="Predict, for every tensor-parallel x data-parallel split of a machine, whether the "
         "model fits, its KV capacity, decode latency and throughput, prefill time and all-reduce share; "
         "recommend a split for latency and one for throughput.",
