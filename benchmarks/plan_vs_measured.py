@@ -23,7 +23,7 @@ from dataclasses import replace
 
 import torch
 from common import fill_kv_randomly, print_table, setup_logging, write_json
-from decode_latency import ints, time_decode, time_pipelined
+from decode_latency import ints, time_mode
 from tpserve.config import EngineConfig, ModelConfig
 from tpserve.distributed.comm import local_init_addr
 from tpserve.plan.cost import decode_step
@@ -47,12 +47,7 @@ def _rank(config: EngineConfig, rank: int, batches: list[int], context: int, mod
         for batch in batches:
             row: dict[str, object] = {"batch": batch}
             for mode in modes:
-                engine.graph_runner = runner if mode in ("graph", "pipelined") else None
-                if mode == "pipelined":
-                    timed = time_pipelined(engine, batch, context, warmup, iters)
-                    row[mode] = None if isinstance(timed, str) else timed[0]
-                else:
-                    row[mode] = time_decode(engine, batch, context, warmup, iters)
+                row[mode] = time_mode(engine, runner, mode, batch, context, warmup, iters)[0]
             rows.append(row)
         engine.graph_runner = runner
         engine.shutdown()
