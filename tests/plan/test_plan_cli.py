@@ -41,6 +41,14 @@ def test_small_model_recommends_dp_replicas_with_their_commands(tmp_path, capsys
     assert "load balancer" in throughput
 
 
+def test_multi_node_commands_are_per_node(capsys):
+    code, out, _ = plan(capsys, "--model", QWEN3_8B, "--gpus", "2", "--nodes", "2", "--context", "4096")
+    assert code == 0 and "machine: 2 x h200 x 2 nodes" in out
+    assert "TP1 x DP4" in out and "TP2 x DP2" in out and "TP4: a TP group of 4 spans 2 nodes" in out
+    assert "(on each of the 2 nodes: " in out
+    assert "CUDA_VISIBLE_DEVICES=0,1 python -m tpserve" in out or "CUDA_VISIBLE_DEVICES=1 python -m tpserve" in out
+
+
 def test_model_that_fits_nowhere_says_so(tmp_path, capsys):
     model = write_config(str(tmp_path / "big"), QWEN3_235B_LIKE)
     code, out, _ = plan(capsys, "--model", model, "--gpus", "1", "--gpu", "h200")

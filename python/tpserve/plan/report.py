@@ -86,15 +86,22 @@ def launch_commands(plan: SplitPlan, model: str, machine: Machine, settings: Set
     return commands
 
 
-def recommendation(title: str, plan: SplitPlan | None, why: str, model: str, machine: Machine, settings: Settings) -> list[str]:
+def recommendation(
+    title: str, plan: SplitPlan | None, why: str, model: str, machine: Machine, settings: Settings, batch_hint: bool = False
+) -> list[str]:
     if plan is None:
         return [f"{title}: none (no split holds the weights and one request at this context)"]
     lines = [f"{title}: {split_name(plan)}: {why}"]
     lines += [f"  {c}" for c in launch_commands(plan, model, machine, settings)]
+    per_node = plan.dp // machine.nodes
     if plan.dp > 1:
-        where = f"on each of the {machine.nodes} nodes, " if machine.nodes > 1 else ""
-        lines.append(f"  ({where}{plan.dp // machine.nodes} replicas on ports {BASE_PORT}-"
-                     f"{BASE_PORT + plan.dp // machine.nodes - 1}: put a load balancer in front; tpserve has no DP router)")
+        where = f"on each of the {machine.nodes} nodes: " if machine.nodes > 1 else ""
+        ports = f"port {BASE_PORT}" if per_node == 1 else f"ports {BASE_PORT}-{BASE_PORT + per_node - 1}"
+        replicas = "one replica" if per_node == 1 else f"{per_node} replicas"
+        lines.append(f"  ({where}{replicas} on {ports}; put a load balancer in front: tpserve has no DP router)")
+    if batch_hint and plan.requests_per_replica > plan.max_batch:
+        lines.append(f"  (the KV cache holds {plan.requests_per_replica:,} requests per replica: a larger "
+                     f"--max-running-requests batches more of them)")
     return lines
 
 
@@ -133,7 +140,7 @@ def render(
     thr = recommendation(
         "throughput", throughput,
         throughput and f"{_rate(throughput.max_batch_tok_s)} tok/s at {throughput.max_batch} requests per replica",
-        model, machine, settings,
+        model, machine, settings, batch_hint=True,
     )
     lines += [""] + (lat + thr if workload == "chat" else thr + lat)
     unfit = [p for p in plans if not p.fits]
