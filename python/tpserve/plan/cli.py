@@ -9,6 +9,7 @@ from dataclasses import replace
 from typing import NoReturn
 
 from tpserve.config import ModelConfig
+from tpserve.launch.args import _HelpFormatter as HelpFormatter  # the server CLI's own help style
 from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
 from tpserve.plan.report import render
 from tpserve.plan.shape import DTYPE_BYTES, ModelShape
@@ -55,7 +56,7 @@ def build_parser() -> argparse.ArgumentParser:
         description="Predict, for every tensor-parallel x data-parallel split of a machine, whether the "
         "model fits, its KV capacity, decode latency and throughput, prefill time and all-reduce share; "
         "recommend a split for latency and one for throughput.",
-        formatter_class=argparse.ArgumentDefaultsHelpFormatter,
+        formatter_class=HelpFormatter,
     )
     p.add_argument("--model", required=True, help="local model directory, or a Hugging Face id in the local cache")
     p.add_argument("--gpus", type=_number(int, 1), default=1, help="GPUs per node (ranks, with --gpu cpu)")
