@@ -1,4 +1,5 @@
-"""``tpserve`` / ``python -m tpserve``: serve a model over HTTP, or chat with it (--shell)."""
+"""``tpserve`` / ``python -m tpserve``: serve a model over HTTP, or chat with it (--shell);
+``python -m tpserve plan``: choose TP and DP for a model and a machine."""
 
 from __future__ import annotations
 
@@ -11,6 +12,11 @@ logger = logging.getLogger("tpserve")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        from tpserve.plan.cli import main as plan_main
+
+        return plan_main(argv[1:])
     return serve(parse_args(argv))
 
 
