@@ -245,6 +245,9 @@ class LLM:
         load_format: str = "auto",
         **engine_kwargs,
     ) -> None:
+        from tpserve.launch.model_path import resolve_model_dir
+
+        model = resolve_model_dir(model)  # a local directory, or a HF id from the local cache (as the server)
         self.config = EngineConfig(
             model=model, tp_size=tp_size, device=device, dtype=dtype, load_format=load_format, **engine_kwargs
         )

@@ -160,3 +160,27 @@ def test_api_flags_of_issue_12(qwen3_dir, tmp_path):
     assert parse_args(["--model", qwen3_dir, "--tool-call-parser", "none"]).tool_call_parser is None
     with pytest.raises(SystemExit):
         parse_args(["--model", qwen3_dir, "--chat-template", str(tmp_path / "missing.jinja")])
+
+
+@pytest.mark.parametrize(
+    "alias, original",
+    [
+        (["--context-length", "100"], ["--max-model-len", "100"]),
+        (["--gpu-memory-utilization", "0.5"], ["--mem-fraction", "0.5"]),
+        (["--mem-fraction-static", "0.5"], ["--mem-fraction", "0.5"]),
+        (["--dtype", "half"], ["--dtype", "float16"]),
+        (["--dtype", "float"], ["--dtype", "float32"]),
+        (["--dtype", "bf16"], ["--dtype", "bfloat16"]),
+        (["--trust-remote-code"], []),
+    ],
+)
+def test_vllm_and_sglang_spellings_parse_to_the_same_config(qwen3_dir, alias, original):
+    assert parse_args(["--model", qwen3_dir, *alias]) == parse_args(["--model", qwen3_dir, *original])
+
+
+def test_errors_are_one_line_and_abbreviations_are_refused(qwen3_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", qwen3_dir, "--mem", "0.5"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["tpserve: error: unrecognized arguments: --mem 0.5"]

@@ -35,6 +35,7 @@ class ServerArgs:
     num_tokenizers: int = 1
     api_key: str | None = None
     log_level: str = "info"
+    log_file: str | None = None  # every process logs here instead of stderr (the shell sets it)
     demo_model: bool = False  # serving the built-in tiny random-weight model
     scheduler_entry: str = DEFAULT_SCHEDULER_ENTRY  # "module:function" run once per TP rank
     model_aliases: tuple[str, ...] = ()  # the other --served-model-name values
@@ -100,12 +101,33 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line (not the whole usage), naming the flag and the bad value."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# The spellings vLLM and SGLang users type, mapped to tpserve's.
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _dtype(text: str) -> str:
+    value = DTYPE_ALIASES.get(text, text)
+    if value not in ("auto", "float32", "bfloat16", "float16"):
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose auto, float32, bfloat16, float16, or half, float, bf16)"
+        )
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="tpserve",
         description="Serve an LLM with tensor parallelism behind an OpenAI-compatible HTTP API "
         "(or an interactive shell with --shell). Runs offline.",
         formatter_class=_HelpFormatter,
+        allow_abbrev=False,  # --mem would otherwise silently mean --mem-fraction
     )
     model = p.add_argument_group("model")
     model.add_argument(
@@ -127,12 +149,16 @@ def build_parser() -> argparse.ArgumentParser:
                        "default: reasoning stays in content")
     model.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
                        help="weights: safetensors files, or dummy (random, for benchmarks)")
-    model.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                       default="auto", help="compute dtype; auto: checkpoint dtype on GPU, "
-                       "float32 on CPU")
-    model.add_argument("--max-model-len", type=_int_at_least(2), default=None,
+    model.add_argument("--dtype", type=_dtype, default="auto",
+                       help="compute dtype: auto (the checkpoint's dtype on GPU, float32 on CPU), float32, "
+                       "bfloat16, float16 (also spelled half, float, bf16)")
+    model.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=_int_at_least(2),
+                       default=None,
                        help="context limit (prompt + completion tokens); default: the model's "
                        "context length (max_position_embeddings, extended by YaRN or linear rope scaling)")
+    model.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM/SGLang compatibility and ignored: tpserve runs no code from "
+                       "model repositories (only the architectures it implements)")
     engine = p.add_argument_group("engine")
     engine.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size",
                         type=_int_at_least(1), default=1,
@@ -143,8 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most requests decoded together")
     engine.add_argument("--page-size", type=_int_at_least(1), default=16,
                         help="tokens per KV-cache page")
-    engine.add_argument("--mem-fraction", type=_fraction, default=0.85,
-                        help="fraction of free GPU memory used for the KV cache")
+    engine.add_argument("--mem-fraction", "--gpu-memory-utilization", "--mem-fraction-static",
+                        dest="mem_fraction", type=_fraction, default=0.85,
+                        help="share of each GPU's total memory tpserve may fill: the KV cache gets what is "
+                        "left of it after the weights (and whatever else already uses the GPU)")
     engine.add_argument("--max-total-tokens", type=_int_at_least(1), default=None,
                         help="KV-cache size in tokens (default: from --mem-fraction on GPU, "
                         "32768 on CPU)")

@@ -106,7 +106,7 @@ class Backend:
         for spec in self._specs():
             proc = self._mp.Process(
                 target=child_main,
-                args=(spec.entry, spec.args, os.getpid(), self.args.log_level),
+                args=(spec.entry, spec.args, os.getpid(), self.args.log_level, self.args.log_file),
                 name=f"tpserve-{spec.name}",
                 daemon=False,
             )

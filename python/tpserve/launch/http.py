@@ -76,6 +76,8 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     state = AppState(args)
+    if args.log_level != "debug":  # uvicorn's start-up lines repeat ours (under the name uvicorn.error)
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     config = uvicorn.Config(
         create_app(state),
         log_config=None,
