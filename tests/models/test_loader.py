@@ -40,13 +40,21 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_model_factory):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_missing_weight_is_named(tiny_model_factory, tmp_path):
-    model_dir = copy_model(tiny_model_factory("qwen3"), str(tmp_path / "m"))
+@pytest.mark.parametrize(
+    "arch,removed,message",
+    [
+        ("qwen3", "model.layers.1.self_attn.v_proj.weight", r"missing.*model\.layers\.1\.self_attn\.qkv_proj\.weight \(v\)"),
+        ("qwen3_moe", "model.layers.1.mlp.experts.6.down_proj.weight",
+         r"missing.*model\.layers\.1\.mlp\.experts\.down_proj \(\(6, 0\)\)"),
+    ],
+)
+def test_missing_weight_is_named(tiny_model_factory, tmp_path, arch, removed, message):
+    model_dir = copy_model(tiny_model_factory(arch), str(tmp_path / "m"))
     path = os.path.join(model_dir, "model.safetensors")
     weights = load_file(path)
-    del weights["model.layers.1.self_attn.v_proj.weight"]
+    del weights[removed]
     save_file(weights, path)
-    with pytest.raises(ValueError, match=r"missing.*model\.layers\.1\.self_attn\.qkv_proj\.weight \(v\)"):
+    with pytest.raises(ValueError, match=message):
         Engine(EngineConfig(model=model_dir, device="cpu"))
 
 
@@ -134,16 +142,6 @@ def test_stacked_and_per_expert_checkpoints_load_alike(tiny_model_factory, tmp_p
     up = full["model.layers.2.mlp.experts.3.up_proj.weight"]  # [I, H], I = 32
     got = a["model.layers.2.mlp.experts.gate_up_proj"]  # [E, 2 * 16, H]
     assert torch.equal(got[3, 16:], up[16 * tp_rank : 16 * (tp_rank + 1)])
-
-
-def test_missing_expert_is_named(tiny_model_factory, tmp_path):
-    model_dir = copy_model(tiny_model_factory("qwen3_moe"), str(tmp_path / "m"))
-    path = os.path.join(model_dir, "model.safetensors")
-    weights = load_file(path)
-    del weights["model.layers.1.mlp.experts.6.down_proj.weight"]
-    save_file(weights, path)
-    with pytest.raises(ValueError, match=r"missing.*model\.layers\.1\.mlp\.experts\.down_proj \(\(6, 0\)\)"):
-        Engine(EngineConfig(model=model_dir, device="cpu"))
 
 
 def test_dummy_moe_weights_from_the_real_config_shape(tmp_path):

@@ -22,7 +22,7 @@ from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
 from tpserve.kernels import use_triton
 from tpserve.layers.activation import silu_and_mul
-from tpserve.layers.linear import ReplicatedWeights, _copy_checked, divide
+from tpserve.layers.linear import ReplicatedWeights, copy_checked, divide
 
 ShardId = tuple[int, int]  # (global expert, part): gate_up_proj part 0 = gate, 1 = up; down_proj part 0
 
@@ -71,10 +71,10 @@ class StackedExperts(nn.Module):
         local = expert - self.expert_start
         size, start = self.local_intermediate, self.tp_rank * self.local_intermediate
         if param_name == "gate_up_proj":
-            _copy_checked(self.gate_up_proj.data[local].narrow(0, part * size, size), loaded.narrow(0, start, size),
+            copy_checked(self.gate_up_proj.data[local].narrow(0, part * size, size), loaded.narrow(0, start, size),
                           f"experts.{expert}.{('gate_proj', 'up_proj')[part]}")
         else:
-            _copy_checked(self.down_proj.data[local], loaded.narrow(1, start, size), f"experts.{expert}.down_proj")
+            copy_checked(self.down_proj.data[local], loaded.narrow(1, start, size), f"experts.{expert}.down_proj")
 
 
 def experts_torch(
