@@ -14,6 +14,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -83,7 +84,34 @@ def _sliding_window(hf: Any, kind: str) -> int | None:
     layer_types = getattr(hf, "layer_types", None)
     if layer_types is not None:
         return window if any(t != "full_attention" for t in layer_types) else None
-    return window if kind == "mistral" else None  # transformers' Mistral applies it to every layer
+    # transformers' Mistral and Qwen3-MoE (whose config keeps it only with use_sliding_window) apply it to every layer
+    return window if kind in ("mistral", "qwen3_moe") else None
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse layers of a mixture-of-experts model (Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # of each expert (moe_intermediate_size)
+    norm_topk_prob: bool  # renormalise the top-k router probabilities to sum to 1
+    layers: tuple[int, ...]  # the decoder layers whose MLP is sparse; the others are dense
+
+
+def _moe_config(hf: Any, kind: str, num_layers: int) -> MoEConfig | None:
+    """transformers' rule for which layers are sparse: not in ``mlp_only_layers`` and every
+    ``decoder_sparse_step``-th layer (1-based)."""
+    if kind != "qwen3_moe" or not hf.num_experts:
+        return None
+    if not 1 <= hf.num_experts_per_tok <= hf.num_experts:
+        raise ValueError(f"num_experts_per_tok {hf.num_experts_per_tok} must be in [1, num_experts {hf.num_experts}]")
+    step = hf.decoder_sparse_step
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+    dense = set(hf.mlp_only_layers or ())
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return MoEConfig(hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, bool(hf.norm_topk_prob), layers)
 
 
 def _context_length(rope: dict[str, Any], max_positions: int, window: int | None) -> int:
@@ -122,6 +150,14 @@ class ModelConfig:
     qkv_bias: bool  # Qwen2/2.5: bias on q/k/v projections
     torch_dtype: str  # the checkpoint's dtype
     eos_token_ids: tuple[int, ...]
+    moe: MoEConfig | None = None  # None: every layer's MLP is dense
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and layer_id in self.moe.layers
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if not self.is_moe_layer(i))
 
     @property
     def rope_theta(self) -> float:
@@ -160,10 +196,11 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             context_length=_context_length(rope, hf.max_position_embeddings, _sliding_window(hf, kind)),
             tie_word_embeddings=bool(hf.tie_word_embeddings),
-            qk_norm=kind == "qwen3",
+            qk_norm=kind in ("qwen3", "qwen3_moe"),
             qkv_bias=kind == "qwen2",
             torch_dtype=str(dtype).removeprefix("torch."),
             eos_token_ids=tuple(sorted(eos)),
+            moe=_moe_config(hf, kind, hf.num_hidden_layers),
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size") -> None:
@@ -175,8 +212,13 @@ class ModelConfig:
         kv = self.num_key_value_heads
         if kv % tp_size and tp_size % kv:
             raise ValueError(f"num_key_value_heads {kv} neither divides nor is divided by {name} {tp_size}")
-        if self.intermediate_size % tp_size:
+        if self.dense_layers and self.intermediate_size % tp_size:
             raise ValueError(f"{name} {tp_size} does not divide intermediate_size {self.intermediate_size}")
+        if self.moe is not None and self.moe.intermediate_size % tp_size:
+            raise ValueError(
+                f"{name} {tp_size} does not divide moe_intermediate_size {self.moe.intermediate_size} "
+                "(each rank holds a slice of every expert's intermediate dimension)"
+            )
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":

@@ -180,6 +180,28 @@ def check_norm_rope_store() -> None:
         assert torch.equal(fused.v[0], reference.v[0])
 
 
+def check_fused_moe() -> None:
+    """The grouped MoE GEMMs against the torch experts: decode-sized and prefill-sized blocks,
+    experts with no tokens, sizes that are not multiples of the blocks."""
+    from tpserve.kernels.moe import align_by_expert, fused_experts
+    from tpserve.layers.moe import experts_dense_masked, experts_torch
+
+    gen = torch.Generator().manual_seed(4)
+    for tokens, experts, top_k, hidden, inter in ((1, 8, 2, 64, 32), (37, 16, 3, 48, 24), (300, 8, 2, 32, 16)):
+        x = torch.randn(tokens, hidden, generator=gen)
+        gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+        down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+        probs = torch.softmax(torch.randn(tokens, experts, generator=gen), dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        reference = experts_torch(x, gate_up, down, weights, ids)
+        torch.testing.assert_close(fused_experts(x, gate_up, down, weights, ids), reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(experts_dense_masked(x, gate_up, down, weights, ids), reference, rtol=1e-5, atol=1e-5)
+    sorted_rows, block_expert, padded_len = align_by_expert(torch.tensor([[3, 1], [1, 0], [3, 1]]), 4, 4)
+    assert int(padded_len) == 12 and sorted_rows.numel() == 20  # 6 rows + 4 experts * 3 padding, in whole blocks
+    assert sorted_rows.tolist() == [3, 6, 6, 6, 1, 2, 5, 6, 0, 4, 6, 6] + [6] * 8
+    assert block_expert[:3].tolist() == [0, 1, 3]
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1")
@@ -188,4 +210,5 @@ if __name__ == "__main__":
     check_sampler_on_edited_logits()
     check_kv_store()
     check_norm_rope_store()
+    check_fused_moe()
     print("ok")
