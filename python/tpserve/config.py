@@ -147,6 +147,12 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto (flashinfer on CUDA when installed) | flashinfer | torch
     disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
+    # TP all-reduce on GPU: auto (peer-memory one-shot/two-shot for small messages, NCCL for large)
+    # | nccl | one_shot | two_shot (peer memory for every message that fits its buffer)
+    all_reduce: str = "auto"
+    # Prefill tokens a step that also decodes may carry; a step with more prefill work runs it
+    # without the decodes (they wait one step), so decodes never stall behind a long chunk.
+    mixed_prefill_tokens: int = 0
     debug_check_ranks: bool = False
     extra: dict[str, Any] = field(default_factory=dict)
 
@@ -163,6 +169,10 @@ class EngineConfig:
             raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
         if self.device not in (None, "cpu", "cuda"):
             raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
+        if self.all_reduce not in ("auto", "nccl", "one_shot", "two_shot"):
+            raise ValueError(f"all_reduce must be auto, nccl, one_shot or two_shot, got {self.all_reduce!r}")
+        if self.mixed_prefill_tokens < 0:
+            raise ValueError(f"mixed_prefill_tokens must be >= 0, got {self.mixed_prefill_tokens}")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if not 0.0 < self.mem_fraction <= 1.0:
