@@ -78,7 +78,8 @@ def test_loads_in_transformers(tmp_path: Path, arch: str, tie: bool) -> None:
     assert out == str(tmp_path)
     cfg = json.loads((tmp_path / "config.json").read_text())
     assert cfg["architectures"] == [tiny.ARCHITECTURES[arch]]
-    assert cfg["torch_dtype"] == "float32"
+    assert cfg["dtype"] == "float32"
+    assert "rope_parameters" in cfg and "rope_theta" not in cfg  # what transformers 5 writes
     assert cfg["tie_word_embeddings"] is tie
 
     model = load_model(tmp_path)
@@ -101,7 +102,7 @@ def test_loads_in_transformers(tmp_path: Path, arch: str, tie: bool) -> None:
     assert hf_cfg.rope_parameters["rope_type"] == expected_rope
     ours = ModelConfig.from_pretrained(str(tmp_path))
     assert ours.architecture == tiny.ARCHITECTURES[arch]
-    assert (ours.rope_scaling is not None) is (arch == "llama")
+    assert ours.rope_parameters == hf_cfg.rope_parameters
     assert ours.head_dim == 16 and ours.vocab_size == cfg["vocab_size"]
 
 
@@ -271,7 +272,8 @@ def test_cli_matches_api(tmp_path: Path) -> None:
 def test_cli_help_mentions_every_flag() -> None:
     help_text = tiny.build_parser().format_help()
     for flag in ("OUT_DIR", "--arch", "--layers", "--hidden", "--heads", "--kv-heads", "--head-dim",
-                 "--intermediate", "--vocab", "--tie", "--shards", "--seed", "--max-position-embeddings"):
+                 "--intermediate", "--vocab", "--tie", "--shards", "--seed", "--max-position-embeddings",
+                 "--rope-type", "--legacy-config"):
         assert flag in help_text
     actions = [a for a in tiny.build_parser()._actions if a.dest != "help"]
     assert all(a.help for a in actions)

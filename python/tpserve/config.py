@@ -1,13 +1,16 @@
-"""Model config (read from a Hugging Face ``config.json``) and engine config."""
+"""Model config (a Hugging Face ``config.json``, read through transformers) and engine config."""
 
 from __future__ import annotations
 
 import json
+import logging
 import os
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+
+logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -15,14 +18,82 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
 }
+# Rotary types whose frequencies are fixed at load time (dynamic and longrope depend on the
+# sequence length at run time and are not implemented).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
+# Keys of other architectures' configs that change the math; tpserve implements none of them.
+UNSUPPORTED_IF_SET = ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "attention_multiplier")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def _hf_config(cfg: dict[str, Any], model_type: str) -> Any:
+    """transformers' own config class for this model type: it fills the defaults and normalises
+    the legacy ``rope_theta`` + ``rope_scaling`` keys into ``rope_parameters`` exactly as the
+    reference implementation reads them, so tpserve never re-derives those rules."""
+    from transformers import CONFIG_MAPPING
+
+    try:
+        return CONFIG_MAPPING[model_type].from_dict(dict(cfg, model_type=model_type))
+    except (TypeError, ValueError, KeyError) as e:
+        raise ValueError(f"config.json cannot be read as a {model_type} config: {e}") from e
+
+
+def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
+    """Reject every setting that changes the math and that tpserve does not implement; return
+    the normalised rotary parameters."""
+    rope = dict(hf.rope_parameters or {})
+    rope_key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    if rope and all(isinstance(v, dict) for v in rope.values()):
+        raise ValueError(f"{rope_key}: per-layer-type rotary parameters are not supported")
+    rope_type = rope.get("rope_type", "default")
+    if rope_type not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(
+            f"{rope_key}.rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
+        )
+    partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
+    if partial not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor {partial} is not supported (rotary over the whole head only)")
+    if getattr(hf, "hidden_act", "silu") != "silu":
+        raise ValueError(f"hidden_act {hf.hidden_act!r} is not supported (only silu)")
+    if getattr(hf, "mlp_bias", False):
+        raise ValueError("mlp_bias true is not supported")
+    if kind != "qwen2" and getattr(hf, "attention_bias", False):
+        raise ValueError("attention_bias true (biases on q/k/v/o projections) is not supported")
+    for key in UNSUPPORTED_IF_SET:
+        if cfg.get(key) is not None:
+            raise ValueError(f"{key} is not supported")
+    return rope
+
+
+def _sliding_window(hf: Any, kind: str) -> int | None:
+    """The attention window of any layer that has one (None: every layer attends to the whole context)."""
+    window = getattr(hf, "sliding_window", None)
+    layer_types = getattr(hf, "layer_types", None)
+    if layer_types is not None:
+        return window if any(t != "full_attention" for t in layer_types) else None
+    return window if kind == "mistral" else None  # transformers' Mistral applies it to every layer
+
+
+def _context_length(rope: dict[str, Any], max_positions: int, window: int | None) -> int:
+    """The longest sequence served. YaRN and linear scaling extend the trained context as vLLM
+    reads them (YaRN: original context x factor; linear: max_position_embeddings x factor); tpserve has no sliding-window attention, so a windowed model is served
+    up to its window, where full attention computes exactly the same thing."""
+    length = max_positions
+    factor = rope.get("factor")
+    if rope.get("rope_type") == "yarn" and factor:
+        length = max(length, int(rope.get("original_max_position_embeddings", max_positions) * factor))
+    elif rope.get("rope_type") == "linear" and factor:
+        length = int(max_positions * factor)
+    if window is not None and window < length:
+        logger.warning("the model uses sliding-window attention (window %d): serving contexts up to %d tokens", window, window)
+        length = window
+    return length
 
 
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
-    model_type: str
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -31,14 +102,19 @@ class ModelConfig:
     num_key_value_heads: int
     head_dim: int
     rms_norm_eps: float
-    rope_theta: float
-    rope_scaling: dict[str, Any] | None
+    # transformers' normalised rotary settings: rope_type, rope_theta and the type's own keys
+    rope_parameters: dict[str, Any]
     max_position_embeddings: int
+    context_length: int  # longest sequence served (see _context_length)
     tie_word_embeddings: bool
     qk_norm: bool  # Qwen3: RMSNorm on each q/k head before rotary
     qkv_bias: bool  # Qwen2/2.5: bias on q/k/v projections
     torch_dtype: str  # the checkpoint's dtype
     eos_token_ids: tuple[int, ...]
+
+    @property
+    def rope_theta(self) -> float:
+        return float(self.rope_parameters["rope_theta"])
 
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> "ModelConfig":
@@ -49,54 +125,47 @@ class ModelConfig:
                 f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
             )
         kind = SUPPORTED_ARCHITECTURES[arch]
-        n_heads = cfg["num_attention_heads"]
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // n_heads
-        rope_scaling = cfg.get("rope_scaling")
-        if rope_scaling is not None:
-            rope_type = rope_scaling.get("rope_type", rope_scaling.get("type"))
-            if rope_type not in ("llama3", "default"):
-                raise ValueError(f"unsupported rope_scaling type {rope_type!r} (supported: llama3)")
-            if rope_type == "default":
-                rope_scaling = None
-        if cfg.get("sliding_window") and cfg.get("use_sliding_window", kind == "mistral"):
-            if cfg["sliding_window"] < cfg.get("max_position_embeddings", 0):
-                raise ValueError("sliding-window attention is not supported")
+        hf = _hf_config(cfg, kind)
+        rope = _check_supported(cfg, hf, kind)
+        rope.setdefault("rope_type", "default")
+        rope.pop("type", None)  # the legacy spelling of rope_type, which transformers keeps beside it
+        head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
         eos = set(eos_token_ids)
-        cfg_eos = cfg.get("eos_token_id")
+        cfg_eos = hf.eos_token_id
         if cfg_eos is not None:
             eos.update(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])
+        dtype = getattr(hf, "dtype", None) or cfg.get("torch_dtype") or "bfloat16"
         return cls(
             architecture=arch,
-            model_type=kind,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_hidden_layers=cfg["num_hidden_layers"],
-            num_attention_heads=n_heads,
-            num_key_value_heads=cfg.get("num_key_value_heads") or n_heads,
+            vocab_size=hf.vocab_size,
+            hidden_size=hf.hidden_size,
+            intermediate_size=hf.intermediate_size,
+            num_hidden_layers=hf.num_hidden_layers,
+            num_attention_heads=hf.num_attention_heads,
+            num_key_value_heads=hf.num_key_value_heads or hf.num_attention_heads,
             head_dim=head_dim,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(cfg.get("rope_theta", 10000.0)),
-            rope_scaling=rope_scaling,
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            rms_norm_eps=hf.rms_norm_eps,
+            rope_parameters=rope,
+            max_position_embeddings=hf.max_position_embeddings,
+            context_length=_context_length(rope, hf.max_position_embeddings, _sliding_window(hf, kind)),
+            tie_word_embeddings=bool(hf.tie_word_embeddings),
             qk_norm=kind == "qwen3",
-            qkv_bias=kind == "qwen2" or bool(cfg.get("attention_bias", False)),
-            torch_dtype=str(cfg.get("torch_dtype") or cfg.get("dtype") or "bfloat16"),
+            qkv_bias=kind == "qwen2",
+            torch_dtype=str(dtype).removeprefix("torch."),
             eos_token_ids=tuple(sorted(eos)),
         )
 
-    def check_tp_size(self, tp_size: int) -> None:
+    def check_tp_size(self, tp_size: int, name: str = "tp_size") -> None:
         """Raise a clear error when the model cannot be split over ``tp_size`` ranks."""
         if tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {tp_size}")
+            raise ValueError(f"{name} must be >= 1, got {tp_size}")
         if self.num_attention_heads % tp_size:
-            raise ValueError(f"tp_size {tp_size} does not divide num_attention_heads {self.num_attention_heads}")
+            raise ValueError(f"{name} {tp_size} does not divide num_attention_heads {self.num_attention_heads}")
         kv = self.num_key_value_heads
         if kv % tp_size and tp_size % kv:
-            raise ValueError(f"num_key_value_heads {kv} neither divides nor is divided by tp_size {tp_size}")
+            raise ValueError(f"num_key_value_heads {kv} neither divides nor is divided by {name} {tp_size}")
         if self.intermediate_size % tp_size:
-            raise ValueError(f"tp_size {tp_size} does not divide intermediate_size {self.intermediate_size}")
+            raise ValueError(f"{name} {tp_size} does not divide intermediate_size {self.intermediate_size}")
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
@@ -177,3 +246,50 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+
+
+# FlashInfer's attention kernels take half precision only.
+FLASHINFER_ATTENTION_DTYPES = (torch.bfloat16, torch.float16)
+
+
+def _option(name: str, value: Any, cli: bool) -> str:
+    """A setting as the user wrote it: ``--load-format dummy`` on the command line, else ``load_format='dummy'``."""
+    return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
+
+
+def _has_safetensors(model_dir: str) -> bool:
+    return os.path.isdir(model_dir) and any(name.endswith(".safetensors") for name in os.listdir(model_dir))
+
+
+def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False) -> None:
+    """The checks that need the model and the machine, made before any process starts, so that a
+    bad setting is one clear error (naming the CLI flag when ``cli``) rather than a traceback from
+    every rank."""
+    model.check_tp_size(engine.tp_size, name="--tp-size" if cli else "tp_size")
+    if engine.max_model_len is not None and engine.max_model_len > model.context_length:
+        raise ValueError(
+            f"{_option('max_model_len', engine.max_model_len, cli)} exceeds the model's context length "
+            f"({model.context_length})"
+        )
+    device = engine.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{_option('device', 'cuda', cli)}: CUDA is not available on this machine")
+        if torch.cuda.device_count() < engine.tp_size:
+            raise ValueError(
+                f"{_option('tp_size', engine.tp_size, cli)} needs {engine.tp_size} GPUs; "
+                f"{torch.cuda.device_count()} visible"
+            )
+    if engine.attention_backend == "flashinfer":
+        dtype = resolve_dtype(engine.dtype, model, torch.device(device))
+        if device != "cuda" or dtype not in FLASHINFER_ATTENTION_DTYPES:
+            raise ValueError(
+                f"{_option('attention_backend', 'flashinfer', cli)} runs on CUDA in bfloat16 or float16, "
+                f"not on {device} in {str(dtype).removeprefix('torch.')}; use "
+                f"{_option('attention_backend', 'auto', cli)} (torch attention where FlashInfer cannot run)"
+            )
+    if engine.load_format != "dummy" and not _has_safetensors(engine.model):
+        raise ValueError(
+            f"no .safetensors weights in {engine.model}; pass {_option('load_format', 'dummy', cli)} "
+            "for random weights"
+        )

@@ -20,7 +20,7 @@ from multiprocessing.connection import Connection
 import torch
 from tqdm import tqdm
 
-from tpserve.config import EngineConfig, ModelConfig
+from tpserve.config import EngineConfig, ModelConfig, check_can_start
 from tpserve.distributed.comm import local_init_addr
 from tpserve.message import SchedulerStats
 from tpserve.sampling_params import SamplingParams
@@ -212,7 +212,7 @@ class LLM:
             model=model, tp_size=tp_size, device=device, dtype=dtype, load_format=load_format, **engine_kwargs
         )
         self.model_config = ModelConfig.from_pretrained(model)
-        self.model_config.check_tp_size(tp_size)  # fail here, before spawning anything
+        check_can_start(self.config, self.model_config)  # fail here, before spawning anything
         self.tokenizer = _load_tokenizer(model)
         self._next_rid = 0
         self._seed_rng = random.Random()

@@ -27,10 +27,12 @@ DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
 # Relative L2 error against a float64 reference: bf16 output rounding alone is ~3e-3.
 RTOL = 1e-2
-LLAMA3_SCALING = {
-    "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+PLAIN_ROPE = {"rope_type": "default", "rope_theta": 500000.0}
+LLAMA3_ROPE = {
+    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 8192,
 }
+YARN_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 8192}
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -117,12 +119,12 @@ def rotary_ref(x: torch.Tensor, positions: torch.Tensor, inv_freq: torch.Tensor)
     return x * cos + torch.cat((-x[..., half:], x[..., :half]), -1) * sin
 
 
-@pytest.mark.parametrize("scaling", [None, LLAMA3_SCALING], ids=["plain", "llama3"])
+@pytest.mark.parametrize("rope", [PLAIN_ROPE, LLAMA3_ROPE, YARN_ROPE], ids=["plain", "llama3", "yarn"])
 @pytest.mark.parametrize("strided", [False, True], ids=["contiguous", "qkv-view"])
-def test_rotary_in_place(scaling, strided, monkeypatch):
+def test_rotary_in_place(rope, strided, monkeypatch):
     gen = torch.Generator(device=DEVICE).manual_seed(3)
     tokens, heads, kv_heads, head_dim, max_pos = 77, 8, 2, 128, 32768
-    rotary = RotaryEmbedding(head_dim, max_pos, 500000.0, scaling)
+    rotary = RotaryEmbedding(head_dim, max_pos, rope, 8192)
     rotary.build_cache(DEVICE, DTYPE)
     assert rotary.cos_sin_cache is not None and rotary.cos_sin_cache.dtype == torch.float32
     positions = torch.randint(0, max_pos, (tokens,), generator=gen, device=DEVICE)
@@ -132,12 +134,12 @@ def test_rotary_in_place(scaling, strided, monkeypatch):
     if not strided:
         q, k = q.contiguous(), k.contiguous()
     q_in, k_in = q.clone(), k.clone()
-    inv_freq = inverse_frequencies(head_dim, 500000.0, scaling)
+    inv_freq, attention_scaling = inverse_frequencies(head_dim, rope, 8192)
 
     q_out, k_out = rotary(positions, q, k)
     assert q_out.data_ptr() == q.data_ptr() and k_out.data_ptr() == k.data_ptr(), "rotates in place"
-    assert rel_err(q_out, rotary_ref(q_in, positions, inv_freq)) < RTOL
-    assert rel_err(k_out, rotary_ref(k_in, positions, inv_freq)) < RTOL
+    assert rel_err(q_out, attention_scaling * rotary_ref(q_in, positions, inv_freq)) < RTOL
+    assert rel_err(k_out, attention_scaling * rotary_ref(k_in, positions, inv_freq)) < RTOL
 
     torch_path(monkeypatch)
     q_torch, k_torch = rotary(positions, q_in, k_in)
@@ -172,7 +174,7 @@ def test_norm_rope_store_matches_unfused(tokens, qk_norm):
 
     gen = torch.Generator(device=DEVICE).manual_seed(tokens)
     pages, page_size, heads, kv_heads, head_dim, max_pos = 128, 16, 8, 2, 128, 40960
-    rotary = RotaryEmbedding(head_dim, max_pos, 1000000.0, None)
+    rotary = RotaryEmbedding(head_dim, max_pos, {"rope_type": "default", "rope_theta": 1000000.0}, max_pos)
     rotary.build_cache(DEVICE, DTYPE)
     q_norm, k_norm = make_norm(head_dim, gen), make_norm(head_dim, gen)
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen, device=DEVICE).to(DTYPE)

@@ -123,7 +123,8 @@ def check_norm_rope_store() -> None:
     qkv = torch.randn(tokens, width + 5, generator=gen)[:, :width]  # a padded row stride
     positions = torch.randint(0, max_pos, (tokens,), generator=gen)
     slots = torch.randperm(8 * 4, generator=gen)[:tokens]
-    rotary = RotaryEmbedding(head_dim, max_pos, 10000.0, None)
+    rotary = RotaryEmbedding(head_dim, max_pos, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
+                                                 "original_max_position_embeddings": 16}, max_pos)
     rotary.build_cache(torch.device("cpu"), torch.float32)
     half = head_dim // 2  # the fused table: cos then sin of each angle, once
     table = torch.cat((rotary.cos[:, :half], rotary.sin[:, :half]), dim=-1).contiguous()

@@ -2,10 +2,14 @@
 
 from __future__ import annotations
 
+import os
+import shutil
 import subprocess
 import sys
+import time
 
 import pytest
+import torch
 from tpserve.server.args import API_KEY_ENV, DEMO_MODEL_NAME, build_parser, parse_args
 
 
@@ -66,7 +70,9 @@ def test_default_is_the_tiny_demo_model(monkeypatch, tmp_path):
         (["--device", "tpu"], "invalid choice: 'tpu'"),
         (["--dtype", "int8"], "invalid choice: 'int8'"),
         (["--num-tokenizers", "0"], "--num-tokenizers: must be >= 1"),
-        (["--max-model-len", "999999"], "exceeds the model's max_position_embeddings"),
+        (["--max-model-len", "999999"], "exceeds the model's context length"),
+        (["--tp-size", "3"], "--tp-size 3 does not divide num_attention_heads 4"),
+        (["--device", "cpu", "--attention-backend", "flashinfer"], "--attention-backend flashinfer runs on CUDA"),
         (["--bogus"], "unrecognized arguments: --bogus"),
     ],
 )
@@ -107,3 +113,34 @@ def test_cli_error_has_no_traceback():
     assert proc.returncode == 2
     assert "Traceback" not in proc.stderr
     assert "must be >= 1, got '-3'" in proc.stderr
+
+
+def test_cuda_without_cuda_is_a_usage_error(qwen3_dir, capsys, monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", qwen3_dir, "--device", "cuda"])
+    assert e.value.code == 2
+    assert "--device cuda: CUDA is not available" in capsys.readouterr().err
+
+
+def test_model_without_weights_names_the_flag(qwen3_dir, tmp_path, capsys):
+    for name in os.listdir(qwen3_dir):
+        if not name.endswith(".safetensors"):
+            shutil.copy(os.path.join(qwen3_dir, name), tmp_path / name)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", str(tmp_path)])
+    assert e.value.code == 2
+    assert "pass --load-format dummy for random weights" in capsys.readouterr().err
+    assert parse_args(["--model", str(tmp_path), "--load-format", "dummy"]).engine.load_format == "dummy"
+
+
+def test_bad_tp_size_fails_before_any_process_starts(qwen3_dir):
+    """One line on stderr, exit 2, fast: the check runs when the arguments are parsed."""
+    start = time.monotonic()
+    proc = subprocess.run([sys.executable, "-m", "tpserve", "--model", qwen3_dir, "--tp-size", "3", "--device", "cpu"],
+                          capture_output=True, text=True, timeout=60)
+    assert proc.returncode == 2
+    assert "Traceback" not in proc.stderr
+    error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
+    assert error_lines == ["tpserve: error: --tp-size 3 does not divide num_attention_heads 4"]
+    assert time.monotonic() - start < 30

@@ -8,15 +8,18 @@ computes attention over the cache.
 
 from __future__ import annotations
 
+import logging
 from abc import ABC, abstractmethod
 from collections.abc import Mapping
 from typing import Any
 
 import torch
 
+from tpserve.config import FLASHINFER_ATTENTION_DTYPES
 from tpserve.engine.batch import SequenceInput
 from tpserve.kvcache.pool import KVCachePool
 
+logger = logging.getLogger(__name__)
 
 class AttentionBackend(ABC):
     supports_cuda_graphs = False  # whether cuda_graph_metadata/plan_cuda_graph are implemented
@@ -64,13 +67,16 @@ class AttentionBackend(ABC):
 BACKENDS = ("auto", "flashinfer", "torch")
 
 
-def resolve_backend_name(name: str, device: torch.device) -> str:
-    """``auto`` is flashinfer on CUDA when it imports, else torch."""
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """``auto`` is flashinfer on CUDA in half precision when it imports, else torch."""
     if name not in BACKENDS:
         raise ValueError(f"unknown attention backend {name!r} (choose {', '.join(BACKENDS)})")
     if name != "auto":
         return name
     if device.type == "cuda":
+        if dtype not in FLASHINFER_ATTENTION_DTYPES:
+            logger.info("FlashInfer attention takes bfloat16 and float16 only: torch attention for %s", dtype)
+            return "torch"
         from tpserve.attention.flashinfer_backend import flashinfer_available
 
         if flashinfer_available():
@@ -88,7 +94,7 @@ def create_backend(
     options: Mapping[str, Any] | None = None,
 ) -> AttentionBackend:
     """``options`` go to the FlashInfer backend (decode_tensor_cores, prefill_backend)."""
-    name = resolve_backend_name(name, device)
+    name = resolve_backend_name(name, device, pool.k[0].dtype)
     if name == "flashinfer":
         from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
 

@@ -20,11 +20,11 @@ import numpy as np
 import torch
 
 from tpserve.attention.base import AttentionBackend
+from tpserve.config import FLASHINFER_ATTENTION_DTYPES
 from tpserve.engine.batch import SequenceInput, check_page_tables
 from tpserve.kvcache.pool import KVCachePool
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # split-kv partial results; FlashInfer recommends >= 128 MiB
-SUPPORTED_DTYPES = (torch.bfloat16, torch.float16)
 
 logger = logging.getLogger(__name__)
 
@@ -146,7 +146,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if device.type != "cuda":
             raise ValueError(f"the flashinfer attention backend needs a CUDA device, got {device}")
         self.dtype = pool.k[0].dtype
-        if self.dtype not in SUPPORTED_DTYPES:
+        if self.dtype not in FLASHINFER_ATTENTION_DTYPES:
             raise ValueError(f"the flashinfer attention backend supports bfloat16 and float16, not {self.dtype}")
         self.flashinfer = import_flashinfer()
         self.device = device

@@ -74,7 +74,7 @@ class Engine:
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.model_config.check_tp_size(config.tp_size)
-        self.max_model_len = config.max_model_len or self.model_config.max_position_embeddings
+        self.max_model_len = config.max_model_len or self.model_config.context_length
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         if config.tp_size > 1 and config.dist_init_addr is None:
             raise ValueError("tp_size > 1 needs dist_init_addr (tcp://host:port chosen by the parent)")

@@ -1,8 +1,8 @@
-"""Rotary position embedding (neox style, rotate-half), with Llama 3 frequency scaling."""
+"""Rotary position embedding (neox style, rotate-half), with the frequency scalings of
+Llama 3, YaRN and linear interpolation."""
 
 from __future__ import annotations
 
-import math
 from typing import Any
 
 import torch
@@ -10,24 +10,33 @@ import torch
 from tpserve.kernels import FLASHINFER_DTYPES, use_flashinfer, use_triton
 
 
-def inverse_frequencies(head_dim: int, base: float, scaling: dict[str, Any] | None) -> torch.Tensor:
-    # Same float32 arithmetic as transformers, so positions encode bit-identically.
-    exponents = torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim
-    inv_freq = 1.0 / (base**exponents)
-    if scaling is None:
-        return inv_freq
-    factor = scaling["factor"]
-    low_freq_factor = scaling.get("low_freq_factor", 1.0)
-    high_freq_factor = scaling.get("high_freq_factor", 4.0)
-    old_context = scaling.get("original_max_position_embeddings", 8192)
-    low_freq_wavelen = old_context / low_freq_factor
-    high_freq_wavelen = old_context / high_freq_factor
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_freq_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_context / wavelen - low_freq_factor) / (high_freq_factor - low_freq_factor)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = ~(wavelen < high_freq_wavelen) & ~(wavelen > low_freq_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
+def inverse_frequencies(
+    head_dim: int, rope_parameters: dict[str, Any], max_position_embeddings: int
+) -> tuple[torch.Tensor, float]:
+    """The rotary inverse frequencies [head_dim / 2] and the factor cos and sin are scaled by
+    (YaRN's attention scaling; 1 for the other types), for transformers' normalised
+    ``rope_parameters``.
+
+    The scaled types call transformers' own functions (the reference implementation) rather than
+    a copy of their formulas, so positions encode bit-identically; the config reader has already
+    rejected the types whose frequencies change at run time.
+    """
+    rope_type = rope_parameters.get("rope_type", "default")
+    if rope_type == "default":  # same float32 arithmetic as transformers
+        exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
+        return 1.0 / (rope_parameters["rope_theta"] ** exponents), 1.0
+    from transformers import PreTrainedConfig
+    from transformers.modeling_rope_utils import ROPE_INIT_FUNCTIONS
+
+    config = PreTrainedConfig(
+        rope_parameters=dict(rope_parameters),
+        head_dim=head_dim,
+        hidden_size=head_dim,
+        num_attention_heads=1,
+        max_position_embeddings=max_position_embeddings,
+    )
+    inv_freq, attention_scaling = ROPE_INIT_FUNCTIONS[rope_type](config, device=torch.device("cpu"))
+    return inv_freq.float(), float(attention_scaling)
 
 
 class RotaryEmbedding(torch.nn.Module):
@@ -40,24 +49,26 @@ class RotaryEmbedding(torch.nn.Module):
     (modified) inputs.
     """
 
-    def __init__(self, head_dim: int, max_positions: int, base: float, scaling: dict[str, Any] | None) -> None:
+    def __init__(
+        self, head_dim: int, max_positions: int, rope_parameters: dict[str, Any], max_position_embeddings: int
+    ) -> None:
         super().__init__()
         self.head_dim = head_dim
         self.max_positions = max_positions
-        self.base = base
-        self.scaling = scaling
+        self.rope_parameters = rope_parameters
+        self.max_position_embeddings = max_position_embeddings
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
         self.cos_sin_cache: torch.Tensor | None = None  # float32, for the fused kernel only
 
     def build_cache(self, device: torch.device, dtype: torch.dtype) -> None:
-        inv_freq = inverse_frequencies(self.head_dim, self.base, self.scaling).to(device)
+        inv_freq, scaling = inverse_frequencies(self.head_dim, self.rope_parameters, self.max_position_embeddings)
         positions = torch.arange(self.max_positions, device=device, dtype=torch.float32)
-        freqs = positions[:, None] * inv_freq[None, :]
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.cos, self.sin = emb.cos().to(dtype), emb.sin().to(dtype)
+        freqs = positions[:, None] * inv_freq.to(device)[None, :]
+        cos, sin = freqs.cos() * scaling, freqs.sin() * scaling  # as transformers: scaled in float32
+        self.cos, self.sin = torch.cat((cos, cos), dim=-1).to(dtype), torch.cat((sin, sin), dim=-1).to(dtype)
         if use_flashinfer(device, dtype) or (use_triton(device) and dtype in FLASHINFER_DTYPES):
-            self.cos_sin_cache = torch.cat((freqs.cos(), freqs.sin()), dim=-1).contiguous()
+            self.cos_sin_cache = torch.cat((cos, sin), dim=-1).contiguous()
 
     def forward(self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """q: [T, Hq, D], k: [T, Hk, D], positions: [T]."""

@@ -1,7 +1,7 @@
 """The dense decoder shared by Qwen3, Qwen2/2.5, Llama 3.x and Mistral.
 
 They differ only in switches on ModelConfig: Qwen3 normalises each q/k head (``qk_norm``),
-Qwen2 has q/k/v biases (``qkv_bias``), Llama 3 scales rotary frequencies (``rope_scaling``).
+Qwen2 has q/k/v biases (``qkv_bias``), Llama 3 and YaRN scale rotary frequencies (``rope_parameters``).
 Parameter names follow the Hugging Face checkpoints, with q/k/v merged into ``qkv_proj`` and
 gate/up into ``gate_up_proj``.
 """
@@ -139,7 +139,7 @@ class CausalLM(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator, max_positions: int) -> None:
         super().__init__()
         self.config = cfg
-        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_theta, cfg.rope_scaling)
+        self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_parameters, cfg.max_position_embeddings)
         self.model = DecoderBody(cfg, self.rotary, comm)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, tied=tied)

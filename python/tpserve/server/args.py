@@ -6,7 +6,7 @@ import argparse
 import os
 from dataclasses import dataclass
 
-from tpserve.config import EngineConfig, ModelConfig
+from tpserve.config import EngineConfig, ModelConfig, check_can_start
 from tpserve.server.model_path import ModelNotFound, resolve_model_dir
 
 DEFAULT_SCHEDULER_ENTRY = "tpserve.scheduler.process:run_scheduler"
@@ -98,7 +98,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "float32 on CPU")
     model.add_argument("--max-model-len", type=_int_at_least(2), default=None,
                        help="context limit (prompt + completion tokens); default: the model's "
-                       "max_position_embeddings")
+                       "context length (max_position_embeddings, extended by YaRN or linear rope scaling)")
     engine = p.add_argument_group("engine")
     engine.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size",
                         type=_int_at_least(1), default=1,
@@ -126,7 +126,8 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--schedule-policy", choices=["fcfs", "lpm"], default="fcfs",
                         help="admission order: fcfs, or lpm (longest cached prefix first)")
     engine.add_argument("--attention-backend", choices=["auto", "flashinfer", "torch"], default="auto",
-                        help="auto: flashinfer on CUDA when installed, else torch")
+                        help="auto: flashinfer on CUDA in bfloat16/float16 when installed, else torch "
+                        "(flashinfer takes no float32)")
     engine.add_argument("--cuda-graph-max-bs", type=_int_at_least(0), default=256,
                         help="largest decode batch captured in a CUDA graph (0: no CUDA graphs)")
     engine.add_argument("--all-reduce", choices=["auto", "nccl", "one_shot", "two_shot"], default="auto",
@@ -176,11 +177,6 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"--model: {model_dir} has no config.json")
     model_config = ModelConfig.from_pretrained(model_dir)
-    if ns.max_model_len is not None and ns.max_model_len > model_config.max_position_embeddings:
-        raise ValueError(
-            f"--max-model-len {ns.max_model_len} exceeds the model's max_position_embeddings "
-            f"({model_config.max_position_embeddings})"
-        )
     engine = EngineConfig(
         model=model_dir,
         tp_size=ns.tp_size,
@@ -204,12 +200,13 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         debug_check_ranks=ns.debug_check_ranks,
         extra={"log_level": ns.log_level},
     )
+    check_can_start(engine, model_config, cli=True)
     if ":" not in ns.scheduler_entry:
         raise ValueError(f"--scheduler-entry must be module:function, got {ns.scheduler_entry!r}")
     return ServerArgs(
         engine=engine,
         served_model_name=name,
-        context_len=ns.max_model_len or model_config.max_position_embeddings,
+        context_len=ns.max_model_len or model_config.context_length,
         vocab_size=model_config.vocab_size,
         host=ns.host,
         port=ns.port,

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from tpserve.tiny.maker import make_tiny_model
-from tpserve.tiny.spec import ARCHITECTURES, VOCAB_MULTIPLE
+from tpserve.tiny.spec import ARCHITECTURES, ROPE_TYPES, VOCAB_MULTIPLE
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -40,6 +40,11 @@ def build_parser() -> argparse.ArgumentParser:
     add("--seed", type=int, default=0, help="random seed for the weights (default: %(default)s)")
     add("--max-position-embeddings", type=int, default=4096,
         help="context length written to config.json (default: %(default)s)")
+    add("--rope-type", choices=ROPE_TYPES, default=None,
+        help="rotary scaling: default, llama3, yarn or linear (default: llama3 for llama, else default)")
+    add("--legacy-config", action="store_true",
+        help="write rope_theta + rope_scaling at the top of config.json as transformers 4 did, "
+        "instead of transformers 5's rope_parameters")
     return parser
 
 
@@ -61,6 +66,8 @@ def main(argv: list[str] | None = None) -> int:
             num_shards=args.shards,
             seed=args.seed,
             max_position_embeddings=args.max_position_embeddings,
+            rope_type=args.rope_type,
+            legacy_config=args.legacy_config,
         )
     except ValueError as e:
         parser.error(str(e))

@@ -9,7 +9,7 @@ import shutil
 import tempfile
 from typing import Any
 
-from tpserve.tiny.spec import generation_config, model_config, resolve_spec
+from tpserve.tiny.spec import generation_config, legacy_layout, model_config, resolve_spec
 from tpserve.tiny.tokenizer import (
     CORPUS,
     ENDOFTEXT,
@@ -19,7 +19,7 @@ from tpserve.tiny.tokenizer import (
 )
 from tpserve.tiny.weights import random_weights, write_weights
 
-FORMAT_VERSION = 1
+FORMAT_VERSION = 2
 
 
 def make_tiny_model(out_dir: str, arch: str = "qwen3", **shape: Any) -> str:
@@ -27,7 +27,8 @@ def make_tiny_model(out_dir: str, arch: str = "qwen3", **shape: Any) -> str:
 
     ``shape``: the keyword arguments of ``resolve_spec`` (num_layers, hidden_size, num_heads,
     num_kv_heads, head_dim, intermediate_size, vocab_size, tie_word_embeddings, num_shards,
-    seed, max_position_embeddings), with its defaults.
+    seed, max_position_embeddings, rope_type, legacy_config), with its defaults. config.json is
+    written by transformers' own config class, as users' checkpoints are saved.
     """
     tok = build_tokenizer()
     spec = resolve_spec(arch, tokenizer_size=tok.get_vocab_size(with_added_tokens=True), **shape)
@@ -36,7 +37,7 @@ def make_tiny_model(out_dir: str, arch: str = "qwen3", **shape: Any) -> str:
         raise ValueError(f"num_shards ({spec.num_shards}) exceeds the number of tensors ({len(weights)})")
     endoftext, im_end = tok.token_to_id(ENDOFTEXT), tok.token_to_id(IM_END)
     os.makedirs(out_dir, exist_ok=True)
-    _write_json(os.path.join(out_dir, "config.json"), model_config(spec, endoftext, im_end))
+    _write_model_config(out_dir, spec, endoftext, im_end)
     _write_json(os.path.join(out_dir, "generation_config.json"), generation_config(endoftext, im_end))
     tok.save(os.path.join(out_dir, "tokenizer.json"))
     _write_json(os.path.join(out_dir, "tokenizer_config.json"), tokenizer_config(spec.max_position_embeddings))
@@ -88,6 +89,17 @@ def default_tiny_model_dir() -> str:
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
     return final
+
+
+def _write_model_config(out_dir: str, spec, bos_id: int, eos_id: int) -> None:
+    from transformers import CONFIG_MAPPING
+
+    CONFIG_MAPPING[spec.arch](**model_config(spec, bos_id, eos_id)).save_pretrained(out_dir)
+    if spec.legacy_config:
+        path = os.path.join(out_dir, "config.json")
+        with open(path, encoding="utf-8") as f:
+            cfg = json.load(f)
+        _write_json(path, legacy_layout(cfg))
 
 
 def _write_json(path: str, obj: dict) -> None:

@@ -15,6 +15,7 @@ ARCHITECTURES = {
 # it is part of the cache key of ``default_tiny_model_dir``.
 
 VOCAB_MULTIPLE = 64
+ROPE_TYPES = ("default", "llama3", "yarn", "linear")
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,8 @@ class TinySpec:
     num_shards: int
     seed: int
     max_position_embeddings: int
+    rope_type: str  # default | llama3 | yarn | linear
+    legacy_config: bool  # rope_theta + rope_scaling at the top level, as transformers 4 saved them
 
 
 def resolve_spec(
@@ -50,10 +53,16 @@ def resolve_spec(
     num_shards: int = 1,
     seed: int = 0,
     max_position_embeddings: int = 4096,
+    rope_type: str | None = None,
+    legacy_config: bool = False,
 ) -> TinySpec:
     """Fill in defaults and reject shapes the target architecture cannot express."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    if rope_type is None:
+        rope_type = "llama3" if arch == "llama" else "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join(ROPE_TYPES)}")
     positive = {
         "num_layers": num_layers,
         "hidden_size": hidden_size,
@@ -112,14 +121,44 @@ def resolve_spec(
         num_shards=num_shards,
         seed=seed,
         max_position_embeddings=max_position_embeddings,
+        rope_type=rope_type,
+        legacy_config=legacy_config,
     )
 
 
+def rope_parameters(spec: TinySpec) -> dict:
+    """Rotary settings in transformers' ``rope_parameters`` form. The scaled types use a small
+    original context so that, at tiny head dims, they change some frequencies (and YaRN scales
+    attention): a model that ignored them would give other tokens."""
+    theta = 500000.0 if spec.arch == "llama" else 10000.0
+    original = max(16, spec.max_position_embeddings // 8)
+    if spec.rope_type == "llama3":
+        return {
+            "rope_type": "llama3", "rope_theta": theta, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": original,
+        }
+    if spec.rope_type == "yarn":
+        return {"rope_type": "yarn", "rope_theta": theta, "factor": 8.0, "original_max_position_embeddings": original}
+    if spec.rope_type == "linear":
+        return {"rope_type": "linear", "rope_theta": theta, "factor": 2.0}
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+def legacy_layout(cfg: dict) -> dict:
+    """The same config as transformers 4 wrote it: ``rope_theta`` and ``rope_scaling`` (with the
+    older ``type`` key for YaRN and linear, as Qwen's model cards show) instead of ``rope_parameters``."""
+    cfg = dict(cfg)
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    kind = rope.pop("rope_type")
+    cfg["rope_scaling"] = None if kind == "default" else {("rope_type" if kind == "llama3" else "type"): kind, **rope}
+    return cfg
+
+
 def model_config(spec: TinySpec, bos_id: int, eos_id: int) -> dict:
-    """config.json in the (pre-v5) layout that both old and new transformers read."""
+    """The keyword arguments of the architecture's transformers config class."""
     cfg: dict = {
         "architectures": [ARCHITECTURES[spec.arch]],
-        "model_type": spec.arch,
         "vocab_size": spec.vocab_size,
         "hidden_size": spec.hidden_size,
         "intermediate_size": spec.intermediate_size,
@@ -129,37 +168,17 @@ def model_config(spec: TinySpec, bos_id: int, eos_id: int) -> dict:
         "hidden_act": "silu",
         "max_position_embeddings": spec.max_position_embeddings,
         "rms_norm_eps": 1e-6,
-        "rope_theta": 10000.0,
+        "rope_parameters": rope_parameters(spec),
         "tie_word_embeddings": spec.tie_word_embeddings,
         "bos_token_id": bos_id,
         "eos_token_id": eos_id,
         "initializer_range": 0.02,
-        "attention_dropout": 0.0,
-        "use_cache": True,
-        "torch_dtype": "float32",
+        "dtype": "float32",
     }
     if spec.arch != "qwen2":
         cfg["head_dim"] = spec.head_dim
-    if spec.arch in ("qwen3", "llama"):
-        cfg["attention_bias"] = False
     if spec.arch in ("qwen2", "qwen3"):
-        cfg["use_sliding_window"] = False
-        cfg["sliding_window"] = None
         cfg["max_window_layers"] = spec.num_layers
-    if spec.arch == "mistral":
-        cfg["sliding_window"] = None
-    if spec.arch == "llama":
-        cfg["mlp_bias"] = False
-        cfg["rope_theta"] = 500000.0
-        # Small enough original context that, at tiny head dims, some rotary frequencies fall in
-        # each llama3 band (kept, smoothed, divided by factor).
-        cfg["rope_scaling"] = {
-            "rope_type": "llama3",
-            "factor": 8.0,
-            "low_freq_factor": 1.0,
-            "high_freq_factor": 4.0,
-            "original_max_position_embeddings": max(16, spec.max_position_embeddings // 8),
-        }
     return cfg
 
 

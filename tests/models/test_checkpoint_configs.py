@@ -1,0 +1,163 @@
+"""Checkpoints as users save them: config.json in transformers 5's layout (``rope_parameters``)
+and in the legacy one (``rope_theta`` + ``rope_scaling``), every rope type tpserve implements,
+and models written by transformers' own ``save_pretrained``; greedy tokens and logits against
+transformers at TP 1 and 2 (float32, CPU). Settings tpserve does not implement are errors."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import pytest
+import torch
+from test_vs_transformers import PROMPTS, teacher_forced_logits
+from transformers import AutoModelForCausalLM
+
+from reference import hf_greedy, hf_logits
+from tpserve import LLM, SamplingParams
+from tpserve.config import EngineConfig, ModelConfig
+from tpserve.engine.engine import Engine
+
+GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+LAYOUTS = ["transformers5", "legacy"]
+ROPES = [("qwen3", "default"), ("llama", "llama3"), ("qwen3", "yarn"), ("mistral", "linear")]
+
+
+def check_against_transformers(model_dir: str, label: str) -> None:
+    engine = Engine(EngineConfig(model=model_dir, device="cpu", page_size=4))
+    ids = list(range(30, 70))
+    ours = teacher_forced_logits(engine, ids, prefill=9)
+    ref = hf_logits(model_dir, ids)[8 : len(ids) - 1]
+    err = (ours - ref).abs().max().item()
+    print(f"{label}: max logit error {err:.2e}")
+    assert err < 1e-4, f"{label}: max logit error {err}"
+    engine.shutdown()
+    with LLM(model_dir, device="cpu", page_size=4) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(model_dir, p, 12) for p in PROMPTS], label
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("arch,rope_type", ROPES)
+def test_rope_types_in_both_layouts_match_transformers(tiny_model_factory, arch, rope_type, layout):
+    model_dir = tiny_model_factory(arch, rope_type=rope_type, legacy_config=layout == "legacy")
+    cfg = json.load(open(os.path.join(model_dir, "config.json")))
+    assert ("rope_parameters" in cfg) is (layout == "transformers5")
+    assert ModelConfig.from_pretrained(model_dir).rope_parameters["rope_type"] == rope_type
+    check_against_transformers(model_dir, f"{arch} {rope_type} {layout}")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("arch,rope_type", [r for r in ROPES if r[1] != "linear"])
+def test_rope_types_in_both_layouts_at_tp2(tiny_model_factory, arch, rope_type, layout):
+    model_dir = tiny_model_factory(arch, rope_type=rope_type, legacy_config=layout == "legacy")
+    with LLM(model_dir, tp_size=2, device="cpu", page_size=8) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(model_dir, p, 12) for p in PROMPTS]
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral"])
+def test_models_saved_by_transformers(tiny_model_factory, tmp_path, arch):
+    """A checkpoint written by ``save_pretrained`` of the installed transformers, as a fine-tune is."""
+    source = tiny_model_factory(arch)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    model.save_pretrained(tmp_path)
+    for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
+        shutil.copy(os.path.join(source, name), tmp_path / name)
+    check_against_transformers(str(tmp_path), f"{arch} saved by transformers")
+
+
+def test_scaled_rope_changes_the_tokens(tiny_model_factory):
+    """Same weights, default vs YaRN rotary: a reader that dropped the scaling would be caught."""
+    plain = tiny_model_factory("qwen3")
+    yarn = tiny_model_factory("qwen3", rope_type="yarn")
+    ids = list(range(30, 70))
+    assert (hf_logits(plain, ids) - hf_logits(yarn, ids)).abs().max() > 0.5
+    assert [hf_greedy(plain, p, 12) for p in PROMPTS] != [hf_greedy(yarn, p, 12) for p in PROMPTS]
+
+
+def test_both_layouts_read_the_same(tiny_model_factory):
+    for arch, rope_type in ROPES:
+        new = ModelConfig.from_pretrained(tiny_model_factory(arch, rope_type=rope_type))
+        old = ModelConfig.from_pretrained(tiny_model_factory(arch, rope_type=rope_type, legacy_config=True))
+        assert new == old, (arch, rope_type)
+
+
+def test_yarn_extends_the_context(tiny_model_factory):
+    """Qwen3's documented 131k set-up: factor 4 over 32,768 original positions."""
+    cfg = json.load(open(os.path.join(tiny_model_factory("qwen3"), "config.json")))
+    cfg["max_position_embeddings"] = 40960
+    cfg["rope_parameters"] = {
+        "rope_type": "yarn", "rope_theta": 1e6, "factor": 4.0, "original_max_position_embeddings": 32768
+    }
+    assert ModelConfig.from_dict(cfg).context_length == 131072
+
+
+def base_config(arch: str = "qwen3") -> dict:
+    cfg = {
+        "architectures": [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
+                           "mistral": "MistralForCausalLM"}[arch]],
+        "model_type": arch, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
+        "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
+    }
+    return cfg
+
+
+@pytest.mark.parametrize(
+    "arch,change,message",
+    [
+        ("qwen3", {"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 1e4}},
+         "rope_parameters.rope_type 'dynamic' is not supported"),
+        ("llama", {"rope_theta": 1e4, "rope_scaling": {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}},
+         "rope_scaling.rope_type 'longrope' is not supported"),
+        ("qwen3", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e4, "partial_rotary_factor": 0.5}},
+         "partial_rotary_factor 0.5 is not supported"),
+        ("llama", {"mlp_bias": True}, "mlp_bias true is not supported"),
+        ("llama", {"attention_bias": True}, "attention_bias true"),
+        ("qwen3", {"hidden_act": "gelu"}, "hidden_act 'gelu' is not supported"),
+        ("qwen3", {"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
+        ("qwen3", {"final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
+    ],
+)
+def test_unsupported_settings_are_errors(arch, change, message):
+    with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(".", r"\.")):
+        ModelConfig.from_dict({**base_config(arch), **change})
+
+
+def test_sliding_window_caps_the_context():
+    """No sliding-window attention in tpserve: a windowed model is served up to its window, where
+    full attention computes the same thing (never silently past it)."""
+    mistral = ModelConfig.from_dict({**base_config("mistral"), "sliding_window": 1024})
+    assert mistral.context_length == 1024
+    qwen2 = ModelConfig.from_dict({**base_config("qwen2"), "use_sliding_window": True, "sliding_window": 512,
+                                   "max_window_layers": 1})
+    assert qwen2.context_length == 512
+    no_window_layers = ModelConfig.from_dict({**base_config("qwen2"), "use_sliding_window": True,
+                                              "sliding_window": 512, "max_window_layers": 2})
+    assert no_window_layers.context_length == 4096
+    assert ModelConfig.from_dict({**base_config("mistral"), "sliding_window": None}).context_length == 4096
+
+
+REAL_CONFIGS = os.path.join(os.path.dirname(__file__), "..", "data", "configs")
+
+
+@pytest.mark.parametrize(
+    "name,rope_type,theta,context",
+    [
+        ("Qwen3-8B", "default", 1e6, 40960),
+        ("Qwen3-32B", "default", 1e6, 40960),
+        ("Qwen2.5-7B-Instruct", "default", 1e6, 32768),  # sliding_window set but use_sliding_window false
+        ("Llama-3.1-8B-Instruct", "llama3", 5e5, 131072),
+    ],
+)
+def test_real_configs(name, rope_type, theta, context):
+    """The real config.json files of common models (copied from the model hubs into tests/data)."""
+    cfg = ModelConfig.from_pretrained(os.path.join(REAL_CONFIGS, name))
+    assert cfg.rope_parameters["rope_type"] == rope_type
+    assert cfg.rope_theta == theta and cfg.context_length == context
+
+
+def test_unsupported_architecture_is_named():
+    with pytest.raises(ValueError, match="unsupported architecture .'Qwen3MoeForCausalLM'."):
+        ModelConfig.from_pretrained(os.path.join(REAL_CONFIGS, "Qwen3-30B-A3B"))

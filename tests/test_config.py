@@ -1,0 +1,50 @@
+"""Start-up checks that need the model and the machine: one clear error before any process starts."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpserve.attention.base import resolve_backend_name
+from tpserve.config import EngineConfig, ModelConfig, check_can_start
+
+
+@pytest.fixture
+def two_gpus(monkeypatch):
+    """A machine that reports two GPUs (the checks only ask torch.cuda how many there are)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 2)
+
+
+def test_flashinfer_with_float32_is_an_error_naming_both(qwen3_dir, two_gpus):
+    engine = EngineConfig(model=qwen3_dir, device="cuda", dtype="float32", attention_backend="flashinfer")
+    model = ModelConfig.from_pretrained(qwen3_dir)
+    with pytest.raises(ValueError, match="--attention-backend flashinfer runs on CUDA in bfloat16 or float16, not on cuda in float32"):
+        check_can_start(engine, model, cli=True)
+    with pytest.raises(ValueError, match="attention_backend='flashinfer' runs on CUDA"):
+        check_can_start(engine, model)
+    check_can_start(EngineConfig(model=qwen3_dir, device="cuda", dtype="float32"), model)  # auto: fine
+    check_can_start(EngineConfig(model=qwen3_dir, device="cuda", dtype="bfloat16", attention_backend="flashinfer"), model)
+
+
+def test_auto_attention_takes_torch_for_float32_on_cuda():
+    cuda = torch.device("cuda")
+    assert resolve_backend_name("auto", cuda, torch.float32) == "torch"
+    assert resolve_backend_name("torch", cuda, torch.bfloat16) == "torch"
+
+
+def test_more_ranks_than_gpus(qwen3_dir, two_gpus):
+    model = ModelConfig.from_pretrained(qwen3_dir)
+    with pytest.raises(ValueError, match="--tp-size 4 needs 4 GPUs; 2 visible"):
+        check_can_start(EngineConfig(model=qwen3_dir, device="cuda", tp_size=4), model, cli=True)
+    check_can_start(EngineConfig(model=qwen3_dir, device="cuda", tp_size=2), model, cli=True)
+
+
+def test_python_api_names_keywords(qwen3_dir, tmp_path):
+    model = ModelConfig.from_pretrained(qwen3_dir)
+    with pytest.raises(ValueError, match="tp_size 3 does not divide num_attention_heads 4"):
+        check_can_start(EngineConfig(model=qwen3_dir, device="cpu", tp_size=3), model)
+    with pytest.raises(ValueError, match="pass load_format='dummy' for random weights"):
+        check_can_start(EngineConfig(model=str(tmp_path), device="cpu"), model)
+    with pytest.raises(ValueError, match="max_model_len=5000 exceeds the model's context length .4096."):
+        check_can_start(EngineConfig(model=qwen3_dir, device="cpu", max_model_len=5000), model)
