@@ -103,6 +103,12 @@ for s in $stages; do
       if [ $s = serving32_before ]; then sa="--mixed-prefill-tokens 8192 --all-reduce nccl"; else sa=""; fi
       stage $s 330 python3 benchmarks/serving.py --launch $srv --tp-size 2 --server-args "$sa" --rates inf,4 \
         --num-requests 256,64 --server-log $out/server_$s.log --out $results/$s.json ;;
+    serving32_nccl)  # the after configuration with NCCL for every all-reduce: what the peer-memory kernels are worth
+      srv=/tmp/qwen3-32b && mkdir -p $srv && cp .models/Qwen3-32B/*.json $srv/ && tar xJf .models/qwen3-tokenizer.tar.xz -C $srv
+      stage serving32_nccl 200 python3 benchmarks/serving.py --launch $srv --tp-size 2 --server-args "--all-reduce nccl" \
+        --rates inf --num-requests 256 --server-log $out/server_nccl.log --out $results/serving32_nccl.json ;;
+    tests_gpu_all) stage tests_gpu_all 330 python3 -m pytest -q -p no:cacheprovider tests/gpu \
+      -k "not (all_reduce_equal and (nccl or one_shot or two_shot))" ;;
     serving32_rate4)
       srv=/tmp/qwen3-32b && mkdir -p $srv && cp .models/Qwen3-32B/*.json $srv/ && tar xJf .models/qwen3-tokenizer.tar.xz -C $srv
       stage serving32_rate4 200 python3 benchmarks/serving.py --launch $srv --tp-size 2 --rates 4 --num-requests 64 \

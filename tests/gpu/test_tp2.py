@@ -146,9 +146,9 @@ def gpu_pids() -> set[int]:
     return {int(line) for line in out.split() if line.strip().isdigit()}
 
 
-async def stream_chat(client: httpx.AsyncClient, url: str, i: int) -> tuple[int, str | None]:
+async def stream_chat(client: httpx.AsyncClient, url: str, model: str, i: int) -> tuple[int, str | None]:
     body = {
-        "model": "m", "messages": [{"role": "user", "content": f"story number {i}"}], "max_tokens": 24 + i,
+        "model": model, "messages": [{"role": "user", "content": f"story number {i}"}], "max_tokens": 24 + i,
         "ignore_eos": True, "stream": True, "temperature": 0.6, "seed": i,
         "stream_options": {"include_usage": True},
     }
@@ -174,9 +174,11 @@ def test_server_tp2_streams_then_sigterm_frees_both_gpus(model_dir):
         on_gpu = gpu_pids() & pids
         assert len(on_gpu) >= 2, f"expected a process on each GPU, nvidia-smi shows {on_gpu} of {pids}"
 
+        model = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["id"]
+
         async def run_all():
             async with httpx.AsyncClient(timeout=120) as client:
-                return await asyncio.gather(*(stream_chat(client, url, i) for i in range(16)))
+                return await asyncio.gather(*(stream_chat(client, url, model, i) for i in range(16)))
 
         results = asyncio.run(run_all())
         assert results == [(24 + i, "length") for i in range(16)], results
