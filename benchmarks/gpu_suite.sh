@@ -33,6 +33,10 @@ stage() {  # stage NAME SECONDS COMMAND...
   echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - start)) s" | tee -a "$log"
 }
 
+serving_dir() {  # serving_dir CONFIG_DIR OUT_DIR: a model dir for the server (config + the real tokenizer)
+  mkdir -p "$2" && cp "$1"/*.json "$2"/ && tar xJf .models/qwen3-tokenizer.tar.xz -C "$2" && echo "$2"
+}
+
 small=.models/Qwen3-0.6B
 large=.models/Qwen3-8B
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$log"
@@ -64,7 +68,7 @@ for s in $stages; do
     hf06) stage hf06 150 python3 benchmarks/offline_throughput.py --model $small --hf-baseline --num-requests 64 --out $results/offline_qwen3_0.6b_hf.json ;;
     prefill8k) stage prefill8k 60 python3 benchmarks/prefill_throughput.py --model $large --lengths 8192 --out $results/prefill_qwen3_8b_8k.json ;;
     serving06)  # a real server (dummy weights, the real Qwen3 tokenizer) and the online client
-      srv=/tmp/qwen3-0.6b && mkdir -p $srv && cp $small/*.json $srv/ && tar xJf .models/qwen3-tokenizer.tar.xz -C $srv
+      srv=$(serving_dir $small /tmp/qwen3-0.6b)
       port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
       python3 -m tpserve --model $srv --load-format dummy --port $port > $out/server.log 2>&1 &
       spid=$!
@@ -99,18 +103,18 @@ for s in $stages; do
     tpdecode32) stage tpdecode32 300 python3 benchmarks/tp_decode_latency.py --model .models/Qwen3-32B --tp-size 2 \
       --batch-sizes 1,64 --all-reduce auto,nccl --allreduce-json $results/allreduce_tp2.json --out $results/tp_decode_qwen3_32b.json ;;
     serving32_before|serving32_after)  # workload A on Qwen3-32B TP 2 through HTTP; before = mixed 8192-token chunks + NCCL only
-      srv=/tmp/qwen3-32b && mkdir -p $srv && cp .models/Qwen3-32B/*.json $srv/ && tar xJf .models/qwen3-tokenizer.tar.xz -C $srv
+      srv=$(serving_dir .models/Qwen3-32B /tmp/qwen3-32b)
       if [ $s = serving32_before ]; then sa="--mixed-prefill-tokens 8192 --all-reduce nccl"; else sa=""; fi
       stage $s 330 python3 benchmarks/serving.py --launch $srv --tp-size 2 --server-args "$sa" --rates inf,4 \
         --num-requests 256,64 --server-log $out/server_$s.log --out $results/$s.json ;;
     serving32_nccl)  # the after configuration with NCCL for every all-reduce: what the peer-memory kernels are worth
-      srv=/tmp/qwen3-32b && mkdir -p $srv && cp .models/Qwen3-32B/*.json $srv/ && tar xJf .models/qwen3-tokenizer.tar.xz -C $srv
+      srv=$(serving_dir .models/Qwen3-32B /tmp/qwen3-32b)
       stage serving32_nccl 200 python3 benchmarks/serving.py --launch $srv --tp-size 2 --server-args "--all-reduce nccl" \
         --rates inf --num-requests 256 --server-log $out/server_nccl.log --out $results/serving32_nccl.json ;;
     tests_gpu_all) stage tests_gpu_all 330 python3 -m pytest -q -p no:cacheprovider tests/gpu \
       -k "not (all_reduce_equal and (nccl or one_shot or two_shot))" ;;
     serving32_rate4)
-      srv=/tmp/qwen3-32b && mkdir -p $srv && cp .models/Qwen3-32B/*.json $srv/ && tar xJf .models/qwen3-tokenizer.tar.xz -C $srv
+      srv=$(serving_dir .models/Qwen3-32B /tmp/qwen3-32b)
       stage serving32_rate4 200 python3 benchmarks/serving.py --launch $srv --tp-size 2 --rates 4 --num-requests 64 \
         --server-log $out/server_rate4.log --out $results/serving32_rate4.json ;;
     offline14_tp1) stage offline14_tp1 200 python3 benchmarks/offline_throughput.py --model .models/Qwen3-14B --out $results/offline_qwen3_14b_tp1.json ;;
