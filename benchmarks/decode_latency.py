@@ -34,7 +34,7 @@ from common import (
     write_json,
 )
 from step_trace import StepTracer
-from tpserve.engine.batch import SequenceInput
+from tpserve.forward import SequenceInput
 from tpserve.engine.engine import Engine
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.kvcache.pool import PageAllocator

@@ -20,7 +20,7 @@ from common import (
     time_cuda,
     write_json,
 )
-from tpserve.engine.batch import SequenceInput
+from tpserve.forward import SequenceInput
 from tpserve.kvcache.pool import PageAllocator
 
 

@@ -22,7 +22,7 @@ from common import (
     write_json,
 )
 from torch.profiler import ProfilerActivity, profile
-from tpserve.engine.batch import SequenceInput
+from tpserve.forward import SequenceInput
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.kvcache.pool import PageAllocator
 from tpserve.sampling_params import SamplingParams

@@ -33,7 +33,8 @@ def warm(part: str, head_dim: int, dtype: torch.dtype) -> None:
     if part in ("norm", "silu"):
         return warm_elementwise(part, dtype)
     from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
-    from tpserve.engine.batch import SequenceInput, build_forward_inputs
+    from tpserve.engine.batch import build_forward_inputs
+    from tpserve.forward import SequenceInput
     from tpserve.kvcache.pool import KVCachePool
 
     device = torch.device("cuda")

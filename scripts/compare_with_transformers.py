@@ -15,7 +15,7 @@ from transformers import AutoModelForCausalLM
 
 from tpserve import LLM, SamplingParams
 from tpserve.config import EngineConfig
-from tpserve.engine.batch import SequenceInput
+from tpserve.forward import SequenceInput
 from tpserve.engine.engine import Engine
 from tpserve.kvcache.pool import PageAllocator
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from tpserve.attention.base import resolve_backend_name
+from tpserve.attention.factory import resolve_backend_name
 from tpserve.config import EngineConfig, ModelConfig, check_can_start
 
 

@@ -57,7 +57,7 @@ def test_bad_inputs(llm):
         llm.generate("a string, not a list")
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate(["hi"], [SamplingParams(), SamplingParams()])
-    with pytest.raises(ValueError, match="temperature must be >= 0"):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)

@@ -9,8 +9,8 @@ logger = logging.getLogger("tpserve")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tpserve.server.args import parse_args
-    from tpserve.server.child import setup_logging
+    from tpserve.launch.args import parse_args
+    from tpserve.launch.child import setup_logging
 
     args = parse_args(argv)
     setup_logging(args.log_level)
@@ -21,10 +21,10 @@ def main(argv: list[str] | None = None) -> int:
             args.model_dir,
         )
     if args.shell:
-        from tpserve.server.shell import run_shell
+        from tpserve.launch.shell import run_shell
 
         return run_shell(args)
-    from tpserve.server.http_server import run_http_server
+    from tpserve.launch.http import run_http_server
 
     return run_http_server(args)
 

@@ -2,16 +2,21 @@
 
 from __future__ import annotations
 
+import math
+
 import msgspec
 
 
 MAX_LOGPROBS = 20
+# Temperatures below this are greedy, as in vLLM: dividing logits by 1e-50 would overflow to inf
+# (and the row would sample at random), while any temperature this small is an argmax anyway.
+GREEDY_TEMPERATURE = 1e-5
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
     """How to pick each next token and when to stop.
 
-    temperature 0 means greedy. top_k -1 (or 0) disables top-k. A request with a ``seed``
+    temperature 0 (or below 1e-5) means greedy. top_k -1 (or 0) disables top-k. A request with a ``seed``
     samples the same tokens every time, whatever else is in its batch.
     """
 
@@ -29,8 +34,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 <= self.temperature < math.inf:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < -1:
@@ -46,4 +51,4 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0.0
+        return self.temperature < GREEDY_TEMPERATURE

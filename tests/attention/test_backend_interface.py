@@ -1,5 +1,5 @@
-"""The backend interface's shared part: ``forward`` stores the step's k/v (unless the layer's
-fused kernel did) and then calls the backend's ``attend``. FlashInfer's ``attend`` is driven here
+"""The backend interface's shared part: ``forward`` stores the step's k/v and then calls the
+backend's ``attend``. FlashInfer's ``attend`` is driven here
 with a stand-in wrapper, since FlashInfer itself only runs on the GPU (tests/gpu)."""
 
 from __future__ import annotations
@@ -34,17 +34,9 @@ def test_forward_stores_kv_then_attends_on_the_cache():
     k, v = qkv[:, 8:12].view(3, 1, 4), qkv[:, 12:].view(3, 1, 4)
     slots = torch.tensor([2, 3, 7])
     wrapper = RecordingWrapper()
-    out = backend.forward(1, q, k, v, slots, FlashInferMetadata(wrapper, is_decode=False))
+    out = backend.forward(1, q, k, v, slots, FlashInferMetadata(wrapper))
     (q_run, (k_cache, v_cache)), = wrapper.calls
     assert q_run.is_contiguous() and torch.equal(q_run, q) and torch.equal(out, 2 * q)
     assert k_cache is pool.k[1] and v_cache is pool.v[1]
     assert torch.equal(pool.k[1].view(-1, 1, 4)[slots], k) and torch.equal(pool.v[1].view(-1, 1, 4)[slots], v)
     assert not pool.k[0].any(), "only the layer's own cache is written"
-
-
-def test_forward_without_kv_leaves_the_cache_to_the_fused_kernel():
-    pool = KVCachePool(1, 4, 2, 1, 4, torch.float32, torch.device("cpu"))
-    backend = flashinfer_backend_on_cpu(pool)
-    wrapper = RecordingWrapper()
-    backend.forward(0, torch.randn(3, 2, 4), None, None, torch.tensor([0, 1, 2]), FlashInferMetadata(wrapper, True))
-    assert len(wrapper.calls) == 1 and not pool.k[0].any() and not pool.v[0].any()

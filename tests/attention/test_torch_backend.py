@@ -5,7 +5,8 @@ from __future__ import annotations
 import torch
 
 from tpserve.attention.torch_backend import TorchAttentionBackend
-from tpserve.engine.batch import SequenceInput, build_forward_inputs
+from tpserve.engine.batch import build_forward_inputs
+from tpserve.forward import SequenceInput
 from tpserve.kvcache.pool import KVCachePool
 
 

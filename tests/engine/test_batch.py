@@ -8,10 +8,11 @@ from itertools import pairwise
 
 import pytest
 import torch
-from tpserve.attention.base import create_backend, resolve_backend_name
+from tpserve.attention.factory import create_backend, resolve_backend_name
 from tpserve.attention.flashinfer_backend import paged_layout
-from tpserve.engine.batch import SequenceInput, build_forward_inputs
+from tpserve.engine.batch import build_forward_inputs
 from tpserve.engine.cuda_graph import capture_sizes
+from tpserve.forward import SequenceInput
 from tpserve.kvcache.pool import KVCachePool
 
 

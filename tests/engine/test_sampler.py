@@ -157,10 +157,18 @@ def test_greedy_rows_in_a_sampled_batch():
     assert torch.equal(tokens[greedy], logits.argmax(dim=-1)[greedy])
 
 
-def test_tiny_temperature_is_greedy():
+@pytest.mark.parametrize("temperature", [1e-4, 1e-6, 1e-50, 5e-324])
+def test_tiny_temperature_is_greedy(temperature):
+    """Even where logits / t overflows to inf (1e-50), never a sample at random."""
     logits = torch.randn(32, 500, generator=torch.Generator().manual_seed(2))
-    tokens = sample(logits, [SP(temperature=1e-4)] * 32, list(range(32)))
+    tokens = sample(logits, [SP(temperature=temperature)] * 32, list(range(32)))
     assert torch.equal(tokens, logits.argmax(dim=-1))
+
+
+@pytest.mark.parametrize("temperature", [float("nan"), float("inf"), -1.0])
+def test_temperature_must_be_finite_and_not_negative(temperature):
+    with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):
+        SP(temperature=temperature)
 
 
 # --- reproducibility --------------------------------------------------------------------------
@@ -385,3 +393,16 @@ def test_build_rows_start_16_byte_aligned(rows):
     for tensor in (batch.temperatures, batch.top_ks, batch.top_ps, batch.min_ps, batch.seeds, batch.steps):
         assert tensor.data_ptr() % 16 == 0 and tensor.shape == (rows,)
     assert batch.seeds.tolist() == list(range(rows))
+
+
+def test_cpu_scratch_does_not_keep_a_burst_peak():
+    """A 150-row step at a 150k vocabulary must not leave ~550 MB of scratch behind."""
+    sampler = Sampler()
+    logits = torch.randn(150, 151_936)
+    sample_batch = SamplingBatch.build([SP(temperature=0.8)] * 150, list(range(150)), [0] * 150, 151_936, "cpu")
+    sampler(logits, sample_batch)
+    assert sampler._ws.retained_bytes <= 4 * sampler._ws.max_retained_bytes
+    small = SamplingBatch.build([SP(temperature=0.8)] * 2, [0, 1], [0, 0], 1000, "cpu")
+    first = sampler(torch.randn(2, 1000), small)
+    assert sampler._ws.retained_bytes > 0  # small steps still reuse their buffers
+    assert first.shape == (2,)

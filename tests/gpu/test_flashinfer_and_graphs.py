@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 pytest.importorskip("flashinfer")
 
 from tpserve.config import EngineConfig
-from tpserve.engine.batch import SequenceInput
+from tpserve.forward import SequenceInput
 from tpserve.engine.engine import Engine
 from tpserve.kvcache.pool import PageAllocator
 

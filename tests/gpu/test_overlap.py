@@ -40,9 +40,9 @@ def test_launch_does_not_wait_for_the_device(tmp_path, graphs):
     import time
 
     from tpserve.config import EngineConfig
-    from tpserve.engine.batch import SequenceInput
     from tpserve.engine.engine import Engine
     from tpserve.engine.sampler import SamplingBatch
+    from tpserve.forward import SequenceInput
     from tpserve.kvcache.pool import PageAllocator
     from tpserve.sampling_params import SamplingParams
     from tpserve.tiny import make_tiny_model

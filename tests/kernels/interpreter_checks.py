@@ -112,8 +112,9 @@ def check_kv_store() -> None:
 
 
 def check_norm_rope_store() -> None:
-    """q/k norm + rotary + KV store in one kernel against the layers' torch code."""
-    from tpserve.kernels.rope_store import norm_rope_store
+    """q/k norm + rotary + KV store in one kernel, as the attention backend's forward_fused runs
+    it, against the layers' torch code."""
+    from tpserve.attention.torch_backend import TorchAttentionBackend
     from tpserve.layers.norm import RMSNorm
     from tpserve.layers.rotary import RotaryEmbedding
 
@@ -140,8 +141,10 @@ def check_norm_rope_store() -> None:
         reference = KVCachePool(1, 8, 4, kv_heads, head_dim, torch.float32, torch.device("cpu"))
         reference.store(0, slots, k_ref, v)
         fused = KVCachePool(1, 8, 4, kv_heads, head_dim, torch.float32, torch.device("cpu"))
-        weights = (q_norm.weight, k_norm.weight) if with_norm else (None, None)
-        got = norm_rope_store(qkv, positions, table, *weights, 1e-6, fused.k[0], fused.v[0], slots, heads, kv_heads, head_dim)
+        backend = TorchAttentionBackend(fused, heads, kv_heads, head_dim, fused_rope_store=True)
+        backend.attend = lambda layer, q, meta: q  # the kernel's q, before attention
+        norm = (q_norm.weight, k_norm.weight, 1e-6) if with_norm else None
+        got = backend.forward_fused(0, qkv, positions, table, norm, slots, None)
         torch.testing.assert_close(got, q_ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fused.k[0], reference.k[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(fused.v[0], reference.v[0])

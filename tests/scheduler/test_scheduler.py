@@ -9,7 +9,7 @@ import pytest
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.sampling_params import SamplingParams
-from tpserve.scheduler.scheduler import RequestRejected, Scheduler
+from tpserve.scheduler.scheduler import AdmissionError, Scheduler
 
 
 @pytest.fixture(scope="module")
@@ -87,7 +87,7 @@ def test_eos_finishes_with_stop(small_engine):
     ],
 )
 def test_rejections(small_engine, prompt, params, message):
-    with pytest.raises(RequestRejected, match=message):
+    with pytest.raises(AdmissionError, match=message):
         Scheduler(small_engine).add_request(0, prompt, params, seed=0)
 
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from tpserve.message.frontend import RequestOutput, RequestRejected, TokenizeRequest
+from tpserve.message.frontend import ApiOutput, RequestRejected, TokenizeRequest
 
 
 class StubFrontend:
@@ -42,7 +42,7 @@ class StubFrontend:
         for i, text in enumerate(chunks):
             last = i == len(chunks) - 1
             queue.put_nowait(
-                RequestOutput(
+                ApiOutput(
                     rid=req.rid, text=text, new_tokens=1, completion_tokens=i + 1,
                     prompt_tokens=self.prompt_tokens, cached_tokens=0,
                     finish_reason="length" if last else None,

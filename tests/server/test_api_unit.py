@@ -10,7 +10,7 @@ from fastapi.testclient import TestClient
 from stub_frontend import StubFrontend
 from tpserve.config import EngineConfig
 from tpserve.server.api import AppState, create_app
-from tpserve.server.args import ServerArgs
+from tpserve.launch.args import ServerArgs
 from tpserve.server.serving import Serving
 
 MODEL = "tiny-test"

@@ -18,7 +18,7 @@ from server_process import ServerProcess
 def server(qwen3_dir):
     srv = ServerProcess(["--model", qwen3_dir, "--device", "cpu", "--tp-size", "2", "--max-total-tokens", "256",
                          "--page-size", "4", "--max-prefill-tokens", "16", "--cache", "radix",
-                         "--debug-check-ranks", "--served-model-name", "tiny"])
+                         "--debug-check-invariants", "--served-model-name", "tiny"])
     try:
         srv.wait_ready()
         yield srv

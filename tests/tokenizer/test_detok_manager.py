@@ -24,7 +24,7 @@ def batch(*outputs, stats=None):
 
 
 def feed_tokens(manager, rid, ids, finish="length"):
-    """One token per batch; returns (texts, last RequestOutput, aborts)."""
+    """One token per batch; returns (texts, last ApiOutput, aborts)."""
     texts, aborts, last = [], [], None
     for i, t in enumerate(ids):
         done = finish if i == len(ids) - 1 else None

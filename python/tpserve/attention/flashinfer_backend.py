@@ -21,7 +21,7 @@ import torch
 
 from tpserve.attention.base import AttentionBackend
 from tpserve.config import FLASHINFER_ATTENTION_DTYPES
-from tpserve.engine.batch import SequenceInput, check_page_tables
+from tpserve.forward import SequenceInput, check_page_tables
 from tpserve.kvcache.pool import KVCachePool
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # split-kv partial results; FlashInfer recommends >= 128 MiB
@@ -126,7 +126,6 @@ class PinnedStaging:
 @dataclass
 class FlashInferMetadata:
     wrapper: object  # the planned BatchDecode/BatchPrefill wrapper that every layer runs
-    is_decode: bool
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -139,10 +138,11 @@ class FlashInferAttentionBackend(AttentionBackend):
         num_kv_heads: int,
         head_dim: int,
         device: torch.device,
+        fused_rope_store: bool = False,
         decode_tensor_cores: bool | None = None,
         prefill_backend: str = "auto",
     ) -> None:
-        super().__init__(pool, num_heads, num_kv_heads, head_dim)
+        super().__init__(pool, num_heads, num_kv_heads, head_dim, fused_rope_store)
         if device.type != "cuda":
             raise ValueError(f"the flashinfer attention backend needs a CUDA device, got {device}")
         self.dtype = pool.k[0].dtype
@@ -184,7 +184,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if all(len(s.token_ids) == 1 for s in seqs):
             self._plan_decode(self.decode_wrapper, layout)
             self._mark_planned()
-            return FlashInferMetadata(self.decode_wrapper, is_decode=True)
+            return FlashInferMetadata(self.decode_wrapper)
         self.prefill_wrapper.plan(
             layout.qo_indptr,
             layout.kv_indptr,
@@ -200,7 +200,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             kv_data_type=self.dtype,
         )
         self._mark_planned()
-        return FlashInferMetadata(self.prefill_wrapper, is_decode=False)
+        return FlashInferMetadata(self.prefill_wrapper)
 
     def _plan_decode(self, wrapper: object, layout: PagedLayout) -> None:
         wrapper.plan(
@@ -236,7 +236,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             paged_kv_indices_buffer=self._graph_indices,
             paged_kv_last_page_len_buffer=torch.ones(batch_size, dtype=torch.int32, device=self.device),
         )
-        return FlashInferMetadata(wrapper, is_decode=True)
+        return FlashInferMetadata(wrapper)
 
     @torch.inference_mode()  # the buffers were made during capture, in inference mode
     def plan_cuda_graph(self, seqs: list[SequenceInput], meta: FlashInferMetadata, batch_size: int) -> None:

@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from tpserve.attention.base import AttentionBackend
-from tpserve.engine.batch import SequenceInput
+from tpserve.forward import SequenceInput
 
 
 @dataclass

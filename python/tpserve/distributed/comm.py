@@ -7,8 +7,11 @@ only on CUDA).
 
 from __future__ import annotations
 
+import os
 import socket
+from datetime import timedelta
 from typing import TYPE_CHECKING, Protocol
+from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
@@ -107,9 +110,10 @@ def init_process_groups(
     if world_size == 1:
         return SingleRankCommunicator(), None
     backend = "nccl" if device.type == "cuda" else "gloo"
+    store = _rendezvous_store(init_addr, rank, world_size)
     dist.init_process_group(
         backend=backend,
-        init_method=init_addr,
+        store=store,
         rank=rank,
         world_size=world_size,
         device_id=device if device.type == "cuda" else None,
@@ -121,3 +125,32 @@ def init_process_groups(
 
     peer = create_peer_all_reduce(all_reduce, dist.group.WORLD, cpu_group, device, dtype)
     return CudaCommunicator(world_size, peer), cpu_group
+
+
+RENDEZVOUS_TIMEOUT = timedelta(seconds=300)
+
+
+def _rendezvous_store(init_addr: str, rank: int, world_size: int) -> dist.TCPStore:
+    """The ranks' key-value store, listening only on ``init_addr``'s host.
+
+    torch's own ``tcp://`` rendezvous makes rank 0's store listen on every interface, unauthenticated;
+    handing it a socket bound to the given host keeps it there (loopback for one machine). Gloo's
+    and NCCL's own sockets follow the loopback interface too unless the user chose another.
+    """
+    url = urlsplit(init_addr)
+    host, port = url.hostname or "127.0.0.1", url.port
+    if port is None:
+        raise ValueError(f"dist_init_addr must be tcp://HOST:PORT, got {init_addr!r}")
+    if host in ("127.0.0.1", "localhost", "::1"):
+        os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
+        os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    if rank != 0:
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+    listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
+    listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    listener.bind((host, port))
+    listener.listen()
+    # detach: the store owns the descriptor from now on (closing the Python socket would close it)
+    return dist.TCPStore(
+        host, port, world_size, is_master=True, timeout=RENDEZVOUS_TIMEOUT, master_listen_fd=listener.detach()
+    )

@@ -1,4 +1,4 @@
-"""One step's work, as the scheduler hands it to the engine."""
+"""One step's sequences flattened into host arrays and device tensors."""
 
 from __future__ import annotations
 
@@ -8,33 +8,7 @@ from itertools import chain
 import numpy as np
 import torch
 
-
-@dataclass
-class SequenceInput:
-    """One request's part of a step: its new tokens on top of ``prefix_len`` cached ones."""
-
-    token_ids: list[int]
-    prefix_len: int
-    page_table: list[int]  # pages holding positions [0, prefix_len + len(token_ids))
-
-    @property
-    def extend_len(self) -> int:
-        return len(self.token_ids)
-
-    @property
-    def seq_len(self) -> int:
-        return self.prefix_len + len(self.token_ids)
-
-
-@dataclass
-class ForwardInputs:
-    """Flattened device tensors for one step; ``attn`` is the backend's own metadata."""
-
-    input_ids: torch.Tensor  # [T]
-    positions: torch.Tensor  # [T]
-    out_slots: torch.Tensor  # [T] flat KV slot of each new token
-    last_indices: torch.Tensor  # [B] index in T of each sequence's last new token
-    attn: object
+from tpserve.forward import ForwardInputs, SequenceInput, check_page_tables, int_array
 
 
 @dataclass
@@ -50,29 +24,13 @@ class HostBatch:
     def seq_lens(self) -> np.ndarray:
         return self.prefix_lens + self.extend_lens
 
-    @property
-    def is_decode(self) -> bool:
-        return bool((self.extend_lens == 1).all())
-
-
-def _int_array(values, count: int) -> np.ndarray:
-    return np.fromiter(values, dtype=np.int64, count=count)
-
-
-def check_page_tables(seqs: list[SequenceInput], seq_lens: np.ndarray, page_size: int) -> None:
-    table_lens = _int_array((len(s.page_table) for s in seqs), len(seqs))
-    short = np.flatnonzero(-(-seq_lens // page_size) > table_lens)
-    if short.size:
-        b = int(short[0])
-        raise ValueError(f"page table of {table_lens[b]} pages is too short for {seq_lens[b]} tokens")
-
 
 def build_host_batch(seqs: list[SequenceInput], page_size: int) -> HostBatch:
     if not seqs:
         raise ValueError("a step needs at least one sequence")
     batch = len(seqs)
-    extend = _int_array((len(s.token_ids) for s in seqs), batch)
-    prefix = _int_array((s.prefix_len for s in seqs), batch)
+    extend = int_array((len(s.token_ids) for s in seqs), batch)
+    prefix = int_array((s.prefix_len for s in seqs), batch)
     if (extend < 1).any():
         raise ValueError("every sequence of a step needs at least one new token")
     seq_lens = prefix + extend
@@ -81,13 +39,13 @@ def build_host_batch(seqs: list[SequenceInput], page_size: int) -> HostBatch:
     total = int(ends[-1])
 
     tokens = np.empty((3, total), dtype=np.int64)
-    tokens[0] = _int_array(chain.from_iterable(s.token_ids for s in seqs), total)
+    tokens[0] = int_array(chain.from_iterable(s.token_ids for s in seqs), total)
     positions = np.arange(total, dtype=np.int64) + np.repeat(prefix - (ends - extend), extend)
     tokens[1] = positions
     # Only the pages the new tokens land on: [prefix // page_size, (seq_len - 1) // page_size].
     first_page = prefix // page_size
     page_counts = (seq_lens - 1) // page_size - first_page + 1
-    pages = _int_array(
+    pages = int_array(
         chain.from_iterable(
             s.page_table[f : f + c] for s, f, c in zip(seqs, first_page.tolist(), page_counts.tolist())
         ),

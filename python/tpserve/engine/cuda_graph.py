@@ -20,8 +20,9 @@ import numpy as np
 import torch
 
 from tpserve.attention.base import AttentionBackend
-from tpserve.engine.batch import ForwardInputs, SequenceInput, build_host_batch, resolve_future_tokens
-from tpserve.models.decoder import CausalLM, ForwardContext
+from tpserve.engine.batch import build_host_batch, resolve_future_tokens
+from tpserve.forward import ForwardContext, ForwardInputs, SequenceInput
+from tpserve.models.decoder import CausalLM
 
 logger = logging.getLogger(__name__)
 

@@ -7,15 +7,17 @@ import os
 
 import torch
 
-from tpserve.attention.base import create_backend
+from tpserve.attention.factory import create_backend
 from tpserve.config import EngineConfig, ModelConfig, resolve_dtype
 from tpserve.distributed.comm import init_process_groups
 from tpserve.distributed.info import set_tp_info
-from tpserve.engine.batch import SequenceInput, build_forward_inputs, resolve_future_tokens
+from tpserve.engine.batch import build_forward_inputs, resolve_future_tokens
 from tpserve.engine.cuda_graph import CUDAGraphRunner
 from tpserve.engine.sampler import Sampler, SamplingBatch
+from tpserve.forward import ForwardContext, SequenceInput
+from tpserve.kernels import use_triton
 from tpserve.kvcache.pool import KVCachePool
-from tpserve.models.decoder import CausalLM, ForwardContext
+from tpserve.models.decoder import CausalLM
 from tpserve.models.loader import load_model_weights
 from tpserve.sampling_params import SamplingParams
 
@@ -109,7 +111,7 @@ class Engine:
             self.num_kv_heads,
             self.model_config.head_dim,
             self.device,
-            config.extra.get("attention_options"),
+            self._fused_rope_store(),
         )
         self.sampler = Sampler()
         self.graph_runner = self._capture_cuda_graphs()
@@ -123,6 +125,14 @@ class Engine:
                 type(self.attention).__name__, self.num_pages - 1, self.page_size,
                 f"up to batch {self.graph_runner.max_batch_size}" if self.graph_runner else "off",
             )
+
+    def _fused_rope_store(self) -> bool:
+        """Whether layers take qkv to q and the KV cache in one Triton kernel (kernels.rope_store)."""
+        if not use_triton(self.device):
+            return False
+        from tpserve.kernels import rope_store
+
+        return rope_store.supported(self.model_config.head_dim, self.model.rotary.cos_sin_cache)
 
     def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)

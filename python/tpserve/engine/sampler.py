@@ -57,18 +57,25 @@ class Workspace:
 
     Only on CPU, where freshly allocated B x V tensors are page-faulted in on every step at more
     cost than the arithmetic on them. Elsewhere it allocates: the CUDA caching allocator already
-    reuses memory, and pinning buffers here would take it from the KV cache.
+    reuses memory, and pinning buffers here would take it from the KV cache. A buffer is kept only
+    up to ``max_retained_bytes``: one burst of a large batch must not hold its peak (hundreds of MB
+    at a 150k vocabulary) for the life of the process; beyond it, the rare large steps allocate.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, max_retained_bytes: int = 16 << 20) -> None:
+        self.max_retained_bytes = max_retained_bytes
         self._buffers: dict[str, torch.Tensor] = {}
+
+    @property
+    def retained_bytes(self) -> int:
+        return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
     def empty(
         self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     ) -> torch.Tensor:
-        if device.type != "cpu":
-            return torch.empty(shape, dtype=dtype, device=device)
         numel = math.prod(shape)
+        if device.type != "cpu" or numel * dtype.itemsize > self.max_retained_bytes:
+            return torch.empty(shape, dtype=dtype, device=device)
         buffer = self._buffers.get(name)
         if buffer is None or buffer.dtype != dtype or buffer.numel() < numel:
             buffer = self._buffers[name] = torch.empty(numel, dtype=dtype)
@@ -159,7 +166,7 @@ class SamplingBatch:
     ) -> SamplingBatch:
         if not len(params) == len(seeds) == len(steps):
             raise ValueError(f"got {len(params)} params, {len(seeds)} seeds and {len(steps)} steps")
-        greedy = [p.temperature == 0.0 for p in params]
+        greedy = [p.greedy for p in params]
         top_ks = [p.top_k if 0 < p.top_k < vocab_size else vocab_size for p in params]
         uses_top_k = [not g and k < vocab_size for g, k in zip(greedy, top_ks)]
         uses_top_p = [not g and p.top_p < 1.0 for g, p in zip(greedy, params)]
@@ -173,7 +180,8 @@ class SamplingBatch:
         width = -(-max(batch, 1) // 4) * 4
         floats = torch.zeros((3, width), dtype=torch.float32)
         floats[:, :batch] = torch.tensor(
-            [[p.temperature for p in params], [p.top_p for p in params], [p.min_p for p in params]],
+            [[0.0 if g else p.temperature for g, p in zip(greedy, params)], [p.top_p for p in params],
+             [p.min_p for p in params]],
             dtype=torch.float32,
         )
         floats = floats.to(device, non_blocking=True)

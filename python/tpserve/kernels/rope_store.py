@@ -67,16 +67,10 @@ def _norm_rope_store_kernel(
         tl.store(dst + HALF + cols, tl.load(src + HALF + cols))
 
 
-def supported(qkv: torch.Tensor, head_dim: int, cos_sin_cache: torch.Tensor | None) -> bool:
-    """Rows of qkv contiguous, a power-of-two head_dim (the kernel's block), a float32 table."""
-    return (
-        cos_sin_cache is not None
-        and cos_sin_cache.dtype == torch.float32
-        and qkv.dim() == 2
-        and qkv.stride(1) == 1
-        and head_dim >= 32
-        and head_dim & (head_dim - 1) == 0
-    )
+def supported(head_dim: int, cos_sin_cache: torch.Tensor | None) -> bool:
+    """A power-of-two head_dim (the kernel's block) and a float32 table."""
+    table_ok = cos_sin_cache is not None and cos_sin_cache.dtype == torch.float32
+    return table_ok and head_dim >= 32 and head_dim & (head_dim - 1) == 0
 
 
 def norm_rope_store(
@@ -99,8 +93,8 @@ def norm_rope_store(
     Without q/k norm pass None for both weights."""
     if (q_weight is None) != (k_weight is None):
         raise ValueError("pass both q/k norm weights or neither")
-    if not (k_cache.is_contiguous() and v_cache.is_contiguous()):
-        raise ValueError("norm_rope_store needs contiguous KV caches")
+    if not (k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.dim() == 2 and qkv.stride(1) == 1):
+        raise ValueError("norm_rope_store needs contiguous KV caches and qkv rows")
     tokens = qkv.shape[0]
     q = torch.empty((tokens, num_heads, head_dim), dtype=qkv.dtype, device=qkv.device)
     if tokens == 0:

@@ -68,7 +68,7 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     top: list[tuple[str, float]]
 
 
-class RequestOutput(msgspec.Struct, kw_only=True):
+class ApiOutput(msgspec.Struct, kw_only=True):
     """New text of one request. ``completion_tokens`` counts all tokens generated so far.
 
     finish_reason: None while running, else "stop", "length", "abort" or "error" (then
@@ -87,7 +87,7 @@ class RequestOutput(msgspec.Struct, kw_only=True):
 
 
 class ApiOutputBatch(msgspec.Struct, tag="api_outputs", kw_only=True):
-    outputs: list[RequestOutput]
+    outputs: list[ApiOutput]
     stats: SchedulerStats | None = None
 
 

@@ -52,12 +52,6 @@ class Receiver(Generic[T]):
             if msg is not None:
                 handle(msg)
 
-    def recv_nowait(self) -> T | None:
-        try:
-            return self._decoder.decode(self.socket.recv(zmq.NOBLOCK))
-        except zmq.Again:
-            return None
-
 
 class Sender:
     """A PUSH socket for msgspec structs."""

@@ -8,30 +8,17 @@ gate/up into ``gate_up_proj``.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from types import ModuleType
-
 import torch
 from torch import nn
 
-from tpserve.attention.base import AttentionBackend
 from tpserve.config import ModelConfig
 from tpserve.distributed.comm import Communicator
-from tpserve.engine.batch import ForwardInputs
-from tpserve.kernels import use_triton
+from tpserve.forward import ForwardContext
 from tpserve.layers.activation import silu_and_mul
 from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.rotary import RotaryEmbedding
-
-
-@dataclass
-class ForwardContext:
-    """What every layer needs for one step, passed explicitly down the model."""
-
-    inputs: ForwardInputs
-    attention: AttentionBackend
 
 
 class Attention(nn.Module):
@@ -51,42 +38,25 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         qkv = self.qkv_proj(x)
-        if use_triton(qkv.device):
-            from tpserve.kernels import rope_store
-
-            if rope_store.supported(qkv, self.head_dim, self.rotary[0].cos_sin_cache):
-                return self.o_proj(self._fused_attention(qkv, ctx, rope_store))
-        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
-        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
-        q = q.view(-1, self.num_heads, self.head_dim)
-        k = k.view(-1, self.num_kv_heads, self.head_dim)
-        v = v.view(-1, self.num_kv_heads, self.head_dim)
-        if self.q_norm is not None and self.k_norm is not None:
-            q, k = self.q_norm(q), self.k_norm(k)
-        q, k = self.rotary[0](ctx.inputs.positions, q, k)
-        out = ctx.attention.forward(self.layer_id, q, k, v, ctx.inputs.out_slots, ctx.inputs.attn)
+        if ctx.attention.fused_rope_store:
+            out = self._fused_attention(qkv, ctx)
+        else:
+            q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+            q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+            q = q.view(-1, self.num_heads, self.head_dim)
+            k = k.view(-1, self.num_kv_heads, self.head_dim)
+            v = v.view(-1, self.num_kv_heads, self.head_dim)
+            if self.q_norm is not None and self.k_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
+            q, k = self.rotary[0](ctx.inputs.positions, q, k)
+            out = ctx.attention.forward(self.layer_id, q, k, v, ctx.inputs.out_slots, ctx.inputs.attn)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
 
-    def _fused_attention(self, qkv: torch.Tensor, ctx: ForwardContext, rope_store: ModuleType) -> torch.Tensor:
-        """q/k norm, rotary and the KV store in one kernel, then attention on the stored cache."""
-        pool = ctx.attention.pool
-        norms = (self.q_norm, self.k_norm) if self.q_norm is not None and self.k_norm is not None else None
-        q = rope_store.norm_rope_store(
-            qkv,
-            ctx.inputs.positions,
-            self.rotary[0].cos_sin_cache,
-            norms[0].weight if norms else None,
-            norms[1].weight if norms else None,
-            norms[0].eps if norms else 0.0,
-            pool.k[self.layer_id],
-            pool.v[self.layer_id],
-            ctx.inputs.out_slots,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-        )
-        out = ctx.attention.forward(self.layer_id, q, None, None, ctx.inputs.out_slots, ctx.inputs.attn)
-        return out.reshape(-1, self.num_heads * self.head_dim)
+    def _fused_attention(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        has_norm = self.q_norm is not None and self.k_norm is not None
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if has_norm else None
+        inputs, cos_sin = ctx.inputs, self.rotary[0].cos_sin_cache
+        return ctx.attention.forward_fused(self.layer_id, qkv, inputs.positions, cos_sin, norm, inputs.out_slots, inputs.attn)
 
 
 class MLP(nn.Module):

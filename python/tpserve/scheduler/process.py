@@ -5,7 +5,6 @@ from __future__ import annotations
 import hashlib
 import logging
 import multiprocessing as mp
-import os
 import time
 
 import torch
@@ -16,7 +15,7 @@ from tpserve.message import AbortRequest, BatchTokenOutput, FlushCache, Generate
 from tpserve.message.endpoints import Endpoints
 from tpserve.scheduler.gc_control import freeze_startup_heap
 from tpserve.scheduler.io import SchedulerIO
-from tpserve.scheduler.scheduler import RequestRejected, Scheduler
+from tpserve.scheduler.scheduler import AdmissionError, Scheduler
 
 logger = logging.getLogger("tpserve.scheduler")
 
@@ -26,11 +25,6 @@ LOG_INTERVAL_S = 10.0
 def run_scheduler(engine_config: EngineConfig, rank: int, endpoints: Endpoints, ack_queue: mp.Queue) -> None:
     from tpserve.engine.engine import Engine
 
-    logging.basicConfig(
-        level=engine_config.extra.get("log_level", "INFO").upper(),
-        format=f"%(asctime)s [TP{rank}] %(levelname)s %(name)s: %(message)s",
-    )
-    parent = os.getppid()
     engine = Engine(engine_config, rank)
     scheduler = Scheduler(engine)
     io = SchedulerIO(rank, engine_config.tp_size, endpoints, engine.cpu_group)
@@ -39,26 +33,22 @@ def run_scheduler(engine_config: EngineConfig, rank: int, endpoints: Endpoints, 
         ack_queue.put(f"scheduler ready: {engine_config.tp_size} rank(s), {scheduler.allocator.total} KV pages")
     freeze_startup_heap()
     try:
-        SchedulerLoop(scheduler, io, engine_config.debug_check_ranks, parent).run()
+        SchedulerLoop(scheduler, io, engine_config.debug_check_ranks).run()
     finally:
         io.close()
         engine.shutdown()
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, io: SchedulerIO, check_ranks: bool, parent_pid: int) -> None:
+    def __init__(self, scheduler: Scheduler, io: SchedulerIO, check_ranks: bool) -> None:
         self.scheduler = scheduler
         self.io = io
         self.check_ranks = check_ranks
-        self.parent_pid = parent_pid
         self.generated_since_log = 0
         self.last_log = time.monotonic()
 
     def run(self) -> None:
-        while True:
-            if os.getppid() != self.parent_pid:
-                logger.error("parent process is gone; exiting")
-                return
+        while True:  # the process dies with its parent (tpserve.launch.child)
             replies: list[TokenOutput] = []
             for msg in self.io.receive(blocking=not self.scheduler.has_work):
                 if isinstance(msg, Shutdown):
@@ -77,7 +67,7 @@ class SchedulerLoop:
             try:
                 seed = msg.params.seed if msg.params.seed is not None else msg.rid
                 self.scheduler.add_request(msg.rid, msg.input_ids, msg.params, seed)
-            except RequestRejected as exc:
+            except AdmissionError as exc:
                 return [TokenOutput(msg.rid, [], "error", prompt_tokens=len(msg.input_ids), error=str(exc))]
         elif isinstance(msg, AbortRequest):
             if self.scheduler.abort(msg.rid):

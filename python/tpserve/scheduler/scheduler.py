@@ -20,7 +20,7 @@ import logging
 from collections import deque
 from dataclasses import dataclass
 
-from tpserve.engine.batch import SequenceInput
+from tpserve.forward import SequenceInput
 from tpserve.engine.engine import Engine, LaunchedStep
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.kvcache.pool import PageAllocator
@@ -40,7 +40,7 @@ class _Launched:
     handle: LaunchedStep
 
 
-class RequestRejected(ValueError):
+class AdmissionError(ValueError):
     """The request can never run (e.g. longer than the context or the whole KV cache)."""
 
 
@@ -68,18 +68,18 @@ class Scheduler:
     # ---- requests in and out ----
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
         if not prompt_ids:
-            raise RequestRejected("the prompt is empty")
+            raise AdmissionError("the prompt is empty")
         vocab = self.engine.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
-            raise RequestRejected(f"prompt token ids must be in [0, {vocab})")
+            raise AdmissionError(f"prompt token ids must be in [0, {vocab})")
         if len(prompt_ids) >= self.max_model_len:
-            raise RequestRejected(
+            raise AdmissionError(
                 f"the prompt has {len(prompt_ids)} tokens; the context limit is {self.max_model_len} "
                 "(prompt plus at least one generated token)"
             )
         capacity = self.allocator.total * self.page_size
         if len(prompt_ids) + 1 > capacity:
-            raise RequestRejected(
+            raise AdmissionError(
                 f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {capacity} tokens in all"
             )
         room = self.max_model_len - len(prompt_ids)

@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
 import tpserve
-from tpserve.server.args import ServerArgs
+from tpserve.launch.args import ServerArgs
 from tpserve.server.errors import APIError, error_body
 from tpserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest

@@ -7,9 +7,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
 
-from tpserve.message.frontend import RequestOutput, RequestRejected, TokenizeRequest, TokenLogprob
+from tpserve.message.frontend import ApiOutput, RequestRejected, TokenizeRequest, TokenLogprob
 from tpserve.server.errors import APIError
-from tpserve.server.frontend import BackendEvent, FrontendClient, RequestCancelled
+from tpserve.server.client import BackendEvent, FrontendClient, RequestCancelled
 from tpserve.server.metrics import RequestTimer, ServerMetrics
 
 DISCONNECT_POLL_S = 1.0
@@ -92,7 +92,7 @@ class Generation:
             cached_tokens=sum(c.cached_tokens for c in firsts),
         )
 
-    async def next(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> tuple[Choice, RequestOutput]:
+    async def next(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> tuple[Choice, ApiOutput]:
         """The next output. Raises APIError (rejected / backend error) or ClientGone."""
         if is_disconnected is None:
             return self._apply(await self._queue.get())
@@ -108,7 +108,7 @@ class Generation:
                 continue
             return self._apply(event)
 
-    def _apply(self, event: BackendEvent) -> tuple[Choice, RequestOutput]:
+    def _apply(self, event: BackendEvent) -> tuple[Choice, ApiOutput]:
         choice = self.choices[event.rid]
         if isinstance(event, RequestCancelled):
             choice.finish_reason = "abort"

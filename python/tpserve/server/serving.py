@@ -9,11 +9,11 @@ import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tpserve.message.frontend import RequestOutput, TokenizeRequest
+from tpserve.message.frontend import ApiOutput, TokenizeRequest
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.errors import APIError, error_body
 from tpserve.server.formats import SSE_DONE, ChatFormat, CompletionFormat, ResponseFormat, sse
-from tpserve.server.frontend import FrontendClient
+from tpserve.server.client import FrontendClient
 from tpserve.server.generation import Choice, ClientGone, Generation
 from tpserve.server.metrics import ServerMetrics
 from tpserve.server.protocol import SEED_LIMIT, ChatCompletionRequest, CompletionRequest
@@ -71,7 +71,7 @@ class Serving:
                     await gen.next(request.is_disconnected)
                 return JSONResponse(fmt.response(gen))
             # Wait for every prompt's first answer, so a rejection still gets a 4xx status.
-            early: list[tuple[Choice, RequestOutput]] = []
+            early: list[tuple[Choice, ApiOutput]] = []
             while not gen.all_started:
                 early.append(await gen.next(request.is_disconnected))
         except ClientGone:
@@ -93,7 +93,7 @@ def _per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
 
 
 async def _stream(
-    gen: Generation, fmt: ResponseFormat, early: list[tuple[Choice, RequestOutput]]
+    gen: Generation, fmt: ResponseFormat, early: list[tuple[Choice, ApiOutput]]
 ) -> AsyncIterator[bytes]:
     """SSE body. If the client goes away (the task is cancelled), the rest is aborted."""
     failed = False
@@ -122,7 +122,7 @@ async def _stream(
             await gen.abort(client_gone=not failed)
 
 
-def _chunks(fmt: ResponseFormat, choice: Choice, out: RequestOutput) -> list[bytes]:
+def _chunks(fmt: ResponseFormat, choice: Choice, out: ApiOutput) -> list[bytes]:
     chunks = []
     if out.text or (fmt.logprobs and out.logprobs):
         chunks.append(fmt.text_chunk(choice.index, out.text, out.logprobs))

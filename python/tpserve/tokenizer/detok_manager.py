@@ -13,12 +13,7 @@ from collections import OrderedDict
 from dataclasses import dataclass, field
 
 from tpserve.message import AbortRequest, BatchTokenOutput, TokenOutput
-from tpserve.message.frontend import (
-    ApiOutputBatch,
-    DetokenizeRegister,
-    RequestOutput,
-    TokenLogprob,
-)
+from tpserve.message.frontend import ApiOutput, ApiOutputBatch, DetokenizeRegister, TokenLogprob
 from tpserve.tokenizer.incremental import Decoder, IncrementalDecoder
 from tpserve.tokenizer.stop import StopStringFilter
 
@@ -80,7 +75,7 @@ class DetokenizerManager:
         return self._process(batch.outputs, batch.stats)
 
     def _process(self, outputs: list[TokenOutput], stats) -> DetokenizeResult:
-        api: list[RequestOutput] = []
+        api: list[ApiOutput] = []
         aborts: list[AbortRequest] = []
         for out in outputs:
             if out.rid in self._finished:
@@ -96,7 +91,7 @@ class DetokenizerManager:
         batch = ApiOutputBatch(outputs=api, stats=stats) if api or stats is not None else None
         return DetokenizeResult(batch, aborts)
 
-    def _step(self, rid: int, state: _RequestState, out: TokenOutput) -> RequestOutput:
+    def _step(self, rid: int, state: _RequestState, out: TokenOutput) -> ApiOutput:
         state.completion_tokens += len(out.token_ids)
         state.prompt_tokens = out.prompt_tokens or state.prompt_tokens
         state.cached_tokens = max(state.cached_tokens, out.cached_tokens)
@@ -105,7 +100,7 @@ class DetokenizerManager:
         finish_reason = "stop" if state.stop.stopped else out.finish_reason
         if finish_reason is not None:
             self._forget(rid)
-        return RequestOutput(
+        return ApiOutput(
             rid=rid,
             text=text,
             new_tokens=len(out.token_ids),

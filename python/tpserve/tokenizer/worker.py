@@ -29,7 +29,7 @@ class TokenizerConfig:
     limits: PromptLimits
 
 
-def run_tokenizer_worker(
+def run_tokenizer(
     config: TokenizerConfig, endpoints: Endpoints, ack_queue: multiprocessing.Queue, worker_id: int
 ) -> None:
     preparer = PromptPreparer(load_tokenizer(config.model_dir), config.limits)

@@ -3,6 +3,7 @@ failures, and no orphans on any path. Uses the fake scheduler (no model needed).
 
 from __future__ import annotations
 
+import ipaddress
 import os
 import re
 import signal
@@ -27,6 +28,16 @@ def read_long_stream(url: str) -> None:
                 pass
     except httpx.HTTPError:
         pass
+
+
+def assert_listens_on_loopback_only(procs: list[psutil.Process]) -> None:
+    """Every listening socket of the process tree (HTTP, the ranks' rendezvous store, Gloo) is on
+    loopback when the user gave no other address."""
+    listening = [
+        (p.pid, c.laddr) for p in procs for c in p.net_connections(kind="inet") if c.status == psutil.CONN_LISTEN
+    ]
+    assert listening, "expected at least the HTTP listener"
+    assert all(ipaddress.ip_address(addr.ip).is_loopback for _, addr in listening), listening
 
 
 def pids_from_log(log: str) -> dict[str, int]:
@@ -54,6 +65,7 @@ def test_health_503_until_ready_then_signal_stops_everything(qwen3_dir, sig):
         assert resp.status_code == 200 and resp.json()["usage"]["completion_tokens"] == 8
         children = srv.descendants()
         assert len(pids_from_log(srv.log)) == expected_children
+        assert_listens_on_loopback_only([psutil.Process(srv.proc.pid), *children])
         ipc_dir = ipc_dir_from_log(srv.log)
         assert os.path.isdir(ipc_dir)
         streaming = threading.Thread(target=read_long_stream, args=(url,), daemon=True)

@@ -17,10 +17,10 @@ from typing import Iterator
 
 import uvicorn
 
+from tpserve.launch.args import ServerArgs
+from tpserve.launch.backend import Backend, ChildDied, StartupCancelled
 from tpserve.server.api import AppState, create_app
-from tpserve.server.args import ServerArgs
-from tpserve.server.frontend import FrontendClient
-from tpserve.server.launch import Backend, ChildDied, StartupCancelled
+from tpserve.server.client import FrontendClient
 from tpserve.server.serving import Serving
 
 logger = logging.getLogger(__name__)

@@ -10,7 +10,7 @@ import time
 
 import pytest
 import torch
-from tpserve.server.args import API_KEY_ENV, DEMO_MODEL_NAME, build_parser, parse_args
+from tpserve.launch.args import API_KEY_ENV, DEMO_MODEL_NAME, build_parser, parse_args
 
 
 def test_aliases_and_values(qwen3_dir):
@@ -20,7 +20,7 @@ def test_aliases_and_values(qwen3_dir):
                     "--port", "0", "--num-tokenizers", "2", "--max-running-requests", "8", "--page-size", "4",
                     "--mem-fraction", "0.5", "--max-total-tokens", "1024", "--load-format", "dummy",
                     "--served-model-name", "m", "--api-key", "k", "--log-level", "debug",
-                    "--max-model-len", "100", "--debug-check-ranks", "--shell"])
+                    "--max-model-len", "100", "--debug-check-invariants", "--shell"])
     e = a.engine
     assert (e.model, e.device, e.dtype, e.max_running_requests, e.page_size) == (qwen3_dir, "cpu", "float32", 8, 4)
     assert (e.mem_fraction, e.max_total_tokens, e.load_format, e.max_model_len) == (0.5, 1024, "dummy", 100)
@@ -103,7 +103,7 @@ def test_help_explains_every_flag():
     for flag in ("--model", "--model-path", "--tp-size", "--tensor-parallel-size", "--tp", "--device", "--dtype",
                  "--host", "--port", "--shell", "--num-tokenizers", "--max-running-requests", "--page-size",
                  "--mem-fraction", "--max-total-tokens", "--load-format", "--served-model-name", "--api-key",
-                 "--log-level", "--max-model-len", "--debug-check-ranks"):
+                 "--log-level", "--max-model-len", "--debug-check-invariants"):
         assert flag in text
     assert "--scheduler-entry" not in text  # a hidden testing hook
 

@@ -20,18 +20,18 @@ from dataclasses import dataclass, replace
 import zmq
 
 from tpserve.distributed.comm import local_init_addr
+from tpserve.launch.args import ServerArgs
+from tpserve.launch.child import child_main
 from tpserve.message import Shutdown
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.transport import Sender
-from tpserve.server.args import ServerArgs
-from tpserve.server.child import child_main
 from tpserve.tokenizer.prepare import PromptLimits
 from tpserve.tokenizer.worker import TokenizerConfig
 
 logger = logging.getLogger(__name__)
 
 DETOKENIZER_ENTRY = "tpserve.tokenizer.detokenizer:run_detokenizer"
-TOKENIZER_ENTRY = "tpserve.tokenizer.worker:run_tokenizer_worker"
+TOKENIZER_ENTRY = "tpserve.tokenizer.worker:run_tokenizer"
 GRACEFUL_STOP_S = 5.0  # after Shutdown, before SIGTERM
 TERMINATE_STOP_S = 2.0  # after SIGTERM, before SIGKILL
 

@@ -11,8 +11,8 @@ import pexpect
 import psutil
 import pytest
 from server_process import FAKE_SCHEDULER, HERE, wait_gone
-from tpserve.message.frontend import RequestOutput
-from tpserve.server.shell import Shell
+from tpserve.launch.shell import Shell
+from tpserve.message.frontend import ApiOutput
 
 PROMPT = ">>> "
 
@@ -86,8 +86,8 @@ class FakeClient:
     def submit(self, messages, params) -> int:
         self.submitted.append(messages)
         self.pending = [
-            RequestOutput(rid=len(self.submitted), text="answer ", new_tokens=1, completion_tokens=1, prompt_tokens=1),
-            RequestOutput(rid=len(self.submitted), text=f"{len(self.submitted)}", new_tokens=1, completion_tokens=2,
+            ApiOutput(rid=len(self.submitted), text="answer ", new_tokens=1, completion_tokens=1, prompt_tokens=1),
+            ApiOutput(rid=len(self.submitted), text=f"{len(self.submitted)}", new_tokens=1, completion_tokens=2,
                           prompt_tokens=1, finish_reason="stop"),
         ]
         return len(self.submitted)

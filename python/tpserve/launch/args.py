@@ -7,7 +7,7 @@ import os
 from dataclasses import dataclass
 
 from tpserve.config import EngineConfig, ModelConfig, check_can_start
-from tpserve.server.model_path import ModelNotFound, resolve_model_dir
+from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
 
 DEFAULT_SCHEDULER_ENTRY = "tpserve.scheduler.process:run_scheduler"
 DEMO_MODEL_NAME = "tpserve-tiny-random"
@@ -136,8 +136,9 @@ def build_parser() -> argparse.ArgumentParser:
                              "message that fits the peer buffer")
     engine.add_argument("--disable-overlap", action="store_true",
                         help="do not overlap scheduling of the next step with the running one")
-    engine.add_argument("--debug-check-ranks", action="store_true",
-                        help="check that all TP ranks schedule identical batches (slow; debugging)")
+    engine.add_argument("--debug-check-invariants", action="store_true",
+                        help="check every step that all TP ranks agree and that every KV page is "
+                        "accounted for (slow; debugging)")
     server = p.add_argument_group("server")
     server.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
     server.add_argument("--port", type=_port, default=8000, help="HTTP port (0: any free port)")
@@ -197,7 +198,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         cuda_graph_max_bs=ns.cuda_graph_max_bs,
         disable_overlap=ns.disable_overlap,
         all_reduce=ns.all_reduce,
-        debug_check_ranks=ns.debug_check_ranks,
+        debug_check_ranks=ns.debug_check_invariants,
         extra={"log_level": ns.log_level},
     )
     check_can_start(engine, model_config, cli=True)

@@ -6,22 +6,20 @@ stops the current answer.
 
 from __future__ import annotations
 
-import itertools
 import logging
+import queue
 import signal
 import sys
 from typing import Any, Callable, TextIO
 
-import msgspec
 import zmq
 
-from tpserve.message import AbortRequest
+from tpserve.launch.args import ServerArgs
+from tpserve.launch.backend import Backend, ChildDied
 from tpserve.message.endpoints import Endpoints
-from tpserve.message.frontend import ApiInput, ApiOutputBatch, RequestRejected, TokenizeRequest
-from tpserve.message.transport import encode, open_socket
+from tpserve.message.frontend import RequestRejected, TokenizeRequest
 from tpserve.sampling_params import SamplingParams
-from tpserve.server.args import ServerArgs
-from tpserve.server.launch import Backend, ChildDied
+from tpserve.server.client import BackendEvent, BackendLink
 
 logger = logging.getLogger(__name__)
 
@@ -32,53 +30,36 @@ BANNER = (
 )
 
 
-class ShellClient:
+class ShellClient(BackendLink):
     """Blocking link to the backend for one interactive user."""
 
     def __init__(self, endpoints: Endpoints) -> None:
-        self._ctx = zmq.Context()
-        self._to_tokenizer = open_socket(self._ctx, zmq.PUSH, endpoints.tokenizer, bind=True)
-        self._from_backend = open_socket(self._ctx, zmq.PULL, endpoints.api, bind=True)
-        self._to_scheduler = open_socket(self._ctx, zmq.PUSH, endpoints.scheduler, bind=False)
-        self._decoder = msgspec.msgpack.Decoder(ApiInput)
-        self._rids = itertools.count(1)
-        self._aborted: set[int] = set()
+        super().__init__(zmq.Context(), endpoints)
+        self._events: queue.SimpleQueue[BackendEvent] = queue.SimpleQueue()
 
     def submit(self, messages: list[dict[str, Any]], params: SamplingParams) -> int:
-        rid = next(self._rids)
-        self._to_tokenizer.send(encode(TokenizeRequest(rid=rid, params=params, messages=messages)))
-        return rid
+        request = TokenizeRequest(rid=self.new_rid(), params=params, messages=messages)
+        for data in self._watch([request], self._events):
+            self._to_tokenizer.send(data)
+        return request.rid
 
     def abort(self, rid: int) -> None:
-        self._aborted.add(rid)
-        self._to_scheduler.send(encode(AbortRequest(rid=rid)))
+        self._to_scheduler.send(self._aborting(rid))
 
-    def poll(self, rid: int, timeout_ms: int) -> list[Any]:
-        """Outputs (RequestOutput / RequestRejected) of ``rid`` that arrived within the timeout."""
-        events: list[Any] = []
-        if not self._from_backend.poll(timeout_ms):
-            return events
-        while True:
-            try:
-                msg = self._decoder.decode(self._from_backend.recv(zmq.NOBLOCK))
-            except zmq.Again:
-                return events
-            if isinstance(msg, RequestRejected):
-                if msg.rid == rid:
-                    events.append(msg)
-                continue
-            if not isinstance(msg, ApiOutputBatch):
-                continue
-            for out in msg.outputs:
-                if out.rid == rid:
-                    events.append(out)
-                elif out.rid in self._aborted and out.finish_reason is None:
-                    self.abort(out.rid)  # the first abort overtook the request
-                elif out.finish_reason is not None:
-                    self._aborted.discard(out.rid)
-
-    def close(self) -> None:
-        self._ctx.destroy(linger=0)
+    def poll(self, rid: int, timeout_ms: int) -> list[BackendEvent]:
+        """Outputs (ApiOutput / RequestRejected) of ``rid`` that arrived within the timeout."""
+        if self._from_backend.poll(timeout_ms):
+            while True:
+                try:
+                    data = self._from_backend.recv(zmq.NOBLOCK)
+                except zmq.Again:
+                    break
+                for again in self._route_message(data):
+                    self._to_scheduler.send(again)
+        events = []  # only ``rid``'s: an aborted answer's rid is no longer routed
+        while not self._events.empty():
+            events.append(self._events.get_nowait())
+        return events
 
 
 class Shell:

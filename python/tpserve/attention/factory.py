@@ -1,0 +1,43 @@
+"""Picks and builds the attention backend the engine asked for."""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+
+from tpserve.attention.base import AttentionBackend
+from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend, flashinfer_available
+from tpserve.attention.torch_backend import TorchAttentionBackend
+from tpserve.config import FLASHINFER_ATTENTION_DTYPES
+from tpserve.kvcache.pool import KVCachePool
+
+logger = logging.getLogger(__name__)
+
+BACKENDS = ("auto", "flashinfer", "torch")
+
+
+def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
+    """``auto`` is flashinfer on CUDA in half precision when it imports, else torch."""
+    if name not in BACKENDS:
+        raise ValueError(f"unknown attention backend {name!r} (choose {', '.join(BACKENDS)})")
+    if name != "auto" or device.type != "cuda":
+        return name if name != "auto" else "torch"
+    if dtype not in FLASHINFER_ATTENTION_DTYPES:
+        logger.info("FlashInfer attention takes bfloat16 and float16 only: torch attention for %s", dtype)
+        return "torch"
+    return "flashinfer" if flashinfer_available() else "torch"
+
+
+def create_backend(
+    name: str,
+    pool: KVCachePool,
+    num_heads: int,
+    num_kv_heads: int,
+    head_dim: int,
+    device: torch.device,
+    fused_rope_store: bool = False,
+) -> AttentionBackend:
+    if resolve_backend_name(name, device, pool.k[0].dtype) == "flashinfer":
+        return FlashInferAttentionBackend(pool, num_heads, num_kv_heads, head_dim, device, fused_rope_store)
+    return TorchAttentionBackend(pool, num_heads, num_kv_heads, head_dim, fused_rope_store)
