@@ -27,7 +27,7 @@ if not torch.cuda.is_available() or torch.cuda.device_count() < 2:
     pytest.skip("TP 2 needs two CUDA GPUs", allow_module_level=True)
 pytest.importorskip("flashinfer")
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "server"))
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "launch"))
 import httpx  # noqa: E402
 from server_process import ServerProcess, wait_gone  # noqa: E402
 
@@ -120,10 +120,16 @@ def test_tp2_agrees_with_tp1_as_bf16_agrees_with_float32(model_dir):
     assert sum(matched) >= 0.75 * sum(hf_matched), (matched, hf_matched)
 
 
-@pytest.mark.parametrize("all_reduce", ["auto", "nccl", "one_shot", "two_shot"])
-def test_tp2_graphs_overlap_and_all_reduce_equal(model_dir, all_reduce):
+@pytest.fixture(scope="module")
+def plain_tp2(model_dir):
+    """TP 2 without CUDA graphs, overlap or the peer-memory all-reduce: the reference."""
     ids = prompts(10, 250, seed=1)
-    plain = greedy(model_dir, ids, tp_size=2, cuda_graph_max_bs=0, disable_overlap=True, all_reduce="nccl")
+    return ids, greedy(model_dir, ids, tp_size=2, cuda_graph_max_bs=0, disable_overlap=True, all_reduce="nccl")
+
+
+@pytest.mark.parametrize("all_reduce", ["auto", "nccl", "one_shot", "two_shot"])
+def test_tp2_graphs_overlap_and_all_reduce_equal(model_dir, plain_tp2, all_reduce):
+    ids, plain = plain_tp2
     fast = greedy(model_dir, ids, tp_size=2, all_reduce=all_reduce)
     matched = agreement(plain, fast)
     assert sum(matched) >= 0.9 * MAX_TOKENS * len(ids), matched

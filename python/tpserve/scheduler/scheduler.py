@@ -139,6 +139,7 @@ class Scheduler:
 
     def _schedule(self, outputs: list[TokenOutput]) -> list[tuple[Request, int]]:
         budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
+        preemptions = self.preemptions_total
         decodes: list[tuple[Request, int]] = []
         prefills: list[tuple[Request, int]] = []
         for req in sorted(self.running.values(), key=lambda r: r.admit_order):
@@ -156,9 +157,15 @@ class Scheduler:
         decodes = [(req, n) for req, n in decodes if self.running.get(req.rid) is req]
         prefills = [(req, n) for req, n in prefills if self.running.get(req.rid) is req]
         prefills += self._admit(budget, outputs)
-        if decodes and sum(n for _, n in prefills) > self.config.mixed_prefill_tokens:
+        if (
+            decodes
+            and sum(n for _, n in prefills) > self.config.mixed_prefill_tokens
+            and self.preemptions_total == preemptions
+        ):
             # A step's time grows with its prefill tokens, and every decode in it waits that long
-            # for its token; alone, the prefills hold each decode back by one step only.
+            # for its token; alone, the prefills hold each decode back by one step only. Not when
+            # pages ran short: only finishing decodes free them, and a preempted prompt re-admitted
+            # every step would otherwise keep them from ever running.
             return prefills
         return decodes + prefills
 
