@@ -50,6 +50,24 @@ class _Result:
     finish_reason: str | None = None
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    text: str | None = None  # set when stop strings were watched (trimmed at the stop string)
+
+
+class _StopWatcher:
+    """A request's text so far, cut at its first stop string (see ``StopStringFilter``)."""
+
+    def __init__(self, tokenizer, params: SamplingParams) -> None:
+        from tpserve.tokenizer.incremental import IncrementalDecoder
+        from tpserve.tokenizer.stop import StopStringFilter
+
+        self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
+        self._filter = StopStringFilter(params.stop, params.include_stop_str_in_output)
+        self.parts: list[str] = []
+
+    def feed(self, token_ids: list[int], final: bool) -> bool:
+        """Add tokens; True once a stop string is complete."""
+        self.parts.append(self._filter.feed(self._decoder.add(token_ids, final=final), final=final))
+        return self._filter.stopped
 
 
 @dataclass(frozen=True)
@@ -60,11 +78,20 @@ class _Job:
     seed: int
 
 
-def run_jobs(scheduler, jobs: list[_Job], show_progress: bool) -> dict[int, _Result]:
-    """Feed every job to a scheduler and step until all finish."""
+def run_jobs(scheduler, jobs: list[_Job], show_progress: bool, tokenizer=None) -> dict[int, _Result]:
+    """Feed every job to a scheduler and step until all finish. Jobs with stop strings need the
+    ``tokenizer``: their text is watched and they are aborted at a stop string. Every TP rank
+    runs this on the same tokens, so all ranks abort at the same step."""
+    watchers: dict[int, _StopWatcher] = {}
     for job in jobs:
         scheduler.add_request(job.rid, job.prompt_ids, job.params, job.seed)
+        if job.params.stop:
+            if tokenizer is None:
+                raise ValueError("stop strings need the model's tokenizer")
+            watchers[job.rid] = _StopWatcher(tokenizer, job.params)
     results = {job.rid: _Result() for job in jobs}
+    for out in scheduler.attach_all_grammars():  # compiles them; all ranks start together
+        results[out.rid].finish_reason = out.finish_reason
     with tqdm(total=len(jobs), desc="Generating", unit="req", disable=not show_progress) as bar, frozen_heap():
         while scheduler.has_work:
             for out in scheduler.step():
@@ -73,6 +100,12 @@ def run_jobs(scheduler, jobs: list[_Job], show_progress: bool) -> dict[int, _Res
                 if out.logprobs is not None:
                     result.logprobs = (result.logprobs or []) + out.logprobs
                     result.top_logprobs = (result.top_logprobs or []) + (out.top_logprobs or [])
+                watcher = watchers.get(out.rid)
+                if watcher is not None:
+                    if watcher.feed(out.token_ids, final=out.finish_reason is not None) and out.finish_reason is None:
+                        scheduler.abort(out.rid)
+                        out.finish_reason = "stop"
+                    result.text = "".join(watcher.parts)
                 if out.finish_reason is not None:
                     result.finish_reason = out.finish_reason
                     bar.update(1)
@@ -83,10 +116,12 @@ def _rank_main(config: EngineConfig, rank: int, conn: Connection) -> None:
     """A TP rank's process: build the engine, then serve generate calls until told to stop."""
     from tpserve.engine.engine import Engine
     from tpserve.scheduler.scheduler import Scheduler
+    from tpserve.tokenizer.loader import load_tokenizer
 
     try:
         engine = Engine(config, rank)
         scheduler = Scheduler(engine)
+        tokenizer = None
         conn.send(("ready", None))
         while True:
             try:
@@ -102,7 +137,9 @@ def _rank_main(config: EngineConfig, rank: int, conn: Connection) -> None:
                     conn.send(("stats", scheduler.stats()))
                 else:
                     jobs, use_tqdm = payload
-                    results = run_jobs(scheduler, jobs, show_progress=use_tqdm and rank == 0)
+                    if tokenizer is None and any(job.params.stop for job in jobs):
+                        tokenizer = load_tokenizer(config.model)
+                    results = run_jobs(scheduler, jobs, show_progress=use_tqdm and rank == 0, tokenizer=tokenizer)
                     conn.send(("results", results if rank == 0 else None))
             except Exception as exc:  # report, keep the rank alive for the next call
                 conn.send(("error", f"{type(exc).__name__}: {exc}"))
@@ -208,6 +245,9 @@ class LLM:
         load_format: str = "auto",
         **engine_kwargs,
     ) -> None:
+        from tpserve.launch.model_path import resolve_model_dir
+
+        model = resolve_model_dir(model)  # a local directory, or a HF id from the local cache (as the server)
         self.config = EngineConfig(
             model=model, tp_size=tp_size, device=device, dtype=dtype, load_format=load_format, **engine_kwargs
         )
@@ -242,6 +282,8 @@ class LLM:
             sampling_params = [sampling_params] * len(prompts)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        for params in sampling_params:
+            self._check_params(params)
         jobs = []
         for prompt, params in zip(prompts, sampling_params):
             ids = self._encode(prompt)
@@ -249,7 +291,7 @@ class LLM:
             jobs.append(_Job(self._next_rid, ids, params, seed))
             self._next_rid += 1
         if self._scheduler is not None:
-            results = run_jobs(self._scheduler, jobs, use_tqdm)
+            results = run_jobs(self._scheduler, jobs, use_tqdm, self.tokenizer)
         elif self._ranks is not None:
             self._ranks.broadcast(("generate", (jobs, use_tqdm)))
             results = self._ranks.receive_all()[0]
@@ -275,6 +317,21 @@ class LLM:
         self._ranks.broadcast(("stats", None))
         return self._ranks.receive_all()[0]
 
+    def _check_params(self, params: SamplingParams) -> None:
+        vocab = self.model_config.vocab_size
+        if params.structured is not None:
+            from tpserve.structured.grammar import check_spec
+
+            if self.tokenizer is None:
+                raise ValueError("structured output needs the model's tokenizer; this model has none")
+            check_spec(params.structured)
+        if params.stop and self.tokenizer is None:
+            raise ValueError("stop strings need the model's tokenizer; this model has none")
+        for name, ids in (("stop_token_ids", params.stop_token_ids or []), ("logit_bias", params.logit_bias or {})):
+            bad = [t for t in ids if not 0 <= t < vocab]
+            if bad:
+                raise ValueError(f"{name}: token id {bad[0]} is out of range [0, {vocab})")
+
     def _encode(self, prompt: str | Sequence[int]) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
@@ -284,7 +341,9 @@ class LLM:
 
     def _output(self, job: _Job, result: _Result) -> RequestOutput:
         ids = result.token_ids
-        text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
+        text = result.text
+        if text is None:
+            text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
         reason = result.finish_reason or "abort"
         return RequestOutput(job.prompt_ids, ids, text, reason, result.logprobs, result.top_logprobs)
 

@@ -11,6 +11,28 @@ MAX_LOGPROBS = 20
 # Temperatures below this are greedy, as in vLLM: dividing logits by 1e-50 would overflow to inf
 # (and the row would sample at random), while any temperature this small is an argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
+MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
+MAX_LOGIT_BIAS = 100.0
+
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+
+
+class StructuredOutput(msgspec.Struct, frozen=True):
+    """A constraint on the whole output: ``kind`` is one of STRUCTURED_KINDS; ``spec`` is the
+    JSON schema text (json_schema), the regex, or the EBNF grammar (empty for json_object)."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self) -> None:
+        if self.kind not in STRUCTURED_KINDS:
+            raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if self.kind != "json_object" and not self.spec:
+            raise ValueError(f"structured output {self.kind} needs a non-empty spec")
+
+    @property
+    def key(self) -> tuple[str, str]:
+        return (self.kind, self.spec)
 
 
 class SamplingParams(msgspec.Struct, kw_only=True):
@@ -18,6 +40,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     temperature 0 (or below 1e-5) means greedy. top_k -1 (or 0) disables top-k. A request with a ``seed``
     samples the same tokens every time, whatever else is in its batch.
+
+    Logit edits, applied in this order before temperature and the filters (greedy rows too):
+    ``repetition_penalty`` (transformers' rule: a logit of a token already in the prompt or the
+    output is divided by it when positive, multiplied when negative), then ``frequency_penalty``
+    times the token's count in the output and ``presence_penalty`` if it occurs there (OpenAI's
+    rule), then ``logit_bias`` (token id -> added value), then end-of-sequence and
+    ``stop_token_ids`` are banned until ``min_tokens`` tokens are out, then ``structured``
+    allows only the tokens its grammar accepts.
     """
 
     temperature: float = 1.0
@@ -25,12 +55,19 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     top_k: int = -1
     min_p: float = 0.0
     max_tokens: int | None = 16
+    min_tokens: int = 0
     ignore_eos: bool = False
     seed: int | None = None
     stop_token_ids: list[int] | None = None
     stop: list[str] | None = None
+    include_stop_str_in_output: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None
+    structured: StructuredOutput | None = None
     # None: no log-probabilities; n >= 0: each sampled token's log-probability under the model
-    # (before temperature and filters) plus the n most likely tokens' at that position.
+    # (before temperature, penalties and filters) plus the n most likely tokens' at that position.
     logprobs: int | None = None
 
     def __post_init__(self) -> None:
@@ -44,11 +81,37 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"min_p must be in [0, 1], got {self.min_p}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise ValueError(f"max_tokens must be >= 1, got {self.max_tokens}")
+        if self.min_tokens < 0:
+            raise ValueError(f"min_tokens must be >= 0, got {self.min_tokens}")
+        if self.max_tokens is not None and self.min_tokens > self.max_tokens:
+            raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if self.seed is not None and not 0 <= self.seed < 2**63:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not -MAX_PENALTY <= value <= MAX_PENALTY:
+                raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
+        if not self.repetition_penalty > 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
+        for token, bias in (self.logit_bias or {}).items():
+            if token < 0:
+                raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
+            if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
+                raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        if self.stop is not None and any(not s for s in self.stop):
+            raise ValueError("stop strings must not be empty")
 
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_TEMPERATURE
+
+    @property
+    def has_penalties(self) -> bool:
+        """Needs the request's token history on the device."""
+        return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    @property
+    def edits_logits(self) -> bool:
+        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None

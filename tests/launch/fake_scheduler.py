@@ -44,14 +44,16 @@ class _Running:
 
 
 def run_fake_scheduler(
-    engine_config: EngineConfig, rank: int, endpoints: Endpoints, ack_queue: multiprocessing.Queue
+    engine_config: EngineConfig, rank: int, endpoints: Endpoints, ack_queue: multiprocessing.Queue, heartbeat=None
 ) -> None:
     if os.environ.get("FAKE_SCHEDULER_FAIL") == "1":
         sys.exit(3)
     time.sleep(float(os.environ.get("FAKE_SCHEDULER_START_DELAY_S", "0")))
     if rank != 0:  # other ranks just idle until the parent stops them
         while True:
-            time.sleep(1)
+            if heartbeat is not None:
+                heartbeat.value = time.monotonic()
+            time.sleep(0.5)
     step_s = float(os.environ.get("FAKE_SCHEDULER_STEP_S", "0.005"))
     eos = set(ModelConfig.from_pretrained(engine_config.model).eos_token_ids)
     ctx = zmq.Context()
@@ -65,7 +67,9 @@ def run_fake_scheduler(
     running: dict[int, _Running] = {}
     page = engine_config.page_size
     while True:
-        timeout = int(step_s * 1000) if running else 1000
+        if heartbeat is not None:
+            heartbeat.value = time.monotonic()
+        timeout = int(step_s * 1000) if running else 500
         outputs: list[TokenOutput] = []
         if inbox.poll(timeout):
             while True:

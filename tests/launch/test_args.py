@@ -42,7 +42,7 @@ def test_defaults(qwen3_dir, monkeypatch):
     a = parse_args(["--model", qwen3_dir])
     assert (a.host, a.port, a.num_tokenizers, a.shell, a.api_key) == ("127.0.0.1", 8000, 1, False, None)
     assert a.engine.tp_size == 1 and a.engine.device is None and a.engine.dtype is None
-    assert a.served_model_name == qwen3_dir and not a.demo_model
+    assert a.served_model_name == os.path.basename(qwen3_dir) and not a.demo_model  # no local path shown
     assert a.context_len == 4096 and a.vocab_size >= 600
 
 
@@ -144,3 +144,43 @@ def test_bad_tp_size_fails_before_any_process_starts(qwen3_dir):
     error_lines = [line for line in proc.stderr.splitlines() if "error:" in line]
     assert error_lines == ["tpserve: error: --tp-size 3 does not divide num_attention_heads 4"]
     assert time.monotonic() - start < 30
+
+
+def test_api_flags_of_issue_12(qwen3_dir, tmp_path):
+    a = parse_args(["--model", qwen3_dir])
+    assert a.tool_call_parser == "hermes"  # the tiny model's template writes <tool_call> blocks
+    assert a.reasoning_parser is None and a.chat_template is None and a.model_aliases == ()
+    template = tmp_path / "t.jinja"
+    template.write_text("{% for m in messages %}{{ m['content'] }}{% endfor %}")
+    a = parse_args(["--model", qwen3_dir, "--served-model-name", "a", "b", "--chat-template", str(template),
+                    "--reasoning-parser", "qwen3"])
+    assert (a.served_model_name, a.model_aliases, a.reasoning_parser) == ("a", ("b",), "qwen3")
+    assert a.chat_template.startswith("{% for") and a.tool_call_parser is None  # the new template has no tools
+    assert parse_args(["--model", qwen3_dir, "--tool-call-parser", "llama3_json"]).tool_call_parser == "llama3_json"
+    assert parse_args(["--model", qwen3_dir, "--tool-call-parser", "none"]).tool_call_parser is None
+    with pytest.raises(SystemExit):
+        parse_args(["--model", qwen3_dir, "--chat-template", str(tmp_path / "missing.jinja")])
+
+
+@pytest.mark.parametrize(
+    "alias, original",
+    [
+        (["--context-length", "100"], ["--max-model-len", "100"]),
+        (["--gpu-memory-utilization", "0.5"], ["--mem-fraction", "0.5"]),
+        (["--mem-fraction-static", "0.5"], ["--mem-fraction", "0.5"]),
+        (["--dtype", "half"], ["--dtype", "float16"]),
+        (["--dtype", "float"], ["--dtype", "float32"]),
+        (["--dtype", "bf16"], ["--dtype", "bfloat16"]),
+        (["--trust-remote-code"], []),
+    ],
+)
+def test_vllm_and_sglang_spellings_parse_to_the_same_config(qwen3_dir, alias, original):
+    assert parse_args(["--model", qwen3_dir, *alias]) == parse_args(["--model", qwen3_dir, *original])
+
+
+def test_errors_are_one_line_and_abbreviations_are_refused(qwen3_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", qwen3_dir, "--mem", "0.5"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err == ["tpserve: error: unrecognized arguments: --mem 0.5"]

@@ -18,13 +18,13 @@ PROMPT = ">>> "
 
 
 @pytest.fixture()
-def shell(qwen3_dir):
+def shell(qwen3_dir, tmp_path):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
-               FAKE_SCHEDULER_STEP_S="0.02")
+               FAKE_SCHEDULER_STEP_S="0.02", TPSERVE_CACHE=str(tmp_path))
     child = pexpect.spawn(
         sys.executable,
         ["-m", "tpserve", "--shell", "--model", qwen3_dir, "--scheduler-entry", FAKE_SCHEDULER,
-         "--log-level", "warning"],
+         "--log-level", "info"],
         env=env, encoding="utf-8", timeout=60, dimensions=(50, 200),
     )
     try:
@@ -34,7 +34,10 @@ def shell(qwen3_dir):
             child.terminate(force=True)
 
 
-def test_shell_session(shell):
+def test_shell_session(shell, tmp_path):
+    shell.expect(r"logs: (\S+\.log)", timeout=120)
+    log_file = shell.match.group(1)
+    assert log_file.startswith(str(tmp_path))
     shell.expect_exact(PROMPT, timeout=120)
     children = psutil.Process(shell.pid).children(recursive=True)
     assert children
@@ -67,6 +70,32 @@ def test_shell_session(shell):
     shell.expect_exact("user\r\nagain\r\n")
     shell.expect_exact(PROMPT)
 
+    # commands never reach the model; settings change the next answers
+    shell.sendline("/foo")
+    shell.expect_exact("unknown command '/foo'")
+    shell.expect_exact("/set temperature T")
+    shell.expect_exact(PROMPT)
+    shell.sendline("/system Be brief.")
+    shell.expect_exact("(system prompt set; new conversation)")
+    shell.expect_exact(PROMPT)
+    shell.sendline("question")
+    shell.expect_exact("system\r\nBe brief.")  # the fake model echoes the prompt's first message
+    shell.expect(r"\(\d+ tokens, [0-9.]+ tok/s\)")
+    shell.expect_exact(PROMPT)
+    shell.sendline("/set max_tokens 3")
+    shell.expect_exact("max_tokens 3")
+    shell.expect_exact(PROMPT)
+    shell.sendline("cut me short please")
+    shell.expect_exact("(cut at max_tokens 3: /set max_tokens N for longer answers)")
+    shell.expect_exact(PROMPT)
+    shell.sendline("/think off")
+    shell.expect_exact("(thinking off)")
+    shell.expect_exact(PROMPT)
+    shell.sendline("/settings")
+    shell.expect_exact("thinking off")
+    shell.expect_exact(PROMPT)
+    assert " INFO " not in shell.before  # log lines go to the file, never into the conversation
+
     # Ctrl-C at the prompt does not quit; Ctrl-D does, cleanly
     shell.sendintr()
     shell.expect_exact(PROMPT)
@@ -75,6 +104,9 @@ def test_shell_session(shell):
     shell.close()
     assert shell.exitstatus == 0
     assert wait_gone(children, timeout=10) == []
+    with open(log_file) as f:
+        assert "scheduler ready" in f.read()  # the processes' INFO lines are in the file
+    assert os.path.isfile(tmp_path / "shell_history")
 
 
 class FakeClient:
@@ -82,9 +114,13 @@ class FakeClient:
 
     def __init__(self) -> None:
         self.submitted: list[list[dict]] = []
+        self.params: list = []
+        self.template_kwargs: list = []
 
-    def submit(self, messages, params) -> int:
+    def submit(self, messages, params, template_kwargs=None) -> int:
         self.submitted.append(messages)
+        self.params.append(params)
+        self.template_kwargs.append(template_kwargs)
         self.pending = [
             ApiOutput(rid=len(self.submitted), text="answer ", new_tokens=1, completion_tokens=1, prompt_tokens=1),
             ApiOutput(rid=len(self.submitted), text=f"{len(self.submitted)}", new_tokens=1, completion_tokens=2,
@@ -100,7 +136,7 @@ class FakeClient:
         pass
 
 
-def run_shell_lines(monkeypatch, lines):
+def run_shell_lines(monkeypatch, lines, client=None, reasoning=False):
     feed = iter(lines)
 
     def fake_input(prompt=""):
@@ -110,8 +146,8 @@ def run_shell_lines(monkeypatch, lines):
             raise EOFError from None
 
     monkeypatch.setattr("builtins.input", fake_input)
-    client, out = FakeClient(), io.StringIO()
-    shell = Shell(client, lambda: None, out)  # type: ignore[arg-type]
+    client, out = client or FakeClient(), io.StringIO()
+    shell = Shell(client, lambda: None, out, context_len=64, reasoning=reasoning)  # type: ignore[arg-type]
     shell.run()
     return shell, client, out.getvalue()
 
@@ -126,3 +162,34 @@ def test_conversation_is_kept_and_reset(monkeypatch):
     assert client.submitted[2] == [{"role": "user", "content": "fresh"}]
     assert len(client.submitted) == 3  # nothing after /exit
     assert shell.history[-1] == {"role": "assistant", "content": "answer 3"}
+
+
+def test_commands_set_the_next_requests(monkeypatch):
+    lines = ["/set temperature 0", "/set max_tokens 7", "/think on", "/system Be brief.", "hi",
+             "/set temperature hot", "/set max_tokens 0", "/set colour blue", "/unknown", "/help"]
+    shell, client, out = run_shell_lines(monkeypatch, lines)
+    assert len(client.submitted) == 1  # commands are never sent to the model
+    assert client.submitted[0][0] == {"role": "system", "content": "Be brief."}
+    assert client.params[0].temperature == 0 and client.params[0].max_tokens == 7
+    assert client.template_kwargs[0] == {"enable_thinking": True}
+    assert shell.history == [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "answer 1"}]
+    assert "bad value 'hot' for temperature" in out and "bad value '0' for max_tokens" in out
+    assert "unknown setting 'colour'" in out and "unknown command '/unknown'" in out
+    assert out.count("/think on|off") == 2  # the help, after the unknown command and for /help
+
+
+def test_reasoning_is_labelled_and_kept_out_of_the_history(monkeypatch):
+    class Thinking(FakeClient):
+        def submit(self, messages, params, template_kwargs=None) -> int:
+            rid = super().submit(messages, params, template_kwargs)
+            self.pending = [
+                ApiOutput(rid=rid, text="<think>hmm</th", new_tokens=3, completion_tokens=3, prompt_tokens=1),
+                ApiOutput(rid=rid, text="ink>\n\nYes.", new_tokens=2, completion_tokens=5, prompt_tokens=1,
+                          finish_reason="length"),
+            ]
+            return rid
+
+    shell, _, text = run_shell_lines(monkeypatch, ["why?"], client=Thinking(), reasoning=True)
+    assert "[thinking] hmm\nYes." in text
+    assert "(cut at the context limit of 64 tokens" in text
+    assert shell.history[-1] == {"role": "assistant", "content": "Yes."}

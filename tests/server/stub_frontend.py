@@ -15,10 +15,15 @@ class StubFrontend:
     A prompt text containing "REJECT" is rejected like an over-long prompt.
     """
 
-    def __init__(self, reply: str = "Hello 你好!", pieces: int = 3, prompt_tokens: int = 5) -> None:
+    def __init__(
+        self, reply: str = "Hello 你好!", pieces: int = 3, prompt_tokens: int = 5, finish: str = "length",
+        prompt_in_reasoning: bool = False,
+    ) -> None:
         self.reply = reply
         self.pieces = pieces
         self.prompt_tokens = prompt_tokens
+        self.finish = finish
+        self.prompt_in_reasoning = prompt_in_reasoning
         self.submitted: list[TokenizeRequest] = []
         self.aborted: list[int] = []
         self.flushes = 0
@@ -45,7 +50,9 @@ class StubFrontend:
                 ApiOutput(
                     rid=req.rid, text=text, new_tokens=1, completion_tokens=i + 1,
                     prompt_tokens=self.prompt_tokens, cached_tokens=0,
-                    finish_reason="length" if last else None,
+                    finish_reason=self.finish if last else None,
+                    prompt_in_reasoning=self.prompt_in_reasoning,
+                    matched_stop=7 if last and self.finish == "stop" else None,
                 )
             )
             await asyncio.sleep(0)

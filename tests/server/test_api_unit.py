@@ -4,6 +4,7 @@ auth, readiness, response and stream formats."""
 from __future__ import annotations
 
 import json
+import time
 
 import pytest
 from fastapi.testclient import TestClient
@@ -11,6 +12,7 @@ from stub_frontend import StubFrontend
 from tpserve.config import EngineConfig
 from tpserve.server.api import AppState, create_app
 from tpserve.launch.args import ServerArgs
+from tpserve.server.limits import RequestLimits
 from tpserve.server.serving import Serving
 
 MODEL = "tiny-test"
@@ -19,13 +21,17 @@ COMPLETIONS = "/v1/completions"
 USER = [{"role": "user", "content": "hi"}]
 
 
-def make_client(api_key: str | None = None, ready: bool = True):
+LIMITS = RequestLimits(context_len=128, max_sequences=64)
+
+
+def make_client(api_key: str | None = None, ready: bool = True, stub: StubFrontend | None = None,
+                max_request_bytes: int = 1 << 20, **serving):
     args = ServerArgs(engine=EngineConfig(model="/nonexistent"), served_model_name=MODEL,
-                      context_len=128, vocab_size=700, api_key=api_key)
+                      context_len=128, vocab_size=700, api_key=api_key, max_request_bytes=max_request_bytes)
     state = AppState(args)
-    stub = StubFrontend()
+    stub = stub or StubFrontend()
     if ready:
-        state.serving = Serving(stub, state.metrics, MODEL)  # type: ignore[arg-type]
+        state.serving = Serving(stub, state.metrics, MODEL, LIMITS, **serving)  # type: ignore[arg-type]
     return TestClient(create_app(state)), stub
 
 
@@ -106,8 +112,12 @@ def test_flush_cache():
         (CHAT, {"messages": USER, "n": 17}, "n must be at most 16", "n"),
         (CHAT, {"messages": USER, "top_logprobs": 2}, "needs logprobs: true", "top_logprobs"),
         (CHAT, {"messages": USER, "logprobs": True, "top_logprobs": 21}, "top_logprobs must be in", "top_logprobs"),
-        (CHAT, {"messages": USER, "presence_penalty": 0.5}, "presence_penalty", "presence_penalty"),
-        (CHAT, {"messages": USER, "frequency_penalty": 1}, "frequency_penalty", "frequency_penalty"),
+        (CHAT, {"messages": USER, "presence_penalty": 2.5}, "presence_penalty", "presence_penalty"),
+        (CHAT, {"messages": USER, "frequency_penalty": -3}, "frequency_penalty", "frequency_penalty"),
+        (CHAT, {"messages": USER, "repetition_penalty": 0}, "repetition_penalty", "repetition_penalty"),
+        (CHAT, {"messages": USER, "logit_bias": {"x": 1}}, "token ids", "logit_bias"),
+        (CHAT, {"messages": USER, "logit_bias": {"5": 101}}, "logit_bias", "logit_bias"),
+        (CHAT, {"messages": USER, "min_tokens": 9, "max_tokens": 3}, "min_tokens", "min_tokens"),
         (CHAT, {"messages": USER, "temperature": -1}, None, "temperature"),
         (CHAT, {"messages": USER, "top_p": 0}, None, "top_p"),
         (CHAT, {"messages": USER, "top_k": -2}, None, "top_k"),
@@ -116,12 +126,18 @@ def test_flush_cache():
         (CHAT, {"messages": USER, "seed": -1}, "seed", "seed"),
         (CHAT, {"messages": USER, "stop": 5}, None, None),
         (CHAT, {"messages": USER, "stop": [""]}, "empty", "stop"),
-        (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools", "tools"),
-        (CHAT, {"messages": USER, "response_format": {"type": "json_object"}}, "response_format", None),
+        (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools[0]", "tools"),
+        (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
+         "--tool-call-parser", "tools"),
+        (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}],
+                "tool_choice": {"type": "function", "function": {"name": "g"}}}, "'g'", "tool_choice"),
+        (CHAT, {"messages": USER, "tool_choice": "required"}, "needs tools", "tool_choice"),
+        (CHAT, {"messages": USER, "response_format": {"type": "xml"}}, "response_format", "response_format"),
+        (CHAT, {"messages": USER, "response_format": {"type": "json_object"}, "regex": "a+"}, "only one", "regex"),
         (CHAT, {"messages": USER, "stream_options": {"include_usage": True}}, "stream=true", None),
-        (CHAT, {"messages": USER, "frobnicate": 1}, "unsupported parameter 'frobnicate'", "frobnicate"),
         (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, None, None),
-        (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]}, None, None),
+        (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
+         "messages[0].content: image_url content is not supported", "messages"),
         (CHAT, {"messages": USER, "max_tokens": 5, "max_completion_tokens": 6}, "not both", None),
         (COMPLETIONS, {"prompt": "x", "echo": True}, "echo", "echo"),
         (COMPLETIONS, {"prompt": "x", "best_of": 2}, "best_of", "best_of"),
@@ -241,3 +257,193 @@ def test_completion_stream_multi_prompt():
     assert texts == {0: "Hello 你好!", 1: "Hello 你好!"}
     assert finishes == {0: "length", 1: "length"}
     assert "usage" not in events[0]
+
+
+# ---- issue 12: lenient fields, sampling controls, structured output, tools, reasoning ----
+def test_lenient_fields_nulls_and_extra_part_keys():
+    c, stub = make_client()
+    body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "x"}}]}],
+            "n": None, "temperature": None, "reasoning_effort": "low", "stream_options": None, "top_k": None,
+            "min_tokens": 2, "include_stop_str_in_output": True, "presence_penalty": 0.5, "frequency_penalty": -0.5,
+            "repetition_penalty": 1.1, "logit_bias": {"5": -100, "6": 2.5}, "stop": "x"}
+    resp = c.post(CHAT, json=body)
+    assert resp.status_code == 200, resp.text
+    p = stub.submitted[0].params
+    assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
+    assert p.logit_bias == {5: -100.0, 6: 2.5} and p.min_tokens == 2 and p.include_stop_str_in_output
+    assert stub.submitted[0].messages == [{"role": "user", "content": "hi"}]
+
+
+def test_structured_output_fields_reach_the_params():
+    c, stub = make_client()
+    schema = {"type": "object", "properties": {"a": {"type": "integer"}}}
+    for body, kind in [
+        ({"response_format": {"type": "json_object"}}, "json_object"),
+        ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": schema, "strict": True}}},
+         "json_schema"),
+        ({"regex": "[ab]+"}, "regex"),
+        ({"ebnf": 'root ::= "a"'}, "ebnf"),
+    ]:
+        assert c.post(CHAT, json={"messages": USER, **body}).status_code == 200
+        assert stub.submitted[-1].params.structured.kind == kind
+    assert c.post(COMPLETIONS, json={"prompt": "x", "regex": "a"}).status_code == 200
+    assert stub.submitted[-1].params.structured.spec == "a"
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+    "type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}]
+HERMES_REPLY = 'Checking.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+
+
+def test_tool_calls_auto_whole_and_streamed():
+    stub = StubFrontend(reply=HERMES_REPLY, pieces=7, finish="stop")
+    c, _ = make_client(stub=stub, tool_call_parser="hermes")
+    body = c.post(CHAT, json={"messages": USER, "tools": WEATHER}).json()
+    choice = body["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["matched_stop"] == 7
+    msg = choice["message"]
+    assert msg["content"] == "Checking." and len(msg["tool_calls"]) == 1
+    call = msg["tool_calls"][0]
+    assert call["type"] == "function" and call["id"].startswith("call_")
+    assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    assert stub.submitted[-1].tools == WEATHER
+    with c.stream("POST", CHAT, json={"messages": USER, "tools": WEATHER, "stream": True}) as resp:
+        events = sse_events(resp)
+    deltas = [e["choices"][0]["delta"] for e in events]
+    calls = [t for d in deltas for t in d.get("tool_calls") or []]
+    assert all(len(d.get("tool_calls") or []) <= 1 for d in deltas)
+    assert calls[0]["id"].startswith("call_") and calls[0]["function"]["name"] == "get_weather"
+    assert all("id" not in d for d in calls[1:])
+    assert json.loads("".join(d["function"]["arguments"] for d in calls)) == {"city": "Paris"}
+    assert "".join(d.get("content") or "" for d in deltas) == "Checking."
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+
+
+def test_forced_tool_choice_is_constrained_and_parsed():
+    stub = StubFrontend(reply='[{"name": "get_weather", "parameters": {"city": "Rome"}}]', finish="stop")
+    c, _ = make_client(stub=stub)  # no --tool-call-parser needed: the output format is ours
+    body = c.post(CHAT, json={"messages": USER, "tools": WEATHER, "tool_choice": "required"}).json()
+    call = body["choices"][0]["message"]["tool_calls"][0]["function"]
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "Rome"}
+    schema = json.loads(stub.submitted[-1].params.structured.spec)
+    assert schema["items"]["anyOf"][0]["properties"]["name"] == {"const": "get_weather"}
+    stub.reply = '{"city": "Oslo"}'
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    body = c.post(CHAT, json={"messages": USER, "tools": WEATHER, "tool_choice": named}).json()
+    assert body["choices"][0]["finish_reason"] == "tool_calls"
+    assert json.loads(body["choices"][0]["message"]["tool_calls"][0]["function"]["arguments"]) == {"city": "Oslo"}
+    assert json.loads(stub.submitted[-1].params.structured.spec) == WEATHER[0]["function"]["parameters"]
+
+
+def test_tool_choice_none_leaves_the_text_alone():
+    stub = StubFrontend(reply=HERMES_REPLY, finish="stop")
+    c, _ = make_client(stub=stub, tool_call_parser="hermes")
+    body = c.post(CHAT, json={"messages": USER, "tools": WEATHER, "tool_choice": "none"}).json()
+    assert body["choices"][0]["message"]["content"] == HERMES_REPLY and body["choices"][0]["finish_reason"] == "stop"
+
+
+def test_reasoning_content_whole_and_streamed():
+    stub = StubFrontend(reply="let me think</think>\n\nThe answer", pieces=9, finish="stop", prompt_in_reasoning=True)
+    c, _ = make_client(stub=stub, reasoning_parser="qwen3")
+    msg = c.post(CHAT, json={"messages": USER}).json()["choices"][0]["message"]
+    assert msg["reasoning_content"] == "let me think" and msg["content"] == "The answer"
+    with c.stream("POST", CHAT, json={"messages": USER, "stream": True}) as resp:
+        deltas = [e["choices"][0]["delta"] for e in sse_events(resp)]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "let me think"
+    assert "".join(d.get("content") or "" for d in deltas) == "The answer"
+    msg = c.post(CHAT, json={"messages": USER, "separate_reasoning": False}).json()["choices"][0]["message"]
+    assert msg["content"] == stub.reply and "reasoning_content" not in msg
+    # constrained output has no think block, even when the template opened one
+    msg = c.post(CHAT, json={"messages": USER, "regex": ".*"}).json()["choices"][0]["message"]
+    assert msg["content"] == stub.reply
+
+
+def test_tool_message_history_reaches_the_template():
+    c, stub = make_client()
+    msgs = USER + [
+        {"role": "assistant", "content": None, "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+    ]
+    assert c.post(CHAT, json={"messages": msgs, "tools": WEATHER, "tool_choice": "none"}).status_code == 200
+    sent = stub.submitted[-1].messages
+    assert sent[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}  # as an object, for templates
+    assert sent[2] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
+
+
+def test_tokenize_detokenize_and_model_aliases(qwen3_dir):
+    args = ServerArgs(engine=EngineConfig(model=qwen3_dir), served_model_name=MODEL, context_len=128,
+                      vocab_size=700, model_aliases=("alias",))
+    state = AppState(args)
+    state.serving = Serving(StubFrontend(), state.metrics, MODEL, LIMITS, ("alias",))  # type: ignore[arg-type]
+    c = TestClient(create_app(state))
+    from tpserve.tokenizer.loader import load_tokenizer
+
+    tok = load_tokenizer(qwen3_dir)
+    body = c.post("/tokenize", json={"prompt": "Hello world"}).json()
+    assert body == {"tokens": tok.encode("Hello world"), "count": len(tok.encode("Hello world")), "max_model_len": 128}
+    chat = c.post("/tokenize", json={"messages": USER}).json()
+    assert tok.decode(chat["tokens"]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    assert c.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "Hello world"}
+    assert_error(c.post("/detokenize", json={"tokens": [10**6]}), 400, "out of range", "tokens")
+    assert_error(c.post("/tokenize", json={}), 400, "prompt or messages")
+    assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [MODEL, "alias"]
+    assert c.post(CHAT, json={"model": "alias", "messages": USER}).json()["model"] == MODEL
+
+
+class SilentFrontend(StubFrontend):
+    """Accepts requests and never answers: a backend that makes no progress."""
+
+    async def submit(self, requests, queue) -> None:
+        self.submitted.extend(requests)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_request_timeout_aborts_with_504(stream):
+    stub = SilentFrontend()
+    c, _ = make_client(stub=stub, request_timeout=0.3)
+    start = time.monotonic()
+    resp = c.post(CHAT, json={"messages": USER, "stream": stream})
+    assert time.monotonic() - start < 5
+    assert_error(resp, 504, "--request-timeout")
+    assert resp.json()["error"]["code"] == "request_timeout"
+    assert stub.aborted == [r.rid for r in stub.submitted]
+
+
+class BrokenFrontend(StubFrontend):
+    async def submit(self, requests, queue) -> None:
+        self.submitted.extend(requests)
+        raise RuntimeError("the tokenizer socket is gone")
+
+
+def test_a_failed_submit_aborts_what_it_started():
+    stub = BrokenFrontend()
+    c, _ = make_client(stub=stub)
+    c = TestClient(c.app, raise_server_exceptions=False)
+    resp = c.post(COMPLETIONS, json={"prompt": ["a", "b"], "max_tokens": 3})
+    assert resp.status_code == 500
+    assert sorted(stub.aborted) == sorted(r.rid for r in stub.submitted) and stub.aborted
+
+
+def test_openapi_schema_needs_no_key_only_without_one():
+    open_client, _ = make_client()
+    assert open_client.get("/openapi.json").status_code == 200
+    keyed, _ = make_client(api_key="k")
+    assert keyed.get("/openapi.json").status_code == 404
+
+
+def test_body_over_the_cap_is_413_before_parsing():
+    c, stub = make_client(max_request_bytes=2000)
+    resp = c.post(CHAT, json={"messages": [{"role": "user", "content": "x" * 5000}]})
+    assert_error(resp, 413, "--max-request-bytes")
+    assert resp.json()["error"]["code"] == "request_too_large" and not stub.submitted
+
+
+def test_health_503_when_a_rank_stalls():
+    c, _ = make_client()
+    state = c.app.state.server
+    state.liveness = lambda: None
+    assert c.get("/health").status_code == 200
+    state.liveness = lambda: "scheduler rank 1 has made no progress for 61.0 s"
+    resp = c.get("/health")
+    assert_error(resp, 503, "rank 1")

@@ -134,3 +134,13 @@ def test_never_registered_tokens_are_dropped_after_timeout(tiny_tokenizer):
     clock.now = ORPHAN_TIMEOUT_S + 1
     m.on_batch(batch())
     assert m.register(DetokenizeRegister(rid=77)).api is None
+
+
+def test_include_stop_string_matched_stop_and_reasoning_flag(tiny_tokenizer):
+    m = DetokenizerManager(tiny_tokenizer)
+    m.register(DetokenizeRegister(rid=6, stop=["STOP"], include_stop=True, prompt_in_reasoning=True))
+    texts, last, _ = feed_tokens(m, 6, ids_of(tiny_tokenizer, "keep STOP drop"))
+    assert "".join(texts) == "keep STOP" and last.matched_stop == "STOP" and last.prompt_in_reasoning
+    m.register(DetokenizeRegister(rid=7))
+    res = m.on_batch(batch(TokenOutput(rid=7, token_ids=[5], finish_reason="stop", matched_stop=5)))
+    assert res.api.outputs[0].matched_stop == 5

@@ -91,3 +91,53 @@ def test_no_chat_template():
     p = PromptPreparer(NoTemplate(), PromptLimits(64, 700))
     with pytest.raises(InvalidRequest, match="no chat template"):
         p.prepare(req(messages=[{"role": "user", "content": "x"}]))
+
+
+TOOLS = [{"type": "function", "function": {"name": "get_weather", "description": "Weather of a city",
+                                           "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+TOOL_TURNS = [
+    {"role": "user", "content": "Weather in Paris?"},
+    {"role": "assistant", "content": "", "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": {"city": "Paris"}}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "sunny, 21 C"},
+]
+
+
+@pytest.mark.parametrize("tokenizer_name", ["tiny_tokenizer", "qwen3_tokenizer"])
+def test_tools_and_tool_turns_go_through_the_template(request, tokenizer_name):
+    tokenizer = request.getfixturevalue(tokenizer_name)
+    preparer = PromptPreparer(tokenizer, PromptLimits(context_len=4096, vocab_size=200_000))
+    text = tokenizer.decode(preparer.prepare(req(messages=TOOL_TURNS, tools=TOOLS)).generate.input_ids)
+    assert '"name": "get_weather"' in text and "<tools>" in text
+    assert '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>' in text
+    assert "<tool_response>\nsunny, 21 C\n</tool_response>" in text
+
+
+def test_prompt_reasoning_state_with_the_real_qwen3_template(qwen3_tokenizer):
+    preparer = PromptPreparer(qwen3_tokenizer, PromptLimits(context_len=4096, vocab_size=200_000))
+    msgs = [{"role": "user", "content": "hi"}]
+    assert not preparer.prepare(req(messages=msgs)).register.prompt_in_reasoning  # the model opens it itself
+    off = preparer.prepare(req(messages=msgs, chat_template_kwargs={"enable_thinking": False}))
+    assert not off.register.prompt_in_reasoning
+
+
+def test_template_that_opens_the_think_block(tiny_tokenizer):
+    import copy
+
+    tokenizer = copy.deepcopy(tiny_tokenizer)
+    tokenizer.chat_template = tokenizer.chat_template + "{%- if add_generation_prompt %}{{- '<think>\\n' }}{%- endif %}"
+    preparer = PromptPreparer(tokenizer, PromptLimits(context_len=64, vocab_size=700))
+    assert preparer.prepare(req(messages=[{"role": "user", "content": "hi"}])).register.prompt_in_reasoning
+
+
+def test_sampling_controls_checked(preparer):
+    from tpserve.sampling_params import StructuredOutput
+
+    with pytest.raises(InvalidRequest, match="out of range") as e:
+        preparer.prepare(req(input_ids=[1], params=SamplingParams(logit_bias={10_000: 1.0})))
+    assert e.value.param == "logit_bias"
+    with pytest.raises(InvalidRequest, match="invalid regex") as e:
+        preparer.prepare(req(input_ids=[1], params=SamplingParams(structured=StructuredOutput("regex", "(a"))))
+    assert e.value.param == "response_format"
+    p = preparer.prepare(req(input_ids=[1], params=SamplingParams(stop=["x"], include_stop_str_in_output=True)))
+    assert p.register.include_stop

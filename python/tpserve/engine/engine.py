@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from dataclasses import dataclass
 
 import torch
 
@@ -13,6 +14,7 @@ from tpserve.distributed.comm import init_process_groups
 from tpserve.distributed.info import set_tp_info
 from tpserve.engine.batch import build_forward_inputs, resolve_future_tokens
 from tpserve.engine.cuda_graph import CUDAGraphRunner
+from tpserve.engine.logit_edits import PenaltyState
 from tpserve.engine.sampler import Sampler, SamplingBatch
 from tpserve.forward import ForwardContext, SequenceInput
 from tpserve.kernels import use_triton
@@ -20,6 +22,7 @@ from tpserve.kvcache.pool import KVCachePool
 from tpserve.models.decoder import CausalLM
 from tpserve.models.loader import load_model_weights
 from tpserve.sampling_params import SamplingParams
+from tpserve.structured.mask import apply_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -44,6 +47,24 @@ class LaunchedStep:
         if "logprobs" not in self.host:
             return None
         return self.host["logprobs"].tolist(), self.host["top_ids"].tolist(), self.host["top_logprobs"].tolist()
+
+
+@dataclass
+class PendingSample:
+    """A step whose forward is enqueued and whose sampling waits for ``Engine.sample``."""
+
+    logits: torch.Tensor
+    sampling: SamplingBatch
+    top_logprobs: int | None
+
+
+@dataclass
+class TokenMask:
+    """Grammar masks for some rows of a step: ``bitmask[i]`` (xgrammar's packed int32 layout)
+    allows the tokens of row ``rows[i]``."""
+
+    rows: torch.Tensor  # [R] int64, host
+    bitmask: torch.Tensor  # [R, ceil(V / 32)] int32, host
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> dict[str, torch.Tensor]:
@@ -114,6 +135,7 @@ class Engine:
             self._fused_rope_store(),
         )
         self.sampler = Sampler()
+        self.penalty_state = PenaltyState(self.model_config.vocab_size, self.device)
         self.graph_runner = self._capture_cuda_graphs()
         if self.device.type == "cuda":
             self._warm_up_sampler()
@@ -144,12 +166,15 @@ class Engine:
 
     def _warm_up_sampler(self) -> None:
         """Compile the sampler's kernels (plain and filtered) now rather than on the first
-        requests, on logits laid out as the LM head returns them (rows padded at TP > 1)."""
+        requests, on logits laid out as the LM head returns them (rows padded at TP > 1), and
+        as logit edits (penalties, grammar masks) return them: contiguous float32."""
         vocab = self.model_config.vocab_size
         padded = self.model.lm_head.weight.shape[0] * self.config.tp_size
-        logits = torch.zeros((2, padded), dtype=self.dtype, device=self.device)[:, :vocab]
-        for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2, top_p=0.9)):
-            self.sampler(logits, SamplingBatch.build([params] * 2, [0, 1], [0, 0], vocab, self.device))
+        raw = torch.zeros((2, padded), dtype=self.dtype, device=self.device)[:, :vocab]
+        edited = torch.zeros((2, vocab), dtype=torch.float32, device=self.device)
+        for logits in (raw, edited):
+            for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2, top_p=0.9)):
+                self.sampler(logits, SamplingBatch.build([params] * 2, [0, 1], [0, 0], vocab, self.device))
         torch.cuda.synchronize(self.device)
 
     def _count_pages(self) -> int:
@@ -193,16 +218,42 @@ class Engine:
         return self.model(ForwardContext(inputs, self.attention))
 
     @torch.inference_mode()
-    def launch(self, seqs: list[SequenceInput], sampling: SamplingBatch, top_logprobs: int | None = None) -> "LaunchedStep":
+    def launch(
+        self,
+        seqs: list[SequenceInput],
+        sampling: SamplingBatch,
+        top_logprobs: int | None = None,
+        defer_sampling: bool = False,
+    ) -> "LaunchedStep | PendingSample":
         """Enqueue one step (forward + sampling) without waiting for it; see ``LaunchedStep``.
-        With ``top_logprobs`` (not None) it also returns log-probabilities for every row."""
+        With ``top_logprobs`` (not None) it also returns log-probabilities for every row.
+
+        With ``defer_sampling`` only the forward is enqueued: the caller finishes the step with
+        ``sample`` once it knows the grammar masks (they need the previous step's tokens, which
+        the host learns while this forward runs)."""
         has_futures = any(t < 0 for s in seqs for t in s.token_ids[:1])
         logits = self.forward(seqs, self._last_tokens if has_futures else None)
-        tokens = self.sampler(logits, sampling)
+        pending = PendingSample(logits, sampling, top_logprobs)
+        return pending if defer_sampling else self.sample(pending)
+
+    @torch.inference_mode()
+    def sample(self, pending: "PendingSample", mask: "TokenMask | None" = None) -> "LaunchedStep":
+        """Edit the logits (penalties, bias, bans, then the grammar ``mask``), sample, and copy the
+        tokens to the host in the background. Must run before the next forward (a CUDA graph
+        replay overwrites the logits)."""
+        logits, sampling = pending.logits, pending.sampling
+        edits = sampling.edits
+        edited = logits if edits is None else self.penalty_state.apply(logits, edits)
+        if mask is not None:
+            if edited is logits:
+                edited = logits.float().clone()
+            apply_bitmask(edited, mask.rows.to(self.device, non_blocking=True), mask.bitmask.to(self.device, non_blocking=True))
+        tokens = self.sampler(edited, sampling)
+        self.penalty_state.record(tokens, edits)
         self._last_tokens = tokens
         outputs = {"tokens": tokens}
-        if top_logprobs is not None:  # before the next graph replay overwrites the logits
-            outputs.update(compute_logprobs(logits, tokens, top_logprobs))
+        if pending.top_logprobs is not None:  # before the next graph replay overwrites the logits
+            outputs.update(compute_logprobs(logits, tokens, pending.top_logprobs))
         if self.device.type != "cuda":
             return LaunchedStep(outputs, None)
         host = {}

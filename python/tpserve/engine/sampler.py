@@ -38,6 +38,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from tpserve.engine.logit_edits import LogitEdits
 from tpserve.kernels import use_triton
 from tpserve.sampling_params import SamplingParams
 
@@ -150,6 +151,8 @@ class SamplingBatch:
     # weights that needs (None: the whole vocab). Only rows with top-p but no top-k need them all.
     sort_rows: torch.Tensor | None = None
     sort_width: int | None = None
+    # penalties, logit bias, bans and grammar masks, applied by the engine before sampling
+    edits: LogitEdits | None = None
 
     @property
     def needs_filter(self) -> bool:

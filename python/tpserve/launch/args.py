@@ -3,11 +3,17 @@
 from __future__ import annotations
 
 import argparse
+import json
+import logging
 import os
 from dataclasses import dataclass
 
 from tpserve.config import EngineConfig, ModelConfig, check_can_start
+from tpserve.parsers.reasoning import REASONING_PARSERS
+from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
+
+logger = logging.getLogger(__name__)
 
 DEFAULT_SCHEDULER_ENTRY = "tpserve.scheduler.process:run_scheduler"
 DEMO_MODEL_NAME = "tpserve-tiny-random"
@@ -20,7 +26,7 @@ class ServerArgs:
     """Everything the server needs: the engine's config plus the frontend's settings."""
 
     engine: EngineConfig
-    served_model_name: str
+    served_model_name: str  # the first --served-model-name (the name responses carry)
     context_len: int  # prompt + completion tokens of one request
     vocab_size: int
     host: str = "127.0.0.1"
@@ -29,8 +35,17 @@ class ServerArgs:
     num_tokenizers: int = 1
     api_key: str | None = None
     log_level: str = "info"
+    log_file: str | None = None  # every process logs here instead of stderr (the shell sets it)
     demo_model: bool = False  # serving the built-in tiny random-weight model
     scheduler_entry: str = DEFAULT_SCHEDULER_ENTRY  # "module:function" run once per TP rank
+    model_aliases: tuple[str, ...] = ()  # the other --served-model-name values
+    chat_template: str | None = None  # --chat-template FILE's text (None: the model's own)
+    tool_call_parser: str | None = None  # resolved from --tool-call-parser (auto: from the template)
+    reasoning_parser: str | None = None
+    max_request_bytes: int = 16 << 20
+    max_sequences_per_request: int = 256  # prompts x n of one API call
+    health_timeout: float = 60.0  # /health is 503 when a rank's loop stalls this long
+    request_timeout: float | None = None  # seconds one API call may take (None: no limit)
 
     @property
     def model_dir(self) -> str:
@@ -48,6 +63,16 @@ def _int_at_least(low: int):
         return value
 
     return parse
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
+    if not 0 < value < float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
+    return value
 
 
 def _port(text: str) -> int:
@@ -76,12 +101,33 @@ class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
         return super()._get_help_string(action)
 
 
+class _Parser(argparse.ArgumentParser):
+    """Errors in one line (not the whole usage), naming the flag and the bad value."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+# The spellings vLLM and SGLang users type, mapped to tpserve's.
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
+
+
+def _dtype(text: str) -> str:
+    value = DTYPE_ALIASES.get(text, text)
+    if value not in ("auto", "float32", "bfloat16", "float16"):
+        raise argparse.ArgumentTypeError(
+            f"invalid choice: {text!r} (choose auto, float32, bfloat16, float16, or half, float, bf16)"
+        )
+    return value
+
+
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
+    p = _Parser(
         prog="tpserve",
         description="Serve an LLM with tensor parallelism behind an OpenAI-compatible HTTP API "
         "(or an interactive shell with --shell). Runs offline.",
         formatter_class=_HelpFormatter,
+        allow_abbrev=False,  # --mem would otherwise silently mean --mem-fraction
     )
     model = p.add_argument_group("model")
     model.add_argument(
@@ -89,16 +135,30 @@ def build_parser() -> argparse.ArgumentParser:
         help="local model directory, or a Hugging Face id (org/name) already in the local HF "
         "cache; default: a built-in tiny random-weight demo model",
     )
-    model.add_argument("--served-model-name", default=None,
-                       help="model name in the API (default: the --model value)")
+    model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
+                       help="model name(s) in the API; requests may use any, responses carry the first "
+                       "(default: the --model value)")
+    model.add_argument("--chat-template", default=None, metavar="FILE",
+                       help="Jinja chat template file to use instead of the model's own")
+    model.add_argument("--tool-call-parser", choices=["auto", "none", *TOOL_CALL_PARSERS], default="auto",
+                       help="how the model writes tool calls: hermes (Qwen2.5/Qwen3 <tool_call> JSON), "
+                       "llama3_json (Llama 3.1 JSON); auto: from the chat template, none: no tool "
+                       "parsing (tool_choice required or named still work)")
+    model.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
+                       help="split <think>...</think> into reasoning_content (qwen3, deepseek_r1); "
+                       "default: reasoning stays in content")
     model.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
                        help="weights: safetensors files, or dummy (random, for benchmarks)")
-    model.add_argument("--dtype", choices=["auto", "float32", "bfloat16", "float16"],
-                       default="auto", help="compute dtype; auto: checkpoint dtype on GPU, "
-                       "float32 on CPU")
-    model.add_argument("--max-model-len", type=_int_at_least(2), default=None,
+    model.add_argument("--dtype", type=_dtype, default="auto",
+                       help="compute dtype: auto (the checkpoint's dtype on GPU, float32 on CPU), float32, "
+                       "bfloat16, float16 (also spelled half, float, bf16)")
+    model.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=_int_at_least(2),
+                       default=None,
                        help="context limit (prompt + completion tokens); default: the model's "
                        "context length (max_position_embeddings, extended by YaRN or linear rope scaling)")
+    model.add_argument("--trust-remote-code", action="store_true",
+                       help="accepted for vLLM/SGLang compatibility and ignored: tpserve runs no code from "
+                       "model repositories (only the architectures it implements)")
     engine = p.add_argument_group("engine")
     engine.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size",
                         type=_int_at_least(1), default=1,
@@ -109,8 +169,10 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most requests decoded together")
     engine.add_argument("--page-size", type=_int_at_least(1), default=16,
                         help="tokens per KV-cache page")
-    engine.add_argument("--mem-fraction", type=_fraction, default=0.85,
-                        help="fraction of free GPU memory used for the KV cache")
+    engine.add_argument("--mem-fraction", "--gpu-memory-utilization", "--mem-fraction-static",
+                        dest="mem_fraction", type=_fraction, default=0.85,
+                        help="share of each GPU's total memory tpserve may fill: the KV cache gets what is "
+                        "left of it after the weights (and whatever else already uses the GPU)")
     engine.add_argument("--max-total-tokens", type=_int_at_least(1), default=None,
                         help="KV-cache size in tokens (default: from --mem-fraction on GPU, "
                         "32768 on CPU)")
@@ -145,6 +207,15 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache "
                         f"(env {API_KEY_ENV})")
+    server.add_argument("--max-request-bytes", type=_int_at_least(1024), default=16 << 20,
+                        help="largest request body in bytes; larger ones get 413 before they are read")
+    server.add_argument("--max-sequences-per-request", type=_int_at_least(1), default=256,
+                        help="most sequences (prompts x n) one API call may start")
+    server.add_argument("--health-timeout", type=_positive_float, default=60.0,
+                        help="seconds a scheduler rank may go without finishing a loop iteration before "
+                        "/health answers 503 (a stuck or stopped rank)")
+    server.add_argument("--request-timeout", type=_positive_float, default=None,
+                        help="seconds one API call may take; then it is aborted with a 504 (default: no limit)")
     server.add_argument("--num-tokenizers", type=_int_at_least(1), default=1,
                         help="tokenizer worker processes")
     server.add_argument("--shell", action="store_true",
@@ -171,10 +242,11 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         from tpserve.tiny import default_tiny_model_dir
 
         model_dir = default_tiny_model_dir()
-        name = ns.served_model_name or DEMO_MODEL_NAME
+        names = ns.served_model_name or [DEMO_MODEL_NAME]
     else:
         model_dir = resolve_model_dir(ns.model)
-        name = ns.served_model_name or ns.model
+        # a local path is not shown to clients: the directory's name is (a HF id stays as given)
+        names = ns.served_model_name or [os.path.basename(model_dir) if os.path.isdir(os.path.expanduser(ns.model)) else ns.model]
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"--model: {model_dir} has no config.json")
     model_config = ModelConfig.from_pretrained(model_dir)
@@ -204,10 +276,18 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     check_can_start(engine, model_config, cli=True)
     if ":" not in ns.scheduler_entry:
         raise ValueError(f"--scheduler-entry must be module:function, got {ns.scheduler_entry!r}")
+    chat_template = _read_template(ns.chat_template) if ns.chat_template else None
+    tool_parser = ns.tool_call_parser
+    if tool_parser == "auto":
+        tool_parser = detect_tool_parser(chat_template or _model_chat_template(model_dir))
     return ServerArgs(
         engine=engine,
-        served_model_name=name,
-        context_len=ns.max_model_len or model_config.context_length,
+        served_model_name=names[0],
+        model_aliases=tuple(n for n in names[1:] if n != names[0]),
+        chat_template=chat_template,
+        tool_call_parser=None if tool_parser == "none" else tool_parser,
+        reasoning_parser=ns.reasoning_parser,
+        context_len=_context_len(ns.max_model_len or model_config.context_length, ns.max_total_tokens),
         vocab_size=model_config.vocab_size,
         host=ns.host,
         port=ns.port,
@@ -217,4 +297,42 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         log_level=ns.log_level,
         demo_model=demo,
         scheduler_entry=ns.scheduler_entry,
+        max_request_bytes=ns.max_request_bytes,
+        max_sequences_per_request=ns.max_sequences_per_request,
+        health_timeout=ns.health_timeout,
+        request_timeout=ns.request_timeout,
     )
+
+
+def _context_len(context: int, kv_tokens: int | None) -> int:
+    """A request can be no longer than the KV cache holds: advertise and enforce that, not more."""
+    if kv_tokens is not None and kv_tokens < context:
+        logger.warning(
+            "--max-total-tokens %d is below the context length %d: requests are limited to %d tokens",
+            kv_tokens, context, kv_tokens,
+        )
+        return kv_tokens
+    return context
+
+
+def _read_template(path: str) -> str:
+    try:
+        with open(path, encoding="utf-8") as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--chat-template: cannot read {path}: {e.strerror}") from None
+
+
+def _model_chat_template(model_dir: str) -> str | None:
+    """The model's chat template text (tokenizer_config.json or chat_template.jinja), if any."""
+    jinja = os.path.join(model_dir, "chat_template.jinja")
+    if os.path.isfile(jinja):
+        return _read_template(jinja)
+    try:
+        with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
+            template = json.load(f).get("chat_template")
+    except (OSError, ValueError):
+        return None
+    if isinstance(template, list):  # named templates: [{"name": ..., "template": ...}]
+        template = "\n".join(t.get("template", "") for t in template if isinstance(t, dict))
+    return template if isinstance(template, str) else None

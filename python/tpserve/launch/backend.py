@@ -75,6 +75,9 @@ class Backend:
         self._ack_queue = self._mp.Queue()
         self._procs: list[multiprocessing.process.BaseProcess] = []
         self._acks_expected = 2 + args.num_tokenizers
+        # Each scheduler rank writes time.monotonic() here at every loop iteration (a liveness
+        # signal that needs no message: a stopped or stuck rank simply stops writing).
+        self.heartbeats = [self._mp.Value("d", 0.0, lock=False) for _ in range(args.engine.tp_size)]
         self._stopping = False
         self._ready = False
 
@@ -85,11 +88,13 @@ class Backend:
         if engine.tp_size > 1 and engine.dist_init_addr is None:
             engine = replace(engine, dist_init_addr=local_init_addr())
         specs = [
-            _ChildSpec(f"scheduler-tp{rank}", args.scheduler_entry, (engine, rank, ep, self._ack_queue))
+            _ChildSpec(
+                f"scheduler-tp{rank}", args.scheduler_entry, (engine, rank, ep, self._ack_queue, self.heartbeats[rank])
+            )
             for rank in range(engine.tp_size)
         ]
         specs.append(_ChildSpec("detokenizer", DETOKENIZER_ENTRY, (args.model_dir, ep, self._ack_queue)))
-        tok_config = TokenizerConfig(args.model_dir, PromptLimits(args.context_len, args.vocab_size))
+        tok_config = TokenizerConfig(args.model_dir, PromptLimits(args.context_len, args.vocab_size), args.chat_template)
         specs += [
             _ChildSpec(f"tokenizer-{i}", TOKENIZER_ENTRY, (tok_config, ep, self._ack_queue, i))
             for i in range(args.num_tokenizers)
@@ -101,7 +106,7 @@ class Backend:
         for spec in self._specs():
             proc = self._mp.Process(
                 target=child_main,
-                args=(spec.entry, spec.args, os.getpid(), self.args.log_level),
+                args=(spec.entry, spec.args, os.getpid(), self.args.log_level, self.args.log_file),
                 name=f"tpserve-{spec.name}",
                 daemon=False,
             )
@@ -136,6 +141,14 @@ class Backend:
         for proc in self._procs:
             if proc.exitcode is not None:
                 return ChildDied(proc.name, proc.exitcode)
+        return None
+
+    def stalled_rank(self, timeout: float) -> str | None:
+        """Why the backend is not live, if a rank's loop has not come round for ``timeout`` s."""
+        now = time.monotonic()
+        for rank, beat in enumerate(self.heartbeats):
+            if beat.value and now - beat.value > timeout:
+                return f"scheduler rank {rank} has made no progress for {now - beat.value:.1f} s"
         return None
 
     # ---- shut-down ----

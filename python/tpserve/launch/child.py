@@ -22,8 +22,10 @@ PARENT_POLL_S = 0.5
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 
 
-def setup_logging(level: str) -> None:
-    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, stream=sys.stderr, force=True)
+def setup_logging(level: str, log_file: str | None = None) -> None:
+    """To stderr, or appended to ``log_file`` (the shell keeps the terminal for the conversation)."""
+    target = {"filename": log_file} if log_file else {"stream": sys.stderr}
+    logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True, **target)
 
 
 def load_entry(entry: str) -> Callable[..., Any]:
@@ -32,10 +34,10 @@ def load_entry(entry: str) -> Callable[..., Any]:
     return getattr(importlib.import_module(module_name), attr)
 
 
-def child_main(entry: str, args: tuple, parent_pid: int, log_level: str) -> None:
+def child_main(entry: str, args: tuple, parent_pid: int, log_level: str, log_file: str | None = None) -> None:
     """Target of every spawned child: guard, then run ``entry(*args)``."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
-    setup_logging(log_level)
+    setup_logging(log_level, log_file)
     _die_with_parent(parent_pid)
     load_entry(entry)(*args)
     # Returned normally: run multiprocessing's exit hooks (as Process._bootstrap would: they

@@ -21,6 +21,7 @@ from tpserve.launch.args import ServerArgs
 from tpserve.launch.backend import Backend, ChildDied, StartupCancelled
 from tpserve.server.api import AppState, create_app
 from tpserve.server.client import FrontendClient
+from tpserve.server.limits import RequestLimits
 from tpserve.server.serving import Serving
 
 logger = logging.getLogger(__name__)
@@ -75,6 +76,8 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
     host, port = sock.getsockname()[:2]
     url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
     state = AppState(args)
+    if args.log_level != "debug":  # uvicorn's start-up lines repeat ours (under the name uvicorn.error)
+        logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
     config = uvicorn.Config(
         create_app(state),
         log_config=None,
@@ -94,7 +97,12 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
         if not await _wait_ready(backend, stop, http_task):
             return 1 if not stop.is_set() else 0
         dispatcher = asyncio.create_task(frontend.run(), name="dispatcher")
-        state.serving = Serving(frontend, state.metrics, args.served_model_name)
+        state.serving = Serving(
+            frontend, state.metrics, args.served_model_name,
+            RequestLimits(args.context_len, args.max_sequences_per_request), args.model_aliases,
+            args.reasoning_parser, args.tool_call_parser, args.request_timeout,
+        )
+        state.liveness = lambda: backend.stalled_rank(args.health_timeout)
         logger.info("ready: serving %r on %s", args.served_model_name, url)
         return await _watch(backend, stop, [http_task, dispatcher])
     finally:

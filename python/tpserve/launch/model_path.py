@@ -28,7 +28,7 @@ def resolve_model_dir(model: str) -> str:
         raise ModelNotFound(
             f"model {model!r} is not a local directory and is not in the local Hugging Face "
             f"cache ({_hf_cache_dir()}); tpserve runs offline and never downloads. Download it "
-            f"where there is internet (e.g. `huggingface-cli download {model}`) into that cache, "
+            f"where there is internet (e.g. `hf download {model}`) into that cache, "
             f"or pass the model's local directory ({type(e).__name__})"
         ) from e
 

@@ -1,33 +1,60 @@
 """``tpserve --shell``: chat with the model in the terminal, over the same processes as the
-HTTP server (no HTTP). Line editing and history come from readline; the conversation is kept
-across turns; ``/reset`` forgets it, ``/history`` prints it; ``/exit`` or Ctrl-D quits; Ctrl-C
-stops the current answer.
+HTTP server (no HTTP). Line editing and history (kept across sessions) come from readline; the
+conversation is kept across turns; slash commands change the settings (``/help`` lists them);
+Ctrl-C stops the current answer, Ctrl-D quits. While the shell owns the terminal every process
+logs to a file, whose path the banner shows.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import signal
 import sys
+import time
+from dataclasses import dataclass, replace
 from typing import Any, Callable, TextIO
 
 import zmq
 
 from tpserve.launch.args import ServerArgs
 from tpserve.launch.backend import Backend, ChildDied
+from tpserve.launch.child import setup_logging
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import RequestRejected, TokenizeRequest
+from tpserve.parsers.reasoning import ReasoningParser
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.client import BackendEvent, BackendLink
 
 logger = logging.getLogger(__name__)
 
 POLL_MS = 200
-BANNER = (
-    "tpserve shell: type a message. /reset clears the conversation, /history shows it, "
-    "/exit or Ctrl-D quits, Ctrl-C stops an answer."
-)
+HISTORY_LENGTH = 1000
+HELP = """commands:
+  /help                 this list
+  /system TEXT          set the system prompt (/system alone clears it; starts a new conversation)
+  /set temperature T    sampling temperature (0: greedy)
+  /set max_tokens N     longest answer in tokens (/set max_tokens none: up to the context limit)
+  /think on|off         Qwen3's thinking (enable_thinking in the chat template)
+  /settings             show the settings
+  /reset                forget the conversation
+  /history              print the conversation
+  /exit, Ctrl-D         quit (Ctrl-C stops an answer)"""
+DIM, BOLD, RESET = "\033[2m", "\033[1m", "\033[0m"
+
+
+@dataclass
+class ShellSettings:
+    temperature: float = 0.7
+    max_tokens: int | None = None
+    system: str | None = None
+    think: bool | None = None  # None: the template's default
+
+    def describe(self) -> str:
+        think = "template default" if self.think is None else ("on" if self.think else "off")
+        return (f"temperature {self.temperature:g}, max_tokens {self.max_tokens or 'context limit'}, "
+                f"thinking {think}, system prompt {self.system!r}")
 
 
 class ShellClient(BackendLink):
@@ -37,8 +64,11 @@ class ShellClient(BackendLink):
         super().__init__(zmq.Context(), endpoints)
         self._events: queue.SimpleQueue[BackendEvent] = queue.SimpleQueue()
 
-    def submit(self, messages: list[dict[str, Any]], params: SamplingParams) -> int:
-        request = TokenizeRequest(rid=self.new_rid(), params=params, messages=messages)
+    def submit(
+        self, messages: list[dict[str, Any]], params: SamplingParams, template_kwargs: dict[str, Any] | None = None
+    ) -> int:
+        request = TokenizeRequest(rid=self.new_rid(), params=params, messages=messages,
+                                  chat_template_kwargs=template_kwargs)
         for data in self._watch([request], self._events):
             self._to_tokenizer.send(data)
         return request.rid
@@ -63,70 +93,173 @@ class ShellClient(BackendLink):
 
 
 class Shell:
-    def __init__(self, client: ShellClient, check_backend: Callable[[], None], out: TextIO = sys.stdout) -> None:
+    def __init__(
+        self,
+        client: ShellClient,
+        check_backend: Callable[[], None],
+        out: TextIO = sys.stdout,
+        context_len: int | None = None,
+        reasoning: bool = False,
+        log_file: str | None = None,
+        history_file: str | None = None,
+    ) -> None:
         self._client = client
         self._check_backend = check_backend
         self._out = out
+        self._color = out.isatty()
+        self._context_len = context_len
+        self._reasoning = reasoning
+        self._log_file = log_file
+        self._history_file = history_file
+        self.settings = ShellSettings()
         self.history: list[dict[str, Any]] = []
 
     def run(self) -> None:
+        readline = _readline(self._history_file)
+        banner = "tpserve shell: type a message; /help lists the commands; Ctrl-C stops an answer, Ctrl-D quits."
+        if self._log_file:
+            banner += f"\nlogs: {self._log_file}"
+        self._print(banner + "\n")
         try:
-            import readline  # noqa: F401  (line editing and history for input())
-        except ImportError:  # pragma: no cover - not on every platform
-            pass
-        self._print(BANNER + "\n")
-        while True:
-            try:
-                line = input(">>> ")
-            except EOFError:
-                self._print("\n")
+            while True:
+                try:
+                    line = input(">>> ")
+                except EOFError:
+                    self._print("\n")
+                    return
+                except KeyboardInterrupt:
+                    self._print("\n")
+                    continue
+                text = line.strip()
+                if not text:
+                    continue
+                if text.startswith("/"):
+                    if self._command(text) == "exit":
+                        return
+                    continue
+                self._turn(text)
+        finally:
+            if readline is not None and self._history_file:
+                try:
+                    readline.write_history_file(self._history_file)
+                except OSError:
+                    pass
+
+    # ---- commands ----
+    def _command(self, text: str) -> str | None:
+        name, _, arg = text.partition(" ")
+        arg = arg.strip()
+        if name in ("/exit", "/quit"):
+            return "exit"
+        if name == "/help":
+            self._print(HELP + "\n")
+        elif name == "/reset":
+            self.history.clear()
+            self._print("(conversation cleared)\n")
+        elif name == "/history":
+            self._print_history()
+        elif name == "/settings":
+            self._print(f"({self.settings.describe()})\n")
+        elif name == "/system":
+            self.settings.system = arg or None
+            self.history.clear()
+            self._print(f"(system prompt {'set' if arg else 'cleared'}; new conversation)\n")
+        elif name == "/think" and arg in ("on", "off"):
+            self.settings.think = arg == "on"
+            self._print(f"(thinking {arg})\n")
+        elif name == "/set":
+            self._set(arg)
+        else:
+            self._print(f"unknown command {text!r}\n{HELP}\n")
+        return None
+
+    def _set(self, arg: str) -> None:
+        key, _, value = arg.partition(" ")
+        value = value.strip()
+        try:
+            if key == "temperature":
+                temperature = float(value)
+                SamplingParams(temperature=temperature)  # validates
+                self.settings.temperature = temperature
+            elif key == "max_tokens":
+                tokens = None if value.lower() == "none" else int(value)
+                if tokens is not None and tokens < 1:
+                    raise ValueError("max_tokens must be >= 1")
+                self.settings.max_tokens = tokens
+            else:
+                self._print(f"unknown setting {key!r}: /set temperature T or /set max_tokens N\n")
                 return
-            except KeyboardInterrupt:
-                self._print("\n")
-                continue
-            text = line.strip()
-            if not text:
-                continue
-            if text in ("/exit", "/quit"):
-                return
-            if text == "/reset":
-                self.history.clear()
-                self._print("(conversation cleared)\n")
-                continue
-            if text == "/history":
-                self._print_history()
-                continue
-            self._turn(text)
+        except ValueError as e:
+            self._print(f"bad value {value!r} for {key}: {e}\n")
+            return
+        self._print(f"({self.settings.describe()})\n")
+
+    # ---- one turn ----
+    def _messages(self, text: str) -> list[dict[str, Any]]:
+        system = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
+        return system + self.history + [{"role": "user", "content": text}]
 
     def _turn(self, text: str) -> None:
-        messages = self.history + [{"role": "user", "content": text}]
-        rid = self._client.submit(messages, SamplingParams(max_tokens=None))
-        answer: list[str] = []
+        messages = self._messages(text)
+        params = SamplingParams(temperature=self.settings.temperature, max_tokens=self.settings.max_tokens)
+        kwargs = None if self.settings.think is None else {"enable_thinking": self.settings.think}
+        rid = self._client.submit(messages, params, kwargs)
+        answer = _Answer(self._reasoning)
         try:
             finished = self._stream(rid, answer)
         except KeyboardInterrupt:
             self._client.abort(rid)
-            self._print("\n(stopped)\n")
+            self._print(f"{self._end_of_answer(answer)}(stopped)\n")
             finished = True
         if finished is None:
             return  # rejected: the conversation is unchanged
-        self.history = messages + [{"role": "assistant", "content": "".join(answer)}]
+        self.history = messages[1:] if self.settings.system else messages
+        self.history = self.history + [{"role": "assistant", "content": answer.content}]
 
-    def _stream(self, rid: int, answer: list[str]) -> bool | None:
+    def _stream(self, rid: int, answer: "_Answer") -> bool | None:
         while True:
             self._check_backend()
             for event in self._client.poll(rid, POLL_MS):
                 if isinstance(event, RequestRejected):
                     self._print(f"error: {event.message}\n(the conversation is unchanged; /reset starts anew)\n")
                     return None
-                if event.text:
-                    answer.append(event.text)
-                    self._print(event.text)
+                self._show(answer, answer.add(event.text, event.prompt_in_reasoning, event.finish_reason is not None))
+                answer.tokens = event.completion_tokens
                 if event.finish_reason is not None:
                     if event.finish_reason == "error":
                         self._print(f"\nerror: {event.error}")
-                    self._print("\n")
+                    self._print(self._end_of_answer(answer) + self._notice(event.finish_reason, answer) + "\n")
                     return True
+
+    def _show(self, answer: "_Answer", parts: list[tuple[str, str]]) -> None:
+        for kind, text in parts:
+            if kind == "reasoning":
+                if not answer.reasoning_shown:
+                    answer.reasoning_shown = True
+                    self._print(self._style(DIM, "[thinking] "))
+                self._print(self._style(DIM, text))
+            else:
+                if answer.reasoning_shown and not answer.content:
+                    self._print("\n")
+                answer.content += text
+                self._print(text)
+
+    def _end_of_answer(self, answer: "_Answer") -> str:
+        return "" if answer.ends_with_newline else "\n"
+
+    def _notice(self, finish_reason: str, answer: "_Answer") -> str:
+        elapsed = max(time.monotonic() - answer.started, 1e-6)
+        rate = self._style(DIM, f"({answer.tokens} tokens, {answer.tokens / elapsed:.1f} tok/s)")
+        if finish_reason != "length":
+            return rate
+        if self.settings.max_tokens is not None and answer.tokens >= self.settings.max_tokens:
+            cut = f"(cut at max_tokens {self.settings.max_tokens}: /set max_tokens N for longer answers)"
+        else:
+            cut = f"(cut at the context limit of {self._context_len} tokens: /reset starts a new conversation)"
+        return self._style(BOLD, cut) + "\n" + rate
+
+    def _style(self, code: str, text: str) -> str:
+        return f"{code}{text}{RESET}" if self._color else text
 
     def _print_history(self) -> None:
         self._print(f"({len(self.history)} messages)\n")
@@ -138,6 +271,49 @@ class Shell:
         self._out.flush()
 
 
+class _Answer:
+    """One streamed answer: its reasoning/content split and its token count."""
+
+    def __init__(self, reasoning: bool) -> None:
+        self._reasoning = reasoning
+        self._parser: ReasoningParser | None = None
+        self.content = ""
+        self.reasoning_shown = False
+        self.tokens = 0
+        self.started = time.monotonic()
+        self._last = ""
+
+    @property
+    def ends_with_newline(self) -> bool:
+        return self._last.endswith("\n") or not self._last
+
+    def add(self, text: str, prompt_in_reasoning: bool, final: bool) -> list[tuple[str, str]]:
+        if not self._reasoning:
+            parts = [("content", text)] if text else []
+        else:
+            if self._parser is None:
+                self._parser = ReasoningParser(prompt_in_reasoning)
+            split = self._parser.feed(text, final=final)
+            parts = [(k, t) for k, t in (("reasoning", split.reasoning), ("content", split.content)) if t]
+        if parts:
+            self._last = parts[-1][1]
+        return parts
+
+
+def _readline(history_file: str | None) -> Any:
+    try:
+        import readline
+    except ImportError:  # pragma: no cover - not on every platform
+        return None
+    readline.set_history_length(HISTORY_LENGTH)
+    if history_file and os.path.exists(history_file):
+        try:
+            readline.read_history_file(history_file)
+        except OSError:
+            pass
+    return readline
+
+
 def run_shell(args: ServerArgs) -> int:
     """Start the backend, chat until the user quits; return the exit code."""
 
@@ -145,6 +321,14 @@ def run_shell(args: ServerArgs) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    from tpserve.tiny import cache_root
+
+    state_dir = cache_root()
+    os.makedirs(os.path.join(state_dir, "logs"), exist_ok=True)
+    log_file = os.path.join(state_dir, "logs", f"shell-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
+    args = replace(args, log_file=log_file)
+    setup_logging(args.log_level, log_file)
+    print(f"loading {args.served_model_name} (logs: {log_file}) ...", flush=True)
     backend = Backend(args)
     client = ShellClient(backend.endpoints)
 
@@ -155,12 +339,13 @@ def run_shell(args: ServerArgs) -> int:
 
     try:
         backend.start()
-        logger.info("loading %s ...", args.served_model_name)
         backend.wait_ready()
-        Shell(client, check_backend).run()
+        Shell(client, check_backend, context_len=args.context_len, reasoning=args.reasoning_parser is not None,
+              log_file=log_file, history_file=os.path.join(state_dir, "shell_history")).run()
         return 0
     except ChildDied as e:
         logger.error("%s", e)
+        print(f"error: {e} (see {log_file})", file=sys.stderr)
         return 1
     except KeyboardInterrupt:  # Ctrl-C during start-up
         return 130

@@ -26,6 +26,12 @@ class AbortRequest(msgspec.Struct, tag="abort"):
     rid: int
 
 
+class GrammarReady(msgspec.Struct, tag="grammar_ready"):
+    """Rank 0's word that a request's grammar has compiled: every rank attaches it now."""
+
+    rid: int
+
+
 class FlushCache(msgspec.Struct, tag="flush_cache"):
     pass
 
@@ -34,7 +40,7 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-SchedulerInput = GenerateRequest | AbortRequest | FlushCache | Shutdown
+SchedulerInput = GenerateRequest | AbortRequest | GrammarReady | FlushCache | Shutdown
 
 
 # ---- out of scheduler rank 0 (to the detokenizer) ----
@@ -51,6 +57,7 @@ class TokenOutput(msgspec.Struct):
     # Only for requests that asked for logprobs: one entry per token in token_ids.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    matched_stop: int | None = None  # the EOS or stop token id that ended it (finish "stop")
 
 
 class SchedulerStats(msgspec.Struct):

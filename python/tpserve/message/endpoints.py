@@ -1,10 +1,19 @@
-"""ZMQ socket addresses of one server instance: ipc:// paths in a private temporary directory."""
+"""ZMQ socket addresses of one server instance: ipc:// paths in a private temporary directory.
+
+The server removes its directory when it stops. A server killed with SIGKILL cannot, so each
+directory records its owner's pid, and the next server to start removes the directories of
+owners that are gone.
+"""
 
 from __future__ import annotations
 
 import os
+import shutil
 import tempfile
 from dataclasses import dataclass
+
+PREFIX = "tpserve-"
+OWNER_FILE = "owner.pid"
 
 
 @dataclass(frozen=True)
@@ -18,8 +27,11 @@ class Endpoints:
 
     @classmethod
     def create(cls) -> Endpoints:
-        directory = tempfile.mkdtemp(prefix="tpserve-")
+        remove_stale_directories()
+        directory = tempfile.mkdtemp(prefix=PREFIX)
         os.chmod(directory, 0o700)
+        with open(os.path.join(directory, OWNER_FILE), "w") as f:
+            f.write(str(os.getpid()))
 
         def path(name: str) -> str:
             return f"ipc://{os.path.join(directory, name)}"
@@ -32,3 +44,32 @@ class Endpoints:
             api=path("api"),
             directory=directory,
         )
+
+
+def remove_stale_directories(root: str | None = None) -> list[str]:
+    """Remove this user's ipc directories whose owner process no longer exists; return them."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(root):
+        path = os.path.join(root, name)
+        if not name.startswith(PREFIX) or not os.path.isdir(path) or os.stat(path).st_uid != os.getuid():
+            continue
+        try:
+            with open(os.path.join(path, OWNER_FILE)) as f:
+                owner = int(f.read())
+        except (OSError, ValueError):
+            continue  # not ours, or still being created
+        if not _alive(owner):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True

@@ -38,6 +38,7 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     skip_special_tokens: bool = True
+    tools: list[dict[str, Any]] | None = None  # rendered by the chat template
 
 
 TokenizerInput = TokenizeRequest | Shutdown
@@ -52,8 +53,10 @@ class DetokenizeRegister(msgspec.Struct, tag="detok_register", kw_only=True):
 
     rid: int
     stop: list[str] = []
+    include_stop: bool = False  # the stop string stays in the text
     skip_special_tokens: bool = True
     prompt_tokens: int = 0
+    prompt_in_reasoning: bool = False  # the rendered prompt ends inside an open <think> block
 
 
 DetokenizerInput = BatchTokenOutput | DetokenizeRegister | Shutdown
@@ -84,6 +87,8 @@ class ApiOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
+    matched_stop: int | str | None = None  # the stop token id or stop string that ended it
+    prompt_in_reasoning: bool = False
 
 
 class ApiOutputBatch(msgspec.Struct, tag="api_outputs", kw_only=True):

@@ -46,12 +46,15 @@ class SchedulerIO:
         if self.cpu_group is not None:
             dist.barrier(group=self.cpu_group)
 
-    def receive(self, blocking: bool) -> list[SchedulerInput]:
+    def receive(self, blocking: bool, local: list[SchedulerInput] | None = None) -> list[SchedulerInput]:
+        """The new messages, the same on every rank; ``local`` (rank 0's own, e.g. GrammarReady)
+        go first. Other ranks ignore their ``local``."""
+        own = [encode(msg) for msg in local or []] if self.rank == 0 else []
         if self.tp_size == 1:
-            return [self.decoder.decode(raw) for raw in self._drain(blocking)]
+            return [self.decoder.decode(raw) for raw in own + self._drain(blocking and not own)]
         count = torch.zeros(1, dtype=torch.int64)
         if self.rank == 0:
-            raws = self._drain(blocking)
+            raws = own + self._drain(blocking and not own)
             count[0] = len(raws)
             dist.broadcast(count, src=0, group=self.cpu_group)
             for raw in raws:

@@ -11,7 +11,15 @@ import torch
 import torch.distributed as dist
 
 from tpserve.config import EngineConfig
-from tpserve.message import AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, Shutdown, TokenOutput
+from tpserve.message import (
+    AbortRequest,
+    BatchTokenOutput,
+    FlushCache,
+    GenerateRequest,
+    GrammarReady,
+    Shutdown,
+    TokenOutput,
+)
 from tpserve.message.endpoints import Endpoints
 from tpserve.scheduler.gc_control import freeze_startup_heap
 from tpserve.scheduler.io import SchedulerIO
@@ -20,9 +28,16 @@ from tpserve.scheduler.scheduler import AdmissionError, Scheduler
 logger = logging.getLogger("tpserve.scheduler")
 
 LOG_INTERVAL_S = 10.0
+COMPILE_POLL_S = 0.002  # how often an otherwise idle rank 0 looks at grammars being compiled
 
 
-def run_scheduler(engine_config: EngineConfig, rank: int, endpoints: Endpoints, ack_queue: mp.Queue) -> None:
+def run_scheduler(
+    engine_config: EngineConfig,
+    rank: int,
+    endpoints: Endpoints,
+    ack_queue: mp.Queue,
+    heartbeat: "mp.sharedctypes.Synchronized[float] | None" = None,
+) -> None:
     from tpserve.engine.engine import Engine
 
     engine = Engine(engine_config, rank)
@@ -33,36 +48,48 @@ def run_scheduler(engine_config: EngineConfig, rank: int, endpoints: Endpoints, 
         ack_queue.put(f"scheduler ready: {engine_config.tp_size} rank(s), {scheduler.allocator.total} KV pages")
     freeze_startup_heap()
     try:
-        SchedulerLoop(scheduler, io, engine_config.debug_check_ranks).run()
+        SchedulerLoop(scheduler, io, engine_config.debug_check_ranks, heartbeat).run()
     finally:
         io.close()
         engine.shutdown()
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, io: SchedulerIO, check_ranks: bool) -> None:
+    def __init__(self, scheduler: Scheduler, io: SchedulerIO, check_ranks: bool, heartbeat=None) -> None:
         self.scheduler = scheduler
+        self.heartbeat = heartbeat  # shared double: the time of the last loop iteration
         self.io = io
         self.check_ranks = check_ranks
         self.generated_since_log = 0
         self.last_log = time.monotonic()
 
     def run(self) -> None:
+        self.io.send(BatchTokenOutput([], self.scheduler.stats()))  # /metrics shows the pool at once
         while True:  # the process dies with its parent (tpserve.launch.child)
+            if self.heartbeat is not None:
+                self.heartbeat.value = time.monotonic()
             replies: list[TokenOutput] = []
-            for msg in self.io.receive(blocking=not self.scheduler.has_work):
+            compiling = bool(self.scheduler.compiling)
+            ready = [GrammarReady(rid) for rid in self.scheduler.grammars_ready()] if self.io.rank == 0 else []
+            if compiling and not ready and not self.scheduler.has_work:
+                time.sleep(COMPILE_POLL_S)
+            stats_changed = False
+            for msg in self.io.receive(blocking=not self.scheduler.has_work and not compiling, local=ready):
                 if isinstance(msg, Shutdown):
                     return
                 replies.extend(self.apply(msg))
+                stats_changed = stats_changed or isinstance(msg, FlushCache)
             outputs = self.scheduler.step() if self.scheduler.has_work else []
             if self.check_ranks and outputs:
                 self.check_agreement(outputs)
             replies.extend(outputs)
-            if replies:
+            if replies or stats_changed:
                 self.io.send(BatchTokenOutput(replies, self.scheduler.stats()))
             self.maybe_log(len(outputs))
 
-    def apply(self, msg: GenerateRequest | AbortRequest | FlushCache) -> list[TokenOutput]:
+    def apply(self, msg: GenerateRequest | AbortRequest | GrammarReady | FlushCache) -> list[TokenOutput]:
+        if isinstance(msg, GrammarReady):
+            return self.scheduler.attach_grammar(msg.rid)
         if isinstance(msg, GenerateRequest):
             try:
                 seed = msg.params.seed if msg.params.seed is not None else msg.rid

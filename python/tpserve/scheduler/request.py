@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 from tpserve.kvcache.radix import Node
 from tpserve.sampling_params import SamplingParams
@@ -25,6 +26,9 @@ class Request:
     admit_order: int = -1  # when it was (last) admitted; the newest is preempted first
     cached_tokens: int = -1  # prefix-cache hit at first admission, reported in usage
     finish_reason: str | None = None
+    slot: int = -1  # its row of the engine's penalty state (-1: none), kept until it finishes
+    matcher: Any = None  # its grammar's xgrammar GrammarMatcher (structured output)
+    token_filter: Any = None  # packed bitmask of the tokens its grammar may use at all (JSON)
 
     @property
     def all_ids(self) -> list[int]:

@@ -16,18 +16,24 @@ preemption the step in flight is drained, so a preempted request's tokens are al
 
 from __future__ import annotations
 
+import heapq
 import logging
 from collections import deque
+from concurrent.futures import Future
 from dataclasses import dataclass
 
+import torch
+
+from tpserve.engine.engine import Engine, LaunchedStep, PendingSample, TokenMask
 from tpserve.forward import SequenceInput
-from tpserve.engine.engine import Engine, LaunchedStep
+from tpserve.engine.logit_edits import LogitEdits
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.kvcache.pool import PageAllocator
 from tpserve.kvcache.radix import PrefixMatch, create_prefix_cache
 from tpserve.message import SchedulerStats, TokenOutput
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler.request import Request
+from tpserve.structured.grammar import GrammarCompiler, InvalidGrammar, MaskFiller, allocate_bitmask, new_matcher
 
 logger = logging.getLogger(__name__)
 
@@ -37,7 +43,8 @@ LPM_MAX_QUEUE = 128  # longest-prefix-match ordering costs a tree walk per waiti
 @dataclass
 class _Launched:
     entries: list[tuple[Request, bool]]  # (request, whether its sample counts), in batch order
-    handle: LaunchedStep
+    handle: LaunchedStep | None  # None until a deferred sampling ran
+    pending: PendingSample | None = None  # forward enqueued, sampling waits for grammar masks
 
 
 class AdmissionError(ValueError):
@@ -64,6 +71,14 @@ class Scheduler:
         self.check_accounting = self.config.debug_check_ranks
         self.overlap = not self.config.disable_overlap
         self.inflight: _Launched | None = None
+        self.free_slots: list[int] = []  # penalty-state slots given back (a min-heap)
+        self.num_slots = 0
+        # Structured-output requests wait here until their grammar is compiled and attached.
+        self.compiling: dict[int, tuple[Request, Future]] = {}
+        self.grammar_compiler = GrammarCompiler(
+            self.config.model, engine.model_config.vocab_size, sorted(self.eos_ids)
+        )
+        self.mask_filler = MaskFiller()
 
     # ---- requests in and out ----
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
@@ -84,15 +99,54 @@ class Scheduler:
             )
         room = self.max_model_len - len(prompt_ids)
         max_new = room if params.max_tokens is None else min(params.max_tokens, room)
-        self.waiting.append(Request(rid, list(prompt_ids), params, seed, max_new))
+        req = Request(rid, list(prompt_ids), params, seed, max_new)
+        if params.structured is not None:
+            self.compiling[rid] = (req, self.grammar_compiler.submit(params.structured))
+        else:
+            self.waiting.append(req)
+
+    # ---- grammars ----
+    # Every rank compiles each grammar on its own thread, but a request must become runnable at
+    # the same step on every rank. So readiness is decided by one party: rank 0 (the scheduler
+    # loop) announces the grammars ``grammars_ready`` reports to every rank in its message
+    # broadcast, and each rank then attaches them, waiting for its own compile if it is
+    # behind. The offline LLM attaches every grammar before its first step.
+    def grammars_ready(self) -> list[int]:
+        """Requests whose grammar has compiled (or failed) on this rank, in arrival order."""
+        return [rid for rid, (_, future) in self.compiling.items() if future.done()]
+
+    def attach_grammar(self, rid: int) -> list[TokenOutput]:
+        """Queue a compiling request with its matcher; a grammar that failed to compile ends the
+        request with an error."""
+        entry = self.compiling.pop(rid, None)
+        if entry is None:  # aborted meanwhile
+            return []
+        req, future = entry
+        try:
+            compiled = future.result()
+            req.matcher, req.token_filter = new_matcher(compiled.grammar), compiled.token_filter
+        except InvalidGrammar as e:
+            return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=str(e))]
+        except Exception as e:  # e.g. no tokenizer files: fail this request, not the scheduler
+            logger.exception("request %d: compiling its grammar failed", rid)
+            error = f"structured output is unavailable: {type(e).__name__}: {e}"
+            return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=error)]
+        self.waiting.append(req)
+        return []
+
+    def attach_all_grammars(self) -> list[TokenOutput]:
+        return [out for rid in list(self.compiling) for out in self.attach_grammar(rid)]
 
     def abort(self, rid: int) -> bool:
+        if self.compiling.pop(rid, None) is not None:
+            return True
         if rid in self.running:
-            self._release(self.running.pop(rid))
+            self._retire(self.running.pop(rid))
             return True
         for req in self.waiting:
             if req.rid == rid:
                 self.waiting.remove(req)
+                self._free_slot(req)
                 return True
         return False
 
@@ -103,6 +157,7 @@ class Scheduler:
 
     @property
     def has_work(self) -> bool:
+        """Something to step (requests compiling their grammar wait for ``attach_grammar``)."""
         return bool(self.waiting or self.running or self.inflight)
 
     def stats(self) -> SchedulerStats:
@@ -130,6 +185,8 @@ class Scheduler:
         launched = self._launch(scheduled) if scheduled else None
         if self.inflight is not None:  # the device ran it while this step was being planned
             outputs += self._process(self.inflight)
+        if launched is not None and launched.pending is not None:
+            self._sample_constrained(launched)
         self.inflight = launched
         if self.inflight is not None and not self.overlap:
             outputs += self._drain()
@@ -172,15 +229,15 @@ class Scheduler:
     def _launch(self, scheduled: list[tuple[Request, int]]) -> _Launched:
         scheduled.sort(key=lambda item: item[0].rid)
         seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages) for req, n in scheduled]
-        sampling = SamplingBatch.build(
-            [req.params for req, _ in scheduled],
-            [req.seed for req, _ in scheduled],
-            [len(req.output_ids) + req.pending for req, _ in scheduled],
-            self.engine.model_config.vocab_size,
-            self.engine.device,
-        )
+        params = [req.params for req, _ in scheduled]
+        steps = [len(req.output_ids) + req.pending for req, _ in scheduled]
+        vocab = self.engine.model_config.vocab_size
+        sampling = SamplingBatch.build(params, [req.seed for req, _ in scheduled], steps, vocab, self.engine.device)
+        if any(p.edits_logits for p in params):
+            sampling.edits = self._logit_edits(scheduled, params, steps)
+        defer = any(req.matcher is not None for req, _ in scheduled)
         wanted = [req.params.logprobs for req, _ in scheduled if req.params.logprobs is not None]
-        handle = self.engine.launch(seqs, sampling, max(wanted) if wanted else None)
+        handle = self.engine.launch(seqs, sampling, max(wanted) if wanted else None, defer_sampling=defer)
         entries = []
         for row, (req, n) in enumerate(scheduled):
             # Only a chunk that reaches the end of the known sequence yields a usable sample.
@@ -190,7 +247,65 @@ class Scheduler:
                 req.pending += 1
                 req.future_row = row
             entries.append((req, sampled))
+        if defer:
+            return _Launched(entries, None, handle)
         return _Launched(entries, handle)
+
+    def _sample_constrained(self, launched: _Launched) -> None:
+        """Finish a deferred step: grammar masks from the matchers, which by now have accepted
+        every earlier sample (with overlap, the previous step's were applied while this step's
+        forward ran), then sampling."""
+        rows, reqs = [], []
+        for row, (req, sampled) in enumerate(launched.entries):
+            matcher = req.matcher
+            if sampled and matcher is not None and self.running.get(req.rid) is req and not matcher.is_terminated():
+                rows.append(row)
+                reqs.append(req)
+        mask = None
+        if rows:
+            bitmask = allocate_bitmask(len(rows), self.engine.model_config.vocab_size)
+            self.mask_filler.fill([req.matcher for req in reqs], bitmask)
+            for i, req in enumerate(reqs):
+                if req.token_filter is not None:
+                    bitmask[i] &= req.token_filter
+            mask = TokenMask(torch.tensor(rows, dtype=torch.int64), bitmask)
+        launched.handle = self.engine.sample(launched.pending, mask)
+        launched.pending = None
+
+    def _logit_edits(
+        self, scheduled: list[tuple[Request, int]], params: list[SamplingParams], steps: list[int]
+    ) -> LogitEdits | None:
+        new_slots = []
+        for req, _ in scheduled:
+            if req.params.has_penalties and req.slot < 0:
+                req.slot = self._take_slot()
+                new_slots.append((req.slot, req.prompt_ids))
+        return LogitEdits.build(
+            params,
+            [req.slot for req, _ in scheduled],
+            steps,
+            [req.num_cached + n == req.num_tokens + req.pending for req, n in scheduled],
+            new_slots,
+            sorted(self.eos_ids),
+            self.engine.model_config.vocab_size,
+            self.engine.device,
+        )
+
+    def _take_slot(self) -> int:
+        if self.free_slots:
+            return heapq.heappop(self.free_slots)
+        self.num_slots += 1
+        return self.num_slots - 1
+
+    def _free_slot(self, req: Request) -> None:
+        if req.slot >= 0:
+            heapq.heappush(self.free_slots, req.slot)
+            req.slot = -1
+
+    def _retire(self, req: Request) -> None:
+        """A running request leaves for good (finished or aborted)."""
+        self._release(req)
+        self._free_slot(req)
 
     def _process(self, launched: _Launched) -> list[TokenOutput]:
         tokens = launched.handle.result()
@@ -202,6 +317,8 @@ class Scheduler:
             req.pending -= 1
             first = not req.output_ids
             req.output_ids.append(token)
+            if req.matcher is not None and not req.matcher.is_terminated() and not req.matcher.accept_token(token):
+                logger.warning("request %d: its grammar rejected token %d", req.rid, token)
             req.finish_reason = self._finish_reason(req, token)
             out = TokenOutput(
                 rid=req.rid,
@@ -209,6 +326,7 @@ class Scheduler:
                 finish_reason=req.finish_reason,
                 prompt_tokens=len(req.prompt_ids) if first else 0,
                 cached_tokens=req.cached_tokens if first else 0,
+                matched_stop=token if req.finish_reason == "stop" else None,
             )
             if logprobs is not None and req.params.logprobs is not None:
                 chosen, top_ids, top_values = logprobs
@@ -217,7 +335,7 @@ class Scheduler:
                 out.top_logprobs = [list(zip(top_ids[row][:n], top_values[row][:n]))]
             outputs.append(out)
             if req.finished:
-                self._release(self.running.pop(req.rid))
+                self._retire(self.running.pop(req.rid))
         return outputs
 
     def _drain(self) -> list[TokenOutput]:
@@ -239,6 +357,7 @@ class Scheduler:
                 self.cache.unlock(match.node)
                 if not self.running and self.inflight is None:  # it can never fit
                     self.waiting.remove(req)
+                    self._free_slot(req)
                     logger.warning("request %d stopped: it no longer fits in the whole KV cache", req.rid)
                     outputs.append(TokenOutput(req.rid, [], "length"))
                     continue
@@ -293,7 +412,7 @@ class Scheduler:
                 logger.warning("request %d stopped: it fills the whole KV cache", req.rid)
                 req.finish_reason = "length"
                 outputs.append(TokenOutput(req.rid, [], "length"))
-                self._release(self.running.pop(req.rid))
+                self._retire(self.running.pop(req.rid))
                 return False
         if need > 0:
             self._allocate(req, need)

@@ -6,7 +6,7 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Callable
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -16,9 +16,11 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 import tpserve
 from tpserve.launch.args import ServerArgs
 from tpserve.server.errors import APIError, error_body
+from tpserve.server.limits import BodySizeLimit
 from tpserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody
 from tpserve.server.serving import Serving
+from tpserve.server.tokenize import TokenizeService
 
 logger = logging.getLogger(__name__)
 
@@ -32,6 +34,14 @@ class AppState:
     serving: Serving | None = None  # set once the backend is ready, unset when stopping
     stopping: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
+    tokenize: TokenizeService | None = None  # /tokenize and /detokenize, made on first use
+    # Why the backend is not live (a rank stopped making progress), or None; set once serving.
+    liveness: Callable[[], str | None] | None = None
+
+    def tokenize_service(self) -> TokenizeService:
+        if self.tokenize is None:
+            self.tokenize = TokenizeService(self.args.model_dir, self.args.chat_template, self.args.context_len)
+        return self.tokenize
 
     @property
     def ready(self) -> bool:
@@ -59,9 +69,9 @@ def _serving(request: Request) -> Serving:
     return state.serving
 
 
-def _model_card(state: AppState) -> dict[str, Any]:
+def _model_card(state: AppState, name: str) -> dict[str, Any]:
     return {
-        "id": state.args.served_model_name,
+        "id": name,
         "object": "model",
         "created": state.created,
         "owned_by": "tpserve",
@@ -71,19 +81,24 @@ def _model_card(state: AppState) -> dict[str, Any]:
     }
 
 
+def _model_names(state: AppState) -> tuple[str, ...]:
+    return (state.args.served_model_name, *state.args.model_aliases)
+
+
 def _v1_router() -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
 
     @router.get("/models")
     async def list_models(request: Request) -> dict[str, Any]:
-        return {"object": "list", "data": [_model_card(_state(request))]}
+        state = _state(request)
+        return {"object": "list", "data": [_model_card(state, name) for name in _model_names(state)]}
 
     @router.get("/models/{model:path}")
     async def get_model(model: str, request: Request) -> dict[str, Any]:
         state = _state(request)
-        if model != state.args.served_model_name:
+        if model not in _model_names(state):
             raise APIError.model_not_found(model)
-        return _model_card(state)
+        return _model_card(state, model)
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:
@@ -104,6 +119,9 @@ def _admin_router() -> APIRouter:
         state = _state(request)
         if not state.ready:
             return (APIError.stopping() if state.stopping else APIError.not_ready()).response()
+        problem = state.liveness() if state.liveness is not None else None
+        if problem is not None:
+            return APIError(503, problem, type="server_error", code="backend_stalled").response()
         return JSONResponse({"status": "ok"})
 
     @router.get("/version")
@@ -113,6 +131,14 @@ def _admin_router() -> APIRouter:
     @router.get("/metrics")
     async def metrics(request: Request) -> Response:
         return Response(_state(request).metrics.render(), media_type=CONTENT_TYPE)
+
+    @router.post("/tokenize", dependencies=[Depends(_check_api_key)])
+    async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
+        return await _state(request).tokenize_service().tokenize(body)
+
+    @router.post("/detokenize", dependencies=[Depends(_check_api_key)])
+    async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
+        return await _state(request).tokenize_service().detokenize(body)
 
     @router.post("/flush_cache", dependencies=[Depends(_check_api_key)])
     async def flush_cache(request: Request) -> dict[str, str]:
@@ -162,7 +188,10 @@ def _install_error_handlers(app: FastAPI) -> None:
 
 
 def create_app(state: AppState) -> FastAPI:
-    app = FastAPI(title="tpserve", version=tpserve.__version__, docs_url=None, redoc_url=None)
+    # The OpenAPI schema is public only where the API is (no --api-key).
+    openapi_url = "/openapi.json" if state.args.api_key is None else None
+    app = FastAPI(title="tpserve", version=tpserve.__version__, docs_url=None, redoc_url=None, openapi_url=openapi_url)
+    app.add_middleware(BodySizeLimit, max_bytes=state.args.max_request_bytes)
     app.state.server = state
     app.include_router(_admin_router())
     app.include_router(_v1_router())

@@ -71,10 +71,12 @@ class BackendLink:
         self._queues.pop(rid, None)
 
     def _watch(self, requests: list[TokenizeRequest], queue: EventQueue) -> list[bytes]:
-        """Route the requests' events to ``queue``; returns the messages to send."""
+        """Route the requests' events to ``queue``; returns the messages to send. Every request
+        is encoded before any is watched, so one that cannot be leaves nothing half-sent."""
+        messages = [encode(req) for req in requests]
         for req in requests:
             self._queues[req.rid] = queue
-        return [encode(req) for req in requests]
+        return messages
 
     def _aborting(self, rid: int) -> bytes:
         """Forget ``rid`` and remember its abort; returns the message to send. Repeated if the

@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import time
 import uuid
+from dataclasses import replace
 from typing import Any
 
 import msgspec
 
-from tpserve.message.frontend import TokenLogprob
-from tpserve.server.generation import Generation, Usage
+from tpserve.message.frontend import ApiOutput, TokenLogprob
+from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
+from tpserve.server.generation import Choice, Generation, Usage
 
 
 def sse(obj: Any) -> bytes:
@@ -49,11 +51,23 @@ class ResponseFormat:
         return sse(body)
 
     def response(self, gen: Generation) -> dict[str, Any]:
-        choices = [self.full_choice(c.index, "".join(c.text), c.finish_reason, c.logprobs)
-                   for c in sorted(gen.choices.values(), key=lambda c: c.index)]
+        choices = []
+        for c in sorted(gen.choices.values(), key=lambda c: c.index):
+            choice = self.full_choice(c.index, "".join(c.text), c.finish_reason, c.logprobs, c.prompt_in_reasoning)
+            choice["matched_stop"] = c.matched_stop  # SGLang's extension: the stop that ended it
+            choices.append(choice)
         body = self._envelope(self.object_name, choices)
         body["usage"] = gen.usage().to_dict()
         return body
+
+    def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
+        """The stream chunks of one backend output: its text, then its finish if it is the last."""
+        chunks = []
+        if out.text or (self.logprobs and out.logprobs):
+            chunks.append(self.text_chunk(choice.index, out.text, out.logprobs))
+        if out.finish_reason is not None:
+            chunks.append(self.finish_chunk(choice.index, out.finish_reason, out.matched_stop))
+        return chunks
 
     # per-kind pieces
     def start_chunk(self, index: int) -> bytes | None:
@@ -62,11 +76,16 @@ class ResponseFormat:
     def text_chunk(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
         raise NotImplementedError
 
-    def finish_chunk(self, index: int, finish_reason: str) -> bytes:
+    def finish_chunk(self, index: int, finish_reason: str, matched_stop: int | str | None = None) -> bytes:
         raise NotImplementedError
 
     def full_choice(
-        self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: list[TokenLogprob] | None = None,
+        prompt_in_reasoning: bool = False,
     ) -> dict[str, Any]:
         raise NotImplementedError
 
@@ -76,14 +95,55 @@ def _token_bytes(token: str) -> list[int]:
 
 
 class ChatFormat(ResponseFormat):
+    """Chat responses; ``output`` says whether to split out reasoning and tool calls."""
+
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
 
+    def __init__(
+        self, model: str, include_usage: bool = False, logprobs: bool = False, output: ChatOutputConfig | None = None
+    ) -> None:
+        super().__init__(model, include_usage, logprobs)
+        self.output = output or ChatOutputConfig()
+        self._parsers: dict[int, ChatOutputParser] = {}  # per choice, while streaming
+
+    def _parser(self, prompt_in_reasoning: bool) -> ChatOutputParser:
+        return ChatOutputParser(replace(self.output, starts_in_reasoning=prompt_in_reasoning))
+
     def _delta(
-        self, index: int, delta: dict[str, Any], finish_reason: str | None, logprobs: dict[str, Any] | None = None
+        self,
+        index: int,
+        delta: dict[str, Any],
+        finish_reason: str | None,
+        logprobs: dict[str, Any] | None = None,
+        matched_stop: int | str | None = None,
     ) -> bytes:
-        return self.chunk([{"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}])
+        choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
+        if finish_reason is not None:
+            choice["matched_stop"] = matched_stop
+        return self.chunk([choice])
+
+    def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
+        parser = self._parsers.get(choice.index)
+        if parser is None:
+            parser = self._parsers[choice.index] = self._parser(out.prompt_in_reasoning)
+        final = out.finish_reason is not None
+        parsed = parser.feed(out.text, final)
+        chunks = []
+        if parsed or (self.logprobs and out.logprobs):
+            delta: dict[str, Any] = {}
+            if parsed.reasoning:
+                delta["reasoning_content"] = parsed.reasoning
+            if parsed.content or not (parsed.reasoning or parsed.tool_calls):
+                delta["content"] = parsed.content
+            if parsed.tool_calls:
+                delta["tool_calls"] = [call.to_openai() for call in parsed.tool_calls]
+            chunks.append(self._delta(choice.index, delta, None, self._logprobs(out.logprobs)))
+        if final:
+            reason = parser.finish_reason(out.finish_reason)
+            chunks.append(self._delta(choice.index, {}, reason, matched_stop=out.matched_stop))
+        return chunks
 
     def _logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if not self.logprobs:
@@ -105,17 +165,33 @@ class ChatFormat(ResponseFormat):
     def text_chunk(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
         return self._delta(index, {"content": text}, None, self._logprobs(logprobs))
 
-    def finish_chunk(self, index: int, finish_reason: str) -> bytes:
-        return self._delta(index, {}, finish_reason)
+    def finish_chunk(self, index: int, finish_reason: str, matched_stop: int | str | None = None) -> bytes:
+        return self._delta(index, {}, finish_reason, matched_stop=matched_stop)
 
     def full_choice(
-        self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: list[TokenLogprob] | None = None,
+        prompt_in_reasoning: bool = False,
     ) -> dict[str, Any]:
+        parser = self._parser(prompt_in_reasoning)
+        parsed = parser.feed(text, final=True)
+        message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
+        if self.output.reasoning:
+            message["reasoning_content"] = parsed.reasoning or None
+        if parser.called_tools:
+            message["content"] = parsed.content or None
+            message["tool_calls"] = [
+                {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
+                for call in parser.tool_calls
+            ]
         return {
             "index": index,
-            "message": {"role": "assistant", "content": text, "refusal": None},
+            "message": message,
             "logprobs": self._logprobs(logprobs),
-            "finish_reason": finish_reason,
+            "finish_reason": parser.finish_reason(finish_reason),
         }
 
 
@@ -154,10 +230,17 @@ class CompletionFormat(ResponseFormat):
     def text_chunk(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
         return self.chunk([self._choice(index, text, None, self._logprobs(index, logprobs))])
 
-    def finish_chunk(self, index: int, finish_reason: str) -> bytes:
-        return self.chunk([self._choice(index, "", finish_reason)])
+    def finish_chunk(self, index: int, finish_reason: str, matched_stop: int | str | None = None) -> bytes:
+        choice = self._choice(index, "", finish_reason)
+        choice["matched_stop"] = matched_stop
+        return self.chunk([choice])
 
     def full_choice(
-        self, index: int, text: str, finish_reason: str | None, logprobs: list[TokenLogprob] | None = None
+        self,
+        index: int,
+        text: str,
+        finish_reason: str | None,
+        logprobs: list[TokenLogprob] | None = None,
+        prompt_in_reasoning: bool = False,
     ) -> dict[str, Any]:
         return self._choice(index, text, finish_reason, self._logprobs(index, logprobs))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from typing import Awaitable, Callable
@@ -29,6 +30,8 @@ class Choice:
     cached_tokens: int = 0
     started: bool = False  # the backend answered at least once
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_in_reasoning: bool = False  # the prompt ends inside an open think block
+    matched_stop: int | str | None = None
 
     @property
     def finished(self) -> bool:
@@ -62,6 +65,7 @@ class Generation:
         metrics: ServerMetrics,
         requests: list[TokenizeRequest],
         choices_per_prompt: int = 1,
+        timeout: float | None = None,
     ) -> None:
         self._choices_per_prompt = choices_per_prompt
         self._frontend = frontend
@@ -70,6 +74,8 @@ class Generation:
         self._queue: asyncio.Queue[BackendEvent] = asyncio.Queue()
         self.choices = {req.rid: Choice(i, req.rid, RequestTimer(metrics)) for i, req in enumerate(requests)}
         self._last_disconnect_check = time.monotonic()
+        self._timeout = timeout
+        self._deadline = None if timeout is None else time.monotonic() + timeout
 
     async def start(self) -> None:
         await self._frontend.submit(self._requests, self._queue)
@@ -93,17 +99,21 @@ class Generation:
         )
 
     async def next(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> tuple[Choice, ApiOutput]:
-        """The next output. Raises APIError (rejected / backend error) or ClientGone."""
-        if is_disconnected is None:
-            return self._apply(await self._queue.get())
+        """The next output. Raises APIError (rejected, backend error, timed out) or ClientGone."""
         while True:
             now = time.monotonic()
-            if now - self._last_disconnect_check >= DISCONNECT_POLL_S:
+            if self._deadline is not None and now >= self._deadline:
+                raise APIError(504, f"the request did not finish within {self._timeout:g} s (--request-timeout)",
+                               type="server_error", code="request_timeout")
+            if is_disconnected is not None and now - self._last_disconnect_check >= DISCONNECT_POLL_S:
                 self._last_disconnect_check = now
                 if await is_disconnected():
                     raise ClientGone()
+            wait = DISCONNECT_POLL_S if is_disconnected is not None else None
+            if self._deadline is not None:
+                wait = min(wait or math.inf, self._deadline - now)
             try:
-                event = await asyncio.wait_for(self._queue.get(), DISCONNECT_POLL_S)
+                event = await asyncio.wait_for(self._queue.get(), wait)
             except asyncio.TimeoutError:
                 continue
             return self._apply(event)
@@ -116,9 +126,13 @@ class Generation:
         if isinstance(event, RequestRejected):
             choice.finish_reason = "rejected"
             self._metrics.rejected.inc()
+            invalid = event.status < 500
             raise APIError(event.status, event.message, param=event.param,
-                           type="invalid_request_error" if event.status == 400 else "server_error")
+                           type="invalid_request_error" if invalid else "server_error",
+                           code="invalid_request" if invalid else "internal_error")
         choice.started = True
+        choice.prompt_in_reasoning = event.prompt_in_reasoning
+        choice.matched_stop = event.matched_stop
         choice.text.append(event.text)
         if event.logprobs:
             choice.logprobs.extend(event.logprobs)
@@ -130,7 +144,7 @@ class Generation:
             choice.finish_reason = event.finish_reason
             choice.timer.on_finish(event.finish_reason)
             if event.finish_reason == "error":
-                raise APIError(400, event.error or "the request failed in the scheduler")
+                raise APIError(400, event.error or "the request failed in the scheduler", code="invalid_request")
         return choice, event
 
     async def abort(self, client_gone: bool = False) -> None:

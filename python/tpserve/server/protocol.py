@@ -1,57 +1,104 @@
 """OpenAI request bodies (pydantic, validated by FastAPI) and their translation to backend
 requests.
 
-Unknown fields are rejected (400) so that a client never silently gets behaviour it did not ask
-for. Known OpenAI fields that tpserve does not implement are accepted only at their default
-(neutral) value; fields with no effect on the output (``user``, ``metadata``, ...) are ignored.
+Lenient where the ecosystem is: unknown fields (vendor extensions such as ``reasoning_effort``)
+are accepted and ignored (logged at debug), ``null`` means the default, and content parts may
+carry extra keys (``cache_control``). A content part tpserve cannot serve (an image) is a
+one-line 400.
 """
 
 from __future__ import annotations
 
+import json
+import logging
 from typing import Any, Literal, Union
 
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
-from tpserve.sampling_params import MAX_LOGPROBS, SamplingParams
+from tpserve.parsers.constraints import FieldError, output_structure
+from tpserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
 from tpserve.server.errors import APIError
+from tpserve.server.limits import check_transportable
+
+logger = logging.getLogger(__name__)
 
 MAX_N = 16  # choices per prompt
 
 SEED_LIMIT = 2**63
 
 
-class StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="forbid")
+class _Lenient(BaseModel):
+    """Unknown fields are kept aside (``model_extra``) and ``null`` means "the default"."""
+
+    model_config = ConfigDict(extra="allow")
+
+    @model_validator(mode="before")
+    @classmethod
+    def _nulls_are_defaults(cls, data: Any) -> Any:
+        if isinstance(data, dict):
+            return {k: v for k, v in data.items() if v is not None}
+        return data
+
+
+class _Body(_Lenient):
+    """A whole request body: every value must be encodable for the backend (see limits)."""
+
+    @model_validator(mode="before")
+    @classmethod
+    def _transportable(cls, data: Any) -> Any:
+        check_transportable(data)
+        return data
+
+
+class StreamOptions(_Lenient):
     include_usage: bool = False
     continuous_usage_stats: bool = False  # accepted; usage is only sent at the end
 
 
-class TextPart(BaseModel):
-    model_config = ConfigDict(extra="forbid")
-    type: Literal["text"]
-    text: str
+def _part_text(part: Any, where: str) -> str:
+    if isinstance(part, str):
+        return part
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind == "text" and isinstance(part.get("text"), str):
+        return part["text"]
+    if kind in ("image_url", "input_image", "image", "input_audio", "audio", "video_url", "file"):
+        raise APIError.invalid(f"{where}: {kind} content is not supported (tpserve serves text-only models)", "messages")
+    raise APIError.invalid(f"{where}: a content part must be {{\"type\": \"text\", \"text\": ...}}", "messages")
 
 
-class ChatMessage(BaseModel):
-    # Extra keys (name, tool_calls, reasoning_content, ...) are passed on to the chat template.
-    model_config = ConfigDict(extra="allow")
-    role: Literal["system", "developer", "user", "assistant", "tool"]
-    content: Union[str, list[TextPart], None] = None
+def _template_tool_call(call: Any) -> Any:
+    """Arguments as a JSON object: templates such as Llama 3.1's render them with ``tojson``."""
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+        return call
+    try:
+        arguments = json.loads(function["arguments"])
+    except json.JSONDecodeError:
+        return call
+    return {**call, "function": {**function, "arguments": arguments}}
 
-    def to_template(self) -> dict[str, Any]:
+
+class ChatMessage(_Lenient):
+    # Extra keys (name, tool_calls, tool_call_id, reasoning_content, ...) go to the chat template.
+    role: Literal["system", "developer", "user", "assistant", "tool", "function"]
+    content: Union[str, list[Any], None] = None
+
+    def to_template(self, index: int) -> dict[str, Any]:
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            msg["content"] = "".join(part.text for part in self.content)
+            msg["content"] = "".join(_part_text(p, f"messages[{index}].content") for p in self.content)
         msg.setdefault("content", "")
         if msg["role"] == "developer":  # OpenAI's newer name for the system role
             msg["role"] = "system"
+        if msg["role"] == "function":  # the legacy name of a tool result
+            msg["role"] = "tool"
+        if isinstance(msg.get("tool_calls"), list):
+            msg["tool_calls"] = [_template_tool_call(c) for c in msg["tool_calls"]]
         return msg
 
 
-class _SamplingFields(BaseModel):
+class _SamplingFields(_Body):
     """Fields shared by /v1/chat/completions and /v1/completions."""
-
-    model_config = ConfigDict(extra="forbid")
 
     model: str | None = None
     temperature: float | None = Field(default=None, ge=0.0)
@@ -66,11 +113,16 @@ class _SamplingFields(BaseModel):
     n: int = Field(default=1, ge=1)
     stream: bool = False
     stream_options: StreamOptions | None = None
-    # accepted only at their neutral value
-    presence_penalty: float | None = 0.0
-    frequency_penalty: float | None = 0.0
-    repetition_penalty: float | None = 1.0
-    logit_bias: dict[str, float] | None = None
+    presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
+    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    min_tokens: int = Field(default=0, ge=0)
+    include_stop_str_in_output: bool = False
+    # structured output: OpenAI's response_format, and the vLLM/SGLang extensions
+    response_format: dict[str, Any] | None = None
+    regex: str | None = None
+    ebnf: str | None = None
     # ignored
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -78,14 +130,10 @@ class _SamplingFields(BaseModel):
     service_tier: str | None = None
 
     def check_common(self) -> None:
+        if self.model_extra:
+            logger.debug("ignoring unknown request fields: %s", ", ".join(sorted(self.model_extra)))
         if self.n > MAX_N:
             raise APIError.invalid(f"n must be at most {MAX_N}, got {self.n}", "n")
-        for name, neutral in (("presence_penalty", 0.0), ("frequency_penalty", 0.0), ("repetition_penalty", 1.0)):
-            value = getattr(self, name)
-            if value is not None and value != neutral:
-                raise APIError.invalid(f"{name} is not supported (only {neutral})", name)
-        if self.logit_bias:
-            raise APIError.invalid("logit_bias is not supported", "logit_bias")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise APIError.invalid("seed must be in [0, 2**63)", "seed")
         if self.stream_options is not None and not self.stream:
@@ -107,7 +155,22 @@ class _SamplingFields(BaseModel):
     def requested_logprobs(self) -> int | None:
         return None
 
-    def sampling_params(self, max_tokens: int | None) -> SamplingParams:
+    def logit_bias_ids(self) -> dict[int, float] | None:
+        if not self.logit_bias:
+            return None
+        try:
+            return {int(token): float(bias) for token, bias in self.logit_bias.items()}
+        except ValueError:
+            raise APIError.invalid("logit_bias keys must be token ids", "logit_bias") from None
+
+    def structure(self) -> StructuredOutput | None:
+        """The grammar the output must follow (response_format, regex, ebnf), if any."""
+        try:
+            return output_structure(self.response_format, self.regex, self.ebnf)
+        except FieldError as e:
+            raise APIError.invalid(e.message, e.param) from e
+
+    def sampling_params(self, max_tokens: int | None, structured: StructuredOutput | None = None) -> SamplingParams:
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
             "ignore_eos": self.ignore_eos,
@@ -115,6 +178,13 @@ class _SamplingFields(BaseModel):
             "stop": self.stop_list(),
             "stop_token_ids": list(self.stop_token_ids) if self.stop_token_ids else None,
             "logprobs": self.requested_logprobs,
+            "presence_penalty": self.presence_penalty,
+            "frequency_penalty": self.frequency_penalty,
+            "repetition_penalty": self.repetition_penalty,
+            "logit_bias": self.logit_bias_ids(),
+            "min_tokens": self.min_tokens,
+            "include_stop_str_in_output": self.include_stop_str_in_output,
+            "structured": structured,
         }
         for name in ("temperature", "top_p", "top_k", "min_p"):
             value = getattr(self, name)
@@ -123,7 +193,7 @@ class _SamplingFields(BaseModel):
         try:
             return SamplingParams(**fields)
         except ValueError as e:
-            raise APIError.invalid(str(e)) from e
+            raise APIError.invalid(str(e), _param_of(str(e))) from e
 
 
 class ChatCompletionRequest(_SamplingFields):
@@ -134,10 +204,28 @@ class ChatCompletionRequest(_SamplingFields):
     add_generation_prompt: bool = True
     logprobs: bool | None = False
     top_logprobs: int | None = None
-    response_format: dict[str, Any] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: Union[str, dict[str, Any], None] = None
-    parallel_tool_calls: bool | None = None  # ignored (no tools)
+    parallel_tool_calls: bool = True
+    separate_reasoning: bool = True  # SGLang's: false keeps the thinking in content
+
+    def structure(self) -> StructuredOutput | None:
+        """The grammar of response_format/regex/ebnf, or the one that forces tool calls."""
+        try:
+            return output_structure(
+                self.response_format, self.regex, self.ebnf, self.tools, self.tool_choice, self.parallel_tool_calls
+            )
+        except FieldError as e:
+            raise APIError.invalid(e.message, e.param) from e
+
+    @property
+    def forced_tool(self) -> bool:
+        """tool_choice "required" or a named function: the output is constrained to calls."""
+        return self.tool_choice is not None and self.tool_choice not in ("auto", "none")
+
+    @property
+    def tools_for_template(self) -> list[dict[str, Any]] | None:
+        return self.tools or None
 
     def check(self) -> None:
         self.check_common()
@@ -145,12 +233,6 @@ class ChatCompletionRequest(_SamplingFields):
             raise APIError.invalid("top_logprobs needs logprobs: true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise APIError.invalid(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
-        if self.response_format is not None and self.response_format.get("type") != "text":
-            raise APIError.invalid("only response_format {\"type\": \"text\"} is supported", "response_format")
-        if self.tools:
-            raise APIError.invalid("tools are not supported", "tools")
-        if self.tool_choice not in (None, "none", "auto"):
-            raise APIError.invalid("tool_choice is not supported", "tool_choice")
         if (
             self.max_tokens is not None
             and self.max_completion_tokens is not None
@@ -167,7 +249,7 @@ class ChatCompletionRequest(_SamplingFields):
         return self.max_completion_tokens if self.max_completion_tokens is not None else self.max_tokens
 
     def template_messages(self) -> list[dict[str, Any]]:
-        return [m.to_template() for m in self.messages]
+        return [m.to_template(i) for i, m in enumerate(self.messages)]
 
 
 PromptType = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
@@ -210,3 +292,30 @@ class CompletionRequest(_SamplingFields):
                 raise APIError.invalid("a token-id prompt must not be empty", "prompt")
             return list(p)
         return [list(p)]  # one prompt of token ids
+
+
+def _param_of(message: str) -> str | None:
+    """The field a SamplingParams error message starts with (e.g. "min_tokens must be ...")."""
+    first = message.split(" ", 1)[0]
+    return first if first.isidentifier() else None
+
+
+class TokenizeBody(_Body):
+    """POST /tokenize: a text ``prompt``, or chat ``messages`` rendered by the chat template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool = True  # for a prompt
+    add_generation_prompt: bool = True  # for messages
+    tools: list[dict[str, Any]] | None = None
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    def check(self) -> None:
+        if (self.prompt is None) == (self.messages is None):
+            raise APIError.invalid("give either prompt or messages", "prompt")
+
+
+class DetokenizeBody(_Body):
+    model: str | None = None
+    tokens: list[StrictInt]

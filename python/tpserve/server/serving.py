@@ -10,11 +10,13 @@ from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tpserve.message.frontend import ApiOutput, TokenizeRequest
+from tpserve.parsers.chat_output import ChatOutputConfig
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.errors import APIError, error_body
 from tpserve.server.formats import SSE_DONE, ChatFormat, CompletionFormat, ResponseFormat, sse
 from tpserve.server.client import FrontendClient
 from tpserve.server.generation import Choice, ClientGone, Generation
+from tpserve.server.limits import RequestLimits
 from tpserve.server.metrics import ServerMetrics
 from tpserve.server.protocol import SEED_LIMIT, ChatCompletionRequest, CompletionRequest
 
@@ -24,35 +26,70 @@ class Serving:
     frontend: FrontendClient
     metrics: ServerMetrics
     model_name: str
+    limits: RequestLimits
+    aliases: tuple[str, ...] = ()  # more names the model answers to (--served-model-name A B)
+    reasoning_parser: str | None = None
+    tool_call_parser: str | None = None
+    request_timeout: float | None = None  # seconds; None: no limit
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name:
+        if model is not None and model != self.model_name and model not in self.aliases:
             raise APIError.model_not_found(model)
+
+    def chat_output(self, body: ChatCompletionRequest, constrained: bool) -> ChatOutputConfig:
+        """How to split this request's output into reasoning, content and tool calls."""
+        wants_tools = bool(body.tools) and body.tool_choice != "none"
+        if wants_tools and not body.forced_tool and self.tool_call_parser is None:
+            raise APIError.invalid(
+                "tools with tool_choice \"auto\" need the server started with --tool-call-parser "
+                "(this model's chat template does not show which format it uses)", "tools",
+            )
+        named = body.tool_choice["function"]["name"] if body.forced_tool and body.tool_choice != "required" else None
+        return ChatOutputConfig(
+            reasoning=self.reasoning_parser is not None and body.separate_reasoning,
+            constrained=constrained,
+            tool_parser=self.tool_call_parser if wants_tools and not body.forced_tool else None,
+            forced_tools=body.forced_tool,
+            forced_function=named,
+        )
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         body.check()
-        params = body.sampling_params(body.effective_max_tokens)
+        structure = body.structure()
+        params = body.sampling_params(body.effective_max_tokens, structure)
+        output = self.chat_output(body, constrained=structure is not None)
+        self.limits.check_sequences(1, body.n)
+        messages = body.template_messages()
+        self.limits.check_text(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
         reqs = [
             TokenizeRequest(
                 rid=self.frontend.new_rid(),
                 params=choice_params,
-                messages=body.template_messages(),
+                messages=messages,
                 chat_template_kwargs=body.chat_template_kwargs,
                 add_generation_prompt=body.add_generation_prompt,
                 skip_special_tokens=body.skip_special_tokens,
+                tools=body.tools_for_template,
             )
             for choice_params in _per_choice(params, body.n)
         ]
-        fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None)
+        fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output)
         return await self._run(reqs, fmt, body.stream, request, body.n)
 
     async def completion(self, body: CompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         body.check()
-        params = body.sampling_params(body.max_tokens)
+        params = body.sampling_params(body.max_tokens, body.structure())
         reqs = []
-        for prompt in body.prompts():  # choice index = prompt index * n + i, as OpenAI orders them
+        prompts = body.prompts()
+        self.limits.check_sequences(len(prompts), body.n)
+        for prompt in prompts:
+            if isinstance(prompt, str):
+                self.limits.check_text(len(prompt), "prompt")
+            else:
+                self.limits.check_ids(len(prompt), "prompt")
+        for prompt in prompts:  # choice index = prompt index * n + i, as OpenAI orders them
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             for choice_params in _per_choice(params, body.n):
                 reqs.append(TokenizeRequest(rid=self.frontend.new_rid(), params=choice_params, text=text,
@@ -63,9 +100,9 @@ class Serving:
     async def _run(
         self, reqs: list[TokenizeRequest], fmt: ResponseFormat, stream: bool, request: Request, n: int = 1
     ) -> Response:
-        gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n)
-        await gen.start()
-        try:
+        gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n, timeout=self.request_timeout)
+        try:  # from the first submit: whatever fails later, nothing this call started keeps running
+            await gen.start()
             if not stream:
                 while not gen.finished:
                     await gen.next(request.is_disconnected)
@@ -103,7 +140,7 @@ async def _stream(
             if start is not None:
                 yield start
         for choice, out in early:
-            for chunk in _chunks(fmt, choice, out):
+            for chunk in fmt.output_chunks(choice, out):
                 yield chunk
         while not gen.finished:
             try:
@@ -112,7 +149,7 @@ async def _stream(
                 failed = True
                 yield sse(error_body(e.message, e.type, e.param, e.code))
                 break
-            for chunk in _chunks(fmt, choice, out):
+            for chunk in fmt.output_chunks(choice, out):
                 yield chunk
         if fmt.include_usage and not failed:
             yield fmt.usage_chunk(gen.usage())
@@ -120,12 +157,3 @@ async def _stream(
     finally:
         if not gen.finished:
             await gen.abort(client_gone=not failed)
-
-
-def _chunks(fmt: ResponseFormat, choice: Choice, out: ApiOutput) -> list[bytes]:
-    chunks = []
-    if out.text or (fmt.logprobs and out.logprobs):
-        chunks.append(fmt.text_chunk(choice.index, out.text, out.logprobs))
-    if out.finish_reason is not None:
-        chunks.append(fmt.finish_chunk(choice.index, out.finish_reason))
-    return chunks

@@ -11,6 +11,7 @@ from typing import Any
 
 from tpserve.tiny.spec import generation_config, legacy_layout, model_config, resolve_spec
 from tpserve.tiny.tokenizer import (
+    CHAT_TEMPLATE,
     CORPUS,
     ENDOFTEXT,
     IM_END,
@@ -69,7 +70,7 @@ def default_tiny_model_dir() -> str:
     process wins the race, its (identical) copy is used.
     """
     key = json.dumps(
-        {"params": DEMO_MODEL_PARAMS, "format": FORMAT_VERSION, "corpus": CORPUS}, sort_keys=True
+        {"params": DEMO_MODEL_PARAMS, "format": FORMAT_VERSION, "corpus": CORPUS, "template": CHAT_TEMPLATE}, sort_keys=True
     )
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
     root = cache_root()

@@ -30,6 +30,7 @@ class _RequestState:
     prompt_tokens: int
     cached_tokens: int = 0
     completion_tokens: int = 0
+    prompt_in_reasoning: bool = False
 
 
 @dataclass
@@ -62,8 +63,9 @@ class DetokenizerManager:
     def register(self, msg: DetokenizeRegister) -> DetokenizeResult:
         self._states[msg.rid] = _RequestState(
             decoder=IncrementalDecoder(self._tokenizer, msg.skip_special_tokens),
-            stop=StopStringFilter(msg.stop),
+            stop=StopStringFilter(msg.stop, msg.include_stop),
             prompt_tokens=msg.prompt_tokens,
+            prompt_in_reasoning=msg.prompt_in_reasoning,
         )
         orphan = self._orphans.pop(msg.rid, None)
         if orphan is None:
@@ -110,6 +112,8 @@ class DetokenizerManager:
             finish_reason=finish_reason,
             error=out.error,
             logprobs=self._logprobs(out),
+            matched_stop=state.stop.matched if state.stop.stopped else out.matched_stop,
+            prompt_in_reasoning=state.prompt_in_reasoning,
         )
 
     def _logprobs(self, out: TokenOutput) -> list[TokenLogprob] | None:

@@ -10,6 +10,8 @@ import msgspec
 
 from tpserve.message import GenerateRequest
 from tpserve.message.frontend import DetokenizeRegister, TokenizeRequest
+from tpserve.parsers.reasoning import prompt_opens_reasoning
+from tpserve.structured.grammar import InvalidGrammar, check_spec
 
 SEED_LIMIT = 2**63
 
@@ -51,7 +53,7 @@ class PromptPreparer:
         self._rng = rng or random.SystemRandom()
 
     def prepare(self, req: TokenizeRequest) -> PreparedRequest:
-        input_ids, param = self._input_ids(req)
+        input_ids, param, chat_text = self._input_ids(req)
         n = len(input_ids)
         ctx = self._limits.context_len
         if n == 0:
@@ -71,6 +73,12 @@ class PromptPreparer:
                 "max_tokens",
             )
         self._check_ids(params.stop_token_ids or [], "stop_token_ids")
+        self._check_ids(list(params.logit_bias or {}), "logit_bias")
+        if params.structured is not None:
+            try:
+                check_spec(params.structured)
+            except InvalidGrammar as e:
+                raise InvalidRequest(str(e), "response_format") from e
         final = msgspec.structs.replace(
             params,
             max_tokens=ctx - n if params.max_tokens is None else params.max_tokens,
@@ -81,22 +89,26 @@ class PromptPreparer:
             register=DetokenizeRegister(
                 rid=req.rid,
                 stop=list(final.stop or []),
+                include_stop=final.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 prompt_tokens=n,
+                prompt_in_reasoning=bool(prompt_opens_reasoning(chat_text)),
             ),
         )
 
-    def _input_ids(self, req: TokenizeRequest) -> tuple[list[int], str]:
+    def _input_ids(self, req: TokenizeRequest) -> tuple[list[int], str, str]:
+        """(token ids, the request field they came from, the rendered chat prompt or "")."""
         if req.messages is not None:
-            return self._chat_ids(req), "messages"
+            text = self.render_chat(req)
+            return list(self._tokenizer.encode(text, add_special_tokens=False)), "messages", text
         if req.text is not None:
-            return list(self._tokenizer.encode(req.text)), "prompt"
+            return list(self._tokenizer.encode(req.text)), "prompt", ""
         if req.input_ids is not None:
             self._check_ids(req.input_ids, "prompt")
-            return list(req.input_ids), "prompt"
+            return list(req.input_ids), "prompt", ""
         raise InvalidRequest("the request has no prompt", "prompt")
 
-    def _chat_ids(self, req: TokenizeRequest) -> list[int]:
+    def render_chat(self, req: TokenizeRequest) -> str:
         kwargs = dict(req.chat_template_kwargs or {})
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
         if reserved:
@@ -112,11 +124,12 @@ class PromptPreparer:
                 req.messages,
                 tokenize=False,
                 add_generation_prompt=req.add_generation_prompt,
+                tools=req.tools,
                 **kwargs,
             )
         except Exception as e:  # the template is model code and may raise anything on odd input
             raise InvalidRequest(f"cannot apply the chat template: {e}", "messages") from e
-        return list(self._tokenizer.encode(text, add_special_tokens=False))
+        return text
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         vocab = self._limits.vocab_size

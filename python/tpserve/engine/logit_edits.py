@@ -1,0 +1,159 @@
+"""Per-request logit edits applied before sampling: repetition/frequency/presence penalties,
+logit bias, min-tokens bans (and, later in the step, grammar masks).
+
+Everything is batched tensor work on the device, the same on every TP rank (same inputs, no
+atomics on floats). The token history the penalties need lives on the device: a request that
+uses penalties gets a *slot* (chosen by the scheduler, identically on every rank) holding its
+prompt's token set and its output token counts. The engine adds each sampled token to its
+slot right after sampling, on the device, so under overlap scheduling step i+1's penalties
+already count step i's token although the host has not seen it yet.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from tpserve.sampling_params import SamplingParams
+
+
+@dataclass
+class LogitEdits:
+    """One step's edits as device tensors; ``*_rows`` index the step's batch rows."""
+
+    penalty_rows: torch.Tensor | None = None  # [P] int64
+    penalty_slots: torch.Tensor | None = None  # [P] int64
+    penalties: torch.Tensor | None = None  # [3, P] float32: repetition, frequency, presence
+    bias_index: torch.Tensor | None = None  # [2, N] int64 (row, token)
+    bias_values: torch.Tensor | None = None  # [N] float32; -inf bans a token
+    record_rows: torch.Tensor | None = None  # [R] rows whose sample counts toward their slot
+    record_slots: torch.Tensor | None = None  # [R]
+    # slots (re)assigned this step and their prompts: (slot per prompt token, prompt tokens)
+    init_slots: torch.Tensor | None = None  # [S]
+    init_index: torch.Tensor | None = None  # [2, T] int64 (slot, token)
+    max_slot: int = -1
+
+    @property
+    def edits_logits(self) -> bool:
+        return self.penalty_rows is not None or self.bias_index is not None
+
+    @classmethod
+    def build(
+        cls,
+        params: Sequence[SamplingParams],
+        slots: Sequence[int],
+        steps: Sequence[int],
+        sampled: Sequence[bool],
+        new_slots: Sequence[tuple[int, list[int]]],
+        eos_ids: Sequence[int],
+        vocab_size: int,
+        device: torch.device | str,
+    ) -> LogitEdits | None:
+        """None when no row edits its logits. ``slots[i]`` is row i's penalty slot (-1: none);
+        ``new_slots`` are the slots first given out this step, with their requests' prompts."""
+        pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
+        bias_rows: list[int] = []
+        bias_tokens: list[int] = []
+        bias_values: list[float] = []
+        for i, p in enumerate(params):
+            for token, value in (p.logit_bias or {}).items():
+                if token < vocab_size:
+                    bias_rows.append(i)
+                    bias_tokens.append(token)
+                    bias_values.append(value)
+            if steps[i] < p.min_tokens:
+                banned = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_ids))
+                banned = sorted(t for t in banned if t < vocab_size)
+                bias_rows += [i] * len(banned)
+                bias_tokens += banned
+                bias_values += [float("-inf")] * len(banned)
+        record = [i for i in pen_rows if sampled[i]]
+        if not pen_rows and not bias_rows and not new_slots:
+            return None
+
+        def ints(values: list[int] | list[list[int]]) -> torch.Tensor:
+            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+
+        edits = cls()
+        if pen_rows:
+            edits.penalty_rows = ints(pen_rows)
+            edits.penalty_slots = ints([slots[i] for i in pen_rows])
+            edits.penalties = torch.tensor(
+                [[params[i].repetition_penalty for i in pen_rows],
+                 [params[i].frequency_penalty for i in pen_rows],
+                 [params[i].presence_penalty for i in pen_rows]],
+                dtype=torch.float32,
+            ).to(device, non_blocking=True)
+        if record:
+            edits.record_rows = ints(record)
+            edits.record_slots = ints([slots[i] for i in record])
+        if bias_rows:
+            edits.bias_index = ints([bias_rows, bias_tokens])
+            edits.bias_values = torch.tensor(bias_values, dtype=torch.float32).to(device, non_blocking=True)
+        if new_slots:
+            edits.init_slots = ints([s for s, _ in new_slots])
+            edits.init_index = ints(
+                [[s for s, ids in new_slots for _ in ids], [t for _, ids in new_slots for t in ids]]
+            )
+        edits.max_slot = max([s for s, _ in new_slots] + [slots[i] for i in pen_rows], default=-1)
+        return edits
+
+
+@dataclass
+class PenaltyState:
+    """Per-slot token history on the device: prompt token sets and output token counts."""
+
+    vocab_size: int
+    device: torch.device
+    prompt_mask: torch.Tensor = field(init=False)  # [slots, V] bool
+    counts: torch.Tensor = field(init=False)  # [slots, V] int32
+
+    def __post_init__(self) -> None:
+        self.prompt_mask = torch.zeros((0, self.vocab_size), dtype=torch.bool, device=self.device)
+        self.counts = torch.zeros((0, self.vocab_size), dtype=torch.int32, device=self.device)
+
+    def _reserve(self, slots: int) -> None:
+        """Grow to at least ``slots`` rows (doubling), keeping the existing rows."""
+        have = self.counts.shape[0]
+        if slots <= have:
+            return
+        rows = max(slots, 2 * have, 4)
+        mask = torch.zeros((rows, self.vocab_size), dtype=torch.bool, device=self.device)
+        counts = torch.zeros((rows, self.vocab_size), dtype=torch.int32, device=self.device)
+        mask[:have].copy_(self.prompt_mask)
+        counts[:have].copy_(self.counts)
+        self.prompt_mask, self.counts = mask, counts
+
+    def apply(self, logits: torch.Tensor, edits: LogitEdits) -> torch.Tensor:
+        """Edited float32 logits: a new tensor (the raw logits stay for log-probabilities and in
+        the CUDA graph's output buffer). Also (re)initialises the step's new slots."""
+        self._reserve(edits.max_slot + 1)
+        if edits.init_slots is not None:
+            self.prompt_mask.index_fill_(0, edits.init_slots, False)
+            self.counts.index_fill_(0, edits.init_slots, 0)
+            self.prompt_mask.index_put_(tuple(edits.init_index), torch.ones((), dtype=torch.bool, device=self.device))
+        if not edits.edits_logits:
+            return logits
+        out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+        if edits.penalty_rows is not None:
+            rows, slots = edits.penalty_rows, edits.penalty_slots
+            sub = out.index_select(0, rows)
+            counts = self.counts.index_select(0, slots).float()
+            seen = self.prompt_mask.index_select(0, slots) | (counts > 0)
+            repetition, frequency, presence = edits.penalties[:, :, None]
+            penalized = torch.where(sub < 0, sub * repetition, sub / repetition)
+            sub = torch.where(seen, penalized, sub)
+            sub -= frequency * counts + presence * (counts > 0)
+            out.index_copy_(0, rows, sub)
+        if edits.bias_index is not None:
+            out.index_put_(tuple(edits.bias_index), edits.bias_values, accumulate=True)
+        return out
+
+    def record(self, tokens: torch.Tensor, edits: LogitEdits | None) -> None:
+        """Count the step's kept samples in their slots (on the device, no host sync)."""
+        if edits is None or edits.record_rows is None:
+            return
+        index = (edits.record_slots, tokens.index_select(0, edits.record_rows))
+        self.counts.index_put_(index, torch.ones((), dtype=torch.int32, device=self.device), accumulate=True)

@@ -1,0 +1,78 @@
+"""One chat choice's output text, split as the OpenAI API returns it: reasoning, content and
+tool calls, streamed or whole."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from tpserve.parsers.reasoning import ReasoningParser
+from tpserve.parsers.tool_calls import (
+    ForcedToolCalls,
+    ToolCallDelta,
+    ToolCallParser,
+    create_tool_parser,
+    merge_deltas,
+)
+
+
+@dataclass
+class ChatDelta:
+    reasoning: str = ""
+    content: str = ""
+    tool_calls: list[ToolCallDelta] = field(default_factory=list)
+
+    def __bool__(self) -> bool:
+        return bool(self.reasoning or self.content or self.tool_calls)
+
+
+@dataclass(frozen=True)
+class ChatOutputConfig:
+    """What to look for in a request's output."""
+
+    reasoning: bool = False  # a reasoning parser is on
+    starts_in_reasoning: bool = False
+    # A grammar constrains the output: a think block is only one if the output writes <think>
+    # (a JSON answer is never reasoning, whatever state the prompt left).
+    constrained: bool = False
+    tool_parser: str | None = None  # --tool-call-parser, when the request has tools (auto)
+    forced_tools: bool = False  # tool_choice "required" or named: the output is the calls' JSON
+    forced_function: str | None = None  # the named function
+
+
+class ChatOutputParser:
+    def __init__(self, config: ChatOutputConfig) -> None:
+        start = config.starts_in_reasoning and not config.constrained
+        self._reasoning = ReasoningParser(start) if config.reasoning else None
+        self._tools: ToolCallParser | None = None
+        if config.forced_tools:
+            self._tools = ForcedToolCalls(config.forced_function)
+        elif config.tool_parser is not None:
+            self._tools = create_tool_parser(config.tool_parser)
+
+    @property
+    def tool_calls(self) -> list[ToolCallDelta]:
+        """Every call so far, whole (id, name, all its arguments)."""
+        return self._tools.calls if self._tools is not None else []
+
+    @property
+    def called_tools(self) -> bool:
+        return bool(self.tool_calls)
+
+    def feed(self, text: str, final: bool = False) -> ChatDelta:
+        out = ChatDelta()
+        content = text
+        if self._reasoning is not None:
+            split = self._reasoning.feed(text, final)
+            out.reasoning, content = split.reasoning, split.content
+        if self._tools is None:
+            out.content = content
+            return out
+        parsed = self._tools.feed(content, final)
+        out.content, out.tool_calls = parsed.content, merge_deltas(parsed.calls)
+        return out
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """A finish with tool calls is "tool_calls" (OpenAI), unless it was cut short."""
+        if reason == "stop" and self.called_tools:
+            return "tool_calls"
+        return reason

@@ -1,0 +1,129 @@
+"""OpenAI request fields that constrain the output, turned into one grammar spec:
+``response_format`` (json_object, json_schema), the vLLM/SGLang extras ``regex`` and ``ebnf``,
+and ``tool_choice`` "required" or a named function (the calls' JSON, see ``ForcedToolCalls``)."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from tpserve.sampling_params import StructuredOutput
+
+
+class FieldError(ValueError):
+    """A request field is invalid; ``param`` names it (for a 400 answer)."""
+
+    def __init__(self, message: str, param: str) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+
+
+def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Function name -> parameters schema; FieldError if a tool is malformed."""
+    functions: dict[str, dict[str, Any]] = {}
+    for i, tool in enumerate(tools or []):
+        function = tool.get("function") if isinstance(tool, dict) else None
+        if not isinstance(tool, dict) or tool.get("type", "function") != "function" or not isinstance(function, dict):
+            raise FieldError(f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{...}}}}", "tools")
+        name = function.get("name")
+        if not isinstance(name, str) or not name:
+            raise FieldError(f"tools[{i}].function.name must be a non-empty string", "tools")
+        parameters = function.get("parameters") or {"type": "object", "properties": {}}
+        if not isinstance(parameters, dict):
+            raise FieldError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
+        functions[name] = parameters
+    return functions
+
+
+def named_tool(tool_choice: Any) -> str | None:
+    """The function a ``tool_choice`` names, or None for "auto"/"none"/"required"/null."""
+    if tool_choice is None or tool_choice in ("auto", "none", "required"):
+        return None
+    if isinstance(tool_choice, dict):
+        function = tool_choice.get("function")
+        if tool_choice.get("type", "function") == "function" and isinstance(function, dict):
+            name = function.get("name")
+            if isinstance(name, str):
+                return name
+    raise FieldError(
+        'tool_choice must be "auto", "none", "required" or {"type": "function", "function": {"name": ...}}',
+        "tool_choice",
+    )
+
+
+def tool_call_structure(
+    tools: list[dict[str, Any]] | None, tool_choice: Any, parallel_tool_calls: bool | None
+) -> StructuredOutput | None:
+    """The grammar that forces tool calls, or None when the model chooses (auto/none)."""
+    functions = check_tools(tools)
+    name = named_tool(tool_choice)
+    if tool_choice in (None, "auto", "none"):
+        return None
+    if not functions:
+        raise FieldError("tool_choice needs tools", "tool_choice")
+    if name is not None:
+        if name not in functions:
+            raise FieldError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
+        return StructuredOutput("json_schema", json.dumps(functions[name]))
+    calls = {
+        "type": "array",
+        "minItems": 1,
+        "items": {
+            "anyOf": [
+                {
+                    "type": "object",
+                    "properties": {"name": {"const": fn}, "parameters": schema},
+                    "required": ["name", "parameters"],
+                    "additionalProperties": False,
+                }
+                for fn, schema in functions.items()
+            ]
+        },
+    }
+    if parallel_tool_calls is False:
+        calls["maxItems"] = 1
+    return StructuredOutput("json_schema", json.dumps(calls))
+
+
+def response_format_structure(response_format: dict[str, Any] | None) -> StructuredOutput | None:
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json_schema":
+        spec = response_format.get("json_schema")
+        schema = spec.get("schema") if isinstance(spec, dict) else None
+        if not isinstance(schema, (dict, bool)):
+            raise FieldError("response_format json_schema needs json_schema.schema (a JSON schema)", "response_format")
+        return StructuredOutput("json_schema", json.dumps(schema))
+    raise FieldError(
+        f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format"
+    )
+
+
+def output_structure(
+    response_format: dict[str, Any] | None,
+    regex: str | None = None,
+    ebnf: str | None = None,
+    tools: list[dict[str, Any]] | None = None,
+    tool_choice: Any = None,
+    parallel_tool_calls: bool | None = None,
+) -> StructuredOutput | None:
+    """The one constraint a request asks for; FieldError if it asks for several."""
+    found = [
+        (param, spec)
+        for param, spec in (
+            ("response_format", response_format_structure(response_format)),
+            ("regex", StructuredOutput("regex", regex) if regex is not None else None),
+            ("ebnf", StructuredOutput("ebnf", ebnf) if ebnf is not None else None),
+            ("tool_choice", tool_call_structure(tools, tool_choice, parallel_tool_calls)),
+        )
+        if spec is not None
+    ]
+    if len(found) > 1:
+        raise FieldError(f"give only one of {', '.join(p for p, _ in found)}: each constrains the output", found[1][0])
+    return found[0][1] if found else None

@@ -1,0 +1,84 @@
+"""Reasoning separation: the text inside ``<think>...</think>`` goes to ``reasoning_content``,
+the rest to ``content`` (``--reasoning-parser qwen3`` or ``deepseek_r1``).
+
+A chat template may open the think block itself (the prompt then ends inside it, and the output
+has no ``<think>``: DeepSeek-R1-0528, QwQ), or close an empty one (Qwen3 with
+``enable_thinking: false``), so the parser starts in the state the prompt leaves it in
+(``prompt_opens_reasoning``); a model that opens the block itself writes ``<think>`` first. Both
+parser names (qwen3, deepseek_r1) use the same ``<think>``/``</think>`` rules.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpserve.parsers.partial import partial_suffix_len
+
+THINK_START = "<think>"
+THINK_END = "</think>"
+REASONING_PARSERS = ("qwen3", "deepseek_r1")
+
+
+def prompt_opens_reasoning(prompt_text: str) -> bool | None:
+    """True if the prompt ends inside an open think block, False if its last one is closed,
+    None if it has none."""
+    start, end = prompt_text.rfind(THINK_START), prompt_text.rfind(THINK_END)
+    if start < 0 and end < 0:
+        return None
+    return start > end
+
+
+@dataclass
+class Split:
+    reasoning: str = ""
+    content: str = ""
+
+
+class ReasoningParser:
+    """Feed output text chunks; each call returns the new reasoning and content text."""
+
+    def __init__(self, in_reasoning: bool) -> None:
+        self._in_reasoning = in_reasoning
+        self._seen_start = in_reasoning
+        self._buffer = ""  # held-back text that may be the start of a tag
+        self._content_started = False
+
+    def feed(self, text: str, final: bool = False) -> Split:
+        out = Split()
+        self._buffer += text
+        while self._buffer:
+            if self._in_reasoning:
+                i = self._buffer.find(THINK_END)
+                if i >= 0:
+                    out.reasoning += self._buffer[:i]
+                    self._buffer = self._buffer[i + len(THINK_END):]
+                    self._in_reasoning = False
+                    continue
+                keep = 0 if final else partial_suffix_len(self._buffer, (THINK_END,))
+                out.reasoning += self._buffer[: len(self._buffer) - keep]
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                break
+            if not self._seen_start and not self._content_started:
+                stripped = self._buffer.lstrip()
+                if stripped.startswith(THINK_START):
+                    self._buffer = stripped[len(THINK_START):]
+                    self._in_reasoning = self._seen_start = True
+                    continue
+                if not final and THINK_START.startswith(stripped):
+                    break  # could still become "<think>"
+            text_out = self._buffer
+            if not self._content_started:
+                text_out = text_out.lstrip("\n")  # the newlines after </think>
+                if not text_out and not final:
+                    self._buffer = ""
+                    break
+            self._content_started = self._content_started or bool(text_out)
+            out.content += text_out
+            self._buffer = ""
+        return out
+
+
+def split_reasoning(text: str, in_reasoning: bool) -> Split:
+    """The non-streaming split of a whole output."""
+    split = ReasoningParser(in_reasoning).feed(text, final=True)
+    return split

@@ -1,0 +1,286 @@
+"""Tool calls in model output, streamed as OpenAI does: a call's id and name first, then its
+arguments in fragments, so the SDKs' stream accumulators rebuild it.
+
+Parsers (``--tool-call-parser``):
+
+* ``hermes`` (Qwen2.5, Qwen3, Hermes): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
+  one block per call, text before the first block is content. When the JSON starts with the
+  name (as these models write it), the arguments stream as they are generated;
+* ``llama3_json`` (Llama 3.1/3.2): the whole output is ``{"name": ..., "parameters": {...}}``
+  (optionally after ``<|python_tag|>``, several separated by ``;``); it is parsed at the end.
+
+With ``tool_choice`` "required" or a named function, decoding is constrained by a grammar to a
+JSON array of calls (``[{"name": ..., "parameters": {...}}]``) or to the named function's
+arguments, and ``ForcedToolCalls`` reads that.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from tpserve.parsers.partial import partial_suffix_len
+
+TOOL_CALL_PARSERS = ("hermes", "llama3_json")
+
+
+def new_call_id() -> str:
+    return f"call_{uuid.uuid4().hex[:24]}"
+
+
+@dataclass
+class ToolCallDelta:
+    """A piece of call ``index``: the first piece has its id and name."""
+
+    index: int
+    id: str | None = None
+    name: str | None = None
+    arguments: str = ""
+
+    def to_openai(self) -> dict[str, Any]:
+        function: dict[str, Any] = {"arguments": self.arguments}
+        if self.name is not None:
+            function["name"] = self.name
+        out: dict[str, Any] = {"index": self.index, "function": function}
+        if self.id is not None:
+            out["id"] = self.id
+            out["type"] = "function"
+        return out
+
+
+@dataclass
+class ToolParse:
+    content: str = ""
+    calls: list[ToolCallDelta] = field(default_factory=list)
+
+
+def merge_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
+    """One delta per call (a chunk carries each call's index once, as OpenAI sends them)."""
+    merged: list[ToolCallDelta] = []
+    for d in deltas:
+        if merged and merged[-1].index == d.index and d.id is None:
+            merged[-1] = ToolCallDelta(d.index, merged[-1].id, merged[-1].name, merged[-1].arguments + d.arguments)
+        else:
+            merged.append(d)
+    return merged
+
+
+def _arguments_text(value: Any) -> str:
+    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+
+
+def _call_from_json(obj: Any) -> tuple[str, str] | None:
+    """(name, arguments JSON text) of a decoded call object, or None if it is not one."""
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str):
+        return None
+    args = obj.get("arguments", obj.get("parameters", {}))
+    return obj["name"], _arguments_text(args)
+
+
+class ToolCallParser:
+    """Base: feed text chunks, get content and call deltas; ``calls`` accumulates the calls."""
+
+    def __init__(self) -> None:
+        self.calls: list[ToolCallDelta] = []  # whole calls so far (id, name, full arguments)
+
+    def feed(self, text: str, final: bool = False) -> ToolParse:
+        raise NotImplementedError
+
+    def _start_call(self, name: str, out: ToolParse) -> ToolCallDelta:
+        call = ToolCallDelta(len(self.calls), new_call_id(), name)
+        self.calls.append(call)
+        out.calls.append(ToolCallDelta(call.index, call.id, name))
+        return call
+
+    def _add_arguments(self, call: ToolCallDelta, text: str, out: ToolParse) -> None:
+        if text:
+            call.arguments += text
+            out.calls.append(ToolCallDelta(call.index, arguments=text))
+
+
+_HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
+_NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+class HermesParser(ToolCallParser):
+    def __init__(self) -> None:
+        super().__init__()
+        self._buffer = ""
+        self._in_call = False
+        self._call: ToolCallDelta | None = None  # the call whose arguments are streaming
+        self._args_sent = 0  # characters of its arguments text sent
+
+    def feed(self, text: str, final: bool = False) -> ToolParse:
+        out = ToolParse()
+        self._buffer += text
+        while True:
+            if not self._in_call:
+                i = self._buffer.find(_HERMES_START)
+                if i < 0:
+                    keep = 0 if final else partial_suffix_len(self._buffer, (_HERMES_START,))
+                    self._emit_content(self._buffer[: len(self._buffer) - keep], out)
+                    self._buffer = self._buffer[len(self._buffer) - keep:]
+                    return out
+                self._emit_content(self._buffer[:i], out)
+                self._buffer = self._buffer[i + len(_HERMES_START):]
+                self._in_call, self._call, self._args_sent = True, None, 0
+            end = self._buffer.find(_HERMES_END)
+            if end < 0 and not final:
+                self._stream_arguments(self._buffer[: len(self._buffer) - partial_suffix_len(self._buffer, (_HERMES_END,))], out)
+                return out
+            body = self._buffer if end < 0 else self._buffer[:end]
+            self._buffer = "" if end < 0 else self._buffer[end + len(_HERMES_END):]
+            self._in_call = False
+            self._finish_call(body, out)
+            if end < 0:
+                return out
+
+    def _emit_content(self, text: str, out: ToolParse) -> None:
+        if self.calls and not text.strip():
+            return  # whitespace between or after calls
+        out.content += text
+
+    def _stream_arguments(self, body: str, out: ToolParse) -> None:
+        match = _NAME_FIRST.match(body)
+        if match is None:
+            return
+        if self._call is None:
+            self._call = self._start_call(json.loads(f'"{match.group(1)}"', strict=False), out)
+        safe = _strip_closing(body[match.end():])
+        if len(safe) > self._args_sent:
+            self._add_arguments(self._call, safe[self._args_sent:], out)
+            self._args_sent = len(safe)
+
+    def _finish_call(self, body: str, out: ToolParse) -> None:
+        try:
+            parsed = _call_from_json(json.loads(body, strict=False))
+        except json.JSONDecodeError:
+            parsed = None
+        if self._call is not None:  # its name and a prefix of its raw arguments went out already
+            match = _NAME_FIRST.match(body)
+            rest = _strip_closing(body[match.end():]) if match else ""
+            self._add_arguments(self._call, rest[self._args_sent:], out)
+            self._call = None
+            return
+        if parsed is None:
+            out.content += f"{_HERMES_START}{body}"  # not a call after all: show it as written
+            return
+        call = self._start_call(parsed[0], out)
+        self._add_arguments(call, parsed[1], out)
+
+
+def _strip_closing(args: str) -> str:
+    """The arguments text without what may be the enclosing object's closing brace (and the
+    whitespace around it): always a prefix of the final arguments text."""
+    args = args.rstrip()
+    if args.endswith("}"):
+        args = args[:-1].rstrip()
+    return args
+
+
+class Llama3JsonParser(ToolCallParser):
+    """The output is either tool calls as a whole or plain content: decided by its first
+    non-blank characters, then parsed at the end."""
+
+    PYTHON_TAG = "<|python_tag|>"
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._buffer = ""
+        self._mode: str | None = None  # "calls" or "content" once known
+
+    def feed(self, text: str, final: bool = False) -> ToolParse:
+        out = ToolParse()
+        self._buffer += text
+        if self._mode is None:
+            head = self._buffer.lstrip()
+            if head.startswith("{") or head.startswith(self.PYTHON_TAG):
+                self._mode = "calls"
+            elif head and not self.PYTHON_TAG.startswith(head):
+                self._mode = "content"
+            elif not final:
+                return out
+        if self._mode != "calls":
+            out.content, self._buffer = self._buffer, ""
+            return out
+        if not final:
+            return out
+        calls = _parse_llama_calls(self._buffer)
+        if calls is None:
+            out.content = self._buffer
+        else:
+            for name, args in calls:
+                self._add_arguments(self._start_call(name, out), args, out)
+        self._buffer = ""
+        return out
+
+
+def _parse_llama_calls(text: str) -> list[tuple[str, str]] | None:
+    text = text.strip()
+    if text.startswith(Llama3JsonParser.PYTHON_TAG):
+        text = text[len(Llama3JsonParser.PYTHON_TAG):].strip()
+    decoder = json.JSONDecoder(strict=False)
+    calls, pos = [], 0
+    while pos < len(text):
+        try:
+            obj, pos = decoder.raw_decode(text, pos)
+        except json.JSONDecodeError:
+            return None
+        call = _call_from_json(obj)
+        if call is None:
+            return None
+        calls.append(call)
+        while pos < len(text) and text[pos] in " \t\r\n;":
+            pos += 1
+    return calls or None
+
+
+class ForcedToolCalls(ToolCallParser):
+    """Output constrained to a JSON array of ``{"name", "parameters"}`` (tool_choice "required")
+    or to one function's arguments (``function_name`` set: a named tool_choice)."""
+
+    def __init__(self, function_name: str | None = None) -> None:
+        super().__init__()
+        self._function_name = function_name
+        self._buffer = ""
+
+    def feed(self, text: str, final: bool = False) -> ToolParse:
+        out = ToolParse()
+        self._buffer += text
+        if not final:
+            return out
+        try:
+            value = json.loads(self._buffer, strict=False)
+        except json.JSONDecodeError:  # cut short (max_tokens): show what was written
+            out.content, self._buffer = self._buffer, ""
+            return out
+        if self._function_name is not None:
+            self._add_arguments(self._start_call(self._function_name, out), _arguments_text(value), out)
+        else:
+            for item in value if isinstance(value, list) else [value]:
+                parsed = _call_from_json(item)
+                if parsed is not None:
+                    self._add_arguments(self._start_call(parsed[0], out), parsed[1], out)
+        self._buffer = ""
+        return out
+
+
+def detect_tool_parser(chat_template: str | None) -> str | None:
+    """The parser for the tool-call format a chat template teaches the model, if recognisable."""
+    template = chat_template or ""
+    if "<tool_call>" in template:
+        return "hermes"
+    if "<|python_tag|>" in template or ("tools" in template and '"parameters"' in template):
+        return "llama3_json"
+    return None
+
+
+def create_tool_parser(name: str) -> ToolCallParser:
+    if name == "hermes":
+        return HermesParser()
+    if name == "llama3_json":
+        return Llama3JsonParser()
+    raise ValueError(f"unknown tool call parser {name!r}; choose from {', '.join(TOOL_CALL_PARSERS)}")

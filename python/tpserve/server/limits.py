@@ -1,0 +1,136 @@
+"""What a request may hold, checked before any work is queued.
+
+- Every value must cross the process boundary: integers within 64 bits (msgpack's range),
+  finite numbers, strings that are valid Unicode (no lone surrogates, which UTF-8 cannot encode).
+  One walk over the raw JSON checks all fields, present and future, instead of a bound per field.
+- Size: the body's bytes (``--max-request-bytes``, checked from Content-Length before the body is
+  read, so a huge body never reaches the JSON parser), the prompt's characters (``context_len x
+  MAX_CHARS_PER_TOKEN``: a longer text cannot fit the context, and tokenizing it would hold a
+  tokenizer worker for seconds), and the sequences one call starts (prompts x n).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from tpserve.server.errors import APIError, error_body
+
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# No tokenizer of a supported model has tokens this long on average over a whole prompt.
+MAX_CHARS_PER_TOKEN = 32
+
+
+def check_transportable(value: Any, where: str = "") -> None:
+    """Raise a 400 for the first value that cannot be encoded for the backend."""
+    stack: list[tuple[Any, str]] = [(value, where)]
+    while stack:
+        item, path = stack.pop()
+        if isinstance(item, bool) or item is None:
+            continue
+        if isinstance(item, int):
+            if not INT64_MIN <= item <= INT64_MAX:
+                raise APIError.invalid(f"{path or 'body'}: integer {item} is outside the 64-bit range", path or None)
+        elif isinstance(item, float):
+            if not math.isfinite(item):
+                raise APIError.invalid(f"{path or 'body'}: {item} is not a finite number", path or None)
+        elif isinstance(item, str):
+            if not item.isascii():
+                try:
+                    item.encode("utf-8")
+                except UnicodeEncodeError:
+                    raise APIError.invalid(
+                        f"{path or 'body'}: invalid Unicode (a lone surrogate such as \\ud800)", path or None
+                    ) from None
+        elif isinstance(item, dict):
+            for key, child in item.items():
+                stack.append((key, path))
+                stack.append((child, f"{path}.{key}" if path else str(key)))
+        elif isinstance(item, (list, tuple)):
+            stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    context_len: int
+    max_sequences: int  # prompts x n in one call
+
+    @property
+    def max_prompt_chars(self) -> int:
+        return self.context_len * MAX_CHARS_PER_TOKEN
+
+    def check_sequences(self, prompts: int, n: int) -> None:
+        if prompts * n > self.max_sequences:
+            raise APIError.invalid(
+                f"{prompts} prompt(s) x n={n} = {prompts * n} sequences exceed this server's limit of "
+                f"{self.max_sequences} per request (--max-sequences-per-request)", "n" if n > 1 else "prompt"
+            )
+
+    def check_text(self, chars: int, param: str) -> None:
+        if chars > self.max_prompt_chars:
+            raise APIError.invalid(
+                f"the prompt has {chars} characters: more than the {self.context_len}-token context can "
+                f"hold ({self.max_prompt_chars} characters at most)", param
+            )
+
+    def check_ids(self, count: int, param: str) -> None:
+        if count > self.context_len:
+            raise APIError.invalid(f"the prompt has {count} tokens: more than the context ({self.context_len})", param)
+
+
+class BodySizeLimit:
+    """ASGI middleware: 413 for a body over ``max_bytes``, from Content-Length before reading it,
+    or while it streams in when there is none."""
+
+    def __init__(self, app: ASGIApp, max_bytes: int) -> None:
+        self.app = app
+        self.max_bytes = max_bytes
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length")
+        if length is not None and length.isdigit() and int(length) > self.max_bytes:
+            return await self._reject(send)
+        seen = 0
+        started = False
+
+        async def counting_receive() -> Message:
+            nonlocal seen
+            message = await receive()
+            if message["type"] == "http.request":
+                seen += len(message.get("body", b""))
+                if seen > self.max_bytes:
+                    raise _TooLarge()
+            return message
+
+        async def tracking_send(message: Message) -> None:
+            nonlocal started
+            started = started or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await self.app(scope, counting_receive, tracking_send)
+        except _TooLarge:
+            if not started:
+                await self._reject(send)
+
+    async def _reject(self, send: Send) -> None:
+
+        body = json.dumps(
+            error_body(
+                f"request body larger than {self.max_bytes} bytes (--max-request-bytes)",
+                "invalid_request_error", None, "request_too_large",
+            )
+        ).encode()
+        await send({"type": "http.response.start", "status": 413,
+                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
+        await send({"type": "http.response.body", "body": body})
+
+
+class _TooLarge(Exception):
+    pass

@@ -1,0 +1,162 @@
+"""Reasoning and tool-call parsers on scripted outputs, fed whole and in awkward chunk splits."""
+
+from __future__ import annotations
+
+import json
+import random
+
+import pytest
+
+from tpserve.parsers.reasoning import ReasoningParser, prompt_opens_reasoning
+from tpserve.parsers.tool_calls import ForcedToolCalls, create_tool_parser
+
+
+def splits(text: str) -> list[list[str]]:
+    """The text whole, one character at a time, and in random cuts."""
+    out = [[text], list(text)]
+    rng = random.Random(0)
+    for _ in range(20):
+        cuts = sorted(rng.sample(range(1, len(text)), min(len(text) - 1, rng.randint(1, 8))))
+        out.append([text[a:b] for a, b in zip([0] + cuts, cuts + [len(text)])])
+    return out
+
+
+def run_reasoning(chunks: list[str], in_reasoning: bool) -> tuple[str, str]:
+    parser = ReasoningParser(in_reasoning)
+    reasoning = content = ""
+    for i, chunk in enumerate(chunks + [""]):
+        split = parser.feed(chunk, final=i == len(chunks))
+        reasoning += split.reasoning
+        content += split.content
+    return reasoning, content
+
+
+@pytest.mark.parametrize(
+    "text,in_reasoning,expected",
+    [
+        ("<think>\nplan a b</think>\n\nThe answer.", False, ("\nplan a b", "The answer.")),
+        ("plan, opened by the template</think>\n\nDone <b>", True, ("plan, opened by the template", "Done <b>")),
+        ("No thinking at all, <think> in the middle stays.", False,
+         ("", "No thinking at all, <think> in the middle stays.")),
+        ("still thinking when max_tokens hit", True, ("still thinking when max_tokens hit", "")),
+        ("<thin", False, ("", "<thin")),  # ends with half a tag: it is content after all
+    ],
+)
+def test_reasoning_split_in_any_chunking(text, in_reasoning, expected):
+    for chunks in splits(text):
+        assert run_reasoning(chunks, in_reasoning) == expected, chunks
+
+
+def test_start_state_follows_the_prompt():
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
+    assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n") is False  # thinking off
+    assert prompt_opens_reasoning("<|im_start|>assistant\n") is None
+    assert prompt_opens_reasoning("<｜Assistant｜><think>\n")
+
+
+def run_tools(parser, chunks: list[str]) -> tuple[str, list[dict]]:
+    """Content and the calls rebuilt the way the openai SDK's stream accumulator does."""
+    content, calls = "", {}
+    for i, chunk in enumerate(chunks + [""]):
+        out = parser.feed(chunk, final=i == len(chunks))
+        content += out.content
+        for delta in out.calls:
+            d = delta.to_openai()
+            call = calls.setdefault(d["index"], {"id": None, "name": "", "arguments": ""})
+            if "id" in d:
+                assert call["id"] is None and d["function"]["name"], "id and name come first, once"
+                call["id"], call["name"] = d["id"], d["function"]["name"]
+            else:
+                assert call["id"] is not None, "arguments before the call's id"
+            call["arguments"] += d["function"]["arguments"]
+    return content, [calls[i] for i in sorted(calls)]
+
+
+HERMES = (
+    'Let me check.\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2], '
+    '"opt": {"unit": "C"}}}\n</tool_call>\n<tool_call>\n{"arguments": {"q": "x}y"}, "name": "search"}\n</tool_call>'
+)
+
+
+def test_hermes_calls_in_any_chunking():
+    for chunks in splits(HERMES):
+        content, calls = run_tools(create_tool_parser("hermes"), chunks)
+        assert content == "Let me check.\n"
+        assert [c["name"] for c in calls] == ["get_weather", "search"]
+        assert json.loads(calls[0]["arguments"]) == {"city": "Paris", "days": [1, 2], "opt": {"unit": "C"}}
+        assert json.loads(calls[1]["arguments"]) == {"q": "x}y"}
+        assert all(c["id"].startswith("call_") for c in calls)
+
+
+def test_hermes_streams_arguments_before_the_call_ends():
+    parser = create_tool_parser("hermes")
+    out = parser.feed('<tool_call>\n{"name": "f", "arguments": {"a": 1, "b": "lo')
+    assert [d.name for d in out.calls] == ["f", None] and out.calls[1].arguments == '{"a": 1, "b": "lo'
+
+
+def test_hermes_plain_text_and_broken_calls():
+    assert run_tools(create_tool_parser("hermes"), ["Just text, a < b."]) == ("Just text, a < b.", [])
+    content, calls = run_tools(create_tool_parser("hermes"), ["<tool_call>\n{not json</tool_call>"])
+    assert calls == [] and content == "<tool_call>\n{not json"
+
+
+LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "now", "parameters": {}}'
+
+
+def test_llama3_json_in_any_chunking():
+    for chunks in splits(LLAMA):
+        content, calls = run_tools(create_tool_parser("llama3_json"), chunks)
+        assert content == "" and [c["name"] for c in calls] == ["get_weather", "now"]
+        assert json.loads(calls[0]["arguments"]) == {"city": "Rome"} and json.loads(calls[1]["arguments"]) == {}
+    assert run_tools(create_tool_parser("llama3_json"), ["Hello ", "there"]) == ("Hello there", [])
+
+
+def test_forced_tool_calls():
+    content, calls = run_tools(ForcedToolCalls(), ['[{"name": "a", "parameters": {"x": 1}}, ', '{"name": "b", "parameters": {}}]'])
+    assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [("a", {"x": 1}), ("b", {})]
+    content, calls = run_tools(ForcedToolCalls("f"), ['{"x": ', '2}'])
+    assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [("f", {"x": 2})]
+    assert run_tools(ForcedToolCalls("f"), ['{"x": '])[0] == '{"x": '  # cut short: left as text
+
+
+def test_chat_output_reasoning_then_tool_call():
+    from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
+
+    text = 'weigh options</think>\n\n<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>'
+    for chunks in splits(text):
+        parser = ChatOutputParser(ChatOutputConfig(reasoning=True, starts_in_reasoning=True, tool_parser="hermes"))
+        reasoning = content = ""
+        args = ""
+        for i, chunk in enumerate(chunks + [""]):
+            delta = parser.feed(chunk, final=i == len(chunks))
+            reasoning += delta.reasoning
+            content += delta.content
+            args += "".join(d.arguments for d in delta.tool_calls)
+        assert (reasoning, content, json.loads(args)) == ("weigh options", "", {"a": 1})
+        assert parser.finish_reason("stop") == "tool_calls" and parser.finish_reason("length") == "length"
+
+
+def test_constraints():
+    from tpserve.parsers.constraints import FieldError, output_structure
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
+             {"type": "function", "function": {"name": "g"}}]
+    assert output_structure(None, tools=tools, tool_choice="auto") is None
+    required = output_structure(None, tools=tools, tool_choice="required", parallel_tool_calls=False)
+    schema = json.loads(required.spec)
+    assert schema["maxItems"] == 1 and [a["properties"]["name"]["const"] for a in schema["items"]["anyOf"]] == ["f", "g"]
+    named = output_structure(None, tools=tools, tool_choice={"type": "function", "function": {"name": "f"}})
+    assert json.loads(named.spec) == {"type": "object"}
+    assert output_structure({"type": "json_object"}).kind == "json_object"
+    assert output_structure({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}).spec == '{"type": "integer"}'
+    assert output_structure(None, regex="[ab]+").kind == "regex"
+    for bad, param in [
+        (dict(response_format={"type": "xml"}), "response_format"),
+        (dict(response_format={"type": "json_object"}, regex="a"), "regex"),
+        (dict(response_format=None, tools=tools, tool_choice={"type": "function", "function": {"name": "h"}}), "tool_choice"),
+        (dict(response_format=None, tool_choice="required"), "tool_choice"),
+        (dict(response_format=None, tools=[{"type": "retrieval"}], tool_choice="required"), "tools"),
+    ]:
+        with pytest.raises(FieldError) as e:
+            output_structure(**bad)
+        assert e.value.param == param

@@ -1,0 +1,163 @@
+"""End to end at TP 2 on the CPU with the official openai SDK: what agents and apps send.
+Tool calls (required, named, streamed, and a multi-turn exchange with a tool message),
+structured output (chat.completions.parse with a pydantic model, json_object, regex),
+penalties, and reasoning separation. The model has random weights: only constrained decoding
+makes its output valid, which is the point. One server for the module."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import jsonschema
+import openai
+import pytest
+from pydantic import BaseModel, Field
+from server_process import ServerProcess
+
+WEATHER_PARAMS = {
+    "type": "object",
+    "properties": {
+        "city": {"type": "string", "maxLength": 8},
+        "unit": {"enum": ["C", "F"]},
+        "days": {"type": "integer", "minimum": 1, "maximum": 7},
+    },
+    "required": ["city", "unit", "days"],
+    "additionalProperties": False,
+}
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "Weather forecast", "parameters": WEATHER_PARAMS}},
+    {"type": "function", "function": {"name": "get_time", "parameters": {
+        "type": "object", "properties": {"zone": {"enum": ["UTC", "CET"]}}, "required": ["zone"],
+        "additionalProperties": False}}},
+]
+SCHEMAS = {t["function"]["name"]: t["function"]["parameters"] for t in TOOLS}
+ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
+
+
+@pytest.fixture(scope="module")
+def server(qwen3_dir):
+    srv = ServerProcess(["--model", qwen3_dir, "--device", "cpu", "--tp-size", "2", "--served-model-name", "tiny",
+                         "gpt-4o-mini", "--reasoning-parser", "qwen3", "--max-model-len", "1024"])
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+
+def check_calls(message, names: set[str]) -> None:
+    assert message.tool_calls, message
+    for call in message.tool_calls:
+        assert call.type == "function" and call.id.startswith("call_") and call.function.name in names
+        jsonschema.validate(json.loads(call.function.arguments), SCHEMAS[call.function.name])
+
+
+def test_tool_choice_required_and_named(client):
+    resp = client.chat.completions.create(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                          max_tokens=200, seed=1)
+    assert resp.choices[0].finish_reason == "tool_calls"
+    check_calls(resp.choices[0].message, set(SCHEMAS))
+    named = {"type": "function", "function": {"name": "get_weather"}}
+    resp = client.chat.completions.create(model="gpt-4o-mini", messages=ASK, tools=TOOLS, tool_choice=named,
+                                          max_tokens=200, seed=2)
+    assert resp.choices[0].finish_reason == "tool_calls"
+    check_calls(resp.choices[0].message, {"get_weather"})
+
+
+def test_streamed_tool_call_rebuilt_by_the_sdk_and_a_second_turn(client):
+    with client.chat.completions.stream(model="tiny", messages=ASK, tools=TOOLS, tool_choice="required",
+                                        parallel_tool_calls=False, max_tokens=200, seed=3) as stream:
+        final = stream.get_final_completion()
+    message = final.choices[0].message
+    check_calls(message, set(SCHEMAS))
+    assert len(message.tool_calls) == 1 and final.choices[0].finish_reason == "tool_calls"
+    call = message.tool_calls[0]
+    history = ASK + [
+        {"role": "assistant", "content": None, "tool_calls": [call.model_dump(exclude_none=True)]},
+        {"role": "tool", "tool_call_id": call.id, "content": json.dumps({"forecast": "sunny", "temp": 21})},
+    ]
+    resp = client.chat.completions.create(model="tiny", messages=history, tools=TOOLS, max_tokens=8,
+                                          extra_body={"ignore_eos": True})
+    assert resp.choices[0].finish_reason == "length" and resp.usage.prompt_tokens > 100  # tools in the prompt
+
+
+class Forecast(BaseModel):
+    city: str = Field(max_length=8)
+    sunny: bool
+    level: int = Field(ge=0, le=99)
+
+
+def test_parse_with_pydantic_json_object_and_regex(client):
+    parsed = client.chat.completions.parse(model="tiny", messages=ASK, response_format=Forecast, max_tokens=200,
+                                           seed=4).choices[0].message.parsed
+    assert isinstance(parsed, Forecast)
+    resp = client.chat.completions.create(model="tiny", messages=ASK, response_format={"type": "json_object"},
+                                          max_tokens=64, seed=5)
+    text = resp.choices[0].message.content
+    assert text.startswith("{") and (resp.choices[0].finish_reason == "length" or isinstance(json.loads(text), dict))
+    resp = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=40, seed=6,
+                                          extra_body={"regex": r"(sunny|rainy) [0-9]{1,2}C"})
+    assert re.fullmatch(r"(sunny|rainy) [0-9]{1,2}C", resp.choices[0].message.content)
+
+
+def test_lenient_fields_and_penalties(client):
+    resp = client.chat.completions.create(
+        model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}],
+        max_completion_tokens=6, presence_penalty=0.5, frequency_penalty=0.5, logit_bias={"5": -100}, n=None,
+        reasoning_effort="low", extra_body={"min_tokens": 6, "repetition_penalty": 1.2, "include_stop_str_in_output": False},
+    )
+    assert resp.usage.completion_tokens == 6
+    with pytest.raises(openai.BadRequestError, match="image_url content is not supported"):
+        client.chat.completions.create(model="tiny", max_tokens=4, messages=[{"role": "user", "content": [
+            {"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]}])
+
+
+def test_reasoning_content_split_from_content(client):
+    # a regex makes the random model think, then answer
+    think = {"regex": r"<think>[a-z]{1,8}</think>\n\n(yes|no)"}
+    resp = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=40, seed=7, extra_body=think)
+    msg = resp.choices[0].message
+    assert re.fullmatch("[a-z]{1,8}", msg.reasoning_content) and msg.content in ("yes", "no")
+    chunks = list(client.chat.completions.create(model="tiny", messages=ASK, max_tokens=40, seed=7, stream=True,
+                                                 extra_body=think))
+    deltas = [c.choices[0].delta for c in chunks if c.choices]
+    assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == msg.reasoning_content
+    assert "".join(d.content or "" for d in deltas) == msg.content
+    # thinking switched off: the template closes the block, so nothing is reasoning
+    off = {"chat_template_kwargs": {"enable_thinking": False}, "ignore_eos": True}
+    msg = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=8, extra_body=off).choices[0].message
+    assert msg.content and msg.reasoning_content is None
+
+
+def test_langchain_bind_tools_and_with_structured_output(server):
+    from langchain_openai import ChatOpenAI
+
+    llm = ChatOpenAI(model="tiny", base_url=f"{server.url}/v1", api_key="unused", max_tokens=200, seed=8,
+                     max_retries=0, timeout=120)
+    reply = llm.bind_tools(TOOLS, tool_choice="get_weather").invoke("Weather in Paris?")
+    assert reply.tool_calls and reply.tool_calls[0]["name"] == "get_weather"
+    jsonschema.validate(reply.tool_calls[0]["args"], WEATHER_PARAMS)
+    forecast = llm.with_structured_output(Forecast, method="json_schema").invoke("Forecast for Paris?")
+    assert isinstance(forecast, Forecast)
+    forecast = llm.with_structured_output(Forecast, method="function_calling").invoke("Forecast for Paris?")
+    assert isinstance(forecast, Forecast)
+
+
+def test_penalties_at_tp2_equal_the_offline_engine(client, qwen3_dir):
+    from tpserve import LLM, SamplingParams
+
+    prompt = [20, 21, 22, 20, 21]
+    edits = dict(repetition_penalty=1.4, presence_penalty=0.7, frequency_penalty=0.3, logit_bias={302: -5.0, 9: 3.0})
+    resp = client.completions.create(model="tiny", prompt=prompt, max_tokens=16, temperature=0,
+                                     presence_penalty=0.7, frequency_penalty=0.3, logit_bias={"302": -5, "9": 3},
+                                     extra_body={"repetition_penalty": 1.4, "ignore_eos": True, "min_tokens": 16})
+    with LLM(qwen3_dir, device="cpu") as llm:
+        offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **edits),
+                               use_tqdm=False)[0]
+    assert resp.choices[0].text == offline.text

@@ -1,0 +1,90 @@
+"""Offline sampling controls end to end: penalties, logit bias and min_tokens against
+transformers' generate, stop strings, and neighbours in the batch left alone."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpserve import LLM, SamplingParams
+from tests.reference import hf_logits, hf_model
+
+PROMPTS = [[20, 21, 22, 20, 21], [30, 31, 32, 33], [40, 41]]
+
+
+@pytest.fixture(scope="module")
+def llm(qwen3_dir):
+    with LLM(qwen3_dir, device="cpu") as llm:
+        yield llm
+
+
+@torch.inference_mode()
+def hf_generate(model_dir: str, prompt: list[int], new: int, **kwargs) -> list[int]:
+    model = hf_model(model_dir)
+    out = model.generate(
+        torch.tensor([prompt]), do_sample=False, max_new_tokens=new, min_new_tokens=kwargs.pop("min_new_tokens", 0),
+        pad_token_id=0, **kwargs,
+    )
+    return out[0, len(prompt):].tolist()
+
+
+def test_greedy_with_edits_matches_transformers_generate(llm, qwen3_dir):
+    eos = list(llm.model_config.eos_token_ids)
+    bias = {5: 3.0, 6: -2.5}
+    cases = [
+        (SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.5),
+         dict(repetition_penalty=1.5, eos_token_id=eos)),
+        (SamplingParams(temperature=0, max_tokens=12, logit_bias=bias),
+         dict(sequence_bias={(t,): v for t, v in bias.items()}, eos_token_id=eos)),
+        (SamplingParams(temperature=0, max_tokens=12, min_tokens=12, repetition_penalty=0.8),
+         dict(min_new_tokens=12, repetition_penalty=0.8, eos_token_id=eos)),
+    ]
+    plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], plain, use_tqdm=False)[0].token_ids
+    for params, hf_kwargs in cases:
+        # the same prompts, each with the edit, plus an unedited neighbour in the same batch
+        outs = llm.generate(PROMPTS + [PROMPTS[0]], [params] * 3 + [plain], use_tqdm=False)
+        for prompt, out in zip(PROMPTS, outs):
+            expected = hf_generate(qwen3_dir, prompt, 12, **dict(hf_kwargs))
+            assert out.token_ids == expected[: len(out.token_ids)] and len(out.token_ids) >= 1, (params, prompt)
+        assert outs[-1].token_ids == alone
+
+
+def test_frequency_and_presence_match_a_reference_greedy_loop(llm, qwen3_dir):
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, frequency_penalty=1.5, presence_penalty=0.5)
+    prompt = PROMPTS[0]  # greedy repeats a token within 10 steps from this one
+    ids, expected = list(prompt), []
+    for _ in range(10):  # OpenAI's rule on transformers' logits: output tokens only, not the prompt
+        logits = hf_logits(qwen3_dir, ids)[-1].double()
+        counts = torch.bincount(torch.tensor(expected or [0]), minlength=logits.numel()).double()
+        if not expected:
+            counts.zero_()
+        logits -= 1.5 * counts + 0.5 * (counts > 0).double()
+        expected.append(int(logits.argmax()))
+        ids.append(expected[-1])
+    plain = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    out, again, unedited = llm.generate([prompt] * 3, [params, params, plain], use_tqdm=False)
+    assert out.token_ids == expected == again.token_ids
+    assert unedited.token_ids != expected  # the penalties did change the output
+
+
+def test_stop_strings_offline(llm):
+    free = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
+    assert len(free.text) > 4
+    stop = free.text[2:4]
+    out = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop]),
+                       use_tqdm=False)[0]
+    assert out.finish_reason == "stop" and out.text == free.text[: free.text.find(stop)]
+    assert len(out.token_ids) < 20
+    kept = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True, stop=[stop],
+                                                  include_stop_str_in_output=True), use_tqdm=False)[0]
+    assert kept.text == free.text[: free.text.find(stop) + len(stop)]
+
+
+def test_bad_sampling_controls(llm):
+    with pytest.raises(ValueError, match="logit_bias: token id"):
+        llm.generate([[1]], SamplingParams(logit_bias={10**6: 1.0}), use_tqdm=False)
+    with pytest.raises(ValueError, match="presence_penalty"):
+        SamplingParams(presence_penalty=3.0)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(min_tokens=5, max_tokens=2)
