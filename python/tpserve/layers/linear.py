@@ -22,7 +22,7 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
     param.copy_(loaded)
@@ -32,7 +32,7 @@ class ReplicatedWeights(nn.Module):
     """Default loading for modules whose parameters every rank holds whole (norms)."""
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        _copy_checked(getattr(self, param_name).data, loaded, param_name)
+        copy_checked(getattr(self, param_name).data, loaded, param_name)
 
 
 class ColumnParallelLinear(nn.Module):
@@ -50,7 +50,7 @@ class ColumnParallelLinear(nn.Module):
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         shard = loaded.narrow(0, self.tp_rank * self.out_features, self.out_features)
-        _copy_checked(getattr(self, param_name).data, shard, param_name)
+        copy_checked(getattr(self, param_name).data, shard, param_name)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -71,7 +71,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         size = self.local_part_sizes[shard_id]
         offset = sum(self.local_part_sizes[:shard_id])
         shard = loaded.narrow(0, self.tp_rank * size, size)
-        _copy_checked(getattr(self, param_name).data.narrow(0, offset, size), shard, param_name)
+        copy_checked(getattr(self, param_name).data.narrow(0, offset, size), shard, param_name)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -115,7 +115,7 @@ class QKVParallelLinear(ColumnParallelLinear):
         else:
             raise ValueError(f"qkv weight {param_name} needs shard id q, k or v, got {shard_id!r}")
         shard = loaded.narrow(0, start, size)
-        _copy_checked(getattr(self, param_name).data.narrow(0, offset, size), shard, param_name)
+        copy_checked(getattr(self, param_name).data.narrow(0, offset, size), shard, param_name)
 
 
 class RowParallelLinear(nn.Module):
@@ -135,4 +135,4 @@ class RowParallelLinear(nn.Module):
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         if param_name == "weight":
             loaded = loaded.narrow(1, self.tp_rank * self.in_features, self.in_features)
-        _copy_checked(getattr(self, param_name).data, loaded, param_name)
+        copy_checked(getattr(self, param_name).data, loaded, param_name)
