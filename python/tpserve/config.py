@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from tpserve.quant.config import QuantConfig, parse_quantization_config, resolve_quantization
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {
@@ -111,6 +113,7 @@ class ModelConfig:
     qkv_bias: bool  # Qwen2/2.5: bias on q/k/v projections
     torch_dtype: str  # the checkpoint's dtype
     eos_token_ids: tuple[int, ...]
+    quantization: QuantConfig | None = None  # the checkpoint's quantization_config (FP8 weights)
 
     @property
     def rope_theta(self) -> float:
@@ -135,6 +138,7 @@ class ModelConfig:
         if cfg_eos is not None:
             eos.update(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])
         dtype = getattr(hf, "dtype", None) or cfg.get("torch_dtype") or "bfloat16"
+        quant = cfg.get("quantization_config")
         return cls(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -153,6 +157,7 @@ class ModelConfig:
             qkv_bias=kind == "qwen2",
             torch_dtype=str(dtype).removeprefix("torch."),
             eos_token_ids=tuple(sorted(eos)),
+            quantization=None if quant is None else parse_quantization_config(quant),
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size") -> None:
@@ -166,6 +171,39 @@ class ModelConfig:
             raise ValueError(f"num_key_value_heads {kv} neither divides nor is divided by {name} {tp_size}")
         if self.intermediate_size % tp_size:
             raise ValueError(f"{name} {tp_size} does not divide intermediate_size {self.intermediate_size}")
+        self._check_fp8_blocks(tp_size, name)
+
+    def _check_fp8_blocks(self, tp_size: int, name: str) -> None:
+        """FP8 block scales are split (tensor parallelism) and merged (q/k/v, gate/up) with their
+        weights, so every rank's part of a quantized projection must be whole blocks."""
+        quant = self.quantization
+        if quant is None or not quant.prequantized:  # quantized at load time: per rank, any shape
+            return
+        bn, bk = quant.block_size
+        kv_heads = self.num_key_value_heads // tp_size if self.num_key_value_heads >= tp_size else 1
+        q_width, kv_width = self.num_attention_heads // tp_size * self.head_dim, kv_heads * self.head_dim
+        inter_width = self.intermediate_size // tp_size
+        # (checkpoint modules, what, width, block): outputs merged or split by rank, inputs split
+        checks = [
+            (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "query output features", q_width, bn),
+            (("self_attn.k_proj", "self_attn.v_proj"), "key/value output features", kv_width, bn),
+            (("mlp.gate_proj", "mlp.up_proj"), "gate/up output features (intermediate_size)", inter_width, bn),
+        ]
+        if tp_size > 1:
+            checks += [
+                (("self_attn.o_proj",), "o_proj input features", q_width, bk),
+                (("mlp.down_proj",), "down_proj input features", inter_width, bk),
+            ]
+        for modules, what, width, block in checks:
+            converted = any(
+                quant.converts(f"model.layers.{i}.{m}") for i in range(self.num_hidden_layers) for m in modules
+            )
+            if converted and width % block:
+                raise ValueError(
+                    f"{name} {tp_size}: each rank's share of the {what} is {width}, not a multiple of the FP8 "
+                    f"weight block {block} (quantization_config.weight_block_size {[bn, bk]}); the block scales "
+                    "can only be split across ranks and merged (q/k/v, gate/up) at block boundaries"
+                )
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
@@ -217,6 +255,7 @@ class EngineConfig:
     disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
     debug_check_ranks: bool = False
+    quantization: str | None = None  # fp8: quantize an unquantized checkpoint's weights at load time
     extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -236,6 +275,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        resolve_quantization(self.quantization, None)  # a clear error for an unknown method
 
 
 # FlashInfer's attention kernels take half precision only.
@@ -255,6 +295,7 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
     """The checks that need the model and the machine, made before any process starts, so that a
     bad setting is one clear error (naming the CLI flag when ``cli``) rather than a traceback from
     every rank."""
+    resolve_quantization(engine.quantization, model.quantization)
     model.check_tp_size(engine.tp_size, name="--tp-size" if cli else "tp_size")
     if engine.max_model_len is not None and engine.max_model_len > model.context_length:
         raise ValueError(

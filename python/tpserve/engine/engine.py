@@ -21,6 +21,8 @@ from tpserve.kernels import use_triton
 from tpserve.kvcache.pool import KVCachePool
 from tpserve.models.decoder import CausalLM
 from tpserve.models.loader import load_model_weights
+from tpserve.models.quantize import quantize_model
+from tpserve.quant.config import resolve_quantization
 from tpserve.sampling_params import SamplingParams
 from tpserve.structured.mask import apply_bitmask
 
@@ -103,8 +105,11 @@ class Engine:
             raise ValueError("tp_size > 1 needs dist_init_addr (tcp://host:port chosen by the parent)")
         self.comm, self.cpu_group = init_process_groups(rank, config.tp_size, config.dist_init_addr or "", self.device)
 
+        self.quantization = resolve_quantization(config.quantization, self.model_config.quantization)
         with torch.device("meta"):
             self.model = CausalLM(self.model_config, self.comm, self.max_model_len)
+        if self.quantization is not None:
+            quantize_model(self.model, self.quantization)
         load_model_weights(
             self.model, config.model, config.load_format, self.device, self.dtype, config.seed, show_progress=rank == 0
         )

@@ -44,3 +44,9 @@ def use_flashinfer(device: torch.device, dtype: torch.dtype) -> bool:
 def use_triton(device: torch.device) -> bool:
     """Whether tensors on this device take tpserve's Triton kernels."""
     return ENABLED and device.type == "cuda" and optional_import("triton") is not None
+
+
+def use_fp8_gemm(device: torch.device) -> bool:
+    """Whether FP8 weights stay FP8 on this device (Triton's FP8 GEMM: compute capability 8.9+);
+    elsewhere they are dequantized at load."""
+    return use_triton(device) and torch.cuda.get_device_capability(device) >= (8, 9)

@@ -17,7 +17,10 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from tpserve.kernels import use_fp8_gemm
+from tpserve.layers.linear import ParallelLinear
 from tpserve.models.decoder import CausalLM
+from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX
 
 # checkpoint projection name -> (merged parameter name, shard id)
 _MERGED = {
@@ -28,6 +31,7 @@ _MERGED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _SHARDS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}
+_PARTS = {merged: tuple(leaf for leaf, (m, _) in _MERGED.items() if m == merged) for merged in _SHARDS}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 Target = tuple[str, str, str | int | None]  # (module path, parameter name, shard id)
@@ -58,6 +62,12 @@ def checkpoint_target(name: str) -> Target:
     return module, param, None
 
 
+def checkpoint_parts(module: str) -> tuple[str, ...]:
+    """The checkpoint modules loaded into ``module`` (``...qkv_proj`` -> ``...q_proj``, ``k_proj``, ``v_proj``)."""
+    parent, _, leaf = module.rpartition(".")
+    return tuple(f"{parent}.{part}" for part in _PARTS[leaf]) if leaf in _PARTS else (module,)
+
+
 def expected_targets(model: nn.Module) -> set[Target]:
     """Every (module, parameter, shard) the checkpoint must provide."""
     expected: set[Target] = set()
@@ -70,8 +80,13 @@ def expected_targets(model: nn.Module) -> set[Target]:
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Allocate (uninitialised) storage for a model built on the meta device."""
-    model.to(dtype=dtype)
+    """Allocate (uninitialised) storage for a model built on the meta device: floating-point
+    parameters in ``dtype``, except those a module keeps in their own (FP8 weights, scales)."""
+    for module in model.modules():
+        keep = getattr(module, "keep_dtype", ())
+        for name, param in module.named_parameters(recurse=False):
+            if param.is_floating_point() and name not in keep and param.dtype != dtype:
+                setattr(module, name, nn.Parameter(param.data.to(dtype), requires_grad=False))
     model.to_empty(device=device)
     if isinstance(model, CausalLM) and model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty breaks the tie
@@ -117,6 +132,10 @@ def init_dummy(model: CausalLM, seed: int) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+            elif name.endswith("weight_scale_inv"):
+                param.fill_(0.02)
+            elif param.dtype == FP8_DTYPE:  # N(0, 1) x scale_inv 0.02: the other weights' std
+                param.copy_(torch.empty(param.shape, device=param.device).normal_(generator=generator).clamp_(-FP8_MAX, FP8_MAX))
             elif name.endswith("bias"):
                 param.zero_()
             else:
@@ -131,4 +150,8 @@ def load_model_weights(
         init_dummy(model, seed)
     else:
         load_safetensors(model, model_dir, show_progress)
+    fp8_compute = use_fp8_gemm(device)
+    for module in model.modules():
+        if isinstance(module, ParallelLinear):
+            module.finish_loading(fp8_compute, dtype)
     model.rotary.build_cache(device, dtype)
