@@ -33,11 +33,6 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
-    if loaded.dtype == FP8_DTYPE and param.dtype != FP8_DTYPE:
-        raise ValueError(
-            f"weight {name} is float8 in the checkpoint but this layer is not quantized "
-            "(config.json's quantization_config is missing or lists the module in modules_to_not_convert)"
-        )
     param.copy_(loaded)
 
 

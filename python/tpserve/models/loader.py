@@ -115,8 +115,14 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
         if target in loaded:
             raise ValueError(f"weight {name!r} appears twice in the checkpoint")
         module, param, shard_id = target
+        layer = model.get_submodule(module)
+        if tensor.dtype == FP8_DTYPE and getattr(layer, param).dtype != FP8_DTYPE:
+            raise ValueError(
+                f"weight {name!r} is float8 in the checkpoint but its layer is not quantized (config.json has no "
+                "quantization_config, or its modules_to_not_convert lists the module)"
+            )
         with torch.no_grad():
-            model.get_submodule(module).load_weight(param, tensor, shard_id)
+            layer.load_weight(param, tensor, shard_id)
         loaded.add(target)
         del tensor
     missing = expected - loaded
