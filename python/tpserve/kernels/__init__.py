@@ -46,7 +46,9 @@ def use_triton(device: torch.device) -> bool:
     return ENABLED and device.type == "cuda" and optional_import("triton") is not None
 
 
-def use_fp8_gemm(device: torch.device) -> bool:
-    """Whether FP8 weights stay FP8 on this device (Triton's FP8 GEMM: compute capability 8.9+);
-    elsewhere they are dequantized at load."""
-    return use_triton(device) and torch.cuda.get_device_capability(device) >= (8, 9)
+def use_fp8_gemm(device: torch.device, block_size: tuple[int, int]) -> bool:
+    """Whether FP8 weights with these blocks stay FP8 on this device (Triton's FP8 GEMM: compute
+    capability 8.9+, input blocks a multiple of 16); elsewhere they are dequantized at load."""
+    return (
+        use_triton(device) and torch.cuda.get_device_capability(device) >= (8, 9) and block_size[1] % 16 == 0
+    )

@@ -21,6 +21,7 @@ from torch import nn
 
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
+from tpserve.kernels import use_fp8_gemm
 from tpserve.quant.fp8 import FP8_DTYPE, dequantize_blocks, num_blocks, quantize_blocks
 
 
@@ -100,12 +101,13 @@ class ParallelLinear(nn.Module):
             self.weight_scale_inv = nn.Parameter(torch.empty(scales, dtype=torch.float32, device=device), requires_grad=False)
             self.keep_dtype = ("weight", "weight_scale_inv")
 
-    def finish_loading(self, fp8_compute: bool, dtype: torch.dtype) -> None:
-        """After loading: keep the FP8 weight and its scales for the FP8 GEMM (``fp8_compute``),
-        or dequantize to ``dtype`` (the CPU path; quantized first when quantizing at load time,
-        so the numbers are those the GPU would use)."""
+    def finish_loading(self, dtype: torch.dtype) -> None:
+        """After loading: keep the FP8 weight and its scales where the FP8 GEMM runs, or
+        dequantize to ``dtype`` (the CPU path; quantized first when quantizing at load time, so
+        the numbers are those the GPU would use)."""
         if self.block_size is None:
             return
+        fp8_compute = use_fp8_gemm(self.weight.device, self.block_size)
         if self.weight_scale_inv is None:
             weight, scale_inv = quantize_blocks(self.weight.data, self.block_size)
         else:

@@ -17,7 +17,6 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from tpserve.kernels import use_fp8_gemm
 from tpserve.layers.linear import ParallelLinear
 from tpserve.models.decoder import CausalLM
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX
@@ -156,8 +155,7 @@ def load_model_weights(
         init_dummy(model, seed)
     else:
         load_safetensors(model, model_dir, show_progress)
-    fp8_compute = use_fp8_gemm(device)
     for module in model.modules():
         if isinstance(module, ParallelLinear):
-            module.finish_loading(fp8_compute, dtype)
+            module.finish_loading(dtype)
     model.rotary.build_cache(device, dtype)
