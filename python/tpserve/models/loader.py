@@ -158,4 +158,6 @@ def load_model_weights(
     for module in model.modules():
         if isinstance(module, ParallelLinear):
             module.finish_loading(dtype)
+    if device.type == "cuda":  # weights replaced by their FP8 form: give the memory back for the KV cache
+        torch.cuda.empty_cache()
     model.rotary.build_cache(device, dtype)
