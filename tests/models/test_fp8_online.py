@@ -55,6 +55,19 @@ def test_fp8_agrees_with_the_unquantized_model(qwen3_dir):
     assert first >= 0.5
 
 
+def test_tp2_quantizes_each_rank_shard(tiny_model_factory):
+    """Each rank quantizes its own shard. With every rank's part a whole number of 128-blocks
+    (head_dim 128, intermediate 256) the blocks are TP 1's, so TP 2 computes what TP 1 does."""
+    model = tiny_model_factory("qwen3", hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=256)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 137))]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for tp in (1, 2):
+        with LLM(model, tp_size=tp, device="cpu", quantization="fp8") as llm:
+            outs.append([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
 def test_which_quantization_runs(qwen3_dir):
     checkpoint = QuantConfig("fp8", (16, 16), prequantized=True)
     assert resolve_quantization(None, checkpoint) is checkpoint
