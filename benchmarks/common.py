@@ -13,6 +13,8 @@ from collections.abc import Callable, Sequence
 import torch
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
+from tpserve.engine.sampler import SamplingBatch
+from tpserve.forward import SequenceInput
 
 
 def setup_logging() -> None:
@@ -69,6 +71,11 @@ def matmul_peak(n: int = 8192, sets: int = 3) -> float:
 def make_engine(model: str, **overrides) -> Engine:
     config = EngineConfig(model=model, load_format="dummy", dtype="bfloat16", **overrides)
     return Engine(config)
+
+
+def engine_step(engine: Engine, seqs: list[SequenceInput], sampling: SamplingBatch) -> list[int]:
+    """One step, synchronous: forward, sampling and the host sync (the samples)."""
+    return engine.launch(seqs, sampling).result()
 
 
 def weight_bytes_per_decode_step(engine: Engine, batch_size: int) -> int:

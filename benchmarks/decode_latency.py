@@ -1,8 +1,8 @@
 """Decode step time against the memory floor.
 
 For each context length and batch size, ``batch`` sequences sit at ``context`` cached tokens and
-decode greedily for a few steps through ``Engine.step`` (forward, sampling and the host sync, the
-way the scheduler calls it). The floor is the bytes one step must read (every weight once plus
+decode greedily for a few steps through ``common.engine_step`` (forward, sampling and the host
+sync, the way the scheduler calls it). The floor is the bytes one step must read (every weight once plus
 every sequence's KV) over the device-copy bandwidth measured in this run.
 
 Mode ``pipelined`` measures decode the way the engine really runs: a fresh ``Scheduler`` on the
@@ -25,6 +25,7 @@ import time
 import torch
 from common import (
     copy_bandwidth,
+    engine_step,
     fill_kv_randomly,
     kv_bytes_per_token,
     make_engine,
@@ -64,7 +65,7 @@ def time_decode(engine: Engine, batch: int, context: int, warmup: int, iters: in
     for step in range(warmup + iters):
         seqs = [SequenceInput([t], context + step, table) for t, table in zip(tokens, tables)]
         start = time.perf_counter()
-        tokens = engine.step(seqs, sampling)
+        tokens = engine_step(engine, seqs, sampling)
         times.append(time.perf_counter() - start)
     return statistics.median(times[warmup:])
 
@@ -105,6 +106,18 @@ def time_pipelined(engine: Engine, batch: int, context: int, warmup: int, iters:
     return statistics.median(intervals), statistics.median(gpu) if gpu else None
 
 
+def time_mode(
+    engine: Engine, runner: object, mode: str, batch: int, context: int, warmup: int, iters: int
+) -> tuple[float | None, float | None, str]:
+    """(median seconds per decode step, median device ms of a pipelined step, why the point could
+    not run) in ``mode``: graph and pipelined replay ``runner``'s CUDA graphs, eager runs none."""
+    engine.graph_runner = runner if mode in ("graph", "pipelined") else None
+    if mode == "pipelined":
+        timed = time_pipelined(engine, batch, context, warmup, iters)
+        return (None, None, timed) if isinstance(timed, str) else (timed[0], timed[1], "")
+    return time_decode(engine, batch, context, warmup, iters), None, "no KV room"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="directory with a config.json (weights are random)")
@@ -139,14 +152,7 @@ def main() -> None:
             floor = None if bandwidth is None else (weight_bytes + kv_bytes) / bandwidth
             row = {"context": context, "batch": batch, "floor_ms": None if floor is None else floor * 1e3}
             for mode in modes:
-                engine.graph_runner = runner if mode in ("graph", "pipelined") else None
-                if mode == "pipelined":
-                    timed = time_pipelined(engine, batch, context, args.warmup, args.iters)
-                    seconds, gpu_ms = (None, None) if isinstance(timed, str) else timed
-                    skipped = timed if isinstance(timed, str) else ""
-                else:
-                    seconds = time_decode(engine, batch, context, args.warmup, args.iters)
-                    skipped = "no KV room"
+                seconds, gpu_ms, skipped = time_mode(engine, runner, mode, batch, context, args.warmup, args.iters)
                 if seconds is None:
                     row[f"{mode}_ms"], row[f"{mode}_x_floor"] = skipped, ""
                 else:

@@ -76,7 +76,7 @@ def main() -> None:
 
     tracer, floor = None, None
     if args.trace:
-        engine = llm._engine  # in-process at tp 1
+        engine = getattr(llm._driver, "engine", None)  # in-process at tp 1 (LocalRank)
         if engine is None:
             raise RuntimeError("--trace needs the engine in this process (tp 1)")
         tracer, floor = StepTracer(), FloorModel.from_engine(engine, bandwidth)

@@ -14,6 +14,7 @@ from functools import partial
 
 import torch
 from common import (
+    engine_step,
     fill_kv_randomly,
     make_engine,
     print_table,
@@ -88,13 +89,13 @@ def main() -> None:
         size = runner.sizes[next(i for i, s in enumerate(runner.sizes) if s >= batch)]
         graph = runner.graphs[size]
         row = {"batch": batch}
-        row["step_graph_ms"] = wall(partial(engine.step, seqs, sampling)) * 1e3
+        row["step_graph_ms"] = wall(partial(engine_step, engine, seqs, sampling)) * 1e3
         row["replay_gpu_ms"] = time_cuda(graph.graph.replay, warmup=3, iters=20) * 1e3
         row["plan_host_ms"] = wall(partial(engine.attention.plan_cuda_graph, seqs, graph.attn_meta, size)) * 1e3
         logits = runner.run(seqs)
         row["sample_sync_ms"] = wall(partial(sample_and_sync, engine.sampler, logits, sampling)) * 1e3
         engine.graph_runner = None
-        row["step_eager_ms"] = wall(partial(engine.step, seqs, sampling)) * 1e3
+        row["step_eager_ms"] = wall(partial(engine_step, engine, seqs, sampling)) * 1e3
         with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             engine.forward(seqs)
             torch.cuda.synchronize()

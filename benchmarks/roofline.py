@@ -13,42 +13,117 @@ context lengths), two floors over the measured ceilings:
 At batch 256 a Qwen3-14B decode step's linears do 7 TFLOP: at the matmul peak that is longer than
 reading their 28 GB, so the memory roofline is not reachable there.
 
+Mixture-of-experts models (Qwen3-MoE): a step reads the attention, dense-MLP and router weights and
+only the experts its tokens are routed to: with n tokens each picking k of E experts, a layer
+touches E * (1 - (1 - k/E)^n) experts in expectation under uniform routing (random weights route
+about uniformly; trained routers are less even, so touch fewer and this floor is conservative
+there). The FLOPs are the active ones: k experts per token.
+
     python benchmarks/roofline.py docs/results/.../offline_qwen3_14b_traced.json \
         --model .models/Qwen3-14B --peak-tflops 766
+    python benchmarks/roofline.py --model .models/Qwen3-30B-A3B --decode-batch 1 64 --context 1024 \
+        --peak-tflops 766 --bandwidth-tbps 4.0     # the floors of single decode steps, no trace
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 
 from tpserve.config import ModelConfig
 
 
-def model_numbers(model_dir: str) -> tuple[int, int, int]:
-    """(decoder-layer linear weights, LM-head weights, KV bytes per token) of a bf16 model."""
+@dataclass(frozen=True)
+class ModelNumbers:
+    """Weight counts of a bf16 model (2 bytes each)."""
+
+    shared_weights: int  # read by every step: attention, dense MLPs, routers
+    expert_weights: int  # one expert of one sparse layer (gate, up, down)
+    moe_layers: int
+    num_experts: int
+    top_k: int
+    head_weights: int
+    kv_per_token: int  # bytes
+
+    def touched_experts(self, tokens: int) -> float:
+        """Expected distinct experts a layer reads for ``tokens`` tokens (uniform routing)."""
+        if not self.moe_layers or not tokens:
+            return 0.0
+        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** tokens)
+
+    def step_weight_bytes(self, tokens: int, seqs: int) -> float:
+        experts = self.moe_layers * self.touched_experts(tokens) * self.expert_weights
+        return 2 * (self.shared_weights + experts + (self.head_weights if seqs else 0))
+
+    def step_flops(self, tokens: int, seqs: int) -> float:
+        active = self.shared_weights + self.moe_layers * self.top_k * self.expert_weights
+        return 2 * active * tokens + 2 * self.head_weights * seqs
+
+
+def model_numbers(model_dir: str) -> ModelNumbers:
     cfg = ModelConfig.from_pretrained(model_dir)
     hidden, heads, kv_heads, head_dim = cfg.hidden_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.head_dim
-    per_layer = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden + 3 * hidden * cfg.intermediate_size
-    return cfg.num_hidden_layers * per_layer, cfg.vocab_size * hidden, 2 * cfg.num_hidden_layers * kv_heads * head_dim * 2
+    attention = hidden * (heads + 2 * kv_heads) * head_dim + heads * head_dim * hidden
+    dense_mlp = 3 * hidden * cfg.intermediate_size
+    moe = cfg.moe
+    moe_layers = len(moe.layers) if moe else 0
+    shared = cfg.num_hidden_layers * attention + len(cfg.dense_layers) * dense_mlp
+    if moe:
+        shared += moe_layers * moe.num_experts * hidden  # the routers
+    return ModelNumbers(
+        shared_weights=shared,
+        expert_weights=3 * hidden * moe.intermediate_size if moe else 0,
+        moe_layers=moe_layers,
+        num_experts=moe.num_experts if moe else 0,
+        top_k=moe.top_k if moe else 0,
+        head_weights=cfg.vocab_size * hidden,
+        kv_per_token=2 * cfg.num_hidden_layers * kv_heads * head_dim * 2,
+    )
+
+
+def step_floors(numbers: ModelNumbers, tokens: int, seqs: int, context_sum: int, bandwidth: float, peak: float
+                ) -> tuple[float, float]:
+    """(memory floor, compute-aware floor) in seconds of one step."""
+    weights = numbers.step_weight_bytes(tokens, seqs) / bandwidth
+    kv = context_sum * numbers.kv_per_token / bandwidth
+    return weights + kv, max(weights, numbers.step_flops(tokens, seqs) / peak) + kv
+
+
+def print_decode_floors(numbers: ModelNumbers, batches: list[int], context: int, bandwidth: float, peak: float) -> None:
+    print(f"{'decode batch':>12} {'experts/layer':>14} {'weights GB':>11} {'GFLOP':>9} {'memory us':>10} {'compute-aware us':>17}")
+    for batch in batches:
+        memory, compute_aware = step_floors(numbers, batch, batch, batch * context, bandwidth, peak)
+        print(f"{batch:>12} {numbers.touched_experts(batch):>14.1f} {numbers.step_weight_bytes(batch, batch) / 1e9:>11.2f} "
+              f"{numbers.step_flops(batch, batch) / 1e9:>9.1f} {memory * 1e6:>10.0f} {compute_aware * 1e6:>17.0f}")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("trace", help="JSON written by offline_throughput.py --trace")
+    parser.add_argument("trace", nargs="?", help="JSON written by offline_throughput.py --trace")
     parser.add_argument("--model", required=True, help="the run's model directory (config.json)")
     parser.add_argument("--peak-tflops", type=float, required=True, help="bf16 matmul peak measured on the machine")
     parser.add_argument("--bandwidth-tbps", type=float, default=None,
                         help="copy bandwidth (default: the one the trace measured)")
+    parser.add_argument("--decode-batch", type=int, nargs="+", default=None,
+                        help="print the floors of one decode step at these batch sizes (needs --bandwidth-tbps)")
+    parser.add_argument("--context", type=int, default=1024, help="tokens of context per sequence for --decode-batch")
     args = parser.parse_args()
+    numbers = model_numbers(args.model)
+    if args.decode_batch:
+        if not args.bandwidth_tbps:
+            parser.error("--decode-batch needs --bandwidth-tbps")
+        print_decode_floors(numbers, args.decode_batch, args.context, args.bandwidth_tbps * 1e12, args.peak_tflops * 1e12)
+    if args.trace is None:
+        if not args.decode_batch:
+            parser.error("give a trace, --decode-batch, or both")
+        return
     with open(args.trace) as f:
         run = json.load(f)
     trace = run["trace"]
     fields = trace["step_fields"]
     bandwidth = (args.bandwidth_tbps * 1e12) if args.bandwidth_tbps else run["copy_bandwidth_Bps"]
     peak = args.peak_tflops * 1e12
-    layer_weights, head_weights, kv_per_token = model_numbers(args.model)
-    weight_bytes = 2 * (layer_weights + head_weights)
 
     totals = {"all": [0.0, 0.0, 0.0, 0], "prefill/mixed": [0.0, 0.0, 0.0, 0], "decode": [0.0, 0.0, 0.0, 0]}
     for values in trace["steps"]:
@@ -56,10 +131,7 @@ def main() -> None:
         if not step["seqs"]:
             continue
         tokens = step["prefill_tokens"] + step["decode_seqs"]
-        flops = 2 * layer_weights * tokens + 2 * head_weights * step["seqs"]
-        kv = step["context_sum"] * kv_per_token / bandwidth
-        memory = weight_bytes / bandwidth + kv
-        compute_aware = max(weight_bytes / bandwidth, flops / peak) + kv
+        memory, compute_aware = step_floors(numbers, tokens, step["seqs"], step["context_sum"], bandwidth, peak)
         kind = "prefill/mixed" if step["prefill_tokens"] else "decode"
         for key in ("all", kind):
             totals[key][0] += step["wall_ms"] / 1e3

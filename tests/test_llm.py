@@ -69,7 +69,7 @@ SCRIPT = """
 import os, sys
 from tpserve import LLM, SamplingParams
 llm = LLM({model!r}, tp_size=2, device="cpu")
-print("CHILDREN", *[p.pid for p in llm._ranks.procs], flush=True)
+print("CHILDREN", *[p.pid for p in llm._driver.backend.procs], flush=True)
 out = llm.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False)
 print("TOKENS", len(out[0].token_ids), flush=True)
 {ending}
@@ -94,7 +94,7 @@ def assert_gone(pids: list[int]) -> None:
 @pytest.mark.parametrize("ending", ["", "llm.close()", "os.kill(os.getpid(), 9)"], ids=["exit", "close", "killed"])
 def test_no_orphan_rank_processes(qwen3_dir, ending):
     if ending.startswith("os.kill"):
-        # A SIGKILLed parent runs no cleanup: ranks notice the closed pipe once idle.
+        # A SIGKILLed parent runs no cleanup: the kernel (PR_SET_PDEATHSIG) or the ranks' parent watch ends them.
         pids = run_script_killed(qwen3_dir)
     else:
         pids = run_script(qwen3_dir, ending)
@@ -111,17 +111,14 @@ def run_script_killed(model_dir: str) -> list[int]:
 
 def test_dead_rank_is_an_error_not_a_hang(qwen3_dir):
     llm = LLM(qwen3_dir, tp_size=2, device="cpu")
+    procs = llm._driver.backend.procs
     try:
-        os.kill(llm._ranks.procs[1].pid, signal.SIGKILL)
+        os.kill(procs[1].pid, signal.SIGKILL)
         with pytest.raises(RuntimeError, match="tp rank 1 died"):
             llm.generate([[1, 2, 3]], SamplingParams(max_tokens=200, ignore_eos=True), use_tqdm=False)
     finally:
         llm.close()
-    assert all(not p.is_alive() for p in llm_procs(llm))
-
-
-def llm_procs(llm):
-    return [] if llm._ranks is None else llm._ranks.procs
+    assert all(not p.is_alive() for p in procs)
 
 
 def test_logprobs_match_transformers(llm, qwen3_dir):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -21,7 +22,7 @@ from tpserve.config import ModelConfig
 hf_logging.set_verbosity_error()
 hf_logging.disable_progress_bar()
 
-ARCHS = ["qwen3", "qwen2", "llama", "mistral"]
+ARCHS = ["qwen3", "qwen2", "llama", "mistral", "qwen3_moe"]
 PROMPTS = ["Hello, my name is", "The capital of France is", "def fibonacci(n):", "今天天气", "1 2 3 4"]
 SAME_LAST_TOKEN = ["The capital of France is", "My favourite colour is", "What time is", "1 2 3 is"]
 ROUND_TRIP = [
@@ -71,6 +72,18 @@ def greedy(model: torch.nn.Module, ids: list[int], steps: int) -> tuple[list[int
     return out, margins
 
 
+def hf_parameter(params: dict[str, torch.Tensor], name: str) -> torch.Tensor:
+    """A checkpoint tensor's value in the transformers model; per-expert tensors are pieces of
+    transformers' stacked experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]."""
+    expert = re.fullmatch(r"(.+\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)\.weight", name)
+    if expert is None:
+        return params[name]
+    prefix, e, proj = expert[1], int(expert[2]), expert[3]
+    if proj == "down_proj":
+        return params[f"{prefix}.down_proj"][e]
+    return params[f"{prefix}.gate_up_proj"][e].chunk(2)[proj == "up_proj"]
+
+
 @pytest.mark.parametrize("tie", [False, True])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_loads_in_transformers(tmp_path: Path, arch: str, tie: bool) -> None:
@@ -93,9 +106,10 @@ def test_loads_in_transformers(tmp_path: Path, arch: str, tie: bool) -> None:
     # Every saved tensor arrived in the model unchanged.
     params = dict(model.named_parameters())
     for name, tensor in saved.items():
-        assert torch.equal(params[name], tensor), name
+        assert torch.equal(hf_parameter(params, name), tensor), name
     assert any(name.endswith("q_proj.bias") for name in saved) is (arch == "qwen2")
-    assert any(name.endswith("q_norm.weight") for name in saved) is (arch == "qwen3")
+    assert any(name.endswith("q_norm.weight") for name in saved) is (arch in ("qwen3", "qwen3_moe"))
+    assert any(".mlp.experts.7." in name for name in saved) is (arch == "qwen3_moe")
 
     hf_cfg = AutoConfig.from_pretrained(str(tmp_path))
     expected_rope = "llama3" if arch == "llama" else "default"

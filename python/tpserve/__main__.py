@@ -1,18 +1,29 @@
-"""``tpserve`` / ``python -m tpserve``: serve a model over HTTP, or chat with it (--shell)."""
+"""``tpserve`` / ``python -m tpserve``: serve a model over HTTP, or chat with it (--shell);
+``python -m tpserve plan``: choose TP and DP for a model and a machine."""
 
 from __future__ import annotations
 
 import logging
 import sys
 
+from tpserve.launch.args import ServerArgs, parse_args
+
 logger = logging.getLogger("tpserve")
 
 
 def main(argv: list[str] | None = None) -> int:
-    from tpserve.launch.args import parse_args
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["plan"]:
+        from tpserve.plan.cli import main as plan_main
+
+        return plan_main(argv[1:])
+    return serve(parse_args(argv))
+
+
+def serve(args: ServerArgs) -> int:
+    """Serve over HTTP, or chat in the terminal (``args.shell``); return the exit code."""
     from tpserve.launch.child import setup_logging
 
-    args = parse_args(argv)
     setup_logging(args.log_level)
     if args.demo_model:
         logger.warning(

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 import logging
 import os
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -16,6 +16,7 @@ logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
@@ -27,6 +28,17 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 UNSUPPORTED_IF_SET = ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "attention_multiplier")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# FlashInfer's kernels (attention, norm, activation, rotary) take half precision only.
+FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
+# The choices of EngineConfig's string settings (the CLI offers the same).
+CHOICES = {
+    "device": ("cpu", "cuda"),
+    "dtype": tuple(DTYPES),
+    "load_format": ("auto", "safetensors", "dummy"),
+    "cache": ("radix", "naive"),
+    "schedule_policy": ("fcfs", "lpm"),
+    "attention_backend": ("auto", "flashinfer", "torch"),
+}
 
 
 def _hf_config(cfg: dict[str, Any], model_type: str) -> Any:
@@ -74,7 +86,34 @@ def _sliding_window(hf: Any, kind: str) -> int | None:
     layer_types = getattr(hf, "layer_types", None)
     if layer_types is not None:
         return window if any(t != "full_attention" for t in layer_types) else None
-    return window if kind == "mistral" else None  # transformers' Mistral applies it to every layer
+    # transformers' Mistral and Qwen3-MoE (whose config keeps it only with use_sliding_window) apply it to every layer
+    return window if kind in ("mistral", "qwen3_moe") else None
+
+
+@dataclass(frozen=True)
+class MoEConfig:
+    """The sparse layers of a mixture-of-experts model (Qwen3-MoE)."""
+
+    num_experts: int
+    top_k: int  # experts per token
+    intermediate_size: int  # of each expert (moe_intermediate_size)
+    norm_topk_prob: bool  # renormalise the top-k router probabilities to sum to 1
+    layers: tuple[int, ...]  # the decoder layers whose MLP is sparse; the others are dense
+
+
+def _moe_config(hf: Any, kind: str, num_layers: int) -> MoEConfig | None:
+    """transformers' rule for which layers are sparse: not in ``mlp_only_layers`` and every
+    ``decoder_sparse_step``-th layer (1-based)."""
+    if kind != "qwen3_moe" or not hf.num_experts:
+        return None
+    if not 1 <= hf.num_experts_per_tok <= hf.num_experts:
+        raise ValueError(f"num_experts_per_tok {hf.num_experts_per_tok} must be in [1, num_experts {hf.num_experts}]")
+    step = hf.decoder_sparse_step
+    if step < 1:
+        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+    dense = set(hf.mlp_only_layers or ())
+    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
+    return MoEConfig(hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, bool(hf.norm_topk_prob), layers)
 
 
 def _context_length(rope: dict[str, Any], max_positions: int, window: int | None) -> int:
@@ -113,7 +152,15 @@ class ModelConfig:
     qkv_bias: bool  # Qwen2/2.5: bias on q/k/v projections
     torch_dtype: str  # the checkpoint's dtype
     eos_token_ids: tuple[int, ...]
+    moe: MoEConfig | None = None  # None: every layer's MLP is dense
     quantization: QuantConfig | None = None  # the checkpoint's quantization_config (FP8 weights)
+
+    def is_moe_layer(self, layer_id: int) -> bool:
+        return self.moe is not None and layer_id in self.moe.layers
+
+    @property
+    def dense_layers(self) -> tuple[int, ...]:
+        return tuple(i for i in range(self.num_hidden_layers) if not self.is_moe_layer(i))
 
     @property
     def rope_theta(self) -> float:
@@ -138,7 +185,11 @@ class ModelConfig:
         if cfg_eos is not None:
             eos.update(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])
         dtype = getattr(hf, "dtype", None) or cfg.get("torch_dtype") or "bfloat16"
-        quant = cfg.get("quantization_config")
+        moe = _moe_config(hf, kind, hf.num_hidden_layers)
+        raw_quant = cfg.get("quantization_config")
+        quantization = None if raw_quant is None else parse_quantization_config(raw_quant)
+        if quantization is not None and moe is not None:
+            raise ValueError("quantization_config: FP8 checkpoints of mixture-of-experts models are not supported yet")
         return cls(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -153,11 +204,12 @@ class ModelConfig:
             max_position_embeddings=hf.max_position_embeddings,
             context_length=_context_length(rope, hf.max_position_embeddings, _sliding_window(hf, kind)),
             tie_word_embeddings=bool(hf.tie_word_embeddings),
-            qk_norm=kind == "qwen3",
+            qk_norm=kind in ("qwen3", "qwen3_moe"),
             qkv_bias=kind == "qwen2",
             torch_dtype=str(dtype).removeprefix("torch."),
             eos_token_ids=tuple(sorted(eos)),
-            quantization=None if quant is None else parse_quantization_config(quant),
+            moe=moe,
+            quantization=quantization,
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size") -> None:
@@ -169,8 +221,13 @@ class ModelConfig:
         kv = self.num_key_value_heads
         if kv % tp_size and tp_size % kv:
             raise ValueError(f"num_key_value_heads {kv} neither divides nor is divided by {name} {tp_size}")
-        if self.intermediate_size % tp_size:
+        if self.dense_layers and self.intermediate_size % tp_size:
             raise ValueError(f"{name} {tp_size} does not divide intermediate_size {self.intermediate_size}")
+        if self.moe is not None and self.moe.intermediate_size % tp_size:
+            raise ValueError(
+                f"{name} {tp_size} does not divide moe_intermediate_size {self.moe.intermediate_size} "
+                "(each rank holds a slice of every expert's intermediate dimension)"
+            )
         self._check_fp8_blocks(tp_size, name)
 
     def _check_fp8_blocks(self, tp_size: int, name: str) -> None:
@@ -183,21 +240,20 @@ class ModelConfig:
         kv_heads = self.num_key_value_heads // tp_size if self.num_key_value_heads >= tp_size else 1
         q_width, kv_width = self.num_attention_heads // tp_size * self.head_dim, kv_heads * self.head_dim
         inter_width = self.intermediate_size // tp_size
-        # (checkpoint modules, what, width, block): outputs merged or split by rank, inputs split
+        every, dense = range(self.num_hidden_layers), self.dense_layers
+        # (layers, checkpoint modules, what, width, block): outputs merged or split by rank, inputs split
         checks = [
-            (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "query output features", q_width, bn),
-            (("self_attn.k_proj", "self_attn.v_proj"), "key/value output features", kv_width, bn),
-            (("mlp.gate_proj", "mlp.up_proj"), "gate/up output features (intermediate_size)", inter_width, bn),
+            (every, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "query output features", q_width, bn),
+            (every, ("self_attn.k_proj", "self_attn.v_proj"), "key/value output features", kv_width, bn),
+            (dense, ("mlp.gate_proj", "mlp.up_proj"), "gate/up output features (intermediate_size)", inter_width, bn),
         ]
         if tp_size > 1:
             checks += [
-                (("self_attn.o_proj",), "o_proj input features", q_width, bk),
-                (("mlp.down_proj",), "down_proj input features", inter_width, bk),
+                (every, ("self_attn.o_proj",), "o_proj input features", q_width, bk),
+                (dense, ("mlp.down_proj",), "down_proj input features", inter_width, bk),
             ]
-        for modules, what, width, block in checks:
-            converted = any(
-                quant.converts(f"model.layers.{i}.{m}") for i in range(self.num_hidden_layers) for m in modules
-            )
+        for layers, modules, what, width, block in checks:
+            converted = any(quant.converts(f"model.layers.{i}.{m}") for i in layers for m in modules)
             if converted and width % block:
                 raise ValueError(
                     f"{name} {tp_size}: each rank's share of the {what} is {width}, not a multiple of the FP8 "
@@ -238,48 +294,39 @@ class EngineConfig:
 
     model: str
     tp_size: int = 1
-    device: str | None = None  # "cuda", "cpu" or None (cuda when available)
-    dtype: str | None = None  # auto | float32 | bfloat16 | float16
-    load_format: str = "auto"  # auto | safetensors | dummy
+    device: str | None = None  # None: cuda when available
+    dtype: str | None = None  # None or auto: the checkpoint's on GPU, float32 on the CPU
+    load_format: str = "auto"  # dummy: random weights
     page_size: int = 16
     max_total_tokens: int | None = None  # KV cache size in tokens (default on CPU: 32768)
     mem_fraction: float = 0.85  # fraction of free GPU memory for weights' leftovers + KV cache
     max_running_requests: int = 256
     chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts are chunked (<= 0: off)
-    cache: str = "radix"  # prefix cache: radix | naive
-    schedule_policy: str = "fcfs"  # fcfs | lpm (longest cached prefix first)
+    cache: str = "radix"  # prefix cache (naive: none)
+    schedule_policy: str = "fcfs"  # lpm: longest cached prefix first
     max_model_len: int | None = None  # context limit; default: the model's max_position_embeddings
     seed: int = 0
     dist_init_addr: str | None = None  # tcp://127.0.0.1:PORT chosen by the parent; None for tp 1
-    attention_backend: str = "auto"  # auto (flashinfer on CUDA when installed) | flashinfer | torch
+    attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed
     disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
-    debug_check_ranks: bool = False
+    debug_check_invariants: bool = False  # check every step that ranks agree and KV pages add up
     quantization: str | None = None  # fp8: quantize an unquantized checkpoint's weights at load time
-    extra: dict[str, Any] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
-        if self.load_format not in ("auto", "safetensors", "dummy"):
-            raise ValueError(f"load_format must be auto, safetensors or dummy, got {self.load_format!r}")
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices + {"device": (None,), "dtype": (None, "auto")}.get(name, ()):
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.cache not in ("radix", "naive"):
-            raise ValueError(f"cache must be radix or naive, got {self.cache!r}")
-        if self.schedule_policy not in ("fcfs", "lpm"):
-            raise ValueError(f"schedule_policy must be fcfs or lpm, got {self.schedule_policy!r}")
-        if self.device not in (None, "cpu", "cuda"):
-            raise ValueError(f"device must be cpu or cuda, got {self.device!r}")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         resolve_quantization(self.quantization, None)  # a clear error for an unknown method
-
-
-# FlashInfer's attention kernels take half precision only.
-FLASHINFER_ATTENTION_DTYPES = (torch.bfloat16, torch.float16)
 
 
 def _option(name: str, value: Any, cli: bool) -> str:
@@ -313,7 +360,7 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
             )
     if engine.attention_backend == "flashinfer":
         dtype = resolve_dtype(engine.dtype, model, torch.device(device))
-        if device != "cuda" or dtype not in FLASHINFER_ATTENTION_DTYPES:
+        if device != "cuda" or dtype not in FLASHINFER_DTYPES:
             raise ValueError(
                 f"{_option('attention_backend', 'flashinfer', cli)} runs on CUDA in bfloat16 or float16, "
                 f"not on {device} in {str(dtype).removeprefix('torch.')}; use "

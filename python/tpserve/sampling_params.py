@@ -8,6 +8,7 @@ import msgspec
 
 
 MAX_LOGPROBS = 20
+SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT)
 # Temperatures below this are greedy, as in vLLM: dividing logits by 1e-50 would overflow to inf
 # (and the row would sample at random), while any temperature this small is an argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -87,13 +88,13 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
-        if self.seed is not None and not 0 <= self.seed < 2**63:
+        if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:
                 raise ValueError(f"{name} must be in [-{MAX_PENALTY}, {MAX_PENALTY}], got {value}")
-        if not self.repetition_penalty > 0.0:
+        if not (self.repetition_penalty > 0.0 and math.isfinite(self.repetition_penalty)):
             raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty}")
         for token, bias in (self.logit_bias or {}).items():
             if token < 0:

@@ -41,3 +41,15 @@ def test_traced_offline_run_and_its_roofline(tiny_model_factory, tmp_path):
 
     printed = run("roofline.py", out, "--model", model, "--peak-tflops", "1", "--bandwidth-tbps", "0.001")
     assert "compute-aware" in printed and "ceilings of the workload" in printed
+
+
+def test_moe_roofline_counts_touched_experts_and_active_flops():
+    """Qwen3-30B-A3B: one decode token reads 8 experts a layer (~3 B weights, 6.1 GB), a large batch
+    all 128 (the whole 30.5 B model, 61 GB); FLOPs count the 8 active experts per token only."""
+    config = os.path.join(os.path.dirname(__file__), "..", "data", "configs", "Qwen3-30B-A3B")
+    printed = run("roofline.py", "--model", config, "--decode-batch", "1", "4096", "--peak-tflops", "766",
+                  "--bandwidth-tbps", "4")
+    rows = {int(line.split()[0]): line.split() for line in printed.splitlines()[1:]}
+    assert float(rows[1][1]) == 8.0 and float(rows[1][2]) == 6.08 and float(rows[1][3]) == 6.1
+    assert float(rows[4096][1]) == 128.0 and 60 < float(rows[4096][2]) < 62
+    assert abs(float(rows[4096][3]) / 4096 - 6.08) < 0.01  # 2 FLOPs per active weight per token

@@ -95,6 +95,36 @@ def check_sampler_filters() -> None:
         assert (got == reference).float().mean().item() >= 0.99, f"{got.tolist()} != {reference.tolist()}"
 
 
+def check_sampler_on_edited_logits() -> None:
+    """The kernel samples the logits the engine edits (penalties, bias, -inf bans and grammar
+    masks) exactly as the torch path does, filtered or not."""
+    from tpserve.engine.logit_edits import LogitEdits, PenaltyState
+    from tpserve.kernels.sampling import sample
+    from tpserve.structured.mask import apply_bitmask
+
+    gen = torch.Generator().manual_seed(2)
+    rows, vocab = 8, 1500
+    raw = (3 * torch.randn(rows, vocab, generator=gen)).to(torch.bfloat16)
+    params = [SP(temperature=0.7 + 0.1 * i, repetition_penalty=1.3, presence_penalty=0.5, logit_bias={3: 5.0},
+                 min_tokens=4, top_k=50 if i % 2 else -1, top_p=0.9 if i % 3 else 1.0) for i in range(rows)]
+    state = PenaltyState(vocab, torch.device("cpu"))
+    new = [(i, [i, i + 1, 40]) for i in range(rows)]
+    edits = LogitEdits.build(params, list(range(rows)), [0] * rows, [True] * rows, new, [7, 9], vocab, "cpu")
+    logits = state.apply(raw, edits)
+    bitmask = torch.full((rows // 2, -(-vocab // 32)), -1, dtype=torch.int32)
+    bitmask[:, 1:] = 0x0F0F0F0F  # a grammar allowing a scattered half of the tokens
+    apply_bitmask(logits, torch.arange(0, rows, 2), bitmask)
+    batch = SamplingBatch.build(params, list(range(rows)), [0] * rows, vocab, "cpu")
+    reference = Sampler().sample_torch(logits, batch)
+    got = sample(logits, batch.temperatures, batch.seeds, batch.steps, batch.top_ks, batch.top_ps, batch.min_ps)
+    assert torch.equal(got, reference), f"kernel {got.tolist()} != torch {reference.tolist()}"
+    plain = [SP(temperature=0.8)] * rows
+    batch = SamplingBatch.build(plain, list(range(rows)), [0] * rows, vocab, "cpu")
+    got = sample(logits, batch.temperatures, batch.seeds, batch.steps)
+    assert torch.equal(got, Sampler().sample_torch(logits, batch))
+    assert not torch.isin(got, torch.tensor([7, 9])).any()  # banned by min_tokens
+
+
 def check_kv_store() -> None:
     from tpserve.kernels.kv_store import store_kv
 
@@ -187,12 +217,37 @@ def check_fp8_gemm() -> None:
         if m > 1:
             assert torch.equal(got[0, -1], torch.zeros(n, dtype=dtype))
 
+
+def check_fused_moe() -> None:
+    """The grouped MoE GEMMs against the torch experts: decode-sized and prefill-sized blocks,
+    experts with no tokens, sizes that are not multiples of the blocks."""
+    from tpserve.kernels.moe import align_by_expert, fused_experts
+    from tpserve.layers.moe import experts_dense_masked, experts_torch
+
+    gen = torch.Generator().manual_seed(4)
+    for tokens, experts, top_k, hidden, inter in ((1, 8, 2, 64, 32), (37, 16, 3, 48, 24), (300, 8, 2, 32, 16)):
+        x = torch.randn(tokens, hidden, generator=gen)
+        gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+        down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+        probs = torch.softmax(torch.randn(tokens, experts, generator=gen), dim=-1)
+        weights, ids = torch.topk(probs, top_k, dim=-1)
+        reference = experts_torch(x, gate_up, down, weights, ids)
+        torch.testing.assert_close(fused_experts(x, gate_up, down, weights, ids), reference, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(experts_dense_masked(x, gate_up, down, weights, ids), reference, rtol=1e-5, atol=1e-5)
+    sorted_rows, block_expert, padded_len = align_by_expert(torch.tensor([[3, 1], [1, 0], [3, 1]]), 4, 4)
+    assert int(padded_len) == 12 and sorted_rows.numel() == 20  # 6 rows + 4 experts * 3 padding, in whole blocks
+    assert sorted_rows.tolist() == [3, 6, 6, 6, 1, 2, 5, 6, 0, 4, 6, 6] + [6] * 8
+    assert block_expert[:3].tolist() == [0, 1, 3]
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1")
     check_sampler()
     check_sampler_filters()
+    check_sampler_on_edited_logits()
     check_kv_store()
     check_norm_rope_store()
+    check_fused_moe()
     check_fp8_gemm()
     print("ok")

@@ -15,17 +15,17 @@ import httpx
 import psutil
 
 HERE = Path(__file__).resolve().parent
-FAKE_SCHEDULER = "fake_scheduler:run_fake_scheduler"
+FAKE_TPSERVE = str(HERE / "fake_tpserve.py")  # tpserve over the fake scheduler
 _URL = re.compile(r"listening on (http://\S+)")
 
 
 class ServerProcess:
-    def __init__(self, args: list[str], env: dict[str, str] | None = None) -> None:
+    def __init__(self, args: list[str], env: dict[str, str] | None = None, fake_scheduler: bool = False) -> None:
         full_env = dict(os.environ)
         full_env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(HERE), full_env.get("PYTHONPATH")]))
         full_env.update(env or {})
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "tpserve", "--port", "0", *args],
+            [sys.executable, *([FAKE_TPSERVE] if fake_scheduler else ["-m", "tpserve"]), "--port", "0", *args],
             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=full_env,
         )
         self.lines: list[str] = []

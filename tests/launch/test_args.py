@@ -24,7 +24,7 @@ def test_aliases_and_values(qwen3_dir):
     e = a.engine
     assert (e.model, e.device, e.dtype, e.max_running_requests, e.page_size) == (qwen3_dir, "cpu", "float32", 8, 4)
     assert (e.mem_fraction, e.max_total_tokens, e.load_format, e.max_model_len) == (0.5, 1024, "dummy", 100)
-    assert e.debug_check_ranks and a.shell
+    assert e.debug_check_invariants and a.shell
     assert (a.host, a.port, a.num_tokenizers, a.served_model_name, a.api_key) == ("0.0.0.0", 0, 2, "m", "k")
     assert a.log_level == "debug" and a.context_len == 100
 
@@ -112,7 +112,6 @@ def test_help_explains_every_flag():
                  "--mem-fraction", "--max-total-tokens", "--load-format", "--served-model-name", "--api-key",
                  "--log-level", "--max-model-len", "--debug-check-invariants"):
         assert flag in text
-    assert "--scheduler-entry" not in text  # a hidden testing hook
 
 
 def test_cli_error_has_no_traceback():

@@ -13,11 +13,11 @@ import time
 import httpx
 import psutil
 import pytest
-from server_process import FAKE_SCHEDULER, ServerProcess, wait_gone
+from server_process import ServerProcess, wait_gone
 
 
 def start(qwen3_dir, env=None, extra=()):
-    return ServerProcess(["--model", qwen3_dir, "--scheduler-entry", FAKE_SCHEDULER, *extra], env=env)
+    return ServerProcess(["--model", qwen3_dir, *extra], env=env, fake_scheduler=True)
 
 
 def read_long_stream(url: str) -> None:

@@ -10,7 +10,7 @@ import sys
 import pexpect
 import psutil
 import pytest
-from server_process import FAKE_SCHEDULER, HERE, wait_gone
+from server_process import FAKE_TPSERVE, HERE, wait_gone
 from tpserve.launch.shell import Shell
 from tpserve.message.frontend import ApiOutput
 
@@ -23,8 +23,7 @@ def shell(qwen3_dir, tmp_path):
                FAKE_SCHEDULER_STEP_S="0.02", TPSERVE_CACHE=str(tmp_path))
     child = pexpect.spawn(
         sys.executable,
-        ["-m", "tpserve", "--shell", "--model", qwen3_dir, "--scheduler-entry", FAKE_SCHEDULER,
-         "--log-level", "info"],
+        [FAKE_TPSERVE, "--shell", "--model", qwen3_dir, "--log-level", "info"],
         env=env, encoding="utf-8", timeout=60, dimensions=(50, 200),
     )
     try:

@@ -57,7 +57,7 @@ def test_rope_types_in_both_layouts_at_tp2(tiny_model_factory, arch, rope_type, 
     assert [o.token_ids for o in outs] == [hf_greedy(model_dir, p, 12) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral", "qwen3_moe"])
 def test_models_saved_by_transformers(tiny_model_factory, tmp_path, arch):
     """A checkpoint written by ``save_pretrained`` of the installed transformers, as a fine-tune is."""
     source = tiny_model_factory(arch)
@@ -97,7 +97,7 @@ def test_yarn_extends_the_context(tiny_model_factory):
 def base_config(arch: str = "qwen3") -> dict:
     cfg = {
         "architectures": [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                           "mistral": "MistralForCausalLM"}[arch]],
+                           "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]],
         "model_type": arch, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
     }
@@ -158,6 +158,42 @@ def test_real_configs(name, rope_type, theta, context):
     assert cfg.rope_theta == theta and cfg.context_length == context
 
 
+def test_qwen3_moe_real_config():
+    """Qwen3-30B-A3B: 128 experts, top-8, every layer sparse; moe_intermediate_size 768 splits over
+    TP 1-256 by powers of two, not over 5."""
+    cfg = ModelConfig.from_pretrained(os.path.join(REAL_CONFIGS, "Qwen3-30B-A3B"))
+    assert cfg.architecture == "Qwen3MoeForCausalLM" and cfg.qk_norm
+    moe = cfg.moe
+    assert moe is not None and (moe.num_experts, moe.top_k, moe.intermediate_size) == (128, 8, 768)
+    assert moe.norm_topk_prob and moe.layers == tuple(range(48)) and cfg.dense_layers == ()
+    assert cfg.rope_theta == 1e6 and cfg.context_length == 40960
+    for tp in (1, 2, 4, 8):
+        cfg.check_tp_size(tp)
+
+
+@pytest.mark.parametrize(
+    "change,sparse",
+    [
+        ({"mlp_only_layers": [0, 2]}, (1, 3)),
+        ({"decoder_sparse_step": 2}, (1, 3)),
+        ({"decoder_sparse_step": 2, "mlp_only_layers": [3]}, (1,)),
+        ({"num_experts": 0}, None),
+    ],
+)
+def test_qwen3_moe_sparse_layers(change, sparse):
+    """transformers' rule: sparse where not in mlp_only_layers and (layer + 1) % decoder_sparse_step == 0."""
+    cfg = ModelConfig.from_dict({**base_config("qwen3_moe"), "num_hidden_layers": 4, **change})
+    assert (cfg.moe.layers if cfg.moe else None) == sparse
+
+
+def test_qwen3_moe_tp_errors_name_the_expert_size():
+    cfg = ModelConfig.from_dict({**base_config("qwen3_moe"), "num_attention_heads": 32, "num_key_value_heads": 4,
+                                 "intermediate_size": 100, "moe_intermediate_size": 48, "mlp_only_layers": []})
+    with pytest.raises(ValueError, match="tp_size 32 does not divide moe_intermediate_size 48"):
+        cfg.check_tp_size(32)
+    cfg.check_tp_size(16)  # the dense intermediate_size (no dense layer here) is not checked
+
+
 def test_unsupported_architecture_is_named():
-    with pytest.raises(ValueError, match="unsupported architecture .'Qwen3MoeForCausalLM'."):
-        ModelConfig.from_pretrained(os.path.join(REAL_CONFIGS, "Qwen3-30B-A3B"))
+    with pytest.raises(ValueError, match="unsupported architecture .'DeepseekV3ForCausalLM'."):
+        ModelConfig.from_dict({**base_config("qwen3"), "architectures": ["DeepseekV3ForCausalLM"]})

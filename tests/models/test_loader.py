@@ -10,9 +10,13 @@ import pytest
 import torch
 from safetensors.torch import load_file, save_file
 
-from tpserve.config import EngineConfig
+from tpserve import LLM, SamplingParams
+from tpserve.config import EngineConfig, ModelConfig
+from tpserve.distributed.comm import SingleRankCommunicator
+from tpserve.distributed.info import set_tp_info
 from tpserve.engine.engine import Engine
-from tpserve.models.loader import checkpoint_target, safetensors_files
+from tpserve.models.decoder import CausalLM
+from tpserve.models.loader import checkpoint_target, load_safetensors, materialize, safetensors_files
 
 
 def copy_model(src: str, dst: str) -> str:
@@ -36,13 +40,21 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_model_factory):
     assert all(torch.equal(a[k], b[k]) for k in a)
 
 
-def test_missing_weight_is_named(tiny_model_factory, tmp_path):
-    model_dir = copy_model(tiny_model_factory("qwen3"), str(tmp_path / "m"))
+@pytest.mark.parametrize(
+    "arch,removed,message",
+    [
+        ("qwen3", "model.layers.1.self_attn.v_proj.weight", r"missing.*model\.layers\.1\.self_attn\.qkv_proj\.weight \(v\)"),
+        ("qwen3_moe", "model.layers.1.mlp.experts.6.down_proj.weight",
+         r"missing.*model\.layers\.1\.mlp\.experts\.down_proj \(\(6, 0\)\)"),
+    ],
+)
+def test_missing_weight_is_named(tiny_model_factory, tmp_path, arch, removed, message):
+    model_dir = copy_model(tiny_model_factory(arch), str(tmp_path / "m"))
     path = os.path.join(model_dir, "model.safetensors")
     weights = load_file(path)
-    del weights["model.layers.1.self_attn.v_proj.weight"]
+    del weights[removed]
     save_file(weights, path)
-    with pytest.raises(ValueError, match=r"missing.*model\.layers\.1\.self_attn\.qkv_proj\.weight \(v\)"):
+    with pytest.raises(ValueError, match=message):
         Engine(EngineConfig(model=model_dir, device="cpu"))
 
 
@@ -82,3 +94,68 @@ def test_dummy_weights_from_config_alone(tmp_path):
     assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
     with pytest.raises(FileNotFoundError, match="no .safetensors weights"):
         Engine(EngineConfig(model=str(tmp_path), device="cpu"))
+
+
+def test_expert_names_map_to_stacked_experts():
+    assert checkpoint_target("model.layers.2.mlp.experts.5.up_proj.weight") == ("model.layers.2.mlp.experts", "gate_up_proj", (5, 1))
+    assert checkpoint_target("model.layers.2.mlp.experts.0.down_proj.weight") == ("model.layers.2.mlp.experts", "down_proj", (0, 0))
+    assert checkpoint_target("model.layers.2.mlp.gate.weight") == ("model.layers.2.mlp.gate", "weight", None)
+
+
+def rank_state(model_dir: str, rank: int, size: int) -> dict[str, torch.Tensor]:
+    """One TP rank's loaded parameters, built in this process (no forward pass, so no process group)."""
+    set_tp_info(rank, size)
+    try:
+        with torch.device("meta"):
+            model = CausalLM(ModelConfig.from_pretrained(model_dir), SingleRankCommunicator(), 64)
+        materialize(model, torch.device("cpu"), torch.float32)
+        load_safetensors(model, model_dir)
+        return model.state_dict()
+    finally:
+        set_tp_info(0, 1)
+
+
+def stacked_experts_checkpoint(weights: dict[str, torch.Tensor], num_experts: int) -> dict[str, torch.Tensor]:
+    """transformers' in-memory layout: experts.gate_up_proj [E, 2I, H] and experts.down_proj [E, H, I]."""
+    out = {k: v for k, v in weights.items() if ".mlp.experts." not in k}
+    layers = {k.split(".mlp.experts.")[0] for k in weights if ".mlp.experts." in k}
+    for layer in layers:
+        p = f"{layer}.mlp.experts."
+        out[p + "gate_up_proj"] = torch.stack(
+            [torch.cat([weights[f"{p}{e}.gate_proj.weight"], weights[f"{p}{e}.up_proj.weight"]]) for e in range(num_experts)]
+        )
+        out[p + "down_proj"] = torch.stack([weights[f"{p}{e}.down_proj.weight"] for e in range(num_experts)])
+    return out
+
+
+@pytest.mark.parametrize("tp_rank", [0, 1])
+def test_stacked_and_per_expert_checkpoints_load_alike(tiny_model_factory, tmp_path, tp_rank):
+    """Both expert layouts give the same parameters (each rank its slice of every expert)."""
+    per_expert = tiny_model_factory("qwen3_moe", num_layers=3)
+    stacked = copy_model(per_expert, str(tmp_path / "stacked"))
+    path = os.path.join(stacked, "model.safetensors")
+    save_file(stacked_experts_checkpoint(load_file(path), 8), path)
+    assert "model.layers.1.mlp.experts.gate_up_proj" in load_file(path)
+    a, b = rank_state(per_expert, tp_rank, 2), rank_state(stacked, tp_rank, 2)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    full = load_file(os.path.join(per_expert, "model.safetensors"))
+    up = full["model.layers.2.mlp.experts.3.up_proj.weight"]  # [I, H], I = 32
+    got = a["model.layers.2.mlp.experts.gate_up_proj"]  # [E, 2 * 16, H]
+    assert torch.equal(got[3, 16:], up[16 * tp_rank : 16 * (tp_rank + 1)])
+
+
+def test_dummy_moe_weights_from_the_real_config_shape(tmp_path):
+    """load_format dummy on Qwen3-30B-A3B's config with its sizes cut down (same keys, same layout)."""
+    real = os.path.join(os.path.dirname(__file__), "..", "data", "configs", "Qwen3-30B-A3B", "config.json")
+    cfg = json.load(open(real))
+    cfg.update(vocab_size=512, hidden_size=64, intermediate_size=96, moe_intermediate_size=32, num_hidden_layers=2,
+               num_attention_heads=4, num_key_value_heads=2, head_dim=16, num_experts=16, num_experts_per_tok=4)
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    engine = Engine(EngineConfig(model=str(tmp_path), device="cpu", load_format="dummy", max_total_tokens=256))
+    params = dict(engine.model.named_parameters())
+    assert params["model.layers.1.mlp.experts.gate_up_proj"].shape == (16, 64, 64)
+    assert params["model.layers.1.mlp.experts.down_proj"].std() > 0.01
+    out = LLM(str(tmp_path), device="cpu", load_format="dummy", max_total_tokens=256).generate(
+        [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
+    )
+    assert len(out[0].token_ids) == 4

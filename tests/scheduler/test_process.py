@@ -27,7 +27,7 @@ class Ranks:
     def __init__(self, model_dir: str, tp_size: int, **kwargs) -> None:
         self.endpoints = Endpoints.create()
         ctx = mp.get_context("spawn")
-        config = EngineConfig(model=model_dir, tp_size=tp_size, device="cpu", debug_check_ranks=True,
+        config = EngineConfig(model=model_dir, tp_size=tp_size, device="cpu", debug_check_invariants=True,
                               dist_init_addr=local_init_addr(), **kwargs)
         self.zmq = zmq.Context()
         self.detok = self.zmq.socket(zmq.PULL)

@@ -161,3 +161,15 @@ def test_penalties_at_tp2_equal_the_offline_engine(client, qwen3_dir):
         offline = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, **edits),
                                use_tqdm=False)[0]
     assert resp.choices[0].text == offline.text
+
+
+def test_litellm_tools_and_response_format(server, monkeypatch):
+    monkeypatch.setenv("LITELLM_LOCAL_MODEL_COST_MAP", "True")  # no download of litellm's price list
+    import litellm
+
+    common = dict(model="openai/tiny", api_base=f"{server.url}/v1", api_key="unused", max_tokens=200, seed=9)
+    resp = litellm.completion(messages=ASK, tools=TOOLS, tool_choice="required", **common)
+    assert resp.choices[0].finish_reason == "tool_calls"
+    check_calls(resp.choices[0].message, set(SCHEMAS))
+    resp = litellm.completion(messages=ASK, response_format=Forecast, **common)
+    Forecast.model_validate_json(resp.choices[0].message.content)

@@ -122,7 +122,7 @@ def test_compile_failure_fails_the_request_not_the_scheduler(llm):
 
     from tpserve.scheduler.request import Request
 
-    scheduler = llm._scheduler
+    scheduler = llm._driver.scheduler
     failed: Future = Future()
     failed.set_exception(OSError("no tokenizer files"))
     scheduler.compiling[999] = (Request(999, [1, 2], params(StructuredOutput("regex", "a")), 0, 4), failed)

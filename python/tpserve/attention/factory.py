@@ -9,21 +9,19 @@ import torch
 from tpserve.attention.base import AttentionBackend
 from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend, flashinfer_available
 from tpserve.attention.torch_backend import TorchAttentionBackend
-from tpserve.config import FLASHINFER_ATTENTION_DTYPES
+from tpserve.config import CHOICES, FLASHINFER_DTYPES
 from tpserve.kvcache.pool import KVCachePool
 
 logger = logging.getLogger(__name__)
 
-BACKENDS = ("auto", "flashinfer", "torch")
-
 
 def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = torch.bfloat16) -> str:
     """``auto`` is flashinfer on CUDA in half precision when it imports, else torch."""
-    if name not in BACKENDS:
-        raise ValueError(f"unknown attention backend {name!r} (choose {', '.join(BACKENDS)})")
+    if name not in CHOICES["attention_backend"]:
+        raise ValueError(f"unknown attention backend {name!r} (choose {', '.join(CHOICES['attention_backend'])})")
     if name != "auto" or device.type != "cuda":
         return name if name != "auto" else "torch"
-    if dtype not in FLASHINFER_ATTENTION_DTYPES:
+    if dtype not in FLASHINFER_DTYPES:
         logger.info("FlashInfer attention takes bfloat16 and float16 only: torch attention for %s", dtype)
         return "torch"
     return "flashinfer" if flashinfer_available() else "torch"

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from tpserve.attention.base import AttentionBackend
-from tpserve.config import FLASHINFER_ATTENTION_DTYPES
+from tpserve.config import FLASHINFER_DTYPES
 from tpserve.forward import SequenceInput, check_page_tables
 from tpserve.kvcache.pool import KVCachePool
 
@@ -146,7 +146,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if device.type != "cuda":
             raise ValueError(f"the flashinfer attention backend needs a CUDA device, got {device}")
         self.dtype = pool.k[0].dtype
-        if self.dtype not in FLASHINFER_ATTENTION_DTYPES:
+        if self.dtype not in FLASHINFER_DTYPES:
             raise ValueError(f"the flashinfer attention backend supports bfloat16 and float16, not {self.dtype}")
         self.flashinfer = import_flashinfer()
         self.device = device

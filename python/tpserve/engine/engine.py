@@ -276,9 +276,6 @@ class Engine:
         done.record()
         return LaunchedStep(host, done)
 
-    def step(self, seqs: list[SequenceInput], sampling: SamplingBatch) -> list[int]:
-        return self.launch(seqs, sampling).result()
-
     def shutdown(self) -> None:
         """Release the device memory (graphs, KV cache, weights) and the process groups."""
         self.graph_runner = None

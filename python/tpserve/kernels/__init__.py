@@ -18,12 +18,12 @@ from types import ModuleType
 
 import torch
 
+from tpserve.config import FLASHINFER_DTYPES
+
 logger = logging.getLogger(__name__)
 
 ENV_SWITCH = "TPSERVE_FUSED_KERNELS"
 ENABLED = os.environ.get(ENV_SWITCH, "1") != "0"
-# FlashInfer's norm, activation and rotary kernels are built for half precision only.
-FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 
 
 @functools.cache

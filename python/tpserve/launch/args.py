@@ -6,9 +6,11 @@ import argparse
 import json
 import logging
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
+from typing import Any
 
-from tpserve.config import EngineConfig, ModelConfig, check_can_start
+from tpserve.config import CHOICES, EngineConfig, ModelConfig, check_can_start
+from tpserve.quant.config import QUANTIZATION_METHODS
 from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
@@ -37,7 +39,7 @@ class ServerArgs:
     log_level: str = "info"
     log_file: str | None = None  # every process logs here instead of stderr (the shell sets it)
     demo_model: bool = False  # serving the built-in tiny random-weight model
-    scheduler_entry: str = DEFAULT_SCHEDULER_ENTRY  # "module:function" run once per TP rank
+    scheduler_entry: str = DEFAULT_SCHEDULER_ENTRY  # "module:function" run once per TP rank (tests set another)
     model_aliases: tuple[str, ...] = ()  # the other --served-model-name values
     chat_template: str | None = None  # --chat-template FILE's text (None: the model's own)
     tool_call_parser: str | None = None  # resolved from --tool-call-parser (auto: from the template)
@@ -50,6 +52,11 @@ class ServerArgs:
     @property
     def model_dir(self) -> str:
         return self.engine.model
+
+
+def _default(name: str, cls: type = EngineConfig) -> Any:
+    """A field's default: the CLI's defaults are those of EngineConfig and ServerArgs."""
+    return next(f.default for f in fields(cls) if f.name == name)
 
 
 def _int_at_least(low: int):
@@ -114,9 +121,9 @@ DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp1
 
 def _dtype(text: str) -> str:
     value = DTYPE_ALIASES.get(text, text)
-    if value not in ("auto", "float32", "bfloat16", "float16"):
+    if value not in ("auto", *CHOICES["dtype"]):
         raise argparse.ArgumentTypeError(
-            f"invalid choice: {text!r} (choose auto, float32, bfloat16, float16, or half, float, bf16)"
+            f"invalid choice: {text!r} (choose auto, {', '.join(CHOICES['dtype'])}, or half, float, bf16)"
         )
     return value
 
@@ -147,12 +154,12 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="split <think>...</think> into reasoning_content (qwen3, deepseek_r1); "
                        "default: reasoning stays in content")
-    model.add_argument("--load-format", choices=["auto", "safetensors", "dummy"], default="auto",
+    model.add_argument("--load-format", choices=CHOICES["load_format"], default=_default("load_format"),
                        help="weights: safetensors files, or dummy (random, for benchmarks)")
     model.add_argument("--dtype", type=_dtype, default="auto",
                        help="compute dtype: auto (the checkpoint's dtype on GPU, float32 on CPU), float32, "
                        "bfloat16, float16 (also spelled half, float, bf16)")
-    model.add_argument("--quantization", "-q", choices=["fp8"], default=None,
+    model.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=_default("quantization"),
                        help="fp8: quantize an unquantized checkpoint's linear weights to FP8 (e4m3, one scale "
                        "per 128x128 block) at load time. FP8 checkpoints (quantization_config in config.json) "
                        "are read as such without it")
@@ -165,32 +172,34 @@ def build_parser() -> argparse.ArgumentParser:
                        "model repositories (only the architectures it implements)")
     engine = p.add_argument_group("engine")
     engine.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size",
-                        type=_int_at_least(1), default=1,
+                        type=_int_at_least(1), default=_default("tp_size"),
                         help="tensor-parallel size: number of GPUs (processes) the model is split over")
-    engine.add_argument("--device", choices=["auto", "cuda", "cpu"], default="auto",
+    engine.add_argument("--device", choices=["auto", *CHOICES["device"]], default="auto",
                         help="auto: cuda when available, else cpu")
-    engine.add_argument("--max-running-requests", type=_int_at_least(1), default=256,
+    engine.add_argument("--max-running-requests", type=_int_at_least(1), default=_default("max_running_requests"),
                         help="most requests decoded together")
-    engine.add_argument("--page-size", type=_int_at_least(1), default=16,
+    engine.add_argument("--page-size", type=_int_at_least(1), default=_default("page_size"),
                         help="tokens per KV-cache page")
     engine.add_argument("--mem-fraction", "--gpu-memory-utilization", "--mem-fraction-static",
-                        dest="mem_fraction", type=_fraction, default=0.85,
+                        dest="mem_fraction", type=_fraction, default=_default("mem_fraction"),
                         help="share of each GPU's total memory tpserve may fill: the KV cache gets what is "
                         "left of it after the weights (and whatever else already uses the GPU)")
     engine.add_argument("--max-total-tokens", type=_int_at_least(1), default=None,
                         help="KV-cache size in tokens (default: from --mem-fraction on GPU, "
                         "32768 on CPU)")
-    engine.add_argument("--seed", type=_int_at_least(0), default=0, help="engine random seed")
-    engine.add_argument("--chunked-prefill-size", "--max-prefill-tokens", type=int, default=8192,
+    engine.add_argument("--seed", type=_int_at_least(0), default=_default("seed"), help="engine random seed")
+    engine.add_argument("--chunked-prefill-size", "--max-prefill-tokens", type=int,
+                        default=_default("chunked_prefill_size"),
                         help="prefill tokens per step; longer prompts are split (<= 0: no chunking)")
-    engine.add_argument("--cache", "--prefix-cache", choices=["radix", "naive"], default="radix",
+    engine.add_argument("--cache", "--prefix-cache", choices=CHOICES["cache"], default=_default("cache"),
                         help="prefix cache: radix (shared prefixes reuse KV pages) or naive (none)")
-    engine.add_argument("--schedule-policy", choices=["fcfs", "lpm"], default="fcfs",
+    engine.add_argument("--schedule-policy", choices=CHOICES["schedule_policy"], default=_default("schedule_policy"),
                         help="admission order: fcfs, or lpm (longest cached prefix first)")
-    engine.add_argument("--attention-backend", choices=["auto", "flashinfer", "torch"], default="auto",
+    engine.add_argument("--attention-backend", choices=CHOICES["attention_backend"],
+                        default=_default("attention_backend"),
                         help="auto: flashinfer on CUDA in bfloat16/float16 when installed, else torch "
                         "(flashinfer takes no float32)")
-    engine.add_argument("--cuda-graph-max-bs", type=_int_at_least(0), default=256,
+    engine.add_argument("--cuda-graph-max-bs", type=_int_at_least(0), default=_default("cuda_graph_max_bs"),
                         help="largest decode batch captured in a CUDA graph (0: no CUDA graphs)")
     engine.add_argument("--disable-overlap", action="store_true",
                         help="do not overlap scheduling of the next step with the running one")
@@ -198,27 +207,26 @@ def build_parser() -> argparse.ArgumentParser:
                         help="check every step that all TP ranks agree and that every KV page is "
                         "accounted for (slow; debugging)")
     server = p.add_argument_group("server")
-    server.add_argument("--host", default="127.0.0.1", help="HTTP bind address")
-    server.add_argument("--port", type=_port, default=8000, help="HTTP port (0: any free port)")
+    server.add_argument("--host", default=_default("host", ServerArgs), help="HTTP bind address")
+    server.add_argument("--port", type=_port, default=_default("port", ServerArgs), help="HTTP port (0: any free port)")
     server.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache "
                         f"(env {API_KEY_ENV})")
-    server.add_argument("--max-request-bytes", type=_int_at_least(1024), default=16 << 20,
+    server.add_argument("--max-request-bytes", type=_int_at_least(1024), default=_default("max_request_bytes", ServerArgs),
                         help="largest request body in bytes; larger ones get 413 before they are read")
-    server.add_argument("--max-sequences-per-request", type=_int_at_least(1), default=256,
+    server.add_argument("--max-sequences-per-request", type=_int_at_least(1),
+                        default=_default("max_sequences_per_request", ServerArgs),
                         help="most sequences (prompts x n) one API call may start")
-    server.add_argument("--health-timeout", type=_positive_float, default=60.0,
+    server.add_argument("--health-timeout", type=_positive_float, default=_default("health_timeout", ServerArgs),
                         help="seconds a scheduler rank may go without finishing a loop iteration before "
                         "/health answers 503 (a stuck or stopped rank)")
     server.add_argument("--request-timeout", type=_positive_float, default=None,
                         help="seconds one API call may take; then it is aborted with a 504 (default: no limit)")
-    server.add_argument("--num-tokenizers", type=_int_at_least(1), default=1,
+    server.add_argument("--num-tokenizers", type=_int_at_least(1), default=_default("num_tokenizers", ServerArgs),
                         help="tokenizer worker processes")
     server.add_argument("--shell", action="store_true",
                         help="chat in the terminal instead of serving HTTP")
-    server.add_argument("--log-level", choices=LOG_LEVELS, default="info", help="logging level")
-    # For tests: run another scheduler entry point ("module:function").
-    server.add_argument("--scheduler-entry", default=DEFAULT_SCHEDULER_ENTRY, help=argparse.SUPPRESS)
+    server.add_argument("--log-level", choices=LOG_LEVELS, default=_default("log_level", ServerArgs), help="logging level")
     return p
 
 
@@ -265,12 +273,9 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         attention_backend=ns.attention_backend,
         cuda_graph_max_bs=ns.cuda_graph_max_bs,
         disable_overlap=ns.disable_overlap,
-        debug_check_ranks=ns.debug_check_invariants,
-        extra={"log_level": ns.log_level},
+        debug_check_invariants=ns.debug_check_invariants,
     )
     check_can_start(engine, model_config, cli=True)
-    if ":" not in ns.scheduler_entry:
-        raise ValueError(f"--scheduler-entry must be module:function, got {ns.scheduler_entry!r}")
     chat_template = _read_template(ns.chat_template) if ns.chat_template else None
     tool_parser = ns.tool_call_parser
     if tool_parser == "auto":
@@ -291,7 +296,6 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
         log_level=ns.log_level,
         demo_model=demo,
-        scheduler_entry=ns.scheduler_entry,
         max_request_bytes=ns.max_request_bytes,
         max_sequences_per_request=ns.max_sequences_per_request,
         health_timeout=ns.health_timeout,

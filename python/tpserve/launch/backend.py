@@ -1,8 +1,8 @@
-"""Starting and stopping the backend processes of one server.
+"""Starting and stopping the backend processes of one server, or of the offline LLM's ranks.
 
 One scheduler per TP rank, one detokenizer, N tokenizer workers, all spawned. Rank 0, the
 detokenizer and each tokenizer put an acknowledgement on a queue when ready. The API server (or
-the shell) runs in the parent process.
+the shell, or the offline LLM, which runs only the ranks) runs in the parent process.
 """
 
 from __future__ import annotations
@@ -20,7 +20,8 @@ from dataclasses import dataclass, replace
 import zmq
 
 from tpserve.distributed.comm import local_init_addr
-from tpserve.launch.args import ServerArgs
+from tpserve.config import EngineConfig
+from tpserve.launch.args import DEFAULT_SCHEDULER_ENTRY, ServerArgs
 from tpserve.launch.child import child_main
 from tpserve.message import Shutdown
 from tpserve.message.endpoints import Endpoints
@@ -66,33 +67,33 @@ class _ChildSpec:
 
 
 class Backend:
-    """The child processes of one server and their ipc directory."""
+    """The child processes of one server (without ``server``: only the ranks) and their ipc dir."""
 
-    def __init__(self, args: ServerArgs, endpoints: Endpoints | None = None) -> None:
-        self.args = args
-        self.endpoints = endpoints or Endpoints.create()
+    def __init__(self, engine: EngineConfig, log_level: str, server: ServerArgs | None = None) -> None:
+        self.engine, self.log_level, self.server = engine, log_level, server
+        self.endpoints = Endpoints.create()
         self._mp = multiprocessing.get_context("spawn")
         self._ack_queue = self._mp.Queue()
-        self._procs: list[multiprocessing.process.BaseProcess] = []
-        self._acks_expected = 2 + args.num_tokenizers
+        self.procs: list[multiprocessing.process.BaseProcess] = []
+        self._acks_expected = 1 if server is None else 2 + server.num_tokenizers
         # Each scheduler rank writes time.monotonic() here at every loop iteration (a liveness
         # signal that needs no message: a stopped or stuck rank simply stops writing).
-        self.heartbeats = [self._mp.Value("d", 0.0, lock=False) for _ in range(args.engine.tp_size)]
+        self.heartbeats = [self._mp.Value("d", 0.0, lock=False) for _ in range(engine.tp_size)]
         self._stopping = False
         self._ready = False
 
     # ---- start-up ----
     def _specs(self) -> list[_ChildSpec]:
-        args, ep = self.args, self.endpoints
-        engine = args.engine
+        args, ep, engine = self.server, self.endpoints, self.engine
         if engine.tp_size > 1 and engine.dist_init_addr is None:
             engine = replace(engine, dist_init_addr=local_init_addr())
+        entry = DEFAULT_SCHEDULER_ENTRY if args is None else args.scheduler_entry
         specs = [
-            _ChildSpec(
-                f"scheduler-tp{rank}", args.scheduler_entry, (engine, rank, ep, self._ack_queue, self.heartbeats[rank])
-            )
+            _ChildSpec(f"scheduler-tp{rank}", entry, (engine, rank, ep, self._ack_queue, self.heartbeats[rank]))
             for rank in range(engine.tp_size)
         ]
+        if args is None:
+            return specs
         specs.append(_ChildSpec("detokenizer", DETOKENIZER_ENTRY, (args.model_dir, ep, self._ack_queue)))
         tok_config = TokenizerConfig(args.model_dir, PromptLimits(args.context_len, args.vocab_size), args.chat_template)
         specs += [
@@ -106,15 +107,15 @@ class Backend:
         for spec in self._specs():
             proc = self._mp.Process(
                 target=child_main,
-                args=(spec.entry, spec.args, os.getpid(), self.args.log_level, self.args.log_file),
+                args=(spec.entry, spec.args, os.getpid(), self.log_level, self.server and self.server.log_file),
                 name=f"tpserve-{spec.name}",
                 daemon=False,
             )
             proc.start()
-            self._procs.append(proc)
+            self.procs.append(proc)
         logger.info(
             "started %s; ipc directory %s",
-            ", ".join(f"{p.name} (pid {p.pid})" for p in self._procs),
+            ", ".join(f"{p.name} (pid {p.pid})" for p in self.procs),
             self.endpoints.directory,
         )
 
@@ -138,7 +139,7 @@ class Backend:
     # ---- while serving ----
     def dead_child(self) -> ChildDied | None:
         """The first child that is no longer running, if any."""
-        for proc in self._procs:
+        for proc in self.procs:
             if proc.exitcode is not None:
                 return ChildDied(proc.name, proc.exitcode)
         return None
@@ -165,7 +166,7 @@ class Backend:
             self._ack_queue.cancel_join_thread()
 
     def _stop_children(self) -> None:
-        alive = [p for p in self._procs if p.exitcode is None]
+        alive = [p for p in self.procs if p.exitcode is None]
         if not alive:
             return
         if self._ready:  # before that, children may not listen yet: SIGTERM at once
@@ -187,13 +188,14 @@ class Backend:
             deadline = time.monotonic() + wait_s
             for proc in alive:
                 proc.join(max(0.0, deadline - time.monotonic()))
-        for proc in self._procs:
+        for proc in self.procs:
             if proc.exitcode is None:  # pragma: no cover - SIGKILL failed
                 logger.error("%s (pid %s) is still running", proc.name, proc.pid)
 
     def _send_shutdown(self) -> None:
         ctx = zmq.Context()
-        senders = [Sender(ctx, a) for a in (self.endpoints.scheduler, self.endpoints.detokenizer)]
+        ep = self.endpoints
+        senders = [Sender(ctx, a) for a in [ep.scheduler] + ([ep.detokenizer] if self.server is not None else [])]
         try:
             for sender in senders:
                 sender.socket.setsockopt(zmq.SNDTIMEO, 200)

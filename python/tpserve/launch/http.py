@@ -89,7 +89,7 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
     http_task = asyncio.create_task(server.serve(sockets=[sock]), name="http")
     logger.info("listening on %s (starting up: /health is 503 until the model is loaded)", url)
 
-    backend = Backend(args)
+    backend = Backend(args.engine, args.log_level, args)
     frontend = FrontendClient(backend.endpoints, state.metrics.on_stats, state.metrics.on_aborted_finish)
     dispatcher: asyncio.Task | None = None
     try:

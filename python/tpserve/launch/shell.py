@@ -329,7 +329,7 @@ def run_shell(args: ServerArgs) -> int:
     args = replace(args, log_file=log_file)
     setup_logging(args.log_level, log_file)
     print(f"loading {args.served_model_name} (logs: {log_file}) ...", flush=True)
-    backend = Backend(args)
+    backend = Backend(args.engine, args.log_level, args)
     client = ShellClient(backend.endpoints)
 
     def check_backend() -> None:

@@ -31,7 +31,7 @@ def divide(numerator: int, denominator: int, what: str) -> int:
     return numerator // denominator
 
 
-def _copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
+def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     if param.shape != loaded.shape:
         raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
     param.copy_(loaded)
@@ -63,14 +63,14 @@ class Slice:
 def _load_slice(param: torch.Tensor, loaded: torch.Tensor, dim: int, part: Slice, name: str) -> None:
     if loaded.shape[dim] != part.full:
         raise ValueError(f"weight {name}: expected {part.full} along dim {dim}, got shape {tuple(loaded.shape)}")
-    _copy_checked(param.narrow(dim, part.dest, part.size), loaded.narrow(dim, part.start, part.size), name)
+    copy_checked(param.narrow(dim, part.dest, part.size), loaded.narrow(dim, part.start, part.size), name)
 
 
 class ReplicatedWeights(nn.Module):
     """Default loading for modules whose parameters every rank holds whole (norms)."""
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        _copy_checked(getattr(self, param_name).data, loaded, param_name)
+        copy_checked(getattr(self, param_name).data, loaded, param_name)
 
 
 class ParallelLinear(nn.Module):
@@ -136,7 +136,7 @@ class ParallelLinear(nn.Module):
         param = getattr(self, param_name).data
         dim = self.split_dim
         if param_name == "bias" and dim == 1:  # a row-parallel bias is added once, after the all-reduce
-            _copy_checked(param, loaded, param_name)
+            copy_checked(param, loaded, param_name)
             return
         part = self.part(shard_id)
         if param_name == "weight_scale_inv" and self.block_size is not None:

@@ -7,7 +7,8 @@ from typing import Any
 
 import torch
 
-from tpserve.kernels import FLASHINFER_DTYPES, use_flashinfer, use_triton
+from tpserve.config import FLASHINFER_DTYPES
+from tpserve.kernels import use_flashinfer, use_triton
 
 
 def inverse_frequencies(

@@ -36,11 +36,15 @@ class FlushCache(msgspec.Struct, tag="flush_cache"):
     pass
 
 
+class GetStats(msgspec.Struct, tag="get_stats"):
+    """Rank 0 answers with the current ``SchedulerStats`` (as it answers FlushCache)."""
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-SchedulerInput = GenerateRequest | AbortRequest | GrammarReady | FlushCache | Shutdown
+SchedulerInput = GenerateRequest | AbortRequest | GrammarReady | FlushCache | GetStats | Shutdown
 
 
 # ---- out of scheduler rank 0 (to the detokenizer) ----
@@ -75,3 +79,5 @@ class SchedulerStats(msgspec.Struct):
 class BatchTokenOutput(msgspec.Struct, tag="batch_output"):
     outputs: list[TokenOutput]
     stats: SchedulerStats | None = None
+    answers: str | None = None  # the tag of the FlushCache or GetStats this answers
+    flushed: bool = False  # answering FlushCache: the whole KV pool is free again

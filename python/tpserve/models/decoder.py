@@ -1,9 +1,10 @@
-"""The dense decoder shared by Qwen3, Qwen2/2.5, Llama 3.x and Mistral.
+"""The decoder shared by Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x and Mistral.
 
 They differ only in switches on ModelConfig: Qwen3 normalises each q/k head (``qk_norm``),
-Qwen2 has q/k/v biases (``qkv_bias``), Llama 3 and YaRN scale rotary frequencies (``rope_parameters``).
-Parameter names follow the Hugging Face checkpoints, with q/k/v merged into ``qkv_proj`` and
-gate/up into ``gate_up_proj``.
+Qwen2 has q/k/v biases (``qkv_bias``), Llama 3 and YaRN scale rotary frequencies (``rope_parameters``),
+Qwen3-MoE's sparse layers (``moe``) have a mixture-of-experts MLP. Parameter names follow the
+Hugging Face checkpoints, with q/k/v merged into ``qkv_proj``, gate/up into ``gate_up_proj`` and
+the experts stacked (``mlp.experts.gate_up_proj`` / ``down_proj``).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from tpserve.forward import ForwardContext
 from tpserve.layers.activation import silu_and_mul
 from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tpserve.layers.moe import SparseMoeBlock
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.rotary import RotaryEmbedding
 
@@ -75,7 +77,7 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id, rotary, comm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg, comm)
+        self.mlp: nn.Module = SparseMoeBlock(cfg, comm) if cfg.is_moe_layer(layer_id) else MLP(cfg, comm)
 
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext

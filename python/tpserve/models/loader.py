@@ -4,12 +4,18 @@ Every checkpoint tensor is mapped to a (module, parameter, shard id) target; the
 rank's shard and copies it into its slot of the (possibly merged) parameter. So q/k/v land in
 ``qkv_proj`` and gate/up in ``gate_up_proj`` shard by shard, and the extra host memory at any
 time is about one full checkpoint tensor.
+
+Mixture-of-experts weights come per expert (``mlp.experts.{e}.gate_proj.weight``, as published
+checkpoints and transformers' ``save_pretrained`` write them) or already stacked
+(``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I], transformers'
+in-memory layout); a stacked tensor is read as its per-expert pieces, so both take one path.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import re
 from collections.abc import Iterator
 
 import torch
@@ -33,7 +39,12 @@ _SHARDS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}
 _PARTS = {merged: tuple(leaf for leaf, (m, _) in _MERGED.items() if m == merged) for merged in _SHARDS}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-Target = tuple[str, str, str | int | None]  # (module path, parameter name, shard id)
+_EXPERT = re.compile(r"(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+_STACKED_EXPERTS = re.compile(r"(?P<module>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)")
+_EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
+
+ShardId = str | int | tuple[int, int] | None  # tuple: (expert, part) of stacked experts
+Target = tuple[str, str, ShardId]  # (module path, parameter name, shard id)
 
 
 def safetensors_files(model_dir: str) -> list[str]:
@@ -53,6 +64,10 @@ def safetensors_files(model_dir: str) -> list[str]:
 
 def checkpoint_target(name: str) -> Target:
     name = name.removeprefix("language_model.")
+    expert = _EXPERT.fullmatch(name)
+    if expert:
+        param, part = _EXPERT_PARTS[expert["proj"]]
+        return expert["module"], param, (int(expert["expert"]), part)
     module, _, param = name.rpartition(".")
     parent, _, leaf = module.rpartition(".")
     if leaf in _MERGED:
@@ -67,13 +82,31 @@ def checkpoint_parts(module: str) -> tuple[str, ...]:
     return tuple(f"{parent}.{part}" for part in _PARTS[leaf]) if leaf in _PARTS else (module,)
 
 
+def checkpoint_pieces(name: str, tensor: torch.Tensor) -> Iterator[tuple[Target, torch.Tensor]]:
+    """The (target, tensor) pairs one checkpoint tensor loads: itself, or each expert's piece of a
+    stacked experts tensor (views, no copy)."""
+    stacked = _STACKED_EXPERTS.fullmatch(name.removeprefix("language_model."))
+    if stacked is None:
+        yield checkpoint_target(name), tensor
+        return
+    module, param = stacked["module"], stacked["proj"]
+    for expert in range(tensor.shape[0]):
+        if param == "gate_up_proj":
+            gate, up = tensor[expert].chunk(2, dim=0)
+            yield (module, param, (expert, 0)), gate
+            yield (module, param, (expert, 1)), up
+        else:
+            yield (module, param, (expert, 0)), tensor[expert]
+
+
 def expected_targets(model: nn.Module) -> set[Target]:
     """Every (module, parameter, shard) the checkpoint must provide."""
     expected: set[Target] = set()
     for full_name, _ in model.named_parameters():  # tied weights are listed once
         module, _, param = full_name.rpartition(".")
-        leaf = module.rpartition(".")[2]
-        for shard_id in _SHARDS.get(leaf, (None,)):
+        shard_ids = getattr(model.get_submodule(module), "shard_ids", None)
+        shards = shard_ids(param) if shard_ids is not None else _SHARDS.get(module.rpartition(".")[2], (None,))
+        for shard_id in shards:
             expected.add((module, param, shard_id))
     return expected
 
@@ -108,21 +141,24 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
     for name, tensor in _iter_checkpoint(safetensors_files(model_dir), show_progress):
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
             continue
-        target = checkpoint_target(name)
-        if target not in expected:
-            raise ValueError(f"unexpected weight {name!r} in the checkpoint (no parameter {target[0]}.{target[1]})")
-        if target in loaded:
-            raise ValueError(f"weight {name!r} appears twice in the checkpoint")
-        module, param, shard_id = target
-        layer = model.get_submodule(module)
-        if tensor.dtype == FP8_DTYPE and getattr(layer, param).dtype != FP8_DTYPE:
-            raise ValueError(
-                f"weight {name!r} is float8 in the checkpoint but its layer is not quantized (config.json has no "
-                "quantization_config, or its modules_to_not_convert lists the module)"
-            )
-        with torch.no_grad():
-            layer.load_weight(param, tensor, shard_id)
-        loaded.add(target)
+        for target, piece in checkpoint_pieces(name, tensor):
+            if target not in expected:
+                raise ValueError(
+                    f"unexpected weight {name!r} in the checkpoint (no parameter {target[0]}.{target[1]}"
+                    + (f" for shard {target[2]})" if target[2] is not None else ")")
+                )
+            if target in loaded:
+                raise ValueError(f"weight {name!r} appears twice in the checkpoint")
+            module, param, shard_id = target
+            layer = model.get_submodule(module)
+            if piece.dtype == FP8_DTYPE and getattr(layer, param).dtype != FP8_DTYPE:
+                raise ValueError(
+                    f"weight {name!r} is float8 in the checkpoint but its layer is not quantized (config.json has no "
+                    "quantization_config, or its modules_to_not_convert lists the module)"
+                )
+            with torch.no_grad():
+                layer.load_weight(param, piece, shard_id)
+            loaded.add(target)
         del tensor
     missing = expected - loaded
     if missing:

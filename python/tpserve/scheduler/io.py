@@ -1,4 +1,5 @@
-"""The scheduler's message I/O. Only rank 0 talks to the tokenizers and the detokenizer.
+"""The scheduler's message I/O. Only rank 0 talks to the tokenizers and the detokenizer (or the
+offline LLM in their place); ``LocalIO`` is a lone rank's I/O inside the process that drives it.
 
 Rank 0 drains its PULL socket, broadcasts the *count* of new messages over the Gloo CPU group,
 then publishes the raw messages on a PUB socket; the other ranks read that many from their SUB
@@ -6,6 +7,8 @@ socket. So every rank applies the same messages in the same order at the same st
 """
 
 from __future__ import annotations
+
+from collections import deque
 
 import msgspec
 import torch
@@ -80,3 +83,20 @@ class SchedulerIO:
 
     def close(self) -> None:
         self.ctx.destroy(linger=0)
+
+
+class LocalIO:
+    """The only rank's I/O inside the process that drives it: messages in and outputs out are queues."""
+
+    rank, tp_size, cpu_group = 0, 1, None
+
+    def __init__(self) -> None:
+        self.inbox: list[SchedulerInput] = []
+        self.outbox: deque[BatchTokenOutput] = deque()
+
+    def receive(self, blocking: bool, local: list[SchedulerInput] | None = None) -> list[SchedulerInput]:
+        msgs, self.inbox = (local or []) + self.inbox, []
+        return msgs
+
+    def send(self, output: BatchTokenOutput) -> None:
+        self.outbox.append(output)

@@ -16,13 +16,14 @@ from tpserve.message import (
     BatchTokenOutput,
     FlushCache,
     GenerateRequest,
+    GetStats,
     GrammarReady,
     Shutdown,
     TokenOutput,
 )
 from tpserve.message.endpoints import Endpoints
 from tpserve.scheduler.gc_control import freeze_startup_heap
-from tpserve.scheduler.io import SchedulerIO
+from tpserve.scheduler.io import LocalIO, SchedulerIO
 from tpserve.scheduler.scheduler import AdmissionError, Scheduler
 
 logger = logging.getLogger("tpserve.scheduler")
@@ -48,14 +49,17 @@ def run_scheduler(
         ack_queue.put(f"scheduler ready: {engine_config.tp_size} rank(s), {scheduler.allocator.total} KV pages")
     freeze_startup_heap()
     try:
-        SchedulerLoop(scheduler, io, engine_config.debug_check_ranks, heartbeat).run()
+        SchedulerLoop(scheduler, io, engine_config.debug_check_invariants, heartbeat).run()
     finally:
         io.close()
         engine.shutdown()
 
 
 class SchedulerLoop:
-    def __init__(self, scheduler: Scheduler, io: SchedulerIO, check_ranks: bool, heartbeat=None) -> None:
+    """A rank's loop: take the new messages (the same on every rank), step, send the outputs.
+    Scheduler processes run it until Shutdown; the offline LLM at tp 1 steps it (``LocalRank``)."""
+
+    def __init__(self, scheduler: Scheduler, io: SchedulerIO | LocalIO, check_ranks: bool, heartbeat=None) -> None:
         self.scheduler = scheduler
         self.heartbeat = heartbeat  # shared double: the time of the last loop iteration
         self.io = io
@@ -65,29 +69,32 @@ class SchedulerLoop:
 
     def run(self) -> None:
         self.io.send(BatchTokenOutput([], self.scheduler.stats()))  # /metrics shows the pool at once
-        while True:  # the process dies with its parent (tpserve.launch.child)
-            if self.heartbeat is not None:
-                self.heartbeat.value = time.monotonic()
-            replies: list[TokenOutput] = []
-            compiling = bool(self.scheduler.compiling)
-            ready = [GrammarReady(rid) for rid in self.scheduler.grammars_ready()] if self.io.rank == 0 else []
-            if compiling and not ready and not self.scheduler.has_work:
-                time.sleep(COMPILE_POLL_S)
-            stats_changed = False
-            for msg in self.io.receive(blocking=not self.scheduler.has_work and not compiling, local=ready):
-                if isinstance(msg, Shutdown):
-                    return
-                replies.extend(self.apply(msg))
-                stats_changed = stats_changed or isinstance(msg, FlushCache)
-            outputs = self.scheduler.step() if self.scheduler.has_work else []
-            if self.check_ranks and outputs:
-                self.check_agreement(outputs)
-            replies.extend(outputs)
-            if replies or stats_changed:
-                self.io.send(BatchTokenOutput(replies, self.scheduler.stats()))
-            self.maybe_log(len(outputs))
+        while self.run_once():  # the process dies with its parent (tpserve.launch.child)
+            pass
 
-    def apply(self, msg: GenerateRequest | AbortRequest | GrammarReady | FlushCache) -> list[TokenOutput]:
+    def run_once(self) -> bool:
+        """One iteration; False once a Shutdown arrived."""
+        if self.heartbeat is not None:
+            self.heartbeat.value = time.monotonic()
+        replies: list[TokenOutput] = []
+        compiling = bool(self.scheduler.compiling)
+        ready = [GrammarReady(rid) for rid in self.scheduler.grammars_ready()] if self.io.rank == 0 else []
+        if compiling and not ready and not self.scheduler.has_work:
+            time.sleep(COMPILE_POLL_S)
+        for msg in self.io.receive(blocking=not self.scheduler.has_work and not compiling, local=ready):
+            if isinstance(msg, Shutdown):
+                return False
+            replies.extend(self.apply(msg))
+        outputs = self.scheduler.step() if self.scheduler.has_work else []
+        if self.check_ranks and outputs:
+            self.check_agreement(outputs)
+        replies.extend(outputs)
+        if replies:
+            self.io.send(BatchTokenOutput(replies, self.scheduler.stats()))
+        self.maybe_log(len(outputs))
+        return True
+
+    def apply(self, msg: GenerateRequest | AbortRequest | GrammarReady | FlushCache | GetStats) -> list[TokenOutput]:
         if isinstance(msg, GrammarReady):
             return self.scheduler.attach_grammar(msg.rid)
         if isinstance(msg, GenerateRequest):
@@ -102,6 +109,9 @@ class SchedulerLoop:
         elif isinstance(msg, FlushCache):
             flushed = self.scheduler.flush_cache()
             logger.info("prefix cache flushed (%s)", "pool fully free" if flushed else "requests still running")
+            self.io.send(BatchTokenOutput([], self.scheduler.stats(), answers="flush_cache", flushed=flushed))
+        elif isinstance(msg, GetStats):
+            self.io.send(BatchTokenOutput([], self.scheduler.stats(), answers="get_stats"))
         return []
 
     def check_agreement(self, outputs: list[TokenOutput]) -> None:

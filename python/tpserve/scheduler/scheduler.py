@@ -66,7 +66,7 @@ class Scheduler:
         self.cached_tokens_total = 0
         self.evicted_pages_total = 0
         self.preemptions_total = 0
-        self.check_accounting = self.config.debug_check_ranks
+        self.check_accounting = self.config.debug_check_invariants
         self.overlap = not self.config.disable_overlap
         self.inflight: _Launched | None = None
         self.free_slots: list[int] = []  # penalty-state slots given back (a min-heap)
@@ -108,7 +108,7 @@ class Scheduler:
     # the same step on every rank. So readiness is decided by one party: rank 0 (the scheduler
     # loop) announces the grammars ``grammars_ready`` reports to every rank in its message
     # broadcast, and each rank then attaches them, waiting for its own compile if it is
-    # behind. The offline LLM attaches every grammar before its first step.
+    # behind.
     def grammars_ready(self) -> list[int]:
         """Requests whose grammar has compiled (or failed) on this rank, in arrival order."""
         return [rid for rid, (_, future) in self.compiling.items() if future.done()]
@@ -131,9 +131,6 @@ class Scheduler:
             return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=error)]
         self.waiting.append(req)
         return []
-
-    def attach_all_grammars(self) -> list[TokenOutput]:
-        return [out for rid in list(self.compiling) for out in self.attach_grammar(rid)]
 
     def abort(self, rid: int) -> bool:
         if self.compiling.pop(rid, None) is not None:

@@ -16,15 +16,13 @@ from typing import Any, Literal, Union
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from tpserve.parsers.constraints import FieldError, output_structure
-from tpserve.sampling_params import MAX_LOGPROBS, SamplingParams, StructuredOutput
+from tpserve.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams, StructuredOutput
 from tpserve.server.errors import APIError
 from tpserve.server.limits import check_transportable
 
 logger = logging.getLogger(__name__)
 
 MAX_N = 16  # choices per prompt
-
-SEED_LIMIT = 2**63
 
 
 class _Lenient(BaseModel):

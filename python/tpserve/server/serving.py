@@ -11,14 +11,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tpserve.message.frontend import ApiOutput, TokenizeRequest
 from tpserve.parsers.chat_output import ChatOutputConfig
-from tpserve.sampling_params import SamplingParams
+from tpserve.sampling_params import SEED_LIMIT, SamplingParams
 from tpserve.server.errors import APIError, error_body
 from tpserve.server.formats import SSE_DONE, ChatFormat, CompletionFormat, ResponseFormat, sse
 from tpserve.server.client import FrontendClient
 from tpserve.server.generation import Choice, ClientGone, Generation
 from tpserve.server.limits import RequestLimits
 from tpserve.server.metrics import ServerMetrics
-from tpserve.server.protocol import SEED_LIMIT, ChatCompletionRequest, CompletionRequest
+from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest
 
 
 @dataclass(frozen=True)

@@ -17,8 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     add = parser.add_argument
     add("out_dir", metavar="OUT_DIR", help="directory to write (created if missing)")
     add("--arch", choices=list(ARCHITECTURES), default="qwen3",
-        help="architecture: qwen3 (q/k RMSNorm), qwen2 (q/k/v bias), llama (llama3 rope "
-        "scaling), mistral (default: %(default)s)")
+        help="architecture: qwen3 (q/k RMSNorm), qwen3_moe (Qwen3 with mixture-of-experts MLPs), "
+        "qwen2 (q/k/v bias), llama (llama3 rope scaling), mistral (default: %(default)s)")
     add("--layers", type=int, default=2, help="number of decoder layers (default: %(default)s)")
     add("--hidden", type=int, default=64, help="hidden size (default: %(default)s)")
     add("--heads", type=int, default=4,
@@ -32,6 +32,12 @@ def build_parser() -> argparse.ArgumentParser:
     add("--vocab", type=int, default=None,
         help="model vocab size, >= the tokenizer's size (default: the tokenizer's size rounded "
         f"up to a multiple of {VOCAB_MULTIPLE})")
+    add("--experts", type=int, default=8, help="qwen3_moe: experts per sparse layer (default: %(default)s)")
+    add("--top-k", type=int, default=2, help="qwen3_moe: experts per token (default: %(default)s)")
+    add("--moe-intermediate", type=int, default=None,
+        help="qwen3_moe: each expert's intermediate size (default: hidden / 2)")
+    add("--mlp-only-layers", type=int, nargs="*", default=[0],
+        help="qwen3_moe: layers with a dense MLP instead of experts (default: %(default)s)")
     add("--tie", action="store_true",
         help="tie the LM head to the token embedding (then no lm_head.weight is saved)")
     add("--shards", type=int, default=1,
@@ -68,6 +74,10 @@ def main(argv: list[str] | None = None) -> int:
             max_position_embeddings=args.max_position_embeddings,
             rope_type=args.rope_type,
             legacy_config=args.legacy_config,
+            num_experts=args.experts,
+            num_experts_per_tok=args.top_k,
+            moe_intermediate_size=args.moe_intermediate,
+            mlp_only_layers=tuple(args.mlp_only_layers),
         )
     except ValueError as e:
         parser.error(str(e))

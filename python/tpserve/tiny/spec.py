@@ -6,6 +6,7 @@ from dataclasses import dataclass
 
 ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
@@ -36,6 +37,12 @@ class TinySpec:
     max_position_embeddings: int
     rope_type: str  # default | llama3 | yarn | linear
     legacy_config: bool  # rope_theta + rope_scaling at the top level, as transformers 4 saved them
+    # qwen3_moe only (0 experts elsewhere): the sparse layers are all but mlp_only_layers
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    mlp_only_layers: tuple[int, ...] = ()
+    norm_topk_prob: bool = True
 
 
 def resolve_spec(
@@ -55,6 +62,11 @@ def resolve_spec(
     max_position_embeddings: int = 4096,
     rope_type: str | None = None,
     legacy_config: bool = False,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int | None = None,
+    mlp_only_layers: tuple[int, ...] | list[int] = (0,),
+    norm_topk_prob: bool = True,
 ) -> TinySpec:
     """Fill in defaults and reject shapes the target architecture cannot express."""
     if arch not in ARCHITECTURES:
@@ -108,7 +120,24 @@ def resolve_spec(
         raise ValueError(
             f"vocab_size ({vocab_size}) must be >= the tokenizer's size ({tokenizer_size})"
         )
+    moe: dict = {}
+    if arch == "qwen3_moe":
+        if moe_intermediate_size is None:
+            moe_intermediate_size = hidden_size // 2
+        if not 1 <= num_experts_per_tok <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({num_experts_per_tok}) must be in [1, num_experts ({num_experts})]")
+        if moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be >= 1, got {moe_intermediate_size}")
+        bad = [i for i in mlp_only_layers if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers {bad} are not layers of a {num_layers}-layer model")
+        moe = {
+            "num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
+            "moe_intermediate_size": moe_intermediate_size, "mlp_only_layers": tuple(sorted(set(mlp_only_layers))),
+            "norm_topk_prob": norm_topk_prob,
+        }
     return TinySpec(
+        **moe,
         arch=arch,
         num_layers=num_layers,
         hidden_size=hidden_size,
@@ -177,8 +206,14 @@ def model_config(spec: TinySpec, bos_id: int, eos_id: int) -> dict:
     }
     if spec.arch != "qwen2":
         cfg["head_dim"] = spec.head_dim
-    if spec.arch in ("qwen2", "qwen3"):
+    if spec.arch in ("qwen2", "qwen3", "qwen3_moe"):
         cfg["max_window_layers"] = spec.num_layers
+    if spec.arch == "qwen3_moe":
+        cfg.update(
+            num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
+            moe_intermediate_size=spec.moe_intermediate_size, mlp_only_layers=list(spec.mlp_only_layers),
+            norm_topk_prob=spec.norm_topk_prob, decoder_sparse_step=1,
+        )
     return cfg
 
 

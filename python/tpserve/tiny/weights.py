@@ -28,11 +28,18 @@ def weight_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-        if spec.arch == "qwen3":
+        if spec.arch in ("qwen3", "qwen3_moe"):
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if spec.num_experts and i not in spec.mlp_only_layers:
+            shapes[p + "mlp.gate.weight"] = (spec.num_experts, h)
+            for e in range(spec.num_experts):  # per expert, as published checkpoints and save_pretrained write them
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (spec.moe_intermediate_size, h)
+                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (spec.moe_intermediate_size, h)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, spec.moe_intermediate_size)
+            continue
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)

@@ -11,9 +11,9 @@ import msgspec
 from tpserve.message import GenerateRequest
 from tpserve.message.frontend import DetokenizeRegister, TokenizeRequest
 from tpserve.parsers.reasoning import prompt_opens_reasoning
+from tpserve.sampling_params import SEED_LIMIT
 from tpserve.structured.grammar import InvalidGrammar, check_spec
 
-SEED_LIMIT = 2**63
 
 # apply_chat_template arguments that chat_template_kwargs must not override.
 RESERVED_TEMPLATE_KWARGS = frozenset(

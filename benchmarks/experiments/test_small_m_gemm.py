@@ -1,4 +1,4 @@
-"""benchmarks/small_m_gemm_kernel.py's small_m_linear (an experiment the engine does not use:
+"""benchmarks/experiments/small_m_gemm_kernel.py's small_m_linear (an experiment the engine does not use:
 cuBLAS measured as fast at the served shapes) against F.linear in float32, on the CPU through Triton's interpreter.
 
 The checks run in one child process with TRITON_INTERPRET=1 (Triton reads it when a kernel is
@@ -25,7 +25,7 @@ import pytest
 
 pytest.importorskip("triton")
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "..", "benchmarks"))
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 
 # name -> (M, N, K, bias, dtype, config as SmallMConfig keywords or None for default_config).
 # Leading dims, strides, M = 0 and the argument checks are separate checks below.

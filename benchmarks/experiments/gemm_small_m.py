@@ -11,7 +11,7 @@ config (``default_config``) and a fixed sweep of candidate configs (split-K chos
 skipped. Then the sum over each model's decoder (layers x 4 linears + lm_head) at the smallest
 and largest M, and the device copy bandwidth measured in the same run.
 
-    python benchmarks/gemm_small_m.py --models .models/Qwen3-0.6B,.models/Qwen3-8B,.models/Qwen3-14B \\
+    python benchmarks/experiments/gemm_small_m.py --models .models/Qwen3-0.6B,.models/Qwen3-8B,.models/Qwen3-14B \\
         --out out/gemm_small_m.json
 """
 
@@ -28,9 +28,10 @@ import sys
 import time
 from collections.abc import Callable
 
-# Run from a checkout where tpserve is not installed: use the checkout's python/.
+# benchmarks/common.py; and, from a checkout where tpserve is not installed, the checkout's python/.
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
 if importlib.util.find_spec("tpserve") is None:
-    _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     sys.path.insert(0, os.path.join(_ROOT, "python"))
 
 import torch

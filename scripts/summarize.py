@@ -1,6 +1,6 @@
 """Merge the benchmark JSON files of one run into one file and print a short table.
 
-    python benchmarks/summarize.py RESULTS_DIR MERGED_JSON
+    python scripts/summarize.py RESULTS_DIR MERGED_JSON
 """
 
 from __future__ import annotations

@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
 # The GPU run, on the lent GPU machine, from the repository root (carry .whl .ficache .models):
-#   bash benchmarks/gpu_suite.sh "$OUT" [stage ...]
+#   bash scripts/gpu_suite.sh "$OUT" [stage ...]
 # Installs the carried wheels, warms FlashInfer's JIT kernels, runs tests/gpu, then the
 # benchmarks; every stage has a time limit so the whole run ends inside the device call.
 # Writes $OUT/suite.log, $OUT/results/*.json (one per benchmark) and $OUT/ficache.tgz.
@@ -17,7 +17,7 @@ python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upg
   && export PYTHONPATH=/tmp/site:$PWD/python FLASHINFER_WORKSPACE_BASE=$PWD/.ficache PYTHONUNBUFFERED=1 \
      MAX_JOBS=16 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false || exit 1
 # FlashInfer's norm, rotary and SiLU-and-mul modules, prebuilt off the GPU machine
-# (benchmarks/build_flashinfer_aot.sh), load as AOT modules: no JIT build on this machine.
+# (scripts/build_flashinfer_aot.sh), load as AOT modules: no JIT build on this machine.
 if [ -d .fiaot ]; then
   mkdir -p /tmp/site/flashinfer/data/aot && cp -r .fiaot/. /tmp/site/flashinfer/data/aot/
 fi
@@ -38,7 +38,7 @@ nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --f
 for s in $stages; do
   case $s in
     warm)
-      stage warm 300 python3 benchmarks/warm_flashinfer.py --head-dim 128 --dtype bfloat16
+      stage warm 300 python3 scripts/warm_flashinfer.py --head-dim 128 --dtype bfloat16
       tar czf "$out/ficache.tgz" -C .ficache . ;;
     tests) stage tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
     decode06) stage decode06 150 python3 benchmarks/decode_latency.py --model $small --out $results/decode_qwen3_0.6b.json ;;
@@ -75,11 +75,11 @@ for s in $stages; do
     offline14_trace) stage offline14_trace 240 python3 benchmarks/offline_throughput.py --model .models/Qwen3-14B --trace --out $results/offline_qwen3_14b_traced.json ;;
     decode06_pipe) stage decode06_pipe 90 python3 benchmarks/decode_latency.py --model $small --batch-sizes 1,64,256 --contexts 512 --modes graph,pipelined --out $results/decode_qwen3_0.6b_pipelined.json ;;
     decode8_pipe) stage decode8_pipe 120 python3 benchmarks/decode_latency.py --model $large --batch-sizes 1,64 --contexts 512 --modes graph,pipelined --out $results/decode_qwen3_8b_pipelined.json ;;
-    gemm) stage gemm 240 python3 benchmarks/gemm_small_m.py --models $small,$large,.models/Qwen3-14B --out $results/gemm_small_m.json ;;
-    attn) stage attn 200 python3 benchmarks/attention_decode.py --out $results/attention_decode.json ;;
+    gemm) stage gemm 240 python3 benchmarks/experiments/gemm_small_m.py --models $small,$large,.models/Qwen3-14B --out $results/gemm_small_m.json ;;
+    attn) stage attn 200 python3 benchmarks/experiments/attention_decode.py --out $results/attention_decode.json ;;
     attn_layouts)  # page layout and size of the decode kernels (Qwen3-0.6B and -8B heads)
       for layout in NHD HND; do for ps in 16 64; do
-        stage attn_${layout}_$ps 120 python3 benchmarks/attention_decode.py --heads 16:8,32:8 --batch-sizes 64,256 \
+        stage attn_${layout}_$ps 120 python3 benchmarks/experiments/attention_decode.py --heads 16:8,32:8 --batch-sizes 64,256 \
           --contexts 512,1024,4096 --variants decode_cuda_cores,decode_tensor_cores --layout $layout --page-size $ps \
           --out $results/attention_decode_${layout}_$ps.json
       done; done ;;
@@ -94,4 +94,4 @@ if [ -n "$(find .ficache -newer /tmp/ficache-marker -name '*.so' 2>/dev/null)" ]
 fi
 echo "=== summary" | tee -a "$log"
 tar czf "$out/results.tgz" -C "$results" .  # one file: the tool brings back at most 8
-python3 benchmarks/summarize.py "$results" /tmp/tpserve-results.json 2>&1 | tee -a "$log"
+python3 scripts/summarize.py "$results" /tmp/tpserve-results.json 2>&1 | tee -a "$log"

@@ -24,7 +24,7 @@ KV bytes per point: batch * context * kv_heads * 128 * 2 bytes * 2 (K and V). A 
 raises (unsupported option, failed JIT build) is reported and skipped. The first call of each
 variant (wrapper, plan, run) is timed separately: it includes loading or JIT-building kernels.
 
-    python benchmarks/attention_decode.py --heads 16:8,32:8,40:8 --batch-sizes 1,64,256 \
+    python benchmarks/experiments/attention_decode.py --heads 16:8,32:8,40:8 --batch-sizes 1,64,256 \
         --contexts 512,1024,4096 --out out/attention_decode.json
 """
 
@@ -32,8 +32,10 @@ from __future__ import annotations
 
 import argparse
 import math
+import os
 import re
 import statistics
+import sys
 import time
 import traceback
 from collections.abc import Callable
@@ -42,6 +44,8 @@ from functools import partial
 from itertools import product
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for benchmarks/common.py
 from common import copy_bandwidth, device_name, print_table, time_cuda, write_json
 
 HEAD_DIM = 128

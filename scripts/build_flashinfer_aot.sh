@@ -3,7 +3,7 @@
 # GPU, into ./.fiaot/<module>/<module>.so (ignored by git; carry it to the GPU machine, where
 # gpu_suite.sh copies it into flashinfer/data/aot so FlashInfer loads it instead of JIT-building
 # for ~2 minutes). Needs nvcc 13 at /usr/local/cuda, ninja, and pip access; run from the repo root:
-#   bash benchmarks/build_flashinfer_aot.sh
+#   bash scripts/build_flashinfer_aot.sh
 # If FlashInfer cannot load a module built here it logs a warning and JIT-builds it as before.
 set -euo pipefail
 work=${TMPDIR:-/tmp}/tpserve-fiaot

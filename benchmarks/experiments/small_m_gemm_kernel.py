@@ -27,7 +27,7 @@ bandwidth. This kernel is written for that stream and nothing else:
 
 Accumulation is float32; the bias is added in float32 before the one rounding to x's dtype.
 There is no autotuning at call time: ``default_config`` is a heuristic on (M, N, K, SMs) and a
-caller may pass an explicit ``SmallMConfig`` (``benchmarks/gemm_small_m.py`` sweeps them). No
+caller may pass an explicit ``SmallMConfig`` (``benchmarks/experiments/gemm_small_m.py`` sweeps them). No
 host synchronisation and no data-dependent host decisions, so a call can be captured in a CUDA
 graph (the split-K workspace comes from torch's allocator, i.e. the graph's pool).
 

@@ -2,7 +2,7 @@
 else needs them: CUDA-core decode, tensor-core decode (FlashInfer's fa2 prefill module) and
 paged prefill (fa3 on Hopper). Each is built for the given head_dim and dtype.
 
-    python benchmarks/warm_flashinfer.py --head-dim 128 --dtype bfloat16
+    python scripts/warm_flashinfer.py --head-dim 128 --dtype bfloat16
 """
 
 from __future__ import annotations

@@ -1,0 +1,127 @@
+"""The experts of a mixture-of-experts layer as two grouped Triton GEMMs over tokens sorted by expert.
+
+Each (token, k) pair is one row. ``align_by_expert`` sorts the rows by expert and pads every
+expert's run to a multiple of BLOCK_M, so each BLOCK_M block of sorted rows belongs to one expert;
+a block reads only its expert's weights, so a step reads the weights of the experts it uses, once
+per block. The first GEMM computes [gate | up] of every row, SiLU-and-mul follows, and the second
+GEMM the down projection scaled by the row's router weight; the k rows of a token are then summed.
+
+Every shape depends only on the number of tokens (the padded length is bounded by
+``rows + min(rows, experts) * (BLOCK_M - 1)``) and nothing is read back on the host, so the
+whole path runs inside a CUDA graph; blocks past the real padded length exit at once.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpserve.layers.activation import silu_and_mul
+
+
+@triton.jit
+def _grouped_gemm_kernel(
+    a_ptr, w_ptr, c_ptr, scale_ptr, sorted_rows_ptr, block_expert_ptr, padded_len_ptr,
+    num_rows, N, K,
+    stride_am, stride_we, stride_wn, stride_cm,
+    A_ROWS_PER_TOKEN: tl.constexpr,  # top_k when a's rows are tokens (first GEMM), 1 when they are rows
+    SCALE: tl.constexpr, IEEE: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """c[row, :N] = a[row // A_ROWS_PER_TOKEN] @ w[expert].T (* scale[row]) for the block's sorted rows."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if pid_m * BLOCK_M >= tl.load(padded_len_ptr):
+        return
+    rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
+    row_ok = rows < num_rows
+    expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < N
+    offs_k = tl.arange(0, BLOCK_K)
+    a_rows = (rows // A_ROWS_PER_TOKEN).to(tl.int64)
+    a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
+    w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, tl.cdiv(K, BLOCK_K)):
+        k_ok = offs_k < K - k0 * BLOCK_K
+        a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(a, w, input_precision="ieee")
+        else:
+            acc += tl.dot(a, w)
+        a_ptrs += BLOCK_K
+        w_ptrs += BLOCK_K
+    if SCALE:
+        acc *= tl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+    c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
+
+
+def block_m_for(num_rows: int) -> int:
+    """Rows per block: small for decode (few rows per expert), larger for prefill."""
+    return 16 if num_rows <= 512 else 64
+
+
+def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Sort the rows (flattened (token, k) pairs) of ``ids`` [T, k] by expert, each expert's run
+    padded to a multiple of ``block_m``, with no host sync.
+
+    Returns sorted_rows [P] (row numbers; ``T * k`` marks padding), block_expert [P / block_m]
+    and padded_len [1] (the used part of P; P is fixed by T alone)."""
+    flat = ids.flatten()
+    rows = flat.numel()
+    capacity = rows + min(rows, num_experts) * (block_m - 1)
+    capacity = -(-capacity // block_m) * block_m
+    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, torch.ones_like(flat))
+    padded = (counts + block_m - 1) // block_m * block_m
+    ends = padded.cumsum(0)
+    order = flat.argsort(stable=True)
+    by_expert = flat[order]
+    rank = torch.arange(rows, device=ids.device) - (counts.cumsum(0) - counts)[by_expert]
+    sorted_rows = torch.full((capacity,), rows, dtype=torch.int32, device=ids.device)
+    sorted_rows[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
+    block_starts = torch.arange(0, capacity, block_m, device=ids.device)
+    block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
+    return sorted_rows, block_expert, ends[-1:]
+
+
+def _grouped_gemm(
+    a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None,
+    sorted_rows: torch.Tensor, block_expert: torch.Tensor, padded_len: torch.Tensor,
+    num_rows: int, rows_per_token: int, block_m: int,
+) -> None:
+    n, k = w.shape[1], w.shape[2]
+    block_n, block_k = 64, 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    grid = (sorted_rows.numel() // block_m, triton.cdiv(n, block_n))
+    _grouped_gemm_kernel[grid](
+        a, w, out, scale if scale is not None else out, sorted_rows, block_expert, padded_len,
+        num_rows, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
+        A_ROWS_PER_TOKEN=rows_per_token, SCALE=scale is not None, IEEE=a.dtype == torch.float32,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+    )
+
+
+def fused_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]; gate_up [E, 2I, H], down [E, H, I]."""
+    if not (gate_up.is_contiguous() and down.is_contiguous()):
+        raise ValueError("fused_experts needs contiguous expert weights")
+    x = x.contiguous()
+    tokens, top_k = ids.shape
+    rows = tokens * top_k
+    if rows == 0:
+        return torch.zeros_like(x)
+    block_m = block_m_for(rows)
+    sorted_rows, block_expert, padded_len = align_by_expert(ids, gate_up.shape[0], block_m)
+    gate_up_out = torch.empty(rows, gate_up.shape[1], dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, gate_up, gate_up_out, None, sorted_rows, block_expert, padded_len, rows, top_k, block_m)
+    hidden = silu_and_mul(gate_up_out)
+    down_out = torch.empty(rows, down.shape[1], dtype=x.dtype, device=x.device)
+    scale = weights.reshape(-1).contiguous()
+    _grouped_gemm(hidden, down, down_out, scale, sorted_rows, block_expert, padded_len, rows, 1, block_m)
+    return down_out.view(tokens, top_k, -1).sum(dim=1)

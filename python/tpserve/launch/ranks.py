@@ -1,0 +1,106 @@
+"""The rank driver: how the offline ``LLM`` runs the server's ranks and scheduler loop.
+
+``RankProcesses`` starts one scheduler process per rank exactly as the server does (``Backend``
+without the tokenizers and the detokenizer) and takes the detokenizer's place: it pushes
+messages to rank 0 and pulls rank 0's outputs. ``LocalRank`` runs the only rank's loop in this
+process and steps it whenever output is wanted. Both take ``SchedulerInput`` messages and give
+back ``BatchTokenOutput``s (``receive`` waits for the next; a dead rank is a RuntimeError), so
+the LLM never branches on the mode.
+"""
+
+from __future__ import annotations
+
+import gc
+import multiprocessing.util
+
+import msgspec
+import torch
+import zmq
+
+from tpserve.config import EngineConfig
+from tpserve.launch.backend import Backend, ChildDied, describe_exit
+from tpserve.message import BatchTokenOutput, SchedulerInput
+from tpserve.message.transport import encode, open_socket
+
+POLL_MS = 500  # how often a wait for output checks that every rank is alive
+
+
+def start_ranks(config: EngineConfig) -> RankDriver:
+    return LocalRank(config) if config.tp_size == 1 else RankProcesses(config)
+
+
+class LocalRank:
+    """tp 1: the rank's engine, scheduler and loop in this process."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        from tpserve.engine.engine import Engine
+        from tpserve.scheduler.io import LocalIO
+        from tpserve.scheduler.process import SchedulerLoop
+        from tpserve.scheduler.scheduler import Scheduler
+
+        self.engine = Engine(config, rank=0)
+        self.scheduler, self.io = Scheduler(self.engine), LocalIO()
+        self.loop = SchedulerLoop(self.scheduler, self.io, config.debug_check_invariants)
+
+    def send(self, msg: SchedulerInput) -> None:
+        self.io.inbox.append(msg)
+
+    def receive(self) -> BatchTokenOutput:
+        while not self.io.outbox:
+            self.loop.run_once()
+        return self.io.outbox.popleft()
+
+    def close(self) -> None:
+        """Free the engine now (its GPU memory included)."""
+        self.engine.shutdown()
+        del self.engine, self.scheduler, self.loop
+        gc.collect()
+        if torch.cuda.is_available():
+            torch.cuda.empty_cache()
+
+
+class RankProcesses:
+    """tp > 1: the server's scheduler processes; stopped on close, when garbage-collected or at
+    exit (before multiprocessing joins its children), and by the kernel if this process dies."""
+
+    def __init__(self, config: EngineConfig) -> None:
+        self.backend = Backend(config, log_level="warning")
+        self._ctx = zmq.Context()
+        self._outputs = open_socket(self._ctx, zmq.PULL, self.backend.endpoints.detokenizer, bind=True)
+        self._inputs = self._ctx.socket(zmq.PUSH)
+        self._inputs.setsockopt(zmq.LINGER, 0)
+        self._inputs.setsockopt(zmq.SNDHWM, 0)  # queue rather than block, even if rank 0 is gone
+        self._inputs.connect(self.backend.endpoints.scheduler)
+        self._decoder = msgspec.msgpack.Decoder(BatchTokenOutput)
+        self._finalizer = multiprocessing.util.Finalize(self, _stop, (self.backend, self._ctx), exitpriority=10)
+        try:
+            self.backend.start()
+            self.backend.wait_ready()
+        except BaseException as e:
+            error = self._died() if isinstance(e, ChildDied) else e  # named before close stops the rest
+            self.close()
+            raise error from None
+
+    def send(self, msg: SchedulerInput) -> None:
+        self._inputs.send(encode(msg))
+
+    def receive(self) -> BatchTokenOutput:
+        while not self._outputs.poll(POLL_MS):
+            if self.backend.dead_child() is not None:
+                raise self._died()
+        return self._decoder.decode(self._outputs.recv())
+
+    def _died(self) -> RuntimeError:
+        dead = [(rank, p.exitcode) for rank, p in enumerate(self.backend.procs) if p.exitcode is not None]
+        return RuntimeError("; ".join(f"tp rank {rank} died ({describe_exit(code)})" for rank, code in dead))
+
+    def close(self) -> None:
+        self._finalizer()
+
+
+def _stop(backend: Backend, ctx: zmq.Context) -> None:
+    backend.shutdown()
+    ctx.destroy(linger=0)
+
+
+RankDriver = LocalRank | RankProcesses

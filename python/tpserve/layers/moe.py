@@ -1,0 +1,138 @@
+"""The sparse mixture-of-experts MLP (Qwen3-MoE): a top-k router and stacked experts.
+
+Tensor parallelism cuts every expert the way the dense MLP is cut: each rank holds a slice of
+every expert's intermediate dimension (gate/up by rows, down by columns), so each rank's output
+is a partial sum that one all-reduce per layer completes. The experts are stacked in
+``[experts, ...]`` tensors indexed by *local* expert; ``expert_start`` maps the checkpoint's
+global expert numbers onto them, which is where expert parallelism (whole experts per rank)
+would cut instead (see docs/design.md).
+
+The torch path below is the CPU path and the test oracle; on CUDA the experts run as two
+grouped Triton GEMMs over tokens sorted by expert (``tpserve.kernels.moe``).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from tpserve.config import ModelConfig
+from tpserve.distributed.comm import Communicator
+from tpserve.distributed.info import get_tp_info
+from tpserve.kernels import use_triton
+from tpserve.layers.activation import silu_and_mul
+from tpserve.layers.linear import ReplicatedWeights, copy_checked, divide
+
+ShardId = tuple[int, int]  # (global expert, part): gate_up_proj part 0 = gate, 1 = up; down_proj part 0
+
+
+class TopKRouter(ReplicatedWeights):
+    """``mlp.gate``: softmax over the experts in float32, the top k, optionally renormalised (as transformers)."""
+
+    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+        super().__init__()
+        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k] int64)."""
+        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
+        weights, ids = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return weights.to(x.dtype), ids
+
+
+class StackedExperts(nn.Module):
+    """``mlp.experts``: gate_up_proj [E, 2 * I_local, H] ([gate | up] rows) and down_proj [E, H, I_local]."""
+
+    def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
+        super().__init__()
+        tp = get_tp_info()
+        self.tp_rank = tp.rank
+        self.expert_start, self.num_experts = 0, num_experts  # every expert on every rank (no expert parallelism)
+        self.local_intermediate = divide(intermediate_size, tp.size, "moe_intermediate_size")
+        size = self.local_intermediate
+        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, size), requires_grad=False)
+
+    def shard_ids(self, param_name: str) -> tuple[ShardId, ...]:
+        """The checkpoint pieces this rank loads into ``param_name``."""
+        parts = (0, 1) if param_name == "gate_up_proj" else (0,)
+        experts = range(self.expert_start, self.expert_start + self.num_experts)
+        return tuple((e, p) for e in experts for p in parts)
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: object = None) -> None:
+        """One expert's full projection ([I, H] gate/up, [H, I] down); this rank keeps its slice."""
+        if not (isinstance(shard_id, tuple) and len(shard_id) == 2):
+            raise ValueError(f"expert weight {param_name} needs an (expert, part) shard id, got {shard_id!r}")
+        expert, part = shard_id
+        local = expert - self.expert_start
+        size, start = self.local_intermediate, self.tp_rank * self.local_intermediate
+        if param_name == "gate_up_proj":
+            copy_checked(self.gate_up_proj.data[local].narrow(0, part * size, size), loaded.narrow(0, start, size),
+                          f"experts.{expert}.{('gate_proj', 'up_proj')[part]}")
+        else:
+            copy_checked(self.down_proj.data[local], loaded.narrow(1, start, size), f"experts.{expert}.down_proj")
+
+
+def experts_torch(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]: the tokens sorted by expert, one
+    matmul pair per expert that got any (the per-expert counts are read on the host)."""
+    tokens, top_k = ids.shape
+    flat = ids.flatten()
+    order = flat.argsort(stable=True)
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    rows = x[order // top_k]
+    out = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            chunk = slice(start, start + count)
+            out[order[chunk]] = F.linear(silu_and_mul(F.linear(rows[chunk], gate_up[expert])), down[expert])
+            start += count
+    return (out.view(tokens, top_k, -1) * weights.unsqueeze(-1)).sum(dim=1)
+
+
+def experts_dense_masked(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The same sum with no host sync (every expert on every token, weighted 0 where not chosen):
+    the torch path inside a CUDA graph capture when the Triton kernels are off."""
+    dense = torch.zeros(ids.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
+    dense.scatter_(1, ids, weights)
+    out = torch.zeros_like(x)
+    for expert in range(gate_up.shape[0]):
+        out += dense[:, expert : expert + 1] * F.linear(silu_and_mul(F.linear(x, gate_up[expert])), down[expert])
+    return out
+
+
+def run_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    if use_triton(x.device):
+        from tpserve.kernels.moe import fused_experts
+
+        return fused_experts(x, gate_up, down, weights, ids)
+    if x.is_cuda and torch.cuda.is_current_stream_capturing():
+        return experts_dense_masked(x, gate_up, down, weights, ids)
+    return experts_torch(x, gate_up, down, weights, ids)
+
+
+class SparseMoeBlock(nn.Module):
+    def __init__(self, cfg: ModelConfig, comm: Communicator) -> None:
+        super().__init__()
+        moe = cfg.moe
+        if moe is None:
+            raise ValueError("SparseMoeBlock needs a mixture-of-experts config")
+        self.comm = comm
+        self.gate = TopKRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.norm_topk_prob)
+        self.experts = StackedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        weights, ids = self.gate(x)
+        partial = run_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        return self.comm.all_reduce(partial)

@@ -1,0 +1,170 @@
+"""``--calibrate``: measure this machine's figures in place of the table's: device copy bandwidth
+(bytes read + written), dense matmul rate in the serving dtype, and the all-reduce latency and
+bus bandwidth at TP 2 through the engine's own communicator (NCCL on two GPUs, Gloo between two
+CPU processes)."""
+
+from __future__ import annotations
+
+import multiprocessing as mp
+import os
+import statistics
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, replace
+
+import torch
+
+from tpserve.distributed.comm import init_process_groups, local_init_addr
+from tpserve.plan.specs import GPUS, GPUSpec, Link
+
+WORKER_TIMEOUT_S = 300
+BURST = 10
+
+
+@dataclass(frozen=True)
+class Sizes:
+    copy_bytes: int
+    matmul_n: int
+    small_bytes: int  # an all-reduce this small costs its latency (a decode step's is batch x hidden x 2)
+    large_bytes: int  # one this large, its bandwidth
+    iters: int
+
+
+GPU_SIZES = Sizes(copy_bytes=4 << 30, matmul_n=8192, small_bytes=16 << 10, large_bytes=256 << 20, iters=50)
+CPU_SIZES = Sizes(copy_bytes=64 << 20, matmul_n=512, small_bytes=16 << 10, large_bytes=4 << 20, iters=10)
+QUICK_SIZES = Sizes(copy_bytes=8 << 20, matmul_n=128, small_bytes=4 << 10, large_bytes=1 << 20, iters=5)
+
+
+@dataclass(frozen=True)
+class Calibration:
+    device: str  # cuda | cpu
+    device_name: str
+    memory_bytes: float
+    copy_bandwidth: float
+    matmul_flops: float
+    link: Link | None  # None: fewer than two GPUs, nothing to measure between
+
+    def as_spec(self) -> GPUSpec:
+        base = GPUS["cpu"] if self.device == "cpu" else GPUS["h200"]
+        return replace(
+            base,
+            name=self.device_name,
+            memory_bytes=self.memory_bytes,
+            copy_bandwidth=self.copy_bandwidth,
+            matmul_flops=self.matmul_flops,
+            link=self.link or base.link,
+        )
+
+
+def _timed(fn: Callable[[], object], device: torch.device, iters: int) -> float:
+    """Median seconds of ``fn`` after a warm-up: CUDA events on the current stream (as the
+    benchmarks time), the wall clock on the CPU."""
+    for _ in range(3):
+        fn()
+    times = []
+    for _ in range(iters):
+        if device.type == "cuda":
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            fn()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end) / 1e3)
+        else:
+            begin = time.perf_counter()
+            fn()
+            times.append(time.perf_counter() - begin)
+    return statistics.median(times)
+
+
+def _dtype(device: torch.device) -> torch.dtype:
+    return torch.bfloat16 if device.type == "cuda" else torch.float32  # the engine's default dtype there
+
+
+def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
+    dtype = _dtype(device)
+    src = torch.randn(nbytes // dtype.itemsize, dtype=dtype, device=device)
+    dst = torch.empty_like(src)
+    return 2 * src.numel() * dtype.itemsize / _timed(lambda: dst.copy_(src), device, iters)
+
+
+def matmul_flops(device: torch.device, n: int, iters: int) -> float:
+    dtype = _dtype(device)
+    pairs = [(torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)) for _ in range(3)]
+    out = torch.empty(n, n, dtype=dtype, device=device)
+    turn = iter(range(1 << 62))
+
+    def run() -> None:
+        a, b = pairs[next(turn) % len(pairs)]
+        torch.matmul(a, b, out=out)
+
+    return 2 * n**3 / _timed(run, device, iters)
+
+
+def _all_reduce_rank(rank: int, addr: str, device_type: str, sizes: Sizes, out: mp.Queue) -> None:
+    device = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    comm, _ = init_process_groups(rank, 2, addr, device)
+    dtype = _dtype(device)
+    try:
+        seconds = []
+        for nbytes in (sizes.small_bytes, sizes.large_bytes):
+            x = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
+
+            def burst() -> None:  # back to back, as a step's layers issue them
+                for _ in range(BURST):
+                    comm.all_reduce(x)
+
+            seconds.append(_timed(burst, device, sizes.iters) / BURST)
+        out.put((rank, seconds))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def all_reduce_link(device_type: str, sizes: Sizes) -> Link:
+    """Alpha and bus bandwidth of a 2-rank all-reduce: the small message's time is the latency,
+    the large one's rest is its bytes over the bus (2(n-1)/n = 1 for n = 2)."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    addr = local_init_addr()
+    procs = [ctx.Process(target=_all_reduce_rank, args=(r, addr, device_type, sizes, out)) for r in range(2)]
+    for p in procs:
+        p.start()
+    try:
+        results = dict(out.get(timeout=WORKER_TIMEOUT_S) for _ in procs)
+    except Exception as e:
+        raise RuntimeError(f"the all-reduce measurement did not finish: {type(e).__name__}") from e
+    finally:
+        for p in procs:
+            p.join(30)
+            if p.is_alive():
+                p.kill()
+    small, large = (max(results[r][i] for r in results) for i in range(2))
+    alpha = small
+    transfer = max(large - alpha, large * 0.05)  # a noisy small time cannot make the bandwidth infinite
+    return Link(alpha_s=alpha, bus_bandwidth=(sizes.large_bytes - sizes.small_bytes) / transfer)
+
+
+def _memory_bytes(device: torch.device) -> float:
+    if device.type == "cuda":
+        return float(torch.cuda.get_device_properties(device).total_memory)
+    return float(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES"))
+
+
+def calibrate(device_type: str | None = None, sizes: Sizes | None = None) -> Calibration:
+    device_type = device_type or ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device("cuda:0" if device_type == "cuda" else "cpu")
+    sizes = sizes or (GPU_SIZES if device_type == "cuda" else CPU_SIZES)
+    name = torch.cuda.get_device_name(device) if device_type == "cuda" else "cpu"
+    link = None
+    if device_type == "cpu" or torch.cuda.device_count() >= 2:
+        link = all_reduce_link(device_type, sizes)
+    return Calibration(
+        device=device_type,
+        device_name=name,
+        memory_bytes=_memory_bytes(device),
+        copy_bandwidth=copy_bandwidth(device, sizes.copy_bytes, sizes.iters),
+        matmul_flops=matmul_flops(device, sizes.matmul_n, sizes.iters),
+        link=link,
+    )

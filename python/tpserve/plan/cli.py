@@ -1,0 +1,161 @@
+"""``python -m tpserve plan``: the planner's command line."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+from dataclasses import replace
+from typing import NoReturn
+
+from tpserve.config import ModelConfig
+from tpserve.launch.args import _HelpFormatter as HelpFormatter  # the server CLI's own help style
+from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
+from tpserve.plan.report import render
+from tpserve.plan.shape import DTYPE_BYTES, ModelShape
+from tpserve.plan.specs import GIB, GPUS, GPUSpec, Link
+from tpserve.plan.splits import Machine, Settings, plan_splits
+
+CUSTOM_REQUIRED = ("memory_gib", "bandwidth_tbps", "tflops")
+
+
+class PlanError(ValueError):
+    pass
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        """One line naming the bad value, no usage block."""
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _number(kind: type, low: float, inclusive: bool = True):
+    def parse(text: str):
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if value < low or (not inclusive and value == low) or value != value or value == float("inf"):
+            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low:g}, got {text!r}")
+        return value
+
+    return parse
+
+
+def _fraction(text: str) -> float:
+    value = _number(float, 0.0, inclusive=False)(text)
+    if value > 1.0:
+        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
+    return value
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(
+        prog="tpserve plan",
+        allow_abbrev=False,
+        description="Predict, for every tensor-parallel x data-parallel split of a machine, whether the "
+        "model fits, its KV capacity, decode latency and throughput, prefill time and all-reduce share; "
+        "recommend a split for latency and one for throughput.",
+        formatter_class=HelpFormatter,
+    )
+    p.add_argument("--model", required=True, help="local model directory, or a Hugging Face id in the local cache")
+    p.add_argument("--gpus", type=_number(int, 1), default=1, help="GPUs per node (ranks, with --gpu cpu)")
+    p.add_argument("--nodes", type=_number(int, 1), default=1, help="nodes (TP stays within a node; DP spans them)")
+    p.add_argument("--gpu", choices=[*GPUS, "custom"], default="h200",
+                   help="device kind from the table; custom: give --memory-gib, --bandwidth-tbps and --tflops")
+    p.add_argument("--context", type=_number(int, 1), default=32768, help="tokens per request (prompt + completion)")
+    p.add_argument("--workload", choices=["chat", "batch"], default="chat",
+                   help="chat: latency recommendation first; batch: throughput first")
+    p.add_argument("--dtype", choices=["auto", *DTYPE_BYTES], default="auto",
+                   help="serving dtype; auto: the checkpoint's on GPU, float32 on cpu (as the engine)")
+    p.add_argument("--mem-fraction", type=_fraction, default=0.85, help="the engine's --mem-fraction")
+    p.add_argument("--max-running-requests", type=_number(int, 1), default=256,
+                   help="the engine's --max-running-requests (caps the max batch)")
+    p.add_argument("--calibrate", action="store_true",
+                   help="measure this machine (copy bandwidth, matmul rate, TP-2 all-reduce) instead of the "
+                   "table: its GPUs, or its CPU with --gpu cpu or without CUDA")
+    spec = p.add_argument_group("device figures (override the table or the calibration)")
+    spec.add_argument("--memory-gib", type=_number(float, 0.0, inclusive=False), default=None)
+    spec.add_argument("--bandwidth-tbps", type=_number(float, 0.0, inclusive=False), default=None,
+                      help="device copy bandwidth, bytes read + written")
+    spec.add_argument("--tflops", type=_number(float, 0.0, inclusive=False), default=None,
+                      help="achievable dense matmul TFLOP/s in the serving dtype")
+    spec.add_argument("--allreduce-us", type=_number(float, 0.0), default=None, help="all-reduce latency (alpha)")
+    spec.add_argument("--busbw-gbps", type=_number(float, 0.0, inclusive=False), default=None,
+                      help="all-reduce bus bandwidth within a node")
+    return p
+
+
+def _gpu_spec(args: argparse.Namespace) -> tuple[GPUSpec, str]:
+    if args.calibrate:
+        from tpserve.plan.calibrate import calibrate
+
+        device = "cpu" if args.gpu == "cpu" else None  # None: this machine's GPUs, else its CPU
+        print("calibrating: copy bandwidth, matmul rate, TP-2 all-reduce ...", file=sys.stderr, flush=True)
+        spec, source = calibrate(device).as_spec(), "calibrated"
+    elif args.gpu == "custom":
+        missing = [f"--{name.replace('_', '-')}" for name in CUSTOM_REQUIRED if getattr(args, name) is None]
+        if missing:
+            raise PlanError(f"--gpu custom needs {', '.join(missing)}")
+        spec, source = replace(GPUS["h100"], name="custom"), "custom"
+    else:
+        spec, source = GPUS[args.gpu], "table"
+    link = Link(
+        alpha_s=spec.link.alpha_s if args.allreduce_us is None else args.allreduce_us * 1e-6,
+        bus_bandwidth=spec.link.bus_bandwidth if args.busbw_gbps is None else args.busbw_gbps * 1e9,
+    )
+    spec = replace(
+        spec,
+        memory_bytes=spec.memory_bytes if args.memory_gib is None else args.memory_gib * GIB,
+        copy_bandwidth=spec.copy_bandwidth if args.bandwidth_tbps is None else args.bandwidth_tbps * 1e12,
+        matmul_flops=spec.matmul_flops if args.tflops is None else args.tflops * 1e12,
+        link=link,
+    )
+    return spec, source
+
+
+def _model_config(model: str) -> ModelConfig:
+    try:
+        model_dir = resolve_model_dir(model)
+    except ModelNotFound as e:
+        raise PlanError(f"--model: {e}") from None
+    if not os.path.isfile(os.path.join(model_dir, "config.json")):
+        raise PlanError(f"--model {model}: {model_dir} has no config.json")
+    try:
+        return ModelConfig.from_pretrained(model_dir)
+    except (ValueError, OSError) as e:
+        raise PlanError(f"--model {model}: {e}") from None
+
+
+def _dtype_bytes(dtype: str, config: ModelConfig, device: str) -> int:
+    if dtype == "auto":
+        dtype = "float32" if device == "cpu" else config.torch_dtype
+    return DTYPE_BYTES.get(dtype, 2)
+
+
+def run(argv: list[str]) -> str:
+    """The report for ``argv``; raises PlanError on a bad value."""
+    args = build_parser().parse_args(argv)
+    config = _model_config(args.model)
+    if args.context > config.context_length:
+        raise PlanError(f"--context {args.context} exceeds the model's context length {config.context_length}")
+    gpu, source = _gpu_spec(args)
+    shape = ModelShape(config, _dtype_bytes(args.dtype, config, gpu.device))
+    if gpu.device == "cpu":  # CPU ranks share the host's memory
+        gpu = replace(gpu, memory_bytes=gpu.memory_bytes / args.gpus)
+    machine = Machine(gpu, args.gpus, args.nodes)
+    settings = Settings(args.context, mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests)
+    plans, excluded = plan_splits(shape, machine, settings)
+    return render(shape, args.model, machine, settings, plans, excluded, workload=args.workload, source=source)
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    try:
+        print(run(argv))
+    except SystemExit as e:  # argparse: --help, or a bad value already reported in one line
+        return e.code if isinstance(e.code, int) else 2
+    except PlanError as e:
+        print(f"tpserve plan: error: {e}", file=sys.stderr)
+        return 2
+    return 0

@@ -1,0 +1,83 @@
+"""What a model costs per rank at a TP size: the bytes it holds and reads, the FLOPs it does,
+and the KV bytes per token, counted the way tpserve's parallel layers split it."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from tpserve.config import ModelConfig
+
+DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    config: ModelConfig
+    dtype_bytes: int
+
+    @property
+    def layers(self) -> int:
+        return self.config.num_hidden_layers
+
+    @property
+    def hidden(self) -> int:
+        return self.config.hidden_size
+
+    def kv_heads_per_rank(self, tp: int) -> int:
+        """Each rank keeps kv/tp heads, or one replicated head when tp exceeds them."""
+        return max(1, self.config.num_key_value_heads // tp)
+
+    def layer_linear_params(self, tp: int = 1) -> int:
+        """One rank's share of one decoder layer's q/k/v/o and MLP weights."""
+        c = self.config
+        heads = c.num_attention_heads // tp
+        qkv = c.hidden_size * (heads + 2 * self.kv_heads_per_rank(tp)) * c.head_dim
+        o = heads * c.head_dim * c.hidden_size
+        mlp = 3 * c.hidden_size * (c.intermediate_size // tp)
+        return qkv + o + mlp
+
+    def layer_small_params(self, tp: int = 1) -> int:
+        """Norms and biases: every rank keeps its own (norms whole, biases its slice)."""
+        c = self.config
+        norms = 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
+        bias = (c.num_attention_heads // tp + 2 * self.kv_heads_per_rank(tp)) * c.head_dim if c.qkv_bias else 0
+        return norms + bias
+
+    def vocab_rows(self, tp: int = 1) -> int:
+        return -(-self.config.vocab_size // tp)  # the last rank's slice is padded
+
+    def params_per_rank(self, tp: int = 1) -> int:
+        c = self.config
+        tables = (1 if c.tie_word_embeddings else 2) * self.vocab_rows(tp) * c.hidden_size
+        return self.layers * (self.layer_linear_params(tp) + self.layer_small_params(tp)) + tables + c.hidden_size
+
+    def params(self) -> int:
+        """The whole model's parameters (TP 1)."""
+        return self.params_per_rank(1)
+
+    def weight_bytes_per_rank(self, tp: int) -> float:
+        return self.params_per_rank(tp) * self.dtype_bytes
+
+    def decode_read_bytes(self, tp: int, batch: int) -> float:
+        """Weight bytes one decode step reads on a rank: every layer and the LM head once; an
+        untied input embedding only for the batch's rows."""
+        c = self.config
+        head = self.vocab_rows(tp) * c.hidden_size
+        embed = 0 if c.tie_word_embeddings else min(batch, self.vocab_rows(tp)) * c.hidden_size
+        layers = self.layers * (self.layer_linear_params(tp) + self.layer_small_params(tp))
+        return (layers + head + embed) * self.dtype_bytes
+
+    def linear_flops(self, tp: int, tokens: int, last_tokens: int) -> float:
+        """Matmul FLOPs of the decoder layers over ``tokens`` and of the LM head over the
+        ``last_tokens`` that sample, on one rank."""
+        head = self.vocab_rows(tp) * self.hidden
+        return 2.0 * (self.layers * self.layer_linear_params(tp) * tokens + head * last_tokens)
+
+    def attention_flops(self, tp: int, pairs: float) -> float:
+        """QK^T and PV over ``pairs`` (query, key) pairs, on one rank."""
+        heads = self.config.num_attention_heads // tp
+        return 4.0 * self.layers * heads * self.config.head_dim * pairs
+
+    def kv_bytes_per_token(self, tp: int) -> float:
+        """One rank's K and V bytes for one token over every layer."""
+        return 2 * self.layers * self.kv_heads_per_rank(tp) * self.config.head_dim * self.dtype_bytes

@@ -1,0 +1,109 @@
+"""``python -m tpserve plan``: the report, the commands it recommends, one-line errors."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+from plan_configs import LLAMA_3_70B, QWEN3_0_6B, QWEN3_235B_LIKE, data_config, write_config
+
+from tpserve.plan.cli import main
+
+QWEN3_8B = data_config("Qwen3-8B")
+
+
+def plan(capsys, *argv: str) -> tuple[int, str, str]:
+    code = main(list(argv))
+    out = capsys.readouterr()
+    return code, out.out, out.err
+
+
+def test_report_has_every_split_and_both_recommendations(capsys):
+    code, out, _ = plan(capsys, "--model", QWEN3_8B, "--gpus", "8", "--gpu", "h100", "--context", "8192")
+    assert code == 0
+    for split in ("TP1 x DP8", "TP2 x DP4", "TP4 x DP2", "TP8 x DP1"):
+        assert split in out
+    for column in ("fits", "KV tokens/replica", "b1 step ms", "b64 tok/s", "max-batch tok/s", "prefill ms", "all-reduce"):
+        assert column in out
+    assert "\nlatency: TP" in out and "\nthroughput: TP" in out
+    assert f"python -m tpserve --model {QWEN3_8B} --tp-size" in out and "--max-model-len 8192" in out
+
+
+def test_small_model_recommends_dp_replicas_with_their_commands(tmp_path, capsys):
+    model = write_config(str(tmp_path / "Qwen3-0.6B"), QWEN3_0_6B)
+    code, out, _ = plan(capsys, "--model", model, "--gpus", "8", "--context", "4096", "--workload", "batch")
+    assert code == 0
+    throughput = out[out.index("throughput:"):]
+    assert throughput.startswith("throughput: TP1 x DP8")  # batch: throughput first
+    assert "CUDA_VISIBLE_DEVICES=7 python -m tpserve" in throughput and "--port 8007 &" in throughput
+    assert "load balancer" in throughput
+
+
+def test_multi_node_commands_are_per_node(capsys):
+    code, out, _ = plan(capsys, "--model", QWEN3_8B, "--gpus", "2", "--nodes", "2", "--context", "4096")
+    assert code == 0 and "machine: 2 x h200 x 2 nodes" in out
+    assert "TP1 x DP4" in out and "TP2 x DP2" in out and "TP4: a TP group of 4 spans 2 nodes" in out
+    assert "(on each of the 2 nodes: " in out
+    assert "CUDA_VISIBLE_DEVICES=0,1 python -m tpserve" in out or "CUDA_VISIBLE_DEVICES=1 python -m tpserve" in out
+
+
+def test_model_that_fits_nowhere_says_so(tmp_path, capsys):
+    model = write_config(str(tmp_path / "big"), QWEN3_235B_LIKE)
+    code, out, _ = plan(capsys, "--model", model, "--gpus", "1", "--gpu", "h200")
+    assert code == 0
+    assert "TP1 x DP1" in out and " no " in out
+    assert "latency: none" in out and "throughput: none" in out and "the weights fit no split" in out
+
+
+def test_seed_example_machine_custom_gpu(tmp_path, capsys):
+    model = write_config(str(tmp_path / "llama70b"), LLAMA_3_70B)
+    code, out, _ = plan(
+        capsys, "--model", model, "--gpus", "8", "--gpu", "custom", "--memory-gib", "80", "--bandwidth-tbps", "3.35",
+        "--tflops", "989", "--allreduce-us", "10", "--busbw-gbps", "360", "--context", "4096",
+    )
+    assert code == 0 and "8 x custom (custom): 80 GiB, copy 3.35 TB/s, matmul 989 TFLOP/s, all-reduce 10 us + 360 GB/s bus" in out
+    assert "TP8 x DP1" in out
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--gpus", "0"], "--gpus: must be >= 1, got '0'"),
+        (["--context", "abc"], "--context: must be an integer, got 'abc'"),
+        (["--context", "100000"], "--context 100000 exceeds the model's context length 40960"),
+        (["--gpu", "b200"], "argument --gpu: invalid choice: 'b200'"),
+        (["--gpu", "custom", "--tflops", "100"], "--gpu custom needs --memory-gib, --bandwidth-tbps"),
+        (["--mem-fraction", "1.5"], "--mem-fraction: must be in (0, 1], got '1.5'"),
+        (["--busbw-gbps", "-3"], "--busbw-gbps: must be > 0, got '-3'"),
+    ],
+)
+def test_bad_values_are_one_line_errors(capsys, argv, fragment):
+    assert main(["--model", QWEN3_8B, *argv]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("tpserve plan: error: ") and fragment in err
+
+
+def test_bad_model_is_one_line_error(tmp_path, capsys):
+    assert main(["--model", str(tmp_path / "nowhere")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "nowhere" in err
+    moe = data_config("Qwen3-30B-A3B")  # MoE: not in ModelConfig yet
+    assert main(["--model", moe]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and "Qwen3MoeForCausalLM" in err
+
+
+def test_python_dash_m_tpserve_plan_dispatches():
+    result = subprocess.run(
+        [sys.executable, "-m", "tpserve", "plan", "--model", QWEN3_8B, "--gpus", "2", "--context", "2048"],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "HF_HUB_OFFLINE": "1"},
+    )
+    assert result.returncode == 0, result.stderr
+    assert "TP2 x DP1" in result.stdout and "latency:" in result.stdout
+    bad = subprocess.run(
+        [sys.executable, "-m", "tpserve", "plan", "--model", QWEN3_8B, "--nodes", "x"],
+        capture_output=True, text=True, timeout=120,
+    )
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'x'" in bad.stderr

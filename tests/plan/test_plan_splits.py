@@ -1,0 +1,69 @@
+"""Splits, exclusions and recommendations on known cases."""
+
+from __future__ import annotations
+
+from plan_configs import QWEN3_0_6B, QWEN3_235B_LIKE, config, data_config
+
+from tpserve.config import ModelConfig
+from tpserve.plan.shape import ModelShape
+from tpserve.plan.specs import GPUS
+from tpserve.plan.splits import Machine, Settings, best_for_latency, best_for_throughput, plan_splits
+
+
+def splits(cfg: ModelConfig, gpus: int, nodes: int = 1, context: int = 4096, gpu: str = "h200"):
+    return plan_splits(ModelShape(cfg, 2), Machine(GPUS[gpu], gpus, nodes), Settings(context))
+
+
+def test_small_model_on_8_gpus_is_data_parallel():
+    plans, excluded = splits(config(QWEN3_0_6B), 8)
+    assert [p.tp for p in plans] == [1, 2, 4, 8] and not excluded
+    for best in (best_for_throughput(plans), best_for_latency(plans)):
+        assert (best.tp, best.dp) == (1, 8)
+    by_tp = {p.tp: p for p in plans}
+    # DP multiplies throughput; TP adds all-reduces to steps already dominated by per-layer overheads
+    assert by_tp[1].max_batch_tok_s > 1.2 * by_tp[8].max_batch_tok_s
+    assert by_tp[8].decode_1.comm_share > 0.3
+
+
+def test_235b_in_bf16_does_not_fit_one_h200_but_fits_eight():
+    cfg = config(QWEN3_235B_LIKE)
+    assert ModelShape(cfg, 2).params() > 230e9
+    (one,), _ = splits(cfg, 1)
+    assert not one.fits and one.kv_tokens == 0 and one.decode_1 is None
+    assert best_for_latency([one]) is None and best_for_throughput([one]) is None
+    plans, excluded = splits(cfg, 8)
+    by_tp = {p.tp: p for p in plans}
+    assert not by_tp[1].fits and not by_tp[2].fits and by_tp[4].fits and by_tp[8].fits
+    assert best_for_throughput(plans).tp in (4, 8) and not excluded
+
+
+def test_invalid_tp_sizes_are_excluded_with_their_reason():
+    cfg = ModelConfig.from_pretrained(data_config("Qwen2.5-7B-Instruct"))  # 28 heads, 4 KV heads
+    plans, excluded = splits(cfg, 8)
+    assert [p.tp for p in plans] == [1, 2, 4]
+    assert [(e.tp, e.reason) for e in excluded] == [(8, "tp 8 does not divide num_attention_heads 28")]
+    _, excluded = splits(cfg, 6)
+    assert {e.tp: e.reason for e in excluded} == {
+        3: "tp 3 does not divide num_attention_heads 28",
+        6: "tp 6 does not divide num_attention_heads 28",
+    }
+
+
+def test_tp_stays_within_a_node_and_dp_spans_nodes():
+    cfg = ModelConfig.from_pretrained(data_config("Qwen3-8B"))
+    plans, excluded = splits(cfg, 4, nodes=2)
+    assert [(p.tp, p.dp) for p in plans] == [(1, 8), (2, 4), (4, 2)]
+    (over_network,) = excluded
+    assert over_network.tp == 8 and "spans 2 nodes" in over_network.reason and "all-reduce" in over_network.reason
+
+
+def test_kv_capacity_and_batch_follow_memory_and_context():
+    cfg = ModelConfig.from_pretrained(data_config("Qwen3-32B"))
+    short, _ = splits(cfg, 2, context=4096, gpu="h100")
+    long, _ = splits(cfg, 2, context=32768, gpu="h100")
+    tp1, tp2 = short
+    # 65.5 GB of weights leave little room on one 80 GiB H100; two share them and hold far more KV
+    assert tp1.weight_bytes_per_gpu > 60e9 and tp2.kv_tokens > 5 * tp1.kv_tokens
+    assert tp2.max_batch == min(256, tp2.requests_per_replica)
+    assert long[1].requests_per_replica == tp2.kv_tokens // 32768 < tp2.requests_per_replica
+    assert tp2.decode_1.seconds < tp1.decode_1.seconds  # TP halves the bytes a step reads
