@@ -170,3 +170,10 @@ def test_dummy_fp8_weights(fp8_pair):
     engine = Engine(EngineConfig(model=fp8_dir, device="cpu", load_format="dummy", max_total_tokens=64))
     weight = dict(engine.model.named_parameters())["model.layers.0.mlp.gate_up_proj.weight"]
     assert weight.dtype == torch.float32 and 0.01 < weight.std().item() < 0.03
+
+
+def test_fp8_moe_checkpoints_are_a_clear_error():
+    with open(os.path.join(os.path.dirname(__file__), "..", "data", "configs", "Qwen3-30B-A3B", "config.json")) as f:
+        cfg = json.load(f)
+    with pytest.raises(ValueError, match="FP8 checkpoints of mixture-of-experts models are not supported yet"):
+        ModelConfig.from_dict({**cfg, "quantization_config": PUBLISHED})
