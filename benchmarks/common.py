@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import logging
 import os
-import statistics
 import time
 from collections.abc import Callable, Sequence
 
@@ -15,6 +14,7 @@ from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.forward import SequenceInput
+from tpserve.plan.calibrate import time_device
 
 
 def setup_logging() -> None:
@@ -28,17 +28,7 @@ def device_name() -> str:
 
 def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
     """Median seconds of ``fn`` on the current stream, timed with CUDA events."""
-    for _ in range(warmup):
-        fn()
-    times = []
-    for _ in range(iters):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3)
-    return statistics.median(times)
+    return time_device(fn, torch.device("cuda"), iters, warmup)
 
 
 def copy_bandwidth(gib: float = 4.0) -> float:

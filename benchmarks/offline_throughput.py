@@ -42,6 +42,10 @@ def main() -> None:
     parser.add_argument("--num-requests", type=int, default=256)
     parser.add_argument("--max-input-len", type=int, default=1024)
     parser.add_argument("--max-output-len", type=int, default=1024)
+    parser.add_argument("--tp-size", type=int, default=1, help="tensor-parallel ranks (one process and GPU each)")
+    parser.add_argument("--all-reduce", default="auto", help="TP all-reduce: auto | nccl | one_shot | two_shot")
+    parser.add_argument("--mixed-prefill-tokens", type=int, default=0,
+                        help="most prefill tokens a step with decodes carries (see --help of the server)")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=256, help="0 turns CUDA graphs off")
     parser.add_argument("--attention-backend", default="auto")
     parser.add_argument("--disable-overlap", action="store_true", help="ablation: no overlap scheduling")
@@ -65,6 +69,9 @@ def main() -> None:
     start = time.perf_counter()
     llm = LLM(
         args.model,
+        tp_size=args.tp_size,
+        all_reduce=args.all_reduce,
+        mixed_prefill_tokens=args.mixed_prefill_tokens,
         load_format="dummy",
         dtype=args.dtype,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
@@ -100,6 +107,8 @@ def main() -> None:
         "total_tok_per_s": (input_tokens + output_tokens) / seconds,
         "cuda_graph_max_bs": args.cuda_graph_max_bs,
         "overlap": not args.disable_overlap,
+        "tp_size": args.tp_size,
+        "all_reduce": args.all_reduce,
         "startup_s": startup,
     }
     if args.dtype != "bfloat16":

@@ -3,6 +3,11 @@
     python -m tpserve --model <dir> --load-format dummy &          # start a server
     python benchmarks/serving.py --url http://127.0.0.1:8000 --rates 4,16,inf --num-requests 200
 
+or let it start (and stop) a tpserve server at any TP size, with random weights:
+
+    python benchmarks/serving.py --launch <dir with config.json + tokenizer> --tp-size 2 \
+        --server-args "--mixed-prefill-tokens 0" --rates inf --num-requests 256
+
 Prompts are random token ids (lengths randint(--min-input, --max-input)), sent to
 /v1/completions with streaming, temperature 0.6, ignore_eos and a random output length. For each
 request rate it prints TTFT, inter-token latency (ITL) and end-to-end latency p50/p90/p99, and
@@ -14,8 +19,17 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
@@ -101,27 +115,93 @@ async def run_rate(args: argparse.Namespace, model: str, rate: float, workload) 
     }
 
 
+@contextmanager
+def launched_server(args: argparse.Namespace) -> Iterator[str]:
+    """``python -m tpserve`` on a free port with random weights; yields its URL, then SIGTERMs it."""
+    cmd = [sys.executable, "-m", "tpserve", "--model", args.launch, "--tp-size", str(args.tp_size),
+           "--load-format", "dummy", "--port", "0", *shlex.split(args.server_args)]
+    log = open(args.server_log, "w") if args.server_log else None
+    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    found: list[str] = []
+
+    def pump() -> None:
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if log is not None:
+                log.write(line)
+                log.flush()
+            m = re.search(r"listening on (http://\S+)", line)
+            if m and not found:
+                found.append(m.group(1))
+
+    threading.Thread(target=pump, daemon=True).start()
+    try:
+        deadline = time.monotonic() + args.launch_timeout
+        while time.monotonic() < deadline and proc.poll() is None:
+            if found:
+                try:
+                    if httpx.get(f"{found[0]}/health", timeout=2).status_code == 200:
+                        break
+                except httpx.HTTPError:
+                    pass
+            time.sleep(0.5)
+        else:
+            raise RuntimeError(f"the server did not become ready (exit code {proc.poll()}); see --server-log")
+        print(f"server ready: {' '.join(cmd)}", flush=True)
+        yield found[0]
+    finally:
+        if proc.poll() is None:
+            proc.send_signal(signal.SIGTERM)
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        if log is not None:
+            log.close()
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--url", default="http://127.0.0.1:8000", help="server base URL")
     parser.add_argument("--rates", default="4,16,inf", help="comma-separated request rates (req/s); inf = all at once")
-    parser.add_argument("--num-requests", type=int, default=200, help="requests per rate")
+    parser.add_argument("--num-requests", default="200",
+                        help="requests per rate: one number, or one per rate (comma-separated)")
     parser.add_argument("--min-input", type=int, default=100, help="shortest prompt (tokens)")
     parser.add_argument("--max-input", type=int, default=1024, help="longest prompt (tokens)")
     parser.add_argument("--min-output", type=int, default=100, help="shortest output (tokens)")
     parser.add_argument("--max-output", type=int, default=1024, help="longest output (tokens)")
     parser.add_argument("--vocab", type=int, default=10000, help="prompt token ids are drawn from [0, vocab)")
     parser.add_argument("--out", help="write the results as JSON here")
+    parser.add_argument("--launch", default=None, metavar="MODEL_DIR",
+                        help="start a tpserve server of this model (random weights) instead of using --url")
+    parser.add_argument("--tp-size", type=int, default=1, help="with --launch: the server's TP size")
+    parser.add_argument("--server-args", default="", help="with --launch: more server flags, one string")
+    parser.add_argument("--server-log", default=None, help="with --launch: write the server's output here")
+    parser.add_argument("--launch-timeout", type=float, default=300.0, help="with --launch: seconds to get ready")
     args = parser.parse_args()
+    if args.launch is None:
+        return run(args)
+    with launched_server(args) as url:
+        args.url = url
+        run(args)
 
+
+def run(args: argparse.Namespace) -> None:
     model = httpx.get(f"{args.url}/v1/models", timeout=30).json()["data"][0]["id"]
+    rates = [float(r) for r in args.rates.split(",")]
+    counts = [int(n) for n in str(args.num_requests).split(",")]
+    if len(counts) == 1:
+        counts *= len(rates)
+    if len(counts) != len(rates):
+        raise SystemExit(f"--num-requests gives {len(counts)} counts for {len(rates)} rates")
     random.seed(0)
     prompts = [[random.randint(0, args.vocab - 1) for _ in range(random.randint(args.min_input, args.max_input))]
-               for _ in range(args.num_requests)]
-    outputs = [random.randint(args.min_output, args.max_output) for _ in range(args.num_requests)]
+               for _ in range(max(counts))]
+    outputs = [random.randint(args.min_output, args.max_output) for _ in range(max(counts))]
     rows = []
-    for rate in [float(r) for r in args.rates.split(",")]:
-        rows.append(asyncio.run(run_rate(args, model, rate, list(zip(prompts, outputs)))))
+    for rate, count in zip(rates, counts):
+        rows.append(asyncio.run(run_rate(args, model, rate, list(zip(prompts, outputs))[:count])))
     print(f"\nmodel {model}, {args.num_requests} requests per rate, inputs {args.min_input}-{args.max_input}, "
           f"outputs {args.min_output}-{args.max_output}")
     print(f"{'rate':>6} {'ok':>5} {'req/s':>7} {'out tok/s':>10} {'TTFT p50/p90/p99 ms':>24} "
@@ -134,6 +214,7 @@ def main() -> None:
         if r["failed"]:
             print(f"       {r['failed']} failed: {r['errors']}")
     if args.out:
+        os.makedirs(os.path.dirname(os.path.abspath(args.out)), exist_ok=True)
         with open(args.out, "w") as f:
             json.dump({"args": vars(args), "results": rows}, f, indent=2)
 

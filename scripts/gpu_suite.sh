@@ -15,7 +15,8 @@ mkdir -p "$results" .ficache
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
   && find /tmp/site -exec touch -h -d '2020-01-01' {} + \
   && export PYTHONPATH=/tmp/site:$PWD/python FLASHINFER_WORKSPACE_BASE=$PWD/.ficache PYTHONUNBUFFERED=1 \
-     MAX_JOBS=16 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false || exit 1
+     MAX_JOBS=16 HF_HUB_OFFLINE=1 TOKENIZERS_PARALLELISM=false \
+     NCCL_NVLS_ENABLE=0 TORCH_SYMM_MEM_DISABLE_MULTICAST=1 NVSHMEM_DISABLE_NVLS=1 || exit 1
 # FlashInfer's norm, rotary and SiLU-and-mul modules, prebuilt off the GPU machine
 # (scripts/build_flashinfer_aot.sh), load as AOT modules: no JIT build on this machine.
 if [ -d .fiaot ]; then
@@ -30,6 +31,10 @@ stage() {  # stage NAME SECONDS COMMAND...
   local start=$SECONDS
   timeout "$limit" "$@" 2>&1 | grep -v '^Loading weights' | tee -a "$log"
   echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - start)) s" | tee -a "$log"
+}
+
+serving_dir() {  # serving_dir CONFIG_DIR OUT_DIR: a model dir for the server (config + the real tokenizer)
+  mkdir -p "$2" && cp "$1"/*.json "$2"/ && tar xJf .models/qwen3-tokenizer.tar.xz -C "$2" && echo "$2"
 }
 
 small=.models/Qwen3-0.6B
@@ -63,7 +68,7 @@ for s in $stages; do
     hf06) stage hf06 150 python3 benchmarks/offline_throughput.py --model $small --hf-baseline --num-requests 64 --out $results/offline_qwen3_0.6b_hf.json ;;
     prefill8k) stage prefill8k 60 python3 benchmarks/prefill_throughput.py --model $large --lengths 8192 --out $results/prefill_qwen3_8b_8k.json ;;
     serving06)  # a real server (dummy weights, the real Qwen3 tokenizer) and the online client
-      srv=/tmp/qwen3-0.6b && mkdir -p $srv && cp $small/*.json $srv/ && tar xJf .models/qwen3-tokenizer.tar.xz -C $srv
+      srv=$(serving_dir $small /tmp/qwen3-0.6b)
       port=$(python3 -c 'import socket; s=socket.socket(); s.bind(("127.0.0.1", 0)); print(s.getsockname()[1])')
       python3 -m tpserve --model $srv --load-format dummy --port $port > $out/server.log 2>&1 &
       spid=$!
@@ -86,6 +91,34 @@ for s in $stages; do
     profile06_cat) stage profile06_cat 90 python3 benchmarks/profile_decode.py --model $small --batch-sizes 1,64,256 --out $results/profile_qwen3_0.6b.json ;;
     profile8_cat) stage profile8_cat 90 python3 benchmarks/profile_decode.py --model $large --batch-sizes 1,64 --out $results/profile_qwen3_8b.json ;;
     profile14_cat) stage profile14_cat 90 python3 benchmarks/profile_decode.py --model .models/Qwen3-14B --batch-sizes 64,256 --out $results/profile_qwen3_14b.json ;;
+    # ---- two GPUs (issue 13) ----
+    warm_ar)  # FlashInfer's JIT build in the background while the all-reduce sizes are timed
+      python3 scripts/warm_flashinfer.py --head-dim 128 --dtype bfloat16 > $out/warm.log 2>&1 &
+      wpid=$!
+      stage allreduce 150 python3 benchmarks/allreduce_latency.py --tp-size 2 --out $results/allreduce_tp2.json
+      wait $wpid; echo "=== warm rc=$?: $(tail -1 $out/warm.log)" | tee -a "$log"
+      tar czf "$out/ficache.tgz" -C .ficache . ;;
+    tests_tp2) stage tests_tp2 300 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_tp2.py ;;
+    tests_tp2_fixed) stage tests_tp2_fixed 200 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_tp2.py -k "agrees or server" ;;
+    tpdecode32) stage tpdecode32 300 python3 benchmarks/tp_decode_latency.py --model .models/Qwen3-32B --tp-size 2 \
+      --batch-sizes 1,64 --all-reduce auto,nccl --allreduce-json $results/allreduce_tp2.json --out $results/tp_decode_qwen3_32b.json ;;
+    serving32_before|serving32_after)  # workload A on Qwen3-32B TP 2 through HTTP; before = mixed 8192-token chunks + NCCL only
+      srv=$(serving_dir .models/Qwen3-32B /tmp/qwen3-32b)
+      if [ $s = serving32_before ]; then sa="--mixed-prefill-tokens 8192 --all-reduce nccl"; else sa=""; fi
+      stage $s 330 python3 benchmarks/serving.py --launch $srv --tp-size 2 --server-args "$sa" --rates inf,4 \
+        --num-requests 256,64 --server-log $out/server_$s.log --out $results/$s.json ;;
+    serving32_nccl)  # the after configuration with NCCL for every all-reduce: what the peer-memory kernels are worth
+      srv=$(serving_dir .models/Qwen3-32B /tmp/qwen3-32b)
+      stage serving32_nccl 200 python3 benchmarks/serving.py --launch $srv --tp-size 2 --server-args "--all-reduce nccl" \
+        --rates inf --num-requests 256 --server-log $out/server_nccl.log --out $results/serving32_nccl.json ;;
+    tests_gpu_all) stage tests_gpu_all 330 python3 -m pytest -q -p no:cacheprovider tests/gpu \
+      -k "not (all_reduce_equal and (nccl or one_shot or two_shot))" ;;
+    serving32_rate4)
+      srv=$(serving_dir .models/Qwen3-32B /tmp/qwen3-32b)
+      stage serving32_rate4 200 python3 benchmarks/serving.py --launch $srv --tp-size 2 --rates 4 --num-requests 64 \
+        --server-log $out/server_rate4.log --out $results/serving32_rate4.json ;;
+    offline14_tp1) stage offline14_tp1 200 python3 benchmarks/offline_throughput.py --model .models/Qwen3-14B --out $results/offline_qwen3_14b_tp1.json ;;
+    offline14_tp2) stage offline14_tp2 200 python3 benchmarks/offline_throughput.py --model .models/Qwen3-14B --tp-size 2 --out $results/offline_qwen3_14b_tp2.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done

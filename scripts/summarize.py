@@ -56,6 +56,18 @@ def main() -> None:
             lines.append(f"{name}: context {res['context']}")
             for row in res["rows"]:
                 lines.append("   " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        elif kind in ("allreduce_latency", "tp_decode_latency"):
+            lines.append(f"{name}: TP {res['tp_size']}")
+            for row in res["rows"]:
+                lines.append("   " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        elif "results" in res and "args" in res:  # serving.py
+            for r in res["results"]:
+                t, i = r["ttft_ms"], r["itl_ms"]
+                lines.append(
+                    f"{name}: rate {r['rate']} ok {r['completed']}/{r['completed'] + r['failed']}, "
+                    f"{r['output_throughput']:,.0f} out tok/s, TTFT p50/p99 {t['p50']:.0f}/{t['p99']:.0f} ms, "
+                    f"ITL p50/p99 {i['p50']:.1f}/{i['p99']:.1f} ms"
+                )
     print("\n".join(lines))
 
 

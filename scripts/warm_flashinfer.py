@@ -14,10 +14,24 @@ import time
 
 import torch
 
-PARTS = ("decode", "decode_tensor_cores", "prefill")
+PARTS = ("decode", "decode_tensor_cores", "prefill", "norm", "silu")
+
+
+def warm_elementwise(part: str, dtype: torch.dtype) -> None:
+    """The fused-kernel modules (RMSNorm and add+RMSNorm share one; SiLU-and-mul another)."""
+    from tpserve.kernels import flashinfer_ops
+
+    x = torch.randn(4, 256, dtype=dtype, device="cuda")
+    if part == "norm":
+        flashinfer_ops.rms_norm(x, torch.ones(256, dtype=dtype, device="cuda"), 1e-6)
+    else:
+        flashinfer_ops.silu_and_mul(x)
+    torch.cuda.synchronize()
 
 
 def warm(part: str, head_dim: int, dtype: torch.dtype) -> None:
+    if part in ("norm", "silu"):
+        return warm_elementwise(part, dtype)
     from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
     from tpserve.engine.batch import build_forward_inputs
     from tpserve.forward import SequenceInput

@@ -38,6 +38,7 @@ CHOICES = {
     "cache": ("radix", "naive"),
     "schedule_policy": ("fcfs", "lpm"),
     "attention_backend": ("auto", "flashinfer", "torch"),
+    "all_reduce": ("auto", "nccl", "one_shot", "two_shot"),
 }
 
 
@@ -310,6 +311,12 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed
     disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
+    # TP all-reduce on GPU: auto (peer-memory one-shot/two-shot for small messages, NCCL for large)
+    # | nccl | one_shot | two_shot (peer memory for every message that fits its buffer)
+    all_reduce: str = "auto"
+    # Prefill tokens a step that also decodes may carry; a step with more prefill work runs it
+    # without the decodes (they wait one step), so decodes never stall behind a long chunk.
+    mixed_prefill_tokens: int = 0
     debug_check_invariants: bool = False  # check every step that ranks agree and KV pages add up
     quantization: str | None = None  # fp8: quantize an unquantized checkpoint's weights at load time
 
@@ -322,6 +329,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         if self.page_size < 1:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
+        if self.mixed_prefill_tokens < 0:
+            raise ValueError(f"mixed_prefill_tokens must be >= 0, got {self.mixed_prefill_tokens}")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if not 0.0 < self.mem_fraction <= 1.0:

@@ -38,3 +38,46 @@ def test_single_rank_needs_no_process_group():
     comm, cpu_group = init_process_groups(0, 1, "", torch.device("cpu"))
     x = torch.ones(3)
     assert comm.all_reduce(x) is x and comm.all_gather(x) is x and cpu_group is None
+
+
+class _FakePeer:
+    """Stands in for the GPU-only PeerAllReduce: takes tensors of at most 4 elements."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def handles(self, x: torch.Tensor) -> bool:
+        return x.numel() <= 4
+
+    def __call__(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return x * 2
+
+    def close(self) -> None:
+        pass
+
+
+def test_cuda_communicator_routes_small_messages_to_the_peer_kernels():
+    from tpserve.distributed.comm import CudaCommunicator
+
+    torch.distributed.init_process_group("gloo", init_method=local_init_addr(), rank=0, world_size=1)
+    try:
+        peer = _FakePeer()
+        comm = CudaCommunicator(1, peer)
+        assert torch.equal(comm.all_reduce(torch.ones(4)), torch.full((4,), 2.0)) and peer.calls == 1
+        assert torch.equal(comm.all_reduce(torch.ones(5)), torch.ones(5)) and peer.calls == 1  # the group's path
+        comm.close()
+        assert comm.peer is None
+    finally:
+        torch.distributed.destroy_process_group()
+
+
+def test_nccl_mode_makes_no_peer_buffers_and_comm_imports_no_gpu_module():
+    import subprocess
+    import sys
+
+    from tpserve.distributed.peer_allreduce import create_peer_all_reduce
+
+    assert create_peer_all_reduce("nccl", None, None, torch.device("cpu"), torch.bfloat16) is None
+    code = "import sys, tpserve.distributed.comm; sys.exit('tpserve.distributed.peer_allreduce' in sys.modules)"
+    assert subprocess.run([sys.executable, "-c", code]).returncode == 0

@@ -22,11 +22,12 @@ QWEN3_0_6B = {
     "vocab_size": 151936, "max_position_embeddings": 40960, "rope_theta": 1000000, "rms_norm_eps": 1e-6,
     "tie_word_embeddings": True, "torch_dtype": "bfloat16",
 }
-# Qwen3-235B-A22B's shape with its 128 experts of 1,536 folded into one dense MLP of 196,608:
-# the same 235 B weights in bf16 (tpserve's ModelConfig has no MoE yet).
-QWEN3_235B_LIKE = {
-    **QWEN3_0_6B, "hidden_size": 4096, "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4,
-    "intermediate_size": 128 * 1536, "tie_word_embeddings": False,
+# Qwen3-235B-A22B: 94 sparse layers of 128 experts (8 active), 235 B weights.
+QWEN3_235B_A22B = {
+    **QWEN3_0_6B, "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": 4096,
+    "num_hidden_layers": 94, "num_attention_heads": 64, "num_key_value_heads": 4, "intermediate_size": 12288,
+    "moe_intermediate_size": 1536, "num_experts": 128, "num_experts_per_tok": 8, "decoder_sparse_step": 1,
+    "mlp_only_layers": [], "norm_topk_prob": True, "tie_word_embeddings": False,
 }
 
 

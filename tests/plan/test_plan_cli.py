@@ -7,7 +7,7 @@ import subprocess
 import sys
 
 import pytest
-from plan_configs import LLAMA_3_70B, QWEN3_0_6B, QWEN3_235B_LIKE, data_config, write_config
+from plan_configs import LLAMA_3_70B, QWEN3_0_6B, QWEN3_235B_A22B, data_config, write_config
 
 from tpserve.plan.cli import main
 
@@ -50,7 +50,7 @@ def test_multi_node_commands_are_per_node(capsys):
 
 
 def test_model_that_fits_nowhere_says_so(tmp_path, capsys):
-    model = write_config(str(tmp_path / "big"), QWEN3_235B_LIKE)
+    model = write_config(str(tmp_path / "big"), QWEN3_235B_A22B)
     code, out, _ = plan(capsys, "--model", model, "--gpus", "1", "--gpu", "h200")
     assert code == 0
     assert "TP1 x DP1" in out and " no " in out
@@ -89,10 +89,10 @@ def test_bad_model_is_one_line_error(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err
     assert err.count("\n") == 1 and "nowhere" in err
-    moe = data_config("Qwen3-30B-A3B")  # MoE: not in ModelConfig yet
-    assert main(["--model", moe]) == 2
+    other = write_config(str(tmp_path / "gpt2"), {"architectures": ["GPT2LMHeadModel"], "model_type": "gpt2"})
+    assert main(["--model", other]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "Qwen3MoeForCausalLM" in err
+    assert err.count("\n") == 1 and "GPT2LMHeadModel" in err
 
 
 def test_python_dash_m_tpserve_plan_dispatches():

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from plan_configs import QWEN3_0_6B, QWEN3_235B_LIKE, config, data_config
+import pytest
+from plan_configs import QWEN3_0_6B, QWEN3_235B_A22B, config, data_config
 
 from tpserve.config import ModelConfig
 from tpserve.plan.shape import ModelShape
@@ -25,9 +26,25 @@ def test_small_model_on_8_gpus_is_data_parallel():
     assert by_tp[8].decode_1.comm_share > 0.3
 
 
+def test_moe_counts_every_expert_held_and_the_touched_ones_read():
+    cfg = ModelConfig.from_pretrained(data_config("Qwen3-30B-A3B"))  # 48 sparse layers, 128 experts, top 8
+    shape = ModelShape(cfg, 2)
+    assert shape.params() == pytest.approx(30.5e9, rel=0.01)
+    expert_bytes = 2 * 48 * shape.expert_params()
+    # batch 1 reads its 8 experts per layer; batch 64 most of the 128 (uniform routing)
+    assert shape.decode_read_bytes(1, 64) - shape.decode_read_bytes(1, 1) == pytest.approx(
+        (shape.touched_experts(64) - 8) * expert_bytes, rel=1e-4  # and 63 more embedding rows
+    )
+    assert 8 < shape.touched_experts(64) < 128
+    assert shape.decode_read_bytes(1, 1) < 0.15 * shape.weight_bytes_per_rank(1)
+    # the FLOPs are the active ones: "A3B", 3.3 B weights per token with the embedding and LM head
+    assert shape.linear_flops(1, 1, 1) / 2 + 151936 * 2048 == pytest.approx(3.3e9, rel=0.03)
+    assert shape.weight_bytes_per_rank(4) < shape.weight_bytes_per_rank(1) / 3.5  # experts split by TP
+
+
 def test_235b_in_bf16_does_not_fit_one_h200_but_fits_eight():
-    cfg = config(QWEN3_235B_LIKE)
-    assert ModelShape(cfg, 2).params() > 230e9
+    cfg = config(QWEN3_235B_A22B)
+    assert ModelShape(cfg, 2).params() == pytest.approx(235e9, rel=0.01)
     (one,), _ = splits(cfg, 1)
     assert not one.fits and one.kv_tokens == 0 and one.decode_1 is None
     assert best_for_latency([one]) is None and best_for_throughput([one]) is None

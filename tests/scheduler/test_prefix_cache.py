@@ -136,7 +136,8 @@ def test_multi_turn_reuses_history(qwen3_dir):
 
 
 def test_long_prompt_is_chunked_while_others_decode(qwen3_dir):
-    engine = Engine(EngineConfig(model=qwen3_dir, device="cpu", page_size=4, chunked_prefill_size=8))
+    engine = Engine(EngineConfig(model=qwen3_dir, device="cpu", page_size=4, chunked_prefill_size=8,
+                                 mixed_prefill_tokens=8))  # chunks share steps with decodes
     scheduler = Scheduler(engine)
     scheduler.add_request(0, [5, 6, 7], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), seed=0)
     scheduler.step()  # request 0 is now decoding

@@ -28,7 +28,7 @@ def run(scheduler: Scheduler, requests: dict[int, tuple[list[int], SamplingParam
         outs = scheduler.step()
         concurrency.append(sorted(o.rid for o in outs))
         for out in outs:
-            tokens[out.rid].extend(out.token_ids)
+            tokens.setdefault(out.rid, []).extend(out.token_ids)
             if out.finish_reason:
                 finish[out.rid] = out.finish_reason
     return tokens, finish, concurrency
@@ -104,3 +104,35 @@ def test_abort_frees_pages(small_engine):
     scheduler.flush_cache()
     assert not scheduler.abort(1)
     assert scheduler.allocator.num_free == scheduler.allocator.total and not scheduler.has_work
+
+
+@pytest.mark.parametrize("mixed_prefill_tokens", [0, 8, 64])
+def test_long_prefills_run_without_decodes(qwen3_dir, monkeypatch, mixed_prefill_tokens):
+    """A step carrying more prefill tokens than mixed_prefill_tokens leaves the decodes out (they
+    run in the next step); shorter prefill work shares the step with them."""
+    config = EngineConfig(model=qwen3_dir, device="cpu", page_size=4, max_total_tokens=256,
+                          mixed_prefill_tokens=mixed_prefill_tokens)
+    engine = Engine(config)
+    steps: list[tuple[int, int]] = []  # (decode rows, prefill tokens) per launched step
+    launch = engine.launch
+
+    def recording_launch(seqs, *args, **kwargs):
+        decodes = sum(len(s.token_ids) == 1 for s in seqs)
+        steps.append((decodes, sum(len(s.token_ids) for s in seqs) - decodes))
+        return launch(seqs, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "launch", recording_launch)
+    scheduler = Scheduler(engine)
+    params = SamplingParams(max_tokens=12, ignore_eos=True)
+    scheduler.add_request(0, [5, 6, 7], params, seed=0)
+    for _ in range(4):
+        scheduler.step()
+    assert steps[-1] == (1, 0)
+    tokens, finish, _ = run(scheduler, {1: (list(range(10, 50)), params), 2: ([8, 9], params)})
+    assert steps[4][1] == 42, steps  # both prompts in one step
+    if mixed_prefill_tokens >= 42:
+        assert steps[4][0] == 1, steps
+    else:
+        assert steps[4][0] == 0, steps
+        assert steps[5] == (3, 0), "every running request decodes in the step after"
+    assert finish == {0: "length", 1: "length", 2: "length"} and len(tokens[1]) == len(tokens[2]) == 12

@@ -1,7 +1,8 @@
 """Collectives used by the parallel layers, behind one small interface.
 
-Layers hold a ``Communicator``; the implementation is torch.distributed today (Gloo on CPU,
-NCCL on GPU) and can be swapped for a custom all-reduce later without touching the layers.
+Layers hold a ``Communicator``: torch.distributed with Gloo on CPU; on GPU, NCCL plus, for small
+all-reduces, a one-shot/two-shot reduction through peer GPU memory (``peer_allreduce``, imported
+only on CUDA).
 """
 
 from __future__ import annotations
@@ -9,11 +10,14 @@ from __future__ import annotations
 import os
 import socket
 from datetime import timedelta
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
 
 import torch
 import torch.distributed as dist
+
+if TYPE_CHECKING:
+    from tpserve.distributed.peer_allreduce import PeerAllReduce
 
 
 class Communicator(Protocol):
@@ -58,6 +62,25 @@ class TorchDistCommunicator:
         return torch.cat(out.chunk(self.world_size, dim=0), dim=-1)
 
 
+class CudaCommunicator(TorchDistCommunicator):
+    """NCCL, with the all-reduces the peer-memory kernels handle (small, contiguous, the model's
+    dtype) sent through them instead."""
+
+    def __init__(self, world_size: int, peer: PeerAllReduce | None) -> None:
+        super().__init__(world_size)
+        self.peer = peer
+
+    def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
+        if self.peer is not None and self.peer.handles(x):
+            return self.peer(x)
+        return super().all_reduce(x)
+
+    def close(self) -> None:
+        if self.peer is not None:
+            self.peer.close()
+            self.peer = None
+
+
 def free_port() -> int:
     """A free TCP port on loopback, picked by the parent and handed to every rank."""
     with socket.socket() as s:
@@ -71,12 +94,18 @@ def local_init_addr() -> str:
 
 
 def init_process_groups(
-    rank: int, world_size: int, init_addr: str, device: torch.device
+    rank: int,
+    world_size: int,
+    init_addr: str,
+    device: torch.device,
+    dtype: torch.dtype = torch.bfloat16,
+    all_reduce: str = "auto",
 ) -> tuple[Communicator, dist.ProcessGroup | None]:
     """Returns (the tensor communicator, a Gloo CPU group for control messages).
 
-    On CPU one Gloo group serves both; on GPU NCCL carries tensors and a separate Gloo group
-    carries the scheduler's small control broadcasts.
+    On CPU one Gloo group serves both; on GPU NCCL carries tensors (and the peer-memory
+    all-reduce of ``all_reduce`` mode the small ones) and a separate Gloo group carries the
+    scheduler's small control broadcasts.
     """
     if world_size == 1:
         return SingleRankCommunicator(), None
@@ -89,8 +118,13 @@ def init_process_groups(
         world_size=world_size,
         device_id=device if device.type == "cuda" else None,
     )
-    cpu_group = dist.new_group(backend="gloo") if backend == "nccl" else dist.group.WORLD
-    return TorchDistCommunicator(world_size), cpu_group
+    if backend == "gloo":
+        return TorchDistCommunicator(world_size), dist.group.WORLD
+    cpu_group = dist.new_group(backend="gloo")
+    from tpserve.distributed.peer_allreduce import create_peer_all_reduce
+
+    peer = create_peer_all_reduce(all_reduce, dist.group.WORLD, cpu_group, device, dtype)
+    return CudaCommunicator(world_size, peer), cpu_group
 
 
 RENDEZVOUS_TIMEOUT = timedelta(seconds=300)

@@ -103,7 +103,9 @@ class Engine:
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         if config.tp_size > 1 and config.dist_init_addr is None:
             raise ValueError("tp_size > 1 needs dist_init_addr (tcp://host:port chosen by the parent)")
-        self.comm, self.cpu_group = init_process_groups(rank, config.tp_size, config.dist_init_addr or "", self.device)
+        self.comm, self.cpu_group = init_process_groups(
+            rank, config.tp_size, config.dist_init_addr or "", self.device, self.dtype, config.all_reduce
+        )
 
         self.quantization = resolve_quantization(config.quantization, self.model_config.quantization)
         with torch.device("meta"):
@@ -283,6 +285,9 @@ class Engine:
         self.kv_pool.v.clear()
         self.model = None  # type: ignore[assignment]
         self._last_tokens = None
+        close = getattr(self.comm, "close", None)
+        if close is not None:  # the peer buffers go before the process group they were mapped through
+            close()
         if self.device.type == "cuda":
             torch.cuda.synchronize(self.device)
             torch.cuda.empty_cache()

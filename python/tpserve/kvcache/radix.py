@@ -129,10 +129,11 @@ class RadixCache:
 
     def evict(self, num_pages: int) -> list[int]:
         """Free at least ``num_pages`` (if that many are evictable), least recently used first."""
-        heap = [(n.last_used, i, n) for i, n in enumerate(self._leaves()) if n.ref == 0]
+        leaves = self._leaves()
+        heap = [(n.last_used, i, n) for i, n in enumerate(leaves) if n.ref == 0]
         heapq.heapify(heap)
         freed: list[int] = []
-        counter = len(heap)
+        counter = len(leaves)  # tie-breakers stay unique: nodes themselves do not compare
         while heap and len(freed) < num_pages:
             _, _, node = heapq.heappop(heap)
             freed.extend(node.pages)

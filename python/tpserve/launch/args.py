@@ -191,6 +191,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--chunked-prefill-size", "--max-prefill-tokens", type=int,
                         default=_default("chunked_prefill_size"),
                         help="prefill tokens per step; longer prompts are split (<= 0: no chunking)")
+    engine.add_argument("--mixed-prefill-tokens", type=_int_at_least(0), default=_default("mixed_prefill_tokens"),
+                        help="most prefill tokens a step that also decodes may carry; a step with more "
+                             "prefill work runs it without the decodes, which wait one step (0: prefills "
+                             "never share a step with decodes; --chunked-prefill-size: always mix)")
     engine.add_argument("--cache", "--prefix-cache", choices=CHOICES["cache"], default=_default("cache"),
                         help="prefix cache: radix (shared prefixes reuse KV pages) or naive (none)")
     engine.add_argument("--schedule-policy", choices=CHOICES["schedule_policy"], default=_default("schedule_policy"),
@@ -201,6 +205,10 @@ def build_parser() -> argparse.ArgumentParser:
                         "(flashinfer takes no float32)")
     engine.add_argument("--cuda-graph-max-bs", type=_int_at_least(0), default=_default("cuda_graph_max_bs"),
                         help="largest decode batch captured in a CUDA graph (0: no CUDA graphs)")
+    engine.add_argument("--all-reduce", choices=CHOICES["all_reduce"], default=_default("all_reduce"),
+                        help="TP all-reduce on GPU: auto (one-shot/two-shot kernels through peer GPU "
+                             "memory for small messages, NCCL for large), nccl, or one kernel for every "
+                             "message that fits the peer buffer")
     engine.add_argument("--disable-overlap", action="store_true",
                         help="do not overlap scheduling of the next step with the running one")
     engine.add_argument("--debug-check-invariants", action="store_true",
@@ -268,11 +276,13 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         max_model_len=ns.max_model_len,
         seed=ns.seed,
         chunked_prefill_size=ns.chunked_prefill_size,
+        mixed_prefill_tokens=ns.mixed_prefill_tokens,
         cache=ns.cache,
         schedule_policy=ns.schedule_policy,
         attention_backend=ns.attention_backend,
         cuda_graph_max_bs=ns.cuda_graph_max_bs,
         disable_overlap=ns.disable_overlap,
+        all_reduce=ns.all_reduce,
         debug_check_invariants=ns.debug_check_invariants,
     )
     check_can_start(engine, model_config, cli=True)

@@ -56,10 +56,10 @@ class Calibration:
         )
 
 
-def _timed(fn: Callable[[], object], device: torch.device, iters: int) -> float:
-    """Median seconds of ``fn`` after a warm-up: CUDA events on the current stream (as the
-    benchmarks time), the wall clock on the CPU."""
-    for _ in range(3):
+def time_device(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
+    """Median seconds of ``fn`` after a warm-up: CUDA events on the current stream, the wall
+    clock on the CPU."""
+    for _ in range(warmup):
         fn()
     times = []
     for _ in range(iters):
@@ -85,7 +85,7 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
     dtype = _dtype(device)
     src = torch.randn(nbytes // dtype.itemsize, dtype=dtype, device=device)
     dst = torch.empty_like(src)
-    return 2 * src.numel() * dtype.itemsize / _timed(lambda: dst.copy_(src), device, iters)
+    return 2 * src.numel() * dtype.itemsize / time_device(lambda: dst.copy_(src), device, iters)
 
 
 def matmul_flops(device: torch.device, n: int, iters: int) -> float:
@@ -98,7 +98,7 @@ def matmul_flops(device: torch.device, n: int, iters: int) -> float:
         a, b = pairs[next(turn) % len(pairs)]
         torch.matmul(a, b, out=out)
 
-    return 2 * n**3 / _timed(run, device, iters)
+    return 2 * n**3 / time_device(run, device, iters)
 
 
 def _all_reduce_rank(rank: int, addr: str, device_type: str, sizes: Sizes, out: mp.Queue) -> None:
@@ -116,7 +116,7 @@ def _all_reduce_rank(rank: int, addr: str, device_type: str, sizes: Sizes, out: 
                 for _ in range(BURST):
                     comm.all_reduce(x)
 
-            seconds.append(_timed(burst, device, sizes.iters) / BURST)
+            seconds.append(time_device(burst, device, sizes.iters) / BURST)
         out.put((rank, seconds))
     finally:
         torch.distributed.destroy_process_group()

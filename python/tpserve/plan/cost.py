@@ -84,7 +84,8 @@ def prefill_seconds(shape: ModelShape, gpu: GPUSpec, tp: int, tokens: int, link:
     link = link or gpu.link
     chunks = -(-tokens // CHUNKED_PREFILL_SIZE)
     flops = shape.linear_flops(tp, tokens, chunks) + shape.attention_flops(tp, tokens * (tokens + 1) / 2)
-    compute = max(flops / (gpu.matmul_flops * PREFILL_MFU), chunks * shape.decode_read_bytes(tp, 0) / gpu.copy_bandwidth)
+    reads = chunks * shape.decode_read_bytes(tp, min(tokens, CHUNKED_PREFILL_SIZE))
+    compute = max(flops / (gpu.matmul_flops * PREFILL_MFU), reads / gpu.copy_bandwidth)
     comm = 0.0
     for start in range(0, tokens, CHUNKED_PREFILL_SIZE):
         comm += comm_seconds(shape, min(CHUNKED_PREFILL_SIZE, tokens - start), 1, tp, link)

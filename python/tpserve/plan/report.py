@@ -120,7 +120,8 @@ def render(
     lines = [
         f"model {model}: {shape.params() / 1e9:.2f} B parameters, {shape.weight_bytes_per_rank(1) / GIB:.1f} GiB at "
         f"{shape.dtype_bytes} bytes each, KV {shape.kv_bytes_per_token(1) / 1024:.0f} KiB/token, "
-        f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads",
+        f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads"
+        + (f", MoE: {cfg.moe.num_experts} experts, {cfg.moe.top_k} per token in {len(cfg.moe.layers)} layers" if cfg.moe else ""),
         f"machine: {machine.gpus_per_node} x {gpu.name}{nodes} ({source}): {gpu.memory_bytes / GIB:.0f} GiB, copy "
         f"{_si(gpu.copy_bandwidth, 'B/s')}, matmul {_si(gpu.matmul_flops, 'FLOP/s')}, all-reduce "
         f"{gpu.link.alpha_s * 1e6:.0f} us + {_si(gpu.link.bus_bandwidth, 'B/s')} bus",

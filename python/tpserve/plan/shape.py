@@ -27,14 +27,47 @@ class ModelShape:
         """Each rank keeps kv/tp heads, or one replicated head when tp exceeds them."""
         return max(1, self.config.num_key_value_heads // tp)
 
-    def layer_linear_params(self, tp: int = 1) -> int:
-        """One rank's share of one decoder layer's q/k/v/o and MLP weights."""
+    @property
+    def moe_layers(self) -> int:
+        moe = self.config.moe
+        return 0 if moe is None else len(moe.layers)
+
+    def attention_params(self, tp: int = 1) -> int:
+        """One rank's share of one decoder layer's q/k/v/o weights."""
         c = self.config
         heads = c.num_attention_heads // tp
-        qkv = c.hidden_size * (heads + 2 * self.kv_heads_per_rank(tp)) * c.head_dim
-        o = heads * c.head_dim * c.hidden_size
-        mlp = 3 * c.hidden_size * (c.intermediate_size // tp)
-        return qkv + o + mlp
+        return c.hidden_size * (heads + 2 * self.kv_heads_per_rank(tp)) * c.head_dim + heads * c.head_dim * c.hidden_size
+
+    def dense_mlp_params(self, tp: int = 1) -> int:
+        return 3 * self.hidden * (self.config.intermediate_size // tp)
+
+    def expert_params(self, tp: int = 1) -> int:
+        """One expert's gate/up/down on a rank: every rank holds a slice of every expert."""
+        moe = self.config.moe
+        return 0 if moe is None else 3 * self.hidden * (moe.intermediate_size // tp)
+
+    def router_params(self) -> int:
+        """Every rank holds a sparse layer's whole router."""
+        moe = self.config.moe
+        return 0 if moe is None else moe.num_experts * self.hidden
+
+    def touched_experts(self, tokens: int) -> float:
+        """Expected distinct experts a sparse layer reads for ``tokens`` tokens under uniform routing
+        (as benchmarks/roofline.py: trained routers are less even, so this reads conservatively many)."""
+        moe = self.config.moe
+        if moe is None or tokens <= 0:
+            return 0.0
+        return moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** tokens)
+
+    def layers_linear_params(self, tp: int = 1, experts: float | None = None) -> float:
+        """The decoder layers' linear weights on a rank: attention, dense MLPs, routers and
+        ``experts`` experts per sparse layer (None: all of them)."""
+        moe = self.config.moe
+        per_sparse = 0.0
+        if moe is not None:
+            per_sparse = self.router_params() + (moe.num_experts if experts is None else experts) * self.expert_params(tp)
+        dense = self.layers - self.moe_layers
+        return self.layers * self.attention_params(tp) + dense * self.dense_mlp_params(tp) + self.moe_layers * per_sparse
 
     def layer_small_params(self, tp: int = 1) -> int:
         """Norms and biases: every rank keeps its own (norms whole, biases its slice)."""
@@ -49,7 +82,7 @@ class ModelShape:
     def params_per_rank(self, tp: int = 1) -> int:
         c = self.config
         tables = (1 if c.tie_word_embeddings else 2) * self.vocab_rows(tp) * c.hidden_size
-        return self.layers * (self.layer_linear_params(tp) + self.layer_small_params(tp)) + tables + c.hidden_size
+        return int(self.layers_linear_params(tp)) + self.layers * self.layer_small_params(tp) + tables + c.hidden_size
 
     def params(self) -> int:
         """The whole model's parameters (TP 1)."""
@@ -59,19 +92,21 @@ class ModelShape:
         return self.params_per_rank(tp) * self.dtype_bytes
 
     def decode_read_bytes(self, tp: int, batch: int) -> float:
-        """Weight bytes one decode step reads on a rank: every layer and the LM head once; an
-        untied input embedding only for the batch's rows."""
+        """Weight bytes one step over ``batch`` tokens reads on a rank: every layer's weights once
+        (of a sparse layer, the router and the experts the tokens touch) and the LM head; an untied
+        input embedding only for the batch's rows."""
         c = self.config
         head = self.vocab_rows(tp) * c.hidden_size
         embed = 0 if c.tie_word_embeddings else min(batch, self.vocab_rows(tp)) * c.hidden_size
-        layers = self.layers * (self.layer_linear_params(tp) + self.layer_small_params(tp))
+        layers = self.layers_linear_params(tp, self.touched_experts(batch)) + self.layers * self.layer_small_params(tp)
         return (layers + head + embed) * self.dtype_bytes
 
     def linear_flops(self, tp: int, tokens: int, last_tokens: int) -> float:
-        """Matmul FLOPs of the decoder layers over ``tokens`` and of the LM head over the
-        ``last_tokens`` that sample, on one rank."""
+        """Matmul FLOPs of the decoder layers over ``tokens`` (top-k experts each) and of the LM
+        head over the ``last_tokens`` that sample, on one rank."""
+        active = self.layers_linear_params(tp, self.config.moe.top_k if self.config.moe else 0)
         head = self.vocab_rows(tp) * self.hidden
-        return 2.0 * (self.layers * self.layer_linear_params(tp) * tokens + head * last_tokens)
+        return 2.0 * (active * tokens + head * last_tokens)
 
     def attention_flops(self, tp: int, pairs: float) -> float:
         """QK^T and PV over ``pairs`` (query, key) pairs, on one rank."""

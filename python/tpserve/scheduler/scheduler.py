@@ -3,7 +3,9 @@
 Every step: running requests, oldest first, each get their next tokens (one when decoding, a
 chunk when prefilling) and the pages those need, evicting cached prefixes and, if that is not
 enough, preempting the newest requests; then waiting requests are admitted while the prefill
-budget and pages allow. Every rank runs this same code on the same inputs, so all ranks take
+budget and pages allow. A step with more prefill tokens than ``mixed_prefill_tokens`` runs the
+prefills without the decodes (prefill first): a decode then waits one step, not one long step
+per chunk. Every rank runs this same code on the same inputs, so all ranks take
 the same decisions: queues are ordered, batches sorted by request id, recency is a step count.
 
 With overlap (the default) step i+1 is planned and launched before step i's samples are read:
@@ -191,19 +193,35 @@ class Scheduler:
 
     def _schedule(self, outputs: list[TokenOutput]) -> list[tuple[Request, int]]:
         budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
-        scheduled: list[tuple[Request, int]] = []
+        preemptions = self.preemptions_total
+        decodes: list[tuple[Request, int]] = []
+        prefills: list[tuple[Request, int]] = []
         for req in sorted(self.running.values(), key=lambda r: r.admit_order):
             if self.running.get(req.rid) is not req or req.samples_left <= 0:
                 continue  # gone during a drain, or only waiting for its last sample
             todo = req.num_to_compute
             n = 1 if todo == 1 else min(todo, budget)
             if n > 0 and self._grow(req, req.num_cached + n, outputs):
-                scheduled.append((req, n))
-                if todo > 1:
+                if todo == 1:
+                    decodes.append((req, n))
+                else:
+                    prefills.append((req, n))
                     budget -= n
         # A drain inside _grow may have finished requests scheduled before it.
-        scheduled = [(req, n) for req, n in scheduled if self.running.get(req.rid) is req]
-        return scheduled + self._admit(budget, outputs)
+        decodes = [(req, n) for req, n in decodes if self.running.get(req.rid) is req]
+        prefills = [(req, n) for req, n in prefills if self.running.get(req.rid) is req]
+        prefills += self._admit(budget, outputs)
+        if (
+            decodes
+            and sum(n for _, n in prefills) > self.config.mixed_prefill_tokens
+            and self.preemptions_total == preemptions
+        ):
+            # A step's time grows with its prefill tokens, and every decode in it waits that long
+            # for its token; alone, the prefills hold each decode back by one step only. Not when
+            # pages ran short: only finishing decodes free them, and a preempted prompt re-admitted
+            # every step would otherwise keep them from ever running.
+            return prefills
+        return decodes + prefills
 
     def _launch(self, scheduled: list[tuple[Request, int]]) -> _Launched:
         scheduled.sort(key=lambda item: item[0].rid)
