@@ -1,5 +1,5 @@
 """The package's layering, read from its source with ``ast``: the model side (attention, models,
-layers, kvcache, kernels and the step types in ``tpserve.forward``) never imports the engine,
+layers, kvcache, kernels, quant and the step types in ``tpserve.forward``) never imports the engine,
 the scheduler or the processes above them, and no modules import each other in a circle.
 Imports under ``if TYPE_CHECKING:`` are annotations only: they count for layering, not circles."""
 
@@ -11,7 +11,7 @@ from pathlib import Path
 import tpserve
 
 ROOT = Path(tpserve.__file__).parent
-LOW = ("attention", "models", "layers", "kvcache", "kernels", "forward")
+LOW = ("attention", "models", "layers", "kvcache", "kernels", "forward", "quant")
 HIGH = ("engine", "scheduler", "server", "launch", "llm")
 
 

@@ -10,6 +10,8 @@ from typing import Any
 
 import torch
 
+from tpserve.quant.config import QuantConfig, parse_quantization_config, resolve_quantization
+
 logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {
@@ -152,6 +154,7 @@ class ModelConfig:
     torch_dtype: str  # the checkpoint's dtype
     eos_token_ids: tuple[int, ...]
     moe: MoEConfig | None = None  # None: every layer's MLP is dense
+    quantization: QuantConfig | None = None  # the checkpoint's quantization_config (FP8 weights)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id in self.moe.layers
@@ -183,6 +186,11 @@ class ModelConfig:
         if cfg_eos is not None:
             eos.update(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])
         dtype = getattr(hf, "dtype", None) or cfg.get("torch_dtype") or "bfloat16"
+        moe = _moe_config(hf, kind, hf.num_hidden_layers)
+        raw_quant = cfg.get("quantization_config")
+        quantization = None if raw_quant is None else parse_quantization_config(raw_quant)
+        if quantization is not None and moe is not None:
+            raise ValueError("quantization_config: FP8 checkpoints of mixture-of-experts models are not supported yet")
         return cls(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -201,7 +209,8 @@ class ModelConfig:
             qkv_bias=kind == "qwen2",
             torch_dtype=str(dtype).removeprefix("torch."),
             eos_token_ids=tuple(sorted(eos)),
-            moe=_moe_config(hf, kind, hf.num_hidden_layers),
+            moe=moe,
+            quantization=quantization,
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size") -> None:
@@ -220,6 +229,38 @@ class ModelConfig:
                 f"{name} {tp_size} does not divide moe_intermediate_size {self.moe.intermediate_size} "
                 "(each rank holds a slice of every expert's intermediate dimension)"
             )
+        self._check_fp8_blocks(tp_size, name)
+
+    def _check_fp8_blocks(self, tp_size: int, name: str) -> None:
+        """FP8 block scales are split (tensor parallelism) and merged (q/k/v, gate/up) with their
+        weights, so every rank's part of a quantized projection must be whole blocks."""
+        quant = self.quantization
+        if quant is None or not quant.prequantized:  # quantized at load time: per rank, any shape
+            return
+        bn, bk = quant.block_size
+        kv_heads = self.num_key_value_heads // tp_size if self.num_key_value_heads >= tp_size else 1
+        q_width, kv_width = self.num_attention_heads // tp_size * self.head_dim, kv_heads * self.head_dim
+        inter_width = self.intermediate_size // tp_size
+        every, dense = range(self.num_hidden_layers), self.dense_layers
+        # (layers, checkpoint modules, what, width, block): outputs merged or split by rank, inputs split
+        checks = [
+            (every, ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), "query output features", q_width, bn),
+            (every, ("self_attn.k_proj", "self_attn.v_proj"), "key/value output features", kv_width, bn),
+            (dense, ("mlp.gate_proj", "mlp.up_proj"), "gate/up output features (intermediate_size)", inter_width, bn),
+        ]
+        if tp_size > 1:
+            checks += [
+                (every, ("self_attn.o_proj",), "o_proj input features", q_width, bk),
+                (dense, ("mlp.down_proj",), "down_proj input features", inter_width, bk),
+            ]
+        for layers, modules, what, width, block in checks:
+            converted = any(quant.converts(f"model.layers.{i}.{m}") for i in layers for m in modules)
+            if converted and width % block:
+                raise ValueError(
+                    f"{name} {tp_size}: each rank's share of the {what} is {width}, not a multiple of the FP8 "
+                    f"weight block {block} (quantization_config.weight_block_size {[bn, bk]}); the block scales "
+                    "can only be split across ranks and merged (q/k/v, gate/up) at block boundaries"
+                )
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
@@ -277,6 +318,7 @@ class EngineConfig:
     # without the decodes (they wait one step), so decodes never stall behind a long chunk.
     mixed_prefill_tokens: int = 0
     debug_check_invariants: bool = False  # check every step that ranks agree and KV pages add up
+    quantization: str | None = None  # fp8: quantize an unquantized checkpoint's weights at load time
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -293,6 +335,7 @@ class EngineConfig:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        resolve_quantization(self.quantization, None)  # a clear error for an unknown method
 
 
 def _option(name: str, value: Any, cli: bool) -> str:
@@ -308,6 +351,7 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
     """The checks that need the model and the machine, made before any process starts, so that a
     bad setting is one clear error (naming the CLI flag when ``cli``) rather than a traceback from
     every rank."""
+    resolve_quantization(engine.quantization, model.quantization)
     model.check_tp_size(engine.tp_size, name="--tp-size" if cli else "tp_size")
     if engine.max_model_len is not None and engine.max_model_len > model.context_length:
         raise ValueError(

@@ -180,6 +180,44 @@ def check_norm_rope_store() -> None:
         assert torch.equal(fused.v[0], reference.v[0])
 
 
+def check_fp8_gemm() -> None:
+    """The FP8 block GEMM against torch: partial M, N and K tiles, non-square blocks, a K group
+    wider than the K tile, a row of zeros, bfloat16 and float32 activations.
+
+    The interpreter's cast to float8 is not the GPU's: a value that rounds up into the next
+    power of two comes out halved (124.3 -> 64, not 128) and ties round away from zero. So the
+    activation quantization is checked up to those cases, and the GEMM on its own output."""
+    from tpserve.kernels.fp8_gemm import fp8_linear, quantize_activations
+    from tpserve.quant.fp8 import dequantize_blocks, quantize_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k, block, dtype in [
+        (1, 96, 256, (128, 128), torch.bfloat16),
+        (37, 200, 176, (32, 48), torch.float32),
+        (20, 64, 64, (16, 64), torch.bfloat16),
+    ]:
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        if m > 1:
+            x[-1, :] = 0.0
+        weight, scale = quantize_blocks(torch.randn(n, k, generator=gen) * 0.05, block)
+        q, xs = quantize_activations(x, block[1])
+        q_ref, xs_ref = quantize_blocks(x, (1, block[1]))
+        torch.testing.assert_close(xs, xs_ref, rtol=1e-6, atol=0)
+        got_q, ref_q = q.float(), q_ref.float()
+        differ = got_q != ref_q
+        ulp = torch.exp2(torch.floor(torch.log2(ref_q.abs().clamp_min(2**-9))) - 3)
+        carried = (got_q == ref_q / 2) & (torch.log2(ref_q.abs()) == torch.log2(ref_q.abs()).round())
+        assert bool((carried | ((got_q - ref_q).abs() <= ulp))[differ].all()), "activation quantization differs"
+        assert differ.float().mean() < 0.05
+        got = fp8_linear(x.view(1, m, k), weight, scale, block)
+        a = dequantize_blocks(q, xs, (1, block[1]), torch.float32)
+        ref = a @ dequantize_blocks(weight, scale, block, torch.float32).T
+        assert got.shape == (1, m, n) and got.dtype == dtype
+        torch.testing.assert_close(got[0].float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+        if m > 1:
+            assert torch.equal(got[0, -1], torch.zeros(n, dtype=dtype))
+
+
 def check_fused_moe() -> None:
     """The grouped MoE GEMMs against the torch experts: decode-sized and prefill-sized blocks,
     experts with no tokens, sizes that are not multiples of the blocks."""
@@ -211,4 +249,5 @@ if __name__ == "__main__":
     check_kv_store()
     check_norm_rope_store()
     check_fused_moe()
+    check_fp8_gemm()
     print("ok")

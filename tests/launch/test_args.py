@@ -74,6 +74,7 @@ def test_default_is_the_tiny_demo_model(monkeypatch, tmp_path):
         (["--tp-size", "3"], "--tp-size 3 does not divide num_attention_heads 4"),
         (["--device", "cpu", "--attention-backend", "flashinfer"], "--attention-backend flashinfer runs on CUDA"),
         (["--bogus"], "unrecognized arguments: --bogus"),
+        (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq'"),
     ],
 )
 def test_bad_values_are_usage_errors(qwen3_dir, capsys, argv, fragment):
@@ -81,6 +82,12 @@ def test_bad_values_are_usage_errors(qwen3_dir, capsys, argv, fragment):
         parse_args(["--model", qwen3_dir, *argv])
     assert e.value.code == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_quantization_flag(qwen3_dir):
+    assert parse_args(["--model", qwen3_dir]).engine.quantization is None
+    assert parse_args(["--model", qwen3_dir, "--quantization", "fp8"]).engine.quantization == "fp8"
+    assert parse_args(["--model", qwen3_dir, "-q", "fp8"]).engine.quantization == "fp8"
 
 
 def test_missing_model(capsys, tmp_path):

@@ -21,6 +21,8 @@ from tpserve.kernels import use_triton
 from tpserve.kvcache.pool import KVCachePool
 from tpserve.models.decoder import CausalLM
 from tpserve.models.loader import load_model_weights
+from tpserve.models.quantize import quantize_model
+from tpserve.quant.config import resolve_quantization
 from tpserve.sampling_params import SamplingParams
 from tpserve.structured.mask import apply_bitmask
 
@@ -105,8 +107,11 @@ class Engine:
             rank, config.tp_size, config.dist_init_addr or "", self.device, self.dtype, config.all_reduce
         )
 
+        self.quantization = resolve_quantization(config.quantization, self.model_config.quantization)
         with torch.device("meta"):
             self.model = CausalLM(self.model_config, self.comm, self.max_model_len)
+        if self.quantization is not None:
+            quantize_model(self.model, self.quantization)
         load_model_weights(
             self.model, config.model, config.load_format, self.device, self.dtype, config.seed, show_progress=rank == 0
         )
@@ -142,11 +147,20 @@ class Engine:
         self._last_tokens: torch.Tensor | None = None  # the last launched step's samples
         if rank == 0:
             logger.info(
-                "engine ready: %s on %s, %s, tp %d, %s attention, %d KV pages of %d tokens, CUDA graphs %s",
-                self.model_config.architecture, self.device, self.dtype, config.tp_size,
+                "engine ready: %s on %s, %s%s, tp %d, %s attention, %d KV pages of %d tokens, CUDA graphs %s",
+                self.model_config.architecture, self.device, self.dtype, self._quantization_note(), config.tp_size,
                 type(self.attention).__name__, self.num_pages - 1, self.page_size,
                 f"up to batch {self.graph_runner.max_batch_size}" if self.graph_runner else "off",
             )
+
+    def _quantization_note(self) -> str:
+        quant = self.quantization
+        if quant is None:
+            return ""
+        fp8 = any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters())
+        source = "checkpoint" if quant.prequantized else "quantized at load"
+        form = "FP8 GEMM" if fp8 else "dequantized for this device"
+        return f", {quant.method} weights ({source}, blocks {quant.block_size[0]}x{quant.block_size[1]}, {form})"
 
     def _fused_rope_store(self) -> bool:
         """Whether layers take qkv to q and the KV cache in one Triton kernel (kernels.rope_store)."""

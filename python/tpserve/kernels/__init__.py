@@ -44,3 +44,11 @@ def use_flashinfer(device: torch.device, dtype: torch.dtype) -> bool:
 def use_triton(device: torch.device) -> bool:
     """Whether tensors on this device take tpserve's Triton kernels."""
     return ENABLED and device.type == "cuda" and optional_import("triton") is not None
+
+
+def use_fp8_gemm(device: torch.device, block_size: tuple[int, int]) -> bool:
+    """Whether FP8 weights with these blocks stay FP8 on this device (Triton's FP8 GEMM: compute
+    capability 8.9+, input blocks a multiple of 16); elsewhere they are dequantized at load."""
+    return (
+        use_triton(device) and torch.cuda.get_device_capability(device) >= (8, 9) and block_size[1] % 16 == 0
+    )

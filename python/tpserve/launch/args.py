@@ -10,6 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from tpserve.config import CHOICES, EngineConfig, ModelConfig, check_can_start
+from tpserve.quant.config import QUANTIZATION_METHODS
 from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
@@ -158,6 +159,10 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--dtype", type=_dtype, default="auto",
                        help="compute dtype: auto (the checkpoint's dtype on GPU, float32 on CPU), float32, "
                        "bfloat16, float16 (also spelled half, float, bf16)")
+    model.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=_default("quantization"),
+                       help="fp8: quantize an unquantized checkpoint's linear weights to FP8 (e4m3, one scale "
+                       "per 128x128 block) at load time. FP8 checkpoints (quantization_config in config.json) "
+                       "are read as such without it")
     model.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=_int_at_least(2),
                        default=None,
                        help="context limit (prompt + completion tokens); default: the model's "
@@ -263,6 +268,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         device=None if ns.device == "auto" else ns.device,
         dtype=None if ns.dtype == "auto" else ns.dtype,
         load_format=ns.load_format,
+        quantization=ns.quantization,
         page_size=ns.page_size,
         max_total_tokens=ns.max_total_tokens,
         mem_fraction=ns.mem_fraction,

@@ -4,9 +4,16 @@ Column-parallel layers split the output features, so each rank computes a slice 
 communication; row-parallel layers split the input features, so each rank computes a partial
 sum that an all-reduce completes. Every layer also knows how to cut its rank's shard out of a
 full checkpoint tensor (``load_weight``), so loading never needs the whole merged tensor.
+
+A layer can hold FP8 weights with block scales (``use_fp8``): the scales (``weight_scale_inv``)
+are sharded and merged with their weights, block for block, so a shard or merge boundary inside
+a block is an error naming the sizes. After loading (``finish_loading``) the layer either keeps
+the FP8 weight for the GPU GEMM or dequantizes it to the compute dtype (the CPU path).
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -14,6 +21,8 @@ from torch import nn
 
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
+from tpserve.kernels import use_fp8_gemm
+from tpserve.quant.fp8 import FP8_DTYPE, dequantize_blocks, num_blocks, quantize_blocks
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -28,6 +37,35 @@ def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     param.copy_(loaded)
 
 
+@dataclass(frozen=True)
+class Slice:
+    """A rank's part of a checkpoint tensor along the sharded dim: ``size`` elements from
+    ``start`` of the tensor's ``full``, copied to ``dest`` of the rank's parameter."""
+
+    start: int
+    size: int
+    dest: int
+    full: int
+
+    def blocks(self, block: int, what: str) -> "Slice":
+        """The same part of the block scales (one per ``block`` elements)."""
+        end = self.start + self.size
+        if self.start % block or self.dest % block or (end % block and end != self.full):
+            raise ValueError(
+                f"{what}: this rank's part is {self.size} of {self.full} features (at offset {self.start}, "
+                f"placed at {self.dest} of the merged weight), which cuts a quantization block of {block}; "
+                "FP8 block scales can only be split and merged at block boundaries (choose another tp_size)"
+            )
+        first = self.start // block
+        return Slice(first, num_blocks(end, block) - first, self.dest // block, num_blocks(self.full, block))
+
+
+def _load_slice(param: torch.Tensor, loaded: torch.Tensor, dim: int, part: Slice, name: str) -> None:
+    if loaded.shape[dim] != part.full:
+        raise ValueError(f"weight {name}: expected {part.full} along dim {dim}, got shape {tuple(loaded.shape)}")
+    copy_checked(param.narrow(dim, part.dest, part.size), loaded.narrow(dim, part.start, part.size), name)
+
+
 class ReplicatedWeights(nn.Module):
     """Default loading for modules whose parameters every rank holds whole (norms)."""
 
@@ -35,22 +73,89 @@ class ReplicatedWeights(nn.Module):
         copy_checked(getattr(self, param_name).data, loaded, param_name)
 
 
-class ColumnParallelLinear(nn.Module):
-    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        super().__init__()
-        tp = get_tp_info()
-        self.tp_rank, self.tp_size = tp.rank, tp.size
-        self.in_features = in_features
-        self.out_features = divide(out_features, tp.size, "output features")
-        self.weight = nn.Parameter(torch.empty(self.out_features, in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(self.out_features), requires_grad=False) if bias else None
+class ParallelLinear(nn.Module):
+    """What column- and row-parallel layers share: the weight [out, in] of this rank, an optional
+    bias, and the FP8 block-quantized forms of the weight."""
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return F.linear(x, self.weight, self.bias)
+    # 0 for column-parallel layers (output features split), 1 for row-parallel ones.
+    split_dim: int = 0
+
+    def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
+        super().__init__()
+        self.in_features, self.out_features = in_features, out_features
+        self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
+        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.weight_scale_inv: nn.Parameter | None = None
+        self.block_size: tuple[int, int] | None = None  # set when the weight is FP8-quantized
+        self.keep_dtype: tuple[str, ...] = ()  # parameters the compute dtype does not apply to
+
+    def use_fp8(self, block_size: tuple[int, int], prequantized: bool) -> None:
+        """Hold the weight in FP8 with a scale per ``block_size`` block: loaded as such from the
+        checkpoint (``prequantized``), or quantized by ``finish_loading``. Called on the model
+        before its parameters are materialised."""
+        self.block_size = block_size
+        if prequantized:
+            device = self.weight.device
+            self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=FP8_DTYPE, device=device), requires_grad=False)
+            scales = (num_blocks(self.out_features, block_size[0]), num_blocks(self.in_features, block_size[1]))
+            self.weight_scale_inv = nn.Parameter(torch.empty(scales, dtype=torch.float32, device=device), requires_grad=False)
+            self.keep_dtype = ("weight", "weight_scale_inv")
+
+    def finish_loading(self, dtype: torch.dtype) -> None:
+        """After loading: keep the FP8 weight and its scales where the FP8 GEMM runs, or
+        dequantize to ``dtype`` (the CPU path; quantized first when quantizing at load time, so
+        the numbers are those the GPU would use)."""
+        if self.block_size is None:
+            return
+        fp8_compute = use_fp8_gemm(self.weight.device, self.block_size)
+        if self.weight_scale_inv is None:
+            weight, scale_inv = quantize_blocks(self.weight.data, self.block_size)
+        else:
+            weight, scale_inv = self.weight.data, self.weight_scale_inv.data
+        if fp8_compute:
+            self.weight = nn.Parameter(weight, requires_grad=False)
+            self.weight_scale_inv = nn.Parameter(scale_inv, requires_grad=False)
+        else:
+            self.weight = nn.Parameter(dequantize_blocks(weight, scale_inv, self.block_size, dtype), requires_grad=False)
+            self.weight_scale_inv, self.block_size = None, None
+        self.keep_dtype = ()
+
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale_inv is None:
+            return F.linear(x, self.weight, bias)
+        from tpserve.kernels.fp8_gemm import fp8_linear
+
+        y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size)
+        return y if bias is None else y + bias
+
+    def part(self, shard_id: str | int | None) -> Slice:
+        """The rank's part of the checkpoint tensor named by ``shard_id``, along ``split_dim``."""
+        raise NotImplementedError
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        shard = loaded.narrow(0, self.tp_rank * self.out_features, self.out_features)
-        copy_checked(getattr(self, param_name).data, shard, param_name)
+        param = getattr(self, param_name).data
+        dim = self.split_dim
+        if param_name == "bias" and dim == 1:  # a row-parallel bias is added once, after the all-reduce
+            copy_checked(param, loaded, param_name)
+            return
+        part = self.part(shard_id)
+        if param_name == "weight_scale_inv" and self.block_size is not None:
+            part = part.blocks(self.block_size[dim], f"{param_name} (weight_block_size {list(self.block_size)})")
+        _load_slice(param, loaded, dim, part, param_name)
+
+
+class ColumnParallelLinear(ParallelLinear):
+    def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
+        tp = get_tp_info()
+        self.tp_rank, self.tp_size = tp.rank, tp.size
+        super().__init__(in_features, divide(out_features, tp.size, "output features"), bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
+    def part(self, shard_id: str | int | None) -> Slice:
+        size = self.out_features
+        return Slice(self.tp_rank * size, size, 0, size * self.tp_size)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
@@ -65,13 +170,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         self.local_part_sizes = [divide(p, tp_size, "intermediate_size") for p in part_sizes]
         super().__init__(in_features, sum(part_sizes), bias)
 
-    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def part(self, shard_id: str | int | None) -> Slice:
         if not isinstance(shard_id, int):
-            raise ValueError(f"merged weight {param_name} needs an integer part index, got {shard_id!r}")
+            raise ValueError(f"merged weight needs an integer part index, got {shard_id!r}")
         size = self.local_part_sizes[shard_id]
-        offset = sum(self.local_part_sizes[:shard_id])
-        shard = loaded.narrow(0, self.tp_rank * size, size)
-        copy_checked(getattr(self, param_name).data.narrow(0, offset, size), shard, param_name)
+        return Slice(self.tp_rank * size, size, sum(self.local_part_sizes[:shard_id]), size * self.tp_size)
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -84,6 +187,7 @@ class QKVParallelLinear(ColumnParallelLinear):
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
         tp = get_tp_info()
         self.head_dim = head_dim
+        self.total_kv_heads = num_kv_heads
         self.num_heads = divide(num_heads, tp.size, "num_attention_heads")
         if num_kv_heads >= tp.size:
             self.num_kv_heads = divide(num_kv_heads, tp.size, "num_key_value_heads")
@@ -106,33 +210,27 @@ class QKVParallelLinear(ColumnParallelLinear):
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
-    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+    def part(self, shard_id: str | int | None) -> Slice:
         if shard_id == "q":
-            offset, size, start = 0, self.q_size, self.tp_rank * self.q_size
-        elif shard_id in ("k", "v"):
-            offset = self.q_size + (self.kv_size if shard_id == "v" else 0)
-            size, start = self.kv_size, self.kv_head_start * self.head_dim
-        else:
-            raise ValueError(f"qkv weight {param_name} needs shard id q, k or v, got {shard_id!r}")
-        shard = loaded.narrow(0, start, size)
-        copy_checked(getattr(self, param_name).data.narrow(0, offset, size), shard, param_name)
+            return Slice(self.tp_rank * self.q_size, self.q_size, 0, self.q_size * self.tp_size)
+        if shard_id in ("k", "v"):
+            dest = self.q_size + (self.kv_size if shard_id == "v" else 0)
+            return Slice(self.kv_head_start * self.head_dim, self.kv_size, dest, self.total_kv_heads * self.head_dim)
+        raise ValueError(f"qkv weight needs shard id q, k or v, got {shard_id!r}")
 
 
-class RowParallelLinear(nn.Module):
+class RowParallelLinear(ParallelLinear):
+    split_dim = 1
+
     def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = False) -> None:
-        super().__init__()
         tp = get_tp_info()
-        self.tp_rank, self.comm = tp.rank, comm
-        self.in_features = divide(in_features, tp.size, "input features")
-        self.out_features = out_features
-        self.weight = nn.Parameter(torch.empty(out_features, self.in_features), requires_grad=False)
-        self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
+        self.tp_rank, self.tp_size, self.comm = tp.rank, tp.size, comm
+        super().__init__(divide(in_features, tp.size, "input features"), out_features, bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(F.linear(x, self.weight))
+        y = self.comm.all_reduce(self.matmul(x, None))
         return y if self.bias is None else y + self.bias
 
-    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
-        if param_name == "weight":
-            loaded = loaded.narrow(1, self.tp_rank * self.in_features, self.in_features)
-        copy_checked(getattr(self, param_name).data, loaded, param_name)
+    def part(self, shard_id: str | int | None) -> Slice:
+        size = self.in_features
+        return Slice(self.tp_rank * size, size, 0, size * self.tp_size)

@@ -23,7 +23,9 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from tpserve.layers.linear import ParallelLinear
 from tpserve.models.decoder import CausalLM
+from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX
 
 # checkpoint projection name -> (merged parameter name, shard id)
 _MERGED = {
@@ -34,6 +36,7 @@ _MERGED = {
     "up_proj": ("gate_up_proj", 1),
 }
 _SHARDS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}
+_PARTS = {merged: tuple(leaf for leaf, (m, _) in _MERGED.items() if m == merged) for merged in _SHARDS}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 _EXPERT = re.compile(r"(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
@@ -73,6 +76,12 @@ def checkpoint_target(name: str) -> Target:
     return module, param, None
 
 
+def checkpoint_parts(module: str) -> tuple[str, ...]:
+    """The checkpoint modules loaded into ``module`` (``...qkv_proj`` -> ``...q_proj``, ``k_proj``, ``v_proj``)."""
+    parent, _, leaf = module.rpartition(".")
+    return tuple(f"{parent}.{part}" for part in _PARTS[leaf]) if leaf in _PARTS else (module,)
+
+
 def checkpoint_pieces(name: str, tensor: torch.Tensor) -> Iterator[tuple[Target, torch.Tensor]]:
     """The (target, tensor) pairs one checkpoint tensor loads: itself, or each expert's piece of a
     stacked experts tensor (views, no copy)."""
@@ -103,8 +112,13 @@ def expected_targets(model: nn.Module) -> set[Target]:
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Allocate (uninitialised) storage for a model built on the meta device."""
-    model.to(dtype=dtype)
+    """Allocate (uninitialised) storage for a model built on the meta device: floating-point
+    parameters in ``dtype``, except those a module keeps in their own (FP8 weights, scales)."""
+    for module in model.modules():
+        keep = getattr(module, "keep_dtype", ())
+        for name, param in module.named_parameters(recurse=False):
+            if param.is_floating_point() and name not in keep and param.dtype != dtype:
+                setattr(module, name, nn.Parameter(param.data.to(dtype), requires_grad=False))
     model.to_empty(device=device)
     if isinstance(model, CausalLM) and model.config.tie_word_embeddings:
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty breaks the tie
@@ -136,8 +150,14 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
             if target in loaded:
                 raise ValueError(f"weight {name!r} appears twice in the checkpoint")
             module, param, shard_id = target
+            layer = model.get_submodule(module)
+            if piece.dtype == FP8_DTYPE and getattr(layer, param).dtype != FP8_DTYPE:
+                raise ValueError(
+                    f"weight {name!r} is float8 in the checkpoint but its layer is not quantized (config.json has no "
+                    "quantization_config, or its modules_to_not_convert lists the module)"
+                )
             with torch.no_grad():
-                model.get_submodule(module).load_weight(param, piece, shard_id)
+                layer.load_weight(param, piece, shard_id)
             loaded.add(target)
         del tensor
     missing = expected - loaded
@@ -153,6 +173,10 @@ def init_dummy(model: CausalLM, seed: int) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
+            elif name.endswith("weight_scale_inv"):
+                param.fill_(0.02)
+            elif param.dtype == FP8_DTYPE:  # N(0, 1) x scale_inv 0.02: the other weights' std
+                param.copy_(torch.empty(param.shape, device=param.device).normal_(generator=generator).clamp_(-FP8_MAX, FP8_MAX))
             elif name.endswith("bias"):
                 param.zero_()
             else:
@@ -167,4 +191,9 @@ def load_model_weights(
         init_dummy(model, seed)
     else:
         load_safetensors(model, model_dir, show_progress)
+    for module in model.modules():
+        if isinstance(module, ParallelLinear):
+            module.finish_loading(dtype)
+    if device.type == "cuda":  # weights replaced by their FP8 form: give the memory back for the KV cache
+        torch.cuda.empty_cache()
     model.rotary.build_cache(device, dtype)

@@ -1,0 +1,103 @@
+"""Block-scaled FP8 GEMM for FP8 linear layers on the GPU (Triton): y = x @ w.T.
+
+x is quantized at run time to float8_e4m3fn per token and group of bk input features
+(``quantize_activations``: one kernel), then ``_gemm_kernel`` accumulates, per K tile, the FP8
+tensor-core dot times the tile's activation and weight scales, in float32. The weight is
+float8_e4m3fn [N, K] with ``scale_inv`` [ceil(N / bn), ceil(K / bk)] (the checkpoint layout).
+The torch reference is ``tpserve.quant.fp8.fp8_linear_reference``; both kernels also run in
+Triton's CPU interpreter (tests/kernels/interpreter_checks.py). No host synchronisation, so a
+CUDA graph can hold them.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX, num_blocks
+
+_MIN_AMAX = 1e-10
+
+
+def _k_tile(block_k: int) -> int:
+    """The K tile: inside one scale group (a power of two dividing block_k: callers check that
+    16 does, see ``kernels.use_fp8_gemm``), at least 16 for tl.dot."""
+    tile = 16
+    while tile < 128 and block_k % (tile * 2) == 0:
+        tile *= 2
+    return tile
+
+
+@triton.jit
+def _quantize_kernel(
+    x_ptr, q_ptr, s_ptr, K, stride_x, num_groups,
+    GROUP: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
+):
+    row = tl.program_id(0)
+    group = tl.program_id(1)
+    cols = group * GROUP + tl.arange(0, BLOCK)
+    mask = (tl.arange(0, BLOCK) < GROUP) & (cols < K)
+    x = tl.load(x_ptr + row * stride_x + cols, mask=mask, other=0.0).to(tl.float32)
+    scale = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX) / FP8_MAX
+    q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
+    tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
+    tl.store(s_ptr + row * num_groups + group, scale)
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn [M, K], float32 scale_inv [M, ceil(K / group)]) of a 2-D x."""
+    m, k = x.shape
+    groups = num_blocks(k, group)
+    q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
+    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if m:
+        _quantize_kernel[(m, groups)](
+            x, q, scale, k, x.stride(0), groups,
+            GROUP=group, BLOCK=triton.next_power_of_2(group), FP8_MAX=FP8_MAX, MIN_AMAX=_MIN_AMAX,
+        )
+    return q, scale
+
+
+@triton.jit
+def _gemm_kernel(
+    a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K, a_groups, b_groups,
+    GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    ks = tl.arange(0, BLOCK_K)
+    row_ok, col_ok = rows < M, cols < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k_ok = (k0 + ks) < K
+        a = tl.load(a_ptr + rows[:, None] * K + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
+        b = tl.load(b_ptr + cols[None, :] * K + (k0 + ks)[:, None], mask=k_ok[:, None] & col_ok[None, :], other=0.0)
+        group = k0 // GROUP_K
+        a_scale = tl.load(a_scale_ptr + rows * a_groups + group, mask=row_ok, other=0.0)
+        b_scale = tl.load(b_scale_ptr + (cols // GROUP_N) * b_groups + group, mask=col_ok, other=0.0)
+        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+    tl.store(c_ptr + rows[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
+    """x [..., K] (bf16/fp16/fp32) @ weight.T, weight float8_e4m3fn [N, K] with block scales; out in x's dtype."""
+    n, k = weight.shape
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m:
+        a, a_scale = quantize_activations(x2, block_size[1])
+        block_m = 16 if m <= 16 else 64
+        block_n = 64 if m <= 16 else 128
+        grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
+        _gemm_kernel[grid](
+            a, weight, out, a_scale, scale_inv, m, n, k, a_scale.shape[1], scale_inv.shape[1],
+            GROUP_N=block_size[0], GROUP_K=block_size[1], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_k_tile(block_size[1]),
+        )
+    return out.view(*x.shape[:-1], n)

@@ -1,0 +1,67 @@
+"""FP8 (e4m3) block quantization in torch: the CPU path, the test helper's format and the
+reference for the GPU kernels.
+
+A weight [N, K] with block size (bn, bk) has one float32 scale per bn x bk block, stored as
+``weight_scale_inv`` [ceil(N / bn), ceil(K / bk)] (the name the checkpoints use: the factor that
+*restores* the weight, ``w = w_fp8 * scale_inv``). Activations are quantized at run time per
+token and per group of bk input features (DeepSeek's "dynamic" scheme).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
+# A block of zeros still gets a usable (non-zero) scale.
+_MIN_AMAX = 1e-10
+
+
+def num_blocks(size: int, block: int) -> int:
+    return -(-size // block)
+
+
+def _expand(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> torch.Tensor:
+    """Each block's scale repeated over its elements, cut to ``shape``."""
+    bn, bk = block
+    return scale.repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[: shape[0], : shape[1]]
+
+
+def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn weight, float32 scale_inv per block): each block's largest magnitude maps
+    to FP8_MAX. Partial blocks at the edges are scaled by their own elements."""
+    n, k = weight.shape
+    bn, bk = block
+    rows, cols = num_blocks(n, bn), num_blocks(k, bk)
+    padded = F.pad(weight.float(), (0, cols * bk - k, 0, rows * bn - n))
+    amax = padded.abs().view(rows, bn, cols, bk).amax(dim=(1, 3)).clamp_min(_MIN_AMAX)
+    scale_inv = amax / FP8_MAX
+    q = (weight.float() / _expand(scale_inv, weight.shape, block)).clamp_(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+    return q, scale_inv
+
+
+def dequantize_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], dtype: torch.dtype
+) -> torch.Tensor:
+    """``weight * scale_inv`` per block, in float32, then rounded once to ``dtype``."""
+    return (weight.float() * _expand(scale_inv.float(), weight.shape, block)).to(dtype)
+
+
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn x, float32 scale_inv [M, ceil(K / group)]): one scale per token and group
+    of ``group`` input features."""
+    q, scale_inv = quantize_blocks(x.reshape(-1, x.shape[-1]), (1, group))
+    return q, scale_inv
+
+
+def fp8_linear_reference(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """What the GPU GEMM computes, in float32 torch: x quantized per token and bk-group, times the
+    block-scaled fp8 weight, out in x's dtype. (The CPU path does not use it: there the weights
+    are dequantized at load and the activations stay unquantized.)"""
+    xq, xs = quantize_activations(x, block[1])
+    a = dequantize_blocks(xq, xs, (1, block[1]), torch.float32)
+    w = dequantize_blocks(weight, scale_inv, block, torch.float32)
+    return (a @ w.T).to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

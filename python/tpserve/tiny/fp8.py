@@ -1,0 +1,84 @@
+"""A model directory rewritten as FP8 checkpoints are published (Qwen3-*-FP8, DeepSeek-V3):
+config.json with ``quantization_config``, each quantized linear weight in float8_e4m3fn with a
+float32 ``weight_scale_inv`` per block; and the same weights dequantized, for a reference."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import torch
+from safetensors.torch import load_file, save_file
+
+from tpserve.quant.config import QuantConfig
+from tpserve.quant.fp8 import dequantize_blocks, quantize_blocks
+
+# The projections transformers' FP8 integration replaces (every nn.Linear but the LM head).
+_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _copy_dir_without_weights(src: str, dst: str) -> None:
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if not name.startswith("model") and os.path.isfile(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+
+
+def _weights(model_dir: str) -> dict[str, torch.Tensor]:
+    tensors: dict[str, torch.Tensor] = {}
+    for name in sorted(os.listdir(model_dir)):
+        if name.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(model_dir, name)))
+    return tensors
+
+
+def _edit_config(model_dir: str, quantization_config: dict | None) -> None:
+    path = os.path.join(model_dir, "config.json")
+    with open(path, encoding="utf-8") as f:
+        cfg = json.load(f)
+    cfg.pop("quantization_config", None)
+    if quantization_config is not None:
+        cfg["quantization_config"] = quantization_config
+    with open(path, "w", encoding="utf-8") as f:
+        json.dump(cfg, f, indent=2)
+        f.write("\n")
+
+
+def write_fp8_checkpoint(
+    src: str, dst: str, block_size: tuple[int, int] = (128, 128), modules_to_not_convert: tuple[str, ...] = ("lm_head",)
+) -> str:
+    """``src`` (an unquantized safetensors model) quantized into ``dst`` in the published format."""
+    quant = QuantConfig("fp8", block_size, prequantized=True, not_converted=modules_to_not_convert)
+    _copy_dir_without_weights(src, dst)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in _weights(src).items():
+        module, _, param = name.rpartition(".")
+        if param == "weight" and module.rpartition(".")[2] in _LINEAR and quant.converts(module):
+            out[name], out[f"{module}.weight_scale_inv"] = quantize_blocks(tensor, block_size)
+        else:
+            out[name] = tensor.to(torch.bfloat16)
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    _edit_config(dst, {
+        "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block_size),
+        "modules_to_not_convert": list(modules_to_not_convert),
+    })
+    return dst
+
+
+def write_dequantized(fp8_dir: str, dst: str) -> str:
+    """An FP8 checkpoint's weights dequantized to float32, with no quantization_config: what the
+    FP8 model computes (up to activation quantization), loadable by transformers on the CPU."""
+    with open(os.path.join(fp8_dir, "config.json"), encoding="utf-8") as f:
+        block = tuple(json.load(f)["quantization_config"]["weight_block_size"])
+    _copy_dir_without_weights(fp8_dir, dst)
+    tensors = _weights(fp8_dir)
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in tensors.items():
+        if name.endswith(".weight_scale_inv"):
+            continue
+        scale = tensors.get(name.removesuffix("weight") + "weight_scale_inv")
+        out[name] = tensor.float() if scale is None else dequantize_blocks(tensor, scale, block, torch.float32)  # type: ignore[arg-type]
+    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    _edit_config(dst, None)
+    return dst

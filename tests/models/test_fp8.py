@@ -1,0 +1,179 @@
+"""FP8 checkpoints in the published format (block-scaled float8_e4m3fn weights): config,
+numerics, loading, TP sharding, against transformers on the dequantized weights (float32, CPU)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from reference import hf_greedy, hf_logits
+from test_vs_transformers import PROMPTS, teacher_forced_logits
+from tpserve import LLM, SamplingParams
+from tpserve.config import EngineConfig, ModelConfig, check_can_start
+from tpserve.engine.engine import Engine
+from tpserve.layers.linear import Slice
+from tpserve.quant.config import QuantConfig, parse_quantization_config
+from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX, dequantize_blocks, quantize_blocks
+from tpserve.tiny.fp8 import write_dequantized, write_fp8_checkpoint
+
+PUBLISHED = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
+
+
+@pytest.fixture(scope="module")
+def fp8_pair(tiny_model_factory, tmp_path_factory):
+    """make(block, not_converted) -> (fp8 dir, dequantized dir), cached."""
+    made: dict = {}
+
+    def make(block: tuple[int, int], not_converted: tuple[str, ...] = ("lm_head",)) -> tuple[str, str]:
+        key = (block, not_converted)
+        if key not in made:
+            root = tmp_path_factory.mktemp("fp8")
+            fp8 = write_fp8_checkpoint(tiny_model_factory("qwen3"), str(root / "fp8"), block, not_converted)
+            made[key] = fp8, write_dequantized(fp8, str(root / "ref"))
+        return made[key]
+
+    return make
+
+
+def test_published_config_is_read():
+    quant = parse_quantization_config({**PUBLISHED, "modules_to_not_convert": ["lm_head"]})
+    assert quant == QuantConfig("fp8", (128, 128), prequantized=True, not_converted=("lm_head",))
+    assert parse_quantization_config({**PUBLISHED, "ignored_layers": ["x"]}).not_converted == ("x",)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"quant_method": "awq"}, r"quantization_config\.quant_method: 'awq' is not supported"),
+        ({"fmt": "e5m2"}, r"quantization_config\.fmt: 'e5m2'"),
+        ({"activation_scheme": "static"}, r"quantization_config\.activation_scheme: 'static'"),
+        ({"weight_block_size": None}, r"weight_block_size: null"),
+        ({"weight_block_size": [128]}, r"weight_block_size: must be two positive integers"),
+        ({"kv_cache_scheme": {}}, r"quantization_config\.kv_cache_scheme: is not supported"),
+        ({"modules_to_not_convert": "lm_head"}, r"modules_to_not_convert: must be a list"),
+    ],
+)
+def test_unsupported_quantization_configs_name_the_key(change, message):
+    with pytest.raises(ValueError, match=message):
+        parse_quantization_config({**PUBLISHED, **change})
+
+
+def test_modules_to_not_convert_match_as_transformers_does():
+    quant = QuantConfig("fp8", (128, 128), True, ("lm_head", "model.layers.1", r"model.layers.\d+.mlp.gate", "down_proj"))
+    assert not quant.converts("lm_head")
+    assert not quant.converts("model.layers.1.self_attn.q_proj")
+    assert quant.converts("model.layers.11.self_attn.q_proj")  # prefix only at a module boundary
+    assert not quant.converts("model.layers.3.mlp.gate")
+    assert quant.converts("model.layers.3.mlp.gate_proj")
+    assert not quant.converts("model.layers.3.mlp.down_proj")  # suffix
+
+
+@pytest.mark.parametrize("block", [(128, 128), (16, 48), (1, 7)])
+def test_block_quantization_round_trip(block):
+    weight = torch.randn(100, 150, generator=torch.Generator().manual_seed(0))
+    weight[:16] *= 100  # blocks with very different ranges keep their own precision
+    weight[20:40, :] = 0.0
+    q, scale = quantize_blocks(weight, block)
+    assert q.dtype == FP8_DTYPE and scale.dtype == torch.float32
+    assert scale.shape == (-(-100 // block[0]), -(-150 // block[1]))
+    assert q.float().abs().max() <= FP8_MAX
+    back = dequantize_blocks(q, scale, block, torch.float32)
+    # e4m3 keeps 3 mantissa bits: relative error <= 2^-4 of each block's largest element
+    err = (back - weight).abs()
+    bound = dequantize_blocks(torch.ones_like(q), scale, block, torch.float32) * FP8_MAX / 16
+    assert bool((err <= bound + 1e-30).all())
+    assert torch.equal(back[20:40], torch.zeros(20, 150))
+
+
+def test_fp8_checkpoint_matches_transformers_on_dequantized_weights(fp8_pair):
+    fp8_dir, ref_dir = fp8_pair((16, 32))  # non-square blocks
+    with open(os.path.join(fp8_dir, "config.json")) as f:
+        assert json.load(f)["quantization_config"] == {**PUBLISHED, "weight_block_size": [16, 32], "modules_to_not_convert": ["lm_head"]}
+    engine = Engine(EngineConfig(model=fp8_dir, device="cpu", page_size=4))
+    ids = list(range(30, 70))
+    ours = teacher_forced_logits(engine, ids, prefill=9)
+    ref = hf_logits(ref_dir, ids)[8 : len(ids) - 1]
+    err = (ours - ref).abs().max().item()
+    print(f"fp8 checkpoint (block 16x32) vs transformers on the dequantized weights: max logit error {err:.2e}")
+    assert err < 1e-4
+    assert torch.equal(ours.argmax(-1), ref.argmax(-1))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(fp8_dir, device="cpu", page_size=4) as llm:
+        outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(ref_dir, p, 12) for p in PROMPTS]
+
+
+def test_fp8_checkpoint_at_tp2_with_partial_blocks_at_tp1(fp8_pair):
+    """TP 2 splits every sharded dim into whole 16-blocks; a 48-wide input block leaves partial
+    blocks at the edges at TP 1 (inputs are not split there)."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    fp8_dir, ref_dir = fp8_pair((16, 16), ("lm_head", "model.layers.1.mlp"))
+    with LLM(fp8_dir, tp_size=2, device="cpu", page_size=8) as llm:
+        outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(ref_dir, p, 12) for p in PROMPTS]
+    fp8_dir, ref_dir = fp8_pair((16, 48))
+    with LLM(fp8_dir, device="cpu", page_size=8) as llm:
+        outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(ref_dir, p, 12) for p in PROMPTS]
+
+
+def test_unconverted_modules_load_unquantized(fp8_pair):
+    fp8_dir, ref_dir = fp8_pair((16, 16), ("lm_head", "model.layers.1.mlp"))
+    from safetensors.torch import load_file
+
+    saved = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    assert saved["model.layers.1.mlp.down_proj.weight"].dtype == torch.bfloat16
+    assert "model.layers.1.mlp.down_proj.weight_scale_inv" not in saved
+    assert saved["model.layers.0.mlp.down_proj.weight"].dtype == FP8_DTYPE
+    engine = Engine(EngineConfig(model=fp8_dir, device="cpu", max_total_tokens=64))
+    ref = load_file(os.path.join(ref_dir, "model.safetensors"))
+    params = dict(engine.model.named_parameters())
+    assert torch.equal(params["model.layers.0.mlp.down_proj.weight"], ref["model.layers.0.mlp.down_proj.weight"])
+    assert torch.equal(params["model.layers.1.mlp.down_proj.weight"], ref["model.layers.1.mlp.down_proj.weight"])
+    assert not any(name.endswith("weight_scale_inv") for name in params), "the CPU path dequantizes at load"
+
+
+def test_tp_shard_inside_a_block_is_an_error_naming_the_sizes(fp8_pair):
+    fp8_dir, _ = fp8_pair((32, 32))  # 2 KV heads of 16: a TP-2 rank holds 16 rows of a 32-block
+    config = ModelConfig.from_pretrained(fp8_dir)
+    check_can_start(EngineConfig(model=fp8_dir, device="cpu"), config)
+    with pytest.raises(ValueError, match=r"--tp-size 2: each rank's share of the key/value output features is 16, "
+                       r"not a multiple of the FP8 weight block 32 \(quantization_config.weight_block_size \[32, 32\]\)"):
+        check_can_start(EngineConfig(model=fp8_dir, device="cpu", tp_size=2), config, cli=True)
+    with pytest.raises(ValueError, match=r"part is 16 of 32 features \(at offset 16.*cuts a quantization block of 32"):
+        Slice(16, 16, 0, 32).blocks(32, "weight_scale_inv")
+    assert Slice(32, 48, 64, 80).blocks(32, "w") == Slice(1, 2, 2, 3)  # the last block may be partial
+
+
+def test_fp8_weights_without_quantization_config_are_an_error(fp8_pair, tmp_path):
+    import shutil
+
+    fp8_dir, _ = fp8_pair((16, 16))
+    bad = shutil.copytree(fp8_dir, tmp_path / "m")
+    cfg = json.loads((bad / "config.json").read_text())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["model.layers.0.self_attn.k_proj"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"keeps model\.layers\.0\.self_attn\.k_proj unquantized but not the rest"):
+        Engine(EngineConfig(model=str(bad), device="cpu", max_total_tokens=64))
+    del cfg["quantization_config"]
+    (bad / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"weight 'model.layers.0.mlp.down_proj.weight' is float8 in the checkpoint "
+                       "but its layer is not quantized"):
+        Engine(EngineConfig(model=str(bad), device="cpu", max_total_tokens=64))
+
+
+def test_dummy_fp8_weights(fp8_pair):
+    fp8_dir, _ = fp8_pair((16, 16))
+    engine = Engine(EngineConfig(model=fp8_dir, device="cpu", load_format="dummy", max_total_tokens=64))
+    weight = dict(engine.model.named_parameters())["model.layers.0.mlp.gate_up_proj.weight"]
+    assert weight.dtype == torch.float32 and 0.01 < weight.std().item() < 0.03
+
+
+def test_fp8_moe_checkpoints_are_a_clear_error():
+    with open(os.path.join(os.path.dirname(__file__), "..", "data", "configs", "Qwen3-30B-A3B", "config.json")) as f:
+        cfg = json.load(f)
+    with pytest.raises(ValueError, match="FP8 checkpoints of mixture-of-experts models are not supported yet"):
+        ModelConfig.from_dict({**cfg, "quantization_config": PUBLISHED})

@@ -1,0 +1,78 @@
+"""``quantization="fp8"`` on an unquantized checkpoint: weights quantized at load (128x128 blocks,
+per rank); on the CPU they are dequantized again, so these tests check the numbers the GPU uses."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from test_vs_transformers import teacher_forced_logits
+from tpserve import LLM, SamplingParams
+from tpserve.config import EngineConfig
+from tpserve.engine.engine import Engine
+from tpserve.quant.config import ONLINE_BLOCK_SIZE, QuantConfig, resolve_quantization
+from tpserve.quant.fp8 import dequantize_blocks, quantize_blocks
+
+QUANTIZED = ("qkv_proj.weight", "o_proj.weight", "gate_up_proj.weight", "down_proj.weight")
+
+
+def test_weights_are_their_fp8_block_round_trip(qwen3_dir):
+    plain = dict(Engine(EngineConfig(model=qwen3_dir, device="cpu", max_total_tokens=64)).model.named_parameters())
+    fp8 = dict(Engine(EngineConfig(model=qwen3_dir, device="cpu", max_total_tokens=64, quantization="fp8")).model.named_parameters())
+    assert plain.keys() == fp8.keys()
+    for name, weight in plain.items():
+        if name.endswith(QUANTIZED):
+            expected = dequantize_blocks(*quantize_blocks(weight, ONLINE_BLOCK_SIZE), ONLINE_BLOCK_SIZE, torch.float32)
+            assert torch.equal(fp8[name], expected), name
+            assert not torch.equal(fp8[name], weight), name
+        else:
+            assert torch.equal(fp8[name], weight), name
+
+
+def test_fp8_agrees_with_the_unquantized_model(qwen3_dir):
+    """The tiny random model is built to be sensitive (sharp attention, amplified layers): even
+    bfloat16 changes ~10% of its teacher-forced argmaxes. FP8 (3 mantissa bits) changes more;
+    the figures are printed, the bounds are loose."""
+    ids = list(range(30, 70))
+    engines = {kw: Engine(EngineConfig(model=qwen3_dir, device="cpu", page_size=4, max_total_tokens=256, **dict(kw)))
+               for kw in ((), (("quantization", "fp8"),))}
+    plain, fp8 = (teacher_forced_logits(e, ids, prefill=9) for e in engines.values())
+    err = (fp8 - plain).abs().max().item() / plain.abs().max().item()
+    same_argmax = (fp8.argmax(-1) == plain.argmax(-1)).float().mean().item()
+    prompts = [[i, i + 1, i + 2, i + 5] for i in range(20, 300, 28)]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = []
+    for kw in ({}, {"quantization": "fp8"}):
+        with LLM(qwen3_dir, device="cpu", **kw) as llm:
+            outs.append([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
+    pairs = [(a, b) for x, y in zip(*outs) for a, b in zip(x, y)]
+    equal = sum(a == b for a, b in pairs) / len(pairs)
+    first = sum(x[0] == y[0] for x, y in zip(*outs)) / len(prompts)
+    print(f"fp8 vs unquantized: logit error {err:.1%} of the largest logit; teacher-forced argmax equal "
+          f"{same_argmax:.0%}; greedy tokens equal {equal:.0%} (first token {first:.0%})")
+    assert err < 0.6
+    assert same_argmax >= 0.6
+    assert first >= 0.5
+
+
+def test_tp2_quantizes_each_rank_shard(tiny_model_factory):
+    """Each rank quantizes its own shard. With every rank's part a whole number of 128-blocks
+    (head_dim 128, intermediate 256) the blocks are TP 1's, so TP 2 computes what TP 1 does."""
+    model = tiny_model_factory("qwen3", hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=256)
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 137))]
+    greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    outs = []
+    for tp in (1, 2):
+        with LLM(model, tp_size=tp, device="cpu", quantization="fp8") as llm:
+            outs.append([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
+    assert outs[0] == outs[1]
+
+
+def test_which_quantization_runs(qwen3_dir):
+    checkpoint = QuantConfig("fp8", (16, 16), prequantized=True)
+    assert resolve_quantization(None, checkpoint) is checkpoint
+    assert resolve_quantization("fp8", checkpoint) is checkpoint  # an FP8 checkpoint is served as published
+    assert resolve_quantization("fp8", None) == QuantConfig("fp8", ONLINE_BLOCK_SIZE, prequantized=False)
+    assert resolve_quantization(None, None) is None
+    with pytest.raises(ValueError, match="quantization must be one of fp8, got 'int4'"):
+        EngineConfig(model=qwen3_dir, quantization="int4")
