@@ -10,6 +10,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Iterator
 
 import httpx
 import psutil
@@ -85,6 +86,16 @@ class ServerProcess:
             p.kill()
         self.proc.kill()
         self.proc.wait()
+
+
+def running_server(args: list[str]) -> Iterator[ServerProcess]:
+    """A ready server for a module-scoped fixture (``yield from running_server([...])``), stopped after."""
+    srv = ServerProcess(args)
+    try:
+        srv.wait_ready()
+        yield srv
+    finally:
+        srv.stop()
 
 
 def wait_gone(procs: list[psutil.Process], timeout: float = 10) -> list[psutil.Process]:

@@ -13,7 +13,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from server_process import ServerProcess
+from server_process import running_server
 
 WEATHER_PARAMS = {
     "type": "object",
@@ -37,13 +37,8 @@ ASK = [{"role": "user", "content": "What is the weather in Paris?"}]
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir):
-    srv = ServerProcess(["--model", qwen3_dir, "--device", "cpu", "--tp-size", "2", "--served-model-name", "tiny",
-                         "gpt-4o-mini", "--reasoning-parser", "qwen3", "--max-model-len", "1024"])
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    yield from running_server(["--model", qwen3_dir, "--device", "cpu", "--tp-size", "2", "--served-model-name", "tiny",
+                             "gpt-4o-mini", "--reasoning-parser", "qwen3", "--max-model-len", "1024"])
 
 
 @pytest.fixture(scope="module")

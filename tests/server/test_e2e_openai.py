@@ -10,7 +10,7 @@ import time
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import running_server
 
 API_KEY = "test-key"
 GREEDY = {"temperature": 0}
@@ -19,13 +19,8 @@ IGNORE_EOS = {"ignore_eos": True}
 
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
 def server(qwen3_dir, request):
-    srv = ServerProcess(["--model", qwen3_dir, "--device", "cpu", "--api-key", API_KEY, "--tp-size", str(request.param),
-                         "--served-model-name", "tiny", "--num-tokenizers", "2"])
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    yield from running_server(["--model", qwen3_dir, "--device", "cpu", "--api-key", API_KEY, "--tp-size", str(request.param),
+                             "--served-model-name", "tiny", "--num-tokenizers", "2"])
 
 
 @pytest.fixture(scope="module")

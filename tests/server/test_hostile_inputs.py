@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import running_server
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -24,13 +24,8 @@ USER = [{"role": "user", "content": "hi"}]
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir):
-    srv = ServerProcess(["--model", qwen3_dir, "--device", "cpu", "--tp-size", "2", "--max-total-tokens", "2048",
-                         "--max-request-bytes", str(MAX_BYTES), "--health-timeout", str(HEALTH_TIMEOUT_S)])
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    yield from running_server(["--model", qwen3_dir, "--device", "cpu", "--tp-size", "2", "--max-total-tokens", "2048",
+                             "--max-request-bytes", str(MAX_BYTES), "--health-timeout", str(HEALTH_TIMEOUT_S)])
 
 
 @pytest.fixture(scope="module")
