@@ -42,7 +42,8 @@ class TokenizerConfig:
 def run_tokenizer(
     config: TokenizerConfig, endpoints: Endpoints, ack_queue: multiprocessing.Queue, worker_id: int
 ) -> None:
-    preparer, long_preparer = _preparer(config), _preparer(config)
+    preparer = _preparer(config)
+    long_preparer: list[PromptPreparer] = []  # the background thread's own, made on its first long prompt
     ctx = zmq.Context()
     inbox: Receiver[TokenizerInput] = Receiver(ctx, endpoints.tokenizer, TokenizerInput, bind=False)
     out = _Outbox(Sender(ctx, endpoints.scheduler), Sender(ctx, endpoints.detokenizer), Sender(ctx, endpoints.api))
@@ -50,7 +51,7 @@ def run_tokenizer(
 
     def handle(req: TokenizeRequest) -> None:
         if _prompt_chars(req) > LONG_PROMPT_CHARS:
-            background.submit(_handle, req, long_preparer, out)
+            background.submit(_handle_long, req, config, long_preparer, out)
         else:
             _handle(req, preparer, out)
 
@@ -92,6 +93,13 @@ class _Outbox:
         with self.lock:
             self.detokenizer.send(prepared.register)
             self.scheduler.send(prepared.generate)
+
+
+def _handle_long(req: TokenizeRequest, config: TokenizerConfig, made: list[PromptPreparer], out: _Outbox) -> None:
+    """On the background thread: a tokenizer of its own (not shared with the main thread's)."""
+    if not made:
+        made.append(_preparer(config))
+    _handle(req, made[0], out)
 
 
 def _handle(req: TokenizeRequest, preparer: PromptPreparer, out: _Outbox) -> None:
