@@ -201,3 +201,10 @@ def test_server_tp2_streams_then_sigterm_frees_both_gpus(model_dir):
     finally:
         if server.proc.poll() is None:
             server.kill_all()
+
+
+def test_float32_at_tp2_matches_transformers(tiny_model_factory):
+    """--dtype float32 at TP 2 (issue 9: auto attention takes torch for float32; no traceback)."""
+    from test_float32 import check_float32_matches_transformers
+
+    check_float32_matches_transformers(tiny_model_factory, tp_size=2)
