@@ -111,9 +111,9 @@ def check_sampler_on_edited_logits() -> None:
     new = [(i, [i, i + 1, 40]) for i in range(rows)]
     edits = LogitEdits.build(params, list(range(rows)), [0] * rows, [True] * rows, new, [7, 9], vocab, "cpu")
     logits = state.apply(raw, edits)
-    bitmask = torch.full((rows // 2, -(-vocab // 32)), -1, dtype=torch.int32)
+    bitmask = torch.full((rows, -(-vocab // 32)), -1, dtype=torch.int32)
     bitmask[:, 1:] = 0x0F0F0F0F  # a grammar allowing a scattered half of the tokens
-    apply_bitmask(logits, torch.arange(0, rows, 2), bitmask)
+    apply_bitmask(logits, bitmask, list(range(0, rows, 2)))
     batch = SamplingBatch.build(params, list(range(rows)), [0] * rows, vocab, "cpu")
     reference = Sampler().sample_torch(logits, batch)
     got = sample(logits, batch.temperatures, batch.seeds, batch.steps, batch.top_ks, batch.top_ps, batch.min_ps)

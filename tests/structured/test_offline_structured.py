@@ -8,6 +8,7 @@ import re
 
 import jsonschema
 import pytest
+import torch
 
 from tpserve import LLM, SamplingParams
 from tpserve.sampling_params import StructuredOutput
@@ -75,32 +76,68 @@ def test_invalid_spec_is_a_value_error(llm):
         llm.generate([[1]], params(StructuredOutput("json_schema", "{bad")), use_tqdm=False)
 
 
-def test_printable_token_filter():
-    from types import SimpleNamespace
+def test_json_grammars_never_take_control_character_tokens(qwen3_dir):
+    """JSON (and so every client's parser) rejects raw control characters in strings, which
+    xgrammar's length-limited strings take; tpserve's JSON vocabulary leaves those tokens out and
+    changes nothing else. The tiny vocabulary has all 32 of them as single-byte tokens."""
+    import xgrammar as xgr
 
-    from tpserve.structured.grammar import _printable_tokens
+    from tpserve.config import ModelConfig
+    from tpserve.structured.grammar import _grammar, json_tokenizer_info
     from tpserve.structured.mask import unpack_bitmask
+    from tpserve.tokenizer.loader import load_tokenizer
 
-    vocab = [b"a", b"\x05", b"ok", b"\n"] + [b"x"] * 60 + [b"\x1f"]
-    mask = _printable_tokens(SimpleNamespace(vocab_size=len(vocab), decoded_vocab=vocab))
-    allowed = unpack_bitmask(mask[None], len(vocab))[0]
-    assert allowed.nonzero().flatten().tolist() == [0, 2] + list(range(4, 64))
+    config = ModelConfig.from_pretrained(qwen3_dir)
+    vocab = config.vocab_size
+    info = xgr.TokenizerInfo.from_huggingface(load_tokenizer(qwen3_dir), vocab_size=vocab,
+                                              stop_token_ids=list(config.eos_token_ids))
+    control = torch.tensor([any(b < 0x20 for b in text) for text in info.decoded_vocab])
+    assert control.sum() >= 32
+    compilers = {"plain": xgr.GrammarCompiler(info), "json": xgr.GrammarCompiler(json_tokenizer_info(info))}
+    cases = [("json_schema", json.dumps(SCHEMA), '{"city": "'), ("json_object", "", '{"k": "'),
+             ("json_schema", json.dumps(SCHEMA), '{"city": "ab", "sunny": true, "level": 1')]
+    plain_takes_some = False
+    for kind, spec, prefix in cases:
+        allowed = {}
+        for name, compiler in compilers.items():
+            matcher = xgr.GrammarMatcher(compiler.compile_grammar(_grammar(StructuredOutput(kind, spec))))
+            assert matcher.accept_string(prefix)
+            mask = xgr.allocate_token_bitmask(1, vocab)
+            matcher.fill_next_token_bitmask(mask)
+            allowed[name] = unpack_bitmask(mask, vocab)[0]
+        assert not (allowed["json"] & control).any(), (kind, prefix)
+        assert torch.equal(allowed["json"], allowed["plain"] & ~control), (kind, prefix)
+        plain_takes_some |= bool((allowed["plain"] & control).any())
+    assert plain_takes_some, "xgrammar no longer takes them: the JSON vocabulary can go"
 
 
-def test_batched_mask_fill_equals_one_by_one(llm):
-    from tpserve.structured.grammar import GrammarCompiler, MaskFiller, allocate_bitmask, new_matcher
+def test_batched_matchers_equal_one_by_one(llm):
+    import xgrammar as xgr
+
+    from tpserve.structured.grammar import GrammarCompiler, MaskFiller, new_matcher
 
     vocab = llm.model_config.vocab_size
     compiler = GrammarCompiler(llm.config.model, vocab, list(llm.model_config.eos_token_ids))
     compiled = compiler.submit(StructuredOutput("json_schema", json.dumps(SCHEMA))).result()
-    matchers = [new_matcher(compiled.grammar) for _ in range(12)]
+    matchers = [new_matcher(compiled) for _ in range(12)]
     for i, m in enumerate(matchers):  # different states: each has accepted a different prefix
         assert m.accept_string('{"city": "' + "ab"[: i % 3])
-    batched, single = allocate_bitmask(12, vocab), allocate_bitmask(12, vocab)
-    MaskFiller().fill(matchers, batched)
-    for i, m in enumerate(matchers):
-        m.fill_next_token_bitmask(single, i)
-    assert (batched == single).all()
+    rows = [2 * i + 1 for i in range(12)]  # the constrained rows of a batch of 25
+    filler = MaskFiller(vocab)
+    batched = filler.fill(matchers, rows, 25).clone()
+    single = xgr.allocate_token_bitmask(25, vocab)
+    for row, m in zip(rows, matchers):
+        m.fill_next_token_bitmask(single, row)
+    assert (batched[rows] == single[rows]).all()
+    assert filler.fill(matchers[:3], rows[:3], 7).shape == (7, single.shape[1])  # the buffer is reused
+
+    twins = [new_matcher(compiled) for _ in range(12)]
+    for m, t in zip(matchers, twins):
+        t.accept_string('{"city": "')
+        m.reset()
+        m.accept_string('{"city": "')
+    tokens = list(range(100, 112))
+    assert filler.accept(matchers, tokens) == [t.accept_token(tok) for t, tok in zip(twins, tokens)]
     compiler.close()
 
 

@@ -24,6 +24,7 @@ from tpserve.models.loader import load_model_weights
 from tpserve.models.quantize import quantize_model
 from tpserve.quant.config import resolve_quantization
 from tpserve.sampling_params import SamplingParams
+from tpserve.structured import mask as grammar_mask
 from tpserve.structured.mask import apply_bitmask
 
 logger = logging.getLogger(__name__)
@@ -62,11 +63,11 @@ class PendingSample:
 
 @dataclass
 class TokenMask:
-    """Grammar masks for some rows of a step: ``bitmask[i]`` (xgrammar's packed int32 layout)
-    allows the tokens of row ``rows[i]``."""
+    """Grammar masks for some rows of a step: for each row r in ``rows``, ``bitmask[r]``
+    (xgrammar's packed int32 layout) allows the tokens of row r; other rows are not masked."""
 
-    rows: torch.Tensor  # [R] int64, host
-    bitmask: torch.Tensor  # [R, ceil(V / 32)] int32, host
+    rows: list[int]
+    bitmask: torch.Tensor  # [B, ceil(V / 32)] int32, host (pinned when the device is a GPU)
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> dict[str, torch.Tensor]:
@@ -145,6 +146,8 @@ class Engine:
         if self.device.type == "cuda":
             self._warm_up_sampler()
         self._last_tokens: torch.Tensor | None = None  # the last launched step's samples
+        self._mask_device: torch.Tensor | None = None  # grammar masks on the device (GPU)
+        self._rows_device: torch.Tensor | None = None  # their rows
         if rank == 0:
             logger.info(
                 "engine ready: %s on %s, %s%s, tp %d, %s attention, %d KV pages of %d tokens, CUDA graphs %s",
@@ -189,6 +192,7 @@ class Engine:
         for logits in (raw, edited):
             for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2, top_p=0.9)):
                 self.sampler(logits, SamplingBatch.build([params] * 2, [0, 1], [0, 0], vocab, self.device))
+            grammar_mask.warm_up(logits)
         torch.cuda.synchronize(self.device)
 
     def _count_pages(self) -> int:
@@ -259,9 +263,9 @@ class Engine:
         edits = sampling.edits
         edited = logits if edits is None else self.penalty_state.apply(logits, edits)
         if mask is not None:
-            if edited is logits:
-                edited = logits.float().clone()
-            apply_bitmask(edited, mask.rows.to(self.device, non_blocking=True), mask.bitmask.to(self.device, non_blocking=True))
+            if edited is logits and pending.top_logprobs is not None:
+                edited = logits.clone()  # log-probabilities are the model's, before the mask
+            self._apply_mask(edited, mask)
         tokens = self.sampler(edited, sampling)
         self.penalty_state.record(tokens, edits)
         self._last_tokens = tokens
@@ -277,6 +281,23 @@ class Engine:
         done = torch.cuda.Event()
         done.record()
         return LaunchedStep(host, done)
+
+    def _apply_mask(self, logits: torch.Tensor, mask: "TokenMask") -> None:
+        """The grammar masks, in place. On a GPU the mask and its rows are uploaded without
+        blocking (pinned host memory) into buffers reused every step (stream order keeps a step's
+        upload after the previous step's use)."""
+        if self.device.type != "cuda":
+            apply_bitmask(logits, mask.bitmask, mask.rows)
+            return
+        batch, words = mask.bitmask.shape
+        if self._mask_device is None or self._mask_device.shape[0] < batch:
+            self._mask_device = torch.empty((max(batch, 64), words), dtype=torch.int32, device=self.device)
+            self._rows_device = torch.empty(max(batch, 64), dtype=torch.int32, device=self.device)
+        bitmask = self._mask_device[:batch]
+        bitmask.copy_(mask.bitmask, non_blocking=True)
+        rows = self._rows_device[: len(mask.rows)]
+        rows.copy_(torch.tensor(mask.rows, dtype=torch.int32).pin_memory(), non_blocking=True)
+        apply_bitmask(logits, bitmask, rows)
 
     def shutdown(self) -> None:
         """Release the device memory (graphs, KV cache, weights) and the process groups."""

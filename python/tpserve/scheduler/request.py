@@ -28,7 +28,6 @@ class Request:
     finish_reason: str | None = None
     slot: int = -1  # its row of the engine's penalty state (-1: none), kept until it finishes
     matcher: Any = None  # its grammar's xgrammar GrammarMatcher (structured output)
-    token_filter: Any = None  # packed bitmask of the tokens its grammar may use at all (JSON)
 
     @property
     def all_ids(self) -> list[int]:

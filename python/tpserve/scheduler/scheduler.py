@@ -33,7 +33,7 @@ from tpserve.kvcache.radix import PrefixMatch, create_prefix_cache
 from tpserve.message import SchedulerStats, TokenOutput
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler.request import Request
-from tpserve.structured.grammar import GrammarCompiler, InvalidGrammar, MaskFiller, allocate_bitmask, new_matcher
+from tpserve.structured.grammar import GrammarCompiler, InvalidGrammar, MaskFiller, new_matcher
 
 logger = logging.getLogger(__name__)
 
@@ -78,7 +78,7 @@ class Scheduler:
         self.grammar_compiler = GrammarCompiler(
             self.config.model, engine.model_config.vocab_size, sorted(self.eos_ids)
         )
-        self.mask_filler = MaskFiller()
+        self.mask_filler = MaskFiller(engine.model_config.vocab_size, pin_memory=engine.device.type == "cuda")
 
     # ---- requests in and out ----
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
@@ -123,8 +123,7 @@ class Scheduler:
             return []
         req, future = entry
         try:
-            compiled = future.result()
-            req.matcher, req.token_filter = new_matcher(compiled.grammar), compiled.token_filter
+            req.matcher = new_matcher(future.result())
         except InvalidGrammar as e:
             return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=str(e))]
         except Exception as e:  # e.g. no tokenizer files: fail this request, not the scheduler
@@ -251,21 +250,17 @@ class Scheduler:
     def _sample_constrained(self, launched: _Launched) -> None:
         """Finish a deferred step: grammar masks from the matchers, which by now have accepted
         every earlier sample (with overlap, the previous step's were applied while this step's
-        forward ran), then sampling."""
-        rows, reqs = [], []
+        forward ran), then sampling. Every earlier step's tokens have been waited for, so its
+        mask upload is done and the filler's buffer is free again."""
+        rows, matchers = [], []
         for row, (req, sampled) in enumerate(launched.entries):
             matcher = req.matcher
             if sampled and matcher is not None and self.running.get(req.rid) is req and not matcher.is_terminated():
                 rows.append(row)
-                reqs.append(req)
+                matchers.append(matcher)
         mask = None
         if rows:
-            bitmask = allocate_bitmask(len(rows), self.engine.model_config.vocab_size)
-            self.mask_filler.fill([req.matcher for req in reqs], bitmask)
-            for i, req in enumerate(reqs):
-                if req.token_filter is not None:
-                    bitmask[i] &= req.token_filter
-            mask = TokenMask(torch.tensor(rows, dtype=torch.int64), bitmask)
+            mask = TokenMask(rows, self.mask_filler.fill(matchers, rows, len(launched.entries)))
         launched.handle = self.engine.sample(launched.pending, mask)
         launched.pending = None
 
@@ -308,14 +303,15 @@ class Scheduler:
         tokens = launched.handle.result()
         logprobs = launched.handle.logprobs()
         outputs = []
+        constrained: list[tuple[Request, int]] = []  # (request, token) for its grammar matcher
         for row, ((req, sampled), token) in enumerate(zip(launched.entries, tokens)):
             if not sampled or self.running.get(req.rid) is not req:
                 continue  # a mid-prompt chunk, or the request finished/aborted meanwhile
             req.pending -= 1
             first = not req.output_ids
             req.output_ids.append(token)
-            if req.matcher is not None and not req.matcher.is_terminated() and not req.matcher.accept_token(token):
-                logger.warning("request %d: its grammar rejected token %d", req.rid, token)
+            if req.matcher is not None and not req.matcher.is_terminated():
+                constrained.append((req, token))
             req.finish_reason = self._finish_reason(req, token)
             out = TokenOutput(
                 rid=req.rid,
@@ -333,6 +329,11 @@ class Scheduler:
             outputs.append(out)
             if req.finished:
                 self._retire(self.running.pop(req.rid))
+        if constrained:
+            accepted = self.mask_filler.accept([req.matcher for req, _ in constrained], [t for _, t in constrained])
+            for (req, token), ok in zip(constrained, accepted):
+                if not ok:
+                    logger.warning("request %d: its grammar rejected token %d", req.rid, token)
         return outputs
 
     def _drain(self) -> list[TokenOutput]:

@@ -13,7 +13,6 @@ from __future__ import annotations
 import json
 import logging
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -60,34 +59,35 @@ def check_spec(spec: StructuredOutput) -> None:
 JSON_KINDS = ("json_object", "json_schema")
 
 
-@dataclass(frozen=True)
-class CompiledSpec:
-    grammar: Any  # xgrammar CompiledGrammar
-    # For JSON: the tokens allowed at all, as a packed bitmask row. xgrammar's JSON strings
-    # accept raw control characters, which JSON (and so every client's parser) rejects.
-    token_filter: torch.Tensor | None
+def json_tokenizer_info(info: Any) -> Any:
+    """``info``'s vocabulary for JSON grammars: tokens whose text has a control character become
+    special tokens, which no grammar allows. xgrammar's length-limited JSON strings take raw
+    control characters, which JSON (and so every client's parser) rejects; leaving those tokens
+    out of the vocabulary keeps them out of every mask at no cost per step."""
+    import xgrammar as xgr
 
-
-def _printable_tokens(info: Any) -> torch.Tensor:
-    """Packed [ceil(V / 32)] int32 bitmask of the tokens whose text has no control character."""
-    words = -(-info.vocab_size // 32)
-    bad = [i for i, text in enumerate(info.decoded_vocab) if any(b < 0x20 for b in text)]
-    index = torch.tensor(bad, dtype=torch.int64)
-    cleared = torch.zeros(words, dtype=torch.int64).index_add_(0, index // 32, torch.ones_like(index) << (index % 32))
-    allowed = ~cleared & 0xFFFF_FFFF  # uint32 values held in int64
-    return torch.where(allowed >= 2**31, allowed - 2**32, allowed).to(torch.int32)
+    special = set(info.special_token_ids)
+    vocab = [
+        b"" if i in special or any(b < 0x20 for b in text) else text for i, text in enumerate(info.decoded_vocab)
+    ]
+    # The decoded bytes are the tokens' text as it is: RAW needs no byte-level decoding.
+    return xgr.TokenizerInfo(
+        vocab, xgr.VocabType.RAW, vocab_size=info.vocab_size, stop_token_ids=info.stop_token_ids,
+        add_prefix_space=info.add_prefix_space,
+    )
 
 
 class GrammarCompiler:
-    """Compiles specs on one worker thread; ``submit`` returns a future of a CompiledSpec."""
+    """Compiles specs on one worker thread; ``submit`` returns a future of an xgrammar
+    CompiledGrammar."""
 
     def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: list[int]) -> None:
         self._model_dir = model_dir
         self._vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
         self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-grammar")
-        self._compiler: Any = None  # built on the worker thread
-        self._printable: torch.Tensor | None = None
+        self._info: Any = None  # built on the worker thread, on first use
+        self._compilers: dict[bool, Any] = {}  # by "is a JSON kind"
         self._cache: dict[tuple[str, str], Future] = {}
 
     def submit(self, spec: StructuredOutput) -> Future:
@@ -100,22 +100,26 @@ class GrammarCompiler:
             self._cache[spec.key] = self._cache.pop(spec.key)
         return future
 
-    def _compile(self, spec: StructuredOutput):
-        if self._compiler is None:
-            import xgrammar as xgr
+    def _compiler(self, json_kind: bool) -> Any:
+        import xgrammar as xgr
 
+        if self._info is None:
             from tpserve.tokenizer.loader import load_tokenizer
 
-            info = xgr.TokenizerInfo.from_huggingface(
+            self._info = xgr.TokenizerInfo.from_huggingface(
                 load_tokenizer(self._model_dir), vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
             )
-            self._printable = _printable_tokens(info)
-            self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        if json_kind not in self._compilers:
+            info = json_tokenizer_info(self._info) if json_kind else self._info
+            self._compilers[json_kind] = xgr.GrammarCompiler(info, max_threads=1)
+        return self._compilers[json_kind]
+
+    def _compile(self, spec: StructuredOutput) -> Any:
+        compiler = self._compiler(spec.kind in JSON_KINDS)
         try:
-            compiled = self._compiler.compile_grammar(_grammar(spec))
+            return compiler.compile_grammar(_grammar(spec))
         except Exception as e:
             raise InvalidGrammar(f"invalid {spec.kind}: {e}") from e
-        return CompiledSpec(compiled, self._printable if spec.kind in JSON_KINDS else None)
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)
@@ -135,20 +139,40 @@ def allocate_bitmask(rows: int, vocab_size: int):
 
 
 class MaskFiller:
-    """Fills many matchers' next-token bitmasks at once, on xgrammar's own threads."""
+    """The matchers' side of a constrained step, each batched into one call into xgrammar: the
+    sampled tokens in, the next-token bitmasks out, filled on xgrammar's threads into one
+    reused host buffer (pinned when the logits live on a GPU, so its upload does not block)."""
 
     PARALLEL_FROM = 8  # fewer rows are filled one by one (no thread hand-off)
 
-    def __init__(self) -> None:
+    def __init__(self, vocab_size: int, pin_memory: bool = False) -> None:
+        self._vocab_size = vocab_size
+        self._pin = pin_memory
+        self._buffer: torch.Tensor | None = None
         self._batch: Any = None
 
-    def fill(self, matchers: list[Any], bitmask: torch.Tensor) -> None:
+    def accept(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
+        """Each matcher takes its token; whether each accepted it."""
+        import xgrammar as xgr
+
+        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+
+    def fill(self, matchers: list[Any], rows: list[int], batch_size: int) -> torch.Tensor:
+        """The [batch_size, ceil(V / 32)] host bitmask with ``matchers[i]``'s mask in row
+        ``rows[i]``; other rows are stale. The buffer is reused by the next call: the caller
+        must have consumed this one (its upload done) by then."""
+        if self._buffer is None or self._buffer.shape[0] < batch_size:
+            rows_needed = max(batch_size, 2 * (self._buffer.shape[0] if self._buffer is not None else 32))
+            self._buffer = torch.empty((rows_needed, -(-self._vocab_size // 32)), dtype=torch.int32,
+                                       pin_memory=self._pin)
+        bitmask = self._buffer[:batch_size]
         if len(matchers) < self.PARALLEL_FROM:
-            for i, matcher in enumerate(matchers):
-                matcher.fill_next_token_bitmask(bitmask, i)
-            return
+            for matcher, row in zip(matchers, rows):
+                matcher.fill_next_token_bitmask(bitmask, row)
+            return bitmask
         if self._batch is None:
             import xgrammar as xgr
 
             self._batch = xgr.BatchGrammarMatcher()
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask)
+        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        return bitmask

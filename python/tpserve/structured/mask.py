@@ -1,9 +1,12 @@
-"""Applying grammar token bitmasks to logits: plain torch, the same on CPU and GPU and on every
-TP rank (the masks are the same because every rank's matchers saw the same tokens)."""
+"""Applying grammar token bitmasks to logits with xgrammar's fused kernels (C++ on the CPU,
+Triton on a GPU), in place and only on the constrained rows; the same on every TP rank (the masks
+are the same because every rank's matchers saw the same tokens)."""
 
 from __future__ import annotations
 
 import torch
+
+from tpserve.kernels import use_triton
 
 
 def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
@@ -13,8 +16,23 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def apply_bitmask(logits: torch.Tensor, rows: torch.Tensor, bitmask: torch.Tensor) -> None:
-    """In place: disallowed tokens of the given rows get -inf."""
-    allowed = unpack_bitmask(bitmask, logits.shape[-1])
-    sub = logits.index_select(0, rows).masked_fill_(~allowed, float("-inf"))
-    logits.index_copy_(0, rows, sub)
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor) -> None:
+    """In place: for each row r in ``rows``, the tokens that ``bitmask[r]`` does not allow get
+    -inf in ``logits[r]``. ``bitmask`` is on the logits' device; on a GPU ``rows`` is an int32
+    device tensor, on the CPU a list."""
+    from xgrammar.matcher import apply_token_bitmask_inplace
+
+    vocab_size = logits.shape[-1]
+    if logits.device.type == "cpu":
+        backend = "cpu"
+    else:
+        backend = "triton" if use_triton(logits.device) else "torch_native"
+    apply_token_bitmask_inplace(logits, bitmask, vocab_size=vocab_size, indices=rows, backend=backend)
+
+
+def warm_up(logits: torch.Tensor) -> None:
+    """Compile the GPU kernel's variants (Triton specializes on 1 row and on a multiple of 16)
+    now rather than in the middle of serving."""
+    bitmask = torch.full((logits.shape[0], -(-logits.shape[-1] // 32)), -1, dtype=torch.int32, device=logits.device)
+    for rows in (1, 2, 16):
+        apply_bitmask(logits, bitmask, torch.zeros(rows, dtype=torch.int32, device=logits.device))
