@@ -111,6 +111,69 @@ def test_llama3_json_in_any_chunking():
     assert run_tools(create_tool_parser("llama3_json"), ["Hello ", "there"]) == ("Hello there", [])
 
 
+def test_llama3_json_streams_arguments_before_the_call_ends():
+    parser = create_tool_parser("llama3_json")
+    assert parser.feed('<|python_tag|>{"name": "get_wea').calls == []  # the name is not complete yet
+    out = parser.feed('ther", "parameters": {"city": "Ro')
+    assert [(d.name, d.arguments) for d in out.calls] == [("get_weather", ""), (None, '{"city": "Ro')]
+    out = parser.feed('me"}}; {"name": "now", "parameters": {')
+    assert [(d.index, d.name, d.arguments) for d in out.calls] == [(0, None, 'me"}'), (1, "now", ""), (1, None, "{")]
+    assert [(d.index, d.arguments) for d in parser.feed("}}", final=True).calls] == [(1, "}")]
+
+
+@pytest.mark.parametrize(
+    "text,expected",
+    [
+        ('{"parameters": {"a": [1, 2]}, "name": "late_name"}', ("", [("late_name", {"a": [1, 2]})])),
+        ('{"answer": 42}', ('{"answer": 42}', [])),  # JSON, but not a call: content
+        ('{"name": "f", "parameters": {"a": "cut sh', ("", [("f", '{"a": "cut sh')])),  # max_tokens
+        ('<|python_tag|>{"name": "f", "parameters": {}} and then words', ("and then words", [("f", {})])),
+        ("  <|python", ("  <|python", [])),
+    ],
+)
+def test_llama3_json_odd_outputs(text, expected):
+    for chunks in splits(text):
+        content, calls = run_tools(create_tool_parser("llama3_json"), chunks)
+        rebuilt = []
+        for c in calls:
+            try:
+                rebuilt.append((c["name"], json.loads(c["arguments"])))
+            except json.JSONDecodeError:
+                rebuilt.append((c["name"], c["arguments"]))
+        assert (content, rebuilt) == expected, chunks
+
+
+@pytest.mark.parametrize("parser,text", [("hermes", HERMES), ("llama3_json", LLAMA)])
+def test_streamed_calls_rebuilt_by_the_openai_sdk(parser, text):
+    """The deltas, sent in chunks as the server sends them, rebuild the calls in the openai SDK's
+    own stream accumulator, with the arguments arriving in several fragments."""
+    from openai.lib.streaming.chat import ChatCompletionStreamState
+    from openai.types.chat import ChatCompletionChunk
+
+    from tpserve.parsers.tool_calls import merge_deltas
+
+    state, fragments = ChatCompletionStreamState(), 0
+    tool_parser = create_tool_parser(parser)
+    pieces = [text[i : i + 3] for i in range(0, len(text), 3)]
+    for i, piece in enumerate(pieces + [""]):
+        out = tool_parser.feed(piece, final=i == len(pieces))
+        delta: dict = {"role": "assistant"} if i == 0 else {}
+        if out.content:
+            delta["content"] = out.content
+        if out.calls:
+            delta["tool_calls"] = [d.to_openai() for d in merge_deltas(out.calls)]
+            fragments += sum(1 for d in out.calls if d.id is None)
+        finish = "tool_calls" if i == len(pieces) else None
+        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
+                 "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
+    message = state.get_final_completion().choices[0].message
+    expected = [(c.name, json.loads(c.arguments)) for c in tool_parser.calls]
+    assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == expected
+    assert [c.id for c in message.tool_calls] == [c.id for c in tool_parser.calls]
+    assert fragments > 2 * len(expected), "the arguments came in fragments, not whole"
+
+
 def test_forced_tool_calls():
     content, calls = run_tools(ForcedToolCalls(), ['[{"name": "a", "parameters": {"x": 1}}, ', '{"name": "b", "parameters": {}}]'])
     assert content == "" and [(c["name"], json.loads(c["arguments"])) for c in calls] == [("a", {"x": 1}), ("b", {})]

@@ -7,7 +7,8 @@ Parsers (``--tool-call-parser``):
   one block per call, text before the first block is content. When the JSON starts with the
   name (as these models write it), the arguments stream as they are generated;
 * ``llama3_json`` (Llama 3.1/3.2): the whole output is ``{"name": ..., "parameters": {...}}``
-  (optionally after ``<|python_tag|>``, several separated by ``;``); it is parsed at the end.
+  (optionally after ``<|python_tag|>``, several separated by ``;``); each call streams as it is
+  generated, as with hermes.
 
 With ``tool_choice`` "required" or a named function, decoding is constrained by a grammar to a
 JSON array of calls (``[{"name": ..., "parameters": {...}}]``) or to the named function's
@@ -182,60 +183,90 @@ def _strip_closing(args: str) -> str:
 
 
 class Llama3JsonParser(ToolCallParser):
-    """The output is either tool calls as a whole or plain content: decided by its first
-    non-blank characters, then parsed at the end."""
+    """The output is either tool calls or plain content, decided by its first non-blank
+    characters. Calls stream as they are generated: a call whose JSON starts with its name (as
+    Llama writes it) sends its id and name once the name is complete, then its arguments in
+    fragments; one that does not is sent whole when its object closes. Output that turns out
+    not to be calls is content."""
 
     PYTHON_TAG = "<|python_tag|>"
 
     def __init__(self) -> None:
         super().__init__()
-        self._buffer = ""
+        self._buffer = ""  # in calls mode: from the start of the object not yet closed
+        self._text = ""  # everything, until a call goes out: content if none ever does
         self._mode: str | None = None  # "calls" or "content" once known
+        self._call: ToolCallDelta | None = None  # the call whose arguments are streaming
+        self._args_sent = 0
+        self._decoder = json.JSONDecoder(strict=False)
 
     def feed(self, text: str, final: bool = False) -> ToolParse:
         out = ToolParse()
         self._buffer += text
+        if not self.calls:
+            self._text += text
         if self._mode is None:
             head = self._buffer.lstrip()
             if head.startswith("{") or head.startswith(self.PYTHON_TAG):
                 self._mode = "calls"
+                self._buffer = head.removeprefix(self.PYTHON_TAG)
             elif head and not self.PYTHON_TAG.startswith(head):
                 self._mode = "content"
             elif not final:
                 return out
+        if self._mode == "calls":
+            self._read_calls(final, out)
         if self._mode != "calls":
-            out.content, self._buffer = self._buffer, ""
-            return out
-        if not final:
-            return out
-        calls = _parse_llama_calls(self._buffer)
-        if calls is None:
-            out.content = self._buffer
-        else:
-            for name, args in calls:
-                self._add_arguments(self._start_call(name, out), args, out)
-        self._buffer = ""
+            out.content, self._buffer = out.content + self._buffer, ""
         return out
 
+    def _read_calls(self, final: bool, out: ToolParse) -> None:
+        while True:
+            self._buffer = self._buffer.lstrip(" \t\r\n;")
+            if not self._buffer:
+                return
+            if not self._buffer.startswith("{"):
+                self._to_content()
+                return
+            try:
+                obj, end = self._decoder.raw_decode(self._buffer)
+            except json.JSONDecodeError:  # not closed yet (or cut short at the end)
+                if self._call is None:
+                    match = _NAME_FIRST.match(self._buffer)
+                    if match is not None:
+                        self._call = self._start_call(json.loads(f'"{match.group(1)}"', strict=False), out)
+                        self._args_sent = 0
+                if self._call is not None:
+                    self._stream_arguments(self._call, self._buffer, out)
+                    if final:
+                        self._call, self._buffer = None, ""
+                elif final:
+                    self._to_content()
+                return
+            body, self._buffer = self._buffer[:end], self._buffer[end:]
+            if self._call is not None:  # its name and a prefix of its raw arguments went out already
+                self._stream_arguments(self._call, body, out)
+                self._call = None
+                continue
+            parsed = _call_from_json(obj)
+            if parsed is None:
+                self._buffer = body + self._buffer
+                self._to_content()
+                return
+            self._add_arguments(self._start_call(parsed[0], out), parsed[1], out)
 
-def _parse_llama_calls(text: str) -> list[tuple[str, str]] | None:
-    text = text.strip()
-    if text.startswith(Llama3JsonParser.PYTHON_TAG):
-        text = text[len(Llama3JsonParser.PYTHON_TAG):].strip()
-    decoder = json.JSONDecoder(strict=False)
-    calls, pos = [], 0
-    while pos < len(text):
-        try:
-            obj, pos = decoder.raw_decode(text, pos)
-        except json.JSONDecodeError:
-            return None
-        call = _call_from_json(obj)
-        if call is None:
-            return None
-        calls.append(call)
-        while pos < len(text) and text[pos] in " \t\r\n;":
-            pos += 1
-    return calls or None
+    def _stream_arguments(self, call: ToolCallDelta, body: str, out: ToolParse) -> None:
+        match = _NAME_FIRST.match(body)
+        safe = _strip_closing(body[match.end():]) if match else ""
+        if len(safe) > self._args_sent:
+            self._add_arguments(call, safe[self._args_sent:], out)
+            self._args_sent = len(safe)
+
+    def _to_content(self) -> None:
+        """Not calls after all: everything (or, once calls went out, the rest) is content."""
+        self._mode = "content"
+        if not self.calls:
+            self._buffer = self._text
 
 
 class ForcedToolCalls(ToolCallParser):
