@@ -2,11 +2,12 @@
 the same batch unconstrained (issue 12's target: within 10%).
 
 Both runs generate exactly ``--output-len`` tokens per request: the unconstrained requests
-ignore EOS, and the schema (an array of at least 200 integers) cannot end sooner. The grammar
-masks are filled on the host after each step's tokens are known and applied before sampling, so
-with overlap scheduling the cost that remains is the mask fill and its upload, while the
-forward of the next step runs. Weights are random (``--load-format dummy``); the tokenizer
-comes from ``--tokenizer`` (xgrammar needs the vocabulary).
+ignore EOS, and the schema (an array of at least 200 integers) cannot end sooner. A constrained
+step enqueues its forward, then (while it runs) the host gives the previous step's tokens to the
+matchers and fills this step's masks, uploads them and enqueues the sampling. Weights are random
+(``--load-format dummy``); the tokenizer comes from ``--tokenizer`` (xgrammar needs the
+vocabulary). The table splits each kind's step time into the scheduler's phases on the host
+(``wait`` is the host waiting for the device's tokens).
 
     python benchmarks/structured_output.py --model ../shared/models/configs/Qwen3-0.6B \\
         --tokenizer ../shared/models/qwen3-tokenizer --out out/structured.json
@@ -23,6 +24,7 @@ import time
 
 from common import device_name, print_table, setup_logging, write_json
 from tpserve import LLM, SamplingParams
+from tpserve.engine.engine import LaunchedStep
 from tpserve.sampling_params import StructuredOutput
 
 SCHEMA = {
@@ -46,12 +48,50 @@ def model_dir(config_dir: str, tokenizer_dir: str) -> str:
     return out
 
 
-def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams]) -> dict:
+PHASES = ("_schedule", "_launch", "_process", "_sample_constrained")
+
+
+class PhaseTimes:
+    """Host seconds per scheduler phase (and waiting for the device's tokens) while enabled,
+    by wrapping the in-process scheduler's methods (tp 1 runs the scheduler in this process)."""
+
+    def __init__(self, llm: LLM) -> None:
+        self.totals: dict[str, float] = {}
+        self.steps = 0
+        scheduler = llm._driver.scheduler  # type: ignore[union-attr]
+        for name in PHASES + ("step",):
+            setattr(scheduler, name, self._timed(name, getattr(scheduler, name)))
+        LaunchedStep.result = self._timed("wait", LaunchedStep.result)
+
+    def _timed(self, name: str, fn):
+        def wrapper(*args, **kwargs):
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+                self.steps += name == "step"
+
+        return wrapper
+
+    def reset(self) -> None:
+        self.totals, self.steps = {}, 0
+
+    def per_step_ms(self) -> dict[str, float]:
+        t = dict(self.totals)
+        t["_process"] = t.get("_process", 0.0) - t.get("wait", 0.0)  # the wait is inside it
+        t["other"] = t.get("step", 0.0) - sum(t.get(n, 0.0) for n in PHASES) - t.get("wait", 0.0)
+        return {name.strip("_"): 1e3 * v / max(self.steps, 1) for name, v in t.items()}
+
+
+def run(llm: LLM, prompts: list[list[int]], params: list[SamplingParams], phases: PhaseTimes) -> dict:
+    phases.reset()
     start = time.perf_counter()
     outs = llm.generate(prompts, params, use_tqdm=False)
     elapsed = time.perf_counter() - start
     tokens = sum(len(o.token_ids) for o in outs)
-    return {"seconds": elapsed, "output_tokens": tokens, "tok_per_s": tokens / elapsed}
+    return {"seconds": elapsed, "output_tokens": tokens, "tok_per_s": tokens / elapsed,
+            "host_ms_per_step": phases.per_step_ms()}
 
 
 def main() -> None:
@@ -79,17 +119,21 @@ def main() -> None:
     model = model_dir(args.model, args.tokenizer) if args.tokenizer else args.model
     llm = LLM(model, load_format="dummy", disable_overlap=args.disable_overlap,
               cuda_graph_max_bs=args.cuda_graph_max_bs)
-    run(llm, prompts[:4], constrained[:4])  # warm-up: compiles the grammar (then cached), fills caches
+    phases = PhaseTimes(llm)
+    run(llm, prompts[:4], constrained[:4], phases)  # warm-up: compiles the grammar (then cached), fills caches
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
         for name, params in (("unconstrained", plain), ("json_schema", constrained)):
-            result = run(llm, prompts, params)
+            result = run(llm, prompts, params, phases)
             if name not in best or result["tok_per_s"] > best[name]["tok_per_s"]:
                 best[name] = result
     llm.close()
     ratio = best["json_schema"]["tok_per_s"] / best["unconstrained"]["tok_per_s"]
-    rows = [{"kind": k, **{m: round(v, 2) for m, v in r.items()}} for k, r in best.items()]
+    rows = [{"kind": k, **{m: round(v, 2) for m, v in r.items() if m != "host_ms_per_step"}} for k, r in best.items()]
     print_table(rows, ["kind", "output_tokens", "seconds", "tok_per_s"])
+    steps = [{"kind": k, **{m: round(v, 3) for m, v in r["host_ms_per_step"].items()}} for k, r in best.items()]
+    print("host ms per step, by scheduler phase:")
+    print_table(steps, ["kind", "step", "schedule", "launch", "wait", "process", "sample_constrained", "other"])
     print(f"json_schema / unconstrained throughput: {ratio:.3f} (target >= 0.90)")
     write_json(args.out, {"device": device_name(), "args": vars(args), "results": best, "ratio": ratio})
 

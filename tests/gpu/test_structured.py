@@ -59,3 +59,25 @@ def test_constrained_path_with_overlap_and_graphs(tmp_path):
     for key, tokens in results.items():
         same = sum(a == b for a, b in zip(tokens, base))
         assert same >= 22, f"{key}: only {same}/24 requests identical to overlap off, graphs off"
+
+
+def test_gpu_mask_kernel_equals_the_cpu_one():
+    """xgrammar's Triton kernel (GPU) and C++ one (CPU) mask the same tokens, on the layouts the
+    engine hands them: bf16 rows padded as at TP > 1 (in place on the LM head's output) and
+    contiguous float32 (after penalties)."""
+    pytest.importorskip("triton")
+    from tpserve.structured.mask import apply_bitmask
+
+    gen = torch.Generator().manual_seed(0)
+    rows, vocab = 24, 151936
+    words = -(-vocab // 32)
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, words), dtype=torch.int32, generator=gen)
+    constrained = [0, 3, 4, 17, 23]
+    for dtype, pad in ((torch.bfloat16, 64), (torch.float32, 0)):
+        padded = torch.randn(rows, vocab + pad, generator=gen).to(dtype)
+        cpu = padded[:, :vocab].clone()
+        apply_bitmask(cpu, bitmask, constrained)
+        gpu = padded.cuda()
+        apply_bitmask(gpu[:, :vocab], bitmask.cuda(), torch.tensor(constrained, dtype=torch.int32, device="cuda"))
+        assert torch.equal(gpu[:, :vocab].cpu(), cpu), dtype
+        assert torch.equal(gpu[:, vocab:].cpu(), padded[:, vocab:]), "the padding is untouched"
