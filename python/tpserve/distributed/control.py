@@ -72,11 +72,15 @@ class _JobKeyOnly:
 
     def __init__(self, client_public: bytes) -> None:
         self.client_public = client_public
+        self.refused = 0
 
     def callback(self, domain: str, key: bytes) -> bool:
         if key == self.client_public:
             return True
-        logger.warning("refused a control-plane connection with an unknown key (not this job's %s)", TOKEN_ENV)
+        self.refused += 1
+        if self.refused & (self.refused - 1) == 0:  # the 1st, 2nd, 4th, ...: a peer retrying cannot flood the log
+            logger.warning("refused a control-plane connection with an unknown key (not this job's %s; %d so far)",
+                           TOKEN_ENV, self.refused)
         return False
 
 
