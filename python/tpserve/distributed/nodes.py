@@ -36,6 +36,9 @@ LINGER_S = 5.0  # rank 0 waits this long at most for the others to read the verd
 STORE_GRACE_S = 2.0  # an unanswering store during a clean shut-down is not a failure
 POLL_S = 0.1
 EXIT_CODE = 1
+# Start-up's collectives wait for the slowest node's JIT compiles and CUDA-graph captures; from
+# the first served step on, every collective has the job's ``dist_timeout``.
+STARTUP_COLLECTIVE_TIMEOUT_S = 1800.0
 
 _JOINED, _BEAT, _VERDICT, _LEFT = "tpserve/joined/", "tpserve/beat/", "tpserve/verdict", "tpserve/left/"
 
@@ -100,6 +103,17 @@ class NodeGroup:
             )
         group._start_watchdog()
         return group
+
+    @property
+    def startup_timeout_s(self) -> float:
+        return max(self.timeout_s, STARTUP_COLLECTIVE_TIMEOUT_S)
+
+    def start_serving(self, *groups: dist.ProcessGroup | None) -> None:
+        """Every rank is ready: from now on a collective of ``groups`` (None: the default group)
+        that waits longer than ``timeout_s`` fails, and the job stops (``fail``)."""
+        timeout = timedelta(seconds=self.timeout_s)
+        for group in dict.fromkeys(groups):
+            dist.distributed_c10d._set_pg_timeout(timeout, group)  # torch's own setter, private in 2.x
 
     def barrier(self, name: str) -> None:
         """Wait until every rank got here; no deadline (the watchdog stops a job with a dead rank)."""

@@ -113,7 +113,7 @@ class Engine:
             raise ValueError("a multi-node rank's engine needs the NodeGroup it joined")
         self.comm, self.cpu_group = init_process_groups(
             rank, config.tp_size, config.dist_init_addr or "", self.device, self.dtype, config.all_reduce,
-            store=nodes and nodes.store, timeout_s=nodes and nodes.timeout_s,
+            store=nodes and nodes.store, timeout_s=nodes and nodes.startup_timeout_s,
         )
 
         self.quantization = resolve_quantization(config.quantization, self.model_config.quantization)

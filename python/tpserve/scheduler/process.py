@@ -67,9 +67,13 @@ def _run_rank(
     from tpserve.engine.engine import Engine
 
     engine = Engine(engine_config, rank, nodes)
+    if nodes is not None:  # a node may still compile kernels or capture graphs: no deadline here
+        nodes.barrier("engine-ready")
     scheduler = Scheduler(engine)
     io = SchedulerIO(rank, engine_config.tp_size, endpoints, engine.cpu_group, nodes)
     io.wait_for_peers()
+    if nodes is not None:
+        nodes.start_serving(None, engine.cpu_group)
     layout = NodeLayout.of(engine_config)
     if rank == 0:
         ack_queue.put(f"scheduler ready: {engine_config.tp_size} rank(s), {scheduler.allocator.total} KV pages")
