@@ -328,6 +328,11 @@ class EngineConfig:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
         check_nodes(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)
+        if self.nnodes > 1 and self.all_reduce in ("one_shot", "two_shot"):
+            raise ValueError(
+                f"all-reduce {self.all_reduce} goes through peer GPU memory, which does not span nodes: "
+                "use auto or nccl with more than one node"
+            )
         if not 0 < self.dist_timeout < float("inf"):
             raise ValueError(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         for name, choices in CHOICES.items():

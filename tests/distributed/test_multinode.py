@@ -10,66 +10,20 @@ import signal
 import threading
 import time
 from datetime import timedelta
-from typing import Iterator
 
-import httpx
 import psutil
 import pytest
 import torch.distributed as dist
 import zmq
-from server_process import ServerProcess
+from nodes_process import TOKEN, TwoNodes, greedy, two_nodes
 
-from tpserve.distributed.comm import free_port
-from tpserve.distributed.control import TOKEN_ENV, CurveKeys
+from tpserve.distributed.control import CurveKeys
 from tpserve.scheduler.io import BROADCAST_KEY
 
-TOKEN = "multinode-test-token-0123456789"
 PROMPTS = [[5, 17, 42, 9, 100, 3], [7, 7, 7, 200, 31], [1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13]]
 MAX_TOKENS = 12
 STOP_WITHIN_S = 30
 STARTUP_S = 120
-
-
-class TwoNodes:
-    """Node 0 (HTTP server) and node 1 (headless) of one job, each a ``tpserve`` launch."""
-
-    def __init__(self, model: str, tp: int, extra: list[str] | None = None, nodes: tuple[int, ...] = (0, 1)) -> None:
-        self.port = free_port()
-        common = ["--model", model, "--device", "cpu", "--tp-size", str(tp), "--nnodes", "2",
-                  "--dist-init-addr", f"127.0.0.1:{self.port}", *(extra or [])]
-        self.nodes = {rank: ServerProcess([*common, "--node-rank", str(rank)], env={TOKEN_ENV: TOKEN})
-                      for rank in nodes}
-
-    def __getitem__(self, rank: int) -> ServerProcess:
-        return self.nodes[rank]
-
-    def wait_exits(self, timeout: float) -> dict[int, int | None]:
-        deadline = time.monotonic() + timeout
-        for node in self.nodes.values():
-            with contextlib.suppress(Exception):
-                node.proc.wait(max(0.1, deadline - time.monotonic()))
-        return {rank: node.proc.poll() for rank, node in self.nodes.items()}
-
-    def kill_all(self) -> None:
-        for node in self.nodes.values():
-            if node.proc.poll() is None or node.descendants():
-                node.kill_all()
-
-
-@contextlib.contextmanager
-def two_nodes(model: str, tp: int, **kwargs) -> Iterator[TwoNodes]:
-    job = TwoNodes(model, tp, **kwargs)
-    try:
-        yield job
-    finally:
-        job.kill_all()
-
-
-def greedy(url: str, prompt: list[int], max_tokens: int = MAX_TOKENS) -> str:
-    body = {"model": "m", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
-    r = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
-    assert r.status_code == 200, r.text
-    return r.json()["choices"][0]["text"]
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +45,7 @@ def expected(qwen3_dir) -> list[str]:
 def test_tp2_one_rank_a_node_matches_tp1_and_stops_cleanly(qwen3_dir, expected):
     with two_nodes(qwen3_dir, 2, extra=["--served-model-name", "m"]) as job:
         url = job[0].wait_ready()
-        assert [greedy(url, p) for p in PROMPTS] == expected
+        assert [greedy(url, p, MAX_TOKENS) for p in PROMPTS] == expected
         _check_outsiders_refused(job, url)
         assert "listening on" not in job[1].log  # node 1 runs no HTTP server
         job[0].proc.send_signal(signal.SIGTERM)
@@ -102,7 +56,7 @@ def test_tp2_one_rank_a_node_matches_tp1_and_stops_cleanly(qwen3_dir, expected):
 def test_tp4_two_ranks_a_node_matches_tp1_and_a_killed_node_stops_the_job(qwen3_dir, expected):
     with two_nodes(qwen3_dir, 4, extra=["--served-model-name", "m"]) as job:
         url = job[0].wait_ready()
-        assert [greedy(url, p) for p in PROMPTS] == expected
+        assert [greedy(url, p, MAX_TOKENS) for p in PROMPTS] == expected
         # mid-run: a long request is being decoded when node 1's ranks die
         threading.Thread(target=_ignore_errors, args=(greedy, url, PROMPTS[0], 5000), daemon=True).start()
         time.sleep(1.0)
@@ -131,15 +85,12 @@ def test_a_dead_node_0_stops_node_1(qwen3_dir):
         assert "node 0 (rank 0, which holds the rendezvous store" in job[1].log, job[1].log
 
 
-def test_a_node_that_never_comes_is_named(qwen3_dir):
-    alone = ["--dist-timeout", "3"]
-    with two_nodes(qwen3_dir, 2, extra=alone, nodes=(0,)) as first, two_nodes(qwen3_dir, 2, extra=alone,
-                                                                                 nodes=(1,)) as second:
-        # the processes' start-up (torch's import) comes on top of the 3 s
-        codes = {**first.wait_exits(STARTUP_S), **second.wait_exits(STARTUP_S)}
-        assert codes[0] not in (None, 0) and codes[1] not in (None, 0), codes
-        assert "rank 1 (node 1) did not join within 3 s" in first[0].log, first[0].log
-        assert "could not reach node 0" in second[1].log, second[1].log
+def test_a_node_without_node_0_stops_naming_it(qwen3_dir):
+    """(A rank 0 that misses a node names it too: test_nodes_unit.py, in-process.)"""
+    with two_nodes(qwen3_dir, 2, extra=["--dist-timeout", "3"], nodes=(1,)) as alone:
+        # the process's start-up (torch's import) comes on top of the 3 s
+        assert alone.wait_exits(STARTUP_S)[1] not in (None, 0), alone[1].log
+        assert "rank 1 (node 1): could not reach node 0 (rank 0's rendezvous store)" in alone[1].log, alone[1].log
 
 
 def _check_outsiders_refused(job: TwoNodes, url: str) -> None:

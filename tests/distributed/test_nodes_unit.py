@@ -61,3 +61,9 @@ def test_a_missing_rank_is_named_when_the_join_times_out(qwen3_dir):
     with pytest.raises(NodeFailure, match=r"rank 1 \(node 1\): could not reach node 0"):
         NodeGroup.join(1, config)
     assert time.monotonic() - started < 10
+
+
+def test_peer_memory_all_reduce_does_not_span_nodes(qwen3_dir):
+    with pytest.raises(ValueError, match="peer GPU memory, which does not span nodes"):
+        EngineConfig(qwen3_dir, tp_size=2, nnodes=2, dist_init_addr="tcp://h:1", all_reduce="one_shot")
+    assert EngineConfig(qwen3_dir, tp_size=2, nnodes=2, dist_init_addr="tcp://h:1", all_reduce="auto")

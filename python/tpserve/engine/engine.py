@@ -111,8 +111,9 @@ class Engine:
             raise ValueError("tp_size > 1 needs dist_init_addr (tcp://host:port chosen by the parent)")
         if config.nnodes > 1 and nodes is None:
             raise ValueError("a multi-node rank's engine needs the NodeGroup it joined")
+        all_reduce = "nccl" if config.nnodes > 1 else config.all_reduce  # peer GPU memory stays on one node
         self.comm, self.cpu_group = init_process_groups(
-            rank, config.tp_size, config.dist_init_addr or "", self.device, self.dtype, config.all_reduce,
+            rank, config.tp_size, config.dist_init_addr or "", self.device, self.dtype, all_reduce,
             store=nodes and nodes.store, timeout_s=nodes and nodes.startup_timeout_s,
         )
 
