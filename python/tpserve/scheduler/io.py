@@ -57,7 +57,7 @@ class SchedulerIO:
                 else:
                     self._guard = ZapGuard(self.ctx, keys)
                     secure_server(self.pub, keys)
-                    self.pub.setsockopt(zmq.IPV6, 1)  # --dist-init-addr may be an IPv6 address
+                    self.pub.setsockopt(zmq.IPV6, int(":" in nodes.host))  # an IPv6 --dist-init-addr
                     self.pub.bind(f"tcp://{zmq_host(nodes.host)}:*")  # only the --dist-init-addr interface
                     nodes.store.set(BROADCAST_KEY, self.pub.getsockopt(zmq.LAST_ENDPOINT))
         else:
@@ -71,7 +71,7 @@ class SchedulerIO:
             else:
                 self.sub.setsockopt(zmq.RCVTIMEO, int(nodes.timeout_s * 1000))
                 secure_client(self.sub, keys)
-                self.sub.setsockopt(zmq.IPV6, 1)
+                self.sub.setsockopt(zmq.IPV6, int(":" in nodes.host))
                 self.sub.connect(nodes.store.get(BROADCAST_KEY).decode())
 
     def wait_for_peers(self) -> None:
