@@ -236,9 +236,11 @@ def check_fp8_gemv() -> None:
     cases = [
         (1, 96, 256, (128, 128), torch.bfloat16, None),
         (1, 200, 176, (32, 16), torch.float32, GemvConfig(1, 32, 16, 3, 4, 2)),
-        (5, 72, 384, (64, 128), torch.bfloat16, GemvConfig(16, 32, 64, 2, 4, 2)),
+        (1, 40, 300, (16, 32), torch.bfloat16, GemvConfig(1, 16, 128, 2, 4, 2)),  # 4 scale groups per tile
+        (5, 72, 384, (64, 128), torch.bfloat16, GemvConfig(16, 32, 64, 2, 4, 2, "dot")),
+        (5, 72, 384, (64, 128), torch.bfloat16, GemvConfig(16, 32, 64, 2, 4, 2, "dot_t")),
         (37, 50, 96, (16, 32), torch.float32, None),
-        (3, 64, 256, (1, 256), torch.bfloat16, GemvConfig(16, 16, 128, 1, 4, 2)),
+        (3, 64, 256, (1, 256), torch.bfloat16, GemvConfig(16, 16, 128, 1, 4, 2, "dot")),
     ]
     for m, n, k, block, dtype, config in cases:
         x = torch.randn(m, k, generator=gen).to(dtype)

@@ -157,9 +157,9 @@ class Engine:
         quant = self.quantization
         if quant is None:
             return ""
-        fp8 = any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters())
+        gemms = sorted({m.fp8_backend for m in self.model.modules() if getattr(m, "weight_scale_inv", None) is not None})
         source = "checkpoint" if quant.prequantized else "quantized at load"
-        form = "FP8 GEMM" if fp8 else "dequantized for this device"
+        form = f"FP8 GEMM {'/'.join(gemms)}" if gemms else "dequantized for this device"
         return f", {quant.method} weights ({source}, blocks {quant.block_size[0]}x{quant.block_size[1]}, {form})"
 
     def _fused_rope_store(self) -> bool:

@@ -5,7 +5,8 @@ is what pays; quantizing the activations too (``fp8_gemm``) only adds a kernel a
 program takes ``BLOCK_N`` output features over one K split; per K tile (inside one scale group)
 it converts the FP8 tile to the activations' dtype (exact) and accumulates the tile's product
 times its block scale in float32: a reduction over K on CUDA cores for one token
-(``DOT=False``), a tensor-core dot for more. ``SPLIT_K > 1`` writes float32 partial sums that
+(``variant="fma"``), a tensor-core dot for more (swap-AB by default: the weight tile is the MMA's
+wide side). ``SPLIT_K > 1`` writes float32 partial sums that
 a second pass adds, for layers with too few output features to fill the GPU. The torch
 reference is ``tpserve.quant.fp8.weight_only_reference``. No host synchronisation: CUDA graphs
 can hold it.
@@ -28,19 +29,25 @@ MAX_TOKENS = 64
 
 @dataclass(frozen=True)
 class GemvConfig:
-    block_m: int  # tokens per program (1: the CUDA-core reduction, no dot)
+    block_m: int  # tokens per program (1 with "fma")
     block_n: int
-    block_k: int
+    block_k: int  # "fma": any power of two (several scale groups per tile); dots: inside one group
     split_k: int
     num_warps: int
     num_stages: int
+    # "fma": float32 products reduced on CUDA cores (one token); "dot": x [BM, BK] @ w^T;
+    # "dot_t": swap-AB, w [BN, BK] @ x^T, so the weight tile is the MMA's wide side.
+    variant: str = "fma"
+
+
+_VARIANTS = {"fma": 0, "dot": 1, "dot_t": 2}
 
 
 @triton.jit
 def _gemv_kernel(
-    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_s, stride_split, tiles_per_split,
+    x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_s, stride_split, tiles_per_split, k_groups,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
+    BLOCK_K: tl.constexpr, VARIANT: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
@@ -53,33 +60,52 @@ def _gemv_kernel(
     s_rows = s_ptr + (cols // GROUP_N) * stride_s
     k_begin = pid_k * tiles_per_split * BLOCK_K
     k_end = tl.minimum(K, k_begin + tiles_per_split * BLOCK_K)
-    if DOT:
+    if VARIANT == 0:
+        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+    elif VARIANT == 1:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     else:
-        acc = tl.zeros((BLOCK_N,), dtype=tl.float32)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     for k0 in range(k_begin, k_end, BLOCK_K):
         k_ok = (k0 + ks) < K
         w = tl.load(w_rows + (k0 + ks)[None, :], mask=col_ok[:, None] & k_ok[None, :], other=0.0)
-        scale = tl.load(s_rows + k0 // GROUP_K, mask=col_ok, other=0.0)
-        if DOT:
+        if VARIANT == 0:
+            x = tl.load(x_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
+            prod = w.to(tl.float32) * x[None, :]
+            if BLOCK_K <= GROUP_K:
+                scale = tl.load(s_rows + k0 // GROUP_K, mask=col_ok, other=0.0)
+                acc += tl.sum(prod, axis=1) * scale
+            else:  # several scale groups in the tile
+                groups = k0 // GROUP_K + tl.arange(0, BLOCK_K // GROUP_K)
+                scale = tl.load(s_rows[:, None] + groups[None, :], mask=col_ok[:, None] & (groups < k_groups)[None, :], other=0.0)
+                part = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // GROUP_K, GROUP_K)), axis=2)
+                acc += tl.sum(part * scale, axis=1)
+        else:
+            scale = tl.load(s_rows + k0 // GROUP_K, mask=col_ok, other=0.0)
             x = tl.load(x_ptr + rows[:, None] * stride_xm + (k0 + ks)[None, :], mask=row_ok[:, None] & k_ok[None, :], other=0.0)
             # through float32: exact, and Triton's CPU interpreter has no direct fp8 -> bf16
-            w = tl.trans(w.to(tl.float32).to(x.dtype))
+            w = w.to(tl.float32).to(x.dtype)
             if INTERPRETED:  # the interpreter's bf16 dot is wrong; float32 gives the same sums
-                part = tl.dot(x.to(tl.float32), w.to(tl.float32), input_precision="ieee")
-            elif IEEE:
-                part = tl.dot(x, w, input_precision="ieee")
+                x, w = x.to(tl.float32), w.to(tl.float32)
+            if VARIANT == 1:
+                if IEEE or INTERPRETED:
+                    part = tl.dot(x, tl.trans(w), input_precision="ieee")
+                else:
+                    part = tl.dot(x, tl.trans(w))
+                acc += part * scale[None, :]
             else:
-                part = tl.dot(x, w)
-            acc += part * scale[None, :]
-        else:
-            x = tl.load(x_ptr + k0 + ks, mask=k_ok, other=0.0).to(tl.float32)
-            acc += tl.sum(w.to(tl.float32) * x[None, :], axis=1) * scale
-    if DOT:
-        out = out_ptr + pid_k * stride_split + rows[:, None] * N + cols[None, :]
-        tl.store(out, acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+                if IEEE or INTERPRETED:
+                    part = tl.dot(w, tl.trans(x), input_precision="ieee")
+                else:
+                    part = tl.dot(w, tl.trans(x))
+                acc += part * scale[:, None]
+    out = out_ptr + pid_k * stride_split
+    if VARIANT == 0:
+        tl.store(out + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+    elif VARIANT == 1:
+        tl.store(out + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
     else:
-        tl.store(out_ptr + pid_k * stride_split + cols, acc.to(out_ptr.dtype.element_ty), mask=col_ok)
+        tl.store(out + rows[None, :] * N + cols[:, None], acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
 
 
 def k_tile(group_k: int, limit: int = 128) -> int:
@@ -99,6 +125,7 @@ def _sm_count(index: int) -> int:
 def default_config(m: int, n: int, k: int, group_k: int, sm_count: int) -> GemvConfig:
     """Enough programs for two per SM: the widest output tile that still gives them, then K
     splits if even 16 features per program do not. (First guesses; the benchmark sweeps them.)"""
+    variant = "fma" if m == 1 else "dot_t"
     block_m = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64
     block_k = k_tile(group_k)
     target = 2 * sm_count
@@ -109,7 +136,19 @@ def default_config(m: int, n: int, k: int, group_k: int, sm_count: int) -> GemvC
     split_k = 1
     while programs * split_k < target and k_tiles // (split_k * 2) >= 8:
         split_k *= 2
-    return GemvConfig(block_m, block_n, block_k, split_k, num_warps=4, num_stages=4)
+    return GemvConfig(block_m, block_n, block_k, split_k, num_warps=4, num_stages=4, variant=variant)
+
+
+def check_config(config: GemvConfig, m: int, group_k: int) -> None:
+    if config.variant not in _VARIANTS:
+        raise ValueError(f"variant must be one of {', '.join(_VARIANTS)}, got {config.variant!r}")
+    if config.variant == "fma":
+        if m != 1 or config.block_m != 1:
+            raise ValueError(f"variant fma takes one token (block_m 1), got {m} tokens, block_m {config.block_m}")
+        if config.block_k > group_k and (config.block_k % group_k or group_k & (group_k - 1)):
+            raise ValueError(f"K tile {config.block_k} must be a multiple of the power-of-two scale group, got {group_k}")
+    elif group_k % config.block_k or config.block_m < 16:
+        raise ValueError(f"dots take K tiles dividing the scale group {group_k} and block_m >= 16, got {config}")
 
 
 def fp8_gemv(
@@ -121,17 +160,12 @@ def fp8_gemv(
     m, k = x.shape
     n = weight.shape[0]
     if config is None:
-        index = x.device.index if x.device.type == "cuda" else 0
-        sm_count = _sm_count(index) if x.device.type == "cuda" else 132
+        sm_count = _sm_count(x.device.index or 0) if x.device.type == "cuda" else 132
         config = default_config(m, n, k, block_size[1], sm_count)
-    if block_size[1] % config.block_k:
-        raise ValueError(f"K tile {config.block_k} does not divide the scale group {block_size[1]}")
+    check_config(config, m, block_size[1])
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
         return out
-    dot = config.block_m > 1
-    if not dot and m != 1:
-        raise ValueError(f"block_m 1 (the reduction without a dot) takes one token, got {m}")
     k_tiles = triton.cdiv(k, config.block_k)
     tiles_per_split = triton.cdiv(k_tiles, config.split_k)
     splits = triton.cdiv(k_tiles, tiles_per_split)
@@ -139,9 +173,10 @@ def fp8_gemv(
     grid = (triton.cdiv(n, config.block_n), triton.cdiv(m, config.block_m), splits)
     _gemv_kernel[grid](
         x, weight, scale_inv, target, m, n, k, x.stride(0), scale_inv.stride(0), m * n, tiles_per_split,
+        triton.cdiv(k, block_size[1]),
         GROUP_N=block_size[0], GROUP_K=block_size[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, DOT=dot, IEEE=x.dtype == torch.float32, INTERPRETED=_INTERPRETED,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        BLOCK_K=config.block_k, VARIANT=_VARIANTS[config.variant], IEEE=x.dtype == torch.float32,
+        INTERPRETED=_INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages,
     )
     if splits > 1:
         out.copy_(target.sum(dim=0))

@@ -9,6 +9,8 @@
 - ``scaled_mm``: torch's block-scaled FP8 matmul (cuBLAS, sm90, 128x128 blocks only).
 - ``scaled_mm_rowwise``: torch's row-scaled FP8 matmul; the weights are re-quantized at load to
   one scale per output feature (blocks (1, K)), which loses some of the block format's accuracy.
+- ``flashinfer``: FlashInfer's ``fp8_blockscale_gemm_sm90`` (bf16 activations quantized inside,
+  128x128 blocks, K a multiple of 128; a swap-AB kernel below 32 tokens; JIT-compiled on first use).
 
 ``benchmarks/experiments/fp8_gemm.py`` times them against bf16 at decode shapes.
 """
@@ -22,7 +24,7 @@ import torch
 from tpserve.quant.fp8 import dequantize_blocks, quantize_blocks
 
 FP8_GEMM_ENV = "TPSERVE_FP8_GEMM"
-BACKENDS = ("auto", "triton", "scaled_mm", "scaled_mm_rowwise")
+BACKENDS = ("auto", "triton", "scaled_mm", "scaled_mm_rowwise", "flashinfer")
 
 
 def backend_from_env() -> str:
@@ -44,9 +46,11 @@ def prepare_weight(
     cuBLAS's block scaling, the weight re-quantized per output row for row scaling."""
     from tpserve.kernels.fp8_scaled_mm import SCALED_MM_BLOCK, pad_block_scales
 
+    if backend in ("scaled_mm", "flashinfer") and block != SCALED_MM_BLOCK:
+        raise ValueError(f"{FP8_GEMM_ENV}={backend} takes 128x128 weight blocks, this model has {list(block)}")
+    if backend == "flashinfer" and weight.shape[1] % SCALED_MM_BLOCK[1]:
+        raise ValueError(f"{FP8_GEMM_ENV}=flashinfer takes input features in multiples of 128, got {weight.shape[1]}")
     if backend == "scaled_mm":
-        if block != SCALED_MM_BLOCK:
-            raise ValueError(f"{FP8_GEMM_ENV}=scaled_mm takes 128x128 weight blocks, this model has {list(block)}")
         return weight, pad_block_scales(scale_inv), block
     if backend == "scaled_mm_rowwise":
         rows = (1, weight.shape[1])
@@ -79,6 +83,10 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bloc
         from tpserve.kernels.fp8_scaled_mm import scaled_mm_rowwise
 
         return scaled_mm_rowwise(x, weight, scale_inv)
+    if backend == "flashinfer":
+        from flashinfer.gemm import fp8_blockscale_gemm_sm90
+
+        return fp8_blockscale_gemm_sm90(x, weight, None, scale_inv, out_dtype=x.dtype)
     if backend == "auto":
         from tpserve.kernels.fp8_gemv import MAX_TOKENS, fp8_gemv
 
