@@ -144,7 +144,7 @@ def bench_linear(model: str, name: str, n: int, k: int, ms: list[int], args, gen
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
         exact = x.double() @ wts.bf16[0].double().T
         row: dict = {"config": model.rstrip("/").rsplit("/", 1)[-1], "linear": name, "m": m, "n": n, "k": k}
-        for variant in ("bf16", *FP8_VARIANTS):
+        for variant in ("bf16", *args.variants.split(",")):
             if variant in ("gemv", "gemv_best") and m > 64:
                 continue
             try:
@@ -186,6 +186,7 @@ def main() -> None:
     parser.add_argument("--ms", default="1,16,64", help="token counts")
     parser.add_argument("--iters", type=int, default=15, help="timed graph replays")
     parser.add_argument("--weight-set-mb", type=float, default=256, help="weight bytes rotated over per variant")
+    parser.add_argument("--variants", default=",".join(FP8_VARIANTS), help="FP8 GEMMs to run beside bf16")
     parser.add_argument("--verbose", action="store_true", help="tracebacks of failing variants")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()

@@ -86,7 +86,7 @@ def _matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, bloc
     if backend == "flashinfer":
         from flashinfer.gemm import fp8_blockscale_gemm_sm90
 
-        return fp8_blockscale_gemm_sm90(x, weight, None, scale_inv, out_dtype=x.dtype)
+        return fp8_blockscale_gemm_sm90(x.contiguous(), weight, None, scale_inv, out_dtype=x.dtype)
     if backend == "auto":
         from tpserve.kernels.fp8_gemv import MAX_TOKENS, fp8_gemv
 
