@@ -7,6 +7,9 @@ Skipped without CUDA (compute capability 8.9+) or triton, so CI on CPU stays gre
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 
@@ -122,3 +125,32 @@ def test_quantization_fp8_on_gpu(tiny_model_factory, monkeypatch, backend):
     print(f"{backend}: fp8 {fp8} bf16 {bf16}")
     assert all(len(t) == 8 for t in fp8)
     assert sum(a[0] == b[0] for a, b in zip(fp8, bf16)) >= 1
+
+
+def test_fp8_kv_cache_on_gpu(tiny_model_factory):
+    """``kv_cache_dtype="fp8_e4m3"`` with FlashInfer's attention (FP8 KV pages under bf16 queries)
+    and CUDA graphs, against the bf16 cache: teacher-forced argmaxes and first tokens mostly agree."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "models"))
+    from test_vs_transformers import teacher_forced_logits
+
+    from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    model = tiny_model_factory("qwen3", **TINY)
+    ids = list(range(30, 90))
+    logits = {}
+    for dtype in ("auto", "fp8_e4m3"):
+        engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_total_tokens=1024, kv_cache_dtype=dtype))
+        assert isinstance(engine.attention, FlashInferAttentionBackend) and engine.graph_runner is not None
+        assert engine.kv_pool.k[0].dtype == (FP8_DTYPE if dtype == "fp8_e4m3" else torch.bfloat16)
+        logits[dtype] = teacher_forced_logits(engine, ids, prefill=9).float()
+        del engine
+    same = (logits["auto"].argmax(-1) == logits["fp8_e4m3"].argmax(-1)).float().mean().item()
+    prompts = [[i, i + 1, i + 2, i + 5] for i in range(20, 300, 28)]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = []
+    for dtype in ("auto", "fp8_e4m3"):
+        with LLM(model, device="cuda", dtype="bfloat16", max_total_tokens=1024, kv_cache_dtype=dtype) as llm:
+            outs.append([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
+    first = sum(a[0] == b[0] for a, b in zip(*outs)) / len(prompts)
+    print(f"fp8 KV vs bf16 KV on the GPU: teacher-forced argmax equal {same:.0%}, first tokens {first:.0%}")
+    assert same >= 0.7 and first >= 0.7

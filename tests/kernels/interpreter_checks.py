@@ -14,6 +14,7 @@ import sys
 import torch
 from tpserve.engine.sampler import Sampler, SamplingBatch
 from tpserve.kvcache.pool import KVCachePool
+from tpserve.quant.fp8 import FP8_DTYPE
 from tpserve.sampling_params import SamplingParams as SP
 
 
@@ -139,6 +140,18 @@ def check_kv_store() -> None:
     store_kv(fused.k[0], fused.v[0], slots, k, v)
     reference.store(0, slots, k, v)
     assert torch.equal(fused.k[0], reference.k[0]) and torch.equal(fused.v[0], reference.v[0])
+
+    # An FP8 cache: clamped to +-448 and rounded to e4m3 (up to the interpreter's own float8 cast,
+    # see check_fp8_gemm).
+    k, v = 100 * k, v.clone()
+    k[0, 0, 0], v[1, 1, 1] = 1000.0, -900.0
+    caches = [KVCachePool(1, 8, 4, kv_heads, head_dim, FP8_DTYPE, torch.device("cpu"), torch.float32) for _ in range(2)]
+    store_kv(caches[0].k[0], caches[0].v[0], slots, k, v)
+    caches[1].store(0, slots, k, v)
+    for got, ref in ((caches[0].k[0].float(), caches[1].k[0].float()), (caches[0].v[0].float(), caches[1].v[0].float())):
+        assert float(got.abs().max()) == 448.0
+        ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2**-9))) - 3)
+        assert bool(((got - ref).abs() <= ulp).float().mean() > 0.95), "fp8 KV store differs"
 
 
 def check_norm_rope_store() -> None:
