@@ -123,20 +123,25 @@ def _sm_count(index: int) -> int:
 
 
 def default_config(m: int, n: int, k: int, group_k: int, sm_count: int) -> GemvConfig:
-    """Enough programs for two per SM: the widest output tile that still gives them, then K
-    splits if even 16 features per program do not. (First guesses; the benchmark sweeps them.)"""
+    """Output tiles as wide as still give two programs per SM (at least 2 * M / 2 features wide),
+    K splits only below one program per SM; one token reads 512-wide K tiles (several scale groups: more bytes in flight per load).
+    First guesses: ``benchmarks/experiments/fp8_gemm.py`` sweeps them."""
     variant = "fma" if m == 1 else "dot_t"
     block_m = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64
     block_k = k_tile(group_k)
-    target = 2 * sm_count
+    if variant == "fma" and group_k & (group_k - 1) == 0 and group_k <= 512 and k >= 512:
+        block_k = 512
     m_tiles = triton.cdiv(m, block_m)
-    block_n = next((b for b in (64, 32) if triton.cdiv(n, b) * m_tiles >= target), 16)
+    # each program re-reads x (from L2): 2 * M / BLOCK_N times its weight bytes, so more tokens
+    # take wider tiles
+    min_n = 16 if m <= 16 else 32 if m <= 32 else 64
+    block_n = next((b for b in (64, 32) if b >= min_n and triton.cdiv(n, b) * m_tiles >= 2 * sm_count), min_n)
     programs = triton.cdiv(n, block_n) * m_tiles
     k_tiles = triton.cdiv(k, block_k)
     split_k = 1
-    while programs * split_k < target and k_tiles // (split_k * 2) >= 8:
+    while programs * split_k < sm_count and k_tiles // (split_k * 2) >= 4:
         split_k *= 2
-    return GemvConfig(block_m, block_n, block_k, split_k, num_warps=4, num_stages=4, variant=variant)
+    return GemvConfig(block_m, block_n, block_k, split_k, num_warps=4, num_stages=4 if block_k <= 128 else 3, variant=variant)
 
 
 def check_config(config: GemvConfig, m: int, group_k: int) -> None:
