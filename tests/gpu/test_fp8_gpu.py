@@ -21,7 +21,7 @@ pytest.importorskip("triton")
 from tpserve import LLM, SamplingParams
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
-from tpserve.kernels.fp8_linear import FP8_GEMM_ENV, fp8_linear, prepare_weight
+from tpserve.kernels.fp8_linear import FP8_GEMM_ENV, fp8_linear, kernel_for, prepare_weight, resolve_backend
 from tpserve.quant.fp8 import FP8_DTYPE, fp8_linear_reference, quantize_blocks, weight_only_reference
 from tpserve.tiny.fp8 import write_dequantized, write_fp8_checkpoint
 
@@ -29,7 +29,7 @@ DEVICE = torch.device("cuda")
 BLOCK = (128, 128)
 # Qwen3-8B per-layer linears at TP 1: (N, K)
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-BACKENDS = ["auto", "triton", "scaled_mm", "scaled_mm_rowwise", "flashinfer"]
+BACKENDS = ["auto", "gemv", "triton", "scaled_mm", "scaled_mm_rowwise", "flashinfer"]
 TINY = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512, seed=1)
 
 
@@ -39,10 +39,21 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 
 def reference(backend: str, m: int, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
-    """The float32 torch reference of what ``backend`` computes at ``m`` tokens."""
-    if backend == "auto" and m <= 64:
+    """The float32 torch reference of what ``backend`` computes at ``m`` tokens: the weights alone
+    quantized (fp8_gemv) or the activations too (the others)."""
+    kernel = kernel_for(resolve_backend(backend, x.device, x.dtype, block, x.shape[1]), m, x.shape[1])
+    if kernel == "gemv":
         return weight_only_reference(x, weight, scale, block)
     return fp8_linear_reference(x, weight, scale, block)
+
+
+def test_auto_takes_flashinfer_on_h200():
+    """On an H200 (sm90) with FlashInfer, ``auto`` is fp8_gemv for one token, FlashInfer's GEMM else."""
+    resolved = resolve_backend("auto", DEVICE, torch.bfloat16, BLOCK, 4096)
+    print(f"auto on {torch.cuda.get_device_name()}: {resolved}")
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert resolved == "gemv+flashinfer"
+    assert resolve_backend("auto", DEVICE, torch.float16, BLOCK, 4096) == "gemv"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -112,7 +123,7 @@ def test_quantization_fp8_on_gpu(tiny_model_factory, monkeypatch, backend):
     monkeypatch.setenv(FP8_GEMM_ENV, backend)
     engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_total_tokens=1024, quantization="fp8"))
     down = engine.model.model.layers[0].mlp.down_proj
-    assert down.weight.dtype == FP8_DTYPE and down.fp8_backend == backend
+    assert down.weight.dtype == FP8_DTYPE and down.fp8_backend == resolve_backend(backend, DEVICE, torch.bfloat16, BLOCK, 512)
     assert down.block_size == ((1, 512) if backend == "scaled_mm_rowwise" else BLOCK)
     assert engine.graph_runner is not None
     del engine

@@ -123,25 +123,23 @@ def _sm_count(index: int) -> int:
 
 
 def default_config(m: int, n: int, k: int, group_k: int, sm_count: int) -> GemvConfig:
-    """Output tiles as wide as still give two programs per SM (at least 2 * M / 2 features wide),
-    K splits only below one program per SM; one token reads 512-wide K tiles (several scale groups: more bytes in flight per load).
-    First guesses: ``benchmarks/experiments/fp8_gemm.py`` sweeps them."""
-    variant = "fma" if m == 1 else "dot_t"
-    block_m = 1 if m == 1 else 16 if m <= 16 else 32 if m <= 32 else 64
-    block_k = k_tile(group_k)
-    if variant == "fma" and group_k & (group_k - 1) == 0 and group_k <= 512 and k >= 512:
-        block_k = 512
+    """From the sweep of ``benchmarks/experiments/fp8_gemm.py`` on an H200 at Qwen3-8B's shapes
+    (docs/results/2026-12-01-h200-session4/fp8_gemm.json): one token reads 512-wide K tiles of 8
+    features with 2 warps (16 x 256 with 4 warps for the widest layers); more tokens take swap-AB
+    dots over 32-feature tiles (64 where that still gives two programs per SM), K split in two for
+    long K. Each program re-reads x from L2, 2 * M / BLOCK_N times its weight bytes, so wider
+    tiles for more tokens."""
+    pow2_group = group_k & (group_k - 1) == 0
+    if m == 1:
+        wide = n >= 16384
+        block_k = (256 if wide else 512) if pow2_group and group_k <= 512 and k >= 512 else k_tile(group_k)
+        return GemvConfig(1, 16 if wide else 8, block_k, 1, num_warps=4 if wide else 2, num_stages=4, variant="fma")
+    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     m_tiles = triton.cdiv(m, block_m)
-    # each program re-reads x (from L2): 2 * M / BLOCK_N times its weight bytes, so more tokens
-    # take wider tiles
-    min_n = 16 if m <= 16 else 32 if m <= 32 else 64
-    block_n = next((b for b in (64, 32) if b >= min_n and triton.cdiv(n, b) * m_tiles >= 2 * sm_count), min_n)
-    programs = triton.cdiv(n, block_n) * m_tiles
-    k_tiles = triton.cdiv(k, block_k)
-    split_k = 1
-    while programs * split_k < sm_count and k_tiles // (split_k * 2) >= 4:
-        split_k *= 2
-    return GemvConfig(block_m, block_n, block_k, split_k, num_warps=4, num_stages=4 if block_k <= 128 else 3, variant=variant)
+    min_n = 32 if m <= 32 else 64
+    block_n = 64 if triton.cdiv(n, 64) * m_tiles >= 2 * sm_count else min_n
+    split_k = 2 if k >= 8192 else 1
+    return GemvConfig(block_m, block_n, k_tile(group_k), split_k, num_warps=4, num_stages=6 if split_k > 1 else 4, variant="dot_t")
 
 
 def check_config(config: GemvConfig, m: int, group_k: int) -> None:

@@ -22,7 +22,7 @@ from torch import nn
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
 from tpserve.kernels import use_fp8_gemm
-from tpserve.kernels.fp8_linear import backend_from_env, fp8_linear, prepare_weight, weight_block
+from tpserve.kernels.fp8_linear import backend_from_env, fp8_linear, prepare_weight, resolve_backend, weight_block
 from tpserve.quant.fp8 import FP8_DTYPE, dequantize_blocks, num_blocks, quantize_blocks
 
 
@@ -110,7 +110,9 @@ class ParallelLinear(nn.Module):
         if self.block_size is None:
             return
         fp8_compute = use_fp8_gemm(self.weight.device, self.block_size)
-        backend = backend_from_env() if fp8_compute else "auto"
+        backend = "auto"
+        if fp8_compute:
+            backend = resolve_backend(backend_from_env(), self.weight.device, dtype, self.block_size, self.in_features)
         if self.weight_scale_inv is None:
             block = weight_block(backend, self.block_size, self.in_features)
             weight, scale_inv = quantize_blocks(self.weight.data, block)
