@@ -127,6 +127,13 @@ for s in $stages; do
         --batch-sizes 64,256 --out $results/$s.json ;;
     plan_tp2) stage plan_tp2 300 python3 benchmarks/plan_vs_measured.py --calibrate --case .models/Qwen3-8B:2 \
       --case .models/Qwen3-32B:2 --out $results/plan_vs_measured_tp2.json ;;
+    # FP8 (issue 16), two calls: "fp8_gemm fp8_decode8" and "fp8_tests fp8_decode32"
+    fp8_tests) stage fp8_tests 400 python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_fp8_gpu.py ;;
+    fp8_gemm) stage fp8_gemm 270 python3 benchmarks/experiments/fp8_gemm.py --configs $large --out $results/fp8_gemm.json ;;
+    fp8_decode8) stage fp8_decode8 300 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,gemv,flashinfer \
+      --batch-sizes 1,64 --out $results/fp8_decode_8b.json ;;
+    fp8_decode32) stage fp8_decode32 190 python3 benchmarks/fp8_decode.py --configs .models/Qwen3-32B --fp8-gemms auto \
+      --batch-sizes 1 --out $results/fp8_decode_32b.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done

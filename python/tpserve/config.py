@@ -39,6 +39,7 @@ CHOICES = {
     "schedule_policy": ("fcfs", "lpm"),
     "attention_backend": ("auto", "flashinfer", "torch"),
     "all_reduce": ("auto", "nccl", "one_shot", "two_shot"),
+    "kv_cache_dtype": ("auto", "fp8_e4m3"),
 }
 
 
@@ -323,6 +324,7 @@ class EngineConfig:
     nnodes: int = 1
     node_rank: int = 0
     dist_timeout: float = 15.0  # seconds a node may be silent (joining, heartbeats, collectives); nnodes > 1
+    kv_cache_dtype: str = "auto"  # fp8_e4m3: the KV cache in float8 e4m3 (scale 1), read back in the compute dtype
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
