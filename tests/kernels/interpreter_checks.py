@@ -240,6 +240,50 @@ def check_fused_moe() -> None:
     assert block_expert[:3].tolist() == [0, 1, 3]
 
 
+def check_fused_moe_model() -> None:
+    """A tiny Qwen3-MoE engine (float32; layer 0 dense, layers 1-2 sparse) with its experts on the
+    Triton kernels against the same engine with the torch experts: a prefill of 64-row blocks
+    (over 512 rows), then decode steps of 16-row blocks, so the kernels see the router's ids, the
+    normed activations and the stacked weights as the model hands them over."""
+    import tempfile
+
+    import tpserve.layers.moe as moe_layer
+    from tpserve.config import EngineConfig
+    from tpserve.engine.engine import Engine
+    from tpserve.forward import SequenceInput
+    from tpserve.kernels.moe import fused_experts
+    from tpserve.kvcache.pool import PageAllocator
+    from tpserve.tiny import make_tiny_model
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (150, 9, 1)]
+    decode_steps = 2
+
+    def run(model_dir: str) -> list[torch.Tensor]:
+        engine = Engine(EngineConfig(model=model_dir, device="cpu", dtype="float32", max_total_tokens=1024, page_size=4))
+        allocator = PageAllocator(engine.num_pages)
+        tables = [allocator.allocate(-(-(len(p) + decode_steps) // 4)) for p in prompts]
+        logits = [engine.forward([SequenceInput(p, 0, t) for p, t in zip(prompts, tables)])]
+        for step in range(decode_steps):
+            seqs = [SequenceInput([7 * i + step], len(p) + step, t) for i, (p, t) in enumerate(zip(prompts, tables))]
+            logits.append(engine.forward(seqs))
+        return logits
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(tmp, "qwen3_moe", num_layers=3, hidden_size=64, num_heads=2, num_kv_heads=1,
+                                    head_dim=32, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=48, seed=3)
+        reference = run(model_dir)
+        torch_experts = moe_layer.run_experts
+        moe_layer.run_experts = fused_experts
+        try:
+            fused = run(model_dir)
+        finally:
+            moe_layer.run_experts = torch_experts
+    for step, (got, expected) in enumerate(zip(fused, reference)):
+        err = float((got - expected).norm() / expected.norm())
+        assert err < 1e-5, f"step {step}: relative logits error {err:.2e}"
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1")
@@ -249,5 +293,6 @@ if __name__ == "__main__":
     check_kv_store()
     check_norm_rope_store()
     check_fused_moe()
+    check_fused_moe_model()
     check_fp8_gemm()
     print("ok")
