@@ -240,6 +240,44 @@ def check_fused_moe() -> None:
     assert int(padded_len) == 12 and sorted_rows.numel() == 20  # 6 rows + 4 experts * 3 padding, in whole blocks
     assert sorted_rows.tolist() == [3, 6, 6, 6, 1, 2, 5, 6, 0, 4, 6, 6] + [6] * 8
     assert block_expert[:3].tolist() == [0, 1, 3]
+    check_align_kernel_matches_torch()
+    check_router_topk()
+
+
+def check_router_topk() -> None:
+    """The one-kernel router against TopKRouter's torch ops: ids equal, weights to float32
+    rounding, with and without renormalisation, a row of ties, more experts than a power of 2."""
+    from tpserve.kernels.moe import router_topk
+
+    gen = torch.Generator().manual_seed(6)
+    for tokens, experts, top_k in ((1, 128, 8), (9, 60, 4), (4, 8, 2)):
+        logits = torch.randn(tokens, experts, generator=gen)
+        for renormalize in (False, True):
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            want_w, want_ids = torch.topk(probs, top_k, dim=-1)
+            if renormalize:
+                want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+            got_w, got_ids = router_topk(logits, top_k, renormalize, torch.float32)
+            assert torch.equal(got_ids, want_ids), (got_ids, want_ids)
+            torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
+    ties = torch.zeros(1, 8)
+    _, ids = router_topk(ties, 3, True, torch.float32)
+    assert sorted(ids[0].tolist()) == ids[0].tolist() and len(set(ids[0].tolist())) == 3
+
+
+def check_align_kernel_matches_torch() -> None:
+    """The one-program sort equals torch's stable sort, padding and block labels exactly: one
+    token, experts with no rows, rows spanning several chunks, the largest count it takes."""
+    from tpserve.kernels.moe import TRITON_ALIGN_MAX_ROWS, align_by_expert, align_by_expert_torch
+
+    gen = torch.Generator().manual_seed(5)
+    cases = ((1, 8, 128, 16), (37, 3, 16, 16), (5, 2, 4, 64), (300, 8, 128, 64), (TRITON_ALIGN_MAX_ROWS // 8, 8, 128, 16))
+    for tokens, top_k, experts, block_m in cases:
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+        got = align_by_expert(ids, experts, block_m)
+        want = align_by_expert_torch(ids, experts, block_m)
+        for g, w, name in zip(got, want, ("sorted_rows", "block_expert", "padded_len")):
+            assert torch.equal(g.long(), w.long()), f"{name} differs for {tokens} tokens, {experts} experts, block {block_m}"
 
 
 def check_fused_moe_model() -> None:
