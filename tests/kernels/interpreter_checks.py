@@ -281,17 +281,16 @@ def check_align_kernel_matches_torch() -> None:
 
 
 def check_fused_moe_model() -> None:
-    """A tiny Qwen3-MoE engine (float32; layer 0 dense, layers 1-2 sparse) with its experts on the
-    Triton kernels against the same engine with the torch experts: a prefill of 64-row blocks
-    (over 512 rows), then decode steps of 16-row blocks, so the kernels see the router's ids, the
-    normed activations and the stacked weights as the model hands them over."""
+    """A tiny Qwen3-MoE engine (float32; layer 0 dense, layers 1-2 sparse) with its MoE layers on
+    the Triton kernels (router, sort by expert, grouped GEMMs) against the same engine on the torch
+    path: a prefill of 64-row blocks (over 512 rows), then decode steps of 16-row blocks, so the
+    kernels see the normed activations and the stacked weights as the model hands them over."""
     import tempfile
 
     import tpserve.layers.moe as moe_layer
     from tpserve.config import EngineConfig
     from tpserve.engine.engine import Engine
     from tpserve.forward import SequenceInput
-    from tpserve.kernels.moe import fused_experts
     from tpserve.kvcache.pool import PageAllocator
     from tpserve.tiny import make_tiny_model
 
@@ -313,12 +312,12 @@ def check_fused_moe_model() -> None:
         model_dir = make_tiny_model(tmp, "qwen3_moe", num_layers=3, hidden_size=64, num_heads=2, num_kv_heads=1,
                                     head_dim=32, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=48, seed=3)
         reference = run(model_dir)
-        torch_experts = moe_layer.run_experts
-        moe_layer.run_experts = fused_experts
+        torch_path = moe_layer.use_triton
+        moe_layer.use_triton = lambda device: True  # the CUDA path, here in the interpreter
         try:
             fused = run(model_dir)
         finally:
-            moe_layer.run_experts = torch_experts
+            moe_layer.use_triton = torch_path
     for step, (got, expected) in enumerate(zip(fused, reference)):
         err = float((got - expected).norm() / expected.norm())
         assert err < 1e-5, f"step {step}: relative logits error {err:.2e}"
