@@ -165,8 +165,11 @@ def fill_kv_randomly(engine: Engine) -> None:
     """Timings never run on a zero cache."""
     gen = torch.Generator(device=engine.device).manual_seed(0)
     for k, v in zip(engine.kv_pool.k, engine.kv_pool.v):
-        k.normal_(generator=gen)
-        v.normal_(generator=gen)
+        for cache in (k, v):
+            if cache.dtype == engine.kv_pool.compute_dtype:
+                cache.normal_(generator=gen)
+            else:  # an FP8 cache: torch draws no float8
+                cache.copy_(torch.randn(cache.shape, generator=gen, device=cache.device, dtype=engine.kv_pool.compute_dtype))
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:

@@ -39,6 +39,7 @@ CHOICES = {
     "schedule_policy": ("fcfs", "lpm"),
     "attention_backend": ("auto", "flashinfer", "torch"),
     "all_reduce": ("auto", "nccl", "one_shot", "two_shot"),
+    "kv_cache_dtype": ("auto", "fp8_e4m3"),
 }
 
 
@@ -319,6 +320,7 @@ class EngineConfig:
     mixed_prefill_tokens: int = 0
     debug_check_invariants: bool = False  # check every step that ranks agree and KV pages add up
     quantization: str | None = None  # fp8: quantize an unquantized checkpoint's weights at load time
+    kv_cache_dtype: str = "auto"  # fp8_e4m3: the KV cache in float8 e4m3 (scale 1), read back in the compute dtype
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:

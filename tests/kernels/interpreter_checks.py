@@ -16,6 +16,7 @@ import sys
 import torch
 from tpserve.engine.sampler import Sampler, SamplingBatch
 from tpserve.kvcache.pool import KVCachePool
+from tpserve.quant.fp8 import FP8_DTYPE
 from tpserve.sampling_params import SamplingParams as SP
 
 
@@ -142,6 +143,18 @@ def check_kv_store() -> None:
     reference.store(0, slots, k, v)
     assert torch.equal(fused.k[0], reference.k[0]) and torch.equal(fused.v[0], reference.v[0])
 
+    # An FP8 cache: clamped to +-448 and rounded to e4m3 (up to the interpreter's own float8 cast,
+    # see check_fp8_gemm).
+    k, v = 100 * k, v.clone()
+    k[0, 0, 0], v[1, 1, 1] = 1000.0, -900.0
+    caches = [KVCachePool(1, 8, 4, kv_heads, head_dim, FP8_DTYPE, torch.device("cpu"), torch.float32) for _ in range(2)]
+    store_kv(caches[0].k[0], caches[0].v[0], slots, k, v)
+    caches[1].store(0, slots, k, v)
+    for got, ref in ((caches[0].k[0].float(), caches[1].k[0].float()), (caches[0].v[0].float(), caches[1].v[0].float())):
+        assert float(got.abs().max()) == 448.0
+        ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2**-9))) - 3)
+        assert bool(((got - ref).abs() <= ulp).float().mean() > 0.95), "fp8 KV store differs"
+
 
 def check_norm_rope_store() -> None:
     """q/k norm + rotary + KV store in one kernel, as the attention backend's forward_fused runs
@@ -189,7 +202,8 @@ def check_fp8_gemm() -> None:
     The interpreter's cast to float8 is not the GPU's: a value that rounds up into the next
     power of two comes out halved (124.3 -> 64, not 128) and ties round away from zero. So the
     activation quantization is checked up to those cases, and the GEMM on its own output."""
-    from tpserve.kernels.fp8_gemm import fp8_linear, quantize_activations
+    from tpserve.kernels.fp8_gemm import quantize_activations
+    from tpserve.kernels.fp8_linear import fp8_linear
     from tpserve.quant.fp8 import dequantize_blocks, quantize_blocks
 
     gen = torch.Generator().manual_seed(0)
@@ -197,6 +211,7 @@ def check_fp8_gemm() -> None:
         (1, 96, 256, (128, 128), torch.bfloat16),
         (37, 200, 176, (32, 48), torch.float32),
         (20, 64, 64, (16, 64), torch.bfloat16),
+        (70, 40, 48, (16, 16), torch.bfloat16),  # K groups of 16: the dot in bf16 (FP8 dots need K >= 32)
     ]:
         x = torch.randn(m, k, generator=gen).to(dtype)
         if m > 1:
@@ -211,13 +226,48 @@ def check_fp8_gemm() -> None:
         carried = (got_q == ref_q / 2) & (torch.log2(ref_q.abs()) == torch.log2(ref_q.abs()).round())
         assert bool((carried | ((got_q - ref_q).abs() <= ulp))[differ].all()), "activation quantization differs"
         assert differ.float().mean() < 0.05
-        got = fp8_linear(x.view(1, m, k), weight, scale, block)
+        got = fp8_linear(x.view(1, m, k), weight, scale, block, "triton")
+        col_q, col_s = quantize_activations(x, block[1], token_major=False)
+        assert col_s.stride() == (1, m) or m == 1
+        assert torch.equal(col_q.float(), got_q) and torch.equal(col_s, xs)
         a = dequantize_blocks(q, xs, (1, block[1]), torch.float32)
         ref = a @ dequantize_blocks(weight, scale, block, torch.float32).T
         assert got.shape == (1, m, n) and got.dtype == dtype
         torch.testing.assert_close(got[0].float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
         if m > 1:
             assert torch.equal(got[0, -1], torch.zeros(n, dtype=dtype))
+
+
+def check_fp8_gemv() -> None:
+    """The few-token FP8 GEMM (activations unquantized) against torch: one token (the reduction
+    without a dot), several (the dot), K splits, partial tiles, float32 activations, scales with
+    padded columns, one scale per output row."""
+    from tpserve.kernels.fp8_gemv import GemvConfig, fp8_gemv
+    from tpserve.kernels.fp8_linear import fp8_linear
+    from tpserve.kernels.fp8_scaled_mm import pad_block_scales
+    from tpserve.quant.fp8 import quantize_blocks, weight_only_reference
+
+    gen = torch.Generator().manual_seed(1)
+    cases = [
+        (1, 96, 256, (128, 128), torch.bfloat16, None),
+        (1, 200, 176, (32, 16), torch.float32, GemvConfig(1, 32, 16, 3, 4, 2)),
+        (1, 40, 300, (16, 32), torch.bfloat16, GemvConfig(1, 16, 128, 2, 4, 2)),  # 4 scale groups per tile
+        (5, 72, 384, (64, 128), torch.bfloat16, GemvConfig(16, 32, 64, 2, 4, 2, "dot")),
+        (5, 72, 384, (64, 128), torch.bfloat16, GemvConfig(16, 32, 64, 2, 4, 2, "dot_t")),
+        (37, 50, 96, (16, 32), torch.float32, None),
+        (3, 64, 256, (1, 256), torch.bfloat16, GemvConfig(16, 16, 128, 1, 4, 2, "dot")),
+    ]
+    for m, n, k, block, dtype, config in cases:
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        weight, scale = quantize_blocks(torch.randn(n, k, generator=gen) * 0.05, block)
+        ref = weight_only_reference(x, weight, scale, block)
+        for scales in (scale, pad_block_scales(scale)):
+            got = fp8_gemv(x, weight, scales, block, config)
+            assert got.shape == (m, n) and got.dtype == dtype
+            torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+        got = fp8_linear(x.view(m, 1, k), weight, scale, block, "auto")
+        assert got.shape == (m, 1, n)
+        torch.testing.assert_close(got[:, 0].float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
 
 
 def check_fused_moe() -> None:
@@ -334,4 +384,5 @@ if __name__ == "__main__":
     check_fused_moe()
     check_fused_moe_model()
     check_fp8_gemm()
+    check_fp8_gemv()
     print("ok")

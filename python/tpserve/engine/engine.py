@@ -18,7 +18,7 @@ from tpserve.engine.logit_edits import PenaltyState
 from tpserve.engine.sampler import Sampler, SamplingBatch
 from tpserve.forward import ForwardContext, SequenceInput
 from tpserve.kernels import use_triton
-from tpserve.kvcache.pool import KVCachePool
+from tpserve.kvcache.pool import KVCachePool, kv_cache_dtype
 from tpserve.models.decoder import CausalLM
 from tpserve.models.loader import load_model_weights
 from tpserve.models.quantize import quantize_model
@@ -127,8 +127,9 @@ class Engine:
             self.page_size,
             self.num_kv_heads,
             self.model_config.head_dim,
-            self.dtype,
+            kv_cache_dtype(config.kv_cache_dtype, self.dtype),
             self.device,
+            compute_dtype=self.dtype,
         )
         self.attention = create_backend(
             config.attention_backend,
@@ -157,14 +158,14 @@ class Engine:
         quant = self.quantization
         if quant is None:
             return ""
-        fp8 = any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters())
+        gemms = sorted({m.fp8_backend for m in self.model.modules() if getattr(m, "weight_scale_inv", None) is not None})
         source = "checkpoint" if quant.prequantized else "quantized at load"
-        form = "FP8 GEMM" if fp8 else "dequantized for this device"
+        form = f"FP8 GEMM {'/'.join(gemms)}" if gemms else "dequantized for this device"
         return f", {quant.method} weights ({source}, blocks {quant.block_size[0]}x{quant.block_size[1]}, {form})"
 
     def _fused_rope_store(self) -> bool:
         """Whether layers take qkv to q and the KV cache in one Triton kernel (kernels.rope_store)."""
-        if not use_triton(self.device):
+        if not use_triton(self.device) or self.kv_pool.fp8:  # the kernel writes q and k in one dtype
             return False
         from tpserve.kernels import rope_store
 
@@ -194,7 +195,8 @@ class Engine:
     def _count_pages(self) -> int:
         cfg = self.model_config
         page_bytes = KVCachePool.bytes_per_page(
-            cfg.num_hidden_layers, self.page_size, self.num_kv_heads, cfg.head_dim, self.dtype
+            cfg.num_hidden_layers, self.page_size, self.num_kv_heads, cfg.head_dim,
+            kv_cache_dtype(self.config.kv_cache_dtype, self.dtype),
         )
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)

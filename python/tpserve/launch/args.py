@@ -180,6 +180,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most requests decoded together")
     engine.add_argument("--page-size", type=_int_at_least(1), default=_default("page_size"),
                         help="tokens per KV-cache page")
+    engine.add_argument("--kv-cache-dtype", choices=CHOICES["kv_cache_dtype"], default=_default("kv_cache_dtype"),
+                        help="KV-cache storage: auto (the compute dtype) or fp8_e4m3 (float8 e4m3 with a scale "
+                        "of 1: half the bytes of bf16, so twice the tokens; read back in the compute dtype)")
     engine.add_argument("--mem-fraction", "--gpu-memory-utilization", "--mem-fraction-static",
                         dest="mem_fraction", type=_fraction, default=_default("mem_fraction"),
                         help="share of each GPU's total memory tpserve may fill: the KV cache gets what is "
@@ -270,6 +273,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         load_format=ns.load_format,
         quantization=ns.quantization,
         page_size=ns.page_size,
+        kv_cache_dtype=ns.kv_cache_dtype,
         max_total_tokens=ns.max_total_tokens,
         mem_fraction=ns.mem_fraction,
         max_running_requests=ns.max_running_requests,
