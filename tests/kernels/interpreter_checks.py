@@ -4,6 +4,8 @@ Run by test_triton_interpreter.py in a child process with TRITON_INTERPRET=1 (Tr
 when a kernel is defined, so it cannot be switched on inside a process that already holds the
 compiled kernels). The interpreter has no libdevice, so the sampler uses numpy's float32
 exp/log there; the hashing, the race and the tie rule are the kernel's own.
+Its tl.dot of two bfloat16 tiles returns garbage (triton 3.9; float32 tiles are right), so the
+MoE checks run in float32.
 """
 
 from __future__ import annotations
@@ -328,6 +330,49 @@ def check_align_kernel_matches_torch() -> None:
             assert torch.equal(g.long(), w.long()), f"{name} differs for {tokens} tokens, {experts} experts, block {block_m}"
 
 
+def check_fused_moe_model() -> None:
+    """A tiny Qwen3-MoE engine (float32; layer 0 dense, layers 1-2 sparse) with its MoE layers on
+    the Triton kernels (router, sort by expert, grouped GEMMs) against the same engine on the torch
+    path: a prefill of 64-row blocks (over 512 rows), then decode steps of 16-row blocks, so the
+    kernels see the normed activations and the stacked weights as the model hands them over."""
+    import tempfile
+
+    import tpserve.layers.moe as moe_layer
+    from tpserve.config import EngineConfig
+    from tpserve.engine.engine import Engine
+    from tpserve.forward import SequenceInput
+    from tpserve.kvcache.pool import PageAllocator
+    from tpserve.tiny import make_tiny_model
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (150, 9, 1)]
+    decode_steps = 2
+
+    def run(model_dir: str) -> list[torch.Tensor]:
+        engine = Engine(EngineConfig(model=model_dir, device="cpu", dtype="float32", max_total_tokens=1024, page_size=4))
+        allocator = PageAllocator(engine.num_pages)
+        tables = [allocator.allocate(-(-(len(p) + decode_steps) // 4)) for p in prompts]
+        logits = [engine.forward([SequenceInput(p, 0, t) for p, t in zip(prompts, tables)])]
+        for step in range(decode_steps):
+            seqs = [SequenceInput([7 * i + step], len(p) + step, t) for i, (p, t) in enumerate(zip(prompts, tables))]
+            logits.append(engine.forward(seqs))
+        return logits
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(tmp, "qwen3_moe", num_layers=3, hidden_size=64, num_heads=2, num_kv_heads=1,
+                                    head_dim=32, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=48, seed=3)
+        reference = run(model_dir)
+        torch_path = moe_layer.use_triton
+        moe_layer.use_triton = lambda device: True  # the CUDA path, here in the interpreter
+        try:
+            fused = run(model_dir)
+        finally:
+            moe_layer.use_triton = torch_path
+    for step, (got, expected) in enumerate(zip(fused, reference)):
+        err = float((got - expected).norm() / expected.norm())
+        assert err < 1e-5, f"step {step}: relative logits error {err:.2e}"
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1")
@@ -337,6 +382,7 @@ if __name__ == "__main__":
     check_kv_store()
     check_norm_rope_store()
     check_fused_moe()
+    check_fused_moe_model()
     check_fp8_gemm()
     check_fp8_gemv()
     print("ok")
