@@ -84,6 +84,11 @@ def launch_commands(plan: SplitPlan, model: str, machine: Machine, settings: Set
         flags += f" --mem-fraction {settings.mem_fraction}"
     if settings.quantization is not None:
         flags += f" --quantization {settings.quantization}"
+    if plan.tp > machine.gpus_per_node:  # one TP group over several nodes: one launch per node
+        nodes = plan.tp // machine.gpus_per_node
+        job = f"--nnodes {nodes} --dist-init-addr NODE0_IP:29500"
+        return [f"TPSERVE_DIST_TOKEN=$SECRET python -m tpserve {flags} {job} --node-rank {r}   # on node {r}"
+                for r in range(nodes)]
     per_node = plan.dp // machine.nodes
     if per_node == 1 and machine.nodes == 1:
         return [f"python -m tpserve {flags}"]
@@ -102,8 +107,11 @@ def recommendation(
         return [f"{title}: none (no split holds the weights and one request at this context)"]
     lines = [f"{title}: {split_name(plan)}: {why}"]
     lines += [f"  {c}" for c in launch_commands(plan, model, machine, settings)]
-    per_node = plan.dp // machine.nodes
-    if plan.dp > 1:
+    per_node = max(1, plan.dp // machine.nodes)
+    if plan.tp > machine.gpus_per_node:
+        lines.append(f"  ({plan.dp} such group{'s' if plan.dp > 1 else ''} of {plan.tp // machine.gpus_per_node} nodes; "
+                     f"see docs/deploy.md)")
+    elif plan.dp > 1:
         where = f"on each of the {machine.nodes} nodes: " if machine.nodes > 1 else ""
         ports = f"port {BASE_PORT}" if per_node == 1 else f"ports {BASE_PORT}-{BASE_PORT + per_node - 1}"
         replicas = "one replica" if per_node == 1 else f"{per_node} replicas"
