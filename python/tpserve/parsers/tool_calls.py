@@ -86,6 +86,7 @@ class ToolCallParser:
 
     def __init__(self) -> None:
         self.calls: list[ToolCallDelta] = []  # whole calls so far (id, name, full arguments)
+        self._args_sent = 0  # characters of the streaming call's arguments text sent
 
     def feed(self, text: str, final: bool = False) -> ToolParse:
         raise NotImplementedError
@@ -101,6 +102,14 @@ class ToolCallParser:
             call.arguments += text
             out.calls.append(ToolCallDelta(call.index, arguments=text))
 
+    def _stream_arguments(self, call: ToolCallDelta, body: str, out: ToolParse) -> None:
+        """Send what ``body`` (a name-first call's JSON so far) adds to the arguments sent."""
+        match = _NAME_FIRST.match(body)
+        safe = _strip_closing(body[match.end():]) if match else ""
+        if len(safe) > self._args_sent:
+            self._add_arguments(call, safe[self._args_sent:], out)
+            self._args_sent = len(safe)
+
 
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
 _NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
@@ -112,7 +121,6 @@ class HermesParser(ToolCallParser):
         self._buffer = ""
         self._in_call = False
         self._call: ToolCallDelta | None = None  # the call whose arguments are streaming
-        self._args_sent = 0  # characters of its arguments text sent
 
     def feed(self, text: str, final: bool = False) -> ToolParse:
         out = ToolParse()
@@ -130,7 +138,7 @@ class HermesParser(ToolCallParser):
                 self._in_call, self._call, self._args_sent = True, None, 0
             end = self._buffer.find(_HERMES_END)
             if end < 0 and not final:
-                self._stream_arguments(self._buffer[: len(self._buffer) - partial_suffix_len(self._buffer, (_HERMES_END,))], out)
+                self._stream_call(self._buffer[: len(self._buffer) - partial_suffix_len(self._buffer, (_HERMES_END,))], out)
                 return out
             body = self._buffer if end < 0 else self._buffer[:end]
             self._buffer = "" if end < 0 else self._buffer[end + len(_HERMES_END):]
@@ -144,16 +152,13 @@ class HermesParser(ToolCallParser):
             return  # whitespace between or after calls
         out.content += text
 
-    def _stream_arguments(self, body: str, out: ToolParse) -> None:
+    def _stream_call(self, body: str, out: ToolParse) -> None:
         match = _NAME_FIRST.match(body)
         if match is None:
             return
         if self._call is None:
             self._call = self._start_call(json.loads(f'"{match.group(1)}"', strict=False), out)
-        safe = _strip_closing(body[match.end():])
-        if len(safe) > self._args_sent:
-            self._add_arguments(self._call, safe[self._args_sent:], out)
-            self._args_sent = len(safe)
+        self._stream_arguments(self._call, body, out)
 
     def _finish_call(self, body: str, out: ToolParse) -> None:
         try:
@@ -161,9 +166,7 @@ class HermesParser(ToolCallParser):
         except json.JSONDecodeError:
             parsed = None
         if self._call is not None:  # its name and a prefix of its raw arguments went out already
-            match = _NAME_FIRST.match(body)
-            rest = _strip_closing(body[match.end():]) if match else ""
-            self._add_arguments(self._call, rest[self._args_sent:], out)
+            self._stream_arguments(self._call, body, out)
             self._call = None
             return
         if parsed is None:
@@ -197,7 +200,6 @@ class Llama3JsonParser(ToolCallParser):
         self._text = ""  # everything, until a call goes out: content if none ever does
         self._mode: str | None = None  # "calls" or "content" once known
         self._call: ToolCallDelta | None = None  # the call whose arguments are streaming
-        self._args_sent = 0
         self._decoder = json.JSONDecoder(strict=False)
 
     def feed(self, text: str, final: bool = False) -> ToolParse:
@@ -254,13 +256,6 @@ class Llama3JsonParser(ToolCallParser):
                 self._to_content()
                 return
             self._add_arguments(self._start_call(parsed[0], out), parsed[1], out)
-
-    def _stream_arguments(self, call: ToolCallDelta, body: str, out: ToolParse) -> None:
-        match = _NAME_FIRST.match(body)
-        safe = _strip_closing(body[match.end():]) if match else ""
-        if len(safe) > self._args_sent:
-            self._add_arguments(call, safe[self._args_sent:], out)
-            self._args_sent = len(safe)
 
     def _to_content(self) -> None:
         """Not calls after all: everything (or, once calls went out, the rest) is content."""
