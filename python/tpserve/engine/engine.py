@@ -27,7 +27,6 @@ from tpserve.models.quantize import quantize_model
 from tpserve.quant.config import resolve_quantization
 from tpserve.sampling_params import SamplingParams
 from tpserve.structured import mask as grammar_mask
-from tpserve.structured.mask import apply_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -195,9 +194,9 @@ class Engine:
         return runner
 
     def _warm_up_sampler(self) -> None:
-        """Compile the sampler's kernels (plain and filtered) now rather than on the first
-        requests, on logits laid out as the LM head returns them (rows padded at TP > 1), and
-        as logit edits (penalties, grammar masks) return them: contiguous float32."""
+        """Compile the sampler's kernels (plain and filtered) and the grammar mask's now rather
+        than on the first requests, on logits laid out as the LM head returns them (rows padded
+        at TP > 1), and as logit edits (penalties) return them: contiguous float32."""
         vocab = self.model_config.vocab_size
         padded = self.model.lm_head.weight.shape[0] * self.config.tp_size
         raw = torch.zeros((2, padded), dtype=self.dtype, device=self.device)[:, :vocab]
@@ -301,7 +300,7 @@ class Engine:
         blocking (pinned host memory) into buffers reused every step (stream order keeps a step's
         upload after the previous step's use)."""
         if self.device.type != "cuda":
-            apply_bitmask(logits, mask.bitmask, mask.rows)
+            grammar_mask.apply_bitmask(logits, mask.bitmask, mask.rows)
             return
         batch, words = mask.bitmask.shape
         if self._mask_device is None or self._mask_device.shape[0] < batch:
@@ -311,7 +310,7 @@ class Engine:
         bitmask.copy_(mask.bitmask, non_blocking=True)
         rows = self._rows_device[: len(mask.rows)]
         rows.copy_(torch.tensor(mask.rows, dtype=torch.int32).pin_memory(), non_blocking=True)
-        apply_bitmask(logits, bitmask, rows)
+        grammar_mask.apply_bitmask(logits, bitmask, rows)
 
     def shutdown(self) -> None:
         """Release the device memory (graphs, KV cache, weights) and the process groups."""
