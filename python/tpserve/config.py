@@ -319,10 +319,18 @@ class EngineConfig:
     mixed_prefill_tokens: int = 0
     debug_check_invariants: bool = False  # check every step that ranks agree and KV pages add up
     quantization: str | None = None  # fp8: quantize an unquantized checkpoint's weights at load time
+    # Data parallelism: dp_size independent replicas of tp_size ranks each; replica dp_rank's
+    # ranks use GPUs dp_rank * tp_size .. dp_rank * tp_size + tp_size - 1.
+    dp_size: int = 1
+    dp_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size {self.dp_size}), got {self.dp_rank}")
         for name, choices in CHOICES.items():
             value = getattr(self, name)
             if value not in choices + {"device": (None,), "dtype": (None, "auto")}.get(name, ()):
@@ -362,11 +370,12 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"{_option('device', 'cuda', cli)}: CUDA is not available on this machine")
-        if torch.cuda.device_count() < engine.tp_size:
-            raise ValueError(
-                f"{_option('tp_size', engine.tp_size, cli)} needs {engine.tp_size} GPUs; "
-                f"{torch.cuda.device_count()} visible"
-            )
+        gpus = engine.tp_size * engine.dp_size
+        if torch.cuda.device_count() < gpus:
+            wanted = _option("tp_size", engine.tp_size, cli)
+            if engine.dp_size > 1:
+                wanted = f"{_option('dp_size', engine.dp_size, cli)} x {wanted}"
+            raise ValueError(f"{wanted} needs {gpus} GPUs; {torch.cuda.device_count()} visible")
     if engine.attention_backend == "flashinfer":
         dtype = resolve_dtype(engine.dtype, model, torch.device(device))
         if device != "cuda" or dtype not in FLASHINFER_DTYPES:
