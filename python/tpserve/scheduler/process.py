@@ -46,7 +46,8 @@ def run_scheduler(
     io = SchedulerIO(rank, engine_config.tp_size, endpoints, engine.cpu_group)
     io.wait_for_peers()
     if rank == 0:
-        ack_queue.put(f"scheduler ready: {engine_config.tp_size} rank(s), {scheduler.allocator.total} KV pages")
+        replica = f" (replica {engine_config.dp_rank})" if engine_config.dp_size > 1 else ""
+        ack_queue.put(f"scheduler ready{replica}: {engine_config.tp_size} rank(s), {scheduler.allocator.total} KV pages")
     freeze_startup_heap()
     try:
         SchedulerLoop(scheduler, io, engine_config.debug_check_invariants, heartbeat).run()
