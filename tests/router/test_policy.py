@@ -61,14 +61,15 @@ def test_cache_aware_prefers_the_cached_prefix_when_loads_are_even():
     for router in (aware, plain):
         router.on_output(3, 0, finished=True)  # even again
     assert plain.route(4, shared + [4]) == 1 and aware.route(4, shared + [4]) == 0
-    assert aware.route(5, shared + [5]) == 1, "replica 0 is now further ahead than the 64 tokens it saves"
+    assert aware.route(5, shared + [5]) == 0, "130 against 65: within the saving plus half the mean load"
+    assert aware.route(6, shared + [6]) == 1, "195 against 65: too far ahead"
 
 
 def test_cache_aware_still_balances_when_the_load_is_uneven():
     router = Router(2, "cache_aware", page_size=16)
     prefix = list(range(32))
     sent = [router.route(rid, prefix + [rid] * 16) for rid in range(6)]
-    # Replica 0 would save 32 of 48 tokens, but it is 48 ahead: the second request goes to 1.
+    # Replica 0 would save 32 of 48 tokens, but it is 48 ahead (more than 32 + half the mean 24).
     assert sent[:2] == [0, 1] and sent.count(0) == sent.count(1) == 3
     assert router.loads == [144, 144]
 
