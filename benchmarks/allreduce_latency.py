@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 
 import torch
 import torch.distributed as dist
@@ -20,6 +19,7 @@ import torch.multiprocessing as mp
 
 from tpserve.distributed.comm import init_process_groups, local_init_addr
 from tpserve.distributed.peer_allreduce import BUFFER_BYTES, PeerAllReduce
+from tpserve.plan.calibrate import time_in_graph
 
 SIZES_KIB = [2, 10, 32, 80, 160, 320, 640, 1280, 2560, 5120, 8192, 20480, 81920]
 REPEAT = 20
@@ -27,24 +27,7 @@ REPEAT = 20
 
 def time_graph(fn, x: torch.Tensor, iters: int = 30) -> float:
     """Median seconds per call of ``fn(x)`` over graph replays of REPEAT calls."""
-    for _ in range(3):
-        fn(x)
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(REPEAT):
-            fn(x)
-    times = []
-    for _ in range(iters):
-        dist.barrier()
-        torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / REPEAT)
-    return statistics.median(times)
+    return time_in_graph(lambda: fn(x), iters, REPEAT, before_replay=dist.barrier)
 
 
 def rank_main(rank: int, world: int, addr: str, queue) -> None:

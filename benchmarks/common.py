@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import json
 import logging
+import multiprocessing as mp
 import os
 import time
+import traceback
 from collections.abc import Callable, Sequence
+from dataclasses import replace
 
 import torch
 from tpserve.config import EngineConfig
+from tpserve.distributed.comm import local_init_addr
 from tpserve.engine.engine import Engine
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.forward import SequenceInput
@@ -61,6 +65,44 @@ def matmul_peak(n: int = 8192, sets: int = 3) -> float:
 def make_engine(model: str, **overrides) -> Engine:
     config = EngineConfig(model=model, load_format="dummy", dtype="bfloat16", **overrides)
     return Engine(config)
+
+
+RANK_TIMEOUT_S = 900
+
+
+def _rank_main(config: EngineConfig, rank: int, body: Callable, args: tuple, out: mp.Queue) -> None:
+    try:
+        engine = Engine(config, rank)
+        result = body(engine, *args)
+        engine.shutdown()
+        out.put((rank, result, None))
+    except Exception:
+        out.put((rank, None, traceback.format_exc()))
+
+
+def on_ranks(config: EngineConfig, body: Callable, *args: object) -> object:
+    """Run ``body(engine, *args)`` on every TP rank (one spawned process each, the way the server
+    starts them) and return rank 0's result. Every rank must make the same collective calls."""
+    ctx = mp.get_context("spawn")
+    out = ctx.Queue()
+    if config.tp_size > 1:
+        config = replace(config, dist_init_addr=local_init_addr())
+    procs = [ctx.Process(target=_rank_main, args=(config, r, body, args, out)) for r in range(config.tp_size)]
+    for p in procs:
+        p.start()
+    try:
+        results = {}
+        for _ in procs:
+            rank, result, error = out.get(timeout=RANK_TIMEOUT_S)
+            if error:
+                raise RuntimeError(f"tp rank {rank} failed:\n{error}")
+            results[rank] = result
+    finally:
+        for p in procs:
+            p.join(60)
+            if p.is_alive():
+                p.kill()
+    return results[0]
 
 
 def engine_step(engine: Engine, seqs: list[SequenceInput], sampling: SamplingBatch) -> list[int]:

@@ -16,71 +16,37 @@ rate, TP-2 all-reduce through the engine's communicator), else the ``--gpu`` tab
 from __future__ import annotations
 
 import argparse
-import multiprocessing as mp
 import os
-import traceback
-from dataclasses import replace
 
 import torch
-from common import fill_kv_randomly, print_table, setup_logging, write_json
+from common import fill_kv_randomly, on_ranks, print_table, setup_logging, write_json
 from decode_latency import ints, time_mode
 from tpserve.config import EngineConfig, ModelConfig
-from tpserve.distributed.comm import local_init_addr
 from tpserve.plan.cost import decode_step
 from tpserve.plan.shape import DTYPE_BYTES, ModelShape
 from tpserve.plan.specs import GPUS, GPUSpec
 
 TARGET = 0.15  # issue 18: predictions within 15% of the measured step
-RANK_TIMEOUT_S = 900
 
 
-def _rank(config: EngineConfig, rank: int, batches: list[int], context: int, modes: list[str],
-          warmup: int, iters: int, out: mp.Queue) -> None:
-    """One TP rank: every rank runs the same steps; rank 0 reports the timings."""
-    from tpserve.engine.engine import Engine
-
-    try:
-        engine = Engine(config, rank)
-        fill_kv_randomly(engine)
-        runner = engine.graph_runner
-        rows = []
-        for batch in batches:
-            row: dict[str, object] = {"batch": batch}
-            for mode in modes:
-                row[mode] = time_mode(engine, runner, mode, batch, context, warmup, iters)[0]
-            rows.append(row)
-        engine.graph_runner = runner
-        engine.shutdown()
-        out.put((rank, rows, None))
-    except Exception:
-        out.put((rank, None, traceback.format_exc()))
+def _time_steps(engine, batches: list[int], context: int, modes: list[str], warmup: int,
+                iters: int) -> list[dict[str, object]]:
+    """Every rank runs the same steps; rank 0's timings are reported."""
+    fill_kv_randomly(engine)
+    runner = engine.graph_runner
+    rows = []
+    for batch in batches:
+        row: dict[str, object] = {"batch": batch}
+        for mode in modes:
+            row[mode] = time_mode(engine, runner, mode, batch, context, warmup, iters)[0]
+        rows.append(row)
+    engine.graph_runner = runner
+    return rows
 
 
 def measure(config: EngineConfig, batches: list[int], context: int, modes: list[str], warmup: int,
             iters: int) -> list[dict[str, object]]:
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    if config.tp_size > 1:
-        config = replace(config, dist_init_addr=local_init_addr())
-    procs = [
-        ctx.Process(target=_rank, args=(config, r, batches, context, modes, warmup, iters, out))
-        for r in range(config.tp_size)
-    ]
-    for p in procs:
-        p.start()
-    try:
-        results = {}
-        for _ in procs:
-            rank, rows, error = out.get(timeout=RANK_TIMEOUT_S)
-            if error:
-                raise RuntimeError(f"tp rank {rank} failed:\n{error}")
-            results[rank] = rows
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-    return results[0]
+    return on_ranks(config, _time_steps, batches, context, modes, warmup, iters)
 
 
 def gpu_spec(args: argparse.Namespace, device: str) -> tuple[GPUSpec, str]:

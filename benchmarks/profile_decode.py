@@ -1,7 +1,10 @@
 """Where a decode step's time goes: the CUDA graph's GPU time, the host's planning, sampling and
-sync around it, and (eager) how many kernels one forward launches and how long they run.
+sync around it, and (eager) how many kernels one forward launches and how long they run, by
+kind (GEMMs, attention, all-reduce, ...). At ``--tp-size N`` every rank runs the same steps in
+its own process and rank 0's figures are printed.
 
     python benchmarks/profile_decode.py --model ../shared/models/configs/Qwen3-8B --batch-sizes 1,64
+    python benchmarks/profile_decode.py --model ../shared/models/configs/Qwen3-32B --tp-size 2 --batch-sizes 1,64,256
 """
 
 from __future__ import annotations
@@ -16,13 +19,14 @@ import torch
 from common import (
     engine_step,
     fill_kv_randomly,
-    make_engine,
+    on_ranks,
     print_table,
     setup_logging,
     time_cuda,
     write_json,
 )
 from torch.profiler import ProfilerActivity, profile
+from tpserve.config import EngineConfig
 from tpserve.forward import SequenceInput
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.kvcache.pool import PageAllocator
@@ -46,6 +50,7 @@ def wall(fn, iters: int = 20) -> float:
 
 # Kernel name patterns, first match wins; "other" takes the rest.
 CATEGORIES = {
+    "allreduce": r"nccl|[Aa]ll[Rr]educe|all_reduce|one_shot|two_shot|[Aa]ll[Gg]ather",
     "attention": r"BatchDecode|BatchPrefill|PersistentVariableLength|MergeStates|decode_kernel|prefill",
     "gemm": r"gemm|gemv|cutlass|cublas|nvjet|sm90_xmma|splitKreduce",
     "rope_store": r"rope_store|rope|kv_kernel",  # before "norm": the fused kernel's name has both
@@ -65,23 +70,16 @@ def kernel_categories(kernels: list) -> dict[str, tuple[int, float]]:
     return {name: (count, micros) for name, (count, micros) in totals.items()}
 
 
-def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--model", required=True)
-    parser.add_argument("--batch-sizes", default="1,64")
-    parser.add_argument("--context", type=int, default=512)
-    parser.add_argument("--out", default=None)
-    args = parser.parse_args()
-    setup_logging()
-    sizes = [int(x) for x in args.batch_sizes.split(",")]
-    engine = make_engine(args.model, cuda_graph_max_bs=max(sizes))
+def profile_batches(engine, sizes: list[int], context: int) -> list[dict]:
+    """Every rank runs this; only rank 0 prints."""
+    verbose = engine.tp.rank == 0
     fill_kv_randomly(engine)
     runner = engine.graph_runner
     allocator = PageAllocator(engine.num_pages)
     rows = []
     for batch in sizes:
-        tables = [allocator.allocate(-(-(args.context + 1) // engine.page_size)) for _ in range(batch)]
-        seqs = [SequenceInput([7], args.context, t) for t in tables]
+        tables = [allocator.allocate(-(-(context + 1) // engine.page_size)) for _ in range(batch)]
+        seqs = [SequenceInput([7], context, t) for t in tables]
         sampling = SamplingBatch.build(
             [SamplingParams(temperature=0.0)] * batch, [0] * batch, [0] * batch,
             engine.model_config.vocab_size, engine.device,
@@ -107,14 +105,33 @@ def main() -> None:
             row[f"{category}_ms"] = micros / 1e3
             row[f"{category}_n"] = count
         rows.append(row)
-        print(row, flush=True)
-        top = prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60)
-        print(f"eager forward, batch {batch}: top kernels\n{top}", flush=True)
+        if verbose:
+            print(row, flush=True)
+            top = prof.key_averages().table(sort_by="device_time_total", row_limit=12, max_name_column_width=60)
+            print(f"eager forward, batch {batch}: top kernels\n{top}", flush=True)
         for t in tables:
             allocator.free(t)
-    print(f"\nDecode step breakdown; model {args.model}; context {args.context}")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--model", required=True)
+    parser.add_argument("--tp-size", type=int, default=1)
+    parser.add_argument("--all-reduce", default="auto", help="the engine's --all-reduce mode")
+    parser.add_argument("--batch-sizes", default="1,64")
+    parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    setup_logging()
+    sizes = [int(x) for x in args.batch_sizes.split(",")]
+    config = EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", tp_size=args.tp_size,
+                          all_reduce=args.all_reduce, cuda_graph_max_bs=max(sizes))
+    rows = on_ranks(config, profile_batches, sizes, args.context)
+    print(f"\nDecode step breakdown; model {args.model}; TP {args.tp_size}; context {args.context}")
     print_table(rows, list(rows[0]))
-    write_json(args.out, {"benchmark": "profile_decode", "model": args.model, "context": args.context, "rows": rows})
+    write_json(args.out, {"benchmark": "profile_decode", "model": args.model, "tp_size": args.tp_size,
+                          "context": args.context, "rows": rows})
 
 
 if __name__ == "__main__":

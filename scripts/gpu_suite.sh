@@ -128,6 +128,14 @@ for s in $stages; do
         --server-log $out/server_rate4.log --out $results/serving32_rate4.json ;;
     offline14_tp1) stage offline14_tp1 200 python3 benchmarks/offline_throughput.py --model .models/Qwen3-14B --out $results/offline_qwen3_14b_tp1.json ;;
     offline14_tp2) stage offline14_tp2 200 python3 benchmarks/offline_throughput.py --model .models/Qwen3-14B --tp-size 2 --out $results/offline_qwen3_14b_tp2.json ;;
+    tests_tp2_f32) stage tests_tp2_f32 300 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_tp2.py tests/gpu/test_float32.py ;;
+    profile32_tp2) stage profile32_tp2 200 python3 benchmarks/profile_decode.py --model .models/Qwen3-32B --tp-size 2 \
+      --batch-sizes 1,64,256 --out $results/profile_qwen3_32b_tp2.json ;;
+    profile14_tp1|profile14_tp2)  # where a decode step's time goes at TP 1 and TP 2 (the 14B TP 2 / TP 1 ratio)
+      stage $s 150 python3 benchmarks/profile_decode.py --model .models/Qwen3-14B --tp-size ${s#profile14_tp} \
+        --batch-sizes 64,256 --out $results/$s.json ;;
+    plan_tp2) stage plan_tp2 300 python3 benchmarks/plan_vs_measured.py --calibrate --case .models/Qwen3-8B:2 \
+      --case .models/Qwen3-32B:2 --out $results/plan_vs_measured_tp2.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done

@@ -1,7 +1,7 @@
 """``--calibrate``: measure this machine's figures in place of the table's: device copy bandwidth
 (bytes read + written), dense matmul rate in the serving dtype, and the all-reduce latency and
-bus bandwidth at TP 2 through the engine's own communicator (NCCL on two GPUs, Gloo between two
-CPU processes)."""
+bus bandwidth at TP 2 through the engine's own communicator (its peer-memory kernels and NCCL on
+two GPUs, timed inside a CUDA graph as decode runs them; Gloo between two CPU processes)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from dataclasses import dataclass, replace
 
 import torch
 
-from tpserve.distributed.comm import init_process_groups, local_init_addr
+from tpserve.distributed.comm import CudaCommunicator, init_process_groups, local_init_addr
 from tpserve.plan.specs import GPUS, GPUSpec, Link
 
 WORKER_TIMEOUT_S = 300
@@ -101,16 +101,46 @@ def matmul_flops(device: torch.device, n: int, iters: int) -> float:
     return 2 * n**3 / time_device(run, device, iters)
 
 
+def time_in_graph(fn: Callable[[], object], iters: int, repeat: int = BURST,
+                  before_replay: Callable[[], object] | None = None) -> float:
+    """Median seconds per call of ``fn`` captured ``repeat`` times back to back in one CUDA graph
+    (``before_replay``, e.g. a barrier that lines the ranks up, runs untimed before each replay).
+    Decode replays its collectives from a graph: timed eagerly, the host's launch cost of a
+    peer-memory all-reduce (tens of microseconds) would be counted instead of the GPU's."""
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            fn()
+    times = []
+    for _ in range(iters):
+        if before_replay is not None:
+            before_replay()
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / 1e3 / repeat)
+    return statistics.median(times)
+
+
 def _all_reduce_rank(rank: int, addr: str, device_type: str, sizes: Sizes, out: mp.Queue) -> None:
     device = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    comm, _ = init_process_groups(rank, 2, addr, device)
     dtype = _dtype(device)
+    comm, _ = init_process_groups(rank, 2, addr, device, dtype)
     try:
         seconds = []
         for nbytes in (sizes.small_bytes, sizes.large_bytes):
-            x = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)
+            x = torch.ones(nbytes // dtype.itemsize, dtype=dtype, device=device)  # values never matter here
+            if device.type == "cuda":
+                seconds.append(time_in_graph(lambda: comm.all_reduce(x), sizes.iters, before_replay=torch.distributed.barrier))
+                continue
 
             def burst() -> None:  # back to back, as a step's layers issue them
                 for _ in range(BURST):
@@ -119,6 +149,8 @@ def _all_reduce_rank(rank: int, addr: str, device_type: str, sizes: Sizes, out: 
             seconds.append(time_device(burst, device, sizes.iters) / BURST)
         out.put((rank, seconds))
     finally:
+        if isinstance(comm, CudaCommunicator):
+            comm.close()
         torch.distributed.destroy_process_group()
 
 
