@@ -76,6 +76,7 @@ for s in $stages; do
       grep -E "attention|graphs|KV pages|listening|ready" $out/server.log | head -8 | tee -a "$log"
       stage serving06 150 python3 benchmarks/serving.py --url http://127.0.0.1:$port --rates 16,inf --num-requests 200 --out $results/serving_qwen3_0.6b.json
       kill -TERM $spid; wait $spid; echo "server exit $?" | tee -a "$log" ;;
+    tests_dp2) stage tests_dp2 240 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_dp2.py ;;
     serving06_dp)  # issue 15: DP 2 x TP 1 against DP 1 of Qwen3-0.6B through HTTP, all at once, in one call (2 GPUs)
       srv=$(serving_dir $small /tmp/qwen3-0.6b)
       stage serving06_dp 540 python3 benchmarks/serving.py --launch $srv --dp-sizes 1,2 --rates inf --num-requests 1024 \
