@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import shutil
+import time
 
 import pytest
 import torch
 
 from tpserve.config import EngineConfig, ModelConfig, check_can_start
 from tpserve.launch.args import parse_args
+from tpserve.launch.backend import Backend
 from tpserve.message.endpoints import Endpoints
 
 
@@ -65,3 +67,17 @@ def test_each_replica_has_its_own_sockets():
     finally:
         shutil.rmtree(one.directory)
         shutil.rmtree(two.directory)
+
+
+def test_health_names_the_stalled_rank_and_replica(qwen3_dir):
+    backend = Backend(EngineConfig(model=qwen3_dir, device="cpu", tp_size=2, dp_size=2), "info")
+    try:
+        assert len(backend.heartbeats) == 4
+        now = time.monotonic()
+        for beat in backend.heartbeats:
+            beat.value = now
+        assert backend.stalled_rank(60) is None
+        backend.heartbeats[3].value = now - 100  # replica 1, rank 1
+        assert backend.stalled_rank(60).startswith("scheduler rank 1 of replica 1 has made no progress for 10")
+    finally:
+        backend.shutdown()

@@ -3,8 +3,8 @@
 One scheduler per TP rank of each data-parallel replica (every replica its own TP group, with
 its own rendezvous, ipc sockets and GPUs), one detokenizer, N tokenizer workers, all spawned.
 Each replica's rank 0, the detokenizer and each tokenizer put an acknowledgement on a queue when
-ready. The API server (or
-the shell, or the offline LLM, which runs only the ranks) runs in the parent process.
+ready. The API server (or the shell, or the offline LLM, which runs only the ranks) runs in the
+parent process.
 """
 
 from __future__ import annotations
