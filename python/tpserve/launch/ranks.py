@@ -3,8 +3,8 @@
 ``RankProcesses`` starts one scheduler process per rank exactly as the server does (``Backend``
 without the tokenizers and the detokenizer) and takes the detokenizer's place: it pushes
 messages to rank 0 and pulls rank 0's outputs. With data-parallel replicas it also takes the
-API server's place as the router: each message goes to the replicas ``Dispatch`` names. ``LocalRank`` runs the only rank's loop in this
-process and steps it whenever output is wanted. Both take ``SchedulerInput`` messages and give
+API server's place as the router: each message goes to the replicas ``Dispatch`` names.
+``LocalRank`` runs the only rank's loop in this process and steps it whenever output is wanted. Both take ``SchedulerInput`` messages and give
 back ``BatchTokenOutput``s (``receive`` waits for the next; a dead rank is a RuntimeError), so
 the LLM never branches on the mode.
 """
