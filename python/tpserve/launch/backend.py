@@ -22,6 +22,7 @@ from dataclasses import dataclass, replace
 import zmq
 
 from tpserve.distributed.comm import local_init_addr
+from tpserve.distributed.layout import NodeLayout
 from tpserve.config import EngineConfig
 from tpserve.launch.args import DEFAULT_SCHEDULER_ENTRY, ServerArgs
 from tpserve.launch.child import child_main
@@ -83,10 +84,15 @@ def _init_addrs(engine: EngineConfig) -> list[str | None]:
 
 
 class Backend:
-    """The child processes of one server (without ``server``: only the ranks) and their ipc dir."""
+    """The child processes of one server (without ``server``: only the ranks) and their ipc dir.
+
+    Across nodes it runs this node's ranks (``engine.node_rank``); node 0's also has the server's
+    other processes, the other nodes' only their ranks (headless).
+    """
 
     def __init__(self, engine: EngineConfig, log_level: str, server: ServerArgs | None = None) -> None:
         self.engine, self.log_level, self.server = engine, log_level, server
+        self.ranks = NodeLayout.of(engine).ranks_on(engine.node_rank)
         self.endpoints = Endpoints.create(engine.dp_size)
         self._mp = multiprocessing.get_context("spawn")
         self._ack_queue = self._mp.Queue()
@@ -94,8 +100,8 @@ class Backend:
         self._acks_expected = engine.dp_size + (0 if server is None else 1 + server.num_tokenizers)
         # Each scheduler rank writes time.monotonic() here at every loop iteration (a liveness
         # signal that needs no message: a stopped or stuck rank simply stops writing).
-        # Replica d's rank r is at d * tp_size + r.
-        self.heartbeats = [self._mp.Value("d", 0.0, lock=False) for _ in range(engine.dp_size * engine.tp_size)]
+        # Replica d's ranks are at d * len(self.ranks) .. (data parallelism runs on one node).
+        self.heartbeats = [self._mp.Value("d", 0.0, lock=False) for _ in range(engine.dp_size * len(self.ranks))]
         self._stopping = False
         self._ready = False
 
@@ -107,10 +113,10 @@ class Backend:
         for dp_rank, init_addr in enumerate(_init_addrs(engine)):
             replica = replace(engine, dp_rank=dp_rank, dist_init_addr=init_addr)
             prefix = "scheduler" if engine.dp_size == 1 else f"scheduler-dp{dp_rank}"
+            beats = self.heartbeats[dp_rank * len(self.ranks):(dp_rank + 1) * len(self.ranks)]
             specs += [
-                _ChildSpec(f"{prefix}-tp{rank}", entry, (replica, rank, ep.for_replica(dp_rank), self._ack_queue,
-                                                          self.heartbeats[dp_rank * engine.tp_size + rank]))
-                for rank in range(engine.tp_size)
+                _ChildSpec(f"{prefix}-tp{rank}", entry, (replica, rank, ep.for_replica(dp_rank), self._ack_queue, beat))
+                for rank, beat in zip(self.ranks, beats)
             ]
         if args is None:
             return specs
@@ -169,7 +175,8 @@ class Backend:
         now = time.monotonic()
         for index, beat in enumerate(self.heartbeats):
             if beat.value and now - beat.value > timeout:
-                dp_rank, rank = divmod(index, self.engine.tp_size)
+                dp_rank, local = divmod(index, len(self.ranks))
+                rank = self.ranks[local]
                 where = f" of replica {dp_rank}" if self.engine.dp_size > 1 else ""
                 return f"scheduler rank {rank}{where} has made no progress for {now - beat.value:.1f} s"
         return None
@@ -191,7 +198,9 @@ class Backend:
         alive = [p for p in self.procs if p.exitcode is None]
         if not alive:
             return
-        if self._ready:  # before that, children may not listen yet: SIGTERM at once
+        # before start-up ends, children may not listen yet, and only rank 0 takes a Shutdown
+        # message (another node's ranks get it from rank 0): SIGTERM at once
+        if self._ready and self.ranks.start == 0:
             self._send_shutdown()
             for proc in alive:
                 if proc.name.startswith("tpserve-tokenizer"):

@@ -29,6 +29,8 @@ POLL_MS = 500  # how often a wait for output checks that every rank is alive
 
 
 def start_ranks(config: EngineConfig, load_balance_method: str = "cache_aware") -> RankDriver:
+    if config.nnodes > 1:
+        raise ValueError("the offline LLM runs on one node (nnodes 1); serve with tpserve --nnodes for more")
     if config.tp_size == 1 and config.dp_size == 1:
         return LocalRank(config)
     return RankProcesses(config, load_balance_method)

@@ -68,6 +68,13 @@ def table(records: list[dict[str, str]]) -> list[str]:
     return lines
 
 
+def _fp8_note(shape: ModelShape) -> str:
+    if shape.fp8_block is None:
+        return ""
+    bn, bk = shape.fp8_block
+    return f" (decoder linears FP8: 1 byte each and a float32 scale per {bn}x{bk} block)"
+
+
 def launch_commands(plan: SplitPlan, model: str, machine: Machine, settings: Settings) -> list[str]:
     """One ``python -m tpserve`` per replica of a node (the same on every node)."""
     flags = f"--model {model} --tp-size {plan.tp} --max-model-len {settings.context}"
@@ -75,6 +82,8 @@ def launch_commands(plan: SplitPlan, model: str, machine: Machine, settings: Set
         flags += f" --device cpu --max-total-tokens {plan.kv_tokens}"
     if settings.mem_fraction != 0.85:
         flags += f" --mem-fraction {settings.mem_fraction}"
+    if settings.quantization is not None:
+        flags += f" --quantization {settings.quantization}"
     per_node = plan.dp // machine.nodes
     if per_node == 1 and machine.nodes == 1:
         return [f"python -m tpserve {flags}"]
@@ -119,7 +128,7 @@ def render(
     nodes = f" x {machine.nodes} nodes" if machine.nodes > 1 else ""
     lines = [
         f"model {model}: {shape.params() / 1e9:.2f} B parameters, {shape.weight_bytes_per_rank(1) / GIB:.1f} GiB at "
-        f"{shape.dtype_bytes} bytes each, KV {shape.kv_bytes_per_token(1) / 1024:.0f} KiB/token, "
+        f"{shape.dtype_bytes} bytes each{_fp8_note(shape)}, KV {shape.kv_bytes_per_token(1) / 1024:.0f} KiB/token, "
         f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads"
         + (f", MoE: {cfg.moe.num_experts} experts, {cfg.moe.top_k} per token in {len(cfg.moe.layers)} layers" if cfg.moe else ""),
         f"machine: {machine.gpus_per_node} x {gpu.name}{nodes} ({source}): {gpu.memory_bytes / GIB:.0f} GiB, copy "

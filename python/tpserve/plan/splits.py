@@ -30,6 +30,7 @@ class Settings:
     mem_fraction: float = 0.85  # the engine's --mem-fraction
     max_running_requests: int = 256  # the engine's --max-running-requests
     page_size: int = 16
+    quantization: str | None = None  # the engine's --quantization
 
 
 @dataclass(frozen=True)
