@@ -81,3 +81,8 @@ def test_health_names_the_stalled_rank_and_replica(qwen3_dir):
         assert backend.stalled_rank(60).startswith("scheduler rank 1 of replica 1 has made no progress for 10")
     finally:
         backend.shutdown()
+
+
+def test_replicas_run_on_one_node(qwen3_dir):
+    with pytest.raises(ValueError, match="data-parallel replicas run on one node"):
+        EngineConfig(model=qwen3_dir, tp_size=2, nnodes=2, dist_init_addr="127.0.0.1:29500", dp_size=2)
