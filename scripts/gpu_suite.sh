@@ -77,6 +77,16 @@ for s in $stages; do
       grep -E "attention|graphs|KV pages|listening|ready" $out/server.log | head -8 | tee -a "$log"
       stage serving06 150 python3 benchmarks/serving.py --url http://127.0.0.1:$port --rates 16,inf --num-requests 200 --out $results/serving_qwen3_0.6b.json
       kill -TERM $spid; wait $spid; echo "server exit $?" | tee -a "$log" ;;
+    tests_dp2) stage tests_dp2 240 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_dp2.py ;;
+    serving06_dp)  # issue 15: DP 2 x TP 1 against DP 1 of Qwen3-0.6B through HTTP, all at once, in one call (2 GPUs)
+      srv=$(serving_dir $small /tmp/qwen3-0.6b)
+      stage serving06_dp 540 python3 benchmarks/serving.py --launch $srv --dp-sizes 1,2 --rates inf --num-requests 1024 \
+        --server-args "--num-tokenizers 2" --server-log $out/server_dp.log --out $results/serving_qwen3_0.6b_dp.json ;;
+    serving06_dp_whole)  # the same without streaming: if the API server or the client bound the streamed run
+      srv=$(serving_dir $small /tmp/qwen3-0.6b)
+      stage serving06_dp_whole 480 python3 benchmarks/serving.py --launch $srv --dp-sizes 1,2 --rates inf --num-requests 1024 \
+        --no-stream --server-args "--num-tokenizers 2" --server-log $out/server_dp_whole.log \
+        --out $results/serving_qwen3_0.6b_dp_whole.json ;;
     offline06_trace) stage offline06_trace 150 python3 benchmarks/offline_throughput.py --model $small --trace --out $results/offline_qwen3_0.6b_traced.json ;;
     offline14_trace) stage offline14_trace 240 python3 benchmarks/offline_throughput.py --model .models/Qwen3-14B --trace --out $results/offline_qwen3_14b_traced.json ;;
     decode06_pipe) stage decode06_pipe 90 python3 benchmarks/decode_latency.py --model $small --batch-sizes 1,64,256 --contexts 512 --modes graph,pipelined --out $results/decode_qwen3_0.6b_pipelined.json ;;
