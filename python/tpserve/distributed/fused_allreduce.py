@@ -44,10 +44,10 @@ ONE_SHOT_MAX_BYTES = 1536 * 1024
 @functools.cache
 def load_module() -> Any:
     """Compile (first time; cached under FlashInfer's JIT directory) and load the kernel."""
-    from flashinfer.compilation_context import CompilationContext
-    from flashinfer.jit.core import gen_jit_spec
+    from flashinfer.jit.core import current_compilation_context, gen_jit_spec
 
-    flags = CompilationContext().get_nvcc_flags_list(supported_major_versions=[9, 10, 12])
+    # the architectures FlashInfer builds its own trtllm_comm module for (Hopper and newer)
+    flags = current_compilation_context.get_nvcc_flags_list(supported_major_versions=[9, 10, 12])
     return gen_jit_spec("tpserve_allreduce_rmsnorm", [SOURCE], extra_cuda_cflags=flags).build_and_load()
 
 
