@@ -11,6 +11,7 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from tp2_allreduce_check import check_same_on_ranks  # this directory: the scripts run as files
 
 from tpserve.distributed.comm import CudaCommunicator, init_process_groups, local_init_addr
 from tpserve.distributed.fused_allreduce import MAX_BYTES, FusedAllReduceNorm
@@ -85,11 +86,8 @@ def check_shape(rank: int, comm: CudaCommunicator, forced: dict, tokens: int, hi
             close(f"{what} normed", normed, want_normed, 2**-6)
             close(f"{what} normed vs unfused", normed, unfused[0], 2**-6)
             close(f"{what} residual vs unfused", new_residual, unfused[1], 2**-7)
-            for t in (normed, new_residual):
-                both = [torch.empty_like(t) for _ in range(2)]
-                dist.all_gather(both, t)
-                if not torch.equal(both[0], both[1]):
-                    raise AssertionError(f"{what}: the ranks' results differ")
+            check_same_on_ranks(normed, f"{what} normed")
+            check_same_on_ranks(new_residual, f"{what} residual")
 
 
 def rank_main(rank: int, addr: str) -> None:
