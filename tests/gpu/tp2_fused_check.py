@@ -81,11 +81,12 @@ def check_shape(rank: int, comm: CudaCommunicator, forced: dict, tokens: int, hi
         for graph in (False, True):
             what = f"{name} {tokens}x{hidden} graph={graph}"
             normed, new_residual = run(fn, x, residual, graph)
-            # two bf16 roundings (the sum, then the residual add) and one of the output
-            close(f"{what} residual", new_residual, want_residual, 2**-7)
+            # a few bf16 roundings (the sum, the residual add, the output) of values up to ~8:
+            # a wrong sum or norm is off by O(1)
+            close(f"{what} residual", new_residual, want_residual, 2**-6)
             close(f"{what} normed", normed, want_normed, 2**-6)
             close(f"{what} normed vs unfused", normed, unfused[0], 2**-6)
-            close(f"{what} residual vs unfused", new_residual, unfused[1], 2**-7)
+            close(f"{what} residual vs unfused", new_residual, unfused[1], 2**-6)
             check_same_on_ranks(normed, f"{what} normed")
             check_same_on_ranks(new_residual, f"{what} residual")
 
