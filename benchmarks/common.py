@@ -18,6 +18,7 @@ from tpserve.distributed.comm import local_init_addr
 from tpserve.engine.engine import Engine
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.forward import SequenceInput
+from tpserve.layers.moe import StackedExperts
 from tpserve.plan.calibrate import time_device
 
 
@@ -110,11 +111,33 @@ def engine_step(engine: Engine, seqs: list[SequenceInput], sampling: SamplingBat
     return engine.launch(seqs, sampling).result()
 
 
-def weight_bytes_per_decode_step(engine: Engine, batch_size: int) -> int:
+def expected_touched_experts(num_experts: int, top_k: int, tokens: int) -> float:
+    """Distinct experts a sparse layer reads for ``tokens`` tokens, each picking ``top_k`` of
+    ``num_experts``, expected under uniform routing (random weights route about uniformly)."""
+    if not tokens:
+        return 0.0
+    return num_experts * (1 - (1 - top_k / num_experts) ** tokens)
+
+
+def expert_bytes(engine: Engine) -> int:
+    """Bytes of every expert of every sparse layer on this rank (0 for a dense model)."""
+    return sum(
+        p.numel() * p.element_size() for m in engine.model.modules() if isinstance(m, StackedExperts)
+        for p in m.parameters()
+    )
+
+
+def weight_bytes_per_decode_step(engine: Engine, batch_size: int) -> float:
     """Parameter bytes a decode step reads: every weight once, but an untied input embedding
-    only for the batch's rows."""
+    only for the batch's rows and, in a mixture-of-experts model, only the experts the batch's
+    tokens are routed to (expected under uniform routing)."""
     model = engine.model
     total = sum(p.numel() * p.element_size() for p in model.parameters())
+    moe = engine.model_config.moe
+    if moe is not None:
+        experts = expert_bytes(engine)
+        touched = expected_touched_experts(moe.num_experts, moe.top_k, batch_size) / moe.num_experts
+        total -= experts * (1 - touched)
     embed = model.model.embed_tokens.weight
     if engine.model_config.tie_word_embeddings:
         return total
@@ -142,8 +165,11 @@ def fill_kv_randomly(engine: Engine) -> None:
     """Timings never run on a zero cache."""
     gen = torch.Generator(device=engine.device).manual_seed(0)
     for k, v in zip(engine.kv_pool.k, engine.kv_pool.v):
-        k.normal_(generator=gen)
-        v.normal_(generator=gen)
+        for cache in (k, v):
+            if cache.dtype == engine.kv_pool.compute_dtype:
+                cache.normal_(generator=gen)
+            else:  # an FP8 cache: torch draws no float8
+                cache.copy_(torch.randn(cache.shape, generator=gen, device=cache.device, dtype=engine.kv_pool.compute_dtype))
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:

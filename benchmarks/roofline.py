@@ -31,6 +31,7 @@ import argparse
 import json
 from dataclasses import dataclass
 
+from common import expected_touched_experts
 from tpserve.config import ModelConfig
 
 
@@ -48,9 +49,9 @@ class ModelNumbers:
 
     def touched_experts(self, tokens: int) -> float:
         """Expected distinct experts a layer reads for ``tokens`` tokens (uniform routing)."""
-        if not self.moe_layers or not tokens:
+        if not self.moe_layers:
             return 0.0
-        return self.num_experts * (1 - (1 - self.top_k / self.num_experts) ** tokens)
+        return expected_touched_experts(self.num_experts, self.top_k, tokens)
 
     def step_weight_bytes(self, tokens: int, seqs: int) -> float:
         experts = self.moe_layers * self.touched_experts(tokens) * self.expert_weights

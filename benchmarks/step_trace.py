@@ -21,10 +21,10 @@ from __future__ import annotations
 
 import statistics
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
-from common import kv_bytes_per_token, print_table, weight_bytes_per_decode_step
+from common import expected_touched_experts, expert_bytes, kv_bytes_per_token, print_table, weight_bytes_per_decode_step
 from tpserve.engine.engine import Engine
 from tpserve.scheduler.scheduler import Scheduler
 
@@ -238,22 +238,37 @@ class StepTracer:
 
 @dataclass
 class FloorModel:
-    """A decode step's memory floor: (weights + KV of every sequence's context) / copy bandwidth."""
+    """A decode step's memory floor: (weights + KV of every sequence's context) / copy bandwidth.
+    A mixture-of-experts step reads only the experts its tokens are routed to (expected under
+    uniform routing)."""
 
-    weight_base: float  # bytes read at any batch size
+    weight_base: float  # bytes read at any batch size, experts aside
     weight_per_row: float  # extra bytes per sequence (an untied embedding's rows)
     kv_per_token: int
     bandwidth: float  # bytes/s
+    expert_bytes: float = 0.0  # every expert of every sparse layer
+    num_experts: int = 0
+    top_k: int = 0
 
     @classmethod
     def from_engine(cls, engine: Engine, bandwidth: float | None) -> FloorModel | None:
         if bandwidth is None:
             return None
-        one, two = weight_bytes_per_decode_step(engine, 1), weight_bytes_per_decode_step(engine, 2)
-        return cls(one - (two - one), two - one, kv_bytes_per_token(engine), bandwidth)
+        moe = engine.model_config.moe
+        experts = float(expert_bytes(engine)) if moe else 0.0
+        shape = (moe.num_experts, moe.top_k) if moe else (0, 0)
+        model = cls(0.0, 0.0, kv_bytes_per_token(engine), bandwidth, experts, *shape)
+        one, two = (weight_bytes_per_decode_step(engine, b) - model.experts_read(b) for b in (1, 2))
+        return replace(model, weight_base=one - (two - one), weight_per_row=two - one)
+
+    def experts_read(self, batch: int) -> float:
+        if not self.num_experts:
+            return 0.0
+        return self.expert_bytes * expected_touched_experts(self.num_experts, self.top_k, batch) / self.num_experts
 
     def ms(self, batch: int, context_sum: int) -> float:
-        return (self.weight_base + batch * self.weight_per_row + context_sum * self.kv_per_token) / self.bandwidth * 1e3
+        weights = self.weight_base + batch * self.weight_per_row + self.experts_read(batch)
+        return (weights + context_sum * self.kv_per_token) / self.bandwidth * 1e3
 
 
 def _mean(values: list[float]) -> float | None:

@@ -57,8 +57,7 @@ def main() -> None:
     bandwidth = copy_bandwidth()
     torch.cuda.empty_cache()
     cfg = ModelConfig.from_pretrained(args.model)
-    layer_weights, head_weights, kv_per_token = model_numbers(args.model)
-    weight_bytes = 2 * (layer_weights + head_weights) / args.tp_size
+    numbers = model_numbers(args.model)
     t1, t2 = args.tokens
     rows = []
     for mode in args.all_reduce.split(","):
@@ -76,7 +75,8 @@ def main() -> None:
                 llm.flush_cache()
             step = (seconds[t2] - seconds[t1]) / (t2 - t1)
             mean_context = args.context + (t1 + t2) / 2
-            kv_bytes = batch * mean_context * kv_per_token / args.tp_size
+            weight_bytes = numbers.step_weight_bytes(batch, batch) / args.tp_size
+            kv_bytes = batch * mean_context * numbers.kv_per_token / args.tp_size
             ar = allreduce_seconds(args.allreduce_json, batch * cfg.hidden_size * 2 / 1024)
             floor = (weight_bytes + kv_bytes) / bandwidth + (2 * cfg.num_hidden_layers * ar if ar else 0.0)
             rows.append({

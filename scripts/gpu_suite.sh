@@ -39,6 +39,7 @@ serving_dir() {  # serving_dir CONFIG_DIR OUT_DIR: a model dir for the server (c
 
 small=.models/Qwen3-0.6B
 large=.models/Qwen3-8B
+a3b=tests/data/configs/Qwen3-30B-A3B  # issue 14: the real config, random weights
 nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv | tee -a "$log"
 for s in $stages; do
   case $s in
@@ -138,6 +139,22 @@ for s in $stages; do
       stage tpdecode32_fused 300 python3 benchmarks/tp_decode_latency.py --model .models/Qwen3-32B --tp-size 2 \
         --batch-sizes 1,64,256 --all-reduce auto,fused $([ -f $aj ] && echo --allreduce-json $aj) \
         --out $results/tp_decode_qwen3_32b_fused.json ;;
+    # ---- Qwen3-30B-A3B (issue 14); after warm (the bf16 MoE test builds FlashInfer's kernels otherwise and
+    # overran 120 s). moe30 on one GPU (~6 min), moe30_tp2 on two ----
+    moe30)
+      stage moe30_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py
+      stage moe30_offline 180 python3 benchmarks/offline_throughput.py --model $a3b --trace --out $results/offline_qwen3_30b_a3b_traced.json
+      stage moe30_roofline 30 python3 benchmarks/roofline.py $results/offline_qwen3_30b_a3b_traced.json --model $a3b --peak-tflops 766
+      stage moe30_decode 120 python3 benchmarks/decode_latency.py --model $a3b --batch-sizes 1,64 --contexts 512 --out $results/decode_qwen3_30b_a3b.json
+      stage moe30_floors 30 python3 benchmarks/roofline.py --model $a3b --decode-batch 1 64 --context 512 --peak-tflops 766 --bandwidth-tbps 4.26 ;;
+    moe30_tp2) stage moe30_tp2 240 python3 benchmarks/offline_throughput.py --model $a3b --tp-size 2 --out $results/offline_qwen3_30b_a3b_tp2.json ;;
+    # FP8 (issue 16), two calls: "fp8_gemm fp8_decode8" and "fp8_tests fp8_decode32"
+    fp8_tests) stage fp8_tests 400 python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_fp8_gpu.py ;;
+    fp8_gemm) stage fp8_gemm 270 python3 benchmarks/experiments/fp8_gemm.py --configs $large --out $results/fp8_gemm.json ;;
+    fp8_decode8) stage fp8_decode8 300 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,gemv,flashinfer \
+      --batch-sizes 1,64 --out $results/fp8_decode_8b.json ;;
+    fp8_decode32) stage fp8_decode32 190 python3 benchmarks/fp8_decode.py --configs .models/Qwen3-32B --fp8-gemms auto \
+      --batch-sizes 1 --out $results/fp8_decode_32b.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done

@@ -31,6 +31,10 @@ def serve(args: ServerArgs) -> int:
             "(its answers are gibberish; pass --model to serve a real model)",
             args.model_dir,
         )
+    if args.engine.node_rank > 0:
+        from tpserve.launch.headless import run_headless
+
+        return run_headless(args)
     if args.shell:
         from tpserve.launch.shell import run_shell
 

@@ -39,6 +39,7 @@ CHOICES = {
     "schedule_policy": ("fcfs", "lpm"),
     "attention_backend": ("auto", "flashinfer", "torch"),
     "all_reduce": ("auto", "nccl", "one_shot", "two_shot", "fused"),
+    "kv_cache_dtype": ("auto", "fp8_e4m3"),
 }
 
 
@@ -307,7 +308,7 @@ class EngineConfig:
     schedule_policy: str = "fcfs"  # lpm: longest cached prefix first
     max_model_len: int | None = None  # context limit; default: the model's max_position_embeddings
     seed: int = 0
-    dist_init_addr: str | None = None  # tcp://127.0.0.1:PORT chosen by the parent; None for tp 1
+    dist_init_addr: str | None = None  # tcp://HOST:PORT: chosen by the parent on one node, given across nodes
     attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed
     disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
@@ -320,10 +321,23 @@ class EngineConfig:
     mixed_prefill_tokens: int = 0
     debug_check_invariants: bool = False  # check every step that ranks agree and KV pages add up
     quantization: str | None = None  # fp8: quantize an unquantized checkpoint's weights at load time
+    # Multi-node tensor parallelism: tp_size // nnodes ranks on each node (node 0 holds rank 0).
+    nnodes: int = 1
+    node_rank: int = 0
+    dist_timeout: float = 15.0  # seconds a node may be silent (joining, heartbeats, collectives); nnodes > 1
+    kv_cache_dtype: str = "auto"  # fp8_e4m3: the KV cache in float8 e4m3 (scale 1), read back in the compute dtype
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
             raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        check_nodes(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)
+        if self.nnodes > 1 and self.all_reduce in ("one_shot", "two_shot"):
+            raise ValueError(
+                f"all-reduce {self.all_reduce} goes through peer GPU memory, which does not span nodes: "
+                "use auto or nccl with more than one node"
+            )
+        if not 0 < self.dist_timeout < float("inf"):
+            raise ValueError(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
         for name, choices in CHOICES.items():
             value = getattr(self, name)
             if value not in choices + {"device": (None,), "dtype": (None, "auto")}.get(name, ()):
@@ -337,6 +351,26 @@ class EngineConfig:
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         resolve_quantization(self.quantization, None)  # a clear error for an unknown method
+
+
+def check_nodes(
+    tp_size: int, nnodes: int, node_rank: int, dist_init_addr: str | None, cli: bool = False
+) -> None:
+    """The node layout's checks, naming the CLI flags when ``cli``."""
+    def opt(name: str) -> str:
+        return f"--{name.replace('_', '-')}" if cli else name
+
+    if nnodes < 1:
+        raise ValueError(f"{opt('nnodes')} must be >= 1, got {nnodes}")
+    if tp_size % nnodes:
+        raise ValueError(
+            f"{opt('tp_size')} {tp_size} is not a multiple of {opt('nnodes')} {nnodes}: every node runs "
+            f"{opt('tp_size')} / {opt('nnodes')} ranks"
+        )
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"{opt('node_rank')} must be in [0, {nnodes}), got {node_rank}")
+    if nnodes > 1 and not dist_init_addr:
+        raise ValueError(f"{opt('nnodes')} {nnodes} needs {opt('dist_init_addr')} (node 0's HOST:PORT)")
 
 
 def _option(name: str, value: Any, cli: bool) -> str:
@@ -363,9 +397,11 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
     if device == "cuda":
         if not torch.cuda.is_available():
             raise ValueError(f"{_option('device', 'cuda', cli)}: CUDA is not available on this machine")
-        if torch.cuda.device_count() < engine.tp_size:
+        per_node = engine.tp_size // engine.nnodes
+        if torch.cuda.device_count() < per_node:
+            where = f" on each of {engine.nnodes} nodes" if engine.nnodes > 1 else ""
             raise ValueError(
-                f"{_option('tp_size', engine.tp_size, cli)} needs {engine.tp_size} GPUs; "
+                f"{_option('tp_size', engine.tp_size, cli)} needs {per_node} GPUs{where}; "
                 f"{torch.cuda.device_count()} visible"
             )
     if engine.attention_backend == "flashinfer":

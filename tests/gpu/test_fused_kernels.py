@@ -357,7 +357,7 @@ def test_model_fused_as_accurate_as_torch_path(model_dir, graphs, monkeypatch):
     on the CPU), so the two bf16 paths are not compared with each other: the fused one must be,
     on average over the steps, about as close to float32 as the torch one (or closer), and no
     step may be far off (a wrong kernel gives errors of order 1)."""
-    from test_flashinfer_and_graphs import prompts_for, run_scenario
+    from engine_scenario import prompts_for, run_scenario
 
     exact = make_engine(model_dir, "float32", "torch", 0)
     with torch.no_grad():

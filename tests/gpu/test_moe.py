@@ -1,5 +1,12 @@
 """The Triton grouped MoE path against the torch experts, in bf16, eager and inside a CUDA graph;
-then a tiny Qwen3-MoE model with CUDA graphs on against the torch path.
+then a tiny Qwen3-MoE model with the Triton experts against the same model with the torch experts:
+in float32 (no graphs: logits equal to float32 rounding) and in bf16 with CUDA graphs.
+
+In bf16 the two models are not compared with the dense models' per-step bound: routers near a
+tie pick another expert when anything rounds differently, which moves some rows far more than
+rounding (tests/models/test_moe_routing_flips.py shows it on the CPU). So the bf16 reference
+differs from the engine under test only in the experts (and graphs), and the check is per row
+(``assert_routed_logits_close``); float32, where no router flips, is the strict model-level check.
 
 Skipped without CUDA or triton, so CI on CPU stays green.
 """
@@ -13,9 +20,10 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 pytest.importorskip("triton")
 pytest.importorskip("flashinfer")
 
-from test_flashinfer_and_graphs import assert_logits_close, assert_same_greedy, make_engine, prompts_for, run_scenario
-
-from tpserve import kernels
+import tpserve.layers.moe as moe_layer
+from engine_scenario import assert_routed_logits_close, assert_same_greedy, prompts_for, row_errors, run_scenario
+from tpserve.config import EngineConfig
+from tpserve.engine.engine import Engine
 from tpserve.kernels.moe import fused_experts
 from tpserve.layers.moe import experts_torch
 
@@ -43,8 +51,9 @@ def reference(x, gate_up, down, weights, ids) -> torch.Tensor:
     return experts_torch(x.double(), gate_up.double(), down.double(), weights.double(), ids)
 
 
-# Qwen3-30B-A3B's experts at TP 1 (128 x top-8, hidden 2048, expert intermediate 768) and a small shape.
-SHAPES = [(128, 8, 2048, 768), (8, 2, 256, 96)]
+# Qwen3-30B-A3B's experts at TP 1 (128 x top-8, hidden 2048, expert intermediate 768), the tiny
+# model's below and a small shape.
+SHAPES = [(128, 8, 2048, 768), (16, 4, 256, 128), (8, 2, 256, 96)]
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300, 2048])
@@ -89,17 +98,45 @@ def moe_model_dir(tmp_path_factory) -> str:
     )
 
 
-def test_moe_model_graphs_and_triton_match_torch(moe_model_dir, monkeypatch):
-    """A Qwen3-MoE engine with the Triton experts and CUDA graphs against the torch path, eager."""
+def make_moe_engine(model_dir: str, dtype: str, backend: str, graph_max_bs: int) -> Engine:
+    return Engine(EngineConfig(model=model_dir, device="cuda", dtype=dtype, attention_backend=backend,
+                               cuda_graph_max_bs=graph_max_bs, max_total_tokens=16384, page_size=16))
+
+
+def torch_experts_reference(model_dir: str, dtype: str, backend: str, monkeypatch):
+    """(prompts, greedy tokens, logits) of the engine with every kernel as under test but the
+    experts on the torch path, eager."""
     with monkeypatch.context() as patch:
-        patch.setattr(kernels, "ENABLED", False)
-        reference_engine = make_engine(moe_model_dir, "torch", 0, 16)
-        prompts = prompts_for(11, reference_engine.model_config.vocab_size, seed=7)
-        ref_tokens, ref_logits = run_scenario(reference_engine, prompts)
-        del reference_engine
-    engine = make_engine(moe_model_dir, "flashinfer", 16, 16)
-    assert engine.graph_runner is not None
+        patch.setattr(moe_layer, "use_triton", lambda device: False)
+        reference = make_moe_engine(model_dir, dtype, backend, 0)
+        prompts = prompts_for(11, reference.model_config.vocab_size, seed=7)
+        tokens, logits = run_scenario(reference, prompts)
+        del reference
+    return prompts, tokens, logits
+
+
+def test_moe_model_float32_triton_matches_torch_experts(moe_model_dir, monkeypatch):
+    """float32 (torch attention, no graphs), the Triton experts with IEEE dots: the two models
+    differ by float32 rounding (~1e-6 on the CPU, through the interpreter), far below any
+    router's margin, so every token takes the same experts and the logits agree closely."""
+    prompts, ref_tokens, ref_logits = torch_experts_reference(moe_model_dir, "float32", "torch", monkeypatch)
+    engine = make_moe_engine(moe_model_dir, "float32", "torch", 0)
     _, forced_logits = run_scenario(engine, prompts, forced=ref_tokens)
-    assert_logits_close(forced_logits, ref_logits)
+    errors = row_errors(forced_logits, ref_logits)
+    print(f"float32 Triton vs torch experts: row errors median {float(errors.median()):.2e}, max {float(errors.max()):.2e}")
+    assert float(errors.max()) < 1e-4
     own_tokens, _ = run_scenario(engine, prompts)
     assert_same_greedy(own_tokens, ref_tokens, ref_logits)
+
+
+def test_moe_model_graphs_and_triton_match_torch_experts(moe_model_dir, monkeypatch):
+    """bf16, FlashInfer attention and the fused norms in both: the Triton experts with CUDA graphs
+    against the torch experts, eager."""
+    prompts, ref_tokens, ref_logits = torch_experts_reference(moe_model_dir, "bfloat16", "flashinfer", monkeypatch)
+    engine = make_moe_engine(moe_model_dir, "bfloat16", "flashinfer", 16)
+    assert engine.graph_runner is not None
+    _, forced_logits = run_scenario(engine, prompts, forced=ref_tokens)
+    errors = row_errors(forced_logits, ref_logits)
+    print(f"bf16 Triton + graphs vs torch experts: row errors median {float(errors.median()):.2e}, "
+          f"past 2e-2 {float((errors > 2e-2).float().mean()):.0%}")
+    assert_routed_logits_close(forced_logits, ref_logits)

@@ -4,6 +4,8 @@ Run by test_triton_interpreter.py in a child process with TRITON_INTERPRET=1 (Tr
 when a kernel is defined, so it cannot be switched on inside a process that already holds the
 compiled kernels). The interpreter has no libdevice, so the sampler uses numpy's float32
 exp/log there; the hashing, the race and the tie rule are the kernel's own.
+Its tl.dot of two bfloat16 tiles returns garbage (triton 3.9; float32 tiles are right), so the
+MoE checks run in float32.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ import sys
 import torch
 from tpserve.engine.sampler import Sampler, SamplingBatch
 from tpserve.kvcache.pool import KVCachePool
+from tpserve.quant.fp8 import FP8_DTYPE
 from tpserve.sampling_params import SamplingParams as SP
 
 
@@ -140,6 +143,18 @@ def check_kv_store() -> None:
     reference.store(0, slots, k, v)
     assert torch.equal(fused.k[0], reference.k[0]) and torch.equal(fused.v[0], reference.v[0])
 
+    # An FP8 cache: clamped to +-448 and rounded to e4m3 (up to the interpreter's own float8 cast,
+    # see check_fp8_gemm).
+    k, v = 100 * k, v.clone()
+    k[0, 0, 0], v[1, 1, 1] = 1000.0, -900.0
+    caches = [KVCachePool(1, 8, 4, kv_heads, head_dim, FP8_DTYPE, torch.device("cpu"), torch.float32) for _ in range(2)]
+    store_kv(caches[0].k[0], caches[0].v[0], slots, k, v)
+    caches[1].store(0, slots, k, v)
+    for got, ref in ((caches[0].k[0].float(), caches[1].k[0].float()), (caches[0].v[0].float(), caches[1].v[0].float())):
+        assert float(got.abs().max()) == 448.0
+        ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2**-9))) - 3)
+        assert bool(((got - ref).abs() <= ulp).float().mean() > 0.95), "fp8 KV store differs"
+
 
 def check_norm_rope_store() -> None:
     """q/k norm + rotary + KV store in one kernel, as the attention backend's forward_fused runs
@@ -187,7 +202,8 @@ def check_fp8_gemm() -> None:
     The interpreter's cast to float8 is not the GPU's: a value that rounds up into the next
     power of two comes out halved (124.3 -> 64, not 128) and ties round away from zero. So the
     activation quantization is checked up to those cases, and the GEMM on its own output."""
-    from tpserve.kernels.fp8_gemm import fp8_linear, quantize_activations
+    from tpserve.kernels.fp8_gemm import quantize_activations
+    from tpserve.kernels.fp8_linear import fp8_linear
     from tpserve.quant.fp8 import dequantize_blocks, quantize_blocks
 
     gen = torch.Generator().manual_seed(0)
@@ -195,6 +211,7 @@ def check_fp8_gemm() -> None:
         (1, 96, 256, (128, 128), torch.bfloat16),
         (37, 200, 176, (32, 48), torch.float32),
         (20, 64, 64, (16, 64), torch.bfloat16),
+        (70, 40, 48, (16, 16), torch.bfloat16),  # K groups of 16: the dot in bf16 (FP8 dots need K >= 32)
     ]:
         x = torch.randn(m, k, generator=gen).to(dtype)
         if m > 1:
@@ -209,13 +226,48 @@ def check_fp8_gemm() -> None:
         carried = (got_q == ref_q / 2) & (torch.log2(ref_q.abs()) == torch.log2(ref_q.abs()).round())
         assert bool((carried | ((got_q - ref_q).abs() <= ulp))[differ].all()), "activation quantization differs"
         assert differ.float().mean() < 0.05
-        got = fp8_linear(x.view(1, m, k), weight, scale, block)
+        got = fp8_linear(x.view(1, m, k), weight, scale, block, "triton")
+        col_q, col_s = quantize_activations(x, block[1], token_major=False)
+        assert col_s.stride() == (1, m) or m == 1
+        assert torch.equal(col_q.float(), got_q) and torch.equal(col_s, xs)
         a = dequantize_blocks(q, xs, (1, block[1]), torch.float32)
         ref = a @ dequantize_blocks(weight, scale, block, torch.float32).T
         assert got.shape == (1, m, n) and got.dtype == dtype
         torch.testing.assert_close(got[0].float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
         if m > 1:
             assert torch.equal(got[0, -1], torch.zeros(n, dtype=dtype))
+
+
+def check_fp8_gemv() -> None:
+    """The few-token FP8 GEMM (activations unquantized) against torch: one token (the reduction
+    without a dot), several (the dot), K splits, partial tiles, float32 activations, scales with
+    padded columns, one scale per output row."""
+    from tpserve.kernels.fp8_gemv import GemvConfig, fp8_gemv
+    from tpserve.kernels.fp8_linear import fp8_linear
+    from tpserve.kernels.fp8_scaled_mm import pad_block_scales
+    from tpserve.quant.fp8 import quantize_blocks, weight_only_reference
+
+    gen = torch.Generator().manual_seed(1)
+    cases = [
+        (1, 96, 256, (128, 128), torch.bfloat16, None),
+        (1, 200, 176, (32, 16), torch.float32, GemvConfig(1, 32, 16, 3, 4, 2)),
+        (1, 40, 300, (16, 32), torch.bfloat16, GemvConfig(1, 16, 128, 2, 4, 2)),  # 4 scale groups per tile
+        (5, 72, 384, (64, 128), torch.bfloat16, GemvConfig(16, 32, 64, 2, 4, 2, "dot")),
+        (5, 72, 384, (64, 128), torch.bfloat16, GemvConfig(16, 32, 64, 2, 4, 2, "dot_t")),
+        (37, 50, 96, (16, 32), torch.float32, None),
+        (3, 64, 256, (1, 256), torch.bfloat16, GemvConfig(16, 16, 128, 1, 4, 2, "dot")),
+    ]
+    for m, n, k, block, dtype, config in cases:
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        weight, scale = quantize_blocks(torch.randn(n, k, generator=gen) * 0.05, block)
+        ref = weight_only_reference(x, weight, scale, block)
+        for scales in (scale, pad_block_scales(scale)):
+            got = fp8_gemv(x, weight, scales, block, config)
+            assert got.shape == (m, n) and got.dtype == dtype
+            torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+        got = fp8_linear(x.view(m, 1, k), weight, scale, block, "auto")
+        assert got.shape == (m, 1, n)
+        torch.testing.assert_close(got[:, 0].float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
 
 
 def check_fused_moe() -> None:
@@ -238,6 +290,87 @@ def check_fused_moe() -> None:
     assert int(padded_len) == 12 and sorted_rows.numel() == 20  # 6 rows + 4 experts * 3 padding, in whole blocks
     assert sorted_rows.tolist() == [3, 6, 6, 6, 1, 2, 5, 6, 0, 4, 6, 6] + [6] * 8
     assert block_expert[:3].tolist() == [0, 1, 3]
+    check_align_kernel_matches_torch()
+    check_router_topk()
+
+
+def check_router_topk() -> None:
+    """The one-kernel router against TopKRouter's torch ops: ids equal, weights to float32
+    rounding, with and without renormalisation, a row of ties, more experts than a power of 2."""
+    from tpserve.kernels.moe import router_topk
+
+    gen = torch.Generator().manual_seed(6)
+    for tokens, experts, top_k in ((1, 128, 8), (9, 60, 4), (4, 8, 2)):
+        logits = torch.randn(tokens, experts, generator=gen)
+        for renormalize in (False, True):
+            probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
+            want_w, want_ids = torch.topk(probs, top_k, dim=-1)
+            if renormalize:
+                want_w = want_w / want_w.sum(dim=-1, keepdim=True)
+            got_w, got_ids = router_topk(logits, top_k, renormalize, torch.float32)
+            assert torch.equal(got_ids, want_ids), (got_ids, want_ids)
+            torch.testing.assert_close(got_w, want_w, rtol=1e-6, atol=1e-7)
+    ties = torch.zeros(1, 8)
+    _, ids = router_topk(ties, 3, True, torch.float32)
+    assert sorted(ids[0].tolist()) == ids[0].tolist() and len(set(ids[0].tolist())) == 3
+
+
+def check_align_kernel_matches_torch() -> None:
+    """The one-program sort equals torch's stable sort, padding and block labels exactly: one
+    token, experts with no rows, rows spanning several chunks, the largest count it takes."""
+    from tpserve.kernels.moe import TRITON_ALIGN_MAX_ROWS, align_by_expert, align_by_expert_torch
+
+    gen = torch.Generator().manual_seed(5)
+    cases = ((1, 8, 128, 16), (37, 3, 16, 16), (5, 2, 4, 64), (300, 8, 128, 64), (TRITON_ALIGN_MAX_ROWS // 8, 8, 128, 16))
+    for tokens, top_k, experts, block_m in cases:
+        ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+        got = align_by_expert(ids, experts, block_m)
+        want = align_by_expert_torch(ids, experts, block_m)
+        for g, w, name in zip(got, want, ("sorted_rows", "block_expert", "padded_len")):
+            assert torch.equal(g.long(), w.long()), f"{name} differs for {tokens} tokens, {experts} experts, block {block_m}"
+
+
+def check_fused_moe_model() -> None:
+    """A tiny Qwen3-MoE engine (float32; layer 0 dense, layers 1-2 sparse) with its MoE layers on
+    the Triton kernels (router, sort by expert, grouped GEMMs) against the same engine on the torch
+    path: a prefill of 64-row blocks (over 512 rows), then decode steps of 16-row blocks, so the
+    kernels see the normed activations and the stacked weights as the model hands them over."""
+    import tempfile
+
+    import tpserve.layers.moe as moe_layer
+    from tpserve.config import EngineConfig
+    from tpserve.engine.engine import Engine
+    from tpserve.forward import SequenceInput
+    from tpserve.kvcache.pool import PageAllocator
+    from tpserve.tiny import make_tiny_model
+
+    gen = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(0, 200, (n,), generator=gen).tolist() for n in (150, 9, 1)]
+    decode_steps = 2
+
+    def run(model_dir: str) -> list[torch.Tensor]:
+        engine = Engine(EngineConfig(model=model_dir, device="cpu", dtype="float32", max_total_tokens=1024, page_size=4))
+        allocator = PageAllocator(engine.num_pages)
+        tables = [allocator.allocate(-(-(len(p) + decode_steps) // 4)) for p in prompts]
+        logits = [engine.forward([SequenceInput(p, 0, t) for p, t in zip(prompts, tables)])]
+        for step in range(decode_steps):
+            seqs = [SequenceInput([7 * i + step], len(p) + step, t) for i, (p, t) in enumerate(zip(prompts, tables))]
+            logits.append(engine.forward(seqs))
+        return logits
+
+    with tempfile.TemporaryDirectory() as tmp:
+        model_dir = make_tiny_model(tmp, "qwen3_moe", num_layers=3, hidden_size=64, num_heads=2, num_kv_heads=1,
+                                    head_dim=32, num_experts=8, num_experts_per_tok=4, moe_intermediate_size=48, seed=3)
+        reference = run(model_dir)
+        torch_path = moe_layer.use_triton
+        moe_layer.use_triton = lambda device: True  # the CUDA path, here in the interpreter
+        try:
+            fused = run(model_dir)
+        finally:
+            moe_layer.use_triton = torch_path
+    for step, (got, expected) in enumerate(zip(fused, reference)):
+        err = float((got - expected).norm() / expected.norm())
+        assert err < 1e-5, f"step {step}: relative logits error {err:.2e}"
 
 
 if __name__ == "__main__":
@@ -249,5 +382,7 @@ if __name__ == "__main__":
     check_kv_store()
     check_norm_rope_store()
     check_fused_moe()
+    check_fused_moe_model()
     check_fp8_gemm()
+    check_fp8_gemv()
     print("ok")

@@ -190,3 +190,42 @@ def test_errors_are_one_line_and_abbreviations_are_refused(qwen3_dir, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert err == ["tpserve: error: unrecognized arguments: --mem 0.5"]
+
+
+@pytest.mark.parametrize(
+    "argv, fragment",
+    [
+        (["--tp-size", "2", "--nnodes", "4", "--dist-init-addr", "h:1"],
+         "--tp-size 2 is not a multiple of --nnodes 4: every node runs --tp-size / --nnodes ranks"),
+        (["--tp-size", "2", "--nnodes", "2", "--node-rank", "2", "--dist-init-addr", "h:1"],
+         "--node-rank must be in [0, 2), got 2"),
+        (["--tp-size", "2", "--nnodes", "2"], "--nnodes 2 needs --dist-init-addr (node 0's HOST:PORT)"),
+        (["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "nohost"], "--dist-init-addr: expected HOST:PORT"),
+        (["--nnodes", "0"], "--nnodes: must be >= 1"),
+        (["--dist-timeout", "0"], "--dist-timeout: must be a positive number"),
+    ],
+)
+def test_bad_node_flags_are_usage_errors(qwen3_dir, capsys, monkeypatch, argv, fragment):
+    monkeypatch.setenv("TPSERVE_DIST_TOKEN", "a-long-enough-token")
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", qwen3_dir, *argv])
+    assert e.value.code == 2
+    assert fragment in capsys.readouterr().err
+
+
+def test_node_flags(qwen3_dir, monkeypatch, capsys):
+    argv = ["--model", qwen3_dir, "--tp-size", "4", "--nnodes", "2", "--node-rank", "1",
+            "--dist-init-addr", "10.0.0.7:29500", "--dist-timeout", "20"]
+    monkeypatch.delenv("TPSERVE_DIST_TOKEN", raising=False)
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert "TPSERVE_DIST_TOKEN is not set: a multi-node job needs the same secret on every node" in capsys.readouterr().err
+    monkeypatch.setenv("TPSERVE_DIST_TOKEN", "short")
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    assert "TPSERVE_DIST_TOKEN is shorter than 16 characters" in capsys.readouterr().err
+    monkeypatch.setenv("TPSERVE_DIST_TOKEN", "a-long-enough-token")
+    e = parse_args(argv).engine
+    assert (e.nnodes, e.node_rank, e.dist_init_addr, e.dist_timeout) == (2, 1, "tcp://10.0.0.7:29500", 20.0)
+    one = parse_args(["--model", qwen3_dir]).engine
+    assert (one.nnodes, one.node_rank, one.dist_init_addr) == (1, 0, None)

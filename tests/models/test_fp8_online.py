@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from test_vs_transformers import teacher_forced_logits
+from agreement import agreement, describe
 from tpserve import LLM, SamplingParams
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
@@ -33,23 +33,9 @@ def test_fp8_agrees_with_the_unquantized_model(qwen3_dir):
     """The tiny random model is built to be sensitive (sharp attention, amplified layers): even
     bfloat16 changes ~10% of its teacher-forced argmaxes. FP8 (3 mantissa bits) changes more;
     the figures are printed, the bounds are loose."""
-    ids = list(range(30, 70))
-    engines = {kw: Engine(EngineConfig(model=qwen3_dir, device="cpu", page_size=4, max_total_tokens=256, **dict(kw)))
-               for kw in ((), (("quantization", "fp8"),))}
-    plain, fp8 = (teacher_forced_logits(e, ids, prefill=9) for e in engines.values())
-    err = (fp8 - plain).abs().max().item() / plain.abs().max().item()
-    same_argmax = (fp8.argmax(-1) == plain.argmax(-1)).float().mean().item()
-    prompts = [[i, i + 1, i + 2, i + 5] for i in range(20, 300, 28)]
-    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outs = []
-    for kw in ({}, {"quantization": "fp8"}):
-        with LLM(qwen3_dir, device="cpu", **kw) as llm:
-            outs.append([o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)])
-    pairs = [(a, b) for x, y in zip(*outs) for a, b in zip(x, y)]
-    equal = sum(a == b for a, b in pairs) / len(pairs)
-    first = sum(x[0] == y[0] for x, y in zip(*outs)) / len(prompts)
-    print(f"fp8 vs unquantized: logit error {err:.1%} of the largest logit; teacher-forced argmax equal "
-          f"{same_argmax:.0%}; greedy tokens equal {equal:.0%} (first token {first:.0%})")
+    a = agreement(qwen3_dir, {"quantization": "fp8"})
+    print(f"fp8 vs unquantized: {describe(a)}")
+    err, same_argmax, first = a["err"], a["same_argmax"], a["first"]
     assert err < 0.6
     assert same_argmax >= 0.6
     assert first >= 0.5

@@ -44,9 +44,25 @@ def test_small_model_recommends_dp_replicas_with_their_commands(tmp_path, capsys
 def test_multi_node_commands_are_per_node(capsys):
     code, out, _ = plan(capsys, "--model", QWEN3_8B, "--gpus", "2", "--nodes", "2", "--context", "4096")
     assert code == 0 and "machine: 2 x h200 x 2 nodes" in out
-    assert "TP1 x DP4" in out and "TP2 x DP2" in out and "TP4: a TP group of 4 spans 2 nodes" in out
+    assert "TP1 x DP4" in out and "TP2 x DP2" in out and "TP4 x DP1" in out
     assert "(on each of the 2 nodes: " in out
     assert "CUDA_VISIBLE_DEVICES=0,1 python -m tpserve" in out or "CUDA_VISIBLE_DEVICES=1 python -m tpserve" in out
+
+
+def test_tp_across_nodes_gets_one_command_per_node():
+    from tpserve.plan.report import launch_commands
+    from tpserve.plan.specs import GPUS
+    from tpserve.plan.splits import Machine, Settings, evaluate
+    from tpserve.plan.shape import ModelShape
+    from tpserve.config import ModelConfig
+
+    machine = Machine(GPUS["h200"], 2, 2)
+    shape = ModelShape(ModelConfig.from_pretrained(QWEN3_8B), 2)
+    commands = launch_commands(evaluate(shape, machine, 4, Settings(4096)), "M", machine, Settings(4096))
+    assert len(commands) == 2
+    for rank, command in enumerate(commands):
+        assert "--tp-size 4 " in command and "--nnodes 2 --dist-init-addr NODE0_IP:29500" in command
+        assert f"--node-rank {rank}" in command and command.startswith("TPSERVE_DIST_TOKEN=")
 
 
 def test_model_that_fits_nowhere_says_so(tmp_path, capsys):

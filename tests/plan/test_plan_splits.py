@@ -66,12 +66,17 @@ def test_invalid_tp_sizes_are_excluded_with_their_reason():
     }
 
 
-def test_tp_stays_within_a_node_and_dp_spans_nodes():
+def test_tp_across_nodes_takes_whole_nodes_and_pays_the_network():
     cfg = ModelConfig.from_pretrained(data_config("Qwen3-8B"))
     plans, excluded = splits(cfg, 4, nodes=2)
-    assert [(p.tp, p.dp) for p in plans] == [(1, 8), (2, 4), (4, 2)]
-    (over_network,) = excluded
-    assert over_network.tp == 8 and "spans 2 nodes" in over_network.reason and "all-reduce" in over_network.reason
+    assert [(p.tp, p.dp) for p in plans] == [(1, 8), (2, 4), (4, 2), (8, 1)]
+    assert excluded == []
+    within, across = plans[2], plans[3]
+    # Halving the weights per GPU does not pay for all-reduces over the network at batch 1.
+    assert across.decode_1.comm_share > 0.5 > within.decode_1.comm_share
+    assert across.decode_1.seconds > within.decode_1.seconds
+    _, excluded = splits(ModelConfig.from_pretrained(data_config("Qwen3-32B")), 6, nodes=4)
+    assert {e.tp: e.reason for e in excluded}[8] == "a TP group of 8 across nodes must take whole nodes of 6 GPUs"
 
 
 def test_kv_capacity_and_batch_follow_memory_and_context():

@@ -36,6 +36,6 @@ def create_backend(
     device: torch.device,
     fused_rope_store: bool = False,
 ) -> AttentionBackend:
-    if resolve_backend_name(name, device, pool.k[0].dtype) == "flashinfer":
+    if resolve_backend_name(name, device, pool.compute_dtype) == "flashinfer":
         return FlashInferAttentionBackend(pool, num_heads, num_kv_heads, head_dim, device, fused_rope_store)
     return TorchAttentionBackend(pool, num_heads, num_kv_heads, head_dim, fused_rope_store)

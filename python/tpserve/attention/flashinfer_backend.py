@@ -145,7 +145,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         super().__init__(pool, num_heads, num_kv_heads, head_dim, fused_rope_store)
         if device.type != "cuda":
             raise ValueError(f"the flashinfer attention backend needs a CUDA device, got {device}")
-        self.dtype = pool.k[0].dtype
+        self.dtype = pool.compute_dtype  # of q and the output; the cache's is pool.dtype
         if self.dtype not in FLASHINFER_DTYPES:
             raise ValueError(f"the flashinfer attention backend supports bfloat16 and float16, not {self.dtype}")
         self.flashinfer = import_flashinfer()
@@ -155,6 +155,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         # Shared by every wrapper: only one of them runs at a time.
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
+        if prefill_backend == "auto" and pool.dtype != pool.compute_dtype:
+            prefill_backend = "fa2"  # an FP8 cache under bf16/fp16 queries: FA3's kernels take FP8 q too or neither
         self.prefill_wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=prefill_backend
         )
@@ -197,7 +199,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             causal=True,
             sm_scale=self.scale,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=self.pool.dtype,
         )
         self._mark_planned()
         return FlashInferMetadata(self.prefill_wrapper)
@@ -213,7 +215,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.pool.page_size,
             sm_scale=self.scale,
             q_data_type=self.dtype,
-            kv_data_type=self.dtype,
+            kv_data_type=self.pool.dtype,
         )
 
     def attend(self, layer: int, q: torch.Tensor, meta: FlashInferMetadata) -> torch.Tensor:

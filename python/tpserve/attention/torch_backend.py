@@ -62,8 +62,8 @@ class TorchAttentionBackend(AttentionBackend):
         k_cache = self.pool.k[layer].view(-1, self.num_kv_heads, self.head_dim)
         v_cache = self.pool.v[layer].view(-1, self.num_kv_heads, self.head_dim)
         q_padded = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[meta.query_index]  # [B, N, H, D]
-        keys = k_cache[meta.kv_slots]  # [B, L, Hkv, D]
-        values = v_cache[meta.kv_slots]
+        keys = self.pool.read(k_cache[meta.kv_slots])  # [B, L, Hkv, D]
+        values = self.pool.read(v_cache[meta.kv_slots])
         out = F.scaled_dot_product_attention(
             q_padded.transpose(1, 2),
             keys.transpose(1, 2),

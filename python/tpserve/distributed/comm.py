@@ -134,27 +134,34 @@ def init_process_groups(
     device: torch.device,
     dtype: torch.dtype = torch.bfloat16,
     all_reduce: str = "auto",
+    store: dist.Store | None = None,
+    timeout_s: float | None = None,
 ) -> tuple[Communicator, dist.ProcessGroup | None]:
     """Returns (the tensor communicator, a Gloo CPU group for control messages).
 
     On CPU one Gloo group serves both; on GPU NCCL carries tensors (and the peer-memory
     all-reduce of ``all_reduce`` mode the small ones; mode ``fused`` adds the fused all-reduce +
     add + RMSNorm) and a separate Gloo group carries the scheduler's small control broadcasts.
+    A multi-node group passes the ``store`` it joined through and ``timeout_s``, the limit on
+    every collective (torch's default otherwise).
     """
     if world_size == 1:
         return SingleRankCommunicator(), None
     backend = "nccl" if device.type == "cuda" else "gloo"
-    store = _rendezvous_store(init_addr, rank, world_size)
+    if store is None:
+        store = rendezvous_store(init_addr, rank, world_size)
+    timeout = None if timeout_s is None else timedelta(seconds=timeout_s)
     dist.init_process_group(
         backend=backend,
         store=store,
         rank=rank,
         world_size=world_size,
         device_id=device if device.type == "cuda" else None,
+        timeout=timeout,
     )
     if backend == "gloo":
         return TorchDistCommunicator(world_size), dist.group.WORLD
-    cpu_group = dist.new_group(backend="gloo")
+    cpu_group = dist.new_group(backend="gloo", timeout=timeout)
     from tpserve.distributed.peer_allreduce import create_peer_all_reduce
 
     peer = create_peer_all_reduce(all_reduce, dist.group.WORLD, cpu_group, device, dtype)
@@ -166,10 +173,12 @@ def init_process_groups(
     return CudaCommunicator(world_size, peer, fused), cpu_group
 
 
-RENDEZVOUS_TIMEOUT = timedelta(seconds=300)
+RENDEZVOUS_TIMEOUT_S = 300.0
 
 
-def _rendezvous_store(init_addr: str, rank: int, world_size: int) -> dist.TCPStore:
+def rendezvous_store(
+    init_addr: str, rank: int, world_size: int, timeout_s: float = RENDEZVOUS_TIMEOUT_S, wait_for_workers: bool = True
+) -> dist.TCPStore:
     """The ranks' key-value store, listening only on ``init_addr``'s host.
 
     torch's own ``tcp://`` rendezvous makes rank 0's store listen on every interface, unauthenticated;
@@ -183,13 +192,16 @@ def _rendezvous_store(init_addr: str, rank: int, world_size: int) -> dist.TCPSto
     if host in ("127.0.0.1", "localhost", "::1"):
         os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
+    timeout = timedelta(seconds=timeout_s)
     if rank != 0:
-        return dist.TCPStore(host, port, world_size, is_master=False, timeout=RENDEZVOUS_TIMEOUT)
+        return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout,
+                             wait_for_workers=wait_for_workers)
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
     listener.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     listener.bind((host, port))
     listener.listen()
     # detach: the store owns the descriptor from now on (closing the Python socket would close it)
     return dist.TCPStore(
-        host, port, world_size, is_master=True, timeout=RENDEZVOUS_TIMEOUT, master_listen_fd=listener.detach()
+        host, port, world_size, is_master=True, timeout=timeout, master_listen_fd=listener.detach(),
+        wait_for_workers=wait_for_workers,
     )

@@ -12,13 +12,15 @@ from tpserve.attention.factory import create_backend
 from tpserve.config import EngineConfig, ModelConfig, resolve_dtype
 from tpserve.distributed.comm import init_process_groups
 from tpserve.distributed.info import set_tp_info
+from tpserve.distributed.layout import NodeLayout
+from tpserve.distributed.nodes import NodeGroup
 from tpserve.engine.batch import build_forward_inputs, resolve_future_tokens
 from tpserve.engine.cuda_graph import CUDAGraphRunner
 from tpserve.engine.logit_edits import PenaltyState
 from tpserve.engine.sampler import Sampler, SamplingBatch
 from tpserve.forward import ForwardContext, SequenceInput
 from tpserve.kernels import use_triton
-from tpserve.kvcache.pool import KVCachePool
+from tpserve.kvcache.pool import KVCachePool, kv_cache_dtype
 from tpserve.models.decoder import CausalLM
 from tpserve.models.loader import load_model_weights
 from tpserve.models.quantize import quantize_model
@@ -77,6 +79,7 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> 
 
 
 def resolve_device(device: str | None, rank: int) -> torch.device:
+    """``rank``: the rank's index on its node (its local rank)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -89,22 +92,29 @@ def resolve_device(device: str | None, rank: int) -> torch.device:
 
 
 class Engine:
-    def __init__(self, config: EngineConfig, rank: int = 0) -> None:
+    def __init__(self, config: EngineConfig, rank: int = 0, nodes: NodeGroup | None = None) -> None:
+        """``nodes``: the multi-node group this rank joined (``NodeGroup.join``); None on one node."""
         self.config = config
+        self.nodes = nodes
         self.tp = set_tp_info(rank, config.tp_size)  # before any layer is built
-        self.device = resolve_device(config.device, rank)
+        layout = NodeLayout.of(config)
+        self.device = resolve_device(config.device, layout.local_rank(rank))
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        elif config.tp_size > 1:  # ranks share the host's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // config.tp_size))
+        elif layout.ranks_per_node > 1:  # ranks share the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.ranks_per_node))
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.model_config.check_tp_size(config.tp_size)
         self.max_model_len = config.max_model_len or self.model_config.context_length
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         if config.tp_size > 1 and config.dist_init_addr is None:
             raise ValueError("tp_size > 1 needs dist_init_addr (tcp://host:port chosen by the parent)")
+        if config.nnodes > 1 and nodes is None:
+            raise ValueError("a multi-node rank's engine needs the NodeGroup it joined")
+        all_reduce = "nccl" if config.nnodes > 1 else config.all_reduce  # peer GPU memory stays on one node
         self.comm, self.cpu_group = init_process_groups(
-            rank, config.tp_size, config.dist_init_addr or "", self.device, self.dtype, config.all_reduce
+            rank, config.tp_size, config.dist_init_addr or "", self.device, self.dtype, all_reduce,
+            store=nodes and nodes.store, timeout_s=nodes and nodes.startup_timeout_s,
         )
 
         self.quantization = resolve_quantization(config.quantization, self.model_config.quantization)
@@ -116,6 +126,8 @@ class Engine:
             self.model, config.model, config.load_format, self.device, self.dtype, config.seed, show_progress=rank == 0
         )
         self.model.eval()
+        if nodes is not None:  # nodes load at their own pace; the collectives below have a deadline
+            nodes.barrier("loaded")
 
         attn = self.model.model.layers[0].self_attn
         self.num_kv_heads, self.num_heads = attn.num_kv_heads, attn.num_heads
@@ -127,8 +139,9 @@ class Engine:
             self.page_size,
             self.num_kv_heads,
             self.model_config.head_dim,
-            self.dtype,
+            kv_cache_dtype(config.kv_cache_dtype, self.dtype),
             self.device,
+            compute_dtype=self.dtype,
         )
         self.attention = create_backend(
             config.attention_backend,
@@ -157,14 +170,14 @@ class Engine:
         quant = self.quantization
         if quant is None:
             return ""
-        fp8 = any(p.dtype == torch.float8_e4m3fn for p in self.model.parameters())
+        gemms = sorted({m.fp8_backend for m in self.model.modules() if getattr(m, "weight_scale_inv", None) is not None})
         source = "checkpoint" if quant.prequantized else "quantized at load"
-        form = "FP8 GEMM" if fp8 else "dequantized for this device"
+        form = f"FP8 GEMM {'/'.join(gemms)}" if gemms else "dequantized for this device"
         return f", {quant.method} weights ({source}, blocks {quant.block_size[0]}x{quant.block_size[1]}, {form})"
 
     def _fused_rope_store(self) -> bool:
         """Whether layers take qkv to q and the KV cache in one Triton kernel (kernels.rope_store)."""
-        if not use_triton(self.device):
+        if not use_triton(self.device) or self.kv_pool.fp8:  # the kernel writes q and k in one dtype
             return False
         from tpserve.kernels import rope_store
 
@@ -194,7 +207,8 @@ class Engine:
     def _count_pages(self) -> int:
         cfg = self.model_config
         page_bytes = KVCachePool.bytes_per_page(
-            cfg.num_hidden_layers, self.page_size, self.num_kv_heads, cfg.head_dim, self.dtype
+            cfg.num_hidden_layers, self.page_size, self.num_kv_heads, cfg.head_dim,
+            kv_cache_dtype(self.config.kv_cache_dtype, self.dtype),
         )
         if self.device.type == "cuda":
             free, total = torch.cuda.mem_get_info(self.device)

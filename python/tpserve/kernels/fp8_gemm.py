@@ -3,10 +3,11 @@
 x is quantized at run time to float8_e4m3fn per token and group of bk input features
 (``quantize_activations``: one kernel), then ``_gemm_kernel`` accumulates, per K tile, the FP8
 tensor-core dot times the tile's activation and weight scales, in float32. The weight is
-float8_e4m3fn [N, K] with ``scale_inv`` [ceil(N / bn), ceil(K / bk)] (the checkpoint layout).
-The torch reference is ``tpserve.quant.fp8.fp8_linear_reference``; both kernels also run in
-Triton's CPU interpreter (tests/kernels/interpreter_checks.py). No host synchronisation, so a
-CUDA graph can hold them.
+float8_e4m3fn [N, K] with ``scale_inv`` [ceil(N / bn), >= ceil(K / bk)] (the checkpoint layout;
+its row stride is read, so columns padded for cuBLAS are fine). The torch reference is
+``tpserve.quant.fp8.fp8_linear_reference``; both kernels also run in Triton's CPU interpreter
+(tests/kernels/interpreter_checks.py). No host synchronisation, so a CUDA graph can hold them.
+Few tokens (decode) take ``fp8_gemv`` instead (see ``kernels.fp8_linear``).
 """
 
 from __future__ import annotations
@@ -15,23 +16,15 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.kernels.fp8_gemv import k_tile
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX, num_blocks
 
 _MIN_AMAX = 1e-10
 
 
-def _k_tile(block_k: int) -> int:
-    """The K tile: inside one scale group (a power of two dividing block_k: callers check that
-    16 does, see ``kernels.use_fp8_gemm``), at least 16 for tl.dot."""
-    tile = 16
-    while tile < 128 and block_k % (tile * 2) == 0:
-        tile *= 2
-    return tile
-
-
 @triton.jit
 def _quantize_kernel(
-    x_ptr, q_ptr, s_ptr, K, stride_x, num_groups,
+    x_ptr, q_ptr, s_ptr, K, stride_x, stride_sm, stride_sg,
     GROUP: tl.constexpr, BLOCK: tl.constexpr, FP8_MAX: tl.constexpr, MIN_AMAX: tl.constexpr,
 ):
     row = tl.program_id(0)
@@ -42,18 +35,23 @@ def _quantize_kernel(
     scale = tl.maximum(tl.max(tl.abs(x), axis=0), MIN_AMAX) / FP8_MAX
     q = tl.clamp(x / scale, -FP8_MAX, FP8_MAX)
     tl.store(q_ptr + row * K + cols, q.to(q_ptr.dtype.element_ty), mask=mask)
-    tl.store(s_ptr + row * num_groups + group, scale)
+    tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
 
 
-def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn [M, K], float32 scale_inv [M, ceil(K / group)]) of a 2-D x."""
+def quantize_activations(x: torch.Tensor, group: int, token_major: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn [M, K], float32 scale_inv [M, ceil(K / group)]) of a 2-D x. The scales are
+    row-major, or (``token_major=False``) column-major, strides (1, M), as cuBLAS's 1x128 block
+    scaling reads them."""
     m, k = x.shape
     groups = num_blocks(k, group)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    if token_major:
+        scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
+    else:
+        scale = torch.empty_strided((m, groups), (1, max(m, 1)), dtype=torch.float32, device=x.device)
     if m:
         _quantize_kernel[(m, groups)](
-            x, q, scale, k, x.stride(0), groups,
+            x, q, scale, k, x.stride(0), scale.stride(0), scale.stride(1),
             GROUP=group, BLOCK=triton.next_power_of_2(group), FP8_MAX=FP8_MAX, MIN_AMAX=_MIN_AMAX,
         )
     return q, scale
@@ -79,25 +77,27 @@ def _gemm_kernel(
         group = k0 // GROUP_K
         a_scale = tl.load(a_scale_ptr + rows * a_groups + group, mask=row_ok, other=0.0)
         b_scale = tl.load(b_scale_ptr + (cols // GROUP_N) * b_groups + group, mask=col_ok, other=0.0)
-        acc += tl.dot(a, b) * a_scale[:, None] * b_scale[None, :]
+        if BLOCK_K < 32:  # FP8 dots need K >= 32; e4m3 -> fp16 is exact
+            part = tl.dot(a.to(tl.float16), b.to(tl.float16))
+        else:
+            part = tl.dot(a, b)
+        acc += part * a_scale[:, None] * b_scale[None, :]
     tl.store(c_ptr + rows[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
-    """x [..., K] (bf16/fp16/fp32) @ weight.T, weight float8_e4m3fn [N, K] with block scales; out in x's dtype."""
-    n, k = weight.shape
-    x2 = x.reshape(-1, k)
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
-    m = x2.shape[0]
+def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
+    """x [M, K] (bf16/fp16/fp32, unit stride along K) @ weight.T, weight float8_e4m3fn [N, K]
+    with block scales, activations quantized per token and K group; out [M, N] in x's dtype."""
+    m, k = x.shape
+    n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
-        a, a_scale = quantize_activations(x2, block_size[1])
+        a, a_scale = quantize_activations(x, block_size[1])
         block_m = 16 if m <= 16 else 64
         block_n = 64 if m <= 16 else 128
         grid = (triton.cdiv(m, block_m), triton.cdiv(n, block_n))
         _gemm_kernel[grid](
-            a, weight, out, a_scale, scale_inv, m, n, k, a_scale.shape[1], scale_inv.shape[1],
-            GROUP_N=block_size[0], GROUP_K=block_size[1], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=_k_tile(block_size[1]),
+            a, weight, out, a_scale, scale_inv, m, n, k, a_scale.stride(0), scale_inv.stride(0),
+            GROUP_N=block_size[0], GROUP_K=block_size[1], BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=k_tile(block_size[1]),
         )
-    return out.view(*x.shape[:-1], n)
+    return out

@@ -11,12 +11,14 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX
+
 
 @triton.jit
 def _store_kv_kernel(
     k_ptr, v_ptr, k_cache_ptr, v_cache_ptr, slots_ptr,
     k_row_stride, v_row_stride,
-    ROW: tl.constexpr, BLOCK: tl.constexpr,
+    ROW: tl.constexpr, BLOCK: tl.constexpr, CLAMP: tl.constexpr,
 ):
     token = tl.program_id(0)
     slot = tl.load(slots_ptr + token).to(tl.int64)
@@ -24,6 +26,9 @@ def _store_kv_kernel(
     mask = cols < ROW
     k = tl.load(k_ptr + token.to(tl.int64) * k_row_stride + cols, mask=mask)
     v = tl.load(v_ptr + token.to(tl.int64) * v_row_stride + cols, mask=mask)
+    if CLAMP > 0:  # an FP8 cache: stored with a scale of 1, in e4m3's range
+        k = tl.clamp(k.to(tl.float32), -CLAMP, CLAMP)
+        v = tl.clamp(v.to(tl.float32), -CLAMP, CLAMP)
     tl.store(k_cache_ptr + slot * ROW + cols, k, mask=mask)
     tl.store(v_cache_ptr + slot * ROW + cols, v, mask=mask)
 
@@ -44,5 +49,5 @@ def store_kv(
         return
     _store_kv_kernel[(tokens,)](
         k, v, k_cache, v_cache, slots, k.stride(0), v.stride(0),
-        ROW=row, BLOCK=triton.next_power_of_2(row), num_warps=4,
+        ROW=row, BLOCK=triton.next_power_of_2(row), CLAMP=FP8_MAX if k_cache.dtype == FP8_DTYPE else 0.0, num_warps=4,
     )

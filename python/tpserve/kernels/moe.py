@@ -65,16 +65,121 @@ def block_m_for(num_rows: int) -> int:
     return 16 if num_rows <= 512 else 64
 
 
+@triton.jit
+def _router_topk_kernel(
+    logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr,
+):
+    """One token: softmax over the experts in float32, its top k, optionally renormalised."""
+    token = tl.program_id(0).to(tl.int64)
+    cols = tl.arange(0, E_PAD)
+    logits = tl.load(logits_ptr + token * stride_l + cols, mask=cols < num_experts, other=-float("inf")).to(tl.float32)
+    top = tl.max(logits, axis=0)
+    denom = tl.sum(tl.exp(logits - top), axis=0)
+    picked = tl.zeros((E_PAD,), dtype=tl.float32)  # each chosen expert's probability, in k order below
+    remaining = logits
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(remaining, axis=0)
+        prob = tl.exp(tl.max(remaining, axis=0) - top) / denom
+        tl.store(ids_ptr + token * TOP_K + j, best.to(tl.int64))
+        picked = tl.where(cols == j, prob, picked)
+        total += prob
+        remaining = tl.where(cols == best, -float("inf"), remaining)
+    if RENORMALIZE:
+        picked = picked / total
+    tl.store(weights_ptr + token * TOP_K + cols, picked.to(weights_ptr.dtype.element_ty), mask=cols < TOP_K)
+
+
+def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``TopKRouter``'s softmax, top-k and renormalisation in one kernel (five torch kernels in
+    each MoE layer of every decode step otherwise): (weights [T, k] in ``dtype``, ids [T, k] int64)."""
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        _router_topk_kernel[(tokens,)](
+            logits, weights, ids, experts, logits.stride(0),
+            TOP_K=top_k, RENORMALIZE=renormalize, E_PAD=triton.next_power_of_2(max(experts, top_k)),
+        )
+    return weights, ids
+
+
+def aligned_capacity(rows: int, num_experts: int, block_m: int) -> int:
+    """Sorted rows of ``rows`` rows padded per expert, bounded by the row count alone."""
+    capacity = rows + min(rows, num_experts) * (block_m - 1)
+    return -(-capacity // block_m) * block_m
+
+
+@triton.jit
+def _align_kernel(
+    ids_ptr, sorted_rows_ptr, block_expert_ptr, padded_len_ptr, rows, capacity, num_experts,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """One program: count rows per expert, pad, fill the padding, label the blocks, then place
+    each row after the earlier rows of its expert (a stable sort, as argsort(stable=True))."""
+    experts = tl.arange(0, E_PAD)
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < rows, other=E_PAD).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(padded_len_ptr, tl.sum(padded, axis=0))
+    for start in range(0, capacity, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_rows_ptr + offs, tl.full((CHUNK,), 0, tl.int32) + rows, mask=offs < capacity)
+    num_blocks = capacity // BLOCK_M
+    real = experts[None, :] < num_experts
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        before = (ends[None, :] <= blocks[:, None] * BLOCK_M) & real
+        expert = tl.minimum(tl.sum(before.to(tl.int32), axis=1), num_experts - 1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
+    tl.debug_barrier()  # the padding fill lands before any row overwrites it
+    cursor = ends - padded
+    for start in range(0, rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < rows, other=E_PAD).to(tl.int32)
+        onehot = ids[:, None] == experts[None, :]
+        base = tl.sum(tl.where(onehot, cursor[None, :], 0), axis=1)
+        earlier = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(sorted_rows_ptr + base + rank, offs, mask=offs < rows)
+        cursor += tl.sum(onehot.to(tl.int32), axis=0)
+
+
+# Up to this many rows one program sorts faster than the dozen torch kernels it replaces (a
+# decode step launches them in every MoE layer); prefill-sized row counts use torch's sort.
+TRITON_ALIGN_MAX_ROWS = 4096
+
+
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the rows (flattened (token, k) pairs) of ``ids`` [T, k] by expert, each expert's run
     padded to a multiple of ``block_m``, with no host sync.
 
     Returns sorted_rows [P] (row numbers; ``T * k`` marks padding), block_expert [P / block_m]
     and padded_len [1] (the used part of P; P is fixed by T alone)."""
+    rows = ids.numel()
+    if rows > TRITON_ALIGN_MAX_ROWS:
+        return align_by_expert_torch(ids, num_experts, block_m)
+    capacity = aligned_capacity(rows, num_experts, block_m)
+    sorted_rows = torch.empty(capacity, dtype=torch.int32, device=ids.device)
+    block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device)
+    padded_len = torch.empty(1, dtype=torch.int32, device=ids.device)
+    _align_kernel[(1,)](
+        ids.contiguous(), sorted_rows, block_expert, padded_len, rows, capacity, num_experts,
+        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts + 1), CHUNK=64, num_warps=4,
+    )
+    return sorted_rows, block_expert, padded_len
+
+
+def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``align_by_expert`` in about a dozen torch ops (the reference, and the path for many rows)."""
     flat = ids.flatten()
     rows = flat.numel()
-    capacity = rows + min(rows, num_experts) * (block_m - 1)
-    capacity = -(-capacity // block_m) * block_m
+    capacity = aligned_capacity(rows, num_experts, block_m)
     counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
     counts.scatter_add_(0, flat, torch.ones_like(flat))
     padded = (counts + block_m - 1) // block_m * block_m

@@ -1,6 +1,10 @@
 """Paged KV cache: per-layer K and V tensors of [num_pages, page_size, kv_heads, head_dim]
 (FlashInfer's NHD layout), and an allocator that hands out whole pages.
 
+The cache may be stored in float8 e4m3 (``--kv-cache-dtype fp8_e4m3``) while the model computes
+in ``compute_dtype``: k and v are stored as they are (a scale of 1, clamped to e4m3's +-448, the
+range post-norm keys and values stay far inside) and read back as they were rounded.
+
 Page 0 is never handed out: it is a scratch page that padded tokens (e.g. CUDA-graph padding)
 may write to without touching any request's KV.
 """
@@ -10,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from tpserve.kernels import use_triton
+from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX
 
 
 class PageAllocator:
@@ -39,6 +44,15 @@ class PageAllocator:
         self._free.extend(reversed(pages))
 
 
+def kv_cache_dtype(name: str, compute_dtype: torch.dtype) -> torch.dtype:
+    """The cache's storage dtype for ``--kv-cache-dtype``: auto is the compute dtype."""
+    if name == "auto":
+        return compute_dtype
+    if name == "fp8_e4m3":
+        return FP8_DTYPE
+    raise ValueError(f"kv_cache_dtype must be auto or fp8_e4m3, got {name!r}")
+
+
 class KVCachePool:
     def __init__(
         self,
@@ -49,9 +63,12 @@ class KVCachePool:
         head_dim: int,
         dtype: torch.dtype,
         device: torch.device,
+        compute_dtype: torch.dtype | None = None,
     ) -> None:
         self.num_pages = num_pages
         self.page_size = page_size
+        self.dtype = dtype  # as stored
+        self.compute_dtype = dtype if compute_dtype is None else compute_dtype  # as written and read
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -69,5 +86,17 @@ class KVCachePool:
             if kv_store.rows_supported(k) and kv_store.rows_supported(v):
                 kv_store.store_kv(self.k[layer], self.v[layer], slots, k, v)
                 return
-        self.k[layer].view(-1, *k.shape[1:])[slots] = k
-        self.v[layer].view(-1, *v.shape[1:])[slots] = v
+        self.k[layer].view(-1, *k.shape[1:])[slots] = self.to_cache(k)
+        self.v[layer].view(-1, *v.shape[1:])[slots] = self.to_cache(v)
+
+    @property
+    def fp8(self) -> bool:
+        return self.dtype == FP8_DTYPE
+
+    def to_cache(self, x: torch.Tensor) -> torch.Tensor:
+        """``x`` as the cache stores it."""
+        return x.clamp(-FP8_MAX, FP8_MAX).to(self.dtype) if self.fp8 else x
+
+    def read(self, cache: torch.Tensor) -> torch.Tensor:
+        """Cache rows as the model computes with them."""
+        return cache.to(self.compute_dtype) if self.fp8 else cache

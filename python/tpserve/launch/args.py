@@ -9,7 +9,9 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from tpserve.config import CHOICES, EngineConfig, ModelConfig, check_can_start
+from tpserve.config import CHOICES, EngineConfig, ModelConfig, check_can_start, check_nodes
+from tpserve.distributed.control import TOKEN_ENV, read_token
+from tpserve.distributed.nodes import split_addr
 from tpserve.quant.config import QUANTIZATION_METHODS
 from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
@@ -180,6 +182,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="most requests decoded together")
     engine.add_argument("--page-size", type=_int_at_least(1), default=_default("page_size"),
                         help="tokens per KV-cache page")
+    engine.add_argument("--kv-cache-dtype", choices=CHOICES["kv_cache_dtype"], default=_default("kv_cache_dtype"),
+                        help="KV-cache storage: auto (the compute dtype) or fp8_e4m3 (float8 e4m3 with a scale "
+                        "of 1: half the bytes of bf16, so twice the tokens; read back in the compute dtype)")
     engine.add_argument("--mem-fraction", "--gpu-memory-utilization", "--mem-fraction-static",
                         dest="mem_fraction", type=_fraction, default=_default("mem_fraction"),
                         help="share of each GPU's total memory tpserve may fill: the KV cache gets what is "
@@ -207,14 +212,29 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest decode batch captured in a CUDA graph (0: no CUDA graphs)")
     engine.add_argument("--all-reduce", choices=CHOICES["all_reduce"], default=_default("all_reduce"),
                         help="TP all-reduce on GPU: auto (one-shot/two-shot kernels through peer GPU "
-                             "memory for small messages, NCCL for large), nccl, one kernel for every "
-                             "message that fits the peer buffer, or fused (auto, with the all-reduce, "
-                             "residual add and RMSNorm in one kernel where they meet)")
+                             "memory for small messages, NCCL for large; NCCL only across nodes), nccl, "
+                             "one kernel for every message that fits the peer buffer, or fused (auto, with "
+                             "the all-reduce, residual add and RMSNorm in one kernel where they meet)")
     engine.add_argument("--disable-overlap", action="store_true",
                         help="do not overlap scheduling of the next step with the running one")
     engine.add_argument("--debug-check-invariants", action="store_true",
                         help="check every step that all TP ranks agree and that every KV page is "
                         "accounted for (slow; debugging)")
+    nodes = p.add_argument_group("multi-node tensor parallelism (every node runs tpserve with the same flags "
+                                 f"but --node-rank, and the same {TOKEN_ENV} in its environment)")
+    nodes.add_argument("--nnodes", type=_int_at_least(1), default=_default("nnodes"),
+                       help="nodes the --tp-size ranks are spread over (--tp-size / --nnodes ranks, and GPUs, "
+                       "a node)")
+    nodes.add_argument("--node-rank", type=_int_at_least(0), default=_default("node_rank"),
+                       help="this node's index: 0 runs the HTTP server and ranks 0.., the others only their "
+                       "ranks (no HTTP)")
+    nodes.add_argument("--dist-init-addr", "--dist-init-address", dest="dist_init_addr", default=None,
+                       metavar="HOST:PORT",
+                       help="node 0's address on the network the nodes share: rank 0 serves the rendezvous "
+                       "there and its message broadcast on a free port of that interface")
+    nodes.add_argument("--dist-timeout", type=_positive_float, default=_default("dist_timeout"),
+                       help="seconds a node may take to join, or be silent (heartbeats, collectives), before "
+                       "every process of the job stops naming it")
     server = p.add_argument_group("server")
     server.add_argument("--host", default=_default("host", ServerArgs), help="HTTP bind address")
     server.add_argument("--port", type=_port, default=_default("port", ServerArgs), help="HTTP port (0: any free port)")
@@ -271,6 +291,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         load_format=ns.load_format,
         quantization=ns.quantization,
         page_size=ns.page_size,
+        kv_cache_dtype=ns.kv_cache_dtype,
         max_total_tokens=ns.max_total_tokens,
         mem_fraction=ns.mem_fraction,
         max_running_requests=ns.max_running_requests,
@@ -285,6 +306,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         disable_overlap=ns.disable_overlap,
         all_reduce=ns.all_reduce,
         debug_check_invariants=ns.debug_check_invariants,
+        **_node_settings(ns),
     )
     check_can_start(engine, model_config, cli=True)
     chat_template = _read_template(ns.chat_template) if ns.chat_template else None
@@ -312,6 +334,21 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         health_timeout=ns.health_timeout,
         request_timeout=ns.request_timeout,
     )
+
+
+def _node_settings(ns: argparse.Namespace) -> dict[str, Any]:
+    """The multi-node flags as EngineConfig fields, checked (the token too) before anything starts."""
+    check_nodes(ns.tp_size, ns.nnodes, ns.node_rank, ns.dist_init_addr, cli=True)
+    addr = None
+    if ns.dist_init_addr is not None:
+        try:
+            host, port = split_addr(ns.dist_init_addr)
+        except ValueError as e:
+            raise ValueError(f"--dist-init-addr: {e}") from None
+        addr = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
+    if ns.nnodes > 1:
+        read_token()
+    return {"nnodes": ns.nnodes, "node_rank": ns.node_rank, "dist_init_addr": addr, "dist_timeout": ns.dist_timeout}
 
 
 def _context_len(context: int, kv_tokens: int | None) -> int:

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 import zmq
 
 from tpserve.distributed.comm import local_init_addr
+from tpserve.distributed.layout import NodeLayout
 from tpserve.config import EngineConfig
 from tpserve.launch.args import DEFAULT_SCHEDULER_ENTRY, ServerArgs
 from tpserve.launch.child import child_main
@@ -67,10 +68,15 @@ class _ChildSpec:
 
 
 class Backend:
-    """The child processes of one server (without ``server``: only the ranks) and their ipc dir."""
+    """The child processes of one server (without ``server``: only the ranks) and their ipc dir.
+
+    Across nodes it runs this node's ranks (``engine.node_rank``); node 0's also has the server's
+    other processes, the other nodes' only their ranks (headless).
+    """
 
     def __init__(self, engine: EngineConfig, log_level: str, server: ServerArgs | None = None) -> None:
         self.engine, self.log_level, self.server = engine, log_level, server
+        self.ranks = NodeLayout.of(engine).ranks_on(engine.node_rank)
         self.endpoints = Endpoints.create()
         self._mp = multiprocessing.get_context("spawn")
         self._ack_queue = self._mp.Queue()
@@ -78,7 +84,7 @@ class Backend:
         self._acks_expected = 1 if server is None else 2 + server.num_tokenizers
         # Each scheduler rank writes time.monotonic() here at every loop iteration (a liveness
         # signal that needs no message: a stopped or stuck rank simply stops writing).
-        self.heartbeats = [self._mp.Value("d", 0.0, lock=False) for _ in range(engine.tp_size)]
+        self.heartbeats = [self._mp.Value("d", 0.0, lock=False) for _ in self.ranks]
         self._stopping = False
         self._ready = False
 
@@ -89,8 +95,8 @@ class Backend:
             engine = replace(engine, dist_init_addr=local_init_addr())
         entry = DEFAULT_SCHEDULER_ENTRY if args is None else args.scheduler_entry
         specs = [
-            _ChildSpec(f"scheduler-tp{rank}", entry, (engine, rank, ep, self._ack_queue, self.heartbeats[rank]))
-            for rank in range(engine.tp_size)
+            _ChildSpec(f"scheduler-tp{rank}", entry, (engine, rank, ep, self._ack_queue, beat))
+            for rank, beat in zip(self.ranks, self.heartbeats)
         ]
         if args is None:
             return specs
@@ -147,7 +153,7 @@ class Backend:
     def stalled_rank(self, timeout: float) -> str | None:
         """Why the backend is not live, if a rank's loop has not come round for ``timeout`` s."""
         now = time.monotonic()
-        for rank, beat in enumerate(self.heartbeats):
+        for rank, beat in zip(self.ranks, self.heartbeats):
             if beat.value and now - beat.value > timeout:
                 return f"scheduler rank {rank} has made no progress for {now - beat.value:.1f} s"
         return None
@@ -169,7 +175,9 @@ class Backend:
         alive = [p for p in self.procs if p.exitcode is None]
         if not alive:
             return
-        if self._ready:  # before that, children may not listen yet: SIGTERM at once
+        # before start-up ends, children may not listen yet, and only rank 0 takes a Shutdown
+        # message (another node's ranks get it from rank 0): SIGTERM at once
+        if self._ready and self.ranks.start == 0:
             self._send_shutdown()
             for proc in alive:
                 if proc.name.startswith("tpserve-tokenizer"):

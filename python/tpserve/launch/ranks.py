@@ -26,6 +26,8 @@ POLL_MS = 500  # how often a wait for output checks that every rank is alive
 
 
 def start_ranks(config: EngineConfig) -> RankDriver:
+    if config.nnodes > 1:
+        raise ValueError("the offline LLM runs on one node (nnodes 1); serve with tpserve --nnodes for more")
     return LocalRank(config) if config.tp_size == 1 else RankProcesses(config)
 
 

@@ -22,6 +22,7 @@ from torch import nn
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
 from tpserve.kernels import use_fp8_gemm
+from tpserve.kernels.fp8_linear import backend_from_env, fp8_linear, prepare_weight, resolve_backend, weight_block
 from tpserve.quant.fp8 import FP8_DTYPE, dequantize_blocks, num_blocks, quantize_blocks
 
 
@@ -88,6 +89,7 @@ class ParallelLinear(nn.Module):
         self.weight_scale_inv: nn.Parameter | None = None
         self.block_size: tuple[int, int] | None = None  # set when the weight is FP8-quantized
         self.keep_dtype: tuple[str, ...] = ()  # parameters the compute dtype does not apply to
+        self.fp8_backend = "auto"  # the GPU GEMM of FP8 weights (kernels.fp8_linear)
 
     def use_fp8(self, block_size: tuple[int, int], prequantized: bool) -> None:
         """Hold the weight in FP8 with a scale per ``block_size`` block: loaded as such from the
@@ -108,24 +110,28 @@ class ParallelLinear(nn.Module):
         if self.block_size is None:
             return
         fp8_compute = use_fp8_gemm(self.weight.device, self.block_size)
-        if self.weight_scale_inv is None:
-            weight, scale_inv = quantize_blocks(self.weight.data, self.block_size)
-        else:
-            weight, scale_inv = self.weight.data, self.weight_scale_inv.data
+        backend = "auto"
         if fp8_compute:
+            backend = resolve_backend(backend_from_env(), self.weight.device, dtype, self.block_size, self.in_features)
+        if self.weight_scale_inv is None:
+            block = weight_block(backend, self.block_size, self.in_features)
+            weight, scale_inv = quantize_blocks(self.weight.data, block)
+        else:
+            block, weight, scale_inv = self.block_size, self.weight.data, self.weight_scale_inv.data
+        if fp8_compute:
+            weight, scale_inv, self.block_size = prepare_weight(backend, weight, scale_inv, block)
             self.weight = nn.Parameter(weight, requires_grad=False)
             self.weight_scale_inv = nn.Parameter(scale_inv, requires_grad=False)
+            self.fp8_backend = backend
         else:
-            self.weight = nn.Parameter(dequantize_blocks(weight, scale_inv, self.block_size, dtype), requires_grad=False)
+            self.weight = nn.Parameter(dequantize_blocks(weight, scale_inv, block, dtype), requires_grad=False)
             self.weight_scale_inv, self.block_size = None, None
         self.keep_dtype = ()
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale_inv is None:
             return F.linear(x, self.weight, bias)
-        from tpserve.kernels.fp8_gemm import fp8_linear
-
-        y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size)
+        y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size, self.fp8_backend)
         return y if bias is None else y + bias
 
     def part(self, shard_id: str | int | None) -> Slice:

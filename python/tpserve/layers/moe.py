@@ -37,6 +37,10 @@ class TopKRouter(ReplicatedWeights):
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k] int64)."""
+        if use_triton(x.device):
+            from tpserve.kernels.moe import router_topk
+
+            return router_topk(F.linear(x, self.weight), self.top_k, self.norm_topk_prob, x.dtype)
         probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:

@@ -15,6 +15,7 @@ from tpserve.plan.report import render
 from tpserve.plan.shape import DTYPE_BYTES, ModelShape
 from tpserve.plan.specs import GIB, GPUS, GPUSpec, Link
 from tpserve.plan.splits import Machine, Settings, plan_splits
+from tpserve.quant.config import QUANTIZATION_METHODS, resolve_quantization
 
 CUSTOM_REQUIRED = ("memory_gib", "bandwidth_tbps", "tflops")
 
@@ -68,6 +69,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="chat: latency recommendation first; batch: throughput first")
     p.add_argument("--dtype", choices=["auto", *DTYPE_BYTES], default="auto",
                    help="serving dtype; auto: the checkpoint's on GPU, float32 on cpu (as the engine)")
+    p.add_argument("--quantization", choices=list(QUANTIZATION_METHODS), default=None,
+                   help="the engine's --quantization: FP8 weights for an unquantized checkpoint (an FP8 checkpoint's "
+                   "quantization_config counts without it)")
     p.add_argument("--mem-fraction", type=_fraction, default=0.85, help="the engine's --mem-fraction")
     p.add_argument("--max-running-requests", type=_number(int, 1), default=256,
                    help="the engine's --max-running-requests (caps the max batch)")
@@ -133,6 +137,16 @@ def _dtype_bytes(dtype: str, config: ModelConfig, device: str) -> int:
     return DTYPE_BYTES.get(dtype, 2)
 
 
+def _fp8_block(asked: str | None, config: ModelConfig, device: str) -> tuple[int, int] | None:
+    """The FP8 weight blocks the engine keeps on this device, or None (no quantization, or the CPU,
+    where the engine dequantizes FP8 weights at load)."""
+    try:
+        quant = resolve_quantization(asked, config.quantization)
+    except ValueError as e:
+        raise PlanError(f"--quantization: {e}") from None
+    return None if quant is None or device == "cpu" else quant.block_size
+
+
 def run(argv: list[str]) -> str:
     """The report for ``argv``; raises PlanError on a bad value."""
     args = build_parser().parse_args(argv)
@@ -140,11 +154,12 @@ def run(argv: list[str]) -> str:
     if args.context > config.context_length:
         raise PlanError(f"--context {args.context} exceeds the model's context length {config.context_length}")
     gpu, source = _gpu_spec(args)
-    shape = ModelShape(config, _dtype_bytes(args.dtype, config, gpu.device))
+    shape = ModelShape(config, _dtype_bytes(args.dtype, config, gpu.device), _fp8_block(args.quantization, config, gpu.device))
     if gpu.device == "cpu":  # CPU ranks share the host's memory
         gpu = replace(gpu, memory_bytes=gpu.memory_bytes / args.gpus)
     machine = Machine(gpu, args.gpus, args.nodes)
-    settings = Settings(args.context, mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests)
+    settings = Settings(args.context, mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
+                        quantization=args.quantization)
     plans, excluded = plan_splits(shape, machine, settings)
     return render(shape, args.model, machine, settings, plans, excluded, workload=args.workload, source=source)
 

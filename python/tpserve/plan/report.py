@@ -68,6 +68,13 @@ def table(records: list[dict[str, str]]) -> list[str]:
     return lines
 
 
+def _fp8_note(shape: ModelShape) -> str:
+    if shape.fp8_block is None:
+        return ""
+    bn, bk = shape.fp8_block
+    return f" (decoder linears FP8: 1 byte each and a float32 scale per {bn}x{bk} block)"
+
+
 def launch_commands(plan: SplitPlan, model: str, machine: Machine, settings: Settings) -> list[str]:
     """One ``python -m tpserve`` per replica of a node (the same on every node)."""
     flags = f"--model {model} --tp-size {plan.tp} --max-model-len {settings.context}"
@@ -75,6 +82,13 @@ def launch_commands(plan: SplitPlan, model: str, machine: Machine, settings: Set
         flags += f" --device cpu --max-total-tokens {plan.kv_tokens}"
     if settings.mem_fraction != 0.85:
         flags += f" --mem-fraction {settings.mem_fraction}"
+    if settings.quantization is not None:
+        flags += f" --quantization {settings.quantization}"
+    if plan.tp > machine.gpus_per_node:  # one TP group over several nodes: one launch per node
+        nodes = plan.tp // machine.gpus_per_node
+        job = f"--nnodes {nodes} --dist-init-addr NODE0_IP:29500"
+        return [f"TPSERVE_DIST_TOKEN=$SECRET python -m tpserve {flags} {job} --node-rank {r}   # on node {r}"
+                for r in range(nodes)]
     per_node = plan.dp // machine.nodes
     if per_node == 1 and machine.nodes == 1:
         return [f"python -m tpserve {flags}"]
@@ -93,8 +107,11 @@ def recommendation(
         return [f"{title}: none (no split holds the weights and one request at this context)"]
     lines = [f"{title}: {split_name(plan)}: {why}"]
     lines += [f"  {c}" for c in launch_commands(plan, model, machine, settings)]
-    per_node = plan.dp // machine.nodes
-    if plan.dp > 1:
+    per_node = max(1, plan.dp // machine.nodes)
+    if plan.tp > machine.gpus_per_node:
+        lines.append(f"  ({plan.dp} such group{'s' if plan.dp > 1 else ''} of {plan.tp // machine.gpus_per_node} nodes; "
+                     f"see docs/deploy.md)")
+    elif plan.dp > 1:
         where = f"on each of the {machine.nodes} nodes: " if machine.nodes > 1 else ""
         ports = f"port {BASE_PORT}" if per_node == 1 else f"ports {BASE_PORT}-{BASE_PORT + per_node - 1}"
         replicas = "one replica" if per_node == 1 else f"{per_node} replicas"
@@ -119,7 +136,7 @@ def render(
     nodes = f" x {machine.nodes} nodes" if machine.nodes > 1 else ""
     lines = [
         f"model {model}: {shape.params() / 1e9:.2f} B parameters, {shape.weight_bytes_per_rank(1) / GIB:.1f} GiB at "
-        f"{shape.dtype_bytes} bytes each, KV {shape.kv_bytes_per_token(1) / 1024:.0f} KiB/token, "
+        f"{shape.dtype_bytes} bytes each{_fp8_note(shape)}, KV {shape.kv_bytes_per_token(1) / 1024:.0f} KiB/token, "
         f"{cfg.num_attention_heads} heads / {cfg.num_key_value_heads} KV heads"
         + (f", MoE: {cfg.moe.num_experts} experts, {cfg.moe.top_k} per token in {len(cfg.moe.layers)} layers" if cfg.moe else ""),
         f"machine: {machine.gpus_per_node} x {gpu.name}{nodes} ({source}): {gpu.memory_bytes / GIB:.0f} GiB, copy "

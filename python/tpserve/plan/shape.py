@@ -1,5 +1,9 @@
 """What a model costs per rank at a TP size: the bytes it holds and reads, the FLOPs it does,
-and the KV bytes per token, counted the way tpserve's parallel layers split it."""
+and the KV bytes per token, counted the way tpserve's parallel layers split it.
+
+With FP8 weights (an FP8 checkpoint, or ``--quantization fp8``, on a GPU that keeps them FP8) the
+decoder layers' linear weights are 1 byte each plus a float32 scale per block; embeddings, the
+LM head, norms and biases stay in the serving dtype, as tpserve keeps them."""
 
 from __future__ import annotations
 
@@ -14,6 +18,14 @@ DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 class ModelShape:
     config: ModelConfig
     dtype_bytes: int
+    fp8_block: tuple[int, int] | None = None  # FP8 linear weights with a scale per block of this shape
+
+    @property
+    def linear_bytes(self) -> float:
+        """Bytes per decoder-layer linear weight."""
+        if self.fp8_block is None:
+            return self.dtype_bytes
+        return 1 + 4 / (self.fp8_block[0] * self.fp8_block[1])
 
     @property
     def layers(self) -> int:
@@ -89,7 +101,8 @@ class ModelShape:
         return self.params_per_rank(1)
 
     def weight_bytes_per_rank(self, tp: int) -> float:
-        return self.params_per_rank(tp) * self.dtype_bytes
+        linear = self.layers_linear_params(tp)
+        return linear * self.linear_bytes + (self.params_per_rank(tp) - linear) * self.dtype_bytes
 
     def decode_read_bytes(self, tp: int, batch: int) -> float:
         """Weight bytes one step over ``batch`` tokens reads on a rank: every layer's weights once
@@ -98,8 +111,8 @@ class ModelShape:
         c = self.config
         head = self.vocab_rows(tp) * c.hidden_size
         embed = 0 if c.tie_word_embeddings else min(batch, self.vocab_rows(tp)) * c.hidden_size
-        layers = self.layers_linear_params(tp, self.touched_experts(batch)) + self.layers * self.layer_small_params(tp)
-        return (layers + head + embed) * self.dtype_bytes
+        linear = self.layers_linear_params(tp, self.touched_experts(batch))
+        return linear * self.linear_bytes + (self.layers * self.layer_small_params(tp) + head + embed) * self.dtype_bytes
 
     def linear_flops(self, tp: int, tokens: int, last_tokens: int) -> float:
         """Matmul FLOPs of the decoder layers over ``tokens`` (top-k experts each) and of the LM

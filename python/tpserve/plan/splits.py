@@ -6,7 +6,7 @@ from dataclasses import dataclass
 
 from tpserve.plan.cost import StepCost, decode_step, prefill_seconds
 from tpserve.plan.shape import ModelShape
-from tpserve.plan.specs import GIB, NETWORK, GPUSpec
+from tpserve.plan.specs import GIB, NETWORK, GPUSpec, Link
 
 # Per GPU, outside the KV cache: the CUDA context, a chunked prefill's activations, CUDA graphs.
 RUNTIME_RESERVE_BYTES = 2 * GIB
@@ -30,6 +30,7 @@ class Settings:
     mem_fraction: float = 0.85  # the engine's --mem-fraction
     max_running_requests: int = 256  # the engine's --max-running-requests
     page_size: int = 16
+    quantization: str | None = None  # the engine's --quantization
 
 
 @dataclass(frozen=True)
@@ -85,8 +86,13 @@ def kv_tokens_per_replica(shape: ModelShape, machine: Machine, tp: int, settings
     return max(0, pages) * settings.page_size
 
 
+def link_for(machine: Machine, tp: int) -> Link:
+    """A TP group within a node all-reduces over its NVLink; one across nodes over the network."""
+    return NETWORK if tp > machine.gpus_per_node else machine.gpu.link
+
+
 def evaluate(shape: ModelShape, machine: Machine, tp: int, settings: Settings) -> SplitPlan:
-    gpu, context = machine.gpu, settings.context
+    gpu, context, link = machine.gpu, settings.context, link_for(machine, tp)
     weights = shape.weight_bytes_per_rank(tp)
     fits = weights + RUNTIME_RESERVE_BYTES < gpu.memory_bytes * settings.mem_fraction
     kv = kv_tokens_per_replica(shape, machine, tp, settings) if fits else 0
@@ -102,10 +108,10 @@ def evaluate(shape: ModelShape, machine: Machine, tp: int, settings: Settings) -
         kv_tokens=kv,
         requests_per_replica=requests,
         max_batch=batch if usable else 0,
-        decode_1=decode_step(shape, gpu, tp, 1, context) if usable else None,
-        decode_64=decode_step(shape, gpu, tp, REFERENCE_BATCH, context) if usable and batch >= REFERENCE_BATCH else None,
-        decode_max=decode_step(shape, gpu, tp, batch, context) if usable else None,
-        prefill=prefill_seconds(shape, gpu, tp, context) if fits else None,
+        decode_1=decode_step(shape, gpu, tp, 1, context, link) if usable else None,
+        decode_64=decode_step(shape, gpu, tp, REFERENCE_BATCH, context, link) if usable and batch >= REFERENCE_BATCH else None,
+        decode_max=decode_step(shape, gpu, tp, batch, context, link) if usable else None,
+        prefill=prefill_seconds(shape, gpu, tp, context, link) if fits else None,
     )
 
 
@@ -115,14 +121,9 @@ def split_reason(shape: ModelShape, machine: Machine, tp: int, settings: Setting
         shape.config.check_tp_size(tp, name="tp")
     except ValueError as e:
         return str(e)
-    if tp > machine.gpus_per_node:
-        step = decode_step(shape, machine.gpu, tp, 1, settings.context, link=NETWORK)
-        return (
-            f"a TP group of {tp} spans {tp // machine.gpus_per_node} nodes: tpserve runs TP within one node "
-            f"(over the network its batch-1 step would take {step.seconds * 1e3:.1f} ms, "
-            f"{step.comm_share:.0%} in all-reduce)"
-        )
-    if machine.gpus_per_node % tp:
+    if tp > machine.gpus_per_node and tp % machine.gpus_per_node:
+        return f"a TP group of {tp} across nodes must take whole nodes of {machine.gpus_per_node} GPUs"
+    if tp <= machine.gpus_per_node and machine.gpus_per_node % tp:
         return f"tp {tp} does not divide the {machine.gpus_per_node} GPUs of a node"
     return None
 

@@ -65,3 +65,12 @@ def fp8_linear_reference(
     a = dequantize_blocks(xq, xs, (1, block[1]), torch.float32)
     w = dequantize_blocks(weight, scale_inv, block, torch.float32)
     return (a @ w.T).to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+def weight_only_reference(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
+) -> torch.Tensor:
+    """What the few-token GPU GEMM (``kernels.fp8_gemv``) computes, in float32 torch: x as it
+    is, times the block-scaled fp8 weight, out in x's dtype."""
+    w = dequantize_blocks(weight, scale_inv, block, torch.float32)
+    return (x.float() @ w.T).to(x.dtype)

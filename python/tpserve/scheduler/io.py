@@ -4,6 +4,11 @@ offline LLM in their place); ``LocalIO`` is a lone rank's I/O inside the process
 Rank 0 drains its PULL socket, broadcasts the *count* of new messages over the Gloo CPU group,
 then publishes the raw messages on a PUB socket; the other ranks read that many from their SUB
 socket. So every rank applies the same messages in the same order at the same step.
+
+On one node the broadcast is an ipc socket in the server's private directory. Across nodes
+(``nodes`` given) it is TCP on the interface of ``--dist-init-addr``, on a port rank 0 picks and
+publishes in the rendezvous store, authenticated and encrypted with CURVE keys derived from the
+job's token (``tpserve.distributed.control``), and every wait on it has the job's deadline.
 """
 
 from __future__ import annotations
@@ -15,18 +20,30 @@ import torch
 import torch.distributed as dist
 import zmq
 
+from tpserve.distributed.control import CurveKeys, ZapGuard, read_token, secure_client, secure_server, zmq_host
+from tpserve.distributed.nodes import NodeFailure, NodeGroup
 from tpserve.message import BatchTokenOutput, SchedulerInput
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.transport import encode, open_socket
 
 IDLE_POLL_MS = 500  # an idle rank 0 still broadcasts (a zero count) this often, so peers never time out
+SHUTDOWN_LINGER_MS = 2000
+BROADCAST_KEY = "tpserve/broadcast"  # the store key holding rank 0's TCP broadcast endpoint
+# Each subscriber also subscribes to its own topic, which tells rank 0 who has connected. No
+# message matches it: messages are msgpack maps and never start with a zero byte.
+_RANK_TOPIC = b"\x00tpserve-rank-"
 
 
 class SchedulerIO:
-    def __init__(self, rank: int, tp_size: int, endpoints: Endpoints, cpu_group: dist.ProcessGroup | None) -> None:
-        self.rank, self.tp_size, self.cpu_group = rank, tp_size, cpu_group
+    def __init__(
+        self, rank: int, tp_size: int, endpoints: Endpoints, cpu_group: dist.ProcessGroup | None,
+        nodes: NodeGroup | None = None,
+    ) -> None:
+        self.rank, self.tp_size, self.cpu_group, self.nodes = rank, tp_size, cpu_group, nodes
         self.ctx = zmq.Context()
         self.decoder = msgspec.msgpack.Decoder(SchedulerInput)
+        self._guard: ZapGuard | None = None
+        keys = CurveKeys.from_token(read_token()) if nodes is not None else None
         if rank == 0:
             self.pull = open_socket(self.ctx, zmq.PULL, endpoints.scheduler, bind=True)
             self.push = open_socket(self.ctx, zmq.PUSH, endpoints.detokenizer, bind=False)
@@ -34,20 +51,49 @@ class SchedulerIO:
                 self.pub = self.ctx.socket(zmq.XPUB)
                 self.pub.setsockopt(zmq.XPUB_VERBOSE, 1)
                 self.pub.setsockopt(zmq.SNDHWM, 0)
-                self.pub.bind(endpoints.rank_broadcast)
+                self.pub.setsockopt(zmq.LINGER, 0)
+                if nodes is None or keys is None:
+                    self.pub.bind(endpoints.rank_broadcast)
+                else:
+                    self._guard = ZapGuard(self.ctx, keys)
+                    secure_server(self.pub, keys)
+                    self.pub.setsockopt(zmq.IPV6, int(":" in nodes.host))  # an IPv6 --dist-init-addr
+                    self.pub.bind(f"tcp://{zmq_host(nodes.host)}:*")  # only the --dist-init-addr interface
+                    nodes.store.set(BROADCAST_KEY, self.pub.getsockopt(zmq.LAST_ENDPOINT))
         else:
             self.sub = self.ctx.socket(zmq.SUB)
             self.sub.setsockopt(zmq.RCVHWM, 0)
+            self.sub.setsockopt(zmq.LINGER, 0)
             self.sub.setsockopt(zmq.SUBSCRIBE, b"")
-            self.sub.connect(endpoints.rank_broadcast)
+            self.sub.setsockopt(zmq.SUBSCRIBE, _RANK_TOPIC + str(rank).encode())
+            if nodes is None or keys is None:
+                self.sub.connect(endpoints.rank_broadcast)
+            else:
+                self.sub.setsockopt(zmq.RCVTIMEO, int(nodes.timeout_s * 1000))
+                secure_client(self.sub, keys)
+                self.sub.setsockopt(zmq.IPV6, int(":" in nodes.host))
+                self.sub.connect(nodes.store.get(BROADCAST_KEY).decode())
 
     def wait_for_peers(self) -> None:
         """Rank 0 waits until every other rank has subscribed (nothing published is lost)."""
         if self.rank == 0 and self.tp_size > 1:
-            for _ in range(self.tp_size - 1):
-                self.pub.recv()  # a subscription message
+            self._wait_subscribers()
         if self.cpu_group is not None:
             dist.barrier(group=self.cpu_group)
+
+    def _wait_subscribers(self) -> None:
+        nodes = self.nodes
+        joined: set[int] = set()
+        while len(joined) < self.tp_size - 1:
+            if not self.pub.poll(-1 if nodes is None else int(nodes.timeout_s * 1000)) and nodes is not None:
+                missing = [r for r in range(1, self.tp_size) if r not in joined]
+                raise NodeFailure(
+                    f"{nodes.layout.names(missing)} did not connect to rank 0's message broadcast within "
+                    f"{nodes.timeout_s:g} s (is TPSERVE_DIST_TOKEN the same on every node?)"
+                )
+            msg = self.pub.recv()  # a subscription message: b"\x01" + topic
+            if msg[1:].startswith(_RANK_TOPIC):
+                joined.add(int(msg[1 + len(_RANK_TOPIC):]))
 
     def receive(self, blocking: bool, local: list[SchedulerInput] | None = None) -> list[SchedulerInput]:
         """The new messages, the same on every rank; ``local`` (rank 0's own, e.g. GrammarReady)
@@ -64,8 +110,14 @@ class SchedulerIO:
                 self.pub.send(raw)
         else:
             dist.broadcast(count, src=0, group=self.cpu_group)
-            raws = [self.sub.recv() for _ in range(int(count.item()))]
+            raws = [self._receive_broadcast() for _ in range(int(count.item()))]
         return [self.decoder.decode(raw) for raw in raws]
+
+    def _receive_broadcast(self) -> bytes:
+        try:
+            return self.sub.recv()
+        except zmq.Again:  # only with a deadline (across nodes)
+            raise NodeFailure("no message from rank 0 (node 0) within the --dist-timeout although it announced one") from None
 
     def _drain(self, blocking: bool) -> list[bytes]:
         raws: list[bytes] = []
@@ -82,7 +134,10 @@ class SchedulerIO:
             self.push.send(encode(output))
 
     def close(self) -> None:
-        self.ctx.destroy(linger=0)
+        if self._guard is not None:
+            self._guard.stop()
+        # across nodes, rank 0's last broadcast (the Shutdown) must still get out
+        self.ctx.destroy(linger=SHUTDOWN_LINGER_MS if self.nodes is not None else 0)
 
 
 class LocalIO:

@@ -11,6 +11,8 @@ import torch
 import torch.distributed as dist
 
 from tpserve.config import EngineConfig
+from tpserve.distributed.layout import NodeLayout
+from tpserve.distributed.nodes import NodeFailure, NodeGroup
 from tpserve.message import (
     AbortRequest,
     BatchTokenOutput,
@@ -39,20 +41,59 @@ def run_scheduler(
     ack_queue: mp.Queue,
     heartbeat: "mp.sharedctypes.Synchronized[float] | None" = None,
 ) -> None:
+    """One rank's process. The first rank of each node acknowledges once every rank is ready."""
+    if engine_config.nnodes == 1:
+        _run_rank(engine_config, rank, endpoints, ack_queue, heartbeat, None)
+        return
+    try:
+        nodes = NodeGroup.join(rank, engine_config)
+    except NodeFailure as e:  # nothing to tell the others: the group never formed
+        logger.error("%s", e)
+        raise SystemExit(1) from None
+    try:
+        _run_rank(engine_config, rank, endpoints, ack_queue, heartbeat, nodes)
+    except Exception as e:  # noqa: BLE001 - whatever stops a rank stops the job, with a verdict
+        nodes.fail(e)
+
+
+def _run_rank(
+    engine_config: EngineConfig,
+    rank: int,
+    endpoints: Endpoints,
+    ack_queue: mp.Queue,
+    heartbeat: "mp.sharedctypes.Synchronized[float] | None",
+    nodes: NodeGroup | None,
+) -> None:
     from tpserve.engine.engine import Engine
 
-    engine = Engine(engine_config, rank)
+    engine = Engine(engine_config, rank, nodes)
+    if nodes is not None:  # a node may still compile kernels or capture graphs: no deadline here
+        nodes.barrier("engine-ready")
     scheduler = Scheduler(engine)
-    io = SchedulerIO(rank, engine_config.tp_size, endpoints, engine.cpu_group)
+    io = SchedulerIO(rank, engine_config.tp_size, endpoints, engine.cpu_group, nodes)
     io.wait_for_peers()
+    if nodes is not None:
+        nodes.start_serving(None, engine.cpu_group)
+    layout = NodeLayout.of(engine_config)
     if rank == 0:
         ack_queue.put(f"scheduler ready: {engine_config.tp_size} rank(s), {scheduler.allocator.total} KV pages")
+    elif layout.local_rank(rank) == 0:
+        ranks = layout.ranks_on(layout.node_of(rank))
+        ack_queue.put(f"node {layout.node_of(rank)}: ranks {ranks.start}-{ranks.stop - 1} ready "
+                      f"({engine_config.tp_size} ranks on {layout.nnodes} nodes)")
     freeze_startup_heap()
-    try:
-        SchedulerLoop(scheduler, io, engine_config.debug_check_invariants, heartbeat).run()
-    finally:
-        io.close()
-        engine.shutdown()
+    loop = SchedulerLoop(scheduler, io, engine_config.debug_check_invariants, heartbeat)
+    if nodes is None:
+        try:
+            loop.run()
+        finally:
+            io.close()
+            engine.shutdown()
+        return
+    loop.run()  # an exception goes to NodeGroup.fail, which exits at once (collectives may be broken)
+    nodes.stop()  # Shutdown reached every rank: the store going away is no failure now
+    io.close()
+    engine.shutdown()
 
 
 class SchedulerLoop:

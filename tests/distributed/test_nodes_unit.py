@@ -1,0 +1,69 @@
+"""The multi-node pieces that need no second process: the layout, addresses, keys and the join's
+deadline."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+import zmq
+
+from tpserve.config import EngineConfig
+from tpserve.distributed.comm import free_port
+from tpserve.distributed.control import CurveKeys
+from tpserve.distributed.layout import NodeLayout
+from tpserve.distributed.nodes import NodeFailure, NodeGroup, split_addr
+from tpserve.launch.ranks import start_ranks
+
+
+def test_layout():
+    layout = NodeLayout(nnodes=2, ranks_per_node=2)
+    assert [layout.node_of(r) for r in range(4)] == [0, 0, 1, 1]
+    assert [layout.local_rank(r) for r in range(4)] == [0, 1, 0, 1]
+    assert list(layout.ranks_on(1)) == [2, 3] and layout.world_size == 4
+    assert layout.names([2, 3]) == "rank 2 (node 1), rank 3 (node 1)"
+
+
+def test_split_addr():
+    assert split_addr("10.1.2.3:29500") == ("10.1.2.3", 29500)
+    assert split_addr("tcp://node0.cluster:7") == ("node0.cluster", 7)
+    assert split_addr("[::1]:5") == ("::1", 5)
+    for bad in ("host", "host:port", ":5"):
+        with pytest.raises(ValueError, match="expected HOST:PORT"):
+            split_addr(bad)
+
+
+def test_keys_come_from_the_token_only():
+    a, b = CurveKeys.from_token("token-one-0123456789"), CurveKeys.from_token("token-one-0123456789")
+    other = CurveKeys.from_token("token-two-0123456789")
+    assert a == b and a.server_public != other.server_public and a.client_public != other.client_public
+    assert zmq.curve_public(a.server_secret) == a.server_public and a.server_public != a.client_public
+
+
+def test_engine_config_checks_the_layout(qwen3_dir):
+    with pytest.raises(ValueError, match="tp_size 3 is not a multiple of nnodes 2"):
+        EngineConfig(qwen3_dir, tp_size=3, nnodes=2, dist_init_addr="tcp://h:1")
+    with pytest.raises(ValueError, match="nnodes 2 needs dist_init_addr"):
+        EngineConfig(qwen3_dir, tp_size=2, nnodes=2)
+
+
+def test_the_offline_llm_stays_on_one_node(qwen3_dir):
+    with pytest.raises(ValueError, match="the offline LLM runs on one node"):
+        start_ranks(EngineConfig(qwen3_dir, tp_size=2, nnodes=2, dist_init_addr="tcp://127.0.0.1:1"))
+
+
+def test_a_missing_rank_is_named_when_the_join_times_out(qwen3_dir):
+    config = EngineConfig(qwen3_dir, tp_size=2, nnodes=2, dist_init_addr=f"tcp://127.0.0.1:{free_port()}",
+                          dist_timeout=1.0)
+    started = time.monotonic()
+    with pytest.raises(NodeFailure, match=r"rank 0 \(node 0\): rank 1 \(node 1\) did not join within 1 s"):
+        NodeGroup.join(0, config)
+    with pytest.raises(NodeFailure, match=r"rank 1 \(node 1\): could not reach node 0"):
+        NodeGroup.join(1, config)
+    assert time.monotonic() - started < 10
+
+
+def test_peer_memory_all_reduce_does_not_span_nodes(qwen3_dir):
+    with pytest.raises(ValueError, match="peer GPU memory, which does not span nodes"):
+        EngineConfig(qwen3_dir, tp_size=2, nnodes=2, dist_init_addr="tcp://h:1", all_reduce="one_shot")
+    assert EngineConfig(qwen3_dir, tp_size=2, nnodes=2, dist_init_addr="tcp://h:1", all_reduce="auto")

@@ -1,0 +1,73 @@
+"""The planner counts FP8 weights: an FP8 checkpoint's quantization_config, or --quantization fp8, on
+a GPU (the CPU engine dequantizes them, so there they count in the serving dtype)."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+from plan_configs import data_config, write_config
+
+from tpserve.config import ModelConfig
+from tpserve.plan.cli import main
+from tpserve.plan.shape import ModelShape
+
+FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
+
+
+def qwen3_8b() -> dict:
+    with open(os.path.join(data_config("Qwen3-8B"), "config.json")) as f:
+        return json.load(f)
+
+
+def test_fp8_linear_weights_are_one_byte_plus_block_scales():
+    cfg = ModelConfig.from_dict(qwen3_8b())
+    bf16, fp8 = ModelShape(cfg, 2), ModelShape(cfg, 2, (128, 128))
+    linear = bf16.layers_linear_params(1)
+    rest = bf16.params_per_rank(1) - linear
+    assert fp8.linear_bytes == 1 + 4 / 128**2
+    assert fp8.weight_bytes_per_rank(1) == pytest.approx(linear * (1 + 4 / 128**2) + 2 * rest)
+    assert bf16.weight_bytes_per_rank(1) - fp8.weight_bytes_per_rank(1) == pytest.approx(linear * (1 - 4 / 128**2))
+    # Qwen3-8B: 6.95 B linear weights of 8.19 B; about 16.4 GB in bf16, 9.5 GB with FP8 linears
+    assert fp8.weight_bytes_per_rank(1) / 1e9 == pytest.approx(9.45, abs=0.1)
+    assert fp8.weight_bytes_per_rank(2) == pytest.approx(
+        bf16.layers_linear_params(2) * fp8.linear_bytes + 2 * (bf16.params_per_rank(2) - bf16.layers_linear_params(2))
+    )
+    for batch in (1, 64):
+        saved = bf16.decode_read_bytes(1, batch) - fp8.decode_read_bytes(1, batch)
+        assert saved == pytest.approx(linear * (1 - 4 / 128**2))
+
+
+def weights_gib(out: str) -> float:
+    line = next(line for line in out.splitlines() if line.startswith("model "))
+    return float(line.split(" B parameters, ")[1].split(" GiB")[0])
+
+
+def test_cli_counts_fp8_checkpoints_and_quantization_flag(tmp_path, capsys):
+    plain = write_config(str(tmp_path / "bf16"), qwen3_8b())
+    fp8 = write_config(str(tmp_path / "fp8"), {**qwen3_8b(), "quantization_config": FP8_CONFIG})
+    results = {}
+    for name, argv in {
+        "bf16": ["--model", plain],
+        "asked": ["--model", plain, "--quantization", "fp8"],
+        "checkpoint": ["--model", fp8],
+        "cpu": ["--model", fp8, "--gpu", "cpu"],
+    }.items():
+        assert main([*argv, "--context", "4096"]) == 0
+        results[name] = capsys.readouterr().out
+    gib = {name: weights_gib(out) for name, out in results.items()}
+    assert gib["bf16"] == pytest.approx(15.3, abs=0.1)
+    assert gib["asked"] == gib["checkpoint"] == pytest.approx(8.8, abs=0.1)
+    assert gib["cpu"] > gib["bf16"]  # float32 on the CPU, dequantized
+    assert "decoder linears FP8" in results["asked"] and "scale per 128x128 block" in results["checkpoint"]
+    assert "--quantization fp8" in results["asked"] and "--quantization" not in results["checkpoint"]
+    # fewer weight bytes: a faster batch-1 step (bound by the bytes it reads)
+    step = {name: float(out.split("batch-1 step ")[1].split(" ms")[0]) for name, out in results.items()}
+    assert step["asked"] == step["checkpoint"] < 0.7 * step["bf16"]
+
+
+def test_cli_quantization_errors(tmp_path, capsys):
+    plain = write_config(str(tmp_path / "bf16"), qwen3_8b())
+    assert main(["--model", plain, "--quantization", "int4"]) == 2
+    assert "--quantization" in capsys.readouterr().err
