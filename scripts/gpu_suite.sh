@@ -138,6 +138,17 @@ for s in $stages; do
         --batch-sizes 64,256 --out $results/$s.json ;;
     plan_tp2) stage plan_tp2 300 python3 benchmarks/plan_vs_measured.py --calibrate --case .models/Qwen3-8B:2 \
       --case .models/Qwen3-32B:2 --out $results/plan_vs_measured_tp2.json ;;
+    ar_fused)  # issue 13: the all-reduce fused with the residual add and RMSNorm (--all-reduce fused):
+      # its build (with FlashInfer's other kernels), latency by size against the unfused paths, TP 2 tests
+      stage ar_fused_warm 150 python3 scripts/warm_flashinfer.py --head-dim 128 --dtype bfloat16
+      stage ar_fused_latency 150 python3 benchmarks/allreduce_latency.py --tp-size 2 --out $results/allreduce_fused_tp2.json
+      stage ar_fused_tests 240 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_tp2.py -k fused
+      tar czf "$out/ficache.tgz" -C .ficache . ;;
+    tpdecode32_fused)  # Qwen3-32B TP 2 decode steps, auto against fused (after ar_fused, for its latency table)
+      aj=$results/allreduce_fused_tp2.json
+      stage tpdecode32_fused 300 python3 benchmarks/tp_decode_latency.py --model .models/Qwen3-32B --tp-size 2 \
+        --batch-sizes 1,64,256 --all-reduce auto,fused $([ -f $aj ] && echo --allreduce-json $aj) \
+        --out $results/tp_decode_qwen3_32b_fused.json ;;
     # ---- Qwen3-30B-A3B (issue 14); after warm (the bf16 MoE test builds FlashInfer's kernels otherwise and
     # overran 120 s). moe30 on one GPU (~6 min), moe30_tp2 on two ----
     moe30)

@@ -38,7 +38,7 @@ CHOICES = {
     "cache": ("radix", "naive"),
     "schedule_policy": ("fcfs", "lpm"),
     "attention_backend": ("auto", "flashinfer", "torch"),
-    "all_reduce": ("auto", "nccl", "one_shot", "two_shot"),
+    "all_reduce": ("auto", "nccl", "one_shot", "two_shot", "fused"),
     "kv_cache_dtype": ("auto", "fp8_e4m3"),
 }
 
@@ -314,6 +314,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
     # TP all-reduce on GPU: auto (peer-memory one-shot/two-shot for small messages, NCCL for large)
     # | nccl | one_shot | two_shot (peer memory for every message that fits its buffer)
+    # | fused (auto, and the all-reduce, residual add and RMSNorm in one kernel where they meet)
     all_reduce: str = "auto"
     # Prefill tokens a step that also decodes may carry; a step with more prefill work runs it
     # without the decodes (they wait one step), so decodes never stall behind a long chunk.

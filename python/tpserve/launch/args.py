@@ -224,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest decode batch captured in a CUDA graph (0: no CUDA graphs)")
     engine.add_argument("--all-reduce", choices=CHOICES["all_reduce"], default=_default("all_reduce"),
                         help="TP all-reduce on GPU: auto (one-shot/two-shot kernels through peer GPU "
-                             "memory for small messages, NCCL for large; NCCL only across nodes), nccl, or "
-                             "one kernel for every message that fits the peer buffer")
+                             "memory for small messages, NCCL for large; NCCL only across nodes), nccl, "
+                             "one kernel for every message that fits the peer buffer, or fused (auto, with "
+                             "the all-reduce, residual add and RMSNorm in one kernel where they meet)")
     engine.add_argument("--disable-overlap", action="store_true",
                         help="do not overlap scheduling of the next step with the running one")
     engine.add_argument("--debug-check-invariants", action="store_true",
