@@ -8,6 +8,7 @@ set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [stage ...]}
 shift
 stages=${*:-warm tests decode06 prefill06 offline06 decode8 prefill8 offline06_eager}
+stages=$(echo " $stages " | sed 's/ moe30 / moe30_tests moe30_offline moe30_decode /')  # moe30: all three
 log=$out/suite.log
 results=$out/results
 mkdir -p "$results" .ficache
@@ -151,10 +152,11 @@ for s in $stages; do
         --out $results/tp_decode_qwen3_32b_fused.json ;;
     # ---- Qwen3-30B-A3B (issue 14); after warm (the bf16 MoE test builds FlashInfer's kernels otherwise and
     # overran 120 s). moe30 on one GPU (~6 min), moe30_tp2 on two ----
-    moe30)
-      stage moe30_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py
+    moe30_tests) stage moe30_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py ;;
+    moe30_offline)
       stage moe30_offline 180 python3 benchmarks/offline_throughput.py --model $a3b --trace --out $results/offline_qwen3_30b_a3b_traced.json
-      stage moe30_roofline 30 python3 benchmarks/roofline.py $results/offline_qwen3_30b_a3b_traced.json --model $a3b --peak-tflops 766
+      stage moe30_roofline 30 python3 benchmarks/roofline.py $results/offline_qwen3_30b_a3b_traced.json --model $a3b --peak-tflops 766 ;;
+    moe30_decode)
       stage moe30_decode 120 python3 benchmarks/decode_latency.py --model $a3b --batch-sizes 1,64 --contexts 512 --out $results/decode_qwen3_30b_a3b.json
       stage moe30_floors 30 python3 benchmarks/roofline.py --model $a3b --decode-batch 1 64 --context 512 --peak-tflops 766 --bandwidth-tbps 4.26 ;;
     moe30_tp2) stage moe30_tp2 240 python3 benchmarks/offline_throughput.py --model $a3b --tp-size 2 --out $results/offline_qwen3_30b_a3b_tp2.json ;;
@@ -163,8 +165,13 @@ for s in $stages; do
     fp8_gemm) stage fp8_gemm 270 python3 benchmarks/experiments/fp8_gemm.py --configs $large --out $results/fp8_gemm.json ;;
     fp8_decode8) stage fp8_decode8 300 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,gemv,flashinfer \
       --batch-sizes 1,64 --out $results/fp8_decode_8b.json ;;
+    fp8_decode8_auto) stage fp8_decode8_auto 150 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto \
+      --batch-sizes 1,64 --out $results/fp8_decode_8b_auto.json ;;
     fp8_decode32) stage fp8_decode32 190 python3 benchmarks/fp8_decode.py --configs .models/Qwen3-32B --fp8-gemms auto \
       --batch-sizes 1 --out $results/fp8_decode_32b.json ;;
+    structured)  # issue 12: 64 json_schema requests against 64 unconstrained (the real tokenizer: xgrammar's vocabulary)
+      srv=$(serving_dir $small /tmp/qwen3-0.6b)
+      stage structured 150 python3 benchmarks/structured_output.py --model $srv --repeats 2 --out $results/structured.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done
