@@ -8,6 +8,7 @@ set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [stage ...]}
 shift
 stages=${*:-warm tests decode06 prefill06 offline06 decode8 prefill8 offline06_eager}
+stages=$(echo " $stages " | sed 's/ moe30 / moe30_tests moe30_offline moe30_decode /')  # moe30: all three
 log=$out/suite.log
 results=$out/results
 mkdir -p "$results" .ficache
@@ -77,6 +78,16 @@ for s in $stages; do
       grep -E "attention|graphs|KV pages|listening|ready" $out/server.log | head -8 | tee -a "$log"
       stage serving06 150 python3 benchmarks/serving.py --url http://127.0.0.1:$port --rates 16,inf --num-requests 200 --out $results/serving_qwen3_0.6b.json
       kill -TERM $spid; wait $spid; echo "server exit $?" | tee -a "$log" ;;
+    tests_dp2) stage tests_dp2 240 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_dp2.py ;;
+    serving06_dp)  # issue 15: DP 2 x TP 1 against DP 1 of Qwen3-0.6B through HTTP, all at once, in one call (2 GPUs)
+      srv=$(serving_dir $small /tmp/qwen3-0.6b)
+      stage serving06_dp 540 python3 benchmarks/serving.py --launch $srv --dp-sizes 1,2 --rates inf --num-requests 1024 \
+        --server-args "--num-tokenizers 2" --server-log $out/server_dp.log --out $results/serving_qwen3_0.6b_dp.json ;;
+    serving06_dp_whole)  # the same without streaming: if the API server or the client bound the streamed run
+      srv=$(serving_dir $small /tmp/qwen3-0.6b)
+      stage serving06_dp_whole 480 python3 benchmarks/serving.py --launch $srv --dp-sizes 1,2 --rates inf --num-requests 1024 \
+        --no-stream --server-args "--num-tokenizers 2" --server-log $out/server_dp_whole.log \
+        --out $results/serving_qwen3_0.6b_dp_whole.json ;;
     offline06_trace) stage offline06_trace 150 python3 benchmarks/offline_throughput.py --model $small --trace --out $results/offline_qwen3_0.6b_traced.json ;;
     offline14_trace) stage offline14_trace 240 python3 benchmarks/offline_throughput.py --model .models/Qwen3-14B --trace --out $results/offline_qwen3_14b_traced.json ;;
     decode06_pipe) stage decode06_pipe 90 python3 benchmarks/decode_latency.py --model $small --batch-sizes 1,64,256 --contexts 512 --modes graph,pipelined --out $results/decode_qwen3_0.6b_pipelined.json ;;
@@ -128,12 +139,24 @@ for s in $stages; do
         --batch-sizes 64,256 --out $results/$s.json ;;
     plan_tp2) stage plan_tp2 300 python3 benchmarks/plan_vs_measured.py --calibrate --case .models/Qwen3-8B:2 \
       --case .models/Qwen3-32B:2 --out $results/plan_vs_measured_tp2.json ;;
+    ar_fused)  # issue 13: the all-reduce fused with the residual add and RMSNorm (--all-reduce fused):
+      # its build (with FlashInfer's other kernels), latency by size against the unfused paths, TP 2 tests
+      stage ar_fused_warm 150 python3 scripts/warm_flashinfer.py --head-dim 128 --dtype bfloat16
+      stage ar_fused_latency 150 python3 benchmarks/allreduce_latency.py --tp-size 2 --out $results/allreduce_fused_tp2.json
+      stage ar_fused_tests 240 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_tp2.py -k fused
+      tar czf "$out/ficache.tgz" -C .ficache . ;;
+    tpdecode32_fused)  # Qwen3-32B TP 2 decode steps, auto against fused (after ar_fused, for its latency table)
+      aj=$results/allreduce_fused_tp2.json
+      stage tpdecode32_fused 300 python3 benchmarks/tp_decode_latency.py --model .models/Qwen3-32B --tp-size 2 \
+        --batch-sizes 1,64,256 --all-reduce auto,fused $([ -f $aj ] && echo --allreduce-json $aj) \
+        --out $results/tp_decode_qwen3_32b_fused.json ;;
     # ---- Qwen3-30B-A3B (issue 14); after warm (the bf16 MoE test builds FlashInfer's kernels otherwise and
     # overran 120 s). moe30 on one GPU (~6 min), moe30_tp2 on two ----
-    moe30)
-      stage moe30_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py
+    moe30_tests) stage moe30_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py ;;
+    moe30_offline)
       stage moe30_offline 180 python3 benchmarks/offline_throughput.py --model $a3b --trace --out $results/offline_qwen3_30b_a3b_traced.json
-      stage moe30_roofline 30 python3 benchmarks/roofline.py $results/offline_qwen3_30b_a3b_traced.json --model $a3b --peak-tflops 766
+      stage moe30_roofline 30 python3 benchmarks/roofline.py $results/offline_qwen3_30b_a3b_traced.json --model $a3b --peak-tflops 766 ;;
+    moe30_decode)
       stage moe30_decode 120 python3 benchmarks/decode_latency.py --model $a3b --batch-sizes 1,64 --contexts 512 --out $results/decode_qwen3_30b_a3b.json
       stage moe30_floors 30 python3 benchmarks/roofline.py --model $a3b --decode-batch 1 64 --context 512 --peak-tflops 766 --bandwidth-tbps 4.26 ;;
     moe30_tp2) stage moe30_tp2 240 python3 benchmarks/offline_throughput.py --model $a3b --tp-size 2 --out $results/offline_qwen3_30b_a3b_tp2.json ;;
@@ -142,8 +165,13 @@ for s in $stages; do
     fp8_gemm) stage fp8_gemm 270 python3 benchmarks/experiments/fp8_gemm.py --configs $large --out $results/fp8_gemm.json ;;
     fp8_decode8) stage fp8_decode8 300 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,gemv,flashinfer \
       --batch-sizes 1,64 --out $results/fp8_decode_8b.json ;;
+    fp8_decode8_auto) stage fp8_decode8_auto 150 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto \
+      --batch-sizes 1,64 --out $results/fp8_decode_8b_auto.json ;;
     fp8_decode32) stage fp8_decode32 190 python3 benchmarks/fp8_decode.py --configs .models/Qwen3-32B --fp8-gemms auto \
       --batch-sizes 1 --out $results/fp8_decode_32b.json ;;
+    structured)  # issue 12: 64 json_schema requests against 64 unconstrained (the real tokenizer: xgrammar's vocabulary)
+      srv=$(serving_dir $small /tmp/qwen3-0.6b)
+      stage structured 150 python3 benchmarks/structured_output.py --model $srv --repeats 2 --out $results/structured.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done

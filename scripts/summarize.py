@@ -63,9 +63,11 @@ def main() -> None:
         elif "results" in res and "args" in res:  # serving.py
             for r in res["results"]:
                 t, i = r["ttft_ms"], r["itl_ms"]
+                server = f" {r['server']}" if r.get("server") else ""
+                speedup = f" ({r['speedup_vs_dp1']:.2f}x DP 1)" if "speedup_vs_dp1" in r else ""
                 lines.append(
-                    f"{name}: rate {r['rate']} ok {r['completed']}/{r['completed'] + r['failed']}, "
-                    f"{r['output_throughput']:,.0f} out tok/s, TTFT p50/p99 {t['p50']:.0f}/{t['p99']:.0f} ms, "
+                    f"{name}:{server} rate {r['rate']} ok {r['completed']}/{r['completed'] + r['failed']}, "
+                    f"{r['output_throughput']:,.0f} out tok/s{speedup}, TTFT p50/p99 {t['p50']:.0f}/{t['p99']:.0f} ms, "
                     f"ITL p50/p99 {i['p50']:.1f}/{i['p99']:.1f} ms"
                 )
     print("\n".join(lines))

@@ -1,6 +1,8 @@
 """Compile (JIT) the FlashInfer kernels tpserve uses, in parallel processes, before anything
 else needs them: CUDA-core decode, tensor-core decode (FlashInfer's fa2 prefill module) and
-paged prefill (fa3 on Hopper). Each is built for the given head_dim and dtype.
+paged prefill (fa3 on Hopper). Each is built for the given head_dim and dtype. Also the fused
+all-reduce + add + RMSNorm kernel of ``--all-reduce fused`` (tpserve's own, built through
+FlashInfer's JIT; it needs one GPU to build, two to run).
 
     python scripts/warm_flashinfer.py --head-dim 128 --dtype bfloat16
 """
@@ -14,7 +16,7 @@ import time
 
 import torch
 
-PARTS = ("decode", "decode_tensor_cores", "prefill", "norm", "silu")
+PARTS = ("decode", "decode_tensor_cores", "prefill", "norm", "silu", "allreduce_fused")
 
 
 def warm_elementwise(part: str, dtype: torch.dtype) -> None:
@@ -32,6 +34,11 @@ def warm_elementwise(part: str, dtype: torch.dtype) -> None:
 def warm(part: str, head_dim: int, dtype: torch.dtype) -> None:
     if part in ("norm", "silu"):
         return warm_elementwise(part, dtype)
+    if part == "allreduce_fused":
+        from tpserve.distributed.fused_allreduce import load_module
+
+        load_module()
+        return None
     from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
     from tpserve.engine.batch import build_forward_inputs
     from tpserve.forward import SequenceInput

@@ -38,7 +38,7 @@ CHOICES = {
     "cache": ("radix", "naive"),
     "schedule_policy": ("fcfs", "lpm"),
     "attention_backend": ("auto", "flashinfer", "torch"),
-    "all_reduce": ("auto", "nccl", "one_shot", "two_shot"),
+    "all_reduce": ("auto", "nccl", "one_shot", "two_shot", "fused"),
     "kv_cache_dtype": ("auto", "fp8_e4m3"),
 }
 
@@ -314,6 +314,7 @@ class EngineConfig:
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
     # TP all-reduce on GPU: auto (peer-memory one-shot/two-shot for small messages, NCCL for large)
     # | nccl | one_shot | two_shot (peer memory for every message that fits its buffer)
+    # | fused (auto, and the all-reduce, residual add and RMSNorm in one kernel where they meet)
     all_reduce: str = "auto"
     # Prefill tokens a step that also decodes may carry; a step with more prefill work runs it
     # without the decodes (they wait one step), so decodes never stall behind a long chunk.
@@ -325,6 +326,10 @@ class EngineConfig:
     node_rank: int = 0
     dist_timeout: float = 15.0  # seconds a node may be silent (joining, heartbeats, collectives); nnodes > 1
     kv_cache_dtype: str = "auto"  # fp8_e4m3: the KV cache in float8 e4m3 (scale 1), read back in the compute dtype
+    # Data parallelism (one node): dp_size independent replicas of tp_size ranks each; replica
+    # dp_rank's ranks use GPUs dp_rank * tp_size .. dp_rank * tp_size + tp_size - 1.
+    dp_size: int = 1
+    dp_rank: int = 0
 
     def __post_init__(self) -> None:
         if self.tp_size < 1:
@@ -337,6 +342,12 @@ class EngineConfig:
             )
         if not 0 < self.dist_timeout < float("inf"):
             raise ValueError(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
+        if self.dp_size < 1:
+            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size {self.dp_size}), got {self.dp_rank}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ValueError("data-parallel replicas run on one node: dp_size > 1 with nnodes > 1 is not supported")
         for name, choices in CHOICES.items():
             value = getattr(self, name)
             if value not in choices + {"device": (None,), "dtype": (None, "auto")}.get(name, ()):
@@ -397,7 +408,13 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
         if not torch.cuda.is_available():
             raise ValueError(f"{_option('device', 'cuda', cli)}: CUDA is not available on this machine")
         per_node = engine.tp_size // engine.nnodes
-        if torch.cuda.device_count() < per_node:
+        gpus = per_node * engine.dp_size
+        if torch.cuda.device_count() < gpus:
+            if engine.dp_size > 1:
+                raise ValueError(
+                    f"{_option('dp_size', engine.dp_size, cli)} x {_option('tp_size', engine.tp_size, cli)} "
+                    f"needs {gpus} GPUs; {torch.cuda.device_count()} visible"
+                )
             where = f" on each of {engine.nnodes} nodes" if engine.nnodes > 1 else ""
             raise ValueError(
                 f"{_option('tp_size', engine.tp_size, cli)} needs {per_node} GPUs{where}; "

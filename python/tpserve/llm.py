@@ -1,7 +1,8 @@
 """The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``.
 
 The LLM drives the server's ranks and scheduler loop (``tpserve.launch.ranks``): with tp_size 1
-in this process, with tp_size N in one spawned process per rank. It sends the requests, collects
+in this process, with tp_size N in one spawned process per rank, and with dp_size D in D
+replicas of tp_size processes each, the requests routed as the server routes them. It sends the requests, collects
 rank 0's outputs, watches stop strings (aborting a request at its stop string, as the
 detokenizer does for the server) and shows the progress.
 """
@@ -64,7 +65,9 @@ class _StopWatcher:
 
 
 class LLM:
-    """Offline generation. ``LLM(model_dir, tp_size=2)`` runs two rank processes on this host."""
+    """Offline generation. ``LLM(model_dir, tp_size=2)`` runs two rank processes on this host;
+    ``dp_size=2`` runs two independent replicas (of tp_size ranks each) and spreads the requests
+    over them (``load_balance_method``: see ``tpserve.router.policy``)."""
 
     def __init__(
         self,
@@ -73,20 +76,28 @@ class LLM:
         device: str | None = None,
         dtype: str | None = None,
         load_format: str = "auto",
+        dp_size: int = 1,
+        load_balance_method: str = "cache_aware",
         **engine_kwargs,
     ) -> None:
         from tpserve.launch.model_path import resolve_model_dir
+        from tpserve.router.policy import LOAD_BALANCE_METHODS
 
+        if load_balance_method not in LOAD_BALANCE_METHODS:
+            raise ValueError(
+                f"load_balance_method must be one of {', '.join(LOAD_BALANCE_METHODS)}, got {load_balance_method!r}"
+            )
         model = resolve_model_dir(model)  # a local directory, or a HF id from the local cache (as the server)
         self.config = EngineConfig(
-            model=model, tp_size=tp_size, device=device, dtype=dtype, load_format=load_format, **engine_kwargs
+            model=model, tp_size=tp_size, device=device, dtype=dtype, load_format=load_format, dp_size=dp_size,
+            **engine_kwargs,
         )
         self.model_config = ModelConfig.from_pretrained(model)
         check_can_start(self.config, self.model_config)  # fail here, before spawning anything
         self.tokenizer = _load_tokenizer(model)
         self._next_rid = 0
         self._seed_rng = random.Random()
-        self._driver: RankDriver | None = start_ranks(self.config)
+        self._driver: RankDriver | None = start_ranks(self.config, load_balance_method)
 
     def generate(
         self,
@@ -153,20 +164,28 @@ class LLM:
         return results
 
     def flush_cache(self) -> bool:
-        """Drop every cached prefix; True when the whole KV pool is free again."""
-        return self._ask(FlushCache(), "flush_cache").flushed
+        """Drop every cached prefix (of every replica); True when every KV pool is free again."""
+        return all(reply.flushed for reply in self._ask(FlushCache(), "flush_cache"))
 
     def stats(self) -> SchedulerStats:
-        """KV pages in use, cached and free; cumulative cache hits, evictions, preemptions."""
-        return self._ask(GetStats(), "get_stats").stats
+        """KV pages in use, cached and free; cumulative cache hits, evictions, preemptions
+        (summed over the replicas; ``replica_stats`` gives each replica's)."""
+        return sum_stats(self.replica_stats())
 
-    def _ask(self, msg: FlushCache | GetStats, tag: str) -> BatchTokenOutput:
+    def replica_stats(self) -> list[SchedulerStats]:
+        """``stats`` of each data-parallel replica, in replica order."""
+        return sorted((reply.stats for reply in self._ask(GetStats(), "get_stats")), key=lambda s: s.replica)
+
+    def _ask(self, msg: FlushCache | GetStats, tag: str) -> list[BatchTokenOutput]:
+        """Every replica's answer (each answers once)."""
         driver = self._live_driver(tag)
         driver.send(msg)
-        while True:
+        replies: list[BatchTokenOutput] = []
+        while len(replies) < self.config.dp_size:
             reply = driver.receive()
             if reply.answers == tag:
-                return reply
+                replies.append(reply)
+        return replies
 
     def _live_driver(self, method: str) -> RankDriver:
         if self._driver is None:
@@ -214,6 +233,14 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
+    """The replicas' stats added up (as if of one replica, 0)."""
+    if len(stats) == 1:
+        return stats[0]
+    fields = [f for f in SchedulerStats.__struct_fields__ if f != "replica"]
+    return SchedulerStats(**{f: sum(getattr(s, f) for s in stats) for f in fields})
 
 
 def _load_tokenizer(model_dir: str):

@@ -6,13 +6,24 @@ import multiprocessing as mp
 
 import torch
 from tpserve.distributed.comm import init_process_groups, local_init_addr
+from tpserve.layers.norm import RMSNorm
+
+
+def _norm() -> RMSNorm:
+    norm = RMSNorm(3, 1e-6)
+    norm.weight.data.copy_(torch.tensor([1.0, 2.0, 0.5]))
+    return norm
 
 
 def _rank(rank: int, addr: str, out: mp.Queue) -> None:
     comm, cpu_group = init_process_groups(rank, 2, addr, torch.device("cpu"))
     summed = comm.all_reduce(torch.full((2, 3), float(rank + 1)))
     gathered = comm.all_gather(torch.arange(4.0).view(2, 2) + 10 * rank)
-    out.put((rank, summed, gathered, cpu_group is not None))
+    partial = torch.arange(6.0).view(2, 3) * (rank + 1)
+    normed = comm.all_reduce_add_rmsnorm(partial, torch.ones(2, 3), _norm())
+    # plain lists: a tensor sent through the queue is shared through a file descriptor, which may
+    # be gone by the time the parent reads it if this process has exited
+    out.put((rank, summed.tolist(), gathered.tolist(), [t.tolist() for t in normed], cpu_group is not None))
     torch.distributed.destroy_process_group()
 
 
@@ -27,8 +38,12 @@ def test_all_reduce_and_all_gather_two_ranks():
     for p in procs:
         p.join(30)
     assert all(p.exitcode == 0 for p in procs)
-    for _, summed, gathered, has_cpu_group in results:
+    want = _norm()(torch.arange(6.0).view(2, 3) * 3, torch.ones(2, 3))
+    for _, summed, gathered, normed, has_cpu_group in results:
+        summed, gathered = torch.tensor(summed), torch.tensor(gathered)
         assert torch.equal(summed, torch.full((2, 3), 3.0))
+        # the partial sums (1x and 2x) all-reduced, plus the residual, normalised
+        assert torch.equal(torch.tensor(normed[0]), want[0]) and torch.equal(torch.tensor(normed[1]), want[1])
         # Rank 0's columns, then rank 1's: the vocabulary order the LM head needs.
         assert torch.equal(gathered, torch.tensor([[0.0, 1.0, 10.0, 11.0], [2.0, 3.0, 12.0, 13.0]]))
         assert has_cpu_group
@@ -38,6 +53,8 @@ def test_single_rank_needs_no_process_group():
     comm, cpu_group = init_process_groups(0, 1, "", torch.device("cpu"))
     x = torch.ones(3)
     assert comm.all_reduce(x) is x and comm.all_gather(x) is x and cpu_group is None
+    normed, residual = comm.all_reduce_add_rmsnorm(torch.ones(1, 3), torch.ones(1, 3), _norm())
+    assert torch.equal(residual, torch.full((1, 3), 2.0)) and torch.allclose(normed, _norm().weight.data)
 
 
 class _FakePeer:
@@ -72,6 +89,46 @@ def test_cuda_communicator_routes_small_messages_to_the_peer_kernels():
         torch.distributed.destroy_process_group()
 
 
+class _FakeFused:
+    """Stands in for the GPU-only FusedAllReduceNorm: takes [tokens, hidden] of at most 2 tokens."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def handles(self, x: torch.Tensor, residual: torch.Tensor) -> bool:
+        return x.shape[0] <= 2
+
+    def __call__(
+        self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self.calls += 1
+        return x * 0, residual * 0
+
+    def close(self) -> None:
+        pass
+
+
+def test_cuda_communicator_sends_add_rmsnorm_through_the_fused_kernel_where_it_fits():
+    from tpserve.distributed.comm import CudaCommunicator
+
+    torch.distributed.init_process_group("gloo", init_method=local_init_addr(), rank=0, world_size=1)
+    try:
+        fused, peer = _FakeFused(), _FakePeer()
+        comm = CudaCommunicator(1, peer, fused)
+        normed, residual = comm.all_reduce_add_rmsnorm(torch.ones(2, 3), torch.ones(2, 3), _norm())
+        assert fused.calls == 1 and peer.calls == 0 and not normed.any() and not residual.any()
+        # too many tokens for the fused kernel: the peer all-reduce (x2 here), then the norm
+        normed, residual = comm.all_reduce_add_rmsnorm(torch.ones(1, 3).expand(3, 3).contiguous(), torch.ones(3, 3), _norm())
+        assert fused.calls == 1 and peer.calls == 0  # 9 elements: the group's all-reduce, not the peer's
+        assert torch.equal(residual, torch.full((3, 3), 2.0))
+        comm.close()
+        assert comm.fused is None and comm.peer is None
+        normed, residual = CudaCommunicator(1, None).all_reduce_add_rmsnorm(torch.ones(1, 3), torch.ones(1, 3), _norm())
+        assert torch.equal(residual, torch.full((1, 3), 2.0))
+    finally:
+        torch.distributed.destroy_process_group()
+
+
 def test_nccl_mode_makes_no_peer_buffers_and_comm_imports_no_gpu_module():
     import subprocess
     import sys
@@ -79,5 +136,8 @@ def test_nccl_mode_makes_no_peer_buffers_and_comm_imports_no_gpu_module():
     from tpserve.distributed.peer_allreduce import create_peer_all_reduce
 
     assert create_peer_all_reduce("nccl", None, None, torch.device("cpu"), torch.bfloat16) is None
-    code = "import sys, tpserve.distributed.comm; sys.exit('tpserve.distributed.peer_allreduce' in sys.modules)"
+    code = (
+        "import sys, tpserve.distributed.comm, tpserve.models.decoder; "
+        "sys.exit(any(m in sys.modules for m in ('tpserve.distributed.peer_allreduce', 'tpserve.distributed.fused_allreduce')))"
+    )
     assert subprocess.run([sys.executable, "-c", code]).returncode == 0

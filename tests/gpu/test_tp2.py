@@ -1,6 +1,6 @@
 """Tensor parallelism on two GPUs: TP 2 against TP 1 and transformers, CUDA graphs and overlap on
-against off, the peer-memory all-reduce against NCCL, and the server at TP 2 (concurrent streams;
-SIGTERM stops every rank and frees both GPUs).
+against off, the peer-memory all-reduce (and the fused all-reduce + add + RMSNorm) against NCCL,
+and the server at TP 2 (concurrent streams; SIGTERM stops every rank and frees both GPUs).
 
 The model is Qwen3-shaped with head_dim 128 (the kernels the real models use), in bf16. bf16
 outputs of two correct implementations part ways at near-ties, then differ (as transformers'
@@ -127,12 +127,32 @@ def plain_tp2(model_dir):
     return ids, greedy(model_dir, ids, tp_size=2, cuda_graph_max_bs=0, disable_overlap=True, all_reduce="nccl")
 
 
-@pytest.mark.parametrize("all_reduce", ["auto", "nccl", "one_shot", "two_shot"])
+@pytest.mark.parametrize("all_reduce", ["auto", "nccl", "one_shot", "two_shot", "fused"])
 def test_tp2_graphs_overlap_and_all_reduce_equal(model_dir, plain_tp2, all_reduce):
     ids, plain = plain_tp2
     fast = greedy(model_dir, ids, tp_size=2, all_reduce=all_reduce)
     matched = agreement(plain, fast)
     assert sum(matched) >= 0.9 * MAX_TOKENS * len(ids), matched
+
+
+def test_fused_all_reduce_eager_equals_its_graphs_and_overlap(model_dir, plain_tp2):
+    """``--all-reduce fused`` without CUDA graphs or overlap against with them: the same kernels,
+    so the same tokens (up to near-ties of the eager run)."""
+    ids, _ = plain_tp2
+    eager = greedy(model_dir, ids, tp_size=2, cuda_graph_max_bs=0, disable_overlap=True, all_reduce="fused")
+    fast = greedy(model_dir, ids, tp_size=2, all_reduce="fused")
+    matched = agreement(eager, fast)
+    assert sum(matched) >= 0.9 * MAX_TOKENS * len(ids), matched
+
+
+def test_fused_all_reduce_add_rmsnorm_in_and_out_of_graphs():
+    """Two ranks run the fused all-reduce + add + RMSNorm (one-shot, two-shot, routed) at 1 to 800
+    tokens, eager and replayed from a CUDA graph, against float64 and the unfused kernels."""
+    script = Path(__file__).resolve().parent / "tp2_fused_check.py"
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=400,
+                          env={**os.environ, **ENV})
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    assert "fused ok" in proc.stdout, proc.stdout
 
 
 def test_peer_all_reduce_sums_every_size_in_and_out_of_graphs():

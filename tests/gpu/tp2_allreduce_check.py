@@ -41,10 +41,14 @@ def check(rank: int, name: str, fn, numel: int, graph: bool, seed: int) -> None:
     scale = want.double().abs().max().item()
     if err > scale * 2**-8:
         raise AssertionError(f"{name} numel {numel} graph {graph}: max error {err} (max |sum| {scale})")
-    mine, others = y.clone(), [torch.empty_like(y) for _ in range(2)]
+    check_same_on_ranks(y, f"{name} numel {numel} graph {graph}")
+
+
+def check_same_on_ranks(t: torch.Tensor, what: str) -> None:
+    mine, others = t.clone(), [torch.empty_like(t) for _ in range(dist.get_world_size())]
     dist.all_gather(others, mine)
-    if not torch.equal(others[0], others[1]):
-        raise AssertionError(f"{name} numel {numel} graph {graph}: the ranks' results differ")
+    if not all(torch.equal(others[0], o) for o in others[1:]):
+        raise AssertionError(f"{what}: the ranks' results differ")
 
 
 def rank_main(rank: int, addr: str) -> None:

@@ -2,7 +2,8 @@
 
 Layers hold a ``Communicator``: torch.distributed with Gloo on CPU; on GPU, NCCL plus, for small
 all-reduces, a one-shot/two-shot reduction through peer GPU memory (``peer_allreduce``, imported
-only on CUDA).
+only on CUDA), and with ``--all-reduce fused`` one kernel for the all-reduce, residual add and
+RMSNorm where a row-parallel output meets the next norm (``fused_allreduce``).
 """
 
 from __future__ import annotations
@@ -17,7 +18,9 @@ import torch
 import torch.distributed as dist
 
 if TYPE_CHECKING:
+    from tpserve.distributed.fused_allreduce import FusedAllReduceNorm
     from tpserve.distributed.peer_allreduce import PeerAllReduce
+    from tpserve.layers.norm import RMSNorm
 
 
 class Communicator(Protocol):
@@ -27,6 +30,13 @@ class Communicator(Protocol):
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         """Concatenate every rank's ``x`` along the last dimension."""
+        ...
+
+    def all_reduce_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Sum ``x`` over the ranks, add ``residual``, normalise: (normed, new residual), with the
+        in-place contract of ``RMSNorm``'s fused add (``x`` and ``residual`` may be overwritten)."""
         ...
 
 
@@ -42,6 +52,11 @@ class SingleRankCommunicator:
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         return x
+
+    def all_reduce_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return norm(x, residual)
 
 
 class TorchDistCommunicator:
@@ -61,24 +76,43 @@ class TorchDistCommunicator:
         _all_gather_single(out, x, group=self.group)
         return torch.cat(out.chunk(self.world_size, dim=0), dim=-1)
 
+    def all_reduce_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        return norm(self.all_reduce(x), residual)
+
 
 class CudaCommunicator(TorchDistCommunicator):
     """NCCL, with the all-reduces the peer-memory kernels handle (small, contiguous, the model's
-    dtype) sent through them instead."""
+    dtype) sent through them instead, and those followed by an add+RMSNorm through the fused
+    kernel where there is one (``--all-reduce fused``)."""
 
-    def __init__(self, world_size: int, peer: PeerAllReduce | None) -> None:
+    def __init__(
+        self, world_size: int, peer: PeerAllReduce | None, fused: FusedAllReduceNorm | None = None
+    ) -> None:
         super().__init__(world_size)
         self.peer = peer
+        self.fused = fused
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
         if self.peer is not None and self.peer.handles(x):
             return self.peer(x)
         return super().all_reduce(x)
 
+    def all_reduce_add_rmsnorm(
+        self, x: torch.Tensor, residual: torch.Tensor, norm: RMSNorm
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        if self.fused is not None and self.fused.handles(x, residual):
+            return self.fused(x, residual, norm.weight, norm.eps)
+        return super().all_reduce_add_rmsnorm(x, residual, norm)
+
     def close(self) -> None:
         if self.peer is not None:
             self.peer.close()
             self.peer = None
+        if self.fused is not None:
+            self.fused.close()
+            self.fused = None
 
 
 def free_port() -> int:
@@ -106,9 +140,10 @@ def init_process_groups(
     """Returns (the tensor communicator, a Gloo CPU group for control messages).
 
     On CPU one Gloo group serves both; on GPU NCCL carries tensors (and the peer-memory
-    all-reduce of ``all_reduce`` mode the small ones) and a separate Gloo group carries the
-    scheduler's small control broadcasts. A multi-node group passes the ``store`` it joined through
-    and ``timeout_s``, the limit on every collective (torch's default otherwise).
+    all-reduce of ``all_reduce`` mode the small ones; mode ``fused`` adds the fused all-reduce +
+    add + RMSNorm) and a separate Gloo group carries the scheduler's small control broadcasts.
+    A multi-node group passes the ``store`` it joined through and ``timeout_s``, the limit on
+    every collective (torch's default otherwise).
     """
     if world_size == 1:
         return SingleRankCommunicator(), None
@@ -130,7 +165,12 @@ def init_process_groups(
     from tpserve.distributed.peer_allreduce import create_peer_all_reduce
 
     peer = create_peer_all_reduce(all_reduce, dist.group.WORLD, cpu_group, device, dtype)
-    return CudaCommunicator(world_size, peer), cpu_group
+    fused = None
+    if all_reduce == "fused":
+        from tpserve.distributed.fused_allreduce import MAX_BYTES, ONE_SHOT_MAX_BYTES, create_fused_all_reduce
+
+        fused = create_fused_all_reduce(dist.group.WORLD, cpu_group, device, dtype, MAX_BYTES, ONE_SHOT_MAX_BYTES)
+    return CudaCommunicator(world_size, peer, fused), cpu_group
 
 
 RENDEZVOUS_TIMEOUT_S = 300.0

@@ -100,7 +100,7 @@ def create_peer_all_reduce(
     answer: if any rank cannot map peer memory, none uses it (a mix would deadlock)."""
     if mode == "nccl":
         return None
-    one_shot_max = {"auto": ONE_SHOT_MAX_BYTES, "one_shot": BUFFER_BYTES, "two_shot": 0}[mode]
+    one_shot_max = {"auto": ONE_SHOT_MAX_BYTES, "fused": ONE_SHOT_MAX_BYTES, "one_shot": BUFFER_BYTES, "two_shot": 0}[mode]
     peer: PeerAllReduce | None = None
     try:
         peer = PeerAllReduce(group, device, dtype, BUFFER_BYTES, one_shot_max)

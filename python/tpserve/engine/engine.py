@@ -78,16 +78,18 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> 
     return {"logprobs": logprobs.gather(1, tokens[:, None]).squeeze(1), "top_ids": top_ids, "top_logprobs": top_logprobs}
 
 
-def resolve_device(device: str | None, rank: int) -> torch.device:
-    """``rank``: the rank's index on its node (its local rank)."""
+def resolve_device(device: str | None, rank: int, first_gpu: int = 0) -> torch.device:
+    """``rank``: the rank's index on its node (its local rank); its device is ``cuda:first_gpu +
+    rank`` (a data-parallel replica's ranks start at its own first GPU)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
         if not torch.cuda.is_available():
             raise RuntimeError("device cuda was asked for but CUDA is not available")
-        if rank >= torch.cuda.device_count():
-            raise RuntimeError(f"tp rank {rank} needs cuda:{rank} but only {torch.cuda.device_count()} GPUs are visible")
-        return torch.device(f"cuda:{rank}")
+        index = first_gpu + rank
+        if index >= torch.cuda.device_count():
+            raise RuntimeError(f"tp rank {rank} needs cuda:{index} but only {torch.cuda.device_count()} GPUs are visible")
+        return torch.device(f"cuda:{index}")
     return torch.device("cpu")
 
 
@@ -98,11 +100,11 @@ class Engine:
         self.nodes = nodes
         self.tp = set_tp_info(rank, config.tp_size)  # before any layer is built
         layout = NodeLayout.of(config)
-        self.device = resolve_device(config.device, layout.local_rank(rank))
+        self.device = resolve_device(config.device, layout.local_rank(rank), config.dp_rank * layout.ranks_per_node)
         if self.device.type == "cuda":
             torch.cuda.set_device(self.device)
-        elif layout.ranks_per_node > 1:  # ranks share the host's cores
-            torch.set_num_threads(max(1, (os.cpu_count() or 1) // layout.ranks_per_node))
+        elif layout.ranks_per_node * config.dp_size > 1:  # ranks (of every replica) share the host's cores
+            torch.set_num_threads(max(1, (os.cpu_count() or 1) // (layout.ranks_per_node * config.dp_size)))
         self.model_config = ModelConfig.from_pretrained(config.model)
         self.model_config.check_tp_size(config.tp_size)
         self.max_model_len = config.max_model_len or self.model_config.context_length

@@ -16,6 +16,7 @@ from tpserve.quant.config import QUANTIZATION_METHODS
 from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
+from tpserve.router.policy import LOAD_BALANCE_METHODS
 
 logger = logging.getLogger(__name__)
 
@@ -50,6 +51,7 @@ class ServerArgs:
     max_sequences_per_request: int = 256  # prompts x n of one API call
     health_timeout: float = 60.0  # /health is 503 when a rank's loop stalls this long
     request_timeout: float | None = None  # seconds one API call may take (None: no limit)
+    load_balance_method: str = "cache_aware"  # how the router picks a data-parallel replica
 
     @property
     def model_dir(self) -> str:
@@ -176,6 +178,16 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size",
                         type=_int_at_least(1), default=_default("tp_size"),
                         help="tensor-parallel size: number of GPUs (processes) the model is split over")
+    # ---- data parallelism (issue 15) ----
+    engine.add_argument("--dp-size", "--data-parallel-size", "--dp", dest="dp_size", type=_int_at_least(1),
+                        default=_default("dp_size"),
+                        help="data-parallel replicas: independent TP groups (each --tp-size GPUs, its own "
+                        "KV cache) behind one API server; replica d uses GPUs d*tp .. d*tp+tp-1")
+    engine.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS,
+                        default=_default("load_balance_method", ServerArgs),
+                        help="with --dp-size > 1, where each request goes: minimum_tokens (the replica "
+                        "with the least outstanding tokens) or cache_aware (the same, counting the "
+                        "prompt prefix a replica likely has cached as work it need not do)")
     engine.add_argument("--device", choices=["auto", *CHOICES["device"]], default="auto",
                         help="auto: cuda when available, else cpu")
     engine.add_argument("--max-running-requests", type=_int_at_least(1), default=_default("max_running_requests"),
@@ -212,8 +224,9 @@ def build_parser() -> argparse.ArgumentParser:
                         help="largest decode batch captured in a CUDA graph (0: no CUDA graphs)")
     engine.add_argument("--all-reduce", choices=CHOICES["all_reduce"], default=_default("all_reduce"),
                         help="TP all-reduce on GPU: auto (one-shot/two-shot kernels through peer GPU "
-                             "memory for small messages, NCCL for large; NCCL only across nodes), nccl, or "
-                             "one kernel for every message that fits the peer buffer")
+                             "memory for small messages, NCCL for large; NCCL only across nodes), nccl, "
+                             "one kernel for every message that fits the peer buffer, or fused (auto, with "
+                             "the all-reduce, residual add and RMSNorm in one kernel where they meet)")
     engine.add_argument("--disable-overlap", action="store_true",
                         help="do not overlap scheduling of the next step with the running one")
     engine.add_argument("--debug-check-invariants", action="store_true",
@@ -285,6 +298,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     engine = EngineConfig(
         model=model_dir,
         tp_size=ns.tp_size,
+        dp_size=ns.dp_size,
         device=None if ns.device == "auto" else ns.device,
         dtype=None if ns.dtype == "auto" else ns.dtype,
         load_format=ns.load_format,
@@ -308,6 +322,8 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         **_node_settings(ns),
     )
     check_can_start(engine, model_config, cli=True)
+    if ns.shell and ns.dp_size > 1:
+        raise ValueError("--shell runs one replica: drop --dp-size")
     chat_template = _read_template(ns.chat_template) if ns.chat_template else None
     tool_parser = ns.tool_call_parser
     if tool_parser == "auto":
@@ -332,6 +348,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         max_sequences_per_request=ns.max_sequences_per_request,
         health_timeout=ns.health_timeout,
         request_timeout=ns.request_timeout,
+        load_balance_method=ns.load_balance_method,
     )
 
 

@@ -1,8 +1,10 @@
 """Starting and stopping the backend processes of one server, or of the offline LLM's ranks.
 
-One scheduler per TP rank, one detokenizer, N tokenizer workers, all spawned. Rank 0, the
-detokenizer and each tokenizer put an acknowledgement on a queue when ready. The API server (or
-the shell, or the offline LLM, which runs only the ranks) runs in the parent process.
+One scheduler per TP rank of each data-parallel replica (every replica its own TP group, with
+its own rendezvous, ipc sockets and GPUs), one detokenizer, N tokenizer workers, all spawned.
+Each replica's rank 0, the detokenizer and each tokenizer put an acknowledgement on a queue when
+ready. The API server (or the shell, or the offline LLM, which runs only the ranks) runs in the
+parent process.
 """
 
 from __future__ import annotations
@@ -67,6 +69,20 @@ class _ChildSpec:
     args: tuple
 
 
+def _init_addrs(engine: EngineConfig) -> list[str | None]:
+    """Each replica's torch.distributed rendezvous (distinct ports); None where tp 1 needs none."""
+    if engine.tp_size == 1:
+        return [None] * engine.dp_size
+    if engine.dist_init_addr is not None and engine.dp_size == 1:
+        return [engine.dist_init_addr]
+    addrs: list[str] = []
+    while len(addrs) < engine.dp_size:
+        addr = local_init_addr()
+        if addr not in addrs:
+            addrs.append(addr)
+    return addrs
+
+
 class Backend:
     """The child processes of one server (without ``server``: only the ranks) and their ipc dir.
 
@@ -77,27 +93,31 @@ class Backend:
     def __init__(self, engine: EngineConfig, log_level: str, server: ServerArgs | None = None) -> None:
         self.engine, self.log_level, self.server = engine, log_level, server
         self.ranks = NodeLayout.of(engine).ranks_on(engine.node_rank)
-        self.endpoints = Endpoints.create()
+        self.endpoints = Endpoints.create(engine.dp_size)
         self._mp = multiprocessing.get_context("spawn")
         self._ack_queue = self._mp.Queue()
         self.procs: list[multiprocessing.process.BaseProcess] = []
-        self._acks_expected = 1 if server is None else 2 + server.num_tokenizers
+        self._acks_expected = engine.dp_size + (0 if server is None else 1 + server.num_tokenizers)
         # Each scheduler rank writes time.monotonic() here at every loop iteration (a liveness
         # signal that needs no message: a stopped or stuck rank simply stops writing).
-        self.heartbeats = [self._mp.Value("d", 0.0, lock=False) for _ in self.ranks]
+        # Replica d's ranks are at d * len(self.ranks) .. (data parallelism runs on one node).
+        self.heartbeats = [self._mp.Value("d", 0.0, lock=False) for _ in range(engine.dp_size * len(self.ranks))]
         self._stopping = False
         self._ready = False
 
     # ---- start-up ----
     def _specs(self) -> list[_ChildSpec]:
         args, ep, engine = self.server, self.endpoints, self.engine
-        if engine.tp_size > 1 and engine.dist_init_addr is None:
-            engine = replace(engine, dist_init_addr=local_init_addr())
         entry = DEFAULT_SCHEDULER_ENTRY if args is None else args.scheduler_entry
-        specs = [
-            _ChildSpec(f"scheduler-tp{rank}", entry, (engine, rank, ep, self._ack_queue, beat))
-            for rank, beat in zip(self.ranks, self.heartbeats)
-        ]
+        specs = []
+        for dp_rank, init_addr in enumerate(_init_addrs(engine)):
+            replica = replace(engine, dp_rank=dp_rank, dist_init_addr=init_addr)
+            prefix = "scheduler" if engine.dp_size == 1 else f"scheduler-dp{dp_rank}"
+            beats = self.heartbeats[dp_rank * len(self.ranks):(dp_rank + 1) * len(self.ranks)]
+            specs += [
+                _ChildSpec(f"{prefix}-tp{rank}", entry, (replica, rank, ep.for_replica(dp_rank), self._ack_queue, beat))
+                for rank, beat in zip(self.ranks, beats)
+            ]
         if args is None:
             return specs
         specs.append(_ChildSpec("detokenizer", DETOKENIZER_ENTRY, (args.model_dir, ep, self._ack_queue)))
@@ -153,9 +173,12 @@ class Backend:
     def stalled_rank(self, timeout: float) -> str | None:
         """Why the backend is not live, if a rank's loop has not come round for ``timeout`` s."""
         now = time.monotonic()
-        for rank, beat in zip(self.ranks, self.heartbeats):
+        for index, beat in enumerate(self.heartbeats):
             if beat.value and now - beat.value > timeout:
-                return f"scheduler rank {rank} has made no progress for {now - beat.value:.1f} s"
+                dp_rank, local = divmod(index, len(self.ranks))
+                rank = self.ranks[local]
+                where = f" of replica {dp_rank}" if self.engine.dp_size > 1 else ""
+                return f"scheduler rank {rank}{where} has made no progress for {now - beat.value:.1f} s"
         return None
 
     # ---- shut-down ----
@@ -203,7 +226,8 @@ class Backend:
     def _send_shutdown(self) -> None:
         ctx = zmq.Context()
         ep = self.endpoints
-        senders = [Sender(ctx, a) for a in [ep.scheduler] + ([ep.detokenizer] if self.server is not None else [])]
+        addresses = list(ep.replica_schedulers) + ([ep.detokenizer] if self.server is not None else [])
+        senders = [Sender(ctx, a) for a in addresses]
         try:
             for sender in senders:
                 sender.socket.setsockopt(zmq.SNDTIMEO, 200)

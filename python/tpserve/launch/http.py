@@ -19,9 +19,12 @@ import uvicorn
 
 from tpserve.launch.args import ServerArgs
 from tpserve.launch.backend import Backend, ChildDied, StartupCancelled
+from tpserve.router.dispatch import Dispatch
+from tpserve.router.policy import Router
 from tpserve.server.api import AppState, create_app
 from tpserve.server.client import FrontendClient
 from tpserve.server.limits import RequestLimits
+from tpserve.server.replicas import ReplicaRouter
 from tpserve.server.serving import Serving
 
 logger = logging.getLogger(__name__)
@@ -90,13 +93,19 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
     logger.info("listening on %s (starting up: /health is 503 until the model is loaded)", url)
 
     backend = Backend(args.engine, args.log_level, args)
-    frontend = FrontendClient(backend.endpoints, state.metrics.on_stats, state.metrics.on_aborted_finish)
-    dispatcher: asyncio.Task | None = None
+    dispatch = _dispatch(args)
+    frontend = FrontendClient(backend.endpoints, state.metrics.on_stats, state.metrics.on_aborted_finish, dispatch)
+    router = None if dispatch is None else ReplicaRouter(backend.endpoints, dispatch)
+    if dispatch is not None:
+        state.metrics.watch_router(dispatch.router)
+    tasks: list[asyncio.Task] = []
     try:
         backend.start()
         if not await _wait_ready(backend, stop, http_task):
             return 1 if not stop.is_set() else 0
-        dispatcher = asyncio.create_task(frontend.run(), name="dispatcher")
+        tasks.append(asyncio.create_task(frontend.run(), name="dispatcher"))
+        if router is not None:
+            tasks.append(asyncio.create_task(router.run(), name="router"))
         state.serving = Serving(
             frontend, state.metrics, args.served_model_name,
             RequestLimits(args.context_len, args.max_sequences_per_request), args.model_aliases,
@@ -104,7 +113,7 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
         )
         state.liveness = lambda: backend.stalled_rank(args.health_timeout)
         logger.info("ready: serving %r on %s", args.served_model_name, url)
-        return await _watch(backend, stop, [http_task, dispatcher])
+        return await _watch(backend, stop, [http_task, *tasks])
     finally:
         state.serving = None  # new requests: 503
         state.stopping = True
@@ -112,11 +121,21 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
         server.should_exit = True
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await asyncio.wait_for(http_task, HTTP_GRACEFUL_S + 2)
-        if dispatcher is not None:
-            dispatcher.cancel()
+        for task in tasks:
+            task.cancel()
         await asyncio.to_thread(backend.shutdown)
         frontend.close()
+        if router is not None:
+            router.close()
         logger.info("stopped")
+
+
+def _dispatch(args: ServerArgs) -> Dispatch | None:
+    """The router of the data-parallel replicas (None with one replica: rank 0 is reached directly)."""
+    engine = args.engine
+    if engine.dp_size == 1:
+        return None
+    return Dispatch(Router(engine.dp_size, args.load_balance_method, engine.page_size))
 
 
 def _on_signal(sig: int, stop: asyncio.Event) -> None:

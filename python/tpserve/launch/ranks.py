@@ -2,8 +2,9 @@
 
 ``RankProcesses`` starts one scheduler process per rank exactly as the server does (``Backend``
 without the tokenizers and the detokenizer) and takes the detokenizer's place: it pushes
-messages to rank 0 and pulls rank 0's outputs. ``LocalRank`` runs the only rank's loop in this
-process and steps it whenever output is wanted. Both take ``SchedulerInput`` messages and give
+messages to rank 0 and pulls rank 0's outputs. With data-parallel replicas it also takes the
+API server's place as the router: each message goes to the replicas ``Dispatch`` names.
+``LocalRank`` runs the only rank's loop in this process and steps it whenever output is wanted. Both take ``SchedulerInput`` messages and give
 back ``BatchTokenOutput``s (``receive`` waits for the next; a dead rank is a RuntimeError), so
 the LLM never branches on the mode.
 """
@@ -21,14 +22,18 @@ from tpserve.config import EngineConfig
 from tpserve.launch.backend import Backend, ChildDied, describe_exit
 from tpserve.message import BatchTokenOutput, SchedulerInput
 from tpserve.message.transport import encode, open_socket
+from tpserve.router.dispatch import Dispatch
+from tpserve.router.policy import Router
 
 POLL_MS = 500  # how often a wait for output checks that every rank is alive
 
 
-def start_ranks(config: EngineConfig) -> RankDriver:
+def start_ranks(config: EngineConfig, load_balance_method: str = "cache_aware") -> RankDriver:
     if config.nnodes > 1:
         raise ValueError("the offline LLM runs on one node (nnodes 1); serve with tpserve --nnodes for more")
-    return LocalRank(config) if config.tp_size == 1 else RankProcesses(config)
+    if config.tp_size == 1 and config.dp_size == 1:
+        return LocalRank(config)
+    return RankProcesses(config, load_balance_method)
 
 
 class LocalRank:
@@ -62,17 +67,17 @@ class LocalRank:
 
 
 class RankProcesses:
-    """tp > 1: the server's scheduler processes; stopped on close, when garbage-collected or at
-    exit (before multiprocessing joins its children), and by the kernel if this process dies."""
+    """tp > 1 or dp > 1: the server's scheduler processes; stopped on close, when garbage-collected
+    or at exit (before multiprocessing joins its children), and by the kernel if this process dies."""
 
-    def __init__(self, config: EngineConfig) -> None:
+    def __init__(self, config: EngineConfig, load_balance_method: str = "cache_aware") -> None:
         self.backend = Backend(config, log_level="warning")
         self._ctx = zmq.Context()
         self._outputs = open_socket(self._ctx, zmq.PULL, self.backend.endpoints.detokenizer, bind=True)
-        self._inputs = self._ctx.socket(zmq.PUSH)
-        self._inputs.setsockopt(zmq.LINGER, 0)
-        self._inputs.setsockopt(zmq.SNDHWM, 0)  # queue rather than block, even if rank 0 is gone
-        self._inputs.connect(self.backend.endpoints.scheduler)
+        self._inputs = [self._push(address) for address in self.backend.endpoints.replica_schedulers]
+        self.dispatch = (
+            Dispatch(Router(config.dp_size, load_balance_method, config.page_size)) if config.dp_size > 1 else None
+        )
         self._decoder = msgspec.msgpack.Decoder(BatchTokenOutput)
         self._finalizer = multiprocessing.util.Finalize(self, _stop, (self.backend, self._ctx), exitpriority=10)
         try:
@@ -83,18 +88,41 @@ class RankProcesses:
             self.close()
             raise error from None
 
+    def _push(self, address: str) -> zmq.Socket:
+        socket = self._ctx.socket(zmq.PUSH)
+        socket.setsockopt(zmq.LINGER, 0)
+        socket.setsockopt(zmq.SNDHWM, 0)  # queue rather than block, even if rank 0 is gone
+        socket.connect(address)
+        return socket
+
+    @property
+    def dp_size(self) -> int:
+        return len(self._inputs)
+
     def send(self, msg: SchedulerInput) -> None:
-        self._inputs.send(encode(msg))
+        data = encode(msg)
+        for replica in [0] if self.dispatch is None else self.dispatch.destinations(msg):
+            self._inputs[replica].send(data)
 
     def receive(self) -> BatchTokenOutput:
         while not self._outputs.poll(POLL_MS):
             if self.backend.dead_child() is not None:
                 raise self._died()
-        return self._decoder.decode(self._outputs.recv())
+        batch = self._decoder.decode(self._outputs.recv())
+        if self.dispatch is not None:
+            for out in batch.outputs:
+                self.dispatch.router.on_output(out.rid, len(out.token_ids), out.finish_reason is not None)
+            if batch.stats is not None:
+                self.dispatch.on_stats(batch.stats)
+        return batch
 
     def _died(self) -> RuntimeError:
-        dead = [(rank, p.exitcode) for rank, p in enumerate(self.backend.procs) if p.exitcode is not None]
-        return RuntimeError("; ".join(f"tp rank {rank} died ({describe_exit(code)})" for rank, code in dead))
+        tp_size = self.backend.engine.tp_size
+        dead = [(*divmod(i, tp_size), p.exitcode) for i, p in enumerate(self.backend.procs) if p.exitcode is not None]
+        return RuntimeError("; ".join(
+            f"tp rank {rank}{f' of replica {dp_rank}' if self.dp_size > 1 else ''} died ({describe_exit(code)})"
+            for dp_rank, rank, code in dead
+        ))
 
     def close(self) -> None:
         self._finalizer()

@@ -233,8 +233,15 @@ class RowParallelLinear(ParallelLinear):
         self.tp_rank, self.tp_size, self.comm = tp.rank, tp.size, comm
         super().__init__(divide(in_features, tp.size, "input features"), out_features, bias)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.comm.all_reduce(self.matmul(x, None))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """The output summed over the ranks; with ``reduce=False`` this rank's partial sum, for a
+        caller that all-reduces it together with what follows (``all_reduce_add_rmsnorm``)."""
+        y = self.matmul(x, None)
+        if not reduce:
+            if self.bias is not None:
+                raise ValueError("a row-parallel layer with a bias must all-reduce its output itself")
+            return y
+        y = self.comm.all_reduce(y)
         return y if self.bias is None else y + self.bias
 
     def part(self, shard_id: str | int | None) -> Slice:

@@ -136,7 +136,8 @@ class SparseMoeBlock(nn.Module):
         self.gate = TopKRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.norm_topk_prob)
         self.experts = StackedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        """Summed over the ranks, or (``reduce=False``) this rank's partial sum."""
         weights, ids = self.gate(x)
         partial = run_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
-        return self.comm.all_reduce(partial)
+        return self.comm.all_reduce(partial) if reduce else partial

@@ -74,6 +74,7 @@ class SchedulerStats(msgspec.Struct):
     cached_tokens_total: int = 0  # cumulative prompt tokens served from the prefix cache
     evicted_pages_total: int = 0
     preemptions_total: int = 0
+    replica: int = 0  # the data-parallel replica (dp_rank) these are of
 
 
 class BatchTokenOutput(msgspec.Struct, tag="batch_output"):

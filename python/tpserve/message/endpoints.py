@@ -10,7 +10,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 PREFIX = "tpserve-"
 OWNER_FILE = "owner.pid"
@@ -19,14 +19,19 @@ OWNER_FILE = "owner.pid"
 @dataclass(frozen=True)
 class Endpoints:
     tokenizer: str  # API server PUSH (binds) -> tokenizer workers PULL (connect)
-    scheduler: str  # tokenizers / detokenizer / API server PUSH (connect) -> rank 0 PULL (binds)
+    # tokenizers / detokenizer / API server PUSH (connect) -> rank 0 PULL (binds); with data
+    # parallelism, the API server's router PULL (binds), which forwards to a replica's rank 0
+    scheduler: str
     rank_broadcast: str  # rank 0 PUB (binds) -> ranks 1.. SUB (connect)
-    detokenizer: str  # rank 0 PUSH (connects) -> detokenizer PULL (binds)
+    detokenizer: str  # every replica's rank 0 PUSH (connects) -> detokenizer PULL (binds)
     api: str  # detokenizer and tokenizers PUSH (connect) -> API server PULL (binds)
     directory: str
+    # each replica's rank 0 PULL and rank broadcast; one replica: (scheduler,), (rank_broadcast,)
+    replica_schedulers: tuple[str, ...] = ()
+    replica_broadcasts: tuple[str, ...] = ()
 
     @classmethod
-    def create(cls) -> Endpoints:
+    def create(cls, dp_size: int = 1) -> Endpoints:
         remove_stale_directories()
         directory = tempfile.mkdtemp(prefix=PREFIX)
         os.chmod(directory, 0o700)
@@ -36,13 +41,30 @@ class Endpoints:
         def path(name: str) -> str:
             return f"ipc://{os.path.join(directory, name)}"
 
+        if dp_size == 1:
+            schedulers, broadcasts = (path("scheduler"),), (path("rank-broadcast"),)
+        else:
+            schedulers = tuple(path(f"scheduler-dp{d}") for d in range(dp_size))
+            broadcasts = tuple(path(f"rank-broadcast-dp{d}") for d in range(dp_size))
         return cls(
             tokenizer=path("tokenizer"),
-            scheduler=path("scheduler"),
-            rank_broadcast=path("rank-broadcast"),
+            scheduler=schedulers[0] if dp_size == 1 else path("router"),
+            rank_broadcast=broadcasts[0],
             detokenizer=path("detokenizer"),
             api=path("api"),
             directory=directory,
+            replica_schedulers=schedulers,
+            replica_broadcasts=broadcasts,
+        )
+
+    @property
+    def dp_size(self) -> int:
+        return len(self.replica_schedulers)
+
+    def for_replica(self, dp_rank: int) -> Endpoints:
+        """The addresses replica ``dp_rank``'s ranks use: its own rank 0 and broadcast."""
+        return replace(
+            self, scheduler=self.replica_schedulers[dp_rank], rank_broadcast=self.replica_broadcasts[dp_rank]
         )
 
 

@@ -5,6 +5,10 @@ Qwen2 has q/k/v biases (``qkv_bias``), Llama 3 and YaRN scale rotary frequencies
 Qwen3-MoE's sparse layers (``moe``) have a mixture-of-experts MLP. Parameter names follow the
 Hugging Face checkpoints, with q/k/v merged into ``qkv_proj``, gate/up into ``gate_up_proj`` and
 the experts stacked (``mlp.experts.gate_up_proj`` / ``down_proj``).
+
+At TP > 1 the attention and MLP blocks return this rank's partial sum: each meets an add+RMSNorm
+next (the next norm of the layer, the next layer's, or the final one), and the communicator's
+``all_reduce_add_rmsnorm`` does the all-reduce with it, in one kernel where it can.
 """
 
 from __future__ import annotations
@@ -39,6 +43,7 @@ class Attention(nn.Module):
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
 
     def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
+        """This rank's partial sum of the output projection (not all-reduced)."""
         qkv = self.qkv_proj(x)
         if ctx.attention.fused_rope_store:
             out = self._fused_attention(qkv, ctx)
@@ -52,7 +57,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary[0](ctx.inputs.positions, q, k)
             out = ctx.attention.forward(self.layer_id, q, k, v, ctx.inputs.out_slots, ctx.inputs.attn)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim))
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim), reduce=False)
 
     def _fused_attention(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         has_norm = self.q_norm is not None and self.k_norm is not None
@@ -67,13 +72,14 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, comm)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)))
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), reduce=reduce)
 
 
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: ModelConfig, layer_id: int, rotary: RotaryEmbedding, comm: Communicator) -> None:
         super().__init__()
+        self.comm = comm
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id, rotary, comm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -82,18 +88,21 @@ class DecoderLayer(nn.Module):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``x``: the embedding (first layer: ``residual`` is None) or the previous layer's MLP
+        output as this rank's partial sum; returns this layer's likewise, and the residual."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
-            x, residual = self.input_layernorm(x, residual)
+            x, residual = self.comm.all_reduce_add_rmsnorm(x, residual, self.input_layernorm)
         x = self.self_attn(x, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        x, residual = self.comm.all_reduce_add_rmsnorm(x, residual, self.post_attention_layernorm)
+        return self.mlp(x, reduce=False), residual
 
 
 class DecoderBody(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, comm: Communicator) -> None:
         super().__init__()
+        self.comm = comm
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, comm) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -103,7 +112,7 @@ class DecoderBody(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
-        x, _ = self.norm(x, residual)
+        x, _ = self.comm.all_reduce_add_rmsnorm(x, residual, self.norm)
         return x
 
 

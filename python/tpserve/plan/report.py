@@ -7,7 +7,6 @@ from tpserve.plan.shape import ModelShape
 from tpserve.plan.specs import GIB
 from tpserve.plan.splits import Excluded, Machine, Settings, SplitPlan, best_for_latency, best_for_throughput
 
-BASE_PORT = 8000
 
 
 def _ms(step) -> str:
@@ -76,7 +75,8 @@ def _fp8_note(shape: ModelShape) -> str:
 
 
 def launch_commands(plan: SplitPlan, model: str, machine: Machine, settings: Settings) -> list[str]:
-    """One ``python -m tpserve`` per replica of a node (the same on every node)."""
+    """The ``python -m tpserve`` command of each node: its replicas behind one server (``--dp-size``),
+    or its part of a TP group that spans nodes."""
     flags = f"--model {model} --tp-size {plan.tp} --max-model-len {settings.context}"
     if machine.gpu.device == "cpu":  # the CPU engine sizes its KV cache from --max-total-tokens only
         flags += f" --device cpu --max-total-tokens {plan.kv_tokens}"
@@ -90,14 +90,8 @@ def launch_commands(plan: SplitPlan, model: str, machine: Machine, settings: Set
         return [f"TPSERVE_DIST_TOKEN=$SECRET python -m tpserve {flags} {job} --node-rank {r}   # on node {r}"
                 for r in range(nodes)]
     per_node = plan.dp // machine.nodes
-    if per_node == 1 and machine.nodes == 1:
-        return [f"python -m tpserve {flags}"]
-    commands = []
-    for i in range(per_node):
-        devices = ",".join(str(d) for d in range(i * plan.tp, (i + 1) * plan.tp))
-        prefix = f"CUDA_VISIBLE_DEVICES={devices} " if machine.gpu.device == "cuda" else ""
-        commands.append(f"{prefix}python -m tpserve {flags} --port {BASE_PORT + i} &")
-    return commands
+    dp = f" --dp-size {per_node}" if per_node > 1 else ""
+    return [f"python -m tpserve {flags}{dp}"]
 
 
 def recommendation(
@@ -111,11 +105,9 @@ def recommendation(
     if plan.tp > machine.gpus_per_node:
         lines.append(f"  ({plan.dp} such group{'s' if plan.dp > 1 else ''} of {plan.tp // machine.gpus_per_node} nodes; "
                      f"see docs/deploy.md)")
-    elif plan.dp > 1:
-        where = f"on each of the {machine.nodes} nodes: " if machine.nodes > 1 else ""
-        ports = f"port {BASE_PORT}" if per_node == 1 else f"ports {BASE_PORT}-{BASE_PORT + per_node - 1}"
-        replicas = "one replica" if per_node == 1 else f"{per_node} replicas"
-        lines.append(f"  ({where}{replicas} on {ports}; put a load balancer in front: tpserve has no DP router)")
+    elif machine.nodes > 1:
+        replicas = "one replica" if per_node == 1 else f"{per_node} replicas behind its router"
+        lines.append(f"  (on each of the {machine.nodes} nodes: {replicas}; put a load balancer in front of the nodes)")
     if batch_hint and plan.requests_per_replica > plan.max_batch:
         lines.append(f"  (the KV cache holds {plan.requests_per_replica:,} requests per replica: a larger "
                      f"--max-running-requests batches more of them)")

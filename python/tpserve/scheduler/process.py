@@ -76,7 +76,8 @@ def _run_rank(
         nodes.start_serving(None, engine.cpu_group)
     layout = NodeLayout.of(engine_config)
     if rank == 0:
-        ack_queue.put(f"scheduler ready: {engine_config.tp_size} rank(s), {scheduler.allocator.total} KV pages")
+        replica = f" (replica {engine_config.dp_rank})" if engine_config.dp_size > 1 else ""
+        ack_queue.put(f"scheduler ready{replica}: {engine_config.tp_size} rank(s), {scheduler.allocator.total} KV pages")
     elif layout.local_rank(rank) == 0:
         ranks = layout.ranks_on(layout.node_of(rank))
         ack_queue.put(f"node {layout.node_of(rank)}: ranks {ranks.start}-{ranks.stop - 1} ready "

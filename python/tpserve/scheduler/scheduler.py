@@ -168,6 +168,7 @@ class Scheduler:
             cached_tokens_total=self.cached_tokens_total,
             evicted_pages_total=self.evicted_pages_total,
             preemptions_total=self.preemptions_total,
+            replica=self.engine.config.dp_rank,
         )
 
     # ---- one step ----

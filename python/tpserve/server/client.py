@@ -21,6 +21,7 @@ from tpserve.message import AbortRequest, FlushCache, SchedulerStats
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import ApiInput, ApiOutput, RequestRejected, TokenizeRequest
 from tpserve.message.transport import encode, open_socket
+from tpserve.router.dispatch import Dispatch
 
 
 @dataclass(frozen=True)
@@ -49,9 +50,11 @@ class BackendLink:
         endpoints: Endpoints,
         on_stats: Callable[[SchedulerStats], None] | None = None,
         on_aborted_finish: Callable[[str], None] | None = None,
+        dispatch: Dispatch | None = None,
     ) -> None:
         """``on_aborted_finish(finish_reason)`` reports how the scheduler ended an aborted
-        request: "abort" once the abort took effect (its KV pages are free)."""
+        request: "abort" once the abort took effect (its KV pages are free). ``dispatch``
+        (data-parallel replicas) sees every output and stats, to keep the router's loads."""
         self._ctx = ctx
         self._to_tokenizer = open_socket(ctx, zmq.PUSH, endpoints.tokenizer, bind=True)
         self._from_backend = open_socket(ctx, zmq.PULL, endpoints.api, bind=True)
@@ -62,6 +65,7 @@ class BackendLink:
         self._aborted: dict[int, float] = {}  # rid -> when; until the scheduler confirms
         self._on_stats = on_stats
         self._on_aborted_finish = on_aborted_finish
+        self._dispatch = dispatch
 
     def new_rid(self) -> int:
         return next(self._rids)
@@ -91,11 +95,16 @@ class BackendLink:
         if isinstance(msg, RequestRejected):
             self._route(msg.rid, msg, finished=True)
             return []
-        if msg.stats is not None and self._on_stats is not None:
-            self._on_stats(msg.stats)
+        if msg.stats is not None:
+            if self._on_stats is not None:
+                self._on_stats(msg.stats)
+            if self._dispatch is not None:
+                self._dispatch.on_stats(msg.stats)
         again = []
         for out in msg.outputs:
             finished = out.finish_reason is not None
+            if self._dispatch is not None:
+                self._dispatch.router.on_output(out.rid, out.new_tokens, finished)
             if self._route(out.rid, out, finished):
                 continue
             if out.rid in self._aborted:
@@ -142,8 +151,9 @@ class FrontendClient(BackendLink):
         endpoints: Endpoints,
         on_stats: Callable[[SchedulerStats], None] | None = None,
         on_aborted_finish: Callable[[str], None] | None = None,
+        dispatch: Dispatch | None = None,
     ) -> None:
-        super().__init__(zmq.asyncio.Context(), endpoints, on_stats, on_aborted_finish)
+        super().__init__(zmq.asyncio.Context(), endpoints, on_stats, on_aborted_finish, dispatch)
 
     async def submit(self, requests: list[TokenizeRequest], queue: asyncio.Queue[BackendEvent]) -> None:
         """Send requests; their outputs and rejections will arrive on ``queue``."""
@@ -155,6 +165,7 @@ class FrontendClient(BackendLink):
         await self._to_scheduler.send(self._aborting(rid))
 
     async def flush_cache(self) -> None:
+        """Every replica's (with data parallelism the router sends it to each)."""
         await self._to_scheduler.send(encode(FlushCache()))
 
     async def run(self) -> None:

@@ -9,6 +9,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from tpserve.message import SchedulerStats
+from tpserve.router.policy import Router
 
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 
@@ -17,32 +18,60 @@ _LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0
 
 
 class _SchedulerCollector:
-    """Exports the latest SchedulerStats (forwarded by the detokenizer) at scrape time."""
+    """Exports the latest SchedulerStats (forwarded by the detokenizer) at scrape time: one
+    sample per family with one replica, one per replica (label ``replica``) with several."""
 
     def __init__(self) -> None:
-        self.stats = SchedulerStats(running=0, waiting=0, kv_pages_used=0, kv_pages_total=0)
+        self.stats = {0: SchedulerStats(running=0, waiting=0, kv_pages_used=0, kv_pages_total=0)}
+        self.labeled = False  # set with data-parallel replicas
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
-        s = self.stats
         gauges = (
-            ("tpserve_num_requests_running", "Requests being decoded (scheduler).", s.running),
-            ("tpserve_num_requests_waiting", "Requests waiting for admission (scheduler).", s.waiting),
-            ("tpserve_kv_pages_used", "KV-cache pages held by running requests.", s.kv_pages_used),
-            ("tpserve_kv_pages_cached", "KV-cache pages holding evictable cached prefixes.", s.kv_pages_cached),
-            ("tpserve_kv_pages_total", "KV-cache pages in all.", s.kv_pages_total),
+            ("tpserve_num_requests_running", "Requests being decoded (scheduler).", lambda s: s.running),
+            ("tpserve_num_requests_waiting", "Requests waiting for admission (scheduler).", lambda s: s.waiting),
+            ("tpserve_kv_pages_used", "KV-cache pages held by running requests.", lambda s: s.kv_pages_used),
+            ("tpserve_kv_pages_cached", "KV-cache pages holding evictable cached prefixes.",
+             lambda s: s.kv_pages_cached),
+            ("tpserve_kv_pages_total", "KV-cache pages in all.", lambda s: s.kv_pages_total),
             ("tpserve_prefix_cache_hit_rate", "Share of admitted prompt tokens served from the prefix cache.",
-             s.cached_tokens_total / s.prompt_tokens_total if s.prompt_tokens_total else 0.0),
+             lambda s: s.cached_tokens_total / s.prompt_tokens_total if s.prompt_tokens_total else 0.0),
         )
-        for name, doc, value in gauges:
-            yield GaugeMetricFamily(name, doc, value=value)
         counters = (
-            ("tpserve_scheduler_prompt_tokens", "Prompt tokens admitted by the scheduler.", s.prompt_tokens_total),
-            ("tpserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.", s.cached_tokens_total),
-            ("tpserve_kv_pages_evicted", "Cached KV pages evicted.", s.evicted_pages_total),
-            ("tpserve_preemptions", "Requests preempted under KV-cache pressure.", s.preemptions_total),
+            ("tpserve_scheduler_prompt_tokens", "Prompt tokens admitted by the scheduler.",
+             lambda s: s.prompt_tokens_total),
+            ("tpserve_prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache.",
+             lambda s: s.cached_tokens_total),
+            ("tpserve_kv_pages_evicted", "Cached KV pages evicted.", lambda s: s.evicted_pages_total),
+            ("tpserve_preemptions", "Requests preempted under KV-cache pressure.", lambda s: s.preemptions_total),
         )
-        for name, doc, value in counters:
-            yield CounterMetricFamily(name, doc, value=value)
+        for kind, families in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
+            for name, doc, value in families:
+                if not self.labeled:
+                    yield kind(name, doc, value=value(self.stats[0]))
+                    continue
+                family = kind(name, doc, labels=["replica"])
+                for replica, stats in sorted(self.stats.items()):
+                    family.add_metric([str(replica)], value(stats))
+                yield family
+
+
+class _RouterCollector:
+    """The data-parallel router's view: requests sent to and tokens outstanding on each replica."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
+        routed = CounterMetricFamily("tpserve_router_requests", "Requests the router sent to each replica.",
+                                     labels=["replica"])
+        load = GaugeMetricFamily("tpserve_router_outstanding_tokens",
+                                 "Tokens (prompt and generated) of unfinished requests on each replica.",
+                                 labels=["replica"])
+        for replica in range(self.router.dp_size):
+            routed.add_metric([str(replica)], self.router.routed[replica])
+            load.add_metric([str(replica)], self.router.loads[replica])
+        yield routed
+        yield load
 
 
 class ServerMetrics:
@@ -69,7 +98,16 @@ class ServerMetrics:
         self.finished.labels(finish_reason=finish_reason).inc()
 
     def on_stats(self, stats: SchedulerStats) -> None:
-        self._scheduler.stats = stats
+        self._scheduler.stats[stats.replica] = stats
+
+    def watch_router(self, router: Router) -> None:
+        """Data-parallel replicas: scheduler metrics per replica, and the router's own."""
+        self._scheduler.labeled = True
+        self._scheduler.stats = {
+            d: SchedulerStats(running=0, waiting=0, kv_pages_used=0, kv_pages_total=0, replica=d)
+            for d in range(router.dp_size)
+        }
+        self.registry.register(_RouterCollector(router))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -1,0 +1,1 @@
+"""Data parallelism: which replica (an independent TP group) runs each request."""
