@@ -60,7 +60,7 @@ def main() -> None:
             lines.append(f"{name}: TP {res['tp_size']}")
             for row in res["rows"]:
                 lines.append("   " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
-        elif "results" in res and "args" in res:  # serving.py
+        elif isinstance(res.get("results"), list) and "args" in res:  # serving.py
             for r in res["results"]:
                 t, i = r["ttft_ms"], r["itl_ms"]
                 server = f" {r['server']}" if r.get("server") else ""
