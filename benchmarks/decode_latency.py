@@ -118,6 +118,15 @@ def time_mode(
     return time_decode(engine, batch, context, warmup, iters), None, "no KV room"
 
 
+def parse_modes(parser: argparse.ArgumentParser, text: str) -> list[str]:
+    """The comma-separated timing modes of ``time_mode``, or a usage error naming the bad ones."""
+    modes = text.split(",")
+    unknown = set(modes) - {"graph", "eager", "pipelined"}
+    if unknown:
+        parser.error(f"unknown modes {sorted(unknown)}; choose among graph, eager, pipelined")
+    return modes
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True, help="directory with a config.json (weights are random)")
@@ -132,10 +141,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
     setup_logging()
-    modes = args.modes.split(",")
-    unknown = set(modes) - {"graph", "eager", "pipelined"}
-    if unknown:
-        parser.error(f"unknown modes {sorted(unknown)}; choose among graph, eager, pipelined")
+    modes = parse_modes(parser, args.modes)
 
     bandwidth = copy_bandwidth() if torch.cuda.is_available() else None  # no floors without CUDA
     graphs = "graph" in modes or "pipelined" in modes

@@ -20,7 +20,7 @@ import os
 
 import torch
 from common import fill_kv_randomly, on_ranks, print_table, setup_logging, write_json
-from decode_latency import ints, time_mode
+from decode_latency import ints, parse_modes, time_mode
 from tpserve.config import EngineConfig, ModelConfig
 from tpserve.plan.cost import decode_step
 from tpserve.plan.shape import DTYPE_BYTES, ModelShape
@@ -88,9 +88,7 @@ def main() -> None:
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
     setup_logging()
-    modes = args.modes.split(",")
-    if set(modes) - {"pipelined", "graph", "eager"}:
-        parser.error(f"unknown modes in {args.modes!r}; choose among pipelined, graph, eager")
+    modes = parse_modes(parser, args.modes)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     spec, source = gpu_spec(args, args.device)
     print(f"prediction from {source}", flush=True)
