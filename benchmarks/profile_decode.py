@@ -50,6 +50,7 @@ def wall(fn, iters: int = 20) -> float:
 
 # Kernel name patterns, first match wins; "other" takes the rest.
 CATEGORIES = {
+    "moe": r"_grouped_gemm|_router_topk|_align_kernel|moe",
     "allreduce": r"nccl|[Aa]ll[Rr]educe|all_reduce|one_shot|two_shot|[Aa]ll[Gg]ather",
     "attention": r"BatchDecode|BatchPrefill|PersistentVariableLength|MergeStates|decode_kernel|prefill",
     "gemm": r"gemm|gemv|cutlass|cublas|nvjet|sm90_xmma|splitKreduce",
@@ -121,17 +122,22 @@ def main() -> None:
     parser.add_argument("--all-reduce", default="auto", help="the engine's --all-reduce mode")
     parser.add_argument("--batch-sizes", default="1,64")
     parser.add_argument("--context", type=int, default=512)
+    parser.add_argument("--quantization", default=None, help="fp8: quantize the weights at load (issue 16)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8_e4m3")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     setup_logging()
     sizes = [int(x) for x in args.batch_sizes.split(",")]
     config = EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", tp_size=args.tp_size,
-                          all_reduce=args.all_reduce, cuda_graph_max_bs=max(sizes))
+                          all_reduce=args.all_reduce, cuda_graph_max_bs=max(sizes),
+                          quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     rows = on_ranks(config, profile_batches, sizes, args.context)
-    print(f"\nDecode step breakdown; model {args.model}; TP {args.tp_size}; context {args.context}")
+    print(f"\nDecode step breakdown; model {args.model}; TP {args.tp_size}; context {args.context}; "
+          f"quantization {args.quantization}; KV {args.kv_cache_dtype}")
     print_table(rows, list(rows[0]))
     write_json(args.out, {"benchmark": "profile_decode", "model": args.model, "tp_size": args.tp_size,
-                          "context": args.context, "rows": rows})
+                          "context": args.context, "quantization": args.quantization,
+                          "kv_cache_dtype": args.kv_cache_dtype, "rows": rows})
 
 
 if __name__ == "__main__":

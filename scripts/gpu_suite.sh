@@ -137,8 +137,8 @@ for s in $stages; do
     profile14_tp1|profile14_tp2)  # where a decode step's time goes at TP 1 and TP 2 (the 14B TP 2 / TP 1 ratio)
       stage $s 150 python3 benchmarks/profile_decode.py --model .models/Qwen3-14B --tp-size ${s#profile14_tp} \
         --batch-sizes 64,256 --out $results/$s.json ;;
-    plan_tp2) stage plan_tp2 300 python3 benchmarks/plan_vs_measured.py --calibrate --case .models/Qwen3-8B:2 \
-      --case .models/Qwen3-32B:2 --out $results/plan_vs_measured_tp2.json ;;
+    plan_tp2) stage plan_tp2 300 python3 benchmarks/plan_vs_measured.py --calibrate --case .models/Qwen3-8B:1 \
+      --case .models/Qwen3-8B:2 --case .models/Qwen3-32B:2 --out $results/plan_vs_measured_tp2.json ;;
     ar_fused)  # issue 13: the all-reduce fused with the residual add and RMSNorm (--all-reduce fused):
       # its build (with FlashInfer's other kernels), latency by size against the unfused paths, TP 2 tests
       stage ar_fused_warm 150 python3 scripts/warm_flashinfer.py --head-dim 128 --dtype bfloat16
@@ -159,8 +159,15 @@ for s in $stages; do
     moe30_decode)
       stage moe30_decode 120 python3 benchmarks/decode_latency.py --model $a3b --batch-sizes 1,64 --contexts 512 --out $results/decode_qwen3_30b_a3b.json
       stage moe30_floors 30 python3 benchmarks/roofline.py --model $a3b --decode-batch 1 64 --context 512 --peak-tflops 766 --bandwidth-tbps 4.26 ;;
+    moe30_profile) stage moe30_profile 150 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 1,64 \
+      --out $results/profile_qwen3_30b_a3b.json ;;
     moe30_tp2) stage moe30_tp2 240 python3 benchmarks/offline_throughput.py --model $a3b --tp-size 2 --out $results/offline_qwen3_30b_a3b_tp2.json ;;
     # FP8 (issue 16), two calls: "fp8_gemm fp8_decode8" and "fp8_tests fp8_decode32"
+    fp8_profile8)  # where the FP8 decode step's time goes (weights, then weights + KV in FP8)
+      stage fp8_profile8 120 python3 benchmarks/profile_decode.py --model $large --quantization fp8 --batch-sizes 1,64 \
+        --out $results/profile_qwen3_8b_fp8.json
+      stage fp8_profile8_kv 120 python3 benchmarks/profile_decode.py --model $large --quantization fp8 \
+        --kv-cache-dtype fp8_e4m3 --batch-sizes 1 --out $results/profile_qwen3_8b_fp8_kv.json ;;
     fp8_tests) stage fp8_tests 400 python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_fp8_gpu.py ;;
     fp8_gemm) stage fp8_gemm 270 python3 benchmarks/experiments/fp8_gemm.py --configs $large --out $results/fp8_gemm.json ;;
     fp8_decode8) stage fp8_decode8 300 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,gemv,flashinfer \
