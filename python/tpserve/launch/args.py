@@ -222,6 +222,9 @@ def build_parser() -> argparse.ArgumentParser:
                         "(flashinfer takes no float32)")
     engine.add_argument("--cuda-graph-max-bs", type=_int_at_least(0), default=_default("cuda_graph_max_bs"),
                         help="largest decode batch captured in a CUDA graph (0: no CUDA graphs)")
+    engine.add_argument("--grammar-threads", type=_int_at_least(0), default=_default("grammar_threads"),
+                        help="most threads filling one step's grammar masks (structured output); a "
+                        "thread per 64 constrained requests (0: auto, half the CPUs, at most 8)")
     engine.add_argument("--all-reduce", choices=CHOICES["all_reduce"], default=_default("all_reduce"),
                         help="TP all-reduce on GPU: auto (one-shot/two-shot kernels through peer GPU "
                              "memory for small messages, NCCL for large; NCCL only across nodes), nccl, "
@@ -317,6 +320,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         attention_backend=ns.attention_backend,
         cuda_graph_max_bs=ns.cuda_graph_max_bs,
         disable_overlap=ns.disable_overlap,
+        grammar_threads=ns.grammar_threads,
         all_reduce=ns.all_reduce,
         debug_check_invariants=ns.debug_check_invariants,
         **_node_settings(ns),

@@ -59,6 +59,7 @@ class LocalRank:
 
     def close(self) -> None:
         """Free the engine now (its GPU memory included)."""
+        self.scheduler.close()
         self.engine.shutdown()
         del self.engine, self.scheduler, self.loop
         gc.collect()

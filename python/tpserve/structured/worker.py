@@ -1,0 +1,86 @@
+"""The matchers' work of constrained steps on a thread of its own, off the host's critical path.
+
+A constrained step's sampling needs its grammar masks, and they need the previous step's tokens
+accepted by the matchers first; its forward needs neither. So the scheduler submits the masks of
+step i+1 as one job (wait for step i's tokens, accept them, fill step i+1's masks) before it
+launches step i+1's forward, and joins the job only right before sampling. xgrammar releases the
+GIL inside its calls (and torch while it waits for the device), so the job runs while the main
+thread plans and launches.
+
+Only the job touches the matchers (the main thread never reads their state), and the scheduler
+joins each job within the step that submitted it, so a request that finishes or is aborted leaves
+a matcher nobody uses again. Which rows get masks is decided from the matchers' own state (a
+terminated matcher gets none), never from timing, so every TP rank fills the same masks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from tpserve.structured.grammar import MaskFiller
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SampledRows:
+    """A sampled constrained step whose tokens the matchers have not yet taken."""
+
+    tokens: Callable[[], list[int]]  # the step's tokens by row (waits for the device)
+    rows: list[tuple[int, int, Any]]  # (row, request id, matcher)
+
+
+Masks = tuple[list[int], torch.Tensor]  # (rows, [B, ceil(V / 32)] host bitmask)
+
+
+class MaskWorker:
+    """Runs mask jobs in order on one thread (inline when ``threaded`` is False: the same work
+    at the same points, for comparison)."""
+
+    def __init__(self, filler: MaskFiller, threaded: bool = True) -> None:
+        self.filler = filler
+        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-masks") if threaded else None
+        self._unaccepted: list[SampledRows] = []
+
+    def sampled(self, step: SampledRows) -> None:
+        """A constrained step was sampled: the next job gives its tokens to the matchers first."""
+        self._unaccepted.append(step)
+
+    def submit(self, fills: list[tuple[int, Any]], batch_size: int) -> Future[Masks | None]:
+        """Accept every sampled step's tokens, then fill the masks of ``fills`` ((row, matcher)
+        of a batch of ``batch_size``); None when every one of those matchers has terminated."""
+        accepts, self._unaccepted = self._unaccepted, []
+        if self._pool is not None:
+            return self._pool.submit(self._run, accepts, fills, batch_size)
+        future: Future[Masks | None] = Future()
+        try:
+            future.set_result(self._run(accepts, fills, batch_size))
+        except Exception as e:
+            future.set_exception(e)
+        return future
+
+    def _run(self, accepts: list[SampledRows], fills: list[tuple[int, Any]], batch_size: int) -> Masks | None:
+        for step in accepts:
+            tokens = step.tokens()
+            live = [(rid, matcher, tokens[row]) for row, rid, matcher in step.rows if not matcher.is_terminated()]
+            if not live:
+                continue
+            accepted = self.filler.accept([matcher for _, matcher, _ in live], [token for _, _, token in live])
+            for (rid, _, token), ok in zip(live, accepted):
+                if not ok:
+                    logger.warning("request %d: its grammar rejected token %d", rid, token)
+        live_fills = [(row, matcher) for row, matcher in fills if not matcher.is_terminated()]
+        if not live_fills:
+            return None
+        rows = [row for row, _ in live_fills]
+        return rows, self.filler.fill([matcher for _, matcher in live_fills], rows, batch_size)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
