@@ -30,7 +30,7 @@ def slow_worker(scheduler: Scheduler, threaded: bool) -> list[str]:
     """Swap in a worker whose fills take 5 ms longer; returns the names of the threads that filled."""
     filler = scheduler.masks.filler
     scheduler.masks.close()
-    scheduler.masks = MaskWorker(filler, threaded=threaded)
+    scheduler.masks = MaskWorker(filler, sorted(scheduler.eos_ids), threaded=threaded)
     fill, threads = filler.fill, []
 
     def slow_fill(*args, **kwargs):

@@ -33,7 +33,7 @@ from tpserve.kvcache.radix import PrefixMatch, create_prefix_cache
 from tpserve.message import SchedulerStats, TokenOutput
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler.request import Request
-from tpserve.structured.grammar import GrammarCompiler, InvalidGrammar, MaskFiller, new_matcher
+from tpserve.structured.grammar import GrammarCompiler, InvalidGrammar, MaskFiller, RequestGrammar, new_matcher
 from tpserve.structured.worker import Masks, MaskWorker, SampledRows
 
 logger = logging.getLogger(__name__)
@@ -82,7 +82,7 @@ class Scheduler:
             self.config.model, engine.model_config.vocab_size, sorted(self.eos_ids)
         )
         filler = MaskFiller(engine.model_config.vocab_size, engine.device.type == "cuda", self.config.grammar_threads)
-        self.masks = MaskWorker(filler)
+        self.masks = MaskWorker(filler, sorted(self.eos_ids))
 
     # ---- requests in and out ----
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
@@ -127,7 +127,7 @@ class Scheduler:
             return []
         req, future = entry
         try:
-            req.matcher = new_matcher(future.result())
+            req.grammar = RequestGrammar(new_matcher(future.result()))
         except InvalidGrammar as e:
             return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=str(e))]
         except Exception as e:  # e.g. no tokenizer files: fail this request, not the scheduler
@@ -243,10 +243,10 @@ class Scheduler:
         sampling = SamplingBatch.build(params, [req.seed for req, _ in scheduled], steps, vocab, self.engine.device)
         if any(p.edits_logits for p in params):
             sampling.edits = self._logit_edits(scheduled, params, steps, sampled)
-        constrained = [(row, req) for row, (req, _) in enumerate(scheduled) if sampled[row] and req.matcher is not None]
+        constrained = [(row, req) for row, (req, _) in enumerate(scheduled) if sampled[row] and req.grammar is not None]
         masks = None
         if constrained:  # the masks are filled on the worker while the forward is launched
-            masks = self.masks.submit([(row, req.matcher) for row, req in constrained], len(scheduled))
+            masks = self.masks.submit([(row, req.grammar) for row, req in constrained], len(scheduled))
         wanted = [req.params.logprobs for req, _ in scheduled if req.params.logprobs is not None]
         handle = self.engine.launch(seqs, sampling, max(wanted) if wanted else None, defer_sampling=bool(constrained))
         entries = []
@@ -267,7 +267,7 @@ class Scheduler:
         copied after its mask upload, have been waited for."""
         masks = launched.masks.result()
         launched.handle = self.engine.sample(launched.pending, TokenMask(*masks) if masks else None)
-        rows = [(row, req.rid, req.matcher) for row, req in launched.constrained]
+        rows = [(row, req.rid, req.grammar) for row, req in launched.constrained]
         self.masks.sampled(SampledRows(launched.handle.result, rows))
         launched.pending = launched.masks = launched.constrained = None
 

@@ -14,6 +14,7 @@ import json
 import logging
 import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -132,6 +133,16 @@ def new_matcher(compiled: Any) -> Any:
     return xgr.GrammarMatcher(compiled)
 
 
+@dataclass(eq=False)
+class RequestGrammar:
+    """A request's matcher and whether it has terminated (accepted a stop token; it then takes
+    no more tokens and has no mask). Tracked here rather than asked of xgrammar: that would be a
+    call per request per step. Only the mask worker touches either once the request runs."""
+
+    matcher: Any  # xgrammar GrammarMatcher
+    terminated: bool = False
+
+
 def allocate_bitmask(rows: int, vocab_size: int):
     """[rows, ceil(V / 32)] int32, every bit set (every token allowed)."""
     import xgrammar as xgr
@@ -163,12 +174,24 @@ class MaskFiller:
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._turn = 0
         self._batches: dict[int, Any] = {}  # xgrammar BatchGrammarMatcher by thread count
+        self._get_item: Any = None
 
     def accept(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
-        """Each matcher takes its token; whether each accepted it."""
-        import xgrammar as xgr
+        """Each matcher takes its token; whether each accepted it.
 
-        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        xgrammar's ``batch_accept_token`` reads its result back row by row through calls that
+        each release and retake the GIL; on the mask worker's thread every retake waits for the
+        busy main thread. So this makes the same call into xgrammar's core and reads the result
+        through tvm_ffi's item getter set to keep the GIL (a private copy of the function)."""
+        from xgrammar.base import _core
+
+        if self._get_item is None:
+            import tvm_ffi
+
+            self._get_item = tvm_ffi.get_global_func("ffi.ArrayGetItem")
+            self._get_item.release_gil = False
+        result = _core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], tokens, False)
+        return [bool(self._get_item(result, i)) for i in range(len(matchers))]
 
     def fill(self, matchers: list[Any], rows: list[int], batch_size: int) -> torch.Tensor:
         """The [batch_size, ceil(V / 32)] host bitmask with ``matchers[i]``'s mask in row
