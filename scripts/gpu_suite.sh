@@ -173,6 +173,13 @@ for s in $stages; do
       stage fp8_serving32 300 python3 benchmarks/serving.py --launch $srv --server-args "--quantization fp8" \
         --rates inf,4 --num-requests 128,32 --server-log $out/server_fp8_32b.log --out $results/serving_qwen3_32b_fp8.json ;;
     fp8_kv_test) stage fp8_kv_test 150 python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_fp8_gpu.py -k kv_cache ;;
+    fp8_offline8)  # workload A with FP8 weights (then FP8 weights and KV) against bf16, in one call
+      for q in bf16 fp8 fp8kv; do
+        case $q in bf16) qa="";; fp8) qa="--quantization fp8";; fp8kv) qa="--quantization fp8 --kv-cache-dtype fp8_e4m3";; esac
+        stage fp8_offline8_$q 150 python3 benchmarks/offline_throughput.py --model $large $qa --out $results/offline_qwen3_8b_$q.json
+      done ;;
+    offline06_fp8kv) stage offline06_fp8kv 150 python3 benchmarks/offline_throughput.py --model $small --kv-cache-dtype fp8_e4m3 \
+      --out $results/offline_qwen3_0.6b_fp8kv.json ;;
     fp8_tests) stage fp8_tests 400 python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_fp8_gpu.py ;;
     fp8_gemm) stage fp8_gemm 270 python3 benchmarks/experiments/fp8_gemm.py --configs $large --out $results/fp8_gemm.json ;;
     fp8_decode8) stage fp8_decode8 300 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,gemv,flashinfer \
