@@ -173,6 +173,10 @@ for s in $stages; do
       srv=$(serving_dir .models/Qwen3-32B /tmp/qwen3-32b)
       stage fp8_serving32 300 python3 benchmarks/serving.py --launch $srv --server-args "--quantization fp8" \
         --rates inf,4 --num-requests 128,32 --server-log $out/server_fp8_32b.log --out $results/serving_qwen3_32b_fp8.json ;;
+    fp8kv_fused)  # the fused norm/rotary/store kernel into FP8 pages: its test, then the FP8-KV step's kernels
+      stage fp8kv_fused_test 150 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_fused_kernels.py -k norm_rope_store
+      stage fp8kv_fused_profile 120 python3 benchmarks/profile_decode.py --model $large --quantization fp8 \
+        --kv-cache-dtype fp8_e4m3 --batch-sizes 1,64 --out $results/profile_qwen3_8b_fp8_kv_fused.json ;;
     fp8_kv_test) stage fp8_kv_test 150 python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_fp8_gpu.py -k kv_cache ;;
     fp8_offline8)  # workload A with FP8 weights (then FP8 weights and KV) against bf16, in one call
       for q in bf16 fp8 fp8kv; do
