@@ -196,6 +196,11 @@ for s in $stages; do
     structured)  # issue 12: 64 json_schema requests against 64 unconstrained (the real tokenizer: xgrammar's vocabulary)
       srv=$(serving_dir $small /tmp/qwen3-0.6b)
       stage structured 150 python3 benchmarks/structured_output.py --model $srv --repeats 2 --out $results/structured.json ;;
+    structured_inline)  # the same with the mask jobs on the main thread (no mask worker), for comparison
+      srv=$(serving_dir $small /tmp/qwen3-0.6b)
+      stage structured_inline 150 python3 benchmarks/structured_output.py --model $srv --repeats 2 --inline-masks \
+        --out $results/structured_inline.json
+      stage structured_host 200 python3 benchmarks/structured_host.py --tokenizer $srv --out $results/structured_host.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done

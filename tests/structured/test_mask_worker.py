@@ -94,3 +94,33 @@ def test_abort_with_a_fill_pending_leaves_the_others_correct(qwen3_dir):
     assert 0 < len(results[True][0]) < 6  # aborted early
     for rid in range(1, 6):
         jsonschema.validate(json.loads(tokenizer.decode(results[True][rid], skip_special_tokens=True)), SCHEMA)
+
+
+def test_termination_is_tracked_as_xgrammar_has_it(qwen3_dir):
+    """The worker tracks which grammars have ended (accepted a stop token) instead of asking
+    each matcher every step; it must agree with xgrammar, which fails a fill after the end."""
+    from tpserve.config import ModelConfig
+    from tpserve.structured.grammar import GrammarCompiler, MaskFiller, RequestGrammar, new_matcher
+    from tpserve.structured.worker import SampledRows
+    from tpserve.tokenizer.loader import load_tokenizer
+
+    config = ModelConfig.from_pretrained(qwen3_dir)
+    eos = sorted(config.eos_token_ids)
+    compiler = GrammarCompiler(qwen3_dir, config.vocab_size, eos)
+    compiled = compiler.submit(StructuredOutput("regex", "a(b|bc)")).result()
+    compiler.close()
+    tokenizer = load_tokenizer(qwen3_dir)
+    a, b, c = (tokenizer.encode(ch, add_special_tokens=False) for ch in "abc")
+    assert len(a) == len(b) == len(c) == 1
+    walks = [a + b + [eos[0]], a + b + c]  # the first ends; the second could still take c's end
+    grammars = [RequestGrammar(new_matcher(compiled)) for _ in walks]
+    worker = MaskWorker(MaskFiller(config.vocab_size), eos, threaded=False)
+    for step in range(3):
+        masks = worker.submit(list(enumerate(grammars)), 2).result()
+        assert masks is not None and masks[0] == [0, 1]
+        tokens = [walk[step] for walk in walks]
+        worker.sampled(SampledRows(lambda tokens=tokens: tokens, [(row, row, g) for row, g in enumerate(grammars)]))
+    masks = worker.submit(list(enumerate(grammars)), 2).result()  # accepts the last tokens, then fills
+    assert [g.terminated for g in grammars] == [g.matcher.is_terminated() for g in grammars] == [True, False]
+    assert masks is not None and masks[0] == [1]
+    worker.close()

@@ -82,7 +82,7 @@ class Scheduler:
             self.config.model, engine.model_config.vocab_size, sorted(self.eos_ids)
         )
         filler = MaskFiller(engine.model_config.vocab_size, engine.device.type == "cuda", self.config.grammar_threads)
-        self.masks = MaskWorker(filler, sorted(self.eos_ids))
+        self.masks = MaskWorker(filler, sorted(self.eos_ids), device=engine.device)
 
     # ---- requests in and out ----
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:

@@ -45,12 +45,21 @@ Masks = tuple[list[int], torch.Tensor]  # (rows, [B, ceil(V / 32)] host bitmask)
 
 class MaskWorker:
     """Runs mask jobs in order on one thread (inline when ``threaded`` is False: the same work
-    at the same points, for comparison). ``stop_token_ids``: the tokens that end a grammar."""
+    at the same points, for comparison). ``stop_token_ids``: the tokens that end a grammar.
+    ``device``: the rank's GPU, made the thread's current device, so that waiting for the tokens
+    there never sets up a CUDA context on another GPU (the default device of a new thread)."""
 
-    def __init__(self, filler: MaskFiller, stop_token_ids: list[int], threaded: bool = True) -> None:
+    def __init__(
+        self, filler: MaskFiller, stop_token_ids: list[int], threaded: bool = True, device: torch.device | None = None
+    ) -> None:
         self.filler = filler
         self._stop = frozenset(stop_token_ids)
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-masks") if threaded else None
+        self._pool = None
+        if threaded:
+            on_gpu = device is not None and device.type == "cuda"
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-masks",
+                                            initializer=torch.cuda.set_device if on_gpu else None,
+                                            initargs=(device,) if on_gpu else ())
         self._unaccepted: list[SampledRows] = []
 
     def sampled(self, step: SampledRows) -> None:
