@@ -22,7 +22,7 @@ from torch import nn
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
 from tpserve.kernels import use_fp8_gemm
-from tpserve.kernels.fp8_linear import backend_from_env, fp8_linear, prepare_weight, resolve_backend, weight_block
+from tpserve.kernels.fp8_linear import backend_from_env, check_weight_block, fp8_linear, resolve_backend
 from tpserve.quant.fp8 import FP8_DTYPE, dequantize_blocks, num_blocks, quantize_blocks
 
 
@@ -113,13 +113,13 @@ class ParallelLinear(nn.Module):
         backend = "auto"
         if fp8_compute:
             backend = resolve_backend(backend_from_env(), self.weight.device, dtype, self.block_size, self.in_features)
+        block = self.block_size
         if self.weight_scale_inv is None:
-            block = weight_block(backend, self.block_size, self.in_features)
             weight, scale_inv = quantize_blocks(self.weight.data, block)
         else:
-            block, weight, scale_inv = self.block_size, self.weight.data, self.weight_scale_inv.data
+            weight, scale_inv = self.weight.data, self.weight_scale_inv.data
         if fp8_compute:
-            weight, scale_inv, self.block_size = prepare_weight(backend, weight, scale_inv, block)
+            check_weight_block(backend, block, self.in_features)
             self.weight = nn.Parameter(weight, requires_grad=False)
             self.weight_scale_inv = nn.Parameter(scale_inv, requires_grad=False)
             self.fp8_backend = backend
