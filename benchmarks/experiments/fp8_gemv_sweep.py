@@ -24,12 +24,14 @@ from tpserve.kernels.fp8_gemv import FMA_MAX_TOKENS, GemvConfig, default_config,
 
 
 def candidates(m: int, n: int, k: int, sm_count: int) -> list[GemvConfig]:
-    """Tiles of 4-16 KB, 2-8 warps (1-8 16-byte loads a thread), also split along K where the
-    features give under three programs per SM (into enough for three), each with the register
-    prefetch alone, Triton's pipeliner alone or both."""
+    """Tiles of 4-16 KB (rows of 128 bytes, one scale group, up to 1024), 4 warps (2-8 16-byte
+    loads a thread; 16 KB tiles also 8 warps), also split along K where the features give under
+    three programs per SM (into enough for three), each with the register prefetch alone,
+    Triton's pipeliner alone or both."""
     block_m = triton_pow2(m)
     out = []
-    for block_n, want_k in itertools.product((8, 16, 32), (256, 512, 1024)):
+    tiles = [*itertools.product((8, 16, 32), (256, 512, 1024)), (32, 128), (64, 128), (128, 128)]  # 128: one scale group
+    for block_n, want_k in tiles:
         block_k = fma_block_k(k, 128, want_k)
         tile = block_n * block_k
         if not 4096 <= tile <= 16384:
@@ -39,7 +41,7 @@ def candidates(m: int, n: int, k: int, sm_count: int) -> list[GemvConfig]:
             split *= 2
         splits = sorted({1, split})
         for warps, split, (prefetch, stages) in itertools.product(
-            (2, 4) if tile == 4096 else (4, 8), splits, ((True, 1), (False, 3), (True, 2))
+            (4, 8) if tile == 16384 else (4,), splits, ((True, 1), (False, 3), (True, 2))
         ):
             out.append(GemvConfig(block_m, block_n, block_k, split, warps, stages, prefetch=prefetch))
     return out
