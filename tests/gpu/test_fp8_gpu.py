@@ -120,6 +120,23 @@ def test_fp8_gemv_configs_in_a_cuda_graph(name, m):
         assert err < 1e-2, f"{config}: relative error {err:.2e}"
 
 
+@pytest.mark.parametrize("m", [1, 4])
+def test_fp8_gemv_gated_down_projection(m):
+    """Qwen3-8B's down projection given [gate | up] (SwiGLU in the GEMV's loads), in a CUDA graph."""
+    n, k = QWEN3_8B["down"]
+    gen = torch.Generator(device=DEVICE).manual_seed(6)
+    wq, scale = quantize_blocks(0.02 * torch.randn(n, k, device=DEVICE, generator=gen), BLOCK)
+    x = (2 * torch.randn(m, 2 * k, device=DEVICE, generator=gen)).to(torch.bfloat16)
+    fp8_gemv(x, wq, scale, BLOCK, gated=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemv(x, wq, scale, BLOCK, gated=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    gate, up = x.float().chunk(2, dim=-1)
+    assert rel_err(out, weight_only_reference(torch.nn.functional.silu(gate) * up, wq, scale, BLOCK)) < 1e-2
+
+
 def test_small_scale_groups_on_gpu():
     """K groups of 16 (the W8A8 dot in fp16, FP8 dots need K >= 32) and partial tiles."""
     gen = torch.Generator(device=DEVICE).manual_seed(3)

@@ -271,6 +271,66 @@ def check_fp8_gemv() -> None:
         got = fp8_linear(x.view(m, 1, k), weight, scale, block, "auto")
         assert got.shape == (m, 1, n)
         torch.testing.assert_close(got[:, 0].float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+    check_fp8_gemv_gated()
+
+
+def check_fp8_gemv_gated() -> None:
+    """SwiGLU fused into the GEMV's loads: x [M, 2K] = [gate | up], the product silu(gate) * up
+    in float32, against torch on that product (CUDA cores, the prefetch, a K split, dots)."""
+    from tpserve.kernels.fp8_gemv import GemvConfig, fp8_gemv
+    from tpserve.kernels.fp8_linear import fp8_linear
+    from tpserve.quant.fp8 import quantize_blocks, weight_only_reference
+
+    gen = torch.Generator().manual_seed(6)
+    for m, n, k, block, dtype, config in [
+        (1, 40, 384, (128, 128), torch.bfloat16, None),
+        (3, 40, 304, (16, 32), torch.float32, GemvConfig(4, 8, 64, 3, 4, 1)),
+        (2, 24, 512, (128, 128), torch.bfloat16, GemvConfig(2, 8, 256, 2, 4, 1, prefetch=False)),
+        (5, 72, 384, (64, 128), torch.bfloat16, GemvConfig(16, 32, 64, 2, 4, 1, "dot_t")),
+    ]:
+        x = (2 * torch.randn(m, 2 * k, generator=gen)).to(dtype)
+        weight, scale = quantize_blocks(torch.randn(n, k, generator=gen) * 0.05, block)
+        gate, up = x.float().chunk(2, dim=-1)
+        product = torch.nn.functional.silu(gate) * up
+        ref = weight_only_reference(product, weight, scale, block)
+        got = fp8_gemv(x, weight, scale, block, config, gated=True)
+        assert got.shape == (m, n) and got.dtype == dtype
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-6  # relative L2: bf16 rounds the output (and the dot's input)
+        for out in (got, fp8_linear(x, weight, scale, block, "gemv", gated=True)):
+            err = float((out.float() - ref).norm() / ref.norm())
+            assert err < tol, f"gated {m}x{n}x{k} {config}: relative error {err:.2e}"
+    check_gated_down_projection()
+    try:
+        fp8_gemv(x, weight, scale, block, gated=False)
+    except ValueError as e:
+        assert "features" in str(e)
+    else:
+        raise AssertionError("a [gate | up] x taken as the input")
+
+
+def check_gated_down_projection() -> None:
+    """A row-parallel layer with FP8 weights given [gate | up]: the GEMV fuses SiLU-and-mul at
+    few tokens; the W8A8 GEMM (and the GEMV above 64 tokens) runs SiLU-and-mul first."""
+    from tpserve.distributed.comm import SingleRankCommunicator
+    from tpserve.distributed.info import set_tp_info
+    from tpserve.layers.linear import RowParallelLinear
+    from tpserve.quant.fp8 import quantize_blocks, weight_only_reference
+
+    gen = torch.Generator().manual_seed(7)
+    set_tp_info(0, 1)
+    layer = RowParallelLinear(256, 48, SingleRankCommunicator())
+    weight, scale = quantize_blocks(torch.randn(48, 256, generator=gen) * 0.05, (16, 32))
+    layer.weight.data, layer.weight_scale_inv, layer.block_size = weight, torch.nn.Parameter(scale, requires_grad=False), (16, 32)
+    for backend, m in (("gemv", 2), ("gemv", 70), ("triton", 2)):
+        layer.fp8_backend = backend
+        x = torch.randn(m, 512, generator=gen)
+        product = torch.nn.functional.silu(x[:, :256]) * x[:, 256:]
+        got = layer(x, gated=True)
+        if backend == "gemv" and m <= 64:
+            expected = weight_only_reference(product, weight, scale, (16, 32))
+            assert float((got - expected).norm() / expected.norm()) < 1e-6
+        else:
+            assert torch.equal(got, layer(product))
 
 
 def check_fused_moe() -> None:

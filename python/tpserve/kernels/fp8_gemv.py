@@ -48,9 +48,10 @@ class GemvConfig:
 
 @triton.jit
 def _tile(w_rows, s_rows, x_rows, k0, ks, K, col_ok, row_ok, live, EVEN_N: tl.constexpr, EVEN_K: tl.constexpr,
-          GROUP_K: tl.constexpr, GROUPS: tl.constexpr, LOAD_X: tl.constexpr):
+          GROUP_K: tl.constexpr, GROUPS: tl.constexpr, LOAD_X: tl.constexpr, GATED: tl.constexpr):
     """The weight tile [BN, BK], its scales [BN, GROUPS] and (``LOAD_X``) the activations [BM, BK]
-    at k0; ``live`` (a scalar) false loads nothing (the prefetch past a split's end)."""
+    at k0 (``GATED``: the gate's and the up half's); ``live`` (a scalar) false loads nothing (the
+    prefetch past a split's end)."""
     # masks of tiles, never of scalars: the interpreter takes no scalar masks (nor their "&")
     k_ok = (k0 + ks) < K
     w_mask = tl.broadcast_to(live, (w_rows.shape[0], ks.shape[0])) != 0
@@ -62,18 +63,37 @@ def _tile(w_rows, s_rows, x_rows, k0, ks, K, col_ok, row_ok, live, EVEN_N: tl.co
     groups = k0 // GROUP_K + tl.arange(0, GROUPS)
     s_mask = (tl.broadcast_to(live, (w_rows.shape[0], GROUPS)) != 0) & col_ok[:, None] & (groups * GROUP_K < K)[None, :]
     s = tl.load(s_rows[:, None] + groups[None, :], mask=s_mask, other=0.0)
-    x = w  # unused unless LOAD_X
+    x, up = w, w  # unused unless LOAD_X
     if LOAD_X:
-        x_mask = (tl.broadcast_to(live, (x_rows.shape[0], ks.shape[0])) != 0) & row_ok[:, None] & k_ok[None, :]
-        x = tl.load(x_rows[:, None] + (k0 + ks)[None, :], mask=x_mask, other=0.0)
-    return w, s, x
+        x, up = _x_tile(x_rows, k0, ks, K, row_ok, live, GATED)
+    return w, s, x, up
+
+
+@triton.jit
+def _x_tile(x_rows, k0, ks, K, row_ok, live, GATED: tl.constexpr):
+    """The activations [BM, BK] at k0, and (``GATED``) the up half's, K further."""
+    mask = (tl.broadcast_to(live, (x_rows.shape[0], ks.shape[0])) != 0) & row_ok[:, None] & ((k0 + ks) < K)[None, :]
+    x = tl.load(x_rows[:, None] + (k0 + ks)[None, :], mask=mask, other=0.0)
+    up = x
+    if GATED:
+        up = tl.load(x_rows[:, None] + K + (k0 + ks)[None, :], mask=mask, other=0.0)
+    return x, up
+
+
+@triton.jit
+def _gated(x, up, GATED: tl.constexpr):
+    """x, or silu(x) * up in float32 (SwiGLU's product, before the down projection)."""
+    if GATED:
+        gate = x.to(tl.float32)
+        return gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
+    return x
 
 
 @triton.jit
 def _gemv_kernel(
     x_ptr, w_ptr, s_ptr, out_ptr, M, N, K, stride_xm, stride_s, stride_split, split_len, n_blocks,
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, DOT: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
+    BLOCK_K: tl.constexpr, DOT: tl.constexpr, GATED: tl.constexpr, PREFETCH: tl.constexpr, PDL: tl.constexpr,
     EVEN_N: tl.constexpr, EVEN_K: tl.constexpr, IEEE: tl.constexpr, INTERPRETED: tl.constexpr,
 ):
     # scale groups per K tile, and the K width each scale covers in it
@@ -97,22 +117,25 @@ def _gemv_kernel(
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PREFETCH:
-        w_next, s_next, x_next = _tile(w_rows, s_rows, x_rows, k_begin, ks, K, col_ok, row_ok, k_begin < k_end, EVEN_N,
-                                       EVEN_K, GROUP_K, GROUPS, False)
+        w_next, s_next, x_next, up_next = _tile(w_rows, s_rows, x_rows, k_begin, ks, K, col_ok, row_ok, k_begin < k_end,
+                                                EVEN_N, EVEN_K, GROUP_K, GROUPS, False, False)
         if PDL:  # weights and scales are never written: only the activations wait for the previous kernel
             tl.extra.cuda.gdc_wait()
-        x_next = tl.load(x_rows[:, None] + (k_begin + ks)[None, :], mask=row_ok[:, None] & ((k_begin + ks) < K)[None, :], other=0.0)
+        x_next, up_next = _x_tile(x_rows, k_begin, ks, K, row_ok, k_begin < k_end, GATED)
     elif PDL:
         tl.extra.cuda.gdc_wait()
     for k0 in range(k_begin, k_end, BLOCK_K):
         if PREFETCH:
-            w, s, x = w_next, s_next, x_next
-            w_next, s_next, x_next = _tile(w_rows, s_rows, x_rows, k0 + BLOCK_K, ks, K, col_ok, row_ok, k0 + BLOCK_K < k_end,
-                                           EVEN_N, EVEN_K, GROUP_K, GROUPS, True)
+            w, s, x, up = w_next, s_next, x_next, up_next
+            w_next, s_next, x_next, up_next = _tile(w_rows, s_rows, x_rows, k0 + BLOCK_K, ks, K, col_ok, row_ok,
+                                                    k0 + BLOCK_K < k_end, EVEN_N, EVEN_K, GROUP_K, GROUPS, True, GATED)
         else:
-            w, s, x = _tile(w_rows, s_rows, x_rows, k0, ks, K, col_ok, row_ok, k0 < k_end, EVEN_N, EVEN_K, GROUP_K, GROUPS, True)
+            w, s, x, up = _tile(w_rows, s_rows, x_rows, k0, ks, K, col_ok, row_ok, k0 < k_end, EVEN_N, EVEN_K, GROUP_K,
+                                GROUPS, True, GATED)
+        x = _gated(x, up, GATED)
         if DOT:
             # through float32: exact, and Triton's CPU interpreter has no direct fp8 -> bf16
+            x = x.to(x_ptr.dtype.element_ty)
             w = w.to(tl.float32).to(x.dtype)
             if INTERPRETED:  # the interpreter's bf16 dot is wrong; float32 gives the same sums
                 x, w = x.to(tl.float32), w.to(tl.float32)
@@ -207,12 +230,16 @@ def check_config(config: GemvConfig, m: int, group_k: int) -> None:
 
 def fp8_gemv(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int],
-    config: GemvConfig | None = None,
+    config: GemvConfig | None = None, gated: bool = False,
 ) -> torch.Tensor:
     """x [M, K] (bf16/fp16/fp32, unit stride along K) @ (weight * block scales).T -> [M, N] in
-    x's dtype. ``scale_inv`` [ceil(N / bn), >= ceil(K / bk)] (its row stride is read)."""
-    m, k = x.shape
-    n = weight.shape[0]
+    x's dtype. ``scale_inv`` [ceil(N / bn), >= ceil(K / bk)] (its row stride is read).
+    ``gated``: x is [M, 2K], [gate | up], and the product is silu(gate) * up @ ... (SwiGLU fused
+    into the down projection's loads)."""
+    n, k = weight.shape
+    m = x.shape[0]
+    if x.shape[1] != (2 * k if gated else k):
+        raise ValueError(f"x has {x.shape[1]} features, the weight {k}{' (gated: twice that)' if gated else ''}")
     if config is None:
         sm_count = _sm_count(x.device.index or 0) if x.device.type == "cuda" else 132
         config = default_config(m, n, k, block_size[1], sm_count)
@@ -229,7 +256,7 @@ def fp8_gemv(
     _gemv_kernel[(n_blocks * splits, triton.cdiv(m, config.block_m))](
         x, weight, scale_inv, target, m, n, k, x.stride(0), scale_inv.stride(0), m * n, tiles_per_split * config.block_k,
         n_blocks, GROUP_N=block_size[0], GROUP_K=block_size[1], BLOCK_M=config.block_m, BLOCK_N=config.block_n,
-        BLOCK_K=config.block_k, DOT=config.variant == "dot_t", PREFETCH=config.prefetch, PDL=config.pdl,
+        BLOCK_K=config.block_k, DOT=config.variant == "dot_t", GATED=gated, PREFETCH=config.prefetch, PDL=config.pdl,
         EVEN_N=n % config.block_n == 0, EVEN_K=k % config.block_k == 0, IEEE=x.dtype == torch.float32,
         INTERPRETED=_INTERPRETED, num_warps=config.num_warps, num_stages=config.num_stages, **extra,
     )

@@ -87,6 +87,12 @@ def kernel_for(backend: str, m: int) -> str:
     return {"triton": "w8a8", "flashinfer": "flashinfer"}[backend]
 
 
+def fuses_gate(backend: str, m: int) -> bool:
+    """Whether a resolved ``backend`` takes ``gated=True`` at ``m`` tokens: the GEMV computes
+    SwiGLU's silu(gate) * up in its activation loads (one kernel less per MLP at decode)."""
+    return kernel_for(backend, m) == "gemv"
+
+
 def check_weight_block(backend: str, block: tuple[int, int], in_features: int) -> None:
     """FlashInfer's GEMM reads 128x128 blocks and K in multiples of 128; the Triton ones any."""
     if backend in ("flashinfer", GEMV_FLASHINFER) and block != FLASHINFER_BLOCK:
@@ -96,24 +102,30 @@ def check_weight_block(backend: str, block: tuple[int, int], in_features: int) -
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], backend: str = "auto"
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], backend: str = "auto",
+    gated: bool = False,
 ) -> torch.Tensor:
-    """x [..., K] @ (FP8 weight [N, K] with block scales).T in x's dtype, by ``backend``."""
+    """x [..., K] @ (FP8 weight [N, K] with block scales).T in x's dtype, by ``backend``.
+    ``gated`` (where ``fuses_gate``): x is [..., 2K], [gate | up], and the input silu(gate) * up."""
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, 2 * k if gated else k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     backend = resolve_backend(backend, x.device, x.dtype, block, k)
-    y = _matmul(x2, weight, scale_inv, block, backend)
+    if gated and not fuses_gate(backend, x2.shape[0]):
+        raise ValueError(f"FP8 GEMM {backend} does not fuse SiLU-and-mul at {x2.shape[0]} tokens")
+    y = _matmul(x2, weight, scale_inv, block, backend, gated)
     return y.view(*x.shape[:-1], n)
 
 
-def _matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], backend: str) -> torch.Tensor:
+def _matmul(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], backend: str, gated: bool
+) -> torch.Tensor:
     kernel = kernel_for(backend, x.shape[0])
     if kernel == "gemv":
         from tpserve.kernels.fp8_gemv import fp8_gemv
 
-        return fp8_gemv(x, weight, scale_inv, block)
+        return fp8_gemv(x, weight, scale_inv, block, gated=gated)
     if kernel == "flashinfer":
         from flashinfer.gemm import fp8_blockscale_gemm_sm90
 
