@@ -10,7 +10,7 @@ pipeliner (``num_stages`` > 1 adds that too). Per tile the FP8 weights convert t
 (exact) and each scale group's sum is multiplied by its block scale: on CUDA cores for up to
 ``FMA_MAX_TOKENS`` tokens (``variant="fma"``), as a swap-AB tensor-core dot above
 (``variant="dot_t"``: the weight tile is the MMA's wide side, tokens padded to 16). A K split
-writes float32 partial sums that ``_sum_splits_kernel`` adds in a fixed order (deterministic, no
+writes float32 partial sums that ``_gemv_sum_splits_kernel`` adds in a fixed order (deterministic, no
 atomics). ``pdl`` launches with programmatic dependent launch (sm90): the first weight tile is
 requested before waiting for the previous kernel. The torch reference is
 ``tpserve.quant.fp8.weight_only_reference``. No host synchronisation: CUDA graphs can hold it.
@@ -156,7 +156,7 @@ def _gemv_kernel(
 
 
 @triton.jit
-def _sum_splits_kernel(part_ptr, out_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
+def _gemv_sum_splits_kernel(part_ptr, out_ptr, size, SPLITS: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < size
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
@@ -262,5 +262,5 @@ def fp8_gemv(
     )
     if splits > 1:
         block = 1024
-        _sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, SPLITS=splits, BLOCK=block, num_warps=4)
+        _gemv_sum_splits_kernel[(triton.cdiv(m * n, block),)](target, out, m * n, SPLITS=splits, BLOCK=block, num_warps=4)
     return out
