@@ -99,6 +99,8 @@ def main() -> None:
                     summary.update(best_us=best[1]["us"], best_tb_s=n * k / best[1]["us"] / 1e6, best_config=str(best[0]),
                                    best_pdl_us=pdl.get("us"), pdl_fail=pdl.get("fail"))
                 best_rows.append(summary)
+                print("BEST", {key: (round(v, 3) if isinstance(v, float) else v) for key, v in summary.items()}, flush=True)
+                write_json(args.out, {"partial": True, "configs": rows, "best": best_rows})  # kept if the time runs out
             del wts
             torch.cuda.empty_cache()
     bandwidth = copy_bandwidth()

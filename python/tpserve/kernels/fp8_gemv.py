@@ -180,11 +180,12 @@ def _sm_count(index: int) -> int:
 
 
 def fma_block_k(k: int, group_k: int, want: int) -> int:
-    """``want`` (a power of two) where the scale groups tile it (a power-of-two group dividing
-    it, or a group it divides) and K has a tile of it, else the largest tile inside one group."""
-    if k >= want and (group_k % want == 0 or (group_k & (group_k - 1) == 0 and want % group_k == 0)):
-        return want
-    return k_tile(group_k)
+    """The largest power of two up to ``want`` and to K (at least 16) that the scale groups
+    tile: one dividing the group, or a multiple of a power-of-two group."""
+    tile = want
+    while tile > 16 and (tile > k or (group_k % tile and (group_k & (group_k - 1) or tile % group_k))):
+        tile //= 2
+    return tile
 
 
 def default_config(m: int, n: int, k: int, group_k: int, sm_count: int) -> GemvConfig:
