@@ -15,7 +15,7 @@
   quantized inside, per token and 128 features; a swap-AB kernel below 32 tokens).
 
 (torch's scaled matmuls, block- and row-scaled, were measured slower than these at every
-Qwen3-8B shape and removed: docs/results/history.md.)
+Qwen3-8B shape and removed: docs/benchmarks.md, FP8.)
 
 ``benchmarks/experiments/fp8_gemm.py`` times them against bf16 at decode shapes.
 """
