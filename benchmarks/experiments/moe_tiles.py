@@ -61,7 +61,7 @@ def run_shape(tokens: int, intermediate: int, configs: list[tuple]) -> list[dict
     gate_up = (torch.randn(EXPERTS, 2 * intermediate, HIDDEN, device="cuda", generator=gen) * 0.02).bfloat16()
     down = (torch.randn(EXPERTS, HIDDEN, intermediate, device="cuda", generator=gen) * 0.02).bfloat16()
     hidden = torch.randn(tokens * TOP_K, intermediate, device="cuda", generator=gen).bfloat16()
-    ids = torch.rand(tokens, EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices.to(torch.int32)
+    ids = torch.rand(tokens, EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices  # int64, as the router
     rows = tokens * TOP_K
     flops = 2 * rows * (2 * intermediate * HIDDEN + HIDDEN * intermediate)
     reference = None

@@ -458,6 +458,10 @@ def check_fused_moe_model() -> None:
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1")
+    if len(sys.argv) > 1:  # a file for the launches, which hopper_compile.py then compiles
+        from hopper_compile import record_launches
+
+        record_launches(sys.argv[1])
     check_sampler()
     check_sampler_filters()
     check_sampler_on_edited_logits()

@@ -56,16 +56,18 @@ def _norm_rope_store_kernel(
         sin = tl.load(cos_sin_ptr + position * HEAD_DIM + HALF + cols)
         if head < NUM_Q_HEADS:
             o1, o2 = _rotated_head(src, q_weight_ptr, cos, sin, eps, cols, HALF, HAS_NORM)
-            dst = q_out_ptr + (token * NUM_Q_HEADS + head) * HEAD_DIM
+            q_dst = q_out_ptr + (token * NUM_Q_HEADS + head) * HEAD_DIM
+            tl.store(q_dst + cols, o1.to(q_dst.dtype.element_ty))
+            tl.store(q_dst + HALF + cols, o2.to(q_dst.dtype.element_ty))
         else:
             o1, o2 = _rotated_head(src, k_weight_ptr, cos, sin, eps, cols, HALF, HAS_NORM)
             slot = tl.load(slots_ptr + token).to(tl.int64)
-            dst = k_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS) * HEAD_DIM
+            k_dst = k_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS) * HEAD_DIM
             if CLAMP > 0:  # an FP8 cache: k in the model dtype first, as the unfused path stores it
                 o1 = tl.clamp(o1.to(src.dtype.element_ty).to(tl.float32), -CLAMP, CLAMP)
                 o2 = tl.clamp(o2.to(src.dtype.element_ty).to(tl.float32), -CLAMP, CLAMP)
-        tl.store(dst + cols, o1.to(dst.dtype.element_ty))
-        tl.store(dst + HALF + cols, o2.to(dst.dtype.element_ty))
+            tl.store(k_dst + cols, o1.to(k_dst.dtype.element_ty))
+            tl.store(k_dst + HALF + cols, o2.to(k_dst.dtype.element_ty))
     else:  # a v head: copied as is (clamped into an FP8 cache's range)
         slot = tl.load(slots_ptr + token).to(tl.int64)
         dst = v_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
