@@ -24,10 +24,11 @@ from tpserve.kernels.fp8_gemv import FMA_MAX_TOKENS, GemvConfig, default_config,
 
 
 def candidates(m: int, n: int, k: int, sm_count: int) -> list[GemvConfig]:
-    """Tiles of 4-16 KB (rows of 128 bytes, one scale group, up to 1024), 4 warps (2-8 16-byte
-    loads a thread; 16 KB tiles also 8 warps), also split along K where the features give under
-    three programs per SM (into enough for three), each with the register prefetch alone,
-    Triton's pipeliner alone or both."""
+    """Tiles of 4-16 KB: rows of 512-1024 bytes with 4 warps (2-8 16-byte loads a thread; 16 KB
+    tiles also 8 warps), rows of 128 bytes (one scale group: the flat accumulation at one token)
+    with one or two loads a thread; also split along K where the features give under three
+    programs per SM (into enough for three); each with the register prefetch alone, Triton's
+    pipeliner alone or both."""
     block_m = triton_pow2(m)
     out = []
     tiles = [*itertools.product((8, 16, 32), (256, 512, 1024)), (32, 128), (64, 128), (128, 128)]  # 128: one scale group
@@ -41,7 +42,8 @@ def candidates(m: int, n: int, k: int, sm_count: int) -> list[GemvConfig]:
             split *= 2
         splits = sorted({1, split})
         for warps, split, (prefetch, stages) in itertools.product(
-            (4, 8) if tile == 16384 else (4,), splits, ((True, 1), (False, 3), (True, 2))
+            ((4, 8) if tile == 16384 else (4,)) if block_k > 128 else (tile // 512, tile // 1024), splits,
+            ((True, 1), (False, 3), (True, 2))
         ):
             out.append(GemvConfig(block_m, block_n, block_k, split, warps, stages, prefetch=prefetch))
     return out

@@ -26,6 +26,7 @@ def test_backend_choice_and_blocks(monkeypatch):
     with pytest.raises(ValueError, match="multiples of 128"):
         check_weight_block(GEMV_FLASHINFER, (128, 128), 200)
     assert [kernel_for(GEMV_FLASHINFER, m) for m in (1, GEMV_AUTO_TOKENS, GEMV_AUTO_TOKENS + 1)] == ["gemv", "gemv", "flashinfer"]
+    assert kernel_for(GEMV_FLASHINFER, 5) == "flashinfer"
     assert [kernel_for("gemv", m) for m in (1, 64, 65)] == ["gemv", "gemv", "w8a8"]
     assert kernel_for("triton", 1) == "w8a8"
     monkeypatch.delenv(FP8_GEMM_ENV, raising=False)
@@ -39,13 +40,15 @@ def test_backend_choice_and_blocks(monkeypatch):
 @pytest.mark.parametrize("m", [1, 3, 4])
 def test_gemv_defaults_fill_an_h200(n, k, m):
     """Every Qwen3-8B/-32B linear at few tokens: >= 2 programs per SM (132 SMs), >= 32 KB of
-    weights each, 8 KB tiles (16-byte loads), no K split needed at these widths."""
+    weights each, 8 KB tiles of 16-byte loads."""
     config = default_config(m, n, k, 128, 132)
     check_config(config, m, 128)
     programs = -(-n // config.block_n) * config.split_k
     assert config.variant == "fma" and config.block_m >= m and config.prefetch
     assert programs >= 2 * 132 and n * k / programs >= 32 * 1024
-    assert config.block_n * config.block_k == 8192 and config.split_k == 1
+    assert config.block_n * config.block_k == 8192
+    if m == 1:
+        assert config.block_k == 128 and config.num_warps * 32 * 32 == 8192  # two 16-byte loads a thread
 
 
 def test_gemv_config_checks():
@@ -60,4 +63,4 @@ def test_gemv_config_checks():
     with pytest.raises(ValueError, match="variant"):
         check_config(GemvConfig(16, 16, 128, 1, 4, 1, "dot"), 16, 128)
     # a narrow layer (TP 8's shards) splits K to fill the GPU
-    assert default_config(1, 512, 4096, 128, 132).split_k == 4
+    assert default_config(1, 512, 4096, 128, 132).split_k == 16 and default_config(2, 512, 4096, 128, 132).split_k == 2

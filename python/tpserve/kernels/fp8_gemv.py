@@ -83,10 +83,11 @@ def _x_tile(x_rows, k0, ks, K, row_ok, live, GATED: tl.constexpr):
 @triton.jit
 def _gated(x, up, GATED: tl.constexpr):
     """x, or silu(x) * up in float32 (SwiGLU's product, before the down projection)."""
+    out = x
     if GATED:
         gate = x.to(tl.float32)
-        return gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
-    return x
+        out = gate / (1.0 + tl.exp(-gate)) * up.to(tl.float32)
+    return out
 
 
 @triton.jit
@@ -99,6 +100,8 @@ def _gemv_kernel(
     # scale groups per K tile, and the K width each scale covers in it
     GROUPS: tl.constexpr = BLOCK_K // GROUP_K if BLOCK_K > GROUP_K else 1
     GSIZE: tl.constexpr = BLOCK_K // GROUPS
+    # one token, one scale group per tile: products accumulate elementwise, reduced once at the end
+    FLAT: tl.constexpr = BLOCK_M == 1 and GROUPS == 1 and not DOT
     pid = tl.program_id(0)
     pid_n = pid % n_blocks
     pid_k = pid // n_blocks
@@ -114,6 +117,8 @@ def _gemv_kernel(
     k_end = tl.minimum(K, k_begin + split_len)
     if DOT:
         acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    elif FLAT:
+        acc = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     else:
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if PREFETCH:
@@ -144,12 +149,16 @@ def _gemv_kernel(
             else:
                 part = tl.dot(w, tl.trans(x))
             acc += part * s  # one scale group per tile: s [BLOCK_N, 1]
+        elif FLAT:  # x [1, BLOCK_K], s [BLOCK_N, 1]
+            acc += w.to(tl.float32) * x.to(tl.float32) * s
         else:
             prod = w.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :]
             part = tl.sum(tl.reshape(prod, (BLOCK_M, BLOCK_N, GROUPS, GSIZE)), axis=3)
             acc += tl.sum(part * s[None, :, :], axis=2)
     out = out_ptr + pid_k * stride_split
-    if DOT:
+    if FLAT:
+        tl.store(out + cols, tl.sum(acc, axis=1).to(out_ptr.dtype.element_ty), mask=col_ok)
+    elif DOT:
         tl.store(out + rows[None, :] * N + cols[:, None], acc.to(out_ptr.dtype.element_ty), mask=col_ok[:, None] & row_ok[None, :])
     else:
         tl.store(out + rows[:, None] * N + cols[None, :], acc.to(out_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
@@ -189,21 +198,25 @@ def fma_block_k(k: int, group_k: int, want: int) -> int:
 
 
 def default_config(m: int, n: int, k: int, group_k: int, sm_count: int) -> GemvConfig:
-    """Few tokens: 8 KB tiles (8 or 16 features x 512-1024 bytes of K, four warps: four 16-byte
-    loads a thread), one more in flight per program (``prefetch``), and a K split only where
-    the features alone give under two programs per SM. So each of Qwen3-8B's and -32B's
-    linears at TP 1 runs 2-12 programs per SM of 32-200 KB each. The sweep
+    """One token: 64 features x one scale group (8 KB tiles of 128-byte rows, 8 warps: two
+    16-byte loads a thread) accumulated elementwise (compiled for sm_90 it has no shuffles nor
+    shared memory in its loop, where 512-1024-byte tiles spend ~20 instructions a byte), the
+    next tile in flight (``prefetch``), K split until there are two programs per SM. 2-4 tokens:
+    8 KB tiles of 8 or 16 features x 1024 or 512 bytes, four warps. The sweep
     (``benchmarks/experiments/fp8_gemv_sweep.py``) measures the alternatives. More tokens take
     swap-AB dots over 32-feature tiles (64 where that still gives two programs per SM), K split
     in two for long K: x is re-read from L2 by each program, 2 * M / BLOCK_N times its weight
     bytes, so wider tiles for more tokens."""
     if m <= FMA_MAX_TOKENS:
-        block_n = 16 if triton.cdiv(n, 16) >= 3 * sm_count else 8
-        block_k = fma_block_k(k, group_k, 8192 // block_n)
+        if m == 1:
+            block_n, block_k, warps = 64, k_tile(group_k), 8
+        else:
+            block_n = 16 if triton.cdiv(n, 16) >= 3 * sm_count else 8
+            block_k, warps = fma_block_k(k, group_k, 8192 // block_n), 4
         split_k = 1
-        while triton.cdiv(n, block_n) * split_k < 2 * sm_count and k // (2 * split_k) >= block_k:
+        while triton.cdiv(n, block_n) * split_k < 2 * sm_count and k // (2 * split_k) >= 2 * block_k:
             split_k *= 2
-        return GemvConfig(triton.next_power_of_2(m), block_n, block_k, split_k, num_warps=4, num_stages=1)
+        return GemvConfig(triton.next_power_of_2(m), block_n, block_k, split_k, num_warps=warps, num_stages=1)
     block_m = 16 if m <= 16 else 32 if m <= 32 else 64
     m_tiles = triton.cdiv(m, block_m)
     min_n = 32 if m <= 32 else 64

@@ -34,7 +34,7 @@ FP8_GEMM_ENV = "TPSERVE_FP8_GEMM"
 BACKENDS = ("auto", "gemv", "triton", "flashinfer")
 # ``auto`` resolved where FlashInfer's GEMM runs: it, but fp8_gemv up to this many tokens
 GEMV_FLASHINFER = "gemv+flashinfer"
-GEMV_AUTO_TOKENS = 4
+GEMV_AUTO_TOKENS = 1  # 2-4 tokens: measure (stage fp8_gemv_sweep's fp8_gemm_few) before raising
 FLASHINFER_BLOCK = (128, 128)
 
 
