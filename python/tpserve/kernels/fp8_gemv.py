@@ -7,7 +7,9 @@ slices of K, in ``BLOCK_K`` tiles (16-byte loads along K). Bytes in flight are w
 needs: with ``prefetch`` a program issues the next tile's loads (weight, activations, scales)
 before reducing the current one, so every program keeps one tile in flight without Triton's
 pipeliner (``num_stages`` > 1 adds that too). Per tile the FP8 weights convert to float32
-(exact) and each scale group's sum is multiplied by its block scale: on CUDA cores for up to
+(exact) and meet their block scales: for one token and tiles inside one scale group the products
+accumulate elementwise and are reduced once at the end (``FLAT``: no shuffles in the loop);
+otherwise each scale group's sum is reduced per tile, on CUDA cores for up to
 ``FMA_MAX_TOKENS`` tokens (``variant="fma"``), as a swap-AB tensor-core dot above
 (``variant="dot_t"``: the weight tile is the MMA's wide side, tokens padded to 16). A K split
 writes float32 partial sums that ``_gemv_sum_splits_kernel`` adds in a fixed order (deterministic, no
