@@ -87,6 +87,14 @@ class ServerProcess:
         self.proc.kill()
         self.proc.wait()
 
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Nothing outlives the block; the log is printed (pytest shows it when the test fails)."""
+        self.kill_all()
+        print(self.log)
+
 
 def running_server(args: list[str]) -> Iterator[ServerProcess]:
     """A ready server for a module-scoped fixture (``yield from running_server([...])``), stopped after."""

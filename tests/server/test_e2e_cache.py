@@ -11,19 +11,14 @@ import re
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import running_server
 
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir):
-    srv = ServerProcess(["--model", qwen3_dir, "--device", "cpu", "--tp-size", "2", "--max-total-tokens", "256",
-                         "--page-size", "4", "--max-prefill-tokens", "16", "--cache", "radix",
-                         "--debug-check-invariants", "--served-model-name", "tiny"])
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
+    yield from running_server(["--model", qwen3_dir, "--device", "cpu", "--tp-size", "2", "--max-total-tokens", "256",
+                               "--page-size", "4", "--max-prefill-tokens", "16", "--cache", "radix",
+                               "--debug-check-invariants", "--served-model-name", "tiny"])
 
 
 def metrics(url: str) -> dict[str, float]:
