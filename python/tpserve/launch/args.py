@@ -240,31 +240,12 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"--model: {model_dir} has no config.json")
     model_config = ModelConfig.from_pretrained(model_dir)
-    engine = EngineConfig(
+    engine = _from_flags(
+        EngineConfig, ns,
         model=model_dir,
-        tp_size=ns.tp_size,
-        dp_size=ns.dp_size,
         device=None if ns.device == "auto" else ns.device,
         dtype=None if ns.dtype == "auto" else ns.dtype,
-        load_format=ns.load_format,
-        quantization=ns.quantization,
-        page_size=ns.page_size,
-        kv_cache_dtype=ns.kv_cache_dtype,
-        max_total_tokens=ns.max_total_tokens,
-        mem_fraction=ns.mem_fraction,
-        max_running_requests=ns.max_running_requests,
-        max_model_len=ns.max_model_len,
-        seed=ns.seed,
-        chunked_prefill_size=ns.chunked_prefill_size,
-        mixed_prefill_tokens=ns.mixed_prefill_tokens,
-        cache=ns.cache,
-        schedule_policy=ns.schedule_policy,
-        attention_backend=ns.attention_backend,
-        cuda_graph_max_bs=ns.cuda_graph_max_bs,
-        disable_overlap=ns.disable_overlap,
-        all_reduce=ns.all_reduce,
-        debug_check_invariants=ns.debug_check_invariants,
-        **_node_settings(ns),
+        dist_init_addr=_dist_init_addr(ns),
     )
     check_can_start(engine, model_config, cli=True)
     if ns.shell and ns.dp_size > 1:
@@ -273,32 +254,29 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     tool_parser = ns.tool_call_parser
     if tool_parser == "auto":
         tool_parser = detect_tool_parser(chat_template or _model_chat_template(model_dir))
-    return ServerArgs(
+    return _from_flags(
+        ServerArgs, ns,
         engine=engine,
         served_model_name=names[0],
         model_aliases=tuple(n for n in names[1:] if n != names[0]),
         chat_template=chat_template,
         tool_call_parser=None if tool_parser == "none" else tool_parser,
-        reasoning_parser=ns.reasoning_parser,
         context_len=_context_len(ns.max_model_len or model_config.context_length, ns.max_total_tokens),
         vocab_size=model_config.vocab_size,
-        host=ns.host,
-        port=ns.port,
-        shell=ns.shell,
-        num_tokenizers=ns.num_tokenizers,
         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
-        log_level=ns.log_level,
         demo_model=demo,
-        max_request_bytes=ns.max_request_bytes,
-        max_sequences_per_request=ns.max_sequences_per_request,
-        health_timeout=ns.health_timeout,
-        request_timeout=ns.request_timeout,
-        load_balance_method=ns.load_balance_method,
     )
 
 
-def _node_settings(ns: argparse.Namespace) -> dict[str, Any]:
-    """The multi-node flags as EngineConfig fields, checked (the token too) before anything starts."""
+def _from_flags(cls: type, ns: argparse.Namespace, **computed: Any) -> Any:
+    """``cls`` from the flags named as its fields, and ``computed`` for the fields that are not
+    a flag's value as given."""
+    return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)} | computed)
+
+
+def _dist_init_addr(ns: argparse.Namespace) -> str | None:
+    """--dist-init-addr as a tcp:// URL; every multi-node flag (the token too) is checked before
+    anything starts."""
     check_nodes(ns.tp_size, ns.nnodes, ns.node_rank, ns.dist_init_addr, cli=True)
     addr = None
     if ns.dist_init_addr is not None:
@@ -309,7 +287,7 @@ def _node_settings(ns: argparse.Namespace) -> dict[str, Any]:
         addr = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
     if ns.nnodes > 1:
         read_token()
-    return {"nnodes": ns.nnodes, "node_rank": ns.node_rank, "dist_init_addr": addr, "dist_timeout": ns.dist_timeout}
+    return addr
 
 
 def _context_len(context: int, kv_tokens: int | None) -> int:
