@@ -20,6 +20,8 @@ from tpserve.tiny.tokenizer import (
 )
 from tpserve.tiny.weights import random_weights, write_weights
 
+# Bump whenever the files written for the same parameters change (corpus, init, config keys):
+# it is part of the cache key of ``default_tiny_model_dir``.
 FORMAT_VERSION = 2
 
 
