@@ -106,6 +106,13 @@ def running_server(args: list[str]) -> Iterator[ServerProcess]:
         srv.stop()
 
 
+def metrics(url: str) -> dict[str, float]:
+    """The server's /metrics samples, each named as the text format writes it, labels included
+    (``tpserve_kv_pages_used``, ``tpserve_requests_finished_total{finish_reason="abort"}``)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(tpserve_\S+) (\S+)$", text, re.M)}
+
+
 def wait_gone(procs: list[psutil.Process], timeout: float = 10) -> list[psutil.Process]:
     """The processes still alive after ``timeout`` (zombies count as gone)."""
     _, alive = psutil.wait_procs(procs, timeout=timeout)
