@@ -44,11 +44,6 @@ def _time_steps(engine, batches: list[int], context: int, modes: list[str], warm
     return rows
 
 
-def measure(config: EngineConfig, batches: list[int], context: int, modes: list[str], warmup: int,
-            iters: int) -> list[dict[str, object]]:
-    return on_ranks(config, _time_steps, batches, context, modes, warmup, iters)
-
-
 def gpu_spec(args: argparse.Namespace, device: str) -> tuple[GPUSpec, str]:
     if not args.calibrate:
         return GPUS[args.gpu], f"table ({args.gpu})"
@@ -96,7 +91,7 @@ def main() -> None:
             cuda_graph_max_bs=max(args.batch_sizes) if args.device == "cuda" else 0,
             max_model_len=args.context + args.warmup + args.iters + 64,
         )
-        measured = measure(config, args.batch_sizes, args.context, modes, args.warmup, args.iters)
+        measured = on_ranks(config, _time_steps, args.batch_sizes, args.context, modes, args.warmup, args.iters)
         for row in measured:
             batch = int(row["batch"])
             predicted = decode_step(shape, spec, tp, batch, args.context)
