@@ -5,13 +5,15 @@ from __future__ import annotations
 
 import argparse
 import math
-from typing import Callable, NoReturn
+from typing import Callable, NoReturn, TypeVar
+
+N = TypeVar("N", int, float)
 
 
-def number(kind: type, ok: Callable[[float], bool], requirement: str) -> Callable[[str], float]:
+def number(kind: Callable[[str], N], ok: Callable[[N], bool], requirement: str) -> Callable[[str], N]:
     """An argument type of ``kind`` values for which ``ok`` holds ("must be <requirement>" if not)."""
 
-    def parse(text: str) -> float:
+    def parse(text: str) -> N:
         try:
             value = kind(text)
         except ValueError:
@@ -24,7 +26,7 @@ def number(kind: type, ok: Callable[[float], bool], requirement: str) -> Callabl
 
 
 def int_at_least(low: int) -> Callable[[str], int]:
-    return number(int, lambda v: v >= low, f">= {low}")  # type: ignore[return-value]
+    return number(int, lambda v: v >= low, f">= {low}")
 
 
 def float_above(low: float, requirement: str | None = None) -> Callable[[str], float]:
