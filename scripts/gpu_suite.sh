@@ -186,6 +186,11 @@ for s in $stages; do
     offline06_fp8kv) stage offline06_fp8kv 150 python3 benchmarks/offline_throughput.py --model $small --kv-cache-dtype fp8_e4m3 \
       --out $results/offline_qwen3_0.6b_fp8kv.json ;;
     fp8_tests) stage fp8_tests 400 python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_fp8_gpu.py ;;
+    fp8_gemv_sweep)  # fp8_gemv's configs at one token, then its defaults against FlashInfer at 1-4 tokens
+      stage fp8_gemv_sweep 480 python3 benchmarks/experiments/fp8_gemv_sweep.py --configs $large --ms 1 \
+        --out $results/fp8_gemv_sweep.json
+      stage fp8_gemm_few 90 python3 benchmarks/experiments/fp8_gemm.py --configs $large --ms 1,2,4 --variants gemv,flashinfer \
+        --out $results/fp8_gemm_few.json ;;
     fp8_gemm) stage fp8_gemm 270 python3 benchmarks/experiments/fp8_gemm.py --configs $large --out $results/fp8_gemm.json ;;
     fp8_decode8) stage fp8_decode8 300 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,gemv,flashinfer \
       --batch-sizes 1,64 --out $results/fp8_decode_8b.json ;;
