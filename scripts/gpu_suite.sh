@@ -185,6 +185,8 @@ for s in $stages; do
       done ;;
     offline06_fp8kv) stage offline06_fp8kv 150 python3 benchmarks/offline_throughput.py --model $small --kv-cache-dtype fp8_e4m3 \
       --out $results/offline_qwen3_0.6b_fp8kv.json ;;
+    fp8_gemv_tests) stage fp8_gemv_tests 200 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_fp8_gpu.py \
+      -k "gemv or auto_takes or quantization_fp8_on_gpu or checkpoint_served" ;;
     fp8_tests) stage fp8_tests 400 python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_fp8_gpu.py ;;
     fp8_gemv_sweep)  # fp8_gemv's configs at one token, then its defaults against FlashInfer at 1-4 tokens
       stage fp8_gemv_sweep 480 python3 benchmarks/experiments/fp8_gemv_sweep.py --configs $large --ms 1 \
