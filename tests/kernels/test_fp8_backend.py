@@ -25,7 +25,7 @@ def test_backend_choice_and_blocks(monkeypatch):
         check_weight_block("flashinfer", (32, 32), 64)
     with pytest.raises(ValueError, match="multiples of 128"):
         check_weight_block(GEMV_FLASHINFER, (128, 128), 200)
-    assert [kernel_for(GEMV_FLASHINFER, m) for m in (1, GEMV_AUTO_TOKENS, GEMV_AUTO_TOKENS + 1)] == ["gemv", "gemv", "flashinfer"]
+    assert [kernel_for(GEMV_FLASHINFER, m) for m in (GEMV_AUTO_TOKENS, GEMV_AUTO_TOKENS + 1)] == ["gemv", "flashinfer"]
     assert kernel_for(GEMV_FLASHINFER, 5) == "flashinfer"
     assert [kernel_for("gemv", m) for m in (1, 64, 65)] == ["gemv", "gemv", "w8a8"]
     assert kernel_for("triton", 1) == "w8a8"

@@ -34,7 +34,11 @@ FP8_GEMM_ENV = "TPSERVE_FP8_GEMM"
 BACKENDS = ("auto", "gemv", "triton", "flashinfer")
 # ``auto`` resolved where FlashInfer's GEMM runs: it, but fp8_gemv up to this many tokens
 GEMV_FLASHINFER = "gemv+flashinfer"
-GEMV_AUTO_TOKENS = 1  # 2-4 tokens: measure (stage fp8_gemv_sweep's fp8_gemm_few) before raising
+# 0: FlashInfer at every batch. The session-5 rewrite of fp8_gemv made the Qwen3-8B decode step
+# at one token 1.10x of bf16 against 0.87x before (docs/benchmarks.md, FP8); FlashInfer alone
+# was within 2% of the old GEMV's best configs per layer. Raise after fp8_gemv_sweep shows the
+# GEMV ahead of FlashInfer.
+GEMV_AUTO_TOKENS = 0
 FLASHINFER_BLOCK = (128, 128)
 
 
