@@ -161,6 +161,11 @@ for s in $stages; do
       stage moe30_floors 30 python3 benchmarks/roofline.py --model $a3b --decode-batch 1 64 --context 512 --peak-tflops 766 --bandwidth-tbps 4.26 ;;
     moe30_profile) stage moe30_profile 150 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 1,64 \
       --out $results/profile_qwen3_30b_a3b.json ;;
+    moe_small)  # the small-batch MoE kernels against the grouped GEMMs, one layer's experts, and their config sweep
+      stage moe_small 420 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --out $results/moe_small_batch.json ;;
+    moe_small_tp2)  # the same on a TP 2 rank's slice (expert intermediate 384), one GPU
+      stage moe_small_tp2 300 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --tp 2 --batch-sizes 1,4,16 \
+        --sweep-batch-sizes 1,4 --out $results/moe_small_batch_tp2.json ;;
     moe30_tp2) stage moe30_tp2 240 python3 benchmarks/offline_throughput.py --model $a3b --tp-size 2 --out $results/offline_qwen3_30b_a3b_tp2.json ;;
     # FP8 (issue 16), two calls: "fp8_gemm fp8_decode8" and "fp8_tests fp8_decode32"
     fp8_profile8)  # where the FP8 decode step's time goes (weights, then weights + KV in FP8)
