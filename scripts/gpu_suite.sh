@@ -173,6 +173,11 @@ for s in $stages; do
         --out $results/profile_qwen3_8b_fp8.json
       stage fp8_profile8_kv 120 python3 benchmarks/profile_decode.py --model $large --quantization fp8 \
         --kv-cache-dtype fp8_e4m3 --batch-sizes 1 --out $results/profile_qwen3_8b_fp8_kv.json ;;
+    fp8_serving32)  # Qwen3-32B with FP8 weights at TP 1 on one GPU, through HTTP (OpenAI chat streaming)
+      srv=$(serving_dir .models/Qwen3-32B /tmp/qwen3-32b)
+      stage fp8_serving32 300 python3 benchmarks/serving.py --launch $srv --server-args "--quantization fp8" \
+        --rates inf,4 --num-requests 128,32 --server-log $out/server_fp8_32b.log --out $results/serving_qwen3_32b_fp8.json ;;
+    fp8_kv_test) stage fp8_kv_test 150 python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_fp8_gpu.py -k kv_cache ;;
     fp8_tests) stage fp8_tests 400 python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_fp8_gpu.py ;;
     fp8_gemm) stage fp8_gemm 270 python3 benchmarks/experiments/fp8_gemm.py --configs $large --out $results/fp8_gemm.json ;;
     fp8_decode8) stage fp8_decode8 300 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,gemv,flashinfer \
