@@ -305,10 +305,12 @@ def check_small_batch_moe() -> None:
     """The unsorted small-batch kernels against the torch experts in float32: the default config
     and small blocks (several K steps, tails in N and K, top_k not a multiple of the experts read
     per step), one token to 64 rows, a TP 2 rank of Qwen3-30B-A3B's experts (H 2048, I 384);
-    bfloat16 against float64 (no tl.dot here, so the interpreter's bf16 is right); and
-    fused_experts picking them up to SMALL_BATCH_MAX_ROWS rows, the grouped GEMMs above."""
+    bfloat16 against float64 (no tl.dot here, so the interpreter's bf16 is right); a dense MLP
+    as one expert; and fused_experts picking them up to SMALL_BATCH_MAX_ROWS rows, the grouped
+    GEMMs above."""
     from tpserve.kernels.moe import SMALL_BATCH_MAX_ROWS, fused_experts, grouped_experts
     from tpserve.kernels.moe_small import KernelConfig, SmallBatchConfig, default_config, small_batch_experts
+    from tpserve.layers.activation import silu_and_mul
     from tpserve.layers.moe import experts_torch
 
     gen = torch.Generator().manual_seed(8)
@@ -328,6 +330,11 @@ def check_small_batch_moe() -> None:
     for got in (small_batch_experts(*half, ids), experts_torch(*half, ids)):
         err = float((got.double() - exact).norm() / exact.norm())
         assert got.dtype == torch.bfloat16 and err < 1e-2, f"bf16 relative error {err:.2e}"
+    # A dense MLP (the layers of mlp_only_layers) is the one-expert case of the same kernels.
+    x, gate_up, down, _, _ = random_experts(gen, 2, 1, 1, 64, 48)
+    dense = torch.nn.functional.linear(silu_and_mul(torch.nn.functional.linear(x, gate_up[0])), down[0])
+    one_expert = small_batch_experts(x, gate_up, down, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64))
+    torch.testing.assert_close(one_expert, dense, rtol=1e-5, atol=1e-5)
     for tokens in (SMALL_BATCH_MAX_ROWS // 4, SMALL_BATCH_MAX_ROWS // 4 + 1):
         x, gate_up, down, weights, ids = random_experts(gen, tokens, 8, 4, 32, 16)
         small = tokens * 4 <= SMALL_BATCH_MAX_ROWS

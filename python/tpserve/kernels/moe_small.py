@@ -175,6 +175,8 @@ def small_batch_experts(
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H] in two kernels; x [T, H] with unit
     stride along H, the weights contiguous, ids [T, k] and weights [T, k] contiguous."""
+    if ids.numel() == 0:
+        return torch.zeros_like(x)
     if config is None:
         config = default_config(ids.shape[1])
     ids, weights = ids.contiguous(), weights.contiguous()
