@@ -152,7 +152,7 @@ for s in $stages; do
         --out $results/tp_decode_qwen3_32b_fused.json ;;
     # ---- Qwen3-30B-A3B (issue 14); after warm (the bf16 MoE test builds FlashInfer's kernels otherwise and
     # overran 120 s). moe30 on one GPU (~6 min), moe30_tp2 on two ----
-    moe30_tests) stage moe30_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py ;;
+    moe30_tests) stage moe30_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py ;;
     moe30_offline)
       stage moe30_offline 180 python3 benchmarks/offline_throughput.py --model $a3b --trace --out $results/offline_qwen3_30b_a3b_traced.json
       stage moe30_roofline 30 python3 benchmarks/roofline.py $results/offline_qwen3_30b_a3b_traced.json --model $a3b --peak-tflops 766 ;;

@@ -70,7 +70,7 @@ def test_fused_experts_match_torch(tokens, shape):
     assert fused_err < RTOL and fused_err < 2 * torch_err + 1e-3
 
 
-@pytest.mark.parametrize("tokens", [1, 2, 3, 5, 8])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
 @pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
 def test_small_batch_experts_match_torch_and_grouped(tokens, shape):
     """Decode batches on both paths: each within bf16 rounding of float64, and the small-batch

@@ -5,21 +5,23 @@ grouped path's sort and 16-row blocks only add kernels and padding. Here every r
 expert id straight from the router's top-k output (no sort) and streams that expert's weights
 through the CUDA cores, accumulating in float32:
 
-1. ``_gate_up_silu_kernel``: grid (row, BLOCK_N slice of the intermediate); a program reads the
+1. ``_moe_gate_up_silu_kernel``: grid (row, BLOCK_N slice of the intermediate); a program reads the
    gate and the up rows of its slice of ``gate_up[expert]`` ([E, 2I, H], gate rows first) over
    K = H in BLOCK_K steps and writes ``act[row, n] = silu(gate) * up`` in the compute dtype.
-2. ``_down_sum_kernel``: grid (token, BLOCK_N slice of the hidden size); a program reduces over
+2. ``_moe_down_sum_kernel``: grid (token, BLOCK_N slice of the hidden size); a program reduces over
    its token's top_k rows and I, EXPERTS_PER_STEP rows at a time, summing
    ``weight_k * act[row_k] @ down[expert_k].T`` in float32, and writes ``out[token, n]`` once:
    no atomics, so every run and every tensor-parallel rank gives the same bits.
 
-Each program holds [rows, BLOCK_N, BLOCK_K] products and reduces them once at the end. Shapes
+A program adds its products elementwise into float32 tiles ([BLOCK_N, BLOCK_K] for gate and
+for up; [EXPERTS_PER_STEP, BLOCK_N, BLOCK_K] for down) and reduces them once, at the end. Shapes
 depend only on the number of tokens and nothing is read on the host, so CUDA graphs hold it.
 Triton's interpreter runs these kernels in bfloat16 too (no ``tl.dot``).
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -42,6 +44,7 @@ class SmallBatchConfig:
     down: KernelConfig
 
 
+@functools.cache
 def default_config(top_k: int) -> SmallBatchConfig:
     """Guesses until benchmarks/experiments/moe_small_batch.py has swept them on an H200. Loads
     in flight are what a weight stream needs: gate_up has rows * I / BLOCK_N programs (384 for
@@ -63,7 +66,7 @@ def check_config(config: KernelConfig) -> None:
 
 
 @triton.jit
-def _gate_up_silu_kernel(
+def _moe_gate_up_silu_kernel(
     x_ptr, w_ptr, ids_ptr, act_ptr, inter, hidden,
     stride_xm, stride_we, stride_wn, stride_am,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
@@ -101,7 +104,7 @@ def _gate_up_silu_kernel(
 
 
 @triton.jit
-def _down_sum_kernel(
+def _moe_down_sum_kernel(
     act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter,
     stride_am, stride_we, stride_wn, stride_om,
     TOP_K: tl.constexpr, EXPERTS_PER_STEP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
@@ -144,7 +147,7 @@ def gate_up_silu(
     check_config(config)
     rows, inter, hidden = ids.numel(), gate_up.shape[1] // 2, gate_up.shape[2]
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    _gate_up_silu_kernel[(rows, triton.cdiv(inter, config.block_n))](
+    _moe_gate_up_silu_kernel[(rows, triton.cdiv(inter, config.block_n))](
         x, gate_up, ids, act, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         TOP_K=ids.shape[1], BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=hidden % config.block_k == 0,
         NUM_STAGES=config.num_stages, num_warps=config.num_warps,
@@ -160,7 +163,7 @@ def down_sum(
     tokens, top_k = ids.shape
     hidden, inter = down.shape[1], down.shape[2]
     out = torch.empty(tokens, hidden, dtype=act.dtype, device=act.device)
-    _down_sum_kernel[(tokens, triton.cdiv(hidden, config.block_n))](
+    _moe_down_sum_kernel[(tokens, triton.cdiv(hidden, config.block_n))](
         act, down, ids, weights, out, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         TOP_K=top_k, EXPERTS_PER_STEP=min(config.experts_per_step, triton.next_power_of_2(top_k)),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=inter % config.block_k == 0,
