@@ -52,6 +52,8 @@ def main() -> None:
     parser.add_argument("--hf-baseline", action="store_true",
                         help="instead run transformers' generate (static batches) on the same workload")
     parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the baseline")
+    parser.add_argument("--quantization", default=None, help="fp8: quantize the weights at load (issue 16)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8_e4m3")
     parser.add_argument("--dtype", default="bfloat16", help="engine dtype (float32 for quick CPU runs)")
     parser.add_argument("--trace", action="store_true",
                         help="record every scheduler step and print where the time goes (throughput flagged as traced)")
@@ -77,6 +79,8 @@ def main() -> None:
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         attention_backend=args.attention_backend,
         disable_overlap=args.disable_overlap,
+        quantization=args.quantization,
+        kv_cache_dtype=args.kv_cache_dtype,
     )
     startup = time.perf_counter() - start
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -113,6 +117,8 @@ def main() -> None:
     }
     if args.dtype != "bfloat16":
         row["dtype"] = args.dtype
+    if args.quantization or args.kv_cache_dtype != "auto":
+        row["quantization"], row["kv_cache_dtype"] = args.quantization, args.kv_cache_dtype
     extra = {}
     if tracer is not None:
         row["traced"] = True

@@ -166,6 +166,7 @@ for s in $stages; do
     moe_small_tp2)  # the same on a TP 2 rank's slice (expert intermediate 384), one GPU
       stage moe_small_tp2 300 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --tp 2 --batch-sizes 1,4,16 \
         --sweep-batch-sizes 1,4 --out $results/moe_small_batch_tp2.json ;;
+    moe_tiles) stage moe_tiles 240 python3 benchmarks/experiments/moe_tiles.py --out $results/moe_tiles.json ;;
     moe30_tp2) stage moe30_tp2 240 python3 benchmarks/offline_throughput.py --model $a3b --tp-size 2 --out $results/offline_qwen3_30b_a3b_tp2.json ;;
     # FP8 (issue 16), two calls: "fp8_gemm fp8_decode8" and "fp8_tests fp8_decode32"
     fp8_profile8)  # where the FP8 decode step's time goes (weights, then weights + KV in FP8)
@@ -177,7 +178,18 @@ for s in $stages; do
       srv=$(serving_dir .models/Qwen3-32B /tmp/qwen3-32b)
       stage fp8_serving32 300 python3 benchmarks/serving.py --launch $srv --server-args "--quantization fp8" \
         --rates inf,4 --num-requests 128,32 --server-log $out/server_fp8_32b.log --out $results/serving_qwen3_32b_fp8.json ;;
+    fp8kv_fused)  # the fused norm/rotary/store kernel into FP8 pages: its test, then the FP8-KV step's kernels
+      stage fp8kv_fused_test 150 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_fused_kernels.py -k norm_rope_store
+      stage fp8kv_fused_profile 120 python3 benchmarks/profile_decode.py --model $large --quantization fp8 \
+        --kv-cache-dtype fp8_e4m3 --batch-sizes 1,64 --out $results/profile_qwen3_8b_fp8_kv_fused.json ;;
     fp8_kv_test) stage fp8_kv_test 150 python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_fp8_gpu.py -k kv_cache ;;
+    fp8_offline8)  # workload A with FP8 weights (then FP8 weights and KV) against bf16, in one call
+      for q in bf16 fp8 fp8kv; do
+        case $q in bf16) qa="";; fp8) qa="--quantization fp8";; fp8kv) qa="--quantization fp8 --kv-cache-dtype fp8_e4m3";; esac
+        stage fp8_offline8_$q 150 python3 benchmarks/offline_throughput.py --model $large $qa --out $results/offline_qwen3_8b_$q.json
+      done ;;
+    offline06_fp8kv) stage offline06_fp8kv 150 python3 benchmarks/offline_throughput.py --model $small --kv-cache-dtype fp8_e4m3 \
+      --out $results/offline_qwen3_0.6b_fp8kv.json ;;
     fp8_tests) stage fp8_tests 400 python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_fp8_gpu.py ;;
     fp8_gemm) stage fp8_gemm 270 python3 benchmarks/experiments/fp8_gemm.py --configs $large --out $results/fp8_gemm.json ;;
     fp8_decode8) stage fp8_decode8 300 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,gemv,flashinfer \

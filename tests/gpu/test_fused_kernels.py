@@ -164,11 +164,15 @@ def test_kv_store_matches_torch(tokens, monkeypatch):
         assert torch.equal(fused.k[layer], reference.k[layer]) and torch.equal(fused.v[layer], reference.v[layer])
 
 
+@pytest.mark.parametrize("cache", ["bf16", "fp8"])
 @pytest.mark.parametrize("qk_norm", [True, False], ids=["qwen3", "llama"])
 @pytest.mark.parametrize("tokens", [1, 40, 1000])
-def test_norm_rope_store_matches_unfused(tokens, qk_norm):
+def test_norm_rope_store_matches_unfused(tokens, qk_norm, cache):
     """The one-kernel q/k norm + rotary + KV store against FlashInfer's norm and rotary kernels
-    followed by the Triton store: same rounding steps, so equal up to float32 summation order."""
+    followed by the Triton store: same rounding steps, so equal up to float32 summation order
+    (into an FP8 cache: the same k within one e4m3 step, v equal)."""
+    from tpserve.quant.fp8 import FP8_DTYPE
+
     from tpserve.kernels import flashinfer_ops
     from tpserve.kernels.rope_store import norm_rope_store
 
@@ -180,7 +184,10 @@ def test_norm_rope_store_matches_unfused(tokens, qk_norm):
     qkv = torch.randn(tokens, (heads + 2 * kv_heads) * head_dim, generator=gen, device=DEVICE).to(DTYPE)
     positions = torch.randint(0, max_pos, (tokens,), generator=gen, device=DEVICE)
     slots = torch.randperm(pages * page_size, generator=gen, device=DEVICE)[:tokens]
-    fused = KVCachePool(1, pages, page_size, kv_heads, head_dim, DTYPE, DEVICE)
+    if cache == "fp8":
+        qkv = qkv * 300  # past e4m3's 448, so the clamp is exercised
+    cache_dtype = FP8_DTYPE if cache == "fp8" else DTYPE
+    fused = KVCachePool(1, pages, page_size, kv_heads, head_dim, cache_dtype, DEVICE, DTYPE)
     weights = (q_norm.weight, k_norm.weight) if qk_norm else (None, None)
     q_fused = norm_rope_store(qkv, positions, rotary.cos_sin_cache, *weights, 1e-6, fused.k[0], fused.v[0], slots,
                               heads, kv_heads, head_dim)
@@ -192,12 +199,16 @@ def test_norm_rope_store_matches_unfused(tokens, qk_norm):
     else:
         q, k = q.clone(), k.clone()
     flashinfer_ops.rotary_(positions, q, k, rotary.cos_sin_cache)
-    unfused = KVCachePool(1, pages, page_size, kv_heads, head_dim, DTYPE, DEVICE)
+    unfused = KVCachePool(1, pages, page_size, kv_heads, head_dim, cache_dtype, DEVICE, DTYPE)
     unfused.store(0, slots, k, v)
     # One bf16 ulp where a float32 sum in another order rounds the other way.
     torch.testing.assert_close(q_fused, q, rtol=8e-3, atol=8e-3)
-    torch.testing.assert_close(fused.k[0], unfused.k[0], rtol=8e-3, atol=8e-3)
-    assert torch.equal(fused.v[0], unfused.v[0])
+    k_tol = 0.13 if cache == "fp8" else 8e-3  # e4m3 has 3 mantissa bits: one step is up to 2^-3 relative
+    torch.testing.assert_close(fused.k[0].float(), unfused.k[0].float(), rtol=k_tol, atol=k_tol)
+    assert torch.equal(fused.v[0].view(torch.uint8) if cache == "fp8" else fused.v[0],
+                       unfused.v[0].view(torch.uint8) if cache == "fp8" else unfused.v[0])
+    if cache == "fp8":
+        assert float(fused.v[0].float().abs().max()) == 448.0
     assert (q_fused == q).float().mean() > 0.99
 
 

@@ -193,6 +193,25 @@ def check_norm_rope_store() -> None:
         torch.testing.assert_close(got, q_ref, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fused.k[0], reference.k[0], rtol=1e-5, atol=1e-5)
         assert torch.equal(fused.v[0], reference.v[0])
+        # An FP8 cache: the same k and v, clamped into e4m3's range and cast (scaled up so the
+        # clamp is exercised). The interpreter's float8 cast is not the GPU's (see check_fp8_gemm),
+        # so, as check_kv_store, most values within one e4m3 step (tests/gpu checks the bits).
+        big = qkv * 200
+        reference = KVCachePool(1, 8, 4, kv_heads, head_dim, FP8_DTYPE, torch.device("cpu"), torch.float32)
+        q, k, v = big.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
+        k, v = k.reshape(tokens, kv_heads, head_dim), v.reshape(tokens, kv_heads, head_dim)
+        if with_norm:
+            k = k_norm(k)
+        _, k_ref = rotary(positions, q.reshape(tokens, heads, head_dim), k)
+        reference.store(0, slots, k_ref, v)
+        fused = KVCachePool(1, 8, 4, kv_heads, head_dim, FP8_DTYPE, torch.device("cpu"), torch.float32)
+        backend = TorchAttentionBackend(fused, heads, kv_heads, head_dim, fused_rope_store=True)
+        backend.attend = lambda layer, q, meta: q
+        backend.forward_fused(0, big, positions, table, norm, slots, None)
+        assert float(fused.v[0].float().abs().max()) == 448.0
+        for got, ref in ((fused.k[0].float(), reference.k[0].float()), (fused.v[0].float(), reference.v[0].float())):
+            ulp = torch.exp2(torch.floor(torch.log2(ref.abs().clamp_min(2**-9))) - 3)
+            assert bool(((got - ref).abs() <= ulp).float().mean() > 0.95), "fused FP8 KV store differs"
 
 
 def check_fp8_gemm() -> None:
@@ -424,6 +443,10 @@ def check_fused_moe_model() -> None:
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1")
+    if len(sys.argv) > 1:  # a file for the launches, which hopper_compile.py then compiles
+        from hopper_compile import record_launches
+
+        record_launches(sys.argv[1])
     check_sampler()
     check_sampler_filters()
     check_sampler_on_edited_logits()

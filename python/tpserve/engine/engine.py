@@ -181,7 +181,7 @@ class Engine:
 
     def _fused_rope_store(self) -> bool:
         """Whether layers take qkv to q and the KV cache in one Triton kernel (kernels.rope_store)."""
-        if not use_triton(self.device) or self.kv_pool.fp8:  # the kernel writes q and k in one dtype
+        if not use_triton(self.device):
             return False
         from tpserve.kernels import rope_store
 

@@ -64,9 +64,21 @@ def _grouped_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
+def tiles_for(num_rows: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, warps, stages) of the grouped GEMM: small blocks for decode (few rows per
+    expert), the large tile once experts get hundreds of rows. From benchmarks/experiments/moe_tiles.py
+    on an H200 (Qwen3-30B-A3B's experts at TP 1 and 2): at 4,096 rows every tile ties (the step reads
+    all experts' weights); at 16,384 and 65,536 rows 128 x 128 with 8 warps is 1.2x and 1.5x the 64 x 64 tile."""
+    if num_rows <= 512:
+        return 16, 64, 4, 3
+    if num_rows <= 4096:
+        return 64, 64, 4, 3
+    return 128, 128, 8, 3
+
+
 def block_m_for(num_rows: int) -> int:
-    """Rows per block: small for decode (few rows per expert), larger for prefill."""
-    return 16 if num_rows <= 512 else 64
+    """Rows per block of the sort by expert (the grouped GEMM's BLOCK_M)."""
+    return tiles_for(num_rows)[0]
 
 
 @triton.jit
@@ -204,13 +216,14 @@ def _grouped_gemm(
     num_rows: int, rows_per_token: int, block_m: int,
 ) -> None:
     n, k = w.shape[1], w.shape[2]
-    block_n, block_k = 64, 64 if k >= 64 else max(16, triton.next_power_of_2(k))
+    _, block_n, warps, stages = tiles_for(num_rows)
+    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
     grid = (sorted_rows.numel() // block_m, triton.cdiv(n, block_n))
     _grouped_gemm_kernel[grid](
         a, w, out, scale if scale is not None else out, sorted_rows, block_expert, padded_len,
         num_rows, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROWS_PER_TOKEN=rows_per_token, SCALE=scale is not None, IEEE=a.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
     )
 
 

@@ -9,7 +9,8 @@ q and k heads (neox style, float32 cos/sin table) and writes q to a new contiguo
 v straight into their cache slots.
 
 Rounding follows the unfused fused-kernel path: the normalised head is rounded to the model
-dtype once, then rotated in float32 and rounded again.
+dtype once, then rotated in float32 and rounded again. An FP8 cache gets k and v clamped to
+e4m3's range after that rounding, as ``KVCachePool.to_cache`` does.
 """
 
 from __future__ import annotations
@@ -17,6 +18,8 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+
+from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX
 
 
 @triton.jit
@@ -40,7 +43,7 @@ def _norm_rope_store_kernel(
     qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr,
     q_weight_ptr, k_weight_ptr, qkv_row_stride, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_NORM: tl.constexpr,
+    HAS_NORM: tl.constexpr, CLAMP: tl.constexpr,
 ):
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
@@ -53,18 +56,28 @@ def _norm_rope_store_kernel(
         sin = tl.load(cos_sin_ptr + position * HEAD_DIM + HALF + cols)
         if head < NUM_Q_HEADS:
             o1, o2 = _rotated_head(src, q_weight_ptr, cos, sin, eps, cols, HALF, HAS_NORM)
-            dst = q_out_ptr + (token * NUM_Q_HEADS + head) * HEAD_DIM
+            q_dst = q_out_ptr + (token * NUM_Q_HEADS + head) * HEAD_DIM
+            tl.store(q_dst + cols, o1.to(q_dst.dtype.element_ty))
+            tl.store(q_dst + HALF + cols, o2.to(q_dst.dtype.element_ty))
         else:
             o1, o2 = _rotated_head(src, k_weight_ptr, cos, sin, eps, cols, HALF, HAS_NORM)
             slot = tl.load(slots_ptr + token).to(tl.int64)
-            dst = k_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS) * HEAD_DIM
-        tl.store(dst + cols, o1.to(dst.dtype.element_ty))
-        tl.store(dst + HALF + cols, o2.to(dst.dtype.element_ty))
-    else:  # a v head: copied as is
+            k_dst = k_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS) * HEAD_DIM
+            if CLAMP > 0:  # an FP8 cache: k in the model dtype first, as the unfused path stores it
+                o1 = tl.clamp(o1.to(src.dtype.element_ty).to(tl.float32), -CLAMP, CLAMP)
+                o2 = tl.clamp(o2.to(src.dtype.element_ty).to(tl.float32), -CLAMP, CLAMP)
+            tl.store(k_dst + cols, o1.to(k_dst.dtype.element_ty))
+            tl.store(k_dst + HALF + cols, o2.to(k_dst.dtype.element_ty))
+    else:  # a v head: copied as is (clamped into an FP8 cache's range)
         slot = tl.load(slots_ptr + token).to(tl.int64)
         dst = v_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
-        tl.store(dst + cols, tl.load(src + cols))
-        tl.store(dst + HALF + cols, tl.load(src + HALF + cols))
+        v1 = tl.load(src + cols)
+        v2 = tl.load(src + HALF + cols)
+        if CLAMP > 0:
+            v1 = tl.clamp(v1.to(tl.float32), -CLAMP, CLAMP)
+            v2 = tl.clamp(v2.to(tl.float32), -CLAMP, CLAMP)
+        tl.store(dst + cols, v1.to(dst.dtype.element_ty))
+        tl.store(dst + HALF + cols, v2.to(dst.dtype.element_ty))
 
 
 def supported(head_dim: int, cos_sin_cache: torch.Tensor | None) -> bool:
@@ -89,7 +102,7 @@ def norm_rope_store(
 ) -> torch.Tensor:
     """From qkv [T, (Hq + 2 Hkv) * D]: returns rotated (and normalised) q [T, Hq, D] and writes
     rotated (normalised) k and v into the contiguous caches [pages, page_size, Hkv, D] at flat
-    ``slots`` [T]. ``cos_sin_cache`` is [max_positions, D] float32, cos then sin of each angle.
+    ``slots`` [T] (model dtype or float8 e4m3). ``cos_sin_cache`` is [max_positions, D] float32, cos then sin of each angle.
     Without q/k norm pass None for both weights."""
     if (q_weight is None) != (k_weight is None):
         raise ValueError("pass both q/k norm weights or neither")
@@ -104,6 +117,6 @@ def norm_rope_store(
         qkv, q, k_cache, v_cache, slots, positions, cos_sin_cache,
         q_weight if has_norm else qkv, k_weight if has_norm else qkv, qkv.stride(0), eps,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
-        num_warps=1,
+        CLAMP=FP8_MAX if k_cache.dtype == FP8_DTYPE else 0.0, num_warps=1,
     )
     return q
