@@ -34,7 +34,7 @@ class KernelConfig:
     block_n: int  # output features per program
     block_k: int  # reduction step
     num_warps: int = 4
-    num_stages: int = 2
+    num_stages: int = 2  # > 1: the K loop's loads go through shared memory (cp.async), this many in flight
     experts_per_step: int = 1  # down only: how many of a token's top_k rows one step reads
 
 
