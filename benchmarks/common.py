@@ -5,21 +5,20 @@ from __future__ import annotations
 
 import json
 import logging
-import multiprocessing as mp
 import os
 import time
-import traceback
 from collections.abc import Callable, Sequence
 from dataclasses import replace
 
 import torch
 from tpserve.config import EngineConfig
 from tpserve.distributed.comm import local_init_addr
+from tpserve.distributed.spawn import on_spawned_ranks
 from tpserve.engine.engine import Engine
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.forward import SequenceInput
 from tpserve.layers.moe import StackedExperts
-from tpserve.plan.calibrate import time_device
+from tpserve.plan import calibrate
 
 
 def setup_logging() -> None:
@@ -33,34 +32,17 @@ def device_name() -> str:
 
 def time_cuda(fn: Callable[[], object], warmup: int = 3, iters: int = 10) -> float:
     """Median seconds of ``fn`` on the current stream, timed with CUDA events."""
-    return time_device(fn, torch.device("cuda"), iters, warmup)
+    return calibrate.time_device(fn, torch.device("cuda"), iters, warmup)
 
 
 def copy_bandwidth(gib: float = 4.0) -> float:
-    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written."""
-    n = int(gib * 2**30) // 2
-    src = torch.randn(n, dtype=torch.bfloat16, device="cuda")
-    dst = torch.empty_like(src)
-    seconds = time_cuda(lambda: dst.copy_(src), warmup=3, iters=20)
-    return 2 * n * 2 / seconds
+    """Device-to-device copy bandwidth in bytes/s, counting bytes read plus bytes written (bf16)."""
+    return calibrate.copy_bandwidth(torch.device("cuda"), int(gib * 2**30), iters=20)
 
 
-def matmul_peak(n: int = 8192, sets: int = 3) -> float:
-    """bf16 matmul FLOP/s on random inputs, rotating among ``sets`` input pairs."""
-    pairs = [
-        (torch.randn(n, n, dtype=torch.bfloat16, device="cuda"), torch.randn(n, n, dtype=torch.bfloat16, device="cuda"))
-        for _ in range(sets)
-    ]
-    out = torch.empty(n, n, dtype=torch.bfloat16, device="cuda")
-    state = {"i": 0}
-
-    def run() -> None:
-        a, b = pairs[state["i"] % sets]
-        state["i"] += 1
-        torch.matmul(a, b, out=out)
-
-    seconds = time_cuda(run, warmup=5, iters=30)
-    return 2 * n**3 / seconds
+def matmul_peak(n: int = 8192) -> float:
+    """bf16 matmul FLOP/s on random inputs."""
+    return calibrate.matmul_flops(torch.device("cuda"), n, iters=30)
 
 
 def make_engine(model: str, **overrides) -> Engine:
@@ -71,39 +53,19 @@ def make_engine(model: str, **overrides) -> Engine:
 RANK_TIMEOUT_S = 900
 
 
-def _rank_main(config: EngineConfig, rank: int, body: Callable, args: tuple, out: mp.Queue) -> None:
-    try:
-        engine = Engine(config, rank)
-        result = body(engine, *args)
-        engine.shutdown()
-        out.put((rank, result, None))
-    except Exception:
-        out.put((rank, None, traceback.format_exc()))
+def _on_engine(rank: int, config: EngineConfig, body: Callable, args: tuple) -> object:
+    engine = Engine(config, rank)
+    result = body(engine, *args)
+    engine.shutdown()
+    return result
 
 
 def on_ranks(config: EngineConfig, body: Callable, *args: object) -> object:
     """Run ``body(engine, *args)`` on every TP rank (one spawned process each, the way the server
     starts them) and return rank 0's result. Every rank must make the same collective calls."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
     if config.tp_size > 1:
         config = replace(config, dist_init_addr=local_init_addr())
-    procs = [ctx.Process(target=_rank_main, args=(config, r, body, args, out)) for r in range(config.tp_size)]
-    for p in procs:
-        p.start()
-    try:
-        results = {}
-        for _ in procs:
-            rank, result, error = out.get(timeout=RANK_TIMEOUT_S)
-            if error:
-                raise RuntimeError(f"tp rank {rank} failed:\n{error}")
-            results[rank] = result
-    finally:
-        for p in procs:
-            p.join(60)
-            if p.is_alive():
-                p.kill()
-    return results[0]
+    return on_spawned_ranks(_on_engine, config.tp_size, config, body, args, timeout_s=RANK_TIMEOUT_S)[0]
 
 
 def engine_step(engine: Engine, seqs: list[SequenceInput], sampling: SamplingBatch) -> list[int]:

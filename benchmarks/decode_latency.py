@@ -118,13 +118,19 @@ def time_mode(
     return time_decode(engine, batch, context, warmup, iters), None, "no KV room"
 
 
-def parse_modes(parser: argparse.ArgumentParser, text: str) -> list[str]:
-    """The comma-separated timing modes of ``time_mode``, or a usage error naming the bad ones."""
-    modes = text.split(",")
+def parse_timing_args(parser: argparse.ArgumentParser) -> tuple[argparse.Namespace, list[str]]:
+    """Adds --warmup, --iters and --out, parses, and returns the args with the comma-separated
+    ``--modes`` of ``time_mode`` (a usage error names bad ones)."""
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--out", default=None, help="JSON output path")
+    args = parser.parse_args()
+    setup_logging()
+    modes = args.modes.split(",")
     unknown = set(modes) - {"graph", "eager", "pipelined"}
     if unknown:
         parser.error(f"unknown modes {sorted(unknown)}; choose among graph, eager, pipelined")
-    return modes
+    return args, modes
 
 
 def main() -> None:
@@ -136,12 +142,7 @@ def main() -> None:
         "--modes", default="graph,eager",
         help="graph (CUDA graphs), eager, pipelined (a Scheduler with overlap scheduling, graphs when captured)",
     )
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--out", default=None, help="JSON output path")
-    args = parser.parse_args()
-    setup_logging()
-    modes = parse_modes(parser, args.modes)
+    args, modes = parse_timing_args(parser)
 
     bandwidth = copy_bandwidth() if torch.cuda.is_available() else None  # no floors without CUDA
     graphs = "graph" in modes or "pipelined" in modes

@@ -43,7 +43,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B",
                         help="comma-separated directories with a config.json (weights are random)")
-    parser.add_argument("--fp8-gemms", default="auto,gemv,triton,scaled_mm,scaled_mm_rowwise,flashinfer",
+    parser.add_argument("--fp8-gemms", default="auto,gemv,triton,flashinfer",
                         help=f"FP8 GEMMs ({FP8_GEMM_ENV}) to run an FP8 engine with, one after the other")
     parser.add_argument("--batch-sizes", default="1", help="decode batch sizes")
     parser.add_argument("--context", type=int, default=512, help="cached tokens of each decoding sequence")

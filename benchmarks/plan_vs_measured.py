@@ -19,8 +19,8 @@ import argparse
 import os
 
 import torch
-from common import fill_kv_randomly, on_ranks, print_table, setup_logging, write_json
-from decode_latency import ints, parse_modes, time_mode
+from common import fill_kv_randomly, on_ranks, print_table, write_json
+from decode_latency import ints, parse_timing_args, time_mode
 from tpserve.config import EngineConfig, ModelConfig
 from tpserve.plan.cost import decode_step
 from tpserve.plan.shape import DTYPE_BYTES, ModelShape
@@ -42,11 +42,6 @@ def _time_steps(engine, batches: list[int], context: int, modes: list[str], warm
         rows.append(row)
     engine.graph_runner = runner
     return rows
-
-
-def measure(config: EngineConfig, batches: list[int], context: int, modes: list[str], warmup: int,
-            iters: int) -> list[dict[str, object]]:
-    return on_ranks(config, _time_steps, batches, context, modes, warmup, iters)
 
 
 def gpu_spec(args: argparse.Namespace, device: str) -> tuple[GPUSpec, str]:
@@ -83,12 +78,7 @@ def main() -> None:
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--dtype", choices=list(DTYPE_BYTES), default=None,
                         help="default: bfloat16 on cuda, float32 on cpu")
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--iters", type=int, default=20)
-    parser.add_argument("--out", default=None, help="JSON output path")
-    args = parser.parse_args()
-    setup_logging()
-    modes = parse_modes(parser, args.modes)
+    args, modes = parse_timing_args(parser)
     dtype = args.dtype or ("bfloat16" if args.device == "cuda" else "float32")
     spec, source = gpu_spec(args, args.device)
     print(f"prediction from {source}", flush=True)
@@ -101,7 +91,7 @@ def main() -> None:
             cuda_graph_max_bs=max(args.batch_sizes) if args.device == "cuda" else 0,
             max_model_len=args.context + args.warmup + args.iters + 64,
         )
-        measured = measure(config, args.batch_sizes, args.context, modes, args.warmup, args.iters)
+        measured = on_ranks(config, _time_steps, args.batch_sizes, args.context, modes, args.warmup, args.iters)
         for row in measured:
             batch = int(row["batch"])
             predicted = decode_step(shape, spec, tp, batch, args.context)

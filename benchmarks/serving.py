@@ -40,6 +40,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import httpx
+from prometheus_client.parser import text_string_to_metric_families
 
 
 @dataclass
@@ -99,18 +100,14 @@ async def one_request(client: httpx.AsyncClient, url: str, model: str, prompt: l
 
 def replica_counters(url: str) -> dict[str, dict[str, float]]:
     """Per-replica counters from /metrics (replica "0" for a server of one replica)."""
-    text = httpx.get(f"{url}/metrics", timeout=30).text
-    found: dict[str, dict[str, float]] = {}
     names = {"tpserve_router_requests_total": "requests", "tpserve_scheduler_prompt_tokens_total": "prompt_tokens",
              "tpserve_prefix_cache_hit_tokens_total": "cached_tokens"}
-    for m in re.finditer(r'^(\w+?)(?:\{([^}]*)\})? ([0-9.e+-]+)$', text, re.M):
-        if m.group(1) not in names:
-            continue
-        labels = dict(re.findall(r'(\w+)="([^"]*)"', m.group(2) or ""))
-        key = names[m.group(1)]
-        replica = labels.get("replica", "0")
-        found.setdefault(replica, {}).setdefault(key, 0.0)
-        found[replica][key] += float(m.group(3))
+    found: dict[str, dict[str, float]] = {}
+    for family in text_string_to_metric_families(httpx.get(f"{url}/metrics", timeout=30).text):
+        for sample in family.samples:
+            if sample.name in names:
+                counters = found.setdefault(sample.labels.get("replica", "0"), {})
+                counters[names[sample.name]] = counters.get(names[sample.name], 0.0) + sample.value
     return found
 
 

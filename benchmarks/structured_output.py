@@ -3,11 +3,14 @@ the same batch unconstrained (issue 12's target: within 10%).
 
 Both runs generate exactly ``--output-len`` tokens per request: the unconstrained requests
 ignore EOS, and the schema (an array of at least 200 integers) cannot end sooner. A constrained
-step enqueues its forward, then (while it runs) the host gives the previous step's tokens to the
-matchers and fills this step's masks, uploads them and enqueues the sampling. Weights are random
+step hands its masks to the mask worker thread (accept the previous step's tokens, fill this
+step's masks), enqueues its forward, processes the previous step's tokens, then waits for the
+masks (``join``), uploads them and enqueues the sampling. Weights are random
 (``--load-format dummy``); the tokenizer comes from ``--tokenizer`` (xgrammar needs the
-vocabulary). The table splits each kind's step time into the scheduler's phases on the host
-(``wait`` is the host waiting for the device's tokens).
+vocabulary). The first table splits each kind's step time into the scheduler's phases on the
+main thread (``wait``: waiting for the device's tokens); the second, the worker thread's time
+per step, overlapped with the main thread's (it costs the step only through ``join``).
+``--inline-masks`` does the worker's jobs on the main thread instead, as before the worker.
 
     python benchmarks/structured_output.py --model ../shared/models/configs/Qwen3-0.6B \\
         --tokenizer ../shared/models/qwen3-tokenizer --out out/structured.json
@@ -20,12 +23,14 @@ import json
 import os
 import random
 import tempfile
+import threading
 import time
 
 from common import device_name, print_table, setup_logging, write_json
 from tpserve import LLM, SamplingParams
 from tpserve.engine.engine import LaunchedStep
 from tpserve.sampling_params import StructuredOutput
+from tpserve.structured.worker import MaskWorker
 
 SCHEMA = {
     "type": "object",
@@ -49,27 +54,47 @@ def model_dir(config_dir: str, tokenizer_dir: str) -> str:
 
 
 PHASES = ("_schedule", "_launch", "_process", "_sample_constrained")
+JOB = ("job", "job_wait", "job_accept", "job_fill")
 
 
 class PhaseTimes:
-    """Host seconds per scheduler phase (and waiting for the device's tokens) while enabled,
-    by wrapping the in-process scheduler's methods (tp 1 runs the scheduler in this process)."""
+    """Host seconds per scheduler phase (and waiting for the device's tokens, and for the masks)
+    while enabled, by wrapping the in-process scheduler's methods (tp 1 runs the scheduler in this
+    process). The mask jobs' time (waiting for the tokens, accept, fill) counts apart, as
+    ``job_*``: on the worker thread it overlaps the main thread's; inline it is inside launch."""
 
-    def __init__(self, llm: LLM) -> None:
+    def __init__(self, llm: LLM, inline: bool) -> None:
         self.totals: dict[str, float] = {}
         self.steps = 0
+        self.inline = inline
+        self._in_job = threading.local()
         scheduler = llm._driver.scheduler  # type: ignore[union-attr]
         for name in PHASES + ("step",):
             setattr(scheduler, name, self._timed(name, getattr(scheduler, name)))
         LaunchedStep.result = self._timed("wait", LaunchedStep.result)
+        masks, filler = scheduler.masks, scheduler.masks.filler
+        filler.accept, filler.fill = self._timed("accept", filler.accept), self._timed("fill", filler.fill)
+        masks._run = self._timed("job", masks._run)
+        submit = masks.submit
+
+        def timed_submit(*args, **kwargs):
+            future = submit(*args, **kwargs)
+            future.result = self._timed("join", future.result)
+            return future
+
+        masks.submit = timed_submit
 
     def _timed(self, name: str, fn):
         def wrapper(*args, **kwargs):
+            in_job = getattr(self._in_job, "on", False)
+            key = f"job_{name}" if in_job else name
+            self._in_job.on = in_job or name == "job"
             start = time.perf_counter()
             try:
                 return fn(*args, **kwargs)
             finally:
-                self.totals[name] = self.totals.get(name, 0.0) + time.perf_counter() - start
+                self._in_job.on = in_job
+                self.totals[key] = self.totals.get(key, 0.0) + time.perf_counter() - start
                 self.steps += name == "step"
 
         return wrapper
@@ -80,7 +105,11 @@ class PhaseTimes:
     def per_step_ms(self) -> dict[str, float]:
         t = dict(self.totals)
         t["_process"] = t.get("_process", 0.0) - t.get("wait", 0.0)  # the wait is inside it
-        t["other"] = t.get("step", 0.0) - sum(t.get(n, 0.0) for n in PHASES) - t.get("wait", 0.0)
+        t["_sample_constrained"] = t.get("_sample_constrained", 0.0) - t.get("join", 0.0)
+        if self.inline:  # the jobs ran inside _launch (submit)
+            t["_launch"] = t.get("_launch", 0.0) - t.get("job", 0.0)
+        main = PHASES + ("wait", "join") + (("job",) if self.inline else ())
+        t["other"] = t.get("step", 0.0) - sum(t.get(n, 0.0) for n in main)
         return {name.strip("_"): 1e3 * v / max(self.steps, 1) for name, v in t.items()}
 
 
@@ -104,6 +133,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3, help="alternating runs of each kind; the best counts")
     parser.add_argument("--disable-overlap", action="store_true")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=256)
+    parser.add_argument("--grammar-threads", type=int, default=0, help="0: auto")
+    parser.add_argument("--inline-masks", action="store_true", help="accept and fill on the main thread")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     setup_logging()
@@ -118,8 +149,12 @@ def main() -> None:
 
     model = model_dir(args.model, args.tokenizer) if args.tokenizer else args.model
     llm = LLM(model, load_format="dummy", disable_overlap=args.disable_overlap,
-              cuda_graph_max_bs=args.cuda_graph_max_bs)
-    phases = PhaseTimes(llm)
+              cuda_graph_max_bs=args.cuda_graph_max_bs, grammar_threads=args.grammar_threads)
+    if args.inline_masks:
+        scheduler = llm._driver.scheduler  # type: ignore[union-attr]
+        scheduler.masks.close()
+        scheduler.masks = MaskWorker(scheduler.masks.filler, sorted(scheduler.eos_ids), threaded=False)
+    phases = PhaseTimes(llm, args.inline_masks)
     run(llm, prompts[:4], constrained[:4], phases)  # warm-up: compiles the grammar (then cached), fills caches
     best: dict[str, dict] = {}
     for _ in range(args.repeats):
@@ -132,8 +167,11 @@ def main() -> None:
     rows = [{"kind": k, **{m: round(v, 2) for m, v in r.items() if m != "host_ms_per_step"}} for k, r in best.items()]
     print_table(rows, ["kind", "output_tokens", "seconds", "tok_per_s"])
     steps = [{"kind": k, **{m: round(v, 3) for m, v in r["host_ms_per_step"].items()}} for k, r in best.items()]
-    print("host ms per step, by scheduler phase:")
-    print_table(steps, ["kind", "step", "schedule", "launch", "wait", "process", "sample_constrained", "other"])
+    print("host ms per step on the main thread, by scheduler phase (join: waiting for the masks):")
+    print_table(steps, ["kind", "step", "schedule", "launch", "wait", "process", "join", "sample_constrained", "other"])
+    where = "inline: inside launch" if args.inline_masks else "on the worker thread, overlapped with the main thread's"
+    print(f"mask jobs ms per step ({where}):")
+    print_table(steps, ["kind", *JOB])
     print(f"json_schema / unconstrained throughput: {ratio:.3f} (target >= 0.90)")
     write_json(args.out, {"device": device_name(), "args": vars(args), "results": best, "ratio": ratio})
 

@@ -190,7 +190,14 @@ for s in $stages; do
       done ;;
     offline06_fp8kv) stage offline06_fp8kv 150 python3 benchmarks/offline_throughput.py --model $small --kv-cache-dtype fp8_e4m3 \
       --out $results/offline_qwen3_0.6b_fp8kv.json ;;
+    fp8_gemv_tests) stage fp8_gemv_tests 200 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_fp8_gpu.py \
+      -k "gemv or auto_takes or quantization_fp8_on_gpu or checkpoint_served" ;;
     fp8_tests) stage fp8_tests 400 python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_fp8_gpu.py ;;
+    fp8_gemv_sweep)  # fp8_gemv's configs at one token, then its defaults against FlashInfer at 1-4 tokens
+      stage fp8_gemv_sweep 480 python3 benchmarks/experiments/fp8_gemv_sweep.py --configs $large --ms 1 \
+        --out $results/fp8_gemv_sweep.json
+      stage fp8_gemm_few 90 python3 benchmarks/experiments/fp8_gemm.py --configs $large --ms 1,2,4 --variants gemv,flashinfer \
+        --out $results/fp8_gemm_few.json ;;
     fp8_gemm) stage fp8_gemm 270 python3 benchmarks/experiments/fp8_gemm.py --configs $large --out $results/fp8_gemm.json ;;
     fp8_decode8) stage fp8_decode8 300 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,gemv,flashinfer \
       --batch-sizes 1,64 --out $results/fp8_decode_8b.json ;;
@@ -201,6 +208,11 @@ for s in $stages; do
     structured)  # issue 12: 64 json_schema requests against 64 unconstrained (the real tokenizer: xgrammar's vocabulary)
       srv=$(serving_dir $small /tmp/qwen3-0.6b)
       stage structured 150 python3 benchmarks/structured_output.py --model $srv --repeats 2 --out $results/structured.json ;;
+    structured_inline)  # the same with the mask jobs on the main thread (no mask worker), for comparison
+      srv=$(serving_dir $small /tmp/qwen3-0.6b)
+      stage structured_inline 150 python3 benchmarks/structured_output.py --model $srv --repeats 2 --inline-masks \
+        --out $results/structured_inline.json
+      stage structured_host 200 python3 benchmarks/structured_host.py --tokenizer $srv --out $results/structured_host.json ;;
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done

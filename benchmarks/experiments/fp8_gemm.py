@@ -2,11 +2,9 @@
 down at TP 1), M tokens (default 1, 16, 64), each GEMM tpserve can run (``kernels.fp8_linear``):
 
     bf16         F.linear on the bf16 weight (cuBLAS): the baseline
-    gemv         fp8_gemv, its default config (``TPSERVE_FP8_GEMM=auto`` at <= 64 tokens)
-    gemv_best    the fastest of a sweep of fp8_gemv configs (printed, to tune the default)
+    gemv         fp8_gemv, its default config (``TPSERVE_FP8_GEMM=gemv`` at <= 64 tokens; sweep
+                 its configs with ``fp8_gemv_sweep.py``)
     w8a8         the Triton block GEMM, activations quantized (``triton``)
-    scaled_mm    torch's block-scaled matmul, 1x128 / 128x128 (``scaled_mm``)
-    rowwise      torch's row-scaled matmul, weights re-quantized per row (``scaled_mm_rowwise``)
     flashinfer   FlashInfer's fp8_blockscale_gemm_sm90 (``flashinfer``)
 
 Each is checked once: its relative L2 error against the float64 product of the unquantized
@@ -44,7 +42,7 @@ from tpserve.config import ModelConfig
 from tpserve.quant.fp8 import fp8_linear_reference, quantize_blocks, weight_only_reference
 
 BLOCK = (128, 128)
-FP8_VARIANTS = ("gemv", "gemv_best", "w8a8", "scaled_mm", "rowwise", "flashinfer")
+FP8_VARIANTS = ("gemv", "w8a8", "flashinfer")
 
 
 def linear_shapes(model: str) -> dict[str, tuple[int, int]]:
@@ -56,21 +54,6 @@ def linear_shapes(model: str) -> dict[str, tuple[int, int]]:
     }
 
 
-def sweep(m: int):
-    from tpserve.kernels.fp8_gemv import GemvConfig
-
-    if m == 1:
-        return [GemvConfig(1, bn, bk, sk, w, st, "fma") for bn, bk, sk, w, st in (
-            (16, 128, 1, 4, 4), (32, 128, 1, 4, 4), (64, 128, 1, 4, 4), (16, 256, 1, 4, 4), (32, 256, 1, 4, 3),
-            (16, 512, 1, 4, 3), (8, 512, 1, 2, 4), (32, 128, 2, 4, 4), (64, 128, 4, 4, 4), (16, 256, 2, 4, 4),
-            (64, 256, 2, 8, 3), (128, 128, 4, 8, 3),
-        )] + [GemvConfig(16, bn, 128, sk, 4, st, "dot_t") for bn, sk, st in ((16, 1, 4), (32, 1, 4), (64, 2, 4), (16, 2, 6))]
-    block_m = 16 if m <= 16 else 32 if m <= 32 else 64
-    return [GemvConfig(block_m, bn, 128, sk, w, st, v) for v in ("dot_t", "dot") for bn, sk, w, st in (
-        (16, 1, 4, 4), (32, 1, 4, 4), (64, 1, 4, 4), (64, 2, 4, 4), (32, 2, 4, 6), (128, 1, 8, 3), (16, 2, 4, 4),
-    )]
-
-
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
@@ -79,29 +62,20 @@ class Weights:
     """One linear's weights in every form the variants read, ``copies`` times over."""
 
     def __init__(self, n: int, k: int, copies: int, gen: torch.Generator) -> None:
-        from tpserve.kernels.fp8_scaled_mm import pad_block_scales
-
         self.bf16 = [(0.02 * torch.randn(n, k, device=gen.device, generator=gen)).to(torch.bfloat16) for _ in range(copies)]
         self.block = [quantize_blocks(w, BLOCK) for w in self.bf16]
-        self.padded = [pad_block_scales(s) for _, s in self.block]
-        self.rows = [quantize_blocks(w, (1, k)) for w in self.bf16]
 
 
 def variant_calls(name: str, x: torch.Tensor, wts: Weights, config=None) -> list[Callable[[], torch.Tensor]]:
     from tpserve.kernels.fp8_gemm import fp8_gemm
     from tpserve.kernels.fp8_gemv import fp8_gemv
-    from tpserve.kernels.fp8_scaled_mm import scaled_mm_blockwise, scaled_mm_rowwise
 
     if name == "bf16":
         return [lambda w=w: F.linear(x, w) for w in wts.bf16]
-    if name in ("gemv", "gemv_best"):
+    if name == "gemv":
         return [lambda w=w, s=s: fp8_gemv(x, w, s, BLOCK, config) for w, s in wts.block]
     if name == "w8a8":
         return [lambda w=w, s=s: fp8_gemm(x, w, s, BLOCK) for w, s in wts.block]
-    if name == "scaled_mm":
-        return [lambda w=w, s=s: scaled_mm_blockwise(x, w, s) for (w, _), s in zip(wts.block, wts.padded)]
-    if name == "rowwise":
-        return [lambda w=w, s=s: scaled_mm_rowwise(x, w, s) for w, s in wts.rows]
     if name == "flashinfer":
         from flashinfer.gemm import fp8_blockscale_gemm_sm90
 
@@ -111,16 +85,11 @@ def variant_calls(name: str, x: torch.Tensor, wts: Weights, config=None) -> list
 
 def reference(name: str, x: torch.Tensor, wts: Weights) -> torch.Tensor:
     """The float32 torch reference of what variant ``name`` computes."""
-    k = x.shape[1]
     w, s = wts.block[0]
     if name == "bf16":
         return F.linear(x.float(), wts.bf16[0].float())
-    if name in ("gemv", "gemv_best", "flashinfer"):
-        # flashinfer quantizes the activations inside; its reference is the W8A8 one below,
-        # but the weight-only one is within its error too
-        return weight_only_reference(x.float(), w, s, BLOCK) if name != "flashinfer" else fp8_linear_reference(x.float(), w, s, BLOCK)
-    if name == "rowwise":
-        return fp8_linear_reference(x.float(), *wts.rows[0], (1, k))
+    if name == "gemv":
+        return weight_only_reference(x.float(), w, s, BLOCK)
     return fp8_linear_reference(x.float(), w, s, BLOCK)
 
 
@@ -145,25 +114,10 @@ def bench_linear(model: str, name: str, n: int, k: int, ms: list[int], args, gen
         exact = x.double() @ wts.bf16[0].double().T
         row: dict = {"config": model.rstrip("/").rsplit("/", 1)[-1], "linear": name, "m": m, "n": n, "k": k}
         for variant in ("bf16", *args.variants.split(",")):
-            if variant in ("gemv", "gemv_best") and m > 64:
+            if variant == "gemv" and m > 64:
                 continue
             try:
-                if variant == "gemv_best":
-                    best = None
-                    for config in sweep(m):
-                        try:
-                            r = measure("gemv", x, wts, exact, args.iters, config)
-                        except Exception as e:  # noqa: BLE001 -- a config that does not compile is skipped
-                            print(f"  {name} m={m} {config}: {type(e).__name__}: {str(e)[:120]}", flush=True)
-                            continue
-                        if r["bug"] < 2e-2 and (best is None or r["us"] < best[1]["us"]):
-                            best = (config, r)
-                    if best is None:
-                        raise RuntimeError("no config ran correctly")
-                    row["gemv_best_config"] = str(best[0])
-                    r = best[1]
-                else:
-                    r = measure(variant, x, wts, exact, args.iters)
+                r = measure(variant, x, wts, exact, args.iters)
                 row[f"{variant}_us"], row[f"{variant}_err"], row[f"{variant}_bug"] = r["us"], r["err"], r["bug"]
                 if variant != "bf16":
                     row[f"{variant}_x"] = r["us"] / row["bf16_us"]
@@ -216,12 +170,9 @@ def main() -> None:
             sums.append(total)
     write_json(args.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                           "copy_bandwidth_bytes_per_s": bandwidth, "gemm": rows, "layer_sums": sums})
-    print_table([{k: v for k, v in r.items() if k.endswith("_config") or k in ("linear", "m")} for r in rows if "gemv_best_config" in r],
-                ["linear", "m", "gemv_best_config"])
-    print_table(rows, ["config", "linear", "m", "bf16_us", "gemv_us", "gemv_best_us", "w8a8_us", "scaled_mm_us",
-                       "rowwise_us", "flashinfer_us", "fp8_gbps", "bf16_err", "gemv_err", "w8a8_err", "scaled_mm_err",
-                       "rowwise_err", "flashinfer_err"])
-    print_table(rows, ["linear", "m", "gemv_bug", "gemv_best_bug", "w8a8_bug", "scaled_mm_bug", "rowwise_bug", "flashinfer_bug"])
+    print_table(rows, ["config", "linear", "m", "bf16_us", "gemv_us", "w8a8_us", "flashinfer_us", "fp8_gbps", "bf16_err",
+                       "gemv_err", "w8a8_err", "flashinfer_err"])
+    print_table(rows, ["linear", "m", "gemv_bug", "w8a8_bug", "flashinfer_bug"])
     print_table(sums, ["config", "m", "bf16_us", *[f"{v}_x" for v in FP8_VARIANTS]])
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written)")
 

@@ -312,6 +312,7 @@ class EngineConfig:
     attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed
     disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
+    grammar_threads: int = 0  # most xgrammar threads filling one step's grammar masks (0: auto, from the CPUs)
     # TP all-reduce on GPU: auto (peer-memory one-shot/two-shot for small messages, NCCL for large)
     # | nccl | one_shot | two_shot (peer memory for every message that fits its buffer)
     # | fused (auto, and the all-reduce, residual add and RMSNorm in one kernel where they meet)
@@ -356,6 +357,8 @@ class EngineConfig:
             raise ValueError(f"page_size must be >= 1, got {self.page_size}")
         if self.mixed_prefill_tokens < 0:
             raise ValueError(f"mixed_prefill_tokens must be >= 0, got {self.mixed_prefill_tokens}")
+        if self.grammar_threads < 0:
+            raise ValueError(f"grammar_threads must be >= 0, got {self.grammar_threads}")
         if self.cuda_graph_max_bs < 0:
             raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
         if not 0.0 < self.mem_fraction <= 1.0:

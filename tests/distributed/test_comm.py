@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import multiprocessing as mp
-
+import pytest
 import torch
 from tpserve.distributed.comm import init_process_groups, local_init_addr
+from tpserve.distributed.peer_allreduce import all_ranks
+from tpserve.distributed.spawn import on_spawned_ranks
 from tpserve.layers.norm import RMSNorm
 
 
@@ -15,31 +16,22 @@ def _norm() -> RMSNorm:
     return norm
 
 
-def _rank(rank: int, addr: str, out: mp.Queue) -> None:
+def _rank(rank: int, addr: str) -> tuple:
     comm, cpu_group = init_process_groups(rank, 2, addr, torch.device("cpu"))
     summed = comm.all_reduce(torch.full((2, 3), float(rank + 1)))
     gathered = comm.all_gather(torch.arange(4.0).view(2, 2) + 10 * rank)
     partial = torch.arange(6.0).view(2, 3) * (rank + 1)
     normed = comm.all_reduce_add_rmsnorm(partial, torch.ones(2, 3), _norm())
+    torch.distributed.destroy_process_group()
     # plain lists: a tensor sent through the queue is shared through a file descriptor, which may
     # be gone by the time the parent reads it if this process has exited
-    out.put((rank, summed.tolist(), gathered.tolist(), [t.tolist() for t in normed], cpu_group is not None))
-    torch.distributed.destroy_process_group()
+    return summed.tolist(), gathered.tolist(), [t.tolist() for t in normed], cpu_group is not None
 
 
 def test_all_reduce_and_all_gather_two_ranks():
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    addr = local_init_addr()
-    procs = [ctx.Process(target=_rank, args=(r, addr, out)) for r in range(2)]
-    for p in procs:
-        p.start()
-    results = sorted(out.get(timeout=60) for _ in range(2))
-    for p in procs:
-        p.join(30)
-    assert all(p.exitcode == 0 for p in procs)
+    results = on_spawned_ranks(_rank, 2, local_init_addr(), timeout_s=60)
     want = _norm()(torch.arange(6.0).view(2, 3) * 3, torch.ones(2, 3))
-    for _, summed, gathered, normed, has_cpu_group in results:
+    for summed, gathered, normed, has_cpu_group in results:
         summed, gathered = torch.tensor(summed), torch.tensor(gathered)
         assert torch.equal(summed, torch.full((2, 3), 3.0))
         # the partial sums (1x and 2x) all-reduced, plus the residual, normalised
@@ -47,6 +39,24 @@ def test_all_reduce_and_all_gather_two_ranks():
         # Rank 0's columns, then rank 1's: the vocabulary order the LM head needs.
         assert torch.equal(gathered, torch.tensor([[0.0, 1.0, 10.0, 11.0], [2.0, 3.0, 12.0, 13.0]]))
         assert has_cpu_group
+
+
+def _agree(rank: int, addr: str) -> tuple[bool, bool]:
+    _, cpu_group = init_process_groups(rank, 2, addr, torch.device("cpu"))
+    answers = all_ranks(True, cpu_group), all_ranks(rank == 0, cpu_group)
+    torch.distributed.destroy_process_group()
+    return answers
+
+
+def test_all_ranks_holds_only_where_every_rank_says_so():
+    assert on_spawned_ranks(_agree, 2, local_init_addr(), timeout_s=60) == [(True, False), (True, False)]
+
+
+@pytest.fixture()
+def world_of_one():
+    torch.distributed.init_process_group("gloo", init_method=local_init_addr(), rank=0, world_size=1)
+    yield
+    torch.distributed.destroy_process_group()
 
 
 def test_single_rank_needs_no_process_group():
@@ -74,19 +84,15 @@ class _FakePeer:
         pass
 
 
-def test_cuda_communicator_routes_small_messages_to_the_peer_kernels():
+def test_cuda_communicator_routes_small_messages_to_the_peer_kernels(world_of_one):
     from tpserve.distributed.comm import CudaCommunicator
 
-    torch.distributed.init_process_group("gloo", init_method=local_init_addr(), rank=0, world_size=1)
-    try:
-        peer = _FakePeer()
-        comm = CudaCommunicator(1, peer)
-        assert torch.equal(comm.all_reduce(torch.ones(4)), torch.full((4,), 2.0)) and peer.calls == 1
-        assert torch.equal(comm.all_reduce(torch.ones(5)), torch.ones(5)) and peer.calls == 1  # the group's path
-        comm.close()
-        assert comm.peer is None
-    finally:
-        torch.distributed.destroy_process_group()
+    peer = _FakePeer()
+    comm = CudaCommunicator(1, peer)
+    assert torch.equal(comm.all_reduce(torch.ones(4)), torch.full((4,), 2.0)) and peer.calls == 1
+    assert torch.equal(comm.all_reduce(torch.ones(5)), torch.ones(5)) and peer.calls == 1  # the group's path
+    comm.close()
+    assert comm.peer is None
 
 
 class _FakeFused:
@@ -108,25 +114,21 @@ class _FakeFused:
         pass
 
 
-def test_cuda_communicator_sends_add_rmsnorm_through_the_fused_kernel_where_it_fits():
+def test_cuda_communicator_sends_add_rmsnorm_through_the_fused_kernel_where_it_fits(world_of_one):
     from tpserve.distributed.comm import CudaCommunicator
 
-    torch.distributed.init_process_group("gloo", init_method=local_init_addr(), rank=0, world_size=1)
-    try:
-        fused, peer = _FakeFused(), _FakePeer()
-        comm = CudaCommunicator(1, peer, fused)
-        normed, residual = comm.all_reduce_add_rmsnorm(torch.ones(2, 3), torch.ones(2, 3), _norm())
-        assert fused.calls == 1 and peer.calls == 0 and not normed.any() and not residual.any()
-        # too many tokens for the fused kernel: the peer all-reduce (x2 here), then the norm
-        normed, residual = comm.all_reduce_add_rmsnorm(torch.ones(1, 3).expand(3, 3).contiguous(), torch.ones(3, 3), _norm())
-        assert fused.calls == 1 and peer.calls == 0  # 9 elements: the group's all-reduce, not the peer's
-        assert torch.equal(residual, torch.full((3, 3), 2.0))
-        comm.close()
-        assert comm.fused is None and comm.peer is None
-        normed, residual = CudaCommunicator(1, None).all_reduce_add_rmsnorm(torch.ones(1, 3), torch.ones(1, 3), _norm())
-        assert torch.equal(residual, torch.full((1, 3), 2.0))
-    finally:
-        torch.distributed.destroy_process_group()
+    fused, peer = _FakeFused(), _FakePeer()
+    comm = CudaCommunicator(1, peer, fused)
+    normed, residual = comm.all_reduce_add_rmsnorm(torch.ones(2, 3), torch.ones(2, 3), _norm())
+    assert fused.calls == 1 and peer.calls == 0 and not normed.any() and not residual.any()
+    # too many tokens for the fused kernel: the peer all-reduce (x2 here), then the norm
+    normed, residual = comm.all_reduce_add_rmsnorm(torch.ones(1, 3).expand(3, 3).contiguous(), torch.ones(3, 3), _norm())
+    assert fused.calls == 1 and peer.calls == 0  # 9 elements: the group's all-reduce, not the peer's
+    assert torch.equal(residual, torch.full((3, 3), 2.0))
+    comm.close()
+    assert comm.fused is None and comm.peer is None
+    normed, residual = CudaCommunicator(1, None).all_reduce_add_rmsnorm(torch.ones(1, 3), torch.ones(1, 3), _norm())
+    assert torch.equal(residual, torch.full((1, 3), 2.0))
 
 
 def test_nccl_mode_makes_no_peer_buffers_and_comm_imports_no_gpu_module():

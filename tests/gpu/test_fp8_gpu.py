@@ -16,12 +16,13 @@ import torch
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an FP8 GPU (sm89+)"
 )
-pytest.importorskip("triton")
+triton = pytest.importorskip("triton")
 
 from tpserve import LLM, SamplingParams
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
-from tpserve.kernels.fp8_linear import FP8_GEMM_ENV, fp8_linear, kernel_for, prepare_weight, resolve_backend
+from tpserve.kernels.fp8_gemv import GemvConfig, default_config, fp8_gemv
+from tpserve.kernels.fp8_linear import FP8_GEMM_ENV, fp8_linear, kernel_for, resolve_backend
 from tpserve.quant.fp8 import FP8_DTYPE, fp8_linear_reference, quantize_blocks, weight_only_reference
 from tpserve.tiny.fp8 import write_dequantized, write_fp8_checkpoint
 
@@ -29,7 +30,7 @@ DEVICE = torch.device("cuda")
 BLOCK = (128, 128)
 # Qwen3-8B per-layer linears at TP 1: (N, K)
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-BACKENDS = ["auto", "gemv", "triton", "scaled_mm", "scaled_mm_rowwise", "flashinfer"]
+BACKENDS = ["auto", "gemv", "triton", "flashinfer"]
 TINY = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512, seed=1)
 
 
@@ -41,14 +42,14 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 def reference(backend: str, m: int, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
     """The float32 torch reference of what ``backend`` computes at ``m`` tokens: the weights alone
     quantized (fp8_gemv) or the activations too (the others)."""
-    kernel = kernel_for(resolve_backend(backend, x.device, x.dtype, block, x.shape[1]), m, x.shape[1])
+    kernel = kernel_for(resolve_backend(backend, x.device, x.dtype, block, x.shape[1]), m)
     if kernel == "gemv":
         return weight_only_reference(x, weight, scale, block)
     return fp8_linear_reference(x, weight, scale, block)
 
 
 def test_auto_takes_flashinfer_on_h200():
-    """On an H200 (sm90) with FlashInfer, ``auto`` is fp8_gemv for one token, FlashInfer's GEMM else."""
+    """On an H200 (sm90) with FlashInfer, ``auto`` is fp8_gemv for few tokens, FlashInfer's GEMM else."""
     resolved = resolve_backend("auto", DEVICE, torch.bfloat16, BLOCK, 4096)
     print(f"auto on {torch.cuda.get_device_name()}: {resolved}")
     if torch.cuda.get_device_capability() == (9, 0):
@@ -64,7 +65,7 @@ def test_fp8_gemm_matches_reference_and_bf16(name, m, backend):
     gen = torch.Generator(device=DEVICE).manual_seed(0)
     x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
     w = (0.02 * torch.randn(n, k, device=DEVICE, generator=gen)).to(torch.bfloat16)
-    wq, scale, block = prepare_weight(backend, *quantize_blocks(w, BLOCK), BLOCK)
+    (wq, scale), block = quantize_blocks(w, BLOCK), BLOCK
     got = fp8_linear(x, wq, scale, block, backend)
     assert got.dtype == torch.bfloat16 and got.shape == (m, n)
     assert rel_err(got, reference(backend, m, x, wq, scale, block)) < 1e-2
@@ -78,7 +79,7 @@ def test_fp8_gemm_matches_reference_and_bf16(name, m, backend):
 @pytest.mark.parametrize("m", [1, 4, 100])
 def test_fp8_gemm_in_a_cuda_graph(backend, m):
     x = torch.randn(m, 512, device=DEVICE, dtype=torch.bfloat16)
-    wq, scale, block = prepare_weight(backend, *quantize_blocks(torch.randn(256, 512, device=DEVICE) * 0.02, BLOCK), BLOCK)
+    (wq, scale), block = quantize_blocks(torch.randn(256, 512, device=DEVICE) * 0.02, BLOCK), BLOCK
     eager = fp8_linear(x, wq, scale, block, backend)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
@@ -86,6 +87,54 @@ def test_fp8_gemm_in_a_cuda_graph(backend, m):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
+
+
+def gemv_configs(m: int, n: int, k: int) -> list[GemvConfig]:
+    """The default, and variants of it: no prefetch, Triton's pipeliner, a K split, wider tiles,
+    programmatic dependent launch (where Triton has it)."""
+    base = default_config(m, n, k, BLOCK[1], torch.cuda.get_device_properties(DEVICE).multi_processor_count)
+    fields = base.__dict__
+    configs = [base, GemvConfig(**{**fields, "prefetch": False, "num_stages": 3}), GemvConfig(**{**fields, "split_k": 3}),
+               GemvConfig(**{**fields, "block_n": 32, "block_k": 256, "num_warps": 8}), GemvConfig(**{**fields, "pdl": True})]
+    return configs if hasattr(getattr(triton.language.extra, "cuda", None), "gdc_wait") else configs[:-1]
+
+
+@pytest.mark.parametrize("m", [1, 2, 4])
+@pytest.mark.parametrize("name", list(QWEN3_8B))
+def test_fp8_gemv_configs_in_a_cuda_graph(name, m):
+    """Each fp8_gemv variant inside a CUDA graph (replayed over new activations) against torch."""
+    n, k = QWEN3_8B[name]
+    gen = torch.Generator(device=DEVICE).manual_seed(5)
+    wq, scale = quantize_blocks(0.02 * torch.randn(n, k, device=DEVICE, generator=gen), BLOCK)
+    x = torch.empty(m, k, device=DEVICE, dtype=torch.bfloat16)
+    for config in gemv_configs(m, n, k):
+        x.copy_(torch.randn(m, k, device=DEVICE, generator=gen))
+        fp8_gemv(x, wq, scale, BLOCK, config)  # compiles outside the capture
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = fp8_gemv(x, wq, scale, BLOCK, config)
+        x.copy_(torch.randn(m, k, device=DEVICE, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        err = rel_err(out, weight_only_reference(x, wq, scale, BLOCK))
+        assert err < 1e-2, f"{config}: relative error {err:.2e}"
+
+
+@pytest.mark.parametrize("m", [1, 4])
+def test_fp8_gemv_gated_down_projection(m):
+    """Qwen3-8B's down projection given [gate | up] (SwiGLU in the GEMV's loads), in a CUDA graph."""
+    n, k = QWEN3_8B["down"]
+    gen = torch.Generator(device=DEVICE).manual_seed(6)
+    wq, scale = quantize_blocks(0.02 * torch.randn(n, k, device=DEVICE, generator=gen), BLOCK)
+    x = (2 * torch.randn(m, 2 * k, device=DEVICE, generator=gen)).to(torch.bfloat16)
+    fp8_gemv(x, wq, scale, BLOCK, gated=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemv(x, wq, scale, BLOCK, gated=True)
+    graph.replay()
+    torch.cuda.synchronize()
+    gate, up = x.float().chunk(2, dim=-1)
+    assert rel_err(out, weight_only_reference(torch.nn.functional.silu(gate) * up, wq, scale, BLOCK)) < 1e-2
 
 
 def test_small_scale_groups_on_gpu():
@@ -124,7 +173,7 @@ def test_quantization_fp8_on_gpu(tiny_model_factory, monkeypatch, backend):
     engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_total_tokens=1024, quantization="fp8"))
     down = engine.model.model.layers[0].mlp.down_proj
     assert down.weight.dtype == FP8_DTYPE and down.fp8_backend == resolve_backend(backend, DEVICE, torch.bfloat16, BLOCK, 512)
-    assert down.block_size == ((1, 512) if backend == "scaled_mm_rowwise" else BLOCK)
+    assert down.block_size == BLOCK
     assert engine.graph_runner is not None
     del engine
     prompts = [[1, 2, 3], list(range(10, 150))]

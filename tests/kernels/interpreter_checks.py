@@ -246,9 +246,6 @@ def check_fp8_gemm() -> None:
         assert bool((carried | ((got_q - ref_q).abs() <= ulp))[differ].all()), "activation quantization differs"
         assert differ.float().mean() < 0.05
         got = fp8_linear(x.view(1, m, k), weight, scale, block, "triton")
-        col_q, col_s = quantize_activations(x, block[1], token_major=False)
-        assert col_s.stride() == (1, m) or m == 1
-        assert torch.equal(col_q.float(), got_q) and torch.equal(col_s, xs)
         a = dequantize_blocks(q, xs, (1, block[1]), torch.float32)
         ref = a @ dequantize_blocks(weight, scale, block, torch.float32).T
         assert got.shape == (1, m, n) and got.dtype == dtype
@@ -258,35 +255,101 @@ def check_fp8_gemm() -> None:
 
 
 def check_fp8_gemv() -> None:
-    """The few-token FP8 GEMM (activations unquantized) against torch: one token (the reduction
-    without a dot), several (the dot), K splits, partial tiles, float32 activations, scales with
-    padded columns, one scale per output row."""
+    """The few-token FP8 GEMM (activations unquantized) against torch: one to four tokens on CUDA
+    cores (tiles inside one scale group and across several, with and without the prefetch),
+    more on tensor cores, K splits (their second pass), sizes that are not multiples of the
+    tiles, float32 activations, scales with padded columns, one scale per output row."""
     from tpserve.kernels.fp8_gemv import GemvConfig, fp8_gemv
     from tpserve.kernels.fp8_linear import fp8_linear
-    from tpserve.kernels.fp8_scaled_mm import pad_block_scales
     from tpserve.quant.fp8 import quantize_blocks, weight_only_reference
 
     gen = torch.Generator().manual_seed(1)
     cases = [
         (1, 96, 256, (128, 128), torch.bfloat16, None),
         (1, 200, 176, (32, 16), torch.float32, GemvConfig(1, 32, 16, 3, 4, 2)),
-        (1, 40, 300, (16, 32), torch.bfloat16, GemvConfig(1, 16, 128, 2, 4, 2)),  # 4 scale groups per tile
-        (5, 72, 384, (64, 128), torch.bfloat16, GemvConfig(16, 32, 64, 2, 4, 2, "dot")),
-        (5, 72, 384, (64, 128), torch.bfloat16, GemvConfig(16, 32, 64, 2, 4, 2, "dot_t")),
+        (1, 40, 300, (16, 32), torch.bfloat16, GemvConfig(1, 16, 128, 2, 4, 2, prefetch=False)),  # 4 scale groups a tile
+        (3, 40, 304, (16, 32), torch.bfloat16, GemvConfig(4, 8, 64, 3, 4, 1)),
+        (2, 72, 384, (64, 128), torch.float32, GemvConfig(2, 16, 512, 1, 4, 1)),  # the tile past K
+        (4, 72, 1024, (128, 128), torch.bfloat16, None),
+        (4, 20, 4096, (128, 128), torch.bfloat16, None),  # a default K split
+        (5, 72, 384, (64, 128), torch.bfloat16, GemvConfig(16, 32, 64, 2, 4, 2, "dot_t", prefetch=False)),
+        (5, 72, 384, (64, 128), torch.bfloat16, GemvConfig(16, 32, 64, 3, 4, 1, "dot_t")),
         (37, 50, 96, (16, 32), torch.float32, None),
-        (3, 64, 256, (1, 256), torch.bfloat16, GemvConfig(16, 16, 128, 1, 4, 2, "dot")),
+        (3, 64, 256, (1, 256), torch.bfloat16, GemvConfig(16, 16, 128, 1, 4, 2, "dot_t")),
+        (1, 64, 256, (1, 256), torch.bfloat16, GemvConfig(1, 8, 128, 2, 4, 1)),
     ]
     for m, n, k, block, dtype, config in cases:
         x = torch.randn(m, k, generator=gen).to(dtype)
         weight, scale = quantize_blocks(torch.randn(n, k, generator=gen) * 0.05, block)
         ref = weight_only_reference(x, weight, scale, block)
-        for scales in (scale, pad_block_scales(scale)):
+        padded = torch.nn.functional.pad(scale, (0, 3), value=float("nan"))[:, : scale.shape[1]]
+        for scales in (scale, padded):
             got = fp8_gemv(x, weight, scales, block, config)
             assert got.shape == (m, n) and got.dtype == dtype
             torch.testing.assert_close(got.float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
         got = fp8_linear(x.view(m, 1, k), weight, scale, block, "auto")
         assert got.shape == (m, 1, n)
         torch.testing.assert_close(got[:, 0].float(), ref.float(), rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+    check_fp8_gemv_gated()
+
+
+def check_fp8_gemv_gated() -> None:
+    """SwiGLU fused into the GEMV's loads: x [M, 2K] = [gate | up], the product silu(gate) * up
+    in float32, against torch on that product (CUDA cores, the prefetch, a K split, dots)."""
+    from tpserve.kernels.fp8_gemv import GemvConfig, fp8_gemv
+    from tpserve.kernels.fp8_linear import fp8_linear
+    from tpserve.quant.fp8 import quantize_blocks, weight_only_reference
+
+    gen = torch.Generator().manual_seed(6)
+    for m, n, k, block, dtype, config in [
+        (1, 40, 384, (128, 128), torch.bfloat16, None),
+        (3, 40, 304, (16, 32), torch.float32, GemvConfig(4, 8, 64, 3, 4, 1)),
+        (2, 24, 512, (128, 128), torch.bfloat16, GemvConfig(2, 8, 256, 2, 4, 1, prefetch=False)),
+        (5, 72, 384, (64, 128), torch.bfloat16, GemvConfig(16, 32, 64, 2, 4, 1, "dot_t")),
+    ]:
+        x = (2 * torch.randn(m, 2 * k, generator=gen)).to(dtype)
+        weight, scale = quantize_blocks(torch.randn(n, k, generator=gen) * 0.05, block)
+        gate, up = x.float().chunk(2, dim=-1)
+        product = torch.nn.functional.silu(gate) * up
+        ref = weight_only_reference(product, weight, scale, block)
+        got = fp8_gemv(x, weight, scale, block, config, gated=True)
+        assert got.shape == (m, n) and got.dtype == dtype
+        tol = 1e-2 if dtype == torch.bfloat16 else 1e-6  # relative L2: bf16 rounds the output (and the dot's input)
+        for out in (got, fp8_linear(x, weight, scale, block, "gemv", gated=True)):
+            err = float((out.float() - ref).norm() / ref.norm())
+            assert err < tol, f"gated {m}x{n}x{k} {config}: relative error {err:.2e}"
+    check_gated_down_projection()
+    try:
+        fp8_gemv(x, weight, scale, block, gated=False)
+    except ValueError as e:
+        assert "features" in str(e)
+    else:
+        raise AssertionError("a [gate | up] x taken as the input")
+
+
+def check_gated_down_projection() -> None:
+    """A row-parallel layer with FP8 weights given [gate | up]: the GEMV fuses SiLU-and-mul at
+    few tokens; the W8A8 GEMM (and the GEMV above 64 tokens) runs SiLU-and-mul first."""
+    from tpserve.distributed.comm import SingleRankCommunicator
+    from tpserve.distributed.info import set_tp_info
+    from tpserve.layers.linear import RowParallelLinear
+    from tpserve.quant.fp8 import quantize_blocks, weight_only_reference
+
+    gen = torch.Generator().manual_seed(7)
+    set_tp_info(0, 1)
+    layer = RowParallelLinear(256, 48, SingleRankCommunicator())
+    weight, scale = quantize_blocks(torch.randn(48, 256, generator=gen) * 0.05, (16, 32))
+    layer.weight.data, layer.weight_scale_inv, layer.block_size = weight, torch.nn.Parameter(scale, requires_grad=False), (16, 32)
+    for backend, m in (("gemv", 2), ("gemv", 70), ("triton", 2)):
+        layer.fp8_backend = backend
+        x = torch.randn(m, 512, generator=gen)
+        product = torch.nn.functional.silu(x[:, :256]) * x[:, 256:]
+        got = layer(x, gated=True)
+        if backend == "gemv" and m <= 64:
+            expected = weight_only_reference(product, weight, scale, (16, 32))
+            assert float((got - expected).norm() / expected.norm()) < 1e-6
+        else:
+            assert torch.equal(got, layer(product))
 
 
 def check_fused_moe() -> None:

@@ -87,6 +87,14 @@ class ServerProcess:
         self.proc.kill()
         self.proc.wait()
 
+    def __enter__(self) -> ServerProcess:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        """Nothing outlives the block; the log is printed (pytest shows it when the test fails)."""
+        self.kill_all()
+        print(self.log)
+
 
 def running_server(args: list[str]) -> Iterator[ServerProcess]:
     """A ready server for a module-scoped fixture (``yield from running_server([...])``), stopped after."""
@@ -96,6 +104,13 @@ def running_server(args: list[str]) -> Iterator[ServerProcess]:
         yield srv
     finally:
         srv.stop()
+
+
+def metrics(url: str) -> dict[str, float]:
+    """The server's /metrics samples, each named as the text format writes it, labels included
+    (``tpserve_kv_pages_used``, ``tpserve_requests_finished_total{finish_reason="abort"}``)."""
+    text = httpx.get(f"{url}/metrics", timeout=30).text
+    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(tpserve_\S+) (\S+)$", text, re.M)}
 
 
 def wait_gone(procs: list[psutil.Process], timeout: float = 10) -> list[psutil.Process]:

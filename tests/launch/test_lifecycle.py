@@ -56,7 +56,7 @@ def test_health_503_until_ready_then_signal_stops_everything(qwen3_dir, sig):
     else:  # the real scheduler, two TP ranks on the CPU
         srv = ServerProcess(["--model", qwen3_dir, "--device", "cpu", "--tp", "2"])
         expected_children = 4  # 2 scheduler ranks, detokenizer, tokenizer
-    try:
+    with srv:
         url = srv.wait_url()
         assert httpx.get(f"{url}/health", timeout=5).status_code == 503
         srv.wait_ready()
@@ -78,14 +78,10 @@ def test_health_503_until_ready_then_signal_stops_everything(qwen3_dir, sig):
         assert wait_gone(children, timeout=5) == []
         assert not os.path.exists(ipc_dir)
         assert "Traceback" not in srv.log
-    finally:
-        srv.kill_all()
-        print(srv.log)  # shown when the test fails
 
 
 def test_watchdog_exits_when_a_child_dies(qwen3_dir):
-    srv = start(qwen3_dir)
-    try:
+    with start(qwen3_dir) as srv:
         srv.wait_ready()
         children = srv.descendants()
         os.kill(pids_from_log(srv.log)["detokenizer"], signal.SIGKILL)
@@ -94,34 +90,23 @@ def test_watchdog_exits_when_a_child_dies(qwen3_dir):
         assert "tpserve-detokenizer exited (killed by SIGKILL)" in srv.log
         assert wait_gone(children, timeout=5) == []
         assert not os.path.exists(ipc_dir_from_log(srv.log))
-    finally:
-        srv.kill_all()
-        print(srv.log)  # shown when the test fails
 
 
 def test_startup_failure_exits_nonzero(qwen3_dir):
-    srv = start(qwen3_dir, env={"FAKE_SCHEDULER_FAIL": "1"})
-    try:
+    with start(qwen3_dir, env={"FAKE_SCHEDULER_FAIL": "1"}) as srv:
         code = srv.proc.wait(60)
         assert code == 1
         assert "start-up failed: tpserve-scheduler-tp0 exited (exit code 3)" in srv.log
         pids = pids_from_log(srv.log)
         assert pids and not any(psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE
                                 for p in pids.values())
-    finally:
-        srv.kill_all()
-        print(srv.log)  # shown when the test fails
 
 
 def test_children_exit_when_the_server_is_killed(qwen3_dir):
-    srv = start(qwen3_dir)
-    try:
+    with start(qwen3_dir) as srv:
         srv.wait_ready()
         children = srv.descendants()
         assert children
         srv.proc.kill()
         srv.proc.wait(5)
         assert wait_gone(children, timeout=5) == []
-    finally:
-        srv.kill_all()
-        print(srv.log)  # shown when the test fails

@@ -33,6 +33,14 @@ def shell(qwen3_dir, tmp_path):
             child.terminate(force=True)
 
 
+def say(shell: pexpect.spawn, line: str, *expected: str) -> None:
+    """Type ``line``, expect each of ``expected`` in turn, then the next prompt."""
+    shell.sendline(line)
+    for text in expected:
+        shell.expect_exact(text)
+    shell.expect_exact(PROMPT)
+
+
 def test_shell_session(shell, tmp_path):
     shell.expect(r"logs: (\S+\.log)", timeout=120)
     log_file = shell.match.group(1)
@@ -41,58 +49,32 @@ def test_shell_session(shell, tmp_path):
     children = psutil.Process(shell.pid).children(recursive=True)
     assert children
 
-    shell.sendline("hello 你好")
-    shell.expect_exact("user\r\nhello 你好\r\n")  # the streamed (echoed) answer
-    shell.expect_exact(PROMPT)
-    shell.sendline("second turn")
-    shell.expect_exact(PROMPT)
-    shell.sendline("/history")
-    shell.expect_exact("(4 messages)")
-    shell.expect_exact("[user] second turn")
-    shell.expect_exact(PROMPT)
+    say(shell, "hello 你好", "user\r\nhello 你好\r\n")  # the streamed (echoed) answer
+    say(shell, "second turn")
+    say(shell, "/history", "(4 messages)", "[user] second turn")
 
     # Ctrl-C stops a long answer and returns to the prompt; the server keeps going
-    shell.sendline("/reset")
-    shell.expect_exact("(conversation cleared)")
-    shell.expect_exact(PROMPT)
+    say(shell, "/reset", "(conversation cleared)")
     shell.sendline("long " * 300)
     shell.expect_exact("user\r\nlong long long")  # the answer is streaming (not the typed echo)
     shell.sendintr()
     shell.expect_exact("(stopped)")
     shell.expect_exact(PROMPT)
-    shell.sendline("/reset")
-    shell.expect_exact(PROMPT)
-    shell.sendline("/history")
-    shell.expect_exact("(0 messages)")
-    shell.expect_exact(PROMPT)
-    shell.sendline("again")
-    shell.expect_exact("user\r\nagain\r\n")
-    shell.expect_exact(PROMPT)
+    say(shell, "/reset")
+    say(shell, "/history", "(0 messages)")
+    say(shell, "again", "user\r\nagain\r\n")
 
     # commands never reach the model; settings change the next answers
-    shell.sendline("/foo")
-    shell.expect_exact("unknown command '/foo'")
-    shell.expect_exact("/set temperature T")
-    shell.expect_exact(PROMPT)
-    shell.sendline("/system Be brief.")
-    shell.expect_exact("(system prompt set; new conversation)")
-    shell.expect_exact(PROMPT)
+    say(shell, "/foo", "unknown command '/foo'", "/set temperature T")
+    say(shell, "/system Be brief.", "(system prompt set; new conversation)")
     shell.sendline("question")
     shell.expect_exact("system\r\nBe brief.")  # the fake model echoes the prompt's first message
     shell.expect(r"\(\d+ tokens, [0-9.]+ tok/s\)")
     shell.expect_exact(PROMPT)
-    shell.sendline("/set max_tokens 3")
-    shell.expect_exact("max_tokens 3")
-    shell.expect_exact(PROMPT)
-    shell.sendline("cut me short please")
-    shell.expect_exact("(cut at max_tokens 3: /set max_tokens N for longer answers)")
-    shell.expect_exact(PROMPT)
-    shell.sendline("/think off")
-    shell.expect_exact("(thinking off)")
-    shell.expect_exact(PROMPT)
-    shell.sendline("/settings")
-    shell.expect_exact("thinking off")
-    shell.expect_exact(PROMPT)
+    say(shell, "/set max_tokens 3", "max_tokens 3")
+    say(shell, "cut me short please", "(cut at max_tokens 3: /set max_tokens N for longer answers)")
+    say(shell, "/think off", "(thinking off)")
+    say(shell, "/settings", "thinking off")
     assert " INFO " not in shell.before  # log lines go to the file, never into the conversation
 
     # Ctrl-C at the prompt does not quit; Ctrl-D does, cleanly

@@ -12,7 +12,7 @@ import signal
 
 import httpx
 import pytest
-from server_process import ServerProcess
+from server_process import ServerProcess, metrics
 
 from tpserve import LLM, SamplingParams
 
@@ -43,8 +43,7 @@ async def _complete_all(url: str) -> list[str]:
 
 def samples(url: str, name: str) -> dict[str, float]:
     """``{replica: value}`` of a labeled metric."""
-    text = httpx.get(f"{url}/metrics").text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(rf'^{name}{{replica="(\d+)"}} ([0-9.e+-]+)$', text, re.M)}
+    return {key.split('"')[1]: value for key, value in metrics(url).items() if key.startswith(f"{name}{{replica=")}
 
 
 @pytest.fixture(scope="module")

@@ -6,29 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import random
-import re
 
 import httpx
 import openai
 import pytest
-from server_process import ServerProcess
+from server_process import metrics, running_server
 
 
 @pytest.fixture(scope="module")
 def server(qwen3_dir):
-    srv = ServerProcess(["--model", qwen3_dir, "--device", "cpu", "--tp-size", "2", "--max-total-tokens", "256",
-                         "--page-size", "4", "--max-prefill-tokens", "16", "--cache", "radix",
-                         "--debug-check-invariants", "--served-model-name", "tiny"])
-    try:
-        srv.wait_ready()
-        yield srv
-    finally:
-        srv.stop()
-
-
-def metrics(url: str) -> dict[str, float]:
-    text = httpx.get(f"{url}/metrics").text
-    return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(tpserve_\w+) ([0-9.e+-]+)$", text, re.M)}
+    yield from running_server(["--model", qwen3_dir, "--device", "cpu", "--tp-size", "2", "--max-total-tokens", "256",
+                               "--page-size", "4", "--max-prefill-tokens", "16", "--cache", "radix",
+                               "--debug-check-invariants", "--served-model-name", "tiny"])
 
 
 def test_second_chat_turn_reuses_the_first(server):

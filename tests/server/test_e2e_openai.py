@@ -4,13 +4,12 @@
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 
 import httpx
 import openai
 import pytest
-from server_process import running_server
+from server_process import metrics, running_server
 
 API_KEY = "test-key"
 GREEDY = {"temperature": 0}
@@ -41,9 +40,7 @@ def tokenizer(qwen3_dir):
 
 
 def metric(url: str, name: str) -> float:
-    text = httpx.get(f"{url}/metrics").text
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", text, re.M)
-    return float(m.group(1)) if m else 0.0
+    return metrics(url).get(name, 0.0)
 
 
 def chat_stream(client, **kwargs):

@@ -13,7 +13,7 @@ import time
 
 import httpx
 import pytest
-from server_process import running_server
+from server_process import metrics, running_server
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
@@ -107,8 +107,7 @@ def assert_openai_error(resp: httpx.Response, status: int | None = None) -> dict
 
 
 def metric(url: str, name: str) -> float:
-    m = re.search(rf"^{re.escape(name)} ([0-9.e+-]+)$", httpx.get(f"{url}/metrics").text, re.M)
-    return float(m.group(1)) if m else float("nan")
+    return metrics(url).get(name, float("nan"))
 
 
 def test_metrics_show_the_pool_before_any_request(url):

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from tpserve.distributed.peer_allreduce import all_ranks
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "csrc" / "allreduce_rmsnorm.cu"
@@ -153,7 +155,7 @@ def create_fused_all_reduce(
         except Exception as exc:  # no nvcc for the first build, no P2P, an unsupported world size, ...
             logger.warning("fused all-reduce + RMSNorm unavailable (%s: %s); all-reduce and norm run apart", type(exc).__name__, exc)
             ok = False
-        if not _all_ranks(ok, cpu_group):
+        if not all_ranks(ok, cpu_group):
             if fused is not None:
                 fused.close()
             return None
@@ -163,8 +165,3 @@ def create_fused_all_reduce(
         )
     return fused
 
-
-def _all_ranks(ok: bool, cpu_group: dist.ProcessGroup) -> bool:
-    flag = torch.tensor([int(ok)], dtype=torch.int64)
-    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group)
-    return bool(flag.item())

@@ -106,9 +106,7 @@ def create_peer_all_reduce(
         peer = PeerAllReduce(group, device, dtype, BUFFER_BYTES, one_shot_max)
     except Exception as exc:  # no P2P, no symmetric memory in this torch build, ...
         logger.warning("peer-memory all-reduce unavailable (%s: %s); using NCCL for every size", type(exc).__name__, exc)
-    ok = torch.tensor([int(peer is not None)], dtype=torch.int64)
-    dist.all_reduce(ok, op=dist.ReduceOp.MIN, group=cpu_group)
-    if not ok.item() and peer is not None:
+    if not all_ranks(peer is not None, cpu_group) and peer is not None:
         logger.warning("another rank cannot use the peer-memory all-reduce; using NCCL for every size")
         peer.close()
         peer = None
@@ -118,3 +116,10 @@ def create_peer_all_reduce(
             mode, one_shot_max // 1024, BUFFER_BYTES // 1024,
         )
     return peer
+
+
+def all_ranks(ok: bool, cpu_group: dist.ProcessGroup) -> bool:
+    """Whether ``ok`` holds on every rank of ``cpu_group`` (a collective: every rank calls it)."""
+    flag = torch.tensor([int(ok)], dtype=torch.int64)
+    dist.all_reduce(flag, op=dist.ReduceOp.MIN, group=cpu_group)
+    return bool(flag.item())

@@ -40,11 +40,15 @@ class LaunchedStep:
     def __init__(self, host: dict[str, torch.Tensor], done: "torch.cuda.Event | None") -> None:
         self.host = host
         self.done = done
+        self._tokens: list[int] | None = None
 
     def result(self) -> list[int]:
-        if self.done is not None:
-            self.done.synchronize()
-        return self.host["tokens"].tolist()
+        """The tokens by row, once the device has them (the scheduler and the mask worker both ask)."""
+        if self._tokens is None:
+            if self.done is not None:
+                self.done.synchronize()
+            self._tokens = self.host["tokens"].tolist()
+        return self._tokens
 
     def logprobs(self) -> tuple[list[float], list[list[int]], list[list[float]]] | None:
         """(sampled token's logprob, top ids, top logprobs) per row; call after ``result``."""

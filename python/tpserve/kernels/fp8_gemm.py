@@ -4,7 +4,7 @@ x is quantized at run time to float8_e4m3fn per token and group of bk input feat
 (``quantize_activations``: one kernel), then ``_gemm_kernel`` accumulates, per K tile, the FP8
 tensor-core dot times the tile's activation and weight scales, in float32. The weight is
 float8_e4m3fn [N, K] with ``scale_inv`` [ceil(N / bn), >= ceil(K / bk)] (the checkpoint layout;
-its row stride is read, so columns padded for cuBLAS are fine). The torch reference is
+its row stride is read). The torch reference is
 ``tpserve.quant.fp8.fp8_linear_reference``; both kernels also run in Triton's CPU interpreter
 (tests/kernels/interpreter_checks.py). No host synchronisation, so a CUDA graph can hold them.
 Few tokens (decode) take ``fp8_gemv`` instead (see ``kernels.fp8_linear``).
@@ -38,17 +38,12 @@ def _quantize_kernel(
     tl.store(s_ptr + row * stride_sm + group * stride_sg, scale)
 
 
-def quantize_activations(x: torch.Tensor, group: int, token_major: bool = True) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn [M, K], float32 scale_inv [M, ceil(K / group)]) of a 2-D x. The scales are
-    row-major, or (``token_major=False``) column-major, strides (1, M), as cuBLAS's 1x128 block
-    scaling reads them."""
+def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """(float8_e4m3fn [M, K], float32 scale_inv [M, ceil(K / group)]) of a 2-D x."""
     m, k = x.shape
     groups = num_blocks(k, group)
     q = torch.empty((m, k), dtype=FP8_DTYPE, device=x.device)
-    if token_major:
-        scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
-    else:
-        scale = torch.empty_strided((m, groups), (1, max(m, 1)), dtype=torch.float32, device=x.device)
+    scale = torch.empty((m, groups), dtype=torch.float32, device=x.device)
     if m:
         _quantize_kernel[(m, groups)](
             x, q, scale, k, x.stride(0), scale.stride(0), scale.stride(1),

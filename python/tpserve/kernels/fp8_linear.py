@@ -4,19 +4,18 @@
 
 - ``auto`` (default): where FlashInfer's ``fp8_blockscale_gemm_sm90`` runs (sm90, bf16
   activations, 128x128 blocks, K a multiple of 128; probed once at load, which also JIT-builds
-  it before any CUDA graph capture) it takes every batch but one token with K <= 8192, which
-  ``fp8_gemv`` takes; elsewhere ``gemv``. Measured on an H200 at Qwen3-8B's shapes
-  (docs/benchmarks.md): one decoder layer's four GEMMs 0.62x of bf16 cuBLAS at one token,
-  0.70x at 16 and 64.
+  it before any CUDA graph capture) it takes every batch above ``GEMV_AUTO_TOKENS`` tokens,
+  ``fp8_gemv`` the fewer; elsewhere ``gemv``. Measured on an H200 at Qwen3-8B's shapes
+  (docs/benchmarks.md): FlashInfer's GEMMs of one decoder layer 0.70x of bf16 cuBLAS at 16 and
+  64 tokens.
 - ``gemv``: ``fp8_gemv`` (FP8 weights, activations unquantized) up to ``fp8_gemv.MAX_TOKENS``
   tokens, the Triton W8A8 block GEMM (``fp8_gemm``) above.
 - ``triton``: the Triton W8A8 block GEMM for every batch.
-- ``scaled_mm``: torch's block-scaled FP8 matmul (cuBLAS, sm90, 128x128 blocks only; cuBLAS
-  has no kernel for one token, CUBLAS_STATUS_NOT_SUPPORTED, so that takes ``fp8_gemv``).
-- ``scaled_mm_rowwise``: torch's row-scaled FP8 matmul; the weights are re-quantized at load to
-  one scale per output feature (blocks (1, K)), which loses some of the block format's accuracy.
 - ``flashinfer``: FlashInfer's ``fp8_blockscale_gemm_sm90`` for every batch (bf16 activations
   quantized inside, per token and 128 features; a swap-AB kernel below 32 tokens).
+
+(torch's scaled matmuls, block- and row-scaled, were measured slower than these at every
+Qwen3-8B shape and removed: docs/benchmarks.md, FP8.)
 
 ``benchmarks/experiments/fp8_gemm.py`` times them against bf16 at decode shapes.
 """
@@ -29,15 +28,14 @@ import os
 
 import torch
 
-from tpserve.quant.fp8 import dequantize_blocks, quantize_blocks
-
 logger = logging.getLogger(__name__)
 
 FP8_GEMM_ENV = "TPSERVE_FP8_GEMM"
-BACKENDS = ("auto", "gemv", "triton", "scaled_mm", "scaled_mm_rowwise", "flashinfer")
-# ``auto`` resolved where FlashInfer's GEMM runs: it, but fp8_gemv for one token up to this K
+BACKENDS = ("auto", "gemv", "triton", "flashinfer")
+# ``auto`` resolved where FlashInfer's GEMM runs: it, but fp8_gemv up to this many tokens
 GEMV_FLASHINFER = "gemv+flashinfer"
-GEMV_MAX_K = 8192
+GEMV_AUTO_TOKENS = 1  # 2-4 tokens: measure (stage fp8_gemv_sweep's fp8_gemm_few) before raising
+FLASHINFER_BLOCK = (128, 128)
 
 
 def backend_from_env() -> str:
@@ -74,83 +72,64 @@ def resolve_backend(
         return backend
     if device.type != "cuda":  # Triton's CPU interpreter (the tests)
         return "gemv"
-    fits = dtype == torch.bfloat16 and block == (128, 128) and in_features % 128 == 0
+    fits = dtype == torch.bfloat16 and block == FLASHINFER_BLOCK and in_features % FLASHINFER_BLOCK[1] == 0
     return GEMV_FLASHINFER if fits and _flashinfer_runs(device.index or 0) else "gemv"
 
 
-def kernel_for(backend: str, m: int, k: int) -> str:
-    """The kernel a resolved ``backend`` runs for ``m`` tokens of ``k`` input features: gemv,
-    w8a8, scaled_mm, rowwise or flashinfer."""
+def kernel_for(backend: str, m: int) -> str:
+    """The kernel a resolved ``backend`` runs for ``m`` tokens: gemv, w8a8 or flashinfer."""
     from tpserve.kernels.fp8_gemv import MAX_TOKENS
 
     if backend == GEMV_FLASHINFER:
-        return "gemv" if m == 1 and k <= GEMV_MAX_K else "flashinfer"
+        return "gemv" if m <= GEMV_AUTO_TOKENS else "flashinfer"
     if backend == "gemv":
         return "gemv" if m <= MAX_TOKENS else "w8a8"
-    if backend == "scaled_mm" and m == 1:  # cuBLAS's block scaling has no single-token kernel
-        return "gemv"
-    return {"triton": "w8a8", "scaled_mm": "scaled_mm", "scaled_mm_rowwise": "rowwise", "flashinfer": "flashinfer"}[backend]
+    return {"triton": "w8a8", "flashinfer": "flashinfer"}[backend]
 
 
-def weight_block(backend: str, block: tuple[int, int], in_features: int) -> tuple[int, int]:
-    """The blocks the GPU holds the weight in: the checkpoint's, or one row for row scaling."""
-    return (1, in_features) if backend == "scaled_mm_rowwise" else block
+def fuses_gate(backend: str, m: int) -> bool:
+    """Whether a resolved ``backend`` takes ``gated=True`` at ``m`` tokens: the GEMV computes
+    SwiGLU's silu(gate) * up in its activation loads (one kernel less per MLP at decode)."""
+    return kernel_for(backend, m) == "gemv"
 
 
-def prepare_weight(
-    backend: str, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
-) -> tuple[torch.Tensor, torch.Tensor, tuple[int, int]]:
-    """(weight, scales, block) as ``backend`` reads them: the scales' columns padded to 4 for
-    cuBLAS's block scaling, the weight re-quantized per output row for row scaling."""
-    from tpserve.kernels.fp8_scaled_mm import SCALED_MM_BLOCK, pad_block_scales
-
-    if backend in ("scaled_mm", "flashinfer", GEMV_FLASHINFER) and block != SCALED_MM_BLOCK:
+def check_weight_block(backend: str, block: tuple[int, int], in_features: int) -> None:
+    """FlashInfer's GEMM reads 128x128 blocks and K in multiples of 128; the Triton ones any."""
+    if backend in ("flashinfer", GEMV_FLASHINFER) and block != FLASHINFER_BLOCK:
         raise ValueError(f"{FP8_GEMM_ENV}={backend} takes 128x128 weight blocks, this model has {list(block)}")
-    if backend in ("flashinfer", GEMV_FLASHINFER) and weight.shape[1] % SCALED_MM_BLOCK[1]:
-        raise ValueError(f"{FP8_GEMM_ENV}=flashinfer takes input features in multiples of 128, got {weight.shape[1]}")
-    if backend == "scaled_mm":
-        return weight, pad_block_scales(scale_inv), block
-    if backend == "scaled_mm_rowwise":
-        rows = (1, weight.shape[1])
-        if block == rows:
-            return weight, scale_inv, block
-        w, s = quantize_blocks(dequantize_blocks(weight, scale_inv, block, torch.float32), rows)
-        return w, s, rows
-    return weight, scale_inv, block
+    if backend in ("flashinfer", GEMV_FLASHINFER) and in_features % FLASHINFER_BLOCK[1]:
+        raise ValueError(f"{FP8_GEMM_ENV}=flashinfer takes input features in multiples of 128, got {in_features}")
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], backend: str = "auto"
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], backend: str = "auto",
+    gated: bool = False,
 ) -> torch.Tensor:
-    """x [..., K] @ (FP8 weight [N, K] with block scales).T in x's dtype, by ``backend`` (the
-    weight as ``prepare_weight`` left it)."""
+    """x [..., K] @ (FP8 weight [N, K] with block scales).T in x's dtype, by ``backend``.
+    ``gated`` (where ``fuses_gate``): x is [..., 2K], [gate | up], and the input silu(gate) * up."""
     n, k = weight.shape
-    x2 = x.reshape(-1, k)
+    x2 = x.reshape(-1, 2 * k if gated else k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     backend = resolve_backend(backend, x.device, x.dtype, block, k)
-    y = _matmul(x2, weight, scale_inv, block, backend)
+    if gated and not fuses_gate(backend, x2.shape[0]):
+        raise ValueError(f"FP8 GEMM {backend} does not fuse SiLU-and-mul at {x2.shape[0]} tokens")
+    y = _matmul(x2, weight, scale_inv, block, backend, gated)
     return y.view(*x.shape[:-1], n)
 
 
-def _matmul(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], backend: str) -> torch.Tensor:
-    kernel = kernel_for(backend, x.shape[0], x.shape[1])
+def _matmul(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], backend: str, gated: bool
+) -> torch.Tensor:
+    kernel = kernel_for(backend, x.shape[0])
     if kernel == "gemv":
         from tpserve.kernels.fp8_gemv import fp8_gemv
 
-        return fp8_gemv(x, weight, scale_inv, block)
+        return fp8_gemv(x, weight, scale_inv, block, gated=gated)
     if kernel == "flashinfer":
         from flashinfer.gemm import fp8_blockscale_gemm_sm90
 
         return fp8_blockscale_gemm_sm90(x.contiguous(), weight, None, scale_inv, out_dtype=x.dtype)
-    if kernel == "scaled_mm":
-        from tpserve.kernels.fp8_scaled_mm import scaled_mm_blockwise
-
-        return scaled_mm_blockwise(x, weight, scale_inv)
-    if kernel == "rowwise":
-        from tpserve.kernels.fp8_scaled_mm import scaled_mm_rowwise
-
-        return scaled_mm_rowwise(x, weight, scale_inv)
     from tpserve.kernels.fp8_gemm import fp8_gemm
 
     return fp8_gemm(x, weight, scale_inv, block)

@@ -15,6 +15,7 @@ from tpserve.distributed.nodes import split_addr
 from tpserve.quant.config import QUANTIZATION_METHODS
 from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
+from tpserve.launch.argtypes import HelpFormatter, OneLineParser, fraction, int_at_least, port, positive
 from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
 from tpserve.router.policy import LOAD_BALANCE_METHODS
 
@@ -63,62 +64,6 @@ def _default(name: str, cls: type = EngineConfig) -> Any:
     return next(f.default for f in fields(cls) if f.name == name)
 
 
-def _int_at_least(low: int):
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be an integer, got {text!r}") from None
-        if value < low:
-            raise argparse.ArgumentTypeError(f"must be >= {low}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a positive number, got {text!r}")
-    return value
-
-
-def _port(text: str) -> int:
-    value = _int_at_least(0)(text)
-    if value > 65535:
-        raise argparse.ArgumentTypeError(f"must be in [0, 65535], got {text!r}")
-    return value
-
-
-def _fraction(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number, got {text!r}") from None
-    if not 0.0 < value <= 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return value
-
-
-class _HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
-    """Shows "(default: X)" unless the help already explains the default or there is none."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        if action.default in (None, False) or "default" in (action.help or ""):
-            return action.help
-        return super()._get_help_string(action)
-
-
-class _Parser(argparse.ArgumentParser):
-    """Errors in one line (not the whole usage), naming the flag and the bad value."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
 # The spellings vLLM and SGLang users type, mapped to tpserve's.
 DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 
@@ -133,11 +78,11 @@ def _dtype(text: str) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="tpserve",
         description="Serve an LLM with tensor parallelism behind an OpenAI-compatible HTTP API "
         "(or an interactive shell with --shell). Runs offline.",
-        formatter_class=_HelpFormatter,
+        formatter_class=HelpFormatter,
         allow_abbrev=False,  # --mem would otherwise silently mean --mem-fraction
     )
     model = p.add_argument_group("model")
@@ -167,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="fp8: quantize an unquantized checkpoint's linear weights to FP8 (e4m3, one scale "
                        "per 128x128 block) at load time. FP8 checkpoints (quantization_config in config.json) "
                        "are read as such without it")
-    model.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=_int_at_least(2),
+    model.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int_at_least(2),
                        default=None,
                        help="context limit (prompt + completion tokens); default: the model's "
                        "context length (max_position_embeddings, extended by YaRN or linear rope scaling)")
@@ -176,10 +121,10 @@ def build_parser() -> argparse.ArgumentParser:
                        "model repositories (only the architectures it implements)")
     engine = p.add_argument_group("engine")
     engine.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size",
-                        type=_int_at_least(1), default=_default("tp_size"),
+                        type=int_at_least(1), default=_default("tp_size"),
                         help="tensor-parallel size: number of GPUs (processes) the model is split over")
     # ---- data parallelism (issue 15) ----
-    engine.add_argument("--dp-size", "--data-parallel-size", "--dp", dest="dp_size", type=_int_at_least(1),
+    engine.add_argument("--dp-size", "--data-parallel-size", "--dp", dest="dp_size", type=int_at_least(1),
                         default=_default("dp_size"),
                         help="data-parallel replicas: independent TP groups (each --tp-size GPUs, its own "
                         "KV cache) behind one API server; replica d uses GPUs d*tp .. d*tp+tp-1")
@@ -190,25 +135,25 @@ def build_parser() -> argparse.ArgumentParser:
                         "prompt prefix a replica likely has cached as work it need not do)")
     engine.add_argument("--device", choices=["auto", *CHOICES["device"]], default="auto",
                         help="auto: cuda when available, else cpu")
-    engine.add_argument("--max-running-requests", type=_int_at_least(1), default=_default("max_running_requests"),
+    engine.add_argument("--max-running-requests", type=int_at_least(1), default=_default("max_running_requests"),
                         help="most requests decoded together")
-    engine.add_argument("--page-size", type=_int_at_least(1), default=_default("page_size"),
+    engine.add_argument("--page-size", type=int_at_least(1), default=_default("page_size"),
                         help="tokens per KV-cache page")
     engine.add_argument("--kv-cache-dtype", choices=CHOICES["kv_cache_dtype"], default=_default("kv_cache_dtype"),
                         help="KV-cache storage: auto (the compute dtype) or fp8_e4m3 (float8 e4m3 with a scale "
                         "of 1: half the bytes of bf16, so twice the tokens; read back in the compute dtype)")
     engine.add_argument("--mem-fraction", "--gpu-memory-utilization", "--mem-fraction-static",
-                        dest="mem_fraction", type=_fraction, default=_default("mem_fraction"),
+                        dest="mem_fraction", type=fraction, default=_default("mem_fraction"),
                         help="share of each GPU's total memory tpserve may fill: the KV cache gets what is "
                         "left of it after the weights (and whatever else already uses the GPU)")
-    engine.add_argument("--max-total-tokens", type=_int_at_least(1), default=None,
+    engine.add_argument("--max-total-tokens", type=int_at_least(1), default=None,
                         help="KV-cache size in tokens (default: from --mem-fraction on GPU, "
                         "32768 on CPU)")
-    engine.add_argument("--seed", type=_int_at_least(0), default=_default("seed"), help="engine random seed")
+    engine.add_argument("--seed", type=int_at_least(0), default=_default("seed"), help="engine random seed")
     engine.add_argument("--chunked-prefill-size", "--max-prefill-tokens", type=int,
                         default=_default("chunked_prefill_size"),
                         help="prefill tokens per step; longer prompts are split (<= 0: no chunking)")
-    engine.add_argument("--mixed-prefill-tokens", type=_int_at_least(0), default=_default("mixed_prefill_tokens"),
+    engine.add_argument("--mixed-prefill-tokens", type=int_at_least(0), default=_default("mixed_prefill_tokens"),
                         help="most prefill tokens a step that also decodes may carry; a step with more "
                              "prefill work runs it without the decodes, which wait one step (0: prefills "
                              "never share a step with decodes; --chunked-prefill-size: always mix)")
@@ -220,8 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
                         default=_default("attention_backend"),
                         help="auto: flashinfer on CUDA in bfloat16/float16 when installed, else torch "
                         "(flashinfer takes no float32)")
-    engine.add_argument("--cuda-graph-max-bs", type=_int_at_least(0), default=_default("cuda_graph_max_bs"),
+    engine.add_argument("--cuda-graph-max-bs", type=int_at_least(0), default=_default("cuda_graph_max_bs"),
                         help="largest decode batch captured in a CUDA graph (0: no CUDA graphs)")
+    engine.add_argument("--grammar-threads", type=int_at_least(0), default=_default("grammar_threads"),
+                        help="most threads filling one step's grammar masks (structured output); a "
+                        "thread per 64 constrained requests (0: auto, half the CPUs, at most 8)")
     engine.add_argument("--all-reduce", choices=CHOICES["all_reduce"], default=_default("all_reduce"),
                         help="TP all-reduce on GPU: auto (one-shot/two-shot kernels through peer GPU "
                              "memory for small messages, NCCL for large; NCCL only across nodes), nccl, "
@@ -234,36 +182,36 @@ def build_parser() -> argparse.ArgumentParser:
                         "accounted for (slow; debugging)")
     nodes = p.add_argument_group("multi-node tensor parallelism (every node runs tpserve with the same flags "
                                  f"but --node-rank, and the same {TOKEN_ENV} in its environment)")
-    nodes.add_argument("--nnodes", type=_int_at_least(1), default=_default("nnodes"),
+    nodes.add_argument("--nnodes", type=int_at_least(1), default=_default("nnodes"),
                        help="nodes the --tp-size ranks are spread over (--tp-size / --nnodes ranks, and GPUs, "
                        "a node)")
-    nodes.add_argument("--node-rank", type=_int_at_least(0), default=_default("node_rank"),
+    nodes.add_argument("--node-rank", type=int_at_least(0), default=_default("node_rank"),
                        help="this node's index: 0 runs the HTTP server and ranks 0.., the others only their "
                        "ranks (no HTTP)")
     nodes.add_argument("--dist-init-addr", "--dist-init-address", dest="dist_init_addr", default=None,
                        metavar="HOST:PORT",
                        help="node 0's address on the network the nodes share: rank 0 serves the rendezvous "
                        "there and its message broadcast on a free port of that interface")
-    nodes.add_argument("--dist-timeout", type=_positive_float, default=_default("dist_timeout"),
+    nodes.add_argument("--dist-timeout", type=positive, default=_default("dist_timeout"),
                        help="seconds a node may take to join, or be silent (heartbeats, collectives), before "
                        "every process of the job stops naming it")
     server = p.add_argument_group("server")
     server.add_argument("--host", default=_default("host", ServerArgs), help="HTTP bind address")
-    server.add_argument("--port", type=_port, default=_default("port", ServerArgs), help="HTTP port (0: any free port)")
+    server.add_argument("--port", type=port, default=_default("port", ServerArgs), help="HTTP port (0: any free port)")
     server.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache "
                         f"(env {API_KEY_ENV})")
-    server.add_argument("--max-request-bytes", type=_int_at_least(1024), default=_default("max_request_bytes", ServerArgs),
+    server.add_argument("--max-request-bytes", type=int_at_least(1024), default=_default("max_request_bytes", ServerArgs),
                         help="largest request body in bytes; larger ones get 413 before they are read")
-    server.add_argument("--max-sequences-per-request", type=_int_at_least(1),
+    server.add_argument("--max-sequences-per-request", type=int_at_least(1),
                         default=_default("max_sequences_per_request", ServerArgs),
                         help="most sequences (prompts x n) one API call may start")
-    server.add_argument("--health-timeout", type=_positive_float, default=_default("health_timeout", ServerArgs),
+    server.add_argument("--health-timeout", type=positive, default=_default("health_timeout", ServerArgs),
                         help="seconds a scheduler rank may go without finishing a loop iteration before "
                         "/health answers 503 (a stuck or stopped rank)")
-    server.add_argument("--request-timeout", type=_positive_float, default=None,
+    server.add_argument("--request-timeout", type=positive, default=None,
                         help="seconds one API call may take; then it is aborted with a 504 (default: no limit)")
-    server.add_argument("--num-tokenizers", type=_int_at_least(1), default=_default("num_tokenizers", ServerArgs),
+    server.add_argument("--num-tokenizers", type=int_at_least(1), default=_default("num_tokenizers", ServerArgs),
                         help="tokenizer worker processes")
     server.add_argument("--shell", action="store_true",
                         help="chat in the terminal instead of serving HTTP")
@@ -295,31 +243,12 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"--model: {model_dir} has no config.json")
     model_config = ModelConfig.from_pretrained(model_dir)
-    engine = EngineConfig(
+    engine = _from_flags(
+        EngineConfig, ns,
         model=model_dir,
-        tp_size=ns.tp_size,
-        dp_size=ns.dp_size,
         device=None if ns.device == "auto" else ns.device,
         dtype=None if ns.dtype == "auto" else ns.dtype,
-        load_format=ns.load_format,
-        quantization=ns.quantization,
-        page_size=ns.page_size,
-        kv_cache_dtype=ns.kv_cache_dtype,
-        max_total_tokens=ns.max_total_tokens,
-        mem_fraction=ns.mem_fraction,
-        max_running_requests=ns.max_running_requests,
-        max_model_len=ns.max_model_len,
-        seed=ns.seed,
-        chunked_prefill_size=ns.chunked_prefill_size,
-        mixed_prefill_tokens=ns.mixed_prefill_tokens,
-        cache=ns.cache,
-        schedule_policy=ns.schedule_policy,
-        attention_backend=ns.attention_backend,
-        cuda_graph_max_bs=ns.cuda_graph_max_bs,
-        disable_overlap=ns.disable_overlap,
-        all_reduce=ns.all_reduce,
-        debug_check_invariants=ns.debug_check_invariants,
-        **_node_settings(ns),
+        dist_init_addr=_dist_init_addr(ns),
     )
     check_can_start(engine, model_config, cli=True)
     if ns.shell and ns.dp_size > 1:
@@ -328,32 +257,29 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     tool_parser = ns.tool_call_parser
     if tool_parser == "auto":
         tool_parser = detect_tool_parser(chat_template or _model_chat_template(model_dir))
-    return ServerArgs(
+    return _from_flags(
+        ServerArgs, ns,
         engine=engine,
         served_model_name=names[0],
         model_aliases=tuple(n for n in names[1:] if n != names[0]),
         chat_template=chat_template,
         tool_call_parser=None if tool_parser == "none" else tool_parser,
-        reasoning_parser=ns.reasoning_parser,
         context_len=_context_len(ns.max_model_len or model_config.context_length, ns.max_total_tokens),
         vocab_size=model_config.vocab_size,
-        host=ns.host,
-        port=ns.port,
-        shell=ns.shell,
-        num_tokenizers=ns.num_tokenizers,
         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
-        log_level=ns.log_level,
         demo_model=demo,
-        max_request_bytes=ns.max_request_bytes,
-        max_sequences_per_request=ns.max_sequences_per_request,
-        health_timeout=ns.health_timeout,
-        request_timeout=ns.request_timeout,
-        load_balance_method=ns.load_balance_method,
     )
 
 
-def _node_settings(ns: argparse.Namespace) -> dict[str, Any]:
-    """The multi-node flags as EngineConfig fields, checked (the token too) before anything starts."""
+def _from_flags(cls: type, ns: argparse.Namespace, **computed: Any) -> Any:
+    """``cls`` from the flags named as its fields, and ``computed`` for the fields that are not
+    a flag's value as given."""
+    return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)} | computed)
+
+
+def _dist_init_addr(ns: argparse.Namespace) -> str | None:
+    """--dist-init-addr as a tcp:// URL; every multi-node flag (the token too) is checked before
+    anything starts."""
     check_nodes(ns.tp_size, ns.nnodes, ns.node_rank, ns.dist_init_addr, cli=True)
     addr = None
     if ns.dist_init_addr is not None:
@@ -364,7 +290,7 @@ def _node_settings(ns: argparse.Namespace) -> dict[str, Any]:
         addr = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
     if ns.nnodes > 1:
         read_token()
-    return {"nnodes": ns.nnodes, "node_rank": ns.node_rank, "dist_init_addr": addr, "dist_timeout": ns.dist_timeout}
+    return addr
 
 
 def _context_len(context: int, kv_tokens: int | None) -> int:

@@ -20,7 +20,6 @@ import uvicorn
 from tpserve.launch.args import ServerArgs
 from tpserve.launch.backend import Backend, ChildDied, StartupCancelled
 from tpserve.router.dispatch import Dispatch
-from tpserve.router.policy import Router
 from tpserve.server.api import AppState, create_app
 from tpserve.server.client import FrontendClient
 from tpserve.server.limits import RequestLimits
@@ -93,7 +92,7 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
     logger.info("listening on %s (starting up: /health is 503 until the model is loaded)", url)
 
     backend = Backend(args.engine, args.log_level, args)
-    dispatch = _dispatch(args)
+    dispatch = Dispatch.for_replicas(args.engine, args.load_balance_method)
     frontend = FrontendClient(backend.endpoints, state.metrics.on_stats, state.metrics.on_aborted_finish, dispatch)
     router = None if dispatch is None else ReplicaRouter(backend.endpoints, dispatch)
     if dispatch is not None:
@@ -128,14 +127,6 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
         if router is not None:
             router.close()
         logger.info("stopped")
-
-
-def _dispatch(args: ServerArgs) -> Dispatch | None:
-    """The router of the data-parallel replicas (None with one replica: rank 0 is reached directly)."""
-    engine = args.engine
-    if engine.dp_size == 1:
-        return None
-    return Dispatch(Router(engine.dp_size, args.load_balance_method, engine.page_size))
 
 
 def _on_signal(sig: int, stop: asyncio.Event) -> None:

@@ -20,23 +20,14 @@ def resolve_model_dir(model: str) -> str:
         raise ModelNotFound(
             f"model {model!r} is not a local directory (nor a Hugging Face id like 'org/name')"
         )
-    from huggingface_hub import snapshot_download
+    from huggingface_hub import constants, snapshot_download
 
     try:
         return snapshot_download(model, local_files_only=True)
     except Exception as e:  # LocalEntryNotFoundError, or an invalid repo id
         raise ModelNotFound(
             f"model {model!r} is not a local directory and is not in the local Hugging Face "
-            f"cache ({_hf_cache_dir()}); tpserve runs offline and never downloads. Download it "
+            f"cache ({constants.HF_HUB_CACHE}); tpserve runs offline and never downloads. Download it "
             f"where there is internet (e.g. `hf download {model}`) into that cache, "
             f"or pass the model's local directory ({type(e).__name__})"
         ) from e
-
-
-def _hf_cache_dir() -> str:
-    try:
-        from huggingface_hub import constants
-
-        return constants.HF_HUB_CACHE
-    except Exception:  # pragma: no cover - very old huggingface_hub
-        return os.path.join(os.path.expanduser("~"), ".cache", "huggingface", "hub")

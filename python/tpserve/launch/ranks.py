@@ -23,7 +23,6 @@ from tpserve.launch.backend import Backend, ChildDied, describe_exit
 from tpserve.message import BatchTokenOutput, SchedulerInput
 from tpserve.message.transport import encode, open_socket
 from tpserve.router.dispatch import Dispatch
-from tpserve.router.policy import Router
 
 POLL_MS = 500  # how often a wait for output checks that every rank is alive
 
@@ -59,6 +58,7 @@ class LocalRank:
 
     def close(self) -> None:
         """Free the engine now (its GPU memory included)."""
+        self.scheduler.close()
         self.engine.shutdown()
         del self.engine, self.scheduler, self.loop
         gc.collect()
@@ -75,9 +75,7 @@ class RankProcesses:
         self._ctx = zmq.Context()
         self._outputs = open_socket(self._ctx, zmq.PULL, self.backend.endpoints.detokenizer, bind=True)
         self._inputs = [self._push(address) for address in self.backend.endpoints.replica_schedulers]
-        self.dispatch = (
-            Dispatch(Router(config.dp_size, load_balance_method, config.page_size)) if config.dp_size > 1 else None
-        )
+        self.dispatch = Dispatch.for_replicas(config, load_balance_method)
         self._decoder = msgspec.msgpack.Decoder(BatchTokenOutput)
         self._finalizer = multiprocessing.util.Finalize(self, _stop, (self.backend, self._ctx), exitpriority=10)
         try:

@@ -61,7 +61,7 @@ class ShellClient(BackendLink):
     """Blocking link to the backend for one interactive user."""
 
     def __init__(self, endpoints: Endpoints) -> None:
-        super().__init__(zmq.Context(), endpoints)
+        super().__init__(endpoints)
         self._events: queue.SimpleQueue[BackendEvent] = queue.SimpleQueue()
 
     def submit(

@@ -22,7 +22,8 @@ from torch import nn
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
 from tpserve.kernels import use_fp8_gemm
-from tpserve.kernels.fp8_linear import backend_from_env, fp8_linear, prepare_weight, resolve_backend, weight_block
+from tpserve.kernels.fp8_linear import backend_from_env, check_weight_block, fp8_linear, fuses_gate, resolve_backend
+from tpserve.layers.activation import silu_and_mul
 from tpserve.quant.fp8 import FP8_DTYPE, dequantize_blocks, num_blocks, quantize_blocks
 
 
@@ -113,13 +114,13 @@ class ParallelLinear(nn.Module):
         backend = "auto"
         if fp8_compute:
             backend = resolve_backend(backend_from_env(), self.weight.device, dtype, self.block_size, self.in_features)
+        block = self.block_size
         if self.weight_scale_inv is None:
-            block = weight_block(backend, self.block_size, self.in_features)
             weight, scale_inv = quantize_blocks(self.weight.data, block)
         else:
-            block, weight, scale_inv = self.block_size, self.weight.data, self.weight_scale_inv.data
+            weight, scale_inv = self.weight.data, self.weight_scale_inv.data
         if fp8_compute:
-            weight, scale_inv, self.block_size = prepare_weight(backend, weight, scale_inv, block)
+            check_weight_block(backend, block, self.in_features)
             self.weight = nn.Parameter(weight, requires_grad=False)
             self.weight_scale_inv = nn.Parameter(scale_inv, requires_grad=False)
             self.fp8_backend = backend
@@ -128,10 +129,15 @@ class ParallelLinear(nn.Module):
             self.weight_scale_inv, self.block_size = None, None
         self.keep_dtype = ()
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.weight_scale_inv is None:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
+        """x @ weight.T (+ bias); ``gated``: x is [gate | up] and the input silu(gate) * up, fused
+        into the FP8 GEMV's loads where that runs (``fuses_gate``), SiLU-and-mul first elsewhere."""
+        fp8 = self.weight_scale_inv is not None
+        if gated and not (fp8 and fuses_gate(self.fp8_backend, x.numel() // x.shape[-1])):
+            x, gated = silu_and_mul(x), False
+        if not fp8:
             return F.linear(x, self.weight, bias)
-        y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size, self.fp8_backend)
+        y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size, self.fp8_backend, gated)
         return y if bias is None else y + bias
 
     def part(self, shard_id: str | int | None) -> Slice:
@@ -233,10 +239,11 @@ class RowParallelLinear(ParallelLinear):
         self.tp_rank, self.tp_size, self.comm = tp.rank, tp.size, comm
         super().__init__(divide(in_features, tp.size, "input features"), out_features, bias)
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True, gated: bool = False) -> torch.Tensor:
         """The output summed over the ranks; with ``reduce=False`` this rank's partial sum, for a
-        caller that all-reduces it together with what follows (``all_reduce_add_rmsnorm``)."""
-        y = self.matmul(x, None)
+        caller that all-reduces it together with what follows (``all_reduce_add_rmsnorm``).
+        ``gated``: x is [gate | up] and the input silu(gate) * up (see ``matmul``)."""
+        y = self.matmul(x, None, gated)
         if not reduce:
             if self.bias is not None:
                 raise ValueError("a row-parallel layer with a bias must all-reduce its output itself")

@@ -77,8 +77,3 @@ class ReasoningParser:
             self._buffer = ""
         return out
 
-
-def split_reasoning(text: str, in_reasoning: bool) -> Split:
-    """The non-streaming split of a whole output."""
-    split = ReasoningParser(in_reasoning).feed(text, final=True)
-    return split

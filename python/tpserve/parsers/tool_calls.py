@@ -86,6 +86,7 @@ class ToolCallParser:
 
     def __init__(self) -> None:
         self.calls: list[ToolCallDelta] = []  # whole calls so far (id, name, full arguments)
+        self._call: ToolCallDelta | None = None  # the call whose arguments are streaming
         self._args_sent = 0  # characters of the streaming call's arguments text sent
 
     def feed(self, text: str, final: bool = False) -> ToolParse:
@@ -102,13 +103,31 @@ class ToolCallParser:
             call.arguments += text
             out.calls.append(ToolCallDelta(call.index, arguments=text))
 
-    def _stream_arguments(self, call: ToolCallDelta, body: str, out: ToolParse) -> None:
-        """Send what ``body`` (a name-first call's JSON so far) adds to the arguments sent."""
+    def _whole_call(self, name: str, arguments: str, out: ToolParse) -> None:
+        self._add_arguments(self._start_call(name, out), arguments, out)
+
+    def _stream_call(self, body: str, out: ToolParse) -> None:
+        """Start the call once ``body`` (its JSON so far) names it first, then send what it adds
+        to the arguments sent."""
         match = _NAME_FIRST.match(body)
-        safe = _strip_closing(body[match.end():]) if match else ""
+        if match is None:
+            return
+        if self._call is None:
+            self._call = self._start_call(json.loads(f'"{match.group(1)}"', strict=False), out)
+            self._args_sent = 0
+        safe = _strip_closing(body[match.end():])
         if len(safe) > self._args_sent:
-            self._add_arguments(call, safe[self._args_sent:], out)
+            self._add_arguments(self._call, safe[self._args_sent:], out)
             self._args_sent = len(safe)
+
+    def _end_streamed_call(self, body: str, out: ToolParse) -> bool:
+        """``body``, a closed call's whole JSON: True if that call was streaming (the rest of its
+        arguments went out now), False if it is still to be sent whole."""
+        if self._call is None:
+            return False
+        self._stream_call(body, out)
+        self._call = None
+        return True
 
 
 _HERMES_START, _HERMES_END = "<tool_call>", "</tool_call>"
@@ -120,7 +139,6 @@ class HermesParser(ToolCallParser):
         super().__init__()
         self._buffer = ""
         self._in_call = False
-        self._call: ToolCallDelta | None = None  # the call whose arguments are streaming
 
     def feed(self, text: str, final: bool = False) -> ToolParse:
         out = ToolParse()
@@ -135,7 +153,7 @@ class HermesParser(ToolCallParser):
                     return out
                 self._emit_content(self._buffer[:i], out)
                 self._buffer = self._buffer[i + len(_HERMES_START):]
-                self._in_call, self._call, self._args_sent = True, None, 0
+                self._in_call = True
             end = self._buffer.find(_HERMES_END)
             if end < 0 and not final:
                 self._stream_call(self._buffer[: len(self._buffer) - partial_suffix_len(self._buffer, (_HERMES_END,))], out)
@@ -152,28 +170,17 @@ class HermesParser(ToolCallParser):
             return  # whitespace between or after calls
         out.content += text
 
-    def _stream_call(self, body: str, out: ToolParse) -> None:
-        match = _NAME_FIRST.match(body)
-        if match is None:
-            return
-        if self._call is None:
-            self._call = self._start_call(json.loads(f'"{match.group(1)}"', strict=False), out)
-        self._stream_arguments(self._call, body, out)
-
     def _finish_call(self, body: str, out: ToolParse) -> None:
+        if self._end_streamed_call(body, out):
+            return
         try:
             parsed = _call_from_json(json.loads(body, strict=False))
         except json.JSONDecodeError:
             parsed = None
-        if self._call is not None:  # its name and a prefix of its raw arguments went out already
-            self._stream_arguments(self._call, body, out)
-            self._call = None
-            return
         if parsed is None:
             out.content += f"{_HERMES_START}{body}"  # not a call after all: show it as written
-            return
-        call = self._start_call(parsed[0], out)
-        self._add_arguments(call, parsed[1], out)
+        else:
+            self._whole_call(*parsed, out)
 
 
 def _strip_closing(args: str) -> str:
@@ -199,7 +206,6 @@ class Llama3JsonParser(ToolCallParser):
         self._buffer = ""  # in calls mode: from the start of the object not yet closed
         self._text = ""  # everything, until a call goes out: content if none ever does
         self._mode: str | None = None  # "calls" or "content" once known
-        self._call: ToolCallDelta | None = None  # the call whose arguments are streaming
         self._decoder = json.JSONDecoder(strict=False)
 
     def feed(self, text: str, final: bool = False) -> ToolParse:
@@ -233,29 +239,22 @@ class Llama3JsonParser(ToolCallParser):
             try:
                 obj, end = self._decoder.raw_decode(self._buffer)
             except json.JSONDecodeError:  # not closed yet (or cut short at the end)
-                if self._call is None:
-                    match = _NAME_FIRST.match(self._buffer)
-                    if match is not None:
-                        self._call = self._start_call(json.loads(f'"{match.group(1)}"', strict=False), out)
-                        self._args_sent = 0
+                self._stream_call(self._buffer, out)
                 if self._call is not None:
-                    self._stream_arguments(self._call, self._buffer, out)
                     if final:
                         self._call, self._buffer = None, ""
                 elif final:
                     self._to_content()
                 return
             body, self._buffer = self._buffer[:end], self._buffer[end:]
-            if self._call is not None:  # its name and a prefix of its raw arguments went out already
-                self._stream_arguments(self._call, body, out)
-                self._call = None
+            if self._end_streamed_call(body, out):
                 continue
             parsed = _call_from_json(obj)
             if parsed is None:
                 self._buffer = body + self._buffer
                 self._to_content()
                 return
-            self._add_arguments(self._start_call(parsed[0], out), parsed[1], out)
+            self._whole_call(*parsed, out)
 
     def _to_content(self) -> None:
         """Not calls after all: everything (or, once calls went out, the rest) is content."""
@@ -284,12 +283,12 @@ class ForcedToolCalls(ToolCallParser):
             out.content, self._buffer = self._buffer, ""
             return out
         if self._function_name is not None:
-            self._add_arguments(self._start_call(self._function_name, out), _arguments_text(value), out)
+            self._whole_call(self._function_name, _arguments_text(value), out)
         else:
             for item in value if isinstance(value, list) else [value]:
                 parsed = _call_from_json(item)
                 if parsed is not None:
-                    self._add_arguments(self._start_call(parsed[0], out), parsed[1], out)
+                    self._whole_call(*parsed, out)
         self._buffer = ""
         return out
 

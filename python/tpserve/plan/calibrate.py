@@ -5,7 +5,6 @@ two GPUs, timed inside a CUDA graph as decode runs them; Gloo between two CPU pr
 
 from __future__ import annotations
 
-import multiprocessing as mp
 import os
 import statistics
 import time
@@ -15,6 +14,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from tpserve.distributed.comm import CudaCommunicator, init_process_groups, local_init_addr
+from tpserve.distributed.spawn import on_spawned_ranks
 from tpserve.plan.specs import GPUS, GPUSpec, Link
 
 WORKER_TIMEOUT_S = 300
@@ -56,25 +56,29 @@ class Calibration:
         )
 
 
+def _cuda_seconds(fn: Callable[[], object]) -> float:
+    """Seconds of one call of ``fn`` on the current stream, timed with CUDA events."""
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    fn()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) / 1e3
+
+
+def _wall_seconds(fn: Callable[[], object]) -> float:
+    begin = time.perf_counter()
+    fn()
+    return time.perf_counter() - begin
+
+
 def time_device(fn: Callable[[], object], device: torch.device, iters: int, warmup: int = 3) -> float:
     """Median seconds of ``fn`` after a warm-up: CUDA events on the current stream, the wall
     clock on the CPU."""
     for _ in range(warmup):
         fn()
-    times = []
-    for _ in range(iters):
-        if device.type == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end) / 1e3)
-        else:
-            begin = time.perf_counter()
-            fn()
-            times.append(time.perf_counter() - begin)
-    return statistics.median(times)
+    timer = _cuda_seconds if device.type == "cuda" else _wall_seconds
+    return statistics.median(timer(fn) for _ in range(iters))
 
 
 def _dtype(device: torch.device) -> torch.dtype:
@@ -119,16 +123,11 @@ def time_in_graph(fn: Callable[[], object], iters: int, repeat: int = BURST,
         if before_replay is not None:
             before_replay()
         torch.cuda.synchronize()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        graph.replay()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end) / 1e3 / repeat)
+        times.append(_cuda_seconds(graph.replay) / repeat)
     return statistics.median(times)
 
 
-def _all_reduce_rank(rank: int, addr: str, device_type: str, sizes: Sizes, out: mp.Queue) -> None:
+def _all_reduce_rank(rank: int, addr: str, device_type: str, sizes: Sizes) -> list[float]:
     device = torch.device(f"cuda:{rank}") if device_type == "cuda" else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
@@ -147,7 +146,7 @@ def _all_reduce_rank(rank: int, addr: str, device_type: str, sizes: Sizes, out: 
                     comm.all_reduce(x)
 
             seconds.append(time_device(burst, device, sizes.iters) / BURST)
-        out.put((rank, seconds))
+        return seconds
     finally:
         if isinstance(comm, CudaCommunicator):
             comm.close()
@@ -157,22 +156,11 @@ def _all_reduce_rank(rank: int, addr: str, device_type: str, sizes: Sizes, out: 
 def all_reduce_link(device_type: str, sizes: Sizes) -> Link:
     """Alpha and bus bandwidth of a 2-rank all-reduce: the small message's time is the latency,
     the large one's rest is its bytes over the bus (2(n-1)/n = 1 for n = 2)."""
-    ctx = mp.get_context("spawn")
-    out = ctx.Queue()
-    addr = local_init_addr()
-    procs = [ctx.Process(target=_all_reduce_rank, args=(r, addr, device_type, sizes, out)) for r in range(2)]
-    for p in procs:
-        p.start()
     try:
-        results = dict(out.get(timeout=WORKER_TIMEOUT_S) for _ in procs)
-    except Exception as e:
-        raise RuntimeError(f"the all-reduce measurement did not finish: {type(e).__name__}") from e
-    finally:
-        for p in procs:
-            p.join(30)
-            if p.is_alive():
-                p.kill()
-    small, large = (max(results[r][i] for r in results) for i in range(2))
+        results = on_spawned_ranks(_all_reduce_rank, 2, local_init_addr(), device_type, sizes, timeout_s=WORKER_TIMEOUT_S)
+    except (RuntimeError, TimeoutError) as e:
+        raise RuntimeError(f"the all-reduce measurement did not finish: {e}") from e
+    small, large = (max(seconds[i] for seconds in results) for i in range(2))
     alpha = small
     transfer = max(large - alpha, large * 0.05)  # a noisy small time cannot make the bandwidth infinite
     return Link(alpha_s=alpha, bus_bandwidth=(sizes.large_bytes - sizes.small_bytes) / transfer)

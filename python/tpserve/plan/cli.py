@@ -6,10 +6,9 @@ import argparse
 import os
 import sys
 from dataclasses import replace
-from typing import NoReturn
 
 from tpserve.config import ModelConfig
-from tpserve.launch.args import _HelpFormatter as HelpFormatter  # the server CLI's own help style
+from tpserve.launch.argtypes import HelpFormatter, OneLineParser, float_above, fraction, int_at_least, non_negative
 from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
 from tpserve.plan.report import render
 from tpserve.plan.shape import DTYPE_BYTES, ModelShape
@@ -24,34 +23,8 @@ class PlanError(ValueError):
     pass
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> NoReturn:
-        """One line naming the bad value, no usage block."""
-        self.exit(2, f"{self.prog}: error: {message}\n")
-
-
-def _number(kind: type, low: float, inclusive: bool = True):
-    def parse(text: str):
-        try:
-            value = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, got {text!r}") from None
-        if value < low or (not inclusive and value == low) or value != value or value == float("inf"):
-            raise argparse.ArgumentTypeError(f"must be {'>=' if inclusive else '>'} {low:g}, got {text!r}")
-        return value
-
-    return parse
-
-
-def _fraction(text: str) -> float:
-    value = _number(float, 0.0, inclusive=False)(text)
-    if value > 1.0:
-        raise argparse.ArgumentTypeError(f"must be in (0, 1], got {text!r}")
-    return value
-
-
 def build_parser() -> argparse.ArgumentParser:
-    p = _Parser(
+    p = OneLineParser(
         prog="tpserve plan",
         allow_abbrev=False,
         description="Predict, for every tensor-parallel x data-parallel split of a machine, whether the "
@@ -60,11 +33,11 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--model", required=True, help="local model directory, or a Hugging Face id in the local cache")
-    p.add_argument("--gpus", type=_number(int, 1), default=1, help="GPUs per node (ranks, with --gpu cpu)")
-    p.add_argument("--nodes", type=_number(int, 1), default=1, help="nodes (TP stays within a node; DP spans them)")
+    p.add_argument("--gpus", type=int_at_least(1), default=1, help="GPUs per node (ranks, with --gpu cpu)")
+    p.add_argument("--nodes", type=int_at_least(1), default=1, help="nodes (TP stays within a node; DP spans them)")
     p.add_argument("--gpu", choices=[*GPUS, "custom"], default="h200",
                    help="device kind from the table; custom: give --memory-gib, --bandwidth-tbps and --tflops")
-    p.add_argument("--context", type=_number(int, 1), default=32768, help="tokens per request (prompt + completion)")
+    p.add_argument("--context", type=int_at_least(1), default=32768, help="tokens per request (prompt + completion)")
     p.add_argument("--workload", choices=["chat", "batch"], default="chat",
                    help="chat: latency recommendation first; batch: throughput first")
     p.add_argument("--dtype", choices=["auto", *DTYPE_BYTES], default="auto",
@@ -72,20 +45,20 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=list(QUANTIZATION_METHODS), default=None,
                    help="the engine's --quantization: FP8 weights for an unquantized checkpoint (an FP8 checkpoint's "
                    "quantization_config counts without it)")
-    p.add_argument("--mem-fraction", type=_fraction, default=0.85, help="the engine's --mem-fraction")
-    p.add_argument("--max-running-requests", type=_number(int, 1), default=256,
+    p.add_argument("--mem-fraction", type=fraction, default=0.85, help="the engine's --mem-fraction")
+    p.add_argument("--max-running-requests", type=int_at_least(1), default=256,
                    help="the engine's --max-running-requests (caps the max batch)")
     p.add_argument("--calibrate", action="store_true",
                    help="measure this machine (copy bandwidth, matmul rate, TP-2 all-reduce) instead of the "
                    "table: its GPUs, or its CPU with --gpu cpu or without CUDA")
     spec = p.add_argument_group("device figures (override the table or the calibration)")
-    spec.add_argument("--memory-gib", type=_number(float, 0.0, inclusive=False), default=None)
-    spec.add_argument("--bandwidth-tbps", type=_number(float, 0.0, inclusive=False), default=None,
+    spec.add_argument("--memory-gib", type=float_above(0.0), default=None)
+    spec.add_argument("--bandwidth-tbps", type=float_above(0.0), default=None,
                       help="device copy bandwidth, bytes read + written")
-    spec.add_argument("--tflops", type=_number(float, 0.0, inclusive=False), default=None,
+    spec.add_argument("--tflops", type=float_above(0.0), default=None,
                       help="achievable dense matmul TFLOP/s in the serving dtype")
-    spec.add_argument("--allreduce-us", type=_number(float, 0.0), default=None, help="all-reduce latency (alpha)")
-    spec.add_argument("--busbw-gbps", type=_number(float, 0.0, inclusive=False), default=None,
+    spec.add_argument("--allreduce-us", type=non_negative, default=None, help="all-reduce latency (alpha)")
+    spec.add_argument("--busbw-gbps", type=float_above(0.0), default=None,
                       help="all-reduce bus bandwidth within a node")
     return p
 

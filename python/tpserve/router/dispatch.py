@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import msgspec
 
+from tpserve.config import EngineConfig
 from tpserve.message import AbortRequest, FlushCache, GenerateRequest, SchedulerInput, SchedulerStats
 from tpserve.router.policy import Router
 
@@ -17,6 +18,11 @@ class Dispatch:
     def __init__(self, router: Router) -> None:
         self.router = router
         self._decoder = msgspec.msgpack.Decoder(SchedulerInput)
+
+    @classmethod
+    def for_replicas(cls, engine: EngineConfig, method: str) -> Dispatch | None:
+        """The dispatch of ``engine``'s data-parallel replicas (None with one: rank 0 is reached directly)."""
+        return None if engine.dp_size == 1 else cls(Router(engine.dp_size, method, engine.page_size))
 
     def destinations(self, msg: SchedulerInput) -> list[int]:
         if isinstance(msg, GenerateRequest):

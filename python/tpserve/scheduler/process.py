@@ -88,11 +88,13 @@ def _run_rank(
         try:
             loop.run()
         finally:
+            scheduler.close()
             io.close()
             engine.shutdown()
         return
     loop.run()  # an exception goes to NodeGroup.fail, which exits at once (collectives may be broken)
     nodes.stop()  # Shutdown reached every rank: the store going away is no failure now
+    scheduler.close()
     io.close()
     engine.shutdown()
 

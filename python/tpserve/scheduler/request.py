@@ -3,10 +3,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from tpserve.kvcache.radix import Node
 from tpserve.sampling_params import SamplingParams
+
+if TYPE_CHECKING:
+    from tpserve.structured.grammar import RequestGrammar
 
 
 @dataclass(eq=False)
@@ -27,7 +30,7 @@ class Request:
     cached_tokens: int = -1  # prefix-cache hit at first admission, reported in usage
     finish_reason: str | None = None
     slot: int = -1  # its row of the engine's penalty state (-1: none), kept until it finishes
-    matcher: Any = None  # its grammar's xgrammar GrammarMatcher (structured output)
+    grammar: RequestGrammar | None = None  # structured output: its matcher
 
     @property
     def all_ids(self) -> list[int]:

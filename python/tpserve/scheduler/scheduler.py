@@ -33,7 +33,8 @@ from tpserve.kvcache.radix import PrefixMatch, create_prefix_cache
 from tpserve.message import SchedulerStats, TokenOutput
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler.request import Request
-from tpserve.structured.grammar import GrammarCompiler, InvalidGrammar, MaskFiller, new_matcher
+from tpserve.structured.grammar import GrammarCompiler, InvalidGrammar, MaskFiller, RequestGrammar, new_matcher
+from tpserve.structured.worker import Masks, MaskWorker, SampledRows
 
 logger = logging.getLogger(__name__)
 
@@ -45,6 +46,8 @@ class _Launched:
     entries: list[tuple[Request, bool]]  # (request, whether its sample counts), in batch order
     handle: LaunchedStep | None  # None until a deferred sampling ran
     pending: PendingSample | None = None  # forward enqueued, sampling waits for grammar masks
+    masks: Future[Masks | None] | None = None  # the mask worker's job for this step
+    constrained: list[tuple[int, Request]] | None = None  # (row, request) of the masked samples
 
 
 class AdmissionError(ValueError):
@@ -78,7 +81,8 @@ class Scheduler:
         self.grammar_compiler = GrammarCompiler(
             self.config.model, engine.model_config.vocab_size, sorted(self.eos_ids)
         )
-        self.mask_filler = MaskFiller(engine.model_config.vocab_size, pin_memory=engine.device.type == "cuda")
+        filler = MaskFiller(engine.model_config.vocab_size, engine.device.type == "cuda", self.config.grammar_threads)
+        self.masks = MaskWorker(filler, sorted(self.eos_ids), device=engine.device)
 
     # ---- requests in and out ----
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
@@ -123,7 +127,7 @@ class Scheduler:
             return []
         req, future = entry
         try:
-            req.matcher = new_matcher(future.result())
+            req.grammar = RequestGrammar(new_matcher(future.result()))
         except InvalidGrammar as e:
             return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=str(e))]
         except Exception as e:  # e.g. no tokenizer files: fail this request, not the scheduler
@@ -145,6 +149,11 @@ class Scheduler:
                 self._free_slot(req)
                 return True
         return False
+
+    def close(self) -> None:
+        """Stop the grammar threads (a mask job is never left running between steps)."""
+        self.masks.close()
+        self.grammar_compiler.close()
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix no request uses; True when the whole pool is free again."""
@@ -228,45 +237,42 @@ class Scheduler:
         seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages) for req, n in scheduled]
         params = [req.params for req, _ in scheduled]
         steps = [len(req.output_ids) + req.pending for req, _ in scheduled]
+        # Only a chunk that reaches the end of the known sequence yields a usable sample.
+        sampled = [req.num_cached + n == req.num_tokens + req.pending for req, n in scheduled]
         vocab = self.engine.model_config.vocab_size
         sampling = SamplingBatch.build(params, [req.seed for req, _ in scheduled], steps, vocab, self.engine.device)
         if any(p.edits_logits for p in params):
-            sampling.edits = self._logit_edits(scheduled, params, steps)
-        defer = any(req.matcher is not None for req, _ in scheduled)
+            sampling.edits = self._logit_edits(scheduled, params, steps, sampled)
+        constrained = [(row, req) for row, (req, _) in enumerate(scheduled) if sampled[row] and req.grammar is not None]
+        masks = None
+        if constrained:  # the masks are filled on the worker while the forward is launched
+            masks = self.masks.submit([(row, req.grammar) for row, req in constrained], len(scheduled))
         wanted = [req.params.logprobs for req, _ in scheduled if req.params.logprobs is not None]
-        handle = self.engine.launch(seqs, sampling, max(wanted) if wanted else None, defer_sampling=defer)
+        handle = self.engine.launch(seqs, sampling, max(wanted) if wanted else None, defer_sampling=bool(constrained))
         entries = []
         for row, (req, n) in enumerate(scheduled):
-            # Only a chunk that reaches the end of the known sequence yields a usable sample.
-            sampled = req.num_cached + n == req.num_tokens + req.pending
             req.num_cached += n
-            if sampled:
+            if sampled[row]:
                 req.pending += 1
                 req.future_row = row
-            entries.append((req, sampled))
-        if defer:
-            return _Launched(entries, None, handle)
+            entries.append((req, sampled[row]))
+        if constrained:
+            return _Launched(entries, None, handle, masks, constrained)
         return _Launched(entries, handle)
 
     def _sample_constrained(self, launched: _Launched) -> None:
-        """Finish a deferred step: grammar masks from the matchers, which by now have accepted
-        every earlier sample (with overlap, the previous step's were applied while this step's
-        forward ran), then sampling. Every earlier step's tokens have been waited for, so its
-        mask upload is done and the filler's buffer is free again."""
-        rows, matchers = [], []
-        for row, (req, sampled) in enumerate(launched.entries):
-            matcher = req.matcher
-            if sampled and matcher is not None and self.running.get(req.rid) is req and not matcher.is_terminated():
-                rows.append(row)
-                matchers.append(matcher)
-        mask = None
-        if rows:
-            mask = TokenMask(rows, self.mask_filler.fill(matchers, rows, len(launched.entries)))
-        launched.handle = self.engine.sample(launched.pending, mask)
-        launched.pending = None
+        """Finish a deferred step: wait for its grammar masks (the worker filled them while this
+        step was launched and the previous one's tokens processed), then sample. The masks'
+        host buffer is filled again two constrained steps later, by when this step's tokens,
+        copied after its mask upload, have been waited for."""
+        masks = launched.masks.result()
+        launched.handle = self.engine.sample(launched.pending, TokenMask(*masks) if masks else None)
+        rows = [(row, req.rid, req.grammar) for row, req in launched.constrained]
+        self.masks.sampled(SampledRows(launched.handle.result, rows))
+        launched.pending = launched.masks = launched.constrained = None
 
     def _logit_edits(
-        self, scheduled: list[tuple[Request, int]], params: list[SamplingParams], steps: list[int]
+        self, scheduled: list[tuple[Request, int]], params: list[SamplingParams], steps: list[int], sampled: list[bool]
     ) -> LogitEdits | None:
         new_slots = []
         for req, _ in scheduled:
@@ -277,7 +283,7 @@ class Scheduler:
             params,
             [req.slot for req, _ in scheduled],
             steps,
-            [req.num_cached + n == req.num_tokens + req.pending for req, n in scheduled],
+            sampled,
             new_slots,
             sorted(self.eos_ids),
             self.engine.model_config.vocab_size,
@@ -304,15 +310,12 @@ class Scheduler:
         tokens = launched.handle.result()
         logprobs = launched.handle.logprobs()
         outputs = []
-        constrained: list[tuple[Request, int]] = []  # (request, token) for its grammar matcher
         for row, ((req, sampled), token) in enumerate(zip(launched.entries, tokens)):
             if not sampled or self.running.get(req.rid) is not req:
                 continue  # a mid-prompt chunk, or the request finished/aborted meanwhile
             req.pending -= 1
             first = not req.output_ids
             req.output_ids.append(token)
-            if req.matcher is not None and not req.matcher.is_terminated():
-                constrained.append((req, token))
             req.finish_reason = self._finish_reason(req, token)
             out = TokenOutput(
                 rid=req.rid,
@@ -330,11 +333,6 @@ class Scheduler:
             outputs.append(out)
             if req.finished:
                 self._retire(self.running.pop(req.rid))
-        if constrained:
-            accepted = self.mask_filler.accept([req.matcher for req, _ in constrained], [t for _, t in constrained])
-            for (req, token), ok in zip(constrained, accepted):
-                if not ok:
-                    logger.warning("request %d: its grammar rejected token %d", req.rid, token)
         return outputs
 
     def _drain(self) -> list[TokenOutput]:

@@ -44,9 +44,10 @@ class BackendLink:
     """The sockets to the backend, the routing of its outputs to the queue of the request that
     owns each rid, and the memory of aborted rids. Subclasses add sending (blocking or async)."""
 
+    context_type: type[zmq.Context] = zmq.Context
+
     def __init__(
         self,
-        ctx: zmq.Context,
         endpoints: Endpoints,
         on_stats: Callable[[SchedulerStats], None] | None = None,
         on_aborted_finish: Callable[[str], None] | None = None,
@@ -55,7 +56,7 @@ class BackendLink:
         """``on_aborted_finish(finish_reason)`` reports how the scheduler ended an aborted
         request: "abort" once the abort took effect (its KV pages are free). ``dispatch``
         (data-parallel replicas) sees every output and stats, to keep the router's loads."""
-        self._ctx = ctx
+        self._ctx = ctx = self.context_type()
         self._to_tokenizer = open_socket(ctx, zmq.PUSH, endpoints.tokenizer, bind=True)
         self._from_backend = open_socket(ctx, zmq.PULL, endpoints.api, bind=True)
         self._to_scheduler = open_socket(ctx, zmq.PUSH, endpoints.scheduler, bind=False)
@@ -146,14 +147,7 @@ class BackendLink:
 class FrontendClient(BackendLink):
     """The API server's link: one asyncio task (``run``) reads every backend message."""
 
-    def __init__(
-        self,
-        endpoints: Endpoints,
-        on_stats: Callable[[SchedulerStats], None] | None = None,
-        on_aborted_finish: Callable[[str], None] | None = None,
-        dispatch: Dispatch | None = None,
-    ) -> None:
-        super().__init__(zmq.asyncio.Context(), endpoints, on_stats, on_aborted_finish, dispatch)
+    context_type = zmq.asyncio.Context
 
     async def submit(self, requests: list[TokenizeRequest], queue: asyncio.Queue[BackendEvent]) -> None:
         """Send requests; their outputs and rejections will arrive on ``queue``."""

@@ -53,40 +53,22 @@ class ResponseFormat:
     def response(self, gen: Generation) -> dict[str, Any]:
         choices = []
         for c in sorted(gen.choices.values(), key=lambda c: c.index):
-            choice = self.full_choice(c.index, "".join(c.text), c.finish_reason, c.logprobs, c.prompt_in_reasoning)
+            choice = self.full_choice(c)
             choice["matched_stop"] = c.matched_stop  # SGLang's extension: the stop that ended it
             choices.append(choice)
         body = self._envelope(self.object_name, choices)
         body["usage"] = gen.usage().to_dict()
         return body
 
-    def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
-        """The stream chunks of one backend output: its text, then its finish if it is the last."""
-        chunks = []
-        if out.text or (self.logprobs and out.logprobs):
-            chunks.append(self.text_chunk(choice.index, out.text, out.logprobs))
-        if out.finish_reason is not None:
-            chunks.append(self.finish_chunk(choice.index, out.finish_reason, out.matched_stop))
-        return chunks
-
-    # per-kind pieces
     def start_chunk(self, index: int) -> bytes | None:
         return None
 
-    def text_chunk(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
+    def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
+        """The stream chunks of one backend output: its text, then its finish if it is the last."""
         raise NotImplementedError
 
-    def finish_chunk(self, index: int, finish_reason: str, matched_stop: int | str | None = None) -> bytes:
-        raise NotImplementedError
-
-    def full_choice(
-        self,
-        index: int,
-        text: str,
-        finish_reason: str | None,
-        logprobs: list[TokenLogprob] | None = None,
-        prompt_in_reasoning: bool = False,
-    ) -> dict[str, Any]:
+    def full_choice(self, choice: Choice) -> dict[str, Any]:
+        """One finished choice of the non-streamed response."""
         raise NotImplementedError
 
 
@@ -124,6 +106,9 @@ class ChatFormat(ResponseFormat):
             choice["matched_stop"] = matched_stop
         return self.chunk([choice])
 
+    def start_chunk(self, index: int) -> bytes:
+        return self._delta(index, {"role": "assistant", "content": ""}, None)
+
     def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
         parser = self._parsers.get(choice.index)
         if parser is None:
@@ -159,25 +144,9 @@ class ChatFormat(ResponseFormat):
         ]
         return {"content": content, "refusal": None}
 
-    def start_chunk(self, index: int) -> bytes:
-        return self._delta(index, {"role": "assistant", "content": ""}, None)
-
-    def text_chunk(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
-        return self._delta(index, {"content": text}, None, self._logprobs(logprobs))
-
-    def finish_chunk(self, index: int, finish_reason: str, matched_stop: int | str | None = None) -> bytes:
-        return self._delta(index, {}, finish_reason, matched_stop=matched_stop)
-
-    def full_choice(
-        self,
-        index: int,
-        text: str,
-        finish_reason: str | None,
-        logprobs: list[TokenLogprob] | None = None,
-        prompt_in_reasoning: bool = False,
-    ) -> dict[str, Any]:
-        parser = self._parser(prompt_in_reasoning)
-        parsed = parser.feed(text, final=True)
+    def full_choice(self, choice: Choice) -> dict[str, Any]:
+        parser = self._parser(choice.prompt_in_reasoning)
+        parsed = parser.feed("".join(choice.text), final=True)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
         if self.output.reasoning:
             message["reasoning_content"] = parsed.reasoning or None
@@ -188,10 +157,10 @@ class ChatFormat(ResponseFormat):
                 for call in parser.tool_calls
             ]
         return {
-            "index": index,
+            "index": choice.index,
             "message": message,
-            "logprobs": self._logprobs(logprobs),
-            "finish_reason": parser.finish_reason(finish_reason),
+            "logprobs": self._logprobs(choice.logprobs),
+            "finish_reason": parser.finish_reason(choice.finish_reason),
         }
 
 
@@ -227,20 +196,17 @@ class CompletionFormat(ResponseFormat):
             "text_offset": offsets,
         }
 
-    def text_chunk(self, index: int, text: str, logprobs: list[TokenLogprob] | None = None) -> bytes:
-        return self.chunk([self._choice(index, text, None, self._logprobs(index, logprobs))])
+    def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
+        chunks = []
+        if out.text or (self.logprobs and out.logprobs):
+            logprobs = self._logprobs(choice.index, out.logprobs)
+            chunks.append(self.chunk([self._choice(choice.index, out.text, None, logprobs)]))
+        if out.finish_reason is not None:
+            finish = self._choice(choice.index, "", out.finish_reason)
+            finish["matched_stop"] = out.matched_stop
+            chunks.append(self.chunk([finish]))
+        return chunks
 
-    def finish_chunk(self, index: int, finish_reason: str, matched_stop: int | str | None = None) -> bytes:
-        choice = self._choice(index, "", finish_reason)
-        choice["matched_stop"] = matched_stop
-        return self.chunk([choice])
-
-    def full_choice(
-        self,
-        index: int,
-        text: str,
-        finish_reason: str | None,
-        logprobs: list[TokenLogprob] | None = None,
-        prompt_in_reasoning: bool = False,
-    ) -> dict[str, Any]:
-        return self._choice(index, text, finish_reason, self._logprobs(index, logprobs))
+    def full_choice(self, choice: Choice) -> dict[str, Any]:
+        logprobs = self._logprobs(choice.index, choice.logprobs)
+        return self._choice(choice.index, "".join(choice.text), choice.finish_reason, logprobs)

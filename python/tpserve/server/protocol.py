@@ -162,11 +162,15 @@ class _SamplingFields(_Body):
             raise APIError.invalid("logit_bias keys must be token ids", "logit_bias") from None
 
     def structure(self) -> StructuredOutput | None:
-        """The grammar the output must follow (response_format, regex, ebnf), if any."""
+        """The grammar the output must follow (response_format, regex, ebnf, or a chat's forced
+        tool calls), if any."""
         try:
-            return output_structure(self.response_format, self.regex, self.ebnf)
+            return output_structure(self.response_format, self.regex, self.ebnf, *self.tool_fields())
         except FieldError as e:
             raise APIError.invalid(e.message, e.param) from e
+
+    def tool_fields(self) -> tuple[Any, ...]:
+        return ()
 
     def sampling_params(self, max_tokens: int | None, structured: StructuredOutput | None = None) -> SamplingParams:
         fields: dict[str, Any] = {
@@ -207,14 +211,8 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     separate_reasoning: bool = True  # SGLang's: false keeps the thinking in content
 
-    def structure(self) -> StructuredOutput | None:
-        """The grammar of response_format/regex/ebnf, or the one that forces tool calls."""
-        try:
-            return output_structure(
-                self.response_format, self.regex, self.ebnf, self.tools, self.tool_choice, self.parallel_tool_calls
-            )
-        except FieldError as e:
-            raise APIError.invalid(e.message, e.param) from e
+    def tool_fields(self) -> tuple[Any, ...]:
+        return self.tools, self.tool_choice, self.parallel_tool_calls
 
     @property
     def forced_tool(self) -> bool:

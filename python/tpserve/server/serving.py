@@ -11,6 +11,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tpserve.message.frontend import ApiOutput, TokenizeRequest
 from tpserve.parsers.chat_output import ChatOutputConfig
+from tpserve.parsers.constraints import named_tool
 from tpserve.sampling_params import SEED_LIMIT, SamplingParams
 from tpserve.server.errors import APIError, error_body
 from tpserve.server.formats import SSE_DONE, ChatFormat, CompletionFormat, ResponseFormat, sse
@@ -44,13 +45,12 @@ class Serving:
                 "tools with tool_choice \"auto\" need the server started with --tool-call-parser "
                 "(this model's chat template does not show which format it uses)", "tools",
             )
-        named = body.tool_choice["function"]["name"] if body.forced_tool and body.tool_choice != "required" else None
         return ChatOutputConfig(
             reasoning=self.reasoning_parser is not None and body.separate_reasoning,
             constrained=constrained,
             tool_parser=self.tool_call_parser if wants_tools and not body.forced_tool else None,
             forced_tools=body.forced_tool,
-            forced_function=named,
+            forced_function=named_tool(body.tool_choice),  # checked by body.structure()
         )
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:

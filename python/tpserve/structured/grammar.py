@@ -12,7 +12,9 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -131,6 +133,16 @@ def new_matcher(compiled: Any) -> Any:
     return xgr.GrammarMatcher(compiled)
 
 
+@dataclass(eq=False)
+class RequestGrammar:
+    """A request's matcher and whether it has terminated (accepted a stop token; it then takes
+    no more tokens and has no mask). Tracked here rather than asked of xgrammar: that would be a
+    call per request per step. Only the mask worker touches either once the request runs."""
+
+    matcher: Any  # xgrammar GrammarMatcher
+    terminated: bool = False
+
+
 def allocate_bitmask(rows: int, vocab_size: int):
     """[rows, ceil(V / 32)] int32, every bit set (every token allowed)."""
     import xgrammar as xgr
@@ -138,41 +150,65 @@ def allocate_bitmask(rows: int, vocab_size: int):
     return xgr.allocate_token_bitmask(rows, vocab_size)
 
 
+def default_fill_threads() -> int:
+    """xgrammar threads for a large batch's masks: half this process's CPUs, at most 8."""
+    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
+
+
 class MaskFiller:
-    """The matchers' side of a constrained step, each batched into one call into xgrammar: the
-    sampled tokens in, the next-token bitmasks out, filled on xgrammar's threads into one
-    reused host buffer (pinned when the logits live on a GPU, so its upload does not block)."""
+    """The matchers' side of a constrained step, each batched into one call into xgrammar (which
+    releases the GIL while it works): the sampled tokens in, the next-token bitmasks out. Masks
+    are filled into two host buffers in turn (pinned when the logits live on a GPU, so their
+    upload does not block): one is filled while the other's upload may still be in flight.
 
-    PARALLEL_FROM = 8  # fewer rows are filled one by one (no thread hand-off)
+    xgrammar starts its threads afresh on every call, which costs more than filling a cheap
+    grammar's row (a few microseconds), so a fill uses one thread per ``ROWS_PER_THREAD`` rows,
+    up to ``max_threads``."""
 
-    def __init__(self, vocab_size: int, pin_memory: bool = False) -> None:
+    ROWS_PER_THREAD = 64
+
+    def __init__(self, vocab_size: int, pin_memory: bool = False, max_threads: int = 0) -> None:
         self._vocab_size = vocab_size
         self._pin = pin_memory
-        self._buffer: torch.Tensor | None = None
-        self._batch: Any = None
+        self.max_threads = max_threads if max_threads > 0 else default_fill_threads()
+        self._buffers: list[torch.Tensor | None] = [None, None]
+        self._turn = 0
+        self._batches: dict[int, Any] = {}  # xgrammar BatchGrammarMatcher by thread count
+        self._get_item: Any = None
 
     def accept(self, matchers: list[Any], tokens: list[int]) -> list[bool]:
-        """Each matcher takes its token; whether each accepted it."""
-        import xgrammar as xgr
+        """Each matcher takes its token; whether each accepted it.
 
-        return xgr.BatchGrammarMatcher.batch_accept_token(matchers, tokens)
+        xgrammar's ``batch_accept_token`` reads its result back row by row through calls that
+        each release and retake the GIL; on the mask worker's thread every retake waits for the
+        busy main thread. So this makes the same call into xgrammar's core and reads the result
+        through tvm_ffi's item getter set to keep the GIL (a private copy of the function)."""
+        from xgrammar.base import _core
+
+        if self._get_item is None:
+            import tvm_ffi
+
+            self._get_item = tvm_ffi.get_global_func("ffi.ArrayGetItem")
+            self._get_item.release_gil = False
+        result = _core.BatchGrammarMatcher.batch_accept_token([m._handle for m in matchers], tokens, False)
+        return [bool(self._get_item(result, i)) for i in range(len(matchers))]
 
     def fill(self, matchers: list[Any], rows: list[int], batch_size: int) -> torch.Tensor:
         """The [batch_size, ceil(V / 32)] host bitmask with ``matchers[i]``'s mask in row
-        ``rows[i]``; other rows are stale. The buffer is reused by the next call: the caller
+        ``rows[i]``; other rows are stale. Its buffer is filled again two calls later: the caller
         must have consumed this one (its upload done) by then."""
-        if self._buffer is None or self._buffer.shape[0] < batch_size:
-            rows_needed = max(batch_size, 2 * (self._buffer.shape[0] if self._buffer is not None else 32))
-            self._buffer = torch.empty((rows_needed, -(-self._vocab_size // 32)), dtype=torch.int32,
-                                       pin_memory=self._pin)
-        bitmask = self._buffer[:batch_size]
-        if len(matchers) < self.PARALLEL_FROM:
-            for matcher, row in zip(matchers, rows):
-                matcher.fill_next_token_bitmask(bitmask, row)
-            return bitmask
-        if self._batch is None:
+        buffer = self._buffers[self._turn]
+        if buffer is None or buffer.shape[0] < batch_size:
+            rows_needed = max(batch_size, 2 * (buffer.shape[0] if buffer is not None else 32))
+            buffer = torch.empty((rows_needed, -(-self._vocab_size // 32)), dtype=torch.int32, pin_memory=self._pin)
+            self._buffers[self._turn] = buffer
+        self._turn ^= 1
+        bitmask = buffer[:batch_size]
+        threads = min(self.max_threads, max(1, len(matchers) // self.ROWS_PER_THREAD))
+        batch = self._batches.get(threads)
+        if batch is None:
             import xgrammar as xgr
 
-            self._batch = xgr.BatchGrammarMatcher()
-        self._batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+            batch = self._batches[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
+        batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
         return bitmask

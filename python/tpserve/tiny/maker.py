@@ -20,17 +20,15 @@ from tpserve.tiny.tokenizer import (
 )
 from tpserve.tiny.weights import random_weights, write_weights
 
+# Bump whenever the files written for the same parameters change (corpus, init, config keys):
+# it is part of the cache key of ``default_tiny_model_dir``.
 FORMAT_VERSION = 2
 
 
 def make_tiny_model(out_dir: str, arch: str = "qwen3", **shape: Any) -> str:
     """Write a random Hugging Face-format model with a tokenizer to ``out_dir``; return it.
-
-    ``shape``: the keyword arguments of ``resolve_spec`` (num_layers, hidden_size, num_heads,
-    num_kv_heads, head_dim, intermediate_size, vocab_size, tie_word_embeddings, num_shards,
-    seed, max_position_embeddings, rope_type, legacy_config), with its defaults. config.json is
-    written by transformers' own config class, as users' checkpoints are saved.
-    """
+    ``shape``: ``resolve_spec``'s keyword arguments. config.json is written by transformers' own
+    config class, as users' checkpoints are saved."""
     tok = build_tokenizer()
     spec = resolve_spec(arch, tokenizer_size=tok.get_vocab_size(with_added_tokens=True), **shape)
     weights = random_weights(spec)

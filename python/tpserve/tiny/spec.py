@@ -12,9 +12,6 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
 }
 
-# Bump whenever the files written for the same parameters change (corpus, init, config keys):
-# it is part of the cache key of ``default_tiny_model_dir``.
-
 VOCAB_MULTIPLE = 64
 ROPE_TYPES = ("default", "llama3", "yarn", "linear")
 

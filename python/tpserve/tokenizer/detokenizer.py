@@ -10,7 +10,7 @@ from tpserve.message import BatchTokenOutput
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import DetokenizeRegister, DetokenizerInput
 from tpserve.message.transport import Receiver, Sender
-from tpserve.tokenizer.detok_manager import DetokenizeResult, DetokenizerManager
+from tpserve.tokenizer.detok_manager import DetokenizerManager
 from tpserve.tokenizer.loader import load_tokenizer
 
 
@@ -23,22 +23,13 @@ def run_detokenizer(model_dir: str, endpoints: Endpoints, ack_queue: multiproces
     ack_queue.put("detokenizer ready")
 
     def handle(msg: DetokenizeRegister | BatchTokenOutput) -> None:
-        if isinstance(msg, DetokenizeRegister):
-            result = manager.register(msg)
-        elif isinstance(msg, BatchTokenOutput):
-            result = manager.on_batch(msg)
-        else:  # pragma: no cover - the decoder only yields the union's types
-            raise TypeError(f"unexpected message {type(msg).__name__}")
-        _forward(result, to_api, to_scheduler)
+        result = manager.register(msg) if isinstance(msg, DetokenizeRegister) else manager.on_batch(msg)
+        for abort in result.aborts:
+            to_scheduler.send(abort)
+        if result.api is not None:
+            to_api.send(result.api)
 
     try:
         inbox.serve(handle)
     finally:
         ctx.destroy(linger=0)
-
-
-def _forward(result: DetokenizeResult, to_api: Sender, to_scheduler: Sender) -> None:
-    for abort in result.aborts:
-        to_scheduler.send(abort)
-    if result.api is not None:
-        to_api.send(result.api)

@@ -3,6 +3,8 @@ spans several chunks, and hold back any tail that could still grow into one."""
 
 from __future__ import annotations
 
+from tpserve.parsers.partial import partial_suffix_len
+
 
 class StopStringFilter:
     """Feed text chunks, get back the text that is safe to emit.
@@ -13,7 +15,7 @@ class StopStringFilter:
     """
 
     def __init__(self, stop: list[str] | None, include_stop: bool = False) -> None:
-        self._stop = [s for s in (stop or []) if s]
+        self._stop = tuple(s for s in (stop or []) if s)
         self._max_len = max((len(s) for s in self._stop), default=0)
         self._include_stop = include_stop
         self._text = ""  # everything received
@@ -38,7 +40,7 @@ class StopStringFilter:
             return self._take(cut + len(self.matched) if self._include_stop else cut)
         if final:
             return self._take(len(self._text))
-        return self._take(len(self._text) - self._partial_stop_len())
+        return self._take(len(self._text) - partial_suffix_len(self._text[self._emitted:], self._stop))
 
     def _first_stop(self, start: int) -> tuple[int, str] | None:
         """(position, stop string) of the earliest match; the longest one at a shared position."""
@@ -47,15 +49,6 @@ class StopStringFilter:
             return None
         i, _, s = min(hits)
         return i, s
-
-    def _partial_stop_len(self) -> int:
-        """Length of the longest tail of the text that is a proper prefix of a stop string."""
-        text = self._text
-        for n in range(min(self._max_len - 1, len(text) - self._emitted), 0, -1):
-            tail = text[-n:]
-            if any(s.startswith(tail) for s in self._stop):
-                return n
-        return 0
 
     def _take(self, end: int) -> str:
         end = max(end, self._emitted)

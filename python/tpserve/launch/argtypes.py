@@ -1,0 +1,56 @@
+"""The argument style shared by ``tpserve`` and ``tpserve plan``: number types that say what a
+bad value must be, errors in one line, and defaults in the help."""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Callable, NoReturn, TypeVar
+
+N = TypeVar("N", int, float)
+
+
+def number(kind: Callable[[str], N], ok: Callable[[N], bool], requirement: str) -> Callable[[str], N]:
+    """An argument type of ``kind`` values for which ``ok`` holds ("must be <requirement>" if not)."""
+
+    def parse(text: str) -> N:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+        if not ok(value):
+            raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}")
+        return value
+
+    return parse
+
+
+def int_at_least(low: int) -> Callable[[str], int]:
+    return number(int, lambda v: v >= low, f">= {low}")
+
+
+def float_above(low: float, requirement: str | None = None) -> Callable[[str], float]:
+    """Finite floats above ``low``."""
+    return number(float, lambda v: low < v < math.inf, requirement or f"> {low:g}")
+
+
+positive = float_above(0.0, "a positive number")
+non_negative = number(float, lambda v: 0.0 <= v < math.inf, ">= 0")
+fraction = number(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
+port = number(int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """Errors in one line (not the whole usage), naming the flag and the bad value."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):
+    """Shows "(default: X)" unless the help already explains the default or there is none."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        if action.default is None or action.default is False or "default" in (action.help or ""):
+            return action.help
+        return super()._get_help_string(action)

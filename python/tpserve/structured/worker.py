@@ -1,0 +1,103 @@
+"""The matchers' work of constrained steps on a thread of its own, off the host's critical path.
+
+A constrained step's sampling needs its grammar masks, and they need the previous step's tokens
+accepted by the matchers first; its forward needs neither. So the scheduler submits the masks of
+step i+1 as one job (wait for step i's tokens, accept them, fill step i+1's masks) before it
+launches step i+1's forward, and joins the job only right before sampling. xgrammar releases the
+GIL inside its calls (and torch while it waits for the device), so the job runs while the main
+thread plans and launches.
+
+The job's Python between those calls needs the GIL, so the job makes few calls: termination is
+tracked here rather than asked of each matcher, the accept's result is read without releasing the
+GIL per row (``MaskFiller.accept``), and a fill uses xgrammar's own threads only for large batches
+(it starts them afresh on every call).
+
+Only the job touches the matchers (the main thread never reads their state), and the scheduler
+joins each job within the step that submitted it, so a request that finishes or is aborted leaves
+a matcher nobody uses again. Which rows get masks is decided from the matchers' own state (a
+terminated matcher gets none), never from timing, so every TP rank fills the same masks.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from tpserve.structured.grammar import MaskFiller, RequestGrammar
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class SampledRows:
+    """A sampled constrained step whose tokens the matchers have not yet taken."""
+
+    tokens: Callable[[], list[int]]  # the step's tokens by row (waits for the device)
+    rows: list[tuple[int, int, RequestGrammar]]  # (row, request id, its grammar)
+
+
+Masks = tuple[list[int], torch.Tensor]  # (rows, [B, ceil(V / 32)] host bitmask)
+
+
+class MaskWorker:
+    """Runs mask jobs in order on one thread (inline when ``threaded`` is False: the same work
+    at the same points, for comparison). ``stop_token_ids``: the tokens that end a grammar.
+    ``device``: the rank's GPU, made the thread's current device, so that waiting for the tokens
+    there never sets up a CUDA context on another GPU (the default device of a new thread)."""
+
+    def __init__(
+        self, filler: MaskFiller, stop_token_ids: list[int], threaded: bool = True, device: torch.device | None = None
+    ) -> None:
+        self.filler = filler
+        self._stop = frozenset(stop_token_ids)
+        self._pool = None
+        if threaded:
+            on_gpu = device is not None and device.type == "cuda"
+            self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-masks",
+                                            initializer=torch.cuda.set_device if on_gpu else None,
+                                            initargs=(device,) if on_gpu else ())
+        self._unaccepted: list[SampledRows] = []
+
+    def sampled(self, step: SampledRows) -> None:
+        """A constrained step was sampled: the next job gives its tokens to the matchers first."""
+        self._unaccepted.append(step)
+
+    def submit(self, fills: list[tuple[int, RequestGrammar]], batch_size: int) -> Future[Masks | None]:
+        """Accept every sampled step's tokens, then fill the masks of ``fills`` ((row, grammar)
+        of a batch of ``batch_size``); None when every one of those grammars has terminated.
+        The scheduler waits for the job (``result()``) within the step that submitted it."""
+        accepts, self._unaccepted = self._unaccepted, []
+        if self._pool is None:
+            future: Future[Masks | None] = Future()
+            try:
+                future.set_result(self._run(accepts, fills, batch_size))
+            except Exception as e:
+                future.set_exception(e)
+            return future
+        return self._pool.submit(self._run, accepts, fills, batch_size)
+
+    def _run(self, accepts: list[SampledRows], fills: list[tuple[int, RequestGrammar]], batch_size: int) -> Masks | None:
+        for step in accepts:
+            tokens = step.tokens()
+            live = [(rid, grammar, tokens[row]) for row, rid, grammar in step.rows if not grammar.terminated]
+            if not live:
+                continue
+            accepted = self.filler.accept([g.matcher for _, g, _ in live], [token for _, _, token in live])
+            for (rid, grammar, token), ok in zip(live, accepted):
+                if not ok:
+                    logger.warning("request %d: its grammar rejected token %d", rid, token)
+                elif token in self._stop:
+                    grammar.terminated = True
+        live_fills = [(row, grammar.matcher) for row, grammar in fills if not grammar.terminated]
+        if not live_fills:
+            return None
+        rows = [row for row, _ in live_fills]
+        return rows, self.filler.fill([matcher for _, matcher in live_fills], rows, batch_size)
+
+    def close(self) -> None:
+        if self._pool is not None:
+            self._pool.shutdown(wait=True, cancel_futures=True)
