@@ -152,7 +152,7 @@ for s in $stages; do
         --out $results/tp_decode_qwen3_32b_fused.json ;;
     # ---- Qwen3-30B-A3B (issue 14); after warm (the bf16 MoE test builds FlashInfer's kernels otherwise and
     # overran 120 s). moe30 on one GPU (~6 min), moe30_tp2 on two ----
-    moe30_tests) stage moe30_tests 200 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py ;;
+    moe30_tests) stage moe30_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py ;;
     moe30_offline)
       stage moe30_offline 180 python3 benchmarks/offline_throughput.py --model $a3b --trace --out $results/offline_qwen3_30b_a3b_traced.json
       stage moe30_roofline 30 python3 benchmarks/roofline.py $results/offline_qwen3_30b_a3b_traced.json --model $a3b --peak-tflops 766 ;;
@@ -161,6 +161,11 @@ for s in $stages; do
       stage moe30_floors 30 python3 benchmarks/roofline.py --model $a3b --decode-batch 1 64 --context 512 --peak-tflops 766 --bandwidth-tbps 4.26 ;;
     moe30_profile) stage moe30_profile 150 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 1,64 \
       --out $results/profile_qwen3_30b_a3b.json ;;
+    moe_small)  # the small-batch MoE kernels against the grouped GEMMs, one layer's experts, and their config sweep
+      stage moe_small 420 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --out $results/moe_small_batch.json ;;
+    moe_small_tp2)  # the same on a TP 2 rank's slice (expert intermediate 384), one GPU
+      stage moe_small_tp2 300 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --tp 2 --batch-sizes 1,4,16 \
+        --sweep-batch-sizes 1,4 --out $results/moe_small_batch_tp2.json ;;
     moe_tiles) stage moe_tiles 240 python3 benchmarks/experiments/moe_tiles.py --out $results/moe_tiles.json ;;
     moe30_tp2) stage moe30_tp2 240 python3 benchmarks/offline_throughput.py --model $a3b --tp-size 2 --out $results/offline_qwen3_30b_a3b_tp2.json ;;
     # FP8 (issue 16), two calls: "fp8_gemm fp8_decode8" and "fp8_tests fp8_decode32"

@@ -60,6 +60,12 @@ def main() -> None:
             lines.append(f"{name}: TP {res['tp_size']}")
             for row in res["rows"]:
                 lines.append("   " + ", ".join(f"{k} {v:.2f}" if isinstance(v, float) else f"{k} {v}" for k, v in row.items()))
+        elif kind == "moe_small_batch":
+            lines.append(f"{name}: TP {res['tp']}, best config {res['best_config']}")
+            for row in res["rows"]:
+                best = f", best {row['best_us']:.1f} us" if "best_us" in row else ""
+                lines.append(f"   bs {row['batch']:>3}: floor {row['floor_us']:.1f} us, grouped {row['grouped_us']:.1f} us, "
+                             f"small {row['small_us']:.1f} us{best}")
         elif isinstance(res.get("results"), list) and "args" in res:  # serving.py
             for r in res["results"]:
                 t, i = r["ttft_ms"], r["itl_ms"]

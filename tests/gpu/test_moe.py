@@ -1,6 +1,7 @@
-"""The Triton grouped MoE path against the torch experts, in bf16, eager and inside a CUDA graph;
-then a tiny Qwen3-MoE model with the Triton experts against the same model with the torch experts:
-in float32 (no graphs: logits equal to float32 rounding) and in bf16 with CUDA graphs.
+"""The Triton MoE paths (the grouped GEMMs and the small-batch kernels) against the torch experts,
+in bf16, eager and inside a CUDA graph; then a tiny Qwen3-MoE model with the Triton experts against
+the same model with the torch experts: in float32 (no graphs: logits equal to float32 rounding) and
+in bf16 with CUDA graphs, at batch 1 to 11 (decode on the small-batch kernels, prefill grouped).
 
 In bf16 the two models are not compared with the dense models' per-step bound: routers near a
 tie pick another expert when anything rounds differently, which moves some rows far more than
@@ -20,11 +21,13 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 pytest.importorskip("triton")
 pytest.importorskip("flashinfer")
 
+import tpserve.kernels.moe as moe_kernels
 import tpserve.layers.moe as moe_layer
 from engine_scenario import assert_routed_logits_close, assert_same_greedy, prompts_for, row_errors, run_scenario
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
-from tpserve.kernels.moe import fused_experts
+from tpserve.kernels.moe import SMALL_BATCH_MAX_ROWS, fused_experts, grouped_experts
+from tpserve.kernels.moe_small import small_batch_experts
 from tpserve.layers.moe import experts_torch
 
 DEVICE = torch.device("cuda")
@@ -51,9 +54,9 @@ def reference(x, gate_up, down, weights, ids) -> torch.Tensor:
     return experts_torch(x.double(), gate_up.double(), down.double(), weights.double(), ids)
 
 
-# Qwen3-30B-A3B's experts at TP 1 (128 x top-8, hidden 2048, expert intermediate 768), the tiny
-# model's below and a small shape.
-SHAPES = [(128, 8, 2048, 768), (16, 4, 256, 128), (8, 2, 256, 96)]
+# Qwen3-30B-A3B's experts at TP 1 (128 x top-8, hidden 2048, expert intermediate 768) and on a
+# TP 2 and a TP 4 rank, the tiny model's below and a small shape.
+SHAPES = [(128, 8, 2048, 768), (128, 8, 2048, 384), (128, 8, 2048, 192), (16, 4, 256, 128), (8, 2, 256, 96)]
 
 
 @pytest.mark.parametrize("tokens", [1, 7, 64, 300, 2048])
@@ -67,9 +70,24 @@ def test_fused_experts_match_torch(tokens, shape):
     assert fused_err < RTOL and fused_err < 2 * torch_err + 1e-3
 
 
-@pytest.mark.parametrize("tokens", [1, 64])
+@pytest.mark.parametrize("tokens", [1, 3, 8])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_small_batch_experts_match_torch_and_grouped(tokens, shape):
+    """Decode batches on both paths: each within bf16 rounding of float64, and the small-batch
+    kernels give the same bits on every run (no atomics)."""
+    x, gate_up, down, weights, ids = expert_inputs(tokens, *shape, seed=10 + tokens)
+    expected = reference(x, gate_up, down, weights, ids)
+    small = small_batch_experts(x, gate_up, down, weights, ids)
+    small_err, grouped_err = rel_err(small, expected), rel_err(grouped_experts(x, gate_up, down, weights, ids), expected)
+    print(f"tokens {tokens} shape {shape}: small-batch {small_err:.2e}, grouped {grouped_err:.2e}")
+    assert small_err < RTOL and small_err < 2 * grouped_err + 1e-3
+    assert torch.equal(small, small_batch_experts(x, gate_up, down, weights, ids))
+
+
+@pytest.mark.parametrize("tokens", [1, 2, 4, 8, 64])
 def test_fused_experts_in_a_cuda_graph(tokens):
-    """Captured once, replayed on new inputs (other experts chosen): the same as eager."""
+    """Captured once, replayed on new inputs (other experts chosen): the same as eager. The
+    small-batch path up to SMALL_BATCH_MAX_ROWS / 8 tokens (top 8), the grouped one above."""
     x, gate_up, down, weights, ids = expert_inputs(tokens, *SHAPES[0], seed=1)
     fused_experts(x, gate_up, down, weights, ids)  # compile outside the capture
     torch.cuda.synchronize()
@@ -84,6 +102,8 @@ def test_fused_experts_in_a_cuda_graph(tokens):
         graph.replay()
         torch.cuda.synchronize()
         assert torch.equal(out, fused_experts(x, gate_up, down, weights, ids))
+        path = small_batch_experts if ids.numel() <= SMALL_BATCH_MAX_ROWS else grouped_experts
+        assert torch.equal(out, path(x, gate_up, down, weights, ids))
         assert rel_err(out, reference(x, gate_up, down, weights, ids)) < RTOL
 
 
@@ -129,14 +149,37 @@ def test_moe_model_float32_triton_matches_torch_experts(moe_model_dir, monkeypat
     assert_same_greedy(own_tokens, ref_tokens, ref_logits)
 
 
-def test_moe_model_graphs_and_triton_match_torch_experts(moe_model_dir, monkeypatch):
-    """bf16, FlashInfer attention and the fused norms in both: the Triton experts with CUDA graphs
-    against the torch experts, eager."""
-    prompts, ref_tokens, ref_logits = torch_experts_reference(moe_model_dir, "bfloat16", "flashinfer", monkeypatch)
-    engine = make_moe_engine(moe_model_dir, "bfloat16", "flashinfer", 16)
+@pytest.fixture(scope="module")
+def bf16_engines(moe_model_dir):
+    """bf16, FlashInfer attention and the fused norms in both: (the reference, eager, to run with
+    the torch experts; the engine under test, with CUDA graphs up to batch 16)."""
+    reference = make_moe_engine(moe_model_dir, "bfloat16", "flashinfer", 0)
+    small_batch_calls = []
+
+    def counted(*args, **kwargs):
+        small_batch_calls.append(args[4].shape)
+        return small_batch_experts(*args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(moe_kernels, "small_batch_experts", counted)
+        engine = make_moe_engine(moe_model_dir, "bfloat16", "flashinfer", 16)
     assert engine.graph_runner is not None
+    assert small_batch_calls, "no CUDA graph captured the small-batch experts"
+    return reference, engine
+
+
+@pytest.mark.parametrize("num_prompts", [1, 3, 8, 11])
+def test_moe_model_graphs_and_triton_match_torch_experts(bf16_engines, monkeypatch, num_prompts):
+    """The Triton experts with CUDA graphs against the torch experts, eager: every decode step
+    replays a graph on new routings, on the small-batch kernels while the step's rows (batch
+    padded to its graph's size, times top 4) are at most SMALL_BATCH_MAX_ROWS."""
+    reference, engine = bf16_engines
+    prompts = prompts_for(num_prompts, engine.model_config.vocab_size, seed=7)
+    with monkeypatch.context() as patch:
+        patch.setattr(moe_layer, "use_triton", lambda device: False)
+        ref_tokens, ref_logits = run_scenario(reference, prompts)
     _, forced_logits = run_scenario(engine, prompts, forced=ref_tokens)
     errors = row_errors(forced_logits, ref_logits)
-    print(f"bf16 Triton + graphs vs torch experts: row errors median {float(errors.median()):.2e}, "
-          f"past 2e-2 {float((errors > 2e-2).float().mean()):.0%}")
+    print(f"bf16 Triton + graphs vs torch experts, {num_prompts} prompts: row errors median "
+          f"{float(errors.median()):.2e}, past 2e-2 {float((errors > 2e-2).float().mean()):.0%}")
     assert_routed_logits_close(forced_logits, ref_logits)

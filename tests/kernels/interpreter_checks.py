@@ -355,17 +355,14 @@ def check_gated_down_projection() -> None:
 def check_fused_moe() -> None:
     """The grouped MoE GEMMs against the torch experts: decode-sized and prefill-sized blocks,
     experts with no tokens, sizes that are not multiples of the blocks."""
-    from tpserve.kernels.moe import align_by_expert, fused_experts
+    from tpserve.kernels.moe import align_by_expert, fused_experts, grouped_experts
     from tpserve.layers.moe import experts_dense_masked, experts_torch
 
     gen = torch.Generator().manual_seed(4)
     for tokens, experts, top_k, hidden, inter in ((1, 8, 2, 64, 32), (37, 16, 3, 48, 24), (300, 8, 2, 32, 16)):
-        x = torch.randn(tokens, hidden, generator=gen)
-        gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
-        down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
-        probs = torch.softmax(torch.randn(tokens, experts, generator=gen), dim=-1)
-        weights, ids = torch.topk(probs, top_k, dim=-1)
+        x, gate_up, down, weights, ids = random_experts(gen, tokens, experts, top_k, hidden, inter)
         reference = experts_torch(x, gate_up, down, weights, ids)
+        torch.testing.assert_close(grouped_experts(x, gate_up, down, weights, ids), reference, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fused_experts(x, gate_up, down, weights, ids), reference, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(experts_dense_masked(x, gate_up, down, weights, ids), reference, rtol=1e-5, atol=1e-5)
     sorted_rows, block_expert, padded_len = align_by_expert(torch.tensor([[3, 1], [1, 0], [3, 1]]), 4, 4)
@@ -374,6 +371,57 @@ def check_fused_moe() -> None:
     assert block_expert[:3].tolist() == [0, 1, 3]
     check_align_kernel_matches_torch()
     check_router_topk()
+    check_small_batch_moe()
+
+
+def random_experts(gen: torch.Generator, tokens: int, experts: int, top_k: int, hidden: int, inter: int):
+    """x, gate_up [E, 2I, H], down [E, H, I], renormalised top-k weights and ids, in float32."""
+    x = torch.randn(tokens, hidden, generator=gen)
+    gate_up = torch.randn(experts, 2 * inter, hidden, generator=gen) / hidden**0.5
+    down = torch.randn(experts, hidden, inter, generator=gen) / inter**0.5
+    weights, ids = torch.topk(torch.softmax(torch.randn(tokens, experts, generator=gen), dim=-1), top_k, dim=-1)
+    return x, gate_up, down, weights / weights.sum(dim=-1, keepdim=True), ids
+
+
+def check_small_batch_moe() -> None:
+    """The unsorted small-batch kernels against the torch experts in float32: the default config
+    and small blocks (several K steps, tails in N and K, top_k not a multiple of the experts read
+    per step), one token to 64 rows, a TP 2 rank of Qwen3-30B-A3B's experts (H 2048, I 384);
+    bfloat16 against float64 (no tl.dot here, so the interpreter's bf16 is right); a dense MLP
+    as one expert; and fused_experts picking them up to SMALL_BATCH_MAX_ROWS rows, the grouped
+    GEMMs above."""
+    from tpserve.kernels.moe import SMALL_BATCH_MAX_ROWS, fused_experts, grouped_experts
+    from tpserve.kernels.moe_small import KernelConfig, SmallBatchConfig, default_config, small_batch_experts
+    from tpserve.layers.activation import silu_and_mul
+    from tpserve.layers.moe import experts_torch
+
+    gen = torch.Generator().manual_seed(8)
+    small_blocks = SmallBatchConfig(KernelConfig(block_n=8, block_k=16), KernelConfig(block_n=16, block_k=16, experts_per_step=4))
+    one_per_step = SmallBatchConfig(KernelConfig(block_n=32, block_k=32), KernelConfig(block_n=4, block_k=64, experts_per_step=1))
+    cases = ((1, 2, 8, 64, 32), (3, 3, 16, 48, 24), (8, 8, 16, 40, 20), (2, 6, 8, 32, 40), (1, 8, 8, 2048, 384))
+    for tokens, top_k, experts, hidden, inter in cases:
+        x, gate_up, down, weights, ids = random_experts(gen, tokens, experts, top_k, hidden, inter)
+        reference = experts_torch(x, gate_up, down, weights, ids)
+        configs = (default_config(top_k), small_blocks, one_per_step) if hidden <= 64 else (default_config(top_k),)
+        for config in configs:
+            got = small_batch_experts(x, gate_up, down, weights, ids, config)
+            torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5, msg=lambda m: f"{tokens, top_k, config}: {m}")
+    x, gate_up, down, weights, ids = random_experts(gen, 4, 16, 4, 128, 64)
+    exact = experts_torch(x.double(), gate_up.double(), down.double(), weights.double(), ids)
+    half = [t.bfloat16() for t in (x, gate_up, down, weights)]
+    for got in (small_batch_experts(*half, ids), experts_torch(*half, ids)):
+        err = float((got.double() - exact).norm() / exact.norm())
+        assert got.dtype == torch.bfloat16 and err < 1e-2, f"bf16 relative error {err:.2e}"
+    # A dense MLP (the layers of mlp_only_layers) is the one-expert case of the same kernels.
+    x, gate_up, down, _, _ = random_experts(gen, 2, 1, 1, 64, 48)
+    dense = torch.nn.functional.linear(silu_and_mul(torch.nn.functional.linear(x, gate_up[0])), down[0])
+    one_expert = small_batch_experts(x, gate_up, down, torch.ones(2, 1), torch.zeros(2, 1, dtype=torch.int64))
+    torch.testing.assert_close(one_expert, dense, rtol=1e-5, atol=1e-5)
+    for tokens in (SMALL_BATCH_MAX_ROWS // 4, SMALL_BATCH_MAX_ROWS // 4 + 1):
+        x, gate_up, down, weights, ids = random_experts(gen, tokens, 8, 4, 32, 16)
+        small = tokens * 4 <= SMALL_BATCH_MAX_ROWS
+        expected = (small_batch_experts if small else grouped_experts)(x, gate_up, down, weights, ids)
+        assert torch.equal(fused_experts(x, gate_up, down, weights, ids), expected)
 
 
 def check_router_topk() -> None:
@@ -415,7 +463,7 @@ def check_align_kernel_matches_torch() -> None:
 def check_fused_moe_model() -> None:
     """A tiny Qwen3-MoE engine (float32; layer 0 dense, layers 1-2 sparse) with its MoE layers on
     the Triton kernels (router, sort by expert, grouped GEMMs) against the same engine on the torch
-    path: a prefill of 64-row blocks (over 512 rows), then decode steps of 16-row blocks, so the
+    path: a prefill of 64-row blocks (over 512 rows), then decode steps on the small-batch kernels, so the
     kernels see the normed activations and the stacked weights as the model hands them over."""
     import tempfile
 

@@ -9,6 +9,9 @@ GEMM the down projection scaled by the row's router weight; the k rows of a toke
 Every shape depends only on the number of tokens (the padded length is bounded by
 ``rows + min(rows, experts) * (BLOCK_M - 1)``) and nothing is read back on the host, so the
 whole path runs inside a CUDA graph; blocks past the real padded length exit at once.
+
+``fused_experts`` takes this path above SMALL_BATCH_MAX_ROWS rows and the unsorted GEMV-style
+kernels of ``tpserve.kernels.moe_small`` up to it (decode).
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.kernels.moe_small import small_batch_experts
 from tpserve.layers.activation import silu_and_mul
 
 
@@ -223,12 +227,34 @@ def _grouped_gemm(
     )
 
 
+# Up to this many (token, k) rows a layer's experts run as two GEMV-style kernels with no sort
+# (``kernels.moe_small``): at decode nearly every row has an expert of its own, so the grouped
+# path's sort, 16-row blocks and separate SiLU and sum kernels are pure overhead. 64 rows is
+# Qwen3-30B-A3B (top 8) up to 8 tokens; benchmarks/experiments/moe_small_batch.py times both.
+SMALL_BATCH_MAX_ROWS = 64
+
+
 def fused_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]; gate_up [E, 2I, H], down [E, H, I]."""
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]; gate_up [E, 2I, H], down [E, H, I]:
+    the small-batch kernels up to SMALL_BATCH_MAX_ROWS rows, the grouped GEMMs above."""
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("fused_experts needs contiguous expert weights")
+    x = x.contiguous()
+    rows = ids.numel()
+    if rows == 0:
+        return torch.zeros_like(x)
+    if rows <= SMALL_BATCH_MAX_ROWS:
+        return small_batch_experts(x, gate_up, down, weights, ids)
+    return grouped_experts(x, gate_up, down, weights, ids)
+
+
+def grouped_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """``fused_experts`` as two grouped GEMMs over the rows sorted by expert (any row count);
+    the weights contiguous."""
     x = x.contiguous()
     tokens, top_k = ids.shape
     rows = tokens * top_k

@@ -1,0 +1,187 @@
+"""The experts of a mixture-of-experts layer for a decode-sized batch, in two GEMV-style kernels.
+
+At decode a sparse layer has a few (token, k) rows, nearly each with its own expert, so the
+grouped path's sort and 16-row blocks only add kernels and padding. Here every row reads its
+expert id straight from the router's top-k output (no sort) and streams that expert's weights
+through the CUDA cores, accumulating in float32:
+
+1. ``_moe_gate_up_silu_kernel``: grid (row, BLOCK_N slice of the intermediate); a program reads the
+   gate and the up rows of its slice of ``gate_up[expert]`` ([E, 2I, H], gate rows first) over
+   K = H in BLOCK_K steps and writes ``act[row, n] = silu(gate) * up`` in the compute dtype.
+2. ``_moe_down_sum_kernel``: grid (token, BLOCK_N slice of the hidden size); a program reduces over
+   its token's top_k rows and I, EXPERTS_PER_STEP rows at a time, summing
+   ``weight_k * act[row_k] @ down[expert_k].T`` in float32, and writes ``out[token, n]`` once:
+   no atomics, so every run and every tensor-parallel rank gives the same bits.
+
+A program adds its products elementwise into float32 tiles ([BLOCK_N, BLOCK_K] for gate and
+for up; [EXPERTS_PER_STEP, BLOCK_N, BLOCK_K] for down) and reduces them once, at the end. Shapes
+depend only on the number of tokens and nothing is read on the host, so CUDA graphs hold it.
+Triton's interpreter runs these kernels in bfloat16 too (no ``tl.dot``).
+"""
+
+from __future__ import annotations
+
+import functools
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+
+@dataclass(frozen=True)
+class KernelConfig:
+    block_n: int  # output features per program
+    block_k: int  # reduction step
+    num_warps: int = 4
+    num_stages: int = 2  # > 1: the K loop's loads go through shared memory (cp.async), this many in flight
+    experts_per_step: int = 1  # down only: how many of a token's top_k rows one step reads
+
+
+@dataclass(frozen=True)
+class SmallBatchConfig:
+    gate_up: KernelConfig
+    down: KernelConfig
+
+
+@functools.cache
+def default_config(top_k: int) -> SmallBatchConfig:
+    """Guesses until benchmarks/experiments/moe_small_batch.py has swept them on an H200. Loads
+    in flight are what a weight stream needs: gate_up has rows * I / BLOCK_N programs (384 for
+    Qwen3-30B-A3B at batch 1), down only H / BLOCK_N per token, so down reads several experts
+    per step to keep as many bytes in flight."""
+    return SmallBatchConfig(
+        gate_up=KernelConfig(block_n=16, block_k=256, num_warps=4),
+        down=KernelConfig(block_n=8, block_k=128, num_warps=4, experts_per_step=min(8, triton.next_power_of_2(top_k))),
+    )
+
+
+def check_config(config: KernelConfig) -> None:
+    for name in ("block_n", "block_k", "num_warps", "experts_per_step"):
+        value = getattr(config, name)
+        if value < 1 or value & (value - 1):
+            raise ValueError(f"{name} must be a power of 2, got {value} in {config}")
+    if config.num_stages < 1:
+        raise ValueError(f"num_stages must be >= 1, got {config}")
+
+
+@triton.jit
+def _moe_gate_up_silu_kernel(
+    x_ptr, w_ptr, ids_ptr, act_ptr, inter, hidden,
+    stride_xm, stride_we, stride_wn, stride_am,
+    TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
+):
+    row = tl.program_id(0)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < inter
+    offs_k = tl.arange(0, BLOCK_K)
+    expert = tl.load(ids_ptr + row).to(tl.int64)
+    x_ptrs = x_ptr + (row // TOP_K).to(tl.int64) * stride_xm + offs_k
+    gate_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
+    up_ptrs = gate_ptrs + inter * stride_wn
+    gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for k0 in tl.range(0, hidden, BLOCK_K, num_stages=NUM_STAGES):
+        if EVEN_K:
+            x = tl.load(x_ptrs)
+            g = tl.load(gate_ptrs, mask=n_ok[:, None], other=0.0)
+            u = tl.load(up_ptrs, mask=n_ok[:, None], other=0.0)
+        else:
+            k_ok = offs_k < hidden - k0
+            x = tl.load(x_ptrs, mask=k_ok, other=0.0)
+            g = tl.load(gate_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+            u = tl.load(up_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        x = x.to(tl.float32)[None, :]
+        gate += g.to(tl.float32) * x
+        up += u.to(tl.float32) * x
+        x_ptrs += BLOCK_K
+        gate_ptrs += BLOCK_K
+        up_ptrs += BLOCK_K
+    g = tl.sum(gate, axis=1)
+    act = g / (1.0 + tl.exp(-g)) * tl.sum(up, axis=1)
+    tl.store(act_ptr + row.to(tl.int64) * stride_am + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _moe_down_sum_kernel(
+    act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter,
+    stride_am, stride_we, stride_wn, stride_om,
+    TOP_K: tl.constexpr, EXPERTS_PER_STEP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+):
+    token = tl.program_id(0).to(tl.int64)
+    offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = offs_n < hidden
+    offs_k = tl.arange(0, BLOCK_K)
+    offs_j = tl.arange(0, EXPERTS_PER_STEP)
+    acc = tl.zeros((EXPERTS_PER_STEP, BLOCK_N, BLOCK_K), dtype=tl.float32)
+    for j0 in range(0, TOP_K, EXPERTS_PER_STEP):
+        j_ok = offs_j < TOP_K - j0
+        rows = token * TOP_K + j0 + offs_j
+        expert = tl.load(ids_ptr + rows, mask=j_ok, other=0).to(tl.int64)
+        weight = tl.load(weights_ptr + rows, mask=j_ok, other=0.0).to(tl.float32)
+        a_ptrs = act_ptr + rows[:, None] * stride_am + offs_k[None, :]
+        w_ptrs = (w_ptr + expert[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
+                  + offs_k[None, None, :])
+        w_ok = j_ok[:, None, None] & n_ok[None, :, None]
+        for k0 in tl.range(0, inter, BLOCK_K, num_stages=NUM_STAGES):
+            if EVEN_K:
+                a = tl.load(a_ptrs, mask=j_ok[:, None], other=0.0)
+                w = tl.load(w_ptrs, mask=w_ok, other=0.0)
+            else:
+                k_ok = offs_k < inter - k0
+                a = tl.load(a_ptrs, mask=j_ok[:, None] & k_ok[None, :], other=0.0)
+                w = tl.load(w_ptrs, mask=w_ok & k_ok[None, None, :], other=0.0)
+            acc += w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :]
+            a_ptrs += BLOCK_K
+            w_ptrs += BLOCK_K
+    out = tl.sum(tl.sum(acc, axis=2), axis=0)
+    tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def gate_up_silu(
+    x: torch.Tensor, gate_up: torch.Tensor, ids: torch.Tensor, config: KernelConfig
+) -> torch.Tensor:
+    """act [T * k, I]: silu(gate) * up of each (token, k) row's expert; gate_up [E, 2I, H]."""
+    check_config(config)
+    rows, inter, hidden = ids.numel(), gate_up.shape[1] // 2, gate_up.shape[2]
+    act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    _moe_gate_up_silu_kernel[(rows, triton.cdiv(inter, config.block_n))](
+        x, gate_up, ids, act, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        TOP_K=ids.shape[1], BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=hidden % config.block_k == 0,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+    )
+    return act
+
+
+def down_sum(
+    act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, config: KernelConfig
+) -> torch.Tensor:
+    """out [T, H] = sum_k weights[t, k] * act[t * k + k] @ down[ids[t, k]].T; down [E, H, I]."""
+    check_config(config)
+    tokens, top_k = ids.shape
+    hidden, inter = down.shape[1], down.shape[2]
+    out = torch.empty(tokens, hidden, dtype=act.dtype, device=act.device)
+    _moe_down_sum_kernel[(tokens, triton.cdiv(hidden, config.block_n))](
+        act, down, ids, weights, out, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        TOP_K=top_k, EXPERTS_PER_STEP=min(config.experts_per_step, triton.next_power_of_2(top_k)),
+        BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=inter % config.block_k == 0,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+    )
+    return out
+
+
+def small_batch_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    config: SmallBatchConfig | None = None,
+) -> torch.Tensor:
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H] in two kernels; x [T, H] with unit
+    stride along H, the weights contiguous, ids [T, k] and weights [T, k] contiguous."""
+    if ids.numel() == 0:
+        return torch.zeros_like(x)
+    if config is None:
+        config = default_config(ids.shape[1])
+    ids, weights = ids.contiguous(), weights.contiguous()
+    act = gate_up_silu(x, gate_up, ids, config.gate_up)
+    return down_sum(act, down, weights, ids, config.down)
