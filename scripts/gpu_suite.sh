@@ -163,6 +163,8 @@ for s in $stages; do
       --out $results/profile_qwen3_30b_a3b.json ;;
     moe_small)  # the small-batch MoE kernels against the grouped GEMMs, one layer's experts, and their config sweep
       stage moe_small 420 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --out $results/moe_small_batch.json ;;
+    moe_small_quick) stage moe_small_quick 200 python3 benchmarks/experiments/moe_small_batch.py --model $a3b \
+      --sweep-batch-sizes 1 --out $results/moe_small_batch.json ;;
     moe_small_tp2)  # the same on a TP 2 rank's slice (expert intermediate 384), one GPU
       stage moe_small_tp2 300 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --tp 2 --batch-sizes 1,4,16 \
         --sweep-batch-sizes 1,4 --out $results/moe_small_batch_tp2.json ;;
