@@ -46,8 +46,8 @@ class SmallBatchConfig:
 
 @functools.cache
 def default_config(top_k: int) -> SmallBatchConfig:
-    """Guesses until benchmarks/experiments/moe_small_batch.py has swept them on an H200. Loads
-    in flight are what a weight stream needs: gate_up has rows * I / BLOCK_N programs (384 for
+    """Within 5% of the best configs of benchmarks/experiments/moe_small_batch.py's batch-1 sweep
+    on an H200 (docs/benchmarks.md, Qwen3-30B-A3B). Loads in flight are what a weight stream needs: gate_up has rows * I / BLOCK_N programs (384 for
     Qwen3-30B-A3B at batch 1), down only H / BLOCK_N per token, so down reads several experts
     per step to keep as many bytes in flight."""
     return SmallBatchConfig(
