@@ -321,6 +321,10 @@ def run_shell(args: ServerArgs) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    # Ctrl-C stops an answer: Python turns SIGINT into KeyboardInterrupt only if it was not
+    # ignored at start-up, and a process started in the background of a non-interactive shell
+    # (`cmd &`, CI runners) inherits it ignored.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     from tpserve.tiny import cache_root
 
     state_dir = cache_root()
