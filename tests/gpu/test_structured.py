@@ -81,3 +81,32 @@ def test_gpu_mask_kernel_equals_the_cpu_one():
         apply_bitmask(gpu[:, :vocab], bitmask.cuda(), torch.tensor(constrained, dtype=torch.int32, device="cuda"))
         assert torch.equal(gpu[:, :vocab].cpu(), cpu), dtype
         assert torch.equal(gpu[:, vocab:].cpu(), padded[:, vocab:]), "the padding is untouched"
+
+
+def test_sampling_kernel_reads_the_mask_as_masking_first_does():
+    """The unfiltered sampling kernel applying the bitmask as it reads the logits picks the
+    tokens it picks from logits masked first (xgrammar's kernel), greedy and sampled rows, on the
+    LM head's padded bf16 layout and on float32, at the real vocabulary size."""
+    pytest.importorskip("triton")
+    from tpserve.engine.sampler import SamplingBatch
+    from tpserve.kernels.sampling import sample
+    from tpserve.sampling_params import SamplingParams
+    from tpserve.structured.mask import apply_bitmask, unpack_bitmask
+
+    gen = torch.Generator().manual_seed(1)
+    rows, vocab = 64, 151936
+    bitmask = torch.randint(-(2**31), 2**31 - 1, (rows, -(-vocab // 32)), dtype=torch.int32, generator=gen)
+    bitmask[::4] = -1  # unconstrained rows
+    bitmask[1, :] = 0
+    bitmask[1, 100] = 1 << 5  # a row with one allowed token: 3205
+    params = [SamplingParams(temperature=0.0 if i % 3 == 0 else 0.7) for i in range(rows)]
+    batch = SamplingBatch.build(params, list(range(rows)), [5] * rows, vocab, "cuda")
+    device_mask = bitmask.cuda()
+    for dtype, pad in ((torch.bfloat16, 64), (torch.float32, 0)):
+        logits = (4 * torch.randn(rows, vocab + pad, generator=gen)).to(dtype).cuda()[:, :vocab]
+        fused = sample(logits, batch.temperatures, batch.seeds, batch.steps, bitmask=device_mask)
+        masked = logits.clone()
+        apply_bitmask(masked, device_mask)
+        assert torch.equal(fused, sample(masked, batch.temperatures, batch.seeds, batch.steps)), dtype
+        assert bool(unpack_bitmask(device_mask, vocab).gather(1, fused[:, None]).all())
+        assert int(fused[1]) == 3205

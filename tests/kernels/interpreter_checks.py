@@ -103,7 +103,7 @@ def check_sampler_on_edited_logits() -> None:
     masks) exactly as the torch path does, filtered or not."""
     from tpserve.engine.logit_edits import LogitEdits, PenaltyState
     from tpserve.kernels.sampling import sample
-    from tpserve.structured.mask import apply_bitmask
+    from tpserve.structured.mask import apply_bitmask, unpack_bitmask
 
     gen = torch.Generator().manual_seed(2)
     rows, vocab = 8, 1500
@@ -126,6 +126,16 @@ def check_sampler_on_edited_logits() -> None:
     got = sample(logits, batch.temperatures, batch.seeds, batch.steps)
     assert torch.equal(got, Sampler().sample_torch(logits, batch))
     assert not torch.isin(got, torch.tensor([7, 9])).any()  # banned by min_tokens
+    # The unfiltered kernel reading the bitmask itself picks what it picks from logits masked first,
+    # greedy rows too; rows the grammar does not constrain carry an all-allowing mask.
+    every_row = bitmask.clone()
+    every_row[1::2] = -1
+    mixed = [SP(temperature=0.0 if i % 3 == 0 else 0.8) for i in range(rows)]
+    batch = SamplingBatch.build(mixed, list(range(rows)), [0] * rows, vocab, "cpu")
+    fused = sample(state.apply(raw, edits), batch.temperatures, batch.seeds, batch.steps, bitmask=every_row)
+    assert torch.equal(fused, sample(logits, batch.temperatures, batch.seeds, batch.steps)), fused.tolist()
+    allowed = unpack_bitmask(every_row, vocab)
+    assert bool(allowed.gather(1, fused[:, None]).all())
 
 
 def check_kv_store() -> None:

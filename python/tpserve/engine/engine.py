@@ -66,15 +66,6 @@ class PendingSample:
     top_logprobs: int | None
 
 
-@dataclass
-class TokenMask:
-    """Grammar masks for some rows of a step: for each row r in ``rows``, ``bitmask[r]``
-    (xgrammar's packed int32 layout) allows the tokens of row r; other rows are not masked."""
-
-    rows: list[int]
-    bitmask: torch.Tensor  # [B, ceil(V / 32)] int32, host (pinned when the device is a GPU)
-
-
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> dict[str, torch.Tensor]:
     """Log-probabilities under the model (raw logits, before temperature and filters)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
@@ -165,7 +156,6 @@ class Engine:
             self._warm_up_sampler()
         self._last_tokens: torch.Tensor | None = None  # the last launched step's samples
         self._mask_device: torch.Tensor | None = None  # grammar masks on the device (GPU)
-        self._rows_device: torch.Tensor | None = None  # their rows
         if rank == 0:
             logger.info(
                 "engine ready: %s on %s, %s%s, tp %d, %s attention, %d KV pages of %d tokens, CUDA graphs %s",
@@ -207,9 +197,13 @@ class Engine:
         padded = self.model.lm_head.weight.shape[0] * self.config.tp_size
         raw = torch.zeros((2, padded), dtype=self.dtype, device=self.device)[:, :vocab]
         edited = torch.zeros((2, vocab), dtype=torch.float32, device=self.device)
+        allow_all = torch.full((2, -(-vocab // 32)), -1, dtype=torch.int32, device=self.device)
         for logits in (raw, edited):
             for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2, top_p=0.9)):
-                self.sampler(logits, SamplingBatch.build([params] * 2, [0, 1], [0, 0], vocab, self.device))
+                batch = SamplingBatch.build([params] * 2, [0, 1], [0, 0], vocab, self.device)
+                self.sampler(logits, batch)
+                if self.sampler.fuses_mask(logits, batch):
+                    self.sampler(logits, batch, allow_all)  # the variant reading grammar masks
             grammar_mask.warm_up(logits)
         torch.cuda.synchronize(self.device)
 
@@ -274,18 +268,23 @@ class Engine:
         return pending if defer_sampling else self.sample(pending)
 
     @torch.inference_mode()
-    def sample(self, pending: "PendingSample", mask: "TokenMask | None" = None) -> "LaunchedStep":
-        """Edit the logits (penalties, bias, bans, then the grammar ``mask``), sample, and copy the
-        tokens to the host in the background. Must run before the next forward (a CUDA graph
-        replay overwrites the logits)."""
+    def sample(self, pending: "PendingSample", mask: torch.Tensor | None = None) -> "LaunchedStep":
+        """Edit the logits (penalties, bias, bans, then the grammar ``mask``: [B, ceil(V / 32)]
+        int32 on the host, every row's allowed tokens in xgrammar's packed layout, pinned when the
+        device is a GPU), sample, and copy the tokens to the host in the background. Must run
+        before the next forward (a CUDA graph replay overwrites the logits)."""
         logits, sampling = pending.logits, pending.sampling
         edits = sampling.edits
         edited = logits if edits is None else self.penalty_state.apply(logits, edits)
+        bitmask = None
         if mask is not None:
-            if edited is logits and pending.top_logprobs is not None:
-                edited = logits.clone()  # log-probabilities are the model's, before the mask
-            self._apply_mask(edited, mask)
-        tokens = self.sampler(edited, sampling)
+            bitmask = self._mask_on_device(mask)
+            if not self.sampler.fuses_mask(edited, sampling):
+                if edited is logits and pending.top_logprobs is not None:
+                    edited = logits.clone()  # log-probabilities are the model's, before the mask
+                grammar_mask.apply_bitmask(edited, bitmask)
+                bitmask = None
+        tokens = self.sampler(edited, sampling, bitmask)
         self.penalty_state.record(tokens, edits)
         self._last_tokens = tokens
         outputs = {"tokens": tokens}
@@ -301,22 +300,18 @@ class Engine:
         done.record()
         return LaunchedStep(host, done)
 
-    def _apply_mask(self, logits: torch.Tensor, mask: "TokenMask") -> None:
-        """The grammar masks, in place. On a GPU the mask and its rows are uploaded without
-        blocking (pinned host memory) into buffers reused every step (stream order keeps a step's
-        upload after the previous step's use)."""
+    def _mask_on_device(self, mask: torch.Tensor) -> torch.Tensor:
+        """The step's bitmask where the logits are. On a GPU it is uploaded without blocking
+        (pinned host memory) into a buffer reused every step (stream order keeps a step's upload
+        after the previous step's use)."""
         if self.device.type != "cuda":
-            grammar_mask.apply_bitmask(logits, mask.bitmask, mask.rows)
-            return
-        batch, words = mask.bitmask.shape
+            return mask
+        batch, words = mask.shape
         if self._mask_device is None or self._mask_device.shape[0] < batch:
             self._mask_device = torch.empty((max(batch, 64), words), dtype=torch.int32, device=self.device)
-            self._rows_device = torch.empty(max(batch, 64), dtype=torch.int32, device=self.device)
         bitmask = self._mask_device[:batch]
-        bitmask.copy_(mask.bitmask, non_blocking=True)
-        rows = self._rows_device[: len(mask.rows)]
-        rows.copy_(torch.tensor(mask.rows, dtype=torch.int32).pin_memory(), non_blocking=True)
-        grammar_mask.apply_bitmask(logits, bitmask, rows)
+        bitmask.copy_(mask, non_blocking=True)
+        return bitmask
 
     def shutdown(self) -> None:
         """Release the device memory (graphs, KV cache, weights) and the process groups."""

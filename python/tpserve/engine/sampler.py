@@ -218,7 +218,21 @@ class Sampler:
     def __init__(self) -> None:
         self._ws = Workspace()
 
-    def __call__(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
+    def fuses_mask(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
+        """Whether ``__call__`` takes a grammar bitmask (the unfiltered Triton kernel applies it
+        as it reads the logits, with no separate pass); otherwise mask the logits first."""
+        return use_triton(logits.device) and logits.stride(-1) == 1 and not batch.needs_filter
+
+    def __call__(
+        self, logits: torch.Tensor, batch: SamplingBatch, bitmask: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        """``bitmask``: [B, ceil(V / 32)] int32 grammar masks of every row, only where ``fuses_mask``."""
+        if bitmask is not None:
+            if not self.fuses_mask(logits, batch):
+                raise ValueError("this sampler path takes no bitmask: mask the logits first")
+            from tpserve.kernels.sampling import sample
+
+            return sample(logits, batch.temperatures, batch.seeds, batch.steps, bitmask=bitmask)
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         if use_triton(logits.device) and logits.stride(-1) == 1:

@@ -100,23 +100,37 @@ def _row_key(seed, step):
 
 
 @triton.jit
+def _load_logits(
+    logits_ptr, row_stride, bitmask_ptr, mask_stride, row, cols, VOCAB: tl.constexpr, HAS_MASK: tl.constexpr
+):
+    """A row's logits at ``cols`` in float32; with a grammar bitmask (bit j of int32 word w allows
+    token 32 w + j), the tokens it does not allow are -inf, as xgrammar's in-place mask sets them."""
+    valid = cols < VOCAB
+    x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    if HAS_MASK:
+        words = tl.load(bitmask_ptr + row.to(tl.int64) * mask_stride + cols // 32, mask=valid, other=0)
+        x = tl.where(((words >> (cols % 32)) & 1) != 0, x, float("-inf"))
+    return x
+
+
+@triton.jit
 def _chunk_max_kernel(
-    logits_ptr, row_stride, partial_max_ptr,
-    VOCAB: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    logits_ptr, row_stride, bitmask_ptr, mask_stride, partial_max_ptr,
+    VOCAB: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     """Program (row, chunk): the max of one chunk of the row, in float32."""
     row = tl.program_id(0)
     chunk = tl.program_id(1)
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
-    x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + cols, mask=cols < VOCAB, other=float("-inf"))
-    tl.store(partial_max_ptr + row * NUM_CHUNKS + chunk, tl.max(x.to(tl.float32), axis=0))
+    x = _load_logits(logits_ptr, row_stride, bitmask_ptr, mask_stride, row, cols, VOCAB, HAS_MASK)
+    tl.store(partial_max_ptr + row * NUM_CHUNKS + chunk, tl.max(x, axis=0))
 
 
 @triton.jit
 def _chunk_race_kernel(
-    logits_ptr, row_stride, temperatures_ptr, seeds_ptr, steps_ptr, partial_max_ptr, partial_score_ptr,
-    partial_idx_ptr, VOCAB: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
-    CHUNKS_POW2: tl.constexpr, LIBDEVICE: tl.constexpr,
+    logits_ptr, row_stride, bitmask_ptr, mask_stride, temperatures_ptr, seeds_ptr, steps_ptr, partial_max_ptr,
+    partial_score_ptr, partial_idx_ptr, VOCAB: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr,
+    CHUNKS_POW2: tl.constexpr, LIBDEVICE: tl.constexpr, HAS_MASK: tl.constexpr,
 ):
     """Program (row, chunk): the race over one chunk, with the row max of every chunk's max
     (max is exact in any order). Writes the chunk's best score and its first index."""
@@ -133,7 +147,7 @@ def _chunk_race_kernel(
 
     cols = chunk * CHUNK + tl.arange(0, CHUNK)
     valid = cols < VOCAB
-    x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + cols, mask=valid, other=float("-inf")).to(tl.float32)
+    x = _load_logits(logits_ptr, row_stride, bitmask_ptr, mask_stride, row, cols, VOCAB, HAS_MASK)
     bits = _mix32(key ^ _mix32(cols.to(tl.uint32) ^ _COL_DOMAIN))
     u = ((bits >> _UNIFORM_SHIFT).to(tl.float32) + 0.5) * _UNIFORM_SCALE
     weight = _exp(_div(x - m, t, LIBDEVICE), LIBDEVICE)
@@ -294,7 +308,8 @@ def _filter_sample_kernel(
 
 
 def _split_race(
-    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, out: torch.Tensor
+    logits: torch.Tensor, temperatures: torch.Tensor, seeds: torch.Tensor, steps: torch.Tensor, out: torch.Tensor,
+    bitmask: torch.Tensor | None,
 ) -> None:
     """The unfiltered race with many programs per row: a whole row in one program leaves most
     of the GPU idle at small batches (one row of 152k logits took ~0.17 ms at batch 1)."""
@@ -305,10 +320,15 @@ def _split_race(
     maxes = torch.empty((batch, chunks), dtype=torch.float32, device=logits.device)
     scores = torch.empty((batch, chunks), dtype=torch.float32, device=logits.device)
     indices = torch.empty((batch, chunks), dtype=torch.int32, device=logits.device)
-    _chunk_max_kernel[(batch, chunks)](logits, logits.stride(0), maxes, VOCAB=vocab, CHUNK=CHUNK, NUM_CHUNKS=chunks)
+    masked = bitmask is not None
+    mask_args = (bitmask, bitmask.stride(0)) if masked else (logits, 0)  # unread without a mask
+    _chunk_max_kernel[(batch, chunks)](
+        logits, logits.stride(0), *mask_args, maxes, VOCAB=vocab, CHUNK=CHUNK, NUM_CHUNKS=chunks, HAS_MASK=masked
+    )
     _chunk_race_kernel[(batch, chunks)](
-        logits, logits.stride(0), temperatures, seeds, steps, maxes, scores, indices,
-        VOCAB=vocab, CHUNK=CHUNK, NUM_CHUNKS=chunks, CHUNKS_POW2=chunks_pow2, LIBDEVICE=_LIBDEVICE, num_warps=4,
+        logits, logits.stride(0), *mask_args, temperatures, seeds, steps, maxes, scores, indices,
+        VOCAB=vocab, CHUNK=CHUNK, NUM_CHUNKS=chunks, CHUNKS_POW2=chunks_pow2, LIBDEVICE=_LIBDEVICE, HAS_MASK=masked,
+        num_warps=4,
     )
     _pick_kernel[(batch,)](scores, indices, out, VOCAB=vocab, NUM_CHUNKS=chunks, CHUNKS_POW2=chunks_pow2)
 
@@ -321,11 +341,13 @@ def sample(
     top_ks: torch.Tensor | None = None,
     top_ps: torch.Tensor | None = None,
     min_ps: torch.Tensor | None = None,
+    bitmask: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """[B] int64 tokens of [B, V] logits (any float dtype, last dim contiguous): argmax for rows
     with temperature 0, the exponential race at temperature t otherwise, over the tokens that
     top-k ([B] int64, V when off), top-p and min-p ([B] float32) keep when those are given (all
-    three or none)."""
+    three or none). ``bitmask`` ([B, ceil(V / 32)] int32, unfiltered rows only): grammar masks
+    applied as the logits are read, the same tokens as masking the logits first."""
     if logits.dim() != 2 or logits.stride(1) != 1:
         raise ValueError(f"sampling kernel needs [B, V] logits with a contiguous last dim, got {tuple(logits.shape)}")
     filters = (top_ks, top_ps, min_ps)
@@ -336,7 +358,9 @@ def sample(
     if batch == 0:
         return out
     if top_ks is None:
-        _split_race(logits, temperatures, seeds, steps, out)
+        _split_race(logits, temperatures, seeds, steps, out, bitmask)
+    elif bitmask is not None:
+        raise ValueError("the filtering kernel takes no bitmask: mask the logits first")
     else:
         _filter_sample_kernel[(batch,)](
             logits, logits.stride(0), temperatures, seeds, steps, top_ks, top_ps, min_ps, out,

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpserve.engine.engine import Engine, LaunchedStep, PendingSample, TokenMask
+from tpserve.engine.engine import Engine, LaunchedStep, PendingSample
 from tpserve.forward import SequenceInput
 from tpserve.engine.logit_edits import LogitEdits
 from tpserve.engine.sampler import SamplingBatch
@@ -266,7 +266,7 @@ class Scheduler:
         host buffer is filled again two constrained steps later, by when this step's tokens,
         copied after its mask upload, have been waited for."""
         masks = launched.masks.result()
-        launched.handle = self.engine.sample(launched.pending, TokenMask(*masks) if masks else None)
+        launched.handle = self.engine.sample(launched.pending, masks)
         rows = [(row, req.rid, req.grammar) for row, req in launched.constrained]
         self.masks.sampled(SampledRows(launched.handle.result, rows))
         launched.pending = launched.masks = launched.constrained = None

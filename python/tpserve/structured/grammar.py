@@ -195,8 +195,8 @@ class MaskFiller:
 
     def fill(self, matchers: list[Any], rows: list[int], batch_size: int) -> torch.Tensor:
         """The [batch_size, ceil(V / 32)] host bitmask with ``matchers[i]``'s mask in row
-        ``rows[i]``; other rows are stale. Its buffer is filled again two calls later: the caller
-        must have consumed this one (its upload done) by then."""
+        ``rows[i]``; other rows allow every token. Its buffer is filled again two calls later:
+        the caller must have consumed this one (its upload done) by then."""
         buffer = self._buffers[self._turn]
         if buffer is None or buffer.shape[0] < batch_size:
             rows_needed = max(batch_size, 2 * (buffer.shape[0] if buffer is not None else 32))
@@ -211,4 +211,7 @@ class MaskFiller:
 
             batch = self._batches[threads] = xgr.BatchGrammarMatcher(max_threads=threads)
         batch.batch_fill_next_token_bitmask(matchers, bitmask, rows)
+        if len(rows) < batch_size:
+            unconstrained = sorted(set(range(batch_size)).difference(rows))
+            bitmask[unconstrained] = -1
         return bitmask

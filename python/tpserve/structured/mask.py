@@ -1,6 +1,7 @@
-"""Applying grammar token bitmasks to logits with xgrammar's fused kernels (C++ on the CPU,
-Triton on a GPU), in place and only on the constrained rows; the same on every TP rank (the masks
-are the same because every rank's matchers saw the same tokens)."""
+"""Applying grammar token bitmasks to logits in place with xgrammar's kernels (C++ on the CPU,
+Triton on a GPU), where the sampler does not apply them itself (its unfiltered GPU kernel reads
+the bitmask with the logits: ``kernels/sampling.py``); the same on every TP rank (the masks are the
+same because every rank's matchers saw the same tokens)."""
 
 from __future__ import annotations
 
@@ -16,10 +17,10 @@ def unpack_bitmask(bitmask: torch.Tensor, vocab_size: int) -> torch.Tensor:
     return bits.view(bitmask.shape[0], -1)[:, :vocab_size].bool()
 
 
-def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor) -> None:
-    """In place: for each row r in ``rows``, the tokens that ``bitmask[r]`` does not allow get
-    -inf in ``logits[r]``. ``bitmask`` is on the logits' device; on a GPU ``rows`` is an int32
-    device tensor, on the CPU a list."""
+def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] | torch.Tensor | None = None) -> None:
+    """In place: for each row r in ``rows`` (default: every row), the tokens that ``bitmask[r]``
+    does not allow get -inf in ``logits[r]``. ``bitmask`` is on the logits' device; on a GPU
+    ``rows`` is an int32 device tensor, on the CPU a list."""
     from xgrammar.matcher import apply_token_bitmask_inplace
 
     vocab_size = logits.shape[-1]
@@ -31,8 +32,6 @@ def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor, rows: list[int] |
 
 
 def warm_up(logits: torch.Tensor) -> None:
-    """Compile the GPU kernel's variants (Triton specializes on 1 row and on a multiple of 16)
-    now rather than in the middle of serving."""
+    """Compile the GPU kernel now rather than in the middle of serving."""
     bitmask = torch.full((logits.shape[0], -(-logits.shape[-1] // 32)), -1, dtype=torch.int32, device=logits.device)
-    for rows in (1, 2, 16):
-        apply_bitmask(logits, bitmask, torch.zeros(rows, dtype=torch.int32, device=logits.device))
+    apply_bitmask(logits, bitmask)
