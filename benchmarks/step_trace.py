@@ -1,13 +1,14 @@
 """Where a run's time goes, step by step, the way the engine really runs (overlap scheduling).
 
-``StepTracer`` wraps ``Scheduler.step``, ``Engine.launch`` and (on CUDA)
-``torch.cuda.Event.synchronize`` on the classes while it is entered (benchmark-side; nothing in
-tpserve changes). For every scheduler step it records the host wall time, the time blocked in
-CUDA event waits (inside ``LaunchedStep.result``: waiting for a step's samples; inside
-``Engine.launch``: waiting for the previous step's planned copies, wherever the engine keeps that
-event), the step's composition, and, on CUDA, the step's device time between two timing events
-recorded right before and right after ``Engine.launch`` on the current stream. Nothing
-synchronizes in the hot loop: the events are resolved when the tracer exits.
+``StepTracer`` wraps ``Scheduler.step``, ``Engine.prepare`` and ``Engine.start`` (together: the
+step's launch) and (on CUDA) ``torch.cuda.Event.synchronize`` on the classes while it is entered
+(benchmark-side; nothing in tpserve changes). For every scheduler step it records the host wall
+time, the time blocked in CUDA event waits (inside ``LaunchedStep.result``: waiting for a step's
+samples; inside the launch: waiting for the previous step's planned copies, wherever the engine
+keeps that event), the step's composition, and, on CUDA, the step's device time between two
+timing events recorded right before ``Engine.prepare`` and right after ``Engine.start`` on the
+current stream. Nothing synchronizes in the hot loop: the events are resolved when the tracer
+exits.
 
     with StepTracer() as tracer:
         llm.generate(...)
@@ -136,7 +137,7 @@ class StepTracer:
 
     def _install(self) -> None:
         tracer = self
-        step, launch = Scheduler.step, Engine.launch
+        step, prepare, start = Scheduler.step, Engine.prepare, Engine.start
 
         def traced_step(scheduler, *args, **kwargs):
             record = StepRecord(time.perf_counter())
@@ -148,31 +149,43 @@ class StepTracer:
                 tracer._current = None
                 tracer.records.append(record)
 
-        def traced_launch(engine, seqs, *args, **kwargs):
+        # A step's launch is Engine.prepare then Engine.start (a deferred grammar-masked sampling
+        # of the step before may come between them); the device interval spans both.
+        def traced_prepare(engine, seqs, *args, **kwargs):
             record = tracer._current
             if record is None:  # not called from a scheduler step
-                return launch(engine, seqs, *args, **kwargs)
+                return prepare(engine, seqs, *args, **kwargs)
             begin = time.perf_counter()
             if tracer.cuda:
-                start_event = torch.cuda.Event(enable_timing=True)
-                start_event.record()
+                record.events = (torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                record.events[0].record()
             tracer._in_launch = True
             try:
-                handle = launch(engine, seqs, *args, **kwargs)
+                return prepare(engine, seqs, *args, **kwargs)
             finally:
                 tracer._in_launch = False
-            if tracer.cuda:
-                end_event = torch.cuda.Event(enable_timing=True)
-                end_event.record()
-                record.events = (start_event, end_event)
-            record.launch += time.perf_counter() - begin
-            # Counted now, not kept: holding every step's inputs would give the garbage
-            # collector a growing heap to scan and distort the run being measured.
-            _count_composition(record, seqs, engine.graph_runner)
-            return handle
+                record.launch += time.perf_counter() - begin
+                # Counted now, not kept: holding every step's inputs would give the garbage
+                # collector a growing heap to scan and distort the run being measured.
+                _count_composition(record, seqs, engine.graph_runner)
+
+        def traced_start(engine, *args, **kwargs):
+            record = tracer._current
+            if record is None:
+                return start(engine, *args, **kwargs)
+            begin = time.perf_counter()
+            tracer._in_launch = True
+            try:
+                return start(engine, *args, **kwargs)
+            finally:
+                tracer._in_launch = False
+                if tracer.cuda and record.events is not None:
+                    record.events[1].record()
+                record.launch += time.perf_counter() - begin
 
         self._patch(Scheduler, "step", traced_step)
-        self._patch(Engine, "launch", traced_launch)
+        self._patch(Engine, "prepare", traced_prepare)
+        self._patch(Engine, "start", traced_start)
         if self.cuda:
             synchronize = torch.cuda.Event.synchronize
 

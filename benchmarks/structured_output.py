@@ -2,10 +2,12 @@
 the same batch unconstrained (issue 12's target: within 10%).
 
 Both runs generate exactly ``--output-len`` tokens per request: the unconstrained requests
-ignore EOS, and the schema (an array of at least 200 integers) cannot end sooner. A constrained
-step hands its masks to the mask worker thread (accept the previous step's tokens, fill this
-step's masks), enqueues its forward, processes the previous step's tokens, then waits for the
-masks (``join``), uploads them and enqueues the sampling. Weights are random
+ignore EOS, and the schema (an array of at least 200 integers) cannot end sooner. A scheduler
+step prepares step i+1 (``prepare``: inputs, attention plan, uploads) while the device runs step
+i's forward, waits for step i's masks (``join``) and enqueues its sampling
+(``sample_constrained``), then starts step i+1 (``start``: its masks go to the mask worker
+thread, which accepts step i's tokens and fills them, and its forward is enqueued) and processes
+step i's tokens (``wait``, ``process``). Weights are random
 (``--load-format dummy``); the tokenizer comes from ``--tokenizer`` (xgrammar needs the
 vocabulary). The first table splits each kind's step time into the scheduler's phases on the
 main thread (``wait``: waiting for the device's tokens); the second, the worker thread's time
@@ -54,7 +56,7 @@ def model_dir(config_dir: str, tokenizer_dir: str) -> str:
     return out
 
 
-PHASES = ("_schedule", "_launch", "_process", "_sample_constrained")
+PHASES = ("_schedule", "_prepare", "_start", "_process", "_sample_constrained")
 JOB = ("job", "job_wait", "job_accept", "job_fill")
 
 
@@ -107,8 +109,8 @@ class PhaseTimes:
         t = dict(self.totals)
         t["_process"] = t.get("_process", 0.0) - t.get("wait", 0.0)  # the wait is inside it
         t["_sample_constrained"] = t.get("_sample_constrained", 0.0) - t.get("join", 0.0)
-        if self.inline:  # the jobs ran inside _launch (submit)
-            t["_launch"] = t.get("_launch", 0.0) - t.get("job", 0.0)
+        if self.inline:  # the jobs ran inside _start (submit)
+            t["_start"] = t.get("_start", 0.0) - t.get("job", 0.0)
         main = PHASES + ("wait", "join") + (("job",) if self.inline else ())
         t["other"] = t.get("step", 0.0) - sum(t.get(n, 0.0) for n in main)
         return {name.strip("_"): 1e3 * v / max(self.steps, 1) for name, v in t.items()}
@@ -137,7 +139,7 @@ def main() -> None:
     parser.add_argument("--grammar-threads", type=int, default=0, help="0: auto")
     parser.add_argument("--inline-masks", action="store_true", help="accept and fill on the main thread")
     parser.add_argument("--switch-interval-us", type=float, default=0,
-                        help="the GIL switch interval to run with (0: the mask worker's, structured/worker.py)")
+                        help="the GIL switch interval to run with (0: Python's, 5 ms)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     setup_logging()
@@ -174,7 +176,8 @@ def main() -> None:
     print_table(rows, ["kind", "output_tokens", "seconds", "tok_per_s"])
     steps = [{"kind": k, **{m: round(v, 3) for m, v in r["host_ms_per_step"].items()}} for k, r in best.items()]
     print("host ms per step on the main thread, by scheduler phase (join: waiting for the masks):")
-    print_table(steps, ["kind", "step", "schedule", "launch", "wait", "process", "join", "sample_constrained", "other"])
+    print_table(steps, ["kind", "step", "schedule", "prepare", "start", "wait", "process", "join", "sample_constrained",
+                        "other"])
     where = "inline: inside launch" if args.inline_masks else "on the worker thread, overlapped with the main thread's"
     print(f"mask jobs ms per step ({where}):")
     print_table(steps, ["kind", *JOB])

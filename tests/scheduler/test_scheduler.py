@@ -114,14 +114,14 @@ def test_long_prefills_run_without_decodes(qwen3_dir, monkeypatch, mixed_prefill
                           mixed_prefill_tokens=mixed_prefill_tokens)
     engine = Engine(config)
     steps: list[tuple[int, int]] = []  # (decode rows, prefill tokens) per launched step
-    launch = engine.launch
+    prepare = engine.prepare
 
-    def recording_launch(seqs, *args, **kwargs):
+    def recording_prepare(seqs, *args, **kwargs):
         decodes = sum(len(s.token_ids) == 1 for s in seqs)
         steps.append((decodes, sum(len(s.token_ids) for s in seqs) - decodes))
-        return launch(seqs, *args, **kwargs)
+        return prepare(seqs, *args, **kwargs)
 
-    monkeypatch.setattr(engine, "launch", recording_launch)
+    monkeypatch.setattr(engine, "prepare", recording_prepare)
     scheduler = Scheduler(engine)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     scheduler.add_request(0, [5, 6, 7], params, seed=0)

@@ -14,6 +14,7 @@ from __future__ import annotations
 import logging
 import time
 from bisect import bisect_left
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import numpy as np
@@ -110,13 +111,16 @@ class CUDAGraphRunner:
         )
 
     @torch.inference_mode()
-    def run(
-        self,
-        seqs: list[SequenceInput],
-        previous_tokens: torch.Tensor | None = None,
-    ) -> torch.Tensor:
+    def run(self, seqs: list[SequenceInput], previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """[len(seqs), vocab] logits of a decode batch; valid until the next replay.
         Negative token ids are placeholders for rows of ``previous_tokens`` (overlap scheduling)."""
+        return self.prepare(seqs)(previous_tokens)
+
+    @torch.inference_mode()
+    def prepare(self, seqs: list[SequenceInput]) -> Callable[[torch.Tensor | None], torch.Tensor]:
+        """Fill the static inputs and plan attention for ``seqs`` (the uploads enqueued behind
+        whatever the device runs now); the returned function resolves the placeholder tokens and
+        replays. Nothing else may replay in between (the inputs are shared)."""
         batch = len(seqs)
         size = self.sizes[bisect_left(self.sizes, batch)]
         graph = self.graphs[size]
@@ -124,11 +128,16 @@ class CUDAGraphRunner:
         padded = np.zeros((3, size), dtype=np.int64)
         padded[:, :batch] = host.tokens
         self.tokens[:, :size].copy_(torch.from_numpy(padded), non_blocking=True)
-        if previous_tokens is not None:
-            self.tokens[0, :batch] = resolve_future_tokens(self.tokens[0, :batch], previous_tokens)
         self.attention.plan_cuda_graph(seqs, graph.attn_meta, size)
-        graph.graph.replay()
-        return graph.logits[:batch]
+
+        @torch.inference_mode()
+        def replay(previous_tokens: torch.Tensor | None) -> torch.Tensor:
+            if previous_tokens is not None:
+                self.tokens[0, :batch] = resolve_future_tokens(self.tokens[0, :batch], previous_tokens)
+            graph.graph.replay()
+            return graph.logits[:batch]
+
+        return replay
 
 
 def _format_sizes(sizes: list[int]) -> str:

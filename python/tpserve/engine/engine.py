@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +56,16 @@ class LaunchedStep:
         if "logprobs" not in self.host:
             return None
         return self.host["logprobs"].tolist(), self.host["top_ids"].tolist(), self.host["top_logprobs"].tolist()
+
+
+@dataclass
+class PreparedStep:
+    """A step whose host work is done and whose uploads are enqueued (``Engine.prepare``)."""
+
+    run: Callable[[torch.Tensor | None], torch.Tensor]  # the previous step's samples -> logits
+    has_futures: bool  # its tokens include placeholders for the previous step's samples
+    sampling: SamplingBatch
+    top_logprobs: int | None
 
 
 @dataclass
@@ -240,32 +251,49 @@ class Engine:
         Decode batches that fit a captured CUDA graph replay it; the logits it returns are
         overwritten by the next replay.
         """
+        return self._prepare_forward(seqs)(previous_tokens)
+
+    def _prepare_forward(self, seqs: list[SequenceInput]) -> Callable[[torch.Tensor | None], torch.Tensor]:
+        """The host work of ``forward`` (inputs, attention plan) with its uploads enqueued; the
+        returned function resolves the placeholder tokens and runs the model."""
         if self.graph_runner is not None and self.graph_runner.can_run(seqs):
-            return self.graph_runner.run(seqs, previous_tokens)
+            return self.graph_runner.prepare(seqs)
         meta = self.attention.prepare(seqs, self.device)
         inputs = build_forward_inputs(seqs, self.page_size, self.device, meta)
-        if previous_tokens is not None:
-            inputs.input_ids = resolve_future_tokens(inputs.input_ids, previous_tokens)
-        return self.model(ForwardContext(inputs, self.attention))
+
+        def run(previous_tokens: torch.Tensor | None) -> torch.Tensor:
+            if previous_tokens is not None:
+                inputs.input_ids = resolve_future_tokens(inputs.input_ids, previous_tokens)
+            return self.model(ForwardContext(inputs, self.attention))
+
+        return run
 
     @torch.inference_mode()
-    def launch(
-        self,
-        seqs: list[SequenceInput],
-        sampling: SamplingBatch,
-        top_logprobs: int | None = None,
-        defer_sampling: bool = False,
-    ) -> "LaunchedStep | PendingSample":
-        """Enqueue one step (forward + sampling) without waiting for it; see ``LaunchedStep``.
-        With ``top_logprobs`` (not None) it also returns log-probabilities for every row.
-
-        With ``defer_sampling`` only the forward is enqueued: the caller finishes the step with
-        ``sample`` once it knows the grammar masks (they need the previous step's tokens, which
-        the host learns while this forward runs)."""
+    def prepare(
+        self, seqs: list[SequenceInput], sampling: SamplingBatch, top_logprobs: int | None = None
+    ) -> PreparedStep:
+        """A step's host work and uploads, enqueued before the previous step's deferred sampling
+        (its planning overlaps the device's forward); ``start`` then runs it. With ``top_logprobs``
+        (not None) the step also returns log-probabilities for every row."""
         has_futures = any(t < 0 for s in seqs for t in s.token_ids[:1])
-        logits = self.forward(seqs, self._last_tokens if has_futures else None)
-        pending = PendingSample(logits, sampling, top_logprobs)
+        return PreparedStep(self._prepare_forward(seqs), has_futures, sampling, top_logprobs)
+
+    @torch.inference_mode()
+    def start(self, step: PreparedStep, defer_sampling: bool = False) -> "LaunchedStep | PendingSample":
+        """Enqueue a prepared step's forward (reading the last sampled step's tokens) and its
+        sampling, without waiting for either; see ``LaunchedStep``. With ``defer_sampling`` only
+        the forward: the caller finishes the step with ``sample`` once it knows the grammar masks
+        (they need the previous step's tokens, which the host learns while this forward runs)."""
+        logits = step.run(self._last_tokens if step.has_futures else None)
+        pending = PendingSample(logits, step.sampling, step.top_logprobs)
         return pending if defer_sampling else self.sample(pending)
+
+    def launch(
+        self, seqs: list[SequenceInput], sampling: SamplingBatch, top_logprobs: int | None = None
+    ) -> "LaunchedStep":
+        """``prepare`` and ``start`` one step."""
+        pending = self.start(self.prepare(seqs, sampling, top_logprobs), defer_sampling=True)
+        return self.sample(pending)  # type: ignore[arg-type]
 
     @torch.inference_mode()
     def sample(self, pending: "PendingSample", mask: torch.Tensor | None = None) -> "LaunchedStep":

@@ -24,7 +24,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tpserve.engine.engine import Engine, LaunchedStep, PendingSample
+from tpserve.engine.engine import Engine, LaunchedStep, PendingSample, PreparedStep
 from tpserve.forward import SequenceInput
 from tpserve.engine.logit_edits import LogitEdits
 from tpserve.engine.sampler import SamplingBatch
@@ -44,10 +44,11 @@ LPM_MAX_QUEUE = 128  # longest-prefix-match ordering costs a tree walk per waiti
 @dataclass
 class _Launched:
     entries: list[tuple[Request, bool]]  # (request, whether its sample counts), in batch order
-    handle: LaunchedStep | None  # None until a deferred sampling ran
+    prepared: PreparedStep | None  # host work done, not started yet
+    constrained: list[tuple[int, Request]]  # (row, request) of the grammar-masked samples
+    handle: LaunchedStep | None = None  # None until its sampling is enqueued
     pending: PendingSample | None = None  # forward enqueued, sampling waits for grammar masks
     masks: Future[Masks | None] | None = None  # the mask worker's job for this step
-    constrained: list[tuple[int, Request]] | None = None  # (row, request) of the masked samples
 
 
 class AdmissionError(ValueError):
@@ -182,17 +183,24 @@ class Scheduler:
 
     # ---- one step ----
     def step(self) -> list[TokenOutput]:
-        """Schedule and launch one step, then apply the samples of the step before it (overlap)
-        or of this one (no overlap). Returns the requests' new tokens."""
+        """Schedule and prepare one step, enqueue the sampling the step before it deferred for
+        its grammar masks, start this one, then apply the samples of the step before it (overlap)
+        or of this one (no overlap). Returns the requests' new tokens.
+
+        A constrained step's sampling waits for its masks, and its masks for the tokens of the
+        step before it; so this step's host work (planning, uploads) comes first, while the
+        device still runs that step's forward, and its forward right after that sampling."""
         self.step_count += 1
         self.cache.clock = self.step_count
         outputs: list[TokenOutput] = []
         scheduled = self._schedule(outputs)
-        launched = self._launch(scheduled) if scheduled else None
+        launched = self._prepare(scheduled) if scheduled else None
+        if self.inflight is not None and self.inflight.pending is not None:
+            self._sample_constrained(self.inflight)
+        if launched is not None:
+            self._start(launched)
         if self.inflight is not None:  # the device ran it while this step was being planned
             outputs += self._process(self.inflight)
-        if launched is not None and launched.pending is not None:
-            self._sample_constrained(launched)
         self.inflight = launched
         if self.inflight is not None and not self.overlap:
             outputs += self._drain()
@@ -232,7 +240,7 @@ class Scheduler:
             return prefills
         return decodes + prefills
 
-    def _launch(self, scheduled: list[tuple[Request, int]]) -> _Launched:
+    def _prepare(self, scheduled: list[tuple[Request, int]]) -> _Launched:
         scheduled.sort(key=lambda item: item[0].rid)
         seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages) for req, n in scheduled]
         params = [req.params for req, _ in scheduled]
@@ -243,12 +251,9 @@ class Scheduler:
         sampling = SamplingBatch.build(params, [req.seed for req, _ in scheduled], steps, vocab, self.engine.device)
         if any(p.edits_logits for p in params):
             sampling.edits = self._logit_edits(scheduled, params, steps, sampled)
-        constrained = [(row, req) for row, (req, _) in enumerate(scheduled) if sampled[row] and req.grammar is not None]
-        masks = None
-        if constrained:  # the masks are filled on the worker while the forward is launched
-            masks = self.masks.submit([(row, req.grammar) for row, req in constrained], len(scheduled))
         wanted = [req.params.logprobs for req, _ in scheduled if req.params.logprobs is not None]
-        handle = self.engine.launch(seqs, sampling, max(wanted) if wanted else None, defer_sampling=bool(constrained))
+        prepared = self.engine.prepare(seqs, sampling, max(wanted) if wanted else None)
+        constrained = [(row, req) for row, (req, _) in enumerate(scheduled) if sampled[row] and req.grammar is not None]
         entries = []
         for row, (req, n) in enumerate(scheduled):
             req.num_cached += n
@@ -256,20 +261,28 @@ class Scheduler:
                 req.pending += 1
                 req.future_row = row
             entries.append((req, sampled[row]))
-        if constrained:
-            return _Launched(entries, None, handle, masks, constrained)
-        return _Launched(entries, handle)
+        return _Launched(entries, prepared, constrained)
+
+    def _start(self, launched: _Launched) -> None:
+        """Enqueue a prepared step; a constrained one's masks are filled on the worker (after it
+        accepts the tokens of the step before) while its forward runs, its sampling deferred."""
+        prepared, launched.prepared = launched.prepared, None
+        if not launched.constrained:
+            launched.handle = self.engine.start(prepared)
+            return
+        fills = [(row, req.grammar) for row, req in launched.constrained]
+        launched.masks = self.masks.submit(fills, len(launched.entries))
+        launched.pending = self.engine.start(prepared, defer_sampling=True)
 
     def _sample_constrained(self, launched: _Launched) -> None:
-        """Finish a deferred step: wait for its grammar masks (the worker filled them while this
-        step was launched and the previous one's tokens processed), then sample. The masks'
-        host buffer is filled again two constrained steps later, by when this step's tokens,
-        copied after its mask upload, have been waited for."""
+        """Finish a deferred step: wait for its grammar masks, then sample. The masks' host
+        buffer is filled again two constrained steps later, by when this step's tokens, copied
+        after its mask upload, have been waited for."""
         masks = launched.masks.result()
         launched.handle = self.engine.sample(launched.pending, masks)
         rows = [(row, req.rid, req.grammar) for row, req in launched.constrained]
         self.masks.sampled(SampledRows(launched.handle.result, rows))
-        launched.pending = launched.masks = launched.constrained = None
+        launched.pending = launched.masks = None
 
     def _logit_edits(
         self, scheduled: list[tuple[Request, int]], params: list[SamplingParams], steps: list[int], sampled: list[bool]
@@ -307,6 +320,8 @@ class Scheduler:
         self._free_slot(req)
 
     def _process(self, launched: _Launched) -> list[TokenOutput]:
+        if launched.pending is not None:
+            self._sample_constrained(launched)
         tokens = launched.handle.result()
         logprobs = launched.handle.logprobs()
         outputs = []

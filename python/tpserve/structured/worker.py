@@ -1,31 +1,26 @@
 """The matchers' work of constrained steps on a thread of its own, off the host's critical path.
 
 A constrained step's sampling needs its grammar masks, and they need the previous step's tokens
-accepted by the matchers first; its forward needs neither. So the scheduler submits the masks of
-step i+1 as one job (wait for step i's tokens, accept them, fill step i+1's masks) before it
-launches step i+1's forward, and joins the job only right before sampling. xgrammar releases the
-GIL inside its calls (and torch while it waits for the device), so the job runs while the main
-thread plans and launches.
+accepted by the matchers first; its forward needs neither. So when the scheduler starts step i+1
+it submits one job (wait for step i's tokens, accept them, fill step i+1's masks) and enqueues
+step i+1's forward; it joins the job in its next step, after preparing step i+2, right before
+enqueueing step i+1's sampling. xgrammar releases the GIL inside its calls (and torch while it
+waits for the device), so the job runs while the main thread plans and launches.
 
-The job's Python between those calls needs the GIL, and after each call into xgrammar (or wait
-for the device) it must get the GIL back from the busy main thread, which by default yields it
-only every 5 ms (``sys.setswitchinterval``). A threaded worker sets the process's interval to
-``SWITCH_INTERVAL_S``: the job then finishes within the main thread's launch instead of being
-waited for. The job also makes few calls: termination is
+The job's Python between those calls needs the GIL, so the job makes few calls: termination is
 tracked here rather than asked of each matcher, the accept's result is read without releasing the
 GIL per row (``MaskFiller.accept``), and a fill uses xgrammar's own threads only for large batches
 (it starts them afresh on every call).
 
-Only the job touches the matchers (the main thread never reads their state), and the scheduler
-joins each job within the step that submitted it, so a request that finishes or is aborted leaves
-a matcher nobody uses again. Which rows get masks is decided from the matchers' own state (a
-terminated matcher gets none), never from timing, so every TP rank fills the same masks.
+Only the job touches the matchers (the main thread never reads their state), and jobs run one at
+a time in submission order, so a request that finishes or is aborted while a job holds its
+matcher leaves it to that job alone. Which rows get masks is decided from the matchers' own state
+(a terminated matcher gets none), never from timing, so every TP rank fills the same masks.
 """
 
 from __future__ import annotations
 
 import logging
-import sys
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -45,10 +40,6 @@ class SampledRows:
     rows: list[tuple[int, int, RequestGrammar]]  # (row, request id, its grammar)
 
 
-# Measured with benchmarks/structured_host.py (2-core CPU, 1.4 ms of Python "launch" per step):
-# the worker's masks cost a step 1.08 ms beyond the launch at Python's default 5 ms, 0.14 ms at 0.2 ms.
-SWITCH_INTERVAL_S = 2e-4
-
 Masks = torch.Tensor  # [B, ceil(V / 32)] int32 host bitmask, every row (unconstrained rows allow all)
 
 
@@ -65,7 +56,6 @@ class MaskWorker:
         self._stop = frozenset(stop_token_ids)
         self._pool = None
         if threaded:
-            sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_S))
             on_gpu = device is not None and device.type == "cuda"
             self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-masks",
                                             initializer=torch.cuda.set_device if on_gpu else None,
@@ -79,7 +69,7 @@ class MaskWorker:
     def submit(self, fills: list[tuple[int, RequestGrammar]], batch_size: int) -> Future[Masks | None]:
         """Accept every sampled step's tokens, then fill the masks of ``fills`` ((row, grammar)
         of a batch of ``batch_size``); None when every one of those grammars has terminated.
-        The scheduler waits for the job (``result()``) within the step that submitted it."""
+        The scheduler waits for the job (``result()``) before it samples that step."""
         accepts, self._unaccepted = self._unaccepted, []
         if self._pool is None:
             future: Future[Masks | None] = Future()
