@@ -41,8 +41,6 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor |
     """Why ``gemv(x, weight, scale_inv)`` cannot run, or None when it can."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     fp8 = scale_inv is not None
-    if x.device.type != "cuda" or weight.device != x.device:
-        return "x and weight must be on one CUDA device"
     if x.dtype != torch.bfloat16 or weight.dtype != (torch.float8_e4m3fn if fp8 else torch.bfloat16):
         return f"x must be bf16 and weight {'float8_e4m3fn' if fp8 else 'bf16'}, got {x.dtype} and {weight.dtype}"
     if not 1 <= m <= MAX_TOKENS:
@@ -56,6 +54,8 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor |
         blocks = (-(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK))
         if scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != blocks or not scale_inv.is_contiguous():
             return f"scale_inv must be contiguous float32 {list(blocks)} (128x128 blocks), got {scale_inv.dtype} {list(scale_inv.shape)}"
+    if x.device.type != "cuda" or weight.device != x.device or (fp8 and scale_inv.device != x.device):
+        return "x, weight and scale_inv must be on one CUDA device"
     return None
 
 
