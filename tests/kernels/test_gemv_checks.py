@@ -3,7 +3,6 @@ shapes and dtypes it refuses with a reason, so callers can fall back."""
 
 from __future__ import annotations
 
-
 import pytest
 import torch
 
