@@ -92,6 +92,11 @@ for s in $stages; do
     offline14_trace) stage offline14_trace 240 python3 benchmarks/offline_throughput.py --model .models/Qwen3-14B --trace --out $results/offline_qwen3_14b_traced.json ;;
     decode06_pipe) stage decode06_pipe 90 python3 benchmarks/decode_latency.py --model $small --batch-sizes 1,64,256 --contexts 512 --modes graph,pipelined --out $results/decode_qwen3_0.6b_pipelined.json ;;
     decode8_pipe) stage decode8_pipe 120 python3 benchmarks/decode_latency.py --model $large --batch-sizes 1,64 --contexts 512 --modes graph,pipelined --out $results/decode_qwen3_8b_pipelined.json ;;
+    # the CUDA small-M GEMV (issues 14, 16): its tests, then against cuBLAS, fp8_gemv and FlashInfer at 1..8 tokens
+    gemv_tests) stage gemv_tests 300 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_gemv.py tests/gpu/test_fp8_gpu.py \
+      -k "cuda and not gemv_configs or test_gemv" ;;
+    gemv_bench) stage gemv_bench 420 python3 benchmarks/experiments/fp8_gemm.py --ms 1,2,4,8 --variants cuda,bf16_cuda,flashinfer,gemv \
+      --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B,$a3b --out $results/fp8_gemm_cuda.json ;;
     gemm) stage gemm 240 python3 benchmarks/experiments/gemm_small_m.py --models $small,$large,.models/Qwen3-14B --out $results/gemm_small_m.json ;;
     attn) stage attn 200 python3 benchmarks/experiments/attention_decode.py --out $results/attention_decode.json ;;
     attn_layouts)  # page layout and size of the decode kernels (Qwen3-0.6B and -8B heads)

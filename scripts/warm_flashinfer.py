@@ -2,7 +2,7 @@
 else needs them: CUDA-core decode, tensor-core decode (FlashInfer's fa2 prefill module) and
 paged prefill (fa3 on Hopper). Each is built for the given head_dim and dtype. Also the fused
 all-reduce + add + RMSNorm kernel of ``--all-reduce fused`` (tpserve's own, built through
-FlashInfer's JIT; it needs one GPU to build, two to run).
+FlashInfer's JIT; it needs one GPU to build, two to run), and tpserve's CUDA GEMV (``kernels.gemv``).
 
     python scripts/warm_flashinfer.py --head-dim 128 --dtype bfloat16
 """
@@ -16,7 +16,7 @@ import time
 
 import torch
 
-PARTS = ("decode", "decode_tensor_cores", "prefill", "norm", "silu", "allreduce_fused")
+PARTS = ("decode", "decode_tensor_cores", "prefill", "norm", "silu", "allreduce_fused", "gemv")
 
 
 def warm_elementwise(part: str, dtype: torch.dtype) -> None:
@@ -36,6 +36,11 @@ def warm(part: str, head_dim: int, dtype: torch.dtype) -> None:
         return warm_elementwise(part, dtype)
     if part == "allreduce_fused":
         from tpserve.distributed.fused_allreduce import load_module
+
+        load_module()
+        return None
+    if part == "gemv":
+        from tpserve.kernels.gemv import load_module
 
         load_module()
         return None

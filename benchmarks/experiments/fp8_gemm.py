@@ -6,6 +6,11 @@ down at TP 1), M tokens (default 1, 16, 64), each GEMM tpserve can run (``kernel
                  its configs with ``fp8_gemv_sweep.py``)
     w8a8         the Triton block GEMM, activations quantized (``triton``)
     flashinfer   FlashInfer's fp8_blockscale_gemm_sm90 (``flashinfer``)
+    cuda         the CUDA GEMV on the FP8 weight (``kernels.gemv``; ``cuda`` at <= 8 tokens)
+    bf16_cuda    the CUDA GEMV on the bf16 weight (``TPSERVE_BF16_GEMV=1`` at <= 8 tokens)
+
+A config whose MLPs are all MoE (Qwen3-30B-A3B) times only qkv and o; ``--tp`` times one rank's
+shards (qkv, gate_up split N; o, down split K).
 
 Each is checked once: its relative L2 error against the float64 product of the unquantized
 weights (``err``; bf16's own is the floor), and against the float32 torch reference of what it
@@ -17,6 +22,8 @@ reports why and the others still run. Last: per M, the sum over one decoder laye
 linears, bf16 against each FP8 GEMM, and the copy bandwidth measured in the same run.
 
     python benchmarks/experiments/fp8_gemm.py --configs tests/data/configs/Qwen3-8B --out $OUT/fp8_gemm.json
+    python benchmarks/experiments/fp8_gemm.py --configs tests/data/configs/Qwen3-32B,tests/data/configs/Qwen3-30B-A3B \
+        --ms 1,2,4,8 --variants cuda,bf16_cuda,flashinfer,gemv
 """
 
 from __future__ import annotations
@@ -42,16 +49,19 @@ from tpserve.config import ModelConfig
 from tpserve.quant.fp8 import fp8_linear_reference, quantize_blocks, weight_only_reference
 
 BLOCK = (128, 128)
-FP8_VARIANTS = ("gemv", "w8a8", "flashinfer")
+FP8_VARIANTS = ("gemv", "w8a8", "flashinfer", "cuda")
+VARIANTS = (*FP8_VARIANTS, "bf16_cuda")
+CUDA_GEMV_TOKENS = 8  # kernels.gemv.MAX_TOKENS
 
 
-def linear_shapes(model: str) -> dict[str, tuple[int, int]]:
+def linear_shapes(model: str, tp: int = 1) -> dict[str, tuple[int, int]]:
+    """(N, K) of one rank's dense linears; qkv and o only where every MLP is MoE."""
     cfg = ModelConfig.from_pretrained(model)
     q, kv = cfg.num_attention_heads * cfg.head_dim, cfg.num_key_value_heads * cfg.head_dim
-    return {
-        "qkv": (q + 2 * kv, cfg.hidden_size), "o": (cfg.hidden_size, q),
-        "gate_up": (2 * cfg.intermediate_size, cfg.hidden_size), "down": (cfg.hidden_size, cfg.intermediate_size),
-    }
+    shapes = {"qkv": ((q + 2 * kv) // tp, cfg.hidden_size), "o": (cfg.hidden_size, q // tp)}
+    if cfg.dense_layers:
+        shapes |= {"gate_up": (2 * cfg.intermediate_size // tp, cfg.hidden_size), "down": (cfg.hidden_size, cfg.intermediate_size // tp)}
+    return shapes
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
@@ -69,11 +79,16 @@ class Weights:
 def variant_calls(name: str, x: torch.Tensor, wts: Weights, config=None) -> list[Callable[[], torch.Tensor]]:
     from tpserve.kernels.fp8_gemm import fp8_gemm
     from tpserve.kernels.fp8_gemv import fp8_gemv
+    from tpserve.kernels.gemv import gemv
 
     if name == "bf16":
         return [lambda w=w: F.linear(x, w) for w in wts.bf16]
     if name == "gemv":
         return [lambda w=w, s=s: fp8_gemv(x, w, s, BLOCK, config) for w, s in wts.block]
+    if name == "cuda":
+        return [lambda w=w, s=s: gemv(x, w, s) for w, s in wts.block]
+    if name == "bf16_cuda":
+        return [lambda w=w: gemv(x, w) for w in wts.bf16]
     if name == "w8a8":
         return [lambda w=w, s=s: fp8_gemm(x, w, s, BLOCK) for w, s in wts.block]
     if name == "flashinfer":
@@ -86,9 +101,9 @@ def variant_calls(name: str, x: torch.Tensor, wts: Weights, config=None) -> list
 def reference(name: str, x: torch.Tensor, wts: Weights) -> torch.Tensor:
     """The float32 torch reference of what variant ``name`` computes."""
     w, s = wts.block[0]
-    if name == "bf16":
+    if name in ("bf16", "bf16_cuda"):
         return F.linear(x.float(), wts.bf16[0].float())
-    if name == "gemv":
+    if name in ("gemv", "cuda"):
         return weight_only_reference(x.float(), w, s, BLOCK)
     return fp8_linear_reference(x.float(), w, s, BLOCK)
 
@@ -114,7 +129,7 @@ def bench_linear(model: str, name: str, n: int, k: int, ms: list[int], args, gen
         exact = x.double() @ wts.bf16[0].double().T
         row: dict = {"config": model.rstrip("/").rsplit("/", 1)[-1], "linear": name, "m": m, "n": n, "k": k}
         for variant in ("bf16", *args.variants.split(",")):
-            if variant == "gemv" and m > 64:
+            if (variant == "gemv" and m > 64) or (variant in ("cuda", "bf16_cuda") and m > CUDA_GEMV_TOKENS):
                 continue
             try:
                 r = measure(variant, x, wts, exact, args.iters)
@@ -127,6 +142,7 @@ def bench_linear(model: str, name: str, n: int, k: int, ms: list[int], args, gen
                 row[f"{variant}_us"] = None
                 row[f"{variant}_fail"] = f"{type(e).__name__}: {e}"[:160]
         row["fp8_gbps"] = n * k / (min(row.get(f"{v}_us") or 1e9 for v in FP8_VARIANTS) * 1e-6) / 1e9
+        row["bf16_gbps"] = 2 * n * k / (min(row.get(f"{v}_us") or 1e9 for v in ("bf16", "bf16_cuda")) * 1e-6) / 1e9
         rows.append(row)
         print({key: (round(v, 4) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
     del wts
@@ -140,7 +156,8 @@ def main() -> None:
     parser.add_argument("--ms", default="1,16,64", help="token counts")
     parser.add_argument("--iters", type=int, default=15, help="timed graph replays")
     parser.add_argument("--weight-set-mb", type=float, default=256, help="weight bytes rotated over per variant")
-    parser.add_argument("--variants", default=",".join(FP8_VARIANTS), help="FP8 GEMMs to run beside bf16")
+    parser.add_argument("--variants", default=",".join(VARIANTS), help="GEMMs to run beside bf16 cuBLAS")
+    parser.add_argument("--tp", type=int, default=1, help="time one rank's shards at this tensor-parallel size")
     parser.add_argument("--verbose", action="store_true", help="tracebacks of failing variants")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
@@ -150,10 +167,10 @@ def main() -> None:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     for model in [c for c in args.configs.split(",") if c]:
-        for name, (n, k) in linear_shapes(model).items():
+        for name, (n, k) in linear_shapes(model, args.tp).items():
             rows += bench_linear(model, name, n, k, ms, args, gen)
     bandwidth = copy_bandwidth()
-    failures = sorted({f"{v}: {r[f'{v}_fail']}" for r in rows for v in ("bf16", *FP8_VARIANTS) if f"{v}_fail" in r})
+    failures = sorted({f"{v}: {r[f'{v}_fail']}" for r in rows for v in ("bf16", *VARIANTS) if f"{v}_fail" in r})
     for failure in failures:
         print("FAILED", failure)
     sums = []
@@ -161,7 +178,7 @@ def main() -> None:
         for m in ms:
             layer = [r for r in rows if r["config"] == config and r["m"] == m]
             total = {"config": config, "m": m}
-            for v in ("bf16", *FP8_VARIANTS):
+            for v in ("bf16", *VARIANTS):
                 times = [r.get(f"{v}_us") for r in layer]
                 if times and all(t is not None for t in times):
                     total[f"{v}_us"] = sum(times)
@@ -170,10 +187,10 @@ def main() -> None:
             sums.append(total)
     write_json(args.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                           "copy_bandwidth_bytes_per_s": bandwidth, "gemm": rows, "layer_sums": sums})
-    print_table(rows, ["config", "linear", "m", "bf16_us", "gemv_us", "w8a8_us", "flashinfer_us", "fp8_gbps", "bf16_err",
-                       "gemv_err", "w8a8_err", "flashinfer_err"])
-    print_table(rows, ["linear", "m", "gemv_bug", "w8a8_bug", "flashinfer_bug"])
-    print_table(sums, ["config", "m", "bf16_us", *[f"{v}_x" for v in FP8_VARIANTS]])
+    print_table(rows, ["config", "linear", "m", "bf16_us", "bf16_cuda_us", "bf16_gbps", *[f"{v}_us" for v in FP8_VARIANTS],
+                       "fp8_gbps"])
+    print_table(rows, ["linear", "m", "n", "k", "bf16_err", *[f"{v}_err" for v in FP8_VARIANTS], *[f"{v}_bug" for v in VARIANTS]])
+    print_table(sums, ["config", "m", "bf16_us", *[f"{v}_x" for v in VARIANTS]])
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written)")
 
 

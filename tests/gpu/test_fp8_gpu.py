@@ -30,7 +30,7 @@ DEVICE = torch.device("cuda")
 BLOCK = (128, 128)
 # Qwen3-8B per-layer linears at TP 1: (N, K)
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-BACKENDS = ["auto", "gemv", "triton", "flashinfer"]
+BACKENDS = ["auto", "gemv", "triton", "flashinfer", "cuda"]
 TINY = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512, seed=1)
 
 
@@ -41,9 +41,9 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def reference(backend: str, m: int, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
     """The float32 torch reference of what ``backend`` computes at ``m`` tokens: the weights alone
-    quantized (fp8_gemv) or the activations too (the others)."""
+    quantized (fp8_gemv, the CUDA GEMV) or the activations too (the others)."""
     kernel = kernel_for(resolve_backend(backend, x.device, x.dtype, block, x.shape[1]), m)
-    if kernel == "gemv":
+    if kernel in ("gemv", "cuda"):
         return weight_only_reference(x, weight, scale, block)
     return fp8_linear_reference(x, weight, scale, block)
 

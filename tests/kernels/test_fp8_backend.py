@@ -11,6 +11,7 @@ from tpserve.kernels.fp8_linear import (
     GEMV_FLASHINFER,
     backend_from_env,
     check_weight_block,
+    fuses_gate,
     kernel_for,
 )
 
@@ -29,6 +30,10 @@ def test_backend_choice_and_blocks(monkeypatch):
     assert kernel_for(GEMV_FLASHINFER, 5) == "flashinfer"
     assert [kernel_for("gemv", m) for m in (1, 64, 65)] == ["gemv", "gemv", "w8a8"]
     assert kernel_for("triton", 1) == "w8a8"
+    assert [kernel_for("cuda", m) for m in (1, 8, 9)] == ["cuda", "cuda", "flashinfer"]
+    assert not fuses_gate("cuda", 1)
+    with pytest.raises(ValueError, match="128x128"):
+        check_weight_block("cuda", (64, 64), 256)
     monkeypatch.delenv(FP8_GEMM_ENV, raising=False)
     assert backend_from_env() == "auto"
     monkeypatch.setenv(FP8_GEMM_ENV, "scaled_mm")

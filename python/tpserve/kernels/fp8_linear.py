@@ -13,6 +13,9 @@
 - ``triton``: the Triton W8A8 block GEMM for every batch.
 - ``flashinfer``: FlashInfer's ``fp8_blockscale_gemm_sm90`` for every batch (bf16 activations
   quantized inside, per token and 128 features; a swap-AB kernel below 32 tokens).
+- ``cuda``: the CUDA GEMV (``kernels.gemv``, activations unquantized) up to ``gemv.MAX_TOKENS``
+  tokens, FlashInfer's GEMM above (bf16 activations, 128x128 blocks, K a multiple of 128; the GEMV
+  is built and probed once at load). It does not fuse SiLU-and-mul.
 
 (torch's scaled matmuls, block- and row-scaled, were measured slower than these at every
 Qwen3-8B shape and removed: docs/benchmarks.md, FP8.)
@@ -31,9 +34,11 @@ import torch
 logger = logging.getLogger(__name__)
 
 FP8_GEMM_ENV = "TPSERVE_FP8_GEMM"
-BACKENDS = ("auto", "gemv", "triton", "flashinfer")
 # ``auto`` resolved where FlashInfer's GEMM runs: it, but fp8_gemv up to this many tokens
 GEMV_FLASHINFER = "gemv+flashinfer"
+BACKENDS = ("auto", "gemv", "triton", "flashinfer", "cuda")
+# the FlashInfer GEMM (128x128 blocks, K in multiples of 128) at some batch sizes
+FLASHINFER_BACKENDS = ("flashinfer", GEMV_FLASHINFER, "cuda")
 # 0: FlashInfer at every batch. The session-5 rewrite of fp8_gemv made the Qwen3-8B decode step
 # at one token 1.10x of bf16 against 0.87x before (docs/benchmarks.md, FP8); FlashInfer alone
 # was within 2% of the old GEMV's best configs per layer. Raise after fp8_gemv_sweep shows the
@@ -71,7 +76,16 @@ def _flashinfer_runs(device_index: int) -> bool:
 def resolve_backend(
     backend: str, device: torch.device, dtype: torch.dtype, block: tuple[int, int], in_features: int
 ) -> str:
-    """``auto`` made concrete for a layer on ``device`` computing in ``dtype``; others as given."""
+    """``auto`` made concrete for a layer on ``device`` computing in ``dtype``; others as given
+    (``cuda`` checked: its GEMV built and run once here, before any CUDA graph capture)."""
+    if backend == "cuda" and device.type == "cuda":
+        from tpserve.kernels.gemv import probe
+
+        failure = probe(device.index or 0) if dtype == torch.bfloat16 else f"activations are {dtype}, not bf16"
+        if failure is None and not _flashinfer_runs(device.index or 0):
+            failure = "FlashInfer's GEMM, which takes the larger batches, does not run"
+        if failure is not None:
+            raise RuntimeError(f"{FP8_GEMM_ENV}=cuda does not run here ({failure})")
     if backend != "auto":
         return backend
     if device.type != "cuda":  # Triton's CPU interpreter (the tests)
@@ -81,9 +95,13 @@ def resolve_backend(
 
 
 def kernel_for(backend: str, m: int) -> str:
-    """The kernel a resolved ``backend`` runs for ``m`` tokens: gemv, w8a8 or flashinfer."""
+    """The kernel a resolved ``backend`` runs for ``m`` tokens: gemv, cuda (the CUDA GEMV), w8a8
+    or flashinfer."""
+    from tpserve.kernels import gemv
     from tpserve.kernels.fp8_gemv import MAX_TOKENS
 
+    if backend == "cuda":
+        return "cuda" if m <= gemv.MAX_TOKENS else "flashinfer"
     if backend == GEMV_FLASHINFER:
         return "gemv" if m <= GEMV_AUTO_TOKENS else "flashinfer"
     if backend == "gemv":
@@ -99,10 +117,10 @@ def fuses_gate(backend: str, m: int) -> bool:
 
 def check_weight_block(backend: str, block: tuple[int, int], in_features: int) -> None:
     """FlashInfer's GEMM reads 128x128 blocks and K in multiples of 128; the Triton ones any."""
-    if backend in ("flashinfer", GEMV_FLASHINFER) and block != FLASHINFER_BLOCK:
+    if backend in FLASHINFER_BACKENDS and block != FLASHINFER_BLOCK:
         raise ValueError(f"{FP8_GEMM_ENV}={backend} takes 128x128 weight blocks, this model has {list(block)}")
-    if backend in ("flashinfer", GEMV_FLASHINFER) and in_features % FLASHINFER_BLOCK[1]:
-        raise ValueError(f"{FP8_GEMM_ENV}=flashinfer takes input features in multiples of 128, got {in_features}")
+    if backend in FLASHINFER_BACKENDS and in_features % FLASHINFER_BLOCK[1]:
+        raise ValueError(f"{FP8_GEMM_ENV}={backend} takes input features in multiples of 128, got {in_features}")
 
 
 def fp8_linear(
@@ -126,6 +144,10 @@ def _matmul(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], backend: str, gated: bool
 ) -> torch.Tensor:
     kernel = kernel_for(backend, x.shape[0])
+    if kernel == "cuda":
+        from tpserve.kernels.gemv import gemv
+
+        return gemv(x, weight, scale_inv)
     if kernel == "gemv":
         from tpserve.kernels.fp8_gemv import fp8_gemv
 

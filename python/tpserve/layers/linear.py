@@ -21,7 +21,7 @@ from torch import nn
 
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
-from tpserve.kernels import use_fp8_gemm
+from tpserve.kernels import gemv, use_fp8_gemm
 from tpserve.kernels.fp8_linear import backend_from_env, check_weight_block, fp8_linear, fuses_gate, resolve_backend
 from tpserve.layers.activation import silu_and_mul
 from tpserve.quant.fp8 import FP8_DTYPE, dequantize_blocks, num_blocks, quantize_blocks
@@ -91,6 +91,7 @@ class ParallelLinear(nn.Module):
         self.block_size: tuple[int, int] | None = None  # set when the weight is FP8-quantized
         self.keep_dtype: tuple[str, ...] = ()  # parameters the compute dtype does not apply to
         self.fp8_backend = "auto"  # the GPU GEMM of FP8 weights (kernels.fp8_linear)
+        self.bf16_gemv = False  # bf16 weight: the CUDA GEMV at few tokens (TPSERVE_BF16_GEMV=1)
 
     def use_fp8(self, block_size: tuple[int, int], prequantized: bool) -> None:
         """Hold the weight in FP8 with a scale per ``block_size`` block: loaded as such from the
@@ -109,6 +110,7 @@ class ParallelLinear(nn.Module):
         dequantize to ``dtype`` (the CPU path; quantized first when quantizing at load time, so
         the numbers are those the GPU would use)."""
         if self.block_size is None:
+            self.bf16_gemv = gemv.bf16_gemv_enabled(self.weight.data)
             return
         fp8_compute = use_fp8_gemm(self.weight.device, self.block_size)
         backend = "auto"
@@ -136,6 +138,9 @@ class ParallelLinear(nn.Module):
         if gated and not (fp8 and fuses_gate(self.fp8_backend, x.numel() // x.shape[-1])):
             x, gated = silu_and_mul(x), False
         if not fp8:
+            if self.bf16_gemv and 0 < x.numel() // x.shape[-1] <= gemv.MAX_TOKENS:
+                y = gemv.gemv(x, self.weight)
+                return y if bias is None else y + bias
             return F.linear(x, self.weight, bias)
         y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size, self.fp8_backend, gated)
         return y if bias is None else y + bias

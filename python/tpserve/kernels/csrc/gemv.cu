@@ -1,0 +1,238 @@
+// Small-M GEMV for decode: y[M, N] = x[M, K] @ W[N, K]^T for M = 1..8 tokens, x and y bf16
+// (row-major, contiguous), float32 accumulation. W is bf16, or float8_e4m3fn with one float32
+// scale per 128x128 block (scale_inv [ceil(N/128), ceil(K/128)], W_real = W * scale_inv: the
+// DeepSeek / Qwen3-FP8 layout). Built and called by tpserve.kernels.gemv.
+//
+// At a few tokens the product is bound by reading W, so everything serves W's stream:
+// * a block of kThreads threads owns R rows of W (R by M: x loads are shared by the R rows, so
+//   the L1 traffic of x stays within ~4x that of W at M = 8) and splits K between its threads:
+//   thread t reads the 16-byte chunks t, t + kThreads, ... of each row, so each warp reads 512
+//   contiguous bytes per load and even N = 2048 fills the GPU with blocks;
+// * a thread issues kLoadsInFlight 16-byte loads of W (bypassing L1, which keeps x) before it
+//   uses any of them; x is read through the read-only cache;
+// * one FP8 chunk (16 elements) lies inside one 128-wide scale block, so its partial sums are
+//   scaled once per chunk;
+// * the sums are reduced by warp shuffles, then across the block's warps through shared memory,
+//   in a fixed order: no atomics, the same bits every run.
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <cuda_fp8.h>
+
+#include "tvm_ffi_utils.h"
+
+namespace {
+
+constexpr int kThreads = 128;
+constexpr int kWarps = kThreads / 32;
+constexpr int kVecBytes = 16;
+constexpr int kLoadsInFlight = 8;
+constexpr int kScaleBlock = 128;
+constexpr int kMaxTokens = 8;
+
+template <int M>
+__host__ __device__ constexpr int rows_per_block() {
+  return M <= 2 ? 2 : 4;
+}
+
+// 16 bytes of W, not kept in L1 (read once; L1 holds x).
+__device__ __forceinline__ uint4 load_stream(const uint4* p) {
+  uint4 v;
+  asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
+      : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+      : "l"(p));
+  return v;
+}
+
+__device__ __forceinline__ float bf16_lo(uint32_t v) { return __uint_as_float(v << 16); }
+__device__ __forceinline__ float bf16_hi(uint32_t v) { return __uint_as_float(v & 0xffff0000u); }
+
+// Elements [8 * j, 8 * j + 8) of a 16-byte chunk of W as floats (a bf16 chunk has 8, FP8 16).
+template <bool kFp8>
+__device__ __forceinline__ void unpack_w(const uint4& v, int j, float* out) {
+  const uint32_t u[4] = {v.x, v.y, v.z, v.w};
+  if constexpr (kFp8) {
+#pragma unroll
+    for (int i = 0; i < 2; ++i) {
+      const uint32_t word = u[2 * j + i];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const __half2_raw raw = __nv_cvt_fp8x2_to_halfraw2(
+            static_cast<__nv_fp8x2_storage_t>(word >> (16 * h)), __NV_E4M3);
+        const float2 f = __half22float2(__half2(raw));
+        out[4 * i + 2 * h] = f.x;
+        out[4 * i + 2 * h + 1] = f.y;
+      }
+    }
+  } else {
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      out[2 * i] = bf16_lo(u[i]);
+      out[2 * i + 1] = bf16_hi(u[i]);
+    }
+  }
+}
+
+template <int M, bool kFp8>
+__global__ void __launch_bounds__(kThreads)
+    gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
+                const float* __restrict__ scale_inv, __nv_bfloat16* __restrict__ y, int n, int k) {
+  constexpr int R = rows_per_block<M>();
+  constexpr int U = kLoadsInFlight / R;       // chunks of each row loaded per step
+  constexpr int kElems = kFp8 ? 16 : 8;       // W elements per chunk
+  constexpr int kXVecs = kElems / 8;          // 16-byte loads of one token's x per chunk
+  const size_t row_bytes = static_cast<size_t>(k) * (kFp8 ? 1 : 2);
+  const int chunks = static_cast<int>(row_bytes / kVecBytes);
+  const int n0 = blockIdx.x * R;
+
+  const uint4* wrow[R];
+#pragma unroll
+  for (int r = 0; r < R; ++r) {  // rows past N read the last row (R divides 128: same scale row)
+    wrow[r] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(min(n0 + r, n - 1)) * row_bytes);
+  }
+  const float* srow = nullptr;
+  if constexpr (kFp8) {
+    srow = scale_inv + static_cast<size_t>(n0 / kScaleBlock) * ((k + kScaleBlock - 1) / kScaleBlock);
+  }
+
+  float acc[R][M];
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+
+  for (int base = threadIdx.x; base < chunks; base += kThreads * U) {
+    uint4 wv[U][R];
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = base + u * kThreads;
+#pragma unroll
+      for (int r = 0; r < R; ++r) wv[u][r] = c < chunks ? load_stream(wrow[r] + c) : make_uint4(0, 0, 0, 0);
+    }
+#pragma unroll
+    for (int u = 0; u < U; ++u) {
+      const int c = base + u * kThreads;
+      if (c >= chunks) break;
+      float part[R][M];  // this chunk's sums: FP8 scales them once
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m) part[r][m] = 0.f;
+#pragma unroll
+      for (int j = 0; j < kXVecs; ++j) {
+        float wf[R][8];
+#pragma unroll
+        for (int r = 0; r < R; ++r) unpack_w<kFp8>(wv[u][r], j, wf[r]);
+#pragma unroll
+        for (int m = 0; m < M; ++m) {
+          const uint4 xv =
+              __ldg(reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * k) + c * kXVecs + j);
+          const uint32_t xu[4] = {xv.x, xv.y, xv.z, xv.w};
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const float x0 = bf16_lo(xu[i]), x1 = bf16_hi(xu[i]);
+#pragma unroll
+            for (int r = 0; r < R; ++r) {
+              part[r][m] = fmaf(wf[r][2 * i], x0, part[r][m]);
+              part[r][m] = fmaf(wf[r][2 * i + 1], x1, part[r][m]);
+            }
+          }
+        }
+      }
+      const float scale = kFp8 ? __ldg(srow + c * kElems / kScaleBlock) : 1.f;
+#pragma unroll
+      for (int r = 0; r < R; ++r)
+#pragma unroll
+        for (int m = 0; m < M; ++m) acc[r][m] = kFp8 ? fmaf(part[r][m], scale, acc[r][m]) : acc[r][m] + part[r][m];
+    }
+  }
+
+  __shared__ float warp_sums[kWarps][R * M];
+  const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+#pragma unroll
+  for (int r = 0; r < R; ++r)
+#pragma unroll
+    for (int m = 0; m < M; ++m) {
+      float v = acc[r][m];
+#pragma unroll
+      for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+      if (lane == 0) warp_sums[warp][r * M + m] = v;
+    }
+  __syncthreads();
+  for (int i = threadIdx.x; i < R * M; i += kThreads) {
+    const int r = i / M, m = i % M;
+    if (n0 + r >= n) continue;
+    float s = 0.f;
+#pragma unroll
+    for (int v = 0; v < kWarps; ++v) s += warp_sums[v][i];
+    y[static_cast<size_t>(m) * n + n0 + r] = __float2bfloat16(s);
+  }
+}
+
+template <int M, bool kFp8>
+void launch(TensorView x, TensorView w, const float* scale_inv, TensorView y) {
+  constexpr int R = rows_per_block<M>();
+  const int n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
+  const dim3 grid((n + R - 1) / R);
+  gemv_kernel<M, kFp8><<<grid, kThreads, 0, get_stream(x.device())>>>(
+      static_cast<const __nv_bfloat16*>(x.data_ptr()), static_cast<const uint8_t*>(w.data_ptr()),
+      scale_inv, static_cast<__nv_bfloat16*>(y.data_ptr()), n, k);
+}
+
+template <bool kFp8>
+void run(TensorView x, TensorView w, const float* scale_inv, TensorView y) {
+  ffi::CUDADeviceGuard device_guard(x.device().device_id);
+  switch (x.size(0)) {
+    case 1: launch<1, kFp8>(x, w, scale_inv, y); break;
+    case 2: launch<2, kFp8>(x, w, scale_inv, y); break;
+    case 3: launch<3, kFp8>(x, w, scale_inv, y); break;
+    case 4: launch<4, kFp8>(x, w, scale_inv, y); break;
+    case 5: launch<5, kFp8>(x, w, scale_inv, y); break;
+    case 6: launch<6, kFp8>(x, w, scale_inv, y); break;
+    case 7: launch<7, kFp8>(x, w, scale_inv, y); break;
+    case 8: launch<8, kFp8>(x, w, scale_inv, y); break;
+    default: TVM_FFI_LOG_AND_THROW(ValueError) << "gemv takes 1 to " << kMaxTokens << " rows of x";
+  }
+  const cudaError_t status = cudaGetLastError();
+  TVM_FFI_ICHECK(status == cudaSuccess) << "gemv launch failed: " << cudaGetErrorString(status);
+}
+
+bool aligned(TensorView t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % kVecBytes == 0; }
+
+// The shapes and layouts the kernel reads; tpserve.kernels.gemv checks the same before calling.
+void check(TensorView x, TensorView w, TensorView y, int elem_bytes) {
+  CHECK_INPUT_AND_TYPE(x, dl_bfloat16);
+  CHECK_INPUT(w);
+  CHECK_INPUT_AND_TYPE(y, dl_bfloat16);
+  TVM_FFI_ICHECK(x.ndim() == 2 && w.ndim() == 2 && y.ndim() == 2) << "gemv takes 2-D x, weight, y";
+  TVM_FFI_ICHECK(x.size(1) == w.size(1) && y.size(0) == x.size(0) && y.size(1) == w.size(0))
+      << "gemv: x [M, K], weight [N, K], y [M, N] do not match";
+  TVM_FFI_ICHECK((w.size(1) * elem_bytes) % kVecBytes == 0 && aligned(x) && aligned(w))
+      << "gemv: weight rows and pointers must be multiples of 16 bytes";
+  TVM_FFI_ICHECK(w.size(0) > 0 && w.size(0) < (1LL << 30) && w.size(1) < (1LL << 30))
+      << "gemv: N or K out of range";
+}
+
+}  // namespace
+
+// y [M, N] = x [M, K] @ weight [N, K]^T, all bf16.
+void gemv_bf16(TensorView x, TensorView weight, TensorView y) {
+  check(x, weight, y, 2);
+  CHECK_INPUT_TYPE(weight, dl_bfloat16);
+  run<false>(x, weight, nullptr, y);
+}
+
+// y [M, N] = x [M, K] @ (weight [N, K] * scale_inv per 128x128 block)^T; weight float8_e4m3fn,
+// scale_inv float32 [ceil(N / 128), ceil(K / 128)].
+void gemv_fp8(TensorView x, TensorView weight, TensorView scale_inv, TensorView y) {
+  check(x, weight, y, 1);
+  CHECK_INPUT_TYPE(weight, dl_float8_e4m3fn);
+  CHECK_INPUT_AND_TYPE(scale_inv, dl_float32);
+  TVM_FFI_ICHECK(scale_inv.ndim() == 2 &&
+                 scale_inv.size(0) == (weight.size(0) + kScaleBlock - 1) / kScaleBlock &&
+                 scale_inv.size(1) == (weight.size(1) + kScaleBlock - 1) / kScaleBlock)
+      << "gemv: scale_inv must be [ceil(N / 128), ceil(K / 128)]";
+  run<true>(x, weight, static_cast<const float*>(scale_inv.data_ptr()), y);
+}
+
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(gemv_bf16, gemv_bf16);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(gemv_fp8, gemv_fp8);

@@ -1,0 +1,108 @@
+"""The CUDA small-M GEMV (``csrc/gemv.cu``): y = x @ W.T for 1..``MAX_TOKENS`` tokens of bf16 x,
+W bf16 or FP8 (e4m3) with float32 scales per 128x128 block; float32 sums, bf16 out, the same bits
+every run. Decode at a few tokens is bound by reading W, and this kernel only streams it (16-byte
+loads, several in flight per thread). Built on first use by FlashInfer's JIT (cached), which is
+imported then, never with this module.
+
+``TPSERVE_BF16_GEMV=1`` (read when a model loads, default off) makes unquantized bf16 linear layers
+on CUDA take it up to ``MAX_TOKENS`` tokens (``bf16_gemv_enabled``); ``TPSERVE_FP8_GEMM=cuda`` makes
+FP8 layers take it (``kernels.fp8_linear``).
+"""
+
+from __future__ import annotations
+
+import functools
+import logging
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cu"
+MAX_TOKENS = 8
+SCALE_BLOCK = 128
+BF16_GEMV_ENV = "TPSERVE_BF16_GEMV"
+_VEC_BYTES = 16  # the kernel's loads: weight rows and pointers must be multiples
+
+
+@functools.cache
+def load_module() -> Any:
+    """Compile (first time; cached under FlashInfer's JIT directory) and load the kernels."""
+    from flashinfer.jit.core import current_compilation_context, gen_jit_spec
+
+    flags = current_compilation_context.get_nvcc_flags_list(supported_major_versions=[9, 10, 12])
+    return gen_jit_spec("tpserve_gemv", [SOURCE], extra_cuda_cflags=flags).build_and_load()
+
+
+def unsupported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None) -> str | None:
+    """Why ``gemv(x, weight, scale_inv)`` cannot run, or None when it can."""
+    m = x.numel() // x.shape[-1] if x.shape[-1] else 0
+    fp8 = scale_inv is not None
+    if x.dtype != torch.bfloat16 or weight.dtype != (torch.float8_e4m3fn if fp8 else torch.bfloat16):
+        return f"x must be bf16 and weight {'float8_e4m3fn' if fp8 else 'bf16'}, got {x.dtype} and {weight.dtype}"
+    if not 1 <= m <= MAX_TOKENS:
+        return f"{m} rows of x, the kernel takes 1 to {MAX_TOKENS}"
+    if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[1] != x.shape[-1] or weight.shape[0] == 0:
+        return f"weight must be a contiguous [N, K] with K = {x.shape[-1]}, got {tuple(weight.shape)}"
+    n, k = weight.shape
+    if (k * weight.element_size()) % _VEC_BYTES or weight.data_ptr() % _VEC_BYTES:
+        return f"K ({k}) must be a multiple of {_VEC_BYTES // weight.element_size()} and the weight 16-byte aligned"
+    if fp8:
+        blocks = (-(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK))
+        if scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != blocks or not scale_inv.is_contiguous():
+            return f"scale_inv must be contiguous float32 {list(blocks)} (128x128 blocks), got {scale_inv.dtype} {list(scale_inv.shape)}"
+    if x.device.type != "cuda" or weight.device != x.device or (fp8 and scale_inv.device != x.device):
+        return "x, weight and scale_inv must be on one CUDA device"
+    return None
+
+
+def supported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None) -> bool:
+    return unsupported(x, weight, scale_inv) is None
+
+
+def gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T in bf16 (FP8 weight: times ``scale_inv`` per 128x128 block)."""
+    reason = unsupported(x, weight, scale_inv)
+    if reason is not None:
+        raise ValueError(f"gemv: {reason}")
+    n, k = weight.shape
+    x2 = x.reshape(-1, k).contiguous()
+    if x2.data_ptr() % _VEC_BYTES:
+        x2 = x2.clone()
+    y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16, device=x.device)
+    module = load_module()
+    if scale_inv is None:
+        module.gemv_bf16(x2, weight, y)
+    else:
+        module.gemv_fp8(x2, weight, scale_inv, y)
+    return y.view(*x.shape[:-1], n)
+
+
+@functools.cache
+def probe(device_index: int) -> str | None:
+    """Build the kernels and run each once on this GPU (at model load, before any CUDA graph
+    capture): None, or why they do not run (logged once)."""
+    device = torch.device("cuda", device_index)
+    try:
+        x = torch.ones(1, 256, dtype=torch.bfloat16, device=device)
+        w = torch.ones(4, 256, dtype=torch.bfloat16, device=device)
+        y_bf16 = gemv(x, w)
+        y_fp8 = gemv(x, w.to(torch.float8_e4m3fn), torch.full((1, 2), 0.5, device=device))
+        if not (torch.all(y_bf16 == 256) and torch.all(y_fp8 == 128)):
+            raise RuntimeError(f"computed {y_bf16.tolist()} and {y_fp8.tolist()}, expected 256 and 128")
+        return None
+    except Exception as exc:  # noqa: BLE001 -- no nvcc, no FlashInfer, an older GPU, ...
+        logger.warning("the CUDA GEMV is unavailable (%s: %s)", type(exc).__name__, exc)
+        return f"{type(exc).__name__}: {exc}"
+
+
+def bf16_gemv_enabled(weight: torch.Tensor) -> bool:
+    """Whether a bf16 linear layer with this weight takes ``gemv`` at few tokens: asked for by
+    ``TPSERVE_BF16_GEMV=1``, and the kernel builds and runs here (else cuBLAS, as without)."""
+    if os.environ.get(BF16_GEMV_ENV, "0") != "1" or weight.device.type != "cuda" or weight.dtype != torch.bfloat16:
+        return False
+    x = torch.empty(1, weight.shape[1], dtype=torch.bfloat16, device=weight.device)
+    return unsupported(x, weight) is None and probe(weight.device.index or 0) is None

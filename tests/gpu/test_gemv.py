@@ -1,0 +1,118 @@
+"""The CUDA small-M GEMV (``kernels.gemv``): every token count 1..8 at the linears of Qwen3-8B,
+Qwen3-32B and Qwen3-30B-A3B's dense parts (TP 1 and TP 2 shards), bf16 and FP8 weights, against a
+float32 torch reference; deterministic; in a CUDA graph; edge shapes and the errors; a tiny model
+served with it on and off. Skipped without an FP8 GPU (sm89+)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an FP8 GPU (sm89+)"
+)
+
+from tpserve import LLM, SamplingParams
+from tpserve.config import EngineConfig
+from tpserve.engine.engine import Engine
+from tpserve.kernels.gemv import BF16_GEMV_ENV, MAX_TOKENS, gemv, supported
+from tpserve.quant.fp8 import quantize_blocks, weight_only_reference
+
+DEVICE = torch.device("cuda")
+BLOCK = (128, 128)
+# (N, K) of qkv, o, gate_up, down at TP 1 (A3B: only qkv and o are dense)
+TP1 = {
+    "8B": [(6144, 4096), (4096, 4096), (24576, 4096), (4096, 12288)],
+    "32B": [(10240, 5120), (5120, 8192), (51200, 5120), (5120, 25600)],
+    "30B-A3B": [(5120, 2048), (2048, 4096)],
+}
+# and their TP 2 shards: qkv and gate_up split N, o and down split K
+SHAPES = sorted(
+    {s for shapes in TP1.values() for i, (n, k) in enumerate(shapes) for s in ((n, k), (n, k // 2) if i % 2 else (n // 2, k))}
+)
+TINY = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512, seed=1)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    assert torch.isfinite(actual).all(), "non-finite output"
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+def weights(n: int, k: int, fp8: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    w = (0.02 * torch.randn(n, k, device=DEVICE, generator=gen)).to(torch.bfloat16)
+    return quantize_blocks(w, BLOCK) if fp8 else (w, None)
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    if scale is None:
+        return x.float() @ w.float().T
+    return weight_only_reference(x.float(), w, scale, BLOCK)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("n,k", SHAPES)
+def test_gemv_matches_reference(n, k, fp8):
+    w, scale = weights(n, k, fp8)
+    gen = torch.Generator(device=DEVICE).manual_seed(1)
+    for m in range(1, MAX_TOKENS + 1):
+        x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+        got = gemv(x, w, scale)
+        assert got.dtype == torch.bfloat16 and got.shape == (m, n)
+        err = rel_err(got, reference(x, w, scale))
+        assert err < 5e-3, f"m={m}: relative error {err:.2e}"
+        assert torch.equal(got, gemv(x, w, scale)), f"m={m}: not deterministic"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("n,k", [(130, 144), (1, 16), (300, 4112), (6144, 4096)])
+def test_gemv_edges_and_graph(n, k, fp8):
+    """N not a multiple of a block's rows, partial scale blocks, one row; replayed in a CUDA graph
+    over new activations, 3-D input."""
+    w, scale = weights(n, k, fp8, seed=2)
+    gen = torch.Generator(device=DEVICE).manual_seed(3)
+    for m in (1, 3, 8):
+        x = torch.empty(1, m, k, device=DEVICE, dtype=torch.bfloat16)
+        x.copy_(torch.randn(1, m, k, device=DEVICE, generator=gen))
+        gemv(x, w, scale)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            out = gemv(x, w, scale)
+        x.copy_(torch.randn(1, m, k, device=DEVICE, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert out.shape == (1, m, n)
+        assert rel_err(out, reference(x[0], w, scale).unsqueeze(0)) < 5e-3
+
+
+def test_gemv_rejects_what_it_cannot_run():
+    w, scale = weights(256, 256, True)
+    x = torch.randn(MAX_TOKENS + 1, 256, device=DEVICE, dtype=torch.bfloat16)
+    assert supported(x[:MAX_TOKENS], w, scale) and not supported(x, w, scale)
+    with pytest.raises(ValueError, match="rows of x"):
+        gemv(x, w, scale)
+    with pytest.raises(ValueError, match="multiple of 16"):
+        gemv(x[:1, :40], w[:, :40].contiguous(), torch.ones(2, 1, device=DEVICE))
+    with pytest.raises(ValueError, match="scale_inv"):
+        gemv(x[:1], w, scale[:, :1].contiguous())
+    with pytest.raises(ValueError, match="bf16"):
+        gemv(x[:1].float(), w, scale)
+
+
+def test_tiny_model_with_bf16_gemv(tiny_model_factory, monkeypatch):
+    """Greedy decode of a tiny bf16 model, CUDA graphs on, TPSERVE_BF16_GEMV on and off."""
+    model = tiny_model_factory("qwen3", **TINY)
+    monkeypatch.setenv(BF16_GEMV_ENV, "1")
+    engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_total_tokens=1024))
+    assert engine.model.model.layers[0].mlp.down_proj.bf16_gemv and engine.graph_runner is not None
+    del engine
+    prompts = [[1, 2, 3], [7, 8], list(range(10, 150))]
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    outs = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(BF16_GEMV_ENV, flag)
+        with LLM(model, device="cuda", dtype="bfloat16", max_total_tokens=1024) as llm:
+            outs[flag] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    print(f"bf16 GEMV on {outs['1']} off {outs['0']}")
+    assert all(len(t) == 12 for t in outs["1"])
+    assert sum(a[0] == b[0] for a, b in zip(outs["1"], outs["0"])) >= 2

@@ -1,0 +1,26 @@
+"""The CUDA GEMV's argument checks (``kernels.gemv.unsupported``), which run without a GPU: the
+shapes and dtypes it refuses with a reason, so callers can fall back."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from tpserve.kernels.gemv import MAX_TOKENS, gemv, unsupported
+from tpserve.quant.fp8 import quantize_blocks
+
+
+def test_unsupported_names_the_reason():
+    x = torch.zeros(2, 256, dtype=torch.bfloat16)
+    w = torch.zeros(384, 256, dtype=torch.bfloat16)
+    wq, scale = quantize_blocks(w, (128, 128))
+    assert "CUDA device" in unsupported(x, w) and "CUDA device" in unsupported(x, wq, scale)
+    assert "rows of x" in unsupported(torch.zeros(MAX_TOKENS + 1, 256, dtype=torch.bfloat16), w)
+    assert "rows of x" in unsupported(torch.zeros(0, 256, dtype=torch.bfloat16), w)
+    assert "bf16" in unsupported(x.float(), w) and "float8_e4m3fn" in unsupported(x, w, scale)
+    assert "multiple of 8" in unsupported(x[:, :36].contiguous(), w[:, :36].contiguous())
+    assert "multiple of 16" in unsupported(x[:, :40].contiguous(), wq[:, :40].contiguous(), scale[:, :1].contiguous())
+    assert "scale_inv" in unsupported(x, wq, scale[:, :1].contiguous())
+    assert "contiguous [N, K]" in unsupported(x, w.t())
+    with pytest.raises(ValueError, match="gemv: .*rows of x"):
+        gemv(torch.zeros(9, 256, dtype=torch.bfloat16), w)
