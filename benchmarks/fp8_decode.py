@@ -21,6 +21,7 @@ import torch
 from common import device_name, fill_kv_randomly, make_engine, print_table, setup_logging, write_json
 from decode_latency import time_decode
 from tpserve.kernels.fp8_linear import FP8_GEMM_ENV
+from tpserve.kernels.gemv import BF16_GEMV_ENV
 
 
 def decode_step_ms(model: str, quantization: str | None, batch_sizes: list[int], context: int, warmup: int,
@@ -45,6 +46,8 @@ def main() -> None:
                         help="comma-separated directories with a config.json (weights are random)")
     parser.add_argument("--fp8-gemms", default="auto,gemv,triton,flashinfer",
                         help=f"FP8 GEMMs ({FP8_GEMM_ENV}) to run an FP8 engine with, one after the other")
+    parser.add_argument("--bf16-gemv", action="store_true",
+                        help="also a bf16 engine with TPSERVE_BF16_GEMV=1 (the CUDA GEMV at one row)")
     parser.add_argument("--batch-sizes", default="1", help="decode batch sizes")
     parser.add_argument("--context", type=int, default=512, help="cached tokens of each decoding sequence")
     parser.add_argument("--warmup", type=int, default=5)
@@ -59,9 +62,13 @@ def main() -> None:
     for model in [c for c in args.configs.split(",") if c]:
         name = model.rstrip("/").rsplit("/", 1)[-1]
         runs = [("bf16", None, None)] + [(f"fp8 {g}", "fp8", g) for g in args.fp8_gemms.split(",") if g]
+        if args.bf16_gemv:
+            runs.insert(1, ("bf16 gemv", None, "bf16_gemv"))
         base: dict[int, float] = {}
         for label, quant, gemm in runs:
-            if gemm is not None:
+            if gemm == "bf16_gemv":
+                os.environ[BF16_GEMV_ENV] = "1"
+            elif gemm is not None:
                 os.environ[FP8_GEMM_ENV] = gemm
             try:
                 result = decode_step_ms(model, quant, batches, args.context, args.warmup, args.iters)
@@ -71,12 +78,13 @@ def main() -> None:
                 continue
             finally:
                 os.environ.pop(FP8_GEMM_ENV, None)
+                os.environ.pop(BF16_GEMV_ENV, None)
             for batch, ms in result["step_ms"].items():
-                if quant is None and ms is not None:
+                if label == "bf16" and ms is not None:
                     base[batch] = ms
                 row = {"config": name, "weights": label, "batch": batch, "context": args.context, "step_ms": ms,
                        "weight_gib": result["weight_gib"]}
-                if quant is not None and ms is not None and batch in base:
+                if label != "bf16" and ms is not None and batch in base:
                     row["over_bf16"] = ms / base[batch]
                 rows.append(row)
     for row in rows:

@@ -48,12 +48,12 @@ def reference(backend: str, m: int, x: torch.Tensor, weight: torch.Tensor, scale
     return fp8_linear_reference(x, weight, scale, block)
 
 
-def test_auto_takes_flashinfer_on_h200():
-    """On an H200 (sm90) with FlashInfer, ``auto`` is fp8_gemv for few tokens, FlashInfer's GEMM else."""
+def test_auto_takes_the_cuda_gemv_on_h200():
+    """On an H200 (sm90) with FlashInfer, ``auto`` is the CUDA GEMV for few tokens, FlashInfer's GEMM else."""
     resolved = resolve_backend("auto", DEVICE, torch.bfloat16, BLOCK, 4096)
     print(f"auto on {torch.cuda.get_device_name()}: {resolved}")
     if torch.cuda.get_device_capability() == (9, 0):
-        assert resolved == "gemv+flashinfer"
+        assert resolved == "cuda"
     assert resolve_backend("auto", DEVICE, torch.float16, BLOCK, 4096) == "gemv"
 
 

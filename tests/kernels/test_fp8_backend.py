@@ -7,8 +7,7 @@ import pytest
 from tpserve.kernels.fp8_gemv import GemvConfig, check_config, default_config
 from tpserve.kernels.fp8_linear import (
     FP8_GEMM_ENV,
-    GEMV_AUTO_TOKENS,
-    GEMV_FLASHINFER,
+    CUDA_GEMV_TOKENS,
     backend_from_env,
     check_weight_block,
     fuses_gate,
@@ -25,12 +24,10 @@ def test_backend_choice_and_blocks(monkeypatch):
     with pytest.raises(ValueError, match="128x128"):
         check_weight_block("flashinfer", (32, 32), 64)
     with pytest.raises(ValueError, match="multiples of 128"):
-        check_weight_block(GEMV_FLASHINFER, (128, 128), 200)
-    assert [kernel_for(GEMV_FLASHINFER, m) for m in (GEMV_AUTO_TOKENS, GEMV_AUTO_TOKENS + 1)] == ["gemv", "flashinfer"]
-    assert kernel_for(GEMV_FLASHINFER, 5) == "flashinfer"
+        check_weight_block("cuda", (128, 128), 200)
     assert [kernel_for("gemv", m) for m in (1, 64, 65)] == ["gemv", "gemv", "w8a8"]
     assert kernel_for("triton", 1) == "w8a8"
-    assert [kernel_for("cuda", m) for m in (1, 8, 9)] == ["cuda", "cuda", "flashinfer"]
+    assert [kernel_for("cuda", m) for m in (1, CUDA_GEMV_TOKENS, CUDA_GEMV_TOKENS + 1)] == ["cuda", "cuda", "flashinfer"]
     assert not fuses_gate("cuda", 1)
     with pytest.raises(ValueError, match="128x128"):
         check_weight_block("cuda", (64, 64), 256)

@@ -2,20 +2,17 @@
 
 ``TPSERVE_FP8_GEMM`` (read when a model finishes loading) picks one of:
 
-- ``auto`` (default): where FlashInfer's ``fp8_blockscale_gemm_sm90`` runs (sm90, bf16
-  activations, 128x128 blocks, K a multiple of 128; probed once at load, which also JIT-builds
-  it before any CUDA graph capture) it takes every batch above ``GEMV_AUTO_TOKENS`` tokens,
-  ``fp8_gemv`` the fewer; elsewhere ``gemv``. Measured on an H200 at Qwen3-8B's shapes
-  (docs/benchmarks.md): FlashInfer's GEMMs of one decoder layer 0.70x of bf16 cuBLAS at 16 and
-  64 tokens.
+- ``auto`` (default): ``cuda`` where it runs (FlashInfer's GEMM and the CUDA GEMV both build and
+  run: probed once at load, before any CUDA graph capture), else ``flashinfer`` where that runs
+  (sm90, bf16 activations, 128x128 blocks, K a multiple of 128), else ``gemv``.
 - ``gemv``: ``fp8_gemv`` (FP8 weights, activations unquantized) up to ``fp8_gemv.MAX_TOKENS``
   tokens, the Triton W8A8 block GEMM (``fp8_gemm``) above.
 - ``triton``: the Triton W8A8 block GEMM for every batch.
 - ``flashinfer``: FlashInfer's ``fp8_blockscale_gemm_sm90`` for every batch (bf16 activations
   quantized inside, per token and 128 features; a swap-AB kernel below 32 tokens).
-- ``cuda``: the CUDA GEMV (``kernels.gemv``, activations unquantized) up to ``gemv.MAX_TOKENS``
-  tokens, FlashInfer's GEMM above (bf16 activations, 128x128 blocks, K a multiple of 128; the GEMV
-  is built and probed once at load). It does not fuse SiLU-and-mul.
+- ``cuda``: the CUDA GEMV (``kernels.gemv``, activations unquantized) up to ``CUDA_GEMV_TOKENS``
+  tokens, FlashInfer's GEMM above (bf16 activations, 128x128 blocks, K a multiple of 128). It
+  does not fuse SiLU-and-mul.
 
 (torch's scaled matmuls, block- and row-scaled, were measured slower than these at every
 Qwen3-8B shape and removed: docs/benchmarks.md, FP8.)
@@ -34,16 +31,13 @@ import torch
 logger = logging.getLogger(__name__)
 
 FP8_GEMM_ENV = "TPSERVE_FP8_GEMM"
-# ``auto`` resolved where FlashInfer's GEMM runs: it, but fp8_gemv up to this many tokens
-GEMV_FLASHINFER = "gemv+flashinfer"
 BACKENDS = ("auto", "gemv", "triton", "flashinfer", "cuda")
 # the FlashInfer GEMM (128x128 blocks, K in multiples of 128) at some batch sizes
-FLASHINFER_BACKENDS = ("flashinfer", GEMV_FLASHINFER, "cuda")
-# 0: FlashInfer at every batch. The session-5 rewrite of fp8_gemv made the Qwen3-8B decode step
-# at one token 1.10x of bf16 against 0.87x before (docs/benchmarks.md, FP8); FlashInfer alone
-# was within 2% of the old GEMV's best configs per layer. Raise after fp8_gemv_sweep shows the
-# GEMV ahead of FlashInfer.
-GEMV_AUTO_TOKENS = 0
+FLASHINFER_BACKENDS = ("flashinfer", "cuda")
+# Measured on an H200 (fp8_gemm.py, docs/benchmarks.md, FP8): at 1 token the CUDA GEMV takes a
+# Qwen3-8B layer's four GEMMs in 0.57x of bf16 against FlashInfer's 0.67x; at 4 tokens 0.85x
+# against 0.70x (FlashInfer's gate_up 33 us against 47).
+CUDA_GEMV_TOKENS = 1
 FLASHINFER_BLOCK = (128, 128)
 
 
@@ -91,19 +85,20 @@ def resolve_backend(
     if device.type != "cuda":  # Triton's CPU interpreter (the tests)
         return "gemv"
     fits = dtype == torch.bfloat16 and block == FLASHINFER_BLOCK and in_features % FLASHINFER_BLOCK[1] == 0
-    return GEMV_FLASHINFER if fits and _flashinfer_runs(device.index or 0) else "gemv"
+    if not (fits and _flashinfer_runs(device.index or 0)):
+        return "gemv"
+    from tpserve.kernels.gemv import probe
+
+    return "cuda" if probe(device.index or 0) is None else "flashinfer"
 
 
 def kernel_for(backend: str, m: int) -> str:
     """The kernel a resolved ``backend`` runs for ``m`` tokens: gemv, cuda (the CUDA GEMV), w8a8
     or flashinfer."""
-    from tpserve.kernels import gemv
     from tpserve.kernels.fp8_gemv import MAX_TOKENS
 
     if backend == "cuda":
-        return "cuda" if m <= gemv.MAX_TOKENS else "flashinfer"
-    if backend == GEMV_FLASHINFER:
-        return "gemv" if m <= GEMV_AUTO_TOKENS else "flashinfer"
+        return "cuda" if m <= CUDA_GEMV_TOKENS else "flashinfer"
     if backend == "gemv":
         return "gemv" if m <= MAX_TOKENS else "w8a8"
     return {"triton": "w8a8", "flashinfer": "flashinfer"}[backend]

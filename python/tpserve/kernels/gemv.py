@@ -5,7 +5,7 @@ loads, several in flight per thread). Built on first use by FlashInfer's JIT (ca
 imported then, never with this module.
 
 ``TPSERVE_BF16_GEMV=1`` (read when a model loads, default off) makes unquantized bf16 linear layers
-on CUDA take it up to ``MAX_TOKENS`` tokens (``bf16_gemv_enabled``); ``TPSERVE_FP8_GEMM=cuda`` makes
+on CUDA take it up to ``BF16_GEMV_TOKENS`` tokens (``bf16_gemv_enabled``); ``TPSERVE_FP8_GEMM=cuda`` makes
 FP8 layers take it (``kernels.fp8_linear``).
 """
 
@@ -25,6 +25,10 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cu"
 MAX_TOKENS = 8
 SCALE_BLOCK = 128
 BF16_GEMV_ENV = "TPSERVE_BF16_GEMV"
+# Rows up to which a bf16 layer takes the GEMV. Measured on an H200 (fp8_gemm.py,
+# docs/benchmarks.md): at 1 row a Qwen3-8B layer's four GEMMs 0.87x of cuBLAS, Qwen3-30B-A3B's
+# qkv and o 0.76x; at 4 rows 1.12x and 0.96x.
+BF16_GEMV_TOKENS = 1
 _VEC_BYTES = 16  # the kernel's loads: weight rows and pointers must be multiples
 
 

@@ -138,7 +138,7 @@ class ParallelLinear(nn.Module):
         if gated and not (fp8 and fuses_gate(self.fp8_backend, x.numel() // x.shape[-1])):
             x, gated = silu_and_mul(x), False
         if not fp8:
-            if self.bf16_gemv and 0 < x.numel() // x.shape[-1] <= gemv.MAX_TOKENS:
+            if self.bf16_gemv and 0 < x.numel() // x.shape[-1] <= gemv.BF16_GEMV_TOKENS:
                 y = gemv.gemv(x, self.weight)
                 return y if bias is None else y + bias
             return F.linear(x, self.weight, bias)
