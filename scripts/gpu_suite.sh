@@ -209,11 +209,11 @@ for s in $stages; do
     fp8_decode8) stage fp8_decode8 300 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,gemv,flashinfer \
       --batch-sizes 1,64 --out $results/fp8_decode_8b.json ;;
     fp8_decode8_auto) stage fp8_decode8_auto 180 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,flashinfer \
-      --bf16-gemv --batch-sizes 1,64 --out $results/fp8_decode_8b_auto.json ;;
+      --bf16-cublas --batch-sizes 1,64 --out $results/fp8_decode_8b_auto.json ;;
     fp8_decode32) stage fp8_decode32 220 python3 benchmarks/fp8_decode.py --configs .models/Qwen3-32B --fp8-gemms auto \
-      --bf16-gemv --batch-sizes 1 --out $results/fp8_decode_32b.json ;;
-    moe30_gemv)  # issue 14: the bf16 CUDA GEMV for the dense layers at one row (TPSERVE_BF16_GEMV=1) against cuBLAS
-      stage moe30_gemv 150 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --bf16-gemv \
+      --bf16-cublas --batch-sizes 1 --out $results/fp8_decode_32b.json ;;
+    moe30_gemv)  # issue 14: the bf16 CUDA GEMV for the dense layers at one row against cuBLAS (TPSERVE_BF16_GEMV=0)
+      stage moe30_gemv 150 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --bf16-cublas \
         --batch-sizes 1,64 --out $results/decode_qwen3_30b_a3b_gemv.json ;;
     structured)  # issue 12: 64 json_schema requests against 64 unconstrained (the real tokenizer: xgrammar's vocabulary)
       srv=$(serving_dir $small /tmp/qwen3-0.6b)

@@ -100,9 +100,10 @@ def test_gemv_rejects_what_it_cannot_run():
 
 
 def test_tiny_model_with_bf16_gemv(tiny_model_factory, monkeypatch):
-    """Greedy decode of a tiny bf16 model, CUDA graphs on, TPSERVE_BF16_GEMV on and off."""
+    """Greedy decode of a tiny bf16 model, CUDA graphs on, the bf16 GEMV on (the default) and off
+    (TPSERVE_BF16_GEMV=0)."""
     model = tiny_model_factory("qwen3", **TINY)
-    monkeypatch.setenv(BF16_GEMV_ENV, "1")
+    monkeypatch.delenv(BF16_GEMV_ENV, raising=False)
     engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_total_tokens=1024))
     assert engine.model.model.layers[0].mlp.down_proj.bf16_gemv and engine.graph_runner is not None
     del engine

@@ -4,9 +4,9 @@ every run. Decode at a few tokens is bound by reading W, and this kernel only st
 loads, several in flight per thread). Built on first use by FlashInfer's JIT (cached), which is
 imported then, never with this module.
 
-``TPSERVE_BF16_GEMV=1`` (read when a model loads, default off) makes unquantized bf16 linear layers
-on CUDA take it up to ``BF16_GEMV_TOKENS`` tokens (``bf16_gemv_enabled``); ``TPSERVE_FP8_GEMM=cuda`` makes
-FP8 layers take it (``kernels.fp8_linear``).
+Unquantized bf16 linear layers on CUDA take it up to ``BF16_GEMV_TOKENS`` tokens where it builds
+and runs (``bf16_gemv_enabled``; ``TPSERVE_BF16_GEMV=0``, read when a model loads, turns it off);
+FP8 layers take it through ``TPSERVE_FP8_GEMM`` ``auto`` or ``cuda`` (``kernels.fp8_linear``).
 """
 
 from __future__ import annotations
@@ -27,7 +27,8 @@ SCALE_BLOCK = 128
 BF16_GEMV_ENV = "TPSERVE_BF16_GEMV"
 # Rows up to which a bf16 layer takes the GEMV. Measured on an H200 (fp8_gemm.py,
 # docs/benchmarks.md): at 1 row a Qwen3-8B layer's four GEMMs 0.87x of cuBLAS, Qwen3-30B-A3B's
-# qkv and o 0.76x; at 4 rows 1.12x and 0.96x.
+# qkv and o 0.76x; at 4 rows 1.12x and 0.96x. Whole decode steps at batch 1 (fp8_decode.py
+# --bf16-gemv): Qwen3-8B 0.97x, Qwen3-30B-A3B 0.93x of cuBLAS.
 BF16_GEMV_TOKENS = 1
 _VEC_BYTES = 16  # the kernel's loads: weight rows and pointers must be multiples
 
@@ -104,9 +105,9 @@ def probe(device_index: int) -> str | None:
 
 
 def bf16_gemv_enabled(weight: torch.Tensor) -> bool:
-    """Whether a bf16 linear layer with this weight takes ``gemv`` at few tokens: asked for by
-    ``TPSERVE_BF16_GEMV=1``, and the kernel builds and runs here (else cuBLAS, as without)."""
-    if os.environ.get(BF16_GEMV_ENV, "0") != "1" or weight.device.type != "cuda" or weight.dtype != torch.bfloat16:
+    """Whether a bf16 linear layer with this weight takes ``gemv`` at few tokens: not turned off
+    by ``TPSERVE_BF16_GEMV=0``, and the kernel builds and runs here (else cuBLAS)."""
+    if os.environ.get(BF16_GEMV_ENV, "1") == "0" or weight.device.type != "cuda" or weight.dtype != torch.bfloat16:
         return False
     x = torch.empty(1, weight.shape[1], dtype=torch.bfloat16, device=weight.device)
     return unsupported(x, weight) is None and probe(weight.device.index or 0) is None

@@ -91,7 +91,7 @@ class ParallelLinear(nn.Module):
         self.block_size: tuple[int, int] | None = None  # set when the weight is FP8-quantized
         self.keep_dtype: tuple[str, ...] = ()  # parameters the compute dtype does not apply to
         self.fp8_backend = "auto"  # the GPU GEMM of FP8 weights (kernels.fp8_linear)
-        self.bf16_gemv = False  # bf16 weight: the CUDA GEMV at few tokens (TPSERVE_BF16_GEMV=1)
+        self.bf16_gemv = False  # bf16 weight: the CUDA GEMV at one token (kernels.gemv)
 
     def use_fp8(self, block_size: tuple[int, int], prequantized: bool) -> None:
         """Hold the weight in FP8 with a scale per ``block_size`` block: loaded as such from the
