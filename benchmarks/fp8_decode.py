@@ -47,7 +47,7 @@ def main() -> None:
     parser.add_argument("--fp8-gemms", default="auto,gemv,triton,flashinfer",
                         help=f"FP8 GEMMs ({FP8_GEMM_ENV}) to run an FP8 engine with, one after the other")
     parser.add_argument("--bf16-cublas", action="store_true",
-                        help="also a bf16 engine with TPSERVE_BF16_GEMV=0 (cuBLAS at one row, not the CUDA GEMV)")
+                        help="also a bf16 engine with TPSERVE_BF16_GEMV=0 (cuBLAS at one or two rows, not the CUDA GEMV)")
     parser.add_argument("--batch-sizes", default="1", help="decode batch sizes")
     parser.add_argument("--context", type=int, default=512, help="cached tokens of each decoding sequence")
     parser.add_argument("--warmup", type=int, default=5)

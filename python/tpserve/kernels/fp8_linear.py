@@ -34,9 +34,9 @@ FP8_GEMM_ENV = "TPSERVE_FP8_GEMM"
 BACKENDS = ("auto", "gemv", "triton", "flashinfer", "cuda")
 # the FlashInfer GEMM (128x128 blocks, K in multiples of 128) at some batch sizes
 FLASHINFER_BACKENDS = ("flashinfer", "cuda")
-# Measured on an H200 (fp8_gemm.py, docs/benchmarks.md, FP8): at 1 token the CUDA GEMV takes a
-# Qwen3-8B layer's four GEMMs in 0.57x of bf16 against FlashInfer's 0.67x; at 4 tokens 0.85x
-# against 0.70x (FlashInfer's gate_up 33 us against 47).
+# Measured on an H200 (fp8_gemm.py, docs/benchmarks.md, FP8): a decoder layer's four GEMMs
+# against bf16 cuBLAS, Qwen3-8B / Qwen3-32B: CUDA GEMV 0.56x / 0.53x at 1 token, 0.71x / 0.61x at
+# 2; FlashInfer's GEMM 0.67x / 0.56x at 1, 0.71x / 0.58x at 2 (0.70x at 4, the GEMV 0.85x).
 CUDA_GEMV_TOKENS = 1
 FLASHINFER_BLOCK = (128, 128)
 

@@ -26,10 +26,10 @@ MAX_TOKENS = 8
 SCALE_BLOCK = 128
 BF16_GEMV_ENV = "TPSERVE_BF16_GEMV"
 # Rows up to which a bf16 layer takes the GEMV. Measured on an H200 (fp8_gemm.py,
-# docs/benchmarks.md): at 1 row a Qwen3-8B layer's four GEMMs 0.87x of cuBLAS, Qwen3-30B-A3B's
-# qkv and o 0.76x; at 4 rows 1.12x and 0.96x. Whole decode steps at batch 1 (fp8_decode.py
-# --bf16-gemv): Qwen3-8B 0.97x, Qwen3-30B-A3B 0.93x of cuBLAS.
-BF16_GEMV_TOKENS = 1
+# docs/benchmarks.md): a decoder layer's four GEMMs against cuBLAS, Qwen3-8B / Qwen3-32B: 0.87x /
+# 0.80x at 1 row, 0.97x / 0.88x at 2, 1.12x (8B) at 4. Whole decode steps at batch 1: Qwen3-8B
+# 0.97x, Qwen3-32B 0.87x, Qwen3-30B-A3B 0.93x of cuBLAS.
+BF16_GEMV_TOKENS = 2
 _VEC_BYTES = 16  # the kernel's loads: weight rows and pointers must be multiples
 
 
