@@ -29,9 +29,13 @@ constexpr int kLoadsInFlight = 8;
 constexpr int kScaleBlock = 128;
 constexpr int kMaxTokens = 8;
 
-template <int M>
+// Rows per block. A block must bring enough W bytes to pay for itself: FP8 rows are half as
+// long, so at one token a block takes 8 of them (8 KB of Qwen3-8B's K = 4096, one 16-byte load
+// each for all kLoadsInFlight; with 2 rows half of those loads found no chunk and the kernel read
+// 2.4-3.1 TB/s against bf16's 3.1-4.2 on the same shapes).
+template <int M, bool kFp8>
 __host__ __device__ constexpr int rows_per_block() {
-  return M <= 2 ? 2 : 4;
+  return kFp8 && M == 1 ? 8 : (M <= 2 ? 2 : 4);
 }
 
 // 16 bytes of W, not kept in L1 (read once; L1 holds x).
@@ -76,7 +80,7 @@ template <int M, bool kFp8>
 __global__ void __launch_bounds__(kThreads)
     gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
                 const float* __restrict__ scale_inv, __nv_bfloat16* __restrict__ y, int n, int k) {
-  constexpr int R = rows_per_block<M>();
+  constexpr int R = rows_per_block<M, kFp8>();
   constexpr int U = kLoadsInFlight / R;       // chunks of each row loaded per step
   constexpr int kElems = kFp8 ? 16 : 8;       // W elements per chunk
   constexpr int kXVecs = kElems / 8;          // 16-byte loads of one token's x per chunk
@@ -170,7 +174,7 @@ __global__ void __launch_bounds__(kThreads)
 
 template <int M, bool kFp8>
 void launch(TensorView x, TensorView w, const float* scale_inv, TensorView y) {
-  constexpr int R = rows_per_block<M>();
+  constexpr int R = rows_per_block<M, kFp8>();
   const int n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
   const dim3 grid((n + R - 1) / R);
   gemv_kernel<M, kFp8><<<grid, kThreads, 0, get_stream(x.device())>>>(
