@@ -44,7 +44,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B",
                         help="comma-separated directories with a config.json (weights are random)")
-    parser.add_argument("--fp8-gemms", default="auto,gemv,triton,flashinfer",
+    parser.add_argument("--fp8-gemms", default="auto,cuda_triton,triton,flashinfer",
                         help=f"FP8 GEMMs ({FP8_GEMM_ENV}) to run an FP8 engine with, one after the other")
     parser.add_argument("--bf16-cublas", action="store_true",
                         help="also a bf16 engine with TPSERVE_BF16_GEMV=0 (cuBLAS at one or two rows, not the CUDA GEMV)")

@@ -92,10 +92,10 @@ for s in $stages; do
     offline14_trace) stage offline14_trace 240 python3 benchmarks/offline_throughput.py --model .models/Qwen3-14B --trace --out $results/offline_qwen3_14b_traced.json ;;
     decode06_pipe) stage decode06_pipe 90 python3 benchmarks/decode_latency.py --model $small --batch-sizes 1,64,256 --contexts 512 --modes graph,pipelined --out $results/decode_qwen3_0.6b_pipelined.json ;;
     decode8_pipe) stage decode8_pipe 120 python3 benchmarks/decode_latency.py --model $large --batch-sizes 1,64 --contexts 512 --modes graph,pipelined --out $results/decode_qwen3_8b_pipelined.json ;;
-    # the CUDA small-M GEMV (issues 14, 16): its tests, then against cuBLAS, fp8_gemv and FlashInfer at 1..8 tokens
+    # the CUDA small-M GEMV (issues 14, 16): its tests, then against cuBLAS, Triton's and FlashInfer's GEMMs at 1..8 tokens
     gemv_tests) stage gemv_tests 300 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_gemv.py tests/gpu/test_fp8_gpu.py \
-      -k "cuda and not gemv_configs or test_gemv" ;;
-    gemv_bench) stage gemv_bench 420 python3 benchmarks/experiments/fp8_gemm.py --ms 1,2,4,8 --variants cuda,bf16_cuda,flashinfer,gemv \
+      -k "cuda or test_gemv" ;;
+    gemv_bench) stage gemv_bench 420 python3 benchmarks/experiments/fp8_gemm.py --ms 1,2,4,8 --variants cuda,bf16_cuda,flashinfer,w8a8 \
       --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B,$a3b --out $results/fp8_gemm_cuda.json ;;
     gemm) stage gemm 240 python3 benchmarks/experiments/gemm_small_m.py --models $small,$large,.models/Qwen3-14B --out $results/gemm_small_m.json ;;
     attn) stage attn 200 python3 benchmarks/experiments/attention_decode.py --out $results/attention_decode.json ;;
@@ -197,16 +197,11 @@ for s in $stages; do
       done ;;
     offline06_fp8kv) stage offline06_fp8kv 150 python3 benchmarks/offline_throughput.py --model $small --kv-cache-dtype fp8_e4m3 \
       --out $results/offline_qwen3_0.6b_fp8kv.json ;;
-    fp8_gemv_tests) stage fp8_gemv_tests 200 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_fp8_gpu.py \
-      -k "gemv or auto_takes or quantization_fp8_on_gpu or checkpoint_served" ;;
     fp8_tests) stage fp8_tests 400 python3 -m pytest -q -p no:cacheprovider -rA -s tests/gpu/test_fp8_gpu.py ;;
-    fp8_gemv_sweep)  # fp8_gemv's configs at one token, then its defaults against FlashInfer at 1-4 tokens
-      stage fp8_gemv_sweep 480 python3 benchmarks/experiments/fp8_gemv_sweep.py --configs $large --ms 1 \
-        --out $results/fp8_gemv_sweep.json
-      stage fp8_gemm_few 90 python3 benchmarks/experiments/fp8_gemm.py --configs $large --ms 1,2,4 --variants gemv,flashinfer \
-        --out $results/fp8_gemm_few.json ;;
+    fp8_gemm_few) stage fp8_gemm_few 90 python3 benchmarks/experiments/fp8_gemm.py --configs $large --ms 1,2,4 \
+      --variants cuda,w8a8,flashinfer --out $results/fp8_gemm_few.json ;;
     fp8_gemm) stage fp8_gemm 270 python3 benchmarks/experiments/fp8_gemm.py --configs $large --out $results/fp8_gemm.json ;;
-    fp8_decode8) stage fp8_decode8 300 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,gemv,flashinfer \
+    fp8_decode8) stage fp8_decode8 300 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,cuda_triton,flashinfer \
       --batch-sizes 1,64 --out $results/fp8_decode_8b.json ;;
     fp8_decode8_auto) stage fp8_decode8_auto 180 python3 benchmarks/fp8_decode.py --configs $large --fp8-gemms auto,flashinfer \
       --bf16-cublas --batch-sizes 1,64 --out $results/fp8_decode_8b_auto.json ;;

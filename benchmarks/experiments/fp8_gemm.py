@@ -2,11 +2,10 @@
 down at TP 1), M tokens (default 1, 16, 64), each GEMM tpserve can run (``kernels.fp8_linear``):
 
     bf16         F.linear on the bf16 weight (cuBLAS): the baseline
-    gemv         fp8_gemv, its default config (``TPSERVE_FP8_GEMM=gemv`` at <= 64 tokens; sweep
-                 its configs with ``fp8_gemv_sweep.py``)
-    w8a8         the Triton block GEMM, activations quantized (``triton``)
-    flashinfer   FlashInfer's fp8_blockscale_gemm_sm90 (``flashinfer``)
-    cuda         the CUDA GEMV on the FP8 weight (``kernels.gemv``; ``cuda`` at <= 8 tokens)
+    w8a8         the Triton block GEMM, activations quantized (``triton``; ``cuda_triton`` above one token)
+    flashinfer   FlashInfer's fp8_blockscale_gemm_sm90 (``flashinfer``; ``cuda`` above one token)
+    cuda         the CUDA GEMV on the FP8 weight (``kernels.gemv``; ``cuda`` and ``cuda_triton`` at one token;
+                 timed up to 8)
     bf16_cuda    the CUDA GEMV on the bf16 weight (``TPSERVE_BF16_GEMV=1`` at <= 8 tokens)
 
 A config whose MLPs are all MoE (Qwen3-30B-A3B) times only qkv and o; ``--tp`` times one rank's
@@ -23,7 +22,7 @@ linears, bf16 against each FP8 GEMM, and the copy bandwidth measured in the same
 
     python benchmarks/experiments/fp8_gemm.py --configs tests/data/configs/Qwen3-8B --out $OUT/fp8_gemm.json
     python benchmarks/experiments/fp8_gemm.py --configs tests/data/configs/Qwen3-32B,tests/data/configs/Qwen3-30B-A3B \
-        --ms 1,2,4,8 --variants cuda,bf16_cuda,flashinfer,gemv
+        --ms 1,2,4,8 --variants cuda,bf16_cuda,flashinfer,w8a8
 """
 
 from __future__ import annotations
@@ -49,7 +48,7 @@ from tpserve.config import ModelConfig
 from tpserve.quant.fp8 import fp8_linear_reference, quantize_blocks, weight_only_reference
 
 BLOCK = (128, 128)
-FP8_VARIANTS = ("gemv", "w8a8", "flashinfer", "cuda")
+FP8_VARIANTS = ("w8a8", "flashinfer", "cuda")
 VARIANTS = (*FP8_VARIANTS, "bf16_cuda")
 CUDA_GEMV_TOKENS = 8  # kernels.gemv.MAX_TOKENS
 
@@ -76,15 +75,12 @@ class Weights:
         self.block = [quantize_blocks(w, BLOCK) for w in self.bf16]
 
 
-def variant_calls(name: str, x: torch.Tensor, wts: Weights, config=None) -> list[Callable[[], torch.Tensor]]:
+def variant_calls(name: str, x: torch.Tensor, wts: Weights) -> list[Callable[[], torch.Tensor]]:
     from tpserve.kernels.fp8_gemm import fp8_gemm
-    from tpserve.kernels.fp8_gemv import fp8_gemv
     from tpserve.kernels.gemv import gemv
 
     if name == "bf16":
         return [lambda w=w: F.linear(x, w) for w in wts.bf16]
-    if name == "gemv":
-        return [lambda w=w, s=s: fp8_gemv(x, w, s, BLOCK, config) for w, s in wts.block]
     if name == "cuda":
         return [lambda w=w, s=s: gemv(x, w, s) for w, s in wts.block]
     if name == "bf16_cuda":
@@ -103,13 +99,13 @@ def reference(name: str, x: torch.Tensor, wts: Weights) -> torch.Tensor:
     w, s = wts.block[0]
     if name in ("bf16", "bf16_cuda"):
         return F.linear(x.float(), wts.bf16[0].float())
-    if name in ("gemv", "cuda"):
+    if name == "cuda":
         return weight_only_reference(x.float(), w, s, BLOCK)
     return fp8_linear_reference(x.float(), w, s, BLOCK)
 
 
-def measure(name: str, x: torch.Tensor, wts: Weights, exact: torch.Tensor, iters: int, config=None) -> dict:
-    calls = variant_calls(name, x, wts, config)
+def measure(name: str, x: torch.Tensor, wts: Weights, exact: torch.Tensor, iters: int) -> dict:
+    calls = variant_calls(name, x, wts)
     out = calls[0]()
     result = {"err": rel_err(out, exact), "bug": rel_err(out, reference(name, x, wts))}
     seconds, how = time_calls(calls, iters)
@@ -129,7 +125,7 @@ def bench_linear(model: str, name: str, n: int, k: int, ms: list[int], args, gen
         exact = x.double() @ wts.bf16[0].double().T
         row: dict = {"config": model.rstrip("/").rsplit("/", 1)[-1], "linear": name, "m": m, "n": n, "k": k}
         for variant in ("bf16", *args.variants.split(",")):
-            if (variant == "gemv" and m > 64) or (variant in ("cuda", "bf16_cuda") and m > CUDA_GEMV_TOKENS):
+            if variant in ("cuda", "bf16_cuda") and m > CUDA_GEMV_TOKENS:
                 continue
             try:
                 r = measure(variant, x, wts, exact, args.iters)

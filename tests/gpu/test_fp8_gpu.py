@@ -16,12 +16,11 @@ import torch
 pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an FP8 GPU (sm89+)"
 )
-triton = pytest.importorskip("triton")
+pytest.importorskip("triton")
 
 from tpserve import LLM, SamplingParams
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
-from tpserve.kernels.fp8_gemv import GemvConfig, default_config, fp8_gemv
 from tpserve.kernels.fp8_linear import FP8_GEMM_ENV, fp8_linear, kernel_for, resolve_backend
 from tpserve.quant.fp8 import FP8_DTYPE, fp8_linear_reference, quantize_blocks, weight_only_reference
 from tpserve.tiny.fp8 import write_dequantized, write_fp8_checkpoint
@@ -30,7 +29,7 @@ DEVICE = torch.device("cuda")
 BLOCK = (128, 128)
 # Qwen3-8B per-layer linears at TP 1: (N, K)
 QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "down": (4096, 12288)}
-BACKENDS = ["auto", "gemv", "triton", "flashinfer", "cuda"]
+BACKENDS = ["auto", "triton", "flashinfer", "cuda", "cuda_triton"]
 TINY = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512, seed=1)
 
 
@@ -41,20 +40,26 @@ def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
 
 def reference(backend: str, m: int, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:
     """The float32 torch reference of what ``backend`` computes at ``m`` tokens: the weights alone
-    quantized (fp8_gemv, the CUDA GEMV) or the activations too (the others)."""
+    quantized (the CUDA GEMV) or the activations too (the others)."""
     kernel = kernel_for(resolve_backend(backend, x.device, x.dtype, block, x.shape[1]), m)
-    if kernel in ("gemv", "cuda"):
+    if kernel == "cuda":
         return weight_only_reference(x, weight, scale, block)
     return fp8_linear_reference(x, weight, scale, block)
 
 
 def test_auto_takes_the_cuda_gemv_on_h200():
-    """On an H200 (sm90) with FlashInfer, ``auto`` is the CUDA GEMV for few tokens, FlashInfer's GEMM else."""
+    """On an H200 (sm90) with FlashInfer, ``auto`` is the CUDA GEMV for one token and FlashInfer's
+    GEMM above; where FlashInfer's GEMM does not take the layer (sm89, K not a multiple of 128) the
+    GEMV and Triton's W8A8 GEMM; fp16 or other blocks, Triton's GEMM throughout."""
     resolved = resolve_backend("auto", DEVICE, torch.bfloat16, BLOCK, 4096)
     print(f"auto on {torch.cuda.get_device_name()}: {resolved}")
     if torch.cuda.get_device_capability() == (9, 0):
         assert resolved == "cuda"
-    assert resolve_backend("auto", DEVICE, torch.float16, BLOCK, 4096) == "gemv"
+        assert resolve_backend("auto", DEVICE, torch.bfloat16, BLOCK, 4096 + 16) == "cuda_triton"
+    if torch.cuda.get_device_capability() == (8, 9):
+        assert resolved == "cuda_triton"
+    assert resolve_backend("auto", DEVICE, torch.float16, BLOCK, 4096) == "triton"
+    assert resolve_backend("auto", DEVICE, torch.bfloat16, (16, 16), 4096) == "triton"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)
@@ -87,54 +92,6 @@ def test_fp8_gemm_in_a_cuda_graph(backend, m):
     graph.replay()
     torch.cuda.synchronize()
     assert torch.equal(out, eager)
-
-
-def gemv_configs(m: int, n: int, k: int) -> list[GemvConfig]:
-    """The default, and variants of it: no prefetch, Triton's pipeliner, a K split, wider tiles,
-    programmatic dependent launch (where Triton has it)."""
-    base = default_config(m, n, k, BLOCK[1], torch.cuda.get_device_properties(DEVICE).multi_processor_count)
-    fields = base.__dict__
-    configs = [base, GemvConfig(**{**fields, "prefetch": False, "num_stages": 3}), GemvConfig(**{**fields, "split_k": 3}),
-               GemvConfig(**{**fields, "block_n": 32, "block_k": 256, "num_warps": 8}), GemvConfig(**{**fields, "pdl": True})]
-    return configs if hasattr(getattr(triton.language.extra, "cuda", None), "gdc_wait") else configs[:-1]
-
-
-@pytest.mark.parametrize("m", [1, 2, 4])
-@pytest.mark.parametrize("name", list(QWEN3_8B))
-def test_fp8_gemv_configs_in_a_cuda_graph(name, m):
-    """Each fp8_gemv variant inside a CUDA graph (replayed over new activations) against torch."""
-    n, k = QWEN3_8B[name]
-    gen = torch.Generator(device=DEVICE).manual_seed(5)
-    wq, scale = quantize_blocks(0.02 * torch.randn(n, k, device=DEVICE, generator=gen), BLOCK)
-    x = torch.empty(m, k, device=DEVICE, dtype=torch.bfloat16)
-    for config in gemv_configs(m, n, k):
-        x.copy_(torch.randn(m, k, device=DEVICE, generator=gen))
-        fp8_gemv(x, wq, scale, BLOCK, config)  # compiles outside the capture
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = fp8_gemv(x, wq, scale, BLOCK, config)
-        x.copy_(torch.randn(m, k, device=DEVICE, generator=gen))
-        graph.replay()
-        torch.cuda.synchronize()
-        err = rel_err(out, weight_only_reference(x, wq, scale, BLOCK))
-        assert err < 1e-2, f"{config}: relative error {err:.2e}"
-
-
-@pytest.mark.parametrize("m", [1, 4])
-def test_fp8_gemv_gated_down_projection(m):
-    """Qwen3-8B's down projection given [gate | up] (SwiGLU in the GEMV's loads), in a CUDA graph."""
-    n, k = QWEN3_8B["down"]
-    gen = torch.Generator(device=DEVICE).manual_seed(6)
-    wq, scale = quantize_blocks(0.02 * torch.randn(n, k, device=DEVICE, generator=gen), BLOCK)
-    x = (2 * torch.randn(m, 2 * k, device=DEVICE, generator=gen)).to(torch.bfloat16)
-    fp8_gemv(x, wq, scale, BLOCK, gated=True)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = fp8_gemv(x, wq, scale, BLOCK, gated=True)
-    graph.replay()
-    torch.cuda.synchronize()
-    gate, up = x.float().chunk(2, dim=-1)
-    assert rel_err(out, weight_only_reference(torch.nn.functional.silu(gate) * up, wq, scale, BLOCK)) < 1e-2
 
 
 def test_small_scale_groups_on_gpu():

@@ -36,8 +36,3 @@ def test_a_bias_needs_the_layers_own_all_reduce():
     with pytest.raises(ValueError, match="with a bias must all-reduce"):
         layer(torch.ones(1, 4), reduce=False)
 
-
-def test_gated_input_is_silu_and_mul_first():
-    """``gated=True`` (the MLP's down projection given [gate | up]): silu(gate) * up is the input."""
-    layer, x = _layer(bias=False), torch.randn(3, 8)
-    assert torch.equal(layer(x, gated=True), layer(torch.nn.functional.silu(x[:, :4]) * x[:, 4:]))

@@ -7,7 +7,7 @@ float8_e4m3fn [N, K] with ``scale_inv`` [ceil(N / bn), >= ceil(K / bk)] (the che
 its row stride is read). The torch reference is
 ``tpserve.quant.fp8.fp8_linear_reference``; both kernels also run in Triton's CPU interpreter
 (tests/kernels/interpreter_checks.py). No host synchronisation, so a CUDA graph can hold them.
-Few tokens (decode) take ``fp8_gemv`` instead (see ``kernels.fp8_linear``).
+Where the CUDA GEMV runs, one token takes that instead (see ``kernels.fp8_linear``).
 """
 
 from __future__ import annotations
@@ -16,10 +16,18 @@ import torch
 import triton
 import triton.language as tl
 
-from tpserve.kernels.fp8_gemv import k_tile
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX, num_blocks
 
 _MIN_AMAX = 1e-10
+
+
+def k_tile(group_k: int) -> int:
+    """The largest power of two up to 128 dividing ``group_k`` (so a K tile never spans two scale
+    groups), at least 16 (callers check 16 divides it: ``kernels.use_fp8_gemm``)."""
+    tile = 16
+    while tile < 128 and group_k % (tile * 2) == 0:
+        tile *= 2
+    return tile
 
 
 @triton.jit

@@ -6,7 +6,8 @@ imported then, never with this module.
 
 Unquantized bf16 linear layers on CUDA take it up to ``BF16_GEMV_TOKENS`` tokens where it builds
 and runs (``bf16_gemv_enabled``; ``TPSERVE_BF16_GEMV=0``, read when a model loads, turns it off);
-FP8 layers take it through ``TPSERVE_FP8_GEMM`` ``auto`` or ``cuda`` (``kernels.fp8_linear``).
+FP8 layers take it through ``TPSERVE_FP8_GEMM`` ``auto``, ``cuda`` or ``cuda_triton``
+(``kernels.fp8_linear``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,8 @@ def load_module() -> Any:
     """Compile (first time; cached under FlashInfer's JIT directory) and load the kernels."""
     from flashinfer.jit.core import current_compilation_context, gen_jit_spec
 
-    flags = current_compilation_context.get_nvcc_flags_list(supported_major_versions=[9, 10, 12])
+    # sm_8x too: FP8 layers on sm89 (L40S, RTX 4090) take it at one token; it compiles for sm_80 and sm_89.
+    flags = current_compilation_context.get_nvcc_flags_list(supported_major_versions=[8, 9, 10, 12])
     return gen_jit_spec("tpserve_gemv", [SOURCE], extra_cuda_cflags=flags).build_and_load()
 
 

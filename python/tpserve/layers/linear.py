@@ -22,8 +22,7 @@ from torch import nn
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
 from tpserve.kernels import gemv, use_fp8_gemm
-from tpserve.kernels.fp8_linear import backend_from_env, check_weight_block, fp8_linear, fuses_gate, resolve_backend
-from tpserve.layers.activation import silu_and_mul
+from tpserve.kernels.fp8_linear import backend_from_env, check_weight_block, fp8_linear, resolve_backend
 from tpserve.quant.fp8 import FP8_DTYPE, dequantize_blocks, num_blocks, quantize_blocks
 
 
@@ -131,18 +130,13 @@ class ParallelLinear(nn.Module):
             self.weight_scale_inv, self.block_size = None, None
         self.keep_dtype = ()
 
-    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None, gated: bool = False) -> torch.Tensor:
-        """x @ weight.T (+ bias); ``gated``: x is [gate | up] and the input silu(gate) * up, fused
-        into the FP8 GEMV's loads where that runs (``fuses_gate``), SiLU-and-mul first elsewhere."""
-        fp8 = self.weight_scale_inv is not None
-        if gated and not (fp8 and fuses_gate(self.fp8_backend, x.numel() // x.shape[-1])):
-            x, gated = silu_and_mul(x), False
-        if not fp8:
+    def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.weight_scale_inv is None:
             if self.bf16_gemv and 0 < x.numel() // x.shape[-1] <= gemv.BF16_GEMV_TOKENS:
                 y = gemv.gemv(x, self.weight)
                 return y if bias is None else y + bias
             return F.linear(x, self.weight, bias)
-        y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size, self.fp8_backend, gated)
+        y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size, self.fp8_backend)
         return y if bias is None else y + bias
 
     def part(self, shard_id: str | int | None) -> Slice:
@@ -244,11 +238,10 @@ class RowParallelLinear(ParallelLinear):
         self.tp_rank, self.tp_size, self.comm = tp.rank, tp.size, comm
         super().__init__(divide(in_features, tp.size, "input features"), out_features, bias)
 
-    def forward(self, x: torch.Tensor, reduce: bool = True, gated: bool = False) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """The output summed over the ranks; with ``reduce=False`` this rank's partial sum, for a
-        caller that all-reduces it together with what follows (``all_reduce_add_rmsnorm``).
-        ``gated``: x is [gate | up] and the input silu(gate) * up (see ``matmul``)."""
-        y = self.matmul(x, None, gated)
+        caller that all-reduces it together with what follows (``all_reduce_add_rmsnorm``)."""
+        y = self.matmul(x, None)
         if not reduce:
             if self.bias is not None:
                 raise ValueError("a row-parallel layer with a bias must all-reduce its output itself")

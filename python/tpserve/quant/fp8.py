@@ -58,9 +58,10 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
 def fp8_linear_reference(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
 ) -> torch.Tensor:
-    """What the GPU GEMM computes, in float32 torch: x quantized per token and bk-group, times the
-    block-scaled fp8 weight, out in x's dtype. (The CPU path does not use it: there the weights
-    are dequantized at load and the activations stay unquantized.)"""
+    """What the block GEMMs (Triton's W8A8, FlashInfer's) compute, in float32 torch: x quantized
+    per token and bk-group, times the block-scaled fp8 weight, out in x's dtype. (The CPU path
+    does not use it: there the weights are dequantized at load and the activations stay
+    unquantized.)"""
     xq, xs = quantize_activations(x, block[1])
     a = dequantize_blocks(xq, xs, (1, block[1]), torch.float32)
     w = dequantize_blocks(weight, scale_inv, block, torch.float32)
@@ -70,7 +71,7 @@ def fp8_linear_reference(
 def weight_only_reference(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
 ) -> torch.Tensor:
-    """What the few-token GPU GEMM (``kernels.fp8_gemv``) computes, in float32 torch: x as it
-    is, times the block-scaled fp8 weight, out in x's dtype."""
+    """What the one-token CUDA GEMV (``kernels.gemv``) computes, in float32 torch: x as it is,
+    times the block-scaled fp8 weight, out in x's dtype."""
     w = dequantize_blocks(weight, scale_inv, block, torch.float32)
     return (x.float() @ w.T).to(x.dtype)
