@@ -4,8 +4,9 @@ every run. Decode at a few tokens is bound by reading W, and this kernel only st
 loads, several in flight per thread). Built on first use by FlashInfer's JIT (cached), which is
 imported then, never with this module.
 
-Unquantized bf16 linear layers on CUDA take it up to ``BF16_GEMV_TOKENS`` tokens where it builds
-and runs (``bf16_gemv_enabled``; ``TPSERVE_BF16_GEMV=0``, read when a model loads, turns it off);
+Unquantized bf16 linear layers on Hopper take it up to ``BF16_GEMV_TOKENS`` tokens where it builds
+and runs (``bf16_gemv_enabled``; ``TPSERVE_BF16_GEMV``, read when a model loads: ``0`` off, ``1``
+on other GPUs too);
 FP8 layers take it through ``TPSERVE_FP8_GEMM`` ``auto``, ``cuda`` or ``cuda_triton``
 (``kernels.fp8_linear``).
 """
@@ -107,9 +108,13 @@ def probe(device_index: int) -> str | None:
 
 
 def bf16_gemv_enabled(weight: torch.Tensor) -> bool:
-    """Whether a bf16 linear layer with this weight takes ``gemv`` at few tokens: not turned off
-    by ``TPSERVE_BF16_GEMV=0``, and the kernel builds and runs here (else cuBLAS)."""
-    if os.environ.get(BF16_GEMV_ENV, "1") == "0" or weight.device.type != "cuda" or weight.dtype != torch.bfloat16:
+    """Whether a bf16 linear layer with this weight takes ``gemv`` at few tokens, where the kernel
+    builds and runs (else cuBLAS): by default on Hopper, where it was measured faster than cuBLAS;
+    ``TPSERVE_BF16_GEMV=1`` asks for it on other GPUs too, ``0`` turns it off."""
+    flag = os.environ.get(BF16_GEMV_ENV, "")
+    if flag == "0" or weight.device.type != "cuda" or weight.dtype != torch.bfloat16:
+        return False
+    if flag != "1" and torch.cuda.get_device_capability(weight.device)[0] != 9:
         return False
     x = torch.empty(1, weight.shape[1], dtype=torch.bfloat16, device=weight.device)
     return unsupported(x, weight) is None and probe(weight.device.index or 0) is None
