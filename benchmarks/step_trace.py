@@ -1,12 +1,12 @@
 """Where a run's time goes, step by step, the way the engine really runs (overlap scheduling).
 
-``StepTracer`` wraps ``Scheduler.step``, ``Engine.prepare`` and ``Engine.start`` (together: the
-step's launch) and (on CUDA) ``torch.cuda.Event.synchronize`` on the classes while it is entered
+``StepTracer`` wraps ``Scheduler.step``, ``Engine.prepare`` and ``Scheduler._start`` (together:
+the step's launch) and (on CUDA) ``torch.cuda.Event.synchronize`` on the classes while it is entered
 (benchmark-side; nothing in tpserve changes). For every scheduler step it records the host wall
 time, the time blocked in CUDA event waits (inside ``LaunchedStep.result``: waiting for a step's
 samples; inside the launch: waiting for the previous step's planned copies, wherever the engine
 keeps that event), the step's composition, and, on CUDA, the step's device time between two
-timing events recorded right before ``Engine.prepare`` and right after ``Engine.start`` on the
+timing events recorded right before ``Engine.prepare`` and right after ``Scheduler._start`` on the
 current stream. Nothing synchronizes in the hot loop: the events are resolved when the tracer
 exits.
 
@@ -137,7 +137,7 @@ class StepTracer:
 
     def _install(self) -> None:
         tracer = self
-        step, prepare, start = Scheduler.step, Engine.prepare, Engine.start
+        step, prepare, start = Scheduler.step, Engine.prepare, Scheduler._start
 
         def traced_step(scheduler, *args, **kwargs):
             record = StepRecord(time.perf_counter())
@@ -149,8 +149,9 @@ class StepTracer:
                 tracer._current = None
                 tracer.records.append(record)
 
-        # A step's launch is Engine.prepare then Engine.start (a deferred grammar-masked sampling
-        # of the step before may come between them); the device interval spans both.
+        # A step's launch is Engine.prepare then Scheduler._start (the forward, and the sampling
+        # unless grammar masks defer it; the deferred sampling of the step before may come between
+        # them); the device interval spans both.
         def traced_prepare(engine, seqs, *args, **kwargs):
             record = tracer._current
             if record is None:  # not called from a scheduler step
@@ -169,14 +170,14 @@ class StepTracer:
                 # collector a growing heap to scan and distort the run being measured.
                 _count_composition(record, seqs, engine.graph_runner)
 
-        def traced_start(engine, *args, **kwargs):
+        def traced_start(scheduler, *args, **kwargs):
             record = tracer._current
             if record is None:
-                return start(engine, *args, **kwargs)
+                return start(scheduler, *args, **kwargs)
             begin = time.perf_counter()
             tracer._in_launch = True
             try:
-                return start(engine, *args, **kwargs)
+                return start(scheduler, *args, **kwargs)
             finally:
                 tracer._in_launch = False
                 if tracer.cuda and record.events is not None:
@@ -185,7 +186,7 @@ class StepTracer:
 
         self._patch(Scheduler, "step", traced_step)
         self._patch(Engine, "prepare", traced_prepare)
-        self._patch(Engine, "start", traced_start)
+        self._patch(Scheduler, "_start", traced_start)
         if self.cuda:
             synchronize = torch.cuda.Event.synchronize
 

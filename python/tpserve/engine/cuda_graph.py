@@ -130,7 +130,6 @@ class CUDAGraphRunner:
         self.tokens[:, :size].copy_(torch.from_numpy(padded), non_blocking=True)
         self.attention.plan_cuda_graph(seqs, graph.attn_meta, size)
 
-        @torch.inference_mode()
         def replay(previous_tokens: torch.Tensor | None) -> torch.Tensor:
             if previous_tokens is not None:
                 self.tokens[0, :batch] = resolve_future_tokens(self.tokens[0, :batch], previous_tokens)

@@ -279,21 +279,19 @@ class Engine:
         return PreparedStep(self._prepare_forward(seqs), has_futures, sampling, top_logprobs)
 
     @torch.inference_mode()
-    def start(self, step: PreparedStep, defer_sampling: bool = False) -> "LaunchedStep | PendingSample":
-        """Enqueue a prepared step's forward (reading the last sampled step's tokens) and its
-        sampling, without waiting for either; see ``LaunchedStep``. With ``defer_sampling`` only
-        the forward: the caller finishes the step with ``sample`` once it knows the grammar masks
-        (they need the previous step's tokens, which the host learns while this forward runs)."""
+    def start(self, step: PreparedStep) -> PendingSample:
+        """Enqueue a prepared step's forward (reading the last sampled step's tokens) without
+        waiting for it; ``sample`` then enqueues its sampling, at once or, for a step with grammar
+        masks, once they are filled (they need the previous step's tokens, which the host learns
+        while this forward runs)."""
         logits = step.run(self._last_tokens if step.has_futures else None)
-        pending = PendingSample(logits, step.sampling, step.top_logprobs)
-        return pending if defer_sampling else self.sample(pending)
+        return PendingSample(logits, step.sampling, step.top_logprobs)
 
     def launch(
         self, seqs: list[SequenceInput], sampling: SamplingBatch, top_logprobs: int | None = None
     ) -> "LaunchedStep":
-        """``prepare`` and ``start`` one step."""
-        pending = self.start(self.prepare(seqs, sampling, top_logprobs), defer_sampling=True)
-        return self.sample(pending)  # type: ignore[arg-type]
+        """``prepare``, ``start`` and ``sample`` one step."""
+        return self.sample(self.start(self.prepare(seqs, sampling, top_logprobs)))
 
     @torch.inference_mode()
     def sample(self, pending: "PendingSample", mask: torch.Tensor | None = None) -> "LaunchedStep":

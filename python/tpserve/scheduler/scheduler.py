@@ -268,11 +268,11 @@ class Scheduler:
         accepts the tokens of the step before) while its forward runs, its sampling deferred."""
         prepared, launched.prepared = launched.prepared, None
         if not launched.constrained:
-            launched.handle = self.engine.start(prepared)
+            launched.handle = self.engine.sample(self.engine.start(prepared))
             return
         fills = [(row, req.grammar) for row, req in launched.constrained]
         launched.masks = self.masks.submit(fills, len(launched.entries))
-        launched.pending = self.engine.start(prepared, defer_sampling=True)
+        launched.pending = self.engine.start(prepared)
 
     def _sample_constrained(self, launched: _Launched) -> None:
         """Finish a deferred step: wait for its grammar masks, then sample. The masks' host
