@@ -21,7 +21,7 @@ import torch
 from common import device_name, fill_kv_randomly, make_engine, print_table, setup_logging, write_json
 from decode_latency import time_decode
 from tpserve.kernels.fp8_linear import FP8_GEMM_ENV
-from tpserve.kernels.gemv import BF16_GEMV_ENV
+from tpserve.kernels.gemv import BF16_GEMV_ENV, PDL_ENV
 
 
 def decode_step_ms(model: str, quantization: str | None, batch_sizes: list[int], context: int, warmup: int,
@@ -48,6 +48,8 @@ def main() -> None:
                         help=f"FP8 GEMMs ({FP8_GEMM_ENV}) to run an FP8 engine with, one after the other")
     parser.add_argument("--bf16-cublas", action="store_true",
                         help="also a bf16 engine with TPSERVE_BF16_GEMV=0 (cuBLAS at one or two rows, not the CUDA GEMV)")
+    parser.add_argument("--gemv-pdl-off", action="store_true",
+                        help=f"also each engine with {PDL_ENV}=0 (the CUDA GEMV launched without programmatic dependent launch)")
     parser.add_argument("--batch-sizes", default="1", help="decode batch sizes")
     parser.add_argument("--context", type=int, default=512, help="cached tokens of each decoding sequence")
     parser.add_argument("--warmup", type=int, default=5)
@@ -61,15 +63,15 @@ def main() -> None:
     rows = []
     for model in [c for c in args.configs.split(",") if c]:
         name = model.rstrip("/").rsplit("/", 1)[-1]
-        runs = [("bf16", None, None)] + [(f"fp8 {g}", "fp8", g) for g in args.fp8_gemms.split(",") if g]
-        if args.bf16_cublas:  # the first engine, as users get it, is the base of every ratio
-            runs.insert(1, ("bf16 cublas", None, "cublas"))
+        # (label, quantization, environment): the first engine, as users get it, is the base of every ratio
+        runs = [("bf16", None, {})] + [(f"fp8 {g}", "fp8", {FP8_GEMM_ENV: g}) for g in args.fp8_gemms.split(",") if g]
+        if args.gemv_pdl_off:
+            runs += [(f"{label} nopdl", quant, env | {PDL_ENV: "0"}) for label, quant, env in runs]
+        if args.bf16_cublas:
+            runs.insert(1, ("bf16 cublas", None, {BF16_GEMV_ENV: "0"}))
         base: dict[int, float] = {}
-        for label, quant, gemm in runs:
-            if gemm == "cublas":
-                os.environ[BF16_GEMV_ENV] = "0"
-            elif gemm is not None:
-                os.environ[FP8_GEMM_ENV] = gemm
+        for label, quant, env in runs:
+            os.environ.update(env)
             try:
                 result = decode_step_ms(model, quant, batches, args.context, args.warmup, args.iters)
             except Exception as e:  # noqa: BLE001 -- reported, the other GEMMs still run
@@ -77,8 +79,8 @@ def main() -> None:
                 rows.append({"config": name, "weights": label, "failed": f"{type(e).__name__}: {e}"[:200]})
                 continue
             finally:
-                os.environ.pop(FP8_GEMM_ENV, None)
-                os.environ.pop(BF16_GEMV_ENV, None)
+                for key in env:
+                    os.environ.pop(key, None)
             for batch, ms in result["step_ms"].items():
                 if label == "bf16" and ms is not None:
                     base[batch] = ms

@@ -8,6 +8,12 @@ down at TP 1), M tokens (default 1, 16, 64), each GEMM tpserve can run (``kernel
                  timed up to 8)
     bf16_cuda    the CUDA GEMV on the bf16 weight (``TPSERVE_BF16_GEMV=1`` at <= 8 tokens)
 
+A CUDA GEMV variant may carry options after colons: ``nopdl`` (launched without programmatic
+dependent launch) and ``NAME=VALUE`` (a ``TPSERVE_GEMV_NAME`` constant of ``csrc/gemv.cu``, built as
+its own module), e.g. ``cuda:FP8_ROWS=16:FP8_LOADS=16``. ``--after-norm`` puts FlashInfer's RMSNorm
+(PDL-launched, as in the model) before each GEMM, since PDL lets a GEMV start during the kernel that
+writes its input; the times then include that norm.
+
 A config whose MLPs are all MoE (Qwen3-30B-A3B) times only qkv and o; ``--tp`` times one rank's
 shards (qkv, gate_up split N; o, down split K).
 
@@ -75,16 +81,31 @@ class Weights:
         self.block = [quantize_blocks(w, BLOCK) for w in self.bf16]
 
 
-def variant_calls(name: str, x: torch.Tensor, wts: Weights) -> list[Callable[[], torch.Tensor]]:
-    from tpserve.kernels.fp8_gemm import fp8_gemm
-    from tpserve.kernels.gemv import gemv
+def parse_variant(variant: str) -> tuple[str, dict]:
+    """``cuda:nopdl:FP8_ROWS=16`` -> ("cuda", {"pdl": False, "defines": (("FP8_ROWS", 16),)})."""
+    base, *options = variant.split(":")
+    defines = tuple((o.split("=")[0], int(o.split("=")[1])) for o in options if "=" in o)
+    return base, {"pdl": "nopdl" not in options, "defines": defines}
 
+
+def variant_calls(variant: str, x: torch.Tensor, wts: Weights, norm_weight: torch.Tensor | None) -> list[Callable[[], torch.Tensor]]:
+    from tpserve.kernels.fp8_gemm import fp8_gemm
+    from tpserve.kernels.gemv import gemv, load_module
+
+    name, options = parse_variant(variant)
+    if norm_weight is not None:  # each call: RMSNorm into x's buffer, then the GEMM on it
+        from flashinfer.norm import rmsnorm
+
+        source = x.clone()
+        inner = variant_calls(variant, x, wts, None)
+        return [lambda f=f: (rmsnorm(source, norm_weight, 1e-6, out=x), f())[1] for f in inner]
+    if name in ("cuda", "bf16_cuda"):
+        module, pdl = load_module(options["defines"]), options["pdl"]
+        if name == "cuda":
+            return [lambda w=w, s=s: gemv(x, w, s, module=module, pdl=pdl) for w, s in wts.block]
+        return [lambda w=w: gemv(x, w, module=module, pdl=pdl) for w in wts.bf16]
     if name == "bf16":
         return [lambda w=w: F.linear(x, w) for w in wts.bf16]
-    if name == "cuda":
-        return [lambda w=w, s=s: gemv(x, w, s) for w, s in wts.block]
-    if name == "bf16_cuda":
-        return [lambda w=w: gemv(x, w) for w in wts.bf16]
     if name == "w8a8":
         return [lambda w=w, s=s: fp8_gemm(x, w, s, BLOCK) for w, s in wts.block]
     if name == "flashinfer":
@@ -94,8 +115,9 @@ def variant_calls(name: str, x: torch.Tensor, wts: Weights) -> list[Callable[[],
     raise ValueError(name)
 
 
-def reference(name: str, x: torch.Tensor, wts: Weights) -> torch.Tensor:
-    """The float32 torch reference of what variant ``name`` computes."""
+def reference(variant: str, x: torch.Tensor, wts: Weights) -> torch.Tensor:
+    """The float32 torch reference of what ``variant`` computes."""
+    name, _ = parse_variant(variant)
     w, s = wts.block[0]
     if name in ("bf16", "bf16_cuda"):
         return F.linear(x.float(), wts.bf16[0].float())
@@ -104,8 +126,8 @@ def reference(name: str, x: torch.Tensor, wts: Weights) -> torch.Tensor:
     return fp8_linear_reference(x.float(), w, s, BLOCK)
 
 
-def measure(name: str, x: torch.Tensor, wts: Weights, exact: torch.Tensor, iters: int) -> dict:
-    calls = variant_calls(name, x, wts)
+def measure(name: str, x: torch.Tensor, wts: Weights, exact: torch.Tensor, iters: int, norm_weight: torch.Tensor | None) -> dict:
+    calls = variant_calls(name, x, wts, norm_weight)
     out = calls[0]()
     result = {"err": rel_err(out, exact), "bug": rel_err(out, reference(name, x, wts))}
     seconds, how = time_calls(calls, iters)
@@ -120,15 +142,20 @@ def bench_linear(model: str, name: str, n: int, k: int, ms: list[int], args, gen
     copies = max(3, -(-int(args.weight_set_mb) // int(max(bf16_mb / 2, 1))))
     wts = Weights(n, k, copies, gen)
     rows = []
+    norm_weight = torch.ones(k, device="cuda", dtype=torch.bfloat16) if args.after_norm else None
     for m in ms:
         x = torch.randn(m, k, device="cuda", generator=gen).to(torch.bfloat16)
+        if norm_weight is not None:  # x as the norm leaves it, so the references hold
+            from flashinfer.norm import rmsnorm
+
+            x = rmsnorm(x, norm_weight, 1e-6)
         exact = x.double() @ wts.bf16[0].double().T
         row: dict = {"config": model.rstrip("/").rsplit("/", 1)[-1], "linear": name, "m": m, "n": n, "k": k}
         for variant in ("bf16", *args.variants.split(",")):
-            if variant in ("cuda", "bf16_cuda") and m > CUDA_GEMV_TOKENS:
+            if parse_variant(variant)[0] in ("cuda", "bf16_cuda") and m > CUDA_GEMV_TOKENS:
                 continue
             try:
-                r = measure(variant, x, wts, exact, args.iters)
+                r = measure(variant, x, wts, exact, args.iters, norm_weight)
                 row[f"{variant}_us"], row[f"{variant}_err"], row[f"{variant}_bug"] = r["us"], r["err"], r["bug"]
                 if variant != "bf16":
                     row[f"{variant}_x"] = r["us"] / row["bf16_us"]
@@ -137,8 +164,10 @@ def bench_linear(model: str, name: str, n: int, k: int, ms: list[int], args, gen
                     traceback.print_exc()
                 row[f"{variant}_us"] = None
                 row[f"{variant}_fail"] = f"{type(e).__name__}: {e}"[:160]
-        row["fp8_gbps"] = n * k / (min(row.get(f"{v}_us") or 1e9 for v in FP8_VARIANTS) * 1e-6) / 1e9
-        row["bf16_gbps"] = 2 * n * k / (min(row.get(f"{v}_us") or 1e9 for v in ("bf16", "bf16_cuda")) * 1e-6) / 1e9
+        fp8 = [v for v in args.variants.split(",") if parse_variant(v)[0] in FP8_VARIANTS]
+        bf16 = ["bf16", *(v for v in args.variants.split(",") if parse_variant(v)[0] == "bf16_cuda")]
+        row["fp8_gbps"] = n * k / (min(row.get(f"{v}_us") or 1e9 for v in fp8 or ["-"]) * 1e-6) / 1e9
+        row["bf16_gbps"] = 2 * n * k / (min(row.get(f"{v}_us") or 1e9 for v in bf16) * 1e-6) / 1e9
         rows.append(row)
         print({key: (round(v, 4) if isinstance(v, float) else v) for key, v in row.items()}, flush=True)
     del wts
@@ -154,6 +183,7 @@ def main() -> None:
     parser.add_argument("--weight-set-mb", type=float, default=256, help="weight bytes rotated over per variant")
     parser.add_argument("--variants", default=",".join(VARIANTS), help="GEMMs to run beside bf16 cuBLAS")
     parser.add_argument("--tp", type=int, default=1, help="time one rank's shards at this tensor-parallel size")
+    parser.add_argument("--after-norm", action="store_true", help="a FlashInfer RMSNorm before each GEMM (timed with it)")
     parser.add_argument("--verbose", action="store_true", help="tracebacks of failing variants")
     parser.add_argument("--out", default=None, help="JSON output path")
     args = parser.parse_args()
@@ -166,7 +196,8 @@ def main() -> None:
         for name, (n, k) in linear_shapes(model, args.tp).items():
             rows += bench_linear(model, name, n, k, ms, args, gen)
     bandwidth = copy_bandwidth()
-    failures = sorted({f"{v}: {r[f'{v}_fail']}" for r in rows for v in ("bf16", *VARIANTS) if f"{v}_fail" in r})
+    variants = args.variants.split(",")
+    failures = sorted({f"{v}: {r[f'{v}_fail']}" for r in rows for v in ("bf16", *variants) if f"{v}_fail" in r})
     for failure in failures:
         print("FAILED", failure)
     sums = []
@@ -174,7 +205,7 @@ def main() -> None:
         for m in ms:
             layer = [r for r in rows if r["config"] == config and r["m"] == m]
             total = {"config": config, "m": m}
-            for v in ("bf16", *VARIANTS):
+            for v in ("bf16", *variants):
                 times = [r.get(f"{v}_us") for r in layer]
                 if times and all(t is not None for t in times):
                     total[f"{v}_us"] = sum(times)
@@ -183,10 +214,9 @@ def main() -> None:
             sums.append(total)
     write_json(args.out, {"device": torch.cuda.get_device_name(), "torch": torch.__version__,
                           "copy_bandwidth_bytes_per_s": bandwidth, "gemm": rows, "layer_sums": sums})
-    print_table(rows, ["config", "linear", "m", "bf16_us", "bf16_cuda_us", "bf16_gbps", *[f"{v}_us" for v in FP8_VARIANTS],
-                       "fp8_gbps"])
-    print_table(rows, ["linear", "m", "n", "k", "bf16_err", *[f"{v}_err" for v in FP8_VARIANTS], *[f"{v}_bug" for v in VARIANTS]])
-    print_table(sums, ["config", "m", "bf16_us", *[f"{v}_x" for v in VARIANTS]])
+    print_table(rows, ["config", "linear", "m", "bf16_us", *[f"{v}_us" for v in variants], "bf16_gbps", "fp8_gbps"])
+    print_table(rows, ["linear", "m", "n", "k", "bf16_err", *[f"{v}_err" for v in variants], *[f"{v}_bug" for v in variants]])
+    print_table(sums, ["config", "m", "bf16_us", *[f"{v}_x" for v in variants]])
     print(f"copy bandwidth {bandwidth / 1e12:.2f} TB/s (read + written)")
 
 

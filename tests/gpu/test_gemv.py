@@ -85,6 +85,38 @@ def test_gemv_edges_and_graph(n, k, fp8):
         assert rel_err(out, reference(x[0], w, scale).unsqueeze(0)) < 5e-3
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gemv_pdl_chain_in_graph(fp8):
+    """Launched with PDL, a GEMV may start before the kernel that writes its x has finished: a
+    FlashInfer RMSNorm (PDL too) then two GEMVs, the second reading the first's output, replayed in
+    a CUDA graph on new inputs; the bits equal those of launches without PDL."""
+    from flashinfer.norm import rmsnorm
+
+    w1, s1 = weights(6144, 4096, fp8, seed=4)
+    w2, s2 = weights(4096, 6144, fp8, seed=5)
+    norm_weight = torch.rand(4096, device=DEVICE).to(torch.bfloat16) + 0.5
+    gen = torch.Generator(device=DEVICE).manual_seed(6)
+    src = torch.randn(1, 4096, device=DEVICE, generator=gen).to(torch.bfloat16)
+
+    def chain(pdl: bool) -> torch.Tensor:
+        x = rmsnorm(src, norm_weight, 1e-6, enable_pdl=pdl)
+        return gemv(gemv(x, w1, s1, pdl=pdl), w2, s2, pdl=pdl)
+
+    chain(True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = chain(True)
+    for _ in range(3):
+        src.copy_(torch.randn(1, 4096, device=DEVICE, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        expected = chain(False)
+        assert torch.equal(out, expected), "PDL changed the result"
+        x = rmsnorm(src, norm_weight, 1e-6, enable_pdl=False)
+        ref = reference(reference(x, w1, s1).to(torch.bfloat16), w2, s2)
+        assert rel_err(out, ref) < 1e-2
+
+
 def test_gemv_rejects_what_it_cannot_run():
     w, scale = weights(256, 256, True)
     x = torch.randn(MAX_TOKENS + 1, 256, device=DEVICE, dtype=torch.bfloat16)

@@ -27,6 +27,8 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cu"
 MAX_TOKENS = 8
 SCALE_BLOCK = 128
 BF16_GEMV_ENV = "TPSERVE_BF16_GEMV"
+# Programmatic dependent launch on Hopper and newer (see csrc/gemv.cu): ``0`` turns it off.
+PDL_ENV = "TPSERVE_GEMV_PDL"
 # Rows up to which a bf16 layer takes the GEMV. Measured on an H200 (fp8_gemm.py,
 # docs/benchmarks.md): a decoder layer's four GEMMs against cuBLAS, Qwen3-8B / Qwen3-32B: 0.87x /
 # 0.80x at 1 row, 0.97x / 0.88x at 2, 1.12x (8B) at 4. Whole decode steps at batch 1: Qwen3-8B
@@ -35,14 +37,22 @@ BF16_GEMV_TOKENS = 2
 _VEC_BYTES = 16  # the kernel's loads: weight rows and pointers must be multiples
 
 
-@functools.cache
-def load_module() -> Any:
-    """Compile (first time; cached under FlashInfer's JIT directory) and load the kernels."""
+def jit_spec(defines: tuple[tuple[str, int], ...] = ()) -> Any:
+    """FlashInfer's JIT spec of the kernels; ``defines`` (experiments only) override the kernel's
+    ``TPSERVE_GEMV_*`` constants, as a module of their own name."""
     from flashinfer.jit.core import current_compilation_context, gen_jit_spec
 
     # sm_8x too: FP8 layers on sm89 (L40S, RTX 4090) take it at one token; it compiles for sm_80 and sm_89.
     flags = current_compilation_context.get_nvcc_flags_list(supported_major_versions=[8, 9, 10, 12])
-    return gen_jit_spec("tpserve_gemv", [SOURCE], extra_cuda_cflags=flags).build_and_load()
+    flags += [f"-DTPSERVE_GEMV_{name}={value}" for name, value in defines]
+    name = "tpserve_gemv" + "".join(f"_{name.lower()}{value}" for name, value in defines)
+    return gen_jit_spec(name, [SOURCE], extra_cuda_cflags=flags)
+
+
+@functools.cache
+def load_module(defines: tuple[tuple[str, int], ...] = ()) -> Any:
+    """Compile (first time; cached under FlashInfer's JIT directory) and load the kernels."""
+    return jit_spec(defines).build_and_load()
 
 
 def unsupported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None) -> str | None:
@@ -71,8 +81,13 @@ def supported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | N
     return unsupported(x, weight, scale_inv) is None
 
 
-def gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T in bf16 (FP8 weight: times ``scale_inv`` per 128x128 block)."""
+def gemv(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, module: Any = None,
+    pdl: bool | None = None,
+) -> torch.Tensor:
+    """x [..., K] @ weight [N, K].T in bf16 (FP8 weight: times ``scale_inv`` per 128x128 block);
+    ``module``: a variant from ``load_module(defines)`` (experiments); ``pdl``: launch with
+    programmatic dependent launch where the GPU has it (default: unless ``TPSERVE_GEMV_PDL=0``)."""
     reason = unsupported(x, weight, scale_inv)
     if reason is not None:
         raise ValueError(f"gemv: {reason}")
@@ -81,12 +96,20 @@ def gemv(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None =
     if x2.data_ptr() % _VEC_BYTES:
         x2 = x2.clone()
     y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16, device=x.device)
-    module = load_module()
+    module = module or load_module()
+    if pdl is None:
+        pdl = os.environ.get(PDL_ENV, "1") != "0"
+    pdl = pdl and _pdl_supported(x.device.index or 0)
     if scale_inv is None:
-        module.gemv_bf16(x2, weight, y)
+        module.gemv_bf16(x2, weight, y, pdl)
     else:
-        module.gemv_fp8(x2, weight, scale_inv, y)
+        module.gemv_fp8(x2, weight, scale_inv, y, pdl)
     return y.view(*x.shape[:-1], n)
+
+
+@functools.cache
+def _pdl_supported(device_index: int) -> bool:
+    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 @functools.cache

@@ -13,7 +13,13 @@
 // * one FP8 chunk (16 elements) lies inside one 128-wide scale block, so its partial sums are
 //   scaled once per chunk;
 // * the sums are reduced by warp shuffles, then across the block's warps through shared memory,
-//   in a fixed order: no atomics, the same bits every run.
+//   in a fixed order: no atomics, the same bits every run;
+// * launched with programmatic dependent launch (PDL, Hopper) when the caller asks: the kernel
+//   may start while the previous one (the RMSNorm or SiLU-and-mul that writes x) finishes, and
+//   issues its first loads of W, which no kernel writes, before it waits for x.
+//
+// The constants of the one-token FP8 case are macros only so that an experiment
+// (benchmarks/experiments/fp8_gemm.py) can build variants beside the default.
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
@@ -22,7 +28,17 @@
 
 namespace {
 
-constexpr int kThreads = 128;
+#ifndef TPSERVE_GEMV_THREADS
+#define TPSERVE_GEMV_THREADS 128
+#endif
+#ifndef TPSERVE_GEMV_FP8_ROWS
+#define TPSERVE_GEMV_FP8_ROWS 8
+#endif
+#ifndef TPSERVE_GEMV_FP8_LOADS
+#define TPSERVE_GEMV_FP8_LOADS 8
+#endif
+
+constexpr int kThreads = TPSERVE_GEMV_THREADS;
 constexpr int kWarps = kThreads / 32;
 constexpr int kVecBytes = 16;
 constexpr int kLoadsInFlight = 8;
@@ -35,7 +51,27 @@ constexpr int kMaxTokens = 8;
 // 2.4-3.1 TB/s against bf16's 3.1-4.2 on the same shapes).
 template <int M, bool kFp8>
 __host__ __device__ constexpr int rows_per_block() {
-  return kFp8 && M == 1 ? 8 : (M <= 2 ? 2 : 4);
+  return kFp8 && M == 1 ? TPSERVE_GEMV_FP8_ROWS : (M <= 2 ? 2 : 4);
+}
+
+template <int M, bool kFp8>
+__host__ __device__ constexpr int loads_in_flight() {
+  return kFp8 && M == 1 ? TPSERVE_GEMV_FP8_LOADS : kLoadsInFlight;
+}
+
+// PDL: wait until the grids this one depends on have finished and their writes are visible
+// (returns at once when the kernel was launched without PDL, or before Hopper).
+__device__ __forceinline__ void wait_for_inputs() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+// PDL: let the next kernel launch (it waits for this one's writes itself).
+__device__ __forceinline__ void allow_next_launch() {
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;");
+#endif
 }
 
 // 16 bytes of W, not kept in L1 (read once; L1 holds x).
@@ -81,7 +117,8 @@ __global__ void __launch_bounds__(kThreads)
     gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
                 const float* __restrict__ scale_inv, __nv_bfloat16* __restrict__ y, int n, int k) {
   constexpr int R = rows_per_block<M, kFp8>();
-  constexpr int U = kLoadsInFlight / R;       // chunks of each row loaded per step
+  constexpr int U = loads_in_flight<M, kFp8>() / R;  // chunks of each row loaded per step
+  static_assert(U >= 1, "loads in flight must be a multiple of the rows per block");
   constexpr int kElems = kFp8 ? 16 : 8;       // W elements per chunk
   constexpr int kXVecs = kElems / 8;          // 16-byte loads of one token's x per chunk
   const size_t row_bytes = static_cast<size_t>(k) * (kFp8 ? 1 : 2);
@@ -104,6 +141,7 @@ __global__ void __launch_bounds__(kThreads)
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
 
+  bool waited = false;
   for (int base = threadIdx.x; base < chunks; base += kThreads * U) {
     uint4 wv[U][R];
 #pragma unroll
@@ -111,6 +149,10 @@ __global__ void __launch_bounds__(kThreads)
       const int c = base + u * kThreads;
 #pragma unroll
       for (int r = 0; r < R; ++r) wv[u][r] = c < chunks ? load_stream(wrow[r] + c) : make_uint4(0, 0, 0, 0);
+    }
+    if (!waited) {  // the first loads of W are in flight: now wait for x
+      wait_for_inputs();
+      waited = true;
     }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
@@ -150,6 +192,9 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
+  if (!waited) wait_for_inputs();  // y may still be read by the previous kernel
+  allow_next_launch();
+
   __shared__ float warp_sums[kWarps][R * M];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
 #pragma unroll
@@ -173,30 +218,38 @@ __global__ void __launch_bounds__(kThreads)
 }
 
 template <int M, bool kFp8>
-void launch(TensorView x, TensorView w, const float* scale_inv, TensorView y) {
+cudaError_t launch(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl) {
   constexpr int R = rows_per_block<M, kFp8>();
   const int n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
-  const dim3 grid((n + R - 1) / R);
-  gemv_kernel<M, kFp8><<<grid, kThreads, 0, get_stream(x.device())>>>(
-      static_cast<const __nv_bfloat16*>(x.data_ptr()), static_cast<const uint8_t*>(w.data_ptr()),
-      scale_inv, static_cast<__nv_bfloat16*>(y.data_ptr()), n, k);
+  cudaLaunchAttribute attrs[1];
+  attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
+  attrs[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
+  cudaLaunchConfig_t config = {};
+  config.gridDim = dim3((n + R - 1) / R);
+  config.blockDim = dim3(kThreads);
+  config.stream = get_stream(x.device());
+  config.attrs = attrs;
+  config.numAttrs = 1;
+  return cudaLaunchKernelEx(&config, gemv_kernel<M, kFp8>, static_cast<const __nv_bfloat16*>(x.data_ptr()),
+                            static_cast<const uint8_t*>(w.data_ptr()), scale_inv,
+                            static_cast<__nv_bfloat16*>(y.data_ptr()), n, k);
 }
 
 template <bool kFp8>
-void run(TensorView x, TensorView w, const float* scale_inv, TensorView y) {
+void run(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl) {
   ffi::CUDADeviceGuard device_guard(x.device().device_id);
+  cudaError_t status = cudaSuccess;
   switch (x.size(0)) {
-    case 1: launch<1, kFp8>(x, w, scale_inv, y); break;
-    case 2: launch<2, kFp8>(x, w, scale_inv, y); break;
-    case 3: launch<3, kFp8>(x, w, scale_inv, y); break;
-    case 4: launch<4, kFp8>(x, w, scale_inv, y); break;
-    case 5: launch<5, kFp8>(x, w, scale_inv, y); break;
-    case 6: launch<6, kFp8>(x, w, scale_inv, y); break;
-    case 7: launch<7, kFp8>(x, w, scale_inv, y); break;
-    case 8: launch<8, kFp8>(x, w, scale_inv, y); break;
+    case 1: status = launch<1, kFp8>(x, w, scale_inv, y, pdl); break;
+    case 2: status = launch<2, kFp8>(x, w, scale_inv, y, pdl); break;
+    case 3: status = launch<3, kFp8>(x, w, scale_inv, y, pdl); break;
+    case 4: status = launch<4, kFp8>(x, w, scale_inv, y, pdl); break;
+    case 5: status = launch<5, kFp8>(x, w, scale_inv, y, pdl); break;
+    case 6: status = launch<6, kFp8>(x, w, scale_inv, y, pdl); break;
+    case 7: status = launch<7, kFp8>(x, w, scale_inv, y, pdl); break;
+    case 8: status = launch<8, kFp8>(x, w, scale_inv, y, pdl); break;
     default: TVM_FFI_LOG_AND_THROW(ValueError) << "gemv takes 1 to " << kMaxTokens << " rows of x";
   }
-  const cudaError_t status = cudaGetLastError();
   TVM_FFI_ICHECK(status == cudaSuccess) << "gemv launch failed: " << cudaGetErrorString(status);
 }
 
@@ -218,16 +271,16 @@ void check(TensorView x, TensorView w, TensorView y, int elem_bytes) {
 
 }  // namespace
 
-// y [M, N] = x [M, K] @ weight [N, K]^T, all bf16.
-void gemv_bf16(TensorView x, TensorView weight, TensorView y) {
+// y [M, N] = x [M, K] @ weight [N, K]^T, all bf16; pdl: launch with programmatic dependent launch.
+void gemv_bf16(TensorView x, TensorView weight, TensorView y, bool pdl) {
   check(x, weight, y, 2);
   CHECK_INPUT_TYPE(weight, dl_bfloat16);
-  run<false>(x, weight, nullptr, y);
+  run<false>(x, weight, nullptr, y, pdl);
 }
 
 // y [M, N] = x [M, K] @ (weight [N, K] * scale_inv per 128x128 block)^T; weight float8_e4m3fn,
 // scale_inv float32 [ceil(N / 128), ceil(K / 128)].
-void gemv_fp8(TensorView x, TensorView weight, TensorView scale_inv, TensorView y) {
+void gemv_fp8(TensorView x, TensorView weight, TensorView scale_inv, TensorView y, bool pdl) {
   check(x, weight, y, 1);
   CHECK_INPUT_TYPE(weight, dl_float8_e4m3fn);
   CHECK_INPUT_AND_TYPE(scale_inv, dl_float32);
@@ -235,7 +288,7 @@ void gemv_fp8(TensorView x, TensorView weight, TensorView scale_inv, TensorView 
                  scale_inv.size(0) == (weight.size(0) + kScaleBlock - 1) / kScaleBlock &&
                  scale_inv.size(1) == (weight.size(1) + kScaleBlock - 1) / kScaleBlock)
       << "gemv: scale_inv must be [ceil(N / 128), ceil(K / 128)]";
-  run<true>(x, weight, static_cast<const float*>(scale_inv.data_ptr()), y);
+  run<true>(x, weight, static_cast<const float*>(scale_inv.data_ptr()), y, pdl);
 }
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gemv_bf16, gemv_bf16);
