@@ -15,6 +15,7 @@ from __future__ import annotations
 import argparse
 import gc
 import os
+import statistics
 import traceback
 
 import torch
@@ -40,6 +41,38 @@ def decode_step_ms(model: str, quantization: str | None, batch_sizes: list[int],
     return {"step_ms": steps, "weight_gib": weight_gib}
 
 
+def alternating_rounds(model: str, runs: list[tuple[str, str | None, dict]], batch: int, args) -> list[dict]:
+    """Every engine of ``runs`` built and held at once, then timed in turn ``args.rounds`` times
+    (bf16, fp8, bf16, fp8, ...), so the machine's drift over the run falls on both sides of each
+    ratio: each label's median step and the median of its per-round ratios to the first run."""
+    engines = {}
+    for label, quant, env in runs:
+        os.environ.update(env)
+        try:
+            engines[label] = make_engine(model, quantization=quant, cuda_graph_max_bs=batch,
+                                         max_total_tokens=(batch + 2) * (args.context + args.iters + args.warmup + 8))
+        finally:
+            for key in env:
+                os.environ.pop(key, None)
+        fill_kv_randomly(engines[label])
+    times: dict[str, list[float]] = {label: [] for label in engines}
+    for _ in range(args.rounds):
+        for label, engine in engines.items():
+            times[label].append(time_decode(engine, batch, args.context, args.warmup, args.iters) * 1e3)
+    base = runs[0][0]
+    rows = []
+    for label, ms in times.items():
+        ratios = [t / b for t, b in zip(ms, times[base])]
+        rows.append({"config": model.rstrip("/").rsplit("/", 1)[-1], "weights": label, "batch": batch,
+                     "context": args.context, "step_ms": statistics.median(ms), "rounds_ms": ms,
+                     "over_bf16": None if label == base else statistics.median(ratios),
+                     "ratio_min": None if label == base else min(ratios), "ratio_max": None if label == base else max(ratios)})
+    del engines
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--configs", default="tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B",
@@ -50,6 +83,8 @@ def main() -> None:
                         help="also a bf16 engine with TPSERVE_BF16_GEMV=0 (cuBLAS at one or two rows, not the CUDA GEMV)")
     parser.add_argument("--gemv-pdl-off", action="store_true",
                         help=f"also each engine with {PDL_ENV}=0 (the CUDA GEMV launched without programmatic dependent launch)")
+    parser.add_argument("--rounds", type=int, default=1,
+                        help="above 1: hold every engine at once and time them in turn this many times (one batch size)")
     parser.add_argument("--batch-sizes", default="1", help="decode batch sizes")
     parser.add_argument("--context", type=int, default=512, help="cached tokens of each decoding sequence")
     parser.add_argument("--warmup", type=int, default=5)
@@ -69,6 +104,9 @@ def main() -> None:
             runs += [(f"{label} nopdl", quant, env | {PDL_ENV: "0"}) for label, quant, env in runs]
         if args.bf16_cublas:
             runs.insert(1, ("bf16 cublas", None, {BF16_GEMV_ENV: "0"}))
+        if args.rounds > 1:
+            rows += alternating_rounds(model, runs, batches[0], args)
+            continue
         base: dict[int, float] = {}
         for label, quant, env in runs:
             os.environ.update(env)
@@ -92,7 +130,8 @@ def main() -> None:
     for row in rows:
         if "failed" in row:
             print(f"FAILED {row['config']} {row['weights']}: {row['failed']}")
-    print_table([r for r in rows if "failed" not in r], ["config", "weights", "batch", "context", "step_ms", "over_bf16", "weight_gib"])
+    print_table([r for r in rows if "failed" not in r],
+                ["config", "weights", "batch", "context", "step_ms", "over_bf16", "ratio_min", "ratio_max", "weight_gib"])
     write_json(args.out, {"device": device_name(), "torch": torch.__version__, "decode": rows})
 
 

@@ -97,6 +97,7 @@ for s in $stages; do
       -k "cuda or test_gemv" ;;
     gemv_bench) stage gemv_bench 420 python3 benchmarks/experiments/fp8_gemm.py --ms 1,2,4,8 --variants cuda,bf16_cuda,flashinfer,w8a8 \
       --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B,$a3b --out $results/fp8_gemm_cuda.json ;;
+    gemv_only) stage gemv_only 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py ;;
     gemv_fp8_tests) stage gemv_fp8_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py tests/gpu/test_fp8_gpu.py ;;
     gemv_variants)  # the GEMV's launch (PDL or not) and one-token FP8 tiles, each GEMM after an RMSNorm as in the model
       stage gemv_variants 240 python3 benchmarks/experiments/fp8_gemm.py --ms 1,2 --after-norm \
@@ -217,6 +218,9 @@ for s in $stages; do
     fp8_decode_pdl)  # issue 16's ratio at batch 1, Qwen3-8B and Qwen3-32B, with the GEMV launched with PDL and without
       stage fp8_decode_pdl 300 python3 benchmarks/fp8_decode.py --configs $large,.models/Qwen3-32B --fp8-gemms auto \
         --bf16-cublas --gemv-pdl-off --batch-sizes 1 --out $results/fp8_decode_pdl.json ;;
+    fp8_decode_rounds)  # the same ratio with the bf16 and FP8 engines held at once and timed in turn, 7 rounds
+      stage fp8_decode_rounds 300 python3 benchmarks/fp8_decode.py --configs $large,.models/Qwen3-32B --fp8-gemms auto \
+        --rounds 7 --batch-sizes 1 --out $results/fp8_decode_rounds.json ;;
     moe30_gemv)  # issue 14: the bf16 CUDA GEMV for the dense layers at one row against cuBLAS (TPSERVE_BF16_GEMV=0)
       stage moe30_gemv 150 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --bf16-cublas \
         --batch-sizes 1,64 --out $results/decode_qwen3_30b_a3b_gemv.json ;;

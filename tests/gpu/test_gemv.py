@@ -30,6 +30,8 @@ TP1 = {
 SHAPES = sorted(
     {s for shapes in TP1.values() for i, (n, k) in enumerate(shapes) for s in ((n, k), (n, k // 2) if i % 2 else (n // 2, k))}
 )
+# bf16 only: the MoE router of Qwen3-30B-A3B and the LM heads of Qwen3-0.6B/8B (tpserve.kernels.gemv.linear)
+BF16_ONLY = [(128, 2048), (151936, 1024), (151936, 4096)]
 TINY = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512, seed=1)
 
 
@@ -50,8 +52,7 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> t
     return weight_only_reference(x.float(), w, scale, BLOCK)
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
-@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("fp8,n,k", [(fp8, n, k) for fp8 in (False, True) for n, k in SHAPES] + [(False, n, k) for n, k in BF16_ONLY])
 def test_gemv_matches_reference(n, k, fp8):
     w, scale = weights(n, k, fp8)
     gen = torch.Generator(device=DEVICE).manual_seed(1)
@@ -138,6 +139,7 @@ def test_tiny_model_with_bf16_gemv(tiny_model_factory, monkeypatch):
     monkeypatch.delenv(BF16_GEMV_ENV, raising=False)
     engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_total_tokens=1024))
     assert engine.model.model.layers[0].mlp.down_proj.bf16_gemv and engine.graph_runner is not None
+    assert engine.model.lm_head.bf16_gemv
     del engine
     prompts = [[1, 2, 3], [7, 8], list(range(10, 150))]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

@@ -4,7 +4,8 @@ every run. Decode at a few tokens is bound by reading W, and this kernel only st
 loads, several in flight per thread). Built on first use by FlashInfer's JIT (cached), which is
 imported then, never with this module.
 
-Unquantized bf16 linear layers on Hopper take it up to ``BF16_GEMV_TOKENS`` tokens where it builds
+Unquantized bf16 linear layers (and the LM head and the MoE router: ``linear``) on Hopper take it up
+to ``BF16_GEMV_TOKENS`` tokens where it builds
 and runs (``bf16_gemv_enabled``; ``TPSERVE_BF16_GEMV``, read when a model loads: ``0`` off, ``1``
 on other GPUs too);
 FP8 layers take it through ``TPSERVE_FP8_GEMM`` ``auto``, ``cuda`` or ``cuda_triton``
@@ -141,3 +142,12 @@ def bf16_gemv_enabled(weight: torch.Tensor) -> bool:
         return False
     x = torch.empty(1, weight.shape[1], dtype=torch.bfloat16, device=weight.device)
     return unsupported(x, weight) is None and probe(weight.device.index or 0) is None
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``F.linear``, through ``gemv`` at up to ``BF16_GEMV_TOKENS`` tokens when ``use_gemv`` (a
+    layer's ``bf16_gemv_enabled(weight)``, decided at load)."""
+    if use_gemv and 0 < x.numel() // x.shape[-1] <= BF16_GEMV_TOKENS:
+        y = gemv(x, weight)
+        return y if bias is None else y + bias
+    return torch.nn.functional.linear(x, weight, bias)

@@ -12,6 +12,7 @@ from torch import nn
 
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
+from tpserve.kernels import gemv
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -56,9 +57,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         super().__init__(vocab_size, hidden_size, comm)
         if tied is not None:
             self.weight = tied.weight
+        self.bf16_gemv = False  # the logits through the CUDA GEMV at one or two tokens (set at load)
+
+    def finish_loading(self, dtype: torch.dtype) -> None:
+        self.bf16_gemv = gemv.bf16_gemv_enabled(self.weight.data)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = gemv.linear(hidden, self.weight, self.bf16_gemv)
         if self.comm.world_size > 1:
             logits = self.comm.all_gather(logits)
         return logits[..., : self.vocab_size]

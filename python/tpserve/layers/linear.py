@@ -16,7 +16,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from tpserve.distributed.comm import Communicator
@@ -132,10 +131,7 @@ class ParallelLinear(nn.Module):
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale_inv is None:
-            if self.bf16_gemv and 0 < x.numel() // x.shape[-1] <= gemv.BF16_GEMV_TOKENS:
-                y = gemv.gemv(x, self.weight)
-                return y if bias is None else y + bias
-            return F.linear(x, self.weight, bias)
+            return gemv.linear(x, self.weight, self.bf16_gemv, bias)
         y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size, self.fp8_backend)
         return y if bias is None else y + bias
 

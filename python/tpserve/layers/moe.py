@@ -20,7 +20,7 @@ from torch import nn
 from tpserve.config import ModelConfig
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
-from tpserve.kernels import use_triton
+from tpserve.kernels import gemv, use_triton
 from tpserve.layers.activation import silu_and_mul
 from tpserve.layers.linear import ReplicatedWeights, copy_checked, divide
 
@@ -34,14 +34,19 @@ class TopKRouter(ReplicatedWeights):
         super().__init__()
         self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
+        self.bf16_gemv = False  # the router logits through the CUDA GEMV at one token (set at load)
+
+    def finish_loading(self, dtype: torch.dtype) -> None:
+        self.bf16_gemv = gemv.bf16_gemv_enabled(self.weight.data)
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k] int64)."""
+        logits = gemv.linear(x, self.weight, self.bf16_gemv)
         if use_triton(x.device):
             from tpserve.kernels.moe import router_topk
 
-            return router_topk(F.linear(x, self.weight), self.top_k, self.norm_topk_prob, x.dtype)
-        probs = torch.softmax(F.linear(x, self.weight), dim=-1, dtype=torch.float32)
+            return router_topk(logits, self.top_k, self.norm_topk_prob, x.dtype)
+        probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)

@@ -23,7 +23,9 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from tpserve.layers.embedding import ParallelLMHead
 from tpserve.layers.linear import ParallelLinear
+from tpserve.layers.moe import TopKRouter
 from tpserve.models.decoder import CausalLM
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX
 
@@ -192,7 +194,7 @@ def load_model_weights(
     else:
         load_safetensors(model, model_dir, show_progress)
     for module in model.modules():
-        if isinstance(module, ParallelLinear):
+        if isinstance(module, (ParallelLinear, ParallelLMHead, TopKRouter)):
             module.finish_loading(dtype)
     if device.type == "cuda":  # weights replaced by their FP8 form: give the memory back for the KV cache
         torch.cuda.empty_cache()
