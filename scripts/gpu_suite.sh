@@ -97,6 +97,7 @@ for s in $stages; do
       -k "cuda or test_gemv" ;;
     gemv_bench) stage gemv_bench 420 python3 benchmarks/experiments/fp8_gemm.py --ms 1,2,4,8 --variants cuda,bf16_cuda,flashinfer,w8a8 \
       --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B,$a3b --out $results/fp8_gemm_cuda.json ;;
+    fp8_quant_tests) stage fp8_quant_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py -k quantization_fp8_on_gpu ;;
     gemv_only) stage gemv_only 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py ;;
     gemv_fp8_tests) stage gemv_fp8_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py tests/gpu/test_fp8_gpu.py ;;
     gemv_variants)  # the GEMV's launch (PDL or not) and one-token FP8 tiles, each GEMM after an RMSNorm as in the model
@@ -202,6 +203,12 @@ for s in $stages; do
       for q in fp8_cold bf16 fp8 fp8kv; do
         case $q in bf16) qa="";; fp8kv) qa="--quantization fp8 --kv-cache-dtype fp8_e4m3";; fp8*) qa="--quantization fp8";; esac
         stage fp8_offline8_$q 150 python3 benchmarks/offline_throughput.py --model $large $qa --out $results/offline_qwen3_8b_$q.json
+      done ;;
+    fp8_offline8_cold)  # FP8 workload A on a fresh DeepGEMM cache (the first launch on a machine), then again
+      rm -rf /tmp/deepgemm-fresh
+      for q in cold warm; do
+        stage fp8_offline8_$q 200 env TRTLLM_DG_CACHE_DIR=/tmp/deepgemm-fresh python3 benchmarks/offline_throughput.py \
+          --model $large --quantization fp8 --out $results/offline_qwen3_8b_fp8_$q.json
       done ;;
     offline06_fp8kv) stage offline06_fp8kv 150 python3 benchmarks/offline_throughput.py --model $small --kv-cache-dtype fp8_e4m3 \
       --out $results/offline_qwen3_0.6b_fp8kv.json ;;

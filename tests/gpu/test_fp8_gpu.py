@@ -21,7 +21,8 @@ pytest.importorskip("triton")
 from tpserve import LLM, SamplingParams
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
-from tpserve.kernels.fp8_linear import FP8_GEMM_ENV, fp8_linear, kernel_for, resolve_backend
+from tpserve.kernels.fp8_linear import FP8_GEMM_ENV, fp8_linear, kernel_for, resolve_backend, warm_up, warm_up_sizes
+from tpserve.layers.linear import ParallelLinear
 from tpserve.quant.fp8 import FP8_DTYPE, fp8_linear_reference, quantize_blocks, weight_only_reference
 from tpserve.tiny.fp8 import write_dequantized, write_fp8_checkpoint
 
@@ -132,6 +133,12 @@ def test_quantization_fp8_on_gpu(tiny_model_factory, monkeypatch, backend):
     assert down.weight.dtype == FP8_DTYPE and down.fp8_backend == resolve_backend(backend, DEVICE, torch.bfloat16, BLOCK, 512)
     assert down.block_size == BLOCK
     assert engine.graph_runner is not None
+    # The engine warmed FlashInfer's GEMM at startup: per distinct weight shape (TINY: qkv and gate_up
+    # are both [1024, 256], o and down [256, 512]), every size above one token; others warm nothing.
+    layers = [m for m in engine.model.modules() if isinstance(m, ParallelLinear)]
+    shapes = {tuple(m.weight.shape) for m in layers}
+    expected = len(shapes) * len([m for m in warm_up_sizes(512) if m > 1]) if kernel_for(down.fp8_backend, 2) == "flashinfer" else 0
+    assert warm_up(layers, 512) == expected
     del engine
     prompts = [[1, 2, 3], list(range(10, 150))]
     greedy = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)

@@ -13,6 +13,7 @@ from tpserve.kernels.fp8_linear import (
     check_weight_block,
     kernel_for,
     resolve_backend,
+    warm_up_sizes,
 )
 
 
@@ -45,3 +46,12 @@ def test_auto_on_the_cpu_is_the_triton_gemm():
     assert resolve_backend("auto", cpu, torch.bfloat16, (128, 128), 4096) == "triton"
     assert resolve_backend("auto", cpu, torch.float32, (16, 32), 80) == "triton"
     assert [resolve_backend(b, cpu, torch.bfloat16, (128, 128), 4096) for b in BACKENDS[1:]] == list(BACKENDS[1:])
+
+
+def test_warm_up_sizes_reach_every_tile_count():
+    """FlashInfer's FP8 GEMM picks its tile from the swap-AB cut, the 64-row tile and the count of
+    128-row tiles: the warm-up sizes hit each of those up to the prefill budget."""
+    sizes = warm_up_sizes(8192)
+    assert sizes[:3] == [2, 32, 64] and sizes[-1] == 8192 and sizes == sorted(set(sizes))
+    assert {-(-m // 128) for m in sizes if m > 64} == set(range(1, 65))
+    assert warm_up_sizes(300)[-1] == 384  # the last partial tile too

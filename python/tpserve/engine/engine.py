@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -22,6 +23,7 @@ from tpserve.engine.sampler import Sampler, SamplingBatch
 from tpserve.forward import ForwardContext, SequenceInput
 from tpserve.kernels import use_triton
 from tpserve.kvcache.pool import KVCachePool, kv_cache_dtype
+from tpserve.layers.linear import ParallelLinear
 from tpserve.models.decoder import CausalLM
 from tpserve.models.loader import load_model_weights
 from tpserve.models.quantize import quantize_model
@@ -134,6 +136,8 @@ class Engine:
             self.model, config.model, config.load_format, self.device, self.dtype, config.seed, show_progress=rank == 0
         )
         self.model.eval()
+        if self.device.type == "cuda" and self.quantization is not None:
+            self._warm_up_fp8_gemms()  # before the KV cache takes the free memory
         if nodes is not None:  # nodes load at their own pace; the collectives below have a deadline
             nodes.barrier("loaded")
 
@@ -199,6 +203,24 @@ class Engine:
         runner = CUDAGraphRunner(self.model, self.attention, self.page_size, self.max_model_len, max_bs, self.device)
         runner.capture()
         return runner
+
+    def _warm_up_fp8_gemms(self) -> None:
+        """Compile FlashInfer's FP8 GEMM kernels for every prefill size now rather than while serving
+        (a machine's first launch: 105 s at Qwen3-8B on an H200, then 0.1 s; docs/benchmarks.md, FP8)."""
+        from tpserve.kernels import fp8_linear
+
+        layers = [m for m in self.model.modules() if isinstance(m, ParallelLinear) and fp8_linear.compiles_at_run_time(m)]
+        if not layers:
+            return
+        start = time.perf_counter()
+        max_tokens = max(self.config.chunked_prefill_size, self.config.max_running_requests)
+        if self.tp.rank == 0:
+            logger.info("warming up the FP8 GEMMs to %d tokens (a machine's first launch compiles them: minutes)", max_tokens)
+        runs = fp8_linear.warm_up(layers, max_tokens)
+        torch.cuda.synchronize(self.device)
+        torch.cuda.empty_cache()
+        if self.tp.rank == 0:
+            logger.info("FP8 GEMMs warmed up to %d tokens (%d runs) in %.1f s", max_tokens, runs, time.perf_counter() - start)
 
     def _warm_up_sampler(self) -> None:
         """Compile the sampler's kernels (plain and filtered) and the grammar mask's now rather

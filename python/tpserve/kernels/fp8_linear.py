@@ -142,3 +142,35 @@ def fp8_linear(
 
         y = fp8_gemm(x2, weight, scale_inv, block)
     return y.view(*x.shape[:-1], n)
+
+
+def warm_up_sizes(max_tokens: int) -> list[int]:
+    """Token counts that reach every tile FlashInfer's FP8 GEMM picks for up to ``max_tokens``
+    rows: its DeepGEMM kernels are compiled per (N, K, tile) and the tile depends on the rows only
+    through the swap-AB cut (32), the 64-row tile (<= 64 rows) and the count of 128-row tiles."""
+    return sorted({2, 32, 64, *range(128, max(max_tokens, 0) + 128, 128)})
+
+
+def compiles_at_run_time(layer: torch.nn.Module) -> bool:
+    """Whether a ParallelLinear runs FlashInfer's FP8 GEMM (DeepGEMM, compiled per shape and tile on
+    first use) for some batch."""
+    return getattr(layer, "weight_scale_inv", None) is not None and _LARGE_KERNEL.get(layer.fp8_backend) == "flashinfer"
+
+
+def warm_up(layers: list[torch.nn.Module], max_tokens: int) -> int:
+    """Run FlashInfer's FP8 GEMM of each distinct weight shape of ``layers`` (ParallelLinear) at
+    ``warm_up_sizes(max_tokens)`` rows, so its kernels compile at startup (the first launch on a
+    machine: DeepGEMM's JIT, then cached on disk) rather than under load. The number of GEMMs run."""
+    shapes = {}
+    for layer in layers:
+        if compiles_at_run_time(layer):
+            shapes.setdefault(tuple(layer.weight.shape), layer)
+    runs = 0
+    for layer in shapes.values():
+        k = layer.weight.shape[1]
+        x = torch.zeros(max(max_tokens, 64), k, dtype=torch.bfloat16, device=layer.weight.device)
+        for m in warm_up_sizes(max_tokens):
+            if m > CUDA_GEMV_TOKENS:
+                fp8_linear(x[:m], layer.weight, layer.weight_scale_inv, layer.block_size, layer.fp8_backend)
+                runs += 1
+    return runs
