@@ -55,3 +55,23 @@ def test_warm_up_sizes_reach_every_tile_count():
     assert sizes[:3] == [2, 32, 64] and sizes[-1] == 8192 and sizes == sorted(set(sizes))
     assert {-(-m // 128) for m in sizes if m > 64} == set(range(1, 65))
     assert warm_up_sizes(300)[-1] == 384  # the last partial tile too
+
+
+def test_warm_up_runs_each_shape_once_per_size(monkeypatch):
+    """The startup warm-up runs FlashInfer's GEMM once per distinct weight shape and size, only for
+    layers that take it (the GEMV-only and Triton backends compile nothing at run time)."""
+    from tpserve.kernels import fp8_linear
+
+    runs = []
+    monkeypatch.setattr(fp8_linear, "fp8_linear", lambda x, weight, scale, block, backend: runs.append((tuple(weight.shape), x.shape[0])))
+
+    class Layer(torch.nn.Module):
+        def __init__(self, n: int, k: int, backend: str) -> None:
+            super().__init__()
+            self.weight, self.weight_scale_inv = torch.zeros(n, k), torch.ones(1, 1)
+            self.block_size, self.fp8_backend = (128, 128), backend
+
+    layers = [Layer(256, 128, "cuda"), Layer(256, 128, "cuda"), Layer(128, 256, "flashinfer"), Layer(64, 64, "cuda_triton")]
+    sizes = [m for m in warm_up_sizes(512) if m > CUDA_GEMV_TOKENS]
+    assert fp8_linear.warm_up(layers, 512) == 2 * len(sizes)
+    assert sorted(runs) == sorted((shape, m) for shape in ((256, 128), (128, 256)) for m in sizes)

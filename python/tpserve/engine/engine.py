@@ -216,7 +216,7 @@ class Engine:
         max_tokens = max(self.config.chunked_prefill_size, self.config.max_running_requests)
         if self.tp.rank == 0:
             logger.info("warming up the FP8 GEMMs to %d tokens (a machine's first launch compiles them: minutes)", max_tokens)
-        runs = fp8_linear.warm_up(layers, max_tokens)
+        runs = fp8_linear.warm_up(layers, max_tokens, show_progress=self.tp.rank == 0)
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         if self.tp.rank == 0:

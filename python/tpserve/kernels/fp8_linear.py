@@ -157,20 +157,21 @@ def compiles_at_run_time(layer: torch.nn.Module) -> bool:
     return getattr(layer, "weight_scale_inv", None) is not None and _LARGE_KERNEL.get(layer.fp8_backend) == "flashinfer"
 
 
-def warm_up(layers: list[torch.nn.Module], max_tokens: int) -> int:
+def warm_up(layers: list[torch.nn.Module], max_tokens: int, show_progress: bool = False) -> int:
     """Run FlashInfer's FP8 GEMM of each distinct weight shape of ``layers`` (ParallelLinear) at
     ``warm_up_sizes(max_tokens)`` rows, so its kernels compile at startup (the first launch on a
     machine: DeepGEMM's JIT, then cached on disk) rather than under load. The number of GEMMs run."""
+    from tqdm import tqdm
+
     shapes = {}
     for layer in layers:
         if compiles_at_run_time(layer):
             shapes.setdefault(tuple(layer.weight.shape), layer)
-    runs = 0
-    for layer in shapes.values():
-        k = layer.weight.shape[1]
-        x = torch.zeros(max(max_tokens, 64), k, dtype=torch.bfloat16, device=layer.weight.device)
-        for m in warm_up_sizes(max_tokens):
-            if m > CUDA_GEMV_TOKENS:
+    sizes = [m for m in warm_up_sizes(max_tokens) if m > CUDA_GEMV_TOKENS]
+    with tqdm(total=len(shapes) * len(sizes), desc="FP8 GEMM warm-up", unit="GEMM", disable=not show_progress) as bar:
+        for layer in shapes.values():
+            x = torch.zeros(max(sizes, default=1), layer.weight.shape[1], dtype=torch.bfloat16, device=layer.weight.device)
+            for m in sizes:
                 fp8_linear(x[:m], layer.weight, layer.weight_scale_inv, layer.block_size, layer.fp8_backend)
-                runs += 1
-    return runs
+                bar.update()
+    return len(shapes) * len(sizes)
