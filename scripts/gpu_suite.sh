@@ -1,9 +1,15 @@
 #!/usr/bin/env bash
-# The GPU run, on the lent GPU machine, from the repository root (carry .whl .ficache .models):
+# The GPU run, on the lent GPU machine, from the repository root (carry .whl .models .fiaot):
 #   bash scripts/gpu_suite.sh "$OUT" [stage ...]
 # Installs the carried wheels, warms FlashInfer's JIT kernels, runs tests/gpu, then the
 # benchmarks; every stage has a time limit so the whole run ends inside the device call.
-# Writes $OUT/suite.log, $OUT/results/*.json (one per benchmark) and $OUT/ficache.tgz.
+# Writes $OUT/suite.log, $OUT/results/*.json (one per benchmark) and, when it compiled new
+# FlashInfer JIT modules, $OUT/jit_aot.tgz: those modules' .so files laid out as FlashInfer's AOT
+# modules. Unpack it into the .fiaot carried next time (tar xzf jit_aot.tgz -C .fiaot) and
+# FlashInfer loads them with no build (the `warm` stage's ~2 minutes): 9 MB for one model shape's
+# kernels, where the whole JIT cache (.ficache, with its objects) packs to 15 MB. tpserve's own
+# modules carry their source's hash in their names (kernels.jit_name), so a changed kernel is
+# rebuilt, never loaded stale; FlashInfer's are tied to its wheel (0.7.0: a new wheel needs a new .fiaot).
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [stage ...]}
 shift
@@ -24,6 +30,18 @@ if [ -d .fiaot ]; then
   mkdir -p /tmp/site/flashinfer/data/aot && cp -r .fiaot/. /tmp/site/flashinfer/data/aot/
 fi
 touch /tmp/ficache-marker
+
+pack_jit_modules() {  # the FlashInfer JIT modules built in this run, as AOT modules, into $out/jit_aot.tgz
+  [ -n "$(find .ficache -newer /tmp/ficache-marker -name '*.so' 2>/dev/null)" ] || return 0
+  local pack=/tmp/jit-aot-pack so name
+  rm -rf $pack && mkdir -p $pack
+  for so in .ficache/.cache/flashinfer/*/*/cached_ops/*/*.so; do
+    name=$(basename "$so" .so)
+    [ "$name" = "$(basename "$(dirname "$so")")" ] || continue  # the module itself, not a helper library
+    mkdir -p "$pack/$name" && cp "$so" "$pack/$name/"
+  done
+  tar czf "$out/jit_aot.tgz" -C $pack . && echo "new FlashInfer JIT modules: unpack $out/jit_aot.tgz into .fiaot" | tee -a "$log"
+}
 
 stage() {  # stage NAME SECONDS COMMAND...
   local name=$1 limit=$2
@@ -46,7 +64,7 @@ for s in $stages; do
   case $s in
     warm)
       stage warm 300 python3 scripts/warm_flashinfer.py --head-dim 128 --dtype bfloat16
-      tar czf "$out/ficache.tgz" -C .ficache . ;;
+      pack_jit_modules ;;
     tests) stage tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
     decode06) stage decode06 150 python3 benchmarks/decode_latency.py --model $small --out $results/decode_qwen3_0.6b.json ;;
     prefill06) stage prefill06 60 python3 benchmarks/prefill_throughput.py --model $small --out $results/prefill_qwen3_0.6b.json ;;
@@ -121,7 +139,7 @@ for s in $stages; do
       wpid=$!
       stage allreduce 150 python3 benchmarks/allreduce_latency.py --tp-size 2 --out $results/allreduce_tp2.json
       wait $wpid; echo "=== warm rc=$?: $(tail -1 $out/warm.log)" | tee -a "$log"
-      tar czf "$out/ficache.tgz" -C .ficache . ;;
+      pack_jit_modules ;;
     tests_tp2) stage tests_tp2 300 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_tp2.py ;;
     tests_tp2_fixed) stage tests_tp2_fixed 200 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_tp2.py -k "agrees or server" ;;
     tpdecode32) stage tpdecode32 300 python3 benchmarks/tp_decode_latency.py --model .models/Qwen3-32B --tp-size 2 \
@@ -156,7 +174,7 @@ for s in $stages; do
       stage ar_fused_warm 150 python3 scripts/warm_flashinfer.py --head-dim 128 --dtype bfloat16
       stage ar_fused_latency 150 python3 benchmarks/allreduce_latency.py --tp-size 2 --out $results/allreduce_fused_tp2.json
       stage ar_fused_tests 240 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_tp2.py -k fused
-      tar czf "$out/ficache.tgz" -C .ficache . ;;
+      pack_jit_modules ;;
     tpdecode32_fused)  # Qwen3-32B TP 2 decode steps, auto against fused (after ar_fused, for its latency table)
       aj=$results/allreduce_fused_tp2.json
       stage tpdecode32_fused 300 python3 benchmarks/tp_decode_latency.py --model .models/Qwen3-32B --tp-size 2 \
@@ -247,9 +265,7 @@ for s in $stages; do
     *) echo "unknown stage $s" | tee -a "$log" ;;
   esac
 done
-if [ -n "$(find .ficache -newer /tmp/ficache-marker -name '*.so' 2>/dev/null)" ]; then
-  tar czf "$out/ficache.tgz" -C .ficache . && echo "new FlashInfer JIT modules: bring back $out/ficache.tgz" | tee -a "$log"
-fi
+pack_jit_modules
 echo "=== summary" | tee -a "$log"
 tar czf "$out/results.tgz" -C "$results" .  # one file: the tool brings back at most 8
 python3 scripts/summarize.py "$results" /tmp/tpserve-results.json 2>&1 | tee -a "$log"

@@ -24,3 +24,16 @@ def test_unsupported_names_the_reason():
     assert "contiguous [N, K]" in unsupported(x, w.t())
     with pytest.raises(ValueError, match="gemv: .*rows of x"):
         gemv(torch.zeros(9, 256, dtype=torch.bfloat16), w)
+
+
+def test_jit_module_names_follow_the_source(tmp_path):
+    """A changed kernel source gets a new module name, so FlashInfer never loads a carried
+    prebuilt module (its AOT directory is looked up by name alone) of an older source."""
+    from tpserve.kernels import jit_name
+
+    source = tmp_path / "k.cu"
+    source.write_text("__global__ void k() {}\n")
+    first = jit_name("tpserve_k", source)
+    assert first.startswith("tpserve_k_") and jit_name("tpserve_k", source) == first
+    source.write_text("__global__ void k() { }\n")
+    assert jit_name("tpserve_k", source) != first

@@ -50,7 +50,9 @@ def load_module() -> Any:
 
     # the architectures FlashInfer builds its own trtllm_comm module for (Hopper and newer)
     flags = current_compilation_context.get_nvcc_flags_list(supported_major_versions=[9, 10, 12])
-    return gen_jit_spec("tpserve_allreduce_rmsnorm", [SOURCE], extra_cuda_cflags=flags).build_and_load()
+    from tpserve.kernels import jit_name
+
+    return gen_jit_spec(jit_name("tpserve_allreduce_rmsnorm", SOURCE), [SOURCE], extra_cuda_cflags=flags).build_and_load()
 
 
 class FusedAllReduceNorm:

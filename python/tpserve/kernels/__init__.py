@@ -11,9 +11,11 @@ every fused path off, e.g. to measure or test against the torch path.
 from __future__ import annotations
 
 import functools
+import hashlib
 import logging
 import os
 from importlib import import_module
+from pathlib import Path
 from types import ModuleType
 
 import torch
@@ -34,6 +36,13 @@ def optional_import(name: str) -> ModuleType | None:
     except Exception as exc:  # noqa: BLE001 -- installed but broken counts as missing
         logger.warning("%s unavailable (%s: %s); using the torch path", name, type(exc).__name__, exc)
         return None
+
+
+def jit_name(base: str, source: Path) -> str:
+    """The name of a module built from ``source`` through FlashInfer's JIT, keyed by the source's
+    hash: FlashInfer loads a module of that name from its AOT directory without rebuilding it, so
+    a carried prebuilt module of an older source must not match (scripts/gpu_suite.sh packs them)."""
+    return f"{base}_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
 
 
 def use_flashinfer(device: torch.device, dtype: torch.dtype) -> bool:

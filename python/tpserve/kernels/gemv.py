@@ -22,6 +22,8 @@ from typing import Any
 
 import torch
 
+from tpserve.kernels import jit_name
+
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cu"
@@ -46,7 +48,7 @@ def jit_spec(defines: tuple[tuple[str, int], ...] = ()) -> Any:
     # sm_8x too: FP8 layers on sm89 (L40S, RTX 4090) take it at one token; it compiles for sm_80 and sm_89.
     flags = current_compilation_context.get_nvcc_flags_list(supported_major_versions=[8, 9, 10, 12])
     flags += [f"-DTPSERVE_GEMV_{name}={value}" for name, value in defines]
-    name = "tpserve_gemv" + "".join(f"_{name.lower()}{value}" for name, value in defines)
+    name = jit_name("tpserve_gemv", SOURCE) + "".join(f"_{name.lower()}{value}" for name, value in defines)
     return gen_jit_spec(name, [SOURCE], extra_cuda_cflags=flags)
 
 
