@@ -37,3 +37,20 @@ def test_jit_module_names_follow_the_source(tmp_path):
     assert first.startswith("tpserve_k_") and jit_name("tpserve_k", source) == first
     source.write_text("__global__ void k() { }\n")
     assert jit_name("tpserve_k", source) != first
+
+
+def test_linear_takes_the_gemv_only_at_few_tokens_when_enabled(monkeypatch):
+    """``gemv.linear`` (bf16 linears, the LM head, the MoE router): the GEMV at 1..BF16_GEMV_TOKENS
+    rows when the layer enabled it at load, ``F.linear`` otherwise; the bias added either way."""
+    import torch
+
+    from tpserve.kernels import gemv
+
+    calls = []
+    monkeypatch.setattr(gemv, "gemv", lambda x, w: calls.append(x.shape[:-1]) or torch.nn.functional.linear(x, w))
+    w, b = torch.randn(6, 4), torch.randn(6)
+    for rows in (1, gemv.BF16_GEMV_TOKENS, gemv.BF16_GEMV_TOKENS + 1):
+        x = torch.randn(rows, 4)
+        for enabled in (True, False):
+            torch.testing.assert_close(gemv.linear(x, w, enabled, b), torch.nn.functional.linear(x, w, b))
+    assert calls == [(1,), (gemv.BF16_GEMV_TOKENS,)]
