@@ -25,11 +25,18 @@ from tpserve.kernels.fp8_linear import FP8_GEMM_ENV
 from tpserve.kernels.gemv import BF16_GEMV_ENV, PDL_ENV
 
 
+def decode_engine(model: str, quantization: str | None, max_batch: int, context: int, warmup: int, iters: int):
+    """An engine (random weights) with room for ``max_batch`` sequences of ``context`` cached tokens
+    plus the timed steps, its KV cache filled."""
+    engine = make_engine(model, quantization=quantization, max_total_tokens=(max_batch + 2) * (context + iters + warmup + 8),
+                         cuda_graph_max_bs=max_batch)
+    fill_kv_randomly(engine)
+    return engine
+
+
 def decode_step_ms(model: str, quantization: str | None, batch_sizes: list[int], context: int, warmup: int,
                    iters: int) -> dict:
-    engine = make_engine(model, quantization=quantization, max_total_tokens=(max(batch_sizes) + 2) * (context + iters + warmup + 8),
-                         cuda_graph_max_bs=max(batch_sizes))
-    fill_kv_randomly(engine)
+    engine = decode_engine(model, quantization, max(batch_sizes), context, warmup, iters)
     weight_gib = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 2**30
     steps = {}
     for batch in batch_sizes:
@@ -49,12 +56,10 @@ def alternating_rounds(model: str, runs: list[tuple[str, str | None, dict]], bat
     for label, quant, env in runs:
         os.environ.update(env)
         try:
-            engines[label] = make_engine(model, quantization=quant, cuda_graph_max_bs=batch,
-                                         max_total_tokens=(batch + 2) * (args.context + args.iters + args.warmup + 8))
+            engines[label] = decode_engine(model, quant, batch, args.context, args.warmup, args.iters)
         finally:
             for key in env:
                 os.environ.pop(key, None)
-        fill_kv_randomly(engines[label])
     times: dict[str, list[float]] = {label: [] for label in engines}
     for _ in range(args.rounds):
         for label, engine in engines.items():

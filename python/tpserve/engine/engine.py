@@ -209,14 +209,12 @@ class Engine:
         (a machine's first launch: 105 s at Qwen3-8B on an H200, then 0.1 s; docs/benchmarks.md, FP8)."""
         from tpserve.kernels import fp8_linear
 
-        layers = [m for m in self.model.modules() if isinstance(m, ParallelLinear) and fp8_linear.compiles_at_run_time(m)]
-        if not layers:
-            return
         start = time.perf_counter()
         max_tokens = max(self.config.chunked_prefill_size, self.config.max_running_requests)
-        if self.tp.rank == 0:
-            logger.info("warming up the FP8 GEMMs to %d tokens (a machine's first launch compiles them: minutes)", max_tokens)
+        layers = [m for m in self.model.modules() if isinstance(m, ParallelLinear)]
         runs = fp8_linear.warm_up(layers, max_tokens, show_progress=self.tp.rank == 0)
+        if runs == 0:
+            return
         torch.cuda.synchronize(self.device)
         torch.cuda.empty_cache()
         if self.tp.rank == 0:

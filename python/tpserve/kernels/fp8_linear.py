@@ -168,7 +168,9 @@ def warm_up(layers: list[torch.nn.Module], max_tokens: int, show_progress: bool 
         if compiles_at_run_time(layer):
             shapes.setdefault(tuple(layer.weight.shape), layer)
     sizes = [m for m in warm_up_sizes(max_tokens) if m > CUDA_GEMV_TOKENS]
-    with tqdm(total=len(shapes) * len(sizes), desc="FP8 GEMM warm-up", unit="GEMM", disable=not show_progress) as bar:
+    # The bar also tells the user why startup pauses: a machine's first launch compiles for minutes.
+    with tqdm(total=len(shapes) * len(sizes), desc="FP8 GEMM warm-up", unit="GEMM",
+              disable=not (show_progress and shapes)) as bar:
         for layer in shapes.values():
             x = torch.zeros(max(sizes, default=1), layer.weight.shape[1], dtype=torch.bfloat16, device=layer.weight.device)
             for m in sizes:
