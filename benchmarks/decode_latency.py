@@ -142,11 +142,16 @@ def main() -> None:
         "--modes", default="graph,eager",
         help="graph (CUDA graphs), eager, pipelined (a Scheduler with overlap scheduling, graphs when captured)",
     )
+    parser.add_argument("--decode-attention", default="auto", help="auto | flashinfer | xqa (the flashinfer backend's decode kernel)")
+    parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8_e4m3")
     args, modes = parse_timing_args(parser)
 
     bandwidth = copy_bandwidth() if torch.cuda.is_available() else None  # no floors without CUDA
     graphs = "graph" in modes or "pipelined" in modes
-    engine = make_engine(args.model, cuda_graph_max_bs=max(args.batch_sizes) if graphs else 0)
+    engine = make_engine(
+        args.model, cuda_graph_max_bs=max(args.batch_sizes) if graphs else 0,
+        decode_attention=args.decode_attention, kv_cache_dtype=args.kv_cache_dtype,
+    )
     fill_kv_randomly(engine)
     runner = engine.graph_runner
     per_token_kv = kv_bytes_per_token(engine)
@@ -175,7 +180,8 @@ def main() -> None:
     for mode in modes:
         columns += [f"{mode}_ms", f"{mode}_x_floor"] + (["pipelined_gpu_ms"] if mode == "pipelined" else [])
     bw = "n/a (no CUDA)" if bandwidth is None else f"{bandwidth / 1e12:.2f} TB/s"
-    print(f"\nDecode step vs memory floor; copy bandwidth {bw}; model {args.model}")
+    print(f"\nDecode step vs memory floor; copy bandwidth {bw}; model {args.model}; "
+          f"decode attention {args.decode_attention}, KV {args.kv_cache_dtype}")
     print_table([{k: "n/a" if v is None else v for k, v in row.items()} for row in rows], columns)
     write_json(
         args.out,
@@ -186,6 +192,8 @@ def main() -> None:
             "kv_pages": engine.num_pages - 1,
             "page_size": engine.page_size,
             "attention": type(engine.attention).__name__,
+            "decode_attention": args.decode_attention,
+            "kv_cache_dtype": args.kv_cache_dtype,
             "rows": rows,
         },
     )

@@ -48,6 +48,7 @@ def main() -> None:
                         help="most prefill tokens a step with decodes carries (see --help of the server)")
     parser.add_argument("--cuda-graph-max-bs", type=int, default=256, help="0 turns CUDA graphs off")
     parser.add_argument("--attention-backend", default="auto")
+    parser.add_argument("--decode-attention", default="auto", help="auto | flashinfer | xqa (the flashinfer backend's decode kernel)")
     parser.add_argument("--disable-overlap", action="store_true", help="ablation: no overlap scheduling")
     parser.add_argument("--hf-baseline", action="store_true",
                         help="instead run transformers' generate (static batches) on the same workload")
@@ -78,6 +79,7 @@ def main() -> None:
         dtype=args.dtype,
         cuda_graph_max_bs=args.cuda_graph_max_bs,
         attention_backend=args.attention_backend,
+        decode_attention=args.decode_attention,
         disable_overlap=args.disable_overlap,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
@@ -113,6 +115,7 @@ def main() -> None:
         "overlap": not args.disable_overlap,
         "tp_size": args.tp_size,
         "all_reduce": args.all_reduce,
+        "decode_attention": args.decode_attention,
         "startup_s": startup,
     }
     if args.dtype != "bfloat16":

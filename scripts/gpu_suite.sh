@@ -123,6 +123,34 @@ for s in $stages; do
         --variants cuda,cuda:nopdl,cuda:FP8_LOADS=16,cuda:FP8_ROWS=16:FP8_LOADS=16,cuda:FP8_ROWS=4,cuda:THREADS=64,bf16_cuda,bf16_cuda:nopdl \
         --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B --out $results/gemv_variants.json ;;
     gemm) stage gemm 240 python3 benchmarks/experiments/gemm_small_m.py --models $small,$large,.models/Qwen3-14B --out $results/gemm_small_m.json ;;
+    xqa)  # decode attention: FlashInfer's decode wrapper against XQA, bf16 and FP8 KV, 0.6B/8B/32B heads
+      stage xqa 420 python3 benchmarks/experiments/xqa_decode.py --out $results/xqa_decode.json
+      pack_jit_modules ;;
+    xqa_small)  # the same at the small bf16 batches where auto's switch to the decode wrapper sits
+      stage xqa_small 200 python3 benchmarks/experiments/xqa_decode.py --kv-dtypes bf16 --batch-sizes 1,4,8,16,32,48,64 \
+        --out $results/xqa_decode_small.json ;;
+    xqa_tests) stage xqa_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_xqa.py tests/gpu/test_flashinfer_and_graphs.py \
+        tests/gpu/test_fp8_gpu.py::test_fp8_kv_cache_on_gpu ;;
+    xqa_decode8_b1)  # Qwen3-8B bf16 decode at the batches auto gives XQA: against the decode wrapper
+      for dec in auto flashinfer; do
+        stage xqa_decode8_b1_$dec 120 python3 benchmarks/decode_latency.py --model $large --batch-sizes 1,4 \
+          --contexts 512,4096 --modes graph --decode-attention $dec --out $results/decode8_b1_dec_$dec.json
+      done ;;
+    xqa_offline06)  # workload A, Qwen3-0.6B: XQA (auto) against FlashInfer's decode wrapper, bf16 and FP8 KV
+      for kv in auto fp8_e4m3; do for dec in auto flashinfer; do
+        stage xqa_offline06_${kv}_$dec 150 python3 benchmarks/offline_throughput.py --model $small --kv-cache-dtype $kv \
+          --decode-attention $dec --out $results/offline06_kv_${kv}_dec_$dec.json
+      done; done ;;
+    xqa_offline8)  # workload A, Qwen3-8B: bf16 pages against FP8 pages (XQA), decode attention auto
+      for kv in auto fp8_e4m3; do
+        stage xqa_offline8_$kv 150 python3 benchmarks/offline_throughput.py --model $large --kv-cache-dtype $kv \
+          --out $results/offline8_kv_$kv.json
+      done ;;
+    xqa_decode8)  # Qwen3-8B decode steps: XQA (auto) against the decode wrapper, bf16 and FP8 KV
+      for kv in auto fp8_e4m3; do for dec in auto flashinfer; do
+        stage xqa_decode8_${kv}_$dec 120 python3 benchmarks/decode_latency.py --model $large --batch-sizes 1,16,64,256 \
+          --contexts 512,4096 --modes graph --iters 10 --kv-cache-dtype $kv --decode-attention $dec --out $results/decode8_kv_${kv}_dec_$dec.json
+      done; done ;;
     attn) stage attn 200 python3 benchmarks/experiments/attention_decode.py --out $results/attention_decode.json ;;
     attn_layouts)  # page layout and size of the decode kernels (Qwen3-0.6B and -8B heads)
       for layout in NHD HND; do for ps in 16 64; do

@@ -38,6 +38,7 @@ CHOICES = {
     "cache": ("radix", "naive"),
     "schedule_policy": ("fcfs", "lpm"),
     "attention_backend": ("auto", "flashinfer", "torch"),
+    "decode_attention": ("auto", "flashinfer", "xqa"),
     "all_reduce": ("auto", "nccl", "one_shot", "two_shot", "fused"),
     "kv_cache_dtype": ("auto", "fp8_e4m3"),
 }
@@ -310,6 +311,9 @@ class EngineConfig:
     seed: int = 0
     dist_init_addr: str | None = None  # tcp://HOST:PORT: chosen by the parent on one node, given across nodes
     attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed
+    # The flashinfer backend's decode kernel: auto (XQA on Hopper for FP8 KV caches, and for bf16
+    # at batch 1; attention/xqa.py), flashinfer (its decode wrapper), xqa (always; Hopper only)
+    decode_attention: str = "auto"
     disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
     grammar_threads: int = 0  # most xgrammar threads filling one step's grammar masks (0: auto, from the CPUs)
@@ -431,6 +435,13 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
                 f"not on {device} in {str(dtype).removeprefix('torch.')}; use "
                 f"{_option('attention_backend', 'auto', cli)} (torch attention where FlashInfer cannot run)"
             )
+    if engine.decode_attention == "xqa" and (
+        engine.attention_backend == "torch" or device != "cuda" or torch.cuda.get_device_capability()[0] != 9
+    ):
+        raise ValueError(
+            f"{_option('decode_attention', 'xqa', cli)} runs in the flashinfer attention backend on Hopper (sm90) "
+            f"GPUs; use {_option('decode_attention', 'auto', cli)}"
+        )
     if engine.load_format != "dummy" and not _has_safetensors(engine.model):
         raise ValueError(
             f"no .safetensors weights in {engine.model}; pass {_option('load_format', 'dummy', cli)} "

@@ -35,7 +35,12 @@ def create_backend(
     head_dim: int,
     device: torch.device,
     fused_rope_store: bool = False,
+    decode_attention: str = "auto",
 ) -> AttentionBackend:
     if resolve_backend_name(name, device, pool.compute_dtype) == "flashinfer":
-        return FlashInferAttentionBackend(pool, num_heads, num_kv_heads, head_dim, device, fused_rope_store)
+        return FlashInferAttentionBackend(
+            pool, num_heads, num_kv_heads, head_dim, device, fused_rope_store, decode_kernel=decode_attention
+        )
+    if decode_attention == "xqa":
+        raise ValueError("--decode-attention xqa is a kernel of the flashinfer attention backend, which is not in use")
     return TorchAttentionBackend(pool, num_heads, num_kv_heads, head_dim, fused_rope_store)

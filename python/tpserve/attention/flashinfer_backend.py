@@ -1,8 +1,9 @@
 """Paged attention through FlashInfer's prefill and decode wrappers (the CUDA default).
 
 Each step is planned once in ``prepare``: a step whose sequences all add exactly one token runs
-the decode wrapper; any other step runs the causal paged prefill wrapper for every sequence,
-decodes included (a decode is a one-token extend). Layers then only store their new k/v into
+the decode wrapper, or XQA where that is faster (``attention/xqa.py``); any other step runs the
+causal paged prefill wrapper for every sequence, decodes included (a decode is a one-token
+extend). Layers then only store their new k/v into
 the pool and call ``run``. For CUDA graphs each captured batch size gets its own decode
 wrapper whose index buffers have a fixed size and address; ``plan_cuda_graph`` re-plans it
 before every replay, padding the batch with one-token sequences on the scratch page 0.
@@ -19,6 +20,7 @@ from types import ModuleType
 import numpy as np
 import torch
 
+from tpserve.attention import xqa
 from tpserve.attention.base import AttentionBackend
 from tpserve.config import FLASHINFER_DTYPES
 from tpserve.forward import SequenceInput, check_page_tables
@@ -109,23 +111,29 @@ class PinnedStaging:
         self.buffer = torch.empty(0, dtype=torch.int32)
 
     def stage(self, layout: PagedLayout) -> PagedLayout:
-        arrays = (layout.kv_indptr, layout.kv_indices, layout.last_page_len, layout.qo_indptr)
+        return PagedLayout(*self.stage_arrays(layout.kv_indptr, layout.kv_indices, layout.last_page_len, layout.qo_indptr))
+
+    def stage_arrays(self, *arrays: torch.Tensor) -> list[torch.Tensor]:
+        """int32 ``arrays`` copied into the buffer, as views of their shapes."""
         total = sum(a.numel() for a in arrays)
         if self.buffer.numel() < total:
             # The caching host allocator keeps the old block until its queued copies are done.
             self.buffer = torch.empty(max(total, 2 * self.buffer.numel()), dtype=torch.int32, pin_memory=True)
         views, offset = [], 0
         for array in arrays:
-            view = self.buffer[offset : offset + array.numel()]
+            view = self.buffer[offset : offset + array.numel()].view(array.shape)
             view.copy_(array)
             views.append(view)
             offset += array.numel()
-        return PagedLayout(*views)
+        return views
 
 
 @dataclass
 class FlashInferMetadata:
     wrapper: object  # the planned BatchDecode/BatchPrefill wrapper that every layer runs
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        return self.wrapper.run(q.contiguous(), (k_cache, v_cache))
 
 
 class FlashInferAttentionBackend(AttentionBackend):
@@ -141,6 +149,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         fused_rope_store: bool = False,
         decode_tensor_cores: bool | None = None,
         prefill_backend: str = "auto",
+        decode_kernel: str = "auto",
     ) -> None:
         super().__init__(pool, num_heads, num_kv_heads, head_dim, fused_rope_store)
         if device.type != "cuda":
@@ -163,27 +172,66 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
         )
+        self.xqa = self._make_xqa(decode_kernel)
+        self.decode_kernel = decode_kernel
+        self._graph_xqa: tuple[torch.Tensor, torch.Tensor] | None = None  # XQA's page table and lengths
         self._graph_indices: torch.Tensor | None = None  # page ids of graph batches, shared by size
         self._planned: torch.cuda.Event | None = None  # the last plan's copies are enqueued
         self._staging = PinnedStaging()
 
-    def _stage(self, layout: PagedLayout) -> PagedLayout:
-        """``layout`` in the pinned staging buffer, for this step's plan. That buffer (and
-        FlashInfer's own pinned buffers) may still be read by the previous plan's queued copies:
-        wait until those have run (the device has started that step), not for the step itself,
-        so overlap scheduling keeps planning ahead."""
+    def _make_xqa(self, decode_kernel: str) -> xqa.XqaDecode | None:
+        if decode_kernel == "flashinfer":
+            return None
+        reason = xqa.unsupported_reason(
+            self.flashinfer, self.device, self.pool.page_size, self.head_dim, self.num_heads, self.num_kv_heads
+        )
+        if reason is None:
+            return xqa.XqaDecode(self.num_kv_heads, self.pool.page_size, self.scale, self.device)
+        if decode_kernel == "xqa":
+            raise ValueError(f"--decode-attention xqa: {reason}; use --decode-attention auto or flashinfer")
+        return None
+
+    def uses_xqa(self, batch_size: int) -> bool:
+        """Whether a decode step of ``batch_size`` sequences runs XQA (see ``attention/xqa.py``)."""
+        if self.xqa is None:
+            return False
+        return self.decode_kernel == "xqa" or self.pool.fp8 or batch_size <= xqa.BF16_MAX_BATCH
+
+    def _wait_for_last_plan(self) -> None:
+        """The staging buffer (and FlashInfer's own pinned buffers) may still be read by the
+        previous plan's queued copies: wait until those have run (the device has started that
+        step), not for the step itself, so overlap scheduling keeps planning ahead."""
         if self._planned is not None:
             self._planned.synchronize()
+
+    def _stage(self, layout: PagedLayout) -> PagedLayout:
+        """``layout`` in the pinned staging buffer, for this step's plan."""
+        self._wait_for_last_plan()
         return self._staging.stage(layout)
+
+    def _stage_xqa(self, seqs: list[SequenceInput], pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """XQA's page table and lengths of ``seqs`` in the pinned staging buffer."""
+        table, lens = xqa.dense_page_table(seqs, self.pool.page_size, pad_to)
+        self._wait_for_last_plan()
+        staged_table, staged_lens = self._staging.stage_arrays(torch.from_numpy(table), torch.from_numpy(lens))
+        return staged_table, staged_lens
 
     def _mark_planned(self) -> None:
         """Record that this plan's copies are enqueued (``_stage`` waits for them next time)."""
         self._planned = torch.cuda.Event()
         self._planned.record()
 
-    def prepare(self, seqs: list[SequenceInput], device: torch.device) -> FlashInferMetadata:
+    def prepare(self, seqs: list[SequenceInput], device: torch.device) -> FlashInferMetadata | xqa.XqaMetadata:
+        decode = all(len(s.token_ids) == 1 for s in seqs)
+        if decode and self.uses_xqa(len(seqs)):
+            table, lens = self._stage_xqa(seqs)
+            meta = xqa.XqaMetadata(
+                self.xqa, table.to(self.device, non_blocking=True), lens.to(self.device, non_blocking=True)
+            )
+            self._mark_planned()
+            return meta
         layout = self._stage(paged_layout(seqs, self.pool.page_size))
-        if all(len(s.token_ids) == 1 for s in seqs):
+        if decode:
             self._plan_decode(self.decode_wrapper, layout)
             self._mark_planned()
             return FlashInferMetadata(self.decode_wrapper)
@@ -218,12 +266,24 @@ class FlashInferAttentionBackend(AttentionBackend):
             kv_data_type=self.pool.dtype,
         )
 
-    def attend(self, layer: int, q: torch.Tensor, meta: FlashInferMetadata) -> torch.Tensor:
-        return meta.wrapper.run(q.contiguous(), (self.pool.k[layer], self.pool.v[layer]))
+    def attend(self, layer: int, q: torch.Tensor, meta: FlashInferMetadata | xqa.XqaMetadata) -> torch.Tensor:
+        return meta.attend(q, self.pool.k[layer], self.pool.v[layer])
 
     # ---- CUDA graphs (decode only) ----
-    def cuda_graph_metadata(self, batch_size: int, max_pages_per_seq: int) -> FlashInferMetadata:
-        """A decode wrapper for one captured batch size, with fixed-size, fixed-address buffers."""
+    def cuda_graph_metadata(self, batch_size: int, max_pages_per_seq: int) -> FlashInferMetadata | xqa.XqaMetadata:
+        """A decode wrapper (or XQA's inputs) for one captured batch size, with fixed-size,
+        fixed-address buffers."""
+        if self.uses_xqa(batch_size):
+            # One table for every size, as the page-id buffer below: one graph replays at a time.
+            if self._graph_xqa is None:
+                self._graph_xqa = (
+                    torch.zeros((batch_size, max_pages_per_seq), dtype=torch.int32, device=self.device),
+                    torch.ones(batch_size, dtype=torch.int32, device=self.device),
+                )
+            table, lens = self._graph_xqa
+            if table.shape[0] < batch_size:
+                raise RuntimeError("capture CUDA graphs largest batch first (the XQA page table is shared)")
+            return xqa.XqaMetadata(self.xqa, table[:batch_size], lens[:batch_size])
         capacity = batch_size * max_pages_per_seq
         if self._graph_indices is None or self._graph_indices.numel() < capacity:
             if self._graph_indices is not None:
@@ -241,8 +301,17 @@ class FlashInferAttentionBackend(AttentionBackend):
         return FlashInferMetadata(wrapper)
 
     @torch.inference_mode()  # the buffers were made during capture, in inference mode
-    def plan_cuda_graph(self, seqs: list[SequenceInput], meta: FlashInferMetadata, batch_size: int) -> None:
+    def plan_cuda_graph(
+        self, seqs: list[SequenceInput], meta: FlashInferMetadata | xqa.XqaMetadata, batch_size: int
+    ) -> None:
         """Plan a captured size's wrapper for ``seqs`` padded to ``batch_size`` (before replay)."""
+        if isinstance(meta, xqa.XqaMetadata):
+            table, lens = self._stage_xqa(seqs, pad_to=batch_size)
+            # Columns past this step's longest sequence keep stale ids that no length reaches.
+            meta.page_table[:, : table.shape[1]].copy_(table, non_blocking=True)
+            meta.seq_lens.copy_(lens, non_blocking=True)
+            self._mark_planned()
+            return
         layout = self._stage(paged_layout(seqs, self.pool.page_size, pad_to=batch_size))
         # A graph wrapper copies host page ids into its fixed buffer with a blocking copy (a
         # stream sync); handing it that buffer, already filled asynchronously, skips the copy.

@@ -163,6 +163,7 @@ class Engine:
             self.model_config.head_dim,
             self.device,
             self._fused_rope_store(),
+            config.decode_attention,
         )
         self.sampler = Sampler()
         self.penalty_state = PenaltyState(self.model_config.vocab_size, self.device)

@@ -1,0 +1,118 @@
+"""Decode attention through FlashInfer's XQA kernel (TensorRT-LLM's decode kernel).
+
+On Hopper with an FP8 KV cache XQA runs a kernel that computes in FP8 on the tensor cores (the
+query and the softmax weights are rounded to e4m3 too: 1.6% relative error against fp32 on
+random data, where the decode wrapper, which converts every FP8 element back to bf16, has 0.1%).
+Measured on one H200 (graph replays, KV cold in L2; `benchmarks/experiments/xqa_decode.py`,
+query:KV heads 16:8, 32:8, 64:8): with FP8 pages XQA takes 0.53-0.73x the wrapper's time and
+reads at 2.8-3.8 TB/s against 1.2-2.4. With bf16 pages it is 0.83-0.94x at batch 1, 0.81-1.0x
+at batch 4 and 0.9-1.1x from batch 32 on; whole Qwen3-8B bf16 steps took 0.96-0.97x at batch 1,
+0.99-1.02x at batch 4, up to 1.04x at batch 16. So ``auto`` takes XQA for FP8 caches at every
+batch size and for bf16 caches at batch 1 (``BF16_MAX_BATCH``).
+
+XQA reads a dense page table ``[batch, pages]`` and each sequence's length, not FlashInfer's
+CSR table. Its workspace starts with semaphores that every call leaves at zero, so it is its
+own buffer, apart from the one the FlashInfer wrappers write their partial results to.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from importlib import import_module
+from types import ModuleType
+
+import numpy as np
+import torch
+
+from tpserve.forward import SequenceInput, check_page_tables
+
+SEMAPHORE_BYTES = 8 * 2**20  # the workspace's head, as flashinfer.decode lays it out
+SCRATCH_BYTES = 56 * 2**20  # multi-block partial results: < 1 MiB at 132 SMs x head_dim 128
+PAGE_SIZES = (16, 32, 64, 128)
+BF16_MAX_BATCH = 1  # bf16 caches: XQA up to this decode batch, FlashInfer's wrapper above
+
+
+def unsupported_reason(
+    flashinfer: ModuleType, device: torch.device, page_size: int, head_dim: int, num_heads: int, num_kv_heads: int
+) -> str | None:
+    """Why XQA cannot run this configuration, or None when it can."""
+    if device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return "XQA decode runs here on Hopper (sm90) GPUs only"
+    if xqa_function() is None:
+        return f"flashinfer {getattr(flashinfer, '__version__', '?')} has no XQA kernel"
+    if page_size not in PAGE_SIZES:
+        return f"XQA takes page sizes {PAGE_SIZES}, not {page_size}"
+    if head_dim % 16 or not 16 <= head_dim <= 256:
+        return f"XQA takes head_dim a multiple of 16 up to 256, not {head_dim}"
+    if num_heads % num_kv_heads:
+        return f"{num_heads} query heads do not group over {num_kv_heads} KV heads"
+    return None
+
+
+def xqa_function() -> Callable | None:
+    """``flashinfer.xqa.xqa`` (the package's ``xqa`` attribute is that function, not the module)."""
+    try:
+        return import_module("flashinfer.xqa").xqa
+    except (ImportError, AttributeError):
+        return None
+
+
+def dense_page_table(seqs: list[SequenceInput], page_size: int, pad_to: int = 0) -> tuple[np.ndarray, np.ndarray]:
+    """``[rows, max pages]`` page ids (int32) and lengths of ``seqs``' caches after this step;
+    rows past ``len(seqs)`` (up to ``pad_to``) are one-token sequences on the scratch page 0."""
+    rows = max(len(seqs), pad_to)
+    lens = np.ones(rows, dtype=np.int32)
+    lens[: len(seqs)] = [s.seq_len for s in seqs]
+    check_page_tables(seqs, lens[: len(seqs)], page_size)
+    pages = -(-lens // page_size)
+    table = np.zeros((rows, int(pages.max()) if rows else 1), dtype=np.int32)
+    for row, (seq, n) in enumerate(zip(seqs, pages.tolist())):
+        table[row, :n] = seq.page_table[:n]
+    return table, lens
+
+
+@dataclass
+class XqaMetadata:
+    """A decode step's XQA inputs on the device. The table's width sizes the launch (XQA splits
+    a sequence over at most width * page_size / 128 blocks); a graph's table is as wide as the
+    longest sequence may grow, and each step fills only its leading columns."""
+
+    kernel: XqaDecode
+    page_table: torch.Tensor  # [batch, pages] int32
+    seq_lens: torch.Tensor  # [batch] int32
+
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
+        return self.kernel.run(q, k_cache, v_cache, self)
+
+
+class XqaDecode:
+    def __init__(self, num_kv_heads: int, page_size: int, scale: float, device: torch.device):
+        self.kernel = xqa_function()
+        self.num_kv_heads = num_kv_heads
+        self.page_size = page_size
+        self.scale = scale
+        self.workspace = torch.zeros(SEMAPHORE_BYTES + SCRATCH_BYTES, dtype=torch.uint8, device=device)
+        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: XqaMetadata) -> torch.Tensor:
+        q = q.contiguous()
+        out = torch.empty_like(q)
+        head_dim = q.shape[-1]
+        self.kernel(
+            q.unsqueeze(1),  # [batch, beam 1, heads, head_dim]
+            k_cache,
+            v_cache,
+            meta.page_table,
+            meta.seq_lens.unsqueeze(1),
+            out.unsqueeze(1),
+            self.workspace[SEMAPHORE_BYTES:],
+            self.workspace[:SEMAPHORE_BYTES],
+            self.num_kv_heads,
+            self.page_size,
+            q_scale=self.scale * head_dim**0.5,  # XQA scales by 1/sqrt(head_dim) itself
+            kv_scale=1.0,  # tpserve's FP8 pages hold k and v as they are
+            sm_count=self.sm_count,
+            enable_pdl=True,
+        )
+        return out

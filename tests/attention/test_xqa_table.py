@@ -1,0 +1,30 @@
+"""XQA's inputs built on the host (``attention/xqa.py``): the dense page table and lengths."""
+
+from __future__ import annotations
+
+import pytest
+
+from tpserve.attention.xqa import dense_page_table
+from tpserve.forward import SequenceInput
+
+
+def test_rows_hold_each_sequences_pages_and_length():
+    seqs = [SequenceInput([7], 0, [5]), SequenceInput([8], 16, [3, 9]), SequenceInput([9], 40, [4, 6, 2, 11])]
+    table, lens = dense_page_table(seqs, page_size=16)
+    assert lens.tolist() == [1, 17, 41]
+    # 41 tokens need 3 pages: the table is as wide as the longest sequence needs, not its whole page list.
+    assert table.tolist() == [[5, 0, 0], [3, 9, 0], [4, 6, 2]]
+    assert table.dtype.name == lens.dtype.name == "int32"
+
+
+def test_padding_rows_are_one_token_on_the_scratch_page():
+    table, lens = dense_page_table([SequenceInput([1], 20, [7, 8])], page_size=16, pad_to=4)
+    assert lens.tolist() == [21, 1, 1, 1]
+    assert table.tolist() == [[7, 8], [0, 0], [0, 0], [0, 0]]
+    table, lens = dense_page_table([], page_size=16, pad_to=2)  # a graph captured on padding alone
+    assert (table.tolist(), lens.tolist()) == ([[0], [0]], [1, 1])
+
+
+def test_short_page_table_is_an_error():
+    with pytest.raises(ValueError, match="too short for 17 tokens"):
+        dense_page_table([SequenceInput([1], 16, [3])], page_size=16)

@@ -1,0 +1,212 @@
+"""XQA decode attention (``attention/xqa.py``) on Hopper: the kernel against fp32 torch attention
+and FlashInfer's decode wrapper on the same pages (bf16 and FP8, eager and in a CUDA graph, short
+and multi-block lengths), the engine with XQA against the engine with the decode wrapper, and
+which kernel ``auto`` picks."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(
+    not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
+)
+flashinfer = pytest.importorskip("flashinfer")
+
+from engine_scenario import NEAR_TIE, assert_logits_close, assert_same_greedy, prompts_for, run_scenario
+from tpserve.attention import xqa
+from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
+from tpserve.config import EngineConfig
+from tpserve.engine.engine import Engine
+from tpserve.forward import SequenceInput
+from tpserve.kvcache.pool import KVCachePool, PageAllocator
+from tpserve.quant.fp8 import FP8_DTYPE
+
+HEAD_DIM = 128
+PAGE = 16
+# Relative L2 error of the attention output against fp32 torch on the same cache: bf16 kernels
+# round their output (~3e-3); XQA's FP8 kernel also rounds q and the softmax weights to e4m3.
+ATTN_RTOL = {"bf16": 1e-2, "fp8": 6e-2}
+
+
+def reference(pool: KVCachePool, layer: int, q: torch.Tensor, seqs: list[SequenceInput]) -> torch.Tensor:
+    group = q.shape[1] // pool.k[layer].shape[2]
+    outs = []
+    for i, seq in enumerate(seqs):
+        pages = torch.tensor(seq.page_table, device=q.device)
+        k = pool.k[layer][pages].float().flatten(0, 1)[: seq.seq_len].repeat_interleave(group, dim=1)
+        v = pool.v[layer][pages].float().flatten(0, 1)[: seq.seq_len].repeat_interleave(group, dim=1)
+        weights = (torch.einsum("hd,thd->ht", q[i].float(), k) / math.sqrt(HEAD_DIM)).softmax(dim=-1)
+        outs.append(torch.einsum("ht,thd->hd", weights, v))
+    return torch.stack(outs)
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    return ((actual.float() - expected).norm() / expected.norm()).item()
+
+
+def make_backend(kv: str, heads: tuple[int, int], kernel: str, pool: KVCachePool) -> FlashInferAttentionBackend:
+    return FlashInferAttentionBackend(pool, heads[0], heads[1], HEAD_DIM, torch.device("cuda"), decode_kernel=kernel)
+
+
+def random_pool(kv: str, kv_heads: int, num_pages: int) -> KVCachePool:
+    pool = KVCachePool(1, num_pages, PAGE, kv_heads, HEAD_DIM, FP8_DTYPE if kv == "fp8" else torch.bfloat16,
+                       torch.device("cuda"), compute_dtype=torch.bfloat16)
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    for cache in (pool.k[0], pool.v[0]):
+        cache.copy_(torch.randn(cache.shape, generator=gen, device="cuda"))
+    return pool
+
+
+def random_seqs(lengths: list[int], allocator: PageAllocator) -> list[SequenceInput]:
+    return [SequenceInput([1], n - 1, allocator.allocate(-(-n // PAGE))) for n in lengths]
+
+
+# Short sequences, page edges, and lengths XQA splits over several blocks at small batches.
+LENGTHS = [1, 15, 16, 17, 300, 2049, 4000]
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+@pytest.mark.parametrize("heads", [(16, 8), (32, 8), (40, 8)], ids=["gqa2", "gqa4", "gqa5"])
+def test_xqa_matches_torch_and_decode_wrapper(kv, heads):
+    pool = random_pool(kv, heads[1], 1200)
+    allocator = PageAllocator(pool.num_pages)
+    seqs = random_seqs(LENGTHS, allocator)
+    q = torch.randn(len(seqs), heads[0], HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    expected = reference(pool, 0, q, seqs)
+    errors = {}
+    for kernel in ("xqa", "flashinfer"):
+        backend = make_backend(kv, heads, kernel, pool)
+        meta = backend.prepare(seqs, q.device)
+        assert isinstance(meta, xqa.XqaMetadata) == (kernel == "xqa")
+        out = backend.attend(0, q, meta)
+        assert out.shape == q.shape and out.dtype == torch.bfloat16
+        errors[kernel] = rel_err(out, expected)
+    print(f"{kv} {heads}: relative error against fp32 torch {errors}")
+    assert errors["xqa"] < ATTN_RTOL[kv]
+    assert errors["flashinfer"] < ATTN_RTOL["bf16"]
+
+
+@pytest.mark.parametrize("kv", ["bf16", "fp8"])
+def test_xqa_in_a_cuda_graph(kv):
+    """A graph captured on padding alone, replayed for batches of other sizes and lengths (the
+    page table's stale columns and padded rows must not leak into the outputs)."""
+    heads = (32, 8)
+    pool = random_pool(kv, heads[1], 1200)
+    allocator = PageAllocator(pool.num_pages)
+    backend = make_backend(kv, heads, "xqa", pool)
+    size, max_pages = 8, 300
+    meta = backend.cuda_graph_metadata(size, max_pages)
+    backend.plan_cuda_graph([], meta, size)
+    q = torch.zeros(size, heads[0], HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty_like(q)
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        out.copy_(backend.attend(0, q, meta))
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out.copy_(backend.attend(0, q, meta))
+    for lengths in ([4000, 17, 1], [16, 2049, 300, 15, 1, 4000, 33, 100], [1]):
+        seqs = random_seqs(lengths, allocator)
+        q.copy_(torch.randn(size, heads[0], HEAD_DIM, device="cuda"))
+        backend.plan_cuda_graph(seqs, meta, size)
+        graph.replay()
+        err = rel_err(out[: len(seqs)], reference(pool, 0, q, seqs))
+        print(f"{kv} graph, lengths {lengths}: relative error {err:.2e}")
+        assert err < ATTN_RTOL[kv]
+        for seq in seqs:
+            allocator.free(seq.page_table)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> str:
+    from tpserve.tiny import make_tiny_model
+
+    return make_tiny_model(
+        str(tmp_path_factory.mktemp("tiny-xqa")), "qwen3", num_layers=2, hidden_size=256, num_heads=8,
+        num_kv_heads=2, head_dim=128, intermediate_size=512, seed=1,
+    )
+
+
+def engine(model_dir: str, kernel: str, kv: str, graphs: int = 16, page_size: int = PAGE) -> Engine:
+    return Engine(EngineConfig(
+        model=model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=graphs, max_total_tokens=16384,
+        page_size=page_size, decode_attention=kernel, kv_cache_dtype="fp8_e4m3" if kv == "fp8" else "auto",
+    ))
+
+
+def row_errors(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> torch.Tensor:
+    """Relative L2 error of every (step, sequence) row of logits that ran in both."""
+    errs = []
+    for a, e in zip(actual, expected):
+        rows = ~torch.isnan(e[:, 0])
+        errs.append((a[rows] - e[rows]).norm(dim=-1) / e[rows].norm(dim=-1))
+    return torch.cat(errs)
+
+
+def clear_argmax_agreement(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> float:
+    """Share of rows whose argmax agrees, among rows where ``expected``'s top two logits differ
+    by more than a near-tie."""
+    same = total = 0
+    for a, e in zip(actual, expected):
+        rows = ~torch.isnan(e[:, 0])
+        top2 = e[rows].topk(2, dim=-1).values
+        clear = (top2[:, 0] - top2[:, 1]) > NEAR_TIE
+        same += (a[rows].argmax(-1) == e[rows].argmax(-1))[clear].sum().item()
+        total += clear.sum().item()
+    return same / total
+
+
+@pytest.mark.parametrize("graphs", [0, 16], ids=["eager", "graphs"])
+def test_engine_with_xqa_matches_decode_wrapper_bf16(model_dir, graphs):
+    wrapper = engine(model_dir, "flashinfer", "bf16", graphs)
+    prompts = prompts_for(6, wrapper.model_config.vocab_size, seed=16)
+    ref_tokens, ref_logits = run_scenario(wrapper, prompts)
+    del wrapper
+    with_xqa = engine(model_dir, "xqa", "bf16", graphs)
+    assert with_xqa.attention.uses_xqa(6)
+    _, forced = run_scenario(with_xqa, prompts, forced=ref_tokens)
+    assert_logits_close(forced, ref_logits)
+    print(f"bf16 XQA vs decode wrapper, graphs {graphs}: worst row error {row_errors(forced, ref_logits).max():.2e}")
+    assert row_errors(forced, ref_logits).max() < 3e-2  # no one sequence off (a page or length mix-up)
+    own, _ = run_scenario(with_xqa, prompts)
+    assert_same_greedy(own, ref_tokens, ref_logits)
+
+
+@pytest.mark.parametrize("graphs", [0, 16], ids=["eager", "graphs"])
+def test_engine_with_fp8_xqa_against_bf16_pages(model_dir, graphs):
+    """An FP8 cache read by XQA's FP8 kernel (q and softmax weights in e4m3 too) and by the
+    decode wrapper (bf16 math), both against the bf16 cache, teacher-forced on its tokens. This
+    random tiny model is very sensitive to FP8 pages (on an H200: median row error 0.20 through
+    the wrapper, 0.23 through XQA; clear argmaxes equal 69% / 64%), so XQA is held to the
+    wrapper's figures: its FP8 math may add a little rounding, a misread page adds far more."""
+    reference = engine(model_dir, "flashinfer", "bf16", graphs)
+    prompts = prompts_for(11, reference.model_config.vocab_size, seed=7)
+    ref_tokens, ref_logits = run_scenario(reference, prompts)
+    del reference
+    results = {}
+    for kernel in ("flashinfer", "xqa"):
+        fp8 = engine(model_dir, kernel, "fp8", graphs)
+        assert fp8.attention.uses_xqa(11) == (kernel == "xqa")
+        _, forced = run_scenario(fp8, prompts, forced=ref_tokens)
+        del fp8
+        errs = row_errors(forced, ref_logits)
+        results[kernel] = (errs.median().item(), errs.max().item(), clear_argmax_agreement(forced, ref_logits))
+    print(f"FP8 pages vs bf16 pages, graphs {graphs} (median / worst row error, clear argmaxes equal): {results}")
+    (wrapper_median, _, wrapper_agree), (xqa_median, _, xqa_agree) = results["flashinfer"], results["xqa"]
+    assert xqa_median < 1.5 * wrapper_median + 0.02 and xqa_agree > wrapper_agree - 0.1
+
+
+def test_auto_picks_xqa_where_it_is_faster(model_dir):
+    bf16 = engine(model_dir, "auto", "bf16", graphs=0).attention
+    assert bf16.uses_xqa(1) and bf16.uses_xqa(xqa.BF16_MAX_BATCH) and not bf16.uses_xqa(xqa.BF16_MAX_BATCH + 1)
+    fp8 = engine(model_dir, "auto", "fp8", graphs=0).attention
+    assert fp8.uses_xqa(256)
+    assert not engine(model_dir, "flashinfer", "fp8", graphs=0).attention.uses_xqa(1)
+    assert not engine(model_dir, "auto", "bf16", graphs=0, page_size=8).attention.uses_xqa(1)  # XQA takes 16-128
+    with pytest.raises(ValueError, match="page sizes"):
+        engine(model_dir, "xqa", "bf16", graphs=0, page_size=8)
