@@ -10,6 +10,8 @@
 # kernels, where the whole JIT cache (.ficache, with its objects) packs to 15 MB. tpserve's own
 # modules carry their source's hash in their names (kernels.jit_name), so a changed kernel is
 # rebuilt, never loaded stale; FlashInfer's are tied to its wheel (0.7.0: a new wheel needs a new .fiaot).
+# What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
+#   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [stage ...]}
 shift
@@ -97,6 +99,8 @@ for s in $stages; do
       stage serving06 150 python3 benchmarks/serving.py --url http://127.0.0.1:$port --rates 16,inf --num-requests 200 --out $results/serving_qwen3_0.6b.json
       kill -TERM $spid; wait $spid; echo "server exit $?" | tee -a "$log" ;;
     tests_dp2) stage tests_dp2 240 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_dp2.py ;;
+    tests_multinode)  # issue 15: two "nodes" as two launches on this host, NCCL across them (2 GPUs)
+      stage tests_multinode 240 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_multinode_gpu.py ;;
     serving06_dp)  # issue 15: DP 2 x TP 1 against DP 1 of Qwen3-0.6B through HTTP, all at once, in one call (2 GPUs)
       srv=$(serving_dir $small /tmp/qwen3-0.6b)
       stage serving06_dp 540 python3 benchmarks/serving.py --launch $srv --dp-sizes 1,2 --rates inf --num-requests 1024 \
@@ -131,6 +135,9 @@ for s in $stages; do
         --out $results/xqa_decode_small.json ;;
     xqa_tests) stage xqa_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_xqa.py tests/gpu/test_flashinfer_and_graphs.py \
         tests/gpu/test_fp8_gpu.py::test_fp8_kv_cache_on_gpu ;;
+    xqa_engine_tests)  # the engine tests whose batch-1 decode steps now take XQA (bf16, auto)
+      stage xqa_engine_tests 260 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_overlap.py tests/gpu/test_moe.py \
+        tests/gpu/test_structured.py ;;
     xqa_decode8_b1)  # Qwen3-8B bf16 decode at the batches auto gives XQA: against the decode wrapper
       for dec in auto flashinfer; do
         stage xqa_decode8_b1_$dec 120 python3 benchmarks/decode_latency.py --model $large --batch-sizes 1,4 \

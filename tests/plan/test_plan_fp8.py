@@ -71,3 +71,24 @@ def test_cli_quantization_errors(tmp_path, capsys):
     plain = write_config(str(tmp_path / "bf16"), qwen3_8b())
     assert main(["--model", plain, "--quantization", "int4"]) == 2
     assert "--quantization" in capsys.readouterr().err
+
+
+def test_fp8_kv_cache_holds_twice_the_tokens_and_reads_half_the_bytes(tmp_path, capsys):
+    from tpserve.plan.specs import GPUS
+    from tpserve.plan.splits import Machine, Settings, plan_splits
+
+    cfg = ModelConfig.from_dict(qwen3_8b())
+    bf16_kv, fp8_kv = ModelShape(cfg, 2), ModelShape(cfg, 2, kv_dtype_bytes=1)
+    for tp in (1, 2, 16):  # 16: KV heads replicated past their count
+        assert fp8_kv.kv_bytes_per_token(tp) * 2 == bf16_kv.kv_bytes_per_token(tp)
+    machine, settings = Machine(GPUS["h200"], 1), Settings(32768)
+    (bf16_plan,), _ = plan_splits(bf16_kv, machine, settings)
+    (fp8_plan,), _ = plan_splits(fp8_kv, machine, settings)
+    assert fp8_plan.kv_tokens == pytest.approx(2 * bf16_plan.kv_tokens, rel=1e-3)
+    assert fp8_plan.decode_max.seconds / fp8_plan.max_batch < bf16_plan.decode_max.seconds / bf16_plan.max_batch
+
+    plain = write_config(str(tmp_path / "bf16"), qwen3_8b())
+    assert main(["--model", plain, "--context", "4096", "--kv-cache-dtype", "fp8_e4m3"]) == 0
+    assert "--kv-cache-dtype fp8_e4m3" in capsys.readouterr().out  # the recommended command keeps it
+    assert main(["--model", plain, "--kv-cache-dtype", "fp4"]) == 2
+    assert "--kv-cache-dtype" in capsys.readouterr().err

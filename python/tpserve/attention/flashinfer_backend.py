@@ -3,8 +3,7 @@
 Each step is planned once in ``prepare``: a step whose sequences all add exactly one token runs
 the decode wrapper, or XQA where that is faster (``attention/xqa.py``); any other step runs the
 causal paged prefill wrapper for every sequence, decodes included (a decode is a one-token
-extend). Layers then only store their new k/v into
-the pool and call ``run``. For CUDA graphs each captured batch size gets its own decode
+extend). Layers then only store their new k/v into the pool and call ``run``. For CUDA graphs each captured batch size gets its own decode
 wrapper whose index buffers have a fixed size and address; ``plan_cuda_graph`` re-plans it
 before every replay, padding the batch with one-token sequences on the scratch page 0.
 """

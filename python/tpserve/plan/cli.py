@@ -7,7 +7,7 @@ import os
 import sys
 from dataclasses import replace
 
-from tpserve.config import ModelConfig
+from tpserve.config import CHOICES, ModelConfig
 from tpserve.launch.argtypes import HelpFormatter, OneLineParser, float_above, fraction, int_at_least, non_negative
 from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
 from tpserve.plan.report import render
@@ -45,6 +45,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--quantization", choices=list(QUANTIZATION_METHODS), default=None,
                    help="the engine's --quantization: FP8 weights for an unquantized checkpoint (an FP8 checkpoint's "
                    "quantization_config counts without it)")
+    p.add_argument("--kv-cache-dtype", choices=CHOICES["kv_cache_dtype"], default="auto",
+                   help="the engine's --kv-cache-dtype: fp8_e4m3 stores 1 byte per element (twice the tokens, "
+                   "half the KV bytes a decode step reads)")
     p.add_argument("--mem-fraction", type=fraction, default=0.85, help="the engine's --mem-fraction")
     p.add_argument("--max-running-requests", type=int_at_least(1), default=256,
                    help="the engine's --max-running-requests (caps the max batch)")
@@ -127,12 +130,17 @@ def run(argv: list[str]) -> str:
     if args.context > config.context_length:
         raise PlanError(f"--context {args.context} exceeds the model's context length {config.context_length}")
     gpu, source = _gpu_spec(args)
-    shape = ModelShape(config, _dtype_bytes(args.dtype, config, gpu.device), _fp8_block(args.quantization, config, gpu.device))
+    shape = ModelShape(
+        config,
+        _dtype_bytes(args.dtype, config, gpu.device),
+        _fp8_block(args.quantization, config, gpu.device),
+        kv_dtype_bytes=1 if args.kv_cache_dtype == "fp8_e4m3" else None,
+    )
     if gpu.device == "cpu":  # CPU ranks share the host's memory
         gpu = replace(gpu, memory_bytes=gpu.memory_bytes / args.gpus)
     machine = Machine(gpu, args.gpus, args.nodes)
     settings = Settings(args.context, mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
-                        quantization=args.quantization)
+                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     plans, excluded = plan_splits(shape, machine, settings)
     return render(shape, args.model, machine, settings, plans, excluded, workload=args.workload, source=source)
 

@@ -84,6 +84,8 @@ def launch_commands(plan: SplitPlan, model: str, machine: Machine, settings: Set
         flags += f" --mem-fraction {settings.mem_fraction}"
     if settings.quantization is not None:
         flags += f" --quantization {settings.quantization}"
+    if settings.kv_cache_dtype != "auto":
+        flags += f" --kv-cache-dtype {settings.kv_cache_dtype}"
     if plan.tp > machine.gpus_per_node:  # one TP group over several nodes: one launch per node
         nodes = plan.tp // machine.gpus_per_node
         job = f"--nnodes {nodes} --dist-init-addr NODE0_IP:29500"

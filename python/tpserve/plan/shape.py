@@ -3,7 +3,8 @@ and the KV bytes per token, counted the way tpserve's parallel layers split it.
 
 With FP8 weights (an FP8 checkpoint, or ``--quantization fp8``, on a GPU that keeps them FP8) the
 decoder layers' linear weights are 1 byte each plus a float32 scale per block; embeddings, the
-LM head, norms and biases stay in the serving dtype, as tpserve keeps them."""
+LM head, norms and biases stay in the serving dtype, as tpserve keeps them. An FP8 KV cache
+(``--kv-cache-dtype fp8_e4m3``) holds 1 byte per element."""
 
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ class ModelShape:
     config: ModelConfig
     dtype_bytes: int
     fp8_block: tuple[int, int] | None = None  # FP8 linear weights with a scale per block of this shape
+    kv_dtype_bytes: int | None = None  # bytes per KV-cache element; None: the serving dtype's
 
     @property
     def linear_bytes(self) -> float:
@@ -128,4 +130,5 @@ class ModelShape:
 
     def kv_bytes_per_token(self, tp: int) -> float:
         """One rank's K and V bytes for one token over every layer."""
-        return 2 * self.layers * self.kv_heads_per_rank(tp) * self.config.head_dim * self.dtype_bytes
+        element = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
+        return 2 * self.layers * self.kv_heads_per_rank(tp) * self.config.head_dim * element

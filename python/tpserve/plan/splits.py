@@ -31,6 +31,7 @@ class Settings:
     max_running_requests: int = 256  # the engine's --max-running-requests
     page_size: int = 16
     quantization: str | None = None  # the engine's --quantization
+    kv_cache_dtype: str = "auto"  # the engine's --kv-cache-dtype
 
 
 @dataclass(frozen=True)
