@@ -10,7 +10,11 @@
 #        > /dev/null 2>&1; grep '^=== ' \$OUT/suite.log", carry=[".gpu"])
 #
 # and, when the call returns jit_aot.tgz: tar xzf <it> -C .gpu/.fiaot (the JIT modules it built,
-# loaded with no build next time). The carried tree must stay under 64 MiB (the wheels are 42 MB).
+# loaded with no build next time). The tree and what it carries must stay under 64 MiB (67.1 MB):
+# the tree ~6.3 MB, .whl 43.6, .models 1.3 and this script's .fiaot 2.8 leave ~13 MB of modules.
+# One model shape's whole set is 22 MB, so carry the ones the stages need (session 8 carried the
+# bf16 decode, the FA2 and sm90 bf16 prefill and the FP8-KV decode modules: 12.6 MB); XQA's
+# modules build in ~10 s each and need not travel.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu/.models

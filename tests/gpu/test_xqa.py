@@ -204,9 +204,14 @@ def test_engine_with_fp8_xqa_against_bf16_pages(model_dir, graphs):
 def test_auto_picks_xqa_where_it_is_faster(model_dir):
     bf16 = engine(model_dir, "auto", "bf16", graphs=0).attention
     assert bf16.uses_xqa(1) and bf16.uses_xqa(xqa.BF16_MAX_BATCH) and not bf16.uses_xqa(xqa.BF16_MAX_BATCH + 1)
+    assert bf16.describe() == (
+        f"FlashInfer attention over bfloat16 pages (decode: XQA up to batch {xqa.BF16_MAX_BATCH}, "
+        "FlashInfer's decode wrapper above)"
+    )
     fp8 = engine(model_dir, "auto", "fp8", graphs=0).attention
-    assert fp8.uses_xqa(256)
-    assert not engine(model_dir, "flashinfer", "fp8", graphs=0).attention.uses_xqa(1)
+    assert fp8.uses_xqa(256) and fp8.describe() == "FlashInfer attention over FP8 pages (decode: XQA)"
+    wrapper = engine(model_dir, "flashinfer", "fp8", graphs=0).attention
+    assert not wrapper.uses_xqa(1) and wrapper.describe().endswith("(decode: FlashInfer's decode wrapper)")
     assert not engine(model_dir, "auto", "bf16", graphs=0, page_size=8).attention.uses_xqa(1)  # XQA takes 16-128
     with pytest.raises(ValueError, match="page sizes"):
         engine(model_dir, "xqa", "bf16", graphs=0, page_size=8)

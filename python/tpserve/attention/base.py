@@ -29,6 +29,10 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5
 
+    def describe(self) -> str:
+        """The kernels in use, for the engine's start-up log."""
+        return type(self).__name__
+
     @abstractmethod
     def prepare(self, seqs: list[SequenceInput], device: torch.device) -> object:
         """Per-step metadata, built once and shared by all layers."""

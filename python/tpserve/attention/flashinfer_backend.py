@@ -190,6 +190,16 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise ValueError(f"--decode-attention xqa: {reason}; use --decode-attention auto or flashinfer")
         return None
 
+    def describe(self) -> str:
+        pages = "FP8" if self.pool.fp8 else str(self.pool.dtype).removeprefix("torch.")
+        if self.xqa is None:
+            decode = "FlashInfer's decode wrapper"
+        elif self.uses_xqa(2**31):
+            decode = "XQA"
+        else:
+            decode = f"XQA up to batch {xqa.BF16_MAX_BATCH}, FlashInfer's decode wrapper above"
+        return f"FlashInfer attention over {pages} pages (decode: {decode})"
+
     def uses_xqa(self, batch_size: int) -> bool:
         """Whether a decode step of ``batch_size`` sequences runs XQA (see ``attention/xqa.py``)."""
         if self.xqa is None:

@@ -25,6 +25,9 @@ class TorchAttentionMetadata:
 
 
 class TorchAttentionBackend(AttentionBackend):
+    def describe(self) -> str:
+        return "torch attention"
+
     def prepare(self, seqs: list[SequenceInput], device: torch.device) -> TorchAttentionMetadata:
         page_size = self.pool.page_size
         batch = len(seqs)

@@ -174,9 +174,9 @@ class Engine:
         self._mask_device: torch.Tensor | None = None  # grammar masks on the device (GPU)
         if rank == 0:
             logger.info(
-                "engine ready: %s on %s, %s%s, tp %d, %s attention, %d KV pages of %d tokens, CUDA graphs %s",
+                "engine ready: %s on %s, %s%s, tp %d, %s, %d KV pages of %d tokens, CUDA graphs %s",
                 self.model_config.architecture, self.device, self.dtype, self._quantization_note(), config.tp_size,
-                type(self.attention).__name__, self.num_pages - 1, self.page_size,
+                self.attention.describe(), self.num_pages - 1, self.page_size,
                 f"up to batch {self.graph_runner.max_batch_size}" if self.graph_runner else "off",
             )
 
