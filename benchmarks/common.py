@@ -109,7 +109,7 @@ def weight_bytes_per_decode_step(engine: Engine, batch_size: int) -> float:
 
 def kv_bytes_per_token(engine: Engine) -> int:
     cfg = engine.model_config
-    return 2 * cfg.num_hidden_layers * engine.num_kv_heads * cfg.head_dim * engine.dtype.itemsize
+    return 2 * cfg.num_hidden_layers * engine.num_kv_heads * cfg.head_dim * engine.kv_pool.dtype.itemsize  # FP8 caches: 1
 
 
 def prefill_flops(engine: Engine, tokens: int) -> float:

@@ -12,6 +12,8 @@
 # rebuilt, never loaded stale; FlashInfer's are tied to its wheel (0.7.0: a new wheel needs a new .fiaot).
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
+# On one H200, not yet measured since batch-1 decode went through XQA (session 8): moe30_gemv
+# (issue 14's batch-1 step) and fp8_decode_rounds (issue 16's ratio; both engines take XQA at batch 1).
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [stage ...]}
 shift

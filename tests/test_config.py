@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -48,3 +50,38 @@ def test_python_api_names_keywords(qwen3_dir, tmp_path):
         check_can_start(EngineConfig(model=str(tmp_path), device="cpu"), model)
     with pytest.raises(ValueError, match="max_model_len=5000 exceeds the model's context length .4096."):
         check_can_start(EngineConfig(model=qwen3_dir, device="cpu", max_model_len=5000), model)
+
+
+def test_decode_attention_xqa_is_checked_before_start(qwen3_dir, two_gpus, monkeypatch):
+    """``--decode-attention xqa`` where XQA cannot run is one clear error at start-up, not a
+    failure in every rank (the machine is faked: torch.cuda and the flashinfer lookup)."""
+    import importlib.util
+
+    capability = [(9, 0)]
+    installed = [True]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability[0])
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(
+        importlib.util, "find_spec",
+        lambda name, *a: (object() if installed[0] else None) if name == "flashinfer" else real_find_spec(name, *a),
+    )
+    model = ModelConfig.from_pretrained(qwen3_dir)
+
+    def start(**overrides) -> None:
+        config = EngineConfig(model=qwen3_dir, device="cuda", decode_attention="xqa", **{"dtype": "bfloat16", **overrides})
+        check_can_start(config, model, cli=True)
+
+    start()  # a Hopper GPU, flashinfer installed, page size 16: fine
+    for overrides, fragment in (
+        ({"page_size": 8}, "XQA takes page sizes (16, 32, 64, 128), not 8"),
+        ({"dtype": "float32"}, "XQA takes bfloat16 or float16 queries"),
+        ({"attention_backend": "torch"}, "XQA is a kernel of the flashinfer attention backend"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            start(**overrides)
+    capability[0] = (8, 0)
+    with pytest.raises(ValueError, match=r"--decode-attention xqa: XQA decode runs here on Hopper \(sm90\) GPUs only"):
+        start()
+    capability[0], installed[0] = (9, 0), False
+    with pytest.raises(ValueError, match="flashinfer package is not installed; use --decode-attention auto"):
+        start()

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 import os
@@ -395,6 +396,22 @@ def _option(name: str, value: Any, cli: bool) -> str:
     return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
 
 
+def _xqa_unsupported(engine: EngineConfig, model: ModelConfig, device: str) -> str | None:
+    """Why the XQA decode kernel cannot serve this engine, or None (the backend checks again)."""
+    from tpserve.attention.xqa import shape_unsupported_reason
+
+    if engine.attention_backend == "torch" or device != "cuda":
+        return "XQA is a kernel of the flashinfer attention backend, on CUDA"
+    if resolve_dtype(engine.dtype, model, torch.device(device)) not in FLASHINFER_DTYPES:
+        return "XQA takes bfloat16 or float16 queries"
+    if torch.cuda.get_device_capability()[0] != 9:
+        return "XQA decode runs here on Hopper (sm90) GPUs only"
+    if importlib.util.find_spec("flashinfer") is None:
+        return "the flashinfer package is not installed"
+    kv_heads = max(1, model.num_key_value_heads // engine.tp_size)
+    return shape_unsupported_reason(engine.page_size, model.head_dim, model.num_attention_heads // engine.tp_size, kv_heads)
+
+
 def _has_safetensors(model_dir: str) -> bool:
     return os.path.isdir(model_dir) and any(name.endswith(".safetensors") for name in os.listdir(model_dir))
 
@@ -435,13 +452,12 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
                 f"not on {device} in {str(dtype).removeprefix('torch.')}; use "
                 f"{_option('attention_backend', 'auto', cli)} (torch attention where FlashInfer cannot run)"
             )
-    if engine.decode_attention == "xqa" and (
-        engine.attention_backend == "torch" or device != "cuda" or torch.cuda.get_device_capability()[0] != 9
-    ):
-        raise ValueError(
-            f"{_option('decode_attention', 'xqa', cli)} runs in the flashinfer attention backend on Hopper (sm90) "
-            f"GPUs; use {_option('decode_attention', 'auto', cli)}"
-        )
+    if engine.decode_attention == "xqa":
+        reason = _xqa_unsupported(engine, model, device)
+        if reason is not None:
+            raise ValueError(
+                f"{_option('decode_attention', 'xqa', cli)}: {reason}; use {_option('decode_attention', 'auto', cli)}"
+            )
     if engine.load_format != "dummy" and not _has_safetensors(engine.model):
         raise ValueError(
             f"no .safetensors weights in {engine.model}; pass {_option('load_format', 'dummy', cli)} "

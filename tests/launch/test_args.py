@@ -73,7 +73,7 @@ def test_default_is_the_tiny_demo_model(monkeypatch, tmp_path):
         (["--max-model-len", "999999"], "exceeds the model's context length"),
         (["--tp-size", "3"], "--tp-size 3 does not divide num_attention_heads 4"),
         (["--device", "cpu", "--attention-backend", "flashinfer"], "--attention-backend flashinfer runs on CUDA"),
-        (["--device", "cpu", "--decode-attention", "xqa"], "--decode-attention xqa runs in the flashinfer attention backend on Hopper"),
+        (["--device", "cpu", "--decode-attention", "xqa"], "--decode-attention xqa: XQA is a kernel of the flashinfer attention backend, on CUDA; use --decode-attention auto"),
         (["--decode-attention", "fast"], "invalid choice: 'fast'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq'"),

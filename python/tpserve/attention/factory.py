@@ -42,5 +42,5 @@ def create_backend(
             pool, num_heads, num_kv_heads, head_dim, device, fused_rope_store, decode_kernel=decode_attention
         )
     if decode_attention == "xqa":
-        raise ValueError("--decode-attention xqa is a kernel of the flashinfer attention backend, which is not in use")
+        raise ValueError("decode attention xqa is a kernel of the flashinfer attention backend, which is not in use")
     return TorchAttentionBackend(pool, num_heads, num_kv_heads, head_dim, fused_rope_store)

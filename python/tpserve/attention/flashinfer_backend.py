@@ -3,9 +3,10 @@
 Each step is planned once in ``prepare``: a step whose sequences all add exactly one token runs
 the decode wrapper, or XQA where that is faster (``attention/xqa.py``); any other step runs the
 causal paged prefill wrapper for every sequence, decodes included (a decode is a one-token
-extend). Layers then only store their new k/v into the pool and call ``run``. For CUDA graphs each captured batch size gets its own decode
-wrapper whose index buffers have a fixed size and address; ``plan_cuda_graph`` re-plans it
-before every replay, padding the batch with one-token sequences on the scratch page 0.
+extend). Layers then only store their new k/v into the pool and call ``run``. For CUDA graphs
+each captured batch size gets its own decode wrapper (or XQA inputs) whose buffers have a fixed
+size and address; ``plan_cuda_graph`` re-plans it before every replay, padding the batch with
+one-token sequences on the scratch page 0.
 """
 
 from __future__ import annotations
@@ -185,9 +186,14 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.flashinfer, self.device, self.pool.page_size, self.head_dim, self.num_heads, self.num_kv_heads
         )
         if reason is None:
-            return xqa.XqaDecode(self.num_kv_heads, self.pool.page_size, self.scale, self.device)
+            try:
+                return xqa.XqaDecode(self.pool, self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.device)
+            except Exception as exc:  # noqa: BLE001 -- e.g. no nvcc to build the kernel: auto falls back
+                reason = f"building the XQA kernel failed ({type(exc).__name__}: {exc})"
+                if decode_kernel == "auto":
+                    logger.warning("%s; decoding with FlashInfer's decode wrapper", reason)
         if decode_kernel == "xqa":
-            raise ValueError(f"--decode-attention xqa: {reason}; use --decode-attention auto or flashinfer")
+            raise ValueError(f"decode attention xqa: {reason}; use auto or flashinfer")
         return None
 
     def describe(self) -> str:

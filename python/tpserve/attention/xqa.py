@@ -21,16 +21,31 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
 
 from tpserve.forward import SequenceInput, check_page_tables
 
+if TYPE_CHECKING:
+    from tpserve.kvcache.pool import KVCachePool
+
 SEMAPHORE_BYTES = 8 * 2**20  # the workspace's head, as flashinfer.decode lays it out
 SCRATCH_BYTES = 56 * 2**20  # multi-block partial results: < 1 MiB at 132 SMs x head_dim 128
 PAGE_SIZES = (16, 32, 64, 128)
 BF16_MAX_BATCH = 1  # bf16 caches: XQA up to this decode batch, FlashInfer's wrapper above
+
+
+def shape_unsupported_reason(page_size: int, head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
+    """Why XQA's kernels cannot take this cache layout, or None when they can."""
+    if page_size not in PAGE_SIZES:
+        return f"XQA takes page sizes {PAGE_SIZES}, not {page_size}"
+    if head_dim % 16 or not 16 <= head_dim <= 256:
+        return f"XQA takes head_dim a multiple of 16 up to 256, not {head_dim}"
+    if num_heads % num_kv_heads:
+        return f"{num_heads} query heads do not group over {num_kv_heads} KV heads"
+    return None
 
 
 def unsupported_reason(
@@ -41,13 +56,7 @@ def unsupported_reason(
         return "XQA decode runs here on Hopper (sm90) GPUs only"
     if xqa_function() is None:
         return f"flashinfer {getattr(flashinfer, '__version__', '?')} has no XQA kernel"
-    if page_size not in PAGE_SIZES:
-        return f"XQA takes page sizes {PAGE_SIZES}, not {page_size}"
-    if head_dim % 16 or not 16 <= head_dim <= 256:
-        return f"XQA takes head_dim a multiple of 16 up to 256, not {head_dim}"
-    if num_heads % num_kv_heads:
-        return f"{num_heads} query heads do not group over {num_kv_heads} KV heads"
-    return None
+    return shape_unsupported_reason(page_size, head_dim, num_heads, num_kv_heads)
 
 
 def xqa_function() -> Callable | None:
@@ -74,9 +83,9 @@ def dense_page_table(seqs: list[SequenceInput], page_size: int, pad_to: int = 0)
 
 @dataclass
 class XqaMetadata:
-    """A decode step's XQA inputs on the device. The table's width sizes the launch (XQA splits
-    a sequence over at most width * page_size / 128 blocks); a graph's table is as wide as the
-    longest sequence may grow, and each step fills only its leading columns."""
+    """A decode step's XQA inputs on the device. The table's width caps how many blocks XQA
+    splits a sequence over; a graph's table is as wide as the longest sequence may grow, and each
+    step fills only its leading columns."""
 
     kernel: XqaDecode
     page_table: torch.Tensor  # [batch, pages] int32
@@ -87,10 +96,19 @@ class XqaMetadata:
 
 
 class XqaDecode:
-    def __init__(self, num_kv_heads: int, page_size: int, scale: float, device: torch.device):
+    """XQA over one engine's cache: its kernel, built at start-up, and its own workspace."""
+
+    def __init__(
+        self, pool: KVCachePool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device
+    ) -> None:
         self.kernel = xqa_function()
+        # FlashInfer compiles XQA for each layout on first use: do it now, not in a served step.
+        import_module("flashinfer.xqa").get_xqa_module(
+            pool.compute_dtype, pool.dtype, pool.page_size, head_dim, num_heads // num_kv_heads, False,
+            pool.compute_dtype, 1,
+        )
         self.num_kv_heads = num_kv_heads
-        self.page_size = page_size
+        self.page_size = pool.page_size
         self.scale = scale
         self.workspace = torch.zeros(SEMAPHORE_BYTES + SCRATCH_BYTES, dtype=torch.uint8, device=device)
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count

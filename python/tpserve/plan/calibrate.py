@@ -43,6 +43,7 @@ class Calibration:
     copy_bandwidth: float
     matmul_flops: float
     link: Link | None  # None: fewer than two GPUs, nothing to measure between
+    hopper: bool = False  # compute capability 9.x: FP8 KV caches decode through XQA
 
     def as_spec(self) -> GPUSpec:
         base = GPUS["cpu"] if self.device == "cpu" else GPUS["h200"]
@@ -53,6 +54,7 @@ class Calibration:
             copy_bandwidth=self.copy_bandwidth,
             matmul_flops=self.matmul_flops,
             link=self.link or base.link,
+            fp8_attention=self.hopper,
         )
 
 
@@ -187,4 +189,5 @@ def calibrate(device_type: str | None = None, sizes: Sizes | None = None) -> Cal
         copy_bandwidth=copy_bandwidth(device, sizes.copy_bytes, sizes.iters),
         matmul_flops=matmul_flops(device, sizes.matmul_n, sizes.iters),
         link=link,
+        hopper=device_type == "cuda" and torch.cuda.get_device_capability(device)[0] == 9,
     )

@@ -46,8 +46,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="the engine's --quantization: FP8 weights for an unquantized checkpoint (an FP8 checkpoint's "
                    "quantization_config counts without it)")
     p.add_argument("--kv-cache-dtype", choices=CHOICES["kv_cache_dtype"], default="auto",
-                   help="the engine's --kv-cache-dtype: fp8_e4m3 stores 1 byte per element (twice the tokens, "
-                   "half the KV bytes a decode step reads)")
+                   help="the engine's --kv-cache-dtype: fp8_e4m3 stores 1 byte per element (twice the tokens; "
+                   "decode reads half the KV bytes on Hopper, where XQA reads them)")
     p.add_argument("--mem-fraction", type=fraction, default=0.85, help="the engine's --mem-fraction")
     p.add_argument("--max-running-requests", type=int_at_least(1), default=256,
                    help="the engine's --max-running-requests (caps the max batch)")

@@ -74,7 +74,9 @@ def decode_step(shape: ModelShape, gpu: GPUSpec, tp: int, batch: int, context: i
         shape.decode_read_bytes(tp, batch) / (gpu.copy_bandwidth * GEMM_BANDWIDTH_FRACTION),
         shape.linear_flops(tp, batch, batch) / (gpu.matmul_flops * GEMM_FLOPS_FRACTION),
     )
-    kv = batch * (context + 1) * shape.kv_bytes_per_token(tp) / (gpu.copy_bandwidth * attention_bandwidth_fraction(context))
+    # An FP8 cache costs its bytes where XQA reads it; the decode wrapper elsewhere is as slow as bf16.
+    read_as = None if gpu.fp8_attention or shape.kv_dtype_bytes is None else shape.dtype_bytes
+    kv = batch * (context + 1) * shape.kv_bytes_per_token(tp, read_as) / (gpu.copy_bandwidth * attention_bandwidth_fraction(context))
     comm = comm_seconds(shape, batch, batch, tp, link)
     return StepCost(weights + kv + shape.layers * gpu.layer_overhead_s + comm, comm)
 

@@ -128,7 +128,9 @@ class ModelShape:
         heads = self.config.num_attention_heads // tp
         return 4.0 * self.layers * heads * self.config.head_dim * pairs
 
-    def kv_bytes_per_token(self, tp: int) -> float:
-        """One rank's K and V bytes for one token over every layer."""
-        element = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
-        return 2 * self.layers * self.kv_heads_per_rank(tp) * self.config.head_dim * element
+    def kv_bytes_per_token(self, tp: int, element_bytes: float | None = None) -> float:
+        """One rank's K and V bytes for one token over every layer (``element_bytes``: count each
+        element as that many bytes instead of the cache's own)."""
+        if element_bytes is None:
+            element_bytes = self.dtype_bytes if self.kv_dtype_bytes is None else self.kv_dtype_bytes
+        return 2 * self.layers * self.kv_heads_per_rank(tp) * self.config.head_dim * element_bytes

@@ -32,14 +32,17 @@ class GPUSpec:
     link: Link  # within a node
     layer_overhead_s: float  # per decoder layer and step: small kernels, launch tails (fit to H200 runs)
     device: str = "cuda"  # what ``python -m tpserve --device`` runs it on
+    # Whether decode attention reads an FP8 KV cache at its byte count (XQA on Hopper); elsewhere
+    # FlashInfer's decode wrapper converts it element by element, as slow as a bf16 cache.
+    fp8_attention: bool = False
 
 
 # Between nodes: one 400 Gb/s NIC per GPU (about 50 GB/s, ~45 GB/s achieved) and a longer latency.
 NETWORK = Link(alpha_s=25e-6, bus_bandwidth=45e9)
 
 GPUS: dict[str, GPUSpec] = {
-    "h200": GPUSpec("h200", 140 * GIB, 4.25e12, 760e12, Link(10e-6, 360e9), 20e-6),
-    "h100": GPUSpec("h100", 80 * GIB, 2.96e12, 760e12, Link(10e-6, 360e9), 20e-6),
+    "h200": GPUSpec("h200", 140 * GIB, 4.25e12, 760e12, Link(10e-6, 360e9), 20e-6, fp8_attention=True),
+    "h100": GPUSpec("h100", 80 * GIB, 2.96e12, 760e12, Link(10e-6, 360e9), 20e-6, fp8_attention=True),
     "a100": GPUSpec("a100", 80 * GIB, 1.80e12, 280e12, Link(12e-6, 230e9), 20e-6),
     "cpu": GPUSpec("cpu", 64 * GIB, 20e9, 0.5e12, Link(100e-6, 5e9), 50e-6, device="cpu"),
 }
