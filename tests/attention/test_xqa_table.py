@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from tpserve.attention.xqa import dense_page_table
@@ -28,3 +29,28 @@ def test_padding_rows_are_one_token_on_the_scratch_page():
 def test_short_page_table_is_an_error():
     with pytest.raises(ValueError, match="too short for 17 tokens"):
         dense_page_table([SequenceInput([1], 16, [3])], page_size=16)
+
+
+def test_random_batches_against_a_row_by_row_table():
+    """Random batches (page lists longer than needed, padding rows) against the table written one
+    row at a time."""
+    rng = np.random.default_rng(1)
+    for _ in range(200):
+        batch, pad_to = int(rng.integers(0, 9)), int(rng.integers(0, 12))
+        if batch == pad_to == 0:
+            continue
+        seqs = []
+        for _ in range(batch):
+            length = int(rng.integers(1, 100))
+            pages = -(-length // 16) + int(rng.integers(0, 3))
+            seqs.append(SequenceInput([1], length - 1, rng.integers(1, 999, pages).tolist()))
+        table, lens = dense_page_table(seqs, page_size=16, pad_to=pad_to)
+        rows = max(batch, pad_to)
+        expected_lens = [s.seq_len for s in seqs] + [1] * (rows - batch)
+        width = max(-(-n // 16) for n in expected_lens)
+        expected = np.zeros((rows, width), dtype=np.int32)
+        for row, seq in enumerate(seqs):
+            n = -(-seq.seq_len // 16)
+            expected[row, :n] = seq.page_table[:n]
+        assert lens.tolist() == expected_lens
+        assert np.array_equal(table, expected)
