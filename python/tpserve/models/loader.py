@@ -23,9 +23,7 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from tpserve.layers.embedding import ParallelLMHead
 from tpserve.layers.linear import ParallelLinear
-from tpserve.layers.moe import TopKRouter
 from tpserve.models.decoder import CausalLM
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX
 
@@ -194,8 +192,9 @@ def load_model_weights(
     else:
         load_safetensors(model, model_dir, show_progress)
     for module in model.modules():
-        if isinstance(module, (ParallelLinear, ParallelLMHead, TopKRouter)):
-            module.finish_loading(dtype)
+        finish_loading = getattr(module, "finish_loading", None)  # a layer's post-load step (FP8 form, GEMV choice)
+        if finish_loading is not None:
+            finish_loading(dtype)
     if device.type == "cuda":  # weights replaced by their FP8 form: give the memory back for the KV cache
         torch.cuda.empty_cache()
     model.rotary.build_cache(device, dtype)
