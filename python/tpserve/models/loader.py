@@ -23,7 +23,6 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
-from tpserve.layers.linear import ParallelLinear
 from tpserve.models.decoder import CausalLM
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX
 
