@@ -173,7 +173,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
         )
         self.xqa = self._make_xqa(decode_kernel)
-        self.decode_kernel = decode_kernel
+        # XQA for every decode batch (forced, or an FP8 cache), else only up to xqa.BF16_MAX_BATCH.
+        self.xqa_every_batch = self.xqa is not None and (decode_kernel == "xqa" or pool.fp8)
         self._graph_xqa: tuple[torch.Tensor, torch.Tensor] | None = None  # XQA's page table and lengths
         self._graph_indices: torch.Tensor | None = None  # page ids of graph batches, shared by size
         self._planned: torch.cuda.Event | None = None  # the last plan's copies are enqueued
@@ -200,7 +201,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         pages = "FP8" if self.pool.fp8 else str(self.pool.dtype).removeprefix("torch.")
         if self.xqa is None:
             decode = "FlashInfer's decode wrapper"
-        elif self.uses_xqa(2**31):
+        elif self.xqa_every_batch:
             decode = "XQA"
         else:
             decode = f"XQA up to batch {xqa.BF16_MAX_BATCH}, FlashInfer's decode wrapper above"
@@ -208,9 +209,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def uses_xqa(self, batch_size: int) -> bool:
         """Whether a decode step of ``batch_size`` sequences runs XQA (see ``attention/xqa.py``)."""
-        if self.xqa is None:
-            return False
-        return self.decode_kernel == "xqa" or self.pool.fp8 or batch_size <= xqa.BF16_MAX_BATCH
+        return self.xqa is not None and (self.xqa_every_batch or batch_size <= xqa.BF16_MAX_BATCH)
 
     def _wait_for_last_plan(self) -> None:
         """The staging buffer (and FlashInfer's own pinned buffers) may still be read by the

@@ -114,14 +114,13 @@ class XqaDecode:
         )
         self.num_kv_heads = num_kv_heads
         self.page_size = pool.page_size
-        self.scale = scale
+        self.q_scale = scale * head_dim**0.5  # XQA scales by 1/sqrt(head_dim) itself
         self.workspace = torch.zeros(SEMAPHORE_BYTES + SCRATCH_BYTES, dtype=torch.uint8, device=device)
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: XqaMetadata) -> torch.Tensor:
         q = q.contiguous()
         out = torch.empty_like(q)
-        head_dim = q.shape[-1]
         self.kernel(
             q.unsqueeze(1),  # [batch, beam 1, heads, head_dim]
             k_cache,
@@ -133,7 +132,7 @@ class XqaDecode:
             self.workspace[:SEMAPHORE_BYTES],
             self.num_kv_heads,
             self.page_size,
-            q_scale=self.scale * head_dim**0.5,  # XQA scales by 1/sqrt(head_dim) itself
+            q_scale=self.q_scale,
             kv_scale=1.0,  # tpserve's FP8 pages hold k and v as they are
             sm_count=self.sm_count,
             enable_pdl=True,
