@@ -18,46 +18,21 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import statistics
 import sys
 import traceback
-from collections.abc import Callable
 
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # for benchmarks/common.py
+from attention_decode import capture, measure  # this directory's: timing with L2 evicted, graph capture
 from common import copy_bandwidth, device_name, print_table, write_json
+
+ITERS_WARMUP = 3
 
 HEAD_DIM = 128
 CHECK_SEQS = 4
 KV_DTYPES = {"bf16": torch.bfloat16, "fp8": torch.float8_e4m3fn}
 XQA_SEMAPHORE_BYTES = 8 * 2**20  # the first 8 MiB of XQA's workspace, as flashinfer.decode splits it
-
-
-def measure(fn: Callable[[], object], iters: int, flush: torch.Tensor) -> float:
-    """Median microseconds of ``fn`` with L2 evicted before each run."""
-    for _ in range(3):
-        fn()
-    events = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)) for _ in range(iters)]
-    for start, end in events:
-        flush.zero_()
-        start.record()
-        fn()
-        end.record()
-    torch.cuda.synchronize()
-    return statistics.median(s.elapsed_time(e) for s, e in events) * 1e3
-
-
-def graphed(fn: Callable[[], object]) -> Callable[[], object]:
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        fn()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return graph.replay
 
 
 def reference(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, table: torch.Tensor, context: int) -> torch.Tensor:
@@ -111,8 +86,8 @@ def run_point(fi, args, q_heads: int, kv_heads: int, batch: int, context: int, k
             kv_data_type=k_pool.dtype,
         )
         out_fi = torch.empty_like(q)
-        replay = graphed(lambda: wrapper.run(q, (k_pool, v_pool), out=out_fi))
-        row["fi_us"] = measure(replay, args.iters, flush)
+        graph = capture(lambda: wrapper.run(q, (k_pool, v_pool), out=out_fi))
+        row["fi_us"] = measure(graph.replay, ITERS_WARMUP, args.iters, flush) * 1e6
         row["fi_err"] = (out_fi[: ref.shape[0]].float() - ref).abs().max().item()
     except Exception as exc:  # noqa: BLE001 -- report and go on
         row["fi_us"], row["fi_err"] = float("nan"), float("nan")
@@ -137,8 +112,8 @@ def run_point(fi, args, q_heads: int, kv_heads: int, batch: int, context: int, k
                 backend="xqa",
             )
 
-        replay = graphed(xqa)
-        row["xqa_us"] = measure(replay, args.iters, flush)
+        graph = capture(xqa)
+        row["xqa_us"] = measure(graph.replay, ITERS_WARMUP, args.iters, flush) * 1e6
         row["xqa_err"] = (out_xqa[: ref.shape[0]].float() - ref).abs().max().item()
     except Exception as exc:  # noqa: BLE001
         row["xqa_us"], row["xqa_err"] = float("nan"), float("nan")
