@@ -143,13 +143,6 @@ class RequestGrammar:
     terminated: bool = False
 
 
-def allocate_bitmask(rows: int, vocab_size: int):
-    """[rows, ceil(V / 32)] int32, every bit set (every token allowed)."""
-    import xgrammar as xgr
-
-    return xgr.allocate_token_bitmask(rows, vocab_size)
-
-
 def default_fill_threads() -> int:
     """xgrammar threads for a large batch's masks: half this process's CPUs, at most 8."""
     return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
