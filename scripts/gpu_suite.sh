@@ -12,8 +12,7 @@
 # rebuilt, never loaded stale; FlashInfer's are tied to its wheel (0.7.0: a new wheel needs a new .fiaot).
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
-# On one H200, not yet measured since batch-1 decode went through XQA (session 8): moe30_gemv
-# (issue 14's batch-1 step) and fp8_decode_rounds (issue 16's ratio; both engines take XQA at batch 1).
+# On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [stage ...]}
 shift
@@ -140,6 +139,27 @@ for s in $stages; do
     xqa_engine_tests)  # the engine tests whose batch-1 decode steps now take XQA (bf16, auto)
       stage xqa_engine_tests 260 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_overlap.py tests/gpu/test_moe.py \
         tests/gpu/test_structured.py ;;
+    xqa_kv4)  # bf16 and FP8 decode attention at few KV heads (Qwen3-30B-A3B: 32:4; 32B at TP 2: 32:4; TP 4: 16:2), small batches
+      stage xqa_kv4 240 python3 benchmarks/experiments/xqa_decode.py --heads 32:4,16:2,32:8,64:8 --batch-sizes 1,2,4,16 \
+        --contexts 512,4096 --out $results/xqa_decode_kv4.json
+      for dec in auto flashinfer; do
+        stage moe30_b1_$dec 120 python3 benchmarks/decode_latency.py --model $a3b --batch-sizes 1,4 --contexts 512,4096 \
+          --modes graph --decode-attention $dec --out $results/decode_a3b_b1_dec_$dec.json
+      done ;;
+    xqa_variants)  # batch-1 decode, XQA as auto launches it, without PDL, at 8 sub-sequences, against the wrapper
+      for m in $a3b $large; do
+        n=$(basename $m)
+        for v in "auto" "flashinfer" "auto TPSERVE_XQA_PDL=0" "auto XQA_NB_SUB_SEQ=8"; do
+          set -- $v
+          stage xqa_var_${n}_$1_${2:-} 90 env ${2:-} python3 benchmarks/experiments/xqa_engine_variants.py --model $m --batch-sizes 1 \
+            --contexts 512,4096 --modes graph --decode-attention $1
+        done
+      done ;;
+    xqa_a3b_fp8)  # Qwen3-30B-A3B (4 KV heads) decode over an FP8 cache: auto (XQA) against the decode wrapper
+      for dec in auto flashinfer; do
+        stage xqa_a3b_fp8_$dec 120 python3 benchmarks/decode_latency.py --model $a3b --batch-sizes 1,64 --contexts 512,4096 \
+          --modes graph --decode-attention $dec --kv-cache-dtype fp8_e4m3 --out $results/decode_a3b_fp8kv_dec_$dec.json
+      done ;;
     xqa_decode8_b1)  # Qwen3-8B bf16 decode at the batches auto gives XQA: against the decode wrapper
       for dec in auto flashinfer; do
         stage xqa_decode8_b1_$dec 120 python3 benchmarks/decode_latency.py --model $large --batch-sizes 1,4 \

@@ -172,16 +172,15 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
         )
-        self.xqa = self._make_xqa(decode_kernel)
-        # XQA for every decode batch (forced, or an FP8 cache), else only up to xqa.BF16_MAX_BATCH.
-        self.xqa_every_batch = self.xqa is not None and (decode_kernel == "xqa" or pool.fp8)
+        self.xqa = self._make_xqa(decode_kernel)  # when set, every decode step runs XQA
         self._graph_xqa: tuple[torch.Tensor, torch.Tensor] | None = None  # XQA's page table and lengths
         self._graph_indices: torch.Tensor | None = None  # page ids of graph batches, shared by size
         self._planned: torch.cuda.Event | None = None  # the last plan's copies are enqueued
         self._staging = PinnedStaging()
 
     def _make_xqa(self, decode_kernel: str) -> xqa.XqaDecode | None:
-        if decode_kernel == "flashinfer":
+        """XQA when asked for, or under ``auto`` over an FP8 cache (see ``attention/xqa.py``)."""
+        if decode_kernel == "flashinfer" or (decode_kernel == "auto" and not self.pool.fp8):
             return None
         reason = xqa.unsupported_reason(
             self.flashinfer, self.device, self.pool.page_size, self.head_dim, self.num_heads, self.num_kv_heads
@@ -199,17 +198,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def describe(self) -> str:
         pages = "FP8" if self.pool.fp8 else str(self.pool.dtype).removeprefix("torch.")
-        if self.xqa is None:
-            decode = "FlashInfer's decode wrapper"
-        elif self.xqa_every_batch:
-            decode = "XQA"
-        else:
-            decode = f"XQA up to batch {xqa.BF16_MAX_BATCH}, FlashInfer's decode wrapper above"
+        decode = "FlashInfer's decode wrapper" if self.xqa is None else "XQA"
         return f"FlashInfer attention over {pages} pages (decode: {decode})"
-
-    def uses_xqa(self, batch_size: int) -> bool:
-        """Whether a decode step of ``batch_size`` sequences runs XQA (see ``attention/xqa.py``)."""
-        return self.xqa is not None and (self.xqa_every_batch or batch_size <= xqa.BF16_MAX_BATCH)
 
     def _wait_for_last_plan(self) -> None:
         """The staging buffer (and FlashInfer's own pinned buffers) may still be read by the
@@ -237,7 +227,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def prepare(self, seqs: list[SequenceInput], device: torch.device) -> FlashInferMetadata | xqa.XqaMetadata:
         decode = all(len(s.token_ids) == 1 for s in seqs)
-        if decode and self.uses_xqa(len(seqs)):
+        if decode and self.xqa is not None:
             table, lens = self._stage_xqa(seqs)
             meta = xqa.XqaMetadata(
                 self.xqa, table.to(self.device, non_blocking=True), lens.to(self.device, non_blocking=True)
@@ -287,7 +277,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     def cuda_graph_metadata(self, batch_size: int, max_pages_per_seq: int) -> FlashInferMetadata | xqa.XqaMetadata:
         """A decode wrapper (or XQA's inputs) for one captured batch size, with fixed-size,
         fixed-address buffers."""
-        if self.uses_xqa(batch_size):
+        if self.xqa is not None:
             # One table for every size, as the page-id buffer below: one graph replays at a time.
             if self._graph_xqa is None:
                 self._graph_xqa = (

@@ -4,11 +4,10 @@ On Hopper with an FP8 KV cache XQA runs a kernel that computes in FP8 on the ten
 query and the softmax weights are rounded to e4m3 too: 1.6% relative error against fp32 on
 random data, where the decode wrapper, which converts every FP8 element back to bf16, has 0.1%).
 Measured on one H200 (graph replays, KV cold in L2; `benchmarks/experiments/xqa_decode.py`,
-query:KV heads 16:8, 32:8, 64:8): with FP8 pages XQA takes 0.53-0.73x the wrapper's time and
-reads at 2.8-3.8 TB/s against 1.2-2.4. With bf16 pages it is 0.83-0.94x at batch 1, 0.81-1.0x
-at batch 4 and 0.9-1.1x from batch 32 on; whole Qwen3-8B bf16 steps took 0.96-0.97x at batch 1,
-0.99-1.02x at batch 4, up to 1.04x at batch 16. So ``auto`` takes XQA for FP8 caches at every
-batch size and for bf16 caches at batch 1 (``BF16_MAX_BATCH``).
+query:KV heads 16:2 to 64:8): with FP8 pages XQA takes 0.53-0.73x the wrapper's time and reads at
+2.8-3.8 TB/s against 1.2-2.4. With bf16 pages it is 0.82-0.92x alone at batch 1, but whole batch-1
+steps were not faster: Qwen3-8B 0.94-1.03x, Qwen3-30B-A3B (4 KV heads) 1.10-1.16x of the wrapper's
+(session 9, docs/benchmarks.md). So ``auto`` takes XQA for FP8 caches only, at every batch size.
 
 XQA reads a dense page table ``[batch, pages]`` and each sequence's length, not FlashInfer's
 CSR table. Its workspace starts with semaphores that every call leaves at zero, so it is its
@@ -35,7 +34,6 @@ if TYPE_CHECKING:
 SEMAPHORE_BYTES = 8 * 2**20  # the workspace's head, as flashinfer.decode lays it out
 SCRATCH_BYTES = 56 * 2**20  # multi-block partial results: < 1 MiB at 132 SMs x head_dim 128
 PAGE_SIZES = (16, 32, 64, 128)
-BF16_MAX_BATCH = 1  # bf16 caches: XQA up to this decode batch, FlashInfer's wrapper above
 
 
 def shape_unsupported_reason(page_size: int, head_dim: int, num_heads: int, num_kv_heads: int) -> str | None:
