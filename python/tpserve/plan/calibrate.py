@@ -15,7 +15,7 @@ import torch
 
 from tpserve.distributed.comm import CudaCommunicator, init_process_groups, local_init_addr
 from tpserve.distributed.spawn import on_spawned_ranks
-from tpserve.plan.specs import GPUS, GPUSpec, Link
+from tpserve.plan.cost import GPUS, GPUSpec, Link
 
 WORKER_TIMEOUT_S = 300
 BURST = 10
