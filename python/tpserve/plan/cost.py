@@ -1,12 +1,10 @@
 """The cost model: the devices the planner knows, what a model costs per rank at a TP size, and
 one step's time on one TP group, split into compute/memory and all-reduce.
 
-Rates are achievable figures (what ``--calibrate`` measures: copy bandwidth counting bytes read +
-written, dense matmul rate, all-reduce latency and bus bandwidth), not datasheet peaks. H200's are
-measured in docs/benchmarks.md; H100 and A100 are their datasheets scaled by the same achieved
-fractions (copy 0.885, matmul 0.77 on Hopper); CPU figures are rough. The efficiency constants
-are fit to tpserve's own H200 runs (docs/benchmarks.md).
-"""
+Device rates are achievable figures (what ``--calibrate`` measures), not datasheet peaks: H200's
+are measured, H100's and A100's their datasheets scaled by the same achieved fractions (copy 0.885,
+matmul 0.77 on Hopper), the CPU's rough. The efficiency constants are fit to tpserve's H200 runs
+(docs/benchmarks.md)."""
 
 from __future__ import annotations
 
@@ -104,7 +102,8 @@ class ModelShape:
         every rank) and ``experts`` experts per sparse layer (None: all of them)."""
         c, moe = self.config, self.config.moe
         heads = c.num_attention_heads // tp
-        attention = c.hidden_size * (heads + 2 * self.kv_heads_per_rank(tp)) * c.head_dim + heads * c.head_dim * c.hidden_size
+        qkv_width = (heads + 2 * self.kv_heads_per_rank(tp)) * c.head_dim
+        attention = c.hidden_size * qkv_width + heads * c.head_dim * c.hidden_size
         dense_mlp = 3 * self.hidden * (c.intermediate_size // tp)
         sparse_layers, per_sparse = 0, 0.0
         if moe is not None:
@@ -166,12 +165,6 @@ class ModelShape:
         return 2 * self.layers * self.kv_heads_per_rank(tp) * self.config.head_dim * element_bytes
 
 
-def attention_bandwidth_fraction(context: int) -> float:
-    """FlashInfer's decode attention streams too few pages per block to hide latency at short
-    contexts: ~54% of the copy bandwidth at 64 tokens, ~90% at 4,096."""
-    return 0.95 * context / (context + 384)
-
-
 def all_reduce_seconds(size_bytes: float, n: int, link: Link) -> float:
     if n == 1:
         return 0.0
@@ -218,7 +211,9 @@ def decode_step(shape: ModelShape, gpu: GPUSpec, tp: int, batch: int, context: i
     )
     read_as = None if gpu.fp8_attention or shape.kv_dtype_bytes is None else shape.dtype_bytes
     kv_bytes = batch * (context + 1) * shape.kv_bytes_per_token(tp, read_as)
-    kv = kv_bytes / (gpu.copy_bandwidth * attention_bandwidth_fraction(context))
+    # FlashInfer's decode attention reads a short cache at ~54% of the copy bandwidth, a 4,096-token
+    # one at ~90%: at short contexts it streams too few pages per block to hide latency.
+    kv = kv_bytes / (gpu.copy_bandwidth * (0.95 * context / (context + 384)))
     comm = comm_seconds(shape, batch, batch, tp, link)
     return StepCost(weights + kv + shape.layers * gpu.layer_overhead_s + comm, comm)
 

@@ -10,7 +10,7 @@ from tpserve.plan.cost import GIB, NETWORK, GPUSpec, ModelShape, StepCost, decod
 # Per GPU, outside the KV cache: the CUDA context, a chunked prefill's activations, CUDA graphs.
 RUNTIME_RESERVE_BYTES = 2 * GIB
 REFERENCE_BATCH = 64
-PAGE_SIZE = 16
+PAGE_SIZE = 16  # the engine's default --page-size
 
 
 @dataclass(frozen=True)
