@@ -14,7 +14,7 @@ from tpserve.plan.cost import DTYPE_BYTES, GIB, GPUS, GPUSpec, Link, ModelShape
 from tpserve.plan.splits import Machine, Settings, plan_splits, render
 from tpserve.quant.config import QUANTIZATION_METHODS, resolve_quantization
 
-CUSTOM_REQUIRED = ("--memory-gib", "--bandwidth-tbps", "--tflops")
+CUSTOM_REQUIRED = ("memory_gib", "bandwidth_tbps", "tflops")
 
 
 class PlanError(ValueError):
@@ -72,7 +72,7 @@ def _gpu_spec(args: argparse.Namespace) -> tuple[GPUSpec, str]:
         print("calibrating: copy bandwidth, matmul rate, TP-2 all-reduce ...", file=sys.stderr, flush=True)
         spec, source = calibrate(device).as_spec(), "calibrated"
     elif args.gpu == "custom":
-        missing = [flag for flag in CUSTOM_REQUIRED if getattr(args, flag[2:].replace("-", "_")) is None]
+        missing = [f"--{name.replace('_', '-')}" for name in CUSTOM_REQUIRED if getattr(args, name) is None]
         if missing:
             raise PlanError(f"--gpu custom needs {', '.join(missing)}")
         spec, source = replace(GPUS["h100"], name="custom"), "custom"

@@ -72,13 +72,15 @@ def evaluate(shape: ModelShape, machine: Machine, tp: int, settings: Settings) -
     gpu, context = machine.gpu, settings.context
     link = NETWORK if tp > machine.gpus_per_node else gpu.link  # a TP group across nodes: the network
     weights = shape.weight_bytes_per_rank(tp)
-    kv_budget = gpu.memory_bytes * settings.mem_fraction - weights - RUNTIME_RESERVE_BYTES
-    fits = weights + RUNTIME_RESERVE_BYTES < gpu.memory_bytes * settings.mem_fraction
+    memory = gpu.memory_bytes * settings.mem_fraction
+    fits = weights + RUNTIME_RESERVE_BYTES < memory
+    kv_budget = memory - weights - RUNTIME_RESERVE_BYTES
     kv = 0
     if fits and kv_budget > 0:
         pages = int(kv_budget // (shape.kv_bytes_per_token(tp) * PAGE_SIZE)) - 1  # the scratch page
         kv = max(0, pages) * PAGE_SIZE
-    requests = kv // (-(-context // PAGE_SIZE) * PAGE_SIZE)
+    per_request = -(-context // PAGE_SIZE) * PAGE_SIZE
+    requests = kv // per_request
     batch = min(requests, settings.max_running_requests)
     usable = fits and requests > 0
     return SplitPlan(
