@@ -163,8 +163,7 @@ def all_reduce_link(device_type: str, sizes: Sizes) -> Link:
         results = on_spawned_ranks(_all_reduce_rank, 2, local_init_addr(), device_type, sizes, timeout_s=WORKER_TIMEOUT_S)
     except (RuntimeError, TimeoutError) as e:
         raise RuntimeError(f"the all-reduce measurement did not finish: {e}") from e
-    small, large = (max(seconds[i] for seconds in results) for i in range(2))
-    alpha = small
+    alpha, large = (max(seconds[i] for seconds in results) for i in range(2))
     transfer = max(large - alpha, large * 0.05)  # a noisy small time cannot make the bandwidth infinite
     return Link(alpha_s=alpha, bus_bandwidth=(sizes.large_bytes - sizes.small_bytes) / transfer)
 

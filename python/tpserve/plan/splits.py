@@ -205,10 +205,14 @@ def launch_commands(plan: SplitPlan, model: str, machine: Machine, settings: Set
     return [f"python -m tpserve {flags}{dp}"]
 
 
-def recommendation(title: str, plan: SplitPlan | None, why: str, model: str, machine: Machine,
-                   settings: Settings, batch_hint: bool = False) -> list[str]:
+def recommendation(title: str, plan: SplitPlan | None, model: str, machine: Machine, settings: Settings) -> list[str]:
+    """The ``latency`` or ``throughput`` pick, why, and the commands that launch it."""
     if plan is None:
         return [f"{title}: none (no split holds the weights and one request at this context)"]
+    if title == "latency":
+        why = f"batch-1 step {_ms(plan.decode_1)} ms ({_rate(plan.latency_tok_s)} tok/s per request)"
+    else:
+        why = f"{_rate(plan.max_batch_tok_s)} tok/s at {plan.max_batch} requests per replica"
     lines = [f"{title}: TP{plan.tp} x DP{plan.dp}: {why}"]
     lines += [f"  {c}" for c in launch_commands(plan, model, machine, settings)]
     per_node = max(1, plan.dp // machine.nodes)
@@ -218,7 +222,7 @@ def recommendation(title: str, plan: SplitPlan | None, why: str, model: str, mac
     elif machine.nodes > 1:
         replicas = "one replica" if per_node == 1 else f"{per_node} replicas behind its router"
         lines.append(f"  (on each of the {machine.nodes} nodes: {replicas}; put a load balancer in front of the nodes)")
-    if batch_hint and plan.requests_per_replica > plan.max_batch:
+    if title == "throughput" and plan.requests_per_replica > plan.max_batch:
         lines.append(f"  (the KV cache holds {plan.requests_per_replica:,} requests per replica: a larger "
                      f"--max-running-requests batches more of them)")
     return lines
@@ -249,17 +253,8 @@ def render(shape: ModelShape, model: str, machine: Machine, settings: Settings, 
     ]
     if excluded:
         lines += ["", "excluded:"] + [f"  TP{e.tp}: {e.reason}" for e in excluded]
-    latency, throughput = best_for_latency(plans), best_for_throughput(plans)
-    lat = recommendation(
-        "latency", latency,
-        latency and f"batch-1 step {_ms(latency.decode_1)} ms ({_rate(latency.latency_tok_s)} tok/s per request)",
-        model, machine, settings,
-    )
-    thr = recommendation(
-        "throughput", throughput,
-        throughput and f"{_rate(throughput.max_batch_tok_s)} tok/s at {throughput.max_batch} requests per replica",
-        model, machine, settings, batch_hint=True,
-    )
+    lat = recommendation("latency", best_for_latency(plans), model, machine, settings)
+    thr = recommendation("throughput", best_for_throughput(plans), model, machine, settings)
     lines += [""] + (lat + thr if workload == "chat" else thr + lat)
     if plans and not any(p.fits for p in plans):
         need = min(p.weight_bytes_per_gpu for p in plans)
