@@ -22,9 +22,7 @@ import torch
 from common import fill_kv_randomly, on_ranks, print_table, write_json
 from decode_latency import ints, parse_timing_args, time_mode
 from tpserve.config import EngineConfig, ModelConfig
-from tpserve.plan.cost import decode_step
-from tpserve.plan.shape import DTYPE_BYTES, ModelShape
-from tpserve.plan.specs import GPUS, GPUSpec
+from tpserve.plan.cost import DTYPE_BYTES, GPUS, GPUSpec, ModelShape, decode_step
 
 TARGET = 0.15  # issue 18: predictions within 15% of the measured step
 

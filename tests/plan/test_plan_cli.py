@@ -49,10 +49,8 @@ def test_multi_node_commands_are_per_node(capsys):
 
 
 def test_tp_across_nodes_gets_one_command_per_node():
-    from tpserve.plan.report import launch_commands
-    from tpserve.plan.specs import GPUS
-    from tpserve.plan.splits import Machine, Settings, evaluate
-    from tpserve.plan.shape import ModelShape
+    from tpserve.plan.cost import GPUS, ModelShape
+    from tpserve.plan.splits import Machine, Settings, evaluate, launch_commands
     from tpserve.config import ModelConfig
 
     machine = Machine(GPUS["h200"], 2, 2)

@@ -6,9 +6,9 @@ from __future__ import annotations
 import pytest
 from plan_configs import LLAMA_3_70B, QWEN3_0_6B, config
 
-from tpserve.plan.cost import PREFILL_MFU, all_reduce_seconds, decode_step, layers_all_reduce_seconds, prefill_seconds
-from tpserve.plan.shape import ModelShape
-from tpserve.plan.specs import GPUS, Link
+from tpserve.plan.cost import (
+    GPUS, PREFILL_MFU, Link, ModelShape, all_reduce_seconds, decode_step, layers_all_reduce_seconds, prefill_seconds,
+)
 
 SEED_LINK = Link(alpha_s=10e-6, bus_bandwidth=360e9)
 SEED_H100 = GPUS["h100"].__class__(

@@ -11,7 +11,7 @@ from plan_configs import data_config, write_config
 
 from tpserve.config import ModelConfig
 from tpserve.plan.cli import main
-from tpserve.plan.shape import ModelShape
+from tpserve.plan.cost import ModelShape
 
 FP8_CONFIG = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
 
@@ -74,7 +74,7 @@ def test_cli_quantization_errors(tmp_path, capsys):
 
 
 def test_fp8_kv_cache_holds_twice_the_tokens_and_reads_half_the_bytes(tmp_path, capsys):
-    from tpserve.plan.specs import GPUS
+    from tpserve.plan.cost import GPUS
     from tpserve.plan.splits import Machine, Settings, plan_splits
 
     cfg = ModelConfig.from_dict(qwen3_8b())

@@ -6,8 +6,7 @@ import pytest
 from plan_configs import QWEN3_0_6B, QWEN3_235B_A22B, config, data_config
 
 from tpserve.config import ModelConfig
-from tpserve.plan.shape import ModelShape
-from tpserve.plan.specs import GPUS
+from tpserve.plan.cost import GPUS, ModelShape
 from tpserve.plan.splits import Machine, Settings, best_for_latency, best_for_throughput, plan_splits
 
 

@@ -5,6 +5,7 @@ two GPUs, timed inside a CUDA graph as decode runs them; Gloo between two CPU pr
 
 from __future__ import annotations
 
+import itertools
 import os
 import statistics
 import time
@@ -15,7 +16,7 @@ import torch
 
 from tpserve.distributed.comm import CudaCommunicator, init_process_groups, local_init_addr
 from tpserve.distributed.spawn import on_spawned_ranks
-from tpserve.plan.specs import GPUS, GPUSpec, Link
+from tpserve.plan.cost import GPUS, GPUSpec, Link
 
 WORKER_TIMEOUT_S = 300
 BURST = 10
@@ -59,7 +60,7 @@ class Calibration:
 
 
 def _cuda_seconds(fn: Callable[[], object]) -> float:
-    """Seconds of one call of ``fn`` on the current stream, timed with CUDA events."""
+    """Seconds of one call of ``fn`` on the current stream."""
     start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
     start.record()
     fn()
@@ -84,7 +85,8 @@ def time_device(fn: Callable[[], object], device: torch.device, iters: int, warm
 
 
 def _dtype(device: torch.device) -> torch.dtype:
-    return torch.bfloat16 if device.type == "cuda" else torch.float32  # the engine's default dtype there
+    """The engine's default dtype on ``device``."""
+    return torch.bfloat16 if device.type == "cuda" else torch.float32
 
 
 def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
@@ -96,13 +98,12 @@ def copy_bandwidth(device: torch.device, nbytes: int, iters: int) -> float:
 
 def matmul_flops(device: torch.device, n: int, iters: int) -> float:
     dtype = _dtype(device)
-    pairs = [(torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device)) for _ in range(3)]
+    pairs = itertools.cycle([(torch.randn(n, n, dtype=dtype, device=device), torch.randn(n, n, dtype=dtype, device=device))
+                             for _ in range(3)])
     out = torch.empty(n, n, dtype=dtype, device=device)
-    turn = iter(range(1 << 62))
 
     def run() -> None:
-        a, b = pairs[next(turn) % len(pairs)]
-        torch.matmul(a, b, out=out)
+        torch.matmul(*next(pairs), out=out)
 
     return 2 * n**3 / time_device(run, device, iters)
 
@@ -162,8 +163,7 @@ def all_reduce_link(device_type: str, sizes: Sizes) -> Link:
         results = on_spawned_ranks(_all_reduce_rank, 2, local_init_addr(), device_type, sizes, timeout_s=WORKER_TIMEOUT_S)
     except (RuntimeError, TimeoutError) as e:
         raise RuntimeError(f"the all-reduce measurement did not finish: {e}") from e
-    small, large = (max(seconds[i] for seconds in results) for i in range(2))
-    alpha = small
+    alpha, large = (max(seconds[i] for seconds in results) for i in range(2))
     transfer = max(large - alpha, large * 0.05)  # a noisy small time cannot make the bandwidth infinite
     return Link(alpha_s=alpha, bus_bandwidth=(sizes.large_bytes - sizes.small_bytes) / transfer)
 

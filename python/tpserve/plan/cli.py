@@ -10,17 +10,15 @@ from dataclasses import replace
 from tpserve.config import CHOICES, ModelConfig
 from tpserve.launch.argtypes import HelpFormatter, OneLineParser, float_above, fraction, int_at_least, non_negative
 from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
-from tpserve.plan.report import render
-from tpserve.plan.shape import DTYPE_BYTES, ModelShape
-from tpserve.plan.specs import GIB, GPUS, GPUSpec, Link
-from tpserve.plan.splits import Machine, Settings, plan_splits
+from tpserve.plan.cost import DTYPE_BYTES, GIB, GPUS, GPUSpec, Link, ModelShape
+from tpserve.plan.splits import Machine, Settings, plan_splits, render
 from tpserve.quant.config import QUANTIZATION_METHODS, resolve_quantization
 
 CUSTOM_REQUIRED = ("memory_gib", "bandwidth_tbps", "tflops")
 
 
 class PlanError(ValueError):
-    pass
+    """A bad value, reported in one line."""
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -80,15 +78,16 @@ def _gpu_spec(args: argparse.Namespace) -> tuple[GPUSpec, str]:
         spec, source = replace(GPUS["h100"], name="custom"), "custom"
     else:
         spec, source = GPUS[args.gpu], "table"
-    link = Link(
-        alpha_s=spec.link.alpha_s if args.allreduce_us is None else args.allreduce_us * 1e-6,
-        bus_bandwidth=spec.link.bus_bandwidth if args.busbw_gbps is None else args.busbw_gbps * 1e9,
-    )
+
+    def given(value: float | None, scale: float, default: float) -> float:
+        return default if value is None else value * scale
+
+    link = Link(given(args.allreduce_us, 1e-6, spec.link.alpha_s), given(args.busbw_gbps, 1e9, spec.link.bus_bandwidth))
     spec = replace(
         spec,
-        memory_bytes=spec.memory_bytes if args.memory_gib is None else args.memory_gib * GIB,
-        copy_bandwidth=spec.copy_bandwidth if args.bandwidth_tbps is None else args.bandwidth_tbps * 1e12,
-        matmul_flops=spec.matmul_flops if args.tflops is None else args.tflops * 1e12,
+        memory_bytes=given(args.memory_gib, GIB, spec.memory_bytes),
+        copy_bandwidth=given(args.bandwidth_tbps, 1e12, spec.copy_bandwidth),
+        matmul_flops=given(args.tflops, 1e12, spec.matmul_flops),
         link=link,
     )
     return spec, source
@@ -107,20 +106,18 @@ def _model_config(model: str) -> ModelConfig:
         raise PlanError(f"--model {model}: {e}") from None
 
 
-def _dtype_bytes(dtype: str, config: ModelConfig, device: str) -> int:
+def _model_shape(args: argparse.Namespace, config: ModelConfig, device: str) -> ModelShape:
+    """The model as the engine serves it on ``device``; the CPU engine dequantizes FP8 weights at load."""
+    dtype = args.dtype
     if dtype == "auto":
         dtype = "float32" if device == "cpu" else config.torch_dtype
-    return DTYPE_BYTES.get(dtype, 2)
-
-
-def _fp8_block(asked: str | None, config: ModelConfig, device: str) -> tuple[int, int] | None:
-    """The FP8 weight blocks the engine keeps on this device, or None (no quantization, or the CPU,
-    where the engine dequantizes FP8 weights at load)."""
     try:
-        quant = resolve_quantization(asked, config.quantization)
+        quant = resolve_quantization(args.quantization, config.quantization)
     except ValueError as e:
         raise PlanError(f"--quantization: {e}") from None
-    return None if quant is None or device == "cpu" else quant.block_size
+    fp8_block = None if quant is None or device == "cpu" else quant.block_size
+    kv_dtype_bytes = 1 if args.kv_cache_dtype == "fp8_e4m3" else None
+    return ModelShape(config, DTYPE_BYTES.get(dtype, 2), fp8_block, kv_dtype_bytes=kv_dtype_bytes)
 
 
 def run(argv: list[str]) -> str:
@@ -130,19 +127,14 @@ def run(argv: list[str]) -> str:
     if args.context > config.context_length:
         raise PlanError(f"--context {args.context} exceeds the model's context length {config.context_length}")
     gpu, source = _gpu_spec(args)
-    shape = ModelShape(
-        config,
-        _dtype_bytes(args.dtype, config, gpu.device),
-        _fp8_block(args.quantization, config, gpu.device),
-        kv_dtype_bytes=1 if args.kv_cache_dtype == "fp8_e4m3" else None,
-    )
+    shape = _model_shape(args, config, gpu.device)
     if gpu.device == "cpu":  # CPU ranks share the host's memory
         gpu = replace(gpu, memory_bytes=gpu.memory_bytes / args.gpus)
     machine = Machine(gpu, args.gpus, args.nodes)
     settings = Settings(args.context, mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     plans, excluded = plan_splits(shape, machine, settings)
-    return render(shape, args.model, machine, settings, plans, excluded, workload=args.workload, source=source)
+    return render(shape, args.model, machine, settings, plans, excluded, args.workload, source)
 
 
 def main(argv: list[str] | None = None) -> int:
