@@ -1,8 +1,12 @@
-"""A tiny model's shape: its parameters checked and completed, and its config files."""
+"""A tiny model's config: its shape checked and completed, as its architecture's transformers
+config class (which writes config.json as users' checkpoints are saved)."""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
@@ -16,36 +20,12 @@ VOCAB_MULTIPLE = 64
 ROPE_TYPES = ("default", "llama3", "yarn", "linear")
 
 
-@dataclass(frozen=True)
-class TinySpec:
-    """The maker's parameters, resolved (no None left)."""
-
-    arch: str
-    num_layers: int
-    hidden_size: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    intermediate_size: int
-    vocab_size: int
-    tie_word_embeddings: bool
-    num_shards: int
-    seed: int
-    max_position_embeddings: int
-    rope_type: str  # default | llama3 | yarn | linear
-    legacy_config: bool  # rope_theta + rope_scaling at the top level, as transformers 4 saved them
-    # qwen3_moe only (0 experts elsewhere): the sparse layers are all but mlp_only_layers
-    num_experts: int = 0
-    num_experts_per_tok: int = 0
-    moe_intermediate_size: int = 0
-    mlp_only_layers: tuple[int, ...] = ()
-    norm_topk_prob: bool = True
-
-
-def resolve_spec(
+def model_config(
     arch: str,
     *,
     tokenizer_size: int,
+    bos_token_id: int,
+    eos_token_id: int,
     num_layers: int = 2,
     hidden_size: int = 64,
     num_heads: int = 4,
@@ -54,18 +34,17 @@ def resolve_spec(
     intermediate_size: int | None = None,
     vocab_size: int | None = None,
     tie_word_embeddings: bool = False,
-    num_shards: int = 1,
-    seed: int = 0,
     max_position_embeddings: int = 4096,
     rope_type: str | None = None,
-    legacy_config: bool = False,
     num_experts: int = 8,
     num_experts_per_tok: int = 2,
     moe_intermediate_size: int | None = None,
     mlp_only_layers: tuple[int, ...] | list[int] = (0,),
     norm_topk_prob: bool = True,
-) -> TinySpec:
-    """Fill in defaults and reject shapes the target architecture cannot express."""
+) -> PreTrainedConfig:
+    """The architecture's transformers config, with defaults filled in; shapes it cannot express
+    are rejected. The MoE settings apply to qwen3_moe only, whose sparse layers are all but
+    ``mlp_only_layers``."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     if rope_type is None:
@@ -77,22 +56,18 @@ def resolve_spec(
         "hidden_size": hidden_size,
         "num_heads": num_heads,
         "num_kv_heads": num_kv_heads,
-        "num_shards": num_shards,
         "max_position_embeddings": max_position_embeddings,
     }
     for name, value in positive.items():
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
     if num_heads % num_kv_heads != 0:
-        raise ValueError(
-            f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})"
-        )
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
     divisible = hidden_size % num_heads == 0
     if head_dim is None:
         if not divisible:
             raise ValueError(
-                f"hidden_size ({hidden_size}) is not divisible by num_heads ({num_heads}); "
-                "pass head_dim explicitly"
+                f"hidden_size ({hidden_size}) is not divisible by num_heads ({num_heads}); pass head_dim explicitly"
             )
         head_dim = hidden_size // num_heads
     elif arch == "qwen2" and (not divisible or head_dim != hidden_size // num_heads):
@@ -102,9 +77,7 @@ def resolve_spec(
         )
     elif arch == "llama" and not divisible:
         # transformers' LlamaConfig rejects this even when head_dim is given.
-        raise ValueError(
-            f"llama requires hidden_size ({hidden_size}) divisible by num_heads ({num_heads})"
-        )
+        raise ValueError(f"llama requires hidden_size ({hidden_size}) divisible by num_heads ({num_heads})")
     if head_dim < 2 or head_dim % 2 != 0:
         raise ValueError(f"head_dim must be even and >= 2 (rotary embedding), got {head_dim}")
     if intermediate_size is None:
@@ -114,10 +87,26 @@ def resolve_spec(
     if vocab_size is None:
         vocab_size = -(-tokenizer_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
     if vocab_size < tokenizer_size:
-        raise ValueError(
-            f"vocab_size ({vocab_size}) must be >= the tokenizer's size ({tokenizer_size})"
-        )
-    moe: dict = {}
+        raise ValueError(f"vocab_size ({vocab_size}) must be >= the tokenizer's size ({tokenizer_size})")
+    cfg: dict = {
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "max_position_embeddings": max_position_embeddings,
+        "rope_parameters": rope_parameters(arch, rope_type, max_position_embeddings),
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "dtype": "float32",
+    }
+    if arch != "qwen2":
+        cfg["head_dim"] = head_dim
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
+        cfg["max_window_layers"] = num_layers
     if arch == "qwen3_moe":
         if moe_intermediate_size is None:
             moe_intermediate_size = hidden_size // 2
@@ -128,44 +117,29 @@ def resolve_spec(
         bad = [i for i in mlp_only_layers if not 0 <= i < num_layers]
         if bad:
             raise ValueError(f"mlp_only_layers {bad} are not layers of a {num_layers}-layer model")
-        moe = {
-            "num_experts": num_experts, "num_experts_per_tok": num_experts_per_tok,
-            "moe_intermediate_size": moe_intermediate_size, "mlp_only_layers": tuple(sorted(set(mlp_only_layers))),
-            "norm_topk_prob": norm_topk_prob,
-        }
-    return TinySpec(
-        **moe,
-        arch=arch,
-        num_layers=num_layers,
-        hidden_size=hidden_size,
-        num_heads=num_heads,
-        num_kv_heads=num_kv_heads,
-        head_dim=head_dim,
-        intermediate_size=intermediate_size,
-        vocab_size=vocab_size,
-        tie_word_embeddings=tie_word_embeddings,
-        num_shards=num_shards,
-        seed=seed,
-        max_position_embeddings=max_position_embeddings,
-        rope_type=rope_type,
-        legacy_config=legacy_config,
-    )
+        cfg.update(
+            num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, norm_topk_prob=norm_topk_prob,
+            moe_intermediate_size=moe_intermediate_size, mlp_only_layers=sorted(set(mlp_only_layers)),
+        )
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[arch](**cfg)
 
 
-def rope_parameters(spec: TinySpec) -> dict:
+def rope_parameters(arch: str, rope_type: str, max_position_embeddings: int) -> dict:
     """Rotary settings in transformers' ``rope_parameters`` form. The scaled types use a small
     original context so that, at tiny head dims, they change some frequencies (and YaRN scales
     attention): a model that ignored them would give other tokens."""
-    theta = 500000.0 if spec.arch == "llama" else 10000.0
-    original = max(16, spec.max_position_embeddings // 8)
-    if spec.rope_type == "llama3":
+    theta = 500000.0 if arch == "llama" else 10000.0
+    original = max(16, max_position_embeddings // 8)
+    if rope_type == "llama3":
         return {
             "rope_type": "llama3", "rope_theta": theta, "factor": 8.0, "low_freq_factor": 1.0,
             "high_freq_factor": 4.0, "original_max_position_embeddings": original,
         }
-    if spec.rope_type == "yarn":
+    if rope_type == "yarn":
         return {"rope_type": "yarn", "rope_theta": theta, "factor": 8.0, "original_max_position_embeddings": original}
-    if spec.rope_type == "linear":
+    if rope_type == "linear":
         return {"rope_type": "linear", "rope_theta": theta, "factor": 2.0}
     return {"rope_type": "default", "rope_theta": theta}
 
@@ -179,44 +153,3 @@ def legacy_layout(cfg: dict) -> dict:
     kind = rope.pop("rope_type")
     cfg["rope_scaling"] = None if kind == "default" else {("rope_type" if kind == "llama3" else "type"): kind, **rope}
     return cfg
-
-
-def model_config(spec: TinySpec, bos_id: int, eos_id: int) -> dict:
-    """The keyword arguments of the architecture's transformers config class."""
-    cfg: dict = {
-        "architectures": [ARCHITECTURES[spec.arch]],
-        "vocab_size": spec.vocab_size,
-        "hidden_size": spec.hidden_size,
-        "intermediate_size": spec.intermediate_size,
-        "num_hidden_layers": spec.num_layers,
-        "num_attention_heads": spec.num_heads,
-        "num_key_value_heads": spec.num_kv_heads,
-        "hidden_act": "silu",
-        "max_position_embeddings": spec.max_position_embeddings,
-        "rms_norm_eps": 1e-6,
-        "rope_parameters": rope_parameters(spec),
-        "tie_word_embeddings": spec.tie_word_embeddings,
-        "bos_token_id": bos_id,
-        "eos_token_id": eos_id,
-        "initializer_range": 0.02,
-        "dtype": "float32",
-    }
-    if spec.arch != "qwen2":
-        cfg["head_dim"] = spec.head_dim
-    if spec.arch in ("qwen2", "qwen3", "qwen3_moe"):
-        cfg["max_window_layers"] = spec.num_layers
-    if spec.arch == "qwen3_moe":
-        cfg.update(
-            num_experts=spec.num_experts, num_experts_per_tok=spec.num_experts_per_tok,
-            moe_intermediate_size=spec.moe_intermediate_size, mlp_only_layers=list(spec.mlp_only_layers),
-            norm_topk_prob=spec.norm_topk_prob, decoder_sparse_step=1,
-        )
-    return cfg
-
-
-def generation_config(endoftext_id: int, im_end_id: int) -> dict:
-    return {
-        "bos_token_id": endoftext_id,
-        "eos_token_id": [im_end_id, endoftext_id],
-        "pad_token_id": endoftext_id,
-    }
