@@ -24,11 +24,6 @@ from tpserve.tiny.config import ARCHITECTURES, ROPE_TYPES, VOCAB_MULTIPLE, legac
 from tpserve.tiny.tokenizer import CHAT_TEMPLATE, CORPUS, ENDOFTEXT, IM_END, build_tokenizer, tokenizer_config
 from tpserve.tiny.weights import random_weights, write_weights
 
-__all__ = [
-    "ARCHITECTURES", "DEMO_MODEL_PARAMS", "FORMAT_VERSION", "build_parser", "build_tokenizer",
-    "cache_root", "default_tiny_model_dir", "main", "make_tiny_model",
-]
-
 # Bump whenever the files written for the same parameters change (corpus, init, config keys):
 # it is part of the cache key of ``default_tiny_model_dir``.
 FORMAT_VERSION = 2
@@ -86,10 +81,8 @@ def default_tiny_model_dir() -> str:
     gives a new directory. It is built in a temporary sibling and renamed into place; if another
     process wins the race, its (identical) copy is used.
     """
-    key = json.dumps(
-        {"params": DEMO_MODEL_PARAMS, "format": FORMAT_VERSION, "corpus": CORPUS, "template": CHAT_TEMPLATE}, sort_keys=True
-    )
-    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    key = {"params": DEMO_MODEL_PARAMS, "format": FORMAT_VERSION, "corpus": CORPUS, "template": CHAT_TEMPLATE}
+    digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:16]
     root = cache_root()
     final = os.path.join(root, f"tiny-{DEMO_MODEL_PARAMS['arch']}-{digest}")
     if os.path.isdir(final):
@@ -124,8 +117,7 @@ def build_parser() -> argparse.ArgumentParser:
         "qwen2 (q/k/v bias), llama (llama3 rope scaling), mistral")
     add("--layers", dest="num_layers", metavar="LAYERS", type=int, default=2, help="number of decoder layers")
     add("--hidden", dest="hidden_size", metavar="HIDDEN", type=int, default=64, help="hidden size")
-    add("--heads", dest="num_heads", metavar="HEADS", type=int, default=4,
-        help="number of attention (query) heads")
+    add("--heads", dest="num_heads", metavar="HEADS", type=int, default=4, help="number of attention (query) heads")
     add("--kv-heads", dest="num_kv_heads", metavar="KV_HEADS", type=int, default=2,
         help="number of key/value heads; must divide --heads")
     add("--head-dim", type=int, default=None,
@@ -133,8 +125,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--intermediate", dest="intermediate_size", metavar="INTERMEDIATE", type=int, default=None,
         help="MLP intermediate size (default: 2 * hidden)")
     add("--vocab", dest="vocab_size", metavar="VOCAB", type=int, default=None,
-        help="model vocab size, >= the tokenizer's size (default: the tokenizer's size rounded "
-        f"up to a multiple of {VOCAB_MULTIPLE})")
+        help=f"model vocab size, >= the tokenizer's size (default: the tokenizer's size rounded up to a multiple "
+        f"of {VOCAB_MULTIPLE})")
     add("--experts", dest="num_experts", metavar="EXPERTS", type=int, default=8,
         help="qwen3_moe: experts per sparse layer")
     add("--top-k", dest="num_experts_per_tok", metavar="TOP_K", type=int, default=2,

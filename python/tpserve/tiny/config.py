@@ -51,13 +51,8 @@ def model_config(
         rope_type = "llama3" if arch == "llama" else "default"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join(ROPE_TYPES)}")
-    positive = {
-        "num_layers": num_layers,
-        "hidden_size": hidden_size,
-        "num_heads": num_heads,
-        "num_kv_heads": num_kv_heads,
-        "max_position_embeddings": max_position_embeddings,
-    }
+    positive = {"num_layers": num_layers, "hidden_size": hidden_size, "num_heads": num_heads,
+                "num_kv_heads": num_kv_heads, "max_position_embeddings": max_position_embeddings}
     for name, value in positive.items():
         if value < 1:
             raise ValueError(f"{name} must be >= 1, got {value}")
