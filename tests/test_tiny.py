@@ -345,13 +345,13 @@ def test_default_tiny_model_dir(tmp_path: Path, monkeypatch: pytest.MonkeyPatch)
     def fail(*args: object, **kwargs: object) -> str:
         raise AssertionError("rebuilt a cached model")
 
-    monkeypatch.setattr(tiny.maker, "make_tiny_model", fail)
+    monkeypatch.setattr(tiny, "make_tiny_model", fail)
     assert tiny.default_tiny_model_dir() == path
     monkeypatch.undo()
     monkeypatch.setenv("TPSERVE_CACHE", str(tmp_path))
 
     # A new format version is a new directory.
-    monkeypatch.setattr(tiny.maker, "FORMAT_VERSION", tiny.FORMAT_VERSION + 1)
+    monkeypatch.setattr(tiny, "FORMAT_VERSION", tiny.FORMAT_VERSION + 1)
     other = tiny.default_tiny_model_dir()
     assert other != path and os.path.isdir(other)
     assert sorted(p.name for p in tmp_path.iterdir()) == sorted([Path(path).name, Path(other).name])
@@ -370,7 +370,7 @@ def test_default_tiny_model_dir_lost_race(tmp_path: Path, monkeypatch: pytest.Mo
             tiny.default_tiny_model_dir()  # the other process, which renames first
         return out_dir
 
-    monkeypatch.setattr(tiny.maker, "make_tiny_model", racing_make)
+    monkeypatch.setattr(tiny, "make_tiny_model", racing_make)
     path = tiny.default_tiny_model_dir()
     assert len(built) == 2
     assert [p.name for p in tmp_path.iterdir()] == [Path(path).name]

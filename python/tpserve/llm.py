@@ -51,8 +51,7 @@ class _StopWatcher:
     """A request's text so far, cut at its first stop string (see ``StopStringFilter``)."""
 
     def __init__(self, tokenizer, params: SamplingParams) -> None:
-        from tpserve.tokenizer.incremental import IncrementalDecoder
-        from tpserve.tokenizer.stop import StopStringFilter
+        from tpserve.tokenizer.stream import IncrementalDecoder, StopStringFilter
 
         self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
         self._filter = StopStringFilter(params.stop, params.include_stop_str_in_output)

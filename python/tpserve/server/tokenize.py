@@ -26,10 +26,7 @@ class TokenizeService:
             if self._tokenizer is None:
                 from tpserve.tokenizer.loader import load_tokenizer
 
-                tokenizer = await asyncio.to_thread(load_tokenizer, self._model_dir)
-                if self._chat_template is not None:
-                    tokenizer.chat_template = self._chat_template
-                self._tokenizer = tokenizer
+                self._tokenizer = await asyncio.to_thread(load_tokenizer, self._model_dir, self._chat_template)
         return self._tokenizer
 
     async def tokenize(self, body: TokenizeBody) -> dict[str, Any]:

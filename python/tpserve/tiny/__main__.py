@@ -1,5 +1,5 @@
 import sys
 
-from tpserve.tiny.cli import main
+from tpserve.tiny import main
 
 sys.exit(main())

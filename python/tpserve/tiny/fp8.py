@@ -18,13 +18,6 @@ from tpserve.quant.fp8 import dequantize_blocks, quantize_blocks
 _LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
-def _copy_dir_without_weights(src: str, dst: str) -> None:
-    os.makedirs(dst, exist_ok=True)
-    for name in os.listdir(src):
-        if not name.startswith("model") and os.path.isfile(os.path.join(src, name)):
-            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
-
-
 def _weights(model_dir: str) -> dict[str, torch.Tensor]:
     tensors: dict[str, torch.Tensor] = {}
     for name in sorted(os.listdir(model_dir)):
@@ -33,8 +26,15 @@ def _weights(model_dir: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def _edit_config(model_dir: str, quantization_config: dict | None) -> None:
-    path = os.path.join(model_dir, "config.json")
+def _write(src: str, dst: str, tensors: dict[str, torch.Tensor], quantization_config: dict | None) -> str:
+    """``src``'s files but the weights, then ``tensors`` as one safetensors file and config.json
+    with ``quantization_config`` (or none)."""
+    os.makedirs(dst, exist_ok=True)
+    for name in os.listdir(src):
+        if not name.startswith("model") and os.path.isfile(os.path.join(src, name)):
+            shutil.copy(os.path.join(src, name), os.path.join(dst, name))
+    save_file(tensors, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
+    path = os.path.join(dst, "config.json")
     with open(path, encoding="utf-8") as f:
         cfg = json.load(f)
     cfg.pop("quantization_config", None)
@@ -43,6 +43,7 @@ def _edit_config(model_dir: str, quantization_config: dict | None) -> None:
     with open(path, "w", encoding="utf-8") as f:
         json.dump(cfg, f, indent=2)
         f.write("\n")
+    return dst
 
 
 def write_fp8_checkpoint(
@@ -50,7 +51,6 @@ def write_fp8_checkpoint(
 ) -> str:
     """``src`` (an unquantized safetensors model) quantized into ``dst`` in the published format."""
     quant = QuantConfig("fp8", block_size, prequantized=True, not_converted=modules_to_not_convert)
-    _copy_dir_without_weights(src, dst)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in _weights(src).items():
         module, _, param = name.rpartition(".")
@@ -58,12 +58,10 @@ def write_fp8_checkpoint(
             out[name], out[f"{module}.weight_scale_inv"] = quantize_blocks(tensor, block_size)
         else:
             out[name] = tensor.to(torch.bfloat16)
-    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    _edit_config(dst, {
+    return _write(src, dst, out, {
         "activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": list(block_size),
         "modules_to_not_convert": list(modules_to_not_convert),
     })
-    return dst
 
 
 def write_dequantized(fp8_dir: str, dst: str) -> str:
@@ -71,14 +69,14 @@ def write_dequantized(fp8_dir: str, dst: str) -> str:
     FP8 model computes (up to activation quantization), loadable by transformers on the CPU."""
     with open(os.path.join(fp8_dir, "config.json"), encoding="utf-8") as f:
         block = tuple(json.load(f)["quantization_config"]["weight_block_size"])
-    _copy_dir_without_weights(fp8_dir, dst)
     tensors = _weights(fp8_dir)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
         if name.endswith(".weight_scale_inv"):
             continue
         scale = tensors.get(name.removesuffix("weight") + "weight_scale_inv")
-        out[name] = tensor.float() if scale is None else dequantize_blocks(tensor, scale, block, torch.float32)  # type: ignore[arg-type]
-    save_file(out, os.path.join(dst, "model.safetensors"), metadata={"format": "pt"})
-    _edit_config(dst, None)
-    return dst
+        if scale is None:
+            out[name] = tensor.float()
+        else:
+            out[name] = dequantize_blocks(tensor, scale, block, torch.float32)  # type: ignore[arg-type]
+    return _write(fp8_dir, dst, out, None)

@@ -6,46 +6,50 @@ from __future__ import annotations
 import json
 import os
 import zlib
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
 
-from tpserve.tiny.spec import TinySpec
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
 
 
-def weight_shapes(spec: TinySpec) -> dict[str, tuple[int, ...]]:
-    """Hugging Face parameter names and shapes, in checkpoint order."""
-    h, d, inter = spec.hidden_size, spec.head_dim, spec.intermediate_size
-    q_out, kv_out = spec.num_heads * d, spec.num_kv_heads * d
-    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (spec.vocab_size, h)}
-    for i in range(spec.num_layers):
+def weight_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, ...]]:
+    """Hugging Face parameter names and shapes for a transformers config, in checkpoint order."""
+    h, inter, arch = config.hidden_size, config.intermediate_size, config.model_type
+    d = getattr(config, "head_dim", None) or h // config.num_attention_heads  # qwen2 has no head_dim setting
+    q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
+    num_experts = getattr(config, "num_experts", 0)  # qwen3_moe only
+    shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
+    for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
         shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
         shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
         shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
-        if spec.arch == "qwen2":
+        if arch == "qwen2":
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-        if spec.arch in ("qwen3", "qwen3_moe"):
+        if arch in ("qwen3", "qwen3_moe"):
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if spec.num_experts and i not in spec.mlp_only_layers:
-            shapes[p + "mlp.gate.weight"] = (spec.num_experts, h)
-            for e in range(spec.num_experts):  # per expert, as published checkpoints and save_pretrained write them
-                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (spec.moe_intermediate_size, h)
-                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (spec.moe_intermediate_size, h)
-                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, spec.moe_intermediate_size)
+        if num_experts and i not in config.mlp_only_layers:
+            shapes[p + "mlp.gate.weight"] = (num_experts, h)
+            for e in range(num_experts):  # per expert, as published checkpoints and save_pretrained write them
+                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (config.moe_intermediate_size, h)
+                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (config.moe_intermediate_size, h)
+                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, config.moe_intermediate_size)
             continue
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
         shapes[p + "mlp.down_proj.weight"] = (h, inter)
     shapes["model.norm.weight"] = (h,)
-    if not spec.tie_word_embeddings:
-        shapes["lm_head.weight"] = (spec.vocab_size, h)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, h)
     return shapes
 
 
@@ -77,11 +81,8 @@ def _init_tensor(name: str, shape: tuple[int, ...], seed: int, hidden_size: int)
     return noise * (gain / shape[1] ** 0.5)
 
 
-def random_weights(spec: TinySpec) -> dict[str, torch.Tensor]:
-    return {
-        name: _init_tensor(name, shape, spec.seed, spec.hidden_size)
-        for name, shape in weight_shapes(spec).items()
-    }
+def random_weights(config: PreTrainedConfig, seed: int) -> dict[str, torch.Tensor]:
+    return {name: _init_tensor(name, shape, seed, config.hidden_size) for name, shape in weight_shapes(config).items()}
 
 
 def _split_evenly(names: list[str], sizes: dict[str, int], num_shards: int) -> list[list[str]]:

@@ -1,17 +1,154 @@
-"""The detokenizer process: scheduler tokens -> text deltas for the API server."""
+"""The detokenizer process: scheduler tokens -> text deltas for the API server (UTF-8 safe, stop
+strings trimmed), and aborts for the requests a stop string ended.
+
+``DetokenizerManager`` keeps the per-request state, free of sockets so it can be unit tested. A
+request's registration (from its tokenizer worker) and its first tokens (from the scheduler) travel
+on different connections, so tokens that arrive first are buffered until the registration comes.
+"""
 
 from __future__ import annotations
 
+import logging
 import multiprocessing
+import time
+from collections import OrderedDict
+from dataclasses import dataclass, field
 
 import zmq
 
-from tpserve.message import BatchTokenOutput
+from tpserve.message import AbortRequest, BatchTokenOutput, TokenOutput
 from tpserve.message.endpoints import Endpoints
-from tpserve.message.frontend import DetokenizeRegister, DetokenizerInput
+from tpserve.message.frontend import ApiOutput, ApiOutputBatch, DetokenizeRegister, DetokenizerInput, TokenLogprob
 from tpserve.message.transport import Receiver, Sender
-from tpserve.tokenizer.detok_manager import DetokenizerManager
 from tpserve.tokenizer.loader import load_tokenizer
+from tpserve.tokenizer.stream import Decoder, IncrementalDecoder, StopStringFilter
+
+logger = logging.getLogger(__name__)
+
+FINISHED_MEMORY = 65536  # how many finished rids to remember (late tokens for them are dropped)
+ORPHAN_TIMEOUT_S = 60.0  # buffered tokens of a never-registered rid are dropped after this
+
+
+@dataclass
+class _RequestState:
+    decoder: IncrementalDecoder
+    stop: StopStringFilter
+    prompt_tokens: int
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+    prompt_in_reasoning: bool = False
+
+
+@dataclass
+class _Orphan:
+    since: float
+    outputs: list[TokenOutput] = field(default_factory=list)
+
+
+@dataclass
+class DetokenizeResult:
+    """What one input produced: a batch for the API server and aborts for the scheduler."""
+
+    api: ApiOutputBatch | None
+    aborts: list[AbortRequest]
+
+
+class DetokenizerManager:
+    def __init__(self, tokenizer: Decoder, clock=time.monotonic) -> None:
+        self._tokenizer = tokenizer
+        self._clock = clock
+        self._states: dict[int, _RequestState] = {}
+        self._orphans: dict[int, _Orphan] = {}
+        self._finished: OrderedDict[int, None] = OrderedDict()
+        self._token_text: dict[int, str] = {}
+
+    @property
+    def num_active(self) -> int:
+        return len(self._states)
+
+    def register(self, msg: DetokenizeRegister) -> DetokenizeResult:
+        self._states[msg.rid] = _RequestState(
+            decoder=IncrementalDecoder(self._tokenizer, msg.skip_special_tokens),
+            stop=StopStringFilter(msg.stop, msg.include_stop),
+            prompt_tokens=msg.prompt_tokens,
+            prompt_in_reasoning=msg.prompt_in_reasoning,
+        )
+        orphan = self._orphans.pop(msg.rid, None)
+        if orphan is None:
+            return DetokenizeResult(None, [])
+        return self._process(orphan.outputs, stats=None)
+
+    def on_batch(self, batch: BatchTokenOutput) -> DetokenizeResult:
+        self._drop_old_orphans()
+        return self._process(batch.outputs, batch.stats)
+
+    def _process(self, outputs: list[TokenOutput], stats) -> DetokenizeResult:
+        api: list[ApiOutput] = []
+        aborts: list[AbortRequest] = []
+        for out in outputs:
+            if out.rid in self._finished:
+                continue  # e.g. tokens already in flight when a stop string ended the request
+            state = self._states.get(out.rid)
+            if state is None:
+                self._orphans.setdefault(out.rid, _Orphan(self._clock())).outputs.append(out)
+                continue
+            result = self._step(out.rid, state, out)
+            api.append(result)
+            if result.finish_reason == "stop" and out.finish_reason is None:
+                aborts.append(AbortRequest(rid=out.rid))  # free its KV pages now
+        batch = ApiOutputBatch(outputs=api, stats=stats) if api or stats is not None else None
+        return DetokenizeResult(batch, aborts)
+
+    def _step(self, rid: int, state: _RequestState, out: TokenOutput) -> ApiOutput:
+        state.completion_tokens += len(out.token_ids)
+        state.prompt_tokens = out.prompt_tokens or state.prompt_tokens
+        state.cached_tokens = max(state.cached_tokens, out.cached_tokens)
+        final = out.finish_reason is not None
+        text = state.stop.feed(state.decoder.add(out.token_ids, final=final), final=final)
+        finish_reason = "stop" if state.stop.stopped else out.finish_reason
+        if finish_reason is not None:
+            self._forget(rid)
+        return ApiOutput(
+            rid=rid,
+            text=text,
+            new_tokens=len(out.token_ids),
+            completion_tokens=state.completion_tokens,
+            prompt_tokens=state.prompt_tokens,
+            cached_tokens=state.cached_tokens,
+            finish_reason=finish_reason,
+            error=out.error,
+            logprobs=self._logprobs(out),
+            matched_stop=state.stop.matched if state.stop.stopped else out.matched_stop,
+            prompt_in_reasoning=state.prompt_in_reasoning,
+        )
+
+    def _logprobs(self, out: TokenOutput) -> list[TokenLogprob] | None:
+        if out.logprobs is None:
+            return None
+        tops = out.top_logprobs or [[] for _ in out.token_ids]
+        return [
+            TokenLogprob(self._text_of(token), logprob, [(self._text_of(t), v) for t, v in top])
+            for token, logprob, top in zip(out.token_ids, out.logprobs, tops)
+        ]
+
+    def _text_of(self, token_id: int) -> str:
+        """A single token's text, as OpenAI's logprobs show it (special tokens included)."""
+        text = self._token_text.get(token_id)
+        if text is None:
+            text = self._token_text[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
+        return text
+
+    def _forget(self, rid: int) -> None:
+        del self._states[rid]
+        self._finished[rid] = None
+        while len(self._finished) > FINISHED_MEMORY:
+            self._finished.popitem(last=False)
+
+    def _drop_old_orphans(self) -> None:
+        now = self._clock()
+        for rid in [r for r, o in self._orphans.items() if now - o.since > ORPHAN_TIMEOUT_S]:
+            logger.warning("dropping tokens of request %d: it was never registered", rid)
+            del self._orphans[rid]
 
 
 def run_detokenizer(model_dir: str, endpoints: Endpoints, ack_queue: multiprocessing.Queue) -> None:

@@ -16,13 +16,11 @@ from tpserve.structured.grammar import InvalidGrammar, check_spec
 
 
 # apply_chat_template arguments that chat_template_kwargs must not override.
-RESERVED_TEMPLATE_KWARGS = frozenset(
-    {
-        "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message",
-        "return_dict", "return_tensors", "return_assistant_tokens_mask", "padding", "truncation",
-        "max_length", "tokenizer_kwargs", "chat_template", "tools", "documents",
-    }
-)
+RESERVED_TEMPLATE_KWARGS = frozenset({
+    "conversation", "messages", "tokenize", "add_generation_prompt", "continue_final_message", "return_dict",
+    "return_tensors", "return_assistant_tokens_mask", "padding", "truncation", "max_length", "tokenizer_kwargs",
+    "chat_template", "tools", "documents",
+})
 
 
 class InvalidRequest(Exception):
@@ -112,15 +110,11 @@ class PromptPreparer:
         kwargs = dict(req.chat_template_kwargs or {})
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
         if reserved:
-            raise InvalidRequest(
-                f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs"
-            )
+            raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
         if not getattr(self._tokenizer, "chat_template", None):
-            raise InvalidRequest(
-                "this model has no chat template: use /v1/completions instead", "messages"
-            )
+            raise InvalidRequest("this model has no chat template: use /v1/completions instead", "messages")
         try:
-            text = self._tokenizer.apply_chat_template(
+            return self._tokenizer.apply_chat_template(
                 req.messages,
                 tokenize=False,
                 add_generation_prompt=req.add_generation_prompt,
@@ -129,7 +123,6 @@ class PromptPreparer:
             )
         except Exception as e:  # the template is model code and may raise anything on odd input
             raise InvalidRequest(f"cannot apply the chat template: {e}", "messages") from e
-        return text
 
     def _check_ids(self, ids: list[int], param: str) -> None:
         vocab = self._limits.vocab_size

@@ -13,11 +13,12 @@ them). The ZMQ sockets are shared under a lock, one thread at a time.
 
 from __future__ import annotations
 
+import functools
 import logging
 import multiprocessing
 import threading
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import zmq
 
@@ -25,7 +26,7 @@ from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import RequestRejected, TokenizeRequest, TokenizerInput
 from tpserve.message.transport import Receiver, Sender
 from tpserve.tokenizer.loader import load_tokenizer
-from tpserve.tokenizer.prepare import InvalidRequest, PromptLimits, PromptPreparer
+from tpserve.tokenizer.prepare import InvalidRequest, PreparedRequest, PromptLimits, PromptPreparer
 
 logger = logging.getLogger(__name__)
 
@@ -43,17 +44,33 @@ def run_tokenizer(
     config: TokenizerConfig, endpoints: Endpoints, ack_queue: multiprocessing.Queue, worker_id: int
 ) -> None:
     preparer = _preparer(config)
-    long_preparer: list[PromptPreparer] = []  # the background thread's own, made on its first long prompt
     ctx = zmq.Context()
     inbox: Receiver[TokenizerInput] = Receiver(ctx, endpoints.tokenizer, TokenizerInput, bind=False)
-    out = _Outbox(Sender(ctx, endpoints.scheduler), Sender(ctx, endpoints.detokenizer), Sender(ctx, endpoints.api))
+    to_scheduler = Sender(ctx, endpoints.scheduler)
+    to_detokenizer = Sender(ctx, endpoints.detokenizer)
+    to_api = Sender(ctx, endpoints.api)
+    lock = threading.Lock()  # the sockets, used by one thread at a time
     background = ThreadPoolExecutor(max_workers=1, thread_name_prefix="long-prompts")
+
+    @functools.cache
+    def long_preparer() -> PromptPreparer:
+        """The background thread's own tokenizer, made on its first long prompt."""
+        return _preparer(config)
+
+    def process(req: TokenizeRequest, preparer: PromptPreparer) -> None:
+        prepared = _prepare(req, preparer)
+        with lock:
+            if isinstance(prepared, RequestRejected):
+                to_api.send(prepared)
+            else:
+                to_detokenizer.send(prepared.register)
+                to_scheduler.send(prepared.generate)
 
     def handle(req: TokenizeRequest) -> None:
         if _prompt_chars(req) > LONG_PROMPT_CHARS:
-            background.submit(_handle_long, req, config, long_preparer, out)
+            background.submit(lambda: process(req, long_preparer()))
         else:
-            _handle(req, preparer, out)
+            process(req, preparer)
 
     ack_queue.put(f"tokenizer {worker_id} ready")
     try:
@@ -64,10 +81,7 @@ def run_tokenizer(
 
 
 def _preparer(config: TokenizerConfig) -> PromptPreparer:
-    tokenizer = load_tokenizer(config.model_dir)
-    if config.chat_template is not None:
-        tokenizer.chat_template = config.chat_template
-    return PromptPreparer(tokenizer, config.limits)
+    return PromptPreparer(load_tokenizer(config.model_dir, config.chat_template), config.limits)
 
 
 def _prompt_chars(req: TokenizeRequest) -> int:
@@ -76,40 +90,11 @@ def _prompt_chars(req: TokenizeRequest) -> int:
     return sum(len(m.get("content") or "") for m in req.messages or [] if isinstance(m.get("content"), str))
 
 
-@dataclass
-class _Outbox:
-    """The worker's sending sockets, used by one thread at a time."""
-
-    scheduler: Sender
-    detokenizer: Sender
-    api: Sender
-    lock: threading.Lock = field(default_factory=threading.Lock)
-
-    def reject(self, rejection: RequestRejected) -> None:
-        with self.lock:
-            self.api.send(rejection)
-
-    def forward(self, prepared) -> None:
-        with self.lock:
-            self.detokenizer.send(prepared.register)
-            self.scheduler.send(prepared.generate)
-
-
-def _handle_long(req: TokenizeRequest, config: TokenizerConfig, made: list[PromptPreparer], out: _Outbox) -> None:
-    """On the background thread: a tokenizer of its own (not shared with the main thread's)."""
-    if not made:
-        made.append(_preparer(config))
-    _handle(req, made[0], out)
-
-
-def _handle(req: TokenizeRequest, preparer: PromptPreparer, out: _Outbox) -> None:
+def _prepare(req: TokenizeRequest, preparer: PromptPreparer) -> PreparedRequest | RequestRejected:
     try:
-        prepared = preparer.prepare(req)
+        return preparer.prepare(req)
     except InvalidRequest as e:
-        out.reject(RequestRejected(rid=req.rid, message=e.message, param=e.param))
-        return
+        return RequestRejected(rid=req.rid, message=e.message, param=e.param)
     except Exception as e:  # a tokenizer bug must fail one request, not the server
         logger.exception("tokenizing request %d failed", req.rid)
-        out.reject(RequestRejected(rid=req.rid, message=f"tokenization failed: {e}", status=500))
-        return
-    out.forward(prepared)
+        return RequestRejected(rid=req.rid, message=f"tokenization failed: {e}", status=500)

@@ -1,10 +1,11 @@
-"""Incremental detokenization: streamed pieces concatenate to the full decode, and a character
-split over several tokens is never emitted as U+FFFD while more tokens may follow."""
+"""Streamed text: incremental detokenization (streamed pieces concatenate to the full decode, and a
+character split over several tokens is never emitted as U+FFFD while more tokens may follow), and
+stop strings over streamed text."""
 
 from __future__ import annotations
 
 import pytest
-from tpserve.tokenizer.incremental import REPLACEMENT_CHAR, IncrementalDecoder
+from tpserve.tokenizer.stream import REPLACEMENT_CHAR, IncrementalDecoder, StopStringFilter
 
 TEXTS = [
     "Hello, world! The quick brown fox.",
@@ -73,3 +74,66 @@ def test_empty_final_add_is_harmless(tiny_tokenizer):
     dec = IncrementalDecoder(tiny_tokenizer)
     assert dec.add([], final=True) == ""
     assert dec.add(tiny_tokenizer.encode("x", add_special_tokens=False)) == "x"
+
+
+def run(stop, chunks, final_at_end=False):
+    f = StopStringFilter(stop)
+    out = [f.feed(c, final=final_at_end and i == len(chunks) - 1) for i, c in enumerate(chunks)]
+    return out, f.stopped
+
+
+def test_no_stop_strings_pass_through():
+    assert run(None, ["a", "bc"]) == (["a", "bc"], False)
+    assert run([], ["a"]) == (["a"], False)
+
+
+def test_stop_inside_one_chunk():
+    out, stopped = run(["END"], ["hello END world"])
+    assert out == ["hello "] and stopped
+
+
+def test_stop_spanning_chunks_is_trimmed():
+    out, stopped = run(["STOP"], ["abc S", "T", "O", "P tail"])
+    assert "".join(out) == "abc " and stopped
+    # nothing that could be the start of the stop string was emitted early
+    assert out[0] == "abc "
+
+
+def test_partial_match_released_when_it_diverges():
+    out, stopped = run(["STOP"], ["abc ST", "ATE"])
+    assert out == ["abc ", "STATE"] and not stopped
+
+
+def test_partial_match_released_at_finish():
+    out, stopped = run(["STOP"], ["abc ST"], final_at_end=True)
+    assert out == ["abc ST"] and not stopped
+
+
+def test_earliest_of_several_stops_wins():
+    out, stopped = run(["world", "lo w"], ["hel", "lo world"])
+    assert "".join(out) == "hel" and stopped
+
+
+def test_stop_at_the_very_start():
+    out, stopped = run(["\n\n"], ["\n", "\nmore"])
+    assert "".join(out) == "" and stopped
+
+
+def test_nothing_after_stop():
+    f = StopStringFilter(["x"])
+    assert f.feed("axb") == "a"
+    assert f.feed("more") == ""
+    assert f.feed("", final=True) == ""
+
+
+@pytest.mark.parametrize("split", range(1, 12))
+def test_every_split_point(split):
+    text = "say 你好 then 停止 now"
+    stop = ["停止"]
+    out, stopped = run(stop, [text[:split], text[split:]])
+    assert "".join(out) == "say 你好 then " and stopped
+
+
+def test_overlapping_prefixes():
+    out, stopped = run(["aab"], ["a", "a", "a", "b", "c"])
+    assert "".join(out) == "a" and stopped

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from tpserve.message import AbortRequest, BatchTokenOutput, SchedulerStats, TokenOutput
 from tpserve.message.frontend import DetokenizeRegister
-from tpserve.tokenizer.detok_manager import ORPHAN_TIMEOUT_S, DetokenizerManager
+from tpserve.tokenizer.detokenizer import ORPHAN_TIMEOUT_S, DetokenizerManager
 
 
 class Clock:

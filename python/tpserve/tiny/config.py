@@ -1,0 +1,150 @@
+"""A tiny model's config: its shape checked and completed, as its architecture's transformers
+config class (which writes config.json as users' checkpoints are saved)."""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedConfig
+
+ARCHITECTURES = {
+    "qwen3": "Qwen3ForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+VOCAB_MULTIPLE = 64
+ROPE_TYPES = ("default", "llama3", "yarn", "linear")
+
+
+def model_config(
+    arch: str,
+    *,
+    tokenizer_size: int,
+    bos_token_id: int,
+    eos_token_id: int,
+    num_layers: int = 2,
+    hidden_size: int = 64,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    head_dim: int | None = None,
+    intermediate_size: int | None = None,
+    vocab_size: int | None = None,
+    tie_word_embeddings: bool = False,
+    max_position_embeddings: int = 4096,
+    rope_type: str | None = None,
+    num_experts: int = 8,
+    num_experts_per_tok: int = 2,
+    moe_intermediate_size: int | None = None,
+    mlp_only_layers: tuple[int, ...] | list[int] = (0,),
+    norm_topk_prob: bool = True,
+) -> PreTrainedConfig:
+    """The architecture's transformers config, with defaults filled in; shapes it cannot express
+    are rejected. The MoE settings apply to qwen3_moe only, whose sparse layers are all but
+    ``mlp_only_layers``."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
+    if rope_type is None:
+        rope_type = "llama3" if arch == "llama" else "default"
+    if rope_type not in ROPE_TYPES:
+        raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join(ROPE_TYPES)}")
+    positive = {"num_layers": num_layers, "hidden_size": hidden_size, "num_heads": num_heads,
+                "num_kv_heads": num_kv_heads, "max_position_embeddings": max_position_embeddings}
+    for name, value in positive.items():
+        if value < 1:
+            raise ValueError(f"{name} must be >= 1, got {value}")
+    if num_heads % num_kv_heads != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({num_kv_heads})")
+    divisible = hidden_size % num_heads == 0
+    if head_dim is None:
+        if not divisible:
+            raise ValueError(
+                f"hidden_size ({hidden_size}) is not divisible by num_heads ({num_heads}); pass head_dim explicitly"
+            )
+        head_dim = hidden_size // num_heads
+    elif arch == "qwen2" and (not divisible or head_dim != hidden_size // num_heads):
+        raise ValueError(
+            f"qwen2 has no head_dim setting: head_dim ({head_dim}) must equal "
+            f"hidden_size ({hidden_size}) / num_heads ({num_heads})"
+        )
+    elif arch == "llama" and not divisible:
+        # transformers' LlamaConfig rejects this even when head_dim is given.
+        raise ValueError(f"llama requires hidden_size ({hidden_size}) divisible by num_heads ({num_heads})")
+    if head_dim < 2 or head_dim % 2 != 0:
+        raise ValueError(f"head_dim must be even and >= 2 (rotary embedding), got {head_dim}")
+    if intermediate_size is None:
+        intermediate_size = 2 * hidden_size
+    if intermediate_size < 1:
+        raise ValueError(f"intermediate_size must be >= 1, got {intermediate_size}")
+    if vocab_size is None:
+        vocab_size = -(-tokenizer_size // VOCAB_MULTIPLE) * VOCAB_MULTIPLE
+    if vocab_size < tokenizer_size:
+        raise ValueError(f"vocab_size ({vocab_size}) must be >= the tokenizer's size ({tokenizer_size})")
+    cfg: dict = {
+        "architectures": [ARCHITECTURES[arch]],
+        "vocab_size": vocab_size,
+        "hidden_size": hidden_size,
+        "intermediate_size": intermediate_size,
+        "num_hidden_layers": num_layers,
+        "num_attention_heads": num_heads,
+        "num_key_value_heads": num_kv_heads,
+        "max_position_embeddings": max_position_embeddings,
+        "rope_parameters": rope_parameters(arch, rope_type, max_position_embeddings),
+        "tie_word_embeddings": tie_word_embeddings,
+        "bos_token_id": bos_token_id,
+        "eos_token_id": eos_token_id,
+        "dtype": "float32",
+    }
+    if arch != "qwen2":
+        cfg["head_dim"] = head_dim
+    if arch in ("qwen2", "qwen3", "qwen3_moe"):
+        cfg["max_window_layers"] = num_layers
+    if arch == "qwen3_moe":
+        if moe_intermediate_size is None:
+            moe_intermediate_size = hidden_size // 2
+        if not 1 <= num_experts_per_tok <= num_experts:
+            raise ValueError(f"num_experts_per_tok ({num_experts_per_tok}) must be in [1, num_experts ({num_experts})]")
+        if moe_intermediate_size < 1:
+            raise ValueError(f"moe_intermediate_size must be >= 1, got {moe_intermediate_size}")
+        bad = [i for i in mlp_only_layers if not 0 <= i < num_layers]
+        if bad:
+            raise ValueError(f"mlp_only_layers {bad} are not layers of a {num_layers}-layer model")
+        cfg.update(
+            num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, norm_topk_prob=norm_topk_prob,
+            moe_intermediate_size=moe_intermediate_size, mlp_only_layers=sorted(set(mlp_only_layers)),
+        )
+    from transformers import CONFIG_MAPPING
+
+    return CONFIG_MAPPING[arch](**cfg)
+
+
+def rope_parameters(arch: str, rope_type: str, max_position_embeddings: int) -> dict:
+    """Rotary settings in transformers' ``rope_parameters`` form. The scaled types use a small
+    original context so that, at tiny head dims, they change some frequencies (and YaRN scales
+    attention): a model that ignored them would give other tokens."""
+    theta = 500000.0 if arch == "llama" else 10000.0
+    original = max(16, max_position_embeddings // 8)
+    if rope_type == "llama3":
+        return {
+            "rope_type": "llama3", "rope_theta": theta, "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": original,
+        }
+    if rope_type == "yarn":
+        return {"rope_type": "yarn", "rope_theta": theta, "factor": 8.0, "original_max_position_embeddings": original}
+    if rope_type == "linear":
+        return {"rope_type": "linear", "rope_theta": theta, "factor": 2.0}
+    return {"rope_type": "default", "rope_theta": theta}
+
+
+def legacy_layout(cfg: dict) -> dict:
+    """The same config as transformers 4 wrote it: ``rope_theta`` and ``rope_scaling`` (with the
+    older ``type`` key for YaRN and linear, as Qwen's model cards show) instead of ``rope_parameters``."""
+    cfg = dict(cfg)
+    rope = dict(cfg.pop("rope_parameters"))
+    cfg["rope_theta"] = rope.pop("rope_theta")
+    kind = rope.pop("rope_type")
+    cfg["rope_scaling"] = None if kind == "default" else {("rope_type" if kind == "llama3" else "type"): kind, **rope}
+    return cfg

@@ -1,0 +1,101 @@
+"""Streamed text out of token ids: incremental detokenization, then stop strings.
+
+``IncrementalDecoder`` uses the standard prefix-offset / read-offset technique: decode a small
+window of recent tokens without and with the new tokens, and emit the difference. A window
+(rather than each token alone) keeps tokenizer-specific spacing right, and a window that ends in
+an incomplete UTF-8 character (decoded as U+FFFD) is held back until later tokens complete it.
+Everything emitted concatenates to ``tokenizer.decode(all_ids)``.
+"""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from tpserve.parsers.partial import partial_suffix_len
+
+REPLACEMENT_CHAR = "\ufffd"
+
+
+class Decoder(Protocol):
+    def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+class IncrementalDecoder:
+    """Turns a growing list of token ids into text deltas."""
+
+    def __init__(self, tokenizer: Decoder, skip_special_tokens: bool = True) -> None:
+        self._tokenizer = tokenizer
+        self._skip_special_tokens = skip_special_tokens
+        self.token_ids: list[int] = []
+        self._prefix_offset = 0  # start of the decoding window
+        self._read_offset = 0  # tokens before this have been emitted as text
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special_tokens)
+
+    def add(self, new_ids: list[int], final: bool = False) -> str:
+        """Append tokens and return the new complete text (possibly ""). With ``final`` the held-back
+        tail is flushed even if it ends with an incomplete character: no later token can complete it."""
+        self.token_ids.extend(new_ids)
+        if self._read_offset == len(self.token_ids):
+            return ""
+        prefix_text = self._decode(self.token_ids[self._prefix_offset : self._read_offset])
+        full_text = self._decode(self.token_ids[self._prefix_offset :])
+        complete = not full_text.endswith(REPLACEMENT_CHAR)
+        if len(full_text) > len(prefix_text) and (complete or final):
+            self._prefix_offset = self._read_offset
+            self._read_offset = len(self.token_ids)
+            return full_text[len(prefix_text) :]
+        return ""
+
+
+class StopStringFilter:
+    """Feed text chunks, get back the text that is safe to emit: output is trimmed at the first stop
+    string, even one spanning several chunks, and a tail that could still grow into one is held back.
+
+    ``stopped`` becomes True once a stop string is complete and ``matched`` is that string;
+    everything after it is never emitted, nor the stop string itself (OpenAI semantics) unless
+    ``include_stop`` is set.
+    """
+
+    def __init__(self, stop: list[str] | None, include_stop: bool = False) -> None:
+        self._stop = tuple(s for s in (stop or []) if s)
+        self._max_len = max((len(s) for s in self._stop), default=0)
+        self._include_stop = include_stop
+        self._text = ""  # everything received
+        self._emitted = 0  # chars of _text already returned
+        self.stopped = False
+        self.matched: str | None = None
+
+    def feed(self, chunk: str, final: bool = False) -> str:
+        """Add ``chunk``; return the newly emittable text. ``final`` releases held-back text."""
+        if self.stopped:
+            return ""
+        self._text += chunk
+        if not self._stop:
+            return self._take(len(self._text))
+        # Emitted text never holds the start of a stop string (a possible start is held back),
+        # and an earlier complete match would have stopped us: a match must end in the new chunk.
+        search_from = max(self._emitted, len(self._text) - len(chunk) - (self._max_len - 1))
+        hit = self._first_stop(search_from)
+        if hit is not None:
+            cut, self.matched = hit
+            self.stopped = True
+            return self._take(cut + len(self.matched) if self._include_stop else cut)
+        if final:
+            return self._take(len(self._text))
+        return self._take(len(self._text) - partial_suffix_len(self._text[self._emitted :], self._stop))
+
+    def _first_stop(self, start: int) -> tuple[int, str] | None:
+        """(position, stop string) of the earliest match; the longest one at a shared position."""
+        hits = [(i, -len(s), s) for s in self._stop if (i := self._text.find(s, start)) >= 0]
+        if not hits:
+            return None
+        i, _, s = min(hits)
+        return i, s
+
+    def _take(self, end: int) -> str:
+        end = max(end, self._emitted)
+        out = self._text[self._emitted : end]
+        self._emitted = end
+        return out
