@@ -18,12 +18,10 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import torch
-
 from tpserve.engine.engine import Engine, LaunchedStep, PendingSample, PreparedStep
-from tpserve.forward import SequenceInput
 from tpserve.engine.logit_edits import LogitEdits
 from tpserve.engine.sampler import SamplingBatch
+from tpserve.forward import SequenceInput
 from tpserve.kvcache.pool import PageAllocator
 from tpserve.kvcache.radix import PrefixMatch, create_prefix_cache
 from tpserve.message import SchedulerStats, TokenOutput
