@@ -22,16 +22,14 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
 }
-# Rotary types whose frequencies are fixed at load time (dynamic and longrope depend on the
-# sequence length at run time and are not implemented).
+# Rotary types with frequencies fixed at load time (dynamic and longrope are not implemented).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Keys of other architectures' configs that change the math; tpserve implements none of them.
 UNSUPPORTED_IF_SET = ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "attention_multiplier")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-# FlashInfer's kernels (attention, norm, activation, rotary) take half precision only.
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
-# The choices of EngineConfig's string settings (the CLI offers the same).
+# EngineConfig's string settings (the CLI offers the same choices).
 CHOICES = {
     "device": ("cpu", "cuda"),
     "dtype": tuple(DTYPES),
@@ -46,9 +44,8 @@ CHOICES = {
 
 
 def _hf_config(cfg: dict[str, Any], model_type: str) -> Any:
-    """transformers' own config class for this model type: it fills the defaults and normalises
-    the legacy ``rope_theta`` + ``rope_scaling`` keys into ``rope_parameters`` exactly as the
-    reference implementation reads them, so tpserve never re-derives those rules."""
+    """transformers' config class for this model type, which fills the defaults and normalises the
+    legacy ``rope_theta`` + ``rope_scaling`` keys into ``rope_parameters`` as the reference reads them."""
     from transformers import CONFIG_MAPPING
 
     try:
@@ -58,8 +55,7 @@ def _hf_config(cfg: dict[str, Any], model_type: str) -> Any:
 
 
 def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
-    """Reject every setting that changes the math and that tpserve does not implement; return
-    the normalised rotary parameters."""
+    """Reject every setting that changes the math and is not implemented; the rotary parameters."""
     rope = dict(hf.rope_parameters or {})
     rope_key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
     if rope and all(isinstance(v, dict) for v in rope.values()):
@@ -121,9 +117,9 @@ def _moe_config(hf: Any, kind: str, num_layers: int) -> MoEConfig | None:
 
 
 def _context_length(rope: dict[str, Any], max_positions: int, window: int | None) -> int:
-    """The longest sequence served. YaRN and linear scaling extend the trained context as vLLM
-    reads them (YaRN: original context x factor; linear: max_position_embeddings x factor); tpserve has no sliding-window attention, so a windowed model is served
-    up to its window, where full attention computes exactly the same thing."""
+    """The longest sequence served: YaRN and linear scaling extend the trained context as vLLM reads
+    them (original context, resp. max_position_embeddings, x factor); with no sliding-window attention
+    a windowed model is served up to its window, where full attention computes the same thing."""
     length = max_positions
     factor = rope.get("factor")
     if rope.get("rope_type") == "yarn" and factor:
@@ -175,9 +171,7 @@ class ModelConfig:
         archs = cfg.get("architectures") or []
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
-            raise ValueError(
-                f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}"
-            )
+            raise ValueError(f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         kind = SUPPORTED_ARCHITECTURES[arch]
         hf = _hf_config(cfg, kind)
         rope = _check_supported(cfg, hf, kind)
@@ -318,28 +312,22 @@ class EngineConfig:
     disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
     grammar_threads: int = 0  # most xgrammar threads filling one step's grammar masks (0: auto, from the CPUs)
-    # TP all-reduce on GPU: auto (peer-memory one-shot/two-shot for small messages, NCCL for large)
-    # | nccl | one_shot | two_shot (peer memory for every message that fits its buffer)
-    # | fused (auto, and the all-reduce, residual add and RMSNorm in one kernel where they meet)
+    # auto (peer-memory one-shot/two-shot for small messages, NCCL for large) | nccl | one_shot |
+    # two_shot (peer memory when it fits) | fused (auto, plus all-reduce + residual + RMSNorm in one kernel)
     all_reduce: str = "auto"
-    # Prefill tokens a step that also decodes may carry; a step with more prefill work runs it
-    # without the decodes (they wait one step), so decodes never stall behind a long chunk.
+    # prefill tokens a step that also decodes may carry; with more, the decodes wait one step
     mixed_prefill_tokens: int = 0
     debug_check_invariants: bool = False  # check every step that ranks agree and KV pages add up
     quantization: str | None = None  # fp8: quantize an unquantized checkpoint's weights at load time
-    # Multi-node tensor parallelism: tp_size // nnodes ranks on each node (node 0 holds rank 0).
-    nnodes: int = 1
+    nnodes: int = 1  # tp_size // nnodes ranks on each node (node 0 holds rank 0)
     node_rank: int = 0
     dist_timeout: float = 15.0  # seconds a node may be silent (joining, heartbeats, collectives); nnodes > 1
     kv_cache_dtype: str = "auto"  # fp8_e4m3: the KV cache in float8 e4m3 (scale 1), read back in the compute dtype
-    # Data parallelism (one node): dp_size independent replicas of tp_size ranks each; replica
-    # dp_rank's ranks use GPUs dp_rank * tp_size .. dp_rank * tp_size + tp_size - 1.
-    dp_size: int = 1
+    dp_size: int = 1  # independent replicas of tp_size ranks (one node), on GPUs from dp_rank * tp_size
     dp_rank: int = 0
 
     def __post_init__(self) -> None:
-        if self.tp_size < 1:
-            raise ValueError(f"tp_size must be >= 1, got {self.tp_size}")
+        _check_min("tp_size", self.tp_size, 1)
         check_nodes(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)
         if self.nnodes > 1 and self.all_reduce in ("one_shot", "two_shot"):
             raise ValueError(
@@ -348,8 +336,7 @@ class EngineConfig:
             )
         if not 0 < self.dist_timeout < float("inf"):
             raise ValueError(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
-        if self.dp_size < 1:
-            raise ValueError(f"dp_size must be >= 1, got {self.dp_size}")
+        _check_min("dp_size", self.dp_size, 1)
         if not 0 <= self.dp_rank < self.dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size {self.dp_size}), got {self.dp_rank}")
         if self.dp_size > 1 and self.nnodes > 1:
@@ -358,22 +345,20 @@ class EngineConfig:
             value = getattr(self, name)
             if value not in choices + {"device": (None,), "dtype": (None, "auto")}.get(name, ()):
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
-        if self.page_size < 1:
-            raise ValueError(f"page_size must be >= 1, got {self.page_size}")
-        if self.mixed_prefill_tokens < 0:
-            raise ValueError(f"mixed_prefill_tokens must be >= 0, got {self.mixed_prefill_tokens}")
-        if self.grammar_threads < 0:
-            raise ValueError(f"grammar_threads must be >= 0, got {self.grammar_threads}")
-        if self.cuda_graph_max_bs < 0:
-            raise ValueError(f"cuda_graph_max_bs must be >= 0, got {self.cuda_graph_max_bs}")
+        _check_min("page_size", self.page_size, 1)
+        for name in ("mixed_prefill_tokens", "grammar_threads", "cuda_graph_max_bs"):
+            _check_min(name, getattr(self, name), 0)
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         resolve_quantization(self.quantization, None)  # a clear error for an unknown method
 
 
-def check_nodes(
-    tp_size: int, nnodes: int, node_rank: int, dist_init_addr: str | None, cli: bool = False
-) -> None:
+def _check_min(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def check_nodes(tp_size: int, nnodes: int, node_rank: int, dist_init_addr: str | None, cli: bool = False) -> None:
     """The node layout's checks, naming the CLI flags when ``cli``."""
     def opt(name: str) -> str:
         return f"--{name.replace('_', '-')}" if cli else name

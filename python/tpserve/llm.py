@@ -1,10 +1,8 @@
 """The offline API: ``LLM(model).generate(prompts, SamplingParams(...))``.
 
-The LLM drives the server's ranks and scheduler loop (``tpserve.launch.ranks``): with tp_size 1
-in this process, with tp_size N in one spawned process per rank, and with dp_size D in D
-replicas of tp_size processes each, the requests routed as the server routes them. It sends the requests, collects
-rank 0's outputs, watches stop strings (aborting a request at its stop string, as the
-detokenizer does for the server) and shows the progress.
+It drives the server's ranks and scheduler loop (``tpserve.launch.ranks``: tp_size 1 in this
+process, else a process per rank, dp_size replicas routed as the server routes them), collects
+rank 0's outputs and watches stop strings (aborting a request at one, as the detokenizer does).
 """
 
 from __future__ import annotations
@@ -12,7 +10,7 @@ from __future__ import annotations
 import logging
 import random
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import msgspec
 from tqdm import tqdm
@@ -36,15 +34,6 @@ class RequestOutput:
     # (token id, log-probability) pairs at each position.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-
-
-@dataclass
-class _Result:
-    token_ids: list[int] = field(default_factory=list)
-    finish_reason: str | None = None
-    logprobs: list[float] | None = None
-    top_logprobs: list[list[tuple[int, float]]] | None = None
-    text: str | None = None  # set when stop strings were watched (trimmed at the stop string)
 
 
 class _StopWatcher:
@@ -120,13 +109,12 @@ class LLM:
             params = msgspec.structs.replace(params, seed=seed)
             requests.append(GenerateRequest(self._next_rid, self._encode(prompt), params))
             self._next_rid += 1
-        results = self._run(self._live_driver("generate"), requests, use_tqdm)
-        return [self._output(req, results[req.rid]) for req in requests]
+        return self._run(self._live_driver("generate"), requests, use_tqdm)
 
-    def _run(self, driver: RankDriver, requests: list[GenerateRequest], progress: bool) -> dict[int, _Result]:
+    def _run(self, driver: RankDriver, requests: list[GenerateRequest], progress: bool) -> list[RequestOutput]:
         """Send the requests and collect their outputs until all finish. A request that cannot run
         raises ValueError; on any exception the ranks drop what is left of this call."""
-        results = {req.rid: _Result() for req in requests}
+        results = {req.rid: RequestOutput(req.input_ids, [], "", "abort") for req in requests}
         watchers = {req.rid: _StopWatcher(self.tokenizer, req.params) for req in requests if req.params.stop}
         unfinished = set(results)
         for req in requests:
@@ -147,11 +135,9 @@ class LLM:
                             result.top_logprobs = (result.top_logprobs or []) + (out.top_logprobs or [])
                         watcher = watchers.get(out.rid)
                         final = out.finish_reason is not None
-                        if watcher is not None:
-                            if watcher.feed(out.token_ids, final=final) and not final:  # at its stop string
-                                driver.send(AbortRequest(out.rid))
-                                out.finish_reason = "stop"
-                            result.text = "".join(watcher.parts)
+                        if watcher is not None and watcher.feed(out.token_ids, final=final) and not final:
+                            driver.send(AbortRequest(out.rid))  # at its stop string
+                            out.finish_reason = "stop"
                         if out.finish_reason is not None:
                             result.finish_reason = out.finish_reason
                             unfinished.discard(out.rid)
@@ -160,7 +146,12 @@ class LLM:
             for rid in unfinished:
                 driver.send(AbortRequest(rid))
             raise
-        return results
+        for rid, result in results.items():
+            if rid in watchers:  # the text is cut at the stop string
+                result.text = "".join(watchers[rid].parts)
+            elif self.tokenizer is not None:
+                result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
+        return [results[req.rid] for req in requests]
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix (of every replica); True when every KV pool is free again."""
@@ -212,14 +203,6 @@ class LLM:
                 raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
             return self.tokenizer.encode(prompt)  # with the model's special tokens (e.g. BOS), as the server does
         return [int(t) for t in prompt]
-
-    def _output(self, req: GenerateRequest, result: _Result) -> RequestOutput:
-        ids = result.token_ids
-        text = result.text
-        if text is None:
-            text = self.tokenizer.decode(ids, skip_special_tokens=True) if self.tokenizer is not None else ""
-        reason = result.finish_reason or "abort"
-        return RequestOutput(req.input_ids, ids, text, reason, result.logprobs, result.top_logprobs)
 
     def close(self) -> None:
         """Stop the rank processes, or free this process's engine (GPU memory included)."""

@@ -17,12 +17,6 @@ class HostBatch:
 
     tokens: np.ndarray  # [3, T] int64 rows: token ids, positions, flat KV slots
     last_indices: np.ndarray  # [B] int64
-    prefix_lens: np.ndarray  # [B] int64
-    extend_lens: np.ndarray  # [B] int64
-
-    @property
-    def seq_lens(self) -> np.ndarray:
-        return self.prefix_lens + self.extend_lens
 
 
 def build_host_batch(seqs: list[SequenceInput], page_size: int) -> HostBatch:
@@ -54,7 +48,7 @@ def build_host_batch(seqs: list[SequenceInput], page_size: int) -> HostBatch:
     page_base = np.cumsum(page_counts) - page_counts
     page_index = np.repeat(page_base - first_page, extend) + positions // page_size
     tokens[2] = pages[page_index] * page_size + positions % page_size
-    return HostBatch(tokens, ends - 1, prefix, extend)
+    return HostBatch(tokens, ends - 1)
 
 
 def build_forward_inputs(
@@ -62,8 +56,8 @@ def build_forward_inputs(
 ) -> ForwardInputs:
     host = build_host_batch(seqs, page_size)
     total, batch = host.tokens.shape[1], len(seqs)
-    # One host-to-device copy for all four index arrays, each starting 16-byte aligned (an
-    # even offset): Triton compiles a kernel variant per pointer alignment.
+    # One upload for all four index arrays, each 16-byte aligned (an even offset): Triton compiles a
+    # kernel variant per pointer alignment.
     row = total + total % 2
     packed = np.zeros(3 * row + batch, dtype=np.int64)
     packed[: 3 * row].reshape(3, row)[:, :total] = host.tokens

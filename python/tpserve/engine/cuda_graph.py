@@ -1,11 +1,8 @@
-"""CUDA graphs for decode steps: captured once at start-up, replayed for every decode batch.
+"""CUDA graphs for decode steps: captured once per batch size at start-up, replayed for every
+decode batch (padded up to the next captured size) to remove the launch gaps of its many kernels.
 
-A decode step launches hundreds of small kernels; replaying a graph removes their launch gaps.
-One graph is captured per batch size in ``capture_sizes``; a batch is padded up to the next
-captured size. Padding rows carry token 0 at position 0 and write their k/v to slot 0 of the
-scratch page 0, which the pool never hands out, so they touch no request's cache.
-
-Every graph reads its inputs from the same static buffers and the attention backend's
+Padding rows carry token 0 at position 0 and write their k/v to the scratch page 0, which the pool
+never hands out. Every graph reads the same static buffers and the attention backend's
 fixed-address metadata, which ``plan_cuda_graph`` refills before each replay.
 """
 
@@ -48,12 +45,7 @@ class _Graph:
 
 class CUDAGraphRunner:
     def __init__(
-        self,
-        model: CausalLM,
-        attention: AttentionBackend,
-        page_size: int,
-        max_model_len: int,
-        max_batch_size: int,
+        self, model: CausalLM, attention: AttentionBackend, page_size: int, max_model_len: int, max_batch_size: int,
         device: torch.device,
     ) -> None:
         if not attention.supports_cuda_graphs:
@@ -65,8 +57,8 @@ class CUDAGraphRunner:
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1] if self.sizes else 0
         self.device = device
-        # rows: token ids, positions, KV slots; zeros make every unused row a scratch-page write
-        # (an even row length keeps every row 16-byte aligned for the Triton kernels)
+        # rows: token ids, positions, KV slots (zeros: scratch-page writes); an even row length keeps
+        # every row 16-byte aligned for the Triton kernels
         self.tokens = torch.zeros((3, self.max_batch_size + self.max_batch_size % 2), dtype=torch.int64, device=device)
         self.last_indices = torch.arange(self.max_batch_size, dtype=torch.int64, device=device)
         self.graphs: dict[int, _Graph] = {}
@@ -105,22 +97,21 @@ class CUDAGraphRunner:
             self.graphs[size] = _Graph(graph, logits, meta)
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
+        sizes = f"{self.sizes[:5]}...{self.sizes[-1]}" if len(self.sizes) > 6 else str(self.sizes)
         logger.info(
             "captured %d CUDA graphs (batch sizes %s) in %.1f s using %.0f MiB",
-            len(self.sizes), _format_sizes(self.sizes), time.perf_counter() - start, used / 2**20,
+            len(self.sizes), sizes, time.perf_counter() - start, used / 2**20,
         )
 
     @torch.inference_mode()
     def run(self, seqs: list[SequenceInput], previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """[len(seqs), vocab] logits of a decode batch; valid until the next replay.
-        Negative token ids are placeholders for rows of ``previous_tokens`` (overlap scheduling)."""
+        """[len(seqs), vocab] logits of a decode batch, valid until the next replay (see ``Engine.forward``)."""
         return self.prepare(seqs)(previous_tokens)
 
     @torch.inference_mode()
     def prepare(self, seqs: list[SequenceInput]) -> Callable[[torch.Tensor | None], torch.Tensor]:
-        """Fill the static inputs and plan attention for ``seqs`` (the uploads enqueued behind
-        whatever the device runs now); the returned function resolves the placeholder tokens and
-        replays. Nothing else may replay in between (the inputs are shared)."""
+        """Fill the static inputs and plan attention for ``seqs``; the returned function resolves the
+        placeholder tokens and replays. Nothing else may replay in between (the inputs are shared)."""
         batch = len(seqs)
         size = self.sizes[bisect_left(self.sizes, batch)]
         graph = self.graphs[size]
@@ -137,7 +128,3 @@ class CUDAGraphRunner:
             return graph.logits[:batch]
 
         return replay
-
-
-def _format_sizes(sizes: list[int]) -> str:
-    return f"{sizes[:5]}...{sizes[-1]}" if len(sizes) > 6 else str(sizes)

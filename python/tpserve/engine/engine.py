@@ -36,17 +36,16 @@ logger = logging.getLogger(__name__)
 DEFAULT_CPU_KV_TOKENS = 32768
 
 
+@dataclass(eq=False)
 class LaunchedStep:
-    """A step's sampled tokens (and, when asked, log-probabilities), copied to the host in the
-    background."""
+    """A step's sampled tokens (and, when asked, log-probabilities), copied to the host in the background."""
 
-    def __init__(self, host: dict[str, torch.Tensor], done: "torch.cuda.Event | None") -> None:
-        self.host = host
-        self.done = done
-        self._tokens: list[int] | None = None
+    host: dict[str, torch.Tensor]
+    done: torch.cuda.Event | None
+    _tokens: list[int] | None = None
 
     def result(self) -> list[int]:
-        """The tokens by row, once the device has them (the scheduler and the mask worker both ask)."""
+        """The tokens by row, once the device has them."""
         if self._tokens is None:
             if self.done is not None:
                 self.done.synchronize()
@@ -87,8 +86,8 @@ def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> 
 
 
 def resolve_device(device: str | None, rank: int, first_gpu: int = 0) -> torch.device:
-    """``rank``: the rank's index on its node (its local rank); its device is ``cuda:first_gpu +
-    rank`` (a data-parallel replica's ranks start at its own first GPU)."""
+    """``rank``: the local rank on its node; its GPU is ``cuda:first_gpu + rank`` (a data-parallel
+    replica's ranks start at its own first GPU)."""
     if device is None:
         device = "cuda" if torch.cuda.is_available() else "cpu"
     if device == "cuda":
@@ -105,7 +104,6 @@ class Engine:
     def __init__(self, config: EngineConfig, rank: int = 0, nodes: NodeGroup | None = None) -> None:
         """``nodes``: the multi-node group this rank joined (``NodeGroup.join``); None on one node."""
         self.config = config
-        self.nodes = nodes
         self.tp = set_tp_info(rank, config.tp_size)  # before any layer is built
         layout = NodeLayout.of(config)
         self.device = resolve_device(config.device, layout.local_rank(rank), config.dp_rank * layout.ranks_per_node)
@@ -145,25 +143,14 @@ class Engine:
         self.num_kv_heads, self.num_heads = attn.num_kv_heads, attn.num_heads
         self.page_size = config.page_size
         self.num_pages = self._count_pages()
+        head_dim = self.model_config.head_dim
         self.kv_pool = KVCachePool(
-            self.model_config.num_hidden_layers,
-            self.num_pages,
-            self.page_size,
-            self.num_kv_heads,
-            self.model_config.head_dim,
-            kv_cache_dtype(config.kv_cache_dtype, self.dtype),
-            self.device,
-            compute_dtype=self.dtype,
+            self.model_config.num_hidden_layers, self.num_pages, self.page_size, self.num_kv_heads, head_dim,
+            kv_cache_dtype(config.kv_cache_dtype, self.dtype), self.device, compute_dtype=self.dtype,
         )
         self.attention = create_backend(
-            config.attention_backend,
-            self.kv_pool,
-            self.num_heads,
-            self.num_kv_heads,
-            self.model_config.head_dim,
-            self.device,
-            self._fused_rope_store(),
-            config.decode_attention,
+            config.attention_backend, self.kv_pool, self.num_heads, self.num_kv_heads, head_dim, self.device,
+            self._fused_rope_store(), config.decode_attention,
         )
         self.sampler = Sampler()
         self.penalty_state = PenaltyState(self.model_config.vocab_size, self.device)
@@ -206,8 +193,8 @@ class Engine:
         return runner
 
     def _warm_up_fp8_gemms(self) -> None:
-        """Compile FlashInfer's FP8 GEMM kernels for every prefill size now rather than while serving
-        (a machine's first launch: 105 s at Qwen3-8B on an H200, then 0.1 s; docs/benchmarks.md, FP8)."""
+        """Compile FlashInfer's FP8 GEMMs for every prefill size now, not while serving (a machine's
+        first launch: 105 s at Qwen3-8B on an H200, then 0.1 s; docs/benchmarks.md, FP8)."""
         from tpserve.kernels import fp8_linear
 
         start = time.perf_counter()
@@ -222,9 +209,8 @@ class Engine:
             logger.info("FP8 GEMMs warmed up to %d tokens (%d runs) in %.1f s", max_tokens, runs, time.perf_counter() - start)
 
     def _warm_up_sampler(self) -> None:
-        """Compile the sampler's kernels (plain and filtered) and the grammar mask's now rather
-        than on the first requests, on logits laid out as the LM head returns them (rows padded
-        at TP > 1), and as logit edits (penalties) return them: contiguous float32."""
+        """Compile the sampler's and grammar mask's kernels now, not on the first requests, on logits
+        laid out as the LM head returns them (rows padded at TP > 1) and as logit edits do (float32)."""
         vocab = self.model_config.vocab_size
         padded = self.model.lm_head.weight.shape[0] * self.config.tp_size
         raw = torch.zeros((2, padded), dtype=self.dtype, device=self.device)[:, :vocab]
@@ -265,18 +251,14 @@ class Engine:
 
     @torch.inference_mode()
     def forward(self, seqs: list[SequenceInput], previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
-        """Run one step over prefills and decodes alike; returns [B, vocab] float logits.
-
-        A negative token id -(r + 1) stands for row r of ``previous_tokens`` (the last step's
-        samples, still on the device): overlap scheduling plans a step before it knows them.
-        Decode batches that fit a captured CUDA graph replay it; the logits it returns are
-        overwritten by the next replay.
-        """
+        """One step over prefills and decodes alike: [B, vocab] float logits (overwritten by the next
+        CUDA graph replay). A token id -(r + 1) stands for row r of ``previous_tokens`` (the last
+        step's samples, still on the device): overlap scheduling plans a step before it knows them."""
         return self._prepare_forward(seqs)(previous_tokens)
 
     def _prepare_forward(self, seqs: list[SequenceInput]) -> Callable[[torch.Tensor | None], torch.Tensor]:
-        """The host work of ``forward`` (inputs, attention plan) with its uploads enqueued; the
-        returned function resolves the placeholder tokens and runs the model."""
+        """``forward``'s host work and uploads; the returned function resolves the placeholder
+        tokens and runs the model."""
         if self.graph_runner is not None and self.graph_runner.can_run(seqs):
             return self.graph_runner.prepare(seqs)
         meta = self.attention.prepare(seqs, self.device)
@@ -293,35 +275,31 @@ class Engine:
     def prepare(
         self, seqs: list[SequenceInput], sampling: SamplingBatch, top_logprobs: int | None = None
     ) -> PreparedStep:
-        """A step's host work and uploads, enqueued before the previous step's deferred sampling
-        (its planning overlaps the device's forward); ``start`` then runs it. With ``top_logprobs``
-        (not None) the step also returns log-probabilities for every row."""
+        """A step's host work and uploads (overlapping the device's previous forward); ``start`` runs
+        it. With ``top_logprobs`` (not None) it also returns every row's log-probabilities."""
         has_futures = any(t < 0 for s in seqs for t in s.token_ids[:1])
         return PreparedStep(self._prepare_forward(seqs), has_futures, sampling, top_logprobs)
 
     @torch.inference_mode()
     def start(self, step: PreparedStep) -> PendingSample:
-        """Enqueue a prepared step's forward (reading the last sampled step's tokens) without
-        waiting for it; ``sample`` then enqueues its sampling, at once or, for a step with grammar
-        masks, once they are filled (they need the previous step's tokens, which the host learns
-        while this forward runs)."""
+        """Enqueue a prepared step's forward (reading the last sampled step's tokens); ``sample``
+        follows at once or, with grammar masks, once they are filled (they need the previous step's
+        tokens, which the host learns while this forward runs)."""
         logits = step.run(self._last_tokens if step.has_futures else None)
         return PendingSample(logits, step.sampling, step.top_logprobs)
 
     def launch(
         self, seqs: list[SequenceInput], sampling: SamplingBatch, top_logprobs: int | None = None
-    ) -> "LaunchedStep":
+    ) -> LaunchedStep:
         """``prepare``, ``start`` and ``sample`` one step."""
         return self.sample(self.start(self.prepare(seqs, sampling, top_logprobs)))
 
     @torch.inference_mode()
-    def sample(self, pending: "PendingSample", mask: torch.Tensor | None = None) -> "LaunchedStep":
-        """Edit the logits (penalties, bias, bans, then the grammar ``mask``: [B, ceil(V / 32)]
-        int32 on the host, every row's allowed tokens in xgrammar's packed layout, pinned when the
-        device is a GPU), sample, and copy the tokens to the host in the background. Must run
-        before the next forward (a CUDA graph replay overwrites the logits)."""
-        logits, sampling = pending.logits, pending.sampling
-        edits = sampling.edits
+    def sample(self, pending: PendingSample, mask: torch.Tensor | None = None) -> LaunchedStep:
+        """Edit the logits (penalties, bias, bans, then the grammar ``mask``: [B, ceil(V / 32)] int32
+        in xgrammar's packed layout, on the host, pinned on a GPU), sample, and copy the tokens to
+        the host in the background. Before the next forward (a graph replay overwrites the logits)."""
+        logits, sampling, edits = pending.logits, pending.sampling, pending.sampling.edits
         edited = logits if edits is None else self.penalty_state.apply(logits, edits)
         bitmask = None
         if mask is not None:
@@ -348,9 +326,8 @@ class Engine:
         return LaunchedStep(host, done)
 
     def _mask_on_device(self, mask: torch.Tensor) -> torch.Tensor:
-        """The step's bitmask where the logits are. On a GPU it is uploaded without blocking
-        (pinned host memory) into a buffer reused every step (stream order keeps a step's upload
-        after the previous step's use)."""
+        """The bitmask where the logits are; on a GPU uploaded without blocking into a buffer reused
+        every step (stream order keeps an upload after the previous step's use)."""
         if self.device.type != "cuda":
             return mask
         batch, words = mask.shape

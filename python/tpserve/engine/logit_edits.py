@@ -1,12 +1,10 @@
-"""Per-request logit edits applied before sampling: repetition/frequency/presence penalties,
-logit bias, min-tokens bans (and, later in the step, grammar masks).
+"""Per-request logit edits before sampling: repetition/frequency/presence penalties, logit bias,
+min-tokens bans; batched device work, the same on every TP rank (no float atomics).
 
-Everything is batched tensor work on the device, the same on every TP rank (same inputs, no
-atomics on floats). The token history the penalties need lives on the device: a request that
-uses penalties gets a *slot* (chosen by the scheduler, identically on every rank) holding its
-prompt's token set and its output token counts. The engine adds each sampled token to its
-slot right after sampling, on the device, so under overlap scheduling step i+1's penalties
-already count step i's token although the host has not seen it yet.
+A request with penalties gets a *slot* (chosen by the scheduler, alike on every rank) holding its
+prompt's token set and output token counts on the device. Each sampled token is counted right
+after sampling, on the device, so under overlap step i+1's penalties count step i's token before
+the host has seen it.
 """
 
 from __future__ import annotations
@@ -30,7 +28,7 @@ class LogitEdits:
     bias_values: torch.Tensor | None = None  # [N] float32; -inf bans a token
     record_rows: torch.Tensor | None = None  # [R] rows whose sample counts toward their slot
     record_slots: torch.Tensor | None = None  # [R]
-    # slots (re)assigned this step and their prompts: (slot per prompt token, prompt tokens)
+    # slots (re)assigned this step and their prompts
     init_slots: torch.Tensor | None = None  # [S]
     init_index: torch.Tensor | None = None  # [2, T] int64 (slot, token)
     max_slot: int = -1
@@ -41,15 +39,8 @@ class LogitEdits:
 
     @classmethod
     def build(
-        cls,
-        params: Sequence[SamplingParams],
-        slots: Sequence[int],
-        steps: Sequence[int],
-        sampled: Sequence[bool],
-        new_slots: Sequence[tuple[int, list[int]]],
-        eos_ids: Sequence[int],
-        vocab_size: int,
-        device: torch.device | str,
+        cls, params: Sequence[SamplingParams], slots: Sequence[int], steps: Sequence[int], sampled: Sequence[bool],
+        new_slots: Sequence[tuple[int, list[int]]], eos_ids: Sequence[int], vocab_size: int, device: torch.device | str,
     ) -> LogitEdits | None:
         """None when no row edits its logits. ``slots[i]`` is row i's penalty slot (-1: none);
         ``new_slots`` are the slots first given out this step, with their requests' prompts."""
@@ -127,8 +118,8 @@ class PenaltyState:
         self.prompt_mask, self.counts = mask, counts
 
     def apply(self, logits: torch.Tensor, edits: LogitEdits) -> torch.Tensor:
-        """Edited float32 logits: a new tensor (the raw logits stay for log-probabilities and in
-        the CUDA graph's output buffer). Also (re)initialises the step's new slots."""
+        """Edited float32 logits in a new tensor (the raw ones stay for log-probabilities and in the
+        CUDA graph's output buffer); also (re)initialises the step's new slots."""
         self._reserve(edits.max_slot + 1)
         if edits.init_slots is not None:
             self.prompt_mask.index_fill_(0, edits.init_slots, False)

@@ -1,32 +1,21 @@
 """Batched next-token sampling that every tensor-parallel rank computes identically.
 
-Each row of a step has its own temperature, top-k, top-p, min-p and seed. The per-step path is
-vectorised torch (no Python loop over requests or tokens), the same code on CPU and GPU.
+Each row has its own temperature, top-k, top-p, min-p and seed; the torch path here is vectorised
+(no Python loop over rows or tokens), runs on every device and is the reference. Randomness is
+counter-based: the noise for request ``i`` at output step ``s`` and vocab index ``v`` is a pure
+function of ``(seed_i, s, v)`` (``random_bits``), exact integer arithmetic, so ranks with identical
+logits pick identical tokens without communicating, and a seeded request samples the same tokens
+whatever shares its batch (exp/log may differ by an ulp between devices: only a near tie can flip).
 
-Randomness is counter-based, never drawn from a generator: the noise for request ``i`` at output
-step ``s`` and vocab index ``v`` is a pure function of ``(seed_i, s, v)`` (see ``random_bits``).
-So ranks holding identical logits pick identical tokens without communicating, and a seeded
-request samples the same tokens whatever else shares its batch. The hashing is exact integer
-arithmetic, bit-identical on every device; the float math around it (exp, log) may differ by an
-ulp between CPU and GPU kernels, which can only matter at a near-exact tie.
+A sampled row (temperature 0 is a plain argmax): ``w = exp((logits - max) / t)`` (top weight
+exactly 1); top-k keeps the k largest; top-p the smallest largest-first prefix whose mass,
+renormalised over what top-k kept, reaches ``top_p``; min-p drops ``w < min_p``; then
+``token = argmax(w / E)``, ``E ~ Exp(1)`` per token (Gumbel-max in exponential form), which draws
+from the kept weights without renormalising. Each filter is a per-row threshold, so tokens tied
+with the last kept one are kept too: the result never depends on how a sort orders ties.
 
-Order of operations for a sampled row (greedy rows, temperature 0, are a plain argmax):
-
-1. temperature: ``w = exp((logits - max) / t)``, unnormalised probabilities whose top is exactly 1;
-2. top-k: keep the k largest;
-3. top-p: keep the smallest largest-first prefix whose mass, renormalised over what top-k kept,
-   reaches ``top_p``; the top token is always kept;
-4. min-p: drop tokens with ``p < min_p * p_max``;
-5. race: ``token = argmax(w / E)`` with ``E ~ Exp(1)`` per token, which draws from ``w``
-   renormalised over the kept tokens (the Gumbel-max trick in exponential form), so nothing is
-   ever renormalised explicitly.
-
-Steps 2-4 each reduce to a per-row threshold and tokens below it are dropped, so tokens tied with
-the last kept one are kept too: the result never depends on how a sort orders ties.
-
-On CUDA with Triton, every row takes one fused kernel (``tpserve.kernels.sampling``) that computes
-the same race with the same noise, and finds the top-k/top-p cut-offs by bisection instead of a
-sort; this torch path is the CPU path and the reference.
+On CUDA with Triton, ``tpserve.kernels.sampling`` computes the same race with the same noise in one
+kernel, finding the cut-offs by bisection instead of a sort.
 """
 
 from __future__ import annotations
@@ -54,14 +43,10 @@ _UNIFORM_BITS = 23  # k + 0.5 is exact in float32 for k < 2**23, so u never roun
 
 
 class Workspace:
-    """Large scratch tensors reused from step to step, by name.
-
-    Only on CPU, where freshly allocated B x V tensors are page-faulted in on every step at more
-    cost than the arithmetic on them. Elsewhere it allocates: the CUDA caching allocator already
-    reuses memory, and pinning buffers here would take it from the KV cache. A buffer is kept only
-    up to ``max_retained_bytes``: one burst of a large batch must not hold its peak (hundreds of MB
-    at a 150k vocabulary) for the life of the process; beyond it, the rare large steps allocate.
-    """
+    """Large scratch tensors reused from step to step, by name, on CPU only: there fresh B x V
+    tensors are page-faulted in every step at more cost than the arithmetic (on CUDA the caching
+    allocator reuses memory). Buffers above ``max_retained_bytes`` are not kept, so one burst of a
+    large batch does not hold its peak (hundreds of MB at a 150k vocabulary) for good."""
 
     def __init__(self, max_retained_bytes: int = 16 << 20) -> None:
         self.max_retained_bytes = max_retained_bytes
@@ -71,9 +56,7 @@ class Workspace:
     def retained_bytes(self) -> int:
         return sum(b.numel() * b.element_size() for b in self._buffers.values())
 
-    def empty(
-        self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
-    ) -> torch.Tensor:
+    def empty(self, name: str, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
         numel = math.prod(shape)
         if device.type != "cpu" or numel * dtype.itemsize > self.max_retained_bytes:
             return torch.empty(shape, dtype=dtype, device=device)
@@ -84,11 +67,8 @@ class Workspace:
 
 
 def _mix32_(x: torch.Tensor, scratch: torch.Tensor | None = None) -> torch.Tensor:
-    """In place: the splitmix32 output function on uint32 values held in an int64 tensor.
-
-    Every intermediate stays non-negative and below 2**63, so ``>>`` acts as a logical shift and
-    the result is bit-identical to uint32 arithmetic on every device.
-    """
+    """In place: splitmix32's output function on uint32s held in int64. Every intermediate stays in
+    [0, 2**63), so ``>>`` is a logical shift, bit-identical to uint32 arithmetic on every device."""
     tmp = torch.empty_like(x) if scratch is None else scratch
     for mul, shift in ((_MUL1, 16), (_MUL2, 15)):
         torch.bitwise_right_shift(x, shift, out=tmp)
@@ -110,9 +90,7 @@ def _col_keys(vocab_size: int, device: torch.device) -> torch.Tensor:
     return _mix32_(torch.arange(vocab_size, dtype=torch.int64, device=device) ^ _COL_DOMAIN)
 
 
-def random_bits(
-    seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int, ws: Workspace | None = None
-) -> torch.Tensor:
+def random_bits(seeds: torch.Tensor, steps: torch.Tensor, vocab_size: int, ws: Workspace | None = None) -> torch.Tensor:
     """[B, V] int64 holding uniform uint32s: ``mix32(row_key(seed, step) ^ col_key(v))``."""
     ws = ws or Workspace()
     shape = (seeds.shape[0], vocab_size)
@@ -147,11 +125,10 @@ class SamplingBatch:
     needs_top_p: bool
     needs_min_p: bool
     any_greedy: bool = True
-    # [R] int64 rows that need top-k/top-p (None: every row), and how many of each row's largest
-    # weights that needs (None: the whole vocab). Only rows with top-p but no top-k need them all.
+    # [R] rows that need top-k/top-p (None: every row) and how many largest weights they need
+    # (None: the whole vocab, for top-p without top-k)
     sort_rows: torch.Tensor | None = None
     sort_width: int | None = None
-    # penalties, logit bias, bans and grammar masks, applied by the engine before sampling
     edits: LogitEdits | None = None
 
     @property
@@ -160,11 +137,7 @@ class SamplingBatch:
 
     @classmethod
     def build(
-        cls,
-        params: Sequence[SamplingParams],
-        seeds: Sequence[int],
-        steps: Sequence[int],
-        vocab_size: int,
+        cls, params: Sequence[SamplingParams], seeds: Sequence[int], steps: Sequence[int], vocab_size: int,
         device: torch.device | str,
     ) -> SamplingBatch:
         if not len(params) == len(seeds) == len(steps):
@@ -175,10 +148,8 @@ class SamplingBatch:
         uses_top_p = [not g and p.top_p < 1.0 for g, p in zip(greedy, params)]
         uses_min_p = [not g and p.min_p > 0.0 for g, p in zip(greedy, params)]
         sort_rows = [i for i, (k, p) in enumerate(zip(uses_top_k, uses_top_p)) if k or p]
-
-        # One host-to-device copy per dtype. Rows are padded to whole 16-byte units so every
-        # row starts aligned: Triton compiles a kernel variant per pointer alignment, and a
-        # batch size that changed it would stall a step on a compile.
+        # One upload per dtype, rows padded to 16-byte units: Triton compiles a variant per pointer
+        # alignment, and a batch size that changed it would stall a step on a compile.
         batch = len(params)
         width = -(-max(batch, 1) // 4) * 4
         floats = torch.zeros((3, width), dtype=torch.float32)
@@ -191,6 +162,7 @@ class SamplingBatch:
         ints = torch.zeros((3, width), dtype=torch.int64)
         ints[:, :batch] = torch.tensor([top_ks, list(seeds), list(steps)], dtype=torch.int64)
         ints = ints.to(device, non_blocking=True)
+        every_row = len(sort_rows) == len(params)
         return cls(
             temperatures=floats[0, :batch],
             top_ks=ints[0, :batch],
@@ -203,11 +175,7 @@ class SamplingBatch:
             needs_top_p=any(uses_top_p),
             needs_min_p=any(uses_min_p),
             any_greedy=any(greedy),
-            sort_rows=(
-                None
-                if len(sort_rows) == len(params)
-                else torch.tensor(sort_rows, dtype=torch.int64).to(device, non_blocking=True)
-            ),
+            sort_rows=None if every_row else torch.tensor(sort_rows, dtype=torch.int64).to(device, non_blocking=True),
             sort_width=max((top_ks[i] for i in sort_rows), default=None),
         )
 
@@ -219,13 +187,11 @@ class Sampler:
         self._ws = Workspace()
 
     def fuses_mask(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
-        """Whether ``__call__`` takes a grammar bitmask (the unfiltered Triton kernel applies it
-        as it reads the logits, with no separate pass); otherwise mask the logits first."""
+        """Whether ``__call__`` takes a grammar bitmask (the unfiltered Triton kernel applies it as
+        it reads the logits); otherwise mask the logits first."""
         return use_triton(logits.device) and logits.stride(-1) == 1 and not batch.needs_filter
 
-    def __call__(
-        self, logits: torch.Tensor, batch: SamplingBatch, bitmask: torch.Tensor | None = None
-    ) -> torch.Tensor:
+    def __call__(self, logits: torch.Tensor, batch: SamplingBatch, bitmask: torch.Tensor | None = None) -> torch.Tensor:
         """``bitmask``: [B, ceil(V / 32)] int32 grammar masks of every row, only where ``fuses_mask``."""
         if bitmask is not None:
             if not self.fuses_mask(logits, batch):
@@ -247,14 +213,12 @@ class Sampler:
         return self.sample_torch(logits, batch)
 
     def sample_torch(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-        """The reference path, for every device and every filter."""
         if batch.all_greedy:
             return logits.argmax(dim=-1)
         weights = _tempered_weights(logits, batch.temperatures, self._ws)
         threshold = _keep_thresholds(weights, batch)
         if threshold is not None:
             weights.masked_fill_(weights < threshold[:, None], 0.0)
-
         u = uniform_noise(batch.seeds, batch.steps, logits.shape[-1], self._ws)
         tokens = weights.div_(u.log_().neg_()).argmax(dim=-1)
         if batch.any_greedy:
@@ -262,9 +226,7 @@ class Sampler:
         return tokens
 
 
-def _tempered_weights(
-    logits: torch.Tensor, temperatures: torch.Tensor, ws: Workspace
-) -> torch.Tensor:
+def _tempered_weights(logits: torch.Tensor, temperatures: torch.Tensor, ws: Workspace) -> torch.Tensor:
     """float32 ``exp((logits - max) / t)``; greedy rows (t = 0) get t = 1, their result unused."""
     t = torch.where(temperatures > 0, temperatures, torch.ones_like(temperatures))
     weights = ws.empty("weights", tuple(logits.shape), torch.float32, logits.device).copy_(logits)
@@ -273,10 +235,8 @@ def _tempered_weights(
 
 
 def _keep_thresholds(weights: torch.Tensor, batch: SamplingBatch) -> torch.Tensor | None:
-    """[B] smallest weight each row keeps after top-k, top-p and min-p; None when none filters.
-
-    The top weight is exactly 1 and always kept, so min-p's ``min_p * p_max`` is just ``min_p``.
-    """
+    """[B] smallest weight each row keeps after top-k, top-p and min-p (the top weight is exactly
+    1, so min-p's threshold is ``min_p``); None when none filters."""
     threshold = batch.min_ps if batch.needs_min_p else None
     if batch.needs_top_k or batch.needs_top_p:
         top_kp = _top_k_top_p_thresholds(weights, batch)
@@ -285,8 +245,8 @@ def _keep_thresholds(weights: torch.Tensor, batch: SamplingBatch) -> torch.Tenso
 
 
 def _top_k_top_p_thresholds(weights: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
-    """[B] weight of the last token top-k then top-p keep (0 for rows using neither), from one
-    sort (a top-k when every such row has a k) of the rows that need it."""
+    """[B] weight of the last token top-k then top-p keep (0 for rows using neither), from one sort
+    (a top-k when every such row has a k) of the rows that need it."""
     rows = batch.sort_rows
     sub = weights if rows is None else weights.index_select(0, rows)
     top_ks = batch.top_ks if rows is None else batch.top_ks.index_select(0, rows)

@@ -1,33 +1,20 @@
-"""Sampling in one Triton kernel: the counter-based noise and exponential race of
-``engine/sampler.py``, greedy rows, and top-k / top-p / min-p without sorting.
+"""Sampling in Triton: the counter-based noise and exponential race of ``engine/sampler.py``,
+greedy rows, and top-k / top-p / min-p without sorting.
 
-Unfiltered rows are split into chunks, each its own program (a pass for the row max, a pass for
-the race, then a pick of the best chunk); the filter variant gives each row one program. Pass 1
-is the row max; the last pass is
-``argmax(keep * exp((logit - max) / t) / -log(u))`` with ``u`` from the same splitmix32 hash of
-(seed, step, vocab index). The operations are the torch path's, each rounded the same way
-(IEEE division, CUDA's libdevice ``expf``/``logf``, first index on ties), so tokens are expected
-to match the torch path; a difference could only come from an ulp of ``exp``/``log`` at a
-near-exact tie. There are no atomics: a row's result depends only on that row, so every
-tensor-parallel rank picks the same tokens from the same logits.
+Unfiltered rows are split into chunks (a pass for the row max, one for the race, then a pick of
+the best chunk); the filter variant gives each row one program. Every operation is rounded as in
+the torch path (IEEE division, libdevice ``expf``/``logf``, first index on ties), so tokens match
+it but for an ulp of exp/log at a near tie; no atomics, so every TP rank picks the same tokens.
 
-Filters (the ``FILTER`` variant). ``w = f(x) = exp((x - max) / t)`` is monotone in the logit
-``x``, so the sorted weights are ``f`` of the sorted logits and every cut-off is found on the
-logits, by bisection over the monotone int32 keys of their float32 values (at most 32 steps,
-each a pass over the row):
-
-* top-k: the k-th largest logit ``x_k`` is the largest key with ``count(x >= key) >= k``; the
-  torch path's threshold ``sorted_w[k - 1]`` is exactly ``f(x_k)``, so ties are kept the same way;
-* top-p: the mass of the k largest weights is ``sum(f(x), x > x_k) + (k - count(x > x_k)) f(x_k)``
-  (all of them without top-k); the torch path keeps the sorted positions whose preceding mass is
-  below ``top_p`` times it, i.e. down to the smallest logit ``c >= x_k`` whose strictly-larger
-  mass ``S(c) = sum(f(x), x > c)`` is below it; ``S`` is monotone, so ``c`` is the smallest key
-  with ``S(key) < top_p * mass``. The sums use ``exp2`` with ``log2(e) / t`` and sum in another
-  order than torch's cumsum: only a near-exact tie of the mass with ``top_p`` can differ;
+Filters: ``w = f(x) = exp((x - max) / t)`` is monotone in the logit, so each cut-off is found on
+the logits by bisection over the monotone int32 keys of their float32 values (<= 32 passes):
+* top-k: the k-th largest logit ``x_k`` is the largest key with ``count(x >= key) >= k``, and the
+  torch threshold ``sorted_w[k - 1]`` is exactly ``f(x_k)`` (ties kept alike);
+* top-p: the top-k mass is ``sum(f(x), x > x_k) + (k - count(x > x_k)) f(x_k)``; the cut-off is the
+  smallest key ``c >= x_k`` with ``sum(f(x), x > c) < top_p * mass`` (sums via ``exp2``, in another
+  order than torch's cumsum: only a near tie of the mass with ``top_p`` can differ);
 * min-p: weights below ``min_p`` (the top weight is exactly 1).
-
-The race keeps ``w >= max(f(cut-off logit), min_p)``, ``f`` computed exactly as in the race, so
-the token at the cut-off and every token tied with it are kept, as in the torch path.
+The race keeps ``w >= max(f(cut-off), min_p)``, ``f`` as in the race, so ties at the cut-off stay.
 """
 
 from __future__ import annotations
@@ -49,8 +36,7 @@ _UNIFORM_SCALE: tl.constexpr = tl.constexpr(1.0 / 8388608.0)  # 2**-23
 
 BLOCK = 2048  # the filter kernel's tile (one program per row)
 CHUNK = 4096  # the unfiltered race's slice of a row per program
-# Triton's CPU interpreter (TRITON_INTERPRET=1, for tests without a GPU) has no libdevice: there
-# the kernel uses numpy's float32 exp/log and division instead.
+# Triton's CPU interpreter (TRITON_INTERPRET=1, tests without a GPU) has no libdevice: numpy's instead.
 _LIBDEVICE = os.environ.get("TRITON_INTERPRET", "0") != "1"
 
 

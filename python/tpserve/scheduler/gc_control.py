@@ -1,10 +1,8 @@
 """Keeping Python's garbage collector out of the step loop.
 
-A full (oldest-generation) collection scans every tracked object in the process: the imported
-modules, the model's modules and whatever the run holds. On the GPU machine that is a pause of
-about 0.3 s, and a long generation triggers several, each a stall of the whole pipeline (the
-GPU idles while the scheduler is stopped). ``gc.freeze`` moves every object that exists now out
-of the collector's view: they are still freed by reference counting, only no longer scanned.
+A full collection scans every tracked object (modules, the model, the run's state): about 0.3 s on
+the GPU machine, several per long generation, each idling the GPU. ``gc.freeze`` takes what exists
+now out of the collector's view (reference counting still frees it).
 """
 
 from __future__ import annotations
@@ -22,8 +20,7 @@ def freeze_startup_heap() -> None:
 
 @contextmanager
 def frozen_heap() -> Iterator[None]:
-    """Freeze what exists for the duration of a run (no collection first: that would be a
-    pause of its own), then hand it back to the collector."""
+    """Freeze what exists for a run (no collection first: a pause of its own), then unfreeze."""
     gc.freeze()
     try:
         yield

@@ -1,14 +1,12 @@
 """The scheduler's message I/O. Only rank 0 talks to the tokenizers and the detokenizer (or the
-offline LLM in their place); ``LocalIO`` is a lone rank's I/O inside the process that drives it.
+offline LLM); ``LocalIO`` is a lone rank's I/O inside the process that drives it.
 
-Rank 0 drains its PULL socket, broadcasts the *count* of new messages over the Gloo CPU group,
-then publishes the raw messages on a PUB socket; the other ranks read that many from their SUB
-socket. So every rank applies the same messages in the same order at the same step.
-
-On one node the broadcast is an ipc socket in the server's private directory. Across nodes
-(``nodes`` given) it is TCP on the interface of ``--dist-init-addr``, on a port rank 0 picks and
-publishes in the rendezvous store, authenticated and encrypted with CURVE keys derived from the
-job's token (``tpserve.distributed.control``), and every wait on it has the job's deadline.
+Rank 0 drains its PULL socket, broadcasts the *count* of new messages over the Gloo CPU group, then
+publishes them on a PUB socket; the other ranks read that many from their SUB socket, so every rank
+applies the same messages at the same step. On one node the broadcast is an ipc socket in the
+server's private directory; across nodes it is TCP on the ``--dist-init-addr`` interface (port
+published in the rendezvous store), CURVE-encrypted with keys from the job's token
+(``tpserve.distributed.control``), every wait bounded by the job's deadline.
 """
 
 from __future__ import annotations
@@ -96,8 +94,7 @@ class SchedulerIO:
                 joined.add(int(msg[1 + len(_RANK_TOPIC):]))
 
     def receive(self, blocking: bool, local: list[SchedulerInput] | None = None) -> list[SchedulerInput]:
-        """The new messages, the same on every rank; ``local`` (rank 0's own, e.g. GrammarReady)
-        go first. Other ranks ignore their ``local``."""
+        """The new messages, the same on every rank; rank 0's ``local`` ones (e.g. GrammarReady) first."""
         own = [encode(msg) for msg in local or []] if self.rank == 0 else []
         if self.tp_size == 1:
             return [self.decoder.decode(raw) for raw in own + self._drain(blocking and not own)]

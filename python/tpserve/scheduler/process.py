@@ -100,8 +100,8 @@ def _run_rank(
 
 
 class SchedulerLoop:
-    """A rank's loop: take the new messages (the same on every rank), step, send the outputs.
-    Scheduler processes run it until Shutdown; the offline LLM at tp 1 steps it (``LocalRank``)."""
+    """A rank's loop: take the new messages (the same on every rank), step, send the outputs; run
+    until Shutdown, or stepped by the offline LLM at tp 1 (``LocalRank``)."""
 
     def __init__(self, scheduler: Scheduler, io: SchedulerIO | LocalIO, check_ranks: bool, heartbeat=None) -> None:
         self.scheduler = scheduler

@@ -1,17 +1,13 @@
 """Continuous batching with a prefix cache, chunked prefill and preemption.
 
-Every step: running requests, oldest first, each get their next tokens (one when decoding, a
-chunk when prefilling) and the pages those need, evicting cached prefixes and, if that is not
-enough, preempting the newest requests; then waiting requests are admitted while the prefill
-budget and pages allow. A step with more prefill tokens than ``mixed_prefill_tokens`` runs the
-prefills without the decodes (prefill first): a decode then waits one step, not one long step
-per chunk. Every rank runs this same code on the same inputs, so all ranks take
-the same decisions: queues are ordered, batches sorted by request id, recency is a step count.
+Every step, running requests (oldest first) get their next tokens (one decoding, a chunk
+prefilling) and pages, evicting cached prefixes and then preempting the newest requests; then
+waiting requests are admitted while the prefill budget and pages allow. Every rank runs this on
+the same inputs and takes the same decisions (ordered queues, batches sorted by request id).
 
-With overlap (the default) step i+1 is planned and launched before step i's samples are read:
-a decoding request's next input is then a placeholder for its pending sample, which the engine
-fills in on the device, and finishing (EOS, stop tokens) is noticed one step late. Before any
-preemption the step in flight is drained, so a preempted request's tokens are all known.
+With overlap (the default) step i+1 is launched before step i's samples are read: a decoding
+request's next input is a placeholder the engine fills on the device, and finishing is noticed
+one step late. The step in flight is drained before any preemption, so all tokens are known.
 """
 
 from __future__ import annotations
@@ -22,12 +18,10 @@ from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass
 
-import torch
-
 from tpserve.engine.engine import Engine, LaunchedStep, PendingSample, PreparedStep
-from tpserve.forward import SequenceInput
 from tpserve.engine.logit_edits import LogitEdits
 from tpserve.engine.sampler import SamplingBatch
+from tpserve.forward import SequenceInput
 from tpserve.kvcache.pool import PageAllocator
 from tpserve.kvcache.radix import PrefixMatch, create_prefix_cache
 from tpserve.message import SchedulerStats, TokenOutput
@@ -111,18 +105,15 @@ class Scheduler:
             self.waiting.append(req)
 
     # ---- grammars ----
-    # Every rank compiles each grammar on its own thread, but a request must become runnable at
-    # the same step on every rank. So readiness is decided by one party: rank 0 (the scheduler
-    # loop) announces the grammars ``grammars_ready`` reports to every rank in its message
-    # broadcast, and each rank then attaches them, waiting for its own compile if it is
-    # behind.
+    # Every rank compiles each grammar itself, but a request must become runnable at the same
+    # step everywhere: rank 0 broadcasts what ``grammars_ready`` reports, and each rank then
+    # attaches them, waiting for its own compile if it is behind.
     def grammars_ready(self) -> list[int]:
         """Requests whose grammar has compiled (or failed) on this rank, in arrival order."""
         return [rid for rid, (_, future) in self.compiling.items() if future.done()]
 
     def attach_grammar(self, rid: int) -> list[TokenOutput]:
-        """Queue a compiling request with its matcher; a grammar that failed to compile ends the
-        request with an error."""
+        """Queue a compiling request with its matcher; a failed compile ends it with an error."""
         entry = self.compiling.pop(rid, None)
         if entry is None:  # aborted meanwhile
             return []
@@ -183,13 +174,11 @@ class Scheduler:
 
     # ---- one step ----
     def step(self) -> list[TokenOutput]:
-        """Schedule and prepare one step, enqueue the sampling the step before it deferred for
-        its grammar masks, start this one, then apply the samples of the step before it (overlap)
-        or of this one (no overlap). Returns the requests' new tokens.
+        """Schedule and prepare one step, enqueue the previous step's sampling deferred for grammar
+        masks, start this one, then apply the samples of the previous step (overlap) or this one.
 
-        A constrained step's sampling waits for its masks, and its masks for the tokens of the
-        step before it; so this step's host work (planning, uploads) comes first, while the
-        device still runs that step's forward, and its forward right after that sampling."""
+        A constrained step's sampling waits for its masks, and those for the previous step's
+        tokens; so this step's host work comes first, while the device runs that step's forward."""
         self.step_count += 1
         self.cache.clock = self.step_count
         outputs: list[TokenOutput] = []
@@ -233,8 +222,7 @@ class Scheduler:
             and sum(n for _, n in prefills) > self.config.mixed_prefill_tokens
             and self.preemptions_total == preemptions
         ):
-            # A step's time grows with its prefill tokens, and every decode in it waits that long
-            # for its token; alone, the prefills hold each decode back by one step only. Not when
+            # Prefills alone hold each decode back one step, not one long step per chunk. Not when
             # pages ran short: only finishing decodes free them, and a preempted prompt re-admitted
             # every step would otherwise keep them from ever running.
             return prefills
@@ -264,8 +252,8 @@ class Scheduler:
         return _Launched(entries, prepared, constrained)
 
     def _start(self, launched: _Launched) -> None:
-        """Enqueue a prepared step; a constrained one's masks are filled on the worker (after it
-        accepts the tokens of the step before) while its forward runs, its sampling deferred."""
+        """Enqueue a prepared step; a constrained one's masks are filled on the worker while its
+        forward runs, its sampling deferred."""
         prepared, launched.prepared = launched.prepared, None
         if not launched.constrained:
             launched.handle = self.engine.sample(self.engine.start(prepared))
@@ -275,9 +263,8 @@ class Scheduler:
         launched.pending = self.engine.start(prepared)
 
     def _sample_constrained(self, launched: _Launched) -> None:
-        """Finish a deferred step: wait for its grammar masks, then sample. The masks' host
-        buffer is filled again two constrained steps later, by when this step's tokens, copied
-        after its mask upload, have been waited for."""
+        """Wait for a deferred step's grammar masks, then sample. Their host buffer is refilled two
+        constrained steps later, by when this step's tokens (copied after the upload) were awaited."""
         masks = launched.masks.result()
         launched.handle = self.engine.sample(launched.pending, masks)
         rows = [(row, req.rid, req.grammar) for row, req in launched.constrained]
@@ -292,16 +279,9 @@ class Scheduler:
             if req.params.has_penalties and req.slot < 0:
                 req.slot = self._take_slot()
                 new_slots.append((req.slot, req.prompt_ids))
-        return LogitEdits.build(
-            params,
-            [req.slot for req, _ in scheduled],
-            steps,
-            sampled,
-            new_slots,
-            sorted(self.eos_ids),
-            self.engine.model_config.vocab_size,
-            self.engine.device,
-        )
+        slots = [req.slot for req, _ in scheduled]
+        vocab, device = self.engine.model_config.vocab_size, self.engine.device
+        return LogitEdits.build(params, slots, steps, sampled, new_slots, sorted(self.eos_ids), vocab, device)
 
     def _take_slot(self) -> int:
         if self.free_slots:
@@ -390,8 +370,7 @@ class Scheduler:
         return admitted
 
     def _next_waiting(self) -> tuple[Request, PrefixMatch]:
-        """The request to admit next and its cached prefix (whole pages, leaving at least one
-        token to compute)."""
+        """The request to admit next and its cached prefix (whole pages, leaving a token to compute)."""
         if self.config.schedule_policy == "fcfs" or len(self.waiting) > LPM_MAX_QUEUE:
             return self.waiting[0], self._cached_prefix(self.waiting[0])
         # lpm: the longest cached prefix first; ties keep queue order (max returns the first).
@@ -403,13 +382,13 @@ class Scheduler:
 
     # ---- pages ----
     def _grow(self, req: Request, num_tokens: int, outputs: list[TokenOutput]) -> bool:
-        """Give ``req`` pages for ``num_tokens`` tokens, evicting cache and preempting newer
-        requests as needed. False if ``req`` itself had to give way."""
+        """Give ``req`` pages for ``num_tokens`` tokens, evicting cache and preempting newer requests
+        as needed. False if ``req`` itself had to give way."""
         need = -(-num_tokens // self.page_size) - len(req.pages)
         while need > self.allocator.num_free + self.cache.num_evictable:
             if self.inflight is not None:
-                # Preempted requests are recomputed from their tokens: learn the pending ones
-                # first (finishing requests may also free enough pages).
+                # Preempted requests are recomputed from their tokens: learn the pending ones first
+                # (finishing requests may also free enough pages).
                 outputs += self._drain()
                 if self.running.get(req.rid) is not req:
                     return False
@@ -438,8 +417,8 @@ class Scheduler:
         req.pages.extend(self.allocator.allocate(need))
 
     def _preempt(self, req: Request) -> None:
-        """Give back a running request's pages (its computed prefix goes to the cache) and
-        queue it first for recompute; its sampled tokens are kept, so its output is unchanged."""
+        """Give back a running request's pages (its computed prefix to the cache) and queue it first
+        for recompute; its sampled tokens are kept, so its output is unchanged."""
         self.preemptions_total += 1
         logger.info("preempting request %d (%d tokens) to free KV pages", req.rid, req.num_tokens)
         self._release(self.running.pop(req.rid))
