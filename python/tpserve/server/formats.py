@@ -11,7 +11,7 @@ import msgspec
 
 from tpserve.message.frontend import ApiOutput, TokenLogprob
 from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
-from tpserve.server.generation import Choice, Generation, Usage
+from tpserve.server.generation import Choice, Generation
 
 
 def sse(obj: Any) -> bytes:
@@ -45,20 +45,15 @@ class ResponseFormat:
             body["usage"] = None
         return sse(body)
 
-    def usage_chunk(self, usage: Usage) -> bytes:
-        body = self._envelope(self.chunk_object_name, [])
-        body["usage"] = usage.to_dict()
-        return sse(body)
+    def usage_chunk(self, usage: dict[str, Any]) -> bytes:
+        return sse({**self._envelope(self.chunk_object_name, []), "usage": usage})
 
     def response(self, gen: Generation) -> dict[str, Any]:
-        choices = []
-        for c in sorted(gen.choices.values(), key=lambda c: c.index):
-            choice = self.full_choice(c)
-            choice["matched_stop"] = c.matched_stop  # SGLang's extension: the stop that ended it
-            choices.append(choice)
-        body = self._envelope(self.object_name, choices)
-        body["usage"] = gen.usage().to_dict()
-        return body
+        choices = [  # matched_stop: SGLang's extension, the stop that ended the choice
+            {**self.full_choice(c), "matched_stop": c.matched_stop}
+            for c in sorted(gen.choices.values(), key=lambda c: c.index)
+        ]
+        return {**self._envelope(self.object_name, choices), "usage": gen.usage()}
 
     def start_chunk(self, index: int) -> bytes | None:
         return None

@@ -6,7 +6,7 @@ import asyncio
 import math
 import time
 from dataclasses import dataclass, field
-from typing import Awaitable, Callable
+from typing import Any, Awaitable, Callable
 
 from tpserve.message.frontend import ApiOutput, RequestRejected, TokenizeRequest, TokenLogprob
 from tpserve.server.errors import APIError
@@ -36,21 +36,6 @@ class Choice:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
-
-
-@dataclass(frozen=True)
-class Usage:
-    prompt_tokens: int
-    completion_tokens: int
-    cached_tokens: int
-
-    def to_dict(self) -> dict:
-        return {
-            "prompt_tokens": self.prompt_tokens,
-            "completion_tokens": self.completion_tokens,
-            "total_tokens": self.prompt_tokens + self.completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": self.cached_tokens},
-        }
 
 
 class Generation:
@@ -88,15 +73,17 @@ class Generation:
     def all_started(self) -> bool:
         return all(c.started or c.finished for c in self.choices.values())
 
-    def usage(self) -> Usage:
+    def usage(self) -> dict[str, Any]:
         """Prompt tokens count once per prompt (not per choice), as OpenAI counts them with n > 1."""
-        cs = self.choices.values()
-        firsts = [c for c in cs if c.index % self._choices_per_prompt == 0]
-        return Usage(
-            prompt_tokens=sum(c.prompt_tokens for c in firsts),
-            completion_tokens=sum(c.completion_tokens for c in cs),
-            cached_tokens=sum(c.cached_tokens for c in firsts),
-        )
+        firsts = [c for c in self.choices.values() if c.index % self._choices_per_prompt == 0]
+        prompt_tokens = sum(c.prompt_tokens for c in firsts)
+        completion_tokens = sum(c.completion_tokens for c in self.choices.values())
+        return {
+            "prompt_tokens": prompt_tokens,
+            "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens,
+            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)},
+        }
 
     async def next(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> tuple[Choice, ApiOutput]:
         """The next output. Raises APIError (rejected, backend error, timed out) or ClientGone."""
