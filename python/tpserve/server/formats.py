@@ -145,7 +145,7 @@ class ChatFormat(ResponseFormat):
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
         if self.output.reasoning:
             message["reasoning_content"] = parsed.reasoning or None
-        if parser.called_tools:
+        if parser.tool_calls:
             message["content"] = parsed.content or None
             message["tool_calls"] = [
                 {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}

@@ -70,7 +70,7 @@ class Serving:
                 chat_template_kwargs=body.chat_template_kwargs,
                 add_generation_prompt=body.add_generation_prompt,
                 skip_special_tokens=body.skip_special_tokens,
-                tools=body.tools_for_template,
+                tools=body.tools or None,
             )
             for choice_params in _per_choice(params, body.n)
         ]
