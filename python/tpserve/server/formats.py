@@ -1,17 +1,18 @@
-"""OpenAI response objects and stream chunks, for chat and text completions."""
+"""OpenAI response objects and stream chunks, for chat and text completions, built from each
+choice's progress."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable
 
 import msgspec
 
 from tpserve.message.frontend import ApiOutput, TokenLogprob
 from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
-from tpserve.server.generation import Choice, Generation
+from tpserve.server.metrics import RequestTimer
 
 
 def sse(obj: Any) -> bytes:
@@ -19,6 +20,29 @@ def sse(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Choice:
+    """Progress of one prompt (one backend rid)."""
+
+    index: int
+    rid: int
+    timer: RequestTimer
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    started: bool = False  # the backend answered at least once
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_in_reasoning: bool = False  # the prompt ends inside an open think block
+    matched_stop: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 
 class ResponseFormat:
@@ -48,12 +72,11 @@ class ResponseFormat:
     def usage_chunk(self, usage: dict[str, Any]) -> bytes:
         return sse({**self._envelope(self.chunk_object_name, []), "usage": usage})
 
-    def response(self, gen: Generation) -> dict[str, Any]:
-        choices = [  # matched_stop: SGLang's extension, the stop that ended the choice
-            {**self.full_choice(c), "matched_stop": c.matched_stop}
-            for c in sorted(gen.choices.values(), key=lambda c: c.index)
+    def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
+        bodies = [  # matched_stop: SGLang's extension, the stop that ended the choice
+            {**self.full_choice(c), "matched_stop": c.matched_stop} for c in sorted(choices, key=lambda c: c.index)
         ]
-        return {**self._envelope(self.object_name, choices), "usage": gen.usage()}
+        return {**self._envelope(self.object_name, bodies), "usage": usage}
 
     def start_chunk(self, index: int) -> bytes | None:
         return None
