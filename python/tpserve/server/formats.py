@@ -111,14 +111,8 @@ class ChatFormat(ResponseFormat):
     def _parser(self, prompt_in_reasoning: bool) -> ChatOutputParser:
         return ChatOutputParser(replace(self.output, starts_in_reasoning=prompt_in_reasoning))
 
-    def _delta(
-        self,
-        index: int,
-        delta: dict[str, Any],
-        finish_reason: str | None,
-        logprobs: dict[str, Any] | None = None,
-        matched_stop: int | str | None = None,
-    ) -> bytes:
+    def _delta(self, index: int, delta: dict[str, Any], finish_reason: str | None,
+               logprobs: dict[str, Any] | None = None, matched_stop: int | str | None = None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["matched_stop"] = matched_stop
