@@ -21,9 +21,8 @@ from tpserve.launch.args import ServerArgs
 from tpserve.launch.backend import Backend, ChildDied, StartupCancelled
 from tpserve.router.dispatch import Dispatch
 from tpserve.server.api import AppState, create_app
-from tpserve.server.client import FrontendClient
+from tpserve.server.client import FrontendClient, ReplicaRouter
 from tpserve.server.limits import RequestLimits
-from tpserve.server.replicas import ReplicaRouter
 from tpserve.server.serving import Serving
 
 logger = logging.getLogger(__name__)

@@ -54,10 +54,6 @@ class ChatOutputParser:
         """Every call so far, whole (id, name, all its arguments)."""
         return self._tools.calls if self._tools is not None else []
 
-    @property
-    def called_tools(self) -> bool:
-        return bool(self.tool_calls)
-
     def feed(self, text: str, final: bool = False) -> ChatDelta:
         out = ChatDelta()
         content = text
@@ -73,6 +69,6 @@ class ChatOutputParser:
 
     def finish_reason(self, reason: str | None) -> str | None:
         """A finish with tool calls is "tool_calls" (OpenAI), unless it was cut short."""
-        if reason == "stop" and self.called_tools:
+        if reason == "stop" and self.tool_calls:
             return "tool_calls"
         return reason

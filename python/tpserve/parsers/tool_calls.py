@@ -28,10 +28,6 @@ from tpserve.parsers.partial import partial_suffix_len
 TOOL_CALL_PARSERS = ("hermes", "llama3_json")
 
 
-def new_call_id() -> str:
-    return f"call_{uuid.uuid4().hex[:24]}"
-
-
 @dataclass
 class ToolCallDelta:
     """A piece of call ``index``: the first piece has its id and name."""
@@ -86,6 +82,7 @@ class ToolCallParser:
 
     def __init__(self) -> None:
         self.calls: list[ToolCallDelta] = []  # whole calls so far (id, name, full arguments)
+        self._buffer = ""  # text read but not yet parsed
         self._call: ToolCallDelta | None = None  # the call whose arguments are streaming
         self._args_sent = 0  # characters of the streaming call's arguments text sent
 
@@ -93,7 +90,7 @@ class ToolCallParser:
         raise NotImplementedError
 
     def _start_call(self, name: str, out: ToolParse) -> ToolCallDelta:
-        call = ToolCallDelta(len(self.calls), new_call_id(), name)
+        call = ToolCallDelta(len(self.calls), f"call_{uuid.uuid4().hex[:24]}", name)
         self.calls.append(call)
         out.calls.append(ToolCallDelta(call.index, call.id, name))
         return call
@@ -137,7 +134,6 @@ _NAME_FIRST = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:ar
 class HermesParser(ToolCallParser):
     def __init__(self) -> None:
         super().__init__()
-        self._buffer = ""
         self._in_call = False
 
     def feed(self, text: str, final: bool = False) -> ToolParse:
@@ -194,16 +190,13 @@ def _strip_closing(args: str) -> str:
 
 class Llama3JsonParser(ToolCallParser):
     """The output is either tool calls or plain content, decided by its first non-blank
-    characters. Calls stream as they are generated: a call whose JSON starts with its name (as
-    Llama writes it) sends its id and name once the name is complete, then its arguments in
-    fragments; one that does not is sent whole when its object closes. Output that turns out
-    not to be calls is content."""
+    characters; a call whose JSON does not start with its name is sent whole when it closes.
+    Output that turns out not to be calls is content."""
 
     PYTHON_TAG = "<|python_tag|>"
 
     def __init__(self) -> None:
-        super().__init__()
-        self._buffer = ""  # in calls mode: from the start of the object not yet closed
+        super().__init__()  # _buffer, in calls mode: from the start of the object not yet closed
         self._text = ""  # everything, until a call goes out: content if none ever does
         self._mode: str | None = None  # "calls" or "content" once known
         self._decoder = json.JSONDecoder(strict=False)
@@ -270,7 +263,6 @@ class ForcedToolCalls(ToolCallParser):
     def __init__(self, function_name: str | None = None) -> None:
         super().__init__()
         self._function_name = function_name
-        self._buffer = ""
 
     def feed(self, text: str, final: bool = False) -> ToolParse:
         out = ToolParse()

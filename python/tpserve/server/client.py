@@ -3,6 +3,7 @@
 Every message from the backend goes on the queue of the request that owns its rid. An HTTP
 request may own several rids (one per prompt) that share one queue. The API server reads the
 backend from an asyncio task (``FrontendClient``); the shell blocks on it (``ShellClient``).
+With data-parallel replicas, ``ReplicaRouter`` forwards the schedulers' messages to them.
 """
 
 from __future__ import annotations
@@ -167,3 +168,25 @@ class FrontendClient(BackendLink):
         while True:
             for data in self._route_message(await self._from_backend.recv()):
                 await self._to_scheduler.send(data)
+
+
+class ReplicaRouter:
+    """With more than one replica, every message for the schedulers (new requests from the
+    tokenizers, aborts from the detokenizer and the API server, cache flushes) comes to the
+    router's socket; one asyncio task forwards each, unchanged, to the replicas ``Dispatch`` names."""
+
+    def __init__(self, endpoints: Endpoints, dispatch: Dispatch) -> None:
+        self.dispatch = dispatch
+        self._ctx = zmq.asyncio.Context()
+        self._inbox = open_socket(self._ctx, zmq.PULL, endpoints.scheduler, bind=True)
+        self._replicas = [open_socket(self._ctx, zmq.PUSH, a, bind=False) for a in endpoints.replica_schedulers]
+
+    async def run(self) -> None:
+        """Forward messages forever (cancel the task to stop)."""
+        while True:
+            data = await self._inbox.recv()
+            for replica in self.dispatch.destinations_of(data):
+                await self._replicas[replica].send(data)
+
+    def close(self) -> None:
+        self._ctx.destroy(linger=0)

@@ -45,11 +45,8 @@ class APIError(Exception):
     def stopping(cls) -> APIError:
         return cls(503, "The server is shutting down.", type="server_error", code="shutting_down")
 
-    def body(self) -> dict[str, Any]:
-        return error_body(self.message, self.type, self.param, self.code)
-
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
 
 
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:

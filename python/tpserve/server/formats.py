@@ -1,17 +1,18 @@
-"""OpenAI response objects and stream chunks, for chat and text completions."""
+"""OpenAI response objects and stream chunks, for chat and text completions, built from each
+choice's progress."""
 
 from __future__ import annotations
 
 import time
 import uuid
-from dataclasses import replace
-from typing import Any
+from dataclasses import dataclass, field, replace
+from typing import Any, Iterable
 
 import msgspec
 
 from tpserve.message.frontend import ApiOutput, TokenLogprob
 from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
-from tpserve.server.generation import Choice, Generation, Usage
+from tpserve.server.metrics import RequestTimer
 
 
 def sse(obj: Any) -> bytes:
@@ -19,6 +20,29 @@ def sse(obj: Any) -> bytes:
 
 
 SSE_DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Choice:
+    """Progress of one prompt (one backend rid)."""
+
+    index: int
+    rid: int
+    timer: RequestTimer
+    text: list[str] = field(default_factory=list)
+    finish_reason: str | None = None
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+    cached_tokens: int = 0
+    started: bool = False  # the backend answered at least once
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_in_reasoning: bool = False  # the prompt ends inside an open think block
+    matched_stop: int | str | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
 
 
 class ResponseFormat:
@@ -45,20 +69,14 @@ class ResponseFormat:
             body["usage"] = None
         return sse(body)
 
-    def usage_chunk(self, usage: Usage) -> bytes:
-        body = self._envelope(self.chunk_object_name, [])
-        body["usage"] = usage.to_dict()
-        return sse(body)
+    def usage_chunk(self, usage: dict[str, Any]) -> bytes:
+        return sse({**self._envelope(self.chunk_object_name, []), "usage": usage})
 
-    def response(self, gen: Generation) -> dict[str, Any]:
-        choices = []
-        for c in sorted(gen.choices.values(), key=lambda c: c.index):
-            choice = self.full_choice(c)
-            choice["matched_stop"] = c.matched_stop  # SGLang's extension: the stop that ended it
-            choices.append(choice)
-        body = self._envelope(self.object_name, choices)
-        body["usage"] = gen.usage().to_dict()
-        return body
+    def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
+        bodies = [  # matched_stop: SGLang's extension, the stop that ended the choice
+            {**self.full_choice(c), "matched_stop": c.matched_stop} for c in sorted(choices, key=lambda c: c.index)
+        ]
+        return {**self._envelope(self.object_name, bodies), "usage": usage}
 
     def start_chunk(self, index: int) -> bytes | None:
         return None
@@ -93,14 +111,8 @@ class ChatFormat(ResponseFormat):
     def _parser(self, prompt_in_reasoning: bool) -> ChatOutputParser:
         return ChatOutputParser(replace(self.output, starts_in_reasoning=prompt_in_reasoning))
 
-    def _delta(
-        self,
-        index: int,
-        delta: dict[str, Any],
-        finish_reason: str | None,
-        logprobs: dict[str, Any] | None = None,
-        matched_stop: int | str | None = None,
-    ) -> bytes:
+    def _delta(self, index: int, delta: dict[str, Any], finish_reason: str | None,
+               logprobs: dict[str, Any] | None = None, matched_stop: int | str | None = None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
             choice["matched_stop"] = matched_stop
@@ -150,7 +162,7 @@ class ChatFormat(ResponseFormat):
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}
         if self.output.reasoning:
             message["reasoning_content"] = parsed.reasoning or None
-        if parser.called_tools:
+        if parser.tool_calls:
             message["content"] = parsed.content or None
             message["tool_calls"] = [
                 {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}

@@ -11,47 +11,48 @@
 
 from __future__ import annotations
 
-import json
 import math
 from dataclasses import dataclass
 from typing import Any
 
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from tpserve.server.errors import APIError, error_body
+from tpserve.server.errors import APIError
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # No tokenizer of a supported model has tokens this long on average over a whole prompt.
 MAX_CHARS_PER_TOKEN = 32
 
 
-def check_transportable(value: Any, where: str = "") -> None:
+def _untransportable(item: Any) -> str | None:
+    """Why a scalar cannot be encoded for the backend, or None if it can."""
+    if isinstance(item, bool):
+        return None
+    if isinstance(item, int) and not INT64_MIN <= item <= INT64_MAX:
+        return f"integer {item} is outside the 64-bit range"
+    if isinstance(item, float) and not math.isfinite(item):
+        return f"{item} is not a finite number"
+    if isinstance(item, str) and not item.isascii():
+        try:
+            item.encode("utf-8")
+        except UnicodeEncodeError:
+            return "invalid Unicode (a lone surrogate such as \\ud800)"
+    return None
+
+
+def check_transportable(body: Any) -> None:
     """Raise a 400 for the first value that cannot be encoded for the backend."""
-    stack: list[tuple[Any, str]] = [(value, where)]
+    stack: list[tuple[Any, str]] = [(body, "")]
     while stack:
         item, path = stack.pop()
-        if isinstance(item, bool) or item is None:
-            continue
-        if isinstance(item, int):
-            if not INT64_MIN <= item <= INT64_MAX:
-                raise APIError.invalid(f"{path or 'body'}: integer {item} is outside the 64-bit range", path or None)
-        elif isinstance(item, float):
-            if not math.isfinite(item):
-                raise APIError.invalid(f"{path or 'body'}: {item} is not a finite number", path or None)
-        elif isinstance(item, str):
-            if not item.isascii():
-                try:
-                    item.encode("utf-8")
-                except UnicodeEncodeError:
-                    raise APIError.invalid(
-                        f"{path or 'body'}: invalid Unicode (a lone surrogate such as \\ud800)", path or None
-                    ) from None
-        elif isinstance(item, dict):
+        if isinstance(item, dict):
             for key, child in item.items():
                 stack.append((key, path))
                 stack.append((child, f"{path}.{key}" if path else str(key)))
         elif isinstance(item, (list, tuple)):
             stack.extend((child, f"{path}[{i}]") for i, child in enumerate(item))
+        elif (problem := _untransportable(item)) is not None:
+            raise APIError.invalid(f"{path or 'body'}: {problem}", path or None)
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ class BodySizeLimit:
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
         if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._reject(send)
+            return await self._reject(scope, receive, send)
         seen = 0
         started = False
 
@@ -117,20 +118,12 @@ class BodySizeLimit:
             await self.app(scope, counting_receive, tracking_send)
         except _TooLarge:
             if not started:
-                await self._reject(send)
+                await self._reject(scope, receive, send)
 
-    async def _reject(self, send: Send) -> None:
-
-        body = json.dumps(
-            error_body(
-                f"request body larger than {self.max_bytes} bytes (--max-request-bytes)",
-                "invalid_request_error", None, "request_too_large",
-            )
-        ).encode()
-        await send({"type": "http.response.start", "status": 413,
-                    "headers": [(b"content-type", b"application/json"), (b"content-length", str(len(body)).encode())]})
-        await send({"type": "http.response.body", "body": body})
+    async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
+        message = f"request body larger than {self.max_bytes} bytes (--max-request-bytes)"
+        await APIError(413, message, code="request_too_large").response()(scope, receive, send)
 
 
 class _TooLarge(Exception):
-    pass
+    """The body grew past the limit while it was read."""

@@ -219,21 +219,14 @@ class ChatCompletionRequest(_SamplingFields):
         """tool_choice "required" or a named function: the output is constrained to calls."""
         return self.tool_choice is not None and self.tool_choice not in ("auto", "none")
 
-    @property
-    def tools_for_template(self) -> list[dict[str, Any]] | None:
-        return self.tools or None
-
     def check(self) -> None:
         self.check_common()
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.invalid("top_logprobs needs logprobs: true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
             raise APIError.invalid(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", "top_logprobs")
-        if (
-            self.max_tokens is not None
-            and self.max_completion_tokens is not None
-            and self.max_tokens != self.max_completion_tokens
-        ):
+        both = self.max_tokens is not None and self.max_completion_tokens is not None
+        if both and self.max_tokens != self.max_completion_tokens:
             raise APIError.invalid("give max_tokens or max_completion_tokens, not both", "max_tokens")
 
     @property

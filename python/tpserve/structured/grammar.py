@@ -143,11 +143,6 @@ class RequestGrammar:
     terminated: bool = False
 
 
-def default_fill_threads() -> int:
-    """xgrammar threads for a large batch's masks: half this process's CPUs, at most 8."""
-    return max(1, min(8, len(os.sched_getaffinity(0)) // 2))
-
-
 class MaskFiller:
     """The matchers' side of a constrained step, each batched into one call into xgrammar (which
     releases the GIL while it works): the sampled tokens in, the next-token bitmasks out. Masks
@@ -163,7 +158,8 @@ class MaskFiller:
     def __init__(self, vocab_size: int, pin_memory: bool = False, max_threads: int = 0) -> None:
         self._vocab_size = vocab_size
         self._pin = pin_memory
-        self.max_threads = max_threads if max_threads > 0 else default_fill_threads()
+        # by default half this process's CPUs, at most 8
+        self.max_threads = max_threads if max_threads > 0 else max(1, min(8, len(os.sched_getaffinity(0)) // 2))
         self._buffers: list[torch.Tensor | None] = [None, None]
         self._turn = 0
         self._batches: dict[int, Any] = {}  # xgrammar BatchGrammarMatcher by thread count
