@@ -160,6 +160,13 @@ for s in $stages; do
         stage xqa_a3b_fp8_$dec 120 python3 benchmarks/decode_latency.py --model $a3b --batch-sizes 1,64 --contexts 512,4096 \
           --modes graph --decode-attention $dec --kv-cache-dtype fp8_e4m3 --out $results/decode_a3b_fp8kv_dec_$dec.json
       done ;;
+    xqa_table)  # XQA alone with the table as wide as the step needs, then as wide as the engine's graphs pass it
+      for w in 0 2560; do
+        stage xqa_table_$w 120 python3 benchmarks/experiments/xqa_decode.py --heads 32:4,32:8 --batch-sizes 1,64 \
+          --contexts 512,4096 --table-pages $w --out $results/xqa_table_$w.json
+      done ;;
+    smoke_tests) stage smoke_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_overlap.py \
+        tests/gpu/test_flashinfer_and_graphs.py tests/gpu/test_moe.py ;;
     xqa_decode8_b1)  # Qwen3-8B bf16 decode at the batches auto gives XQA: against the decode wrapper
       for dec in auto flashinfer; do
         stage xqa_decode8_b1_$dec 120 python3 benchmarks/decode_latency.py --model $large --batch-sizes 1,4 \
