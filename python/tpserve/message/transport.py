@@ -54,10 +54,10 @@ class Receiver(Generic[T]):
 
 
 class Sender:
-    """A PUSH socket for msgspec structs."""
+    """A connecting PUSH socket for msgspec structs."""
 
-    def __init__(self, ctx: zmq.Context, address: str, bind: bool = False) -> None:
-        self.socket = open_socket(ctx, zmq.PUSH, address, bind)
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.socket = open_socket(ctx, zmq.PUSH, address, bind=False)
 
     def send(self, msg: msgspec.Struct) -> None:
         self.socket.send(encode(msg))

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from tpserve.config import CHOICES, ModelConfig
 from tpserve.launch.argtypes import HelpFormatter, OneLineParser, float_above, fraction, int_at_least, non_negative
-from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
+from tpserve.launch.args import ModelNotFound, resolve_model_dir
 from tpserve.plan.report import render
 from tpserve.plan.shape import DTYPE_BYTES, ModelShape
 from tpserve.plan.specs import GIB, GPUS, GPUSpec, Link

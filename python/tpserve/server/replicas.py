@@ -12,7 +12,7 @@ import zmq.asyncio
 
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.transport import open_socket
-from tpserve.router.dispatch import Dispatch
+from tpserve.router.policy import Dispatch
 
 
 class ReplicaRouter:
