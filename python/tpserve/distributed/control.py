@@ -65,14 +65,18 @@ def zmq_host(host: str) -> str:
         raise ValueError(f"cannot resolve {host!r}: {e}") from None
 
 
-class _JobKeyOnly:
-    """ZAP credentials check: only the job's client key may connect."""
+class ZapGuard(zmq.auth.thread.ThreadAuthenticator):
+    """The (started) ZAP handler of one context, accepting only the job's client key."""
 
-    def __init__(self, client_public: bytes) -> None:
-        self.client_public = client_public
+    def __init__(self, ctx: zmq.Context, keys: CurveKeys) -> None:
+        super().__init__(ctx, log=logging.getLogger(f"{__name__}.zap"))
+        self.client_public = keys.client_public
         self.refused = 0
+        self.start()
+        self.configure_curve_callback("*", self)
 
     def callback(self, domain: str, key: bytes) -> bool:
+        """The credentials check (ZAP calls it on the auth thread)."""
         if key == self.client_public:
             return True
         self.refused += 1
@@ -80,15 +84,6 @@ class _JobKeyOnly:
             logger.warning("refused a control-plane connection with an unknown key (not this job's %s; %d so far)",
                            TOKEN_ENV, self.refused)
         return False
-
-
-class ZapGuard(zmq.auth.thread.ThreadAuthenticator):
-    """The (started) ZAP handler of one context, accepting only the job's client key."""
-
-    def __init__(self, ctx: zmq.Context, keys: CurveKeys) -> None:
-        super().__init__(ctx, log=logging.getLogger(f"{__name__}.zap"))
-        self.start()
-        self.configure_curve_callback("*", _JobKeyOnly(keys.client_public))
 
 
 def secure_server(sock: zmq.Socket, keys: CurveKeys) -> None:

@@ -122,7 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size",
                         type=int_at_least(1), default=_default("tp_size"),
                         help="tensor-parallel size: number of GPUs (processes) the model is split over")
-    # ---- data parallelism (issue 15) ----
     engine.add_argument("--dp-size", "--data-parallel-size", "--dp", dest="dp_size", type=int_at_least(1),
                         default=_default("dp_size"),
                         help="data-parallel replicas: independent TP groups (each --tp-size GPUs, its own "
@@ -303,8 +302,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
 
 
 def _from_flags(cls: type, ns: argparse.Namespace, **computed: Any) -> Any:
-    """``cls`` from the flags named as its fields, and ``computed`` for the fields that are not
-    a flag's value as given."""
+    """``cls`` from the flags named as its fields, and ``computed`` for the other fields."""
     return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)} | computed)
 
 
