@@ -32,7 +32,7 @@ def serve(args: ServerArgs) -> int:
             args.model_dir,
         )
     if args.engine.node_rank > 0:
-        from tpserve.launch.headless import run_headless
+        from tpserve.launch.backend import run_headless
 
         return run_headless(args)
     if args.shell:

@@ -68,7 +68,7 @@ class LLM:
         load_balance_method: str = "cache_aware",
         **engine_kwargs,
     ) -> None:
-        from tpserve.launch.model_path import resolve_model_dir
+        from tpserve.launch.args import resolve_model_dir
         from tpserve.router.policy import LOAD_BALANCE_METHODS
 
         if load_balance_method not in LOAD_BALANCE_METHODS:

@@ -11,8 +11,7 @@ import zmq
 from tpserve.config import EngineConfig
 from tpserve.distributed.comm import free_port
 from tpserve.distributed.control import CurveKeys
-from tpserve.distributed.layout import NodeLayout
-from tpserve.distributed.nodes import NodeFailure, NodeGroup, split_addr
+from tpserve.distributed.nodes import NodeFailure, NodeGroup, NodeLayout, split_addr
 from tpserve.launch.ranks import start_ranks
 
 

@@ -5,8 +5,7 @@ from __future__ import annotations
 import pytest
 
 from tpserve.message import AbortRequest, FlushCache, GenerateRequest, GetStats, SchedulerStats
-from tpserve.router.dispatch import Dispatch
-from tpserve.router.policy import PrefixTable, Router, page_hashes
+from tpserve.router.policy import Dispatch, PrefixTable, Router, page_hashes
 from tpserve.sampling_params import SamplingParams
 
 

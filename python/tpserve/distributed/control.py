@@ -1,13 +1,11 @@
 """The authenticated control plane between nodes: rank 0's message broadcast over ZMQ TCP.
 
-Every process of a multi-node job holds the same secret token (``TPSERVE_DIST_TOKEN``). Two
-CURVE key pairs are derived from it: the server's (rank 0's XPUB) and the clients' (the SUB
-sockets of the other ranks). ZMQ's CURVE handshake then does the checking on connect: a peer
-that lacks the token cannot compute the server's public key, so its handshake fails, and a
-client key other than the job's is refused by the ZAP handler. All traffic is encrypted too,
-so prompts do not cross the network in the clear. CURVE (libsodium, built into pyzmq's wheels)
-was chosen over a home-made token handshake because it authenticates every connection inside
-libzmq itself, before a single message is delivered to tpserve.
+Every process of a multi-node job holds the same secret token (``TPSERVE_DIST_TOKEN``), from which
+two CURVE key pairs are derived: the server's (rank 0's XPUB) and the clients' (the other ranks'
+SUB sockets). A peer without the token cannot compute the server's public key, so its handshake
+fails; a client key other than the job's is refused by the ZAP handler; all traffic is encrypted.
+CURVE (libsodium, in pyzmq's wheels) rather than a home-made token handshake: libzmq authenticates
+every connection before a single message reaches tpserve.
 """
 
 from __future__ import annotations
@@ -67,14 +65,18 @@ def zmq_host(host: str) -> str:
         raise ValueError(f"cannot resolve {host!r}: {e}") from None
 
 
-class _JobKeyOnly:
-    """ZAP credentials check: only the job's client key may connect."""
+class ZapGuard(zmq.auth.thread.ThreadAuthenticator):
+    """The (started) ZAP handler of one context, accepting only the job's client key."""
 
-    def __init__(self, client_public: bytes) -> None:
-        self.client_public = client_public
+    def __init__(self, ctx: zmq.Context, keys: CurveKeys) -> None:
+        super().__init__(ctx, log=logging.getLogger(f"{__name__}.zap"))
+        self.client_public = keys.client_public
         self.refused = 0
+        self.start()
+        self.configure_curve_callback("*", self)
 
     def callback(self, domain: str, key: bytes) -> bool:
+        """The credentials check (ZAP calls it on the auth thread)."""
         if key == self.client_public:
             return True
         self.refused += 1
@@ -82,18 +84,6 @@ class _JobKeyOnly:
             logger.warning("refused a control-plane connection with an unknown key (not this job's %s; %d so far)",
                            TOKEN_ENV, self.refused)
         return False
-
-
-class ZapGuard:
-    """The ZAP handler of one context, accepting only the job's client key."""
-
-    def __init__(self, ctx: zmq.Context, keys: CurveKeys) -> None:
-        self.auth = zmq.auth.thread.ThreadAuthenticator(ctx, log=logging.getLogger(f"{__name__}.zap"))
-        self.auth.start()
-        self.auth.configure_curve_callback("*", _JobKeyOnly(keys.client_public))
-
-    def stop(self) -> None:
-        self.auth.stop()
 
 
 def secure_server(sock: zmq.Socket, keys: CurveKeys) -> None:

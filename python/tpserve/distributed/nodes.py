@@ -19,6 +19,7 @@ import socket
 import sys
 import threading
 import time
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import NoReturn
 from urllib.parse import urlsplit
@@ -26,7 +27,6 @@ from urllib.parse import urlsplit
 import torch.distributed as dist
 
 from tpserve.config import EngineConfig
-from tpserve.distributed.layout import NodeLayout
 
 logger = logging.getLogger(__name__)
 
@@ -59,6 +59,38 @@ def split_addr(addr: str) -> tuple[str, int]:
     return url.hostname, port
 
 
+@dataclass(frozen=True)
+class NodeLayout:
+    """Node n holds ranks n*R .. n*R+R-1 (R ranks a node); a rank's device on its node is its local rank."""
+
+    nnodes: int
+    ranks_per_node: int
+
+    @classmethod
+    def of(cls, config: EngineConfig) -> NodeLayout:
+        return cls(config.nnodes, config.tp_size // config.nnodes)
+
+    @property
+    def world_size(self) -> int:
+        return self.nnodes * self.ranks_per_node
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def local_rank(self, rank: int) -> int:
+        return rank % self.ranks_per_node
+
+    def ranks_on(self, node: int) -> range:
+        return range(node * self.ranks_per_node, (node + 1) * self.ranks_per_node)
+
+    def name(self, rank: int) -> str:
+        """``rank 3 (node 1)``: how logs and errors name a rank."""
+        return f"rank {rank} (node {self.node_of(rank)})"
+
+    def names(self, ranks: list[int]) -> str:
+        return ", ".join(self.name(r) for r in ranks)
+
+
 class NodeGroup:
     """This rank's membership of a multi-node job (one per rank process)."""
 
@@ -70,7 +102,6 @@ class NodeGroup:
         self.me = layout.name(rank)
         self._stopping = threading.Event()
         self._exit_lock = threading.Lock()
-        self._watchdog: threading.Thread | None = None
 
     # ---- joining ----
     @classmethod
@@ -101,7 +132,7 @@ class NodeGroup:
                 f"(is every node started with --nnodes {layout.nnodes}, its own --node-rank and the same "
                 "--dist-init-addr?)"
             )
-        group._start_watchdog()
+        threading.Thread(target=group._watch, name="node-watchdog", daemon=True).start()
         return group
 
     @property
@@ -168,19 +199,15 @@ class NodeGroup:
             try:
                 self.store.set(f"{_LEFT}{self.rank}", "1")
                 if self.rank == 0:  # the store lives here: let the others read the verdict first
-                    self._wait_left(LINGER_S)
+                    left = [f"{_LEFT}{r}" for r in self._peers()]
+                    deadline = time.monotonic() + LINGER_S  # the dead never leave
+                    while not self.store.check(left) and time.monotonic() < deadline:
+                        time.sleep(POLL_S)
             except Exception:  # noqa: BLE001
                 pass
             logging.shutdown()
             sys.stderr.flush()
             os._exit(EXIT_CODE)
-
-    def _wait_left(self, timeout_s: float) -> None:
-        """Until every other rank has left (or ``timeout_s``: the dead never do)."""
-        left = [f"{_LEFT}{r}" for r in self._peers()]
-        deadline = time.monotonic() + timeout_s
-        while not self.store.check(left) and time.monotonic() < deadline:
-            time.sleep(POLL_S)
 
     # ---- the watchdog ----
     def _peers(self) -> list[int]:
@@ -188,10 +215,6 @@ class NodeGroup:
 
     def _beat_keys(self) -> list[str]:
         return [f"{_BEAT}{r}" for r in self._peers()]
-
-    def _start_watchdog(self) -> None:
-        self._watchdog = threading.Thread(target=self._watch, name="node-watchdog", daemon=True)
-        self._watchdog.start()
 
     def _watch(self) -> None:
         try:

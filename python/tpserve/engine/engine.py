@@ -14,8 +14,7 @@ from tpserve.attention.factory import create_backend
 from tpserve.config import EngineConfig, ModelConfig, resolve_dtype
 from tpserve.distributed.comm import init_process_groups
 from tpserve.distributed.info import set_tp_info
-from tpserve.distributed.layout import NodeLayout
-from tpserve.distributed.nodes import NodeGroup
+from tpserve.distributed.nodes import NodeGroup, NodeLayout
 from tpserve.engine.batch import build_forward_inputs, resolve_future_tokens
 from tpserve.engine.cuda_graph import CUDAGraphRunner
 from tpserve.engine.logit_edits import PenaltyState

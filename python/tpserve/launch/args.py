@@ -16,7 +16,6 @@ from tpserve.quant.config import QUANTIZATION_METHODS
 from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.argtypes import HelpFormatter, OneLineParser, fraction, int_at_least, port, positive
-from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
 from tpserve.router.policy import LOAD_BALANCE_METHODS
 
 logger = logging.getLogger(__name__)
@@ -123,7 +122,6 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size",
                         type=int_at_least(1), default=_default("tp_size"),
                         help="tensor-parallel size: number of GPUs (processes) the model is split over")
-    # ---- data parallelism (issue 15) ----
     engine.add_argument("--dp-size", "--data-parallel-size", "--dp", dest="dp_size", type=int_at_least(1),
                         default=_default("dp_size"),
                         help="data-parallel replicas: independent TP groups (each --tp-size GPUs, its own "
@@ -233,6 +231,33 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         parser.error(str(e))  # exits with status 2
 
 
+class ModelNotFound(Exception):
+    pass
+
+
+def resolve_model_dir(model: str) -> str:
+    """The local directory holding ``model``'s files (a directory, or a Hugging Face id already in
+    the local cache). tpserve never downloads anything."""
+    expanded = os.path.expanduser(model)
+    if os.path.isdir(expanded):
+        return os.path.abspath(expanded)
+    if os.path.exists(expanded):
+        raise ModelNotFound(f"model path {model!r} is not a directory")
+    if model.startswith((".", "/", "~")) or model.count("/") != 1:
+        raise ModelNotFound(f"model {model!r} is not a local directory (nor a Hugging Face id like 'org/name')")
+    from huggingface_hub import constants, snapshot_download
+
+    try:
+        return snapshot_download(model, local_files_only=True)
+    except Exception as e:  # LocalEntryNotFoundError, or an invalid repo id
+        raise ModelNotFound(
+            f"model {model!r} is not a local directory and is not in the local Hugging Face "
+            f"cache ({constants.HF_HUB_CACHE}); tpserve runs offline and never downloads. Download it "
+            f"where there is internet (e.g. `hf download {model}`) into that cache, "
+            f"or pass the model's local directory ({type(e).__name__})"
+        ) from e
+
+
 def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     demo = ns.model is None
     if demo:
@@ -276,8 +301,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
 
 
 def _from_flags(cls: type, ns: argparse.Namespace, **computed: Any) -> Any:
-    """``cls`` from the flags named as its fields, and ``computed`` for the fields that are not
-    a flag's value as given."""
+    """``cls`` from the flags named as its fields, and ``computed`` for the other fields."""
     return cls(**{f.name: getattr(ns, f.name) for f in fields(cls) if hasattr(ns, f.name)} | computed)
 
 

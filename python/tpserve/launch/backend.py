@@ -4,7 +4,7 @@ One scheduler per TP rank of each data-parallel replica (every replica its own T
 its own rendezvous, ipc sockets and GPUs), one detokenizer, N tokenizer workers, all spawned.
 Each replica's rank 0, the detokenizer and each tokenizer put an acknowledgement on a queue when
 ready. The API server (or the shell, or the offline LLM, which runs only the ranks) runs in the
-parent process.
+parent process; a node other than node 0 of a multi-node job runs only its ranks (``run_headless``).
 """
 
 from __future__ import annotations
@@ -17,18 +17,19 @@ import shutil
 import signal
 import threading
 import time
-from dataclasses import dataclass, replace
+from dataclasses import replace
+from typing import Any
 
 import zmq
 
-from tpserve.distributed.comm import local_init_addr
-from tpserve.distributed.layout import NodeLayout
 from tpserve.config import EngineConfig
+from tpserve.distributed.comm import local_init_addr
+from tpserve.distributed.nodes import NodeLayout
 from tpserve.launch.args import DEFAULT_SCHEDULER_ENTRY, ServerArgs
 from tpserve.launch.child import child_main
 from tpserve.message import Shutdown
 from tpserve.message.endpoints import Endpoints
-from tpserve.message.transport import Sender
+from tpserve.message.transport import encode, open_socket
 from tpserve.tokenizer.prepare import PromptLimits
 from tpserve.tokenizer.worker import TokenizerConfig
 
@@ -38,6 +39,7 @@ DETOKENIZER_ENTRY = "tpserve.tokenizer.detokenizer:run_detokenizer"
 TOKENIZER_ENTRY = "tpserve.tokenizer.worker:run_tokenizer"
 GRACEFUL_STOP_S = 5.0  # after Shutdown, before SIGTERM
 TERMINATE_STOP_S = 2.0  # after SIGTERM, before SIGKILL
+WATCH_INTERVAL_S = 0.5
 
 
 class ChildDied(Exception):
@@ -62,11 +64,10 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
-@dataclass(frozen=True)
-class _ChildSpec:
-    name: str
-    entry: str  # "module:function"
-    args: tuple
+def ignore_stop_signals() -> None:
+    """Before the clean-up: a second SIGINT/SIGTERM must not cut it short."""
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, signal.SIG_IGN)
 
 
 def _init_addrs(engine: EngineConfig) -> list[str | None]:
@@ -106,37 +107,36 @@ class Backend:
         self._ready = False
 
     # ---- start-up ----
-    def _specs(self) -> list[_ChildSpec]:
+    def _children(self) -> list[tuple[str, str, tuple]]:
+        """(name, "module:function" entry, its arguments) of every child."""
         args, ep, engine = self.server, self.endpoints, self.engine
         entry = DEFAULT_SCHEDULER_ENTRY if args is None else args.scheduler_entry
-        specs = []
+        children = []
         for dp_rank, init_addr in enumerate(_init_addrs(engine)):
             replica = replace(engine, dp_rank=dp_rank, dist_init_addr=init_addr)
             prefix = "scheduler" if engine.dp_size == 1 else f"scheduler-dp{dp_rank}"
             beats = self.heartbeats[dp_rank * len(self.ranks):(dp_rank + 1) * len(self.ranks)]
-            specs += [
-                _ChildSpec(f"{prefix}-tp{rank}", entry, (replica, rank, ep.for_replica(dp_rank), self._ack_queue, beat))
+            children += [
+                (f"{prefix}-tp{rank}", entry, (replica, rank, ep.for_replica(dp_rank), self._ack_queue, beat))
                 for rank, beat in zip(self.ranks, beats)
             ]
         if args is None:
-            return specs
-        specs.append(_ChildSpec("detokenizer", DETOKENIZER_ENTRY, (args.model_dir, ep, self._ack_queue)))
-        tok_config = TokenizerConfig(args.model_dir, PromptLimits(args.context_len, args.vocab_size), args.chat_template)
-        specs += [
-            _ChildSpec(f"tokenizer-{i}", TOKENIZER_ENTRY, (tok_config, ep, self._ack_queue, i))
+            return children
+        children.append(("detokenizer", DETOKENIZER_ENTRY, (args.model_dir, ep, self._ack_queue)))
+        limits = PromptLimits(args.context_len, args.vocab_size)
+        tok_config = TokenizerConfig(args.model_dir, limits, args.chat_template)
+        children += [
+            (f"tokenizer-{i}", TOKENIZER_ENTRY, (tok_config, ep, self._ack_queue, i))
             for i in range(args.num_tokenizers)
         ]
-        return specs
+        return children
 
     def start(self) -> None:
         """Spawn every child (returns at once; see ``wait_ready``)."""
-        for spec in self._specs():
-            proc = self._mp.Process(
-                target=child_main,
-                args=(spec.entry, spec.args, os.getpid(), self.log_level, self.server and self.server.log_file),
-                name=f"tpserve-{spec.name}",
-                daemon=False,
-            )
+        log_file = self.server and self.server.log_file
+        for name, entry, args in self._children():
+            proc = self._mp.Process(target=child_main, args=(entry, args, os.getpid(), self.log_level, log_file),
+                                    name=f"tpserve-{name}", daemon=False)
             proc.start()
             self.procs.append(proc)
         logger.info(
@@ -176,9 +176,8 @@ class Backend:
         for index, beat in enumerate(self.heartbeats):
             if beat.value and now - beat.value > timeout:
                 dp_rank, local = divmod(index, len(self.ranks))
-                rank = self.ranks[local]
                 where = f" of replica {dp_rank}" if self.engine.dp_size > 1 else ""
-                return f"scheduler rank {rank}{where} has made no progress for {now - beat.value:.1f} s"
+                return f"scheduler rank {self.ranks[local]}{where} has made no progress for {now - beat.value:.1f} s"
         return None
 
     # ---- shut-down ----
@@ -227,14 +226,58 @@ class Backend:
         ctx = zmq.Context()
         ep = self.endpoints
         addresses = list(ep.replica_schedulers) + ([ep.detokenizer] if self.server is not None else [])
-        senders = [Sender(ctx, a) for a in addresses]
         try:
-            for sender in senders:
-                sender.socket.setsockopt(zmq.SNDTIMEO, 200)
-                sender.socket.setsockopt(zmq.LINGER, 500)  # deliver before the socket closes
+            for address in addresses:
+                sock = open_socket(ctx, zmq.PUSH, address, bind=False)
+                sock.setsockopt(zmq.SNDTIMEO, 200)
+                sock.setsockopt(zmq.LINGER, 500)  # deliver before the socket closes
                 try:
-                    sender.send(Shutdown())
+                    sock.send(encode(Shutdown()))
                 except zmq.ZMQError:
                     pass  # the receiver is gone: SIGTERM follows anyway
         finally:
             ctx.destroy(linger=500)
+
+
+def run_headless(args: ServerArgs) -> int:
+    """A node other than node 0 of a multi-node job: its ranks only, no HTTP, no tokenizers.
+
+    Its ranks take their messages from rank 0 (on node 0) and stop when it says so: then this
+    process exits 0. A rank that dies or a node that fails (the ranks name it) ends it with 1,
+    a signal with 0.
+    """
+    engine = args.engine
+    me = f"node {engine.node_rank}"
+    stop = threading.Event()
+
+    def on_signal(signum: int, frame: Any) -> None:
+        logger.info("%s: received %s: stopping its ranks", me, signal.Signals(signum).name)
+        stop.set()
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, on_signal)
+    backend = Backend(engine, args.log_level)
+    logger.info("%s of %d: ranks %d-%d joining node 0 at %s (no HTTP server on this node)",
+                me, engine.nnodes, backend.ranks.start, backend.ranks.stop - 1, engine.dist_init_addr)
+    try:
+        backend.start()
+        backend.wait_ready(stop)
+        logger.info("%s: ready", me)
+        while not stop.wait(WATCH_INTERVAL_S):
+            codes = [p.exitcode for p in backend.procs]
+            failed = [ChildDied(p.name, code) for p, code in zip(backend.procs, codes) if code not in (None, 0)]
+            if failed:
+                logger.error("%s: %s: stopping this node", me, failed[0])
+                return 1
+            if all(code == 0 for code in codes):
+                logger.info("%s: node 0 ended the job", me)
+                return 0
+        return 0
+    except StartupCancelled:
+        return 0
+    except ChildDied as e:
+        logger.error("%s: start-up failed: %s", me, e)
+        return 1
+    finally:
+        ignore_stop_signals()
+        backend.shutdown()

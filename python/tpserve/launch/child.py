@@ -16,7 +16,6 @@ import signal
 import sys
 import threading
 import time
-from typing import Any, Callable
 
 PARENT_POLL_S = 0.5
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
@@ -28,18 +27,13 @@ def setup_logging(level: str, log_file: str | None = None) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True, **target)
 
 
-def load_entry(entry: str) -> Callable[..., Any]:
-    """``"package.module:function"`` -> the function."""
-    module_name, _, attr = entry.partition(":")
-    return getattr(importlib.import_module(module_name), attr)
-
-
 def child_main(entry: str, args: tuple, parent_pid: int, log_level: str, log_file: str | None = None) -> None:
-    """Target of every spawned child: guard, then run ``entry(*args)``."""
+    """Target of every spawned child: guard, then run ``entry(*args)`` (``entry``: "module:function")."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(log_level, log_file)
     _die_with_parent(parent_pid)
-    load_entry(entry)(*args)
+    module_name, _, function = entry.partition(":")
+    getattr(importlib.import_module(module_name), function)(*args)
     # Returned normally: run multiprocessing's exit hooks (as Process._bootstrap would: they
     # release e.g. named semaphores), then skip the interpreter's slow finalization (about a
     # second with torch loaded), which would only delay the server's shut-down.

@@ -19,7 +19,7 @@ import uvicorn
 
 from tpserve.launch.args import ServerArgs
 from tpserve.launch.backend import Backend, ChildDied, StartupCancelled
-from tpserve.router.dispatch import Dispatch
+from tpserve.router.policy import Dispatch
 from tpserve.server.api import AppState, create_app
 from tpserve.server.client import FrontendClient, ReplicaRouter
 from tpserve.server.limits import RequestLimits
@@ -39,32 +39,18 @@ class _Server(uvicorn.Server):
         yield
 
 
-class ServerError(Exception):
-    pass
-
-
-def bind_socket(host: str, port: int) -> socket.socket:
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM)
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-    try:
-        sock.bind((host, port))
-    except OSError as e:
-        sock.close()
-        raise ServerError(f"cannot listen on {host}:{port}: {e.strerror or e}") from e
-    sock.listen(2048)
-    sock.setblocking(False)
-    return sock
-
-
 def run_http_server(args: ServerArgs) -> int:
     """Serve until a signal or a failure; return the process exit code."""
-    try:
-        sock = bind_socket(args.host, args.port)
-    except ServerError as e:
-        logger.error("%s", e)
-        return 1
+    sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     with sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((args.host, args.port))
+        except OSError as e:
+            logger.error("cannot listen on %s:%d: %s", args.host, args.port, e.strerror or e)
+            return 1
+        sock.listen(2048)
+        sock.setblocking(False)
         return asyncio.run(_serve(args, sock))
 
 

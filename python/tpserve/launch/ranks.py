@@ -1,12 +1,11 @@
 """The rank driver: how the offline ``LLM`` runs the server's ranks and scheduler loop.
 
-``RankProcesses`` starts one scheduler process per rank exactly as the server does (``Backend``
-without the tokenizers and the detokenizer) and takes the detokenizer's place: it pushes
-messages to rank 0 and pulls rank 0's outputs. With data-parallel replicas it also takes the
-API server's place as the router: each message goes to the replicas ``Dispatch`` names.
-``LocalRank`` runs the only rank's loop in this process and steps it whenever output is wanted. Both take ``SchedulerInput`` messages and give
-back ``BatchTokenOutput``s (``receive`` waits for the next; a dead rank is a RuntimeError), so
-the LLM never branches on the mode.
+``RankProcesses`` starts the server's scheduler processes (``Backend`` without the tokenizers and
+the detokenizer) and takes the detokenizer's place: it pushes messages to rank 0 and pulls rank 0's
+outputs; with data-parallel replicas it is also the router (``Dispatch``). ``LocalRank`` runs the
+only rank's loop in this process and steps it whenever output is wanted. Both take
+``SchedulerInput``s and give back ``BatchTokenOutput``s (``receive`` waits for the next; a dead
+rank is a RuntimeError), so the LLM never branches on the mode.
 """
 
 from __future__ import annotations
@@ -22,7 +21,7 @@ from tpserve.config import EngineConfig
 from tpserve.launch.backend import Backend, ChildDied, describe_exit
 from tpserve.message import BatchTokenOutput, SchedulerInput
 from tpserve.message.transport import encode, open_socket
-from tpserve.router.dispatch import Dispatch
+from tpserve.router.policy import Dispatch
 
 POLL_MS = 500  # how often a wait for output checks that every rank is alive
 
@@ -87,15 +86,9 @@ class RankProcesses:
             raise error from None
 
     def _push(self, address: str) -> zmq.Socket:
-        socket = self._ctx.socket(zmq.PUSH)
-        socket.setsockopt(zmq.LINGER, 0)
+        socket = open_socket(self._ctx, zmq.PUSH, address, bind=False)
         socket.setsockopt(zmq.SNDHWM, 0)  # queue rather than block, even if rank 0 is gone
-        socket.connect(address)
         return socket
-
-    @property
-    def dp_size(self) -> int:
-        return len(self._inputs)
 
     def send(self, msg: SchedulerInput) -> None:
         data = encode(msg)
@@ -115,10 +108,11 @@ class RankProcesses:
         return batch
 
     def _died(self) -> RuntimeError:
-        tp_size = self.backend.engine.tp_size
-        dead = [(*divmod(i, tp_size), p.exitcode) for i, p in enumerate(self.backend.procs) if p.exitcode is not None]
+        engine = self.backend.engine
+        procs = self.backend.procs
+        dead = [(*divmod(i, engine.tp_size), p.exitcode) for i, p in enumerate(procs) if p.exitcode is not None]
         return RuntimeError("; ".join(
-            f"tp rank {rank}{f' of replica {dp_rank}' if self.dp_size > 1 else ''} died ({describe_exit(code)})"
+            f"tp rank {rank}{f' of replica {dp_rank}' if engine.dp_size > 1 else ''} died ({describe_exit(code)})"
             for dp_rank, rank, code in dead
         ))
 

@@ -7,19 +7,20 @@ logs to a file, whose path the banner shows.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import os
 import queue
 import signal
 import sys
 import time
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, TextIO
 
 import zmq
 
 from tpserve.launch.args import ServerArgs
-from tpserve.launch.backend import Backend, ChildDied
+from tpserve.launch.backend import Backend, ChildDied, ignore_stop_signals
 from tpserve.launch.child import setup_logging
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import RequestRejected, TokenizeRequest
@@ -92,25 +93,51 @@ class ShellClient(BackendLink):
         return events
 
 
+@dataclass
+class _Answer:
+    """One streamed answer: its reasoning/content split and its token count."""
+
+    reasoning: bool
+    parser: ReasoningParser | None = None
+    content: str = ""
+    reasoning_shown: bool = False
+    tokens: int = 0
+    started: float = field(default_factory=time.monotonic)
+    last: str = ""
+
+    @property
+    def line_end(self) -> str:
+        """What ends the answer's last line: nothing if it already ended."""
+        return "" if self.last.endswith("\n") or not self.last else "\n"
+
+    def add(self, text: str, prompt_in_reasoning: bool, final: bool) -> list[tuple[str, str]]:
+        if not self.reasoning:
+            parts = [("content", text)] if text else []
+        else:
+            if self.parser is None:
+                self.parser = ReasoningParser(prompt_in_reasoning)
+            split = self.parser.feed(text, final=final)
+            parts = [(k, t) for k, t in (("reasoning", split.reasoning), ("content", split.content)) if t]
+        if parts:
+            self.last = parts[-1][1]
+        return parts
+
+
 class Shell:
     def __init__(
         self,
         client: ShellClient,
-        check_backend: Callable[[], None],
+        dead_child: Callable[[], Exception | None],
         out: TextIO = sys.stdout,
         context_len: int | None = None,
         reasoning: bool = False,
         log_file: str | None = None,
         history_file: str | None = None,
     ) -> None:
-        self._client = client
-        self._check_backend = check_backend
-        self._out = out
+        self._client, self._dead_child, self._out = client, dead_child, out
         self._color = out.isatty()
-        self._context_len = context_len
-        self._reasoning = reasoning
-        self._log_file = log_file
-        self._history_file = history_file
+        self._context_len, self._reasoning = context_len, reasoning
+        self._log_file, self._history_file = log_file, history_file
         self.settings = ShellSettings()
         self.history: list[dict[str, Any]] = []
 
@@ -123,27 +150,22 @@ class Shell:
         try:
             while True:
                 try:
-                    line = input(">>> ")
+                    text = input(">>> ").strip()
                 except EOFError:
                     self._print("\n")
                     return
                 except KeyboardInterrupt:
                     self._print("\n")
                     continue
-                text = line.strip()
-                if not text:
-                    continue
                 if text.startswith("/"):
                     if self._command(text) == "exit":
                         return
-                    continue
-                self._turn(text)
+                elif text:
+                    self._turn(text)
         finally:
             if readline is not None and self._history_file:
-                try:
+                with contextlib.suppress(OSError):
                     readline.write_history_file(self._history_file)
-                except OSError:
-                    pass
 
     # ---- commands ----
     def _command(self, text: str) -> str | None:
@@ -157,7 +179,9 @@ class Shell:
             self.history.clear()
             self._print("(conversation cleared)\n")
         elif name == "/history":
-            self._print_history()
+            self._print(f"({len(self.history)} messages)\n")
+            for msg in self.history:
+                self._print(f"[{msg['role']}] {msg['content']}\n")
         elif name == "/settings":
             self._print(f"({self.settings.describe()})\n")
         elif name == "/system":
@@ -195,43 +219,41 @@ class Shell:
         self._print(f"({self.settings.describe()})\n")
 
     # ---- one turn ----
-    def _messages(self, text: str) -> list[dict[str, Any]]:
-        system = [{"role": "system", "content": self.settings.system}] if self.settings.system else []
-        return system + self.history + [{"role": "user", "content": text}]
-
     def _turn(self, text: str) -> None:
-        messages = self._messages(text)
-        params = SamplingParams(temperature=self.settings.temperature, max_tokens=self.settings.max_tokens)
-        kwargs = None if self.settings.think is None else {"enable_thinking": self.settings.think}
-        rid = self._client.submit(messages, params, kwargs)
+        settings = self.settings
+        messages = self.history + [{"role": "user", "content": text}]
+        system = [{"role": "system", "content": settings.system}] if settings.system else []
+        params = SamplingParams(temperature=settings.temperature, max_tokens=settings.max_tokens)
+        kwargs = None if settings.think is None else {"enable_thinking": settings.think}
+        rid = self._client.submit(system + messages, params, kwargs)
         answer = _Answer(self._reasoning)
         try:
-            finished = self._stream(rid, answer)
+            if not self._stream(rid, answer):
+                return  # rejected: the conversation is unchanged
         except KeyboardInterrupt:
             self._client.abort(rid)
-            self._print(f"{self._end_of_answer(answer)}(stopped)\n")
-            finished = True
-        if finished is None:
-            return  # rejected: the conversation is unchanged
-        self.history = messages[1:] if self.settings.system else messages
-        self.history = self.history + [{"role": "assistant", "content": answer.content}]
+            self._print(f"{answer.line_end}(stopped)\n")
+        self.history = messages + [{"role": "assistant", "content": answer.content}]
 
-    def _stream(self, rid: int, answer: "_Answer") -> bool | None:
+    def _stream(self, rid: int, answer: _Answer) -> bool:
+        """Show the answer as it comes; False if the request was rejected."""
         while True:
-            self._check_backend()
+            dead = self._dead_child()
+            if dead is not None:
+                raise dead
             for event in self._client.poll(rid, POLL_MS):
                 if isinstance(event, RequestRejected):
                     self._print(f"error: {event.message}\n(the conversation is unchanged; /reset starts anew)\n")
-                    return None
+                    return False
                 self._show(answer, answer.add(event.text, event.prompt_in_reasoning, event.finish_reason is not None))
                 answer.tokens = event.completion_tokens
                 if event.finish_reason is not None:
                     if event.finish_reason == "error":
                         self._print(f"\nerror: {event.error}")
-                    self._print(self._end_of_answer(answer) + self._notice(event.finish_reason, answer) + "\n")
+                    self._print(answer.line_end + self._notice(event.finish_reason, answer) + "\n")
                     return True
 
-    def _show(self, answer: "_Answer", parts: list[tuple[str, str]]) -> None:
+    def _show(self, answer: _Answer, parts: list[tuple[str, str]]) -> None:
         for kind, text in parts:
             if kind == "reasoning":
                 if not answer.reasoning_shown:
@@ -244,10 +266,7 @@ class Shell:
                 answer.content += text
                 self._print(text)
 
-    def _end_of_answer(self, answer: "_Answer") -> str:
-        return "" if answer.ends_with_newline else "\n"
-
-    def _notice(self, finish_reason: str, answer: "_Answer") -> str:
+    def _notice(self, finish_reason: str, answer: _Answer) -> str:
         elapsed = max(time.monotonic() - answer.started, 1e-6)
         rate = self._style(DIM, f"({answer.tokens} tokens, {answer.tokens / elapsed:.1f} tok/s)")
         if finish_reason != "length":
@@ -261,43 +280,9 @@ class Shell:
     def _style(self, code: str, text: str) -> str:
         return f"{code}{text}{RESET}" if self._color else text
 
-    def _print_history(self) -> None:
-        self._print(f"({len(self.history)} messages)\n")
-        for msg in self.history:
-            self._print(f"[{msg['role']}] {msg['content']}\n")
-
     def _print(self, text: str) -> None:
         self._out.write(text)
         self._out.flush()
-
-
-class _Answer:
-    """One streamed answer: its reasoning/content split and its token count."""
-
-    def __init__(self, reasoning: bool) -> None:
-        self._reasoning = reasoning
-        self._parser: ReasoningParser | None = None
-        self.content = ""
-        self.reasoning_shown = False
-        self.tokens = 0
-        self.started = time.monotonic()
-        self._last = ""
-
-    @property
-    def ends_with_newline(self) -> bool:
-        return self._last.endswith("\n") or not self._last
-
-    def add(self, text: str, prompt_in_reasoning: bool, final: bool) -> list[tuple[str, str]]:
-        if not self._reasoning:
-            parts = [("content", text)] if text else []
-        else:
-            if self._parser is None:
-                self._parser = ReasoningParser(prompt_in_reasoning)
-            split = self._parser.feed(text, final=final)
-            parts = [(k, t) for k, t in (("reasoning", split.reasoning), ("content", split.content)) if t]
-        if parts:
-            self._last = parts[-1][1]
-        return parts
 
 
 def _readline(history_file: str | None) -> Any:
@@ -307,10 +292,8 @@ def _readline(history_file: str | None) -> Any:
         return None
     readline.set_history_length(HISTORY_LENGTH)
     if history_file and os.path.exists(history_file):
-        try:
+        with contextlib.suppress(OSError):
             readline.read_history_file(history_file)
-        except OSError:
-            pass
     return readline
 
 
@@ -335,16 +318,10 @@ def run_shell(args: ServerArgs) -> int:
     print(f"loading {args.served_model_name} (logs: {log_file}) ...", flush=True)
     backend = Backend(args.engine, args.log_level, args)
     client = ShellClient(backend.endpoints)
-
-    def check_backend() -> None:
-        dead = backend.dead_child()
-        if dead is not None:
-            raise dead
-
     try:
         backend.start()
         backend.wait_ready()
-        Shell(client, check_backend, context_len=args.context_len, reasoning=args.reasoning_parser is not None,
+        Shell(client, backend.dead_child, context_len=args.context_len, reasoning=args.reasoning_parser is not None,
               log_file=log_file, history_file=os.path.join(state_dir, "shell_history")).run()
         return 0
     except ChildDied as e:
@@ -354,7 +331,6 @@ def run_shell(args: ServerArgs) -> int:
     except KeyboardInterrupt:  # Ctrl-C during start-up
         return 130
     finally:
-        for sig in (signal.SIGINT, signal.SIGTERM):  # a second signal must not cut the clean-up short
-            signal.signal(sig, signal.SIG_IGN)
+        ignore_stop_signals()
         client.close()
         backend.shutdown()

@@ -41,11 +41,8 @@ class Endpoints:
         def path(name: str) -> str:
             return f"ipc://{os.path.join(directory, name)}"
 
-        if dp_size == 1:
-            schedulers, broadcasts = (path("scheduler"),), (path("rank-broadcast"),)
-        else:
-            schedulers = tuple(path(f"scheduler-dp{d}") for d in range(dp_size))
-            broadcasts = tuple(path(f"rank-broadcast-dp{d}") for d in range(dp_size))
+        schedulers = tuple(path(f"scheduler-dp{d}") for d in range(dp_size))
+        broadcasts = tuple(path(f"rank-broadcast-dp{d}") for d in range(dp_size))
         return cls(
             tokenizer=path("tokenizer"),
             scheduler=schedulers[0] if dp_size == 1 else path("router"),

@@ -37,27 +37,22 @@ class Receiver(Generic[T]):
         self.socket = open_socket(ctx, zmq.PULL, address, bind)
         self._decoder = msgspec.msgpack.Decoder(msg_type)
 
-    def recv(self, timeout_ms: int) -> T | None:
-        """The next message, or None if none came within ``timeout_ms``."""
-        if not self.socket.poll(timeout_ms):
-            return None
-        return self._decoder.decode(self.socket.recv())
-
-    def serve(self, handle: Callable[[T], None], poll_ms: int = 1000) -> None:
+    def serve(self, handle: Callable[[T], None]) -> None:
         """Pass every message to ``handle`` until a Shutdown arrives."""
         while True:
-            msg = self.recv(poll_ms)
+            if not self.socket.poll(1000):
+                continue
+            msg = self._decoder.decode(self.socket.recv())
             if isinstance(msg, Shutdown):
                 return
-            if msg is not None:
-                handle(msg)
+            handle(msg)
 
 
 class Sender:
-    """A PUSH socket for msgspec structs."""
+    """A connecting PUSH socket for msgspec structs."""
 
-    def __init__(self, ctx: zmq.Context, address: str, bind: bool = False) -> None:
-        self.socket = open_socket(ctx, zmq.PUSH, address, bind)
+    def __init__(self, ctx: zmq.Context, address: str) -> None:
+        self.socket = open_socket(ctx, zmq.PUSH, address, bind=False)
 
     def send(self, msg: msgspec.Struct) -> None:
         self.socket.send(encode(msg))

@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from tpserve.config import CHOICES, ModelConfig
 from tpserve.launch.argtypes import HelpFormatter, OneLineParser, float_above, fraction, int_at_least, non_negative
-from tpserve.launch.model_path import ModelNotFound, resolve_model_dir
+from tpserve.launch.args import ModelNotFound, resolve_model_dir
 from tpserve.plan.cost import DTYPE_BYTES, GIB, GPUS, GPUSpec, Link, ModelShape
 from tpserve.plan.splits import Machine, Settings, plan_splits, render
 from tpserve.quant.config import QUANTIZATION_METHODS, resolve_quantization

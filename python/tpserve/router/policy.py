@@ -12,12 +12,21 @@ so a popular prefix spreads over more replicas only when its replica is busy.
 The router does not ask the replicas what they cache: it remembers the pages of the prompts it
 sent to each (chained page hashes, as the radix cache matches whole pages), least recently sent
 first out, bounded by the replica's KV-cache size. Ties go round the replicas in turn.
+
+``Dispatch`` sends a new request to the replica the router picks; an abort to the replica
+running the request (to every replica if it was not routed yet: the request may still be on its
+way); a cache flush, a stats query or a shut-down to every replica.
 """
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import msgspec
+
+from tpserve.config import EngineConfig
+from tpserve.message import AbortRequest, FlushCache, GenerateRequest, SchedulerInput, SchedulerStats
 
 LOAD_BALANCE_METHODS = ("cache_aware", "minimum_tokens")
 DEFAULT_TABLE_PAGES = 1 << 16  # per replica, until its first stats give its KV-cache size
@@ -128,3 +137,34 @@ class Router:
         """Every replica's cache was flushed."""
         for table in self.tables:
             table.clear()
+
+
+class Dispatch:
+    """Which replicas a message for the schedulers goes to, and the router's view of the outputs."""
+
+    def __init__(self, router: Router) -> None:
+        self.router = router
+        self._decoder = msgspec.msgpack.Decoder(SchedulerInput)
+
+    @classmethod
+    def for_replicas(cls, engine: EngineConfig, method: str) -> Dispatch | None:
+        """The dispatch of ``engine``'s data-parallel replicas (None with one: rank 0 is reached directly)."""
+        return None if engine.dp_size == 1 else cls(Router(engine.dp_size, method, engine.page_size))
+
+    def destinations(self, msg: SchedulerInput) -> list[int]:
+        if isinstance(msg, GenerateRequest):
+            return [self.router.route(msg.rid, msg.input_ids)]
+        if isinstance(msg, AbortRequest):
+            replica = self.router.replica_of(msg.rid)
+            if replica is not None:
+                return [replica]
+        elif isinstance(msg, FlushCache):
+            self.router.flush()
+        return list(range(self.router.dp_size))
+
+    def destinations_of(self, data: bytes) -> list[int]:
+        """``destinations`` of an encoded message."""
+        return self.destinations(self._decoder.decode(data))
+
+    def on_stats(self, stats: SchedulerStats) -> None:
+        self.router.set_cache_size(stats.replica, stats.kv_pages_total)

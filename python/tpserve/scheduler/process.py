@@ -11,8 +11,7 @@ import torch
 import torch.distributed as dist
 
 from tpserve.config import EngineConfig
-from tpserve.distributed.layout import NodeLayout
-from tpserve.distributed.nodes import NodeFailure, NodeGroup
+from tpserve.distributed.nodes import NodeFailure, NodeGroup, NodeLayout
 from tpserve.message import (
     AbortRequest,
     BatchTokenOutput,

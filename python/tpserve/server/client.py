@@ -22,7 +22,7 @@ from tpserve.message import AbortRequest, FlushCache, SchedulerStats
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import ApiInput, ApiOutput, RequestRejected, TokenizeRequest
 from tpserve.message.transport import encode, open_socket
-from tpserve.router.dispatch import Dispatch
+from tpserve.router.policy import Dispatch
 
 
 @dataclass(frozen=True)
