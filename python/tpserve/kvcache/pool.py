@@ -64,6 +64,7 @@ class KVCachePool:
         self.page_size = page_size
         self.dtype = dtype  # as stored
         self.compute_dtype = dtype if compute_dtype is None else compute_dtype  # as written and read
+        self.fp8 = dtype == FP8_DTYPE
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -82,10 +83,6 @@ class KVCachePool:
                 return
         self.k[layer].view(-1, *k.shape[1:])[slots] = self.to_cache(k)
         self.v[layer].view(-1, *v.shape[1:])[slots] = self.to_cache(v)
-
-    @property
-    def fp8(self) -> bool:
-        return self.dtype == FP8_DTYPE
 
     def to_cache(self, x: torch.Tensor) -> torch.Tensor:
         return x.clamp(-FP8_MAX, FP8_MAX).to(self.dtype) if self.fp8 else x

@@ -67,11 +67,9 @@ class RadixCache:
         return child
 
     def _common_pages(self, node: Node, tokens: list[int], pos: int) -> int:
-        n = 0
-        ps = self.page_size
-        while n < len(node.pages) and pos + (n + 1) * ps <= len(tokens):
-            if node.tokens[n * ps : (n + 1) * ps] != tuple(tokens[pos + n * ps : pos + (n + 1) * ps]):
-                break
+        """How many of ``node``'s pages ``tokens[pos:]`` repeats whole."""
+        n, ps = 0, self.page_size
+        while n < len(node.pages) and node.tokens[n * ps : (n + 1) * ps] == self._key(tokens, pos + n * ps):
             n += 1
         return n
 

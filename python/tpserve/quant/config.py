@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 QUANTIZATION_METHODS = ("fp8",)
-# The block of weights sharing one scale when tpserve quantizes at load time.
-ONLINE_BLOCK_SIZE = (128, 128)
+ONLINE_BLOCK_SIZE = (128, 128)  # the weights sharing one scale when tpserve quantizes at load time
 _KNOWN_KEYS = {
     "quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
     "ignored_layers", "modules_to_convert", "scale_fmt", "dequantize",

@@ -12,8 +12,7 @@ import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# A block of zeros still gets a usable (non-zero) scale.
-_MIN_AMAX = 1e-10
+_MIN_AMAX = 1e-10  # a block of zeros still gets a usable (non-zero) scale
 
 
 def num_blocks(size: int, block: int) -> int:
