@@ -1,8 +1,6 @@
-"""Paged KV cache: per-layer K and V of [num_pages, page_size, kv_heads, head_dim] (FlashInfer's
-NHD layout), and an allocator of whole pages. Page 0 is never handed out: padded tokens (CUDA
-graphs) write to it. An fp8_e4m3 cache stores k and v with a scale of 1, clamped to +-448 (far
-outside post-norm keys and values), and reads them back as rounded.
-"""
+"""Paged KV cache: per-layer K and V [num_pages, page_size, kv_heads, head_dim] (FlashInfer's NHD) and
+a page allocator. Page 0 is a scratch page for padded tokens (CUDA graphs), never handed out. An
+fp8_e4m3 cache stores k and v with a scale of 1, clamped to +-448 (far outside post-norm values)."""
 
 from __future__ import annotations
 

@@ -1,8 +1,6 @@
-"""The prefix cache over KV pages: a radix tree over token ids whose nodes hold whole pages (kept
-empty for ``--cache naive``). Requests lock the prefix they reuse; finished ones insert theirs;
-unlocked leaves are evicted least recently used by a logical clock (the scheduler's step count,
-never wall time), so every rank evicts the same pages.
-"""
+"""The prefix cache: a radix tree over token ids whose nodes hold whole KV pages (kept empty for
+``--cache naive``). Requests lock the prefix they reuse and insert theirs when done; unlocked leaves
+are evicted least recently used by a logical clock (never wall time), so every rank evicts alike."""
 
 from __future__ import annotations
 

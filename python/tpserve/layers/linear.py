@@ -1,10 +1,5 @@
-"""Tensor-parallel linear layers (Megatron style): column-parallel ones split the output
-features, row-parallel ones the input features (each rank's partial sum needs an all-reduce).
-
-Each layer cuts its rank's shard out of a full checkpoint tensor (``load_weight``). FP8 block
-scales (``use_fp8``) are sharded with their weights, so a shard boundary inside a block is an
-error; ``finish_loading`` keeps FP8 for the GPU GEMM or dequantizes it (the CPU path).
-"""
+"""Tensor-parallel linear layers (Megatron style) that cut their rank's shard out of full checkpoint
+tensors; FP8 block scales are cut with their weights, so a shard boundary inside a block is an error."""
 
 from __future__ import annotations
 
@@ -139,7 +134,8 @@ class ParallelLinear(nn.Module):
         if param_name == "weight_scale_inv" and self.block_size is not None:
             part = part.blocks(self.block_size[dim], f"{param_name} (weight_block_size {list(self.block_size)})")
         if loaded.shape[dim] != part.full:
-            raise ValueError(f"weight {param_name}: expected {part.full} along dim {dim}, got shape {tuple(loaded.shape)}")
+            shape = tuple(loaded.shape)
+            raise ValueError(f"weight {param_name}: expected {part.full} along dim {dim}, got shape {shape}")
         copy_checked(param.narrow(dim, part.dest, part.size), loaded.narrow(dim, part.start, part.size), param_name)
 
 

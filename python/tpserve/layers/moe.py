@@ -1,8 +1,5 @@
-"""The sparse mixture-of-experts MLP (Qwen3-MoE): a top-k router and stacked experts, each
-expert cut by TP like the dense MLP (a slice of every expert's intermediate dim per rank).
-
-The torch path is the CPU path and the test oracle; CUDA runs ``tpserve.kernels.moe``.
-"""
+"""The sparse mixture-of-experts MLP (Qwen3-MoE): a top-k router and stacked experts, TP cutting
+every expert's intermediate dim. The torch path is the CPU path and test oracle; CUDA runs kernels.moe."""
 
 from __future__ import annotations
 

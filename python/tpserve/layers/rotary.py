@@ -36,9 +36,8 @@ def inverse_frequencies(
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """[max_positions, head_dim] cos and sin tables, built after the model is materialised. On CUDA
-    in half precision also the fused kernels' float32 [cos | sin] table; with FlashInfer
-    ``forward`` rotates q and k in place and returns them."""
+    """cos/sin tables [max_positions, head_dim] built after materialising (on CUDA in half precision
+    also the fused kernels' float32 [cos | sin]); with FlashInfer ``forward`` rotates q, k in place."""
 
     def __init__(
         self, head_dim: int, max_positions: int, rope_parameters: dict[str, Any], max_position_embeddings: int

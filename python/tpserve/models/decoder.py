@@ -1,10 +1,8 @@
-"""The decoder of Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x and Mistral, which differ only in
-ModelConfig switches (``qk_norm``, ``qkv_bias``, ``rope_parameters``, ``moe``). Parameter names are
-the checkpoints', with q/k/v merged into ``qkv_proj``, gate/up into ``gate_up_proj``, experts stacked.
+"""The decoder of Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x and Mistral (ModelConfig switches), with the
+checkpoints' parameter names but q/k/v merged into ``qkv_proj``, gate/up into ``gate_up_proj``.
 
 At TP > 1 attention and MLP return this rank's partial sum: the add+RMSNorm after each all-reduces
-it (``Communicator.all_reduce_add_rmsnorm``, in one kernel where it can).
-"""
+it (``Communicator.all_reduce_add_rmsnorm``, in one kernel where it can)."""
 
 from __future__ import annotations
 

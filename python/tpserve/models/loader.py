@@ -1,11 +1,6 @@
-"""Weight loading: which linear layers hold FP8, then safetensors streamed one tensor at a time,
-each mapped to a (module, parameter, shard id) target whose module keeps only its rank's shard
-(so the extra host memory is about one checkpoint tensor).
-
-Experts come per expert (``mlp.experts.{e}.gate_proj.weight``, as published checkpoints) or
-stacked ([E, 2I, H] ``gate_up_proj``, [E, H, I] ``down_proj``: transformers' in-memory layout),
-read as per-expert pieces, so both take one path.
-"""
+"""Weight loading: mark the FP8 layers, then stream safetensors one tensor at a time to (module,
+parameter, shard id) targets that keep only their rank's shard (so the extra host memory is about
+one tensor). Experts come per expert or stacked (transformers' layout), both read per expert."""
 
 from __future__ import annotations
 

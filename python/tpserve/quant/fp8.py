@@ -1,9 +1,5 @@
-"""FP8 (e4m3) block quantization in torch: the CPU path and the GPU kernels' reference.
-
-A weight [N, K] with blocks (bn, bk) has ``weight_scale_inv`` [ceil(N / bn), ceil(K / bk)] float32,
-the factor that restores it (``w = w_fp8 * scale_inv``). Activations are quantized at run time
-per token and group of bk input features (DeepSeek's "dynamic" scheme).
-"""
+"""FP8 (e4m3) block quantization in torch (the CPU path and the GPU kernels' reference): per (bn, bk)
+block ``w = w_fp8 * weight_scale_inv``; activations per token and group of bk features ("dynamic")."""
 
 from __future__ import annotations
 
