@@ -24,8 +24,7 @@ from tpserve.kernels import use_triton
 from tpserve.kvcache.pool import KVCachePool, kv_cache_dtype
 from tpserve.layers.linear import ParallelLinear
 from tpserve.models.decoder import CausalLM
-from tpserve.models.loader import load_model_weights
-from tpserve.models.quantize import quantize_model
+from tpserve.models.loader import load_model_weights, quantize_model
 from tpserve.quant.config import resolve_quantization
 from tpserve.sampling_params import SamplingParams
 from tpserve.structured import mask as grammar_mask

@@ -1,13 +1,6 @@
-"""Paged KV cache: per-layer K and V tensors of [num_pages, page_size, kv_heads, head_dim]
-(FlashInfer's NHD layout), and an allocator that hands out whole pages.
-
-The cache may be stored in float8 e4m3 (``--kv-cache-dtype fp8_e4m3``) while the model computes
-in ``compute_dtype``: k and v are stored as they are (a scale of 1, clamped to e4m3's +-448, the
-range post-norm keys and values stay far inside) and read back as they were rounded.
-
-Page 0 is never handed out: it is a scratch page that padded tokens (e.g. CUDA-graph padding)
-may write to without touching any request's KV.
-"""
+"""Paged KV cache: per-layer K and V [num_pages, page_size, kv_heads, head_dim] (FlashInfer's NHD) and
+a page allocator. Page 0 is a scratch page for padded tokens (CUDA graphs), never handed out. An
+fp8_e4m3 cache stores k and v with a scale of 1, clamped to +-448 (far outside post-norm values)."""
 
 from __future__ import annotations
 
@@ -21,7 +14,7 @@ class PageAllocator:
     def __init__(self, num_pages: int) -> None:
         if num_pages < 2:
             raise ValueError(f"the KV cache needs at least 2 pages, got {num_pages}")
-        self.total = num_pages - 1  # usable pages (page 0 is scratch)
+        self.total = num_pages - 1
         # Lowest page first, so allocation order is the same on every rank.
         self._free = list(range(num_pages - 1, 0, -1))
 
@@ -69,6 +62,7 @@ class KVCachePool:
         self.page_size = page_size
         self.dtype = dtype  # as stored
         self.compute_dtype = dtype if compute_dtype is None else compute_dtype  # as written and read
+        self.fp8 = dtype == FP8_DTYPE
         shape = (num_pages, page_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
         self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
@@ -78,8 +72,7 @@ class KVCachePool:
         return 2 * num_layers * page_size * num_kv_heads * head_dim * torch.finfo(dtype).bits // 8
 
     def store(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Write new tokens' k/v ([T, kv_heads, head_dim]) into flat slots page*page_size+offset.
-        On CUDA one Triton kernel writes both (k and v may be strided views of the qkv output)."""
+        """Write new tokens' k/v [T, kv_heads, head_dim] (maybe strided views) into flat slots."""
         if use_triton(k.device):
             from tpserve.kernels import kv_store
 
@@ -89,12 +82,7 @@ class KVCachePool:
         self.k[layer].view(-1, *k.shape[1:])[slots] = self.to_cache(k)
         self.v[layer].view(-1, *v.shape[1:])[slots] = self.to_cache(v)
 
-    @property
-    def fp8(self) -> bool:
-        return self.dtype == FP8_DTYPE
-
     def to_cache(self, x: torch.Tensor) -> torch.Tensor:
-        """``x`` as the cache stores it."""
         return x.clamp(-FP8_MAX, FP8_MAX).to(self.dtype) if self.fp8 else x
 
     def read(self, cache: torch.Tensor) -> torch.Tensor:

@@ -1,12 +1,6 @@
-"""Prefix caches over KV pages.
-
-``RadixCache`` is a radix tree over token ids at page granularity: each node holds a run of
-whole pages and the tokens they hold. A request reuses the longest cached prefix (locking it
-with reference counts) and prefills only the rest; a finished request inserts its sequence;
-unreferenced leaves are evicted least-recently-used when pages run short. Recency is a logical
-clock (the scheduler's step count), never wall time, so every rank evicts the same pages.
-``NoPrefixCache`` is the same interface caching nothing (``--cache naive``).
-"""
+"""The prefix cache: a radix tree over token ids whose nodes hold whole KV pages (kept empty for
+``--cache naive``). Requests lock the prefix they reuse and insert theirs when done; unlocked leaves
+are evicted least recently used by a logical clock (never wall time), so every rank evicts alike."""
 
 from __future__ import annotations
 
@@ -35,8 +29,9 @@ class PrefixMatch:
 
 
 class RadixCache:
-    def __init__(self, page_size: int) -> None:
+    def __init__(self, page_size: int, enabled: bool = True) -> None:
         self.page_size = page_size
+        self.enabled = enabled  # False (``--cache naive``): nothing is inserted, so nothing matches
         self.root = Node(tokens=(), pages=[])
         self.root.ref = 1  # never evicted
         self.num_pages = 0  # pages held by the tree
@@ -46,30 +41,33 @@ class RadixCache:
     def _key(self, tokens: tuple[int, ...] | list[int], start: int) -> tuple[int, ...]:
         return tuple(tokens[start : start + self.page_size])
 
-    # ---- lookup ----
     def match(self, tokens: list[int]) -> PrefixMatch:
         """The longest cached prefix of ``tokens`` made of whole pages."""
         node, pages, pos = self.root, [], 0
-        usable = len(tokens) - len(tokens) % self.page_size
-        while pos < usable:
-            child = node.children.get(self._key(tokens, pos))
+        while pos + self.page_size <= len(tokens):
+            child = self._descend(node, tokens, pos)
             if child is None:
                 break
-            n = self._common_pages(child, tokens, pos)
-            if n < len(child.pages):
-                child = self._split(child, n)
-            child.last_used = self.clock
             pages.extend(child.pages)
             pos += len(child.tokens)
             node = child
         return PrefixMatch(pages, node if node is not self.root else None)
 
+    def _descend(self, node: Node, tokens: list[int], pos: int) -> Node | None:
+        """The child of ``node`` that ``tokens[pos:]`` continues into, split to the pages they share."""
+        child = node.children.get(self._key(tokens, pos))
+        if child is None:
+            return None
+        n = self._common_pages(child, tokens, pos)
+        if n < len(child.pages):
+            child = self._split(child, n)
+        child.last_used = self.clock
+        return child
+
     def _common_pages(self, node: Node, tokens: list[int], pos: int) -> int:
-        n = 0
-        ps = self.page_size
-        while n < len(node.pages) and pos + (n + 1) * ps <= len(tokens):
-            if node.tokens[n * ps : (n + 1) * ps] != tuple(tokens[pos + n * ps : pos + (n + 1) * ps]):
-                break
+        """How many of ``node``'s pages ``tokens[pos:]`` repeats whole."""
+        n, ps = 0, self.page_size
+        while n < len(node.pages) and node.tokens[n * ps : (n + 1) * ps] == self._key(tokens, pos + n * ps):
             n += 1
         return n
 
@@ -85,7 +83,6 @@ class RadixCache:
         upper.children[self._key(node.tokens, 0)] = node
         return upper
 
-    # ---- references ----
     def lock(self, node: Node | None) -> None:
         while node is not None and node is not self.root:
             if node.ref == 0:
@@ -100,28 +97,24 @@ class RadixCache:
                 self.num_evictable += len(node.pages)
             node = node.parent
 
-    # ---- insertion and eviction ----
     def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
-        """Cache ``pages`` holding ``tokens`` (whole pages). Returns the pages the tree did not
-        take because it already holds the same tokens elsewhere: the caller frees them."""
+        """Cache ``pages`` holding ``tokens``; returns those whose tokens it held already (to free)."""
+        if not self.enabled:
+            return list(pages)
         ps = self.page_size
         if len(tokens) != len(pages) * ps:
             raise ValueError(f"insert needs whole pages: {len(tokens)} tokens, {len(pages)} pages")
         duplicates: list[int] = []
         node, pos = self.root, 0
         while pos < len(tokens):
-            child = node.children.get(self._key(tokens, pos))
+            child = self._descend(node, tokens, pos)
             if child is None:
                 leaf = Node(tuple(tokens[pos:]), list(pages[pos // ps :]), node, last_used=self.clock)
                 node.children[self._key(leaf.tokens, 0)] = leaf
                 self.num_pages += len(leaf.pages)
                 self.num_evictable += len(leaf.pages)
                 return duplicates
-            n = self._common_pages(child, tokens, pos)
-            if n < len(child.pages):
-                child = self._split(child, n)
-            child.last_used = self.clock
-            mine = pages[pos // ps : pos // ps + n]
+            mine = pages[pos // ps : pos // ps + len(child.pages)]
             duplicates.extend(p for p, cached in zip(mine, child.pages) if p != cached)
             pos += len(child.tokens)
             node = child
@@ -156,35 +149,7 @@ class RadixCache:
         return leaves
 
 
-class NoPrefixCache:
-    """``--cache naive``: nothing is shared or kept after a request ends."""
-
-    num_pages = 0
-    num_evictable = 0
-    clock = 0
-
-    def match(self, tokens: list[int]) -> PrefixMatch:
-        return PrefixMatch([], None)
-
-    def lock(self, node: Node | None) -> None:
-        pass
-
-    def unlock(self, node: Node | None) -> None:
-        pass
-
-    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
-        return list(pages)
-
-    def evict(self, num_pages: int) -> list[int]:
-        return []
-
-
-PrefixCache = RadixCache | NoPrefixCache
-
-
-def create_prefix_cache(kind: str, page_size: int) -> PrefixCache:
-    if kind == "radix":
-        return RadixCache(page_size)
-    if kind == "naive":
-        return NoPrefixCache()
+def create_prefix_cache(kind: str, page_size: int) -> RadixCache:
+    if kind in ("radix", "naive"):
+        return RadixCache(page_size, enabled=kind == "radix")
     raise ValueError(f"cache must be radix or naive, got {kind!r}")

@@ -1,3 +1,5 @@
+"""SwiGLU on a merged [gate | up] tensor (FlashInfer's fused kernel on CUDA)."""
+
 from __future__ import annotations
 
 import torch
@@ -7,7 +9,6 @@ from tpserve.kernels import use_flashinfer
 
 
 def silu_and_mul(x: torch.Tensor) -> torch.Tensor:
-    """SwiGLU on a merged [gate | up] tensor (FlashInfer's fused kernel on CUDA)."""
     if use_flashinfer(x.device, x.dtype):
         from tpserve.kernels import flashinfer_ops
 

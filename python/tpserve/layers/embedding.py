@@ -1,8 +1,5 @@
-"""Vocabulary-parallel embedding and LM head.
-
-The vocabulary is split by ceiling division; the last rank's slice is padded with zero rows so
-every rank holds the same shape (the all-gather needs it) and the padding is cut off after.
-"""
+"""Vocabulary-parallel embedding and LM head. The vocabulary is split by ceiling division; the
+last rank's slice is padded with zero rows (the all-gather needs equal shapes) cut off after."""
 
 from __future__ import annotations
 
@@ -21,10 +18,10 @@ class VocabParallelEmbedding(nn.Module):
         tp = get_tp_info()
         self.comm = comm
         self.vocab_size = vocab_size
-        self.rows_per_rank = -(-vocab_size // tp.size)
-        self.vocab_start = min(tp.rank * self.rows_per_rank, vocab_size)
-        self.vocab_end = min(self.vocab_start + self.rows_per_rank, vocab_size)
-        self.weight = nn.Parameter(torch.empty(self.rows_per_rank, embedding_dim), requires_grad=False)
+        rows_per_rank = -(-vocab_size // tp.size)
+        self.vocab_start = min(tp.rank * rows_per_rank, vocab_size)
+        self.vocab_end = min(self.vocab_start + rows_per_rank, vocab_size)
+        self.weight = nn.Parameter(torch.empty(rows_per_rank, embedding_dim), requires_grad=False)
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size == 1:
@@ -46,10 +43,7 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(VocabParallelEmbedding):
-    """Logits for the whole vocabulary: each rank computes its slice, then all-gather.
-
-    With tied embeddings it reuses the embedding's weight (which is already split the same way).
-    """
+    """Each rank's slice of the logits, all-gathered; ``tied`` shares the embedding's weight."""
 
     def __init__(
         self, vocab_size: int, hidden_size: int, comm: Communicator, tied: VocabParallelEmbedding | None = None

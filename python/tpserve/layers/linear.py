@@ -1,15 +1,5 @@
-"""Tensor-parallel linear layers (Megatron style).
-
-Column-parallel layers split the output features, so each rank computes a slice with no
-communication; row-parallel layers split the input features, so each rank computes a partial
-sum that an all-reduce completes. Every layer also knows how to cut its rank's shard out of a
-full checkpoint tensor (``load_weight``), so loading never needs the whole merged tensor.
-
-A layer can hold FP8 weights with block scales (``use_fp8``): the scales (``weight_scale_inv``)
-are sharded and merged with their weights, block for block, so a shard or merge boundary inside
-a block is an error naming the sizes. After loading (``finish_loading``) the layer either keeps
-the FP8 weight for the GPU GEMM or dequantizes it to the compute dtype (the CPU path).
-"""
+"""Tensor-parallel linear layers (Megatron style) that cut their rank's shard out of full checkpoint
+tensors; FP8 block scales are cut with their weights, so a shard boundary inside a block is an error."""
 
 from __future__ import annotations
 
@@ -60,12 +50,6 @@ class Slice:
         return Slice(first, num_blocks(end, block) - first, self.dest // block, num_blocks(self.full, block))
 
 
-def _load_slice(param: torch.Tensor, loaded: torch.Tensor, dim: int, part: Slice, name: str) -> None:
-    if loaded.shape[dim] != part.full:
-        raise ValueError(f"weight {name}: expected {part.full} along dim {dim}, got shape {tuple(loaded.shape)}")
-    copy_checked(param.narrow(dim, part.dest, part.size), loaded.narrow(dim, part.start, part.size), name)
-
-
 class ReplicatedWeights(nn.Module):
     """Default loading for modules whose parameters every rank holds whole (norms)."""
 
@@ -74,14 +58,14 @@ class ReplicatedWeights(nn.Module):
 
 
 class ParallelLinear(nn.Module):
-    """What column- and row-parallel layers share: the weight [out, in] of this rank, an optional
-    bias, and the FP8 block-quantized forms of the weight."""
+    """This rank's weight [out, in] (FP8 after ``use_fp8``) and bias; as such, column-parallel."""
 
-    # 0 for column-parallel layers (output features split), 1 for row-parallel ones.
-    split_dim: int = 0
+    split_dim: int = 0  # the dim of the weight that is sharded: 1 for row-parallel layers
 
     def __init__(self, in_features: int, out_features: int, bias: bool) -> None:
         super().__init__()
+        tp = get_tp_info()
+        self.tp_rank, self.tp_size = tp.rank, tp.size
         self.in_features, self.out_features = in_features, out_features
         self.weight = nn.Parameter(torch.empty(out_features, in_features), requires_grad=False)
         self.bias = nn.Parameter(torch.empty(out_features), requires_grad=False) if bias else None
@@ -92,9 +76,7 @@ class ParallelLinear(nn.Module):
         self.bf16_gemv = False  # bf16 weight: the CUDA GEMV at one token (kernels.gemv)
 
     def use_fp8(self, block_size: tuple[int, int], prequantized: bool) -> None:
-        """Hold the weight in FP8 with a scale per ``block_size`` block: loaded as such from the
-        checkpoint (``prequantized``), or quantized by ``finish_loading``. Called on the model
-        before its parameters are materialised."""
+        """Hold the weight in FP8 (loaded so if ``prequantized``); called before materialising."""
         self.block_size = block_size
         if prequantized:
             device = self.weight.device
@@ -104,9 +86,8 @@ class ParallelLinear(nn.Module):
             self.keep_dtype = ("weight", "weight_scale_inv")
 
     def finish_loading(self, dtype: torch.dtype) -> None:
-        """After loading: keep the FP8 weight and its scales where the FP8 GEMM runs, or
-        dequantize to ``dtype`` (the CPU path; quantized first when quantizing at load time, so
-        the numbers are those the GPU would use)."""
+        """Keep the FP8 weight where the FP8 GEMM runs, else dequantize it to ``dtype`` (quantized
+        first when quantizing at load time, so the numbers are those the GPU would use)."""
         if self.block_size is None:
             self.bf16_gemv = gemv.bf16_gemv_enabled(self.weight.data)
             return
@@ -129,6 +110,9 @@ class ParallelLinear(nn.Module):
             self.weight_scale_inv, self.block_size = None, None
         self.keep_dtype = ()
 
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.matmul(x, self.bias)
+
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale_inv is None:
             return gemv.linear(x, self.weight, self.bf16_gemv, bias)
@@ -137,7 +121,8 @@ class ParallelLinear(nn.Module):
 
     def part(self, shard_id: str | int | None) -> Slice:
         """The rank's part of the checkpoint tensor named by ``shard_id``, along ``split_dim``."""
-        raise NotImplementedError
+        size = self.weight.shape[self.split_dim]
+        return Slice(self.tp_rank * size, size, 0, size * self.tp_size)
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         param = getattr(self, param_name).data
@@ -148,29 +133,20 @@ class ParallelLinear(nn.Module):
         part = self.part(shard_id)
         if param_name == "weight_scale_inv" and self.block_size is not None:
             part = part.blocks(self.block_size[dim], f"{param_name} (weight_block_size {list(self.block_size)})")
-        _load_slice(param, loaded, dim, part, param_name)
+        if loaded.shape[dim] != part.full:
+            shape = tuple(loaded.shape)
+            raise ValueError(f"weight {param_name}: expected {part.full} along dim {dim}, got shape {shape}")
+        copy_checked(param.narrow(dim, part.dest, part.size), loaded.narrow(dim, part.start, part.size), param_name)
 
 
 class ColumnParallelLinear(ParallelLinear):
     def __init__(self, in_features: int, out_features: int, bias: bool = False) -> None:
-        tp = get_tp_info()
-        self.tp_rank, self.tp_size = tp.rank, tp.size
-        super().__init__(in_features, divide(out_features, tp.size, "output features"), bias)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.matmul(x, self.bias)
-
-    def part(self, shard_id: str | int | None) -> Slice:
-        size = self.out_features
-        return Slice(self.tp_rank * size, size, 0, size * self.tp_size)
+        super().__init__(in_features, divide(out_features, get_tp_info().size, "output features"), bias)
 
 
 class MergedColumnParallelLinear(ColumnParallelLinear):
-    """Several column-parallel projections of the same input in one matmul (gate/up).
-
-    Each rank's output is [its slice of part 0, its slice of part 1, ...], so SiLU-and-mul can
-    pair them locally.
-    """
+    """Column-parallel projections of one input in one matmul (gate/up): each rank's output is
+    [its slice of part 0, its slice of part 1, ...], so SiLU-and-mul pairs them locally."""
 
     def __init__(self, in_features: int, part_sizes: list[int], bias: bool = False) -> None:
         tp_size = get_tp_info().size
@@ -185,11 +161,8 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
 
 
 class QKVParallelLinear(ColumnParallelLinear):
-    """q, k and v projections, split by whole heads.
-
-    When tp_size exceeds the number of KV heads, each KV head is replicated on
-    tp_size / num_kv_heads ranks (each rank keeps exactly one).
-    """
+    """q, k and v projections, split by whole heads; when tp_size exceeds the KV heads, each KV
+    head is replicated on tp_size / num_kv_heads ranks (each rank keeps one)."""
 
     def __init__(self, hidden_size: int, head_dim: int, num_heads: int, num_kv_heads: int, bias: bool) -> None:
         tp = get_tp_info()
@@ -206,16 +179,8 @@ class QKVParallelLinear(ColumnParallelLinear):
                 )
             self.num_kv_heads = 1
             self.kv_head_start = tp.rank * num_kv_heads // tp.size
-        local_out = (self.num_heads + 2 * self.num_kv_heads) * head_dim
-        super().__init__(hidden_size, local_out * tp.size, bias)
-
-    @property
-    def q_size(self) -> int:
-        return self.num_heads * self.head_dim
-
-    @property
-    def kv_size(self) -> int:
-        return self.num_kv_heads * self.head_dim
+        self.q_size, self.kv_size = self.num_heads * head_dim, self.num_kv_heads * head_dim
+        super().__init__(hidden_size, (self.q_size + 2 * self.kv_size) * tp.size, bias)
 
     def part(self, shard_id: str | int | None) -> Slice:
         if shard_id == "q":
@@ -230,13 +195,11 @@ class RowParallelLinear(ParallelLinear):
     split_dim = 1
 
     def __init__(self, in_features: int, out_features: int, comm: Communicator, bias: bool = False) -> None:
-        tp = get_tp_info()
-        self.tp_rank, self.tp_size, self.comm = tp.rank, tp.size, comm
-        super().__init__(divide(in_features, tp.size, "input features"), out_features, bias)
+        super().__init__(divide(in_features, get_tp_info().size, "input features"), out_features, bias)
+        self.comm = comm
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        """The output summed over the ranks; with ``reduce=False`` this rank's partial sum, for a
-        caller that all-reduces it together with what follows (``all_reduce_add_rmsnorm``)."""
+        """Summed over the ranks, or (``reduce=False``) this rank's partial sum for all_reduce_add_rmsnorm."""
         y = self.matmul(x, None)
         if not reduce:
             if self.bias is not None:
@@ -244,7 +207,3 @@ class RowParallelLinear(ParallelLinear):
             return y
         y = self.comm.all_reduce(y)
         return y if self.bias is None else y + self.bias
-
-    def part(self, shard_id: str | int | None) -> Slice:
-        size = self.in_features
-        return Slice(self.tp_rank * size, size, 0, size * self.tp_size)

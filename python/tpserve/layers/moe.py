@@ -1,15 +1,5 @@
-"""The sparse mixture-of-experts MLP (Qwen3-MoE): a top-k router and stacked experts.
-
-Tensor parallelism cuts every expert the way the dense MLP is cut: each rank holds a slice of
-every expert's intermediate dimension (gate/up by rows, down by columns), so each rank's output
-is a partial sum that one all-reduce per layer completes. The experts are stacked in
-``[experts, ...]`` tensors indexed by *local* expert; ``expert_start`` maps the checkpoint's
-global expert numbers onto them, which is where expert parallelism (whole experts per rank)
-would cut instead (see docs/design.md).
-
-The torch path below is the CPU path and the test oracle; on CUDA the experts run as two
-grouped Triton GEMMs over tokens sorted by expert (``tpserve.kernels.moe``).
-"""
+"""The sparse mixture-of-experts MLP (Qwen3-MoE): a top-k router and stacked experts, TP cutting
+every expert's intermediate dim. The torch path is the CPU path and test oracle; CUDA runs kernels.moe."""
 
 from __future__ import annotations
 
@@ -60,7 +50,8 @@ class StackedExperts(nn.Module):
         super().__init__()
         tp = get_tp_info()
         self.tp_rank = tp.rank
-        self.expert_start, self.num_experts = 0, num_experts  # every expert on every rank (no expert parallelism)
+        # Local expert 0 is global expert expert_start: where expert parallelism would cut (docs/design.md).
+        self.expert_start, self.num_experts = 0, num_experts
         self.local_intermediate = divide(intermediate_size, tp.size, "moe_intermediate_size")
         size = self.local_intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False)
@@ -90,7 +81,7 @@ def experts_torch(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]: the tokens sorted by expert, one
-    matmul pair per expert that got any (the per-expert counts are read on the host)."""
+    matmul pair per expert that got any (the counts are read on the host)."""
     tokens, top_k = ids.shape
     flat = ids.flatten()
     order = flat.argsort(stable=True)

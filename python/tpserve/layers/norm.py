@@ -1,3 +1,5 @@
+"""RMSNorm in float32 as in transformers; FlashInfer's kernels on CUDA in half precision."""
+
 from __future__ import annotations
 
 import torch
@@ -8,14 +10,9 @@ from tpserve.layers.linear import ReplicatedWeights
 
 
 class RMSNorm(ReplicatedWeights):
-    """RMSNorm computed in float32, as in transformers. With ``residual`` it first adds the
-    residual and returns (normed, new residual).
-
-    On CUDA in half precision it runs FlashInfer's kernels (``tpserve.kernels``). The fused add
-    works in place there: ``x`` becomes the normed output and ``residual`` the new residual, so
-    callers must own both and not read the old values after the call. A [T, heads, head_dim]
-    input (Qwen3's q/k norm) is normalised per head and may be a strided view.
-    """
+    """With ``residual``: adds it first, returns (normed, new residual). FlashInfer's fused add
+    works in place (``x`` becomes the output, ``residual`` the new residual): callers must own
+    both. A [T, heads, head_dim] input (q/k norm) is normalised per head, maybe a strided view."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
         super().__init__()

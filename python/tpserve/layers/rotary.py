@@ -14,14 +14,9 @@ from tpserve.kernels import use_flashinfer, use_triton
 def inverse_frequencies(
     head_dim: int, rope_parameters: dict[str, Any], max_position_embeddings: int
 ) -> tuple[torch.Tensor, float]:
-    """The rotary inverse frequencies [head_dim / 2] and the factor cos and sin are scaled by
-    (YaRN's attention scaling; 1 for the other types), for transformers' normalised
-    ``rope_parameters``.
-
-    The scaled types call transformers' own functions (the reference implementation) rather than
-    a copy of their formulas, so positions encode bit-identically; the config reader has already
-    rejected the types whose frequencies change at run time.
-    """
+    """(inverse frequencies [head_dim / 2], YaRN's cos/sin scaling or 1) for transformers'
+    ``rope_parameters``. Scaled types call transformers' own functions, so positions encode
+    bit-identically (the config reader rejects the types whose frequencies change at run time)."""
     rope_type = rope_parameters.get("rope_type", "default")
     if rope_type == "default":  # same float32 arithmetic as transformers
         exponents = torch.arange(0, head_dim, 2, dtype=torch.int64, device="cpu").float() / head_dim
@@ -41,14 +36,8 @@ def inverse_frequencies(
 
 
 class RotaryEmbedding(torch.nn.Module):
-    """Holds a [max_positions, head_dim] cos/sin table, built on the engine's device after the
-    model is materialised (it is not a checkpoint weight).
-
-    On CUDA in half precision it also holds the float32 [max_positions, head_dim] table of the
-    fused rotary kernels (FlashInfer's, and tpserve's ``kernels.rope_store``): cos then sin of the
-    same angles. With FlashInfer ``forward`` rotates q and k in place and returns its own
-    (modified) inputs.
-    """
+    """cos/sin tables [max_positions, head_dim] built after materialising (on CUDA in half precision
+    also the fused kernels' float32 [cos | sin]); with FlashInfer ``forward`` rotates q, k in place."""
 
     def __init__(
         self, head_dim: int, max_positions: int, rope_parameters: dict[str, Any], max_position_embeddings: int
@@ -60,7 +49,7 @@ class RotaryEmbedding(torch.nn.Module):
         self.max_position_embeddings = max_position_embeddings
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
-        self.cos_sin_cache: torch.Tensor | None = None  # float32, for the fused kernel only
+        self.cos_sin_cache: torch.Tensor | None = None
 
     def build_cache(self, device: torch.device, dtype: torch.dtype) -> None:
         inv_freq, scaling = inverse_frequencies(self.head_dim, self.rope_parameters, self.max_position_embeddings)

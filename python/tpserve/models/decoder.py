@@ -1,15 +1,8 @@
-"""The decoder shared by Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x and Mistral.
+"""The decoder of Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x and Mistral (ModelConfig switches), with the
+checkpoints' parameter names but q/k/v merged into ``qkv_proj``, gate/up into ``gate_up_proj``.
 
-They differ only in switches on ModelConfig: Qwen3 normalises each q/k head (``qk_norm``),
-Qwen2 has q/k/v biases (``qkv_bias``), Llama 3 and YaRN scale rotary frequencies (``rope_parameters``),
-Qwen3-MoE's sparse layers (``moe``) have a mixture-of-experts MLP. Parameter names follow the
-Hugging Face checkpoints, with q/k/v merged into ``qkv_proj``, gate/up into ``gate_up_proj`` and
-the experts stacked (``mlp.experts.gate_up_proj`` / ``down_proj``).
-
-At TP > 1 the attention and MLP blocks return this rank's partial sum: each meets an add+RMSNorm
-next (the next norm of the layer, the next layer's, or the final one), and the communicator's
-``all_reduce_add_rmsnorm`` does the all-reduce with it, in one kernel where it can.
-"""
+At TP > 1 attention and MLP return this rank's partial sum: the add+RMSNorm after each all-reduces
+it (``Communicator.all_reduce_add_rmsnorm``, in one kernel where it can)."""
 
 from __future__ import annotations
 

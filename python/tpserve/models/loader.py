@@ -1,15 +1,6 @@
-"""Weight loading: stream safetensors one tensor at a time; each rank keeps only its shard.
-
-Every checkpoint tensor is mapped to a (module, parameter, shard id) target; the module cuts its
-rank's shard and copies it into its slot of the (possibly merged) parameter. So q/k/v land in
-``qkv_proj`` and gate/up in ``gate_up_proj`` shard by shard, and the extra host memory at any
-time is about one full checkpoint tensor.
-
-Mixture-of-experts weights come per expert (``mlp.experts.{e}.gate_proj.weight``, as published
-checkpoints and transformers' ``save_pretrained`` write them) or already stacked
-(``mlp.experts.gate_up_proj`` [E, 2I, H] and ``mlp.experts.down_proj`` [E, H, I], transformers'
-in-memory layout); a stacked tensor is read as its per-expert pieces, so both take one path.
-"""
+"""Weight loading: mark the FP8 layers, then stream safetensors one tensor at a time to (module,
+parameter, shard id) targets that keep only their rank's shard (so the extra host memory is about
+one tensor). Experts come per expert or stacked (transformers' layout), both read per expert."""
 
 from __future__ import annotations
 
@@ -23,19 +14,17 @@ from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
+from tpserve.layers.linear import ParallelLinear
 from tpserve.models.decoder import CausalLM
+from tpserve.quant.config import QuantConfig
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX
 
-# checkpoint projection name -> (merged parameter name, shard id)
-_MERGED = {
-    "q_proj": ("qkv_proj", "q"),
-    "k_proj": ("qkv_proj", "k"),
-    "v_proj": ("qkv_proj", "v"),
-    "gate_proj": ("gate_up_proj", 0),
-    "up_proj": ("gate_up_proj", 1),
+_MERGED_PARTS = {  # merged parameter -> {checkpoint projection: shard id}
+    "qkv_proj": {"q_proj": "q", "k_proj": "k", "v_proj": "v"},
+    "gate_up_proj": {"gate_proj": 0, "up_proj": 1},
 }
-_SHARDS = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}
-_PARTS = {merged: tuple(leaf for leaf, (m, _) in _MERGED.items() if m == merged) for merged in _SHARDS}
+_MERGED = {part: (merged, shard_id) for merged, parts in _MERGED_PARTS.items() for part, shard_id in parts.items()}
+_SHARDS = {merged: tuple(parts.values()) for merged, parts in _MERGED_PARTS.items()}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 _EXPERT = re.compile(r"(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
@@ -78,12 +67,28 @@ def checkpoint_target(name: str) -> Target:
 def checkpoint_parts(module: str) -> tuple[str, ...]:
     """The checkpoint modules loaded into ``module`` (``...qkv_proj`` -> ``...q_proj``, ``k_proj``, ``v_proj``)."""
     parent, _, leaf = module.rpartition(".")
-    return tuple(f"{parent}.{part}" for part in _PARTS[leaf]) if leaf in _PARTS else (module,)
+    return tuple(f"{parent}.{part}" for part in _MERGED_PARTS[leaf]) if leaf in _MERGED_PARTS else (module,)
+
+
+def quantize_model(model: nn.Module, quant: QuantConfig) -> None:
+    """Mark the linear layers ``quant`` converts (by checkpoint name), before materialising."""
+    for name, module in model.named_modules():
+        if not isinstance(module, ParallelLinear):
+            continue
+        parts = checkpoint_parts(name)
+        converted = [quant.converts(part) for part in parts]
+        if all(converted):
+            module.use_fp8(quant.block_size, quant.prequantized)
+        elif any(converted):
+            kept = [p for p, c in zip(parts, converted) if not c]
+            raise ValueError(
+                f"quantization_config.modules_to_not_convert keeps {', '.join(kept)} unquantized but not the rest of "
+                f"{', '.join(parts)}; tpserve computes them in one matmul ({name}), so they must all be quantized or none"
+            )
 
 
 def checkpoint_pieces(name: str, tensor: torch.Tensor) -> Iterator[tuple[Target, torch.Tensor]]:
-    """The (target, tensor) pairs one checkpoint tensor loads: itself, or each expert's piece of a
-    stacked experts tensor (views, no copy)."""
+    """The (target, tensor) pairs of one checkpoint tensor: itself, or views of each expert's pieces."""
     stacked = _STACKED_EXPERTS.fullmatch(name.removeprefix("language_model."))
     if stacked is None:
         yield checkpoint_target(name), tensor
@@ -111,8 +116,7 @@ def expected_targets(model: nn.Module) -> set[Target]:
 
 
 def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> None:
-    """Allocate (uninitialised) storage for a model built on the meta device: floating-point
-    parameters in ``dtype``, except those a module keeps in their own (FP8 weights, scales)."""
+    """Allocate storage for a model built on the meta device, in ``dtype`` but for ``keep_dtype``."""
     for module in model.modules():
         keep = getattr(module, "keep_dtype", ())
         for name, param in module.named_parameters(recurse=False):
@@ -191,7 +195,7 @@ def load_model_weights(
     else:
         load_safetensors(model, model_dir, show_progress)
     for module in model.modules():
-        finish_loading = getattr(module, "finish_loading", None)  # a layer's post-load step (FP8 form, GEMV choice)
+        finish_loading = getattr(module, "finish_loading", None)
         if finish_loading is not None:
             finish_loading(dtype)
     if device.type == "cuda":  # weights replaced by their FP8 form: give the memory back for the KV cache

@@ -8,8 +8,7 @@ from dataclasses import dataclass
 from typing import Any
 
 QUANTIZATION_METHODS = ("fp8",)
-# The block of weights sharing one scale when tpserve quantizes at load time.
-ONLINE_BLOCK_SIZE = (128, 128)
+ONLINE_BLOCK_SIZE = (128, 128)  # the weights sharing one scale when tpserve quantizes at load time
 _KNOWN_KEYS = {
     "quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
     "ignored_layers", "modules_to_convert", "scale_fmt", "dequantize",
@@ -19,18 +18,13 @@ _KNOWN_KEYS = {
 @dataclass(frozen=True)
 class QuantConfig:
     method: str  # "fp8": float8_e4m3fn weights
-    # (output rows, input columns) of weights sharing one float32 scale
-    block_size: tuple[int, int]
-    # True: the checkpoint holds fp8 weights and their ``weight_scale_inv``; False: tpserve
-    # quantizes the unquantized checkpoint's weights at load time.
-    prequantized: bool
-    # module-name patterns left unquantized (transformers' modules_to_not_convert rules)
-    not_converted: tuple[str, ...] = ()
+    block_size: tuple[int, int]  # (output rows, input columns) of weights sharing one float32 scale
+    prequantized: bool  # the checkpoint holds the FP8 weights and scales (else quantized at load time)
+    not_converted: tuple[str, ...] = ()  # module-name patterns left unquantized (modules_to_not_convert)
 
     def converts(self, module: str) -> bool:
-        """Whether the checkpoint module ``module`` (e.g. ``model.layers.0.mlp.down_proj``) is
-        quantized. A pattern matches as transformers matches it: from the start up to a module
-        boundary, as a regular expression with the same boundary, or as a suffix."""
+        """Whether the checkpoint module ``module`` is quantized; a pattern matches as in transformers:
+        from the start up to a module boundary (as a regular expression too), or as a suffix."""
         boundary = r"(?:(?<=\.)|(?=\.|$))"
         return not any(
             re.match(rf"(?:{pattern}){boundary}", module) or module.endswith(pattern) for pattern in self.not_converted
@@ -64,8 +58,7 @@ def _patterns(raw: dict[str, Any]) -> tuple[str, ...]:
 
 
 def parse_quantization_config(raw: Any) -> QuantConfig:
-    """The ``quantization_config`` of config.json; anything tpserve does not implement is an
-    error naming the key."""
+    """config.json's ``quantization_config``; anything tpserve does not implement is an error naming the key."""
     if not isinstance(raw, dict):
         raise ValueError(f"config.json quantization_config must be an object, got {raw!r}")
     method = raw.get("quant_method")
@@ -89,8 +82,7 @@ def parse_quantization_config(raw: Any) -> QuantConfig:
 
 
 def resolve_quantization(asked: str | None, checkpoint: QuantConfig | None) -> QuantConfig | None:
-    """What the engine runs: the checkpoint's own quantization, or ``asked`` applied at load time
-    to an unquantized checkpoint."""
+    """The checkpoint's own quantization, or ``asked`` applied at load time to an unquantized one."""
     if asked is not None and asked not in QUANTIZATION_METHODS:
         raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {asked!r}")
     if checkpoint is not None:

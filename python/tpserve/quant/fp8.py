@@ -1,11 +1,5 @@
-"""FP8 (e4m3) block quantization in torch: the CPU path, the test helper's format and the
-reference for the GPU kernels.
-
-A weight [N, K] with block size (bn, bk) has one float32 scale per bn x bk block, stored as
-``weight_scale_inv`` [ceil(N / bn), ceil(K / bk)] (the name the checkpoints use: the factor that
-*restores* the weight, ``w = w_fp8 * scale_inv``). Activations are quantized at run time per
-token and per group of bk input features (DeepSeek's "dynamic" scheme).
-"""
+"""FP8 (e4m3) block quantization in torch (the CPU path and the GPU kernels' reference): per (bn, bk)
+block ``w = w_fp8 * weight_scale_inv``; activations per token and group of bk features ("dynamic")."""
 
 from __future__ import annotations
 
@@ -14,8 +8,7 @@ import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
-# A block of zeros still gets a usable (non-zero) scale.
-_MIN_AMAX = 1e-10
+_MIN_AMAX = 1e-10  # a block of zeros still gets a usable (non-zero) scale
 
 
 def num_blocks(size: int, block: int) -> int:
@@ -29,8 +22,7 @@ def _expand(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> t
 
 
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn weight, float32 scale_inv per block): each block's largest magnitude maps
-    to FP8_MAX. Partial blocks at the edges are scaled by their own elements."""
+    """(float8_e4m3fn weight, float32 scale_inv per block): each block's amax maps to FP8_MAX."""
     n, k = weight.shape
     bn, bk = block
     rows, cols = num_blocks(n, bn), num_blocks(k, bk)
@@ -49,19 +41,15 @@ def dequantize_blocks(
 
 
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """(float8_e4m3fn x, float32 scale_inv [M, ceil(K / group)]): one scale per token and group
-    of ``group`` input features."""
-    q, scale_inv = quantize_blocks(x.reshape(-1, x.shape[-1]), (1, group))
-    return q, scale_inv
+    """(float8_e4m3fn x, float32 scale_inv [M, ceil(K / group)]): per token and ``group`` features."""
+    return quantize_blocks(x.reshape(-1, x.shape[-1]), (1, group))
 
 
 def fp8_linear_reference(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
 ) -> torch.Tensor:
     """What the block GEMMs (Triton's W8A8, FlashInfer's) compute, in float32 torch: x quantized
-    per token and bk-group, times the block-scaled fp8 weight, out in x's dtype. (The CPU path
-    does not use it: there the weights are dequantized at load and the activations stay
-    unquantized.)"""
+    per token and bk-group, times the fp8 weight (the CPU path keeps activations unquantized)."""
     xq, xs = quantize_activations(x, block[1])
     a = dequantize_blocks(xq, xs, (1, block[1]), torch.float32)
     w = dequantize_blocks(weight, scale_inv, block, torch.float32)
@@ -71,7 +59,6 @@ def fp8_linear_reference(
 def weight_only_reference(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int]
 ) -> torch.Tensor:
-    """What the one-token CUDA GEMV (``kernels.gemv``) computes, in float32 torch: x as it is,
-    times the block-scaled fp8 weight, out in x's dtype."""
+    """What the one-token CUDA GEMV (``kernels.gemv``) computes: x times the dequantized weight in float32."""
     w = dequantize_blocks(weight, scale_inv, block, torch.float32)
     return (x.float() @ w.T).to(x.dtype)
