@@ -7,7 +7,9 @@ Measured on one H200 (graph replays, KV cold in L2; `benchmarks/experiments/xqa_
 query:KV heads 16:2 to 64:8): with FP8 pages XQA takes 0.53-0.73x the wrapper's time and reads at
 2.8-3.8 TB/s against 1.2-2.4. With bf16 pages it is 0.82-0.92x alone at batch 1, but whole batch-1
 steps were not faster: Qwen3-8B 0.94-1.03x, Qwen3-30B-A3B (4 KV heads) 1.10-1.16x of the wrapper's
-(session 9, docs/benchmarks.md). So ``auto`` takes XQA for FP8 caches only, at every batch size.
+(session 9, docs/benchmarks.md; with the graphs' page table as wide as ``max_model_len`` needs,
+bf16 XQA alone is 1.1-1.4x slower at batch 1, FP8 XQA is not). So ``auto`` takes XQA for FP8
+caches only, at every batch size.
 
 XQA reads a dense page table ``[batch, pages]`` and each sequence's length, not FlashInfer's
 CSR table. Its workspace starts with semaphores that every call leaves at zero, so it is its
