@@ -1,11 +1,8 @@
 """Fused GPU kernels for the decoder's small ops, the KV-cache store and sampling.
 
-The layers keep their torch code as the CPU path and as the reference; on a CUDA tensor of a
-supported dtype they call these instead. ``flashinfer`` and ``triton`` are imported on first use,
-never when this package is imported, so the CPU install needs neither.
-
-``TPSERVE_FUSED_KERNELS=0`` in the environment (read once, when this module is imported) turns
-every fused path off, e.g. to measure or test against the torch path.
+The layers' torch code is the CPU path and the reference. ``flashinfer`` and ``triton`` are
+imported on first use, so the CPU install needs neither. ``TPSERVE_FUSED_KERNELS=0`` (read at
+import) turns every fused path off.
 """
 
 from __future__ import annotations
@@ -39,9 +36,8 @@ def optional_import(name: str) -> ModuleType | None:
 
 
 def jit_name(base: str, source: Path) -> str:
-    """The name of a module built from ``source`` through FlashInfer's JIT, keyed by the source's
-    hash: FlashInfer loads a module of that name from its AOT directory without rebuilding it, so
-    a carried prebuilt module of an older source must not match (scripts/gpu_suite.sh packs them)."""
+    """A JIT module name keyed by ``source``'s hash: FlashInfer loads a module of that name from its
+    AOT directory unbuilt, so a prebuilt one of an older source (scripts/gpu_suite.sh) must not match."""
     return f"{base}_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
 
 
@@ -56,8 +52,7 @@ def use_triton(device: torch.device) -> bool:
 
 
 def use_fp8_gemm(device: torch.device, block_size: tuple[int, int]) -> bool:
-    """Whether FP8 weights with these blocks stay FP8 on this device (Triton's FP8 GEMM: compute
-    capability 8.9+, input blocks a multiple of 16); elsewhere they are dequantized at load."""
+    """Whether FP8 weights stay FP8 (Triton's GEMM: sm89+, input blocks % 16 == 0), else dequantized."""
     return (
         use_triton(device) and torch.cuda.get_device_capability(device) >= (8, 9) and block_size[1] % 16 == 0
     )

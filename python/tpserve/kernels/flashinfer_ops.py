@@ -1,9 +1,6 @@
-"""FlashInfer's fused RMSNorm, add + RMSNorm, SiLU-and-mul and rotary kernels.
-
-Callers check ``tpserve.kernels.use_flashinfer`` first. Numerics differ from the torch reference
-only by rounding: FlashInfer keeps each row in float32 and rounds once at the end, where the
-torch code rounds the normalised row to the model dtype before the weight multiply, and the
-rotary kernel uses a float32 cos/sin table where the torch code uses one in the model dtype.
+"""FlashInfer's fused RMSNorm, add + RMSNorm, SiLU-and-mul and rotary kernels (callers check
+``use_flashinfer`` first). They differ from the torch reference only by rounding: rows in float32
+rounded once at the end (torch rounds before the weight multiply); a float32 cos/sin table.
 """
 
 from __future__ import annotations
@@ -33,11 +30,8 @@ def _ops() -> SimpleNamespace:
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """A new tensor: ``x / rms(x) * weight`` over the last dim of a [T, N] or [T, H, D] tensor.
-
-    A 3-D input (per-head q/k norm) may be a strided view such as q out of the fused qkv
-    output: the kernel reads it through its strides, so no copy is made first.
-    """
+    """A new ``x / rms(x) * weight`` over the last dim of [T, N] or [T, H, D]; a 3-D x (q/k norm)
+    may be a strided view of the qkv output, read through its strides without a copy."""
     if x.stride(-1) != 1:
         x = x.contiguous()
     out = torch.empty(x.shape, dtype=x.dtype, device=x.device)

@@ -1,13 +1,8 @@
-"""Block-scaled FP8 GEMM for FP8 linear layers on the GPU (Triton): y = x @ w.T.
-
-x is quantized at run time to float8_e4m3fn per token and group of bk input features
-(``quantize_activations``: one kernel), then ``_gemm_kernel`` accumulates, per K tile, the FP8
-tensor-core dot times the tile's activation and weight scales, in float32. The weight is
-float8_e4m3fn [N, K] with ``scale_inv`` [ceil(N / bn), >= ceil(K / bk)] (the checkpoint layout;
-its row stride is read). The torch reference is
-``tpserve.quant.fp8.fp8_linear_reference``; both kernels also run in Triton's CPU interpreter
-(tests/kernels/interpreter_checks.py). No host synchronisation, so a CUDA graph can hold them.
-Where the CUDA GEMV runs, one token takes that instead (see ``kernels.fp8_linear``).
+"""Triton block-scaled FP8 GEMM, y = x @ w.T: x quantized to e4m3 per token and bk features, then
+float32 sums of FP8 dots times both tiles' scales. w is e4m3 [N, K] with ``scale_inv``
+[ceil(N / bn), >= ceil(K / bk)] (checkpoint layout; row stride read). Reference:
+``quant.fp8.fp8_linear_reference``, also checked in Triton's interpreter
+(tests/kernels/interpreter_checks.py). No host sync (CUDA-graph safe).
 """
 
 from __future__ import annotations
@@ -22,8 +17,8 @@ _MIN_AMAX = 1e-10
 
 
 def k_tile(group_k: int) -> int:
-    """The largest power of two up to 128 dividing ``group_k`` (so a K tile never spans two scale
-    groups), at least 16 (callers check 16 divides it: ``kernels.use_fp8_gemm``)."""
+    """The largest power of two in [16, 128] dividing ``group_k``: a K tile never spans two scale
+    groups (``use_fp8_gemm`` checks 16 divides it)."""
     tile = 16
     while tile < 128 and group_k % (tile * 2) == 0:
         tile *= 2
@@ -89,8 +84,7 @@ def _gemm_kernel(
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
-    """x [M, K] (bf16/fp16/fp32, unit stride along K) @ weight.T, weight float8_e4m3fn [N, K]
-    with block scales, activations quantized per token and K group; out [M, N] in x's dtype."""
+    """x [M, K] (unit stride along K) @ weight [N, K] (e4m3, block scales).T in x's dtype."""
     m, k = x.shape
     n = weight.shape[0]
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)

@@ -1,25 +1,16 @@
-"""Which GEMM an FP8 linear layer runs on the GPU, and the weight layout it needs.
+"""Which GEMM an FP8 linear layer runs on the GPU, picked by ``TPSERVE_FP8_GEMM`` (read at load).
 
-``TPSERVE_FP8_GEMM`` (read when a model finishes loading) picks one of:
+- ``triton``: the Triton W8A8 GEMM (``fp8_gemm``) at every batch; any block size.
+- ``flashinfer``: FlashInfer's ``fp8_blockscale_gemm_sm90`` at every batch (sm90; bf16 activations
+  quantized inside per token and 128 features; 128x128 blocks, K % 128 == 0; swap-AB below 32 tokens).
+- ``cuda`` / ``cuda_triton``: the CUDA GEMV (``kernels.gemv``; bf16 activations, unquantized; 128x128
+  blocks, K % 16 == 0) up to ``CUDA_GEMV_TOKENS`` tokens, FlashInfer's / the Triton GEMM above.
+- ``auto`` (default): per layer, probed at load before CUDA graph capture, the first that runs of
+  ``cuda``, ``flashinfer``, ``cuda_triton``, ``triton``; ``triton`` on the CPU (the interpreter).
 
-- ``auto`` (default), per layer (what runs is probed once at load, before any CUDA graph
-  capture): ``cuda`` where FlashInfer's GEMM and the CUDA GEMV both run (H100/H200: sm90, bf16
-  activations, 128x128 blocks, K a multiple of 128), else ``flashinfer`` where that alone runs,
-  else ``cuda_triton`` where the CUDA GEMV runs (sm89 L40S/4090, Blackwell: bf16, 128x128 blocks,
-  K a multiple of 16), else ``triton``; on the CPU (Triton's interpreter, the tests) ``triton``.
-- ``triton``: the Triton W8A8 block GEMM (``fp8_gemm``: activations quantized per token and
-  block of K) for every batch; any block size.
-- ``flashinfer``: FlashInfer's ``fp8_blockscale_gemm_sm90`` for every batch (bf16 activations
-  quantized inside, per token and 128 features; a swap-AB kernel below 32 tokens).
-- ``cuda``: the CUDA GEMV (``kernels.gemv``, activations unquantized) up to ``CUDA_GEMV_TOKENS``
-  tokens, FlashInfer's GEMM above.
-- ``cuda_triton``: the CUDA GEMV up to ``CUDA_GEMV_TOKENS`` tokens, the Triton W8A8 GEMM above.
-
-(torch's scaled matmuls, block- and row-scaled, were measured slower than these at every
-Qwen3-8B shape and removed; so was a Triton weight-only GEMV, once ``gemv``, slower than the CUDA
-GEMV at one token on every Qwen3 shape: docs/benchmarks.md, FP8.)
-
-``benchmarks/experiments/fp8_gemm.py`` times them against bf16 at decode shapes.
+Measured slower and removed (docs/benchmarks.md, FP8; benchmarks/experiments/fp8_gemm.py): torch's
+block- and row-scaled matmuls (every Qwen3-8B shape); a Triton weight-only GEMV (vs the CUDA GEMV
+at one token, every Qwen3 shape).
 """
 
 from __future__ import annotations
@@ -78,9 +69,8 @@ def _flashinfer_runs(device_index: int) -> bool:
 def resolve_backend(
     backend: str, device: torch.device, dtype: torch.dtype, block: tuple[int, int], in_features: int
 ) -> str:
-    """``auto`` made concrete for a layer on ``device`` computing in ``dtype``; others as given
-    (``cuda`` and ``cuda_triton`` checked: the GEMV built and run once here, before any CUDA graph
-    capture)."""
+    """``auto`` made concrete for a layer; ``cuda`` and ``cuda_triton`` checked (the GEMV built and
+    run once here, before any CUDA graph capture)."""
     if device.type != "cuda":  # Triton's CPU interpreter (the tests)
         return "triton" if backend == "auto" else backend
     index = device.index or 0
@@ -102,16 +92,14 @@ def resolve_backend(
 
 
 def kernel_for(backend: str, m: int) -> str:
-    """The kernel a resolved ``backend`` runs for ``m`` tokens: cuda (the CUDA GEMV), w8a8 or
-    flashinfer."""
+    """The kernel a resolved ``backend`` runs for ``m`` tokens: cuda (GEMV), w8a8 or flashinfer."""
     if backend in GEMV_BACKENDS and m <= CUDA_GEMV_TOKENS:
         return "cuda"
     return _LARGE_KERNEL[backend]
 
 
 def check_weight_block(backend: str, block: tuple[int, int], in_features: int) -> None:
-    """FlashInfer's GEMM and the CUDA GEMV read 128x128 blocks and K in multiples of 128 and 16
-    (``_K_MULTIPLE``); the Triton GEMM any."""
+    """Raise unless ``backend`` reads this layout: 128x128 blocks, K per ``_K_MULTIPLE`` (Triton: any)."""
     multiple = _K_MULTIPLE.get(backend)
     if multiple is None:
         return
@@ -145,22 +133,19 @@ def fp8_linear(
 
 
 def warm_up_sizes(max_tokens: int) -> list[int]:
-    """Token counts that reach every tile FlashInfer's FP8 GEMM picks for up to ``max_tokens``
-    rows: its DeepGEMM kernels are compiled per (N, K, tile) and the tile depends on the rows only
-    through the swap-AB cut (32), the 64-row tile (<= 64 rows) and the count of 128-row tiles."""
+    """Row counts reaching every tile FlashInfer's FP8 GEMM picks up to ``max_tokens``: DeepGEMM compiles
+    per (N, K, tile), set by rows only via the swap-AB cut (32), the 64-row tile and 128-row tile count."""
     return sorted({2, 32, 64, *range(128, max(max_tokens, 0) + 128, 128)})
 
 
 def compiles_at_run_time(layer: torch.nn.Module) -> bool:
-    """Whether a ParallelLinear runs FlashInfer's FP8 GEMM (DeepGEMM, compiled per shape and tile on
-    first use) for some batch."""
+    """Whether a ParallelLinear runs FlashInfer's FP8 GEMM (compiled on first use) at some batch."""
     return getattr(layer, "weight_scale_inv", None) is not None and _LARGE_KERNEL.get(layer.fp8_backend) == "flashinfer"
 
 
 def warm_up(layers: list[torch.nn.Module], max_tokens: int, show_progress: bool = False) -> int:
-    """Run FlashInfer's FP8 GEMM of each distinct weight shape of ``layers`` (ParallelLinear) at
-    ``warm_up_sizes(max_tokens)`` rows, so its kernels compile at startup (the first launch on a
-    machine: DeepGEMM's JIT, then cached on disk) rather than under load. The number of GEMMs run."""
+    """Run FlashInfer's FP8 GEMM of each weight shape at ``warm_up_sizes`` rows so DeepGEMM's JIT
+    (disk-cached) compiles at startup, not under load; returns the number of GEMMs run."""
     from tqdm import tqdm
 
     shapes = {}

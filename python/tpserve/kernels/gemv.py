@@ -1,15 +1,8 @@
-"""The CUDA small-M GEMV (``csrc/gemv.cu``): y = x @ W.T for 1..``MAX_TOKENS`` tokens of bf16 x,
-W bf16 or FP8 (e4m3) with float32 scales per 128x128 block; float32 sums, bf16 out, the same bits
-every run. Decode at a few tokens is bound by reading W, and this kernel only streams it (16-byte
-loads, several in flight per thread). Built on first use by FlashInfer's JIT (cached), which is
-imported then, never with this module.
-
-Unquantized bf16 linear layers (and the LM head and the MoE router: ``linear``) on Hopper take it up
-to ``BF16_GEMV_TOKENS`` tokens where it builds
-and runs (``bf16_gemv_enabled``; ``TPSERVE_BF16_GEMV``, read when a model loads: ``0`` off, ``1``
-on other GPUs too);
-FP8 layers take it through ``TPSERVE_FP8_GEMM`` ``auto``, ``cuda`` or ``cuda_triton``
-(``kernels.fp8_linear``).
+"""The CUDA small-M GEMV (``csrc/gemv.cu``): y = x @ W.T for 1..``MAX_TOKENS`` bf16 tokens, W bf16
+or e4m3 with float32 scales per 128x128 block; float32 sums, bf16 out, the same bits every run.
+Few-token decode is bound by reading W, which it only streams (16-byte loads, several in flight).
+Built on first use by FlashInfer's JIT (cached). bf16 layers (also LM head, MoE router) take it
+via ``linear``/``bf16_gemv_enabled``; FP8 layers via ``kernels.fp8_linear``.
 """
 
 from __future__ import annotations
@@ -32,17 +25,15 @@ SCALE_BLOCK = 128
 BF16_GEMV_ENV = "TPSERVE_BF16_GEMV"
 # Programmatic dependent launch on Hopper and newer (see csrc/gemv.cu): ``0`` turns it off.
 PDL_ENV = "TPSERVE_GEMV_PDL"
-# Rows up to which a bf16 layer takes the GEMV. Measured on an H200 (fp8_gemm.py,
-# docs/benchmarks.md): a decoder layer's four GEMMs against cuBLAS, Qwen3-8B / Qwen3-32B: 0.87x /
-# 0.80x at 1 row, 0.97x / 0.88x at 2, 1.12x (8B) at 4. Whole decode steps at batch 1: Qwen3-8B
-# 0.97x, Qwen3-32B 0.87x, Qwen3-30B-A3B 0.93x of cuBLAS.
+# Rows up to which a bf16 layer takes the GEMV. H200 (fp8_gemm.py, docs/benchmarks.md), a decoder
+# layer's four GEMMs vs cuBLAS, Qwen3-8B / 32B: 0.87x / 0.80x at 1 row, 0.97x / 0.88x at 2, 1.12x (8B)
+# at 4; whole decode steps at batch 1: Qwen3-8B 0.97x, Qwen3-32B 0.87x, Qwen3-30B-A3B 0.93x.
 BF16_GEMV_TOKENS = 2
 _VEC_BYTES = 16  # the kernel's loads: weight rows and pointers must be multiples
 
 
 def jit_spec(defines: tuple[tuple[str, int], ...] = ()) -> Any:
-    """FlashInfer's JIT spec of the kernels; ``defines`` (experiments only) override the kernel's
-    ``TPSERVE_GEMV_*`` constants, as a module of their own name."""
+    """FlashInfer's JIT spec; ``defines`` (experiments) override ``TPSERVE_GEMV_*``, in a module of their own."""
     from flashinfer.jit.core import current_compilation_context, gen_jit_spec
 
     # sm_8x too: FP8 layers on sm89 (L40S, RTX 4090) take it at one token; it compiles for sm_80 and sm_89.
@@ -88,9 +79,8 @@ def gemv(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, module: Any = None,
     pdl: bool | None = None,
 ) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T in bf16 (FP8 weight: times ``scale_inv`` per 128x128 block);
-    ``module``: a variant from ``load_module(defines)`` (experiments); ``pdl``: launch with
-    programmatic dependent launch where the GPU has it (default: unless ``TPSERVE_GEMV_PDL=0``)."""
+    """x [..., K] @ weight [N, K].T in bf16 (FP8: times ``scale_inv`` per 128x128 block); ``module``:
+    a ``load_module(defines)`` variant (experiments); ``pdl`` defaults to ``TPSERVE_GEMV_PDL``."""
     reason = unsupported(x, weight, scale_inv)
     if reason is not None:
         raise ValueError(f"gemv: {reason}")
@@ -117,8 +107,7 @@ def _pdl_supported(device_index: int) -> bool:
 
 @functools.cache
 def probe(device_index: int) -> str | None:
-    """Build the kernels and run each once on this GPU (at model load, before any CUDA graph
-    capture): None, or why they do not run (logged once)."""
+    """Build and run each kernel once (at load, before CUDA graph capture): None, or why not (logged)."""
     device = torch.device("cuda", device_index)
     try:
         x = torch.ones(1, 256, dtype=torch.bfloat16, device=device)
@@ -134,9 +123,8 @@ def probe(device_index: int) -> str | None:
 
 
 def bf16_gemv_enabled(weight: torch.Tensor) -> bool:
-    """Whether a bf16 linear layer with this weight takes ``gemv`` at few tokens, where the kernel
-    builds and runs (else cuBLAS): by default on Hopper, where it was measured faster than cuBLAS;
-    ``TPSERVE_BF16_GEMV=1`` asks for it on other GPUs too, ``0`` turns it off."""
+    """Whether a bf16 layer takes ``gemv`` at few tokens where it runs: by default on Hopper (measured
+    faster than cuBLAS); ``TPSERVE_BF16_GEMV`` (read at load) ``1``: other GPUs too, ``0``: off."""
     flag = os.environ.get(BF16_GEMV_ENV, "")
     if flag == "0" or weight.device.type != "cuda" or weight.dtype != torch.bfloat16:
         return False
@@ -147,8 +135,7 @@ def bf16_gemv_enabled(weight: torch.Tensor) -> bool:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """``F.linear``, through ``gemv`` at up to ``BF16_GEMV_TOKENS`` tokens when ``use_gemv`` (a
-    layer's ``bf16_gemv_enabled(weight)``, decided at load)."""
+    """``F.linear``, through ``gemv`` up to ``BF16_GEMV_TOKENS`` tokens when ``use_gemv`` (set at load)."""
     if use_gemv and 0 < x.numel() // x.shape[-1] <= BF16_GEMV_TOKENS:
         y = gemv(x, weight)
         return y if bias is None else y + bias

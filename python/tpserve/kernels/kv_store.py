@@ -1,8 +1,5 @@
-"""One Triton kernel per layer that writes a step's new k and v rows into the paged cache.
-
-The torch path (``KVCachePool.store``) is two scatter kernels (index_put) plus, for v, the copy
-that made it contiguous; this reads each token's k and v rows through their row strides (v is a
-strided view of the fused qkv output) and writes both cache rows.
+"""One Triton kernel that writes a step's new k and v rows into the paged cache, read through their
+row strides (v is a view of the qkv output): the torch path is two scatters plus a copy of v.
 """
 
 from __future__ import annotations

@@ -1,17 +1,9 @@
-"""The experts of a mixture-of-experts layer as two grouped Triton GEMMs over tokens sorted by expert.
+"""A mixture-of-experts layer's experts as two grouped Triton GEMMs over (token, k) rows sorted by
+expert, each expert's run padded to BLOCK_M so a block reads one expert's weights: [gate | up],
+SiLU-and-mul, down scaled by the router weight, then each token's k rows summed.
 
-Each (token, k) pair is one row. ``align_by_expert`` sorts the rows by expert and pads every
-expert's run to a multiple of BLOCK_M, so each BLOCK_M block of sorted rows belongs to one expert;
-a block reads only its expert's weights, so a step reads the weights of the experts it uses, once
-per block. The first GEMM computes [gate | up] of every row, SiLU-and-mul follows, and the second
-GEMM the down projection scaled by the row's router weight; the k rows of a token are then summed.
-
-Every shape depends only on the number of tokens (the padded length is bounded by
-``rows + min(rows, experts) * (BLOCK_M - 1)``) and nothing is read back on the host, so the
-whole path runs inside a CUDA graph; blocks past the real padded length exit at once.
-
-``fused_experts`` takes this path above SMALL_BATCH_MAX_ROWS rows and the unsorted GEMV-style
-kernels of ``tpserve.kernels.moe_small`` up to it (decode).
+CUDA-graph safe: no host reads, and shapes depend only on the token count (padded length at most
+``rows + min(rows, experts) * (BLOCK_M - 1)``; blocks past the real length exit at once).
 """
 
 from __future__ import annotations
@@ -65,10 +57,9 @@ def _grouped_gemm_kernel(
 
 
 def tiles_for(num_rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) of the grouped GEMM: small blocks for decode (few rows per
-    expert), the large tile once experts get hundreds of rows. From benchmarks/experiments/moe_tiles.py
-    on an H200 (Qwen3-30B-A3B's experts at TP 1 and 2): at 4,096 rows every tile ties (the step reads
-    all experts' weights); at 16,384 and 65,536 rows 128 x 128 with 8 warps is 1.2x and 1.5x the 64 x 64 tile."""
+    """(BLOCK_M, BLOCK_N, warps, stages) of the grouped GEMM. benchmarks/experiments/moe_tiles.py, H200,
+    Qwen3-30B-A3B at TP 1 and 2: at 4,096 rows every tile ties (all experts' weights read); at 16,384
+    and 65,536 rows 128 x 128 with 8 warps is 1.2x and 1.5x the 64 x 64 tile."""
     if num_rows <= 512:
         return 16, 64, 4, 3
     if num_rows <= 4096:
@@ -108,8 +99,8 @@ def _router_topk_kernel(
 
 
 def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``TopKRouter``'s softmax, top-k and renormalisation in one kernel (five torch kernels in
-    each MoE layer of every decode step otherwise): (weights [T, k] in ``dtype``, ids [T, k] int64)."""
+    """``TopKRouter``'s softmax, top-k and renormalisation in one kernel (else five per MoE layer and
+    step): (weights [T, k] in ``dtype``, ids [T, k] int64)."""
     tokens, experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
@@ -132,8 +123,8 @@ def _align_kernel(
     ids_ptr, sorted_rows_ptr, block_expert_ptr, padded_len_ptr, rows, capacity, num_experts,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """One program: count rows per expert, pad, fill the padding, label the blocks, then place
-    each row after the earlier rows of its expert (a stable sort, as argsort(stable=True))."""
+    """One program: count rows per expert, pad, fill the padding, label the blocks, then place each
+    row after the earlier rows of its expert (a stable sort)."""
     experts = tl.arange(0, E_PAD)
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for start in range(0, rows, CHUNK):
@@ -166,17 +157,13 @@ def _align_kernel(
         cursor += tl.sum(onehot.to(tl.int32), axis=0)
 
 
-# Up to this many rows one program sorts faster than the dozen torch kernels it replaces (a
-# decode step launches them in every MoE layer); prefill-sized row counts use torch's sort.
+# Up to this many rows one program sorts faster than the dozen torch kernels it replaces.
 TRITON_ALIGN_MAX_ROWS = 4096
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Sort the rows (flattened (token, k) pairs) of ``ids`` [T, k] by expert, each expert's run
-    padded to a multiple of ``block_m``, with no host sync.
-
-    Returns sorted_rows [P] (row numbers; ``T * k`` marks padding), block_expert [P / block_m]
-    and padded_len [1] (the used part of P; P is fixed by T alone)."""
+    """Sort the (token, k) rows of ``ids`` [T, k] by expert, runs padded to ``block_m``, no host sync:
+    sorted_rows [P] (``T * k`` marks padding), block_expert [P / block_m], padded_len [1] (P: by T)."""
     rows = ids.numel()
     if rows > TRITON_ALIGN_MAX_ROWS:
         return align_by_expert_torch(ids, num_experts, block_m)
@@ -192,7 +179,7 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
 
 
 def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``align_by_expert`` in about a dozen torch ops (the reference, and the path for many rows)."""
+    """``align_by_expert`` in torch ops (the reference, and the path for many rows)."""
     flat = ids.flatten()
     rows = flat.numel()
     capacity = aligned_capacity(rows, num_experts, block_m)
@@ -227,18 +214,16 @@ def _grouped_gemm(
     )
 
 
-# Up to this many (token, k) rows a layer's experts run as two GEMV-style kernels with no sort
-# (``kernels.moe_small``): at decode nearly every row has an expert of its own, so the grouped
-# path's sort, 16-row blocks and separate SiLU and sum kernels are pure overhead. 64 rows is
-# Qwen3-30B-A3B (top 8) up to 8 tokens; benchmarks/experiments/moe_small_batch.py times both.
+# Up to this many (token, k) rows the experts run as ``kernels.moe_small``'s two unsorted kernels:
+# at decode nearly every row has its own expert, so the grouped path's sort and blocks are overhead.
+# 64 rows: Qwen3-30B-A3B (top 8) up to 8 tokens; benchmarks/experiments/moe_small_batch.py.
 SMALL_BATCH_MAX_ROWS = 64
 
 
 def fused_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]; gate_up [E, 2I, H], down [E, H, I]:
-    the small-batch kernels up to SMALL_BATCH_MAX_ROWS rows, the grouped GEMMs above."""
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]; gate_up [E, 2I, H], down [E, H, I]."""
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("fused_experts needs contiguous expert weights")
     x = x.contiguous()
@@ -253,8 +238,7 @@ def fused_experts(
 def grouped_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """``fused_experts`` as two grouped GEMMs over the rows sorted by expert (any row count);
-    the weights contiguous."""
+    """``fused_experts`` by the grouped GEMMs (any row count; contiguous weights)."""
     x = x.contiguous()
     tokens, top_k = ids.shape
     rows = tokens * top_k

@@ -1,22 +1,14 @@
-"""The experts of a mixture-of-experts layer for a decode-sized batch, in two GEMV-style kernels.
+"""A mixture-of-experts layer's experts at decode batch sizes, in two unsorted GEMV-style kernels:
+each (token, k) row reads its expert id from the router's top-k and streams that expert's weights
+through the CUDA cores into float32 tiles, reduced once at the end.
 
-At decode a sparse layer has a few (token, k) rows, nearly each with its own expert, so the
-grouped path's sort and 16-row blocks only add kernels and padding. Here every row reads its
-expert id straight from the router's top-k output (no sort) and streams that expert's weights
-through the CUDA cores, accumulating in float32:
+1. ``_moe_gate_up_silu_kernel``, grid (row, BLOCK_N slice of I): ``act = silu(gate) * up`` from
+   ``gate_up[expert]`` ([E, 2I, H], gate rows first).
+2. ``_moe_down_sum_kernel``, grid (token, BLOCK_N slice of H): sums ``weight_k * act[row_k] @
+   down[expert_k].T`` over the token's top_k rows and writes once: no atomics, so every run and
+   tensor-parallel rank gives the same bits.
 
-1. ``_moe_gate_up_silu_kernel``: grid (row, BLOCK_N slice of the intermediate); a program reads the
-   gate and the up rows of its slice of ``gate_up[expert]`` ([E, 2I, H], gate rows first) over
-   K = H in BLOCK_K steps and writes ``act[row, n] = silu(gate) * up`` in the compute dtype.
-2. ``_moe_down_sum_kernel``: grid (token, BLOCK_N slice of the hidden size); a program reduces over
-   its token's top_k rows and I, EXPERTS_PER_STEP rows at a time, summing
-   ``weight_k * act[row_k] @ down[expert_k].T`` in float32, and writes ``out[token, n]`` once:
-   no atomics, so every run and every tensor-parallel rank gives the same bits.
-
-A program adds its products elementwise into float32 tiles ([BLOCK_N, BLOCK_K] for gate and
-for up; [EXPERTS_PER_STEP, BLOCK_N, BLOCK_K] for down) and reduces them once, at the end. Shapes
-depend only on the number of tokens and nothing is read on the host, so CUDA graphs hold it.
-Triton's interpreter runs these kernels in bfloat16 too (no ``tl.dot``).
+CUDA-graph safe (shapes by token count, no host reads); no ``tl.dot``, so the interpreter runs bf16.
 """
 
 from __future__ import annotations
@@ -46,10 +38,9 @@ class SmallBatchConfig:
 
 @functools.cache
 def default_config(top_k: int) -> SmallBatchConfig:
-    """Within 5% of the best configs of benchmarks/experiments/moe_small_batch.py's batch-1 sweep
-    on an H200 (docs/benchmarks.md, Qwen3-30B-A3B). Loads in flight are what a weight stream needs: gate_up has rows * I / BLOCK_N programs (384 for
-    Qwen3-30B-A3B at batch 1), down only H / BLOCK_N per token, so down reads several experts
-    per step to keep as many bytes in flight."""
+    """Within 5% of the best of benchmarks/experiments/moe_small_batch.py's batch-1 sweep (H200,
+    Qwen3-30B-A3B, docs/benchmarks.md). gate_up has rows * I / BLOCK_N programs (384 there), down
+    only H / BLOCK_N per token, so down reads several experts per step to keep bytes in flight."""
     return SmallBatchConfig(
         gate_up=KernelConfig(block_n=16, block_k=256, num_warps=4),
         down=KernelConfig(block_n=8, block_k=128, num_warps=4, experts_per_step=min(8, triton.next_power_of_2(top_k))),
@@ -176,8 +167,7 @@ def small_batch_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     config: SmallBatchConfig | None = None,
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H] in two kernels; x [T, H] with unit
-    stride along H, the weights contiguous, ids [T, k] and weights [T, k] contiguous."""
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]; x unit stride along H, weights contiguous."""
     if ids.numel() == 0:
         return torch.zeros_like(x)
     if config is None:

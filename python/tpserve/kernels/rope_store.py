@@ -1,16 +1,10 @@
-"""One Triton kernel per layer from the fused qkv output to attention's inputs.
+"""One Triton kernel per layer from the qkv output to attention's inputs, replacing four
+launch-bound decode kernels (q norm, k norm, rotary, KV store; plus a q copy without q/k norm).
 
-Between the qkv projection and attention the unfused path runs four kernels per layer: Qwen3's
-per-head q norm and k norm, the rotary embedding and the KV-cache store (plus a copy that makes
-q contiguous for models without q/k norm). At decode each is a few microseconds of launch-bound
-work, so per layer they cost more than the bytes they move. This kernel does all of it in one
-pass over qkv: program (token, head) normalises its head (when the model has q/k norm), rotates
-q and k heads (neox style, float32 cos/sin table) and writes q to a new contiguous tensor, k and
-v straight into their cache slots.
-
-Rounding follows the unfused fused-kernel path: the normalised head is rounded to the model
-dtype once, then rotated in float32 and rounded again. An FP8 cache gets k and v clamped to
-e4m3's range after that rounding, as ``KVCachePool.to_cache`` does.
+Program (token, head) normalises its head (with q/k norm), rotates q/k (neox, float32 cos/sin)
+and writes q to a new tensor, k and v into their cache slots. Rounding as the unfused path: the
+normed head rounded to the model dtype, rotated in float32, rounded again; an FP8 cache then gets
+k and v clamped to e4m3's range (``KVCachePool.to_cache``).
 """
 
 from __future__ import annotations
@@ -100,10 +94,9 @@ def norm_rope_store(
     num_kv_heads: int,
     head_dim: int,
 ) -> torch.Tensor:
-    """From qkv [T, (Hq + 2 Hkv) * D]: returns rotated (and normalised) q [T, Hq, D] and writes
-    rotated (normalised) k and v into the contiguous caches [pages, page_size, Hkv, D] at flat
-    ``slots`` [T] (model dtype or float8 e4m3). ``cos_sin_cache`` is [max_positions, D] float32, cos then sin of each angle.
-    Without q/k norm pass None for both weights."""
+    """From qkv [T, (Hq + 2 Hkv) * D]: returns q [T, Hq, D], writes k and v into contiguous caches
+    [pages, page_size, Hkv, D] (model dtype or e4m3) at flat ``slots`` [T]. ``cos_sin_cache``:
+    [max_positions, D] float32, cos then sin. No q/k norm: both weights None."""
     if (q_weight is None) != (k_weight is None):
         raise ValueError("pass both q/k norm weights or neither")
     if not (k_cache.is_contiguous() and v_cache.is_contiguous() and qkv.dim() == 2 and qkv.stride(1) == 1):
