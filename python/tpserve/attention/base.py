@@ -1,10 +1,5 @@
-"""The attention backend interface.
-
-``prepare`` turns a step's sequences into backend metadata once per step (FlashInfer plans its
-wrappers there). Every layer calls ``forward`` with that metadata (or ``forward_fused`` with its
-raw qkv, when the engine chose the fused rope+store kernel): it stores the new k/v into the
-paged cache, then the backend's ``attend`` computes attention over the cache.
-"""
+"""The attention backend interface: ``prepare`` builds a step's metadata once (FlashInfer plans
+there); each layer's ``forward`` (or ``forward_fused``) stores its new k/v and calls ``attend``."""
 
 from __future__ import annotations
 
@@ -74,8 +69,7 @@ class AttentionBackend(ABC):
 
     @abstractmethod
     def attend(self, layer: int, q: torch.Tensor, meta: object) -> torch.Tensor:
-        """Attention of q [T, num_heads, head_dim] over layer ``layer``'s cache, this step's k/v
-        already stored."""
+        """q [T, num_heads, head_dim] over layer ``layer``'s cache, this step's k/v already stored."""
 
     def cuda_graph_metadata(self, batch_size: int, max_pages_per_seq: int) -> object:
         """Metadata with fixed-address buffers for a decode graph of ``batch_size`` sequences."""

@@ -1,12 +1,9 @@
 """Paged attention through FlashInfer's prefill and decode wrappers (the CUDA default).
 
-Each step is planned once in ``prepare``: a step whose sequences all add exactly one token runs
-the decode wrapper, or XQA where that is faster (``attention/xqa.py``); any other step runs the
-causal paged prefill wrapper for every sequence, decodes included (a decode is a one-token
-extend). Layers then only store their new k/v into the pool and call ``run``. For CUDA graphs
-each captured batch size gets its own decode wrapper (or XQA inputs) whose buffers have a fixed
-size and address; ``plan_cuda_graph`` re-plans it before every replay, padding the batch with
-one-token sequences on the scratch page 0.
+A step of one-token sequences runs the decode wrapper, or XQA where that is faster
+(``attention/xqa.py``); any other step runs the causal prefill wrapper for all, decodes included.
+Each CUDA graph batch size has its own fixed-address decode wrapper (or XQA inputs), re-planned
+before every replay with the batch padded by one-token sequences on the scratch page 0.
 """
 
 from __future__ import annotations
@@ -66,10 +63,6 @@ class PagedLayout:
     last_page_len: torch.Tensor  # [B] tokens in each sequence's last page, 1..page_size
     qo_indptr: torch.Tensor  # [B + 1] offsets of each sequence's new tokens
 
-    @property
-    def batch_size(self) -> int:
-        return self.last_page_len.shape[0]
-
 
 def paged_layout(seqs: list[SequenceInput], page_size: int, pad_to: int = 0) -> PagedLayout:
     """The page table of ``seqs``; with ``pad_to`` > len(seqs), extra one-token sequences whose
@@ -101,10 +94,9 @@ def paged_layout(seqs: list[SequenceInput], page_size: int, pad_to: int = 0) -> 
 class PinnedStaging:
     """A reusable pinned host buffer that a plan's index arrays are copied into first.
 
-    FlashInfer uploads what ``plan`` gets with ``non_blocking=True``: from pageable memory
-    that copy may wait for the stream, i.e. for the step in flight, which would undo overlap
-    scheduling. The caller must not stage again before the last staged copies have run
-    (``FlashInferAttentionBackend._stage`` waits for that).
+    FlashInfer uploads them with ``non_blocking=True``: from pageable memory that copy may wait for
+    the step in flight, undoing overlap scheduling. Stage again only once the last staged copies
+    have run (``FlashInferAttentionBackend._stage`` waits for that).
     """
 
     def __init__(self) -> None:
@@ -202,19 +194,16 @@ class FlashInferAttentionBackend(AttentionBackend):
         return f"FlashInfer attention over {pages} pages (decode: {decode})"
 
     def _wait_for_last_plan(self) -> None:
-        """The staging buffer (and FlashInfer's own pinned buffers) may still be read by the
-        previous plan's queued copies: wait until those have run (the device has started that
-        step), not for the step itself, so overlap scheduling keeps planning ahead."""
+        """The previous plan's queued copies may still read the staging buffer (and FlashInfer's
+        pinned ones): wait for them, not for the step, so overlap scheduling keeps planning ahead."""
         if self._planned is not None:
             self._planned.synchronize()
 
     def _stage(self, layout: PagedLayout) -> PagedLayout:
-        """``layout`` in the pinned staging buffer, for this step's plan."""
         self._wait_for_last_plan()
         return self._staging.stage(layout)
 
     def _stage_xqa(self, seqs: list[SequenceInput], pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        """XQA's page table and lengths of ``seqs`` in the pinned staging buffer."""
         table, lens = xqa.dense_page_table(seqs, self.pool.page_size, pad_to)
         self._wait_for_last_plan()
         staged_table, staged_lens = self._staging.stage_arrays(torch.from_numpy(table), torch.from_numpy(lens))
@@ -275,8 +264,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     # ---- CUDA graphs (decode only) ----
     def cuda_graph_metadata(self, batch_size: int, max_pages_per_seq: int) -> FlashInferMetadata | xqa.XqaMetadata:
-        """A decode wrapper (or XQA's inputs) for one captured batch size, with fixed-size,
-        fixed-address buffers."""
+        """A decode wrapper (or XQA's inputs) with fixed-address buffers for one graph batch size."""
         if self.xqa is not None:
             # One table for every size, as the page-id buffer below: one graph replays at a time.
             if self._graph_xqa is None:
@@ -308,7 +296,6 @@ class FlashInferAttentionBackend(AttentionBackend):
     def plan_cuda_graph(
         self, seqs: list[SequenceInput], meta: FlashInferMetadata | xqa.XqaMetadata, batch_size: int
     ) -> None:
-        """Plan a captured size's wrapper for ``seqs`` padded to ``batch_size`` (before replay)."""
         if isinstance(meta, xqa.XqaMetadata):
             table, lens = self._stage_xqa(seqs, pad_to=batch_size)
             # Columns past this step's longest sequence keep stale ids that no length reaches.

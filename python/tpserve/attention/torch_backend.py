@@ -30,35 +30,27 @@ class TorchAttentionBackend(AttentionBackend):
 
     def prepare(self, seqs: list[SequenceInput], device: torch.device) -> TorchAttentionMetadata:
         page_size = self.pool.page_size
-        batch = len(seqs)
-        max_new = max(s.extend_len for s in seqs)
-        max_len = max(s.seq_len for s in seqs)
-        total = sum(s.extend_len for s in seqs)
-        query_index = torch.full((batch, max_new), total, dtype=torch.int64)
-        kv_slots = torch.zeros((batch, max_len), dtype=torch.int64)
         new_len = torch.tensor([s.extend_len for s in seqs])
         prefix_len = torch.tensor([s.prefix_len for s in seqs])
-        token_rows = []
-        start = 0
+        max_new, max_len = int(new_len.max()), int((prefix_len + new_len).max())
+        kv_slots = torch.zeros((len(seqs), max_len), dtype=torch.int64)
         for b, seq in enumerate(seqs):
-            n = seq.extend_len
-            query_index[b, :n] = torch.arange(start, start + n)
-            token_rows.append(torch.arange(b * max_new, b * max_new + n))
-            start += n
-            pages = torch.tensor(seq.page_table, dtype=torch.int64)
             positions = torch.arange(seq.seq_len)
-            kv_slots[b, : seq.seq_len] = pages[positions // page_size] * page_size + positions % page_size
-        q_pos = prefix_len[:, None] + torch.arange(max_new)[None, :]  # [B, max_new]
-        k_pos = torch.arange(max_len)[None, None, :]
-        mask = k_pos <= q_pos[:, :, None]
+            pages = torch.tensor(seq.page_table, dtype=torch.int64)[positions // page_size]
+            kv_slots[b, : seq.seq_len] = pages * page_size + positions % page_size
+        cols = torch.arange(max_new)
+        real = cols[None, :] < new_len[:, None]  # [B, max_new], False on padding rows
+        starts = new_len.cumsum(0) - new_len
+        query_index = torch.where(real, starts[:, None] + cols, int(new_len.sum()))
+        k_pos = torch.arange(max_len)
+        causal = k_pos <= (prefix_len[:, None] + cols)[:, :, None]
         # Padding query rows attend to key 0 only, so they stay finite; their output is dropped.
-        pad_rows = torch.arange(max_new)[None, :] >= new_len[:, None]
-        mask = mask & ~pad_rows[:, :, None] | (pad_rows[:, :, None] & (k_pos == 0))
+        mask = torch.where(real[:, :, None], causal, k_pos == 0)
         return TorchAttentionMetadata(
             query_index=query_index.to(device),
             kv_slots=kv_slots.to(device),
             mask=mask.unsqueeze(1).to(device),
-            token_rows=torch.cat(token_rows).to(device),
+            token_rows=real.flatten().nonzero().squeeze(1).to(device),
         )
 
     def attend(self, layer: int, q: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:

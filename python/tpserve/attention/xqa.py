@@ -1,19 +1,13 @@
 """Decode attention through FlashInfer's XQA kernel (TensorRT-LLM's decode kernel).
 
-On Hopper with an FP8 KV cache XQA runs a kernel that computes in FP8 on the tensor cores (the
-query and the softmax weights are rounded to e4m3 too: 1.6% relative error against fp32 on
-random data, where the decode wrapper, which converts every FP8 element back to bf16, has 0.1%).
-Measured on one H200 (graph replays, KV cold in L2; `benchmarks/experiments/xqa_decode.py`,
-query:KV heads 16:2 to 64:8): with FP8 pages XQA takes 0.53-0.73x the wrapper's time and reads at
-2.8-3.8 TB/s against 1.2-2.4. With bf16 pages it is 0.82-0.92x alone at batch 1, but whole batch-1
-steps were not faster: Qwen3-8B 0.94-1.03x, Qwen3-30B-A3B (4 KV heads) 1.10-1.16x of the wrapper's
-(session 9, docs/benchmarks.md; with the graphs' page table as wide as ``max_model_len`` needs,
-bf16 XQA alone is 1.1-1.4x slower at batch 1, FP8 XQA is not). So ``auto`` takes XQA for FP8
-caches only, at every batch size.
+Over FP8 pages on Hopper XQA computes in FP8 (q and the softmax weights rounded to e4m3: 1.6%
+error against fp32, the decode wrapper 0.1%) and takes 0.53-0.73x the wrapper's time on one H200
+(`benchmarks/experiments/xqa_decode.py`, heads 16:2 to 64:8). Over bf16 pages whole batch-1 steps
+were not faster (0.94-1.16x; with the graphs' ``max_model_len``-wide page table bf16 XQA alone is
+1.1-1.4x slower, FP8 is not; docs/benchmarks.md). So ``auto`` takes XQA for FP8 caches only.
 
-XQA reads a dense page table ``[batch, pages]`` and each sequence's length, not FlashInfer's
-CSR table. Its workspace starts with semaphores that every call leaves at zero, so it is its
-own buffer, apart from the one the FlashInfer wrappers write their partial results to.
+XQA reads a dense page table ``[batch, pages]`` and lengths, not FlashInfer's CSR table. Its
+workspace starts with semaphores that every call leaves at zero: a buffer of its own.
 """
 
 from __future__ import annotations
@@ -88,9 +82,8 @@ def dense_page_table(seqs: list[SequenceInput], page_size: int, pad_to: int = 0)
 
 @dataclass
 class XqaMetadata:
-    """A decode step's XQA inputs on the device. The table's width caps how many blocks XQA
-    splits a sequence over; a graph's table is as wide as the longest sequence may grow, and each
-    step fills only its leading columns."""
+    """A decode step's XQA inputs on the device. The table's width caps how many blocks XQA splits
+    a sequence over; a graph's table is as wide as a sequence may grow, each step fills its start."""
 
     kernel: XqaDecode
     page_table: torch.Tensor  # [batch, pages] int32

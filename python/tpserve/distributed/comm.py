@@ -1,10 +1,6 @@
-"""Collectives used by the parallel layers, behind one small interface.
-
-Layers hold a ``Communicator``: torch.distributed with Gloo on CPU; on GPU, NCCL plus, for small
-all-reduces, a one-shot/two-shot reduction through peer GPU memory (``peer_allreduce``, imported
-only on CUDA), and with ``--all-reduce fused`` one kernel for the all-reduce, residual add and
-RMSNorm where a row-parallel output meets the next norm (``fused_allreduce``).
-"""
+"""The collectives the parallel layers use, behind one ``Communicator`` interface: Gloo on CPU;
+on GPU NCCL, small all-reduces through peer memory (``peer_allreduce``) and, with
+``--all-reduce fused``, all-reduce + residual add + RMSNorm in one kernel (``fused_allreduce``)."""
 
 from __future__ import annotations
 
@@ -62,18 +58,17 @@ class SingleRankCommunicator:
 class TorchDistCommunicator:
     """torch.distributed on the default (device) group: Gloo on CPU, NCCL on GPU."""
 
-    def __init__(self, world_size: int, group: dist.ProcessGroup | None = None) -> None:
+    def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        self.group = group
 
     def all_reduce(self, x: torch.Tensor) -> torch.Tensor:
-        dist.all_reduce(x, group=self.group)
+        dist.all_reduce(x)
         return x
 
     def all_gather(self, x: torch.Tensor) -> torch.Tensor:
         x = x.contiguous()
         out = torch.empty((self.world_size * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
-        _all_gather_single(out, x, group=self.group)
+        _all_gather_single(out, x)
         return torch.cat(out.chunk(self.world_size, dim=0), dim=-1)
 
     def all_reduce_add_rmsnorm(
@@ -83,9 +78,8 @@ class TorchDistCommunicator:
 
 
 class CudaCommunicator(TorchDistCommunicator):
-    """NCCL, with the all-reduces the peer-memory kernels handle (small, contiguous, the model's
-    dtype) sent through them instead, and those followed by an add+RMSNorm through the fused
-    kernel where there is one (``--all-reduce fused``)."""
+    """NCCL, except for the all-reduces the peer-memory kernels or (followed by add + RMSNorm)
+    the fused kernel handle."""
 
     def __init__(
         self, world_size: int, peer: PeerAllReduce | None, fused: FusedAllReduceNorm | None = None
@@ -137,14 +131,9 @@ def init_process_groups(
     store: dist.Store | None = None,
     timeout_s: float | None = None,
 ) -> tuple[Communicator, dist.ProcessGroup | None]:
-    """Returns (the tensor communicator, a Gloo CPU group for control messages).
-
-    On CPU one Gloo group serves both; on GPU NCCL carries tensors (and the peer-memory
-    all-reduce of ``all_reduce`` mode the small ones; mode ``fused`` adds the fused all-reduce +
-    add + RMSNorm) and a separate Gloo group carries the scheduler's small control broadcasts.
-    A multi-node group passes the ``store`` it joined through and ``timeout_s``, the limit on
-    every collective (torch's default otherwise).
-    """
+    """Returns (the tensor communicator, a Gloo CPU group for control messages); on CPU one Gloo
+    group serves both. ``all_reduce`` picks the GPU's peer-memory/fused kernels; multi-node passes
+    the ``store`` it joined and ``timeout_s``, the limit on every collective (torch's default otherwise)."""
     if world_size == 1:
         return SingleRankCommunicator(), None
     backend = "nccl" if device.type == "cuda" else "gloo"
@@ -179,12 +168,9 @@ RENDEZVOUS_TIMEOUT_S = 300.0
 def rendezvous_store(
     init_addr: str, rank: int, world_size: int, timeout_s: float = RENDEZVOUS_TIMEOUT_S, wait_for_workers: bool = True
 ) -> dist.TCPStore:
-    """The ranks' key-value store, listening only on ``init_addr``'s host.
-
-    torch's own ``tcp://`` rendezvous makes rank 0's store listen on every interface, unauthenticated;
-    handing it a socket bound to the given host keeps it there (loopback for one machine). Gloo's
-    and NCCL's own sockets follow the loopback interface too unless the user chose another.
-    """
+    """The ranks' key-value store, listening only on ``init_addr``'s host: torch's own ``tcp://``
+    rendezvous makes rank 0's store listen, unauthenticated, on every interface. Gloo's and NCCL's
+    sockets follow onto loopback too unless the user chose another interface."""
     url = urlsplit(init_addr)
     host, port = url.hostname or "127.0.0.1", url.port
     if port is None:

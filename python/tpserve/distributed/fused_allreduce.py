@@ -1,19 +1,16 @@
 """The TP all-reduce fused with the residual add and RMSNorm (CUDA only; imported lazily).
 
-In a decoder layer each row-parallel output is all-reduced, added to the residual and normalised.
-One kernel does all three here (``kernels/csrc/allreduce_rmsnorm.cu``: FlashInfer's port of
-TensorRT-LLM's all-reduce fusion, built with only this pattern), through peer GPU memory:
+One kernel (``kernels/csrc/allreduce_rmsnorm.cu``: FlashInfer's port of TensorRT-LLM's all-reduce
+fusion, built with only this pattern) does all three through peer GPU memory:
 
-* one-shot (Lamport): every rank writes its partial sum into every peer's buffer and each rank
-  polls its own buffer until no element is still -0.0 (the value the buffers are cleared to; the
-  writers turn -0.0 into +0.0), so no barrier is needed. Three buffers rotate: a call clears the
-  one its predecessor read.
-* two-shot: each rank sums its share of the tokens, normalises them and all-gathers the result,
-  with flag barriers between the steps.
+* one-shot (Lamport): every rank writes its partial sum into every peer's buffer and polls its own
+  until no element is still -0.0 (the cleared value; writers turn -0.0 into +0.0), so no barrier
+  is needed. Three buffers rotate: a call clears the one its predecessor read.
+* two-shot: each rank sums and normalises its share of the tokens, then all-gathers them, with
+  flag barriers between the steps.
 
-The buffers are torch symmetric memory (CUDA IPC over P2P; NVLink multicast is never asked for).
-The kernels read their state (the rotating buffer index, barrier flags) from device memory only,
-so they work inside CUDA graphs.
+The buffers are torch symmetric memory (CUDA IPC over P2P, never NVLink multicast). The kernels
+keep their state (buffer index, barrier flags) in device memory only, so they work in CUDA graphs.
 """
 
 from __future__ import annotations
@@ -31,14 +28,11 @@ from tpserve.distributed.peer_allreduce import all_ranks
 logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "csrc" / "allreduce_rmsnorm.cu"
-# The kernel's barrier flag slots per rank (details::kBarrierFlagCount).
-BARRIER_FLAG_COUNT = 256
-# The kernel reads and writes 16 bytes per access.
-VEC_BYTES = 16
+BARRIER_FLAG_COUNT = 256  # the kernel's flag slots per rank (details::kBarrierFlagCount)
+VEC_BYTES = 16  # the kernel's bytes per access
 RANKS = (2, 4, 8)
-# Messages up to MAX_BYTES take the fused kernel (as many as the peer all-reduce's buffer holds);
-# one-shot up to ONE_SHOT_MAX_BYTES, as for the unfused kernels (to be set by
-# benchmarks/allreduce_latency.py's fused rows).
+# Fused up to MAX_BYTES (the peer all-reduce's buffer), one-shot up to ONE_SHOT_MAX_BYTES as
+# unfused (to be set by benchmarks/allreduce_latency.py's fused rows).
 MAX_BYTES = 8 * 1024 * 1024
 ONE_SHOT_MAX_BYTES = 1536 * 1024
 

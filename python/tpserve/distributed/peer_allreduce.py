@@ -1,15 +1,11 @@
 """All-reduce of small messages through peer GPU memory (CUDA only; imported lazily).
 
-torch's symmetric memory maps one buffer per rank into every peer's address space (CUDA IPC over
-P2P; NVLink multicast is never asked for). A message is copied into this rank's buffer, then
-reduced by a single kernel that synchronises with its peers through the buffer's signal pads:
-
-* one-shot: every rank reads every peer's whole buffer and sums (lowest latency: one step);
-* two-shot: each rank sums its slice of all buffers, then gathers the other slices (a reduce-
-  scatter and an all-gather over the same buffers: half the bytes per rank at TP 2).
-
-Messages larger than the buffer, other dtypes and non-contiguous tensors go to NCCL. The buffer's
-address never changes and the kernels take no host decisions, so both work inside CUDA graphs.
+torch's symmetric memory maps one buffer per rank into every peer (CUDA IPC over P2P, never NVLink
+multicast). A message is copied into this rank's buffer, then one kernel, synchronised with its
+peers through the buffer's signal pads, reduces it: one-shot (every rank sums every peer's whole
+buffer: one step) or two-shot (each rank sums its slice, then gathers the others: half the bytes
+per rank at TP 2). Larger messages, other dtypes and non-contiguous tensors go to NCCL. The
+buffer's address is fixed and the kernels take no host decisions, so both work in CUDA graphs.
 """
 
 from __future__ import annotations
