@@ -24,7 +24,7 @@ from tpserve.engine.engine import Engine
 from tpserve.kernels.fp8_linear import FP8_GEMM_ENV, fp8_linear, kernel_for, resolve_backend, warm_up, warm_up_sizes
 from tpserve.layers.linear import ParallelLinear
 from tpserve.quant.fp8 import FP8_DTYPE, fp8_linear_reference, quantize_blocks, weight_only_reference
-from tpserve.tiny.fp8 import write_dequantized, write_fp8_checkpoint
+from fp8_checkpoint import write_dequantized, write_fp8_checkpoint
 
 DEVICE = torch.device("cuda")
 BLOCK = (128, 128)

@@ -17,7 +17,7 @@ from tpserve.engine.engine import Engine
 from tpserve.layers.linear import Slice
 from tpserve.quant.config import QuantConfig, parse_quantization_config
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX, dequantize_blocks, quantize_blocks
-from tpserve.tiny.fp8 import write_dequantized, write_fp8_checkpoint
+from fp8_checkpoint import write_dequantized, write_fp8_checkpoint
 
 PUBLISHED = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 

@@ -1,4 +1,4 @@
-"""A model directory rewritten as FP8 checkpoints are published (Qwen3-*-FP8, DeepSeek-V3):
+"""Test helper: a model directory rewritten as FP8 checkpoints are published (Qwen3-*-FP8, DeepSeek-V3):
 config.json with ``quantization_config``, each quantized linear weight in float8_e4m3fn with a
 float32 ``weight_scale_inv`` per block; and the same weights dequantized, for a reference."""
 
