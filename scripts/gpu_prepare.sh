@@ -14,7 +14,8 @@
 # the tree ~6.3 MB, .whl 43.6, .models 1.3 and this script's .fiaot 2.8 leave ~13 MB of modules.
 # One model shape's whole set is 22 MB, so carry the ones the stages need (session 8 carried the
 # bf16 decode, the FA2 and sm90 bf16 prefill and the FP8-KV decode modules: 12.6 MB); XQA's
-# modules build in ~10 s each and need not travel.
+# modules build in ~10 s each and need not travel. scripts/gpu_carry.sh picks them by name from
+# .gpu/jit into .gpux and checks the size.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 mkdir -p .gpu/.models
