@@ -136,7 +136,7 @@ for s in $stages; do
         --out $results/xqa_decode_small.json ;;
     xqa_tests) stage xqa_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_xqa.py tests/gpu/test_flashinfer_and_graphs.py \
         tests/gpu/test_fp8_gpu.py::test_fp8_kv_cache_on_gpu ;;
-    xqa_engine_tests)  # the engine tests whose batch-1 decode steps now take XQA (bf16, auto)
+    xqa_engine_tests)  # the engine tests whose batch-1 decode steps took XQA in session 8 (bf16, auto then)
       stage xqa_engine_tests 260 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_overlap.py tests/gpu/test_moe.py \
         tests/gpu/test_structured.py ;;
     xqa_kv4)  # bf16 and FP8 decode attention at few KV heads (Qwen3-30B-A3B: 32:4; 32B at TP 2: 32:4; TP 4: 16:2), small batches
@@ -167,8 +167,8 @@ for s in $stages; do
       done ;;
     smoke_tests) stage smoke_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_overlap.py \
         tests/gpu/test_flashinfer_and_graphs.py tests/gpu/test_moe.py ;;
-    xqa_decode8_b1)  # Qwen3-8B bf16 decode at the batches auto gives XQA: against the decode wrapper
-      for dec in auto flashinfer; do
+    xqa_decode8_b1)  # Qwen3-8B bf16 decode at batch 1 and 4, XQA (forced: --decode-attention xqa) against the decode wrapper
+      for dec in xqa flashinfer; do
         stage xqa_decode8_b1_$dec 120 python3 benchmarks/decode_latency.py --model $large --batch-sizes 1,4 \
           --contexts 512,4096 --modes graph --decode-attention $dec --out $results/decode8_b1_dec_$dec.json
       done ;;
