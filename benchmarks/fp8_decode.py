@@ -4,7 +4,12 @@ For each model config (random weights, ``load_format="dummy"``) a bf16 engine, t
 engine (``quantization="fp8"``: 128x128 block scales, the published format) per FP8 GEMM in
 ``--fp8-gemms`` (``TPSERVE_FP8_GEMM``, see ``tpserve.kernels.fp8_linear``), decode with CUDA
 graphs, in the same process one after the other; fp8 / bf16 is the issue's target (<= 0.6 at
-batch 1). The GEMMs one by one, against bf16 and for accuracy: ``benchmarks/experiments/fp8_gemm.py``.
+batch 1). A step is timed synchronously (forward, sampling, host sync: ``step_ms``) and, with
+``--pipelined``, as the engine runs it under a Scheduler with overlap scheduling (``pipelined_ms``:
+the interval between steps, the inter-token time a user sees). ``--variant`` adds engines built
+under other environment settings (a kernel switched off, say), e.g. for Qwen3-30B-A3B without FP8:
+``--fp8-gemms "" --variant route-off:TPSERVE_MOE_ROUTE_IN_EXPERTS=0``.
+The GEMMs one by one, against bf16 and for accuracy: ``benchmarks/experiments/fp8_gemm.py``.
 
     python benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B \
         --out out/fp8_decode.json
@@ -20,9 +25,9 @@ import traceback
 
 import torch
 from common import device_name, fill_kv_randomly, make_engine, print_table, setup_logging, write_json
-from decode_latency import time_decode
+from decode_latency import time_decode, time_pipelined
 from tpserve.kernels.fp8_linear import FP8_GEMM_ENV
-from tpserve.kernels.gemv import BF16_GEMV_ENV, PDL_ENV
+from tpserve.kernels.gemv import BF16_GEMV_ENV, PDL_ENV, SILU_MUL_ENV
 
 
 def decode_engine(model: str, quantization: str | None, max_batch: int, context: int, warmup: int, iters: int):
@@ -34,18 +39,24 @@ def decode_engine(model: str, quantization: str | None, max_batch: int, context:
     return engine
 
 
+def pipelined_ms(engine, batch: int, context: int, warmup: int, iters: int) -> float | None:
+    timed = time_pipelined(engine, batch, context, warmup, iters)
+    return None if isinstance(timed, str) else timed[0] * 1e3
+
+
 def decode_step_ms(model: str, quantization: str | None, batch_sizes: list[int], context: int, warmup: int,
-                   iters: int) -> dict:
+                   iters: int, pipelined: bool) -> dict:
     engine = decode_engine(model, quantization, max(batch_sizes), context, warmup, iters)
     weight_gib = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 2**30
-    steps = {}
+    steps, piped = {}, {}
     for batch in batch_sizes:
         seconds = time_decode(engine, batch, context, warmup, iters)
         steps[batch] = None if seconds is None else seconds * 1e3
+        piped[batch] = pipelined_ms(engine, batch, context, warmup, iters) if pipelined else None
     del engine
     gc.collect()
     torch.cuda.empty_cache()
-    return {"step_ms": steps, "weight_gib": weight_gib}
+    return {"step_ms": steps, "pipelined_ms": piped, "weight_gib": weight_gib}
 
 
 def alternating_rounds(model: str, runs: list[tuple[str, str | None, dict]], batch: int, args) -> list[dict]:
@@ -61,17 +72,25 @@ def alternating_rounds(model: str, runs: list[tuple[str, str | None, dict]], bat
             for key in env:
                 os.environ.pop(key, None)
     times: dict[str, list[float]] = {label: [] for label in engines}
+    piped: dict[str, list[float]] = {label: [] for label in engines}
     for _ in range(args.rounds):
         for label, engine in engines.items():
             times[label].append(time_decode(engine, batch, args.context, args.warmup, args.iters) * 1e3)
+            if args.pipelined:
+                piped[label].append(pipelined_ms(engine, batch, args.context, args.warmup, args.iters) or float("nan"))
     base = runs[0][0]
     rows = []
     for label, ms in times.items():
         ratios = [t / b for t, b in zip(ms, times[base])]
-        rows.append({"config": model.rstrip("/").rsplit("/", 1)[-1], "weights": label, "batch": batch,
-                     "context": args.context, "step_ms": statistics.median(ms), "rounds_ms": ms,
-                     "over_bf16": None if label == base else statistics.median(ratios),
-                     "ratio_min": None if label == base else min(ratios), "ratio_max": None if label == base else max(ratios)})
+        row = {"config": model.rstrip("/").rsplit("/", 1)[-1], "weights": label, "batch": batch,
+               "context": args.context, "step_ms": statistics.median(ms), "rounds_ms": ms,
+               "over_bf16": None if label == base else statistics.median(ratios),
+               "ratio_min": None if label == base else min(ratios), "ratio_max": None if label == base else max(ratios)}
+        if args.pipelined:
+            piped_ratios = [t / b for t, b in zip(piped[label], piped[base])]
+            row |= {"pipelined_ms": statistics.median(piped[label]), "pipelined_rounds_ms": piped[label],
+                    "pipelined_over_bf16": None if label == base else statistics.median(piped_ratios)}
+        rows.append(row)
     del engines
     gc.collect()
     torch.cuda.empty_cache()
@@ -88,6 +107,12 @@ def main() -> None:
                         help="also a bf16 engine with TPSERVE_BF16_GEMV=0 (cuBLAS at one or two rows, not the CUDA GEMV)")
     parser.add_argument("--gemv-pdl-off", action="store_true",
                         help=f"also each engine with {PDL_ENV}=0 (the CUDA GEMV launched without programmatic dependent launch)")
+    parser.add_argument("--silu-mul-off", action="store_true",
+                        help=f"also each engine with {SILU_MUL_ENV}=0 (the dense MLP's SiLU-and-mul as its own kernel)")
+    parser.add_argument("--variant", action="append", default=[], metavar="LABEL:ENV=VALUE[,ENV=VALUE]",
+                        help="also a bf16 engine built with these environment variables (repeatable)")
+    parser.add_argument("--pipelined", action="store_true",
+                        help="also time each step under a Scheduler with overlap scheduling (the inter-token time)")
     parser.add_argument("--rounds", type=int, default=1,
                         help="above 1: hold every engine at once and time them in turn this many times (one batch size)")
     parser.add_argument("--batch-sizes", default="1", help="decode batch sizes")
@@ -109,6 +134,11 @@ def main() -> None:
             runs += [(f"{label} nopdl", quant, env | {PDL_ENV: "0"}) for label, quant, env in runs]
         if args.bf16_cublas:
             runs.insert(1, ("bf16 cublas", None, {BF16_GEMV_ENV: "0"}))
+        if args.silu_mul_off:
+            runs += [(f"{label} silu-off", quant, env | {SILU_MUL_ENV: "0"}) for label, quant, env in runs]
+        for variant in args.variant:
+            label, _, settings = variant.partition(":")
+            runs.append((label, None, dict(kv.split("=", 1) for kv in settings.split(",") if kv)))
         if args.rounds > 1:
             rows += alternating_rounds(model, runs, batches[0], args)
             continue
@@ -116,7 +146,7 @@ def main() -> None:
         for label, quant, env in runs:
             os.environ.update(env)
             try:
-                result = decode_step_ms(model, quant, batches, args.context, args.warmup, args.iters)
+                result = decode_step_ms(model, quant, batches, args.context, args.warmup, args.iters, args.pipelined)
             except Exception as e:  # noqa: BLE001 -- reported, the other GEMMs still run
                 traceback.print_exc()
                 rows.append({"config": name, "weights": label, "failed": f"{type(e).__name__}: {e}"[:200]})
@@ -125,18 +155,23 @@ def main() -> None:
                 for key in env:
                     os.environ.pop(key, None)
             for batch, ms in result["step_ms"].items():
+                piped = result["pipelined_ms"][batch]
                 if label == "bf16" and ms is not None:
                     base[batch] = ms
+                    base[-batch] = piped
                 row = {"config": name, "weights": label, "batch": batch, "context": args.context, "step_ms": ms,
-                       "weight_gib": result["weight_gib"]}
+                       "pipelined_ms": piped, "weight_gib": result["weight_gib"]}
                 if label != "bf16" and ms is not None and batch in base:
                     row["over_bf16"] = ms / base[batch]
+                    if piped is not None and base.get(-batch):
+                        row["pipelined_over_bf16"] = piped / base[-batch]
                 rows.append(row)
     for row in rows:
         if "failed" in row:
             print(f"FAILED {row['config']} {row['weights']}: {row['failed']}")
     print_table([r for r in rows if "failed" not in r],
-                ["config", "weights", "batch", "context", "step_ms", "over_bf16", "ratio_min", "ratio_max", "weight_gib"])
+                ["config", "weights", "batch", "context", "step_ms", "over_bf16", "ratio_min", "ratio_max",
+                 "pipelined_ms", "pipelined_over_bf16", "weight_gib"])
     write_json(args.out, {"device": device_name(), "torch": torch.__version__, "decode": rows})
 
 

@@ -10,7 +10,10 @@ its own process and rank 0's figures are printed.
 from __future__ import annotations
 
 import argparse
+import json
+import os
 import re
+import tempfile
 import statistics
 import time
 from functools import partial
@@ -71,7 +74,70 @@ def kernel_categories(kernels: list) -> dict[str, tuple[int, float]]:
     return {name: (count, micros) for name, (count, micros) in totals.items()}
 
 
-def profile_batches(engine, sizes: list[int], context: int) -> list[dict]:
+def short_name(name: str) -> str:
+    """A kernel's name without its template arguments and parameter list."""
+    name = re.sub(r"\(.*", "", name)
+    depth, out = 0, []
+    for ch in name:
+        depth += ch == "<"
+        if depth == 0:
+            out.append(ch)
+        depth -= ch == ">"
+    return "".join(out).replace("void ", "").split("::")[-1][:60]
+
+
+def graph_timeline(replay, replays: int = 3) -> tuple[list[dict], float]:
+    """The kernels of the last of ``replays`` CUDA graph replays in launch order (name, start and
+    duration in us; start relative to the first) and the replay's span in us. PDL lets a kernel
+    start before the previous one ends, so a gap may be negative."""
+    for _ in range(3):
+        replay()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            replay()
+        torch.cuda.synchronize()
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    events.sort(key=lambda e: e["ts"])
+    last = events[len(events) - len(events) // replays:]
+    t0 = last[0]["ts"]
+    kernels = [{"name": short_name(e["name"]), "start_us": e["ts"] - t0, "dur_us": e["dur"]} for e in last]
+    span = max(k["start_us"] + k["dur_us"] for k in kernels)
+    return kernels, span
+
+
+def timeline_summary(kernels: list[dict], span: float, verbose: bool) -> dict:
+    """Busy time, gaps, and time per kernel name of one replay; printed when verbose."""
+    gaps, end = [], 0.0
+    for k in kernels:
+        gaps.append(k["start_us"] - end)
+        end = max(end, k["start_us"] + k["dur_us"])
+    by_name: dict[str, list[float]] = {}
+    for k, gap in zip(kernels, gaps):
+        entry = by_name.setdefault(k["name"], [0, 0.0, 0.0])
+        entry[0] += 1
+        entry[1] += k["dur_us"]
+        entry[2] += gap
+    summary = {"graph_kernels": len(kernels), "graph_span_us": span,
+               "graph_busy_us": sum(k["dur_us"] for k in kernels),
+               "graph_gap_us": sum(g for g in gaps[1:] if g > 0), "graph_overlap_us": -sum(g for g in gaps if g < 0)}
+    if verbose:
+        print(f"graph replay: {summary}")
+        print(f"{'kernel':60s} {'n':>5s} {'total us':>9s} {'mean us':>8s} {'gap before, total us':>21s}")
+        for name, (n, total, gap) in sorted(by_name.items(), key=lambda item: -item[1][1]):
+            print(f"{name:60s} {n:5d} {total:9.1f} {total / n:8.2f} {gap:21.1f}")
+        print("kernels 40-79 of the replay (start, duration, gap before, us):")
+        for k, gap in list(zip(kernels, gaps))[40:80]:
+            print(f"  {k['start_us']:9.2f} {k['dur_us']:7.2f} {gap:7.2f}  {k['name']}")
+    summary["by_name"] = {name: {"n": n, "total_us": total, "gap_us": gap} for name, (n, total, gap) in by_name.items()}
+    return summary
+
+
+def profile_batches(engine, sizes: list[int], context: int, graph_only: bool = False) -> list[dict]:
     """Every rank runs this; only rank 0 prints."""
     verbose = engine.tp.rank == 0
     fill_kv_randomly(engine)
@@ -90,6 +156,12 @@ def profile_batches(engine, sizes: list[int], context: int) -> list[dict]:
         row = {"batch": batch}
         row["step_graph_ms"] = wall(partial(engine_step, engine, seqs, sampling)) * 1e3
         row["replay_gpu_ms"] = time_cuda(graph.graph.replay, warmup=3, iters=20) * 1e3
+        row["graph"] = timeline_summary(*graph_timeline(graph.graph.replay), verbose)
+        if graph_only:
+            rows.append(row)
+            for t in tables:
+                allocator.free(t)
+            continue
         row["plan_host_ms"] = wall(partial(engine.attention.plan_cuda_graph, seqs, graph.attn_meta, size)) * 1e3
         logits = runner.run(seqs)
         row["sample_sync_ms"] = wall(partial(sample_and_sync, engine.sampler, logits, sampling)) * 1e3
@@ -124,6 +196,8 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--quantization", default=None, help="fp8: quantize the weights at load (issue 16)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto or fp8_e4m3")
+    parser.add_argument("--graph-only", action="store_true",
+                        help="only the CUDA graph's kernel timeline (no eager profile)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     setup_logging()
@@ -131,10 +205,10 @@ def main() -> None:
     config = EngineConfig(model=args.model, load_format="dummy", dtype="bfloat16", tp_size=args.tp_size,
                           all_reduce=args.all_reduce, cuda_graph_max_bs=max(sizes),
                           quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
-    rows = on_ranks(config, profile_batches, sizes, args.context)
+    rows = on_ranks(config, profile_batches, sizes, args.context, args.graph_only)
     print(f"\nDecode step breakdown; model {args.model}; TP {args.tp_size}; context {args.context}; "
           f"quantization {args.quantization}; KV {args.kv_cache_dtype}")
-    print_table(rows, list(rows[0]))
+    print_table(rows, [c for c in rows[0] if c != "graph"])
     write_json(args.out, {"benchmark": "profile_decode", "model": args.model, "tp_size": args.tp_size,
                           "context": args.context, "quantization": args.quantization,
                           "kv_cache_dtype": args.kv_cache_dtype, "rows": rows})

@@ -15,7 +15,7 @@ pytestmark = pytest.mark.skipif(
 from tpserve import LLM, SamplingParams
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
-from tpserve.kernels.gemv import BF16_GEMV_ENV, MAX_TOKENS, gemv, supported
+from tpserve.kernels.gemv import BF16_GEMV_ENV, MAX_TOKENS, SILU_MUL_MAX_TOKENS, gemv, supported
 from tpserve.quant.fp8 import quantize_blocks, weight_only_reference
 
 DEVICE = torch.device("cuda")
@@ -118,6 +118,36 @@ def test_gemv_pdl_chain_in_graph(fp8):
         assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("n,k", [(24576, 4096), (12288, 4096), (1536, 2048), (400, 144), (16, 16)])
+def test_gemv_silu_mul_equals_gemv_then_silu_and_mul(n, k, fp8):
+    """The SwiGLU epilogue against the GEMV followed by FlashInfer's silu_and_mul (the same formula on
+    the same bf16 sums: equal but for the last bit where the two compilations round differently),
+    at the token counts it takes, including I = N / 2 not a multiple of a block's outputs or of a 128-row
+    scale block; in a CUDA graph too."""
+    from tpserve.kernels.flashinfer_ops import silu_and_mul
+
+    w, scale = weights(n, k, fp8, seed=7)
+    gen = torch.Generator(device=DEVICE).manual_seed(8)
+    for m in range(1, SILU_MUL_MAX_TOKENS + 1):
+        x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+        got = gemv(x, w, scale, silu_mul=True)
+        assert got.shape == (m, n // 2)
+        expected = silu_and_mul(gemv(x, w, scale))
+        unequal = int((got != expected).sum())
+        assert torch.allclose(got.float(), expected.float(), rtol=2**-7, atol=0), f"m={m}: {unequal} outputs differ"
+        assert unequal <= got.numel() // 100, f"m={m}: {unequal} of {got.numel()} outputs differ in their last bit"
+    x = torch.randn(1, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+    gemv(x, w, scale, silu_mul=True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv(x, w, scale, silu_mul=True)
+    x.copy_(torch.randn(1, k, device=DEVICE, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gemv(x, w, scale, silu_mul=True))
+
+
 def test_gemv_rejects_what_it_cannot_run():
     w, scale = weights(256, 256, True)
     x = torch.randn(MAX_TOKENS + 1, 256, device=DEVICE, dtype=torch.bfloat16)
@@ -130,6 +160,10 @@ def test_gemv_rejects_what_it_cannot_run():
         gemv(x[:1], w, scale[:, :1].contiguous())
     with pytest.raises(ValueError, match="bf16"):
         gemv(x[:1].float(), w, scale)
+    with pytest.raises(ValueError, match="multiple of 8"):
+        gemv(x[:1], w[:12].contiguous(), scale[:1].contiguous(), silu_mul=True)
+    with pytest.raises(ValueError, match="rows of x"):
+        gemv(x[:SILU_MUL_MAX_TOKENS + 1], w, scale, silu_mul=True)
 
 
 def test_tiny_model_with_bf16_gemv(tiny_model_factory, monkeypatch):
@@ -139,7 +173,7 @@ def test_tiny_model_with_bf16_gemv(tiny_model_factory, monkeypatch):
     monkeypatch.delenv(BF16_GEMV_ENV, raising=False)
     engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_total_tokens=1024))
     assert engine.model.model.layers[0].mlp.down_proj.bf16_gemv and engine.graph_runner is not None
-    assert engine.model.lm_head.bf16_gemv
+    assert engine.model.lm_head.bf16_gemv and engine.model.model.layers[0].mlp.gate_up_proj.gemv_silu_mul
     del engine
     prompts = [[1, 2, 3], [7, 8], list(range(10, 150))]
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

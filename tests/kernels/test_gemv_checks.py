@@ -22,6 +22,9 @@ def test_unsupported_names_the_reason():
     assert "multiple of 16" in unsupported(x[:, :40].contiguous(), wq[:, :40].contiguous(), scale[:, :1].contiguous())
     assert "scale_inv" in unsupported(x, wq, scale[:, :1].contiguous())
     assert "contiguous [N, K]" in unsupported(x, w.t())
+    assert "multiple of 8" in unsupported(x, w[:380], silu_mul=True)  # SwiGLU pairs gate and up rows
+    assert "rows of x" in unsupported(torch.zeros(3, 256, dtype=torch.bfloat16), w, silu_mul=True)
+    assert "CUDA device" in unsupported(x, w, silu_mul=True)  # the shapes pass: only the device is left
     with pytest.raises(ValueError, match="gemv: .*rows of x"):
         gemv(torch.zeros(9, 256, dtype=torch.bfloat16), w)
 

@@ -2,13 +2,15 @@
 or e4m3 with float32 scales per 128x128 block; float32 sums, bf16 out, the same bits every run.
 Few-token decode is bound by reading W, which it only streams (16-byte loads, several in flight).
 Built on first use by FlashInfer's JIT (cached). bf16 layers (also LM head, MoE router) take it
-via ``linear``/``bf16_gemv_enabled``; FP8 layers via ``kernels.fp8_linear``.
+via ``linear``/``bf16_gemv_enabled``; FP8 layers via ``kernels.fp8_linear``. With ``silu_mul`` a
+merged [gate; up] weight gives SiLU(gate) * up directly (a dense MLP's SwiGLU without its own kernel).
 """
 
 from __future__ import annotations
 
 import functools
 import logging
+import math
 import os
 from pathlib import Path
 from typing import Any
@@ -21,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cu"
 MAX_TOKENS = 8
+SILU_MUL_MAX_TOKENS = 2  # the SwiGLU epilogue: the rows at which a dense MLP takes the GEMV
 SCALE_BLOCK = 128
 BF16_GEMV_ENV = "TPSERVE_BF16_GEMV"
 # Programmatic dependent launch on Hopper and newer (see csrc/gemv.cu): ``0`` turns it off.
@@ -29,6 +32,8 @@ PDL_ENV = "TPSERVE_GEMV_PDL"
 # layer's four GEMMs vs cuBLAS, Qwen3-8B / 32B: 0.87x / 0.80x at 1 row, 0.97x / 0.88x at 2, 1.12x (8B)
 # at 4; whole decode steps at batch 1: Qwen3-8B 0.97x, Qwen3-32B 0.87x, Qwen3-30B-A3B 0.93x.
 BF16_GEMV_TOKENS = 2
+# ``0``: the dense MLP runs SiLU-and-mul as its own kernel after the GEMV (read at load).
+SILU_MUL_ENV = "TPSERVE_GEMV_SILU_MUL"
 _VEC_BYTES = 16  # the kernel's loads: weight rows and pointers must be multiples
 
 
@@ -49,17 +54,21 @@ def load_module(defines: tuple[tuple[str, int], ...] = ()) -> Any:
     return jit_spec(defines).build_and_load()
 
 
-def unsupported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None) -> str | None:
-    """Why ``gemv(x, weight, scale_inv)`` cannot run, or None when it can."""
+def unsupported(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, silu_mul: bool = False
+) -> str | None:
+    """Why ``gemv(x, weight, scale_inv, silu_mul=silu_mul)`` cannot run, or None when it can."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     fp8 = scale_inv is not None
     if x.dtype != torch.bfloat16 or weight.dtype != (torch.float8_e4m3fn if fp8 else torch.bfloat16):
         return f"x must be bf16 and weight {'float8_e4m3fn' if fp8 else 'bf16'}, got {x.dtype} and {weight.dtype}"
-    if not 1 <= m <= MAX_TOKENS:
-        return f"{m} rows of x, the kernel takes 1 to {MAX_TOKENS}"
+    if not 1 <= m <= (SILU_MUL_MAX_TOKENS if silu_mul else MAX_TOKENS):
+        return f"{m} rows of x, the kernel takes 1 to {SILU_MUL_MAX_TOKENS if silu_mul else MAX_TOKENS}"
     if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[1] != x.shape[-1] or weight.shape[0] == 0:
         return f"weight must be a contiguous [N, K] with K = {x.shape[-1]}, got {tuple(weight.shape)}"
     n, k = weight.shape
+    if silu_mul and n % 8:
+        return f"SiLU-and-mul needs the merged gate/up rows ({n}) in a multiple of 8"
     if (k * weight.element_size()) % _VEC_BYTES or weight.data_ptr() % _VEC_BYTES:
         return f"K ({k}) must be a multiple of {_VEC_BYTES // weight.element_size()} and the weight 16-byte aligned"
     if fp8:
@@ -71,33 +80,37 @@ def unsupported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor |
     return None
 
 
-def supported(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None) -> bool:
-    return unsupported(x, weight, scale_inv) is None
+def supported(
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, silu_mul: bool = False
+) -> bool:
+    return unsupported(x, weight, scale_inv, silu_mul) is None
 
 
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, module: Any = None,
-    pdl: bool | None = None,
+    pdl: bool | None = None, silu_mul: bool = False,
 ) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T in bf16 (FP8: times ``scale_inv`` per 128x128 block); ``module``:
-    a ``load_module(defines)`` variant (experiments); ``pdl`` defaults to ``TPSERVE_GEMV_PDL``."""
-    reason = unsupported(x, weight, scale_inv)
+    a ``load_module(defines)`` variant (experiments); ``pdl`` defaults to ``TPSERVE_GEMV_PDL``.
+    ``silu_mul``: weight is [gate; up] and the result [..., N / 2] is SiLU(x @ gate.T) * (x @ up.T)."""
+    reason = unsupported(x, weight, scale_inv, silu_mul)
     if reason is not None:
         raise ValueError(f"gemv: {reason}")
     n, k = weight.shape
+    n_out = n // 2 if silu_mul else n
     x2 = x.reshape(-1, k).contiguous()
     if x2.data_ptr() % _VEC_BYTES:
         x2 = x2.clone()
-    y = torch.empty(x2.shape[0], n, dtype=torch.bfloat16, device=x.device)
+    y = torch.empty(x2.shape[0], n_out, dtype=torch.bfloat16, device=x.device)
     module = module or load_module()
     if pdl is None:
         pdl = os.environ.get(PDL_ENV, "1") != "0"
     pdl = pdl and _pdl_supported(x.device.index or 0)
     if scale_inv is None:
-        module.gemv_bf16(x2, weight, y, pdl)
+        module.gemv_bf16(x2, weight, y, pdl, silu_mul)
     else:
-        module.gemv_fp8(x2, weight, scale_inv, y, pdl)
-    return y.view(*x.shape[:-1], n)
+        module.gemv_fp8(x2, weight, scale_inv, y, pdl, silu_mul)
+    return y.view(*x.shape[:-1], n_out)
 
 
 @functools.cache
@@ -114,8 +127,12 @@ def probe(device_index: int) -> str | None:
         w = torch.ones(4, 256, dtype=torch.bfloat16, device=device)
         y_bf16 = gemv(x, w)
         y_fp8 = gemv(x, w.to(torch.float8_e4m3fn), torch.full((1, 2), 0.5, device=device))
-        if not (torch.all(y_bf16 == 256) and torch.all(y_fp8 == 128)):
-            raise RuntimeError(f"computed {y_bf16.tolist()} and {y_fp8.tolist()}, expected 256 and 128")
+        act = gemv(x * 0.01, torch.ones(8, 256, dtype=torch.bfloat16, device=device), silu_mul=True)
+        sums = 256 * 0.010009765625  # 0.01 in bf16, summed: 2.5625 = silu's and up's input
+        expected = sums / (1 + math.exp(-sums)) * sums
+        if not (torch.all(y_bf16 == 256) and torch.all(y_fp8 == 128) and torch.all((act - expected).abs() < 0.05)):
+            raise RuntimeError(f"computed {y_bf16.tolist()}, {y_fp8.tolist()} and {act.tolist()}, "
+                               f"expected 256, 128 and {expected:.4f}")
         return None
     except Exception as exc:  # noqa: BLE001 -- no nvcc, no FlashInfer, an older GPU, ...
         logger.warning("the CUDA GEMV is unavailable (%s: %s)", type(exc).__name__, exc)
@@ -132,6 +149,10 @@ def bf16_gemv_enabled(weight: torch.Tensor) -> bool:
         return False
     x = torch.empty(1, weight.shape[1], dtype=torch.bfloat16, device=weight.device)
     return unsupported(x, weight) is None and probe(weight.device.index or 0) is None
+
+
+def silu_mul_enabled() -> bool:
+    return os.environ.get(SILU_MUL_ENV, "1") != "0"
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool, bias: torch.Tensor | None = None) -> torch.Tensor:

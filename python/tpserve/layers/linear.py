@@ -11,7 +11,8 @@ from torch import nn
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
 from tpserve.kernels import gemv, use_fp8_gemm
-from tpserve.kernels.fp8_linear import backend_from_env, check_weight_block, fp8_linear, resolve_backend
+from tpserve.kernels.fp8_linear import backend_from_env, check_weight_block, fp8_linear, kernel_for, resolve_backend
+from tpserve.layers.activation import silu_and_mul
 from tpserve.quant.fp8 import FP8_DTYPE, dequantize_blocks, num_blocks, quantize_blocks
 
 
@@ -152,12 +153,30 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         tp_size = get_tp_info().size
         self.local_part_sizes = [divide(p, tp_size, "intermediate_size") for p in part_sizes]
         super().__init__(in_features, sum(part_sizes), bias)
+        self.gemv_silu_mul = False  # set at load: silu_and_mul in the GEMV where it runs
 
     def part(self, shard_id: str | int | None) -> Slice:
         if not isinstance(shard_id, int):
             raise ValueError(f"merged weight needs an integer part index, got {shard_id!r}")
         size = self.local_part_sizes[shard_id]
         return Slice(self.tp_rank * size, size, sum(self.local_part_sizes[:shard_id]), size * self.tp_size)
+
+    def finish_loading(self, dtype: torch.dtype) -> None:
+        super().finish_loading(dtype)
+        gate, *rest = self.local_part_sizes
+        self.gemv_silu_mul = rest == [gate] and self.bias is None and gemv.silu_mul_enabled()
+
+    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
+        """SiLU(gate) * up of the two parts; in the GEMV's epilogue at the batches that take the GEMV."""
+        if self.gemv_silu_mul:
+            m = x.numel() // x.shape[-1]
+            if self.weight_scale_inv is None:
+                fused = self.bf16_gemv and 0 < m <= gemv.BF16_GEMV_TOKENS
+            else:
+                fused = kernel_for(self.fp8_backend, m) == "cuda"
+            if fused and gemv.supported(x, self.weight, self.weight_scale_inv, silu_mul=True):
+                return gemv.gemv(x, self.weight, self.weight_scale_inv, silu_mul=True)
+        return silu_and_mul(self(x))
 
 
 class QKVParallelLinear(ColumnParallelLinear):

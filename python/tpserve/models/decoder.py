@@ -12,7 +12,6 @@ from torch import nn
 from tpserve.config import ModelConfig
 from tpserve.distributed.comm import Communicator
 from tpserve.forward import ForwardContext
-from tpserve.layers.activation import silu_and_mul
 from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
 from tpserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
 from tpserve.layers.moe import SparseMoeBlock
@@ -66,7 +65,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, comm)
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        return self.down_proj(silu_and_mul(self.gate_up_proj(x)), reduce=reduce)
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x), reduce=reduce)
 
 
 class DecoderLayer(nn.Module):

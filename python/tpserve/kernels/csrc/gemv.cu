@@ -14,6 +14,10 @@
 //   scaled once per chunk;
 // * the sums are reduced by warp shuffles, then across the block's warps through shared memory,
 //   in a fixed order: no atomics, the same bits every run;
+// * with kSiluMul, W is a merged [gate; up] of 2I rows and y [M, I] = silu(x @ gate^T) * (x @ up^T):
+//   a block owns R / 2 gate rows and the R / 2 up rows that pair with them, so the SwiGLU of a
+//   dense MLP needs no kernel of its own (both sums are rounded to bf16 first, as the unfused
+//   GEMV's output would be);
 // * launched with programmatic dependent launch (PDL, Hopper) when the caller asks: the kernel
 //   may start while the previous one (the RMSNorm or SiLU-and-mul that writes x) finishes, and
 //   issues its first loads of W, which no kernel writes, before it waits for x.
@@ -44,6 +48,7 @@ constexpr int kVecBytes = 16;
 constexpr int kLoadsInFlight = 8;
 constexpr int kScaleBlock = 128;
 constexpr int kMaxTokens = 8;
+constexpr int kMaxSiluMulTokens = 2;
 
 // Rows per block. A block must bring enough W bytes to pay for itself: FP8 rows are half as
 // long, so at one token a block takes 8 of them (8 KB of Qwen3-8B's K = 4096, one 16-byte load
@@ -112,27 +117,43 @@ __device__ __forceinline__ void unpack_w(const uint4& v, int j, float* out) {
   }
 }
 
-template <int M, bool kFp8>
+// SiLU(g) * u as FlashInfer's silu_and_mul computes it from bf16 g and u.
+__device__ __forceinline__ float silu_mul(float g, float u) {
+  g = __bfloat162float(__float2bfloat16(g));
+  u = __bfloat162float(__float2bfloat16(u));
+  return g / (1.f + __expf(-g)) * u;
+}
+
+template <int M, bool kFp8, bool kSiluMul>
 __global__ void __launch_bounds__(kThreads)
     gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
                 const float* __restrict__ scale_inv, __nv_bfloat16* __restrict__ y, int n, int k) {
   constexpr int R = rows_per_block<M, kFp8>();
+  constexpr int kOut = kSiluMul ? R / 2 : R;  // outputs per block: R / 2 (gate, up) row pairs
+  static_assert(!kSiluMul || R % 2 == 0, "SiLU-and-mul pairs rows");
   constexpr int U = loads_in_flight<M, kFp8>() / R;  // chunks of each row loaded per step
   static_assert(U >= 1, "loads in flight must be a multiple of the rows per block");
   constexpr int kElems = kFp8 ? 16 : 8;       // W elements per chunk
   constexpr int kXVecs = kElems / 8;          // 16-byte loads of one token's x per chunk
   const size_t row_bytes = static_cast<size_t>(k) * (kFp8 ? 1 : 2);
   const int chunks = static_cast<int>(row_bytes / kVecBytes);
-  const int n0 = blockIdx.x * R;
+  const int n_out = kSiluMul ? n / 2 : n;
+  const int n0 = blockIdx.x * kOut;
 
+  // W row of the block's row r: rows past the end read the last one (kOut divides 128 and, with
+  // kSiluMul, I: the gate rows share one scale row, the up rows another).
+  auto w_row = [&](int r) {
+    if constexpr (kSiluMul) return r < kOut ? min(n0 + r, n_out - 1) : n_out + min(n0 + r - kOut, n_out - 1);
+    return min(n0 + r, n - 1);
+  };
   const uint4* wrow[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) {  // rows past N read the last row (R divides 128: same scale row)
-    wrow[r] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(min(n0 + r, n - 1)) * row_bytes);
-  }
-  const float* srow = nullptr;
+  for (int r = 0; r < R; ++r) wrow[r] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(w_row(r)) * row_bytes);
+  const float* srow[2] = {nullptr, nullptr};  // scale rows of the first and (kSiluMul) the last kOut rows
   if constexpr (kFp8) {
-    srow = scale_inv + static_cast<size_t>(n0 / kScaleBlock) * ((k + kScaleBlock - 1) / kScaleBlock);
+    const size_t blocks_k = (k + kScaleBlock - 1) / kScaleBlock;
+    srow[0] = scale_inv + static_cast<size_t>(w_row(0) / kScaleBlock) * blocks_k;
+    srow[1] = scale_inv + static_cast<size_t>(w_row(R - 1) / kScaleBlock) * blocks_k;
   }
 
   float acc[R][M];
@@ -184,11 +205,16 @@ __global__ void __launch_bounds__(kThreads)
           }
         }
       }
-      const float scale = kFp8 ? __ldg(srow + c * kElems / kScaleBlock) : 1.f;
+      float scale[2] = {1.f, 1.f};
+      if constexpr (kFp8) {
+        scale[0] = __ldg(srow[0] + c * kElems / kScaleBlock);
+        scale[1] = kSiluMul ? __ldg(srow[1] + c * kElems / kScaleBlock) : scale[0];
+      }
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
-        for (int m = 0; m < M; ++m) acc[r][m] = kFp8 ? fmaf(part[r][m], scale, acc[r][m]) : acc[r][m] + part[r][m];
+        for (int m = 0; m < M; ++m)
+          acc[r][m] = kFp8 ? fmaf(part[r][m], scale[r < kOut ? 0 : 1], acc[r][m]) : acc[r][m] + part[r][m];
     }
   }
 
@@ -207,48 +233,64 @@ __global__ void __launch_bounds__(kThreads)
       if (lane == 0) warp_sums[warp][r * M + m] = v;
     }
   __syncthreads();
-  for (int i = threadIdx.x; i < R * M; i += kThreads) {
+  for (int i = threadIdx.x; i < kOut * M; i += kThreads) {
     const int r = i / M, m = i % M;
-    if (n0 + r >= n) continue;
+    if (n0 + r >= n_out) continue;
     float s = 0.f;
 #pragma unroll
     for (int v = 0; v < kWarps; ++v) s += warp_sums[v][i];
-    y[static_cast<size_t>(m) * n + n0 + r] = __float2bfloat16(s);
+    if constexpr (kSiluMul) {
+      float u = 0.f;
+#pragma unroll
+      for (int v = 0; v < kWarps; ++v) u += warp_sums[v][i + kOut * M];
+      s = silu_mul(s, u);
+    }
+    y[static_cast<size_t>(m) * n_out + n0 + r] = __float2bfloat16(s);
   }
 }
 
-template <int M, bool kFp8>
+template <int M, bool kFp8, bool kSiluMul>
 cudaError_t launch(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl) {
-  constexpr int R = rows_per_block<M, kFp8>();
+  constexpr int kOut = kSiluMul ? rows_per_block<M, kFp8>() / 2 : rows_per_block<M, kFp8>();
   const int n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
+  const int n_out = kSiluMul ? n / 2 : n;
   cudaLaunchAttribute attrs[1];
   attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attrs[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((n + R - 1) / R);
+  config.gridDim = dim3((n_out + kOut - 1) / kOut);
   config.blockDim = dim3(kThreads);
   config.stream = get_stream(x.device());
   config.attrs = attrs;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, gemv_kernel<M, kFp8>, static_cast<const __nv_bfloat16*>(x.data_ptr()),
+  return cudaLaunchKernelEx(&config, gemv_kernel<M, kFp8, kSiluMul>, static_cast<const __nv_bfloat16*>(x.data_ptr()),
                             static_cast<const uint8_t*>(w.data_ptr()), scale_inv,
                             static_cast<__nv_bfloat16*>(y.data_ptr()), n, k);
 }
 
 template <bool kFp8>
-void run(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl) {
+void run(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl, bool silu_mul) {
   ffi::CUDADeviceGuard device_guard(x.device().device_id);
   cudaError_t status = cudaSuccess;
-  switch (x.size(0)) {
-    case 1: status = launch<1, kFp8>(x, w, scale_inv, y, pdl); break;
-    case 2: status = launch<2, kFp8>(x, w, scale_inv, y, pdl); break;
-    case 3: status = launch<3, kFp8>(x, w, scale_inv, y, pdl); break;
-    case 4: status = launch<4, kFp8>(x, w, scale_inv, y, pdl); break;
-    case 5: status = launch<5, kFp8>(x, w, scale_inv, y, pdl); break;
-    case 6: status = launch<6, kFp8>(x, w, scale_inv, y, pdl); break;
-    case 7: status = launch<7, kFp8>(x, w, scale_inv, y, pdl); break;
-    case 8: status = launch<8, kFp8>(x, w, scale_inv, y, pdl); break;
-    default: TVM_FFI_LOG_AND_THROW(ValueError) << "gemv takes 1 to " << kMaxTokens << " rows of x";
+  if (silu_mul) {  // the rows at which a dense MLP takes the GEMV (fewer instantiations to compile)
+    switch (x.size(0)) {
+      case 1: status = launch<1, kFp8, true>(x, w, scale_inv, y, pdl); break;
+      case 2: status = launch<2, kFp8, true>(x, w, scale_inv, y, pdl); break;
+      default:
+        TVM_FFI_LOG_AND_THROW(ValueError) << "gemv with SiLU-and-mul takes 1 or " << kMaxSiluMulTokens << " rows of x";
+    }
+  } else {
+    switch (x.size(0)) {
+      case 1: status = launch<1, kFp8, false>(x, w, scale_inv, y, pdl); break;
+      case 2: status = launch<2, kFp8, false>(x, w, scale_inv, y, pdl); break;
+      case 3: status = launch<3, kFp8, false>(x, w, scale_inv, y, pdl); break;
+      case 4: status = launch<4, kFp8, false>(x, w, scale_inv, y, pdl); break;
+      case 5: status = launch<5, kFp8, false>(x, w, scale_inv, y, pdl); break;
+      case 6: status = launch<6, kFp8, false>(x, w, scale_inv, y, pdl); break;
+      case 7: status = launch<7, kFp8, false>(x, w, scale_inv, y, pdl); break;
+      case 8: status = launch<8, kFp8, false>(x, w, scale_inv, y, pdl); break;
+      default: TVM_FFI_LOG_AND_THROW(ValueError) << "gemv takes 1 to " << kMaxTokens << " rows of x";
+    }
   }
   TVM_FFI_ICHECK(status == cudaSuccess) << "gemv launch failed: " << cudaGetErrorString(status);
 }
@@ -256,13 +298,14 @@ void run(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool 
 bool aligned(TensorView t) { return reinterpret_cast<uintptr_t>(t.data_ptr()) % kVecBytes == 0; }
 
 // The shapes and layouts the kernel reads; tpserve.kernels.gemv checks the same before calling.
-void check(TensorView x, TensorView w, TensorView y, int elem_bytes) {
+void check(TensorView x, TensorView w, TensorView y, int elem_bytes, bool silu_mul) {
   CHECK_INPUT_AND_TYPE(x, dl_bfloat16);
   CHECK_INPUT(w);
   CHECK_INPUT_AND_TYPE(y, dl_bfloat16);
   TVM_FFI_ICHECK(x.ndim() == 2 && w.ndim() == 2 && y.ndim() == 2) << "gemv takes 2-D x, weight, y";
-  TVM_FFI_ICHECK(x.size(1) == w.size(1) && y.size(0) == x.size(0) && y.size(1) == w.size(0))
-      << "gemv: x [M, K], weight [N, K], y [M, N] do not match";
+  TVM_FFI_ICHECK(x.size(1) == w.size(1) && y.size(0) == x.size(0) && y.size(1) == w.size(0) / (silu_mul ? 2 : 1))
+      << "gemv: x [M, K], weight [N, K], y [M, N] (SiLU-and-mul: [M, N / 2]) do not match";
+  TVM_FFI_ICHECK(!silu_mul || w.size(0) % 8 == 0) << "gemv: SiLU-and-mul needs N (2 I) a multiple of 8";
   TVM_FFI_ICHECK((w.size(1) * elem_bytes) % kVecBytes == 0 && aligned(x) && aligned(w))
       << "gemv: weight rows and pointers must be multiples of 16 bytes";
   TVM_FFI_ICHECK(w.size(0) > 0 && w.size(0) < (1LL << 30) && w.size(1) < (1LL << 30))
@@ -271,24 +314,25 @@ void check(TensorView x, TensorView w, TensorView y, int elem_bytes) {
 
 }  // namespace
 
-// y [M, N] = x [M, K] @ weight [N, K]^T, all bf16; pdl: launch with programmatic dependent launch.
-void gemv_bf16(TensorView x, TensorView weight, TensorView y, bool pdl) {
-  check(x, weight, y, 2);
+// y [M, N] = x [M, K] @ weight [N, K]^T, all bf16; pdl: launch with programmatic dependent launch;
+// silu_mul: weight is [gate; up] and y [M, N / 2] = silu(x @ gate^T) * (x @ up^T).
+void gemv_bf16(TensorView x, TensorView weight, TensorView y, bool pdl, bool silu_mul) {
+  check(x, weight, y, 2, silu_mul);
   CHECK_INPUT_TYPE(weight, dl_bfloat16);
-  run<false>(x, weight, nullptr, y, pdl);
+  run<false>(x, weight, nullptr, y, pdl, silu_mul);
 }
 
 // y [M, N] = x [M, K] @ (weight [N, K] * scale_inv per 128x128 block)^T; weight float8_e4m3fn,
 // scale_inv float32 [ceil(N / 128), ceil(K / 128)].
-void gemv_fp8(TensorView x, TensorView weight, TensorView scale_inv, TensorView y, bool pdl) {
-  check(x, weight, y, 1);
+void gemv_fp8(TensorView x, TensorView weight, TensorView scale_inv, TensorView y, bool pdl, bool silu_mul) {
+  check(x, weight, y, 1, silu_mul);
   CHECK_INPUT_TYPE(weight, dl_float8_e4m3fn);
   CHECK_INPUT_AND_TYPE(scale_inv, dl_float32);
   TVM_FFI_ICHECK(scale_inv.ndim() == 2 &&
                  scale_inv.size(0) == (weight.size(0) + kScaleBlock - 1) / kScaleBlock &&
                  scale_inv.size(1) == (weight.size(1) + kScaleBlock - 1) / kScaleBlock)
       << "gemv: scale_inv must be [ceil(N / 128), ceil(K / 128)]";
-  run<true>(x, weight, static_cast<const float*>(scale_inv.data_ptr()), y, pdl);
+  run<true>(x, weight, static_cast<const float*>(scale_inv.data_ptr()), y, pdl, silu_mul);
 }
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gemv_bf16, gemv_bf16);
