@@ -8,7 +8,7 @@ batch 1). A step is timed synchronously (forward, sampling, host sync: ``step_ms
 ``--pipelined``, as the engine runs it under a Scheduler with overlap scheduling (``pipelined_ms``:
 the interval between steps, the inter-token time a user sees). ``--variant`` adds engines built
 under other environment settings (a kernel switched off, say), e.g. for Qwen3-30B-A3B without FP8:
-``--fp8-gemms "" --variant route-off:TPSERVE_MOE_ROUTE_IN_EXPERTS=0``.
+``--fp8-gemms "" --variant gemv-off:TPSERVE_BF16_GEMV=0``.
 The GEMMs one by one, against bf16 and for accuracy: ``benchmarks/experiments/fp8_gemm.py``.
 
     python benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B \

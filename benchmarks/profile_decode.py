@@ -76,7 +76,7 @@ def kernel_categories(kernels: list) -> dict[str, tuple[int, float]]:
 
 def short_name(name: str) -> str:
     """A kernel's name without its template arguments and parameter list."""
-    name = re.sub(r"\(.*", "", name)
+    name = re.sub(r"\(.*", "", name.replace("(anonymous namespace)::", ""))
     depth, out = 0, []
     for ch in name:
         depth += ch == "<"

@@ -256,14 +256,17 @@ for s in $stages; do
     moe30_profile) stage moe30_profile 150 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 1,64 \
       --out $results/profile_qwen3_30b_a3b.json ;;
     fusion_tests)  # the SwiGLU epilogue of the GEMV and the router inside the MoE kernels (session 10)
-      stage fusion_tests 300 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_gemv.py tests/gpu/test_moe.py \
-        -k "silu or rejects or tiny or pdl or routed or model or graph" ;;
+      stage fusion_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py tests/gpu/test_moe.py \
+        tests/gpu/test_fp8_gpu.py -k "silu or rejects or tiny or pdl or model or graph or auto_takes or checkpoint or quantization_fp8_on" ;;
     fusion8)  # Qwen3-8B batch 1, bf16 and FP8, with and without the SwiGLU epilogue; synchronous and pipelined steps
-      stage fusion8 330 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto --silu-mul-off --pipelined \
-        --rounds 5 --batch-sizes 1 --out $results/fusion8.json ;;
-    route_a3b)  # Qwen3-30B-A3B batch 1 with the router inside the MoE kernels and without (one engine at a time)
-      stage route_a3b 240 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined \
-        --variant route-off:TPSERVE_MOE_ROUTE_IN_EXPERTS=0 --batch-sizes 1 --out $results/route_a3b.json ;;
+      stage fusion8 330 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \
+        --silu-mul-off --pipelined --rounds 5 --batch-sizes 1 --out $results/fusion8.json ;;
+    fp8_rounds_piped)  # issue 16's ratio, Qwen3-8B and 32B: both engines held, 5 rounds, synchronous and pipelined steps
+      stage fp8_rounds_piped 320 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B \
+        --fp8-gemms auto --pipelined --rounds 5 --batch-sizes 1 --out $results/fp8_rounds_piped.json ;;
+    graph_profile_a3b)  # Qwen3-30B-A3B batch 1, kernel by kernel inside the CUDA graph
+      stage graph_profile_a3b 100 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 1 --graph-only \
+        --out $results/graph_profile_a3b.json ;;
     graph_profile)  # batch-1 decode, kernel by kernel inside the CUDA graph: Qwen3-30B-A3B, Qwen3-8B bf16 and FP8
       stage graph_profile_a3b 150 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 1 --graph-only \
         --out $results/graph_profile_a3b.json

@@ -26,8 +26,8 @@ import tpserve.layers.moe as moe_layer
 from engine_scenario import assert_routed_logits_close, assert_same_greedy, prompts_for, row_errors, run_scenario
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
-from tpserve.kernels.moe import SMALL_BATCH_MAX_ROWS, fused_experts, grouped_experts, routed_experts, router_topk
-from tpserve.kernels.moe_small import routed_small_batch_experts, small_batch_experts
+from tpserve.kernels.moe import SMALL_BATCH_MAX_ROWS, fused_experts, grouped_experts
+from tpserve.kernels.moe_small import small_batch_experts
 from tpserve.layers.moe import experts_torch
 
 DEVICE = torch.device("cuda")
@@ -107,34 +107,6 @@ def test_fused_experts_in_a_cuda_graph(tokens):
         assert rel_err(out, reference(x, gate_up, down, weights, ids)) < RTOL
 
 
-@pytest.mark.parametrize("renormalize", [True, False])
-@pytest.mark.parametrize("tokens", [1, 2, 8])
-def test_routed_experts_match_router_topk_then_experts(tokens, renormalize):
-    """The router's pick inside the first small-batch kernel (bf16, Qwen3-30B-A3B's shape) against
-    router_topk then the small-batch kernels: the same experts, so the outputs agree to the last
-    bits of the weights; deterministic; captured in a CUDA graph and replayed on new logits."""
-    x, gate_up, down, _, _ = expert_inputs(tokens, *SHAPES[0], seed=20 + tokens)
-    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
-    logits = torch.randn(tokens, SHAPES[0][0], generator=gen, device=DEVICE).to(DTYPE)
-    top_k = SHAPES[0][1]
-
-    def unfused() -> torch.Tensor:
-        return small_batch_experts(x, gate_up, down, *router_topk(logits, top_k, renormalize, DTYPE))
-
-    got = routed_experts(x, logits, gate_up, down, top_k, renormalize)
-    assert torch.equal(got, routed_small_batch_experts(x, logits, gate_up, down, top_k, renormalize))
-    print(f"routed vs router_topk + experts: {rel_err(got, unfused()):.2e}")
-    assert rel_err(got, unfused()) < RTOL
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = routed_experts(x, logits, gate_up, down, top_k, renormalize)
-    logits.copy_(torch.randn(tokens, SHAPES[0][0], generator=gen, device=DEVICE))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert torch.equal(out, routed_experts(x, logits, gate_up, down, top_k, renormalize))
-    assert rel_err(out, unfused()) < RTOL
-
-
 @pytest.fixture(scope="module")
 def moe_model_dir(tmp_path_factory) -> str:
     from tpserve.tiny import make_tiny_model
@@ -185,11 +157,11 @@ def bf16_engines(moe_model_dir):
     small_batch_calls = []
 
     def counted(*args, **kwargs):
-        small_batch_calls.append(args[0].shape)
-        return routed_small_batch_experts(*args, **kwargs)
+        small_batch_calls.append(args[4].shape)
+        return small_batch_experts(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(moe_kernels, "routed_small_batch_experts", counted)
+        patch.setattr(moe_kernels, "small_batch_experts", counted)
         engine = make_moe_engine(moe_model_dir, "bfloat16", "flashinfer", 16)
     assert engine.graph_runner is not None
     assert small_batch_calls, "no CUDA graph captured the small-batch experts"

@@ -334,7 +334,6 @@ def check_fused_moe() -> None:
     check_align_kernel_matches_torch()
     check_router_topk()
     check_small_batch_moe()
-    check_routed_small_batch_moe()
 
 
 def random_experts(gen: torch.Generator, tokens: int, experts: int, top_k: int, hidden: int, inter: int):
@@ -385,43 +384,6 @@ def check_small_batch_moe() -> None:
         small = tokens * 4 <= SMALL_BATCH_MAX_ROWS
         expected = (small_batch_experts if small else grouped_experts)(x, gate_up, down, weights, ids)
         assert torch.equal(fused_experts(x, gate_up, down, weights, ids), expected)
-
-
-def check_routed_small_batch_moe() -> None:
-    """The router's pick inside the first small-batch kernel against TopKRouter's torch ops and the
-    experts (float32): with and without renormalisation, top 1 to 8, expert counts not a power of 2,
-    a row of ties (argmax's order, as router_topk); routed_experts above SMALL_BATCH_MAX_ROWS takes
-    router_topk and the grouped GEMMs."""
-    from tpserve.kernels.moe import SMALL_BATCH_MAX_ROWS, fused_experts, routed_experts, router_topk
-    from tpserve.kernels.moe_small import routed_small_batch_experts, small_batch_experts
-    from tpserve.layers.moe import experts_torch
-
-    gen = torch.Generator().manual_seed(9)
-    cases = ((1, 128, 8, 64, 32), (3, 60, 4, 32, 16), (8, 8, 8, 32, 24), (5, 16, 1, 32, 16))
-    for tokens, experts, top_k, hidden, inter in cases:
-        x, gate_up, down, _, _ = random_experts(gen, tokens, experts, top_k, hidden, inter)
-        logits = torch.randn(tokens, experts, generator=gen)
-        for renormalize in (False, True):
-            probs = torch.softmax(logits, dim=-1)
-            weights, ids = torch.topk(probs, top_k, dim=-1)
-            if renormalize:
-                weights = weights / weights.sum(dim=-1, keepdim=True)
-            expected = experts_torch(x, gate_up, down, weights, ids)
-            got = routed_small_batch_experts(x, logits, gate_up, down, top_k, renormalize)
-            torch.testing.assert_close(got, expected, rtol=1e-5, atol=1e-5,
-                                       msg=lambda m: f"{tokens, experts, top_k}: {m}")
-    x, gate_up, down, _, _ = random_experts(gen, 2, 8, 3, 32, 16)
-    ties = torch.zeros(2, 8)
-    ties[1, 5] = 1.0
-    weights, ids = router_topk(ties, 3, True, torch.float32)
-    torch.testing.assert_close(routed_small_batch_experts(x, ties, gate_up, down, 3, True),
-                               small_batch_experts(x, gate_up, down, weights, ids), rtol=1e-6, atol=1e-6)
-    tokens = SMALL_BATCH_MAX_ROWS // 4 + 1
-    x, gate_up, down, _, _ = random_experts(gen, tokens, 8, 4, 32, 16)
-    logits = torch.randn(tokens, 8, generator=gen)
-    weights, ids = router_topk(logits, 4, False, torch.float32)
-    routed = routed_experts(x, logits, gate_up, down, 4, False)
-    assert torch.equal(routed, fused_experts(x, gate_up, down, weights, ids))
 
 
 def check_router_topk() -> None:

@@ -8,13 +8,11 @@ CUDA-graph safe: no host reads, and shapes depend only on the token count (padde
 
 from __future__ import annotations
 
-import os
-
 import torch
 import triton
 import triton.language as tl
 
-from tpserve.kernels.moe_small import routed_small_batch_experts, small_batch_experts
+from tpserve.kernels.moe_small import small_batch_experts
 from tpserve.layers.activation import silu_and_mul
 
 
@@ -220,23 +218,6 @@ def _grouped_gemm(
 # at decode nearly every row has its own expert, so the grouped path's sort and blocks are overhead.
 # 64 rows: Qwen3-30B-A3B (top 8) up to 8 tokens; benchmarks/experiments/moe_small_batch.py.
 SMALL_BATCH_MAX_ROWS = 64
-# ``0``: the router's softmax and top-k run as their own kernel (router_topk) at small batches too.
-ROUTE_IN_EXPERTS_ENV = "TPSERVE_MOE_ROUTE_IN_EXPERTS"
-
-
-def routed_experts(
-    x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, renormalize: bool
-) -> torch.Tensor:
-    """``TopKRouter``'s pick from ``logits`` [T, E] and ``fused_experts``: up to SMALL_BATCH_MAX_ROWS
-    rows the pick runs inside the first expert kernel (one kernel fewer per layer; Qwen3-30B-A3B's
-    router_topk took 3.4 of a batch-1 layer's ~62 us on an H200, docs/benchmarks.md)."""
-    rows = x.shape[0] * top_k
-    if 0 < rows <= SMALL_BATCH_MAX_ROWS and os.environ.get(ROUTE_IN_EXPERTS_ENV, "1") != "0":
-        if not (gate_up.is_contiguous() and down.is_contiguous()):
-            raise ValueError("routed_experts needs contiguous expert weights")
-        return routed_small_batch_experts(x.contiguous(), logits.contiguous(), gate_up, down, top_k, renormalize)
-    weights, ids = router_topk(logits, top_k, renormalize, x.dtype)
-    return fused_experts(x, gate_up, down, weights, ids)
 
 
 def fused_experts(

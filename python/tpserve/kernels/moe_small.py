@@ -8,10 +8,6 @@ through the CUDA cores into float32 tiles, reduced once at the end.
    down[expert_k].T`` over the token's top_k rows and writes once: no atomics, so every run and
    tensor-parallel rank gives the same bits.
 
-With ``logits`` (``routed_small_batch_experts``) the router's softmax and top-k run inside kernel 1:
-each program ranks its token's experts and takes the one of its k slot, and the programs of the
-first slice write the ids and weights that kernel 2 reads, so the router needs no kernel of its own.
-
 CUDA-graph safe (shapes by token count, no host reads); no ``tl.dot``, so the interpreter runs bf16.
 """
 
@@ -61,46 +57,17 @@ def check_config(config: KernelConfig) -> None:
 
 
 @triton.jit
-def _route(logits_ptr, num_experts, slot, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr):
-    """One token's pick number ``slot`` (0-based) as kernels.moe.router_topk makes it: (expert id,
-    float32 weight). An expert's rank counts those ahead of it: a higher logit, or an equal one at a
-    lower index (argmax's order); so one pass, where picking k in turn takes k."""
-    cols = tl.arange(0, E_PAD)
-    logits = tl.load(logits_ptr + cols, mask=cols < num_experts, other=-float("inf")).to(tl.float32)
-    exps = tl.exp(logits - tl.max(logits, axis=0))
-    denom = tl.sum(exps, axis=0)
-    higher = logits[None, :] > logits[:, None]
-    ahead = higher | ((logits[None, :] == logits[:, None]) & (cols[None, :] < cols[:, None]))
-    rank = tl.sum(ahead.to(tl.int32), axis=1)
-    chosen = rank == slot
-    expert = tl.sum(tl.where(chosen, cols, 0), axis=0)
-    weight = tl.sum(tl.where(chosen, exps, 0.0), axis=0) / denom
-    if RENORMALIZE:
-        weight = weight / (tl.sum(tl.where(rank < TOP_K, exps, 0.0), axis=0) / denom)
-    return expert, weight
-
-
-@triton.jit
 def _moe_gate_up_silu_kernel(
     x_ptr, w_ptr, ids_ptr, act_ptr, inter, hidden,
     stride_xm, stride_we, stride_wn, stride_am,
-    logits_ptr, weights_ptr, num_experts, stride_l,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, ROUTE: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr,
+    NUM_STAGES: tl.constexpr,
 ):
     row = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
-    if ROUTE:
-        token_logits = logits_ptr + (row // TOP_K).to(tl.int64) * stride_l
-        picked, weight = _route(token_logits, num_experts, row % TOP_K, TOP_K, RENORMALIZE, E_PAD)
-        expert = picked.to(tl.int64)
-        if tl.program_id(1) == 0:
-            tl.store(ids_ptr + row, expert)
-            tl.store(weights_ptr + row, weight.to(weights_ptr.dtype.element_ty))
-    else:
-        expert = tl.load(ids_ptr + row).to(tl.int64)
+    expert = tl.load(ids_ptr + row).to(tl.int64)
     x_ptrs = x_ptr + (row // TOP_K).to(tl.int64) * stride_xm + offs_k
     gate_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + inter * stride_wn
@@ -164,31 +131,17 @@ def _moe_down_sum_kernel(
     tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-@dataclass(frozen=True)
-class Routing:
-    """The router's logits [T, E] from which kernel 1 picks, and where it writes the weights [T, k]."""
-
-    logits: torch.Tensor
-    weights: torch.Tensor
-    renormalize: bool
-
-
 def gate_up_silu(
-    x: torch.Tensor, gate_up: torch.Tensor, ids: torch.Tensor, config: KernelConfig, routing: Routing | None = None
+    x: torch.Tensor, gate_up: torch.Tensor, ids: torch.Tensor, config: KernelConfig
 ) -> torch.Tensor:
-    """act [T * k, I]: silu(gate) * up of each (token, k) row's expert; gate_up [E, 2I, H]. With
-    ``routing`` the experts are picked here, and ``ids`` and ``routing.weights`` written."""
+    """act [T * k, I]: silu(gate) * up of each (token, k) row's expert; gate_up [E, 2I, H]."""
     check_config(config)
     rows, inter, hidden = ids.numel(), gate_up.shape[1] // 2, gate_up.shape[2]
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    logits, weights = (routing.logits, routing.weights) if routing else (ids, ids)  # unread without routing
-    num_experts = logits.shape[1]
     _moe_gate_up_silu_kernel[(rows, triton.cdiv(inter, config.block_n))](
         x, gate_up, ids, act, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        logits, weights, num_experts, logits.stride(0),
         TOP_K=ids.shape[1], BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=hidden % config.block_k == 0,
-        NUM_STAGES=config.num_stages, ROUTE=routing is not None, RENORMALIZE=bool(routing and routing.renormalize),
-        E_PAD=triton.next_power_of_2(max(num_experts, ids.shape[1])) if routing else 1, num_warps=config.num_warps,
+        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
     )
     return act
 
@@ -221,20 +174,4 @@ def small_batch_experts(
         config = default_config(ids.shape[1])
     ids, weights = ids.contiguous(), weights.contiguous()
     act = gate_up_silu(x, gate_up, ids, config.gate_up)
-    return down_sum(act, down, weights, ids, config.down)
-
-
-def routed_small_batch_experts(
-    x: torch.Tensor, logits: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int, renormalize: bool,
-    config: SmallBatchConfig | None = None,
-) -> torch.Tensor:
-    """``small_batch_experts`` with the router's softmax, top ``top_k`` and (``renormalize``) the
-    renormalisation of ``logits`` [T, E] done by its first kernel, as ``kernels.moe.router_topk``."""
-    if x.shape[0] == 0:
-        return torch.zeros_like(x)
-    if config is None:
-        config = default_config(top_k)
-    ids = torch.empty(x.shape[0], top_k, dtype=torch.int64, device=x.device)
-    weights = torch.empty(x.shape[0], top_k, dtype=x.dtype, device=x.device)
-    act = gate_up_silu(x, gate_up, ids, config.gate_up, Routing(logits, weights, renormalize))
     return down_sum(act, down, weights, ids, config.down)

@@ -29,12 +29,13 @@ class TopKRouter(ReplicatedWeights):
     def finish_loading(self, dtype: torch.dtype) -> None:
         self.bf16_gemv = gemv.bf16_gemv_enabled(self.weight.data)
 
-    def logits(self, x: torch.Tensor) -> torch.Tensor:
-        return gemv.linear(x, self.weight, self.bf16_gemv)
-
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, expert ids [T, k] int64); on the GPU kernels.moe.routed_experts does this."""
-        logits = self.logits(x)
+        """(weights [T, k] in x's dtype, expert ids [T, k] int64)."""
+        logits = gemv.linear(x, self.weight, self.bf16_gemv)
+        if use_triton(x.device):
+            from tpserve.kernels.moe import router_topk
+
+            return router_topk(logits, self.top_k, self.norm_topk_prob, x.dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
@@ -112,7 +113,10 @@ def experts_dense_masked(
 def run_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
-    """The torch experts (Triton's are kernels.moe.routed_experts)."""
+    if use_triton(x.device):
+        from tpserve.kernels.moe import fused_experts
+
+        return fused_experts(x, gate_up, down, weights, ids)
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return experts_dense_masked(x, gate_up, down, weights, ids)
     return experts_torch(x, gate_up, down, weights, ids)
@@ -130,12 +134,6 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
         """Summed over the ranks, or (``reduce=False``) this rank's partial sum."""
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
-        if use_triton(x.device):
-            from tpserve.kernels.moe import routed_experts
-
-            gate = self.gate
-            partial = routed_experts(x, gate.logits(x), gate_up, down, gate.top_k, gate.norm_topk_prob)
-        else:
-            partial = run_experts(x, gate_up, down, *self.gate(x))
+        weights, ids = self.gate(x)
+        partial = run_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
         return self.comm.all_reduce(partial) if reduce else partial
