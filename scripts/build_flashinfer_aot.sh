@@ -24,15 +24,21 @@ for f in /usr/local/cuda/include/* "$work"/headers/nvidia/cu13/include/*; do ln 
 for f in /usr/local/cuda/lib64/*; do ln -sf "$f" "$cuda/lib64/"; done
 echo "" > "$work/empty.c" && gcc -shared -fPIC -Wl,-soname,libcuda.so.1 -o "$cuda/lib64/stubs/libcuda.so" "$work/empty.c"
 
-export PYTHONPATH=$site FLASHINFER_WORKSPACE_BASE=$work/ws FLASHINFER_CUDA_ARCH_LIST=9.0a CUDA_HOME=$cuda MAX_JOBS=2
+# tpserve's own CUDA modules too (the GEMV, the fused all-reduce + RMSNorm), for sm_90a alone: a
+# tenth of the size the GPU machine builds (every supported architecture). Their names carry their
+# source's hash (kernels.jit_name), so a later edit of a kernel is rebuilt there, never loaded stale.
+export PYTHONPATH=$site:$PWD/python FLASHINFER_WORKSPACE_BASE=$work/ws FLASHINFER_CUDA_ARCH_LIST=9.0a CUDA_HOME=$cuda MAX_JOBS=2
 python3 - <<'PY'
 import shutil
 from pathlib import Path
 from flashinfer.jit.activation import gen_act_and_mul_module
 from flashinfer.jit.norm import gen_norm_module
 from flashinfer.jit.rope import gen_rope_module
+from tpserve.distributed import fused_allreduce
+from tpserve.kernels import gemv
 
-for spec in (gen_norm_module(), gen_rope_module(), gen_act_and_mul_module("silu")):
+for spec in (gen_norm_module(), gen_rope_module(), gen_act_and_mul_module("silu"), gemv.jit_spec(),
+             fused_allreduce.jit_spec()):
     spec.build()
     target = Path(".fiaot") / spec.name
     target.mkdir(parents=True, exist_ok=True)

@@ -37,16 +37,21 @@ MAX_BYTES = 8 * 1024 * 1024
 ONE_SHOT_MAX_BYTES = 1536 * 1024
 
 
-@functools.cache
-def load_module() -> Any:
-    """Compile (first time; cached under FlashInfer's JIT directory) and load the kernel."""
+def jit_spec() -> Any:
+    """FlashInfer's JIT spec of the kernel (scripts/build_flashinfer_aot.sh prebuilds it)."""
     from flashinfer.jit.core import current_compilation_context, gen_jit_spec
+
+    from tpserve.kernels import jit_name
 
     # the architectures FlashInfer builds its own trtllm_comm module for (Hopper and newer)
     flags = current_compilation_context.get_nvcc_flags_list(supported_major_versions=[9, 10, 12])
-    from tpserve.kernels import jit_name
+    return gen_jit_spec(jit_name("tpserve_allreduce_rmsnorm", SOURCE), [SOURCE], extra_cuda_cflags=flags)
 
-    return gen_jit_spec(jit_name("tpserve_allreduce_rmsnorm", SOURCE), [SOURCE], extra_cuda_cflags=flags).build_and_load()
+
+@functools.cache
+def load_module() -> Any:
+    """Compile (first time; cached under FlashInfer's JIT directory) and load the kernel."""
+    return jit_spec().build_and_load()
 
 
 class FusedAllReduceNorm:
