@@ -282,9 +282,9 @@ for s in $stages; do
     graph_profile)  # batch-1 decode, kernel by kernel inside the CUDA graph: Qwen3-30B-A3B, Qwen3-8B bf16 and FP8
       stage graph_profile_a3b 150 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 1 --graph-only \
         --out $results/graph_profile_a3b.json
-      stage graph_profile_8b 120 python3 benchmarks/profile_decode.py --model $large --batch-sizes 1 --graph-only \
-        --out $results/graph_profile_8b.json
-      stage graph_profile_8b_fp8 150 python3 benchmarks/profile_decode.py --model $large --quantization fp8 \
+      stage graph_profile_8b 120 python3 benchmarks/profile_decode.py --model tests/data/configs/Qwen3-8B --batch-sizes 1 \
+        --graph-only --out $results/graph_profile_8b.json
+      stage graph_profile_8b_fp8 150 python3 benchmarks/profile_decode.py --model tests/data/configs/Qwen3-8B --quantization fp8 \
         --batch-sizes 1 --graph-only --out $results/graph_profile_8b_fp8.json ;;
     moe_small)  # the small-batch MoE kernels against the grouped GEMMs, one layer's experts, and their config sweep
       stage moe_small 420 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --out $results/moe_small_batch.json ;;
