@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import tempfile
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -132,6 +133,17 @@ def fill_kv_randomly(engine: Engine) -> None:
                 cache.normal_(generator=gen)
             else:  # an FP8 cache: torch draws no float8
                 cache.copy_(torch.randn(cache.shape, generator=gen, device=cache.device, dtype=engine.kv_pool.compute_dtype))
+
+
+def trace_kernels(prof: torch.profiler.profile) -> list[dict]:
+    """The GPU kernels a finished profiler saw, by start time: chrome-trace events with ``name``,
+    ``ts`` and ``dur`` in microseconds (CUPTI times each kernel of a graph replay too)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        path = os.path.join(tmp, "trace.json")
+        prof.export_chrome_trace(path)
+        with open(path) as f:
+            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
+    return sorted(events, key=lambda e: e["ts"])
 
 
 def print_table(rows: Sequence[dict], columns: Sequence[str]) -> None:

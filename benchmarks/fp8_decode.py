@@ -143,6 +143,7 @@ def main() -> None:
             rows += alternating_rounds(model, runs, batches[0], args)
             continue
         base: dict[int, float] = {}
+        base_piped: dict[int, float | None] = {}
         for label, quant, env in runs:
             os.environ.update(env)
             try:
@@ -158,13 +159,13 @@ def main() -> None:
                 piped = result["pipelined_ms"][batch]
                 if label == "bf16" and ms is not None:
                     base[batch] = ms
-                    base[-batch] = piped
+                    base_piped[batch] = piped
                 row = {"config": name, "weights": label, "batch": batch, "context": args.context, "step_ms": ms,
                        "pipelined_ms": piped, "weight_gib": result["weight_gib"]}
                 if label != "bf16" and ms is not None and batch in base:
                     row["over_bf16"] = ms / base[batch]
-                    if piped is not None and base.get(-batch):
-                        row["pipelined_over_bf16"] = piped / base[-batch]
+                    if piped is not None and base_piped.get(batch):
+                        row["pipelined_over_bf16"] = piped / base_piped[batch]
                 rows.append(row)
     for row in rows:
         if "failed" in row:

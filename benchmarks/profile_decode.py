@@ -10,10 +10,7 @@ its own process and rank 0's figures are printed.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import re
-import tempfile
 import statistics
 import time
 from functools import partial
@@ -26,6 +23,7 @@ from common import (
     print_table,
     setup_logging,
     time_cuda,
+    trace_kernels,
     write_json,
 )
 from torch.profiler import ProfilerActivity, profile
@@ -97,12 +95,7 @@ def graph_timeline(replay, replays: int = 3) -> tuple[list[dict], float]:
         for _ in range(replays):
             replay()
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = [e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"]
-    events.sort(key=lambda e: e["ts"])
+    events = trace_kernels(prof)
     last = events[len(events) - len(events) // replays:]
     t0 = last[0]["ts"]
     kernels = [{"name": short_name(e["name"]), "start_us": e["ts"] - t0, "dur_us": e["dur"]} for e in last]

@@ -28,12 +28,11 @@ attention kernel's start to last one's end (the in-graph cost, without the graph
 from __future__ import annotations
 
 import argparse
-import json
 import math
 import os
 import statistics
 import sys
-import tempfile
+from itertools import product
 
 import torch
 import triton
@@ -228,12 +227,9 @@ def kernel_spans(run, reps: int, flush: torch.Tensor) -> list[float]:
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         graph.replay()
         torch.cuda.synchronize()
-    with tempfile.TemporaryDirectory() as tmp:
-        path = os.path.join(tmp, "trace.json")
-        prof.export_chrome_trace(path)
-        with open(path) as f:
-            events = sorted((e for e in json.load(f)["traceEvents"] if e.get("cat") == "kernel"), key=lambda e: e["ts"])
-    return spans_between_flushes(events)
+    from common import trace_kernels
+
+    return spans_between_flushes(trace_kernels(prof))
 
 
 def spans_between_flushes(events: list[dict]) -> list[float]:
@@ -251,50 +247,50 @@ def spans_between_flushes(events: list[dict]) -> list[float]:
     return spans
 
 
-def benchmark(args: argparse.Namespace) -> list[dict]:
+def point_variants(args: argparse.Namespace, workspace: torch.Tensor, q_heads: int, kv_heads: int, batch: int,
+                   context: int) -> dict:
+    """The runs to time at one point: FlashInfer's decode wrapper, then each Triton variant."""
     import flashinfer
 
+    pool = batch * (context // 16 + 1) * 2
+    q, k_cache, v_cache, indptr, indices, last = paged_inputs(
+        batch, q_heads, kv_heads, [context] * batch, pool, torch.bfloat16, workspace.device, 7)
+    # As tpserve's captured decode wrappers: fixed index buffers, tensor cores from GQA 4.
+    wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+        workspace, "NHD", use_tensor_cores=q_heads // kv_heads >= 4, use_cuda_graph=True,
+        paged_kv_indptr_buffer=indptr.clone(), paged_kv_indices_buffer=indices.clone(),
+        paged_kv_last_page_len_buffer=last.clone())
+    wrapper.plan(indptr.cpu(), indices.cpu(), last.cpu(), q_heads, kv_heads, 128, 16, q_data_type=torch.bfloat16)
+    variants = {"flashinfer": lambda: wrapper.run(q, (k_cache, v_cache))}
+    scale = 1 / math.sqrt(q.shape[-1])
+    for splits, one in product([int(x) for x in args.splits.split(",")], (False, True)):
+        counter = torch.zeros(batch * kv_heads, dtype=torch.int32, device=q.device)
+        variants[f"triton_s{splits}{'_one' if one else ''}"] = lambda s=splits, o=one, c=counter: decode_attention(
+            q, k_cache, v_cache, indptr, indices, last, scale, s, args.block_t, o, c)
+    return variants
+
+
+def benchmark(args: argparse.Namespace) -> list[dict]:
     device = torch.device("cuda")
     flush = torch.empty(args.flush_mib * 2**20 // 4, dtype=torch.float32, device=device)
     workspace = torch.empty(256 * 2**20, dtype=torch.uint8, device=device)
     rows = []
-    for heads in args.heads.split(","):
+    ints = lambda text: [int(x) for x in text.split(",")]  # noqa: E731
+    for heads, batch, context in product(args.heads.split(","), ints(args.batch_sizes), ints(args.contexts)):
         q_heads, kv_heads = (int(x) for x in heads.split(":"))
-        for batch in [int(x) for x in args.batch_sizes.split(",")]:
-            for context in [int(x) for x in args.contexts.split(",")]:
-                pool = batch * (context // 16 + 1) * 2
-                inputs = paged_inputs(batch, q_heads, kv_heads, [context] * batch, pool, torch.bfloat16, device, 7)
-                q, k_cache, v_cache, indptr, indices, last = inputs
-                scale = 1 / math.sqrt(q.shape[-1])
-                # As tpserve's captured decode wrappers: fixed index buffers, tensor cores from GQA 4.
-                wrapper = flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-                    workspace, "NHD", use_tensor_cores=q_heads // kv_heads >= 4, use_cuda_graph=True,
-                    paged_kv_indptr_buffer=indptr.clone(), paged_kv_indices_buffer=indices.clone(),
-                    paged_kv_last_page_len_buffer=last.clone())
-                wrapper.plan(indptr.cpu(), indices.cpu(), last.cpu(), q_heads, kv_heads, 128, 16,
-                             q_data_type=torch.bfloat16)
-                kv = (k_cache, v_cache)
-                variants = {"flashinfer": lambda: wrapper.run(q, kv)}
-                for splits in [int(x) for x in args.splits.split(",")]:
-                    for one in (False, True):
-                        counter = torch.zeros(batch * kv_heads, dtype=torch.int32, device=device)
-                        variants[f"triton_s{splits}{'_one' if one else ''}"] = (
-                            lambda s=splits, o=one, c=counter: decode_attention(
-                                q, k_cache, v_cache, indptr, indices, last, scale, s, args.block_t, o, c))
-                expected = variants["flashinfer"]()
-                row = {"heads": heads, "batch": batch, "context": context}
-                for name, run in variants.items():
-                    try:
-                        diff = float((run().float() - expected.float()).abs().max())
-                        span = statistics.median(kernel_spans(run, args.reps, flush))
-                    except Exception as exc:  # noqa: BLE001 -- reported in the table, the others still run
-                        row[name] = f"{type(exc).__name__}: {exc}"[:80]
-                        continue
-                    row[name] = round(span, 2)
-                    if diff > 2e-2:
-                        row[name] = f"{span:.2f} WRONG (max diff {diff:.3f})"
-                rows.append(row)
-                print(row, flush=True)
+        variants = point_variants(args, workspace, q_heads, kv_heads, batch, context)
+        expected = variants["flashinfer"]()
+        row = {"heads": heads, "batch": batch, "context": context}
+        for name, run in variants.items():
+            try:
+                diff = float((run().float() - expected.float()).abs().max())
+                span = statistics.median(kernel_spans(run, args.reps, flush))
+            except Exception as exc:  # noqa: BLE001 -- reported in the table, the others still run
+                row[name] = f"{type(exc).__name__}: {exc}"[:80]
+                continue
+            row[name] = round(span, 2) if diff <= 2e-2 else f"{span:.2f} WRONG (max diff {diff:.3f})"
+        rows.append(row)
+        print(row, flush=True)
     return rows
 
 
@@ -315,9 +311,9 @@ def main() -> None:
         return
     if not torch.cuda.is_available():
         parser.error("needs a CUDA GPU (or --check with TRITON_INTERPRET=1)")
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/common.py
     rows = benchmark(args)
     columns = list(dict.fromkeys(k for r in rows for k in r))
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
     from common import print_table, write_json
 
     print("\nIn-graph span of one decode attention, us (L2 cold), median of", args.reps)

@@ -155,9 +155,14 @@ def silu_mul_enabled() -> bool:
     return os.environ.get(SILU_MUL_ENV, "1") != "0"
 
 
+def bf16_takes_gemv(x: torch.Tensor, use_gemv: bool) -> bool:
+    """Whether a bf16 layer with ``use_gemv`` (set at load) runs ``x`` through ``gemv``."""
+    return use_gemv and 0 < x.numel() // x.shape[-1] <= BF16_GEMV_TOKENS
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, use_gemv: bool, bias: torch.Tensor | None = None) -> torch.Tensor:
     """``F.linear``, through ``gemv`` up to ``BF16_GEMV_TOKENS`` tokens when ``use_gemv`` (set at load)."""
-    if use_gemv and 0 < x.numel() // x.shape[-1] <= BF16_GEMV_TOKENS:
+    if bf16_takes_gemv(x, use_gemv):
         y = gemv(x, weight)
         return y if bias is None else y + bias
     return torch.nn.functional.linear(x, weight, bias)

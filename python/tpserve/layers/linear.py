@@ -169,11 +169,10 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
         """SiLU(gate) * up of the two parts; in the GEMV's epilogue at the batches that take the GEMV."""
         if self.gemv_silu_mul:
-            m = x.numel() // x.shape[-1]
             if self.weight_scale_inv is None:
-                fused = self.bf16_gemv and 0 < m <= gemv.BF16_GEMV_TOKENS
+                fused = gemv.bf16_takes_gemv(x, self.bf16_gemv)
             else:
-                fused = kernel_for(self.fp8_backend, m) == "cuda"
+                fused = kernel_for(self.fp8_backend, x.numel() // x.shape[-1]) == "cuda"
             if fused and gemv.supported(x, self.weight, self.weight_scale_inv, silu_mul=True):
                 return gemv.gemv(x, self.weight, self.weight_scale_inv, silu_mul=True)
         return silu_and_mul(self(x))
