@@ -13,8 +13,8 @@
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
-# Next on one H200 (session 10 left them unrun): triton_attn (Triton split-KV decode attention vs FlashInfer's,
-# the kernel alone), then triton_attn_engine (whole batch-1 steps with it); ~10 minutes with the start.
+# Next on one H200: triton_tests triton_engine (the Triton decode kernel's engine test against torch attention,
+# unrun; whole steps with at most 32 splits), then xqa_tests (XQA after session 11's page-table refactor).
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [stage ...]}
 shift
@@ -136,7 +136,7 @@ for s in $stages; do
     xqa_small)  # the same at the small bf16 batches where auto's switch to the decode wrapper sits
       stage xqa_small 200 python3 benchmarks/experiments/xqa_decode.py --kv-dtypes bf16 --batch-sizes 1,4,8,16,32,48,64 \
         --out $results/xqa_decode_small.json ;;
-    xqa_tests) stage xqa_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_xqa.py tests/gpu/test_flashinfer_and_graphs.py \
+    xqa_tests) stage xqa_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_decode_kernels.py tests/gpu/test_flashinfer_and_graphs.py \
         tests/gpu/test_fp8_gpu.py::test_fp8_kv_cache_on_gpu ;;
     xqa_engine_tests)  # the engine tests whose batch-1 decode steps took XQA in session 8 (bf16, auto then)
       stage xqa_engine_tests 260 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_overlap.py tests/gpu/test_moe.py \
@@ -263,16 +263,17 @@ for s in $stages; do
     fusion8)  # Qwen3-8B batch 1, bf16 and FP8, with and without the SwiGLU epilogue; synchronous and pipelined steps
       stage fusion8 330 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \
         --silu-mul-off --pipelined --rounds 5 --batch-sizes 1 --out $results/fusion8.json ;;
-    triton_attn)  # decode attention at batch 1-8: split-KV Triton kernels vs FlashInfer's decode wrapper (session 10, unrun)
-      stage triton_attn 300 python3 benchmarks/experiments/triton_decode_attention.py --heads 32:8,32:4,64:8 \
-        --batch-sizes 1,4,8 --contexts 512,4096 --out $results/triton_decode_attention.json ;;
-    triton_attn_engine)  # whole batch-1 steps with the Triton split-KV attention vs FlashInfer's wrapper (unrun)
-      for one in "" --one-kernel; do
-        stage triton_attn_engine_a3b$one 200 python3 benchmarks/experiments/triton_attention_engine.py --model $a3b \
-          --splits 8 $one --out $results/triton_attention_engine_a3b$one.json
-      done
-      stage triton_attn_engine_8b 150 python3 benchmarks/experiments/triton_attention_engine.py \
-        --model tests/data/configs/Qwen3-8B --splits 8 --out $results/triton_attention_engine_8b.json ;;
+    triton_tests)  # the Triton decode kernel (attention/triton_decode.py) against torch and the decode wrapper, in graphs, in the engine
+      stage triton_tests 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_decode_kernels.py -k "not xqa" \
+        tests/gpu/test_flashinfer_and_graphs.py ;;
+    triton_attn)  # decode attention alone: the Triton kernel's settings vs FlashInfer's decode wrapper
+      stage triton_attn 240 python3 benchmarks/experiments/triton_decode_attention.py --heads 32:8,32:4,64:8 \
+        --batch-sizes 1,8,32 --contexts 512,4096,16384 --out $results/triton_decode_attention.json ;;
+    triton_engine)  # whole decode steps, --decode-attention flashinfer vs triton, Qwen3-8B and Qwen3-30B-A3B
+      stage triton_engine_8b 200 python3 benchmarks/experiments/triton_attention_engine.py \
+        --model tests/data/configs/Qwen3-8B --batch-sizes 1,8 --contexts 512,4096 --out $results/triton_engine_8b.json
+      stage triton_engine_a3b 240 python3 benchmarks/experiments/triton_attention_engine.py --model $a3b \
+        --batch-sizes 1 --contexts 512,4096 --out $results/triton_engine_a3b.json ;;  # batch 1: two A3B engines fit
     fp8_rounds_piped)  # issue 16's ratio, Qwen3-8B and 32B: both engines held, 5 rounds, synchronous and pipelined steps
       stage fp8_rounds_piped 320 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B \
         --fp8-gemms auto --pipelined --rounds 5 --batch-sizes 1 --out $results/fp8_rounds_piped.json ;;

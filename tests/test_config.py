@@ -85,3 +85,35 @@ def test_decode_attention_xqa_is_checked_before_start(qwen3_dir, two_gpus, monke
     capability[0], installed[0] = (9, 0), False
     with pytest.raises(ValueError, match="flashinfer package is not installed; use --decode-attention auto"):
         start()
+
+
+def test_decode_attention_triton_is_checked_before_start(qwen3_dir, two_gpus, monkeypatch):
+    """``--decode-attention triton`` where the kernel cannot run: one clear error naming the flag."""
+    import importlib.util
+
+    real_find_spec = importlib.util.find_spec
+    missing = [""]
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: None if name == missing[0] else object() if name == "flashinfer"
+                        else real_find_spec(name, *a))
+    model = ModelConfig.from_pretrained(qwen3_dir)
+
+    def start(**overrides) -> None:
+        config = EngineConfig(model=qwen3_dir, device="cuda", decode_attention="triton",
+                              **{"dtype": "bfloat16", **overrides})
+        check_can_start(config, model, cli=True)
+
+    start()  # any CUDA GPU, bf16 pages, head_dim 128 (a power of two): fine, not only on Hopper
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (8, 0))
+    start()
+    for overrides, fragment in (
+        ({"kv_cache_dtype": "fp8_e4m3"}, "--decode-attention triton: the Triton decode kernel reads bfloat16/float16 "
+                                         "pages, not FP8 (XQA does); use --decode-attention auto"),
+        ({"dtype": "float32"}, "the Triton decode kernel takes bfloat16 or float16 queries"),
+        ({"attention_backend": "torch"}, "the Triton decode kernel is a kernel of the flashinfer attention backend"),
+    ):
+        with pytest.raises(ValueError, match=re.escape(fragment)):
+            start(**overrides)
+    missing[0] = "triton"
+    with pytest.raises(ValueError, match="the triton package is not installed"):
+        start()

@@ -37,7 +37,7 @@ CHOICES = {
     "cache": ("radix", "naive"),
     "schedule_policy": ("fcfs", "lpm"),
     "attention_backend": ("auto", "flashinfer", "torch"),
-    "decode_attention": ("auto", "flashinfer", "xqa"),
+    "decode_attention": ("auto", "flashinfer", "xqa", "triton"),
     "all_reduce": ("auto", "nccl", "one_shot", "two_shot", "fused"),
     "kv_cache_dtype": ("auto", "fp8_e4m3"),
 }
@@ -307,7 +307,7 @@ class EngineConfig:
     dist_init_addr: str | None = None  # tcp://HOST:PORT: chosen by the parent on one node, given across nodes
     attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed
     # The flashinfer backend's decode kernel: auto (XQA on Hopper for FP8 KV caches; attention/xqa.py),
-    # flashinfer (its decode wrapper), xqa (always; Hopper only)
+    # flashinfer (its decode wrapper), xqa (always; Hopper only), triton (attention/triton_decode.py)
     decode_attention: str = "auto"
     disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
@@ -381,20 +381,27 @@ def _option(name: str, value: Any, cli: bool) -> str:
     return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
 
 
-def _xqa_unsupported(engine: EngineConfig, model: ModelConfig, device: str) -> str | None:
-    """Why the XQA decode kernel cannot serve this engine, or None (the backend checks again)."""
-    from tpserve.attention.xqa import shape_unsupported_reason
-
+def _decode_kernel_unsupported(engine: EngineConfig, model: ModelConfig, device: str) -> str | None:
+    """Why the decode kernel asked for (xqa or triton) cannot serve this engine, or None (the
+    backend checks again)."""
+    name = "XQA" if engine.decode_attention == "xqa" else "the Triton decode kernel"
     if engine.attention_backend == "torch" or device != "cuda":
-        return "XQA is a kernel of the flashinfer attention backend, on CUDA"
+        return f"{name} is a kernel of the flashinfer attention backend, on CUDA"
     if resolve_dtype(engine.dtype, model, torch.device(device)) not in FLASHINFER_DTYPES:
-        return "XQA takes bfloat16 or float16 queries"
-    if torch.cuda.get_device_capability()[0] != 9:
+        return f"{name} takes bfloat16 or float16 queries"
+    if engine.decode_attention == "xqa" and torch.cuda.get_device_capability()[0] != 9:
         return "XQA decode runs here on Hopper (sm90) GPUs only"
-    if importlib.util.find_spec("flashinfer") is None:
-        return "the flashinfer package is not installed"
-    kv_heads = max(1, model.num_key_value_heads // engine.tp_size)
-    return shape_unsupported_reason(engine.page_size, model.head_dim, model.num_attention_heads // engine.tp_size, kv_heads)
+    for package in ("flashinfer",) if engine.decode_attention == "xqa" else ("flashinfer", "triton"):
+        if importlib.util.find_spec(package) is None:
+            return f"the {package} package is not installed"
+    heads, kv_heads = model.num_attention_heads // engine.tp_size, max(1, model.num_key_value_heads // engine.tp_size)
+    if engine.decode_attention == "xqa":
+        from tpserve.attention.xqa import shape_unsupported_reason
+
+        return shape_unsupported_reason(engine.page_size, model.head_dim, heads, kv_heads)
+    from tpserve.attention.triton_decode import unsupported_reason
+
+    return unsupported_reason(model.head_dim, heads, kv_heads, engine.kv_cache_dtype == "fp8_e4m3")
 
 
 def _has_safetensors(model_dir: str) -> bool:
@@ -437,11 +444,12 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
                 f"not on {device} in {str(dtype).removeprefix('torch.')}; use "
                 f"{_option('attention_backend', 'auto', cli)} (torch attention where FlashInfer cannot run)"
             )
-    if engine.decode_attention == "xqa":
-        reason = _xqa_unsupported(engine, model, device)
+    if engine.decode_attention in ("xqa", "triton"):
+        reason = _decode_kernel_unsupported(engine, model, device)
         if reason is not None:
             raise ValueError(
-                f"{_option('decode_attention', 'xqa', cli)}: {reason}; use {_option('decode_attention', 'auto', cli)}"
+                f"{_option('decode_attention', engine.decode_attention, cli)}: {reason}; "
+                f"use {_option('decode_attention', 'auto', cli)}"
             )
     if engine.load_format != "dummy" and not _has_safetensors(engine.model):
         raise ValueError(

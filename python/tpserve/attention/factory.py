@@ -41,6 +41,8 @@ def create_backend(
         return FlashInferAttentionBackend(
             pool, num_heads, num_kv_heads, head_dim, device, fused_rope_store, decode_kernel=decode_attention
         )
-    if decode_attention == "xqa":
-        raise ValueError("decode attention xqa is a kernel of the flashinfer attention backend, which is not in use")
+    if decode_attention in ("xqa", "triton"):
+        raise ValueError(
+            f"decode attention {decode_attention} is a kernel of the flashinfer attention backend, which is not in use"
+        )
     return TorchAttentionBackend(pool, num_heads, num_kv_heads, head_dim, fused_rope_store)

@@ -1,9 +1,10 @@
 """Paged attention through FlashInfer's prefill and decode wrappers (the CUDA default).
 
-A step of one-token sequences runs the decode wrapper, or XQA where that is faster
-(``attention/xqa.py``); any other step runs the causal prefill wrapper for all, decodes included.
-Each CUDA graph batch size has its own fixed-address decode wrapper (or XQA inputs), re-planned
-before every replay with the batch padded by one-token sequences on the scratch page 0.
+A step of one-token sequences runs a decode kernel: FlashInfer's decode wrapper, or one that reads
+a dense page table where that is faster, XQA (``attention/xqa.py``) or Triton's
+(``attention/triton_decode.py``). Any other step runs the causal prefill wrapper for all, decodes
+included. Each CUDA graph batch size has its own fixed-address decode wrapper (or dense table),
+re-planned before every replay with the batch padded by one-token sequences on the scratch page 0.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import numpy as np
 import torch
 
 from tpserve.attention import xqa
+from tpserve.attention.page_table import TableDecodeKernel, TableMetadata, dense_page_table
 from tpserve.attention.base import AttentionBackend
 from tpserve.config import FLASHINFER_DTYPES
 from tpserve.forward import SequenceInput, check_page_tables
@@ -164,14 +166,17 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
         )
-        self.xqa = self._make_xqa(decode_kernel)  # when set, every decode step runs XQA
-        self._graph_xqa: tuple[torch.Tensor, torch.Tensor] | None = None  # XQA's page table and lengths
+        self.table_decode = self._make_table_decode(decode_kernel)  # when set, decode steps run it
+        self._graph_table: tuple[torch.Tensor, torch.Tensor] | None = None  # dense page table and lengths
         self._graph_indices: torch.Tensor | None = None  # page ids of graph batches, shared by size
         self._planned: torch.cuda.Event | None = None  # the last plan's copies are enqueued
         self._staging = PinnedStaging()
 
-    def _make_xqa(self, decode_kernel: str) -> xqa.XqaDecode | None:
-        """XQA when asked for, or under ``auto`` over an FP8 cache (see ``attention/xqa.py``)."""
+    def _make_table_decode(self, decode_kernel: str) -> TableDecodeKernel | None:
+        """XQA when asked for or under ``auto`` over an FP8 cache (``attention/xqa.py``); Triton's
+        kernel when asked for; None for FlashInfer's decode wrapper."""
+        if decode_kernel == "triton":
+            return self._make_triton_decode()
         if decode_kernel == "flashinfer" or (decode_kernel == "auto" and not self.pool.fp8):
             return None
         reason = xqa.unsupported_reason(
@@ -188,10 +193,18 @@ class FlashInferAttentionBackend(AttentionBackend):
             raise ValueError(f"decode attention xqa: {reason}; use auto or flashinfer")
         return None
 
+    def _make_triton_decode(self) -> TableDecodeKernel:
+        from tpserve.attention import triton_decode
+
+        reason = triton_decode.unsupported_reason(self.head_dim, self.num_heads, self.num_kv_heads, self.pool.fp8)
+        if reason is not None:
+            raise ValueError(f"decode attention triton: {reason}; use auto or flashinfer")
+        return triton_decode.TritonDecode(self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.device)
+
     def describe(self) -> str:
         pages = "FP8" if self.pool.fp8 else str(self.pool.dtype).removeprefix("torch.")
-        decode = "FlashInfer's decode wrapper" if self.xqa is None else "XQA"
-        return f"FlashInfer attention over {pages} pages (decode: {decode})"
+        kernels = {"NoneType": "FlashInfer's decode wrapper", "XqaDecode": "XQA", "TritonDecode": "Triton's split-KV"}
+        return f"FlashInfer attention over {pages} pages (decode: {kernels[type(self.table_decode).__name__]})"
 
     def _wait_for_last_plan(self) -> None:
         """The previous plan's queued copies may still read the staging buffer (and FlashInfer's
@@ -203,8 +216,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._wait_for_last_plan()
         return self._staging.stage(layout)
 
-    def _stage_xqa(self, seqs: list[SequenceInput], pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
-        table, lens = xqa.dense_page_table(seqs, self.pool.page_size, pad_to)
+    def _stage_table(self, seqs: list[SequenceInput], pad_to: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        table, lens = dense_page_table(seqs, self.pool.page_size, pad_to)
         self._wait_for_last_plan()
         staged_table, staged_lens = self._staging.stage_arrays(torch.from_numpy(table), torch.from_numpy(lens))
         return staged_table, staged_lens
@@ -214,12 +227,12 @@ class FlashInferAttentionBackend(AttentionBackend):
         self._planned = torch.cuda.Event()
         self._planned.record()
 
-    def prepare(self, seqs: list[SequenceInput], device: torch.device) -> FlashInferMetadata | xqa.XqaMetadata:
+    def prepare(self, seqs: list[SequenceInput], device: torch.device) -> FlashInferMetadata | TableMetadata:
         decode = all(len(s.token_ids) == 1 for s in seqs)
-        if decode and self.xqa is not None:
-            table, lens = self._stage_xqa(seqs)
-            meta = xqa.XqaMetadata(
-                self.xqa, table.to(self.device, non_blocking=True), lens.to(self.device, non_blocking=True)
+        if decode and self.table_decode is not None:
+            table, lens = self._stage_table(seqs)
+            meta = TableMetadata(
+                self.table_decode, table.to(self.device, non_blocking=True), lens.to(self.device, non_blocking=True)
             )
             self._mark_planned()
             return meta
@@ -259,23 +272,23 @@ class FlashInferAttentionBackend(AttentionBackend):
             kv_data_type=self.pool.dtype,
         )
 
-    def attend(self, layer: int, q: torch.Tensor, meta: FlashInferMetadata | xqa.XqaMetadata) -> torch.Tensor:
+    def attend(self, layer: int, q: torch.Tensor, meta: FlashInferMetadata | TableMetadata) -> torch.Tensor:
         return meta.attend(q, self.pool.k[layer], self.pool.v[layer])
 
     # ---- CUDA graphs (decode only) ----
-    def cuda_graph_metadata(self, batch_size: int, max_pages_per_seq: int) -> FlashInferMetadata | xqa.XqaMetadata:
-        """A decode wrapper (or XQA's inputs) with fixed-address buffers for one graph batch size."""
-        if self.xqa is not None:
+    def cuda_graph_metadata(self, batch_size: int, max_pages_per_seq: int) -> FlashInferMetadata | TableMetadata:
+        """A decode wrapper (or a dense table) with fixed-address buffers for one graph batch size."""
+        if self.table_decode is not None:
             # One table for every size, as the page-id buffer below: one graph replays at a time.
-            if self._graph_xqa is None:
-                self._graph_xqa = (
+            if self._graph_table is None:
+                self._graph_table = (
                     torch.zeros((batch_size, max_pages_per_seq), dtype=torch.int32, device=self.device),
                     torch.ones(batch_size, dtype=torch.int32, device=self.device),
                 )
-            table, lens = self._graph_xqa
+            table, lens = self._graph_table
             if table.shape[0] < batch_size:
-                raise RuntimeError("capture CUDA graphs largest batch first (the XQA page table is shared)")
-            return xqa.XqaMetadata(self.xqa, table[:batch_size], lens[:batch_size])
+                raise RuntimeError("capture CUDA graphs largest batch first (the dense page table is shared)")
+            return TableMetadata(self.table_decode, table[:batch_size], lens[:batch_size])
         capacity = batch_size * max_pages_per_seq
         if self._graph_indices is None or self._graph_indices.numel() < capacity:
             if self._graph_indices is not None:
@@ -294,10 +307,10 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     @torch.inference_mode()  # the buffers were made during capture, in inference mode
     def plan_cuda_graph(
-        self, seqs: list[SequenceInput], meta: FlashInferMetadata | xqa.XqaMetadata, batch_size: int
+        self, seqs: list[SequenceInput], meta: FlashInferMetadata | TableMetadata, batch_size: int
     ) -> None:
-        if isinstance(meta, xqa.XqaMetadata):
-            table, lens = self._stage_xqa(seqs, pad_to=batch_size)
+        if isinstance(meta, TableMetadata):
+            table, lens = self._stage_table(seqs, pad_to=batch_size)
             # Columns past this step's longest sequence keep stale ids that no length reaches.
             meta.page_table[:, : table.shape[1]].copy_(table, non_blocking=True)
             meta.seq_lens.copy_(lens, non_blocking=True)

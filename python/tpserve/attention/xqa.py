@@ -6,23 +6,21 @@ error against fp32, the decode wrapper 0.1%) and takes 0.53-0.73x the wrapper's 
 were not faster (0.94-1.16x; with the graphs' ``max_model_len``-wide page table bf16 XQA alone is
 1.1-1.4x slower, FP8 is not; docs/benchmarks.md). So ``auto`` takes XQA for FP8 caches only.
 
-XQA reads a dense page table ``[batch, pages]`` and lengths, not FlashInfer's CSR table. Its
-workspace starts with semaphores that every call leaves at zero: a buffer of its own.
+XQA reads a dense page table ``[batch, pages]`` and lengths (``attention/page_table.py``), not
+FlashInfer's CSR table. Its workspace starts with semaphores that every call leaves at zero: a
+buffer of its own.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
-from dataclasses import dataclass
 from importlib import import_module
-from itertools import chain
 from types import ModuleType
 from typing import TYPE_CHECKING
 
-import numpy as np
 import torch
 
-from tpserve.forward import SequenceInput, check_page_tables
+from tpserve.attention.page_table import TableMetadata
 
 if TYPE_CHECKING:
     from tpserve.kvcache.pool import KVCachePool
@@ -62,37 +60,6 @@ def xqa_function() -> Callable | None:
         return None
 
 
-def dense_page_table(seqs: list[SequenceInput], page_size: int, pad_to: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """``[rows, max pages]`` page ids (int32) and lengths of ``seqs``' caches after this step;
-    rows past ``len(seqs)`` (up to ``pad_to``) are one-token sequences on the scratch page 0."""
-    batch, rows = len(seqs), max(len(seqs), pad_to)
-    lens = np.ones(rows, dtype=np.int32)
-    lens[:batch] = [s.seq_len for s in seqs]
-    check_page_tables(seqs, lens[:batch], page_size)
-    pages = -(-lens // page_size)
-    table = np.zeros((rows, int(pages.max()) if rows else 1), dtype=np.int32)
-    used = pages[:batch]
-    # One pass over the page lists, then a masked scatter: 0.6 against 0.85 ms at 256 sequences.
-    flat = np.fromiter(
-        chain.from_iterable(s.page_table[:n] for s, n in zip(seqs, used.tolist())), dtype=np.int32, count=int(used.sum())
-    )
-    table[:batch][np.arange(table.shape[1]) < used[:, None]] = flat
-    return table, lens
-
-
-@dataclass
-class XqaMetadata:
-    """A decode step's XQA inputs on the device. The table's width caps how many blocks XQA splits
-    a sequence over; a graph's table is as wide as a sequence may grow, each step fills its start."""
-
-    kernel: XqaDecode
-    page_table: torch.Tensor  # [batch, pages] int32
-    seq_lens: torch.Tensor  # [batch] int32
-
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        return self.kernel.run(q, k_cache, v_cache, self)
-
-
 class XqaDecode:
     """XQA over one engine's cache: its kernel, built at start-up, and its own workspace."""
 
@@ -111,7 +78,7 @@ class XqaDecode:
         self.workspace = torch.zeros(SEMAPHORE_BYTES + SCRATCH_BYTES, dtype=torch.uint8, device=device)
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: XqaMetadata) -> torch.Tensor:
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TableMetadata) -> torch.Tensor:
         q = q.contiguous()
         out = torch.empty_like(q)
         self.kernel(

@@ -1,11 +1,11 @@
-"""XQA's inputs built on the host (``attention/xqa.py``): the dense page table and lengths."""
+"""The dense page table that XQA and the Triton decode kernel read (``attention/page_table.py``)."""
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
 
-from tpserve.attention.xqa import dense_page_table
+from tpserve.attention.page_table import dense_page_table
 from tpserve.forward import SequenceInput
 
 

@@ -1,0 +1,192 @@
+"""Split-KV decode attention in Triton over a dense page table (``attention/page_table.py``).
+
+Why: at small batches FlashInfer's decode wrapper is latency-bound. In a batch-1 graph step on an
+H200 it takes 8.5-9.3 us plus 2.3-2.5 us of split merging per layer for 1 MB of KV, which takes
+0.25 us to read (docs/benchmarks.md, "Where a batch-1 step goes").
+
+The grid is (batch, kv heads, splits), the splits chosen from the batch size so that the grid fills
+the GPU (``splits_for``). Each program takes the GQA group's query heads (padded to 16 rows for
+``tl.dot``) over one split of its sequence, CHUNK tokens a step, with an online softmax. How many
+splits a sequence uses follows its length inside the kernel: at least CHUNK tokens a split, so a
+graph captured once serves every context length, and programs past a short sequence's splits
+return at once. A sequence of one split writes its output directly. Otherwise the program that
+finishes last merges the partials: an atomic counter tells it that it is last, and it sets the
+counter back to zero (so graph replays need no memset).
+
+On one H200, alone (benchmarks/experiments/triton_decode_attention.py, L2 cold, session 11): 0.53-0.86x
+the wrapper's time at batch 1-8 and context 512, 0.74x at batch 1 and context 4096 with 32:8 heads,
+0.90-1.00x at batch 8-32 from 4096 to 16k tokens; slower at batch 1 and 16k with 4 KV heads (1.13x).
+``--decode-attention triton`` picks it; ``auto`` does not yet (docs/benchmarks.md).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import triton
+import triton.language as tl
+
+from tpserve.attention.page_table import TableMetadata
+
+CHUNK = 32  # tokens a program reads per step
+PROGRAMS_PER_SM = 2  # splits fill the GPU this many (sequence, kv head, split) programs deep
+MAX_SPLITS = 32  # programs per (sequence, kv head) at most (64 was slower at batch 1: experiment)
+MERGE_UNROLL = 16  # splits the merge loads at once
+
+
+@triton.jit
+def _merge_splits(part_out_ptr, part_ml_ptr, out_ptr, first, splits, b, h, stride_ob, stride_oh,
+                  GROUP: tl.constexpr, G_MERGE: tl.constexpr, HEAD_DIM: tl.constexpr, MAX_SPLITS: tl.constexpr,
+                  UNROLL: tl.constexpr):
+    """Every split's max in one load, then UNROLL splits' partials a loop step, their loads issued
+    together: each loop step waits one L2 round trip. (A plain loop over the splits waits one per
+    split, and [splits, head_dim] tiles reduced across warps per query head were 3-8 us slower at
+    8-16 splits on an H200: benchmarks/experiments/triton_decode_attention.py.)"""
+    g = tl.arange(0, G_MERGE)  # the group's query heads to a power of two (not to tl.dot's 16 rows)
+    d = tl.arange(0, HEAD_DIM)
+    sp = tl.arange(0, MAX_SPLITS)
+    real = g < GROUP
+    both = (sp < splits)[:, None] & real[None, :]
+    m = tl.load(part_ml_ptr + (first + sp[:, None] * GROUP + g[None, :]) * 2, mask=both, other=-float("inf"),
+                cache_modifier=".cg")
+    big_m = tl.max(m, axis=0)
+    total = tl.zeros([G_MERGE], dtype=tl.float32)
+    acc = tl.zeros([G_MERGE, HEAD_DIM], dtype=tl.float32)
+    for base in range(0, splits, UNROLL):
+        for j in tl.static_range(UNROLL):
+            rows = first + (base + j) * GROUP + g
+            live = real & (g * 0 + base + j < splits)
+            m_j = tl.load(part_ml_ptr + rows * 2, mask=live, other=-float("inf"), cache_modifier=".cg")
+            weight = tl.where(live, tl.exp2(m_j - big_m), 0.0)
+            total += weight * tl.load(part_ml_ptr + rows * 2 + 1, mask=live, other=0.0, cache_modifier=".cg")
+            o_j = tl.load(part_out_ptr + rows[:, None] * HEAD_DIM + d[None, :], mask=live[:, None], other=0.0,
+                          cache_modifier=".cg")
+            acc += o_j * weight[:, None]
+    out_rows = out_ptr + b * stride_ob + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
+    tl.store(out_rows, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=real[:, None])
+
+
+@triton.jit
+def _decode_kernel(
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_out_ptr, part_ml_ptr, counter_ptr, out_ptr, scale_log2,
+    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
+    KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, G_MERGE: tl.constexpr, HEAD_DIM: tl.constexpr,
+    PAGE: tl.constexpr, CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr, MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr,
+):
+    b = tl.program_id(0)
+    h = tl.program_id(1)
+    s = tl.program_id(2)
+    grid_splits = tl.num_programs(2)  # a launch argument, so one compiled kernel serves every batch size
+    seq_len = tl.load(lens_ptr + b)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, grid_splits), CHUNK), 1) * CHUNK
+    splits = tl.cdiv(seq_len, per_split)
+    if s < splits:
+        g = tl.arange(0, G_PAD)
+        d = tl.arange(0, HEAD_DIM)
+        real = (g < GROUP)[:, None]
+        q_rows = q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_rows, mask=real, other=0.0)
+        t_end = tl.minimum(seq_len, (s + 1) * per_split)
+        big_m = tl.full([G_PAD], -float("inf"), tl.float32)
+        total = tl.zeros([G_PAD], dtype=tl.float32)
+        acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
+        offs = s * per_split + tl.arange(0, CHUNK)
+        page = tl.load(table_ptr + b * stride_tb + offs // PAGE, mask=offs < t_end, other=0)
+        for t in range(s * per_split, t_end, CHUNK):
+            ok = offs < t_end
+            rows = (page.to(tl.int64) * stride_kp + (offs % PAGE) * stride_ks + h * stride_kh)[:, None] + d[None, :]
+            k = tl.load(k_ptr + rows, mask=ok[:, None], other=0.0)
+            v = tl.load(v_ptr + rows, mask=ok[:, None], other=0.0)
+            # The next step's page ids, issued before this step's math (they lead its loads).
+            offs += CHUNK
+            page = tl.load(table_ptr + b * stride_tb + offs // PAGE, mask=offs < t_end, other=0)
+            if IEEE:  # float32 (the CPU check under TRITON_INTERPRET=1)
+                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+            else:
+                scores = tl.dot(q, tl.trans(k))
+            scores = tl.where(ok[None, :], scores * scale_log2, -float("inf"))
+            new_m = tl.maximum(big_m, tl.max(scores, axis=1))
+            p = tl.exp2(scores - new_m[:, None])
+            alpha = tl.exp2(big_m - new_m)
+            if IEEE:
+                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+            else:
+                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+            total = total * alpha + tl.sum(p, axis=1)
+            big_m = new_m
+        out_rows = out_ptr + b * stride_ob + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
+        if splits == 1:
+            tl.store(out_rows, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=real)
+        else:
+            first = (b * KV_HEADS + h) * grid_splits * GROUP
+            part = first + s * GROUP + g
+            tl.store(part_out_ptr + part[:, None] * HEAD_DIM + d[None, :], acc, mask=real)
+            tl.store(part_ml_ptr + part * 2, big_m, mask=g < GROUP)
+            tl.store(part_ml_ptr + part * 2 + 1, total, mask=g < GROUP)
+            tl.debug_barrier()  # every thread's partials are written before the release below
+            counter = counter_ptr + b * KV_HEADS + h
+            if tl.atomic_add(counter, 1, sem="acq_rel") == splits - 1:
+                _merge_splits(part_out_ptr, part_ml_ptr, out_ptr, first, splits, b, h, stride_ob, stride_oh,
+                              GROUP, G_MERGE, HEAD_DIM, MAX_SPLITS, MERGE_UNROLL)
+                tl.store(counter, 0)
+
+
+def splits_for(batch: int, num_kv_heads: int, sm_count: int, max_splits: int = MAX_SPLITS) -> int:
+    """Programs per (sequence, kv head): enough for PROGRAMS_PER_SM programs per SM (a power of
+    two, at least 2 so that long sequences still split at large batches)."""
+    wanted = -(-PROGRAMS_PER_SM * sm_count // (batch * num_kv_heads))
+    return max(2, min(max_splits, triton.next_power_of_2(wanted)))
+
+
+def unsupported_reason(head_dim: int, num_heads: int, num_kv_heads: int, fp8_cache: bool) -> str | None:
+    """Why the kernel cannot take this cache layout, or None when it can."""
+    if fp8_cache:
+        return "the Triton decode kernel reads bfloat16/float16 pages, not FP8 (XQA does)"
+    if head_dim & (head_dim - 1) or not 16 <= head_dim <= 256:
+        return f"the Triton decode kernel takes a power-of-two head_dim from 16 to 256, not {head_dim}"
+    if num_heads % num_kv_heads:
+        return f"{num_heads} query heads do not group over {num_kv_heads} KV heads"
+    return None
+
+
+class TritonDecode:
+    """The kernel over one engine's cache, with its merge counters (zero between calls)."""
+
+    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device,
+                 max_batch: int = 4096, chunk: int = CHUNK, max_splits: int = MAX_SPLITS, num_warps: int = 4,
+                 merge_unroll: int = MERGE_UNROLL) -> None:
+        if max_splits & (max_splits - 1) or chunk & (chunk - 1):
+            raise ValueError(f"max_splits and chunk must be powers of two, not {max_splits} and {chunk}")
+        self.group = num_heads // num_kv_heads
+        self.g_pad = max(16, triton.next_power_of_2(self.group))
+        self.num_kv_heads = num_kv_heads
+        self.scale_log2 = scale * math.log2(math.e)  # the kernel's softmax runs in base 2
+        self.chunk, self.max_splits, self.num_warps, self.merge_unroll = chunk, max_splits, num_warps, merge_unroll
+        self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 32
+        self.counters = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
+        self._retired: list[torch.Tensor] = []  # smaller counters that captured graphs may still use
+
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TableMetadata) -> torch.Tensor:
+        """out [B, Hq, D] of q [B, Hq, D] over the caches [pages, page_size, Hkv, D]."""
+        batch, _, head_dim = q.shape
+        q = q.contiguous()
+        if batch * self.num_kv_heads > self.counters.numel():
+            if torch.cuda.is_current_stream_capturing():
+                raise RuntimeError("capture CUDA graphs largest batch first (the merge counters are shared)")
+            self._retired.append(self.counters)
+            self.counters = torch.zeros(batch * self.num_kv_heads, dtype=torch.int32, device=q.device)
+        splits = splits_for(batch, self.num_kv_heads, self.sm_count, self.max_splits)
+        rows = batch * self.num_kv_heads * splits * self.group
+        part_out = torch.empty(rows, head_dim, dtype=torch.float32, device=q.device)
+        part_ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
+        out = torch.empty_like(q)
+        _decode_kernel[(batch, self.num_kv_heads, splits)](
+            q, k_cache, v_cache, meta.page_table, meta.seq_lens, part_out, part_ml, self.counters, out,
+            self.scale_log2, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            meta.page_table.stride(0), out.stride(0), out.stride(1),
+            KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.g_pad, G_MERGE=triton.next_power_of_2(self.group),
+            HEAD_DIM=head_dim, PAGE=k_cache.shape[1], CHUNK=self.chunk, MAX_SPLITS=self.max_splits,
+            MERGE_UNROLL=self.merge_unroll, IEEE=q.dtype == torch.float32, num_warps=self.num_warps,
+        )
+        return out

@@ -1,0 +1,115 @@
+"""attention/triton_decode.py: the split-KV decode kernel against float64 attention in Triton's CPU
+interpreter, and each of its launches compiled for Hopper (sm_90) on the CPU, so a GPU run starts
+from a kernel that compiles. The kernel on a GPU, in the engine and in CUDA graphs:
+tests/gpu/test_decode_kernels.py. Skipped where triton is missing (it comes with torch on Linux)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+pytest.importorskip("triton")
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+# (query heads, kv heads, head_dim, lengths, CHUNK, most splits): one token (one split, written
+# directly); splits merged by the last program; GQA 1, 4, 5 (not a power of two) and 8; lengths
+# on and off page and step edges; more tokens than CHUNK x splits (several steps a split); more
+# splits than the merge loads at once (10). On the CPU the kernel takes 32 SMs (splits_for).
+CASES = [
+    (4, 4, 32, [1], 16, 4),
+    (8, 2, 32, [37, 5], 16, 4),
+    (8, 1, 32, [100, 16], 16, 8),
+    (10, 2, 32, [16, 33, 70], 16, 2),
+    (16, 2, 32, [300], 16, 16),
+    (8, 2, 128, [129, 64], 64, 32),
+]
+PAGE = 16
+
+
+def paged_case(q_heads: int, kv_heads: int, head_dim: int, lengths: list[int], dtype: torch.dtype, seed: int):
+    """q, caches, and a dense table wider than needed whose unused columns hold stale page ids."""
+    from tpserve.attention.page_table import TableMetadata  # noqa: F401 -- the type the kernel reads
+
+    gen = torch.Generator().manual_seed(seed)
+    pool = sum(-(-n // PAGE) for n in lengths) + 8
+    q = torch.randn(len(lengths), q_heads, head_dim, generator=gen).to(dtype)
+    k_cache, v_cache = (torch.randn(pool, PAGE, kv_heads, head_dim, generator=gen).to(dtype) for _ in range(2))
+    order = torch.randperm(pool, generator=gen).to(torch.int32)
+    table = order[torch.randint(0, pool, (len(lengths), max(-(-n // PAGE) for n in lengths) + 3), generator=gen)]
+    used = 0
+    for row, n in enumerate(lengths):
+        pages = -(-n // PAGE)
+        table[row, :pages] = order[used : used + pages]
+        used += pages
+    return q, k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.int32)
+
+
+def reference(q, k_cache, v_cache, table, lens, scale: float) -> torch.Tensor:
+    out = torch.empty(q.shape, dtype=torch.float64)
+    group = q.shape[1] // k_cache.shape[2]
+    for b, n in enumerate(lens.tolist()):
+        pages = table[b, : -(-n // PAGE)].long()
+        k, v = (c[pages].flatten(0, 1)[:n].double().repeat_interleave(group, dim=1) for c in (k_cache, v_cache))
+        weights = (torch.einsum("hd,thd->ht", q[b].double(), k) * scale).softmax(dim=-1)
+        out[b] = torch.einsum("ht,thd->hd", weights, v)
+    return out
+
+
+def interpreter_check(launches: str) -> None:
+    """Run under TRITON_INTERPRET=1: float32 against float64, each case twice (the merge counters
+    must be back at zero for the second call), then the bf16 launches the GPU runs, recorded into
+    ``launches`` for the Hopper compile."""
+    from hopper_compile import record_launches
+
+    from tpserve.attention.page_table import TableMetadata
+    from tpserve.attention.triton_decode import TritonDecode
+
+    for i, (q_heads, kv_heads, head_dim, lengths, chunk, splits) in enumerate(CASES):
+        q, k_cache, v_cache, table, lens = paged_case(q_heads, kv_heads, head_dim, lengths, torch.float32, seed=i)
+        scale = head_dim**-0.5
+        kernel = TritonDecode(q_heads, kv_heads, head_dim, scale, torch.device("cpu"), max_batch=len(lengths),
+                              chunk=chunk, max_splits=splits)
+        expected = reference(q, k_cache, v_cache, table, lens, scale)
+        for call in range(2):
+            got = TableMetadata(kernel, table, lens).attend(q, k_cache, v_cache)
+            err = float((got.double() - expected).abs().max())
+            assert err < 1e-5, f"case {i} call {call}: max error {err:.2e}"
+            assert not kernel.counters.any(), f"case {i}: a merge counter was left non-zero"
+    record_launches(launches)
+    for q_heads, kv_heads, lengths in ((32, 4, [40, 1000]), (8, 1, [3000])):  # 2 and 64 splits (32 "SMs")
+        q, k_cache, v_cache, table, lens = paged_case(q_heads, kv_heads, 128, lengths, torch.bfloat16, seed=9)
+        kernel = TritonDecode(q_heads, kv_heads, 128, 128**-0.5, torch.device("cpu"), max_batch=len(lengths))
+        TableMetadata(kernel, table, lens).attend(q, k_cache, v_cache)
+    print("ok")
+
+
+def test_kernel_matches_float64_and_compiles_for_hopper(tmp_path):
+    launches = str(tmp_path / "launches.jsonl")
+    paths = [os.path.join(ROOT, "tests", "kernels"), HERE, os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    script = f"import test_triton_decode; test_triton_decode.interpreter_check({launches!r})"
+    run = subprocess.run([sys.executable, "-c", script], env={**env, "TRITON_INTERPRET": "1"},
+                         capture_output=True, text=True, timeout=600, check=False)
+    assert run.returncode == 0 and run.stdout.strip().endswith("ok"), run.stdout + run.stderr
+    with open(launches) as f:
+        kernels = {line.split('"kernel": ')[1].split('"')[1] for line in f}
+    assert kernels == {"_decode_kernel"}
+    env.pop("TRITON_INTERPRET", None)
+    compiled = subprocess.run([sys.executable, os.path.join(ROOT, "tests", "kernels", "hopper_compile.py"), launches],
+                              env=env, capture_output=True, text=True, timeout=600, check=False)
+    assert compiled.returncode == 0 and compiled.stdout.strip().endswith("ok"), compiled.stdout + compiled.stderr
+
+
+def test_unsupported_layouts_are_named():
+    from tpserve.attention.triton_decode import unsupported_reason
+
+    assert unsupported_reason(128, 32, 8, fp8_cache=False) is None
+    assert "not 96" in unsupported_reason(96, 32, 8, fp8_cache=False)
+    assert "do not group" in unsupported_reason(128, 30, 8, fp8_cache=False)
+    assert "not FP8" in unsupported_reason(128, 32, 8, fp8_cache=True)
