@@ -142,7 +142,7 @@ def main() -> None:
         "--modes", default="graph,eager",
         help="graph (CUDA graphs), eager, pipelined (a Scheduler with overlap scheduling, graphs when captured)",
     )
-    parser.add_argument("--decode-attention", default="auto", help="auto | flashinfer | xqa (the flashinfer backend's decode kernel)")
+    parser.add_argument("--decode-attention", default="auto", help="auto | flashinfer | xqa | triton (the flashinfer backend's decode kernel)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8_e4m3")
     args, modes = parse_timing_args(parser)
 

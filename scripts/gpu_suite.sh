@@ -14,7 +14,8 @@
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 # Next on one H200: triton_tests triton_engine (the Triton decode kernel's engine test against torch attention,
-# unrun; whole steps with at most 32 splits), then xqa_tests (XQA after session 11's page-table refactor).
+# unrun; whole steps with at most 32 splits), xqa_tests (XQA after session 11's page-table refactor), host_a3b (the
+# A3B batch-1 pipelined step is 0.26 ms over its graph and barely moved when the Triton kernel cut 0.25 ms of GPU time).
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [stage ...]}
 shift
@@ -266,6 +267,11 @@ for s in $stages; do
     triton_tests)  # the Triton decode kernel (attention/triton_decode.py) against torch and the decode wrapper, in graphs, in the engine
       stage triton_tests 240 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_decode_kernels.py -k "not xqa" \
         tests/gpu/test_flashinfer_and_graphs.py ;;
+    host_a3b)  # is the A3B batch-1 pipelined step (3.26 ms) host-bound? its interval against its GPU time (pipelined_gpu_ms), 8B beside it
+      for model in $a3b tests/data/configs/Qwen3-8B; do
+        stage host_$(basename $model) 150 python3 benchmarks/decode_latency.py --model $model --batch-sizes 1 --contexts 512 \
+          --modes graph,pipelined --out $results/host_$(basename $model).json
+      done ;;
     triton_attn)  # decode attention alone: the Triton kernel's settings vs FlashInfer's decode wrapper
       stage triton_attn 240 python3 benchmarks/experiments/triton_decode_attention.py --heads 32:8,32:4,64:8 \
         --batch-sizes 1,8,32 --contexts 512,4096,16384 --out $results/triton_decode_attention.json ;;

@@ -168,6 +168,21 @@ def clear_argmax_agreement(actual: list[torch.Tensor], expected: list[torch.Tens
     return same / total
 
 
+def forced_figures(build, kernels: tuple[str, ...], prompts: list[list[int]], ref_tokens: list[list[int]],
+                   ref_logits: list[torch.Tensor]) -> dict[str, tuple[float, float, float]]:
+    """(median row error, worst row error, share of clear argmaxes equal) of each kernel's engine
+    (``build(kernel)``), teacher-forced on the reference's tokens."""
+    results = {}
+    for kernel in kernels:
+        under_test = build(kernel)
+        assert (under_test.attention.table_decode is None) == (kernel == "flashinfer")
+        _, forced = run_scenario(under_test, prompts, forced=ref_tokens)
+        del under_test
+        errs = row_errors(forced, ref_logits)
+        results[kernel] = (errs.median().item(), errs.max().item(), clear_argmax_agreement(forced, ref_logits))
+    return results
+
+
 @pytest.mark.parametrize("graphs", [0, 16], ids=["eager", "graphs"])
 def test_engine_with_xqa_matches_decode_wrapper_bf16(model_dir, graphs):
     wrapper = engine(model_dir, "flashinfer", "bf16", graphs)
@@ -199,14 +214,8 @@ def test_engine_with_triton_held_to_the_decode_wrapper(model_dir, graphs):
     prompts = prompts_for(6, reference.model_config.vocab_size, seed=16)
     ref_tokens, ref_logits = run_scenario(reference, prompts)
     del reference
-    results = {}
-    for kernel in ("flashinfer", "triton"):
-        under_test = engine(model_dir, kernel, "bf16", graphs)
-        assert (type(under_test.attention.table_decode).__name__ == "TritonDecode") == (kernel == "triton")
-        _, forced = run_scenario(under_test, prompts, forced=ref_tokens)
-        del under_test
-        errs = row_errors(forced, ref_logits)
-        results[kernel] = (errs.median().item(), errs.max().item(), clear_argmax_agreement(forced, ref_logits))
+    results = forced_figures(lambda kernel: engine(model_dir, kernel, "bf16", graphs), ("flashinfer", "triton"),
+                             prompts, ref_tokens, ref_logits)
     print(f"bf16 vs torch attention, graphs {graphs} (median / worst row error, clear argmaxes equal): {results}")
     (wrapper_median, _, wrapper_agree), (median, worst, agree) = results["flashinfer"], results["triton"]
     assert median < 1.5 * wrapper_median + 2e-3 and worst < 3e-2 and agree > wrapper_agree - 0.05
@@ -223,14 +232,8 @@ def test_engine_with_fp8_xqa_against_bf16_pages(model_dir, graphs):
     prompts = prompts_for(11, reference.model_config.vocab_size, seed=7)
     ref_tokens, ref_logits = run_scenario(reference, prompts)
     del reference
-    results = {}
-    for kernel in ("flashinfer", "xqa"):
-        fp8 = engine(model_dir, kernel, "fp8", graphs)
-        assert (fp8.attention.table_decode is not None) == (kernel == "xqa")
-        _, forced = run_scenario(fp8, prompts, forced=ref_tokens)
-        del fp8
-        errs = row_errors(forced, ref_logits)
-        results[kernel] = (errs.median().item(), errs.max().item(), clear_argmax_agreement(forced, ref_logits))
+    results = forced_figures(lambda kernel: engine(model_dir, kernel, "fp8", graphs), ("flashinfer", "xqa"),
+                             prompts, ref_tokens, ref_logits)
     print(f"FP8 pages vs bf16 pages, graphs {graphs} (median / worst row error, clear argmaxes equal): {results}")
     (wrapper_median, _, wrapper_agree), (xqa_median, _, xqa_agree) = results["flashinfer"], results["xqa"]
     assert xqa_median < 1.5 * wrapper_median + 0.02 and xqa_agree > wrapper_agree - 0.1
