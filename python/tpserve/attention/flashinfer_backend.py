@@ -203,8 +203,8 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def describe(self) -> str:
         pages = "FP8" if self.pool.fp8 else str(self.pool.dtype).removeprefix("torch.")
-        kernels = {"NoneType": "FlashInfer's decode wrapper", "XqaDecode": "XQA", "TritonDecode": "Triton's split-KV"}
-        return f"FlashInfer attention over {pages} pages (decode: {kernels[type(self.table_decode).__name__]})"
+        decode = "FlashInfer's decode wrapper" if self.table_decode is None else self.table_decode.name
+        return f"FlashInfer attention over {pages} pages (decode: {decode})"
 
     def _wait_for_last_plan(self) -> None:
         """The previous plan's queued copies may still read the staging buffer (and FlashInfer's

@@ -32,6 +32,8 @@ def dense_page_table(seqs: list[SequenceInput], page_size: int, pad_to: int = 0)
 
 
 class TableDecodeKernel(Protocol):
+    name: str  # for the engine's start-up log
+
     def run(
         self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TableMetadata
     ) -> torch.Tensor: ...

@@ -153,6 +153,8 @@ def unsupported_reason(head_dim: int, num_heads: int, num_kv_heads: int, fp8_cac
 class TritonDecode:
     """The kernel over one engine's cache, with its merge counters (zero between calls)."""
 
+    name = "Triton's split-KV"
+
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device,
                  max_batch: int = 4096, chunk: int = CHUNK, max_splits: int = MAX_SPLITS, num_warps: int = 4,
                  merge_unroll: int = MERGE_UNROLL) -> None:

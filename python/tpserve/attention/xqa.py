@@ -63,6 +63,8 @@ def xqa_function() -> Callable | None:
 class XqaDecode:
     """XQA over one engine's cache: its kernel, built at start-up, and its own workspace."""
 
+    name = "XQA"
+
     def __init__(
         self, pool: KVCachePool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device
     ) -> None:
