@@ -14,7 +14,8 @@
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 # Next on one H200: triton_tests triton_engine (the Triton decode kernel's engine test against torch attention,
-# unrun; whole steps with at most 32 splits), xqa_tests (XQA after session 11's page-table refactor), host_a3b (the
+# unrun; whole steps with at most 32 splits), xqa_tests (XQA after session 11's page-table refactor; its modules
+# outgrow one call's carry beside the wheels: split it with -k over calls), host_a3b (the
 # A3B batch-1 pipelined step is 0.26 ms over its graph and barely moved when the Triton kernel cut 0.25 ms of GPU time).
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [stage ...]}
