@@ -145,10 +145,12 @@ def model_dir(tmp_path_factory) -> str:
     )
 
 
-def engine(model_dir: str, kernel: str, kv: str, graphs: int = 16, page_size: int = PAGE) -> Engine:
+def engine(model_dir: str, kernel: str, kv: str, graphs: int = 16, page_size: int = PAGE,
+           backend: str = "auto") -> Engine:
     return Engine(EngineConfig(
         model=model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=graphs, max_total_tokens=16384,
         page_size=page_size, decode_attention=kernel, kv_cache_dtype="fp8_e4m3" if kv == "fp8" else "auto",
+        attention_backend=backend,
     ))
 
 
@@ -174,10 +176,14 @@ def clear_argmax_agreement(actual: list[torch.Tensor], expected: list[torch.Tens
     return same / total
 
 
-def forced_figures(build, kernels: tuple[str, ...], prompts: list[list[int]], ref_tokens: list[list[int]],
-                   ref_logits: list[torch.Tensor]) -> dict[str, tuple[float, float, float]]:
+def forced_figures(reference: Engine, build, kernels: tuple[str, ...], num_prompts: int,
+                   seed: int) -> dict[str, tuple[float, float, float]]:
     """(median row error, worst row error, share of clear argmaxes equal) of each kernel's engine
-    (``build(kernel)``), teacher-forced on the reference's tokens."""
+    (``build(kernel)``), teacher-forced on ``reference``'s greedy tokens (the reference is freed
+    first: one engine on the GPU at a time)."""
+    prompts = prompts_for(num_prompts, reference.model_config.vocab_size, seed=seed)
+    ref_tokens, ref_logits = run_scenario(reference, prompts)
+    del reference
     results = {}
     for kernel in kernels:
         under_test = build(kernel)
@@ -215,13 +221,9 @@ def test_engine_with_triton_held_to_the_decode_wrapper(model_dir, graphs):
     2.2e-3 for Triton and 3.2e-3 for the wrapper: test_kernel_matches_torch_and_decode_wrapper)
     into logit rows 2.3-2.4% apart, and on an H200 one free-run token then flipped at a top-two
     margin of 0.094 with 32-token steps, none with 64 (session 11, calls 3 to 5)."""
-    reference = Engine(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", attention_backend="torch",
-                                    cuda_graph_max_bs=0, max_total_tokens=16384, page_size=PAGE))
-    prompts = prompts_for(6, reference.model_config.vocab_size, seed=16)
-    ref_tokens, ref_logits = run_scenario(reference, prompts)
-    del reference
-    results = forced_figures(lambda kernel: engine(model_dir, kernel, "bf16", graphs), ("flashinfer", "triton"),
-                             prompts, ref_tokens, ref_logits)
+    results = forced_figures(engine(model_dir, "auto", "bf16", graphs=0, backend="torch"),
+                             lambda kernel: engine(model_dir, kernel, "bf16", graphs), ("flashinfer", "triton"),
+                             num_prompts=6, seed=16)
     print(f"bf16 vs torch attention, graphs {graphs} (median / worst row error, clear argmaxes equal): {results}")
     (wrapper_median, _, wrapper_agree), (median, worst, agree) = results["flashinfer"], results["triton"]
     assert median < 1.5 * wrapper_median + 2e-3 and worst < 3e-2 and agree > wrapper_agree - 0.05
@@ -234,12 +236,9 @@ def test_engine_with_fp8_xqa_against_bf16_pages(model_dir, graphs):
     random tiny model is very sensitive to FP8 pages (on an H200: median row error 0.20 through
     the wrapper, 0.23 through XQA; clear argmaxes equal 69% / 64%), so XQA is held to the
     wrapper's figures: its FP8 math may add a little rounding, a misread page adds far more."""
-    reference = engine(model_dir, "flashinfer", "bf16", graphs)
-    prompts = prompts_for(11, reference.model_config.vocab_size, seed=7)
-    ref_tokens, ref_logits = run_scenario(reference, prompts)
-    del reference
-    results = forced_figures(lambda kernel: engine(model_dir, kernel, "fp8", graphs), ("flashinfer", "xqa"),
-                             prompts, ref_tokens, ref_logits)
+    results = forced_figures(engine(model_dir, "flashinfer", "bf16", graphs),
+                             lambda kernel: engine(model_dir, kernel, "fp8", graphs), ("flashinfer", "xqa"),
+                             num_prompts=11, seed=7)
     print(f"FP8 pages vs bf16 pages, graphs {graphs} (median / worst row error, clear argmaxes equal): {results}")
     (wrapper_median, _, wrapper_agree), (xqa_median, _, xqa_agree) = results["flashinfer"], results["xqa"]
     assert xqa_median < 1.5 * wrapper_median + 0.02 and xqa_agree > wrapper_agree - 0.1

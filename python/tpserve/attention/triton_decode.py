@@ -161,7 +161,8 @@ class TritonDecode:
         if max_splits & (max_splits - 1) or chunk & (chunk - 1):
             raise ValueError(f"max_splits and chunk must be powers of two, not {max_splits} and {chunk}")
         self.group = num_heads // num_kv_heads
-        self.g_pad = max(16, triton.next_power_of_2(self.group))
+        self.g_merge = triton.next_power_of_2(self.group)  # the merge's rows: the group unpadded
+        self.g_pad = max(16, self.g_merge)  # the split programs' rows: tl.dot takes 16 at least
         self.num_kv_heads = num_kv_heads
         self.scale_log2 = scale * math.log2(math.e)  # the kernel's softmax runs in base 2
         self.chunk, self.max_splits, self.num_warps, self.merge_unroll = chunk, max_splits, num_warps, merge_unroll
@@ -187,7 +188,7 @@ class TritonDecode:
             q, k_cache, v_cache, meta.page_table, meta.seq_lens, part_out, part_ml, self.counters, out,
             self.scale_log2, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.page_table.stride(0), out.stride(0), out.stride(1),
-            KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.g_pad, G_MERGE=triton.next_power_of_2(self.group),
+            KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.g_pad, G_MERGE=self.g_merge,
             HEAD_DIM=head_dim, PAGE=k_cache.shape[1], CHUNK=self.chunk, MAX_SPLITS=self.max_splits,
             MERGE_UNROLL=self.merge_unroll, IEEE=q.dtype == torch.float32, num_warps=self.num_warps,
         )
