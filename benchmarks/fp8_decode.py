@@ -30,11 +30,12 @@ from tpserve.kernels.fp8_linear import FP8_GEMM_ENV
 from tpserve.kernels.gemv import BF16_GEMV_ENV, PDL_ENV, SILU_MUL_ENV
 
 
-def decode_engine(model: str, quantization: str | None, max_batch: int, context: int, warmup: int, iters: int):
+def decode_engine(model: str, quantization: str | None, max_batch: int, context: int, warmup: int, iters: int,
+                  decode_attention: str = "auto"):
     """An engine (random weights) with room for ``max_batch`` sequences of ``context`` cached tokens
     plus the timed steps, its KV cache filled."""
     engine = make_engine(model, quantization=quantization, max_total_tokens=(max_batch + 2) * (context + iters + warmup + 8),
-                         cuda_graph_max_bs=max_batch)
+                         cuda_graph_max_bs=max_batch, decode_attention=decode_attention)
     fill_kv_randomly(engine)
     return engine
 
@@ -45,8 +46,8 @@ def pipelined_ms(engine, batch: int, context: int, warmup: int, iters: int) -> f
 
 
 def decode_step_ms(model: str, quantization: str | None, batch_sizes: list[int], context: int, warmup: int,
-                   iters: int, pipelined: bool) -> dict:
-    engine = decode_engine(model, quantization, max(batch_sizes), context, warmup, iters)
+                   iters: int, pipelined: bool, decode_attention: str = "auto") -> dict:
+    engine = decode_engine(model, quantization, max(batch_sizes), context, warmup, iters, decode_attention)
     weight_gib = sum(p.numel() * p.element_size() for p in engine.model.parameters()) / 2**30
     steps, piped = {}, {}
     for batch in batch_sizes:
@@ -67,7 +68,8 @@ def alternating_rounds(model: str, runs: list[tuple[str, str | None, dict]], bat
     for label, quant, env in runs:
         os.environ.update(env)
         try:
-            engines[label] = decode_engine(model, quant, batch, args.context, args.warmup, args.iters)
+            engines[label] = decode_engine(model, quant, batch, args.context, args.warmup, args.iters,
+                                           args.decode_attention)
         finally:
             for key in env:
                 os.environ.pop(key, None)
@@ -116,6 +118,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=1,
                         help="above 1: hold every engine at once and time them in turn this many times (one batch size)")
     parser.add_argument("--batch-sizes", default="1", help="decode batch sizes")
+    parser.add_argument("--decode-attention", default="auto", help="every engine's --decode-attention")
     parser.add_argument("--context", type=int, default=512, help="cached tokens of each decoding sequence")
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=30)
@@ -147,7 +150,8 @@ def main() -> None:
         for label, quant, env in runs:
             os.environ.update(env)
             try:
-                result = decode_step_ms(model, quant, batches, args.context, args.warmup, args.iters, args.pipelined)
+                result = decode_step_ms(model, quant, batches, args.context, args.warmup, args.iters, args.pipelined,
+                                        args.decode_attention)
             except Exception as e:  # noqa: BLE001 -- reported, the other GEMMs still run
                 traceback.print_exc()
                 rows.append({"config": name, "weights": label, "failed": f"{type(e).__name__}: {e}"[:200]})

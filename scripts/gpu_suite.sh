@@ -13,10 +13,10 @@
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
-# Next on one H200: triton_tests triton_engine (the Triton decode kernel's engine test against torch attention,
-# unrun; whole steps with at most 32 splits), xqa_tests (XQA after session 11's page-table refactor; its modules
-# outgrow one call's carry beside the wheels: split it with -k over calls), host_a3b (the
-# A3B batch-1 pipelined step is 0.26 ms over its graph and barely moved when the Triton kernel cut 0.25 ms of GPU time).
+# Next on one H200: fp8_ratio8 (issue 16's ratio with session 12's defaults; carry the fp8_blockscale_gemm_90 and
+# the bf16 sm90 prefill modules, whose builds outlast the stage), auto_tests (rerun after the xqa-dispatch fix; carry
+# XQA's e4m3 ratio-4 module), xqa_tests (XQA after session 11's page-table refactor; split with -k over calls),
+# graph_profile (where a batch-1 step goes now that PDL overlaps the GEMVs' weight loads with attention and the norms).
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [stage ...]}
 shift
@@ -276,6 +276,35 @@ for s in $stages; do
     triton_attn)  # decode attention alone: the Triton kernel's settings vs FlashInfer's decode wrapper
       stage triton_attn 240 python3 benchmarks/experiments/triton_decode_attention.py --heads 32:8,32:4,64:8 \
         --batch-sizes 1,8,32 --contexts 512,4096,16384 --out $results/triton_decode_attention.json ;;
+    pdl_tests)  # tpserve's Triton kernels launched with PDL (kernels.triton_pdl): decode attention, rope/KV store, graphs, engines
+      stage pdl_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_kernels.py -k "not xqa" \
+        tests/gpu/test_fused_kernels.py tests/gpu/test_flashinfer_and_graphs.py ;;
+    pdl_engine)  # whole decode steps: each decode kernel with and without PDL in the Triton kernels (A3B: two engines fit)
+      stage pdl_engine_8b 240 python3 benchmarks/experiments/triton_attention_engine.py --model tests/data/configs/Qwen3-8B \
+        --kernels flashinfer:nopdl,flashinfer,triton:nopdl,triton --rounds 5 --batch-sizes 1,8 --contexts 512,4096 \
+        --out $results/pdl_engine_8b.json
+      stage pdl_engine_a3b 150 python3 benchmarks/experiments/triton_attention_engine.py --model $a3b \
+        --kernels flashinfer:nopdl,triton --rounds 5 --batch-sizes 1 --contexts 512,4096 --out $results/pdl_engine_a3b.json ;;
+    norm_tests)  # tpserve's add + RMSNorm (PDL) against FlashInfer's, the engines on it; auto's Triton/wrapper split
+      stage norm_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_kernels.py tests/gpu/test_fused_kernels.py \
+        tests/gpu/test_flashinfer_and_graphs.py tests/gpu/test_overlap.py tests/gpu/test_moe.py -k "not xqa and not auto_picks" ;;
+    norm_engine)  # whole steps: tpserve's add + RMSNorm vs FlashInfer's; A3B: session 11's defaults vs today's
+      stage norm_engine_8b 150 python3 benchmarks/experiments/triton_attention_engine.py --model tests/data/configs/Qwen3-8B \
+        --kernels triton:finorm,triton --rounds 5 --batch-sizes 1,8 --contexts 512,4096 --out $results/norm_engine_8b.json
+      stage norm_engine_a3b 150 python3 benchmarks/experiments/triton_attention_engine.py --model $a3b \
+        --kernels flashinfer:finorm:nopdl,triton --rounds 5 --batch-sizes 1 --contexts 512,4096 --out $results/norm_engine_a3b.json ;;
+    auto_tests) stage auto_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_kernels.py -k auto ;;
+    fp8_ratio8)  # issue 16's ratio at Qwen3-8B batch 1 with today's defaults (carry fp8_blockscale_gemm_90: its build outlasts the stage)
+      stage fp8_ratio8 200 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto --pipelined \
+        --rounds 5 --batch-sizes 1 --out $results/fp8_ratio8.json ;;
+    attn_big)  # where auto's Triton decode hands over to the decode wrapper: whole steps at batch 32-128
+      stage attn_big 200 python3 benchmarks/experiments/triton_attention_engine.py --model tests/data/configs/Qwen3-8B \
+        --kernels flashinfer,triton --rounds 3 --batch-sizes 32,64,128 --contexts 512,2048 --out $results/attn_big.json ;;
+    fp8_attention)  # issue 16's ratio, Qwen3-8B batch 1, with each decode attention in both engines
+      for kernel in auto triton; do
+        stage fp8_attention_$kernel 150 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B \
+          --fp8-gemms auto --pipelined --rounds 5 --batch-sizes 1 --decode-attention $kernel --out $results/fp8_attention_$kernel.json
+      done ;;
     triton_engine)  # whole decode steps, --decode-attention flashinfer vs triton, Qwen3-8B and Qwen3-30B-A3B
       stage triton_engine_8b 200 python3 benchmarks/experiments/triton_attention_engine.py \
         --model tests/data/configs/Qwen3-8B --batch-sizes 1,8 --contexts 512,4096 --out $results/triton_engine_8b.json

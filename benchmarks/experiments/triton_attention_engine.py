@@ -5,7 +5,9 @@ Every engine gets the same random weights and KV cache, so one graph step's logi
 the first kernel's first (max difference over the logits' largest magnitude, and whether the argmax
 agrees). Then each (batch, context) point is timed: the synchronous step (forward + sampling + host
 sync), the pipelined one (the step interval under overlap scheduling) and a pipelined step's GPU time
-(an interval longer than that is the host's).
+(an interval longer than that is the host's). Variants: ``triton:nopdl``, the same kernel with
+tpserve's Triton kernels launched without programmatic dependent launch; ``:finorm``, FlashInfer's
+add + RMSNorm instead of tpserve's.
 
     python benchmarks/experiments/triton_attention_engine.py --model tests/data/configs/Qwen3-8B \\
         --kernels flashinfer,triton --batch-sizes 1,8 --contexts 512,4096 --out out/triton_attention_engine.json
@@ -24,7 +26,13 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 from common import fill_kv_randomly, make_engine, print_table, setup_logging, write_json  # noqa: E402
 from decode_latency import ints, time_decode, time_pipelined  # noqa: E402
 from tpserve.forward import SequenceInput  # noqa: E402
+from tpserve.kernels.pdl import TRITON_PDL_ENV  # noqa: E402
+from tpserve.kernels.add_rmsnorm import ENV as ADD_RMSNORM_ENV  # noqa: E402
 from tpserve.kvcache.pool import PageAllocator  # noqa: E402
+
+
+# Engine variants: the environment each is built with.
+VARIANTS = {"nopdl": {TRITON_PDL_ENV: "0"}, "finorm": {ADD_RMSNORM_ENV: "0"}}
 
 
 def step_logits(engine, batch: int, context: int) -> torch.Tensor:
@@ -39,7 +47,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--model", required=True)
     parser.add_argument("--kernels", default="flashinfer,triton",
-                        help="--decode-attention values; the first is the base")
+                        help="--decode-attention values, the first the base, each maybe with variants that set the "
+                             "environment its engine is built (and its graphs captured) with: "
+                             + ", ".join(f"':{name}' {env}" for name, env in VARIANTS.items()))
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--contexts", default="512,4096")
     parser.add_argument("--rounds", type=int, default=3)
@@ -54,8 +64,15 @@ def main() -> None:
     tokens = max(batches) * (max(contexts) + args.warmup + args.iters + 64) + 4096
     engines = {}
     for kernel in kernels:
+        name, *variants = kernel.split(":")
+        if not set(variants) <= set(VARIANTS):
+            parser.error(f"unknown variant in {kernel!r}: the variants are {', '.join(VARIANTS)}")
+        env = {key: value for variant in variants for key, value in VARIANTS[variant].items()}
+        os.environ.update(env)
         engines[kernel] = make_engine(args.model, max_total_tokens=tokens, cuda_graph_max_bs=max(batches),
-                                      decode_attention=kernel)
+                                      decode_attention=name)
+        for key in env:  # every engine replays the graphs its own setting captured
+            os.environ.pop(key)
         fill_kv_randomly(engines[kernel])
         print(kernel, engines[kernel].attention.describe(), flush=True)
     logits = {name: step_logits(engine, batches[0], contexts[0]) for name, engine in engines.items()}

@@ -306,8 +306,9 @@ class EngineConfig:
     seed: int = 0
     dist_init_addr: str | None = None  # tcp://HOST:PORT: chosen by the parent on one node, given across nodes
     attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed
-    # The flashinfer backend's decode kernel: auto (XQA on Hopper for FP8 KV caches; attention/xqa.py),
-    # flashinfer (its decode wrapper), xqa (always; Hopper only), triton (attention/triton_decode.py)
+    # The flashinfer backend's decode kernel: auto (on Hopper, XQA for FP8 KV caches, attention/xqa.py; the
+    # Triton kernel up to 32 sequences for bf16/fp16 ones), flashinfer (its decode wrapper), xqa (always;
+    # Hopper only), triton (always; attention/triton_decode.py)
     decode_attention: str = "auto"
     disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs

@@ -2,7 +2,7 @@
 FP8 pages) and Triton's split-KV kernel (``attention/triton_decode.py``, bf16 pages). Each against
 fp32 torch attention and FlashInfer's decode wrapper on the same pages (eager and in a CUDA graph,
 short and multi-split lengths), the engine with it against the engine with the decode wrapper, and
-which kernel ``auto`` picks."""
+which kernel ``auto`` picks (Triton's up to a batch size, the wrapper above)."""
 
 from __future__ import annotations
 
@@ -18,6 +18,7 @@ flashinfer = pytest.importorskip("flashinfer")
 
 from engine_scenario import NEAR_TIE, assert_logits_close, assert_same_greedy, prompts_for, run_scenario
 from tpserve.attention.page_table import TableMetadata
+from tpserve.attention.triton_decode import AUTO_MAX_BATCH
 from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
@@ -135,6 +136,29 @@ def test_kernel_in_a_cuda_graph(kernel, kv):
             allocator.free(seq.page_table)
 
 
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graph"])
+def test_auto_hands_large_batches_to_the_decode_wrapper(graphs):
+    """Under auto, a decode batch of AUTO_MAX_BATCH sequences reads the dense table (Triton's kernel)
+    and one more goes to the decode wrapper, eager and as a CUDA graph batch size; both right."""
+    heads = (32, 8)
+    pool = random_pool("bf16", heads[1], 4000)
+    allocator = PageAllocator(pool.num_pages)
+    backend = make_backend("bf16", heads, "auto", pool)
+    for batch in (AUTO_MAX_BATCH, AUTO_MAX_BATCH + 1):
+        seqs = random_seqs([1 + (97 * i) % 700 for i in range(batch)], allocator)
+        q = torch.randn(batch, heads[0], HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+        if graphs:
+            meta = backend.cuda_graph_metadata(batch, 64)
+            backend.plan_cuda_graph(seqs, meta, batch)
+        else:
+            meta = backend.prepare(seqs, q.device)
+        assert isinstance(meta, TableMetadata) == (batch <= AUTO_MAX_BATCH)
+        err = rel_err(backend.attend(0, q, meta), reference(pool, 0, q, seqs))
+        assert err < ATTN_RTOL["bf16"], f"batch {batch}: relative error {err:.2e}"
+        for seq in seqs:
+            allocator.free(seq.page_table)
+
+
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory) -> str:
     from tpserve.tiny import make_tiny_model
@@ -244,12 +268,13 @@ def test_engine_with_fp8_xqa_against_bf16_pages(model_dir, graphs):
     assert xqa_median < 1.5 * wrapper_median + 0.02 and xqa_agree > wrapper_agree - 0.1
 
 
-def test_auto_picks_xqa_where_it_is_faster(model_dir):
-    """auto: XQA for FP8 caches, the decode wrapper for bf16 ones (whole bf16 steps were not faster
-    through XQA: attention/xqa.py)."""
+def test_auto_picks_the_faster_kernel(model_dir):
+    """auto: XQA for FP8 caches; for bf16 ones the Triton kernel up to AUTO_MAX_BATCH sequences and
+    the decode wrapper above (whole bf16 steps were not faster through XQA: attention/xqa.py)."""
     bf16 = engine(model_dir, "auto", "bf16", graphs=0).attention
-    assert bf16.table_decode is None
-    assert bf16.describe() == "FlashInfer attention over bfloat16 pages (decode: FlashInfer's decode wrapper)"
+    assert type(bf16.table_decode).__name__ == "TritonDecode" and bf16.table_decode_max_batch == AUTO_MAX_BATCH
+    assert bf16.describe() == ("FlashInfer attention over bfloat16 pages (decode: Triton's split-KV up to batch "
+                               f"{AUTO_MAX_BATCH}, then FlashInfer's decode wrapper)")
     fp8 = engine(model_dir, "auto", "fp8", graphs=0).attention
     assert fp8.table_decode is not None and fp8.describe() == "FlashInfer attention over FP8 pages (decode: XQA)"
     wrapper = engine(model_dir, "flashinfer", "fp8", graphs=0).attention

@@ -1,6 +1,7 @@
 """Fused GPU kernels (tpserve.kernels) against the torch code they replace.
 
-Per kernel: FlashInfer's RMSNorm (plain, per-head on a strided view, with fused residual add),
+Per kernel: FlashInfer's RMSNorm (plain, per-head on a strided view) and the residual add + norm
+(tpserve's Triton kernel, also against FlashInfer's),
 SiLU-and-mul and rotary (plain and Llama 3 scaled), the Triton KV-cache store, the Triton
 q/k norm + rotary + store kernel and the Triton sampler. Then whole tiny models with every fused path on against every fused path off.
 Skipped without CUDA, flashinfer or triton, so CI on CPU stays green.
@@ -98,6 +99,27 @@ def test_fused_add_rms_norm_in_place(tokens, monkeypatch):
     ref_normed, ref_residual = norm(x_in.clone(), residual_in.clone())
     assert torch.equal(ref_residual, new_residual)
     assert rel_err(normed, ref_normed) < RTOL
+
+
+@pytest.mark.parametrize("hidden", [2048, 4096, 5120])
+@pytest.mark.parametrize("tokens", [1, 8, 300])
+def test_triton_add_rms_norm_matches_flashinfer(tokens, hidden):
+    """tpserve's add + RMSNorm (the decoder's, launched with PDL) against FlashInfer's fused kernel,
+    whose arithmetic it copies: the residual to the bit, the output within one bf16 step (their
+    sums of squares add in different orders)."""
+    from tpserve.kernels import flashinfer_ops
+    from tpserve.kernels.add_rmsnorm import add_rms_norm_
+
+    gen = torch.Generator(device=DEVICE).manual_seed(hidden + tokens)
+    weight = make_norm(hidden, gen).weight
+    x = (3 * torch.randn(tokens, hidden, generator=gen, device=DEVICE)).to(DTYPE)
+    residual = torch.randn(tokens, hidden, generator=gen, device=DEVICE).to(DTYPE)
+    ours = add_rms_norm_(x.clone(), residual.clone(), weight, 1e-6)
+    theirs = flashinfer_ops.fused_add_rms_norm_(x.clone(), residual.clone(), weight, 1e-6)
+    assert torch.equal(ours[1], theirs[1]), "the new residual differs from FlashInfer's"
+    step = torch.exp2(torch.floor(torch.log2(theirs[0].float().abs().clamp_min(1e-30))) - 7)
+    assert bool(((ours[0].float() - theirs[0].float()).abs() <= step).all()), "normed rows differ by over a bf16 step"
+    assert float((ours[0] == theirs[0]).float().mean()) > 0.99
 
 
 @pytest.mark.parametrize("tokens", [1, 64, 300])

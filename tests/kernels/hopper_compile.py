@@ -5,6 +5,8 @@ types across the branches of an ``if``, a constexpr used as a tensor, a block sh
 rejects all pass there and fail on the GPU. So interpreter_checks.py records each launch's
 argument types and constexprs (``record_launches``), and this script, run without
 TRITON_INTERPRET, compiles each distinct one with Triton's CUDA backend for sm_90 (no GPU needed).
+A kernel with a ``PDL`` constexpr is also compiled as the GPU launches it (programmatic dependent
+launch, ``tpserve.kernels.triton_pdl``), which the interpreter cannot run.
 
     python tests/kernels/hopper_compile.py LAUNCHES.json
 """
@@ -23,7 +25,7 @@ TYPES = {
     torch.int8: "i8", torch.int16: "i16", torch.int32: "i32", torch.int64: "i64", torch.uint8: "u8",
     torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
 }
-OPTIONS = ("num_warps", "num_stages")
+OPTIONS = ("num_warps", "num_stages", "launch_pdl")
 
 
 def _type_of(value: object) -> str:
@@ -70,9 +72,11 @@ def compile_recorded(path: str) -> int:
     from triton.compiler import ASTSource
 
     with open(path) as f:
-        launches = sorted(set(f.read().splitlines()))
-    for line in launches:
-        launch = json.loads(line)
+        launches = [json.loads(line) for line in sorted(set(f.read().splitlines()))]
+    launches += [{**launch, "constexprs": {**launch["constexprs"], "PDL": True},
+                  "options": {**launch["options"], "launch_pdl": True}}
+                 for launch in launches if launch["constexprs"].get("PDL") is False]
+    for launch in launches:
         kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
         # Twice: as launched on arbitrary pointers, and with every pointer 16-byte aligned as torch's
         # allocations are (Triton then specializes: vector loads, cp.async pipelining).

@@ -465,6 +465,32 @@ def check_fused_moe_model() -> None:
         assert err < 1e-5, f"step {step}: relative logits error {err:.2e}"
 
 
+def check_add_rmsnorm() -> None:
+    """The residual add + RMSNorm kernel against float64 FlashInfer arithmetic (the sum rounded
+    into the residual, the norm over the unrounded sum, one rounding at the end): float32 and
+    bfloat16 rows, a hidden size below its power-of-two block, a padded row stride, one row."""
+    from tpserve.kernels.add_rmsnorm import add_rms_norm_
+
+    gen = torch.Generator().manual_seed(4)
+    for dtype, rows, hidden in ((torch.float32, 5, 160), (torch.bfloat16, 3, 2048), (torch.bfloat16, 1, 96)):
+        x = (3 * torch.randn(rows, hidden + 8, generator=gen))[:, :hidden].to(dtype)  # a padded row stride
+        residual = torch.randn(rows, hidden, generator=gen).to(dtype)
+        weight = (1 + 0.1 * torch.randn(hidden, generator=gen)).to(dtype)
+        total = x.double() + residual.double()
+        total32 = x.float() + residual.float()
+        expected = total * torch.rsqrt(total.pow(2).mean(-1, keepdim=True) + 1e-6) * weight.double()
+        out, new_residual = add_rms_norm_(x, residual, weight, 1e-6)
+        assert out.data_ptr() == x.data_ptr() and new_residual.data_ptr() == residual.data_ptr(), "not in place"
+        # The interpreter's bfloat16 cast truncates (the GPU's rounds to nearest: tests/gpu checks
+        # the bits against FlashInfer's kernel), so a bfloat16 residual within one step of the sum.
+        exponent = torch.floor(torch.log2(total32.abs().clamp_min(1e-30)))
+        step = 0.0 if dtype == torch.float32 else torch.exp2(exponent - 7)
+        assert bool(((new_residual.float() - total32).abs() <= step).all()), f"{dtype}: the residual is not the sum"
+        tol = 1e-5 if dtype == torch.float32 else 2**-7  # float32 rounding; one bfloat16 step
+        err = float(((out.double() - expected).abs() / expected.abs().clamp_min(1e-3)).max())
+        assert err <= tol, f"{dtype} {rows}x{hidden}: relative error {err:.2e}"
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1")
@@ -477,6 +503,7 @@ if __name__ == "__main__":
     check_sampler_on_edited_logits()
     check_kv_store()
     check_norm_rope_store()
+    check_add_rmsnorm()
     check_fused_moe()
     check_fused_moe_model()
     check_fp8_gemm()

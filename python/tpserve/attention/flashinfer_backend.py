@@ -2,14 +2,17 @@
 
 A step of one-token sequences runs a decode kernel: FlashInfer's decode wrapper, or one that reads
 a dense page table where that is faster, XQA (``attention/xqa.py``) or Triton's
-(``attention/triton_decode.py``). Any other step runs the causal prefill wrapper for all, decodes
-included. Each CUDA graph batch size has its own fixed-address decode wrapper (or dense table),
-re-planned before every replay with the batch padded by one-token sequences on the scratch page 0.
+(``attention/triton_decode.py``; under ``auto`` up to a batch size, the wrapper above it). Any
+other step runs the causal prefill wrapper for all, decodes included. Each CUDA graph batch size
+has its own fixed-address decode wrapper (or dense table), re-planned before every replay with the
+batch padded by one-token sequences on the scratch page 0.
 """
 
 from __future__ import annotations
 
 import logging
+import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 from importlib import import_module
 from itertools import chain
@@ -23,6 +26,7 @@ from tpserve.attention.page_table import TableDecodeKernel, TableMetadata, dense
 from tpserve.attention.base import AttentionBackend
 from tpserve.config import FLASHINFER_DTYPES
 from tpserve.forward import SequenceInput, check_page_tables
+from tpserve.kernels import optional_import
 from tpserve.kvcache.pool import KVCachePool
 
 WORKSPACE_BYTES = 256 * 1024 * 1024  # split-kv partial results; FlashInfer recommends >= 128 MiB
@@ -130,6 +134,17 @@ class FlashInferMetadata:
         return self.wrapper.run(q.contiguous(), (k_cache, v_cache))
 
 
+def decode_kernel_choice(decode_kernel: str, fp8_pages: bool, auto_triton: Callable[[], bool]) -> str:
+    """The decode kernel a backend builds for ``--decode-attention``: the one asked for; under
+    ``auto``, "xqa" over FP8 pages (the wrapper where XQA cannot run), "triton" over bf16/fp16
+    pages where ``auto_triton()``, else "flashinfer" (the decode wrapper)."""
+    if decode_kernel != "auto":
+        return decode_kernel
+    if fp8_pages:
+        return "xqa"
+    return "triton" if auto_triton() else "flashinfer"
+
+
 class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
 
@@ -166,32 +181,49 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.decode_wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
             self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
         )
-        self.table_decode = self._make_table_decode(decode_kernel)  # when set, decode steps run it
+        # When set, decode steps of up to table_decode_max_batch sequences run it (larger: the wrapper).
+        self.table_decode, self.table_decode_max_batch = self._make_table_decode(decode_kernel)
         self._graph_table: tuple[torch.Tensor, torch.Tensor] | None = None  # dense page table and lengths
         self._graph_indices: torch.Tensor | None = None  # page ids of graph batches, shared by size
         self._planned: torch.cuda.Event | None = None  # the last plan's copies are enqueued
         self._staging = PinnedStaging()
 
-    def _make_table_decode(self, decode_kernel: str) -> TableDecodeKernel | None:
-        """XQA when asked for or under ``auto`` over an FP8 cache (``attention/xqa.py``); Triton's
-        kernel when asked for; None for FlashInfer's decode wrapper."""
-        if decode_kernel == "triton":
-            return self._make_triton_decode()
-        if decode_kernel == "flashinfer" or (decode_kernel == "auto" and not self.pool.fp8):
-            return None
+    def _make_table_decode(self, decode_kernel: str) -> tuple[TableDecodeKernel | None, int]:
+        """The decode kernel over the dense page table and the largest batch it takes: XQA when asked
+        for or under ``auto`` over an FP8 cache (``attention/xqa.py``); Triton's kernel when asked for
+        or under ``auto`` over bf16/fp16 pages on Hopper up to ``triton_decode.AUTO_MAX_BATCH``;
+        (None, 0) for FlashInfer's decode wrapper."""
+        choice = decode_kernel_choice(decode_kernel, self.pool.fp8, self._auto_triton)
+        if choice == "flashinfer":
+            return None, 0
+        if choice == "triton":
+            from tpserve.attention.triton_decode import AUTO_MAX_BATCH
+
+            return self._make_triton_decode(), AUTO_MAX_BATCH if decode_kernel == "auto" else sys.maxsize
         reason = xqa.unsupported_reason(
             self.flashinfer, self.device, self.pool.page_size, self.head_dim, self.num_heads, self.num_kv_heads
         )
         if reason is None:
             try:
-                return xqa.XqaDecode(self.pool, self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.device)
+                xqa_decode = xqa.XqaDecode(self.pool, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
+                                           self.device)
+                return xqa_decode, sys.maxsize
             except Exception as exc:  # noqa: BLE001 -- e.g. no nvcc to build the kernel: auto falls back
                 reason = f"building the XQA kernel failed ({type(exc).__name__}: {exc})"
                 if decode_kernel == "auto":
                     logger.warning("%s; decoding with FlashInfer's decode wrapper", reason)
         if decode_kernel == "xqa":
             raise ValueError(f"decode attention xqa: {reason}; use auto or flashinfer")
-        return None
+        return None, 0
+
+    def _auto_triton(self) -> bool:
+        """Whether ``auto`` decodes small batches with the Triton kernel: on Hopper, where it was
+        measured faster (docs/benchmarks.md), for the layouts it takes."""
+        if optional_import("triton") is None or torch.cuda.get_device_capability(self.device)[0] != 9:
+            return False
+        from tpserve.attention import triton_decode
+
+        return triton_decode.unsupported_reason(self.head_dim, self.num_heads, self.num_kv_heads, False) is None
 
     def _make_triton_decode(self) -> TableDecodeKernel:
         from tpserve.attention import triton_decode
@@ -203,8 +235,14 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def describe(self) -> str:
         pages = "FP8" if self.pool.fp8 else str(self.pool.dtype).removeprefix("torch.")
-        decode = "FlashInfer's decode wrapper" if self.table_decode is None else self.table_decode.name
+        decode = "FlashInfer's decode wrapper"
+        if self.table_decode is not None:
+            limit = self.table_decode_max_batch
+            decode = self.table_decode.name + ("" if limit == sys.maxsize else f" up to batch {limit}, then {decode}")
         return f"FlashInfer attention over {pages} pages (decode: {decode})"
+
+    def _use_table(self, batch_size: int) -> bool:
+        return self.table_decode is not None and batch_size <= self.table_decode_max_batch
 
     def _wait_for_last_plan(self) -> None:
         """The previous plan's queued copies may still read the staging buffer (and FlashInfer's
@@ -229,7 +267,7 @@ class FlashInferAttentionBackend(AttentionBackend):
 
     def prepare(self, seqs: list[SequenceInput], device: torch.device) -> FlashInferMetadata | TableMetadata:
         decode = all(len(s.token_ids) == 1 for s in seqs)
-        if decode and self.table_decode is not None:
+        if decode and self._use_table(len(seqs)):
             table, lens = self._stage_table(seqs)
             meta = TableMetadata(
                 self.table_decode, table.to(self.device, non_blocking=True), lens.to(self.device, non_blocking=True)
@@ -278,7 +316,7 @@ class FlashInferAttentionBackend(AttentionBackend):
     # ---- CUDA graphs (decode only) ----
     def cuda_graph_metadata(self, batch_size: int, max_pages_per_seq: int) -> FlashInferMetadata | TableMetadata:
         """A decode wrapper (or a dense table) with fixed-address buffers for one graph batch size."""
-        if self.table_decode is not None:
+        if self._use_table(batch_size):
             # One table for every size, as the page-id buffer below: one graph replays at a time.
             if self._graph_table is None:
                 self._graph_table = (

@@ -16,7 +16,9 @@ counter back to zero (so graph replays need no memset).
 On one H200, alone (benchmarks/experiments/triton_decode_attention.py, L2 cold, session 11): 0.53-0.86x
 the wrapper's time at batch 1-8 and context 512, 0.74x at batch 1 and context 4096 with 32:8 heads,
 0.90-1.00x at batch 8-32 from 4096 to 16k tokens; slower at batch 1 and 16k with 4 KV heads (1.13x).
-``--decode-attention triton`` picks it; ``auto`` does not yet (docs/benchmarks.md).
+Whole pipelined steps (session 12, with PDL): 0.95-0.97x the wrapper's at batch 1-32, so
+``--decode-attention auto`` takes it up to ``AUTO_MAX_BATCH`` sequences over bf16/fp16 pages on
+Hopper; ``triton`` takes it at every batch size.
 """
 
 from __future__ import annotations
@@ -28,11 +30,15 @@ import triton
 import triton.language as tl
 
 from tpserve.attention.page_table import TableMetadata
+from tpserve.kernels.pdl import triton_pdl
 
 CHUNK = 32  # tokens a program reads per step
 PROGRAMS_PER_SM = 2  # splits fill the GPU this many (sequence, kv head, split) programs deep
 MAX_SPLITS = 32  # programs per (sequence, kv head) at most (64 was slower at batch 1: experiment)
 MERGE_UNROLL = 16  # splits the merge loads at once
+# ``--decode-attention auto`` over bf16/fp16 pages on Hopper takes this kernel up to this batch size
+# and FlashInfer's decode wrapper above it (docs/benchmarks.md, "Decode attention: tpserve's Triton kernel").
+AUTO_MAX_BATCH = 32
 
 
 @triton.jit
@@ -73,26 +79,31 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, G_MERGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr, MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr,
+    PDL: tl.constexpr,
 ):
+    if PDL:  # the next kernel (the o projection's GEMV) may launch and load its weights meanwhile
+        tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
     s = tl.program_id(2)
     grid_splits = tl.num_programs(2)  # a launch argument, so one compiled kernel serves every batch size
-    seq_len = tl.load(lens_ptr + b)
+    seq_len = tl.load(lens_ptr + b)  # lengths and page table: the host's, no kernel writes them
     per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, grid_splits), CHUNK), 1) * CHUNK
     splits = tl.cdiv(seq_len, per_split)
     if s < splits:
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, HEAD_DIM)
         real = (g < GROUP)[:, None]
-        q_rows = q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_rows, mask=real, other=0.0)
         t_end = tl.minimum(seq_len, (s + 1) * per_split)
         big_m = tl.full([G_PAD], -float("inf"), tl.float32)
         total = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
         offs = s * per_split + tl.arange(0, CHUNK)
         page = tl.load(table_ptr + b * stride_tb + offs // PAGE, mask=offs < t_end, other=0)
+        if PDL:  # q and the newest token's k and v: written by the previous kernel
+            tl.extra.cuda.gdc_wait()
+        q_rows = q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_rows, mask=real, other=0.0)
         for t in range(s * per_split, t_end, CHUNK):
             ok = offs < t_end
             rows = (page.to(tl.int64) * stride_kp + (offs % PAGE) * stride_ks + h * stride_kh)[:, None] + d[None, :]
@@ -184,12 +195,14 @@ class TritonDecode:
         part_out = torch.empty(rows, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
         out = torch.empty_like(q)
+        pdl = triton_pdl(q.device)
         _decode_kernel[(batch, self.num_kv_heads, splits)](
             q, k_cache, v_cache, meta.page_table, meta.seq_lens, part_out, part_ml, self.counters, out,
             self.scale_log2, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.page_table.stride(0), out.stride(0), out.stride(1),
             KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.g_pad, G_MERGE=self.g_merge,
             HEAD_DIM=head_dim, PAGE=k_cache.shape[1], CHUNK=self.chunk, MAX_SPLITS=self.max_splits,
-            MERGE_UNROLL=self.merge_unroll, IEEE=q.dtype == torch.float32, num_warps=self.num_warps,
+            MERGE_UNROLL=self.merge_unroll, IEEE=q.dtype == torch.float32, PDL=pdl, num_warps=self.num_warps,
+            launch_pdl=pdl,
         )
         return out

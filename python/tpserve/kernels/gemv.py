@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from tpserve.kernels import jit_name
+from tpserve.kernels.pdl import pdl_supported
 
 logger = logging.getLogger(__name__)
 
@@ -105,17 +106,12 @@ def gemv(
     module = module or load_module()
     if pdl is None:
         pdl = os.environ.get(PDL_ENV, "1") != "0"
-    pdl = pdl and _pdl_supported(x.device.index or 0)
+    pdl = pdl and pdl_supported(x.device.index or 0)
     if scale_inv is None:
         module.gemv_bf16(x2, weight, y, pdl, silu_mul)
     else:
         module.gemv_fp8(x2, weight, scale_inv, y, pdl, silu_mul)
     return y.view(*x.shape[:-1], n_out)
-
-
-@functools.cache
-def _pdl_supported(device_index: int) -> bool:
-    return torch.cuda.get_device_capability(device_index)[0] >= 9
 
 
 @functools.cache

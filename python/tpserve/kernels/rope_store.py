@@ -13,6 +13,7 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.kernels.pdl import triton_pdl
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX
 
 
@@ -37,17 +38,21 @@ def _norm_rope_store_kernel(
     qkv_ptr, q_out_ptr, k_cache_ptr, v_cache_ptr, slots_ptr, positions_ptr, cos_sin_ptr,
     q_weight_ptr, k_weight_ptr, qkv_row_stride, eps,
     NUM_Q_HEADS: tl.constexpr, NUM_KV_HEADS: tl.constexpr, HEAD_DIM: tl.constexpr,
-    HAS_NORM: tl.constexpr, CLAMP: tl.constexpr,
+    HAS_NORM: tl.constexpr, CLAMP: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the next kernel (attention) may launch and read its page table meanwhile
+        tl.extra.cuda.gdc_launch_dependents()
     token = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     HALF: tl.constexpr = HEAD_DIM // 2
     cols = tl.arange(0, HALF)
     src = qkv_ptr + token * qkv_row_stride + head * HEAD_DIM
     if head < NUM_Q_HEADS + NUM_KV_HEADS:
-        position = tl.load(positions_ptr + token).to(tl.int64)
+        position = tl.load(positions_ptr + token).to(tl.int64)  # the host's: no kernel writes it
         cos = tl.load(cos_sin_ptr + position * HEAD_DIM + cols)
         sin = tl.load(cos_sin_ptr + position * HEAD_DIM + HALF + cols)
+        if PDL:  # qkv: the previous kernel's output
+            tl.extra.cuda.gdc_wait()
         if head < NUM_Q_HEADS:
             o1, o2 = _rotated_head(src, q_weight_ptr, cos, sin, eps, cols, HALF, HAS_NORM)
             q_dst = q_out_ptr + (token * NUM_Q_HEADS + head) * HEAD_DIM
@@ -64,6 +69,8 @@ def _norm_rope_store_kernel(
             tl.store(k_dst + HALF + cols, o2.to(k_dst.dtype.element_ty))
     else:  # a v head: copied as is (clamped into an FP8 cache's range)
         slot = tl.load(slots_ptr + token).to(tl.int64)
+        if PDL:
+            tl.extra.cuda.gdc_wait()
         dst = v_cache_ptr + (slot * NUM_KV_HEADS + head - NUM_Q_HEADS - NUM_KV_HEADS) * HEAD_DIM
         v1 = tl.load(src + cols)
         v2 = tl.load(src + HALF + cols)
@@ -106,10 +113,11 @@ def norm_rope_store(
     if tokens == 0:
         return q
     has_norm = q_weight is not None
+    pdl = triton_pdl(qkv.device)
     _norm_rope_store_kernel[(tokens, num_heads + 2 * num_kv_heads)](
         qkv, q, k_cache, v_cache, slots, positions, cos_sin_cache,
         q_weight if has_norm else qkv, k_weight if has_norm else qkv, qkv.stride(0), eps,
         NUM_Q_HEADS=num_heads, NUM_KV_HEADS=num_kv_heads, HEAD_DIM=head_dim, HAS_NORM=has_norm,
-        CLAMP=FP8_MAX if k_cache.dtype == FP8_DTYPE else 0.0, num_warps=1,
+        CLAMP=FP8_MAX if k_cache.dtype == FP8_DTYPE else 0.0, PDL=pdl, num_warps=1, launch_pdl=pdl,
     )
     return q

@@ -165,9 +165,11 @@ def build_parser() -> argparse.ArgumentParser:
                         "(flashinfer takes no float32)")
     engine.add_argument("--decode-attention", choices=CHOICES["decode_attention"],
                         default=_default("decode_attention"),
-                        help="decode kernel of the flashinfer backend: auto (XQA on Hopper GPUs for an FP8 "
-                        "KV cache, FlashInfer's decode wrapper otherwise), flashinfer (always the decode wrapper), "
-                        "xqa (always XQA; Hopper only), or triton (a split-KV Triton kernel; bfloat16/float16 pages)")
+                        help="decode kernel of the flashinfer backend: auto (on Hopper GPUs: XQA for an FP8 KV "
+                        "cache; for bfloat16/float16 pages the Triton kernel up to 32 sequences a step and the "
+                        "decode wrapper above; elsewhere FlashInfer's decode wrapper), flashinfer (always the "
+                        "decode wrapper), xqa (always XQA; Hopper only), or triton (always tpserve's split-KV "
+                        "Triton kernel; bfloat16/float16 pages)")
     engine.add_argument("--cuda-graph-max-bs", type=int_at_least(0), default=_default("cuda_graph_max_bs"),
                         help="largest decode batch captured in a CUDA graph (0: no CUDA graphs)")
     engine.add_argument("--grammar-threads", type=int_at_least(0), default=_default("grammar_threads"),

@@ -1,17 +1,20 @@
-"""RMSNorm in float32 as in transformers; FlashInfer's kernels on CUDA in half precision."""
+"""RMSNorm in float32 as in transformers; on CUDA in half precision, FlashInfer's kernels and, for
+the residual add + norm, tpserve's Triton kernel (``kernels/add_rmsnorm.py``: it lets the next GEMV
+start loading weights while it runs)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
-from tpserve.kernels import use_flashinfer
+from tpserve.config import FLASHINFER_DTYPES
+from tpserve.kernels import use_flashinfer, use_triton
 from tpserve.layers.linear import ReplicatedWeights
 
 
 class RMSNorm(ReplicatedWeights):
-    """With ``residual``: adds it first, returns (normed, new residual). FlashInfer's fused add
-    works in place (``x`` becomes the output, ``residual`` the new residual): callers must own
+    """With ``residual``: adds it first, returns (normed, new residual). The fused add kernels work
+    in place (``x`` becomes the output, ``residual`` the new residual): callers must own
     both. A [T, heads, head_dim] input (q/k norm) is normalised per head, maybe a strided view."""
 
     def __init__(self, hidden_size: int, eps: float) -> None:
@@ -28,6 +31,11 @@ class RMSNorm(ReplicatedWeights):
     def forward(
         self, x: torch.Tensor, residual: torch.Tensor | None = None
     ) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+        if residual is not None and x.dtype in FLASHINFER_DTYPES and use_triton(x.device):
+            from tpserve.kernels import add_rmsnorm
+
+            if add_rmsnorm.enabled(x):
+                return add_rmsnorm.add_rms_norm_(x, residual, self.weight, self.eps)
         if use_flashinfer(x.device, x.dtype):
             from tpserve.kernels import flashinfer_ops
 
