@@ -33,9 +33,13 @@ from tpserve.kernels.gemv import BF16_GEMV_ENV, PDL_ENV, SILU_MUL_ENV
 def decode_engine(model: str, quantization: str | None, max_batch: int, context: int, warmup: int, iters: int,
                   decode_attention: str = "auto"):
     """An engine (random weights) with room for ``max_batch`` sequences of ``context`` cached tokens
-    plus the timed steps, its KV cache filled."""
-    engine = make_engine(model, quantization=quantization, max_total_tokens=(max_batch + 2) * (context + iters + warmup + 8),
-                         cuda_graph_max_bs=max_batch, decode_attention=decode_attention)
+    plus the timed steps, its KV cache filled. Prefill chunks no longer than the pipelined timing's
+    prompts need: an FP8 engine warms its GEMMs up to that size at start (8192 tokens took 93 s
+    on an H200 without a carried cache; docs/results/2026-12-02-h200-session12/call4)."""
+    longest = context + iters + warmup + 8
+    engine = make_engine(model, quantization=quantization, max_total_tokens=(max_batch + 2) * longest,
+                         cuda_graph_max_bs=max_batch, decode_attention=decode_attention,
+                         chunked_prefill_size=max(1024, longest), max_running_requests=max(max_batch, 8))
     fill_kv_randomly(engine)
     return engine
 
