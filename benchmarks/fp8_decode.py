@@ -27,7 +27,7 @@ import torch
 from common import device_name, fill_kv_randomly, make_engine, print_table, setup_logging, write_json
 from decode_latency import time_decode, time_pipelined
 from tpserve.kernels.fp8_linear import FP8_GEMM_ENV
-from tpserve.kernels.gemv import BF16_GEMV_ENV, PDL_ENV, SILU_MUL_ENV
+from tpserve.kernels.gemv import BF16_GEMV_ENV, DEFINES_ENV, PDL_ENV, SILU_MUL_ENV
 
 
 def decode_engine(model: str, quantization: str | None, max_batch: int, context: int, warmup: int, iters: int,
@@ -117,6 +117,9 @@ def main() -> None:
                         help=f"also each engine with {SILU_MUL_ENV}=0 (the dense MLP's SiLU-and-mul as its own kernel)")
     parser.add_argument("--variant", action="append", default=[], metavar="LABEL:ENV=VALUE[,ENV=VALUE]",
                         help="also a bf16 engine built with these environment variables (repeatable)")
+    parser.add_argument("--fp8-variant", action="append", default=[], metavar="LABEL:ENV=VALUE[,ENV=VALUE]",
+                        help="also an FP8 engine (the first of --fp8-gemms) built with these environment variables, "
+                             f"e.g. 'loads16:{DEFINES_ENV}=FP8_LOADS=16' (repeatable)")
     parser.add_argument("--pipelined", action="store_true",
                         help="also time each step under a Scheduler with overlap scheduling (the inter-token time)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -146,6 +149,11 @@ def main() -> None:
         for variant in args.variant:
             label, _, settings = variant.partition(":")
             runs.append((label, None, dict(kv.split("=", 1) for kv in settings.split(",") if kv)))
+        first_gemm = args.fp8_gemms.split(",")[0] or "auto"
+        for variant in args.fp8_variant:
+            label, _, settings = variant.partition(":")
+            env = {FP8_GEMM_ENV: first_gemm} | dict(kv.split("=", 1) for kv in settings.split(",") if kv)
+            runs.append((f"fp8 {label}", "fp8", env))
         if args.rounds > 1:
             rows += alternating_rounds(model, runs, batches[0], args)
             continue

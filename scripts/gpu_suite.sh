@@ -16,7 +16,8 @@
 # Next on one H200: fp8_ratio8 (issue 16's ratio with session 12's defaults; carry the fp8_blockscale_gemm_90 and
 # the bf16 sm90 prefill modules, whose builds outlast the stage), auto_tests (rerun after the xqa-dispatch fix; carry
 # XQA's e4m3 ratio-4 module), xqa_tests (XQA after session 11's page-table refactor; split with -k over calls),
-# graph_profile (where a batch-1 step goes now that PDL overlaps the GEMVs' weight loads with attention and the norms).
+# graph_profile (where a batch-1 step goes now that PDL overlaps the GEMVs' weight loads with attention and the norms),
+# fp8_loads (FP8 GEMV variants that prefetch more weight before their PDL wait; builds two gemv modules).
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [stage ...]}
 shift
@@ -297,6 +298,11 @@ for s in $stages; do
     fp8_ratio8)  # issue 16's ratio at Qwen3-8B batch 1 with today's defaults (carry fp8_blockscale_gemm_90 and the bf16 sm90 prefill)
       stage fp8_ratio8 250 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto --pipelined \
         --rounds 5 --batch-sizes 1 --out $results/fp8_ratio8.json ;;
+    fp8_loads)  # issue 16: does the FP8 GEMV gain from prefetching more of its weight while the kernel before it runs
+      # (PDL)? One token's FP8 GEMV prefetches half an o/qkv/gate_up weight row by default (bf16's: all of it)
+      stage fp8_loads 400 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto --pipelined \
+        --rounds 5 --batch-sizes 1 --fp8-variant "loads16:TPSERVE_GEMV_DEFINES=FP8_LOADS=16" \
+        --fp8-variant "rows4:TPSERVE_GEMV_DEFINES=FP8_ROWS=4 FP8_LOADS=16" --out $results/fp8_loads.json ;;
     attn_big)  # where auto's Triton decode hands over to the decode wrapper: whole steps at batch 32-128
       stage attn_big 200 python3 benchmarks/experiments/triton_attention_engine.py --model tests/data/configs/Qwen3-8B \
         --kernels flashinfer,triton --rounds 3 --batch-sizes 32,64,128 --contexts 512,2048 --out $results/attn_big.json ;;

@@ -57,3 +57,12 @@ def test_linear_takes_the_gemv_only_at_few_tokens_when_enabled(monkeypatch):
         for enabled in (True, False):
             torch.testing.assert_close(gemv.linear(x, w, enabled, b), torch.nn.functional.linear(x, w, b))
     assert calls == [(1,), (gemv.BF16_GEMV_TOKENS,)]
+
+
+def test_defines_variant_setting():
+    from tpserve.kernels.gemv import DEFINES_ENV, _defines
+
+    assert _defines("") == ()
+    assert _defines("FP8_LOADS=16 FP8_ROWS=8") == _defines("FP8_LOADS=16,FP8_ROWS=8") == (("FP8_LOADS", 16), ("FP8_ROWS", 8))
+    with pytest.raises(ValueError, match=DEFINES_ENV):
+        _defines("FP8_LOADS=sixteen")

@@ -35,6 +35,10 @@ PDL_ENV = "TPSERVE_GEMV_PDL"
 BF16_GEMV_TOKENS = 2
 # ``0``: the dense MLP runs SiLU-and-mul as its own kernel after the GEMV (read at load).
 SILU_MUL_ENV = "TPSERVE_GEMV_SILU_MUL"
+# Experiments: a variant of the kernel's constants, e.g. ``FP8_LOADS=16 FP8_ROWS=8`` (csrc/gemv.cu's
+# TPSERVE_GEMV_* macros), built as a module of its own. Read at each call, so a CUDA graph keeps the
+# variant its capture saw and engines of several variants can be timed in one process.
+DEFINES_ENV = "TPSERVE_GEMV_DEFINES"
 _VEC_BYTES = 16  # the kernel's loads: weight rows and pointers must be multiples
 
 
@@ -53,6 +57,16 @@ def jit_spec(defines: tuple[tuple[str, int], ...] = ()) -> Any:
 def load_module(defines: tuple[tuple[str, int], ...] = ()) -> Any:
     """Compile (first time; cached under FlashInfer's JIT directory) and load the kernels."""
     return jit_spec(defines).build_and_load()
+
+
+@functools.cache
+def _defines(setting: str) -> tuple[tuple[str, int], ...]:
+    """``FP8_LOADS=16 FP8_ROWS=8`` (or comma-separated) -> (("FP8_LOADS", 16), ("FP8_ROWS", 8))."""
+    try:
+        items = setting.replace(",", " ").split()
+        return tuple((name, int(value)) for name, value in (item.split("=") for item in items))
+    except ValueError:
+        raise ValueError(f"{DEFINES_ENV}={setting!r}: expected NAME=INTEGER[,NAME=INTEGER...]") from None
 
 
 def unsupported(
@@ -103,7 +117,7 @@ def gemv(
     if x2.data_ptr() % _VEC_BYTES:
         x2 = x2.clone()
     y = torch.empty(x2.shape[0], n_out, dtype=torch.bfloat16, device=x.device)
-    module = module or load_module()
+    module = module or load_module(_defines(os.environ.get(DEFINES_ENV, "")))
     if pdl is None:
         pdl = os.environ.get(PDL_ENV, "1") != "0"
     pdl = pdl and pdl_supported(x.device.index or 0)
