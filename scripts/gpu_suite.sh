@@ -17,7 +17,8 @@
 # the bf16 sm90 prefill modules, whose builds outlast the stage), auto_tests (rerun after the xqa-dispatch fix; carry
 # XQA's e4m3 ratio-4 module), xqa_tests (XQA after session 11's page-table refactor; split with -k over calls),
 # graph_profile (where a batch-1 step goes now that PDL overlaps the GEMVs' weight loads with attention and the norms),
-# fp8_loads (FP8 GEMV variants that prefetch more weight before their PDL wait; builds two gemv modules).
+# fp8_loads (FP8 GEMV variants that prefetch more weight before their PDL wait; builds two gemv modules), moe_pdl
+# (the MoE decode kernels with PDL, landed unrun on a GPU: run its tests first).
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [stage ...]}
 shift
@@ -298,6 +299,10 @@ for s in $stages; do
     fp8_ratio8)  # issue 16's ratio at Qwen3-8B batch 1 with today's defaults (carry fp8_blockscale_gemm_90 and the bf16 sm90 prefill)
       stage fp8_ratio8 250 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto --pipelined \
         --rounds 5 --batch-sizes 1 --out $results/fp8_ratio8.json ;;
+    moe_pdl)  # issue 14: the MoE decode kernels (router top-k, experts gate_up and down) with PDL; tests, then A3B steps with and without
+      stage moe_pdl_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe.py
+      stage moe_pdl 150 python3 benchmarks/experiments/triton_attention_engine.py --model $a3b --kernels triton:nopdl,triton \
+        --rounds 5 --batch-sizes 1 --contexts 512,4096 --out $results/moe_pdl.json ;;
     fp8_loads)  # issue 16: does the FP8 GEMV gain from prefetching more of its weight while the kernel before it runs
       # (PDL)? One token's FP8 GEMV prefetches half an o/qkv/gate_up weight row by default (bf16's: all of it)
       stage fp8_loads 400 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto --pipelined \

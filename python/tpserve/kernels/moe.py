@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from tpserve.kernels.moe_small import small_batch_experts
+from tpserve.kernels.pdl import triton_pdl
 from tpserve.layers.activation import silu_and_mul
 
 
@@ -75,9 +76,12 @@ def block_m_for(num_rows: int) -> int:
 @triton.jit
 def _router_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr,
 ):
     """One token: softmax over the experts in float32, its top k, optionally renormalised."""
+    if PDL:  # the next kernel may launch now; the router's logits are the previous kernel's
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     cols = tl.arange(0, E_PAD)
     logits = tl.load(logits_ptr + token * stride_l + cols, mask=cols < num_experts, other=-float("inf")).to(tl.float32)
@@ -105,9 +109,11 @@ def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torc
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     if tokens:
+        pdl = triton_pdl(logits.device)
         _router_topk_kernel[(tokens,)](
             logits, weights, ids, experts, logits.stride(0),
-            TOP_K=top_k, RENORMALIZE=renormalize, E_PAD=triton.next_power_of_2(max(experts, top_k)),
+            TOP_K=top_k, RENORMALIZE=renormalize, E_PAD=triton.next_power_of_2(max(experts, top_k)), PDL=pdl,
+            launch_pdl=pdl,
         )
     return weights, ids
 

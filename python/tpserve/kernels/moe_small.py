@@ -9,6 +9,8 @@ through the CUDA cores into float32 tiles, reduced once at the end.
    tensor-parallel rank gives the same bits.
 
 CUDA-graph safe (shapes by token count, no host reads); no ``tl.dot``, so the interpreter runs bf16.
+Launched with PDL on Hopper (``kernels/pdl.py``): each lets the next kernel launch at once and waits
+for its inputs first (the experts it reads depend on them, so nothing is loaded before the wait).
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+
+from tpserve.kernels.pdl import triton_pdl
 
 
 @dataclass(frozen=True)
@@ -61,8 +65,11 @@ def _moe_gate_up_silu_kernel(
     x_ptr, w_ptr, ids_ptr, act_ptr, inter, hidden,
     stride_xm, stride_we, stride_wn, stride_am,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # the next kernel may launch now; the expert ids and x are earlier kernels' outputs
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     row = tl.program_id(0)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
@@ -99,8 +106,11 @@ def _moe_down_sum_kernel(
     act_ptr, w_ptr, ids_ptr, weights_ptr, out_ptr, hidden, inter,
     stride_am, stride_we, stride_wn, stride_om,
     TOP_K: tl.constexpr, EXPERTS_PER_STEP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr,
+    EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr,
 ):
+    if PDL:  # as in the gate_up kernel
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < hidden
@@ -138,10 +148,11 @@ def gate_up_silu(
     check_config(config)
     rows, inter, hidden = ids.numel(), gate_up.shape[1] // 2, gate_up.shape[2]
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
+    pdl = triton_pdl(x.device)
     _moe_gate_up_silu_kernel[(rows, triton.cdiv(inter, config.block_n))](
         x, gate_up, ids, act, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         TOP_K=ids.shape[1], BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=hidden % config.block_k == 0,
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        NUM_STAGES=config.num_stages, PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
     )
     return act
 
@@ -154,11 +165,12 @@ def down_sum(
     tokens, top_k = ids.shape
     hidden, inter = down.shape[1], down.shape[2]
     out = torch.empty(tokens, hidden, dtype=act.dtype, device=act.device)
+    pdl = triton_pdl(act.device)
     _moe_down_sum_kernel[(tokens, triton.cdiv(hidden, config.block_n))](
         act, down, ids, weights, out, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         TOP_K=top_k, EXPERTS_PER_STEP=min(config.experts_per_step, triton.next_power_of_2(top_k)),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=inter % config.block_k == 0,
-        NUM_STAGES=config.num_stages, num_warps=config.num_warps,
+        NUM_STAGES=config.num_stages, PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
     )
     return out
 
