@@ -1,5 +1,5 @@
 """The decoder's residual add + RMSNorm in one Triton kernel that lets the next kernel launch at its
-start (programmatic dependent launch, ``kernels.triton_pdl``).
+start (programmatic dependent launch, ``kernels/pdl.py``).
 
 Why not FlashInfer's fused_add_rmsnorm: it lets the next kernel launch only at its end, so the
 GEMV after it (``csrc/gemv.cu``, which issues its first weight loads before it waits for its input)
