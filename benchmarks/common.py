@@ -8,7 +8,8 @@ import logging
 import os
 import tempfile
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
@@ -44,6 +45,22 @@ def copy_bandwidth(gib: float = 4.0) -> float:
 def matmul_peak(n: int = 8192) -> float:
     """bf16 matmul FLOP/s on random inputs."""
     return calibrate.matmul_flops(torch.device("cuda"), n, iters=30)
+
+
+@contextmanager
+def environment(env: dict[str, str]) -> Iterator[None]:
+    """``env`` set in os.environ inside the block (an engine built there, and its CUDA graphs, keep
+    what the variables chose), the previous values back after it."""
+    before = {key: os.environ.get(key) for key in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for key, value in before.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
 
 
 def make_engine(model: str, **overrides) -> Engine:

@@ -19,12 +19,11 @@ from __future__ import annotations
 
 import argparse
 import gc
-import os
 import statistics
 import traceback
 
 import torch
-from common import device_name, fill_kv_randomly, make_engine, print_table, setup_logging, write_json
+from common import device_name, environment, fill_kv_randomly, make_engine, print_table, setup_logging, write_json
 from decode_latency import time_decode, time_pipelined
 from tpserve.kernels.fp8_linear import FP8_GEMM_ENV
 from tpserve.kernels.gemv import BF16_GEMV_ENV, DEFINES_ENV, PDL_ENV, SILU_MUL_ENV
@@ -70,13 +69,9 @@ def alternating_rounds(model: str, runs: list[tuple[str, str | None, dict]], bat
     ratio: each label's median step and the median of its per-round ratios to the first run."""
     engines = {}
     for label, quant, env in runs:
-        os.environ.update(env)
-        try:
+        with environment(env):
             engines[label] = decode_engine(model, quant, batch, args.context, args.warmup, args.iters,
                                            args.decode_attention)
-        finally:
-            for key in env:
-                os.environ.pop(key, None)
     times: dict[str, list[float]] = {label: [] for label in engines}
     piped: dict[str, list[float]] = {label: [] for label in engines}
     for _ in range(args.rounds):
@@ -160,17 +155,14 @@ def main() -> None:
         base: dict[int, float] = {}
         base_piped: dict[int, float | None] = {}
         for label, quant, env in runs:
-            os.environ.update(env)
             try:
-                result = decode_step_ms(model, quant, batches, args.context, args.warmup, args.iters, args.pipelined,
-                                        args.decode_attention)
+                with environment(env):
+                    result = decode_step_ms(model, quant, batches, args.context, args.warmup, args.iters,
+                                            args.pipelined, args.decode_attention)
             except Exception as e:  # noqa: BLE001 -- reported, the other GEMMs still run
                 traceback.print_exc()
                 rows.append({"config": name, "weights": label, "failed": f"{type(e).__name__}: {e}"[:200]})
                 continue
-            finally:
-                for key in env:
-                    os.environ.pop(key, None)
             for batch, ms in result["step_ms"].items():
                 piped = result["pipelined_ms"][batch]
                 if label == "bf16" and ms is not None:

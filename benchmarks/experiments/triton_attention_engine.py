@@ -23,7 +23,7 @@ import sys
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # benchmarks/
-from common import fill_kv_randomly, make_engine, print_table, setup_logging, write_json  # noqa: E402
+from common import environment, fill_kv_randomly, make_engine, print_table, setup_logging, write_json  # noqa: E402
 from decode_latency import ints, time_decode, time_pipelined  # noqa: E402
 from tpserve.forward import SequenceInput  # noqa: E402
 from tpserve.kernels.pdl import TRITON_PDL_ENV  # noqa: E402
@@ -68,11 +68,9 @@ def main() -> None:
         if not set(variants) <= set(VARIANTS):
             parser.error(f"unknown variant in {kernel!r}: the variants are {', '.join(VARIANTS)}")
         env = {key: value for variant in variants for key, value in VARIANTS[variant].items()}
-        os.environ.update(env)
-        engines[kernel] = make_engine(args.model, max_total_tokens=tokens, cuda_graph_max_bs=max(batches),
-                                      decode_attention=name)
-        for key in env:  # every engine replays the graphs its own setting captured
-            os.environ.pop(key)
+        with environment(env):  # every engine replays the graphs its own setting captured
+            engines[kernel] = make_engine(args.model, max_total_tokens=tokens, cuda_graph_max_bs=max(batches),
+                                          decode_attention=name)
         fill_kv_randomly(engines[kernel])
         print(kernel, engines[kernel].attention.describe(), flush=True)
     logits = {name: step_logits(engine, batches[0], contexts[0]) for name, engine in engines.items()}

@@ -53,3 +53,14 @@ def test_moe_roofline_counts_touched_experts_and_active_flops():
     assert float(rows[1][1]) == 8.0 and float(rows[1][2]) == 6.08 and float(rows[1][3]) == 6.1
     assert float(rows[4096][1]) == 128.0 and 60 < float(rows[4096][2]) < 62
     assert abs(float(rows[4096][3]) / 4096 - 6.08) < 0.01  # 2 FLOPs per active weight per token
+
+
+def test_environment_sets_variables_for_a_block_then_restores_them(monkeypatch):
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    from common import environment
+
+    monkeypatch.setenv("TPSERVE_TEST_KEPT", "1")
+    monkeypatch.delenv("TPSERVE_TEST_NEW", raising=False)
+    with environment({"TPSERVE_TEST_KEPT": "0", "TPSERVE_TEST_NEW": "2"}):
+        assert os.environ["TPSERVE_TEST_KEPT"] == "0" and os.environ["TPSERVE_TEST_NEW"] == "2"
+    assert os.environ["TPSERVE_TEST_KEPT"] == "1" and "TPSERVE_TEST_NEW" not in os.environ
