@@ -13,12 +13,10 @@
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
-# Next on one H200: fp8_ratio8 (issue 16's ratio with session 12's defaults; carry the fp8_blockscale_gemm_90 and
-# the bf16 sm90 prefill modules, whose builds outlast the stage), auto_tests (rerun after the xqa-dispatch fix; carry
-# XQA's e4m3 ratio-4 module), xqa_tests (XQA after session 11's page-table refactor; split with -k over calls),
-# graph_profile (where a batch-1 step goes now that PDL overlaps the GEMVs' weight loads with attention and the norms),
-# fp8_loads (FP8 GEMV variants that prefetch more weight before their PDL wait; builds two gemv modules), moe_pdl
-# (the MoE decode kernels with PDL, landed unrun on a GPU: run its tests first).
+# Next on one H200 (session 13 ran fp8_loads, auto_tests, moe_pdl): fp8_wave (the FP8 GEMV's 16 loads for one-wave
+# grids), graph_profile (where a batch-1 step goes with PDL everywhere), xqa_tests (split with -k over calls).
+# Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
+# sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
 set -u
 out=${1:?usage: gpu_suite.sh OUT_DIR [stage ...]}
 shift
@@ -73,6 +71,9 @@ for s in $stages; do
   case $s in
     warm)
       stage warm 300 python3 scripts/warm_flashinfer.py --head-dim 128 --dtype bfloat16
+      pack_jit_modules ;;
+    warm_attn)  # FlashInfer's bf16 decode and prefill attention and the FP8 GEMM (the rest carried: build_flashinfer_aot.sh)
+      stage warm_attn 200 python3 scripts/warm_flashinfer.py --parts decode,prefill,fp8_gemm
       pack_jit_modules ;;
     tests) stage tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu ;;
     decode06) stage decode06 150 python3 benchmarks/decode_latency.py --model $small --out $results/decode_qwen3_0.6b.json ;;
@@ -305,9 +306,16 @@ for s in $stages; do
         --rounds 5 --batch-sizes 1 --contexts 512,4096 --out $results/moe_pdl.json ;;
     fp8_loads)  # issue 16: does the FP8 GEMV gain from prefetching more of its weight while the kernel before it runs
       # (PDL)? One token's FP8 GEMV prefetches half an o/qkv/gate_up weight row by default (bf16's: all of it)
-      stage fp8_loads 400 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto --pipelined \
+      # Carry the variants' modules (build_flashinfer_aot.sh gemv:FP8_LOADS=16 ...) and fp8_blockscale_gemm_90.
+      stage fp8_loads 420 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto --pipelined \
         --rounds 5 --batch-sizes 1 --fp8-variant "loads16:TPSERVE_GEMV_DEFINES=FP8_LOADS=16" \
-        --fp8-variant "rows4:TPSERVE_GEMV_DEFINES=FP8_ROWS=4 FP8_LOADS=16" --out $results/fp8_loads.json ;;
+        --fp8-variant "rows4u2:TPSERVE_GEMV_DEFINES=FP8_ROWS=4 FP8_LOADS=8" \
+        --fp8-variant "rows4u4:TPSERVE_GEMV_DEFINES=FP8_ROWS=4 FP8_LOADS=16" --out $results/fp8_loads.json ;;
+    fp8_wave)  # issue 16: one FP8 token's GEMV with 16 loads in flight where its grid fits in one wave (o, down), 8 elsewhere,
+      # vs 8 everywhere (session 12's): the GEMV tests (bits equal), then Qwen3-8B batch 1 (carry the FP8_WAVE_LOADS=0 module)
+      stage gemv_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py
+      stage fp8_wave 300 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto --pipelined \
+        --rounds 5 --batch-sizes 1 --fp8-variant "8-loads:TPSERVE_GEMV_DEFINES=FP8_WAVE_LOADS=0" --out $results/fp8_wave.json ;;
     attn_big)  # where auto's Triton decode hands over to the decode wrapper: whole steps at batch 32-128
       stage attn_big 200 python3 benchmarks/experiments/triton_attention_engine.py --model tests/data/configs/Qwen3-8B \
         --kernels flashinfer,triton --rounds 3 --batch-sizes 32,64,128 --contexts 512,2048 --out $results/attn_big.json ;;

@@ -2,7 +2,8 @@
 else needs them: CUDA-core decode, tensor-core decode (FlashInfer's fa2 prefill module) and
 paged prefill (fa3 on Hopper). Each is built for the given head_dim and dtype. Also the fused
 all-reduce + add + RMSNorm kernel of ``--all-reduce fused`` (tpserve's own, built through
-FlashInfer's JIT; it needs one GPU to build, two to run), and tpserve's CUDA GEMV (``kernels.gemv``).
+FlashInfer's JIT; it needs one GPU to build, two to run), tpserve's CUDA GEMV (``kernels.gemv``) and
+FlashInfer's block-scaled FP8 GEMM (Hopper).
 
     python scripts/warm_flashinfer.py --head-dim 128 --dtype bfloat16
 """
@@ -16,7 +17,7 @@ import time
 
 import torch
 
-PARTS = ("decode", "decode_tensor_cores", "prefill", "norm", "silu", "allreduce_fused", "gemv")
+PARTS = ("decode", "decode_tensor_cores", "prefill", "norm", "silu", "allreduce_fused", "gemv", "fp8_gemm")
 
 
 def warm_elementwise(part: str, dtype: torch.dtype) -> None:
@@ -38,6 +39,12 @@ def warm(part: str, head_dim: int, dtype: torch.dtype) -> None:
         from tpserve.distributed.fused_allreduce import load_module
 
         load_module()
+        return None
+    if part == "fp8_gemm":  # FlashInfer's sm90 block-scaled FP8 GEMM (loads a carried build, or builds it)
+        from tpserve.kernels.fp8_linear import _flashinfer_runs
+
+        if not _flashinfer_runs(0):
+            raise RuntimeError("FlashInfer's FP8 GEMM does not run")
         return None
     if part == "gemv":
         from tpserve.kernels.gemv import load_module
@@ -71,6 +78,8 @@ def main() -> None:
     parser.add_argument("--head-dim", type=int, default=128)
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16"])
     parser.add_argument("--part", choices=PARTS, default=None, help="warm one part in this process")
+    parser.add_argument("--parts", default=",".join(PARTS),
+                        help=f"comma-separated parts to warm, each in a process of its own (default: all of {PARTS})")
     args = parser.parse_args()
     if args.part is not None:
         warm(args.part, args.head_dim, getattr(torch, args.dtype))
@@ -80,7 +89,7 @@ def main() -> None:
         part: subprocess.Popen(
             [sys.executable, __file__, "--part", part, "--head-dim", str(args.head_dim), "--dtype", args.dtype]
         )
-        for part in PARTS
+        for part in args.parts.split(",")
     }
     failed = [part for part, proc in procs.items() if proc.wait() != 0]
     print(f"flashinfer kernels warmed in {time.perf_counter() - start:.0f} s; failed: {failed or 'none'}")
