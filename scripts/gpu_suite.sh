@@ -13,8 +13,8 @@
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
-# Next on one H200 (session 13 ran fp8_loads, auto_tests, moe_pdl): fp8_wave (the FP8 GEMV's 16 loads for one-wave
-# grids), graph_profile (where a batch-1 step goes with PDL everywhere), xqa_tests (split with -k over calls).
+# Next on one H200 (session 13 ran fp8_loads, auto_tests, moe_pdl, graph_profile, xqa_only): the batch-1 decode
+# attention inside the graph (9.7 us a layer for Qwen3-8B, 12.9 us for Qwen3-30B-A3B: the largest shared item left).
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
 set -u
@@ -143,6 +143,8 @@ for s in $stages; do
         --out $results/xqa_decode_small.json ;;
     xqa_tests) stage xqa_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_decode_kernels.py tests/gpu/test_flashinfer_and_graphs.py \
         tests/gpu/test_fp8_gpu.py::test_fp8_kv_cache_on_gpu ;;
+    xqa_only)  # XQA's kernel and engine tests alone (its modules build on first use, ~10 s each)
+      stage xqa_only 230 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_kernels.py -k xqa ;;
     xqa_engine_tests)  # the engine tests whose batch-1 decode steps took XQA in session 8 (bf16, auto then)
       stage xqa_engine_tests 260 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_overlap.py tests/gpu/test_moe.py \
         tests/gpu/test_structured.py ;;
@@ -311,11 +313,6 @@ for s in $stages; do
         --rounds 5 --batch-sizes 1 --fp8-variant "loads16:TPSERVE_GEMV_DEFINES=FP8_LOADS=16" \
         --fp8-variant "rows4u2:TPSERVE_GEMV_DEFINES=FP8_ROWS=4 FP8_LOADS=8" \
         --fp8-variant "rows4u4:TPSERVE_GEMV_DEFINES=FP8_ROWS=4 FP8_LOADS=16" --out $results/fp8_loads.json ;;
-    fp8_wave)  # issue 16: one FP8 token's GEMV with 16 loads in flight where its grid fits in one wave (o, down), 8 elsewhere,
-      # vs 8 everywhere (session 12's): the GEMV tests (bits equal), then Qwen3-8B batch 1 (carry the FP8_WAVE_LOADS=0 module)
-      stage gemv_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py
-      stage fp8_wave 300 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto --pipelined \
-        --rounds 5 --batch-sizes 1 --fp8-variant "8-loads:TPSERVE_GEMV_DEFINES=FP8_WAVE_LOADS=0" --out $results/fp8_wave.json ;;
     attn_big)  # where auto's Triton decode hands over to the decode wrapper: whole steps at batch 32-128
       stage attn_big 200 python3 benchmarks/experiments/triton_attention_engine.py --model tests/data/configs/Qwen3-8B \
         --kernels flashinfer,triton --rounds 3 --batch-sizes 32,64,128 --contexts 512,2048 --out $results/attn_big.json ;;

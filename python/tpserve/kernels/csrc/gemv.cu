@@ -53,7 +53,10 @@ constexpr int kMaxSiluMulTokens = 2;
 // Rows per block. A block must bring enough W bytes to pay for itself: FP8 rows are half as
 // long, so at one token a block takes 8 of them (8 KB of Qwen3-8B's K = 4096, one 16-byte load
 // each for all kLoadsInFlight; with 2 rows half of those loads found no chunk and the kernel read
-// 2.4-3.1 TB/s against bf16's 3.1-4.2 on the same shapes).
+// 2.4-3.1 TB/s against bf16's 3.1-4.2 on the same shapes). Qwen3-8B FP8 batch-1 steps with other
+// constants were all slower (docs/benchmarks.md, session 13): 16 loads (126 registers, 4 blocks an SM)
+// by 12%, 4 rows by 16%, 16 loads only where the grid fits in one wave by 2%, and W unpacked one row at
+// a time (72 registers, 7 blocks) by 4%.
 template <int M, bool kFp8>
 __host__ __device__ constexpr int rows_per_block() {
   return kFp8 && M == 1 ? TPSERVE_GEMV_FP8_ROWS : (M <= 2 ? 2 : 4);
