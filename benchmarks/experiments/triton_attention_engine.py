@@ -7,7 +7,8 @@ agrees). Then each (batch, context) point is timed: the synchronous step (forwar
 sync), the pipelined one (the step interval under overlap scheduling) and a pipelined step's GPU time
 (an interval longer than that is the host's). Variants: ``triton:nopdl``, the same kernel with
 tpserve's Triton kernels launched without programmatic dependent launch; ``:finorm``, FlashInfer's
-add + RMSNorm instead of tpserve's.
+add + RMSNorm instead of tpserve's; ``triton:chunk=16:max_splits=64``, the Triton kernel with other
+settings (``TPSERVE_TRITON_DECODE``).
 
     python benchmarks/experiments/triton_attention_engine.py --model tests/data/configs/Qwen3-8B \\
         --kernels flashinfer,triton --batch-sizes 1,8 --contexts 512,4096 --out out/triton_attention_engine.json
@@ -29,6 +30,7 @@ from tpserve.forward import SequenceInput  # noqa: E402
 from tpserve.kernels.pdl import TRITON_PDL_ENV  # noqa: E402
 from tpserve.kernels.add_rmsnorm import ENV as ADD_RMSNORM_ENV  # noqa: E402
 from tpserve.kvcache.pool import PageAllocator  # noqa: E402
+from tpserve.attention.triton_decode import CONFIG_ENV, CONFIG_KEYS, config_from_env  # noqa: E402
 
 
 # Engine variants: the environment each is built with.
@@ -49,7 +51,8 @@ def main() -> None:
     parser.add_argument("--kernels", default="flashinfer,triton",
                         help="--decode-attention values, the first the base, each maybe with variants that set the "
                              "environment its engine is built (and its graphs captured) with: "
-                             + ", ".join(f"':{name}' {env}" for name, env in VARIANTS.items()))
+                             + ", ".join(f"':{name}' {env}" for name, env in VARIANTS.items())
+                             + f", and the Triton kernel's settings (':chunk=16:max_splits=64': {CONFIG_ENV})")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--contexts", default="512,4096")
     parser.add_argument("--rounds", type=int, default=3)
@@ -65,9 +68,15 @@ def main() -> None:
     engines = {}
     for kernel in kernels:
         name, *variants = kernel.split(":")
-        if not set(variants) <= set(VARIANTS):
-            parser.error(f"unknown variant in {kernel!r}: the variants are {', '.join(VARIANTS)}")
-        env = {key: value for variant in variants for key, value in VARIANTS[variant].items()}
+        settings = [v for v in variants if "=" in v]  # the Triton kernel's own, e.g. triton:chunk=16:max_splits=64
+        named = [v for v in variants if "=" not in v]
+        if not set(named) <= set(VARIANTS):
+            parser.error(f"unknown variant in {kernel!r}: the variants are {', '.join(VARIANTS)} and NAME=VALUE "
+                         f"settings of {CONFIG_ENV} ({', '.join(CONFIG_KEYS)})")
+        env = {key: value for variant in named for key, value in VARIANTS[variant].items()}
+        if settings:
+            env[CONFIG_ENV] = " ".join(settings)
+            config_from_env(env[CONFIG_ENV])  # a bad setting fails here, before any engine is built
         with environment(env):  # every engine replays the graphs its own setting captured
             engines[kernel] = make_engine(args.model, max_total_tokens=tokens, cuda_graph_max_bs=max(batches),
                                           decode_attention=name)

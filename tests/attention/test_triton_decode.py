@@ -113,3 +113,16 @@ def test_unsupported_layouts_are_named():
     assert "not 96" in unsupported_reason(96, 32, 8, fp8_cache=False)
     assert "do not group" in unsupported_reason(128, 30, 8, fp8_cache=False)
     assert "not FP8" in unsupported_reason(128, 32, 8, fp8_cache=True)
+
+
+def test_config_from_env_names_bad_settings(monkeypatch):
+    """``TPSERVE_TRITON_DECODE`` (experiments): the kernel's settings, commas or spaces between them."""
+    from tpserve.attention.triton_decode import CONFIG_ENV, config_from_env
+
+    monkeypatch.delenv(CONFIG_ENV, raising=False)
+    assert config_from_env() == {}
+    monkeypatch.setenv(CONFIG_ENV, "chunk=16, max_splits=64 num_warps=2")
+    assert config_from_env() == {"chunk": 16, "max_splits": 64, "num_warps": 2}
+    for bad in ("chunks=16", "chunk=0", "chunk=x", "chunk"):
+        with pytest.raises(ValueError, match=f"{CONFIG_ENV}: '{bad}'"):
+            config_from_env(bad)

@@ -24,6 +24,7 @@ Hopper; ``triton`` takes it at every batch size.
 from __future__ import annotations
 
 import math
+import os
 
 import torch
 import triton
@@ -39,6 +40,23 @@ MERGE_UNROLL = 16  # splits the merge loads at once
 # ``--decode-attention auto`` over bf16/fp16 pages on Hopper takes this kernel up to this batch size
 # and FlashInfer's decode wrapper above it (docs/benchmarks.md, "Decode attention: tpserve's Triton kernel").
 AUTO_MAX_BATCH = 32
+# Experiments: the kernel's settings in an engine, e.g. ``chunk=16 max_splits=64 num_warps=2`` (read when
+# the attention backend is built), so whole steps of several settings can be timed in one process.
+CONFIG_ENV = "TPSERVE_TRITON_DECODE"
+CONFIG_KEYS = ("chunk", "max_splits", "num_warps", "merge_unroll")
+
+
+def config_from_env(setting: str | None = None) -> dict[str, int]:
+    """``TPSERVE_TRITON_DECODE`` (or ``setting``) as ``TritonDecode`` keyword arguments; empty by default."""
+    setting = os.environ.get(CONFIG_ENV, "") if setting is None else setting
+    config = {}
+    for item in setting.replace(",", " ").split():
+        key, _, value = item.partition("=")
+        if key not in CONFIG_KEYS or not value.isdigit() or int(value) < 1:
+            raise ValueError(f"{CONFIG_ENV}: {item!r} is not NAME=POSITIVE_INTEGER "
+                             f"with NAME one of {', '.join(CONFIG_KEYS)}")
+        config[key] = int(value)
+    return config
 
 
 @triton.jit
