@@ -319,7 +319,7 @@ for s in $stages; do
       for m in tests/data/configs/Qwen3-8B $a3b; do
         stage attn_sweep_$(basename $m) 200 python3 benchmarks/experiments/triton_attention_engine.py --model $m \
           --kernels triton,triton:chunk=16,triton:chunk=16:max_splits=64,triton:chunk=64,triton:num_warps=2,\
-triton:num_warps=8 \
+triton:num_warps=8,triton:early_launch=0 \
           --rounds 3 --batch-sizes 1 --contexts 512,4096 --out $results/attn_sweep_$(basename $m).json
       done ;;
     attn_big)  # where auto's Triton decode hands over to the decode wrapper: whole steps at batch 32-128

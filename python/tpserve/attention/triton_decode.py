@@ -43,7 +43,7 @@ AUTO_MAX_BATCH = 32
 # Experiments: the kernel's settings in an engine, e.g. ``chunk=16 max_splits=64 num_warps=2`` (read when
 # the attention backend is built), so whole steps of several settings can be timed in one process.
 CONFIG_ENV = "TPSERVE_TRITON_DECODE"
-CONFIG_KEYS = ("chunk", "max_splits", "num_warps", "merge_unroll")
+CONFIG_KEYS = ("chunk", "max_splits", "num_warps", "merge_unroll", "early_launch")
 
 
 def config_from_env(setting: str | None = None) -> dict[str, int]:
@@ -52,8 +52,9 @@ def config_from_env(setting: str | None = None) -> dict[str, int]:
     config = {}
     for item in setting.replace(",", " ").split():
         key, _, value = item.partition("=")
-        if key not in CONFIG_KEYS or not value.isdigit() or int(value) < 1:
-            raise ValueError(f"{CONFIG_ENV}: {item!r} is not NAME=POSITIVE_INTEGER "
+        least = 0 if key == "early_launch" else 1  # early_launch: 0 or 1
+        if key not in CONFIG_KEYS or not value.isdigit() or not least <= int(value) <= (1 if least == 0 else 1 << 16):
+            raise ValueError(f"{CONFIG_ENV}: {item!r} is not NAME=POSITIVE_INTEGER (early_launch: 0 or 1) "
                              f"with NAME one of {', '.join(CONFIG_KEYS)}")
         config[key] = int(value)
     return config
@@ -97,9 +98,9 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, G_MERGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr, MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr,
+    PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
 ):
-    if PDL:  # the next kernel (the o projection's GEMV) may launch and load its weights meanwhile
+    if PDL and EARLY_LAUNCH:  # the next kernel (the o projection's GEMV) may launch and load its weights meanwhile
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -186,7 +187,7 @@ class TritonDecode:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device,
                  max_batch: int = 4096, chunk: int = CHUNK, max_splits: int = MAX_SPLITS, num_warps: int = 4,
-                 merge_unroll: int = MERGE_UNROLL) -> None:
+                 merge_unroll: int = MERGE_UNROLL, early_launch: int = 1) -> None:
         if max_splits & (max_splits - 1) or chunk & (chunk - 1):
             raise ValueError(f"max_splits and chunk must be powers of two, not {max_splits} and {chunk}")
         self.group = num_heads // num_kv_heads
@@ -195,6 +196,9 @@ class TritonDecode:
         self.num_kv_heads = num_kv_heads
         self.scale_log2 = scale * math.log2(math.e)  # the kernel's softmax runs in base 2
         self.chunk, self.max_splits, self.num_warps, self.merge_unroll = chunk, max_splits, num_warps, merge_unroll
+        # 0: the next kernel launches when this one ends (PDL still overlaps its launch with the tail),
+        # not while it runs: an experiment on whether the o GEMV's weight prefetch slows attention
+        self.early_launch = bool(early_launch)
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 32
         self.counters = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
         self._retired: list[torch.Tensor] = []  # smaller counters that captured graphs may still use
@@ -220,7 +224,8 @@ class TritonDecode:
             meta.page_table.stride(0), out.stride(0), out.stride(1),
             KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.g_pad, G_MERGE=self.g_merge,
             HEAD_DIM=head_dim, PAGE=k_cache.shape[1], CHUNK=self.chunk, MAX_SPLITS=self.max_splits,
-            MERGE_UNROLL=self.merge_unroll, IEEE=q.dtype == torch.float32, PDL=pdl, num_warps=self.num_warps,
+            MERGE_UNROLL=self.merge_unroll, IEEE=q.dtype == torch.float32, PDL=pdl, EARLY_LAUNCH=self.early_launch,
+            num_warps=self.num_warps,
             launch_pdl=pdl,
         )
         return out
