@@ -41,9 +41,9 @@ def warm(part: str, head_dim: int, dtype: torch.dtype) -> None:
         load_module()
         return None
     if part == "fp8_gemm":  # FlashInfer's sm90 block-scaled FP8 GEMM (loads a carried build, or builds it)
-        from tpserve.kernels.fp8_linear import _flashinfer_runs
+        from tpserve.kernels.fp8_linear import flashinfer_runs
 
-        if not _flashinfer_runs(0):
+        if not flashinfer_runs(0):
             raise RuntimeError("FlashInfer's FP8 GEMM does not run")
         return None
     if part == "gemv":

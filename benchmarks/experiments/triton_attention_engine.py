@@ -30,7 +30,7 @@ from tpserve.forward import SequenceInput  # noqa: E402
 from tpserve.kernels.pdl import TRITON_PDL_ENV  # noqa: E402
 from tpserve.kernels.add_rmsnorm import ENV as ADD_RMSNORM_ENV  # noqa: E402
 from tpserve.kvcache.pool import PageAllocator  # noqa: E402
-from tpserve.attention.triton_decode import CONFIG_ENV, CONFIG_KEYS, config_from_env  # noqa: E402
+from tpserve.attention.triton_decode import CONFIG_ENV, CONFIG_RANGES, config_from_env  # noqa: E402
 
 
 # Engine variants: the environment each is built with.
@@ -72,7 +72,7 @@ def main() -> None:
         named = [v for v in variants if "=" not in v]
         if not set(named) <= set(VARIANTS):
             parser.error(f"unknown variant in {kernel!r}: the variants are {', '.join(VARIANTS)} and NAME=VALUE "
-                         f"settings of {CONFIG_ENV} ({', '.join(CONFIG_KEYS)})")
+                         f"settings of {CONFIG_ENV} ({', '.join(CONFIG_RANGES)})")
         env = {key: value for variant in named for key, value in VARIANTS[variant].items()}
         if settings:
             env[CONFIG_ENV] = " ".join(settings)

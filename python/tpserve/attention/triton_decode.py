@@ -2,7 +2,7 @@
 
 Why: at small batches FlashInfer's decode wrapper is latency-bound. In a batch-1 graph step on an
 H200 it takes 8.5-9.3 us plus 2.3-2.5 us of split merging per layer for 1 MB of KV, which takes
-0.25 us to read (docs/benchmarks.md, "Where a batch-1 step goes").
+0.25 us to read (docs/results/history.md, "Where a batch-1 step goes").
 
 The grid is (batch, kv heads, splits), the splits chosen from the batch size so that the grid fills
 the GPU (``splits_for``). Each program takes the GQA group's query heads (padded to 16 rows for
@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from tpserve.attention.page_table import TableMetadata
+from tpserve.kernels import int_settings
 from tpserve.kernels.pdl import triton_pdl
 
 CHUNK = 32  # tokens a program reads per step
@@ -43,20 +44,19 @@ AUTO_MAX_BATCH = 32
 # Experiments: the kernel's settings in an engine, e.g. ``chunk=16 max_splits=64 num_warps=2`` (read when
 # the attention backend is built), so whole steps of several settings can be timed in one process.
 CONFIG_ENV = "TPSERVE_TRITON_DECODE"
-CONFIG_KEYS = ("chunk", "max_splits", "num_warps", "merge_unroll", "early_launch")
+CONFIG_RANGES = {"chunk": (1, 1 << 16), "max_splits": (1, 1 << 16), "num_warps": (1, 32),
+                 "merge_unroll": (1, 1 << 16), "early_launch": (0, 1)}
 
 
 def config_from_env(setting: str | None = None) -> dict[str, int]:
     """``TPSERVE_TRITON_DECODE`` (or ``setting``) as ``TritonDecode`` keyword arguments; empty by default."""
     setting = os.environ.get(CONFIG_ENV, "") if setting is None else setting
-    config = {}
-    for item in setting.replace(",", " ").split():
-        key, _, value = item.partition("=")
-        least = 0 if key == "early_launch" else 1  # early_launch: 0 or 1
-        if key not in CONFIG_KEYS or not value.isdigit() or not least <= int(value) <= (1 if least == 0 else 1 << 16):
-            raise ValueError(f"{CONFIG_ENV}: {item!r} is not NAME=POSITIVE_INTEGER (early_launch: 0 or 1) "
-                             f"with NAME one of {', '.join(CONFIG_KEYS)}")
-        config[key] = int(value)
+    config = dict(int_settings(setting, CONFIG_ENV))
+    for key, value in config.items():
+        low, high = CONFIG_RANGES.get(key, (1, 0))  # an unknown name has an empty range
+        if not low <= value <= high:
+            raise ValueError(f"{CONFIG_ENV}: {key}={value} is not a setting: "
+                             + ", ".join(f"{name} in {lo}..{hi}" for name, (lo, hi) in CONFIG_RANGES.items()))
     return config
 
 

@@ -47,7 +47,7 @@ def backend_from_env() -> str:
 
 
 @functools.cache
-def _flashinfer_runs(device_index: int) -> bool:
+def flashinfer_runs(device_index: int) -> bool:
     """FlashInfer's sm90 block-scaled GEMM loads (JIT-built on first use) and runs on this GPU."""
     device = torch.device("cuda", device_index)
     if torch.cuda.get_device_capability(device) != (9, 0):
@@ -76,7 +76,7 @@ def resolve_backend(
     index = device.index or 0
     if backend in GEMV_BACKENDS:
         failure = gemv.probe(index) if dtype == torch.bfloat16 else f"activations are {dtype}, not bf16"
-        if failure is None and backend == "cuda" and not _flashinfer_runs(index):
+        if failure is None and backend == "cuda" and not flashinfer_runs(index):
             failure = "FlashInfer's GEMM, which takes the larger batches, does not run"
         if failure is not None:
             raise RuntimeError(f"{FP8_GEMM_ENV}={backend} does not run here ({failure})")
@@ -84,7 +84,7 @@ def resolve_backend(
         return backend
     if dtype != torch.bfloat16 or block != FLASHINFER_BLOCK:
         return "triton"
-    flashinfer = in_features % FLASHINFER_BLOCK[1] == 0 and _flashinfer_runs(index)
+    flashinfer = in_features % FLASHINFER_BLOCK[1] == 0 and flashinfer_runs(index)
     cuda_gemv = in_features % GEMV_K_MULTIPLE == 0 and gemv.probe(index) is None
     if flashinfer:
         return "cuda" if cuda_gemv else "flashinfer"

@@ -17,7 +17,7 @@ from typing import Any
 
 import torch
 
-from tpserve.kernels import jit_name
+from tpserve.kernels import int_settings, jit_name
 from tpserve.kernels.pdl import pdl_supported
 
 logger = logging.getLogger(__name__)
@@ -61,12 +61,7 @@ def load_module(defines: tuple[tuple[str, int], ...] = ()) -> Any:
 
 @functools.cache
 def _defines(setting: str) -> tuple[tuple[str, int], ...]:
-    """``FP8_LOADS=16 FP8_ROWS=8`` (or comma-separated) -> (("FP8_LOADS", 16), ("FP8_ROWS", 8))."""
-    try:
-        items = setting.replace(",", " ").split()
-        return tuple((name, int(value)) for name, value in (item.split("=") for item in items))
-    except ValueError:
-        raise ValueError(f"{DEFINES_ENV}={setting!r}: expected NAME=INTEGER[,NAME=INTEGER...]") from None
+    return int_settings(setting, DEFINES_ENV)
 
 
 def unsupported(
