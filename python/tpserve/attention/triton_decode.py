@@ -31,7 +31,7 @@ import triton
 import triton.language as tl
 
 from tpserve.attention.page_table import TableMetadata
-from tpserve.kernels import int_settings
+from tpserve.kernels.settings import int_settings
 from tpserve.kernels.pdl import triton_pdl
 
 CHUNK = 32  # tokens a program reads per step

@@ -41,16 +41,6 @@ def jit_name(base: str, source: Path) -> str:
     return f"{base}_{hashlib.sha256(source.read_bytes()).hexdigest()[:12]}"
 
 
-def int_settings(setting: str, env: str) -> tuple[tuple[str, int], ...]:
-    """An experiment's ``NAME=INTEGER`` list (spaces or commas between), e.g. ``chunk=16 max_splits=64``
-    -> (("chunk", 16), ("max_splits", 64)); ``env`` names the variable in the error."""
-    items = setting.replace(",", " ").split()
-    try:
-        return tuple((name, int(value)) for name, value in (item.split("=") for item in items))
-    except ValueError:
-        raise ValueError(f"{env}={setting!r}: expected NAME=INTEGER[,NAME=INTEGER...]") from None
-
-
 def use_flashinfer(device: torch.device, dtype: torch.dtype) -> bool:
     """Whether tensors of this device and dtype take FlashInfer's fused kernels."""
     return ENABLED and device.type == "cuda" and dtype in FLASHINFER_DTYPES and optional_import("flashinfer") is not None

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 
-from tpserve.kernels import int_settings, jit_name
+from tpserve.kernels import jit_name
+from tpserve.kernels.settings import int_settings
 from tpserve.kernels.pdl import pdl_supported
 
 logger = logging.getLogger(__name__)
