@@ -13,9 +13,9 @@
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
-# Next on one H200 (session 13 ran fp8_loads, auto_tests, moe_pdl, graph_profile, xqa_only): attn_sweep, the batch-1
-# decode attention inside the graph (9.7 us a layer for Qwen3-8B, 12.9 us for Qwen3-30B-A3B: the largest shared item
-# left); then fp8_decode.py with the winner as --variant/--fp8-variant TPSERVE_TRITON_DECODE=... for issue 16's ratio.
+# On one H200, session 14: attn_sweep and attn_setting (then named attn_prefetch) measured the Triton decode
+# kernel's prefetch of K and V before the PDL wait, now the default. Next: issue 16's FP8 GEMV runs at 3.3-3.9 TB/s
+# where bf16's runs at 3.9-4.3 (graph_profile, session 13).
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
 set -u
@@ -314,14 +314,21 @@ for s in $stages; do
         --rounds 5 --batch-sizes 1 --fp8-variant "loads16:TPSERVE_GEMV_DEFINES=FP8_LOADS=16" \
         --fp8-variant "rows4u2:TPSERVE_GEMV_DEFINES=FP8_ROWS=4 FP8_LOADS=8" \
         --fp8-variant "rows4u4:TPSERVE_GEMV_DEFINES=FP8_ROWS=4 FP8_LOADS=16" --out $results/fp8_loads.json ;;
-    attn_sweep)  # the batch-1 Triton decode kernel's settings in whole steps (session 11 tuned them alone, L2 cold;
-      # in the graph it runs beside the o GEMV's weight prefetch): Qwen3-8B (32:8 heads), then Qwen3-30B-A3B (32:4)
-      for m in tests/data/configs/Qwen3-8B $a3b; do
-        stage attn_sweep_$(basename $m) 200 python3 benchmarks/experiments/triton_attention_engine.py --model $m \
-          --kernels triton,triton:chunk=16,triton:chunk=16:max_splits=64,triton:chunk=64,triton:num_warps=2,\
-triton:num_warps=8,triton:early_launch=0 \
-          --rounds 3 --batch-sizes 1 --contexts 512,4096 --out $results/attn_sweep_$(basename $m).json
-      done ;;
+    attn_sweep)  # the batch-1 Triton decode kernel's settings in whole steps (session 11 tuned them alone,
+      # L2 cold; in the graph it runs beside the o GEMV's weight prefetch), Qwen3-8B (32:8 heads): six 16 GB engines
+      stage attn_sweep 200 python3 benchmarks/experiments/triton_attention_engine.py \
+        --model tests/data/configs/Qwen3-8B --kernels triton,triton:prefetch=0,triton:early_launch=0,\
+triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
+        --rounds 3 --batch-sizes 1 --contexts 512,4096 --out $results/attn_sweep.json ;;
+    attn_setting)  # a decode setting (TRITON_DECODE_SETTING, default prefetch=0: before session 14) in issue 16's
+      # ratio, Qwen3-8B FP8 / bf16 at batch 1, and in Qwen3-30B-A3B's step (two engines of 61 GB)
+      setting=${TRITON_DECODE_SETTING:-prefetch=0}
+      stage attn_setting_fp8 250 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B \
+        --fp8-gemms auto --pipelined --rounds 5 --batch-sizes 1 --variant "setting:TPSERVE_TRITON_DECODE=$setting" \
+        --fp8-variant "setting:TPSERVE_TRITON_DECODE=$setting" --out $results/attn_setting_fp8.json
+      stage attn_setting_a3b 150 python3 benchmarks/experiments/triton_attention_engine.py --model $a3b \
+        --kernels "triton,triton:${setting// /:}" --rounds 3 --batch-sizes 1 --contexts 512,4096 \
+        --out $results/attn_setting_a3b.json ;;
     attn_big)  # where auto's Triton decode hands over to the decode wrapper: whole steps at batch 32-128
       stage attn_big 200 python3 benchmarks/experiments/triton_attention_engine.py --model tests/data/configs/Qwen3-8B \
         --kernels flashinfer,triton --rounds 3 --batch-sizes 32,64,128 --contexts 512,2048 --out $results/attn_big.json ;;

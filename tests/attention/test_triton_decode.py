@@ -17,17 +17,19 @@ pytest.importorskip("triton")
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 HERE = os.path.dirname(os.path.abspath(__file__))
 
-# (query heads, kv heads, head_dim, lengths, CHUNK, most splits): one token (one split, written
-# directly); splits merged by the last program; GQA 1, 4, 5 (not a power of two) and 8; lengths
-# on and off page and step edges; more tokens than CHUNK x splits (several steps a split); more
-# splits than the merge loads at once (10). On the CPU the kernel takes 32 SMs (splits_for).
+# (query heads, kv heads, head_dim, lengths, CHUNK, most splits, prefetch): one token (one split,
+# written directly); splits merged by the last program; GQA 1, 4, 5 (not a power of two) and 8;
+# lengths on and off page and step edges; more tokens than CHUNK x splits (several steps a split);
+# more splits than the merge loads at once (10); the first chunk read before the newest token
+# (prefetch), with the newest token inside and outside that chunk. On the CPU the kernel takes 32
+# SMs (splits_for).
 CASES = [
-    (4, 4, 32, [1], 16, 4),
-    (8, 2, 32, [37, 5], 16, 4),
-    (8, 1, 32, [100, 16], 16, 8),
-    (10, 2, 32, [16, 33, 70], 16, 2),
-    (16, 2, 32, [300], 16, 16),
-    (8, 2, 128, [129, 64], 64, 32),
+    (4, 4, 32, [1], 16, 4, 1),
+    (8, 2, 32, [37, 5], 16, 4, 1),
+    (8, 1, 32, [100, 16], 16, 8, 0),
+    (10, 2, 32, [16, 33, 70], 16, 2, 1),
+    (16, 2, 32, [300], 16, 16, 0),
+    (8, 2, 128, [129, 64], 64, 32, 0),
 ]
 PAGE = 16
 
@@ -70,11 +72,11 @@ def interpreter_check(launches: str) -> None:
     from tpserve.attention.page_table import TableMetadata
     from tpserve.attention.triton_decode import TritonDecode
 
-    for i, (q_heads, kv_heads, head_dim, lengths, chunk, splits) in enumerate(CASES):
+    for i, (q_heads, kv_heads, head_dim, lengths, chunk, splits, prefetch) in enumerate(CASES):
         q, k_cache, v_cache, table, lens = paged_case(q_heads, kv_heads, head_dim, lengths, torch.float32, seed=i)
         scale = head_dim**-0.5
         kernel = TritonDecode(q_heads, kv_heads, head_dim, scale, torch.device("cpu"), max_batch=len(lengths),
-                              chunk=chunk, max_splits=splits)
+                              chunk=chunk, max_splits=splits, prefetch=prefetch)
         expected = reference(q, k_cache, v_cache, table, lens, scale)
         for call in range(2):
             got = TableMetadata(kernel, table, lens).attend(q, k_cache, v_cache)
@@ -82,9 +84,11 @@ def interpreter_check(launches: str) -> None:
             assert err < 1e-5, f"case {i} call {call}: max error {err:.2e}"
             assert not kernel.counters.any(), f"case {i}: a merge counter was left non-zero"
     record_launches(launches)
-    for q_heads, kv_heads, lengths in ((32, 4, [40, 1000]), (8, 1, [3000])):  # 2 and 64 splits (32 "SMs")
+    # 2 and 64 splits (32 "SMs"), and the prefetch
+    for q_heads, kv_heads, lengths, prefetch in ((32, 4, [40, 1000], 0), (8, 1, [3000], 0), (32, 8, [512], 1)):
         q, k_cache, v_cache, table, lens = paged_case(q_heads, kv_heads, 128, lengths, torch.bfloat16, seed=9)
-        kernel = TritonDecode(q_heads, kv_heads, 128, 128**-0.5, torch.device("cpu"), max_batch=len(lengths))
+        kernel = TritonDecode(q_heads, kv_heads, 128, 128**-0.5, torch.device("cpu"), max_batch=len(lengths),
+                              prefetch=prefetch)
         TableMetadata(kernel, table, lens).attend(q, k_cache, v_cache)
     print("ok")
 
@@ -123,7 +127,7 @@ def test_config_from_env_names_bad_settings(monkeypatch):
     assert config_from_env() == {}
     monkeypatch.setenv(CONFIG_ENV, "chunk=16, max_splits=64 num_warps=2")
     assert config_from_env() == {"chunk": 16, "max_splits": 64, "num_warps": 2}
-    assert config_from_env("early_launch=0") == {"early_launch": 0}
-    for bad in ("chunks=16", "chunk=0", "chunk=x", "chunk", "early_launch=2"):
+    assert config_from_env("early_launch=0 prefetch=1") == {"early_launch": 0, "prefetch": 1}
+    for bad in ("chunks=16", "chunk=0", "chunk=x", "chunk", "early_launch=2", "prefetch=2"):
         with pytest.raises(ValueError, match=CONFIG_ENV):
             config_from_env(bad)

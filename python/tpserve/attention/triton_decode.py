@@ -9,9 +9,11 @@ the GPU (``splits_for``). Each program takes the GQA group's query heads (padded
 ``tl.dot``) over one split of its sequence, CHUNK tokens a step, with an online softmax. How many
 splits a sequence uses follows its length inside the kernel: at least CHUNK tokens a split, so a
 graph captured once serves every context length, and programs past a short sequence's splits
-return at once. A sequence of one split writes its output directly. Otherwise the program that
-finishes last merges the partials: an atomic counter tells it that it is last, and it sets the
-counter back to zero (so graph replays need no memset).
+return at once. Each program loads its first chunk's k and v before it waits on the previous kernel
+(PDL): only the newest token's row is that kernel's, and it is read again after the wait. A sequence
+of one split writes its output directly. Otherwise the program that finishes last merges the
+partials: an atomic counter tells it that it is last, and it sets the counter back to zero (so graph
+replays need no memset).
 
 On one H200, alone (benchmarks/experiments/triton_decode_attention.py, L2 cold, session 11): 0.53-0.86x
 the wrapper's time at batch 1-8 and context 512, 0.74x at batch 1 and context 4096 with 32:8 heads,
@@ -45,7 +47,7 @@ AUTO_MAX_BATCH = 32
 # the attention backend is built), so whole steps of several settings can be timed in one process.
 CONFIG_ENV = "TPSERVE_TRITON_DECODE"
 CONFIG_RANGES = {"chunk": (1, 1 << 16), "max_splits": (1, 1 << 16), "num_warps": (1, 32),
-                 "merge_unroll": (1, 1 << 16), "early_launch": (0, 1)}
+                 "merge_unroll": (1, 1 << 16), "early_launch": (0, 1), "prefetch": (0, 1)}
 
 
 def config_from_env(setting: str | None = None) -> dict[str, int]:
@@ -93,12 +95,30 @@ def _merge_splits(part_out_ptr, part_ml_ptr, out_ptr, first, splits, b, h, strid
 
 
 @triton.jit
+def _attend_chunk(q, k, v, ok, big_m, total, acc, scale_log2, IEEE: tl.constexpr):
+    """One chunk of the online softmax: the running max, sum and output after the tokens ``ok``."""
+    if IEEE:  # float32 (the CPU check under TRITON_INTERPRET=1)
+        scores = tl.dot(q, tl.trans(k), input_precision="ieee")
+    else:
+        scores = tl.dot(q, tl.trans(k))
+    scores = tl.where(ok[None, :], scores * scale_log2, -float("inf"))
+    new_m = tl.maximum(big_m, tl.max(scores, axis=1))
+    p = tl.exp2(scores - new_m[:, None])
+    alpha = tl.exp2(big_m - new_m)
+    if IEEE:
+        acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
+    else:
+        acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return new_m, total * alpha + tl.sum(p, axis=1), acc
+
+
+@triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_out_ptr, part_ml_ptr, counter_ptr, out_ptr, scale_log2,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, G_MERGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr, MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr,
+    PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr, PREFETCH: tl.constexpr,
 ):
     if PDL and EARLY_LAUNCH:  # the next kernel (the o projection's GEMV) may launch and load its weights meanwhile
         tl.extra.cuda.gdc_launch_dependents()
@@ -119,11 +139,30 @@ def _decode_kernel(
         acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
         offs = s * per_split + tl.arange(0, CHUNK)
         page = tl.load(table_ptr + b * stride_tb + offs // PAGE, mask=offs < t_end, other=0)
-        if PDL:  # q and the newest token's k and v: written by the previous kernel
-            tl.extra.cuda.gdc_wait()
-        q_rows = q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
-        q = tl.load(q_rows, mask=real, other=0.0)
-        for t in range(s * per_split, t_end, CHUNK):
+        start = s * per_split
+        if PREFETCH:  # the first chunk's k and v before the wait: only the newest token's are the previous kernel's
+            ok = offs < t_end
+            rows = (page.to(tl.int64) * stride_kp + (offs % PAGE) * stride_ks + h * stride_kh)[:, None] + d[None, :]
+            older = (offs < tl.minimum(t_end, seq_len - 1))[:, None]
+            k = tl.load(k_ptr + rows, mask=older, other=0.0)
+            v = tl.load(v_ptr + rows, mask=older, other=0.0)
+            if PDL:
+                tl.extra.cuda.gdc_wait()
+            newest = (offs == seq_len - 1)[:, None]  # false everywhere but in the last split's first chunk
+            k = tl.where(newest, tl.load(k_ptr + rows, mask=newest, other=0.0), k)
+            v = tl.where(newest, tl.load(v_ptr + rows, mask=newest, other=0.0), v)
+            q_rows = q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
+            q = tl.load(q_rows, mask=real, other=0.0)
+            offs += CHUNK
+            page = tl.load(table_ptr + b * stride_tb + offs // PAGE, mask=offs < t_end, other=0)
+            big_m, total, acc = _attend_chunk(q, k, v, ok, big_m, total, acc, scale_log2, IEEE)
+            start += CHUNK
+        else:
+            if PDL:  # q and the newest token's k and v: written by the previous kernel
+                tl.extra.cuda.gdc_wait()
+            q_rows = q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
+            q = tl.load(q_rows, mask=real, other=0.0)
+        for t in range(start, t_end, CHUNK):
             ok = offs < t_end
             rows = (page.to(tl.int64) * stride_kp + (offs % PAGE) * stride_ks + h * stride_kh)[:, None] + d[None, :]
             k = tl.load(k_ptr + rows, mask=ok[:, None], other=0.0)
@@ -131,20 +170,7 @@ def _decode_kernel(
             # The next step's page ids, issued before this step's math (they lead its loads).
             offs += CHUNK
             page = tl.load(table_ptr + b * stride_tb + offs // PAGE, mask=offs < t_end, other=0)
-            if IEEE:  # float32 (the CPU check under TRITON_INTERPRET=1)
-                scores = tl.dot(q, tl.trans(k), input_precision="ieee")
-            else:
-                scores = tl.dot(q, tl.trans(k))
-            scores = tl.where(ok[None, :], scores * scale_log2, -float("inf"))
-            new_m = tl.maximum(big_m, tl.max(scores, axis=1))
-            p = tl.exp2(scores - new_m[:, None])
-            alpha = tl.exp2(big_m - new_m)
-            if IEEE:
-                acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
-            else:
-                acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            total = total * alpha + tl.sum(p, axis=1)
-            big_m = new_m
+            big_m, total, acc = _attend_chunk(q, k, v, ok, big_m, total, acc, scale_log2, IEEE)
         out_rows = out_ptr + b * stride_ob + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
         if splits == 1:
             tl.store(out_rows, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=real)
@@ -187,7 +213,7 @@ class TritonDecode:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device,
                  max_batch: int = 4096, chunk: int = CHUNK, max_splits: int = MAX_SPLITS, num_warps: int = 4,
-                 merge_unroll: int = MERGE_UNROLL, early_launch: int = 1) -> None:
+                 merge_unroll: int = MERGE_UNROLL, early_launch: int = 1, prefetch: int = 1) -> None:
         if max_splits & (max_splits - 1) or chunk & (chunk - 1):
             raise ValueError(f"max_splits and chunk must be powers of two, not {max_splits} and {chunk}")
         self.group = num_heads // num_kv_heads
@@ -199,6 +225,10 @@ class TritonDecode:
         # 0: the next kernel launches when this one ends (PDL still overlaps its launch with the tail),
         # not while it runs: an experiment on whether the o GEMV's weight prefetch slows attention
         self.early_launch = bool(early_launch)
+        # 1: each program reads its first chunk's k and v before it waits on the previous kernel, so those
+        # loads are out before the o GEMV's weight prefetch fills the memory system. Whole batch-1 steps on an
+        # H200: 0.969x at context 512 for Qwen3-30B-A3B, 0.993x for Qwen3-8B (docs/benchmarks.md, session 14)
+        self.prefetch = bool(prefetch)
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 32
         self.counters = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
         self._retired: list[torch.Tensor] = []  # smaller counters that captured graphs may still use
@@ -225,6 +255,7 @@ class TritonDecode:
             KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.g_pad, G_MERGE=self.g_merge,
             HEAD_DIM=head_dim, PAGE=k_cache.shape[1], CHUNK=self.chunk, MAX_SPLITS=self.max_splits,
             MERGE_UNROLL=self.merge_unroll, IEEE=q.dtype == torch.float32, PDL=pdl, EARLY_LAUNCH=self.early_launch,
+            PREFETCH=self.prefetch,
             num_warps=self.num_warps,
             launch_pdl=pdl,
         )
