@@ -185,32 +185,3 @@ def test_tiny_model_with_bf16_gemv(tiny_model_factory, monkeypatch):
     print(f"bf16 GEMV on {outs['1']} off {outs['0']}")
     assert all(len(t) == 12 for t in outs["1"])
     assert sum(a[0] == b[0] for a, b in zip(outs["1"], outs["0"])) >= 2
-
-
-# Variants of csrc/gemv.cu's constants (``TPSERVE_GEMV_DEFINES``) that must give the default's bits,
-# so that one can become the default without changing a token.
-SAME_BITS_VARIANTS = ["FP8_PIPELINE=1", "FP8_PIPELINE=5"]
-
-
-@pytest.mark.parametrize("setting", SAME_BITS_VARIANTS)
-def test_fp8_variants_give_the_default_bits(setting, monkeypatch):
-    """At one token (where the variants differ), every FP8 shape, plain and with SiLU-and-mul, and in a
-    CUDA graph with PDL: the variant's output equals the default kernel's bit for bit."""
-    from tpserve.kernels.gemv import DEFINES_ENV
-
-    gen = torch.Generator(device=DEVICE).manual_seed(3)
-    for n, k in SHAPES + [(400, 144), (16, 16)]:
-        w, scale = weights(n, k, True, seed=n + k)
-        x = torch.randn(1, k, device=DEVICE, generator=gen).to(torch.bfloat16)
-        monkeypatch.delenv(DEFINES_ENV, raising=False)
-        base = [gemv(x, w, scale), gemv(x, w, scale, silu_mul=True) if n % 8 == 0 else None]
-        monkeypatch.setenv(DEFINES_ENV, setting)
-        assert torch.equal(gemv(x, w, scale), base[0]), f"{setting}: ({n}, {k}) differs from the default"
-        if base[1] is not None:
-            assert torch.equal(gemv(x, w, scale, silu_mul=True), base[1]), f"{setting}: ({n}, {k}) SiLU-and-mul"
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            out = gemv(x, w, scale, pdl=True)
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, base[0]), f"{setting}: ({n}, {k}) in a CUDA graph"

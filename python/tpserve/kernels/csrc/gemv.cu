@@ -41,13 +41,6 @@ namespace {
 #ifndef TPSERVE_GEMV_FP8_LOADS
 #define TPSERVE_GEMV_FP8_LOADS 8
 #endif
-// N > 0: at one FP8 token, each thread issues its next step's loads of W before it multiplies this
-// step's (and unpacks W one row at a time to make room), so the memory system is not left idle while
-// every block of a one-wave grid (o, down) computes at once; compiled for at least N resident blocks
-// an SM (launch bounds: 1 takes 127 registers, 4 blocks; 5 takes 96; 6 spills).
-#ifndef TPSERVE_GEMV_FP8_PIPELINE
-#define TPSERVE_GEMV_FP8_PIPELINE 0
-#endif
 
 constexpr int kThreads = TPSERVE_GEMV_THREADS;
 constexpr int kWarps = kThreads / 32;
@@ -63,7 +56,8 @@ constexpr int kMaxSiluMulTokens = 2;
 // 2.4-3.1 TB/s against bf16's 3.1-4.2 on the same shapes). Qwen3-8B FP8 batch-1 steps with other
 // constants were all slower (docs/benchmarks.md, session 13): 16 loads (126 registers, 4 blocks an SM)
 // by 12%, 4 rows by 16%, 16 loads only where the grid fits in one wave by 2%, and W unpacked one row at
-// a time (72 registers, 7 blocks) by 4%.
+// a time (72 registers, 7 blocks) by 4%. Session 14: the next step's loads issued before this step's math
+// (the same bits) by 23% with 127 registers (4 blocks) and by 12% held to 96 (5 blocks).
 template <int M, bool kFp8>
 __host__ __device__ constexpr int rows_per_block() {
   return kFp8 && M == 1 ? TPSERVE_GEMV_FP8_ROWS : (M <= 2 ? 2 : 4);
@@ -134,10 +128,10 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
   return g / (1.f + __expf(-g)) * u;
 }
 
-template <int M, bool kFp8, bool kSiluMul, bool kPipelined>
-__device__ __forceinline__ void gemv_body(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
-                                          const float* __restrict__ scale_inv, __nv_bfloat16* __restrict__ y, int n,
-                                          int k) {
+template <int M, bool kFp8, bool kSiluMul>
+__global__ void __launch_bounds__(kThreads)
+    gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
+                const float* __restrict__ scale_inv, __nv_bfloat16* __restrict__ y, int n, int k) {
   constexpr int R = rows_per_block<M, kFp8>();
   constexpr int kOut = kSiluMul ? R / 2 : R;  // outputs per block: R / 2 (gate, up) row pairs
   static_assert(!kSiluMul || R % 2 == 0, "SiLU-and-mul pairs rows");
@@ -172,17 +166,19 @@ __device__ __forceinline__ void gemv_body(const __nv_bfloat16* __restrict__ x, c
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
 
-  // The chunks base, base + kThreads, ... (U of them) of each row into wv (zeros past the row's end).
-  auto load_w = [&](int base, uint4 (&wv)[U][R]) {
+  bool waited = false;
+  for (int base = threadIdx.x; base < chunks; base += kThreads * U) {
+    uint4 wv[U][R];
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = base + u * kThreads;
 #pragma unroll
       for (int r = 0; r < R; ++r) wv[u][r] = c < chunks ? load_stream(wrow[r] + c) : make_uint4(0, 0, 0, 0);
     }
-  };
-  // Those chunks' products with x, into acc (each row's elements in order, whichever way W is unpacked).
-  auto consume = [&](int base, const uint4 (&wv)[U][R]) {
+    if (!waited) {  // the first loads of W are in flight: now wait for x
+      wait_for_inputs();
+      waited = true;
+    }
 #pragma unroll
     for (int u = 0; u < U; ++u) {
       const int c = base + u * kThreads;
@@ -194,25 +190,6 @@ __device__ __forceinline__ void gemv_body(const __nv_bfloat16* __restrict__ x, c
         for (int m = 0; m < M; ++m) part[r][m] = 0.f;
 #pragma unroll
       for (int j = 0; j < kXVecs; ++j) {
-        if constexpr (kPipelined) {  // x unpacked once, W one row at a time: fewer registers
-          float xf[M][8];
-#pragma unroll
-          for (int m = 0; m < M; ++m) {
-            const uint4 xv =
-                __ldg(reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * k) + c * kXVecs + j);
-            unpack_w<false>(xv, 0, xf[m]);
-          }
-#pragma unroll
-          for (int r = 0; r < R; ++r) {
-            float wf[8];
-            unpack_w<kFp8>(wv[u][r], j, wf);
-#pragma unroll
-            for (int m = 0; m < M; ++m)
-#pragma unroll
-              for (int e = 0; e < 8; ++e) part[r][m] = fmaf(wf[e], xf[m][e], part[r][m]);
-          }
-          continue;
-        }
         float wf[R][8];
 #pragma unroll
         for (int r = 0; r < R; ++r) unpack_w<kFp8>(wv[u][r], j, wf[r]);
@@ -242,33 +219,6 @@ __device__ __forceinline__ void gemv_body(const __nv_bfloat16* __restrict__ x, c
 #pragma unroll
         for (int m = 0; m < M; ++m)
           acc[r][m] = kFp8 ? fmaf(part[r][m], scale[r < kOut ? 0 : 1], acc[r][m]) : acc[r][m] + part[r][m];
-    }
-  };
-
-  bool waited = false;
-  if constexpr (kPipelined) {  // the next step's W in flight while this step's is multiplied
-    uint4 wv[U][R];
-    load_w(threadIdx.x, wv);
-    wait_for_inputs();
-    waited = true;
-    for (int base = threadIdx.x; base < chunks; base += kThreads * U) {
-      uint4 next[U][R];
-      if (base + kThreads * U < chunks) load_w(base + kThreads * U, next);
-      consume(base, wv);
-#pragma unroll
-      for (int u = 0; u < U; ++u)
-#pragma unroll
-        for (int r = 0; r < R; ++r) wv[u][r] = next[u][r];
-    }
-  } else {
-    for (int base = threadIdx.x; base < chunks; base += kThreads * U) {
-      uint4 wv[U][R];
-      load_w(base, wv);
-      if (!waited) {  // the first loads of W are in flight: now wait for x
-        wait_for_inputs();
-        waited = true;
-      }
-      consume(base, wv);
     }
   }
 
@@ -304,24 +254,6 @@ __device__ __forceinline__ void gemv_body(const __nv_bfloat16* __restrict__ x, c
 }
 
 template <int M, bool kFp8, bool kSiluMul>
-__global__ void __launch_bounds__(kThreads)
-    gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
-                const float* __restrict__ scale_inv, __nv_bfloat16* __restrict__ y, int n, int k) {
-  gemv_body<M, kFp8, kSiluMul, false>(x, w, scale_inv, y, n, k);
-}
-
-constexpr bool kFp8Pipeline = TPSERVE_GEMV_FP8_PIPELINE > 0;
-
-// One FP8 token with TPSERVE_GEMV_FP8_PIPELINE: its own kernel, so that its launch bounds leave the
-// others' register allocation as it is (a minimum of one block an SM alone moved it from 80 to 120).
-template <bool kSiluMul>
-__global__ void __launch_bounds__(kThreads, kFp8Pipeline ? TPSERVE_GEMV_FP8_PIPELINE : 1)
-    gemv_fp8_pipelined_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
-                              const float* __restrict__ scale_inv, __nv_bfloat16* __restrict__ y, int n, int k) {
-  gemv_body<1, true, kSiluMul, true>(x, w, scale_inv, y, n, k);
-}
-
-template <int M, bool kFp8, bool kSiluMul>
 cudaError_t launch(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl) {
   constexpr int kOut = kSiluMul ? rows_per_block<M, kFp8>() / 2 : rows_per_block<M, kFp8>();
   const int n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
@@ -335,12 +267,9 @@ cudaError_t launch(TensorView x, TensorView w, const float* scale_inv, TensorVie
   config.stream = get_stream(x.device());
   config.attrs = attrs;
   config.numAttrs = 1;
-  const auto* x_ptr = static_cast<const __nv_bfloat16*>(x.data_ptr());
-  const auto* w_ptr = static_cast<const uint8_t*>(w.data_ptr());
-  auto* y_ptr = static_cast<__nv_bfloat16*>(y.data_ptr());
-  if constexpr (kFp8Pipeline && kFp8 && M == 1)
-    return cudaLaunchKernelEx(&config, gemv_fp8_pipelined_kernel<kSiluMul>, x_ptr, w_ptr, scale_inv, y_ptr, n, k);
-  return cudaLaunchKernelEx(&config, gemv_kernel<M, kFp8, kSiluMul>, x_ptr, w_ptr, scale_inv, y_ptr, n, k);
+  return cudaLaunchKernelEx(&config, gemv_kernel<M, kFp8, kSiluMul>, static_cast<const __nv_bfloat16*>(x.data_ptr()),
+                            static_cast<const uint8_t*>(w.data_ptr()), scale_inv,
+                            static_cast<__nv_bfloat16*>(y.data_ptr()), n, k);
 }
 
 template <bool kFp8>
