@@ -330,6 +330,15 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
       stage attn_setting_a3b 150 python3 benchmarks/experiments/triton_attention_engine.py --model $a3b \
         --kernels "triton,triton:${setting// /:}" --rounds 3 --batch-sizes 1 --contexts 512,4096 \
         --out $results/attn_setting_a3b.json ;;
+    attn_a3b)  # Qwen3-30B-A3B (32:4 heads: half the programs of 8B's 32:8) against each Triton decode setting in
+      # A3B_SETTINGS (';'-separated), two 61 GB engines a stage. Session 14: chunk=16 (with merge_unroll=32) 1.04-1.05x
+      IFS=';' read -ra a3b_settings <<< "${A3B_SETTINGS:-chunk=16;chunk=16 merge_unroll=32}"
+      for setting in "${a3b_settings[@]}"; do
+        tag=$(echo "$setting" | tr ' =' '_-')  # a file name the device tool returns (no '=')
+        stage "attn_a3b_$tag" 150 python3 benchmarks/experiments/triton_attention_engine.py --model $a3b \
+          --kernels "triton,triton:${setting// /:}" --rounds 3 --batch-sizes 1 --contexts 512,4096 \
+          --out "$results/attn_a3b_$tag.json"
+      done ;;
     attn_big)  # where auto's Triton decode hands over to the decode wrapper: whole steps at batch 32-128
       stage attn_big 200 python3 benchmarks/experiments/triton_attention_engine.py --model tests/data/configs/Qwen3-8B \
         --kernels flashinfer,triton --rounds 3 --batch-sizes 32,64,128 --contexts 512,2048 --out $results/attn_big.json ;;
