@@ -15,8 +15,10 @@
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 # On one H200, session 14: attn_sweep and attn_setting (then named attn_prefetch) measured the Triton decode
 # kernel's prefetch of K and V before the PDL wait, now the default (triton_tests: its GPU tests). The FP8 GEMV
-# issuing its next step's loads before this step's math lost (csrc/gemv.cu's comment). Issue 16 needs ~20 us
-# off the FP8 step: its GEMVs run at 3.3-3.9 TB/s where bf16's run at 3.9-4.3 (graph_profile).
+# issuing its next step's loads before this step's math lost (csrc/gemv.cu's comment). Issue 16 needs ~34 us
+# off the FP8 step: its GEMVs run at 3.3-3.9 TB/s where bf16's run at 3.9-4.3 (graph_profile). Every variant
+# that holds more loads in registers lost; untried: W staged through shared memory by bulk asynchronous copies.
+# Issue 14: A3B attention still ends 10.8 us after the rotary kernel (8B FP8: 6.6); more splits lost (attn_a3b).
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
 set -u
