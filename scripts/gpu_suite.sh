@@ -318,20 +318,17 @@ for s in $stages; do
         --fp8-variant "rows4u2:TPSERVE_GEMV_DEFINES=FP8_ROWS=4 FP8_LOADS=8" \
         --fp8-variant "rows4u4:TPSERVE_GEMV_DEFINES=FP8_ROWS=4 FP8_LOADS=16" --out $results/fp8_loads.json ;;
     attn_sweep)  # the batch-1 Triton decode kernel's settings in whole steps (session 11 tuned them alone,
-      # L2 cold; in the graph it runs beside the o GEMV's weight prefetch), Qwen3-8B (32:8 heads): six 16 GB engines
+      # L2 cold; in the graph it runs beside the o GEMV's weight prefetch), Qwen3-8B (32:8 heads): five 16 GB engines
       stage attn_sweep 200 python3 benchmarks/experiments/triton_attention_engine.py \
-        --model tests/data/configs/Qwen3-8B --kernels triton,triton:prefetch=0,triton:early_launch=0,\
+        --model tests/data/configs/Qwen3-8B --kernels triton,triton:prefetch=0,\
 triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
         --rounds 3 --batch-sizes 1 --contexts 512,4096 --out $results/attn_sweep.json ;;
     attn_setting)  # a decode setting (TRITON_DECODE_SETTING, default prefetch=0: before session 14) in issue 16's
-      # ratio, Qwen3-8B FP8 / bf16 at batch 1, and in Qwen3-30B-A3B's step (two engines of 61 GB)
+      # ratio, Qwen3-8B FP8 / bf16 at batch 1 (for Qwen3-30B-A3B: attn_a3b with A3B_SETTINGS)
       setting=${TRITON_DECODE_SETTING:-prefetch=0}
       stage attn_setting_fp8 250 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B \
         --fp8-gemms auto --pipelined --rounds 5 --batch-sizes 1 --variant "setting:TPSERVE_TRITON_DECODE=$setting" \
-        --fp8-variant "setting:TPSERVE_TRITON_DECODE=$setting" --out $results/attn_setting_fp8.json
-      stage attn_setting_a3b 150 python3 benchmarks/experiments/triton_attention_engine.py --model $a3b \
-        --kernels "triton,triton:${setting// /:}" --rounds 3 --batch-sizes 1 --contexts 512,4096 \
-        --out $results/attn_setting_a3b.json ;;
+        --fp8-variant "setting:TPSERVE_TRITON_DECODE=$setting" --out $results/attn_setting_fp8.json ;;
     attn_a3b)  # Qwen3-30B-A3B (32:4 heads: half the programs of 8B's 32:8) against each Triton decode setting in
       # A3B_SETTINGS (';'-separated), two 61 GB engines a stage. Session 14: chunk=16 (with merge_unroll=32) 1.04-1.05x
       IFS=';' read -ra a3b_settings <<< "${A3B_SETTINGS:-chunk=16;chunk=16 merge_unroll=32}"

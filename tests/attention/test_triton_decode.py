@@ -127,7 +127,7 @@ def test_config_from_env_names_bad_settings(monkeypatch):
     assert config_from_env() == {}
     monkeypatch.setenv(CONFIG_ENV, "chunk=16, max_splits=64 num_warps=2")
     assert config_from_env() == {"chunk": 16, "max_splits": 64, "num_warps": 2}
-    assert config_from_env("early_launch=0 prefetch=1") == {"early_launch": 0, "prefetch": 1}
-    for bad in ("chunks=16", "chunk=0", "chunk=x", "chunk", "early_launch=2", "prefetch=2"):
+    assert config_from_env("merge_unroll=8 prefetch=0") == {"merge_unroll": 8, "prefetch": 0}
+    for bad in ("chunks=16", "chunk=0", "chunk=x", "chunk", "early_launch=0", "prefetch=2"):
         with pytest.raises(ValueError, match=CONFIG_ENV):
             config_from_env(bad)

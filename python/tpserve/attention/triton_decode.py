@@ -47,7 +47,7 @@ AUTO_MAX_BATCH = 32
 # the attention backend is built), so whole steps of several settings can be timed in one process.
 CONFIG_ENV = "TPSERVE_TRITON_DECODE"
 CONFIG_RANGES = {"chunk": (1, 1 << 16), "max_splits": (1, 1 << 16), "num_warps": (1, 32),
-                 "merge_unroll": (1, 1 << 16), "early_launch": (0, 1), "prefetch": (0, 1)}
+                 "merge_unroll": (1, 1 << 16), "prefetch": (0, 1)}
 
 
 def config_from_env(setting: str | None = None) -> dict[str, int]:
@@ -118,9 +118,9 @@ def _decode_kernel(
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, G_MERGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr, MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr, EARLY_LAUNCH: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr,
 ):
-    if PDL and EARLY_LAUNCH:  # the next kernel (the o projection's GEMV) may launch and load its weights meanwhile
+    if PDL:  # the next kernel (the o projection's GEMV) may launch and load its weights meanwhile
         tl.extra.cuda.gdc_launch_dependents()
     b = tl.program_id(0)
     h = tl.program_id(1)
@@ -146,22 +146,18 @@ def _decode_kernel(
             older = (offs < tl.minimum(t_end, seq_len - 1))[:, None]
             k = tl.load(k_ptr + rows, mask=older, other=0.0)
             v = tl.load(v_ptr + rows, mask=older, other=0.0)
-            if PDL:
-                tl.extra.cuda.gdc_wait()
+        if PDL:  # q and the newest token's k and v: written by the previous kernel
+            tl.extra.cuda.gdc_wait()
+        q_rows = q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
+        q = tl.load(q_rows, mask=real, other=0.0)
+        if PREFETCH:
             newest = (offs == seq_len - 1)[:, None]  # false everywhere but in the last split's first chunk
             k = tl.where(newest, tl.load(k_ptr + rows, mask=newest, other=0.0), k)
             v = tl.where(newest, tl.load(v_ptr + rows, mask=newest, other=0.0), v)
-            q_rows = q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
-            q = tl.load(q_rows, mask=real, other=0.0)
             offs += CHUNK
             page = tl.load(table_ptr + b * stride_tb + offs // PAGE, mask=offs < t_end, other=0)
             big_m, total, acc = _attend_chunk(q, k, v, ok, big_m, total, acc, scale_log2, IEEE)
             start += CHUNK
-        else:
-            if PDL:  # q and the newest token's k and v: written by the previous kernel
-                tl.extra.cuda.gdc_wait()
-            q_rows = q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
-            q = tl.load(q_rows, mask=real, other=0.0)
         for t in range(start, t_end, CHUNK):
             ok = offs < t_end
             rows = (page.to(tl.int64) * stride_kp + (offs % PAGE) * stride_ks + h * stride_kh)[:, None] + d[None, :]
@@ -213,7 +209,7 @@ class TritonDecode:
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device,
                  max_batch: int = 4096, chunk: int = CHUNK, max_splits: int = MAX_SPLITS, num_warps: int = 4,
-                 merge_unroll: int = MERGE_UNROLL, early_launch: int = 1, prefetch: int = 1) -> None:
+                 merge_unroll: int = MERGE_UNROLL, prefetch: int = 1) -> None:
         if max_splits & (max_splits - 1) or chunk & (chunk - 1):
             raise ValueError(f"max_splits and chunk must be powers of two, not {max_splits} and {chunk}")
         self.group = num_heads // num_kv_heads
@@ -222,9 +218,6 @@ class TritonDecode:
         self.num_kv_heads = num_kv_heads
         self.scale_log2 = scale * math.log2(math.e)  # the kernel's softmax runs in base 2
         self.chunk, self.max_splits, self.num_warps, self.merge_unroll = chunk, max_splits, num_warps, merge_unroll
-        # 0: the next kernel launches when this one ends (PDL still overlaps its launch with the tail),
-        # not while it runs: an experiment on whether the o GEMV's weight prefetch slows attention
-        self.early_launch = bool(early_launch)
         # 1: each program reads its first chunk's k and v before it waits on the previous kernel, so those
         # loads are out before the o GEMV's weight prefetch fills the memory system. Whole batch-1 steps on an
         # H200: 0.969x at context 512 for Qwen3-30B-A3B, 0.993x for Qwen3-8B (docs/benchmarks.md, session 14)
@@ -254,8 +247,7 @@ class TritonDecode:
             meta.page_table.stride(0), out.stride(0), out.stride(1),
             KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.g_pad, G_MERGE=self.g_merge,
             HEAD_DIM=head_dim, PAGE=k_cache.shape[1], CHUNK=self.chunk, MAX_SPLITS=self.max_splits,
-            MERGE_UNROLL=self.merge_unroll, IEEE=q.dtype == torch.float32, PDL=pdl, EARLY_LAUNCH=self.early_launch,
-            PREFETCH=self.prefetch,
+            MERGE_UNROLL=self.merge_unroll, IEEE=q.dtype == torch.float32, PDL=pdl, PREFETCH=self.prefetch,
             num_warps=self.num_warps,
             launch_pdl=pdl,
         )
