@@ -354,6 +354,22 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
     fp8_rounds_piped)  # issue 16's ratio, Qwen3-8B and 32B: both engines held, 5 rounds, synchronous and pipelined steps
       stage fp8_rounds_piped 320 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B \
         --fp8-gemms auto --pipelined --rounds 5 --batch-sizes 1 --out $results/fp8_rounds_piped.json ;;
+    fuse_norm)  # issue 16's ratio, Qwen3-8B batch 1: the add + RMSNorm in the GEMVs (the default) against its own
+      # kernel (sep) in both engines, and the FP8 kernels that norm held to 6 blocks an SM (80 registers)
+      stage fuse_norm 300 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \
+        --pipelined --rounds 3 --batch-sizes 1 --variant "sep:TPSERVE_GEMV_FUSE_NORM=0" \
+        --fp8-variant "sep:TPSERVE_GEMV_FUSE_NORM=0" --fp8-variant "blocks6:TPSERVE_GEMV_DEFINES=NORM_MIN_BLOCKS=6" \
+        --out $results/fuse_norm.json ;;
+    fuse_check)  # the fused add + RMSNorm on a tiny model: graphs, PDL and GEMV variants against separate kernels
+      stage fuse_check 200 python3 benchmarks/experiments/fused_norm_check.py ;;
+    graph_profile_8b_sep)  # graph_profile_8b_fp8 with the add + RMSNorm as its own kernel
+      stage graph_profile_8b_fp8_sep 150 env TPSERVE_GEMV_FUSE_NORM=0 python3 benchmarks/profile_decode.py \
+        --model tests/data/configs/Qwen3-8B --quantization fp8 --batch-sizes 1 --graph-only --out $results/graph_profile_8b_fp8_sep.json ;;
+    graph_profile_8b)  # graph_profile's Qwen3-8B bf16 and FP8 halves
+      stage graph_profile_8b 120 python3 benchmarks/profile_decode.py --model tests/data/configs/Qwen3-8B --batch-sizes 1 \
+        --graph-only --out $results/graph_profile_8b.json
+      stage graph_profile_8b_fp8 150 python3 benchmarks/profile_decode.py --model tests/data/configs/Qwen3-8B --quantization fp8 \
+        --batch-sizes 1 --graph-only --out $results/graph_profile_8b_fp8.json ;;
     graph_profile_a3b)  # Qwen3-30B-A3B batch 1, kernel by kernel inside the CUDA graph
       stage graph_profile_a3b 100 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 1 --graph-only \
         --out $results/graph_profile_a3b.json ;;

@@ -15,7 +15,12 @@ pytestmark = pytest.mark.skipif(
 from tpserve import LLM, SamplingParams
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
-from tpserve.kernels.gemv import BF16_GEMV_ENV, MAX_TOKENS, SILU_MUL_MAX_TOKENS, gemv, supported
+from gemv_reference import gemv_reference
+from tpserve.forward import SequenceInput
+from tpserve.kernels.gemv import (
+    BF16_GEMV_ENV, FUSE_NORM_ENV, FUSED_MAX_TOKENS, MAX_TOKENS, SILU_MUL_MAX_TOKENS, gemv, supported,
+)
+from tpserve.kvcache.pool import PageAllocator
 from tpserve.quant.fp8 import quantize_blocks, weight_only_reference
 
 DEVICE = torch.device("cuda")
@@ -148,6 +153,73 @@ def test_gemv_silu_mul_equals_gemv_then_silu_and_mul(n, k, fp8):
     assert torch.equal(out, gemv(x, w, scale, silu_mul=True))
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("n,k", [(6144, 4096), (24576, 4096), (4096, 12288), (2048, 4096), (400, 144), (16, 16)])
+def test_gemv_fused_norm_and_add(n, k, fp8):
+    """The decoder's add + RMSNorm in the GEMV: ``norm`` (plain and with SiLU-and-mul) against the float32
+    reference and against FlashInfer's RMSNorm then the GEMV (which rounds the normed x to bf16);
+    ``add_to`` equal to the GEMV's output added in float32 and rounded, in place; 1 and 2 tokens."""
+    from tpserve.kernels.flashinfer_ops import rms_norm, silu_and_mul
+
+    w, scale = weights(n, k, fp8, seed=9)
+    gen = torch.Generator(device=DEVICE).manual_seed(10)
+    norm_weight = (torch.rand(k, device=DEVICE, generator=gen) + 0.5).to(torch.bfloat16)
+    for m in range(1, FUSED_MAX_TOKENS + 1):
+        x = (3 * torch.randn(m, k, device=DEVICE, generator=gen)).to(torch.bfloat16)
+        normed = rms_norm(x, norm_weight, 1e-6)
+        got = gemv(x, w, scale, norm=(norm_weight, 1e-6))
+        assert rel_err(got, gemv_reference(x, w, scale, norm=(norm_weight, 1e-6)).float()) < 5e-3
+        assert rel_err(got, gemv(normed, w, scale).float()) < 1e-2
+        assert torch.equal(got, gemv(x, w, scale, norm=(norm_weight, 1e-6))), "not deterministic"
+        act = gemv(x, w, scale, silu_mul=True, norm=(norm_weight, 1e-6))
+        assert rel_err(act, gemv_reference(x, w, scale, silu_mul=True, norm=(norm_weight, 1e-6)).float()) < 1e-2
+        assert rel_err(act, silu_and_mul(gemv(normed, w, scale)).float()) < 2e-2
+
+        residual = torch.randn(m, n, device=DEVICE, generator=gen).to(torch.bfloat16)
+        expected = (residual.float() + gemv(x, w, scale).float()).to(torch.bfloat16)
+        out = gemv(x, w, scale, add_to=residual)
+        assert out is residual and torch.equal(residual, expected), f"m={m}: add_to differs"
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gemv_fused_chain_in_graph(fp8):
+    """As a decoder chains them, with PDL in a CUDA graph: o_proj adds to the residual, gate_up_proj
+    (SwiGLU) norms it, down_proj adds, qkv_proj norms; replayed on new inputs, the bits equal
+    launches without PDL, and the results the float32 reference step by step."""
+    wo, so = weights(4096, 4096, fp8, seed=11)
+    wgu, sgu = weights(2 * 12288, 4096, fp8, seed=12)
+    wd, sd = weights(4096, 12288, fp8, seed=13)
+    wqkv, sqkv = weights(6144, 4096, fp8, seed=14)
+    gen = torch.Generator(device=DEVICE).manual_seed(15)
+    norms = [(torch.rand(4096, device=DEVICE, generator=gen) + 0.5).to(torch.bfloat16) for _ in range(2)]
+    attn = torch.empty(1, 4096, device=DEVICE, dtype=torch.bfloat16)
+    start = torch.empty(1, 4096, device=DEVICE, dtype=torch.bfloat16)
+    residual = torch.empty_like(start)
+
+    def chain(pdl: bool, fn=gemv) -> tuple[torch.Tensor, torch.Tensor]:
+        residual.copy_(start)
+        fn(attn, wo, so, pdl=pdl, add_to=residual)
+        act = fn(residual, wgu, sgu, pdl=pdl, silu_mul=True, norm=(norms[0], 1e-6))
+        fn(act, wd, sd, pdl=pdl, add_to=residual)
+        return fn(residual, wqkv, sqkv, pdl=pdl, norm=(norms[1], 1e-6)), residual
+
+    chain(True)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        qkv, _ = chain(True)
+    for _ in range(3):
+        attn.copy_(torch.randn(1, 4096, device=DEVICE, generator=gen))
+        start.copy_(3 * torch.randn(1, 4096, device=DEVICE, generator=gen))
+        graph.replay()
+        torch.cuda.synchronize()
+        got_qkv, got_residual = qkv.clone(), residual.clone()
+        expected_qkv, expected_residual = chain(False)
+        same = torch.equal(got_qkv, expected_qkv) and torch.equal(got_residual, expected_residual)
+        assert same, "PDL changed the result"
+        ref_qkv, ref_residual = chain(False, fn=lambda *a, pdl, **kw: gemv_reference(*a, **kw))
+        assert rel_err(got_residual, ref_residual.float()) < 5e-3 and rel_err(got_qkv, ref_qkv.float()) < 2e-2
+
+
 def test_gemv_rejects_what_it_cannot_run():
     w, scale = weights(256, 256, True)
     x = torch.randn(MAX_TOKENS + 1, 256, device=DEVICE, dtype=torch.bfloat16)
@@ -164,6 +236,19 @@ def test_gemv_rejects_what_it_cannot_run():
         gemv(x[:1], w[:12].contiguous(), scale[:1].contiguous(), silu_mul=True)
     with pytest.raises(ValueError, match="rows of x"):
         gemv(x[:SILU_MUL_MAX_TOKENS + 1], w, scale, silu_mul=True)
+    norm = (torch.ones(256, device=DEVICE, dtype=torch.bfloat16), 1e-6)
+    residual = torch.zeros(1, 256, device=DEVICE, dtype=torch.bfloat16)
+    assert supported(x[:FUSED_MAX_TOKENS], w, scale, fused=True) and not supported(x[:3], w, scale, fused=True)
+    with pytest.raises(ValueError, match="fused with a norm or add"):
+        gemv(x[:FUSED_MAX_TOKENS + 1], w, scale, norm=norm)
+    with pytest.raises(ValueError, match="do not combine"):
+        gemv(x[:1], w, scale, norm=norm, add_to=residual)
+    with pytest.raises(ValueError, match="norm weight"):
+        gemv(x[:1], w, scale, norm=(norm[0][:128], 1e-6))
+    with pytest.raises(ValueError, match="add_to must be"):
+        gemv(x[:1], w, scale, add_to=residual[:, :128])
+    with pytest.raises(ValueError, match="add_to must be"):
+        gemv(x[:1], w, scale, silu_mul=True, add_to=residual[:, :128])
 
 
 def test_tiny_model_with_bf16_gemv(tiny_model_factory, monkeypatch):
@@ -185,3 +270,32 @@ def test_tiny_model_with_bf16_gemv(tiny_model_factory, monkeypatch):
     print(f"bf16 GEMV on {outs['1']} off {outs['0']}")
     assert all(len(t) == 12 for t in outs["1"])
     assert sum(a[0] == b[0] for a, b in zip(outs["1"], outs["0"])) >= 2
+
+
+def single_sequence_logits(engine: Engine, ids: list[int], prefill: int) -> torch.Tensor:
+    """Prefill ``ids[:prefill]``, then decode the rest one token a step, one sequence (batch 1)."""
+    pages = PageAllocator(engine.num_pages).allocate(-(-len(ids) // engine.page_size))
+    rows = [engine.forward([SequenceInput(ids[:prefill], 0, pages)])[0]]
+    for pos in range(prefill, len(ids) - 1):
+        rows.append(engine.forward([SequenceInput([ids[pos]], pos, pages)])[0])
+    return torch.stack(rows).float()
+
+
+@pytest.mark.parametrize("quantization", [None, "fp8"])
+def test_tiny_model_with_fused_norm(tiny_model_factory, monkeypatch, quantization):
+    """Batch-1 decode of a tiny model with CUDA graphs, the add + RMSNorm in the GEMVs (the default)
+    and as its own kernel (TPSERVE_GEMV_FUSE_NORM=0): the logits agree to bf16 precision."""
+    model = tiny_model_factory("qwen3", **TINY)
+    monkeypatch.delenv(BF16_GEMV_ENV, raising=False)
+    ids = list(range(40, 72))
+    logits = {}
+    for flag in ("1", "0"):
+        monkeypatch.setenv(FUSE_NORM_ENV, flag)
+        engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_total_tokens=1024,
+                                     quantization=quantization))
+        assert engine.graph_runner is not None
+        logits[flag] = single_sequence_logits(engine, ids, prefill=8)
+        del engine
+    err = rel_err(logits["1"], logits["0"])
+    print(f"{quantization or 'bf16'}: fused vs separate add + RMSNorm, relative logit difference {err:.2e}")
+    assert 0 < err < 2e-2, "the fused path did not run" if err == 0 else f"relative logit difference {err:.2e}"

@@ -3,7 +3,9 @@ or e4m3 with float32 scales per 128x128 block; float32 sums, bf16 out, the same 
 Few-token decode is bound by reading W, which it only streams (16-byte loads, several in flight).
 Built on first use by FlashInfer's JIT (cached). bf16 layers (also LM head, MoE router) take it
 via ``linear``/``bf16_gemv_enabled``; FP8 layers via ``kernels.fp8_linear``. With ``silu_mul`` a
-merged [gate; up] weight gives SiLU(gate) * up directly (a dense MLP's SwiGLU without its own kernel).
+merged [gate; up] weight gives SiLU(gate) * up directly (a dense MLP's SwiGLU without its own kernel);
+with ``norm`` x is RMS-normed first and with ``add_to`` the product is added to a residual stream in
+place (1 or 2 tokens): the decoder's residual add + RMSNorm without a kernel of its own.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cu"
 MAX_TOKENS = 8
 SILU_MUL_MAX_TOKENS = 2  # the SwiGLU epilogue: the rows at which a dense MLP takes the GEMV
+FUSED_MAX_TOKENS = 2  # ``norm`` and ``add_to``: batch-1 and -2 decode
 SCALE_BLOCK = 128
 BF16_GEMV_ENV = "TPSERVE_BF16_GEMV"
 # Programmatic dependent launch on Hopper and newer (see csrc/gemv.cu): ``0`` turns it off.
@@ -36,6 +39,9 @@ PDL_ENV = "TPSERVE_GEMV_PDL"
 BF16_GEMV_TOKENS = 2
 # ``0``: the dense MLP runs SiLU-and-mul as its own kernel after the GEMV (read at load).
 SILU_MUL_ENV = "TPSERVE_GEMV_SILU_MUL"
+# ``0``: the decoder's residual add + RMSNorm runs as its own kernel, not in the GEMVs around it (read
+# at each forward, so a CUDA graph keeps what its capture saw; experiments compare the two).
+FUSE_NORM_ENV = "TPSERVE_GEMV_FUSE_NORM"
 # Experiments: a variant of the kernel's constants, e.g. ``FP8_LOADS=16 FP8_ROWS=8`` (csrc/gemv.cu's
 # TPSERVE_GEMV_* macros), built as a module of its own. Read at each call, so a CUDA graph keeps the
 # variant its capture saw and engines of several variants can be timed in one process.
@@ -66,15 +72,18 @@ def _defines(setting: str) -> tuple[tuple[str, int], ...]:
 
 
 def unsupported(
-    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, silu_mul: bool = False
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, silu_mul: bool = False,
+    fused: bool = False,
 ) -> str | None:
-    """Why ``gemv(x, weight, scale_inv, silu_mul=silu_mul)`` cannot run, or None when it can."""
+    """Why ``gemv(x, weight, scale_inv, silu_mul=silu_mul)`` cannot run (``fused``: with ``norm`` or
+    ``add_to``), or None when it can."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     fp8 = scale_inv is not None
     if x.dtype != torch.bfloat16 or weight.dtype != (torch.float8_e4m3fn if fp8 else torch.bfloat16):
         return f"x must be bf16 and weight {'float8_e4m3fn' if fp8 else 'bf16'}, got {x.dtype} and {weight.dtype}"
-    if not 1 <= m <= (SILU_MUL_MAX_TOKENS if silu_mul else MAX_TOKENS):
-        return f"{m} rows of x, the kernel takes 1 to {SILU_MUL_MAX_TOKENS if silu_mul else MAX_TOKENS}"
+    max_m = FUSED_MAX_TOKENS if fused else SILU_MUL_MAX_TOKENS if silu_mul else MAX_TOKENS
+    if not 1 <= m <= max_m:
+        return f"{m} rows of x, the kernel takes 1 to {max_m}{' fused with a norm or add' if fused else ''}"
     if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[1] != x.shape[-1] or weight.shape[0] == 0:
         return f"weight must be a contiguous [N, K] with K = {x.shape[-1]}, got {tuple(weight.shape)}"
     n, k = weight.shape
@@ -92,19 +101,39 @@ def unsupported(
 
 
 def supported(
-    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, silu_mul: bool = False
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, silu_mul: bool = False,
+    fused: bool = False,
 ) -> bool:
-    return unsupported(x, weight, scale_inv, silu_mul) is None
+    return unsupported(x, weight, scale_inv, silu_mul, fused) is None
+
+
+def _check_fusion(x2: torch.Tensor, n_out: int, norm: tuple[torch.Tensor, float] | None,
+                  add_to: torch.Tensor | None, silu_mul: bool) -> None:
+    if norm is not None and add_to is not None:
+        raise ValueError("gemv: norm and add_to do not combine")
+    if norm is not None:
+        weight = norm[0]
+        if weight.shape != (x2.shape[1],) or weight.dtype != torch.bfloat16 or weight.data_ptr() % _VEC_BYTES:
+            raise ValueError(f"gemv: the norm weight must be 16-byte aligned bf16 [{x2.shape[1]}], got "
+                             f"{weight.dtype} {list(weight.shape)}")
+    if add_to is not None:
+        shape_ok = add_to.shape == (x2.shape[0], n_out) and add_to.is_contiguous()
+        if silu_mul or not shape_ok or add_to.dtype != torch.bfloat16:
+            raise ValueError(f"gemv: add_to must be a contiguous bf16 [{x2.shape[0]}, {n_out}] (no SiLU-and-mul), got "
+                             f"{add_to.dtype} {list(add_to.shape)}")
 
 
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, module: Any = None,
-    pdl: bool | None = None, silu_mul: bool = False,
+    pdl: bool | None = None, silu_mul: bool = False, norm: tuple[torch.Tensor, float] | None = None,
+    add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T in bf16 (FP8: times ``scale_inv`` per 128x128 block); ``module``:
     a ``load_module(defines)`` variant (experiments); ``pdl`` defaults to ``TPSERVE_GEMV_PDL``.
-    ``silu_mul``: weight is [gate; up] and the result [..., N / 2] is SiLU(x @ gate.T) * (x @ up.T)."""
-    reason = unsupported(x, weight, scale_inv, silu_mul)
+    ``silu_mul``: weight is [gate; up] and the result [..., N / 2] is SiLU(x @ gate.T) * (x @ up.T).
+    ``norm`` (weight, eps): x is RMS-normed first (x * rsqrt(mean(x^2) + eps) * weight, unrounded);
+    ``add_to`` [M, N]: the product, rounded to bf16, is added to it in place, and it is returned."""
+    reason = unsupported(x, weight, scale_inv, silu_mul, fused=norm is not None or add_to is not None)
     if reason is not None:
         raise ValueError(f"gemv: {reason}")
     n, k = weight.shape
@@ -112,16 +141,18 @@ def gemv(
     x2 = x.reshape(-1, k).contiguous()
     if x2.data_ptr() % _VEC_BYTES:
         x2 = x2.clone()
-    y = torch.empty(x2.shape[0], n_out, dtype=torch.bfloat16, device=x.device)
+    _check_fusion(x2, n_out, norm, add_to, silu_mul)
+    y = add_to if add_to is not None else torch.empty(x2.shape[0], n_out, dtype=torch.bfloat16, device=x.device)
     module = module or load_module(_defines(os.environ.get(DEFINES_ENV, "")))
     if pdl is None:
         pdl = os.environ.get(PDL_ENV, "1") != "0"
     pdl = pdl and pdl_supported(x.device.index or 0)
+    norm_weight, eps = norm if norm is not None else (None, 0.0)
     if scale_inv is None:
-        module.gemv_bf16(x2, weight, y, pdl, silu_mul)
+        module.gemv_bf16(x2, weight, y, pdl, silu_mul, norm_weight, eps, add_to is not None)
     else:
-        module.gemv_fp8(x2, weight, scale_inv, y, pdl, silu_mul)
-    return y.view(*x.shape[:-1], n_out)
+        module.gemv_fp8(x2, weight, scale_inv, y, pdl, silu_mul, norm_weight, eps, add_to is not None)
+    return y if add_to is not None else y.view(*x.shape[:-1], n_out)
 
 
 @functools.cache
@@ -159,6 +190,10 @@ def bf16_gemv_enabled(weight: torch.Tensor) -> bool:
 
 def silu_mul_enabled() -> bool:
     return os.environ.get(SILU_MUL_ENV, "1") != "0"
+
+
+def fuse_norm_enabled() -> bool:
+    return os.environ.get(FUSE_NORM_ENV, "1") != "0"
 
 
 def bf16_takes_gemv(x: torch.Tensor, use_gemv: bool) -> bool:

@@ -51,6 +51,18 @@ class Slice:
         return Slice(first, num_blocks(end, block) - first, self.dest // block, num_blocks(self.full, block))
 
 
+@dataclass(frozen=True)
+class PendingNorm:
+    """``norm(residual)`` not computed yet: a linear layer whose GEMV norms its input as it reads it
+    (``kernels.gemv``'s ``norm``, 1 or 2 tokens) takes it whole; anything else calls ``value()``."""
+
+    residual: torch.Tensor
+    norm: nn.Module  # a layers.norm.RMSNorm: weight, eps; norm(x) computes it
+
+    def value(self) -> torch.Tensor:
+        return self.norm(self.residual)
+
+
 class ReplicatedWeights(nn.Module):
     """Default loading for modules whose parameters every rank holds whole (norms)."""
 
@@ -111,8 +123,24 @@ class ParallelLinear(nn.Module):
             self.weight_scale_inv, self.block_size = None, None
         self.keep_dtype = ()
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        if isinstance(x, PendingNorm):
+            if self.fuses(x.residual):
+                y = gemv.gemv(x.residual, self.weight, self.weight_scale_inv, norm=(x.norm.weight, x.norm.eps))
+                return y if self.bias is None else y + self.bias
+            x = x.value()
         return self.matmul(x, self.bias)
+
+    def takes_gemv(self, x: torch.Tensor) -> bool:
+        """Whether ``matmul(x)`` runs the CUDA GEMV (kernels.gemv)."""
+        if self.weight_scale_inv is None:
+            return gemv.bf16_takes_gemv(x, self.bf16_gemv)
+        return kernel_for(self.fp8_backend, x.numel() // x.shape[-1]) == "cuda"
+
+    def fuses(self, x: torch.Tensor, silu_mul: bool = False) -> bool:
+        """Whether the GEMV takes ``x`` with a norm or add fused (``kernels.gemv``: 1 or 2 tokens)."""
+        return (gemv.fuse_norm_enabled() and self.takes_gemv(x)
+                and gemv.supported(x, self.weight, self.weight_scale_inv, silu_mul, fused=True))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale_inv is None:
@@ -166,15 +194,16 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         gate, *rest = self.local_part_sizes
         self.gemv_silu_mul = rest == [gate] and self.bias is None and gemv.silu_mul_enabled()
 
-    def silu_and_mul(self, x: torch.Tensor) -> torch.Tensor:
-        """SiLU(gate) * up of the two parts; in the GEMV's epilogue at the batches that take the GEMV."""
-        if self.gemv_silu_mul:
-            if self.weight_scale_inv is None:
-                fused = gemv.bf16_takes_gemv(x, self.bf16_gemv)
-            else:
-                fused = kernel_for(self.fp8_backend, x.numel() // x.shape[-1]) == "cuda"
-            if fused and gemv.supported(x, self.weight, self.weight_scale_inv, silu_mul=True):
-                return gemv.gemv(x, self.weight, self.weight_scale_inv, silu_mul=True)
+    def silu_and_mul(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        """SiLU(gate) * up of the two parts; in the GEMV's epilogue at the batches that take the GEMV
+        (which also norms a PendingNorm as it reads it)."""
+        if self.gemv_silu_mul and isinstance(x, PendingNorm) and self.fuses(x.residual, silu_mul=True):
+            norm = (x.norm.weight, x.norm.eps)
+            return gemv.gemv(x.residual, self.weight, self.weight_scale_inv, silu_mul=True, norm=norm)
+        if isinstance(x, PendingNorm):
+            x = x.value()
+        if self.gemv_silu_mul and self.takes_gemv(x) and gemv.supported(x, self.weight, self.weight_scale_inv, True):
+            return gemv.gemv(x, self.weight, self.weight_scale_inv, silu_mul=True)
         return silu_and_mul(self(x))
 
 
@@ -216,8 +245,15 @@ class RowParallelLinear(ParallelLinear):
         super().__init__(divide(in_features, get_tp_info().size, "input features"), out_features, bias)
         self.comm = comm
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        """Summed over the ranks, or (``reduce=False``) this rank's partial sum for all_reduce_add_rmsnorm."""
+    def forward(
+        self, x: torch.Tensor, reduce: bool = True, add_to: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """Summed over the ranks, or (``reduce=False``) this rank's partial sum for all_reduce_add_rmsnorm.
+        ``add_to`` (the residual stream): at TP 1 where the GEMV runs, the output is added to it in
+        place and None returned; else it is ignored."""
+        if add_to is not None and self.tp_size == 1 and self.bias is None and self.fuses(x):
+            gemv.gemv(x, self.weight, self.weight_scale_inv, add_to=add_to)
+            return None
         y = self.matmul(x, None)
         if not reduce:
             if self.bias is not None:

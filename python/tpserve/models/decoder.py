@@ -2,7 +2,10 @@
 checkpoints' parameter names but q/k/v merged into ``qkv_proj``, gate/up into ``gate_up_proj``.
 
 At TP > 1 attention and MLP return this rank's partial sum: the add+RMSNorm after each all-reduces
-it (``Communicator.all_reduce_add_rmsnorm``, in one kernel where it can)."""
+it (``Communicator.all_reduce_add_rmsnorm``, in one kernel where it can). At TP 1, where the CUDA GEMV
+runs (1 or 2 tokens), the add + RMSNorm rides in the GEMVs around it: o_proj and down_proj add their
+output to the residual stream and return None, and qkv_proj and gate_up_proj take a ``PendingNorm``
+that their GEMV norms as it reads it (``add_and_norm``)."""
 
 from __future__ import annotations
 
@@ -13,7 +16,7 @@ from tpserve.config import ModelConfig
 from tpserve.distributed.comm import Communicator
 from tpserve.forward import ForwardContext
 from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
-from tpserve.layers.linear import MergedColumnParallelLinear, QKVParallelLinear, RowParallelLinear
+from tpserve.layers.linear import MergedColumnParallelLinear, PendingNorm, QKVParallelLinear, RowParallelLinear
 from tpserve.layers.moe import SparseMoeBlock
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.rotary import RotaryEmbedding
@@ -34,8 +37,11 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
 
-    def forward(self, x: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        """This rank's partial sum of the output projection (not all-reduced)."""
+    def forward(
+        self, x: torch.Tensor | PendingNorm, ctx: ForwardContext, add_to: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        """This rank's partial sum of the output projection (not all-reduced), or None where it was
+        added to ``add_to`` (``RowParallelLinear``)."""
         qkv = self.qkv_proj(x)
         if ctx.attention.fused_rope_store:
             out = self._fused_attention(qkv, ctx)
@@ -49,7 +55,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary[0](ctx.inputs.positions, q, k)
             out = ctx.attention.forward(self.layer_id, q, k, v, ctx.inputs.out_slots, ctx.inputs.attn)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim), reduce=False)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim), reduce=False, add_to=add_to)
 
     def _fused_attention(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         has_norm = self.q_norm is not None and self.k_norm is not None
@@ -64,8 +70,23 @@ class MLP(nn.Module):
         self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
         self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, comm)
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x), reduce=reduce)
+    def forward(
+        self, x: torch.Tensor | PendingNorm, reduce: bool = True, add_to: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x), reduce=reduce, add_to=add_to)
+
+
+def add_and_norm(
+    comm: Communicator, x: torch.Tensor | None, residual: torch.Tensor | None, norm: RMSNorm
+) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
+    """The residual add + RMSNorm before a sublayer: (its input, the new residual). ``residual`` None:
+    ``x`` is the embedding; ``x`` None: the last sublayer has added its output to ``residual``; then the
+    norm is left to the next GEMV (``PendingNorm``)."""
+    if residual is None:
+        return PendingNorm(x, norm), x
+    if x is None:
+        return PendingNorm(residual, norm), residual
+    return comm.all_reduce_add_rmsnorm(x, residual, norm)
 
 
 class DecoderLayer(nn.Module):
@@ -78,17 +99,18 @@ class DecoderLayer(nn.Module):
         self.mlp: nn.Module = SparseMoeBlock(cfg, comm) if cfg.is_moe_layer(layer_id) else MLP(cfg, comm)
 
     def forward(
-        self, x: torch.Tensor, residual: torch.Tensor | None, ctx: ForwardContext
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """``x``: the embedding (first layer: ``residual`` is None) or the previous layer's MLP
-        output as this rank's partial sum; returns this layer's likewise, and the residual."""
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.comm.all_reduce_add_rmsnorm(x, residual, self.input_layernorm)
-        x = self.self_attn(x, ctx)
-        x, residual = self.comm.all_reduce_add_rmsnorm(x, residual, self.post_attention_layernorm)
-        return self.mlp(x, reduce=False), residual
+        self, x: torch.Tensor | None, residual: torch.Tensor | None, ctx: ForwardContext
+    ) -> tuple[torch.Tensor | None, torch.Tensor]:
+        """``x``: the embedding (first layer: ``residual`` is None), the previous layer's MLP output as
+        this rank's partial sum, or None where it was added to ``residual``; returns this layer's
+        likewise, and the residual."""
+        x, residual = add_and_norm(self.comm, x, residual, self.input_layernorm)
+        dense = isinstance(self.mlp, MLP)  # the MoE block takes a computed norm: no add in o_proj then
+        x = self.self_attn(x, ctx, add_to=residual if dense else None)
+        x, residual = add_and_norm(self.comm, x, residual, self.post_attention_layernorm)
+        if not dense:
+            return self.mlp(x.value() if isinstance(x, PendingNorm) else x, reduce=False), residual
+        return self.mlp(x, reduce=False, add_to=residual), residual
 
 
 class DecoderBody(nn.Module):
@@ -104,8 +126,8 @@ class DecoderBody(nn.Module):
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
-        x, _ = self.comm.all_reduce_add_rmsnorm(x, residual, self.norm)
-        return x
+        x, _ = add_and_norm(self.comm, x, residual, self.norm)
+        return x.value() if isinstance(x, PendingNorm) else x
 
 
 class CausalLM(nn.Module):

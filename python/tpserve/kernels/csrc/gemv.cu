@@ -20,7 +20,14 @@
 //   GEMV's output would be);
 // * launched with programmatic dependent launch (PDL, Hopper) when the caller asks: the kernel
 //   may start while the previous one (the RMSNorm or SiLU-and-mul that writes x) finishes, and
-//   issues its first loads of W, which no kernel writes, before it waits for x.
+//   issues its first loads of W, which no kernel writes, before it waits for x;
+// * the decoder's residual add + RMSNorm can ride in the GEMVs around it (1 or 2 tokens), saving a
+//   kernel launch and its wait twice a layer: kAddToY (o_proj, down_proj) adds the product, rounded
+//   to bf16 as the plain GEMV's output would be, to y (the residual stream) in place; kNormX (qkv_proj,
+//   gate_up_proj) reads x as the residual stream and computes W @ (RMSNorm(x) * norm_w) as
+//   rsqrt(mean(x^2) + eps) * (W @ (x * norm_w)): the block reads all of x anyway, so the sum of squares
+//   comes with the dot products and is reduced with them, and the norm costs no extra pass over x
+//   (the normed x is not rounded to bf16 in between, unlike the separate norm kernel's output).
 //
 // The constants of the one-token FP8 case are macros only so that an experiment
 // (benchmarks/experiments/fp8_gemm.py) can build variants beside the default.
@@ -28,7 +35,10 @@
 #include <cuda_fp16.h>
 #include <cuda_fp8.h>
 
+#include "tvm/ffi/optional.h"
 #include "tvm_ffi_utils.h"
+
+using tvm::ffi::Optional;
 
 namespace {
 
@@ -40,6 +50,15 @@ namespace {
 #endif
 #ifndef TPSERVE_GEMV_FP8_LOADS
 #define TPSERVE_GEMV_FP8_LOADS 8
+#endif
+// Blocks an SM must fit of the kNormX kernels (0: the compiler's choice): their FP8 SwiGLU at one token
+// takes 96 registers (5 blocks of 128 threads) where the plain one takes 80 (6).
+// 1: kNormX reads x, and kAddToY y, through L1 as the plain kernel reads x (an experiment; see gemv_kernel).
+#ifndef TPSERVE_GEMV_FUSED_L1
+#define TPSERVE_GEMV_FUSED_L1 0
+#endif
+#ifndef TPSERVE_GEMV_NORM_MIN_BLOCKS
+#define TPSERVE_GEMV_NORM_MIN_BLOCKS 0
 #endif
 
 constexpr int kThreads = TPSERVE_GEMV_THREADS;
@@ -128,15 +147,21 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
   return g / (1.f + __expf(-g)) * u;
 }
 
-template <int M, bool kFp8, bool kSiluMul>
-__global__ void __launch_bounds__(kThreads)
+enum Fuse : int { kPlain = 0, kNormX = 1, kAddToY = 2 };
+constexpr int kMaxFusedTokens = 2;
+
+template <int M, bool kFp8, bool kSiluMul, int kFuse>
+__global__ void __launch_bounds__(kThreads, kFuse == kNormX ? TPSERVE_GEMV_NORM_MIN_BLOCKS : 0)
     gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
-                const float* __restrict__ scale_inv, __nv_bfloat16* __restrict__ y, int n, int k) {
+                const float* __restrict__ scale_inv, const __nv_bfloat16* __restrict__ norm_w, float eps,
+                __nv_bfloat16* y, int n, int k) {
+  constexpr bool kNorm = kFuse == kNormX;
   constexpr int R = rows_per_block<M, kFp8>();
   constexpr int kOut = kSiluMul ? R / 2 : R;  // outputs per block: R / 2 (gate, up) row pairs
   static_assert(!kSiluMul || R % 2 == 0, "SiLU-and-mul pairs rows");
   constexpr int U = loads_in_flight<M, kFp8>() / R;  // chunks of each row loaded per step
   static_assert(U >= 1, "loads in flight must be a multiple of the rows per block");
+  static_assert(kOut * M <= kThreads, "one thread per output");
   constexpr int kElems = kFp8 ? 16 : 8;       // W elements per chunk
   constexpr int kXVecs = kElems / 8;          // 16-byte loads of one token's x per chunk
   const size_t row_bytes = static_cast<size_t>(k) * (kFp8 ? 1 : 2);
@@ -165,6 +190,20 @@ __global__ void __launch_bounds__(kThreads)
   for (int r = 0; r < R; ++r)
 #pragma unroll
     for (int m = 0; m < M; ++m) acc[r][m] = 0.f;
+  float sum_sq[M];  // kNormX: this thread's part of each token's sum of x^2
+#pragma unroll
+  for (int m = 0; m < M; ++m) sum_sq[m] = 0.f;
+
+  // kAddToY: the residual values this thread adds to, read as soon as they are final (after the wait)
+  const int out_r = threadIdx.x / M, out_m = threadIdx.x % M;
+  const bool owns_out = threadIdx.x < kOut * M && n0 + out_r < n_out;
+  const size_t out_idx = static_cast<size_t>(out_m) * n_out + n0 + out_r;
+  float y_old = 0.f;
+  auto wait_and_read_y = [&]() {
+    wait_for_inputs();
+    if constexpr (kFuse == kAddToY)
+      if (owns_out) y_old = __bfloat162float(TPSERVE_GEMV_FUSED_L1 ? y[out_idx] : __ldcg(y + out_idx));
+  };
 
   bool waited = false;
   for (int base = threadIdx.x; base < chunks; base += kThreads * U) {
@@ -176,7 +215,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int r = 0; r < R; ++r) wv[u][r] = c < chunks ? load_stream(wrow[r] + c) : make_uint4(0, 0, 0, 0);
     }
     if (!waited) {  // the first loads of W are in flight: now wait for x
-      wait_for_inputs();
+      wait_and_read_y();
       waited = true;
     }
 #pragma unroll
@@ -193,14 +232,24 @@ __global__ void __launch_bounds__(kThreads)
         float wf[R][8];
 #pragma unroll
         for (int r = 0; r < R; ++r) unpack_w<kFp8>(wv[u][r], j, wf[r]);
+        uint4 nv = make_uint4(0, 0, 0, 0);
+        if constexpr (kNorm) nv = __ldg(reinterpret_cast<const uint4*>(norm_w) + c * kXVecs + j);
+        const uint32_t nu[4] = {nv.x, nv.y, nv.z, nv.w};
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-          const uint4 xv =
-              __ldg(reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * k) + c * kXVecs + j);
+          // The residual stream (kNormX) through L2 only: with PDL the kernels that write it run beside this
+          // one, and a line another block on this SM brought into L1 may be stale.
+          const uint4* xp = reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * k) + c * kXVecs + j;
+          const uint4 xv = kNorm && !TPSERVE_GEMV_FUSED_L1 ? __ldcg(xp) : __ldg(xp);
           const uint32_t xu[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
-            const float x0 = bf16_lo(xu[i]), x1 = bf16_hi(xu[i]);
+            float x0 = bf16_lo(xu[i]), x1 = bf16_hi(xu[i]);
+            if constexpr (kNorm) {
+              sum_sq[m] = fmaf(x1, x1, fmaf(x0, x0, sum_sq[m]));
+              x0 *= bf16_lo(nu[i]);
+              x1 *= bf16_hi(nu[i]);
+            }
 #pragma unroll
             for (int r = 0; r < R; ++r) {
               part[r][m] = fmaf(wf[r][2 * i], x0, part[r][m]);
@@ -222,39 +271,50 @@ __global__ void __launch_bounds__(kThreads)
     }
   }
 
-  if (!waited) wait_for_inputs();  // y may still be read by the previous kernel
+  if (!waited) wait_and_read_y();  // y may still be read by the previous kernel
   allow_next_launch();
 
-  __shared__ float warp_sums[kWarps][R * M];
+  constexpr int kSums = R * M + (kNorm ? M : 0);  // the rows' dot products, then (kNormX) the sums of x^2
+  __shared__ float warp_sums[kWarps][kSums];
   const int lane = threadIdx.x % 32, warp = threadIdx.x / 32;
+  auto reduce_to_shared = [&](float v, int slot) {
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
+    if (lane == 0) warp_sums[warp][slot] = v;
+  };
 #pragma unroll
   for (int r = 0; r < R; ++r)
 #pragma unroll
-    for (int m = 0; m < M; ++m) {
-      float v = acc[r][m];
+    for (int m = 0; m < M; ++m) reduce_to_shared(acc[r][m], r * M + m);
+  if constexpr (kNorm)
 #pragma unroll
-      for (int off = 16; off > 0; off /= 2) v += __shfl_xor_sync(0xffffffffu, v, off);
-      if (lane == 0) warp_sums[warp][r * M + m] = v;
-    }
+    for (int m = 0; m < M; ++m) reduce_to_shared(sum_sq[m], R * M + m);
   __syncthreads();
-  for (int i = threadIdx.x; i < kOut * M; i += kThreads) {
-    const int r = i / M, m = i % M;
-    if (n0 + r >= n_out) continue;
+  auto block_sum = [&](int slot) {
     float s = 0.f;
 #pragma unroll
-    for (int v = 0; v < kWarps; ++v) s += warp_sums[v][i];
-    if constexpr (kSiluMul) {
-      float u = 0.f;
-#pragma unroll
-      for (int v = 0; v < kWarps; ++v) u += warp_sums[v][i + kOut * M];
-      s = silu_mul(s, u);
-    }
-    y[static_cast<size_t>(m) * n_out + n0 + r] = __float2bfloat16(s);
+    for (int v = 0; v < kWarps; ++v) s += warp_sums[v][slot];
+    return s;
+  };
+  if (owns_out) {  // thread i < kOut * M writes the output of row i / M, token i % M
+    const int i = threadIdx.x;
+    const float rstd = kNorm ? rsqrtf(block_sum(R * M + out_m) / k + eps) : 1.f;
+    float s = block_sum(i) * rstd;
+    if constexpr (kSiluMul) s = silu_mul(s, block_sum(i + kOut * M) * rstd);
+    if constexpr (kFuse == kAddToY) s = __bfloat162float(__float2bfloat16(s)) + y_old;
+    y[out_idx] = __float2bfloat16(s);
   }
 }
 
-template <int M, bool kFp8, bool kSiluMul>
-cudaError_t launch(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl) {
+// What the kernel fuses (Fuse): kNormX's RMSNorm weight and epsilon.
+struct Fusion {
+  int kind = kPlain;
+  const __nv_bfloat16* norm_w = nullptr;
+  float eps = 0.f;
+};
+
+template <int M, bool kFp8, bool kSiluMul, int kFuse>
+cudaError_t launch(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl, Fusion fusion) {
   constexpr int kOut = kSiluMul ? rows_per_block<M, kFp8>() / 2 : rows_per_block<M, kFp8>();
   const int n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
   const int n_out = kSiluMul ? n / 2 : n;
@@ -267,32 +327,48 @@ cudaError_t launch(TensorView x, TensorView w, const float* scale_inv, TensorVie
   config.stream = get_stream(x.device());
   config.attrs = attrs;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, gemv_kernel<M, kFp8, kSiluMul>, static_cast<const __nv_bfloat16*>(x.data_ptr()),
-                            static_cast<const uint8_t*>(w.data_ptr()), scale_inv,
-                            static_cast<__nv_bfloat16*>(y.data_ptr()), n, k);
+  return cudaLaunchKernelEx(&config, gemv_kernel<M, kFp8, kSiluMul, kFuse>,
+                            static_cast<const __nv_bfloat16*>(x.data_ptr()), static_cast<const uint8_t*>(w.data_ptr()),
+                            scale_inv, fusion.norm_w, fusion.eps, static_cast<__nv_bfloat16*>(y.data_ptr()), n, k);
+}
+
+// The fused kernels, at the token counts of batch-1 and -2 decode (fewer instantiations to compile).
+template <int M, bool kFp8, bool kSiluMul>
+cudaError_t launch_fused(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl, Fusion fusion) {
+  if (fusion.kind == kNormX) return launch<M, kFp8, kSiluMul, kNormX>(x, w, scale_inv, y, pdl, fusion);
+  if constexpr (!kSiluMul) {
+    if (fusion.kind == kAddToY) return launch<M, kFp8, false, kAddToY>(x, w, scale_inv, y, pdl, fusion);
+  }
+  return launch<M, kFp8, kSiluMul, kPlain>(x, w, scale_inv, y, pdl, fusion);
 }
 
 template <bool kFp8>
-void run(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl, bool silu_mul) {
+void run(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl, bool silu_mul, Fusion fusion) {
   ffi::CUDADeviceGuard device_guard(x.device().device_id);
   cudaError_t status = cudaSuccess;
   if (silu_mul) {  // the rows at which a dense MLP takes the GEMV (fewer instantiations to compile)
     switch (x.size(0)) {
-      case 1: status = launch<1, kFp8, true>(x, w, scale_inv, y, pdl); break;
-      case 2: status = launch<2, kFp8, true>(x, w, scale_inv, y, pdl); break;
+      case 1: status = launch_fused<1, kFp8, true>(x, w, scale_inv, y, pdl, fusion); break;
+      case 2: status = launch_fused<2, kFp8, true>(x, w, scale_inv, y, pdl, fusion); break;
       default:
         TVM_FFI_LOG_AND_THROW(ValueError) << "gemv with SiLU-and-mul takes 1 or " << kMaxSiluMulTokens << " rows of x";
     }
+  } else if (fusion.kind != kPlain) {
+    switch (x.size(0)) {
+      case 1: status = launch_fused<1, kFp8, false>(x, w, scale_inv, y, pdl, fusion); break;
+      case 2: status = launch_fused<2, kFp8, false>(x, w, scale_inv, y, pdl, fusion); break;
+      default: TVM_FFI_LOG_AND_THROW(ValueError) << "a fused gemv takes 1 or " << kMaxFusedTokens << " rows of x";
+    }
   } else {
     switch (x.size(0)) {
-      case 1: status = launch<1, kFp8, false>(x, w, scale_inv, y, pdl); break;
-      case 2: status = launch<2, kFp8, false>(x, w, scale_inv, y, pdl); break;
-      case 3: status = launch<3, kFp8, false>(x, w, scale_inv, y, pdl); break;
-      case 4: status = launch<4, kFp8, false>(x, w, scale_inv, y, pdl); break;
-      case 5: status = launch<5, kFp8, false>(x, w, scale_inv, y, pdl); break;
-      case 6: status = launch<6, kFp8, false>(x, w, scale_inv, y, pdl); break;
-      case 7: status = launch<7, kFp8, false>(x, w, scale_inv, y, pdl); break;
-      case 8: status = launch<8, kFp8, false>(x, w, scale_inv, y, pdl); break;
+      case 1: status = launch<1, kFp8, false, kPlain>(x, w, scale_inv, y, pdl, fusion); break;
+      case 2: status = launch<2, kFp8, false, kPlain>(x, w, scale_inv, y, pdl, fusion); break;
+      case 3: status = launch<3, kFp8, false, kPlain>(x, w, scale_inv, y, pdl, fusion); break;
+      case 4: status = launch<4, kFp8, false, kPlain>(x, w, scale_inv, y, pdl, fusion); break;
+      case 5: status = launch<5, kFp8, false, kPlain>(x, w, scale_inv, y, pdl, fusion); break;
+      case 6: status = launch<6, kFp8, false, kPlain>(x, w, scale_inv, y, pdl, fusion); break;
+      case 7: status = launch<7, kFp8, false, kPlain>(x, w, scale_inv, y, pdl, fusion); break;
+      case 8: status = launch<8, kFp8, false, kPlain>(x, w, scale_inv, y, pdl, fusion); break;
       default: TVM_FFI_LOG_AND_THROW(ValueError) << "gemv takes 1 to " << kMaxTokens << " rows of x";
     }
   }
@@ -316,19 +392,43 @@ void check(TensorView x, TensorView w, TensorView y, int elem_bytes, bool silu_m
       << "gemv: N or K out of range";
 }
 
+// The fusion asked for: norm_w (bf16 [K]) for kNormX, or add_to_y for kAddToY, at 1 or 2 rows of x.
+Fusion fusion_of(TensorView x, TensorView w, Optional<TensorView> norm_w, double eps, bool add_to_y, bool silu_mul) {
+  Fusion fusion;
+  if (!norm_w.has_value() && !add_to_y) return fusion;
+  TVM_FFI_ICHECK(x.size(0) <= kMaxFusedTokens) << "a fused gemv takes 1 or " << kMaxFusedTokens << " rows of x";
+  TVM_FFI_ICHECK(!(norm_w.has_value() && add_to_y)) << "gemv fuses either the RMSNorm of x or the add to y";
+  if (add_to_y) {
+    TVM_FFI_ICHECK(!silu_mul) << "gemv: add_to_y does not combine with SiLU-and-mul";
+    fusion.kind = kAddToY;
+    return fusion;
+  }
+  TensorView nw = norm_w.value();
+  CHECK_INPUT_AND_TYPE(nw, dl_bfloat16);
+  TVM_FFI_ICHECK(nw.ndim() == 1 && nw.size(0) == w.size(1) && aligned(nw))
+      << "gemv: the norm weight must be [K], 16-byte aligned";
+  fusion.kind = kNormX;
+  fusion.norm_w = static_cast<const __nv_bfloat16*>(nw.data_ptr());
+  fusion.eps = static_cast<float>(eps);
+  return fusion;
+}
+
 }  // namespace
 
 // y [M, N] = x [M, K] @ weight [N, K]^T, all bf16; pdl: launch with programmatic dependent launch;
-// silu_mul: weight is [gate; up] and y [M, N / 2] = silu(x @ gate^T) * (x @ up^T).
-void gemv_bf16(TensorView x, TensorView weight, TensorView y, bool pdl, bool silu_mul) {
+// silu_mul: weight is [gate; up] and y [M, N / 2] = silu(x @ gate^T) * (x @ up^T);
+// norm_w: x is normed first, RMSNorm(x) * norm_w with eps; add_to_y: y += the product (1 or 2 rows).
+void gemv_bf16(TensorView x, TensorView weight, TensorView y, bool pdl, bool silu_mul, Optional<TensorView> norm_w,
+               double eps, bool add_to_y) {
   check(x, weight, y, 2, silu_mul);
   CHECK_INPUT_TYPE(weight, dl_bfloat16);
-  run<false>(x, weight, nullptr, y, pdl, silu_mul);
+  run<false>(x, weight, nullptr, y, pdl, silu_mul, fusion_of(x, weight, norm_w, eps, add_to_y, silu_mul));
 }
 
 // y [M, N] = x [M, K] @ (weight [N, K] * scale_inv per 128x128 block)^T; weight float8_e4m3fn,
 // scale_inv float32 [ceil(N / 128), ceil(K / 128)].
-void gemv_fp8(TensorView x, TensorView weight, TensorView scale_inv, TensorView y, bool pdl, bool silu_mul) {
+void gemv_fp8(TensorView x, TensorView weight, TensorView scale_inv, TensorView y, bool pdl, bool silu_mul,
+              Optional<TensorView> norm_w, double eps, bool add_to_y) {
   check(x, weight, y, 1, silu_mul);
   CHECK_INPUT_TYPE(weight, dl_float8_e4m3fn);
   CHECK_INPUT_AND_TYPE(scale_inv, dl_float32);
@@ -336,7 +436,8 @@ void gemv_fp8(TensorView x, TensorView weight, TensorView scale_inv, TensorView 
                  scale_inv.size(0) == (weight.size(0) + kScaleBlock - 1) / kScaleBlock &&
                  scale_inv.size(1) == (weight.size(1) + kScaleBlock - 1) / kScaleBlock)
       << "gemv: scale_inv must be [ceil(N / 128), ceil(K / 128)]";
-  run<true>(x, weight, static_cast<const float*>(scale_inv.data_ptr()), y, pdl, silu_mul);
+  run<true>(x, weight, static_cast<const float*>(scale_inv.data_ptr()), y, pdl, silu_mul,
+            fusion_of(x, weight, norm_w, eps, add_to_y, silu_mul));
 }
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gemv_bf16, gemv_bf16);
