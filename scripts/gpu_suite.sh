@@ -19,6 +19,9 @@
 # off the FP8 step: its GEMVs run at 3.3-3.9 TB/s where bf16's run at 3.9-4.3 (graph_profile). Every variant
 # that holds more loads in registers lost; untried: W staged through shared memory by bulk asynchronous copies.
 # Issue 14: A3B attention still ends 10.8 us after the rotary kernel (8B FP8: 6.6); more splits lost (attn_a3b).
+# Session 15: the add + RMSNorm in the GEMVs (TPSERVE_GEMV_FUSE_NORM=1) gained 0.5-0.8% on 8B batch 1, ratio unmoved;
+# its tiny-model test failed (stale L1 reads of the residual under PDL): run fuse_check gemv_only on the L2-read fix
+# before turning it on (docs/benchmarks.md, session 15).
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
 set -u
@@ -354,17 +357,17 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
     fp8_rounds_piped)  # issue 16's ratio, Qwen3-8B and 32B: both engines held, 5 rounds, synchronous and pipelined steps
       stage fp8_rounds_piped 320 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B \
         --fp8-gemms auto --pipelined --rounds 5 --batch-sizes 1 --out $results/fp8_rounds_piped.json ;;
-    fuse_norm)  # issue 16's ratio, Qwen3-8B batch 1: the add + RMSNorm in the GEMVs (the default) against its own
-      # kernel (sep) in both engines, and the FP8 kernels that norm held to 6 blocks an SM (80 registers)
+    fuse_norm)  # issue 16's ratio, Qwen3-8B batch 1: the add + RMSNorm in the GEMVs (TPSERVE_GEMV_FUSE_NORM=1)
+      # against its own kernel (the default) in both engines
       stage fuse_norm 300 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \
-        --pipelined --rounds 3 --batch-sizes 1 --variant "sep:TPSERVE_GEMV_FUSE_NORM=0" \
-        --fp8-variant "sep:TPSERVE_GEMV_FUSE_NORM=0" --fp8-variant "blocks6:TPSERVE_GEMV_DEFINES=NORM_MIN_BLOCKS=6" \
-        --out $results/fuse_norm.json ;;
+        --pipelined --rounds 3 --batch-sizes 1 --variant "fused:TPSERVE_GEMV_FUSE_NORM=1" \
+        --fp8-variant "fused:TPSERVE_GEMV_FUSE_NORM=1" --out $results/fuse_norm.json ;;
     fuse_check)  # the fused add + RMSNorm on a tiny model: graphs, PDL and GEMV variants against separate kernels
       stage fuse_check 200 python3 benchmarks/experiments/fused_norm_check.py ;;
-    graph_profile_8b_sep)  # graph_profile_8b_fp8 with the add + RMSNorm as its own kernel
-      stage graph_profile_8b_fp8_sep 150 env TPSERVE_GEMV_FUSE_NORM=0 python3 benchmarks/profile_decode.py \
-        --model tests/data/configs/Qwen3-8B --quantization fp8 --batch-sizes 1 --graph-only --out $results/graph_profile_8b_fp8_sep.json ;;
+    graph_profile_8b_fused)  # graph_profile_8b_fp8 with the add + RMSNorm in the GEMVs
+      stage graph_profile_8b_fp8_fused 150 env TPSERVE_GEMV_FUSE_NORM=1 python3 benchmarks/profile_decode.py \
+        --model tests/data/configs/Qwen3-8B --quantization fp8 --batch-sizes 1 --graph-only \
+        --out $results/graph_profile_8b_fp8_fused.json ;;
     graph_profile_8b)  # graph_profile's Qwen3-8B bf16 and FP8 halves
       stage graph_profile_8b 120 python3 benchmarks/profile_decode.py --model tests/data/configs/Qwen3-8B --batch-sizes 1 \
         --graph-only --out $results/graph_profile_8b.json

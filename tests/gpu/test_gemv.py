@@ -283,8 +283,8 @@ def single_sequence_logits(engine: Engine, ids: list[int], prefill: int) -> torc
 
 @pytest.mark.parametrize("quantization", [None, "fp8"])
 def test_tiny_model_with_fused_norm(tiny_model_factory, monkeypatch, quantization):
-    """Batch-1 decode of a tiny model with CUDA graphs, the add + RMSNorm in the GEMVs (the default)
-    and as its own kernel (TPSERVE_GEMV_FUSE_NORM=0): the logits agree to bf16 precision."""
+    """Batch-1 decode of a tiny model with CUDA graphs, the add + RMSNorm in the GEMVs
+    (TPSERVE_GEMV_FUSE_NORM=1) and as its own kernel (the default): the logits agree to bf16 precision."""
     model = tiny_model_factory("qwen3", **TINY)
     monkeypatch.delenv(BF16_GEMV_ENV, raising=False)
     ids = list(range(40, 72))

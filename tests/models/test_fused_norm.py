@@ -30,6 +30,7 @@ def fused_on_cpu(monkeypatch):
         calls["norm" if norm is not None else "add" if add_to is not None else "plain"] += 1
         return gemv_reference(x, weight, scale_inv, silu_mul=silu_mul, norm=norm, add_to=add_to)
 
+    monkeypatch.setenv(gemv.FUSE_NORM_ENV, "1")
     monkeypatch.setattr(ParallelLinear, "takes_gemv", lambda self, x: x.numel() // x.shape[-1] <= 2)
     monkeypatch.setattr(gemv, "supported", lambda *args, **kwargs: True)
     monkeypatch.setattr(gemv, "gemv", fake_gemv)
@@ -63,12 +64,12 @@ def test_fused_norm_and_add_match_transformers(tiny_model_factory, fused_on_cpu,
 
 
 def test_fusion_switch_and_batch_limit(tiny_model_factory, fused_on_cpu, monkeypatch):
-    """``TPSERVE_GEMV_FUSE_NORM=0`` and 3 tokens take the separate add + norm: no fused call."""
+    """``TPSERVE_GEMV_FUSE_NORM=0`` (the default) and 3 tokens take the separate add + norm: no fused call."""
     engine = Engine(EngineConfig(model=tiny_model_factory("qwen3"), device="cpu", page_size=4))
     monkeypatch.setenv(gemv.FUSE_NORM_ENV, "0")
     teacher_forced_logits(engine, list(range(30, 40)), prefill=5)
     assert fused_on_cpu["norm"] == fused_on_cpu["add"] == 0
-    monkeypatch.delenv(gemv.FUSE_NORM_ENV)
+    monkeypatch.setenv(gemv.FUSE_NORM_ENV, "1")
     monkeypatch.setattr(ParallelLinear, "takes_gemv", lambda self, x: x.numel() // x.shape[-1] <= 3)
     monkeypatch.setattr(gemv, "supported", lambda x, *args, fused=False: not fused or x.numel() // x.shape[-1] <= 2)
     from tpserve.forward import SequenceInput

@@ -27,7 +27,9 @@
 //   gate_up_proj) reads x as the residual stream and computes W @ (RMSNorm(x) * norm_w) as
 //   rsqrt(mean(x^2) + eps) * (W @ (x * norm_w)): the block reads all of x anyway, so the sum of squares
 //   comes with the dot products and is reduced with them, and the norm costs no extra pass over x
-//   (the normed x is not rounded to bf16 in between, unlike the separate norm kernel's output).
+//   (the normed x is not rounded to bf16 in between, unlike the separate norm kernel's output). The FP8
+//   SwiGLU with the norm takes 96 registers (5 blocks an SM, the plain one 80); held to 6 blocks it
+//   spilled and its Qwen3-8B step was 4% slower (session 15).
 //
 // The constants of the one-token FP8 case are macros only so that an experiment
 // (benchmarks/experiments/fp8_gemm.py) can build variants beside the default.
@@ -51,14 +53,9 @@ namespace {
 #ifndef TPSERVE_GEMV_FP8_LOADS
 #define TPSERVE_GEMV_FP8_LOADS 8
 #endif
-// Blocks an SM must fit of the kNormX kernels (0: the compiler's choice): their FP8 SwiGLU at one token
-// takes 96 registers (5 blocks of 128 threads) where the plain one takes 80 (6).
 // 1: kNormX reads x, and kAddToY y, through L1 as the plain kernel reads x (an experiment; see gemv_kernel).
 #ifndef TPSERVE_GEMV_FUSED_L1
 #define TPSERVE_GEMV_FUSED_L1 0
-#endif
-#ifndef TPSERVE_GEMV_NORM_MIN_BLOCKS
-#define TPSERVE_GEMV_NORM_MIN_BLOCKS 0
 #endif
 
 constexpr int kThreads = TPSERVE_GEMV_THREADS;
@@ -151,7 +148,7 @@ enum Fuse : int { kPlain = 0, kNormX = 1, kAddToY = 2 };
 constexpr int kMaxFusedTokens = 2;
 
 template <int M, bool kFp8, bool kSiluMul, int kFuse>
-__global__ void __launch_bounds__(kThreads, kFuse == kNormX ? TPSERVE_GEMV_NORM_MIN_BLOCKS : 0)
+__global__ void __launch_bounds__(kThreads)
     gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
                 const float* __restrict__ scale_inv, const __nv_bfloat16* __restrict__ norm_w, float eps,
                 __nv_bfloat16* y, int n, int k) {
