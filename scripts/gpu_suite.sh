@@ -363,7 +363,26 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
         --pipelined --rounds 3 --batch-sizes 1 --variant "fused:TPSERVE_GEMV_FUSE_NORM=1" \
         --fp8-variant "fused:TPSERVE_GEMV_FUSE_NORM=1" --out $results/fuse_norm.json ;;
     fuse_check)  # the fused add + RMSNorm on a tiny model: graphs, PDL and GEMV variants against separate kernels
-      stage fuse_check 200 python3 benchmarks/experiments/fused_norm_check.py ;;
+      stage fuse_check 240 python3 benchmarks/experiments/fused_norm_check.py ;;
+    gemv_variants8)  # issue 16, Qwen3-8B batch 1: how the GEMV reads x (TPSERVE_GEMV_DEFINES=X_LOAD=1: __ldg as before
+      # session 16, 2: __ldg after the wait, 3: a plain load after the wait) against the default (0: a volatile load)
+      defines=TPSERVE_GEMV_DEFINES
+      stage gemv_variants8 330 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \
+        --pipelined --rounds 5 --batch-sizes 1 --variant "x_load1:$defines=X_LOAD=1" --variant "x_load3:$defines=X_LOAD=3" \
+        --fp8-variant "x_load1:$defines=X_LOAD=1" --fp8-variant "x_load2:$defines=X_LOAD=2" \
+        --fp8-variant "x_load3:$defines=X_LOAD=3" --out $results/gemv_variants8.json ;;
+    gemv_tests_variant)  # the tiny-model GEMV tests (graphs with PDL bit-equal to eager, the fused norm) on GEMV_VARIANT
+      stage gemv_tests_variant 150 env TPSERVE_GEMV_DEFINES=${GEMV_VARIANT:?} python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_gemv.py -k "tiny_model or chain" ;;
+    engine_tests)  # the GEMV, CUDA graphs, overlap scheduling, sampling and grammar masks on the GPU
+      stage engine_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py tests/gpu/test_overlap.py \
+        tests/gpu/test_flashinfer_and_graphs.py tests/gpu/test_structured.py tests/gpu/test_fused_kernels.py \
+        tests/gpu/test_fp8_gpu.py ;;
+    step_timeline)  # Qwen3-8B batch 1: the GPU's work and idle time outside the CUDA graph in a pipelined step
+      for quant in bf16 fp8; do
+        stage step_timeline_$quant 150 python3 benchmarks/experiments/step_timeline.py --model tests/data/configs/Qwen3-8B \
+          $([ $quant = fp8 ] && echo --quantization fp8) --out $results/step_timeline_$quant.json
+      done ;;
     graph_profile_8b_fused)  # graph_profile_8b_fp8 with the add + RMSNorm in the GEMVs
       stage graph_profile_8b_fp8_fused 150 env TPSERVE_GEMV_FUSE_NORM=1 python3 benchmarks/profile_decode.py \
         --model tests/data/configs/Qwen3-8B --quantization fp8 --batch-sizes 1 --graph-only \

@@ -385,6 +385,18 @@ def test_build():
         SamplingBatch.build([SP()], [1, 2], [0], 100, "cpu")
 
 
+def test_greedy_step_uploads_no_parameters():
+    """An all-greedy batch's argmax reads none of the parameter tensors, so none is uploaded (each copy
+    is an operation between two decode steps' CUDA graphs); a sampled batch uploads them on first use."""
+    logits = torch.randn(2, 50)
+    greedy = SamplingBatch.build([SP(temperature=0.0)] * 2, [1, 2], [0, 0], 50, "cpu")
+    assert torch.equal(Sampler()(logits, greedy), logits.argmax(-1))
+    assert not {"_floats", "_ints", "sort_rows"} & set(vars(greedy))
+    sampled = SamplingBatch.build([SP(temperature=0.7)] * 2, [1, 2], [0, 0], 50, "cpu")
+    Sampler()(logits, sampled)
+    assert {"_floats", "_ints"} <= set(vars(sampled))
+
+
 @pytest.mark.parametrize("rows", [1, 2, 3, 5, 6, 7])
 def test_build_rows_start_16_byte_aligned(rows):
     """The sampler's kernels get these tensors: each must start aligned whatever the batch size

@@ -51,6 +51,17 @@ def build_host_batch(seqs: list[SequenceInput], page_size: int) -> HostBatch:
     return HostBatch(tokens, ends - 1)
 
 
+def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
+    """``host`` copied to ``device`` without blocking the host. On a GPU through pinned memory: a copy
+    from pageable memory is staged by the driver and may first wait for the work queued before it
+    (the step in flight), undoing overlap scheduling."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return host.to(device)
+    # the caching host allocator reuses the pinned block only once this copy has run
+    return host.pin_memory().to(device, non_blocking=True)
+
+
 def build_forward_inputs(
     seqs: list[SequenceInput], page_size: int, device: torch.device, attn: object
 ) -> ForwardInputs:
@@ -62,7 +73,7 @@ def build_forward_inputs(
     packed = np.zeros(3 * row + batch, dtype=np.int64)
     packed[: 3 * row].reshape(3, row)[:, :total] = host.tokens
     packed[3 * row :] = host.last_indices
-    flat = torch.from_numpy(packed).to(device, non_blocking=True)
+    flat = upload(torch.from_numpy(packed), device)
     return ForwardInputs(
         input_ids=flat[:total],
         positions=flat[row : row + total],

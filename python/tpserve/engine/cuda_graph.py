@@ -14,7 +14,6 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 
-import numpy as np
 import torch
 
 from tpserve.attention.base import AttentionBackend
@@ -57,9 +56,9 @@ class CUDAGraphRunner:
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1] if self.sizes else 0
         self.device = device
-        # rows: token ids, positions, KV slots (zeros: scratch-page writes); an even row length keeps
-        # every row 16-byte aligned for the Triton kernels
-        self.tokens = torch.zeros((3, self.max_batch_size + self.max_batch_size % 2), dtype=torch.int64, device=device)
+        # rows: token ids, positions, KV slots (zeros: scratch-page writes), placeholder sources (see
+        # prepare); an even row length keeps every row 16-byte aligned for the Triton kernels
+        self.tokens = torch.zeros((4, self.max_batch_size + self.max_batch_size % 2), dtype=torch.int64, device=device)
         self.last_indices = torch.arange(self.max_batch_size, dtype=torch.int64, device=device)
         self.graphs: dict[int, _Graph] = {}
 
@@ -116,14 +115,26 @@ class CUDAGraphRunner:
         size = self.sizes[bisect_left(self.sizes, batch)]
         graph = self.graphs[size]
         host = build_host_batch(seqs, self.page_size)
-        padded = np.zeros((3, size), dtype=np.int64)
-        padded[:, :batch] = host.tokens
-        self.tokens[:, :size].copy_(torch.from_numpy(padded), non_blocking=True)
+        staged = torch.zeros((4, size), dtype=torch.int64, pin_memory=True)
+        rows = staged.numpy()
+        rows[:3, :batch] = host.tokens
+        # Row 3: where each placeholder's token is in the previous step's samples (resolved on the device)
+        ids = host.tokens[0]
+        all_futures = bool((ids < 0).all())
+        rows[3, :batch] = -ids - 1
+        self.tokens[:, :size].copy_(staged, non_blocking=True)
         self.attention.plan_cuda_graph(seqs, graph.attn_meta, size)
+        sources = self.tokens[3, :batch]
+        highest_source = int(rows[3, :batch].max())
 
         def replay(previous_tokens: torch.Tensor | None) -> torch.Tensor:
             if previous_tokens is not None:
-                self.tokens[0, :batch] = resolve_future_tokens(self.tokens[0, :batch], previous_tokens)
+                input_ids = self.tokens[0, :batch]
+                if all_futures and highest_source < previous_tokens.numel() and previous_tokens.dtype == input_ids.dtype:
+                    # a decode batch of placeholders only: one gather, not resolve_future_tokens' six kernels
+                    torch.index_select(previous_tokens, 0, sources, out=input_ids)
+                else:
+                    input_ids.copy_(resolve_future_tokens(input_ids, previous_tokens))
             graph.graph.replay()
             return graph.logits[:batch]
 

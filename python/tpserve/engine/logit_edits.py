@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from tpserve.engine.batch import upload
 from tpserve.sampling_params import SamplingParams
 
 
@@ -65,24 +66,24 @@ class LogitEdits:
             return None
 
         def ints(values: list[int] | list[list[int]]) -> torch.Tensor:
-            return torch.tensor(values, dtype=torch.int64).to(device, non_blocking=True)
+            return upload(torch.tensor(values, dtype=torch.int64), device)
 
         edits = cls()
         if pen_rows:
             edits.penalty_rows = ints(pen_rows)
             edits.penalty_slots = ints([slots[i] for i in pen_rows])
-            edits.penalties = torch.tensor(
+            edits.penalties = upload(torch.tensor(
                 [[params[i].repetition_penalty for i in pen_rows],
                  [params[i].frequency_penalty for i in pen_rows],
                  [params[i].presence_penalty for i in pen_rows]],
                 dtype=torch.float32,
-            ).to(device, non_blocking=True)
+            ), device)
         if record:
             edits.record_rows = ints(record)
             edits.record_slots = ints([slots[i] for i in record])
         if bias_rows:
             edits.bias_index = ints([bias_rows, bias_tokens])
-            edits.bias_values = torch.tensor(bias_values, dtype=torch.float32).to(device, non_blocking=True)
+            edits.bias_values = upload(torch.tensor(bias_values, dtype=torch.float32), device)
         if new_slots:
             edits.init_slots = ints([s for s, _ in new_slots])
             edits.init_index = ints(

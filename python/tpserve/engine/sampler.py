@@ -23,10 +23,12 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 import torch
 import torch.nn.functional as F
 
+from tpserve.engine.batch import upload
 from tpserve.engine.logit_edits import LogitEdits
 from tpserve.kernels import use_triton
 from tpserve.sampling_params import SamplingParams
@@ -112,24 +114,62 @@ def uniform_noise(
 
 @dataclass
 class SamplingBatch:
-    """One step's sampling parameters as device tensors, one row per request."""
+    """One step's sampling parameters, one row per request. Their device tensors are uploaded on
+    first use: an all-greedy step's argmax reads none of them, and each copy left out is one
+    operation fewer between two decode steps' CUDA graphs (benchmarks/experiments/step_timeline.py)."""
 
-    temperatures: torch.Tensor  # [B] float32, 0 for greedy rows
-    top_ks: torch.Tensor  # [B] int64, vocab size when disabled
-    top_ps: torch.Tensor  # [B] float32
-    min_ps: torch.Tensor  # [B] float32
-    seeds: torch.Tensor  # [B] int64
-    steps: torch.Tensor  # [B] int64, index of the output token being generated (0 = first)
+    host_floats: torch.Tensor  # [3, W] float32 rows: temperatures (0 for greedy rows), top-p, min-p
+    host_ints: torch.Tensor  # [3, W] int64 rows: top-k (vocab size when disabled), seeds, steps (0 = first token)
+    size: int  # B, the rows in use (W pads them to 16-byte units)
+    device: torch.device
     all_greedy: bool
     needs_top_k: bool
     needs_top_p: bool
     needs_min_p: bool
     any_greedy: bool = True
-    # [R] rows that need top-k/top-p (None: every row) and how many largest weights they need
-    # (None: the whole vocab, for top-p without top-k)
-    sort_rows: torch.Tensor | None = None
+    # rows that need top-k/top-p (None: every row) and how many largest weights they need (None:
+    # the whole vocab, for top-p without top-k)
+    host_sort_rows: list[int] | None = None
     sort_width: int | None = None
     edits: LogitEdits | None = None
+
+    @cached_property
+    def _floats(self) -> torch.Tensor:
+        return upload(self.host_floats, self.device)
+
+    @cached_property
+    def _ints(self) -> torch.Tensor:
+        return upload(self.host_ints, self.device)
+
+    @property
+    def temperatures(self) -> torch.Tensor:  # [B] float32
+        return self._floats[0, : self.size]
+
+    @property
+    def top_ps(self) -> torch.Tensor:  # [B] float32
+        return self._floats[1, : self.size]
+
+    @property
+    def min_ps(self) -> torch.Tensor:  # [B] float32
+        return self._floats[2, : self.size]
+
+    @property
+    def top_ks(self) -> torch.Tensor:  # [B] int64
+        return self._ints[0, : self.size]
+
+    @property
+    def seeds(self) -> torch.Tensor:  # [B] int64
+        return self._ints[1, : self.size]
+
+    @property
+    def steps(self) -> torch.Tensor:  # [B] int64
+        return self._ints[2, : self.size]
+
+    @cached_property
+    def sort_rows(self) -> torch.Tensor | None:  # [R] int64
+        if self.host_sort_rows is None:
+            return None
+        return upload(torch.tensor(self.host_sort_rows, dtype=torch.int64), self.device)
 
     @property
     def needs_filter(self) -> bool:
@@ -158,24 +198,19 @@ class SamplingBatch:
              [p.min_p for p in params]],
             dtype=torch.float32,
         )
-        floats = floats.to(device, non_blocking=True)
         ints = torch.zeros((3, width), dtype=torch.int64)
         ints[:, :batch] = torch.tensor([top_ks, list(seeds), list(steps)], dtype=torch.int64)
-        ints = ints.to(device, non_blocking=True)
-        every_row = len(sort_rows) == len(params)
         return cls(
-            temperatures=floats[0, :batch],
-            top_ks=ints[0, :batch],
-            top_ps=floats[1, :batch],
-            min_ps=floats[2, :batch],
-            seeds=ints[1, :batch],
-            steps=ints[2, :batch],
+            host_floats=floats,
+            host_ints=ints,
+            size=batch,
+            device=torch.device(device),
             all_greedy=all(greedy),
             needs_top_k=any(uses_top_k),
             needs_top_p=any(uses_top_p),
             needs_min_p=any(uses_min_p),
             any_greedy=any(greedy),
-            sort_rows=None if every_row else torch.tensor(sort_rows, dtype=torch.int64).to(device, non_blocking=True),
+            host_sort_rows=None if len(sort_rows) == len(params) else sort_rows,
             sort_width=max((top_ks[i] for i in sort_rows), default=None),
         )
 

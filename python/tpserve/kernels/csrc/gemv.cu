@@ -9,7 +9,7 @@
 //   thread t reads the 16-byte chunks t, t + kThreads, ... of each row, so each warp reads 512
 //   contiguous bytes per load and even N = 2048 fills the GPU with blocks;
 // * a thread issues kLoadsInFlight 16-byte loads of W (bypassing L1, which keeps x) before it
-//   uses any of them; x is read through the read-only cache;
+//   uses any of them; x is read through L1 by coherent loads (load_input);
 // * one FP8 chunk (16 elements) lies inside one 128-wide scale block, so its partial sums are
 //   scaled once per chunk;
 // * the sums are reduced by warp shuffles, then across the block's warps through shared memory,
@@ -53,9 +53,10 @@ namespace {
 #ifndef TPSERVE_GEMV_FP8_LOADS
 #define TPSERVE_GEMV_FP8_LOADS 8
 #endif
-// 1: kNormX reads x, and kAddToY y, through L1 as the plain kernel reads x (an experiment; see gemv_kernel).
-#ifndef TPSERVE_GEMV_FUSED_L1
-#define TPSERVE_GEMV_FUSED_L1 0
+// 1: a block lets the next kernel launch once its first loads of W are out, not after its last (an experiment:
+// the next GEMV's blocks then take the SM slots this one's finished blocks free and stream their W during its tail).
+#ifndef TPSERVE_GEMV_EARLY_TRIGGER
+#define TPSERVE_GEMV_EARLY_TRIGGER 0
 #endif
 
 constexpr int kThreads = TPSERVE_GEMV_THREADS;
@@ -105,6 +106,19 @@ __device__ __forceinline__ uint4 load_stream(const uint4* p) {
   asm("ld.global.nc.L1::no_allocate.v4.u32 {%0, %1, %2, %3}, [%4];"
       : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
       : "l"(p));
+  return v;
+}
+
+// 16 bytes of x, the previous kernel's output, by a coherent load after the PDL wait (volatile: the compiler
+// keeps it there). Not __ldg: a read-only load (ld.global.nc) takes x as fixed for the kernel's life, which
+// PDL breaks, and it may hit a line an earlier kernel on this SM cached from the same address (the graph
+// pool reuses buffers) that griddepcontrol.wait does not invalidate. Measured (session 16, fused_norm_check):
+// a tiny FP8 model's batch-1 logits in a CUDA graph with PDL were wrong by __ldg (relative difference 1.3),
+// wrong by __ldg kept after the wait by a data dependency too, right by ld.global; the coherent load makes
+// the Qwen3-8B FP8 step 3.3% slower (2.598 against 2.516 ms pipelined), bf16 no slower.
+__device__ __forceinline__ uint4 load_input(const void* p) {
+  uint4 v;
+  asm volatile("ld.global.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "l"(p));
   return v;
 }
 
@@ -199,7 +213,7 @@ __global__ void __launch_bounds__(kThreads)
   auto wait_and_read_y = [&]() {
     wait_for_inputs();
     if constexpr (kFuse == kAddToY)
-      if (owns_out) y_old = __bfloat162float(TPSERVE_GEMV_FUSED_L1 ? y[out_idx] : __ldcg(y + out_idx));
+      if (owns_out) y_old = __bfloat162float(y[out_idx]);
   };
 
   bool waited = false;
@@ -212,6 +226,7 @@ __global__ void __launch_bounds__(kThreads)
       for (int r = 0; r < R; ++r) wv[u][r] = c < chunks ? load_stream(wrow[r] + c) : make_uint4(0, 0, 0, 0);
     }
     if (!waited) {  // the first loads of W are in flight: now wait for x
+      if (TPSERVE_GEMV_EARLY_TRIGGER) allow_next_launch();
       wait_and_read_y();
       waited = true;
     }
@@ -234,10 +249,9 @@ __global__ void __launch_bounds__(kThreads)
         const uint32_t nu[4] = {nv.x, nv.y, nv.z, nv.w};
 #pragma unroll
         for (int m = 0; m < M; ++m) {
-          // The residual stream (kNormX) through L2 only: with PDL the kernels that write it run beside this
-          // one, and a line another block on this SM brought into L1 may be stale.
-          const uint4* xp = reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * k) + c * kXVecs + j;
-          const uint4 xv = kNorm && !TPSERVE_GEMV_FUSED_L1 ? __ldcg(xp) : __ldg(xp);
+          // Through L1, the residual stream (kNormX) too: read through L2 only (ld.global.cg), every block's
+          // pass over x waited on L2 and the fused Qwen3-8B step was 9% slower than the unfused (session 16).
+          const uint4 xv = load_input(reinterpret_cast<const uint4*>(x + static_cast<size_t>(m) * k) + c * kXVecs + j);
           const uint32_t xu[4] = {xv.x, xv.y, xv.z, xv.w};
 #pragma unroll
           for (int i = 0; i < 4; ++i) {
@@ -269,7 +283,7 @@ __global__ void __launch_bounds__(kThreads)
   }
 
   if (!waited) wait_and_read_y();  // y may still be read by the previous kernel
-  allow_next_launch();
+  allow_next_launch();  // (a no-op where EARLY_TRIGGER's came first)
 
   constexpr int kSums = R * M + (kNorm ? M : 0);  // the rows' dot products, then (kNormX) the sums of x^2
   __shared__ float warp_sums[kWarps][kSums];
