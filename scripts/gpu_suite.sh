@@ -19,9 +19,9 @@
 # off the FP8 step: its GEMVs run at 3.3-3.9 TB/s where bf16's run at 3.9-4.3 (graph_profile). Every variant
 # that holds more loads in registers lost; untried: W staged through shared memory by bulk asynchronous copies.
 # Issue 14: A3B attention still ends 10.8 us after the rotary kernel (8B FP8: 6.6); more splits lost (attn_a3b).
-# Session 15: the add + RMSNorm in the GEMVs (TPSERVE_GEMV_FUSE_NORM=1) gained 0.5-0.8% on 8B batch 1, ratio unmoved;
-# its tiny-model test failed (stale L1 reads of the residual under PDL): run fuse_check gemv_only on the L2-read fix
-# before turning it on (docs/benchmarks.md, session 15).
+# Session 16: the GEMV's __ldg of x read stale lines under PDL (FP8 logits in graphs wrong: fuse_check); x is now read
+# coherently, which costs the FP8 step 3.3% (gemv_variants8): 0.625x. Next: X_SMEM=1 (x staged in shared memory once
+# per block); EARLY_TRIGGER=1 (bf16 0.98x) and TPSERVE_GEMV_FUSE_NORM=1 (FP8 0.987x) wait for wider runs (test_moe.py).
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
 set -u
@@ -364,13 +364,11 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
         --fp8-variant "fused:TPSERVE_GEMV_FUSE_NORM=1" --out $results/fuse_norm.json ;;
     fuse_check)  # the fused add + RMSNorm on a tiny model: graphs, PDL and GEMV variants against separate kernels
       stage fuse_check 240 python3 benchmarks/experiments/fused_norm_check.py ;;
-    gemv_variants8)  # issue 16, Qwen3-8B batch 1: how the GEMV reads x (TPSERVE_GEMV_DEFINES=X_LOAD=1: __ldg as before
-      # session 16, 2: __ldg after the wait, 3: a plain load after the wait) against the default (0: a volatile load)
-      defines=TPSERVE_GEMV_DEFINES
+    gemv_variants8)  # issue 16, Qwen3-8B batch 1: the GEMV built with GEMV_VARIANT (TPSERVE_GEMV_DEFINES, e.g. X_SMEM=1)
+      # against the default, bf16 and FP8, 5 alternating rounds. Session 16's x_load1-3 were X_LOAD variants (removed)
       stage gemv_variants8 330 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \
-        --pipelined --rounds 5 --batch-sizes 1 --variant "x_load1:$defines=X_LOAD=1" --variant "x_load3:$defines=X_LOAD=3" \
-        --fp8-variant "x_load1:$defines=X_LOAD=1" --fp8-variant "x_load2:$defines=X_LOAD=2" \
-        --fp8-variant "x_load3:$defines=X_LOAD=3" --out $results/gemv_variants8.json ;;
+        --pipelined --rounds 5 --batch-sizes 1 --variant "variant:TPSERVE_GEMV_DEFINES=${GEMV_VARIANT:?}" \
+        --fp8-variant "variant:TPSERVE_GEMV_DEFINES=$GEMV_VARIANT" --out $results/gemv_variants8.json ;;
     gemv_tests_variant)  # the tiny-model GEMV tests (graphs with PDL bit-equal to eager, the fused norm) on GEMV_VARIANT
       stage gemv_tests_variant 150 env TPSERVE_GEMV_DEFINES=${GEMV_VARIANT:?} python3 -m pytest -q -p no:cacheprovider \
         tests/gpu/test_gemv.py -k "tiny_model or chain" ;;
