@@ -20,8 +20,8 @@
 # that holds more loads in registers lost; untried: W staged through shared memory by bulk asynchronous copies.
 # Issue 14: A3B attention still ends 10.8 us after the rotary kernel (8B FP8: 6.6); more splits lost (attn_a3b).
 # Session 16: the GEMV's __ldg of x read stale lines under PDL (FP8 logits in graphs wrong: fuse_check); x is now read
-# coherently, which costs the FP8 step 3.3% (gemv_variants8): 0.625x. Next: X_SMEM=1 (x staged in shared memory once
-# per block); EARLY_TRIGGER=1 (bf16 0.98x) and TPSERVE_GEMV_FUSE_NORM=1 (FP8 0.987x) wait for wider runs (test_moe.py).
+# coherently, which costs the FP8 step 3.3% (gemv_variants8): 0.625x. Next: X_SMEM=1 (branch exp/x-smem: x staged in
+# shared memory once per block; run gemv_variants8 and gemv_tests_variant with GEMV_VARIANT=X_SMEM=1, then gemv_only); EARLY_TRIGGER=1 (bf16 0.98x) and TPSERVE_GEMV_FUSE_NORM=1 (FP8 0.987x) wait for wider runs (test_moe.py).
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
 set -u

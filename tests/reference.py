@@ -29,3 +29,9 @@ def hf_greedy(model_dir: str, prompt: list[int], max_new_tokens: int) -> list[in
 def hf_logits(model_dir: str, ids: list[int]) -> torch.Tensor:
     """[len(ids), vocab] logits of a full forward pass."""
     return hf_model(model_dir)(torch.tensor([ids])).logits[0].float()
+
+
+def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
+    """||actual - expected|| / ||expected|| in float64; a non-finite ``actual`` fails the test."""
+    assert torch.isfinite(actual).all(), "non-finite output"
+    return float((actual.double() - expected.double()).norm() / expected.double().norm())

@@ -17,6 +17,7 @@ pytestmark = pytest.mark.skipif(
 flashinfer = pytest.importorskip("flashinfer")
 
 from engine_scenario import NEAR_TIE, assert_logits_close, assert_same_greedy, prompts_for, run_scenario
+from reference import rel_err
 from tpserve.attention.page_table import TableMetadata
 from tpserve.attention.triton_decode import AUTO_MAX_BATCH
 from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
@@ -44,9 +45,6 @@ def reference(pool: KVCachePool, layer: int, q: torch.Tensor, seqs: list[Sequenc
         outs.append(torch.einsum("ht,thd->hd", weights, v))
     return torch.stack(outs)
 
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    return ((actual.float() - expected).norm() / expected.norm()).item()
 
 
 def make_backend(kv: str, heads: tuple[int, int], kernel: str, pool: KVCachePool) -> FlashInferAttentionBackend:

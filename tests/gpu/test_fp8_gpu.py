@@ -18,6 +18,7 @@ pytestmark = pytest.mark.skipif(
 )
 pytest.importorskip("triton")
 
+from reference import rel_err
 from tpserve import LLM, SamplingParams
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
@@ -33,10 +34,6 @@ QWEN3_8B = {"qkv": (6144, 4096), "o": (4096, 4096), "gate_up": (24576, 4096), "d
 BACKENDS = ["auto", "triton", "flashinfer", "cuda", "cuda_triton"]
 TINY = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512, seed=1)
 
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert torch.isfinite(actual).all(), "non-finite output"
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
 def reference(backend: str, m: int, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block) -> torch.Tensor:

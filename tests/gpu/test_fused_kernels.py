@@ -16,6 +16,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 pytest.importorskip("flashinfer")
 pytest.importorskip("triton")
 
+from reference import rel_err
 from tpserve import kernels
 from tpserve.engine.sampler import Sampler, SamplingBatch
 from tpserve.kvcache.pool import KVCachePool
@@ -35,10 +36,6 @@ LLAMA3_ROPE = {
 }
 YARN_ROPE = {"rope_type": "yarn", "rope_theta": 1000000.0, "factor": 4.0, "original_max_position_embeddings": 8192}
 
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert torch.isfinite(actual).all(), "non-finite output"
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
 def torch_path(monkeypatch: pytest.MonkeyPatch) -> None:

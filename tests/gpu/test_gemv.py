@@ -12,6 +12,7 @@ pytestmark = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9), reason="needs an FP8 GPU (sm89+)"
 )
 
+from reference import rel_err
 from tpserve import LLM, SamplingParams
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
@@ -40,10 +41,6 @@ SHAPES = sorted(
 BF16_ONLY = [(128, 2048), (151936, 1024), (151936, 4096)]
 TINY = dict(num_layers=2, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512, seed=1)
 
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert torch.isfinite(actual).all(), "non-finite output"
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
 def weights(n: int, k: int, fp8: bool, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -24,6 +24,7 @@ pytest.importorskip("flashinfer")
 import tpserve.kernels.moe as moe_kernels
 import tpserve.layers.moe as moe_layer
 from engine_scenario import assert_routed_logits_close, assert_same_greedy, prompts_for, row_errors, run_scenario
+from reference import rel_err
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.kernels.moe import SMALL_BATCH_MAX_ROWS, fused_experts, grouped_experts
@@ -44,10 +45,6 @@ def expert_inputs(tokens: int, experts: int, top_k: int, hidden: int, inter: int
     weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
     return x, gate_up, down, (weights / weights.sum(-1, keepdim=True)).to(DTYPE), ids
 
-
-def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
-    assert torch.isfinite(actual).all(), "non-finite output"
-    return float((actual.double() - expected.double()).norm() / expected.double().norm())
 
 
 def reference(x, gate_up, down, weights, ids) -> torch.Tensor:
