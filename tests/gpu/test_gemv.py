@@ -22,6 +22,7 @@ from tpserve.forward import SequenceInput
 from tpserve.kernels.gemv import (
     BF16_GEMV_ENV, FUSE_NORM_ENV, FUSED_MAX_TOKENS, PDL_ENV, MAX_TOKENS, SILU_MUL_MAX_TOKENS, gemv, supported,
 )
+from tpserve.kernels.pdl import TRITON_PDL_ENV
 from tpserve.kvcache.pool import PageAllocator
 from tpserve.quant.fp8 import quantize_blocks, weight_only_reference
 
@@ -280,20 +281,24 @@ def single_sequence_logits(engine: Engine, ids: list[int], prefill: int) -> torc
     return torch.stack(rows).float()
 
 
+TINY_MOE = dict(TINY, num_layers=3, num_experts=16, num_experts_per_tok=4, moe_intermediate_size=128)
+
+
 @pytest.mark.parametrize("fuse", ["0", "1"], ids=["separate_norm", "fused_norm"])
-@pytest.mark.parametrize("quantization", [None, "fp8"])
-def test_tiny_model_graph_with_pdl_equals_eager(tiny_model_factory, monkeypatch, quantization, fuse):
+@pytest.mark.parametrize("arch,quantization", [("qwen3", None), ("qwen3", "fp8"), ("qwen3_moe", None)])
+def test_tiny_model_graph_with_pdl_equals_eager(tiny_model_factory, monkeypatch, arch, quantization, fuse):
     """Batch-1 decode of a tiny model in CUDA graphs, where PDL lets each kernel start while the one
-    before it runs, gives the bits of eager steps with the GEMV launched without PDL: PDL changes no
-    arithmetic, only when a kernel may read its input. With x read by __ldg the FP8 model's logits
-    were wrong (relative difference 1.3, session 16)."""
-    model = tiny_model_factory("qwen3", **TINY)
+    before it runs, gives the bits of eager steps launched without PDL (the GEMV's and Triton's): PDL
+    changes no arithmetic, only when a kernel may read its input. With x read by __ldg the FP8 model's
+    logits were wrong (relative difference 1.3, session 16)."""
+    model = tiny_model_factory(arch, **(TINY_MOE if arch == "qwen3_moe" else TINY))
     monkeypatch.delenv(BF16_GEMV_ENV, raising=False)
     monkeypatch.setenv(FUSE_NORM_ENV, fuse)
     ids = list(range(40, 72))
     logits = {}
     for label, pdl, graphs in (("eager, no PDL", "0", 0), ("graphs, PDL", "1", 8)):
         monkeypatch.setenv(PDL_ENV, pdl)
+        monkeypatch.setenv(TRITON_PDL_ENV, pdl)
         engine = Engine(EngineConfig(model=model, device="cuda", dtype="bfloat16", max_total_tokens=1024,
                                      quantization=quantization, cuda_graph_max_bs=graphs))
         assert (engine.graph_runner is not None) == bool(graphs)
