@@ -112,6 +112,11 @@ def uniform_noise(
     return u.add_(0.5).mul_(2.0**-_UNIFORM_BITS)
 
 
+def _row(table: str, index: int, doc: str) -> property:
+    """A SamplingBatch parameter: row ``index`` of an uploaded table, its B rows in use."""
+    return property(lambda batch: getattr(batch, table)[index, : batch.size], doc=doc)
+
+
 @dataclass
 class SamplingBatch:
     """One step's sampling parameters, one row per request. Their device tensors are uploaded on
@@ -141,29 +146,12 @@ class SamplingBatch:
     def _ints(self) -> torch.Tensor:
         return upload(self.host_ints, self.device)
 
-    @property
-    def temperatures(self) -> torch.Tensor:  # [B] float32
-        return self._floats[0, : self.size]
-
-    @property
-    def top_ps(self) -> torch.Tensor:  # [B] float32
-        return self._floats[1, : self.size]
-
-    @property
-    def min_ps(self) -> torch.Tensor:  # [B] float32
-        return self._floats[2, : self.size]
-
-    @property
-    def top_ks(self) -> torch.Tensor:  # [B] int64
-        return self._ints[0, : self.size]
-
-    @property
-    def seeds(self) -> torch.Tensor:  # [B] int64
-        return self._ints[1, : self.size]
-
-    @property
-    def steps(self) -> torch.Tensor:  # [B] int64
-        return self._ints[2, : self.size]
+    temperatures = _row("_floats", 0, "[B] float32, 0 for greedy rows")
+    top_ps = _row("_floats", 1, "[B] float32")
+    min_ps = _row("_floats", 2, "[B] float32")
+    top_ks = _row("_ints", 0, "[B] int64, the vocab size when disabled")
+    seeds = _row("_ints", 1, "[B] int64")
+    steps = _row("_ints", 2, "[B] int64, the index of the output token being generated")
 
     @cached_property
     def sort_rows(self) -> torch.Tensor | None:  # [R] int64
