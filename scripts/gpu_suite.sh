@@ -263,12 +263,18 @@ for s in $stages; do
     # ---- Qwen3-30B-A3B (issue 14); after warm (the bf16 MoE test builds FlashInfer's kernels otherwise and
     # overran 120 s). moe30 on one GPU (~6 min), moe30_tp2 on two ----
     moe30_tests) stage moe30_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py ;;
+    moe_tests_fused)  # test_moe.py with the add + RMSNorm in the GEMVs (TPSERVE_GEMV_FUSE_NORM=1)
+      stage moe_tests_fused 240 env TPSERVE_GEMV_FUSE_NORM=1 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe.py ;;
     moe30_offline)
       stage moe30_offline 180 python3 benchmarks/offline_throughput.py --model $a3b --trace --out $results/offline_qwen3_30b_a3b_traced.json
       stage moe30_roofline 30 python3 benchmarks/roofline.py $results/offline_qwen3_30b_a3b_traced.json --model $a3b --peak-tflops 766 ;;
     moe30_decode)
       stage moe30_decode 120 python3 benchmarks/decode_latency.py --model $a3b --batch-sizes 1,64 --contexts 512 --out $results/decode_qwen3_30b_a3b.json
       stage moe30_floors 30 python3 benchmarks/roofline.py --model $a3b --decode-batch 1 64 --context 512 --peak-tflops 766 --bandwidth-tbps 4.26 ;;
+    a3b_b1)  # issue 14: Qwen3-30B-A3B batch-1 decode (bf16, pipelined, 3 rounds), the defaults against the add + RMSNorm
+      # as kernels of their own (two A3B engines fit)
+      stage a3b_b1 300 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined --rounds 3 --batch-sizes 1 \
+        --variant "unfused:TPSERVE_GEMV_FUSE_NORM=0" --out $results/a3b_b1.json ;;
     moe30_profile) stage moe30_profile 150 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 1,64 \
       --out $results/profile_qwen3_30b_a3b.json ;;
     fusion_tests)  # the SwiGLU epilogue of the GEMV and the router inside the MoE kernels (session 10)
@@ -364,14 +370,32 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
         --fp8-variant "fused:TPSERVE_GEMV_FUSE_NORM=1" --out $results/fuse_norm.json ;;
     fuse_check)  # the fused add + RMSNorm on a tiny model: graphs, PDL and GEMV variants against separate kernels
       stage fuse_check 240 python3 benchmarks/experiments/fused_norm_check.py ;;
+    engine_variants8)  # issue 16, Qwen3-8B batch 1: engines built with each of ENGINE_VARIANTS (';'-separated
+      # LABEL:ENV=VALUE[,ENV=VALUE], e.g. "early:TPSERVE_GEMV_DEFINES=EARLY_TRIGGER=1;unfused:TPSERVE_GEMV_FUSE_NORM=0")
+      # against the defaults, bf16 and FP8, 5 alternating rounds
+      variant_args=()
+      IFS=';' read -ra variants <<< "${ENGINE_VARIANTS:?}"
+      for v in "${variants[@]}"; do  # FP8_ONLY=1: FP8 engines only (a variant of the FP8 kernels)
+        [ "${FP8_ONLY:-0}" = 1 ] || variant_args+=(--variant "$v")
+        variant_args+=(--fp8-variant "$v")
+      done
+      stage engine_variants8 420 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \
+        --pipelined --rounds 5 --batch-sizes 1 "${variant_args[@]}" --out $results/engine_variants8.json ;;
     gemv_variants8)  # issue 16, Qwen3-8B batch 1: the GEMV built with GEMV_VARIANT (TPSERVE_GEMV_DEFINES, e.g. X_SMEM=1)
       # against the default, bf16 and FP8, 5 alternating rounds. Session 16's x_load1-3 were X_LOAD variants (removed)
       stage gemv_variants8 330 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \
         --pipelined --rounds 5 --batch-sizes 1 --variant "variant:TPSERVE_GEMV_DEFINES=${GEMV_VARIANT:?}" \
         --fp8-variant "variant:TPSERVE_GEMV_DEFINES=$GEMV_VARIANT" --out $results/gemv_variants8.json ;;
-    gemv_tests_variant)  # the tiny-model GEMV tests (graphs with PDL bit-equal to eager, the fused norm) on GEMV_VARIANT
-      stage gemv_tests_variant 150 env TPSERVE_GEMV_DEFINES=${GEMV_VARIANT:?} python3 -m pytest -q -p no:cacheprovider \
-        tests/gpu/test_gemv.py -k "tiny_model or chain" ;;
+    gemv_tests_variant)  # test_gemv.py (GEMV_TESTS_K: its -k, default the tiny models and chains) on each of GEMV_VARIANT
+      # (';'-separated TPSERVE_GEMV_DEFINES, e.g. "FP8_ASYNC=2;FP8_ASYNC=3")
+      IFS=';' read -ra variants <<< "${GEMV_VARIANT:?}"
+      for v in "${variants[@]}"; do
+        stage "gemv_tests_variant $v" 200 env TPSERVE_GEMV_DEFINES="$v" python3 -m pytest -q -p no:cacheprovider \
+          tests/gpu/test_gemv.py -k "${GEMV_TESTS_K:-tiny_model or chain}"
+      done ;;
+    fp8_ratio32)  # issue 16's ratio at Qwen3-32B batch 1 with today's defaults, 3 alternating rounds
+      stage fp8_ratio32 300 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-32B --fp8-gemms auto \
+        --pipelined --rounds 3 --batch-sizes 1 --out $results/fp8_ratio32.json ;;
     engine_tests)  # the GEMV, CUDA graphs, overlap scheduling, sampling and grammar masks on the GPU
       stage engine_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py tests/gpu/test_overlap.py \
         tests/gpu/test_flashinfer_and_graphs.py tests/gpu/test_structured.py tests/gpu/test_fused_kernels.py \
