@@ -17,11 +17,13 @@
 # kernel's prefetch of K and V before the PDL wait, now the default (triton_tests: its GPU tests). The FP8 GEMV
 # issuing its next step's loads before this step's math lost (csrc/gemv.cu's comment). Issue 16 needs ~34 us
 # off the FP8 step: its GEMVs run at 3.3-3.9 TB/s where bf16's run at 3.9-4.3 (graph_profile). Every variant
-# that holds more loads in registers lost; untried: W staged through shared memory by bulk asynchronous copies.
+# that holds more loads in registers lost; W staged in shared memory by cp.async lost too (session 17; TMA bulk copies untried).
 # Issue 14: A3B attention still ends 10.8 us after the rotary kernel (8B FP8: 6.6); more splits lost (attn_a3b).
 # Session 16: the GEMV's __ldg of x read stale lines under PDL (FP8 logits in graphs wrong: fuse_check); x is now read
-# coherently, which costs the FP8 step 3.3% (gemv_variants8): 0.625x. Next: X_SMEM=1 (branch exp/x-smem: x staged in
-# shared memory once per block; run gemv_variants8 and gemv_tests_variant with GEMV_VARIANT=X_SMEM=1, then gemv_only); EARLY_TRIGGER=1 (bf16 0.98x) and TPSERVE_GEMV_FUSE_NORM=1 (FP8 0.987x) wait for wider runs (test_moe.py).
+# coherently, which cost the FP8 step 3.3% (gemv_variants8): 0.625x. Session 17: the GEMV's block-wide loop bounds and
+# the fused add + RMSNorm (now defaults) put it at 0.612-0.615x (engine_variants8, three calls); x or W staged in shared
+# memory (X_SMEM, FP8_ASYNC), integer FP8 unpacking (FP8_CVT) and an L2 prefetch hint (W_PREFETCH) all lost (removed).
+# Next for issue 14: a3b_b1 (A3B batch 1 with today's defaults against the unfused norm), not yet run.
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
 set -u
