@@ -23,6 +23,8 @@
 # coherently, which cost the FP8 step 3.3% (gemv_variants8): 0.625x. Session 17: the GEMV's block-wide loop bounds and
 # the fused add + RMSNorm (now defaults) put it at 0.612-0.615x (engine_variants8, three calls); x or W staged in shared
 # memory (X_SMEM, FP8_ASYNC), integer FP8 unpacking (FP8_CVT) and an L2 prefetch hint (W_PREFETCH) all lost (removed).
+# Next for issue 16: branch exp/fp8-mma (TPSERVE_GEMV_DEFINES=FP8_MMA=1, the one-token FP8 GEMV on tensor cores): build
+# base + gemv:FP8_MMA=1, run gemv_tests_variant (GEMV_VARIANT=FP8_MMA=1, all of test_gemv.py) and engine_variants8 (FP8_ONLY=1).
 # Next for issue 14: a3b_b1 (A3B batch 1 with today's defaults against the unfused norm), not yet run.
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
