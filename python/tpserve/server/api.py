@@ -199,10 +199,12 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     for err in exc.errors():
         loc = [str(x) for x in err.get("loc", ()) if x != "body"]
         where = ".".join(loc)
+        if err.get("type") == "json_invalid":  # its loc is a character position, not a parameter
+            at = f" at character {where}" if where else ""
+            parts.append(f"invalid JSON body{at}: {err.get('ctx', {}).get('error', err.get('msg'))}")
+            continue
         param = param or (where or None)
-        if err.get("type") == "json_invalid":
-            parts.append(f"invalid JSON body: {err.get('ctx', {}).get('error', err.get('msg'))}")
-        elif err.get("type") == "extra_forbidden":
+        if err.get("type") == "extra_forbidden":
             parts.append(f"unsupported parameter '{where}'")
         elif err.get("type") == "missing":
             parts.append(f"missing required parameter '{where}'")
