@@ -147,3 +147,45 @@ def test_logprobs_match_transformers(llm, qwen3_dir):
     assert [top[0][0] for top in greedy.top_logprobs] == greedy.token_ids
     with pytest.raises(ValueError, match="logprobs must be in"):
         SamplingParams(logprobs=21)
+
+
+def check_prompt_logprobs(out, model_dir: str, top_n: int) -> None:
+    """``out``'s prompt log-probabilities against transformers' (float32)."""
+    import torch
+
+    from reference import hf_logits
+
+    prompt = out.prompt_token_ids
+    ref = torch.log_softmax(hf_logits(model_dir, prompt)[:-1], dim=-1)  # row p predicts prompt[p + 1]
+    assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
+    assert len(out.prompt_logprobs) == len(out.prompt_top_logprobs) == len(prompt)
+    expected = ref.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+    assert torch.allclose(torch.tensor(out.prompt_logprobs[1:]), expected, atol=1e-4)
+    for pos, top in enumerate(out.prompt_top_logprobs[1:]):
+        assert [t for t, _ in top] == ref[pos].topk(top_n).indices.tolist()
+        assert torch.allclose(torch.tensor([v for _, v in top]), ref[pos].topk(top_n).values, atol=1e-4)
+
+
+def test_prompt_logprobs_match_transformers(llm, qwen3_dir):
+    prompt = list(range(40, 75))  # 35 tokens: two pages and a part
+    first = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=2), use_tqdm=False)[0]
+    check_prompt_logprobs(first, qwen3_dir, 2)
+    # Its pages are cached now: asked again, the prompt is computed whole, not served from the cache.
+    again = llm.generate([prompt, [7]], SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=0), use_tqdm=False)
+    check_prompt_logprobs(again[0], qwen3_dir, 0)
+    assert again[0].token_ids == first.token_ids
+    assert again[1].prompt_logprobs == [None]  # a one-token prompt: nothing before it
+    plain = llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0]
+    assert plain.prompt_logprobs is None
+    with pytest.raises(ValueError, match="prompt_logprobs must be in"):
+        SamplingParams(prompt_logprobs=-1)
+
+
+@pytest.mark.parametrize("tp_size", [1, 2])
+def test_prompt_logprobs_over_prefill_chunks(qwen3_dir, tp_size):
+    prompt = list(range(3, 60))
+    with LLM(qwen3_dir, device="cpu", tp_size=tp_size, chunked_prefill_size=16) as chunked:
+        outs = chunked.generate([prompt, prompt[:20]], SamplingParams(temperature=0, max_tokens=3, prompt_logprobs=1),
+                                use_tqdm=False)
+    for out in outs:
+        check_prompt_logprobs(out, qwen3_dir, 1)

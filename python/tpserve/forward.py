@@ -20,6 +20,8 @@ class SequenceInput:
     token_ids: list[int]
     prefix_len: int
     page_table: list[int]  # pages holding positions [0, prefix_len + len(token_ids))
+    # new tokens [start, stop) whose logits are wanted too (prompt log-probabilities), after the last one's
+    extra_logits: tuple[int, int] = (0, 0)
 
     @property
     def extend_len(self) -> int:
@@ -37,7 +39,9 @@ class ForwardInputs:
     input_ids: torch.Tensor  # [T]
     positions: torch.Tensor  # [T]
     out_slots: torch.Tensor  # [T] flat KV slot of each new token
-    last_indices: torch.Tensor  # [B] index in T of each sequence's last new token
+    # [B + E] index in T of each sequence's last new token, then of the E tokens in ``extra_logits``: the LM
+    # head's rows
+    last_indices: torch.Tensor
     attn: object
 
 

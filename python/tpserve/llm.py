@@ -34,6 +34,10 @@ class RequestOutput:
     # (token id, log-probability) pairs at each position.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # With SamplingParams(prompt_logprobs=n): each prompt token's log-probability given the ones before
+    # it (None for the first), and the n most likely (token id, log-probability) pairs at each position.
+    prompt_logprobs: list[float | None] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
 
 
 class _StopWatcher:
@@ -133,6 +137,9 @@ class LLM:
                         if out.logprobs is not None:
                             result.logprobs = (result.logprobs or []) + out.logprobs
                             result.top_logprobs = (result.top_logprobs or []) + (out.top_logprobs or [])
+                        if out.prompt_logprobs is not None:
+                            result.prompt_logprobs = [None, *out.prompt_logprobs]
+                            result.prompt_top_logprobs = [None, *(out.prompt_top_logprobs or [])]
                         watcher = watchers.get(out.rid)
                         final = out.finish_reason is not None
                         if watcher is not None and watcher.feed(out.token_ids, final=final) and not final:

@@ -70,6 +70,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # None: no log-probabilities; n >= 0: each sampled token's log-probability under the model
     # (before temperature, penalties and filters) plus the n most likely tokens' at that position.
     logprobs: int | None = None
+    # None: none; n >= 0: the log-probability of every prompt token after the first (given the ones
+    # before it) and the n most likely tokens' at each of those positions (OpenAI's completions
+    # ``echo`` with ``logprobs``). Such a prompt is computed whole: the prefix cache is not used for it.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.temperature < math.inf:
@@ -88,6 +92,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"min_tokens ({self.min_tokens}) must not exceed max_tokens ({self.max_tokens})")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise ValueError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         for name in ("presence_penalty", "frequency_penalty"):

@@ -136,3 +136,33 @@ def test_long_prefills_run_without_decodes(qwen3_dir, monkeypatch, mixed_prefill
         assert steps[4][0] == 0, steps
         assert steps[5] == (3, 0), "every running request decodes in the step after"
     assert finish == {0: "length", 1: "length", 2: "length"} and len(tokens[1]) == len(tokens[2]) == 12
+
+
+def test_prompt_logprobs_in_small_chunks_under_kv_pressure(small_engine, qwen3_dir, monkeypatch):
+    import torch
+
+    import tpserve.scheduler.scheduler as scheduler_module
+    from reference import hf_logits
+
+    monkeypatch.setattr(scheduler_module, "PROMPT_LOGPROBS_CHUNK", 5)  # 30-token prompts in 6 steps each
+    prompts = {rid: list(range(10 + rid, 40 + rid)) for rid in range(3)}
+    scheduler = Scheduler(small_engine)
+    scheduler.check_accounting = True
+    for rid, prompt in prompts.items():
+        params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=12, prompt_logprobs=1)
+        scheduler.add_request(rid, prompt, params, seed=rid)
+    firsts, chunk_steps = {}, 0
+    while scheduler.has_work:
+        for out in scheduler.step():
+            if out.prompt_token_ids is not None:
+                firsts[out.rid] = out
+        chunk_steps += 1
+    assert scheduler.preemptions_total > 0, "64 tokens of KV cache cannot hold three 42-token requests"
+    assert chunk_steps > 3 * 6
+    for rid, prompt in prompts.items():
+        out = firsts[rid]
+        assert out.prompt_token_ids == prompt and len(out.prompt_logprobs) == len(prompt) - 1
+        ref = torch.log_softmax(hf_logits(qwen3_dir, prompt)[:-1], dim=-1)
+        expected = ref.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
+        assert torch.allclose(torch.tensor(out.prompt_logprobs), expected, atol=1e-4)
+        assert [top[0][0] for top in out.prompt_top_logprobs] == ref.argmax(-1).tolist()

@@ -139,7 +139,6 @@ def test_flush_cache():
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},
          "messages[0].content: image_url content is not supported", "messages"),
         (CHAT, {"messages": USER, "max_tokens": 5, "max_completion_tokens": 6}, "not both", None),
-        (COMPLETIONS, {"prompt": "x", "echo": True}, "echo", "echo"),
         (COMPLETIONS, {"prompt": "x", "best_of": 2}, "best_of", "best_of"),
         (COMPLETIONS, {"prompt": "x", "logprobs": 21}, "logprobs must be in", "logprobs"),
         (COMPLETIONS, {"prompt": "x", "suffix": "y"}, "suffix", "suffix"),

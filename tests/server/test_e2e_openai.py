@@ -221,7 +221,7 @@ def test_client_timeout_on_non_streaming_request_aborts(url):
         ("/v1/completions", {"prompt": "word " * 5000, "max_tokens": 1}, 400, "context length"),
         ("/v1/completions", {"prompt": "hi", "max_tokens": 5000}, 400, "context length"),
         ("/v1/completions", {"prompt": [1, 2, 10**6]}, 400, "out of range"),
-        ("/v1/completions", {"prompt": "hi", "echo": True}, 400, "echo"),
+        ("/v1/completions", {"prompt": "hi", "suffix": "!"}, 400, "suffix"),
         ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "n": 99}, 400, "n must be at most"),
         ("/v1/chat/completions", {"model": "gpt-4o", "messages": [{"role": "user", "content": "x"}]}, 404, "gpt-4o"),
         ("/v1/chat/completions", {"messages": "nope"}, 400, "messages"),
@@ -301,6 +301,36 @@ def test_logprobs_chat_and_completions(client, qwen3_dir):
     assert all(1 <= len(top) <= 3 for top in served.top_logprobs)
     assert served.text_offset == sorted(served.text_offset) and served.text_offset[0] == 0
 
+
+
+def test_completions_echo(client, qwen3_dir):
+    import torch
+
+    from reference import hf_logits
+
+    prompts = ["The clockmaker", "你好 world"]
+    echoed = client.completions.create(model="tiny", prompt=prompts, max_tokens=3, echo=True, n=2, **GREEDY)
+    assert [c.text[: len(prompts[c.index // 2])] for c in echoed.choices] == [p for p in prompts for _ in range(2)]
+    streamed = "".join(c.choices[0].text for c in client.completions.create(
+        model="tiny", prompt=prompts[0], max_tokens=3, echo=True, stream=True, **GREEDY) if c.choices)
+    assert streamed == echoed.choices[0].text
+
+    # With logprobs: the prompt's tokens first (the first without a log-probability), then the completion's.
+    ids = [40, 41, 42, 43, 44, 45]
+    lp = client.completions.create(model="tiny", prompt=ids, max_tokens=3, echo=True, logprobs=1,
+                                   extra_body=IGNORE_EOS, **GREEDY).choices[0].logprobs
+    plain = client.completions.create(model="tiny", prompt=ids, max_tokens=3, logprobs=1, extra_body=IGNORE_EOS,
+                                      **GREEDY).choices[0].logprobs
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == len(ids) + 3
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    ref = torch.log_softmax(hf_logits(qwen3_dir, ids)[:-1], dim=-1).gather(1, torch.tensor(ids[1:])[:, None])
+    assert torch.allclose(torch.tensor(lp.token_logprobs[1 : len(ids)]), ref.squeeze(1), atol=1e-4)
+    assert all(abs(a - b) < 1e-4 for a, b in zip(lp.token_logprobs[len(ids):], plain.token_logprobs))
+    assert lp.text_offset == sorted(lp.text_offset)
+    stream_lp = [t for c in client.completions.create(model="tiny", prompt=ids, max_tokens=3, echo=True, logprobs=1,
+                                                      stream=True, extra_body=IGNORE_EOS, **GREEDY)
+                 if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
+    assert stream_lp == lp.tokens
 
 def test_n_choices(client):
     kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=6, temperature=1.0, seed=11, extra_body=IGNORE_EOS)

@@ -89,7 +89,7 @@ HOSTILE = [
     (*completion(prompt=["x"] * 256, n=16), "n"),
     (*completion(prompt="word " * 80_000), "prompt"),  # more characters than the context can hold
     (*completion(prompt=list(range(1, 3000))), "prompt"),  # more tokens than the (KV-capped) context
-    (*completion(echo=True), "echo"),
+    (*completion(prompt=[10**9], echo=True), "prompt"),
     (*completion(best_of=3), "best_of"),
     (*completion(logprobs=1000), "logprobs"),
     (*completion(suffix="x"), "suffix"),

@@ -16,7 +16,7 @@ class HostBatch:
     """A step's per-token arrays on the host, built without a Python loop over tokens."""
 
     tokens: np.ndarray  # [3, T] int64 rows: token ids, positions, flat KV slots
-    last_indices: np.ndarray  # [B] int64
+    last_indices: np.ndarray  # [B + E] int64: each sequence's last token, then the extra logits rows
 
 
 def build_host_batch(seqs: list[SequenceInput], page_size: int) -> HostBatch:
@@ -48,7 +48,11 @@ def build_host_batch(seqs: list[SequenceInput], page_size: int) -> HostBatch:
     page_base = np.cumsum(page_counts) - page_counts
     page_index = np.repeat(page_base - first_page, extend) + positions // page_size
     tokens[2] = pages[page_index] * page_size + positions % page_size
-    return HostBatch(tokens, ends - 1)
+    extra = [
+        np.arange(start + s.extra_logits[0], start + s.extra_logits[1])
+        for s, start in zip(seqs, (ends - extend).tolist()) if s.extra_logits[1] > s.extra_logits[0]
+    ]
+    return HostBatch(tokens, np.concatenate([ends - 1, *extra]) if extra else ends - 1)
 
 
 def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
@@ -66,7 +70,7 @@ def build_forward_inputs(
     seqs: list[SequenceInput], page_size: int, device: torch.device, attn: object
 ) -> ForwardInputs:
     host = build_host_batch(seqs, page_size)
-    total, batch = host.tokens.shape[1], len(seqs)
+    total, batch = host.tokens.shape[1], len(host.last_indices)
     # One upload for all four index arrays, each 16-byte aligned (an even offset): Triton compiles a
     # kernel variant per pointer alignment.
     row = total + total % 2

@@ -15,7 +15,7 @@ from tpserve.config import EngineConfig, ModelConfig, resolve_dtype
 from tpserve.distributed.comm import init_process_groups
 from tpserve.distributed.info import set_tp_info
 from tpserve.distributed.nodes import NodeGroup, NodeLayout
-from tpserve.engine.batch import build_forward_inputs, resolve_future_tokens
+from tpserve.engine.batch import build_forward_inputs, resolve_future_tokens, upload
 from tpserve.engine.cuda_graph import CUDAGraphRunner
 from tpserve.engine.logit_edits import PenaltyState
 from tpserve.engine.sampler import Sampler, SamplingBatch
@@ -50,11 +50,21 @@ class LaunchedStep:
             self._tokens = self.host["tokens"].tolist()
         return self._tokens
 
-    def logprobs(self) -> tuple[list[float], list[list[int]], list[list[float]]] | None:
-        """(sampled token's logprob, top ids, top logprobs) per row; call after ``result``."""
-        if "logprobs" not in self.host:
+    def logprobs(self, prefix: str = "") -> tuple[list[float], list[list[int]], list[list[float]]] | None:
+        """(sampled token's logprob, top ids, top logprobs) per row; call after ``result``. With
+        ``prefix="prompt_"``: per extra logits row (``SequenceInput.extra_logits``), for its target."""
+        if prefix + "logprobs" not in self.host:
             return None
-        return self.host["logprobs"].tolist(), self.host["top_ids"].tolist(), self.host["top_logprobs"].tolist()
+        return tuple(self.host[prefix + name].tolist() for name in ("logprobs", "top_ids", "top_logprobs"))
+
+
+@dataclass
+class PromptLogprobs:
+    """What a step's extra logits rows predict: ``targets`` [E] (on the device), and how many of the
+    most likely tokens to return at each."""
+
+    targets: torch.Tensor
+    top: int
 
 
 @dataclass
@@ -65,15 +75,18 @@ class PreparedStep:
     has_futures: bool  # its tokens include placeholders for the previous step's samples
     sampling: SamplingBatch
     top_logprobs: int | None
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 @dataclass
 class PendingSample:
     """A step whose forward is enqueued and whose sampling waits for ``Engine.sample``."""
 
-    logits: torch.Tensor
+    logits: torch.Tensor  # [B, vocab]: the sequences' last tokens
     sampling: SamplingBatch
     top_logprobs: int | None
+    prompt_logits: torch.Tensor | None = None  # [E, vocab]: the extra rows
+    prompt_logprobs: PromptLogprobs | None = None
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> dict[str, torch.Tensor]:
@@ -271,12 +284,18 @@ class Engine:
 
     @torch.inference_mode()
     def prepare(
-        self, seqs: list[SequenceInput], sampling: SamplingBatch, top_logprobs: int | None = None
+        self, seqs: list[SequenceInput], sampling: SamplingBatch, top_logprobs: int | None = None,
+        prompt_targets: list[int] | None = None, prompt_top: int = 0,
     ) -> PreparedStep:
         """A step's host work and uploads (overlapping the device's previous forward); ``start`` runs
-        it. With ``top_logprobs`` (not None) it also returns every row's log-probabilities."""
+        it. With ``top_logprobs`` (not None) it also returns every row's log-probabilities; with
+        ``prompt_targets``, the token each extra logits row (``SequenceInput.extra_logits``, in order)
+        predicts, those tokens' log-probabilities and the ``prompt_top`` most likely at each row."""
         has_futures = any(t < 0 for s in seqs for t in s.token_ids[:1])
-        return PreparedStep(self._prepare_forward(seqs), has_futures, sampling, top_logprobs)
+        prompt = None
+        if prompt_targets:
+            prompt = PromptLogprobs(upload(torch.tensor(prompt_targets, dtype=torch.int64), self.device), prompt_top)
+        return PreparedStep(self._prepare_forward(seqs), has_futures, sampling, top_logprobs, prompt)
 
     @torch.inference_mode()
     def start(self, step: PreparedStep) -> PendingSample:
@@ -284,7 +303,11 @@ class Engine:
         follows at once or, with grammar masks, once they are filled (they need the previous step's
         tokens, which the host learns while this forward runs)."""
         logits = step.run(self._last_tokens if step.has_futures else None)
-        return PendingSample(logits, step.sampling, step.top_logprobs)
+        if step.prompt_logprobs is None:
+            return PendingSample(logits, step.sampling, step.top_logprobs)
+        extra = step.prompt_logprobs.targets.numel()
+        rows = logits.shape[0] - extra
+        return PendingSample(logits[:rows], step.sampling, step.top_logprobs, logits[rows:], step.prompt_logprobs)
 
     def launch(
         self, seqs: list[SequenceInput], sampling: SamplingBatch, top_logprobs: int | None = None
@@ -313,6 +336,9 @@ class Engine:
         outputs = {"tokens": tokens}
         if pending.top_logprobs is not None:  # before the next graph replay overwrites the logits
             outputs.update(compute_logprobs(logits, tokens, pending.top_logprobs))
+        if pending.prompt_logprobs is not None:
+            prompt = compute_logprobs(pending.prompt_logits, pending.prompt_logprobs.targets, pending.prompt_logprobs.top)
+            outputs.update({"prompt_" + name: value for name, value in prompt.items()})
         if self.device.type != "cuda":
             return LaunchedStep(outputs, None)
         host = {}

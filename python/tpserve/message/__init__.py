@@ -62,6 +62,11 @@ class TokenOutput(msgspec.Struct):
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
     matched_stop: int | None = None  # the EOS or stop token id that ended it (finish "stop")
+    # With its first token, for requests that asked for prompt log-probabilities: the prompt, and for
+    # each prompt token after the first its log-probability and the most likely (id, log-probability) pairs.
+    prompt_token_ids: list[int] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
 
 
 class SchedulerStats(msgspec.Struct):

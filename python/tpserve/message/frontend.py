@@ -64,10 +64,11 @@ DetokenizerInput = BatchTokenOutput | DetokenizeRegister | Shutdown
 
 # ---- detokenizer / tokenizer worker -> API server ----
 class TokenLogprob(msgspec.Struct, array_like=True):
-    """One generated token's text, its log-probability and the most likely alternatives."""
+    """One token's text, its log-probability and the most likely alternatives (a prompt's first
+    token has neither: logprob None)."""
 
     token: str
-    logprob: float
+    logprob: float | None
     top: list[tuple[str, float]]
 
 
@@ -87,6 +88,7 @@ class ApiOutput(msgspec.Struct, kw_only=True):
     finish_reason: str | None = None
     error: str | None = None
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, with the first output, when asked
     matched_stop: int | str | None = None  # the stop token id or stop string that ended it
     prompt_in_reasoning: bool = False
 

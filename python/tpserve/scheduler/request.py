@@ -31,6 +31,13 @@ class Request:
     finish_reason: str | None = None
     slot: int = -1  # its row of the engine's penalty state (-1: none), kept until it finishes
     grammar: RequestGrammar | None = None  # structured output: its matcher
+    # params.prompt_logprobs: entry p is (log-probability of prompt token p + 1, top (id, log-probability) pairs)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+
+    @property
+    def wants_prompt_logprobs(self) -> bool:
+        """Its prompt's log-probabilities are still to compute (they go out with its first token)."""
+        return self.params.prompt_logprobs is not None and not self.output_ids
 
     @property
     def all_ids(self) -> list[int]:

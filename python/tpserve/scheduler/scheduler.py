@@ -16,7 +16,7 @@ import heapq
 import logging
 from collections import deque
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from tpserve.engine.engine import Engine, LaunchedStep, PendingSample, PreparedStep
 from tpserve.engine.logit_edits import LogitEdits
@@ -32,6 +32,9 @@ from tpserve.structured.worker import Masks, MaskWorker, SampledRows
 
 logger = logging.getLogger(__name__)
 
+# Prompts whose log-probabilities are asked for prefill this many tokens a step at most, together: each
+# of their tokens takes a row of logits (vocabulary-wide, float32 for the log-softmax).
+PROMPT_LOGPROBS_CHUNK = 512
 LPM_MAX_QUEUE = 128  # longest-prefix-match ordering costs a tree walk per waiting request
 
 
@@ -43,6 +46,8 @@ class _Launched:
     handle: LaunchedStep | None = None  # None until its sampling is enqueued
     pending: PendingSample | None = None  # forward enqueued, sampling waits for grammar masks
     masks: Future[Masks | None] | None = None  # the mask worker's job for this step
+    # per row: (first prompt position, count) of its extra logits rows (prompt log-probabilities)
+    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
 
 
 class AdmissionError(ValueError):
@@ -69,6 +74,7 @@ class Scheduler:
         self.check_accounting = self.config.debug_check_invariants
         self.overlap = not self.config.disable_overlap
         self.inflight: _Launched | None = None
+        self.prompt_logprob_rows_left = PROMPT_LOGPROBS_CHUNK  # this step's (see _chunk)
         self.free_slots: list[int] = []  # penalty-state slots given back (a min-heap)
         self.num_slots = 0
         # Structured-output requests wait here until their grammar is compiled and attached.
@@ -199,6 +205,7 @@ class Scheduler:
 
     def _schedule(self, outputs: list[TokenOutput]) -> list[tuple[Request, int]]:
         budget = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else 1 << 62
+        self.prompt_logprob_rows_left = PROMPT_LOGPROBS_CHUNK
         preemptions = self.preemptions_total
         decodes: list[tuple[Request, int]] = []
         prefills: list[tuple[Request, int]] = []
@@ -206,7 +213,7 @@ class Scheduler:
             if self.running.get(req.rid) is not req or req.samples_left <= 0:
                 continue  # gone during a drain, or only waiting for its last sample
             todo = req.num_to_compute
-            n = 1 if todo == 1 else min(todo, budget)
+            n = 1 if todo == 1 else self._chunk(req, min(todo, budget))
             if n > 0 and self._grow(req, req.num_cached + n, outputs):
                 if todo == 1:
                     decodes.append((req, n))
@@ -240,7 +247,8 @@ class Scheduler:
         if any(p.edits_logits for p in params):
             sampling.edits = self._logit_edits(scheduled, params, steps, sampled)
         wanted = [req.params.logprobs for req, _ in scheduled if req.params.logprobs is not None]
-        prepared = self.engine.prepare(seqs, sampling, max(wanted) if wanted else None)
+        prompt_rows, targets, prompt_top = self._prompt_logit_rows(scheduled, seqs)
+        prepared = self.engine.prepare(seqs, sampling, max(wanted) if wanted else None, targets, prompt_top)
         constrained = [(row, req) for row, (req, _) in enumerate(scheduled) if sampled[row] and req.grammar is not None]
         entries = []
         for row, (req, n) in enumerate(scheduled):
@@ -249,7 +257,27 @@ class Scheduler:
                 req.pending += 1
                 req.future_row = row
             entries.append((req, sampled[row]))
-        return _Launched(entries, prepared, constrained)
+        return _Launched(entries, prepared, constrained, prompt_rows=prompt_rows)
+
+    def _prompt_logit_rows(
+        self, scheduled: list[tuple[Request, int]], seqs: list[SequenceInput]
+    ) -> tuple[list[tuple[int, int]], list[int], int]:
+        """For each row, the prompt positions of this chunk whose next token's log-probability its
+        request asks for (``SequenceInput.extra_logits``); their target tokens; the top count."""
+        rows, targets, top = [], [], 0
+        for (req, n), seq in zip(scheduled, seqs):
+            start = req.num_cached
+            stop = min(start + n, len(req.prompt_ids) - 1)  # the last prompt token predicts the first sample
+            if not req.wants_prompt_logprobs or stop <= start:
+                rows.append((start, 0))
+                continue
+            if req.prompt_logprobs is None:
+                req.prompt_logprobs = [None] * (len(req.prompt_ids) - 1)
+            seq.extra_logits = (0, stop - start)
+            targets += req.prompt_ids[start + 1 : stop + 1]
+            top = max(top, req.params.prompt_logprobs)
+            rows.append((start, stop - start))
+        return rows, targets, top
 
     def _start(self, launched: _Launched) -> None:
         """Enqueue a prepared step; a constrained one's masks are filled on the worker while its
@@ -304,6 +332,8 @@ class Scheduler:
             self._sample_constrained(launched)
         tokens = launched.handle.result()
         logprobs = launched.handle.logprobs()
+        if any(count for _, count in launched.prompt_rows):
+            self._record_prompt_logprobs(launched)
         outputs = []
         for row, ((req, sampled), token) in enumerate(zip(launched.entries, tokens)):
             if not sampled or self.running.get(req.rid) is not req:
@@ -325,10 +355,28 @@ class Scheduler:
                 n = req.params.logprobs
                 out.logprobs = [chosen[row]]
                 out.top_logprobs = [list(zip(top_ids[row][:n], top_values[row][:n]))]
+            if first and req.params.prompt_logprobs is not None:
+                entries = req.prompt_logprobs or []  # a one-token prompt has none
+                out.prompt_token_ids = req.prompt_ids
+                out.prompt_logprobs = [e[0] for e in entries]
+                out.prompt_top_logprobs = [e[1] for e in entries]
+                req.prompt_logprobs = None
             outputs.append(out)
             if req.finished:
                 self._retire(self.running.pop(req.rid))
         return outputs
+
+    def _record_prompt_logprobs(self, launched: _Launched) -> None:
+        """Store a step's prompt log-probabilities in their requests, by position (a prompt computed
+        again after a preemption overwrites its entries)."""
+        chosen, top_ids, top_values = launched.handle.logprobs("prompt_")
+        i = 0
+        for (req, _), (start, count) in zip(launched.entries, launched.prompt_rows):
+            if count and req.prompt_logprobs is not None:
+                n = req.params.prompt_logprobs
+                for row, position in enumerate(range(start, start + count), start=i):
+                    req.prompt_logprobs[position] = (chosen[row], list(zip(top_ids[row][:n], top_values[row][:n])))
+            i += count
 
     def _drain(self) -> list[TokenOutput]:
         """Wait for the step in flight and apply its samples."""
@@ -342,7 +390,9 @@ class Scheduler:
             req, match = self._next_waiting()
             ids = req.all_ids
             cached = match.num_pages * self.page_size
-            n = min(len(ids) - cached, budget)
+            n = self._chunk(req, min(len(ids) - cached, budget))
+            if n == 0:
+                break  # its prompt's log-probabilities wait for the next step; requests behind it do not overtake it
             need = -(-(cached + n) // self.page_size) - match.num_pages
             self.cache.lock(match.node)
             if need > self.allocator.num_free + self.cache.num_evictable:
@@ -369,6 +419,14 @@ class Scheduler:
             budget -= n
         return admitted
 
+    def _chunk(self, req: Request, n: int) -> int:
+        """``n`` tokens, fewer for a prompt whose log-probabilities are asked (``PROMPT_LOGPROBS_CHUNK``)."""
+        if not req.wants_prompt_logprobs:
+            return n
+        n = min(n, self.prompt_logprob_rows_left)
+        self.prompt_logprob_rows_left -= n
+        return n
+
     def _next_waiting(self) -> tuple[Request, PrefixMatch]:
         """The request to admit next and its cached prefix (whole pages, leaving a token to compute)."""
         if self.config.schedule_policy == "fcfs" or len(self.waiting) > LPM_MAX_QUEUE:
@@ -378,6 +436,8 @@ class Scheduler:
         return max(matches, key=lambda item: item[1].num_pages)
 
     def _cached_prefix(self, req: Request) -> PrefixMatch:
+        if req.wants_prompt_logprobs:  # every prompt position's logits are needed
+            return PrefixMatch([], None)
         return self.cache.match(req.all_ids[: req.num_tokens - 1])
 
     # ---- pages ----

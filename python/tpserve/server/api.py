@@ -68,11 +68,14 @@ class TokenizeService:
         return {"tokens": list(ids), "count": len(ids), "max_model_len": self._context_len}
 
     async def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
+        return {"prompt": await self.decode(body.tokens, "tokens")}
+
+    async def decode(self, tokens: list[int], param: str = "prompt") -> str:
         tokenizer = await self._load()
-        bad = [t for t in body.tokens if not 0 <= t < len(tokenizer)]
+        bad = [t for t in tokens if not 0 <= t < len(tokenizer)]
         if bad:
-            raise APIError.invalid(f"token id {bad[0]} is out of range [0, {len(tokenizer)})", "tokens")
-        return {"prompt": await asyncio.to_thread(tokenizer.decode, body.tokens)}
+            raise APIError.invalid(f"token id {bad[0]} is out of range [0, {len(tokenizer)})", param)
+        return await asyncio.to_thread(tokenizer.decode, tokens)
 
 
 @dataclass
@@ -152,7 +155,7 @@ def _v1_router() -> APIRouter:
 
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
-        return await _serving(request).completion(body, request)
+        return await _serving(request).completion(body, request, _state(request).tokenize_service().decode)
 
     return router
 

@@ -36,6 +36,7 @@ class Choice:
     cached_tokens: int = 0
     started: bool = False  # the backend answered at least once
     logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob] | None = None  # asked with echo: one per prompt token
     prompt_in_reasoning: bool = False  # the prompt ends inside an open think block
     matched_stop: int | str | None = None
 
@@ -181,9 +182,13 @@ class CompletionFormat(ResponseFormat):
     chunk_object_name = "text_completion"
     id_prefix = "cmpl"
 
-    def __init__(self, model: str, include_usage: bool = False, logprobs: bool = False) -> None:
+    def __init__(
+        self, model: str, include_usage: bool = False, logprobs: bool = False, echo: list[str] | None = None
+    ) -> None:
         super().__init__(model, include_usage, logprobs)
         self._offsets: dict[int, int] = {}  # per choice: text offset of its next token (streaming)
+        self._echo = echo  # per choice: the prompt text its text starts with
+        self._echoed: set[int] = set()  # choices whose stream has sent it
 
     def _choice(
         self, index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
@@ -204,15 +209,26 @@ class CompletionFormat(ResponseFormat):
         return {
             "tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(e.top) for e in entries],
+            "top_logprobs": [dict(e.top) if e.logprob is not None else None for e in entries],
             "text_offset": offsets,
         }
 
+    def _echoed_text(self, index: int, text: str, entries: list[TokenLogprob] | None,
+                prompt_entries: list[TokenLogprob] | None) -> tuple[str, list[TokenLogprob] | None]:
+        """``text`` and ``entries`` after the prompt's, with ``echo``."""
+        if self._echo is None:
+            return text, entries
+        return self._echo[index] + text, (prompt_entries or []) + (entries or [])
+
     def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
         chunks = []
-        if out.text or (self.logprobs and out.logprobs):
-            logprobs = self._logprobs(choice.index, out.logprobs)
-            chunks.append(self.chunk([self._choice(choice.index, out.text, None, logprobs)]))
+        text, entries = out.text, out.logprobs
+        if self._echo is not None and choice.index not in self._echoed:  # the first chunk starts with the prompt
+            self._echoed.add(choice.index)
+            text, entries = self._echoed_text(choice.index, text, entries, out.prompt_logprobs)
+        if text or (self.logprobs and entries):
+            logprobs = self._logprobs(choice.index, entries)
+            chunks.append(self.chunk([self._choice(choice.index, text, None, logprobs)]))
         if out.finish_reason is not None:
             finish = self._choice(choice.index, "", out.finish_reason)
             finish["matched_stop"] = out.matched_stop
@@ -220,5 +236,5 @@ class CompletionFormat(ResponseFormat):
         return chunks
 
     def full_choice(self, choice: Choice) -> dict[str, Any]:
-        logprobs = self._logprobs(choice.index, choice.logprobs)
-        return self._choice(choice.index, "".join(choice.text), choice.finish_reason, logprobs)
+        text, entries = self._echoed_text(choice.index, "".join(choice.text), choice.logprobs, choice.prompt_logprobs)
+        return self._choice(choice.index, text, choice.finish_reason, self._logprobs(choice.index, entries))

@@ -9,6 +9,8 @@ one-line 400.
 
 from __future__ import annotations
 
+import msgspec
+
 import json
 import logging
 from typing import Any, Literal, Union
@@ -256,8 +258,6 @@ class CompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self.check_common()
-        if self.echo:
-            raise APIError.invalid("echo is not supported", "echo")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise APIError.invalid(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
         if self.suffix:
@@ -268,6 +268,12 @@ class CompletionRequest(_SamplingFields):
     @property
     def requested_logprobs(self) -> int | None:
         return self.logprobs
+
+    def sampling_params(self, max_tokens: int | None, structured: StructuredOutput | None = None) -> SamplingParams:
+        params = super().sampling_params(max_tokens, structured)
+        if self.echo and self.logprobs is not None:  # the echoed prompt comes with its log-probabilities
+            params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)
+        return params
 
     def prompts(self) -> list[Union[str, list[int]]]:
         """One entry per choice: a text or a list of token ids."""

@@ -112,6 +112,8 @@ class Generation:
         choice.text.append(event.text)
         if event.logprobs:
             choice.logprobs.extend(event.logprobs)
+        if event.prompt_logprobs:
+            choice.prompt_logprobs = event.prompt_logprobs
         choice.prompt_tokens = event.prompt_tokens
         choice.completion_tokens = event.completion_tokens
         choice.cached_tokens = event.cached_tokens
@@ -193,7 +195,10 @@ class Serving:
         fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output)
         return await self._run(reqs, fmt, body.stream, request, body.n)
 
-    async def completion(self, body: CompletionRequest, request: Request) -> Response:
+    async def completion(
+        self, body: CompletionRequest, request: Request, decode: Callable[[list[int]], Awaitable[str]] | None = None
+    ) -> Response:
+        """``decode``: a token-id prompt's text, for ``echo``."""
         self.check_model(body.model)
         body.check()
         params = body.sampling_params(body.max_tokens, body.structure())
@@ -210,7 +215,12 @@ class Serving:
             for choice_params in _per_choice(params, body.n):
                 reqs.append(TokenizeRequest(rid=self.frontend.new_rid(), params=choice_params, text=text,
                                             input_ids=ids, skip_special_tokens=body.skip_special_tokens))
-        fmt = CompletionFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None)
+        echo = None
+        if body.echo:  # each choice's text starts with its prompt's
+            if decode is None and not all(isinstance(p, str) for p in prompts):
+                raise APIError.invalid("echo of a token-id prompt needs the tokenizer", "echo")
+            echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]
+        fmt = CompletionFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, echo=echo)
         return await self._run(reqs, fmt, body.stream, request, body.n)
 
     async def _run(

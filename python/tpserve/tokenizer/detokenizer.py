@@ -118,6 +118,7 @@ class DetokenizerManager:
             finish_reason=finish_reason,
             error=out.error,
             logprobs=self._logprobs(out),
+            prompt_logprobs=self._prompt_logprobs(out),
             matched_stop=state.stop.matched if state.stop.stopped else out.matched_stop,
             prompt_in_reasoning=state.prompt_in_reasoning,
         )
@@ -130,6 +131,18 @@ class DetokenizerManager:
             TokenLogprob(self._text_of(token), logprob, [(self._text_of(t), v) for t, v in top])
             for token, logprob, top in zip(out.token_ids, out.logprobs, tops)
         ]
+
+    def _prompt_logprobs(self, out: TokenOutput) -> list[TokenLogprob] | None:
+        if out.prompt_token_ids is None or out.prompt_logprobs is None:
+            return None
+        ids = out.prompt_token_ids
+        tops = out.prompt_top_logprobs or [[] for _ in ids[1:]]
+        entries = [TokenLogprob(self._text_of(ids[0]), None, [])]
+        entries += [
+            TokenLogprob(self._text_of(token), logprob, [(self._text_of(t), v) for t, v in top])
+            for token, logprob, top in zip(ids[1:], out.prompt_logprobs, tops)
+        ]
+        return entries
 
     def _text_of(self, token_id: int) -> str:
         """A single token's text, as OpenAI's logprobs show it (special tokens included)."""
