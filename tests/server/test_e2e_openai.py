@@ -332,6 +332,20 @@ def test_completions_echo(client, qwen3_dir):
                  if c.choices and c.choices[0].logprobs for t in c.choices[0].logprobs.tokens]
     assert stream_lp == lp.tokens
 
+    # max_tokens 0: the prompt and its log-probabilities alone (lm-eval's older loglikelihood requests)
+    scored = client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1, **GREEDY)
+    assert scored.choices[0].logprobs.tokens == lp.tokens[: len(ids)]
+    assert scored.choices[0].logprobs.token_logprobs == lp.token_logprobs[: len(ids)]
+    assert scored.choices[0].text == client.completions.create(
+        model="tiny", prompt=ids, max_tokens=1, echo=True, **GREEDY).choices[0].text[: len(scored.choices[0].text)]
+    assert scored.choices[0].finish_reason == "length" and scored.usage.completion_tokens == 0
+    streamed = [c for c in client.completions.create(model="tiny", prompt=ids, max_tokens=0, echo=True, logprobs=1,
+                                                     stream=True, stream_options={"include_usage": True}, **GREEDY)]
+    assert "".join(c.choices[0].text for c in streamed if c.choices) == scored.choices[0].text
+    assert streamed[-1].usage.completion_tokens == 0
+    with pytest.raises(openai.BadRequestError, match="max_tokens 0 needs echo"):
+        client.completions.create(model="tiny", prompt=ids, max_tokens=0)
+
 def test_n_choices(client):
     kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=6, temperature=1.0, seed=11, extra_body=IGNORE_EOS)
     three = client.chat.completions.create(n=3, **kwargs)

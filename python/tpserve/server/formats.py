@@ -71,13 +71,19 @@ class ResponseFormat:
         return sse(body)
 
     def usage_chunk(self, usage: dict[str, Any]) -> bytes:
-        return sse({**self._envelope(self.chunk_object_name, []), "usage": usage})
+        return sse({**self._envelope(self.chunk_object_name, []), "usage": self.counted(usage)})
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        bodies = [  # matched_stop: SGLang's extension, the stop that ended the choice
-            {**self.full_choice(c), "matched_stop": c.matched_stop} for c in sorted(choices, key=lambda c: c.index)
-        ]
-        return {**self._envelope(self.object_name, bodies), "usage": usage}
+        bodies = []
+        for c in sorted(choices, key=lambda c: c.index):  # matched_stop: SGLang's extension, the stop that ended it
+            body = self.full_choice(c)
+            body.setdefault("matched_stop", c.matched_stop)
+            bodies.append(body)
+        return {**self._envelope(self.object_name, bodies), "usage": self.counted(usage)}
+
+    def counted(self, usage: dict[str, Any]) -> dict[str, Any]:
+        """The usage as the response shows it."""
+        return usage
 
     def start_chunk(self, index: int) -> bytes | None:
         return None
@@ -183,12 +189,19 @@ class CompletionFormat(ResponseFormat):
     id_prefix = "cmpl"
 
     def __init__(
-        self, model: str, include_usage: bool = False, logprobs: bool = False, echo: list[str] | None = None
+        self, model: str, include_usage: bool = False, logprobs: bool = False, echo: list[str] | None = None,
+        generates: bool = True,
     ) -> None:
         super().__init__(model, include_usage, logprobs)
         self._offsets: dict[int, int] = {}  # per choice: text offset of its next token (streaming)
         self._echo = echo  # per choice: the prompt text its text starts with
         self._echoed: set[int] = set()  # choices whose stream has sent it
+        self._generates = generates  # False (max_tokens 0 with echo): the generated token is left out
+
+    def counted(self, usage: dict[str, Any]) -> dict[str, Any]:
+        if self._generates:
+            return usage
+        return {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
 
     def _choice(
         self, index: int, text: str, finish_reason: str | None, logprobs: dict[str, Any] | None = None
@@ -222,7 +235,7 @@ class CompletionFormat(ResponseFormat):
 
     def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
         chunks = []
-        text, entries = out.text, out.logprobs
+        text, entries = (out.text, out.logprobs) if self._generates else ("", None)
         if self._echo is not None and choice.index not in self._echoed:  # the first chunk starts with the prompt
             self._echoed.add(choice.index)
             text, entries = self._echoed_text(choice.index, text, entries, out.prompt_logprobs)
@@ -230,11 +243,14 @@ class CompletionFormat(ResponseFormat):
             logprobs = self._logprobs(choice.index, entries)
             chunks.append(self.chunk([self._choice(choice.index, text, None, logprobs)]))
         if out.finish_reason is not None:
-            finish = self._choice(choice.index, "", out.finish_reason)
-            finish["matched_stop"] = out.matched_stop
+            finish = self._choice(choice.index, "", out.finish_reason if self._generates else "length")
+            finish["matched_stop"] = out.matched_stop if self._generates else None
             chunks.append(self.chunk([finish]))
         return chunks
 
     def full_choice(self, choice: Choice) -> dict[str, Any]:
-        text, entries = self._echoed_text(choice.index, "".join(choice.text), choice.logprobs, choice.prompt_logprobs)
-        return self._choice(choice.index, text, choice.finish_reason, self._logprobs(choice.index, entries))
+        text, entries = ("".join(choice.text), choice.logprobs) if self._generates else ("", [])
+        text, entries = self._echoed_text(choice.index, text, entries, choice.prompt_logprobs)
+        if self._generates or choice.finish_reason in ("abort", "error"):
+            return self._choice(choice.index, text, choice.finish_reason, self._logprobs(choice.index, entries))
+        return {**self._choice(choice.index, text, "length", self._logprobs(choice.index, entries)), "matched_stop": None}

@@ -250,7 +250,7 @@ COMPLETIONS_DEFAULT_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
 class CompletionRequest(_SamplingFields):
     prompt: PromptType
-    max_tokens: int | None = Field(default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=1)
+    max_tokens: int | None = Field(default=COMPLETIONS_DEFAULT_MAX_TOKENS, ge=0)  # 0: with echo, score the prompt only
     echo: bool = False
     logprobs: int | None = None
     suffix: str | None = None
@@ -258,6 +258,9 @@ class CompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self.check_common()
+        if self.max_tokens == 0 and not self.echo:
+            raise APIError.invalid("max_tokens 0 needs echo (it returns the prompt and its log-probabilities only)",
+                                   "max_tokens")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise APIError.invalid(f"logprobs must be in [0, {MAX_LOGPROBS}]", "logprobs")
         if self.suffix:

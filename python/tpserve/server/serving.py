@@ -201,7 +201,8 @@ class Serving:
         """``decode``: a token-id prompt's text, for ``echo``."""
         self.check_model(body.model)
         body.check()
-        params = body.sampling_params(body.max_tokens, body.structure())
+        generates = body.max_tokens != 0  # 0 (with echo): one token is generated and left out
+        params = body.sampling_params(body.max_tokens if generates else 1, body.structure())
         reqs = []
         prompts = body.prompts()
         self.limits.check_sequences(len(prompts), body.n)
@@ -220,7 +221,7 @@ class Serving:
             if decode is None and not all(isinstance(p, str) for p in prompts):
                 raise APIError.invalid("echo of a token-id prompt needs the tokenizer", "echo")
             echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]
-        fmt = CompletionFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, echo=echo)
+        fmt = CompletionFormat(self.model_name, body.include_usage, params.logprobs is not None, echo, generates)
         return await self._run(reqs, fmt, body.stream, request, body.n)
 
     async def _run(
