@@ -20,8 +20,8 @@ class SequenceInput:
     token_ids: list[int]
     prefix_len: int
     page_table: list[int]  # pages holding positions [0, prefix_len + len(token_ids))
-    # new tokens [start, stop) whose logits are wanted too (prompt log-probabilities), after the last one's
-    extra_logits: tuple[int, int] = (0, 0)
+    # the first this many new tokens' logits are wanted too (prompt log-probabilities), after the last one's
+    extra_logits: int = 0
 
     @property
     def extend_len(self) -> int:

@@ -48,10 +48,7 @@ def build_host_batch(seqs: list[SequenceInput], page_size: int) -> HostBatch:
     page_base = np.cumsum(page_counts) - page_counts
     page_index = np.repeat(page_base - first_page, extend) + positions // page_size
     tokens[2] = pages[page_index] * page_size + positions % page_size
-    extra = [
-        np.arange(start + s.extra_logits[0], start + s.extra_logits[1])
-        for s, start in zip(seqs, (ends - extend).tolist()) if s.extra_logits[1] > s.extra_logits[0]
-    ]
+    extra = [np.arange(start, start + s.extra_logits) for s, start in zip(seqs, (ends - extend).tolist()) if s.extra_logits]
     return HostBatch(tokens, np.concatenate([ends - 1, *extra]) if extra else ends - 1)
 
 

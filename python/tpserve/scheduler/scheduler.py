@@ -26,6 +26,7 @@ from tpserve.kvcache.pool import PageAllocator
 from tpserve.kvcache.radix import PrefixMatch, create_prefix_cache
 from tpserve.message import SchedulerStats, TokenOutput
 from tpserve.sampling_params import SamplingParams
+from tpserve.scheduler import prompt_logprobs
 from tpserve.scheduler.request import Request
 from tpserve.structured.grammar import GrammarCompiler, InvalidGrammar, MaskFiller, RequestGrammar, new_matcher
 from tpserve.structured.worker import Masks, MaskWorker, SampledRows
@@ -46,8 +47,8 @@ class _Launched:
     handle: LaunchedStep | None = None  # None until its sampling is enqueued
     pending: PendingSample | None = None  # forward enqueued, sampling waits for grammar masks
     masks: Future[Masks | None] | None = None  # the mask worker's job for this step
-    # per row: (first prompt position, count) of its extra logits rows (prompt log-probabilities)
-    prompt_rows: list[tuple[int, int]] = field(default_factory=list)
+    # per row: (request, first prompt position, count) of its extra logits rows (prompt log-probabilities)
+    prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)
 
 
 class AdmissionError(ValueError):
@@ -247,7 +248,8 @@ class Scheduler:
         if any(p.edits_logits for p in params):
             sampling.edits = self._logit_edits(scheduled, params, steps, sampled)
         wanted = [req.params.logprobs for req, _ in scheduled if req.params.logprobs is not None]
-        prompt_rows, targets, prompt_top = self._prompt_logit_rows(scheduled, seqs)
+        counts, targets, prompt_top = prompt_logprobs.plan_rows(scheduled, seqs)
+        prompt_rows = [(req, req.num_cached, count) for (req, _), count in zip(scheduled, counts) if count]
         prepared = self.engine.prepare(seqs, sampling, max(wanted) if wanted else None, targets, prompt_top)
         constrained = [(row, req) for row, (req, _) in enumerate(scheduled) if sampled[row] and req.grammar is not None]
         entries = []
@@ -258,26 +260,6 @@ class Scheduler:
                 req.future_row = row
             entries.append((req, sampled[row]))
         return _Launched(entries, prepared, constrained, prompt_rows=prompt_rows)
-
-    def _prompt_logit_rows(
-        self, scheduled: list[tuple[Request, int]], seqs: list[SequenceInput]
-    ) -> tuple[list[tuple[int, int]], list[int], int]:
-        """For each row, the prompt positions of this chunk whose next token's log-probability its
-        request asks for (``SequenceInput.extra_logits``); their target tokens; the top count."""
-        rows, targets, top = [], [], 0
-        for (req, n), seq in zip(scheduled, seqs):
-            start = req.num_cached
-            stop = min(start + n, len(req.prompt_ids) - 1)  # the last prompt token predicts the first sample
-            if not req.wants_prompt_logprobs or stop <= start:
-                rows.append((start, 0))
-                continue
-            if req.prompt_logprobs is None:
-                req.prompt_logprobs = [None] * (len(req.prompt_ids) - 1)
-            seq.extra_logits = (0, stop - start)
-            targets += req.prompt_ids[start + 1 : stop + 1]
-            top = max(top, req.params.prompt_logprobs)
-            rows.append((start, stop - start))
-        return rows, targets, top
 
     def _start(self, launched: _Launched) -> None:
         """Enqueue a prepared step; a constrained one's masks are filled on the worker while its
@@ -332,8 +314,8 @@ class Scheduler:
             self._sample_constrained(launched)
         tokens = launched.handle.result()
         logprobs = launched.handle.logprobs()
-        if any(count for _, count in launched.prompt_rows):
-            self._record_prompt_logprobs(launched)
+        if launched.prompt_rows:
+            prompt_logprobs.record(launched.prompt_rows, launched.handle)
         outputs = []
         for row, ((req, sampled), token) in enumerate(zip(launched.entries, tokens)):
             if not sampled or self.running.get(req.rid) is not req:
@@ -356,27 +338,11 @@ class Scheduler:
                 out.logprobs = [chosen[row]]
                 out.top_logprobs = [list(zip(top_ids[row][:n], top_values[row][:n]))]
             if first and req.params.prompt_logprobs is not None:
-                entries = req.prompt_logprobs or []  # a one-token prompt has none
-                out.prompt_token_ids = req.prompt_ids
-                out.prompt_logprobs = [e[0] for e in entries]
-                out.prompt_top_logprobs = [e[1] for e in entries]
-                req.prompt_logprobs = None
+                prompt_logprobs.attach(out, req)
             outputs.append(out)
             if req.finished:
                 self._retire(self.running.pop(req.rid))
         return outputs
-
-    def _record_prompt_logprobs(self, launched: _Launched) -> None:
-        """Store a step's prompt log-probabilities in their requests, by position (a prompt computed
-        again after a preemption overwrites its entries)."""
-        chosen, top_ids, top_values = launched.handle.logprobs("prompt_")
-        i = 0
-        for (req, _), (start, count) in zip(launched.entries, launched.prompt_rows):
-            if count and req.prompt_logprobs is not None:
-                n = req.params.prompt_logprobs
-                for row, position in enumerate(range(start, start + count), start=i):
-                    req.prompt_logprobs[position] = (chosen[row], list(zip(top_ids[row][:n], top_values[row][:n])))
-            i += count
 
     def _drain(self) -> list[TokenOutput]:
         """Wait for the step in flight and apply its samples."""

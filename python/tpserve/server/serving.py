@@ -196,7 +196,7 @@ class Serving:
         return await self._run(reqs, fmt, body.stream, request, body.n)
 
     async def completion(
-        self, body: CompletionRequest, request: Request, decode: Callable[[list[int]], Awaitable[str]] | None = None
+        self, body: CompletionRequest, request: Request, decode: Callable[[list[int]], Awaitable[str]]
     ) -> Response:
         """``decode``: a token-id prompt's text, for ``echo``."""
         self.check_model(body.model)
@@ -218,8 +218,6 @@ class Serving:
                                             input_ids=ids, skip_special_tokens=body.skip_special_tokens))
         echo = None
         if body.echo:  # each choice's text starts with its prompt's
-            if decode is None and not all(isinstance(p, str) for p in prompts):
-                raise APIError.invalid("echo of a token-id prompt needs the tokenizer", "echo")
             echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]
         fmt = CompletionFormat(self.model_name, body.include_usage, params.logprobs is not None, echo, generates)
         return await self._run(reqs, fmt, body.stream, request, body.n)
