@@ -23,9 +23,10 @@
 # coherently, which cost the FP8 step 3.3% (gemv_variants8): 0.625x. Session 17: the GEMV's block-wide loop bounds and
 # the fused add + RMSNorm (now defaults) put it at 0.612-0.615x (engine_variants8, three calls); x or W staged in shared
 # memory (X_SMEM, FP8_ASYNC), integer FP8 unpacking (FP8_CVT) and an L2 prefetch hint (W_PREFETCH) all lost (removed).
-# Next for issue 16: branch exp/fp8-mma (TPSERVE_GEMV_DEFINES=FP8_MMA=1, the one-token FP8 GEMV on tensor cores): build
-# base + gemv:FP8_MMA=1, run gemv_tests_variant (GEMV_VARIANT=FP8_MMA=1, all of test_gemv.py) and engine_variants8 (FP8_ONLY=1).
-# Next for issue 14: a3b_b1 (A3B batch 1 with today's defaults against the unfused norm), not yet run.
+# Session 18: the one-token FP8 GEMV on tensor cores (FP8_MMA) lost by 29%, its products in f16x2 (FP8_HALF, half the
+# instructions) gained 0.4-0.7% (engine_variants8): removed; the FP8 GEMV is bound by neither instructions nor registers
+# alone. The MoE down kernel's prefetch before its PDL wait (a3b_variants, then TPSERVE_MOE_DOWN_PREFETCH) took 0.8% off A3B.
+# Not yet run: a3b_b1 (A3B batch 1 with today's defaults against the unfused norm).
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
 set -u
@@ -279,6 +280,13 @@ for s in $stages; do
       # as kernels of their own (two A3B engines fit)
       stage a3b_b1 300 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined --rounds 3 --batch-sizes 1 \
         --variant "unfused:TPSERVE_GEMV_FUSE_NORM=0" --out $results/a3b_b1.json ;;
+    a3b_variants)  # issue 14: Qwen3-30B-A3B batch-1 decode (bf16, pipelined, 3 rounds), the defaults against engines
+      # built with each of A3B_VARIANTS (as ENGINE_VARIANTS), e.g. "unfused:TPSERVE_GEMV_FUSE_NORM=0"
+      variant_args=()
+      IFS=";" read -ra variants <<< "${A3B_VARIANTS:?}"
+      for v in "${variants[@]}"; do variant_args+=(--variant "$v"); done
+      stage a3b_variants 300 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined --rounds 3 \
+        --batch-sizes 1 "${variant_args[@]}" --out $results/a3b_variants.json ;;
     moe30_profile) stage moe30_profile 150 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 1,64 \
       --out $results/profile_qwen3_30b_a3b.json ;;
     fusion_tests)  # the SwiGLU epilogue of the GEMV and the router inside the MoE kernels (session 10)
@@ -390,6 +398,10 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
       stage gemv_variants8 330 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \
         --pipelined --rounds 5 --batch-sizes 1 --variant "variant:TPSERVE_GEMV_DEFINES=${GEMV_VARIANT:?}" \
         --fp8-variant "variant:TPSERVE_GEMV_DEFINES=$GEMV_VARIANT" --out $results/gemv_variants8.json ;;
+    gemv_err_variant)  # issue 16's GEMM accuracy check: Qwen3-8B's linears at one token, the default FP8 GEMV and GEMV_VARIANT
+      # (one, e.g. FP8_ROWS=4), relative error against the float64 product of the unquantized weights, and times
+      stage gemv_err_variant 150 python3 benchmarks/experiments/fp8_gemm.py --configs tests/data/configs/Qwen3-8B --ms 1 \
+        --variants "bf16,cuda,cuda:${GEMV_VARIANT//,/:}" --out $results/gemv_err_variant.json ;;
     gemv_tests_variant)  # test_gemv.py (GEMV_TESTS_K: its -k, default the tiny models and chains) on each of GEMV_VARIANT
       # (';'-separated TPSERVE_GEMV_DEFINES, e.g. "FP8_ASYNC=2;FP8_ASYNC=3")
       IFS=';' read -ra variants <<< "${GEMV_VARIANT:?}"

@@ -181,6 +181,27 @@ def test_gemv_fused_norm_and_add(n, k, fp8):
 
 
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_gemv_outlier_activations(fp8):
+    """Activations as large as real models' outliers (|x| up to ~2e4 in a few dimensions, the rest small), plain,
+    normed and added to: the float32 reference's result, nothing overflowed (a kernel that sums in f16, such as
+    session 18's FP8_HALF experiment, overflows here)."""
+    n, k = 4096, 4096
+    w, scale = weights(n, k, fp8, seed=16)
+    gen = torch.Generator(device=DEVICE).manual_seed(17)
+    norm_weight = (torch.rand(k, device=DEVICE, generator=gen) + 0.5).to(torch.bfloat16)
+    for big in (3e2, 3e3, 2e4):
+        x = torch.randn(1, k, device=DEVICE, generator=gen)
+        x[0, torch.randperm(k, device=DEVICE, generator=gen)[:64]] *= big
+        x = x.to(torch.bfloat16)
+        got = gemv(x, w, scale)
+        assert torch.isfinite(got).all() and rel_err(got, reference(x, w, scale)) < 5e-3, f"|x| ~ {big}"
+        normed = gemv(x, w, scale, norm=(norm_weight, 1e-6))
+        assert rel_err(normed, gemv_reference(x, w, scale, norm=(norm_weight, 1e-6)).float()) < 5e-3, f"|x| ~ {big}"
+        residual = torch.zeros(1, n, device=DEVICE, dtype=torch.bfloat16)
+        assert torch.equal(gemv(x, w, scale, add_to=residual), got)
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_gemv_fused_chain_in_graph(fp8):
     """As a decoder chains them, with PDL in a CUDA graph: o_proj adds to the residual, gate_up_proj
     (SwiGLU) norms it, down_proj adds, qkv_proj norms; replayed on new inputs, the bits equal

@@ -10,6 +10,7 @@ MoE checks run in float32.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import sys
 
@@ -360,11 +361,15 @@ def check_small_batch_moe() -> None:
     gen = torch.Generator().manual_seed(8)
     small_blocks = SmallBatchConfig(KernelConfig(block_n=8, block_k=16), KernelConfig(block_n=16, block_k=16, experts_per_step=4))
     one_per_step = SmallBatchConfig(KernelConfig(block_n=32, block_k=32), KernelConfig(block_n=4, block_k=64, experts_per_step=1))
+    def no_prefetch(config: SmallBatchConfig) -> SmallBatchConfig:
+        return dataclasses.replace(config, down=dataclasses.replace(config.down, prefetch=False))
+
+    prefetch = SmallBatchConfig(KernelConfig(block_n=8, block_k=16), KernelConfig(block_n=16, block_k=16, experts_per_step=8, prefetch=True))
     cases = ((1, 2, 8, 64, 32), (3, 3, 16, 48, 24), (8, 8, 16, 40, 20), (2, 6, 8, 32, 40), (1, 8, 8, 2048, 384))
     for tokens, top_k, experts, hidden, inter in cases:
         x, gate_up, down, weights, ids = random_experts(gen, tokens, experts, top_k, hidden, inter)
         reference = experts_torch(x, gate_up, down, weights, ids)
-        configs = (default_config(top_k), small_blocks, one_per_step) if hidden <= 64 else (default_config(top_k),)
+        configs = (default_config(top_k), small_blocks, one_per_step, prefetch) if hidden <= 64 else (default_config(top_k), no_prefetch(default_config(top_k)))
         for config in configs:
             got = small_batch_experts(x, gate_up, down, weights, ids, config)
             torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5, msg=lambda m: f"{tokens, top_k, config}: {m}")

@@ -79,7 +79,10 @@ constexpr int kMaxSiluMulTokens = 2;
 // (32-64 KB a block, no registers held: 7 / 4 / 3 blocks an SM), by 16% / 22% / 34%; W's loads with an L2
 // prefetch of 256 bytes (ld...L2::256B) by 2.9% (bf16 4.5%); FP8 unpacked by integer operations into the f16 of
 // W * 2^-8 (exact, the scale making up 2^8), not by the e4m3 conversion instruction, by 21%: the conversion is
-// not what holds the kernel back. All correct (tests/gpu/test_gemv.py), all slower.
+// not what holds the kernel back. All correct (tests/gpu/test_gemv.py), all slower. Session 18: the products on tensor
+// cores (mma.sync m16n8k16 f16, x staged as f16 in shared memory; 64 registers) by 29%; W's e4m3 pairs times x in
+// f16x2 (HFMA2: half the instructions an element, a chunk's 16 products summed in f16) only 0.4-0.7% faster, within
+// the noise, for f16 rounding: fewer instructions do not speed it up either.
 template <int M, bool kFp8>
 __host__ __device__ constexpr int rows_per_block() {
   return kFp8 && M == 1 ? TPSERVE_GEMV_FP8_ROWS : (M <= 2 ? 2 : 4);
