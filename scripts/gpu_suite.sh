@@ -25,7 +25,8 @@
 # memory (X_SMEM, FP8_ASYNC), integer FP8 unpacking (FP8_CVT) and an L2 prefetch hint (W_PREFETCH) all lost (removed).
 # Session 18: the one-token FP8 GEMV on tensor cores (FP8_MMA) lost by 29%, its products in f16x2 (FP8_HALF, half the
 # instructions) gained 0.4-0.7% (engine_variants8): removed; the FP8 GEMV is bound by neither instructions nor registers
-# alone. The MoE down kernel's prefetch before its PDL wait (a3b_variants, then TPSERVE_MOE_DOWN_PREFETCH) took 0.8% off A3B.
+# alone. The MoE down kernel's prefetch before its PDL wait (a3b_variants, then TPSERVE_MOE_DOWN_PREFETCH) took 0.8% off A3B,
+# the MoE layer's norm in its router GEMV and first expert kernel 2.1% (a3b_variants "unfused_moe:TPSERVE_MOE_FUSE_NORM=0").
 # Not yet run: a3b_b1 (A3B batch 1 with today's defaults against the unfused norm).
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
@@ -398,6 +399,9 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
       stage gemv_variants8 330 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \
         --pipelined --rounds 5 --batch-sizes 1 --variant "variant:TPSERVE_GEMV_DEFINES=${GEMV_VARIANT:?}" \
         --fp8-variant "variant:TPSERVE_GEMV_DEFINES=$GEMV_VARIANT" --out $results/gemv_variants8.json ;;
+    quick_checks)  # a short check of the final code: the GEMV's outlier, chain and tiny-model tests, the MoE small-batch and graph tests
+      stage quick_checks 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py tests/gpu/test_moe.py \
+        -k "outlier or tiny_model or chain or small_batch or graph" ;;
     gemv_err_variant)  # issue 16's GEMM accuracy check: Qwen3-8B's linears at one token, the default FP8 GEMV and GEMV_VARIANT
       # (one, e.g. FP8_ROWS=4), relative error against the float64 product of the unquantized weights, and times
       stage gemv_err_variant 150 python3 benchmarks/experiments/fp8_gemm.py --configs tests/data/configs/Qwen3-8B --ms 1 \

@@ -373,6 +373,16 @@ def check_small_batch_moe() -> None:
         for config in configs:
             got = small_batch_experts(x, gate_up, down, weights, ids, config)
             torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5, msg=lambda m: f"{tokens, top_k, config}: {m}")
+    # The layer's RMSNorm in the first kernel (x the residual stream): the experts of the normed x.
+    for tokens, top_k, experts, hidden, inter in ((1, 8, 8, 2048, 384), (2, 3, 16, 48, 24)):
+        x, gate_up, down, weights, ids = random_experts(gen, tokens, experts, top_k, hidden, inter)
+        x = 30 * x
+        norm_weight = torch.rand(hidden, generator=gen) + 0.5
+        normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
+        reference = experts_torch(normed, gate_up, down, weights, ids)
+        for config in (default_config(top_k),) if hidden > 64 else (default_config(top_k), no_prefetch(small_blocks)):
+            got = small_batch_experts(x, gate_up, down, weights, ids, config, norm=(norm_weight, 1e-6))
+            torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5, msg=lambda m: f"norm {tokens, config}: {m}")
     x, gate_up, down, weights, ids = random_experts(gen, 4, 16, 4, 128, 64)
     exact = experts_torch(x.double(), gate_up.double(), down.double(), weights.double(), ids)
     half = [t.bfloat16() for t in (x, gate_up, down, weights)]

@@ -15,8 +15,9 @@ from reference import hf_greedy, hf_logits
 from tpserve import LLM, SamplingParams
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
-from tpserve.kernels import gemv
+from tpserve.kernels import gemv, moe_small
 from tpserve.layers.linear import ParallelLinear
+from tpserve.layers.moe import SparseMoeBlock, experts_torch
 from tpserve.models.decoder import MLP
 from test_vs_transformers import PROMPTS, teacher_forced_logits
 
@@ -38,8 +39,20 @@ def fused_on_cpu(monkeypatch):
 
 
 @pytest.mark.parametrize("arch,kwargs", [("qwen3", {}), ("qwen3_moe", {"num_layers": 3})], ids=["qwen3", "qwen3_moe"])
-def test_fused_norm_and_add_match_transformers(tiny_model_factory, fused_on_cpu, arch, kwargs):
+def test_fused_norm_and_add_match_transformers(tiny_model_factory, fused_on_cpu, monkeypatch, arch, kwargs):
     model_dir = tiny_model_factory(arch, **kwargs)
+    moe_normed = collections.Counter()
+
+    def fake_small_batch_experts(x, gate_up, down, weights, ids, config=None, norm=None):
+        """The Triton experts' contract in torch: the experts of RMSNorm(x) * weight, unrounded in between."""
+        moe_normed["calls"] += 1
+        xf = x.float()
+        normed = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + norm[1]) * norm[0].float()).to(x.dtype)
+        return experts_torch(normed, gate_up, down, weights, ids)
+
+    # the MoE block norms in its router's GEMV and its first expert kernel (kernels.moe_small) at 1 or 2 tokens
+    monkeypatch.setattr(SparseMoeBlock, "fuses_norm", lambda self, r: r.numel() // r.shape[-1] <= 2)
+    monkeypatch.setattr(moe_small, "small_batch_experts", fake_small_batch_experts)
     engine = Engine(EngineConfig(model=model_dir, device="cpu", page_size=4))
     ids = list(range(30, 70))
     ours = teacher_forced_logits(engine, ids, prefill=9)  # decode steps of 2 sequences: the fused path
@@ -50,12 +63,14 @@ def test_fused_norm_and_add_match_transformers(tiny_model_factory, fused_on_cpu,
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
     dense = [isinstance(layer.mlp, MLP) for layer in engine.model.model.layers]  # the tiny MoE: layer 0
     steps = len(ids) - 1 - 9
-    # per decode step: o_proj and down_proj of a dense layer add to the residual (a MoE layer's o_proj
-    # does not: its block takes a computed norm), and the GEMV after each add norms: gate_up_proj, and
+    # per decode step: o_proj of every layer and down_proj of a dense layer add to the residual, and the GEMV
+    # after each add norms: gate_up_proj, a MoE block's router (its experts norm in their first kernel), and
     # qkv_proj of the next layer (of the first layer too: the embedding needs no add)
     first_qkv = [True] + dense[:-1]
-    assert fused_on_cpu["add"] == steps * 2 * sum(dense)
-    assert fused_on_cpu["norm"] == steps * (sum(dense) + sum(first_qkv))
+    moe = len(dense) - sum(dense)
+    assert fused_on_cpu["add"] == steps * (len(dense) + sum(dense))
+    assert fused_on_cpu["norm"] == steps * (len(dense) + sum(first_qkv))
+    assert moe_normed["calls"] == steps * moe
 
     llm = LLM(model_dir, device="cpu", page_size=4)
     outs = llm.generate(PROMPTS, SamplingParams(temperature=0, max_tokens=10, ignore_eos=True), use_tqdm=False)

@@ -68,11 +68,13 @@ def check_config(config: KernelConfig) -> None:
 
 @triton.jit
 def _moe_gate_up_silu_kernel(
-    x_ptr, w_ptr, ids_ptr, act_ptr, inter, hidden,
+    x_ptr, w_ptr, ids_ptr, act_ptr, norm_ptr, eps, inter, hidden,
     stride_xm, stride_we, stride_wn, stride_am,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
-    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, WAIT_FIRST: tl.constexpr,
+    NUM_STAGES: tl.constexpr, PDL: tl.constexpr, WAIT_FIRST: tl.constexpr, NORM: tl.constexpr,
 ):
+    """NORM: x is the residual stream and the experts take RMSNorm(x) * norm: each program sums x^2 as it
+    reads x and scales its dot products by rsqrt(mean(x^2) + eps) at the end (the normed x unrounded)."""
     if PDL:  # the next kernel may launch now; the expert ids and x are earlier kernels' outputs
         if WAIT_FIRST:  # the down kernel reads the ids before its own wait: launch it only once they are final
             tl.extra.cuda.gdc_wait()
@@ -90,24 +92,33 @@ def _moe_gate_up_silu_kernel(
     up_ptrs = gate_ptrs + inter * stride_wn
     gate = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
     up = tl.zeros((BLOCK_N, BLOCK_K), dtype=tl.float32)
+    sum_sq = tl.zeros((BLOCK_K,), dtype=tl.float32)
     for k0 in tl.range(0, hidden, BLOCK_K, num_stages=NUM_STAGES):
+        k_ok = offs_k < hidden - k0
         if EVEN_K:
             x = tl.load(x_ptrs)
             g = tl.load(gate_ptrs, mask=n_ok[:, None], other=0.0)
             u = tl.load(up_ptrs, mask=n_ok[:, None], other=0.0)
         else:
-            k_ok = offs_k < hidden - k0
             x = tl.load(x_ptrs, mask=k_ok, other=0.0)
             g = tl.load(gate_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
             u = tl.load(up_ptrs, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        x = x.to(tl.float32)[None, :]
-        gate += g.to(tl.float32) * x
-        up += u.to(tl.float32) * x
+        x = x.to(tl.float32)
+        if NORM:
+            sum_sq += x * x
+            x = x * tl.load(norm_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
+        gate += g.to(tl.float32) * x[None, :]
+        up += u.to(tl.float32) * x[None, :]
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
     g = tl.sum(gate, axis=1)
-    act = g / (1.0 + tl.exp(-g)) * tl.sum(up, axis=1)
+    u = tl.sum(up, axis=1)
+    if NORM:
+        rstd = 1.0 / tl.sqrt(tl.sum(sum_sq, axis=0) / hidden + eps)
+        g = g * rstd
+        u = u * rstd
+    act = g / (1.0 + tl.exp(-g)) * u
     tl.store(act_ptr + row.to(tl.int64) * stride_am + offs_n, act.to(act_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -171,18 +182,22 @@ def _moe_down_sum_kernel(
 
 
 def gate_up_silu(
-    x: torch.Tensor, gate_up: torch.Tensor, ids: torch.Tensor, config: KernelConfig, wait_first: bool = False
+    x: torch.Tensor, gate_up: torch.Tensor, ids: torch.Tensor, config: KernelConfig, wait_first: bool = False,
+    norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """act [T * k, I]: silu(gate) * up of each (token, k) row's expert; gate_up [E, 2I, H]. ``wait_first``:
-    the next kernel (a prefetching down_sum) launches only once the ids are final."""
+    the next kernel (a prefetching down_sum) launches only once the ids are final. ``norm`` (weight, eps):
+    the experts take RMSNorm(x) * weight, computed as x is read."""
     check_config(config)
     rows, inter, hidden = ids.numel(), gate_up.shape[1] // 2, gate_up.shape[2]
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     pdl = triton_pdl(x.device)
+    norm_weight, eps = norm if norm is not None else (x, 0.0)
     _moe_gate_up_silu_kernel[(rows, triton.cdiv(inter, config.block_n))](
-        x, gate_up, ids, act, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        x, gate_up, ids, act, norm_weight, eps, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
         TOP_K=ids.shape[1], BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=hidden % config.block_k == 0,
-        NUM_STAGES=config.num_stages, PDL=pdl, WAIT_FIRST=wait_first, num_warps=config.num_warps, launch_pdl=pdl,
+        NUM_STAGES=config.num_stages, PDL=pdl, WAIT_FIRST=wait_first, NORM=norm is not None,
+        num_warps=config.num_warps, launch_pdl=pdl,
     )
     return act
 
@@ -212,13 +227,14 @@ def prefetches(down: KernelConfig, top_k: int) -> bool:
 
 def small_batch_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    config: SmallBatchConfig | None = None,
+    config: SmallBatchConfig | None = None, norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]; x unit stride along H, weights contiguous."""
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]; x unit stride along H, weights contiguous.
+    ``norm`` (weight, eps): of RMSNorm(x) * weight instead, normed as the first kernel reads x."""
     if ids.numel() == 0:
         return torch.zeros_like(x)
     if config is None:
         config = default_config(ids.shape[1])
     ids, weights = ids.contiguous(), weights.contiguous()
-    act = gate_up_silu(x, gate_up, ids, config.gate_up, wait_first=prefetches(config.down, ids.shape[1]))
+    act = gate_up_silu(x, gate_up, ids, config.gate_up, wait_first=prefetches(config.down, ids.shape[1]), norm=norm)
     return down_sum(act, down, weights, ids, config.down)

@@ -3,6 +3,8 @@ every expert's intermediate dim. The torch path is the CPU path and test oracle;
 
 from __future__ import annotations
 
+import os
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -12,8 +14,10 @@ from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
 from tpserve.kernels import gemv, use_triton
 from tpserve.layers.activation import silu_and_mul
-from tpserve.layers.linear import ReplicatedWeights, copy_checked, divide
+from tpserve.layers.linear import PendingNorm, ReplicatedWeights, copy_checked, divide
 
+# 0: the MoE layer's RMSNorm as a kernel of its own, not in the router's GEMV and the first expert kernel (an A/B switch)
+FUSE_NORM_ENV = "TPSERVE_MOE_FUSE_NORM"
 ShardId = tuple[int, int]  # (global expert, part): gate_up_proj part 0 = gate, 1 = up; down_proj part 0
 
 
@@ -29,9 +33,17 @@ class TopKRouter(ReplicatedWeights):
     def finish_loading(self, dtype: torch.dtype) -> None:
         self.bf16_gemv = gemv.bf16_gemv_enabled(self.weight.data)
 
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights [T, k] in x's dtype, expert ids [T, k] int64)."""
-        logits = gemv.linear(x, self.weight, self.bf16_gemv)
+    def fuses_norm(self, residual: torch.Tensor) -> bool:
+        """Whether the router's GEMV can take ``PendingNorm(residual)`` whole (``kernels.gemv``'s ``norm``)."""
+        return (self.bf16_gemv and gemv.fuse_norm_enabled() and gemv.bf16_takes_gemv(residual, True)
+                and gemv.supported(residual, self.weight, None, False, fused=True))
+
+    def forward(self, x: torch.Tensor | PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
+        """(weights [T, k] in x's dtype, expert ids [T, k] int64); a PendingNorm only where ``fuses_norm``."""
+        if isinstance(x, PendingNorm):
+            x, logits = x.residual, gemv.gemv(x.residual, self.weight, norm=(x.norm.weight, x.norm.eps))
+        else:
+            logits = gemv.linear(x, self.weight, self.bf16_gemv)
         if use_triton(x.device):
             from tpserve.kernels.moe import router_topk
 
@@ -132,8 +144,27 @@ class SparseMoeBlock(nn.Module):
         self.gate = TopKRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.norm_topk_prob)
         self.experts = StackedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
 
-    def forward(self, x: torch.Tensor, reduce: bool = True) -> torch.Tensor:
-        """Summed over the ranks, or (``reduce=False``) this rank's partial sum."""
+    def forward(self, x: torch.Tensor | PendingNorm, reduce: bool = True) -> torch.Tensor:
+        """Summed over the ranks, or (``reduce=False``) this rank's partial sum. A ``PendingNorm`` is normed by
+        the router's GEMV and the first expert kernel as they read it (a decode batch of 1 or 2 tokens on CUDA),
+        else computed first."""
+        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        if isinstance(x, PendingNorm) and not self.fuses_norm(x.residual):
+            x = x.value()
         weights, ids = self.gate(x)
-        partial = run_experts(x, self.experts.gate_up_proj, self.experts.down_proj, weights, ids)
+        if isinstance(x, PendingNorm):
+            from tpserve.kernels.moe_small import small_batch_experts
+
+            norm = (x.norm.weight, x.norm.eps)
+            partial = small_batch_experts(x.residual.contiguous(), gate_up, down, weights, ids, norm=norm)
+        else:
+            partial = run_experts(x, gate_up, down, weights, ids)
         return self.comm.all_reduce(partial) if reduce else partial
+
+    def fuses_norm(self, residual: torch.Tensor) -> bool:
+        """Whether the router's GEMV and the small-batch expert kernels can take ``PendingNorm(residual)``."""
+        from tpserve.kernels.moe import SMALL_BATCH_MAX_ROWS
+
+        rows = residual.numel() // residual.shape[-1] * self.gate.top_k
+        return (use_triton(residual.device) and os.environ.get(FUSE_NORM_ENV, "1") != "0"
+                and rows <= SMALL_BATCH_MAX_ROWS and self.gate.fuses_norm(residual))

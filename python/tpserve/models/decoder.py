@@ -4,8 +4,8 @@ checkpoints' parameter names but q/k/v merged into ``qkv_proj``, gate/up into ``
 At TP > 1 attention and MLP return this rank's partial sum: the add+RMSNorm after each all-reduces
 it (``Communicator.all_reduce_add_rmsnorm``, in one kernel where it can). At TP 1, where the CUDA GEMV
 runs (1 or 2 tokens), the add + RMSNorm rides in the GEMVs around it: o_proj and down_proj add their
-output to the residual stream and return None, and qkv_proj and gate_up_proj take a ``PendingNorm``
-that their GEMV norms as it reads it (``add_and_norm``)."""
+output to the residual stream and return None, and qkv_proj, gate_up_proj and a MoE block (its router's
+GEMV and its first expert kernel) take a ``PendingNorm`` that they norm as they read it (``add_and_norm``)."""
 
 from __future__ import annotations
 
@@ -105,12 +105,11 @@ class DecoderLayer(nn.Module):
         this rank's partial sum, or None where it was added to ``residual``; returns this layer's
         likewise, and the residual."""
         x, residual = add_and_norm(self.comm, x, residual, self.input_layernorm)
-        dense = isinstance(self.mlp, MLP)  # the MoE block takes a computed norm: no add in o_proj then
-        x = self.self_attn(x, ctx, add_to=residual if dense else None)
+        x = self.self_attn(x, ctx, add_to=residual)
         x, residual = add_and_norm(self.comm, x, residual, self.post_attention_layernorm)
-        if not dense:
-            return self.mlp(x.value() if isinstance(x, PendingNorm) else x, reduce=False), residual
-        return self.mlp(x, reduce=False, add_to=residual), residual
+        if isinstance(self.mlp, MLP):
+            return self.mlp(x, reduce=False, add_to=residual), residual
+        return self.mlp(x, reduce=False), residual
 
 
 class DecoderBody(nn.Module):
