@@ -380,7 +380,7 @@ def check_small_batch_moe() -> None:
         norm_weight = torch.rand(hidden, generator=gen) + 0.5
         normed = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight
         reference = experts_torch(normed, gate_up, down, weights, ids)
-        for config in (default_config(top_k),) if hidden > 64 else (default_config(top_k), no_prefetch(small_blocks)):
+        for config in (default_config(top_k),) if hidden > 64 else (default_config(top_k), small_blocks):
             got = small_batch_experts(x, gate_up, down, weights, ids, config, norm=(norm_weight, 1e-6))
             torch.testing.assert_close(got, reference, rtol=1e-5, atol=1e-5, msg=lambda m: f"norm {tokens, config}: {m}")
     x, gate_up, down, weights, ids = random_experts(gen, 4, 16, 4, 128, 64)
