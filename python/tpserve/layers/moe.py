@@ -35,8 +35,8 @@ class TopKRouter(ReplicatedWeights):
 
     def fuses_norm(self, residual: torch.Tensor) -> bool:
         """Whether the router's GEMV can take ``PendingNorm(residual)`` whole (``kernels.gemv``'s ``norm``)."""
-        return (self.bf16_gemv and gemv.fuse_norm_enabled() and gemv.bf16_takes_gemv(residual, True)
-                and gemv.supported(residual, self.weight, None, False, fused=True))
+        return (gemv.bf16_takes_gemv(residual, self.bf16_gemv) and gemv.fuse_norm_enabled()
+                and gemv.supported(residual, self.weight, fused=True))
 
     def forward(self, x: torch.Tensor | PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k] int64); a PendingNorm only where ``fuses_norm``."""
