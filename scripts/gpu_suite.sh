@@ -27,6 +27,8 @@
 # instructions) gained 0.4-0.7% (engine_variants8): removed; the FP8 GEMV is bound by neither instructions nor registers
 # alone. The MoE down kernel's prefetch before its PDL wait (a3b_variants, then TPSERVE_MOE_DOWN_PREFETCH) took 0.8% off A3B,
 # the MoE layer's norm in its router GEMV and first expert kernel 2.1% (a3b_variants "unfused_moe:TPSERVE_MOE_FUSE_NORM=0").
+# Session 19: q/k norm + rotary + KV store inside the Triton decode attention kernel lost 2-4% (removed); the MoE router's top-k
+# inside the small-batch expert kernels took 0.8% off A3B batch 1 (a3b_variants "unrouted:TPSERVE_MOE_FUSE_ROUTER=0").
 # Not yet run: a3b_b1 (A3B batch 1 with today's defaults against the unfused norm).
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).

@@ -21,14 +21,15 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 pytest.importorskip("triton")
 pytest.importorskip("flashinfer")
 
-import tpserve.kernels.moe as moe_kernels
 import tpserve.layers.moe as moe_layer
 from engine_scenario import assert_routed_logits_close, assert_same_greedy, prompts_for, row_errors, run_scenario
 from reference import rel_err
 from tpserve.config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.kernels.moe import SMALL_BATCH_MAX_ROWS, fused_experts, grouped_experts
-from tpserve.kernels.moe_small import small_batch_experts
+from tpserve.kernels import moe_small
+from tpserve.kernels.moe_small import router_topk
+from tpserve.kernels.moe_small import RouterLogits, routed_experts, small_batch_experts
 from tpserve.layers.moe import experts_torch
 
 DEVICE = torch.device("cuda")
@@ -104,6 +105,35 @@ def test_fused_experts_in_a_cuda_graph(tokens):
         assert rel_err(out, reference(x, gate_up, down, weights, ids)) < RTOL
 
 
+@pytest.mark.parametrize("tokens", [1, 2, 8])
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
+def test_routed_experts_match_the_router_kernel(tokens, shape):
+    """The expert kernels routing from the router's logits themselves (``routed_experts``, the default at
+    small batches) against the router kernel then the same kernels: the same bits, eager and replayed in a
+    CUDA graph on new logits (other experts chosen)."""
+    x, gate_up, down, _, _ = expert_inputs(tokens, *shape, seed=20 + tokens)
+    top_k = shape[1]
+    gen = torch.Generator(device=DEVICE).manual_seed(tokens)
+    logits = torch.randn(tokens, shape[0], generator=gen, device=DEVICE).to(DTYPE)
+
+    def unfused() -> torch.Tensor:
+        weights, ids = router_topk(logits, top_k, True, DTYPE)
+        return small_batch_experts(x, gate_up, down, weights, ids)
+
+    routed = routed_experts(x, gate_up, down, RouterLogits(logits, top_k, True))
+    assert torch.equal(routed, unfused())
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = routed_experts(x, gate_up, down, RouterLogits(logits, top_k, True))
+    for seed in (5, 6):
+        logits.copy_(torch.randn(logits.shape, generator=gen.manual_seed(seed), device=DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, unfused())
+    weights, ids = router_topk(logits, top_k, True, DTYPE)
+    assert rel_err(out, reference(x, gate_up, down, weights, ids)) < RTOL
+
+
 @pytest.fixture(scope="module")
 def moe_model_dir(tmp_path_factory) -> str:
     from tpserve.tiny import make_tiny_model
@@ -154,14 +184,14 @@ def bf16_engines(moe_model_dir):
     small_batch_calls = []
 
     def counted(*args, **kwargs):
-        small_batch_calls.append(args[4].shape)
-        return small_batch_experts(*args, **kwargs)
+        small_batch_calls.append(args[0].shape)
+        return routed_experts(*args, **kwargs)
 
     with pytest.MonkeyPatch.context() as patch:
-        patch.setattr(moe_kernels, "small_batch_experts", counted)
+        patch.setattr(moe_small, "routed_experts", counted)
         engine = make_moe_engine(moe_model_dir, "bfloat16", "flashinfer", 16)
     assert engine.graph_runner is not None
-    assert small_batch_calls, "no CUDA graph captured the small-batch experts"
+    assert small_batch_calls, "no CUDA graph captured the small-batch (routed) experts"
     return reference, engine
 
 

@@ -50,6 +50,7 @@ def record_launches(path: str) -> None:
         params = inspect.signature(self.fn).parameters
         options = {k: kwargs[k] for k in OPTIONS if k in kwargs}
         bound = inspect.signature(self.fn).bind(*args, **{k: v for k, v in kwargs.items() if k not in OPTIONS})
+        bound.apply_defaults()  # a default argument is compiled too
         signature, constexprs = {}, {}
         for name, value in bound.arguments.items():
             if "constexpr" in str(params[name].annotation) or value is None:

@@ -334,6 +334,7 @@ def check_fused_moe() -> None:
     assert block_expert[:3].tolist() == [0, 1, 3]
     check_align_kernel_matches_torch()
     check_router_topk()
+    check_routed_moe()
     check_small_batch_moe()
 
 
@@ -401,10 +402,42 @@ def check_small_batch_moe() -> None:
         assert torch.equal(fused_experts(x, gate_up, down, weights, ids), expected)
 
 
+def check_routed_moe() -> None:
+    """The expert kernels that route from the router's logits themselves (``routed_experts``) against the
+    router kernel then the same kernels: the same bits, with and without renormalisation and the fused
+    norm, a prefetching config of small blocks, experts not a power of two, tied logits; a config that does not
+    prefetch falls back to the router kernel; the routed down kernel refuses such a config."""
+    from tpserve.kernels.moe_small import router_topk
+    from tpserve.kernels.moe_small import (KernelConfig, RouterLogits, SmallBatchConfig, default_config, down_sum,
+                                           routed_experts, small_batch_experts)
+
+    gen = torch.Generator().manual_seed(11)
+    prefetch = SmallBatchConfig(KernelConfig(block_n=8, block_k=16), KernelConfig(block_n=16, block_k=16, experts_per_step=8, prefetch=True))
+    plain = SmallBatchConfig(KernelConfig(block_n=8, block_k=16), KernelConfig(block_n=16, block_k=16, experts_per_step=2))
+    for tokens, top_k, experts, hidden, inter, renormalize in ((1, 8, 60, 64, 32, True), (2, 3, 16, 48, 24, False),
+                                                               (3, 4, 8, 32, 40, True)):
+        x, gate_up, down, _, _ = random_experts(gen, tokens, experts, top_k, hidden, inter)
+        norm = (torch.rand(hidden, generator=gen) + 0.5, 1e-6)
+        ties = torch.randint(0, 3, (tokens, experts), generator=gen).float()  # ranked by id among equals
+        for config, with_norm in ((c, n) for c in (default_config(top_k), prefetch, plain) for n in (None, norm)):
+            for logits in (torch.randn(tokens, experts, generator=gen), ties):
+                weights, ids = router_topk(logits, top_k, renormalize, x.dtype)
+                expected = small_batch_experts(x, gate_up, down, weights, ids, config, norm=with_norm)
+                got = routed_experts(x, gate_up, down, RouterLogits(logits, top_k, renormalize), config, norm=with_norm)
+                assert torch.equal(got, expected), f"routed {tokens, top_k, config, with_norm is not None}"
+    act = torch.zeros(2, 8)
+    try:
+        down_sum(act, torch.zeros(4, 8, 8), None, RouterLogits(torch.zeros(1, 4), 2, True), plain.down)
+    except ValueError as exc:
+        assert "first step" in str(exc)
+    else:
+        raise AssertionError("the routed down kernel took a config that does not prefetch")
+
+
 def check_router_topk() -> None:
     """The one-kernel router against TopKRouter's torch ops: ids equal, weights to float32
     rounding, with and without renormalisation, a row of ties, more experts than a power of 2."""
-    from tpserve.kernels.moe import router_topk
+    from tpserve.kernels.moe_small import router_topk
 
     gen = torch.Generator().manual_seed(6)
     for tokens, experts, top_k in ((1, 128, 8), (9, 60, 4), (4, 8, 2)):

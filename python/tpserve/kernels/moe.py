@@ -13,7 +13,6 @@ import triton
 import triton.language as tl
 
 from tpserve.kernels.moe_small import small_batch_experts
-from tpserve.kernels.pdl import triton_pdl
 from tpserve.layers.activation import silu_and_mul
 
 
@@ -71,51 +70,6 @@ def tiles_for(num_rows: int) -> tuple[int, int, int, int]:
 def block_m_for(num_rows: int) -> int:
     """Rows per block of the sort by expert (the grouped GEMM's BLOCK_M)."""
     return tiles_for(num_rows)[0]
-
-
-@triton.jit
-def _router_topk_kernel(
-    logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
-    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr, PDL: tl.constexpr,
-):
-    """One token: softmax over the experts in float32, its top k, optionally renormalised."""
-    if PDL:  # the next kernel may launch now; the router's logits are the previous kernel's
-        tl.extra.cuda.gdc_launch_dependents()
-        tl.extra.cuda.gdc_wait()
-    token = tl.program_id(0).to(tl.int64)
-    cols = tl.arange(0, E_PAD)
-    logits = tl.load(logits_ptr + token * stride_l + cols, mask=cols < num_experts, other=-float("inf")).to(tl.float32)
-    top = tl.max(logits, axis=0)
-    denom = tl.sum(tl.exp(logits - top), axis=0)
-    picked = tl.zeros((E_PAD,), dtype=tl.float32)  # each chosen expert's probability, in k order below
-    remaining = logits
-    total = 0.0
-    for j in tl.static_range(TOP_K):
-        best = tl.argmax(remaining, axis=0)
-        prob = tl.exp(tl.max(remaining, axis=0) - top) / denom
-        tl.store(ids_ptr + token * TOP_K + j, best.to(tl.int64))
-        picked = tl.where(cols == j, prob, picked)
-        total += prob
-        remaining = tl.where(cols == best, -float("inf"), remaining)
-    if RENORMALIZE:
-        picked = picked / total
-    tl.store(weights_ptr + token * TOP_K + cols, picked.to(weights_ptr.dtype.element_ty), mask=cols < TOP_K)
-
-
-def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """``TopKRouter``'s softmax, top-k and renormalisation in one kernel (else five per MoE layer and
-    step): (weights [T, k] in ``dtype``, ids [T, k] int64)."""
-    tokens, experts = logits.shape
-    weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
-    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
-    if tokens:
-        pdl = triton_pdl(logits.device)
-        _router_topk_kernel[(tokens,)](
-            logits, weights, ids, experts, logits.stride(0),
-            TOP_K=top_k, RENORMALIZE=renormalize, E_PAD=triton.next_power_of_2(max(experts, top_k)), PDL=pdl,
-            launch_pdl=pdl,
-        )
-    return weights, ids
 
 
 def aligned_capacity(rows: int, num_experts: int, block_m: int) -> int:

@@ -8,6 +8,11 @@ through the CUDA cores into float32 tiles, reduced once at the end.
    down[expert_k].T`` over the token's top_k rows and writes once: no atomics, so every run and
    tensor-parallel rank gives the same bits.
 
+``routed_experts`` (the default at small batches) hands both kernels the router's logits instead of ids
+and weights: each program takes its token's top k itself (``router_top_k``, the router kernel's arithmetic),
+so no router kernel runs between the router's GEMV and the experts (Qwen3-30B-A3B's batch-1 step 0.992x,
+docs/benchmarks.md, session 19).
+
 CUDA-graph safe (shapes by token count, no host reads); no ``tl.dot``, so the interpreter runs bf16.
 Launched with PDL on Hopper (``kernels/pdl.py``): gate_up waits for the router's expert ids, then lets
 the down kernel launch, which reads the ids and its experts' first K step of weights during gate_up's
@@ -67,14 +72,77 @@ def check_config(config: KernelConfig) -> None:
 
 
 @triton.jit
+def router_top_k(logits_ptr, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr,
+                 J_PAD: tl.constexpr):
+    """One token's router: softmax over its expert logits in float32, the top k (ties to the lower id),
+    optionally renormalised: (ids [J_PAD] int64, weights [J_PAD] float32), slots past TOP_K zero. The
+    router kernel (``router_topk``) stores these; the routed expert kernels compute them."""
+    cols = tl.arange(0, E_PAD)
+    logits = tl.load(logits_ptr + cols, mask=cols < num_experts, other=-float("inf")).to(tl.float32)
+    top = tl.max(logits, axis=0)
+    denom = tl.sum(tl.exp(logits - top), axis=0)
+    slots = tl.arange(0, J_PAD)
+    ids = tl.zeros((J_PAD,), dtype=tl.int64)
+    weights = tl.zeros((J_PAD,), dtype=tl.float32)
+    remaining = logits
+    total = 0.0
+    for j in tl.static_range(TOP_K):
+        best = tl.argmax(remaining, axis=0)
+        prob = tl.exp(tl.max(remaining, axis=0) - top) / denom
+        ids = tl.where(slots == j, best.to(tl.int64), ids)
+        weights = tl.where(slots == j, prob, weights)
+        total += prob
+        remaining = tl.where(cols == best, -float("inf"), remaining)
+    if RENORMALIZE:
+        weights = weights / total
+    return ids, weights
+
+
+@triton.jit
+def _router_topk_kernel(
+    logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
+    TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr, J_PAD: tl.constexpr, PDL: tl.constexpr,
+):
+    """One token: softmax over the experts in float32, its top k, optionally renormalised."""
+    if PDL:  # the next kernel may launch now; the router's logits are the previous kernel's
+        tl.extra.cuda.gdc_launch_dependents()
+        tl.extra.cuda.gdc_wait()
+    token = tl.program_id(0).to(tl.int64)
+    ids, weights = router_top_k(logits_ptr + token * stride_l, num_experts, TOP_K, RENORMALIZE, E_PAD, J_PAD)
+    slots = tl.arange(0, J_PAD)
+    tl.store(ids_ptr + token * TOP_K + slots, ids, mask=slots < TOP_K)
+    tl.store(weights_ptr + token * TOP_K + slots, weights.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
+
+
+def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    """``TopKRouter``'s softmax, top-k and renormalisation in one kernel (else five per MoE layer and
+    step): (weights [T, k] in ``dtype``, ids [T, k] int64)."""
+    tokens, experts = logits.shape
+    weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
+    ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
+    if tokens:
+        pdl = triton_pdl(logits.device)
+        _router_topk_kernel[(tokens,)](
+            logits, weights, ids, experts, logits.stride(0),
+            TOP_K=top_k, RENORMALIZE=renormalize, E_PAD=triton.next_power_of_2(max(experts, top_k)),
+            J_PAD=triton.next_power_of_2(top_k), PDL=pdl,
+            launch_pdl=pdl,
+        )
+    return weights, ids
+
+
+@triton.jit
 def _moe_gate_up_silu_kernel(
     x_ptr, w_ptr, ids_ptr, act_ptr, norm_ptr, eps, inter, hidden,
     stride_xm, stride_we, stride_wn, stride_am,
     TOP_K: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN_K: tl.constexpr,
     NUM_STAGES: tl.constexpr, PDL: tl.constexpr, WAIT_FIRST: tl.constexpr, NORM: tl.constexpr,
+    num_experts=0, stride_l=0, ROUTED: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
+    E_PAD: tl.constexpr = 1, J_PAD: tl.constexpr = 1,
 ):
     """NORM: x is the residual stream and the experts take RMSNorm(x) * norm: each program sums x^2 as it
-    reads x and scales its dot products by rsqrt(mean(x^2) + eps) at the end (the normed x unrounded)."""
+    reads x and scales its dot products by rsqrt(mean(x^2) + eps) at the end (the normed x unrounded).
+    ROUTED: ids_ptr holds the router's logits [T, num_experts]; each program finds its row's expert itself."""
     if PDL:  # the next kernel may launch now; the expert ids and x are earlier kernels' outputs
         if WAIT_FIRST:  # the down kernel reads the ids before its own wait: launch it only once they are final
             tl.extra.cuda.gdc_wait()
@@ -86,7 +154,12 @@ def _moe_gate_up_silu_kernel(
     offs_n = tl.program_id(1) * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < inter
     offs_k = tl.arange(0, BLOCK_K)
-    expert = tl.load(ids_ptr + row).to(tl.int64)
+    if ROUTED:  # (ranking all expert pairs at once instead of k argmax steps was slower: session 19)
+        ids, _ = router_top_k(ids_ptr + (row // TOP_K).to(tl.int64) * stride_l, num_experts, TOP_K, RENORMALIZE,
+                              E_PAD, J_PAD)
+        expert = tl.sum(tl.where(tl.arange(0, J_PAD) == row % TOP_K, ids, 0), axis=0)
+    else:
+        expert = tl.load(ids_ptr + row).to(tl.int64)
     x_ptrs = x_ptr + (row // TOP_K).to(tl.int64) * stride_xm + offs_k
     gate_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + inter * stride_wn
@@ -128,7 +201,11 @@ def _moe_down_sum_kernel(
     stride_am, stride_we, stride_wn, stride_om,
     TOP_K: tl.constexpr, EXPERTS_PER_STEP: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
     EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    num_experts=0, stride_l=0, ROUTED: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
+    E_PAD: tl.constexpr = 1,
 ):
+    """ROUTED (with PREFETCH): ids_ptr holds the router's logits [T, num_experts]; each program routes its
+    token itself (weights rounded to the output dtype, as the router kernel stores them)."""
     if PDL and not PREFETCH:  # as in the gate_up kernel
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -141,8 +218,13 @@ def _moe_down_sum_kernel(
     if PREFETCH:  # one step holds all TOP_K rows; W's next K step is loaded while this one is summed
         j_ok = offs_j < TOP_K
         rows = token * TOP_K + offs_j
-        expert = tl.load(ids_ptr + rows, mask=j_ok, other=0).to(tl.int64)
-        weight = tl.load(weights_ptr + rows, mask=j_ok, other=0.0).to(tl.float32)
+        if ROUTED:
+            expert, weight = router_top_k(ids_ptr + token * stride_l, num_experts, TOP_K, RENORMALIZE, E_PAD,
+                                          EXPERTS_PER_STEP)
+            weight = weight.to(out_ptr.dtype.element_ty).to(tl.float32)
+        else:
+            expert = tl.load(ids_ptr + rows, mask=j_ok, other=0).to(tl.int64)
+            weight = tl.load(weights_ptr + rows, mask=j_ok, other=0.0).to(tl.float32)
         w_ptrs = (w_ptr + expert[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
                   + offs_k[None, None, :])
         w_ok = j_ok[:, None, None] & n_ok[None, :, None]
@@ -181,42 +263,70 @@ def _moe_down_sum_kernel(
     tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
+@dataclass(frozen=True)
+class RouterLogits:
+    """A MoE layer's router logits [T, E] handed to the expert kernels, which take each token's top k
+    themselves (``router_top_k``) where a router kernel would otherwise run between (``routed_experts``)."""
+
+    logits: torch.Tensor
+    top_k: int
+    renormalize: bool
+
+    def kernel_args(self, j_pad: int) -> dict:
+        experts = self.logits.shape[1]
+        return dict(num_experts=experts, stride_l=self.logits.stride(0), ROUTED=True, RENORMALIZE=self.renormalize,
+                    E_PAD=triton.next_power_of_2(max(experts, self.top_k)), J_PAD=j_pad)
+
+
 def gate_up_silu(
-    x: torch.Tensor, gate_up: torch.Tensor, ids: torch.Tensor, config: KernelConfig, wait_first: bool = False,
-    norm: tuple[torch.Tensor, float] | None = None,
+    x: torch.Tensor, gate_up: torch.Tensor, ids: torch.Tensor | RouterLogits, config: KernelConfig,
+    wait_first: bool = False, norm: tuple[torch.Tensor, float] | None = None,
 ) -> torch.Tensor:
     """act [T * k, I]: silu(gate) * up of each (token, k) row's expert; gate_up [E, 2I, H]. ``wait_first``:
     the next kernel (a prefetching down_sum) launches only once the ids are final. ``norm`` (weight, eps):
     the experts take RMSNorm(x) * weight, computed as x is read."""
     check_config(config)
-    rows, inter, hidden = ids.numel(), gate_up.shape[1] // 2, gate_up.shape[2]
+    routed = isinstance(ids, RouterLogits)
+    top_k = ids.top_k if routed else ids.shape[1]
+    rows, inter, hidden = x.shape[0] * top_k, gate_up.shape[1] // 2, gate_up.shape[2]
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     pdl = triton_pdl(x.device)
     norm_weight, eps = norm if norm is not None else (x, 0.0)
+    routing = ids.kernel_args(triton.next_power_of_2(top_k)) if routed else {}
     _moe_gate_up_silu_kernel[(rows, triton.cdiv(inter, config.block_n))](
-        x, gate_up, ids, act, norm_weight, eps, inter, hidden, x.stride(0), gate_up.stride(0), gate_up.stride(1), act.stride(0),
-        TOP_K=ids.shape[1], BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=hidden % config.block_k == 0,
-        NUM_STAGES=config.num_stages, PDL=pdl, WAIT_FIRST=wait_first, NORM=norm is not None,
+        x, gate_up, ids.logits if routed else ids, act, norm_weight, eps, inter, hidden, x.stride(0),
+        gate_up.stride(0), gate_up.stride(1), act.stride(0),
+        TOP_K=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=hidden % config.block_k == 0,
+        NUM_STAGES=config.num_stages, PDL=pdl, WAIT_FIRST=wait_first, NORM=norm is not None, **routing,
         num_warps=config.num_warps, launch_pdl=pdl,
     )
     return act
 
 
 def down_sum(
-    act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor, config: KernelConfig
+    act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor | RouterLogits,
+    config: KernelConfig,
 ) -> torch.Tensor:
-    """out [T, H] = sum_k weights[t, k] * act[t * k + k] @ down[ids[t, k]].T; down [E, H, I]."""
+    """out [T, H] = sum_k weights[t, k] * act[t * k + k] @ down[ids[t, k]].T; down [E, H, I]. With
+    ``RouterLogits`` (weights None) the config must prefetch (``prefetches``)."""
     check_config(config)
-    tokens, top_k = ids.shape
+    routed = isinstance(ids, RouterLogits)
+    top_k = ids.top_k if routed else ids.shape[1]
+    tokens = act.shape[0] // top_k
     experts_per_step = min(config.experts_per_step, triton.next_power_of_2(top_k))
+    if routed and not prefetches(config, top_k):
+        raise ValueError(f"the routed down kernel reads all {top_k} experts in its first step, not {config}")
     hidden, inter = down.shape[1], down.shape[2]
     out = torch.empty(tokens, hidden, dtype=act.dtype, device=act.device)
     pdl = triton_pdl(act.device)
+    routing = ids.kernel_args(experts_per_step) if routed else {}
+    routing.pop("J_PAD", None)
     _moe_down_sum_kernel[(tokens, triton.cdiv(hidden, config.block_n))](
-        act, down, ids, weights, out, hidden, inter, act.stride(0), down.stride(0), down.stride(1), out.stride(0),
+        act, down, ids.logits if routed else ids, act if weights is None else weights, out, hidden, inter,
+        act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         TOP_K=top_k, EXPERTS_PER_STEP=experts_per_step, PREFETCH=prefetches(config, top_k),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=inter % config.block_k == 0,
-        NUM_STAGES=config.num_stages, PDL=pdl, num_warps=config.num_warps, launch_pdl=pdl,
+        NUM_STAGES=config.num_stages, PDL=pdl, **routing, num_warps=config.num_warps, launch_pdl=pdl,
     )
     return out
 
@@ -238,3 +348,21 @@ def small_batch_experts(
     ids, weights = ids.contiguous(), weights.contiguous()
     act = gate_up_silu(x, gate_up, ids, config.gate_up, wait_first=prefetches(config.down, ids.shape[1]), norm=norm)
     return down_sum(act, down, weights, ids, config.down)
+
+
+def routed_experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, router: RouterLogits,
+    config: SmallBatchConfig | None = None, norm: tuple[torch.Tensor, float] | None = None,
+) -> torch.Tensor:
+    """``small_batch_experts`` from the router's logits: the two kernels take each token's top k themselves,
+    so no router kernel runs between the router's GEMV and them (a config that does not prefetch the down
+    kernel's experts runs the router kernel first)."""
+    if x.shape[0] == 0:
+        return torch.zeros_like(x)
+    if config is None:
+        config = default_config(router.top_k)
+    if not prefetches(config.down, router.top_k):
+        weights, ids = router_topk(router.logits, router.top_k, router.renormalize, x.dtype)
+        return small_batch_experts(x, gate_up, down, weights, ids, config, norm)
+    act = gate_up_silu(x, gate_up, router, config.gate_up, wait_first=True, norm=norm)
+    return down_sum(act, down, None, router, config.down)

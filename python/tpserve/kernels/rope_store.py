@@ -5,6 +5,12 @@ Program (token, head) normalises its head (with q/k norm), rotates q/k (neox, fl
 and writes q to a new tensor, k and v into their cache slots. Rounding as the unfused path: the
 normed head rounded to the model dtype, rotated in float32, rounded again; an FP8 cache then gets
 k and v clamped to e4m3's range (``KVCachePool.to_cache``).
+
+Why not inside the decode attention kernel: session 19 folded it into ``attention/triton_decode.py`` (each
+program norming and rotating its q heads and the newest k, that token's split storing k and v; the same
+bits). Whole batch-1 steps on an H200 were slower: Qwen3-8B bf16 1.019x, FP8 1.033x, Qwen3-30B-A3B 1.036x
+(docs/benchmarks.md). With this kernel between, attention launches (PDL) while it runs and reads its K/V
+pages meanwhile; fused, that read waits on the qkv GEMV.
 """
 
 from __future__ import annotations

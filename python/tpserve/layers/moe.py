@@ -18,6 +18,8 @@ from tpserve.layers.linear import PendingNorm, ReplicatedWeights, copy_checked, 
 
 # 0: the MoE layer's RMSNorm as a kernel of its own, not in the router's GEMV and the first expert kernel (an A/B switch)
 FUSE_NORM_ENV = "TPSERVE_MOE_FUSE_NORM"
+# 0: the router's top-k as a kernel of its own at small batches, not inside the expert kernels (an A/B switch)
+FUSE_ROUTER_ENV = "TPSERVE_MOE_FUSE_ROUTER"
 ShardId = tuple[int, int]  # (global expert, part): gate_up_proj part 0 = gate, 1 = up; down_proj part 0
 
 
@@ -38,14 +40,19 @@ class TopKRouter(ReplicatedWeights):
         return (gemv.bf16_takes_gemv(residual, self.bf16_gemv) and gemv.fuse_norm_enabled()
                 and gemv.supported(residual, self.weight, fused=True))
 
+    def logits(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+        """[T, num_experts]; a PendingNorm only where ``fuses_norm``."""
+        if isinstance(x, PendingNorm):
+            return gemv.gemv(x.residual, self.weight, norm=(x.norm.weight, x.norm.eps))
+        return gemv.linear(x, self.weight, self.bf16_gemv)
+
     def forward(self, x: torch.Tensor | PendingNorm) -> tuple[torch.Tensor, torch.Tensor]:
         """(weights [T, k] in x's dtype, expert ids [T, k] int64); a PendingNorm only where ``fuses_norm``."""
+        logits = self.logits(x)
         if isinstance(x, PendingNorm):
-            x, logits = x.residual, gemv.gemv(x.residual, self.weight, norm=(x.norm.weight, x.norm.eps))
-        else:
-            logits = gemv.linear(x, self.weight, self.bf16_gemv)
+            x = x.residual
         if use_triton(x.device):
-            from tpserve.kernels.moe import router_topk
+            from tpserve.kernels.moe_small import router_topk
 
             return router_topk(logits, self.top_k, self.norm_topk_prob, x.dtype)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
@@ -147,19 +154,36 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor | PendingNorm, reduce: bool = True) -> torch.Tensor:
         """Summed over the ranks, or (``reduce=False``) this rank's partial sum. A ``PendingNorm`` is normed by
         the router's GEMV and the first expert kernel as they read it (a decode batch of 1 or 2 tokens on CUDA),
-        else computed first."""
+        else computed first. At small batches on CUDA the expert kernels take the router's logits and each
+        token's top k themselves (``routes_in_experts``)."""
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if isinstance(x, PendingNorm) and not self.fuses_norm(x.residual):
             x = x.value()
-        weights, ids = self.gate(x)
-        if isinstance(x, PendingNorm):
-            from tpserve.kernels.moe_small import small_batch_experts
+        residual, norm = (x.residual, (x.norm.weight, x.norm.eps)) if isinstance(x, PendingNorm) else (x, None)
+        routed = self.routes_in_experts(residual)
+        if routed or norm is not None:  # the small-batch expert kernels (kernels/moe_small.py)
+            from tpserve.kernels import moe_small
 
-            norm = (x.norm.weight, x.norm.eps)
-            partial = small_batch_experts(x.residual.contiguous(), gate_up, down, weights, ids, norm=norm)
+            if routed:
+                router = moe_small.RouterLogits(self.gate.logits(x), self.gate.top_k, self.gate.norm_topk_prob)
+                partial = moe_small.routed_experts(residual.contiguous(), gate_up, down, router, norm=norm)
+            else:
+                weights, ids = self.gate(x)
+                partial = moe_small.small_batch_experts(residual.contiguous(), gate_up, down, weights, ids, norm=norm)
         else:
+            weights, ids = self.gate(x)
             partial = run_experts(x, gate_up, down, weights, ids)
         return self.comm.all_reduce(partial) if reduce else partial
+
+    def routes_in_experts(self, x: torch.Tensor) -> bool:
+        """Whether the small-batch expert kernels take the router's logits and route themselves (no router
+        kernel between them: ``kernels.moe_small.routed_experts``)."""
+        from tpserve.kernels.moe import SMALL_BATCH_MAX_ROWS
+
+        rows = x.numel() // x.shape[-1] * self.gate.top_k
+        return (use_triton(x.device) and os.environ.get(FUSE_ROUTER_ENV, "1") != "0"
+                and 0 < rows <= SMALL_BATCH_MAX_ROWS and self.experts.gate_up_proj.is_contiguous()
+                and self.experts.down_proj.is_contiguous())
 
     def fuses_norm(self, residual: torch.Tensor) -> bool:
         """Whether the router's GEMV and the small-batch expert kernels can take ``PendingNorm(residual)``."""
