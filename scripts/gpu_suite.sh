@@ -284,12 +284,13 @@ for s in $stages; do
       stage a3b_b1 300 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined --rounds 3 --batch-sizes 1 \
         --variant "unfused:TPSERVE_GEMV_FUSE_NORM=0" --out $results/a3b_b1.json ;;
     a3b_variants)  # issue 14: Qwen3-30B-A3B batch-1 decode (bf16, pipelined, 3 rounds), the defaults against engines
-      # built with each of A3B_VARIANTS (as ENGINE_VARIANTS), e.g. "unfused:TPSERVE_GEMV_FUSE_NORM=0"
+      # built with each of A3B_VARIANTS (as ENGINE_VARIANTS), e.g. "unfused:TPSERVE_GEMV_FUSE_NORM=0"; one variant at a
+      # time (three A3B engines do not fit in one H200); A3B_BATCHES: other batch sizes, e.g. "1,4,8"
       variant_args=()
       IFS=";" read -ra variants <<< "${A3B_VARIANTS:?}"
       for v in "${variants[@]}"; do variant_args+=(--variant "$v"); done
       stage a3b_variants 300 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined --rounds 3 \
-        --batch-sizes 1 "${variant_args[@]}" --out $results/a3b_variants.json ;;
+        --batch-sizes "${A3B_BATCHES:-1}" "${variant_args[@]}" --out $results/a3b_variants.json ;;
     moe30_profile) stage moe30_profile 150 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 1,64 \
       --out $results/profile_qwen3_30b_a3b.json ;;
     fusion_tests)  # the SwiGLU epilogue of the GEMV and the router inside the MoE kernels (session 10)

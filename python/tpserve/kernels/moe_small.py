@@ -8,10 +8,10 @@ through the CUDA cores into float32 tiles, reduced once at the end.
    down[expert_k].T`` over the token's top_k rows and writes once: no atomics, so every run and
    tensor-parallel rank gives the same bits.
 
-``routed_experts`` (the default at small batches) hands both kernels the router's logits instead of ids
-and weights: each program takes its token's top k itself (``router_top_k``, the router kernel's arithmetic),
-so no router kernel runs between the router's GEMV and the experts (Qwen3-30B-A3B's batch-1 step 0.992x,
-docs/benchmarks.md, session 19).
+``routed_experts`` (the default at one token: ``SparseMoeBlock.routes_in_experts``) hands both kernels the
+router's logits instead of ids and weights: each program takes its token's top k itself (``router_top_k``,
+the router kernel's arithmetic), so no router kernel runs between the router's GEMV and the experts
+(Qwen3-30B-A3B's batch-1 step 0.99x; slower from 2 tokens: docs/benchmarks.md, session 19).
 
 CUDA-graph safe (shapes by token count, no host reads); no ``tl.dot``, so the interpreter runs bf16.
 Launched with PDL on Hopper (``kernels/pdl.py``): gate_up waits for the router's expert ids, then lets

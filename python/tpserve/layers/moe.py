@@ -18,7 +18,7 @@ from tpserve.layers.linear import PendingNorm, ReplicatedWeights, copy_checked, 
 
 # 0: the MoE layer's RMSNorm as a kernel of its own, not in the router's GEMV and the first expert kernel (an A/B switch)
 FUSE_NORM_ENV = "TPSERVE_MOE_FUSE_NORM"
-# 0: the router's top-k as a kernel of its own at small batches, not inside the expert kernels (an A/B switch)
+# 0: the router's top-k as a kernel of its own at one token, not inside the expert kernels (an A/B switch)
 FUSE_ROUTER_ENV = "TPSERVE_MOE_FUSE_ROUTER"
 ShardId = tuple[int, int]  # (global expert, part): gate_up_proj part 0 = gate, 1 = up; down_proj part 0
 
@@ -154,8 +154,8 @@ class SparseMoeBlock(nn.Module):
     def forward(self, x: torch.Tensor | PendingNorm, reduce: bool = True) -> torch.Tensor:
         """Summed over the ranks, or (``reduce=False``) this rank's partial sum. A ``PendingNorm`` is normed by
         the router's GEMV and the first expert kernel as they read it (a decode batch of 1 or 2 tokens on CUDA),
-        else computed first. At small batches on CUDA the expert kernels take the router's logits and each
-        token's top k themselves (``routes_in_experts``)."""
+        else computed first. At one token on CUDA the expert kernels take the router's logits and its top k
+        themselves (``routes_in_experts``)."""
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
         if isinstance(x, PendingNorm) and not self.fuses_norm(x.residual):
             x = x.value()
@@ -177,12 +177,11 @@ class SparseMoeBlock(nn.Module):
 
     def routes_in_experts(self, x: torch.Tensor) -> bool:
         """Whether the small-batch expert kernels take the router's logits and route themselves (no router
-        kernel between them: ``kernels.moe_small.routed_experts``)."""
-        from tpserve.kernels.moe import SMALL_BATCH_MAX_ROWS
-
-        rows = x.numel() // x.shape[-1] * self.gate.top_k
+        kernel between them: ``kernels.moe_small.routed_experts``): at one token, where the kernels' programs
+        run in one wave. Qwen3-30B-A3B on an H200: 0.99x the step at batch 1, but 1.03x, 1.05x and 1.10x at
+        batch 2, 4 and 8, where every program's top-k adds up (docs/benchmarks.md, session 19)."""
         return (use_triton(x.device) and os.environ.get(FUSE_ROUTER_ENV, "1") != "0"
-                and 0 < rows <= SMALL_BATCH_MAX_ROWS and self.experts.gate_up_proj.is_contiguous()
+                and x.numel() == x.shape[-1] and self.experts.gate_up_proj.is_contiguous()
                 and self.experts.down_proj.is_contiguous())
 
     def fuses_norm(self, residual: torch.Tensor) -> bool:
