@@ -291,6 +291,12 @@ for s in $stages; do
       for v in "${variants[@]}"; do variant_args+=(--variant "$v"); done
       stage a3b_variants 300 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined --rounds 3 \
         --batch-sizes "${A3B_BATCHES:-1}" "${variant_args[@]}" --out $results/a3b_variants.json ;;
+    norm_b2)  # the add + RMSNorm fused into the GEMVs (and the MoE kernels) at batch 2, against it as a kernel of its own:
+      # Qwen3-8B bf16 and Qwen3-30B-A3B, pipelined, 3 alternating rounds (session 19)
+      stage norm_b2_8b 150 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms "" --pipelined \
+        --rounds 3 --batch-sizes 2 --variant unfused:TPSERVE_GEMV_FUSE_NORM=0 --out $results/norm_b2_8b.json
+      stage norm_b2_a3b 150 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined \
+        --rounds 3 --batch-sizes 2 --variant unfused:TPSERVE_GEMV_FUSE_NORM=0 --out $results/norm_b2_a3b.json ;;
     moe30_profile) stage moe30_profile 150 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 1,64 \
       --out $results/profile_qwen3_30b_a3b.json ;;
     fusion_tests)  # the SwiGLU epilogue of the GEMV and the router inside the MoE kernels (session 10)

@@ -32,6 +32,7 @@ def fused_on_cpu(monkeypatch):
         return gemv_reference(x, weight, scale_inv, silu_mul=silu_mul, norm=norm, add_to=add_to)
 
     monkeypatch.setenv(gemv.FUSE_NORM_ENV, "1")
+    monkeypatch.setattr(gemv, "FUSE_NORM_MAX_TOKENS", 2)  # the kernel's limit, so that 2 sequences fuse too
     monkeypatch.setattr(ParallelLinear, "takes_gemv", lambda self, x: x.numel() // x.shape[-1] <= 2)
     monkeypatch.setattr(gemv, "supported", lambda *args, **kwargs: True)
     monkeypatch.setattr(gemv, "gemv", fake_gemv)
@@ -79,7 +80,8 @@ def test_fused_norm_and_add_match_transformers(tiny_model_factory, fused_on_cpu,
 
 
 def test_fusion_switch_and_batch_limit(tiny_model_factory, fused_on_cpu, monkeypatch):
-    """``TPSERVE_GEMV_FUSE_NORM=0`` (the default) and 3 tokens take the separate add + norm: no fused call."""
+    """``TPSERVE_GEMV_FUSE_NORM=0``, 3 tokens (past the kernel's limit) and 2 tokens (past the layers' limit,
+    ``FUSE_NORM_MAX_TOKENS``) take the separate add + norm: no fused call; 1 token fuses."""
     engine = Engine(EngineConfig(model=tiny_model_factory("qwen3"), device="cpu", page_size=4))
     monkeypatch.setenv(gemv.FUSE_NORM_ENV, "0")
     teacher_forced_logits(engine, list(range(30, 40)), prefill=5)
@@ -94,3 +96,8 @@ def test_fusion_switch_and_batch_limit(tiny_model_factory, fused_on_cpu, monkeyp
     engine.forward([SequenceInput([5, 6], 0, p) for p in pages])
     engine.forward([SequenceInput([7], 2, p) for p in pages])
     assert fused_on_cpu["norm"] == fused_on_cpu["add"] == 0
+    monkeypatch.setattr(gemv, "FUSE_NORM_MAX_TOKENS", 1)  # the default
+    engine.forward([SequenceInput([8], 3, p) for p in pages[:2]])
+    assert fused_on_cpu["norm"] == fused_on_cpu["add"] == 0
+    engine.forward([SequenceInput([9], 4, pages[0])])
+    assert fused_on_cpu["norm"] > 0 and fused_on_cpu["add"] > 0

@@ -5,7 +5,7 @@ Built on first use by FlashInfer's JIT (cached). bf16 layers (also LM head, MoE 
 via ``linear``/``bf16_gemv_enabled``; FP8 layers via ``kernels.fp8_linear``. With ``silu_mul`` a
 merged [gate; up] weight gives SiLU(gate) * up directly (a dense MLP's SwiGLU without its own kernel);
 with ``norm`` x is RMS-normed first and with ``add_to`` the product is added to a residual stream in
-place (1 or 2 tokens): the decoder's residual add + RMSNorm without a kernel of its own.
+place (1 or 2 tokens; the layers fuse at 1): the decoder's residual add + RMSNorm without a kernel of its own.
 """
 
 from __future__ import annotations
@@ -29,6 +29,9 @@ SOURCE = Path(__file__).resolve().parent / "csrc" / "gemv.cu"
 MAX_TOKENS = 8
 SILU_MUL_MAX_TOKENS = 2  # the SwiGLU epilogue: the rows at which a dense MLP takes the GEMV
 FUSED_MAX_TOKENS = 2  # ``norm`` and ``add_to``: batch-1 and -2 decode
+# Where the layers take that fusion: one token. At two, Qwen3-8B bf16's pipelined step was 1.046x the one with the
+# add + RMSNorm as kernels of their own (4.614 vs 4.410 ms; Qwen3-30B-A3B 1.004x: docs/benchmarks.md, session 19).
+FUSE_NORM_MAX_TOKENS = 1
 SCALE_BLOCK = 128
 BF16_GEMV_ENV = "TPSERVE_BF16_GEMV"
 # Programmatic dependent launch on Hopper and newer (see csrc/gemv.cu): ``0`` turns it off.
@@ -194,8 +197,10 @@ def silu_mul_enabled() -> bool:
     return os.environ.get(SILU_MUL_ENV, "1") != "0"
 
 
-def fuse_norm_enabled() -> bool:
-    return os.environ.get(FUSE_NORM_ENV, "1") != "0"
+def fuse_norm_enabled(x: torch.Tensor) -> bool:
+    """Whether the layers hand ``x`` to the GEMV with the add + RMSNorm fused (the kernel takes up to
+    ``FUSED_MAX_TOKENS`` rows; the layers up to ``FUSE_NORM_MAX_TOKENS``)."""
+    return os.environ.get(FUSE_NORM_ENV, "1") != "0" and x.numel() // x.shape[-1] <= FUSE_NORM_MAX_TOKENS
 
 
 def bf16_takes_gemv(x: torch.Tensor, use_gemv: bool) -> bool:

@@ -54,7 +54,7 @@ class Slice:
 @dataclass(frozen=True)
 class PendingNorm:
     """``norm(residual)`` not computed yet: a linear layer whose GEMV norms its input as it reads it
-    (``kernels.gemv``'s ``norm``, 1 or 2 tokens) takes it whole; anything else calls ``value()``."""
+    (``kernels.gemv``'s ``norm``, at one token) takes it whole; anything else calls ``value()``."""
 
     residual: torch.Tensor
     norm: nn.Module  # a layers.norm.RMSNorm: weight, eps; norm(x) computes it
@@ -138,8 +138,8 @@ class ParallelLinear(nn.Module):
         return kernel_for(self.fp8_backend, x.numel() // x.shape[-1]) == "cuda"
 
     def fuses(self, x: torch.Tensor, silu_mul: bool = False) -> bool:
-        """Whether the GEMV takes ``x`` with a norm or add fused (``kernels.gemv``: 1 or 2 tokens)."""
-        return (gemv.fuse_norm_enabled() and self.takes_gemv(x)
+        """Whether the GEMV takes ``x`` with a norm or add fused (``kernels.gemv``: one token)."""
+        return (gemv.fuse_norm_enabled(x) and self.takes_gemv(x)
                 and gemv.supported(x, self.weight, self.weight_scale_inv, silu_mul, fused=True))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -37,7 +37,7 @@ class TopKRouter(ReplicatedWeights):
 
     def fuses_norm(self, residual: torch.Tensor) -> bool:
         """Whether the router's GEMV can take ``PendingNorm(residual)`` whole (``kernels.gemv``'s ``norm``)."""
-        return (gemv.bf16_takes_gemv(residual, self.bf16_gemv) and gemv.fuse_norm_enabled()
+        return (gemv.bf16_takes_gemv(residual, self.bf16_gemv) and gemv.fuse_norm_enabled(residual)
                 and gemv.supported(residual, self.weight, fused=True))
 
     def logits(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
@@ -153,7 +153,7 @@ class SparseMoeBlock(nn.Module):
 
     def forward(self, x: torch.Tensor | PendingNorm, reduce: bool = True) -> torch.Tensor:
         """Summed over the ranks, or (``reduce=False``) this rank's partial sum. A ``PendingNorm`` is normed by
-        the router's GEMV and the first expert kernel as they read it (a decode batch of 1 or 2 tokens on CUDA),
+        the router's GEMV and the first expert kernel as they read it (one decoding token on CUDA),
         else computed first. At one token on CUDA the expert kernels take the router's logits and its top k
         themselves (``routes_in_experts``)."""
         gate_up, down = self.experts.gate_up_proj, self.experts.down_proj

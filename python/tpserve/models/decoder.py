@@ -3,7 +3,7 @@ checkpoints' parameter names but q/k/v merged into ``qkv_proj``, gate/up into ``
 
 At TP > 1 attention and MLP return this rank's partial sum: the add+RMSNorm after each all-reduces
 it (``Communicator.all_reduce_add_rmsnorm``, in one kernel where it can). At TP 1, where the CUDA GEMV
-runs (1 or 2 tokens), the add + RMSNorm rides in the GEMVs around it: o_proj and down_proj add their
+runs at one token (``gemv.FUSE_NORM_MAX_TOKENS``), the add + RMSNorm rides in the GEMVs around it: o_proj and down_proj add their
 output to the residual stream and return None, and qkv_proj, gate_up_proj and a MoE block (its router's
 GEMV and its first expert kernel) take a ``PendingNorm`` that they norm as they read it (``add_and_norm``)."""
 
