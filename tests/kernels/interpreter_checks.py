@@ -419,12 +419,13 @@ def check_routed_moe() -> None:
         x, gate_up, down, _, _ = random_experts(gen, tokens, experts, top_k, hidden, inter)
         norm = (torch.rand(hidden, generator=gen) + 0.5, 1e-6)
         ties = torch.randint(0, 3, (tokens, experts), generator=gen).float()  # ranked by id among equals
-        for config, with_norm in ((c, n) for c in (default_config(top_k), prefetch, plain) for n in (None, norm)):
-            for logits in (torch.randn(tokens, experts, generator=gen), ties):
-                weights, ids = router_topk(logits, top_k, renormalize, x.dtype)
-                expected = small_batch_experts(x, gate_up, down, weights, ids, config, norm=with_norm)
-                got = routed_experts(x, gate_up, down, RouterLogits(logits, top_k, renormalize), config, norm=with_norm)
-                assert torch.equal(got, expected), f"routed {tokens, top_k, config, with_norm is not None}"
+        runs = [(torch.randn(tokens, experts, generator=gen), c, n) for c in (default_config(top_k), prefetch, plain)
+                for n in (None, norm)] + [(ties, default_config(top_k), None)]
+        for logits, config, with_norm in runs:
+            weights, ids = router_topk(logits, top_k, renormalize, x.dtype)
+            expected = small_batch_experts(x, gate_up, down, weights, ids, config, norm=with_norm)
+            got = routed_experts(x, gate_up, down, RouterLogits(logits, top_k, renormalize), config, norm=with_norm)
+            assert torch.equal(got, expected), f"routed {tokens, top_k, config, with_norm is not None}"
     act = torch.zeros(2, 8)
     try:
         down_sum(act, torch.zeros(4, 8, 8), None, RouterLogits(torch.zeros(1, 4), 2, True), plain.down)

@@ -272,10 +272,11 @@ class RouterLogits:
     top_k: int
     renormalize: bool
 
-    def kernel_args(self, j_pad: int) -> dict:
+    def kernel_args(self) -> dict:
+        """The expert kernels' routing arguments."""
         experts = self.logits.shape[1]
         return dict(num_experts=experts, stride_l=self.logits.stride(0), ROUTED=True, RENORMALIZE=self.renormalize,
-                    E_PAD=triton.next_power_of_2(max(experts, self.top_k)), J_PAD=j_pad)
+                    E_PAD=triton.next_power_of_2(max(experts, self.top_k)))
 
 
 def gate_up_silu(
@@ -292,7 +293,7 @@ def gate_up_silu(
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
     pdl = triton_pdl(x.device)
     norm_weight, eps = norm if norm is not None else (x, 0.0)
-    routing = ids.kernel_args(triton.next_power_of_2(top_k)) if routed else {}
+    routing = ids.kernel_args() | {"J_PAD": triton.next_power_of_2(top_k)} if routed else {}
     _moe_gate_up_silu_kernel[(rows, triton.cdiv(inter, config.block_n))](
         x, gate_up, ids.logits if routed else ids, act, norm_weight, eps, inter, hidden, x.stride(0),
         gate_up.stride(0), gate_up.stride(1), act.stride(0),
@@ -319,8 +320,7 @@ def down_sum(
     hidden, inter = down.shape[1], down.shape[2]
     out = torch.empty(tokens, hidden, dtype=act.dtype, device=act.device)
     pdl = triton_pdl(act.device)
-    routing = ids.kernel_args(experts_per_step) if routed else {}
-    routing.pop("J_PAD", None)
+    routing = ids.kernel_args() if routed else {}
     _moe_down_sum_kernel[(tokens, triton.cdiv(hidden, config.block_n))](
         act, down, ids.logits if routed else ids, act if weights is None else weights, out, hidden, inter,
         act.stride(0), down.stride(0), down.stride(1), out.stride(0),
