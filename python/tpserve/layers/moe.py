@@ -16,9 +16,10 @@ from tpserve.kernels import gemv, use_triton
 from tpserve.layers.activation import silu_and_mul
 from tpserve.layers.linear import PendingNorm, ReplicatedWeights, copy_checked, divide
 
-# 0: the MoE layer's RMSNorm as a kernel of its own, not in the router's GEMV and the first expert kernel (an A/B switch)
+# 0: the MoE layer's RMSNorm as a kernel of its own, not in the router's GEMV and the first expert kernel (an A/B switch,
+# read when the model is built)
 FUSE_NORM_ENV = "TPSERVE_MOE_FUSE_NORM"
-# 0: the router's top-k as a kernel of its own at one token, not inside the expert kernels (an A/B switch)
+# 0: the router's top-k as a kernel of its own at one token, not inside the expert kernels (likewise)
 FUSE_ROUTER_ENV = "TPSERVE_MOE_FUSE_ROUTER"
 ShardId = tuple[int, int]  # (global expert, part): gate_up_proj part 0 = gate, 1 = up; down_proj part 0
 
@@ -150,6 +151,9 @@ class SparseMoeBlock(nn.Module):
         self.comm = comm
         self.gate = TopKRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.norm_topk_prob)
         self.experts = StackedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        # the A/B switches, read once at build rather than on every step
+        self.norm_in_kernels = os.environ.get(FUSE_NORM_ENV, "1") != "0"
+        self.route_in_kernels = os.environ.get(FUSE_ROUTER_ENV, "1") != "0"
 
     def forward(self, x: torch.Tensor | PendingNorm, reduce: bool = True) -> torch.Tensor:
         """Summed over the ranks, or (``reduce=False``) this rank's partial sum. A ``PendingNorm`` is normed by
@@ -180,14 +184,13 @@ class SparseMoeBlock(nn.Module):
         kernel between them: ``kernels.moe_small.routed_experts``): at one token, where the kernels' programs
         run in one wave. Qwen3-30B-A3B on an H200: 0.99x the step at batch 1, but 1.03x, 1.05x and 1.10x at
         batch 2, 4 and 8, where every program's top-k adds up (docs/benchmarks.md, session 19)."""
-        return (use_triton(x.device) and os.environ.get(FUSE_ROUTER_ENV, "1") != "0"
-                and x.numel() == x.shape[-1] and self.experts.gate_up_proj.is_contiguous()
-                and self.experts.down_proj.is_contiguous())
+        return (self.route_in_kernels and use_triton(x.device) and x.numel() == x.shape[-1]
+                and self.experts.gate_up_proj.is_contiguous() and self.experts.down_proj.is_contiguous())
 
     def fuses_norm(self, residual: torch.Tensor) -> bool:
         """Whether the router's GEMV and the small-batch expert kernels can take ``PendingNorm(residual)``."""
         from tpserve.kernels.moe import SMALL_BATCH_MAX_ROWS
 
         rows = residual.numel() // residual.shape[-1] * self.gate.top_k
-        return (use_triton(residual.device) and os.environ.get(FUSE_NORM_ENV, "1") != "0"
-                and rows <= SMALL_BATCH_MAX_ROWS and self.gate.fuses_norm(residual))
+        return (self.norm_in_kernels and use_triton(residual.device) and rows <= SMALL_BATCH_MAX_ROWS
+                and self.gate.fuses_norm(residual))
