@@ -292,7 +292,7 @@ for s in $stages; do
       IFS=";" read -ra variants <<< "${A3B_VARIANTS:?}"
       for v in "${variants[@]}"; do variant_args+=(--variant "$v"); done
       stage a3b_variants 300 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined --rounds 3 \
-        --batch-sizes "${A3B_BATCHES:-1}" "${variant_args[@]}" --out $results/a3b_variants.json ;;
+        --batch-sizes "${A3B_BATCHES:-1}" --context "${A3B_CONTEXT:-512}" "${variant_args[@]}" --out $results/a3b_variants.json ;;
     norm_b2)  # the add + RMSNorm fused into the GEMVs (and the MoE kernels) at batch 2, against it as a kernel of its own:
       # Qwen3-8B bf16 and Qwen3-30B-A3B, pipelined, 3 alternating rounds (session 19)
       stage norm_b2_8b 150 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms "" --pipelined \
@@ -408,7 +408,7 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
         variant_args+=(--fp8-variant "$v")
       done
       stage engine_variants8 420 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \
-        --pipelined --rounds 5 --batch-sizes 1 "${variant_args[@]}" --out $results/engine_variants8.json ;;
+        --pipelined --rounds 5 --batch-sizes 1 --context "${CONTEXT8:-512}" "${variant_args[@]}" --out $results/engine_variants8.json ;;
     gemv_variants8)  # issue 16, Qwen3-8B batch 1: the GEMV built with GEMV_VARIANT (TPSERVE_GEMV_DEFINES, e.g. X_SMEM=1)
       # against the default, bf16 and FP8, 5 alternating rounds. Session 16's x_load1-3 were X_LOAD variants (removed)
       stage gemv_variants8 330 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \

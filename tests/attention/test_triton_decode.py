@@ -131,3 +131,15 @@ def test_config_from_env_names_bad_settings(monkeypatch):
     for bad in ("chunks=16", "chunk=0", "chunk=x", "chunk", "early_launch=0", "prefetch=2"):
         with pytest.raises(ValueError, match=CONFIG_ENV):
             config_from_env(bad)
+
+
+def test_wide_groups_split_sequences_less():
+    """A KV head serving 8+ query heads (Qwen3's MoE models) splits a sequence over at most 16 programs, the
+    dense models' 4 over 32 (whole-step measurements in the constants' comment); an explicit setting wins."""
+    from tpserve.attention.triton_decode import MAX_SPLITS, WIDE_GROUP_MAX_SPLITS, TritonDecode
+
+    cpu = torch.device("cpu")
+    assert TritonDecode(32, 4, 128, 0.1, cpu, max_batch=1).max_splits == WIDE_GROUP_MAX_SPLITS == 16
+    assert TritonDecode(64, 4, 128, 0.1, cpu, max_batch=1).max_splits == 16
+    assert TritonDecode(32, 8, 128, 0.1, cpu, max_batch=1).max_splits == MAX_SPLITS == 32
+    assert TritonDecode(32, 4, 128, 0.1, cpu, max_batch=1, max_splits=64).max_splits == 64

@@ -39,6 +39,11 @@ from tpserve.kernels.pdl import triton_pdl
 CHUNK = 32  # tokens a program reads per step
 PROGRAMS_PER_SM = 2  # splits fill the GPU this many (sequence, kv head, split) programs deep
 MAX_SPLITS = 32  # programs per (sequence, kv head) at most (64 was slower at batch 1: experiment)
+# ... and where a KV head serves WIDE_GROUP query heads or more (Qwen3's MoE models: 32 or 64 to 4). Whole batch-1
+# steps of Qwen3-30B-A3B on an H200, against 32: 0.953x at context 512, 0.955x at 4096; Qwen3-8B (4 query heads a
+# KV head) was slower with 16: 1.014x bf16, 1.02x FP8 (docs/benchmarks.md, session 20).
+WIDE_GROUP_MAX_SPLITS = 16
+WIDE_GROUP = 8
 MERGE_UNROLL = 16  # splits the merge loads at once
 # ``--decode-attention auto`` over bf16/fp16 pages on Hopper takes this kernel up to this batch size
 # and FlashInfer's decode wrapper above it (docs/benchmarks.md, "Decode attention: tpserve's Triton kernel").
@@ -208,8 +213,10 @@ class TritonDecode:
     name = "Triton's split-KV"
 
     def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device,
-                 max_batch: int = 4096, chunk: int = CHUNK, max_splits: int = MAX_SPLITS, num_warps: int = 4,
+                 max_batch: int = 4096, chunk: int = CHUNK, max_splits: int | None = None, num_warps: int = 4,
                  merge_unroll: int = MERGE_UNROLL, prefetch: int = 1) -> None:
+        if max_splits is None:
+            max_splits = WIDE_GROUP_MAX_SPLITS if num_heads // num_kv_heads >= WIDE_GROUP else MAX_SPLITS
         if max_splits & (max_splits - 1) or chunk & (chunk - 1):
             raise ValueError(f"max_splits and chunk must be powers of two, not {max_splits} and {chunk}")
         self.group = num_heads // num_kv_heads

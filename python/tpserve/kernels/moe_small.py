@@ -22,6 +22,7 @@ run and waits only for the activations (``KernelConfig.prefetch``: Qwen3-30B-A3B
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from dataclasses import dataclass
 
@@ -30,6 +31,11 @@ import triton
 import triton.language as tl
 
 from tpserve.kernels.pdl import triton_pdl
+from tpserve.kernels.settings import int_settings
+
+# Experiments: the kernels' settings in an engine, e.g. ``down_block_n=4 gate_up_block_k=512`` (read when a MoE
+# layer is built), so whole steps of several settings can be timed in one process.
+CONFIG_ENV = "TPSERVE_MOE_SMALL"
 
 
 @dataclass(frozen=True)
@@ -54,12 +60,32 @@ class SmallBatchConfig:
 def default_config(top_k: int) -> SmallBatchConfig:
     """Within 5% of the best of benchmarks/experiments/moe_small_batch.py's batch-1 sweep (H200,
     Qwen3-30B-A3B, docs/benchmarks.md). gate_up has rows * I / BLOCK_N programs (384 there), down
-    only H / BLOCK_N per token, so down reads several experts per step to keep bytes in flight."""
+    only H / BLOCK_N per token, so down reads several experts per step to keep bytes in flight. Swept again in
+    whole batch-1 steps of that model (``TPSERVE_MOE_SMALL``, session 20): down's BLOCK_K 256 took 2.8% off (0.972x)
+    against 128; down BLOCK_N 4, gate_up BLOCK_N 8 or BLOCK_K 512 were 3-8% slower, 3 gate_up stages or 8 down
+    warps no faster."""
     return SmallBatchConfig(
         gate_up=KernelConfig(block_n=16, block_k=256, num_warps=4),
-        down=KernelConfig(block_n=8, block_k=128, num_warps=4, experts_per_step=min(8, triton.next_power_of_2(top_k)),
+        down=KernelConfig(block_n=8, block_k=256, num_warps=4, experts_per_step=min(8, triton.next_power_of_2(top_k)),
                           prefetch=True),
     )
+
+
+@functools.cache
+def config_from_setting(top_k: int, setting: str = "") -> SmallBatchConfig:
+    """``default_config(top_k)`` with ``setting``'s (``TPSERVE_MOE_SMALL``) changes, ``KERNEL_FIELD=INT`` each."""
+    config = default_config(top_k)
+    fields = {f.name for f in dataclasses.fields(KernelConfig)}
+    for name, value in int_settings(setting, CONFIG_ENV):
+        kernel = next((k for k in ("gate_up", "down") if name.startswith(k + "_")), None)
+        field = name.removeprefix(f"{kernel}_") if kernel else name
+        if kernel is None or field not in fields:
+            raise ValueError(f"{CONFIG_ENV}: {name} is not gate_up_FIELD or down_FIELD with a field of {sorted(fields)}")
+        value = bool(value) if field == "prefetch" else value
+        config = dataclasses.replace(config, **{kernel: dataclasses.replace(getattr(config, kernel), **{field: value})})
+    check_config(config.gate_up)
+    check_config(config.down)
+    return config
 
 
 def check_config(config: KernelConfig) -> None:

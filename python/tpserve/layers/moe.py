@@ -154,6 +154,7 @@ class SparseMoeBlock(nn.Module):
         # the A/B switches, read once at build rather than on every step
         self.norm_in_kernels = os.environ.get(FUSE_NORM_ENV, "1") != "0"
         self.route_in_kernels = os.environ.get(FUSE_ROUTER_ENV, "1") != "0"
+        self.kernel_setting = os.environ.get("TPSERVE_MOE_SMALL", "")  # experiments: kernels.moe_small.CONFIG_ENV
 
     def forward(self, x: torch.Tensor | PendingNorm, reduce: bool = True) -> torch.Tensor:
         """Summed over the ranks, or (``reduce=False``) this rank's partial sum. A ``PendingNorm`` is normed by
@@ -168,12 +169,14 @@ class SparseMoeBlock(nn.Module):
         if routed or norm is not None:  # the small-batch expert kernels (kernels/moe_small.py)
             from tpserve.kernels import moe_small
 
+            config = moe_small.config_from_setting(self.gate.top_k, self.kernel_setting)
             if routed:
                 router = moe_small.RouterLogits(self.gate.logits(x), self.gate.top_k, self.gate.norm_topk_prob)
-                partial = moe_small.routed_experts(residual.contiguous(), gate_up, down, router, norm=norm)
+                partial = moe_small.routed_experts(residual.contiguous(), gate_up, down, router, config, norm)
             else:
                 weights, ids = self.gate(x)
-                partial = moe_small.small_batch_experts(residual.contiguous(), gate_up, down, weights, ids, norm=norm)
+                partial = moe_small.small_batch_experts(residual.contiguous(), gate_up, down, weights, ids, config,
+                                                        norm)
         else:
             weights, ids = self.gate(x)
             partial = run_experts(x, gate_up, down, weights, ids)
