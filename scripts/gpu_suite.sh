@@ -30,8 +30,9 @@
 # Session 19: q/k norm + rotary + KV store inside the Triton decode attention kernel lost 2-4% (removed); the MoE router's top-k
 # inside the small-batch expert kernels took 0.8% off A3B batch 1 (a3b_variants "unrouted:TPSERVE_MOE_FUSE_ROUTER=0").
 # Session 19 also found the add + RMSNorm fused into the GEMVs 4.6% slower at batch 2 (norm_b2; now fused at one token only)
-# and routing inside the MoE kernels slower from batch 2 (a3b_variants with A3B_BATCHES). Not yet run: silu_b2 (the SwiGLU
-# epilogue at batch 2), a3b_b1 (A3B batch 1 with today's defaults against the unfused norm).
+# and routing inside the MoE kernels slower from batch 2 (a3b_variants with A3B_BATCHES). Session 20: the next kernel's
+# weights prefetched into L2 (by the GEMV or by decode attention) lost 3-17% (removed); silu_b2 kept the SwiGLU epilogue
+# at batch 2; a3b_variants swept TPSERVE_MOE_SMALL and TPSERVE_TRITON_DECODE (down BLOCK_K 256, 16 splits for A3B: 0.927x).
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
 set -u
@@ -299,7 +300,7 @@ for s in $stages; do
         --rounds 3 --batch-sizes 2 --variant unfused:TPSERVE_GEMV_FUSE_NORM=0 --out $results/norm_b2_8b.json
       stage norm_b2_a3b 150 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined \
         --rounds 3 --batch-sizes 2 --variant unfused:TPSERVE_GEMV_FUSE_NORM=0 --out $results/norm_b2_a3b.json ;;
-    silu_b2)  # not yet run: the SwiGLU epilogue at batch 2 (SILU_MUL_MAX_TOKENS), as norm_b2 found the fused norm slower there
+    silu_b2)  # the SwiGLU epilogue at batch 2 (SILU_MUL_MAX_TOKENS): kept (session 20: off was bf16 1.023x, FP8 1.0x)
       stage silu_b2 330 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto --pipelined \
         --rounds 3 --batch-sizes 2 --variant silu_off:TPSERVE_GEMV_SILU_MUL=0 --fp8-variant silu_off:TPSERVE_GEMV_SILU_MUL=0 \
         --out $results/silu_b2.json ;;
