@@ -31,11 +31,11 @@ import triton
 import triton.language as tl
 
 from tpserve.kernels.pdl import triton_pdl
+from tpserve.kernels.settings import MOE_SMALL_ENV as CONFIG_ENV
 from tpserve.kernels.settings import int_settings
 
-# Experiments: the kernels' settings in an engine, e.g. ``down_block_n=4 gate_up_block_k=512`` (read when a MoE
-# layer is built), so whole steps of several settings can be timed in one process.
-CONFIG_ENV = "TPSERVE_MOE_SMALL"
+# CONFIG_ENV, for experiments: the kernels' settings in an engine, e.g. ``down_block_n=4 gate_up_block_k=512`` (read
+# when a MoE layer is built), so whole steps of several settings can be timed in one process.
 
 
 @dataclass(frozen=True)

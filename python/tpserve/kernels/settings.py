@@ -3,6 +3,10 @@
 
 from __future__ import annotations
 
+# The small-batch MoE kernels' tiles (``kernels/moe_small.py``), read where a MoE layer is built (``layers/moe.py``,
+# which must not import Triton on the CPU path).
+MOE_SMALL_ENV = "TPSERVE_MOE_SMALL"
+
 
 def int_settings(setting: str, env: str) -> tuple[tuple[str, int], ...]:
     """An experiment's ``NAME=INTEGER`` list (spaces or commas between), e.g. ``chunk=16 max_splits=64``

@@ -13,6 +13,7 @@ from tpserve.config import ModelConfig
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
 from tpserve.kernels import gemv, use_triton
+from tpserve.kernels.settings import MOE_SMALL_ENV
 from tpserve.layers.activation import silu_and_mul
 from tpserve.layers.linear import PendingNorm, ReplicatedWeights, copy_checked, divide
 
@@ -154,7 +155,7 @@ class SparseMoeBlock(nn.Module):
         # the A/B switches, read once at build rather than on every step
         self.norm_in_kernels = os.environ.get(FUSE_NORM_ENV, "1") != "0"
         self.route_in_kernels = os.environ.get(FUSE_ROUTER_ENV, "1") != "0"
-        self.kernel_setting = os.environ.get("TPSERVE_MOE_SMALL", "")  # experiments: kernels.moe_small.CONFIG_ENV
+        self.kernel_setting = os.environ.get(MOE_SMALL_ENV, "")  # experiments: the small-batch kernels' tiles
 
     def forward(self, x: torch.Tensor | PendingNorm, reduce: bool = True) -> torch.Tensor:
         """Summed over the ranks, or (``reduce=False``) this rank's partial sum. A ``PendingNorm`` is normed by
