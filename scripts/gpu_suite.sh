@@ -450,6 +450,14 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
         --graph-only --out $results/graph_profile_8b.json
       stage graph_profile_8b_fp8 150 python3 benchmarks/profile_decode.py --model tests/data/configs/Qwen3-8B --quantization fp8 \
         --batch-sizes 1 --graph-only --out $results/graph_profile_8b_fp8.json ;;
+    split_profile)  # not yet run: why 16 splits speed A3B's step (0.953x) and slow Qwen3-8B's (1.014x) at batch 1 (session 20):
+      # both graphs kernel by kernel at 16 and at 32 splits (TPSERVE_TRITON_DECODE), to compare the attention kernel's time
+      for splits in 16 32; do
+        stage split_profile_a3b_$splits 100 env TPSERVE_TRITON_DECODE=max_splits=$splits python3 benchmarks/profile_decode.py \
+          --model $a3b --batch-sizes 1 --graph-only --out $results/split_profile_a3b_$splits.json
+        stage split_profile_8b_$splits 100 env TPSERVE_TRITON_DECODE=max_splits=$splits python3 benchmarks/profile_decode.py \
+          --model tests/data/configs/Qwen3-8B --batch-sizes 1 --graph-only --out $results/split_profile_8b_$splits.json
+      done ;;
     graph_profile_a3b)  # Qwen3-30B-A3B batch 1, kernel by kernel inside the CUDA graph
       stage graph_profile_a3b 100 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 1 --graph-only \
         --out $results/graph_profile_a3b.json ;;
