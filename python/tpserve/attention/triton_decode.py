@@ -41,7 +41,9 @@ PROGRAMS_PER_SM = 2  # splits fill the GPU this many (sequence, kv head, split) 
 MAX_SPLITS = 32  # programs per (sequence, kv head) at most (64 was slower at batch 1: experiment)
 # ... and where a KV head serves WIDE_GROUP query heads or more (Qwen3's MoE models: 32 or 64 to 4). Whole batch-1
 # steps of Qwen3-30B-A3B on an H200, against 32: 0.953x at context 512, 0.955x at 4096; Qwen3-8B (4 query heads a
-# KV head) was slower with 16: 1.014x bf16, 1.02x FP8 (docs/benchmarks.md, session 20).
+# KV head) was slower with 16: 1.014x bf16, 1.02x FP8 (docs/benchmarks.md, session 20). At ~540 tokens 16 grid splits
+# use 9 splits of 64 tokens where 32 use 17 of 32: half the partials for the last program to merge, GROUP rows each,
+# against a second chunk per split; the wider the group, the more the merge weighs.
 WIDE_GROUP_MAX_SPLITS = 16
 WIDE_GROUP = 8
 MERGE_UNROLL = 16  # splits the merge loads at once
