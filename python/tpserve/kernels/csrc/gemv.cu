@@ -27,9 +27,8 @@
 //   gate_up_proj) reads x as the residual stream and computes W @ (RMSNorm(x) * norm_w) as
 //   rsqrt(mean(x^2) + eps) * (W @ (x * norm_w)): the block reads all of x anyway, so the sum of squares
 //   comes with the dot products and is reduced with them, and the norm costs no extra pass over x
-//   (the normed x is not rounded to bf16 in between, unlike the separate norm kernel's output). The FP8
-//   SwiGLU with the norm takes 96 registers (5 blocks an SM, the plain one 80); held to 6 blocks it
-//   spilled and its Qwen3-8B step was 4% slower (session 15).
+//   (the normed x is not rounded to bf16 in between, unlike the separate norm kernel's output). How many
+//   blocks an SM each one-token FP8 kernel fits is set where the kernel is declared (min_blocks).
 //
 // The constants of the one-token FP8 case are macros only so that an experiment
 // (benchmarks/experiments/fp8_gemm.py) can build variants beside the default.
@@ -83,6 +82,10 @@ constexpr int kMaxSiluMulTokens = 2;
 // cores (mma.sync m16n8k16 f16, x staged as f16 in shared memory; 64 registers) by 29%; W's e4m3 pairs times x in
 // f16x2 (HFMA2: half the instructions an element, a chunk's 16 products summed in f16) only 0.4-0.7% faster, within
 // the noise, for f16 rounding: fewer instructions do not speed it up either.
+// Session 21 (against the qkv kernel held to 6 blocks, below): o_proj's W loaded before the PDL wait, into
+// registers 0.2% faster (noise) and through cp.async into shared memory 1.8% slower; 16 loads in flight in the
+// kernels that add to the residual (o, down; 126 registers) 1.8% slower, in the SwiGLU ones 9% slower; every
+// one-token FP8 kernel held to 7 blocks (72 registers) 0.7% slower, to 8 (64, spilling) 3% slower.
 template <int M, bool kFp8>
 __host__ __device__ constexpr int rows_per_block() {
   return kFp8 && M == 1 ? TPSERVE_GEMV_FP8_ROWS : (M <= 2 ? 2 : 4);
@@ -169,8 +172,24 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
 enum Fuse : int { kPlain = 0, kNormX = 1, kAddToY = 2 };
 constexpr int kMaxFusedTokens = 2;
 
+// Blocks an SM the one-token FP8 kernels are compiled for (__launch_bounds__; 0: the compiler's choice). Left
+// alone, the one with the fused norm and no SwiGLU (qkv_proj) takes 88 registers, 5 blocks an SM, so Qwen3-8B's
+// 768 blocks ran in 1.16 waves of 660; held to 6 it takes 80 without spilling and runs in one wave.
+#ifndef TPSERVE_GEMV_NORM_MIN_BLOCKS
+#define TPSERVE_GEMV_NORM_MIN_BLOCKS 6
+#endif
+#ifndef TPSERVE_GEMV_FP8_MIN_BLOCKS  // the other one-token FP8 kernels (80 and 76 registers: 6 blocks)
+#define TPSERVE_GEMV_FP8_MIN_BLOCKS 0
+#endif
 template <int M, bool kFp8, bool kSiluMul, int kFuse>
-__global__ void __launch_bounds__(kThreads)
+__host__ __device__ constexpr int min_blocks() {
+  return kFp8 && M == 1 && !kSiluMul && kFuse == 1 ? TPSERVE_GEMV_NORM_MIN_BLOCKS
+         : kFp8 && M == 1                             ? TPSERVE_GEMV_FP8_MIN_BLOCKS
+                                                      : 0;
+}
+
+template <int M, bool kFp8, bool kSiluMul, int kFuse>
+__global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse>()))
     gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
                 const float* __restrict__ scale_inv, const __nv_bfloat16* __restrict__ norm_w, float eps,
                 __nv_bfloat16* y, int n, int k) {
