@@ -7,7 +7,8 @@ unsorted GEMV-style kernels) with its default config. Every timing is the replay
 of --calls calls (``time_in_graph``), each call with its own random routing and one of --copies
 copies of the layer's weights, so the experts a call reads come from HBM, not L2; the floor is
 the bytes of the distinct experts each call reads over the device copy bandwidth measured in the
-same run. Each path is checked once against the float32 torch experts.
+same run. Each path is checked once against the float32 torch experts. At batch 1 also the expert GEMVs
+(``tpserve.kernels.gemv.experts``, the CUDA GEMV over the top-k experts: ``TPSERVE_MOE_GEMV=1``).
 
 Then a sweep of each small-batch kernel's launch config at --sweep-batch-sizes: BLOCK_N, BLOCK_K,
 warps (and experts read per step, for down) at 2 stages, then the stages of the best; each kernel
@@ -201,12 +202,21 @@ def main() -> None:
         row["speedup"] = row["grouped_us"] / row["small_us"]
         row["small_x_floor"] = row["small_us"] / floor_us
         row["small_TBps"] = distinct * expert_bytes / row["small_us"] / 1e6
+        if batch == 1:
+            from tpserve.kernels import gemv
+
+            cuda_gemv = measure("gemv", lambda c, bl=batch_layer: gemv.experts(*bl.args(c)), batch_layer, args, True)
+            row["gemv_us"], row["gemv_err"] = cuda_gemv.get("us", float("nan")), cuda_gemv.get("err", float("nan"))
+            row["gemv_TBps"] = distinct * expert_bytes / row["gemv_us"] / 1e6
+            row["gemv_vs_small"] = row["gemv_us"] / row["small_us"]
         rows.append(row)
         print(f"batch {batch}: grouped {row['grouped_us']:.1f} us, small {row['small_us']:.1f} us, "
               f"floor {floor_us:.1f} us", flush=True)
     print(f"\nOne layer's experts per call, default small-batch config {default}")
     print_table(rows, ["batch", "rows", "experts_read", "floor_us", "grouped_us", "small_us", "speedup",
                        "small_x_floor", "small_TBps", "grouped_err", "small_err"])
+    print_table([r for r in rows if "gemv_us" in r], ["batch", "floor_us", "small_us", "gemv_us", "gemv_vs_small",
+                                                      "small_TBps", "gemv_TBps", "gemv_err"])
 
     sweep_batches = [int(b) for b in args.sweep_batch_sizes.split(",") if b]
     sweeps, gate_up_times, down_times = [], [], []
