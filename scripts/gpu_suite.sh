@@ -277,8 +277,8 @@ for s in $stages; do
       # run): its tests, one layer's experts alone against the Triton small-batch kernels (moe_small_batch.py at batch 1),
       # then Qwen3-30B-A3B batch-1 steps against the defaults (pipelined, 3 alternating rounds)
       stage moe_gemv_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe.py -k expert_gemv
-      stage moe_gemv_layer 120 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --batch-sizes 1 \
-        --sweep-batch-sizes "" --out $results/moe_gemv_layer.json
+      stage moe_gemv_layer 240 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --batch-sizes 1 \
+        --sweep-batch-sizes "" --gemv-variants "EXPERT_ROWS=2;EXPERT_ROWS=8" --out $results/moe_gemv_layer.json
       stage moe_gemv 300 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined --rounds 3 \
         --batch-sizes 1 --variant gemv:TPSERVE_MOE_GEMV=1 --out $results/moe_gemv.json ;;
     moe30_tests) stage moe30_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py ;;

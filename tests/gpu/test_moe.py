@@ -2,6 +2,7 @@
 in bf16, eager and inside a CUDA graph; then a tiny Qwen3-MoE model with the Triton experts against
 the same model with the torch experts: in float32 (no graphs: logits equal to float32 rounding) and
 in bf16 with CUDA graphs, at batch 1 to 11 (decode on the small-batch kernels, prefill grouped).
+Last, the one-token experts through the CUDA GEMV (``gemv.experts``, ``TPSERVE_MOE_GEMV=1``), alone and in the model.
 
 In bf16 the two models are not compared with the dense models' per-step bound: routers near a
 tie pick another expert when anything rounds differently, which moves some rows far more than

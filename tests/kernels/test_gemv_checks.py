@@ -81,8 +81,8 @@ def test_expert_gemv_refusals_name_the_reason():
     assert "contiguous bf16" in experts_unsupported(x, gate_up.float(), down, 2)
     assert "contiguous bf16" in experts_unsupported(x, gate_up.transpose(1, 2), down, 2)
     assert "top_k" in experts_unsupported(x, gate_up, down, MAX_TOP_K + 1)
-    small_x, small_gate_up, small_down = x[:, :36].contiguous(), gate_up[:, :, :36].contiguous(), down[:, :36].contiguous()
-    assert "multiples of 8" in experts_unsupported(small_x, small_gate_up, small_down, 2)
+    narrow = (x[:, :36].contiguous(), gate_up[:, :, :36].contiguous(), down[:, :36].contiguous())
+    assert "multiples of 8" in experts_unsupported(*narrow, 2)
     assert "CUDA device" in experts_unsupported(x, gate_up, down, 2)  # the shapes pass: only the device is left
     with pytest.raises(ValueError, match="expert gemv: .*CUDA device"):
         experts(x, gate_up, down, torch.ones(1, 2, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.long))

@@ -168,7 +168,8 @@ def experts_unsupported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
     """Why ``experts`` cannot run one token ``x`` through these stacked experts, or None when it can."""
     if x.numel() != x.shape[-1] or x.dtype != torch.bfloat16:
         return "the expert GEMVs take one bf16 token"
-    if gate_up.dtype != torch.bfloat16 or down.dtype != torch.bfloat16 or not (gate_up.is_contiguous() and down.is_contiguous()):
+    bf16 = gate_up.dtype == down.dtype == torch.bfloat16
+    if not (bf16 and gate_up.is_contiguous() and down.is_contiguous()):
         return "the expert GEMVs take contiguous bf16 experts"
     if not 1 <= top_k <= MAX_TOP_K:
         return f"top_k {top_k} is outside 1..{MAX_TOP_K}"
@@ -182,11 +183,12 @@ def experts_unsupported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tens
 
 def experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    norm: tuple[torch.Tensor, float] | None = None, pdl: bool | None = None,
+    norm: tuple[torch.Tensor, float] | None = None, pdl: bool | None = None, module: Any = None,
 ) -> torch.Tensor:
     """One token's MoE experts through the expert GEMVs (an experiment against ``kernels.moe_small``):
     sum_j weights[0, j] * expert_{ids[0, j]}(x) [1, H]; gate_up [E, 2I, H] ([gate; up] rows), down [E, H, I], weights
-    bf16 and ids int64 [1, k] (the router kernel's). ``norm`` (weight, eps): of RMSNorm(x) * weight, normed as read."""
+    bf16 and ids int64 [1, k] (the router kernel's). ``norm`` (weight, eps): of RMSNorm(x) * weight, normed as read;
+    ``module``: a ``load_module(defines)`` variant (experiments)."""
     top_k = ids.shape[-1]
     reason = experts_unsupported(x, gate_up, down, top_k)
     if reason is not None:
@@ -195,7 +197,7 @@ def experts(
     if x2.data_ptr() % _VEC_BYTES:
         x2 = x2.clone()
     _check_fusion(x2, gate_up.shape[1] // 2, norm, None, True)
-    module = load_module(_defines(os.environ.get(DEFINES_ENV, "")))
+    module = module or load_module(_defines(os.environ.get(DEFINES_ENV, "")))
     if pdl is None:
         pdl = os.environ.get(PDL_ENV, "1") != "0"
     pdl = pdl and pdl_supported(x.device.index or 0)

@@ -572,8 +572,8 @@ static Routing routing_of(TensorView ids, int64_t expert_elems) {
   return routing;
 }
 
-// act [k, I] = SiLU(x @ gate.T) * (x @ up.T) of x [1, H] through expert ids[j]'s slice of gate_up [E, 2I, H] ([gate; up])
-// for each slot j; norm_w: x is RMS-normed first, as in gemv_bf16.
+// act [k, I] = SiLU(x @ gate.T) * (x @ up.T) of x [1, H] through expert ids[j]'s slice of gate_up [E, 2I, H]
+// ([gate; up]) for each slot j; norm_w: x is RMS-normed first, as in gemv_bf16.
 void moe_gate_up_bf16(TensorView x, TensorView gate_up, TensorView ids, TensorView act, bool pdl,
                       Optional<TensorView> norm_w, double eps) {
   CHECK_INPUT_AND_TYPE(gate_up, dl_bfloat16);
