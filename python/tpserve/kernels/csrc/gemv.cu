@@ -206,20 +206,16 @@ __device__ __forceinline__ float load_input_bf16(const __nv_bfloat16* p) {
   return __uint_as_float(static_cast<uint32_t>(v) << 16);
 }
 
-// Blocks an SM the one-token FP8 kernels are compiled for (__launch_bounds__; 0: the compiler's choice). Left
-// alone, the one with the fused norm and no SwiGLU (qkv_proj) takes 88 registers, 5 blocks an SM, so Qwen3-8B's
-// 768 blocks ran in 1.16 waves of 660; held to 6 it takes 80 without spilling and runs in one wave.
+// Blocks an SM a kernel is compiled for (__launch_bounds__; 0: the compiler's choice). Left alone, the one-token
+// FP8 kernel with the fused norm and no SwiGLU (qkv_proj) takes 88 registers, 5 blocks an SM, so Qwen3-8B's 768
+// blocks ran in 1.16 waves of 660; held to 6 it takes 80 without spilling and runs in one wave (the other one-token
+// FP8 kernels take 80 and 76 registers, 6 blocks, by themselves).
 #ifndef TPSERVE_GEMV_NORM_MIN_BLOCKS
 #define TPSERVE_GEMV_NORM_MIN_BLOCKS 6
 #endif
-#ifndef TPSERVE_GEMV_FP8_MIN_BLOCKS  // the other one-token FP8 kernels (80 and 76 registers: 6 blocks)
-#define TPSERVE_GEMV_FP8_MIN_BLOCKS 0
-#endif
 template <int M, bool kFp8, bool kSiluMul, int kFuse>
 __host__ __device__ constexpr int min_blocks() {
-  return kFp8 && M == 1 && !kSiluMul && kFuse == 1 ? TPSERVE_GEMV_NORM_MIN_BLOCKS
-         : kFp8 && M == 1                             ? TPSERVE_GEMV_FP8_MIN_BLOCKS
-                                                      : 0;
+  return kFp8 && M == 1 && !kSiluMul && kFuse == kNormX ? TPSERVE_GEMV_NORM_MIN_BLOCKS : 0;
 }
 
 template <int M, bool kFp8, bool kSiluMul, int kFuse, int kMoe = kDense>
