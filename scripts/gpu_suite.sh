@@ -273,14 +273,6 @@ for s in $stages; do
         --out $results/tp_decode_qwen3_32b_fused.json ;;
     # ---- Qwen3-30B-A3B (issue 14); after warm (the bf16 MoE test builds FlashInfer's kernels otherwise and
     # overran 120 s). moe30 on one GPU (~6 min), moe30_tp2 on two ----
-    moe_gemv)  # issue 14: the one-token experts through the CUDA GEMV (TPSERVE_MOE_GEMV=1; built in session 21, not yet
-      # run): its tests, one layer's experts alone against the Triton small-batch kernels (moe_small_batch.py at batch 1),
-      # then Qwen3-30B-A3B batch-1 steps against the defaults (pipelined, 3 alternating rounds)
-      stage moe_gemv_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe.py -k expert_gemv
-      stage moe_gemv_layer 240 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --batch-sizes 1 \
-        --sweep-batch-sizes "" --gemv-variants "EXPERT_ROWS=2;EXPERT_ROWS=8" --out $results/moe_gemv_layer.json
-      stage moe_gemv 300 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined --rounds 3 \
-        --batch-sizes 1 --variant gemv:TPSERVE_MOE_GEMV=1 --out $results/moe_gemv.json ;;
     moe30_tests) stage moe30_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py ;;
     moe_tests_fused)  # test_moe.py with the add + RMSNorm in the GEMVs (TPSERVE_GEMV_FUSE_NORM=1)
       stage moe_tests_fused 240 env TPSERVE_GEMV_FUSE_NORM=1 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe.py ;;

@@ -7,9 +7,7 @@ unsorted GEMV-style kernels) with its default config. Every timing is the replay
 of --calls calls (``time_in_graph``), each call with its own random routing and one of --copies
 copies of the layer's weights, so the experts a call reads come from HBM, not L2; the floor is
 the bytes of the distinct experts each call reads over the device copy bandwidth measured in the
-same run. Each path is checked once against the float32 torch experts. At batch 1 also the expert GEMVs
-(``tpserve.kernels.gemv.experts``, the CUDA GEMV over the top-k experts: ``TPSERVE_MOE_GEMV=1``), and with
---gemv-variants each variant of its constants (``EXPERT_ROWS=8``, csrc/gemv.cu's macros; built as modules of their own).
+same run. Each path is checked once against the float32 torch experts.
 
 Then a sweep of each small-batch kernel's launch config at --sweep-batch-sizes: BLOCK_N, BLOCK_K,
 warps (and experts read per step, for down) at 2 stages, then the stages of the best; each kernel
@@ -43,7 +41,6 @@ import triton
 from common import copy_bandwidth, device_name, print_table, write_json
 from tpserve.kernels.moe import grouped_experts
 from tpserve.kernels.moe_small import KernelConfig, SmallBatchConfig, default_config, down_sum, gate_up_silu, small_batch_experts
-from tpserve.kernels.settings import int_settings
 from tpserve.layers.moe import experts_torch
 from tpserve.plan.calibrate import time_in_graph
 
@@ -166,9 +163,6 @@ def main() -> None:
     parser.add_argument("--copies", type=int, default=4, help="copies of the layer's experts, rotated over the calls")
     parser.add_argument("--calls", type=int, default=8, help="calls (routings) per graph")
     parser.add_argument("--iters", type=int, default=20, help="timed graph replays")
-    parser.add_argument("--gemv-variants", default="",
-                        help="';'-separated variants of the expert GEMVs' macros timed at batch 1, "
-                             "e.g. 'EXPERT_ROWS=2;EXPERT_ROWS=8'")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     torch.backends.cuda.matmul.allow_tf32 = False
@@ -194,7 +188,7 @@ def main() -> None:
     )
     default = default_config(top_k)
 
-    rows, gemv_rows = [], []
+    rows = []
     for batch in [int(b) for b in args.batch_sizes.split(",")]:
         batch_layer = make_routings(layer, batch, experts, top_k, hidden, args.calls, seed=batch)
         distinct = sum(len(set(i.flatten().tolist())) for i in batch_layer.ids) / args.calls
@@ -207,28 +201,12 @@ def main() -> None:
         row["speedup"] = row["grouped_us"] / row["small_us"]
         row["small_x_floor"] = row["small_us"] / floor_us
         row["small_TBps"] = distinct * expert_bytes / row["small_us"] / 1e6
-        if batch == 1:
-            from tpserve.kernels import gemv
-
-            for variant in [""] + [v for v in args.gemv_variants.split(";") if v]:
-                def run_gemv(call: int, bl: Layer = batch_layer, defines: str = variant) -> torch.Tensor:
-                    module = gemv.load_module(int_settings(defines, "--gemv-variants"))  # (built once, cached)
-                    return gemv.experts(*bl.args(call), module=module)
-
-                cuda_gemv = measure(f"gemv {variant}", run_gemv, batch_layer, args, True)
-                us = cuda_gemv.get("us", float("nan"))
-                gemv_rows.append({"variant": variant or "default", "us": us, "err": cuda_gemv.get("err", float("nan")),
-                                  "TBps": distinct * expert_bytes / us / 1e6, "vs_small": us / row["small_us"],
-                                  "x_floor": us / floor_us})
         rows.append(row)
         print(f"batch {batch}: grouped {row['grouped_us']:.1f} us, small {row['small_us']:.1f} us, "
               f"floor {floor_us:.1f} us", flush=True)
     print(f"\nOne layer's experts per call, default small-batch config {default}")
     print_table(rows, ["batch", "rows", "experts_read", "floor_us", "grouped_us", "small_us", "speedup",
                        "small_x_floor", "small_TBps", "grouped_err", "small_err"])
-    if gemv_rows:
-        print("\nThe expert GEMVs at batch 1 (vs_small: their time / the small-batch kernels')")
-        print_table(gemv_rows, ["variant", "us", "vs_small", "x_floor", "TBps", "err"])
 
     sweep_batches = [int(b) for b in args.sweep_batch_sizes.split(",") if b]
     sweeps, gate_up_times, down_times = [], [], []
@@ -272,7 +250,6 @@ def main() -> None:
         "benchmark": "moe_small_batch", "model": args.model, "tp": args.tp, "copy_bandwidth_Bps": bandwidth,
         "experts": experts, "top_k": top_k, "hidden": hidden, "intermediate": inter,
         "default_config": str(default), "best_config": str(best) if best else None, "rows": rows, "sweep": sweeps,
-        "expert_gemv": gemv_rows,
     })
 
 

@@ -2,7 +2,6 @@
 in bf16, eager and inside a CUDA graph; then a tiny Qwen3-MoE model with the Triton experts against
 the same model with the torch experts: in float32 (no graphs: logits equal to float32 rounding) and
 in bf16 with CUDA graphs, at batch 1 to 11 (decode on the small-batch kernels, prefill grouped).
-Last, the one-token experts through the CUDA GEMV (``gemv.experts``, ``TPSERVE_MOE_GEMV=1``), alone and in the model.
 
 In bf16 the two models are not compared with the dense models' per-step bound: routers near a
 tie pick another expert when anything rounds differently, which moves some rows far more than
@@ -210,85 +209,4 @@ def test_moe_model_graphs_and_triton_match_torch_experts(bf16_engines, monkeypat
     errors = row_errors(forced_logits, ref_logits)
     print(f"bf16 Triton + graphs vs torch experts, {num_prompts} prompts: row errors median "
           f"{float(errors.median()):.2e}, past 2e-2 {float((errors > 2e-2).float().mean()):.0%}")
-    assert_routed_logits_close(forced_logits, ref_logits)
-
-
-def rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    x64 = x.double()
-    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
-
-
-@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
-@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: "x".join(map(str, s)))
-def test_expert_gemv_matches_torch_and_triton(shape, norm):
-    """The one-token experts through the CUDA GEMV (``gemv.experts``, ``TPSERVE_MOE_GEMV=1``): within bf16 rounding
-    of float64 as the Triton small-batch kernels are, with the RMSNorm of x fused or not, the same bits every run."""
-    from tpserve.kernels import gemv
-
-    x, gate_up, down, weights, ids = expert_inputs(1, *shape, seed=30)
-    fused_norm = None
-    expected_x = x.double()
-    if norm:
-        norm_weight = (1 + 0.1 * torch.randn(x.shape[-1], device=DEVICE)).to(DTYPE)
-        fused_norm = (norm_weight, 1e-6)
-        expected_x = rms_normed(x, norm_weight, 1e-6)
-    expected = experts_torch(expected_x, gate_up.double(), down.double(), weights.double(), ids)
-    out = gemv.experts(x, gate_up, down, weights, ids, fused_norm)
-    triton = small_batch_experts(x, gate_up, down, weights, ids, norm=fused_norm)
-    gemv_err, triton_err = rel_err(out, expected), rel_err(triton, expected)
-    print(f"shape {shape} norm {norm}: expert gemv {gemv_err:.2e}, triton {triton_err:.2e}")
-    assert gemv_err < RTOL and gemv_err < 2 * triton_err + 1e-3
-    assert torch.equal(out, gemv.experts(x, gate_up, down, weights, ids, fused_norm))
-
-
-def test_expert_gemv_in_a_cuda_graph_after_the_router_kernel():
-    """As a MoE layer runs it: the router kernel, then the expert GEMVs (PDL: gate_up waits for the ids, down reads
-    them before its own wait), captured once and replayed on new logits (other experts): equal to eager."""
-    from tpserve.kernels import gemv
-
-    x, gate_up, down, _, _ = expert_inputs(1, *SHAPES[0], seed=40)
-    gen = torch.Generator(device=DEVICE).manual_seed(41)
-    logits = torch.randn(1, SHAPES[0][0], generator=gen, device=DEVICE).to(DTYPE)
-
-    def layer() -> torch.Tensor:
-        weights, ids = router_topk(logits, SHAPES[0][1], True, DTYPE)
-        return gemv.experts(x, gate_up, down, weights, ids)
-
-    layer()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        out = layer()
-    for seed in (42, 43):
-        logits.copy_(torch.randn(logits.shape, generator=gen.manual_seed(seed), device=DEVICE))
-        graph.replay()
-        torch.cuda.synchronize()
-        assert torch.equal(out, layer())
-        weights, ids = router_topk(logits, SHAPES[0][1], True, DTYPE)
-        assert rel_err(out, reference(x, gate_up, down, weights, ids)) < RTOL
-
-
-def test_moe_model_expert_gemv_matches_torch_experts(moe_model_dir, bf16_engines, monkeypatch):
-    """The tiny model with ``TPSERVE_MOE_GEMV=1`` (one-token decode steps in CUDA graphs on the expert GEMVs) against
-    the torch experts, eager, as the Triton engine is checked above."""
-    reference, _ = bf16_engines
-    calls = []
-    from tpserve.kernels import gemv
-
-    real_experts = gemv.experts
-
-    def counted(*args, **kwargs):
-        calls.append(args[0].shape)
-        return real_experts(*args, **kwargs)
-
-    with monkeypatch.context() as patch:
-        patch.setenv(moe_layer.EXPERT_GEMV_ENV, "1")
-        patch.setattr(gemv, "experts", counted)
-        engine = make_moe_engine(moe_model_dir, "bfloat16", "flashinfer", 16)
-    assert calls, "no CUDA graph captured the expert GEMVs"
-    prompts = prompts_for(1, engine.model_config.vocab_size, seed=7)
-    with monkeypatch.context() as patch:
-        patch.setattr(moe_layer, "use_triton", lambda device: False)
-        ref_tokens, ref_logits = run_scenario(reference, prompts)
-    _, forced_logits = run_scenario(engine, prompts, forced=ref_tokens)
     assert_routed_logits_close(forced_logits, ref_logits)

@@ -66,23 +66,3 @@ def test_defines_variant_setting():
     assert _defines("FP8_LOADS=16 FP8_ROWS=8") == _defines("FP8_LOADS=16,FP8_ROWS=8") == (("FP8_LOADS", 16), ("FP8_ROWS", 8))
     with pytest.raises(ValueError, match=DEFINES_ENV):
         _defines("FP8_LOADS=sixteen")
-
-
-def test_expert_gemv_refusals_name_the_reason():
-    """``gemv.experts`` (the one-token MoE experts, ``TPSERVE_MOE_GEMV=1``) says why it cannot run, so the MoE
-    layer keeps the Triton or torch experts: at two tokens, past MAX_TOP_K, on unaligned sizes, on the CPU."""
-    from tpserve.kernels.gemv import MAX_TOP_K, experts, experts_unsupported
-
-    x = torch.zeros(1, 256, dtype=torch.bfloat16)
-    gate_up = torch.zeros(8, 2 * 96, 256, dtype=torch.bfloat16)
-    down = torch.zeros(8, 256, 96, dtype=torch.bfloat16)
-    assert "one bf16 token" in experts_unsupported(torch.zeros(2, 256, dtype=torch.bfloat16), gate_up, down, 2)
-    assert "one bf16 token" in experts_unsupported(x.float(), gate_up, down, 2)
-    assert "contiguous bf16" in experts_unsupported(x, gate_up.float(), down, 2)
-    assert "contiguous bf16" in experts_unsupported(x, gate_up.transpose(1, 2), down, 2)
-    assert "top_k" in experts_unsupported(x, gate_up, down, MAX_TOP_K + 1)
-    narrow = (x[:, :36].contiguous(), gate_up[:, :, :36].contiguous(), down[:, :36].contiguous())
-    assert "multiples of 8" in experts_unsupported(*narrow, 2)
-    assert "CUDA device" in experts_unsupported(x, gate_up, down, 2)  # the shapes pass: only the device is left
-    with pytest.raises(ValueError, match="expert gemv: .*CUDA device"):
-        experts(x, gate_up, down, torch.ones(1, 2, dtype=torch.bfloat16), torch.zeros(1, 2, dtype=torch.long))

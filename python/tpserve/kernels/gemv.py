@@ -6,7 +6,6 @@ via ``linear``/``bf16_gemv_enabled``; FP8 layers via ``kernels.fp8_linear``. Wit
 merged [gate; up] weight gives SiLU(gate) * up directly (a dense MLP's SwiGLU without its own kernel);
 with ``norm`` x is RMS-normed first and with ``add_to`` the product is added to a residual stream in
 place (1 or 2 tokens; the layers fuse at 1): the decoder's residual add + RMSNorm without a kernel of its own.
-``experts``: the same kernel over a MoE layer's top-k experts at one token (an experiment, ``TPSERVE_MOE_GEMV``).
 """
 
 from __future__ import annotations
@@ -129,19 +128,6 @@ def _check_fusion(x2: torch.Tensor, n_out: int, norm: tuple[torch.Tensor, float]
                              f"{add_to.dtype} {list(add_to.shape)}")
 
 
-def _launch_inputs(x: torch.Tensor, k: int, module: Any, pdl: bool | None) -> tuple[torch.Tensor, Any, bool]:
-    """x as the kernels read it ([M, K], contiguous, 16-byte aligned), the module (by default the one
-    ``TPSERVE_GEMV_DEFINES`` names) and whether to launch with PDL (``TPSERVE_GEMV_PDL`` by default, where
-    the GPU has it)."""
-    x2 = x.reshape(-1, k).contiguous()
-    if x2.data_ptr() % _VEC_BYTES:
-        x2 = x2.clone()
-    module = module or load_module(_defines(os.environ.get(DEFINES_ENV, "")))
-    if pdl is None:
-        pdl = os.environ.get(PDL_ENV, "1") != "0"
-    return x2, module, pdl and pdl_supported(x.device.index or 0)
-
-
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, module: Any = None,
     pdl: bool | None = None, silu_mul: bool = False, norm: tuple[torch.Tensor, float] | None = None,
@@ -157,58 +143,21 @@ def gemv(
         raise ValueError(f"gemv: {reason}")
     n, k = weight.shape
     n_out = n // 2 if silu_mul else n
-    x2, module, pdl = _launch_inputs(x, k, module, pdl)
+    x2 = x.reshape(-1, k).contiguous()
+    if x2.data_ptr() % _VEC_BYTES:
+        x2 = x2.clone()
     _check_fusion(x2, n_out, norm, add_to, silu_mul)
     y = add_to if add_to is not None else torch.empty(x2.shape[0], n_out, dtype=torch.bfloat16, device=x.device)
+    module = module or load_module(_defines(os.environ.get(DEFINES_ENV, "")))
+    if pdl is None:
+        pdl = os.environ.get(PDL_ENV, "1") != "0"
+    pdl = pdl and pdl_supported(x.device.index or 0)
     norm_weight, eps = norm if norm is not None else (None, 0.0)
     if scale_inv is None:
         module.gemv_bf16(x2, weight, y, pdl, silu_mul, norm_weight, eps, add_to is not None)
     else:
         module.gemv_fp8(x2, weight, scale_inv, y, pdl, silu_mul, norm_weight, eps, add_to is not None)
     return y if add_to is not None else y.view(*x.shape[:-1], n_out)
-
-
-MAX_TOP_K = 16  # the expert GEMVs' (csrc/gemv.cu: kMaxTopK)
-
-
-def experts_unsupported(x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, top_k: int) -> str | None:
-    """Why ``experts`` cannot run one token ``x`` through these stacked experts, or None when it can."""
-    if x.numel() != x.shape[-1] or x.dtype != torch.bfloat16:
-        return "the expert GEMVs take one bf16 token"
-    bf16 = gate_up.dtype == down.dtype == torch.bfloat16
-    if not (bf16 and gate_up.is_contiguous() and down.is_contiguous()):
-        return "the expert GEMVs take contiguous bf16 experts"
-    if not 1 <= top_k <= MAX_TOP_K:
-        return f"top_k {top_k} is outside 1..{MAX_TOP_K}"
-    hidden, inter = gate_up.shape[2], down.shape[2]
-    if hidden % 8 or inter % 8 or gate_up.data_ptr() % _VEC_BYTES or down.data_ptr() % _VEC_BYTES:
-        return f"hidden ({hidden}) and intermediate ({inter}) sizes must be multiples of 8, the experts 16-byte aligned"
-    if x.device.type != "cuda" or gate_up.device != x.device or down.device != x.device:
-        return "x and the experts must be on one CUDA device"
-    return None
-
-
-def experts(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    norm: tuple[torch.Tensor, float] | None = None, pdl: bool | None = None, module: Any = None,
-) -> torch.Tensor:
-    """One token's MoE experts through the expert GEMVs (an experiment against ``kernels.moe_small``):
-    sum_j weights[0, j] * expert_{ids[0, j]}(x) [1, H]; gate_up [E, 2I, H] ([gate; up] rows), down [E, H, I], weights
-    bf16 and ids int64 [1, k] (the router kernel's). ``norm`` (weight, eps): of RMSNorm(x) * weight, normed as read;
-    ``module``: a ``load_module(defines)`` variant (experiments)."""
-    top_k = ids.shape[-1]
-    reason = experts_unsupported(x, gate_up, down, top_k)
-    if reason is not None:
-        raise ValueError(f"expert gemv: {reason}")
-    x2, module, pdl = _launch_inputs(x, x.shape[-1], module, pdl)
-    _check_fusion(x2, gate_up.shape[1] // 2, norm, None, True)
-    ids2, weights2 = ids.reshape(1, top_k).contiguous(), weights.reshape(1, top_k).to(torch.bfloat16).contiguous()
-    act = torch.empty(top_k, down.shape[2], dtype=torch.bfloat16, device=x.device)
-    norm_weight, eps = norm if norm is not None else (None, 0.0)
-    module.moe_gate_up_bf16(x2, gate_up, ids2, act, pdl, norm_weight, eps)
-    out = torch.empty(1, down.shape[1], dtype=torch.bfloat16, device=x.device)
-    module.moe_down_bf16(act, down, ids2, weights2, out, pdl)
-    return out.view(*x.shape[:-1], down.shape[1])
 
 
 @functools.cache

@@ -22,9 +22,6 @@ from tpserve.layers.linear import PendingNorm, ReplicatedWeights, copy_checked, 
 FUSE_NORM_ENV = "TPSERVE_MOE_FUSE_NORM"
 # 0: the router's top-k as a kernel of its own at one token, not inside the expert kernels (likewise)
 FUSE_ROUTER_ENV = "TPSERVE_MOE_FUSE_ROUTER"
-# 1: at one token the experts run in the CUDA GEMV (``kernels.gemv.experts``, after the router kernel), not the Triton
-# small-batch kernels (an experiment: the Triton kernels read the experts at ~2.7 TB/s, docs/benchmarks.md; likewise)
-EXPERT_GEMV_ENV = "TPSERVE_MOE_GEMV"
 ShardId = tuple[int, int]  # (global expert, part): gate_up_proj part 0 = gate, 1 = up; down_proj part 0
 
 
@@ -159,7 +156,6 @@ class SparseMoeBlock(nn.Module):
         self.norm_in_kernels = os.environ.get(FUSE_NORM_ENV, "1") != "0"
         self.route_in_kernels = os.environ.get(FUSE_ROUTER_ENV, "1") != "0"
         self.kernel_setting = os.environ.get(MOE_SMALL_ENV, "")  # experiments: the small-batch kernels' tiles
-        self.expert_gemv = os.environ.get(EXPERT_GEMV_ENV, "0") == "1"
 
     def forward(self, x: torch.Tensor | PendingNorm, reduce: bool = True) -> torch.Tensor:
         """Summed over the ranks, or (``reduce=False``) this rank's partial sum. A ``PendingNorm`` is normed by
@@ -171,10 +167,7 @@ class SparseMoeBlock(nn.Module):
             x = x.value()
         residual, norm = (x.residual, (x.norm.weight, x.norm.eps)) if isinstance(x, PendingNorm) else (x, None)
         routed = self.routes_in_experts(residual)
-        if self.expert_gemv and gemv.experts_unsupported(residual, gate_up, down, self.gate.top_k) is None:
-            weights, ids = self.gate(x)
-            partial = gemv.experts(residual, gate_up, down, weights, ids, norm)
-        elif routed or norm is not None:  # the small-batch expert kernels (kernels/moe_small.py)
+        if routed or norm is not None:  # the small-batch expert kernels (kernels/moe_small.py)
             from tpserve.kernels import moe_small
 
             config = moe_small.config_from_setting(self.gate.top_k, self.kernel_setting)

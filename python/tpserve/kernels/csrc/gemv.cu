@@ -66,20 +66,6 @@ constexpr int kScaleBlock = 128;
 constexpr int kMaxTokens = 8;
 constexpr int kMaxSiluMulTokens = 2;
 
-// A mixture-of-experts layer's experts at one token (an experiment against kernels/moe_small.py's Triton kernels,
-// which read their weights at ~2.7 TB/s: docs/benchmarks.md, session 21). kExpertGateUp: the grid's y is the slot j of
-// the token's top k, W the [2I, H] slice of expert ids[j] and y row j ([k, I]: SwiGLU). kExpertDown: x is those
-// k rows [k * I] as one vector and row r of W the k experts' rows r side by side, each chunk's sum times its slot's
-// routing weight: out [H] = sum_j weight_j * down[ids[j]] @ act_j, every block reading all k experts' rows.
-enum Experts : int { kDense = 0, kExpertGateUp = 1, kExpertDown = 2 };
-constexpr int kMaxTopK = 16;
-
-// Rows a block of the expert GEMVs takes: 4 give a thread 8 loads in flight over A3B's 2048-wide gate_up rows
-// (2 would leave half the loads empty) and its down rows (8 experts x 768) 3 full steps.
-#ifndef TPSERVE_GEMV_EXPERT_ROWS
-#define TPSERVE_GEMV_EXPERT_ROWS 4
-#endif
-
 // Rows per block. A block must bring enough W bytes to pay for itself: FP8 rows are half as
 // long, so at one token a block takes 8 of them (8 KB of Qwen3-8B's K = 4096, one 16-byte load
 // each for all kLoadsInFlight; with 2 rows half of those loads found no chunk and the kernel read
@@ -100,9 +86,12 @@ constexpr int kMaxTopK = 16;
 // registers 0.2% faster (noise) and through cp.async into shared memory 1.8% slower; 16 loads in flight in the
 // kernels that add to the residual (o, down; 126 registers) 1.8% slower, in the SwiGLU ones 9% slower; every
 // one-token FP8 kernel held to 7 blocks (72 registers) 0.7% slower, to 8 (64, spilling) 3% slower.
-template <int M, bool kFp8, int kMoe = kDense>
+// Sessions 21-22: one token's MoE experts in this kernel (gate_up 4-row blocks per top-k slot, down over the k
+// experts' rows side by side): the layer alone 0.965x the Triton small-batch kernels, but whole Qwen3-30B-A3B steps
+// 1.027x slower with the router's top-k as a kernel of its own (removed).
+template <int M, bool kFp8>
 __host__ __device__ constexpr int rows_per_block() {
-  return kMoe != kDense ? TPSERVE_GEMV_EXPERT_ROWS : kFp8 && M == 1 ? TPSERVE_GEMV_FP8_ROWS : (M <= 2 ? 2 : 4);
+  return kFp8 && M == 1 ? TPSERVE_GEMV_FP8_ROWS : (M <= 2 ? 2 : 4);
 }
 
 template <int M, bool kFp8>
@@ -186,26 +175,6 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
 enum Fuse : int { kPlain = 0, kNormX = 1, kAddToY = 2 };
 constexpr int kMaxFusedTokens = 2;
 
-struct Routing {
-  const int64_t* ids = nullptr;                 // [k]: the router kernel's output
-  const __nv_bfloat16* weights = nullptr;       // [k] (kExpertDown)
-  int64_t expert_bytes = 0;                     // one expert's slice of W
-  int top_k = 0;
-  int seg_chunks = 0;                           // kExpertDown: 16-byte chunks of one expert's row (I * 2 / 16)
-};
-
-// A value an earlier kernel wrote (coherent: see load_input).
-__device__ __forceinline__ int64_t load_input_i64(const int64_t* p) {
-  int64_t v;
-  asm volatile("ld.global.s64 %0, [%1];" : "=l"(v) : "l"(p));
-  return v;
-}
-__device__ __forceinline__ float load_input_bf16(const __nv_bfloat16* p) {
-  uint16_t v;
-  asm volatile("ld.global.u16 %0, [%1];" : "=h"(v) : "l"(p));
-  return __uint_as_float(static_cast<uint32_t>(v) << 16);
-}
-
 // Blocks an SM a kernel is compiled for (__launch_bounds__; 0: the compiler's choice). Left alone, the one-token
 // FP8 kernel with the fused norm and no SwiGLU (qkv_proj) takes 88 registers, 5 blocks an SM, so Qwen3-8B's 768
 // blocks ran in 1.16 waves of 660; held to 6 it takes 80 without spilling and runs in one wave (the other one-token
@@ -218,16 +187,13 @@ __host__ __device__ constexpr int min_blocks() {
   return kFp8 && M == 1 && !kSiluMul && kFuse == kNormX ? TPSERVE_GEMV_NORM_MIN_BLOCKS : 0;
 }
 
-template <int M, bool kFp8, bool kSiluMul, int kFuse, int kMoe = kDense>
+template <int M, bool kFp8, bool kSiluMul, int kFuse>
 __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse>()))
     gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
                 const float* __restrict__ scale_inv, const __nv_bfloat16* __restrict__ norm_w, float eps,
-                __nv_bfloat16* y, int n, int k, Routing routing = {}) {
+                __nv_bfloat16* y, int n, int k) {
   constexpr bool kNorm = kFuse == kNormX;
-  static_assert(kMoe == kDense || (M == 1 && !kFp8 && kFuse != kAddToY), "the expert GEMVs: one bf16 token");
-  static_assert(kMoe != kExpertDown || (!kSiluMul && kFuse == kPlain), "the down GEMV fuses nothing");
-  constexpr bool kScaled = kFp8 || kMoe == kExpertDown;  // each chunk's sums times a scale (routing weight)
-  constexpr int R = rows_per_block<M, kFp8, kMoe>();
+  constexpr int R = rows_per_block<M, kFp8>();
   constexpr int kOut = kSiluMul ? R / 2 : R;  // outputs per block: R / 2 (gate, up) row pairs
   static_assert(!kSiluMul || R % 2 == 0, "SiLU-and-mul pairs rows");
   constexpr int U = loads_in_flight<M, kFp8>() / R;  // chunks of each row loaded per step
@@ -239,23 +205,6 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
   const int chunks = static_cast<int>(row_bytes / kVecBytes);
   const int n_out = kSiluMul ? n / 2 : n;
   const int n0 = blockIdx.x * kOut;
-  // kExpertGateUp: the slot's expert, from the router kernel's output (so W's first loads wait for it)
-  if constexpr (kMoe == kExpertGateUp) {
-    wait_for_inputs();
-    w += load_input_i64(routing.ids + blockIdx.y) * routing.expert_bytes;
-    y += static_cast<size_t>(blockIdx.y) * n_out;
-  }
-  // kExpertDown: the k experts' slices and routing weights, read before the PDL wait: the gate_up kernel before
-  // this one lets it launch only after its own wait for the router kernel, which wrote them
-  __shared__ const uint8_t* slot_w[kMoe == kExpertDown ? kMaxTopK : 1];
-  __shared__ float slot_weight[kMoe == kExpertDown ? kMaxTopK : 1];
-  if constexpr (kMoe == kExpertDown) {
-    if (threadIdx.x < routing.top_k) {
-      slot_w[threadIdx.x] = w + load_input_i64(routing.ids + threadIdx.x) * routing.expert_bytes;
-      slot_weight[threadIdx.x] = load_input_bf16(routing.weights + threadIdx.x);
-    }
-    __syncthreads();
-  }
 
   // W row of the block's row r: rows past the end read the last one (kOut divides 128 and, with
   // kSiluMul, I: the gate rows share one scale row, the up rows another).
@@ -263,15 +212,9 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
     if constexpr (kSiluMul) return r < kOut ? min(n0 + r, n_out - 1) : n_out + min(n0 + r - kOut, n_out - 1);
     return min(n0 + r, n - 1);
   };
-  // kExpertDown: a row of one expert is seg_chunks chunks, row_off[r] row r's offset within each expert's slice
-  const size_t w_row_bytes = kMoe == kExpertDown ? static_cast<size_t>(routing.seg_chunks) * kVecBytes : row_bytes;
-  size_t row_off[R];
   const uint4* wrow[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) {
-    row_off[r] = static_cast<size_t>(w_row(r)) * w_row_bytes;
-    wrow[r] = reinterpret_cast<const uint4*>(w + row_off[r]);
-  }
+  for (int r = 0; r < R; ++r) wrow[r] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(w_row(r)) * row_bytes);
   const float* srow[2] = {nullptr, nullptr};  // scale rows of the first and (kSiluMul) the last kOut rows
   if constexpr (kFp8) {
     const size_t blocks_k = (k + kScaleBlock - 1) / kScaleBlock;
@@ -299,16 +242,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
       if (owns_out) y_old = __bfloat162float(y[out_idx]);
   };
 
-  // W's chunk c of row r (kExpertDown: chunk c % seg_chunks of the row in slot c / seg_chunks's expert)
-  auto chunk_ptr = [&](int r, int c) -> const uint4* {
-    if constexpr (kMoe == kExpertDown) {
-      const int slot = c / routing.seg_chunks;
-      return reinterpret_cast<const uint4*>(slot_w[slot] + row_off[r]) + (c - slot * routing.seg_chunks);
-    }
-    return wrow[r] + c;
-  };
-
-  bool waited = kMoe == kExpertGateUp;  // (which waited above)
+  bool waited = false;
   // Every thread takes every step, its loads and math guarded (the loop's bounds are the block's, not the
   // thread's): the Qwen3-8B FP8 step 2.1% faster than with each thread's own bounds, bf16 0.5% (session 17).
   for (int step = 0; step < chunks; step += kThreads * U) {
@@ -318,7 +252,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
     for (int u = 0; u < U; ++u) {
       const int c = base + u * kThreads;
 #pragma unroll
-      for (int r = 0; r < R; ++r) wv[u][r] = c < chunks ? load_stream(chunk_ptr(r, c)) : make_uint4(0, 0, 0, 0);
+      for (int r = 0; r < R; ++r) wv[u][r] = c < chunks ? load_stream(wrow[r] + c) : make_uint4(0, 0, 0, 0);
     }
     if (!waited) {  // the first loads of W are in flight: now wait for x
       if (TPSERVE_GEMV_EARLY_TRIGGER) allow_next_launch();
@@ -370,12 +304,11 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
         scale[0] = __ldg(srow[0] + c * kElems / kScaleBlock);
         scale[1] = kSiluMul ? __ldg(srow[1] + c * kElems / kScaleBlock) : scale[0];
       }
-      if constexpr (kMoe == kExpertDown) scale[0] = scale[1] = slot_weight[c / routing.seg_chunks];
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int m = 0; m < M; ++m)
-          acc[r][m] = kScaled ? fmaf(part[r][m], scale[r < kOut ? 0 : 1], acc[r][m]) : acc[r][m] + part[r][m];
+          acc[r][m] = kFp8 ? fmaf(part[r][m], scale[r < kOut ? 0 : 1], acc[r][m]) : acc[r][m] + part[r][m];
     }
   }
 
@@ -421,30 +354,23 @@ struct Fusion {
   float eps = 0.f;
 };
 
-// The kernel over W [n, k] (kExpertGateUp: each expert's slice, grid_y = top k slots).
-template <int M, bool kFp8, bool kSiluMul, int kFuse, int kMoe = kDense>
-cudaError_t launch_grid(TensorView x, const void* w, int n, int k, const float* scale_inv, TensorView y, bool pdl,
-                        Fusion fusion, Routing routing, int grid_y) {
-  constexpr int kOut = kSiluMul ? rows_per_block<M, kFp8, kMoe>() / 2 : rows_per_block<M, kFp8, kMoe>();
+template <int M, bool kFp8, bool kSiluMul, int kFuse>
+cudaError_t launch(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl, Fusion fusion) {
+  constexpr int kOut = kSiluMul ? rows_per_block<M, kFp8>() / 2 : rows_per_block<M, kFp8>();
+  const int n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
   const int n_out = kSiluMul ? n / 2 : n;
   cudaLaunchAttribute attrs[1];
   attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attrs[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((n_out + kOut - 1) / kOut, grid_y);
+  config.gridDim = dim3((n_out + kOut - 1) / kOut);
   config.blockDim = dim3(kThreads);
   config.stream = get_stream(x.device());
   config.attrs = attrs;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, gemv_kernel<M, kFp8, kSiluMul, kFuse, kMoe>,
-                            static_cast<const __nv_bfloat16*>(x.data_ptr()), static_cast<const uint8_t*>(w), scale_inv,
-                            fusion.norm_w, fusion.eps, static_cast<__nv_bfloat16*>(y.data_ptr()), n, k, routing);
-}
-
-template <int M, bool kFp8, bool kSiluMul, int kFuse>
-cudaError_t launch(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl, Fusion fusion) {
-  return launch_grid<M, kFp8, kSiluMul, kFuse>(x, w.data_ptr(), static_cast<int>(w.size(0)),
-                                               static_cast<int>(w.size(1)), scale_inv, y, pdl, fusion, Routing{}, 1);
+  return cudaLaunchKernelEx(&config, gemv_kernel<M, kFp8, kSiluMul, kFuse>,
+                            static_cast<const __nv_bfloat16*>(x.data_ptr()), static_cast<const uint8_t*>(w.data_ptr()),
+                            scale_inv, fusion.norm_w, fusion.eps, static_cast<__nv_bfloat16*>(y.data_ptr()), n, k);
 }
 
 // The fused kernels, at the token counts of batch-1 and -2 decode (fewer instantiations to compile).
@@ -555,70 +481,5 @@ void gemv_fp8(TensorView x, TensorView weight, TensorView scale_inv, TensorView 
             fusion_of(x, weight, norm_w, eps, add_to_y, silu_mul));
 }
 
-// The token's top k slots' expert ids (int64 [1, k], the router kernel's output, as its routing weights, bf16 [1, k]).
-static Routing routing_of(TensorView ids, int64_t expert_elems) {
-  CHECK_INPUT(ids);
-  TVM_FFI_ICHECK(ids.dtype() == dl_int64 && ids.ndim() == 2 && ids.size(0) == 1 && ids.size(1) >= 1 &&
-                 ids.size(1) <= kMaxTopK)
-      << "expert gemv: ids must be int64 [1, k] with k <= " << kMaxTopK;
-  Routing routing;
-  routing.ids = static_cast<const int64_t*>(ids.data_ptr());
-  routing.top_k = static_cast<int>(ids.size(1));
-  routing.expert_bytes = expert_elems * 2;
-  return routing;
-}
-
-// act [k, I] = SiLU(x @ gate.T) * (x @ up.T) of x [1, H] through expert ids[j]'s slice of gate_up [E, 2I, H]
-// ([gate; up]) for each slot j; norm_w: x is RMS-normed first, as in gemv_bf16.
-void moe_gate_up_bf16(TensorView x, TensorView gate_up, TensorView ids, TensorView act, bool pdl,
-                      Optional<TensorView> norm_w, double eps) {
-  CHECK_INPUT_AND_TYPE(gate_up, dl_bfloat16);
-  TVM_FFI_ICHECK(gate_up.ndim() == 3 && gate_up.size(1) % 2 == 0) << "expert gemv: gate_up must be [E, 2I, H]";
-  const int64_t rows = gate_up.size(1), hidden = gate_up.size(2);
-  Routing routing = routing_of(ids, rows * hidden);
-  CHECK_INPUT_AND_TYPE(x, dl_bfloat16);
-  CHECK_INPUT_AND_TYPE(act, dl_bfloat16);
-  TVM_FFI_ICHECK(x.ndim() == 2 && x.size(0) == 1 && x.size(1) == hidden && act.ndim() == 2 &&
-                 act.size(0) == routing.top_k && act.size(1) == rows / 2)
-      << "expert gemv: x [1, H], gate_up [E, 2I, H], act [k, I] do not match";
-  TVM_FFI_ICHECK((hidden * 2) % kVecBytes == 0 && aligned(x) && aligned(gate_up))
-      << "expert gemv: H must be a multiple of 8 and the pointers 16-byte aligned";
-  ffi::CUDADeviceGuard device_guard(x.device().device_id);
-  Fusion fusion = fusion_of(x, x, norm_w, eps, false, true);  // (x's width is W's K)
-  const int n = static_cast<int>(rows), k = static_cast<int>(hidden);
-  const cudaError_t status =
-      fusion.kind == kNormX
-          ? launch_grid<1, false, true, kNormX, kExpertGateUp>(x, gate_up.data_ptr(), n, k, nullptr, act, pdl, fusion,
-                                                               routing, routing.top_k)
-          : launch_grid<1, false, true, kPlain, kExpertGateUp>(x, gate_up.data_ptr(), n, k, nullptr, act, pdl, fusion,
-                                                               routing, routing.top_k);
-  TVM_FFI_ICHECK(status == cudaSuccess) << "expert gemv launch failed: " << cudaGetErrorString(status);
-}
-
-// out [1, H] = sum_j weights[j] * act[j] @ down[ids[j]].T; act [k, I], down [E, H, I], weights bf16 [1, k].
-void moe_down_bf16(TensorView act, TensorView down, TensorView ids, TensorView weights, TensorView out, bool pdl) {
-  CHECK_INPUT_AND_TYPE(down, dl_bfloat16);
-  TVM_FFI_ICHECK(down.ndim() == 3) << "expert gemv: down must be [E, H, I]";
-  const int64_t hidden = down.size(1), inter = down.size(2);
-  Routing routing = routing_of(ids, hidden * inter);
-  CHECK_INPUT_AND_TYPE(act, dl_bfloat16);
-  CHECK_INPUT_AND_TYPE(weights, dl_bfloat16);
-  CHECK_INPUT_AND_TYPE(out, dl_bfloat16);
-  TVM_FFI_ICHECK(act.ndim() == 2 && act.size(0) == routing.top_k && act.size(1) == inter &&
-                 weights.numel() == routing.top_k && out.ndim() == 2 && out.size(0) == 1 && out.size(1) == hidden)
-      << "expert gemv: act [k, I], down [E, H, I], weights [1, k], out [1, H] do not match";
-  TVM_FFI_ICHECK((inter * 2) % kVecBytes == 0 && aligned(act) && aligned(down))
-      << "expert gemv: I must be a multiple of 8 and the pointers 16-byte aligned";
-  ffi::CUDADeviceGuard device_guard(act.device().device_id);
-  routing.weights = static_cast<const __nv_bfloat16*>(weights.data_ptr());
-  routing.seg_chunks = static_cast<int>(inter * 2 / kVecBytes);
-  const cudaError_t status = launch_grid<1, false, false, kPlain, kExpertDown>(
-      act, down.data_ptr(), static_cast<int>(hidden), static_cast<int>(routing.top_k * inter), nullptr, out, pdl,
-      Fusion{}, routing, 1);
-  TVM_FFI_ICHECK(status == cudaSuccess) << "expert gemv launch failed: " << cudaGetErrorString(status);
-}
-
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gemv_bf16, gemv_bf16);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gemv_fp8, gemv_fp8);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(moe_gate_up_bf16, moe_gate_up_bf16);
-TVM_FFI_DLL_EXPORT_TYPED_FUNC(moe_down_bf16, moe_down_bf16);
