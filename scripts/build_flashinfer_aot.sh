@@ -52,15 +52,10 @@ for extra in sys.argv[1:]:
         from flashinfer.jit.gemm import gen_fp8_blockscale_gemm_sm90_module
 
         specs.append(gen_fp8_blockscale_gemm_sm90_module())
-    elif extra.partition(":")[0] == "cluster_decode":  # cluster_decode[:NAME=VALUE[,NAME=VALUE]]
-        from tpserve.attention import cluster_decode
-        from tpserve.kernels.settings import int_settings
-
-        specs.append(cluster_decode.jit_spec(int_settings(extra.partition(":")[2], "cluster_decode")))
     elif extra.startswith("gemv:"):
         specs.append(gemv.jit_spec(gemv._defines(extra.removeprefix("gemv:"))))
     else:
-        sys.exit(f"unknown extra module {extra!r}: fp8_gemm, cluster_decode[:NAME=VALUE,...] or gemv:NAME=VALUE[,NAME=VALUE]")
+        sys.exit(f"unknown extra module {extra!r}: fp8_gemm or gemv:NAME=VALUE[,NAME=VALUE]")
 for spec in specs:
     spec.build()
     target = Path(".fiaot") / spec.name

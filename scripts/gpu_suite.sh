@@ -273,18 +273,6 @@ for s in $stages; do
         --out $results/tp_decode_qwen3_32b_fused.json ;;
     # ---- Qwen3-30B-A3B (issue 14); after warm (the bf16 MoE test builds FlashInfer's kernels otherwise and
     # overran 120 s). moe30 on one GPU (~6 min), moe30_tp2 on two ----
-    cluster_tests)  # issues 14 and 16: the cluster decode kernel (TPSERVE_DECODE_CLUSTER) beside Triton's, then whole
-      # steps with it: ENGINE_VARIANTS="c16:TPSERVE_DECODE_CLUSTER=16" engine_variants8, A3B_VARIANTS likewise a3b_variants
-      stage cluster_tests 240 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_kernels.py -k "cluster or triton" ;;
-    cluster_alone)  # the cluster kernel alone against Triton's (L2 cold, no PDL partner), CLUSTER_ALONE: its variants,
-      # SPLITS[/NAME=VALUE+NAME=VALUE] comma-separated (attention/cluster_decode.py's DEFINES_ENV)
-      stage cluster_alone 150 python3 benchmarks/experiments/triton_decode_attention.py --heads 32:8,32:4 --batch-sizes 1 \
-        --contexts 512,4096 --settings 32:32:4:16,32:16:4:16 --cluster "${CLUSTER_ALONE:-16,8}" --out $results/cluster_alone.json ;;
-    cluster_profile)  # Qwen3-8B bf16 batch-1 graphs kernel by kernel with Triton's decode kernel and with the cluster kernel
-      for kernel in triton 16; do
-        stage cluster_profile_$kernel 120 env TPSERVE_DECODE_CLUSTER=${kernel/triton/0} python3 benchmarks/profile_decode.py \
-          --model tests/data/configs/Qwen3-8B --batch-sizes 1 --graph-only --out $results/cluster_profile_$kernel.json
-      done ;;
     moe30_tests) stage moe30_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py ;;
     moe_tests_fused)  # test_moe.py with the add + RMSNorm in the GEMVs (TPSERVE_GEMV_FUSE_NORM=1)
       stage moe_tests_fused 240 env TPSERVE_GEMV_FUSE_NORM=1 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe.py ;;

@@ -1,6 +1,5 @@
 """tpserve's Triton split-KV decode attention (``attention/triton_decode.py``) at several settings
-(tokens a step, most splits, warps, splits merged a loop step) against FlashInfer's decode wrapper, the kernels alone;
-with --cluster, the cluster kernel (``attention/cluster_decode.py``) too.
+(tokens a step, most splits, warps, splits merged a loop step) against FlashInfer's decode wrapper, the kernels alone.
 
     python benchmarks/experiments/triton_decode_attention.py --heads 32:8,32:4,64:8 --batch-sizes 1,8,32 \
         --contexts 512,4096,16384 --settings 32:64:4:16,32:32:4:16 --out out/triton_decode_attention.json
@@ -106,12 +105,6 @@ def point_variants(args: argparse.Namespace, workspace: torch.Tensor, q_heads: i
                               num_warps=warps, merge_unroll=unroll)
         meta = TableMetadata(kernel, table, lens)
         variants[f"t{setting}"] = lambda m=meta: m.attend(q, k_cache, v_cache)
-    for variant in [x for x in args.cluster.split(",") if x]:
-        from tpserve.attention.cluster_decode import ClusterDecode
-
-        splits, _, defines = variant.partition("/")
-        kernel = ClusterDecode(q_heads, kv_heads, 128, scale, q.device, int(splits), defines.replace("+", " "))
-        variants[f"c{variant}"] = lambda m=TableMetadata(kernel, table, lens): m.attend(q, k_cache, v_cache)
     return variants
 
 
@@ -147,9 +140,6 @@ def main() -> None:
     parser.add_argument("--settings", default="32:64:4:16,32:32:4:16,32:16:4:16,32:64:4:8,32:64:4:32,64:64:4:16",
                         help="CHUNK:MAX_SPLITS:NUM_WARPS:MERGE_UNROLL of the Triton kernel, comma-separated; "
                         "a column tCHUNK:... each")
-    parser.add_argument("--cluster", default="", help="the cluster kernel (attention/cluster_decode.py) at these "
-                        "blocks a cluster, comma-separated, each with a variant of its constants after a slash, e.g. "
-                        "16,8,16/THREADS=128+TOKENS=4")
     parser.add_argument("--table-pages", type=int, default=2560, help="dense table width (a graph's: max_model_len/16)")
     parser.add_argument("--reps", type=int, default=20, help="runs per graph")
     parser.add_argument("--flush-mib", type=int, default=64, help="zeroed before each run (L2 cold)")

@@ -1,6 +1,5 @@
 """The decode kernels that read a dense page table, on Hopper: XQA (``attention/xqa.py``, bf16 and
-FP8 pages), Triton's split-KV kernel (``attention/triton_decode.py``, bf16 pages) and the cluster kernel
-(``attention/cluster_decode.py``, an experiment: ``clusterC``, C blocks a cluster). Each against
+FP8 pages) and Triton's split-KV kernel (``attention/triton_decode.py``, bf16 pages). Each against
 fp32 torch attention and FlashInfer's decode wrapper on the same pages (eager and in a CUDA graph,
 short and multi-split lengths), the engine with it against the engine with the decode wrapper, and
 which kernel ``auto`` picks (Triton's up to a batch size, the wrapper above)."""
@@ -8,8 +7,6 @@ which kernel ``auto`` picks (Triton's up to a batch size, the wrapper above)."""
 from __future__ import annotations
 
 import math
-import os
-from unittest import mock
 
 import pytest
 import torch
@@ -21,7 +18,6 @@ flashinfer = pytest.importorskip("flashinfer")
 
 from engine_scenario import NEAR_TIE, assert_logits_close, assert_same_greedy, prompts_for, run_scenario
 from reference import rel_err
-from tpserve.attention.cluster_decode import CLUSTER_ENV
 from tpserve.attention.page_table import TableMetadata
 from tpserve.attention.triton_decode import AUTO_MAX_BATCH
 from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
@@ -51,19 +47,8 @@ def reference(pool: KVCachePool, layer: int, q: torch.Tensor, seqs: list[Sequenc
 
 
 
-def cluster_env(kernel: str) -> tuple[str, dict[str, str]]:
-    """``clusterC`` (the cluster kernel, C blocks a cluster, built where Triton's would run) as the decode
-    kernel to ask for and the environment to build it under; any other kernel as itself."""
-    if kernel.startswith("cluster"):
-        return "triton", {CLUSTER_ENV: kernel.removeprefix("cluster")}
-    return kernel, {}
-
-
 def make_backend(kv: str, heads: tuple[int, int], kernel: str, pool: KVCachePool) -> FlashInferAttentionBackend:
-    kernel, env = cluster_env(kernel)
-    with mock.patch.dict(os.environ, env):
-        return FlashInferAttentionBackend(pool, heads[0], heads[1], HEAD_DIM, torch.device("cuda"),
-                                          decode_kernel=kernel)
+    return FlashInferAttentionBackend(pool, heads[0], heads[1], HEAD_DIM, torch.device("cuda"), decode_kernel=kernel)
 
 
 def random_pool(kv: str, kv_heads: int, num_pages: int) -> KVCachePool:
@@ -82,14 +67,13 @@ def random_seqs(lengths: list[int], allocator: PageAllocator) -> list[SequenceIn
 # Short sequences, page edges, and lengths XQA splits over several blocks at small batches; 9000
 # takes the Triton kernel several steps a split (32 splits of 64-token steps).
 LENGTHS = [1, 15, 16, 17, 300, 2049, 4000, 9000]
-KERNELS = [("xqa", "bf16"), ("xqa", "fp8"), ("triton", "bf16"), ("cluster16", "bf16")]
+KERNELS = [("xqa", "bf16"), ("xqa", "fp8"), ("triton", "bf16")]
 
 
 # GQA 2, 4 and 5 for every kernel; 8 (Qwen3-30B-A3B's 32:4) for Triton, whose merge holds a group's
 # heads unpadded (XQA's ratio-8 modules would not fit in one GPU call's carry beside the others).
 HEAD_CASES = [(k, kv, heads) for k, kv in KERNELS for heads in ((16, 8), (32, 8), (40, 8))]
-HEAD_CASES += [("triton", "bf16", (32, 4)), ("cluster16", "bf16", (32, 4)), ("cluster8", "bf16", (32, 8)),
-               ("cluster3", "bf16", (32, 8)), ("cluster16", "bf16", (8, 8))]
+HEAD_CASES.append(("triton", "bf16", (32, 4)))
 
 
 @pytest.mark.parametrize(("kernel", "kv", "heads"), HEAD_CASES,
@@ -105,9 +89,6 @@ def test_kernel_matches_torch_and_decode_wrapper(kernel, kv, heads):
         backend = make_backend(kv, heads, name, pool)
         meta = backend.prepare(seqs, q.device)
         assert isinstance(meta, TableMetadata) == (name == kernel)
-        if name.startswith("cluster"):
-            assert type(backend.table_decode).__name__ == "ClusterDecode"
-            assert backend.table_decode.splits == int(name.removeprefix("cluster"))
         out = backend.attend(0, q, meta)
         assert out.shape == q.shape and out.dtype == torch.bfloat16
         errors[name] = rel_err(out, expected)
@@ -188,13 +169,11 @@ def model_dir(tmp_path_factory) -> str:
 
 def engine(model_dir: str, kernel: str, kv: str, graphs: int = 16, page_size: int = PAGE,
            backend: str = "auto") -> Engine:
-    kernel, env = cluster_env(kernel)
-    with mock.patch.dict(os.environ, env):
-        return Engine(EngineConfig(
-            model=model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=graphs, max_total_tokens=16384,
-            page_size=page_size, decode_attention=kernel, kv_cache_dtype="fp8_e4m3" if kv == "fp8" else "auto",
-            attention_backend=backend,
-        ))
+    return Engine(EngineConfig(
+        model=model_dir, device="cuda", dtype="bfloat16", cuda_graph_max_bs=graphs, max_total_tokens=16384,
+        page_size=page_size, decode_attention=kernel, kv_cache_dtype="fp8_e4m3" if kv == "fp8" else "auto",
+        attention_backend=backend,
+    ))
 
 
 def row_errors(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> torch.Tensor:
@@ -255,10 +234,9 @@ def test_engine_with_xqa_matches_decode_wrapper_bf16(model_dir, graphs):
     assert_same_greedy(own, ref_tokens, ref_logits)
 
 
-@pytest.mark.parametrize("kernel", ["triton", "cluster16"])
 @pytest.mark.parametrize("graphs", [0, 16], ids=["eager", "graphs"])
-def test_engine_with_triton_held_to_the_decode_wrapper(model_dir, graphs, kernel):
-    """The Triton kernel (or the cluster kernel) and the decode wrapper, each teacher-forced on torch attention's tokens
+def test_engine_with_triton_held_to_the_decode_wrapper(model_dir, graphs):
+    """The Triton kernel and the decode wrapper, each teacher-forced on torch attention's tokens
     (all bf16). Triton's rows are held to the wrapper's: a misread page or length moves a row far
     more than rounding. Not free-running greedy against the wrapper: this random tiny model turns
     the two kernels' equal rounding error (1.1e-3 against fp32 attention, per sequence at most
@@ -266,10 +244,10 @@ def test_engine_with_triton_held_to_the_decode_wrapper(model_dir, graphs, kernel
     into logit rows 2.3-2.4% apart, and on an H200 one free-run token then flipped at a top-two
     margin of 0.094 with 32-token steps, none with 64 (session 11, calls 3 to 5)."""
     results = forced_figures(engine(model_dir, "auto", "bf16", graphs=0, backend="torch"),
-                             lambda name: engine(model_dir, name, "bf16", graphs), ("flashinfer", kernel),
+                             lambda kernel: engine(model_dir, kernel, "bf16", graphs), ("flashinfer", "triton"),
                              num_prompts=6, seed=16)
     print(f"bf16 vs torch attention, graphs {graphs} (median / worst row error, clear argmaxes equal): {results}")
-    (wrapper_median, _, wrapper_agree), (median, worst, agree) = results["flashinfer"], results[kernel]
+    (wrapper_median, _, wrapper_agree), (median, worst, agree) = results["flashinfer"], results["triton"]
     assert median < 1.5 * wrapper_median + 2e-3 and worst < 3e-2 and agree > wrapper_agree - 0.05
 
 

@@ -226,16 +226,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         return triton_decode.unsupported_reason(self.head_dim, self.num_heads, self.num_kv_heads, False) is None
 
     def _make_triton_decode(self) -> TableDecodeKernel:
-        from tpserve.attention import cluster_decode, triton_decode
-
-        splits = cluster_decode.splits_from_env()
-        if splits:  # an experiment: the cluster kernel where Triton's would run
-            reason = cluster_decode.unsupported_reason(self.head_dim, self.num_heads, self.num_kv_heads, self.pool.fp8,
-                                                       self.pool.dtype, self.device)
-            if reason is not None:
-                raise ValueError(f"{cluster_decode.CLUSTER_ENV}={splits}: {reason}")
-            return cluster_decode.ClusterDecode(self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
-                                                self.device, splits)
+        from tpserve.attention import triton_decode
 
         reason = triton_decode.unsupported_reason(self.head_dim, self.num_heads, self.num_kv_heads, self.pool.fp8)
         if reason is not None:
