@@ -20,9 +20,11 @@ the wrapper's time at batch 1-8 and context 512, 0.74x at batch 1 and context 40
 0.90-1.00x at batch 8-32 from 4096 to 16k tokens; slower at batch 1 and 16k with 4 KV heads (1.13x).
 Whole pipelined steps (session 12, with PDL): 0.95-0.97x the wrapper's at batch 1-32, so
 ``--decode-attention auto`` takes it up to ``AUTO_MAX_BATCH`` sequences over bf16/fp16 pages on
-Hopper; ``triton`` takes it at every batch size. Session 22's CUDA kernel whose splits merged inside a thread-block cluster
-(partials stored into one block's shared memory, no atomics) matched it alone at 512 tokens, lost 1.6x at 4096 (its
-products off the tensor cores) and moved whole steps by under 1%: removed (docs/results/history.md, session 22).
+Hopper; ``triton`` takes it at every batch size.
+
+Session 22's CUDA kernel whose splits merged inside a thread-block cluster (partials stored into one block's shared
+memory, no atomics) matched it alone at 512 tokens, lost 1.6x at 4096 (its products off the tensor cores) and moved
+whole steps by under 1%: removed (docs/results/history.md, session 22).
 """
 
 from __future__ import annotations
