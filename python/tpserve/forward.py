@@ -40,8 +40,8 @@ class ForwardInputs:
     positions: torch.Tensor  # [T]
     out_slots: torch.Tensor  # [T] flat KV slot of each new token
     # [B + E] index in T of each sequence's last new token, then of the E tokens in ``extra_logits``: the LM
-    # head's rows
-    last_indices: torch.Tensor
+    # head's rows; None where those are all T tokens in order (one token a sequence: decode)
+    last_indices: torch.Tensor | None
     attn: object
 
 

@@ -29,8 +29,9 @@ def reference_inputs(seqs: list[SequenceInput], page_size: int) -> tuple[list[in
 
 def random_seqs(rng: random.Random, page_size: int) -> list[SequenceInput]:
     seqs = []
+    decode = rng.random() < 0.3  # one token a sequence: no head-row indices
     for _ in range(rng.randint(1, 6)):
-        prefix, new = rng.randint(0, 40), rng.randint(1, 30)
+        prefix, new = rng.randint(0, 40), 1 if decode else rng.randint(1, 30)
         pages = -(-(prefix + new) // page_size) + rng.randint(0, 3)  # tables may be longer
         seqs.append(SequenceInput([rng.randrange(100) for _ in range(new)], prefix, rng.sample(range(1, 500), pages)))
     return seqs
@@ -42,8 +43,14 @@ def test_forward_inputs_match_per_token_reference(page_size):
     for _ in range(50):
         seqs = random_seqs(rng, page_size)
         inputs = build_forward_inputs(seqs, page_size, torch.device("cpu"), None)
-        got = (inputs.input_ids, inputs.positions, inputs.out_slots, inputs.last_indices)
-        assert [t.tolist() for t in got] == list(reference_inputs(seqs, page_size))
+        got = [t.tolist() for t in (inputs.input_ids, inputs.positions, inputs.out_slots)]
+        expected = list(reference_inputs(seqs, page_size))
+        if inputs.last_indices is None:  # decode: every token is a head row, in order
+            assert expected[3] == list(range(len(seqs))) and all(len(s.token_ids) == 1 for s in seqs)
+        else:
+            got.append(inputs.last_indices.tolist())
+            assert expected[3] != list(range(len(expected[0])))
+        assert got == expected[: len(got)]
 
 
 def test_forward_inputs_errors():
@@ -94,5 +101,6 @@ def test_forward_inputs_start_16_byte_aligned(lengths):
     index array must start aligned, or a new count would stall a step on a compile."""
     seqs = [SequenceInput(list(range(n)), 0, [1]) for n in lengths]
     inputs = build_forward_inputs(seqs, 16, torch.device("cpu"), None)
+    assert (inputs.last_indices is None) == all(n == 1 for n in lengths)
     for tensor in (inputs.input_ids, inputs.positions, inputs.out_slots, inputs.last_indices):
-        assert tensor.data_ptr() % 16 == 0
+        assert tensor is None or tensor.data_ptr() % 16 == 0

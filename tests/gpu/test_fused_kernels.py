@@ -259,6 +259,23 @@ def test_sampler_kernel_matches_torch(rows):
     assert torch.equal(sampler(logits, batch), fused), "repeated calls must pick the same tokens"
 
 
+@pytest.mark.parametrize("rows", [1, 3, 300])
+def test_greedy_kernel_matches_argmax(rows):
+    """An all-greedy batch takes the one-launch argmax kernel: torch.argmax's tokens (first index on
+    ties, within a chunk and across chunks; the first NaN), on bf16 and float32 logits, twice in a row."""
+    gen = torch.Generator(device=DEVICE).manual_seed(rows)
+    logits = torch.randn(rows, VOCAB, generator=gen, device=DEVICE)
+    logits[0, 7] = logits[0, VOCAB - 3] = 100.0  # a tie across chunks
+    if rows > 1:
+        logits[-1, 900] = logits[-1, 9000] = float("nan")  # torch.argmax's rule: the first NaN wins
+    batch = SamplingBatch.build([SP(temperature=0.0)] * rows, [0] * rows, [0] * rows, VOCAB, DEVICE)
+    sampler = Sampler()
+    for dtype in (DTYPE, torch.float32):
+        for _ in range(2):
+            assert torch.equal(sampler(logits.to(dtype), batch), logits.to(dtype).argmax(dim=-1))
+    assert int(sampler(logits, batch)[0]) == 7 and (rows == 1 or int(sampler(logits, batch)[-1]) == 900)
+
+
 def test_sampler_kernel_reads_padded_rows():
     """Tensor-parallel logits are a slice of a wider (padded) tensor."""
     logits, batch = random_batch(8, seed=5)

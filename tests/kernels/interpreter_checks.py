@@ -540,6 +540,62 @@ def check_add_rmsnorm() -> None:
         assert err <= tol, f"{dtype} {rows}x{hidden}: relative error {err:.2e}"
 
 
+def check_greedy() -> None:
+    """The one-launch greedy argmax against torch's: ties inside a chunk and across chunks (the
+    first index wins), a padded row stride, a row of -inf but one token, NaNs (the first wins, as in
+    torch); run twice (the counters are left zero for the next call)."""
+    from tpserve.kernels.sampling import CHUNK, greedy
+
+    gen = torch.Generator().manual_seed(6)
+    rows, vocab = 5, 3 * CHUNK + 17
+    logits = (3 * torch.randn(rows, vocab + 9, generator=gen)).to(torch.bfloat16)[:, :vocab]
+    logits[0, 5] = logits[0, 9] = 50.0  # a tie inside one chunk
+    logits[1, CHUNK + 3] = logits[1, 2 * CHUNK + 1] = 50.0  # a tie across chunks
+    logits[2, 0] = logits[2, vocab - 1] = 50.0  # the first and the last token
+    logits[3] = float("-inf")
+    logits[3, vocab - 2] = 0.0
+    logits[4, 2 * CHUNK + 5] = logits[4, 3 * CHUNK + 1] = float("nan")  # NaN wins, the first one (torch's rule)
+    logits[4, 0] = 60.0
+    counters = torch.zeros(8, dtype=torch.int32)
+    for _ in range(2):
+        got = greedy(logits, counters)
+        assert torch.equal(got, logits.argmax(dim=-1)), f"greedy {got.tolist()} != argmax {logits.argmax(-1).tolist()}"
+        assert got.tolist() == [5, CHUNK + 3, 0, vocab - 2, 2 * CHUNK + 5] and counters.eq(0).all()
+    everything_nan = torch.full((1, vocab), float("nan"))
+    assert greedy(everything_nan, counters).tolist() == [0] == everything_nan.argmax(dim=-1).tolist()
+
+
+def check_graph_inputs() -> None:
+    """The decode graph's install kernel against its torch reference: placeholders resolved from the
+    previous samples (one out of range: clamped), a table narrower than the graph's and one wider
+    than a block of the kernel, and no table."""
+    import numpy as np
+    from tpserve.kernels.graph_inputs import install, install_reference, pack
+
+    rng = np.random.default_rng(5)
+    for size, width, table_rows in ((1, 3, 2), (5, 300, 8), (4, 0, 0)):
+        rows = rng.integers(0, 1000, (3, size), dtype=np.int64)
+        rows[0, ::2] = -rng.integers(1, 4, (size + 1) // 2)  # placeholders -(r + 1), r up to 2
+        rows[0, 0] = -1
+        previous = torch.tensor([11, 22], dtype=torch.int64)  # r = 2 is past the end: clamped
+        table = rng.integers(0, 500, (size, width), dtype=np.int32) if table_rows else None
+        lens = rng.integers(1, 5000, size, dtype=np.int32) if table_rows else None
+        packed = torch.from_numpy(pack(rows, table, lens))
+        results = []
+        for fn in (install, install_reference):
+            tokens = torch.full((3, size + 2), -7, dtype=torch.int64)
+            dest = (torch.full((table_rows, width + 5), -7, dtype=torch.int32),
+                    torch.full((table_rows,), -7, dtype=torch.int32)) if table_rows else (None, None)
+            fn(packed, size, previous, tokens, *dest, width)
+            results.append((tokens, *(d for d in dest if d is not None)))
+        for got, expected in zip(*results):
+            assert torch.equal(got, expected), f"install {got.tolist()} != reference {expected.tolist()}"
+        tokens = results[1][0]
+        assert tokens[0, 0] == 11 and tokens[:, size:].eq(-7).all() and tokens[1:, :size].tolist() == rows[1:].tolist()
+        if table_rows:
+            assert results[1][1][:size, :width].tolist() == table.tolist() and results[1][1][:, width:].eq(-7).all()
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1")
@@ -553,6 +609,8 @@ if __name__ == "__main__":
     check_kv_store()
     check_norm_rope_store()
     check_add_rmsnorm()
+    check_graph_inputs()
+    check_greedy()
     check_fused_moe()
     check_fused_moe_model()
     check_fp8_gemm()

@@ -31,7 +31,8 @@ def launches(tmp_path_factory) -> str:
 def test_triton_kernels_in_interpreter(launches):
     with open(launches) as f:
         kernels = {line.split('"kernel": ')[1].split('"')[1] for line in f}
-    assert {"_norm_rope_store_kernel", "_grouped_gemm_kernel", "_store_kv_kernel", "_add_rmsnorm_kernel"} <= kernels
+    assert {"_norm_rope_store_kernel", "_grouped_gemm_kernel", "_store_kv_kernel", "_add_rmsnorm_kernel",
+            "_install_kernel", "_greedy_kernel"} <= kernels
 
 
 def test_triton_kernels_compile_for_hopper(launches):

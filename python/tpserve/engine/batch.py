@@ -68,18 +68,20 @@ def build_forward_inputs(
 ) -> ForwardInputs:
     host = build_host_batch(seqs, page_size)
     total, batch = host.tokens.shape[1], len(host.last_indices)
-    # One upload for all four index arrays, each 16-byte aligned (an even offset): Triton compiles a
+    identity = len(seqs) == total == batch  # one token a sequence, no extra rows: every token is a head row, in order
+    # One upload for all the index arrays, each 16-byte aligned (an even offset): Triton compiles a
     # kernel variant per pointer alignment.
     row = total + total % 2
-    packed = np.zeros(3 * row + batch, dtype=np.int64)
+    packed = np.zeros(3 * row + (0 if identity else batch), dtype=np.int64)
     packed[: 3 * row].reshape(3, row)[:, :total] = host.tokens
-    packed[3 * row :] = host.last_indices
+    if not identity:
+        packed[3 * row :] = host.last_indices
     flat = upload(torch.from_numpy(packed), device)
     return ForwardInputs(
         input_ids=flat[:total],
         positions=flat[row : row + total],
         out_slots=flat[2 * row : 2 * row + total],
-        last_indices=flat[3 * row :],
+        last_indices=None if identity else flat[3 * row :],
         attn=attn,
     )
 

@@ -3,7 +3,10 @@ decode batch (padded up to the next captured size) to remove the launch gaps of 
 
 Padding rows carry token 0 at position 0 and write their k/v to the scratch page 0, which the pool
 never hands out. Every graph reads the same static buffers and the attention backend's
-fixed-address metadata, which ``plan_cuda_graph`` refills before each replay.
+fixed-address metadata. A step's token rows (and, where attention reads a dense page table, its
+rows and lengths) are uploaded on a side stream while the previous graph runs and put in place by
+one kernel before the replay (``engine/side_copies.py``); other metadata is refilled by the
+backend's ``plan_cuda_graph``.
 """
 
 from __future__ import annotations
@@ -14,10 +17,13 @@ from bisect import bisect_left
 from collections.abc import Callable
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 
 from tpserve.attention.base import AttentionBackend
-from tpserve.engine.batch import build_host_batch, resolve_future_tokens
+from tpserve.attention.page_table import TableMetadata, dense_page_table
+from tpserve.engine.batch import build_host_batch
+from tpserve.engine.side_copies import SideCopies
 from tpserve.forward import ForwardContext, ForwardInputs, SequenceInput
 from tpserve.models.decoder import CausalLM
 
@@ -45,7 +51,7 @@ class _Graph:
 class CUDAGraphRunner:
     def __init__(
         self, model: CausalLM, attention: AttentionBackend, page_size: int, max_model_len: int, max_batch_size: int,
-        device: torch.device,
+        device: torch.device, copies: SideCopies,
     ) -> None:
         if not attention.supports_cuda_graphs:
             raise ValueError(f"{type(attention).__name__} does not support CUDA graphs")
@@ -56,10 +62,10 @@ class CUDAGraphRunner:
         self.sizes = capture_sizes(max_batch_size)
         self.max_batch_size = self.sizes[-1] if self.sizes else 0
         self.device = device
-        # rows: token ids, positions, KV slots (zeros: scratch-page writes), placeholder sources (see
-        # prepare); an even row length keeps every row 16-byte aligned for the Triton kernels
-        self.tokens = torch.zeros((4, self.max_batch_size + self.max_batch_size % 2), dtype=torch.int64, device=device)
-        self.last_indices = torch.arange(self.max_batch_size, dtype=torch.int64, device=device)
+        self.copies = copies
+        # rows: token ids, positions, KV slots (zeros: scratch-page writes); an even row length keeps
+        # every row 16-byte aligned for the Triton kernels
+        self.tokens = torch.zeros((3, self.max_batch_size + self.max_batch_size % 2), dtype=torch.int64, device=device)
         self.graphs: dict[int, _Graph] = {}
 
     def can_run(self, seqs: list[SequenceInput]) -> bool:
@@ -70,7 +76,7 @@ class CUDAGraphRunner:
             input_ids=self.tokens[0, :batch_size],
             positions=self.tokens[1, :batch_size],
             out_slots=self.tokens[2, :batch_size],
-            last_indices=self.last_indices[:batch_size],
+            last_indices=None,  # one token a sequence: every row goes through the LM head
             attn=attn_meta,
         )
 
@@ -94,6 +100,13 @@ class CUDAGraphRunner:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 logits = self.model(ctx)
             self.graphs[size] = _Graph(graph, logits, meta)
+        from tpserve.kernels.graph_inputs import packed_words
+
+        self.copies.reserve(max(  # the largest step's inputs (a dense table only where attention reads one)
+            packed_words(size, self.max_pages_per_seq if isinstance(g.attn_meta, TableMetadata) else 0)
+            for size, g in self.graphs.items()
+        ))
+        self._warm_up_install()
         torch.cuda.synchronize(self.device)
         used = free_before - torch.cuda.mem_get_info(self.device)[0]
         sizes = f"{self.sizes[:5]}...{self.sizes[-1]}" if len(self.sizes) > 6 else str(self.sizes)
@@ -102,6 +115,22 @@ class CUDAGraphRunner:
             len(self.sizes), sizes, time.perf_counter() - start, used / 2**20,
         )
 
+    def _warm_up_install(self) -> None:
+        """Compile the install kernel now (a variant with a dense page table, one without), not at the
+        first decode step; it writes one padding row's inputs, as captured."""
+        from tpserve.kernels import graph_inputs, use_triton
+
+        if not use_triton(self.device):
+            return
+        with_table = {isinstance(g.attn_meta, TableMetadata): g for g in self.graphs.values()}
+        for has_table, graph in with_table.items():
+            rows = np.zeros((3, 1), dtype=np.int64)
+            table, lens = (np.zeros((1, 1), dtype=np.int32), np.ones(1, dtype=np.int32)) if has_table else (None, None)
+            packed = torch.from_numpy(graph_inputs.pack(rows, table, lens)).to(self.device)
+            dest = (graph.attn_meta.page_table, graph.attn_meta.seq_lens) if has_table else (None, None)
+            previous = torch.zeros(1, dtype=torch.int64, device=self.device)
+            graph_inputs.install(packed, 1, previous, self.tokens, *dest, 0 if table is None else 1)
+
     @torch.inference_mode()
     def run(self, seqs: list[SequenceInput], previous_tokens: torch.Tensor | None = None) -> torch.Tensor:
         """[len(seqs), vocab] logits of a decode batch, valid until the next replay (see ``Engine.forward``)."""
@@ -109,32 +138,35 @@ class CUDAGraphRunner:
 
     @torch.inference_mode()
     def prepare(self, seqs: list[SequenceInput]) -> Callable[[torch.Tensor | None], torch.Tensor]:
-        """Fill the static inputs and plan attention for ``seqs``; the returned function resolves the
-        placeholder tokens and replays. Nothing else may replay in between (the inputs are shared)."""
+        """Upload the inputs of ``seqs`` (and plan attention) while the previous graph runs; the returned
+        function installs them, resolving the placeholder tokens, and replays. Nothing else may replay in
+        between (the inputs are shared)."""
+        from tpserve.kernels import graph_inputs, use_triton
+
         batch = len(seqs)
         size = self.sizes[bisect_left(self.sizes, batch)]
         graph = self.graphs[size]
         host = build_host_batch(seqs, self.page_size)
-        staged = torch.zeros((4, size), dtype=torch.int64, pin_memory=True)
-        rows = staged.numpy()
-        rows[:3, :batch] = host.tokens
-        # Row 3: where each placeholder's token is in the previous step's samples (resolved on the device)
-        ids = host.tokens[0]
-        all_futures = bool((ids < 0).all())
-        rows[3, :batch] = -ids - 1
-        self.tokens[:, :size].copy_(staged, non_blocking=True)
-        self.attention.plan_cuda_graph(seqs, graph.attn_meta, size)
-        sources = self.tokens[3, :batch]
-        highest_source = int(rows[3, :batch].max())
+        rows = np.zeros((3, size), dtype=np.int64)
+        rows[:, :batch] = host.tokens
+        meta = graph.attn_meta
+        table = lens = None
+        if isinstance(meta, TableMetadata):
+            table, lens = dense_page_table(seqs, self.page_size, pad_to=size)
+            if table.shape[1] > meta.page_table.shape[1]:
+                raise ValueError(f"a sequence of {int(lens.max())} tokens is longer than the graphs' "
+                                 f"{meta.page_table.shape[1]} pages of {self.page_size}")
+        else:
+            self.attention.plan_cuda_graph(seqs, meta, size)
+        packed, slot = self.copies.upload(graph_inputs.pack(rows, table, lens))
+        install = graph_inputs.install if use_triton(self.device) else graph_inputs.install_reference
+        width = 0 if table is None else table.shape[1]
+        dest = (meta.page_table, meta.seq_lens) if table is not None else (None, None)
 
         def replay(previous_tokens: torch.Tensor | None) -> torch.Tensor:
-            if previous_tokens is not None:
-                input_ids = self.tokens[0, :batch]
-                if all_futures and highest_source < previous_tokens.numel() and previous_tokens.dtype == input_ids.dtype:
-                    # a decode batch of placeholders only: one gather, not resolve_future_tokens' six kernels
-                    torch.index_select(previous_tokens, 0, sources, out=input_ids)
-                else:
-                    input_ids.copy_(resolve_future_tokens(input_ids, previous_tokens))
+            self.copies.wait(slot)
+            install(packed, size, previous_tokens, self.tokens, *dest, width)
+            self.copies.release(slot)
             graph.graph.replay()
             return graph.logits[:batch]
 

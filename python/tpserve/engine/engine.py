@@ -18,6 +18,7 @@ from tpserve.distributed.nodes import NodeGroup, NodeLayout
 from tpserve.engine.batch import build_forward_inputs, resolve_future_tokens, upload
 from tpserve.engine.cuda_graph import CUDAGraphRunner
 from tpserve.engine.logit_edits import PenaltyState
+from tpserve.engine.side_copies import SideCopies
 from tpserve.engine.sampler import Sampler, SamplingBatch
 from tpserve.forward import ForwardContext, SequenceInput
 from tpserve.kernels import use_triton
@@ -165,6 +166,7 @@ class Engine:
         )
         self.sampler = Sampler()
         self.penalty_state = PenaltyState(self.model_config.vocab_size, self.device)
+        self.copies = SideCopies(self.device) if self.device.type == "cuda" else None
         self.graph_runner = self._capture_cuda_graphs()
         if self.device.type == "cuda":
             self._warm_up_sampler()
@@ -199,7 +201,9 @@ class Engine:
         max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
         if self.device.type != "cuda" or max_bs <= 0 or not self.attention.supports_cuda_graphs:
             return None
-        runner = CUDAGraphRunner(self.model, self.attention, self.page_size, self.max_model_len, max_bs, self.device)
+        runner = CUDAGraphRunner(
+            self.model, self.attention, self.page_size, self.max_model_len, max_bs, self.device, self.copies
+        )
         runner.capture()
         return runner
 
@@ -228,7 +232,8 @@ class Engine:
         edited = torch.zeros((2, vocab), dtype=torch.float32, device=self.device)
         allow_all = torch.full((2, -(-vocab // 32)), -1, dtype=torch.int32, device=self.device)
         for logits in (raw, edited):
-            for params in (SamplingParams(temperature=1.0), SamplingParams(temperature=1.0, top_k=2, top_p=0.9)):
+            for params in (SamplingParams(temperature=0.0), SamplingParams(temperature=1.0),
+                           SamplingParams(temperature=1.0, top_k=2, top_p=0.9)):
                 batch = SamplingBatch.build([params] * 2, [0, 1], [0, 0], vocab, self.device)
                 self.sampler(logits, batch)
                 if self.sampler.fuses_mask(logits, batch):
@@ -339,15 +344,9 @@ class Engine:
         if pending.prompt_logprobs is not None:
             prompt = compute_logprobs(pending.prompt_logits, pending.prompt_logprobs.targets, pending.prompt_logprobs.top)
             outputs.update({"prompt_" + name: value for name, value in prompt.items()})
-        if self.device.type != "cuda":
+        if self.copies is None:
             return LaunchedStep(outputs, None)
-        host = {}
-        for name, tensor in outputs.items():
-            host[name] = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-            host[name].copy_(tensor, non_blocking=True)
-        done = torch.cuda.Event()
-        done.record()
-        return LaunchedStep(host, done)
+        return LaunchedStep(*self.copies.download(outputs))
 
     def _mask_on_device(self, mask: torch.Tensor) -> torch.Tensor:
         """The bitmask where the logits are; on a GPU uploaded without blocking into a buffer reused

@@ -208,6 +208,7 @@ class Sampler:
 
     def __init__(self) -> None:
         self._ws = Workspace()
+        self._greedy_counters: torch.Tensor | None = None  # the greedy kernel's per-row counts, left zero
 
     def fuses_mask(self, logits: torch.Tensor, batch: SamplingBatch) -> bool:
         """Whether ``__call__`` takes a grammar bitmask (the unfiltered Triton kernel applies it as
@@ -223,7 +224,7 @@ class Sampler:
 
             return sample(logits, batch.temperatures, batch.seeds, batch.steps, bitmask=bitmask)
         if batch.all_greedy:
-            return logits.argmax(dim=-1)
+            return self._greedy(logits)
         if use_triton(logits.device) and logits.stride(-1) == 1:
             from tpserve.kernels.sampling import sample
 
@@ -234,6 +235,16 @@ class Sampler:
                 logits, batch.temperatures, batch.seeds, batch.steps, batch.top_ks, batch.top_ps, batch.min_ps
             )
         return self.sample_torch(logits, batch)
+
+    def _greedy(self, logits: torch.Tensor) -> torch.Tensor:
+        if not (use_triton(logits.device) and logits.dim() == 2 and logits.stride(-1) == 1):
+            return logits.argmax(dim=-1)
+        from tpserve.kernels.sampling import greedy
+
+        rows = logits.shape[0]
+        if self._greedy_counters is None or self._greedy_counters.numel() < rows:
+            self._greedy_counters = torch.zeros(max(rows, 256), dtype=torch.int32, device=logits.device)
+        return greedy(logits, self._greedy_counters)
 
     def sample_torch(self, logits: torch.Tensor, batch: SamplingBatch) -> torch.Tensor:
         if batch.all_greedy:

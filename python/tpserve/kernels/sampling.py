@@ -1,10 +1,11 @@
 """Sampling in Triton: the counter-based noise and exponential race of ``engine/sampler.py``,
-greedy rows, and top-k / top-p / min-p without sorting.
+greedy rows (``greedy`` for an all-greedy batch), and top-k / top-p / min-p without sorting.
 
 Unfiltered rows are split into chunks (a pass for the row max, one for the race, then a pick of
 the best chunk); the filter variant gives each row one program. Every operation is rounded as in
 the torch path (IEEE division, libdevice ``expf``/``logf``, first index on ties), so tokens match
-it but for an ulp of exp/log at a near tie; no atomics, so every TP rank picks the same tokens.
+it but for an ulp of exp/log at a near tie; nothing depends on the order programs finish in (the
+greedy kernel's atomic only counts them), so every TP rank picks the same tokens.
 
 Filters: ``w = f(x) = exp((x - max) / t)`` is monotone in the logit, so each cut-off is found on
 the logits by bisection over the monotone int32 keys of their float32 values (<= 32 passes):
@@ -160,6 +161,64 @@ def _pick_kernel(
     top = tl.max(scores, axis=0)
     token = tl.min(tl.where(scores == top, idx, VOCAB), axis=0)
     tl.store(out_ptr + row, token.to(tl.int64))
+
+
+@triton.jit
+def _greedy_kernel(
+    logits_ptr, row_stride, partial_max_ptr, partial_idx_ptr, counters_ptr, out_ptr,
+    VOCAB: tl.constexpr, CHUNK: tl.constexpr, NUM_CHUNKS: tl.constexpr, CHUNKS_POW2: tl.constexpr,
+):
+    """Program (row, chunk): the chunk's max and its first index; the row's last program to finish
+    (an atomic count) picks the best chunk, the lowest index on equal maxima, and resets the count.
+    A NaN counts as the largest value (torch.argmax's rule): a chunk holding one reports NaN."""
+    row = tl.program_id(0)
+    chunk = tl.program_id(1)
+    cols = chunk * CHUNK + tl.arange(0, CHUNK)
+    x = tl.load(logits_ptr + row.to(tl.int64) * row_stride + cols, mask=cols < VOCAB, other=float("-inf"))
+    x = x.to(tl.float32)
+    nan = x != x
+    top = tl.max(tl.where(nan, float("-inf"), x), axis=0)
+    first = tl.min(tl.where(x == top, cols, VOCAB), axis=0)
+    first_nan = tl.min(tl.where(nan, cols, VOCAB), axis=0)
+    has_nan = first_nan < VOCAB
+    tl.store(partial_max_ptr + row * NUM_CHUNKS + chunk, tl.where(has_nan, float("nan"), top))
+    tl.store(partial_idx_ptr + row * NUM_CHUNKS + chunk, tl.where(has_nan, first_nan, first))
+    tl.debug_barrier()  # every thread's partials are written before the release below
+    if tl.atomic_add(counters_ptr + row, 1, sem="acq_rel") == NUM_CHUNKS - 1:
+        chunk_ids = tl.arange(0, CHUNKS_POW2)
+        valid = chunk_ids < NUM_CHUNKS
+        maxes = tl.load(partial_max_ptr + row * NUM_CHUNKS + chunk_ids, mask=valid, other=float("-inf"),
+                        cache_modifier=".cg")
+        idx = tl.load(partial_idx_ptr + row * NUM_CHUNKS + chunk_ids, mask=valid, other=VOCAB, cache_modifier=".cg")
+        nan_chunks = maxes != maxes
+        best = tl.max(tl.where(nan_chunks, float("-inf"), maxes), axis=0)
+        token = tl.min(tl.where(maxes == best, idx, VOCAB), axis=0)
+        first_nan = tl.min(tl.where(nan_chunks, idx, VOCAB), axis=0)  # chunks are in order: the first NaN
+        token = tl.where(first_nan < VOCAB, first_nan, token)
+        tl.store(out_ptr + row, token.to(tl.int64))
+        tl.store(counters_ptr + row, 0)
+
+
+def greedy(logits: torch.Tensor, counters: torch.Tensor) -> torch.Tensor:
+    """[B] int64 argmax of [B, V] logits (last dim contiguous), the first index on ties, as
+    ``torch.argmax`` but in one launch: ~40 programs a row each take a chunk, and the last of a row
+    merges (torch's reduction took 8 us for one row of 152k logits on an H200, docs/benchmarks.md).
+    ``counters``: [>= B] int32 zeros, left zero."""
+    if logits.dim() != 2 or logits.stride(1) != 1 or counters.numel() < logits.shape[0]:
+        raise ValueError(f"greedy needs [B, V] logits with a contiguous last dim and B counters, got "
+                         f"{tuple(logits.shape)} and {counters.numel()}")
+    batch, vocab = logits.shape
+    out = torch.empty(batch, dtype=torch.int64, device=logits.device)
+    if batch == 0:
+        return out
+    chunks = triton.cdiv(vocab, CHUNK)
+    maxes = torch.empty((batch, chunks), dtype=torch.float32, device=logits.device)
+    indices = torch.empty((batch, chunks), dtype=torch.int32, device=logits.device)
+    _greedy_kernel[(batch, chunks)](
+        logits, logits.stride(0), maxes, indices, counters, out,
+        VOCAB=vocab, CHUNK=CHUNK, NUM_CHUNKS=chunks, CHUNKS_POW2=triton.next_power_of_2(chunks),
+    )
+    return out
 
 
 @triton.jit

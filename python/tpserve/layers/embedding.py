@@ -10,6 +10,7 @@ from torch import nn
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
 from tpserve.kernels import gemv
+from tpserve.layers.linear import PendingNorm
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -56,8 +57,17 @@ class ParallelLMHead(VocabParallelEmbedding):
     def finish_loading(self, dtype: torch.dtype) -> None:
         self.bf16_gemv = gemv.bf16_gemv_enabled(self.weight.data)
 
-    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = gemv.linear(hidden, self.weight, self.bf16_gemv)
+    def forward(self, hidden: torch.Tensor | PendingNorm) -> torch.Tensor:
+        if isinstance(hidden, PendingNorm):
+            residual = hidden.residual
+            if self.bf16_gemv and gemv.fuse_norm_enabled(residual):
+                # the final norm inside the GEMV: one kernel fewer at the end of a one-token step
+                logits = gemv.gemv(residual, self.weight, norm=(hidden.norm.weight, hidden.norm.eps))
+                return self._gather(logits)
+            hidden = hidden.value()
+        return self._gather(gemv.linear(hidden, self.weight, self.bf16_gemv))
+
+    def _gather(self, logits: torch.Tensor) -> torch.Tensor:
         if self.comm.world_size > 1:
             logits = self.comm.all_gather(logits)
         return logits[..., : self.vocab_size]

@@ -120,13 +120,14 @@ class DecoderBody(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, comm) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
-    def forward(self, ctx: ForwardContext) -> torch.Tensor:
+    def forward(self, ctx: ForwardContext) -> torch.Tensor | PendingNorm:
+        """The final hidden states, normed or (``PendingNorm``) with the final norm left to the LM head."""
         x = self.embed_tokens(ctx.inputs.input_ids)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
         x, _ = add_and_norm(self.comm, x, residual, self.norm)
-        return x.value() if isinstance(x, PendingNorm) else x
+        return x
 
 
 class CausalLM(nn.Module):
@@ -141,4 +142,7 @@ class CausalLM(nn.Module):
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Logits [B, vocab] of each sequence's last new token (only those go through the head)."""
         hidden = self.model(ctx)
-        return self.lm_head(hidden[ctx.inputs.last_indices])
+        rows = ctx.inputs.last_indices
+        if rows is None:  # one token a sequence: the head may norm its input as it reads it
+            return self.lm_head(hidden)
+        return self.lm_head((hidden.value() if isinstance(hidden, PendingNorm) else hidden)[rows])
