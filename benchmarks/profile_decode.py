@@ -123,8 +123,8 @@ def timeline_summary(kernels: list[dict], span: float, verbose: bool) -> dict:
         print(f"{'kernel':60s} {'n':>5s} {'total us':>9s} {'mean us':>8s} {'gap before, total us':>21s}")
         for name, (n, total, gap) in sorted(by_name.items(), key=lambda item: -item[1][1]):
             print(f"{name:60s} {n:5d} {total:9.1f} {total / n:8.2f} {gap:21.1f}")
-        print("kernels 40-79 of the replay (start, duration, gap before, us):")
-        for k, gap in list(zip(kernels, gaps))[40:80]:
+        print("kernels 40-79 and the last 3 of the replay (start, duration, gap before, us):")
+        for k, gap in list(zip(kernels, gaps))[40:80] + list(zip(kernels, gaps))[-3:]:
             print(f"  {k['start_us']:9.2f} {k['dur_us']:7.2f} {gap:7.2f}  {k['name']}")
     summary["by_name"] = {name: {"n": n, "total_us": total, "gap_us": gap} for name, (n, total, gap) in by_name.items()}
     return summary
