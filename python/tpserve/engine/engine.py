@@ -363,6 +363,7 @@ class Engine:
     def shutdown(self) -> None:
         """Release the device memory (graphs, KV cache, weights) and the process groups."""
         self.graph_runner = None
+        self.copies = None  # the side streams and their upload buffers
         self.kv_pool.k.clear()
         self.kv_pool.v.clear()
         self.model = None  # type: ignore[assignment]
