@@ -63,3 +63,9 @@ def check_page_tables(seqs: list[SequenceInput], seq_lens: np.ndarray, page_size
     if short.size:
         b = int(short[0])
         raise ValueError(f"page table of {table_lens[b]} pages is too short for {seq_lens[b]} tokens")
+
+
+def resolve_future_tokens(input_ids: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
+    """Replace each placeholder -(r + 1) by ``previous[r]``, on the device (no host sync)."""
+    rows = (-input_ids - 1).clamp(min=0, max=previous.numel() - 1)
+    return torch.where(input_ids < 0, previous[rows], input_ids)

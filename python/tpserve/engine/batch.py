@@ -84,9 +84,3 @@ def build_forward_inputs(
         last_indices=None if identity else flat[3 * row :],
         attn=attn,
     )
-
-
-def resolve_future_tokens(input_ids: torch.Tensor, previous: torch.Tensor) -> torch.Tensor:
-    """Replace each placeholder -(r + 1) by ``previous[r]``, on the device (no host sync)."""
-    rows = (-input_ids - 1).clamp(min=0, max=previous.numel() - 1)
-    return torch.where(input_ids < 0, previous[rows], input_ids)

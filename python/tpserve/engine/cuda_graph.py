@@ -63,6 +63,10 @@ class CUDAGraphRunner:
         self.max_batch_size = self.sizes[-1] if self.sizes else 0
         self.device = device
         self.copies = copies
+        from tpserve.kernels import graph_inputs, use_triton  # here: triton only where graphs run
+
+        self._graph_inputs = graph_inputs
+        self._install = graph_inputs.install if use_triton(device) else graph_inputs.install_reference
         # rows: token ids, positions, KV slots (zeros: scratch-page writes); an even row length keeps
         # every row 16-byte aligned for the Triton kernels
         self.tokens = torch.zeros((3, self.max_batch_size + self.max_batch_size % 2), dtype=torch.int64, device=device)
@@ -100,10 +104,8 @@ class CUDAGraphRunner:
             with torch.cuda.graph(graph, pool=pool, stream=stream):
                 logits = self.model(ctx)
             self.graphs[size] = _Graph(graph, logits, meta)
-        from tpserve.kernels.graph_inputs import packed_words
-
         self.copies.reserve(max(  # the largest step's inputs (a dense table only where attention reads one)
-            packed_words(size, self.max_pages_per_seq if isinstance(g.attn_meta, TableMetadata) else 0)
+            self._graph_inputs.packed_words(size, self.max_pages_per_seq if isinstance(g.attn_meta, TableMetadata) else 0)
             for size, g in self.graphs.items()
         ))
         self._warm_up_install()
@@ -118,9 +120,8 @@ class CUDAGraphRunner:
     def _warm_up_install(self) -> None:
         """Compile the install kernel now (a variant with a dense page table, one without), not at the
         first decode step; it writes one padding row's inputs, as captured."""
-        from tpserve.kernels import graph_inputs, use_triton
-
-        if not use_triton(self.device):
+        graph_inputs = self._graph_inputs
+        if self._install is not graph_inputs.install:
             return
         with_table = {isinstance(g.attn_meta, TableMetadata): g for g in self.graphs.values()}
         for has_table, graph in with_table.items():
@@ -141,8 +142,6 @@ class CUDAGraphRunner:
         """Upload the inputs of ``seqs`` (and plan attention) while the previous graph runs; the returned
         function installs them, resolving the placeholder tokens, and replays. Nothing else may replay in
         between (the inputs are shared)."""
-        from tpserve.kernels import graph_inputs, use_triton
-
         batch = len(seqs)
         size = self.sizes[bisect_left(self.sizes, batch)]
         graph = self.graphs[size]
@@ -158,14 +157,13 @@ class CUDAGraphRunner:
                                  f"{meta.page_table.shape[1]} pages of {self.page_size}")
         else:
             self.attention.plan_cuda_graph(seqs, meta, size)
-        packed, slot = self.copies.upload(graph_inputs.pack(rows, table, lens))
-        install = graph_inputs.install if use_triton(self.device) else graph_inputs.install_reference
+        packed, slot = self.copies.upload(self._graph_inputs.pack(rows, table, lens))
         width = 0 if table is None else table.shape[1]
         dest = (meta.page_table, meta.seq_lens) if table is not None else (None, None)
 
         def replay(previous_tokens: torch.Tensor | None) -> torch.Tensor:
             self.copies.wait(slot)
-            install(packed, size, previous_tokens, self.tokens, *dest, width)
+            self._install(packed, size, previous_tokens, self.tokens, *dest, width)
             self.copies.release(slot)
             graph.graph.replay()
             return graph.logits[:batch]

@@ -15,12 +15,12 @@ from tpserve.config import EngineConfig, ModelConfig, resolve_dtype
 from tpserve.distributed.comm import init_process_groups
 from tpserve.distributed.info import set_tp_info
 from tpserve.distributed.nodes import NodeGroup, NodeLayout
-from tpserve.engine.batch import build_forward_inputs, resolve_future_tokens, upload
+from tpserve.engine.batch import build_forward_inputs, upload
 from tpserve.engine.cuda_graph import CUDAGraphRunner
 from tpserve.engine.logit_edits import PenaltyState
 from tpserve.engine.side_copies import SideCopies
 from tpserve.engine.sampler import Sampler, SamplingBatch
-from tpserve.forward import ForwardContext, SequenceInput
+from tpserve.forward import ForwardContext, SequenceInput, resolve_future_tokens
 from tpserve.kernels import use_triton
 from tpserve.kvcache.pool import KVCachePool, kv_cache_dtype
 from tpserve.layers.linear import ParallelLinear

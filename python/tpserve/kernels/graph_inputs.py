@@ -15,6 +15,8 @@ import torch
 import triton
 import triton.language as tl
 
+from tpserve.forward import resolve_future_tokens
+
 # Offsets in the packed buffer are multiples of 4 int32 (16 bytes): Triton compiles a variant per pointer alignment.
 _ALIGN = 4
 _TABLE_BLOCK = 128  # one block size for every table width: no compile as sequences grow
@@ -24,32 +26,37 @@ def _aligned(n: int) -> int:
     return -(-n // _ALIGN) * _ALIGN
 
 
-def pack(tokens: np.ndarray, table: np.ndarray | None, lens: np.ndarray | None) -> np.ndarray:
-    """One int32 buffer of the [3, B] int64 token rows (ids, positions, slots), then the [B] lengths and the
-    [B, W] page table when given."""
-    size = tokens.shape[1]
-    token_words = _aligned(6 * size)
-    width = 0 if table is None else table.shape[1]
-    out = np.zeros(packed_words(size, width), dtype=np.int32)
-    out[: 6 * size].view(np.int64)[:] = tokens.reshape(-1)
-    if table is not None:
-        out[token_words : token_words + size] = lens
-        out[token_words + _aligned(size) :] = table.reshape(-1)
-    return out
+def _offsets(size: int, width: int) -> tuple[int, int, int]:
+    """Where the lengths and the table start in ``pack``'s buffer, and its length (int32 words)."""
+    lens_at = _aligned(6 * size)
+    table_at = lens_at + _aligned(size)
+    return lens_at, table_at, (table_at + size * width if width else lens_at)
 
 
 def packed_words(size: int, width: int) -> int:
     """The length of ``pack``'s buffer for ``size`` rows and a table ``width`` pages wide (0: none)."""
-    return _aligned(6 * size) + (_aligned(size) + size * width if width else 0)
+    return _offsets(size, width)[2]
+
+
+def pack(tokens: np.ndarray, table: np.ndarray | None, lens: np.ndarray | None) -> np.ndarray:
+    """One int32 buffer of the [3, B] int64 token rows (ids, positions, slots), then the [B] lengths and the
+    [B, W] page table when given."""
+    size = tokens.shape[1]
+    width = 0 if table is None else table.shape[1]
+    lens_at, table_at, words = _offsets(size, width)
+    out = np.zeros(words, dtype=np.int32)
+    out[: 6 * size].view(np.int64)[:] = tokens.reshape(-1)
+    if table is not None:
+        out[lens_at : lens_at + size] = lens
+        out[table_at:] = table.reshape(-1)
+    return out
 
 
 def _views(packed: torch.Tensor, size: int, width: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The token rows [3, size] int64, the lengths [size] and the table [size, width] of a packed buffer."""
-    token_words = _aligned(6 * size)
+    lens_at, table_at, _ = _offsets(size, width)
     tokens = packed[: 6 * size].view(torch.int64).view(3, size)
-    lens = packed[token_words : token_words + size]
-    table = packed[token_words + _aligned(size) : token_words + _aligned(size) + size * width].view(size, width)
-    return tokens, lens, table
+    return tokens, packed[lens_at : lens_at + size], packed[table_at : table_at + size * width].view(size, width)
 
 
 def install_reference(
@@ -58,10 +65,7 @@ def install_reference(
 ) -> None:
     """``install`` in torch operations."""
     staged, staged_lens, staged_table = _views(packed, size, width)
-    ids = staged[0]
-    if previous is not None:
-        rows = (-ids - 1).clamp(min=0, max=previous.numel() - 1)
-        ids = torch.where(ids < 0, previous.to(torch.int64)[rows], ids)
+    ids = staged[0] if previous is None else resolve_future_tokens(staged[0], previous.to(torch.int64))
     tokens[0, :size].copy_(ids)
     tokens[1:3, :size].copy_(staged[1:3])
     if table is not None:
