@@ -33,6 +33,7 @@
 # and routing inside the MoE kernels slower from batch 2 (a3b_variants with A3B_BATCHES). Session 20: the next kernel's
 # weights prefetched into L2 (by the GEMV or by decode attention) lost 3-17% (removed); silu_b2 kept the SwiGLU epilogue
 # at batch 2; a3b_variants swept TPSERVE_MOE_SMALL and TPSERVE_TRITON_DECODE (down BLOCK_K 256, 16 splits for A3B: 0.927x).
+# Session 24: the q/k norm, rotary and KV store in qkv_proj's GEMV epilogue lost 2.1% in both dtypes (removed).
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
 set -u

@@ -10,7 +10,9 @@ Why not inside the decode attention kernel: session 19 folded it into ``attentio
 program norming and rotating its q heads and the newest k, that token's split storing k and v; the same
 bits). Whole batch-1 steps on an H200 were slower: Qwen3-8B bf16 1.019x, FP8 1.033x, Qwen3-30B-A3B 1.036x
 (docs/benchmarks.md). With this kernel between, attention launches (PDL) while it runs and reads its K/V
-pages meanwhile; fused, that read waits on the qkv GEMV.
+pages meanwhile; fused, that read waits on the qkv GEMV. Session 24 moved it into the qkv GEMV's epilogue instead
+(each head's last block, told by a counter, finishing the head): the same outputs, but batch-1 steps 2.1% slower
+(Qwen3-8B bf16 and FP8; Qwen3-30B-A3B no faster), for the same reason (docs/results/history.md, session 24).
 """
 
 from __future__ import annotations
