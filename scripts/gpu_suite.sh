@@ -108,7 +108,7 @@ for s in $stages; do
     decode8_fused) stage decode8_fused 45 python3 benchmarks/decode_latency.py --model $large --batch-sizes 1,64 --contexts 512 --out $results/decode_qwen3_8b_fused.json ;;
     profile8_b1) stage profile8_b1 35 python3 benchmarks/profile_decode.py --model $large --batch-sizes 1 --out $results/profile_qwen3_8b_bs1.json ;;
     offline06_fused) stage offline06_fused 75 python3 benchmarks/offline_throughput.py --model $small --out $results/offline_qwen3_0.6b_fused.json ;;
-    sampler) stage sampler 25 python3 benchmarks/sampler_latency.py --batch-sizes 1,64,256 --out $results/sampler.json ;;
+    sampler) stage sampler 90 python3 benchmarks/sampler_latency.py --batch-sizes 1,16,64,256 --out $results/sampler.json ;;
     ceilings) stage ceilings 20 python3 benchmarks/ceilings.py --out $results/ceilings.json ;;
     profile8) stage profile8 120 python3 benchmarks/profile_decode.py --model $large --batch-sizes 1,64 --out $results/profile_qwen3_8b.json ;;
     offline06_nooverlap) stage offline06_nooverlap 90 python3 benchmarks/offline_throughput.py --model $small --disable-overlap --out $results/offline_qwen3_0.6b_nooverlap.json ;;
