@@ -13,23 +13,13 @@ decode step, where the launch overlaps the GPU's work).
 from __future__ import annotations
 
 import argparse
-from collections.abc import Callable
 from functools import partial
 
 import torch
 from common import print_table, time_cuda, write_json
 from tpserve.engine.sampler import Sampler, SamplingBatch
+from tpserve.plan.calibrate import time_in_graph
 from tpserve.sampling_params import SamplingParams
-
-
-def graph_us(fn: Callable[[], object], calls: int = 20) -> float:
-    """GPU microseconds of one ``fn()``: ``calls`` of them captured in a CUDA graph, its replays timed."""
-    fn()  # compiled and warmed up outside the graph
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(calls):
-            fn()
-    return time_cuda(graph.replay, warmup=2, iters=10) * 1e6 / calls
 
 
 def main() -> None:
@@ -51,8 +41,8 @@ def main() -> None:
         row = {"case": case, "batch": batch, "fused_ms": fused_ms, "torch_ms": torch_ms, "speedup": torch_ms / fused_ms,
                "agree": agree, "fused_graph_us": None, "torch_graph_us": None}
         if params.temperature == 0.0:
-            row["fused_graph_us"] = graph_us(partial(sampler, logits, sampling))
-            row["torch_graph_us"] = graph_us(partial(torch.argmax, logits, dim=-1))
+            row["fused_graph_us"] = time_in_graph(partial(sampler, logits, sampling), iters=10, repeat=20) * 1e6
+            row["torch_graph_us"] = time_in_graph(partial(torch.argmax, logits, dim=-1), iters=10, repeat=20) * 1e6
         rows.append(row)
         print(rows[-1], flush=True)
     print(f"\nSampler, vocab {args.vocab}, bf16 logits")
