@@ -144,6 +144,11 @@ for s in $stages; do
     # the CUDA small-M GEMV (issues 14, 16): its tests, then against cuBLAS, Triton's and FlashInfer's GEMMs at 1..8 tokens
     gemv_tests) stage gemv_tests 300 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_gemv.py tests/gpu/test_fp8_gpu.py \
       -k "cuda or test_gemv" ;;
+    # session 25: the one-token GEMVs' read order without math (read_pattern.py), beside the GEMVs themselves
+    read_pattern) stage read_pattern 150 python3 benchmarks/experiments/read_pattern.py --configs tests/data/configs/Qwen3-8B \
+      --out $results/read_pattern.json ;;
+    gemv_m1) stage gemv_m1 300 python3 benchmarks/experiments/fp8_gemm.py --configs tests/data/configs/Qwen3-8B --ms 1 \
+      --variants cuda,cuda:FP8_ROWS=4,cuda:FP8_LOADS=16,cuda:FP8_ROWS=16:FP8_LOADS=16,bf16_cuda --out $results/gemv_m1.json ;;
     gemv_bench) stage gemv_bench 420 python3 benchmarks/experiments/fp8_gemm.py --ms 1,2,4,8 --variants cuda,bf16_cuda,flashinfer,w8a8 \
       --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B,$a3b --out $results/fp8_gemm_cuda.json ;;
     fp8_quant_tests) stage fp8_quant_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py -k quantization_fp8_on_gpu ;;
