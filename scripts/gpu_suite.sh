@@ -34,6 +34,8 @@
 # weights prefetched into L2 (by the GEMV or by decode attention) lost 3-17% (removed); silu_b2 kept the SwiGLU epilogue
 # at batch 2; a3b_variants swept TPSERVE_MOE_SMALL and TPSERVE_TRITON_DECODE (down BLOCK_K 256, 16 splits for A3B: 0.927x).
 # Session 24: the q/k norm, rotary and KV store in qkv_proj's GEMV epilogue lost 2.1% in both dtypes (removed).
+# Session 25: alone, the one-token FP8 GEMVs read as fast as a math-free read in their order (read_pattern, gemv_m1); the
+# SwiGLU GEMV on a persistent grid lost 1.4-7% (engine_variants8 with PERSIST=N, gemv_variant_tests; removed).
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
 set -u
@@ -148,7 +150,11 @@ for s in $stages; do
     read_pattern) stage read_pattern 150 python3 benchmarks/experiments/read_pattern.py --configs tests/data/configs/Qwen3-8B \
       --out $results/read_pattern.json ;;
     gemv_m1) stage gemv_m1 300 python3 benchmarks/experiments/fp8_gemm.py --configs tests/data/configs/Qwen3-8B --ms 1 \
-      --variants cuda,cuda:FP8_ROWS=4,cuda:FP8_LOADS=16,cuda:FP8_ROWS=16:FP8_LOADS=16,bf16_cuda --out $results/gemv_m1.json ;;
+      --variants "${GEMV_VARIANTS:-cuda,cuda:FP8_ROWS=4,cuda:FP8_LOADS=16,cuda:FP8_ROWS=16:FP8_LOADS=16,bf16_cuda}" \
+      --out $results/gemv_m1.json ;;
+    gemv_variant_tests)  # tests/gpu/test_gemv.py on a GEMV built with GEMV_TEST_DEFINES (TPSERVE_GEMV_DEFINES: its own module)
+      stage gemv_variant_tests 200 env TPSERVE_GEMV_DEFINES="${GEMV_TEST_DEFINES:?}" python3 -m pytest -q -p no:cacheprovider \
+        tests/gpu/test_gemv.py -k "${GEMV_TESTS:-gemv}" ;;
     gemv_bench) stage gemv_bench 420 python3 benchmarks/experiments/fp8_gemm.py --ms 1,2,4,8 --variants cuda,bf16_cuda,flashinfer,w8a8 \
       --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B,$a3b --out $results/fp8_gemm_cuda.json ;;
     fp8_quant_tests) stage fp8_quant_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py -k quantization_fp8_on_gpu ;;
