@@ -35,7 +35,8 @@
 # at batch 2; a3b_variants swept TPSERVE_MOE_SMALL and TPSERVE_TRITON_DECODE (down BLOCK_K 256, 16 splits for A3B: 0.927x).
 # Session 24: the q/k norm, rotary and KV store in qkv_proj's GEMV epilogue lost 2.1% in both dtypes (removed).
 # Session 25: alone, the one-token FP8 GEMVs read as fast as a math-free read in their order (read_pattern, gemv_m1); the
-# SwiGLU GEMV on a persistent grid lost 1.4-7% (engine_variants8 with PERSIST=N, gemv_variant_tests; removed).
+# SwiGLU GEMV on a persistent grid lost 1.4-7% (engine_variants8 with PERSIST=N, gemv_variant_tests; removed), and 4 or 2
+# rows a block in the FP8 o and down GEMVs 1.7% / 6.2% (FP8_ADD_ROWS=N, removed).
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
 set -u
