@@ -271,6 +271,7 @@ def test_top_k_disabled_changes_nothing(disabled):
         (SP(top_p=0.9), 5),  # ..., 0.85, 0.93
         (SP(top_p=0.3), 1),  # the top token alone already reaches it
         (SP(top_p=0.01), 1),
+        (SP(top_p=1e-50), 1),  # 0 in float32: the top token still stays (was an index of -1)
         # top-p after top-k, on the renormalised top 3: 0.467, 0.8 >= 0.78 keeps 2
         # (3 if it were not renormalised).
         (SP(top_k=3, top_p=0.78), 2),

@@ -299,8 +299,9 @@ def _top_k_top_p_thresholds(weights: torch.Tensor, batch: SamplingBatch) -> torc
         cumulative = kept.cumsum(dim=-1)
         mass_before = F.pad(cumulative[:, :-1], (1, 0))
         in_top_p = (mass_before < top_ps[:, None] * cumulative[:, -1:]) & in_top_k
-        # top_p = 1 keeps everything: a float cumsum could otherwise drop a tiny tail.
-        keep_count = torch.where(top_ps >= 1.0, keep_count, in_top_p.sum(dim=-1))
+        # top_p = 1 keeps everything: a float cumsum could otherwise drop a tiny tail. The top
+        # token always stays (a top_p that is 0 in float32 would otherwise keep none).
+        keep_count = torch.where(top_ps >= 1.0, keep_count, in_top_p.sum(dim=-1).clamp_min(1))
     threshold = sorted_w.gather(1, (keep_count - 1)[:, None]).squeeze(1)
 
     if rows is None:
