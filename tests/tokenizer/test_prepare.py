@@ -58,6 +58,9 @@ def test_seeds_differ_between_requests(preparer):
         ({"input_ids": [1, 700]}, "prompt", "out of range"),
         ({"input_ids": [-1]}, "prompt", "out of range"),
         ({"input_ids": [1] * 10, "params": SamplingParams(max_tokens=60)}, "max_tokens", "70 were requested"),
+        # no max_tokens: the context left over caps it, and min_tokens must fit too (was a 500)
+        ({"input_ids": [1] * 10, "params": SamplingParams(max_tokens=None, min_tokens=60)}, "min_tokens",
+         "min_tokens (60) is more than the 54 tokens"),
         ({"input_ids": [1], "params": SamplingParams(stop_token_ids=[9999])}, "stop_token_ids", "out of range"),
         ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}},
          "chat_template_kwargs", "tokenize"),

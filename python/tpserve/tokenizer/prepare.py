@@ -70,6 +70,12 @@ class PromptPreparer:
                 "lower max_tokens or shorten the prompt",
                 "max_tokens",
             )
+        if params.max_tokens is None and params.min_tokens > ctx - n:
+            raise InvalidRequest(
+                f"min_tokens ({params.min_tokens}) is more than the {ctx - n} tokens this model's context length "
+                f"({ctx}) leaves after the {n}-token prompt",
+                "min_tokens",
+            )
         self._check_ids(params.stop_token_ids or [], "stop_token_ids")
         self._check_ids(list(params.logit_bias or {}), "logit_bias")
         if params.structured is not None:
