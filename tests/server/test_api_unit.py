@@ -158,6 +158,30 @@ def test_invalid_json_is_400(client):
     assert err["param"] is None  # a character position is not a parameter
 
 
+def test_a_body_without_content_type_is_read_as_json(client):
+    # requests.post(url, data=json.dumps(body)) sends no Content-Type; FastAPI's strict default refused it
+    raw = json.dumps({"messages": USER, "max_tokens": 2}).encode()
+    resp = client.post(CHAT, content=raw)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["object"] == "chat.completion"
+
+
+@pytest.mark.parametrize(
+    "raw, content_type, fragment",
+    [
+        (b"", "application/json", "the request body is empty"),
+        (b'"a string"', "application/json", "the request body must be a JSON object"),
+        (b"[1, 2]", "application/json", "the request body must be a JSON object"),
+        (b'{"messages": []}', "application/x-www-form-urlencoded", "Content-Type: application/json"),
+        (b'{"prompt": "\xff"}', "application/json", "not valid UTF-8"),
+        (b"[" * 5000 + b"]" * 5000, "application/json", "nested too deeply"),
+    ],
+)
+def test_bodies_that_are_no_json_object_say_so(client, raw, content_type, fragment):
+    err = assert_error(client.post(CHAT, content=raw, headers={"content-type": content_type}), 400, fragment)
+    assert err["code"] == "invalid_request" and err["param"] is None
+
+
 def test_unknown_model_is_404(client):
     err = assert_error(client.post(CHAT, json={"model": "gpt-4", "messages": USER}), 404, "gpt-4")
     assert err["code"] == "model_not_found"
