@@ -312,6 +312,12 @@ def test_structured_output_fields_reach_the_params():
         assert stub.submitted[-1].params.structured.kind == kind
     assert c.post(COMPLETIONS, json={"prompt": "x", "regex": "a"}).status_code == 200
     assert stub.submitted[-1].params.structured.spec == "a"
+    # the tokenizer worker checks the spec: it names the field the request gave it in
+    assert [r.structured_param for r in stub.submitted] == ["response_format", "response_format", "regex", "ebnf",
+                                                            "regex"]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}]
+    assert c.post(CHAT, json={"messages": USER, "tools": tools, "tool_choice": "required"}).status_code == 200
+    assert stub.submitted[-1].structured_param == "tools"
 
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {

@@ -141,6 +141,11 @@ def test_sampling_controls_checked(preparer):
     assert e.value.param == "logit_bias"
     with pytest.raises(InvalidRequest, match="invalid regex") as e:
         preparer.prepare(req(input_ids=[1], params=SamplingParams(structured=StructuredOutput("regex", "(a"))))
-    assert e.value.param == "response_format"
+    assert e.value.param == "response_format"  # the default field
+    # the field the request gave it in is named, and the message is xgrammar's without its source location
+    with pytest.raises(InvalidRequest, match=r"^invalid regex: Regex parsing error") as e:
+        preparer.prepare(req(input_ids=[1], params=SamplingParams(structured=StructuredOutput("regex", "(a")),
+                             structured_param="regex"))
+    assert e.value.param == "regex"
     p = preparer.prepare(req(input_ids=[1], params=SamplingParams(stop=["x"], include_stop_str_in_output=True)))
     assert p.register.include_stop

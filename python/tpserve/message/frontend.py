@@ -39,6 +39,7 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True):
     add_generation_prompt: bool = True
     skip_special_tokens: bool = True
     tools: list[dict[str, Any]] | None = None  # rendered by the chat template
+    structured_param: str = "response_format"  # the field params.structured came from, named if it is invalid
 
 
 TokenizerInput = TokenizeRequest | Shutdown

@@ -174,6 +174,15 @@ class _SamplingFields(_Body):
     def tool_fields(self) -> tuple[Any, ...]:
         return ()
 
+    @property
+    def structured_param(self) -> str:
+        """The field the output's constraint comes from (one at most: ``structure`` checks)."""
+        if self.regex is not None:
+            return "regex"
+        if self.ebnf is not None:
+            return "ebnf"
+        return "response_format"
+
     def sampling_params(self, max_tokens: int | None, structured: StructuredOutput | None = None) -> SamplingParams:
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
@@ -215,6 +224,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def tool_fields(self) -> tuple[Any, ...]:
         return self.tools, self.tool_choice, self.parallel_tool_calls
+
+    @property
+    def structured_param(self) -> str:
+        return "tools" if self.forced_tool else super().structured_param
 
     @property
     def forced_tool(self) -> bool:

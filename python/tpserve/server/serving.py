@@ -189,6 +189,7 @@ class Serving:
                 add_generation_prompt=body.add_generation_prompt,
                 skip_special_tokens=body.skip_special_tokens,
                 tools=body.tools or None,
+                structured_param=body.structured_param,
             )
             for choice_params in _per_choice(params, body.n)
         ]
@@ -215,7 +216,8 @@ class Serving:
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             for choice_params in _per_choice(params, body.n):
                 reqs.append(TokenizeRequest(rid=self.frontend.new_rid(), params=choice_params, text=text,
-                                            input_ids=ids, skip_special_tokens=body.skip_special_tokens))
+                                            input_ids=ids, skip_special_tokens=body.skip_special_tokens,
+                                            structured_param=body.structured_param))
         echo = None
         if body.echo:  # each choice's text starts with its prompt's
             echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]

@@ -82,7 +82,7 @@ class PromptPreparer:
             try:
                 check_spec(params.structured)
             except InvalidGrammar as e:
-                raise InvalidRequest(str(e), "response_format") from e
+                raise InvalidRequest(str(e), req.structured_param) from e
         final = msgspec.structs.replace(
             params,
             max_tokens=ctx - n if params.max_tokens is None else params.max_tokens,
