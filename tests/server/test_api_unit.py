@@ -124,7 +124,7 @@ def test_flush_cache():
         (CHAT, {"messages": USER, "min_p": 2}, None, "min_p"),
         (CHAT, {"messages": USER, "max_tokens": 0}, None, "max_tokens"),
         (CHAT, {"messages": USER, "seed": -1}, "seed", "seed"),
-        (CHAT, {"messages": USER, "stop": 5}, None, None),
+        (CHAT, {"messages": USER, "stop": 5}, "stop must be a string or a list of strings", "stop"),
         (CHAT, {"messages": USER, "stop": [""]}, "empty", "stop"),
         (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools[0]", "tools"),
         (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -144,7 +144,13 @@ def test_flush_cache():
         (COMPLETIONS, {"prompt": "x", "suffix": "y"}, "suffix", "suffix"),
         (COMPLETIONS, {"prompt": []}, "empty", "prompt"),
         (COMPLETIONS, {"prompt": [[1, 2], []]}, "empty", "prompt"),
-        (COMPLETIONS, {"prompt": [1, "a"]}, None, None),
+        # a value matching no member of a union: one message naming the field and what it may be
+        (COMPLETIONS, {"prompt": [1, "a"]},
+         "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists", "prompt"),
+        (COMPLETIONS, {"prompt": {"text": "a"}}, "prompt must be a string", "prompt"),
+        (CHAT, {"messages": [{"role": "user", "content": 42}]}, "messages.0.content must be a string or a list",
+         "messages.0.content"),
+        (CHAT, {"messages": USER, "tool_choice": 5}, "tool_choice must be a string or an object", "tool_choice"),
         (COMPLETIONS, {}, "missing required parameter 'prompt'", "prompt"),
     ],
 )

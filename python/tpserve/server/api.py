@@ -206,11 +206,32 @@ def _body_problem(err: dict[str, Any]) -> str:
     return "the request body must be a JSON object"
 
 
+# pydantic's names of union members (in an error's location) -> what a client reads
+_UNION_MEMBERS = {
+    "str": "a string", "int": "an integer", "list[str]": "a list of strings", "list[int]": "a list of token ids",
+    "list[list[int]]": "a list of token-id lists", "list[any]": "a list", "dict[str,any]": "an object",
+}
+
+
+def _union_member(loc: list[str]) -> tuple[list[str], str | None]:
+    """(the field's location, the union member the error is about, or None): pydantic puts the
+    member's type after the field (``prompt.list[int].0``)."""
+    for i, part in enumerate(loc):
+        if part in _UNION_MEMBERS or "[" in part:
+            return loc[:i], _UNION_MEMBERS.get(part, part)
+    return loc, None
+
+
+def _one_of(options: list[str]) -> str:
+    return options[0] if len(options) == 1 else f"{', '.join(options[:-1])} or {options[-1]}"
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts: list[str] = []
     param = None
+    unions: dict[str, list[str]] = {}  # a field matching no member of its union -> the members
     for err in exc.errors():
-        loc = [str(x) for x in err.get("loc", ()) if x != "body"]
+        loc, member = _union_member([str(x) for x in err.get("loc", ()) if x != "body"])
         where = ".".join(loc)
         if err.get("type") == "json_invalid":  # its loc is a character position, not a parameter
             at = f" at character {where}" if where else ""
@@ -220,12 +241,19 @@ def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
             parts.append(_body_problem(err))
             continue
         param = param or (where or None)
-        if err.get("type") == "extra_forbidden":
+        if member is not None:
+            if where not in unions:
+                parts.append(where)  # filled in below, once every member is known
+                unions[where] = []
+            if member not in unions[where]:
+                unions[where].append(member)
+        elif err.get("type") == "extra_forbidden":
             parts.append(f"unsupported parameter '{where}'")
         elif err.get("type") == "missing":
             parts.append(f"missing required parameter '{where}'")
         else:
             parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
+    parts = [f"{p} must be {_one_of(unions[p])}" if p in unions else p for p in parts]
     return "; ".join(parts) or "invalid request", param
 
 
