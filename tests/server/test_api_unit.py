@@ -188,6 +188,25 @@ def test_bodies_that_are_no_json_object_say_so(client, raw, content_type, fragme
     assert err["code"] == "invalid_request" and err["param"] is None
 
 
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "description": "d" * 5000}}], "tool_choice": "none"},
+         "tools"),
+        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": "' + "x" * 5000 + '"}'}}]},
+            *USER]}, "messages"),
+        ({"chat_template_kwargs": {"extra": "x" * 5000}}, "chat_template_kwargs"),
+    ],
+)
+def test_chat_text_beyond_the_context_is_refused_before_tokenizing(body, param):
+    """Everything the chat template renders counts toward the character limit (4096 here), not
+    only the message contents."""
+    c, stub = make_client()
+    err = assert_error(c.post(CHAT, json={"messages": USER, **body}), 400, "characters", param)
+    assert err["code"] == "invalid_request" and not stub.submitted
+
+
 def test_unknown_model_is_404(client):
     err = assert_error(client.post(CHAT, json={"model": "gpt-4", "messages": USER}), 404, "gpt-4")
     assert err["code"] == "model_not_found"

@@ -149,3 +149,19 @@ def test_sampling_controls_checked(preparer):
     assert e.value.param == "regex"
     p = preparer.prepare(req(input_ids=[1], params=SamplingParams(stop=["x"], include_stop_str_in_output=True)))
     assert p.register.include_stop
+
+
+def test_prompt_chars_counts_everything_the_template_renders():
+    """The size checks and the worker's long-prompt thread count every string the template can
+    render, not only the message contents: an 8 MB tools list held the worker for seconds."""
+    from tpserve.tokenizer.prepare import prompt_chars
+
+    assert prompt_chars(req(text="abc")) == 3
+    assert prompt_chars(req(input_ids=[1, 2])) == 0
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "xyz"}'}}
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    tools = [{"type": "function", "function": {"name": "g", "description": "d" * 100}}]
+    plain = prompt_chars(req(messages=messages))
+    assert plain >= len("hello") + len('{"a": "xyz"}')
+    assert prompt_chars(req(messages=messages, tools=tools)) >= plain + 100
+    assert prompt_chars(req(messages=messages, chat_template_kwargs={"system": "s" * 50})) >= plain + 50

@@ -32,6 +32,30 @@ class InvalidRequest(Exception):
         self.param = param
 
 
+def text_chars(value: Any) -> int:
+    """Characters of every string (keys too) in a JSON-like value: what a chat template can render."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
+def prompt_chars(req: TokenizeRequest) -> int:
+    """The characters a request's prompt is made from (its text, or everything its chat template
+    can render: messages, tools and template variables), before tokenizing."""
+    if req.text is not None:
+        return len(req.text)
+    return text_chars(req.messages) + text_chars(req.tools) + text_chars(req.chat_template_kwargs)
+
+
 @dataclass(frozen=True)
 class PromptLimits:
     context_len: int  # prompt + generated tokens
