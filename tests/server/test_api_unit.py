@@ -256,6 +256,19 @@ def test_chat_defaults_and_content_parts():
     assert req.params.max_tokens == 4 and req.params.seed is None
 
 
+def test_continue_final_message_reaches_the_template():
+    c, stub = make_client()
+    msgs = [*USER, {"role": "assistant", "content": "Sure: {"}]
+    assert c.post(CHAT, json={"messages": msgs, "add_generation_prompt": False,
+                              "continue_final_message": True}).status_code == 200
+    req = stub.submitted[0]
+    assert req.continue_final_message and not req.add_generation_prompt
+    assert_error(c.post(CHAT, json={"messages": msgs, "continue_final_message": True}), 400,
+                 "add_generation_prompt", "continue_final_message")
+    assert_error(c.post(CHAT, json={"messages": USER, "add_generation_prompt": False, "continue_final_message": True}),
+                 400, "last message", "continue_final_message")
+
+
 def test_chat_stream_schema():
     c, _ = make_client()
     with c.stream("POST", CHAT, json={"messages": USER, "stream": True,

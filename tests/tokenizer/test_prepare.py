@@ -28,6 +28,16 @@ def test_chat_template_and_enable_thinking(preparer, tiny_tokenizer):
     assert tiny_tokenizer.decode(no_think).endswith("<think>\n\n</think>\n\n")
 
 
+def test_continue_final_message_leaves_the_assistant_turn_open(preparer, tiny_tokenizer):
+    """vLLM's continue_final_message: the model continues a partial answer (was silently ignored:
+    the template closed the turn and opened a new one)."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: {"}]
+    ids = preparer.prepare(req(messages=msgs, add_generation_prompt=False, continue_final_message=True)).generate.input_ids
+    assert tiny_tokenizer.decode(ids).endswith("<|im_start|>assistant\nSure: {")
+    closed = preparer.prepare(req(messages=msgs, add_generation_prompt=False)).generate.input_ids
+    assert tiny_tokenizer.decode(closed).endswith("Sure: {<|im_end|>\n")
+
+
 def test_text_and_ids(preparer, tiny_tokenizer):
     p = preparer.prepare(req(text="Hello world"))
     assert p.generate.input_ids == tiny_tokenizer.encode("Hello world")

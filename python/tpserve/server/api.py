@@ -59,6 +59,7 @@ class TokenizeService:
             req = TokenizeRequest(
                 rid=0, params=SamplingParams(), messages=[m.to_template(i) for i, m in enumerate(body.messages or [])],
                 chat_template_kwargs=body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
                 tools=body.tools or None,
             )
             try:

@@ -188,6 +188,7 @@ class Serving:
                 messages=messages,
                 chat_template_kwargs=body.chat_template_kwargs,
                 add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
                 skip_special_tokens=body.skip_special_tokens,
                 tools=body.tools or None,
                 structured_param=body.structured_param,

@@ -148,6 +148,7 @@ class PromptPreparer:
                 req.messages,
                 tokenize=False,
                 add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
                 tools=req.tools,
                 **kwargs,
             )
