@@ -48,6 +48,18 @@ def test_repetition_penalty_matches_transformers():
         torch.testing.assert_close(ours[i], ref[0])
 
 
+def test_extreme_repetition_penalties_keep_the_logits_finite():
+    """1e300 and 1e-300 are inf and 0 in float32: a seen negative logit became -inf (as if masked: a
+    grammar whose allowed tokens were all seen then let argmax pick a masked token) and 0 / 0 NaN."""
+    logits = torch.tensor([[-2.0, 0.0, 3.0, -1.0, 1.0] + [0.5] * (V - 5)] * 2)
+    params = [SP(repetition_penalty=1e300), SP(repetition_penalty=1e-300)]
+    ours = run_edits(logits, params, [[0, 1, 2], [0, 1, 2]], [[], []])
+    assert torch.isfinite(ours).all(), ours[:, :5]
+    assert ours[0, 0] < -1e20 and ours[0, 2] < 1e-20  # harsh: seen tokens fall far below the rest
+    assert ours[1, 2] > 1e20 and ours[1, 0] > -1e-20  # lenient: seen tokens rise far above them
+    assert ours[0, 0] < ours[0, 3] and ours[1, 2] > ours[1, 4]
+
+
 def test_frequency_and_presence_follow_openai():
     torch.manual_seed(1)
     logits = torch.randn(2, V)

@@ -271,6 +271,7 @@ def test_top_k_disabled_changes_nothing(disabled):
         (SP(top_p=0.9), 5),  # ..., 0.85, 0.93
         (SP(top_p=0.3), 1),  # the top token alone already reaches it
         (SP(top_p=0.01), 1),
+        (SP(top_p=1e-50), 1),  # 0 in float32: the top token still stays (was an index of -1)
         # top-p after top-k, on the renormalised top 3: 0.467, 0.8 >= 0.78 keeps 2
         # (3 if it were not renormalised).
         (SP(top_k=3, top_p=0.78), 2),
@@ -337,7 +338,9 @@ def test_minus_inf_logits_are_never_sampled():
     logits = torch.randn(8, 100, generator=torch.Generator().manual_seed(5))
     logits[:, ::3] = float("-inf")
     allowed = torch.isfinite(logits[0])
-    for params in (SP(), SP(temperature=3, top_k=90), SP(top_p=0.999), SP(min_p=0.01), SP(temperature=0)):
+    # 1e300 is infinite in float32: -inf / inf would be NaN, and NaN wins the race
+    for params in (SP(), SP(temperature=3, top_k=90), SP(top_p=0.999), SP(min_p=0.01), SP(temperature=0),
+                   SP(temperature=1e300), SP(temperature=1e300, top_p=0.5)):
         tokens = sample_row(logits[0], params, n=1000)
         assert allowed[tokens].all(), params
 

@@ -94,6 +94,28 @@ def test_hermes_streams_arguments_before_the_call_ends():
     assert [d.name for d in out.calls] == ["f", None] and out.calls[1].arguments == '{"a": 1, "b": "lo'
 
 
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": "{\\"a\\": 1}"}\n</tool_call>'),
+    ("llama3_json", '{"name": "f", "parameters": "{\\"a\\": 1}"}'),
+])
+def test_arguments_written_as_a_json_string_stream_as_they_parse_whole(parser, text):
+    """Some models write the arguments as a JSON string holding the JSON (OpenAI's own layout):
+    streamed, they went out as the string literal ('"{\\"a\\": 1}"'), whole as its text."""
+    for chunks in splits(text):
+        content, calls = run_tools(create_tool_parser(parser), chunks)
+        assert content == "" and [(c["name"], c["arguments"]) for c in calls] == [("f", '{"a": 1}')], chunks
+
+
+@pytest.mark.parametrize("after, content", [("\n\n", ""), ("\nDone.\n\n", "\nDone.\n\n"), ("\n\n<tool", "\n\n<tool")])
+def test_hermes_text_after_a_call_is_the_same_in_any_chunking(after, content):
+    """Whitespace alone between or after calls is dropped; with text it is kept, however the
+    stream is cut (a chunk of whitespace alone was dropped even where text followed it)."""
+    text = '<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call>' + after
+    for chunks in splits(text):
+        got, calls = run_tools(create_tool_parser("hermes"), chunks)
+        assert (got, [c["name"] for c in calls]) == (content, ["f"]), chunks
+
+
 def test_hermes_plain_text_and_broken_calls():
     assert run_tools(create_tool_parser("hermes"), ["Just text, a < b."]) == ("Just text, a < b.", [])
     content, calls = run_tools(create_tool_parser("hermes"), ["<tool_call>\n{not json</tool_call>"])

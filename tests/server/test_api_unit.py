@@ -124,7 +124,7 @@ def test_flush_cache():
         (CHAT, {"messages": USER, "min_p": 2}, None, "min_p"),
         (CHAT, {"messages": USER, "max_tokens": 0}, None, "max_tokens"),
         (CHAT, {"messages": USER, "seed": -1}, "seed", "seed"),
-        (CHAT, {"messages": USER, "stop": 5}, None, None),
+        (CHAT, {"messages": USER, "stop": 5}, "stop must be a string or a list of strings", "stop"),
         (CHAT, {"messages": USER, "stop": [""]}, "empty", "stop"),
         (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools[0]", "tools"),
         (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
@@ -144,7 +144,13 @@ def test_flush_cache():
         (COMPLETIONS, {"prompt": "x", "suffix": "y"}, "suffix", "suffix"),
         (COMPLETIONS, {"prompt": []}, "empty", "prompt"),
         (COMPLETIONS, {"prompt": [[1, 2], []]}, "empty", "prompt"),
-        (COMPLETIONS, {"prompt": [1, "a"]}, None, None),
+        # a value matching no member of a union: one message naming the field and what it may be
+        (COMPLETIONS, {"prompt": [1, "a"]},
+         "prompt must be a string, a list of strings, a list of token ids or a list of token-id lists", "prompt"),
+        (COMPLETIONS, {"prompt": {"text": "a"}}, "prompt must be a string", "prompt"),
+        (CHAT, {"messages": [{"role": "user", "content": 42}]}, "messages.0.content must be a string or a list",
+         "messages.0.content"),
+        (CHAT, {"messages": USER, "tool_choice": 5}, "tool_choice must be a string or an object", "tool_choice"),
         (COMPLETIONS, {}, "missing required parameter 'prompt'", "prompt"),
     ],
 )
@@ -156,6 +162,49 @@ def test_invalid_json_is_400(client):
     err = assert_error(client.post(CHAT, content=b"{not json", headers={"content-type": "application/json"}), 400)
     assert "invalid JSON body at character 1" in err["message"]
     assert err["param"] is None  # a character position is not a parameter
+
+
+def test_a_body_without_content_type_is_read_as_json(client):
+    # requests.post(url, data=json.dumps(body)) sends no Content-Type; FastAPI's strict default refused it
+    raw = json.dumps({"messages": USER, "max_tokens": 2}).encode()
+    resp = client.post(CHAT, content=raw)
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["object"] == "chat.completion"
+
+
+@pytest.mark.parametrize(
+    "raw, content_type, fragment",
+    [
+        (b"", "application/json", "the request body is empty"),
+        (b'"a string"', "application/json", "the request body must be a JSON object"),
+        (b"[1, 2]", "application/json", "the request body must be a JSON object"),
+        (b'{"messages": []}', "application/x-www-form-urlencoded", "Content-Type: application/json"),
+        (b'{"prompt": "\xff"}', "application/json", "not valid UTF-8"),
+        (b"[" * 5000 + b"]" * 5000, "application/json", "nested too deeply"),
+    ],
+)
+def test_bodies_that_are_no_json_object_say_so(client, raw, content_type, fragment):
+    err = assert_error(client.post(CHAT, content=raw, headers={"content-type": content_type}), 400, fragment)
+    assert err["code"] == "invalid_request" and err["param"] is None
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"tools": [{"type": "function", "function": {"name": "f", "description": "d" * 5000}}], "tool_choice": "none"},
+         "tools"),
+        ({"messages": [{"role": "assistant", "content": "", "tool_calls": [
+            {"id": "1", "type": "function", "function": {"name": "f", "arguments": '{"a": "' + "x" * 5000 + '"}'}}]},
+            *USER]}, "messages"),
+        ({"chat_template_kwargs": {"extra": "x" * 5000}}, "chat_template_kwargs"),
+    ],
+)
+def test_chat_text_beyond_the_context_is_refused_before_tokenizing(body, param):
+    """Everything the chat template renders counts toward the character limit (4096 here), not
+    only the message contents."""
+    c, stub = make_client()
+    err = assert_error(c.post(CHAT, json={"messages": USER, **body}), 400, "characters", param)
+    assert err["code"] == "invalid_request" and not stub.submitted
 
 
 def test_unknown_model_is_404(client):
@@ -205,6 +254,19 @@ def test_chat_defaults_and_content_parts():
     req = stub.submitted[0]
     assert req.messages[0] == {"role": "system", "content": "ab"}
     assert req.params.max_tokens == 4 and req.params.seed is None
+
+
+def test_continue_final_message_reaches_the_template():
+    c, stub = make_client()
+    msgs = [*USER, {"role": "assistant", "content": "Sure: {"}]
+    assert c.post(CHAT, json={"messages": msgs, "add_generation_prompt": False,
+                              "continue_final_message": True}).status_code == 200
+    req = stub.submitted[0]
+    assert req.continue_final_message and not req.add_generation_prompt
+    assert_error(c.post(CHAT, json={"messages": msgs, "continue_final_message": True}), 400,
+                 "add_generation_prompt", "continue_final_message")
+    assert_error(c.post(CHAT, json={"messages": USER, "add_generation_prompt": False, "continue_final_message": True}),
+                 400, "last message", "continue_final_message")
 
 
 def test_chat_stream_schema():
@@ -288,6 +350,12 @@ def test_structured_output_fields_reach_the_params():
         assert stub.submitted[-1].params.structured.kind == kind
     assert c.post(COMPLETIONS, json={"prompt": "x", "regex": "a"}).status_code == 200
     assert stub.submitted[-1].params.structured.spec == "a"
+    # the tokenizer worker checks the spec: it names the field the request gave it in
+    assert [r.structured_param for r in stub.submitted] == ["response_format", "response_format", "regex", "ebnf",
+                                                            "regex"]
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "wat"}}}]
+    assert c.post(CHAT, json={"messages": USER, "tools": tools, "tool_choice": "required"}).status_code == 200
+    assert stub.submitted[-1].structured_param == "tools"
 
 
 WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {

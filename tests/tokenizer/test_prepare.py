@@ -28,6 +28,16 @@ def test_chat_template_and_enable_thinking(preparer, tiny_tokenizer):
     assert tiny_tokenizer.decode(no_think).endswith("<think>\n\n</think>\n\n")
 
 
+def test_continue_final_message_leaves_the_assistant_turn_open(preparer, tiny_tokenizer):
+    """vLLM's continue_final_message: the model continues a partial answer (was silently ignored:
+    the template closed the turn and opened a new one)."""
+    msgs = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "Sure: {"}]
+    ids = preparer.prepare(req(messages=msgs, add_generation_prompt=False, continue_final_message=True)).generate.input_ids
+    assert tiny_tokenizer.decode(ids).endswith("<|im_start|>assistant\nSure: {")
+    closed = preparer.prepare(req(messages=msgs, add_generation_prompt=False)).generate.input_ids
+    assert tiny_tokenizer.decode(closed).endswith("Sure: {<|im_end|>\n")
+
+
 def test_text_and_ids(preparer, tiny_tokenizer):
     p = preparer.prepare(req(text="Hello world"))
     assert p.generate.input_ids == tiny_tokenizer.encode("Hello world")
@@ -58,6 +68,9 @@ def test_seeds_differ_between_requests(preparer):
         ({"input_ids": [1, 700]}, "prompt", "out of range"),
         ({"input_ids": [-1]}, "prompt", "out of range"),
         ({"input_ids": [1] * 10, "params": SamplingParams(max_tokens=60)}, "max_tokens", "70 were requested"),
+        # no max_tokens: the context left over caps it, and min_tokens must fit too (was a 500)
+        ({"input_ids": [1] * 10, "params": SamplingParams(max_tokens=None, min_tokens=60)}, "min_tokens",
+         "min_tokens (60) is more than the 54 tokens"),
         ({"input_ids": [1], "params": SamplingParams(stop_token_ids=[9999])}, "stop_token_ids", "out of range"),
         ({"messages": [{"role": "user", "content": "x"}], "chat_template_kwargs": {"tokenize": True}},
          "chat_template_kwargs", "tokenize"),
@@ -138,6 +151,27 @@ def test_sampling_controls_checked(preparer):
     assert e.value.param == "logit_bias"
     with pytest.raises(InvalidRequest, match="invalid regex") as e:
         preparer.prepare(req(input_ids=[1], params=SamplingParams(structured=StructuredOutput("regex", "(a"))))
-    assert e.value.param == "response_format"
+    assert e.value.param == "response_format"  # the default field
+    # the field the request gave it in is named, and the message is xgrammar's without its source location
+    with pytest.raises(InvalidRequest, match=r"^invalid regex: Regex parsing error") as e:
+        preparer.prepare(req(input_ids=[1], params=SamplingParams(structured=StructuredOutput("regex", "(a")),
+                             structured_param="regex"))
+    assert e.value.param == "regex"
     p = preparer.prepare(req(input_ids=[1], params=SamplingParams(stop=["x"], include_stop_str_in_output=True)))
     assert p.register.include_stop
+
+
+def test_prompt_chars_counts_everything_the_template_renders():
+    """The size checks and the worker's long-prompt thread count every string the template can
+    render, not only the message contents: an 8 MB tools list held the worker for seconds."""
+    from tpserve.tokenizer.prepare import prompt_chars
+
+    assert prompt_chars(req(text="abc")) == 3
+    assert prompt_chars(req(input_ids=[1, 2])) == 0
+    call = {"id": "c1", "type": "function", "function": {"name": "f", "arguments": '{"a": "xyz"}'}}
+    messages = [{"role": "user", "content": "hello"}, {"role": "assistant", "content": "", "tool_calls": [call]}]
+    tools = [{"type": "function", "function": {"name": "g", "description": "d" * 100}}]
+    plain = prompt_chars(req(messages=messages))
+    assert plain >= len("hello") + len('{"a": "xyz"}')
+    assert prompt_chars(req(messages=messages, tools=tools)) >= plain + 100
+    assert prompt_chars(req(messages=messages, chat_template_kwargs={"system": "s" * 50})) >= plain + 50

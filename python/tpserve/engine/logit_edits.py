@@ -18,6 +18,16 @@ from tpserve.engine.batch import upload
 from tpserve.sampling_params import SamplingParams
 
 
+# Repetition penalties are clamped to this range: beyond it float32 logits times the penalty could
+# overflow to -inf (a seen token then looks masked) and a float32 penalty round to inf or 0 (0 / 0 is
+# NaN); a logit times 1e30 is already far beyond every unpenalised one.
+REPETITION_PENALTY_LIMIT = 1e30
+
+
+def _finite_repetition(penalty: float) -> float:
+    return min(max(penalty, 1 / REPETITION_PENALTY_LIMIT), REPETITION_PENALTY_LIMIT)
+
+
 @dataclass
 class LogitEdits:
     """One step's edits as device tensors; ``*_rows`` index the step's batch rows."""
@@ -73,7 +83,7 @@ class LogitEdits:
             edits.penalty_rows = ints(pen_rows)
             edits.penalty_slots = ints([slots[i] for i in pen_rows])
             edits.penalties = upload(torch.tensor(
-                [[params[i].repetition_penalty for i in pen_rows],
+                [[_finite_repetition(params[i].repetition_penalty) for i in pen_rows],
                  [params[i].frequency_penalty for i in pen_rows],
                  [params[i].presence_penalty for i in pen_rows]],
                 dtype=torch.float32,

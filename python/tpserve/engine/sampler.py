@@ -41,6 +41,9 @@ _MUL2 = 0x735A_2D97
 # Distinct starting values keep the row keys and the column keys apart.
 _ROW_DOMAIN = 0x9E37_79B9
 _COL_DOMAIN = 0x85EB_CA6B
+# Temperatures are float32 on the device: a larger one would be inf there, and (-inf - max) / inf
+# is NaN (a masked token would win the race); the largest finite one is as flat as inf anyway.
+FLOAT32_MAX = torch.finfo(torch.float32).max
 _UNIFORM_BITS = 23  # k + 0.5 is exact in float32 for k < 2**23, so u never rounds to 0 or 1
 
 
@@ -182,8 +185,8 @@ class SamplingBatch:
         width = -(-max(batch, 1) // 4) * 4
         floats = torch.zeros((3, width), dtype=torch.float32)
         floats[:, :batch] = torch.tensor(
-            [[0.0 if g else p.temperature for g, p in zip(greedy, params)], [p.top_p for p in params],
-             [p.min_p for p in params]],
+            [[0.0 if g else min(p.temperature, FLOAT32_MAX) for g, p in zip(greedy, params)],
+             [p.top_p for p in params], [p.min_p for p in params]],
             dtype=torch.float32,
         )
         ints = torch.zeros((3, width), dtype=torch.int64)
@@ -299,8 +302,9 @@ def _top_k_top_p_thresholds(weights: torch.Tensor, batch: SamplingBatch) -> torc
         cumulative = kept.cumsum(dim=-1)
         mass_before = F.pad(cumulative[:, :-1], (1, 0))
         in_top_p = (mass_before < top_ps[:, None] * cumulative[:, -1:]) & in_top_k
-        # top_p = 1 keeps everything: a float cumsum could otherwise drop a tiny tail.
-        keep_count = torch.where(top_ps >= 1.0, keep_count, in_top_p.sum(dim=-1))
+        # top_p = 1 keeps everything: a float cumsum could otherwise drop a tiny tail. The top
+        # token always stays (a top_p that is 0 in float32 would otherwise keep none).
+        keep_count = torch.where(top_ps >= 1.0, keep_count, in_top_p.sum(dim=-1).clamp_min(1))
     threshold = sorted_w.gather(1, (keep_count - 1)[:, None]).squeeze(1)
 
     if rows is None:

@@ -104,12 +104,15 @@ class ToolCallParser:
         self._add_arguments(self._start_call(name, out), arguments, out)
 
     def _stream_call(self, body: str, out: ToolParse) -> None:
-        """Start the call once ``body`` (its JSON so far) names it first, then send what it adds
-        to the arguments sent."""
+        """Start the call once ``body`` (its JSON so far) names it first and its arguments object
+        has begun, then send what it adds to the arguments sent. Arguments written as a JSON
+        string are not streamed (the call goes out whole, its arguments the string's text)."""
         match = _NAME_FIRST.match(body)
         if match is None:
             return
         if self._call is None:
+            if not body[match.end():].startswith("{"):  # not begun, or a JSON string: sent whole when it closes
+                return
             self._call = self._start_call(json.loads(f'"{match.group(1)}"', strict=False), out)
             self._args_sent = 0
         safe = _strip_closing(body[match.end():])
@@ -135,6 +138,10 @@ class HermesParser(ToolCallParser):
     def __init__(self) -> None:
         super().__init__()
         self._in_call = False
+        # Content between or after calls that is only whitespace is dropped, however it is chunked:
+        # such whitespace waits here until text follows it in the same stretch of content.
+        self._pending_space = ""
+        self._stretch_has_text = False
 
     def feed(self, text: str, final: bool = False) -> ToolParse:
         out = ToolParse()
@@ -150,6 +157,7 @@ class HermesParser(ToolCallParser):
                 self._emit_content(self._buffer[:i], out)
                 self._buffer = self._buffer[i + len(_HERMES_START):]
                 self._in_call = True
+                self._pending_space, self._stretch_has_text = "", False
             end = self._buffer.find(_HERMES_END)
             if end < 0 and not final:
                 self._stream_call(self._buffer[: len(self._buffer) - partial_suffix_len(self._buffer, (_HERMES_END,))], out)
@@ -162,9 +170,13 @@ class HermesParser(ToolCallParser):
                 return out
 
     def _emit_content(self, text: str, out: ToolParse) -> None:
-        if self.calls and not text.strip():
-            return  # whitespace between or after calls
-        out.content += text
+        if not self.calls or self._stretch_has_text:
+            out.content += text
+        elif text.strip():
+            out.content += self._pending_space + text
+            self._pending_space, self._stretch_has_text = "", True
+        else:
+            self._pending_space += text  # whitespace between or after calls, so far
 
     def _finish_call(self, body: str, out: ToolParse) -> None:
         if self._end_streamed_call(body, out):

@@ -97,6 +97,18 @@ class ChatMessage(_Lenient):
         return msg
 
 
+def check_continuation(messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool) -> None:
+    """continue_final_message continues the last message: it must be the assistant's, and no new
+    turn may be opened after it."""
+    if not continue_final_message:
+        return
+    if add_generation_prompt:
+        raise APIError.invalid("continue_final_message needs add_generation_prompt: false", "continue_final_message")
+    if not messages or messages[-1].role != "assistant":
+        raise APIError.invalid("continue_final_message needs the last message to be the assistant's",
+                               "continue_final_message")
+
+
 class _SamplingFields(_Body):
     """Fields shared by /v1/chat/completions and /v1/completions."""
 
@@ -174,6 +186,15 @@ class _SamplingFields(_Body):
     def tool_fields(self) -> tuple[Any, ...]:
         return ()
 
+    @property
+    def structured_param(self) -> str:
+        """The field the output's constraint comes from (one at most: ``structure`` checks)."""
+        if self.regex is not None:
+            return "regex"
+        if self.ebnf is not None:
+            return "ebnf"
+        return "response_format"
+
     def sampling_params(self, max_tokens: int | None, structured: StructuredOutput | None = None) -> SamplingParams:
         fields: dict[str, Any] = {
             "max_tokens": max_tokens,
@@ -206,6 +227,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
+    continue_final_message: bool = False  # vLLM's: the model continues the last (assistant) message
     logprobs: bool | None = False
     top_logprobs: int | None = None
     tools: list[dict[str, Any]] | None = None
@@ -215,6 +237,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def tool_fields(self) -> tuple[Any, ...]:
         return self.tools, self.tool_choice, self.parallel_tool_calls
+
+    @property
+    def structured_param(self) -> str:
+        return "tools" if self.forced_tool else super().structured_param
 
     @property
     def forced_tool(self) -> bool:
@@ -230,6 +256,7 @@ class ChatCompletionRequest(_SamplingFields):
         both = self.max_tokens is not None and self.max_completion_tokens is not None
         if both and self.max_tokens != self.max_completion_tokens:
             raise APIError.invalid("give max_tokens or max_completion_tokens, not both", "max_tokens")
+        check_continuation(self.messages, self.add_generation_prompt, self.continue_final_message)
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -306,12 +333,14 @@ class TokenizeBody(_Body):
     messages: list[ChatMessage] | None = None
     add_special_tokens: bool = True  # for a prompt
     add_generation_prompt: bool = True  # for messages
+    continue_final_message: bool = False  # for messages
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):
             raise APIError.invalid("give either prompt or messages", "prompt")
+        check_continuation(self.messages or [], self.add_generation_prompt, self.continue_final_message)
 
 
 class DetokenizeBody(_Body):

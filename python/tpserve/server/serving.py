@@ -23,6 +23,7 @@ from tpserve.server.formats import SSE_DONE, ChatFormat, Choice, CompletionForma
 from tpserve.server.limits import RequestLimits
 from tpserve.server.metrics import RequestTimer, ServerMetrics
 from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tpserve.tokenizer.prepare import text_chars
 
 DISCONNECT_POLL_S = 1.0
 
@@ -179,7 +180,7 @@ class Serving:
         output = self.chat_output(body, constrained=structure is not None)
         self.limits.check_sequences(1, body.n)
         messages = body.template_messages()
-        self.limits.check_text(sum(len(m["content"]) for m in messages if isinstance(m.get("content"), str)), "messages")
+        self._check_chat_text(messages, body)
         reqs = [
             TokenizeRequest(
                 rid=self.frontend.new_rid(),
@@ -187,13 +188,22 @@ class Serving:
                 messages=messages,
                 chat_template_kwargs=body.chat_template_kwargs,
                 add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
                 skip_special_tokens=body.skip_special_tokens,
                 tools=body.tools or None,
+                structured_param=body.structured_param,
             )
             for choice_params in _per_choice(params, body.n)
         ]
         fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output)
         return await self._run(reqs, fmt, body.stream, request, body.n)
+
+    def _check_chat_text(self, messages: list[dict[str, Any]], body: ChatCompletionRequest) -> None:
+        """Everything the chat template renders must fit the character limit; the error names the
+        largest part."""
+        parts = {"messages": text_chars(messages), "tools": text_chars(body.tools),
+                 "chat_template_kwargs": text_chars(body.chat_template_kwargs)}
+        self.limits.check_text(sum(parts.values()), max(parts, key=lambda name: parts[name]))
 
     async def completion(
         self, body: CompletionRequest, request: Request, decode: Callable[[list[int]], Awaitable[str]]
@@ -215,7 +225,8 @@ class Serving:
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             for choice_params in _per_choice(params, body.n):
                 reqs.append(TokenizeRequest(rid=self.frontend.new_rid(), params=choice_params, text=text,
-                                            input_ids=ids, skip_special_tokens=body.skip_special_tokens))
+                                            input_ids=ids, skip_special_tokens=body.skip_special_tokens,
+                                            structured_param=body.structured_param))
         echo = None
         if body.echo:  # each choice's text starts with its prompt's
             echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -55,7 +56,14 @@ def check_spec(spec: StructuredOutput) -> None:
     try:
         _grammar(spec)
     except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
-        raise InvalidGrammar(f"invalid {spec.kind}: {str(e).strip().splitlines()[0] if str(e).strip() else e}") from e
+        raise InvalidGrammar(f"invalid {spec.kind}: {_parser_message(e)}") from e
+
+
+def _parser_message(error: Exception) -> str:
+    """xgrammar's message without its "[12:00:00] /project/cpp/file.cc:94: " source location."""
+    text = str(error).strip()
+    first = text.splitlines()[0] if text else repr(error)
+    return re.sub(r"^\[[\d:]+\] \S+:\d+: ", "", first)
 
 
 JSON_KINDS = ("json_object", "json_schema")
@@ -121,7 +129,7 @@ class GrammarCompiler:
         try:
             return compiler.compile_grammar(_grammar(spec))
         except Exception as e:
-            raise InvalidGrammar(f"invalid {spec.kind}: {e}") from e
+            raise InvalidGrammar(f"invalid {spec.kind}: {_parser_message(e)}") from e
 
     def close(self) -> None:
         self._pool.shutdown(wait=False, cancel_futures=True)

@@ -32,6 +32,30 @@ class InvalidRequest(Exception):
         self.param = param
 
 
+def text_chars(value: Any) -> int:
+    """Characters of every string (keys too) in a JSON-like value: what a chat template can render."""
+    total = 0
+    stack = [value]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, str):
+            total += len(item)
+        elif isinstance(item, dict):
+            stack.extend(item.keys())
+            stack.extend(item.values())
+        elif isinstance(item, (list, tuple)):
+            stack.extend(item)
+    return total
+
+
+def prompt_chars(req: TokenizeRequest) -> int:
+    """The characters a request's prompt is made from (its text, or everything its chat template
+    can render: messages, tools and template variables), before tokenizing."""
+    if req.text is not None:
+        return len(req.text)
+    return text_chars(req.messages) + text_chars(req.tools) + text_chars(req.chat_template_kwargs)
+
+
 @dataclass(frozen=True)
 class PromptLimits:
     context_len: int  # prompt + generated tokens
@@ -70,13 +94,19 @@ class PromptPreparer:
                 "lower max_tokens or shorten the prompt",
                 "max_tokens",
             )
+        if params.max_tokens is None and params.min_tokens > ctx - n:
+            raise InvalidRequest(
+                f"min_tokens ({params.min_tokens}) is more than the {ctx - n} tokens this model's context length "
+                f"({ctx}) leaves after the {n}-token prompt",
+                "min_tokens",
+            )
         self._check_ids(params.stop_token_ids or [], "stop_token_ids")
         self._check_ids(list(params.logit_bias or {}), "logit_bias")
         if params.structured is not None:
             try:
                 check_spec(params.structured)
             except InvalidGrammar as e:
-                raise InvalidRequest(str(e), "response_format") from e
+                raise InvalidRequest(str(e), req.structured_param) from e
         final = msgspec.structs.replace(
             params,
             max_tokens=ctx - n if params.max_tokens is None else params.max_tokens,
@@ -118,6 +148,7 @@ class PromptPreparer:
                 req.messages,
                 tokenize=False,
                 add_generation_prompt=req.add_generation_prompt,
+                continue_final_message=req.continue_final_message,
                 tools=req.tools,
                 **kwargs,
             )

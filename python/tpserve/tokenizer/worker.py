@@ -26,7 +26,7 @@ from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import RequestRejected, TokenizeRequest, TokenizerInput
 from tpserve.message.transport import Receiver, Sender
 from tpserve.tokenizer.loader import load_tokenizer
-from tpserve.tokenizer.prepare import InvalidRequest, PreparedRequest, PromptLimits, PromptPreparer
+from tpserve.tokenizer.prepare import InvalidRequest, PreparedRequest, PromptLimits, PromptPreparer, prompt_chars
 
 logger = logging.getLogger(__name__)
 
@@ -67,7 +67,7 @@ def run_tokenizer(
                 to_scheduler.send(prepared.generate)
 
     def handle(req: TokenizeRequest) -> None:
-        if _prompt_chars(req) > LONG_PROMPT_CHARS:
+        if prompt_chars(req) > LONG_PROMPT_CHARS:
             background.submit(lambda: process(req, long_preparer()))
         else:
             process(req, preparer)
@@ -82,12 +82,6 @@ def run_tokenizer(
 
 def _preparer(config: TokenizerConfig) -> PromptPreparer:
     return PromptPreparer(load_tokenizer(config.model_dir, config.chat_template), config.limits)
-
-
-def _prompt_chars(req: TokenizeRequest) -> int:
-    if req.text is not None:
-        return len(req.text)
-    return sum(len(m.get("content") or "") for m in req.messages or [] if isinstance(m.get("content"), str))
 
 
 def _prepare(req: TokenizeRequest, preparer: PromptPreparer) -> PreparedRequest | RequestRejected:
