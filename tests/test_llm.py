@@ -65,6 +65,22 @@ def test_bad_inputs(llm):
         LLM(llm.config.model, tp_size=3, device="cpu")
 
 
+
+def test_mistyped_inputs_are_clear_errors(llm):
+    with pytest.raises(TypeError, match=r"sampling_params\[0\] must be a SamplingParams, got None"):
+        llm.generate(["hi"], [None], use_tqdm=False)
+    with pytest.raises(TypeError, match="sampling_params must be a SamplingParams or a list of them, got dict"):
+        llm.generate(["hi"], {"temperature": 0}, use_tqdm=False)
+    with pytest.raises(ValueError, match=r"prompts\[1\]: token ids must be integers, got 1.7"):
+        llm.generate([[1], [1.7, 2]], use_tqdm=False)  # not silently token 1
+    with pytest.raises(TypeError, match=r"prompts\[0\] must be a string or a list of token ids, got None"):
+        llm.generate([None], use_tqdm=False)
+    numpy = pytest.importorskip("numpy")
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    a, b = llm.generate([numpy.array([5, 6, 7]), (5, 6, 7)], greedy, use_tqdm=False)
+    assert a.prompt_token_ids == [5, 6, 7] and type(a.prompt_token_ids[0]) is int and a.token_ids == b.token_ids
+
+
 SCRIPT = """
 import os, sys
 from tpserve import LLM, SamplingParams

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tpserve.models.checkpoint import check_safetensors
 from tpserve.quant.config import QuantConfig, parse_quantization_config, resolve_quantization
 
 logger = logging.getLogger(__name__)
@@ -48,10 +49,13 @@ def _hf_config(cfg: dict[str, Any], model_type: str) -> Any:
     legacy ``rope_theta`` + ``rope_scaling`` keys into ``rope_parameters`` as the reference reads them."""
     from transformers import CONFIG_MAPPING
 
+    from huggingface_hub.errors import StrictDataclassError  # a value of the wrong type (transformers 5)
+
     try:
         return CONFIG_MAPPING[model_type].from_dict(dict(cfg, model_type=model_type))
-    except (TypeError, ValueError, KeyError) as e:
-        raise ValueError(f"config.json cannot be read as a {model_type} config: {e}") from e
+    except (TypeError, ValueError, KeyError, StrictDataclassError) as e:
+        reason = " ".join(str(e).split())  # one line (transformers' validation errors have several)
+        raise ValueError(f"config.json cannot be read as a {model_type} config: {reason}") from e
 
 
 def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
@@ -261,16 +265,26 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
-        with open(os.path.join(model_dir, "config.json")) as f:
-            cfg = json.load(f)
+        cfg = _read_json_object(os.path.join(model_dir, "config.json"))
         eos: list[int] = []
         gen_path = os.path.join(model_dir, "generation_config.json")
         if os.path.exists(gen_path):
-            with open(gen_path) as f:
-                gen_eos = json.load(f).get("eos_token_id")
+            gen_eos = _read_json_object(gen_path).get("eos_token_id")
             if gen_eos is not None:
                 eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         return cls.from_dict(cfg, tuple(eos))
+
+
+def _read_json_object(path: str) -> dict[str, Any]:
+    """A JSON file holding an object; anything else is a ValueError naming the file."""
+    with open(path, encoding="utf-8") as f:
+        try:
+            data = json.load(f)
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not a {type(data).__name__}")
+    return data
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, model_config: ModelConfig, device: torch.device) -> torch.dtype:
@@ -452,8 +466,10 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
                 f"{_option('decode_attention', engine.decode_attention, cli)}: {reason}; "
                 f"use {_option('decode_attention', 'auto', cli)}"
             )
-    if engine.load_format != "dummy" and not _has_safetensors(engine.model):
-        raise ValueError(
-            f"no .safetensors weights in {engine.model}; pass {_option('load_format', 'dummy', cli)} "
-            "for random weights"
-        )
+    if engine.load_format != "dummy":
+        if not _has_safetensors(engine.model):
+            raise ValueError(
+                f"no .safetensors weights in {engine.model}; pass {_option('load_format', 'dummy', cli)} "
+                "for random weights"
+            )
+        check_safetensors(engine.model)  # a truncated or missing file: named here, not by every rank

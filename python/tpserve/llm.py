@@ -8,8 +8,9 @@ rank 0's outputs and watches stop strings (aborting a request at one, as the det
 from __future__ import annotations
 
 import logging
+import numbers
 import random
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 
 import msgspec
@@ -99,19 +100,15 @@ class LLM:
     ) -> list[RequestOutput]:
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise TypeError("prompts must be a list of strings or a list of token-id lists")
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"got {len(sampling_params)} sampling params for {len(prompts)} prompts")
+        sampling_params = _params_per_prompt(sampling_params, len(prompts))
         for params in sampling_params:
             self._check_params(params)
+        encoded = [self._encode(prompt, i) for i, prompt in enumerate(prompts)]
         requests = []
-        for prompt, params in zip(prompts, sampling_params):
+        for input_ids, params in zip(encoded, sampling_params):
             seed = params.seed if params.seed is not None else self._seed_rng.randrange(SEED_LIMIT)
             params = msgspec.structs.replace(params, seed=seed)
-            requests.append(GenerateRequest(self._next_rid, self._encode(prompt), params))
+            requests.append(GenerateRequest(self._next_rid, input_ids, params))
             self._next_rid += 1
         return self._run(self._live_driver("generate"), requests, use_tqdm)
 
@@ -204,12 +201,18 @@ class LLM:
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]} is out of range [0, {vocab})")
 
-    def _encode(self, prompt: str | Sequence[int]) -> list[int]:
+    def _encode(self, prompt: str | Sequence[int], index: int) -> list[int]:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
             return self.tokenizer.encode(prompt)  # with the model's special tokens (e.g. BOS), as the server does
-        return [int(t) for t in prompt]
+        if not isinstance(prompt, Iterable):
+            raise TypeError(f"prompts[{index}] must be a string or a list of token ids, got {prompt!r}")
+        ids = list(prompt)
+        bad = next((t for t in ids if not isinstance(t, numbers.Integral) or isinstance(t, bool)), None)
+        if bad is not None:  # int() would quietly make 1.7 the token 1
+            raise ValueError(f"prompts[{index}]: token ids must be integers, got {bad!r}")
+        return [int(t) for t in ids]  # numpy integers too
 
     def close(self) -> None:
         """Stop the rank processes, or free this process's engine (GPU memory included)."""
@@ -222,6 +225,26 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
+) -> list[SamplingParams]:
+    """One SamplingParams per prompt (the default, or one given for all, repeated)."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        return [sampling_params] * num_prompts
+    if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str):
+        raise TypeError(
+            f"sampling_params must be a SamplingParams or a list of them, got {type(sampling_params).__name__}"
+        )
+    for i, params in enumerate(sampling_params):
+        if not isinstance(params, SamplingParams):
+            raise TypeError(f"sampling_params[{i}] must be a SamplingParams, got {params!r}")
+    if len(sampling_params) != num_prompts:
+        raise ValueError(f"got {len(sampling_params)} sampling params for {num_prompts} prompts")
+    return list(sampling_params)
 
 
 def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:

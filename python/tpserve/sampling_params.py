@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
 
 import msgspec
 
@@ -16,6 +19,59 @@ MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
 MAX_LOGIT_BIAS = 100.0
 
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+# SamplingParams' fields by type, checked (and numpy scalars made plain) when it is made: the
+# request is decoded with these types in every rank process, where a wrong type would be fatal.
+_FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
+_INT_FIELDS = ("top_k", "min_tokens")
+_OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output")
+
+
+def _is_int(value: Any) -> bool:
+    """An int or a numpy integer, not a bool (numpy's bool is no numbers.Integral)."""
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
+def _is_number(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+
+
+def _as_int(name: str, value: Any) -> int:
+    if not _is_int(value):
+        raise ValueError(f"{name} must be an integer, got {value!r}")
+    return int(value)
+
+
+def _as_float(name: str, value: Any) -> float:
+    if not _is_number(value):
+        raise ValueError(f"{name} must be a number, got {value!r}")
+    return float(value)
+
+
+def _as_stop(value: Any) -> list[str] | None:
+    """A stop string, or a list (any sequence) of them, as a list of plain strings."""
+    if value is None:
+        return None
+    stops = [value] if isinstance(value, str) else value
+    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
+        raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
+    return [str(s) for s in stops]
+
+
+def _as_token_ids(value: Any) -> list[int] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(_is_int(t) for t in value):
+        raise ValueError(f"stop_token_ids must be a list of integers, got {value!r}")
+    return [int(t) for t in value]
+
+
+def _as_logit_bias(value: Any) -> dict[int, float] | None:
+    if value is None:
+        return None
+    if not isinstance(value, Mapping) or not all(_is_int(t) and _is_number(b) for t, b in value.items()):
+        raise ValueError(f"logit_bias must map integer token ids to numbers, got {value!r}")
+    return {int(t): float(b) for t, b in value.items()}
 
 
 class StructuredOutput(msgspec.Struct, frozen=True):
@@ -49,6 +105,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     rule), then ``logit_bias`` (token id -> added value), then end-of-sequence and
     ``stop_token_ids`` are banned until ``min_tokens`` tokens are out, then ``structured``
     allows only the tokens its grammar accepts.
+
+    ``stop`` may be one string or a list of them. A value of the wrong type is a ValueError naming
+    the field; numpy numbers are taken (and kept as plain ints and floats).
     """
 
     temperature: float = 1.0
@@ -76,6 +135,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
+        self._check_types()
         if not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -109,6 +169,26 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
         if self.stop is not None and any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+
+    def _check_types(self) -> None:
+        """A ValueError naming a field of the wrong type; numpy scalars and tuples become plain values."""
+        for name in _FLOAT_FIELDS:
+            setattr(self, name, _as_float(name, getattr(self, name)))
+        for name in _INT_FIELDS:
+            setattr(self, name, _as_int(name, getattr(self, name)))
+        for name in _OPTIONAL_INT_FIELDS:
+            value = getattr(self, name)
+            if value is not None:
+                setattr(self, name, _as_int(name, value))
+        for name in _BOOL_FIELDS:
+            value = getattr(self, name)
+            if not isinstance(value, bool):
+                raise ValueError(f"{name} must be True or False, got {value!r}")
+        self.stop = _as_stop(self.stop)
+        self.stop_token_ids = _as_token_ids(self.stop_token_ids)
+        self.logit_bias = _as_logit_bias(self.logit_bias)
+        if self.structured is not None and not isinstance(self.structured, StructuredOutput):
+            raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
 
     @property
     def greedy(self) -> bool:

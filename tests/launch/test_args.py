@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
 import subprocess
@@ -140,6 +141,37 @@ def test_model_without_weights_names_the_flag(qwen3_dir, tmp_path, capsys):
     assert e.value.code == 2
     assert "pass --load-format dummy for random weights" in capsys.readouterr().err
     assert parse_args(["--model", str(tmp_path), "--load-format", "dummy"]).engine.load_format == "dummy"
+
+
+@pytest.mark.parametrize(
+    "name, text, fragment",
+    [
+        ("config.json", "{bad", "config.json is not valid JSON: Expecting property name"),
+        ("config.json", "[1, 2]", "config.json must hold a JSON object, not a list"),
+        ("generation_config.json", "{bad", "generation_config.json is not valid JSON"),
+        ("model.safetensors", "not safetensors", "model.safetensors is not a readable safetensors file"),
+    ],
+)
+def test_damaged_model_files_are_usage_errors_naming_the_file(qwen3_dir, tmp_path, capsys, name, text, fragment):
+    model_dir = shutil.copytree(qwen3_dir, tmp_path / "m")
+    (model_dir / name).write_text(text)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", str(model_dir)])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert fragment in err and str(model_dir / name) in err
+
+
+def test_mistyped_config_value_is_a_usage_error(qwen3_dir, tmp_path, capsys):
+    model_dir = shutil.copytree(qwen3_dir, tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "hidden_size": "big"}))
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", str(model_dir)])  # was a traceback from huggingface_hub's strict dataclass
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1, "one line"
+    assert "config.json cannot be read as a qwen3 config" in err and "'hidden_size' expected int, got str" in err
 
 
 def test_bad_tp_size_fails_before_any_process_starts(qwen3_dir):

@@ -159,3 +159,38 @@ def test_dummy_moe_weights_from_the_real_config_shape(tmp_path):
         [[1, 2, 3]], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True), use_tqdm=False
     )
     assert len(out[0].token_ids) == 4
+
+
+def _truncate(path: str) -> None:
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 100)
+
+
+def _write(text: str):
+    return lambda path: open(path, "w").write(text)
+
+
+@pytest.mark.parametrize(
+    "name, damage, message",
+    [
+        ("model-00002-of-00003.safetensors", _truncate,
+         r"model-00002-of-00003\.safetensors is not a readable safetensors file \(.*\); download it again"),
+        ("model-00001-of-00003.safetensors", _write("not safetensors"),
+         r"model-00001-of-00003\.safetensors is not a readable safetensors file"),
+        ("model-00003-of-00003.safetensors", os.remove,
+         r"model\.safetensors\.index\.json names model-00003-of-00003\.safetensors, which is not in "),
+        ("model.safetensors.index.json", _write("{"), r"model\.safetensors\.index\.json is not valid JSON"),
+        ("model.safetensors.index.json", _write('{"metadata": {}}'),
+         r"model\.safetensors\.index\.json has no weight_map"),
+    ],
+    ids=["truncated", "garbage", "missing shard", "bad index", "index without weight_map"],
+)
+def test_damaged_checkpoint_files_are_named_before_anything_starts(tiny_model_factory, tmp_path, name, damage, message):
+    """A partial download is one error naming the file, from the LLM's constructor (and the CLI's
+    argument checks), not a safetensors error without a file name from every rank."""
+    model_dir = copy_model(tiny_model_factory("qwen3", num_shards=3), str(tmp_path / "m"))
+    damage(os.path.join(model_dir, name))
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        LLM(model_dir, device="cpu")
+    with pytest.raises((ValueError, FileNotFoundError), match=message):
+        Engine(EngineConfig(model=model_dir, device="cpu"))

@@ -4,17 +4,15 @@ one tensor). Experts come per expert or stacked (transformers' layout), both rea
 
 from __future__ import annotations
 
-import json
-import os
 import re
 from collections.abc import Iterator
 
 import torch
-from safetensors import safe_open
 from torch import nn
 from tqdm import tqdm
 
 from tpserve.layers.linear import ParallelLinear
+from tpserve.models.checkpoint import open_safetensors, safetensors_files
 from tpserve.models.decoder import CausalLM
 from tpserve.quant.config import QuantConfig
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX
@@ -33,21 +31,6 @@ _EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1
 
 ShardId = str | int | tuple[int, int] | None  # tuple: (expert, part) of stacked experts
 Target = tuple[str, str, ShardId]  # (module path, parameter name, shard id)
-
-
-def safetensors_files(model_dir: str) -> list[str]:
-    index = os.path.join(model_dir, "model.safetensors.index.json")
-    if os.path.exists(index):
-        with open(index) as f:
-            files = sorted(set(json.load(f)["weight_map"].values()))
-        return [os.path.join(model_dir, name) for name in files]
-    single = os.path.join(model_dir, "model.safetensors")
-    if os.path.exists(single):
-        return [single]
-    found = sorted(n for n in os.listdir(model_dir) if n.endswith(".safetensors"))
-    if not found:
-        raise FileNotFoundError(f"no .safetensors weights in {model_dir} (use load_format='dummy' for random weights)")
-    return [os.path.join(model_dir, n) for n in found]
 
 
 def checkpoint_target(name: str) -> Target:
@@ -128,7 +111,7 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
 
 
 def _iter_checkpoint(files: list[str], show_progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
-    handles = [safe_open(path, framework="pt", device="cpu") for path in files]
+    handles = [open_safetensors(path) for path in files]
     total = sum(len(h.keys()) for h in handles)
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
         for handle in handles:

@@ -1,0 +1,72 @@
+"""SamplingParams' checks of what a Python caller passes: wrong types are a ValueError naming the
+field (not a crash of a rank process that decodes the request, nor a silently different request),
+and the spellings vLLM accepts (a single stop string, numpy numbers) mean what they say."""
+
+from __future__ import annotations
+
+import msgspec
+import numpy as np
+import pytest
+
+from tpserve.message import GenerateRequest
+from tpserve.sampling_params import SamplingParams
+
+
+@pytest.mark.parametrize(
+    "kwargs, fragment",
+    [
+        ({"max_tokens": 2.5}, "max_tokens must be an integer, got 2.5"),
+        ({"max_tokens": True}, "max_tokens must be an integer, got True"),
+        ({"top_k": 1.5}, "top_k must be an integer, got 1.5"),
+        ({"top_k": "5"}, "top_k must be an integer, got '5'"),
+        ({"min_tokens": 1.0}, "min_tokens must be an integer, got 1.0"),
+        ({"seed": "7"}, "seed must be an integer, got '7'"),
+        ({"logprobs": 1.5}, "logprobs must be an integer, got 1.5"),
+        ({"prompt_logprobs": False}, "prompt_logprobs must be an integer, got False"),
+        ({"temperature": "0.5"}, "temperature must be a number, got '0.5'"),
+        ({"top_p": None}, "top_p must be a number, got None"),
+        ({"repetition_penalty": True}, "repetition_penalty must be a number, got True"),
+        ({"ignore_eos": "no"}, "ignore_eos must be True or False, got 'no'"),
+        ({"include_stop_str_in_output": 1}, "include_stop_str_in_output must be True or False, got 1"),
+        ({"stop": ["a", 3]}, "stop must be a string or a list of strings, got ['a', 3]"),
+        ({"stop": 3}, "stop must be a string or a list of strings, got 3"),
+        ({"stop_token_ids": [1, 2.0]}, "stop_token_ids must be a list of integers, got [1, 2.0]"),
+        ({"stop_token_ids": 5}, "stop_token_ids must be a list of integers, got 5"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias must map integer token ids to numbers, got {'5': 1.0}"),
+        ({"logit_bias": {5: "big"}}, "logit_bias must map integer token ids to numbers, got {5: 'big'}"),
+        ({"structured": "json_object"}, "structured must be a StructuredOutput, got 'json_object'"),
+    ],
+)
+def test_wrong_types_are_value_errors_naming_the_field(kwargs, fragment):
+    with pytest.raises(ValueError) as e:
+        SamplingParams(**kwargs)
+    assert fragment in str(e.value)
+
+
+def test_a_single_stop_string_is_one_stop_string():
+    # vLLM's SamplingParams(stop="ab") stops at "ab"; iterated as characters it would stop at "a" or "b".
+    assert SamplingParams(stop="ab").stop == ["ab"]
+    assert SamplingParams(stop=("ab", "c")).stop == ["ab", "c"]
+    with pytest.raises(ValueError, match="stop strings must not be empty"):
+        SamplingParams(stop="")
+
+
+def test_numpy_numbers_are_plain_values_on_the_wire():
+    """Requests go to the rank processes as msgpack (tp_size > 1): numpy scalars, which msgpack
+    cannot encode, become ints and floats."""
+    params = SamplingParams(
+        temperature=np.float32(0.5), top_k=np.int64(3), max_tokens=np.int32(4), seed=np.uint64(9),
+        stop_token_ids=[np.int64(5)], logit_bias={np.int64(7): np.float64(2.0)}, stop=np.str_("x"),
+    )
+    assert type(params.temperature) is float and type(params.top_k) is int and type(params.max_tokens) is int
+    assert type(params.stop_token_ids[0]) is int and type(next(iter(params.logit_bias))) is int
+    request = GenerateRequest(1, [1, 2], params)
+    decoded = msgspec.msgpack.decode(msgspec.msgpack.encode(request), type=GenerateRequest)
+    assert decoded.params == params
+
+
+def test_integer_floats_are_still_refused_but_ints_are_taken_for_floats():
+    assert SamplingParams(temperature=0, top_p=1).temperature == 0.0
+    assert type(SamplingParams(temperature=0).temperature) is float
+    with pytest.raises(ValueError, match="max_tokens must be an integer"):
+        SamplingParams(max_tokens=16.0)
