@@ -174,6 +174,16 @@ def test_mistyped_config_value_is_a_usage_error(qwen3_dir, tmp_path, capsys):
     assert "config.json cannot be read as a qwen3 config" in err and "'hidden_size' expected int, got str" in err
 
 
+def test_model_without_tokenizer_files_is_a_usage_error(qwen3_dir, tmp_path, capsys):
+    """transformers 5 makes an empty tokenizer for such a directory: every prompt would encode to
+    no tokens and every answer decode to no text."""
+    model_dir = shutil.copytree(qwen3_dir, tmp_path / "m", ignore=shutil.ignore_patterns("tokenizer*"))
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", str(model_dir)])
+    assert e.value.code == 2
+    assert f"--model: no tokenizer in {model_dir} (none of tokenizer.json" in capsys.readouterr().err
+
+
 def test_bad_tp_size_fails_before_any_process_starts(qwen3_dir):
     """One line on stderr, exit 2, fast: the check runs when the arguments are parsed."""
     start = time.monotonic()

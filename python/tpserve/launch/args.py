@@ -17,6 +17,7 @@ from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.argtypes import HelpFormatter, OneLineParser, fraction, int_at_least, port, positive
 from tpserve.router.policy import LOAD_BALANCE_METHODS
+from tpserve.tokenizer.loader import has_tokenizer_files, missing_tokenizer_message
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +275,8 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         names = ns.served_model_name or [os.path.basename(model_dir) if os.path.isdir(os.path.expanduser(ns.model)) else ns.model]
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"--model: {model_dir} has no config.json")
+    if not has_tokenizer_files(model_dir):  # the server and the shell tokenize and detokenize
+        raise ValueError(f"--model: {missing_tokenizer_message(model_dir)}; copy the model's tokenizer files there")
     model_config = ModelConfig.from_pretrained(model_dir)
     engine = _from_flags(
         EngineConfig, ns,
