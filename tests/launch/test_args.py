@@ -213,6 +213,31 @@ def test_api_flags_of_issue_12(qwen3_dir, tmp_path):
 
 
 @pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("{% for m in messages %}{{ m.content }", "is not a valid chat template: unexpected '}' (line 1)"),
+        ("{{ messages | no_such_filter }}", "is not a valid chat template: No filter named 'no_such_filter'"),
+        (b"\xff\xfe{{ x }}", "is not UTF-8 text"),
+    ],
+)
+def test_bad_chat_template_is_a_usage_error(qwen3_dir, tmp_path, capsys, content, fragment):
+    """Not a server whose every chat request fails with the template's error."""
+    template = tmp_path / "t.jinja"
+    template.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", qwen3_dir, "--chat-template", str(template)])
+    assert e.value.code == 2
+    assert f"--chat-template: {template} {fragment}" in capsys.readouterr().err
+
+
+def test_empty_served_model_name_is_a_usage_error(qwen3_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", qwen3_dir, "--served-model-name", "m", ""])
+    assert e.value.code == 2
+    assert "--served-model-name: a name must not be empty" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
     "alias, original",
     [
         (["--context-length", "100"], ["--max-model-len", "100"]),
