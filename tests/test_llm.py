@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -79,6 +80,24 @@ def test_mistyped_inputs_are_clear_errors(llm):
     greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
     a, b = llm.generate([numpy.array([5, 6, 7]), (5, 6, 7)], greedy, use_tqdm=False)
     assert a.prompt_token_ids == [5, 6, 7] and type(a.prompt_token_ids[0]) is int and a.token_ids == b.token_ids
+
+
+
+def test_model_without_tokenizer_takes_token_ids(qwen3_dir, tmp_path):
+    model_dir = shutil.copytree(qwen3_dir, tmp_path / "m", ignore=shutil.ignore_patterns("tokenizer*"))
+    with LLM(str(model_dir), device="cpu") as bare:
+        assert bare.tokenizer is None  # not transformers' empty stand-in, which encodes "hi" as []
+        with pytest.raises(ValueError, match="this model has no tokenizer: pass prompts as token-id lists"):
+            bare.generate(["hi"], use_tqdm=False)
+        out = bare.generate([[1, 2, 3]], SamplingParams(max_tokens=2, ignore_eos=True), use_tqdm=False)[0]
+    assert len(out.token_ids) == 2 and out.text == ""
+
+
+def test_unreadable_tokenizer_is_named(qwen3_dir, tmp_path):
+    model_dir = shutil.copytree(qwen3_dir, tmp_path / "m")
+    (model_dir / "tokenizer.json").write_text("{bad")
+    with pytest.raises(ValueError, match=f"cannot load the tokenizer in {model_dir}: "):
+        LLM(str(model_dir), device="cpu")
 
 
 SCRIPT = """

@@ -256,10 +256,13 @@ def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
 
 
 def _load_tokenizer(model_dir: str):
-    from transformers import AutoTokenizer
+    """The model's tokenizer, or None where the directory has none (then prompts are token ids)."""
+    from tpserve.tokenizer.loader import has_tokenizer_files, load_tokenizer, missing_tokenizer_message
 
-    try:
-        return AutoTokenizer.from_pretrained(model_dir)
-    except (OSError, ValueError):
-        logger.warning("no tokenizer in %s: prompts must be token ids and outputs have no text", model_dir)
+    if not has_tokenizer_files(model_dir):
+        logger.warning("%s: prompts must be token ids and outputs have no text", missing_tokenizer_message(model_dir))
         return None
+    try:
+        return load_tokenizer(model_dir)
+    except (OSError, ValueError) as e:  # a damaged file: not a model without a tokenizer
+        raise ValueError(f"cannot load the tokenizer in {model_dir}: {e}") from e

@@ -174,6 +174,16 @@ def test_mistyped_config_value_is_a_usage_error(qwen3_dir, tmp_path, capsys):
     assert "config.json cannot be read as a qwen3 config" in err and "'hidden_size' expected int, got str" in err
 
 
+def test_model_without_tokenizer_files_is_a_usage_error(qwen3_dir, tmp_path, capsys):
+    """transformers 5 makes an empty tokenizer for such a directory: every prompt would encode to
+    no tokens and every answer decode to no text."""
+    model_dir = shutil.copytree(qwen3_dir, tmp_path / "m", ignore=shutil.ignore_patterns("tokenizer*"))
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", str(model_dir)])
+    assert e.value.code == 2
+    assert f"--model: no tokenizer in {model_dir} (none of tokenizer.json" in capsys.readouterr().err
+
+
 def test_bad_tp_size_fails_before_any_process_starts(qwen3_dir):
     """One line on stderr, exit 2, fast: the check runs when the arguments are parsed."""
     start = time.monotonic()
@@ -200,6 +210,31 @@ def test_api_flags_of_issue_12(qwen3_dir, tmp_path):
     assert parse_args(["--model", qwen3_dir, "--tool-call-parser", "none"]).tool_call_parser is None
     with pytest.raises(SystemExit):
         parse_args(["--model", qwen3_dir, "--chat-template", str(tmp_path / "missing.jinja")])
+
+
+@pytest.mark.parametrize(
+    "content, fragment",
+    [
+        ("{% for m in messages %}{{ m.content }", "is not a valid chat template: unexpected '}' (line 1)"),
+        ("{{ messages | no_such_filter }}", "is not a valid chat template: No filter named 'no_such_filter'"),
+        (b"\xff\xfe{{ x }}", "is not UTF-8 text"),
+    ],
+)
+def test_bad_chat_template_is_a_usage_error(qwen3_dir, tmp_path, capsys, content, fragment):
+    """Not a server whose every chat request fails with the template's error."""
+    template = tmp_path / "t.jinja"
+    template.write_bytes(content if isinstance(content, bytes) else content.encode())
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", qwen3_dir, "--chat-template", str(template)])
+    assert e.value.code == 2
+    assert f"--chat-template: {template} {fragment}" in capsys.readouterr().err
+
+
+def test_empty_served_model_name_is_a_usage_error(qwen3_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", qwen3_dir, "--served-model-name", "m", ""])
+    assert e.value.code == 2
+    assert "--served-model-name: a name must not be empty" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

@@ -98,6 +98,17 @@ def test_bad_values_are_one_line_errors(capsys, argv, fragment):
     assert err.count("\n") == 1 and err.startswith("tpserve plan: error: ") and fragment in err
 
 
+def test_default_context_is_capped_at_the_models(tmp_path, capsys):
+    """Llama 3 70B serves 8,192 tokens: the plan without --context is for 8,192, not an error
+    about the default 32,768."""
+    model = write_config(str(tmp_path / "Llama-3-70B"), LLAMA_3_70B)
+    code, out, err = plan(capsys, "--model", model, "--gpus", "8")
+    assert code == 0, err
+    assert "context 8,192 tokens" in out and "--max-model-len 8192" in out
+    code, out, _ = plan(capsys, "--model", QWEN3_8B, "--gpus", "8")
+    assert code == 0 and "context 32,768 tokens" in out
+
+
 def test_bad_model_is_one_line_error(tmp_path, capsys):
     assert main(["--model", str(tmp_path / "nowhere")]) == 2
     err = capsys.readouterr().err

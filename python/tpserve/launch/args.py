@@ -17,6 +17,7 @@ from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.argtypes import HelpFormatter, OneLineParser, fraction, int_at_least, port, positive
 from tpserve.router.policy import LOAD_BALANCE_METHODS
+from tpserve.tokenizer.loader import has_tokenizer_files, missing_tokenizer_message
 
 logger = logging.getLogger(__name__)
 
@@ -267,13 +268,13 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         from tpserve.tiny import default_tiny_model_dir
 
         model_dir = default_tiny_model_dir()
-        names = ns.served_model_name or [DEMO_MODEL_NAME]
     else:
         model_dir = resolve_model_dir(ns.model)
-        # a local path is not shown to clients: the directory's name is (a HF id stays as given)
-        names = ns.served_model_name or [os.path.basename(model_dir) if os.path.isdir(os.path.expanduser(ns.model)) else ns.model]
+    names = _served_names(ns, model_dir)
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"--model: {model_dir} has no config.json")
+    if not has_tokenizer_files(model_dir):  # the server and the shell tokenize and detokenize
+        raise ValueError(f"--model: {missing_tokenizer_message(model_dir)}; copy the model's tokenizer files there")
     model_config = ModelConfig.from_pretrained(model_dir)
     engine = _from_flags(
         EngineConfig, ns,
@@ -285,7 +286,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     check_can_start(engine, model_config, cli=True)
     if ns.shell and ns.dp_size > 1:
         raise ValueError("--shell runs one replica: drop --dp-size")
-    chat_template = _read_template(ns.chat_template) if ns.chat_template else None
+    chat_template = _chat_template_flag(ns.chat_template) if ns.chat_template else None
     tool_parser = ns.tool_call_parser
     if tool_parser == "auto":
         tool_parser = detect_tool_parser(chat_template or _model_chat_template(model_dir))
@@ -335,19 +336,50 @@ def _context_len(context: int, kv_tokens: int | None) -> int:
     return context
 
 
-def _read_template(path: str) -> str:
+def _read_template(path: str, what: str = "--chat-template") -> str:
     try:
         with open(path, encoding="utf-8") as f:
             return f.read()
     except OSError as e:
-        raise ValueError(f"--chat-template: cannot read {path}: {e.strerror}") from None
+        raise ValueError(f"{what}: cannot read {path}: {e.strerror}") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{what}: {path} is not UTF-8 text") from None
+
+
+def _chat_template_flag(path: str) -> str:
+    """--chat-template FILE's text, compiled as transformers compiles it for each chat request."""
+    text = _read_template(path)
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # pragma: no cover - another transformers layout: checked at the first request
+        return text
+    from jinja2 import TemplateError
+
+    try:
+        _compile_jinja_template(text)
+    except TemplateError as e:
+        line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise ValueError(f"--chat-template: {path} is not a valid chat template: {e.message}{line}") from None
+    return text
+
+
+def _served_names(ns: argparse.Namespace, model_dir: str) -> list[str]:
+    """--served-model-name's names; by default the model's directory name (a path is not shown to
+    clients) or its Hugging Face id."""
+    if ns.served_model_name:
+        if not all(name.strip() for name in ns.served_model_name):
+            raise ValueError("--served-model-name: a name must not be empty")
+        return ns.served_model_name
+    if ns.model is None:
+        return [DEMO_MODEL_NAME]
+    return [os.path.basename(model_dir) if os.path.isdir(os.path.expanduser(ns.model)) else ns.model]
 
 
 def _model_chat_template(model_dir: str) -> str | None:
     """The model's chat template text (tokenizer_config.json or chat_template.jinja), if any."""
     jinja = os.path.join(model_dir, "chat_template.jinja")
     if os.path.isfile(jinja):
-        return _read_template(jinja)
+        return _read_template(jinja, "--model")
     try:
         with open(os.path.join(model_dir, "tokenizer_config.json"), encoding="utf-8") as f:
             template = json.load(f).get("chat_template")

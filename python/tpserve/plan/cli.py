@@ -15,6 +15,7 @@ from tpserve.plan.splits import Machine, Settings, plan_splits, render
 from tpserve.quant.config import QUANTIZATION_METHODS, resolve_quantization
 
 CUSTOM_REQUIRED = ("memory_gib", "bandwidth_tbps", "tflops")
+DEFAULT_CONTEXT = 32768  # --context when not given, unless the model's context is shorter
 
 
 class PlanError(ValueError):
@@ -35,7 +36,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int_at_least(1), default=1, help="nodes (TP stays within a node; DP spans them)")
     p.add_argument("--gpu", choices=[*GPUS, "custom"], default="h200",
                    help="device kind from the table; custom: give --memory-gib, --bandwidth-tbps and --tflops")
-    p.add_argument("--context", type=int_at_least(1), default=32768, help="tokens per request (prompt + completion)")
+    p.add_argument("--context", type=int_at_least(1), default=None,
+                   help=f"tokens per request (prompt + completion); default: {DEFAULT_CONTEXT}, or the model's "
+                   "context length if shorter")
     p.add_argument("--workload", choices=["chat", "batch"], default="chat",
                    help="chat: latency recommendation first; batch: throughput first")
     p.add_argument("--dtype", choices=["auto", *DTYPE_BYTES], default="auto",
@@ -124,7 +127,9 @@ def run(argv: list[str]) -> str:
     """The report for ``argv``; raises PlanError on a bad value."""
     args = build_parser().parse_args(argv)
     config = _model_config(args.model)
-    if args.context > config.context_length:
+    if args.context is None:
+        args.context = min(DEFAULT_CONTEXT, config.context_length)
+    elif args.context > config.context_length:
         raise PlanError(f"--context {args.context} exceeds the model's context length {config.context_length}")
     gpu, source = _gpu_spec(args)
     shape = _model_shape(args, config, gpu.device)
