@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import importlib.util
-import json
 import logging
 import os
 from dataclasses import dataclass
@@ -11,7 +10,7 @@ from typing import Any
 
 import torch
 
-from tpserve.models.checkpoint import check_safetensors
+from tpserve.models.checkpoint import check_safetensors, read_json_object
 from tpserve.quant.config import QuantConfig, parse_quantization_config, resolve_quantization
 
 logger = logging.getLogger(__name__)
@@ -265,26 +264,14 @@ class ModelConfig:
 
     @classmethod
     def from_pretrained(cls, model_dir: str) -> "ModelConfig":
-        cfg = _read_json_object(os.path.join(model_dir, "config.json"))
+        cfg = read_json_object(os.path.join(model_dir, "config.json"))
         eos: list[int] = []
         gen_path = os.path.join(model_dir, "generation_config.json")
         if os.path.exists(gen_path):
-            gen_eos = _read_json_object(gen_path).get("eos_token_id")
+            gen_eos = read_json_object(gen_path).get("eos_token_id")
             if gen_eos is not None:
                 eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
         return cls.from_dict(cfg, tuple(eos))
-
-
-def _read_json_object(path: str) -> dict[str, Any]:
-    """A JSON file holding an object; anything else is a ValueError naming the file."""
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = json.load(f)
-        except ValueError as e:
-            raise ValueError(f"{path} is not valid JSON: {e}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path} must hold a JSON object, not a {type(data).__name__}")
-    return data
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, model_config: ModelConfig, device: torch.device) -> torch.dtype:

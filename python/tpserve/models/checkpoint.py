@@ -33,13 +33,20 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, n) for n in found]
 
 
-def _index_files(index: str) -> list[str]:
-    try:
-        with open(index, encoding="utf-8") as f:
+def read_json_object(path: str) -> dict[str, Any]:
+    """A JSON file holding an object (config.json, the index); anything else is a ValueError naming the file."""
+    with open(path, encoding="utf-8") as f:
+        try:
             data = json.load(f)
-    except ValueError as e:
-        raise ValueError(f"{index} is not valid JSON: {e}") from None
-    weight_map = data.get("weight_map") if isinstance(data, dict) else None
+        except ValueError as e:
+            raise ValueError(f"{path} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"{path} must hold a JSON object, not a {type(data).__name__}")
+    return data
+
+
+def _index_files(index: str) -> list[str]:
+    weight_map = read_json_object(index).get("weight_map")
     if not isinstance(weight_map, dict) or not weight_map or not all(isinstance(v, str) for v in weight_map.values()):
         raise ValueError(f"{index} has no weight_map (an object of tensor name -> file name)")
     return sorted(set(weight_map.values()))

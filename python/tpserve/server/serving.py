@@ -23,7 +23,7 @@ from tpserve.server.formats import SSE_DONE, ChatFormat, Choice, CompletionForma
 from tpserve.server.limits import RequestLimits
 from tpserve.server.metrics import RequestTimer, ServerMetrics
 from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from tpserve.tokenizer.prepare import text_chars
+from tpserve.tokenizer.prepare import chat_chars
 
 DISCONNECT_POLL_S = 1.0
 
@@ -201,8 +201,7 @@ class Serving:
     def _check_chat_text(self, messages: list[dict[str, Any]], body: ChatCompletionRequest) -> None:
         """Everything the chat template renders must fit the character limit; the error names the
         largest part."""
-        parts = {"messages": text_chars(messages), "tools": text_chars(body.tools),
-                 "chat_template_kwargs": text_chars(body.chat_template_kwargs)}
+        parts = chat_chars(messages, body.tools, body.chat_template_kwargs)
         self.limits.check_text(sum(parts.values()), max(parts, key=lambda name: parts[name]))
 
     async def completion(

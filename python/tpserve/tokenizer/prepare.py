@@ -48,12 +48,18 @@ def text_chars(value: Any) -> int:
     return total
 
 
+def chat_chars(messages: Any, tools: Any, chat_template_kwargs: Any) -> dict[str, int]:
+    """The characters of each part a chat template renders, by the request field it comes from."""
+    return {"messages": text_chars(messages), "tools": text_chars(tools),
+            "chat_template_kwargs": text_chars(chat_template_kwargs)}
+
+
 def prompt_chars(req: TokenizeRequest) -> int:
     """The characters a request's prompt is made from (its text, or everything its chat template
     can render: messages, tools and template variables), before tokenizing."""
     if req.text is not None:
         return len(req.text)
-    return text_chars(req.messages) + text_chars(req.tools) + text_chars(req.chat_template_kwargs)
+    return sum(chat_chars(req.messages, req.tools, req.chat_template_kwargs).values())
 
 
 @dataclass(frozen=True)
