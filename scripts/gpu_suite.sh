@@ -156,6 +156,8 @@ for s in $stages; do
     gemv_variant_tests)  # tests/gpu/test_gemv.py on a GEMV built with GEMV_TEST_DEFINES (TPSERVE_GEMV_DEFINES: its own module)
       stage gemv_variant_tests 200 env TPSERVE_GEMV_DEFINES="${GEMV_TEST_DEFINES:?}" python3 -m pytest -q -p no:cacheprovider \
         tests/gpu/test_gemv.py -k "${GEMV_TESTS:-gemv}" ;;
+    gemv_tests_k)  # tests/gpu/test_gemv.py -k GEMV_TESTS on the default GEMV
+      stage gemv_tests_k 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py -k "${GEMV_TESTS:?}" ;;
     gemv_bench) stage gemv_bench 420 python3 benchmarks/experiments/fp8_gemm.py --ms 1,2,4,8 --variants cuda,bf16_cuda,flashinfer,w8a8 \
       --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B,$a3b --out $results/fp8_gemm_cuda.json ;;
     fp8_quant_tests) stage fp8_quant_tests 200 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_fp8_gpu.py -k quantization_fp8_on_gpu ;;
