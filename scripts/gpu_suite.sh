@@ -37,6 +37,8 @@
 # Session 25: alone, the one-token FP8 GEMVs read as fast as a math-free read in their order (read_pattern, gemv_m1); the
 # SwiGLU GEMV on a persistent grid lost 1.4-7% (engine_variants8 with PERSIST=N, gemv_variant_tests; removed), and 4 or 2
 # rows a block in the FP8 o and down GEMVs 1.7% / 6.2% (FP8_ADD_ROWS=N, removed).
+# Session 26: FP8 o/down capped at 4-5 blocks an SM (dynamic shared memory), the SwiGLU GEMV with 64 threads: noise; the MLP
+# streamed (the down GEMV polling counters the SwiGLU GEMV releases, x from L2) correct but 1.2x (FP8) / 1.4x (bf16) slower.
 # Build what a stage needs on the CPU machine first (build_flashinfer_aot.sh fp8_gemm gemv:...) and carry it, with the
 # sm90 bf16 prefill and decode modules returned by earlier calls (scripts/gpu_carry.sh).
 set -u
