@@ -189,8 +189,6 @@ class ModelConfig:
         moe = _moe_config(hf, kind, hf.num_hidden_layers)
         raw_quant = cfg.get("quantization_config")
         quantization = None if raw_quant is None else parse_quantization_config(raw_quant)
-        if quantization is not None and moe is not None:
-            raise ValueError("quantization_config: FP8 checkpoints of mixture-of-experts models are not supported yet")
         return cls(
             architecture=arch,
             vocab_size=hf.vocab_size,
@@ -253,6 +251,12 @@ class ModelConfig:
                 (every, ("self_attn.o_proj",), "o_proj input features", q_width, bk),
                 (dense, ("mlp.down_proj",), "down_proj input features", inter_width, bk),
             ]
+            if self.moe is not None:  # each rank cuts every expert's intermediate dim (gate/up rows, down columns)
+                expert_width, sparse = self.moe.intermediate_size // tp_size, self.moe.layers
+                checks += [
+                    (sparse, ("mlp.experts",), "expert gate/up output features (moe_intermediate_size)", expert_width, bn),
+                    (sparse, ("mlp.experts",), "expert down_proj input features (moe_intermediate_size)", expert_width, bk),
+                ]
         for layers, modules, what, width, block in checks:
             converted = any(quant.converts(f"model.layers.{i}.{m}") for i in layers for m in modules)
             if converted and width % block:

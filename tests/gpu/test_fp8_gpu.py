@@ -121,6 +121,29 @@ def test_fp8_checkpoint_served_with_fp8_weights(tiny_model_factory, tmp_path):
     assert first >= 2
 
 
+def test_fp8_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path):
+    """A Qwen3-MoE FP8 checkpoint (per-expert FP8 weights and scales): attention in FP8 GEMMs, the experts
+    dequantized to bf16 for the MoE kernels; in CUDA graphs, near the bf16 engine on the dequantized weights."""
+    src = tiny_model_factory("qwen3_moe", **dict(TINY, num_layers=3, moe_intermediate_size=128))
+    fp8_dir = write_fp8_checkpoint(src, str(tmp_path / "fp8"), (16, 16))
+    ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
+    engine = Engine(EngineConfig(model=fp8_dir, device="cuda", dtype="bfloat16", max_total_tokens=1024))
+    assert engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8_DTYPE
+    experts = engine.model.model.layers[1].mlp.experts
+    assert experts.dequantized and experts.gate_up_proj.dtype == torch.bfloat16 and experts.gate_up_proj.is_cuda
+    assert engine.graph_runner is not None
+    del engine
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 237))]
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    outs = {}
+    for name, model in (("fp8", fp8_dir), ("dequantized", ref_dir)):
+        with LLM(model, device="cuda", dtype="bfloat16", max_total_tokens=1024) as llm:
+            outs[name] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
+    first = sum(a[0] == b[0] for a, b in zip(outs["fp8"], outs["dequantized"]))
+    print(f"fp8 MoE checkpoint vs bf16 on the dequantized weights: first tokens equal {first}/{len(prompts)}; {outs}")
+    assert all(len(t) == 16 for t in outs["fp8"]) and first >= 2
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_quantization_fp8_on_gpu(tiny_model_factory, monkeypatch, backend):
     model = tiny_model_factory("qwen3", **TINY)

@@ -187,6 +187,8 @@ class Engine:
         gemms = sorted({m.fp8_backend for m in self.model.modules() if getattr(m, "weight_scale_inv", None) is not None})
         source = "checkpoint" if quant.prequantized else "quantized at load"
         form = f"FP8 GEMM {'/'.join(gemms)}" if gemms else "dequantized for this device"
+        if any(getattr(m, "dequantized", False) for m in self.model.modules()):
+            form += f"; experts dequantized to {str(self.dtype).removeprefix('torch.')}"
         return f", {quant.method} weights ({source}, blocks {quant.block_size[0]}x{quant.block_size[1]}, {form})"
 
     def _fused_rope_store(self) -> bool:

@@ -15,7 +15,8 @@ from tpserve.distributed.info import get_tp_info
 from tpserve.kernels import gemv, use_triton
 from tpserve.kernels.settings import MOE_SMALL_ENV
 from tpserve.layers.activation import silu_and_mul
-from tpserve.layers.linear import PendingNorm, ReplicatedWeights, copy_checked, divide
+from tpserve.layers.linear import PendingNorm, ReplicatedWeights, Slice, copy_checked, divide
+from tpserve.quant.fp8 import FP8_DTYPE, dequantize_blocks, num_blocks
 
 # 0: the MoE layer's RMSNorm as a kernel of its own, not in the router's GEMV and the first expert kernel (an A/B switch,
 # read when the model is built)
@@ -65,7 +66,11 @@ class TopKRouter(ReplicatedWeights):
 
 
 class StackedExperts(nn.Module):
-    """``mlp.experts``: gate_up_proj [E, 2 * I_local, H] ([gate | up] rows) and down_proj [E, H, I_local]."""
+    """``mlp.experts``: gate_up_proj [E, 2 * I_local, H] ([gate | up] rows) and down_proj [E, H, I_local].
+    From an FP8 checkpoint (``use_fp8``) they load in float8_e4m3fn with their block scales
+    (gate_up_proj_scale_inv [E, 2, I_local / bn, H / bk], down_proj_scale_inv [E, H / bn, I_local / bk]),
+    cut at block boundaries like the linear layers', and are dequantized at ``finish_loading``: the MoE
+    kernels take compute-dtype experts."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -77,10 +82,47 @@ class StackedExperts(nn.Module):
         size = self.local_intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, size), requires_grad=False)
+        self.gate_up_proj_scale_inv: nn.Parameter | None = None
+        self.down_proj_scale_inv: nn.Parameter | None = None
+        self.block_size: tuple[int, int] | None = None  # an FP8 checkpoint's weight blocks
+        self.keep_dtype: tuple[str, ...] = ()
+        self.dequantized = False  # loaded from FP8, computed in the compute dtype
+
+    def use_fp8(self, block_size: tuple[int, int]) -> None:
+        """Load the experts as an FP8 checkpoint holds them; called before materialising."""
+        (bn, bk), hidden, size, device = block_size, self.down_proj.shape[1], self.local_intermediate, self.down_proj.device
+        self.block_size = block_size
+        self.gate_up_proj = nn.Parameter(torch.empty(self.gate_up_proj.shape, dtype=FP8_DTYPE, device=device),
+                                         requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(self.down_proj.shape, dtype=FP8_DTYPE, device=device),
+                                      requires_grad=False)
+        scales = (self.num_experts, 2, num_blocks(size, bn), num_blocks(hidden, bk))
+        self.gate_up_proj_scale_inv = nn.Parameter(torch.empty(scales, device=device), requires_grad=False)
+        scales = (self.num_experts, num_blocks(hidden, bn), num_blocks(size, bk))
+        self.down_proj_scale_inv = nn.Parameter(torch.empty(scales, device=device), requires_grad=False)
+        self.keep_dtype = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
+
+    def finish_loading(self, dtype: torch.dtype) -> None:
+        """FP8 experts dequantized to ``dtype``, one expert at a time."""
+        if self.block_size is None:
+            return
+        block, size = self.block_size, self.local_intermediate
+        gate_up = torch.empty(self.gate_up_proj.shape, dtype=dtype, device=self.gate_up_proj.device)
+        down = torch.empty(self.down_proj.shape, dtype=dtype, device=self.down_proj.device)
+        for e in range(self.num_experts):
+            for part in (0, 1):
+                rows = slice(part * size, (part + 1) * size)
+                gate_up[e, rows] = dequantize_blocks(self.gate_up_proj[e, rows], self.gate_up_proj_scale_inv[e, part],
+                                                     block, dtype)
+            down[e] = dequantize_blocks(self.down_proj[e], self.down_proj_scale_inv[e], block, dtype)
+        self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
+        self.down_proj = nn.Parameter(down, requires_grad=False)
+        self.gate_up_proj_scale_inv = self.down_proj_scale_inv = None
+        self.block_size, self.keep_dtype, self.dequantized = None, (), True
 
     def shard_ids(self, param_name: str) -> tuple[ShardId, ...]:
         """The checkpoint pieces this rank loads into ``param_name``."""
-        parts = (0, 1) if param_name == "gate_up_proj" else (0,)
+        parts = (0, 1) if param_name.startswith("gate_up_proj") else (0,)
         experts = range(self.expert_start, self.expert_start + self.num_experts)
         return tuple((e, p) for e in experts for p in parts)
 
@@ -91,11 +133,30 @@ class StackedExperts(nn.Module):
         expert, part = shard_id
         local = expert - self.expert_start
         size, start = self.local_intermediate, self.tp_rank * self.local_intermediate
-        if param_name == "gate_up_proj":
+        if param_name.endswith("_scale_inv"):
+            self._load_scale(param_name, loaded, expert, part)
+        elif param_name == "gate_up_proj":
             copy_checked(self.gate_up_proj.data[local].narrow(0, part * size, size), loaded.narrow(0, start, size),
                           f"experts.{expert}.{('gate_proj', 'up_proj')[part]}")
         else:
             copy_checked(self.down_proj.data[local], loaded.narrow(1, start, size), f"experts.{expert}.down_proj")
+
+    def _load_scale(self, param_name: str, loaded: torch.Tensor, expert: int, part: int) -> None:
+        """This rank's block scales of one expert's projection (its intermediate dim cut at block boundaries)."""
+        if self.block_size is None:
+            raise ValueError(f"experts.{expert}: {param_name} in a checkpoint whose experts are not FP8")
+        bn, bk = self.block_size
+        size, local = self.local_intermediate, expert - self.expert_start
+        full = size * get_tp_info().size
+        if param_name == "gate_up_proj_scale_inv":
+            proj = ("gate_proj", "up_proj")[part]
+            cut = Slice(self.tp_rank * size, size, 0, full).blocks(bn, f"experts.{expert}.{proj} (moe_intermediate_size)")
+            copy_checked(self.gate_up_proj_scale_inv.data[local, part], loaded.narrow(0, cut.start, cut.size),
+                          f"experts.{expert}.{proj}.weight_scale_inv")
+        else:
+            cut = Slice(self.tp_rank * size, size, 0, full).blocks(bk, f"experts.{expert}.down_proj (moe_intermediate_size)")
+            copy_checked(self.down_proj_scale_inv.data[local], loaded.narrow(1, cut.start, cut.size),
+                          f"experts.{expert}.down_proj.weight_scale_inv")
 
 
 def experts_torch(

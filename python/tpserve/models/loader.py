@@ -12,6 +12,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tpserve.layers.linear import ParallelLinear
+from tpserve.layers.moe import StackedExperts
 from tpserve.models.checkpoint import open_safetensors, safetensors_files
 from tpserve.models.decoder import CausalLM
 from tpserve.quant.config import QuantConfig
@@ -25,7 +26,7 @@ _MERGED = {part: (merged, shard_id) for merged, parts in _MERGED_PARTS.items() f
 _SHARDS = {merged: tuple(parts.values()) for merged, parts in _MERGED_PARTS.items()}
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
-_EXPERT = re.compile(r"(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight")
+_EXPERT = re.compile(r"(?P<module>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.(?P<kind>weight|weight_scale_inv)")
 _STACKED_EXPERTS = re.compile(r"(?P<module>.+\.experts)\.(?P<proj>gate_up_proj|down_proj)")
 _EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", 0)}
 
@@ -38,7 +39,8 @@ def checkpoint_target(name: str) -> Target:
     expert = _EXPERT.fullmatch(name)
     if expert:
         param, part = _EXPERT_PARTS[expert["proj"]]
-        return expert["module"], param, (int(expert["expert"]), part)
+        suffix = "_scale_inv" if expert["kind"] == "weight_scale_inv" else ""
+        return expert["module"], param + suffix, (int(expert["expert"]), part)
     module, _, param = name.rpartition(".")
     parent, _, leaf = module.rpartition(".")
     if leaf in _MERGED:
@@ -54,8 +56,11 @@ def checkpoint_parts(module: str) -> tuple[str, ...]:
 
 
 def quantize_model(model: nn.Module, quant: QuantConfig) -> None:
-    """Mark the linear layers ``quant`` converts (by checkpoint name), before materialising."""
+    """Mark the linear layers ``quant`` converts (by checkpoint name), and an FP8 checkpoint's experts,
+    before materialising. Quantizing at load leaves the experts in the compute dtype."""
     for name, module in model.named_modules():
+        if isinstance(module, StackedExperts) and quant.prequantized and quant.converts(name):
+            module.use_fp8(quant.block_size)
         if not isinstance(module, ParallelLinear):
             continue
         parts = checkpoint_parts(name)
@@ -159,7 +164,7 @@ def init_dummy(model: CausalLM, seed: int) -> None:
         for name, param in model.named_parameters():
             if name.endswith("norm.weight"):
                 param.fill_(1.0)
-            elif name.endswith("weight_scale_inv"):
+            elif name.endswith("scale_inv"):
                 param.fill_(0.02)
             elif param.dtype == FP8_DTYPE:  # N(0, 1) x scale_inv 0.02: the other weights' std
                 param.copy_(torch.empty(param.shape, device=param.device).normal_(generator=generator).clamp_(-FP8_MAX, FP8_MAX))
