@@ -8,7 +8,9 @@ batch 1). A step is timed synchronously (forward, sampling, host sync: ``step_ms
 ``--pipelined``, as the engine runs it under a Scheduler with overlap scheduling (``pipelined_ms``:
 the interval between steps, the inter-token time a user sees). ``--variant`` adds engines built
 under other environment settings (a kernel switched off, say), e.g. for Qwen3-30B-A3B without FP8:
-``--fp8-gemms "" --variant gemv-off:TPSERVE_BF16_GEMV=0``.
+``--fp8-gemms "" --variant gemv-off:TPSERVE_BF16_GEMV=0``. ``--fp8-checkpoint DIR`` adds an engine loading DIR's
+config.json, which carries a published FP8 ``quantization_config`` (random FP8 weights: the checkpoint path, where
+a MoE model's experts stay FP8, unlike ``quantization="fp8"``), e.g. ``tests/data/configs/Qwen3-30B-A3B-FP8``.
 The GEMMs one by one, against bf16 and for accuracy: ``benchmarks/experiments/fp8_gemm.py``.
 
     python benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B \
@@ -68,10 +70,10 @@ def alternating_rounds(model: str, runs: list[tuple[str, str | None, dict]], bat
     (bf16, fp8, bf16, fp8, ...), so the machine's drift over the run falls on both sides of each
     ratio: each label's median step and the median of its per-round ratios to the first run."""
     engines = {}
-    for label, quant, env in runs:
+    for label, quant, env, *override in runs:
         with environment(env):
-            engines[label] = decode_engine(model, quant, batch, args.context, args.warmup, args.iters,
-                                           args.decode_attention)
+            engines[label] = decode_engine(override[0] if override else model, quant, batch, args.context, args.warmup,
+                                           args.iters, args.decode_attention)
     times: dict[str, list[float]] = {label: [] for label in engines}
     piped: dict[str, list[float]] = {label: [] for label in engines}
     for _ in range(args.rounds):
@@ -115,6 +117,10 @@ def main() -> None:
     parser.add_argument("--fp8-variant", action="append", default=[], metavar="LABEL:ENV=VALUE[,ENV=VALUE]",
                         help="also an FP8 engine (the first of --fp8-gemms) built with these environment variables, "
                              f"e.g. 'loads16:{DEFINES_ENV}=FP8_LOADS=16' (repeatable)")
+    parser.add_argument("--fp8-checkpoint", default=None, metavar="DIR",
+                        help="also an engine of DIR's config.json, an FP8 checkpoint's (random weights), for every config")
+    parser.add_argument("--fp8-checkpoint-variant", action="append", default=[], metavar="LABEL:ENV=VALUE[,ENV=VALUE]",
+                        help="also an --fp8-checkpoint engine built with these environment variables (repeatable)")
     parser.add_argument("--pipelined", action="store_true",
                         help="also time each step under a Scheduler with overlap scheduling (the inter-token time)")
     parser.add_argument("--rounds", type=int, default=1,
@@ -149,16 +155,22 @@ def main() -> None:
             label, _, settings = variant.partition(":")
             env = {FP8_GEMM_ENV: first_gemm} | dict(kv.split("=", 1) for kv in settings.split(",") if kv)
             runs.append((f"fp8 {label}", "fp8", env))
+        if args.fp8_checkpoint:
+            runs.append(("fp8 ckpt", None, {}, args.fp8_checkpoint))
+            for variant in args.fp8_checkpoint_variant:
+                label, _, settings = variant.partition(":")
+                runs.append((f"fp8 ckpt {label}", None, dict(kv.split("=", 1) for kv in settings.split(",") if kv),
+                             args.fp8_checkpoint))
         if args.rounds > 1:
             rows += alternating_rounds(model, runs, batches[0], args)
             continue
         base: dict[int, float] = {}
         base_piped: dict[int, float | None] = {}
-        for label, quant, env in runs:
+        for label, quant, env, *override in runs:
             try:
                 with environment(env):
-                    result = decode_step_ms(model, quant, batches, args.context, args.warmup, args.iters,
-                                            args.pipelined, args.decode_attention)
+                    result = decode_step_ms(override[0] if override else model, quant, batches, args.context,
+                                            args.warmup, args.iters, args.pipelined, args.decode_attention)
             except Exception as e:  # noqa: BLE001 -- reported, the other GEMMs still run
                 traceback.print_exc()
                 rows.append({"config": name, "weights": label, "failed": f"{type(e).__name__}: {e}"[:200]})

@@ -311,6 +311,12 @@ for s in $stages; do
       for v in "${variants[@]}"; do variant_args+=(--variant "$v"); done
       stage a3b_variants 300 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined --rounds 3 \
         --batch-sizes "${A3B_BATCHES:-1}" --context "${A3B_CONTEXT:-512}" "${variant_args[@]}" --out $results/a3b_variants.json ;;
+    moe_fp8_tests)  # FP8 experts (an FP8 MoE checkpoint's) in the Triton expert kernels, and a tiny FP8 MoE model
+      stage moe_fp8_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe.py tests/gpu/test_fp8_gpu.py -k "fp8 or moe" ;;
+    a3b_fp8)  # Qwen3-30B-A3B batch-1 decode, bf16 against the FP8 checkpoint layout (random FP8 weights, experts FP8), 3 rounds
+      stage a3b_fp8 400 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined --rounds 3 \
+        --batch-sizes "${A3B_BATCHES:-1}" --context "${A3B_CONTEXT:-512}" --fp8-checkpoint tests/data/configs/Qwen3-30B-A3B-FP8 \
+        --out $results/a3b_fp8.json ;;
     norm_b2)  # the add + RMSNorm fused into the GEMVs (and the MoE kernels) at batch 2, against it as a kernel of its own:
       # Qwen3-8B bf16 and Qwen3-30B-A3B, pipelined, 3 alternating rounds (session 19)
       stage norm_b2_8b 150 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms "" --pipelined \

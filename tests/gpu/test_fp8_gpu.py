@@ -123,14 +123,15 @@ def test_fp8_checkpoint_served_with_fp8_weights(tiny_model_factory, tmp_path):
 
 def test_fp8_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path):
     """A Qwen3-MoE FP8 checkpoint (per-expert FP8 weights and scales): attention in FP8 GEMMs, the experts
-    dequantized to bf16 for the MoE kernels; in CUDA graphs, near the bf16 engine on the dequantized weights."""
+    FP8 in the Triton expert kernels; in CUDA graphs, near the bf16 engine on the dequantized weights."""
     src = tiny_model_factory("qwen3_moe", **dict(TINY, num_layers=3, moe_intermediate_size=128))
     fp8_dir = write_fp8_checkpoint(src, str(tmp_path / "fp8"), (16, 16))
     ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
     engine = Engine(EngineConfig(model=fp8_dir, device="cuda", dtype="bfloat16", max_total_tokens=1024))
     assert engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8_DTYPE
     experts = engine.model.model.layers[1].mlp.experts
-    assert experts.dequantized and experts.gate_up_proj.dtype == torch.bfloat16 and experts.gate_up_proj.is_cuda
+    assert experts.gate_up_proj.dtype == FP8_DTYPE and experts.scales() is not None
+    assert "experts FP8" in engine._quantization_note()
     assert engine.graph_runner is not None
     del engine
     prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 237))]

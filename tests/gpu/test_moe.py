@@ -22,6 +22,7 @@ pytest.importorskip("triton")
 pytest.importorskip("flashinfer")
 
 import tpserve.layers.moe as moe_layer
+from fp8_checkpoint import fp8_experts
 from engine_scenario import assert_routed_logits_close, assert_same_greedy, prompts_for, row_errors, run_scenario
 from reference import rel_err
 from tpserve.config import EngineConfig
@@ -132,6 +133,38 @@ def test_routed_experts_match_the_router_kernel(tokens, shape):
         assert torch.equal(out, unfused())
     weights, ids = router_topk(logits, top_k, True, DTYPE)
     assert rel_err(out, reference(x, gate_up, down, weights, ids)) < RTOL
+
+
+@pytest.mark.parametrize("block", [(128, 128), (8, 32)], ids=["128x128", "8x32"])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 300])
+@pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[4]], ids=lambda s: "x".join(map(str, s)))
+def test_fp8_experts_match_dequantized(tokens, shape, block):
+    """FP8 experts (an FP8 checkpoint's: per expert, gate and up scaled apart) through the small-batch kernels
+    (routed too) and the grouped GEMMs: within bf16 rounding of float64 on the dequantized weights, as close as
+    the same kernels on those weights in bf16; the routed kernels give the router kernel's bits, also replayed in
+    a CUDA graph. 8 x 32 blocks are thinner than the kernels' rows (scales gathered per row)."""
+    x, gate_up, down, weights, ids = expert_inputs(tokens, *shape, seed=30 + tokens)
+    gu_q, d_q, scales, gu_deq, d_deq = fp8_experts(gate_up.float(), down.float(), block)
+    expected = reference(x, gu_deq, d_deq, weights, ids)
+    got = fused_experts(x, gu_q, d_q, weights, ids, scales)
+    bf16 = fused_experts(x, gu_deq.to(DTYPE), d_deq.to(DTYPE), weights, ids)
+    err, bf16_err = rel_err(got, expected), rel_err(bf16, expected)
+    print(f"tokens {tokens} shape {shape} block {block}: fp8 {err:.2e}, the same kernels on bf16 dequantized {bf16_err:.2e}")
+    assert err < RTOL and err < 2 * bf16_err + 1e-3
+    if ids.numel() > SMALL_BATCH_MAX_ROWS:
+        return
+    logits = torch.randn(tokens, shape[0], generator=torch.Generator(device=DEVICE).manual_seed(tokens), device=DEVICE)
+    router = RouterLogits(logits.to(DTYPE), shape[1], True)
+    routed = routed_experts(x, gu_q, d_q, router, scales=scales)
+    weights, ids = router_topk(router.logits, shape[1], True, DTYPE)
+    assert torch.equal(routed, small_batch_experts(x, gu_q, d_q, weights, ids, scales=scales))
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = routed_experts(x, gu_q, d_q, router, scales=scales)
+    router.logits.copy_(torch.randn(logits.shape, device=DEVICE))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, routed_experts(x, gu_q, d_q, router, scales=scales))
 
 
 @pytest.fixture(scope="module")

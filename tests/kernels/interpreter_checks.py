@@ -15,6 +15,8 @@ import os
 import sys
 
 import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/: the shared helpers
 from tpserve.engine.sampler import Sampler, SamplingBatch
 from tpserve.kvcache.pool import KVCachePool
 from tpserve.quant.fp8 import FP8_DTYPE
@@ -402,6 +404,36 @@ def check_small_batch_moe() -> None:
         assert torch.equal(fused_experts(x, gate_up, down, weights, ids), expected)
 
 
+def check_fp8_experts() -> None:
+    """FP8 experts (block scales per expert, gate and up apart) in the small-batch kernels, routed or not,
+    and the grouped GEMMs, against the torch experts on the dequantized weights (float32): blocks whose
+    rows a program shares (128, 16) and blocks thinner than a program's rows (8 x 32, gathered per row),
+    partial blocks at the ends; every block's scale far from its neighbours', so a wrong index shows."""
+    from fp8_checkpoint import fp8_experts
+    from tpserve.kernels.moe import fused_experts, grouped_experts
+    from tpserve.kernels.moe_small import KernelConfig, RouterLogits, SmallBatchConfig, routed_experts, small_batch_experts
+    from tpserve.layers.moe import experts_torch
+
+    gen = torch.Generator().manual_seed(12)
+    small = SmallBatchConfig(KernelConfig(block_n=16, block_k=16), KernelConfig(block_n=8, block_k=32, experts_per_step=4))
+    prefetch = SmallBatchConfig(KernelConfig(block_n=8, block_k=16), KernelConfig(block_n=16, block_k=16, experts_per_step=4, prefetch=True))
+    for tokens, top_k, experts, hidden, inter, block in ((1, 4, 8, 64, 48, (16, 16)), (3, 2, 8, 80, 40, (8, 32)),
+                                                         (2, 4, 6, 96, 72, (128, 128)), (40, 2, 8, 48, 40, (16, 16))):
+        x, gate_up, down, weights, ids = random_experts(gen, tokens, experts, top_k, hidden, inter)
+        gate_up = gate_up * torch.rand(experts, 2 * inter, 1, generator=gen) * 8  # rows (and so blocks) of other ranges
+        down = down * torch.rand(experts, 1, inter, generator=gen) * 8
+        gu_q, d_q, scales, gu_deq, d_deq = fp8_experts(gate_up, down, block)
+        reference = experts_torch(x, gu_deq, d_deq, weights, ids)
+        got = {"fused": fused_experts(x, gu_q, d_q, weights, ids, scales),
+               "grouped": grouped_experts(x, gu_q, d_q, weights, ids, scales)}
+        if tokens * top_k <= 64:
+            got["small blocks"] = small_batch_experts(x, gu_q, d_q, weights, ids, small, scales=scales)
+            router = RouterLogits(torch.log(torch.zeros(tokens, experts).scatter_(1, ids, weights)), top_k, True)
+            got["routed"] = routed_experts(x, gu_q, d_q, router, prefetch, scales=scales)
+        for name, out in got.items():
+            torch.testing.assert_close(out, reference, rtol=1e-4, atol=1e-4, msg=lambda m: f"fp8 {name} {tokens, block}: {m}")
+
+
 def check_routed_moe() -> None:
     """The expert kernels that route from the router's logits themselves (``routed_experts``) against the
     router kernel then the same kernels: the same bits, with and without renormalisation and the fused
@@ -615,4 +647,5 @@ if __name__ == "__main__":
     check_fused_moe_model()
     check_fp8_gemm()
     check_fp8_mlp()
+    check_fp8_experts()
     print("ok")

@@ -171,6 +171,19 @@ def test_qwen3_moe_real_config():
         cfg.check_tp_size(tp)
 
 
+def test_qwen3_moe_fp8_real_config():
+    """Qwen3-30B-A3B-FP8's layout (the real config with Qwen's quantization_config, routers unconverted): its
+    experts' 768 intermediate features split into whole 128-blocks at TP 2 (384), not at TP 4 (192)."""
+    cfg = ModelConfig.from_pretrained(os.path.join(REAL_CONFIGS, "Qwen3-30B-A3B-FP8"))
+    assert cfg.quantization is not None and cfg.quantization.block_size == (128, 128)
+    assert not cfg.quantization.converts("model.layers.47.mlp.gate") and cfg.quantization.converts("model.layers.47.mlp.experts")
+    for tp in (1, 2):
+        cfg.check_tp_size(tp)
+    with pytest.raises(ValueError, match=r"each rank's share of the expert gate/up output features \(moe_intermediate_size\) "
+                       r"is 192, not a multiple of the FP8 weight block 128"):
+        cfg.check_tp_size(4)
+
+
 @pytest.mark.parametrize(
     "change,sparse",
     [

@@ -24,6 +24,7 @@ from tpserve.forward import ForwardContext, SequenceInput, resolve_future_tokens
 from tpserve.kernels import use_triton
 from tpserve.kvcache.pool import KVCachePool, kv_cache_dtype
 from tpserve.layers.linear import ParallelLinear
+from tpserve.layers.moe import StackedExperts
 from tpserve.models.decoder import CausalLM
 from tpserve.models.loader import load_model_weights, quantize_model
 from tpserve.quant.config import resolve_quantization
@@ -187,7 +188,10 @@ class Engine:
         gemms = sorted({m.fp8_backend for m in self.model.modules() if getattr(m, "weight_scale_inv", None) is not None})
         source = "checkpoint" if quant.prequantized else "quantized at load"
         form = f"FP8 GEMM {'/'.join(gemms)}" if gemms else "dequantized for this device"
-        if any(getattr(m, "dequantized", False) for m in self.model.modules()):
+        experts = [m for m in self.model.modules() if isinstance(m, StackedExperts)]
+        if any(m.scales() is not None for m in experts):
+            form += "; experts FP8 (Triton)"
+        elif any(m.dequantized for m in experts):
             form += f"; experts dequantized to {str(self.dtype).removeprefix('torch.')}"
         return f", {quant.method} weights ({source}, blocks {quant.block_size[0]}x{quant.block_size[1]}, {form})"
 

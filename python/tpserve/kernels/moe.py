@@ -13,6 +13,7 @@ import triton
 import triton.language as tl
 
 from tpserve.kernels.moe_small import small_batch_experts
+from tpserve.quant.fp8 import ExpertScales
 from tpserve.layers.activation import silu_and_mul
 
 
@@ -24,8 +25,12 @@ def _grouped_gemm_kernel(
     A_ROWS_PER_TOKEN: tl.constexpr,  # top_k when a's rows are tokens (first GEMM), 1 when they are rows
     SCALE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    ws_ptr=None, stride_se=0, stride_sp=0, stride_sn=0, part_rows=1,
+    BN: tl.constexpr = 1, BK: tl.constexpr = 1, FP8: tl.constexpr = False,
 ):
-    """c[row, :N] = a[row // A_ROWS_PER_TOKEN] @ w[expert].T (* scale[row]) for the block's sorted rows."""
+    """c[row, :N] = a[row // A_ROWS_PER_TOKEN] @ w[expert].T (* scale[row]) for the block's sorted rows.
+    FP8: w is float8 with block scales ``ws`` (``ExpertScales``; rows past ``part_rows`` take the second part's),
+    each tile dequantized to a's dtype (the bits of experts dequantized at load) before the product."""
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     if pid_m * BLOCK_M >= tl.load(padded_len_ptr):
@@ -44,6 +49,12 @@ def _grouped_gemm_kernel(
         k_ok = offs_k < K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
         w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FP8:
+            part = offs_n // part_rows
+            s_ptrs = (ws_ptr + expert * stride_se + part[None, :] * stride_sp + ((offs_n - part * part_rows) // BN)[None, :]
+                      * stride_sn + ((k0 * BLOCK_K + offs_k) // BK)[:, None])
+            s = tl.load(s_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            w = (w.to(tl.float32) * s).to(a.dtype)
         if IEEE:
             acc += tl.dot(a, w, input_precision="ieee")
         else:
@@ -160,8 +171,11 @@ def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> 
 def _grouped_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None,
     sorted_rows: torch.Tensor, block_expert: torch.Tensor, padded_len: torch.Tensor,
-    num_rows: int, rows_per_token: int, block_m: int,
+    num_rows: int, rows_per_token: int, block_m: int, w_scale: torch.Tensor | None = None,
+    block: tuple[int, int] = (1, 1),
 ) -> None:
+    """``w_scale``: w is FP8 with these block scales ([E, 2, ...] of gate_up, whose rows split in two parts,
+    or [E, ...] of down)."""
     n, k = w.shape[1], w.shape[2]
     _, block_n, warps, stages = tiles_for(num_rows)
     block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
@@ -171,7 +185,16 @@ def _grouped_gemm(
         num_rows, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROWS_PER_TOKEN=rows_per_token, SCALE=scale is not None, IEEE=a.dtype == torch.float32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
+        **_weight_scale_args(w_scale, n, block, a),
     )
+
+
+def _weight_scale_args(w_scale: torch.Tensor | None, n: int, block: tuple[int, int], dummy: torch.Tensor) -> dict:
+    if w_scale is None:
+        return dict(ws_ptr=dummy)
+    parts = w_scale.dim() == 4  # gate_up's scales: [E, 2, rows, cols]
+    return dict(ws_ptr=w_scale, stride_se=w_scale.stride(0), stride_sp=w_scale.stride(1) if parts else 0,
+                stride_sn=w_scale.stride(-2), part_rows=n // 2 if parts else n, BN=block[0], BK=block[1], FP8=True)
 
 
 # Up to this many (token, k) rows the experts run as ``kernels.moe_small``'s two unsorted kernels:
@@ -181,9 +204,11 @@ SMALL_BATCH_MAX_ROWS = 64
 
 
 def fused_experts(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
-    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]; gate_up [E, 2I, H], down [E, H, I]."""
+    """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]; gate_up [E, 2I, H], down [E, H, I] (FP8 with
+    ``scales``)."""
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("fused_experts needs contiguous expert weights")
     x = x.contiguous()
@@ -191,12 +216,13 @@ def fused_experts(
     if rows == 0:
         return torch.zeros_like(x)
     if rows <= SMALL_BATCH_MAX_ROWS:
-        return small_batch_experts(x, gate_up, down, weights, ids)
-    return grouped_experts(x, gate_up, down, weights, ids)
+        return small_batch_experts(x, gate_up, down, weights, ids, scales=scales)
+    return grouped_experts(x, gate_up, down, weights, ids, scales)
 
 
 def grouped_experts(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """``fused_experts`` by the grouped GEMMs (any row count; contiguous weights)."""
     x = x.contiguous()
@@ -207,9 +233,12 @@ def grouped_experts(
     block_m = block_m_for(rows)
     sorted_rows, block_expert, padded_len = align_by_expert(ids, gate_up.shape[0], block_m)
     gate_up_out = torch.empty(rows, gate_up.shape[1], dtype=x.dtype, device=x.device)
-    _grouped_gemm(x, gate_up, gate_up_out, None, sorted_rows, block_expert, padded_len, rows, top_k, block_m)
+    gate_up_scale, down_scale, block = (scales.gate_up, scales.down, scales.block) if scales else (None, None, (1, 1))
+    _grouped_gemm(x, gate_up, gate_up_out, None, sorted_rows, block_expert, padded_len, rows, top_k, block_m,
+                  gate_up_scale, block)
     hidden = silu_and_mul(gate_up_out)
     down_out = torch.empty(rows, down.shape[1], dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).contiguous()
-    _grouped_gemm(hidden, down, down_out, scale, sorted_rows, block_expert, padded_len, rows, 1, block_m)
+    _grouped_gemm(hidden, down, down_out, scale, sorted_rows, block_expert, padded_len, rows, 1, block_m,
+                  down_scale, block)
     return down_out.view(tokens, top_k, -1).sum(dim=1)

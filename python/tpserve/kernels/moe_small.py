@@ -31,6 +31,7 @@ import triton
 import triton.language as tl
 
 from tpserve.kernels.pdl import triton_pdl
+from tpserve.quant.fp8 import ExpertScales
 from tpserve.kernels.settings import MOE_SMALL_ENV as CONFIG_ENV
 from tpserve.kernels.settings import int_settings
 
@@ -48,6 +49,23 @@ class KernelConfig:
     # down only, with all top_k rows in one step: the expert ids and the first K step of the weights are read
     # before the PDL wait (the gate_up kernel then waits for the ids before it lets this one launch)
     prefetch: bool = False
+
+
+NO_SCALES = dict(stride_se=0, stride_sp=0, stride_sn=0, BN=1, BK=1, FP8=False, ROW_UNIFORM=True)
+
+
+@triton.jit
+def block_scales(scale_ptr, expert, offs_n, k, mask, stride_se, stride_sn, BN: tl.constexpr, BK: tl.constexpr,
+                 ROW_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """The scales of W's elements at rows ``offs_n`` (a program's BLOCK_N) and columns ``k`` of ``expert``:
+    [1, K] where the rows share a row of blocks (ROW_UNIFORM), else [N, K]; 0 where not ``mask`` ([K])."""
+    kb = k // BK
+    if ROW_UNIFORM:
+        nb = (tl.program_id(1) * BLOCK_N) // BN
+        return tl.load(scale_ptr + expert * stride_se + nb * stride_sn + kb, mask=mask, other=0.0)[None, :]
+    else:
+        ptrs = scale_ptr + expert * stride_se + (offs_n // BN)[:, None] * stride_sn + kb[None, :]
+        return tl.load(ptrs, mask=mask[None, :], other=0.0)
 
 
 @dataclass(frozen=True)
@@ -165,10 +183,13 @@ def _moe_gate_up_silu_kernel(
     NUM_STAGES: tl.constexpr, PDL: tl.constexpr, WAIT_FIRST: tl.constexpr, NORM: tl.constexpr,
     num_experts=0, stride_l=0, ROUTED: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
     E_PAD: tl.constexpr = 1, J_PAD: tl.constexpr = 1,
+    scale_ptr=None, stride_se=0, stride_sp=0, stride_sn=0, BN: tl.constexpr = 1, BK: tl.constexpr = 1,
+    FP8: tl.constexpr = False, ROW_UNIFORM: tl.constexpr = True,
 ):
     """NORM: x is the residual stream and the experts take RMSNorm(x) * norm: each program sums x^2 as it
     reads x and scales its dot products by rsqrt(mean(x^2) + eps) at the end (the normed x unrounded).
-    ROUTED: ids_ptr holds the router's logits [T, num_experts]; each program finds its row's expert itself."""
+    ROUTED: ids_ptr holds the router's logits [T, num_experts]; each program finds its row's expert itself.
+    FP8: W is float8 with block scales (``ExpertScales``), applied to x per K element as it is read."""
     if PDL:  # the next kernel may launch now; the expert ids and x are earlier kernels' outputs
         if WAIT_FIRST:  # the down kernel reads the ids before its own wait: launch it only once they are final
             tl.extra.cuda.gdc_wait()
@@ -206,8 +227,16 @@ def _moe_gate_up_silu_kernel(
         if NORM:
             sum_sq += x * x
             x = x * tl.load(norm_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
-        gate += g.to(tl.float32) * x[None, :]
-        up += u.to(tl.float32) * x[None, :]
+        if FP8:
+            k = k0 + offs_k
+            sg = block_scales(scale_ptr, expert, offs_n, k, k_ok, stride_se, stride_sn, BN, BK, ROW_UNIFORM, BLOCK_N)
+            su = block_scales(scale_ptr + stride_sp, expert, offs_n, k, k_ok, stride_se, stride_sn, BN, BK,
+                              ROW_UNIFORM, BLOCK_N)
+            gate += g.to(tl.float32) * (sg * x[None, :])
+            up += u.to(tl.float32) * (su * x[None, :])
+        else:
+            gate += g.to(tl.float32) * x[None, :]
+            up += u.to(tl.float32) * x[None, :]
         x_ptrs += BLOCK_K
         gate_ptrs += BLOCK_K
         up_ptrs += BLOCK_K
@@ -229,9 +258,12 @@ def _moe_down_sum_kernel(
     EVEN_K: tl.constexpr, NUM_STAGES: tl.constexpr, PDL: tl.constexpr, PREFETCH: tl.constexpr,
     num_experts=0, stride_l=0, ROUTED: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
     E_PAD: tl.constexpr = 1,
+    scale_ptr=None, stride_se=0, stride_sp=0, stride_sn=0, BN: tl.constexpr = 1, BK: tl.constexpr = 1,
+    FP8: tl.constexpr = False, ROW_UNIFORM: tl.constexpr = True,
 ):
     """ROUTED (with PREFETCH): ids_ptr holds the router's logits [T, num_experts]; each program routes its
-    token itself (weights rounded to the output dtype, as the router kernel stores them)."""
+    token itself (weights rounded to the output dtype, as the router kernel stores them). FP8: as in the
+    gate_up kernel, the block scales applied to each expert's activations."""
     if PDL and not PREFETCH:  # as in the gate_up kernel
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -261,7 +293,11 @@ def _moe_down_sum_kernel(
         a_ptrs = act_ptr + rows[:, None] * stride_am + offs_k[None, :]
         for k0 in range(0, inter, BLOCK_K):
             a = tl.load(a_ptrs, mask=j_ok[:, None] & (offs_k < inter - k0)[None, :], other=0.0)
-            acc += w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :]
+            scaled = (a.to(tl.float32) * weight[:, None])[:, None, :]
+            if FP8:
+                scaled = scaled * _expert_scales(scale_ptr, expert, offs_n, k0 + offs_k, offs_k < inter - k0, stride_se,
+                                                 stride_sn, BN, BK, ROW_UNIFORM, BLOCK_N)
+            acc += w.to(tl.float32) * scaled
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
             w = tl.load(w_ptrs, mask=w_ok & (offs_k < inter - k0 - BLOCK_K)[None, None, :], other=0.0)
@@ -282,11 +318,28 @@ def _moe_down_sum_kernel(
                 k_ok = offs_k < inter - k0
                 a = tl.load(a_ptrs, mask=j_ok[:, None] & k_ok[None, :], other=0.0)
                 w = tl.load(w_ptrs, mask=w_ok & k_ok[None, None, :], other=0.0)
-            acc += w.to(tl.float32) * (a.to(tl.float32) * weight[:, None])[:, None, :]
+            scaled = (a.to(tl.float32) * weight[:, None])[:, None, :]
+            if FP8:
+                scaled = scaled * _expert_scales(scale_ptr, expert, offs_n, k0 + offs_k, offs_k < inter - k0, stride_se,
+                                                 stride_sn, BN, BK, ROW_UNIFORM, BLOCK_N)
+            acc += w.to(tl.float32) * scaled
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
     out = tl.sum(tl.sum(acc, axis=2), axis=0)
     tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+@triton.jit
+def _expert_scales(scale_ptr, expert, offs_n, k, k_ok, stride_se, stride_sn, BN: tl.constexpr, BK: tl.constexpr,
+                   ROW_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr):
+    """``block_scales`` for the down kernel's [J] experts at once: [J, 1, K] or [J, N, K]."""
+    kb = (k // BK)[None, None, :]
+    base = scale_ptr + expert[:, None, None] * stride_se
+    if ROW_UNIFORM:
+        nb = (tl.program_id(1) * BLOCK_N) // BN
+        return tl.load(base + nb * stride_sn + kb, mask=k_ok[None, None, :], other=0.0)
+    else:
+        return tl.load(base + (offs_n // BN)[None, :, None] * stride_sn + kb, mask=k_ok[None, None, :], other=0.0)
 
 
 @dataclass(frozen=True)
@@ -307,11 +360,11 @@ class RouterLogits:
 
 def gate_up_silu(
     x: torch.Tensor, gate_up: torch.Tensor, ids: torch.Tensor | RouterLogits, config: KernelConfig,
-    wait_first: bool = False, norm: tuple[torch.Tensor, float] | None = None,
+    wait_first: bool = False, norm: tuple[torch.Tensor, float] | None = None, scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """act [T * k, I]: silu(gate) * up of each (token, k) row's expert; gate_up [E, 2I, H]. ``wait_first``:
     the next kernel (a prefetching down_sum) launches only once the ids are final. ``norm`` (weight, eps):
-    the experts take RMSNorm(x) * weight, computed as x is read."""
+    the experts take RMSNorm(x) * weight, computed as x is read. ``scales``: gate_up is FP8."""
     check_config(config)
     routed = isinstance(ids, RouterLogits)
     top_k = ids.top_k if routed else ids.shape[1]
@@ -325,17 +378,17 @@ def gate_up_silu(
         gate_up.stride(0), gate_up.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=hidden % config.block_k == 0,
         NUM_STAGES=config.num_stages, PDL=pdl, WAIT_FIRST=wait_first, NORM=norm is not None, **routing,
-        num_warps=config.num_warps, launch_pdl=pdl,
+        **_scale_args(scales, "gate_up", config.block_n, x), num_warps=config.num_warps, launch_pdl=pdl,
     )
     return act
 
 
 def down_sum(
     act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor | RouterLogits,
-    config: KernelConfig,
+    config: KernelConfig, scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """out [T, H] = sum_k weights[t, k] * act[t * k + k] @ down[ids[t, k]].T; down [E, H, I]. With
-    ``RouterLogits`` (weights None) the config must prefetch (``prefetches``)."""
+    ``RouterLogits`` (weights None) the config must prefetch (``prefetches``). ``scales``: down is FP8."""
     check_config(config)
     routed = isinstance(ids, RouterLogits)
     top_k = ids.top_k if routed else ids.shape[1]
@@ -352,9 +405,21 @@ def down_sum(
         act.stride(0), down.stride(0), down.stride(1), out.stride(0),
         TOP_K=top_k, EXPERTS_PER_STEP=experts_per_step, PREFETCH=prefetches(config, top_k),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=inter % config.block_k == 0,
-        NUM_STAGES=config.num_stages, PDL=pdl, **routing, num_warps=config.num_warps, launch_pdl=pdl,
+        NUM_STAGES=config.num_stages, PDL=pdl, **routing, **_scale_args(scales, "down", config.block_n, act),
+        num_warps=config.num_warps, launch_pdl=pdl,
     )
     return out
+
+
+def _scale_args(scales: ExpertScales | None, which: str, block_n: int, dummy: torch.Tensor) -> dict:
+    """The expert kernels' scale arguments for ``gate_up`` or ``down`` (ROW_UNIFORM: a program's ``block_n``
+    rows, aligned, share one row of scales)."""
+    if scales is None:
+        return dict(NO_SCALES, scale_ptr=dummy)
+    scale = scales.gate_up if which == "gate_up" else scales.down
+    part = scale.stride(1) if which == "gate_up" else 0
+    return dict(scale_ptr=scale, stride_se=scale.stride(0), stride_sp=part, stride_sn=scale.stride(-2),
+                BN=scales.block[0], BK=scales.block[1], FP8=True, ROW_UNIFORM=scales.block[0] % block_n == 0)
 
 
 def prefetches(down: KernelConfig, top_k: int) -> bool:
@@ -364,21 +429,25 @@ def prefetches(down: KernelConfig, top_k: int) -> bool:
 def small_batch_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     config: SmallBatchConfig | None = None, norm: tuple[torch.Tensor, float] | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]; x unit stride along H, weights contiguous.
-    ``norm`` (weight, eps): of RMSNorm(x) * weight instead, normed as the first kernel reads x."""
+    ``norm`` (weight, eps): of RMSNorm(x) * weight instead, normed as the first kernel reads x. ``scales``:
+    the experts are FP8."""
     if ids.numel() == 0:
         return torch.zeros_like(x)
     if config is None:
         config = default_config(ids.shape[1])
     ids, weights = ids.contiguous(), weights.contiguous()
-    act = gate_up_silu(x, gate_up, ids, config.gate_up, wait_first=prefetches(config.down, ids.shape[1]), norm=norm)
-    return down_sum(act, down, weights, ids, config.down)
+    act = gate_up_silu(x, gate_up, ids, config.gate_up, wait_first=prefetches(config.down, ids.shape[1]), norm=norm,
+                       scales=scales)
+    return down_sum(act, down, weights, ids, config.down, scales)
 
 
 def routed_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, router: RouterLogits,
     config: SmallBatchConfig | None = None, norm: tuple[torch.Tensor, float] | None = None,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     """``small_batch_experts`` from the router's logits: the two kernels take each token's top k themselves,
     so no router kernel runs between the router's GEMV and them (a config that does not prefetch the down
@@ -389,6 +458,6 @@ def routed_experts(
         config = default_config(router.top_k)
     if not prefetches(config.down, router.top_k):
         weights, ids = router_topk(router.logits, router.top_k, router.renormalize, x.dtype)
-        return small_batch_experts(x, gate_up, down, weights, ids, config, norm)
-    act = gate_up_silu(x, gate_up, router, config.gate_up, wait_first=True, norm=norm)
-    return down_sum(act, down, None, router, config.down)
+        return small_batch_experts(x, gate_up, down, weights, ids, config, norm, scales)
+    act = gate_up_silu(x, gate_up, router, config.gate_up, wait_first=True, norm=norm, scales=scales)
+    return down_sum(act, down, None, router, config.down, scales)

@@ -16,13 +16,15 @@ from tpserve.kernels import gemv, use_triton
 from tpserve.kernels.settings import MOE_SMALL_ENV
 from tpserve.layers.activation import silu_and_mul
 from tpserve.layers.linear import PendingNorm, ReplicatedWeights, Slice, copy_checked, divide
-from tpserve.quant.fp8 import FP8_DTYPE, dequantize_blocks, num_blocks
+from tpserve.quant.fp8 import FP8_DTYPE, ExpertScales, dequantize_blocks, num_blocks
 
 # 0: the MoE layer's RMSNorm as a kernel of its own, not in the router's GEMV and the first expert kernel (an A/B switch,
 # read when the model is built)
 FUSE_NORM_ENV = "TPSERVE_MOE_FUSE_NORM"
 # 0: the router's top-k as a kernel of its own at one token, not inside the expert kernels (likewise)
 FUSE_ROUTER_ENV = "TPSERVE_MOE_FUSE_ROUTER"
+# 0: an FP8 checkpoint's experts dequantized at load even where the Triton expert kernels read FP8 (read at load)
+FP8_EXPERTS_ENV = "TPSERVE_MOE_FP8"
 ShardId = tuple[int, int]  # (global expert, part): gate_up_proj part 0 = gate, 1 = up; down_proj part 0
 
 
@@ -69,8 +71,8 @@ class StackedExperts(nn.Module):
     """``mlp.experts``: gate_up_proj [E, 2 * I_local, H] ([gate | up] rows) and down_proj [E, H, I_local].
     From an FP8 checkpoint (``use_fp8``) they load in float8_e4m3fn with their block scales
     (gate_up_proj_scale_inv [E, 2, I_local / bn, H / bk], down_proj_scale_inv [E, H / bn, I_local / bk]),
-    cut at block boundaries like the linear layers', and are dequantized at ``finish_loading``: the MoE
-    kernels take compute-dtype experts."""
+    cut at block boundaries like the linear layers'. They stay FP8 where the Triton expert kernels run
+    (CUDA sm89+: ``scales()``), else are dequantized at ``finish_loading`` (the CPU path)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -102,9 +104,21 @@ class StackedExperts(nn.Module):
         self.down_proj_scale_inv = nn.Parameter(torch.empty(scales, device=device), requires_grad=False)
         self.keep_dtype = ("gate_up_proj", "down_proj", "gate_up_proj_scale_inv", "down_proj_scale_inv")
 
-    def finish_loading(self, dtype: torch.dtype) -> None:
-        """FP8 experts dequantized to ``dtype``, one expert at a time."""
+    def scales(self) -> ExpertScales | None:
+        """The FP8 experts' block scales, or None for compute-dtype experts."""
         if self.block_size is None:
+            return None
+        return ExpertScales(self.gate_up_proj_scale_inv, self.down_proj_scale_inv, self.block_size)
+
+    def finish_loading(self, dtype: torch.dtype) -> None:
+        """FP8 experts kept where the Triton expert kernels read them, else dequantized to ``dtype``, one expert
+        at a time."""
+        if self.block_size is None:
+            return
+        device = self.gate_up_proj.device
+        if (use_triton(device) and torch.cuda.get_device_capability(device) >= (8, 9)
+                and os.environ.get(FP8_EXPERTS_ENV, "1") != "0"):
+            self.keep_dtype = ()
             return
         block, size = self.block_size, self.local_intermediate
         gate_up = torch.empty(self.gate_up_proj.shape, dtype=dtype, device=self.gate_up_proj.device)
@@ -193,12 +207,15 @@ def experts_dense_masked(
 
 
 def run_experts(
-    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
+    scales: ExpertScales | None = None,
 ) -> torch.Tensor:
     if use_triton(x.device):
         from tpserve.kernels.moe import fused_experts
 
-        return fused_experts(x, gate_up, down, weights, ids)
+        return fused_experts(x, gate_up, down, weights, ids, scales)
+    if scales is not None:
+        raise ValueError("FP8 experts run only in the Triton expert kernels")
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
         return experts_dense_masked(x, gate_up, down, weights, ids)
     return experts_torch(x, gate_up, down, weights, ids)
@@ -223,7 +240,7 @@ class SparseMoeBlock(nn.Module):
         the router's GEMV and the first expert kernel as they read it (one decoding token on CUDA),
         else computed first. At one token on CUDA the expert kernels take the router's logits and its top k
         themselves (``routes_in_experts``)."""
-        gate_up, down = self.experts.gate_up_proj, self.experts.down_proj
+        gate_up, down, scales = self.experts.gate_up_proj, self.experts.down_proj, self.experts.scales()
         if isinstance(x, PendingNorm) and not self.fuses_norm(x.residual):
             x = x.value()
         residual, norm = (x.residual, (x.norm.weight, x.norm.eps)) if isinstance(x, PendingNorm) else (x, None)
@@ -234,14 +251,14 @@ class SparseMoeBlock(nn.Module):
             config = moe_small.config_from_setting(self.gate.top_k, self.kernel_setting)
             if routed:
                 router = moe_small.RouterLogits(self.gate.logits(x), self.gate.top_k, self.gate.norm_topk_prob)
-                partial = moe_small.routed_experts(residual.contiguous(), gate_up, down, router, config, norm)
+                partial = moe_small.routed_experts(residual.contiguous(), gate_up, down, router, config, norm, scales)
             else:
                 weights, ids = self.gate(x)
                 partial = moe_small.small_batch_experts(residual.contiguous(), gate_up, down, weights, ids, config,
-                                                        norm)
+                                                        norm, scales)
         else:
             weights, ids = self.gate(x)
-            partial = run_experts(x, gate_up, down, weights, ids)
+            partial = run_experts(x, gate_up, down, weights, ids, scales)
         return self.comm.all_reduce(partial) if reduce else partial
 
     def routes_in_experts(self, x: torch.Tensor) -> bool:

@@ -3,12 +3,25 @@ block ``w = w_fp8 * weight_scale_inv``; activations per token and group of bk fe
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
 FP8_DTYPE = torch.float8_e4m3fn
 FP8_MAX = float(torch.finfo(FP8_DTYPE).max)  # 448
 _MIN_AMAX = 1e-10  # a block of zeros still gets a usable (non-zero) scale
+
+
+@dataclass(frozen=True)
+class ExpertScales:
+    """FP8 experts' float32 block scales (the real weight is ``weight * scale`` per bn x bk block, as the
+    checkpoint's ``weight_scale_inv``): gate_up [E, 2, ceil(I / bn), ceil(H / bk)] (gate, then up) for
+    gate_up [E, 2I, H], down [E, ceil(H / bn), ceil(I / bk)] for down [E, H, I]."""
+
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    block: tuple[int, int]
 
 
 def num_blocks(size: int, block: int) -> int:
