@@ -27,6 +27,7 @@ import traceback
 import torch
 from common import device_name, environment, fill_kv_randomly, make_engine, print_table, setup_logging, write_json
 from decode_latency import time_decode, time_pipelined
+from tpserve.config import ModelConfig
 from tpserve.kernels.fp8_linear import FP8_GEMM_ENV
 from tpserve.kernels.gemv import BF16_GEMV_ENV, DEFINES_ENV, PDL_ENV, SILU_MUL_ENV
 
@@ -140,7 +141,9 @@ def main() -> None:
     for model in [c for c in args.configs.split(",") if c]:
         name = model.rstrip("/").rsplit("/", 1)[-1]
         # (label, quantization, environment): the first engine, as users get it, is the base of every ratio
-        runs = [("bf16", None, {})] + [(f"fp8 {g}", "fp8", {FP8_GEMM_ENV: g}) for g in args.fp8_gemms.split(",") if g]
+        # the first engine: the checkpoint as it is (bf16, or FP8 where config.json carries a quantization_config)
+        first = "fp8 ckpt" if ModelConfig.from_pretrained(model).quantization is not None else "bf16"
+        runs = [(first, None, {})] + [(f"fp8 {g}", "fp8", {FP8_GEMM_ENV: g}) for g in args.fp8_gemms.split(",") if g]
         if args.gemv_pdl_off:
             runs += [(f"{label} nopdl", quant, env | {PDL_ENV: "0"}) for label, quant, env in runs]
         if args.bf16_cublas:
@@ -177,12 +180,12 @@ def main() -> None:
                 continue
             for batch, ms in result["step_ms"].items():
                 piped = result["pipelined_ms"][batch]
-                if label == "bf16" and ms is not None:
+                if label == first and ms is not None:
                     base[batch] = ms
                     base_piped[batch] = piped
                 row = {"config": name, "weights": label, "batch": batch, "context": args.context, "step_ms": ms,
                        "pipelined_ms": piped, "weight_gib": result["weight_gib"]}
-                if label != "bf16" and ms is not None and batch in base:
+                if label != first and ms is not None and batch in base:
                     row["over_bf16"] = ms / base[batch]
                     if piped is not None and base_piped.get(batch):
                         row["pipelined_over_bf16"] = piped / base_piped[batch]

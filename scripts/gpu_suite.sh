@@ -317,6 +317,13 @@ for s in $stages; do
       stage a3b_fp8 400 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --pipelined --rounds 3 \
         --batch-sizes "${A3B_BATCHES:-1}" --context "${A3B_CONTEXT:-512}" --fp8-checkpoint tests/data/configs/Qwen3-30B-A3B-FP8 \
         --out $results/a3b_fp8.json ;;
+    a3b_fp8_sweep)  # the FP8 checkpoint layout of Qwen3-30B-A3B at batch 1 against engines built with each of A3B_FP8_VARIANTS
+      # (as ENGINE_VARIANTS, e.g. "k512:TPSERVE_MOE_SMALL=gate_up_block_k=512 down_block_k=512"), 3 rounds
+      variant_args=()
+      IFS=";" read -ra variants <<< "${A3B_FP8_VARIANTS:?}"
+      for v in "${variants[@]}"; do variant_args+=(--variant "$v"); done
+      stage a3b_fp8_sweep 400 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-30B-A3B-FP8 --fp8-gemms "" \
+        --pipelined --rounds 3 --batch-sizes "${A3B_BATCHES:-1}" "${variant_args[@]}" --out $results/a3b_fp8_sweep.json ;;
     norm_b2)  # the add + RMSNorm fused into the GEMVs (and the MoE kernels) at batch 2, against it as a kernel of its own:
       # Qwen3-8B bf16 and Qwen3-30B-A3B, pipelined, 3 alternating rounds (session 19)
       stage norm_b2_8b 150 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms "" --pipelined \
