@@ -23,7 +23,6 @@ from tpserve.server.formats import SSE_DONE, ChatFormat, Choice, CompletionForma
 from tpserve.server.limits import RequestLimits
 from tpserve.server.metrics import RequestTimer, ServerMetrics
 from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from tpserve.tokenizer.prepare import chat_chars
 
 DISCONNECT_POLL_S = 1.0
 
@@ -180,7 +179,7 @@ class Serving:
         output = self.chat_output(body, constrained=structure is not None)
         self.limits.check_sequences(1, body.n)
         messages = body.template_messages()
-        self._check_chat_text(messages, body)
+        self.limits.check_chat(messages, body.tools, body.chat_template_kwargs)
         reqs = [
             TokenizeRequest(
                 rid=self.frontend.new_rid(),
@@ -197,12 +196,6 @@ class Serving:
         ]
         fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output)
         return await self._run(reqs, fmt, body.stream, request, body.n)
-
-    def _check_chat_text(self, messages: list[dict[str, Any]], body: ChatCompletionRequest) -> None:
-        """Everything the chat template renders must fit the character limit; the error names the
-        largest part."""
-        parts = chat_chars(messages, body.tools, body.chat_template_kwargs)
-        self.limits.check_text(sum(parts.values()), max(parts, key=lambda name: parts[name]))
 
     async def completion(
         self, body: CompletionRequest, request: Request, decode: Callable[[list[int]], Awaitable[str]]
