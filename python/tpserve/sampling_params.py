@@ -17,6 +17,10 @@ SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT)
 GREEDY_TEMPERATURE = 1e-5
 MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
 MAX_LOGIT_BIAS = 100.0
+# Stop strings are searched in every output chunk (and a tail that may grow into one is held back):
+# bounded so that one request cannot make that search slow. OpenAI allows 4 strings.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
 
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 # SamplingParams' fields by type, checked (and numpy scalars made plain) when it is made: the
@@ -106,7 +110,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ``stop_token_ids`` are banned until ``min_tokens`` tokens are out, then ``structured``
     allows only the tokens its grammar accepts.
 
-    ``stop`` may be one string or a list of them. A value of the wrong type is a ValueError naming
+    ``stop`` may be one string or a list of at most 16 (``MAX_STOP_STRINGS``), each at most 512
+    characters (``MAX_STOP_CHARS``). A value of the wrong type is a ValueError naming
     the field; numpy numbers are taken (and kept as plain ints and floats).
     """
 
@@ -169,6 +174,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
         if self.stop is not None and any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.stop is not None and len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for i, stop in enumerate(self.stop or []):
+            if len(stop) > MAX_STOP_CHARS:
+                raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got {len(stop)} (stop[{i}])")
 
     def _check_types(self) -> None:
         """A ValueError naming a field of the wrong type; numpy scalars and tuples become plain values."""

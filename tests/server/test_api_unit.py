@@ -126,6 +126,8 @@ def test_flush_cache():
         (CHAT, {"messages": USER, "seed": -1}, "seed", "seed"),
         (CHAT, {"messages": USER, "stop": 5}, "stop must be a string or a list of strings", "stop"),
         (CHAT, {"messages": USER, "stop": [""]}, "empty", "stop"),
+        (CHAT, {"messages": USER, "stop": [f"s{i}" for i in range(17)]}, "stop may hold at most 16 strings, got 17", "stop"),
+        (COMPLETIONS, {"prompt": "x", "stop": ["a", "b" * 513]}, "at most 512 characters, got 513 (stop[1])", "stop"),
         (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools[0]", "tools"),
         (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
          "--tool-call-parser", "tools"),
