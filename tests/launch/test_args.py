@@ -174,6 +174,16 @@ def test_mistyped_config_value_is_a_usage_error(qwen3_dir, tmp_path, capsys):
     assert "config.json cannot be read as a qwen3 config" in err and "'hidden_size' expected int, got str" in err
 
 
+def test_non_positive_model_size_is_a_usage_error(qwen3_dir, tmp_path, capsys):
+    model_dir = shutil.copytree(qwen3_dir, tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", str(model_dir)])  # was a crash in every rank
+    assert e.value.code == 2
+    assert "config.json: num_attention_heads must be a positive integer, got 0" in capsys.readouterr().err
+
+
 def test_model_without_tokenizer_files_is_a_usage_error(qwen3_dir, tmp_path, capsys):
     """transformers 5 makes an empty tokenizer for such a directory: every prompt would encode to
     no tokens and every answer decode to no text."""
