@@ -150,6 +150,7 @@ def test_model_without_weights_names_the_flag(qwen3_dir, tmp_path, capsys):
         ("config.json", "[1, 2]", "config.json must hold a JSON object, not a list"),
         ("generation_config.json", "{bad", "generation_config.json is not valid JSON"),
         ("model.safetensors", "not safetensors", "model.safetensors is not a readable safetensors file"),
+        ("tokenizer.json", "{bad", "cannot load the tokenizer in"),
     ],
 )
 def test_damaged_model_files_are_usage_errors_naming_the_file(qwen3_dir, tmp_path, capsys, name, text, fragment):
