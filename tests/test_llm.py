@@ -53,6 +53,29 @@ def test_seeds(llm):
     assert len({tuple(o.token_ids) for o in unseeded}) > 1
 
 
+def test_n_completions_per_prompt(llm):
+    """As vLLM's: ``outputs`` holds n completions; seeded, completion i samples with seed + i (as
+    the HTTP API's n); the flat fields are the first completion's."""
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True, logprobs=1)
+    outs = llm.generate(["Hello", [20, 21, 22]], params, use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [3, 3]
+    for out in outs:
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+        assert all(len(c.token_ids) == len(c.logprobs) == 6 and c.finish_reason == "length" for c in out.outputs)
+        assert (out.token_ids, out.text, out.logprobs) == (out.outputs[0].token_ids, out.outputs[0].text,
+                                                            out.outputs[0].logprobs)
+        for i, completion in enumerate(out.outputs):
+            solo = llm.generate([out.prompt_token_ids], SamplingParams(temperature=1.0, seed=7 + i, max_tokens=6,
+                                                                        ignore_eos=True), use_tqdm=False)[0]
+            assert solo.token_ids == completion.token_ids
+            assert completion.text == llm.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    unseeded = llm.generate([[20, 21, 22]], SamplingParams(n=4, temperature=1.0, max_tokens=8), use_tqdm=False)[0]
+    assert len({tuple(c.token_ids) for c in unseeded.outputs}) > 1
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        SamplingParams(n=0)
+
+
 def test_bad_inputs(llm):
     with pytest.raises(TypeError):
         llm.generate("a string, not a list")

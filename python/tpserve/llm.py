@@ -11,7 +11,7 @@ import logging
 import numbers
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import msgspec
 from tqdm import tqdm
@@ -26,19 +26,50 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
+class CompletionOutput:
+    """One completion of a prompt; ``index`` is its place among the prompt's ``SamplingParams.n``."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "abort"
     # With SamplingParams(logprobs=n): each token's log-probability, and the n most likely
     # (token id, log-probability) pairs at each position.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's output: its completions in ``outputs`` (``SamplingParams.n`` of them, as vLLM's);
+    ``token_ids``, ``text``, ``finish_reason``, ``logprobs`` and ``top_logprobs`` are the first's."""
+
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
     # With SamplingParams(prompt_logprobs=n): each prompt token's log-probability given the ones before
     # it (None for the first), and the n most likely (token id, log-probability) pairs at each position.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
+        return self.outputs[0].top_logprobs
 
 
 class _StopWatcher:
@@ -104,20 +135,26 @@ class LLM:
         for params in sampling_params:
             self._check_params(params)
         encoded = [self._encode(prompt, i) for i, prompt in enumerate(prompts)]
-        requests = []
+        prompt_requests = []
         for input_ids, params in zip(encoded, sampling_params):
             seed = params.seed if params.seed is not None else self._seed_rng.randrange(SEED_LIMIT)
-            params = msgspec.structs.replace(params, seed=seed)
-            requests.append(GenerateRequest(self._next_rid, input_ids, params))
-            self._next_rid += 1
-        return self._run(self._live_driver("generate"), requests, use_tqdm)
+            choices = msgspec.structs.replace(params, seed=seed).choices()
+            prompt_requests.append([GenerateRequest(self._next_rid + i, input_ids, p) for i, p in enumerate(choices)])
+            self._next_rid += len(choices)
+        return self._run(self._live_driver("generate"), prompt_requests, use_tqdm)
 
-    def _run(self, driver: RankDriver, requests: list[GenerateRequest], progress: bool) -> list[RequestOutput]:
-        """Send the requests and collect their outputs until all finish. A request that cannot run
-        raises ValueError; on any exception the ranks drop what is left of this call."""
-        results = {req.rid: RequestOutput(req.input_ids, [], "", "abort") for req in requests}
+    def _run(
+        self, driver: RankDriver, prompt_requests: list[list[GenerateRequest]], progress: bool
+    ) -> list[RequestOutput]:
+        """Send each prompt's requests (one per completion) and collect their outputs until all finish.
+        A request that cannot run raises ValueError; on any exception the ranks drop what is left of this call."""
+        results = [RequestOutput(reqs[0].input_ids, [CompletionOutput(i) for i in range(len(reqs))])
+                   for reqs in prompt_requests]
+        completions = {req.rid: (result, result.outputs[i])
+                       for result, reqs in zip(results, prompt_requests) for i, req in enumerate(reqs)}
+        requests = [req for reqs in prompt_requests for req in reqs]
         watchers = {req.rid: _StopWatcher(self.tokenizer, req.params) for req in requests if req.params.stop}
-        unfinished = set(results)
+        unfinished = set(completions)
         for req in requests:
             driver.send(req)
         try:
@@ -129,11 +166,11 @@ class LLM:
                             continue  # a request of an earlier call, or one stopped here
                         if out.finish_reason == "error":
                             raise ValueError(out.error)
-                        result = results[out.rid]
-                        result.token_ids.extend(out.token_ids)
+                        result, completion = completions[out.rid]
+                        completion.token_ids.extend(out.token_ids)
                         if out.logprobs is not None:
-                            result.logprobs = (result.logprobs or []) + out.logprobs
-                            result.top_logprobs = (result.top_logprobs or []) + (out.top_logprobs or [])
+                            completion.logprobs = (completion.logprobs or []) + out.logprobs
+                            completion.top_logprobs = (completion.top_logprobs or []) + (out.top_logprobs or [])
                         if out.prompt_logprobs is not None:
                             result.prompt_logprobs = [None, *out.prompt_logprobs]
                             result.prompt_top_logprobs = [None, *(out.prompt_top_logprobs or [])]
@@ -143,19 +180,19 @@ class LLM:
                             driver.send(AbortRequest(out.rid))  # at its stop string
                             out.finish_reason = "stop"
                         if out.finish_reason is not None:
-                            result.finish_reason = out.finish_reason
+                            completion.finish_reason = out.finish_reason
                             unfinished.discard(out.rid)
                             bar.update(1)
         except BaseException:
             for rid in unfinished:
                 driver.send(AbortRequest(rid))
             raise
-        for rid, result in results.items():
+        for rid, (_, completion) in completions.items():
             if rid in watchers:  # the text is cut at the stop string
-                result.text = "".join(watchers[rid].parts)
+                completion.text = "".join(watchers[rid].parts)
             elif self.tokenizer is not None:
-                result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        return [results[req.rid] for req in requests]
+                completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        return results
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix (of every replica); True when every KV pool is free again."""

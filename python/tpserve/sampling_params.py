@@ -26,7 +26,7 @@ STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 # SamplingParams' fields by type, checked (and numpy scalars made plain) when it is made: the
 # request is decoded with these types in every rank process, where a wrong type would be fatal.
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_INT_FIELDS = ("top_k", "min_tokens")
+_INT_FIELDS = ("n", "top_k", "min_tokens")
 _OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output")
 
@@ -115,6 +115,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     the field; numpy numbers are taken (and kept as plain ints and floats).
     """
 
+    n: int = 1  # completions of each prompt (see ``choices``)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -141,6 +142,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     def __post_init__(self) -> None:
         self._check_types()
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -199,6 +202,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         self.logit_bias = _as_logit_bias(self.logit_bias)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
+
+    def choices(self) -> list[SamplingParams]:
+        """The params of each of the ``n`` completions (one request each, n 1): with a seed, completion
+        i samples with seed + i (reproducible and different); without one, each gets its own seed."""
+        return [
+            msgspec.structs.replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % SEED_LIMIT)
+            for i in range(self.n)
+        ]
 
     @property
     def greedy(self) -> bool:
