@@ -12,6 +12,7 @@ import numbers
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from tqdm import tqdm
@@ -142,6 +143,57 @@ class LLM:
             prompt_requests.append([GenerateRequest(self._next_rid + i, input_ids, p) for i, p in enumerate(choices)])
             self._next_rid += len(choices)
         return self._run(self._live_driver("generate"), prompt_requests, use_tqdm)
+
+    def chat(
+        self,
+        messages: Sequence[Any] | Sequence[Sequence[Any]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of OpenAI-style messages) or several (a list of such lists),
+        as vLLM's ``LLM.chat``: each is rendered by the model's chat template as the HTTP chat endpoint
+        renders it, then generated as ``generate`` does (``sampling_params``: one, or one per conversation).
+        The output's text is the raw completion: reasoning and tool calls are not split out."""
+        if isinstance(messages, (str, dict)) or not messages:
+            raise TypeError("messages must be a list of messages or a list of conversations (lists of messages)")
+        one = not isinstance(messages[0], Sequence) or isinstance(messages[0], str)
+        conversations = [messages] if one else list(messages)
+        options = dict(chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, tools=tools or None)
+        prompts = [self._chat_ids(c, i, **options) for i, c in enumerate(conversations)]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_ids(self, conversation: Sequence[Any], index: int, **options: Any) -> list[int]:
+        """One conversation's prompt: the HTTP chat endpoint's checks, the tokenizer worker's rendering."""
+        from pydantic import TypeAdapter, ValidationError
+
+        from tpserve.message.frontend import TokenizeRequest
+        from tpserve.server.errors import APIError
+        from tpserve.server.protocol import ChatMessage, check_continuation
+        from tpserve.tokenizer.prepare import InvalidRequest, PromptLimits, PromptPreparer
+
+        if self.tokenizer is None:
+            raise ValueError("chat needs the model's tokenizer; this model has none")
+        if not conversation:
+            raise ValueError(f"conversation {index} has no messages")
+        try:
+            chat = TypeAdapter(list[ChatMessage]).validate_python(list(conversation))
+        except ValidationError as e:
+            error = e.errors()[0]
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+            raise ValueError(f"conversation {index}: messages{where}: {error['msg']}") from None
+        try:
+            check_continuation(chat, options["add_generation_prompt"], options["continue_final_message"])
+            messages = [m.to_template(i) for i, m in enumerate(chat)]
+            req = TokenizeRequest(rid=0, params=SamplingParams(), messages=messages, **options)
+            limits = PromptLimits(self.model_config.context_length, self.model_config.vocab_size)
+            return PromptPreparer(self.tokenizer, limits).input_ids(req)[0]
+        except (APIError, InvalidRequest) as e:
+            raise ValueError(f"conversation {index}: {e.message}") from None
 
     def _run(
         self, driver: RankDriver, prompt_requests: list[list[GenerateRequest]], progress: bool

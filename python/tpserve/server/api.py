@@ -67,11 +67,10 @@ class TokenizeService:
                 continue_final_message=body.continue_final_message,
                 tools=body.tools or None,
             )
-            try:
-                text = await asyncio.to_thread(preparer.render_chat, req)
+            try:  # as the tokenizer worker renders and encodes a chat
+                ids, _, _ = await asyncio.to_thread(preparer.input_ids, req)
             except InvalidRequest as e:
                 raise APIError.invalid(e.message, e.param) from e
-            ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
         return {"tokens": list(ids), "count": len(ids), "max_model_len": self._limits.context_len}
 
     async def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
