@@ -53,6 +53,115 @@ def test_seeds(llm):
     assert len({tuple(o.token_ids) for o in unseeded}) > 1
 
 
+def test_n_completions_per_prompt(llm):
+    """As vLLM's: ``outputs`` holds n completions; seeded, completion i samples with seed + i (as
+    the HTTP API's n); the flat fields are the first completion's."""
+    params = SamplingParams(n=3, temperature=1.0, seed=7, max_tokens=6, ignore_eos=True, logprobs=1)
+    outs = llm.generate(["Hello", [20, 21, 22]], params, use_tqdm=False)
+    assert [len(o.outputs) for o in outs] == [3, 3]
+    for out in outs:
+        assert [c.index for c in out.outputs] == [0, 1, 2]
+        assert len({tuple(c.token_ids) for c in out.outputs}) == 3
+        assert all(len(c.token_ids) == len(c.logprobs) == 6 and c.finish_reason == "length" for c in out.outputs)
+        assert (out.token_ids, out.text, out.logprobs) == (out.outputs[0].token_ids, out.outputs[0].text,
+                                                            out.outputs[0].logprobs)
+        for i, completion in enumerate(out.outputs):
+            solo = llm.generate([out.prompt_token_ids], SamplingParams(temperature=1.0, seed=7 + i, max_tokens=6,
+                                                                        ignore_eos=True), use_tqdm=False)[0]
+            assert solo.token_ids == completion.token_ids
+            assert completion.text == llm.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+    unseeded = llm.generate([[20, 21, 22]], SamplingParams(n=4, temperature=1.0, max_tokens=8), use_tqdm=False)[0]
+    assert len({tuple(c.token_ids) for c in unseeded.outputs}) > 1
+    with pytest.raises(ValueError, match="n must be >= 1, got 0"):
+        SamplingParams(n=0)
+
+
+WEATHER = [{"type": "function", "function": {"name": "get_weather", "parameters": {"type": "object"}}}]
+CONVERSATIONS = [
+    ([{"role": "developer", "content": "Be brief."},
+      {"role": "user", "content": [{"type": "text", "text": "Hi "}, {"type": "text", "text": "there"}]}],
+     {"chat_template_kwargs": {"enable_thinking": False}}),
+    ([{"role": "user", "content": "Weather?"},
+      {"role": "assistant", "content": None, "tool_calls": [
+          {"id": "c1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'}}]},
+      {"role": "tool", "tool_call_id": "c1", "content": "sunny"}], {"tools": WEATHER}),
+    ([{"role": "user", "content": "Count:"}, {"role": "assistant", "content": "1, 2,"}],
+     {"add_generation_prompt": False, "continue_final_message": True}),
+]
+
+
+def http_chat_prompt(llm, messages, options) -> list[int]:
+    """The prompt the HTTP chat endpoint makes of this request: its TokenizeRequest, prepared as the
+    tokenizer worker prepares it."""
+    from fastapi.testclient import TestClient
+
+    from tpserve.config import EngineConfig
+    from tpserve.launch.args import ServerArgs
+    from tpserve.message.frontend import RequestRejected
+    from tpserve.server.api import AppState, create_app
+    from tpserve.server.limits import RequestLimits
+    from tpserve.server.serving import Serving
+    from tpserve.tokenizer.prepare import PromptLimits, PromptPreparer
+
+    class Capture:
+        def __init__(self) -> None:
+            self.submitted: list = []
+
+        def new_rid(self) -> int:
+            return 1
+
+        async def submit(self, requests, queue) -> None:
+            self.submitted.extend(requests)
+            queue.put_nowait(RequestRejected(rid=1, message="captured"))
+
+        async def abort(self, rid) -> None:
+            pass
+
+    state = AppState(ServerArgs(engine=EngineConfig(model=llm.config.model), served_model_name="m", context_len=256,
+                                vocab_size=llm.model_config.vocab_size))
+    frontend = Capture()
+    state.serving = Serving(frontend, state.metrics, "m", RequestLimits(256, 8))  # type: ignore[arg-type]
+    options = {"tool_choice": "none", **options} if "tools" in options else options
+    assert TestClient(create_app(state)).post("/v1/chat/completions", json={"messages": messages, **options}).json()[
+        "error"]["message"] == "captured"
+    limits = PromptLimits(llm.model_config.context_length, llm.model_config.vocab_size)
+    return PromptPreparer(llm.tokenizer, limits).prepare(frontend.submitted[0]).generate.input_ids
+
+
+def test_chat_renders_as_the_http_chat_endpoint(llm):
+    greedy = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    prompts = []
+    for messages, options in CONVERSATIONS:
+        out = llm.chat(messages, greedy, use_tqdm=False, **options)[0]
+        assert out.prompt_token_ids == http_chat_prompt(llm, messages, options)
+        assert out.token_ids == llm.generate([out.prompt_token_ids], greedy, use_tqdm=False)[0].token_ids
+        assert len(out.token_ids) == 4
+        prompts.append(out.prompt_token_ids)
+    assert llm.tokenizer.decode(prompts[2]).endswith("1, 2,")  # continued, not closed
+    # a list of conversations, with one SamplingParams each
+    many = llm.chat([CONVERSATIONS[0][0], CONVERSATIONS[2][0]], [greedy, SamplingParams(n=2, max_tokens=3)],
+                    use_tqdm=False, chat_template_kwargs={"enable_thinking": False})
+    assert [o.prompt_token_ids for o in many][0] == prompts[0] and [len(o.outputs) for o in many] == [1, 2]
+
+
+@pytest.mark.parametrize(
+    "messages, options, fragment",
+    [
+        ([{"role": "wizard", "content": "x"}], {}, "conversation 0: messages[0].role: Input should be"),
+        ([{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}], {},
+         "image_url content is not supported"),
+        ([{"role": "user", "content": "x"}], {"continue_final_message": True},
+         "continue_final_message needs add_generation_prompt: false"),
+        ([{"role": "user", "content": "x"}], {"chat_template_kwargs": {"tools": []}}, "may not set tools"),
+        ([[{"role": "user", "content": "x"}], []], {}, "conversation 1 has no messages"),
+    ],
+)
+def test_chat_errors_name_the_bad_value(llm, messages, options, fragment):
+    with pytest.raises(ValueError) as e:
+        llm.chat(messages, use_tqdm=False, **options)
+    assert fragment in str(e.value)
+
+
 def test_bad_inputs(llm):
     with pytest.raises(TypeError):
         llm.generate("a string, not a list")

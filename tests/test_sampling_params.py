@@ -43,6 +43,22 @@ def test_wrong_types_are_value_errors_naming_the_field(kwargs, fragment):
     assert fragment in str(e.value)
 
 
+@pytest.mark.parametrize(
+    "stop, fragment",
+    [
+        ([str(i) for i in range(17)], "stop may hold at most 16 strings, got 17"),
+        (["ok", "x" * 513], "stop strings must be at most 512 characters, got 513 (stop[1])"),
+        ("é" * 513, "at most 512 characters, got 513 (stop[0])"),
+    ],
+)
+def test_stop_strings_are_bounded(stop, fragment):
+    assert SamplingParams(stop=[str(i) for i in range(16)]).stop == [str(i) for i in range(16)]
+    assert SamplingParams(stop="x" * 512).stop == ["x" * 512]
+    with pytest.raises(ValueError) as e:
+        SamplingParams(stop=stop)
+    assert fragment in str(e.value)
+
+
 def test_a_single_stop_string_is_one_stop_string():
     # vLLM's SamplingParams(stop="ab") stops at "ab"; iterated as characters it would stop at "a" or "b".
     assert SamplingParams(stop="ab").stop == ["ab"]

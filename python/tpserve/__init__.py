@@ -3,12 +3,12 @@
 from tpserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "RequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
     # Lazy, so `import tpserve` (e.g. in the tokenizer process) does not import torch.
-    if name in ("LLM", "RequestOutput"):
+    if name in ("LLM", "CompletionOutput", "RequestOutput"):
         from tpserve import llm
 
         return getattr(llm, name)

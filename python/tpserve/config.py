@@ -83,6 +83,21 @@ def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
     return rope
 
 
+# Sizes that must be positive where config.json sets them (0 or less would crash a rank).
+POSITIVE_SIZES = (
+    "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size",
+)
+
+
+def _check_sizes(cfg: dict[str, Any]) -> None:
+    """Before transformers reads them (its validators divide by some); a value of the wrong type is its error."""
+    for key in POSITIVE_SIZES:
+        value = cfg.get(key)
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value < 1:
+            raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
+
+
 def _sliding_window(hf: Any, kind: str) -> int | None:
     """The attention window of any layer that has one (None: every layer attends to the whole context)."""
     window = getattr(hf, "sliding_window", None)
@@ -176,11 +191,17 @@ class ModelConfig:
         if arch is None:
             raise ValueError(f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         kind = SUPPORTED_ARCHITECTURES[arch]
+        _check_sizes(cfg)
         hf = _hf_config(cfg, kind)
         rope = _check_supported(cfg, hf, kind)
         rope.setdefault("rope_type", "default")
         rope.pop("type", None)  # the legacy spelling of rope_type, which transformers keeps beside it
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
+        kv_heads = hf.num_key_value_heads or hf.num_attention_heads
+        if hf.num_attention_heads % kv_heads:
+            raise ValueError(
+                f"config.json: num_attention_heads {hf.num_attention_heads} is not a multiple of num_key_value_heads {kv_heads}"
+            )
         eos = set(eos_token_ids)
         cfg_eos = hf.eos_token_id
         if cfg_eos is not None:
@@ -196,7 +217,7 @@ class ModelConfig:
             intermediate_size=hf.intermediate_size,
             num_hidden_layers=hf.num_hidden_layers,
             num_attention_heads=hf.num_attention_heads,
-            num_key_value_heads=hf.num_key_value_heads or hf.num_attention_heads,
+            num_key_value_heads=kv_heads,
             head_dim=head_dim,
             rms_norm_eps=hf.rms_norm_eps,
             rope_parameters=rope,

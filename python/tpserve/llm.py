@@ -11,7 +11,8 @@ import logging
 import numbers
 import random
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
+from typing import Any
 
 import msgspec
 from tqdm import tqdm
@@ -26,19 +27,50 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class RequestOutput:
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str
+class CompletionOutput:
+    """One completion of a prompt; ``index`` is its place among the prompt's ``SamplingParams.n``."""
+
+    index: int
+    token_ids: list[int] = field(default_factory=list)
+    text: str = ""
+    finish_reason: str = "abort"
     # With SamplingParams(logprobs=n): each token's log-probability, and the n most likely
     # (token id, log-probability) pairs at each position.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+
+
+@dataclass
+class RequestOutput:
+    """One prompt's output: its completions in ``outputs`` (``SamplingParams.n`` of them, as vLLM's);
+    ``token_ids``, ``text``, ``finish_reason``, ``logprobs`` and ``top_logprobs`` are the first's."""
+
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
     # With SamplingParams(prompt_logprobs=n): each prompt token's log-probability given the ones before
     # it (None for the first), and the n most likely (token id, log-probability) pairs at each position.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def finish_reason(self) -> str:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[float] | None:
+        return self.outputs[0].logprobs
+
+    @property
+    def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
+        return self.outputs[0].top_logprobs
 
 
 class _StopWatcher:
@@ -104,20 +136,77 @@ class LLM:
         for params in sampling_params:
             self._check_params(params)
         encoded = [self._encode(prompt, i) for i, prompt in enumerate(prompts)]
-        requests = []
+        prompt_requests = []
         for input_ids, params in zip(encoded, sampling_params):
             seed = params.seed if params.seed is not None else self._seed_rng.randrange(SEED_LIMIT)
-            params = msgspec.structs.replace(params, seed=seed)
-            requests.append(GenerateRequest(self._next_rid, input_ids, params))
-            self._next_rid += 1
-        return self._run(self._live_driver("generate"), requests, use_tqdm)
+            choices = msgspec.structs.replace(params, seed=seed).choices()
+            prompt_requests.append([GenerateRequest(self._next_rid + i, input_ids, p) for i, p in enumerate(choices)])
+            self._next_rid += len(choices)
+        return self._run(self._live_driver("generate"), prompt_requests, use_tqdm)
 
-    def _run(self, driver: RankDriver, requests: list[GenerateRequest], progress: bool) -> list[RequestOutput]:
-        """Send the requests and collect their outputs until all finish. A request that cannot run
-        raises ValueError; on any exception the ranks drop what is left of this call."""
-        results = {req.rid: RequestOutput(req.input_ids, [], "", "abort") for req in requests}
+    def chat(
+        self,
+        messages: Sequence[Any] | Sequence[Sequence[Any]],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template_kwargs: dict[str, Any] | None = None,
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of OpenAI-style messages) or several (a list of such lists),
+        as vLLM's ``LLM.chat``: each is rendered by the model's chat template as the HTTP chat endpoint
+        renders it, then generated as ``generate`` does (``sampling_params``: one, or one per conversation).
+        The output's text is the raw completion: reasoning and tool calls are not split out."""
+        if isinstance(messages, (str, dict)) or not messages:
+            raise TypeError("messages must be a list of messages or a list of conversations (lists of messages)")
+        one = not isinstance(messages[0], Sequence) or isinstance(messages[0], str)
+        conversations = [messages] if one else list(messages)
+        options = dict(chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
+                       continue_final_message=continue_final_message, tools=tools or None)
+        prompts = [self._chat_ids(c, i, **options) for i, c in enumerate(conversations)]
+        return self.generate(prompts, sampling_params, use_tqdm)
+
+    def _chat_ids(self, conversation: Sequence[Any], index: int, **options: Any) -> list[int]:
+        """One conversation's prompt: the HTTP chat endpoint's checks, the tokenizer worker's rendering."""
+        from pydantic import TypeAdapter, ValidationError
+
+        from tpserve.message.frontend import TokenizeRequest
+        from tpserve.server.errors import APIError
+        from tpserve.server.protocol import ChatMessage, check_continuation
+        from tpserve.tokenizer.prepare import InvalidRequest, PromptLimits, PromptPreparer
+
+        if self.tokenizer is None:
+            raise ValueError("chat needs the model's tokenizer; this model has none")
+        if not conversation:
+            raise ValueError(f"conversation {index} has no messages")
+        try:
+            chat = TypeAdapter(list[ChatMessage]).validate_python(list(conversation))
+        except ValidationError as e:
+            error = e.errors()[0]
+            where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in error["loc"])
+            raise ValueError(f"conversation {index}: messages{where}: {error['msg']}") from None
+        try:
+            check_continuation(chat, options["add_generation_prompt"], options["continue_final_message"])
+            messages = [m.to_template(i) for i, m in enumerate(chat)]
+            req = TokenizeRequest(rid=0, params=SamplingParams(), messages=messages, **options)
+            limits = PromptLimits(self.model_config.context_length, self.model_config.vocab_size)
+            return PromptPreparer(self.tokenizer, limits).input_ids(req)[0]
+        except (APIError, InvalidRequest) as e:
+            raise ValueError(f"conversation {index}: {e.message}") from None
+
+    def _run(
+        self, driver: RankDriver, prompt_requests: list[list[GenerateRequest]], progress: bool
+    ) -> list[RequestOutput]:
+        """Send each prompt's requests (one per completion) and collect their outputs until all finish.
+        A request that cannot run raises ValueError; on any exception the ranks drop what is left of this call."""
+        results = [RequestOutput(reqs[0].input_ids, [CompletionOutput(i) for i in range(len(reqs))])
+                   for reqs in prompt_requests]
+        completions = {req.rid: (result, result.outputs[i])
+                       for result, reqs in zip(results, prompt_requests) for i, req in enumerate(reqs)}
+        requests = [req for reqs in prompt_requests for req in reqs]
         watchers = {req.rid: _StopWatcher(self.tokenizer, req.params) for req in requests if req.params.stop}
-        unfinished = set(results)
+        unfinished = set(completions)
         for req in requests:
             driver.send(req)
         try:
@@ -129,11 +218,11 @@ class LLM:
                             continue  # a request of an earlier call, or one stopped here
                         if out.finish_reason == "error":
                             raise ValueError(out.error)
-                        result = results[out.rid]
-                        result.token_ids.extend(out.token_ids)
+                        result, completion = completions[out.rid]
+                        completion.token_ids.extend(out.token_ids)
                         if out.logprobs is not None:
-                            result.logprobs = (result.logprobs or []) + out.logprobs
-                            result.top_logprobs = (result.top_logprobs or []) + (out.top_logprobs or [])
+                            completion.logprobs = (completion.logprobs or []) + out.logprobs
+                            completion.top_logprobs = (completion.top_logprobs or []) + (out.top_logprobs or [])
                         if out.prompt_logprobs is not None:
                             result.prompt_logprobs = [None, *out.prompt_logprobs]
                             result.prompt_top_logprobs = [None, *(out.prompt_top_logprobs or [])]
@@ -143,19 +232,19 @@ class LLM:
                             driver.send(AbortRequest(out.rid))  # at its stop string
                             out.finish_reason = "stop"
                         if out.finish_reason is not None:
-                            result.finish_reason = out.finish_reason
+                            completion.finish_reason = out.finish_reason
                             unfinished.discard(out.rid)
                             bar.update(1)
         except BaseException:
             for rid in unfinished:
                 driver.send(AbortRequest(rid))
             raise
-        for rid, result in results.items():
+        for rid, (_, completion) in completions.items():
             if rid in watchers:  # the text is cut at the stop string
-                result.text = "".join(watchers[rid].parts)
+                completion.text = "".join(watchers[rid].parts)
             elif self.tokenizer is not None:
-                result.text = self.tokenizer.decode(result.token_ids, skip_special_tokens=True)
-        return [results[req.rid] for req in requests]
+                completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+        return results
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix (of every replica); True when every KV pool is free again."""
@@ -262,7 +351,4 @@ def _load_tokenizer(model_dir: str):
     if not has_tokenizer_files(model_dir):
         logger.warning("%s: prompts must be token ids and outputs have no text", missing_tokenizer_message(model_dir))
         return None
-    try:
-        return load_tokenizer(model_dir)
-    except (OSError, ValueError) as e:  # a damaged file: not a model without a tokenizer
-        raise ValueError(f"cannot load the tokenizer in {model_dir}: {e}") from e
+    return load_tokenizer(model_dir)  # a damaged file is a ValueError: not a model without a tokenizer

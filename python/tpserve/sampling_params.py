@@ -17,12 +17,16 @@ SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT)
 GREEDY_TEMPERATURE = 1e-5
 MAX_PENALTY = 2.0  # OpenAI's bound on presence_penalty and frequency_penalty
 MAX_LOGIT_BIAS = 100.0
+# Stop strings are searched in every output chunk (and a tail that may grow into one is held back):
+# bounded so that one request cannot make that search slow. OpenAI allows 4 strings.
+MAX_STOP_STRINGS = 16
+MAX_STOP_CHARS = 512
 
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 # SamplingParams' fields by type, checked (and numpy scalars made plain) when it is made: the
 # request is decoded with these types in every rank process, where a wrong type would be fatal.
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_INT_FIELDS = ("top_k", "min_tokens")
+_INT_FIELDS = ("n", "top_k", "min_tokens")
 _OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output")
 
@@ -106,10 +110,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     ``stop_token_ids`` are banned until ``min_tokens`` tokens are out, then ``structured``
     allows only the tokens its grammar accepts.
 
-    ``stop`` may be one string or a list of them. A value of the wrong type is a ValueError naming
+    ``stop`` may be one string or a list of at most 16 (``MAX_STOP_STRINGS``), each at most 512
+    characters (``MAX_STOP_CHARS``). A value of the wrong type is a ValueError naming
     the field; numpy numbers are taken (and kept as plain ints and floats).
     """
 
+    n: int = 1  # completions of each prompt (see ``choices``)
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
@@ -136,6 +142,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
 
     def __post_init__(self) -> None:
         self._check_types()
+        if self.n < 1:
+            raise ValueError(f"n must be >= 1, got {self.n}")
         if not 0 <= self.temperature < math.inf:
             raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0.0 < self.top_p <= 1.0:
@@ -169,6 +177,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
         if self.stop is not None and any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
+        if self.stop is not None and len(self.stop) > MAX_STOP_STRINGS:
+            raise ValueError(f"stop may hold at most {MAX_STOP_STRINGS} strings, got {len(self.stop)}")
+        for i, stop in enumerate(self.stop or []):
+            if len(stop) > MAX_STOP_CHARS:
+                raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got {len(stop)} (stop[{i}])")
 
     def _check_types(self) -> None:
         """A ValueError naming a field of the wrong type; numpy scalars and tuples become plain values."""
@@ -189,6 +202,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         self.logit_bias = _as_logit_bias(self.logit_bias)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
+
+    def choices(self) -> list[SamplingParams]:
+        """The params of each of the ``n`` completions (one request each, n 1): with a seed, completion
+        i samples with seed + i (reproducible and different); without one, each gets its own seed."""
+        return [
+            msgspec.structs.replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % SEED_LIMIT)
+            for i in range(self.n)
+        ]
 
     @property
     def greedy(self) -> bool:

@@ -150,6 +150,7 @@ def test_model_without_weights_names_the_flag(qwen3_dir, tmp_path, capsys):
         ("config.json", "[1, 2]", "config.json must hold a JSON object, not a list"),
         ("generation_config.json", "{bad", "generation_config.json is not valid JSON"),
         ("model.safetensors", "not safetensors", "model.safetensors is not a readable safetensors file"),
+        ("tokenizer.json", "{bad", "cannot load the tokenizer in"),
     ],
 )
 def test_damaged_model_files_are_usage_errors_naming_the_file(qwen3_dir, tmp_path, capsys, name, text, fragment):
@@ -172,6 +173,16 @@ def test_mistyped_config_value_is_a_usage_error(qwen3_dir, tmp_path, capsys):
     err = capsys.readouterr().err
     assert err.count("\n") == 1, "one line"
     assert "config.json cannot be read as a qwen3 config" in err and "'hidden_size' expected int, got str" in err
+
+
+def test_non_positive_model_size_is_a_usage_error(qwen3_dir, tmp_path, capsys):
+    model_dir = shutil.copytree(qwen3_dir, tmp_path / "m")
+    config = json.loads((model_dir / "config.json").read_text())
+    (model_dir / "config.json").write_text(json.dumps({**config, "num_attention_heads": 0}))
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", str(model_dir)])  # was a crash in every rank
+    assert e.value.code == 2
+    assert "config.json: num_attention_heads must be a positive integer, got 0" in capsys.readouterr().err
 
 
 def test_model_without_tokenizer_files_is_a_usage_error(qwen3_dir, tmp_path, capsys):

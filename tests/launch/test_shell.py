@@ -5,6 +5,8 @@ from __future__ import annotations
 
 import io
 import os
+import shutil
+import subprocess
 import sys
 
 import pexpect
@@ -88,6 +90,24 @@ def test_shell_session(shell, tmp_path):
     with open(log_file) as f:
         assert "scheduler ready" in f.read()  # the processes' INFO lines are in the file
     assert os.path.isfile(tmp_path / "shell_history")
+
+
+@pytest.mark.parametrize("damage", ["{bad", '{"model": {"type": "BPE"}}'])
+def test_damaged_tokenizer_is_an_error_on_the_terminal(qwen3_dir, tmp_path, damage):
+    """Was tracebacks of the child processes and "tpserve-detokenizer exited (exit code 1)", the
+    cause only in the shell's log file."""
+    model_dir = shutil.copytree(qwen3_dir, tmp_path / "m")
+    (model_dir / "tokenizer.json").write_text(damage)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(filter(None, [str(HERE), os.environ.get("PYTHONPATH")])),
+               TPSERVE_CACHE=str(tmp_path))
+    proc = subprocess.run([sys.executable, FAKE_TPSERVE, "--shell", "--model", str(model_dir)], env=env,
+                          stdin=subprocess.DEVNULL, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and "Traceback" not in proc.stderr, proc.stderr
+    error = proc.stderr.strip().splitlines()[-1]
+    assert error.startswith(f"tpserve: error: cannot load the tokenizer in {model_dir}: "), error
+    if damage == "{bad":
+        assert f"{model_dir / 'tokenizer.json'} is not valid JSON" in error
+    assert not (tmp_path / "logs").exists(), "no process was started"
 
 
 class FakeClient:

@@ -26,7 +26,7 @@ def config(heads=4, kv_heads=2, intermediate=128) -> ModelConfig:
     [
         (3, {}, "tp_size 3 does not divide num_attention_heads 4"),
         (2, {"heads": 6, "kv_heads": 3}, "num_key_value_heads 3 neither divides nor is divided by tp_size 2"),
-        (4, {"heads": 8, "kv_heads": 3, "intermediate": 128}, "num_key_value_heads 3 neither divides"),
+        (4, {"heads": 12, "kv_heads": 3, "intermediate": 128}, "num_key_value_heads 3 neither divides"),
         (2, {"intermediate": 129}, "tp_size 2 does not divide intermediate_size 129"),
     ],
 )

@@ -125,6 +125,25 @@ def test_unsupported_settings_are_errors(arch, change, message):
         ModelConfig.from_dict({**base_config(arch), **change})
 
 
+@pytest.mark.parametrize("value", [0, -2])
+@pytest.mark.parametrize(
+    "arch, key",
+    [(arch, key) for key in ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers",
+                             "num_attention_heads", "num_key_value_heads", "head_dim", "max_position_embeddings")
+     for arch in ("qwen3", "llama")] + [("qwen3_moe", "moe_intermediate_size")],
+)
+def test_sizes_that_are_not_positive_are_errors_naming_them(arch, key, value):
+    """Were crashes in the ranks (or silently replaced: num_key_value_heads 0 became MHA)."""
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32} if arch == "qwen3_moe" else {}
+    with pytest.raises(ValueError, match=f"config.json: {key} must be a positive integer, got {value}"):
+        ModelConfig.from_dict({**base_config(arch), **moe, key: value})
+
+
+def test_query_heads_must_be_a_multiple_of_the_kv_heads():
+    with pytest.raises(ValueError, match="num_attention_heads 4 is not a multiple of num_key_value_heads 3"):
+        ModelConfig.from_dict({**base_config(), "num_key_value_heads": 3})
+
+
 def test_sliding_window_caps_the_context():
     """No sliding-window attention in tpserve: a windowed model is served up to its window, where
     full attention computes the same thing (never silently past it)."""

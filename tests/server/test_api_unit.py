@@ -126,6 +126,8 @@ def test_flush_cache():
         (CHAT, {"messages": USER, "seed": -1}, "seed", "seed"),
         (CHAT, {"messages": USER, "stop": 5}, "stop must be a string or a list of strings", "stop"),
         (CHAT, {"messages": USER, "stop": [""]}, "empty", "stop"),
+        (CHAT, {"messages": USER, "stop": [f"s{i}" for i in range(17)]}, "stop may hold at most 16 strings, got 17", "stop"),
+        (COMPLETIONS, {"prompt": "x", "stop": ["a", "b" * 513]}, "at most 512 characters, got 513 (stop[1])", "stop"),
         (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools[0]", "tools"),
         (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
          "--tool-call-parser", "tools"),
@@ -457,6 +459,27 @@ def test_tokenize_detokenize_and_model_aliases(qwen3_dir):
     assert_error(c.post("/tokenize", json={}), 400, "prompt or messages")
     assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [MODEL, "alias"]
     assert c.post(CHAT, json={"model": "alias", "messages": USER}).json()["model"] == MODEL
+
+
+@pytest.mark.parametrize(
+    "path, body, param",
+    [
+        ("/tokenize", {"prompt": "x" * 5000}, "prompt"),
+        ("/tokenize", {"messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
+        ("/tokenize", {"messages": USER, "tools": [{"type": "function", "function": {"description": "d" * 5000}}]},
+         "tools"),
+        ("/tokenize", {"messages": USER, "chat_template_kwargs": {"extra": "x" * 5000}}, "chat_template_kwargs"),
+        ("/detokenize", {"tokens": [1] * 129}, "tokens"),
+    ],
+)
+def test_tokenize_and_detokenize_have_the_prompt_limits(qwen3_dir, path, body, param):
+    """The completion endpoints' limits (4096 characters, 128 tokens here), checked before tokenizing."""
+    args = ServerArgs(engine=EngineConfig(model=qwen3_dir), served_model_name=MODEL, context_len=128, vocab_size=700)
+    state = AppState(args)
+    c = TestClient(create_app(state))
+    err = assert_error(c.post(path, json=body), 400, "characters" if path == "/tokenize" else "context (128)", param)
+    assert err["code"] == "invalid_request"
+    assert state.tokenize._tokenizer is None, "refused before the tokenizer is loaded"
 
 
 class SilentFrontend(StubFrontend):

@@ -280,7 +280,8 @@ def test_logprobs_chat_and_completions(client, qwen3_dir):
         assert len(entry.top_logprobs) == 2 and entry.top_logprobs[0].logprob >= entry.top_logprobs[1].logprob
         assert entry.token == entry.top_logprobs[0].token, "greedy picks the most likely token"
         assert abs(entry.logprob - entry.top_logprobs[0].logprob) < 1e-6 and entry.logprob <= 0
-        assert entry.bytes == list(entry.token.encode("utf-8", errors="replace"))
+        assert bytes(entry.bytes).decode("utf-8", errors="replace") == entry.token  # a partial character's own bytes
+        assert entry.top_logprobs[0].bytes == entry.bytes
     streamed = [e for c in client.chat.completions.create(stream=True, **kwargs) if c.choices and c.choices[0].logprobs
                 for e in c.choices[0].logprobs.content]
     assert [(e.token, round(e.logprob, 5)) for e in streamed] == [(e.token, round(e.logprob, 5)) for e in content]

@@ -144,3 +144,32 @@ def test_include_stop_string_matched_stop_and_reasoning_flag(tiny_tokenizer):
     m.register(DetokenizeRegister(rid=7))
     res = m.on_batch(batch(TokenOutput(rid=7, token_ids=[5], finish_reason="stop", matched_stop=5)))
     assert res.api.outputs[0].matched_stop == 5
+
+
+def test_logprob_bytes_of_partial_characters(qwen3_tokenizer):
+    """A byte-level token holding part of a multi-byte character decodes to U+FFFD; its logprob
+    entries (chat's ``bytes``, top_logprobs' too, and an echoed prompt's) carry its real bytes, so
+    the tokens' bytes join to the text's UTF-8."""
+    from tpserve.server.formats import ChatFormat, CompletionFormat
+
+    text = "🦜 𝄞 Ѯ"
+    ids = ids_of(qwen3_tokenizer, text)
+    assert any(qwen3_tokenizer.decode([t]) == "\ufffd" for t in ids), "the text must hold partial tokens"
+    m = DetokenizerManager(qwen3_tokenizer)
+    m.register(DetokenizeRegister(rid=1, prompt_tokens=len(ids)))
+    out = TokenOutput(rid=1, token_ids=ids, finish_reason="length", logprobs=[-0.5] * len(ids),
+                      top_logprobs=[[(t, -0.5), (ids[0], -1.0)] for t in ids], prompt_token_ids=ids,
+                      prompt_logprobs=[-0.25] * (len(ids) - 1), prompt_top_logprobs=[[(t, -0.25)] for t in ids[1:]])
+    api = m.on_batch(batch(out)).api.outputs[0]
+    assert b"".join(e.raw for e in api.logprobs) == text.encode()
+    assert b"".join(e.raw for e in api.prompt_logprobs) == text.encode()
+
+    chat = ChatFormat("m", logprobs=True)._logprobs(api.logprobs)["content"]
+    assert b"".join(bytes(e["bytes"]) for e in chat) == text.encode()
+    assert b"".join(bytes(e["top_logprobs"][0]["bytes"]) for e in chat) == text.encode()
+    assert all(e["top_logprobs"][1]["bytes"] == chat[0]["bytes"] for e in chat)
+    assert chat[0]["token"] == "\ufffd" and chat[0]["bytes"] == list("🦜".encode()[:3])
+
+    legacy = CompletionFormat("m", logprobs=True)._logprobs(0, api.prompt_logprobs + api.logprobs)
+    assert legacy["tokens"] == [e.token for e in api.prompt_logprobs + api.logprobs]
+    assert legacy["top_logprobs"][1] == {api.prompt_logprobs[1].token: -0.25}

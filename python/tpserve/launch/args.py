@@ -17,7 +17,7 @@ from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.argtypes import HelpFormatter, OneLineParser, fraction, int_at_least, port, positive
 from tpserve.router.policy import LOAD_BALANCE_METHODS
-from tpserve.tokenizer.loader import has_tokenizer_files, missing_tokenizer_message
+from tpserve.tokenizer.loader import has_tokenizer_files, load_tokenizer, missing_tokenizer_message
 
 logger = logging.getLogger(__name__)
 
@@ -276,6 +276,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     if not has_tokenizer_files(model_dir):  # the server and the shell tokenize and detokenize
         raise ValueError(f"--model: {missing_tokenizer_message(model_dir)}; copy the model's tokenizer files there")
     model_config = ModelConfig.from_pretrained(model_dir)
+    load_tokenizer(model_dir)  # a damaged file: named here, not in a child process's log (--shell) after start
     engine = _from_flags(
         EngineConfig, ns,
         model=model_dir,

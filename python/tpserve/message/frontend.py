@@ -66,12 +66,14 @@ DetokenizerInput = BatchTokenOutput | DetokenizeRegister | Shutdown
 
 # ---- detokenizer / tokenizer worker -> API server ----
 class TokenLogprob(msgspec.Struct, array_like=True):
-    """One token's text, its log-probability and the most likely alternatives (a prompt's first
-    token has neither: logprob None)."""
+    """One token's text, its log-probability and the most likely alternatives (text, bytes,
+    logprob) (a prompt's first token has neither: logprob None). ``raw``: the token's bytes, which a
+    token holding part of a multi-byte character has and its text (U+FFFD) has not."""
 
     token: str
     logprob: float | None
-    top: list[tuple[str, float]]
+    top: list[tuple[str, bytes, float]]
+    raw: bytes
 
 
 class ApiOutput(msgspec.Struct, kw_only=True):

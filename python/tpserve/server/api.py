@@ -19,7 +19,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 import tpserve
 from tpserve.launch.args import ServerArgs
 from tpserve.server.errors import APIError, error_body
-from tpserve.server.limits import BodySizeLimit
+from tpserve.server.limits import BodySizeLimit, RequestLimits
 from tpserve.message.frontend import TokenizeRequest
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.metrics import CONTENT_TYPE, ServerMetrics
@@ -32,12 +32,12 @@ logger = logging.getLogger(__name__)
 
 class TokenizeService:
     """/tokenize and /detokenize: the model's tokenizer (and chat template) in the API server,
-    loaded on first use, run off the event loop."""
+    loaded on first use, run off the event loop. Their inputs have the completion endpoints' size limits."""
 
-    def __init__(self, model_dir: str, chat_template: str | None, context_len: int) -> None:
+    def __init__(self, model_dir: str, chat_template: str | None, limits: RequestLimits) -> None:
         self._model_dir = model_dir
         self._chat_template = chat_template
-        self._context_len = context_len
+        self._limits = limits
         self._tokenizer: Any = None
         self._lock = asyncio.Lock()
 
@@ -51,25 +51,30 @@ class TokenizeService:
 
     async def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
         body.check()
+        messages = [m.to_template(i) for i, m in enumerate(body.messages or [])]
+        if body.prompt is not None:
+            self._limits.check_text(len(body.prompt), "prompt")
+        else:
+            self._limits.check_chat(messages, body.tools, body.chat_template_kwargs)
         tokenizer = await self._load()
         if body.prompt is not None:
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            preparer = PromptPreparer(tokenizer, PromptLimits(self._context_len, len(tokenizer)))
+            preparer = PromptPreparer(tokenizer, PromptLimits(self._limits.context_len, len(tokenizer)))
             req = TokenizeRequest(
-                rid=0, params=SamplingParams(), messages=[m.to_template(i) for i, m in enumerate(body.messages or [])],
+                rid=0, params=SamplingParams(), messages=messages,
                 chat_template_kwargs=body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 tools=body.tools or None,
             )
-            try:
-                text = await asyncio.to_thread(preparer.render_chat, req)
+            try:  # as the tokenizer worker renders and encodes a chat
+                ids, _, _ = await asyncio.to_thread(preparer.input_ids, req)
             except InvalidRequest as e:
                 raise APIError.invalid(e.message, e.param) from e
-            ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=False)
-        return {"tokens": list(ids), "count": len(ids), "max_model_len": self._context_len}
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": self._limits.context_len}
 
     async def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
+        self._limits.check_ids(len(body.tokens), "tokens")
         return {"prompt": await self.decode(body.tokens, "tokens")}
 
     async def decode(self, tokens: list[int], param: str = "prompt") -> str:
@@ -95,7 +100,8 @@ class AppState:
 
     def tokenize_service(self) -> TokenizeService:
         if self.tokenize is None:
-            self.tokenize = TokenizeService(self.args.model_dir, self.args.chat_template, self.args.context_len)
+            limits = RequestLimits(self.args.context_len, self.args.max_sequences_per_request)
+            self.tokenize = TokenizeService(self.args.model_dir, self.args.chat_template, limits)
         return self.tokenize
 
 

@@ -97,10 +97,6 @@ class ResponseFormat:
         raise NotImplementedError
 
 
-def _token_bytes(token: str) -> list[int]:
-    return list(token.encode("utf-8", errors="replace"))
-
-
 class ChatFormat(ResponseFormat):
     """Chat responses; ``output`` says whether to split out reasoning and tool calls."""
 
@@ -156,8 +152,8 @@ class ChatFormat(ResponseFormat):
             {
                 "token": e.token,
                 "logprob": e.logprob,
-                "bytes": _token_bytes(e.token),
-                "top_logprobs": [{"token": t, "logprob": v, "bytes": _token_bytes(t)} for t, v in e.top],
+                "bytes": list(e.raw),
+                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(raw)} for t, raw, v in e.top],
             }
             for e in entries or []
         ]
@@ -222,7 +218,7 @@ class CompletionFormat(ResponseFormat):
         return {
             "tokens": [e.token for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [dict(e.top) if e.logprob is not None else None for e in entries],
+            "top_logprobs": [{t: v for t, _, v in e.top} if e.logprob is not None else None for e in entries],
             "text_offset": offsets,
         }
 

@@ -18,6 +18,7 @@ from typing import Any
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tpserve.server.errors import APIError
+from tpserve.tokenizer.prepare import chat_chars
 
 INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
 # No tokenizer of a supported model has tokens this long on average over a whole prompt.
@@ -77,6 +78,12 @@ class RequestLimits:
                 f"the prompt has {chars} characters: more than the {self.context_len}-token context can "
                 f"hold ({self.max_prompt_chars} characters at most)", param
             )
+
+    def check_chat(self, messages: Any, tools: Any, chat_template_kwargs: Any) -> None:
+        """Everything the chat template renders must fit the character limit; the error names the
+        largest part."""
+        parts = chat_chars(messages, tools, chat_template_kwargs)
+        self.check_text(sum(parts.values()), max(parts, key=lambda name: parts[name]))
 
     def check_ids(self, count: int, param: str) -> None:
         if count > self.context_len:

@@ -197,6 +197,7 @@ class _SamplingFields(_Body):
 
     def sampling_params(self, max_tokens: int | None, structured: StructuredOutput | None = None) -> SamplingParams:
         fields: dict[str, Any] = {
+            "n": self.n,
             "max_tokens": max_tokens,
             "ignore_eos": self.ignore_eos,
             "seed": self.seed,

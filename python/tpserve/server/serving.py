@@ -9,21 +9,18 @@ import time
 from dataclasses import dataclass
 from typing import Any, AsyncIterator, Awaitable, Callable
 
-import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tpserve.message.frontend import ApiOutput, RequestRejected, TokenizeRequest
 from tpserve.parsers.chat_output import ChatOutputConfig
 from tpserve.parsers.constraints import named_tool
-from tpserve.sampling_params import SEED_LIMIT, SamplingParams
 from tpserve.server.client import BackendEvent, FrontendClient, RequestCancelled
 from tpserve.server.errors import APIError, error_body
 from tpserve.server.formats import SSE_DONE, ChatFormat, Choice, CompletionFormat, ResponseFormat, sse
 from tpserve.server.limits import RequestLimits
 from tpserve.server.metrics import RequestTimer, ServerMetrics
 from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest
-from tpserve.tokenizer.prepare import chat_chars
 
 DISCONNECT_POLL_S = 1.0
 
@@ -180,7 +177,7 @@ class Serving:
         output = self.chat_output(body, constrained=structure is not None)
         self.limits.check_sequences(1, body.n)
         messages = body.template_messages()
-        self._check_chat_text(messages, body)
+        self.limits.check_chat(messages, body.tools, body.chat_template_kwargs)
         reqs = [
             TokenizeRequest(
                 rid=self.frontend.new_rid(),
@@ -193,16 +190,10 @@ class Serving:
                 tools=body.tools or None,
                 structured_param=body.structured_param,
             )
-            for choice_params in _per_choice(params, body.n)
+            for choice_params in params.choices()
         ]
         fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output)
         return await self._run(reqs, fmt, body.stream, request, body.n)
-
-    def _check_chat_text(self, messages: list[dict[str, Any]], body: ChatCompletionRequest) -> None:
-        """Everything the chat template renders must fit the character limit; the error names the
-        largest part."""
-        parts = chat_chars(messages, body.tools, body.chat_template_kwargs)
-        self.limits.check_text(sum(parts.values()), max(parts, key=lambda name: parts[name]))
 
     async def completion(
         self, body: CompletionRequest, request: Request, decode: Callable[[list[int]], Awaitable[str]]
@@ -222,7 +213,7 @@ class Serving:
                 self.limits.check_ids(len(prompt), "prompt")
         for prompt in prompts:  # choice index = prompt index * n + i, as OpenAI orders them
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-            for choice_params in _per_choice(params, body.n):
+            for choice_params in params.choices():
                 reqs.append(TokenizeRequest(rid=self.frontend.new_rid(), params=choice_params, text=text,
                                             input_ids=ids, skip_special_tokens=body.skip_special_tokens,
                                             structured_param=body.structured_param))
@@ -254,14 +245,6 @@ class Serving:
             raise
         return StreamingResponse(_stream(gen, fmt, early), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-
-
-def _per_choice(params: SamplingParams, n: int) -> list[SamplingParams]:
-    """n choices of one prompt: with a seed, choice i samples with seed + i (reproducible and
-    different); without one, each gets its own random seed downstream."""
-    if params.seed is None:
-        return [params] * n
-    return [msgspec.structs.replace(params, seed=(params.seed + i) % SEED_LIMIT) for i in range(n)]
 
 
 async def _stream(

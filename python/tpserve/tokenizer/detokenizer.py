@@ -21,7 +21,7 @@ from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import ApiOutput, ApiOutputBatch, DetokenizeRegister, DetokenizerInput, TokenLogprob
 from tpserve.message.transport import Receiver, Sender
 from tpserve.tokenizer.loader import load_tokenizer
-from tpserve.tokenizer.stream import Decoder, IncrementalDecoder, StopStringFilter
+from tpserve.tokenizer.stream import Decoder, IncrementalDecoder, StopStringFilter, token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class DetokenizerManager:
         self._states: dict[int, _RequestState] = {}
         self._orphans: dict[int, _Orphan] = {}
         self._finished: OrderedDict[int, None] = OrderedDict()
-        self._token_text: dict[int, str] = {}
+        self._token_text: dict[int, tuple[str, bytes]] = {}
 
     @property
     def num_active(self) -> int:
@@ -127,29 +127,28 @@ class DetokenizerManager:
         if out.logprobs is None:
             return None
         tops = out.top_logprobs or [[] for _ in out.token_ids]
-        return [
-            TokenLogprob(self._text_of(token), logprob, [(self._text_of(t), v) for t, v in top])
-            for token, logprob, top in zip(out.token_ids, out.logprobs, tops)
-        ]
+        return [self._entry(token, logprob, top) for token, logprob, top in zip(out.token_ids, out.logprobs, tops)]
 
     def _prompt_logprobs(self, out: TokenOutput) -> list[TokenLogprob] | None:
         if out.prompt_token_ids is None or out.prompt_logprobs is None:
             return None
         ids = out.prompt_token_ids
         tops = out.prompt_top_logprobs or [[] for _ in ids[1:]]
-        entries = [TokenLogprob(self._text_of(ids[0]), None, [])]
-        entries += [
-            TokenLogprob(self._text_of(token), logprob, [(self._text_of(t), v) for t, v in top])
-            for token, logprob, top in zip(ids[1:], out.prompt_logprobs, tops)
-        ]
+        entries = [self._entry(ids[0], None, [])]
+        entries += [self._entry(token, logprob, top) for token, logprob, top in zip(ids[1:], out.prompt_logprobs, tops)]
         return entries
 
-    def _text_of(self, token_id: int) -> str:
-        """A single token's text, as OpenAI's logprobs show it (special tokens included)."""
-        text = self._token_text.get(token_id)
-        if text is None:
-            text = self._token_text[token_id] = self._tokenizer.decode([token_id], skip_special_tokens=False)
-        return text
+    def _entry(self, token_id: int, logprob: float | None, top: list[tuple[int, float]]) -> TokenLogprob:
+        text, raw = self._text_of(token_id)
+        return TokenLogprob(text, logprob, [(*self._text_of(t), v) for t, v in top], raw)
+
+    def _text_of(self, token_id: int) -> tuple[str, bytes]:
+        """A single token's text, as OpenAI's logprobs show it (special tokens included), and its bytes."""
+        known = self._token_text.get(token_id)
+        if known is None:
+            text = self._tokenizer.decode([token_id], skip_special_tokens=False)
+            known = self._token_text[token_id] = (text, token_bytes(self._tokenizer, token_id, text))
+        return known
 
     def _forget(self, rid: int) -> None:
         del self._states[rid]

@@ -81,7 +81,7 @@ class PromptPreparer:
         self._rng = rng or random.SystemRandom()
 
     def prepare(self, req: TokenizeRequest) -> PreparedRequest:
-        input_ids, param, chat_text = self._input_ids(req)
+        input_ids, param, chat_text = self.input_ids(req)
         n = len(input_ids)
         ctx = self._limits.context_len
         if n == 0:
@@ -130,7 +130,7 @@ class PromptPreparer:
             ),
         )
 
-    def _input_ids(self, req: TokenizeRequest) -> tuple[list[int], str, str]:
+    def input_ids(self, req: TokenizeRequest) -> tuple[list[int], str, str]:
         """(token ids, the request field they came from, the rendered chat prompt or "")."""
         if req.messages is not None:
             text = self.render_chat(req)

@@ -9,15 +9,42 @@ Everything emitted concatenates to ``tokenizer.decode(all_ids)``.
 
 from __future__ import annotations
 
-from typing import Protocol
+import functools
+import re
+from typing import Any, Protocol
 
 from tpserve.parsers.partial import partial_suffix_len
 
 REPLACEMENT_CHAR = "\ufffd"
+_BYTE_FALLBACK = re.compile(r"<0x([0-9A-Fa-f]{2})>")  # SentencePiece's piece for one raw byte
 
 
 class Decoder(Protocol):
     def decode(self, token_ids: list[int], skip_special_tokens: bool = ...) -> str: ...
+
+
+@functools.cache
+def _byte_level_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level BPE alphabet: the character that stands for each byte in a vocabulary entry."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1), *range(ord("\xae"), 256)]
+    others = [b for b in range(256) if b not in printable]
+    return {**{chr(b): b for b in printable}, **{chr(256 + i): b for i, b in enumerate(others)}}
+
+
+def token_bytes(tokenizer: Any, token_id: int, text: str) -> bytes:
+    """A token's own bytes, given its decoded ``text``: the text's UTF-8, unless the token holds
+    part of a multi-byte character (decoded as U+FFFD); then the bytes its vocabulary entry stands
+    for (byte-level BPE, or a SentencePiece byte-fallback piece such as ``<0xE4>``)."""
+    if REPLACEMENT_CHAR not in text:
+        return text.encode("utf-8")
+    piece = tokenizer.convert_ids_to_tokens(token_id)
+    if isinstance(piece, str):
+        if (match := _BYTE_FALLBACK.fullmatch(piece)) is not None:
+            return bytes([int(match.group(1), 16)])
+        alphabet = _byte_level_alphabet()
+        if piece and all(c in alphabet for c in piece):
+            return bytes(alphabet[c] for c in piece)
+    return text.encode("utf-8")
 
 
 class IncrementalDecoder:
