@@ -463,7 +463,7 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
       stage fp8_ratio32 300 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-32B --fp8-gemms auto \
         --pipelined --rounds 3 --batch-sizes 1 --out $results/fp8_ratio32.json ;;
     engine_tests)  # the GEMV, CUDA graphs, overlap scheduling, sampling and grammar masks on the GPU
-      stage engine_tests 300 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py tests/gpu/test_overlap.py \
+      stage engine_tests 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py tests/gpu/test_overlap.py \
         tests/gpu/test_flashinfer_and_graphs.py tests/gpu/test_structured.py tests/gpu/test_fused_kernels.py \
         tests/gpu/test_fp8_gpu.py ;;
     step_timeline)  # Qwen3-8B batch 1: the GPU's work and idle time outside the CUDA graph in a pipelined step
