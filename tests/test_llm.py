@@ -144,6 +144,27 @@ def test_chat_renders_as_the_http_chat_endpoint(llm):
     assert [o.prompt_token_ids for o in many][0] == prompts[0] and [len(o.outputs) for o in many] == [1, 2]
 
 
+def test_chat_template_replaces_the_models(llm):
+    """LLM.chat(chat_template=...) renders with that Jinja text (as vLLM's), compiled as --chat-template is."""
+    template = ("{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                "{% if add_generation_prompt %}[assistant]{% endif %}")
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi there"}]
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    out = llm.chat(messages, greedy, use_tqdm=False, chat_template=template)[0]
+    assert out.prompt_token_ids == llm.tokenizer.encode("[system] Be brief.\n[user] Hi there\n[assistant]")
+    two = llm.chat([messages, messages[1:]], greedy, use_tqdm=False, chat_template=template, add_generation_prompt=False)
+    assert [llm.tokenizer.decode(o.prompt_token_ids) for o in two] == [
+        "[system] Be brief.\n[user] Hi there\n", "[user] Hi there\n"]
+    # the model's own template is left as it was
+    assert llm.chat(messages, greedy, use_tqdm=False)[0].prompt_token_ids == http_chat_prompt(llm, messages, {})
+    with pytest.raises(ValueError, match=r"chat_template is not a valid chat template: unexpected '}' \(line 1\)"):
+        llm.chat(messages, use_tqdm=False, chat_template="{% for m in messages %}{{ m.content }")
+    with pytest.raises(ValueError, match="chat_template is empty"):
+        llm.chat(messages, use_tqdm=False, chat_template=" ")
+    with pytest.raises(TypeError, match="chat_template must be the template's text"):
+        llm.chat(messages, use_tqdm=False, chat_template=["{{ messages }}"])
+
+
 @pytest.mark.parametrize(
     "messages, options, fragment",
     [

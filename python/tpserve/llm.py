@@ -153,21 +153,28 @@ class LLM:
         add_generation_prompt: bool = True,
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
+        chat_template: str | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of OpenAI-style messages) or several (a list of such lists),
         as vLLM's ``LLM.chat``: each is rendered by the model's chat template as the HTTP chat endpoint
         renders it, then generated as ``generate`` does (``sampling_params``: one, or one per conversation).
-        The output's text is the raw completion: reasoning and tool calls are not split out."""
+        ``chat_template`` (Jinja text, as in the file of the server's ``--chat-template``) renders them
+        instead of the model's template. The output's text is the raw completion: reasoning and tool
+        calls are not split out."""
         if isinstance(messages, (str, dict)) or not messages:
             raise TypeError("messages must be a list of messages or a list of conversations (lists of messages)")
+        if chat_template is not None:
+            _check_chat_template(chat_template)
         one = not isinstance(messages[0], Sequence) or isinstance(messages[0], str)
         conversations = [messages] if one else list(messages)
         options = dict(chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, tools=tools or None)
-        prompts = [self._chat_ids(c, i, **options) for i, c in enumerate(conversations)]
+        prompts = [self._chat_ids(c, i, chat_template, **options) for i, c in enumerate(conversations)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _chat_ids(self, conversation: Sequence[Any], index: int, **options: Any) -> list[int]:
+    def _chat_ids(
+        self, conversation: Sequence[Any], index: int, chat_template: str | None, **options: Any
+    ) -> list[int]:
         """One conversation's prompt: the HTTP chat endpoint's checks, the tokenizer worker's rendering."""
         from pydantic import TypeAdapter, ValidationError
 
@@ -191,7 +198,7 @@ class LLM:
             messages = [m.to_template(i) for i, m in enumerate(chat)]
             req = TokenizeRequest(rid=0, params=SamplingParams(), messages=messages, **options)
             limits = PromptLimits(self.model_config.context_length, self.model_config.vocab_size)
-            return PromptPreparer(self.tokenizer, limits).input_ids(req)[0]
+            return PromptPreparer(self.tokenizer, limits, chat_template=chat_template).input_ids(req)[0]
         except (APIError, InvalidRequest) as e:
             raise ValueError(f"conversation {index}: {e.message}") from None
 
@@ -342,6 +349,17 @@ def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
         return stats[0]
     fields = [f for f in SchedulerStats.__struct_fields__ if f != "replica"]
     return SchedulerStats(**{f: sum(getattr(s, f) for s in stats) for f in fields})
+
+
+def _check_chat_template(chat_template: Any) -> None:
+    """LLM.chat's chat_template: Jinja text that compiles as the server's --chat-template must."""
+    from tpserve.tokenizer.loader import check_chat_template
+
+    if not isinstance(chat_template, str):
+        raise TypeError(f"chat_template must be the template's text (a string), got {type(chat_template).__name__}")
+    if not chat_template.strip():
+        raise ValueError("chat_template is empty")
+    check_chat_template(chat_template, "chat_template")
 
 
 def _load_tokenizer(model_dir: str):

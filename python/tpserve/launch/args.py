@@ -17,7 +17,9 @@ from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.argtypes import HelpFormatter, OneLineParser, fraction, int_at_least, port, positive
 from tpserve.router.policy import LOAD_BALANCE_METHODS
-from tpserve.tokenizer.loader import has_tokenizer_files, load_tokenizer, missing_tokenizer_message
+from tpserve.tokenizer.loader import (
+    check_chat_template, has_tokenizer_files, load_tokenizer, missing_tokenizer_message,
+)
 
 logger = logging.getLogger(__name__)
 
@@ -350,17 +352,7 @@ def _read_template(path: str, what: str = "--chat-template") -> str:
 def _chat_template_flag(path: str) -> str:
     """--chat-template FILE's text, compiled as transformers compiles it for each chat request."""
     text = _read_template(path)
-    try:
-        from transformers.utils.chat_template_utils import _compile_jinja_template
-    except ImportError:  # pragma: no cover - another transformers layout: checked at the first request
-        return text
-    from jinja2 import TemplateError
-
-    try:
-        _compile_jinja_template(text)
-    except TemplateError as e:
-        line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
-        raise ValueError(f"--chat-template: {path} is not a valid chat template: {e.message}{line}") from None
+    check_chat_template(text, f"--chat-template: {path}")
     return text
 
 

@@ -39,6 +39,22 @@ def load_tokenizer(model_dir: str, chat_template: str | None = None):
     return tokenizer
 
 
+def check_chat_template(text: str, where: str) -> None:
+    """A ValueError, starting with ``where`` (the flag or argument that gave it), if ``text`` does not
+    compile as transformers compiles a chat template for each chat request."""
+    try:
+        from transformers.utils.chat_template_utils import _compile_jinja_template
+    except ImportError:  # pragma: no cover - another transformers layout: checked at the first request
+        return
+    from jinja2 import TemplateError
+
+    try:
+        _compile_jinja_template(text)
+    except TemplateError as e:
+        line = f" (line {e.lineno})" if getattr(e, "lineno", None) else ""
+        raise ValueError(f"{where} is not a valid chat template: {e.message}{line}") from None
+
+
 def _damage(model_dir: str, error: Exception) -> str:
     """The first tokenizer file that is not a JSON object, else the loader's own error."""
     for name in TOKENIZER_JSON_FILES:

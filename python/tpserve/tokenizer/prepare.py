@@ -75,10 +75,13 @@ class PreparedRequest:
 
 
 class PromptPreparer:
-    def __init__(self, tokenizer: Any, limits: PromptLimits, rng: random.Random | None = None) -> None:
+    def __init__(
+        self, tokenizer: Any, limits: PromptLimits, rng: random.Random | None = None, chat_template: str | None = None
+    ) -> None:
         self._tokenizer = tokenizer
         self._limits = limits
         self._rng = rng or random.SystemRandom()
+        self._chat_template = chat_template  # renders chats instead of the tokenizer's (LLM.chat's chat_template)
 
     def prepare(self, req: TokenizeRequest) -> PreparedRequest:
         input_ids, param, chat_text = self.input_ids(req)
@@ -147,11 +150,12 @@ class PromptPreparer:
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
         if reserved:
             raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
-        if not getattr(self._tokenizer, "chat_template", None):
+        if self._chat_template is None and not getattr(self._tokenizer, "chat_template", None):
             raise InvalidRequest("this model has no chat template: use /v1/completions instead", "messages")
         try:
             return self._tokenizer.apply_chat_template(
                 req.messages,
+                chat_template=self._chat_template,
                 tokenize=False,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
