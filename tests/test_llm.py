@@ -192,6 +192,12 @@ def test_bad_inputs(llm):
         SamplingParams(temperature=-1)
     with pytest.raises(ValueError, match="top_p"):
         SamplingParams(top_p=0)
+    vocab = llm.model_config.vocab_size
+    for bad in (vocab, -1):
+        with pytest.raises(ValueError, match=rf"stop_token_ids: token id {bad} is out of range \[0, {vocab}\)"):
+            llm.generate(["hi"], SamplingParams(stop_token_ids=[1, bad]), use_tqdm=False)
+    with pytest.raises(ValueError, match="stop_token_ids may hold at most 256 token ids, got 257"):
+        SamplingParams(stop_token_ids=[1] * 257)
     with pytest.raises(ValueError, match="tp_size 3 does not divide num_attention_heads 4"):
         LLM(llm.config.model, tp_size=3, device="cpu")
 

@@ -59,6 +59,14 @@ def test_stop_strings_are_bounded(stop, fragment):
     assert fragment in str(e.value)
 
 
+def test_stop_token_ids_are_bounded():
+    """As the stop strings are: each generated token is looked up in them, and min_tokens bans them all."""
+    assert SamplingParams(stop_token_ids=list(range(256))).stop_token_ids == list(range(256))
+    with pytest.raises(ValueError) as e:
+        SamplingParams(stop_token_ids=list(range(257)))
+    assert "stop_token_ids may hold at most 256 token ids, got 257" in str(e.value)
+
+
 def test_a_single_stop_string_is_one_stop_string():
     # vLLM's SamplingParams(stop="ab") stops at "ab"; iterated as characters it would stop at "a" or "b".
     assert SamplingParams(stop="ab").stop == ["ab"]

@@ -21,6 +21,9 @@ MAX_LOGIT_BIAS = 100.0
 # bounded so that one request cannot make that search slow. OpenAI allows 4 strings.
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 512
+# Every generated token is looked up in stop_token_ids, and while min_tokens holds each one is a logit
+# edit uploaded every step: bounded as the stop strings are. 256 is far more than any model's end tokens.
+MAX_STOP_TOKEN_IDS = 256
 
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 # SamplingParams' fields by type, checked (and numpy scalars made plain) when it is made: the
@@ -111,7 +114,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     allows only the tokens its grammar accepts.
 
     ``stop`` may be one string or a list of at most 16 (``MAX_STOP_STRINGS``), each at most 512
-    characters (``MAX_STOP_CHARS``). A value of the wrong type is a ValueError naming
+    characters (``MAX_STOP_CHARS``); ``stop_token_ids`` may hold at most 256 (``MAX_STOP_TOKEN_IDS``). A value of the wrong type is a ValueError naming
     the field; numpy numbers are taken (and kept as plain ints and floats).
     """
 
@@ -182,6 +185,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         for i, stop in enumerate(self.stop or []):
             if len(stop) > MAX_STOP_CHARS:
                 raise ValueError(f"stop strings must be at most {MAX_STOP_CHARS} characters, got {len(stop)} (stop[{i}])")
+        if self.stop_token_ids is not None and len(self.stop_token_ids) > MAX_STOP_TOKEN_IDS:
+            raise ValueError(
+                f"stop_token_ids may hold at most {MAX_STOP_TOKEN_IDS} token ids, got {len(self.stop_token_ids)}"
+            )
 
     def _check_types(self) -> None:
         """A ValueError naming a field of the wrong type; numpy scalars and tuples become plain values."""

@@ -128,6 +128,8 @@ def test_flush_cache():
         (CHAT, {"messages": USER, "stop": [""]}, "empty", "stop"),
         (CHAT, {"messages": USER, "stop": [f"s{i}" for i in range(17)]}, "stop may hold at most 16 strings, got 17", "stop"),
         (COMPLETIONS, {"prompt": "x", "stop": ["a", "b" * 513]}, "at most 512 characters, got 513 (stop[1])", "stop"),
+        (CHAT, {"messages": USER, "stop_token_ids": list(range(257))}, "stop_token_ids may hold at most 256 token ids",
+         "stop_token_ids"),
         (CHAT, {"messages": USER, "tools": [{"type": "function"}]}, "tools[0]", "tools"),
         (CHAT, {"messages": USER, "tools": [{"type": "function", "function": {"name": "f"}}]},
          "--tool-call-parser", "tools"),
