@@ -150,7 +150,7 @@ def test_logprob_bytes_of_partial_characters(qwen3_tokenizer):
     """A byte-level token holding part of a multi-byte character decodes to U+FFFD; its logprob
     entries (chat's ``bytes``, top_logprobs' too, and an echoed prompt's) carry its real bytes, so
     the tokens' bytes join to the text's UTF-8."""
-    from tpserve.server.formats import ChatFormat, CompletionFormat
+    from tpserve.server.formats import ChatFormat, CompletionFormat, legacy_token
 
     text = "🦜 𝄞 Ѯ"
     ids = ids_of(qwen3_tokenizer, text)
@@ -171,5 +171,34 @@ def test_logprob_bytes_of_partial_characters(qwen3_tokenizer):
     assert chat[0]["token"] == "\ufffd" and chat[0]["bytes"] == list("🦜".encode()[:3])
 
     legacy = CompletionFormat("m", logprobs=True)._logprobs(0, api.prompt_logprobs + api.logprobs)
-    assert legacy["tokens"] == [e.token for e in api.prompt_logprobs + api.logprobs]
-    assert legacy["top_logprobs"][1] == {api.prompt_logprobs[1].token: -0.25}
+    assert legacy["tokens"] == [legacy_token(e.token, e.raw) for e in api.prompt_logprobs + api.logprobs]
+    assert legacy["top_logprobs"][1] == {legacy["tokens"][1]: -0.25}
+
+
+def test_completions_logprobs_keep_partial_tokens_apart(qwen3_tokenizer):
+    """Tokens holding different parts of multi-byte characters all decode to U+FFFD: as keys of the
+    legacy top_logprobs they overwrote each other. They show as OpenAI's legacy completions show
+    them, "bytes:" and each byte as \\xNN (in ``tokens`` too); whole tokens keep their text, and chat
+    logprobs (which carry ``bytes``) are unchanged."""
+    from tpserve.server.formats import ChatFormat, CompletionFormat
+
+    text = "🦜 𝄞"  # f0 9f a6 | 9c | 20 f0 9d | 84 | 9e: every Qwen3 token of it is partial
+    ids = ids_of(qwen3_tokenizer, text)
+    whole = ids_of(qwen3_tokenizer, "你好")
+    assert len(ids) == 5 and all("\ufffd" in qwen3_tokenizer.decode([t]) for t in ids) and len(whole) == 1
+    top = [(t, -1.0 - i) for i, t in enumerate(ids + whole)]
+    m = DetokenizerManager(qwen3_tokenizer)
+    m.register(DetokenizeRegister(rid=1))
+    out = TokenOutput(rid=1, token_ids=ids, finish_reason="length", logprobs=[-0.5] * len(ids),
+                      top_logprobs=[top] * len(ids))
+    api = m.on_batch(batch(out)).api.outputs[0]
+
+    legacy = CompletionFormat("m", logprobs=True)._logprobs(0, api.logprobs)
+    shown = ["bytes:\\xf0\\x9f\\xa6", "bytes:\\x9c", "bytes:\\x20\\xf0\\x9d", "bytes:\\x84", "bytes:\\x9e"]
+    assert legacy["top_logprobs"] == [{**{s: -1.0 - i for i, s in enumerate(shown)}, "你好": -6.0}] * len(ids)
+    assert legacy["tokens"] == shown
+    assert b"".join(bytes.fromhex(s[len("bytes:"):].replace("\\x", "")) for s in shown) == text.encode()
+    assert legacy["text_offset"] == [0, 1, 2, 4, 5]  # each token's text as decoded: U+FFFD, " U+FFFD"
+    chat = ChatFormat("m", logprobs=True)._logprobs(api.logprobs)["content"]
+    assert [e["token"] for e in chat] == [qwen3_tokenizer.decode([t]) for t in ids]
+    assert len({e["token"] for e in chat[0]["top_logprobs"]}) == 3  # "\ufffd", " \ufffd", "你好"; bytes tell apart

@@ -22,6 +22,18 @@ def sse(obj: Any) -> bytes:
 SSE_DONE = b"data: [DONE]\n\n"
 
 
+def legacy_token(text: str, raw: bytes) -> str:
+    """A token as the legacy completions logprobs show it (``tokens`` and the ``top_logprobs`` keys),
+    following OpenAI's legacy completions: its text, unless its bytes are not UTF-8 on their own (part of
+    a multi-byte character, whose text is U+FFFD); then ``bytes:`` and each byte as ``\\xNN``, so that
+    such tokens stay apart as keys. (vLLM shows U+FFFD for each; chat logprobs carry ``bytes`` instead.)"""
+    try:
+        raw.decode("utf-8")
+    except UnicodeDecodeError:
+        return "bytes:" + "".join(f"\\x{b:02x}" for b in raw)
+    return text
+
+
 @dataclass
 class Choice:
     """Progress of one prompt (one backend rid)."""
@@ -205,7 +217,8 @@ class CompletionFormat(ResponseFormat):
         return {"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason}
 
     def _logprobs(self, index: int, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
-        """The legacy completions layout; text offsets count each token's own text."""
+        """The legacy completions layout (tokens shown by ``legacy_token``); text offsets count each
+        token's own text, as it is in the choice's text."""
         if not self.logprobs:
             return None
         entries = entries or []
@@ -216,9 +229,10 @@ class CompletionFormat(ResponseFormat):
             offset += len(e.token)
         self._offsets[index] = offset
         return {
-            "tokens": [e.token for e in entries],
+            "tokens": [legacy_token(e.token, e.raw) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{t: v for t, _, v in e.top} if e.logprob is not None else None for e in entries],
+            "top_logprobs": [{legacy_token(t, raw): v for t, raw, v in e.top} if e.logprob is not None else None
+                             for e in entries],
             "text_offset": offsets,
         }
 
