@@ -67,6 +67,29 @@ def test_cli_counts_fp8_checkpoints_and_quantization_flag(tmp_path, capsys):
     assert step["asked"] == step["checkpoint"] < 0.7 * step["bf16"]
 
 
+def test_moe_fp8_checkpoint_counts_fp8_experts_and_quantization_flag_does_not(capsys):
+    """An FP8 MoE checkpoint keeps its experts FP8 on the GPU (routers in the serving dtype); --quantization fp8
+    quantizes only the attention, as the engine does. Qwen3-30B-A3B: 56.9 GiB of bf16 weights, 29.0 with FP8 experts."""
+    results = {}
+    for name, argv in {
+        "bf16": ["--model", data_config("Qwen3-30B-A3B")],
+        "asked": ["--model", data_config("Qwen3-30B-A3B"), "--quantization", "fp8"],
+        "checkpoint": ["--model", data_config("Qwen3-30B-A3B-FP8")],
+    }.items():
+        assert main([*argv, "--context", "4096"]) == 0
+        results[name] = capsys.readouterr().out
+    gib = {name: weights_gib(out) for name, out in results.items()}
+    assert gib["bf16"] == pytest.approx(56.9, abs=0.3)
+    assert gib["bf16"] - gib["asked"] == pytest.approx(0.84, abs=0.1)  # 48 layers' attention, 0.9 B weights, halved
+    assert gib["checkpoint"] == pytest.approx(29.0, abs=0.2)  # 31.2 GB
+    assert "experts in the serving dtype" in results["asked"] and "experts too" in results["checkpoint"]
+    shape = ModelShape(ModelConfig.from_pretrained(data_config("Qwen3-30B-A3B-FP8")), 2, (128, 128), fp8_experts=True)
+    experts, routers = shape.sparse_layer_params(1)
+    assert routers == 48 * 128 * 2048 and experts == 48 * 128 * 3 * 2048 * 768
+    assert shape.linear_weight_bytes(1) == pytest.approx(
+        (shape.layers_linear_params(1) - routers) * shape.linear_bytes + routers * 2)
+
+
 def test_cli_quantization_errors(tmp_path, capsys):
     plain = write_config(str(tmp_path / "bf16"), qwen3_8b())
     assert main(["--model", plain, "--quantization", "int4"]) == 2

@@ -64,6 +64,8 @@ class ModelShape:
     dtype_bytes: int
     fp8_block: tuple[int, int] | None = None  # FP8 linear weights with a scale per block of this shape
     kv_dtype_bytes: int | None = None  # bytes per KV-cache element; None: the serving dtype's
+    # a MoE model's experts FP8 too (an FP8 checkpoint's: --quantization fp8 leaves them in the serving dtype)
+    fp8_experts: bool = False
 
     @property
     def linear_bytes(self) -> float:
@@ -96,6 +98,25 @@ class ModelShape:
         if moe is None or tokens <= 0:
             return 0.0
         return moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** tokens)
+
+    def expert_bytes(self) -> float:
+        """Bytes per expert weight."""
+        return self.linear_bytes if self.fp8_experts else self.dtype_bytes
+
+    def sparse_layer_params(self, tp: int = 1, experts: float | None = None) -> tuple[float, float]:
+        """(experts, routers) of every sparse layer on a rank: ``experts`` experts per layer (None: all of
+        them); the routers, whole on every rank, stay in the serving dtype."""
+        moe = self.config.moe
+        if moe is None:
+            return 0.0, 0.0
+        held = moe.num_experts if experts is None else experts
+        return len(moe.layers) * held * self.expert_params(tp), len(moe.layers) * moe.num_experts * self.hidden
+
+    def linear_weight_bytes(self, tp: int = 1, experts: float | None = None) -> float:
+        """Bytes of the decoder layers' linear weights on a rank (``experts`` as in ``layers_linear_params``)."""
+        expert_params, router_params = self.sparse_layer_params(tp, experts)
+        rest = self.layers_linear_params(tp, experts) - expert_params - router_params
+        return rest * self.linear_bytes + expert_params * self.expert_bytes() + router_params * self.dtype_bytes
 
     def layers_linear_params(self, tp: int = 1, experts: float | None = None) -> float:
         """The decoder layers' linear weights on a rank: attention, dense MLPs, the routers (whole on
@@ -133,7 +154,7 @@ class ModelShape:
 
     def weight_bytes_per_rank(self, tp: int) -> float:
         linear = self.layers_linear_params(tp)
-        return linear * self.linear_bytes + (self.params_per_rank(tp) - linear) * self.dtype_bytes
+        return self.linear_weight_bytes(tp) + (self.params_per_rank(tp) - linear) * self.dtype_bytes
 
     def decode_read_bytes(self, tp: int, batch: int) -> float:
         """Weight bytes one step over ``batch`` tokens reads on a rank: every layer's weights once
@@ -142,8 +163,8 @@ class ModelShape:
         c = self.config
         head = self.vocab_rows(tp) * c.hidden_size
         embed = 0 if c.tie_word_embeddings else min(batch, self.vocab_rows(tp)) * c.hidden_size
-        linear = self.layers_linear_params(tp, self.touched_experts(batch))
-        return linear * self.linear_bytes + (self.layers * self.layer_small_params(tp) + head + embed) * self.dtype_bytes
+        linear = self.linear_weight_bytes(tp, self.touched_experts(batch))
+        return linear + (self.layers * self.layer_small_params(tp) + head + embed) * self.dtype_bytes
 
     def linear_flops(self, tp: int, tokens: int, last_tokens: int) -> float:
         """Matmul FLOPs of the decoder layers over ``tokens`` (top-k experts each) and of the LM
