@@ -110,15 +110,21 @@ def test_fp8_checkpoint_served_with_fp8_weights(tiny_model_factory, tmp_path):
     assert qkv.weight.dtype == FP8_DTYPE and qkv.weight_scale_inv is not None
     assert engine.graph_runner is not None
     del engine
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 237))]  # the last prefill takes the W8A8 GEMM
+    outs, first = greedy_fp8_and_dequantized(fp8_dir, ref_dir)
+    print(f"fp8 GEMMs vs bf16 on the dequantized weights: first tokens equal {first}/3; {outs}")
+    assert first >= 2
+
+
+def greedy_fp8_and_dequantized(fp8_dir: str, ref_dir: str) -> tuple[dict[str, list[list[int]]], int]:
+    """16 greedy tokens of three prompts from the FP8 checkpoint and from its dequantized weights in bf16
+    (the last prefill takes the W8A8 GEMM), and how many first tokens agree."""
+    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 237))]
     greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
     outs = {}
     for name, model in (("fp8", fp8_dir), ("dequantized", ref_dir)):
         with LLM(model, device="cuda", dtype="bfloat16", max_total_tokens=1024) as llm:
             outs[name] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    first = sum(a[0] == b[0] for a, b in zip(outs["fp8"], outs["dequantized"]))
-    print(f"fp8 GEMMs vs bf16 on the dequantized weights: first tokens equal {first}/{len(prompts)}; {outs}")
-    assert first >= 2
+    return outs, sum(a[0] == b[0] for a, b in zip(outs["fp8"], outs["dequantized"]))
 
 
 def test_fp8_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path):
@@ -134,14 +140,8 @@ def test_fp8_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path):
     assert "experts FP8" in engine._quantization_note()
     assert engine.graph_runner is not None
     del engine
-    prompts = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 237))]
-    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    outs = {}
-    for name, model in (("fp8", fp8_dir), ("dequantized", ref_dir)):
-        with LLM(model, device="cuda", dtype="bfloat16", max_total_tokens=1024) as llm:
-            outs[name] = [o.token_ids for o in llm.generate(prompts, greedy, use_tqdm=False)]
-    first = sum(a[0] == b[0] for a, b in zip(outs["fp8"], outs["dequantized"]))
-    print(f"fp8 MoE checkpoint vs bf16 on the dequantized weights: first tokens equal {first}/{len(prompts)}; {outs}")
+    outs, first = greedy_fp8_and_dequantized(fp8_dir, ref_dir)
+    print(f"fp8 MoE checkpoint vs bf16 on the dequantized weights: first tokens equal {first}/3; {outs}")
     assert all(len(t) == 16 for t in outs["fp8"]) and first >= 2
 
 
