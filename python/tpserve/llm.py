@@ -12,7 +12,7 @@ import numbers
 import random
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import msgspec
 from tqdm import tqdm
@@ -22,6 +22,9 @@ from tpserve.launch.ranks import RankDriver, start_ranks
 from tpserve.message import AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, GetStats, SchedulerStats
 from tpserve.sampling_params import SEED_LIMIT, SamplingParams
 from tpserve.scheduler.gc_control import frozen_heap
+
+if TYPE_CHECKING:
+    from tpserve.tokenizer.prepare import PromptPreparer
 
 logger = logging.getLogger(__name__)
 
@@ -167,24 +170,27 @@ class LLM:
             _check_chat_template(chat_template)
         one = not isinstance(messages[0], Sequence) or isinstance(messages[0], str)
         conversations = [messages] if one else list(messages)
+        if self.tokenizer is None:
+            raise ValueError("chat needs the model's tokenizer; this model has none")
+        from tpserve.tokenizer.prepare import PromptLimits, PromptPreparer
+
+        limits = PromptLimits(self.model_config.context_length, self.model_config.vocab_size)
+        preparer = PromptPreparer(self.tokenizer, limits, chat_template=chat_template)
         options = dict(chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, tools=tools or None)
-        prompts = [self._chat_ids(c, i, chat_template, **options) for i, c in enumerate(conversations)]
+        prompts = [self._chat_ids(preparer, c, i, **options) for i, c in enumerate(conversations)]
         return self.generate(prompts, sampling_params, use_tqdm)
 
-    def _chat_ids(
-        self, conversation: Sequence[Any], index: int, chat_template: str | None, **options: Any
-    ) -> list[int]:
+    @staticmethod
+    def _chat_ids(preparer: PromptPreparer, conversation: Sequence[Any], index: int, **options: Any) -> list[int]:
         """One conversation's prompt: the HTTP chat endpoint's checks, the tokenizer worker's rendering."""
         from pydantic import TypeAdapter, ValidationError
 
         from tpserve.message.frontend import TokenizeRequest
         from tpserve.server.errors import APIError
         from tpserve.server.protocol import ChatMessage, check_continuation
-        from tpserve.tokenizer.prepare import InvalidRequest, PromptLimits, PromptPreparer
+        from tpserve.tokenizer.prepare import InvalidRequest
 
-        if self.tokenizer is None:
-            raise ValueError("chat needs the model's tokenizer; this model has none")
         if not conversation:
             raise ValueError(f"conversation {index} has no messages")
         try:
@@ -197,8 +203,7 @@ class LLM:
             check_continuation(chat, options["add_generation_prompt"], options["continue_final_message"])
             messages = [m.to_template(i) for i, m in enumerate(chat)]
             req = TokenizeRequest(rid=0, params=SamplingParams(), messages=messages, **options)
-            limits = PromptLimits(self.model_config.context_length, self.model_config.vocab_size)
-            return PromptPreparer(self.tokenizer, limits, chat_template=chat_template).input_ids(req)[0]
+            return preparer.input_ids(req)[0]
         except (APIError, InvalidRequest) as e:
             raise ValueError(f"conversation {index}: {e.message}") from None
 

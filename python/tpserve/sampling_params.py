@@ -114,8 +114,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     allows only the tokens its grammar accepts.
 
     ``stop`` may be one string or a list of at most 16 (``MAX_STOP_STRINGS``), each at most 512
-    characters (``MAX_STOP_CHARS``); ``stop_token_ids`` may hold at most 256 (``MAX_STOP_TOKEN_IDS``). A value of the wrong type is a ValueError naming
-    the field; numpy numbers are taken (and kept as plain ints and floats).
+    characters (``MAX_STOP_CHARS``); ``stop_token_ids`` may hold at most 256 (``MAX_STOP_TOKEN_IDS``).
+    A value of the wrong type is a ValueError naming the field; numpy numbers are taken (and kept as
+    plain ints and floats).
     """
 
     n: int = 1  # completions of each prompt (see ``choices``)

@@ -51,8 +51,11 @@ def use_triton(device: torch.device) -> bool:
     return ENABLED and device.type == "cuda" and optional_import("triton") is not None
 
 
+def use_fp8_triton(device: torch.device) -> bool:
+    """Whether Triton kernels read FP8 weights on this device (CUDA sm89+)."""
+    return use_triton(device) and torch.cuda.get_device_capability(device) >= (8, 9)
+
+
 def use_fp8_gemm(device: torch.device, block_size: tuple[int, int]) -> bool:
-    """Whether FP8 weights stay FP8 (Triton's GEMM: sm89+, input blocks % 16 == 0), else dequantized."""
-    return (
-        use_triton(device) and torch.cuda.get_device_capability(device) >= (8, 9) and block_size[1] % 16 == 0
-    )
+    """Whether FP8 linear weights stay FP8 (Triton's GEMM: sm89+, input blocks % 16 == 0), else dequantized."""
+    return use_fp8_triton(device) and block_size[1] % 16 == 0

@@ -55,17 +55,17 @@ NO_SCALES = dict(stride_se=0, stride_sp=0, stride_sn=0, BN=1, BK=1, FP8=False, R
 
 
 @triton.jit
-def block_scales(scale_ptr, expert, offs_n, k, mask, stride_se, stride_sn, BN: tl.constexpr, BK: tl.constexpr,
+def block_scales(expert_scales, rows, k, mask, stride_sn, BN: tl.constexpr, BK: tl.constexpr,
                  ROW_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """The scales of W's elements at rows ``offs_n`` (a program's BLOCK_N) and columns ``k`` of ``expert``:
-    [1, K] where the rows share a row of blocks (ROW_UNIFORM), else [N, K]; 0 where not ``mask`` ([K])."""
-    kb = k // BK
+    """The block scales of W's elements at ``rows`` (a program's BLOCK_N) and columns ``k`` of the experts whose
+    scales start at ``expert_scales`` (one pointer, or one per expert); the caller shapes the arguments so that
+    they broadcast (gate_up: rows [N, 1], k [1, K]; down: experts [J, 1, 1], rows [1, N, 1], k [1, 1, K]).
+    Where the program's rows share a row of blocks (ROW_UNIFORM) the rows' axis stays 1. 0 where not ``mask``."""
     if ROW_UNIFORM:
         nb = (tl.program_id(1) * BLOCK_N) // BN
-        return tl.load(scale_ptr + expert * stride_se + nb * stride_sn + kb, mask=mask, other=0.0)[None, :]
+        return tl.load(expert_scales + nb * stride_sn + k // BK, mask=mask, other=0.0)
     else:
-        ptrs = scale_ptr + expert * stride_se + (offs_n // BN)[:, None] * stride_sn + kb[None, :]
-        return tl.load(ptrs, mask=mask[None, :], other=0.0)
+        return tl.load(expert_scales + (rows // BN) * stride_sn + k // BK, mask=mask, other=0.0)
 
 
 @dataclass(frozen=True)
@@ -228,10 +228,10 @@ def _moe_gate_up_silu_kernel(
             sum_sq += x * x
             x = x * tl.load(norm_ptr + k0 + offs_k, mask=k_ok, other=0.0).to(tl.float32)
         if FP8:
-            k = k0 + offs_k
-            sg = block_scales(scale_ptr, expert, offs_n, k, k_ok, stride_se, stride_sn, BN, BK, ROW_UNIFORM, BLOCK_N)
-            su = block_scales(scale_ptr + stride_sp, expert, offs_n, k, k_ok, stride_se, stride_sn, BN, BK,
-                              ROW_UNIFORM, BLOCK_N)
+            k, scales = (k0 + offs_k)[None, :], scale_ptr + expert * stride_se
+            sg = block_scales(scales, offs_n[:, None], k, k_ok[None, :], stride_sn, BN, BK, ROW_UNIFORM, BLOCK_N)
+            su = block_scales(scales + stride_sp, offs_n[:, None], k, k_ok[None, :], stride_sn, BN, BK, ROW_UNIFORM,
+                              BLOCK_N)
             gate += g.to(tl.float32) * (sg * x[None, :])
             up += u.to(tl.float32) * (su * x[None, :])
         else:
@@ -295,8 +295,9 @@ def _moe_down_sum_kernel(
             a = tl.load(a_ptrs, mask=j_ok[:, None] & (offs_k < inter - k0)[None, :], other=0.0)
             scaled = (a.to(tl.float32) * weight[:, None])[:, None, :]
             if FP8:
-                scaled = scaled * _expert_scales(scale_ptr, expert, offs_n, k0 + offs_k, offs_k < inter - k0, stride_se,
-                                                 stride_sn, BN, BK, ROW_UNIFORM, BLOCK_N)
+                scaled = scaled * block_scales(scale_ptr + expert[:, None, None] * stride_se, offs_n[None, :, None],
+                                               (k0 + offs_k)[None, None, :], (offs_k < inter - k0)[None, None, :],
+                                               stride_sn, BN, BK, ROW_UNIFORM, BLOCK_N)
             acc += w.to(tl.float32) * scaled
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
@@ -320,26 +321,14 @@ def _moe_down_sum_kernel(
                 w = tl.load(w_ptrs, mask=w_ok & k_ok[None, None, :], other=0.0)
             scaled = (a.to(tl.float32) * weight[:, None])[:, None, :]
             if FP8:
-                scaled = scaled * _expert_scales(scale_ptr, expert, offs_n, k0 + offs_k, offs_k < inter - k0, stride_se,
-                                                 stride_sn, BN, BK, ROW_UNIFORM, BLOCK_N)
+                scaled = scaled * block_scales(scale_ptr + expert[:, None, None] * stride_se, offs_n[None, :, None],
+                                               (k0 + offs_k)[None, None, :], (offs_k < inter - k0)[None, None, :],
+                                               stride_sn, BN, BK, ROW_UNIFORM, BLOCK_N)
             acc += w.to(tl.float32) * scaled
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
     out = tl.sum(tl.sum(acc, axis=2), axis=0)
     tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-@triton.jit
-def _expert_scales(scale_ptr, expert, offs_n, k, k_ok, stride_se, stride_sn, BN: tl.constexpr, BK: tl.constexpr,
-                   ROW_UNIFORM: tl.constexpr, BLOCK_N: tl.constexpr):
-    """``block_scales`` for the down kernel's [J] experts at once: [J, 1, K] or [J, N, K]."""
-    kb = (k // BK)[None, None, :]
-    base = scale_ptr + expert[:, None, None] * stride_se
-    if ROW_UNIFORM:
-        nb = (tl.program_id(1) * BLOCK_N) // BN
-        return tl.load(base + nb * stride_sn + kb, mask=k_ok[None, None, :], other=0.0)
-    else:
-        return tl.load(base + (offs_n // BN)[None, :, None] * stride_sn + kb, mask=k_ok[None, None, :], other=0.0)
 
 
 @dataclass(frozen=True)

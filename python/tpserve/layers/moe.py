@@ -12,7 +12,7 @@ from torch import nn
 from tpserve.config import ModelConfig
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
-from tpserve.kernels import gemv, use_triton
+from tpserve.kernels import gemv, use_fp8_triton, use_triton
 from tpserve.kernels.settings import MOE_SMALL_ENV
 from tpserve.layers.activation import silu_and_mul
 from tpserve.layers.linear import PendingNorm, ReplicatedWeights, Slice, copy_checked, divide
@@ -115,9 +115,7 @@ class StackedExperts(nn.Module):
         at a time."""
         if self.block_size is None:
             return
-        device = self.gate_up_proj.device
-        if (use_triton(device) and torch.cuda.get_device_capability(device) >= (8, 9)
-                and os.environ.get(FP8_EXPERTS_ENV, "1") != "0"):
+        if use_fp8_triton(self.gate_up_proj.device) and os.environ.get(FP8_EXPERTS_ENV, "1") != "0":
             self.keep_dtype = ()
             return
         block, size = self.block_size, self.local_intermediate
