@@ -291,6 +291,8 @@ for s in $stages; do
     # ---- Qwen3-30B-A3B (issue 14); after warm (the bf16 MoE test builds FlashInfer's kernels otherwise and
     # overran 120 s). moe30 on one GPU (~6 min), moe30_tp2 on two ----
     moe30_tests) stage moe30_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py ;;
+    moe_tests_k)  # tests/gpu/test_moe.py -k MOE_TESTS, e.g. "expert_gemv"
+      stage moe_tests_k 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py -k "${MOE_TESTS:?}" ;;
     moe_tests_fused)  # test_moe.py with the add + RMSNorm in the GEMVs (TPSERVE_GEMV_FUSE_NORM=1)
       stage moe_tests_fused 240 env TPSERVE_GEMV_FUSE_NORM=1 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe.py ;;
     moe30_offline)
@@ -466,6 +468,14 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
       stage engine_tests 400 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py tests/gpu/test_overlap.py \
         tests/gpu/test_flashinfer_and_graphs.py tests/gpu/test_structured.py tests/gpu/test_fused_kernels.py \
         tests/gpu/test_fp8_gpu.py ;;
+    a3b_kernels)  # Qwen3-30B-A3B batch 1: each kernel in the graph, bf16 and the FP8 checkpoint layout, with A3B_KERNEL_ENV (e.g.
+      # "TPSERVE_MOE_GEMV=1") and without
+      for m in ${A3B_KERNEL_MODELS:-$a3b tests/data/configs/Qwen3-30B-A3B-FP8}; do
+        for e in "" "${A3B_KERNEL_ENV:-}"; do
+          stage a3b_kernels 150 env $e python3 benchmarks/experiments/step_timeline.py --model $m --in-graph --iters 10 \
+            --out $results/a3b_kernels_$(basename $m)_${e//[^A-Za-z0-9]/_}.json
+        done
+      done ;;
     step_timeline)  # Qwen3-8B batch 1: the GPU's work and idle time outside the CUDA graph in a pipelined step
       for quant in bf16 fp8; do
         stage step_timeline_$quant 150 python3 benchmarks/experiments/step_timeline.py --model tests/data/configs/Qwen3-8B \

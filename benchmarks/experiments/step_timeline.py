@@ -4,7 +4,9 @@ A Scheduler decodes with overlap scheduling (as ``decode_latency.time_pipelined`
 profiler. A step starts at the graph's first kernel (the embedding gather) and the graph ends at its
 last GEMV (the LM head); between that and the next step's start the GPU runs the sampler, the copies
 of inputs and samples and whatever else, or idles. Prints, per step (medians over the full-batch
-steps), the step's span, the graph's span and each activity after the graph, with the idle time.
+steps), the step's span, the graph's span and each activity after the graph, with the idle time;
+with --in-graph also each kernel inside the graph (by name with its template arguments): launches a
+step, median duration, total a step.
 
     python benchmarks/experiments/step_timeline.py --model tests/data/configs/Qwen3-8B --quantization fp8
 """
@@ -45,6 +47,19 @@ def short(name: str) -> str:
     return name.split("<")[0].split("(")[0][:60]
 
 
+def graph_kernels(events: list[dict]) -> dict[str, list[float]]:
+    """Per kernel name (template arguments kept) inside the graphs: durations, over all steps."""
+    starts = [i for i, e in enumerate(events) if STEP_FIRST in e["name"]]
+    durations = defaultdict(list)
+    for a, b in zip(starts, starts[1:]):
+        window = events[a:b]
+        last_gemv = max((i for i, e in enumerate(window) if GRAPH_LAST in e["name"]), default=None)
+        for e in window[: (last_gemv or 0) + 1]:
+            name = e["name"].removeprefix("void ").replace("(anonymous namespace)::", "")
+            durations[name.split("(")[0][:110]].append(e["dur"])
+    return durations
+
+
 def step_breakdown(events: list[dict]) -> tuple[list[dict], dict[str, list[float]]]:
     """Per decode step (graph start to the next graph start): span, graph span, tail busy and idle;
     and per activity name after the graph, its durations."""
@@ -76,6 +91,7 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=512)
     parser.add_argument("--warmup", type=int, default=5)
     parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--in-graph", action="store_true", help="also each kernel inside the graph")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     if not torch.cuda.is_available():
@@ -85,7 +101,8 @@ def main() -> None:
     time_pipelined(engine, 1, args.context, args.warmup, args.iters)  # warm: every kernel compiled
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         timed = time_pipelined(engine, 1, args.context, args.warmup, args.iters)
-    steps, tail = step_breakdown(gpu_events(prof))
+    events = gpu_events(prof)
+    steps, tail = step_breakdown(events)
     # the steady steps: drop the prefill and the last (their windows hold other work)
     median_span = statistics.median(s["span_us"] for s in steps)
     steady = [s for s in steps if s["span_us"] < 1.5 * median_span]
@@ -97,8 +114,14 @@ def main() -> None:
           f"{timed[0] * 1e3 if not isinstance(timed, str) else timed} ms (profiled)")
     print_table([summary], list(summary))
     print_table(rows, ["activity", "per_step", "median_us", "total_per_step_us"])
+    kernels = []
+    if args.in_graph:
+        kernels = [{"kernel": name, "per_step": len(d) / n, "median_us": statistics.median(d),
+                    "total_per_step_us": sum(d) / n} for name, d in sorted(graph_kernels(events).items(),
+                                                                            key=lambda kv: -sum(kv[1]))]
+        print_table(kernels, ["kernel", "per_step", "median_us", "total_per_step_us"])
     write_json(args.out, {"benchmark": "step_timeline", "model": args.model, "quantization": args.quantization,
-                          "steps": n, "summary": summary, "tail": rows})
+                          "steps": n, "summary": summary, "tail": rows, "graph_kernels": kernels})
 
 
 if __name__ == "__main__":

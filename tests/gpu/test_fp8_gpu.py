@@ -127,13 +127,21 @@ def greedy_fp8_and_dequantized(fp8_dir: str, ref_dir: str) -> tuple[dict[str, li
     return outs, sum(a[0] == b[0] for a, b in zip(outs["fp8"], outs["dequantized"]))
 
 
-def test_fp8_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path):
+@pytest.mark.parametrize("block", [(16, 16), (128, 128)], ids=["16x16", "128x128"])
+def test_fp8_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path, monkeypatch, block):
     """A Qwen3-MoE FP8 checkpoint (per-expert FP8 weights and scales): attention in FP8 GEMMs, the experts
-    FP8 in the Triton expert kernels; in CUDA graphs, near the bf16 engine on the dequantized weights."""
+    FP8 in the Triton expert kernels, and at one token in 128 x 128 blocks in the CUDA expert GEMVs (which the
+    CUDA graphs capture); near the bf16 engine on the dequantized weights."""
+    from tpserve.kernels import gemv
+
     src = tiny_model_factory("qwen3_moe", **dict(TINY, num_layers=3, moe_intermediate_size=128))
-    fp8_dir = write_fp8_checkpoint(src, str(tmp_path / "fp8"), (16, 16))
+    fp8_dir = write_fp8_checkpoint(src, str(tmp_path / "fp8"), block)
     ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
+    calls = []
+    real_experts = gemv.experts
+    monkeypatch.setattr(gemv, "experts", lambda *args, **kwargs: calls.append(1) or real_experts(*args, **kwargs))
     engine = Engine(EngineConfig(model=fp8_dir, device="cuda", dtype="bfloat16", max_total_tokens=1024))
+    assert bool(calls) == (block == (128, 128)), "the expert GEMVs take 128 x 128 blocks, Triton the rest"
     assert engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8_DTYPE
     experts = engine.model.model.layers[1].mlp.experts
     assert experts.gate_up_proj.dtype == FP8_DTYPE and experts.scales() is not None

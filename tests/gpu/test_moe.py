@@ -2,6 +2,7 @@
 in bf16, eager and inside a CUDA graph; then a tiny Qwen3-MoE model with the Triton experts against
 the same model with the torch experts: in float32 (no graphs: logits equal to float32 rounding) and
 in bf16 with CUDA graphs, at batch 1 to 11 (decode on the small-batch kernels, prefill grouped).
+Last, the one-token experts through the CUDA GEMV (``gemv.experts``, ``TPSERVE_MOE_GEMV=1``), alone and in the model.
 
 In bf16 the two models are not compared with the dense models' per-step bound: routers near a
 tie pick another expert when anything rounds differently, which moves some rows far more than
@@ -242,4 +243,103 @@ def test_moe_model_graphs_and_triton_match_torch_experts(bf16_engines, monkeypat
     errors = row_errors(forced_logits, ref_logits)
     print(f"bf16 Triton + graphs vs torch experts, {num_prompts} prompts: row errors median "
           f"{float(errors.median()):.2e}, past 2e-2 {float((errors > 2e-2).float().mean()):.0%}")
+    assert_routed_logits_close(forced_logits, ref_logits)
+
+
+def rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    x64 = x.double()
+    return x64 * torch.rsqrt(x64.pow(2).mean(-1, keepdim=True) + eps) * weight.double()
+
+
+GEMV_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4], (128, 16, 256, 128), (60, 6, 256, 128)]
+
+
+@pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
+@pytest.mark.parametrize("shape,fp8", [(s, fp8) for s in GEMV_SHAPES for fp8 in (False, True) if not fp8 or s[3] % 128 == 0],
+                         ids=lambda v: "fp8" if v is True else "bf16" if v is False else "x".join(map(str, v)))
+def test_expert_gemv_matches_torch_and_triton(shape, fp8, norm):
+    """The one-token experts through the CUDA GEMV (``gemv.experts``), routing themselves from the router's logits:
+    within bf16 rounding of float64 (on the router kernel's experts and weights) as the routed Triton kernels are,
+    bf16 and FP8 (128 x 128 blocks), with the RMSNorm of x fused or not, the same bits every run. The logits are
+    rounded to bf16, so some tie: both take the lower id."""
+    from tpserve.kernels import gemv
+
+    experts, top_k, hidden, _ = shape
+    x, gate_up, down, _, _ = expert_inputs(1, *shape, seed=50)
+    scales = None
+    if fp8:
+        gate_up, down, scales, gu_deq, d_deq = fp8_experts(gate_up.float(), down.float(), (128, 128))
+    gen = torch.Generator(device=DEVICE).manual_seed(51)
+    logits = (2 * torch.randn(1, experts, generator=gen, device=DEVICE)).to(DTYPE)
+    fused_norm, expected_x = None, x.double()
+    if norm:
+        norm_weight = (1 + 0.1 * torch.randn(hidden, generator=gen, device=DEVICE)).to(DTYPE)
+        fused_norm, expected_x = (norm_weight, 1e-6), rms_normed(x, norm_weight, 1e-6)
+    weights, ids = router_topk(logits, top_k, True, DTYPE)
+    ref_gu, ref_down = (gu_deq, d_deq) if fp8 else (gate_up, down)
+    expected = experts_torch(expected_x, ref_gu.double(), ref_down.double(), weights.double(), ids)
+    out = gemv.experts(x, gate_up, down, logits, top_k, True, fused_norm, scales)
+    triton = routed_experts(x, gate_up, down, RouterLogits(logits, top_k, True), norm=fused_norm, scales=scales)
+    gemv_err, triton_err = rel_err(out, expected), rel_err(triton, expected)
+    print(f"shape {shape} norm {norm} fp8 {fp8}: expert gemv {gemv_err:.2e}, triton {triton_err:.2e}")
+    assert gemv_err < RTOL and gemv_err < 2 * triton_err + 1e-3
+    assert torch.equal(out, gemv.experts(x, gate_up, down, logits, top_k, True, fused_norm, scales))
+
+
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_expert_gemv_in_a_cuda_graph_after_the_router_gemv(fp8):
+    """As a MoE layer runs it: the router's GEMV, then the expert GEMVs routing from its logits (PDL: gate_up waits
+    for the logits, down reads them before its own wait), captured once and replayed on new tokens (other experts):
+    equal to eager, and near float64 on the router kernel's choice. Not renormalised here (norm_topk_prob off)."""
+    from tpserve.kernels import gemv
+
+    experts, top_k, hidden, _ = SHAPES[0]
+    x, gate_up, down, _, _ = expert_inputs(1, *SHAPES[0], seed=40)
+    scales = None
+    if fp8:
+        gate_up, down, scales, gu_deq, d_deq = fp8_experts(gate_up.float(), down.float(), (128, 128))
+    gen = torch.Generator(device=DEVICE).manual_seed(41)
+    router = (torch.randn(experts, hidden, generator=gen, device=DEVICE) / hidden**0.5).to(DTYPE)
+
+    def layer() -> torch.Tensor:
+        return gemv.experts(x, gate_up, down, gemv.gemv(x, router), top_k, False, scales=scales)
+
+    layer()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = layer()
+    for seed in (42, 43):
+        x.copy_(torch.randn(x.shape, generator=gen.manual_seed(seed), device=DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(out, layer())
+        weights, ids = router_topk(gemv.gemv(x, router), top_k, False, DTYPE)
+        ref_gu, ref_down = (gu_deq, d_deq) if fp8 else (gate_up, down)
+        assert rel_err(out, reference(x, ref_gu, ref_down, weights, ids)) < RTOL
+
+
+def test_moe_model_expert_gemv_matches_torch_experts(moe_model_dir, bf16_engines, monkeypatch):
+    """The tiny model with ``TPSERVE_MOE_GEMV=1`` (one-token decode steps in CUDA graphs on the expert GEMVs) against
+    the torch experts, eager, as the Triton engine is checked above."""
+    from tpserve.kernels import gemv
+
+    reference, _ = bf16_engines
+    calls = []
+    real_experts = gemv.experts
+
+    def counted(*args, **kwargs):
+        calls.append(args[0].shape)
+        return real_experts(*args, **kwargs)
+
+    with monkeypatch.context() as patch:
+        patch.setenv(moe_layer.EXPERT_GEMV_ENV, "1")
+        patch.setattr(gemv, "experts", counted)
+        engine = make_moe_engine(moe_model_dir, "bfloat16", "flashinfer", 16)
+    assert calls, "no CUDA graph captured the expert GEMVs"
+    prompts = prompts_for(1, engine.model_config.vocab_size, seed=7)
+    with monkeypatch.context() as patch:
+        patch.setattr(moe_layer, "use_triton", lambda device: False)
+        ref_tokens, ref_logits = run_scenario(reference, prompts)
+    _, forced_logits = run_scenario(engine, prompts, forced=ref_tokens)
     assert_routed_logits_close(forced_logits, ref_logits)

@@ -66,3 +66,35 @@ def test_defines_variant_setting():
     assert _defines("FP8_LOADS=16 FP8_ROWS=8") == _defines("FP8_LOADS=16,FP8_ROWS=8") == (("FP8_LOADS", 16), ("FP8_ROWS", 8))
     with pytest.raises(ValueError, match=DEFINES_ENV):
         _defines("FP8_LOADS=sixteen")
+
+
+def test_expert_gemv_refusals_name_the_reason():
+    """``gemv.experts`` (the one-token MoE experts, ``TPSERVE_MOE_GEMV=1``) says why it cannot run, so the MoE
+    layer keeps the Triton or torch experts: at two tokens, past MAX_TOP_K, on unaligned sizes, FP8 scales in blocks
+    other than 128 x 128, on the CPU."""
+    from tpserve.kernels.gemv import MAX_TOP_K, experts, experts_unsupported
+    from tpserve.quant.fp8 import ExpertScales
+
+    x = torch.zeros(1, 256, dtype=torch.bfloat16)
+    gate_up = torch.zeros(8, 2 * 128, 256, dtype=torch.bfloat16)
+    down = torch.zeros(8, 256, 128, dtype=torch.bfloat16)
+    logits = torch.zeros(1, 8, dtype=torch.bfloat16)
+    assert "one bf16 token" in experts_unsupported(torch.zeros(2, 256, dtype=torch.bfloat16), gate_up, down, logits, 2)
+    assert "one bf16 token" in experts_unsupported(x.float(), gate_up, down, logits, 2)
+    assert "contiguous torch.bfloat16" in experts_unsupported(x, gate_up.float(), down, logits, 2)
+    assert "contiguous torch.bfloat16" in experts_unsupported(x, gate_up.transpose(1, 2), down, logits, 2)
+    assert "logits" in experts_unsupported(x, gate_up, down, logits.float(), 2)
+    assert "logits" in experts_unsupported(x, gate_up, down, logits[:, :4], 2)
+    assert "top_k" in experts_unsupported(x, gate_up, down, logits, MAX_TOP_K + 1)
+    narrow = (x[:, :36].contiguous(), gate_up[:, :, :36].contiguous(), down[:, :36].contiguous())
+    assert "multiple of 16" in experts_unsupported(*narrow, logits, 2)
+    fp8 = (gate_up.to(torch.float8_e4m3fn), down.to(torch.float8_e4m3fn))
+    scales = ExpertScales(torch.ones(8, 2, 1, 2), torch.ones(8, 2, 1), (128, 128))
+    assert "CUDA device" in experts_unsupported(x, *fp8, logits, 2, scales)  # FP8 at 128 x 128: only the device left
+    thin = ExpertScales(torch.ones(8, 2, 8, 8), torch.ones(8, 16, 8), (16, 32))
+    assert "128x128" in experts_unsupported(x, *fp8, logits, 2, thin)
+    assert "intermediate (96) of 128" in experts_unsupported(
+        x, gate_up[:, :192].to(torch.float8_e4m3fn), down[:, :, :96].to(torch.float8_e4m3fn), logits, 2, scales)
+    assert "CUDA device" in experts_unsupported(x, gate_up, down, logits, 2)  # the shapes pass: only the device is left
+    with pytest.raises(ValueError, match="expert gemv: .*CUDA device"):
+        experts(x, gate_up, down, logits, 2, True)

@@ -190,7 +190,7 @@ class Engine:
         form = f"FP8 GEMM {'/'.join(gemms)}" if gemms else "dequantized for this device"
         experts = [m for m in self.model.modules() if isinstance(m, StackedExperts)]
         if any(m.scales() is not None for m in experts):
-            form += "; experts FP8 (Triton)"
+            form += "; experts FP8 (CUDA GEMV at one token, Triton above)"
         elif any(m.dequantized for m in experts):
             form += f"; experts dequantized to {str(self.dtype).removeprefix('torch.')}"
         return f", {quant.method} weights ({source}, blocks {quant.block_size[0]}x{quant.block_size[1]}, {form})"

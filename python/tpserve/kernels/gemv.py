@@ -6,6 +6,7 @@ via ``linear``/``bf16_gemv_enabled``; FP8 layers via ``kernels.fp8_linear``. Wit
 merged [gate; up] weight gives SiLU(gate) * up directly (a dense MLP's SwiGLU without its own kernel);
 with ``norm`` x is RMS-normed first and with ``add_to`` the product is added to a residual stream in
 place (1 or 2 tokens; the layers fuse at 1): the decoder's residual add + RMSNorm without a kernel of its own.
+``experts``: the same kernel over a MoE layer's top-k experts at one token, routed from the router's logits.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import torch
 from tpserve.kernels import jit_name
 from tpserve.kernels.settings import int_settings
 from tpserve.kernels.pdl import pdl_supported
+from tpserve.quant.fp8 import ExpertScales
 
 logger = logging.getLogger(__name__)
 
@@ -158,6 +160,66 @@ def gemv(
     else:
         module.gemv_fp8(x2, weight, scale_inv, y, pdl, silu_mul, norm_weight, eps, add_to is not None)
     return y if add_to is not None else y.view(*x.shape[:-1], n_out)
+
+
+MAX_TOP_K = 16  # the expert GEMVs' (csrc/gemv.cu: kMaxTopK, kMaxExperts)
+MAX_EXPERTS = 128
+
+
+def experts_unsupported(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, logits: torch.Tensor, top_k: int,
+    scales: ExpertScales | None = None,
+) -> str | None:
+    """Why ``experts`` cannot run one token ``x`` through these stacked experts, or None when it can."""
+    if x.numel() != x.shape[-1] or x.dtype != torch.bfloat16:
+        return "the expert GEMVs take one bf16 token"
+    dtype = torch.float8_e4m3fn if scales is not None else torch.bfloat16
+    if not (gate_up.dtype == down.dtype == dtype and gate_up.is_contiguous() and down.is_contiguous()):
+        return f"the expert GEMVs take contiguous {dtype} experts"
+    experts, hidden, inter = gate_up.shape[0], gate_up.shape[2], down.shape[2]
+    if logits.dtype != torch.bfloat16 or logits.shape != (1, experts) or not logits.is_contiguous():
+        return f"the router's logits must be contiguous bf16 [1, {experts}], got {logits.dtype} {list(logits.shape)}"
+    if not (1 <= top_k <= MAX_TOP_K and experts <= MAX_EXPERTS):
+        return f"top_k {top_k} of {experts} experts is outside {MAX_TOP_K} of {MAX_EXPERTS}"
+    multiple = SCALE_BLOCK if scales is not None else 8
+    if hidden % 16 or inter % multiple or gate_up.data_ptr() % _VEC_BYTES or down.data_ptr() % _VEC_BYTES:
+        return (f"hidden ({hidden}) must be a multiple of 16, intermediate ({inter}) of {multiple}, the experts "
+                "16-byte aligned")
+    if scales is not None and (scales.block != (SCALE_BLOCK, SCALE_BLOCK) or not scales.gate_up.is_contiguous()
+                               or not scales.down.is_contiguous()):
+        return f"FP8 experts need contiguous scales per {SCALE_BLOCK}x{SCALE_BLOCK} block, got {scales.block}"
+    if x.device.type != "cuda" or gate_up.device != x.device or down.device != x.device:
+        return "x and the experts must be on one CUDA device"
+    return probe(x.device.index or 0)
+
+
+def experts(
+    x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
+    norm: tuple[torch.Tensor, float] | None = None, scales: ExpertScales | None = None, pdl: bool | None = None,
+    module: Any = None,
+) -> torch.Tensor:
+    """One token's MoE experts in two GEMVs that route themselves from the router's ``logits`` (bf16 [1, E]: softmax,
+    top k, ties to the lower id, optionally renormalised, as ``kernels.moe_small.router_top_k``): [1, H] =
+    sum_j weight_j * expert_j(x). gate_up [E, 2I, H] ([gate; up] rows), down [E, H, I], bf16 or (``scales``) FP8.
+    ``norm`` (weight, eps): of RMSNorm(x) * weight, normed as read; ``module``: a ``load_module(defines)`` variant."""
+    reason = experts_unsupported(x, gate_up, down, logits, top_k, scales)
+    if reason is not None:
+        raise ValueError(f"expert gemv: {reason}")
+    x2 = x.reshape(1, x.shape[-1]).contiguous()
+    if x2.data_ptr() % _VEC_BYTES:
+        x2 = x2.clone()
+    _check_fusion(x2, gate_up.shape[1] // 2, norm, None, True)
+    module = module or load_module(_defines(os.environ.get(DEFINES_ENV, "")))
+    if pdl is None:
+        pdl = os.environ.get(PDL_ENV, "1") != "0"
+    pdl = pdl and pdl_supported(x.device.index or 0)
+    act = torch.empty(top_k, down.shape[2], dtype=torch.bfloat16, device=x.device)
+    norm_weight, eps = norm if norm is not None else (None, 0.0)
+    gate_up_scales, down_scales = (scales.gate_up, scales.down) if scales is not None else (logits, logits)
+    module.moe_gate_up(x2, gate_up, gate_up_scales, logits, top_k, act, pdl, norm_weight, eps)
+    out = torch.empty(1, down.shape[1], dtype=torch.bfloat16, device=x.device)
+    module.moe_down(act, down, down_scales, logits, top_k, renormalize, out, pdl)
+    return out.view(*x.shape[:-1], down.shape[1])
 
 
 @functools.cache

@@ -23,6 +23,11 @@ from tpserve.quant.fp8 import FP8_DTYPE, ExpertScales, dequantize_blocks, num_bl
 FUSE_NORM_ENV = "TPSERVE_MOE_FUSE_NORM"
 # 0: the router's top-k as a kernel of its own at one token, not inside the expert kernels (likewise)
 FUSE_ROUTER_ENV = "TPSERVE_MOE_FUSE_ROUTER"
+# Where one token's experts run in the CUDA GEMV (``kernels.gemv.experts``, routing themselves as the Triton kernels
+# do) instead of the Triton small-batch kernels: by default FP8 experts (Qwen3-30B-A3B-FP8's batch-1 step 0.85x the
+# Triton kernels'; bf16 experts 1.18x, so they keep Triton: docs/benchmarks.md, session 27); ``1``: bf16 experts
+# too, ``0``: none (read at build)
+EXPERT_GEMV_ENV = "TPSERVE_MOE_GEMV"
 # 0: an FP8 checkpoint's experts dequantized at load even where the Triton expert kernels read FP8 (read at load)
 FP8_EXPERTS_ENV = "TPSERVE_MOE_FP8"
 ShardId = tuple[int, int]  # (global expert, part): gate_up_proj part 0 = gate, 1 = up; down_proj part 0
@@ -232,6 +237,7 @@ class SparseMoeBlock(nn.Module):
         self.norm_in_kernels = os.environ.get(FUSE_NORM_ENV, "1") != "0"
         self.route_in_kernels = os.environ.get(FUSE_ROUTER_ENV, "1") != "0"
         self.kernel_setting = os.environ.get(MOE_SMALL_ENV, "")  # experiments: the small-batch kernels' tiles
+        self.expert_gemv = os.environ.get(EXPERT_GEMV_ENV, "")
 
     def forward(self, x: torch.Tensor | PendingNorm, reduce: bool = True) -> torch.Tensor:
         """Summed over the ranks, or (``reduce=False``) this rank's partial sum. A ``PendingNorm`` is normed by
@@ -248,8 +254,15 @@ class SparseMoeBlock(nn.Module):
 
             config = moe_small.config_from_setting(self.gate.top_k, self.kernel_setting)
             if routed:
-                router = moe_small.RouterLogits(self.gate.logits(x), self.gate.top_k, self.gate.norm_topk_prob)
-                partial = moe_small.routed_experts(residual.contiguous(), gate_up, down, router, config, norm, scales)
+                logits, top_k = self.gate.logits(x), self.gate.top_k
+                if self.takes_expert_gemv(scales) and gemv.experts_unsupported(residual, gate_up, down, logits, top_k,
+                                                                                scales) is None:
+                    partial = gemv.experts(residual, gate_up, down, logits, top_k, self.gate.norm_topk_prob, norm,
+                                           scales)
+                else:
+                    router = moe_small.RouterLogits(logits, top_k, self.gate.norm_topk_prob)
+                    partial = moe_small.routed_experts(residual.contiguous(), gate_up, down, router, config, norm,
+                                                       scales)
             else:
                 weights, ids = self.gate(x)
                 partial = moe_small.small_batch_experts(residual.contiguous(), gate_up, down, weights, ids, config,
@@ -258,6 +271,10 @@ class SparseMoeBlock(nn.Module):
             weights, ids = self.gate(x)
             partial = run_experts(x, gate_up, down, weights, ids, scales)
         return self.comm.all_reduce(partial) if reduce else partial
+
+    def takes_expert_gemv(self, scales: ExpertScales | None) -> bool:
+        """Whether one routed token's experts go to the CUDA GEMV (``EXPERT_GEMV_ENV``): FP8 experts by default."""
+        return self.expert_gemv == "1" or (self.expert_gemv != "0" and scales is not None)
 
     def routes_in_experts(self, x: torch.Tensor) -> bool:
         """Whether the small-batch expert kernels take the router's logits and route themselves (no router

@@ -66,6 +66,30 @@ constexpr int kScaleBlock = 128;
 constexpr int kMaxTokens = 8;
 constexpr int kMaxSiluMulTokens = 2;
 
+// A mixture-of-experts layer's experts at one token, routed in the kernels (no router kernel between the router's
+// GEMV and them): each warp takes the token's top k from the router's bf16 logits itself (route_top_k).
+// kExpertGateUp: the grid's y is the slot j of the top k, W the [2I, H] slice of its expert, y row j ([k, I]: SwiGLU).
+// kExpertDown: x is those k rows [k * I] as one vector and row r of W the k experts' rows r side by side, each chunk's
+// sum times its slot's routing weight (and FP8 block scale): out [H] = sum_j weight_j * down[e_j] @ act_j.
+enum Experts : int { kDense = 0, kExpertGateUp = 1, kExpertDown = 2 };
+constexpr int kMaxTopK = 16;
+constexpr int kMaxExperts = 128;  // 4 logits a lane (Qwen3-MoE: 128)
+
+// Rows a block of the expert GEMVs takes: bf16 4; FP8 gate_up TPSERVE_GEMV_FP8_ROWS as the dense kernels, FP8 down 2
+// (Qwen3-30B-A3B-FP8's batch-1 step: 2 rows 0.984x 4 rows, 4 rows 0.949x 8; session 27).
+#ifndef TPSERVE_GEMV_EXPERT_ROWS
+#define TPSERVE_GEMV_EXPERT_ROWS 4
+#endif
+#ifndef TPSERVE_GEMV_FP8_DOWN_ROWS
+#define TPSERVE_GEMV_FP8_DOWN_ROWS 2
+#endif
+// 1: the gate_up GEMV lets the down GEMV launch as soon as it has the logits (which down routes from), so down's blocks
+// load their first weights during gate_up's run; 0: after gate_up's loads, as the dense GEMVs do (Qwen3-30B-A3B-FP8's
+// batch-1 step 1.03x slower; session 27).
+#ifndef TPSERVE_GEMV_EXPERT_EARLY
+#define TPSERVE_GEMV_EXPERT_EARLY 1
+#endif
+
 // Rows per block. A block must bring enough W bytes to pay for itself: FP8 rows are half as
 // long, so at one token a block takes 8 of them (8 KB of Qwen3-8B's K = 4096, one 16-byte load
 // each for all kLoadsInFlight; with 2 rows half of those loads found no chunk and the kernel read
@@ -86,12 +110,16 @@ constexpr int kMaxSiluMulTokens = 2;
 // registers 0.2% faster (noise) and through cp.async into shared memory 1.8% slower; 16 loads in flight in the
 // kernels that add to the residual (o, down; 126 registers) 1.8% slower, in the SwiGLU ones 9% slower; every
 // one-token FP8 kernel held to 7 blocks (72 registers) 0.7% slower, to 8 (64, spilling) 3% slower.
-// Sessions 21-22: one token's MoE experts in this kernel (gate_up 4-row blocks per top-k slot, down over the k
+// Sessions 21-22: one token's bf16 MoE experts in this kernel (gate_up 4-row blocks per top-k slot, down over the k
 // experts' rows side by side): the layer alone 0.965x the Triton small-batch kernels, but whole Qwen3-30B-A3B steps
-// 1.027x slower with the router's top-k as a kernel of its own (removed).
-template <int M, bool kFp8>
+// 1.027x slower with the router's top-k as a kernel of its own. Session 27 (kExpertGateUp / kExpertDown, routing in
+// the kernels): FP8 experts 0.85x the Triton kernels' step, bf16 experts still 1.18x (so the layer takes it for FP8).
+template <int M, bool kFp8, int kMoe = kDense>
 __host__ __device__ constexpr int rows_per_block() {
-  return kFp8 && M == 1 ? TPSERVE_GEMV_FP8_ROWS : (M <= 2 ? 2 : 4);
+  return kMoe == kExpertDown && kFp8  ? TPSERVE_GEMV_FP8_DOWN_ROWS
+         : kMoe != kDense && !kFp8   ? TPSERVE_GEMV_EXPERT_ROWS
+         : kFp8 && M == 1            ? TPSERVE_GEMV_FP8_ROWS
+                                     : (M <= 2 ? 2 : 4);
 }
 
 template <int M, bool kFp8>
@@ -175,6 +203,76 @@ __device__ __forceinline__ float silu_mul(float g, float u) {
 enum Fuse : int { kPlain = 0, kNormX = 1, kAddToY = 2 };
 constexpr int kMaxFusedTokens = 2;
 
+struct Routing {
+  const __nv_bfloat16* logits = nullptr;  // [E]: the router GEMV's output for the one token
+  int num_experts = 0;
+  int top_k = 0;
+  bool renormalize = false;
+  int64_t expert_bytes = 0;  // one expert's slice of W
+  int64_t expert_scales = 0;  // FP8: one expert's scales (floats)
+  int seg_chunks = 0;  // kExpertDown: 16-byte chunks of one expert's row (of I)
+  int seg_scale_blocks = 0;  // kExpertDown, FP8: 128-wide scale blocks of one expert's row
+};
+
+// 16 bits an earlier kernel wrote, through L2 (the down kernel reads the logits before its PDL wait; L1 may hold a
+// line of the graph pool's buffer from an earlier kernel on this SM).
+__device__ __forceinline__ uint32_t load_input_u16(const void* p) {
+  uint16_t v;
+  asm volatile("ld.global.cg.u16 %0, [%1];" : "=h"(v) : "l"(p));
+  return v;
+}
+
+// One warp: the token's top k experts by logit (ties to the lower id), as kernels/moe_small.py's router_top_k ranks
+// them, calling on_slot(j, id, prob) in every lane for j < slots (<= top_k); with kProbs prob is the softmax over
+// all experts in float32 (else 0). A logit becomes a 32-bit key (its bf16 bits made order-preserving, then
+// 0xffff - id), so one redux.sync finds each slot; only the lane that held it takes the next of its own 4.
+template <bool kProbs, typename OnSlot>
+__device__ __forceinline__ void route_top_k(const Routing& routing, int slots, OnSlot on_slot) {
+  constexpr int kPerLane = kMaxExperts / 32;
+  const int lane = threadIdx.x % 32;
+  uint32_t keys[kPerLane];
+#pragma unroll
+  for (int i = 0; i < kPerLane; ++i) {
+    const int e = lane + 32 * i;
+    keys[i] = 0;  // below every expert's key: no expert, or taken
+    if (e < routing.num_experts) {
+      const uint32_t b = load_input_u16(routing.logits + e);
+      keys[i] = ((b & 0x8000u ? b ^ 0xffffu : b | 0x8000u) << 16) | (0xffffu - e);
+    }
+  }
+  auto logit_of = [](uint32_t key) {
+    const uint32_t o = key >> 16;
+    return __uint_as_float((o & 0x8000u ? o & 0x7fffu : o ^ 0xffffu) << 16);
+  };
+  auto lane_max = [&]() {
+    uint32_t m = keys[0];
+#pragma unroll
+    for (int i = 1; i < kPerLane; ++i) m = max(m, keys[i]);
+    return m;
+  };
+  uint32_t lane_best = lane_max();
+  float top = 0.f, denom = 1.f;
+  if constexpr (kProbs) {
+    top = logit_of(__reduce_max_sync(0xffffffffu, lane_best));
+    denom = 0.f;
+#pragma unroll
+    for (int i = 0; i < kPerLane; ++i)
+      if (keys[i]) denom += expf(logit_of(keys[i]) - top);
+#pragma unroll
+    for (int off = 16; off > 0; off /= 2) denom += __shfl_xor_sync(0xffffffffu, denom, off);
+  }
+  for (int j = 0; j < slots; ++j) {
+    const uint32_t best = __reduce_max_sync(0xffffffffu, lane_best);
+    if (lane_best == best) {  // (keys are unique: they hold the id)
+#pragma unroll
+      for (int i = 0; i < kPerLane; ++i)
+        if (keys[i] == best) keys[i] = 0;
+      lane_best = lane_max();
+    }
+    on_slot(j, static_cast<int>(0xffffu - (best & 0xffffu)), kProbs ? expf(logit_of(best) - top) / denom : 0.f);
+  }
+}
+
 // Blocks an SM a kernel is compiled for (__launch_bounds__; 0: the compiler's choice). Left alone, the one-token
 // FP8 kernel with the fused norm and no SwiGLU (qkv_proj) takes 88 registers, 5 blocks an SM, so Qwen3-8B's 768
 // blocks ran in 1.16 waves of 660; held to 6 it takes 80 without spilling and runs in one wave (the other one-token
@@ -187,13 +285,16 @@ __host__ __device__ constexpr int min_blocks() {
   return kFp8 && M == 1 && !kSiluMul && kFuse == kNormX ? TPSERVE_GEMV_NORM_MIN_BLOCKS : 0;
 }
 
-template <int M, bool kFp8, bool kSiluMul, int kFuse>
+template <int M, bool kFp8, bool kSiluMul, int kFuse, int kMoe = kDense>
 __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse>()))
     gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
                 const float* __restrict__ scale_inv, const __nv_bfloat16* __restrict__ norm_w, float eps,
-                __nv_bfloat16* y, int n, int k) {
+                __nv_bfloat16* y, int n, int k, Routing routing = {}) {
   constexpr bool kNorm = kFuse == kNormX;
-  constexpr int R = rows_per_block<M, kFp8>();
+  static_assert(kMoe == kDense || (M == 1 && kFuse != kAddToY), "the expert GEMVs: one token, no add");
+  static_assert(kMoe != kExpertDown || (!kSiluMul && kFuse == kPlain), "the down GEMV fuses nothing");
+  constexpr bool kScaled = kFp8 || kMoe == kExpertDown;  // each chunk's sums times a scale (and routing weight)
+  constexpr int R = rows_per_block<M, kFp8, kMoe>();
   constexpr int kOut = kSiluMul ? R / 2 : R;  // outputs per block: R / 2 (gate, up) row pairs
   static_assert(!kSiluMul || R % 2 == 0, "SiLU-and-mul pairs rows");
   constexpr int U = loads_in_flight<M, kFp8>() / R;  // chunks of each row loaded per step
@@ -205,6 +306,44 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
   const int chunks = static_cast<int>(row_bytes / kVecBytes);
   const int n_out = kSiluMul ? n / 2 : n;
   const int n0 = blockIdx.x * kOut;
+  // kExpertGateUp: the slot's expert, from the router's logits (so W's first loads wait for them). The down kernel
+  // may launch once the logits are final, to route itself and load its first weights during this kernel's run.
+  if constexpr (kMoe == kExpertGateUp) {
+    wait_for_inputs();
+    if (TPSERVE_GEMV_EXPERT_EARLY) allow_next_launch();
+    int expert = 0;
+    route_top_k<false>(routing, blockIdx.y + 1, [&](int j, int id, float) {
+      if (j == static_cast<int>(blockIdx.y)) expert = id;
+    });
+    w += expert * routing.expert_bytes;
+    if constexpr (kFp8) scale_inv += expert * routing.expert_scales;
+    y += static_cast<size_t>(blockIdx.y) * n_out;
+  }
+  // kExpertDown: the k experts' slices, routing weights and (FP8) scale rows, routed before the PDL wait
+  __shared__ const uint8_t* slot_w[kMoe == kExpertDown ? kMaxTopK : 1];
+  __shared__ const float* slot_scales[kMoe == kExpertDown ? kMaxTopK : 1];
+  __shared__ float slot_weight[kMoe == kExpertDown ? kMaxTopK : 1];
+  if constexpr (kMoe == kExpertDown) {
+    if (threadIdx.x < 32) {
+      float total = 0.f;
+      route_top_k<true>(routing, routing.top_k, [&](int j, int id, float prob) {
+        total += prob;
+        if (threadIdx.x == 0) {
+          slot_w[j] = w + id * routing.expert_bytes;
+          slot_scales[j] = kFp8 ? scale_inv + id * routing.expert_scales +
+                                      static_cast<size_t>(min(n0, n - 1) / kScaleBlock) * routing.seg_scale_blocks
+                                : nullptr;
+          slot_weight[j] = prob;
+        }
+      });
+      __syncwarp();
+      if (threadIdx.x < routing.top_k) {  // rounded to bf16, as the router kernel stores the weights
+        const float weight = routing.renormalize ? slot_weight[threadIdx.x] / total : slot_weight[threadIdx.x];
+        slot_weight[threadIdx.x] = __bfloat162float(__float2bfloat16(weight));
+      }
+    }
+    __syncthreads();
+  }
 
   // W row of the block's row r: rows past the end read the last one (kOut divides 128 and, with
   // kSiluMul, I: the gate rows share one scale row, the up rows another).
@@ -212,11 +351,17 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
     if constexpr (kSiluMul) return r < kOut ? min(n0 + r, n_out - 1) : n_out + min(n0 + r - kOut, n_out - 1);
     return min(n0 + r, n - 1);
   };
+  // kExpertDown: a row of one expert is seg_chunks chunks, row_off[r] row r's offset within each expert's slice
+  const size_t w_row_bytes = kMoe == kExpertDown ? static_cast<size_t>(routing.seg_chunks) * kVecBytes : row_bytes;
+  size_t row_off[R];
   const uint4* wrow[R];
 #pragma unroll
-  for (int r = 0; r < R; ++r) wrow[r] = reinterpret_cast<const uint4*>(w + static_cast<size_t>(w_row(r)) * row_bytes);
+  for (int r = 0; r < R; ++r) {
+    row_off[r] = static_cast<size_t>(w_row(r)) * w_row_bytes;
+    wrow[r] = reinterpret_cast<const uint4*>(w + row_off[r]);
+  }
   const float* srow[2] = {nullptr, nullptr};  // scale rows of the first and (kSiluMul) the last kOut rows
-  if constexpr (kFp8) {
+  if constexpr (kFp8 && kMoe != kExpertDown) {
     const size_t blocks_k = (k + kScaleBlock - 1) / kScaleBlock;
     srow[0] = scale_inv + static_cast<size_t>(w_row(0) / kScaleBlock) * blocks_k;
     srow[1] = scale_inv + static_cast<size_t>(w_row(R - 1) / kScaleBlock) * blocks_k;
@@ -242,7 +387,16 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
       if (owns_out) y_old = __bfloat162float(y[out_idx]);
   };
 
-  bool waited = false;
+  // W's chunk c of row r (kExpertDown: chunk c % seg_chunks of the row in slot c / seg_chunks's expert)
+  auto chunk_ptr = [&](int r, int c) -> const uint4* {
+    if constexpr (kMoe == kExpertDown) {
+      const int slot = c / routing.seg_chunks;
+      return reinterpret_cast<const uint4*>(slot_w[slot] + row_off[r]) + (c - slot * routing.seg_chunks);
+    }
+    return wrow[r] + c;
+  };
+
+  bool waited = kMoe == kExpertGateUp;  // (which waited above)
   // Every thread takes every step, its loads and math guarded (the loop's bounds are the block's, not the
   // thread's): the Qwen3-8B FP8 step 2.1% faster than with each thread's own bounds, bf16 0.5% (session 17).
   for (int step = 0; step < chunks; step += kThreads * U) {
@@ -252,7 +406,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
     for (int u = 0; u < U; ++u) {
       const int c = base + u * kThreads;
 #pragma unroll
-      for (int r = 0; r < R; ++r) wv[u][r] = c < chunks ? load_stream(wrow[r] + c) : make_uint4(0, 0, 0, 0);
+      for (int r = 0; r < R; ++r) wv[u][r] = c < chunks ? load_stream(chunk_ptr(r, c)) : make_uint4(0, 0, 0, 0);
     }
     if (!waited) {  // the first loads of W are in flight: now wait for x
       if (TPSERVE_GEMV_EARLY_TRIGGER) allow_next_launch();
@@ -300,7 +454,12 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
         }
       }
       float scale[2] = {1.f, 1.f};
-      if constexpr (kFp8) {
+      if constexpr (kMoe == kExpertDown) {
+        const int slot = c / routing.seg_chunks;
+        scale[0] = slot_weight[slot];
+        if constexpr (kFp8) scale[0] *= __ldg(slot_scales[slot] + (c - slot * routing.seg_chunks) * kElems / kScaleBlock);
+        scale[1] = scale[0];
+      } else if constexpr (kFp8) {
         scale[0] = __ldg(srow[0] + c * kElems / kScaleBlock);
         scale[1] = kSiluMul ? __ldg(srow[1] + c * kElems / kScaleBlock) : scale[0];
       }
@@ -308,7 +467,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
       for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int m = 0; m < M; ++m)
-          acc[r][m] = kFp8 ? fmaf(part[r][m], scale[r < kOut ? 0 : 1], acc[r][m]) : acc[r][m] + part[r][m];
+          acc[r][m] = kScaled ? fmaf(part[r][m], scale[r < kOut ? 0 : 1], acc[r][m]) : acc[r][m] + part[r][m];
     }
   }
 
@@ -354,23 +513,30 @@ struct Fusion {
   float eps = 0.f;
 };
 
-template <int M, bool kFp8, bool kSiluMul, int kFuse>
-cudaError_t launch(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl, Fusion fusion) {
-  constexpr int kOut = kSiluMul ? rows_per_block<M, kFp8>() / 2 : rows_per_block<M, kFp8>();
-  const int n = static_cast<int>(w.size(0)), k = static_cast<int>(w.size(1));
+// The kernel over W [n, k] (kExpertGateUp: each expert's slice, grid_y = top k slots).
+template <int M, bool kFp8, bool kSiluMul, int kFuse, int kMoe = kDense>
+cudaError_t launch_grid(TensorView x, const void* w, int n, int k, const float* scale_inv, TensorView y, bool pdl,
+                        Fusion fusion, Routing routing, int grid_y) {
+  constexpr int kOut = kSiluMul ? rows_per_block<M, kFp8, kMoe>() / 2 : rows_per_block<M, kFp8, kMoe>();
   const int n_out = kSiluMul ? n / 2 : n;
   cudaLaunchAttribute attrs[1];
   attrs[0].id = cudaLaunchAttributeProgrammaticStreamSerialization;
   attrs[0].val.programmaticStreamSerializationAllowed = pdl ? 1 : 0;
   cudaLaunchConfig_t config = {};
-  config.gridDim = dim3((n_out + kOut - 1) / kOut);
+  config.gridDim = dim3((n_out + kOut - 1) / kOut, grid_y);
   config.blockDim = dim3(kThreads);
   config.stream = get_stream(x.device());
   config.attrs = attrs;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, gemv_kernel<M, kFp8, kSiluMul, kFuse>,
-                            static_cast<const __nv_bfloat16*>(x.data_ptr()), static_cast<const uint8_t*>(w.data_ptr()),
-                            scale_inv, fusion.norm_w, fusion.eps, static_cast<__nv_bfloat16*>(y.data_ptr()), n, k);
+  return cudaLaunchKernelEx(&config, gemv_kernel<M, kFp8, kSiluMul, kFuse, kMoe>,
+                            static_cast<const __nv_bfloat16*>(x.data_ptr()), static_cast<const uint8_t*>(w), scale_inv,
+                            fusion.norm_w, fusion.eps, static_cast<__nv_bfloat16*>(y.data_ptr()), n, k, routing);
+}
+
+template <int M, bool kFp8, bool kSiluMul, int kFuse>
+cudaError_t launch(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl, Fusion fusion) {
+  return launch_grid<M, kFp8, kSiluMul, kFuse>(x, w.data_ptr(), static_cast<int>(w.size(0)),
+                                               static_cast<int>(w.size(1)), scale_inv, y, pdl, fusion, Routing{}, 1);
 }
 
 // The fused kernels, at the token counts of batch-1 and -2 decode (fewer instantiations to compile).
@@ -481,5 +647,94 @@ void gemv_fp8(TensorView x, TensorView weight, TensorView scale_inv, TensorView 
             fusion_of(x, weight, norm_w, eps, add_to_y, silu_mul));
 }
 
+// The routing a pair of expert GEMVs shares: the router's bf16 logits [1, E] of the one token and its top k.
+static Routing routing_of(TensorView logits, int64_t top_k, bool renormalize, TensorView w, TensorView scales) {
+  CHECK_INPUT_AND_TYPE(logits, dl_bfloat16);
+  TVM_FFI_ICHECK(logits.ndim() == 2 && logits.size(0) == 1 && logits.size(1) >= 1 && logits.size(1) <= kMaxExperts &&
+                 top_k >= 1 && top_k <= kMaxTopK && top_k <= logits.size(1) && logits.size(1) == w.size(0))
+      << "expert gemv: logits must be bf16 [1, E] with E <= " << kMaxExperts << " experts and top_k <= "
+      << kMaxTopK;
+  CHECK_INPUT(w);
+  TVM_FFI_ICHECK(w.ndim() == 3 && aligned(w)) << "expert gemv: the experts must be a 16-byte aligned [E, N, K]";
+  Routing routing;
+  routing.logits = static_cast<const __nv_bfloat16*>(logits.data_ptr());
+  routing.num_experts = static_cast<int>(logits.size(1));
+  routing.top_k = static_cast<int>(top_k);
+  routing.renormalize = renormalize;
+  routing.expert_bytes = w.size(1) * w.size(2) * (w.dtype() == dl_float8_e4m3fn ? 1 : 2);
+  if (w.dtype() == dl_float8_e4m3fn) {
+    CHECK_INPUT_AND_TYPE(scales, dl_float32);
+    const int64_t row_blocks = (w.size(1) + kScaleBlock - 1) / kScaleBlock, k_blocks = (w.size(2) + kScaleBlock - 1) / kScaleBlock;
+    TVM_FFI_ICHECK(scales.numel() == w.size(0) * row_blocks * k_blocks)
+        << "expert gemv: FP8 experts need float32 scales per 128x128 block of each expert, contiguous";
+    routing.expert_scales = row_blocks * k_blocks;
+    routing.seg_scale_blocks = static_cast<int>(k_blocks);
+  } else {
+    CHECK_INPUT_TYPE(w, dl_bfloat16);
+  }
+  return routing;
+}
+
+// act [k, I] = SiLU(x @ gate.T) * (x @ up.T) of x [1, H] through the slice of gate_up [E, 2I, H] ([gate; up]; bf16, or
+// FP8 with scales [E, 2, I / 128, H / 128]) of each of the token's top k experts, routed from logits;
+// norm_w: x is RMS-normed first, as in gemv_bf16.
+void moe_gate_up(TensorView x, TensorView gate_up, TensorView scales, TensorView logits, int64_t top_k,
+                 TensorView act, bool pdl, Optional<TensorView> norm_w, double eps) {
+  Routing routing = routing_of(logits, top_k, false, gate_up, scales);
+  const int64_t rows = gate_up.size(1), hidden = gate_up.size(2);
+  const bool fp8 = gate_up.dtype() == dl_float8_e4m3fn;
+  CHECK_INPUT_AND_TYPE(x, dl_bfloat16);
+  CHECK_INPUT_AND_TYPE(act, dl_bfloat16);
+  TVM_FFI_ICHECK(x.ndim() == 2 && x.size(0) == 1 && x.size(1) == hidden && act.ndim() == 2 && act.size(0) == top_k &&
+                 act.size(1) == rows / 2 && rows % (fp8 ? 2 * kScaleBlock : 8) == 0)
+      << "expert gemv: x [1, H], gate_up [E, 2I, H] (I a multiple of " << (fp8 ? kScaleBlock : 4)
+      << "), act [k, I] do not match";
+  TVM_FFI_ICHECK((hidden * (fp8 ? 1 : 2)) % kVecBytes == 0 && aligned(x))
+      << "expert gemv: H must be a multiple of 16 bytes and x 16-byte aligned";
+  ffi::CUDADeviceGuard device_guard(x.device().device_id);
+  Fusion fusion = fusion_of(x, x, norm_w, eps, false, true);  // (x's width is W's K)
+  const int n = static_cast<int>(rows), k = static_cast<int>(hidden);
+  const float* s = fp8 ? static_cast<const float*>(scales.data_ptr()) : nullptr;
+  const void* w = gate_up.data_ptr();
+  cudaError_t status;
+  if (fp8)
+    status = fusion.kind == kNormX
+                 ? launch_grid<1, true, true, kNormX, kExpertGateUp>(x, w, n, k, s, act, pdl, fusion, routing, top_k)
+                 : launch_grid<1, true, true, kPlain, kExpertGateUp>(x, w, n, k, s, act, pdl, fusion, routing, top_k);
+  else
+    status = fusion.kind == kNormX
+                 ? launch_grid<1, false, true, kNormX, kExpertGateUp>(x, w, n, k, s, act, pdl, fusion, routing, top_k)
+                 : launch_grid<1, false, true, kPlain, kExpertGateUp>(x, w, n, k, s, act, pdl, fusion, routing, top_k);
+  TVM_FFI_ICHECK(status == cudaSuccess) << "expert gemv launch failed: " << cudaGetErrorString(status);
+}
+
+// out [1, H] = sum_j weight_j * act[j] @ down[e_j].T over the token's top k experts e_j, routed from logits as
+// moe_gate_up routes them (weight_j: the softmax, optionally renormalised over the k, rounded to bf16); act [k, I],
+// down [E, H, I] bf16, or FP8 with scales [E, H / 128, I / 128].
+void moe_down(TensorView act, TensorView down, TensorView scales, TensorView logits, int64_t top_k, bool renormalize,
+              TensorView out, bool pdl) {
+  Routing routing = routing_of(logits, top_k, renormalize, down, scales);
+  const int64_t hidden = down.size(1), inter = down.size(2);
+  const bool fp8 = down.dtype() == dl_float8_e4m3fn;
+  CHECK_INPUT_AND_TYPE(act, dl_bfloat16);
+  CHECK_INPUT_AND_TYPE(out, dl_bfloat16);
+  TVM_FFI_ICHECK(act.ndim() == 2 && act.size(0) == top_k && act.size(1) == inter && out.ndim() == 2 &&
+                 out.size(0) == 1 && out.size(1) == hidden)
+      << "expert gemv: act [k, I], down [E, H, I], out [1, H] do not match";
+  TVM_FFI_ICHECK(inter % (fp8 ? kScaleBlock : 8) == 0 && aligned(act))
+      << "expert gemv: I must be a multiple of " << (fp8 ? kScaleBlock : 8) << " and act 16-byte aligned";
+  ffi::CUDADeviceGuard device_guard(act.device().device_id);
+  routing.seg_chunks = static_cast<int>(inter * (fp8 ? 1 : 2) / kVecBytes);
+  const float* s = fp8 ? static_cast<const float*>(scales.data_ptr()) : nullptr;
+  const int n = static_cast<int>(hidden), k = static_cast<int>(top_k * inter);
+  const cudaError_t status =
+      fp8 ? launch_grid<1, true, false, kPlain, kExpertDown>(act, down.data_ptr(), n, k, s, out, pdl, Fusion{}, routing, 1)
+          : launch_grid<1, false, false, kPlain, kExpertDown>(act, down.data_ptr(), n, k, s, out, pdl, Fusion{}, routing,
+                                                              1);
+  TVM_FFI_ICHECK(status == cudaSuccess) << "expert gemv launch failed: " << cudaGetErrorString(status);
+}
+
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gemv_bf16, gemv_bf16);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gemv_fp8, gemv_fp8);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(moe_gate_up, moe_gate_up);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(moe_down, moe_down);
