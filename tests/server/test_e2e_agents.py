@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
+import httpx
 import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from server_process import running_server
+from server_process import metrics, running_server
 
 WEATHER_PARAMS = {
     "type": "object",
@@ -168,3 +170,106 @@ def test_litellm_tools_and_response_format(server, monkeypatch):
     check_calls(resp.choices[0].message, set(SCHEMAS))
     resp = litellm.completion(messages=ASK, response_format=Forecast, **common)
     Forecast.model_validate_json(resp.choices[0].message.content)
+
+
+# ---- the Responses API (/v1/responses), as the Agents SDK and client.responses drive it ----
+FLAT_TOOLS = [{"type": "function", **t["function"]} for t in TOOLS]
+NO_THINKING = {"effort": "none"}  # Qwen3's enable_thinking off: all the output is the message
+
+
+def test_responses_text_whole_and_streamed(client):
+    kwargs = dict(model="tiny", input="Tell me about Paris", instructions="Be brief.", max_output_tokens=12,
+                  temperature=0, reasoning=NO_THINKING, extra_body={"ignore_eos": True})
+    whole = client.responses.create(**kwargs)
+    assert whole.id.startswith("resp_") and whole.object == "response" and whole.status == "incomplete"
+    assert whole.incomplete_details.reason == "max_output_tokens" and whole.output_text
+    assert (whole.usage.output_tokens, whole.usage.total_tokens) == (12, whole.usage.input_tokens + 12)
+    with client.responses.stream(**kwargs) as stream:
+        events = list(stream)  # the SDK checks each event against the response it rebuilds
+    final = events[-1].response  # get_final_response() wants response.completed, and this one is incomplete
+    types = [e.type for e in events]
+    assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
+                         "response.content_part.added"]
+    assert types[-4:] == ["response.output_text.done", "response.content_part.done", "response.output_item.done",
+                          "response.incomplete"]
+    assert [e.sequence_number for e in events] == list(range(len(events)))
+    deltas = [e.delta for e in events if e.type == "response.output_text.delta"]
+    assert len(deltas) > 1 and "".join(deltas) == final.output_text == whole.output_text
+    assert client.responses.retrieve(final.id).output_text == whole.output_text  # streamed ones are stored too
+
+
+def test_responses_function_call_round_trip(client):
+    first = client.responses.create(model="tiny", input="What is the weather in Paris?", tools=FLAT_TOOLS,
+                                    tool_choice="required", parallel_tool_calls=False, max_output_tokens=200, extra_body={"seed": 11})
+    (call,) = first.output
+    assert call.type == "function_call" and call.call_id.startswith("call_") and first.status == "completed"
+    jsonschema.validate(json.loads(call.arguments), SCHEMAS[call.name])
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": json.dumps({"forecast": "sunny"})}
+    common = dict(model="tiny", tools=FLAT_TOOLS, max_output_tokens=4, extra_body={"ignore_eos": True})
+    by_id = client.responses.create(previous_response_id=first.id, input=[result], tool_choice="none", **common)
+    assert by_id.previous_response_id == first.id and by_id.status == "incomplete"
+    explicit = [{"role": "user", "content": "What is the weather in Paris?"},
+                call.model_dump(exclude_none=True), result]
+    by_items = client.responses.create(input=explicit, tool_choice="none", **common)
+    # the stored history renders the same prompt as the items sent in full
+    assert by_id.usage.input_tokens == by_items.usage.input_tokens > first.usage.input_tokens
+    named = client.responses.create(model="tiny", input="Time in Berlin?", tools=FLAT_TOOLS, max_output_tokens=100,
+                                    tool_choice={"type": "function", "name": "get_time"}, extra_body={"seed": 12})
+    assert [(o.type, o.name) for o in named.output] == [("function_call", "get_time")]
+    jsonschema.validate(json.loads(named.output[0].arguments), SCHEMAS["get_time"])
+
+
+def test_responses_streamed_function_call(client):
+    with client.responses.stream(model="tiny", input="Weather in Rome?", tools=FLAT_TOOLS, tool_choice="required",
+                                 parallel_tool_calls=False, max_output_tokens=200, extra_body={"seed": 13}) as stream:
+        events = list(stream)
+        final = stream.get_final_response()
+    (call,) = final.output
+    args = "".join(e.delta for e in events if e.type == "response.function_call_arguments.delta")
+    assert args == call.arguments and call.call_id.startswith("call_")
+    jsonschema.validate(json.loads(args), SCHEMAS[call.name])
+
+
+def test_responses_structured_output_and_reasoning(client):
+    parsed = client.responses.parse(model="tiny", input="Forecast for Paris?", text_format=Forecast,
+                                    max_output_tokens=200, extra_body={"seed": 14})
+    assert isinstance(parsed.output_parsed, Forecast) and parsed.status == "completed"
+    think = {"regex": r"<think>[a-z]{1,8}</think>\n\n(yes|no)"}  # the random model thinks, then answers
+    resp = client.responses.create(model="tiny", input="Sunny?", max_output_tokens=40, extra_body={**think, "seed": 7})
+    reasoning, message = resp.output
+    assert reasoning.type == "reasoning" and re.fullmatch("[a-z]{1,8}", reasoning.content[0].text)
+    assert resp.output_text in ("yes", "no") and resp.usage.output_tokens_details.reasoning_tokens > 0
+
+
+def test_responses_store_and_errors(client):
+    resp = client.responses.create(model="tiny", input="Hi", max_output_tokens=2, reasoning=NO_THINKING)
+    assert client.responses.retrieve(resp.id).output_text == resp.output_text
+    client.responses.delete(resp.id)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.retrieve(resp.id)
+    with pytest.raises(openai.BadRequestError, match="Previous response"):
+        client.responses.create(model="tiny", input="Hi", previous_response_id=resp.id)
+    with pytest.raises(openai.BadRequestError, match="'web_search' tools are not supported"):
+        client.responses.create(model="tiny", input="Hi", tools=[{"type": "web_search"}])
+    with pytest.raises(openai.BadRequestError, match="background"):
+        client.responses.create(model="tiny", input="Hi", background=True)
+    image = [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]
+    with pytest.raises(openai.BadRequestError, match="input_image content is not supported"):
+        client.responses.create(model="tiny", input=image)
+
+
+def test_responses_stream_disconnect_aborts(server):
+    before = metrics(server.url).get('tpserve_requests_finished_total{finish_reason="abort"}', 0.0)
+    body = {"model": "tiny", "input": "Once upon a time", "max_output_tokens": 900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=30) as resp:
+        assert resp.status_code == 200
+        lines = resp.iter_lines()
+        for _ in range(12):
+            next(lines)
+    for _ in range(100):
+        now = metrics(server.url)
+        if now.get('tpserve_requests_finished_total{finish_reason="abort"}', 0.0) > before:
+            break
+        time.sleep(0.1)
+    assert now['tpserve_requests_finished_total{finish_reason="abort"}'] == before + 1
+    assert now["tpserve_num_requests_running"] == 0

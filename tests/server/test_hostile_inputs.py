@@ -17,6 +17,7 @@ from server_process import metrics, running_server
 
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
+RESPONSES = "/v1/responses"
 MAX_BYTES = 1_000_000
 HEALTH_TIMEOUT_S = 3
 USER = [{"role": "user", "content": "hi"}]
@@ -93,6 +94,19 @@ HOSTILE = [
     (*completion(best_of=3), "best_of"),
     (*completion(logprobs=1000), "logprobs"),
     (*completion(suffix="x"), "suffix"),
+    # the Responses API
+    (RESPONSES, {"input": "hi", "max_output_tokens": 10**20}, "max_output_tokens"),
+    (RESPONSES, {"input": "\ud800"}, "input"),
+    (RESPONSES, {"input": [{"role": "user", "content": 42}]}, "input"),
+    (RESPONSES, {"input": [{"type": "function_call_output"}]}, "input"),
+    (RESPONSES, {"input": "hi", "tools": "x"}, "tools"),
+    (RESPONSES, {"input": "hi", "tools": [{"type": "file_search", "vector_store_ids": ["vs_1"]}]}, "tools"),
+    (RESPONSES, {"input": "hi", "text": {"format": {"type": "json_schema", "name": "x", "schema": {"type": "bogus"}}}},
+     "text.format"),
+    (RESPONSES, {"input": "word " * 80_000}, "input"),  # more characters than the context can hold
+    (RESPONSES, {"input": "a " * 3000}, "input"),  # more tokens than the (KV-capped) context
+    (RESPONSES, {"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
+    (RESPONSES, {"input": "hi", "background": True}, "background"),
 ]
 
 

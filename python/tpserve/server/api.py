@@ -23,7 +23,14 @@ from tpserve.server.limits import BodySizeLimit, RequestLimits
 from tpserve.message.frontend import TokenizeRequest
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.metrics import CONTENT_TYPE, ServerMetrics
-from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody
+from tpserve.server.protocol import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    DetokenizeBody,
+    ResponsesRequest,
+    TokenizeBody,
+)
+from tpserve.server.responses import ResponseStore, create_response, delete_response, get_response
 from tpserve.server.serving import Serving
 from tpserve.tokenizer.prepare import InvalidRequest, PromptLimits, PromptPreparer
 
@@ -95,6 +102,7 @@ class AppState:
     stopping: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
     tokenize: TokenizeService | None = None  # /tokenize and /detokenize, made on first use
+    responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses with store: true
     # Why the backend is not live (a rank stopped making progress), or None; set once serving.
     liveness: Callable[[], str | None] | None = None
 
@@ -164,6 +172,18 @@ def _v1_router() -> APIRouter:
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _serving(request).completion(body, request, _state(request).tokenize_service().decode)
+
+    @router.post("/responses")
+    async def responses(body: ResponsesRequest, request: Request) -> Response:
+        return await create_response(_serving(request), _state(request).responses, body, request)
+
+    @router.get("/responses/{response_id}")
+    async def get_stored_response(response_id: str, request: Request) -> dict[str, Any]:
+        return get_response(_state(request).responses, response_id)
+
+    @router.delete("/responses/{response_id}")
+    async def delete_stored_response(response_id: str, request: Request) -> dict[str, Any]:
+        return delete_response(_state(request).responses, response_id)
 
     return router
 

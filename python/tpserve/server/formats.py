@@ -12,6 +12,7 @@ import msgspec
 
 from tpserve.message.frontend import ApiOutput, TokenLogprob
 from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
+from tpserve.server.errors import APIError, error_body
 from tpserve.server.metrics import RequestTimer
 
 
@@ -42,6 +43,7 @@ class Choice:
     rid: int
     timer: RequestTimer
     text: list[str] = field(default_factory=list)
+    text_tokens: list[int] = field(default_factory=list)  # the tokens each piece of ``text`` holds
     finish_reason: str | None = None
     prompt_tokens: int = 0
     completion_tokens: int = 0
@@ -99,6 +101,15 @@ class ResponseFormat:
 
     def start_chunk(self, index: int) -> bytes | None:
         return None
+
+    def error_chunk(self, error: APIError) -> bytes:
+        """The event that tells a streaming client the call failed after its stream began."""
+        return sse(error_body(error.message, error.type, error.param, error.code))
+
+    def end_chunks(self, usage: dict[str, Any], failed: bool) -> list[bytes]:
+        """What closes the stream, once every choice has finished (or one failed)."""
+        usage_chunks = [self.usage_chunk(usage)] if self.include_usage and not failed else []
+        return [*usage_chunks, SSE_DONE]
 
     def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
         """The stream chunks of one backend output: its text, then its finish if it is the last."""

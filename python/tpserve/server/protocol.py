@@ -347,3 +347,65 @@ class TokenizeBody(_Body):
 class DetokenizeBody(_Body):
     model: str | None = None
     tokens: list[StrictInt]
+
+
+MAX_METADATA_KEYS = 16  # OpenAI's bounds on a response's metadata
+MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
+# Fields of the Responses API that tpserve does not serve: each is a 400 naming it, not ignored.
+UNSUPPORTED_RESPONSES_FIELDS = {
+    "conversation": "conversation objects are not supported: continue with previous_response_id",
+    "prompt": "prompt templates are not supported: send input (and instructions)",
+    "max_tool_calls": "max_tool_calls is not supported (parallel_tool_calls: false allows one call)",
+    "top_logprobs": "log-probabilities are not supported on /v1/responses: use /v1/chat/completions",
+}
+
+
+class ResponsesRequest(_Body):
+    """POST /v1/responses (OpenAI's Responses API). ``server/responses.py`` serves it as a chat
+    request; chat's sampling extensions (seed, top_k, ignore_eos, ...) ride along as extra fields."""
+
+    model: str | None = None
+    input: Union[StrictStr, list[dict[str, Any]]] = Field(default_factory=list)
+    instructions: str | None = None
+    max_output_tokens: int | None = Field(default=None, ge=1)
+    temperature: float | None = Field(default=None, ge=0.0)
+    top_p: float | None = Field(default=None, gt=0.0, le=1.0)
+    tools: list[dict[str, Any]] = Field(default_factory=list)
+    tool_choice: Union[StrictStr, dict[str, Any]] = "auto"
+    parallel_tool_calls: bool = True
+    text: dict[str, Any] | None = None
+    reasoning: dict[str, Any] | None = None
+    stream: bool = False
+    store: bool = True
+    previous_response_id: str | None = None
+    metadata: dict[str, StrictStr] | None = None
+    user: str | None = None
+    background: bool = False
+    truncation: Literal["auto", "disabled"] = "disabled"
+    include: list[StrictStr] | None = None
+
+    def check(self) -> None:
+        for name, why in UNSUPPORTED_RESPONSES_FIELDS.items():
+            if (self.model_extra or {}).get(name) not in (None, 0):
+                raise APIError.invalid(why, name)
+        if self.background:
+            raise APIError.invalid("background responses are not supported: send background: false", "background")
+        if self.truncation == "auto":
+            raise APIError.invalid('truncation "auto" is not supported: an input beyond the context is a 400 '
+                                   '(truncation: "disabled")', "truncation")
+        for item in self.include or []:
+            if item != "reasoning.encrypted_content":  # asked by agents with store: false; reasoning comes as text
+                raise APIError.invalid(f"include {item!r} is not supported", "include")
+        if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
+            raise APIError.invalid("input must not be empty", "input")
+        self._check_metadata()
+
+    def _check_metadata(self) -> None:
+        metadata = self.metadata or {}
+        if len(metadata) > MAX_METADATA_KEYS:
+            raise APIError.invalid(f"metadata may hold at most {MAX_METADATA_KEYS} keys, got {len(metadata)}",
+                                   "metadata")
+        for key, value in metadata.items():
+            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+                raise APIError.invalid(f"metadata keys may have at most {MAX_METADATA_KEY_CHARS} characters and "
+                                       f"values at most {MAX_METADATA_VALUE_CHARS}", "metadata")

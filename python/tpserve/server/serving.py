@@ -15,9 +15,10 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tpserve.message.frontend import ApiOutput, RequestRejected, TokenizeRequest
 from tpserve.parsers.chat_output import ChatOutputConfig
 from tpserve.parsers.constraints import named_tool
+from tpserve.sampling_params import SamplingParams
 from tpserve.server.client import BackendEvent, FrontendClient, RequestCancelled
-from tpserve.server.errors import APIError, error_body
-from tpserve.server.formats import SSE_DONE, ChatFormat, Choice, CompletionFormat, ResponseFormat, sse
+from tpserve.server.errors import APIError
+from tpserve.server.formats import ChatFormat, Choice, CompletionFormat, ResponseFormat
 from tpserve.server.limits import RequestLimits
 from tpserve.server.metrics import RequestTimer, ServerMetrics
 from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest
@@ -108,6 +109,7 @@ class Generation:
         choice.prompt_in_reasoning = event.prompt_in_reasoning
         choice.matched_stop = event.matched_stop
         choice.text.append(event.text)
+        choice.text_tokens.append(event.new_tokens)
         if event.logprobs:
             choice.logprobs.extend(event.logprobs)
         if event.prompt_logprobs:
@@ -171,6 +173,15 @@ class Serving:
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
+        reqs, output, params = self.chat_requests(body)
+        fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output)
+        return await self.run(reqs, fmt, body.stream, request, body.n)
+
+    def chat_requests(
+        self, body: ChatCompletionRequest
+    ) -> tuple[list[TokenizeRequest], ChatOutputConfig, SamplingParams]:
+        """The backend requests of a chat call (one per choice), checked against the limits, and how
+        to split their output."""
         body.check()
         structure = body.structure()
         params = body.sampling_params(body.effective_max_tokens, structure)
@@ -192,8 +203,7 @@ class Serving:
             )
             for choice_params in params.choices()
         ]
-        fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output)
-        return await self._run(reqs, fmt, body.stream, request, body.n)
+        return reqs, output, params
 
     async def completion(
         self, body: CompletionRequest, request: Request, decode: Callable[[list[int]], Awaitable[str]]
@@ -221,9 +231,9 @@ class Serving:
         if body.echo:  # each choice's text starts with its prompt's
             echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]
         fmt = CompletionFormat(self.model_name, body.include_usage, params.logprobs is not None, echo, generates)
-        return await self._run(reqs, fmt, body.stream, request, body.n)
+        return await self.run(reqs, fmt, body.stream, request, body.n)
 
-    async def _run(
+    async def run(
         self, reqs: list[TokenizeRequest], fmt: ResponseFormat, stream: bool, request: Request, n: int = 1
     ) -> Response:
         gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n, timeout=self.request_timeout)
@@ -265,13 +275,12 @@ async def _stream(
                 choice, out = await gen.next()
             except APIError as e:
                 failed = True
-                yield sse(error_body(e.message, e.type, e.param, e.code))
+                yield fmt.error_chunk(e)
                 break
             for chunk in fmt.output_chunks(choice, out):
                 yield chunk
-        if fmt.include_usage and not failed:
-            yield fmt.usage_chunk(gen.usage())
-        yield SSE_DONE
+        for chunk in fmt.end_chunks(gen.usage(), failed):
+            yield chunk
     finally:
         if not gen.finished:
             await gen.abort(client_gone=not failed)

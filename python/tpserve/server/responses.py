@@ -1,0 +1,537 @@
+"""OpenAI's Responses API (``/v1/responses``) on top of the chat pipeline.
+
+A request's input items (with the stored history of ``previous_response_id``) become chat
+messages, its flat function tools and ``text.format`` the chat forms, and the chat request runs
+through ``Serving`` as any other. Its output, split by the chat output parser into reasoning,
+content and tool calls, becomes output items: ``reasoning``, ``message`` (one ``output_text``
+part) and ``function_call``; streamed, as the semantic events (``response.output_text.delta``, ...)
+numbered by ``sequence_number``. Stored responses live in a bounded LRU map in the app state.
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections import OrderedDict
+from dataclasses import dataclass, replace
+from typing import Any, Callable, Iterable
+
+import msgspec
+from fastapi import Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import Response
+from pydantic import ValidationError
+
+from tpserve.message.frontend import ApiOutput, TokenizeRequest
+from tpserve.parsers.chat_output import ChatDelta, ChatOutputConfig, ChatOutputParser
+from tpserve.server.errors import APIError
+from tpserve.server.formats import Choice, ResponseFormat
+from tpserve.server.protocol import ChatCompletionRequest, ResponsesRequest
+from tpserve.server.serving import Serving
+
+MAX_STORED_RESPONSES = 4096
+
+# chat fields a Responses request may carry as extensions (vLLM's sampling extras)
+CHAT_EXTENSIONS = frozenset({
+    "seed", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
+    "presence_penalty", "frequency_penalty", "logit_bias", "skip_special_tokens", "chat_template_kwargs",
+    "regex", "ebnf",
+})
+# a chat field named in an error -> the Responses field it came from
+RESPONSES_PARAMS = {"response_format": "text.format", "messages": "input", "max_tokens": "max_output_tokens"}
+INPUT_ROLES = ("user", "system", "developer", "assistant")
+TEXT_PARTS = ("input_text", "output_text", "text")
+
+
+# ---- the store ----
+@dataclass(frozen=True)
+class StoredResponse:
+    response: dict[str, Any]
+    # The conversation as Responses items: the previous response's, this input, this output. The
+    # item dicts are shared with the previous entries, so a long chain costs one list of references each.
+    items: list[dict[str, Any]]
+
+
+class ResponseStore:
+    """Stored responses by id, the least recently used dropped beyond ``capacity``."""
+
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
+        self.capacity = capacity
+        self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def get(self, response_id: str) -> StoredResponse | None:
+        entry = self._entries.get(response_id)
+        if entry is not None:
+            self._entries.move_to_end(response_id)
+        return entry
+
+    def put(self, entry: StoredResponse) -> None:
+        self._entries[entry.response["id"]] = entry
+        self._entries.move_to_end(entry.response["id"])
+        while len(self._entries) > self.capacity:
+            self._entries.popitem(last=False)
+
+    def delete(self, response_id: str) -> bool:
+        return self._entries.pop(response_id, None) is not None
+
+
+def not_found(response_id: str) -> APIError:
+    return APIError(404, f"Response with id '{response_id}' not found.", param="response_id", code="not_found")
+
+
+# ---- input: Responses items -> chat messages ----
+def _part_text(part: Any, where: str) -> str:
+    if isinstance(part, str):
+        return part
+    kind = part.get("type") if isinstance(part, dict) else None
+    if kind in TEXT_PARTS and isinstance(part.get("text"), str):
+        return part["text"]
+    if kind == "refusal" and isinstance(part.get("refusal"), str):
+        return part["refusal"]
+    if kind in ("input_image", "input_file", "input_audio"):
+        raise APIError.invalid(f"{where}: {kind} content is not supported (tpserve serves text-only models)", "input")
+    raise APIError.invalid(f"{where}: a content part must be {{\"type\": \"input_text\", \"text\": ...}}", "input")
+
+
+def _content_text(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):
+        return "".join(_part_text(part, f"{where}[{i}]") for i, part in enumerate(content))
+    raise APIError.invalid(f"{where} must be a string or a list of content parts", "input")
+
+
+def _string_field(item: dict[str, Any], name: str, where: str) -> str:
+    value = item.get(name)
+    if not isinstance(value, str):
+        raise APIError.invalid(f"{where}.{name} must be a string", "input")
+    return value
+
+
+def _reasoning_text(item: dict[str, Any], where: str) -> str:
+    parts = item.get("content") or item.get("summary") or []
+    if not isinstance(parts, list):
+        raise APIError.invalid(f"{where}.content must be a list of reasoning_text parts", "input")
+    return "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
+
+
+class _Messages:
+    """Chat messages built item by item; a reasoning item goes with the assistant turn after it."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self._reasoning: str | None = None
+
+    def assistant(self, content: str) -> dict[str, Any]:
+        msg: dict[str, Any] = {"role": "assistant", "content": content}
+        if self._reasoning is not None:
+            msg["reasoning_content"], self._reasoning = self._reasoning, None
+        self.messages.append(msg)
+        return msg
+
+    def add_call(self, call: dict[str, Any]) -> None:
+        last = self.messages[-1] if self.messages else None
+        if last is None or last["role"] != "assistant" or self._reasoning is not None:
+            last = self.assistant("")
+        last.setdefault("tool_calls", []).append(call)
+
+    def add(self, item: Any, where: str) -> None:
+        if not isinstance(item, dict):
+            raise APIError.invalid(f"{where} must be an object (a message or a function call item)", "input")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in INPUT_ROLES:
+                raise APIError.invalid(f"{where}.role must be one of {', '.join(INPUT_ROLES)}, got {role!r}", "input")
+            text = _content_text(item.get("content"), f"{where}.content")
+            if role == "assistant":
+                self.assistant(text)
+            else:
+                self.messages.append({"role": role, "content": text})
+        elif kind == "function_call":
+            name, arguments = _string_field(item, "name", where), _string_field(item, "arguments", where)
+            function = {"name": name, "arguments": arguments}
+            self.add_call({"id": _string_field(item, "call_id", where), "type": "function", "function": function})
+        elif kind == "function_call_output":
+            output = _content_text(item.get("output"), f"{where}.output")
+            call_id = _string_field(item, "call_id", where)
+            self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
+        elif kind == "reasoning":
+            self._reasoning = (self._reasoning or "") + _reasoning_text(item, where)
+        else:
+            raise APIError.invalid(f"{where}.type {kind!r} is not supported (only message, function_call, "
+                                   "function_call_output and reasoning items are)", "input")
+
+    def finish(self) -> list[dict[str, Any]]:
+        if self._reasoning is not None:  # reasoning that no answer followed
+            self.assistant("")
+        return self.messages
+
+
+def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
+    if isinstance(body.input, str):
+        return [{"type": "message", "role": "user", "content": body.input}]
+    return body.input
+
+
+def chat_messages(instructions: str | None, items: list[dict[str, Any]], first_new: int = 0) -> list[dict[str, Any]]:
+    """``instructions`` as the system message, then the items; ``first_new``: the index of the
+    request's own first item (errors name ``input[i]`` from there; history items are already checked)."""
+    built = _Messages()
+    if instructions:
+        built.messages.append({"role": "system", "content": instructions})
+    for i, item in enumerate(items):
+        built.add(item, f"input[{i - first_new}]" if i >= first_new else f"previous_response_id item {i}")
+    return built.finish()
+
+
+# ---- request: the rest of the fields ----
+def _chat_tool(tool: Any, index: int) -> dict[str, Any]:
+    kind = tool.get("type") if isinstance(tool, dict) else None
+    if kind != "function":
+        raise APIError.invalid(f"tools[{index}]: {kind!r} tools are not supported; only function tools "
+                               "({\"type\": \"function\", \"name\": ...}) are", "tools")
+    if isinstance(tool.get("function"), dict):  # the chat form, as some clients send it
+        return tool
+    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
+    return {"type": "function", "function": function}
+
+
+def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
+    if isinstance(choice, str):
+        return choice  # "auto", "none", "required"; anything else is a 400 from the chat checks
+    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
+        return {"type": "function", "function": {"name": choice["name"]}}
+    raise APIError.invalid(f"tool_choice {choice!r} is not supported: give \"auto\", \"none\", \"required\" or "
+                           "{\"type\": \"function\", \"name\": ...}", "tool_choice")
+
+
+def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
+    fmt = (text or {}).get("format")
+    if fmt is None:
+        return None
+    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if kind in ("text", "json_object"):
+        return {"type": kind}
+    if kind == "json_schema":
+        if not isinstance(fmt.get("schema"), (dict, bool)):
+            raise APIError.invalid("text.format json_schema needs schema (a JSON schema)", "text.format")
+        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
+        return {"type": "json_schema", "json_schema": spec}
+    raise APIError.invalid(f"text.format type must be text, json_object or json_schema, got {kind!r}", "text.format")
+
+
+def _template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
+    """``reasoning.effort`` "none" switches thinking off (Qwen3's enable_thinking), any other
+    effort on, unless chat_template_kwargs says otherwise."""
+    kwargs = dict((body.model_extra or {}).get("chat_template_kwargs") or {})
+    effort = (body.reasoning or {}).get("effort")
+    if effort is not None:
+        kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs or None
+
+
+def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
+    """The chat request that serves ``body`` after the stored ``history``."""
+    fields: dict[str, Any] = {k: v for k, v in (body.model_extra or {}).items() if k in CHAT_EXTENSIONS}
+    fields.update(
+        model=body.model,
+        messages=chat_messages(body.instructions, history + input_items(body), first_new=len(history)),
+        max_tokens=body.max_output_tokens,
+        temperature=body.temperature,
+        top_p=body.top_p,
+        tools=[_chat_tool(t, i) for i, t in enumerate(body.tools)] or None,
+        tool_choice=_chat_tool_choice(body.tool_choice),
+        parallel_tool_calls=body.parallel_tool_calls,
+        response_format=_response_format(body.text),
+        chat_template_kwargs=_template_kwargs(body),
+        user=body.user,
+    )
+    if not fields["messages"]:
+        raise APIError.invalid("input must not be empty", "input")
+    try:
+        return ChatCompletionRequest.model_validate(fields)
+    except ValidationError as e:  # an extension's value: answered as a body's validation error
+        raise RequestValidationError(e.errors()) from e
+
+
+# ---- output: items and stream events ----
+def _new_id(prefix: str) -> str:
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+def _text_part(text: str) -> dict[str, Any]:
+    return {"type": "output_text", "text": text, "annotations": [], "logprobs": []}
+
+
+class OutputItems:
+    """A response's output items, built from the parsed output as it arrives; every change also
+    returns its stream events (without ``sequence_number``)."""
+
+    def __init__(self) -> None:
+        self.items: list[dict[str, Any]] = []
+        self._open: dict[str, Any] | None = None  # the item being written (the last of ``items``)
+        self._call_index: int | None = None  # the parser's index of the open function call
+
+    def add(self, delta: ChatDelta) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if delta.reasoning:
+            events += self._text("reasoning", delta.reasoning)
+        if delta.content:
+            events += self._text("message", delta.content)
+        for call in delta.tool_calls:
+            if call.id is not None:
+                events += self._end() + self._start({
+                    "id": _new_id("fc"), "type": "function_call", "call_id": call.id, "name": call.name or "",
+                    "arguments": "", "status": "in_progress"})
+                self._call_index = call.index
+            if call.arguments and self._open is not None and call.index == self._call_index:
+                self._open["arguments"] += call.arguments
+                events.append(_item_event(self._open, len(self.items) - 1, "response.function_call_arguments.delta",
+                                          delta=call.arguments))
+        return events
+
+    def close(self, status: str = "completed") -> list[dict[str, Any]]:
+        """End the open item with ``status``; an output without items gets an empty message."""
+        events = [] if self.items else self._start_text_item("message")
+        return events + self._end(status)
+
+    def _end(self, status: str = "completed") -> list[dict[str, Any]]:
+        item, index = self._open, len(self.items) - 1
+        if item is None:
+            return []
+        self._open = self._call_index = None
+        item["status"] = status
+        if item["type"] == "function_call":
+            events = [_item_event(item, index, "response.function_call_arguments.done", arguments=item["arguments"])]
+        else:
+            part = item["content"][0]
+            if item["type"] == "message":
+                events = [_item_event(item, index, "response.output_text.done", content_index=0, text=part["text"],
+                                      logprobs=[])]
+            else:
+                events = [_item_event(item, index, "response.reasoning_text.done", content_index=0, text=part["text"])]
+            events.append(_item_event(item, index, "response.content_part.done", content_index=0, part=dict(part)))
+        return events + [{"type": "response.output_item.done", "output_index": index, "item": _copy(item)}]
+
+    def _text(self, kind: str, text: str) -> list[dict[str, Any]]:
+        events: list[dict[str, Any]] = []
+        if self._open is None or self._open["type"] != kind:
+            events += self._end() + self._start_text_item(kind)
+        item = self._open
+        item["content"][0]["text"] += text  # type: ignore[index]
+        name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
+        extra = {"logprobs": []} if kind == "message" else {}
+        return events + [_item_event(item, len(self.items) - 1, name, content_index=0, delta=text, **extra)]
+
+    def _start_text_item(self, kind: str) -> list[dict[str, Any]]:
+        if kind == "message":
+            item: dict[str, Any] = {"id": _new_id("msg"), "type": "message", "role": "assistant",
+                                    "status": "in_progress", "content": []}
+            part = _text_part("")
+        else:
+            item = {"id": _new_id("rs"), "type": "reasoning", "summary": [], "status": "in_progress", "content": []}
+            part = {"type": "reasoning_text", "text": ""}
+        events = self._start(item)
+        item["content"].append(part)
+        return events + [_item_event(item, len(self.items) - 1, "response.content_part.added", content_index=0,
+                                     part=dict(part))]
+
+    def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
+        self.items.append(item)
+        self._open = item
+        return [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": _copy(item)}]
+
+
+def _item_event(item: dict[str, Any], index: int, name: str, **fields: Any) -> dict[str, Any]:
+    return {"type": name, "item_id": item["id"], "output_index": index, **fields}
+
+
+def _copy(obj: Any) -> Any:
+    return msgspec.json.decode(msgspec.json.encode(obj))
+def _event_bytes(event: dict[str, Any]) -> bytes:
+    return b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
+
+
+def _usage(usage: dict[str, Any], reasoning_tokens: int) -> dict[str, Any]:
+    return {
+        "input_tokens": usage["prompt_tokens"],
+        # cache_write_tokens: OpenAI's billed cache writes (the SDK's model requires it); tpserve bills none
+        "input_tokens_details": {"cached_tokens": usage["prompt_tokens_details"]["cached_tokens"],
+                                 "cache_write_tokens": 0},
+        "output_tokens": usage["completion_tokens"],
+        "output_tokens_details": {"reasoning_tokens": reasoning_tokens},
+        "total_tokens": usage["total_tokens"],
+    }
+
+
+class ResponsesFormat(ResponseFormat):
+    """One response (a single choice), whole or as its stream of events; ``on_done`` gets the
+    finished response object (to store it)."""
+
+    object_name = "response"
+    id_prefix = "resp"
+
+    def __init__(self, model: str, body: ResponsesRequest, output: ChatOutputConfig,
+                 on_done: Callable[[dict[str, Any]], None]) -> None:
+        super().__init__(model)
+        self.id = _new_id("resp")
+        self.body = body
+        self.output = output
+        self.on_done = on_done
+        self._items = OutputItems()
+        self._parser: ChatOutputParser | None = None
+        self._reasoning_tokens = 0
+        self._finish_reason: str | None = None
+        self._sequence = 0
+
+    # -- building --
+    def _feed(
+        self, text: str, tokens: int, prompt_in_reasoning: bool, finish_reason: str | None
+    ) -> list[dict[str, Any]]:
+        if self._parser is None:
+            self._parser = ChatOutputParser(replace(self.output, starts_in_reasoning=prompt_in_reasoning))
+        delta = self._parser.feed(text, final=finish_reason is not None)
+        if delta.reasoning:  # a piece that ends the reasoning counts as reasoning
+            self._reasoning_tokens += tokens
+        events = self._items.add(delta)
+        if finish_reason is not None:
+            self._finish_reason = finish_reason
+            events += self._items.close("incomplete" if finish_reason == "length" else "completed")
+        return events
+
+    def _response(self, status: str, usage: dict[str, Any] | None) -> dict[str, Any]:
+        body = self.body
+        reasoning = body.reasoning or {}
+        return {
+            "id": self.id,
+            "object": "response",
+            "created_at": self.created,
+            "status": status,
+            "background": False,
+            "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
+            "instructions": body.instructions,
+            "max_output_tokens": body.max_output_tokens,
+            "metadata": body.metadata or {},
+            "model": self.model,
+            "output": _copy(self._items.items) if status != "in_progress" else [],
+            "parallel_tool_calls": body.parallel_tool_calls,
+            "previous_response_id": body.previous_response_id,
+            "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+            "store": body.store,
+            "temperature": body.temperature,
+            "text": body.text or {"format": {"type": "text"}},
+            "tool_choice": body.tool_choice,
+            "tools": body.tools,
+            "top_p": body.top_p,
+            "truncation": body.truncation,
+            "usage": None if usage is None else _usage(usage, self._reasoning_tokens),
+            "user": body.user,
+        }
+
+    def _final(self, usage: dict[str, Any]) -> dict[str, Any]:
+        status = "incomplete" if self._finish_reason == "length" else "completed"
+        response = self._response(status, usage)
+        self.on_done(response)
+        return response
+
+    # -- whole --
+    def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
+        (choice,) = choices
+        pieces = list(zip(choice.text, choice.text_tokens)) or [("", 0)]
+        for i, (text, tokens) in enumerate(pieces):
+            self._feed(text, tokens, choice.prompt_in_reasoning, choice.finish_reason if i == len(pieces) - 1 else None)
+        return self._final(usage)
+
+    # -- streamed --
+    def _events(self, events: list[dict[str, Any]]) -> list[bytes]:
+        chunks = []
+        for event in events:
+            chunks.append(_event_bytes({**event, "sequence_number": self._sequence}))
+            self._sequence += 1
+        return chunks
+
+    def start_chunk(self, index: int) -> bytes:
+        response = self._response("in_progress", None)
+        return b"".join(self._events([{"type": "response.created", "response": response},
+                                      {"type": "response.in_progress", "response": response}]))
+
+    def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
+        return self._events(self._feed(out.text, out.new_tokens, out.prompt_in_reasoning, out.finish_reason))
+
+    def error_chunk(self, error: APIError) -> bytes:
+        error = _renamed(error)
+        code = "invalid_prompt" if error.status < 500 else "server_error"  # the codes a failed response may have
+        failed = {**self._response("failed", None), "error": {"code": code, "message": error.message}}
+        return b"".join(self._events([
+            {"type": "error", "code": error.code, "message": error.message, "param": error.param},
+            {"type": "response.failed", "response": failed},
+        ]))
+
+    def end_chunks(self, usage: dict[str, Any], failed: bool) -> list[bytes]:
+        if failed:
+            return []
+        response = self._final(usage)
+        name = "response.incomplete" if response["status"] == "incomplete" else "response.completed"
+        return self._events([{"type": name, "response": response}])
+
+
+# ---- the routes' work ----
+def _history(store: ResponseStore, previous_response_id: str | None) -> list[dict[str, Any]]:
+    if previous_response_id is None:
+        return []
+    entry = store.get(previous_response_id)
+    if entry is None:
+        raise APIError.invalid(f"Previous response with id '{previous_response_id}' not found.", "previous_response_id")
+    return entry.items
+
+
+def _renamed(error: APIError) -> APIError:
+    """``error`` naming the Responses field where it names a chat field."""
+    error.param = RESPONSES_PARAMS.get(error.param or "", error.param)
+    return error
+
+
+def _prepare(serving: Serving, chat: ChatCompletionRequest) -> tuple[list[TokenizeRequest], ChatOutputConfig]:
+    """The chat pipeline's requests; its errors (and the tokenizer's, later) name the Responses fields."""
+    try:
+        reqs, output, _ = serving.chat_requests(chat)
+    except APIError as e:
+        raise _renamed(e) from None
+    renamed = [msgspec.structs.replace(r, structured_param=RESPONSES_PARAMS.get(r.structured_param, r.structured_param))
+               for r in reqs]
+    return renamed, output
+
+
+async def create_response(serving: Serving, store: ResponseStore, body: ResponsesRequest, request: Request) -> Response:
+    serving.check_model(body.model)
+    body.check()
+    history = _history(store, body.previous_response_id)
+    reqs, output = _prepare(serving, chat_request(body, history))
+    own_items = input_items(body)
+
+    def save(response: dict[str, Any]) -> None:
+        if body.store:
+            store.put(StoredResponse(response, history + own_items + response["output"]))
+
+    fmt = ResponsesFormat(serving.model_name, body, output, save)
+    try:
+        return await serving.run(reqs, fmt, body.stream, request)
+    except APIError as e:  # the tokenizer's rejection (the prompt's tokens), a backend error
+        raise _renamed(e) from None
+
+
+def get_response(store: ResponseStore, response_id: str) -> dict[str, Any]:
+    entry = store.get(response_id)
+    if entry is None:
+        raise not_found(response_id)
+    return entry.response
+
+
+def delete_response(store: ResponseStore, response_id: str) -> dict[str, Any]:
+    if not store.delete(response_id):
+        raise not_found(response_id)
+    return {"id": response_id, "object": "response.deleted", "deleted": True}
