@@ -351,6 +351,8 @@ def _item_event(item: dict[str, Any], index: int, name: str, **fields: Any) -> d
 
 def _copy(obj: Any) -> Any:
     return msgspec.json.decode(msgspec.json.encode(obj))
+
+
 def _event_bytes(event: dict[str, Any]) -> bytes:
     return b"event: " + event["type"].encode() + b"\ndata: " + msgspec.json.encode(event) + b"\n\n"
 
