@@ -9,7 +9,7 @@ import json
 import typing
 
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 from stub_frontend import StubFrontend
 from test_api_unit import assert_error, make_client
 from tpserve.message.frontend import ApiOutput
@@ -247,6 +247,60 @@ def test_previous_response_id_continues_and_get_delete():
     assert_error(c.get(f"{RESPONSES}/{unstored['id']}"), 404)
 
 
+def test_input_items_lists_the_request_items_with_ids_and_pages():
+    c, stub = make_client(stub=StubFrontend(finish="stop"))
+    first = c.post(RESPONSES, json={"input": "one", "instructions": "Sys."}).json()
+    listed = c.get(f"{RESPONSES}/{first['id']}/input_items").json()
+    ResponseItemList.model_validate(listed)
+    (item,) = listed["data"]  # instructions are no input item
+    assert item["id"].startswith("msg_") and item["type"] == "message" and item["role"] == "user"
+    assert item["content"] == [{"type": "input_text", "text": "one"}]
+    assert (listed["object"], listed["first_id"], listed["last_id"], listed["has_more"]) == (
+        "list", item["id"], item["id"], False)
+    items = [
+        {"role": "user", "content": "a"},
+        {"type": "message", "id": "msg_mine", "role": "assistant", "content": "b"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "r"},
+        {"role": "developer", "content": [{"type": "input_text", "text": "d"}]},
+    ]
+    second = c.post(RESPONSES, json={"input": items, "previous_response_id": first["id"]}).json()
+    url = f"{RESPONSES}/{second['id']}/input_items"
+    # only this request's items (not the history), newest first by default; the client's ids are kept
+    desc = c.get(url).json()
+    ResponseItemList.model_validate(desc)
+    assert [i["type"] for i in desc["data"]] == ["message", "function_call_output", "function_call", "message",
+                                                 "message"]
+    assert desc["data"][3]["id"] == "msg_mine" and desc["data"][3]["content"][0]["type"] == "output_text"
+    ids = [i["id"] for i in c.get(url, params={"order": "asc"}).json()["data"]]
+    assert ids == [i["id"] for i in reversed(desc["data"])] and len(set(ids)) == 5
+    page = c.get(url, params={"order": "asc", "limit": 2}).json()
+    assert [i["id"] for i in page["data"]] == ids[:2] and page["has_more"] is True
+    assert (page["first_id"], page["last_id"]) == (ids[0], ids[1])
+    page = c.get(url, params={"order": "asc", "limit": 2, "after": ids[1]}).json()
+    assert [i["id"] for i in page["data"]] == ids[2:4] and page["has_more"] is True
+    page = c.get(url, params={"order": "asc", "after": ids[3]}).json()
+    assert [i["id"] for i in page["data"]] == ids[4:] and page["has_more"] is False
+    page = c.get(url, params={"order": "asc", "limit": 2, "before": ids[4]}).json()
+    assert [i["id"] for i in page["data"]] == ids[2:4] and page["has_more"] is True
+    # the stored items still continue the conversation
+    c.post(RESPONSES, json={"input": "more", "previous_response_id": second["id"]})
+    assert [m["content"] for m in stub.submitted[-1].messages][-4:] == ["r", "d", "Hello 你好!", "more"]
+
+
+def test_input_items_errors():
+    c, _ = make_client(stub=StubFrontend(finish="stop"))
+    rid = c.post(RESPONSES, json={"input": "one"}).json()["id"]
+    url = f"{RESPONSES}/{rid}/input_items"
+    assert_error(c.get(url, params={"limit": 0}), 400, "limit", "limit")
+    assert_error(c.get(url, params={"limit": 101}), 400, "limit", "limit")
+    assert_error(c.get(url, params={"order": "up"}), 400, "order", "order")
+    assert_error(c.get(url, params={"after": "msg_nope"}), 400, "msg_nope", "after")
+    assert_error(c.get(f"{RESPONSES}/resp_nope/input_items"), 404, "not found")
+    unstored = c.post(RESPONSES, json={"input": "x", "store": False}).json()["id"]
+    assert_error(c.get(f"{RESPONSES}/{unstored}/input_items"), 404)
+
+
 def test_store_drops_the_least_recently_used():
     store = ResponseStore(capacity=2)
     for rid in ("a", "b"):
@@ -267,6 +321,9 @@ def test_store_drops_the_least_recently_used():
     ({"input": "x", "tools": [FLAT_TOOL]}, "--tool-call-parser", "tools"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format type", "text.format"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "needs schema", "text.format"),
+    ({"input": "x", "text": {"format": "json_schema"}}, "text.format must be an object", "text.format"),
+    ({"input": "x", "reasoning": {"effort": 5}}, "reasoning.effort must be one of", "reasoning.effort"),
+    ({"input": "x", "chat_template_kwargs": "x"}, "chat_template_kwargs must be an object", "chat_template_kwargs"),
     ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
     ({"input": "x", "conversation": "conv_1"}, "conversation", "conversation"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt templates", "prompt"),
