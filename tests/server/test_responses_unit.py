@@ -12,7 +12,7 @@ import pytest
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 from stub_frontend import StubFrontend
 from test_api_unit import assert_error, make_client
-from tpserve.message.frontend import ApiOutput
+from tpserve.message.frontend import ApiOutput, RequestRejected
 from tpserve.parsers.chat_output import ChatDelta
 from tpserve.parsers.tool_calls import ToolCallDelta
 from tpserve.server.errors import APIError
@@ -325,6 +325,9 @@ def test_store_drops_the_least_recently_used():
     ({"input": "x", "reasoning": {"effort": 5}}, "reasoning.effort must be one of", "reasoning.effort"),
     ({"input": "x", "chat_template_kwargs": "x"}, "chat_template_kwargs must be an object", "chat_template_kwargs"),
     ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
+    ({"input": "x", "tools": [FLAT_TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+     "give only one of text.format, tool_choice", "tool_choice"),
+    ({"input": "x", "max_output_tokens": 2, "min_tokens": 3}, "must not exceed max_output_tokens (2)", "min_tokens"),
     ({"input": "x", "conversation": "conv_1"}, "conversation", "conversation"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt templates", "prompt"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "include"),
@@ -344,6 +347,20 @@ def test_bad_requests_are_400_with_an_openai_error(body, fragment, param):
     resp = c.post(RESPONSES, json=body)
     assert_error(resp, 404 if param == "model" else 400, fragment, param)
     assert not stub.submitted
+
+
+class TooLongFrontend(StubFrontend):
+    """Rejects every request as the tokenizer worker rejects a prompt + max_tokens beyond the context."""
+
+    async def _answer(self, req, queue) -> None:
+        queue.put_nowait(RequestRejected(rid=req.rid, param="max_tokens", message=(
+            "this model's context length is 128 tokens, but 505 were requested; lower max_tokens or shorten the prompt")))
+
+
+def test_the_tokenizer_rejection_names_the_responses_field():
+    c, _ = make_client(stub=TooLongFrontend())
+    resp = c.post(RESPONSES, json={"input": "x", "max_output_tokens": 500})
+    assert_error(resp, 400, "lower max_output_tokens or shorten", "max_output_tokens")
 
 
 class FailingFrontend(StubFrontend):

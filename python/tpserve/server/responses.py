@@ -10,6 +10,7 @@ numbered by ``sequence_number``. Stored responses live in a bounded LRU map in t
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections import OrderedDict
 from dataclasses import dataclass, field, replace
@@ -38,6 +39,8 @@ CHAT_EXTENSIONS = frozenset({
 })
 # a chat field named in an error -> the Responses field it came from
 RESPONSES_PARAMS = {"response_format": "text.format", "messages": "input", "max_tokens": "max_output_tokens"}
+# chat field names an error's message may use (``messages`` stays: its indexes count the chat's messages)
+CHAT_NAMES_IN_MESSAGES = re.compile(r"\b(response_format|max_tokens)\b")
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
 # an input item's type -> the prefix of the id it gets when the client gave none
@@ -535,6 +538,7 @@ def _history(store: ResponseStore, previous_response_id: str | None) -> list[dic
 def _renamed(error: APIError) -> APIError:
     """``error`` naming the Responses field where it names a chat field."""
     error.param = RESPONSES_PARAMS.get(error.param or "", error.param)
+    error.message = CHAT_NAMES_IN_MESSAGES.sub(lambda m: RESPONSES_PARAMS[m.group(1)], error.message)
     return error
 
 
