@@ -325,6 +325,7 @@ def test_store_drops_the_least_recently_used():
     ({"input": "x", "reasoning": {"effort": 5}}, "reasoning.effort must be one of", "reasoning.effort"),
     ({"input": "x", "chat_template_kwargs": "x"}, "chat_template_kwargs must be an object", "chat_template_kwargs"),
     ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
+    ({"input": "x", "regex": ""}, "regex must not be empty", "regex"),
     ({"input": "x", "tools": [FLAT_TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
      "give only one of text.format, tool_choice", "tool_choice"),
     ({"input": "x", "max_output_tokens": 2, "min_tokens": 3}, "must not exceed max_output_tokens (2)", "min_tokens"),
