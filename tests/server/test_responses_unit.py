@@ -324,6 +324,7 @@ def test_store_drops_the_least_recently_used():
     ({"input": "x", "text": {"format": "json_schema"}}, "text.format must be an object", "text.format"),
     ({"input": "x", "reasoning": {"effort": 5}}, "reasoning.effort must be one of", "reasoning.effort"),
     ({"input": "x", "chat_template_kwargs": "x"}, "chat_template_kwargs must be an object", "chat_template_kwargs"),
+    ({"input": "x", "chat_template_kwargs": 0}, "chat_template_kwargs must be an object", "chat_template_kwargs"),
     ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
     ({"input": "x", "regex": ""}, "regex must not be empty", "regex"),
     ({"input": "x", "tools": [FLAT_TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},

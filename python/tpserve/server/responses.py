@@ -264,10 +264,10 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 def _template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
     """``reasoning.effort`` "none" switches thinking off (Qwen3's enable_thinking), any other
     effort on, unless chat_template_kwargs says otherwise."""
-    given = (body.model_extra or {}).get("chat_template_kwargs") or {}
-    if not isinstance(given, dict):
+    given = (body.model_extra or {}).get("chat_template_kwargs")
+    if given is not None and not isinstance(given, dict):
         raise APIError.invalid("chat_template_kwargs must be an object", "chat_template_kwargs")
-    kwargs = dict(given)
+    kwargs = dict(given or {})
     effort = (body.reasoning or {}).get("effort")
     if effort is not None and effort not in REASONING_EFFORTS:
         raise APIError.invalid(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
