@@ -188,9 +188,9 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
 def _stored_part(part: Any, role: str) -> Any:
     """A message's content part as OpenAI lists it: text as ``input_text`` (``output_text`` for
     the assistant, with its annotations); other parts (a refusal) as given."""
-    text = part if isinstance(part, str) else part.get("text") if part.get("type") in TEXT_PARTS else None
-    if text is None:
+    if isinstance(part, dict) and part.get("type") not in TEXT_PARTS:
         return part
+    text = part if isinstance(part, str) else part["text"]
     return _text_part(text) if role == "assistant" else {"type": "input_text", "text": text}
 
 
@@ -269,11 +269,12 @@ def _template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
         raise APIError.invalid("chat_template_kwargs must be an object", "chat_template_kwargs")
     kwargs = dict(given or {})
     effort = (body.reasoning or {}).get("effort")
-    if effort is not None and effort not in REASONING_EFFORTS:
+    if effort is None:
+        return kwargs or None
+    if effort not in REASONING_EFFORTS:
         raise APIError.invalid(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
                                "reasoning.effort")
-    if effort is not None:
-        kwargs.setdefault("enable_thinking", effort != "none")
+    kwargs.setdefault("enable_thinking", effort != "none")
     return kwargs or None
 
 
