@@ -17,7 +17,14 @@ from tpserve.parsers.chat_output import ChatDelta
 from tpserve.parsers.tool_calls import ToolCallDelta
 from tpserve.server.errors import APIError
 from tpserve.server.protocol import ResponsesRequest
-from tpserve.server.responses import OutputItems, ResponseStore, StoredResponse, chat_messages, chat_request
+from tpserve.server.responses import (
+    OutputItems,
+    ResponseStore,
+    StoredResponse,
+    chat_messages,
+    chat_request,
+    stored_item,
+)
 
 RESPONSES = "/v1/responses"
 _EVENTS = typing.get_args(typing.get_args(ResponseStreamEvent)[0])
@@ -286,6 +293,16 @@ def test_input_items_lists_the_request_items_with_ids_and_pages():
     # the stored items still continue the conversation
     c.post(RESPONSES, json={"input": "more", "previous_response_id": second["id"]})
     assert [m["content"] for m in stub.submitted[-1].messages][-4:] == ["r", "d", "Hello 你好!", "more"]
+
+
+def test_stored_items_fill_in_what_openai_lists():
+    reasoning = stored_item({"type": "reasoning", "summary": None, "content": [{"type": "reasoning_text", "text": "t"}]})
+    assert reasoning["id"].startswith("rs_") and reasoning["summary"] == [] and reasoning["status"] == "completed"
+    message = stored_item({"role": "user", "content": ["a", {"type": "text", "text": "b"}], "id": ""})
+    assert message["id"].startswith("msg_") and message["type"] == "message"
+    assert message["content"] == [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]
+    output = stored_item({"type": "function_call_output", "id": "fco_1", "call_id": "c", "output": "o"})
+    assert output == {"type": "function_call_output", "id": "fco_1", "call_id": "c", "output": "o", "status": "completed"}
 
 
 def test_input_items_errors():

@@ -199,8 +199,8 @@ def stored_item(item: dict[str, Any]) -> dict[str, Any]:
     (the client's, or a new one), a status, and a message's content as a list of parts."""
     kind = item.get("type", "message")
     item_id = item.get("id")
-    stored = {**item, "type": kind, "id": item_id if isinstance(item_id, str) and item_id else _new_id(
-        ITEM_ID_PREFIXES[kind])}
+    stored = {k: v for k, v in item.items() if v is not None}  # null: not given, as in a request body
+    stored.update(type=kind, id=item_id if isinstance(item_id, str) and item_id else _new_id(ITEM_ID_PREFIXES[kind]))
     stored.setdefault("status", "completed")
     if kind == "message":
         content = item["content"]
