@@ -138,6 +138,8 @@ def test_flush_cache():
         (CHAT, {"messages": USER, "tool_choice": "required"}, "needs tools", "tool_choice"),
         (CHAT, {"messages": USER, "response_format": {"type": "xml"}}, "response_format", "response_format"),
         (CHAT, {"messages": USER, "response_format": {"type": "json_object"}, "regex": "a+"}, "only one", "regex"),
+        (CHAT, {"messages": USER, "regex": ""}, "regex must not be empty", "regex"),
+        (COMPLETIONS, {"prompt": "x", "ebnf": ""}, "ebnf must not be empty", "ebnf"),
         (CHAT, {"messages": USER, "stream_options": {"include_usage": True}}, "stream=true", None),
         (CHAT, {"messages": [{"role": "wizard", "content": "x"}]}, None, None),
         (CHAT, {"messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {}}]}]},

@@ -208,6 +208,9 @@ def test_responses_function_call_round_trip(client):
     common = dict(model="tiny", tools=FLAT_TOOLS, max_output_tokens=4, extra_body={"ignore_eos": True})
     by_id = client.responses.create(previous_response_id=first.id, input=[result], tool_choice="none", **common)
     assert by_id.previous_response_id == first.id and by_id.status == "incomplete"
+    # its input items are the request's own, as the SDK pages them (one a page here)
+    listed = list(client.responses.input_items.list(by_id.id, order="asc", limit=1))
+    assert [(i.type, i.call_id, i.output) for i in listed] == [("function_call_output", call.call_id, result["output"])]
     explicit = [{"role": "user", "content": "What is the weather in Paris?"},
                 call.model_dump(exclude_none=True), result]
     by_items = client.responses.create(input=explicit, tool_choice="none", **common)

@@ -9,15 +9,22 @@ import json
 import typing
 
 import pytest
-from openai.types.responses import Response, ResponseStreamEvent
+from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 from stub_frontend import StubFrontend
 from test_api_unit import assert_error, make_client
-from tpserve.message.frontend import ApiOutput
+from tpserve.message.frontend import ApiOutput, RequestRejected
 from tpserve.parsers.chat_output import ChatDelta
 from tpserve.parsers.tool_calls import ToolCallDelta
 from tpserve.server.errors import APIError
 from tpserve.server.protocol import ResponsesRequest
-from tpserve.server.responses import OutputItems, ResponseStore, StoredResponse, chat_messages, chat_request
+from tpserve.server.responses import (
+    OutputItems,
+    ResponseStore,
+    StoredResponse,
+    chat_messages,
+    chat_request,
+    stored_item,
+)
 
 RESPONSES = "/v1/responses"
 _EVENTS = typing.get_args(typing.get_args(ResponseStreamEvent)[0])
@@ -247,6 +254,70 @@ def test_previous_response_id_continues_and_get_delete():
     assert_error(c.get(f"{RESPONSES}/{unstored['id']}"), 404)
 
 
+def test_input_items_lists_the_request_items_with_ids_and_pages():
+    c, stub = make_client(stub=StubFrontend(finish="stop"))
+    first = c.post(RESPONSES, json={"input": "one", "instructions": "Sys."}).json()
+    listed = c.get(f"{RESPONSES}/{first['id']}/input_items").json()
+    ResponseItemList.model_validate(listed)
+    (item,) = listed["data"]  # instructions are no input item
+    assert item["id"].startswith("msg_") and item["type"] == "message" and item["role"] == "user"
+    assert item["content"] == [{"type": "input_text", "text": "one"}]
+    assert (listed["object"], listed["first_id"], listed["last_id"], listed["has_more"]) == (
+        "list", item["id"], item["id"], False)
+    items = [
+        {"role": "user", "content": "a"},
+        {"type": "message", "id": "msg_mine", "role": "assistant", "content": "b"},
+        {"type": "function_call", "call_id": "c1", "name": "f", "arguments": "{}"},
+        {"type": "function_call_output", "call_id": "c1", "output": "r"},
+        {"role": "developer", "content": [{"type": "input_text", "text": "d"}]},
+    ]
+    second = c.post(RESPONSES, json={"input": items, "previous_response_id": first["id"]}).json()
+    url = f"{RESPONSES}/{second['id']}/input_items"
+    # only this request's items (not the history), newest first by default; the client's ids are kept
+    desc = c.get(url).json()
+    ResponseItemList.model_validate(desc)
+    assert [i["type"] for i in desc["data"]] == ["message", "function_call_output", "function_call", "message",
+                                                 "message"]
+    assert desc["data"][3]["id"] == "msg_mine" and desc["data"][3]["content"][0]["type"] == "output_text"
+    ids = [i["id"] for i in c.get(url, params={"order": "asc"}).json()["data"]]
+    assert ids == [i["id"] for i in reversed(desc["data"])] and len(set(ids)) == 5
+    page = c.get(url, params={"order": "asc", "limit": 2}).json()
+    assert [i["id"] for i in page["data"]] == ids[:2] and page["has_more"] is True
+    assert (page["first_id"], page["last_id"]) == (ids[0], ids[1])
+    page = c.get(url, params={"order": "asc", "limit": 2, "after": ids[1]}).json()
+    assert [i["id"] for i in page["data"]] == ids[2:4] and page["has_more"] is True
+    page = c.get(url, params={"order": "asc", "after": ids[3]}).json()
+    assert [i["id"] for i in page["data"]] == ids[4:] and page["has_more"] is False
+    page = c.get(url, params={"order": "asc", "limit": 2, "before": ids[4]}).json()
+    assert [i["id"] for i in page["data"]] == ids[2:4] and page["has_more"] is True
+    # the stored items still continue the conversation
+    c.post(RESPONSES, json={"input": "more", "previous_response_id": second["id"]})
+    assert [m["content"] for m in stub.submitted[-1].messages][-4:] == ["r", "d", "Hello 你好!", "more"]
+
+
+def test_stored_items_fill_in_what_openai_lists():
+    reasoning = stored_item({"type": "reasoning", "summary": None, "content": [{"type": "reasoning_text", "text": "t"}]})
+    assert reasoning["id"].startswith("rs_") and reasoning["summary"] == [] and reasoning["status"] == "completed"
+    message = stored_item({"role": "user", "content": ["a", {"type": "text", "text": "b"}], "id": ""})
+    assert message["id"].startswith("msg_") and message["type"] == "message"
+    assert message["content"] == [{"type": "input_text", "text": "a"}, {"type": "input_text", "text": "b"}]
+    output = stored_item({"type": "function_call_output", "id": "fco_1", "call_id": "c", "output": "o"})
+    assert output == {"type": "function_call_output", "id": "fco_1", "call_id": "c", "output": "o", "status": "completed"}
+
+
+def test_input_items_errors():
+    c, _ = make_client(stub=StubFrontend(finish="stop"))
+    rid = c.post(RESPONSES, json={"input": "one"}).json()["id"]
+    url = f"{RESPONSES}/{rid}/input_items"
+    assert_error(c.get(url, params={"limit": 0}), 400, "limit", "limit")
+    assert_error(c.get(url, params={"limit": 101}), 400, "limit", "limit")
+    assert_error(c.get(url, params={"order": "up"}), 400, "order", "order")
+    assert_error(c.get(url, params={"after": "msg_nope"}), 400, "msg_nope", "after")
+    assert_error(c.get(f"{RESPONSES}/resp_nope/input_items"), 404, "not found")
+    unstored = c.post(RESPONSES, json={"input": "x", "store": False}).json()["id"]
+    assert_error(c.get(f"{RESPONSES}/{unstored}/input_items"), 404)
+
+
 def test_store_drops_the_least_recently_used():
     store = ResponseStore(capacity=2)
     for rid in ("a", "b"):
@@ -267,7 +338,15 @@ def test_store_drops_the_least_recently_used():
     ({"input": "x", "tools": [FLAT_TOOL]}, "--tool-call-parser", "tools"),
     ({"input": "x", "text": {"format": {"type": "xml"}}}, "text.format type", "text.format"),
     ({"input": "x", "text": {"format": {"type": "json_schema", "name": "n"}}}, "needs schema", "text.format"),
+    ({"input": "x", "text": {"format": "json_schema"}}, "text.format must be an object", "text.format"),
+    ({"input": "x", "reasoning": {"effort": 5}}, "reasoning.effort must be one of", "reasoning.effort"),
+    ({"input": "x", "chat_template_kwargs": "x"}, "chat_template_kwargs must be an object", "chat_template_kwargs"),
+    ({"input": "x", "chat_template_kwargs": 0}, "chat_template_kwargs must be an object", "chat_template_kwargs"),
     ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
+    ({"input": "x", "regex": ""}, "regex must not be empty", "regex"),
+    ({"input": "x", "tools": [FLAT_TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
+     "give only one of text.format, tool_choice", "tool_choice"),
+    ({"input": "x", "max_output_tokens": 2, "min_tokens": 3}, "must not exceed max_output_tokens (2)", "min_tokens"),
     ({"input": "x", "conversation": "conv_1"}, "conversation", "conversation"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt templates", "prompt"),
     ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "include"),
@@ -287,6 +366,20 @@ def test_bad_requests_are_400_with_an_openai_error(body, fragment, param):
     resp = c.post(RESPONSES, json=body)
     assert_error(resp, 404 if param == "model" else 400, fragment, param)
     assert not stub.submitted
+
+
+class TooLongFrontend(StubFrontend):
+    """Rejects every request as the tokenizer worker rejects a prompt + max_tokens beyond the context."""
+
+    async def _answer(self, req, queue) -> None:
+        queue.put_nowait(RequestRejected(rid=req.rid, param="max_tokens", message=(
+            "this model's context length is 128 tokens, but 505 were requested; lower max_tokens or shorten the prompt")))
+
+
+def test_the_tokenizer_rejection_names_the_responses_field():
+    c, _ = make_client(stub=TooLongFrontend())
+    resp = c.post(RESPONSES, json={"input": "x", "max_output_tokens": 500})
+    assert_error(resp, 400, "lower max_output_tokens or shorten", "max_output_tokens")
 
 
 class FailingFrontend(StubFrontend):

@@ -105,6 +105,15 @@ def response_format_structure(response_format: dict[str, Any] | None) -> Structu
     )
 
 
+def _grammar(kind: str, spec: str | None) -> StructuredOutput | None:
+    """A ``regex`` or ``ebnf`` field's constraint (None when not given)."""
+    if spec is None:
+        return None
+    if not spec:
+        raise FieldError(f"{kind} must not be empty", kind)
+    return StructuredOutput(kind, spec)
+
+
 def output_structure(
     response_format: dict[str, Any] | None,
     regex: str | None = None,
@@ -118,8 +127,8 @@ def output_structure(
         (param, spec)
         for param, spec in (
             ("response_format", response_format_structure(response_format)),
-            ("regex", StructuredOutput("regex", regex) if regex is not None else None),
-            ("ebnf", StructuredOutput("ebnf", ebnf) if ebnf is not None else None),
+            ("regex", _grammar("regex", regex)),
+            ("ebnf", _grammar("ebnf", ebnf)),
             ("tool_choice", tool_call_structure(tools, tool_choice, parallel_tool_calls)),
         )
         if spec is not None

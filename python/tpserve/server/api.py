@@ -8,9 +8,9 @@ import logging
 import secrets
 import time
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any, Callable, Literal
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException as StarletteHTTPException
@@ -30,7 +30,14 @@ from tpserve.server.protocol import (
     ResponsesRequest,
     TokenizeBody,
 )
-from tpserve.server.responses import ResponseStore, create_response, delete_response, get_response
+from tpserve.server.responses import (
+    INPUT_ITEMS_LIMIT,
+    ResponseStore,
+    create_response,
+    delete_response,
+    get_response,
+    list_input_items,
+)
 from tpserve.server.serving import Serving
 from tpserve.tokenizer.prepare import InvalidRequest, PromptLimits, PromptPreparer
 
@@ -181,6 +188,13 @@ def _v1_router() -> APIRouter:
     async def get_stored_response(response_id: str, request: Request) -> dict[str, Any]:
         return get_response(_state(request).responses, response_id)
 
+    @router.get("/responses/{response_id}/input_items")
+    async def stored_input_items(
+        response_id: str, request: Request, after: str | None = None, before: str | None = None,
+        limit: int = Query(INPUT_ITEMS_LIMIT, ge=1, le=100), order: Literal["asc", "desc"] = "desc",
+    ) -> dict[str, Any]:
+        return list_input_items(_state(request).responses, response_id, after, before, limit, order)
+
     @router.delete("/responses/{response_id}")
     async def delete_stored_response(response_id: str, request: Request) -> dict[str, Any]:
         return delete_response(_state(request).responses, response_id)
@@ -253,12 +267,18 @@ def _one_of(options: list[str]) -> str:
     return options[0] if len(options) == 1 else f"{', '.join(options[:-1])} or {options[-1]}"
 
 
+def _field_location(err: dict[str, Any]) -> list[Any]:
+    """An error's location without where the field came from (``body``, a ``query`` parameter)."""
+    loc = list(err.get("loc", ()))
+    return loc[1:] if loc and loc[0] in ("body", "query") else loc
+
+
 def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
     parts: list[str] = []
     param = None
     unions: dict[str, list[str]] = {}  # a field matching no member of its union -> the members
     for err in exc.errors():
-        loc, member = _union_member([str(x) for x in err.get("loc", ()) if x != "body"])
+        loc, member = _union_member([str(x) for x in _field_location(err)])
         where = ".".join(loc)
         if err.get("type") == "json_invalid":  # its loc is a character position, not a parameter
             at = f" at character {where}" if where else ""

@@ -10,9 +10,10 @@ numbered by ``sequence_number``. Stored responses live in a bounded LRU map in t
 
 from __future__ import annotations
 
+import re
 import uuid
 from collections import OrderedDict
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from typing import Any, Callable, Iterable
 
 import msgspec
@@ -38,8 +39,14 @@ CHAT_EXTENSIONS = frozenset({
 })
 # a chat field named in an error -> the Responses field it came from
 RESPONSES_PARAMS = {"response_format": "text.format", "messages": "input", "max_tokens": "max_output_tokens"}
+# chat field names an error's message may use (``messages`` stays: its indexes count the chat's messages)
+CHAT_NAMES_IN_MESSAGES = re.compile(r"\b(response_format|max_tokens)\b")
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
+# an input item's type -> the prefix of the id it gets when the client gave none
+ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
+INPUT_ITEMS_LIMIT = 20  # GET /v1/responses/{id}/input_items: the default page size (at most 100)
 
 
 # ---- the store ----
@@ -49,6 +56,8 @@ class StoredResponse:
     # The conversation as Responses items: the previous response's, this input, this output. The
     # item dicts are shared with the previous entries, so a long chain costs one list of references each.
     items: list[dict[str, Any]]
+    # This request's own input items as OpenAI lists them (each with an id): /input_items.
+    input_items: list[dict[str, Any]] = field(default_factory=list)
 
 
 class ResponseStore:
@@ -176,6 +185,32 @@ def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
     return body.input
 
 
+def _stored_part(part: Any, role: str) -> Any:
+    """A message's content part as OpenAI lists it: text as ``input_text`` (``output_text`` for
+    the assistant, with its annotations); other parts (a refusal) as given."""
+    if isinstance(part, dict) and part.get("type") not in TEXT_PARTS:
+        return part
+    text = part if isinstance(part, str) else part["text"]
+    return _text_part(text) if role == "assistant" else {"type": "input_text", "text": text}
+
+
+def stored_item(item: dict[str, Any]) -> dict[str, Any]:
+    """An input item (already checked by ``chat_messages``) as a stored item: with its type, an id
+    (the client's, or a new one), a status, and a message's content as a list of parts."""
+    kind = item.get("type", "message")
+    item_id = item.get("id")
+    stored = {k: v for k, v in item.items() if v is not None}  # null: not given, as in a request body
+    stored.update(type=kind, id=item_id if isinstance(item_id, str) and item_id else _new_id(ITEM_ID_PREFIXES[kind]))
+    stored.setdefault("status", "completed")
+    if kind == "message":
+        content = item["content"]
+        parts = [content] if isinstance(content, str) else content
+        stored["content"] = [_stored_part(p, item["role"]) for p in parts]
+    elif kind == "reasoning":
+        stored.setdefault("summary", [])
+    return stored
+
+
 def chat_messages(instructions: str | None, items: list[dict[str, Any]], first_new: int = 0) -> list[dict[str, Any]]:
     """``instructions`` as the system message, then the items; ``first_new``: the index of the
     request's own first item (errors name ``input[i]`` from there; history items are already checked)."""
@@ -212,7 +247,10 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
     fmt = (text or {}).get("format")
     if fmt is None:
         return None
-    kind = fmt.get("type") if isinstance(fmt, dict) else None
+    if not isinstance(fmt, dict):
+        raise APIError.invalid(f'text.format must be an object such as {{"type": "json_object"}}, got {fmt!r}',
+                               "text.format")
+    kind = fmt.get("type")
     if kind in ("text", "json_object"):
         return {"type": kind}
     if kind == "json_schema":
@@ -226,10 +264,17 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 def _template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
     """``reasoning.effort`` "none" switches thinking off (Qwen3's enable_thinking), any other
     effort on, unless chat_template_kwargs says otherwise."""
-    kwargs = dict((body.model_extra or {}).get("chat_template_kwargs") or {})
+    given = (body.model_extra or {}).get("chat_template_kwargs")
+    if given is not None and not isinstance(given, dict):
+        raise APIError.invalid("chat_template_kwargs must be an object", "chat_template_kwargs")
+    kwargs = dict(given or {})
     effort = (body.reasoning or {}).get("effort")
-    if effort is not None:
-        kwargs.setdefault("enable_thinking", effort != "none")
+    if effort is None:
+        return kwargs or None
+    if effort not in REASONING_EFFORTS:
+        raise APIError.invalid(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
+                               "reasoning.effort")
+    kwargs.setdefault("enable_thinking", effort != "none")
     return kwargs or None
 
 
@@ -494,6 +539,7 @@ def _history(store: ResponseStore, previous_response_id: str | None) -> list[dic
 def _renamed(error: APIError) -> APIError:
     """``error`` naming the Responses field where it names a chat field."""
     error.param = RESPONSES_PARAMS.get(error.param or "", error.param)
+    error.message = CHAT_NAMES_IN_MESSAGES.sub(lambda m: RESPONSES_PARAMS[m.group(1)], error.message)
     return error
 
 
@@ -513,11 +559,11 @@ async def create_response(serving: Serving, store: ResponseStore, body: Response
     body.check()
     history = _history(store, body.previous_response_id)
     reqs, output = _prepare(serving, chat_request(body, history))
-    own_items = input_items(body)
+    own_items = [stored_item(item) for item in input_items(body)]
 
     def save(response: dict[str, Any]) -> None:
         if body.store:
-            store.put(StoredResponse(response, history + own_items + response["output"]))
+            store.put(StoredResponse(response, history + own_items + response["output"], own_items))
 
     fmt = ResponsesFormat(serving.model_name, body, output, save)
     try:
@@ -537,3 +583,33 @@ def delete_response(store: ResponseStore, response_id: str) -> dict[str, Any]:
     if not store.delete(response_id):
         raise not_found(response_id)
     return {"id": response_id, "object": "response.deleted", "deleted": True}
+
+
+def _cursor(items: list[dict[str, Any]], item_id: str, param: str) -> int:
+    for i, item in enumerate(items):
+        if item["id"] == item_id:
+            return i
+    raise APIError.invalid(f"{param}: this response has no input item with id '{item_id}'", param)
+
+
+def list_input_items(
+    store: ResponseStore, response_id: str, after: str | None = None, before: str | None = None,
+    limit: int = INPUT_ITEMS_LIMIT, order: str = "desc",
+) -> dict[str, Any]:
+    """A page of a stored response's input items, as OpenAI's cursor lists: in ``order``, the
+    ``limit`` items after the item ``after`` (or, given only ``before``, the ones just before it)."""
+    entry = store.get(response_id)
+    if entry is None:
+        raise not_found(response_id)
+    items = entry.input_items if order == "asc" else entry.input_items[::-1]
+    start = _cursor(items, after, "after") + 1 if after is not None else 0
+    end = _cursor(items, before, "before") if before is not None else len(items)
+    window = items[start:end]
+    page = window[-limit:] if before is not None and after is None else window[:limit]
+    return {
+        "object": "list",
+        "data": page,
+        "first_id": page[0]["id"] if page else None,
+        "last_id": page[-1]["id"] if page else None,
+        "has_more": len(window) > len(page),
+    }
