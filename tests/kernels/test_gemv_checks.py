@@ -98,3 +98,21 @@ def test_expert_gemv_refusals_name_the_reason():
     assert "CUDA device" in experts_unsupported(x, gate_up, down, logits, 2)  # the shapes pass: only the device is left
     with pytest.raises(ValueError, match="expert gemv: .*CUDA device"):
         experts(x, gate_up, down, logits, 2, True)
+
+
+@pytest.mark.parametrize("setting,fp8,expected", [("", True, True), ("", False, False), ("1", False, True),
+                                                  ("0", True, False)])
+def test_which_experts_take_the_expert_gemv(tiny_model_factory, monkeypatch, setting, fp8, expected):
+    """``TPSERVE_MOE_GEMV`` read when a MoE block is built: by default only FP8 experts take the expert GEMVs at one
+    token (bf16 ones were measured slower there and keep the Triton kernels); ``1`` sends bf16 too, ``0`` none."""
+    from tpserve.config import ModelConfig
+    from tpserve.distributed import info
+    from tpserve.layers.moe import EXPERT_GEMV_ENV, SparseMoeBlock
+    from tpserve.quant.fp8 import ExpertScales
+
+    monkeypatch.setenv(EXPERT_GEMV_ENV, setting)
+    monkeypatch.setattr(info, "_TP_INFO", info.TPInfo(0, 1))  # this process's TP info, restored after
+    model_dir = tiny_model_factory("qwen3_moe", num_layers=2)
+    block = SparseMoeBlock(ModelConfig.from_pretrained(model_dir), comm=None)
+    scales = ExpertScales(torch.ones(4, 2, 1, 1), torch.ones(4, 1, 1), (128, 128)) if fp8 else None
+    assert block.takes_expert_gemv(scales) == expected
