@@ -17,14 +17,8 @@ from tpserve.parsers.chat_output import ChatDelta
 from tpserve.parsers.tool_calls import ToolCallDelta
 from tpserve.server.errors import APIError
 from tpserve.server.protocol import ResponsesRequest
-from tpserve.server.responses import (
-    OutputItems,
-    ResponseStore,
-    StoredResponse,
-    chat_messages,
-    chat_request,
-    stored_item,
-)
+from tpserve.server.responses import OutputItems, ResponseStore, StoredResponse, stored_item
+from tpserve.server.responses_request import chat_messages, chat_request
 
 RESPONSES = "/v1/responses"
 _EVENTS = typing.get_args(typing.get_args(ResponseStreamEvent)[0])

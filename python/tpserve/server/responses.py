@@ -1,8 +1,8 @@
-"""OpenAI's Responses API (``/v1/responses``) on top of the chat pipeline.
+"""OpenAI's Responses API (``/v1/responses``) on top of the chat pipeline: the stored responses,
+the output and the routes' work.
 
-A request's input items (with the stored history of ``previous_response_id``) become chat
-messages, its flat function tools and ``text.format`` the chat forms, and the chat request runs
-through ``Serving`` as any other. Its output, split by the chat output parser into reasoning,
+A request becomes a chat request (``responses_request``: its input items, with the stored history
+of ``previous_response_id``, as chat messages) that runs through ``Serving`` as any other. Its output, split by the chat output parser into reasoning,
 content and tool calls, becomes output items: ``reasoning``, ``message`` (one ``output_text``
 part) and ``function_call``; streamed, as the semantic events (``response.output_text.delta``, ...)
 numbered by ``sequence_number``. Stored responses live in a bounded LRU map in the app state.
@@ -18,34 +18,24 @@ from typing import Any, Callable, Iterable
 
 import msgspec
 from fastapi import Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import Response
-from pydantic import ValidationError
 
 from tpserve.message.frontend import ApiOutput, TokenizeRequest
 from tpserve.parsers.chat_output import ChatDelta, ChatOutputConfig, ChatOutputParser
 from tpserve.server.errors import APIError
 from tpserve.server.formats import Choice, ResponseFormat
 from tpserve.server.protocol import ChatCompletionRequest, ResponsesRequest
+from tpserve.server.responses_request import TEXT_PARTS, chat_request, input_items
 from tpserve.server.serving import Serving
 
 MAX_STORED_RESPONSES = 4096
 
-# chat fields a Responses request may carry as extensions (vLLM's sampling extras)
-CHAT_EXTENSIONS = frozenset({
-    "seed", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "logit_bias", "skip_special_tokens", "chat_template_kwargs",
-    "regex", "ebnf",
-})
 # a chat field named in an error -> the Responses field it came from
 RESPONSES_PARAMS = {"response_format": "text.format", "messages": "input", "max_tokens": "max_output_tokens"}
 # chat field names an error's message may use (``messages`` stays: its indexes count the chat's messages)
 CHAT_NAMES_IN_MESSAGES = re.compile(r"\b(response_format|max_tokens)\b")
-INPUT_ROLES = ("user", "system", "developer", "assistant")
-TEXT_PARTS = ("input_text", "output_text", "text")
 # an input item's type -> the prefix of the id it gets when the client gave none
 ITEM_ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs"}
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 INPUT_ITEMS_LIMIT = 20  # GET /v1/responses/{id}/input_items: the default page size (at most 100)
 
 
@@ -91,98 +81,6 @@ def not_found(response_id: str) -> APIError:
 
 
 # ---- input: Responses items -> chat messages ----
-def _part_text(part: Any, where: str) -> str:
-    if isinstance(part, str):
-        return part
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind in TEXT_PARTS and isinstance(part.get("text"), str):
-        return part["text"]
-    if kind == "refusal" and isinstance(part.get("refusal"), str):
-        return part["refusal"]
-    if kind in ("input_image", "input_file", "input_audio"):
-        raise APIError.invalid(f"{where}: {kind} content is not supported (tpserve serves text-only models)", "input")
-    raise APIError.invalid(f"{where}: a content part must be {{\"type\": \"input_text\", \"text\": ...}}", "input")
-
-
-def _content_text(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if isinstance(content, list):
-        return "".join(_part_text(part, f"{where}[{i}]") for i, part in enumerate(content))
-    raise APIError.invalid(f"{where} must be a string or a list of content parts", "input")
-
-
-def _string_field(item: dict[str, Any], name: str, where: str) -> str:
-    value = item.get(name)
-    if not isinstance(value, str):
-        raise APIError.invalid(f"{where}.{name} must be a string", "input")
-    return value
-
-
-def _reasoning_text(item: dict[str, Any], where: str) -> str:
-    parts = item.get("content") or item.get("summary") or []
-    if not isinstance(parts, list):
-        raise APIError.invalid(f"{where}.content must be a list of reasoning_text parts", "input")
-    return "".join(p["text"] for p in parts if isinstance(p, dict) and isinstance(p.get("text"), str))
-
-
-class _Messages:
-    """Chat messages built item by item; a reasoning item goes with the assistant turn after it."""
-
-    def __init__(self) -> None:
-        self.messages: list[dict[str, Any]] = []
-        self._reasoning: str | None = None
-
-    def assistant(self, content: str) -> dict[str, Any]:
-        msg: dict[str, Any] = {"role": "assistant", "content": content}
-        if self._reasoning is not None:
-            msg["reasoning_content"], self._reasoning = self._reasoning, None
-        self.messages.append(msg)
-        return msg
-
-    def add_call(self, call: dict[str, Any]) -> None:
-        last = self.messages[-1] if self.messages else None
-        if last is None or last["role"] != "assistant" or self._reasoning is not None:
-            last = self.assistant("")
-        last.setdefault("tool_calls", []).append(call)
-
-    def add(self, item: Any, where: str) -> None:
-        if not isinstance(item, dict):
-            raise APIError.invalid(f"{where} must be an object (a message or a function call item)", "input")
-        kind = item.get("type", "message")
-        if kind == "message":
-            role = item.get("role")
-            if role not in INPUT_ROLES:
-                raise APIError.invalid(f"{where}.role must be one of {', '.join(INPUT_ROLES)}, got {role!r}", "input")
-            text = _content_text(item.get("content"), f"{where}.content")
-            if role == "assistant":
-                self.assistant(text)
-            else:
-                self.messages.append({"role": role, "content": text})
-        elif kind == "function_call":
-            name, arguments = _string_field(item, "name", where), _string_field(item, "arguments", where)
-            function = {"name": name, "arguments": arguments}
-            self.add_call({"id": _string_field(item, "call_id", where), "type": "function", "function": function})
-        elif kind == "function_call_output":
-            output = _content_text(item.get("output"), f"{where}.output")
-            call_id = _string_field(item, "call_id", where)
-            self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
-        elif kind == "reasoning":
-            self._reasoning = (self._reasoning or "") + _reasoning_text(item, where)
-        else:
-            raise APIError.invalid(f"{where}.type {kind!r} is not supported (only message, function_call, "
-                                   "function_call_output and reasoning items are)", "input")
-
-    def finish(self) -> list[dict[str, Any]]:
-        if self._reasoning is not None:  # reasoning that no answer followed
-            self.assistant("")
-        return self.messages
-
-
-def input_items(body: ResponsesRequest) -> list[dict[str, Any]]:
-    if isinstance(body.input, str):
-        return [{"type": "message", "role": "user", "content": body.input}]
-    return body.input
 
 
 def _stored_part(part: Any, role: str) -> Any:
@@ -211,95 +109,7 @@ def stored_item(item: dict[str, Any]) -> dict[str, Any]:
     return stored
 
 
-def chat_messages(instructions: str | None, items: list[dict[str, Any]], first_new: int = 0) -> list[dict[str, Any]]:
-    """``instructions`` as the system message, then the items; ``first_new``: the index of the
-    request's own first item (errors name ``input[i]`` from there; history items are already checked)."""
-    built = _Messages()
-    if instructions:
-        built.messages.append({"role": "system", "content": instructions})
-    for i, item in enumerate(items):
-        built.add(item, f"input[{i - first_new}]" if i >= first_new else f"previous_response_id item {i}")
-    return built.finish()
-
-
 # ---- request: the rest of the fields ----
-def _chat_tool(tool: Any, index: int) -> dict[str, Any]:
-    kind = tool.get("type") if isinstance(tool, dict) else None
-    if kind != "function":
-        raise APIError.invalid(f"tools[{index}]: {kind!r} tools are not supported; only function tools "
-                               "({\"type\": \"function\", \"name\": ...}) are", "tools")
-    if isinstance(tool.get("function"), dict):  # the chat form, as some clients send it
-        return tool
-    function = {k: tool[k] for k in ("name", "description", "parameters", "strict") if tool.get(k) is not None}
-    return {"type": "function", "function": function}
-
-
-def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
-    if isinstance(choice, str):
-        return choice  # "auto", "none", "required"; anything else is a 400 from the chat checks
-    if choice.get("type") == "function" and isinstance(choice.get("name"), str):
-        return {"type": "function", "function": {"name": choice["name"]}}
-    raise APIError.invalid(f"tool_choice {choice!r} is not supported: give \"auto\", \"none\", \"required\" or "
-                           "{\"type\": \"function\", \"name\": ...}", "tool_choice")
-
-
-def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
-    fmt = (text or {}).get("format")
-    if fmt is None:
-        return None
-    if not isinstance(fmt, dict):
-        raise APIError.invalid(f'text.format must be an object such as {{"type": "json_object"}}, got {fmt!r}',
-                               "text.format")
-    kind = fmt.get("type")
-    if kind in ("text", "json_object"):
-        return {"type": kind}
-    if kind == "json_schema":
-        if not isinstance(fmt.get("schema"), (dict, bool)):
-            raise APIError.invalid("text.format json_schema needs schema (a JSON schema)", "text.format")
-        spec = {k: fmt[k] for k in ("name", "schema", "strict", "description") if k in fmt}
-        return {"type": "json_schema", "json_schema": spec}
-    raise APIError.invalid(f"text.format type must be text, json_object or json_schema, got {kind!r}", "text.format")
-
-
-def _template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
-    """``reasoning.effort`` "none" switches thinking off (Qwen3's enable_thinking), any other
-    effort on, unless chat_template_kwargs says otherwise."""
-    given = (body.model_extra or {}).get("chat_template_kwargs")
-    if given is not None and not isinstance(given, dict):
-        raise APIError.invalid("chat_template_kwargs must be an object", "chat_template_kwargs")
-    kwargs = dict(given or {})
-    effort = (body.reasoning or {}).get("effort")
-    if effort is None:
-        return kwargs or None
-    if effort not in REASONING_EFFORTS:
-        raise APIError.invalid(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
-                               "reasoning.effort")
-    kwargs.setdefault("enable_thinking", effort != "none")
-    return kwargs or None
-
-
-def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat request that serves ``body`` after the stored ``history``."""
-    fields: dict[str, Any] = {k: v for k, v in (body.model_extra or {}).items() if k in CHAT_EXTENSIONS}
-    fields.update(
-        model=body.model,
-        messages=chat_messages(body.instructions, history + input_items(body), first_new=len(history)),
-        max_tokens=body.max_output_tokens,
-        temperature=body.temperature,
-        top_p=body.top_p,
-        tools=[_chat_tool(t, i) for i, t in enumerate(body.tools)] or None,
-        tool_choice=_chat_tool_choice(body.tool_choice),
-        parallel_tool_calls=body.parallel_tool_calls,
-        response_format=_response_format(body.text),
-        chat_template_kwargs=_template_kwargs(body),
-        user=body.user,
-    )
-    if not fields["messages"]:
-        raise APIError.invalid("input must not be empty", "input")
-    try:
-        return ChatCompletionRequest.model_validate(fields)
-    except ValidationError as e:  # an extension's value: answered as a body's validation error
-        raise RequestValidationError(e.errors()) from e
 
 
 # ---- output: items and stream events ----
