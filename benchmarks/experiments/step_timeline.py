@@ -47,13 +47,19 @@ def short(name: str) -> str:
     return name.split("<")[0].split("(")[0][:60]
 
 
-def graph_kernels(events: list[dict]) -> dict[str, list[float]]:
-    """Per kernel name (template arguments kept) inside the graphs: durations, over all steps."""
+def step_windows(events: list[dict]):
+    """Per decode step: (its events up to the next step's start, the index of the graph's last GEMV or None,
+    the next step's first event)."""
     starts = [i for i, e in enumerate(events) if STEP_FIRST in e["name"]]
-    durations = defaultdict(list)
     for a, b in zip(starts, starts[1:]):
         window = events[a:b]
-        last_gemv = max((i for i, e in enumerate(window) if GRAPH_LAST in e["name"]), default=None)
+        yield window, max((i for i, e in enumerate(window) if GRAPH_LAST in e["name"]), default=None), events[b]
+
+
+def graph_kernels(events: list[dict]) -> dict[str, list[float]]:
+    """Per kernel name (template arguments kept) inside the graphs: durations, over all steps."""
+    durations = defaultdict(list)
+    for window, last_gemv, _ in step_windows(events):
         for e in window[: (last_gemv or 0) + 1]:
             name = e["name"].removeprefix("void ").replace("(anonymous namespace)::", "")
             durations[name.split("(")[0][:110]].append(e["dur"])
@@ -63,11 +69,8 @@ def graph_kernels(events: list[dict]) -> dict[str, list[float]]:
 def step_breakdown(events: list[dict]) -> tuple[list[dict], dict[str, list[float]]]:
     """Per decode step (graph start to the next graph start): span, graph span, tail busy and idle;
     and per activity name after the graph, its durations."""
-    starts = [i for i, e in enumerate(events) if STEP_FIRST in e["name"]]
     steps, tail_durations = [], defaultdict(list)
-    for a, b in zip(starts, starts[1:]):
-        window = events[a:b]
-        last_gemv = max((i for i, e in enumerate(window) if GRAPH_LAST in e["name"]), default=None)
+    for window, last_gemv, next_start in step_windows(events):
         if last_gemv is None:
             continue
         graph_end = max(e["ts"] + e["dur"] for e in window[: last_gemv + 1])
@@ -78,8 +81,8 @@ def step_breakdown(events: list[dict]) -> tuple[list[dict], dict[str, list[float
             busy += max(0.0, end - max(cursor, e["ts"]))
             cursor = max(cursor, end)
             tail_durations[short(e["name"])].append(e["dur"])
-        span = events[b]["ts"] - window[0]["ts"]
-        steps.append({"span_us": span, "graph_us": graph_end - window[0]["ts"], "tail_us": events[b]["ts"] - graph_end,
+        span = next_start["ts"] - window[0]["ts"]
+        steps.append({"span_us": span, "graph_us": graph_end - window[0]["ts"], "tail_us": next_start["ts"] - graph_end,
                       "tail_busy_us": busy, "tail_kernels": len(tail)})
     return steps, tail_durations
 

@@ -130,6 +130,19 @@ def _check_fusion(x2: torch.Tensor, n_out: int, norm: tuple[torch.Tensor, float]
                              f"{add_to.dtype} {list(add_to.shape)}")
 
 
+def _launch_inputs(x: torch.Tensor, k: int, module: Any, pdl: bool | None) -> tuple[torch.Tensor, Any, bool]:
+    """x as the kernels read it ([M, K], contiguous, 16-byte aligned), the module (by default the one
+    ``TPSERVE_GEMV_DEFINES`` names) and whether to launch with PDL (``TPSERVE_GEMV_PDL`` by default, where
+    the GPU has it)."""
+    x2 = x.reshape(-1, k).contiguous()
+    if x2.data_ptr() % _VEC_BYTES:
+        x2 = x2.clone()
+    module = module or load_module(_defines(os.environ.get(DEFINES_ENV, "")))
+    if pdl is None:
+        pdl = os.environ.get(PDL_ENV, "1") != "0"
+    return x2, module, pdl and pdl_supported(x.device.index or 0)
+
+
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, module: Any = None,
     pdl: bool | None = None, silu_mul: bool = False, norm: tuple[torch.Tensor, float] | None = None,
@@ -145,15 +158,9 @@ def gemv(
         raise ValueError(f"gemv: {reason}")
     n, k = weight.shape
     n_out = n // 2 if silu_mul else n
-    x2 = x.reshape(-1, k).contiguous()
-    if x2.data_ptr() % _VEC_BYTES:
-        x2 = x2.clone()
+    x2, module, pdl = _launch_inputs(x, k, module, pdl)
     _check_fusion(x2, n_out, norm, add_to, silu_mul)
     y = add_to if add_to is not None else torch.empty(x2.shape[0], n_out, dtype=torch.bfloat16, device=x.device)
-    module = module or load_module(_defines(os.environ.get(DEFINES_ENV, "")))
-    if pdl is None:
-        pdl = os.environ.get(PDL_ENV, "1") != "0"
-    pdl = pdl and pdl_supported(x.device.index or 0)
     norm_weight, eps = norm if norm is not None else (None, 0.0)
     if scale_inv is None:
         module.gemv_bf16(x2, weight, y, pdl, silu_mul, norm_weight, eps, add_to is not None)
@@ -205,14 +212,8 @@ def experts(
     reason = experts_unsupported(x, gate_up, down, logits, top_k, scales)
     if reason is not None:
         raise ValueError(f"expert gemv: {reason}")
-    x2 = x.reshape(1, x.shape[-1]).contiguous()
-    if x2.data_ptr() % _VEC_BYTES:
-        x2 = x2.clone()
+    x2, module, pdl = _launch_inputs(x, x.shape[-1], module, pdl)
     _check_fusion(x2, gate_up.shape[1] // 2, norm, None, True)
-    module = module or load_module(_defines(os.environ.get(DEFINES_ENV, "")))
-    if pdl is None:
-        pdl = os.environ.get(PDL_ENV, "1") != "0"
-    pdl = pdl and pdl_supported(x.device.index or 0)
     act = torch.empty(top_k, down.shape[2], dtype=torch.bfloat16, device=x.device)
     norm_weight, eps = norm if norm is not None else (None, 0.0)
     gate_up_scales, down_scales = (scales.gate_up, scales.down) if scales is not None else (logits, logits)
