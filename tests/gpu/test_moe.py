@@ -319,6 +319,47 @@ def test_expert_gemv_in_a_cuda_graph_after_the_router_gemv(fp8):
         assert rel_err(out, reference(x, ref_gu, ref_down, weights, ids)) < RTOL
 
 
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("path", ["triton", "gemv"])
+def test_one_token_experts_add_to_the_residual(path, fp8):
+    """A MoE layer at one token and TP 1 has its down kernel add the experts' sum to the residual stream in place
+    (``add_to``, as the dense down GEMV does), so no add + RMSNorm kernel runs after it: the residual becomes
+    bf16(residual + the sum as returned without ``add_to``), bit for bit, eager and replayed in a CUDA graph on new
+    logits (the other experts' weights), through the routed Triton kernels and the expert GEMVs."""
+    from tpserve.kernels import gemv
+
+    experts, top_k, hidden, _ = SHAPES[0]
+    x, gate_up, down, _, _ = expert_inputs(1, *SHAPES[0], seed=60)
+    scales = None
+    if fp8:
+        gate_up, down, scales, _, _ = fp8_experts(gate_up.float(), down.float(), (128, 128))
+    gen = torch.Generator(device=DEVICE).manual_seed(61)
+    logits = (2 * torch.randn(1, experts, generator=gen, device=DEVICE)).to(DTYPE)
+    residual = torch.randn(1, hidden, generator=gen, device=DEVICE).to(DTYPE)
+
+    def layer(add_to: torch.Tensor | None = None) -> torch.Tensor:
+        if path == "gemv":
+            return gemv.experts(x, gate_up, down, logits, top_k, True, scales=scales, add_to=add_to)
+        return routed_experts(x, gate_up, down, RouterLogits(logits, top_k, True), scales=scales, add_to=add_to)
+
+    def expected(before: torch.Tensor) -> torch.Tensor:
+        return (before.float() + layer().float()).to(DTYPE)
+
+    stream = residual.clone()
+    want = expected(stream)
+    assert layer(add_to=stream) is stream
+    assert torch.equal(stream, want) and not torch.equal(stream, residual)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        layer(add_to=stream)
+    for seed in (62, 63):
+        logits.copy_((2 * torch.randn(logits.shape, generator=gen.manual_seed(seed), device=DEVICE)).to(DTYPE))
+        stream.copy_(residual)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert torch.equal(stream, expected(residual))
+
+
 def test_moe_model_expert_gemv_matches_torch_experts(moe_model_dir, bf16_engines, monkeypatch):
     """The tiny model with ``TPSERVE_MOE_GEMV=1`` (one-token decode steps in CUDA graphs on the expert GEMVs) against
     the torch experts, eager, as the Triton engine is checked above."""

@@ -11,6 +11,7 @@ MoE checks run in float32.
 from __future__ import annotations
 
 import dataclasses
+import multiprocessing
 import os
 import sys
 
@@ -334,10 +335,6 @@ def check_fused_moe() -> None:
     assert int(padded_len) == 12 and sorted_rows.numel() == 20  # 6 rows + 4 experts * 3 padding, in whole blocks
     assert sorted_rows.tolist() == [3, 6, 6, 6, 1, 2, 5, 6, 0, 4, 6, 6] + [6] * 8
     assert block_expert[:3].tolist() == [0, 1, 3]
-    check_align_kernel_matches_torch()
-    check_router_topk()
-    check_routed_moe()
-    check_small_batch_moe()
 
 
 def random_experts(gen: torch.Generator, tokens: int, experts: int, top_k: int, hidden: int, inter: int):
@@ -437,7 +434,7 @@ def check_fp8_experts() -> None:
 def check_routed_moe() -> None:
     """The expert kernels that route from the router's logits themselves (``routed_experts``) against the
     router kernel then the same kernels: the same bits, with and without renormalisation and the fused
-    norm, a prefetching config of small blocks, experts not a power of two, tied logits; a config that does not
+    norm, added to a residual stream or not, a prefetching config of small blocks, experts not a power of two, tied logits; a config that does not
     prefetch falls back to the router kernel; the routed down kernel refuses such a config."""
     from tpserve.kernels.moe_small import router_topk
     from tpserve.kernels.moe_small import (KernelConfig, RouterLogits, SmallBatchConfig, default_config, down_sum,
@@ -458,6 +455,12 @@ def check_routed_moe() -> None:
             expected = small_batch_experts(x, gate_up, down, weights, ids, config, norm=with_norm)
             got = routed_experts(x, gate_up, down, RouterLogits(logits, top_k, renormalize), config, norm=with_norm)
             assert torch.equal(got, expected), f"routed {tokens, top_k, config, with_norm is not None}"
+            if config in (prefetch, plain) and with_norm is None:  # the sum added to a residual stream in place
+                residual = torch.randn(tokens, hidden, generator=gen)
+                stream = residual.clone()
+                assert routed_experts(x, gate_up, down, RouterLogits(logits, top_k, renormalize), config,
+                                      add_to=stream) is stream
+                assert torch.equal(stream, residual + expected), f"routed add_to {tokens, top_k, config}"
     act = torch.zeros(2, 8)
     try:
         down_sum(act, torch.zeros(4, 8, 8), None, RouterLogits(torch.zeros(1, 4), 2, True), plain.down)
@@ -628,24 +631,28 @@ def check_graph_inputs() -> None:
             assert results[1][1][:size, :width].tolist() == table.tolist() and results[1][1][:, width:].eq(-7).all()
 
 
+# Longest first: two processes share them (the interpreter is single-threaded; CI has two cores).
+CHECKS = (
+    check_small_batch_moe, check_fused_moe, check_routed_moe, check_fp8_experts, check_fused_moe_model,
+    check_sampler_filters, check_fp8_gemm, check_fp8_mlp, check_sampler_on_edited_logits, check_sampler,
+    check_align_kernel_matches_torch, check_router_topk, check_norm_rope_store, check_greedy, check_add_rmsnorm,
+    check_kv_store, check_graph_inputs,
+)
+
+
+def run_check(index: int) -> str:
+    CHECKS[index]()
+    return CHECKS[index].__name__
+
+
 if __name__ == "__main__":
     if os.environ.get("TRITON_INTERPRET") != "1":
         sys.exit("run with TRITON_INTERPRET=1")
     if len(sys.argv) > 1:  # a file for the launches, which hopper_compile.py then compiles
         from hopper_compile import record_launches
 
-        record_launches(sys.argv[1])
-    check_sampler()
-    check_sampler_filters()
-    check_sampler_on_edited_logits()
-    check_kv_store()
-    check_norm_rope_store()
-    check_add_rmsnorm()
-    check_graph_inputs()
-    check_greedy()
-    check_fused_moe()
-    check_fused_moe_model()
-    check_fp8_gemm()
-    check_fp8_mlp()
-    check_fp8_experts()
+        record_launches(sys.argv[1])  # (the forked workers inherit it)
+    with multiprocessing.get_context("fork").Pool(min(2, os.cpu_count() or 1)) as pool:
+        for name in pool.imap_unordered(run_check, range(len(CHECKS))):
+            print(name, flush=True)
     print("ok")

@@ -203,24 +203,26 @@ def experts_unsupported(
 def experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
     norm: tuple[torch.Tensor, float] | None = None, scales: ExpertScales | None = None, pdl: bool | None = None,
-    module: Any = None,
+    module: Any = None, add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token's MoE experts in two GEMVs that route themselves from the router's ``logits`` (bf16 [1, E]: softmax,
     top k, ties to the lower id, optionally renormalised, as ``kernels.moe_small.router_top_k``): [1, H] =
     sum_j weight_j * expert_j(x). gate_up [E, 2I, H] ([gate; up] rows), down [E, H, I], bf16 or (``scales``) FP8.
-    ``norm`` (weight, eps): of RMSNorm(x) * weight, normed as read; ``module``: a ``load_module(defines)`` variant."""
+    ``norm`` (weight, eps): of RMSNorm(x) * weight, normed as read; ``add_to`` [1, H]: the sum, rounded to bf16, is
+    added to it in place (the residual stream) and it is returned; ``module``: a ``load_module(defines)`` variant."""
     reason = experts_unsupported(x, gate_up, down, logits, top_k, scales)
     if reason is not None:
         raise ValueError(f"expert gemv: {reason}")
     x2, module, pdl = _launch_inputs(x, x.shape[-1], module, pdl)
     _check_fusion(x2, gate_up.shape[1] // 2, norm, None, True)
+    _check_fusion(x2, down.shape[1], None, add_to, False)
     act = torch.empty(top_k, down.shape[2], dtype=torch.bfloat16, device=x.device)
     norm_weight, eps = norm if norm is not None else (None, 0.0)
     gate_up_scales, down_scales = (scales.gate_up, scales.down) if scales is not None else (logits, logits)
     module.moe_gate_up(x2, gate_up, gate_up_scales, logits, top_k, act, pdl, norm_weight, eps)
-    out = torch.empty(1, down.shape[1], dtype=torch.bfloat16, device=x.device)
-    module.moe_down(act, down, down_scales, logits, top_k, renormalize, out, pdl)
-    return out.view(*x.shape[:-1], down.shape[1])
+    out = add_to if add_to is not None else torch.empty(1, down.shape[1], dtype=torch.bfloat16, device=x.device)
+    module.moe_down(act, down, down_scales, logits, top_k, renormalize, out, pdl, add_to is not None)
+    return out if add_to is not None else out.view(*x.shape[:-1], down.shape[1])
 
 
 @functools.cache

@@ -259,11 +259,12 @@ def _moe_down_sum_kernel(
     num_experts=0, stride_l=0, ROUTED: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
     E_PAD: tl.constexpr = 1,
     scale_ptr=None, stride_se=0, stride_sp=0, stride_sn=0, BN: tl.constexpr = 1, BK: tl.constexpr = 1,
-    FP8: tl.constexpr = False, ROW_UNIFORM: tl.constexpr = True,
+    FP8: tl.constexpr = False, ROW_UNIFORM: tl.constexpr = True, ADD_TO: tl.constexpr = False,
 ):
     """ROUTED (with PREFETCH): ids_ptr holds the router's logits [T, num_experts]; each program routes its
     token itself (weights rounded to the output dtype, as the router kernel stores them). FP8: as in the
-    gate_up kernel, the block scales applied to each expert's activations."""
+    gate_up kernel, the block scales applied to each expert's activations. ADD_TO: out is the residual stream,
+    to which the sum, rounded to its dtype, is added (after the PDL wait: the kernels before read it)."""
     if PDL and not PREFETCH:  # as in the gate_up kernel
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
@@ -327,8 +328,11 @@ def _moe_down_sum_kernel(
             acc += w.to(tl.float32) * scaled
             a_ptrs += BLOCK_K
             w_ptrs += BLOCK_K
-    out = tl.sum(tl.sum(acc, axis=2), axis=0)
-    tl.store(out_ptr + token * stride_om + offs_n, out.to(out_ptr.dtype.element_ty), mask=n_ok)
+    out = tl.sum(tl.sum(acc, axis=2), axis=0).to(out_ptr.dtype.element_ty)
+    if ADD_TO:
+        old = tl.load(out_ptr + token * stride_om + offs_n, mask=n_ok, other=0.0)
+        out = (out.to(tl.float32) + old.to(tl.float32)).to(out_ptr.dtype.element_ty)
+    tl.store(out_ptr + token * stride_om + offs_n, out, mask=n_ok)
 
 
 @dataclass(frozen=True)
@@ -374,10 +378,11 @@ def gate_up_silu(
 
 def down_sum(
     act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor | RouterLogits,
-    config: KernelConfig, scales: ExpertScales | None = None,
+    config: KernelConfig, scales: ExpertScales | None = None, add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """out [T, H] = sum_k weights[t, k] * act[t * k + k] @ down[ids[t, k]].T; down [E, H, I]. With
-    ``RouterLogits`` (weights None) the config must prefetch (``prefetches``). ``scales``: down is FP8."""
+    ``RouterLogits`` (weights None) the config must prefetch (``prefetches``). ``scales``: down is FP8.
+    ``add_to`` [T, H]: out, rounded to its dtype, is added to it in place (the residual stream); it is returned."""
     check_config(config)
     routed = isinstance(ids, RouterLogits)
     top_k = ids.top_k if routed else ids.shape[1]
@@ -386,7 +391,11 @@ def down_sum(
     if routed and not prefetches(config, top_k):
         raise ValueError(f"the routed down kernel reads all {top_k} experts in its first step, not {config}")
     hidden, inter = down.shape[1], down.shape[2]
-    out = torch.empty(tokens, hidden, dtype=act.dtype, device=act.device)
+    if add_to is not None and (add_to.shape != (tokens, hidden) or add_to.dtype != act.dtype
+                               or add_to.stride(-1) != 1):
+        raise ValueError(f"down_sum: add_to must be {act.dtype} [{tokens}, {hidden}] with unit stride along H, got "
+                         f"{add_to.dtype} {list(add_to.shape)}")
+    out = add_to if add_to is not None else torch.empty(tokens, hidden, dtype=act.dtype, device=act.device)
     pdl = triton_pdl(act.device)
     routing = ids.kernel_args() if routed else {}
     _moe_down_sum_kernel[(tokens, triton.cdiv(hidden, config.block_n))](
@@ -395,7 +404,7 @@ def down_sum(
         TOP_K=top_k, EXPERTS_PER_STEP=experts_per_step, PREFETCH=prefetches(config, top_k),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=inter % config.block_k == 0,
         NUM_STAGES=config.num_stages, PDL=pdl, **routing, **_scale_args(scales, "down", config.block_n, act),
-        num_warps=config.num_warps, launch_pdl=pdl,
+        ADD_TO=add_to is not None, num_warps=config.num_warps, launch_pdl=pdl,
     )
     return out
 
@@ -436,17 +445,18 @@ def small_batch_experts(
 def routed_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, router: RouterLogits,
     config: SmallBatchConfig | None = None, norm: tuple[torch.Tensor, float] | None = None,
-    scales: ExpertScales | None = None,
+    scales: ExpertScales | None = None, add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``small_batch_experts`` from the router's logits: the two kernels take each token's top k themselves,
     so no router kernel runs between the router's GEMV and them (a config that does not prefetch the down
-    kernel's experts runs the router kernel first)."""
+    kernel's experts runs the router kernel first). ``add_to``: as ``down_sum``'s."""
     if x.shape[0] == 0:
-        return torch.zeros_like(x)
+        return torch.zeros_like(x) if add_to is None else add_to
     if config is None:
         config = default_config(router.top_k)
     if not prefetches(config.down, router.top_k):
         weights, ids = router_topk(router.logits, router.top_k, router.renormalize, x.dtype)
-        return small_batch_experts(x, gate_up, down, weights, ids, config, norm, scales)
+        out = small_batch_experts(x, gate_up, down, weights, ids, config, norm, scales)
+        return out if add_to is None else add_to.add_(out)
     act = gate_up_silu(x, gate_up, router, config.gate_up, wait_first=True, norm=norm, scales=scales)
-    return down_sum(act, down, None, router, config.down, scales)
+    return down_sum(act, down, None, router, config.down, scales, add_to)

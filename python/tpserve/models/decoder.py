@@ -3,8 +3,8 @@ checkpoints' parameter names but q/k/v merged into ``qkv_proj``, gate/up into ``
 
 At TP > 1 attention and MLP return this rank's partial sum: the add+RMSNorm after each all-reduces
 it (``Communicator.all_reduce_add_rmsnorm``, in one kernel where it can). At TP 1, where the CUDA GEMV
-runs at one token (``gemv.FUSE_NORM_MAX_TOKENS``), the add + RMSNorm rides in the GEMVs around it: o_proj and down_proj add their
-output to the residual stream and return None, and qkv_proj, gate_up_proj and a MoE block (its router's
+runs at one token (``gemv.FUSE_NORM_MAX_TOKENS``), the add + RMSNorm rides in the GEMVs around it: o_proj and down_proj
+(a MoE block's down kernel) add their output to the residual stream and return None, and qkv_proj, gate_up_proj and a MoE block (its router's
 GEMV and its first expert kernel) take a ``PendingNorm`` that they norm as they read it (``add_and_norm``)."""
 
 from __future__ import annotations
@@ -107,9 +107,7 @@ class DecoderLayer(nn.Module):
         x, residual = add_and_norm(self.comm, x, residual, self.input_layernorm)
         x = self.self_attn(x, ctx, add_to=residual)
         x, residual = add_and_norm(self.comm, x, residual, self.post_attention_layernorm)
-        if isinstance(self.mlp, MLP):
-            return self.mlp(x, reduce=False, add_to=residual), residual
-        return self.mlp(x, reduce=False), residual
+        return self.mlp(x, reduce=False, add_to=residual), residual
 
 
 class DecoderBody(nn.Module):

@@ -291,8 +291,9 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
                 const float* __restrict__ scale_inv, const __nv_bfloat16* __restrict__ norm_w, float eps,
                 __nv_bfloat16* y, int n, int k, Routing routing = {}) {
   constexpr bool kNorm = kFuse == kNormX;
-  static_assert(kMoe == kDense || (M == 1 && kFuse != kAddToY), "the expert GEMVs: one token, no add");
-  static_assert(kMoe != kExpertDown || (!kSiluMul && kFuse == kPlain), "the down GEMV fuses nothing");
+  static_assert(kMoe == kDense || (M == 1 && (kFuse != kAddToY || kMoe == kExpertDown)),
+                "the expert GEMVs: one token, only down adds to y");
+  static_assert(kMoe != kExpertDown || (!kSiluMul && kFuse != kNormX), "the down GEMV fuses no norm");
   constexpr bool kScaled = kFp8 || kMoe == kExpertDown;  // each chunk's sums times a scale (and routing weight)
   constexpr int R = rows_per_block<M, kFp8, kMoe>();
   constexpr int kOut = kSiluMul ? R / 2 : R;  // outputs per block: R / 2 (gate, up) row pairs
@@ -710,9 +711,10 @@ void moe_gate_up(TensorView x, TensorView gate_up, TensorView scales, TensorView
 
 // out [1, H] = sum_j weight_j * act[j] @ down[e_j].T over the token's top k experts e_j, routed from logits as
 // moe_gate_up routes them (weight_j: the softmax, optionally renormalised over the k, rounded to bf16); act [k, I],
-// down [E, H, I] bf16, or FP8 with scales [E, H / 128, I / 128].
+// down [E, H, I] bf16, or FP8 with scales [E, H / 128, I / 128]. add_to_y: out (the residual stream) += the sum,
+// rounded to bf16 first, as the dense down GEMV adds.
 void moe_down(TensorView act, TensorView down, TensorView scales, TensorView logits, int64_t top_k, bool renormalize,
-              TensorView out, bool pdl) {
+              TensorView out, bool pdl, bool add_to_y) {
   Routing routing = routing_of(logits, top_k, renormalize, down, scales);
   const int64_t hidden = down.size(1), inter = down.size(2);
   const bool fp8 = down.dtype() == dl_float8_e4m3fn;
@@ -727,10 +729,12 @@ void moe_down(TensorView act, TensorView down, TensorView scales, TensorView log
   routing.seg_chunks = static_cast<int>(inter * (fp8 ? 1 : 2) / kVecBytes);
   const float* s = fp8 ? static_cast<const float*>(scales.data_ptr()) : nullptr;
   const int n = static_cast<int>(hidden), k = static_cast<int>(top_k * inter);
+  const void* w = down.data_ptr();
   const cudaError_t status =
-      fp8 ? launch_grid<1, true, false, kPlain, kExpertDown>(act, down.data_ptr(), n, k, s, out, pdl, Fusion{}, routing, 1)
-          : launch_grid<1, false, false, kPlain, kExpertDown>(act, down.data_ptr(), n, k, s, out, pdl, Fusion{}, routing,
-                                                              1);
+      fp8 ? (add_to_y ? launch_grid<1, true, false, kAddToY, kExpertDown>(act, w, n, k, s, out, pdl, {}, routing, 1)
+                      : launch_grid<1, true, false, kPlain, kExpertDown>(act, w, n, k, s, out, pdl, {}, routing, 1))
+          : (add_to_y ? launch_grid<1, false, false, kAddToY, kExpertDown>(act, w, n, k, s, out, pdl, {}, routing, 1)
+                      : launch_grid<1, false, false, kPlain, kExpertDown>(act, w, n, k, s, out, pdl, {}, routing, 1));
   TVM_FFI_ICHECK(status == cudaSuccess) << "expert gemv launch failed: " << cudaGetErrorString(status);
 }
 
