@@ -16,6 +16,8 @@ from __future__ import annotations
 import importlib
 import inspect
 import json
+import multiprocessing
+import os
 import sys
 
 import torch
@@ -68,29 +70,38 @@ def record_launches(path: str) -> None:
 
 
 def compile_recorded(path: str) -> int:
-    import triton
-    from triton.backends.compiler import GPUTarget
-    from triton.compiler import ASTSource
-
     with open(path) as f:
         launches = [json.loads(line) for line in sorted(set(f.read().splitlines()))]
     launches += [{**launch, "constexprs": {**launch["constexprs"], "PDL": True},
                   "options": {**launch["options"], "launch_pdl": True}}
                  for launch in launches if launch["constexprs"].get("PDL") is False]
-    for launch in launches:
-        kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
-        # Twice: as launched on arbitrary pointers, and with every pointer 16-byte aligned as torch's
-        # allocations are (Triton then specializes: vector loads, cp.async pipelining).
-        aligned = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
-                   for name, t in launch["signature"].items() if t.startswith("*")}
-        for attrs in ({}, aligned):
-            source = ASTSource(fn=kernel, signature=launch["signature"], constexprs=launch["constexprs"], attrs=attrs)
-            try:
-                triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
-            except Exception as e:
-                sys.exit(f"{launch['module']}.{launch['kernel']} does not compile for sm_90 "
-                         f"(constexprs {launch['constexprs']}, aligned pointers: {bool(attrs)}):\n{e}")
+    # Twice each: as launched on arbitrary pointers, and with every pointer 16-byte aligned as torch's
+    # allocations are (Triton then specializes: vector loads, cp.async pipelining); two processes (CI's cores).
+    jobs = [(launch, aligned) for launch in launches for aligned in (False, True)]
+    with multiprocessing.get_context("fork").Pool(min(2, os.cpu_count() or 1)) as pool:
+        for error in pool.imap_unordered(compile_one, jobs):
+            if error:
+                sys.exit(error)
     return len(launches)
+
+
+def compile_one(job: tuple[dict, bool]) -> str | None:
+    """Compiles one recorded launch for sm_90: None, or why it does not compile."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    launch, aligned = job
+    kernel = getattr(importlib.import_module(launch["module"]), launch["kernel"])
+    attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
+             for name, t in launch["signature"].items() if t.startswith("*")} if aligned else {}
+    source = ASTSource(fn=kernel, signature=launch["signature"], constexprs=launch["constexprs"], attrs=attrs)
+    try:
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
+    except Exception as e:
+        return (f"{launch['module']}.{launch['kernel']} does not compile for sm_90 "
+                f"(constexprs {launch['constexprs']}, aligned pointers: {aligned}):\n{e}")
+    return None
 
 
 if __name__ == "__main__":
