@@ -6,11 +6,12 @@ from __future__ import annotations
 import asyncio
 import itertools
 
-from tpserve.message.frontend import ApiOutput, RequestRejected, TokenizeRequest
+from tpserve.message.frontend import ApiOutput, RequestRejected, TokenizeRequest, TokenLogprob
 
 
 class StubFrontend:
-    """Each prompt's "completion" is ``reply`` split into ``pieces`` outputs.
+    """Each prompt's "completion" is ``reply`` split into ``pieces`` outputs (one token each:
+    with logprobs asked, the piece is the token, of log-probability -1, its alternatives -2, -3, ...).
 
     A prompt text containing "REJECT" is rejected like an over-long prompt.
     """
@@ -53,6 +54,7 @@ class StubFrontend:
                     finish_reason=self.finish if last else None,
                     prompt_in_reasoning=self.prompt_in_reasoning,
                     matched_stop=7 if last and self.finish == "stop" else None,
+                    logprobs=None if req.params.logprobs is None else [_logprob(text, req.params.logprobs)],
                 )
             )
             await asyncio.sleep(0)
@@ -62,3 +64,8 @@ class StubFrontend:
 
     async def flush_cache(self) -> None:
         self.flushes += 1
+
+
+def _logprob(token: str, top: int) -> TokenLogprob:
+    alternatives = [(f"{token}~{i}", f"{token}~{i}".encode(), -2.0 - i) for i in range(top)]
+    return TokenLogprob(token, -1.0, alternatives, token.encode())

@@ -254,11 +254,56 @@ def test_responses_store_and_errors(client):
         client.responses.create(model="tiny", input="Hi", previous_response_id=resp.id)
     with pytest.raises(openai.BadRequestError, match="'web_search' tools are not supported"):
         client.responses.create(model="tiny", input="Hi", tools=[{"type": "web_search"}])
-    with pytest.raises(openai.BadRequestError, match="background"):
-        client.responses.create(model="tiny", input="Hi", background=True)
+    with pytest.raises(openai.BadRequestError, match="background responses must be stored"):
+        client.responses.create(model="tiny", input="Hi", background=True, store=False)
     image = [{"role": "user", "content": [{"type": "input_image", "image_url": "data:image/png;base64,AAAA"}]}]
     with pytest.raises(openai.BadRequestError, match="input_image content is not supported"):
         client.responses.create(model="tiny", input=image)
+
+
+def test_responses_logprobs_equal_chat_completions(client):
+    common = dict(model="tiny", temperature=0, extra_body={"ignore_eos": True, "chat_template_kwargs": {
+        "enable_thinking": False}})
+    kwargs = dict(input="Tell me about Paris", max_output_tokens=6, include=["message.output_text.logprobs"],
+                  top_logprobs=2, **common)
+    part = client.responses.create(**kwargs).output[0].content[0]
+    chat = client.chat.completions.create(messages=[{"role": "user", "content": "Tell me about Paris"}], max_tokens=6,
+                                          logprobs=True, top_logprobs=2, **common).choices[0].logprobs.content
+    assert [(e.token, e.bytes, round(e.logprob, 4)) for e in part.logprobs] == [
+        (e.token, e.bytes, round(e.logprob, 4)) for e in chat]
+    assert [[t.token for t in e.top_logprobs] for e in part.logprobs] == [[t.token for t in e.top_logprobs] for e in chat]
+    with client.responses.stream(**kwargs) as stream:
+        deltas = [lp for e in stream if e.type == "response.output_text.delta" for lp in e.logprobs]
+    assert [e.token for e in deltas] == [e.token for e in part.logprobs]
+
+
+def test_responses_background_poll_cancel_and_item_reference(client, server):
+    common = dict(model="tiny", reasoning=NO_THINKING, extra_body={"ignore_eos": True})
+    resp = client.responses.create(input="Hi", background=True, max_output_tokens=8, **common)
+    assert resp.background and resp.status in ("queued", "in_progress")
+    while resp.status in ("queued", "in_progress"):
+        time.sleep(0.05)
+        resp = client.responses.retrieve(resp.id)
+    assert resp.status == "incomplete" and resp.usage.output_tokens == 8 and resp.output_text
+    # its output item, named by item_reference, is the message sent in full
+    more = {"role": "user", "content": "More"}
+    by_ref = client.responses.create(input=[{"type": "item_reference", "id": resp.output[0].id}, more],
+                                     max_output_tokens=1, **common)
+    explicit = client.responses.create(input=[{"role": "assistant", "content": resp.output_text}, more],
+                                       max_output_tokens=1, **common)
+    assert by_ref.usage.input_tokens == explicit.usage.input_tokens
+    before = metrics(server.url).get('tpserve_requests_finished_total{finish_reason="abort"}', 0.0)
+    long = client.responses.create(input="Once upon a time", background=True, max_output_tokens=900, **common)
+    cancelled = client.responses.cancel(long.id)
+    assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
+    for _ in range(100):
+        now = metrics(server.url)
+        if now.get('tpserve_requests_finished_total{finish_reason="abort"}', 0.0) > before:
+            break
+        time.sleep(0.1)
+    assert now['tpserve_requests_finished_total{finish_reason="abort"}'] == before + 1
+    with pytest.raises(openai.BadRequestError, match="Cannot cancel a response that is incomplete"):
+        client.responses.cancel(resp.id)
 
 
 def test_responses_stream_disconnect_aborts(server):

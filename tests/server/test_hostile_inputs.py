@@ -106,7 +106,7 @@ HOSTILE = [
     (RESPONSES, {"input": "word " * 80_000}, "input"),  # more characters than the context can hold
     (RESPONSES, {"input": "a " * 3000}, "input"),  # more tokens than the (KV-capped) context
     (RESPONSES, {"input": "hi", "previous_response_id": "resp_unknown"}, "previous_response_id"),
-    (RESPONSES, {"input": "hi", "background": True}, "background"),
+    (RESPONSES, {"input": "hi", "background": True, "store": False}, "background"),
 ]
 
 

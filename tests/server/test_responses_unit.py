@@ -6,19 +6,24 @@ from __future__ import annotations
 
 import asyncio
 import json
+import time
 import typing
 
 import pytest
 from openai.types.responses import Response, ResponseItemList, ResponseStreamEvent
 from stub_frontend import StubFrontend
-from test_api_unit import assert_error, make_client
+from test_api_unit import LIMITS, MODEL, assert_error, make_client
 from tpserve.message.frontend import ApiOutput, RequestRejected
 from tpserve.parsers.chat_output import ChatDelta
 from tpserve.parsers.tool_calls import ToolCallDelta
 from tpserve.server.errors import APIError
+from tpserve.server.metrics import ServerMetrics
 from tpserve.server.protocol import ResponsesRequest
-from tpserve.server.responses import OutputItems, ResponseStore, StoredResponse, stored_item
+from tpserve.server.responses import (
+    OutputItems, ResponseStore, StoredResponse, create_response, get_response, stored_item,
+)
 from tpserve.server.responses_request import chat_messages, chat_request
+from tpserve.server.serving import Serving
 
 RESPONSES = "/v1/responses"
 _EVENTS = typing.get_args(typing.get_args(ResponseStreamEvent)[0])
@@ -33,11 +38,16 @@ def events_of(resp) -> list[dict]:
     assert resp.status_code == 200, resp.text
     lines = [line for line in resp.iter_lines() if line]
     assert "data: [DONE]" not in lines
-    events = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
+    events = parsed_events(lines)
     assert [line[len("event: "):] for line in lines if line.startswith("event: ")] == [e["type"] for e in events]
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    return events
+
+
+def parsed_events(lines: list[str]) -> list[dict]:
+    events = [json.loads(line[len("data: "):]) for line in lines if line.startswith("data: ")]
     for e in events:
         EVENT_MODELS[e["type"]].model_validate(e)
-    assert [e["sequence_number"] for e in events] == list(range(len(events)))
     return events
 
 
@@ -140,6 +150,20 @@ def test_output_items_from_reasoning_content_and_calls():
     assert all(i["status"] == "in_progress" for i in added) and added[2]["arguments"] == ""
 
 
+def test_logprobs_go_with_the_message_text():
+    items = OutputItems()
+    events = items.add(ChatDelta(reasoning="hmm"), [{"token": "hmm"}])  # reasoning's: left out
+    events += items.add(ChatDelta(), [{"token": "<to"}])  # text the parser holds back: waits for it
+    events += items.add(ChatDelta(content="<to"), [{"token": "x"}])
+    events += items.add(ChatDelta(content="!"), [{"token": "!"}])
+    events += items.add(ChatDelta(tool_calls=[ToolCallDelta(0, "call_a", "f")]), [{"token": "<tool_call>"}])
+    events += items.close()
+    assert [e["logprobs"] for e in events if e["type"] == "response.output_text.delta"] == [
+        [{"token": "<to"}, {"token": "x"}], [{"token": "!"}]]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert done["logprobs"] == items.items[1]["content"][0]["logprobs"] == [{"token": t} for t in ("<to", "x", "!")]
+
+
 def test_an_empty_output_is_an_empty_message():
     items = OutputItems()
     events = items.close("incomplete")
@@ -183,6 +207,29 @@ def test_stream_events_rebuild_the_whole_response():
     assert final["response"]["usage"] == whole["usage"]
     # the stored streamed response is the final event's
     assert c.get(f"{RESPONSES}/{final['response']['id']}").json() == final["response"]
+
+
+def test_logprobs_whole_and_streamed():
+    c, stub = make_client(stub=StubFrontend(finish="stop", pieces=3))
+    body = {"input": "hi", "include": ["message.output_text.logprobs"], "top_logprobs": 2}
+    resp = c.post(RESPONSES, json=body).json()
+    Response.model_validate(resp)
+    assert stub.submitted[-1].params.logprobs == 2 and resp["top_logprobs"] == 2
+    part = resp["output"][0]["content"][0]
+    assert "".join(lp["token"] for lp in part["logprobs"]) == part["text"]  # a token per piece (the stub's)
+    first = part["logprobs"][0]
+    assert first["logprob"] == -1.0 and first["bytes"] == list(first["token"].encode())
+    assert [(t["token"], t["logprob"]) for t in first["top_logprobs"]] == [(first["token"] + "~0", -2.0),
+                                                                          (first["token"] + "~1", -3.0)]
+    with c.stream("POST", RESPONSES, json={**body, "stream": True}) as r:
+        events = events_of(r)
+    deltas = [e["logprobs"] for e in events if e["type"] == "response.output_text.delta"]
+    assert [len(d) for d in deltas] == [1, 1, 1] and sum(deltas, []) == part["logprobs"]
+    done = next(e for e in events if e["type"] == "response.output_text.done")
+    assert done["logprobs"] == part["logprobs"] == events[-1]["response"]["output"][0]["content"][0]["logprobs"]
+    # top_logprobs alone asks for none, as OpenAI's API
+    plain = c.post(RESPONSES, json={"input": "hi", "top_logprobs": 2}).json()
+    assert plain["output"][0]["content"][0]["logprobs"] == [] and stub.submitted[-1].params.logprobs is None
 
 
 def test_function_calls_with_a_tool_parser_whole_and_streamed():
@@ -289,6 +336,118 @@ def test_input_items_lists_the_request_items_with_ids_and_pages():
     assert [m["content"] for m in stub.submitted[-1].messages][-4:] == ["r", "d", "Hello 你好!", "more"]
 
 
+def test_item_references_name_stored_items():
+    c, stub = make_client(stub=StubFrontend(finish="stop"))
+    first = c.post(RESPONSES, json={"input": [{"type": "message", "id": "msg_in", "role": "user", "content": "one"}]})
+    out_id = first.json()["output"][0]["id"]
+    refs = [{"type": "item_reference", "id": "msg_in"}, {"type": "item_reference", "id": out_id},
+            {"role": "user", "content": "two"}]
+    second = c.post(RESPONSES, json={"input": refs}).json()
+    assert stub.submitted[-1].messages == [{"role": "user", "content": "one"},
+                                           {"role": "assistant", "content": "Hello 你好!"},
+                                           {"role": "user", "content": "two"}]
+    listed = c.get(f"{RESPONSES}/{second['id']}/input_items", params={"order": "asc"}).json()["data"]
+    assert [i["id"] for i in listed[:2]] == ["msg_in", out_id] and listed[1]["role"] == "assistant"
+    assert_error(c.post(RESPONSES, json={"input": [{"type": "item_reference", "id": "msg_nope"}]}), 400,
+                 "input[0]: item_reference: no stored item has id 'msg_nope'", "input")
+    for rid in (first.json()["id"], second["id"]):  # the items go with the responses that hold them
+        c.delete(f"{RESPONSES}/{rid}")
+    assert_error(c.post(RESPONSES, json={"input": refs[1:]}), 400, out_id, "input")
+    assert len(stub.submitted) == 2
+
+
+def test_get_while_streaming_shows_the_output_so_far():
+    async def scenario() -> None:
+        store = ResponseStore()
+        serving = Serving(StubFrontend(finish="stop"), ServerMetrics(), MODEL, LIMITS)  # type: ignore[arg-type]
+
+        async def start() -> tuple[str, typing.AsyncIterator[bytes]]:
+            body = ResponsesRequest.model_validate({"input": "hi", "stream": True})
+            chunks = (await create_response(serving, store, body, None)).body_iterator  # type: ignore[arg-type]
+            events: list[dict] = []
+            async for chunk in chunks:  # up to the first text
+                events += parsed_events(chunk.decode().splitlines())
+                if events[-1]["type"] == "response.output_text.delta":
+                    return events[0]["response"]["id"], chunks
+            raise AssertionError("no text")
+
+        rid, chunks = await start()
+        live = get_response(store, rid)
+        Response.model_validate(live)
+        assert live["status"] == "in_progress" and live["output"][0]["content"][0]["text"] == "Hel"
+        with pytest.raises(APIError, match="still in progress"):
+            await create_response(serving, store, ResponsesRequest(input="x", previous_response_id=rid), None)
+        async for _ in chunks:
+            pass
+        assert get_response(store, rid)["status"] == "completed"
+        rid, chunks = await start()
+        await chunks.aclose()  # the client went away: the response is dropped
+        with pytest.raises(APIError, match="not found"):
+            get_response(store, rid)
+
+    asyncio.run(scenario())
+
+
+class HangingFrontend(StubFrontend):
+    """Answers one piece, then nothing until aborted."""
+
+    async def _answer(self, req, queue) -> None:
+        self.aborting = asyncio.Event()
+        queue.put_nowait(ApiOutput(rid=req.rid, text="Hel", new_tokens=1, completion_tokens=1, prompt_tokens=5))
+        await self.aborting.wait()
+
+    async def abort(self, rid: int) -> None:
+        await super().abort(rid)
+        self.aborting.set()
+
+
+def poll(c, rid: str, until) -> dict:
+    for _ in range(200):
+        resp = c.get(f"{RESPONSES}/{rid}").json()
+        if until(resp):
+            return resp
+        time.sleep(0.01)
+    raise AssertionError(resp)
+
+
+def test_background_responses_poll_and_cancel():
+    c, stub = make_client(stub=StubFrontend(finish="stop"))
+    with c:  # one event loop for every request, where the background tasks run
+        created = c.post(RESPONSES, json={"input": "hi", "background": True}).json()
+        Response.model_validate(created)
+        assert (created["status"], created["background"], created["output"]) == ("queued", True, [])
+        done = poll(c, created["id"], lambda r: r["status"] not in ("queued", "in_progress"))
+        assert done["status"] == "completed" and done["output"][0]["content"][0]["text"] == "Hello 你好!"
+        assert done["usage"]["output_tokens"] == 3
+        assert_error(c.post(f"{RESPONSES}/{done['id']}/cancel"), 400, "Cannot cancel a response that is completed")
+        foreground = c.post(RESPONSES, json={"input": "hi"}).json()
+        assert_error(c.post(f"{RESPONSES}/{foreground['id']}/cancel"), 400, "background: true")
+        assert_error(c.post(f"{RESPONSES}/resp_nope/cancel"), 404, "not found")
+    c, stub = make_client(stub=HangingFrontend())
+    with c:
+        rid = c.post(RESPONSES, json={"input": "hi", "background": True}).json()["id"]
+        live = poll(c, rid, lambda r: r["output"])
+        assert live["status"] == "in_progress" and live["output"][0]["status"] == "in_progress"
+        cancelled = c.post(f"{RESPONSES}/{rid}/cancel").json()
+        Response.model_validate(cancelled)
+        assert cancelled["status"] == "cancelled" and cancelled["output"][0]["content"][0]["text"] == "Hel"
+        assert cancelled["output"][0]["status"] == "incomplete" and stub.aborted == [stub.submitted[-1].rid]
+        assert c.get(f"{RESPONSES}/{rid}").json() == c.post(f"{RESPONSES}/{rid}/cancel").json() == cancelled
+        rid = c.post(RESPONSES, json={"input": "hi", "background": True}).json()["id"]
+        poll(c, rid, lambda r: r["output"])
+        c.delete(f"{RESPONSES}/{rid}")  # deleting a running one stops it too
+        for _ in range(200):
+            if len(stub.aborted) == 2:
+                break
+            time.sleep(0.01)
+        assert stub.aborted[1] == stub.submitted[-1].rid
+    c, _ = make_client(stub=TooLongFrontend())
+    with c:  # rejected by the tokenizer once running: a failed response
+        rid = c.post(RESPONSES, json={"input": "x", "max_output_tokens": 500, "background": True}).json()["id"]
+        failed = poll(c, rid, lambda r: r["status"] == "failed")
+        assert "lower max_output_tokens" in failed["error"]["message"] and failed["error"]["code"] == "invalid_prompt"
+
+
 def test_stored_items_fill_in_what_openai_lists():
     reasoning = stored_item({"type": "reasoning", "summary": None, "content": [{"type": "reasoning_text", "text": "t"}]})
     assert reasoning["id"].startswith("rs_") and reasoning["summary"] == [] and reasoning["status"] == "completed"
@@ -315,15 +474,21 @@ def test_input_items_errors():
 def test_store_drops_the_least_recently_used():
     store = ResponseStore(capacity=2)
     for rid in ("a", "b"):
-        store.put(StoredResponse({"id": rid}, []))
+        store.put(StoredResponse({"id": rid, "output": []}, []))
     assert store.get("a") is not None  # "b" is now the oldest
-    store.put(StoredResponse({"id": "c"}, []))
+    item = {"id": "msg_c", "type": "message"}
+    store.put(StoredResponse({"id": "c", "output": [item]}, [item]))
     assert store.get("b") is None and store.get("a") and store.get("c") and len(store) == 2
+    assert store.item("msg_c") is item
+    store.put(StoredResponse({"id": "d", "output": []}, []))
+    store.put(StoredResponse({"id": "e", "output": []}, []))
+    assert store.item("msg_c") is None  # dropped with its response
 
 
 # ---- errors ----
 @pytest.mark.parametrize("body, fragment, param", [
-    ({"input": "x", "background": True}, "background", "background"),
+    ({"input": "x", "background": True, "store": False}, "must be stored", "background"),
+    ({"input": "x", "background": True, "stream": True}, "not streamed", "stream"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "'web_search' tools are not supported", "tools"),
     ({"input": "x", "tools": [FLAT_TOOL], "tool_choice": {"type": "web_search_preview"}}, "tool_choice", "tool_choice"),
     ({"input": "x", "tools": [FLAT_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "'nope'", "tool_choice"),
@@ -343,8 +508,9 @@ def test_store_drops_the_least_recently_used():
     ({"input": "x", "max_output_tokens": 2, "min_tokens": 3}, "must not exceed max_output_tokens (2)", "min_tokens"),
     ({"input": "x", "conversation": "conv_1"}, "conversation", "conversation"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt templates", "prompt"),
-    ({"input": "x", "include": ["message.output_text.logprobs"]}, "include", "include"),
-    ({"input": "x", "top_logprobs": 3}, "log-probabilities", "top_logprobs"),
+    ({"input": "x", "include": ["file_search_call.results"]}, "include", "include"),
+    ({"input": "x", "top_logprobs": 21}, None, "top_logprobs"),
+    ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "no stored item has id 'msg_1'", "input"),
     ({"input": "x", "metadata": {f"k{i}": "v" for i in range(17)}}, "at most 16 keys", "metadata"),
     ({"input": "x", "max_output_tokens": 0}, None, "max_output_tokens"),
     ({"input": "x", "temperature": -1}, None, "temperature"),
@@ -386,11 +552,16 @@ class FailingFrontend(StubFrontend):
         queue.put_nowait(ApiOutput(text="", completion_tokens=1, finish_reason="error", error="grammar broke", **common))
 
 
-def test_a_failure_mid_stream_ends_with_response_failed_and_is_not_stored():
+def test_a_failure_mid_stream_ends_with_response_failed_and_is_stored_so():
     c, _ = make_client(stub=FailingFrontend())
     with c.stream("POST", RESPONSES, json={"input": "hi", "stream": True}) as resp:
         events = events_of(resp)
     assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
     assert events[-2]["message"] == "grammar broke"
-    assert events[-1]["response"]["status"] == "failed" and events[-1]["response"]["error"]["message"] == "grammar broke"
+    failed = events[-1]["response"]
+    assert failed["status"] == "failed" and failed["error"]["message"] == "grammar broke"
+    assert c.get(f"{RESPONSES}/{failed['id']}").json() == failed
+    # rejected before it streams (the client never gets an id): nothing stored
+    c, _ = make_client(stub=TooLongFrontend())
+    assert c.post(RESPONSES, json={"input": "x", "stream": True}).status_code == 400
     assert len(c.app.state.server.responses) == 0

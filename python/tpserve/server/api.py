@@ -33,6 +33,7 @@ from tpserve.server.protocol import (
 from tpserve.server.responses import (
     INPUT_ITEMS_LIMIT,
     ResponseStore,
+    cancel_response,
     create_response,
     delete_response,
     get_response,
@@ -187,6 +188,10 @@ def _v1_router() -> APIRouter:
     @router.get("/responses/{response_id}")
     async def get_stored_response(response_id: str, request: Request) -> dict[str, Any]:
         return get_response(_state(request).responses, response_id)
+
+    @router.post("/responses/{response_id}/cancel")
+    async def cancel_background_response(response_id: str, request: Request) -> dict[str, Any]:
+        return await cancel_response(_state(request).responses, response_id)
 
     @router.get("/responses/{response_id}/input_items")
     async def stored_input_items(

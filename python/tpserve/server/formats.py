@@ -120,6 +120,20 @@ class ResponseFormat:
         raise NotImplementedError
 
 
+def chat_logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+    """Tokens' log-probabilities as chat's ``logprobs.content`` lists them (and the Responses API's
+    ``output_text`` parts)."""
+    return [
+        {
+            "token": e.token,
+            "logprob": e.logprob,
+            "bytes": list(e.raw),
+            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(raw)} for t, raw, v in e.top],
+        }
+        for e in entries or []
+    ]
+
+
 class ChatFormat(ResponseFormat):
     """Chat responses; ``output`` says whether to split out reasoning and tool calls."""
 
@@ -171,16 +185,7 @@ class ChatFormat(ResponseFormat):
     def _logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
-        content = [
-            {
-                "token": e.token,
-                "logprob": e.logprob,
-                "bytes": list(e.raw),
-                "top_logprobs": [{"token": t, "logprob": v, "bytes": list(raw)} for t, raw, v in e.top],
-            }
-            for e in entries or []
-        ]
-        return {"content": content, "refusal": None}
+        return {"content": chat_logprobs(entries), "refusal": None}
 
     def full_choice(self, choice: Choice) -> dict[str, Any]:
         parser = self._parser(choice.prompt_in_reasoning)

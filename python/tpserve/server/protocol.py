@@ -356,8 +356,11 @@ UNSUPPORTED_RESPONSES_FIELDS = {
     "conversation": "conversation objects are not supported: continue with previous_response_id",
     "prompt": "prompt templates are not supported: send input (and instructions)",
     "max_tool_calls": "max_tool_calls is not supported (parallel_tool_calls: false allows one call)",
-    "top_logprobs": "log-probabilities are not supported on /v1/responses: use /v1/chat/completions",
 }
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# include values accepted: the output text's logprobs; encrypted reasoning (asked by agents with store: false)
+# is ignored, the reasoning comes as text
+RESPONSES_INCLUDES = (LOGPROBS_INCLUDE, "reasoning.encrypted_content")
 
 
 class ResponsesRequest(_Body):
@@ -383,19 +386,28 @@ class ResponsesRequest(_Body):
     background: bool = False
     truncation: Literal["auto", "disabled"] = "disabled"
     include: list[StrictStr] | None = None
+    top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # with include's logprobs
+
+    @property
+    def wants_logprobs(self) -> bool:
+        return LOGPROBS_INCLUDE in (self.include or [])
 
     def check(self) -> None:
         for name, why in UNSUPPORTED_RESPONSES_FIELDS.items():
             if (self.model_extra or {}).get(name) not in (None, 0):
                 raise APIError.invalid(why, name)
-        if self.background:
-            raise APIError.invalid("background responses are not supported: send background: false", "background")
+        if self.background and not self.store:
+            raise APIError.invalid("background responses must be stored: send store: true", "background")
+        if self.background and self.stream:
+            raise APIError.invalid("background responses are not streamed: send stream: false and poll "
+                                   "GET /v1/responses/{id}", "stream")
         if self.truncation == "auto":
             raise APIError.invalid('truncation "auto" is not supported: an input beyond the context is a 400 '
                                    '(truncation: "disabled")', "truncation")
         for item in self.include or []:
-            if item != "reasoning.encrypted_content":  # asked by agents with store: false; reasoning comes as text
-                raise APIError.invalid(f"include {item!r} is not supported", "include")
+            if item not in RESPONSES_INCLUDES:
+                raise APIError.invalid(f"include {item!r} is not supported (only {', '.join(RESPONSES_INCLUDES)})",
+                                       "include")
         if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
             raise APIError.invalid("input must not be empty", "input")
         self._check_metadata()

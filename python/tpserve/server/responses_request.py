@@ -197,6 +197,8 @@ def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatC
         parallel_tool_calls=body.parallel_tool_calls,
         response_format=_response_format(body.text),
         chat_template_kwargs=_template_kwargs(body),
+        logprobs=body.wants_logprobs,
+        top_logprobs=body.top_logprobs if body.wants_logprobs else None,
         user=body.user,
     )
     if not fields["messages"]:

@@ -234,19 +234,22 @@ class Serving:
         return await self.run(reqs, fmt, body.stream, request, body.n)
 
     async def run(
-        self, reqs: list[TokenizeRequest], fmt: ResponseFormat, stream: bool, request: Request, n: int = 1
+        self, reqs: list[TokenizeRequest], fmt: ResponseFormat, stream: bool, request: Request | None, n: int = 1
     ) -> Response:
+        """``request``: the HTTP client whose disconnection aborts the requests (None: no client, a
+        background response)."""
         gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n, timeout=self.request_timeout)
+        disconnected = request.is_disconnected if request is not None else None
         try:  # from the first submit: whatever fails later, nothing this call started keeps running
             await gen.start()
             if not stream:
                 while not gen.finished:
-                    await gen.next(request.is_disconnected)
+                    await gen.next(disconnected)
                 return JSONResponse(fmt.response(gen.choices.values(), gen.usage()))
             # Wait for every prompt's first answer, so a rejection still gets a 4xx status.
             early: list[tuple[Choice, ApiOutput]] = []
             while not gen.all_started:
-                early.append(await gen.next(request.is_disconnected))
+                early.append(await gen.next(disconnected))
         except ClientGone:
             await gen.abort(client_gone=True)
             return Response(status_code=499)
