@@ -306,6 +306,18 @@ def test_responses_background_poll_cancel_and_item_reference(client, server):
         client.responses.cancel(resp.id)
 
 
+def test_responses_background_stream_left_and_resumed_with_the_sdk(client, server):
+    before = metrics(server.url).get('tpserve_requests_finished_total{finish_reason="abort"}', 0.0)
+    stream = client.responses.create(model="tiny", input="Hi", background=True, stream=True, max_output_tokens=8,
+                                     reasoning=NO_THINKING, extra_body={"ignore_eos": True})
+    first = [next(stream) for _ in range(3)]
+    stream.close()  # a background response goes on without its client
+    rest = list(client.responses.retrieve(first[0].response.id, stream=True, starting_after=2))
+    assert [e.sequence_number for e in first + rest] == list(range(len(first) + len(rest)))
+    assert rest[-1].type == "response.incomplete" and rest[-1].response.usage.output_tokens == 8
+    assert metrics(server.url).get('tpserve_requests_finished_total{finish_reason="abort"}', 0.0) == before
+
+
 def test_responses_stream_disconnect_aborts(server):
     before = metrics(server.url).get('tpserve_requests_finished_total{finish_reason="abort"}', 0.0)
     body = {"model": "tiny", "input": "Once upon a time", "max_output_tokens": 900, "ignore_eos": True, "stream": True}

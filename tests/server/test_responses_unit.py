@@ -448,6 +448,71 @@ def test_background_responses_poll_and_cancel():
         assert "lower max_output_tokens" in failed["error"]["message"] and failed["error"]["code"] == "invalid_prompt"
 
 
+def test_background_streams_and_streams_again_from_starting_after():
+    c, _ = make_client(stub=StubFrontend(finish="stop"))
+    with c:
+        with c.stream("POST", RESPONSES, json={"input": "hi", "background": True, "stream": True}) as resp:
+            events = events_of(resp)
+        done = events[-1]["response"]
+        assert events[-1]["type"] == "response.completed" and done["background"] is True
+        assert c.get(f"{RESPONSES}/{done['id']}").json() == done  # without stream: the object, as before
+        for after, query in ((-1, ""), (-1, "&starting_after=-1"), (3, "&starting_after=3"),
+                             (99, "&starting_after=99")):
+            with c.stream("GET", f"{RESPONSES}/{done['id']}?stream=true{query}") as resp:
+                assert resp.status_code == 200
+                assert parsed_events([line for line in resp.iter_lines() if line]) == events[after + 1:]
+        rid = c.post(RESPONSES, json={"input": "hi", "background": True}).json()["id"]  # not created streaming
+        poll(c, rid, lambda r: r["status"] == "completed")
+        with c.stream("GET", f"{RESPONSES}/{rid}?stream=true") as resp:
+            assert [e["type"] for e in events_of(resp)] == [e["type"] for e in events]
+        foreground = c.post(RESPONSES, json={"input": "hi"}).json()["id"]
+        assert_error(c.get(f"{RESPONSES}/{foreground}?stream=true"), 400, "not created with background=true", "stream")
+        assert_error(c.get(f"{RESPONSES}/resp_nope?stream=true"), 404, "not found")
+        assert_error(c.get(f"{RESPONSES}/{rid}?stream=true&starting_after=x"), 400, None, "starting_after")
+    c, _ = make_client(stub=TooLongFrontend())
+    with c, c.stream("POST", RESPONSES, json={"input": "x", "max_output_tokens": 500, "background": True,
+                                              "stream": True}) as resp:  # rejected by the tokenizer once running
+        events = events_of(resp)
+    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+    assert "lower max_output_tokens" in events[-1]["response"]["error"]["message"]
+
+
+class GatedFrontend(StubFrontend):
+    """Answers "Hel", then "lo" (the end) once ``go`` is set."""
+
+    async def _answer(self, req, queue) -> None:
+        self.go = asyncio.Event()
+        common = dict(rid=req.rid, new_tokens=1, prompt_tokens=5, cached_tokens=0)
+        queue.put_nowait(ApiOutput(text="Hel", completion_tokens=1, **common))
+        await self.go.wait()
+        queue.put_nowait(ApiOutput(text="lo", completion_tokens=2, finish_reason="stop", **common))
+
+
+def test_a_background_stream_left_early_goes_on_and_a_stream_follows_it_live():
+    async def scenario() -> None:
+        store, stub = ResponseStore(), GatedFrontend()
+        serving = Serving(stub, ServerMetrics(), MODEL, LIMITS)  # type: ignore[arg-type]
+        body = ResponsesRequest.model_validate({"input": "hi", "background": True, "stream": True})
+        chunks = (await create_response(serving, store, body, None)).body_iterator  # type: ignore[arg-type, union-attr]
+        first = parsed_events((await anext(chunks)).decode().splitlines())
+        while first[-1]["type"] != "response.output_text.delta":
+            first += parsed_events((await anext(chunks)).decode().splitlines())
+        await chunks.aclose()  # the client went away: the generation goes on
+        rid = first[0]["response"]["id"]
+        assert store.get(rid).running is not None and not stub.aborted  # type: ignore[union-attr]
+        follower = get_response(store, rid, stream=True, starting_after=2).body_iterator  # type: ignore[union-attr]
+        replayed = parsed_events((await anext(follower)).decode().splitlines())
+        assert replayed == first[3:]
+        stub.go.set()  # the follower waits for the rest, then its stream ends with the response
+        rest = [e async for chunk in follower for e in parsed_events(chunk.decode().splitlines())]
+        assert [e["sequence_number"] for e in replayed + rest] == list(range(3, 3 + len(replayed + rest)))
+        assert rest[-1]["type"] == "response.completed"
+        assert rest[-1]["response"]["output"][0]["content"][0]["text"] == "Hello"
+        assert get_response(store, rid)["status"] == "completed"
+
+    asyncio.run(scenario())
+
+
 def test_stored_items_fill_in_what_openai_lists():
     reasoning = stored_item({"type": "reasoning", "summary": None, "content": [{"type": "reasoning_text", "text": "t"}]})
     assert reasoning["id"].startswith("rs_") and reasoning["summary"] == [] and reasoning["status"] == "completed"
@@ -488,7 +553,6 @@ def test_store_drops_the_least_recently_used():
 # ---- errors ----
 @pytest.mark.parametrize("body, fragment, param", [
     ({"input": "x", "background": True, "store": False}, "must be stored", "background"),
-    ({"input": "x", "background": True, "stream": True}, "not streamed", "stream"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "'web_search' tools are not supported", "tools"),
     ({"input": "x", "tools": [FLAT_TOOL], "tool_choice": {"type": "web_search_preview"}}, "tool_choice", "tool_choice"),
     ({"input": "x", "tools": [FLAT_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "'nope'", "tool_choice"),

@@ -185,9 +185,11 @@ def _v1_router() -> APIRouter:
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         return await create_response(_serving(request), _state(request).responses, body, request)
 
-    @router.get("/responses/{response_id}")
-    async def get_stored_response(response_id: str, request: Request) -> dict[str, Any]:
-        return get_response(_state(request).responses, response_id)
+    @router.get("/responses/{response_id}", response_model=None)
+    async def get_stored_response(
+        response_id: str, request: Request, stream: bool = False, starting_after: int | None = None,
+    ) -> dict[str, Any] | Response:
+        return get_response(_state(request).responses, response_id, stream, starting_after)
 
     @router.post("/responses/{response_id}/cancel")
     async def cancel_background_response(response_id: str, request: Request) -> dict[str, Any]:

@@ -398,9 +398,6 @@ class ResponsesRequest(_Body):
                 raise APIError.invalid(why, name)
         if self.background and not self.store:
             raise APIError.invalid("background responses must be stored: send store: true", "background")
-        if self.background and self.stream:
-            raise APIError.invalid("background responses are not streamed: send stream: false and poll "
-                                   "GET /v1/responses/{id}", "stream")
         if self.truncation == "auto":
             raise APIError.invalid('truncation "auto" is not supported: an input beyond the context is a 400 '
                                    '(truncation: "disabled")', "truncation")

@@ -7,7 +7,7 @@ content and tool calls, becomes output items: ``reasoning``, ``message`` (one ``
 part) and ``function_call``; streamed, as the semantic events (``response.output_text.delta``, ...)
 numbered by ``sequence_number``. Stored responses live in a bounded LRU map in the app state,
 from their start (a running one shows its output so far); a background response runs in a task
-of that store, without a client.
+of that store, without a client, and keeps its stream events there, for streams to (re)attach.
 """
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ from tpserve.server.errors import APIError
 from tpserve.server.formats import Choice, ResponseFormat, chat_logprobs
 from tpserve.server.protocol import ChatCompletionRequest, ResponsesRequest
 from tpserve.server.responses_request import TEXT_PARTS, chat_request, input_items
-from tpserve.server.serving import Serving
+from tpserve.server.serving import Serving, sse
 
 MAX_STORED_RESPONSES = 4096
 
@@ -48,6 +48,41 @@ logger = logging.getLogger(__name__)
 
 
 # ---- the store ----
+class EventLog:
+    """A background response's stream events (SSE chunks; the n-th is numbered n), which streams
+    replay and then follow until the generation ends."""
+
+    def __init__(self) -> None:
+        self.chunks: list[bytes] = []
+        self.ended = False
+        self._changed = asyncio.Event()  # set (and replaced) on each change
+
+    def add(self, chunk: bytes) -> None:
+        self.chunks.append(chunk)
+        self._wake()
+
+    def end(self) -> None:
+        self.ended = True
+        self._wake()
+
+    def _wake(self) -> None:
+        self._changed.set()
+        self._changed = asyncio.Event()
+
+    async def follow(self, starting_after: int = -1) -> AsyncIterator[bytes]:
+        """The events numbered after ``starting_after``, as they come, until the generation ends."""
+        sent = max(starting_after + 1, 0)
+        while True:
+            changed = self._changed
+            if sent < len(self.chunks):
+                batch, sent = b"".join(self.chunks[sent:]), len(self.chunks)
+                yield batch
+            elif self.ended:
+                return
+            else:
+                await changed.wait()
+
+
 @dataclass(frozen=True)
 class StoredResponse:
     response: dict[str, Any]
@@ -58,6 +93,7 @@ class StoredResponse:
     input_items: list[dict[str, Any]] = field(default_factory=list)
     # While it is generated: the response so far (``response`` is then the one it started as).
     running: ResponsesFormat | None = None
+    events: EventLog | None = None  # a background response's stream events
 
     def current(self) -> dict[str, Any]:
         return self.running.snapshot() if self.running is not None else self.response
@@ -313,6 +349,7 @@ class ResponsesFormat(ResponseFormat):
         self._finish_reason: str | None = None
         self._sequence = 0
         self._done: dict[str, Any] | None = None  # the final response object
+        self.log = EventLog() if body.background else None
 
     # -- building --
     def _feed(
@@ -404,6 +441,8 @@ class ResponsesFormat(ResponseFormat):
         for event in events:
             chunks.append(_event_bytes({**event, "sequence_number": self._sequence}))
             self._sequence += 1
+            if self.log is not None:
+                self.log.add(chunks[-1])
         return chunks
 
     def start_chunk(self, index: int) -> bytes:
@@ -422,6 +461,10 @@ class ResponsesFormat(ResponseFormat):
             {"type": "error", "code": error.code, "message": error.message, "param": error.param},
             {"type": "response.failed", "response": failed},
         ]))
+
+    def failed_chunk(self, error: APIError) -> bytes:
+        """``error_chunk``, after the stream's first events if it had not begun."""
+        return (self.start_chunk(0) if self._sequence == 0 else b"") + self.error_chunk(error)
 
     def end_chunks(self, usage: dict[str, Any], failed: bool) -> list[bytes]:
         if failed:
@@ -478,7 +521,8 @@ def _prepare(serving: Serving, chat: ChatCompletionRequest) -> tuple[list[Tokeni
 
 async def create_response(serving: Serving, store: ResponseStore, body: ResponsesRequest, request: Request) -> Response:
     """With ``store``, the response is stored as it starts (GET shows it in progress) and replaced
-    by its final object; ``background`` answers at once and generates in a task of the store."""
+    by its final object; ``background`` answers at once (or streams the stored events, which a
+    client leaving does not stop) and generates in a task of the store."""
     serving.check_model(body.model)
     body.check()
     history = _history(store, body.previous_response_id)
@@ -488,14 +532,14 @@ async def create_response(serving: Serving, store: ResponseStore, body: Response
     own_items = [stored_item(item) for item in input_items(body)]
 
     def save(response: dict[str, Any]) -> None:
-        store.finish(StoredResponse(response, history + own_items + response["output"], own_items))
+        store.finish(StoredResponse(response, history + own_items + response["output"], own_items, events=fmt.log))
 
     fmt = ResponsesFormat(serving.model_name, body, output, save)
     if body.store:
-        store.put(StoredResponse(fmt.snapshot(), [], own_items, running=fmt))
-    if body.background:
+        store.put(StoredResponse(fmt.snapshot(), [], own_items, running=fmt, events=fmt.log))
+    if fmt.log is not None:
         store.start(fmt.id, _generate(serving, reqs, fmt))
-        return JSONResponse(fmt.snapshot())
+        return sse(fmt.log.follow()) if body.stream else JSONResponse(fmt.snapshot())
     try:
         response = await serving.run(reqs, fmt, body.stream, request)
     except BaseException as e:  # the tokenizer's rejection (the prompt's tokens), a backend error, ...
@@ -521,24 +565,36 @@ async def _then(chunks: AsyncIterator[Any], last: Callable[[], None]) -> AsyncIt
 
 async def _generate(serving: Serving, reqs: list[TokenizeRequest], fmt: ResponsesFormat) -> None:
     """A background response's generation: its stream, run to the end unread (``fmt`` keeps the
-    output; a cancel aborts the requests as a client leaving a stream does)."""
+    output and the events; a cancel aborts the requests as a client leaving a stream does)."""
     try:
         response = await serving.run(reqs, fmt, True, None)
         if isinstance(response, StreamingResponse):
             async for _ in response.body_iterator:
                 pass
     except APIError as e:  # the tokenizer's rejection, a backend error before the first token
-        fmt.fail(_renamed(e))
+        fmt.failed_chunk(e)
     except Exception as e:
         logger.exception("background response %s failed", fmt.id)
-        fmt.fail(APIError(500, f"internal server error: {e}", type="server_error"))
+        fmt.failed_chunk(APIError(500, f"internal server error: {e}", type="server_error"))
+    finally:
+        if fmt.log is not None:
+            fmt.log.end()
 
 
-def get_response(store: ResponseStore, response_id: str) -> dict[str, Any]:
+def get_response(
+    store: ResponseStore, response_id: str, stream: bool = False, starting_after: int | None = None,
+) -> dict[str, Any] | Response:
+    """The stored response; with ``stream``, a background one's events after ``starting_after``,
+    then the rest as they come."""
     entry = store.get(response_id)
     if entry is None:
         raise not_found(response_id)
-    return entry.current()
+    if not stream:
+        return entry.current()
+    if entry.events is None:
+        raise APIError.invalid("This response cannot be streamed because it was not created with background=true.",
+                               "stream")
+    return sse(entry.events.follow(-1 if starting_after is None else starting_after))
 
 
 async def cancel_response(store: ResponseStore, response_id: str) -> dict[str, Any]:

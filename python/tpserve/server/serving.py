@@ -256,8 +256,13 @@ class Serving:
         except BaseException:
             await gen.abort()
             raise
-        return StreamingResponse(_stream(gen, fmt, early), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+        return sse(_stream(gen, fmt, early))
+
+
+def sse(chunks: AsyncIterator[bytes]) -> StreamingResponse:
+    """An SSE stream of ``chunks``."""
+    return StreamingResponse(chunks, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
 async def _stream(
