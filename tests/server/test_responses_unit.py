@@ -19,9 +19,9 @@ from tpserve.parsers.tool_calls import ToolCallDelta
 from tpserve.server.errors import APIError
 from tpserve.server.metrics import ServerMetrics
 from tpserve.server.protocol import ResponsesRequest
-from tpserve.server.responses import (
-    OutputItems, ResponseStore, StoredResponse, create_response, get_response, stored_item,
-)
+from tpserve.server.response_output import OutputItems, stored_item
+from tpserve.server.response_store import ResponseStore, StoredResponse
+from tpserve.server.responses import create_response, get_response
 from tpserve.server.responses_request import chat_messages, chat_request
 from tpserve.server.serving import Serving
 

@@ -30,9 +30,9 @@ from tpserve.server.protocol import (
     ResponsesRequest,
     TokenizeBody,
 )
+from tpserve.server.response_store import ResponseStore
 from tpserve.server.responses import (
     INPUT_ITEMS_LIMIT,
-    ResponseStore,
     cancel_response,
     create_response,
     delete_response,
