@@ -20,7 +20,7 @@ from tpserve.server.errors import APIError
 from tpserve.server.metrics import ServerMetrics
 from tpserve.server.protocol import ResponsesRequest
 from tpserve.server.response_output import OutputItems, stored_item
-from tpserve.server.response_store import ResponseStore, StoredResponse
+from tpserve.server.response_store import EventLog, ResponseStore, StoredResponse
 from tpserve.server.responses import create_response, get_response
 from tpserve.server.responses_request import chat_messages, chat_request
 from tpserve.server.serving import Serving
@@ -548,6 +548,30 @@ def test_store_drops_the_least_recently_used():
     store.put(StoredResponse({"id": "d", "output": []}, []))
     store.put(StoredResponse({"id": "e", "output": []}, []))
     assert store.item("msg_c") is None  # dropped with its response
+
+
+def test_store_keeps_the_events_of_the_latest_finished_background_responses():
+    store = ResponseStore(capacity=8, event_logs=2)
+    logs = {}
+    for rid in ("a", "b", "c"):
+        logs[rid] = EventLog()
+        store.put(StoredResponse({"id": rid, "output": [], "background": True}, [], running=object(), events=logs[rid]))
+    for rid in ("b", "a", "c"):  # finished in this order: "b" loses its events when "c" finishes
+        store.finish(StoredResponse({"id": rid, "output": [], "background": True}, [], events=logs[rid]))
+    assert store.get("b").events is None and store.get("a").events is logs["a"] and store.get("c").events is logs["c"]
+    assert len(store) == 3 and list(store._entries) == ["b", "a", "c"]
+    c, _ = make_client(stub=StubFrontend(finish="stop"))
+    with c:
+        c.app.state.server.responses.event_logs = 1
+        ids = []
+        for _ in range(2):  # one after the other: the first finishes first
+            ids.append(c.post(RESPONSES, json={"input": "hi", "background": True}).json()["id"])
+            while c.get(f"{RESPONSES}/{ids[-1]}").json()["status"] in ("queued", "in_progress"):
+                time.sleep(0.01)
+        resp = c.get(f"{RESPONSES}/{ids[0]}?stream=true")
+        assert resp.status_code == 400 and "no longer kept" in resp.json()["error"]["message"]
+        assert c.get(f"{RESPONSES}/{ids[0]}").json()["status"] == "completed"
+        assert c.get(f"{RESPONSES}/{ids[1]}?stream=true").status_code == 200
 
 
 # ---- errors ----

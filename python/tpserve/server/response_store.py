@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 from collections import OrderedDict
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING, Any, AsyncIterator, Coroutine
 
 from tpserve.server.errors import APIError
@@ -14,6 +14,9 @@ if TYPE_CHECKING:
     from tpserve.server.response_output import ResponsesFormat
 
 MAX_STORED_RESPONSES = 4096
+# Finished background responses whose stream events are kept for GET ?stream=true (the latest finished): a log holds
+# ~150 bytes a token, ~20x its text, so 4096 long ones could hold GBs; 256 of 2,000 tokens hold ~80 MB.
+MAX_EVENT_LOGS = 256
 
 class EventLog:
     """A background response's stream events (SSE chunks; the n-th is numbered n), which streams
@@ -74,9 +77,10 @@ class ResponseStore:
     """Stored responses by id, the least recently used dropped beyond ``capacity``; their items by
     id; and the tasks generating background responses."""
 
-    def __init__(self, capacity: int = MAX_STORED_RESPONSES) -> None:
-        self.capacity = capacity
+    def __init__(self, capacity: int = MAX_STORED_RESPONSES, event_logs: int = MAX_EVENT_LOGS) -> None:
+        self.capacity, self.event_logs = capacity, event_logs
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
+        self._logged: OrderedDict[str, None] = OrderedDict()  # finished ones with their events, first finished first
         self._items: dict[str, dict[str, Any]] = {}  # item id -> the item (the latest stored with that id)
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
@@ -100,9 +104,19 @@ class ResponseStore:
             self._remove(next(iter(self._entries)))
 
     def finish(self, entry: StoredResponse) -> None:
-        """Put ``entry``, the final object of a running response, unless it was deleted meanwhile."""
-        if entry.response["id"] in self._entries:
-            self.put(entry)
+        """Put ``entry``, the final object of a running response, unless it was deleted meanwhile. Beyond
+        ``event_logs`` finished background responses, the first finished loses its events (streams that
+        follow them keep theirs)."""
+        response_id = entry.response["id"]
+        if response_id not in self._entries:
+            return
+        self.put(entry)
+        if entry.events is None:
+            return
+        self._logged[response_id] = None
+        while len(self._logged) > self.event_logs:
+            oldest, _ = self._logged.popitem(last=False)
+            self._entries[oldest] = replace(self._entries[oldest], events=None)  # (keeps its place in the LRU)
 
     def drop_running(self, response_id: str) -> None:
         """Forget a response that stopped without a final object (its client went away)."""
@@ -117,6 +131,7 @@ class ResponseStore:
         return self._remove(response_id) is not None
 
     def _remove(self, response_id: str) -> StoredResponse | None:
+        self._logged.pop(response_id, None)
         entry = self._entries.pop(response_id, None)
         for item in entry.own_items() if entry is not None else []:
             if self._items.get(item["id"]) is item:

@@ -141,6 +141,9 @@ def get_response(
         raise not_found(response_id)
     if not stream:
         return entry.current()
+    if entry.events is None and entry.current()["background"]:
+        raise APIError.invalid(f"The stream events of this response are no longer kept (only those of the latest "
+                               f"{store.event_logs} finished background responses): GET it without stream", "stream")
     if entry.events is None:
         raise APIError.invalid("This response cannot be streamed because it was not created with background=true.",
                                "stream")
