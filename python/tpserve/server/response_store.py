@@ -15,7 +15,7 @@ if TYPE_CHECKING:
 
 MAX_STORED_RESPONSES = 4096
 # Finished background responses whose stream events are kept for GET ?stream=true (the latest finished): a log holds
-# ~150 bytes a token, ~20x its text, so 4096 long ones could hold GBs; 256 of 2,000 tokens hold ~80 MB.
+# ~210 bytes a token (a delta event), ~50x its text, so 4096 long ones could hold GBs; 256 of 2,000 tokens ~110 MB.
 MAX_EVENT_LOGS = 256
 
 class EventLog:
