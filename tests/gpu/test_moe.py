@@ -286,6 +286,16 @@ def test_expert_gemv_matches_torch_and_triton(shape, fp8, norm):
     assert torch.equal(out, gemv.experts(x, gate_up, down, logits, top_k, True, fused_norm, scales))
 
 
+def one_token_experts(seed: int, fp8: bool):
+    """One token and Qwen3-30B-A3B's experts (SHAPES[0]), bf16 or FP8 in 128 x 128 blocks: (x, gate_up, down,
+    scales or None, and the weights a float64 reference takes: the dequantized ones for FP8)."""
+    x, gate_up, down, _, _ = expert_inputs(1, *SHAPES[0], seed=seed)
+    if not fp8:
+        return x, gate_up, down, None, gate_up, down
+    gate_up_q, down_q, scales, gate_up_deq, down_deq = fp8_experts(gate_up.float(), down.float(), (128, 128))
+    return x, gate_up_q, down_q, scales, gate_up_deq, down_deq
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_expert_gemv_in_a_cuda_graph_after_the_router_gemv(fp8):
     """As a MoE layer runs it: the router's GEMV, then the expert GEMVs routing from its logits (PDL: gate_up waits
@@ -294,10 +304,7 @@ def test_expert_gemv_in_a_cuda_graph_after_the_router_gemv(fp8):
     from tpserve.kernels import gemv
 
     experts, top_k, hidden, _ = SHAPES[0]
-    x, gate_up, down, _, _ = expert_inputs(1, *SHAPES[0], seed=40)
-    scales = None
-    if fp8:
-        gate_up, down, scales, gu_deq, d_deq = fp8_experts(gate_up.float(), down.float(), (128, 128))
+    x, gate_up, down, scales, ref_gu, ref_down = one_token_experts(40, fp8)
     gen = torch.Generator(device=DEVICE).manual_seed(41)
     router = (torch.randn(experts, hidden, generator=gen, device=DEVICE) / hidden**0.5).to(DTYPE)
 
@@ -315,7 +322,6 @@ def test_expert_gemv_in_a_cuda_graph_after_the_router_gemv(fp8):
         torch.cuda.synchronize()
         assert torch.equal(out, layer())
         weights, ids = router_topk(gemv.gemv(x, router), top_k, False, DTYPE)
-        ref_gu, ref_down = (gu_deq, d_deq) if fp8 else (gate_up, down)
         assert rel_err(out, reference(x, ref_gu, ref_down, weights, ids)) < RTOL
 
 
@@ -329,10 +335,7 @@ def test_one_token_experts_add_to_the_residual(path, fp8):
     from tpserve.kernels import gemv
 
     experts, top_k, hidden, _ = SHAPES[0]
-    x, gate_up, down, _, _ = expert_inputs(1, *SHAPES[0], seed=60)
-    scales = None
-    if fp8:
-        gate_up, down, scales, _, _ = fp8_experts(gate_up.float(), down.float(), (128, 128))
+    x, gate_up, down, scales, _, _ = one_token_experts(60, fp8)
     gen = torch.Generator(device=DEVICE).manual_seed(61)
     logits = (2 * torch.randn(1, experts, generator=gen, device=DEVICE)).to(DTYPE)
     residual = torch.randn(1, hidden, generator=gen, device=DEVICE).to(DTYPE)

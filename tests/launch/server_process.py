@@ -113,6 +113,23 @@ def metrics(url: str) -> dict[str, float]:
     return {m.group(1): float(m.group(2)) for m in re.finditer(r"^(tpserve_\S+) (\S+)$", text, re.M)}
 
 
+ABORTED = 'tpserve_requests_finished_total{finish_reason="abort"}'
+
+
+def aborts(url: str) -> float:
+    return metrics(url).get(ABORTED, 0.0)
+
+
+def metrics_after_an_abort(url: str, before: float) -> dict[str, float]:
+    """The server's metrics once its abort count has passed ``before`` (or after ~10 s)."""
+    for _ in range(100):
+        now = metrics(url)
+        if now.get(ABORTED, 0.0) > before:
+            break
+        time.sleep(0.1)
+    return now
+
+
 def wait_gone(procs: list[psutil.Process], timeout: float = 10) -> list[psutil.Process]:
     """The processes still alive after ``timeout`` (zombies count as gone)."""
     _, alive = psutil.wait_procs(procs, timeout=timeout)

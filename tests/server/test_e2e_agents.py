@@ -15,7 +15,7 @@ import jsonschema
 import openai
 import pytest
 from pydantic import BaseModel, Field
-from server_process import metrics, running_server
+from server_process import ABORTED, aborts, metrics_after_an_abort, running_server
 
 WEATHER_PARAMS = {
     "type": "object",
@@ -292,22 +292,18 @@ def test_responses_background_poll_cancel_and_item_reference(client, server):
     explicit = client.responses.create(input=[{"role": "assistant", "content": resp.output_text}, more],
                                        max_output_tokens=1, **common)
     assert by_ref.usage.input_tokens == explicit.usage.input_tokens
-    before = metrics(server.url).get('tpserve_requests_finished_total{finish_reason="abort"}', 0.0)
+    before = aborts(server.url)
     long = client.responses.create(input="Once upon a time", background=True, max_output_tokens=900, **common)
     cancelled = client.responses.cancel(long.id)
     assert cancelled.status == "cancelled" and client.responses.retrieve(long.id).status == "cancelled"
-    for _ in range(100):
-        now = metrics(server.url)
-        if now.get('tpserve_requests_finished_total{finish_reason="abort"}', 0.0) > before:
-            break
-        time.sleep(0.1)
-    assert now['tpserve_requests_finished_total{finish_reason="abort"}'] == before + 1
+    now = metrics_after_an_abort(server.url, before)
+    assert now[ABORTED] == before + 1
     with pytest.raises(openai.BadRequestError, match="Cannot cancel a response that is incomplete"):
         client.responses.cancel(resp.id)
 
 
 def test_responses_background_stream_left_and_resumed_with_the_sdk(client, server):
-    before = metrics(server.url).get('tpserve_requests_finished_total{finish_reason="abort"}', 0.0)
+    before = aborts(server.url)
     stream = client.responses.create(model="tiny", input="Hi", background=True, stream=True, max_output_tokens=8,
                                      reasoning=NO_THINKING, extra_body={"ignore_eos": True})
     first = [next(stream) for _ in range(3)]
@@ -315,21 +311,17 @@ def test_responses_background_stream_left_and_resumed_with_the_sdk(client, serve
     rest = list(client.responses.retrieve(first[0].response.id, stream=True, starting_after=2))
     assert [e.sequence_number for e in first + rest] == list(range(len(first) + len(rest)))
     assert rest[-1].type == "response.incomplete" and rest[-1].response.usage.output_tokens == 8
-    assert metrics(server.url).get('tpserve_requests_finished_total{finish_reason="abort"}', 0.0) == before
+    assert aborts(server.url) == before
 
 
 def test_responses_stream_disconnect_aborts(server):
-    before = metrics(server.url).get('tpserve_requests_finished_total{finish_reason="abort"}', 0.0)
+    before = aborts(server.url)
     body = {"model": "tiny", "input": "Once upon a time", "max_output_tokens": 900, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", f"{server.url}/v1/responses", json=body, timeout=30) as resp:
         assert resp.status_code == 200
         lines = resp.iter_lines()
         for _ in range(12):
             next(lines)
-    for _ in range(100):
-        now = metrics(server.url)
-        if now.get('tpserve_requests_finished_total{finish_reason="abort"}', 0.0) > before:
-            break
-        time.sleep(0.1)
-    assert now['tpserve_requests_finished_total{finish_reason="abort"}'] == before + 1
+    now = metrics_after_an_abort(server.url, before)
+    assert now[ABORTED] == before + 1
     assert now["tpserve_num_requests_running"] == 0
