@@ -232,8 +232,9 @@ class ModelConfig:
             quantization=quantization,
         )
 
-    def check_tp_size(self, tp_size: int, name: str = "tp_size") -> None:
-        """Raise a clear error when the model cannot be split over ``tp_size`` ranks."""
+    def check_tp_size(self, tp_size: int, name: str = "tp_size", expert_parallel: bool = False) -> None:
+        """Raise a clear error when the model cannot be split over ``tp_size`` ranks (``expert_parallel``: a MoE
+        layer's experts whole on each rank rather than cut)."""
         if tp_size < 1:
             raise ValueError(f"{name} must be >= 1, got {tp_size}")
         if self.num_attention_heads % tp_size:
@@ -243,14 +244,20 @@ class ModelConfig:
             raise ValueError(f"num_key_value_heads {kv} neither divides nor is divided by {name} {tp_size}")
         if self.dense_layers and self.intermediate_size % tp_size:
             raise ValueError(f"{name} {tp_size} does not divide intermediate_size {self.intermediate_size}")
-        if self.moe is not None and self.moe.intermediate_size % tp_size:
+        if self.moe is not None and expert_parallel and self.moe.num_experts % tp_size:
+            raise ValueError(
+                f"{name} {tp_size} does not divide num_experts {self.moe.num_experts} "
+                "(expert parallelism puts the same number of whole experts on each rank)"
+            )
+        if self.moe is not None and not expert_parallel and self.moe.intermediate_size % tp_size:
             raise ValueError(
                 f"{name} {tp_size} does not divide moe_intermediate_size {self.moe.intermediate_size} "
-                "(each rank holds a slice of every expert's intermediate dimension)"
+                "(each rank holds a slice of every expert's intermediate dimension; expert parallelism "
+                "keeps experts whole)"
             )
-        self._check_fp8_blocks(tp_size, name)
+        self._check_fp8_blocks(tp_size, name, expert_parallel)
 
-    def _check_fp8_blocks(self, tp_size: int, name: str) -> None:
+    def _check_fp8_blocks(self, tp_size: int, name: str, expert_parallel: bool) -> None:
         """FP8 block scales are split (tensor parallelism) and merged (q/k/v, gate/up) with their
         weights, so every rank's part of a quantized projection must be whole blocks."""
         quant = self.quantization
@@ -272,7 +279,7 @@ class ModelConfig:
                 (every, ("self_attn.o_proj",), "o_proj input features", q_width, bk),
                 (dense, ("mlp.down_proj",), "down_proj input features", inter_width, bk),
             ]
-            if self.moe is not None:  # each rank cuts every expert's intermediate dim (gate/up rows, down columns)
+            if self.moe is not None and not expert_parallel:  # each rank cuts every expert's intermediate dim
                 expert_width, sparse = self.moe.intermediate_size // tp_size, self.moe.layers
                 checks += [
                     (sparse, ("mlp.experts",), "expert gate/up output features (moe_intermediate_size)", expert_width, bn),
@@ -285,6 +292,7 @@ class ModelConfig:
                     f"{name} {tp_size}: each rank's share of the {what} is {width}, not a multiple of the FP8 "
                     f"weight block {block} (quantization_config.weight_block_size {[bn, bk]}); the block scales "
                     "can only be split across ranks and merged (q/k/v, gate/up) at block boundaries"
+                    + ("; expert parallelism keeps the experts whole" if "moe_intermediate_size" in what else "")
                 )
 
     @classmethod
@@ -352,6 +360,9 @@ class EngineConfig:
     kv_cache_dtype: str = "auto"  # fp8_e4m3: the KV cache in float8 e4m3 (scale 1), read back in the compute dtype
     dp_size: int = 1  # independent replicas of tp_size ranks (one node), on GPUs from dp_rank * tp_size
     dp_rank: int = 0
+    # a MoE model's experts split whole over the tp_size ranks (num_experts / tp_size each) instead of every
+    # expert's intermediate dim; attention and dense layers stay tensor-parallel
+    expert_parallel: bool = False
 
     def __post_init__(self) -> None:
         _check_min("tp_size", self.tp_size, 1)
@@ -440,7 +451,7 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
     bad setting is one clear error (naming the CLI flag when ``cli``) rather than a traceback from
     every rank."""
     resolve_quantization(engine.quantization, model.quantization)
-    model.check_tp_size(engine.tp_size, name="--tp-size" if cli else "tp_size")
+    model.check_tp_size(engine.tp_size, name="--tp-size" if cli else "tp_size", expert_parallel=engine.expert_parallel)
     if engine.max_model_len is not None and engine.max_model_len > model.context_length:
         raise ValueError(
             f"{_option('max_model_len', engine.max_model_len, cli)} exceeds the model's context length "

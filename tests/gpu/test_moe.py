@@ -15,6 +15,8 @@ Skipped without CUDA or triton, so CI on CPU stays green.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -105,6 +107,50 @@ def test_fused_experts_in_a_cuda_graph(tokens):
         path = small_batch_experts if ids.numel() <= SMALL_BATCH_MAX_ROWS else grouped_experts
         assert torch.equal(out, path(x, gate_up, down, weights, ids))
         assert rel_err(out, reference(x, gate_up, down, weights, ids)) < RTOL
+
+
+@pytest.mark.parametrize("tokens", [1, 8, 300])
+@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+def test_expert_parallel_ranks_sum_to_all_experts(tokens, fp8):
+    """Qwen3-30B-A3B's experts split whole over 4 ranks (32 each), one GPU playing every rank: each rank's
+    router kernel ids local, its experts a view into all of them and other ranks' rows skipped (the global
+    router weights passed, so a row not skipped by its id would add the next rank's expert), inside a CUDA
+    graph replayed on new logits. The ranks' sum is all experts' output to bf16 rounding."""
+    experts, top_k, hidden, inter, ranks = 128, 8, 2048, 768, 4
+    x, gate_up, down, _, _ = expert_inputs(tokens, experts, top_k, hidden, inter, seed=40 + tokens)
+    scales = None
+    if fp8:
+        gate_up, down, scales, gu_deq, d_deq = fp8_experts(gate_up.float(), down.float(), (128, 128))
+    count = experts // ranks
+    logits = torch.randn(tokens, experts, device=DEVICE)
+
+    def rank_outputs() -> list[torch.Tensor]:
+        weights, _ = router_topk(logits, top_k, True, DTYPE)
+        outs = []
+        for rank in range(ranks):
+            mine = slice(rank * count, (rank + 1) * count)
+            _, local_ids = router_topk(logits, top_k, True, DTYPE, (rank * count, count))
+            rank_scales = scales and dataclasses.replace(scales, gate_up=scales.gate_up[mine], down=scales.down[mine])
+            outs.append(fused_experts(x, gate_up[mine], down[mine], weights, local_ids, rank_scales, skip_others=True))
+        return outs
+
+    rank_outputs()  # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        outs = rank_outputs()
+    for seed in (5, 6):
+        logits.copy_(torch.randn(tokens, experts, generator=torch.Generator(device=DEVICE).manual_seed(seed),
+                                 device=DEVICE))
+        graph.replay()
+        torch.cuda.synchronize()
+        weights, ids = router_topk(logits, top_k, True, DTYPE)
+        expected = reference(x, gu_deq if fp8 else gate_up, d_deq if fp8 else down, weights, ids)
+        total = sum(o.double() for o in outs)
+        err = rel_err(total, expected)
+        print(f"EP 4, {tokens} tokens, {'fp8' if fp8 else 'bf16'}: relative error of the ranks' sum {err:.2e}")
+        assert err < RTOL
+        assert all(torch.equal(a, b) for a, b in zip(outs, rank_outputs()))  # eager: the same bits
 
 
 @pytest.mark.parametrize("tokens", [1, 2, 8])

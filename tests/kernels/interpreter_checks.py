@@ -506,6 +506,71 @@ def check_align_kernel_matches_torch() -> None:
             assert torch.equal(g.long(), w.long()), f"{name} differs for {tokens} tokens, {experts} experts, block {block_m}"
 
 
+def check_expert_parallel_moe() -> None:
+    """Expert parallelism's pieces: the router kernel's local ids equal ``localize`` of its global ones, and
+    each rank's experts (other ranks' rows skipped) in the small-batch kernels, the grouped GEMMs (the sort
+    leaving those rows out, in the kernel and in torch) and FP8 add up over the ranks to all experts'
+    output. The kernels get the global router weights, not zero for other ranks' rows, and each rank's
+    experts are a view into all of them, so a row not skipped by its id adds the next rank's expert; the
+    down kernel also runs on activations written for every row. The routed kernels refuse to skip."""
+    from fp8_checkpoint import fp8_experts
+    from tpserve.kernels.moe import align_by_expert, align_by_expert_torch, fused_experts, grouped_experts
+    from tpserve.kernels.moe_small import (KernelConfig, RouterLogits, default_config, down_sum, gate_up_silu,
+                                           router_topk, small_batch_experts)
+    from tpserve.layers.moe import experts_torch, localize
+
+    gen = torch.Generator().manual_seed(13)
+    for tokens, top_k, experts, ranks, hidden, inter in ((1, 8, 16, 4, 64, 32), (5, 2, 8, 2, 48, 24),
+                                                          (40, 3, 12, 3, 32, 16)):
+        x, gate_up, down, _, _ = random_experts(gen, tokens, experts, top_k, hidden, inter)
+        logits = torch.randn(tokens, experts, generator=gen)
+        weights, ids = router_topk(logits, top_k, True, x.dtype)
+        reference = experts_torch(x, gate_up, down, weights, ids)
+        gu_q, d_q, scales, gu_deq, d_deq = fp8_experts(gate_up, down, (8, 8))
+        fp8_reference = experts_torch(x, gu_deq, d_deq, weights, ids)
+        count = experts // ranks
+        sums: dict[str, torch.Tensor] = {}
+        for rank in range(ranks):
+            start, mine = rank * count, slice(rank * count, (rank + 1) * count)
+            local_w, local_ids = router_topk(logits, top_k, True, x.dtype, (start, count))
+            want_w, want_ids = localize(weights, ids, start, count)
+            assert torch.equal(local_ids, want_ids) and torch.equal(local_w, want_w), f"router rank {rank}"
+            for block_m in (4, 16):
+                got = align_by_expert(local_ids, count, block_m)
+                for g, w, name in zip(got, align_by_expert_torch(local_ids, count, block_m), ("rows", "blocks", "len")):
+                    assert torch.equal(g.long(), w.long()), f"align {name} rank {rank} block {block_m}"
+            rank_scales = dataclasses.replace(scales, gate_up=scales.gate_up[mine], down=scales.down[mine])
+            parts = {
+                "torch": experts_torch(x, gate_up[mine], down[mine], local_w, local_ids),
+                "grouped": grouped_experts(x, gate_up[mine], down[mine], weights, local_ids, skip_others=True),
+                "fused": fused_experts(x, gate_up[mine], down[mine], weights, local_ids, skip_others=True),
+                "fp8 grouped": grouped_experts(x, gu_q[mine], d_q[mine], weights, local_ids, rank_scales, True),
+            }
+            if tokens * top_k <= 64:
+                parts["small"] = small_batch_experts(x, gate_up[mine], down[mine], weights, local_ids,
+                                                     skip_others=True)
+                parts["fp8 small"] = small_batch_experts(x, gu_q[mine], d_q[mine], weights, local_ids,
+                                                         scales=rank_scales, skip_others=True)
+                act = torch.randn(tokens * top_k, inter, generator=gen)  # every row's, other ranks' too
+                kept = (local_ids < count).float() * weights
+                want = torch.einsum("tk,tkh->th", kept, torch.einsum(
+                    "tki,tkhi->tkh", act.view(tokens, top_k, inter), down[mine][local_ids.clamp(max=count - 1)]))
+                for config in (default_config(top_k).down, KernelConfig(block_n=16, block_k=16, experts_per_step=2)):
+                    got = down_sum(act, down[mine], weights, local_ids, config, skip_others=True)
+                    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5, msg=lambda m: f"ep down {config}: {m}")
+            for name, part in parts.items():
+                sums[name] = sums.get(name, 0) + part
+        for name, total in sums.items():
+            want = fp8_reference if name.startswith("fp8") else reference
+            torch.testing.assert_close(total, want, rtol=1e-4, atol=1e-4, msg=lambda m: f"ep {name} {tokens}: {m}")
+    try:
+        gate_up_silu(x, gate_up, RouterLogits(logits, top_k, True), default_config(top_k).gate_up, skip_others=True)
+    except ValueError as exc:
+        assert "this rank's" in str(exc)
+    else:
+        raise AssertionError("the routed gate_up kernel took skip_others")
+
+
 def check_fused_moe_model() -> None:
     """A tiny Qwen3-MoE engine (float32; layer 0 dense, layers 1-2 sparse) with its MoE layers on
     the Triton kernels (router, sort by expert, grouped GEMMs) against the same engine on the torch
@@ -634,6 +699,7 @@ def check_graph_inputs() -> None:
 # Longest first: two processes share them (the interpreter is single-threaded; CI has two cores).
 CHECKS = (
     check_small_batch_moe, check_fused_moe, check_routed_moe, check_fp8_experts, check_fused_moe_model,
+    check_expert_parallel_moe,
     check_sampler_filters, check_fp8_gemm, check_fp8_mlp, check_sampler_on_edited_logits, check_sampler,
     check_align_kernel_matches_torch, check_router_topk, check_norm_rope_store, check_greedy, check_add_rmsnorm,
     check_kv_store, check_graph_inputs,

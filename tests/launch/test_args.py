@@ -87,6 +87,17 @@ def test_bad_values_are_usage_errors(qwen3_dir, capsys, argv, fragment):
     assert fragment in capsys.readouterr().err
 
 
+def test_expert_parallel_flag(tiny_model_factory, capsys):
+    moe = tiny_model_factory("qwen3_moe", num_layers=3)  # 8 experts
+    assert not parse_args(["--model", moe]).engine.expert_parallel
+    for flag in ("--expert-parallel", "--enable-expert-parallel"):  # vLLM's spelling too
+        assert parse_args(["--model", moe, "--tp-size", "2", flag]).engine.expert_parallel
+    with pytest.raises(SystemExit):  # tiny_model_factory's models have 4 heads: TP 4 at most
+        parse_args(["--model", tiny_model_factory("qwen3_moe", num_layers=3, num_experts=6), "--tp-size", "4",
+                    "--expert-parallel"])
+    assert "--tp-size 4 does not divide num_experts 6" in capsys.readouterr().err
+
+
 def test_quantization_flag(qwen3_dir):
     assert parse_args(["--model", qwen3_dir]).engine.quantization is None
     assert parse_args(["--model", qwen3_dir, "--quantization", "fp8"]).engine.quantization == "fp8"

@@ -224,6 +224,18 @@ def test_qwen3_moe_tp_errors_name_the_expert_size():
     with pytest.raises(ValueError, match="tp_size 32 does not divide moe_intermediate_size 48"):
         cfg.check_tp_size(32)
     cfg.check_tp_size(16)  # the dense intermediate_size (no dense layer here) is not checked
+    # expert parallelism: whole experts, so num_experts must divide instead
+    cfg.check_tp_size(32, expert_parallel=True)  # 128 experts (transformers' default), 4 a rank
+    uneven = ModelConfig.from_dict({**base_config("qwen3_moe"), "num_attention_heads": 32, "num_key_value_heads": 4,
+                                    "num_experts": 48, "mlp_only_layers": []})
+    with pytest.raises(ValueError, match=r"tp_size 32 does not divide num_experts 48 \(expert parallelism"):
+        uneven.check_tp_size(32, expert_parallel=True)
+    uneven.check_tp_size(16, expert_parallel=True)
+    wide = ModelConfig.from_dict({**base_config("qwen3_moe"), "num_attention_heads": 32, "num_key_value_heads": 4,
+                                  "moe_intermediate_size": 50, "num_experts": 32, "mlp_only_layers": []})
+    with pytest.raises(ValueError, match="expert parallelism keeps experts whole"):
+        wide.check_tp_size(4)
+    wide.check_tp_size(4, expert_parallel=True)
 
 
 def test_unsupported_architecture_is_named():

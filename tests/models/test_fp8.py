@@ -227,3 +227,15 @@ def test_fp8_moe_experts_cut_inside_a_block_is_an_error(fp8_moe):
         check_can_start(EngineConfig(model=fp8_dir, device="cpu", tp_size=2), config, cli=True)
     engine = Engine(EngineConfig(model=fp8_dir, device="cpu", load_format="dummy", max_total_tokens=64))
     assert engine.model.model.layers[1].mlp.experts.gate_up_proj.std().item() > 0.01  # dummy FP8 experts, scaled
+
+
+def test_fp8_moe_expert_parallel_serves_a_width_tp_would_cut_inside_a_block(fp8_moe):
+    """Qwen3-30B-A3B-FP8 at TP 4 in small: TP 2 would cut every expert's 48 rows inside a 16-block; expert
+    parallelism keeps 4 whole experts (and their block scales) on each rank."""
+    fp8_dir, ref_dir = fp8_moe(moe_intermediate_size=48)
+    check_can_start(EngineConfig(model=fp8_dir, device="cpu", tp_size=2, expert_parallel=True),
+                    ModelConfig.from_pretrained(fp8_dir), cli=True)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(fp8_dir, tp_size=2, device="cpu", page_size=4, expert_parallel=True) as llm:
+        outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(ref_dir, p, 12) for p in PROMPTS]

@@ -44,7 +44,8 @@ def test_fused_norm_and_add_match_transformers(tiny_model_factory, fused_on_cpu,
     model_dir = tiny_model_factory(arch, **kwargs)
     moe_normed = collections.Counter()
 
-    def fake_small_batch_experts(x, gate_up, down, weights, ids, config=None, norm=None, scales=None):
+    def fake_small_batch_experts(x, gate_up, down, weights, ids, config=None, norm=None, scales=None,
+                                 skip_others=False):
         """The Triton experts' contract in torch: the experts of RMSNorm(x) * weight, unrounded in between."""
         moe_normed["calls"] += 1
         xf = x.float()

@@ -102,9 +102,9 @@ def test_expert_names_map_to_stacked_experts():
     assert checkpoint_target("model.layers.2.mlp.gate.weight") == ("model.layers.2.mlp.gate", "weight", None)
 
 
-def rank_state(model_dir: str, rank: int, size: int) -> dict[str, torch.Tensor]:
+def rank_state(model_dir: str, rank: int, size: int, expert_parallel: bool = False) -> dict[str, torch.Tensor]:
     """One TP rank's loaded parameters, built in this process (no forward pass, so no process group)."""
-    set_tp_info(rank, size)
+    set_tp_info(rank, size, expert_parallel)
     try:
         with torch.device("meta"):
             model = CausalLM(ModelConfig.from_pretrained(model_dir), SingleRankCommunicator(), 64)
@@ -194,3 +194,44 @@ def test_damaged_checkpoint_files_are_named_before_anything_starts(tiny_model_fa
         LLM(model_dir, device="cpu")
     with pytest.raises((ValueError, FileNotFoundError), match=message):
         Engine(EngineConfig(model=model_dir, device="cpu"))
+
+
+@pytest.mark.parametrize("layout", ["per_expert", "stacked"])
+def test_expert_parallel_ranks_load_whole_experts(tiny_model_factory, tmp_path, monkeypatch, layout):
+    """Expert parallelism: rank r of 2 holds experts 4r..4r+3 whole, as the checkpoint has them; the rest
+    of the model is cut as under TP. Other ranks' per-expert tensors are not even read."""
+    import tpserve.models.loader as loader
+
+    model_dir = tiny_model_factory("qwen3_moe", num_layers=3, moe_intermediate_size=30)  # 30: TP 4 cannot cut it
+    if layout == "stacked":
+        model_dir = copy_model(model_dir, str(tmp_path / "stacked"))
+        path = os.path.join(model_dir, "model.safetensors")
+        save_file(stacked_experts_checkpoint(load_file(path), 8), path)
+    read: list[str] = []
+    opened = loader.open_safetensors
+
+    class Recording:
+        def __init__(self, path: str) -> None:
+            self.handle = opened(path)
+
+        def keys(self):
+            return self.handle.keys()
+
+        def get_tensor(self, name: str) -> torch.Tensor:
+            read.append(name)
+            return self.handle.get_tensor(name)
+
+    monkeypatch.setattr(loader, "open_safetensors", Recording)
+    full, tp = rank_state(model_dir, 0, 1), rank_state(model_dir, 1, 2)
+    read.clear()
+    ep = rank_state(model_dir, 1, 2, expert_parallel=True)
+    prefix = "model.layers.1.mlp.experts."
+    assert ep[prefix + "gate_up_proj"].shape == (4, 60, 64) and ep[prefix + "down_proj"].shape == (4, 64, 30)
+    assert torch.equal(ep[prefix + "gate_up_proj"], full[prefix + "gate_up_proj"][4:])
+    assert torch.equal(ep[prefix + "down_proj"], full[prefix + "down_proj"][4:])
+    assert torch.equal(ep["model.layers.1.mlp.gate.weight"], full["model.layers.1.mlp.gate.weight"])
+    for name in ("model.layers.1.self_attn.qkv_proj.weight", "model.layers.0.mlp.gate_up_proj.weight"):
+        assert torch.equal(ep[name], tp[name]), name  # attention and the dense layer stay tensor-parallel
+    if layout == "per_expert":
+        experts_read = {int(n.split(".experts.")[1].split(".")[0]) for n in read if ".experts." in n}
+        assert experts_read == {4, 5, 6, 7}

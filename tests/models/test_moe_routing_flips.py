@@ -56,7 +56,7 @@ def forced_logits(moe_dir: str, reference) -> Logits:
     return run_scenario(make_engine(moe_dir), prompts, forced=tokens, decode_steps=DECODE_STEPS)[1]
 
 
-def experts_rounded_like_triton(x, gate_up, down, weights, ids, scales=None) -> torch.Tensor:
+def experts_rounded_like_triton(x, gate_up, down, weights, ids, scales=None, skip_others=False) -> torch.Tensor:
     """The Triton kernel's rounding: float32 accumulation, gate/up rounded once, the down output
     scaled by the router weight before it is rounded, the k rows summed in float32."""
     tokens, top_k = ids.shape
@@ -90,11 +90,11 @@ def test_routed_check_passes_triton_rounding(moe_dir, reference, monkeypatch):
     assert_routed_logits_close(forced_logits(moe_dir, reference), reference[1])
 
 
-def weights_twice(x, gate_up, down, weights, ids, scales=None):
+def weights_twice(x, gate_up, down, weights, ids, scales=None, skip_others=False):
     return moe_layer.experts_torch(x, gate_up, down, weights * weights, ids)
 
 
-def expert_dropped(x, gate_up, down, weights, ids, scales=None):
+def expert_dropped(x, gate_up, down, weights, ids, scales=None, skip_others=False):
     return moe_layer.experts_torch(x, gate_up, down, weights.masked_fill(ids == 5, 0), ids)
 
 

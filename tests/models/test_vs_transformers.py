@@ -59,20 +59,24 @@ def test_logits_and_greedy_match_transformers(tiny_model_factory, arch, kwargs):
 
 
 @pytest.mark.parametrize(
-    "tp_size,arch,kwargs",
+    "tp_size,arch,kwargs,engine",
     [
-        (2, "qwen3", {"vocab_size": 643}),  # vocabulary split with padding
-        (4, "qwen3", {"vocab_size": 643}),  # 2 KV heads replicated over 4 ranks
-        (2, "llama", {"num_shards": 2}),
-        (2, "qwen3_moe", {"num_layers": 3}),
-        (4, "qwen3_moe", {"num_layers": 3}),
+        (2, "qwen3", {"vocab_size": 643}, {}),  # vocabulary split with padding
+        (4, "qwen3", {"vocab_size": 643}, {}),  # 2 KV heads replicated over 4 ranks
+        (2, "llama", {"num_shards": 2}, {}),
+        (2, "qwen3_moe", {"num_layers": 3}, {}),
+        (4, "qwen3_moe", {"num_layers": 3}, {}),
+        # whole experts per rank (4, then 2 of 8); test_fp8 serves a width that TP cannot cut
+        (2, "qwen3_moe", {"num_layers": 3}, {"expert_parallel": True}),
+        (4, "qwen3_moe", {"num_layers": 3}, {"expert_parallel": True}),
     ],
+    ids=str,
 )
-def test_tensor_parallel_matches_transformers(tiny_model_factory, tp_size, arch, kwargs):
+def test_tensor_parallel_matches_transformers(tiny_model_factory, tp_size, arch, kwargs, engine):
     model_dir = tiny_model_factory(arch, **kwargs)
     greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
     sampled = SamplingParams(temperature=0.9, top_k=50, top_p=0.95, seed=1234, max_tokens=12, ignore_eos=True)
-    with LLM(model_dir, tp_size=tp_size, device="cpu", page_size=8) as llm:
+    with LLM(model_dir, tp_size=tp_size, device="cpu", page_size=8, **engine) as llm:
         outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
         sampled_tp = llm.generate(PROMPTS, sampled, use_tqdm=False)
     err = 0.0
@@ -81,7 +85,7 @@ def test_tensor_parallel_matches_transformers(tiny_model_factory, tp_size, arch,
         ref = torch.log_softmax(hf_logits(model_dir, prompt + out.token_ids)[len(prompt) - 1 : -1], dim=-1)
         ref_chosen = ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
         err = max(err, (torch.tensor(out.logprobs) - ref_chosen).abs().max().item())
-    print(f"tp {tp_size} {arch} {kwargs}: max log-probability error {err:.2e}")
+    print(f"tp {tp_size} {arch} {kwargs} {engine}: max log-probability error {err:.2e}")
     assert err < 1e-4, f"max log-probability error {err}"
     with LLM(model_dir, device="cpu", page_size=8) as single:
         sampled_one = single.generate(PROMPTS, sampled, use_tqdm=False)

@@ -121,3 +121,20 @@ def test_fp8_kv_cache_holds_twice_the_tokens_and_reads_half_the_bytes(tmp_path, 
     assert "--kv-cache-dtype fp8_e4m3" in capsys.readouterr().out  # the recommended command keeps it
     assert main(["--model", plain, "--kv-cache-dtype", "fp4"]) == 2
     assert "--kv-cache-dtype" in capsys.readouterr().err
+
+
+def test_moe_fp8_checkpoint_takes_expert_parallelism_where_tp_would_cut_its_blocks(capsys):
+    """Qwen3-30B-A3B-FP8 at TP 4 and 8 would cut every expert's 768 rows into 192 and 96, inside the 128-blocks:
+    the plan keeps those splits with whole experts per rank, costed as the cut, and launches them so."""
+    from tpserve.plan.cost import GPUS
+    from tpserve.plan.splits import Machine, Settings, launch_commands, plan_splits
+
+    shape = ModelShape(ModelConfig.from_pretrained(data_config("Qwen3-30B-A3B-FP8")), 2, (128, 128), fp8_experts=True)
+    machine = Machine(GPUS["h200"], 8)
+    plans, excluded = plan_splits(shape, machine, Settings(8192))
+    assert [(p.tp, p.expert_parallel) for p in plans] == [(1, False), (2, False), (4, True), (8, True)]
+    assert not excluded
+    assert plans[2].weight_bytes_per_gpu == pytest.approx(shape.weight_bytes_per_rank(4))
+    assert "--tp-size 4 --max-model-len 8192 --expert-parallel" in launch_commands(plans[2], "M", machine, Settings(8192))[0]
+    assert main(["--model", data_config("Qwen3-30B-A3B-FP8"), "--gpus", "8", "--context", "8192"]) == 0
+    assert "TP8 EP x DP1" in capsys.readouterr().out

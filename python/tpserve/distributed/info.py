@@ -13,16 +13,18 @@ from dataclasses import dataclass
 class TPInfo:
     rank: int
     size: int
+    # a MoE layer's experts split whole over the ranks (expert parallelism), not each expert's intermediate dim
+    expert_parallel: bool = False
 
 
 _TP_INFO: TPInfo | None = None
 
 
-def set_tp_info(rank: int, size: int) -> TPInfo:
+def set_tp_info(rank: int, size: int, expert_parallel: bool = False) -> TPInfo:
     global _TP_INFO
     if not 0 <= rank < size:
         raise ValueError(f"tp rank {rank} is outside [0, {size})")
-    _TP_INFO = TPInfo(rank, size)
+    _TP_INFO = TPInfo(rank, size, expert_parallel)
     return _TP_INFO
 
 

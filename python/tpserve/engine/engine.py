@@ -117,7 +117,7 @@ class Engine:
     def __init__(self, config: EngineConfig, rank: int = 0, nodes: NodeGroup | None = None) -> None:
         """``nodes``: the multi-node group this rank joined (``NodeGroup.join``); None on one node."""
         self.config = config
-        self.tp = set_tp_info(rank, config.tp_size)  # before any layer is built
+        self.tp = set_tp_info(rank, config.tp_size, config.expert_parallel)  # before any layer is built
         layout = NodeLayout.of(config)
         self.device = resolve_device(config.device, layout.local_rank(rank), config.dp_rank * layout.ranks_per_node)
         if self.device.type == "cuda":
@@ -125,7 +125,7 @@ class Engine:
         elif layout.ranks_per_node * config.dp_size > 1:  # ranks (of every replica) share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // (layout.ranks_per_node * config.dp_size)))
         self.model_config = ModelConfig.from_pretrained(config.model)
-        self.model_config.check_tp_size(config.tp_size)
+        self.model_config.check_tp_size(config.tp_size, expert_parallel=config.expert_parallel)
         self.max_model_len = config.max_model_len or self.model_config.context_length
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)
         if config.tp_size > 1 and config.dist_init_addr is None:

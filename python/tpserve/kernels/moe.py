@@ -95,13 +95,16 @@ def _align_kernel(
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):
     """One program: count rows per expert, pad, fill the padding, label the blocks, then place each
-    row after the earlier rows of its expert (a stable sort)."""
+    row after the earlier rows of its expert (a stable sort). Rows whose id is num_experts or more
+    (another rank's expert: expert parallelism) are left out, as padding is."""
     experts = tl.arange(0, E_PAD)
+    real = experts < num_experts
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     for start in range(0, rows, CHUNK):
         offs = start + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + offs, mask=offs < rows, other=E_PAD).to(tl.int32)
         counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    counts = tl.where(real, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     tl.store(padded_len_ptr, tl.sum(padded, axis=0))
@@ -109,10 +112,9 @@ def _align_kernel(
         offs = start + tl.arange(0, CHUNK)
         tl.store(sorted_rows_ptr + offs, tl.full((CHUNK,), 0, tl.int32) + rows, mask=offs < capacity)
     num_blocks = capacity // BLOCK_M
-    real = experts[None, :] < num_experts
     for start in range(0, num_blocks, CHUNK):
         blocks = start + tl.arange(0, CHUNK)
-        before = (ends[None, :] <= blocks[:, None] * BLOCK_M) & real
+        before = (ends[None, :] <= blocks[:, None] * BLOCK_M) & real[None, :]
         expert = tl.minimum(tl.sum(before.to(tl.int32), axis=1), num_experts - 1)
         tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
     tl.debug_barrier()  # the padding fill lands before any row overwrites it
@@ -124,7 +126,7 @@ def _align_kernel(
         base = tl.sum(tl.where(onehot, cursor[None, :], 0), axis=1)
         earlier = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None])
         rank = tl.sum(earlier.to(tl.int32), axis=1)
-        tl.store(sorted_rows_ptr + base + rank, offs, mask=offs < rows)
+        tl.store(sorted_rows_ptr + base + rank, offs, mask=(offs < rows) & (ids < num_experts))
         cursor += tl.sum(onehot.to(tl.int32), axis=0)
 
 
@@ -134,7 +136,8 @@ TRITON_ALIGN_MAX_ROWS = 4096
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the (token, k) rows of ``ids`` [T, k] by expert, runs padded to ``block_m``, no host sync:
-    sorted_rows [P] (``T * k`` marks padding), block_expert [P / block_m], padded_len [1] (P: by T)."""
+    sorted_rows [P] (``T * k`` marks padding), block_expert [P / block_m], padded_len [1] (P: by T).
+    Rows with id ``num_experts`` (another rank's expert) are left out."""
     rows = ids.numel()
     if rows > TRITON_ALIGN_MAX_ROWS:
         return align_by_expert_torch(ids, num_experts, block_m)
@@ -154,15 +157,19 @@ def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> 
     flat = ids.flatten()
     rows = flat.numel()
     capacity = aligned_capacity(rows, num_experts, block_m)
-    counts = torch.zeros(num_experts, dtype=torch.int64, device=ids.device)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)  # the last: other ranks' experts
     counts.scatter_add_(0, flat, torch.ones_like(flat))
+    counts[num_experts] = 0
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     order = flat.argsort(stable=True)
     by_expert = flat[order]
     rank = torch.arange(rows, device=ids.device) - (counts.cumsum(0) - counts)[by_expert]
-    sorted_rows = torch.full((capacity,), rows, dtype=torch.int32, device=ids.device)
-    sorted_rows[(ends - padded)[by_expert] + rank] = order.to(torch.int32)
+    # other ranks' rows go to one slot past the end, cut off after (no host sync)
+    slots = torch.where(by_expert < num_experts, (ends - padded)[by_expert] + rank, capacity)
+    sorted_rows = torch.full((capacity + 1,), rows, dtype=torch.int32, device=ids.device)
+    sorted_rows[slots] = order.to(torch.int32)
+    sorted_rows, ends = sorted_rows[:capacity], ends[:num_experts]
     block_starts = torch.arange(0, capacity, block_m, device=ids.device)
     block_expert = torch.searchsorted(ends, block_starts, right=True).clamp_(max=num_experts - 1).to(torch.int32)
     return sorted_rows, block_expert, ends[-1:]
@@ -205,10 +212,10 @@ SMALL_BATCH_MAX_ROWS = 64
 
 def fused_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    scales: ExpertScales | None = None,
+    scales: ExpertScales | None = None, skip_others: bool = False,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]; gate_up [E, 2I, H], down [E, H, I] (FP8 with
-    ``scales``)."""
+    ``scales``). ``skip_others``: ids equal to E are another rank's experts (expert parallelism), adding 0."""
     if not (gate_up.is_contiguous() and down.is_contiguous()):
         raise ValueError("fused_experts needs contiguous expert weights")
     x = x.contiguous()
@@ -216,15 +223,16 @@ def fused_experts(
     if rows == 0:
         return torch.zeros_like(x)
     if rows <= SMALL_BATCH_MAX_ROWS:
-        return small_batch_experts(x, gate_up, down, weights, ids, scales=scales)
-    return grouped_experts(x, gate_up, down, weights, ids, scales)
+        return small_batch_experts(x, gate_up, down, weights, ids, scales=scales, skip_others=skip_others)
+    return grouped_experts(x, gate_up, down, weights, ids, scales, skip_others)
 
 
 def grouped_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    scales: ExpertScales | None = None,
+    scales: ExpertScales | None = None, skip_others: bool = False,
 ) -> torch.Tensor:
-    """``fused_experts`` by the grouped GEMMs (any row count; contiguous weights)."""
+    """``fused_experts`` by the grouped GEMMs (any row count; contiguous weights). Other ranks' rows are left
+    out of the sort, so their down rows are zeroed first."""
     x = x.contiguous()
     tokens, top_k = ids.shape
     rows = tokens * top_k
@@ -237,7 +245,7 @@ def grouped_experts(
     _grouped_gemm(x, gate_up, gate_up_out, None, sorted_rows, block_expert, padded_len, rows, top_k, block_m,
                   gate_up_scale, block)
     hidden = silu_and_mul(gate_up_out)
-    down_out = torch.empty(rows, down.shape[1], dtype=x.dtype, device=x.device)
+    down_out = (torch.zeros if skip_others else torch.empty)(rows, down.shape[1], dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).contiguous()
     _grouped_gemm(hidden, down, down_out, scale, sorted_rows, block_expert, padded_len, rows, 1, block_m,
                   down_scale, block)

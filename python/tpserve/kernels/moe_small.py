@@ -146,21 +146,31 @@ def router_top_k(logits_ptr, num_experts, TOP_K: tl.constexpr, RENORMALIZE: tl.c
 def _router_topk_kernel(
     logits_ptr, weights_ptr, ids_ptr, num_experts, stride_l,
     TOP_K: tl.constexpr, RENORMALIZE: tl.constexpr, E_PAD: tl.constexpr, J_PAD: tl.constexpr, PDL: tl.constexpr,
+    local_start=0, num_local=0, LOCAL: tl.constexpr = False,
 ):
-    """One token: softmax over the experts in float32, its top k, optionally renormalised."""
+    """One token: softmax over the experts in float32, its top k, optionally renormalised. LOCAL (expert
+    parallelism): ids relative to this rank's experts [local_start, local_start + num_local), another rank's
+    expert stored as num_local with weight 0."""
     if PDL:  # the next kernel may launch now; the router's logits are the previous kernel's
         tl.extra.cuda.gdc_launch_dependents()
         tl.extra.cuda.gdc_wait()
     token = tl.program_id(0).to(tl.int64)
     ids, weights = router_top_k(logits_ptr + token * stride_l, num_experts, TOP_K, RENORMALIZE, E_PAD, J_PAD)
+    if LOCAL:
+        mine = (ids >= local_start) & (ids < local_start + num_local)
+        ids = tl.where(mine, ids - local_start, num_local)
+        weights = tl.where(mine, weights, 0.0)
     slots = tl.arange(0, J_PAD)
     tl.store(ids_ptr + token * TOP_K + slots, ids, mask=slots < TOP_K)
     tl.store(weights_ptr + token * TOP_K + slots, weights.to(weights_ptr.dtype.element_ty), mask=slots < TOP_K)
 
 
-def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def router_topk(
+    logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torch.dtype, local: tuple[int, int] | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
     """``TopKRouter``'s softmax, top-k and renormalisation in one kernel (else five per MoE layer and
-    step): (weights [T, k] in ``dtype``, ids [T, k] int64)."""
+    step): (weights [T, k] in ``dtype``, ids [T, k] int64). ``local`` (start, count): this rank's experts
+    (expert parallelism); ids are then local, another rank's expert ``count`` with weight 0 (``localize``)."""
     tokens, experts = logits.shape
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
@@ -170,7 +180,7 @@ def router_topk(logits: torch.Tensor, top_k: int, renormalize: bool, dtype: torc
             logits, weights, ids, experts, logits.stride(0),
             TOP_K=top_k, RENORMALIZE=renormalize, E_PAD=triton.next_power_of_2(max(experts, top_k)),
             J_PAD=triton.next_power_of_2(top_k), PDL=pdl,
-            launch_pdl=pdl,
+            **(dict(local_start=local[0], num_local=local[1], LOCAL=True) if local else {}), launch_pdl=pdl,
         )
     return weights, ids
 
@@ -184,9 +194,10 @@ def _moe_gate_up_silu_kernel(
     num_experts=0, stride_l=0, ROUTED: tl.constexpr = False, RENORMALIZE: tl.constexpr = False,
     E_PAD: tl.constexpr = 1, J_PAD: tl.constexpr = 1,
     scale_ptr=None, stride_se=0, stride_sp=0, stride_sn=0, BN: tl.constexpr = 1, BK: tl.constexpr = 1,
-    FP8: tl.constexpr = False, ROW_UNIFORM: tl.constexpr = True,
+    FP8: tl.constexpr = False, ROW_UNIFORM: tl.constexpr = True, num_local=0, SKIP_OTHERS: tl.constexpr = False,
 ):
-    """NORM: x is the residual stream and the experts take RMSNorm(x) * norm: each program sums x^2 as it
+    """SKIP_OTHERS (expert parallelism): a row whose id is num_local has another rank's expert; its program
+    writes nothing (the down kernel reads no activations for it). NORM: x is the residual stream and the experts take RMSNorm(x) * norm: each program sums x^2 as it
     reads x and scales its dot products by rsqrt(mean(x^2) + eps) at the end (the normed x unrounded).
     ROUTED: ids_ptr holds the router's logits [T, num_experts]; each program finds its row's expert itself.
     FP8: W is float8 with block scales (``ExpertScales``), applied to x per K element as it is read."""
@@ -207,6 +218,9 @@ def _moe_gate_up_silu_kernel(
         expert = tl.sum(tl.where(tl.arange(0, J_PAD) == row % TOP_K, ids, 0), axis=0)
     else:
         expert = tl.load(ids_ptr + row).to(tl.int64)
+    if SKIP_OTHERS:
+        if expert >= num_local:
+            return
     x_ptrs = x_ptr + (row // TOP_K).to(tl.int64) * stride_xm + offs_k
     gate_ptrs = w_ptr + expert * stride_we + offs_n[:, None].to(tl.int64) * stride_wn + offs_k[None, :]
     up_ptrs = gate_ptrs + inter * stride_wn
@@ -260,8 +274,9 @@ def _moe_down_sum_kernel(
     E_PAD: tl.constexpr = 1,
     scale_ptr=None, stride_se=0, stride_sp=0, stride_sn=0, BN: tl.constexpr = 1, BK: tl.constexpr = 1,
     FP8: tl.constexpr = False, ROW_UNIFORM: tl.constexpr = True, ADD_TO: tl.constexpr = False,
+    num_local=0, SKIP_OTHERS: tl.constexpr = False,
 ):
-    """ROUTED (with PREFETCH): ids_ptr holds the router's logits [T, num_experts]; each program routes its
+    """SKIP_OTHERS: rows whose id is num_local (another rank's expert) add nothing. ROUTED (with PREFETCH): ids_ptr holds the router's logits [T, num_experts]; each program routes its
     token itself (weights rounded to the output dtype, as the router kernel stores them). FP8: as in the
     gate_up kernel, the block scales applied to each expert's activations. ADD_TO: out is the residual stream,
     to which the sum, rounded to its dtype, is added (after the PDL wait: the kernels before read it)."""
@@ -284,6 +299,9 @@ def _moe_down_sum_kernel(
         else:
             expert = tl.load(ids_ptr + rows, mask=j_ok, other=0).to(tl.int64)
             weight = tl.load(weights_ptr + rows, mask=j_ok, other=0.0).to(tl.float32)
+            if SKIP_OTHERS:  # masked out, and pointed at expert 0 so that the FP8 scales' loads stay in bounds
+                j_ok = j_ok & (expert < num_local)
+                expert = tl.where(j_ok, expert, 0)
         w_ptrs = (w_ptr + expert[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
                   + offs_k[None, None, :])
         w_ok = j_ok[:, None, None] & n_ok[None, :, None]
@@ -308,6 +326,9 @@ def _moe_down_sum_kernel(
         rows = token * TOP_K + j0 + offs_j
         expert = tl.load(ids_ptr + rows, mask=j_ok, other=0).to(tl.int64)
         weight = tl.load(weights_ptr + rows, mask=j_ok, other=0.0).to(tl.float32)
+        if SKIP_OTHERS:
+            j_ok = j_ok & (expert < num_local)
+            expert = tl.where(j_ok, expert, 0)
         a_ptrs = act_ptr + rows[:, None] * stride_am + offs_k[None, :]
         w_ptrs = (w_ptr + expert[:, None, None] * stride_we + offs_n[None, :, None].to(tl.int64) * stride_wn
                   + offs_k[None, None, :])
@@ -354,12 +375,16 @@ class RouterLogits:
 def gate_up_silu(
     x: torch.Tensor, gate_up: torch.Tensor, ids: torch.Tensor | RouterLogits, config: KernelConfig,
     wait_first: bool = False, norm: tuple[torch.Tensor, float] | None = None, scales: ExpertScales | None = None,
+    skip_others: bool = False,
 ) -> torch.Tensor:
     """act [T * k, I]: silu(gate) * up of each (token, k) row's expert; gate_up [E, 2I, H]. ``wait_first``:
     the next kernel (a prefetching down_sum) launches only once the ids are final. ``norm`` (weight, eps):
-    the experts take RMSNorm(x) * weight, computed as x is read. ``scales``: gate_up is FP8."""
+    the experts take RMSNorm(x) * weight, computed as x is read. ``scales``: gate_up is FP8. ``skip_others``:
+    ids equal to E are another rank's experts (expert parallelism), whose rows are left unwritten."""
     check_config(config)
     routed = isinstance(ids, RouterLogits)
+    if routed and skip_others:
+        raise ValueError("gate_up_silu: the routed kernels take the top k of every expert, not of this rank's")
     top_k = ids.top_k if routed else ids.shape[1]
     rows, inter, hidden = x.shape[0] * top_k, gate_up.shape[1] // 2, gate_up.shape[2]
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
@@ -371,7 +396,8 @@ def gate_up_silu(
         gate_up.stride(0), gate_up.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=hidden % config.block_k == 0,
         NUM_STAGES=config.num_stages, PDL=pdl, WAIT_FIRST=wait_first, NORM=norm is not None, **routing,
-        **_scale_args(scales, "gate_up", config.block_n, x), num_warps=config.num_warps, launch_pdl=pdl,
+        **_scale_args(scales, "gate_up", config.block_n, x), **_skip_args(skip_others, gate_up),
+        num_warps=config.num_warps, launch_pdl=pdl,
     )
     return act
 
@@ -379,12 +405,16 @@ def gate_up_silu(
 def down_sum(
     act: torch.Tensor, down: torch.Tensor, weights: torch.Tensor | None, ids: torch.Tensor | RouterLogits,
     config: KernelConfig, scales: ExpertScales | None = None, add_to: torch.Tensor | None = None,
+    skip_others: bool = False,
 ) -> torch.Tensor:
     """out [T, H] = sum_k weights[t, k] * act[t * k + k] @ down[ids[t, k]].T; down [E, H, I]. With
     ``RouterLogits`` (weights None) the config must prefetch (``prefetches``). ``scales``: down is FP8.
-    ``add_to`` [T, H]: out, rounded to its dtype, is added to it in place (the residual stream); it is returned."""
+    ``add_to`` [T, H]: out, rounded to its dtype, is added to it in place (the residual stream); it is returned.
+    ``skip_others``: rows whose id is E (another rank's expert) add nothing."""
     check_config(config)
     routed = isinstance(ids, RouterLogits)
+    if routed and skip_others:
+        raise ValueError("down_sum: the routed kernels take the top k of every expert, not of this rank's")
     top_k = ids.top_k if routed else ids.shape[1]
     tokens = act.shape[0] // top_k
     experts_per_step = min(config.experts_per_step, triton.next_power_of_2(top_k))
@@ -404,9 +434,13 @@ def down_sum(
         TOP_K=top_k, EXPERTS_PER_STEP=experts_per_step, PREFETCH=prefetches(config, top_k),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=inter % config.block_k == 0,
         NUM_STAGES=config.num_stages, PDL=pdl, **routing, **_scale_args(scales, "down", config.block_n, act),
-        ADD_TO=add_to is not None, num_warps=config.num_warps, launch_pdl=pdl,
+        ADD_TO=add_to is not None, **_skip_args(skip_others, down), num_warps=config.num_warps, launch_pdl=pdl,
     )
     return out
+
+
+def _skip_args(skip_others: bool, experts: torch.Tensor) -> dict:
+    return dict(num_local=experts.shape[0], SKIP_OTHERS=True) if skip_others else {}
 
 
 def _scale_args(scales: ExpertScales | None, which: str, block_n: int, dummy: torch.Tensor) -> dict:
@@ -427,19 +461,19 @@ def prefetches(down: KernelConfig, top_k: int) -> bool:
 def small_batch_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
     config: SmallBatchConfig | None = None, norm: tuple[torch.Tensor, float] | None = None,
-    scales: ExpertScales | None = None,
+    scales: ExpertScales | None = None, skip_others: bool = False,
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]; x unit stride along H, weights contiguous.
     ``norm`` (weight, eps): of RMSNorm(x) * weight instead, normed as the first kernel reads x. ``scales``:
-    the experts are FP8."""
+    the experts are FP8. ``skip_others``: ids equal to E are another rank's experts (expert parallelism)."""
     if ids.numel() == 0:
         return torch.zeros_like(x)
     if config is None:
         config = default_config(ids.shape[1])
     ids, weights = ids.contiguous(), weights.contiguous()
     act = gate_up_silu(x, gate_up, ids, config.gate_up, wait_first=prefetches(config.down, ids.shape[1]), norm=norm,
-                       scales=scales)
-    return down_sum(act, down, weights, ids, config.down, scales)
+                       scales=scales, skip_others=skip_others)
+    return down_sum(act, down, weights, ids, config.down, scales, skip_others=skip_others)
 
 
 def routed_experts(

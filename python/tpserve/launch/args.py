@@ -129,6 +129,12 @@ def build_parser() -> argparse.ArgumentParser:
                         default=_default("dp_size"),
                         help="data-parallel replicas: independent TP groups (each --tp-size GPUs, its own "
                         "KV cache) behind one API server; replica d uses GPUs d*tp .. d*tp+tp-1")
+    engine.add_argument("--expert-parallel", "--enable-expert-parallel", dest="expert_parallel", action="store_true",
+                        help="mixture-of-experts models: put num_experts / --tp-size whole experts on each rank "
+                        "instead of a slice of every expert's intermediate dim (attention and dense layers stay "
+                        "tensor-parallel; one all-reduce per layer either way). Serves sizes that cannot cut "
+                        "the experts, e.g. Qwen3-30B-A3B-FP8 at --tp-size 4 or Qwen3-235B-A22B-FP8 at 8, whose "
+                        "FP8 blocks a cut would split. No effect on dense models")
     engine.add_argument("--load-balance-method", choices=LOAD_BALANCE_METHODS,
                         default=_default("load_balance_method", ServerArgs),
                         help="with --dp-size > 1, where each request goes: minimum_tokens (the replica "

@@ -36,9 +36,13 @@ ShardId = tuple[int, int]  # (global expert, part): gate_up_proj part 0 = gate, 
 class TopKRouter(ReplicatedWeights):
     """``mlp.gate``: softmax over the experts in float32, the top k, optionally renormalised (as transformers)."""
 
-    def __init__(self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool) -> None:
+    def __init__(
+        self, hidden_size: int, num_experts: int, top_k: int, norm_topk_prob: bool, local: tuple[int, int] | None = None
+    ) -> None:
+        """``local`` (start, count): this rank's experts under expert parallelism; ``forward``'s ids are then
+        relative to them, another rank's expert ``count`` with weight 0 (``localize``)."""
         super().__init__()
-        self.top_k, self.norm_topk_prob = top_k, norm_topk_prob
+        self.top_k, self.norm_topk_prob, self.local = top_k, norm_topk_prob, local
         self.weight = nn.Parameter(torch.empty(num_experts, hidden_size), requires_grad=False)
         self.bf16_gemv = False  # the router logits through the CUDA GEMV at one token (set at load)
 
@@ -64,12 +68,20 @@ class TopKRouter(ReplicatedWeights):
         if use_triton(x.device):
             from tpserve.kernels.moe_small import router_topk
 
-            return router_topk(logits, self.top_k, self.norm_topk_prob, x.dtype)
+            return router_topk(logits, self.top_k, self.norm_topk_prob, x.dtype, self.local)
         probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
         weights, ids = torch.topk(probs, self.top_k, dim=-1)
         if self.norm_topk_prob:
             weights = weights / weights.sum(dim=-1, keepdim=True)
-        return weights.to(x.dtype), ids
+        weights = weights.to(x.dtype)
+        return (weights, ids) if self.local is None else localize(weights, ids, *self.local)
+
+
+def localize(weights: torch.Tensor, ids: torch.Tensor, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Global expert ids to this rank's [start, start + count); another rank's expert becomes ``count`` with
+    weight 0 (the expert kernels and ``experts_torch`` skip those rows)."""
+    mine = (ids >= start) & (ids < start + count)
+    return weights.masked_fill(~mine, 0), torch.where(mine, ids - start, count)
 
 
 class StackedExperts(nn.Module):
@@ -82,13 +94,21 @@ class StackedExperts(nn.Module):
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
         tp = get_tp_info()
-        self.tp_rank = tp.rank
-        # Local expert 0 is global expert expert_start: where expert parallelism would cut (docs/design.md).
-        self.expert_start, self.num_experts = 0, num_experts
-        self.local_intermediate = divide(intermediate_size, tp.size, "moe_intermediate_size")
+        # Local expert 0 is global expert expert_start. Expert parallelism gives each rank num_experts / tp whole
+        # experts; else each rank holds rows [r * I / tp, (r + 1) * I / tp) of every expert (docs/design.md).
+        self.expert_parallel = tp.expert_parallel and tp.size > 1
+        if self.expert_parallel:
+            self.num_experts = divide(num_experts, tp.size, "num_experts")
+            self.expert_start = tp.rank * self.num_experts
+            self.local_intermediate, self.intermediate_start = intermediate_size, 0
+        else:
+            self.expert_start, self.num_experts = 0, num_experts
+            self.local_intermediate = divide(intermediate_size, tp.size, "moe_intermediate_size")
+            self.intermediate_start = tp.rank * self.local_intermediate
+        self.full_intermediate = intermediate_size
         size = self.local_intermediate
-        self.gate_up_proj = nn.Parameter(torch.empty(num_experts, 2 * size, hidden_size), requires_grad=False)
-        self.down_proj = nn.Parameter(torch.empty(num_experts, hidden_size, size), requires_grad=False)
+        self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * size, hidden_size), requires_grad=False)
+        self.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden_size, size), requires_grad=False)
         self.gate_up_proj_scale_inv: nn.Parameter | None = None
         self.down_proj_scale_inv: nn.Parameter | None = None
         self.block_size: tuple[int, int] | None = None  # an FP8 checkpoint's weight blocks
@@ -143,13 +163,19 @@ class StackedExperts(nn.Module):
         experts = range(self.expert_start, self.expert_start + self.num_experts)
         return tuple((e, p) for e in experts for p in parts)
 
+    def held_elsewhere(self, shard_id: object) -> bool:
+        """Whether a checkpoint piece is another rank's expert (expert parallelism): the loader skips it."""
+        if not (self.expert_parallel and isinstance(shard_id, tuple) and len(shard_id) == 2):
+            return False
+        return not self.expert_start <= shard_id[0] < self.expert_start + self.num_experts
+
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: object = None) -> None:
         """One expert's full projection ([I, H] gate/up, [H, I] down); this rank keeps its slice."""
         if not (isinstance(shard_id, tuple) and len(shard_id) == 2):
             raise ValueError(f"expert weight {param_name} needs an (expert, part) shard id, got {shard_id!r}")
         expert, part = shard_id
         local = expert - self.expert_start
-        size, start = self.local_intermediate, self.tp_rank * self.local_intermediate
+        size, start = self.local_intermediate, self.intermediate_start
         if param_name.endswith("_scale_inv"):
             self._load_scale(param_name, loaded, expert, part)
         elif param_name == "gate_up_proj":
@@ -163,15 +189,15 @@ class StackedExperts(nn.Module):
         if self.block_size is None:
             raise ValueError(f"experts.{expert}: {param_name} in a checkpoint whose experts are not FP8")
         bn, bk = self.block_size
-        size, local = self.local_intermediate, expert - self.expert_start
-        full = size * get_tp_info().size
+        local = expert - self.expert_start
+        rows = Slice(self.intermediate_start, self.local_intermediate, 0, self.full_intermediate)
         if param_name == "gate_up_proj_scale_inv":
             proj = ("gate_proj", "up_proj")[part]
-            cut = Slice(self.tp_rank * size, size, 0, full).blocks(bn, f"experts.{expert}.{proj} (moe_intermediate_size)")
+            cut = rows.blocks(bn, f"experts.{expert}.{proj} (moe_intermediate_size)")
             copy_checked(self.gate_up_proj_scale_inv.data[local, part], loaded.narrow(0, cut.start, cut.size),
                           f"experts.{expert}.{proj}.weight_scale_inv")
         else:
-            cut = Slice(self.tp_rank * size, size, 0, full).blocks(bk, f"experts.{expert}.down_proj (moe_intermediate_size)")
+            cut = rows.blocks(bk, f"experts.{expert}.down_proj (moe_intermediate_size)")
             copy_checked(self.down_proj_scale_inv.data[local], loaded.narrow(1, cut.start, cut.size),
                           f"experts.{expert}.down_proj.weight_scale_inv")
 
@@ -180,13 +206,14 @@ def experts_torch(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
     """sum_k weights[t, k] * expert_{ids[t, k]}(x[t]) [T, H]: the tokens sorted by expert, one
-    matmul pair per expert that got any (the counts are read on the host)."""
+    matmul pair per expert that got any (the counts are read on the host). An id of E (another rank's
+    expert: ``localize``) adds 0."""
     tokens, top_k = ids.shape
     flat = ids.flatten()
     order = flat.argsort(stable=True)
-    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()
+    counts = torch.bincount(flat, minlength=gate_up.shape[0]).tolist()[: gate_up.shape[0]]
     rows = x[order // top_k]
-    out = torch.empty(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
+    out = torch.zeros(tokens * top_k, x.shape[1], dtype=x.dtype, device=x.device)
     start = 0
     for expert, count in enumerate(counts):
         if count:
@@ -200,8 +227,8 @@ def experts_dense_masked(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
 ) -> torch.Tensor:
     """The same sum with no host sync (every expert on every token, weighted 0 where not chosen):
-    the torch path inside a CUDA graph capture when the Triton kernels are off."""
-    dense = torch.zeros(ids.shape[0], gate_up.shape[0], dtype=x.dtype, device=x.device)
+    the torch path inside a CUDA graph capture when the Triton kernels are off. An id of E adds 0."""
+    dense = torch.zeros(ids.shape[0], gate_up.shape[0] + 1, dtype=x.dtype, device=x.device)
     dense.scatter_(1, ids, weights)
     out = torch.zeros_like(x)
     for expert in range(gate_up.shape[0]):
@@ -211,12 +238,13 @@ def experts_dense_masked(
 
 def run_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    scales: ExpertScales | None = None,
+    scales: ExpertScales | None = None, skip_others: bool = False,
 ) -> torch.Tensor:
+    """``skip_others``: ids may be E, another rank's expert (the torch paths always skip those)."""
     if use_triton(x.device):
         from tpserve.kernels.moe import fused_experts
 
-        return fused_experts(x, gate_up, down, weights, ids, scales)
+        return fused_experts(x, gate_up, down, weights, ids, scales, skip_others)
     if scales is not None:
         raise ValueError("FP8 experts run only in the Triton expert kernels")
     if x.is_cuda and torch.cuda.is_current_stream_capturing():
@@ -232,8 +260,10 @@ class SparseMoeBlock(nn.Module):
             raise ValueError("SparseMoeBlock needs a mixture-of-experts config")
         self.comm = comm
         self.tp_size = get_tp_info().size
-        self.gate = TopKRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.norm_topk_prob)
         self.experts = StackedExperts(moe.num_experts, cfg.hidden_size, moe.intermediate_size)
+        self.expert_parallel = self.experts.expert_parallel
+        local = (self.experts.expert_start, self.experts.num_experts) if self.expert_parallel else None
+        self.gate = TopKRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.norm_topk_prob, local)
         # the A/B switches, read once at build rather than on every step
         self.norm_in_kernels = os.environ.get(FUSE_NORM_ENV, "1") != "0"
         self.route_in_kernels = os.environ.get(FUSE_ROUTER_ENV, "1") != "0"
@@ -276,10 +306,10 @@ class SparseMoeBlock(nn.Module):
             else:
                 weights, ids = self.gate(x)
                 partial = moe_small.small_batch_experts(residual.contiguous(), gate_up, down, weights, ids, config,
-                                                        norm, scales)
+                                                        norm, scales, skip_others=self.expert_parallel)
         else:
             weights, ids = self.gate(x)
-            partial = run_experts(x, gate_up, down, weights, ids, scales)
+            partial = run_experts(x, gate_up, down, weights, ids, scales, skip_others=self.expert_parallel)
         return self.comm.all_reduce(partial) if reduce else partial
 
     def takes_expert_gemv(self, scales: ExpertScales | None) -> bool:
@@ -290,8 +320,11 @@ class SparseMoeBlock(nn.Module):
         """Whether the small-batch expert kernels take the router's logits and route themselves (no router
         kernel between them: ``kernels.moe_small.routed_experts``): at one token, where the kernels' programs
         run in one wave. Qwen3-30B-A3B on an H200: 0.99x the step at batch 1, but 1.03x, 1.05x and 1.10x at
-        batch 2, 4 and 8, where every program's top-k adds up (docs/benchmarks.md, session 19)."""
-        return (self.route_in_kernels and use_triton(x.device) and x.numel() == x.shape[-1]
+        batch 2, 4 and 8, where every program's top-k adds up (docs/benchmarks.md, session 19). Not under
+        expert parallelism: these kernels (and the expert GEMVs) rank every expert, so the router kernel routes
+        there, its ids local to this rank."""
+        return (self.route_in_kernels and not self.expert_parallel and use_triton(x.device)
+                and x.numel() == x.shape[-1]
                 and self.experts.gate_up_proj.is_contiguous() and self.experts.down_proj.is_contiguous())
 
     def fuses_norm(self, residual: torch.Tensor) -> bool:

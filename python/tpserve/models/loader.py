@@ -5,7 +5,7 @@ one tensor). Experts come per expert or stacked (transformers' layout), both rea
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import torch
 from torch import nn
@@ -115,25 +115,45 @@ def materialize(model: nn.Module, device: torch.device, dtype: torch.dtype) -> N
         model.lm_head.weight = model.model.embed_tokens.weight  # to_empty breaks the tie
 
 
-def _iter_checkpoint(files: list[str], show_progress: bool) -> Iterator[tuple[str, torch.Tensor]]:
+def _iter_checkpoint(
+    files: list[str], show_progress: bool, skip: Callable[[str], bool]
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """The checkpoint's tensors but those ``skip`` names, which are not read."""
     handles = [open_safetensors(path) for path in files]
     total = sum(len(h.keys()) for h in handles)
     with tqdm(total=total, desc="Loading weights", unit="tensor", disable=not show_progress) as bar:
         for handle in handles:
             for name in handle.keys():
-                yield name, handle.get_tensor(name)
+                if not skip(name):
+                    yield name, handle.get_tensor(name)
                 bar.update(1)
+
+
+def _held_elsewhere(model: nn.Module, target: Target) -> bool:
+    """Whether ``target`` is another rank's (an expert under expert parallelism: ``StackedExperts``)."""
+    try:
+        module = model.get_submodule(target[0])
+    except AttributeError:
+        return False
+    held_elsewhere = getattr(module, "held_elsewhere", None)
+    return held_elsewhere is not None and held_elsewhere(target[2])
 
 
 def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = False) -> None:
     expected = expected_targets(model)
     loaded: set[Target] = set()
     tied = model.config.tie_word_embeddings
-    for name, tensor in _iter_checkpoint(safetensors_files(model_dir), show_progress):
-        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
-            continue
+
+    def skip(name: str) -> bool:  # per-expert tensors of other ranks are not even read
+        return (name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")
+                or (_EXPERT.fullmatch(name.removeprefix("language_model.")) is not None
+                    and _held_elsewhere(model, checkpoint_target(name))))
+
+    for name, tensor in _iter_checkpoint(safetensors_files(model_dir), show_progress, skip):
         for target, piece in checkpoint_pieces(name, tensor):
             if target not in expected:
+                if _held_elsewhere(model, target):  # a stacked tensor's other experts
+                    continue
                 raise ValueError(
                     f"unexpected weight {name!r} in the checkpoint (no parameter {target[0]}.{target[1]}"
                     + (f" for shard {target[2]})" if target[2] is not None else ")")

@@ -48,6 +48,9 @@ class SplitPlan:
     decode_64: StepCost | None
     decode_max: StepCost | None
     prefill: StepCost | None
+    # whole experts per rank (--expert-parallel): TP cannot cut them. Costed as the cut: the same bytes per rank
+    # on average (the busiest rank's extra experts are not modelled)
+    expert_parallel: bool = False
 
     def throughput(self, step: StepCost | None, batch: int) -> float | None:
         """Output tokens/s of the whole machine with every replica decoding ``batch`` sequences."""
@@ -68,7 +71,7 @@ class Excluded:
     reason: str
 
 
-def evaluate(shape: ModelShape, machine: Machine, tp: int, settings: Settings) -> SplitPlan:
+def evaluate(shape: ModelShape, machine: Machine, tp: int, settings: Settings, expert_parallel: bool = False) -> SplitPlan:
     gpu, context = machine.gpu, settings.context
     link = NETWORK if tp > machine.gpus_per_node else gpu.link  # a TP group across nodes: the network
     weights = shape.weight_bytes_per_rank(tp)
@@ -96,13 +99,14 @@ def evaluate(shape: ModelShape, machine: Machine, tp: int, settings: Settings) -
                    if usable and batch >= REFERENCE_BATCH else None),
         decode_max=decode_step(shape, gpu, tp, batch, context, link) if usable else None,
         prefill=prefill_seconds(shape, gpu, tp, context, link) if fits else None,
+        expert_parallel=expert_parallel,
     )
 
 
-def split_reason(shape: ModelShape, machine: Machine, tp: int) -> str | None:
+def split_reason(shape: ModelShape, machine: Machine, tp: int, expert_parallel: bool = False) -> str | None:
     """Why TP ``tp`` cannot serve this model on this machine (None: it can)."""
     try:
-        shape.config.check_tp_size(tp, name="tp")
+        shape.config.check_tp_size(tp, name="tp", expert_parallel=expert_parallel)
     except ValueError as e:
         return str(e)
     if tp > machine.gpus_per_node and tp % machine.gpus_per_node:
@@ -121,6 +125,8 @@ def plan_splits(shape: ModelShape, machine: Machine, settings: Settings) -> tupl
         reason = split_reason(shape, machine, tp)
         if reason is None:
             plans.append(evaluate(shape, machine, tp, settings))
+        elif shape.config.moe is not None and split_reason(shape, machine, tp, expert_parallel=True) is None:
+            plans.append(evaluate(shape, machine, tp, settings, expert_parallel=True))  # the experts kept whole
         else:
             excluded.append(Excluded(tp, reason))
     return plans, excluded
@@ -163,7 +169,7 @@ def table(plans: list[SplitPlan]) -> list[str]:
     if not plans:
         return []
     records = [{
-        "split": f"TP{p.tp} x DP{p.dp}",
+        "split": f"TP{p.tp}{' EP' if p.expert_parallel else ''} x DP{p.dp}",
         "weights GiB/GPU": f"{p.weight_bytes_per_gpu / GIB:.1f}",
         "fits": "yes" if p.fits else "no",
         "KV tokens/replica": f"{p.kv_tokens:,}",
@@ -195,6 +201,8 @@ def launch_commands(plan: SplitPlan, model: str, machine: Machine, settings: Set
         flags += f" --quantization {settings.quantization}"
     if settings.kv_cache_dtype != "auto":
         flags += f" --kv-cache-dtype {settings.kv_cache_dtype}"
+    if plan.expert_parallel:
+        flags += " --expert-parallel"
     if plan.tp > machine.gpus_per_node:
         nodes = plan.tp // machine.gpus_per_node
         job = f"--nnodes {nodes} --dist-init-addr NODE0_IP:29500"
@@ -213,7 +221,7 @@ def recommendation(title: str, plan: SplitPlan | None, model: str, machine: Mach
         why = f"batch-1 step {_ms(plan.decode_1)} ms ({_rate(plan.latency_tok_s)} tok/s per request)"
     else:
         why = f"{_rate(plan.max_batch_tok_s)} tok/s at {plan.max_batch} requests per replica"
-    lines = [f"{title}: TP{plan.tp} x DP{plan.dp}: {why}"]
+    lines = [f"{title}: TP{plan.tp}{' with expert parallelism' if plan.expert_parallel else ''} x DP{plan.dp}: {why}"]
     lines += [f"  {c}" for c in launch_commands(plan, model, machine, settings)]
     per_node = max(1, plan.dp // machine.nodes)
     if plan.tp > machine.gpus_per_node:
