@@ -9,11 +9,14 @@ import re
 import signal
 import threading
 import time
+from types import SimpleNamespace
 
 import httpx
 import psutil
 import pytest
 from server_process import ServerProcess, wait_gone
+
+from tpserve.launch.backend import first_failure
 
 
 def start(qwen3_dir, env=None, extra=()):
@@ -90,6 +93,18 @@ def test_watchdog_exits_when_a_child_dies(qwen3_dir):
         assert "tpserve-detokenizer exited (killed by SIGKILL)" in srv.log
         assert wait_gone(children, timeout=5) == []
         assert not os.path.exists(ipc_dir_from_log(srv.log))
+
+
+def test_the_watchdog_blames_the_killed_rank_not_the_peer_that_exited_after_it():
+    """kill -9 of TP rank 1: rank 0's next collective fails (Gloo: connection reset by peer) and it
+    exits with code 1 within milliseconds; rank 0 comes first in the list, yet the cause is rank 1."""
+    procs = [SimpleNamespace(name="tpserve-scheduler-tp0", exitcode=1),
+             SimpleNamespace(name="tpserve-scheduler-tp1", exitcode=-signal.SIGKILL),
+             SimpleNamespace(name="tpserve-detokenizer", exitcode=None)]
+    assert str(first_failure(procs)) == (
+        "tpserve-scheduler-tp1 exited (killed by SIGKILL); also stopped: tpserve-scheduler-tp0 (exit code 1)")
+    assert str(first_failure(procs[:1])) == "tpserve-scheduler-tp0 exited (exit code 1)"
+    assert first_failure(procs[2:]) is None
 
 
 def test_startup_failure_exits_nonzero(qwen3_dir):

@@ -43,10 +43,24 @@ WATCH_INTERVAL_S = 0.5
 
 
 class ChildDied(Exception):
-    def __init__(self, name: str, exitcode: int | None) -> None:
-        super().__init__(f"{name} exited ({describe_exit(exitcode)})")
+    def __init__(self, name: str, exitcode: int | None, others: tuple[str, ...] = ()) -> None:
+        also = f"; also stopped: {', '.join(others)}" if others else ""
+        super().__init__(f"{name} exited ({describe_exit(exitcode)}){also}")
         self.name = name
         self.exitcode = exitcode
+
+
+def first_failure(procs: list[Any]) -> ChildDied | None:
+    """The stopped child to blame, if any: one killed by a signal before one that exited by itself
+    (when a TP rank is killed, its peers' next collective fails and they exit with an error within
+    milliseconds, before the watchdog looks, and rank 0 comes first in the list); the message also
+    names the other stopped children."""
+    dead = [p for p in procs if p.exitcode is not None]
+    if not dead:
+        return None
+    first = next((p for p in dead if p.exitcode < 0), dead[0])
+    others = tuple(f"{p.name} ({describe_exit(p.exitcode)})" for p in dead if p is not first)
+    return ChildDied(first.name, first.exitcode, others)
 
 
 class StartupCancelled(Exception):
@@ -164,11 +178,8 @@ class Backend:
 
     # ---- while serving ----
     def dead_child(self) -> ChildDied | None:
-        """The first child that is no longer running, if any."""
-        for proc in self.procs:
-            if proc.exitcode is not None:
-                return ChildDied(proc.name, proc.exitcode)
-        return None
+        """The child that stopped (the one to blame when several did), if any."""
+        return first_failure(self.procs)
 
     def stalled_rank(self, timeout: float) -> str | None:
         """Why the backend is not live, if a rank's loop has not come round for ``timeout`` s."""
@@ -265,9 +276,9 @@ def run_headless(args: ServerArgs) -> int:
         logger.info("%s: ready", me)
         while not stop.wait(WATCH_INTERVAL_S):
             codes = [p.exitcode for p in backend.procs]
-            failed = [ChildDied(p.name, code) for p, code in zip(backend.procs, codes) if code not in (None, 0)]
-            if failed:
-                logger.error("%s: %s: stopping this node", me, failed[0])
+            failed = first_failure([p for p in backend.procs if p.exitcode not in (None, 0)])
+            if failed is not None:
+                logger.error("%s: %s: stopping this node", me, failed)
                 return 1
             if all(code == 0 for code in codes):
                 logger.info("%s: node 0 ended the job", me)
