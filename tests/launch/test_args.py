@@ -78,6 +78,8 @@ def test_default_is_the_tiny_demo_model(monkeypatch, tmp_path):
         (["--decode-attention", "fast"], "invalid choice: 'fast'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq'"),
+        # torch's generator takes a signed 64-bit seed: a larger one was a traceback in the rank (dummy weights)
+        (["--seed", str(2**64)], f"argument --seed: must be in [0, 2**63), got '{2**64}'"),
     ],
 )
 def test_bad_values_are_usage_errors(qwen3_dir, capsys, argv, fragment):
