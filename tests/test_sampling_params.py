@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tpserve.message import GenerateRequest
-from tpserve.sampling_params import SamplingParams
+from tpserve.sampling_params import SamplingParams, StructuredOutput
 
 
 @pytest.mark.parametrize(
@@ -105,3 +105,10 @@ def test_integers_beyond_64_bits_are_refused_not_a_crash_on_the_wire(name):
         SamplingParams(**kwargs)
     request = GenerateRequest(1, [1], SamplingParams(**{**kwargs, name: 2**63 - 1}))
     msgspec.msgpack.encode(request)  # the largest accepted value travels
+
+
+@pytest.mark.parametrize("kind, spec", [("json_schema", 5), ("regex", None), ("ebnf", b"root ::= 'a'")])
+def test_structured_output_of_the_wrong_type_names_it(kind, spec):
+    """A spec that is not text failed in generate() inside the json module ("the JSON object must be str")."""
+    with pytest.raises(ValueError, match=f"structured output spec must be a string, got {spec!r}"):
+        StructuredOutput(kind, spec)

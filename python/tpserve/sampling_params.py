@@ -95,6 +95,8 @@ class StructuredOutput(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"structured output spec must be a string, got {self.spec!r}")
         if self.kind != "json_object" and not self.spec:
             raise ValueError(f"structured output {self.kind} needs a non-empty spec")
 
