@@ -235,8 +235,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         parser.error(str(e))  # exits with status 2
 
 
-class ModelNotFound(Exception):
-    pass
+class ModelNotFound(ValueError):
+    """--model (LLM's model) is no local directory and no Hugging Face id in the local cache."""
 
 
 def resolve_model_dir(model: str) -> str:
