@@ -190,6 +190,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> "ModelConfig":
         archs = cfg.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ValueError(f"config.json: architectures must be a list of class names, got {archs!r}")
+        raw_quant = cfg.get("quantization_config")
+        if raw_quant is not None and not isinstance(raw_quant, dict):  # transformers would fail on it (AttributeError)
+            raise ValueError(f"config.json: quantization_config must be an object, got {raw_quant!r}")
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
@@ -211,7 +216,6 @@ class ModelConfig:
             eos.update(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])
         dtype = getattr(hf, "dtype", None) or cfg.get("torch_dtype") or "bfloat16"
         moe = _moe_config(hf, kind, hf.num_hidden_layers)
-        raw_quant = cfg.get("quantization_config")
         quantization = None if raw_quant is None else parse_quantization_config(raw_quant)
         return cls(
             architecture=arch,
