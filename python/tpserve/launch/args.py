@@ -66,7 +66,8 @@ def _default(name: str, cls: type = EngineConfig) -> Any:
     return next(f.default for f in fields(cls) if f.name == name)
 
 
-def _dtype(text: str) -> str:
+def dtype_arg(text: str) -> str:
+    """--dtype (of the server and of tpserve plan): auto, a dtype, or vLLM's spelling of one."""
     value = DTYPE_ALIASES.get(text, text)
     if value not in ("auto", *CHOICES["dtype"]):
         raise argparse.ArgumentTypeError(
@@ -103,7 +104,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "default: reasoning stays in content")
     model.add_argument("--load-format", choices=CHOICES["load_format"], default=_default("load_format"),
                        help="weights: safetensors files, or dummy (random, for benchmarks)")
-    model.add_argument("--dtype", type=_dtype, default="auto",
+    model.add_argument("--dtype", type=dtype_arg, default="auto",
                        help="compute dtype: auto (the checkpoint's dtype on GPU, float32 on CPU), float32, "
                        "bfloat16, float16 (also spelled half, float, bf16)")
     model.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=_default("quantization"),
