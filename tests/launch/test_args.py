@@ -117,6 +117,10 @@ def test_help_explains_every_flag():
                  "--mem-fraction", "--max-total-tokens", "--load-format", "--served-model-name", "--api-key",
                  "--log-level", "--max-model-len", "--debug-check-invariants"):
         assert flag in text
+    parser = build_parser()
+    assert [a.option_strings for a in parser._actions if not a.help] == []
+    # the planner is a subcommand argparse does not list: --help points to it
+    assert "python -m tpserve plan --help" in " ".join(text.split())
 
 
 def test_cli_error_has_no_traceback():

@@ -83,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(or an interactive shell with --shell). Runs offline.",
         formatter_class=HelpFormatter,
         allow_abbrev=False,  # --mem would otherwise silently mean --mem-fraction
+        epilog="To choose --tp-size and --dp-size for a model and a machine before launching: "
+        "python -m tpserve plan --help.",
     )
     model = p.add_argument_group("model")
     model.add_argument(
