@@ -117,3 +117,44 @@ def test_decode_attention_triton_is_checked_before_start(qwen3_dir, two_gpus, mo
     missing[0] = "triton"
     with pytest.raises(ValueError, match="the triton package is not installed"):
         start()
+
+
+@pytest.mark.parametrize(
+    "kwargs, error, fragment",
+    [
+        # each was a TypeError from a comparison ("'<' not supported ..."), or from torch in the engine
+        ({"tp_size": "2"}, TypeError, "tp_size must be an integer, got '2'"),
+        ({"tp_size": 2.0}, TypeError, "tp_size must be an integer, got 2.0"),
+        ({"tp_size": True}, TypeError, "tp_size must be an integer, got True"),
+        ({"dp_size": None}, TypeError, "dp_size must be an integer, got None"),
+        ({"page_size": 2.5}, TypeError, "page_size must be an integer, got 2.5"),
+        ({"mem_fraction": "0.5"}, TypeError, "mem_fraction must be a number, got '0.5'"),
+        ({"max_model_len": "100"}, TypeError, "max_model_len must be an integer or None, got '100'"),
+        ({"chunked_prefill_size": None}, TypeError, "chunked_prefill_size must be an integer, got None"),
+        ({"cuda_graph_max_bs": None}, TypeError, "cuda_graph_max_bs must be an integer, got None"),
+        ({"seed": "x"}, TypeError, "seed must be an integer, got 'x'"),
+        ({"disable_overlap": "yes"}, TypeError, "disable_overlap must be True or False, got 'yes'"),
+        ({"device": 0}, TypeError, "device must be a string or None, got 0"),
+        # values the CLI refuses: max_running_requests 0 made generate() wait forever; a negative
+        # max_model_len or max_total_tokens failed inside torch; a seed of 2**64 in the dummy-weight init
+        ({"max_running_requests": 0}, ValueError, "max_running_requests must be >= 1, got 0"),
+        ({"max_model_len": 0}, ValueError, "max_model_len must be >= 2, got 0"),
+        ({"max_model_len": -5}, ValueError, "max_model_len must be >= 2, got -5"),
+        ({"max_total_tokens": 0}, ValueError, "max_total_tokens must be >= 1, got 0"),
+        ({"max_total_tokens": -1}, ValueError, "max_total_tokens must be >= 1, got -1"),
+        ({"seed": -1}, ValueError, "seed must be in [0, 2**63), got -1"),
+        ({"seed": 2**64}, ValueError, f"seed must be in [0, 2**63), got {2**64}"),
+    ],
+)
+def test_engine_settings_of_the_wrong_type_or_range_name_the_setting(qwen3_dir, kwargs, error, fragment):
+    with pytest.raises(error) as e:
+        EngineConfig(model=qwen3_dir, **kwargs)
+    assert fragment in str(e.value)
+
+
+def test_engine_settings_take_numpy_numbers_and_vllm_dtype_spellings(qwen3_dir):
+    numpy = pytest.importorskip("numpy")
+    config = EngineConfig(model=qwen3_dir, tp_size=numpy.int64(2), mem_fraction=numpy.float32(0.5), dist_timeout=3)
+    assert type(config.tp_size) is int and type(config.mem_fraction) is float and config.dist_timeout == 3.0
+    assert [EngineConfig(model=qwen3_dir, dtype=d).dtype for d in ("half", "bf16", "float", "auto", None)] == [
+        "float16", "bfloat16", "float32", "auto", None]

@@ -219,6 +219,42 @@ def test_mistyped_inputs_are_clear_errors(llm):
 
 
 
+def test_prompts_of_any_sequence_type_and_clear_errors_for_the_rest(llm):
+    """vLLM takes any sequence of prompts; a generator, a 2-D numpy array or None were errors from
+    deep inside ("'generator' object is not subscriptable", "truth value of an array ... is ambiguous")."""
+    numpy = pytest.importorskip("numpy")
+    greedy = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    want = [o.token_ids for o in llm.generate([[5, 6, 7], [8, 9]], greedy, use_tqdm=False)]
+    assert [o.token_ids for o in llm.generate(iter([[5, 6, 7], [8, 9]]), greedy, use_tqdm=False)] == want
+    assert [o.token_ids for o in llm.generate(numpy.array([[5, 6, 7]]), greedy, use_tqdm=False)] == want[:1]
+    for bad in (None, 5, {"prompt": "hi"}, b"hi"):
+        with pytest.raises(TypeError, match="prompts must be a list of strings or a list of token-id lists, got"):
+            llm.generate(bad, use_tqdm=False)
+
+
+def test_model_must_be_a_path(qwen3_dir):
+    for bad in (None, 123):
+        with pytest.raises(TypeError, match=f"model must be a model directory or a Hugging Face id, got {bad}"):
+            LLM(bad)
+    from tpserve.launch.args import ModelNotFound
+
+    assert issubclass(ModelNotFound, ValueError)  # a missing model is a ValueError, as every bad argument
+
+
+def test_an_llm_used_after_its_with_block_says_so(qwen3_dir):
+    with LLM(qwen3_dir, device="cpu") as closed:
+        pass
+    for name, call in (
+        ("generate", lambda: closed.generate(["hi"], use_tqdm=False)),
+        ("chat", lambda: closed.chat([{"role": "user", "content": "hi"}], use_tqdm=False)),  # said generate()
+        ("flush_cache", closed.flush_cache),
+        ("get_stats", closed.stats),
+    ):
+        with pytest.raises(RuntimeError, match=rf"^{name}\(\) called after close\(\)$"):
+            call()
+    closed.close()  # twice is fine
+
+
 def test_model_without_tokenizer_takes_token_ids(qwen3_dir, tmp_path):
     model_dir = shutil.copytree(qwen3_dir, tmp_path / "m", ignore=shutil.ignore_patterns("tokenizer*"))
     with LLM(str(model_dir), device="cpu") as bare:

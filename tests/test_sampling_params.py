@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from tpserve.message import GenerateRequest
-from tpserve.sampling_params import SamplingParams
+from tpserve.sampling_params import SamplingParams, StructuredOutput
 
 
 @pytest.mark.parametrize(
@@ -94,3 +94,21 @@ def test_integer_floats_are_still_refused_but_ints_are_taken_for_floats():
     assert type(SamplingParams(temperature=0).temperature) is float
     with pytest.raises(ValueError, match="max_tokens must be an integer"):
         SamplingParams(max_tokens=16.0)
+
+
+@pytest.mark.parametrize("name", ["n", "top_k", "max_tokens", "min_tokens"])
+def test_integers_beyond_64_bits_are_refused_not_a_crash_on_the_wire(name):
+    """msgpack carries at most 64-bit integers: a larger one made at tp_size > 1 (and in the server's
+    shell) an OverflowError from deep inside the encoder, after the request was accepted."""
+    kwargs = {name: 2**63, "max_tokens": None} if name == "min_tokens" else {name: 2**63}
+    with pytest.raises(ValueError, match=rf"{name} must be below 2\*\*63, got {2**63}"):
+        SamplingParams(**kwargs)
+    request = GenerateRequest(1, [1], SamplingParams(**{**kwargs, name: 2**63 - 1}))
+    msgspec.msgpack.encode(request)  # the largest accepted value travels
+
+
+@pytest.mark.parametrize("kind, spec", [("json_schema", 5), ("regex", None), ("ebnf", b"root ::= 'a'")])
+def test_structured_output_of_the_wrong_type_names_it(kind, spec):
+    """A spec that is not text failed in generate() inside the json module ("the JSON object must be str")."""
+    with pytest.raises(ValueError, match=f"structured output spec must be a string, got {spec!r}"):
+        StructuredOutput(kind, spec)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import importlib.util
 import logging
+import numbers
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from typing import Any
 
 import torch
@@ -28,6 +29,8 @@ SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 UNSUPPORTED_IF_SET = ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "attention_multiplier")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# The spellings vLLM and SGLang users type (--dtype half, LLM(dtype="bf16")), mapped to tpserve's.
+DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
 FLASHINFER_DTYPES = (torch.bfloat16, torch.float16)
 # EngineConfig's string settings (the CLI offers the same choices).
 CHOICES = {
@@ -187,6 +190,11 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, cfg: dict[str, Any], eos_token_ids: tuple[int, ...] = ()) -> "ModelConfig":
         archs = cfg.get("architectures") or []
+        if not isinstance(archs, list) or not all(isinstance(a, str) for a in archs):
+            raise ValueError(f"config.json: architectures must be a list of class names, got {archs!r}")
+        raw_quant = cfg.get("quantization_config")
+        if raw_quant is not None and not isinstance(raw_quant, dict):  # transformers would fail on it (AttributeError)
+            raise ValueError(f"config.json: quantization_config must be an object, got {raw_quant!r}")
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
@@ -208,7 +216,6 @@ class ModelConfig:
             eos.update(cfg_eos if isinstance(cfg_eos, list) else [cfg_eos])
         dtype = getattr(hf, "dtype", None) or cfg.get("torch_dtype") or "bfloat16"
         moe = _moe_config(hf, kind, hf.num_hidden_layers)
-        raw_quant = cfg.get("quantization_config")
         quantization = None if raw_quant is None else parse_quantization_config(raw_quant)
         return cls(
             architecture=arch,
@@ -365,6 +372,8 @@ class EngineConfig:
     expert_parallel: bool = False
 
     def __post_init__(self) -> None:
+        _check_types(self)
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         _check_min("tp_size", self.tp_size, 1)
         check_nodes(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)
         if self.nnodes > 1 and self.all_reduce in ("one_shot", "two_shot"):
@@ -384,11 +393,39 @@ class EngineConfig:
             if value not in choices + {"device": (None,), "dtype": (None, "auto")}.get(name, ()):
                 raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
         _check_min("page_size", self.page_size, 1)
+        _check_min("max_running_requests", self.max_running_requests, 1)
         for name in ("mixed_prefill_tokens", "grammar_threads", "cuda_graph_max_bs"):
             _check_min(name, getattr(self, name), 0)
+        if self.max_model_len is not None:
+            _check_min("max_model_len", self.max_model_len, 2)  # a prompt token and a generated one
+        if self.max_total_tokens is not None:
+            _check_min("max_total_tokens", self.max_total_tokens, 1)
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         resolve_quantization(self.quantization, None)  # a clear error for an unknown method
+
+
+SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes a signed 64-bit seed
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string"}
+
+
+def _check_types(config: EngineConfig) -> None:
+    """A setting of the wrong type is a TypeError naming it (not one from a comparison, or from torch
+    in a rank process); numpy numbers become plain ints and floats, ints are taken for floats."""
+    for f in fields(config):
+        value, kind = getattr(config, f.name), f.type.removesuffix(" | None")
+        optional = kind != f.type
+        if value is None and optional:
+            continue
+        if kind == "int" and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            value = int(value)
+        elif kind == "float" and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            value = float(value)
+        elif not (kind == "bool" and isinstance(value, bool) or kind == "str" and isinstance(value, str)):
+            raise TypeError(f"{f.name} must be {_TYPE_NAMES[kind]}{' or None' if optional else ''}, got {value!r}")
+        object.__setattr__(config, f.name, value)
 
 
 def _check_min(name: str, value: int, low: int) -> None:

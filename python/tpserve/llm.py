@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import logging
 import numbers
+import os
 import random
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -115,7 +116,9 @@ class LLM:
             raise ValueError(
                 f"load_balance_method must be one of {', '.join(LOAD_BALANCE_METHODS)}, got {load_balance_method!r}"
             )
-        model = resolve_model_dir(model)  # a local directory, or a HF id from the local cache (as the server)
+        if not isinstance(model, (str, os.PathLike)):
+            raise TypeError(f"model must be a model directory or a Hugging Face id, got {model!r}")
+        model = resolve_model_dir(os.fspath(model))  # a local directory, or a HF id from the local cache (as the server)
         self.config = EngineConfig(
             model=model, tp_size=tp_size, device=device, dtype=dtype, load_format=load_format, dp_size=dp_size,
             **engine_kwargs,
@@ -133,8 +136,12 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
-            raise TypeError("prompts must be a list of strings or a list of token-id lists")
+        if isinstance(prompts, (str, bytes, Mapping)) or not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a list of strings or a list of token-id lists, got {prompts!r}")
+        prompts = list(prompts)  # any sequence or iterable of prompts (a generator, a 2-D numpy array), as vLLM
+        if prompts and isinstance(prompts[0], numbers.Integral):
+            raise TypeError("prompts must be a list of strings or a list of token-id lists, got a list of integers "
+                            "(one token-id prompt is [[...]])")
         sampling_params = _params_per_prompt(sampling_params, len(prompts))
         for params in sampling_params:
             self._check_params(params)
@@ -164,6 +171,7 @@ class LLM:
         ``chat_template`` (Jinja text, as in the file of the server's ``--chat-template``) renders them
         instead of the model's template. The output's text is the raw completion: reasoning and tool
         calls are not split out."""
+        self._live_driver("chat")
         if isinstance(messages, (str, dict)) or not messages:
             raise TypeError("messages must be a list of messages or a list of conversations (lists of messages)")
         if chat_template is not None:

@@ -12,6 +12,8 @@ import msgspec
 
 MAX_LOGPROBS = 20
 SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT)
+# Requests reach the rank processes as msgpack, which carries 64-bit integers: every integer field is below this.
+INT_LIMIT = 2**63
 # Temperatures below this are greedy, as in vLLM: dividing logits by 1e-50 would overflow to inf
 # (and the row would sample at random), while any temperature this small is an argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
@@ -46,6 +48,8 @@ def _is_number(value: Any) -> bool:
 def _as_int(name: str, value: Any) -> int:
     if not _is_int(value):
         raise ValueError(f"{name} must be an integer, got {value!r}")
+    if value >= INT_LIMIT:
+        raise ValueError(f"{name} must be below 2**63, got {value}")
     return int(value)
 
 
@@ -91,6 +95,8 @@ class StructuredOutput(msgspec.Struct, frozen=True):
     def __post_init__(self) -> None:
         if self.kind not in STRUCTURED_KINDS:
             raise ValueError(f"structured output kind must be one of {STRUCTURED_KINDS}, got {self.kind!r}")
+        if not isinstance(self.spec, str):
+            raise ValueError(f"structured output spec must be a string, got {self.spec!r}")
         if self.kind != "json_object" and not self.spec:
             raise ValueError(f"structured output {self.kind} needs a non-empty spec")
 

@@ -78,6 +78,8 @@ def test_default_is_the_tiny_demo_model(monkeypatch, tmp_path):
         (["--decode-attention", "fast"], "invalid choice: 'fast'"),
         (["--bogus"], "unrecognized arguments: --bogus"),
         (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq'"),
+        # torch's generator takes a signed 64-bit seed: a larger one was a traceback in the rank (dummy weights)
+        (["--seed", str(2**64)], f"argument --seed: must be in [0, 2**63), got '{2**64}'"),
     ],
 )
 def test_bad_values_are_usage_errors(qwen3_dir, capsys, argv, fragment):
@@ -126,6 +128,10 @@ def test_help_explains_every_flag():
                  "--mem-fraction", "--max-total-tokens", "--load-format", "--served-model-name", "--api-key",
                  "--log-level", "--max-model-len", "--debug-check-invariants"):
         assert flag in text
+    parser = build_parser()
+    assert [a.option_strings for a in parser._actions if not a.help] == []
+    # the planner is a subcommand argparse does not list: --help points to it
+    assert "python -m tpserve plan --help" in " ".join(text.split())
 
 
 def test_cli_error_has_no_traceback():
@@ -320,3 +326,21 @@ def test_node_flags(qwen3_dir, monkeypatch, capsys):
     assert (e.nnodes, e.node_rank, e.dist_init_addr, e.dist_timeout) == (2, 1, "tcp://10.0.0.7:29500", 20.0)
     one = parse_args(["--model", qwen3_dir]).engine
     assert (one.nnodes, one.node_rank, one.dist_init_addr) == (1, 0, None)
+
+
+def test_docs_list_every_flag_and_choice():
+    """docs/api.md's flag table (multi-node flags: docs/deploy.md) against the parser: a flag or a
+    choice added to the CLI and not to the docs fails here."""
+    root = os.path.join(os.path.dirname(__file__), "..", "..", "docs")
+    api = open(os.path.join(root, "api.md"), encoding="utf-8").read()
+    docs = api + open(os.path.join(root, "deploy.md"), encoding="utf-8").read()
+    rows = {line.split("|")[1]: line for line in api.splitlines() if line.startswith("| `--")}
+    for action in build_parser()._actions:
+        flags = [f for f in action.option_strings if f.startswith("--") and f != "--help"]
+        if not flags:
+            continue
+        assert all(f"`{flag}" in docs for flag in flags), flags
+        if action.choices:
+            row = next(line for key, line in rows.items() if f"`{flags[0]}`" in key or f"`{flags[0]} " in key)
+            missing = [c for c in action.choices if f"`{c}`" not in row and c not in ("auto", "none")]
+            assert missing == [], f"{flags[0]}: {missing} not in docs/api.md"

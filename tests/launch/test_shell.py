@@ -179,6 +179,13 @@ def test_commands_set_the_next_requests(monkeypatch):
     assert out.count("/think on|off") == 2  # the help, after the unknown command and for /help
 
 
+def test_a_max_tokens_no_request_can_carry_is_a_bad_value(monkeypatch):
+    """It was taken, and the next message ended the shell with an OverflowError from the encoder."""
+    shell, client, out = run_shell_lines(monkeypatch, [f"/set max_tokens {2**64}", "hi"])
+    assert f"bad value '{2**64}' for max_tokens: max_tokens must be below 2**63" in out
+    assert client.params[0].max_tokens == shell.settings.max_tokens != 2**64
+
+
 def test_reasoning_is_labelled_and_kept_out_of_the_history(monkeypatch):
     class Thinking(FakeClient):
         def submit(self, messages, params, template_kwargs=None) -> int:

@@ -241,3 +241,21 @@ def test_qwen3_moe_tp_errors_name_the_expert_size():
 def test_unsupported_architecture_is_named():
     with pytest.raises(ValueError, match="unsupported architecture .'DeepseekV3ForCausalLM'."):
         ModelConfig.from_dict({**base_config("qwen3"), "architectures": ["DeepseekV3ForCausalLM"]})
+
+
+@pytest.mark.parametrize(
+    "change, message",
+    [
+        # were an AttributeError from transformers ("'str' object has no attribute 'to_dict'"): a traceback
+        # from the CLI and from tpserve plan
+        ({"quantization_config": "fp8"}, "config.json: quantization_config must be an object, got 'fp8'"),
+        ({"quantization_config": [1]}, r"config.json: quantization_config must be an object, got \[1\]"),
+        # a TypeError ("'int' object is not iterable"), or "unsupported architecture Qwen3ForCausalLM"
+        ({"architectures": 5}, "config.json: architectures must be a list of class names, got 5"),
+        ({"architectures": [["Qwen3ForCausalLM"]]}, "config.json: architectures must be a list of class names, got"),
+        ({"architectures": "Qwen3ForCausalLM"}, "config.json: architectures must be a list of class names, got 'Qwen3"),
+    ],
+)
+def test_config_keys_of_the_wrong_type_are_errors_naming_them(change, message):
+    with pytest.raises(ValueError, match=message):
+        ModelConfig.from_dict({**base_config("qwen3"), **change})

@@ -16,7 +16,7 @@ from tpserve.distributed.comm import SingleRankCommunicator
 from tpserve.distributed.info import set_tp_info
 from tpserve.engine.engine import Engine
 from tpserve.models.decoder import CausalLM
-from tpserve.models.loader import checkpoint_target, load_safetensors, materialize, safetensors_files
+from tpserve.models.loader import checkpoint_name, checkpoint_target, load_safetensors, materialize, safetensors_files
 
 
 def copy_model(src: str, dst: str) -> str:
@@ -28,6 +28,9 @@ def test_checkpoint_names_map_to_merged_parameters():
     assert checkpoint_target("model.layers.3.self_attn.k_proj.weight") == ("model.layers.3.self_attn.qkv_proj", "weight", "k")
     assert checkpoint_target("model.layers.0.mlp.up_proj.weight") == ("model.layers.0.mlp.gate_up_proj", "weight", 1)
     assert checkpoint_target("model.norm.weight") == ("model.norm", "weight", None)
+    for name in ("model.layers.3.self_attn.k_proj.weight", "model.layers.0.mlp.up_proj.weight_scale_inv",
+                 "model.norm.weight", "model.layers.1.mlp.experts.6.gate_proj.weight_scale_inv"):
+        assert checkpoint_name(checkpoint_target(name)) == name  # how a missing weight is named
 
 
 def test_sharded_checkpoint_loads_like_single_file(tiny_model_factory):
@@ -43,9 +46,11 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_model_factory):
 @pytest.mark.parametrize(
     "arch,removed,message",
     [
-        ("qwen3", "model.layers.1.self_attn.v_proj.weight", r"missing.*model\.layers\.1\.self_attn\.qkv_proj\.weight \(v\)"),
+        # named as the checkpoint names them, not by tpserve's merged parameters (qkv_proj (v), experts.down_proj ((6, 0)))
+        ("qwen3", "model.layers.1.self_attn.v_proj.weight", r"missing from the checkpoint: model\.layers\.1\.self_attn\.v_proj\.weight$"),
+        ("qwen3", "model.layers.0.mlp.up_proj.weight", r"missing from the checkpoint: model\.layers\.0\.mlp\.up_proj\.weight$"),
         ("qwen3_moe", "model.layers.1.mlp.experts.6.down_proj.weight",
-         r"missing.*model\.layers\.1\.mlp\.experts\.down_proj \(\(6, 0\)\)"),
+         r"missing from the checkpoint: model\.layers\.1\.mlp\.experts\.6\.down_proj\.weight$"),
     ],
 )
 def test_missing_weight_is_named(tiny_model_factory, tmp_path, arch, removed, message):
@@ -74,8 +79,15 @@ def test_wrong_shape_is_named(tiny_model_factory, tmp_path):
     weights = load_file(path)
     weights["model.norm.weight"] = torch.ones(3)
     save_file(weights, path)
-    with pytest.raises(ValueError, match="weight"):
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.norm\.weight' of shape \(3,\) does not fit"):
         Engine(EngineConfig(model=model_dir, device="cpu"))
+    weights = load_file(path)
+    weights["model.norm.weight"] = torch.ones(64)
+    weights["model.layers.0.mlp.up_proj.weight"] = weights["model.layers.0.mlp.up_proj.weight"][:5].clone()
+    save_file(weights, path)
+    with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.0\.mlp\.up_proj\.weight' of shape "
+                       r"\(5, 64\) does not fit the model config\.json describes: .*expected 128 along dim 0"):
+        Engine(EngineConfig(model=model_dir, device="cpu"))  # was "weight weight: expected 128 ...", naming no tensor
 
 
 def test_dummy_weights_from_config_alone(tmp_path):

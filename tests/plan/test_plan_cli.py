@@ -90,6 +90,8 @@ def test_seed_example_machine_custom_gpu(tmp_path, capsys):
         (["--gpu", "custom", "--tflops", "100"], "--gpu custom needs --memory-gib, --bandwidth-tbps"),
         (["--mem-fraction", "1.5"], "--mem-fraction: must be in (0, 1], got '1.5'"),
         (["--busbw-gbps", "-3"], "--busbw-gbps: must be > 0, got '-3'"),
+        # it recommended `--max-model-len 1`, which the server refuses (a prompt token and a generated one)
+        (["--context", "1"], "--context: must be >= 2, got '1'"),
     ],
 )
 def test_bad_values_are_one_line_errors(capsys, argv, fragment):
@@ -131,3 +133,13 @@ def test_python_dash_m_tpserve_plan_dispatches():
         capture_output=True, text=True, timeout=120,
     )
     assert bad.returncode == 2 and bad.stderr.count("\n") == 1 and "'x'" in bad.stderr
+
+
+def test_dtype_takes_the_servers_spellings_and_every_flag_is_explained(capsys):
+    code, out, err = plan(capsys, "--model", QWEN3_8B, "--dtype", "half", "--context", "2048")
+    assert code == 0, err  # was "invalid choice: 'half'", which the server's --dtype takes
+    assert out == plan(capsys, "--model", QWEN3_8B, "--dtype", "float16", "--context", "2048")[1]
+    from tpserve.plan.cli import build_parser
+
+    unexplained = [a.option_strings for a in build_parser()._actions if not a.help]
+    assert unexplained == []  # --memory-gib had no help

@@ -9,13 +9,13 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from tpserve.config import CHOICES, EngineConfig, ModelConfig, check_can_start, check_nodes
+from tpserve.config import CHOICES, DTYPE_ALIASES, SEED_LIMIT, EngineConfig, ModelConfig, check_can_start, check_nodes
 from tpserve.distributed.control import TOKEN_ENV, read_token
 from tpserve.distributed.nodes import split_addr
 from tpserve.quant.config import QUANTIZATION_METHODS
 from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
-from tpserve.launch.argtypes import HelpFormatter, OneLineParser, fraction, int_at_least, port, positive
+from tpserve.launch.argtypes import HelpFormatter, OneLineParser, fraction, int_at_least, number, port, positive
 from tpserve.router.policy import LOAD_BALANCE_METHODS
 from tpserve.tokenizer.loader import (
     check_chat_template, has_tokenizer_files, load_tokenizer, missing_tokenizer_message,
@@ -66,11 +66,8 @@ def _default(name: str, cls: type = EngineConfig) -> Any:
     return next(f.default for f in fields(cls) if f.name == name)
 
 
-# The spellings vLLM and SGLang users type, mapped to tpserve's.
-DTYPE_ALIASES = {"half": "float16", "float": "float32", "bf16": "bfloat16", "fp16": "float16", "fp32": "float32"}
-
-
-def _dtype(text: str) -> str:
+def dtype_arg(text: str) -> str:
+    """--dtype (of the server and of tpserve plan): auto, a dtype, or vLLM's spelling of one."""
     value = DTYPE_ALIASES.get(text, text)
     if value not in ("auto", *CHOICES["dtype"]):
         raise argparse.ArgumentTypeError(
@@ -86,6 +83,8 @@ def build_parser() -> argparse.ArgumentParser:
         "(or an interactive shell with --shell). Runs offline.",
         formatter_class=HelpFormatter,
         allow_abbrev=False,  # --mem would otherwise silently mean --mem-fraction
+        epilog="To choose --tp-size and --dp-size for a model and a machine before launching: "
+        "python -m tpserve plan --help.",
     )
     model = p.add_argument_group("model")
     model.add_argument(
@@ -107,7 +106,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "default: reasoning stays in content")
     model.add_argument("--load-format", choices=CHOICES["load_format"], default=_default("load_format"),
                        help="weights: safetensors files, or dummy (random, for benchmarks)")
-    model.add_argument("--dtype", type=_dtype, default="auto",
+    model.add_argument("--dtype", type=dtype_arg, default="auto",
                        help="compute dtype: auto (the checkpoint's dtype on GPU, float32 on CPU), float32, "
                        "bfloat16, float16 (also spelled half, float, bf16)")
     model.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=_default("quantization"),
@@ -156,7 +155,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--max-total-tokens", type=int_at_least(1), default=None,
                         help="KV-cache size in tokens (default: from --mem-fraction on GPU, "
                         "32768 on CPU)")
-    engine.add_argument("--seed", type=int_at_least(0), default=_default("seed"), help="engine random seed")
+    engine.add_argument("--seed", type=number(int, lambda v: 0 <= v < SEED_LIMIT, "in [0, 2**63)"),
+                        default=_default("seed"), help="seed of --load-format dummy's random weights (a request without a seed samples with a "
+                        "random one)")
     engine.add_argument("--chunked-prefill-size", "--max-prefill-tokens", type=int,
                         default=_default("chunked_prefill_size"),
                         help="prefill tokens per step; longer prompts are split (<= 0: no chunking)")
@@ -243,8 +244,8 @@ def parse_args(argv: list[str] | None = None) -> ServerArgs:
         parser.error(str(e))  # exits with status 2
 
 
-class ModelNotFound(Exception):
-    pass
+class ModelNotFound(ValueError):
+    """--model (LLM's model) is no local directory and no Hugging Face id in the local cache."""
 
 
 def resolve_model_dir(model: str) -> str:

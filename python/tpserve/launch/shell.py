@@ -207,8 +207,7 @@ class Shell:
                 self.settings.temperature = temperature
             elif key == "max_tokens":
                 tokens = None if value.lower() == "none" else int(value)
-                if tokens is not None and tokens < 1:
-                    raise ValueError("max_tokens must be >= 1")
+                SamplingParams(max_tokens=tokens)  # validates
                 self.settings.max_tokens = tokens
             else:
                 self._print(f"unknown setting {key!r}: /set temperature T or /set max_tokens N\n")

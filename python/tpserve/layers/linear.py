@@ -24,7 +24,7 @@ def divide(numerator: int, denominator: int, what: str) -> int:
 
 def copy_checked(param: torch.Tensor, loaded: torch.Tensor, name: str) -> None:
     if param.shape != loaded.shape:
-        raise ValueError(f"weight {name}: expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
+        raise ValueError(f"{name}: expected shape {tuple(param.shape)}, got {tuple(loaded.shape)}")
     param.copy_(loaded)
 
 
@@ -164,7 +164,7 @@ class ParallelLinear(nn.Module):
             part = part.blocks(self.block_size[dim], f"{param_name} (weight_block_size {list(self.block_size)})")
         if loaded.shape[dim] != part.full:
             shape = tuple(loaded.shape)
-            raise ValueError(f"weight {param_name}: expected {part.full} along dim {dim}, got shape {shape}")
+            raise ValueError(f"{param_name}: expected {part.full} along dim {dim}, got shape {shape}")
         copy_checked(param.narrow(dim, part.dest, part.size), loaded.narrow(dim, part.start, part.size), param_name)
 
 

@@ -49,6 +49,22 @@ def checkpoint_target(name: str) -> Target:
     return module, param, None
 
 
+def checkpoint_name(target: Target) -> str:
+    """The checkpoint tensor that loads ``target`` (the inverse of ``checkpoint_target``; experts as
+    per-expert tensors)."""
+    module, param, shard_id = target
+    if isinstance(shard_id, tuple):  # (expert, part) of stacked experts
+        expert, part = shard_id
+        merged, scale = param.removesuffix("_scale_inv"), param.endswith("_scale_inv")
+        proj = next(p for p, (m, i) in _EXPERT_PARTS.items() if (m, i) == (merged, part))
+        return f"{module}.{expert}.{proj}.{'weight_scale_inv' if scale else 'weight'}"
+    parent, _, leaf = module.rpartition(".")
+    if leaf in _MERGED_PARTS:
+        part = next(p for p, i in _MERGED_PARTS[leaf].items() if i == shard_id)
+        return f"{parent}.{part}.{param}"
+    return f"{module}.{param}"
+
+
 def checkpoint_parts(module: str) -> tuple[str, ...]:
     """The checkpoint modules loaded into ``module`` (``...qkv_proj`` -> ``...q_proj``, ``k_proj``, ``v_proj``)."""
     parent, _, leaf = module.rpartition(".")
@@ -167,13 +183,19 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
                     f"weight {name!r} is float8 in the checkpoint but its layer is not quantized (config.json has no "
                     "quantization_config, or its modules_to_not_convert lists the module)"
                 )
-            with torch.no_grad():
-                layer.load_weight(param, piece, shard_id)
+            try:
+                with torch.no_grad():
+                    layer.load_weight(param, piece, shard_id)
+            except ValueError as e:  # the layer's message names its parameter, not the checkpoint's tensor
+                raise ValueError(
+                    f"checkpoint tensor {name!r} of shape {tuple(tensor.shape)} does not fit the model config.json "
+                    f"describes: {e}"
+                ) from None
             loaded.add(target)
         del tensor
     missing = expected - loaded
     if missing:
-        names = sorted(f"{m}.{p}" + (f" ({s})" if s is not None else "") for m, p, s in missing)
+        names = sorted(checkpoint_name(target) for target in missing)
         raise ValueError(f"weights missing from the checkpoint: {', '.join(names[:10])}" + (" ..." if len(names) > 10 else ""))
 
 

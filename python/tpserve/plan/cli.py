@@ -9,7 +9,7 @@ from dataclasses import replace
 
 from tpserve.config import CHOICES, ModelConfig
 from tpserve.launch.argtypes import HelpFormatter, OneLineParser, float_above, fraction, int_at_least, non_negative
-from tpserve.launch.args import ModelNotFound, resolve_model_dir
+from tpserve.launch.args import ModelNotFound, dtype_arg, resolve_model_dir
 from tpserve.plan.cost import DTYPE_BYTES, GIB, GPUS, GPUSpec, Link, ModelShape
 from tpserve.plan.splits import Machine, Settings, plan_splits, render
 from tpserve.quant.config import QUANTIZATION_METHODS, resolve_quantization
@@ -36,13 +36,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--nodes", type=int_at_least(1), default=1, help="nodes (TP stays within a node; DP spans them)")
     p.add_argument("--gpu", choices=[*GPUS, "custom"], default="h200",
                    help="device kind from the table; custom: give --memory-gib, --bandwidth-tbps and --tflops")
-    p.add_argument("--context", type=int_at_least(1), default=None,
+    p.add_argument("--context", type=int_at_least(2), default=None,
                    help=f"tokens per request (prompt + completion); default: {DEFAULT_CONTEXT}, or the model's "
                    "context length if shorter")
     p.add_argument("--workload", choices=["chat", "batch"], default="chat",
                    help="chat: latency recommendation first; batch: throughput first")
-    p.add_argument("--dtype", choices=["auto", *DTYPE_BYTES], default="auto",
-                   help="serving dtype; auto: the checkpoint's on GPU, float32 on cpu (as the engine)")
+    p.add_argument("--dtype", type=dtype_arg, default="auto",
+                   help="serving dtype: auto (the checkpoint's on GPU, float32 on cpu, as the engine), float32, "
+                   "bfloat16, float16 (also spelled half, float, bf16)")
     p.add_argument("--quantization", choices=list(QUANTIZATION_METHODS), default=None,
                    help="the engine's --quantization: FP8 weights for an unquantized checkpoint (an FP8 checkpoint's "
                    "quantization_config counts without it)")
@@ -56,7 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure this machine (copy bandwidth, matmul rate, TP-2 all-reduce) instead of the "
                    "table: its GPUs, or its CPU with --gpu cpu or without CUDA")
     spec = p.add_argument_group("device figures (override the table or the calibration)")
-    spec.add_argument("--memory-gib", type=float_above(0.0), default=None)
+    spec.add_argument("--memory-gib", type=float_above(0.0), default=None, help="device memory in GiB")
     spec.add_argument("--bandwidth-tbps", type=float_above(0.0), default=None,
                       help="device copy bandwidth, bytes read + written")
     spec.add_argument("--tflops", type=float_above(0.0), default=None,

@@ -65,7 +65,13 @@ def _run_rank(
 ) -> None:
     from tpserve.engine.engine import Engine
 
-    engine = Engine(engine_config, rank, nodes)
+    try:
+        engine = Engine(engine_config, rank, nodes)
+    except ValueError as e:  # a model the checks before start-up could not judge whole (a tensor's shape)
+        if nodes is not None:
+            raise  # NodeGroup.fail tells every node
+        logger.error("tp rank %d cannot start: %s", rank, e)
+        raise SystemExit(1) from None
     if nodes is not None:  # a node may still compile kernels or capture graphs: no deadline here
         nodes.barrier("engine-ready")
     scheduler = Scheduler(engine)
