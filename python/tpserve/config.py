@@ -13,6 +13,7 @@ import torch
 
 from tpserve.models.checkpoint import check_safetensors, read_json_object
 from tpserve.quant.config import QuantConfig, parse_quantization_config, resolve_quantization
+from tpserve.sampling_params import SEED_LIMIT  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 logger = logging.getLogger(__name__)
 
@@ -407,7 +408,6 @@ class EngineConfig:
         resolve_quantization(self.quantization, None)  # a clear error for an unknown method
 
 
-SEED_LIMIT = 2**63  # torch.Generator.manual_seed takes a signed 64-bit seed
 _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string"}
 
 

@@ -13,7 +13,7 @@ import msgspec
 MAX_LOGPROBS = 20
 SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT)
 # Requests reach the rank processes as msgpack, which carries 64-bit integers: every integer field is below this.
-INT_LIMIT = 2**63
+INT_LIMIT = SEED_LIMIT
 # Temperatures below this are greedy, as in vLLM: dividing logits by 1e-50 would overflow to inf
 # (and the row would sample at random), while any temperature this small is an argmax anyway.
 GREEDY_TEMPERATURE = 1e-5
