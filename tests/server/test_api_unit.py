@@ -63,6 +63,7 @@ def sse_events(resp):
 def test_not_ready_is_503():
     c, _ = make_client(ready=False)
     assert_error(c.get("/health"), 503)
+    assert c.head("/health").status_code == 503
     err = assert_error(c.post(CHAT, json={"messages": USER}), 503)
     assert err["code"] == "not_ready"
     assert c.get("/version").status_code == 200
@@ -70,6 +71,7 @@ def test_not_ready_is_503():
 
 def test_health_version_metrics(client):
     assert client.get("/health").json() == {"status": "ok"}
+    assert client.head("/health").status_code == 200  # load balancers probe with HEAD too
     assert "version" in client.get("/version").json()
     text = client.get("/metrics").text
     for name in ("tpserve_num_requests_running", "tpserve_num_requests_waiting", "tpserve_kv_pages_used",

@@ -212,7 +212,7 @@ def _v1_router() -> APIRouter:
 def _admin_router() -> APIRouter:
     router = APIRouter()
 
-    @router.get("/health")
+    @router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
     async def health(request: Request) -> Response:
         _serving(request)  # 503 while starting or stopping
         state = _state(request)
