@@ -228,3 +228,17 @@ def test_float32_at_tp2_matches_transformers(tiny_model_factory):
     from test_float32 import check_float32_matches_transformers
 
     check_float32_matches_transformers(tiny_model_factory, tp_size=2)
+
+
+@pytest.mark.parametrize("expert_parallel", [False, True], ids=["experts_cut", "expert_parallel"])
+def test_moe_float32_at_tp2_matches_transformers(tiny_model_factory, expert_parallel):
+    """A tiny Qwen3-MoE at TP 2 on two GPUs in float32 (the Triton expert kernels, CUDA graphs): every expert
+    cut in two, or 4 whole experts a rank (--expert-parallel: the router kernel's local ids, other ranks' rows
+    skipped). Greedy tokens equal transformers'."""
+    from test_float32 import PROMPTS, hf_greedy as hf_greedy_one
+
+    model_dir = tiny_model_factory("qwen3_moe", num_layers=3, head_dim=128, hidden_size=256)
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(model_dir, tp_size=2, device="cuda", dtype="float32", expert_parallel=expert_parallel) as llm:
+        outs = llm.generate(PROMPTS, params, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy_one(model_dir, p, 12) for p in PROMPTS]
