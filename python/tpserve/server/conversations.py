@@ -10,7 +10,12 @@ from typing import Any
 from tpserve.server.conversation_store import ConversationStore
 from tpserve.server.errors import APIError
 from tpserve.server.pages import DEFAULT_LIMIT, item_list, page
-from tpserve.server.protocol import ConversationCreateBody, ConversationItemsBody, ConversationUpdateBody, check_metadata
+from tpserve.server.protocol import (
+    ConversationCreateBody,
+    ConversationItemsBody,
+    ConversationUpdateBody,
+    check_metadata,
+)
 from tpserve.server.response_output import stored_item
 from tpserve.server.response_store import ResponseStore
 from tpserve.server.responses import referenced
