@@ -325,3 +325,24 @@ def test_responses_stream_disconnect_aborts(server):
     now = metrics_after_an_abort(server.url, before)
     assert now[ABORTED] == before + 1
     assert now["tpserve_num_requests_running"] == 0
+
+
+def test_conversations_carry_the_turns(client):
+    common = dict(model="tiny", max_output_tokens=4, reasoning=NO_THINKING, extra_body={"ignore_eos": True})
+    brief = {"role": "developer", "content": "Be brief."}
+    conv = client.conversations.create(items=[brief], metadata={"app": "e2e"})
+    assert conv.id.startswith("conv_") and client.conversations.retrieve(conv.id).metadata == {"app": "e2e"}
+    first = client.responses.create(input="What is the capital of France?", conversation=conv.id, **common)
+    second = client.responses.create(input="And of Italy?", conversation={"id": conv.id}, **common)
+    assert first.conversation.id == second.conversation.id == conv.id
+    # the second prompt holds the first turn: it is the prompt of the same items sent in full
+    explicit = [brief, {"role": "user", "content": "What is the capital of France?"},
+                *[o.model_dump(exclude_none=True) for o in first.output], {"role": "user", "content": "And of Italy?"}]
+    by_items = client.responses.create(input=explicit, **common)
+    assert second.usage.input_tokens == by_items.usage.input_tokens > first.usage.input_tokens
+    items = list(client.conversations.items.list(conv.id, order="asc", limit=2))  # the SDK pages them
+    assert [getattr(i, "role", None) for i in items] == ["developer", "user", "assistant", "user", "assistant"]
+    assert items[2].content[0].text == first.output_text and items[4].id == second.output[0].id
+    client.conversations.delete(conv.id)
+    with pytest.raises(openai.NotFoundError, match="not found"):
+        client.responses.create(input="Hi", conversation=conv.id, **common)

@@ -16,6 +16,7 @@ from test_api_unit import LIMITS, MODEL, assert_error, make_client
 from tpserve.message.frontend import ApiOutput, RequestRejected
 from tpserve.parsers.chat_output import ChatDelta
 from tpserve.parsers.tool_calls import ToolCallDelta
+from tpserve.server.conversation_store import ConversationStore
 from tpserve.server.errors import APIError
 from tpserve.server.metrics import ServerMetrics
 from tpserve.server.protocol import ResponsesRequest
@@ -363,7 +364,7 @@ def test_get_while_streaming_shows_the_output_so_far():
 
         async def start() -> tuple[str, typing.AsyncIterator[bytes]]:
             body = ResponsesRequest.model_validate({"input": "hi", "stream": True})
-            chunks = (await create_response(serving, store, body, None)).body_iterator  # type: ignore[arg-type]
+            chunks = (await create_response(serving, store, ConversationStore(), body, None)).body_iterator  # type: ignore[arg-type]
             events: list[dict] = []
             async for chunk in chunks:  # up to the first text
                 events += parsed_events(chunk.decode().splitlines())
@@ -376,7 +377,8 @@ def test_get_while_streaming_shows_the_output_so_far():
         Response.model_validate(live)
         assert live["status"] == "in_progress" and live["output"][0]["content"][0]["text"] == "Hel"
         with pytest.raises(APIError, match="still in progress"):
-            await create_response(serving, store, ResponsesRequest(input="x", previous_response_id=rid), None)
+            body = ResponsesRequest(input="x", previous_response_id=rid)
+            await create_response(serving, store, ConversationStore(), body, None)  # type: ignore[arg-type]
         async for _ in chunks:
             pass
         assert get_response(store, rid)["status"] == "completed"
@@ -493,7 +495,7 @@ def test_a_background_stream_left_early_goes_on_and_a_stream_follows_it_live():
         store, stub = ResponseStore(), GatedFrontend()
         serving = Serving(stub, ServerMetrics(), MODEL, LIMITS)  # type: ignore[arg-type]
         body = ResponsesRequest.model_validate({"input": "hi", "background": True, "stream": True})
-        chunks = (await create_response(serving, store, body, None)).body_iterator  # type: ignore[arg-type, union-attr]
+        chunks = (await create_response(serving, store, ConversationStore(), body, None)).body_iterator  # type: ignore[arg-type, union-attr]
         first = parsed_events((await anext(chunks)).decode().splitlines())
         while first[-1]["type"] != "response.output_text.delta":
             first += parsed_events((await anext(chunks)).decode().splitlines())
@@ -594,7 +596,6 @@ def test_store_keeps_the_events_of_the_latest_finished_background_responses():
     ({"input": "x", "tools": [FLAT_TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
      "give only one of text.format, tool_choice", "tool_choice"),
     ({"input": "x", "max_output_tokens": 2, "min_tokens": 3}, "must not exceed max_output_tokens (2)", "min_tokens"),
-    ({"input": "x", "conversation": "conv_1"}, "conversation", "conversation"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt templates", "prompt"),
     ({"input": "x", "include": ["file_search_call.results"]}, "include", "include"),
     ({"input": "x", "top_logprobs": 21}, None, "top_logprobs"),

@@ -23,16 +23,29 @@ from tpserve.server.limits import BodySizeLimit, RequestLimits
 from tpserve.message.frontend import TokenizeRequest
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from tpserve.server.conversation_store import ConversationStore
+from tpserve.server.conversations import (
+    add_items,
+    create_conversation,
+    delete_conversation,
+    delete_item,
+    get_item,
+    list_items,
+    update_conversation,
+)
+from tpserve.server.pages import DEFAULT_LIMIT
 from tpserve.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
+    ConversationCreateBody,
+    ConversationItemsBody,
+    ConversationUpdateBody,
     DetokenizeBody,
     ResponsesRequest,
     TokenizeBody,
 )
 from tpserve.server.response_store import ResponseStore
 from tpserve.server.responses import (
-    INPUT_ITEMS_LIMIT,
     cancel_response,
     create_response,
     delete_response,
@@ -111,6 +124,7 @@ class AppState:
     created: int = field(default_factory=lambda: int(time.time()))
     tokenize: TokenizeService | None = None  # /tokenize and /detokenize, made on first use
     responses: ResponseStore = field(default_factory=ResponseStore)  # /v1/responses with store: true
+    conversations: ConversationStore = field(default_factory=ConversationStore)  # /v1/conversations
     # Why the backend is not live (a rank stopped making progress), or None; set once serving.
     liveness: Callable[[], str | None] | None = None
 
@@ -183,7 +197,8 @@ def _v1_router() -> APIRouter:
 
     @router.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
-        return await create_response(_serving(request), _state(request).responses, body, request)
+        state = _state(request)
+        return await create_response(_serving(request), state.responses, state.conversations, body, request)
 
     @router.get("/responses/{response_id}", response_model=None)
     async def get_stored_response(
@@ -198,7 +213,7 @@ def _v1_router() -> APIRouter:
     @router.get("/responses/{response_id}/input_items")
     async def stored_input_items(
         response_id: str, request: Request, after: str | None = None, before: str | None = None,
-        limit: int = Query(INPUT_ITEMS_LIMIT, ge=1, le=100), order: Literal["asc", "desc"] = "desc",
+        limit: int = Query(DEFAULT_LIMIT, ge=1, le=100), order: Literal["asc", "desc"] = "desc",
     ) -> dict[str, Any]:
         return list_input_items(_state(request).responses, response_id, after, before, limit, order)
 
@@ -206,7 +221,49 @@ def _v1_router() -> APIRouter:
     async def delete_stored_response(response_id: str, request: Request) -> dict[str, Any]:
         return delete_response(_state(request).responses, response_id)
 
+    _conversation_routes(router)
     return router
+
+
+def _conversation_routes(router: APIRouter) -> None:
+    """OpenAI's Conversations API (``server/conversations.py``)."""
+
+    @router.post("/conversations")
+    async def new_conversation(body: ConversationCreateBody, request: Request) -> dict[str, Any]:
+        state = _state(request)
+        return create_conversation(state.conversations, state.responses, body)
+
+    @router.get("/conversations/{conversation_id}")
+    async def get_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
+        return _state(request).conversations.get(conversation_id).obj()
+
+    @router.post("/conversations/{conversation_id}")
+    async def post_conversation(conversation_id: str, body: ConversationUpdateBody, request: Request) -> dict[str, Any]:
+        return update_conversation(_state(request).conversations, conversation_id, body)
+
+    @router.delete("/conversations/{conversation_id}")
+    async def remove_conversation(conversation_id: str, request: Request) -> dict[str, Any]:
+        return delete_conversation(_state(request).conversations, conversation_id)
+
+    @router.post("/conversations/{conversation_id}/items")
+    async def new_items(conversation_id: str, body: ConversationItemsBody, request: Request) -> dict[str, Any]:
+        state = _state(request)
+        return add_items(state.conversations, state.responses, conversation_id, body)
+
+    @router.get("/conversations/{conversation_id}/items")
+    async def conversation_items(
+        conversation_id: str, request: Request, after: str | None = None,
+        limit: int = Query(DEFAULT_LIMIT, ge=1, le=100), order: Literal["asc", "desc"] = "desc",
+    ) -> dict[str, Any]:
+        return list_items(_state(request).conversations, conversation_id, after, limit, order)
+
+    @router.get("/conversations/{conversation_id}/items/{item_id}")
+    async def conversation_item(conversation_id: str, item_id: str, request: Request) -> dict[str, Any]:
+        return get_item(_state(request).conversations, conversation_id, item_id)
+
+    @router.delete("/conversations/{conversation_id}/items/{item_id}")
+    async def remove_item(conversation_id: str, item_id: str, request: Request) -> dict[str, Any]:
+        return delete_item(_state(request).conversations, conversation_id, item_id)
 
 
 def _admin_router() -> APIRouter:

@@ -349,11 +349,22 @@ class DetokenizeBody(_Body):
     tokens: list[StrictInt]
 
 
-MAX_METADATA_KEYS = 16  # OpenAI's bounds on a response's metadata
+MAX_METADATA_KEYS = 16  # OpenAI's bounds on a response's (or a conversation's) metadata
 MAX_METADATA_KEY_CHARS, MAX_METADATA_VALUE_CHARS = 64, 512
+
+
+def check_metadata(metadata: dict[str, str] | None) -> None:
+    metadata = metadata or {}
+    if len(metadata) > MAX_METADATA_KEYS:
+        raise APIError.invalid(f"metadata may hold at most {MAX_METADATA_KEYS} keys, got {len(metadata)}", "metadata")
+    for key, value in metadata.items():
+        if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
+            raise APIError.invalid(f"metadata keys may have at most {MAX_METADATA_KEY_CHARS} characters and "
+                                   f"values at most {MAX_METADATA_VALUE_CHARS}", "metadata")
+
+
 # Fields of the Responses API that tpserve does not serve: each is a 400 naming it, not ignored.
 UNSUPPORTED_RESPONSES_FIELDS = {
-    "conversation": "conversation objects are not supported: continue with previous_response_id",
     "prompt": "prompt templates are not supported: send input (and instructions)",
     "max_tool_calls": "max_tool_calls is not supported (parallel_tool_calls: false allows one call)",
 }
@@ -381,6 +392,7 @@ class ResponsesRequest(_Body):
     stream: bool = False
     store: bool = True
     previous_response_id: str | None = None
+    conversation: Union[StrictStr, dict[str, Any]] | None = None  # an id, or {"id": ...}
     metadata: dict[str, StrictStr] | None = None
     user: str | None = None
     background: bool = False
@@ -391,6 +403,12 @@ class ResponsesRequest(_Body):
     @property
     def wants_logprobs(self) -> bool:
         return LOGPROBS_INCLUDE in (self.include or [])
+
+    @property
+    def conversation_id(self) -> str | None:
+        """The id ``conversation`` names (checked by ``check``)."""
+        conversation = self.conversation
+        return conversation.get("id") if isinstance(conversation, dict) else conversation
 
     def check(self) -> None:
         for name, why in UNSUPPORTED_RESPONSES_FIELDS.items():
@@ -405,16 +423,32 @@ class ResponsesRequest(_Body):
             if item not in RESPONSES_INCLUDES:
                 raise APIError.invalid(f"include {item!r} is not supported (only {', '.join(RESPONSES_INCLUDES)})",
                                        "include")
-        if isinstance(self.input, list) and not self.input and self.previous_response_id is None:
+        if self.conversation is not None:
+            if not isinstance(self.conversation_id, str) or not self.conversation_id:
+                raise APIError.invalid('conversation must be a conversation id or {"id": "conv_..."}', "conversation")
+            if self.previous_response_id is not None:
+                raise APIError.invalid("Mutually exclusive parameters: Ensure you are only providing one of: "
+                                       "'previous_response_id' or 'conversation'.", "conversation")
+        continued = self.previous_response_id is not None or self.conversation is not None
+        if isinstance(self.input, list) and not self.input and not continued:
             raise APIError.invalid("input must not be empty", "input")
-        self._check_metadata()
+        check_metadata(self.metadata)
 
-    def _check_metadata(self) -> None:
-        metadata = self.metadata or {}
-        if len(metadata) > MAX_METADATA_KEYS:
-            raise APIError.invalid(f"metadata may hold at most {MAX_METADATA_KEYS} keys, got {len(metadata)}",
-                                   "metadata")
-        for key, value in metadata.items():
-            if len(key) > MAX_METADATA_KEY_CHARS or len(value) > MAX_METADATA_VALUE_CHARS:
-                raise APIError.invalid(f"metadata keys may have at most {MAX_METADATA_KEY_CHARS} characters and "
-                                       f"values at most {MAX_METADATA_VALUE_CHARS}", "metadata")
+
+class ConversationCreateBody(_Body):
+    """POST /v1/conversations (``server/conversations.py``)."""
+
+    items: list[dict[str, Any]] = Field(default_factory=list)
+    metadata: dict[StrictStr, StrictStr] | None = None
+
+
+class ConversationUpdateBody(_Body):
+    """POST /v1/conversations/{id}: the new metadata (it replaces the old; null or {} clears it)."""
+
+    metadata: dict[StrictStr, StrictStr] = Field(default_factory=dict)
+
+
+class ConversationItemsBody(_Body):
+    """POST /v1/conversations/{id}/items."""
+
+    items: list[dict[str, Any]]

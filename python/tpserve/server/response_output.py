@@ -233,6 +233,7 @@ class ResponsesFormat(ResponseFormat):
             "output": _copy(self._items.items),
             "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id,
+            "conversation": None if body.conversation_id is None else {"id": body.conversation_id},
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
             "store": body.store,
             "temperature": body.temperature,

@@ -20,14 +20,14 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tpserve.message.frontend import TokenizeRequest
 from tpserve.parsers.chat_output import ChatOutputConfig
+from tpserve.server.conversation_store import ConversationStore
 from tpserve.server.errors import APIError
+from tpserve.server.pages import DEFAULT_LIMIT, page
 from tpserve.server.protocol import ChatCompletionRequest, ResponsesRequest
 from tpserve.server.response_output import RESPONSES_PARAMS, ResponsesFormat, stored_item, with_responses_names
 from tpserve.server.response_store import ResponseStore, StoredResponse, not_found
 from tpserve.server.responses_request import chat_request, input_items
 from tpserve.server.serving import Serving, sse
-
-INPUT_ITEMS_LIMIT = 20  # GET /v1/responses/{id}/input_items: the default page size (at most 100)
 
 logger = logging.getLogger(__name__)
 
@@ -44,16 +44,16 @@ def _history(store: ResponseStore, previous_response_id: str | None) -> list[dic
     return entry.items
 
 
-def _referenced(store: ResponseStore, items: list[Any]) -> list[Any]:
-    """The input items, each ``item_reference`` replaced by the stored item it names (an input or
-    output item of a stored response)."""
+def referenced(store: ResponseStore, items: list[Any], param: str = "input") -> list[Any]:
+    """The items (of ``param``), each ``item_reference`` replaced by the stored item it names (an
+    input or output item of a stored response)."""
     resolved = []
     for i, item in enumerate(items):
         if isinstance(item, dict) and item.get("type") == "item_reference":
             item_id = item.get("id")
             item = store.item(item_id) if isinstance(item_id, str) else None
             if item is None:
-                raise APIError.invalid(f"input[{i}]: item_reference: no stored item has id {item_id!r}", "input")
+                raise APIError.invalid(f"{param}[{i}]: item_reference: no stored item has id {item_id!r}", param)
         resolved.append(item)
     return resolved
 
@@ -69,39 +69,63 @@ def _prepare(serving: Serving, chat: ChatCompletionRequest) -> tuple[list[Tokeni
     return renamed, output
 
 
-async def create_response(serving: Serving, store: ResponseStore, body: ResponsesRequest, request: Request) -> Response:
+async def create_response(
+    serving: Serving, store: ResponseStore, conversations: ConversationStore, body: ResponsesRequest, request: Request,
+) -> Response:
     """With ``store``, the response is stored as it starts (GET shows it in progress) and replaced
     by its final object; ``background`` answers at once (or streams the stored events, which a
-    client leaving does not stop) and generates in a task of the store."""
+    client leaving does not stop) and generates in a task of the store. With ``conversation``, its
+    items come before the input, and the response holds it until it ends: completed (or incomplete),
+    its input and output items are appended; failed, cancelled or left by its client, nothing is."""
     serving.check_model(body.model)
     body.check()
-    history = _history(store, body.previous_response_id)
+    conversation = None if body.conversation_id is None else conversations.get(body.conversation_id, "conversation")
+    if conversation is not None:
+        conversation.check_unlocked()
+        history = list(conversation.items.values())
+    else:
+        history = _history(store, body.previous_response_id)
     if isinstance(body.input, list):
-        body = body.model_copy(update={"input": _referenced(store, body.input)})
+        body = body.model_copy(update={"input": referenced(store, body.input)})
     reqs, output = _prepare(serving, chat_request(body, history))
     own_items = [stored_item(item) for item in input_items(body)]
 
     def save(response: dict[str, Any]) -> None:
         store.finish(StoredResponse(response, history + own_items + response["output"], own_items, events=fmt.log))
+        if conversation is not None:
+            done = response["status"] in ("completed", "incomplete")
+            conversations.release(conversation.id, fmt.id, own_items + response["output"] if done else None)
 
     fmt = ResponsesFormat(serving.model_name, body, output, save)
+    release = partial(conversations.release, conversation.id, fmt.id) if conversation is not None else _nothing
+    if conversation is not None:
+        conversations.hold(conversation, fmt.id, own_items)
     if body.store:
         store.put(StoredResponse(fmt.snapshot(), [], own_items, running=fmt, events=fmt.log))
     if fmt.log is not None:
-        store.start(fmt.id, _generate(serving, reqs, fmt))
+        store.start(fmt.id, _generate(serving, reqs, fmt, release))
         return sse(fmt.log.follow()) if body.stream else JSONResponse(fmt.snapshot())
+
+    def ended() -> None:  # without a final object (its client went away, an error): dropped
+        store.drop_running(fmt.id)
+        release()
+
     try:
         response = await serving.run(reqs, fmt, body.stream, request)
     except BaseException as e:  # the tokenizer's rejection (the prompt's tokens), a backend error, ...
-        store.drop_running(fmt.id)
+        ended()
         if isinstance(e, APIError):
             with_responses_names(e)
         raise
     if isinstance(response, StreamingResponse):  # stored as its stream ends, or dropped if it stops short
-        response.body_iterator = _then(response.body_iterator, partial(store.drop_running, fmt.id))
+        response.body_iterator = _then(response.body_iterator, ended)
     else:  # stored already, unless its client went away
-        store.drop_running(fmt.id)
+        ended()
     return response
+
+
+def _nothing() -> None:
+    pass
 
 
 async def _then(chunks: AsyncIterator[Any], last: Callable[[], None]) -> AsyncIterator[Any]:
@@ -113,9 +137,11 @@ async def _then(chunks: AsyncIterator[Any], last: Callable[[], None]) -> AsyncIt
         last()
 
 
-async def _generate(serving: Serving, reqs: list[TokenizeRequest], fmt: ResponsesFormat) -> None:
+async def _generate(serving: Serving, reqs: list[TokenizeRequest], fmt: ResponsesFormat,
+                    release: Callable[[], None]) -> None:
     """A background response's generation: its stream, run to the end unread (``fmt`` keeps the
-    output and the events; a cancel aborts the requests as a client leaving a stream does)."""
+    output and the events; a cancel aborts the requests as a client leaving a stream does); then
+    ``release()`` (its conversation, if it ended without a final object)."""
     try:
         response = await serving.run(reqs, fmt, True, None)
         if isinstance(response, StreamingResponse):
@@ -127,6 +153,7 @@ async def _generate(serving: Serving, reqs: list[TokenizeRequest], fmt: Response
         logger.exception("background response %s failed", fmt.id)
         fmt.failed_chunk(APIError(500, f"internal server error: {e}", type="server_error"))
     finally:
+        release()
         if fmt.log is not None:
             fmt.log.end()
 
@@ -173,31 +200,12 @@ def delete_response(store: ResponseStore, response_id: str) -> dict[str, Any]:
     return {"id": response_id, "object": "response.deleted", "deleted": True}
 
 
-def _cursor(items: list[dict[str, Any]], item_id: str, param: str) -> int:
-    for i, item in enumerate(items):
-        if item["id"] == item_id:
-            return i
-    raise APIError.invalid(f"{param}: this response has no input item with id '{item_id}'", param)
-
-
 def list_input_items(
     store: ResponseStore, response_id: str, after: str | None = None, before: str | None = None,
-    limit: int = INPUT_ITEMS_LIMIT, order: str = "desc",
+    limit: int = DEFAULT_LIMIT, order: str = "desc",
 ) -> dict[str, Any]:
-    """A page of a stored response's input items, as OpenAI's cursor lists: in ``order``, the
-    ``limit`` items after the item ``after`` (or, given only ``before``, the ones just before it)."""
+    """A page of a stored response's input items, as OpenAI's cursor lists."""
     entry = store.get(response_id)
     if entry is None:
         raise not_found(response_id)
-    items = entry.input_items if order == "asc" else entry.input_items[::-1]
-    start = _cursor(items, after, "after") + 1 if after is not None else 0
-    end = _cursor(items, before, "before") if before is not None else len(items)
-    window = items[start:end]
-    page = window[-limit:] if before is not None and after is None else window[:limit]
-    return {
-        "object": "list",
-        "data": page,
-        "first_id": page[0]["id"] if page else None,
-        "last_id": page[-1]["id"] if page else None,
-        "has_more": len(window) > len(page),
-    }
+    return page(entry.input_items, "this response's input", after, before, limit, order)

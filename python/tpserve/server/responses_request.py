@@ -128,6 +128,17 @@ def chat_messages(instructions: str | None, items: list[dict[str, Any]], first_n
     return built.finish()
 
 
+def check_items(items: list[Any], param: str) -> None:
+    """400 (naming ``param``) unless each item could be a response's input item."""
+    built = _Messages()
+    try:
+        for i, item in enumerate(items):
+            built.add(item, f"{param}[{i}]")
+    except APIError as e:
+        e.param = param
+        raise
+
+
 def _chat_tool(tool: Any, index: int) -> dict[str, Any]:
     kind = tool.get("type") if isinstance(tool, dict) else None
     if kind != "function":
