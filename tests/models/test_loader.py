@@ -73,6 +73,17 @@ def test_unexpected_weight_is_named(tiny_model_factory, tmp_path):
         Engine(EngineConfig(model=model_dir, device="cpu"))
 
 
+def test_integer_weights_are_named(tiny_model_factory, tmp_path):
+    """An integer tensor where a weight belongs would be converted to floats silently."""
+    model_dir = copy_model(tiny_model_factory("qwen3"), str(tmp_path / "m"))
+    path = os.path.join(model_dir, "model.safetensors")
+    weights = load_file(path)
+    weights["model.layers.1.self_attn.o_proj.weight"] = weights["model.layers.1.self_attn.o_proj.weight"].to(torch.int32)
+    save_file(weights, path)
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.self_attn\.o_proj\.weight' is int32, not a floating-point"):
+        Engine(EngineConfig(model=model_dir, device="cpu"))
+
+
 def test_wrong_shape_is_named(tiny_model_factory, tmp_path):
     model_dir = copy_model(tiny_model_factory("qwen3"), str(tmp_path / "m"))
     path = os.path.join(model_dir, "model.safetensors")

@@ -178,6 +178,9 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
                 raise ValueError(f"weight {name!r} appears twice in the checkpoint")
             module, param, shard_id = target
             layer = model.get_submodule(module)
+            if not piece.is_floating_point():  # copying an integer tensor would convert it silently
+                raise ValueError(f"checkpoint tensor {name!r} is {str(piece.dtype).removeprefix('torch.')}, not a "
+                                 "floating-point weight")
             if piece.dtype == FP8_DTYPE and getattr(layer, param).dtype != FP8_DTYPE:
                 raise ValueError(
                     f"weight {name!r} is float8 in the checkpoint but its layer is not quantized (config.json has no "
