@@ -55,6 +55,8 @@ def main() -> None:
     parser.add_argument("--hf-batch-size", type=int, default=64, help="static batch size of the baseline")
     parser.add_argument("--quantization", default=None, help="fp8: quantize the weights at load (issue 16)")
     parser.add_argument("--kv-cache-dtype", default="auto", help="auto (the model's dtype) or fp8_e4m3")
+    parser.add_argument("--expert-parallel", action="store_true",
+                        help="MoE: whole experts per rank instead of every expert cut (the server's --expert-parallel)")
     parser.add_argument("--dtype", default="bfloat16", help="engine dtype (float32 for quick CPU runs)")
     parser.add_argument("--trace", action="store_true",
                         help="record every scheduler step and print where the time goes (throughput flagged as traced)")
@@ -83,6 +85,7 @@ def main() -> None:
         disable_overlap=args.disable_overlap,
         quantization=args.quantization,
         kv_cache_dtype=args.kv_cache_dtype,
+        expert_parallel=args.expert_parallel,
     )
     startup = time.perf_counter() - start
     llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4), use_tqdm=False)  # warm-up
@@ -120,6 +123,8 @@ def main() -> None:
     }
     if args.dtype != "bfloat16":
         row["dtype"] = args.dtype
+    if args.expert_parallel:
+        row["expert_parallel"] = True
     if args.quantization or args.kv_cache_dtype != "auto":
         row["quantization"], row["kv_cache_dtype"] = args.quantization, args.kv_cache_dtype
     extra = {}

@@ -517,6 +517,9 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
         --sweep-batch-sizes 1,4 --out $results/moe_small_batch_tp2.json ;;
     moe_tiles) stage moe_tiles 240 python3 benchmarks/experiments/moe_tiles.py --out $results/moe_tiles.json ;;
     moe30_tp2) stage moe30_tp2 240 python3 benchmarks/offline_throughput.py --model $a3b --tp-size 2 --out $results/offline_qwen3_30b_a3b_tp2.json ;;
+    moe30_tp2_ep)  # the same with whole experts per rank (--expert-parallel), to set beside moe30_tp2
+      stage moe30_tp2_ep 240 python3 benchmarks/offline_throughput.py --model $a3b --tp-size 2 --expert-parallel \
+        --out $results/offline_qwen3_30b_a3b_tp2_ep.json ;;
     # FP8 (issue 16), two calls: "fp8_gemm fp8_decode8" and "fp8_tests fp8_decode32"
     fp8_profile8)  # where the FP8 decode step's time goes (weights, then weights + KV in FP8)
       stage fp8_profile8 120 python3 benchmarks/profile_decode.py --model $large --quantization fp8 --batch-sizes 1,64 \
