@@ -176,14 +176,15 @@ def test_an_empty_output_is_an_empty_message():
 def test_response_object_echoes_the_request():
     c, stub = make_client(stub=StubFrontend(finish="stop"))
     body = {"model": "tiny-test", "input": "hi", "instructions": "Sys.", "max_output_tokens": 9, "temperature": 0.3,
-            "metadata": {"k": "v"}, "user": "u1", "text": {"format": {"type": "json_object"}}}
+            "metadata": {"k": "v"}, "user": "u1", "text": {"format": {"type": "json_object"}}, "max_tool_calls": 2}
     resp = c.post(RESPONSES, json=body).json()
     Response.model_validate(resp)
     assert resp["id"].startswith("resp_") and resp["object"] == "response" and resp["status"] == "completed"
     assert resp["output"][0]["content"][0]["text"] == "Hello 你好!" and resp["incomplete_details"] is None
-    assert {k: resp[k] for k in ("instructions", "max_output_tokens", "temperature", "metadata", "user", "store")} == {
+    keys = ("instructions", "max_output_tokens", "temperature", "metadata", "user", "store", "max_tool_calls")
+    assert {k: resp[k] for k in keys} == {
         "instructions": "Sys.", "max_output_tokens": 9, "temperature": 0.3, "metadata": {"k": "v"}, "user": "u1",
-        "store": True}
+        "store": True, "max_tool_calls": 2}
     assert resp["usage"]["input_tokens"] == 5 and resp["usage"]["output_tokens"] == 3
     assert resp["usage"]["total_tokens"] == 8
     req = stub.submitted[-1]
@@ -592,6 +593,8 @@ def test_store_keeps_the_events_of_the_latest_finished_background_responses():
     ({"input": "x", "chat_template_kwargs": "x"}, "chat_template_kwargs must be an object", "chat_template_kwargs"),
     ({"input": "x", "chat_template_kwargs": 0}, "chat_template_kwargs must be an object", "chat_template_kwargs"),
     ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
+    ({"input": "x", "max_tool_calls": -1}, None, "max_tool_calls"),
+    ({"input": "x", "max_tool_calls": "3"}, None, "max_tool_calls"),
     ({"input": "x", "regex": ""}, "regex must not be empty", "regex"),
     ({"input": "x", "tools": [FLAT_TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
      "give only one of text.format, tool_choice", "tool_choice"),

@@ -366,7 +366,6 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
 # Fields of the Responses API that tpserve does not serve: each is a 400 naming it, not ignored.
 UNSUPPORTED_RESPONSES_FIELDS = {
     "prompt": "prompt templates are not supported: send input (and instructions)",
-    "max_tool_calls": "max_tool_calls is not supported (parallel_tool_calls: false allows one call)",
 }
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # include values accepted: the output text's logprobs; encrypted reasoning (asked by agents with store: false)
@@ -397,6 +396,9 @@ class ResponsesRequest(_Body):
     user: str | None = None
     background: bool = False
     truncation: Literal["auto", "disabled"] = "disabled"
+    # OpenAI's bound on calls to built-in tools, which tpserve does not serve: function calls are not
+    # counted (nor by OpenAI), so it has no effect
+    max_tool_calls: StrictInt | None = Field(default=None, ge=0)
     include: list[StrictStr] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # with include's logprobs
 
