@@ -207,7 +207,8 @@ def _v1_router() -> APIRouter:
     @router.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         state = _state(request)
-        return await create_response(_serving(request), state.responses, state.conversations, body, request)
+        return await create_response(_serving(request), state.responses, state.conversations, body, request,
+                                     state.tokenize_service().count_chat)
 
     @router.get("/responses/{response_id}", response_model=None)
     async def get_stored_response(

@@ -395,7 +395,7 @@ class ResponsesRequest(_Body):
     metadata: dict[str, StrictStr] | None = None
     user: str | None = None
     background: bool = False
-    truncation: Literal["auto", "disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"  # auto: server/truncation.py
     # OpenAI's bound on calls to built-in tools, which tpserve does not serve: function calls are not
     # counted (nor by OpenAI), so it has no effect
     max_tool_calls: StrictInt | None = Field(default=None, ge=0)
@@ -418,9 +418,6 @@ class ResponsesRequest(_Body):
                 raise APIError.invalid(why, name)
         if self.background and not self.store:
             raise APIError.invalid("background responses must be stored: send store: true", "background")
-        if self.truncation == "auto":
-            raise APIError.invalid('truncation "auto" is not supported: an input beyond the context is a 400 '
-                                   '(truncation: "disabled")', "truncation")
         for item in self.include or []:
             if item not in RESPONSES_INCLUDES:
                 raise APIError.invalid(f"include {item!r} is not supported (only {', '.join(RESPONSES_INCLUDES)})",
