@@ -346,3 +346,21 @@ def test_conversations_carry_the_turns(client):
     client.conversations.delete(conv.id)
     with pytest.raises(openai.NotFoundError, match="not found"):
         client.responses.create(input="Hi", conversation=conv.id, **common)
+
+
+def test_responses_truncation_auto_continues_a_chain_beyond_the_context(client):
+    common = dict(model="tiny", max_output_tokens=8, reasoning=NO_THINKING, extra_body={"ignore_eos": True})
+    turn = "a b c d e f g h " * 50  # a turn of about 470 tokens: three are more than the 1024-token context
+    first = client.responses.create(input=turn, **common)
+    second = client.responses.create(input=turn, previous_response_id=first.id, **common)
+    assert 2 * first.usage.input_tokens < second.usage.input_tokens < 1024 - 8
+    with pytest.raises(openai.BadRequestError, match="context length is 1024 tokens"):
+        client.responses.create(input=turn, previous_response_id=second.id, **common)
+    third = client.responses.create(input=turn, previous_response_id=second.id, truncation="auto", **common)
+    # the oldest items went: a prompt longer than the second's (a turn more), with room for the answer
+    assert third.truncation == "auto" and third.usage.output_tokens == 8
+    assert second.usage.input_tokens < third.usage.input_tokens <= 1024 - 8
+    # the stored chain is whole: it goes on only with truncation
+    with pytest.raises(openai.BadRequestError, match="context length is 1024 tokens"):
+        client.responses.create(input="Hi", previous_response_id=third.id, truncation="disabled", **common)
+    assert client.responses.create(input="Hi", previous_response_id=third.id, truncation="auto", **common).id

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import time
 import typing
 
@@ -25,6 +26,8 @@ from tpserve.server.response_store import EventLog, ResponseStore, StoredRespons
 from tpserve.server.responses import create_response, get_response
 from tpserve.server.responses_request import chat_messages, chat_request
 from tpserve.server.serving import Serving
+from tpserve.server.truncation import first_fitting, kept, starts
+from tpserve.tokenizer.prepare import InvalidRequest, PromptLimits, PromptPreparer
 
 RESPONSES = "/v1/responses"
 _EVENTS = typing.get_args(typing.get_args(ResponseStreamEvent)[0])
@@ -176,14 +179,15 @@ def test_an_empty_output_is_an_empty_message():
 def test_response_object_echoes_the_request():
     c, stub = make_client(stub=StubFrontend(finish="stop"))
     body = {"model": "tiny-test", "input": "hi", "instructions": "Sys.", "max_output_tokens": 9, "temperature": 0.3,
-            "metadata": {"k": "v"}, "user": "u1", "text": {"format": {"type": "json_object"}}}
+            "metadata": {"k": "v"}, "user": "u1", "text": {"format": {"type": "json_object"}}, "max_tool_calls": 2}
     resp = c.post(RESPONSES, json=body).json()
     Response.model_validate(resp)
     assert resp["id"].startswith("resp_") and resp["object"] == "response" and resp["status"] == "completed"
     assert resp["output"][0]["content"][0]["text"] == "Hello 你好!" and resp["incomplete_details"] is None
-    assert {k: resp[k] for k in ("instructions", "max_output_tokens", "temperature", "metadata", "user", "store")} == {
+    keys = ("instructions", "max_output_tokens", "temperature", "metadata", "user", "store", "max_tool_calls")
+    assert {k: resp[k] for k in keys} == {
         "instructions": "Sys.", "max_output_tokens": 9, "temperature": 0.3, "metadata": {"k": "v"}, "user": "u1",
-        "store": True}
+        "store": True, "max_tool_calls": 2}
     assert resp["usage"]["input_tokens"] == 5 and resp["usage"]["output_tokens"] == 3
     assert resp["usage"]["total_tokens"] == 8
     req = stub.submitted[-1]
@@ -591,7 +595,9 @@ def test_store_keeps_the_events_of_the_latest_finished_background_responses():
     ({"input": "x", "reasoning": {"effort": 5}}, "reasoning.effort must be one of", "reasoning.effort"),
     ({"input": "x", "chat_template_kwargs": "x"}, "chat_template_kwargs must be an object", "chat_template_kwargs"),
     ({"input": "x", "chat_template_kwargs": 0}, "chat_template_kwargs must be an object", "chat_template_kwargs"),
-    ({"input": "x", "truncation": "auto"}, "truncation", "truncation"),
+    ({"input": "x", "truncation": "middle"}, None, "truncation"),
+    ({"input": "x", "max_tool_calls": -1}, None, "max_tool_calls"),
+    ({"input": "x", "max_tool_calls": "3"}, None, "max_tool_calls"),
     ({"input": "x", "regex": ""}, "regex must not be empty", "regex"),
     ({"input": "x", "tools": [FLAT_TOOL], "tool_choice": "required", "text": {"format": {"type": "json_object"}}},
      "give only one of text.format, tool_choice", "tool_choice"),
@@ -654,3 +660,154 @@ def test_a_failure_mid_stream_ends_with_response_failed_and_is_stored_so():
     c, _ = make_client(stub=TooLongFrontend())
     assert c.post(RESPONSES, json={"input": "x", "stream": True}).status_code == 400
     assert len(c.app.state.server.responses) == 0
+
+
+# ---- truncation ----
+class WordTokenizer:
+    """The model's tokenizer, in small: the chat template writes a line per message (its role, its
+    content, its calls' names and argument values) and a last "assistant:", and each word is a token."""
+
+    chat_template = "one line per message"
+
+    def __init__(self) -> None:
+        self.renders = 0
+
+    def __len__(self) -> int:
+        return 700
+
+    def apply_chat_template(self, messages, tools=None, add_generation_prompt=True, **kwargs) -> str:
+        self.renders += 1
+        lines = []
+        for m in messages:
+            calls = [[c["function"]["name"], *map(str, c["function"]["arguments"].values())]
+                     for c in m.get("tool_calls", [])]
+            lines.append(" ".join([f"{m['role']}:", m.get("content") or "", *sum(calls, [])]))
+        return "\n".join(lines + ["assistant:"] * add_generation_prompt)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return [len(word) for word in text.split()]
+
+
+class TokenizingFrontend(StubFrontend):
+    """Checks each prompt as the tokenizer worker does (its PromptPreparer, with a WordTokenizer):
+    one beyond the context is rejected with the worker's message; ``lengths``: the prompts' tokens."""
+
+    def __init__(self) -> None:
+        super().__init__(finish="stop")
+        self._preparer = PromptPreparer(WordTokenizer(), PromptLimits(LIMITS.context_len, 700))
+        self.lengths: list[int] = []
+
+    async def _answer(self, req, queue) -> None:
+        try:
+            self.lengths.append(self._preparer.prepare(req).register.prompt_tokens)
+        except InvalidRequest as e:
+            queue.put_nowait(RequestRejected(rid=req.rid, message=e.message, param=e.param))
+            return
+        await super()._answer(req, queue)
+
+
+def truncating_client():
+    """A client whose server counts tokens (for truncation) with a WordTokenizer, as its frontend does."""
+    c, stub = make_client(stub=TokenizingFrontend())
+    tokenizer = WordTokenizer()
+    c.app.state.server.tokenize_service()._tokenizer = tokenizer
+    return c, stub, tokenizer
+
+
+def words(n: int, word: str) -> str:
+    return " ".join([word] * n)
+
+
+def call(call_id: str, argument: str) -> dict:
+    return {"type": "function_call", "call_id": call_id, "name": "f", "arguments": json.dumps({"a": argument})}
+
+
+def test_truncation_starts_keep_calls_with_their_outputs_and_pinned_messages():
+    user, system = {"role": "user", "content": "u"}, {"type": "message", "role": "system", "content": "s"}
+    items = [user, call("a", "x"), call("b", "y"), {"type": "function_call_output", "call_id": "a", "output": "1"},
+             {"type": "function_call_output", "call_id": "b", "output": "2"}, user, system, user]
+    # not 2, 3, 4 (a call apart from its output), nor 7 (the same as 6: the system message stays)
+    assert starts(items) == [0, 1, 5, 6]
+    assert kept(items, 6) == [system, user] and kept(items, 1) == items[1:]
+    assert starts([user]) == [0]
+
+
+@pytest.mark.parametrize("size", [1, 2, 5, 8, 33])
+def test_truncation_search_finds_the_first_fitting_start_in_log_renders(size):
+    cuts = list(range(0, 3 * size, 3))
+    for threshold in range(-1, 3 * size + 2):
+        tried = []
+
+        async def fits(start: int) -> bool:
+            tried.append(start)
+            return start >= threshold
+
+        found = asyncio.run(first_fitting(cuts, fits))
+        assert found == next((k for k in cuts if k >= threshold), None)
+        assert len(tried) <= 1 + math.ceil(math.log2(size))
+
+
+def test_truncation_auto_drops_the_oldest_items_until_the_answer_fits():
+    c, stub, tokenizer = truncating_client()
+    first = c.post(RESPONSES, json={"input": words(40, "one")}).json()
+    second = c.post(RESPONSES, json={"input": words(40, "two"), "previous_response_id": first["id"]}).json()
+    # history 41 + 3 + 41 + 3 tokens, 41 more, the instructions' 2 and "assistant:": 132 > 128
+    third = {"input": words(40, "three"), "previous_response_id": second["id"], "instructions": "Sys."}
+    assert_error(c.post(RESPONSES, json=third), 400, "context length is 128 tokens")
+    assert_error(c.post(RESPONSES, json={**third, "truncation": "disabled"}), 400, "context length is 128 tokens")
+    # without max_output_tokens, one token must be left: the first user message goes
+    resp = c.post(RESPONSES, json={**third, "truncation": "auto"})
+    assert resp.status_code == 200, resp.text
+    assert resp.json()["truncation"] == "auto"
+    assert [m["content"][:5] for m in stub.submitted[-1].messages] == ["Sys.", "Hello", "two t", "Hello", "three"]
+    assert stub.lengths[-1] == 91
+    # 40 tokens for the answer: the first turn goes whole (the instructions stay); the prompt fills
+    # the context exactly
+    renders = tokenizer.renders
+    resp = c.post(RESPONSES, json={**third, "truncation": "auto", "max_output_tokens": 40})
+    assert resp.status_code == 200, resp.text
+    assert [m["role"] for m in stub.submitted[-1].messages] == ["system", "user", "assistant", "user"]
+    assert stub.lengths[-1] == 88
+    assert tokenizer.renders - renders == 4 == 1 + math.ceil(math.log2(5))  # 5 items, 5 starts: 1 + 3 renders
+    # what the model saw was cut, the stored conversation is whole
+    stored = c.app.state.server.responses.get(resp.json()["id"])
+    assert [item["content"][0]["text"][:5] for item in stored.items] == ["one o", "Hello", "two t", "Hello", "three",
+                                                                         "Hello"]
+    assert [item["content"][0]["text"][:5] for item in stored.input_items] == ["three"]
+    following = c.post(RESPONSES, json={"input": "more", "previous_response_id": resp.json()["id"],
+                                        "truncation": "auto"})
+    assert following.status_code == 200, following.text
+    assert [m["content"][:5] for m in stub.submitted[-1].messages] == ["Hello", "two t", "Hello", "three", "Hello",
+                                                                       "more"]
+
+
+def test_truncation_auto_keeps_a_call_with_its_output_and_the_system_messages():
+    c, stub, _ = truncating_client()
+    items = [{"role": "developer", "content": "Dev."}, {"role": "user", "content": words(10, "ask")},
+             call("c1", words(40, "arg")), {"type": "function_call_output", "call_id": "c1", "output": words(10, "out")},
+             {"role": "user", "content": words(40, "next")}]
+    # 2 + 11 + 42 + 11 + 41 + 1 = 108 tokens; with 30 for the answer the first user message goes (the
+    # developer message, a system one in the chat, stays)
+    resp = c.post(RESPONSES, json={"input": items, "truncation": "auto", "max_output_tokens": 30})
+    assert resp.status_code == 200, resp.text
+    assert [m["role"] for m in stub.submitted[-1].messages] == ["system", "assistant", "tool", "user"]
+    # with 40, dropping the call would do (56 + 40) but its output would stay alone: both go
+    resp = c.post(RESPONSES, json={"input": items, "truncation": "auto", "max_output_tokens": 40})
+    assert resp.status_code == 200, resp.text
+    assert stub.submitted[-1].messages == [{"role": "system", "content": "Dev."},
+                                           {"role": "user", "content": words(40, "next")}]
+    assert stub.lengths[-1] == 44
+
+
+def test_truncation_auto_too_long_even_cut_is_the_usual_400():
+    c, stub, _ = truncating_client()
+    first = c.post(RESPONSES, json={"input": "one"}).json()
+    # the last item alone (92 tokens) leaves no room for the answer's 40
+    resp = c.post(RESPONSES, json={"input": words(90, "two"), "previous_response_id": first["id"],
+                                   "truncation": "auto", "max_output_tokens": 40})
+    assert_error(resp, 400, "context length is 128 tokens, but 137 were requested", "max_output_tokens")
+    resp = c.post(RESPONSES, json={"input": words(130, "two"), "truncation": "auto"})
+    assert_error(resp, 400, "the prompt has 132 tokens", "input")
+    # the whole conversation was sent, and refused as without truncation
+    assert stub.submitted[-1].messages == [{"role": "user", "content": words(130, "two")}]
+    assert len(c.app.state.server.responses) == 1

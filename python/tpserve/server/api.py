@@ -84,22 +84,31 @@ class TokenizeService:
             self._limits.check_text(len(body.prompt), "prompt")
         else:
             self._limits.check_chat(messages, body.tools, body.chat_template_kwargs)
-        tokenizer = await self._load()
         if body.prompt is not None:
+            tokenizer = await self._load()
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         else:
-            preparer = PromptPreparer(tokenizer, PromptLimits(self._limits.context_len, len(tokenizer)))
-            req = TokenizeRequest(
+            ids = await self.chat_ids(TokenizeRequest(
                 rid=0, params=SamplingParams(), messages=messages,
                 chat_template_kwargs=body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 tools=body.tools or None,
-            )
-            try:  # as the tokenizer worker renders and encodes a chat
-                ids, _, _ = await asyncio.to_thread(preparer.input_ids, req)
-            except InvalidRequest as e:
-                raise APIError.invalid(e.message, e.param) from e
+            ))
         return {"tokens": list(ids), "count": len(ids), "max_model_len": self._limits.context_len}
+
+    async def chat_ids(self, req: TokenizeRequest) -> list[int]:
+        """A chat request's prompt tokens, rendered and encoded as the tokenizer worker does (a
+        template error: 400)."""
+        tokenizer = await self._load()
+        preparer = PromptPreparer(tokenizer, PromptLimits(self._limits.context_len, len(tokenizer)))
+        try:
+            ids, _, _ = await asyncio.to_thread(preparer.input_ids, req)
+        except InvalidRequest as e:
+            raise APIError.invalid(e.message, e.param) from e
+        return ids
+
+    async def count_chat(self, req: TokenizeRequest) -> int:
+        return len(await self.chat_ids(req))
 
     async def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
         self._limits.check_ids(len(body.tokens), "tokens")
@@ -198,7 +207,8 @@ def _v1_router() -> APIRouter:
     @router.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         state = _state(request)
-        return await create_response(_serving(request), state.responses, state.conversations, body, request)
+        return await create_response(_serving(request), state.responses, state.conversations, body, request,
+                                     state.tokenize_service().count_chat)
 
     @router.get("/responses/{response_id}", response_model=None)
     async def get_stored_response(

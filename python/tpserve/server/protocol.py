@@ -366,7 +366,6 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
 # Fields of the Responses API that tpserve does not serve: each is a 400 naming it, not ignored.
 UNSUPPORTED_RESPONSES_FIELDS = {
     "prompt": "prompt templates are not supported: send input (and instructions)",
-    "max_tool_calls": "max_tool_calls is not supported (parallel_tool_calls: false allows one call)",
 }
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # include values accepted: the output text's logprobs; encrypted reasoning (asked by agents with store: false)
@@ -396,7 +395,10 @@ class ResponsesRequest(_Body):
     metadata: dict[str, StrictStr] | None = None
     user: str | None = None
     background: bool = False
-    truncation: Literal["auto", "disabled"] = "disabled"
+    truncation: Literal["auto", "disabled"] = "disabled"  # auto: server/truncation.py
+    # OpenAI's bound on calls to built-in tools, which tpserve does not serve: function calls are not
+    # counted (nor by OpenAI), so it has no effect
+    max_tool_calls: StrictInt | None = Field(default=None, ge=0)
     include: list[StrictStr] | None = None
     top_logprobs: int | None = Field(default=None, ge=0, le=MAX_LOGPROBS)  # with include's logprobs
 
@@ -416,9 +418,6 @@ class ResponsesRequest(_Body):
                 raise APIError.invalid(why, name)
         if self.background and not self.store:
             raise APIError.invalid("background responses must be stored: send store: true", "background")
-        if self.truncation == "auto":
-            raise APIError.invalid('truncation "auto" is not supported: an input beyond the context is a 400 '
-                                   '(truncation: "disabled")', "truncation")
         for item in self.include or []:
             if item not in RESPONSES_INCLUDES:
                 raise APIError.invalid(f"include {item!r} is not supported (only {', '.join(RESPONSES_INCLUDES)})",

@@ -228,6 +228,7 @@ class ResponsesFormat(ResponseFormat):
             "incomplete_details": {"reason": "max_output_tokens"} if status == "incomplete" else None,
             "instructions": body.instructions,
             "max_output_tokens": body.max_output_tokens,
+            "max_tool_calls": body.max_tool_calls,
             "metadata": body.metadata or {},
             "model": self.model,
             "output": _copy(self._items.items),

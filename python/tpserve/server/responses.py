@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import logging
 from functools import partial
-from typing import Any, AsyncIterator, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 from fastapi import Request
@@ -28,8 +28,11 @@ from tpserve.server.response_output import RESPONSES_PARAMS, ResponsesFormat, st
 from tpserve.server.response_store import ResponseStore, StoredResponse, not_found
 from tpserve.server.responses_request import chat_request, input_items
 from tpserve.server.serving import Serving, sse
+from tpserve.server.truncation import first_fitting, pinned, starts
 
 logger = logging.getLogger(__name__)
+
+TokenCounter = Callable[[TokenizeRequest], Awaitable[int]]  # a chat request's prompt tokens
 
 
 def _history(store: ResponseStore, previous_response_id: str | None) -> list[dict[str, Any]]:
@@ -69,14 +72,49 @@ def _prepare(serving: Serving, chat: ChatCompletionRequest) -> tuple[list[Tokeni
     return renamed, output
 
 
+async def _fitted(serving: Serving, body: ResponsesRequest, history: list[dict[str, Any]],
+                  count: TokenCounter) -> tuple[list[TokenizeRequest], ChatOutputConfig]:
+    """``truncation: "auto"``: the requests of the conversation from the first start (``truncation``)
+    whose prompt, counted by ``count`` as the tokenizer worker renders it, leaves room in the context
+    for ``max_output_tokens`` (else ``min_tokens``, at least one token); if none does, of the whole
+    conversation (the tokenizer worker's usual 400)."""
+    whole = chat_request(body, history)  # the items' errors, named as without truncation
+    context = serving.limits.context_len
+    fitting: dict[int, tuple[list[TokenizeRequest], ChatOutputConfig]] = {}
+
+    async def fits(start: int) -> bool:
+        try:  # a too-long prompt is a 400 of the character limit or of the chat template
+            prepared = _prepare(serving, whole if start == 0 else chat_request(body, history, start))
+            params = prepared[0][0].params
+            room = params.max_tokens if params.max_tokens is not None else max(1, params.min_tokens)
+            if await count(prepared[0][0]) + room > context:
+                return False
+        except APIError:
+            return False
+        fitting[start] = prepared
+        return True
+
+    items = history + input_items(body)
+    start = await first_fitting(starts(items), fits)
+    if start is None:
+        return _prepare(serving, whole)
+    if start:
+        logger.debug("response input truncated: %d of %d items dropped", start - sum(map(pinned, items[:start])),
+                     len(items))
+    return fitting[start]
+
+
 async def create_response(
     serving: Serving, store: ResponseStore, conversations: ConversationStore, body: ResponsesRequest, request: Request,
+    count: TokenCounter | None = None,
 ) -> Response:
     """With ``store``, the response is stored as it starts (GET shows it in progress) and replaced
     by its final object; ``background`` answers at once (or streams the stored events, which a
     client leaving does not stop) and generates in a task of the store. With ``conversation``, its
     items come before the input, and the response holds it until it ends: completed (or incomplete),
-    its input and output items are appended; failed, cancelled or left by its client, nothing is."""
+    its input and output items are appended; failed, cancelled or left by its client, nothing is.
+    ``count``: a chat prompt's tokens, for ``truncation: "auto"`` (which shortens the prompt only:
+    the history stored with the response is whole)."""
     serving.check_model(body.model)
     body.check()
     conversation = None if body.conversation_id is None else conversations.get(body.conversation_id, "conversation")
@@ -87,7 +125,12 @@ async def create_response(
         history = _history(store, body.previous_response_id)
     if isinstance(body.input, list):
         body = body.model_copy(update={"input": referenced(store, body.input)})
-    reqs, output = _prepare(serving, chat_request(body, history))
+    if body.truncation == "auto":
+        if count is None:
+            raise RuntimeError('truncation "auto" needs a token counter')
+        reqs, output = await _fitted(serving, body, history, count)
+    else:
+        reqs, output = _prepare(serving, chat_request(body, history))
     own_items = [stored_item(item) for item in input_items(body)]
 
     def save(response: dict[str, Any]) -> None:

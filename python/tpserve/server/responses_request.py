@@ -11,6 +11,7 @@ from pydantic import ValidationError
 
 from tpserve.server.errors import APIError
 from tpserve.server.protocol import ChatCompletionRequest, ResponsesRequest
+from tpserve.server.truncation import kept
 
 # chat fields a Responses request may carry as extensions (vLLM's sampling extras)
 CHAT_EXTENSIONS = frozenset({
@@ -194,12 +195,14 @@ def _template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
     return kwargs or None
 
 
-def chat_request(body: ResponsesRequest, history: list[dict[str, Any]]) -> ChatCompletionRequest:
-    """The chat request that serves ``body`` after the stored ``history``."""
+def chat_request(body: ResponsesRequest, history: list[dict[str, Any]], start: int = 0) -> ChatCompletionRequest:
+    """The chat request that serves ``body`` after the stored ``history``; ``start``: the
+    conversation (history, then input) is cut to start at that item (``truncation.kept``)."""
     fields: dict[str, Any] = {k: v for k, v in (body.model_extra or {}).items() if k in CHAT_EXTENSIONS}
+    items = kept(history + input_items(body), start)
     fields.update(
         model=body.model,
-        messages=chat_messages(body.instructions, history + input_items(body), first_new=len(history)),
+        messages=chat_messages(body.instructions, items, first_new=len(kept(history, min(start, len(history))))),
         max_tokens=body.max_output_tokens,
         temperature=body.temperature,
         top_p=body.top_p,
