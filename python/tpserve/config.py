@@ -260,8 +260,7 @@ class ModelConfig:
         if self.moe is not None and not expert_parallel and self.moe.intermediate_size % tp_size:
             raise ValueError(
                 f"{name} {tp_size} does not divide moe_intermediate_size {self.moe.intermediate_size} "
-                "(each rank holds a slice of every expert's intermediate dimension; expert parallelism "
-                "keeps experts whole)"
+                f"(each rank holds a slice of every expert's intermediate dimension; {_ep_hint(name)})"
             )
         self._check_fp8_blocks(tp_size, name, expert_parallel)
 
@@ -300,7 +299,7 @@ class ModelConfig:
                     f"{name} {tp_size}: each rank's share of the {what} is {width}, not a multiple of the FP8 "
                     f"weight block {block} (quantization_config.weight_block_size {[bn, bk]}); the block scales "
                     "can only be split across ranks and merged (q/k/v, gate/up) at block boundaries"
-                    + ("; expert parallelism keeps the experts whole" if "moe_intermediate_size" in what else "")
+                    + (f"; {_ep_hint(name)}" if "moe_intermediate_size" in what else "")
                 )
 
     @classmethod
@@ -426,6 +425,12 @@ def _check_types(config: EngineConfig) -> None:
         elif not (kind == "bool" and isinstance(value, bool) or kind == "str" and isinstance(value, str)):
             raise TypeError(f"{f.name} must be {_TYPE_NAMES[kind]}{' or None' if optional else ''}, got {value!r}")
         object.__setattr__(config, f.name, value)
+
+
+def _ep_hint(tp_name: str) -> str:
+    """How to keep the experts whole, as the user sets it: the CLI flag, or the keyword."""
+    flag = "--expert-parallel" if tp_name.startswith("--") else "expert_parallel=True"
+    return f"expert parallelism ({flag}) keeps experts whole"
 
 
 def _check_min(name: str, value: int, low: int) -> None:

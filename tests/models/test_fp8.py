@@ -223,7 +223,8 @@ def test_fp8_moe_experts_cut_inside_a_block_is_an_error(fp8_moe):
     fp8_dir, _ = fp8_moe(moe_intermediate_size=48)  # TP 2: 24 of every expert's 48 rows, inside a 16-block
     config = ModelConfig.from_pretrained(fp8_dir)
     with pytest.raises(ValueError, match=r"--tp-size 2: each rank's share of the expert gate/up output features "
-                       r"\(moe_intermediate_size\) is 24, not a multiple of the FP8 weight block 16"):
+                       r"\(moe_intermediate_size\) is 24, not a multiple of the FP8 weight block 16.*"
+                       r"expert parallelism \(--expert-parallel\) keeps experts whole"):
         check_can_start(EngineConfig(model=fp8_dir, device="cpu", tp_size=2), config, cli=True)
     engine = Engine(EngineConfig(model=fp8_dir, device="cpu", load_format="dummy", max_total_tokens=64))
     assert engine.model.model.layers[1].mlp.experts.gate_up_proj.std().item() > 0.01  # dummy FP8 experts, scaled
