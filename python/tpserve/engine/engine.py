@@ -175,11 +175,15 @@ class Engine:
         self._mask_device: torch.Tensor | None = None  # grammar masks on the device (GPU)
         if rank == 0:
             logger.info(
-                "engine ready: %s on %s, %s%s, tp %d, %s, %d KV pages of %d tokens, CUDA graphs %s",
+                "engine ready: %s on %s, %s%s, tp %d%s, %s, %d KV pages of %d tokens, CUDA graphs %s",
                 self.model_config.architecture, self.device, self.dtype, self._quantization_note(), config.tp_size,
+                " (expert parallel: whole experts per rank)" if self._expert_parallel() else "",
                 self.attention.describe(), self.num_pages - 1, self.page_size,
                 f"up to batch {self.graph_runner.max_batch_size}" if self.graph_runner else "off",
             )
+
+    def _expert_parallel(self) -> bool:
+        return self.config.expert_parallel and self.config.tp_size > 1 and self.model_config.moe is not None
 
     def _quantization_note(self) -> str:
         quant = self.quantization
