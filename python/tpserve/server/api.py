@@ -3,25 +3,18 @@ tokenize and detokenize."""
 
 from __future__ import annotations
 
-import asyncio
-import logging
 import secrets
 import time
 from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
-from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response
-from starlette.exceptions import HTTPException as StarletteHTTPException
-from starlette.types import ASGIApp, Receive, Scope, Send
 
 import tpserve
 from tpserve.launch.args import ServerArgs
-from tpserve.server.errors import APIError, error_body
+from tpserve.server.errors import APIError
 from tpserve.server.limits import BodySizeLimit, RequestLimits
-from tpserve.message.frontend import TokenizeRequest
-from tpserve.sampling_params import SamplingParams
 from tpserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from tpserve.server.conversation_store import ConversationStore
 from tpserve.server.conversations import (
@@ -52,74 +45,10 @@ from tpserve.server.responses import (
     get_response,
     list_input_items,
 )
+from tpserve.server.request_errors import JsonByDefault, install_error_handlers
 from tpserve.server.serving import Serving
-from tpserve.tokenizer.prepare import InvalidRequest, PromptLimits, PromptPreparer
+from tpserve.server.tokenize_service import TokenizeService
 
-logger = logging.getLogger(__name__)
-
-
-class TokenizeService:
-    """/tokenize and /detokenize: the model's tokenizer (and chat template) in the API server,
-    loaded on first use, run off the event loop. Their inputs have the completion endpoints' size limits."""
-
-    def __init__(self, model_dir: str, chat_template: str | None, limits: RequestLimits) -> None:
-        self._model_dir = model_dir
-        self._chat_template = chat_template
-        self._limits = limits
-        self._tokenizer: Any = None
-        self._lock = asyncio.Lock()
-
-    async def _load(self) -> Any:
-        async with self._lock:
-            if self._tokenizer is None:
-                from tpserve.tokenizer.loader import load_tokenizer
-
-                self._tokenizer = await asyncio.to_thread(load_tokenizer, self._model_dir, self._chat_template)
-        return self._tokenizer
-
-    async def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
-        body.check()
-        messages = [m.to_template(i) for i, m in enumerate(body.messages or [])]
-        if body.prompt is not None:
-            self._limits.check_text(len(body.prompt), "prompt")
-        else:
-            self._limits.check_chat(messages, body.tools, body.chat_template_kwargs)
-        if body.prompt is not None:
-            tokenizer = await self._load()
-            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
-        else:
-            ids = await self.chat_ids(TokenizeRequest(
-                rid=0, params=SamplingParams(), messages=messages,
-                chat_template_kwargs=body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                tools=body.tools or None,
-            ))
-        return {"tokens": list(ids), "count": len(ids), "max_model_len": self._limits.context_len}
-
-    async def chat_ids(self, req: TokenizeRequest) -> list[int]:
-        """A chat request's prompt tokens, rendered and encoded as the tokenizer worker does (a
-        template error: 400)."""
-        tokenizer = await self._load()
-        preparer = PromptPreparer(tokenizer, PromptLimits(self._limits.context_len, len(tokenizer)))
-        try:
-            ids, _, _ = await asyncio.to_thread(preparer.input_ids, req)
-        except InvalidRequest as e:
-            raise APIError.invalid(e.message, e.param) from e
-        return ids
-
-    async def count_chat(self, req: TokenizeRequest) -> int:
-        return len(await self.chat_ids(req))
-
-    async def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
-        self._limits.check_ids(len(body.tokens), "tokens")
-        return {"prompt": await self.decode(body.tokens, "tokens")}
-
-    async def decode(self, tokens: list[int], param: str = "prompt") -> str:
-        tokenizer = await self._load()
-        bad = [t for t in tokens if not 0 <= t < len(tokenizer)]
-        if bad:
-            raise APIError.invalid(f"token id {bad[0]} is out of range [0, {len(tokenizer)})", param)
-        return await asyncio.to_thread(tokenizer.decode, tokens)
 
 
 @dataclass
@@ -312,117 +241,6 @@ def _admin_router() -> APIRouter:
     return router
 
 
-def _body_problem(err: dict[str, Any]) -> str:
-    """What is wrong with a body that is no JSON object at all (an error located at the body)."""
-    if err.get("type") == "missing":
-        return "the request body is empty: send a JSON object"
-    if isinstance(err.get("input"), bytes):  # not parsed: a Content-Type other than JSON
-        return "the request body must be a JSON object sent with Content-Type: application/json"
-    return "the request body must be a JSON object"
-
-
-# pydantic's names of union members (in an error's location) -> what a client reads
-_UNION_MEMBERS = {
-    "str": "a string", "int": "an integer", "list[str]": "a list of strings", "list[int]": "a list of token ids",
-    "list[list[int]]": "a list of token-id lists", "list[any]": "a list", "dict[str,any]": "an object",
-}
-
-
-def _union_member(loc: list[str]) -> tuple[list[str], str | None]:
-    """(the field's location, the union member the error is about, or None): pydantic puts the
-    member's type after the field (``prompt.list[int].0``)."""
-    for i, part in enumerate(loc):
-        if part in _UNION_MEMBERS or "[" in part:
-            return loc[:i], _UNION_MEMBERS.get(part, part)
-    return loc, None
-
-
-def _one_of(options: list[str]) -> str:
-    return options[0] if len(options) == 1 else f"{', '.join(options[:-1])} or {options[-1]}"
-
-
-def _field_location(err: dict[str, Any]) -> list[Any]:
-    """An error's location without where the field came from (``body``, a ``query`` parameter)."""
-    loc = list(err.get("loc", ()))
-    return loc[1:] if loc and loc[0] in ("body", "query") else loc
-
-
-def _validation_message(exc: RequestValidationError) -> tuple[str, str | None]:
-    parts: list[str] = []
-    param = None
-    unions: dict[str, list[str]] = {}  # a field matching no member of its union -> the members
-    for err in exc.errors():
-        loc, member = _union_member([str(x) for x in _field_location(err)])
-        where = ".".join(loc)
-        if err.get("type") == "json_invalid":  # its loc is a character position, not a parameter
-            at = f" at character {where}" if where else ""
-            parts.append(f"invalid JSON body{at}: {err.get('ctx', {}).get('error', err.get('msg'))}")
-            continue
-        if tuple(err.get("loc", ())) == ("body",):
-            parts.append(_body_problem(err))
-            continue
-        param = param or (where or None)
-        if member is not None:
-            if where not in unions:
-                parts.append(where)  # filled in below, once every member is known
-                unions[where] = []
-            if member not in unions[where]:
-                unions[where].append(member)
-        elif err.get("type") == "extra_forbidden":
-            parts.append(f"unsupported parameter '{where}'")
-        elif err.get("type") == "missing":
-            parts.append(f"missing required parameter '{where}'")
-        else:
-            parts.append(f"{where}: {err.get('msg')}" if where else str(err.get("msg")))
-    parts = [f"{p} must be {_one_of(unions[p])}" if p in unions else p for p in parts]
-    return "; ".join(parts) or "invalid request", param
-
-
-def _unreadable_body(exc: StarletteHTTPException) -> str:
-    """Why FastAPI could not parse a body (its own message names no cause)."""
-    if isinstance(exc.__cause__, UnicodeDecodeError):
-        return f"the request body is not valid UTF-8: {exc.__cause__.reason} at byte {exc.__cause__.start}"
-    if isinstance(exc.__cause__, RecursionError):
-        return "the request body is not valid JSON: it is nested too deeply"
-    return str(exc.detail)
-
-
-class JsonByDefault:
-    """ASGI middleware: a request without a Content-Type is read as JSON (FastAPI's strict default
-    would leave it unparsed; ``requests.post(url, data=json.dumps(body))`` sends none)."""
-
-    def __init__(self, app: ASGIApp) -> None:
-        self.app = app
-
-    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if scope["type"] == "http" and not any(name == b"content-type" for name, _ in scope.get("headers") or []):
-            scope = {**scope, "headers": [*scope.get("headers", []), (b"content-type", b"application/json")]}
-        await self.app(scope, receive, send)
-
-
-def _install_error_handlers(app: FastAPI) -> None:
-    @app.exception_handler(APIError)
-    async def on_api_error(request: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
-
-    @app.exception_handler(RequestValidationError)
-    async def on_validation_error(request: Request, exc: RequestValidationError) -> JSONResponse:
-        message, param = _validation_message(exc)
-        return JSONResponse(error_body(message, "invalid_request_error", param, "invalid_request"), 400)
-
-    @app.exception_handler(StarletteHTTPException)
-    async def on_http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
-        if exc.status_code == 400:  # FastAPI could not read the body
-            return JSONResponse(error_body(_unreadable_body(exc), "invalid_request_error", code="invalid_request"), 400)
-        kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, headers=exc.headers)
-
-    @app.exception_handler(Exception)
-    async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
-        logger.exception("internal error on %s", request.url.path)
-        return JSONResponse(error_body(f"internal server error: {exc}", "server_error"), 500)
-
-
 def create_app(state: AppState) -> FastAPI:
     # The OpenAPI schema is public only where the API is (no --api-key).
     openapi_url = "/openapi.json" if state.args.api_key is None else None
@@ -432,5 +250,5 @@ def create_app(state: AppState) -> FastAPI:
     app.state.server = state
     app.include_router(_admin_router())
     app.include_router(_v1_router())
-    _install_error_handlers(app)
+    install_error_handlers(app)
     return app

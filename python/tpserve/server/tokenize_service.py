@@ -1,0 +1,78 @@
+"""/tokenize and /detokenize in the API server, and a chat prompt's token count (for the Responses API's
+``truncation: "auto"``): the model's tokenizer, loaded on first use, run off the event loop."""
+
+from __future__ import annotations
+
+import asyncio
+from typing import Any
+
+from tpserve.message.frontend import TokenizeRequest
+from tpserve.sampling_params import SamplingParams
+from tpserve.server.errors import APIError
+from tpserve.server.limits import RequestLimits
+from tpserve.server.protocol import DetokenizeBody, TokenizeBody
+from tpserve.tokenizer.prepare import InvalidRequest, PromptLimits, PromptPreparer
+
+
+class TokenizeService:
+    """/tokenize and /detokenize: the model's tokenizer (and chat template) in the API server,
+    loaded on first use, run off the event loop. Their inputs have the completion endpoints' size limits."""
+
+    def __init__(self, model_dir: str, chat_template: str | None, limits: RequestLimits) -> None:
+        self._model_dir = model_dir
+        self._chat_template = chat_template
+        self._limits = limits
+        self._tokenizer: Any = None
+        self._lock = asyncio.Lock()
+
+    async def _load(self) -> Any:
+        async with self._lock:
+            if self._tokenizer is None:
+                from tpserve.tokenizer.loader import load_tokenizer
+
+                self._tokenizer = await asyncio.to_thread(load_tokenizer, self._model_dir, self._chat_template)
+        return self._tokenizer
+
+    async def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
+        body.check()
+        messages = [m.to_template(i) for i, m in enumerate(body.messages or [])]
+        if body.prompt is not None:
+            self._limits.check_text(len(body.prompt), "prompt")
+        else:
+            self._limits.check_chat(messages, body.tools, body.chat_template_kwargs)
+        if body.prompt is not None:
+            tokenizer = await self._load()
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+        else:
+            ids = await self.chat_ids(TokenizeRequest(
+                rid=0, params=SamplingParams(), messages=messages,
+                chat_template_kwargs=body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
+                continue_final_message=body.continue_final_message,
+                tools=body.tools or None,
+            ))
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": self._limits.context_len}
+
+    async def chat_ids(self, req: TokenizeRequest) -> list[int]:
+        """A chat request's prompt tokens, rendered and encoded as the tokenizer worker does (a
+        template error: 400)."""
+        tokenizer = await self._load()
+        preparer = PromptPreparer(tokenizer, PromptLimits(self._limits.context_len, len(tokenizer)))
+        try:
+            ids, _, _ = await asyncio.to_thread(preparer.input_ids, req)
+        except InvalidRequest as e:
+            raise APIError.invalid(e.message, e.param) from e
+        return ids
+
+    async def count_chat(self, req: TokenizeRequest) -> int:
+        return len(await self.chat_ids(req))
+
+    async def detokenize(self, body: DetokenizeBody) -> dict[str, Any]:
+        self._limits.check_ids(len(body.tokens), "tokens")
+        return {"prompt": await self.decode(body.tokens, "tokens")}
+
+    async def decode(self, tokens: list[int], param: str = "prompt") -> str:
+        tokenizer = await self._load()
+        bad = [t for t in tokens if not 0 <= t < len(tokenizer)]
+        if bad:
+            raise APIError.invalid(f"token id {bad[0]} is out of range [0, {len(tokenizer)})", param)
+        return await asyncio.to_thread(tokenizer.decode, tokens)
