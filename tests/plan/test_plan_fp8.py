@@ -3,6 +3,7 @@ a GPU (the CPU engine dequantizes them, so there they count in the serving dtype
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 
@@ -125,9 +126,10 @@ def test_fp8_kv_cache_holds_twice_the_tokens_and_reads_half_the_bytes(tmp_path, 
 
 def test_moe_fp8_checkpoint_takes_expert_parallelism_where_tp_would_cut_its_blocks(capsys):
     """Qwen3-30B-A3B-FP8 at TP 4 and 8 would cut every expert's 768 rows into 192 and 96, inside the 128-blocks:
-    the plan keeps those splits with whole experts per rank, costed as the cut, and launches them so."""
+    the plan keeps those splits with whole experts per rank, costed with the busiest rank's experts, and launches
+    them so."""
     from tpserve.plan.cost import GPUS
-    from tpserve.plan.splits import Machine, Settings, launch_commands, plan_splits
+    from tpserve.plan.splits import Machine, Settings, evaluate, launch_commands, plan_splits
 
     shape = ModelShape(ModelConfig.from_pretrained(data_config("Qwen3-30B-A3B-FP8")), 2, (128, 128), fp8_experts=True)
     machine = Machine(GPUS["h200"], 8)
@@ -135,6 +137,14 @@ def test_moe_fp8_checkpoint_takes_expert_parallelism_where_tp_would_cut_its_bloc
     assert [(p.tp, p.expert_parallel) for p in plans] == [(1, False), (2, False), (4, True), (8, True)]
     assert not excluded
     assert plans[2].weight_bytes_per_gpu == pytest.approx(shape.weight_bytes_per_rank(4))
+    # a decode step waits for the rank whose experts the tokens chose most: at one token (8 of 128 experts) the
+    # busiest of 4 ranks holds ~3.45 of them, not the 2 of an even share; at many tokens every expert is read anyway
+    ep = dataclasses.replace(shape, expert_parallel=True)
+    assert ep.touched_experts(1, 4) == pytest.approx(3.45, abs=0.01) and shape.touched_experts(1) / 4 == 2
+    assert ep.touched_experts(512, 4) == pytest.approx(32) and ep.decode_read_bytes(4, 512) == pytest.approx(
+        shape.decode_read_bytes(4, 512))
+    assert ep.decode_read_bytes(4, 1) > 1.3 * shape.decode_read_bytes(4, 1)
+    assert plans[2].decode_1.seconds > evaluate(shape, machine, 4, Settings(8192)).decode_1.seconds
     assert "--tp-size 4 --max-model-len 8192 --expert-parallel" in launch_commands(plans[2], "M", machine, Settings(8192))[0]
     assert main(["--model", data_config("Qwen3-30B-A3B-FP8"), "--gpus", "8", "--context", "8192"]) == 0
     assert "TP8 EP x DP1" in capsys.readouterr().out

@@ -8,6 +8,8 @@ matmul 0.77 on Hopper), the CPU's rough. The efficiency constants are fit to tps
 
 from __future__ import annotations
 
+import math
+
 from dataclasses import dataclass
 
 from tpserve.config import ModelConfig
@@ -66,6 +68,8 @@ class ModelShape:
     kv_dtype_bytes: int | None = None  # bytes per KV-cache element; None: the serving dtype's
     # a MoE model's experts FP8 too (an FP8 checkpoint's: --quantization fp8 leaves them in the serving dtype)
     fp8_experts: bool = False
+    # whole experts per rank (--expert-parallel) instead of a slice of every expert
+    expert_parallel: bool = False
 
     @property
     def linear_bytes(self) -> float:
@@ -87,17 +91,31 @@ class ModelShape:
         return max(1, self.config.num_key_value_heads // tp)
 
     def expert_params(self, tp: int = 1) -> int:
-        """One expert's gate/up/down on a rank: every rank holds a slice of every expert."""
+        """One expert's gate/up/down on a rank: a slice of every expert, or whole experts (expert parallel)."""
         moe = self.config.moe
-        return 0 if moe is None else 3 * self.hidden * (moe.intermediate_size // tp)
+        return 0 if moe is None else 3 * self.hidden * (moe.intermediate_size // (1 if self.expert_parallel else tp))
 
-    def touched_experts(self, tokens: int) -> float:
-        """Expected distinct experts a sparse layer reads for ``tokens`` tokens under uniform routing
-        (as benchmarks/roofline.py: trained routers are less even, so this reads conservatively many)."""
+    def experts_per_rank(self, tp: int = 1) -> int:
+        moe = self.config.moe
+        return 0 if moe is None else moe.num_experts // (tp if self.expert_parallel else 1)
+
+    def touched_experts(self, tokens: int, tp: int = 1) -> float:
+        """Expected distinct experts a sparse layer reads on a rank for ``tokens`` tokens under uniform routing
+        (as benchmarks/roofline.py: trained routers are less even, so this reads conservatively many). Expert
+        parallel, the step waits for the rank that got the most: the expected max over the ranks of their touched
+        experts, each of a rank's taken as independently touched (a binomial)."""
         moe = self.config.moe
         if moe is None or tokens <= 0:
             return 0.0
-        return moe.num_experts * (1 - (1 - moe.top_k / moe.num_experts) ** tokens)
+        touched = 1 - (1 - moe.top_k / moe.num_experts) ** tokens  # one expert's chance
+        if not (self.expert_parallel and tp > 1):
+            return moe.num_experts * touched
+        held = self.experts_per_rank(tp)
+        cdf, below = 0.0, []
+        for m in range(held):
+            cdf += math.comb(held, m) * touched**m * (1 - touched) ** (held - m)
+            below.append(min(cdf, 1.0))
+        return sum(1 - f**tp for f in below)  # E[max] = sum over m of P(max > m)
 
     def expert_bytes(self) -> float:
         """Bytes per expert weight."""
@@ -109,7 +127,7 @@ class ModelShape:
         moe = self.config.moe
         if moe is None:
             return 0.0, 0.0
-        held = moe.num_experts if experts is None else experts
+        held = self.experts_per_rank(tp) if experts is None else experts
         return len(moe.layers) * held * self.expert_params(tp), len(moe.layers) * moe.num_experts * self.hidden
 
     def linear_weight_bytes(self, tp: int = 1, experts: float | None = None) -> float:
@@ -129,7 +147,7 @@ class ModelShape:
         sparse_layers, per_sparse = 0, 0.0
         if moe is not None:
             sparse_layers = len(moe.layers)
-            held = moe.num_experts if experts is None else experts
+            held = self.experts_per_rank(tp) if experts is None else experts
             per_sparse = moe.num_experts * self.hidden + held * self.expert_params(tp)
         return self.layers * attention + (self.layers - sparse_layers) * dense_mlp + sparse_layers * per_sparse
 
@@ -163,13 +181,16 @@ class ModelShape:
         c = self.config
         head = self.vocab_rows(tp) * c.hidden_size
         embed = 0 if c.tie_word_embeddings else min(batch, self.vocab_rows(tp)) * c.hidden_size
-        linear = self.linear_weight_bytes(tp, self.touched_experts(batch))
+        linear = self.linear_weight_bytes(tp, self.touched_experts(batch, tp))
         return linear + (self.layers * self.layer_small_params(tp) + head + embed) * self.dtype_bytes
 
     def linear_flops(self, tp: int, tokens: int, last_tokens: int) -> float:
         """Matmul FLOPs of the decoder layers over ``tokens`` (top-k experts each) and of the LM
         head over the ``last_tokens`` that sample, on one rank."""
-        active = self.layers_linear_params(tp, self.config.moe.top_k if self.config.moe else 0)
+        moe = self.config.moe
+        # a token's top k experts: cut over the ranks, or whole on top_k / tp ranks' worth on average (expert parallel)
+        active_experts = 0 if moe is None else moe.top_k / (tp if self.expert_parallel else 1)
+        active = self.layers_linear_params(tp, active_experts)
         head = self.vocab_rows(tp) * self.hidden
         return 2.0 * (active * tokens + head * last_tokens)
 

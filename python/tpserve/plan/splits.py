@@ -3,6 +3,7 @@ one row per split and a recommendation for latency and one for throughput with t
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass
 
 from tpserve.plan.cost import GIB, NETWORK, GPUSpec, ModelShape, StepCost, decode_step, prefill_seconds
@@ -48,8 +49,8 @@ class SplitPlan:
     decode_64: StepCost | None
     decode_max: StepCost | None
     prefill: StepCost | None
-    # whole experts per rank (--expert-parallel): TP cannot cut them. Costed as the cut: the same bytes per rank
-    # on average (the busiest rank's extra experts are not modelled)
+    # whole experts per rank (--expert-parallel): TP cannot cut them. A decode step is costed with the busiest
+    # rank's experts (ModelShape.touched_experts)
     expert_parallel: bool = False
 
     def throughput(self, step: StepCost | None, batch: int) -> float | None:
@@ -72,6 +73,7 @@ class Excluded:
 
 
 def evaluate(shape: ModelShape, machine: Machine, tp: int, settings: Settings, expert_parallel: bool = False) -> SplitPlan:
+    shape = dataclasses.replace(shape, expert_parallel=expert_parallel)
     gpu, context = machine.gpu, settings.context
     link = NETWORK if tp > machine.gpus_per_node else gpu.link  # a TP group across nodes: the network
     weights = shape.weight_bytes_per_rank(tp)
