@@ -13,7 +13,7 @@ from contextlib import contextmanager
 from dataclasses import replace
 
 import torch
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.distributed.comm import local_init_addr
 from tpserve.distributed.spawn import on_spawned_ranks
 from tpserve.engine.engine import Engine

@@ -21,7 +21,8 @@ import os
 import torch
 from common import fill_kv_randomly, on_ranks, print_table, write_json
 from decode_latency import ints, parse_timing_args, time_mode
-from tpserve.config import EngineConfig, ModelConfig
+from tpserve.config import ModelConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.plan.cost import DTYPE_BYTES, GPUS, GPUSpec, ModelShape, decode_step
 
 TARGET = 0.15  # issue 18: predictions within 15% of the measured step

@@ -27,7 +27,7 @@ from common import (
     write_json,
 )
 from torch.profiler import ProfilerActivity, profile
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.forward import SequenceInput
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.kvcache.pool import PageAllocator

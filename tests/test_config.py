@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from tpserve.attention.factory import resolve_backend_name
-from tpserve.config import EngineConfig, ModelConfig, check_can_start
+from tpserve.config import ModelConfig
+from tpserve.engine_config import EngineConfig, check_can_start
 
 
 @pytest.fixture

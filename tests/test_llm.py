@@ -95,7 +95,7 @@ def http_chat_prompt(llm, messages, options) -> list[int]:
     tokenizer worker prepares it."""
     from fastapi.testclient import TestClient
 
-    from tpserve.config import EngineConfig
+    from tpserve.engine_config import EngineConfig
     from tpserve.launch.args import ServerArgs
     from tpserve.message.frontend import RequestRejected
     from tpserve.server.api import AppState, create_app

@@ -13,7 +13,7 @@ import tempfile
 import torch
 
 sys.path.insert(0, "tests")
-from tpserve.config import EngineConfig  # noqa: E402
+from tpserve.engine_config import EngineConfig  # noqa: E402
 from tpserve.engine.engine import Engine  # noqa: E402
 from tpserve.forward import SequenceInput  # noqa: E402
 from tpserve.kvcache.pool import PageAllocator  # noqa: E402

@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import msgspec
 from tqdm import tqdm
 
-from tpserve.config import EngineConfig, ModelConfig, check_can_start
+from tpserve.config import ModelConfig
+from tpserve.engine_config import EngineConfig, check_can_start
 from tpserve.launch.ranks import RankDriver, start_ranks
 from tpserve.message import AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, GetStats, SchedulerStats
 from tpserve.sampling_params import SEED_LIMIT, SamplingParams

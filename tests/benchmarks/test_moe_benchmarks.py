@@ -8,7 +8,7 @@ import json
 import pytest
 from test_step_trace import BENCHMARKS, run
 
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 
 

@@ -8,7 +8,7 @@ import time
 import pytest
 import zmq
 
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.distributed.comm import free_port
 from tpserve.distributed.control import CurveKeys
 from tpserve.distributed.nodes import NodeFailure, NodeGroup, NodeLayout, split_addr

@@ -21,7 +21,7 @@ from reference import rel_err
 from tpserve.attention.page_table import TableMetadata
 from tpserve.attention.triton_decode import AUTO_MAX_BATCH
 from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.forward import SequenceInput
 from tpserve.kvcache.pool import KVCachePool, PageAllocator

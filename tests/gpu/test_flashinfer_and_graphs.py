@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a C
 pytest.importorskip("flashinfer")
 
 from engine_scenario import assert_logits_close, assert_same_greedy, prompts_for, run_scenario
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.forward import SequenceInput
 from tpserve.kvcache.pool import PageAllocator

@@ -20,7 +20,7 @@ pytest.importorskip("triton")
 
 from reference import rel_err
 from tpserve import LLM, SamplingParams
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.kernels.fp8_linear import FP8_GEMM_ENV, fp8_linear, kernel_for, resolve_backend, warm_up, warm_up_sizes
 from tpserve.layers.linear import ParallelLinear

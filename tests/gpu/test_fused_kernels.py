@@ -373,7 +373,7 @@ def model_dir(request, tmp_path_factory) -> str:
 
 
 def make_engine(model_dir: str, dtype: str, backend: str, graphs: int):
-    from tpserve.config import EngineConfig
+    from tpserve.engine_config import EngineConfig
     from tpserve.engine.engine import Engine
 
     config = EngineConfig(

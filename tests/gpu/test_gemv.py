@@ -14,7 +14,7 @@ pytestmark = pytest.mark.skipif(
 
 from reference import rel_err
 from tpserve import LLM, SamplingParams
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 from fp8_checkpoint import write_dequantized, write_fp8_checkpoint
 from gemv_reference import gemv_reference

@@ -28,7 +28,7 @@ import tpserve.layers.moe as moe_layer
 from fp8_checkpoint import fp8_experts
 from engine_scenario import assert_routed_logits_close, assert_same_greedy, prompts_for, row_errors, run_scenario
 from reference import rel_err
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.kernels.moe import SMALL_BATCH_MAX_ROWS, fused_experts, grouped_experts
 from tpserve.kernels import moe_small

@@ -39,7 +39,7 @@ def test_launch_does_not_wait_for_the_device(tmp_path, graphs):
     pytest.importorskip("flashinfer")
     import time
 
-    from tpserve.config import EngineConfig
+    from tpserve.engine_config import EngineConfig
     from tpserve.engine.engine import Engine
     from tpserve.engine.sampler import SamplingBatch
     from tpserve.forward import SequenceInput

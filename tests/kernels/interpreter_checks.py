@@ -579,7 +579,7 @@ def check_fused_moe_model() -> None:
     import tempfile
 
     import tpserve.layers.moe as moe_layer
-    from tpserve.config import EngineConfig
+    from tpserve.engine_config import EngineConfig
     from tpserve.engine.engine import Engine
     from tpserve.forward import SequenceInput
     from tpserve.kvcache.pool import PageAllocator

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import msgspec
 import zmq
-from tpserve.config import EngineConfig, ModelConfig
+from tpserve.config import ModelConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.message import (
     AbortRequest,
     BatchTokenOutput,

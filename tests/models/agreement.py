@@ -7,7 +7,7 @@ from typing import Any
 
 from test_vs_transformers import teacher_forced_logits
 from tpserve import LLM, SamplingParams
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 
 

@@ -16,7 +16,8 @@ from transformers import AutoModelForCausalLM
 
 from reference import hf_greedy, hf_logits
 from tpserve import LLM, SamplingParams
-from tpserve.config import EngineConfig, ModelConfig
+from tpserve.config import ModelConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 
 GREEDY = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)

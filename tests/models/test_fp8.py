@@ -12,7 +12,8 @@ import torch
 from reference import hf_greedy, hf_logits
 from test_vs_transformers import PROMPTS, teacher_forced_logits
 from tpserve import LLM, SamplingParams
-from tpserve.config import EngineConfig, ModelConfig, check_can_start
+from tpserve.config import ModelConfig
+from tpserve.engine_config import EngineConfig, check_can_start
 from tpserve.engine.engine import Engine
 from tpserve.layers.linear import Slice
 from tpserve.quant.config import QuantConfig, parse_quantization_config

@@ -8,7 +8,7 @@ import torch
 
 from agreement import agreement, describe
 from tpserve import LLM, SamplingParams
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.quant.config import ONLINE_BLOCK_SIZE, QuantConfig, resolve_quantization
 from tpserve.quant.fp8 import dequantize_blocks, quantize_blocks

@@ -13,7 +13,7 @@ import torch
 from gemv_reference import gemv_reference
 from reference import hf_greedy, hf_logits
 from tpserve import LLM, SamplingParams
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.kernels import gemv, moe_small
 from tpserve.layers.linear import ParallelLinear

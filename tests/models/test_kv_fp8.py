@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from agreement import agreement, describe
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.kvcache.pool import KVCachePool, kv_cache_dtype
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX

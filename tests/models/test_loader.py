@@ -11,7 +11,8 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tpserve import LLM, SamplingParams
-from tpserve.config import EngineConfig, ModelConfig
+from tpserve.config import ModelConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.distributed.comm import SingleRankCommunicator
 from tpserve.distributed.info import set_tp_info
 from tpserve.engine.engine import Engine

@@ -17,7 +17,7 @@ import torch.nn.functional as F
 
 import tpserve.layers.moe as moe_layer
 from engine_scenario import LOGITS_RTOL, assert_routed_logits_close, prompts_for, row_errors, run_scenario
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.layers.activation import silu_and_mul
 from tpserve.layers.norm import RMSNorm

@@ -7,7 +7,7 @@ import torch
 
 from reference import hf_greedy, hf_logits
 from tpserve import LLM, SamplingParams
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.forward import SequenceInput
 from tpserve.engine.engine import Engine
 from tpserve.kvcache.pool import PageAllocator

@@ -8,7 +8,8 @@ import time
 import pytest
 import torch
 
-from tpserve.config import EngineConfig, ModelConfig, check_can_start
+from tpserve.config import ModelConfig
+from tpserve.engine_config import EngineConfig, check_can_start
 from tpserve.launch.args import parse_args
 from tpserve.launch.backend import Backend
 from tpserve.message.endpoints import Endpoints

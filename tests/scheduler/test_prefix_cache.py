@@ -6,7 +6,7 @@ import random
 
 import pytest
 
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.kvcache.pool import PageAllocator
 from tpserve.kvcache.radix import RadixCache

@@ -9,7 +9,7 @@ import msgspec
 import pytest
 import zmq
 from reference import hf_greedy
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.distributed.comm import local_init_addr
 from tpserve.message import (
     AbortRequest,

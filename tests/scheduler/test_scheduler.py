@@ -6,7 +6,7 @@ from dataclasses import replace
 
 import pytest
 
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler.scheduler import AdmissionError, Scheduler

@@ -9,7 +9,7 @@ import time
 import pytest
 from fastapi.testclient import TestClient
 from stub_frontend import StubFrontend
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.server.api import AppState, create_app
 from tpserve.launch.args import ServerArgs
 from tpserve.server.limits import RequestLimits

@@ -9,7 +9,8 @@ import torch
 from tpserve.attention.base import AttentionBackend
 from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend, flashinfer_available
 from tpserve.attention.torch_backend import TorchAttentionBackend
-from tpserve.config import CHOICES, FLASHINFER_DTYPES
+from tpserve.config import FLASHINFER_DTYPES
+from tpserve.engine_config import CHOICES
 from tpserve.kvcache.pool import KVCachePool
 
 logger = logging.getLogger(__name__)

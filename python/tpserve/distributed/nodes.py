@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 
 import torch.distributed as dist
 
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 
 logger = logging.getLogger(__name__)
 

@@ -11,7 +11,8 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.attention.factory import create_backend
-from tpserve.config import EngineConfig, ModelConfig, resolve_dtype
+from tpserve.config import ModelConfig, resolve_dtype
+from tpserve.engine_config import EngineConfig
 from tpserve.distributed.comm import init_process_groups
 from tpserve.distributed.info import set_tp_info
 from tpserve.distributed.nodes import NodeGroup, NodeLayout

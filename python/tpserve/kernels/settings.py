@@ -1,5 +1,5 @@
 """Experiment settings of tpserve's kernels read from the environment (``TPSERVE_GEMV_DEFINES``,
-``TPSERVE_TRITON_DECODE``). A leaf module: ``tpserve.config`` reaches the attention kernels, which read these."""
+``TPSERVE_TRITON_DECODE``). A leaf module: ``tpserve.engine_config`` reaches the attention kernels, which read these."""
 
 from __future__ import annotations
 

@@ -9,10 +9,12 @@ import os
 from dataclasses import dataclass, fields
 from typing import Any
 
-from tpserve.config import CHOICES, DTYPE_ALIASES, SEED_LIMIT, EngineConfig, ModelConfig, check_can_start, check_nodes
+from tpserve.config import DTYPE_ALIASES, ModelConfig
+from tpserve.engine_config import CHOICES, EngineConfig, check_can_start, check_nodes
 from tpserve.distributed.control import TOKEN_ENV, read_token
 from tpserve.distributed.nodes import split_addr
 from tpserve.quant.config import QUANTIZATION_METHODS
+from tpserve.sampling_params import SEED_LIMIT
 from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.argtypes import HelpFormatter, OneLineParser, fraction, int_at_least, number, port, positive

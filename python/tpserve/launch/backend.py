@@ -22,7 +22,7 @@ from typing import Any
 
 import zmq
 
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.distributed.comm import local_init_addr
 from tpserve.distributed.nodes import NodeLayout
 from tpserve.launch.args import DEFAULT_SCHEDULER_ENTRY, ServerArgs

@@ -17,7 +17,7 @@ import msgspec
 import torch
 import zmq
 
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.launch.backend import Backend, ChildDied, describe_exit
 from tpserve.message import BatchTokenOutput, SchedulerInput
 from tpserve.message.transport import encode, open_socket

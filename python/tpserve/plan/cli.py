@@ -7,7 +7,8 @@ import os
 import sys
 from dataclasses import replace
 
-from tpserve.config import CHOICES, ModelConfig
+from tpserve.config import ModelConfig
+from tpserve.engine_config import CHOICES
 from tpserve.launch.argtypes import HelpFormatter, OneLineParser, float_above, fraction, int_at_least, non_negative
 from tpserve.launch.args import ModelNotFound, dtype_arg, resolve_model_dir
 from tpserve.plan.cost import DTYPE_BYTES, GIB, GPUS, GPUSpec, Link, ModelShape

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import msgspec
 
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.message import AbortRequest, FlushCache, GenerateRequest, SchedulerInput, SchedulerStats
 
 LOAD_BALANCE_METHODS = ("cache_aware", "minimum_tokens")

@@ -10,7 +10,7 @@ import time
 import torch
 import torch.distributed as dist
 
-from tpserve.config import EngineConfig
+from tpserve.engine_config import EngineConfig
 from tpserve.distributed.nodes import NodeFailure, NodeGroup, NodeLayout
 from tpserve.message import (
     AbortRequest,

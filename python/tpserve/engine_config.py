@@ -1,0 +1,237 @@
+"""The engine's settings (``EngineConfig``: one rank's, as the CLI and ``LLM`` set them) and the checks that need the
+model and the machine, made before any process starts (``check_can_start``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import numbers
+import os
+from dataclasses import dataclass, fields
+from typing import Any
+
+import torch
+
+from tpserve.config import DTYPE_ALIASES, DTYPES, FLASHINFER_DTYPES, ModelConfig, resolve_dtype
+from tpserve.models.checkpoint import check_safetensors
+from tpserve.quant.config import resolve_quantization
+from tpserve.sampling_params import SEED_LIMIT  # torch.Generator.manual_seed takes a signed 64-bit seed
+
+# EngineConfig's string settings (the CLI offers the same choices).
+CHOICES = {
+    "device": ("cpu", "cuda"),
+    "dtype": tuple(DTYPES),
+    "load_format": ("auto", "safetensors", "dummy"),
+    "cache": ("radix", "naive"),
+    "schedule_policy": ("fcfs", "lpm"),
+    "attention_backend": ("auto", "flashinfer", "torch"),
+    "decode_attention": ("auto", "flashinfer", "xqa", "triton"),
+    "all_reduce": ("auto", "nccl", "one_shot", "two_shot", "fused"),
+    "kv_cache_dtype": ("auto", "fp8_e4m3"),
+}
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    """Everything one rank's engine needs. Frozen: make a new one with dataclasses.replace."""
+
+    model: str
+    tp_size: int = 1
+    device: str | None = None  # None: cuda when available
+    dtype: str | None = None  # None or auto: the checkpoint's on GPU, float32 on the CPU
+    load_format: str = "auto"  # dummy: random weights
+    page_size: int = 16
+    max_total_tokens: int | None = None  # KV cache size in tokens (default on CPU: 32768)
+    mem_fraction: float = 0.85  # fraction of free GPU memory for weights' leftovers + KV cache
+    max_running_requests: int = 256
+    chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts are chunked (<= 0: off)
+    cache: str = "radix"  # prefix cache (naive: none)
+    schedule_policy: str = "fcfs"  # lpm: longest cached prefix first
+    max_model_len: int | None = None  # context limit; default: the model's max_position_embeddings
+    seed: int = 0
+    dist_init_addr: str | None = None  # tcp://HOST:PORT: chosen by the parent on one node, given across nodes
+    attention_backend: str = "auto"  # auto: flashinfer on CUDA when installed
+    # The flashinfer backend's decode kernel: auto (on Hopper, XQA for FP8 KV caches, attention/xqa.py; the
+    # Triton kernel up to 32 sequences for bf16/fp16 ones), flashinfer (its decode wrapper), xqa (always;
+    # Hopper only), triton (always; attention/triton_decode.py)
+    decode_attention: str = "auto"
+    disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
+    cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
+    grammar_threads: int = 0  # most xgrammar threads filling one step's grammar masks (0: auto, from the CPUs)
+    # auto (peer-memory one-shot/two-shot for small messages, NCCL for large) | nccl | one_shot |
+    # two_shot (peer memory when it fits) | fused (auto, plus all-reduce + residual + RMSNorm in one kernel)
+    all_reduce: str = "auto"
+    # prefill tokens a step that also decodes may carry; with more, the decodes wait one step
+    mixed_prefill_tokens: int = 0
+    debug_check_invariants: bool = False  # check every step that ranks agree and KV pages add up
+    quantization: str | None = None  # fp8: quantize an unquantized checkpoint's weights at load time
+    nnodes: int = 1  # tp_size // nnodes ranks on each node (node 0 holds rank 0)
+    node_rank: int = 0
+    dist_timeout: float = 15.0  # seconds a node may be silent (joining, heartbeats, collectives); nnodes > 1
+    kv_cache_dtype: str = "auto"  # fp8_e4m3: the KV cache in float8 e4m3 (scale 1), read back in the compute dtype
+    dp_size: int = 1  # independent replicas of tp_size ranks (one node), on GPUs from dp_rank * tp_size
+    dp_rank: int = 0
+    # a MoE model's experts split whole over the tp_size ranks (num_experts / tp_size each) instead of every
+    # expert's intermediate dim; attention and dense layers stay tensor-parallel
+    expert_parallel: bool = False
+
+    def __post_init__(self) -> None:
+        _check_types(self)
+        object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
+        _check_min("tp_size", self.tp_size, 1)
+        check_nodes(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)
+        if self.nnodes > 1 and self.all_reduce in ("one_shot", "two_shot"):
+            raise ValueError(
+                f"all-reduce {self.all_reduce} goes through peer GPU memory, which does not span nodes: "
+                "use auto or nccl with more than one node"
+            )
+        if not 0 < self.dist_timeout < float("inf"):
+            raise ValueError(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
+        _check_min("dp_size", self.dp_size, 1)
+        if not 0 <= self.dp_rank < self.dp_size:
+            raise ValueError(f"dp_rank must be in [0, dp_size {self.dp_size}), got {self.dp_rank}")
+        if self.dp_size > 1 and self.nnodes > 1:
+            raise ValueError("data-parallel replicas run on one node: dp_size > 1 with nnodes > 1 is not supported")
+        for name, choices in CHOICES.items():
+            value = getattr(self, name)
+            if value not in choices + {"device": (None,), "dtype": (None, "auto")}.get(name, ()):
+                raise ValueError(f"{name} must be one of {', '.join(choices)}, got {value!r}")
+        _check_min("page_size", self.page_size, 1)
+        _check_min("max_running_requests", self.max_running_requests, 1)
+        for name in ("mixed_prefill_tokens", "grammar_threads", "cuda_graph_max_bs"):
+            _check_min(name, getattr(self, name), 0)
+        if self.max_model_len is not None:
+            _check_min("max_model_len", self.max_model_len, 2)  # a prompt token and a generated one
+        if self.max_total_tokens is not None:
+            _check_min("max_total_tokens", self.max_total_tokens, 1)
+        if not 0 <= self.seed < SEED_LIMIT:
+            raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not 0.0 < self.mem_fraction <= 1.0:
+            raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
+        resolve_quantization(self.quantization, None)  # a clear error for an unknown method
+
+
+_TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string"}
+
+
+def _check_types(config: EngineConfig) -> None:
+    """A setting of the wrong type is a TypeError naming it (not one from a comparison, or from torch
+    in a rank process); numpy numbers become plain ints and floats, ints are taken for floats."""
+    for f in fields(config):
+        value, kind = getattr(config, f.name), f.type.removesuffix(" | None")
+        optional = kind != f.type
+        if value is None and optional:
+            continue
+        if kind == "int" and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+            value = int(value)
+        elif kind == "float" and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            value = float(value)
+        elif not (kind == "bool" and isinstance(value, bool) or kind == "str" and isinstance(value, str)):
+            raise TypeError(f"{f.name} must be {_TYPE_NAMES[kind]}{' or None' if optional else ''}, got {value!r}")
+        object.__setattr__(config, f.name, value)
+
+
+def _check_min(name: str, value: int, low: int) -> None:
+    if value < low:
+        raise ValueError(f"{name} must be >= {low}, got {value}")
+
+
+def check_nodes(tp_size: int, nnodes: int, node_rank: int, dist_init_addr: str | None, cli: bool = False) -> None:
+    """The node layout's checks, naming the CLI flags when ``cli``."""
+    def opt(name: str) -> str:
+        return f"--{name.replace('_', '-')}" if cli else name
+
+    if nnodes < 1:
+        raise ValueError(f"{opt('nnodes')} must be >= 1, got {nnodes}")
+    if tp_size % nnodes:
+        raise ValueError(
+            f"{opt('tp_size')} {tp_size} is not a multiple of {opt('nnodes')} {nnodes}: every node runs "
+            f"{opt('tp_size')} / {opt('nnodes')} ranks"
+        )
+    if not 0 <= node_rank < nnodes:
+        raise ValueError(f"{opt('node_rank')} must be in [0, {nnodes}), got {node_rank}")
+    if nnodes > 1 and not dist_init_addr:
+        raise ValueError(f"{opt('nnodes')} {nnodes} needs {opt('dist_init_addr')} (node 0's HOST:PORT)")
+
+
+def _option(name: str, value: Any, cli: bool) -> str:
+    """A setting as the user wrote it: ``--load-format dummy`` on the command line, else ``load_format='dummy'``."""
+    return f"--{name.replace('_', '-')} {value}" if cli else f"{name}={value!r}"
+
+
+def _decode_kernel_unsupported(engine: EngineConfig, model: ModelConfig, device: str) -> str | None:
+    """Why the decode kernel asked for (xqa or triton) cannot serve this engine, or None (the
+    backend checks again)."""
+    name = "XQA" if engine.decode_attention == "xqa" else "the Triton decode kernel"
+    if engine.attention_backend == "torch" or device != "cuda":
+        return f"{name} is a kernel of the flashinfer attention backend, on CUDA"
+    if resolve_dtype(engine.dtype, model, torch.device(device)) not in FLASHINFER_DTYPES:
+        return f"{name} takes bfloat16 or float16 queries"
+    if engine.decode_attention == "xqa" and torch.cuda.get_device_capability()[0] != 9:
+        return "XQA decode runs here on Hopper (sm90) GPUs only"
+    for package in ("flashinfer",) if engine.decode_attention == "xqa" else ("flashinfer", "triton"):
+        if importlib.util.find_spec(package) is None:
+            return f"the {package} package is not installed"
+    heads, kv_heads = model.num_attention_heads // engine.tp_size, max(1, model.num_key_value_heads // engine.tp_size)
+    if engine.decode_attention == "xqa":
+        from tpserve.attention.xqa import shape_unsupported_reason
+
+        return shape_unsupported_reason(engine.page_size, model.head_dim, heads, kv_heads)
+    from tpserve.attention.triton_decode import unsupported_reason
+
+    return unsupported_reason(model.head_dim, heads, kv_heads, engine.kv_cache_dtype == "fp8_e4m3")
+
+
+def _has_safetensors(model_dir: str) -> bool:
+    return os.path.isdir(model_dir) and any(name.endswith(".safetensors") for name in os.listdir(model_dir))
+
+
+def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False) -> None:
+    """The checks that need the model and the machine, made before any process starts, so that a
+    bad setting is one clear error (naming the CLI flag when ``cli``) rather than a traceback from
+    every rank."""
+    resolve_quantization(engine.quantization, model.quantization)
+    model.check_tp_size(engine.tp_size, name="--tp-size" if cli else "tp_size", expert_parallel=engine.expert_parallel)
+    if engine.max_model_len is not None and engine.max_model_len > model.context_length:
+        raise ValueError(
+            f"{_option('max_model_len', engine.max_model_len, cli)} exceeds the model's context length "
+            f"({model.context_length})"
+        )
+    device = engine.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    if device == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"{_option('device', 'cuda', cli)}: CUDA is not available on this machine")
+        per_node = engine.tp_size // engine.nnodes
+        gpus = per_node * engine.dp_size
+        if torch.cuda.device_count() < gpus:
+            if engine.dp_size > 1:
+                raise ValueError(
+                    f"{_option('dp_size', engine.dp_size, cli)} x {_option('tp_size', engine.tp_size, cli)} "
+                    f"needs {gpus} GPUs; {torch.cuda.device_count()} visible"
+                )
+            where = f" on each of {engine.nnodes} nodes" if engine.nnodes > 1 else ""
+            raise ValueError(
+                f"{_option('tp_size', engine.tp_size, cli)} needs {per_node} GPUs{where}; "
+                f"{torch.cuda.device_count()} visible"
+            )
+    if engine.attention_backend == "flashinfer":
+        dtype = resolve_dtype(engine.dtype, model, torch.device(device))
+        if device != "cuda" or dtype not in FLASHINFER_DTYPES:
+            raise ValueError(
+                f"{_option('attention_backend', 'flashinfer', cli)} runs on CUDA in bfloat16 or float16, "
+                f"not on {device} in {str(dtype).removeprefix('torch.')}; use "
+                f"{_option('attention_backend', 'auto', cli)} (torch attention where FlashInfer cannot run)"
+            )
+    if engine.decode_attention in ("xqa", "triton"):
+        reason = _decode_kernel_unsupported(engine, model, device)
+        if reason is not None:
+            raise ValueError(
+                f"{_option('decode_attention', engine.decode_attention, cli)}: {reason}; "
+                f"use {_option('decode_attention', 'auto', cli)}"
+            )
+    if engine.load_format != "dummy":
+        if not _has_safetensors(engine.model):
+            raise ValueError(
+                f"no .safetensors weights in {engine.model}; pass {_option('load_format', 'dummy', cli)} "
+                "for random weights"
+            )
+        check_safetensors(engine.model)  # a truncated or missing file: named here, not by every rank
