@@ -160,10 +160,12 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
     loaded: set[Target] = set()
     tied = model.config.tie_word_embeddings
 
+    expert_parallel = any(getattr(m, "expert_parallel", False) for m in model.modules())
+
     def skip(name: str) -> bool:  # per-expert tensors of other ranks are not even read
-        return (name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight")
-                or (_EXPERT.fullmatch(name.removeprefix("language_model.")) is not None
-                    and _held_elsewhere(model, checkpoint_target(name))))
+        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+            return True
+        return expert_parallel and _held_elsewhere(model, checkpoint_target(name))
 
     for name, tensor in _iter_checkpoint(safetensors_files(model_dir), show_progress, skip):
         for target, piece in checkpoint_pieces(name, tensor):
