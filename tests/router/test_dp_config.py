@@ -75,11 +75,11 @@ def test_health_names_the_stalled_rank_and_replica(qwen3_dir):
     try:
         assert len(backend.heartbeats) == 4
         now = time.monotonic()
-        for beat in backend.heartbeats:
+        for beat in backend.heartbeats.values():
             beat.value = now
-        assert backend.stalled_rank(60) is None
-        backend.heartbeats[3].value = now - 100  # replica 1, rank 1
-        assert backend.stalled_rank(60).startswith("scheduler rank 1 of replica 1 has made no progress for 10")
+        assert backend.stalled(60) is None
+        backend.heartbeats["scheduler rank 1 of replica 1"].value = now - 100
+        assert backend.stalled(60).startswith("scheduler rank 1 of replica 1 has made no progress for 10")
     finally:
         backend.shutdown()
 

@@ -213,9 +213,11 @@ def test_defaults_and_tiny_temperatures_mean_what_they_say(url):
     assert texts[0] == texts[1]
 
 
-def test_a_stopped_rank_turns_health_503(server, url):
-    """Last in the module: SIGSTOP on rank 1, then /health must say so within the window."""
-    pid = int(re.search(r"tpserve-scheduler-tp1 \(pid (\d+)\)", server.log).group(1))
+@pytest.mark.parametrize("child, named", [("scheduler-tp1", "scheduler rank 1"), ("tokenizer-0", "tokenizer 0"),
+                                          ("detokenizer", "the detokenizer")])
+def test_a_stopped_process_turns_health_503(server, url, child, named):
+    """Last in the module: SIGSTOP on a rank, a tokenizer, the detokenizer; /health must name it within the window."""
+    pid = int(re.search(rf"tpserve-{child} \(pid (\d+)\)", server.log).group(1))
     assert httpx.get(f"{url}/health").status_code == 200
     os.kill(pid, signal.SIGSTOP)
     try:
@@ -225,9 +227,9 @@ def test_a_stopped_rank_turns_health_503(server, url):
             time.sleep(0.25)
             resp = httpx.get(f"{url}/health")
             status = resp.status_code
-        assert status == 503, "health stayed 200 with a stopped rank"
+        assert status == 503, f"health stayed 200 with a stopped {child}"
         assert resp.json()["error"]["code"] == "backend_stalled"
-        assert "rank" in resp.json()["error"]["message"]
+        assert resp.json()["error"]["message"].startswith(f"{named} has made no progress")
     finally:
         os.kill(pid, signal.SIGCONT)
     deadline = time.monotonic() + 10

@@ -54,7 +54,7 @@ class ServerArgs:
     reasoning_parser: str | None = None
     max_request_bytes: int = 16 << 20
     max_sequences_per_request: int = 256  # prompts x n of one API call
-    health_timeout: float = 60.0  # /health is 503 when a rank's loop stalls this long
+    health_timeout: float = 60.0  # /health is 503 when a rank's (or tokenizer's) loop stalls this long
     request_timeout: float | None = None  # seconds one API call may take (None: no limit)
     load_balance_method: str = "cache_aware"  # how the router picks a data-parallel replica
 
@@ -224,8 +224,8 @@ def build_parser() -> argparse.ArgumentParser:
                         default=_default("max_sequences_per_request", ServerArgs),
                         help="most sequences (prompts x n) one API call may start")
     server.add_argument("--health-timeout", type=positive, default=_default("health_timeout", ServerArgs),
-                        help="seconds a scheduler rank may go without finishing a loop iteration before "
-                        "/health answers 503 (a stuck or stopped rank)")
+                        help="seconds a scheduler rank, a tokenizer or the detokenizer may go without finishing a "
+                        "loop iteration before /health answers 503 naming it (a stuck or stopped process)")
     server.add_argument("--request-timeout", type=positive, default=None,
                         help="seconds one API call may take; then it is aborted with a 504 (default: no limit)")
     server.add_argument("--num-tokenizers", type=int_at_least(1), default=_default("num_tokenizers", ServerArgs),

@@ -113,10 +113,11 @@ class Backend:
         self._ack_queue = self._mp.Queue()
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._acks_expected = engine.dp_size + (0 if server is None else 1 + server.num_tokenizers)
-        # Each scheduler rank writes time.monotonic() here at every loop iteration (a liveness
-        # signal that needs no message: a stopped or stuck rank simply stops writing).
-        # Replica d's ranks are at d * len(self.ranks) .. (data parallelism runs on one node).
-        self.heartbeats = [self._mp.Value("d", 0.0, lock=False) for _ in range(engine.dp_size * len(self.ranks))]
+        # Each scheduler rank, tokenizer and the detokenizer writes time.monotonic() here at every loop
+        # iteration (a liveness signal that needs no message: a stopped or stuck process simply stops
+        # writing), keyed by what /health calls it. Zero until the process's loop starts.
+        self.heartbeats: dict[str, Any] = {}
+        self._specs = self._children()
         self._stopping = False
         self._ready = False
 
@@ -129,26 +130,32 @@ class Backend:
         for dp_rank, init_addr in enumerate(_init_addrs(engine)):
             replica = replace(engine, dp_rank=dp_rank, dist_init_addr=init_addr)
             prefix = "scheduler" if engine.dp_size == 1 else f"scheduler-dp{dp_rank}"
-            beats = self.heartbeats[dp_rank * len(self.ranks):(dp_rank + 1) * len(self.ranks)]
+            where = f" of replica {dp_rank}" if engine.dp_size > 1 else ""
             children += [
-                (f"{prefix}-tp{rank}", entry, (replica, rank, ep.for_replica(dp_rank), self._ack_queue, beat))
-                for rank, beat in zip(self.ranks, beats)
+                (f"{prefix}-tp{rank}", entry, (replica, rank, ep.for_replica(dp_rank), self._ack_queue,
+                                               self._heartbeat(f"scheduler rank {rank}{where}")))
+                for rank in self.ranks
             ]
         if args is None:
             return children
-        children.append(("detokenizer", DETOKENIZER_ENTRY, (args.model_dir, ep, self._ack_queue)))
+        children.append(("detokenizer", DETOKENIZER_ENTRY,
+                         (args.model_dir, ep, self._ack_queue, self._heartbeat("the detokenizer"))))
         limits = PromptLimits(args.context_len, args.vocab_size)
         tok_config = TokenizerConfig(args.model_dir, limits, args.chat_template)
         children += [
-            (f"tokenizer-{i}", TOKENIZER_ENTRY, (tok_config, ep, self._ack_queue, i))
+            (f"tokenizer-{i}", TOKENIZER_ENTRY, (tok_config, ep, self._ack_queue, i, self._heartbeat(f"tokenizer {i}")))
             for i in range(args.num_tokenizers)
         ]
         return children
 
+    def _heartbeat(self, name: str) -> Any:
+        self.heartbeats[name] = self._mp.Value("d", 0.0, lock=False)
+        return self.heartbeats[name]
+
     def start(self) -> None:
         """Spawn every child (returns at once; see ``wait_ready``)."""
         log_file = self.server and self.server.log_file
-        for name, entry, args in self._children():
+        for name, entry, args in self._specs:
             proc = self._mp.Process(target=child_main, args=(entry, args, os.getpid(), self.log_level, log_file),
                                     name=f"tpserve-{name}", daemon=False)
             proc.start()
@@ -181,14 +188,13 @@ class Backend:
         """The child that stopped (the one to blame when several did), if any."""
         return first_failure(self.procs)
 
-    def stalled_rank(self, timeout: float) -> str | None:
-        """Why the backend is not live, if a rank's loop has not come round for ``timeout`` s."""
+    def stalled(self, timeout: float) -> str | None:
+        """Why the backend is not live, if a process's loop (a rank's, a tokenizer's, the detokenizer's)
+        has not come round for ``timeout`` s."""
         now = time.monotonic()
-        for index, beat in enumerate(self.heartbeats):
+        for name, beat in self.heartbeats.items():
             if beat.value and now - beat.value > timeout:
-                dp_rank, local = divmod(index, len(self.ranks))
-                where = f" of replica {dp_rank}" if self.engine.dp_size > 1 else ""
-                return f"scheduler rank {self.ranks[local]}{where} has made no progress for {now - beat.value:.1f} s"
+                return f"{name} has made no progress for {now - beat.value:.1f} s"
         return None
 
     # ---- shut-down ----

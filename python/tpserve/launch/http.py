@@ -95,7 +95,7 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
             RequestLimits(args.context_len, args.max_sequences_per_request), args.model_aliases,
             args.reasoning_parser, args.tool_call_parser, args.request_timeout,
         )
-        state.liveness = lambda: backend.stalled_rank(args.health_timeout)
+        state.liveness = lambda: backend.stalled(args.health_timeout)
         logger.info("ready: serving %r on %s", args.served_model_name, url)
         return await _watch(backend, stop, [http_task, *tasks])
     finally:

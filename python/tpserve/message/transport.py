@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from typing import Any, Generic, TypeVar
 
@@ -37,9 +38,12 @@ class Receiver(Generic[T]):
         self.socket = open_socket(ctx, zmq.PULL, address, bind)
         self._decoder = msgspec.msgpack.Decoder(msg_type)
 
-    def serve(self, handle: Callable[[T], None]) -> None:
-        """Pass every message to ``handle`` until a Shutdown arrives."""
+    def serve(self, handle: Callable[[T], None], heartbeat: Any = None) -> None:
+        """Pass every message to ``handle`` until a Shutdown arrives. ``heartbeat`` (a shared double, the
+        server's /health reads it) gets time.monotonic() at least once a second while the loop is live."""
         while True:
+            if heartbeat is not None:
+                heartbeat.value = time.monotonic()
             if not self.socket.poll(1000):
                 continue
             msg = self._decoder.decode(self.socket.recv())

@@ -163,7 +163,7 @@ class DetokenizerManager:
             del self._orphans[rid]
 
 
-def run_detokenizer(model_dir: str, endpoints: Endpoints, ack_queue: multiprocessing.Queue) -> None:
+def run_detokenizer(model_dir: str, endpoints: Endpoints, ack_queue: multiprocessing.Queue, heartbeat=None) -> None:
     manager = DetokenizerManager(load_tokenizer(model_dir))
     ctx = zmq.Context()
     inbox: Receiver[DetokenizerInput] = Receiver(ctx, endpoints.detokenizer, DetokenizerInput, bind=True)
@@ -179,6 +179,6 @@ def run_detokenizer(model_dir: str, endpoints: Endpoints, ack_queue: multiproces
             to_api.send(result.api)
 
     try:
-        inbox.serve(handle)
+        inbox.serve(handle, heartbeat)
     finally:
         ctx.destroy(linger=0)

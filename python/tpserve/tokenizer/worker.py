@@ -41,7 +41,7 @@ class TokenizerConfig:
 
 
 def run_tokenizer(
-    config: TokenizerConfig, endpoints: Endpoints, ack_queue: multiprocessing.Queue, worker_id: int
+    config: TokenizerConfig, endpoints: Endpoints, ack_queue: multiprocessing.Queue, worker_id: int, heartbeat=None
 ) -> None:
     preparer = _preparer(config)
     ctx = zmq.Context()
@@ -74,7 +74,7 @@ def run_tokenizer(
 
     ack_queue.put(f"tokenizer {worker_id} ready")
     try:
-        inbox.serve(handle)
+        inbox.serve(handle, heartbeat)
     finally:
         background.shutdown(wait=False, cancel_futures=True)
         ctx.destroy(linger=0)
