@@ -298,6 +298,18 @@ for s in $stages; do
     moe30_offline)
       stage moe30_offline 180 python3 benchmarks/offline_throughput.py --model $a3b --trace --out $results/offline_qwen3_30b_a3b_traced.json
       stage moe30_roofline 30 python3 benchmarks/roofline.py $results/offline_qwen3_30b_a3b_traced.json --model $a3b --peak-tflops 766 ;;
+    prefill_kernels)  # one prefill step of Qwen3-30B-A3B (8192 tokens in 16 prompts, as workload A's) by kernel, on this
+      # checkout, then on old/python where an older checkout's python/ is copied in (which kernels a regression is in)
+      stage prefill_kernels 200 python3 benchmarks/experiments/prefill_kernels.py --model $a3b --tokens 8192 --seqs 16 \
+        ${PREFILL_ARGS:-} --out $results/prefill_kernels.json
+      for variant in ${PREFILL_VARIANTS:-}; do  # NAME=VALUE environment settings, one run each
+        stage prefill_kernels_$variant 200 env $variant python3 benchmarks/experiments/prefill_kernels.py --model $a3b \
+          --tokens 8192 --seqs 16 --label $variant --out $results/prefill_kernels_${variant%%=*}.json
+      done
+      if [ -d old/python ]; then
+        stage prefill_kernels_old 300 env PYTHONPATH=/tmp/site:$PWD/old/python python3 benchmarks/experiments/prefill_kernels.py \
+          --model $a3b --tokens 8192 --seqs 16 ${PREFILL_ARGS:-} --label old --out $results/prefill_kernels_old.json
+      fi ;;
     moe30_decode)
       stage moe30_decode 120 python3 benchmarks/decode_latency.py --model $a3b --batch-sizes 1,64 --contexts 512 --out $results/decode_qwen3_30b_a3b.json
       stage moe30_floors 30 python3 benchmarks/roofline.py --model $a3b --decode-batch 1 64 --context 512 --peak-tflops 766 --bandwidth-tbps 4.26 ;;

@@ -275,6 +275,26 @@ def bf16_engines(moe_model_dir):
     return reference, engine
 
 
+@pytest.mark.parametrize("tokens", [300, 4096])
+def test_prefill_forward_never_waits_for_the_gpu(bf16_engines, tokens):
+    """A prefill step's forward (the grouped experts; from 4,096 tokens x top 4 rows the sort by expert in torch ops)
+    enqueues without a host sync: session 30 found one a MoE layer (a Python scalar set into a CUDA tensor),
+    48 a Qwen3-30B-A3B prefill step. torch's sync debug mode raises on any."""
+    from tpserve.forward import SequenceInput
+
+    _, engine = bf16_engines
+    vocab = engine.model_config.vocab_size
+    seq = SequenceInput([(7 * i) % vocab for i in range(tokens)], 0, list(range(1, -(-tokens // engine.page_size) + 1)))
+    engine.forward([seq])  # the first run compiles and plans with syncs of its own
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.forward([seq])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
+
+
 @pytest.mark.parametrize("num_prompts", [1, 3, 8, 11])
 def test_moe_model_graphs_and_triton_match_torch_experts(bf16_engines, monkeypatch, num_prompts):
     """The Triton experts with CUDA graphs against the torch experts, eager: every decode step

@@ -253,7 +253,7 @@ class TritonDecode:
         part_out = torch.empty(rows, head_dim, dtype=torch.float32, device=q.device)
         part_ml = torch.empty(rows, 2, dtype=torch.float32, device=q.device)
         out = torch.empty_like(q)
-        pdl = triton_pdl(q.device)
+        pdl = triton_pdl(q.device, batch)
         _decode_kernel[(batch, self.num_kv_heads, splits)](
             q, k_cache, v_cache, meta.page_table, meta.seq_lens, part_out, part_ml, self.counters, out,
             self.scale_log2, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),

@@ -58,7 +58,7 @@ def add_rms_norm_(
     rows, hidden = x.shape
     if rows:
         block = triton.next_power_of_2(hidden)
-        pdl = triton_pdl(x.device)
+        pdl = triton_pdl(x.device, rows)
         _add_rmsnorm_kernel[(rows,)](
             x, residual, weight, hidden, x.stride(0), residual.stride(0), eps,
             BLOCK=block, PDL=pdl, num_warps=min(16, max(4, block // 512)), launch_pdl=pdl,

@@ -157,9 +157,11 @@ def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> 
     flat = ids.flatten()
     rows = flat.numel()
     capacity = aligned_capacity(rows, num_experts, block_m)
-    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)  # the last: other ranks' experts
-    counts.scatter_add_(0, flat, torch.ones_like(flat))
-    counts[num_experts] = 0
+    # The last count is other ranks' experts', which add 0. (Not ``counts[num_experts] = 0``: a Python scalar set
+    # into a CUDA tensor is a copy from the host and a stream sync, one a MoE layer, which cost Qwen3-30B-A3B's
+    # 8,192-token prefill step 48 syncs on an H200: session 30, docs/results/history.md.)
+    counts = torch.zeros(num_experts + 1, dtype=torch.int64, device=ids.device)
+    counts.scatter_add_(0, flat, (flat < num_experts).to(torch.int64))
     padded = (counts + block_m - 1) // block_m * block_m
     ends = padded.cumsum(0)
     order = flat.argsort(stable=True)

@@ -175,7 +175,7 @@ def router_topk(
     weights = torch.empty(tokens, top_k, dtype=dtype, device=logits.device)
     ids = torch.empty(tokens, top_k, dtype=torch.int64, device=logits.device)
     if tokens:
-        pdl = triton_pdl(logits.device)
+        pdl = triton_pdl(logits.device, tokens)
         _router_topk_kernel[(tokens,)](
             logits, weights, ids, experts, logits.stride(0),
             TOP_K=top_k, RENORMALIZE=renormalize, E_PAD=triton.next_power_of_2(max(experts, top_k)),
@@ -388,7 +388,7 @@ def gate_up_silu(
     top_k = ids.top_k if routed else ids.shape[1]
     rows, inter, hidden = x.shape[0] * top_k, gate_up.shape[1] // 2, gate_up.shape[2]
     act = torch.empty(rows, inter, dtype=x.dtype, device=x.device)
-    pdl = triton_pdl(x.device)
+    pdl = triton_pdl(x.device, x.shape[0])
     norm_weight, eps = norm if norm is not None else (x, 0.0)
     routing = ids.kernel_args() | {"J_PAD": triton.next_power_of_2(top_k)} if routed else {}
     _moe_gate_up_silu_kernel[(rows, triton.cdiv(inter, config.block_n))](
@@ -426,7 +426,7 @@ def down_sum(
         raise ValueError(f"down_sum: add_to must be {act.dtype} [{tokens}, {hidden}] with unit stride along H, got "
                          f"{add_to.dtype} {list(add_to.shape)}")
     out = add_to if add_to is not None else torch.empty(tokens, hidden, dtype=act.dtype, device=act.device)
-    pdl = triton_pdl(act.device)
+    pdl = triton_pdl(act.device, tokens)
     routing = ids.kernel_args() if routed else {}
     _moe_down_sum_kernel[(tokens, triton.cdiv(hidden, config.block_n))](
         act, down, ids.logits if routed else ids, act if weights is None else weights, out, hidden, inter,

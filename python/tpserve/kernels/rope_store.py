@@ -121,7 +121,7 @@ def norm_rope_store(
     if tokens == 0:
         return q
     has_norm = q_weight is not None
-    pdl = triton_pdl(qkv.device)
+    pdl = triton_pdl(qkv.device, tokens)
     _norm_rope_store_kernel[(tokens, num_heads + 2 * num_kv_heads)](
         qkv, q, k_cache, v_cache, slots, positions, cos_sin_cache,
         q_weight if has_norm else qkv, k_weight if has_norm else qkv, qkv.stride(0), eps,
