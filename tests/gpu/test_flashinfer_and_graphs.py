@@ -92,3 +92,20 @@ def test_graph_padding_leaves_other_requests_alone(model_dir):
     for layer, (old, new) in enumerate(zip(before, engine.kv_pool.k)):
         changed = (old != new).flatten(1).any(dim=1).nonzero().flatten().tolist()
         assert set(changed) <= touched, f"layer {layer}: pages {changed} written"
+
+
+@pytest.mark.parametrize("tokens", [9, 300, 1001])
+def test_prefill_forward_never_waits_for_the_gpu(model_dir, tokens):
+    """A dense model's prefill step enqueues without a host sync (one a layer would drain the GPU between its
+    layers' launches: session 30 found that in the MoE layers). torch's sync debug mode raises on any."""
+    engine = make_engine(model_dir, "flashinfer", 0, 16)
+    vocab = engine.model_config.vocab_size
+    seq = SequenceInput([(7 * i) % vocab for i in range(tokens)], 0, list(range(1, -(-tokens // 16) + 1)))
+    engine.forward([seq])  # the first run may compile and plan with syncs of its own
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.forward([seq])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()
