@@ -12,6 +12,9 @@
 # rebuilt, never loaded stale; FlashInfer's are tied to its wheel (0.7.0: a new wheel needs a new .fiaot).
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
+# Session 30 left unmeasured (first on nvidia-h200): the MoE prefill fixes and the start-up warm-up: stages
+#   moe_tests_k (MOE_TESTS="never_waits or expert_parallel") fused_tests prefill_kernels moe30_offline
+# (prefill_kernels: 8,192 tokens 154.7 ms without Triton PDL, 171.1 with; session 5's code 138.7; workload A 4,784 tok/s).
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 # On one H200, session 14: attn_sweep and attn_setting (then named attn_prefetch) measured the Triton decode
 # kernel's prefetch of K and V before the PDL wait, now the default (triton_tests: its GPU tests). The FP8 GEMV
