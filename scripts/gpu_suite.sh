@@ -15,6 +15,7 @@
 # Session 30 left unmeasured (first on nvidia-h200): the MoE prefill fixes and the start-up warm-up: stages
 #   moe_tests_k (MOE_TESTS="never_waits or expert_parallel") fused_tests prefill_kernels moe30_offline
 # (prefill_kernels: 8,192 tokens 154.7 ms without Triton PDL, 171.1 with; session 5's code 138.7; workload A 4,784 tok/s).
+# Then A3B decode at batch 64-256 with TPSERVE_TRITON_PDL=0 against the default (those steps were 2% slower than session 5's).
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 # On one H200, session 14: attn_sweep and attn_setting (then named attn_prefetch) measured the Triton decode
 # kernel's prefetch of K and V before the PDL wait, now the default (triton_tests: its GPU tests). The FP8 GEMV
