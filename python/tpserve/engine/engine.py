@@ -186,7 +186,8 @@ class Engine:
         self.copies = SideCopies(self.device) if self.device.type == "cuda" else None
         self.graph_runner = self._capture_cuda_graphs()
         if self.device.type == "cuda":
-            self._warm_up_prefill()
+            if use_triton(self.device):
+                self._warm_up_prefill()
             self._warm_up_sampler()
         self._last_tokens: torch.Tensor | None = None  # the last launched step's samples
         self._mask_device: torch.Tensor | None = None  # grammar masks on the device (GPU)
