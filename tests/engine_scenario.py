@@ -135,3 +135,20 @@ def assert_routed_logits_close(actual: list[torch.Tensor], expected: list[torch.
     median, outliers = float(errors.median()), float((errors > LOGITS_RTOL).float().mean())
     summary = f"median row error {median:.2e}, {outliers:.0%} of {errors.numel()} rows past {LOGITS_RTOL}"
     assert median < ROUTED_MEDIAN_RTOL and outliers <= ROUTED_OUTLIERS, summary
+
+
+def assert_prefill_never_waits(engine: Engine, tokens: int) -> None:
+    """One prompt of ``tokens`` tokens prefilled twice; the second forward must enqueue without a host sync (one a
+    layer drains the GPU between the layers' launches: session 30 found one in every MoE layer). torch's sync
+    debug mode raises on any. The first run may compile and plan with syncs of its own."""
+    vocab = engine.model_config.vocab_size
+    pages = list(range(1, -(-tokens // engine.page_size) + 1))
+    seq = SequenceInput([(7 * i) % vocab for i in range(tokens)], 0, pages)
+    engine.forward([seq])
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        engine.forward([seq])
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    torch.cuda.synchronize()

@@ -13,7 +13,7 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 pytest.importorskip("flashinfer")
 
-from engine_scenario import assert_logits_close, assert_same_greedy, prompts_for, run_scenario
+from engine_scenario import assert_logits_close, assert_prefill_never_waits, assert_same_greedy, prompts_for, run_scenario
 from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 from tpserve.forward import SequenceInput
@@ -98,14 +98,4 @@ def test_graph_padding_leaves_other_requests_alone(model_dir):
 def test_prefill_forward_never_waits_for_the_gpu(model_dir, tokens):
     """A dense model's prefill step enqueues without a host sync (one a layer would drain the GPU between its
     layers' launches: session 30 found that in the MoE layers). torch's sync debug mode raises on any."""
-    engine = make_engine(model_dir, "flashinfer", 0, 16)
-    vocab = engine.model_config.vocab_size
-    seq = SequenceInput([(7 * i) % vocab for i in range(tokens)], 0, list(range(1, -(-tokens // 16) + 1)))
-    engine.forward([seq])  # the first run may compile and plan with syncs of its own
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        engine.forward([seq])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    assert_prefill_never_waits(make_engine(model_dir, "flashinfer", 0, 16), tokens)

@@ -26,7 +26,8 @@ pytest.importorskip("flashinfer")
 
 import tpserve.layers.moe as moe_layer
 from fp8_checkpoint import fp8_experts
-from engine_scenario import assert_routed_logits_close, assert_same_greedy, prompts_for, row_errors, run_scenario
+from engine_scenario import (assert_prefill_never_waits, assert_routed_logits_close, assert_same_greedy, prompts_for,
+                             row_errors, run_scenario)
 from reference import rel_err
 from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
@@ -280,19 +281,7 @@ def test_prefill_forward_never_waits_for_the_gpu(bf16_engines, tokens):
     """A prefill step's forward (the grouped experts; from 4,096 tokens x top 4 rows the sort by expert in torch ops)
     enqueues without a host sync: session 30 found one a MoE layer (a Python scalar set into a CUDA tensor),
     48 a Qwen3-30B-A3B prefill step. torch's sync debug mode raises on any."""
-    from tpserve.forward import SequenceInput
-
-    _, engine = bf16_engines
-    vocab = engine.model_config.vocab_size
-    seq = SequenceInput([(7 * i) % vocab for i in range(tokens)], 0, list(range(1, -(-tokens // engine.page_size) + 1)))
-    engine.forward([seq])  # the first run compiles and plans with syncs of its own
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        engine.forward([seq])
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
-    torch.cuda.synchronize()
+    assert_prefill_never_waits(bf16_engines[1], tokens)
 
 
 @pytest.mark.parametrize("num_prompts", [1, 3, 8, 11])
