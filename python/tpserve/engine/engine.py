@@ -25,7 +25,7 @@ from tpserve.forward import ForwardContext, SequenceInput, resolve_future_tokens
 from tpserve.kernels import use_triton
 from tpserve.kvcache.pool import KVCachePool, kv_cache_dtype
 from tpserve.layers.linear import ParallelLinear
-from tpserve.layers.moe import StackedExperts
+from tpserve.layers.moe import StackedExperts, holds_whole_experts
 from tpserve.models.decoder import CausalLM
 from tpserve.models.loader import load_model_weights, quantize_model
 from tpserve.quant.config import resolve_quantization
@@ -195,13 +195,10 @@ class Engine:
             logger.info(
                 "engine ready: %s on %s, %s%s, tp %d%s, %s, %d KV pages of %d tokens, CUDA graphs %s",
                 self.model_config.architecture, self.device, self.dtype, self._quantization_note(), config.tp_size,
-                " (expert parallel: whole experts per rank)" if self._expert_parallel() else "",
+                " (expert parallel: whole experts per rank)" if holds_whole_experts(self.model) else "",
                 self.attention.describe(), self.num_pages - 1, self.page_size,
                 f"up to batch {self.graph_runner.max_batch_size}" if self.graph_runner else "off",
             )
-
-    def _expert_parallel(self) -> bool:
-        return self.config.expert_parallel and self.config.tp_size > 1 and self.model_config.moe is not None
 
     def _quantization_note(self) -> str:
         quant = self.quantization

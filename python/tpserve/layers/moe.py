@@ -252,6 +252,11 @@ def run_experts(
     return experts_torch(x, gate_up, down, weights, ids)
 
 
+def holds_whole_experts(model: nn.Module) -> bool:
+    """Whether the model's MoE layers hold whole experts per rank (expert parallelism at TP > 1)."""
+    return any(isinstance(m, StackedExperts) and m.expert_parallel for m in model.modules())
+
+
 class SparseMoeBlock(nn.Module):
     def __init__(self, cfg: ModelConfig, comm: Communicator) -> None:
         super().__init__()

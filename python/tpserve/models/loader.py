@@ -12,7 +12,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tpserve.layers.linear import ParallelLinear
-from tpserve.layers.moe import StackedExperts
+from tpserve.layers.moe import StackedExperts, holds_whole_experts
 from tpserve.models.checkpoint import open_safetensors, safetensors_files
 from tpserve.models.decoder import CausalLM
 from tpserve.quant.config import QuantConfig
@@ -160,7 +160,7 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
     loaded: set[Target] = set()
     tied = model.config.tie_word_embeddings
 
-    expert_parallel = any(getattr(m, "expert_parallel", False) for m in model.modules())
+    expert_parallel = holds_whole_experts(model)
 
     def skip(name: str) -> bool:  # per-expert tensors of other ranks are not even read
         if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
