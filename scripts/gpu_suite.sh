@@ -531,7 +531,7 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
     moe_small_tp2)  # the same on a TP 2 rank's slice (expert intermediate 384), one GPU
       stage moe_small_tp2 300 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --tp 2 --batch-sizes 1,4,16 \
         --sweep-batch-sizes 1,4 --out $results/moe_small_batch_tp2.json ;;
-    moe_tiles) stage moe_tiles 240 python3 benchmarks/experiments/moe_tiles.py --out $results/moe_tiles.json ;;
+    moe_tiles) stage moe_tiles 240 python3 benchmarks/experiments/moe_tiles.py ${MOE_TILES_ARGS:-} --out $results/moe_tiles.json ;;
     moe30_tp2) stage moe30_tp2 240 python3 benchmarks/offline_throughput.py --model $a3b --tp-size 2 --out $results/offline_qwen3_30b_a3b_tp2.json ;;
     moe30_tp2_ep)  # the same with whole experts per rank (--expert-parallel), to set beside moe30_tp2
       stage moe30_tp2_ep 240 python3 benchmarks/offline_throughput.py --model $a3b --tp-size 2 --expert-parallel \

@@ -1,12 +1,13 @@
-"""Tile sizes of the grouped MoE GEMM (``kernels.moe._grouped_gemm_kernel``) at prefill sizes.
+"""Tiles of the grouped MoE GEMM (``kernels.moe.grouped_experts``) at prefill and decode sizes.
 
 Qwen3-30B-A3B's experts (128 experts, hidden 2048, expert intermediate 768 at TP 1, 384 at TP 2),
-rows = tokens x top-k routed uniformly at random. For each tile config: both GEMMs of the layer
-(gate_up: N = 2I, K = H from the token rows; down: N = H, K = I from the rows), graph-timed, as
-TFLOP/s of the rows' real work; each config's output checked against the current default's.
-Prints one table per shape and the best config per row count.
+rows = tokens x top-k routed uniformly at random. For each tile (``kernels.moe.Tile``: BLOCK_M, BLOCK_N,
+BLOCK_K, warps, stages, GROUP_M): the whole expert computation (the sort, both GEMMs, SiLU-and-mul, the sum
+over k), graph-timed, as TFLOP/s of the rows' work and against its floor (the touched experts' weights over
+the copy bandwidth); each tile's output checked against the default's (``tiles_for``). Prints one table per
+shape and the best tile per row count.
 
-    python benchmarks/experiments/moe_tiles.py --out $OUT/moe_tiles.json
+    python benchmarks/experiments/moe_tiles.py [--sweep decode] --out $OUT/moe_tiles.json
 """
 
 from __future__ import annotations
@@ -24,26 +25,11 @@ if importlib.util.find_spec("tpserve") is None:
 
 import torch
 from common import print_table, time_cuda, write_json
-from tpserve.kernels.moe import _grouped_gemm_kernel, align_by_expert
+from tpserve.kernels.moe import Tile, grouped_experts, tiles_for
 
 EXPERTS, HIDDEN, TOP_K = 128, 2048, 8
-DEFAULT = (64, 64, 64, 4, 3)  # BLOCK_M, BLOCK_N, BLOCK_K, warps, stages: the kernel's launch at > 512 rows
-
-
-def launch(a, w, out, sorted_rows, block_expert, padded_len, rows, rows_per_token, config) -> None:
-    block_m, block_n, block_k, warps, stages = config
-    n, k = w.shape[1], w.shape[2]
-    grid = (sorted_rows.numel() // block_m, triton_cdiv(n, block_n))
-    _grouped_gemm_kernel[grid](
-        a, w, out, out, sorted_rows, block_expert, padded_len,
-        rows, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
-        A_ROWS_PER_TOKEN=rows_per_token, SCALE=False, IEEE=False,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-    )
-
-
-def triton_cdiv(a: int, b: int) -> int:
-    return -(-a // b)
+COPY_BANDWIDTH = 4.27e12  # bytes/s, an H200's device-to-device copy (benchmarks/roofline.py's)
+WHOLE = 1 << 20  # GROUP_M: every row block of a column block first (the launch order before groups)
 
 
 def graph_time(fn) -> float:
@@ -55,61 +41,85 @@ def graph_time(fn) -> float:
     return time_cuda(graph.replay, warmup=3, iters=20)
 
 
-def run_shape(tokens: int, intermediate: int, configs: list[tuple]) -> list[dict]:
+def label(tile: Tile) -> str:
+    group = "all" if tile.group_m >= WHOLE else tile.group_m
+    return f"{tile.block_m}x{tile.block_n}x{tile.block_k} w{tile.warps} s{tile.stages} g{group}"
+
+
+def run_shape(tokens: int, intermediate: int, tiles: list[Tile]) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
     gate_up = (torch.randn(EXPERTS, 2 * intermediate, HIDDEN, device="cuda", generator=gen) * 0.02).bfloat16()
     down = (torch.randn(EXPERTS, HIDDEN, intermediate, device="cuda", generator=gen) * 0.02).bfloat16()
-    hidden = torch.randn(tokens * TOP_K, intermediate, device="cuda", generator=gen).bfloat16()
     ids = torch.rand(tokens, EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices  # int64, as the router
+    weights = torch.rand(tokens, TOP_K, device="cuda", generator=gen)
     rows = tokens * TOP_K
     flops = 2 * rows * (2 * intermediate * HIDDEN + HIDDEN * intermediate)
+    weight_bytes = ids.unique().numel() * 3 * intermediate * HIDDEN * 2  # the experts the rows touch, bf16
+    floor_us = weight_bytes / COPY_BANDWIDTH * 1e6
+    default = tiles_for(rows)
     reference = None
     out_rows = []
-    for config in [DEFAULT, *[c for c in configs if c != DEFAULT]]:
-        sorted_rows, block_expert, padded_len = align_by_expert(ids, EXPERTS, config[0])
-        up_out = torch.empty(rows, 2 * intermediate, device="cuda", dtype=torch.bfloat16)
-        down_out = torch.empty(rows, HIDDEN, device="cuda", dtype=torch.bfloat16)
+    for tile in [default, *[t for t in tiles if t != default]]:
+        out = {}
 
-        def both(sorted_rows=sorted_rows, block_expert=block_expert, padded_len=padded_len, config=config):
-            launch(x, gate_up, up_out, sorted_rows, block_expert, padded_len, rows, TOP_K, config)
-            launch(hidden, down, down_out, sorted_rows, block_expert, padded_len, rows, 1, config)
+        def run(tile=tile):
+            out["y"] = grouped_experts(x, gate_up, down, weights, ids, tile=tile)
 
         try:
-            seconds = graph_time(both)
-        except Exception as e:  # a config past the shared memory: reported, the others still run
-            out_rows.append({"tokens": tokens, "I": intermediate, "config": str(config), "error": type(e).__name__})
+            seconds = graph_time(run)
+        except Exception as e:  # a tile past the shared memory: reported, the others still run
+            out_rows.append({"tokens": tokens, "I": intermediate, "tile": label(tile), "error": type(e).__name__})
             continue
-        result = torch.cat([up_out.float().flatten(), down_out.float().flatten()])
+        result = out["y"].float()
         if reference is None:
             reference = result
         err = float((result - reference).norm() / reference.norm())
-        out_rows.append({"tokens": tokens, "I": intermediate, "config": str(config), "us": seconds * 1e6,
+        out_rows.append({"tokens": tokens, "I": intermediate, "tile": label(tile), "default": tile == default,
+                         "us": seconds * 1e6, "x_floor": seconds * 1e6 / floor_us,
                          "tflops": flops / seconds / 1e12, "err_vs_default": err})
     return out_rows
 
 
+def prefill_tiles() -> list[Tile]:
+    shapes = [(128, 128, 64, 8), (128, 256, 64, 8), (128, 128, 128, 8), (64, 128, 64, 4), (64, 256, 64, 8),
+              (256, 128, 64, 8)]
+    tiles = [Tile(m, n, k, w, s) for (m, n, k, w), s in itertools.product(shapes, (3, 4))]
+    # the launch order: groups of row blocks (as tuned fused-MoE configs use) on the likeliest tiles
+    tiles += [Tile(m, n, 64, 8, s, g) for (m, n), s, g in itertools.product(((128, 128), (128, 256)), (3, 4), (1, 16))]
+    return tiles
+
+
+def decode_tiles() -> list[Tile]:
+    """Decode batches (a few rows an expert, every expert's weights read): tiles that stream W."""
+    return [Tile(m, n, k, 8 if n == 256 else 4, s, 1) for m, n, k, s in itertools.product(
+        (16, 32, 64), (64, 128, 256), (64, 128), (3, 4))]
+
+
+SWEEPS = {"prefill": (prefill_tiles, "2048,8192"), "decode": (decode_tiles, "32,64,128,256")}
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--tokens", default="512,2048,8192", help="tokens per step (rows = tokens x 8)")
-    parser.add_argument("--intermediates", default="768,384", help="expert intermediate size per rank (TP 1, TP 2)")
+    parser.add_argument("--sweep", choices=sorted(SWEEPS), default="prefill", help="which tiles, at which token counts")
+    parser.add_argument("--tokens", default=None, help="tokens per step (rows = tokens x 8; default: the sweep's)")
+    parser.add_argument("--intermediates", default="768", help="expert intermediate size per rank (TP 1: 768, TP 2: 384)")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
-    configs = [c for c in itertools.product((64, 128), (64, 128), (64, 128), (4, 8), (3, 4))
-               if not (c[0] == 128 and c[1] == 128 and c[3] == 4)]  # 128x128 needs 8 warps
+    make_tiles, default_tokens = SWEEPS[args.sweep]
+    tiles = make_tiles()
     results, best = [], []
-    for tokens, intermediate in itertools.product(map(int, args.tokens.split(",")), map(int, args.intermediates.split(","))):
-        rows = run_shape(tokens, intermediate, configs)
+    for tokens, intermediate in itertools.product(map(int, (args.tokens or default_tokens).split(",")), map(int, args.intermediates.split(","))):
+        rows = run_shape(tokens, intermediate, tiles)
         results += rows
-        ok = [r for r in rows if "us" in r and r["err_vs_default"] < 1e-2]
-        ok.sort(key=lambda r: r["us"])
-        print(f"\ntokens {tokens}, I {intermediate}: fastest 6 of {len(rows)} configs (BLOCK_M, N, K, warps, stages)")
-        print_table(ok[:6], ["config", "us", "tflops", "err_vs_default"])
-        default = next(r for r in rows if r["config"] == str(DEFAULT))
-        best.append({"tokens": tokens, "I": intermediate, "best": ok[0]["config"], "best_us": ok[0]["us"],
-                     "default_us": default["us"], "speedup": default["us"] / ok[0]["us"],
+        ok = sorted((r for r in rows if "us" in r and r["err_vs_default"] < 1e-2), key=lambda r: r["us"])
+        print(f"\ntokens {tokens}, I {intermediate}: fastest 8 of {len(rows)} tiles (BLOCK_M x N x K, warps, stages, GROUP_M)")
+        print_table(ok[:8], ["tile", "us", "x_floor", "tflops", "err_vs_default"])
+        default = next(r for r in rows if r.get("default"))
+        best.append({"tokens": tokens, "I": intermediate, "best": ok[0]["tile"], "best_us": ok[0]["us"],
+                     "default": default["tile"], "default_us": default["us"], "speedup": default["us"] / ok[0]["us"],
                      "best_tflops": ok[0]["tflops"]})
-    print("\nBest tile per shape against the default (64, 64, 64, 4 warps, 3 stages)")
+    print("\nBest tile per shape against the default (kernels.moe.tiles_for)")
     print_table(best, list(best[0]))
     write_json(args.out, {"benchmark": "moe_tiles", "rows": results, "best": best})
 

@@ -184,7 +184,7 @@ def test_routed_experts_match_the_router_kernel(tokens, shape):
 
 
 @pytest.mark.parametrize("block", [(128, 128), (8, 32)], ids=["128x128", "8x32"])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 300])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 300, 1024])  # 1,024: the prefill tile (8,192 rows at top 8)
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[4]], ids=lambda s: "x".join(map(str, s)))
 def test_fp8_experts_match_dequantized(tokens, shape, block):
     """FP8 experts (an FP8 checkpoint's: per expert, gate and up scaled apart) through the small-batch kernels

@@ -320,8 +320,9 @@ def check_fp8_mlp() -> None:
 
 def check_fused_moe() -> None:
     """The grouped MoE GEMMs against the torch experts: decode-sized and prefill-sized blocks,
-    experts with no tokens, sizes that are not multiples of the blocks."""
-    from tpserve.kernels.moe import align_by_expert, fused_experts, grouped_experts
+    experts with no tokens, sizes that are not multiples of the blocks; the launch in groups of row blocks
+    (a group of 1 and of 3 over 16-column blocks: every program maps to its own tile)."""
+    from tpserve.kernels.moe import Tile, align_by_expert, fused_experts, grouped_experts
     from tpserve.layers.moe import experts_dense_masked, experts_torch
 
     gen = torch.Generator().manual_seed(4)
@@ -331,6 +332,10 @@ def check_fused_moe() -> None:
         torch.testing.assert_close(grouped_experts(x, gate_up, down, weights, ids), reference, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fused_experts(x, gate_up, down, weights, ids), reference, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(experts_dense_masked(x, gate_up, down, weights, ids), reference, rtol=1e-5, atol=1e-5)
+        for group_m in (1, 3):
+            tile = Tile(16, 16, 16, group_m=group_m)
+            torch.testing.assert_close(grouped_experts(x, gate_up, down, weights, ids, tile=tile), reference,
+                                       rtol=1e-5, atol=1e-5)
     sorted_rows, block_expert, padded_len = align_by_expert(torch.tensor([[3, 1], [1, 0], [3, 1]]), 4, 4)
     assert int(padded_len) == 12 and sorted_rows.numel() == 20  # 6 rows + 4 experts * 3 padding, in whole blocks
     assert sorted_rows.tolist() == [3, 6, 6, 6, 1, 2, 5, 6, 0, 4, 6, 6] + [6] * 8

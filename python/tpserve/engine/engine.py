@@ -40,14 +40,14 @@ DEFAULT_CPU_KV_TOKENS = 32768
 DEFAULT_WARM_UP_TOKENS = 8192  # the largest warm-up prefill without chunked prefill
 
 
-def prefill_warm_up_sizes(largest: int, top_k: int | None) -> list[int]:
+def prefill_warm_up_sizes(largest: int, top_k: int | None, row_bounds: tuple[int, ...] = ()) -> list[int]:
     """Prompt lengths whose prefills compile every variant Triton makes of tpserve's prefill kernels: it
     specializes integer arguments (token and row counts) on divisibility by 16, so an even and an odd count, and
-    a mixture-of-experts layer's grouped GEMM has a tile per row bucket (``kernels.moe.tiles_for``: up to 512 and
-    4,096 rows of tokens x top k, and above)."""
+    a mixture-of-experts layer's grouped GEMM has a tile per bucket of tokens x top k rows, up to each of
+    ``row_bounds`` (``kernels.moe.TILES_BY_ROWS``) and past the last."""
     sizes = {largest, largest - 1}
     if top_k is not None:
-        for rows in (512, 4096):
+        for rows in row_bounds:
             sizes |= {rows // top_k, rows // top_k - 1}
     return sorted(t for t in sizes if 2 <= t <= largest)
 
@@ -257,7 +257,12 @@ class Engine:
         largest = self.config.chunked_prefill_size if self.config.chunked_prefill_size > 0 else DEFAULT_WARM_UP_TOKENS
         largest = min(largest, (self.num_pages - 1) * self.page_size, self.max_model_len)
         moe = self.model_config.moe
-        sizes = prefill_warm_up_sizes(largest, moe.top_k if moe is not None else None)
+        if moe is None:
+            sizes = prefill_warm_up_sizes(largest, None)
+        else:
+            from tpserve.kernels.moe import TILES_BY_ROWS  # Triton's: imported where the engine runs Triton kernels
+
+            sizes = prefill_warm_up_sizes(largest, moe.top_k, tuple(bound for bound, _ in TILES_BY_ROWS))
         for tokens in sizes:
             pages = list(range(1, -(-tokens // self.page_size) + 1))  # page 0 is the scratch page
             self.forward([SequenceInput([0] * tokens, 0, pages)])

@@ -8,6 +8,8 @@ CUDA-graph safe: no host reads, and shapes depend only on the token count (padde
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 import triton.language as tl
@@ -24,15 +26,22 @@ def _grouped_gemm_kernel(
     stride_am, stride_we, stride_wn, stride_cm,
     A_ROWS_PER_TOKEN: tl.constexpr,  # top_k when a's rows are tokens (first GEMM), 1 when they are rows
     SCALE: tl.constexpr, IEEE: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ws_ptr=None, stride_se=0, stride_sp=0, stride_sn=0, part_rows=1,
     BN: tl.constexpr = 1, BK: tl.constexpr = 1, FP8: tl.constexpr = False,
 ):
     """c[row, :N] = a[row // A_ROWS_PER_TOKEN] @ w[expert].T (* scale[row]) for the block's sorted rows.
     FP8: w is float8 with block scales ``ws`` (``ExpertScales``; rows past ``part_rows`` take the second part's),
-    each tile dequantized to a's dtype (the bits of experts dequantized at load) before the product."""
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    each tile dequantized to a's dtype (the bits of experts dequantized at load) before the product.
+    The grid is 1-D, in groups of GROUP_M row blocks that take every column block before the next group
+    (GROUP_M >= the row blocks: each column block over all rows first)."""
+    pid = tl.program_id(0)
+    blocks_n = tl.cdiv(N, BLOCK_N)
+    blocks_m = tl.num_programs(0) // blocks_n
+    group_first = pid // (GROUP_M * blocks_n) * GROUP_M
+    group_rows = tl.minimum(blocks_m - group_first, GROUP_M)
+    pid_m = group_first + pid % (GROUP_M * blocks_n) % group_rows
+    pid_n = pid % (GROUP_M * blocks_n) // group_rows
     if pid_m * BLOCK_M >= tl.load(padded_len_ptr):
         return
     rows = tl.load(sorted_rows_ptr + pid_m * BLOCK_M + tl.arange(0, BLOCK_M))
@@ -67,20 +76,31 @@ def _grouped_gemm_kernel(
     tl.store(c_ptrs, acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & n_ok[None, :])
 
 
-def tiles_for(num_rows: int) -> tuple[int, int, int, int]:
-    """(BLOCK_M, BLOCK_N, warps, stages) of the grouped GEMM. benchmarks/experiments/moe_tiles.py, H200,
-    Qwen3-30B-A3B at TP 1 and 2: at 4,096 rows every tile ties (all experts' weights read); at 16,384
-    and 65,536 rows 128 x 128 with 8 warps is 1.2x and 1.5x the 64 x 64 tile."""
-    if num_rows <= 512:
-        return 16, 64, 4, 3
-    if num_rows <= 4096:
-        return 64, 64, 4, 3
-    return 128, 128, 8, 3
+@dataclass(frozen=True)
+class Tile:
+    """One launch shape of the grouped GEMM: a block's rows and columns, its K step, warps, pipeline
+    stages, and the row blocks in a group of the launch order (``_grouped_gemm_kernel``)."""
+
+    block_m: int
+    block_n: int
+    block_k: int = 64
+    warps: int = 4
+    stages: int = 3
+    group_m: int = 1 << 20  # every row block of a column block before the next column block
 
 
-def block_m_for(num_rows: int) -> int:
-    """Rows per block of the sort by expert (the grouped GEMM's BLOCK_M)."""
-    return tiles_for(num_rows)[0]
+# The grouped GEMM's tile by (token, k) rows: up to each bound the tile beside it, past the last PREFILL_TILE.
+# benchmarks/experiments/moe_tiles.py, H200, Qwen3-30B-A3B's experts: at 4,096 rows every tile ties (all experts'
+# weights read); at 16,384 and 65,536 rows 128 x 128 with 8 warps was 1.2x and 1.5x the 64 x 64 tile (session 5),
+# and 128 x 256 in 4 stages, each row block taking its column blocks in turn (GROUP_M 1), makes the whole layer
+# 1.15x and 1.18x faster again (session 31).
+TILES_BY_ROWS: tuple[tuple[int, Tile], ...] = ((512, Tile(16, 64)), (4096, Tile(64, 64)))
+PREFILL_TILE = Tile(128, 256, warps=8, stages=4, group_m=1)
+
+
+def tiles_for(num_rows: int) -> Tile:
+    """The grouped GEMM's tile at this many (token, k) rows (``TILES_BY_ROWS``)."""
+    return next((tile for bound, tile in TILES_BY_ROWS if num_rows <= bound), PREFILL_TILE)
 
 
 def aligned_capacity(rows: int, num_experts: int, block_m: int) -> int:
@@ -181,20 +201,22 @@ def _grouped_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None,
     sorted_rows: torch.Tensor, block_expert: torch.Tensor, padded_len: torch.Tensor,
     num_rows: int, rows_per_token: int, block_m: int, w_scale: torch.Tensor | None = None,
-    block: tuple[int, int] = (1, 1),
+    block: tuple[int, int] = (1, 1), tile: Tile | None = None,
 ) -> None:
     """``w_scale``: w is FP8 with these block scales ([E, 2, ...] of gate_up, whose rows split in two parts,
-    or [E, ...] of down)."""
+    or [E, ...] of down). ``tile``: the launch (by default ``tiles_for(num_rows)``)."""
+    tile = tile or tiles_for(num_rows)
+    if tile.block_m != block_m:
+        raise ValueError(f"rows sorted in blocks of {block_m} for a tile of {tile.block_m} rows")
     n, k = w.shape[1], w.shape[2]
-    _, block_n, warps, stages = tiles_for(num_rows)
-    block_k = 64 if k >= 64 else max(16, triton.next_power_of_2(k))
-    grid = (sorted_rows.numel() // block_m, triton.cdiv(n, block_n))
+    block_k = min(tile.block_k, max(16, triton.next_power_of_2(k)))
+    grid = (sorted_rows.numel() // block_m * triton.cdiv(n, tile.block_n),)
     _grouped_gemm_kernel[grid](
         a, w, out, scale if scale is not None else out, sorted_rows, block_expert, padded_len,
         num_rows, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROWS_PER_TOKEN=rows_per_token, SCALE=scale is not None, IEEE=a.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps, num_stages=stages,
-        **_weight_scale_args(w_scale, n, block, a),
+        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k, GROUP_M=tile.group_m, num_warps=tile.warps,
+        num_stages=tile.stages, **_weight_scale_args(w_scale, n, block, a),
     )
 
 
@@ -231,24 +253,25 @@ def fused_experts(
 
 def grouped_experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
-    scales: ExpertScales | None = None, skip_others: bool = False,
+    scales: ExpertScales | None = None, skip_others: bool = False, tile: Tile | None = None,
 ) -> torch.Tensor:
     """``fused_experts`` by the grouped GEMMs (any row count; contiguous weights). Other ranks' rows are left
-    out of the sort, so their down rows are zeroed first."""
+    out of the sort, so their down rows are zeroed first. ``tile``: both GEMMs' launch (``tiles_for``'s)."""
     x = x.contiguous()
     tokens, top_k = ids.shape
     rows = tokens * top_k
     if rows == 0:
         return torch.zeros_like(x)
-    block_m = block_m_for(rows)
+    tile = tile or tiles_for(rows)
+    block_m = tile.block_m
     sorted_rows, block_expert, padded_len = align_by_expert(ids, gate_up.shape[0], block_m)
     gate_up_out = torch.empty(rows, gate_up.shape[1], dtype=x.dtype, device=x.device)
     gate_up_scale, down_scale, block = (scales.gate_up, scales.down, scales.block) if scales else (None, None, (1, 1))
     _grouped_gemm(x, gate_up, gate_up_out, None, sorted_rows, block_expert, padded_len, rows, top_k, block_m,
-                  gate_up_scale, block)
+                  gate_up_scale, block, tile)
     hidden = silu_and_mul(gate_up_out)
     down_out = (torch.zeros if skip_others else torch.empty)(rows, down.shape[1], dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).contiguous()
     _grouped_gemm(hidden, down, down_out, scale, sorted_rows, block_expert, padded_len, rows, 1, block_m,
-                  down_scale, block)
+                  down_scale, block, tile)
     return down_out.view(tokens, top_k, -1).sum(dim=1)
