@@ -314,6 +314,11 @@ for s in $stages; do
         stage prefill_kernels_old 300 env PYTHONPATH=/tmp/site:$PWD/old/python python3 benchmarks/experiments/prefill_kernels.py \
           --model $a3b --tokens 8192 --seqs 16 ${PREFILL_ARGS:-} --label old --out $results/prefill_kernels_old.json
       fi ;;
+    moe30_decode_pdl)  # Qwen3-30B-A3B decode steps at batch 64-256, Triton PDL on (the default) and off
+      for pdl in 1 0; do
+        stage moe30_decode_pdl$pdl 120 env TPSERVE_TRITON_PDL=$pdl python3 benchmarks/decode_latency.py --model $a3b \
+          --batch-sizes 64,128,256 --contexts 512 --modes graph --out $results/decode_a3b_pdl$pdl.json
+      done ;;
     moe30_decode)
       stage moe30_decode 120 python3 benchmarks/decode_latency.py --model $a3b --batch-sizes 1,64 --contexts 512 --out $results/decode_qwen3_30b_a3b.json
       stage moe30_floors 30 python3 benchmarks/roofline.py --model $a3b --decode-batch 1 64 --context 512 --peak-tflops 766 --bandwidth-tbps 4.26 ;;

@@ -8,7 +8,7 @@ import torch
 from engine_scenario import prompts_for, run_scenario
 from tpserve.engine.engine import Engine, prefill_warm_up_sizes
 from tpserve.engine_config import EngineConfig
-from tpserve.kernels.moe import TILES_BY_ROWS
+from tpserve.kernels.moe import tile_row_bounds
 
 
 def test_sizes_cover_both_parities_and_every_expert_tile_bucket():
@@ -30,7 +30,7 @@ def test_warm_up_runs_those_prompts_and_changes_no_answer(tiny_model_factory, mo
     monkeypatch.setattr(engine, "forward", lambda seqs: lengths.append(len(seqs[0].token_ids)) or forward(seqs))
     sizes = engine._warm_up_prefill()
     top_k = engine.model_config.moe.top_k
-    assert lengths == sizes == prefill_warm_up_sizes(512, top_k, tuple(bound for bound, _ in TILES_BY_ROWS))
+    assert lengths == sizes == prefill_warm_up_sizes(512, top_k, tile_row_bounds())
     after, after_logits = run_scenario(engine, prompts)
     assert after == before
     for a, b in zip(after_logits, before_logits):  # NaN marks a row that did not run (run_scenario)

@@ -44,7 +44,7 @@ def prefill_warm_up_sizes(largest: int, top_k: int | None, row_bounds: tuple[int
     """Prompt lengths whose prefills compile every variant Triton makes of tpserve's prefill kernels: it
     specializes integer arguments (token and row counts) on divisibility by 16, so an even and an odd count, and
     a mixture-of-experts layer's grouped GEMM has a tile per bucket of tokens x top k rows, up to each of
-    ``row_bounds`` (``kernels.moe.TILES_BY_ROWS``) and past the last."""
+    ``row_bounds`` (``kernels.moe.tile_row_bounds``) and past the last."""
     sizes = {largest, largest - 1}
     if top_k is not None:
         for rows in row_bounds:
@@ -260,9 +260,9 @@ class Engine:
         if moe is None:
             sizes = prefill_warm_up_sizes(largest, None)
         else:
-            from tpserve.kernels.moe import TILES_BY_ROWS  # Triton's: imported where the engine runs Triton kernels
+            from tpserve.kernels.moe import tile_row_bounds  # Triton's: imported where the engine runs Triton kernels
 
-            sizes = prefill_warm_up_sizes(largest, moe.top_k, tuple(bound for bound, _ in TILES_BY_ROWS))
+            sizes = prefill_warm_up_sizes(largest, moe.top_k, tile_row_bounds())
         for tokens in sizes:
             pages = list(range(1, -(-tokens // self.page_size) + 1))  # page 0 is the scratch page
             self.forward([SequenceInput([0] * tokens, 0, pages)])

@@ -89,18 +89,34 @@ class Tile:
     group_m: int = 1 << 20  # every row block of a column block before the next column block
 
 
-# The grouped GEMM's tile by (token, k) rows: up to each bound the tile beside it, past the last PREFILL_TILE.
-# benchmarks/experiments/moe_tiles.py, H200, Qwen3-30B-A3B's experts: at 4,096 rows every tile ties (all experts'
-# weights read); at 16,384 and 65,536 rows 128 x 128 with 8 warps was 1.2x and 1.5x the 64 x 64 tile (session 5),
-# and 128 x 256 in 4 stages, each row block taking its column blocks in turn (GROUP_M 1), makes the whole layer
-# 1.15x and 1.18x faster again (session 31).
-TILES_BY_ROWS: tuple[tuple[int, Tile], ...] = ((512, Tile(16, 64)), (4096, Tile(64, 64)))
-PREFILL_TILE = Tile(128, 256, warps=8, stages=4, group_m=1)
+# The grouped GEMM's tile by (token, k) rows: up to each bound the tile beside it (None: any more rows).
+# benchmarks/experiments/moe_tiles.py, H200, a Qwen3-30B-A3B MoE layer (the sort, both GEMMs, SiLU-and-mul, the
+# sum over k): session 31 took BLOCK_K 128 at decode sizes (1.05x / 1.12x / 1.07x / 1.04x at 32 / 64 / 128 / 256
+# tokens, where every expert's weights are read), and at 2,048 / 8,192 tokens 128 x 256 in 4 stages, each row
+# block taking its column blocks in turn, 1.15x / 1.18x (session 5's 128 x 128 was 1.2x / 1.5x the 64 x 64 tile).
+TILES_BY_ROWS: tuple[tuple[int | None, Tile], ...] = (
+    (1024, Tile(16, 64, 128, group_m=1)),
+    (4096, Tile(32, 128, 128, group_m=1)),
+    (None, Tile(128, 256, warps=8, stages=4, group_m=1)),
+)
+# FP8 experts load a float32 scale per weight element of a tile, which those tiles' stages do not fit in shared
+# memory (128 x 256 in 4 stages asked 344 KB of 227): session 5's tiles.
+FP8_TILES_BY_ROWS: tuple[tuple[int | None, Tile], ...] = (
+    (512, Tile(16, 64)),
+    (4096, Tile(64, 64)),
+    (None, Tile(128, 128, warps=8)),
+)
 
 
-def tiles_for(num_rows: int) -> Tile:
-    """The grouped GEMM's tile at this many (token, k) rows (``TILES_BY_ROWS``)."""
-    return next((tile for bound, tile in TILES_BY_ROWS if num_rows <= bound), PREFILL_TILE)
+def tiles_for(num_rows: int, fp8: bool = False) -> Tile:
+    """The grouped GEMM's tile at this many (token, k) rows (``TILES_BY_ROWS``, FP8 experts' apart)."""
+    tiles = FP8_TILES_BY_ROWS if fp8 else TILES_BY_ROWS
+    return next(tile for bound, tile in tiles if bound is None or num_rows <= bound)
+
+
+def tile_row_bounds() -> tuple[int, ...]:
+    """Every row count at which some tile ends (each is a Triton kernel variant to compile)."""
+    return tuple(sorted({bound for bound, _ in TILES_BY_ROWS + FP8_TILES_BY_ROWS if bound is not None}))
 
 
 def aligned_capacity(rows: int, num_experts: int, block_m: int) -> int:
@@ -205,7 +221,7 @@ def _grouped_gemm(
 ) -> None:
     """``w_scale``: w is FP8 with these block scales ([E, 2, ...] of gate_up, whose rows split in two parts,
     or [E, ...] of down). ``tile``: the launch (by default ``tiles_for(num_rows)``)."""
-    tile = tile or tiles_for(num_rows)
+    tile = tile or tiles_for(num_rows, fp8=w_scale is not None)
     if tile.block_m != block_m:
         raise ValueError(f"rows sorted in blocks of {block_m} for a tile of {tile.block_m} rows")
     n, k = w.shape[1], w.shape[2]
@@ -262,7 +278,7 @@ def grouped_experts(
     rows = tokens * top_k
     if rows == 0:
         return torch.zeros_like(x)
-    tile = tile or tiles_for(rows)
+    tile = tile or tiles_for(rows, fp8=scales is not None)
     block_m = tile.block_m
     sorted_rows, block_expert, padded_len = align_by_expert(ids, gate_up.shape[0], block_m)
     gate_up_out = torch.empty(rows, gate_up.shape[1], dtype=x.dtype, device=x.device)
