@@ -6,7 +6,10 @@ rejects all pass there and fail on the GPU. So interpreter_checks.py records eac
 argument types and constexprs (``record_launches``), and this script, run without
 TRITON_INTERPRET, compiles each distinct one with Triton's CUDA backend for sm_90 (no GPU needed).
 A kernel with a ``PDL`` constexpr is also compiled as the GPU launches it (programmatic dependent
-launch, ``tpserve.kernels.triton_pdl``), which the interpreter cannot run.
+launch, ``tpserve.kernels.triton_pdl``), which the interpreter cannot run. Every compiled kernel must fit
+an SM's shared memory, which the GPU checks only at load time; the grouped MoE GEMM is also compiled at
+each of its production tiles (``kernels.moe.TILES_BY_ROWS``, FP8 experts' apart) with Qwen3-30B-A3B's
+types, which the interpreter checks' small problems do not reach.
 
     python tests/kernels/hopper_compile.py LAUNCHES.json
 """
@@ -28,6 +31,7 @@ TYPES = {
     torch.bool: "i1", torch.float8_e4m3fn: "fp8e4nv", torch.float8_e5m2: "fp8e5",
 }
 OPTIONS = ("num_warps", "num_stages", "launch_pdl")
+SM90_SHARED_MEMORY = 232448  # bytes a block may use on an H100 / H200 (227 KB)
 
 
 def _type_of(value: object) -> str:
@@ -69,15 +73,40 @@ def record_launches(path: str) -> None:
     InterpretedFunction.run = recording_run
 
 
+def grouped_gemm_tile_launches() -> list[dict]:
+    """The grouped MoE GEMM at every production tile: bf16 experts, and FP8 ones with their float32 block scales
+    (the second GEMM's launch: the router weight scales its rows)."""
+    from tpserve.kernels.moe import FP8_TILES_BY_ROWS, TILES_BY_ROWS
+
+    launches = []
+    for fp8, tiles in ((False, TILES_BY_ROWS), (True, FP8_TILES_BY_ROWS)):
+        for _, tile in tiles:
+            signature = {name: "i32" for name in ("num_rows", "N", "K", "stride_am", "stride_we", "stride_wn",
+                                                  "stride_cm", "stride_se", "stride_sp", "stride_sn", "part_rows")}
+            signature.update(a_ptr="*bf16", w_ptr="*fp8e4nv" if fp8 else "*bf16", c_ptr="*bf16", scale_ptr="*bf16",
+                             sorted_rows_ptr="*i32", block_expert_ptr="*i32", padded_len_ptr="*i32",
+                             ws_ptr="*fp32" if fp8 else "*bf16")
+            constexprs = dict(A_ROWS_PER_TOKEN=1, SCALE=True, IEEE=False, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
+                              BLOCK_K=tile.block_k, GROUP_M=tile.group_m, BN=128 if fp8 else 1, BK=128 if fp8 else 1,
+                              FP8=fp8)
+            signature.update({name: "constexpr" for name in constexprs})
+            launches.append({"module": "tpserve.kernels.moe", "kernel": "_grouped_gemm_kernel", "signature": signature,
+                             "constexprs": constexprs, "options": {"num_warps": tile.warps, "num_stages": tile.stages},
+                             "aligned_only": True})
+    return launches
+
+
 def compile_recorded(path: str) -> int:
     with open(path) as f:
         launches = [json.loads(line) for line in sorted(set(f.read().splitlines()))]
+    launches += grouped_gemm_tile_launches()
     launches += [{**launch, "constexprs": {**launch["constexprs"], "PDL": True},
                   "options": {**launch["options"], "launch_pdl": True}}
                  for launch in launches if launch["constexprs"].get("PDL") is False]
     # Twice each: as launched on arbitrary pointers, and with every pointer 16-byte aligned as torch's
     # allocations are (Triton then specializes: vector loads, cp.async pipelining); two processes (CI's cores).
-    jobs = [(launch, aligned) for launch in launches for aligned in (False, True)]
+    jobs = [(launch, aligned) for launch in launches for aligned in (False, True)
+            if aligned or not launch.get("aligned_only")]
     with multiprocessing.get_context("fork").Pool(min(2, os.cpu_count() or 1)) as pool:
         for error in pool.imap_unordered(compile_one, jobs):
             if error:
@@ -96,11 +125,14 @@ def compile_one(job: tuple[dict, bool]) -> str | None:
     attrs = {(kernel.arg_names.index(name),): [["tt.divisibility", 16]]
              for name, t in launch["signature"].items() if t.startswith("*")} if aligned else {}
     source = ASTSource(fn=kernel, signature=launch["signature"], constexprs=launch["constexprs"], attrs=attrs)
+    what = (f"{launch['module']}.{launch['kernel']} (constexprs {launch['constexprs']}, options {launch['options']}, "
+            f"aligned pointers: {aligned})")
     try:
-        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
+        compiled = triton.compile(source, target=GPUTarget("cuda", 90, 32), options=launch["options"])
     except Exception as e:
-        return (f"{launch['module']}.{launch['kernel']} does not compile for sm_90 "
-                f"(constexprs {launch['constexprs']}, aligned pointers: {aligned}):\n{e}")
+        return f"{what} does not compile for sm_90:\n{e}"
+    if compiled.metadata.shared > SM90_SHARED_MEMORY:
+        return f"{what} needs {compiled.metadata.shared} bytes of shared memory, past sm_90's {SM90_SHARED_MEMORY}"
     return None
 
 
