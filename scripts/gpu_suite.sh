@@ -12,10 +12,11 @@
 # rebuilt, never loaded stale; FlashInfer's are tied to its wheel (0.7.0: a new wheel needs a new .fiaot).
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
-# Session 30 left unmeasured (first on nvidia-h200): the MoE prefill fixes and the start-up warm-up: stages
-#   moe_tests_k (MOE_TESTS="never_waits or expert_parallel") fused_tests prefill_kernels moe30_offline
-# (prefill_kernels: 8,192 tokens 154.7 ms without Triton PDL, 171.1 with; session 5's code 138.7; workload A 4,784 tok/s).
-# Then A3B decode at batch 64-256 with TPSERVE_TRITON_PDL=0 against the default (those steps were 2% slower than session 5's).
+# Session 31 left unmeasured (first on nvidia-h200): the grouped MoE GEMM's new decode tiles (BLOCK_K 128) and the FP8
+# experts' tiles kept apart, then workload A and where a batch-256 A3B decode step goes:
+#   moe_tests_k (MOE_TESTS="fused_experts_match or fp8_experts_match or never_waits") moe30_offline moe30_profile
+#   moe30_decode_pdl (workload A: 5,010 tok/s = 66.5% before the decode tiles; decode steps at batch 129-256 run at
+#   1.53x their floor, the MoE layer alone at 256 tokens at 1.60x: moe_tiles --sweep decode).
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 # On one H200, session 14: attn_sweep and attn_setting (then named attn_prefetch) measured the Triton decode
 # kernel's prefetch of K and V before the PDL wait, now the default (triton_tests: its GPU tests). The FP8 GEMV
@@ -314,6 +315,9 @@ for s in $stages; do
         stage prefill_kernels_old 300 env PYTHONPATH=/tmp/site:$PWD/old/python python3 benchmarks/experiments/prefill_kernels.py \
           --model $a3b --tokens 8192 --seqs 16 ${PREFILL_ARGS:-} --label old --out $results/prefill_kernels_old.json
       fi ;;
+    moe30_profile)  # Qwen3-30B-A3B decode at batch 64 and 256: the CUDA graph's kernels, by kind
+      stage moe30_profile 150 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 64,256 --graph-only \
+        --out $results/profile_a3b.json ;;
     moe30_decode_pdl)  # Qwen3-30B-A3B decode steps at batch 64-256, Triton PDL on (the default) and off
       for pdl in 1 0; do
         stage moe30_decode_pdl$pdl 120 env TPSERVE_TRITON_PDL=$pdl python3 benchmarks/decode_latency.py --model $a3b \
