@@ -216,22 +216,19 @@ def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> 
 def _grouped_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None,
     sorted_rows: torch.Tensor, block_expert: torch.Tensor, padded_len: torch.Tensor,
-    num_rows: int, rows_per_token: int, block_m: int, w_scale: torch.Tensor | None = None,
-    block: tuple[int, int] = (1, 1), tile: Tile | None = None,
+    num_rows: int, rows_per_token: int, tile: Tile, w_scale: torch.Tensor | None = None,
+    block: tuple[int, int] = (1, 1),
 ) -> None:
-    """``w_scale``: w is FP8 with these block scales ([E, 2, ...] of gate_up, whose rows split in two parts,
-    or [E, ...] of down). ``tile``: the launch (by default ``tiles_for(num_rows)``)."""
-    tile = tile or tiles_for(num_rows, fp8=w_scale is not None)
-    if tile.block_m != block_m:
-        raise ValueError(f"rows sorted in blocks of {block_m} for a tile of {tile.block_m} rows")
+    """``tile``: the launch, whose BLOCK_M the rows were sorted in; ``w_scale``: w is FP8 with these block scales
+    ([E, 2, ...] of gate_up, whose rows split in two parts, or [E, ...] of down)."""
     n, k = w.shape[1], w.shape[2]
     block_k = min(tile.block_k, max(16, triton.next_power_of_2(k)))
-    grid = (sorted_rows.numel() // block_m * triton.cdiv(n, tile.block_n),)
+    grid = (sorted_rows.numel() // tile.block_m * triton.cdiv(n, tile.block_n),)
     _grouped_gemm_kernel[grid](
         a, w, out, scale if scale is not None else out, sorted_rows, block_expert, padded_len,
         num_rows, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROWS_PER_TOKEN=rows_per_token, SCALE=scale is not None, IEEE=a.dtype == torch.float32,
-        BLOCK_M=block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k, GROUP_M=tile.group_m, num_warps=tile.warps,
+        BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k, GROUP_M=tile.group_m, num_warps=tile.warps,
         num_stages=tile.stages, **_weight_scale_args(w_scale, n, block, a),
     )
 
@@ -279,15 +276,14 @@ def grouped_experts(
     if rows == 0:
         return torch.zeros_like(x)
     tile = tile or tiles_for(rows, fp8=scales is not None)
-    block_m = tile.block_m
-    sorted_rows, block_expert, padded_len = align_by_expert(ids, gate_up.shape[0], block_m)
+    sorted_rows, block_expert, padded_len = align_by_expert(ids, gate_up.shape[0], tile.block_m)
     gate_up_out = torch.empty(rows, gate_up.shape[1], dtype=x.dtype, device=x.device)
     gate_up_scale, down_scale, block = (scales.gate_up, scales.down, scales.block) if scales else (None, None, (1, 1))
-    _grouped_gemm(x, gate_up, gate_up_out, None, sorted_rows, block_expert, padded_len, rows, top_k, block_m,
-                  gate_up_scale, block, tile)
+    _grouped_gemm(x, gate_up, gate_up_out, None, sorted_rows, block_expert, padded_len, rows, top_k, tile,
+                  gate_up_scale, block)
     hidden = silu_and_mul(gate_up_out)
     down_out = (torch.zeros if skip_others else torch.empty)(rows, down.shape[1], dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).contiguous()
-    _grouped_gemm(hidden, down, down_out, scale, sorted_rows, block_expert, padded_len, rows, 1, block_m,
-                  down_scale, block, tile)
+    _grouped_gemm(hidden, down, down_out, scale, sorted_rows, block_expert, padded_len, rows, 1, tile,
+                  down_scale, block)
     return down_out.view(tokens, top_k, -1).sum(dim=1)
