@@ -14,9 +14,11 @@
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
 # Session 31 left unmeasured (first on nvidia-h200): the grouped MoE GEMM's new decode tiles (BLOCK_K 128) and the FP8
 # experts' tiles kept apart, then workload A and where a batch-256 A3B decode step goes:
-#   moe_tests_k (MOE_TESTS="fused_experts_match or fp8_experts_match or never_waits") moe30_offline moe30_profile
-#   moe30_decode_pdl (workload A: 5,010 tok/s = 66.5% before the decode tiles; decode steps at batch 129-256 run at
-#   1.53x their floor, the MoE layer alone at 256 tokens at 1.60x: moe_tiles --sweep decode).
+#   moe_tests_k (MOE_TESTS="fused_experts_match or fp8_experts_match or never_waits or expert_parallel") moe_align
+#   moe30_offline moe30_profile moe30_decode_pdl (workload A: 5,010 tok/s = 66.5% before the decode tiles; decode steps
+#   at batch 129-256 run at 1.53x their floor, the MoE layer alone at 256 tokens at 1.60x: moe_tiles --sweep decode).
+# Session 32 (no GPU) replaced the one-program MoE sort (37 us a layer at batch 64 in session 5's profile, 9% of the
+# step) with one of many programs: moe_align times both, alone and in the layer (the old kernel lives in that script).
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 # On one H200, session 14: attn_sweep and attn_setting (then named attn_prefetch) measured the Triton decode
 # kernel's prefetch of K and V before the PDL wait, now the default (triton_tests: its GPU tests). The FP8 GEMV
@@ -361,8 +363,6 @@ for s in $stages; do
       stage silu_b2 330 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto --pipelined \
         --rounds 3 --batch-sizes 2 --variant silu_off:TPSERVE_GEMV_SILU_MUL=0 --fp8-variant silu_off:TPSERVE_GEMV_SILU_MUL=0 \
         --out $results/silu_b2.json ;;
-    moe30_profile) stage moe30_profile 150 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 1,64 \
-      --out $results/profile_qwen3_30b_a3b.json ;;
     fusion_tests)  # the SwiGLU epilogue of the GEMV and the router inside the MoE kernels (session 10)
       stage fusion_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_gemv.py tests/gpu/test_moe.py \
         tests/gpu/test_fp8_gpu.py -k "silu or rejects or tiny or pdl or model or graph or auto_takes or checkpoint or quantization_fp8_on" ;;
@@ -540,6 +540,8 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
     moe_small_tp2)  # the same on a TP 2 rank's slice (expert intermediate 384), one GPU
       stage moe_small_tp2 300 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --tp 2 --batch-sizes 1,4,16 \
         --sweep-batch-sizes 1,4 --out $results/moe_small_batch_tp2.json ;;
+    moe_align)  # the MoE sort by expert at decode sizes: many programs against the one-program kernel (session 32)
+      stage moe_align 150 python3 benchmarks/experiments/moe_align.py --out $results/moe_align.json ;;
     moe_tiles) stage moe_tiles 240 python3 benchmarks/experiments/moe_tiles.py ${MOE_TILES_ARGS:-} --out $results/moe_tiles.json ;;
     moe30_tp2) stage moe30_tp2 240 python3 benchmarks/offline_throughput.py --model $a3b --tp-size 2 --out $results/offline_qwen3_30b_a3b_tp2.json ;;
     moe30_tp2_ep)  # the same with whole experts per rank (--expert-parallel), to set beside moe30_tp2

@@ -497,14 +497,18 @@ def check_router_topk() -> None:
 
 
 def check_align_kernel_matches_torch() -> None:
-    """The one-program sort equals torch's stable sort, padding and block labels exactly: one
-    token, experts with no rows, rows spanning several chunks, the largest count it takes."""
+    """The sort's kernel equals torch's stable sort, padding and block labels exactly: one token, experts with
+    no rows, rows over many programs (each places its own, from counts of all), the production tiles' BLOCK_M,
+    other ranks' rows (id = experts) left out, the largest count it takes."""
     from tpserve.kernels.moe import TRITON_ALIGN_MAX_ROWS, align_by_expert, align_by_expert_torch
 
     gen = torch.Generator().manual_seed(5)
-    cases = ((1, 8, 128, 16), (37, 3, 16, 16), (5, 2, 4, 64), (300, 8, 128, 64), (TRITON_ALIGN_MAX_ROWS // 8, 8, 128, 16))
+    cases = ((1, 8, 128, 16), (37, 3, 16, 16), (5, 2, 4, 64), (300, 8, 128, 64), (256, 8, 128, 32),
+             (TRITON_ALIGN_MAX_ROWS // 8, 8, 128, 16))
     for tokens, top_k, experts, block_m in cases:
         ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
+        if block_m == 32:  # as expert parallelism's: another rank's expert is id ``experts``
+            ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.3, experts, ids)
         got = align_by_expert(ids, experts, block_m)
         want = align_by_expert_torch(ids, experts, block_m)
         for g, w, name in zip(got, want, ("sorted_rows", "block_expert", "padded_len")):

@@ -128,46 +128,42 @@ def aligned_capacity(rows: int, num_experts: int, block_m: int) -> int:
 @triton.jit
 def _align_kernel(
     ids_ptr, sorted_rows_ptr, block_expert_ptr, padded_len_ptr, rows, capacity, num_experts,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, CHUNK: tl.constexpr,
 ):
-    """One program: count rows per expert, pad, fill the padding, label the blocks, then place each
-    row after the earlier rows of its expert (a stable sort). Rows whose id is num_experts or more
-    (another rank's expert: expert parallelism) are left out, as padding is."""
+    """Program p owns rows, sorted slots and blocks [p * CHUNK, (p + 1) * CHUNK). From two histograms of all
+    the ids (a few KB, from L2) it has every expert's run and how many of its rows come before its own, so it
+    places its rows (a stable sort), fills its padding slots and labels its blocks with no other program's
+    results: no barrier, one launch. Rows whose id is num_experts or more (another rank's expert:
+    expert parallelism) are left out, as padding is."""
+    first = tl.program_id(0) * CHUNK
+    every = tl.arange(0, ROWS_PAD)
+    every_id = tl.load(ids_ptr + every, mask=every < rows, other=0).to(tl.int32)
     experts = tl.arange(0, E_PAD)
     real = experts < num_experts
-    counts = tl.zeros((E_PAD,), dtype=tl.int32)
-    for start in range(0, rows, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < rows, other=E_PAD).to(tl.int32)
-        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    counts = tl.where(real, counts, 0)
+    counts = tl.where(real, tl.histogram(every_id, E_PAD, mask=every < rows), 0)
+    before = tl.histogram(every_id, E_PAD, mask=every < tl.minimum(first, rows))
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
-    tl.store(padded_len_ptr, tl.sum(padded, axis=0))
-    for start in range(0, capacity, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        tl.store(sorted_rows_ptr + offs, tl.full((CHUNK,), 0, tl.int32) + rows, mask=offs < capacity)
-    num_blocks = capacity // BLOCK_M
-    for start in range(0, num_blocks, CHUNK):
-        blocks = start + tl.arange(0, CHUNK)
-        before = (ends[None, :] <= blocks[:, None] * BLOCK_M) & real[None, :]
-        expert = tl.minimum(tl.sum(before.to(tl.int32), axis=1), num_experts - 1)
-        tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
-    tl.debug_barrier()  # the padding fill lands before any row overwrites it
-    cursor = ends - padded
-    for start in range(0, rows, CHUNK):
-        offs = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs, mask=offs < rows, other=E_PAD).to(tl.int32)
-        onehot = ids[:, None] == experts[None, :]
-        base = tl.sum(tl.where(onehot, cursor[None, :], 0), axis=1)
-        earlier = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None])
-        rank = tl.sum(earlier.to(tl.int32), axis=1)
-        tl.store(sorted_rows_ptr + base + rank, offs, mask=(offs < rows) & (ids < num_experts))
-        cursor += tl.sum(onehot.to(tl.int32), axis=0)
+    starts = ends - padded
+    used = tl.sum(padded, axis=0)
+    if first == 0:
+        tl.store(padded_len_ptr, used)
+    offs = first + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + offs, mask=offs < rows, other=E_PAD).to(tl.int32)  # E_PAD: no expert's
+    base = tl.sum(tl.where(ids[:, None] == experts[None, :], (starts + before)[None, :], 0), axis=1)
+    rank = tl.sum(((ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None])).to(tl.int32), axis=1)
+    tl.store(sorted_rows_ptr + base + rank, offs, mask=(offs < rows) & (ids < num_experts))
+    # The run a slot falls in is the number of runs ending at or before it; past its rows it is padding.
+    run = tl.sum(((ends[None, :] <= offs[:, None]) & real[None, :]).to(tl.int32), axis=1)
+    filled = tl.sum(tl.where(run[:, None] == experts[None, :], (starts + counts)[None, :], 0), axis=1)
+    tl.store(sorted_rows_ptr + offs, tl.zeros_like(offs) + rows, mask=(offs < capacity) & (offs >= filled))
+    label = tl.sum(((ends[None, :] <= (offs * BLOCK_M)[:, None]) & real[None, :]).to(tl.int32), axis=1)
+    tl.store(block_expert_ptr + offs, tl.minimum(label, num_experts - 1), mask=offs < capacity // BLOCK_M)
 
 
-# Up to this many rows one program sorts faster than the dozen torch kernels it replaces.
+# Up to this many rows the sort is ``_align_kernel``, whose programs each read all ids; above, torch's.
 TRITON_ALIGN_MAX_ROWS = 4096
+ALIGN_CHUNK = 64  # rows, slots and blocks an ``_align_kernel`` program takes
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -181,9 +177,10 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     sorted_rows = torch.empty(capacity, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device)
     padded_len = torch.empty(1, dtype=torch.int32, device=ids.device)
-    _align_kernel[(1,)](
+    _align_kernel[(triton.cdiv(capacity, ALIGN_CHUNK),)](
         ids.contiguous(), sorted_rows, block_expert, padded_len, rows, capacity, num_experts,
-        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts + 1), CHUNK=64, num_warps=4,
+        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts + 1), ROWS_PAD=triton.next_power_of_2(max(rows, 1)),
+        CHUNK=ALIGN_CHUNK, num_warps=4,
     )
     return sorted_rows, block_expert, padded_len
 

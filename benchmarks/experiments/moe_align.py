@@ -1,0 +1,154 @@
+"""The MoE sort by expert (``kernels.moe.align_by_expert``) at decode sizes: the kernel of many programs against
+the one-program kernel it replaced (kept below as the baseline), and torch's path.
+
+Session 5's profile of a Qwen3-30B-A3B decode step at batch 64 put the one-program sort at 37 us a MoE layer,
+9% of the step's GPU time. Each variant is graph-timed alone on Qwen3-30B-A3B's routing (128 experts, top 8,
+uniform), checked equal to torch's sort; then the whole expert computation (``grouped_experts``: the sort, both
+GEMMs, SiLU-and-mul, the sum over k) with each sort. Prints a table per part.
+
+    python benchmarks/experiments/moe_align.py --out $OUT/moe_align.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib.util
+import os
+import sys
+
+_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.join(_ROOT, "benchmarks"))
+if importlib.util.find_spec("tpserve") is None:
+    sys.path.insert(0, os.path.join(_ROOT, "python"))
+
+import torch
+import triton
+import triton.language as tl
+from common import print_table, time_cuda, write_json
+from tpserve.kernels import moe
+from tpserve.kernels.moe import aligned_capacity, align_by_expert, align_by_expert_torch, grouped_experts, tiles_for
+
+EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8
+
+
+@triton.jit
+def _one_program_align_kernel(
+    ids_ptr, sorted_rows_ptr, block_expert_ptr, padded_len_ptr, rows, capacity, num_experts,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+):
+    """The sort up to session 31 (kernels/moe.py): one program counts, pads, labels and places, CHUNK rows a step."""
+    experts = tl.arange(0, E_PAD)
+    real = experts < num_experts
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < rows, other=E_PAD).to(tl.int32)
+        counts += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    counts = tl.where(real, counts, 0)
+    padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
+    ends = tl.cumsum(padded, axis=0)
+    tl.store(padded_len_ptr, tl.sum(padded, axis=0))
+    for start in range(0, capacity, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        tl.store(sorted_rows_ptr + offs, tl.full((CHUNK,), 0, tl.int32) + rows, mask=offs < capacity)
+    num_blocks = capacity // BLOCK_M
+    for start in range(0, num_blocks, CHUNK):
+        blocks = start + tl.arange(0, CHUNK)
+        before = (ends[None, :] <= blocks[:, None] * BLOCK_M) & real[None, :]
+        expert = tl.minimum(tl.sum(before.to(tl.int32), axis=1), num_experts - 1)
+        tl.store(block_expert_ptr + blocks, expert, mask=blocks < num_blocks)
+    tl.debug_barrier()
+    cursor = ends - padded
+    for start in range(0, rows, CHUNK):
+        offs = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + offs, mask=offs < rows, other=E_PAD).to(tl.int32)
+        onehot = ids[:, None] == experts[None, :]
+        base = tl.sum(tl.where(onehot, cursor[None, :], 0), axis=1)
+        earlier = (ids[:, None] == ids[None, :]) & (offs[None, :] < offs[:, None])
+        rank = tl.sum(earlier.to(tl.int32), axis=1)
+        tl.store(sorted_rows_ptr + base + rank, offs, mask=(offs < rows) & (ids < num_experts))
+        cursor += tl.sum(onehot.to(tl.int32), axis=0)
+
+
+def one_program_align(ids: torch.Tensor, num_experts: int, block_m: int):
+    rows = ids.numel()
+    capacity = aligned_capacity(rows, num_experts, block_m)
+    out = (torch.empty(capacity, dtype=torch.int32, device=ids.device),
+           torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device),
+           torch.empty(1, dtype=torch.int32, device=ids.device))
+    _one_program_align_kernel[(1,)](ids.contiguous(), *out, rows, capacity, num_experts, BLOCK_M=block_m,
+                                    E_PAD=triton.next_power_of_2(num_experts + 1), CHUNK=64, num_warps=4)
+    return out
+
+
+def many_program_align(chunk: int, warps: int):
+    """``align_by_expert``'s kernel at another chunk and warp count."""
+    def align(ids: torch.Tensor, num_experts: int, block_m: int):
+        rows = ids.numel()
+        capacity = aligned_capacity(rows, num_experts, block_m)
+        out = (torch.empty(capacity, dtype=torch.int32, device=ids.device),
+               torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device),
+               torch.empty(1, dtype=torch.int32, device=ids.device))
+        moe._align_kernel[(triton.cdiv(capacity, chunk),)](
+            ids.contiguous(), *out, rows, capacity, num_experts, BLOCK_M=block_m,
+            E_PAD=triton.next_power_of_2(num_experts + 1), ROWS_PAD=triton.next_power_of_2(rows), CHUNK=chunk,
+            num_warps=warps)
+        return out
+    return align
+
+
+def graph_time(fn, repeat: int = 1) -> float:
+    """Seconds of one ``fn`` in a graph of ``repeat`` of them (a short kernel: the replay's launch amortised)."""
+    fn()
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for _ in range(repeat):
+            fn()
+    return time_cuda(graph.replay, warmup=3, iters=50) / repeat
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--tokens", default="9,16,32,64,128,256,512", help="tokens per step (rows = tokens x 8)")
+    parser.add_argument("--out", default=None)
+    args = parser.parse_args()
+    sorts = {"one program (before)": one_program_align, "default": align_by_expert, "torch": align_by_expert_torch}
+    sorts |= {f"chunk {c} w{w}": many_program_align(c, w) for c in (32, 64, 128) for w in (4, 8) if (c, w) != (64, 4)}
+    alone, layer = [], []
+    for tokens in map(int, args.tokens.split(",")):
+        gen = torch.Generator(device="cuda").manual_seed(tokens)
+        ids = torch.rand(tokens, EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices
+        block_m = tiles_for(ids.numel()).block_m
+        want = align_by_expert_torch(ids, EXPERTS, block_m)
+        for name, sort in sorts.items():
+            got = sort(ids, EXPERTS, block_m)
+            equal = all(torch.equal(g.long(), w.long()) for g, w in zip(got, want))
+            alone.append({"tokens": tokens, "rows": ids.numel(), "block_m": block_m, "sort": name, "equal": equal,
+                          "us": graph_time(lambda sort=sort: sort(ids, EXPERTS, block_m), repeat=20) * 1e6})
+        x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
+        gate_up = (torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda", generator=gen) * 0.02).bfloat16()
+        down = (torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, device="cuda", generator=gen) * 0.02).bfloat16()
+        weights = torch.rand(tokens, TOP_K, device="cuda", generator=gen)
+        outputs = {}
+        for name in ("one program (before)", "default"):
+            moe.align_by_expert = sorts[name]  # grouped_experts looks the sort up in its module
+            try:
+                seconds = graph_time(lambda name=name: outputs.__setitem__(
+                    name, grouped_experts(x, gate_up, down, weights, ids)))
+            finally:
+                moe.align_by_expert = align_by_expert
+            layer.append({"tokens": tokens, "sort": name, "us": seconds * 1e6})
+        same = torch.equal(outputs["default"], outputs["one program (before)"])
+        layer[-1]["same_output"] = layer[-2]["same_output"] = same
+        layer[-1]["speedup"] = layer[-2]["us"] / layer[-1]["us"]
+        del gate_up, down
+    print("\nThe sort alone (graph replays)")
+    print_table(alone, ["tokens", "rows", "block_m", "sort", "equal", "us"])
+    print("\nThe experts (grouped_experts) with each sort")
+    print_table(layer, ["tokens", "sort", "us", "speedup", "same_output"])
+    write_json(args.out, {"benchmark": "moe_align", "alone": alone, "layer": layer})
+
+
+if __name__ == "__main__":
+    main()
