@@ -81,8 +81,8 @@ def one_program_align(ids: torch.Tensor, num_experts: int, block_m: int):
     return out
 
 
-def many_program_align(chunk: int, warps: int):
-    """``align_by_expert``'s kernel at another chunk and warp count."""
+def many_program_align(chunk: int, warps: int, hist_chunk: int = 512):
+    """``align_by_expert``'s kernel at another chunk, warp count and histogram step."""
     def align(ids: torch.Tensor, num_experts: int, block_m: int):
         rows = ids.numel()
         capacity = aligned_capacity(rows, num_experts, block_m)
@@ -91,7 +91,7 @@ def many_program_align(chunk: int, warps: int):
                torch.empty(1, dtype=torch.int32, device=ids.device))
         moe._align_kernel[(triton.cdiv(capacity, chunk),)](
             ids.contiguous(), *out, rows, capacity, num_experts, BLOCK_M=block_m,
-            E_PAD=triton.next_power_of_2(num_experts + 1), ROWS_PAD=triton.next_power_of_2(rows), CHUNK=chunk,
+            E_PAD=triton.next_power_of_2(num_experts + 1), CHUNK=chunk, HIST_CHUNK=hist_chunk,
             num_warps=warps)
         return out
     return align
@@ -115,6 +115,7 @@ def main() -> None:
     args = parser.parse_args()
     sorts = {"one program (before)": one_program_align, "default": align_by_expert, "torch": align_by_expert_torch}
     sorts |= {f"chunk {c} w{w}": many_program_align(c, w) for c in (32, 64, 128) for w in (4, 8) if (c, w) != (64, 4)}
+    sorts |= {f"histogram step {h}": many_program_align(64, 4, h) for h in (256, 1024, 4096)}
     alone, layer = [], []
     for tokens in map(int, args.tokens.split(",")):
         gen = torch.Generator(device="cuda").manual_seed(tokens)

@@ -128,20 +128,24 @@ def aligned_capacity(rows: int, num_experts: int, block_m: int) -> int:
 @triton.jit
 def _align_kernel(
     ids_ptr, sorted_rows_ptr, block_expert_ptr, padded_len_ptr, rows, capacity, num_experts,
-    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, ROWS_PAD: tl.constexpr, CHUNK: tl.constexpr,
+    BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, HIST_CHUNK: tl.constexpr,
 ):
-    """Program p owns rows, sorted slots and blocks [p * CHUNK, (p + 1) * CHUNK). From two histograms of all
-    the ids (a few KB, from L2) it has every expert's run and how many of its rows come before its own, so it
-    places its rows (a stable sort), fills its padding slots and labels its blocks with no other program's
-    results: no barrier, one launch. Rows whose id is num_experts or more (another rank's expert:
-    expert parallelism) are left out, as padding is."""
+    """Program p owns rows, sorted slots and blocks [p * CHUNK, (p + 1) * CHUNK). From histograms of all the
+    ids (a few KB, from L2; HIST_CHUNK at a time, so the row count is no compile-time constant) it has every
+    expert's run and how many of its rows come before its own, so it places its rows (a stable sort), fills its
+    padding slots and labels its blocks with no other program's results: no barrier, one launch. Rows whose
+    id is num_experts or more (another rank's expert: expert parallelism) are left out, as padding is."""
     first = tl.program_id(0) * CHUNK
-    every = tl.arange(0, ROWS_PAD)
-    every_id = tl.load(ids_ptr + every, mask=every < rows, other=0).to(tl.int32)
     experts = tl.arange(0, E_PAD)
     real = experts < num_experts
-    counts = tl.where(real, tl.histogram(every_id, E_PAD, mask=every < rows), 0)
-    before = tl.histogram(every_id, E_PAD, mask=every < tl.minimum(first, rows))
+    counts = tl.zeros((E_PAD,), dtype=tl.int32)
+    before = tl.zeros((E_PAD,), dtype=tl.int32)
+    for start in range(0, rows, HIST_CHUNK):
+        every = start + tl.arange(0, HIST_CHUNK)
+        every_id = tl.load(ids_ptr + every, mask=every < rows, other=0).to(tl.int32)
+        counts += tl.histogram(every_id, E_PAD, mask=every < rows)
+        before += tl.histogram(every_id, E_PAD, mask=every < tl.minimum(first, rows))
+    counts = tl.where(real, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     ends = tl.cumsum(padded, axis=0)
     starts = ends - padded
@@ -164,6 +168,7 @@ def _align_kernel(
 # Up to this many rows the sort is ``_align_kernel``, whose programs each read all ids; above, torch's.
 TRITON_ALIGN_MAX_ROWS = 4096
 ALIGN_CHUNK = 64  # rows, slots and blocks an ``_align_kernel`` program takes
+ALIGN_HIST_CHUNK = 512  # ids a step of its histograms
 
 
 def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -179,8 +184,8 @@ def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[
     padded_len = torch.empty(1, dtype=torch.int32, device=ids.device)
     _align_kernel[(triton.cdiv(capacity, ALIGN_CHUNK),)](
         ids.contiguous(), sorted_rows, block_expert, padded_len, rows, capacity, num_experts,
-        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts + 1), ROWS_PAD=triton.next_power_of_2(max(rows, 1)),
-        CHUNK=ALIGN_CHUNK, num_warps=4,
+        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts + 1), CHUNK=ALIGN_CHUNK, HIST_CHUNK=ALIGN_HIST_CHUNK,
+        num_warps=4,
     )
     return sorted_rows, block_expert, padded_len
 
