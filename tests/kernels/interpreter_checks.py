@@ -11,6 +11,7 @@ MoE checks run in float32.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import multiprocessing
 import os
 import sys
@@ -497,22 +498,28 @@ def check_router_topk() -> None:
 
 
 def check_align_kernel_matches_torch() -> None:
-    """The sort's kernel equals torch's stable sort, padding and block labels exactly: one token, experts with
+    """The sort's kernels equal torch's stable sort, padding and block labels exactly: one token, experts with
     no rows, rows over many programs (each places its own, from counts of all), the production tiles' BLOCK_M,
-    other ranks' rows (id = experts) left out, the largest count it takes."""
-    from tpserve.kernels.moe import TRITON_ALIGN_MAX_ROWS, align_by_expert, align_by_expert_torch
+    other ranks' rows (id = experts) left out; in one kernel and with the rows counted per chunk first (the form
+    past ALIGN_ONE_KERNEL_MAX_ROWS rows, here forced at fewer rows, a program's rows inside a chunk or at its
+    start)."""
+    from tpserve.kernels.moe import ALIGN_COUNT_CHUNK, ALIGN_ONE_KERNEL_MAX_ROWS, align_by_expert, align_by_expert_torch
 
     gen = torch.Generator().manual_seed(5)
-    cases = ((1, 8, 128, 16), (37, 3, 16, 16), (5, 2, 4, 64), (300, 8, 128, 64), (256, 8, 128, 32),
-             (TRITON_ALIGN_MAX_ROWS // 8, 8, 128, 16))
-    for tokens, top_k, experts, block_m in cases:
+    cases = ((1, 8, 128, 16), (37, 3, 16, 16), (5, 2, 4, 64), (45, 8, 16, 64), (150, 8, 32, 32), (256, 8, 128, 32),
+             (ALIGN_ONE_KERNEL_MAX_ROWS // 8, 8, 128, 16))
+    for (tokens, top_k, experts, block_m), counted in itertools.product(cases, (False, True)):
         ids = torch.stack([torch.randperm(experts, generator=gen)[:top_k] for _ in range(tokens)])
         if block_m == 32:  # as expert parallelism's: another rank's expert is id ``experts``
             ids = torch.where(torch.rand(ids.shape, generator=gen) < 0.3, experts, ids)
-        got = align_by_expert(ids, experts, block_m)
+        # the largest case counts in the production chunks (so its variant is compiled for sm_90), the others in 512s
+        chunk = ALIGN_COUNT_CHUNK if tokens * top_k == ALIGN_ONE_KERNEL_MAX_ROWS else 512
+        limits = dict(one_kernel_max_rows=0, count_chunk=chunk) if counted else {}
+        got = align_by_expert(ids, experts, block_m, **limits)
         want = align_by_expert_torch(ids, experts, block_m)
         for g, w, name in zip(got, want, ("sorted_rows", "block_expert", "padded_len")):
-            assert torch.equal(g.long(), w.long()), f"{name} differs for {tokens} tokens, {experts} experts, block {block_m}"
+            assert torch.equal(g.long(), w.long()), (f"{name} differs for {tokens} tokens, {experts} experts, "
+                                                     f"block {block_m}, counted first: {counted}")
 
 
 def check_expert_parallel_moe() -> None:

@@ -1,4 +1,4 @@
-"""The sort by expert in torch ops (``align_by_expert_torch``, the prefill path on a GPU): what it returns, and
+"""The sort by expert in torch ops (``align_by_expert_torch``, the Triton sort's reference): what it returns, and
 that it reads nothing back to the host. A read-back (``.item()``, ``.tolist()``, a tensor's truth value, a
 Python scalar set into a tensor) is a stream sync on CUDA: session 30 found one a MoE layer, 48 in a
 Qwen3-30B-A3B prefill step. The CPU cannot see a sync, so the torch calls are watched instead."""

@@ -126,24 +126,48 @@ def aligned_capacity(rows: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
+def _count_kernel(ids_ptr, chunk_counts_ptr, rows, E_PAD: tl.constexpr, COUNT_CHUNK: tl.constexpr):
+    """Rows per expert in each COUNT_CHUNK rows: chunk_counts [chunks, E_PAD] for ``_align_kernel``'s COUNTED form."""
+    every = tl.program_id(0) * COUNT_CHUNK + tl.arange(0, COUNT_CHUNK)
+    ids = tl.load(ids_ptr + every, mask=every < rows, other=0).to(tl.int32)
+    tl.store(chunk_counts_ptr + tl.program_id(0) * E_PAD + tl.arange(0, E_PAD),
+             tl.histogram(ids, E_PAD, mask=every < rows))
+
+
+@triton.jit
 def _align_kernel(
-    ids_ptr, sorted_rows_ptr, block_expert_ptr, padded_len_ptr, rows, capacity, num_experts,
+    ids_ptr, sorted_rows_ptr, block_expert_ptr, padded_len_ptr, rows, capacity, num_experts, chunk_counts_ptr,
     BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr, HIST_CHUNK: tl.constexpr,
+    COUNTED: tl.constexpr, COUNT_CHUNK: tl.constexpr,
 ):
-    """Program p owns rows, sorted slots and blocks [p * CHUNK, (p + 1) * CHUNK). From histograms of all the
-    ids (a few KB, from L2; HIST_CHUNK at a time, so the row count is no compile-time constant) it has every
+    """Program p owns rows, sorted slots and blocks [p * CHUNK, (p + 1) * CHUNK). From histograms of the ids
+    (a few KB, from L2; HIST_CHUNK at a time, so the row count is no compile-time constant) it has every
     expert's run and how many of its rows come before its own, so it places its rows (a stable sort), fills its
-    padding slots and labels its blocks with no other program's results: no barrier, one launch. Rows whose
-    id is num_experts or more (another rank's expert: expert parallelism) are left out, as padding is."""
+    padding slots and labels its blocks with no other program's results: no barrier. COUNTED (many rows):
+    ``_count_kernel``'s chunk_counts replace the histograms of all but the ids of its own count chunk before
+    its rows. Rows whose id is num_experts or more (another rank's expert: expert parallelism) are left out,
+    as padding is."""
     first = tl.program_id(0) * CHUNK
     experts = tl.arange(0, E_PAD)
     real = experts < num_experts
     counts = tl.zeros((E_PAD,), dtype=tl.int32)
     before = tl.zeros((E_PAD,), dtype=tl.int32)
-    for start in range(0, rows, HIST_CHUNK):
+    hist_from = 0
+    if COUNTED:
+        chunks = tl.cdiv(rows, COUNT_CHUNK)
+        own = first // COUNT_CHUNK
+        for c0 in range(0, chunks, 16):
+            c = c0 + tl.arange(0, 16)
+            part = tl.load(chunk_counts_ptr + c[:, None] * E_PAD + experts[None, :], mask=(c < chunks)[:, None],
+                           other=0)
+            counts += tl.sum(part, axis=0)
+            before += tl.sum(tl.where((c < own)[:, None], part, 0), axis=0)
+        hist_from = own * COUNT_CHUNK
+    for start in range(hist_from, tl.minimum(first, rows) if COUNTED else rows, HIST_CHUNK):
         every = start + tl.arange(0, HIST_CHUNK)
         every_id = tl.load(ids_ptr + every, mask=every < rows, other=0).to(tl.int32)
-        counts += tl.histogram(every_id, E_PAD, mask=every < rows)
+        if not COUNTED:
+            counts += tl.histogram(every_id, E_PAD, mask=every < rows)
         before += tl.histogram(every_id, E_PAD, mask=every < tl.minimum(first, rows))
     counts = tl.where(real, counts, 0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
@@ -165,33 +189,45 @@ def _align_kernel(
     tl.store(block_expert_ptr + offs, tl.minimum(label, num_experts - 1), mask=offs < capacity // BLOCK_M)
 
 
-# Up to this many rows the sort is ``_align_kernel``, whose programs each read all ids; above, torch's.
-TRITON_ALIGN_MAX_ROWS = 4096
 ALIGN_CHUNK = 64  # rows, slots and blocks an ``_align_kernel`` program takes
 ALIGN_HIST_CHUNK = 512  # ids a step of its histograms
+# Past this many rows each program's histograms of all ids would outweigh a second launch: ``_count_kernel``
+# counts each ALIGN_COUNT_CHUNK rows first.
+ALIGN_ONE_KERNEL_MAX_ROWS = 4096
+ALIGN_COUNT_CHUNK = 2048
 
 
-def align_by_expert(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def align_by_expert(
+    ids: torch.Tensor, num_experts: int, block_m: int, one_kernel_max_rows: int = ALIGN_ONE_KERNEL_MAX_ROWS,
+    count_chunk: int = ALIGN_COUNT_CHUNK,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """Sort the (token, k) rows of ``ids`` [T, k] by expert, runs padded to ``block_m``, no host sync:
     sorted_rows [P] (``T * k`` marks padding), block_expert [P / block_m], padded_len [1] (P: by T).
-    Rows with id ``num_experts`` (another rank's expert) are left out."""
+    Rows with id ``num_experts`` (another rank's expert) are left out. Past ``one_kernel_max_rows`` rows,
+    ``_count_kernel`` first counts each ``count_chunk`` rows (a power of two of 512 or more)."""
+    ids = ids.contiguous()
     rows = ids.numel()
-    if rows > TRITON_ALIGN_MAX_ROWS:
-        return align_by_expert_torch(ids, num_experts, block_m)
     capacity = aligned_capacity(rows, num_experts, block_m)
     sorted_rows = torch.empty(capacity, dtype=torch.int32, device=ids.device)
     block_expert = torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device)
     padded_len = torch.empty(1, dtype=torch.int32, device=ids.device)
+    e_pad = triton.next_power_of_2(num_experts + 1)
+    counted = rows > one_kernel_max_rows
+    chunk_counts = padded_len  # unread unless counted
+    if counted:
+        chunk_counts = torch.empty(triton.cdiv(rows, count_chunk), e_pad, dtype=torch.int32, device=ids.device)
+        _count_kernel[(chunk_counts.shape[0],)](ids, chunk_counts, rows, E_PAD=e_pad, COUNT_CHUNK=count_chunk,
+                                                 num_warps=4)
     _align_kernel[(triton.cdiv(capacity, ALIGN_CHUNK),)](
-        ids.contiguous(), sorted_rows, block_expert, padded_len, rows, capacity, num_experts,
-        BLOCK_M=block_m, E_PAD=triton.next_power_of_2(num_experts + 1), CHUNK=ALIGN_CHUNK, HIST_CHUNK=ALIGN_HIST_CHUNK,
+        ids, sorted_rows, block_expert, padded_len, rows, capacity, num_experts, chunk_counts, BLOCK_M=block_m,
+        E_PAD=e_pad, CHUNK=ALIGN_CHUNK, HIST_CHUNK=ALIGN_HIST_CHUNK, COUNTED=counted, COUNT_CHUNK=count_chunk,
         num_warps=4,
     )
     return sorted_rows, block_expert, padded_len
 
 
 def align_by_expert_torch(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """``align_by_expert`` in torch ops (the reference, and the path for many rows)."""
+    """``align_by_expert`` in torch ops (the reference, and the CPU path)."""
     flat = ids.flatten()
     rows = flat.numel()
     capacity = aligned_capacity(rows, num_experts, block_m)
