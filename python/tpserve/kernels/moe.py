@@ -115,8 +115,9 @@ def tiles_for(num_rows: int, fp8: bool = False) -> Tile:
 
 
 def tile_row_bounds() -> tuple[int, ...]:
-    """Every row count at which some tile ends (each is a Triton kernel variant to compile)."""
-    return tuple(sorted({bound for bound, _ in TILES_BY_ROWS + FP8_TILES_BY_ROWS if bound is not None}))
+    """Every row count at which some tile or the sort's form ends (each is a Triton kernel variant to compile)."""
+    bounds = {bound for bound, _ in TILES_BY_ROWS + FP8_TILES_BY_ROWS if bound is not None}
+    return tuple(sorted(bounds | {ALIGN_ONE_KERNEL_MAX_ROWS}))
 
 
 def aligned_capacity(rows: int, num_experts: int, block_m: int) -> int:
