@@ -14,11 +14,15 @@
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
 # Session 31 left unmeasured (first on nvidia-h200): the grouped MoE GEMM's new decode tiles (BLOCK_K 128) and the FP8
 # experts' tiles kept apart, then workload A and where a batch-256 A3B decode step goes:
-#   moe_tests_k (MOE_TESTS="fused_experts_match or fp8_experts_match or never_waits or expert_parallel") moe_align
+#   moe_tests_k (MOE_TESTS="fused_experts_match or fp8_experts_match or silu_in_the_first or never_waits or
+#   expert_parallel") moe_align
 #   moe30_offline moe30_profile moe30_decode_pdl (workload A: 5,010 tok/s = 66.5% before the decode tiles; decode steps
 #   at batch 129-256 run at 1.53x their floor, the MoE layer alone at 256 tokens at 1.60x: moe_tiles --sweep decode).
 # Session 32 (no GPU) replaced the one-program MoE sort (37 us a layer at batch 64 in session 5's profile, 9% of the
-# step) with one of many programs: moe_align times both, alone and in the layer (the old kernel lives in that script).
+# step) and torch's sort past 4,096 rows with kernels of many programs: moe_align times both, alone and in the layer
+# (the old kernel lives in that script). It also let a Tile fuse SiLU-and-mul into the first grouped GEMM (fuse_silu,
+# in no table yet): moe_tiles with MOE_TILES_ARGS="--sweep prefill" and "--sweep decode" times the +silu tiles
+# beside the others; a winner goes into TILES_BY_ROWS.
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 # On one H200, session 14: attn_sweep and attn_setting (then named attn_prefetch) measured the Triton decode
 # kernel's prefetch of K and V before the PDL wait, now the default (triton_tests: its GPU tests). The FP8 GEMV

@@ -2,10 +2,10 @@
 
 Qwen3-30B-A3B's experts (128 experts, hidden 2048, expert intermediate 768 at TP 1, 384 at TP 2),
 rows = tokens x top-k routed uniformly at random. For each tile (``kernels.moe.Tile``: BLOCK_M, BLOCK_N,
-BLOCK_K, warps, stages, GROUP_M): the whole expert computation (the sort, both GEMMs, SiLU-and-mul, the sum
-over k), graph-timed, as TFLOP/s of the rows' work and against its floor (the touched experts' weights over
-the copy bandwidth); each tile's output checked against the default's (``tiles_for``). Prints one table per
-shape and the best tile per row count.
+BLOCK_K, warps, stages, GROUP_M, SiLU-and-mul in the first GEMM or not): the whole expert computation (the
+sort, both GEMMs, SiLU-and-mul, the sum over k), graph-timed, as TFLOP/s of the rows' work and against its
+floor (the touched experts' weights over the copy bandwidth); each tile's output checked against the
+default's (``tiles_for``). Prints one table per shape and the best tile per row count.
 
     python benchmarks/experiments/moe_tiles.py [--sweep decode] --out $OUT/moe_tiles.json
 """
@@ -43,7 +43,8 @@ def graph_time(fn) -> float:
 
 def label(tile: Tile) -> str:
     group = "all" if tile.group_m >= WHOLE else tile.group_m
-    return f"{tile.block_m}x{tile.block_n}x{tile.block_k} w{tile.warps} s{tile.stages} g{group}"
+    silu = " +silu" if tile.fuse_silu else ""
+    return f"{tile.block_m}x{tile.block_n}x{tile.block_k} w{tile.warps} s{tile.stages} g{group}{silu}"
 
 
 def run_shape(tokens: int, intermediate: int, tiles: list[Tile]) -> list[dict]:
@@ -87,13 +88,17 @@ def prefill_tiles() -> list[Tile]:
     tiles = [Tile(m, n, k, w, s) for (m, n, k, w), s in itertools.product(shapes, (3, 4))]
     # the launch order: groups of row blocks (as tuned fused-MoE configs use) on the likeliest tiles
     tiles += [Tile(m, n, 64, 8, s, g) for (m, n), s, g in itertools.product(((128, 128), (128, 256)), (3, 4), (1, 16))]
+    # SiLU-and-mul in the first GEMM: block_n columns of gate and of up, so 128 reads what 256 does unfused
+    tiles += [Tile(m, n, 64, 8, s, 1, fuse_silu=True) for (m, n), s in itertools.product(((128, 128), (128, 64),
+                                                                                         (64, 128)), (3, 4))]
     return tiles
 
 
 def decode_tiles() -> list[Tile]:
     """Decode batches (a few rows an expert, every expert's weights read): tiles that stream W."""
-    return [Tile(m, n, k, 8 if n == 256 else 4, s, 1) for m, n, k, s in itertools.product(
+    tiles = [Tile(m, n, k, 8 if n == 256 else 4, s, 1) for m, n, k, s in itertools.product(
         (16, 32, 64), (64, 128, 256), (64, 128), (3, 4))]
+    return tiles + [Tile(m, n, 128, 4, 3, 1, fuse_silu=True) for m, n in itertools.product((16, 32), (32, 64, 128))]
 
 
 SWEEPS = {"prefill": (prefill_tiles, "2048,8192"), "decode": (decode_tiles, "32,64,128,256")}
@@ -113,7 +118,7 @@ def main() -> None:
         rows = run_shape(tokens, intermediate, tiles)
         results += rows
         ok = sorted((r for r in rows if "us" in r and r["err_vs_default"] < 1e-2), key=lambda r: r["us"])
-        print(f"\ntokens {tokens}, I {intermediate}: fastest 8 of {len(rows)} tiles (BLOCK_M x N x K, warps, stages, GROUP_M)")
+        print(f"\ntokens {tokens}, I {intermediate}: fastest 8 of {len(rows)} tiles (BLOCK_M x N x K, warps, stages, GROUP_M, +silu)")
         print_table(ok[:8], ["tile", "us", "x_floor", "tflops", "err_vs_default"])
         default = next(r for r in rows if r.get("default"))
         best.append({"tokens": tokens, "I": intermediate, "best": ok[0]["tile"], "best_us": ok[0]["us"],

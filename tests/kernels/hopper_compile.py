@@ -88,7 +88,7 @@ def grouped_gemm_tile_launches() -> list[dict]:
                              ws_ptr="*fp32" if fp8 else "*bf16")
             constexprs = dict(A_ROWS_PER_TOKEN=1, SCALE=True, IEEE=False, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
                               BLOCK_K=tile.block_k, GROUP_M=tile.group_m, BN=128 if fp8 else 1, BK=128 if fp8 else 1,
-                              FP8=fp8)
+                              FP8=fp8, SILU=tile.fuse_silu)
             signature.update({name: "constexpr" for name in constexprs})
             launches.append({"module": "tpserve.kernels.moe", "kernel": "_grouped_gemm_kernel", "signature": signature,
                              "constexprs": constexprs, "options": {"num_warps": tile.warps, "num_stages": tile.stages},

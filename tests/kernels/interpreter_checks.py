@@ -322,7 +322,8 @@ def check_fp8_mlp() -> None:
 def check_fused_moe() -> None:
     """The grouped MoE GEMMs against the torch experts: decode-sized and prefill-sized blocks,
     experts with no tokens, sizes that are not multiples of the blocks; the launch in groups of row blocks
-    (a group of 1 and of 3 over 16-column blocks: every program maps to its own tile)."""
+    (a group of 1 and of 3 over 16-column blocks: every program maps to its own tile), and with SiLU-and-mul
+    in the first GEMM."""
     from tpserve.kernels.moe import Tile, align_by_expert, fused_experts, grouped_experts
     from tpserve.layers.moe import experts_dense_masked, experts_torch
 
@@ -333,10 +334,10 @@ def check_fused_moe() -> None:
         torch.testing.assert_close(grouped_experts(x, gate_up, down, weights, ids), reference, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(fused_experts(x, gate_up, down, weights, ids), reference, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(experts_dense_masked(x, gate_up, down, weights, ids), reference, rtol=1e-5, atol=1e-5)
-        for group_m in (1, 3):
-            tile = Tile(16, 16, 16, group_m=group_m)
+        for group_m, fuse_silu in itertools.product((1, 3), (False, True)):
+            tile = Tile(16, 16, 16, group_m=group_m, fuse_silu=fuse_silu)
             torch.testing.assert_close(grouped_experts(x, gate_up, down, weights, ids, tile=tile), reference,
-                                       rtol=1e-5, atol=1e-5)
+                                       rtol=1e-5, atol=1e-5, msg=lambda m: f"{tile}: {m}")
     sorted_rows, block_expert, padded_len = align_by_expert(torch.tensor([[3, 1], [1, 0], [3, 1]]), 4, 4)
     assert int(padded_len) == 12 and sorted_rows.numel() == 20  # 6 rows + 4 experts * 3 padding, in whole blocks
     assert sorted_rows.tolist() == [3, 6, 6, 6, 1, 2, 5, 6, 0, 4, 6, 6] + [6] * 8
@@ -413,7 +414,7 @@ def check_fp8_experts() -> None:
     rows a program shares (128, 16) and blocks thinner than a program's rows (8 x 32, gathered per row),
     partial blocks at the ends; every block's scale far from its neighbours', so a wrong index shows."""
     from fp8_checkpoint import fp8_experts
-    from tpserve.kernels.moe import fused_experts, grouped_experts
+    from tpserve.kernels.moe import Tile, fused_experts, grouped_experts
     from tpserve.kernels.moe_small import KernelConfig, RouterLogits, SmallBatchConfig, routed_experts, small_batch_experts
     from tpserve.layers.moe import experts_torch
 
@@ -428,7 +429,9 @@ def check_fp8_experts() -> None:
         gu_q, d_q, scales, gu_deq, d_deq = fp8_experts(gate_up, down, block)
         reference = experts_torch(x, gu_deq, d_deq, weights, ids)
         got = {"fused": fused_experts(x, gu_q, d_q, weights, ids, scales),
-               "grouped": grouped_experts(x, gu_q, d_q, weights, ids, scales)}
+               "grouped": grouped_experts(x, gu_q, d_q, weights, ids, scales),
+               "grouped, SiLU in the GEMM": grouped_experts(x, gu_q, d_q, weights, ids, scales,
+                                                           tile=Tile(16, 16, 16, fuse_silu=True))}
         if tokens * top_k <= 64:
             got["small blocks"] = small_batch_experts(x, gu_q, d_q, weights, ids, small, scales=scales)
             router = RouterLogits(torch.log(torch.zeros(tokens, experts).scatter_(1, ids, weights)), top_k, True)
@@ -530,7 +533,7 @@ def check_expert_parallel_moe() -> None:
     experts are a view into all of them, so a row not skipped by its id adds the next rank's expert; the
     down kernel also runs on activations written for every row. The routed kernels refuse to skip."""
     from fp8_checkpoint import fp8_experts
-    from tpserve.kernels.moe import align_by_expert, align_by_expert_torch, fused_experts, grouped_experts
+    from tpserve.kernels.moe import Tile, align_by_expert, align_by_expert_torch, fused_experts, grouped_experts
     from tpserve.kernels.moe_small import (KernelConfig, RouterLogits, default_config, down_sum, gate_up_silu,
                                            router_topk, small_batch_experts)
     from tpserve.layers.moe import experts_torch, localize
@@ -561,6 +564,8 @@ def check_expert_parallel_moe() -> None:
                 "grouped": grouped_experts(x, gate_up[mine], down[mine], weights, local_ids, skip_others=True),
                 "fused": fused_experts(x, gate_up[mine], down[mine], weights, local_ids, skip_others=True),
                 "fp8 grouped": grouped_experts(x, gu_q[mine], d_q[mine], weights, local_ids, rank_scales, True),
+                "fp8 grouped, SiLU in the GEMM": grouped_experts(x, gu_q[mine], d_q[mine], weights, local_ids,
+                                                                 rank_scales, True, Tile(16, 16, 16, fuse_silu=True)),
             }
             if tokens * top_k <= 64:
                 parts["small"] = small_batch_experts(x, gate_up[mine], down[mine], weights, local_ids,

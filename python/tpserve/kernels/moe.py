@@ -20,6 +20,20 @@ from tpserve.layers.activation import silu_and_mul
 
 
 @triton.jit
+def _weight_tile(w_ptrs, ws_ptr, expert, part, rows, k_abs, k_ok, n_ok, stride_se, stride_sp, stride_sn,
+                 BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, dtype: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] tile of w at rows ``rows`` of its scales' part ``part`` and columns ``k_abs``,
+    FP8 dequantized to ``dtype`` (the bits of experts dequantized at load)."""
+    w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    if FP8:
+        s_ptrs = (ws_ptr + expert * stride_se + part[None, :] * stride_sp + (rows // BN)[None, :] * stride_sn
+                  + (k_abs // BK)[:, None])
+        s = tl.load(s_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        w = (w.to(tl.float32) * s).to(dtype)
+    return w
+
+
+@triton.jit
 def _grouped_gemm_kernel(
     a_ptr, w_ptr, c_ptr, scale_ptr, sorted_rows_ptr, block_expert_ptr, padded_len_ptr,
     num_rows, N, K,
@@ -28,11 +42,12 @@ def _grouped_gemm_kernel(
     SCALE: tl.constexpr, IEEE: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ws_ptr=None, stride_se=0, stride_sp=0, stride_sn=0, part_rows=1,
-    BN: tl.constexpr = 1, BK: tl.constexpr = 1, FP8: tl.constexpr = False,
+    BN: tl.constexpr = 1, BK: tl.constexpr = 1, FP8: tl.constexpr = False, SILU: tl.constexpr = False,
 ):
     """c[row, :N] = a[row // A_ROWS_PER_TOKEN] @ w[expert].T (* scale[row]) for the block's sorted rows.
-    FP8: w is float8 with block scales ``ws`` (``ExpertScales``; rows past ``part_rows`` take the second part's),
-    each tile dequantized to a's dtype (the bits of experts dequantized at load) before the product.
+    SILU (the first GEMM, w = [gate | up] with N rows each): c = silu(a @ gate.T) * (a @ up.T), from the
+    float32 products. FP8: w is float8 with block scales ``ws`` (``ExpertScales``; rows past ``part_rows`` take
+    the second part's), each tile dequantized to a's dtype before the product.
     The grid is 1-D, in groups of GROUP_M row blocks that take every column block before the next group
     (GROUP_M >= the row blocks: each column block over all rows first)."""
     pid = tl.program_id(0)
@@ -49,27 +64,33 @@ def _grouped_gemm_kernel(
     expert = tl.load(block_expert_ptr + pid_m).to(tl.int64)
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = offs_n < N
+    part = offs_n // part_rows
     offs_k = tl.arange(0, BLOCK_K)
     a_rows = (rows // A_ROWS_PER_TOKEN).to(tl.int64)
     a_ptrs = a_ptr + a_rows[:, None] * stride_am + offs_k[None, :]
     w_ptrs = w_ptr + expert * stride_we + offs_n[None, :].to(tl.int64) * stride_wn + offs_k[:, None]
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FP8:
-            part = offs_n // part_rows
-            s_ptrs = (ws_ptr + expert * stride_se + part[None, :] * stride_sp + ((offs_n - part * part_rows) // BN)[None, :]
-                      * stride_sn + ((k0 * BLOCK_K + offs_k) // BK)[:, None])
-            s = tl.load(s_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            w = (w.to(tl.float32) * s).to(a.dtype)
+        w = _weight_tile(w_ptrs, ws_ptr, expert, part, offs_n - part * part_rows, k0 * BLOCK_K + offs_k, k_ok, n_ok,
+                         stride_se, stride_sp, stride_sn, BN, BK, FP8, a.dtype)
         if IEEE:
             acc += tl.dot(a, w, input_precision="ieee")
         else:
             acc += tl.dot(a, w)
+        if SILU:  # the up rows N further on, their scales part 1
+            u = _weight_tile(w_ptrs + N * stride_wn, ws_ptr, expert, part + 1, offs_n, k0 * BLOCK_K + offs_k, k_ok,
+                             n_ok, stride_se, stride_sp, stride_sn, BN, BK, FP8, a.dtype)
+            if IEEE:
+                up += tl.dot(a, u, input_precision="ieee")
+            else:
+                up += tl.dot(a, u)
         a_ptrs += BLOCK_K
         w_ptrs += BLOCK_K
+    if SILU:
+        acc = acc / (1.0 + tl.exp(-acc)) * up
     if SCALE:
         acc *= tl.load(scale_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
     c_ptrs = c_ptr + rows.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
@@ -87,6 +108,10 @@ class Tile:
     warps: int = 4
     stages: int = 3
     group_m: int = 1 << 20  # every row block of a column block before the next column block
+    # the first GEMM writes silu(gate) * up from its float32 products (block_n of each), not [gate | up] for
+    # SiLU-and-mul to read back: a kernel fewer, and at 8,192 tokens of Qwen3-30B-A3B 400 MB of a layer's traffic
+    # (computed from the shapes; moe_tiles times it)
+    fuse_silu: bool = False
 
 
 # The grouped GEMM's tile by (token, k) rows: up to each bound the tile beside it (None: any more rows).
@@ -256,11 +281,13 @@ def _grouped_gemm(
     a: torch.Tensor, w: torch.Tensor, out: torch.Tensor, scale: torch.Tensor | None,
     sorted_rows: torch.Tensor, block_expert: torch.Tensor, padded_len: torch.Tensor,
     num_rows: int, rows_per_token: int, tile: Tile, w_scale: torch.Tensor | None = None,
-    block: tuple[int, int] = (1, 1),
+    block: tuple[int, int] = (1, 1), silu: bool = False,
 ) -> None:
     """``tile``: the launch, whose BLOCK_M the rows were sorted in; ``w_scale``: w is FP8 with these block scales
-    ([E, 2, ...] of gate_up, whose rows split in two parts, or [E, ...] of down)."""
-    n, k = w.shape[1], w.shape[2]
+    ([E, 2, ...] of gate_up, whose rows split in two parts, or [E, ...] of down); ``silu``: w is [gate | up] and
+    out takes silu(gate) * up."""
+    rows_w, k = w.shape[1], w.shape[2]
+    n = rows_w // 2 if silu else rows_w
     block_k = min(tile.block_k, max(16, triton.next_power_of_2(k)))
     grid = (sorted_rows.numel() // tile.block_m * triton.cdiv(n, tile.block_n),)
     _grouped_gemm_kernel[grid](
@@ -268,7 +295,7 @@ def _grouped_gemm(
         num_rows, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROWS_PER_TOKEN=rows_per_token, SCALE=scale is not None, IEEE=a.dtype == torch.float32,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k, GROUP_M=tile.group_m, num_warps=tile.warps,
-        num_stages=tile.stages, **_weight_scale_args(w_scale, n, block, a),
+        num_stages=tile.stages, SILU=silu, **_weight_scale_args(w_scale, rows_w, block, a),
     )
 
 
@@ -316,11 +343,13 @@ def grouped_experts(
         return torch.zeros_like(x)
     tile = tile or tiles_for(rows, fp8=scales is not None)
     sorted_rows, block_expert, padded_len = align_by_expert(ids, gate_up.shape[0], tile.block_m)
-    gate_up_out = torch.empty(rows, gate_up.shape[1], dtype=x.dtype, device=x.device)
     gate_up_scale, down_scale, block = (scales.gate_up, scales.down, scales.block) if scales else (None, None, (1, 1))
-    _grouped_gemm(x, gate_up, gate_up_out, None, sorted_rows, block_expert, padded_len, rows, top_k, tile,
-                  gate_up_scale, block)
-    hidden = silu_and_mul(gate_up_out)
+    width = gate_up.shape[1] // 2 if tile.fuse_silu else gate_up.shape[1]
+    hidden = torch.empty(rows, width, dtype=x.dtype, device=x.device)
+    _grouped_gemm(x, gate_up, hidden, None, sorted_rows, block_expert, padded_len, rows, top_k, tile,
+                  gate_up_scale, block, silu=tile.fuse_silu)
+    if not tile.fuse_silu:
+        hidden = silu_and_mul(hidden)
     down_out = (torch.zeros if skip_others else torch.empty)(rows, down.shape[1], dtype=x.dtype, device=x.device)
     scale = weights.reshape(-1).contiguous()
     _grouped_gemm(hidden, down, down_out, scale, sorted_rows, block_expert, padded_len, rows, 1, tile,
