@@ -51,7 +51,7 @@ def wall(fn, iters: int = 20) -> float:
 
 # Kernel name patterns, first match wins; "other" takes the rest.
 CATEGORIES = {
-    "moe": r"_grouped_gemm|_router_topk|_align_kernel|moe",
+    "moe": r"_grouped_gemm|_router_topk|_align_kernel|_expert_count_kernel|moe",
     "allreduce": r"nccl|[Aa]ll[Rr]educe|all_reduce|one_shot|two_shot|[Aa]ll[Gg]ather",
     "attention": r"BatchDecode|BatchPrefill|PersistentVariableLength|MergeStates|decode_kernel|prefill",
     "gemm": r"gemm|gemv|cutlass|cublas|nvjet|sm90_xmma|splitKreduce",

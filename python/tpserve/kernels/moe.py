@@ -152,7 +152,7 @@ def aligned_capacity(rows: int, num_experts: int, block_m: int) -> int:
 
 
 @triton.jit
-def _count_kernel(ids_ptr, chunk_counts_ptr, rows, E_PAD: tl.constexpr, COUNT_CHUNK: tl.constexpr):
+def _expert_count_kernel(ids_ptr, chunk_counts_ptr, rows, E_PAD: tl.constexpr, COUNT_CHUNK: tl.constexpr):
     """Rows per expert in each COUNT_CHUNK rows: chunk_counts [chunks, E_PAD] for ``_align_kernel``'s COUNTED form."""
     every = tl.program_id(0) * COUNT_CHUNK + tl.arange(0, COUNT_CHUNK)
     ids = tl.load(ids_ptr + every, mask=every < rows, other=0).to(tl.int32)
@@ -167,12 +167,12 @@ def _align_kernel(
     COUNTED: tl.constexpr, COUNT_CHUNK: tl.constexpr,
 ):
     """Program p owns rows, sorted slots and blocks [p * CHUNK, (p + 1) * CHUNK). From histograms of the ids
-    (a few KB, from L2; HIST_CHUNK at a time, so the row count is no compile-time constant) it has every
+    (read from L2, HIST_CHUNK at a time, so the row count is no compile-time constant) it has every
     expert's run and how many of its rows come before its own, so it places its rows (a stable sort), fills its
-    padding slots and labels its blocks with no other program's results: no barrier. COUNTED (many rows):
-    ``_count_kernel``'s chunk_counts replace the histograms of all but the ids of its own count chunk before
-    its rows. Rows whose id is num_experts or more (another rank's expert: expert parallelism) are left out,
-    as padding is."""
+    padding slots and labels its blocks with no other program's results: no barrier. COUNTED (many rows): the
+    chunk_counts of ``_expert_count_kernel`` replace the histograms of all but the ids of its own count chunk
+    before its rows. Rows whose id is num_experts or more (another rank's expert: expert parallelism) are left
+    out, as padding is."""
     first = tl.program_id(0) * CHUNK
     experts = tl.arange(0, E_PAD)
     real = experts < num_experts
@@ -217,8 +217,8 @@ def _align_kernel(
 
 ALIGN_CHUNK = 64  # rows, slots and blocks an ``_align_kernel`` program takes
 ALIGN_HIST_CHUNK = 512  # ids a step of its histograms
-# Past this many rows each program's histograms of all ids would outweigh a second launch: ``_count_kernel``
-# counts each ALIGN_COUNT_CHUNK rows first.
+# Past this many rows each program's histograms of all ids would outweigh a second launch:
+# ``_expert_count_kernel`` counts each ALIGN_COUNT_CHUNK rows first.
 ALIGN_ONE_KERNEL_MAX_ROWS = 4096
 ALIGN_COUNT_CHUNK = 2048
 
@@ -230,7 +230,7 @@ def align_by_expert(
     """Sort the (token, k) rows of ``ids`` [T, k] by expert, runs padded to ``block_m``, no host sync:
     sorted_rows [P] (``T * k`` marks padding), block_expert [P / block_m], padded_len [1] (P: by T).
     Rows with id ``num_experts`` (another rank's expert) are left out. Past ``one_kernel_max_rows`` rows,
-    ``_count_kernel`` first counts each ``count_chunk`` rows (a power of two of 512 or more)."""
+    ``_expert_count_kernel`` first counts each ``count_chunk`` rows (a power of two)."""
     ids = ids.contiguous()
     rows = ids.numel()
     capacity = aligned_capacity(rows, num_experts, block_m)
@@ -242,8 +242,8 @@ def align_by_expert(
     chunk_counts = padded_len  # unread unless counted
     if counted:
         chunk_counts = torch.empty(triton.cdiv(rows, count_chunk), e_pad, dtype=torch.int32, device=ids.device)
-        _count_kernel[(chunk_counts.shape[0],)](ids, chunk_counts, rows, E_PAD=e_pad, COUNT_CHUNK=count_chunk,
-                                                 num_warps=4)
+        _expert_count_kernel[(chunk_counts.shape[0],)](ids, chunk_counts, rows, E_PAD=e_pad,
+                                                       COUNT_CHUNK=count_chunk, num_warps=4)
     _align_kernel[(triton.cdiv(capacity, ALIGN_CHUNK),)](
         ids, sorted_rows, block_expert, padded_len, rows, capacity, num_experts, chunk_counts, BLOCK_M=block_m,
         E_PAD=e_pad, CHUNK=ALIGN_CHUNK, HIST_CHUNK=ALIGN_HIST_CHUNK, COUNTED=counted, COUNT_CHUNK=count_chunk,
