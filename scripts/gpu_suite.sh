@@ -22,7 +22,8 @@
 # step) and torch's sort past 4,096 rows with kernels of many programs: moe_align times both, alone and in the layer
 # (the old kernel lives in that script). It also let a Tile fuse SiLU-and-mul into the first grouped GEMM (fuse_silu,
 # in no table yet): moe_tiles with MOE_TILES_ARGS="--sweep prefill" and "--sweep decode" times the +silu tiles
-# beside the others; a winner goes into TILES_BY_ROWS.
+# beside the others; a winner goes into TILES_BY_ROWS. With the sort cheaper, the grouped path may win below
+# SMALL_BATCH_MAX_ROWS (64 rows: 8 tokens at top 8): moe_small_paths times both paths at 2-16 tokens.
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 # On one H200, session 14: attn_sweep and attn_setting (then named attn_prefetch) measured the Triton decode
 # kernel's prefetch of K and V before the PDL wait, now the default (triton_tests: its GPU tests). The FP8 GEMV
@@ -541,6 +542,9 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
       stage moe_small 420 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --out $results/moe_small_batch.json ;;
     moe_small_quick) stage moe_small_quick 200 python3 benchmarks/experiments/moe_small_batch.py --model $a3b \
       --sweep-batch-sizes 1 --out $results/moe_small_batch.json ;;
+    moe_small_paths)  # where the small-batch kernels and the grouped GEMMs cross (SMALL_BATCH_MAX_ROWS), no sweep
+      stage moe_small_paths 200 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --batch-sizes 2,4,8,9,16 \
+        --sweep-batch-sizes "" --out $results/moe_small_paths.json ;;
     moe_small_tp2)  # the same on a TP 2 rank's slice (expert intermediate 384), one GPU
       stage moe_small_tp2 300 python3 benchmarks/experiments/moe_small_batch.py --model $a3b --tp 2 --batch-sizes 1,4,16 \
         --sweep-batch-sizes 1,4 --out $results/moe_small_batch_tp2.json ;;
