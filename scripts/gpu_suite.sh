@@ -12,18 +12,17 @@
 # rebuilt, never loaded stale; FlashInfer's are tied to its wheel (0.7.0: a new wheel needs a new .fiaot).
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
-# Session 31 left unmeasured (first on nvidia-h200): the grouped MoE GEMM's new decode tiles (BLOCK_K 128) and the FP8
-# experts' tiles kept apart, then workload A and where a batch-256 A3B decode step goes:
-#   moe_tests_k (MOE_TESTS="fused_experts_match or fp8_experts_match or silu_in_the_first or never_waits or
-#   expert_parallel") moe_align
-#   moe30_offline moe30_profile moe30_decode_pdl (workload A: 5,010 tok/s = 66.5% before the decode tiles; decode steps
-#   at batch 129-256 run at 1.53x their floor, the MoE layer alone at 256 tokens at 1.60x: moe_tiles --sweep decode).
-# Session 32 (no GPU) replaced the one-program MoE sort (37 us a layer at batch 64 in session 5's profile, 9% of the
-# step) and torch's sort past 4,096 rows with kernels of many programs: moe_align times both, alone and in the layer
-# (the old kernel lives in that script). It also let a Tile fuse SiLU-and-mul into the first grouped GEMM (fuse_silu,
-# in no table yet): moe_tiles with MOE_TILES_ARGS="--sweep prefill" and "--sweep decode" times the +silu tiles
-# beside the others; a winner goes into TILES_BY_ROWS. With the sort cheaper, the grouped path may win below
-# SMALL_BATCH_MAX_ROWS (64 rows: 8 tokens at top 8): moe_small_paths times both paths at 2-16 tokens.
+# Next on nvidia-h200 (sessions 31-32 left these unmeasured), three calls:
+#   1. moe_tests_k moe_align moe_small_paths, with MOE_TESTS="fused_experts_match or fp8_experts_match or
+#      silu_in_the_first or never_waits or expert_parallel": session 31's decode tiles and FP8 tile table, session
+#      32's sort by expert in many programs (moe_align: against the one-program kernel it replaced, which that script
+#      keeps, alone and in the layer, 9-8,192 tokens; session 5's profile had the old one at 37 us a layer at batch
+#      64, 9% of the step), the fused-SiLU tiles, and where the small-batch and grouped paths now cross.
+#   2. moe_tiles twice (the +silu tiles beside the others; a winner goes into TILES_BY_ROWS):
+#      MOE_TILES_ARGS="--sweep decode" bash scripts/gpu_suite.sh $OUT moe_tiles;
+#      MOE_TILES_ARGS="--sweep prefill" bash scripts/gpu_suite.sh $OUT/prefill moe_tiles
+#   3. moe30_offline moe30_profile moe30_decode_pdl: workload A (5,010 tok/s = 66.5% before the decode tiles and the
+#      new sort; its decode steps at batch 129-256 ran at 1.53x their floor) and the batch-64/256 graphs by kernel.
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 # On one H200, session 14: attn_sweep and attn_setting (then named attn_prefetch) measured the Triton decode
 # kernel's prefetch of K and V before the PDL wait, now the default (triton_tests: its GPU tests). The FP8 GEMV
