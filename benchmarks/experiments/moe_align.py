@@ -26,11 +26,13 @@ if importlib.util.find_spec("tpserve") is None:
 import torch
 import triton
 import triton.language as tl
-from common import print_table, time_cuda, write_json
+from common import print_table, write_json
 from tpserve.kernels import moe
 from tpserve.kernels.moe import aligned_capacity, align_by_expert, align_by_expert_torch, grouped_experts, tiles_for
+from tpserve.plan.calibrate import time_in_graph
 
 EXPERTS, HIDDEN, INTERMEDIATE, TOP_K = 128, 2048, 768, 8
+ITERS = 50  # graph replays a timing, the median taken
 
 
 @triton.jit
@@ -72,13 +74,16 @@ def _one_program_align_kernel(
         cursor += tl.sum(onehot.to(tl.int32), axis=0)
 
 
+def sort_outputs(ids: torch.Tensor, num_experts: int, block_m: int) -> tuple[int, tuple[torch.Tensor, ...]]:
+    """The sort's capacity and its outputs (sorted rows, block experts, padded length), as ``align_by_expert``'s."""
+    capacity = aligned_capacity(ids.numel(), num_experts, block_m)
+    return capacity, tuple(torch.empty(n, dtype=torch.int32, device=ids.device)
+                           for n in (capacity, capacity // block_m, 1))
+
+
 def one_program_align(ids: torch.Tensor, num_experts: int, block_m: int):
-    rows = ids.numel()
-    capacity = aligned_capacity(rows, num_experts, block_m)
-    out = (torch.empty(capacity, dtype=torch.int32, device=ids.device),
-           torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device),
-           torch.empty(1, dtype=torch.int32, device=ids.device))
-    _one_program_align_kernel[(1,)](ids.contiguous(), *out, rows, capacity, num_experts, BLOCK_M=block_m,
+    capacity, out = sort_outputs(ids, num_experts, block_m)
+    _one_program_align_kernel[(1,)](ids.contiguous(), *out, ids.numel(), capacity, num_experts, BLOCK_M=block_m,
                                     E_PAD=triton.next_power_of_2(num_experts + 1), CHUNK=64, num_warps=4)
     return out
 
@@ -86,13 +91,9 @@ def one_program_align(ids: torch.Tensor, num_experts: int, block_m: int):
 def many_program_align(chunk: int, warps: int, hist_chunk: int = moe.ALIGN_HIST_CHUNK):
     """``align_by_expert``'s one-kernel form at another chunk, warp count and histogram step."""
     def align(ids: torch.Tensor, num_experts: int, block_m: int):
-        rows = ids.numel()
-        capacity = aligned_capacity(rows, num_experts, block_m)
-        out = (torch.empty(capacity, dtype=torch.int32, device=ids.device),
-               torch.empty(capacity // block_m, dtype=torch.int32, device=ids.device),
-               torch.empty(1, dtype=torch.int32, device=ids.device))
+        capacity, out = sort_outputs(ids, num_experts, block_m)
         moe._align_kernel[(triton.cdiv(capacity, chunk),)](
-            ids.contiguous(), *out, rows, capacity, num_experts, out[2], BLOCK_M=block_m,
+            ids.contiguous(), *out, ids.numel(), capacity, num_experts, out[2], BLOCK_M=block_m,
             E_PAD=triton.next_power_of_2(num_experts + 1), CHUNK=chunk, HIST_CHUNK=hist_chunk, COUNTED=False,
             COUNT_CHUNK=moe.ALIGN_COUNT_CHUNK, num_warps=warps)
         return out
@@ -103,17 +104,6 @@ def counted_align(count_chunk: int):
     """``align_by_expert``'s two-kernel form (rows counted per chunk first) at any row count."""
     return lambda ids, num_experts, block_m: align_by_expert(ids, num_experts, block_m, one_kernel_max_rows=0,
                                                             count_chunk=count_chunk)
-
-
-def graph_time(fn, repeat: int = 1) -> float:
-    """Seconds of one ``fn`` in a graph of ``repeat`` of them (a short kernel: the replay's launch amortised)."""
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for _ in range(repeat):
-            fn()
-    return time_cuda(graph.replay, warmup=3, iters=50) / repeat
 
 
 def main() -> None:
@@ -139,7 +129,7 @@ def main() -> None:
             got = sort(ids, EXPERTS, block_m)
             equal = all(torch.equal(g.long(), w.long()) for g, w in zip(got, want))
             alone.append({"tokens": tokens, "rows": ids.numel(), "block_m": block_m, "sort": name, "equal": equal,
-                          "us": graph_time(lambda sort=sort: sort(ids, EXPERTS, block_m), repeat=20) * 1e6})
+                          "us": time_in_graph(lambda sort=sort: sort(ids, EXPERTS, block_m), ITERS, repeat=20) * 1e6})
         x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
         gate_up = (torch.randn(EXPERTS, 2 * INTERMEDIATE, HIDDEN, device="cuda", generator=gen) * 0.02).bfloat16()
         down = (torch.randn(EXPERTS, HIDDEN, INTERMEDIATE, device="cuda", generator=gen) * 0.02).bfloat16()
@@ -148,8 +138,8 @@ def main() -> None:
         for name in ("before", "default"):
             moe.align_by_expert = sorts[name]  # grouped_experts looks the sort up in its module
             try:
-                seconds = graph_time(lambda name=name: outputs.__setitem__(
-                    name, grouped_experts(x, gate_up, down, weights, ids)))
+                seconds = time_in_graph(lambda name=name: outputs.__setitem__(
+                    name, grouped_experts(x, gate_up, down, weights, ids)), ITERS, repeat=1)
             finally:
                 moe.align_by_expert = align_by_expert
             layer.append({"tokens": tokens, "sort": name, "us": seconds * 1e6})

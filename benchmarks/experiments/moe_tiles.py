@@ -24,21 +24,13 @@ if importlib.util.find_spec("tpserve") is None:
     sys.path.insert(0, os.path.join(_ROOT, "python"))
 
 import torch
-from common import print_table, time_cuda, write_json
+from common import print_table, write_json
 from tpserve.kernels.moe import Tile, grouped_experts, tiles_for
+from tpserve.plan.calibrate import time_in_graph
 
 EXPERTS, HIDDEN, TOP_K = 128, 2048, 8
 COPY_BANDWIDTH = 4.27e12  # bytes/s, an H200's device-to-device copy (benchmarks/roofline.py's)
 WHOLE = 1 << 20  # GROUP_M: every row block of a column block first (the launch order before groups)
-
-
-def graph_time(fn) -> float:
-    fn()
-    torch.cuda.synchronize()
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    return time_cuda(graph.replay, warmup=3, iters=20)
 
 
 def label(tile: Tile) -> str:
@@ -68,7 +60,7 @@ def run_shape(tokens: int, intermediate: int, tiles: list[Tile]) -> list[dict]:
             out["y"] = grouped_experts(x, gate_up, down, weights, ids, tile=tile)
 
         try:
-            seconds = graph_time(run)
+            seconds = time_in_graph(run, 20, repeat=1)
         except Exception as e:  # a tile past the shared memory: reported, the others still run
             out_rows.append({"tokens": tokens, "I": intermediate, "tile": label(tile), "error": type(e).__name__})
             continue
