@@ -21,8 +21,9 @@
 #   2. moe_tiles twice (the +silu tiles beside the others; a winner goes into TILES_BY_ROWS):
 #      MOE_TILES_ARGS="--sweep decode" bash scripts/gpu_suite.sh $OUT moe_tiles;
 #      MOE_TILES_ARGS="--sweep prefill" bash scripts/gpu_suite.sh $OUT/prefill moe_tiles
-#   3. moe30_offline moe30_profile moe30_decode_pdl: workload A (5,010 tok/s = 66.5% before the decode tiles and the
-#      new sort; its decode steps at batch 129-256 ran at 1.53x their floor) and the batch-64/256 graphs by kernel.
+#   3. warm_attn moe30_offline moe30_profile moe30_decode_pdl (warm_attn builds the attention modules where none
+#      travel, as in a fresh checkout): workload A (5,010 tok/s = 66.5% before the decode tiles and the new sort; its
+#      decode steps at batch 129-256 ran at 1.53x their floor) and the batch-64/256 graphs by kernel.
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 # On one H200, session 14: attn_sweep and attn_setting (then named attn_prefetch) measured the Triton decode
 # kernel's prefetch of K and V before the PDL wait, now the default (triton_tests: its GPU tests). The FP8 GEMV
