@@ -7,10 +7,11 @@ import logging
 import torch
 
 from tpserve.attention.base import AttentionBackend
-from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend, flashinfer_available
+from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
 from tpserve.attention.torch_backend import TorchAttentionBackend
 from tpserve.config import FLASHINFER_DTYPES
 from tpserve.engine_config import CHOICES
+from tpserve.kernels import optional_import
 from tpserve.kvcache.pool import KVCachePool
 
 logger = logging.getLogger(__name__)
@@ -25,7 +26,7 @@ def resolve_backend_name(name: str, device: torch.device, dtype: torch.dtype = t
     if dtype not in FLASHINFER_DTYPES:
         logger.info("FlashInfer attention takes bfloat16 and float16 only: torch attention for %s", dtype)
         return "torch"
-    return "flashinfer" if flashinfer_available() else "torch"
+    return "flashinfer" if optional_import("flashinfer") is not None else "torch"
 
 
 def create_backend(

@@ -44,17 +44,6 @@ def import_flashinfer() -> ModuleType:
         ) from exc
 
 
-def flashinfer_available() -> bool:
-    try:
-        import_module("flashinfer")
-    except ImportError:
-        return False
-    except Exception as exc:  # noqa: BLE001 -- installed but broken (e.g. a CUDA library mismatch)
-        logger.warning("flashinfer failed to import (%s: %s); using torch attention", type(exc).__name__, exc)
-        return False
-    return True
-
-
 def default_decode_tensor_cores(num_heads: int, num_kv_heads: int) -> bool:
     # The tensor-core (prefill-kernel) decode path pays once a KV head serves 4+ query heads.
     return num_heads // num_kv_heads >= 4

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from tpserve.distributed.peer_allreduce import all_ranks
+from tpserve.distributed.peer_allreduce import BUFFER_BYTES, ONE_SHOT_MAX_BYTES, all_ranks
 
 logger = logging.getLogger(__name__)
 
@@ -31,10 +31,9 @@ SOURCE = Path(__file__).resolve().parent.parent / "kernels" / "csrc" / "allreduc
 BARRIER_FLAG_COUNT = 256  # the kernel's flag slots per rank (details::kBarrierFlagCount)
 VEC_BYTES = 16  # the kernel's bytes per access
 RANKS = (2, 4, 8)
-# Fused up to MAX_BYTES (the peer all-reduce's buffer), one-shot up to ONE_SHOT_MAX_BYTES as
-# unfused (to be set by benchmarks/allreduce_latency.py's fused rows).
-MAX_BYTES = 8 * 1024 * 1024
-ONE_SHOT_MAX_BYTES = 1536 * 1024
+# Fused up to the peer all-reduce's buffer, one-shot up to its one-shot limit (to be set by
+# benchmarks/allreduce_latency.py's fused rows).
+MAX_BYTES = BUFFER_BYTES
 
 
 def jit_spec() -> Any:
