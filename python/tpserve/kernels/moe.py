@@ -120,8 +120,10 @@ class Tile:
 # sum over k): session 31 took BLOCK_K 128 at decode sizes (1.05x / 1.12x / 1.07x / 1.04x at 32 / 64 / 128 / 256
 # tokens, where every expert's weights are read), and at 2,048 / 8,192 tokens 128 x 256 in 4 stages, each row
 # block taking its column blocks in turn, 1.15x / 1.18x (session 5's 128 x 128 was 1.2x / 1.5x the 64 x 64 tile).
+# Session 34: 32 x 64 with SiLU in the first GEMM 1.098x 32 x 128 at 256 tokens (+silu 0.99-1.012x at 32-128).
 TILES_BY_ROWS: tuple[tuple[int | None, Tile], ...] = (
     (1024, Tile(16, 64, 128, group_m=1)),
+    (2048, Tile(32, 64, 128, group_m=1, fuse_silu=True)),
     (4096, Tile(32, 128, 128, group_m=1)),
     (None, Tile(128, 256, warps=8, stages=4, group_m=1)),
 )
@@ -216,7 +218,10 @@ def _align_kernel(
     tl.store(block_expert_ptr + offs, tl.minimum(label, num_experts - 1), mask=offs < capacity // BLOCK_M)
 
 
-ALIGN_CHUNK = 64  # rows, slots and blocks an ``_align_kernel`` program takes
+# Rows, slots and blocks an ``_align_kernel`` program takes, in one kernel / counted first. moe_align (H200,
+# session 34): chunks of 32 took 6.2 us at 9-64 tokens of top 8 against 8.7-9.1 for 64, 10.4 against 12.2 at 256.
+ALIGN_CHUNK = 32
+ALIGN_COUNTED_CHUNK = 64
 ALIGN_HIST_CHUNK = 512  # ids a step of its histograms
 # Past this many rows each program's histograms of all ids would outweigh a second launch:
 # ``_expert_count_kernel`` counts each ALIGN_COUNT_CHUNK rows first.
@@ -245,9 +250,10 @@ def align_by_expert(
         chunk_counts = torch.empty(triton.cdiv(rows, count_chunk), e_pad, dtype=torch.int32, device=ids.device)
         _expert_count_kernel[(chunk_counts.shape[0],)](ids, chunk_counts, rows, E_PAD=e_pad,
                                                        COUNT_CHUNK=count_chunk, num_warps=4)
-    _align_kernel[(triton.cdiv(capacity, ALIGN_CHUNK),)](
+    chunk = ALIGN_COUNTED_CHUNK if counted else ALIGN_CHUNK
+    _align_kernel[(triton.cdiv(capacity, chunk),)](
         ids, sorted_rows, block_expert, padded_len, rows, capacity, num_experts, chunk_counts, BLOCK_M=block_m,
-        E_PAD=e_pad, CHUNK=ALIGN_CHUNK, HIST_CHUNK=ALIGN_HIST_CHUNK, COUNTED=counted, COUNT_CHUNK=count_chunk,
+        E_PAD=e_pad, CHUNK=chunk, HIST_CHUNK=ALIGN_HIST_CHUNK, COUNTED=counted, COUNT_CHUNK=count_chunk,
         num_warps=4,
     )
     return sorted_rows, block_expert, padded_len
