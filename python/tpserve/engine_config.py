@@ -4,6 +4,7 @@ model and the machine, made before any process starts (``check_can_start``)."""
 from __future__ import annotations
 
 import importlib.util
+import math
 import numbers
 import os
 from dataclasses import dataclass, fields
@@ -57,6 +58,7 @@ class EngineConfig:
     disable_overlap: bool = False  # overlap scheduling: plan step i+1 while step i runs
     cuda_graph_max_bs: int = 256  # largest decode batch captured in a CUDA graph; 0 disables graphs
     grammar_threads: int = 0  # most xgrammar threads filling one step's grammar masks (0: auto, from the CPUs)
+    grammar_compile_timeout: float = 60.0  # seconds a request waits for its grammar to compile before it fails
     # auto (peer-memory one-shot/two-shot for small messages, NCCL for large) | nccl | one_shot |
     # two_shot (peer memory when it fits) | fused (auto, plus all-reduce + residual + RMSNorm in one kernel)
     all_reduce: str = "auto"
@@ -105,6 +107,8 @@ class EngineConfig:
             _check_min("max_total_tokens", self.max_total_tokens, 1)
         if not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if not 0.0 < self.grammar_compile_timeout < math.inf:
+            raise ValueError(f"grammar_compile_timeout must be a positive number of seconds, got {self.grammar_compile_timeout}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         resolve_quantization(self.quantization, None)  # a clear error for an unknown method

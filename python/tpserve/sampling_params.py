@@ -82,7 +82,7 @@ def _as_logit_bias(value: Any) -> dict[int, float] | None:
         return None
     if not isinstance(value, Mapping) or not all(_is_int(t) and _is_number(b) for t, b in value.items()):
         raise ValueError(f"logit_bias must map integer token ids to numbers, got {value!r}")
-    return {int(t): float(b) for t, b in value.items()}
+    return {_as_int("logit_bias token id", t): float(b) for t, b in value.items()}
 
 
 class StructuredOutput(msgspec.Struct, frozen=True):

@@ -160,6 +160,15 @@ def test_flush_cache():
          "messages.0.content"),
         (CHAT, {"messages": USER, "tool_choice": 5}, "tool_choice must be a string or an object", "tool_choice"),
         (COMPLETIONS, {}, "missing required parameter 'prompt'", "prompt"),
+        # types as OpenAI checks them: no string, bool or float where an integer goes, nor a string as a bool
+        (CHAT, {"messages": USER, "max_tokens": True}, "max_tokens", "max_tokens"),
+        (CHAT, {"messages": USER, "n": "2"}, "n", "n"),
+        (CHAT, {"messages": USER, "stream": "yes"}, "stream", "stream"),
+        (CHAT, {"messages": USER, "temperature": "0.5"}, "temperature", "temperature"),
+        (COMPLETIONS, {"prompt": "x", "max_tokens": 4.0}, "max_tokens", "max_tokens"),
+        (COMPLETIONS, {"prompt": "x", "logprobs": True}, "logprobs", "logprobs"),
+        # a token id past 64 bits arrives as a string key: a 400, not a failure to pass it to the ranks
+        (CHAT, {"messages": USER, "logit_bias": {str(10**23): 1}}, "logit_bias", "logit_bias"),
     ],
 )
 def test_bad_requests_are_400(client, path, body, fragment, param):
@@ -463,6 +472,11 @@ def test_tokenize_detokenize_and_model_aliases(qwen3_dir):
     assert c.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "Hello world"}
     assert_error(c.post("/detokenize", json={"tokens": [10**6]}), 400, "out of range", "tokens")
     assert_error(c.post("/tokenize", json={}), 400, "prompt or messages")
+    # model and tools are checked as the /v1 routes check them
+    assert c.post("/tokenize", json={"prompt": "hi", "model": "alias"}).status_code == 200
+    assert_error(c.post("/tokenize", json={"prompt": "hi", "model": "nope"}), 404, "nope")
+    assert_error(c.post("/detokenize", json={"tokens": [1], "model": "nope"}), 404, "nope")
+    assert_error(c.post("/tokenize", json={"messages": USER, "tools": [{"type": "x"}]}), 400, "tools[0]", "tools")
     assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [MODEL, "alias"]
     assert c.post(CHAT, json={"model": "alias", "messages": USER}).json()["model"] == MODEL
 
@@ -472,7 +486,7 @@ def test_tokenize_detokenize_and_model_aliases(qwen3_dir):
     [
         ("/tokenize", {"prompt": "x" * 5000}, "prompt"),
         ("/tokenize", {"messages": [{"role": "user", "content": "x" * 5000}]}, "messages"),
-        ("/tokenize", {"messages": USER, "tools": [{"type": "function", "function": {"description": "d" * 5000}}]},
+        ("/tokenize", {"messages": USER, "tools": [{"type": "function", "function": {"name": "f", "description": "d" * 5000}}]},
          "tools"),
         ("/tokenize", {"messages": USER, "chat_template_kwargs": {"extra": "x" * 5000}}, "chat_template_kwargs"),
         ("/detokenize", {"tokens": [1] * 129}, "tokens"),

@@ -116,12 +116,35 @@ def test_termination_is_tracked_as_xgrammar_has_it(qwen3_dir):
     grammars = [RequestGrammar(new_matcher(compiled)) for _ in walks]
     worker = MaskWorker(MaskFiller(config.vocab_size), eos, threaded=False)
     for step in range(3):
-        masks = worker.submit(list(enumerate(grammars)), 2).result()
+        job = worker.submit(list(enumerate(grammars)), 2).result()
+        masks = job.masks
+        assert job.dead_rows == []
         assert masks is not None and masks.shape[0] == 2 and not (masks == -1).all(dim=1).any()  # both masked
         tokens = [walk[step] for walk in walks]
         worker.sampled(SampledRows(lambda tokens=tokens: tokens, [(row, row, g) for row, g in enumerate(grammars)]))
-    masks = worker.submit(list(enumerate(grammars)), 2).result()  # accepts the last tokens, then fills
+    masks = worker.submit(list(enumerate(grammars)), 2).result().masks  # accepts the last tokens, then fills
     assert [g.terminated for g in grammars] == [g.matcher.is_terminated() for g in grammars] == [True, False]
     # the ended grammar's row allows every token (no mask), the other's is its grammar's
     assert masks is not None and (masks[0] == -1).all() and not (masks[1] == -1).all()
+    worker.close()
+
+
+def test_a_grammar_with_no_token_to_allow_is_a_dead_end_row(qwen3_dir):
+    """``root ::= root`` compiles but allows no token: its row is reported (and left unmasked, so that sampling it
+    is defined) where an ordinary grammar's row beside it is masked; the worker never fills the dead one again."""
+    from tpserve.config import ModelConfig
+    from tpserve.structured.grammar import GrammarCompiler, MaskFiller, RequestGrammar, new_matcher
+
+    config = ModelConfig.from_pretrained(qwen3_dir)
+    eos = sorted(config.eos_token_ids)
+    compiler = GrammarCompiler(qwen3_dir, config.vocab_size, eos)
+    empty = compiler.submit(StructuredOutput("ebnf", "root ::= root")).result()
+    regex = compiler.submit(REGEX).result()
+    compiler.close()
+    grammars = [RequestGrammar(new_matcher(regex)), RequestGrammar(new_matcher(empty))]
+    worker = MaskWorker(MaskFiller(config.vocab_size), eos, threaded=False)
+    step = worker.submit(list(enumerate(grammars)), 2).result()
+    assert step.dead_rows == [1] and [g.dead_end for g in grammars] == [False, True]
+    assert not (step.masks[0] == -1).all() and (step.masks[1] == -1).all()
+    assert worker.submit(list(enumerate(grammars)), 2).result().dead_rows == []  # reported once
     worker.close()

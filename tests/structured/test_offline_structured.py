@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 
 import jsonschema
 import pytest
@@ -74,6 +75,38 @@ def test_invalid_spec_is_a_value_error(llm):
         llm.generate([[1]], params(StructuredOutput("regex", "(unclosed")), use_tqdm=False)
     with pytest.raises(ValueError, match="not valid JSON"):
         llm.generate([[1]], params(StructuredOutput("json_schema", "{bad")), use_tqdm=False)
+
+
+@pytest.mark.parametrize("ebnf, after", [("root ::= root", 0), ('root ::= "a" rest\nrest ::= rest', 1)],
+                         ids=["no-output", "dead-end"])
+def test_a_grammar_that_allows_no_token_is_an_error_not_text_it_forbids(llm, ebnf, after):
+    """A grammar that accepts no output, or none past its first token: the request fails naming where, the engine
+    goes on."""
+    with pytest.raises(ValueError, match=f"the ebnf constraint allows no token after {after} generated tokens"):
+        llm.generate([[1]], params(StructuredOutput("ebnf", ebnf), temperature=0.0), use_tqdm=False)
+    out = llm.generate([[1]], params(StructuredOutput("regex", "[ab]{3}"), temperature=0.0), use_tqdm=False)[0].outputs[0]
+    assert re.fullmatch("[ab]{3}", out.text)
+
+
+def test_a_schema_nested_too_deep_is_refused_before_it_is_parsed(llm):
+    schema: dict = {"type": "string"}
+    for _ in range(130):
+        schema = {"type": "array", "items": schema}
+    with pytest.raises(ValueError, match="nested 131 levels deep; at most 128"):
+        llm.generate([[1]], params(StructuredOutput("json_schema", json.dumps(schema))), use_tqdm=False)
+
+
+def test_a_grammar_that_compiles_too_long_fails_then_serves_from_the_cache(qwen3_dir):
+    """Past --grammar-compile-timeout the request fails; the compile goes on, so the same spec asked again once it is
+    done is served at once."""
+    spec = StructuredOutput("regex", "[ab]{2,9}c")
+    with LLM(qwen3_dir, device="cpu", grammar_compile_timeout=1e-6) as llm:
+        with pytest.raises(ValueError, match=r"its regex did not compile within 1e-06 s \(--grammar-compile-timeout\)"):
+            llm.generate([[1]], params(spec, temperature=0.0), use_tqdm=False)
+        future = llm._driver.scheduler.grammar_compiler.submit(spec)
+        future.result()
+        out = llm.generate([[1]], params(spec, temperature=0.0), use_tqdm=False)[0].outputs[0]
+        assert re.fullmatch("[ab]{2,9}c", out.text)
 
 
 def test_json_grammars_never_take_control_character_tokens(qwen3_dir):
@@ -162,7 +195,30 @@ def test_compile_failure_fails_the_request_not_the_scheduler(llm):
     scheduler = llm._driver.scheduler
     failed: Future = Future()
     failed.set_exception(OSError("no tokenizer files"))
-    scheduler.compiling[999] = (Request(999, [1, 2], params(StructuredOutput("regex", "a")), 0, 4), failed)
-    assert scheduler.grammars_ready() == [999]
+    scheduler.compiling[999] = (Request(999, [1, 2], params(StructuredOutput("regex", "a")), 0, 4), failed, time.monotonic())
+    assert scheduler.grammars_ready() == [(999, False)]
     (out,) = scheduler.attach_grammar(999)
     assert out.finish_reason == "error" and "no tokenizer files" in out.error and not scheduler.compiling
+
+
+def test_an_abort_drops_a_compile_not_started_that_no_other_request_waits_for(llm):
+    import threading
+
+    from tpserve.structured.grammar import COMPILE_THREADS
+
+    scheduler = llm._driver.scheduler
+    compiler = scheduler.grammar_compiler
+    gate = threading.Event()
+    for _ in range(COMPILE_THREADS):  # every compile thread busy: the next compile waits
+        compiler._pool.submit(gate.wait)
+    try:
+        p = params(StructuredOutput("regex", "[xy]{4}q"))
+        scheduler.add_request(900, [1, 2], p, seed=0)
+        scheduler.add_request(901, [1, 2], p, seed=0)
+        future = scheduler.compiling[900][1]
+        assert scheduler.compiling[901][1] is future  # one compile for both
+        assert scheduler.abort(900) and not future.cancelled()  # 901 still waits for it
+        assert scheduler.abort(901) and future.cancelled() and not scheduler.compiling
+        assert compiler.submit(p.structured) is not future  # asked for again, it is compiled afresh
+    finally:
+        gate.set()

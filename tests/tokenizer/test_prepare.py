@@ -85,6 +85,17 @@ def test_invalid_requests(preparer, kwargs, param, fragment):
     assert fragment in e.value.message
 
 
+def test_prompt_ids_are_the_tokenizers_and_biased_ids_the_models(preparer, tiny_tokenizer):
+    """Past the tokenizer's ids (642 here) and below the model's vocabulary (700: padding rows of the embedding),
+    an id is no prompt token (echo and /detokenize could not render it), but sampling may still name it."""
+    past = len(tiny_tokenizer)
+    assert past < 700
+    with pytest.raises(InvalidRequest, match=f"token id {past} is out of range \\[0, {past}\\)"):
+        preparer.prepare(req(input_ids=[1, past]))
+    prepared = preparer.prepare(req(input_ids=[1], params=SamplingParams(logit_bias={past: 5.0}, stop_token_ids=[699])))
+    assert prepared.generate.params.logit_bias == {past: 5.0}
+
+
 def test_template_errors_become_invalid_requests(tiny_tokenizer):
     class Broken:
         chat_template = "{{ raise_exception('bad role') }}"

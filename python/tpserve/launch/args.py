@@ -187,6 +187,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--grammar-threads", type=int_at_least(0), default=_default("grammar_threads"),
                         help="most threads filling one step's grammar masks (structured output); a "
                         "thread per 64 constrained requests (0: auto, half the CPUs, at most 8)")
+    engine.add_argument("--grammar-compile-timeout", type=positive, default=_default("grammar_compile_timeout"),
+                        help="seconds a structured-output request waits for its JSON schema, regex or grammar to "
+                        "compile; then it fails with a 400 naming this flag (the compile itself cannot be stopped)")
     engine.add_argument("--all-reduce", choices=CHOICES["all_reduce"], default=_default("all_reduce"),
                         help="TP all-reduce on GPU: auto (one-shot/two-shot kernels through peer GPU "
                              "memory for small messages, NCCL for large; NCCL only across nodes), nccl, "

@@ -27,9 +27,11 @@ class AbortRequest(msgspec.Struct, tag="abort"):
 
 
 class GrammarReady(msgspec.Struct, tag="grammar_ready"):
-    """Rank 0's word that a request's grammar has compiled: every rank attaches it now."""
+    """Rank 0's word that a request's grammar has compiled (every rank attaches it now) or, with ``timed_out``,
+    that it took too long (every rank ends the request with an error now)."""
 
     rid: int
+    timed_out: bool = False
 
 
 class FlushCache(msgspec.Struct, tag="flush_cache"):

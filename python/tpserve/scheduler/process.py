@@ -127,7 +127,7 @@ class SchedulerLoop:
             self.heartbeat.value = time.monotonic()
         replies: list[TokenOutput] = []
         compiling = bool(self.scheduler.compiling)
-        ready = [GrammarReady(rid) for rid in self.scheduler.grammars_ready()] if self.io.rank == 0 else []
+        ready = [GrammarReady(rid, timed_out) for rid, timed_out in self.scheduler.grammars_ready()] if self.io.rank == 0 else []
         if compiling and not ready and not self.scheduler.has_work:
             time.sleep(COMPILE_POLL_S)
         for msg in self.io.receive(blocking=not self.scheduler.has_work and not compiling, local=ready):
@@ -145,7 +145,7 @@ class SchedulerLoop:
 
     def apply(self, msg: GenerateRequest | AbortRequest | GrammarReady | FlushCache | GetStats) -> list[TokenOutput]:
         if isinstance(msg, GrammarReady):
-            return self.scheduler.attach_grammar(msg.rid)
+            return self.scheduler.attach_grammar(msg.rid, msg.timed_out)
         if isinstance(msg, GenerateRequest):
             try:
                 seed = msg.params.seed if msg.params.seed is not None else msg.rid

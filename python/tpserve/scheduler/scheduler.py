@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import heapq
 import logging
+import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,7 +30,7 @@ from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler import prompt_logprobs
 from tpserve.scheduler.request import Request
 from tpserve.structured.grammar import GrammarCompiler, InvalidGrammar, MaskFiller, RequestGrammar, new_matcher
-from tpserve.structured.worker import Masks, MaskWorker, SampledRows
+from tpserve.structured.worker import MaskWorker, SampledRows, StepMasks
 
 logger = logging.getLogger(__name__)
 
@@ -46,7 +47,8 @@ class _Launched:
     constrained: list[tuple[int, Request]]  # (row, request) of the grammar-masked samples
     handle: LaunchedStep | None = None  # None until its sampling is enqueued
     pending: PendingSample | None = None  # forward enqueued, sampling waits for grammar masks
-    masks: Future[Masks | None] | None = None  # the mask worker's job for this step
+    masks: Future[StepMasks] | None = None  # the mask worker's job for this step
+    dead_end_rows: frozenset[int] = frozenset()  # rows whose grammar allowed no token (the job's, once joined)
     # per row: (request, first prompt position, count) of its extra logits rows (prompt log-probabilities)
     prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)
 
@@ -78,8 +80,9 @@ class Scheduler:
         self.prompt_logprob_rows_left = PROMPT_LOGPROBS_CHUNK  # this step's (see _chunk)
         self.free_slots: list[int] = []  # penalty-state slots given back (a min-heap)
         self.num_slots = 0
-        # Structured-output requests wait here until their grammar is compiled and attached.
-        self.compiling: dict[int, tuple[Request, Future]] = {}
+        # Structured-output requests wait here until their grammar is compiled and attached: (request, its compile,
+        # when it was asked for; time.monotonic()).
+        self.compiling: dict[int, tuple[Request, Future, float]] = {}
         self.grammar_compiler = GrammarCompiler(
             self.config.model, engine.model_config.vocab_size, sorted(self.eos_ids)
         )
@@ -107,24 +110,32 @@ class Scheduler:
         max_new = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(rid, list(prompt_ids), params, seed, max_new)
         if params.structured is not None:
-            self.compiling[rid] = (req, self.grammar_compiler.submit(params.structured))
+            self.compiling[rid] = (req, self.grammar_compiler.submit(params.structured), time.monotonic())
         else:
             self.waiting.append(req)
 
     # ---- grammars ----
-    # Every rank compiles each grammar itself, but a request must become runnable at the same
-    # step everywhere: rank 0 broadcasts what ``grammars_ready`` reports, and each rank then
+    # Every rank compiles each grammar itself, but a request must become runnable (or fail) at the
+    # same step everywhere: rank 0 broadcasts what ``grammars_ready`` reports, and each rank then
     # attaches them, waiting for its own compile if it is behind.
-    def grammars_ready(self) -> list[int]:
-        """Requests whose grammar has compiled (or failed) on this rank, in arrival order."""
-        return [rid for rid, (_, future) in self.compiling.items() if future.done()]
+    def grammars_ready(self) -> list[tuple[int, bool]]:
+        """(request, timed out) of the requests whose grammar has compiled (or failed) on this rank, or whose
+        compile has taken longer than ``grammar_compile_timeout``, in arrival order."""
+        deadline = time.monotonic() - self.config.grammar_compile_timeout
+        return [(rid, not future.done()) for rid, (_, future, asked) in self.compiling.items()
+                if future.done() or asked < deadline]
 
-    def attach_grammar(self, rid: int) -> list[TokenOutput]:
-        """Queue a compiling request with its matcher; a failed compile ends it with an error."""
+    def attach_grammar(self, rid: int, timed_out: bool = False) -> list[TokenOutput]:
+        """Queue a compiling request with its matcher; a failed or timed-out compile ends it with an error."""
         entry = self.compiling.pop(rid, None)
         if entry is None:  # aborted meanwhile
             return []
-        req, future = entry
+        req, future, _ = entry
+        if timed_out:
+            self._drop_compile(req, future)
+            error = (f"its {req.params.structured.kind} did not compile within {self.config.grammar_compile_timeout:g} s "
+                     "(--grammar-compile-timeout): a simpler one compiles faster")
+            return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=error)]
         try:
             req.grammar = RequestGrammar(new_matcher(future.result()))
         except InvalidGrammar as e:
@@ -136,8 +147,14 @@ class Scheduler:
         self.waiting.append(req)
         return []
 
+    def _drop_compile(self, req: Request, future: Future) -> None:
+        """``req`` no longer waits for ``future``: a compile no other request waits for and not yet started is dropped."""
+        if all(other is not future for _, other, _ in self.compiling.values()):
+            self.grammar_compiler.cancel(req.params.structured, future)
+
     def abort(self, rid: int) -> bool:
-        if self.compiling.pop(rid, None) is not None:
+        if (entry := self.compiling.pop(rid, None)) is not None:
+            self._drop_compile(entry[0], entry[1])
             return True
         if rid in self.running:
             self._retire(self.running.pop(rid))
@@ -275,8 +292,9 @@ class Scheduler:
     def _sample_constrained(self, launched: _Launched) -> None:
         """Wait for a deferred step's grammar masks, then sample. Their host buffer is refilled two
         constrained steps later, by when this step's tokens (copied after the upload) were awaited."""
-        masks = launched.masks.result()
-        launched.handle = self.engine.sample(launched.pending, masks)
+        step_masks = launched.masks.result()
+        launched.dead_end_rows = frozenset(step_masks.dead_rows)
+        launched.handle = self.engine.sample(launched.pending, step_masks.masks)
         rows = [(row, req.rid, req.grammar) for row, req in launched.constrained]
         self.masks.sampled(SampledRows(launched.handle.result, rows))
         launched.pending = launched.masks = None
@@ -322,6 +340,13 @@ class Scheduler:
                 continue  # a mid-prompt chunk, or the request finished/aborted meanwhile
             req.pending -= 1
             first = not req.output_ids
+            if row in launched.dead_end_rows:
+                error = (f"the {req.params.structured.kind} constraint allows no token after {len(req.output_ids)} "
+                         "generated tokens (a grammar that accepts no output, or none that continues from here)")
+                outputs.append(TokenOutput(req.rid, [], "error", prompt_tokens=len(req.prompt_ids) if first else 0,
+                                           error=error))
+                self._retire(self.running.pop(req.rid))
+                continue
             req.output_ids.append(token)
             req.finish_reason = self._finish_reason(req, token)
             out = TokenOutput(

@@ -17,7 +17,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
-from tpserve.parsers.constraints import FieldError, output_structure
+from tpserve.parsers.constraints import FieldError, check_tools, output_structure
 from tpserve.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams, StructuredOutput
 from tpserve.server.errors import APIError
 from tpserve.server.limits import check_transportable
@@ -30,7 +30,7 @@ MAX_N = 16  # choices per prompt
 class _Lenient(BaseModel):
     """Unknown fields are kept aside (``model_extra``) and ``null`` means "the default"."""
 
-    model_config = ConfigDict(extra="allow")
+    model_config = ConfigDict(extra="allow", strict=True)
 
     @model_validator(mode="before")
     @classmethod
@@ -342,6 +342,10 @@ class TokenizeBody(_Body):
         if (self.prompt is None) == (self.messages is None):
             raise APIError.invalid("give either prompt or messages", "prompt")
         check_continuation(self.messages or [], self.add_generation_prompt, self.continue_final_message)
+        try:
+            check_tools(self.tools)  # as chat checks them: what /tokenize renders is what chat would
+        except FieldError as e:
+            raise APIError.invalid(e.message, e.param) from e
 
 
 class DetokenizeBody(_Body):

@@ -2,10 +2,11 @@
 and one matcher per request.
 
 Compiling a grammar against the vocabulary takes tens of milliseconds (a large JSON schema
-more), so it never runs on the decode loop: ``GrammarCompiler.submit`` compiles on a worker
-thread (xgrammar releases the GIL while it works) and caches the result by spec, so a repeated
-schema is ready at once. The tokenizer and xgrammar's vocabulary tables are built on that thread
-too, on first use.
+more), so it never runs on the decode loop: ``GrammarCompiler.submit`` compiles on worker
+threads (xgrammar releases the GIL while it works) and caches the result by spec, so a repeated
+schema is ready at once. The tokenizer and xgrammar's vocabulary tables are built on a worker
+thread too, on first use. A costly spec holds up only its own requests: a few compile at once,
+the scheduler gives up on one that takes too long, and an abort drops a compile not yet started.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import logging
 import os
 import re
+import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +27,11 @@ from tpserve.sampling_params import StructuredOutput
 logger = logging.getLogger(__name__)
 
 CACHE_SIZE = 256  # compiled grammars kept, by spec
+COMPILE_THREADS = 4  # grammars compiled at once, so that one slow spec does not hold back the others
+# xgrammar's parse of a JSON schema grows with about the cube of its nesting (Qwen3's vocabulary, 2026-12-05: 64 /
+# 128 levels of arrays 0.02 / 0.17 s, of objects, two JSON levels each, 0.05 / 0.34 s; ~10 s at 400 levels), in the
+# tokenizer's check and again in the compile: a schema document nested deeper than this is refused before either.
+MAX_SCHEMA_DEPTH = 128
 
 
 class InvalidGrammar(ValueError):
@@ -53,10 +60,25 @@ def check_spec(spec: StructuredOutput) -> None:
             raise InvalidGrammar(f"the JSON schema is not valid JSON: {e}") from e
         if not isinstance(schema, (dict, bool)):
             raise InvalidGrammar("the JSON schema must be an object")
+        if (depth := nesting_depth(schema)) > MAX_SCHEMA_DEPTH:
+            raise InvalidGrammar(f"the JSON schema is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed")
     try:
         _grammar(spec)
     except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
         raise InvalidGrammar(f"invalid {spec.kind}: {_parser_message(e)}") from e
+
+
+def nesting_depth(document: Any) -> int:
+    """How deep objects and arrays nest in a parsed JSON document (a scalar: 0), without recursion."""
+    deepest = 0
+    stack = [(document, 1)]
+    while stack:
+        item, depth = stack.pop()
+        children = item.values() if isinstance(item, dict) else item if isinstance(item, list) else None
+        if children is not None:
+            deepest = max(deepest, depth)
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
 
 
 def _parser_message(error: Exception) -> str:
@@ -88,16 +110,17 @@ def json_tokenizer_info(info: Any) -> Any:
 
 
 class GrammarCompiler:
-    """Compiles specs on one worker thread; ``submit`` returns a future of an xgrammar
-    CompiledGrammar."""
+    """Compiles specs on ``COMPILE_THREADS`` worker threads; ``submit`` returns a future of an
+    xgrammar CompiledGrammar."""
 
     def __init__(self, model_dir: str, vocab_size: int, stop_token_ids: list[int]) -> None:
         self._model_dir = model_dir
         self._vocab_size = vocab_size
         self._stop_token_ids = stop_token_ids
-        self._pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="tpserve-grammar")
-        self._info: Any = None  # built on the worker thread, on first use
+        self._pool = ThreadPoolExecutor(max_workers=COMPILE_THREADS, thread_name_prefix="tpserve-grammar")
+        self._info: Any = None  # built on a worker thread, on first use
         self._compilers: dict[bool, Any] = {}  # by "is a JSON kind"
+        self._compilers_lock = threading.Lock()  # the first two compiles may come at once
         self._cache: dict[tuple[str, str], Future] = {}
 
     def submit(self, spec: StructuredOutput) -> Future:
@@ -110,19 +133,25 @@ class GrammarCompiler:
             self._cache[spec.key] = self._cache.pop(spec.key)
         return future
 
+    def cancel(self, spec: StructuredOutput, future: Future) -> None:
+        """No request waits for ``future`` any more: drop it, unless its compile has started (it cannot be stopped)."""
+        if future.cancel() and self._cache.get(spec.key) is future:
+            del self._cache[spec.key]
+
     def _compiler(self, json_kind: bool) -> Any:
         import xgrammar as xgr
 
-        if self._info is None:
-            from tpserve.tokenizer.loader import load_tokenizer
+        with self._compilers_lock:
+            if self._info is None:
+                from tpserve.tokenizer.loader import load_tokenizer
 
-            self._info = xgr.TokenizerInfo.from_huggingface(
-                load_tokenizer(self._model_dir), vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
-            )
-        if json_kind not in self._compilers:
-            info = json_tokenizer_info(self._info) if json_kind else self._info
-            self._compilers[json_kind] = xgr.GrammarCompiler(info, max_threads=1)
-        return self._compilers[json_kind]
+                self._info = xgr.TokenizerInfo.from_huggingface(
+                    load_tokenizer(self._model_dir), vocab_size=self._vocab_size, stop_token_ids=self._stop_token_ids
+                )
+            if json_kind not in self._compilers:
+                info = json_tokenizer_info(self._info) if json_kind else self._info
+                self._compilers[json_kind] = xgr.GrammarCompiler(info, max_threads=1)
+            return self._compilers[json_kind]
 
     def _compile(self, spec: StructuredOutput) -> Any:
         compiler = self._compiler(spec.kind in JSON_KINDS)
@@ -149,6 +178,7 @@ class RequestGrammar:
 
     matcher: Any  # xgrammar GrammarMatcher
     terminated: bool = False
+    dead_end: bool = False  # its mask allowed no token (a grammar that accepts no output, or none from here)
 
 
 class MaskFiller:

@@ -43,6 +43,15 @@ class SampledRows:
 Masks = torch.Tensor  # [B, ceil(V / 32)] int32 host bitmask, every row (unconstrained rows allow all)
 
 
+@dataclass
+class StepMasks:
+    """A mask job's result. A dead-end row's grammar allowed no token at all (it accepts no output, e.g. ``root ::=
+    root``, or none from where it is): that request ends with an error rather than with a token the grammar forbids."""
+
+    masks: Masks | None  # None when every grammar of the step has terminated
+    dead_rows: list[int]
+
+
 class MaskWorker:
     """Runs mask jobs in order on one thread (inline when ``threaded`` is False: the same work
     at the same points, for comparison). ``stop_token_ids``: the tokens that end a grammar.
@@ -66,13 +75,13 @@ class MaskWorker:
         """A constrained step was sampled: the next job gives its tokens to the matchers first."""
         self._unaccepted.append(step)
 
-    def submit(self, fills: list[tuple[int, RequestGrammar]], batch_size: int) -> Future[Masks | None]:
+    def submit(self, fills: list[tuple[int, RequestGrammar]], batch_size: int) -> Future[StepMasks]:
         """Accept every sampled step's tokens, then fill the masks of ``fills`` ((row, grammar)
-        of a batch of ``batch_size``); None when every one of those grammars has terminated.
-        The scheduler waits for the job (``result()``) before it samples that step."""
+        of a batch of ``batch_size``). The scheduler waits for the job (``result()``) before it
+        samples that step."""
         accepts, self._unaccepted = self._unaccepted, []
         if self._pool is None:
-            future: Future[Masks | None] = Future()
+            future: Future[StepMasks] = Future()
             try:
                 future.set_result(self._run(accepts, fills, batch_size))
             except Exception as e:
@@ -80,10 +89,11 @@ class MaskWorker:
             return future
         return self._pool.submit(self._run, accepts, fills, batch_size)
 
-    def _run(self, accepts: list[SampledRows], fills: list[tuple[int, RequestGrammar]], batch_size: int) -> Masks | None:
+    def _run(self, accepts: list[SampledRows], fills: list[tuple[int, RequestGrammar]], batch_size: int) -> StepMasks:
         for step in accepts:
             tokens = step.tokens()
-            live = [(rid, grammar, tokens[row]) for row, rid, grammar in step.rows if not grammar.terminated]
+            live = [(rid, grammar, tokens[row]) for row, rid, grammar in step.rows
+                    if not grammar.terminated and not grammar.dead_end]
             if not live:
                 continue
             accepted = self.filler.accept([g.matcher for _, g, _ in live], [token for _, _, token in live])
@@ -92,10 +102,19 @@ class MaskWorker:
                     logger.warning("request %d: its grammar rejected token %d", rid, token)
                 elif token in self._stop:
                     grammar.terminated = True
-        live_fills = [(row, grammar.matcher) for row, grammar in fills if not grammar.terminated]
+        live_fills = [(row, grammar) for row, grammar in fills if not grammar.terminated and not grammar.dead_end]
         if not live_fills:
-            return None
-        return self.filler.fill([matcher for _, matcher in live_fills], [row for row, _ in live_fills], batch_size)
+            return StepMasks(None, [])
+        rows = [row for row, _ in live_fills]
+        masks = self.filler.fill([grammar.matcher for _, grammar in live_fills], rows, batch_size)
+        allows_some = masks[rows].any(dim=1).tolist()
+        dead_rows = []
+        for (row, grammar), ok in zip(live_fills, allows_some):
+            if not ok:
+                grammar.dead_end = True
+                dead_rows.append(row)
+                masks[row] = -1  # sampled unmasked (an all-masked row has no distribution); the token is dropped
+        return StepMasks(masks, dead_rows)
 
     def close(self) -> None:
         if self._pool is not None:

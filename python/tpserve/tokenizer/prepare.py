@@ -141,7 +141,9 @@ class PromptPreparer:
         if req.text is not None:
             return list(self._tokenizer.encode(req.text)), "prompt", ""
         if req.input_ids is not None:
-            self._check_ids(req.input_ids, "prompt")
+            # ids the tokenizer knows, as vLLM checks them: echo and /detokenize can then render the prompt (the
+            # embedding's padding rows past the tokenizer, e.g. Qwen3's 151,669-151,935, are not a prompt's)
+            self._check_ids(req.input_ids, "prompt", min(self._limits.vocab_size, len(self._tokenizer)))
             return list(req.input_ids), "prompt", ""
         raise InvalidRequest("the request has no prompt", "prompt")
 
@@ -165,8 +167,8 @@ class PromptPreparer:
         except Exception as e:  # the template is model code and may raise anything on odd input
             raise InvalidRequest(f"cannot apply the chat template: {e}", "messages") from e
 
-    def _check_ids(self, ids: list[int], param: str) -> None:
-        vocab = self._limits.vocab_size
+    def _check_ids(self, ids: list[int], param: str, vocab: int | None = None) -> None:
+        vocab = self._limits.vocab_size if vocab is None else vocab
         bad = next((i for i in ids if not 0 <= i < vocab), None)
         if bad is not None:
             raise InvalidRequest(f"token id {bad} is out of range [0, {vocab})", param)
