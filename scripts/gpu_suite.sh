@@ -12,9 +12,8 @@
 # rebuilt, never loaded stale; FlashInfer's are tied to its wheel (0.7.0: a new wheel needs a new .fiaot).
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
-# Next on nvidia-h200 (needs_h200: session 35's call got an H100, where workload A made 78.8% of that machine's ceiling):
-#   moe30_offline moe30_profile: workload A (5,010 tok/s = 66.5% in session 31) on an H200 with session 31's decode tiles,
-#   the sort by expert in chunks of 32 rows and the 32 x 64 +silu tile; the batch 64 / 256 decode graphs by kernel.
+# Next on nvidia-h200 (needs_h200): workload A made 6,077 tok/s = 80.2% in session 35 (call 2); its prefill / mixed steps
+#   are 2.07x their floor (prefill_kernels), the decode steps 1.18x.
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 # On one H200, session 14: attn_sweep and attn_setting (then named attn_prefetch) measured the Triton decode
 # kernel's prefetch of K and V before the PDL wait, now the default (triton_tests: its GPU tests). The FP8 GEMV
