@@ -51,6 +51,11 @@ def test_python_api_names_keywords(qwen3_dir, tmp_path):
         check_can_start(EngineConfig(model=str(tmp_path), device="cpu"), model)
     with pytest.raises(ValueError, match="max_model_len=5000 exceeds the model's context length .4096."):
         check_can_start(EngineConfig(model=qwen3_dir, device="cpu", max_model_len=5000), model)
+    # a KV cache past the machine's memory (was the allocator's error inside every rank)
+    with pytest.raises(ValueError, match=r"max_total_tokens=100000000000 needs [\d,.]+ GiB of KV cache on this "
+                                         r"machine's CPU ranks; it has [\d,.]+ GiB of memory"):
+        check_can_start(EngineConfig(model=qwen3_dir, device="cpu", max_total_tokens=10**11), model)
+    check_can_start(EngineConfig(model=qwen3_dir, device="cpu", max_total_tokens=4096), model)
 
 
 def test_decode_attention_xqa_is_checked_before_start(qwen3_dir, two_gpus, monkeypatch):
@@ -141,8 +146,8 @@ def test_decode_attention_triton_is_checked_before_start(qwen3_dir, two_gpus, mo
         ({"max_running_requests": 0}, ValueError, "max_running_requests must be >= 1, got 0"),
         ({"max_model_len": 0}, ValueError, "max_model_len must be >= 2, got 0"),
         ({"max_model_len": -5}, ValueError, "max_model_len must be >= 2, got -5"),
-        ({"max_total_tokens": 0}, ValueError, "max_total_tokens must be >= 1, got 0"),
-        ({"max_total_tokens": -1}, ValueError, "max_total_tokens must be >= 1, got -1"),
+        ({"max_total_tokens": 1}, ValueError, "max_total_tokens must be >= 2, got 1"),  # no room to generate
+        ({"max_total_tokens": -1}, ValueError, "max_total_tokens must be >= 2, got -1"),
         ({"seed": -1}, ValueError, "seed must be in [0, 2**63), got -1"),
         ({"seed": 2**64}, ValueError, f"seed must be in [0, 2**63), got {2**64}"),
     ],

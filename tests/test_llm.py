@@ -232,6 +232,42 @@ def test_prompts_of_any_sequence_type_and_clear_errors_for_the_rest(llm):
             llm.generate(bad, use_tqdm=False)
 
 
+def test_vllm_prompt_dicts_and_keywords(llm, qwen3_dir):
+    """vLLM's {"prompt": ...} / {"prompt_token_ids": ...} prompts, and its keyword names (the CLI takes the same)."""
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    ids = llm.tokenizer.encode("hi")
+    want = llm.generate([ids], greedy, use_tqdm=False)[0].token_ids
+    outs = llm.generate([{"prompt": "hi"}, {"prompt_token_ids": ids}], greedy, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [want, want]
+    for bad, fragment in (({"text": "hi"}, "a dict prompt is"), ({"prompt": ids}, "'prompt' takes a string"),
+                          (b"hi", r"prompts\[0\] is bytes: decode it to a string first")):
+        with pytest.raises(TypeError, match=fragment):
+            llm.generate([bad], use_tqdm=False)
+    with pytest.raises(TypeError, match="chat_template_kwargs must be a dict, got 'yes'"):
+        llm.chat([{"role": "user", "content": "x"}], chat_template_kwargs="yes", use_tqdm=False)
+    import torch
+
+    with LLM(qwen3_dir, device="cpu", dtype=torch.float32, tensor_parallel_size=1, max_num_seqs=4,
+             trust_remote_code=True) as other:
+        assert (other.config.tp_size, other.config.dtype, other.config.max_running_requests) == (1, "float32", 4)
+    with pytest.raises(TypeError, match="gpu_memory_utilization and mem_fraction name the same setting"):
+        LLM(qwen3_dir, device="cpu", mem_fraction=0.5, gpu_memory_utilization=0.5)
+
+
+def test_calls_from_two_threads_queue_and_both_complete(llm):
+    """Each call reads the ranks' shared output stream: a second thread's call waits for the first (it lost the
+    first's outputs and hung)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    params = SamplingParams(max_tokens=20, ignore_eos=True, temperature=0)
+    with ThreadPoolExecutor(2) as pool:
+        futures = [pool.submit(llm.generate, [[5, 6, 7]] * 4, params, False) for _ in range(2)]
+        results = [f.result(timeout=300) for f in futures]
+    for outs in results:
+        assert [len(o.token_ids) for o in outs] == [20] * 4 and {o.finish_reason for o in outs} == {"length"}
+    assert [o.token_ids for o in results[0]] == [o.token_ids for o in results[1]]
+
+
 def test_model_must_be_a_path(qwen3_dir):
     for bad in (None, 123):
         with pytest.raises(TypeError, match=f"model must be a model directory or a Hugging Face id, got {bad}"):
@@ -326,6 +362,24 @@ def test_dead_rank_is_an_error_not_a_hang(qwen3_dir):
     finally:
         llm.close()
     assert all(not p.is_alive() for p in procs)
+
+
+def test_a_rank_that_fails_to_start_names_why(qwen3_dir, tmp_path):
+    """At TP 2 the ranks are processes: their exception reaches the caller's error (it said only "tp rank 0 died")."""
+    import json
+
+    bad = tmp_path / "bad-shape"
+    shutil.copytree(qwen3_dir, bad)
+    config = json.loads((bad / "config.json").read_text())
+    config["intermediate_size"] *= 2  # the checkpoint's MLP weights no longer fit the model built from the config
+    (bad / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError) as direct:
+        LLM(str(bad), device="cpu")
+    with pytest.raises(RuntimeError) as ranks:
+        LLM(str(bad), tp_size=2, device="cpu")
+    message = str(ranks.value)
+    assert "died (exit code 1)" in message and "(the first error: tpserve-scheduler-tp" in message
+    assert str(direct.value).splitlines()[0][:60] in message
 
 
 def test_logprobs_match_transformers(llm, qwen3_dir):

@@ -104,7 +104,7 @@ class EngineConfig:
         if self.max_model_len is not None:
             _check_min("max_model_len", self.max_model_len, 2)  # a prompt token and a generated one
         if self.max_total_tokens is not None:
-            _check_min("max_total_tokens", self.max_total_tokens, 1)
+            _check_min("max_total_tokens", self.max_total_tokens, 2)  # a prompt token and a generated one
         if not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
         if not 0.0 < self.grammar_compile_timeout < math.inf:
@@ -189,6 +189,22 @@ def _has_safetensors(model_dir: str) -> bool:
     return os.path.isdir(model_dir) and any(name.endswith(".safetensors") for name in os.listdir(model_dir))
 
 
+def _check_cpu_kv_fits(engine: EngineConfig, model: ModelConfig, cli: bool) -> None:
+    """On the CPU the KV cache is exactly ``max_total_tokens``: one larger than this machine's memory is a clear error
+    here, not an allocator's failure inside every rank."""
+    element = 1 if engine.kv_cache_dtype == "fp8_e4m3" else resolve_dtype(engine.dtype, model, torch.device("cpu")).itemsize
+    kv_heads = max(1, model.num_key_value_heads // engine.tp_size)  # replicated where TP exceeds them
+    per_token = 2 * model.num_hidden_layers * kv_heads * model.head_dim * element  # on one rank
+    ranks_here = engine.tp_size // engine.nnodes * engine.dp_size
+    need = engine.max_total_tokens * per_token * ranks_here
+    memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    if need > memory:
+        raise ValueError(
+            f"{_option('max_total_tokens', engine.max_total_tokens, cli)} needs {need / 2**30:,.1f} GiB of KV cache "
+            f"on this machine's CPU ranks; it has {memory / 2**30:,.1f} GiB of memory"
+        )
+
+
 def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False) -> None:
     """The checks that need the model and the machine, made before any process starts, so that a
     bad setting is one clear error (naming the CLI flag when ``cli``) rather than a traceback from
@@ -217,6 +233,8 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
                 f"{_option('tp_size', engine.tp_size, cli)} needs {per_node} GPUs{where}; "
                 f"{torch.cuda.device_count()} visible"
             )
+    if device == "cpu" and engine.max_total_tokens is not None:
+        _check_cpu_kv_fits(engine, model, cli)
     if engine.attention_backend == "flashinfer":
         dtype = resolve_dtype(engine.dtype, model, torch.device(device))
         if device != "cuda" or dtype not in FLASHINFER_DTYPES:

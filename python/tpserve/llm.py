@@ -11,11 +11,13 @@ import logging
 import numbers
 import os
 import random
+import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import torch
 from tqdm import tqdm
 
 from tpserve.config import ModelConfig
@@ -119,6 +121,11 @@ class LLM:
             )
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a model directory or a Hugging Face id, got {model!r}")
+        engine_kwargs = _engine_kwargs(engine_kwargs)
+        tp_size = engine_kwargs.pop("tp_size", tp_size)
+        dp_size = engine_kwargs.pop("dp_size", dp_size)
+        if isinstance(dtype, torch.dtype):  # as vLLM takes it
+            dtype = str(dtype).removeprefix("torch.")
         model = resolve_model_dir(os.fspath(model))  # a local directory, or a HF id from the local cache (as the server)
         self.config = EngineConfig(
             model=model, tp_size=tp_size, device=device, dtype=dtype, load_format=load_format, dp_size=dp_size,
@@ -128,6 +135,9 @@ class LLM:
         check_can_start(self.config, self.model_config)  # fail here, before spawning anything
         self.tokenizer = _load_tokenizer(model)
         self._next_rid = 0
+        # One call at a time talks to the ranks: each call reads the shared output stream and keeps only its own
+        # requests' outputs, so a second thread's call would lose the first's (generate/chat from threads queue here).
+        self._calls = threading.Lock()
         self._seed_rng = random.Random()
         self._driver: RankDriver | None = start_ranks(self.config, load_balance_method)
 
@@ -147,13 +157,14 @@ class LLM:
         for params in sampling_params:
             self._check_params(params)
         encoded = [self._encode(prompt, i) for i, prompt in enumerate(prompts)]
-        prompt_requests = []
-        for input_ids, params in zip(encoded, sampling_params):
-            seed = params.seed if params.seed is not None else self._seed_rng.randrange(SEED_LIMIT)
-            choices = msgspec.structs.replace(params, seed=seed).choices()
-            prompt_requests.append([GenerateRequest(self._next_rid + i, input_ids, p) for i, p in enumerate(choices)])
-            self._next_rid += len(choices)
-        return self._run(self._live_driver("generate"), prompt_requests, use_tqdm)
+        with self._calls:  # request ids too: each call's are its own
+            prompt_requests = []
+            for input_ids, params in zip(encoded, sampling_params):
+                seed = params.seed if params.seed is not None else self._seed_rng.randrange(SEED_LIMIT)
+                choices = msgspec.structs.replace(params, seed=seed).choices()
+                prompt_requests.append([GenerateRequest(self._next_rid + i, input_ids, p) for i, p in enumerate(choices)])
+                self._next_rid += len(choices)
+            return self._run(self._live_driver("generate"), prompt_requests, use_tqdm)
 
     def chat(
         self,
@@ -177,6 +188,8 @@ class LLM:
             raise TypeError("messages must be a list of messages or a list of conversations (lists of messages)")
         if chat_template is not None:
             _check_chat_template(chat_template)
+        if chat_template_kwargs is not None and not isinstance(chat_template_kwargs, Mapping):
+            raise TypeError(f"chat_template_kwargs must be a dict, got {chat_template_kwargs!r}")
         one = not isinstance(messages[0], Sequence) or isinstance(messages[0], str)
         conversations = [messages] if one else list(messages)
         if self.tokenizer is None:
@@ -282,14 +295,15 @@ class LLM:
 
     def _ask(self, msg: FlushCache | GetStats, tag: str) -> list[BatchTokenOutput]:
         """Every replica's answer (each answers once)."""
-        driver = self._live_driver(tag)
-        driver.send(msg)
-        replies: list[BatchTokenOutput] = []
-        while len(replies) < self.config.dp_size:
-            reply = driver.receive()
-            if reply.answers == tag:
-                replies.append(reply)
-        return replies
+        with self._calls:
+            driver = self._live_driver(tag)
+            driver.send(msg)
+            replies: list[BatchTokenOutput] = []
+            while len(replies) < self.config.dp_size:
+                reply = driver.receive()
+                if reply.answers == tag:
+                    replies.append(reply)
+            return replies
 
     def _live_driver(self, method: str) -> RankDriver:
         if self._driver is None:
@@ -311,7 +325,17 @@ class LLM:
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]} is out of range [0, {vocab})")
 
-    def _encode(self, prompt: str | Sequence[int], index: int) -> list[int]:
+    def _encode(self, prompt: str | Sequence[int] | Mapping[str, Any], index: int) -> list[int]:
+        if isinstance(prompt, Mapping):  # vLLM's {"prompt": text} and {"prompt_token_ids": ids}
+            if set(prompt) not in ({"prompt"}, {"prompt_token_ids"}):
+                raise TypeError(f"prompts[{index}]: a dict prompt is {{'prompt': text}} or {{'prompt_token_ids': ids}}, "
+                                f"got the keys {sorted(map(str, prompt))}")
+            text = "prompt" in prompt
+            prompt = prompt["prompt"] if text else prompt["prompt_token_ids"]
+            if text != isinstance(prompt, str):
+                raise TypeError(f"prompts[{index}]: 'prompt' takes a string, 'prompt_token_ids' a list of token ids")
+        if isinstance(prompt, bytes):
+            raise TypeError(f"prompts[{index}] is bytes: decode it to a string first")
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this model has no tokenizer: pass prompts as token-id lists")
@@ -335,6 +359,25 @@ class LLM:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+# vLLM's names for LLM's keyword arguments (the CLI takes the same aliases), and those it accepts and ignores.
+_VLLM_KWARGS = {"tensor_parallel_size": "tp_size", "data_parallel_size": "dp_size", "gpu_memory_utilization": "mem_fraction",
+                "max_num_seqs": "max_running_requests", "enable_expert_parallel": "expert_parallel"}
+_IGNORED_KWARGS = ("trust_remote_code",)  # tpserve runs no code from the checkpoint
+
+
+def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
+    """``LLM``'s extra keyword arguments as EngineConfig's: vLLM's names taken, ignored ones dropped."""
+    out: dict[str, Any] = {}
+    for name, value in kwargs.items():
+        if name in _IGNORED_KWARGS:
+            continue
+        target = _VLLM_KWARGS.get(name, name)
+        if target in out:
+            raise TypeError(f"{name} and {target} name the same setting: give one")
+        out[target] = value
+    return out
 
 
 def _params_per_prompt(

@@ -201,3 +201,25 @@ def test_reasoning_is_labelled_and_kept_out_of_the_history(monkeypatch):
     assert "[thinking] hmm\nYes." in text
     assert "(cut at the context limit of 64 tokens" in text
     assert shell.history[-1] == {"role": "assistant", "content": "Yes."}
+
+
+def test_undecodable_input_usage_lines_and_a_closed_pipe(monkeypatch):
+    """Bytes that are not UTF-8 (read as lone surrogates) reach the model as U+FFFD: they failed the request's
+    encoding and ended the shell. /think and /set say what they take; a reader gone from the pipe stops the shell
+    quietly (was a BrokenPipeError traceback)."""
+    bad = b"hi\xff\xfe there".decode("utf-8", "surrogateescape")
+    lines = [bad, "/think", "/think maybe", "/set max_tokens abc", "/set temperature hot"]
+    shell, client, out = run_shell_lines(monkeypatch, lines)
+    assert client.submitted[0][-1] == {"role": "user", "content": "hi\ufffd\ufffd there"}
+    assert out.count("usage: /think on|off") == 2
+    assert "bad value 'abc' for max_tokens: must be a whole number or none" in out
+    assert "bad value 'hot' for temperature: must be a number" in out
+
+    class ClosedPipe(io.StringIO):
+        def write(self, text):
+            raise BrokenPipeError
+
+    monkeypatch.setattr("builtins.input", lambda prompt="": "hi")
+    with pytest.raises(SystemExit) as e:
+        Shell(FakeClient(), lambda: None, ClosedPipe(), context_len=64).run()  # type: ignore[arg-type]
+    assert e.value.code == 0

@@ -83,13 +83,18 @@ def test_seed_example_machine_custom_gpu(tmp_path, capsys):
 @pytest.mark.parametrize(
     "argv, fragment",
     [
-        (["--gpus", "0"], "--gpus: must be >= 1, got '0'"),
+        (["--gpus", "0"], "--gpus: must be in [1, 1024], got '0'"),
+        # a NaN traceback, a loop over 10**9 TP sizes, a plan at 0 tok/s
+        (["--memory-gib", "1e308"], "--memory-gib: must be in [0.001, 1e+06], got '1e308'"),
+        (["--gpus", "1000000000"], "--gpus: must be in [1, 1024], got '1000000000'"),
+        (["--nodes", "100000000"], "--nodes: must be in [1, 1024], got '100000000'"),
+        (["--bandwidth-tbps", "1e-320"], "--bandwidth-tbps: must be in [0.001, 10000], got '1e-320'"),
         (["--context", "abc"], "--context: must be an integer, got 'abc'"),
         (["--context", "100000"], "--context 100000 exceeds the model's context length 40960"),
         (["--gpu", "b200"], "argument --gpu: invalid choice: 'b200'"),
         (["--gpu", "custom", "--tflops", "100"], "--gpu custom needs --memory-gib, --bandwidth-tbps"),
         (["--mem-fraction", "1.5"], "--mem-fraction: must be in (0, 1], got '1.5'"),
-        (["--busbw-gbps", "-3"], "--busbw-gbps: must be > 0, got '-3'"),
+        (["--busbw-gbps", "-3"], "--busbw-gbps: must be in [0.001, 1e+07], got '-3'"),
         # it recommended `--max-model-len 1`, which the server refuses (a prompt token and a generated one)
         (["--context", "1"], "--context: must be >= 2, got '1'"),
     ],

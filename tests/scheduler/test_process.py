@@ -125,17 +125,19 @@ def test_tp2_mixed_workload_small_pool_matches_cacheless_tp1(qwen3_dir):
 
 def test_a_checkpoint_that_does_not_load_is_one_log_line_not_a_traceback(qwen3_dir, tmp_path, caplog):
     """The start-up checks cannot see every tensor's shape: the rank finds a bad one as it loads. It
-    says which in one line and exits 1 (the server then reports start-up failed), instead of a traceback."""
+    says which in one line and exits 1 (the server then reports start-up failed, with that line), instead of a
+    traceback."""
     from safetensors.torch import load_file, save_file
 
     model_dir = shutil.copytree(qwen3_dir, tmp_path / "m")
     weights = load_file(model_dir / "model.safetensors")
     weights["model.norm.weight"] = weights["model.norm.weight"][:3].clone()
     save_file(weights, model_dir / "model.safetensors")
-    with pytest.raises(SystemExit) as e:
+    from tpserve.launch.child import ChildCannotGoOn
+
+    with pytest.raises(ChildCannotGoOn) as e:  # child_main exits 1 on it, no traceback, and tells the parent why
         run_scheduler(EngineConfig(model=str(model_dir), device="cpu"), 0, None, None)  # type: ignore[arg-type]
-    assert e.value.code == 1
-    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [
-        "tp rank 0 cannot start: checkpoint tensor 'model.norm.weight' of shape (3,) does not fit the model "
-        "config.json describes: weight: expected shape (64,), got (3,)"
-    ]
+    line = ("tp rank 0 cannot start: checkpoint tensor 'model.norm.weight' of shape (3,) does not fit the model "
+            "config.json describes: weight: expected shape (64,), got (3,)")
+    assert str(e.value) == line
+    assert [r.getMessage() for r in caplog.records if r.levelname == "ERROR"] == [line]

@@ -154,7 +154,7 @@ def build_parser() -> argparse.ArgumentParser:
                         dest="mem_fraction", type=fraction, default=_default("mem_fraction"),
                         help="share of each GPU's total memory tpserve may fill: the KV cache gets what is "
                         "left of it after the weights (and whatever else already uses the GPU)")
-    engine.add_argument("--max-total-tokens", type=int_at_least(1), default=None,
+    engine.add_argument("--max-total-tokens", type=int_at_least(2), default=None,
                         help="KV-cache size in tokens (default: from --mem-fraction on GPU, "
                         "32768 on CPU)")
     engine.add_argument("--seed", type=number(int, lambda v: 0 <= v < SEED_LIMIT, "in [0, 2**63)"),

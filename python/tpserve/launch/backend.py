@@ -43,14 +43,16 @@ WATCH_INTERVAL_S = 0.5
 
 
 class ChildDied(Exception):
-    def __init__(self, name: str, exitcode: int | None, others: tuple[str, ...] = ()) -> None:
+    def __init__(self, name: str, exitcode: int | None, others: tuple[str, ...] = (), reason: str | None = None) -> None:
         also = f"; also stopped: {', '.join(others)}" if others else ""
-        super().__init__(f"{name} exited ({describe_exit(exitcode)}){also}")
+        why = f" (the first error: {reason})" if reason else ""
+        super().__init__(f"{name} exited ({describe_exit(exitcode)}){also}{why}")
         self.name = name
         self.exitcode = exitcode
+        self.reason = reason
 
 
-def first_failure(procs: list[Any]) -> ChildDied | None:
+def first_failure(procs: list[Any], reason: str | None = None) -> ChildDied | None:
     """The stopped child to blame, if any: one killed by a signal before one that exited by itself
     (when a TP rank is killed, its peers' next collective fails and they exit with an error within
     milliseconds, before the watchdog looks, and rank 0 comes first in the list); the message also
@@ -60,7 +62,7 @@ def first_failure(procs: list[Any]) -> ChildDied | None:
         return None
     first = next((p for p in dead if p.exitcode < 0), dead[0])
     others = tuple(f"{p.name} ({describe_exit(p.exitcode)})" for p in dead if p is not first)
-    return ChildDied(first.name, first.exitcode, others)
+    return ChildDied(first.name, first.exitcode, others, reason)
 
 
 class StartupCancelled(Exception):
@@ -111,6 +113,8 @@ class Backend:
         self.endpoints = Endpoints.create(engine.dp_size)
         self._mp = multiprocessing.get_context("spawn")
         self._ack_queue = self._mp.Queue()
+        self._errors = self._mp.SimpleQueue()  # a child's exception, in one line (child_main), first come first
+        self.first_error: str | None = None
         self.procs: list[multiprocessing.process.BaseProcess] = []
         self._acks_expected = engine.dp_size + (0 if server is None else 1 + server.num_tokenizers)
         # Each scheduler rank, tokenizer and the detokenizer writes time.monotonic() here at every loop
@@ -156,7 +160,8 @@ class Backend:
         """Spawn every child (returns at once; see ``wait_ready``)."""
         log_file = self.server and self.server.log_file
         for name, entry, args in self._specs:
-            proc = self._mp.Process(target=child_main, args=(entry, args, os.getpid(), self.log_level, log_file),
+            proc = self._mp.Process(target=child_main,
+                                    args=(entry, args, os.getpid(), self.log_level, log_file, self._errors),
                                     name=f"tpserve-{name}", daemon=False)
             proc.start()
             self.procs.append(proc)
@@ -185,8 +190,17 @@ class Backend:
 
     # ---- while serving ----
     def dead_child(self) -> ChildDied | None:
-        """The child that stopped (the one to blame when several did), if any."""
-        return first_failure(self.procs)
+        """The child that stopped (the one to blame when several did), if any, with the first exception a child
+        raised (the root cause: the peers of a failed rank fail after it)."""
+        if all(p.exitcode is None for p in self.procs):
+            return None
+        return first_failure(self.procs, self.child_error())
+
+    def child_error(self) -> str | None:
+        """The first exception any child reported (``child_main``), once one did."""
+        if self.first_error is None and not self._errors.empty():
+            self.first_error = self._errors.get()
+        return self.first_error
 
     def stalled(self, timeout: float) -> str | None:
         """Why the backend is not live, if a process's loop (a rank's, a tokenizer's, the detokenizer's)

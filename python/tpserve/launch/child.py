@@ -7,6 +7,7 @@ SIGINT is ignored (a terminal's Ctrl-C reaches the whole process group; the pare
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import importlib
 import logging
@@ -16,9 +17,15 @@ import signal
 import sys
 import threading
 import time
+from typing import Any
 
 PARENT_POLL_S = 0.5
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
+
+
+class ChildCannotGoOn(BaseException):
+    """Ends a child with exit code 1 and no traceback, its message logged by the child and reported to the parent
+    (a BaseException, as SystemExit is, so that no ``except Exception`` on the way swallows it)."""
 
 
 def setup_logging(level: str, log_file: str | None = None) -> None:
@@ -27,13 +34,23 @@ def setup_logging(level: str, log_file: str | None = None) -> None:
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True, **target)
 
 
-def child_main(entry: str, args: tuple, parent_pid: int, log_level: str, log_file: str | None = None) -> None:
-    """Target of every spawned child: guard, then run ``entry(*args)`` (``entry``: "module:function")."""
+def child_main(entry: str, args: tuple, parent_pid: int, log_level: str, log_file: str | None = None,
+               errors: Any = None) -> None:
+    """Target of every spawned child: guard, then run ``entry(*args)`` (``entry``: "module:function"). An exception
+    that ends it is also put on ``errors`` (a SimpleQueue) in one line, so that the parent can say why it stopped."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(log_level, log_file)
     _die_with_parent(parent_pid)
     module_name, _, function = entry.partition(":")
-    getattr(importlib.import_module(module_name), function)(*args)
+    try:
+        getattr(importlib.import_module(module_name), function)(*args)
+    except (Exception, ChildCannotGoOn) as e:
+        if errors is not None:
+            with contextlib.suppress(Exception):
+                errors.put(f"{multiprocessing.current_process().name}: {one_line_error(e)}")
+        if isinstance(e, ChildCannotGoOn):  # said and logged: exit 1 without a traceback
+            raise SystemExit(1) from None
+        raise
     # Returned normally: run multiprocessing's exit hooks (as Process._bootstrap would: they
     # release e.g. named semaphores), then skip the interpreter's slow finalization (about a
     # second with torch loaded), which would only delay the server's shut-down.
@@ -42,6 +59,14 @@ def child_main(entry: str, args: tuple, parent_pid: int, log_level: str, log_fil
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def one_line_error(error: BaseException, limit: int = 500) -> str:
+    """``Type: message``'s first line (a ChildCannotGoOn's without its type), at most ``limit`` characters."""
+    lines = str(error).strip().splitlines()
+    kind = "" if isinstance(error, ChildCannotGoOn) else f"{type(error).__name__}: "
+    text = f"{kind}{lines[0]}" if lines else type(error).__name__
+    return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
 def _die_with_parent(parent_pid: int) -> None:

@@ -111,10 +111,11 @@ class RankProcesses:
         engine = self.backend.engine
         procs = self.backend.procs
         dead = [(*divmod(i, engine.tp_size), p.exitcode) for i, p in enumerate(procs) if p.exitcode is not None]
+        reason = self.backend.child_error()
         return RuntimeError("; ".join(
             f"tp rank {rank}{f' of replica {dp_rank}' if engine.dp_size > 1 else ''} died ({describe_exit(code)})"
             for dp_rank, rank, code in dead
-        ))
+        ) + (f" (the first error: {reason})" if reason else ""))
 
     def close(self) -> None:
         self._finalizer()

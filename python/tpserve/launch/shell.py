@@ -150,7 +150,7 @@ class Shell:
         try:
             while True:
                 try:
-                    text = input(">>> ").strip()
+                    text = _as_utf8(input(">>> ")).strip()
                 except EOFError:
                     self._print("\n")
                     return
@@ -188,9 +188,12 @@ class Shell:
             self.settings.system = arg or None
             self.history.clear()
             self._print(f"(system prompt {'set' if arg else 'cleared'}; new conversation)\n")
-        elif name == "/think" and arg in ("on", "off"):
-            self.settings.think = arg == "on"
-            self._print(f"(thinking {arg})\n")
+        elif name == "/think":
+            if arg in ("on", "off"):
+                self.settings.think = arg == "on"
+                self._print(f"(thinking {arg})\n")
+            else:
+                self._print("usage: /think on|off\n")
         elif name == "/set":
             self._set(arg)
         else:
@@ -202,11 +205,11 @@ class Shell:
         value = value.strip()
         try:
             if key == "temperature":
-                temperature = float(value)
+                temperature = _parse(float, value, "a number")
                 SamplingParams(temperature=temperature)  # validates
                 self.settings.temperature = temperature
             elif key == "max_tokens":
-                tokens = None if value.lower() == "none" else int(value)
+                tokens = None if value.lower() == "none" else _parse(int, value, "a whole number or none")
                 SamplingParams(max_tokens=tokens)  # validates
                 self.settings.max_tokens = tokens
             else:
@@ -280,8 +283,29 @@ class Shell:
         return f"{code}{text}{RESET}" if self._color else text
 
     def _print(self, text: str) -> None:
-        self._out.write(text)
-        self._out.flush()
+        try:
+            self._out.write(text)
+            self._out.flush()
+        except BrokenPipeError:  # the reader is gone (`| head`): stop quietly, as command-line tools do
+            with contextlib.suppress(OSError, ValueError):  # no second error when Python flushes at exit
+                os.dup2(os.open(os.devnull, os.O_WRONLY), self._out.fileno())
+            raise SystemExit(0) from None
+
+
+def _as_utf8(line: str) -> str:
+    """A terminal line as text: bytes that are not UTF-8 (read as lone surrogates) become U+FFFD, which every later
+    step can encode (they failed the request's encoding and ended the shell)."""
+    try:
+        return line.encode("utf-8", "surrogateescape").decode("utf-8", "replace")
+    except UnicodeEncodeError:  # surrogates that no undecodable byte made
+        return line.encode("utf-8", "replace").decode("utf-8")
+
+
+def _parse(kind: Any, value: str, what: str) -> Any:
+    try:
+        return kind(value)
+    except ValueError:
+        raise ValueError(f"must be {what}") from None
 
 
 def _readline(history_file: str | None) -> Any:
@@ -310,7 +334,11 @@ def run_shell(args: ServerArgs) -> int:
     from tpserve.tiny import cache_root
 
     state_dir = cache_root()
-    os.makedirs(os.path.join(state_dir, "logs"), exist_ok=True)
+    try:
+        os.makedirs(os.path.join(state_dir, "logs"), exist_ok=True)
+    except OSError as e:
+        print(f"error: cannot keep the shell's logs and history in {state_dir} (TPSERVE_CACHE): {e}", file=sys.stderr)
+        return 1
     log_file = os.path.join(state_dir, "logs", f"shell-{time.strftime('%Y%m%d-%H%M%S')}-{os.getpid()}.log")
     args = replace(args, log_file=log_file)
     setup_logging(args.log_level, log_file)

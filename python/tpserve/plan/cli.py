@@ -6,10 +6,11 @@ import argparse
 import os
 import sys
 from dataclasses import replace
+from typing import Any, Callable
 
 from tpserve.config import ModelConfig
 from tpserve.engine_config import CHOICES
-from tpserve.launch.argtypes import HelpFormatter, OneLineParser, float_above, fraction, int_at_least, non_negative
+from tpserve.launch.argtypes import HelpFormatter, OneLineParser, fraction, int_at_least, number
 from tpserve.launch.args import ModelNotFound, dtype_arg, resolve_model_dir
 from tpserve.plan.cost import DTYPE_BYTES, GIB, GPUS, GPUSpec, Link, ModelShape
 from tpserve.plan.splits import Machine, Settings, plan_splits, render
@@ -23,6 +24,16 @@ class PlanError(ValueError):
     """A bad value, reported in one line."""
 
 
+# Bounds on the machine's figures: far past any machine, yet small enough that the plan's arithmetic stays finite
+# (1e308 GiB overflowed to NaN) and its loop over TP sizes, one per GPU of the whole machine, short (10**9 GPUs hung).
+MAX_GPUS_PER_NODE = 1024
+MAX_NODES = 1024
+
+
+def _between(kind: type, low: float, high: float) -> Callable[[str], Any]:
+    return number(kind, lambda v: low <= v <= high, f"in [{low:g}, {high:g}]")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = OneLineParser(
         prog="tpserve plan",
@@ -33,8 +44,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--model", required=True, help="local model directory, or a Hugging Face id in the local cache")
-    p.add_argument("--gpus", type=int_at_least(1), default=1, help="GPUs per node (ranks, with --gpu cpu)")
-    p.add_argument("--nodes", type=int_at_least(1), default=1, help="nodes (TP stays within a node; DP spans them)")
+    p.add_argument("--gpus", type=_between(int, 1, MAX_GPUS_PER_NODE), default=1, help="GPUs per node (ranks, with --gpu cpu)")
+    p.add_argument("--nodes", type=_between(int, 1, MAX_NODES), default=1, help="nodes (TP stays within a node; DP spans them)")
     p.add_argument("--gpu", choices=[*GPUS, "custom"], default="h200",
                    help="device kind from the table; custom: give --memory-gib, --bandwidth-tbps and --tflops")
     p.add_argument("--context", type=int_at_least(2), default=None,
@@ -58,13 +69,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="measure this machine (copy bandwidth, matmul rate, TP-2 all-reduce) instead of the "
                    "table: its GPUs, or its CPU with --gpu cpu or without CUDA")
     spec = p.add_argument_group("device figures (override the table or the calibration)")
-    spec.add_argument("--memory-gib", type=float_above(0.0), default=None, help="device memory in GiB")
-    spec.add_argument("--bandwidth-tbps", type=float_above(0.0), default=None,
+    spec.add_argument("--memory-gib", type=_between(float, 0.001, 1e6), default=None, help="device memory in GiB")
+    spec.add_argument("--bandwidth-tbps", type=_between(float, 0.001, 1e4), default=None,
                       help="device copy bandwidth, bytes read + written")
-    spec.add_argument("--tflops", type=float_above(0.0), default=None,
+    spec.add_argument("--tflops", type=_between(float, 0.001, 1e7), default=None,
                       help="achievable dense matmul TFLOP/s in the serving dtype")
-    spec.add_argument("--allreduce-us", type=non_negative, default=None, help="all-reduce latency (alpha)")
-    spec.add_argument("--busbw-gbps", type=float_above(0.0), default=None,
+    spec.add_argument("--allreduce-us", type=_between(float, 0.0, 1e7), default=None, help="all-reduce latency (alpha)")
+    spec.add_argument("--busbw-gbps", type=_between(float, 0.001, 1e7), default=None,
                       help="all-reduce bus bandwidth within a node")
     return p
 

@@ -12,6 +12,7 @@ import torch.distributed as dist
 
 from tpserve.engine_config import EngineConfig
 from tpserve.distributed.nodes import NodeFailure, NodeGroup, NodeLayout
+from tpserve.launch.child import ChildCannotGoOn
 from tpserve.message import (
     AbortRequest,
     BatchTokenOutput,
@@ -71,7 +72,7 @@ def _run_rank(
         if nodes is not None:
             raise  # NodeGroup.fail tells every node
         logger.error("tp rank %d cannot start: %s", rank, e)
-        raise SystemExit(1) from None
+        raise ChildCannotGoOn(f"tp rank {rank} cannot start: {e}") from None
     if nodes is not None:  # a node may still compile kernels or capture graphs: no deadline here
         nodes.barrier("engine-ready")
     scheduler = Scheduler(engine)
