@@ -300,6 +300,8 @@ def test_errors_are_one_line_and_abbreviations_are_refused(qwen3_dir, capsys):
         (["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "nohost"], "--dist-init-addr: expected HOST:PORT"),
         (["--nnodes", "0"], "--nnodes: must be >= 1"),
         (["--dist-timeout", "0"], "--dist-timeout: must be a positive number"),
+        (["--tp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "h:1", "--shell"],
+         "--shell runs on node 0; --node-rank 1 only runs its ranks: drop --shell"),
     ],
 )
 def test_bad_node_flags_are_usage_errors(qwen3_dir, capsys, monkeypatch, argv, fragment):

@@ -301,6 +301,8 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     check_can_start(engine, model_config, cli=True)
     if ns.shell and ns.dp_size > 1:
         raise ValueError("--shell runs one replica: drop --dp-size")
+    if ns.shell and engine.node_rank > 0:  # it ran headless, the flag quietly ignored
+        raise ValueError(f"--shell runs on node 0; --node-rank {engine.node_rank} only runs its ranks: drop --shell")
     chat_template = _chat_template_flag(ns.chat_template) if ns.chat_template else None
     tool_parser = ns.tool_call_parser
     if tool_parser == "auto":
