@@ -268,10 +268,12 @@ def test_calls_from_two_threads_queue_and_both_complete(llm):
     assert [o.token_ids for o in results[0]] == [o.token_ids for o in results[1]]
 
 
-def test_model_must_be_a_path(qwen3_dir):
+def test_model_must_be_a_path(qwen3_dir, tmp_path):
     for bad in (None, 123):
         with pytest.raises(TypeError, match=f"model must be a model directory or a Hugging Face id, got {bad}"):
             LLM(bad)
+    with pytest.raises(ValueError, match=f"model: {tmp_path} has no config.json"):
+        LLM(str(tmp_path))
     from tpserve.launch.args import ModelNotFound
 
     assert issubclass(ModelNotFound, ValueError)  # a missing model is a ValueError, as every bad argument

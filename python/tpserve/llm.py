@@ -127,6 +127,8 @@ class LLM:
         if isinstance(dtype, torch.dtype):  # as vLLM takes it
             dtype = str(dtype).removeprefix("torch.")
         model = resolve_model_dir(os.fspath(model))  # a local directory, or a HF id from the local cache (as the server)
+        if not os.path.isfile(os.path.join(model, "config.json")):  # as the CLI says it (was a FileNotFoundError)
+            raise ValueError(f"model: {model} has no config.json")
         self.config = EngineConfig(
             model=model, tp_size=tp_size, device=device, dtype=dtype, load_format=load_format, dp_size=dp_size,
             **engine_kwargs,
