@@ -250,6 +250,10 @@ class ModelConfig:
             )
         self._check_fp8_blocks(tp_size, name, expert_parallel)
 
+    def kv_heads_per_rank(self, tp_size: int) -> int:
+        """Each rank keeps kv / tp heads, or one replicated head when TP exceeds them."""
+        return max(1, self.num_key_value_heads // tp_size)
+
     def _check_fp8_blocks(self, tp_size: int, name: str, expert_parallel: bool) -> None:
         """FP8 block scales are split (tensor parallelism) and merged (q/k/v, gate/up) with their
         weights, so every rank's part of a quantized projection must be whole blocks."""
@@ -257,8 +261,8 @@ class ModelConfig:
         if quant is None or not quant.prequantized:  # quantized at load time: per rank, any shape
             return
         bn, bk = quant.block_size
-        kv_heads = self.num_key_value_heads // tp_size if self.num_key_value_heads >= tp_size else 1
-        q_width, kv_width = self.num_attention_heads // tp_size * self.head_dim, kv_heads * self.head_dim
+        q_width = self.num_attention_heads // tp_size * self.head_dim
+        kv_width = self.kv_heads_per_rank(tp_size) * self.head_dim
         inter_width = self.intermediate_size // tp_size
         every, dense = range(self.num_hidden_layers), self.dense_layers
         # (layers, checkpoint modules, what, width, block): outputs merged or split by rank, inputs split

@@ -193,8 +193,7 @@ def _check_cpu_kv_fits(engine: EngineConfig, model: ModelConfig, cli: bool) -> N
     """On the CPU the KV cache is exactly ``max_total_tokens``: one larger than this machine's memory is a clear error
     here, not an allocator's failure inside every rank."""
     element = 1 if engine.kv_cache_dtype == "fp8_e4m3" else resolve_dtype(engine.dtype, model, torch.device("cpu")).itemsize
-    kv_heads = max(1, model.num_key_value_heads // engine.tp_size)  # replicated where TP exceeds them
-    per_token = 2 * model.num_hidden_layers * kv_heads * model.head_dim * element  # on one rank
+    per_token = 2 * model.num_hidden_layers * model.kv_heads_per_rank(engine.tp_size) * model.head_dim * element
     ranks_here = engine.tp_size // engine.nnodes * engine.dp_size
     need = engine.max_total_tokens * per_token * ranks_here
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

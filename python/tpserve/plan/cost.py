@@ -87,8 +87,7 @@ class ModelShape:
         return self.config.hidden_size
 
     def kv_heads_per_rank(self, tp: int) -> int:
-        """Each rank keeps kv/tp heads, or one replicated head when tp exceeds them."""
-        return max(1, self.config.num_key_value_heads // tp)
+        return self.config.kv_heads_per_rank(tp)
 
     def expert_params(self, tp: int = 1) -> int:
         """One expert's gate/up/down on a rank: a slice of every expert, or whole experts (expert parallel)."""
