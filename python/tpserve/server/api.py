@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, Response
 
 import tpserve
 from tpserve.launch.args import ServerArgs
-from tpserve.server.errors import APIError
+from tpserve.server.errors import APIError, check_model_name
 from tpserve.server.limits import BodySizeLimit, RequestLimits
 from tpserve.server.metrics import CONTENT_TYPE, ServerMetrics
 from tpserve.server.conversation_store import ConversationStore
@@ -110,12 +110,6 @@ def _model_names(state: AppState) -> tuple[str, ...]:
     return (state.args.served_model_name, *state.args.model_aliases)
 
 
-def _check_model_name(state: AppState, model: str | None) -> None:
-    """As the /v1 routes check ``model``, for routes that also answer before the backend is ready."""
-    if model is not None and model not in _model_names(state):
-        raise APIError.model_not_found(model)
-
-
 def _v1_router() -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
 
@@ -127,7 +121,7 @@ def _v1_router() -> APIRouter:
     @router.get("/models/{model:path}")
     async def get_model(model: str, request: Request) -> dict[str, Any]:
         state = _state(request)
-        _check_model_name(state, model)
+        check_model_name(model, _model_names(state))
         return _model_card(state, model)
 
     @router.post("/chat/completions")
@@ -232,12 +226,12 @@ def _admin_router() -> APIRouter:
 
     @router.post("/tokenize", dependencies=[Depends(_check_api_key)])
     async def tokenize(body: TokenizeBody, request: Request) -> dict[str, Any]:
-        _check_model_name(_state(request), body.model)
+        check_model_name(body.model, _model_names(_state(request)))
         return await _state(request).tokenize_service().tokenize(body)
 
     @router.post("/detokenize", dependencies=[Depends(_check_api_key)])
     async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
-        _check_model_name(_state(request), body.model)
+        check_model_name(body.model, _model_names(_state(request)))
         return await _state(request).tokenize_service().detokenize(body)
 
     @router.post("/flush_cache", dependencies=[Depends(_check_api_key)])

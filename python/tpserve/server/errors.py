@@ -49,5 +49,11 @@ class APIError(Exception):
         return JSONResponse(error_body(self.message, self.type, self.param, self.code), status_code=self.status)
 
 
+def check_model_name(model: str | None, served: tuple[str, ...]) -> None:
+    """A request's ``model``, if given, must be one of the names the server answers to."""
+    if model is not None and model not in served:
+        raise APIError.model_not_found(model)
+
+
 def error_body(message: str, type: str, param: str | None = None, code: str | None = None) -> dict[str, Any]:
     return {"error": {"message": message, "type": type, "param": param, "code": code}}

@@ -17,7 +17,7 @@ from tpserve.parsers.chat_output import ChatOutputConfig
 from tpserve.parsers.constraints import named_tool
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.client import BackendEvent, FrontendClient, RequestCancelled
-from tpserve.server.errors import APIError
+from tpserve.server.errors import APIError, check_model_name
 from tpserve.server.formats import ChatFormat, Choice, CompletionFormat, ResponseFormat
 from tpserve.server.limits import RequestLimits
 from tpserve.server.metrics import RequestTimer, ServerMetrics
@@ -152,8 +152,7 @@ class Serving:
     request_timeout: float | None = None  # seconds; None: no limit
 
     def check_model(self, model: str | None) -> None:
-        if model is not None and model != self.model_name and model not in self.aliases:
-            raise APIError.model_not_found(model)
+        check_model_name(model, (self.model_name, *self.aliases))
 
     def chat_output(self, body: ChatCompletionRequest, constrained: bool) -> ChatOutputConfig:
         """How to split this request's output into reasoning, content and tool calls."""
