@@ -51,7 +51,7 @@ def test_the_offline_llm_stays_on_one_node(qwen3_dir):
         start_ranks(EngineConfig(qwen3_dir, tp_size=2, nnodes=2, dist_init_addr="tcp://127.0.0.1:1"))
 
 
-def test_a_missing_rank_is_named_when_the_join_times_out(qwen3_dir):
+def test_a_missing_rank_is_named_when_the_join_times_out(qwen3_dir, capfd):
     config = EngineConfig(qwen3_dir, tp_size=2, nnodes=2, dist_init_addr=f"tcp://127.0.0.1:{free_port()}",
                           dist_timeout=1.0)
     started = time.monotonic()
@@ -60,6 +60,7 @@ def test_a_missing_rank_is_named_when_the_join_times_out(qwen3_dir):
     with pytest.raises(NodeFailure, match=r"rank 1 \(node 1\): could not reach node 0"):
         NodeGroup.join(1, config)
     assert time.monotonic() - started < 10
+    assert "frame #" not in capfd.readouterr().err  # no pages of torch's C++ stack frames before the error
 
 
 def test_peer_memory_all_reduce_does_not_span_nodes(qwen3_dir):

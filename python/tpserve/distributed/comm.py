@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import socket
+import time
 from datetime import timedelta
 from typing import TYPE_CHECKING, Protocol
 from urllib.parse import urlsplit
@@ -165,6 +166,20 @@ def init_process_groups(
 RENDEZVOUS_TIMEOUT_S = 300.0
 
 
+def _wait_until_listening(host: str, port: int, timeout_s: float) -> None:
+    """Plain connects until rank 0's store listens: torch's TCPStore client logs every failed try with its
+    C++ stack frames, pages of them before the caller's one-line error."""
+    deadline = time.monotonic() + timeout_s
+    while True:
+        try:
+            with socket.create_connection((host, port), timeout=max(0.1, min(5.0, deadline - time.monotonic()))):
+                return
+        except OSError:
+            if time.monotonic() >= deadline:
+                raise TimeoutError(f"nothing listens on {host}:{port} after {timeout_s:g} s") from None
+            time.sleep(0.25)
+
+
 def rendezvous_store(
     init_addr: str, rank: int, world_size: int, timeout_s: float = RENDEZVOUS_TIMEOUT_S, wait_for_workers: bool = True
 ) -> dist.TCPStore:
@@ -180,6 +195,7 @@ def rendezvous_store(
         os.environ.setdefault("NCCL_SOCKET_IFNAME", "lo")
     timeout = timedelta(seconds=timeout_s)
     if rank != 0:
+        _wait_until_listening(host, port, timeout_s)
         return dist.TCPStore(host, port, world_size, is_master=False, timeout=timeout,
                              wait_for_workers=wait_for_workers)
     listener = socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET)
