@@ -7,6 +7,8 @@ import ipaddress
 import os
 import re
 import signal
+import subprocess
+import sys
 import threading
 import time
 from types import SimpleNamespace
@@ -125,3 +127,23 @@ def test_children_exit_when_the_server_is_killed(qwen3_dir):
         srv.proc.kill()
         srv.proc.wait(5)
         assert wait_gone(children, timeout=5) == []
+
+
+def bar_then_sigterm() -> None:
+    """A child's work: a progress bar (weight loading's), then a SIGTERM of its own (systemd's stop signals every
+    process of the service, not only the server)."""
+    from tqdm import tqdm
+
+    for _ in tqdm(range(2), disable=True):
+        pass
+    os.kill(os.getpid(), signal.SIGTERM)
+
+
+def test_a_child_stopped_by_sigterm_leaves_no_semaphore(tmp_path):
+    code = ("import multiprocessing, os; from tpserve.launch.child import child_main; "
+            "multiprocessing.set_start_method('spawn');"  # as in the spawned children (with fork: no named semaphores)
+            "child_main('test_lifecycle:bar_then_sigterm', (), os.getppid(), 'info')")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
+    assert done.returncode == -signal.SIGTERM
+    assert "leaked semaphore" not in done.stderr, done.stderr  # tqdm's default lock is a named semaphore

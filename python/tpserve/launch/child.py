@@ -19,6 +19,8 @@ import threading
 import time
 from typing import Any
 
+from tqdm import tqdm
+
 PARENT_POLL_S = 0.5
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 
@@ -41,6 +43,9 @@ def child_main(entry: str, args: tuple, parent_pid: int, log_level: str, log_fil
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(log_level, log_file)
     _die_with_parent(parent_pid)
+    # tqdm's default lock is a multiprocessing RLock, a named semaphore that a child stopped by SIGTERM never
+    # unlinks (the resource tracker then warns of a leak at shut-down); one process's bars need a thread lock.
+    tqdm.set_lock(threading.RLock())
     module_name, _, function = entry.partition(":")
     try:
         getattr(importlib.import_module(module_name), function)(*args)
