@@ -223,3 +223,13 @@ def test_undecodable_input_usage_lines_and_a_closed_pipe(monkeypatch):
     with pytest.raises(SystemExit) as e:
         Shell(FakeClient(), lambda: None, ClosedPipe(), context_len=64).run()  # type: ignore[arg-type]
     assert e.value.code == 0
+
+
+def test_transformers_warnings_go_to_the_log_file_not_the_terminal(tmp_path):
+    log = tmp_path / "shell.log"
+    code = ("import sys; from tpserve.launch.child import setup_logging; setup_logging('info', sys.argv[1]); "
+            "from transformers.utils import logging; "
+            "logging.get_logger('transformers.tokenization_utils_base').warning('Token indices sequence length')")
+    done = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 0 and "Token indices" not in done.stderr, done.stderr
+    assert "WARNING" in log.read_text() and "Token indices sequence length" in log.read_text()

@@ -34,6 +34,11 @@ def setup_logging(level: str, log_file: str | None = None) -> None:
     """To stderr, or appended to ``log_file`` (the shell keeps the terminal for the conversation)."""
     target = {"filename": log_file} if log_file else {"stream": sys.stderr}
     logging.basicConfig(level=level.upper(), format=LOG_FORMAT, force=True, **target)
+    # transformers writes its warnings to stderr by a handler of its own, so they reached the shell's terminal
+    from transformers.utils import logging as transformers_logging
+
+    transformers_logging.disable_default_handler()
+    transformers_logging.enable_propagation()
 
 
 def child_main(entry: str, args: tuple, parent_pid: int, log_level: str, log_file: str | None = None,
