@@ -384,6 +384,17 @@ def test_a_rank_that_fails_to_start_names_why(qwen3_dir, tmp_path):
     assert str(direct.value).splitlines()[0][:60] in message
 
 
+def test_a_script_without_the_main_guard_is_told_about_it(qwen3_dir, tmp_path):
+    """Each spawned rank imports the script first: unguarded, it starts tpserve again and the rank dies before it
+    can report why (Python's own message speaks of freeze_support)."""
+    script = tmp_path / "unguarded.py"
+    script.write_text(f"from tpserve import LLM\nLLM({str(qwen3_dir)!r}, tp_size=2, device='cpu')\n")
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=180)
+    last = proc.stderr.strip().splitlines()[-1]
+    assert proc.returncode == 1 and last.startswith("RuntimeError: tp rank 0 died (exit code 1)"), proc.stderr
+    assert f"each rank first imports {script}" in last and 'if __name__ == "__main__":' in last
+
+
 def test_logprobs_match_transformers(llm, qwen3_dir):
     import torch
 

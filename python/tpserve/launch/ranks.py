@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import gc
 import multiprocessing.util
+import sys
 
 import msgspec
 import torch
@@ -112,6 +113,8 @@ class RankProcesses:
         procs = self.backend.procs
         dead = [(*divmod(i, engine.tp_size), p.exitcode) for i, p in enumerate(procs) if p.exitcode is not None]
         reason = self.backend.child_error()
+        if reason is None and all(code == 1 for *_, code in dead):
+            reason = _unguarded_script_hint()
         return RuntimeError("; ".join(
             f"tp rank {rank}{f' of replica {dp_rank}' if engine.dp_size > 1 else ''} died ({describe_exit(code)})"
             for dp_rank, rank, code in dead
@@ -119,6 +122,16 @@ class RankProcesses:
 
     def close(self) -> None:
         self._finalizer()
+
+
+def _unguarded_script_hint() -> str | None:
+    """Why a rank exits 1 without reporting an error: it failed before tpserve's code ran, most often in importing
+    the user's script, which every spawned process does first and which, unguarded, starts tpserve again."""
+    script = getattr(sys.modules.get("__main__"), "__file__", None)
+    if script is None:
+        return None
+    return (f"the rank failed while starting, before tpserve's code ran; each rank first imports {script}, so a "
+            'script must create the LLM under `if __name__ == "__main__":`')
 
 
 def _stop(backend: Backend, ctx: zmq.Context) -> None:
