@@ -66,9 +66,10 @@ def run(scheduler: Scheduler, requests: dict[int, SamplingParams], abort_at: int
     """Drive the scheduler as its loop does; abort request 0 after step ``abort_at``."""
     for rid, p in requests.items():
         scheduler.add_request(rid, [7, 8, 9 + rid], p, seed=rid)
-    for rid in list(scheduler.compiling):
-        scheduler.compiling[rid][1].result()
-        assert scheduler.attach_grammar(rid) == []
+    for rid in requests:
+        if rid in scheduler.compiling:
+            scheduler.compiling.compile_of(rid).result()
+            assert scheduler.attach_grammar(rid) == []
     tokens: dict[int, list[int]] = {rid: [] for rid in requests}
     steps = 0
     while scheduler.has_work:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import json
 import re
-import time
 
 import jsonschema
 import pytest
@@ -103,7 +102,7 @@ def test_a_grammar_that_compiles_too_long_fails_then_serves_from_the_cache(qwen3
     with LLM(qwen3_dir, device="cpu", grammar_compile_timeout=1e-6) as llm:
         with pytest.raises(ValueError, match=r"its regex did not compile within 1e-06 s \(--grammar-compile-timeout\)"):
             llm.generate([[1]], params(spec, temperature=0.0), use_tqdm=False)
-        future = llm._driver.scheduler.grammar_compiler.submit(spec)
+        future = llm._driver.scheduler.compiling.compiler.submit(spec)
         future.result()
         out = llm.generate([[1]], params(spec, temperature=0.0), use_tqdm=False)[0].outputs[0]
         assert re.fullmatch("[ab]{2,9}c", out.text)
@@ -195,7 +194,9 @@ def test_compile_failure_fails_the_request_not_the_scheduler(llm):
     scheduler = llm._driver.scheduler
     failed: Future = Future()
     failed.set_exception(OSError("no tokenizer files"))
-    scheduler.compiling[999] = (Request(999, [1, 2], params(StructuredOutput("regex", "a")), 0, 4), failed, time.monotonic())
+    spec = StructuredOutput("regex", "a")
+    scheduler.compiling.compiler._cache[spec.key] = failed
+    scheduler.compiling.add(999, Request(999, [1, 2], params(spec), 0, 4), spec)
     assert scheduler.grammars_ready() == [(999, False)]
     (out,) = scheduler.attach_grammar(999)
     assert out.finish_reason == "error" and "no tokenizer files" in out.error and not scheduler.compiling
@@ -207,7 +208,7 @@ def test_an_abort_drops_a_compile_not_started_that_no_other_request_waits_for(ll
     from tpserve.structured.grammar import COMPILE_THREADS
 
     scheduler = llm._driver.scheduler
-    compiler = scheduler.grammar_compiler
+    compiler = scheduler.compiling.compiler
     gate = threading.Event()
     for _ in range(COMPILE_THREADS):  # every compile thread busy: the next compile waits
         compiler._pool.submit(gate.wait)
@@ -215,8 +216,8 @@ def test_an_abort_drops_a_compile_not_started_that_no_other_request_waits_for(ll
         p = params(StructuredOutput("regex", "[xy]{4}q"))
         scheduler.add_request(900, [1, 2], p, seed=0)
         scheduler.add_request(901, [1, 2], p, seed=0)
-        future = scheduler.compiling[900][1]
-        assert scheduler.compiling[901][1] is future  # one compile for both
+        future = scheduler.compiling.compile_of(900)
+        assert scheduler.compiling.compile_of(901) is future  # one compile for both
         assert scheduler.abort(900) and not future.cancelled()  # 901 still waits for it
         assert scheduler.abort(901) and future.cancelled() and not scheduler.compiling
         assert compiler.submit(p.structured) is not future  # asked for again, it is compiled afresh

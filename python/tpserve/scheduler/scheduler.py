@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import heapq
 import logging
-import time
 from collections import deque
 from concurrent.futures import Future
 from dataclasses import dataclass, field
@@ -29,7 +28,8 @@ from tpserve.message import SchedulerStats, TokenOutput
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler import prompt_logprobs
 from tpserve.scheduler.request import Request
-from tpserve.structured.grammar import GrammarCompiler, InvalidGrammar, MaskFiller, RequestGrammar, new_matcher
+from tpserve.structured.grammar import GrammarCompiler, MaskFiller
+from tpserve.structured.waitlist import GrammarWaitlist
 from tpserve.structured.worker import MaskWorker, SampledRows, StepMasks
 
 logger = logging.getLogger(__name__)
@@ -80,11 +80,10 @@ class Scheduler:
         self.prompt_logprob_rows_left = PROMPT_LOGPROBS_CHUNK  # this step's (see _chunk)
         self.free_slots: list[int] = []  # penalty-state slots given back (a min-heap)
         self.num_slots = 0
-        # Structured-output requests wait here until their grammar is compiled and attached: (request, its compile,
-        # when it was asked for; time.monotonic()).
-        self.compiling: dict[int, tuple[Request, Future, float]] = {}
-        self.grammar_compiler = GrammarCompiler(
-            self.config.model, engine.model_config.vocab_size, sorted(self.eos_ids)
+        # structured-output requests wait here until their grammar is compiled and attached
+        self.compiling: GrammarWaitlist[Request] = GrammarWaitlist(
+            GrammarCompiler(self.config.model, engine.model_config.vocab_size, sorted(self.eos_ids)),
+            self.config.grammar_compile_timeout,
         )
         filler = MaskFiller(engine.model_config.vocab_size, engine.device.type == "cuda", self.config.grammar_threads)
         self.masks = MaskWorker(filler, sorted(self.eos_ids), device=engine.device)
@@ -110,51 +109,28 @@ class Scheduler:
         max_new = room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(rid, list(prompt_ids), params, seed, max_new)
         if params.structured is not None:
-            self.compiling[rid] = (req, self.grammar_compiler.submit(params.structured), time.monotonic())
+            self.compiling.add(rid, req, params.structured)
         else:
             self.waiting.append(req)
 
-    # ---- grammars ----
-    # Every rank compiles each grammar itself, but a request must become runnable (or fail) at the
-    # same step everywhere: rank 0 broadcasts what ``grammars_ready`` reports, and each rank then
-    # attaches them, waiting for its own compile if it is behind.
+    # ---- grammars (tpserve.structured.waitlist says how the ranks agree) ----
     def grammars_ready(self) -> list[tuple[int, bool]]:
-        """(request, timed out) of the requests whose grammar has compiled (or failed) on this rank, or whose
-        compile has taken longer than ``grammar_compile_timeout``, in arrival order."""
-        deadline = time.monotonic() - self.config.grammar_compile_timeout
-        return [(rid, not future.done()) for rid, (_, future, asked) in self.compiling.items()
-                if future.done() or asked < deadline]
+        return self.compiling.ready()
 
     def attach_grammar(self, rid: int, timed_out: bool = False) -> list[TokenOutput]:
         """Queue a compiling request with its matcher; a failed or timed-out compile ends it with an error."""
-        entry = self.compiling.pop(rid, None)
-        if entry is None:  # aborted meanwhile
+        taken = self.compiling.take(rid, timed_out)
+        if taken is None:  # aborted meanwhile
             return []
-        req, future, _ = entry
-        if timed_out:
-            self._drop_compile(req, future)
-            error = (f"its {req.params.structured.kind} did not compile within {self.config.grammar_compile_timeout:g} s "
-                     "(--grammar-compile-timeout): a simpler one compiles faster")
+        req, grammar, error = taken
+        if error is not None:
             return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=error)]
-        try:
-            req.grammar = RequestGrammar(new_matcher(future.result()))
-        except InvalidGrammar as e:
-            return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=str(e))]
-        except Exception as e:  # e.g. no tokenizer files: fail this request, not the scheduler
-            logger.exception("request %d: compiling its grammar failed", rid)
-            error = f"structured output is unavailable: {type(e).__name__}: {e}"
-            return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=error)]
+        req.grammar = grammar
         self.waiting.append(req)
         return []
 
-    def _drop_compile(self, req: Request, future: Future) -> None:
-        """``req`` no longer waits for ``future``: a compile no other request waits for and not yet started is dropped."""
-        if all(other is not future for _, other, _ in self.compiling.values()):
-            self.grammar_compiler.cancel(req.params.structured, future)
-
     def abort(self, rid: int) -> bool:
-        if (entry := self.compiling.pop(rid, None)) is not None:
-            self._drop_compile(entry[0], entry[1])
+        if self.compiling.abort(rid):
             return True
         if rid in self.running:
             self._retire(self.running.pop(rid))
@@ -169,7 +145,7 @@ class Scheduler:
     def close(self) -> None:
         """Stop the grammar threads (a mask job is never left running between steps)."""
         self.masks.close()
-        self.grammar_compiler.close()
+        self.compiling.close()
 
     def flush_cache(self) -> bool:
         """Drop every cached prefix no request uses; True when the whole pool is free again."""
