@@ -12,8 +12,9 @@
 # rebuilt, never loaded stale; FlashInfer's are tied to its wheel (0.7.0: a new wheel needs a new .fiaot).
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
-# Next on nvidia-h200 (needs_h200): workload A made 6,077 tok/s = 80.2% in session 35 (call 2); its prefill / mixed steps
-#   are 2.07x their floor (prefill_kernels), the decode steps 1.18x.
+# Next on nvidia-h200 (needs_h200): moe30_offline, workload A with session 36's prefill q/k norm + rotary + KV store (16
+#   tokens a program: the A3B prefill step 0.954x on an H100, prefill_kernels); session 35 made 6,077 tok/s = 80.2%.
+#   What is left in that prefill step (H100): grouped GEMMs 52%, cuBLAS qkv/o 16%, the sum over top-k 4.7%, SiLU-and-mul 3.8%.
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 # On one H200, session 14: attn_sweep and attn_setting (then named attn_prefetch) measured the Triton decode
 # kernel's prefetch of K and V before the PDL wait, now the default (triton_tests: its GPU tests). The FP8 GEMV
@@ -300,18 +301,23 @@ for s in $stages; do
     moe30_offline)
       stage moe30_offline 180 python3 benchmarks/offline_throughput.py --model $a3b --trace --out $results/offline_qwen3_30b_a3b_traced.json
       stage moe30_roofline 30 python3 benchmarks/roofline.py $results/offline_qwen3_30b_a3b_traced.json --model $a3b --peak-tflops 766 ;;
-    prefill_kernels)  # one prefill step of Qwen3-30B-A3B (8192 tokens in 16 prompts, as workload A's) by kernel, on this
-      # checkout, then on old/python where an older checkout's python/ is copied in (which kernels a regression is in)
-      stage prefill_kernels 200 python3 benchmarks/experiments/prefill_kernels.py --model $a3b --tokens 8192 --seqs 16 \
-        ${PREFILL_ARGS:-} --out $results/prefill_kernels.json
-      for variant in ${PREFILL_VARIANTS:-}; do  # NAME=VALUE environment settings, one run each
-        stage prefill_kernels_$variant 200 env $variant python3 benchmarks/experiments/prefill_kernels.py --model $a3b \
-          --tokens 8192 --seqs 16 --label $variant --out $results/prefill_kernels_${variant%%=*}.json
-      done
-      if [ -d old/python ]; then
-        stage prefill_kernels_old 300 env PYTHONPATH=/tmp/site:$PWD/old/python python3 benchmarks/experiments/prefill_kernels.py \
-          --model $a3b --tokens 8192 --seqs 16 ${PREFILL_ARGS:-} --label old --out $results/prefill_kernels_old.json
-      fi ;;
+    prefill_kernels)  # one prefill step of Qwen3-30B-A3B (8192 tokens in 16 prompts, as workload A's; PREFILL_MODELS: other
+      # configs) by kernel, on this checkout, then on old/python where an older checkout's python/ is copied in (which
+      # kernels a change moved)
+      for m in ${PREFILL_MODELS:-$a3b}; do
+        name=$(basename $m)
+        stage prefill_kernels_$name 200 python3 benchmarks/experiments/prefill_kernels.py --model $m --tokens 8192 --seqs 16 \
+          ${PREFILL_ARGS:-} --out $results/prefill_kernels_$name.json
+        for variant in ${PREFILL_VARIANTS:-}; do  # NAME=VALUE environment settings, one run each
+          stage prefill_kernels_${name}_$variant 200 env $variant python3 benchmarks/experiments/prefill_kernels.py --model $m \
+            --tokens 8192 --seqs 16 --label $variant --out $results/prefill_kernels_${name}_${variant%%=*}.json
+        done
+        if [ -d old/python ]; then
+          stage prefill_kernels_${name}_old 300 env PYTHONPATH=/tmp/site:$PWD/old/python python3 \
+            benchmarks/experiments/prefill_kernels.py --model $m --tokens 8192 --seqs 16 ${PREFILL_ARGS:-} --label old \
+            --out $results/prefill_kernels_${name}_old.json
+        fi
+      done ;;
     moe30_profile)  # Qwen3-30B-A3B decode at batch 64 and 256: the CUDA graph's kernels, by kind
       stage moe30_profile 150 python3 benchmarks/profile_decode.py --model $a3b --batch-sizes 64,256 --graph-only \
         --out $results/profile_a3b.json ;;

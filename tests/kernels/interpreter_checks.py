@@ -174,16 +174,21 @@ def check_kv_store() -> None:
 def check_norm_rope_store() -> None:
     """q/k norm + rotary + KV store in one kernel, as the attention backend's forward_fused runs
     it, against the layers' torch code."""
+    for tokens in (7, 150):  # one token a program; 16 a program (prefill), the last block partial
+        _check_norm_rope_store(tokens)
+
+
+def _check_norm_rope_store(tokens: int) -> None:
     from tpserve.attention.torch_backend import TorchAttentionBackend
     from tpserve.layers.norm import RMSNorm
     from tpserve.layers.rotary import RotaryEmbedding
 
     gen = torch.Generator().manual_seed(3)
-    tokens, heads, kv_heads, head_dim, max_pos = 7, 4, 2, 32, 64
+    heads, kv_heads, head_dim, max_pos, pages = 4, 2, 32, 64, 64
     width = (heads + 2 * kv_heads) * head_dim
     qkv = torch.randn(tokens, width + 5, generator=gen)[:, :width]  # a padded row stride
     positions = torch.randint(0, max_pos, (tokens,), generator=gen)
-    slots = torch.randperm(8 * 4, generator=gen)[:tokens]
+    slots = torch.randperm(pages * 4, generator=gen)[:tokens]
     rotary = RotaryEmbedding(head_dim, max_pos, {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
                                                  "original_max_position_embeddings": 16}, max_pos)
     rotary.build_cache(torch.device("cpu"), torch.float32)
@@ -198,9 +203,9 @@ def check_norm_rope_store() -> None:
         if with_norm:
             q, k = q_norm(q), k_norm(k)
         q_ref, k_ref = rotary(positions, q, k)
-        reference = KVCachePool(1, 8, 4, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+        reference = KVCachePool(1, pages, 4, kv_heads, head_dim, torch.float32, torch.device("cpu"))
         reference.store(0, slots, k_ref, v)
-        fused = KVCachePool(1, 8, 4, kv_heads, head_dim, torch.float32, torch.device("cpu"))
+        fused = KVCachePool(1, pages, 4, kv_heads, head_dim, torch.float32, torch.device("cpu"))
         backend = TorchAttentionBackend(fused, heads, kv_heads, head_dim, fused_rope_store=True)
         backend.attend = lambda layer, q, meta: q  # the kernel's q, before attention
         norm = (q_norm.weight, k_norm.weight, 1e-6) if with_norm else None
@@ -212,14 +217,14 @@ def check_norm_rope_store() -> None:
         # clamp is exercised). The interpreter's float8 cast is not the GPU's (see check_fp8_gemm),
         # so, as check_kv_store, most values within one e4m3 step (tests/gpu checks the bits).
         big = qkv * 200
-        reference = KVCachePool(1, 8, 4, kv_heads, head_dim, FP8_DTYPE, torch.device("cpu"), torch.float32)
+        reference = KVCachePool(1, pages, 4, kv_heads, head_dim, FP8_DTYPE, torch.device("cpu"), torch.float32)
         q, k, v = big.split([heads * head_dim, kv_heads * head_dim, kv_heads * head_dim], dim=-1)
         k, v = k.reshape(tokens, kv_heads, head_dim), v.reshape(tokens, kv_heads, head_dim)
         if with_norm:
             k = k_norm(k)
         _, k_ref = rotary(positions, q.reshape(tokens, heads, head_dim), k)
         reference.store(0, slots, k_ref, v)
-        fused = KVCachePool(1, 8, 4, kv_heads, head_dim, FP8_DTYPE, torch.device("cpu"), torch.float32)
+        fused = KVCachePool(1, pages, 4, kv_heads, head_dim, FP8_DTYPE, torch.device("cpu"), torch.float32)
         backend = TorchAttentionBackend(fused, heads, kv_heads, head_dim, fused_rope_store=True)
         backend.attend = lambda layer, q, meta: q
         backend.forward_fused(0, big, positions, table, norm, slots, None)
