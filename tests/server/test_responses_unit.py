@@ -87,6 +87,12 @@ def test_input_items_become_chat_messages():
          "tool_calls": [{"id": "c", "type": "function", "function": {"name": "f", "arguments": "{}"}}]},
         {"role": "assistant", "content": "", "reasoning_content": "b"},
     ]
+    # reasoning no answer followed, then the user (a response cut while thinking, continued): its turn stays in place
+    cut = [{"role": "user", "content": "q"}, {"type": "reasoning", "content": [{"type": "reasoning_text", "text": "t"}]},
+           {"role": "user", "content": "hi"}]
+    assert chat_messages(None, cut) == [{"role": "user", "content": "q"},
+                                        {"role": "assistant", "content": "", "reasoning_content": "t"},
+                                        {"role": "user", "content": "hi"}]
 
 
 @pytest.mark.parametrize("item, fragment", [

@@ -91,6 +91,7 @@ class _Messages:
             if role == "assistant":
                 self.assistant(text)
             else:
+                self._answer_reasoning()
                 self.messages.append({"role": role, "content": text})
         elif kind == "function_call":
             name, arguments = _string_field(item, "name", where), _string_field(item, "arguments", where)
@@ -99,6 +100,7 @@ class _Messages:
         elif kind == "function_call_output":
             output = _content_text(item.get("output"), f"{where}.output")
             call_id = _string_field(item, "call_id", where)
+            self._answer_reasoning()
             self.messages.append({"role": "tool", "tool_call_id": call_id, "content": output})
         elif kind == "reasoning":
             self._reasoning = (self._reasoning or "") + _reasoning_text(item, where)
@@ -106,9 +108,14 @@ class _Messages:
             raise APIError.invalid(f"{where}.type {kind!r} is not supported (only message, function_call, "
                                    "function_call_output and reasoning items are)", "input")
 
-    def finish(self) -> list[dict[str, Any]]:
-        if self._reasoning is not None:  # reasoning that no answer followed
+    def _answer_reasoning(self) -> None:
+        """Reasoning that no answer followed (a response cut inside its thinking) is an assistant turn of its own,
+        where it stands."""
+        if self._reasoning is not None:
             self.assistant("")
+
+    def finish(self) -> list[dict[str, Any]]:
+        self._answer_reasoning()
         return self.messages
 
 
