@@ -361,10 +361,14 @@ def test_item_references_name_stored_items():
     assert [i["id"] for i in listed[:2]] == ["msg_in", out_id] and listed[1]["role"] == "assistant"
     assert_error(c.post(RESPONSES, json={"input": [{"type": "item_reference", "id": "msg_nope"}]}), 400,
                  "input[0]: item_reference: no stored item has id 'msg_nope'", "input")
-    for rid in (first.json()["id"], second["id"]):  # the items go with the responses that hold them
+    # the second response stored its own copies of the referenced items: deleting it leaves the first's
+    c.delete(f"{RESPONSES}/{second['id']}")
+    third = c.post(RESPONSES, json={"input": refs[1:]})
+    assert third.status_code == 200
+    for rid in (first.json()["id"], third.json()["id"]):  # the items go with the responses that hold them
         c.delete(f"{RESPONSES}/{rid}")
     assert_error(c.post(RESPONSES, json={"input": refs[1:]}), 400, out_id, "input")
-    assert len(stub.submitted) == 2
+    assert len(stub.submitted) == 3
 
 
 def test_get_while_streaming_shows_the_output_so_far():

@@ -81,7 +81,9 @@ class ResponseStore:
         self.capacity, self.event_logs = capacity, event_logs
         self._entries: OrderedDict[str, StoredResponse] = OrderedDict()
         self._logged: OrderedDict[str, None] = OrderedDict()  # finished ones with their events, first finished first
-        self._items: dict[str, dict[str, Any]] = {}  # item id -> the item (the latest stored with that id)
+        # item id -> the stored items with that id, latest last (a referenced item is stored again by the response
+        # that references it: deleting that one must leave the first's)
+        self._items: dict[str, list[dict[str, Any]]] = {}
         self._tasks: dict[str, asyncio.Task[None]] = {}
 
     def __len__(self) -> int:
@@ -94,12 +96,14 @@ class ResponseStore:
         return entry
 
     def item(self, item_id: str) -> dict[str, Any] | None:
-        return self._items.get(item_id)
+        stored = self._items.get(item_id)
+        return stored[-1] if stored else None
 
     def put(self, entry: StoredResponse) -> None:
         self._remove(entry.response["id"])
         self._entries[entry.response["id"]] = entry
-        self._items.update((item["id"], item) for item in entry.own_items())
+        for item in entry.own_items():
+            self._items.setdefault(item["id"], []).append(item)
         while len(self._entries) > self.capacity:
             self._remove(next(iter(self._entries)))
 
@@ -134,8 +138,10 @@ class ResponseStore:
         self._logged.pop(response_id, None)
         entry = self._entries.pop(response_id, None)
         for item in entry.own_items() if entry is not None else []:
-            if self._items.get(item["id"]) is item:
-                del self._items[item["id"]]
+            stored = self._items.get(item["id"], [])
+            stored[:] = [other for other in stored if other is not item]
+            if not stored:
+                self._items.pop(item["id"], None)
         return entry
 
     def start(self, response_id: str, work: Coroutine[Any, Any, None]) -> None:
