@@ -464,6 +464,24 @@ def test_background_responses_poll_and_cancel():
         assert "lower max_output_tokens" in failed["error"]["message"] and failed["error"]["code"] == "invalid_prompt"
 
 
+class WaitingFrontend(HangingFrontend):
+    """Answers nothing until aborted."""
+
+    async def _answer(self, req, queue) -> None:
+        self.aborting = asyncio.Event()
+        await self.aborting.wait()
+
+
+def test_a_background_response_cancelled_before_any_output_streams_its_creation():
+    c, _ = make_client(stub=WaitingFrontend())
+    with c:
+        rid = c.post(RESPONSES, json={"input": "hi", "background": True}).json()["id"]
+        assert c.post(f"{RESPONSES}/{rid}/cancel").json()["status"] == "cancelled"
+        with c.stream("GET", f"{RESPONSES}/{rid}?stream=true") as resp:
+            events = events_of(resp)
+    assert [e["type"] for e in events] == ["response.created"] and events[0]["response"]["status"] == "queued"
+
+
 def test_background_streams_and_streams_again_from_starting_after():
     c, _ = make_client(stub=StubFrontend(finish="stop"))
     with c:
@@ -489,7 +507,9 @@ def test_background_streams_and_streams_again_from_starting_after():
     with c, c.stream("POST", RESPONSES, json={"input": "x", "max_output_tokens": 500, "background": True,
                                               "stream": True}) as resp:  # rejected by the tokenizer once running
         events = events_of(resp)
-    assert [e["type"] for e in events] == ["response.created", "response.in_progress", "error", "response.failed"]
+    # created (queued) at once, as a background response is; failed before it started
+    assert [e["type"] for e in events] == ["response.created", "error", "response.failed"]
+    assert events[0]["response"]["status"] == "queued"
     assert "lower max_output_tokens" in events[-1]["response"]["error"]["message"]
 
 
@@ -661,10 +681,14 @@ def test_a_failure_mid_stream_ends_with_response_failed_and_is_stored_so():
     c, _ = make_client(stub=FailingFrontend())
     with c.stream("POST", RESPONSES, json={"input": "hi", "stream": True}) as resp:
         events = events_of(resp)
-    assert [e["type"] for e in events[-2:]] == ["error", "response.failed"]
+    # the message the error cut short ends as incomplete, with its last events, as any item ends
+    assert [e["type"] for e in events[-5:]] == ["response.output_text.done", "response.content_part.done",
+                                                "response.output_item.done", "error", "response.failed"]
+    assert events[-3]["item"]["status"] == "incomplete"
     assert events[-2]["message"] == "grammar broke"
     failed = events[-1]["response"]
     assert failed["status"] == "failed" and failed["error"]["message"] == "grammar broke"
+    assert failed["output"][0]["status"] == "incomplete" and failed["output"][0]["content"][0]["text"] == "Hel"
     assert c.get(f"{RESPONSES}/{failed['id']}").json() == failed
     # rejected before it streams (the client never gets an id): nothing stored
     c, _ = make_client(stub=TooLongFrontend())

@@ -265,6 +265,7 @@ class ResponsesFormat(ResponseFormat):
         return self._finish(self._response("incomplete" if self._finish_reason == "length" else "completed", usage))
 
     def fail(self, error: APIError) -> dict[str, Any]:
+        self._items.end("incomplete")  # the item the error cut short
         code = "invalid_prompt" if error.status < 500 else "server_error"  # the codes a failed response may have
         return self._finish({**self._response("failed", None), "error": {"code": code, "message": error.message}})
 
@@ -295,10 +296,14 @@ class ResponsesFormat(ResponseFormat):
                 self.log.add(chunks[-1])
         return chunks
 
+    def queued(self) -> None:
+        """A background response's first event, at once: its generation may be cancelled before any output."""
+        self._events([{"type": "response.created", "response": self.snapshot()}])
+
     def start_chunk(self, index: int) -> bytes:
         response = self._response("in_progress", None)
-        return b"".join(self._events([{"type": "response.created", "response": response},
-                                      {"type": "response.in_progress", "response": response}]))
+        created = [] if self._sequence else [{"type": "response.created", "response": response}]
+        return b"".join(self._events(created + [{"type": "response.in_progress", "response": response}]))
 
     def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
         return self._events(self._feed(out.text, out.new_tokens, out.prompt_in_reasoning, out.finish_reason,
@@ -306,8 +311,10 @@ class ResponsesFormat(ResponseFormat):
 
     def error_chunk(self, error: APIError) -> bytes:
         error = with_responses_names(error)
+        cut = self._items.end("incomplete")  # the open item's last events, as for any item that ends
         failed = self.fail(error)
         return b"".join(self._events([
+            *cut,
             {"type": "error", "code": error.code, "message": error.message, "param": error.param},
             {"type": "response.failed", "response": failed},
         ]))

@@ -146,6 +146,7 @@ async def create_response(
     if body.store:
         store.put(StoredResponse(fmt.snapshot(), [], own_items, running=fmt, events=fmt.log))
     if fmt.log is not None:
+        fmt.queued()
         store.start(fmt.id, _generate(serving, reqs, fmt, release))
         return sse(fmt.log.follow()) if body.stream else JSONResponse(fmt.snapshot())
 
