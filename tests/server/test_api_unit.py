@@ -549,6 +549,16 @@ def test_body_over_the_cap_is_413_before_parsing():
     assert_error(resp, 413, "--max-request-bytes")
     assert resp.json()["error"]["code"] == "request_too_large" and not stub.submitted
 
+    def chunked(text: str):  # no Content-Length: the limit holds as the body comes (it was FastAPI's 400)
+        yield b'{"messages": [{"role": "user", "content": "'
+        yield text.encode()
+        yield b'"}], "max_tokens": 2}'
+
+    resp = c.post(CHAT, content=chunked("x" * 5000), headers={"content-type": "application/json"})
+    assert_error(resp, 413, "--max-request-bytes")
+    assert not stub.submitted
+    assert c.post(CHAT, content=chunked("hi"), headers={"content-type": "application/json"}).status_code == 200
+
 
 def test_health_503_when_a_rank_stalls():
     c, _ = make_client()

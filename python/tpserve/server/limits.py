@@ -91,8 +91,9 @@ class RequestLimits:
 
 
 class BodySizeLimit:
-    """ASGI middleware: 413 for a body over ``max_bytes``, from Content-Length before reading it,
-    or while it streams in when there is none."""
+    """ASGI middleware: 413 for a body over ``max_bytes``, from Content-Length before reading it, or, when there is
+    none (a chunked body), once the body read so far is over it: such a body is read here and handed on whole (an
+    error raised while the app reads it would be FastAPI's 400)."""
 
     def __init__(self, app: ASGIApp, max_bytes: int) -> None:
         self.app = app
@@ -102,35 +103,31 @@ class BodySizeLimit:
         if scope["type"] != "http":
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length")
-        if length is not None and length.isdigit() and int(length) > self.max_bytes:
-            return await self._reject(scope, receive, send)
-        seen = 0
-        started = False
-
-        async def counting_receive() -> Message:
-            nonlocal seen
+        if length is not None and length.isdigit():  # the server reads no more than it says
+            if int(length) > self.max_bytes:
+                return await self._reject(scope, receive, send)
+            return await self.app(scope, receive, send)
+        body = bytearray()
+        while True:
             message = await receive()
-            if message["type"] == "http.request":
-                seen += len(message.get("body", b""))
-                if seen > self.max_bytes:
-                    raise _TooLarge()
+            if message["type"] != "http.request":  # the client went away
+                return None
+            body += message.get("body", b"")
+            if len(body) > self.max_bytes:
+                return await self._reject(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        first: Message | None = {"type": "http.request", "body": bytes(body), "more_body": False}
+
+        async def replay() -> Message:
+            nonlocal first
+            if first is None:
+                return await receive()
+            message, first = first, None
             return message
 
-        async def tracking_send(message: Message) -> None:
-            nonlocal started
-            started = started or message["type"] == "http.response.start"
-            await send(message)
-
-        try:
-            await self.app(scope, counting_receive, tracking_send)
-        except _TooLarge:
-            if not started:
-                await self._reject(scope, receive, send)
+        return await self.app(scope, replay, send)
 
     async def _reject(self, scope: Scope, receive: Receive, send: Send) -> None:
         message = f"request body larger than {self.max_bytes} bytes (--max-request-bytes)"
         await APIError(413, message, code="request_too_large").response()(scope, receive, send)
-
-
-class _TooLarge(Exception):
-    """The body grew past the limit while it was read."""
