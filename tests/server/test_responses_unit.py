@@ -613,6 +613,8 @@ def test_store_keeps_the_events_of_the_latest_finished_background_responses():
 # ---- errors ----
 @pytest.mark.parametrize("body, fragment, param", [
     ({"input": "x", "background": True, "store": False}, "must be stored", "background"),
+    ({"input": [{"role": "user", "content": "a", "id": "m1"}, {"role": "user", "content": "b", "id": "m1"}]},
+     "Duplicate item found with id m1", "input"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "'web_search' tools are not supported", "tools"),
     ({"input": "x", "tools": [FLAT_TOOL], "tool_choice": {"type": "web_search_preview"}}, "tool_choice", "tool_choice"),
     ({"input": "x", "tools": [FLAT_TOOL], "tool_choice": {"type": "function", "name": "nope"}}, "'nope'", "tool_choice"),

@@ -19,6 +19,17 @@ MAX_CONVERSATIONS = 1024
 MAX_CONVERSATION_ITEMS = 4096
 
 
+def check_unique_ids(items: list[dict[str, Any]], param: str, seen: set[str] | None = None) -> set[str]:
+    """400 (OpenAI's message) if an item's id is in ``seen`` or comes twice; the ids, ``seen``'s included."""
+    seen = set() if seen is None else seen
+    for item in items:
+        if item["id"] in seen:
+            raise APIError.invalid(f"Duplicate item found with id {item['id']}. Remove duplicate items from "
+                                   "your input and try again.", param)
+        seen.add(item["id"])
+    return seen
+
+
 @dataclass
 class Conversation:
     id: str
@@ -40,12 +51,7 @@ class Conversation:
         """400 unless ``items`` (stored items, with ids) may be added: no id twice (OpenAI's message),
         no response running on it, no more than ``capacity`` items in all."""
         self.check_unlocked()
-        seen = set(self.items)
-        for item in items:
-            if item["id"] in seen:
-                raise APIError.invalid(f"Duplicate item found with id {item['id']}. Remove duplicate items from "
-                                       "your input and try again.", param)
-            seen.add(item["id"])
+        seen = check_unique_ids(items, param, set(self.items))
         if len(seen) > capacity:
             raise APIError.invalid(f"conversation {self.id} would hold {len(seen)} items; at most {capacity} are "
                                    "kept: delete items or start a new conversation", param)

@@ -20,7 +20,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tpserve.message.frontend import TokenizeRequest
 from tpserve.parsers.chat_output import ChatOutputConfig
-from tpserve.server.conversation_store import ConversationStore
+from tpserve.server.conversation_store import ConversationStore, check_unique_ids
 from tpserve.server.errors import APIError
 from tpserve.server.pages import DEFAULT_LIMIT, page
 from tpserve.server.protocol import ChatCompletionRequest, ResponsesRequest
@@ -132,6 +132,7 @@ async def create_response(
     else:
         reqs, output = _prepare(serving, chat_request(body, history))
     own_items = [stored_item(item) for item in input_items(body)]
+    check_unique_ids(own_items, "input")
 
     def save(response: dict[str, Any]) -> None:
         store.finish(StoredResponse(response, history + own_items + response["output"], own_items, events=fmt.log))
