@@ -457,6 +457,8 @@ def test_background_responses_poll_and_cancel():
                 break
             time.sleep(0.01)
         assert stub.aborted[1] == stub.submitted[-1].rid
+        # a cancel or a delete is no client going away
+        assert "tpserve_client_disconnects_total 0.0" in c.get("/metrics").text
     c, _ = make_client(stub=TooLongFrontend())
     with c:  # rejected by the tokenizer once running: a failed response
         rid = c.post(RESPONSES, json={"input": "x", "max_output_tokens": 500, "background": True}).json()["id"]

@@ -255,7 +255,7 @@ class Serving:
         except BaseException:
             await gen.abort()
             raise
-        return sse(_stream(gen, fmt, early))
+        return sse(_stream(gen, fmt, early, has_client=request is not None))
 
 
 def sse(chunks: AsyncIterator[bytes]) -> StreamingResponse:
@@ -265,9 +265,10 @@ def sse(chunks: AsyncIterator[bytes]) -> StreamingResponse:
 
 
 async def _stream(
-    gen: Generation, fmt: ResponseFormat, early: list[tuple[Choice, ApiOutput]]
+    gen: Generation, fmt: ResponseFormat, early: list[tuple[Choice, ApiOutput]], has_client: bool = True
 ) -> AsyncIterator[bytes]:
-    """SSE body. If the client goes away (the task is cancelled), the rest is aborted."""
+    """SSE body. If the client goes away (the task is cancelled), the rest is aborted; without a client (a background
+    response) only a cancel or a delete stops it early, which is no disconnect."""
     failed = False
     try:
         for choice in sorted(gen.choices.values(), key=lambda c: c.index):
@@ -290,4 +291,4 @@ async def _stream(
             yield chunk
     finally:
         if not gen.finished:
-            await gen.abort(client_gone=not failed)
+            await gen.abort(client_gone=has_client and not failed)
