@@ -58,6 +58,10 @@ def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
         raise ValueError(
             f"{rope_key}.rope_type {rope_type!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})"
         )
+    if rope_type in ("llama3", "yarn") and cfg.get("original_max_position_embeddings") is not None:
+        # a top-level pretraining length (Phi-3 style) wins over the rotary dict's, as transformers' rotary
+        # embedding reads it (standardize_rope_params); the parsed config's dict does not show it
+        rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
     partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
     if partial not in (None, 1, 1.0):
         raise ValueError(f"partial_rotary_factor {partial} is not supported (rotary over the whole head only)")

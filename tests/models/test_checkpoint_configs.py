@@ -95,6 +95,44 @@ def test_yarn_extends_the_context(tiny_model_factory):
     assert ModelConfig.from_dict(cfg).context_length == 131072
 
 
+def edited_copy(source: str, dest, **changes) -> str:
+    """A copy of the tiny model at ``source`` with config.json keys set to ``changes``."""
+    shutil.copytree(source, dest)
+    path = os.path.join(dest, "config.json")
+    cfg = json.load(open(path))
+    cfg.update(changes)
+    json.dump(cfg, open(path, "w"))
+    return str(dest)
+
+
+@pytest.mark.parametrize("arch,rope_type", [("qwen3", "yarn"), ("llama", "llama3")])
+def test_a_top_level_original_max_position_embeddings_wins(tiny_model_factory, tmp_path, arch, rope_type):
+    """Phi-3-style configs keep the pretraining length beside ``rope_parameters``; transformers' rotary embedding
+    takes it over the dict's (tpserve took max_position_embeddings: every token differed)."""
+    model_dir = edited_copy(tiny_model_factory(arch, rope_type=rope_type), tmp_path / "m",
+                            original_max_position_embeddings=16)
+    assert ModelConfig.from_pretrained(model_dir).rope_parameters["original_max_position_embeddings"] == 16
+    check_against_transformers(model_dir, f"{arch} {rope_type}, top-level original_max_position_embeddings")
+
+
+def test_a_tied_config_whose_checkpoint_has_its_own_lm_head_uses_it(tiny_model_factory, tmp_path):
+    """tie_word_embeddings true, yet the checkpoint holds a different lm_head.weight: transformers unties and uses
+    it (tpserve skipped it and tied: other tokens); an lm_head equal to the embeddings stays tied."""
+    source = tiny_model_factory("qwen3")
+    assert not json.load(open(os.path.join(source, "config.json"))).get("tie_word_embeddings")
+    model_dir = edited_copy(source, tmp_path / "m", tie_word_embeddings=True)
+    check_against_transformers(model_dir, "tied config, own lm_head")
+    from safetensors.torch import load_file, save_file
+
+    (path,) = [os.path.join(model_dir, f) for f in os.listdir(model_dir) if f.endswith(".safetensors")]
+    tensors = load_file(path)
+    tensors["lm_head.weight"] = tensors["model.embed_tokens.weight"].clone()
+    save_file(tensors, path, metadata={"format": "pt"})
+    engine = Engine(EngineConfig(model=model_dir, device="cpu"))
+    assert engine.model.lm_head.weight is engine.model.model.embed_tokens.weight
+    engine.shutdown()
+
+
 def base_config(arch: str = "qwen3") -> dict:
     cfg = {
         "architectures": [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",

@@ -4,6 +4,7 @@ one tensor). Experts come per expert or stacked (transformers' layout), both rea
 
 from __future__ import annotations
 
+import logging
 import re
 from collections.abc import Callable, Iterator
 
@@ -17,6 +18,8 @@ from tpserve.models.checkpoint import open_safetensors, safetensors_files
 from tpserve.models.decoder import CausalLM
 from tpserve.quant.config import QuantConfig
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX
+
+logger = logging.getLogger(__name__)
 
 _MERGED_PARTS = {  # merged parameter -> {checkpoint projection: shard id}
     "qkv_proj": {"q_proj": "q", "k_proj": "k", "v_proj": "v"},
@@ -162,12 +165,17 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
 
     expert_parallel = holds_whole_experts(model)
 
+    tied_head: torch.Tensor | None = None  # the checkpoint's own lm_head.weight, where config.json ties it
+
     def skip(name: str) -> bool:  # per-expert tensors of other ranks are not even read
-        if name.endswith(_IGNORED_SUFFIXES) or (tied and name == "lm_head.weight"):
+        if name.endswith(_IGNORED_SUFFIXES):
             return True
         return expert_parallel and _held_elsewhere(model, checkpoint_target(name))
 
     for name, tensor in _iter_checkpoint(safetensors_files(model_dir), show_progress, skip):
+        if tied and name == "lm_head.weight":
+            tied_head = tensor
+            continue
         for target, piece in checkpoint_pieces(name, tensor):
             if target not in expected:
                 if _held_elsewhere(model, target):  # a stacked tensor's other experts
@@ -202,6 +210,26 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
     if missing:
         names = sorted(checkpoint_name(target) for target in missing)
         raise ValueError(f"weights missing from the checkpoint: {', '.join(names[:10])}" + (" ..." if len(names) > 10 else ""))
+    if tied_head is not None:
+        _untie_if_different(model, tied_head)
+
+
+def _untie_if_different(model: CausalLM, head: torch.Tensor) -> None:
+    """config.json ties the LM head to the embeddings, yet the checkpoint has an lm_head.weight: where it differs,
+    transformers unties them and computes the logits with it (``PreTrainedModel.tie_weights``), so tpserve does."""
+    embed, lm_head = model.model.embed_tokens, model.lm_head
+    lm_head.weight = nn.Parameter(torch.empty_like(embed.weight), requires_grad=False)
+    try:
+        with torch.no_grad():
+            lm_head.load_weight("weight", head)
+    except ValueError as e:
+        raise ValueError(f"checkpoint tensor 'lm_head.weight' of shape {tuple(head.shape)} does not fit the model "
+                         f"config.json describes: {e}") from None
+    if torch.equal(lm_head.weight, embed.weight):
+        lm_head.weight = embed.weight
+    else:
+        logger.warning("config.json ties the LM head to the embeddings (tie_word_embeddings), but the checkpoint's "
+                       "lm_head.weight differs from them: it is used, untied, as transformers does")
 
 
 def init_dummy(model: CausalLM, seed: int) -> None:
