@@ -65,7 +65,7 @@ def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
     partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
     if partial not in (None, 1, 1.0):
         raise ValueError(f"partial_rotary_factor {partial} is not supported (rotary over the whole head only)")
-    if getattr(hf, "hidden_act", "silu") != "silu":
+    if getattr(hf, "hidden_act", "silu") not in ("silu", "swish"):  # (transformers' swish is SiLU)
         raise ValueError(f"hidden_act {hf.hidden_act!r} is not supported (only silu)")
     if getattr(hf, "mlp_bias", False):
         raise ValueError("mlp_bias true is not supported")

@@ -164,6 +164,10 @@ def test_unsupported_settings_are_errors(arch, change, message):
         ModelConfig.from_dict({**base_config(arch), **change})
 
 
+def test_swish_is_silu():
+    assert ModelConfig.from_dict({**base_config("llama"), "hidden_act": "swish"}) == ModelConfig.from_dict(base_config("llama"))
+
+
 @pytest.mark.parametrize("value", [0, -2])
 @pytest.mark.parametrize(
     "arch, key",
