@@ -161,9 +161,42 @@ def test_fp8_weights_without_quantization_config_are_an_error(fp8_pair, tmp_path
         Engine(EngineConfig(model=str(bad), device="cpu", max_total_tokens=64))
     del cfg["quantization_config"]
     (bad / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(ValueError, match=r"weight 'model.layers.0.mlp.down_proj.weight' is float8 in the checkpoint "
-                       "but its layer is not quantized"):
+    with pytest.raises(ValueError, match=r"tensor 'model.layers.0.mlp.down_proj.weight' is float8_e4m3fn, but tpserve "
+                       "holds it in float32 \\(config.json has no quantization_config"):
         Engine(EngineConfig(model=str(bad), device="cpu", max_total_tokens=64))
+
+
+def edited_checkpoint(src: str, dst, edit) -> str:
+    """A copy of the checkpoint at ``src`` whose tensors ``edit`` (a dict -> None) changes."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    path = os.path.join(dst, "model.safetensors")
+    tensors = load_file(path)
+    edit(tensors)
+    save_file(tensors, path, metadata={"format": "pt"})
+    return str(dst)
+
+
+O_PROJ = "model.layers.0.self_attn.o_proj.weight"
+
+
+@pytest.mark.parametrize("edit, message", [
+    (lambda t: t.update({O_PROJ: t[O_PROJ].float().to(torch.float8_e5m2)}),
+     rf"tensor '{O_PROJ}' is float8_e5m2, but config.json's quantization_config \(fmt e4m3\) makes it float8_e4m3fn"),
+    (lambda t: t.update({O_PROJ: t[O_PROJ].float().to(torch.bfloat16)}),
+     rf"tensor '{O_PROJ}' is bfloat16, but .* makes it float8_e4m3fn: list its module in modules_to_not_convert"),
+    (lambda t: t.update({O_PROJ + "_scale_inv": torch.tensor(0.02)}),
+     rf"tensor '{O_PROJ}_scale_inv' of shape \(\) does not fit .* expected 2 dimensions"),
+], ids=["e5m2", "bf16", "per-tensor-scale"])
+def test_malformed_fp8_tensors_are_errors_naming_them(fp8_pair, tmp_path, edit, message):
+    """Each loaded before, silently: converted by the copy (wrong tokens), or an IndexError deep in the loader."""
+    fp8_dir, _ = fp8_pair((16, 16))
+    bad = edited_checkpoint(fp8_dir, tmp_path / "m", edit)
+    with pytest.raises(ValueError, match=message):
+        Engine(EngineConfig(model=bad, device="cpu", max_total_tokens=64))
 
 
 def test_dummy_fp8_weights(fp8_pair):
@@ -218,6 +251,20 @@ def test_fp8_moe_checkpoint_matches_transformers_at_tp_1_and_2(fp8_moe):
         with LLM(fp8_dir, tp_size=tp, device="cpu", page_size=4) as llm:
             outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
         assert [o.token_ids for o in outs] == expected, f"tp {tp}"
+
+
+def test_expert_tensors_of_another_width_are_errors_naming_them(fp8_moe, tmp_path):
+    """An expert's tensor is cut to this rank's rows: one of another size than config.json says was cut to fit."""
+    fp8_dir, _ = fp8_moe()
+    down = "model.layers.1.mlp.experts.5.down_proj.weight"
+    bad = edited_checkpoint(fp8_dir, tmp_path / "scale", lambda t: t.update(
+        {down + "_scale_inv": torch.ones(t[down + "_scale_inv"].shape[0], t[down + "_scale_inv"].shape[1] + 1)}))
+    with pytest.raises(ValueError, match=rf"tensor '{down}_scale_inv' of shape .* expected 2 dimensions with"):
+        Engine(EngineConfig(model=bad, device="cpu", max_total_tokens=64))
+    wide = edited_checkpoint(fp8_dir, tmp_path / "wide", lambda t: t.update(
+        {down: torch.cat([t[down], t[down]], dim=1)}))
+    with pytest.raises(ValueError, match=rf"tensor '{down}' of shape .* expected 2 dimensions with \d+ along dim 1"):
+        Engine(EngineConfig(model=wide, device="cpu", max_total_tokens=64))
 
 
 def test_fp8_moe_experts_cut_inside_a_block_is_an_error(fp8_moe):

@@ -98,7 +98,7 @@ def test_wrong_shape_is_named(tiny_model_factory, tmp_path):
     weights["model.layers.0.mlp.up_proj.weight"] = weights["model.layers.0.mlp.up_proj.weight"][:5].clone()
     save_file(weights, path)
     with pytest.raises(ValueError, match=r"checkpoint tensor 'model\.layers\.0\.mlp\.up_proj\.weight' of shape "
-                       r"\(5, 64\) does not fit the model config\.json describes: .*expected 128 along dim 0"):
+                       r"\(5, 64\) does not fit the model config\.json describes: .*with 128 along dim 0"):
         Engine(EngineConfig(model=model_dir, device="cpu"))  # was "weight weight: expected 128 ...", naming no tensor
 
 

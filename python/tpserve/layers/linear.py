@@ -50,6 +50,14 @@ class Slice:
         first = self.start // block
         return Slice(first, num_blocks(end, block) - first, self.dest // block, num_blocks(self.full, block))
 
+    def cut(self, loaded: torch.Tensor, dim: int, dims: int, name: str) -> torch.Tensor:
+        """This part of ``loaded`` along ``dim``, once ``loaded`` is checked to have ``dims`` dimensions and ``full``
+        elements along ``dim`` (a checkpoint tensor of another size would be cut to fit, silently)."""
+        if loaded.dim() != dims or loaded.shape[dim] != self.full:
+            raise ValueError(f"{name}: expected {dims} dimensions with {self.full} along dim {dim}, got shape "
+                             f"{tuple(loaded.shape)}")
+        return loaded.narrow(dim, self.start, self.size)
+
 
 @dataclass(frozen=True)
 class PendingNorm:
@@ -162,10 +170,7 @@ class ParallelLinear(nn.Module):
         part = self.part(shard_id)
         if param_name == "weight_scale_inv" and self.block_size is not None:
             part = part.blocks(self.block_size[dim], f"{param_name} (weight_block_size {list(self.block_size)})")
-        if loaded.shape[dim] != part.full:
-            shape = tuple(loaded.shape)
-            raise ValueError(f"{param_name}: expected {part.full} along dim {dim}, got shape {shape}")
-        copy_checked(param.narrow(dim, part.dest, part.size), loaded.narrow(dim, part.start, part.size), param_name)
+        copy_checked(param.narrow(dim, part.dest, part.size), part.cut(loaded, dim, param.dim(), param_name), param_name)
 
 
 class ColumnParallelLinear(ParallelLinear):

@@ -175,14 +175,16 @@ class StackedExperts(nn.Module):
             raise ValueError(f"expert weight {param_name} needs an (expert, part) shard id, got {shard_id!r}")
         expert, part = shard_id
         local = expert - self.expert_start
-        size, start = self.local_intermediate, self.intermediate_start
+        size = self.local_intermediate
+        rows = Slice(self.intermediate_start, size, 0, self.full_intermediate)
         if param_name.endswith("_scale_inv"):
             self._load_scale(param_name, loaded, expert, part)
         elif param_name == "gate_up_proj":
-            copy_checked(self.gate_up_proj.data[local].narrow(0, part * size, size), loaded.narrow(0, start, size),
-                          f"experts.{expert}.{('gate_proj', 'up_proj')[part]}")
+            name = f"experts.{expert}.{('gate_proj', 'up_proj')[part]}"
+            copy_checked(self.gate_up_proj.data[local].narrow(0, part * size, size), rows.cut(loaded, 0, 2, name), name)
         else:
-            copy_checked(self.down_proj.data[local], loaded.narrow(1, start, size), f"experts.{expert}.down_proj")
+            name = f"experts.{expert}.down_proj"
+            copy_checked(self.down_proj.data[local], rows.cut(loaded, 1, 2, name), name)
 
     def _load_scale(self, param_name: str, loaded: torch.Tensor, expert: int, part: int) -> None:
         """This rank's block scales of one expert's projection (its intermediate dim cut at block boundaries)."""
@@ -194,12 +196,12 @@ class StackedExperts(nn.Module):
         if param_name == "gate_up_proj_scale_inv":
             proj = ("gate_proj", "up_proj")[part]
             cut = rows.blocks(bn, f"experts.{expert}.{proj} (moe_intermediate_size)")
-            copy_checked(self.gate_up_proj_scale_inv.data[local, part], loaded.narrow(0, cut.start, cut.size),
-                          f"experts.{expert}.{proj}.weight_scale_inv")
+            name = f"experts.{expert}.{proj}.weight_scale_inv"
+            copy_checked(self.gate_up_proj_scale_inv.data[local, part], cut.cut(loaded, 0, 2, name), name)
         else:
             cut = rows.blocks(bk, f"experts.{expert}.down_proj (moe_intermediate_size)")
-            copy_checked(self.down_proj_scale_inv.data[local], loaded.narrow(1, cut.start, cut.size),
-                          f"experts.{expert}.down_proj.weight_scale_inv")
+            name = f"experts.{expert}.down_proj.weight_scale_inv"
+            copy_checked(self.down_proj_scale_inv.data[local], cut.cut(loaded, 1, 2, name), name)
 
 
 def experts_torch(

@@ -191,11 +191,7 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
             if not piece.is_floating_point():  # copying an integer tensor would convert it silently
                 raise ValueError(f"checkpoint tensor {name!r} is {str(piece.dtype).removeprefix('torch.')}, not a "
                                  "floating-point weight")
-            if piece.dtype == FP8_DTYPE and getattr(layer, param).dtype != FP8_DTYPE:
-                raise ValueError(
-                    f"weight {name!r} is float8 in the checkpoint but its layer is not quantized (config.json has no "
-                    "quantization_config, or its modules_to_not_convert lists the module)"
-                )
+            _check_float8(name, piece.dtype, getattr(layer, param).dtype)
             try:
                 with torch.no_grad():
                     layer.load_weight(param, piece, shard_id)
@@ -212,6 +208,20 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
         raise ValueError(f"weights missing from the checkpoint: {', '.join(names[:10])}" + (" ..." if len(names) > 10 else ""))
     if tied_head is not None:
         _untie_if_different(model, tied_head)
+
+
+def _check_float8(name: str, stored: torch.dtype, held: torch.dtype) -> None:
+    """A float8 tensor only where tpserve holds float8_e4m3fn, and one there (a copy would convert it silently)."""
+    stored_fp8, held_fp8 = stored.itemsize == 1, held == FP8_DTYPE
+    dtype = str(stored).removeprefix("torch.")
+    if stored_fp8 and not held_fp8:
+        raise ValueError(f"checkpoint tensor {name!r} is {dtype}, but tpserve holds it in {str(held).removeprefix('torch.')}"
+                         " (config.json has no quantization_config, its modules_to_not_convert lists the module, or "
+                         "the tensor is never quantized: a scale, a norm, a MoE router)")
+    if held_fp8 and stored != FP8_DTYPE:
+        raise ValueError(f"checkpoint tensor {name!r} is {dtype}, but config.json's quantization_config (fmt e4m3) makes "
+                         "it float8_e4m3fn" + ("" if stored_fp8 else ": list its module in modules_to_not_convert if "
+                                               "the checkpoint keeps it unquantized"))
 
 
 def _untie_if_different(model: CausalLM, head: torch.Tensor) -> None:
