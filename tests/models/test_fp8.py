@@ -267,6 +267,16 @@ def test_expert_tensors_of_another_width_are_errors_naming_them(fp8_moe, tmp_pat
         Engine(EngineConfig(model=wide, device="cpu", max_total_tokens=64))
 
 
+def test_one_expert_kept_unquantized_is_an_error(fp8_moe, tmp_path):
+    fp8_dir, _ = fp8_moe()
+    bad = edited_checkpoint(fp8_dir, tmp_path / "m", lambda t: None)
+    cfg = json.loads(open(os.path.join(bad, "config.json")).read())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["lm_head", "model.layers.1.mlp.experts.3"]
+    open(os.path.join(bad, "config.json"), "w").write(json.dumps(cfg))
+    with pytest.raises(ValueError, match=r"keeps expert\(s\) \[3\] of model.layers.1.mlp.experts unquantized but not"):
+        Engine(EngineConfig(model=bad, device="cpu", max_total_tokens=64))
+
+
 def test_fp8_moe_experts_cut_inside_a_block_is_an_error(fp8_moe):
     fp8_dir, _ = fp8_moe(moe_intermediate_size=48)  # TP 2: 24 of every expert's 48 rows, inside a 16-block
     config = ModelConfig.from_pretrained(fp8_dir)

@@ -105,7 +105,7 @@ class StackedExperts(nn.Module):
             self.expert_start, self.num_experts = 0, num_experts
             self.local_intermediate = divide(intermediate_size, tp.size, "moe_intermediate_size")
             self.intermediate_start = tp.rank * self.local_intermediate
-        self.full_intermediate = intermediate_size
+        self.full_intermediate, self.total_experts = intermediate_size, num_experts
         size = self.local_intermediate
         self.gate_up_proj = nn.Parameter(torch.empty(self.num_experts, 2 * size, hidden_size), requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.num_experts, hidden_size, size), requires_grad=False)

@@ -79,6 +79,12 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> None:
     before materialising. Quantizing at load leaves the experts in the compute dtype."""
     for name, module in model.named_modules():
         if isinstance(module, StackedExperts) and quant.prequantized and quant.converts(name):
+            kept = [e for e in range(module.total_experts) if not quant.converts(f"{name}.{e}")]
+            if kept:
+                raise ValueError(
+                    f"quantization_config.modules_to_not_convert keeps expert(s) {kept[:8]} of {name} unquantized but "
+                    "not the others; tpserve holds a layer's experts in one tensor, so they must all be quantized or none"
+                )
             module.use_fp8(quant.block_size)
         if not isinstance(module, ParallelLinear):
             continue
