@@ -192,8 +192,12 @@ def _has_safetensors(model_dir: str) -> bool:
 def _check_cpu_kv_fits(engine: EngineConfig, model: ModelConfig, cli: bool) -> None:
     """On the CPU the KV cache is exactly ``max_total_tokens``: one larger than this machine's memory is a clear error
     here, not an allocator's failure inside every rank."""
-    element = 1 if engine.kv_cache_dtype == "fp8_e4m3" else resolve_dtype(engine.dtype, model, torch.device("cpu")).itemsize
-    per_token = 2 * model.num_hidden_layers * model.kv_heads_per_rank(engine.tp_size) * model.head_dim * element
+    from tpserve.kvcache.pool import KVCachePool
+    from tpserve.quant.fp8 import FP8_DTYPE
+
+    dtype = FP8_DTYPE if engine.kv_cache_dtype == "fp8_e4m3" else resolve_dtype(engine.dtype, model, torch.device("cpu"))
+    per_token = KVCachePool.bytes_per_page(model.num_hidden_layers, 1, model.kv_heads_per_rank(engine.tp_size),
+                                           model.head_dim, dtype)
     ranks_here = engine.tp_size // engine.nnodes * engine.dp_size
     need = engine.max_total_tokens * per_token * ranks_here
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -45,11 +45,15 @@ WATCH_INTERVAL_S = 0.5
 class ChildDied(Exception):
     def __init__(self, name: str, exitcode: int | None, others: tuple[str, ...] = (), reason: str | None = None) -> None:
         also = f"; also stopped: {', '.join(others)}" if others else ""
-        why = f" (the first error: {reason})" if reason else ""
-        super().__init__(f"{name} exited ({describe_exit(exitcode)}){also}{why}")
+        super().__init__(with_first_error(f"{name} exited ({describe_exit(exitcode)}){also}", reason))
         self.name = name
         self.exitcode = exitcode
         self.reason = reason
+
+
+def with_first_error(text: str, reason: str | None) -> str:
+    """``text`` about stopped children, with the first exception one of them reported, if any."""
+    return f"{text} (the first error: {reason})" if reason else text
 
 
 def first_failure(procs: list[Any], reason: str | None = None) -> ChildDied | None:

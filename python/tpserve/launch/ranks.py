@@ -19,7 +19,7 @@ import torch
 import zmq
 
 from tpserve.engine_config import EngineConfig
-from tpserve.launch.backend import Backend, ChildDied, describe_exit
+from tpserve.launch.backend import Backend, ChildDied, describe_exit, with_first_error
 from tpserve.message import BatchTokenOutput, SchedulerInput
 from tpserve.message.transport import encode, open_socket
 from tpserve.router.policy import Dispatch
@@ -115,10 +115,10 @@ class RankProcesses:
         reason = self.backend.child_error()
         if reason is None and all(code == 1 for *_, code in dead):
             reason = _unguarded_script_hint()
-        return RuntimeError("; ".join(
+        return RuntimeError(with_first_error("; ".join(
             f"tp rank {rank}{f' of replica {dp_rank}' if engine.dp_size > 1 else ''} died ({describe_exit(code)})"
             for dp_rank, rank, code in dead
-        ) + (f" (the first error: {reason})" if reason else ""))
+        ), reason))
 
     def close(self) -> None:
         self._finalizer()
