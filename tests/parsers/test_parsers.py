@@ -21,7 +21,7 @@ def splits(text: str) -> list[list[str]]:
     return out
 
 
-def run_reasoning(chunks: list[str], in_reasoning: bool) -> tuple[str, str]:
+def run_reasoning(chunks: list[str], in_reasoning: bool | None) -> tuple[str, str]:
     parser = ReasoningParser(in_reasoning)
     reasoning = content = ""
     for i, chunk in enumerate(chunks + [""]):
@@ -34,12 +34,13 @@ def run_reasoning(chunks: list[str], in_reasoning: bool) -> tuple[str, str]:
 @pytest.mark.parametrize(
     "text,in_reasoning,expected",
     [
-        ("<think>\nplan a b</think>\n\nThe answer.", False, ("\nplan a b", "The answer.")),
+        ("<think>\nplan a b</think>\n\nThe answer.", None, ("\nplan a b", "The answer.")),
+        ("<think>the prompt closed a block</think>", False, ("", "<think>the prompt closed a block</think>")),
         ("plan, opened by the template</think>\n\nDone <b>", True, ("plan, opened by the template", "Done <b>")),
-        ("No thinking at all, <think> in the middle stays.", False,
+        ("No thinking at all, <think> in the middle stays.", None,
          ("", "No thinking at all, <think> in the middle stays.")),
         ("still thinking when max_tokens hit", True, ("still thinking when max_tokens hit", "")),
-        ("<thin", False, ("", "<thin")),  # ends with half a tag: it is content after all
+        ("<thin", None, ("", "<thin")),  # ends with half a tag: it is content after all
     ],
 )
 def test_reasoning_split_in_any_chunking(text, in_reasoning, expected):
@@ -118,8 +119,33 @@ def test_hermes_text_after_a_call_is_the_same_in_any_chunking(after, content):
 
 def test_hermes_plain_text_and_broken_calls():
     assert run_tools(create_tool_parser("hermes"), ["Just text, a < b."]) == ("Just text, a < b.", [])
-    content, calls = run_tools(create_tool_parser("hermes"), ["<tool_call>\n{not json</tool_call>"])
-    assert calls == [] and content == "<tool_call>\n{not json"
+    content, calls = run_tools(create_tool_parser("hermes"), ["<tool_call>\n{not json</tool_call>after"])
+    assert calls == [] and content == "<tool_call>\n{not json</tool_call>after"  # as written, its closing tag too
+
+
+CALL = '<tool_call>\n{"name": "f", "arguments": '
+
+
+@pytest.mark.parametrize("parser, text, expected, cut_short", [
+    # the arguments as written (not re-serialized), streamed or whole
+    ("hermes", CALL + '{"city":"Caf\\u00e9"}}\n</tool_call>', [("f", '{"city":"Caf\\u00e9"}')], False),
+    ("llama3_json", '{"name": "f", "parameters": {"a":1}}', [("f", '{"a":1}')], False),
+    # a key after the arguments, or junk after the call's object, is not part of them
+    ("hermes", CALL + '{"city": "Paris"}, "id": "x1"}\n</tool_call>', [("f", '{"city": "Paris"}')], False),
+    ("llama3_json", '{"name": "f", "parameters": {"a": "}"}, "id": 1}', [("f", '{"a": "}"}')], False),
+    ("hermes", CALL + '{"city": "Paris"}} oops\n</tool_call>', [("f", '{"city": "Paris"}')], False),
+    # cut short (max_tokens, a stop string): the call as far as it was written, whether streamed or not
+    ("hermes", CALL + '{"city":', [("f", '{"city":')], True),
+    ("hermes", CALL + '{"city": "Pa\n</tool_call>', [("f", '{"city": "Pa\n')], True),
+    ("llama3_json", '{"name": "f", "parameters": {"a": [1', [("f", '{"a": [1')], True),
+])
+def test_a_call_reads_the_same_streamed_or_whole(parser, text, expected, cut_short):
+    """Streamed arguments cannot be taken back, so the whole response is what the stream said."""
+    for chunks in splits(text):
+        tool_parser = create_tool_parser(parser)
+        content, calls = run_tools(tool_parser, chunks)
+        assert (content, [(c["name"], c["arguments"]) for c in calls]) == ("", expected), chunks
+        assert tool_parser.cut_short == cut_short
 
 
 LLAMA = '<|python_tag|>{"name": "get_weather", "parameters": {"city": "Rome"}}; {"name": "now", "parameters": {}}'
@@ -219,6 +245,9 @@ def test_chat_output_reasoning_then_tool_call():
             args += "".join(d.arguments for d in delta.tool_calls)
         assert (reasoning, content, json.loads(args)) == ("weigh options", "", {"a": 1})
         assert parser.finish_reason("stop") == "tool_calls" and parser.finish_reason("length") == "length"
+    cut = ChatOutputParser(ChatOutputConfig(tool_parser="hermes"))  # a stop string inside the call's arguments
+    assert cut.feed('<tool_call>\n{"name": "f", "arguments": {"a": ', final=True).tool_calls
+    assert cut.finish_reason("stop") == "stop"
 
 
 def test_constraints():

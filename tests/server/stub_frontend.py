@@ -18,7 +18,7 @@ class StubFrontend:
 
     def __init__(
         self, reply: str = "Hello 你好!", pieces: int = 3, prompt_tokens: int = 5, finish: str = "length",
-        prompt_in_reasoning: bool = False,
+        prompt_in_reasoning: bool | None = None,
     ) -> None:
         self.reply = reply
         self.pieces = pieces

@@ -162,11 +162,11 @@ def test_output_items_from_reasoning_content_and_calls():
 
 def test_logprobs_go_with_the_message_text():
     items = OutputItems()
-    events = items.add(ChatDelta(reasoning="hmm"), [{"token": "hmm"}])  # reasoning's: left out
-    events += items.add(ChatDelta(), [{"token": "<to"}])  # text the parser holds back: waits for it
-    events += items.add(ChatDelta(content="<to"), [{"token": "x"}])
-    events += items.add(ChatDelta(content="!"), [{"token": "!"}])
-    events += items.add(ChatDelta(tool_calls=[ToolCallDelta(0, "call_a", "f")]), [{"token": "<tool_call>"}])
+    events = items.add(ChatDelta(reasoning="hmm"), 1, [{"token": "hmm"}], reasoning=True)  # reasoning's: left out
+    events += items.add(ChatDelta(), 1, [{"token": "<to"}])  # text the parser holds back: waits for it
+    events += items.add(ChatDelta(content="<to"), 1, [{"token": "x"}])
+    events += items.add(ChatDelta(content="!"), 1, [{"token": "!"}])
+    events += items.add(ChatDelta(tool_calls=[ToolCallDelta(0, "call_a", "f")]), 1, [{"token": "<tool_call>"}])
     events += items.close()
     assert [e["logprobs"] for e in events if e["type"] == "response.output_text.delta"] == [
         [{"token": "<to"}, {"token": "x"}], [{"token": "!"}]]
@@ -278,6 +278,24 @@ def test_reasoning_item_and_thinking_switch():
     assert text == "let me think" and events[-1]["response"]["output"] == [
         {**reasoning, "id": events[-1]["response"]["output"][0]["id"]},
         {**message, "id": events[-1]["response"]["output"][1]["id"]}]
+
+
+def test_logprobs_of_the_think_block_its_tags_and_the_newlines_after_are_left_out():
+    """The message's logprobs are its text's tokens: not those of a '</think>' written in pieces the parser
+    held back, nor of the newlines it drops after it."""
+    stub = StubFrontend(reply="<think>hmm</think>\n\nAnswer!", pieces=14, finish="stop")  # 2 characters a token
+    c, _ = make_client(stub=stub, reasoning_parser="qwen3")
+    body = {"input": "hi", "include": ["message.output_text.logprobs"]}
+    resp = c.post(RESPONSES, json=body).json()
+    reasoning, message = resp["output"]
+    part = message["content"][0]
+    assert reasoning["content"][0]["text"] == "hmm" and part["text"] == "Answer!"
+    assert "".join(lp["token"] for lp in part["logprobs"]) == "Answer!"
+    assert resp["usage"]["output_tokens_details"]["reasoning_tokens"] == 10  # "<t" ... "k>", "\n\n"
+    with c.stream("POST", RESPONSES, json={**body, "stream": True}) as r:
+        events = events_of(r)
+    deltas = [e["logprobs"] for e in events if e["type"] == "response.output_text.delta"]
+    assert sum(deltas, []) == part["logprobs"]
 
 
 # ---- store ----

@@ -139,10 +139,23 @@ def test_tools_and_tool_turns_go_through_the_template(request, tokenizer_name):
 
 def test_prompt_reasoning_state_with_the_real_qwen3_template(qwen3_tokenizer):
     preparer = PromptPreparer(qwen3_tokenizer, PromptLimits(context_len=4096, vocab_size=200_000))
+    def state(messages, **kw):
+        return preparer.prepare(req(messages=messages, **kw)).register.prompt_in_reasoning
+
     msgs = [{"role": "user", "content": "hi"}]
-    assert not preparer.prepare(req(messages=msgs)).register.prompt_in_reasoning  # the model opens it itself
-    off = preparer.prepare(req(messages=msgs, chat_template_kwargs={"enable_thinking": False}))
-    assert not off.register.prompt_in_reasoning
+    assert state(msgs) is None  # no block of its own: the model may open one
+    assert state(msgs, chat_template_kwargs={"enable_thinking": False}) is False  # closed: all content
+    # a tag quoted in a message, or an earlier turn's closed block, is not the new turn's
+    assert state([{"role": "system", "content": "Never write <think>."},
+                  {"role": "user", "content": "What does the <think> tag do?"}]) is None
+    history = [{"role": "user", "content": "a"}, {"role": "assistant", "content": "b", "reasoning_content": "r"},
+               {"role": "tool", "content": "c"}]
+    assert "</think>" in preparer.render_chat(req(messages=history)) and state(history) is None
+    # a continued final message counts: its own open block, or the closed one the template writes before it
+    prefill = {"role": "assistant", "content": "<think>\nFirst"}
+    assert state([msgs[0], prefill], add_generation_prompt=False, continue_final_message=True) is True
+    answer = {"role": "assistant", "content": "The answer", "reasoning_content": "done"}
+    assert state([msgs[0], answer], add_generation_prompt=False, continue_final_message=True) is False
 
 
 def test_template_that_opens_the_think_block(tiny_tokenizer):

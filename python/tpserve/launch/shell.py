@@ -110,7 +110,7 @@ class _Answer:
         """What ends the answer's last line: nothing if it already ended."""
         return "" if self.last.endswith("\n") or not self.last else "\n"
 
-    def add(self, text: str, prompt_in_reasoning: bool, final: bool) -> list[tuple[str, str]]:
+    def add(self, text: str, prompt_in_reasoning: bool | None, final: bool) -> list[tuple[str, str]]:
         if not self.reasoning:
             parts = [("content", text)] if text else []
         else:

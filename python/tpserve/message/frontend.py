@@ -58,7 +58,8 @@ class DetokenizeRegister(msgspec.Struct, tag="detok_register", kw_only=True):
     include_stop: bool = False  # the stop string stays in the text
     skip_special_tokens: bool = True
     prompt_tokens: int = 0
-    prompt_in_reasoning: bool = False  # the rendered prompt ends inside an open <think> block
+    # the prompt leaves the new turn inside a <think> block (True), after one it closed (False), or neither (None)
+    prompt_in_reasoning: bool | None = None
 
 
 DetokenizerInput = BatchTokenOutput | DetokenizeRegister | Shutdown
@@ -94,7 +95,7 @@ class ApiOutput(msgspec.Struct, kw_only=True):
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, with the first output, when asked
     matched_stop: int | str | None = None  # the stop token id or stop string that ended it
-    prompt_in_reasoning: bool = False
+    prompt_in_reasoning: bool | None = None
 
 
 class ApiOutputBatch(msgspec.Struct, tag="api_outputs", kw_only=True):

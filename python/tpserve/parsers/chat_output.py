@@ -30,7 +30,7 @@ class ChatOutputConfig:
     """What to look for in a request's output."""
 
     reasoning: bool = False  # a reasoning parser is on
-    starts_in_reasoning: bool = False
+    starts_in_reasoning: bool | None = None  # the prompt's think block: open, closed, none (None)
     # A grammar constrains the output: a think block is only one if the output writes <think>
     # (a JSON answer is never reasoning, whatever state the prompt left).
     constrained: bool = False
@@ -41,7 +41,7 @@ class ChatOutputConfig:
 
 class ChatOutputParser:
     def __init__(self, config: ChatOutputConfig) -> None:
-        start = config.starts_in_reasoning and not config.constrained
+        start = None if config.constrained else config.starts_in_reasoning
         self._reasoning = ReasoningParser(start) if config.reasoning else None
         self._tools: ToolCallParser | None = None
         if config.forced_tools:
@@ -53,6 +53,11 @@ class ChatOutputParser:
     def tool_calls(self) -> list[ToolCallDelta]:
         """Every call so far, whole (id, name, all its arguments)."""
         return self._tools.calls if self._tools is not None else []
+
+    @property
+    def in_reasoning(self) -> bool:
+        """The output is inside its think block (or just past its end, before any content)."""
+        return self._reasoning is not None and self._reasoning.in_block
 
     def feed(self, text: str, final: bool = False) -> ChatDelta:
         out = ChatDelta()
@@ -68,7 +73,8 @@ class ChatOutputParser:
         return out
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """A finish with tool calls is "tool_calls" (OpenAI), unless it was cut short."""
-        if reason == "stop" and self.tool_calls:
+        """A finish with tool calls is "tool_calls" (OpenAI), unless a call was cut short (by a stop
+        string inside it: its arguments are as written, and the reason stays)."""
+        if reason == "stop" and self.tool_calls and not self._tools.cut_short:
             return "tool_calls"
         return reason

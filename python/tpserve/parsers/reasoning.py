@@ -4,7 +4,8 @@ the rest to ``content`` (``--reasoning-parser qwen3`` or ``deepseek_r1``).
 A chat template may open the think block itself (the prompt then ends inside it, and the output
 has no ``<think>``: DeepSeek-R1-0528, QwQ), or close an empty one (Qwen3 with
 ``enable_thinking: false``), so the parser starts in the state the prompt leaves it in
-(``prompt_opens_reasoning``); a model that opens the block itself writes ``<think>`` first. Both
+(``prompt_opens_reasoning``); a model that opens the block itself writes ``<think>`` first, where
+the prompt has no block of its own. Both
 parser names (qwen3, deepseek_r1) use the same ``<think>``/``</think>`` rules.
 """
 
@@ -37,11 +38,19 @@ class Split:
 class ReasoningParser:
     """Feed output text chunks; each call returns the new reasoning and content text."""
 
-    def __init__(self, in_reasoning: bool) -> None:
-        self._in_reasoning = in_reasoning
-        self._seen_start = in_reasoning
+    def __init__(self, in_reasoning: bool | None) -> None:
+        """``in_reasoning``: the prompt's state (``prompt_opens_reasoning``). After a block the prompt closed
+        (False) the output is all content; with no block in the prompt (None) the output may open one."""
+        self._in_reasoning = bool(in_reasoning)
+        self._seen_start = in_reasoning is not None
         self._buffer = ""  # held-back text that may be the start of a tag
         self._content_started = False
+        self._closed_here = False  # the output closed a think block
+
+    @property
+    def in_block(self) -> bool:
+        """Inside the think block, or past its end before any content (the newlines after ``</think>``)."""
+        return self._in_reasoning or (self._closed_here and not self._content_started)
 
     def feed(self, text: str, final: bool = False) -> Split:
         out = Split()
@@ -52,7 +61,7 @@ class ReasoningParser:
                 if i >= 0:
                     out.reasoning += self._buffer[:i]
                     self._buffer = self._buffer[i + len(THINK_END):]
-                    self._in_reasoning = False
+                    self._in_reasoning, self._closed_here = False, True
                     continue
                 keep = 0 if final else partial_suffix_len(self._buffer, (THINK_END,))
                 out.reasoning += self._buffer[: len(self._buffer) - keep]

@@ -77,6 +77,36 @@ def _call_from_json(obj: Any) -> tuple[str, str] | None:
     return obj["name"], _arguments_text(args)
 
 
+class _ObjectEnd:
+    """Where the JSON object a text starts with closes, read as the text grows (each character once)."""
+
+    def __init__(self) -> None:
+        self.end: int | None = None  # the index after the closing brace, once found
+        self._scanned = self._depth = 0
+        self._in_string = self._escaped = False
+
+    def find(self, text: str) -> int | None:
+        while self.end is None and self._scanned < len(text):
+            c = text[self._scanned]
+            self._scanned += 1
+            if self._in_string:
+                if self._escaped:
+                    self._escaped = False
+                elif c == "\\":
+                    self._escaped = True
+                elif c == '"':
+                    self._in_string = False
+            elif c == '"':
+                self._in_string = True
+            elif c in "{[":
+                self._depth += 1
+            elif c in "}]":
+                self._depth -= 1
+                if self._depth == 0:
+                    self.end = self._scanned
+        return self.end
+
+
 class ToolCallParser:
     """Base: feed text chunks, get content and call deltas; ``calls`` accumulates the calls."""
 
@@ -85,6 +115,8 @@ class ToolCallParser:
         self._buffer = ""  # text read but not yet parsed
         self._call: ToolCallDelta | None = None  # the call whose arguments are streaming
         self._args_sent = 0  # characters of the streaming call's arguments text sent
+        self._args_end = _ObjectEnd()  # where the streaming call's arguments object closes
+        self.cut_short = False  # a call's arguments never closed (max_tokens or a stop string inside it)
 
     def feed(self, text: str, final: bool = False) -> ToolParse:
         raise NotImplementedError
@@ -105,27 +137,32 @@ class ToolCallParser:
 
     def _stream_call(self, body: str, out: ToolParse) -> None:
         """Start the call once ``body`` (its JSON so far) names it first and its arguments object
-        has begun, then send what it adds to the arguments sent. Arguments written as a JSON
-        string are not streamed (the call goes out whole, its arguments the string's text)."""
+        has begun, then send what it adds to the arguments, up to the object's closing brace (a
+        key after the arguments, or junk after the object, is not part of them). Arguments written
+        as a JSON string are not streamed (the call goes out whole, its arguments the string's text)."""
         match = _NAME_FIRST.match(body)
         if match is None:
             return
+        args = body[match.end():]
         if self._call is None:
-            if not body[match.end():].startswith("{"):  # not begun, or a JSON string: sent whole when it closes
+            if not args.startswith("{"):  # not begun, or a JSON string: sent whole when it closes
                 return
             self._call = self._start_call(json.loads(f'"{match.group(1)}"', strict=False), out)
-            self._args_sent = 0
-        safe = _strip_closing(body[match.end():])
-        if len(safe) > self._args_sent:
-            self._add_arguments(self._call, safe[self._args_sent:], out)
-            self._args_sent = len(safe)
+            self._args_sent, self._args_end = 0, _ObjectEnd()
+        end = self._args_end.find(args)
+        upto = len(args) if end is None else end
+        if upto > self._args_sent:
+            self._add_arguments(self._call, args[self._args_sent:upto], out)
+            self._args_sent = upto
 
-    def _end_streamed_call(self, body: str, out: ToolParse) -> bool:
-        """``body``, a closed call's whole JSON: True if that call was streaming (the rest of its
-        arguments went out now), False if it is still to be sent whole."""
+    def _close_call(self, body: str, out: ToolParse) -> bool:
+        """``body``, a call's whole JSON as written (closed, or cut short by the output's end):
+        True if it is a streamed call, which ends here whatever follows its arguments (so a call
+        reads the same streamed or whole); False if it is still to be parsed and sent whole."""
+        self._stream_call(body, out)
         if self._call is None:
             return False
-        self._stream_call(body, out)
+        self.cut_short = self.cut_short or self._args_end.end is None
         self._call = None
         return True
 
@@ -165,7 +202,7 @@ class HermesParser(ToolCallParser):
             body = self._buffer if end < 0 else self._buffer[:end]
             self._buffer = "" if end < 0 else self._buffer[end + len(_HERMES_END):]
             self._in_call = False
-            self._finish_call(body, out)
+            self._finish_call(body, end >= 0, out)
             if end < 0:
                 return out
 
@@ -178,26 +215,17 @@ class HermesParser(ToolCallParser):
         else:
             self._pending_space += text  # whitespace between or after calls, so far
 
-    def _finish_call(self, body: str, out: ToolParse) -> None:
-        if self._end_streamed_call(body, out):
+    def _finish_call(self, body: str, closed: bool, out: ToolParse) -> None:
+        if self._close_call(body, out):
             return
         try:
             parsed = _call_from_json(json.loads(body, strict=False))
         except json.JSONDecodeError:
             parsed = None
         if parsed is None:
-            out.content += f"{_HERMES_START}{body}"  # not a call after all: show it as written
+            out.content += f"{_HERMES_START}{body}{_HERMES_END if closed else ''}"  # not a call: as written
         else:
             self._whole_call(*parsed, out)
-
-
-def _strip_closing(args: str) -> str:
-    """The arguments text without what may be the enclosing object's closing brace (and the
-    whitespace around it): always a prefix of the final arguments text."""
-    args = args.rstrip()
-    if args.endswith("}"):
-        args = args[:-1].rstrip()
-    return args
 
 
 class Llama3JsonParser(ToolCallParser):
@@ -244,15 +272,15 @@ class Llama3JsonParser(ToolCallParser):
             try:
                 obj, end = self._decoder.raw_decode(self._buffer)
             except json.JSONDecodeError:  # not closed yet (or cut short at the end)
-                self._stream_call(self._buffer, out)
-                if self._call is not None:
-                    if final:
-                        self._call, self._buffer = None, ""
-                elif final:
+                if not final:
+                    self._stream_call(self._buffer, out)
+                elif self._close_call(self._buffer, out):
+                    self._buffer = ""
+                else:
                     self._to_content()
                 return
             body, self._buffer = self._buffer[:end], self._buffer[end:]
-            if self._end_streamed_call(body, out):
+            if self._close_call(body, out):
                 continue
             parsed = _call_from_json(obj)
             if parsed is None:

@@ -51,7 +51,7 @@ class Choice:
     started: bool = False  # the backend answered at least once
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None  # asked with echo: one per prompt token
-    prompt_in_reasoning: bool = False  # the prompt ends inside an open think block
+    prompt_in_reasoning: bool | None = None  # the prompt's think block (DetokenizeRegister's)
     matched_stop: int | str | None = None
 
     @property
@@ -148,7 +148,7 @@ class ChatFormat(ResponseFormat):
         self.output = output or ChatOutputConfig()
         self._parsers: dict[int, ChatOutputParser] = {}  # per choice, while streaming
 
-    def _parser(self, prompt_in_reasoning: bool) -> ChatOutputParser:
+    def _parser(self, prompt_in_reasoning: bool | None) -> ChatOutputParser:
         return ChatOutputParser(replace(self.output, starts_in_reasoning=prompt_in_reasoning))
 
     def _delta(self, index: int, delta: dict[str, Any], finish_reason: str | None,

@@ -71,19 +71,29 @@ class OutputItems:
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item being written (the last of ``items``)
         self._call_index: int | None = None  # the parser's index of the open function call
-        self._held: list[dict[str, Any]] = []  # log-probabilities of the tokens of text the parser held back
+        self.reasoning_tokens = 0
+        # the tokens of text the parser held back, and their log-probabilities: they go with that text
+        self._held_tokens = 0
+        self._held: list[dict[str, Any]] = []
 
-    def add(self, delta: ChatDelta, logprobs: list[dict[str, Any]] | None = None) -> list[dict[str, Any]]:
-        """``logprobs``: those of the tokens ``delta`` was parsed from. They go with the message text
-        (those of reasoning or tool calls are left out; those of held-back text wait for it)."""
-        held, self._held = self._held + (logprobs or []), []
+    def add(
+        self, delta: ChatDelta, tokens: int = 0, logprobs: list[dict[str, Any]] | None = None, reasoning: bool = False
+    ) -> list[dict[str, Any]]:
+        """``delta``: what ``tokens`` tokens, of log-probabilities ``logprobs``, were parsed into. Those of a
+        ``reasoning`` piece (the think block, its tags, the newlines after it) count as reasoning tokens; the
+        log-probabilities go with the message text (not the reasoning's, nor the tool calls')."""
+        held_tokens, held = self._held_tokens + tokens, self._held + (logprobs or [])
+        self._held_tokens, self._held = 0, []
+        if reasoning:
+            self.reasoning_tokens += held_tokens
+            held_tokens, held = 0, []
         events: list[dict[str, Any]] = []
         if delta.reasoning:
             events += self._text("reasoning", delta.reasoning)
         if delta.content:
             events += self._text("message", delta.content, held)
         elif not delta:
-            self._held = held
+            self._held_tokens, self._held = held_tokens, held
         for call in delta.tool_calls:
             if call.id is not None:
                 events += self.end() + self._start({
@@ -193,7 +203,6 @@ class ResponsesFormat(ResponseFormat):
         self.on_done = on_done
         self._items = OutputItems()
         self._parser: ChatOutputParser | None = None
-        self._reasoning_tokens = 0
         self._finish_reason: str | None = None
         self._sequence = 0
         self._done: dict[str, Any] | None = None  # the final response object
@@ -201,15 +210,14 @@ class ResponsesFormat(ResponseFormat):
 
     # -- building --
     def _feed(
-        self, text: str, tokens: int, prompt_in_reasoning: bool, finish_reason: str | None,
+        self, text: str, tokens: int, prompt_in_reasoning: bool | None, finish_reason: str | None,
         logprobs: list[TokenLogprob] | None,
     ) -> list[dict[str, Any]]:
         if self._parser is None:
             self._parser = ChatOutputParser(replace(self.output, starts_in_reasoning=prompt_in_reasoning))
         delta = self._parser.feed(text, final=finish_reason is not None)
-        if delta.reasoning:  # a piece that ends the reasoning counts as reasoning
-            self._reasoning_tokens += tokens
-        events = self._items.add(delta, chat_logprobs(logprobs) if self.logprobs else None)
+        reasoning = bool(delta.reasoning) or self._parser.in_reasoning  # the block's tags are the reasoning's too
+        events = self._items.add(delta, tokens, chat_logprobs(logprobs) if self.logprobs else None, reasoning)
         if finish_reason is not None:
             self._finish_reason = finish_reason
             events += self._items.close("incomplete" if finish_reason == "length" else "completed")
@@ -244,7 +252,7 @@ class ResponsesFormat(ResponseFormat):
             "top_p": body.top_p,
             "top_logprobs": body.top_logprobs,
             "truncation": body.truncation,
-            "usage": None if usage is None else _usage(usage, self._reasoning_tokens),
+            "usage": None if usage is None else _usage(usage, self._items.reasoning_tokens),
             "user": body.user,
         }
 

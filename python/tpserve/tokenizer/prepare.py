@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from typing import Any
@@ -129,7 +130,7 @@ class PromptPreparer:
                 include_stop=final.include_stop_str_in_output,
                 skip_special_tokens=req.skip_special_tokens,
                 prompt_tokens=n,
-                prompt_in_reasoning=bool(prompt_opens_reasoning(chat_text)),
+                prompt_in_reasoning=self._reasoning_state(req, chat_text),
             ),
         )
 
@@ -166,6 +167,23 @@ class PromptPreparer:
             )
         except Exception as e:  # the template is model code and may raise anything on odd input
             raise InvalidRequest(f"cannot apply the chat template: {e}", "messages") from e
+
+    def _reasoning_state(self, req: TokenizeRequest, chat_text: str) -> bool | None:
+        """The think block the prompt leaves the new turn in (``prompt_opens_reasoning``), judged on what the
+        template writes after the conversation: the generation prompt, or the final message it continues. A
+        ``<think>`` quoted in a message, or a closed block of an earlier turn, is not the new turn's."""
+        if prompt_opens_reasoning(chat_text) is None:  # no tag anywhere (most prompts): one render
+            return None
+        if req.continue_final_message:
+            before = msgspec.structs.replace(req, messages=req.messages[:-1], continue_final_message=False,
+                                             add_generation_prompt=True)
+        else:
+            before = msgspec.structs.replace(req, add_generation_prompt=False)
+        try:
+            shared = os.path.commonprefix([self.render_chat(before), chat_text])
+        except InvalidRequest:  # a template that cannot render the shorter conversation
+            return prompt_opens_reasoning(chat_text)
+        return prompt_opens_reasoning(chat_text[len(shared):])
 
     def _check_ids(self, ids: list[int], param: str, vocab: int | None = None) -> None:
         vocab = self._limits.vocab_size if vocab is None else vocab
