@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Any
 
 import msgspec
@@ -233,6 +233,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     def has_penalties(self) -> bool:
         """Needs the request's token history on the device."""
         return self.presence_penalty != 0.0 or self.frequency_penalty != 0.0 or self.repetition_penalty != 1.0
+
+    def stops_before_min_tokens(self, eos_ids: Iterable[int]) -> list[int]:
+        """The tokens banned while fewer than ``min_tokens`` have been generated."""
+        return sorted(set(self.stop_token_ids or ()) | (set() if self.ignore_eos else set(eos_ids)))
 
     @property
     def edits_logits(self) -> bool:

@@ -80,11 +80,23 @@ def test_invalid_spec_is_a_value_error(llm):
                          ids=["no-output", "dead-end"])
 def test_a_grammar_that_allows_no_token_is_an_error_not_text_it_forbids(llm, ebnf, after):
     """A grammar that accepts no output, or none past its first token: the request fails naming where, the engine
-    goes on."""
-    with pytest.raises(ValueError, match=f"the ebnf constraint allows no token after {after} generated tokens"):
-        llm.generate([[1]], params(StructuredOutput("ebnf", ebnf), temperature=0.0), use_tqdm=False)
+    goes on. Also where the dead end's position is a page's last (16 tokens a page): under overlap the next step had
+    counted that position, and giving the request's pages to the prefix cache failed."""
+    for prompt in ([1], list(range(1, 16 - after))):
+        with pytest.raises(ValueError, match=f"the ebnf constraint allows no token after {after} generated tokens"):
+            llm.generate([prompt], params(StructuredOutput("ebnf", ebnf), temperature=0.0), use_tqdm=False)
     out = llm.generate([[1]], params(StructuredOutput("regex", "[ab]{3}"), temperature=0.0), use_tqdm=False)[0].outputs[0]
     assert re.fullmatch("[ab]{3}", out.text)
+
+
+def test_min_tokens_holds_the_end_back_only_where_the_grammar_allows_more(llm):
+    """min_tokens bans the end until then; a grammar that allows only the end before that is an error, not tokens
+    both forbid (every logit was -inf, and token 0 was emitted)."""
+    out = llm.generate([[1]], params(StructuredOutput("regex", "[ab]+"), temperature=0.0, min_tokens=4, max_tokens=10),
+                       use_tqdm=False)[0]
+    assert re.fullmatch("[ab]+", out.text) and len(out.token_ids) >= 4, out.text
+    with pytest.raises(ValueError, match="allows only the end after 2 generated tokens, but min_tokens is 4"):
+        llm.generate([[1]], params(StructuredOutput("regex", "[ab]{2}"), temperature=0.0, min_tokens=4), use_tqdm=False)
 
 
 def test_a_schema_nested_too_deep_is_refused_before_it_is_parsed(llm):

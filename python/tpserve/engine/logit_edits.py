@@ -66,8 +66,7 @@ class LogitEdits:
                     bias_tokens.append(token)
                     bias_values.append(value)
             if steps[i] < p.min_tokens:
-                banned = set(p.stop_token_ids or ()) | (set() if p.ignore_eos else set(eos_ids))
-                banned = sorted(t for t in banned if t < vocab_size)
+                banned = [t for t in p.stops_before_min_tokens(eos_ids) if t < vocab_size]
                 bias_rows += [i] * len(banned)
                 bias_tokens += banned
                 bias_values += [float("-inf")] * len(banned)

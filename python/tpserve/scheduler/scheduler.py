@@ -125,6 +125,7 @@ class Scheduler:
         req, grammar, error = taken
         if error is not None:
             return [TokenOutput(rid, [], "error", prompt_tokens=len(req.prompt_ids), error=error)]
+        grammar.min_tokens, grammar.early_stops = req.params.min_tokens, req.params.stops_before_min_tokens(self.eos_ids)
         req.grammar = grammar
         self.waiting.append(req)
         return []
@@ -317,10 +318,16 @@ class Scheduler:
             req.pending -= 1
             first = not req.output_ids
             if row in launched.dead_end_rows:
-                error = (f"the {req.params.structured.kind} constraint allows no token after {len(req.output_ids)} "
-                         "generated tokens (a grammar that accepts no output, or none that continues from here)")
+                kind, n = req.params.structured.kind, len(req.output_ids)
+                error = (f"the {kind} constraint allows no token after {n} generated tokens (a grammar that accepts "
+                         "no output, or none that continues from here)")
+                if req.grammar.only_stops:
+                    error = (f"the {kind} constraint allows only the end after {n} generated tokens, but min_tokens "
+                             f"is {req.params.min_tokens}")
                 outputs.append(TokenOutput(req.rid, [], "error", prompt_tokens=len(req.prompt_ids) if first else 0,
                                            error=error))
+                # under overlap the next step already counts this sample's position: it holds no token to cache
+                req.num_cached = min(req.num_cached, req.num_tokens)
                 self._retire(self.running.pop(req.rid))
                 continue
             req.output_ids.append(token)

@@ -17,7 +17,7 @@ import os
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -177,8 +177,17 @@ class RequestGrammar:
     call per request per step. Only the mask worker touches either once the request runs."""
 
     matcher: Any  # xgrammar GrammarMatcher
+    # the request's min_tokens and the stop tokens banned until then: a mask that allows only those is a dead end
+    min_tokens: int = 0
+    early_stops: list[int] = field(default_factory=list)
+    accepted: int = 0  # tokens the matcher took
     terminated: bool = False
     dead_end: bool = False  # its mask allowed no token (a grammar that accepts no output, or none from here)
+    only_stops: bool = False  # ... but a stop token, before min_tokens
+
+    @property
+    def bans_stops(self) -> bool:
+        return self.accepted < self.min_tokens and bool(self.early_stops)
 
 
 class MaskFiller:

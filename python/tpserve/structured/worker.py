@@ -100,7 +100,9 @@ class MaskWorker:
             for (rid, grammar, token), ok in zip(live, accepted):
                 if not ok:
                     logger.warning("request %d: its grammar rejected token %d", rid, token)
-                elif token in self._stop:
+                    continue
+                grammar.accepted += 1
+                if token in self._stop:
                     grammar.terminated = True
         live_fills = [(row, grammar) for row, grammar in fills if not grammar.terminated and not grammar.dead_end]
         if not live_fills:
@@ -110,6 +112,8 @@ class MaskWorker:
         allows_some = masks[rows].any(dim=1).tolist()
         dead_rows = []
         for (row, grammar), ok in zip(live_fills, allows_some):
+            if ok and grammar.bans_stops and not _allows_other_than(masks[row], grammar.early_stops):
+                ok, grammar.only_stops = False, True
             if not ok:
                 grammar.dead_end = True
                 dead_rows.append(row)
@@ -119,3 +123,13 @@ class MaskWorker:
     def close(self) -> None:
         if self._pool is not None:
             self._pool.shutdown(wait=True, cancel_futures=True)
+
+
+def _allows_other_than(mask_row: torch.Tensor, tokens: list[int]) -> bool:
+    """Whether a packed bitmask row (bit t % 32 of int32 word t // 32) allows a token not in ``tokens``."""
+    words = mask_row.clone()
+    for t in tokens:
+        if t < 32 * words.numel():
+            bit = t % 32
+            words[t // 32] &= 0x7FFFFFFF if bit == 31 else ~(1 << bit)  # int32: bit 31 is the sign bit
+    return bool(words.any())
