@@ -202,3 +202,17 @@ def test_completions_logprobs_keep_partial_tokens_apart(qwen3_tokenizer):
     chat = ChatFormat("m", logprobs=True)._logprobs(api.logprobs)["content"]
     assert [e["token"] for e in chat] == [qwen3_tokenizer.decode([t]) for t in ids]
     assert len({e["token"] for e in chat[0]["top_logprobs"]}) == 3  # "\ufffd", " \ufffd", "你好"; bytes tell apart
+
+
+def test_a_stop_tokens_text_is_left_out_unless_asked(tiny_tokenizer):
+    """EOS or a stop_token_ids token ends the text without its own (shown with skip_special_tokens false), as vLLM;
+    include_stop_str_in_output keeps it."""
+    ids = ids_of(tiny_tokenizer, "Hi there")
+    head = tiny_tokenizer.decode(ids[:-1])
+    for include, expected in ((False, head), (True, "Hi there")):
+        m = DetokenizerManager(tiny_tokenizer)
+        m.register(DetokenizeRegister(rid=1, include_stop=include, skip_special_tokens=False))
+        outs = [TokenOutput(rid=1, token_ids=ids[:-1]),
+                TokenOutput(rid=1, token_ids=ids[-1:], finish_reason="stop", matched_stop=ids[-1])]
+        texts = [o.text for o in m.on_batch(batch(*outs)).api.outputs]
+        assert head != "Hi there" and "".join(texts) == expected
