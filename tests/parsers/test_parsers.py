@@ -121,6 +121,9 @@ def test_hermes_plain_text_and_broken_calls():
     assert run_tools(create_tool_parser("hermes"), ["Just text, a < b."]) == ("Just text, a < b.", [])
     content, calls = run_tools(create_tool_parser("hermes"), ["<tool_call>\n{not json</tool_call>after"])
     assert calls == [] and content == "<tool_call>\n{not json</tool_call>after"  # as written, its closing tag too
+    bad_name = '<tool_call>\n{"name": "get_\\x", "arguments": {"a": 1}}\n</tool_call>'  # an invalid JSON escape
+    for chunks in splits(bad_name):  # was a JSONDecodeError out of the parser (a 500, a stream cut off)
+        assert run_tools(create_tool_parser("hermes"), chunks) == (bad_name, []), chunks
 
 
 CALL = '<tool_call>\n{"name": "f", "arguments": '

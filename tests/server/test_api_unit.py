@@ -244,6 +244,13 @@ def test_rejection_aborts_the_other_prompts():
     assert_error(c.post(COMPLETIONS, json={"prompt": ["fine", "REJECT"]}), 400)
 
 
+def test_a_rejected_prompt_counts_each_choice_and_aborts_none_of_them():
+    c, stub = make_client()
+    assert_error(c.post(COMPLETIONS, json={"prompt": "REJECT", "n": 3}), 400)
+    assert stub.aborted == []  # the scheduler never saw them
+    assert "tpserve_requests_rejected_total 3.0" in c.get("/metrics").text
+
+
 # ---- accepted requests ----
 def test_chat_response_schema():
     c, stub = make_client()

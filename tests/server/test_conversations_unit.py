@@ -273,6 +273,34 @@ def test_a_client_leaving_a_stream_adds_nothing_and_releases():
     asyncio.run(scenario())
 
 
+def test_a_conversation_changed_while_truncation_counts_tokens_is_not_held():
+    """``truncation: "auto"`` reads the history, then awaits the token count: another response that ran on the
+    conversation meanwhile made this one's prompt miss its items while its own landed after them."""
+    async def scenario() -> None:
+        store, conversations = ResponseStore(), ConversationStore()
+        stub = StubFrontend(finish="stop")
+        serving = Serving(stub, ServerMetrics(), MODEL, LIMITS)  # type: ignore[arg-type]
+        conversation = conversations.create({}, [])
+
+        async def slow_count(_) -> int:
+            await asyncio.sleep(0.2)
+            return 10
+
+        def body(text: str, **kw) -> ResponsesRequest:
+            return ResponsesRequest.model_validate({"input": text, "conversation": conversation.id, **kw})
+
+        fitting = asyncio.create_task(create_response(serving, store, conversations, body("A", truncation="auto"),
+                                                      None, slow_count))  # type: ignore[arg-type]
+        await asyncio.sleep(0.05)
+        assert (await create_response(serving, store, conversations, body("B"), None)).status_code == 200
+        with pytest.raises(APIError, match="changed while this response's input was being prepared") as e:
+            await fitting
+        assert e.value.code == "conversation_locked" and conversation.running is None
+        assert [item["role"] for item in conversation.items.values()] == ["user", "assistant"]  # B's only
+
+    asyncio.run(scenario())
+
+
 @pytest.mark.parametrize("body, status, fragment, param", [
     ({"input": "x", "conversation": "conv_nope"}, 404, "Conversation with id 'conv_nope' not found.", "conversation"),
     ({"input": "x", "conversation": {"id": "conv_nope"}}, 404, "not found", "conversation"),
@@ -313,9 +341,9 @@ def test_store_drops_the_least_recently_used_and_bounds_items():
         store.create({}, items)
     a.add(items[:3])
     with pytest.raises(APIError, match="at most 3") as err:
-        store.hold(a, "resp_1", items[3:])
+        store.hold(a, "resp_1", items[3:], items[:3])
     assert err.value.param == "input" and a.running is None
-    store.hold(c, "resp_2", items[:1])  # a response appends its output past the bound
+    store.hold(c, "resp_2", items[:1], [])  # a response appends its output past the bound
     store.release(c.id, "resp_1", items)  # not the response holding it: ignored
     assert c.running == "resp_2" and not c.items
     store.release(c.id, "resp_2", items)

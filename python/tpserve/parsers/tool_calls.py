@@ -147,7 +147,11 @@ class ToolCallParser:
         if self._call is None:
             if not args.startswith("{"):  # not begun, or a JSON string: sent whole when it closes
                 return
-            self._call = self._start_call(json.loads(f'"{match.group(1)}"', strict=False), out)
+            try:
+                name = json.loads(f'"{match.group(1)}"', strict=False)
+            except json.JSONDecodeError:  # a bad escape in the name: not a call (it does not parse whole either)
+                return
+            self._call = self._start_call(name, out)
             self._args_sent, self._args_end = 0, _ObjectEnd()
         end = self._args_end.find(args)
         upto = len(args) if end is None else end

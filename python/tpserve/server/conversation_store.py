@@ -101,9 +101,19 @@ class ConversationStore:
             raise APIError(404, f"Conversation with id '{conversation_id}' not found.", param="conversation_id",
                            code="not_found")
 
-    def hold(self, conversation: Conversation, response_id: str, items: list[dict[str, Any]]) -> None:
+    def hold(
+        self, conversation: Conversation, response_id: str, items: list[dict[str, Any]], history: list[dict[str, Any]]
+    ) -> None:
         """Let the response ``response_id``, whose input is ``items``, run on ``conversation`` (400 if
-        another runs on it, or its items cannot be added)."""
+        another runs on it, or its items cannot be added; 404 if it is gone). ``history``: its items as
+        the response read them, which must still be all of them (``truncation: "auto"`` awaits between)."""
+        if self._entries.get(conversation.id) is not conversation:
+            raise APIError(404, f"Conversation with id '{conversation.id}' not found.", param="conversation",
+                           code="not_found")
+        conversation.check_unlocked()
+        if list(conversation.items) != [item["id"] for item in history]:
+            raise APIError(400, "The conversation changed while this response's input was being prepared. "
+                           "Please retry.", param="conversation", code="conversation_locked")
         conversation.check_new(items, "input", self.max_items)
         conversation.running = response_id
 

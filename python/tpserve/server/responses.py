@@ -143,7 +143,7 @@ async def create_response(
     fmt = ResponsesFormat(serving.model_name, body, output, save)
     release = partial(conversations.release, conversation.id, fmt.id) if conversation is not None else _nothing
     if conversation is not None:
-        conversations.hold(conversation, fmt.id, own_items)
+        conversations.hold(conversation, fmt.id, own_items, history)
     if body.store:
         store.put(StoredResponse(fmt.snapshot(), [], own_items, running=fmt, events=fmt.log))
     if fmt.log is not None:

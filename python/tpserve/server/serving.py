@@ -99,8 +99,12 @@ class Generation:
             choice.finish_reason = "abort"
             raise APIError(503, event.message, type="server_error", code="shutting_down")
         if isinstance(event, RequestRejected):
-            choice.finish_reason = "rejected"
-            self._metrics.rejected.inc()
+            # the prompt's other choices are refused alike (the same prompt and limits): counted, and not aborted
+            group = [c for c in self.choices.values()
+                     if c.index // self._choices_per_prompt == choice.index // self._choices_per_prompt]
+            for sibling in group:
+                sibling.finish_reason = "rejected"
+            self._metrics.rejected.inc(len(group))
             invalid = event.status < 500
             raise APIError(event.status, event.message, param=event.param,
                            type="invalid_request_error" if invalid else "server_error",
