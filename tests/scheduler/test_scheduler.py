@@ -138,6 +138,28 @@ def test_long_prefills_run_without_decodes(qwen3_dir, monkeypatch, mixed_prefill
     assert finish == {0: "length", 1: "length", 2: "length"} and len(tokens[1]) == len(tokens[2]) == 12
 
 
+def test_a_prompt_of_many_chunks_holds_the_decodes_one_step_at_a_time(qwen3_dir, monkeypatch):
+    """Prefill chunks and decode steps alternate: a decode waits one prefill step, not all of a long prompt's."""
+    engine = Engine(EngineConfig(model=qwen3_dir, device="cpu", page_size=4, max_total_tokens=256,
+                                 chunked_prefill_size=8))
+    steps: list[tuple[int, int]] = []  # (decode rows, prefill tokens) per launched step
+    prepare = engine.prepare
+
+    def recording_prepare(seqs, *args, **kwargs):
+        decodes = sum(len(s.token_ids) == 1 for s in seqs)
+        steps.append((decodes, sum(len(s.token_ids) for s in seqs) - decodes))
+        return prepare(seqs, *args, **kwargs)
+
+    monkeypatch.setattr(engine, "prepare", recording_prepare)
+    scheduler = Scheduler(engine)
+    params = SamplingParams(max_tokens=30, ignore_eos=True)
+    scheduler.add_request(0, [5, 6, 7], params, seed=0)
+    for _ in range(3):
+        scheduler.step()
+    run(scheduler, {1: (list(range(10, 50)), SamplingParams(max_tokens=2, ignore_eos=True))})
+    assert steps[3:13] == [(0, 8), (1, 0)] * 4 + [(0, 8), (2, 0)], steps  # the 40-token prompt's five chunks
+
+
 def test_prompt_logprobs_in_small_chunks_under_kv_pressure(small_engine, qwen3_dir, monkeypatch):
     import torch
 

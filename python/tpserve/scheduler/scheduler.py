@@ -77,6 +77,7 @@ class Scheduler:
         self.check_accounting = self.config.debug_check_invariants
         self.overlap = not self.config.disable_overlap
         self.inflight: _Launched | None = None
+        self.decodes_held = False  # the last step left the decodes out (prefill work past --mixed-prefill-tokens)
         self.prompt_logprob_rows_left = PROMPT_LOGPROBS_CHUNK  # this step's (see _chunk)
         self.free_slots: list[int] = []  # penalty-state slots given back (a min-heap)
         self.num_slots = 0
@@ -219,14 +220,19 @@ class Scheduler:
         decodes = [(req, n) for req, n in decodes if self.running.get(req.rid) is req]
         prefills = [(req, n) for req, n in prefills if self.running.get(req.rid) is req]
         prefills += self._admit(budget, outputs)
+        held, self.decodes_held = self.decodes_held, False
         if (
             decodes
             and sum(n for _, n in prefills) > self.config.mixed_prefill_tokens
             and self.preemptions_total == preemptions
         ):
-            # Prefills alone hold each decode back one step, not one long step per chunk. Not when
-            # pages ran short: only finishing decodes free them, and a preempted prompt re-admitted
-            # every step would otherwise keep them from ever running.
+            # Prefills alone hold each decode back one step, not one long step per chunk; then the decodes run
+            # alone (a prompt of many chunks would otherwise hold them for all of its chunks). Not when pages
+            # ran short: only finishing decodes free them, and a preempted prompt re-admitted every step would
+            # otherwise keep them from ever running.
+            if held:
+                return decodes
+            self.decodes_held = True
             return prefills
         return decodes + prefills
 
