@@ -160,6 +160,26 @@ def test_a_prompt_of_many_chunks_holds_the_decodes_one_step_at_a_time(qwen3_dir,
     assert steps[3:13] == [(0, 8), (1, 0)] * 4 + [(0, 8), (2, 0)], steps  # the 40-token prompt's five chunks
 
 
+@pytest.mark.parametrize("cache", ["naive", "radix"])
+def test_a_preempted_prompt_returns_once_it_fits_whole(qwen3_dir, cache):
+    """An 80-token prompt arriving while three requests decode into a 128-token cache: preempted, it came back
+    with pages for one 8-token chunk and was preempted again by the decodes' growth, 13 times (naive cache)."""
+    def run_with(max_total_tokens: int) -> tuple[dict, int]:
+        engine = Engine(EngineConfig(model=qwen3_dir, device="cpu", page_size=4, max_total_tokens=max_total_tokens,
+                                     chunked_prefill_size=8, cache=cache))
+        scheduler = Scheduler(engine)
+        for rid in range(3):
+            scheduler.add_request(rid, [5 + rid] * 6, SamplingParams(max_tokens=36, ignore_eos=True), seed=rid)
+        for _ in range(3):
+            scheduler.step()
+        tokens, finish, _ = run(scheduler, {9: (list(range(10, 90)), SamplingParams(max_tokens=4, ignore_eos=True))})
+        assert set(finish.values()) == {"length"}
+        return tokens, scheduler.preemptions_total
+
+    tokens, preemptions = run_with(128)
+    assert preemptions <= 2 and tokens == run_with(1024)[0]
+
+
 def test_prompt_logprobs_in_small_chunks_under_kv_pressure(small_engine, qwen3_dir, monkeypatch):
     import torch
 

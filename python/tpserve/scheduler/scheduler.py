@@ -374,8 +374,11 @@ class Scheduler:
             if n == 0:
                 break  # its prompt's log-probabilities wait for the next step; requests behind it do not overtake it
             need = -(-(cached + n) // self.page_size) - match.num_pages
+            # A preempted request comes back once its whole sequence fits: from its first chunk alone, the running
+            # requests' growth would preempt it again before its prompt is done, over and over.
+            fits = need if req.cached_tokens < 0 else -(-len(ids) // self.page_size) - match.num_pages
             self.cache.lock(match.node)
-            if need > self.allocator.num_free + self.cache.num_evictable:
+            if fits > self.allocator.num_free + self.cache.num_evictable:
                 self.cache.unlock(match.node)
                 if not self.running and self.inflight is None:  # it can never fit
                     self.waiting.remove(req)
