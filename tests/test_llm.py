@@ -367,6 +367,25 @@ def test_dead_rank_is_an_error_not_a_hang(qwen3_dir):
     assert all(not p.is_alive() for p in procs)
 
 
+def test_an_llm_built_in_a_thread_that_ends_keeps_its_ranks(qwen3_dir):
+    """The kernel's parent-death signal follows the thread that started a process: the ranks were killed when the
+    thread that built the LLM ended, the user's process still running."""
+    import threading
+
+    built: list[LLM] = []
+    thread = threading.Thread(target=lambda: built.append(LLM(qwen3_dir, tp_size=2, device="cpu")))
+    thread.start()
+    thread.join()
+    (llm,) = built
+    try:
+        time.sleep(1.0)
+        assert all(p.is_alive() for p in llm._driver.backend.procs)
+        out = llm.generate([[1, 2, 3]], SamplingParams(max_tokens=4, ignore_eos=True), use_tqdm=False)[0]
+        assert len(out.token_ids) == 4
+    finally:
+        llm.close()
+
+
 def test_a_rank_that_fails_to_start_names_why(qwen3_dir, tmp_path):
     """At TP 2 the ranks are processes: their exception reaches the caller's error (it said only "tp rank 0 died")."""
     import json

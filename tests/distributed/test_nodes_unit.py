@@ -63,6 +63,27 @@ def test_a_missing_rank_is_named_when_the_join_times_out(qwen3_dir, capfd):
     assert "frame #" not in capfd.readouterr().err  # no pages of torch's C++ stack frames before the error
 
 
+def test_a_node_rank_given_twice_is_named(qwen3_dir):
+    """Two nodes started with the same --node-rank both joined (the second overwrote the first's key); one formed
+    the job, the other hung in the rendezvous until an unrelated Gloo error."""
+    import threading
+
+    config = EngineConfig(qwen3_dir, tp_size=2, nnodes=2, dist_init_addr=f"tcp://127.0.0.1:{free_port()}",
+                          dist_timeout=30.0)
+    groups: list[NodeGroup] = []
+    node_0 = threading.Thread(target=lambda: groups.append(NodeGroup.join(0, config)))
+    node_0.start()
+    try:
+        groups.append(NodeGroup.join(1, config))
+        with pytest.raises(NodeFailure, match=r"rank 1 \(node 1\): another process joined as rank 1 \(node 1\) "
+                                              r"already: is --node-rank 1 given to two nodes\?"):
+            NodeGroup.join(1, config)
+    finally:
+        node_0.join()
+        for group in groups:
+            group.stop()
+
+
 def test_peer_memory_all_reduce_does_not_span_nodes(qwen3_dir):
     with pytest.raises(ValueError, match="peer GPU memory, which does not span nodes"):
         EngineConfig(qwen3_dir, tp_size=2, nnodes=2, dist_init_addr="tcp://h:1", all_reduce="one_shot")

@@ -235,3 +235,18 @@ def test_an_abort_drops_a_compile_not_started_that_no_other_request_waits_for(ll
         assert compiler.submit(p.structured) is not future  # asked for again, it is compiled afresh
     finally:
         gate.set()
+
+
+def test_an_aborted_compile_is_forgotten_once_started_too(llm):
+    """Whether an abort found the compile started depends on each rank's timing: kept by one rank and dropped by
+    another, a retry was ready at once on the first while the second compiled it, holding every rank's step."""
+    import time
+
+    scheduler = llm._driver.scheduler
+    p = params(StructuredOutput("regex", "[xy]{5}r"))
+    scheduler.add_request(910, [1, 2], p, seed=0)
+    future = scheduler.compiling.compile_of(910)
+    while not scheduler.grammars_ready():
+        time.sleep(0.01)
+    assert scheduler.abort(910) and future.done() and not future.cancelled()
+    assert scheduler.compiling.compiler.submit(p.structured) is not future

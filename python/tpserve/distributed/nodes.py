@@ -41,6 +41,7 @@ EXIT_CODE = 1
 STARTUP_COLLECTIVE_TIMEOUT_S = 1800.0
 
 _JOINED, _BEAT, _VERDICT, _LEFT = "tpserve/joined/", "tpserve/beat/", "tpserve/verdict", "tpserve/left/"
+_CLAIMED = "tpserve/claimed/"
 
 
 class NodeFailure(RuntimeError):
@@ -122,6 +123,9 @@ class NodeGroup:
                 f"{me}: could not reach node 0 (rank 0's rendezvous store) at {host}:{port} within "
                 f"{config.dist_timeout:g} s: is node 0 running, and is --dist-init-addr its address?"
             ) from None
+        if store.add(f"{_CLAIMED}{rank}", 1) > 1:  # the joined key below would just be overwritten
+            raise NodeFailure(f"{me}: another process joined as {me} already: is --node-rank {layout.node_of(rank)} "
+                              "given to two nodes?")
         group = cls(rank, layout, host, port, config.dist_timeout, store)
         store.add(f"{_BEAT}{rank}", 1)
         store.set(f"{_JOINED}{rank}", f"{socket.gethostname()} pid {os.getpid()}")

@@ -165,7 +165,8 @@ class Backend:
         log_file = self.server and self.server.log_file
         for name, entry, args in self._specs:
             proc = self._mp.Process(target=child_main,
-                                    args=(entry, args, os.getpid(), self.log_level, log_file, self._errors),
+                                    args=(entry, args, os.getpid(), self.log_level, log_file, self._errors,
+                                          threading.current_thread() is threading.main_thread()),
                                     name=f"tpserve-{name}", daemon=False)
             proc.start()
             self.procs.append(proc)

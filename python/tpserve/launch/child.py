@@ -1,7 +1,8 @@
 """What every server child process runs first: logging, signals and the parent-death guard.
 
 Children never outlive the server: on Linux the kernel kills them when the parent dies
-(PR_SET_PDEATHSIG), and everywhere a daemon thread exits the process once its parent is gone.
+(PR_SET_PDEATHSIG, for children started from the parent's main thread), and everywhere a daemon
+thread exits the process once its parent is gone.
 SIGINT is ignored (a terminal's Ctrl-C reaches the whole process group; the parent decides).
 """
 
@@ -42,12 +43,13 @@ def setup_logging(level: str, log_file: str | None = None) -> None:
 
 
 def child_main(entry: str, args: tuple, parent_pid: int, log_level: str, log_file: str | None = None,
-               errors: Any = None) -> None:
+               errors: Any = None, from_main_thread: bool = True) -> None:
     """Target of every spawned child: guard, then run ``entry(*args)`` (``entry``: "module:function"). An exception
-    that ends it is also put on ``errors`` (a SimpleQueue) in one line, so that the parent can say why it stopped."""
+    that ends it is also put on ``errors`` (a SimpleQueue) in one line, so that the parent can say why it stopped.
+    ``from_main_thread``: the parent started it from its main thread."""
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     setup_logging(log_level, log_file)
-    _die_with_parent(parent_pid)
+    _die_with_parent(parent_pid, from_main_thread)
     # tqdm's default lock is a multiprocessing RLock, a named semaphore that a child stopped by SIGTERM never
     # unlinks (the resource tracker then warns of a leak at shut-down); one process's bars need a thread lock.
     tqdm.set_lock(threading.RLock())
@@ -79,8 +81,10 @@ def one_line_error(error: BaseException, limit: int = 500) -> str:
     return text if len(text) <= limit else text[: limit - 3] + "..."
 
 
-def _die_with_parent(parent_pid: int) -> None:
-    if sys.platform.startswith("linux"):
+def _die_with_parent(parent_pid: int, from_main_thread: bool) -> None:
+    # The kernel's signal comes when the thread that started this process ends, not its process: from another
+    # thread (an offline LLM built in a worker thread) only the watch thread below applies.
+    if from_main_thread and sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
             libc.prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG

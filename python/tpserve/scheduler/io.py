@@ -133,7 +133,10 @@ class SchedulerIO:
     def close(self) -> None:
         if self._guard is not None:
             self._guard.stop()
-        # across nodes, rank 0's last broadcast (the Shutdown) must still get out
+        if self.rank == 0 and self.tp_size > 1:
+            # rank 0's last broadcast (the Shutdown, maybe after a burst of requests) must still get out: closed with
+            # no linger, ZMQ drops what it has not sent, and a rank told to expect it waits for SIGTERM
+            self.pub.close(linger=SHUTDOWN_LINGER_MS)
         self.ctx.destroy(linger=SHUTDOWN_LINGER_MS if self.nodes is not None else 0)
 
 

@@ -136,7 +136,7 @@ class SchedulerLoop:
                 return False
             replies.extend(self.apply(msg))
         outputs = self.scheduler.step() if self.scheduler.has_work else []
-        if self.check_ranks and outputs:
+        if self.check_ranks:  # every iteration: ranks that disagree on whether there were outputs are caught too
             self.check_agreement(outputs)
         replies.extend(outputs)
         if replies:

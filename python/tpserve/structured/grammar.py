@@ -133,9 +133,12 @@ class GrammarCompiler:
             self._cache[spec.key] = self._cache.pop(spec.key)
         return future
 
-    def cancel(self, spec: StructuredOutput, future: Future) -> None:
-        """No request waits for ``future`` any more: drop it, unless its compile has started (it cannot be stopped)."""
-        if future.cancel() and self._cache.get(spec.key) is future:
+    def forget(self, spec: StructuredOutput, future: Future) -> None:
+        """No request waits for ``future`` any more: stop its compile if it has not started, and drop it from the
+        cache either way. So every rank's cache holds the same specs whatever each one's timing: a rank that kept a
+        started compile would find a retry ready at once while another compiled it anew, stalling the others."""
+        future.cancel()
+        if self._cache.get(spec.key) is future:
             del self._cache[spec.key]
 
     def _compiler(self, json_kind: bool) -> Any:

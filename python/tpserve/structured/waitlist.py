@@ -62,8 +62,7 @@ class GrammarWaitlist(Generic[R]):
         waiting = self._waiting.pop(rid, None)
         if waiting is None:
             return None
-        if timed_out:
-            self._drop_compile(waiting)
+        if timed_out:  # its compile goes on, on every rank: the same spec asked again once it is done is ready
             return waiting.request, None, (
                 f"its {waiting.spec.kind} did not compile within {self.timeout_s:g} s (--grammar-compile-timeout): "
                 "a simpler one compiles faster")
@@ -83,9 +82,9 @@ class GrammarWaitlist(Generic[R]):
         return True
 
     def _drop_compile(self, gone: _Waiting[R]) -> None:
-        """A compile no other request waits for and not yet started is dropped."""
+        """A compile no other request waits for is forgotten (stopped if it has not started)."""
         if all(w.compile is not gone.compile for w in self._waiting.values()):
-            self.compiler.cancel(gone.spec, gone.compile)
+            self.compiler.forget(gone.spec, gone.compile)
 
     def close(self) -> None:
         self.compiler.close()
