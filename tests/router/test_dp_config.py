@@ -79,6 +79,7 @@ def test_health_names_the_stalled_rank_and_replica(qwen3_dir):
             beat.value = now
         assert backend.stalled(60) is None
         backend.heartbeats["scheduler rank 1 of replica 1"].value = now - 100
+        backend.heartbeats["scheduler rank 0 of replica 1"].value = now - 99  # held by rank 1 in a collective
         assert backend.stalled(60).startswith("scheduler rank 1 of replica 1 has made no progress for 10")
     finally:
         backend.shutdown()

@@ -209,12 +209,14 @@ class Backend:
 
     def stalled(self, timeout: float) -> str | None:
         """Why the backend is not live, if a process's loop (a rank's, a tokenizer's, the detokenizer's)
-        has not come round for ``timeout`` s."""
+        has not come round for ``timeout`` s: the one stalled longest (a stopped rank stalls the others
+        in their next collective soon after)."""
         now = time.monotonic()
-        for name, beat in self.heartbeats.items():
-            if beat.value and now - beat.value > timeout:
-                return f"{name} has made no progress for {now - beat.value:.1f} s"
-        return None
+        beats = [(beat.value, name) for name, beat in self.heartbeats.items() if beat.value]
+        if not beats:
+            return None
+        oldest, name = min(beats)
+        return f"{name} has made no progress for {now - oldest:.1f} s" if now - oldest > timeout else None
 
     # ---- shut-down ----
     def shutdown(self) -> None:
