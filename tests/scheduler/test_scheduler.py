@@ -106,14 +106,9 @@ def test_abort_frees_pages(small_engine):
     assert scheduler.allocator.num_free == scheduler.allocator.total and not scheduler.has_work
 
 
-@pytest.mark.parametrize("mixed_prefill_tokens", [0, 8, 64])
-def test_long_prefills_run_without_decodes(qwen3_dir, monkeypatch, mixed_prefill_tokens):
-    """A step carrying more prefill tokens than mixed_prefill_tokens leaves the decodes out (they
-    run in the next step); shorter prefill work shares the step with them."""
-    config = EngineConfig(model=qwen3_dir, device="cpu", page_size=4, max_total_tokens=256,
-                          mixed_prefill_tokens=mixed_prefill_tokens)
-    engine = Engine(config)
-    steps: list[tuple[int, int]] = []  # (decode rows, prefill tokens) per launched step
+def record_steps(engine: Engine, monkeypatch) -> list[tuple[int, int]]:
+    """(decode rows, prefill tokens) of each step ``engine`` prepares, from now on."""
+    steps: list[tuple[int, int]] = []
     prepare = engine.prepare
 
     def recording_prepare(seqs, *args, **kwargs):
@@ -122,6 +117,17 @@ def test_long_prefills_run_without_decodes(qwen3_dir, monkeypatch, mixed_prefill
         return prepare(seqs, *args, **kwargs)
 
     monkeypatch.setattr(engine, "prepare", recording_prepare)
+    return steps
+
+
+@pytest.mark.parametrize("mixed_prefill_tokens", [0, 8, 64])
+def test_long_prefills_run_without_decodes(qwen3_dir, monkeypatch, mixed_prefill_tokens):
+    """A step carrying more prefill tokens than mixed_prefill_tokens leaves the decodes out (they
+    run in the next step); shorter prefill work shares the step with them."""
+    config = EngineConfig(model=qwen3_dir, device="cpu", page_size=4, max_total_tokens=256,
+                          mixed_prefill_tokens=mixed_prefill_tokens)
+    engine = Engine(config)
+    steps = record_steps(engine, monkeypatch)
     scheduler = Scheduler(engine)
     params = SamplingParams(max_tokens=12, ignore_eos=True)
     scheduler.add_request(0, [5, 6, 7], params, seed=0)
@@ -142,15 +148,7 @@ def test_a_prompt_of_many_chunks_holds_the_decodes_one_step_at_a_time(qwen3_dir,
     """Prefill chunks and decode steps alternate: a decode waits one prefill step, not all of a long prompt's."""
     engine = Engine(EngineConfig(model=qwen3_dir, device="cpu", page_size=4, max_total_tokens=256,
                                  chunked_prefill_size=8))
-    steps: list[tuple[int, int]] = []  # (decode rows, prefill tokens) per launched step
-    prepare = engine.prepare
-
-    def recording_prepare(seqs, *args, **kwargs):
-        decodes = sum(len(s.token_ids) == 1 for s in seqs)
-        steps.append((decodes, sum(len(s.token_ids) for s in seqs) - decodes))
-        return prepare(seqs, *args, **kwargs)
-
-    monkeypatch.setattr(engine, "prepare", recording_prepare)
+    steps = record_steps(engine, monkeypatch)
     scheduler = Scheduler(engine)
     params = SamplingParams(max_tokens=30, ignore_eos=True)
     scheduler.add_request(0, [5, 6, 7], params, seed=0)
