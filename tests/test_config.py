@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 import re
 
 import pytest
@@ -51,11 +52,26 @@ def test_python_api_names_keywords(qwen3_dir, tmp_path):
         check_can_start(EngineConfig(model=str(tmp_path), device="cpu"), model)
     with pytest.raises(ValueError, match="max_model_len=5000 exceeds the model's context length .4096."):
         check_can_start(EngineConfig(model=qwen3_dir, device="cpu", max_model_len=5000), model)
-    # a KV cache past the machine's memory (was the allocator's error inside every rank)
-    with pytest.raises(ValueError, match=r"max_total_tokens=100000000000 needs [\d,.]+ GiB of KV cache on this "
-                                         r"machine's CPU ranks; it has [\d,.]+ GiB of memory"):
-        check_can_start(EngineConfig(model=qwen3_dir, device="cpu", max_total_tokens=10**11), model)
     check_can_start(EngineConfig(model=qwen3_dir, device="cpu", max_total_tokens=4096), model)
+
+
+def test_weights_and_kv_cache_past_the_cpu_memory_are_refused_before_start(qwen3_dir, monkeypatch):
+    """Was the allocator's error inside every rank: a KV cache past the memory, also one of few tokens in one huge
+    page, or weights past it (Qwen3-32B in float32 on the CPU)."""
+    sysconf = os.sysconf
+    monkeypatch.setattr(os, "sysconf", lambda name: 2**20 if name == "SC_PHYS_PAGES" else sysconf(name))
+    memory = os.sysconf("SC_PAGE_SIZE") * 2**20 / 2**30
+    model = ModelConfig.from_pretrained(qwen3_dir)
+    for engine, size in [(EngineConfig(model=qwen3_dir, device="cpu", max_total_tokens=10**11), "max_total_tokens=100000000000"),
+                         (EngineConfig(model=qwen3_dir, device="cpu", max_total_tokens=2, page_size=10**8),
+                          "max_total_tokens=2 in pages of page_size=100000000")]:
+        with pytest.raises(ValueError, match=rf"this model's weights \(0.0 GiB\) and a KV cache of {size} \([\d,.]+ GiB\) "
+                                             rf"on this machine's 1 CPU rank\(s\) need more than its {memory:,.1f} GiB"):
+            check_can_start(engine, model)
+    big = os.path.join(os.path.dirname(__file__), "data", "configs", "Qwen3-32B")
+    with pytest.raises(ValueError, match=r"this model's weights \(12[\d.]+ GiB\) and a KV cache of max_total_tokens=32768"):
+        check_can_start(EngineConfig(model=big, device="cpu", load_format="dummy"), ModelConfig.from_pretrained(big))
+    check_can_start(EngineConfig(model=qwen3_dir, device="cpu"), model)
 
 
 def test_decode_attention_xqa_is_checked_before_start(qwen3_dir, two_gpus, monkeypatch):

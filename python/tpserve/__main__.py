@@ -25,6 +25,8 @@ def serve(args: ServerArgs) -> int:
     from tpserve.launch.child import setup_logging
 
     setup_logging(args.log_level)
+    for warning in args.startup_warnings:
+        logger.warning("%s", warning)
     if args.demo_model:
         logger.warning(
             "no --model given: serving the built-in tiny RANDOM-WEIGHT demo model from %s "

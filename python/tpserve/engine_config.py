@@ -17,6 +17,8 @@ from tpserve.models.checkpoint import check_safetensors
 from tpserve.quant.config import resolve_quantization
 from tpserve.sampling_params import SEED_LIMIT  # torch.Generator.manual_seed takes a signed 64-bit seed
 
+DEFAULT_CPU_KV_TOKENS = 32768  # the KV cache on the CPU without max_total_tokens
+MAX_DIST_TIMEOUT_S = 2_000_000  # torch's TCPStore takes its timeout in milliseconds as a C int (2**31 ms: 24.8 days)
 # EngineConfig's string settings (the CLI offers the same choices).
 CHOICES = {
     "device": ("cpu", "cuda"),
@@ -41,7 +43,7 @@ class EngineConfig:
     dtype: str | None = None  # None or auto: the checkpoint's on GPU, float32 on the CPU
     load_format: str = "auto"  # dummy: random weights
     page_size: int = 16
-    max_total_tokens: int | None = None  # KV cache size in tokens (default on CPU: 32768)
+    max_total_tokens: int | None = None  # KV cache size in tokens (default on CPU: DEFAULT_CPU_KV_TOKENS)
     mem_fraction: float = 0.85  # fraction of free GPU memory for weights' leftovers + KV cache
     max_running_requests: int = 256
     chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts are chunked (<= 0: off)
@@ -80,19 +82,14 @@ class EngineConfig:
         _check_types(self)
         object.__setattr__(self, "dtype", DTYPE_ALIASES.get(self.dtype, self.dtype))
         _check_min("tp_size", self.tp_size, 1)
-        check_nodes(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr)
-        if self.nnodes > 1 and self.all_reduce in ("one_shot", "two_shot"):
-            raise ValueError(
-                f"all-reduce {self.all_reduce} goes through peer GPU memory, which does not span nodes: "
-                "use auto or nccl with more than one node"
-            )
-        if not 0 < self.dist_timeout < float("inf"):
-            raise ValueError(f"dist_timeout must be a positive number of seconds, got {self.dist_timeout}")
+        check_nodes(self.tp_size, self.nnodes, self.node_rank, self.dist_init_addr, dp_size=self.dp_size,
+                    all_reduce=self.all_reduce)
+        if not 0 < self.dist_timeout <= MAX_DIST_TIMEOUT_S:
+            raise ValueError(f"dist_timeout must be a positive number of seconds, at most {MAX_DIST_TIMEOUT_S:,}, "
+                             f"got {self.dist_timeout}")
         _check_min("dp_size", self.dp_size, 1)
         if not 0 <= self.dp_rank < self.dp_size:
             raise ValueError(f"dp_rank must be in [0, dp_size {self.dp_size}), got {self.dp_rank}")
-        if self.dp_size > 1 and self.nnodes > 1:
-            raise ValueError("data-parallel replicas run on one node: dp_size > 1 with nnodes > 1 is not supported")
         for name, choices in CHOICES.items():
             value = getattr(self, name)
             if value not in choices + {"device": (None,), "dtype": (None, "auto")}.get(name, ()):
@@ -139,7 +136,8 @@ def _check_min(name: str, value: int, low: int) -> None:
         raise ValueError(f"{name} must be >= {low}, got {value}")
 
 
-def check_nodes(tp_size: int, nnodes: int, node_rank: int, dist_init_addr: str | None, cli: bool = False) -> None:
+def check_nodes(tp_size: int, nnodes: int, node_rank: int, dist_init_addr: str | None, cli: bool = False,
+                dp_size: int = 1, all_reduce: str = "auto") -> None:
     """The node layout's checks, naming the CLI flags when ``cli``."""
     def opt(name: str) -> str:
         return f"--{name.replace('_', '-')}" if cli else name
@@ -155,6 +153,12 @@ def check_nodes(tp_size: int, nnodes: int, node_rank: int, dist_init_addr: str |
         raise ValueError(f"{opt('node_rank')} must be in [0, {nnodes}), got {node_rank}")
     if nnodes > 1 and not dist_init_addr:
         raise ValueError(f"{opt('nnodes')} {nnodes} needs {opt('dist_init_addr')} (node 0's HOST:PORT)")
+    if nnodes > 1 and dp_size > 1:
+        raise ValueError(f"data-parallel replicas run on one node: {opt('dp_size')} {dp_size} with {opt('nnodes')} "
+                         f"{nnodes} is not supported")
+    if nnodes > 1 and all_reduce in ("one_shot", "two_shot"):
+        raise ValueError(f"{opt('all_reduce')} {all_reduce} goes through peer GPU memory, which does not span nodes: "
+                         f"use auto or nccl with {opt('nnodes')} {nnodes}")
 
 
 def _option(name: str, value: Any, cli: bool) -> str:
@@ -189,22 +193,31 @@ def _has_safetensors(model_dir: str) -> bool:
     return os.path.isdir(model_dir) and any(name.endswith(".safetensors") for name in os.listdir(model_dir))
 
 
-def _check_cpu_kv_fits(engine: EngineConfig, model: ModelConfig, cli: bool) -> None:
-    """On the CPU the KV cache is exactly ``max_total_tokens``: one larger than this machine's memory is a clear error
-    here, not an allocator's failure inside every rank."""
+def _check_cpu_fits(engine: EngineConfig, model: ModelConfig, cli: bool) -> None:
+    """On the CPU the KV cache is exactly ``max_total_tokens`` (whole pages, and a scratch page): that and the weights
+    larger than this machine's memory are a clear error here, not an allocator's failure inside every rank."""
     from tpserve.kvcache.pool import KVCachePool
+    from tpserve.plan.cost import ModelShape
     from tpserve.quant.fp8 import FP8_DTYPE
 
-    dtype = FP8_DTYPE if engine.kv_cache_dtype == "fp8_e4m3" else resolve_dtype(engine.dtype, model, torch.device("cpu"))
-    per_token = KVCachePool.bytes_per_page(model.num_hidden_layers, 1, model.kv_heads_per_rank(engine.tp_size),
-                                           model.head_dim, dtype)
+    dtype = resolve_dtype(engine.dtype, model, torch.device("cpu"))
+    kv_dtype = FP8_DTYPE if engine.kv_cache_dtype == "fp8_e4m3" else dtype
+    tokens = engine.max_total_tokens or DEFAULT_CPU_KV_TOKENS
+    pages = -(-tokens // engine.page_size) + 1
+    kv = pages * KVCachePool.bytes_per_page(model.num_hidden_layers, engine.page_size,
+                                            model.kv_heads_per_rank(engine.tp_size), model.head_dim, kv_dtype)
+    shape = ModelShape(model, dtype.itemsize, expert_parallel=engine.expert_parallel)  # FP8 weights dequantized
+    weights = shape.weight_bytes_per_rank(engine.tp_size)
     ranks_here = engine.tp_size // engine.nnodes * engine.dp_size
-    need = engine.max_total_tokens * per_token * ranks_here
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
-    if need > memory:
+    if (kv + weights) * ranks_here > memory:
+        size = _option("max_total_tokens", tokens, cli)
+        if pages * engine.page_size > 2 * tokens:
+            size += f" in pages of {_option('page_size', engine.page_size, cli)}"
         raise ValueError(
-            f"{_option('max_total_tokens', engine.max_total_tokens, cli)} needs {need / 2**30:,.1f} GiB of KV cache "
-            f"on this machine's CPU ranks; it has {memory / 2**30:,.1f} GiB of memory"
+            f"this model's weights ({weights * ranks_here / 2**30:,.1f} GiB) and a KV cache of {size} "
+            f"({kv * ranks_here / 2**30:,.1f} GiB) on this machine's {ranks_here} CPU rank(s) need more than its "
+            f"{memory / 2**30:,.1f} GiB of memory"
         )
 
 
@@ -236,8 +249,8 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
                 f"{_option('tp_size', engine.tp_size, cli)} needs {per_node} GPUs{where}; "
                 f"{torch.cuda.device_count()} visible"
             )
-    if device == "cpu" and engine.max_total_tokens is not None:
-        _check_cpu_kv_fits(engine, model, cli)
+    if device == "cpu":
+        _check_cpu_fits(engine, model, cli)
     if engine.attention_backend == "flashinfer":
         dtype = resolve_dtype(engine.dtype, model, torch.device(device))
         if device != "cuda" or dtype not in FLASHINFER_DTYPES:

@@ -27,7 +27,12 @@ def test_aliases_and_values(qwen3_dir):
     assert (e.mem_fraction, e.max_total_tokens, e.load_format, e.max_model_len) == (0.5, 1024, "dummy", 100)
     assert e.debug_check_invariants and a.shell
     assert (a.host, a.port, a.num_tokenizers, a.served_model_name, a.api_key) == ("0.0.0.0", 0, 2, "m", "k")
-    assert a.log_level == "debug" and a.context_len == 100
+    assert a.log_level == "debug" and a.context_len == 100 and a.startup_warnings == ()
+    short = parse_args(["--model", qwen3_dir, "--max-total-tokens", "10", "--log-level", "ERROR"])
+    assert short.log_level == "error" and short.context_len == 10  # the level in any case, as Python's logging takes it
+    # logged once logging is set up (it was printed bare while parsing, whatever --log-level said)
+    assert short.startup_warnings == ("--max-total-tokens 10 is below the context length 4096: requests are limited "
+                                      "to 10 tokens",)
 
 
 def test_advanced_engine_flags(qwen3_dir):
@@ -299,12 +304,24 @@ def test_errors_are_one_line_and_abbreviations_are_refused(qwen3_dir, capsys):
         (["--tp-size", "2", "--nnodes", "2"], "--nnodes 2 needs --dist-init-addr (node 0's HOST:PORT)"),
         (["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "nohost"], "--dist-init-addr: expected HOST:PORT"),
         (["--nnodes", "0"], "--nnodes: must be >= 1"),
-        (["--dist-timeout", "0"], "--dist-timeout: must be a positive number"),
-        (["--tp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "h:1", "--shell"],
+        (["--dist-timeout", "0"], "--dist-timeout: must be in (0, 2,000,000] seconds, got '0'"),
+        (["--dist-timeout", "1e300"], "--dist-timeout: must be in (0, 2,000,000] seconds"),  # was torch's OverflowError
+        (["--tp-size", "2", "--nnodes", "2", "--dist-init-addr", "no.such.host.invalid:29555"],
+         "--dist-init-addr no.such.host.invalid:29555: cannot resolve 'no.such.host.invalid'"),  # was the ranks' error
+        (["--tp-size", "2", "--nnodes", "2", "--dp-size", "2", "--dist-init-addr", "127.0.0.1:1"],
+         "data-parallel replicas run on one node: --dp-size 2 with --nnodes 2 is not supported"),
+        (["--tp-size", "2", "--nnodes", "2", "--all-reduce", "one_shot", "--dist-init-addr", "127.0.0.1:1"],
+         "--all-reduce one_shot goes through peer GPU memory, which does not span nodes"),
+        (["--tp-size", "2", "--nnodes", "2", "--node-rank", "1", "--dist-init-addr", "127.0.0.1:1", "--shell"],
          "--shell runs on node 0; --node-rank 1 only runs its ranks: drop --shell"),
     ],
 )
 def test_bad_node_flags_are_usage_errors(qwen3_dir, capsys, monkeypatch, argv, fragment):
+    monkeypatch.delenv("TPSERVE_DIST_TOKEN", raising=False)  # the flags are checked first
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", qwen3_dir, *argv])
+    if "TPSERVE_DIST_TOKEN" in capsys.readouterr().err:
+        assert "--shell" in argv  # only the shell's own check comes after the token's
     monkeypatch.setenv("TPSERVE_DIST_TOKEN", "a-long-enough-token")
     with pytest.raises(SystemExit) as e:
         parse_args(["--model", qwen3_dir, *argv])

@@ -53,9 +53,9 @@ def ipc_dir_from_log(log: str) -> str:
     return re.search(r"ipc directory (\S+)", log).group(1)
 
 
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT, signal.SIGHUP])  # SIGHUP: its terminal closed
 def test_health_503_until_ready_then_signal_stops_everything(qwen3_dir, sig):
-    if sig == signal.SIGTERM:  # fake scheduler with a slow "model load"
+    if sig != signal.SIGINT:  # fake scheduler with a slow "model load"
         srv = start(qwen3_dir, env={"FAKE_SCHEDULER_START_DELAY_S": "2"}, extra=["--num-tokenizers", "2"])
         expected_children = 4  # scheduler, detokenizer, 2 tokenizers
     else:  # the real scheduler, two TP ranks on the CPU
@@ -147,3 +147,20 @@ def test_a_child_stopped_by_sigterm_leaves_no_semaphore(tmp_path):
     done = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=60)
     assert done.returncode == -signal.SIGTERM
     assert "leaked semaphore" not in done.stderr, done.stderr  # tqdm's default lock is a named semaphore
+
+
+def test_a_child_ignores_ctrl_c_and_hangup_from_its_first_instruction():
+    """A Ctrl-C (or a closed terminal) while the children were still importing torch ended each with a traceback:
+    they ignored SIGINT only from child_main on. Started with the signals blocked, they ignore them throughout."""
+    import multiprocessing
+
+    from tpserve.launch.child import child_main, started_with_signals_blocked
+
+    proc = multiprocessing.get_context("spawn").Process(target=child_main, args=("time:sleep", (3,), os.getpid(), "info"))
+    with started_with_signals_blocked():
+        proc.start()
+    for sig in (signal.SIGINT, signal.SIGHUP):  # at once: the child is still starting its interpreter
+        os.kill(proc.pid, sig)
+    proc.join(60)
+    assert proc.exitcode == 0
+    assert signal.SIGINT not in signal.pthread_sigmask(signal.SIG_BLOCK, [])  # the parent's mask is restored

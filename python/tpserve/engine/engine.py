@@ -12,7 +12,7 @@ import torch
 
 from tpserve.attention.factory import create_backend
 from tpserve.config import ModelConfig, resolve_dtype
-from tpserve.engine_config import EngineConfig
+from tpserve.engine_config import DEFAULT_CPU_KV_TOKENS, EngineConfig
 from tpserve.distributed.comm import init_process_groups
 from tpserve.distributed.info import set_tp_info
 from tpserve.distributed.nodes import NodeGroup, NodeLayout
@@ -34,7 +34,6 @@ from tpserve.structured import mask as grammar_mask
 
 logger = logging.getLogger(__name__)
 
-DEFAULT_CPU_KV_TOKENS = 32768
 
 
 DEFAULT_WARM_UP_TOKENS = 8192  # the largest warm-up prefill without chunked prefill

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import logging
 import os
+import socket
 from dataclasses import dataclass, fields
 from typing import Any
 
 from tpserve.config import DTYPE_ALIASES, ModelConfig
-from tpserve.engine_config import CHOICES, EngineConfig, check_can_start, check_nodes
+from tpserve.engine_config import MAX_DIST_TIMEOUT_S, CHOICES, EngineConfig, check_can_start, check_nodes
 from tpserve.distributed.control import TOKEN_ENV, read_token
 from tpserve.distributed.nodes import split_addr
 from tpserve.quant.config import QUANTIZATION_METHODS
@@ -23,7 +23,6 @@ from tpserve.tokenizer.loader import (
     check_chat_template, has_tokenizer_files, load_tokenizer, missing_tokenizer_message,
 )
 
-logger = logging.getLogger(__name__)
 
 DEFAULT_SCHEDULER_ENTRY = "tpserve.scheduler.process:run_scheduler"
 DEMO_MODEL_NAME = "tpserve-tiny-random"
@@ -47,6 +46,7 @@ class ServerArgs:
     log_level: str = "info"
     log_file: str | None = None  # every process logs here instead of stderr (the shell sets it)
     demo_model: bool = False  # serving the built-in tiny random-weight model
+    startup_warnings: tuple[str, ...] = ()  # found while parsing, logged once logging is set up
     scheduler_entry: str = DEFAULT_SCHEDULER_ENTRY  # "module:function" run once per TP rank (tests set another)
     model_aliases: tuple[str, ...] = ()  # the other --served-model-name values
     chat_template: str | None = None  # --chat-template FILE's text (None: the model's own)
@@ -212,7 +212,8 @@ def build_parser() -> argparse.ArgumentParser:
                        metavar="HOST:PORT",
                        help="node 0's address on the network the nodes share: rank 0 serves the rendezvous "
                        "there and its message broadcast on a free port of that interface")
-    nodes.add_argument("--dist-timeout", type=positive, default=_default("dist_timeout"),
+    dist_timeout = number(float, lambda v: 0 < v <= MAX_DIST_TIMEOUT_S, f"in (0, {MAX_DIST_TIMEOUT_S:,}] seconds")
+    nodes.add_argument("--dist-timeout", type=dist_timeout, default=_default("dist_timeout"),
                        help="seconds a node may take to join, or be silent (heartbeats, collectives), before "
                        "every process of the job stops naming it")
     server = p.add_argument_group("server")
@@ -235,7 +236,7 @@ def build_parser() -> argparse.ArgumentParser:
                         help="tokenizer worker processes")
     server.add_argument("--shell", action="store_true",
                         help="chat in the terminal instead of serving HTTP")
-    server.add_argument("--log-level", choices=LOG_LEVELS, default=_default("log_level", ServerArgs), help="logging level")
+    server.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=_default("log_level", ServerArgs), help="logging level")
     return p
 
 
@@ -304,6 +305,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     if ns.shell and engine.node_rank > 0:  # it ran headless, the flag quietly ignored
         raise ValueError(f"--shell runs on node 0; --node-rank {engine.node_rank} only runs its ranks: drop --shell")
     chat_template = _chat_template_flag(ns.chat_template) if ns.chat_template else None
+    context = ns.max_model_len or model_config.context_length  # a request can be no longer than the KV cache holds
     tool_parser = ns.tool_call_parser
     if tool_parser == "auto":
         tool_parser = detect_tool_parser(chat_template or _model_chat_template(model_dir))
@@ -314,7 +316,11 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         model_aliases=tuple(n for n in names[1:] if n != names[0]),
         chat_template=chat_template,
         tool_call_parser=None if tool_parser == "none" else tool_parser,
-        context_len=_context_len(ns.max_model_len or model_config.context_length, ns.max_total_tokens),
+        context_len=min(context, ns.max_total_tokens or context),
+        startup_warnings=(
+            (f"--max-total-tokens {ns.max_total_tokens} is below the context length {context}: requests are limited "
+             f"to {ns.max_total_tokens} tokens",) if ns.max_total_tokens is not None and ns.max_total_tokens < context
+            else ()),
         vocab_size=model_config.vocab_size,
         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
         demo_model=demo,
@@ -329,28 +335,22 @@ def _from_flags(cls: type, ns: argparse.Namespace, **computed: Any) -> Any:
 def _dist_init_addr(ns: argparse.Namespace) -> str | None:
     """--dist-init-addr as a tcp:// URL; every multi-node flag (the token too) is checked before
     anything starts."""
-    check_nodes(ns.tp_size, ns.nnodes, ns.node_rank, ns.dist_init_addr, cli=True)
+    check_nodes(ns.tp_size, ns.nnodes, ns.node_rank, ns.dist_init_addr, cli=True, dp_size=ns.dp_size,
+                all_reduce=ns.all_reduce)
     addr = None
     if ns.dist_init_addr is not None:
         try:
             host, port = split_addr(ns.dist_init_addr)
         except ValueError as e:
             raise ValueError(f"--dist-init-addr: {e}") from None
+        try:
+            socket.getaddrinfo(host, port)
+        except OSError as e:  # the ranks would fail to listen or connect after start-up
+            raise ValueError(f"--dist-init-addr {ns.dist_init_addr}: cannot resolve {host!r} ({e})") from None
         addr = f"tcp://{'[' + host + ']' if ':' in host else host}:{port}"
     if ns.nnodes > 1:
         read_token()
     return addr
-
-
-def _context_len(context: int, kv_tokens: int | None) -> int:
-    """A request can be no longer than the KV cache holds: advertise and enforce that, not more."""
-    if kv_tokens is not None and kv_tokens < context:
-        logger.warning(
-            "--max-total-tokens %d is below the context length %d: requests are limited to %d tokens",
-            kv_tokens, context, kv_tokens,
-        )
-        return kv_tokens
-    return context
 
 
 def _read_template(path: str, what: str = "--chat-template") -> str:

@@ -26,7 +26,7 @@ from tpserve.engine_config import EngineConfig
 from tpserve.distributed.comm import local_init_addr
 from tpserve.distributed.nodes import NodeLayout
 from tpserve.launch.args import DEFAULT_SCHEDULER_ENTRY, ServerArgs
-from tpserve.launch.child import child_main
+from tpserve.launch.child import child_main, started_with_signals_blocked
 from tpserve.message import Shutdown
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.transport import encode, open_socket
@@ -84,9 +84,12 @@ def describe_exit(exitcode: int | None) -> str:
     return f"exit code {exitcode}"
 
 
+STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)  # each stops the service cleanly (SIGHUP: its terminal closed)
+
+
 def ignore_stop_signals() -> None:
-    """Before the clean-up: a second SIGINT/SIGTERM must not cut it short."""
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    """Before the clean-up: a second stop signal must not cut it short."""
+    for sig in STOP_SIGNALS:
         signal.signal(sig, signal.SIG_IGN)
 
 
@@ -168,7 +171,8 @@ class Backend:
                                     args=(entry, args, os.getpid(), self.log_level, log_file, self._errors,
                                           threading.current_thread() is threading.main_thread()),
                                     name=f"tpserve-{name}", daemon=False)
-            proc.start()
+            with started_with_signals_blocked():
+                proc.start()
             self.procs.append(proc)
         logger.info(
             "started %s; ipc directory %s",
@@ -292,7 +296,7 @@ def run_headless(args: ServerArgs) -> int:
         logger.info("%s: received %s: stopping its ranks", me, signal.Signals(signum).name)
         stop.set()
 
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         signal.signal(sig, on_signal)
     backend = Backend(engine, args.log_level)
     logger.info("%s of %d: ranks %d-%d joining node 0 at %s (no HTTP server on this node)",

@@ -3,7 +3,8 @@
 Children never outlive the server: on Linux the kernel kills them when the parent dies
 (PR_SET_PDEATHSIG, for children started from the parent's main thread), and everywhere a daemon
 thread exits the process once its parent is gone.
-SIGINT is ignored (a terminal's Ctrl-C reaches the whole process group; the parent decides).
+SIGINT and SIGHUP are ignored (a terminal's Ctrl-C or its closing reaches the whole process group; the parent
+decides).
 """
 
 from __future__ import annotations
@@ -18,11 +19,14 @@ import signal
 import sys
 import threading
 import time
-from typing import Any
+from typing import Any, Iterator
 
 from tqdm import tqdm
 
 PARENT_POLL_S = 0.5
+# The parent decides on these (a terminal's Ctrl-C, or its closing, reaches the whole process group): children ignore
+# them from their first instruction, as they are started with them blocked (``started_with_signals_blocked``).
+PARENT_SIGNALS = (signal.SIGINT, signal.SIGHUP)
 LOG_FORMAT = "%(asctime)s %(levelname)s [%(processName)s] %(name)s: %(message)s"
 
 
@@ -47,7 +51,9 @@ def child_main(entry: str, args: tuple, parent_pid: int, log_level: str, log_fil
     """Target of every spawned child: guard, then run ``entry(*args)`` (``entry``: "module:function"). An exception
     that ends it is also put on ``errors`` (a SimpleQueue) in one line, so that the parent can say why it stopped.
     ``from_main_thread``: the parent started it from its main thread."""
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    for sig in PARENT_SIGNALS:
+        signal.signal(sig, signal.SIG_IGN)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, PARENT_SIGNALS)
     setup_logging(log_level, log_file)
     _die_with_parent(parent_pid, from_main_thread)
     # tqdm's default lock is a multiprocessing RLock, a named semaphore that a child stopped by SIGTERM never
@@ -71,6 +77,20 @@ def child_main(entry: str, args: tuple, parent_pid: int, log_level: str, log_fil
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+@contextlib.contextmanager
+def started_with_signals_blocked() -> Iterator[None]:
+    """Processes started inside begin with ``PARENT_SIGNALS`` blocked (a blocked mask survives fork and exec), so a
+    Ctrl-C while a child imports torch does not end it with a traceback before ``child_main`` ignores it."""
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()  # starting its own process, it unblocks SIGINT: first, not inside
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, PARENT_SIGNALS)
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def one_line_error(error: BaseException, limit: int = 500) -> str:

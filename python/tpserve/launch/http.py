@@ -2,7 +2,7 @@
 
 The port is bound before anything is spawned (a busy port fails fast), and uvicorn serves from
 the first moment, so /health answers 503 during start-up and 200 once every process is ready.
-SIGINT/SIGTERM, a dead child or a failed start-up all end in the same clean shut-down.
+SIGINT/SIGTERM/SIGHUP, a dead child or a failed start-up all end in the same clean shut-down.
 """
 
 from __future__ import annotations
@@ -18,7 +18,7 @@ from typing import Iterator
 import uvicorn
 
 from tpserve.launch.args import ServerArgs
-from tpserve.launch.backend import Backend, ChildDied, StartupCancelled
+from tpserve.launch.backend import STOP_SIGNALS, Backend, ChildDied, StartupCancelled
 from tpserve.router.policy import Dispatch
 from tpserve.server.api import AppState, create_app
 from tpserve.server.client import FrontendClient, ReplicaRouter
@@ -57,7 +57,7 @@ def run_http_server(args: ServerArgs) -> int:
 async def _serve(args: ServerArgs, sock: socket.socket) -> int:
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
-    for sig in (signal.SIGINT, signal.SIGTERM):
+    for sig in STOP_SIGNALS:
         loop.add_signal_handler(sig, _on_signal, sig, stop)
 
     host, port = sock.getsockname()[:2]

@@ -327,6 +327,7 @@ def run_shell(args: ServerArgs) -> int:
         raise SystemExit(0)
 
     signal.signal(signal.SIGTERM, on_sigterm)
+    signal.signal(signal.SIGHUP, on_sigterm)  # its terminal closed
     # Ctrl-C stops an answer: Python turns SIGINT into KeyboardInterrupt only if it was not
     # ignored at start-up, and a process started in the background of a non-interactive shell
     # (`cmd &`, CI runners) inherits it ignored.
