@@ -243,6 +243,15 @@ def test_api_flags_of_issue_12(qwen3_dir, tmp_path):
     assert parse_args(["--model", qwen3_dir, "--tool-call-parser", "none"]).tool_call_parser is None
     with pytest.raises(SystemExit):
         parse_args(["--model", qwen3_dir, "--chat-template", str(tmp_path / "missing.jinja")])
+    inline = "{% for m in messages %}{{ m['content'] }}{% endfor %}"  # the template itself, as vLLM takes it
+    assert parse_args(["--model", qwen3_dir, "--chat-template", inline]).chat_template == inline
+
+
+def test_a_bad_inline_chat_template_is_a_usage_error(qwen3_dir, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--model", qwen3_dir, "--chat-template", "{{ messages | no_such_filter }}"])
+    assert e.value.code == 2
+    assert "--chat-template is not a valid chat template: No filter named 'no_such_filter'" in capsys.readouterr().err
 
 
 @pytest.mark.parametrize(

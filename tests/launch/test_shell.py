@@ -203,6 +203,20 @@ def test_reasoning_is_labelled_and_kept_out_of_the_history(monkeypatch):
     assert shell.history[-1] == {"role": "assistant", "content": "Yes."}
 
 
+def test_control_characters_from_the_model_do_not_reach_the_terminal(monkeypatch):
+    """Model text went to the terminal raw: an ESC starts a terminal command (a title, a colour, a cursor move)."""
+    class Escaping(FakeClient):
+        def submit(self, messages, params, template_kwargs=None) -> int:
+            rid = super().submit(messages, params, template_kwargs)
+            self.pending = [ApiOutput(rid=rid, text="a\x1b]0;pwned\x07b\tc\nd", new_tokens=1, completion_tokens=1,
+                                      prompt_tokens=1, finish_reason="stop")]
+            return rid
+
+    shell, _, out = run_shell_lines(monkeypatch, ["hi"], client=Escaping())
+    assert "a\ufffd]0;pwned\ufffdb\tc\nd" in out and "\x1b]" not in out and "\x07" not in out
+    assert shell.history[-1]["content"] == "a\x1b]0;pwned\x07b\tc\nd"  # the conversation keeps it as generated
+
+
 def test_undecodable_input_usage_lines_and_a_closed_pipe(monkeypatch):
     """Bytes that are not UTF-8 (read as lone surrogates) reach the model as U+FFFD: they failed the request's
     encoding and ended the shell. /think and /set say what they take; a reader gone from the pipe stops the shell

@@ -93,7 +93,7 @@ def test_seed_example_machine_custom_gpu(tmp_path, capsys):
         (["--context", "100000"], "--context 100000 exceeds the model's context length 40960"),
         (["--gpu", "b200"], "argument --gpu: invalid choice: 'b200'"),
         (["--gpu", "custom", "--tflops", "100"], "--gpu custom needs --memory-gib, --bandwidth-tbps"),
-        (["--mem-fraction", "1.5"], "--mem-fraction: must be in (0, 1], got '1.5'"),
+        (["--mem-fraction", "1.5"], "--mem-fraction-static: must be in (0, 1], got '1.5'"),
         (["--busbw-gbps", "-3"], "--busbw-gbps: must be in [0.001, 1e+07], got '-3'"),
         # it recommended `--max-model-len 1`, which the server refuses (a prompt token and a generated one)
         (["--context", "1"], "--context: must be >= 2, got '1'"),
@@ -148,3 +148,12 @@ def test_dtype_takes_the_servers_spellings_and_every_flag_is_explained(capsys):
 
     unexplained = [a.option_strings for a in build_parser()._actions if not a.help]
     assert unexplained == []  # --memory-gib had no help
+
+
+def test_the_servers_memory_fraction_spellings(capsys):
+    """``--gpu-memory-utilization`` (vLLM) and ``--mem-fraction-static`` (SGLang) were "unrecognized arguments"."""
+    args = ("--model", QWEN3_8B, "--context", "2048")
+    expected = plan(capsys, *args, "--mem-fraction", "0.6")[1]
+    for flag in ("--gpu-memory-utilization", "--mem-fraction-static"):
+        assert plan(capsys, *args, flag, "0.6")[1] == expected
+    assert expected != plan(capsys, *args)[1]

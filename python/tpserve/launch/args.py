@@ -49,7 +49,7 @@ class ServerArgs:
     startup_warnings: tuple[str, ...] = ()  # found while parsing, logged once logging is set up
     scheduler_entry: str = DEFAULT_SCHEDULER_ENTRY  # "module:function" run once per TP rank (tests set another)
     model_aliases: tuple[str, ...] = ()  # the other --served-model-name values
-    chat_template: str | None = None  # --chat-template FILE's text (None: the model's own)
+    chat_template: str | None = None  # --chat-template's text (None: the model's own)
     tool_call_parser: str | None = None  # resolved from --tool-call-parser (auto: from the template)
     reasoning_parser: str | None = None
     max_request_bytes: int = 16 << 20
@@ -97,8 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model name(s) in the API; requests may use any, responses carry the first "
                        "(default: the --model value)")
-    model.add_argument("--chat-template", default=None, metavar="FILE",
-                       help="Jinja chat template file to use instead of the model's own")
+    model.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
+                       help="Jinja chat template to use instead of the model's own: a file, or the template "
+                       "itself (text with {{ or {%%}, as vLLM takes it)")
     model.add_argument("--tool-call-parser", choices=["auto", "none", *TOOL_CALL_PARSERS], default="auto",
                        help="how the model writes tool calls: hermes (Qwen2.5/Qwen3 <tool_call> JSON), "
                        "llama3_json (Llama 3.1 JSON); auto: from the chat template, none: no tool "
@@ -363,10 +364,12 @@ def _read_template(path: str, what: str = "--chat-template") -> str:
         raise ValueError(f"{what}: {path} is not UTF-8 text") from None
 
 
-def _chat_template_flag(path: str) -> str:
-    """--chat-template FILE's text, compiled as transformers compiles it for each chat request."""
-    text = _read_template(path)
-    check_chat_template(text, f"--chat-template: {path}")
+def _chat_template_flag(value: str) -> str:
+    """--chat-template's template (a file's text, or the value itself when it is no file and holds Jinja), compiled
+    as transformers compiles it for each chat request."""
+    inline = not os.path.exists(os.path.expanduser(value)) and ("{{" in value or "{%" in value)
+    text = value if inline else _read_template(value)
+    check_chat_template(text, "--chat-template" if inline else f"--chat-template: {value}")
     return text
 
 

@@ -11,6 +11,7 @@ import contextlib
 import logging
 import os
 import queue
+import re
 import signal
 import sys
 import time
@@ -261,12 +262,12 @@ class Shell:
                 if not answer.reasoning_shown:
                     answer.reasoning_shown = True
                     self._print(self._style(DIM, "[thinking] "))
-                self._print(self._style(DIM, text))
+                self._print(self._style(DIM, _printable(text)))
             else:
                 if answer.reasoning_shown and not answer.content:
                     self._print("\n")
                 answer.content += text
-                self._print(text)
+                self._print(_printable(text))
 
     def _notice(self, finish_reason: str, answer: _Answer) -> str:
         elapsed = max(time.monotonic() - answer.started, 1e-6)
@@ -290,6 +291,15 @@ class Shell:
             with contextlib.suppress(OSError, ValueError):  # no second error when Python flushes at exit
                 os.dup2(os.open(os.devnull, os.O_WRONLY), self._out.fileno())
             raise SystemExit(0) from None
+
+
+_CONTROL = re.compile(r"[\x00-\x08\x0b-\x1f\x7f-\x9f]")
+
+
+def _printable(text: str) -> str:
+    """Model text as the terminal shows it: control characters (an ESC starts a terminal command) as U+FFFD; the
+    conversation keeps the text as generated."""
+    return _CONTROL.sub("\ufffd", text)
 
 
 def _as_utf8(line: str) -> str:

@@ -45,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--model", required=True, help="local model directory, or a Hugging Face id in the local cache")
     p.add_argument("--gpus", type=_between(int, 1, MAX_GPUS_PER_NODE), default=1, help="GPUs per node (ranks, with --gpu cpu)")
-    p.add_argument("--nodes", type=_between(int, 1, MAX_NODES), default=1, help="nodes (TP stays within a node; DP spans them)")
+    p.add_argument("--nodes", type=_between(int, 1, MAX_NODES), default=1,
+                   help="nodes (DP spans them; a TP group may take whole nodes)")
     p.add_argument("--gpu", choices=[*GPUS, "custom"], default="h200",
                    help="device kind from the table; custom: give --memory-gib, --bandwidth-tbps and --tflops")
     p.add_argument("--context", type=int_at_least(2), default=None,
@@ -62,7 +63,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--kv-cache-dtype", choices=CHOICES["kv_cache_dtype"], default="auto",
                    help="the engine's --kv-cache-dtype: fp8_e4m3 stores 1 byte per element (twice the tokens; "
                    "decode reads half the KV bytes on Hopper, where XQA reads them)")
-    p.add_argument("--mem-fraction", type=fraction, default=0.85, help="the engine's --mem-fraction")
+    p.add_argument("--mem-fraction", "--gpu-memory-utilization", "--mem-fraction-static", dest="mem_fraction",
+                   type=fraction, default=0.85, help="the engine's --mem-fraction")
     p.add_argument("--max-running-requests", type=int_at_least(1), default=256,
                    help="the engine's --max-running-requests (caps the max batch)")
     p.add_argument("--calibrate", action="store_true",
