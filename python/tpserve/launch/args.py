@@ -10,7 +10,7 @@ from dataclasses import dataclass, fields
 from typing import Any
 
 from tpserve.config import DTYPE_ALIASES, ModelConfig
-from tpserve.engine_config import MAX_DIST_TIMEOUT_S, CHOICES, EngineConfig, check_can_start, check_nodes
+from tpserve.engine_config import CHOICES, MAX_DIST_TIMEOUT_S, EngineConfig, check_can_start, check_nodes
 from tpserve.distributed.control import TOKEN_ENV, read_token
 from tpserve.distributed.nodes import split_addr
 from tpserve.quant.config import QUANTIZATION_METHODS
@@ -22,7 +22,6 @@ from tpserve.router.policy import LOAD_BALANCE_METHODS
 from tpserve.tokenizer.loader import (
     check_chat_template, has_tokenizer_files, load_tokenizer, missing_tokenizer_message,
 )
-
 
 DEFAULT_SCHEDULER_ENTRY = "tpserve.scheduler.process:run_scheduler"
 DEMO_MODEL_NAME = "tpserve-tiny-random"
