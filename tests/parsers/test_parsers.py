@@ -48,6 +48,18 @@ def test_reasoning_split_in_any_chunking(text, in_reasoning, expected):
         assert run_reasoning(chunks, in_reasoning) == expected, chunks
 
 
+def test_a_constrained_answer_is_reasoning_only_where_it_opens_a_block_the_prompt_did_not_close():
+    from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
+
+    def split(start):
+        parser = ChatOutputParser(ChatOutputConfig(reasoning=True, starts_in_reasoning=start, constrained=True))
+        delta = parser.feed("<think>r</think>c", final=True)
+        return delta.reasoning, delta.content
+
+    assert split(True) == split(None) == ("r", "c")
+    assert split(False) == ("", "<think>r</think>c")  # enable_thinking false: all content, constrained or not
+
+
 def test_start_state_follows_the_prompt():
     assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n")
     assert prompt_opens_reasoning("<|im_start|>assistant\n<think>\n\n</think>\n\n") is False  # thinking off

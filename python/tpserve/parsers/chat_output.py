@@ -41,7 +41,12 @@ class ChatOutputConfig:
 
 class ChatOutputParser:
     def __init__(self, config: ChatOutputConfig) -> None:
-        start = None if config.constrained else config.starts_in_reasoning
+        start = config.starts_in_reasoning
+        # A constrained answer is reasoning only where it writes <think> itself, even after a block the prompt opened;
+        # after one the prompt closed (thinking off) it is all content, as any answer.
+        if config.constrained and start:
+            start = None
+
         self._reasoning = ReasoningParser(start) if config.reasoning else None
         self._tools: ToolCallParser | None = None
         if config.forced_tools:
