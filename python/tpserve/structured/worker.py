@@ -28,6 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from tpserve.structured.grammar import MaskFiller, RequestGrammar
+from tpserve.structured.mask import unpack_bitmask
 
 logger = logging.getLogger(__name__)
 
@@ -126,10 +127,7 @@ class MaskWorker:
 
 
 def _allows_other_than(mask_row: torch.Tensor, tokens: list[int]) -> bool:
-    """Whether a packed bitmask row (bit t % 32 of int32 word t // 32) allows a token not in ``tokens``."""
-    words = mask_row.clone()
-    for t in tokens:
-        if t < 32 * words.numel():
-            bit = t % 32
-            words[t // 32] &= 0x7FFFFFFF if bit == 31 else ~(1 << bit)  # int32: bit 31 is the sign bit
-    return bool(words.any())
+    """Whether a packed bitmask row allows a token not in ``tokens``."""
+    allowed = unpack_bitmask(mask_row[None], 32 * mask_row.numel())[0]
+    allowed[[t for t in tokens if t < allowed.numel()]] = False
+    return bool(allowed.any())

@@ -37,7 +37,6 @@ class _RequestState:
     cached_tokens: int = 0
     completion_tokens: int = 0
     prompt_in_reasoning: bool | None = None
-    include_stop: bool = False  # the stop token's text too (include_stop_str_in_output)
 
 
 @dataclass
@@ -73,7 +72,6 @@ class DetokenizerManager:
             stop=StopStringFilter(msg.stop, msg.include_stop),
             prompt_tokens=msg.prompt_tokens,
             prompt_in_reasoning=msg.prompt_in_reasoning,
-            include_stop=msg.include_stop,
         )
         orphan = self._orphans.pop(msg.rid, None)
         if orphan is None:
@@ -107,7 +105,7 @@ class DetokenizerManager:
         state.cached_tokens = max(state.cached_tokens, out.cached_tokens)
         final = out.finish_reason is not None
         ids = out.token_ids
-        if isinstance(out.matched_stop, int) and not state.include_stop:
+        if isinstance(out.matched_stop, int) and not state.stop.include_stop:
             ids = ids[:-1]  # the stop token's text is not output (an EOS shown by skip_special_tokens false), as vLLM's
         text = state.stop.feed(state.decoder.add(ids, final=final), final=final)
         finish_reason = "stop" if state.stop.stopped else out.finish_reason

@@ -88,7 +88,7 @@ class StopStringFilter:
     def __init__(self, stop: list[str] | None, include_stop: bool = False) -> None:
         self._stop = tuple(s for s in (stop or []) if s)
         self._max_len = max((len(s) for s in self._stop), default=0)
-        self._include_stop = include_stop
+        self.include_stop = include_stop  # the stop string (or the stop token's text) stays in the output
         self._text = ""  # everything received
         self._emitted = 0  # chars of _text already returned
         self.stopped = False
@@ -108,7 +108,7 @@ class StopStringFilter:
         if hit is not None:
             cut, self.matched = hit
             self.stopped = True
-            return self._take(cut + len(self.matched) if self._include_stop else cut)
+            return self._take(cut + len(self.matched) if self.include_stop else cut)
         if final:
             return self._take(len(self._text))
         return self._take(len(self._text) - partial_suffix_len(self._text[self._emitted :], self._stop))
