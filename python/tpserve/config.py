@@ -95,11 +95,12 @@ def _check_sizes(cfg: dict[str, Any]) -> None:
 def _sliding_window(hf: Any, kind: str) -> int | None:
     """The attention window of any layer that has one (None: every layer attends to the whole context)."""
     window = getattr(hf, "sliding_window", None)
+    if kind == "qwen3_moe":  # transformers' Qwen3-MoE applies it to every layer (its config keeps it only with
+        return window        # use_sliding_window) and ignores any layer_types a config.json carries
     layer_types = getattr(hf, "layer_types", None)
     if layer_types is not None:
         return window if any(t != "full_attention" for t in layer_types) else None
-    # transformers' Mistral and Qwen3-MoE (whose config keeps it only with use_sliding_window) apply it to every layer
-    return window if kind in ("mistral", "qwen3_moe") else None
+    return window if kind == "mistral" else None  # transformers' Mistral: every layer
 
 
 @dataclass(frozen=True)

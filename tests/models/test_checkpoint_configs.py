@@ -199,6 +199,12 @@ def test_sliding_window_caps_the_context():
                                               "sliding_window": 512, "max_window_layers": 2})
     assert no_window_layers.context_length == 4096
     assert ModelConfig.from_dict({**base_config("mistral"), "sliding_window": None}).context_length == 4096
+    # transformers' Qwen3-MoE windows every layer whatever layer_types says (a probe's config.json carried both)
+    moe = {**base_config("qwen3_moe"), "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
+           "use_sliding_window": True, "sliding_window": 16}
+    assert ModelConfig.from_dict(moe).context_length == 16
+    assert ModelConfig.from_dict({**moe, "layer_types": ["full_attention"] * 2}).context_length == 16
+    assert ModelConfig.from_dict({**moe, "use_sliding_window": False}).context_length == 4096
 
 
 REAL_CONFIGS = os.path.join(os.path.dirname(__file__), "..", "data", "configs")
