@@ -251,6 +251,36 @@ def test_a_rejected_prompt_counts_each_choice_and_aborts_none_of_them():
     assert "tpserve_requests_rejected_total 3.0" in c.get("/metrics").text
 
 
+def metric(client, sample: str) -> float:
+    """The value of one sample line of /metrics (0 where the sample is not there yet)."""
+    for line in client.get("/metrics").text.splitlines():
+        if line.startswith(sample + " "):
+            return float(line.split()[-1])
+    return 0.0
+
+
+def test_echo_with_max_tokens_0_counts_its_prompt_and_no_generated_token():
+    c, stub = make_client(stub=StubFrontend(pieces=1))
+    body = c.post(COMPLETIONS, json={"prompt": "hi", "echo": True, "max_tokens": 0}).json()
+    assert body["usage"]["completion_tokens"] == 0
+    assert metric(c, "tpserve_generation_tokens_total") == 0  # the hidden token: counted before
+    assert metric(c, "tpserve_time_to_first_token_seconds_count") == 0
+    assert metric(c, "tpserve_prompt_tokens_total") == stub.prompt_tokens
+
+
+def test_http_responses_count_every_status_those_the_tokenizer_never_sees_included():
+    c, _ = make_client(max_request_bytes=4096)
+    assert c.post(COMPLETIONS, json={"prompt": "hi"}).status_code == 200
+    assert_error(c.post(COMPLETIONS, json={"prompt": "hi", "temperature": -1}), 400)
+    assert_error(c.post(COMPLETIONS, json={"prompt": "hi", "model": "other"}), 404)
+    assert c.post(COMPLETIONS, content=b"x" * 5000).status_code == 413
+    assert metric(c, 'tpserve_http_responses_total{status="200"}') == 1
+    assert metric(c, 'tpserve_http_responses_total{status="400"}') == 1
+    assert metric(c, 'tpserve_http_responses_total{status="404"}') == 1
+    assert metric(c, 'tpserve_http_responses_total{status="413"}') == 1
+    assert metric(c, "tpserve_requests_rejected_total") == 0  # prompts the tokenizer refused only
+
+
 # ---- accepted requests ----
 def test_chat_response_schema():
     c, stub = make_client()
@@ -541,6 +571,7 @@ def test_a_failed_submit_aborts_what_it_started():
     resp = c.post(COMPLETIONS, json={"prompt": ["a", "b"], "max_tokens": 3})
     assert resp.status_code == 500
     assert sorted(stub.aborted) == sorted(r.rid for r in stub.submitted) and stub.aborted
+    assert metric(c, 'tpserve_http_responses_total{status="500"}') == 1  # answered past the middleware: counted
 
 
 def test_openapi_schema_needs_no_key_only_without_one():

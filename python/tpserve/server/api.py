@@ -15,7 +15,7 @@ import tpserve
 from tpserve.launch.args import ServerArgs
 from tpserve.server.errors import APIError, check_model_name
 from tpserve.server.limits import BodySizeLimit, RequestLimits
-from tpserve.server.metrics import CONTENT_TYPE, ServerMetrics
+from tpserve.server.metrics import CONTENT_TYPE, CountResponses, ServerMetrics
 from tpserve.server.conversation_store import ConversationStore
 from tpserve.server.conversations import (
     add_items,
@@ -248,6 +248,7 @@ def create_app(state: AppState) -> FastAPI:
     app = FastAPI(title="tpserve", version=tpserve.__version__, docs_url=None, redoc_url=None, openapi_url=openapi_url)
     app.add_middleware(BodySizeLimit, max_bytes=state.args.max_request_bytes)
     app.add_middleware(JsonByDefault)
+    app.add_middleware(CountResponses, metrics=state.metrics)  # outermost: sees the body-size limit's 413 too
     app.state.server = state
     app.include_router(_admin_router())
     app.include_router(_v1_router())

@@ -66,6 +66,7 @@ class ResponseFormat:
     object_name: str
     chunk_object_name: str
     id_prefix: str
+    shows_output = True  # False: the generated tokens are left out (and not counted as generated)
 
     def __init__(self, model: str, include_usage: bool = False, logprobs: bool = False) -> None:
         self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
@@ -220,10 +221,10 @@ class CompletionFormat(ResponseFormat):
         self._offsets: dict[int, int] = {}  # per choice: text offset of its next token (streaming)
         self._echo = echo  # per choice: the prompt text its text starts with
         self._echoed: set[int] = set()  # choices whose stream has sent it
-        self._generates = generates  # False (max_tokens 0 with echo): the generated token is left out
+        self.shows_output = generates  # False (max_tokens 0 with echo): the generated token is left out
 
     def counted(self, usage: dict[str, Any]) -> dict[str, Any]:
-        if self._generates:
+        if self.shows_output:
             return usage
         return {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}
 
@@ -261,7 +262,7 @@ class CompletionFormat(ResponseFormat):
 
     def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
         chunks = []
-        text, entries = (out.text, out.logprobs) if self._generates else ("", None)
+        text, entries = (out.text, out.logprobs) if self.shows_output else ("", None)
         if self._echo is not None and choice.index not in self._echoed:  # the first chunk starts with the prompt
             self._echoed.add(choice.index)
             text, entries = self._echoed_text(choice.index, text, entries, out.prompt_logprobs)
@@ -269,14 +270,14 @@ class CompletionFormat(ResponseFormat):
             logprobs = self._logprobs(choice.index, entries)
             chunks.append(self.chunk([self._choice(choice.index, text, None, logprobs)]))
         if out.finish_reason is not None:
-            finish = self._choice(choice.index, "", out.finish_reason if self._generates else "length")
-            finish["matched_stop"] = out.matched_stop if self._generates else None
+            finish = self._choice(choice.index, "", out.finish_reason if self.shows_output else "length")
+            finish["matched_stop"] = out.matched_stop if self.shows_output else None
             chunks.append(self.chunk([finish]))
         return chunks
 
     def full_choice(self, choice: Choice) -> dict[str, Any]:
-        text, entries = ("".join(choice.text), choice.logprobs) if self._generates else ("", [])
+        text, entries = ("".join(choice.text), choice.logprobs) if self.shows_output else ("", [])
         text, entries = self._echoed_text(choice.index, text, entries, choice.prompt_logprobs)
-        if self._generates or choice.finish_reason in ("abort", "error"):
+        if self.shows_output or choice.finish_reason in ("abort", "error"):
             return self._choice(choice.index, text, choice.finish_reason, self._logprobs(choice.index, entries))
         return {**self._choice(choice.index, text, "length", self._logprobs(choice.index, entries)), "matched_stop": None}

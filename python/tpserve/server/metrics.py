@@ -7,6 +7,7 @@ from typing import Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tpserve.message import SchedulerStats
 from tpserve.router.policy import Router
@@ -83,7 +84,10 @@ class ServerMetrics:
         self.generation_tokens = Counter("tpserve_generation_tokens", "Generated tokens.", registry=r)
         self.finished = Counter("tpserve_requests_finished", "Finished requests by finish reason.",
                                 ["finish_reason"], registry=r)
-        self.rejected = Counter("tpserve_requests_rejected", "Requests refused before scheduling.", registry=r)
+        self.rejected = Counter("tpserve_requests_rejected",
+                                "Prompts the tokenizer refused (e.g. too long), each choice.", registry=r)
+        self.http_responses = Counter("tpserve_http_responses", "HTTP responses by status code.", ["status"],
+                                      registry=r)
         self.client_aborts = Counter("tpserve_client_disconnects",
                                      "Requests aborted because the client went away.", registry=r)
         self.ttft = Histogram("tpserve_time_to_first_token_seconds", "Time to first token.",
@@ -113,11 +117,41 @@ class ServerMetrics:
         return generate_latest(self.registry)
 
 
-class RequestTimer:
-    """Latency bookkeeping of one backend request (one rid)."""
+class CountResponses:
+    """ASGI middleware: every HTTP response's status code into ``tpserve_http_responses_total`` (the 4xx refused
+    by validation, by the body-size limit or by a handler, which never reach the tokenizer, included)."""
 
-    def __init__(self, metrics: ServerMetrics) -> None:
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            return await self.app(scope, receive, send)
+
+        started = False
+
+        async def counting_send(message: Message) -> None:
+            nonlocal started
+            if message["type"] == "http.response.start":
+                started = True
+                self.metrics.http_responses.labels(status=str(message["status"])).inc()
+            await send(message)
+
+        try:
+            await self.app(scope, receive, counting_send)
+        except Exception:
+            if not started:  # Starlette's outermost middleware answers it with a 500, past this one
+                self.metrics.http_responses.labels(status="500").inc()
+            raise
+
+
+class RequestTimer:
+    """Latency bookkeeping of one backend request (one rid). ``shown`` False: its generated token is not shown
+    (``echo`` with ``max_tokens`` 0), so only its prompt counts."""
+
+    def __init__(self, metrics: ServerMetrics, shown: bool = True) -> None:
         self._metrics = metrics
+        self._shown = shown
         self._start = time.monotonic()
         self._last: float | None = None
         self._prompt_counted = False
@@ -130,6 +164,8 @@ class RequestTimer:
         if not self._prompt_counted and prompt_tokens:
             m.prompt_tokens.inc(prompt_tokens)
             self._prompt_counted = True
+        if not self._shown:
+            return
         m.generation_tokens.inc(new_tokens)
         if self._last is None:
             m.ttft.observe(now - self._start)

@@ -39,13 +39,15 @@ class Generation:
         requests: list[TokenizeRequest],
         choices_per_prompt: int = 1,
         timeout: float | None = None,
+        shown: bool = True,
     ) -> None:
+        """``shown`` False: the generated tokens are not shown (``echo`` with ``max_tokens`` 0) nor counted."""
         self._choices_per_prompt = choices_per_prompt
         self._frontend = frontend
         self._metrics = metrics
         self._requests = requests
         self._queue: asyncio.Queue[BackendEvent] = asyncio.Queue()
-        self.choices = {req.rid: Choice(i, req.rid, RequestTimer(metrics)) for i, req in enumerate(requests)}
+        self.choices = {req.rid: Choice(i, req.rid, RequestTimer(metrics, shown)) for i, req in enumerate(requests)}
         self._last_disconnect_check = time.monotonic()
         self._timeout = timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
@@ -241,7 +243,8 @@ class Serving:
     ) -> Response:
         """``request``: the HTTP client whose disconnection aborts the requests (None: no client, a
         background response)."""
-        gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n, timeout=self.request_timeout)
+        gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n, timeout=self.request_timeout,
+                         shown=fmt.shows_output)
         disconnected = request.is_disconnected if request is not None else None
         try:  # from the first submit: whatever fails later, nothing this call started keeps running
             await gen.start()
