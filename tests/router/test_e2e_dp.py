@@ -9,6 +9,7 @@ import asyncio
 import os
 import re
 import signal
+import time
 
 import httpx
 import pytest
@@ -16,6 +17,7 @@ from server_process import ServerProcess, metrics
 
 from tpserve import LLM, SamplingParams
 
+HEALTH_TIMEOUT_S = 4  # how long a rank may make no progress before /health (and the router) count it stalled
 PROMPTS = [[3 + i, 40, 41, 42 + i % 4] + [50 + i] * (i % 6) for i in range(12)]
 
 
@@ -30,8 +32,8 @@ def start(model_dir: str, *extra: str) -> ServerProcess:
     return srv
 
 
-async def _complete_all(url: str) -> list[str]:
-    async with httpx.AsyncClient(base_url=url, timeout=300) as client:
+async def _complete_all(url: str, timeout: float = 300) -> list[str]:
+    async with httpx.AsyncClient(base_url=url, timeout=timeout) as client:
         async def one(prompt: list[int]) -> str:
             body = {"model": "tiny", "prompt": prompt, "max_tokens": 10, "temperature": 0, "ignore_eos": True}
             response = await client.post("/v1/completions", json=body)
@@ -55,7 +57,7 @@ def dp1_outputs(qwen3_dir) -> list[str]:
 
 
 def test_dp2_tp2_spreads_requests_and_equals_dp1(qwen3_dir, dp1_outputs):
-    srv = start(qwen3_dir, "--tp-size", "2", "--dp-size", "2")
+    srv = start(qwen3_dir, "--tp-size", "2", "--dp-size", "2", "--health-timeout", str(HEALTH_TIMEOUT_S))
     try:
         outputs = asyncio.run(_complete_all(srv.url))
         assert outputs == dp1_outputs
@@ -69,9 +71,25 @@ def test_dp2_tp2_spreads_requests_and_equals_dp1(qwen3_dir, dp1_outputs):
         asyncio.run(_two_small(srv.url))
         assert all(v <= 1 for v in samples(srv.url, "tpserve_kv_pages_cached").values())
         assert httpx.get(f"{srv.url}/health").json() == {"status": "ok"}
-        # A rank of replica 1 dies: the server shuts down, naming it.
         pids = dict(re.findall(r"tpserve-(scheduler-dp\d-tp\d) \(pid (\d+)\)", srv.log))
         assert sorted(pids) == ["scheduler-dp0-tp0", "scheduler-dp0-tp1", "scheduler-dp1-tp0", "scheduler-dp1-tp1"]
+        # Replica 1 stalls (its rank 0 stopped): once /health names it, every new request goes to replica 0 and
+        # completes (they were routed to the stalled replica too, and hung).
+        os.kill(int(pids["scheduler-dp1-tp0"]), signal.SIGSTOP)
+        try:
+            deadline = time.monotonic() + 60
+            while (health := httpx.get(f"{srv.url}/health")).status_code == 200:
+                assert time.monotonic() < deadline, "/health never saw the stalled replica"
+                time.sleep(0.2)
+            assert "of replica 1" in health.json()["error"]["message"], health.text
+            before = samples(srv.url, "tpserve_router_requests_total")
+            assert asyncio.run(_complete_all(srv.url, timeout=60)) == dp1_outputs
+            after = samples(srv.url, "tpserve_router_requests_total")
+            assert after == {"0": before["0"] + len(PROMPTS), "1": before["1"]}, (before, after)
+            assert "replica(s) 1 make no progress" in srv.log
+        finally:
+            os.kill(int(pids["scheduler-dp1-tp0"]), signal.SIGCONT)
+        # A rank of replica 1 dies: the server shuts down, naming it.
         os.kill(int(pids["scheduler-dp1-tp1"]), signal.SIGKILL)
         assert srv.proc.wait(60) == 1
         assert "tpserve-scheduler-dp1-tp1 exited (killed by SIGKILL)" in srv.log

@@ -93,3 +93,19 @@ def test_dispatch_routes_each_message():
     assert len(dispatch.router.tables[0]) == 0, "a flush empties the prefix tables"
     dispatch.on_stats(SchedulerStats(running=0, waiting=0, kv_pages_used=0, kv_pages_total=123, replica=1))
     assert dispatch.router.tables[1].capacity == 123
+
+
+@pytest.mark.parametrize("method", ["cache_aware", "minimum_tokens"])
+def test_a_stalled_replica_gets_no_new_requests_unless_every_one_is(method):
+    stalled: set[int] = set()
+    dispatch = Dispatch(Router(3, method, page_size=4), stalled=lambda: stalled)
+    params = SamplingParams(max_tokens=4)
+    prefix = [5, 6, 7, 8]
+    assert dispatch.destinations(GenerateRequest(1, prefix + [1], params)) == [0]  # replica 0 caches the prefix
+    stalled.add(0)
+    picks = [dispatch.destinations(GenerateRequest(rid, prefix + [rid], params))[0] for rid in range(2, 8)]
+    assert 0 not in picks and set(picks) == {1, 2}, "the cached prefix does not draw requests to a stalled replica"
+    stalled.update({1, 2})
+    assert dispatch.destinations(GenerateRequest(8, [3] * 5, params)) in ([0], [1], [2]), "all stalled: route anyway"
+    stalled.clear()
+    assert dispatch.destinations(GenerateRequest(9, [4] * 5, params)) == [0], "back: the least loaded again"

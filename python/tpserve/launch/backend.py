@@ -128,6 +128,7 @@ class Backend:
         # iteration (a liveness signal that needs no message: a stopped or stuck process simply stops
         # writing), keyed by what /health calls it. Zero until the process's loop starts.
         self.heartbeats: dict[str, Any] = {}
+        self.replica_heartbeats: dict[int, list[Any]] = {}  # data-parallel replica -> its scheduler ranks' here
         self._specs = self._children()
         self._stopping = False
         self._ready = False
@@ -142,11 +143,10 @@ class Backend:
             replica = replace(engine, dp_rank=dp_rank, dist_init_addr=init_addr)
             prefix = "scheduler" if engine.dp_size == 1 else f"scheduler-dp{dp_rank}"
             where = f" of replica {dp_rank}" if engine.dp_size > 1 else ""
-            children += [
-                (f"{prefix}-tp{rank}", entry, (replica, rank, ep.for_replica(dp_rank), self._ack_queue,
-                                               self._heartbeat(f"scheduler rank {rank}{where}")))
-                for rank in self.ranks
-            ]
+            beats = self.replica_heartbeats[dp_rank] = [self._heartbeat(f"scheduler rank {rank}{where}")
+                                                        for rank in self.ranks]
+            children += [(f"{prefix}-tp{rank}", entry, (replica, rank, ep.for_replica(dp_rank), self._ack_queue, beat))
+                         for rank, beat in zip(self.ranks, beats)]
         if args is None:
             return children
         children.append(("detokenizer", DETOKENIZER_ENTRY,
@@ -221,6 +221,13 @@ class Backend:
             return None
         oldest, name = min(beats)
         return f"{name} has made no progress for {now - oldest:.1f} s" if now - oldest > timeout else None
+
+    def stalled_replicas(self, timeout: float) -> set[int]:
+        """The data-parallel replicas a scheduler rank of which (on this node) has not come round its loop for
+        ``timeout`` s: the router sends them no new requests meanwhile."""
+        now = time.monotonic()
+        return {replica for replica, beats in self.replica_heartbeats.items()
+                if any(beat.value and now - beat.value > timeout for beat in beats)}
 
     # ---- shut-down ----
     def shutdown(self) -> None:

@@ -77,7 +77,8 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
     logger.info("listening on %s (starting up: /health is 503 until the model is loaded)", url)
 
     backend = Backend(args.engine, args.log_level, args)
-    dispatch = Dispatch.for_replicas(args.engine, args.load_balance_method)
+    dispatch = Dispatch.for_replicas(args.engine, args.load_balance_method,
+                                     lambda: backend.stalled_replicas(args.health_timeout))
     frontend = FrontendClient(backend.endpoints, state.metrics.on_stats, state.metrics.on_aborted_finish, dispatch)
     router = None if dispatch is None else ReplicaRouter(backend.endpoints, dispatch)
     if dispatch is not None:

@@ -20,13 +20,17 @@ way); a cache flush, a stats query or a shut-down to every replica.
 
 from __future__ import annotations
 
+import logging
 from collections import OrderedDict
+from collections.abc import Callable, Collection
 from dataclasses import dataclass
 
 import msgspec
 
 from tpserve.engine_config import EngineConfig
 from tpserve.message import AbortRequest, FlushCache, GenerateRequest, SchedulerInput, SchedulerStats
+
+logger = logging.getLogger(__name__)
 
 LOAD_BALANCE_METHODS = ("cache_aware", "minimum_tokens")
 DEFAULT_TABLE_PAGES = 1 << 16  # per replica, until its first stats give its KV-cache size
@@ -95,14 +99,16 @@ class Router:
         self._requests: dict[int, _InFlight] = {}
         self._turn = 0
 
-    def route(self, rid: int, input_ids: list[int]) -> int:
-        """The replica to run request ``rid``; its tokens count as that replica's work from now."""
+    def route(self, rid: int, input_ids: list[int], unavailable: Collection[int] = ()) -> int:
+        """The replica to run request ``rid``; its tokens count as that replica's work from now. None of
+        ``unavailable`` (stalled replicas), unless every replica is."""
+        candidates = [d for d in range(self.dp_size) if d not in unavailable] or list(range(self.dp_size))
         hashes = page_hashes(input_ids, self.page_size) if self.method == "cache_aware" else []
         matched = [table.match(hashes) * self.page_size for table in self.tables] if hashes else [0] * self.dp_size
         turn, loads = self._turn, self.loads
-        costs = [loads[d] - matched[d] for d in range(self.dp_size)]
-        slack = BALANCE_SLACK * sum(loads) / self.dp_size if hashes else 0.0
-        even = [d for d in range(self.dp_size) if costs[d] <= min(costs) + slack]
+        costs = {d: loads[d] - matched[d] for d in candidates}
+        slack = BALANCE_SLACK * sum(loads[d] for d in candidates) / len(candidates) if hashes else 0.0
+        even = [d for d in candidates if costs[d] <= min(costs.values()) + slack]
         replica = min(even, key=lambda d: (-matched[d], loads[d], (d - turn) % self.dp_size))
         self._turn = (turn + 1) % self.dp_size
         if hashes:
@@ -140,20 +146,35 @@ class Router:
 
 
 class Dispatch:
-    """Which replicas a message for the schedulers goes to, and the router's view of the outputs."""
+    """Which replicas a message for the schedulers goes to, and the router's view of the outputs.
+    ``stalled``: the replicas that make no progress now (the server's liveness check), which get no new requests."""
 
-    def __init__(self, router: Router) -> None:
+    def __init__(self, router: Router, stalled: Callable[[], Collection[int]] | None = None) -> None:
         self.router = router
+        self._stalled = stalled
+        self._avoided: Collection[int] = ()
         self._decoder = msgspec.msgpack.Decoder(SchedulerInput)
 
     @classmethod
-    def for_replicas(cls, engine: EngineConfig, method: str) -> Dispatch | None:
+    def for_replicas(cls, engine: EngineConfig, method: str,
+                     stalled: Callable[[], Collection[int]] | None = None) -> Dispatch | None:
         """The dispatch of ``engine``'s data-parallel replicas (None with one: rank 0 is reached directly)."""
-        return None if engine.dp_size == 1 else cls(Router(engine.dp_size, method, engine.page_size))
+        return None if engine.dp_size == 1 else cls(Router(engine.dp_size, method, engine.page_size), stalled)
+
+    def _unavailable(self) -> Collection[int]:
+        avoided = self._stalled() if self._stalled is not None else ()
+        if set(avoided) != set(self._avoided):
+            if avoided:
+                logger.warning("replica(s) %s make no progress: new requests go to the others",
+                               ", ".join(map(str, sorted(avoided))))
+            else:
+                logger.info("every replica makes progress again")
+            self._avoided = avoided
+        return avoided
 
     def destinations(self, msg: SchedulerInput) -> list[int]:
         if isinstance(msg, GenerateRequest):
-            return [self.router.route(msg.rid, msg.input_ids)]
+            return [self.router.route(msg.rid, msg.input_ids, self._unavailable())]
         if isinstance(msg, AbortRequest):
             replica = self.router.replica_of(msg.rid)
             if replica is not None:
