@@ -269,6 +269,99 @@ def test_calls_from_two_threads_queue_and_both_complete(llm):
     assert [o.token_ids for o in results[0]] == [o.token_ids for o in results[1]]
 
 
+def test_ctrl_c_during_a_step_leaves_the_llm_working(llm):
+    """tp 1 steps in the caller's thread: a SIGINT that landed halfway through a step left the scheduler's requests
+    and KV pages inconsistent (the next call failed, leaked pages or hung). It now waits for the step to end."""
+    import random
+    import threading
+
+    check = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    want = llm.generate([[3, 4, 5]], check, use_tqdm=False)[0].token_ids
+    rng, interrupted = random.Random(0), 0
+    generating = threading.Event()
+
+    def on_sigint(sig, frame) -> None:  # Python's KeyboardInterrupt, but never one outside the call (pytest's)
+        if generating.is_set():
+            raise KeyboardInterrupt
+
+    previous = signal.signal(signal.SIGINT, on_sigint)
+    try:
+        for _ in range(40):
+            timer = threading.Timer(rng.uniform(0.001, 0.05), os.kill, (os.getpid(), signal.SIGINT))
+            generating.set()
+            timer.start()
+            try:
+                llm.generate([[rng.randrange(600) for _ in range(rng.randrange(5, 60))] for _ in range(8)],
+                             SamplingParams(n=2, temperature=1, max_tokens=30, ignore_eos=True), use_tqdm=False)
+            except KeyboardInterrupt:
+                interrupted += 1
+            finally:
+                generating.clear()
+                timer.cancel()
+                timer.join()
+            assert llm.generate([[3, 4, 5]], check, use_tqdm=False)[0].token_ids == want
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    stats = llm.stats()
+    assert interrupted >= 10 and (stats.running, stats.waiting, stats.kv_pages_used) == (0, 0, 0), (interrupted, stats)
+
+
+def test_close_from_another_thread_during_generate_is_a_clear_error(qwen3_dir):
+    import threading
+
+    llm = LLM(qwen3_dir, device="cpu")
+    errors: list[BaseException] = []
+
+    def generate() -> None:
+        try:
+            llm.generate([[5, 6, 7]] * 4, SamplingParams(max_tokens=100_000, ignore_eos=True), use_tqdm=False)
+        except BaseException as e:  # noqa: BLE001 -- what the call ended with
+            errors.append(e)
+
+    worker = threading.Thread(target=generate)
+    worker.start()
+    time.sleep(0.5)
+    llm.close()
+    worker.join(60)
+    assert not worker.is_alive() and len(errors) == 1
+    assert isinstance(errors[0], RuntimeError) and "closed during this call" in str(errors[0]), repr(errors[0])
+
+
+def test_the_callers_gc_freeze_stays(llm):
+    import gc
+
+    gc.freeze()
+    try:
+        frozen = gc.get_freeze_count()
+        llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert gc.get_freeze_count() > frozen // 2 > 0  # generate unfroze it (0 after); some frozen objects die
+    finally:
+        gc.unfreeze()
+
+
+def test_llm_seed_and_chat_iterables_and_unknown_keywords(llm, qwen3_dir):
+    sample = SamplingParams(temperature=1, max_tokens=8, ignore_eos=True)
+    runs = []
+    for _ in range(2):
+        with LLM(qwen3_dir, device="cpu", seed=7) as seeded:
+            runs.append([o.token_ids for o in seeded.generate([[5, 6, 7]] * 3, sample, use_tqdm=False)])
+    assert runs[0] == runs[1] and len({tuple(r) for r in runs[0]}) > 1
+    with pytest.raises(TypeError, match="seed must be an integer or None, got 'x'"):
+        LLM(qwen3_dir, device="cpu", seed="x")
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'max_num_seq' \(did you mean 'max_num_seqs'\?\)"):
+        LLM(qwen3_dir, device="cpu", max_num_seq=4)
+    greedy = SamplingParams(temperature=0, max_tokens=3, ignore_eos=True)
+    message = {"role": "user", "content": "hi"}
+    want = llm.chat([message], greedy, use_tqdm=False)[0].token_ids
+    assert llm.chat(iter([message]), greedy, use_tqdm=False)[0].token_ids == want
+    assert llm.chat((c for c in [[message]]), greedy, use_tqdm=False)[0].token_ids == want
+
+
+def test_a_rank_side_error_names_its_prompt(llm):
+    with pytest.raises(ValueError, match=r"prompts\[1\]: "):
+        llm.generate([[5, 6], []], SamplingParams(max_tokens=2), use_tqdm=False)
+
+
 def test_model_must_be_a_path(qwen3_dir, tmp_path):
     for bad in (None, 123):
         with pytest.raises(TypeError, match=f"model must be a model directory or a Hugging Face id, got {bad}"):

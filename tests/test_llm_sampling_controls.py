@@ -88,3 +88,49 @@ def test_bad_sampling_controls(llm):
         SamplingParams(presence_penalty=3.0)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=2)
+
+
+GREEDY = dict(temperature=0, ignore_eos=True)
+
+
+def test_a_stop_tokens_text_is_left_out_and_named_as_the_stop_reason(llm):
+    """As the server's detokenizer does: the stop token's text is not in ``text`` (it was), unless
+    include_stop_str_in_output; with stop strings too (their text streams through another path)."""
+    ids = llm.generate(["Hello"], SamplingParams(max_tokens=12, **GREEDY), use_tqdm=False)[0].token_ids
+    k = next(i for i in range(2, len(ids)) if ids[i] not in ids[:i])  # a token greedy reaches first at step k
+    decode = llm.tokenizer.decode
+    for stop in ([], ["\x00never"]):
+        out = llm.generate(["Hello"], SamplingParams(max_tokens=12, stop_token_ids=[ids[k]], stop=stop, **GREEDY),
+                           use_tqdm=False)[0]
+        assert out.token_ids == ids[: k + 1] and out.finish_reason == "stop"
+        assert out.outputs[0].stop_reason == ids[k]
+        assert out.text == decode(ids[:k], skip_special_tokens=True), stop
+        kept = llm.generate(["Hello"], SamplingParams(max_tokens=12, stop_token_ids=[ids[k]], stop=stop,
+                                                      include_stop_str_in_output=True, **GREEDY), use_tqdm=False)[0]
+        assert kept.text == decode(ids[: k + 1], skip_special_tokens=True), stop
+    assert out.outputs[0].cumulative_logprob is None  # no logprobs asked
+    scored = llm.generate(["Hello"], SamplingParams(max_tokens=3, logprobs=0, **GREEDY), use_tqdm=False)[0].outputs[0]
+    assert scored.cumulative_logprob == pytest.approx(sum(scored.logprobs)) and scored.stop_reason is None
+
+
+def test_a_stop_string_its_last_allowed_token_completes_is_a_stop(llm):
+    free = llm.generate(["Hello"], SamplingParams(max_tokens=8, **GREEDY), use_tqdm=False)[0]
+    before = llm.tokenizer.decode(free.token_ids[:7], skip_special_tokens=True)
+    stop = free.text[len(before) - 1:]  # the 8th token's text and the character before it
+    assert len(stop) >= 2 and free.text.find(stop) == len(before) - 1, "the model's output changed: pick another stop"
+    out = llm.generate(["Hello"], SamplingParams(max_tokens=8, stop=[stop], **GREEDY), use_tqdm=False)[0]
+    assert (out.text, out.finish_reason, out.outputs[0].stop_reason) == (free.text[: len(before) - 1], "stop", stop)
+
+
+def test_min_tokens_holds_back_stop_strings(llm):
+    """vLLM's rule (its detokenizer): a stop string counts once more than min_tokens tokens are out."""
+    free = llm.generate(["Hello"], SamplingParams(max_tokens=20, **GREEDY), use_tqdm=False)[0]
+    stop = free.text[2:4]
+    early = llm.generate(["Hello"], SamplingParams(max_tokens=20, stop=[stop], **GREEDY), use_tqdm=False)[0]
+    assert len(early.token_ids) < 10
+    held = llm.generate(["Hello"], SamplingParams(max_tokens=20, min_tokens=10, stop=[stop], **GREEDY),
+                        use_tqdm=False)[0]
+    boundary = len(llm.tokenizer.decode(free.token_ids[:10], skip_special_tokens=True))
+    later = [i for i in range(len(free.text)) if free.text.startswith(stop, i) and i + len(stop) > boundary]
+    assert held.text == (free.text[: later[0]] if later else free.text)
+    assert len(held.token_ids) > 10

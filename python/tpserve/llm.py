@@ -7,6 +7,8 @@ rank 0's outputs and watches stop strings (aborting a request at one, as the det
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
 import logging
 import numbers
 import os
@@ -45,6 +47,13 @@ class CompletionOutput:
     # (token id, log-probability) pairs at each position.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    # The stop string or stop token id (an EOS one too) that ended it; None where it ended otherwise.
+    stop_reason: int | str | None = None
+
+    @property
+    def cumulative_logprob(self) -> float | None:
+        """The sum of the tokens' log-probabilities (with SamplingParams(logprobs=...), as vLLM's)."""
+        return None if self.logprobs is None else sum(self.logprobs)
 
 
 @dataclass
@@ -80,22 +89,6 @@ class RequestOutput:
         return self.outputs[0].top_logprobs
 
 
-class _StopWatcher:
-    """A request's text so far, cut at its first stop string (see ``StopStringFilter``)."""
-
-    def __init__(self, tokenizer, params: SamplingParams) -> None:
-        from tpserve.tokenizer.stream import IncrementalDecoder, StopStringFilter
-
-        self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens=True)
-        self._filter = StopStringFilter(params.stop, params.include_stop_str_in_output)
-        self.parts: list[str] = []
-
-    def feed(self, token_ids: list[int], final: bool) -> bool:
-        """Add tokens; True once a stop string is complete."""
-        self.parts.append(self._filter.feed(self._decoder.add(token_ids, final=final), final=final))
-        return self._filter.stopped
-
-
 class LLM:
     """Offline generation. ``LLM(model_dir, tp_size=2)`` runs two rank processes on this host;
     ``dp_size=2`` runs two independent replicas (of tp_size ranks each) and spreads the requests
@@ -110,8 +103,12 @@ class LLM:
         load_format: str = "auto",
         dp_size: int = 1,
         load_balance_method: str = "cache_aware",
+        seed: int | None = None,
         **engine_kwargs,
     ) -> None:
+        """``seed``: where a request's SamplingParams has none, its seed comes from a generator seeded with this, so
+        a script run again samples the same (None: a different seed each run). Other keyword arguments are
+        ``EngineConfig``'s (or vLLM's names for them)."""
         from tpserve.launch.args import resolve_model_dir
         from tpserve.router.policy import LOAD_BALANCE_METHODS
 
@@ -121,6 +118,8 @@ class LLM:
             )
         if not isinstance(model, (str, os.PathLike)):
             raise TypeError(f"model must be a model directory or a Hugging Face id, got {model!r}")
+        if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
+            raise TypeError(f"seed must be an integer or None, got {seed!r}")
         engine_kwargs = _engine_kwargs(engine_kwargs)
         tp_size = engine_kwargs.pop("tp_size", tp_size)
         dp_size = engine_kwargs.pop("dp_size", dp_size)
@@ -140,7 +139,7 @@ class LLM:
         # One call at a time talks to the ranks: each call reads the shared output stream and keeps only its own
         # requests' outputs, so a second thread's call would lose the first's (generate/chat from threads queue here).
         self._calls = threading.Lock()
-        self._seed_rng = random.Random()
+        self._seed_rng = random.Random(None if seed is None else int(seed))
         self._driver: RankDriver | None = start_ranks(self.config, load_balance_method)
 
     def generate(
@@ -186,7 +185,9 @@ class LLM:
         instead of the model's template. The output's text is the raw completion: reasoning and tool
         calls are not split out."""
         self._live_driver("chat")
-        if isinstance(messages, (str, dict)) or not messages:
+        if not isinstance(messages, (str, Mapping)) and isinstance(messages, Iterable):
+            messages = list(messages)  # a generator of messages or of conversations too
+        if isinstance(messages, (str, Mapping)) or not messages:
             raise TypeError("messages must be a list of messages or a list of conversations (lists of messages)")
         if chat_template is not None:
             _check_chat_template(chat_template)
@@ -236,24 +237,32 @@ class LLM:
     ) -> list[RequestOutput]:
         """Send each prompt's requests (one per completion) and collect their outputs until all finish.
         A request that cannot run raises ValueError; on any exception the ranks drop what is left of this call."""
+        from tpserve.tokenizer.stream import OutputText
+
         results = [RequestOutput(reqs[0].input_ids, [CompletionOutput(i) for i in range(len(reqs))])
                    for reqs in prompt_requests]
         completions = {req.rid: (result, result.outputs[i])
                        for result, reqs in zip(results, prompt_requests) for i, req in enumerate(reqs)}
+        prompt_of = {req.rid: index for index, reqs in enumerate(prompt_requests) for req in reqs}
+        left = [len(reqs) for reqs in prompt_requests]  # unfinished completions of each prompt
         requests = [req for reqs in prompt_requests for req in reqs]
-        watchers = {req.rid: _StopWatcher(self.tokenizer, req.params) for req in requests if req.params.stop}
-        unfinished = set(completions)
-        for req in requests:
-            driver.send(req)
-        try:
-            bar = tqdm(total=len(requests), desc="Generating", unit="req", disable=not progress)
+        # The text of a request with stop strings as it comes (cut at one); the others' is decoded once at the end.
+        texts = {req.rid: OutputText(self.tokenizer, req.params.stop, req.params.include_stop_str_in_output,
+                                     req.params.min_tokens) for req in requests if req.params.stop}
+        parts: dict[int, list[str]] = {rid: [] for rid in texts}
+        unfinished: set[int] = set()
+        try:  # from the first send: whatever fails later, nothing this call sent keeps running
+            for req in requests:
+                unfinished.add(req.rid)
+                driver.send(req)
+            bar = tqdm(total=len(prompt_requests), desc="Generating", unit="prompt", disable=not progress)
             with bar, frozen_heap():
                 while unfinished:
                     for out in driver.receive().outputs:
                         if out.rid not in unfinished:
                             continue  # a request of an earlier call, or one stopped here
                         if out.finish_reason == "error":
-                            raise ValueError(out.error)
+                            raise ValueError(f"prompts[{prompt_of[out.rid]}]: {out.error}")
                         result, completion = completions[out.rid]
                         completion.token_ids.extend(out.token_ids)
                         if out.logprobs is not None:
@@ -262,24 +271,36 @@ class LLM:
                         if out.prompt_logprobs is not None:
                             result.prompt_logprobs = [None, *out.prompt_logprobs]
                             result.prompt_top_logprobs = [None, *(out.prompt_top_logprobs or [])]
-                        watcher = watchers.get(out.rid)
+                        text = texts.get(out.rid)
                         final = out.finish_reason is not None
-                        if watcher is not None and watcher.feed(out.token_ids, final=final) and not final:
-                            driver.send(AbortRequest(out.rid))  # at its stop string
-                            out.finish_reason = "stop"
+                        if out.matched_stop is not None:
+                            completion.stop_reason = out.matched_stop
+                        if text is not None:
+                            parts[out.rid].append(text.add(out.token_ids, out.matched_stop, final))
+                            if text.stop.stopped:  # at its stop string (completed by its last token, too)
+                                if not final:
+                                    driver.send(AbortRequest(out.rid))
+                                out.finish_reason, completion.stop_reason = "stop", text.stop.matched
                         if out.finish_reason is not None:
                             completion.finish_reason = out.finish_reason
                             unfinished.discard(out.rid)
-                            bar.update(1)
-        except BaseException:
+                            left[prompt_of[out.rid]] -= 1
+                            bar.update(left[prompt_of[out.rid]] == 0)
+        except BaseException as e:
+            if self._driver is None:  # close() from another thread: the ranks are gone
+                raise RuntimeError("the LLM was closed during this call") from e
             for rid in unfinished:
                 driver.send(AbortRequest(rid))
             raise
-        for rid, (_, completion) in completions.items():
-            if rid in watchers:  # the text is cut at the stop string
-                completion.text = "".join(watchers[rid].parts)
+        for req in requests:
+            completion = completions[req.rid][1]
+            if req.rid in texts:  # the text is cut at the stop string
+                completion.text = "".join(parts[req.rid])
             elif self.tokenizer is not None:
-                completion.text = self.tokenizer.decode(completion.token_ids, skip_special_tokens=True)
+                ids = completion.token_ids
+                if isinstance(completion.stop_reason, int) and not req.params.include_stop_str_in_output:
+                    ids = ids[:-1]  # the stop token's text is left out, as the server does
+                completion.text = self.tokenizer.decode(ids, skip_special_tokens=True)
         return results
 
     def flush_cache(self) -> bool:
@@ -372,10 +393,15 @@ _IGNORED_KWARGS = ("trust_remote_code",)  # tpserve runs no code from the checkp
 def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``LLM``'s extra keyword arguments as EngineConfig's: vLLM's names taken, ignored ones dropped."""
     out: dict[str, Any] = {}
+    known = {f.name for f in dataclasses.fields(EngineConfig)}
     for name, value in kwargs.items():
         if name in _IGNORED_KWARGS:
             continue
         target = _VLLM_KWARGS.get(name, name)
+        if target not in known:
+            close = difflib.get_close_matches(target, known | set(_VLLM_KWARGS), n=1)
+            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}"
+                            + (f" (did you mean {close[0]!r}?)" if close else ""))
         if target in out:
             raise TypeError(f"{name} and {target} name the same setting: give one")
         out[target] = value

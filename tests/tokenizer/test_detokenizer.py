@@ -86,6 +86,23 @@ def test_stop_string_in_last_output_needs_no_abort(tiny_tokenizer):
     assert res.api.outputs[0].text == "hi" and res.api.outputs[0].finish_reason == "stop"
 
 
+def test_no_stop_string_ends_in_the_first_min_tokens(tiny_tokenizer):
+    """vLLM's rule: a stop string counts once more than min_tokens tokens are out (the probe's request stopped at
+    5 tokens with min_tokens 20); one that starts before that point and ends after it does."""
+    text = "ab STOP cd STOP ef"
+    ids = ids_of(tiny_tokenizer, text)
+    first_end = next(k for k in range(len(ids)) if "STOP" in tiny_tokenizer.decode(ids[: k + 1]))
+    for min_tokens, expected in ((0, "ab "), (first_end, "ab "), (first_end + 1, "ab STOP cd ")):
+        m = DetokenizerManager(tiny_tokenizer)
+        m.register(DetokenizeRegister(rid=1, stop=["STOP"], min_tokens=min_tokens))
+        texts, last, _ = feed_tokens(m, 1, ids)
+        assert ("".join(texts), last.finish_reason) == (expected, "stop"), min_tokens
+    m = DetokenizerManager(tiny_tokenizer)
+    m.register(DetokenizeRegister(rid=1, stop=["STOP"], min_tokens=len(ids)))
+    texts, last, _ = feed_tokens(m, 1, ids)
+    assert ("".join(texts), last.finish_reason) == (text, "length")
+
+
 def test_chinese_stop_string(tiny_tokenizer):
     m = DetokenizerManager(tiny_tokenizer)
     m.register(DetokenizeRegister(rid=4, stop=["公园"]))

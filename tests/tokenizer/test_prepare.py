@@ -181,8 +181,9 @@ def test_sampling_controls_checked(preparer):
         preparer.prepare(req(input_ids=[1], params=SamplingParams(structured=StructuredOutput("regex", "(a")),
                              structured_param="regex"))
     assert e.value.param == "regex"
-    p = preparer.prepare(req(input_ids=[1], params=SamplingParams(stop=["x"], include_stop_str_in_output=True)))
-    assert p.register.include_stop
+    p = preparer.prepare(req(input_ids=[1], params=SamplingParams(stop=["x"], include_stop_str_in_output=True,
+                                                                  min_tokens=3)))
+    assert p.register.include_stop and p.register.min_tokens == 3
 
 
 def test_prompt_chars_counts_everything_the_template_renders():

@@ -10,9 +10,13 @@ rank is a RuntimeError), so the LLM never branches on the mode.
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import multiprocessing.util
+import signal
 import sys
+import threading
+from collections.abc import Iterator
 
 import msgspec
 import torch
@@ -35,6 +39,23 @@ def start_ranks(config: EngineConfig, load_balance_method: str = "cache_aware") 
     return RankProcesses(config, load_balance_method)
 
 
+@contextlib.contextmanager
+def _sigint_after_step() -> Iterator[list[int]]:
+    """SIGINT during the block is noted (the list it yields becomes non-empty) and raised again once the block
+    ends, to whatever handler was there; only the main thread receives signals."""
+    if threading.current_thread() is not threading.main_thread():
+        yield []
+        return
+    received: list[int] = []
+    previous = signal.signal(signal.SIGINT, lambda sig, frame: received.append(sig))
+    try:
+        yield received
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)  # None: not Python's
+        if received:
+            signal.raise_signal(signal.SIGINT)
+
+
 class LocalRank:
     """tp 1: the rank's engine, scheduler and loop in this process."""
 
@@ -48,12 +69,24 @@ class LocalRank:
         self.scheduler, self.io = Scheduler(self.engine), LocalIO()
         self.loop = SchedulerLoop(self.scheduler, self.io, config.debug_check_invariants)
 
+        self._failed: str | None = None  # why a step stopped halfway (its requests and pages are lost)
+
     def send(self, msg: SchedulerInput) -> None:
         self.io.inbox.append(msg)
 
     def receive(self) -> BatchTokenOutput:
-        while not self.io.outbox:
-            self.loop.run_once()
+        """The next output, stepping the loop meanwhile. A Ctrl-C waits for the step it lands in to end (one
+        interrupted halfway leaves the scheduler's requests and KV pages inconsistent); an exception out of a
+        step leaves this rank failed."""
+        if self._failed is not None:
+            raise RuntimeError(f"the engine failed in a step ({self._failed}); create a new LLM")
+        with _sigint_after_step() as interrupted:
+            while not self.io.outbox and not interrupted:
+                try:
+                    self.loop.run_once()
+                except BaseException as e:
+                    self._failed = f"{type(e).__name__}: {e}"
+                    raise
         return self.io.outbox.popleft()
 
     def close(self) -> None:

@@ -56,6 +56,7 @@ class DetokenizeRegister(msgspec.Struct, tag="detok_register", kw_only=True):
     rid: int
     stop: list[str] = []
     include_stop: bool = False  # the stop string stays in the text
+    min_tokens: int = 0  # no stop string counts before this many tokens
     skip_special_tokens: bool = True
     prompt_tokens: int = 0
     # the prompt leaves the new turn inside a <think> block (True), after one it closed (False), or neither (None)

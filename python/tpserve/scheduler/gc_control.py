@@ -20,7 +20,11 @@ def freeze_startup_heap() -> None:
 
 @contextmanager
 def frozen_heap() -> Iterator[None]:
-    """Freeze what exists for a run (no collection first: a pause of its own), then unfreeze."""
+    """Freeze what exists for a run (no collection first: a pause of its own), then unfreeze; where the caller
+    froze the heap already, its freeze is left as it is (unfreezing would undo it)."""
+    if gc.get_freeze_count():
+        yield
+        return
     gc.freeze()
     try:
         yield

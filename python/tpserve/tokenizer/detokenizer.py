@@ -21,7 +21,7 @@ from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import ApiOutput, ApiOutputBatch, DetokenizeRegister, DetokenizerInput, TokenLogprob
 from tpserve.message.transport import Receiver, Sender
 from tpserve.tokenizer.loader import load_tokenizer
-from tpserve.tokenizer.stream import Decoder, IncrementalDecoder, StopStringFilter, token_bytes
+from tpserve.tokenizer.stream import Decoder, OutputText, token_bytes
 
 logger = logging.getLogger(__name__)
 
@@ -31,8 +31,7 @@ ORPHAN_TIMEOUT_S = 60.0  # buffered tokens of a never-registered rid are dropped
 
 @dataclass
 class _RequestState:
-    decoder: IncrementalDecoder
-    stop: StopStringFilter
+    text: OutputText
     prompt_tokens: int
     cached_tokens: int = 0
     completion_tokens: int = 0
@@ -68,8 +67,7 @@ class DetokenizerManager:
 
     def register(self, msg: DetokenizeRegister) -> DetokenizeResult:
         self._states[msg.rid] = _RequestState(
-            decoder=IncrementalDecoder(self._tokenizer, msg.skip_special_tokens),
-            stop=StopStringFilter(msg.stop, msg.include_stop),
+            text=OutputText(self._tokenizer, msg.stop, msg.include_stop, msg.min_tokens, msg.skip_special_tokens),
             prompt_tokens=msg.prompt_tokens,
             prompt_in_reasoning=msg.prompt_in_reasoning,
         )
@@ -103,12 +101,9 @@ class DetokenizerManager:
         state.completion_tokens += len(out.token_ids)
         state.prompt_tokens = out.prompt_tokens or state.prompt_tokens
         state.cached_tokens = max(state.cached_tokens, out.cached_tokens)
-        final = out.finish_reason is not None
-        ids = out.token_ids
-        if isinstance(out.matched_stop, int) and not state.stop.include_stop:
-            ids = ids[:-1]  # the stop token's text is not output (an EOS shown by skip_special_tokens false), as vLLM's
-        text = state.stop.feed(state.decoder.add(ids, final=final), final=final)
-        finish_reason = "stop" if state.stop.stopped else out.finish_reason
+        text = state.text.add(out.token_ids, out.matched_stop, final=out.finish_reason is not None)
+        stop = state.text.stop
+        finish_reason = "stop" if stop.stopped else out.finish_reason
         if finish_reason is not None:
             self._forget(rid)
         return ApiOutput(
@@ -122,7 +117,7 @@ class DetokenizerManager:
             error=out.error,
             logprobs=self._logprobs(out),
             prompt_logprobs=self._prompt_logprobs(out),
-            matched_stop=state.stop.matched if state.stop.stopped else out.matched_stop,
+            matched_stop=stop.matched if stop.stopped else out.matched_stop,
             prompt_in_reasoning=state.prompt_in_reasoning,
         )
 

@@ -94,8 +94,9 @@ class StopStringFilter:
         self.stopped = False
         self.matched: str | None = None
 
-    def feed(self, chunk: str, final: bool = False) -> str:
-        """Add ``chunk``; return the newly emittable text. ``final`` releases held-back text."""
+    def feed(self, chunk: str, final: bool = False, armed: bool = True) -> str:
+        """Add ``chunk``; return the newly emittable text. ``final`` releases held-back text; ``armed`` False (the
+        tokens before ``min_tokens``): no stop string ends in this chunk."""
         if self.stopped:
             return ""
         self._text += chunk
@@ -104,7 +105,7 @@ class StopStringFilter:
         # Emitted text never holds the start of a stop string (a possible start is held back),
         # and an earlier complete match would have stopped us: a match must end in the new chunk.
         search_from = max(self._emitted, len(self._text) - len(chunk) - (self._max_len - 1))
-        hit = self._first_stop(search_from)
+        hit = self._first_stop(search_from) if armed else None
         if hit is not None:
             cut, self.matched = hit
             self.stopped = True
@@ -126,3 +127,24 @@ class StopStringFilter:
         out = self._text[self._emitted : end]
         self._emitted = end
         return out
+
+
+class OutputText:
+    """One request's output text as its tokens arrive: decoded incrementally, without the text of the stop token
+    that ended it (unless ``include_stop``), cut at its first stop string that ends after the first ``min_tokens``
+    tokens (vLLM's rule: until then no stop string counts)."""
+
+    def __init__(self, tokenizer: Decoder, stop: list[str] | None, include_stop: bool = False,
+                 min_tokens: int = 0, skip_special_tokens: bool = True) -> None:
+        self._decoder = IncrementalDecoder(tokenizer, skip_special_tokens)
+        self.stop = StopStringFilter(stop, include_stop)
+        self._min_tokens = min_tokens
+        self._tokens = 0
+
+    def add(self, token_ids: list[int], matched_stop: int | str | None, final: bool) -> str:
+        """The new text of ``token_ids``; ``matched_stop``: the stop token (an int) that ended the request, if one did."""
+        self._tokens += len(token_ids)
+        if isinstance(matched_stop, int) and not self.stop.include_stop:
+            token_ids = token_ids[:-1]  # an EOS shown by skip_special_tokens false too, as vLLM leaves it out
+        text = self._decoder.add(token_ids, final=final)
+        return self.stop.feed(text, final=final, armed=self._tokens > self._min_tokens)
