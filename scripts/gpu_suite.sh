@@ -293,6 +293,9 @@ for s in $stages; do
         --out $results/tp_decode_qwen3_32b_fused.json ;;
     # ---- Qwen3-30B-A3B (issue 14); after warm (the bf16 MoE test builds FlashInfer's kernels otherwise and
     # overran 120 s). moe30 on one GPU (~6 min), moe30_tp2 on two ----
+    rest_tests)  # the single-GPU tests engine_tests leaves out: the MoE kernels, decode attention kernels, float32 engines
+      stage rest_tests 450 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe.py tests/gpu/test_decode_kernels.py \
+        tests/gpu/test_float32.py ;;
     moe30_tests) stage moe30_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py ;;
     moe_tests_k)  # tests/gpu/test_moe.py -k MOE_TESTS, e.g. "expert_gemv"
       stage moe_tests_k 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py -k "${MOE_TESTS:?}" ;;
