@@ -279,6 +279,8 @@ def test_http_responses_count_every_status_those_the_tokenizer_never_sees_includ
     assert metric(c, 'tpserve_http_responses_total{status="404"}') == 1
     assert metric(c, 'tpserve_http_responses_total{status="413"}') == 1
     assert metric(c, "tpserve_requests_rejected_total") == 0  # prompts the tokenizer refused only
+    for reason in ("stop", "length", "abort", "error"):  # every finish reason's series, before any such finish
+        assert f'tpserve_requests_finished_total{{finish_reason="{reason}"}}' in c.get("/metrics").text
 
 
 # ---- accepted requests ----

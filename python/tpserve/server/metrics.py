@@ -84,6 +84,8 @@ class ServerMetrics:
         self.generation_tokens = Counter("tpserve_generation_tokens", "Generated tokens.", registry=r)
         self.finished = Counter("tpserve_requests_finished", "Finished requests by finish reason.",
                                 ["finish_reason"], registry=r)
+        for reason in ("stop", "length", "abort", "error"):  # at 0 from the start, so rates work from the first scrape
+            self.finished.labels(finish_reason=reason)
         self.rejected = Counter("tpserve_requests_rejected",
                                 "Prompts the tokenizer refused (e.g. too long), each choice.", registry=r)
         self.http_responses = Counter("tpserve_http_responses", "HTTP responses by status code.", ["status"],
