@@ -184,6 +184,24 @@ def test_a_huge_body_does_not_delay_a_small_request(url):
     assert time.monotonic() - start < 2.0
 
 
+def test_connections_that_send_nothing_are_closed_and_do_not_crowd_others_out(url):
+    """uvicorn timed out idle keep-alive connections only after a response: ones that never sent a request stayed
+    open, and a client holding as many as the open-files limit locked every other client out (a probe)."""
+    import socket
+
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    idle = [socket.create_connection((host, int(port)), timeout=30) for _ in range(20)]
+    try:
+        assert httpx.post(url + COMPLETIONS, json={"prompt": "hi", "max_tokens": 2}, timeout=60).status_code == 200
+        start = time.monotonic()
+        for conn in idle:
+            assert conn.recv(1) == b"", "the server closes an idle connection (recv returns at its end)"
+        assert time.monotonic() - start < 25  # uvicorn's keep-alive timeout, 5 s
+    finally:
+        for conn in idle:
+            conn.close()
+
+
 def test_advertised_context_is_what_the_kv_cache_holds(url):
     model = httpx.get(f"{url}/v1/models").json()["data"][0]
     assert model["max_model_len"] == 2048 and "/" not in model["id"]

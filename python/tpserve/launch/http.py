@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import resource
 import signal
 import socket
 import threading
@@ -29,6 +30,7 @@ logger = logging.getLogger(__name__)
 
 WATCH_INTERVAL_S = 0.5
 HTTP_GRACEFUL_S = 2  # open connections get this long to finish when stopping
+OPEN_FILES_TARGET = 65536
 
 
 class _Server(uvicorn.Server):
@@ -39,8 +41,38 @@ class _Server(uvicorn.Server):
         yield
 
 
+def _idle_timeout_protocol() -> type:
+    """uvicorn's HTTP protocol (httptools where installed, else h11, as its "auto") with its keep-alive timer armed
+    when a connection opens too: uvicorn arms it only after a response, so a connection that never sent a request
+    was held forever, and enough of them took every file descriptor (no client got an answer, /health included)."""
+    try:
+        from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
+    except ImportError:
+        from uvicorn.protocols.http.h11_impl import H11Protocol as base
+
+    class IdleTimeoutProtocol(base):  # type: ignore[misc, valid-type]
+        def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
+            super().connection_made(transport)
+            self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+
+    return IdleTimeoutProtocol
+
+
+def raise_open_files_limit(target: int = OPEN_FILES_TARGET) -> None:
+    """The soft limit on open files up to ``target`` (within the hard limit): each client connection holds one, and
+    the common default of 1024 is a few hundred streaming clients (vLLM raises it too)."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    wanted = target if hard == resource.RLIM_INFINITY else min(target, hard)
+    if soft != resource.RLIM_INFINITY and soft < wanted:
+        try:
+            resource.setrlimit(resource.RLIMIT_NOFILE, (wanted, hard))
+        except (ValueError, OSError) as e:
+            logger.warning("cannot raise the open-files limit from %d to %d: %s", soft, wanted, e)
+
+
 def run_http_server(args: ServerArgs) -> int:
     """Serve until a signal or a failure; return the process exit code."""
+    raise_open_files_limit()
     sock = socket.socket(socket.AF_INET6 if ":" in args.host else socket.AF_INET, socket.SOCK_STREAM)
     with sock:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -71,6 +103,7 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
         log_level=args.log_level,
         access_log=args.log_level == "debug",
         timeout_graceful_shutdown=HTTP_GRACEFUL_S,
+        http=_idle_timeout_protocol(),  # a connection idle for timeout_keep_alive (5 s) is closed, a new one too
     )
     server = _Server(config)
     http_task = asyncio.create_task(server.serve(sockets=[sock]), name="http")
