@@ -134,3 +134,13 @@ def test_min_tokens_holds_back_stop_strings(llm):
     later = [i for i in range(len(free.text)) if free.text.startswith(stop, i) and i + len(stop) > boundary]
     assert held.text == (free.text[: later[0]] if later else free.text)
     assert len(held.token_ids) > 10
+
+
+def test_skip_special_tokens_false_shows_them(llm):
+    start = llm.tokenizer.convert_tokens_to_ids("<|im_start|>")  # a special token that ends nothing
+    forced = dict(max_tokens=3, logit_bias={start: 100.0}, **GREEDY)
+    shown = llm.generate(["Hello"], SamplingParams(skip_special_tokens=False, **forced), use_tqdm=False)[0]
+    assert shown.token_ids == [start] * 3 and shown.text == "<|im_start|>" * 3
+    assert llm.generate(["Hello"], SamplingParams(**forced), use_tqdm=False)[0].text == ""
+    cut = llm.generate(["Hello"], SamplingParams(skip_special_tokens=False, stop=["|><"], **forced), use_tqdm=False)[0]
+    assert cut.text == "<|im_start" and cut.finish_reason == "stop"  # through the stop-string path too

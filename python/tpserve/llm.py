@@ -248,7 +248,8 @@ class LLM:
         requests = [req for reqs in prompt_requests for req in reqs]
         # The text of a request with stop strings as it comes (cut at one); the others' is decoded once at the end.
         texts = {req.rid: OutputText(self.tokenizer, req.params.stop, req.params.include_stop_str_in_output,
-                                     req.params.min_tokens) for req in requests if req.params.stop}
+                                     req.params.min_tokens, req.params.skip_special_tokens)
+                 for req in requests if req.params.stop}
         parts: dict[int, list[str]] = {rid: [] for rid in texts}
         unfinished: set[int] = set()
         try:  # from the first send: whatever fails later, nothing this call sent keeps running
@@ -300,7 +301,7 @@ class LLM:
                 ids = completion.token_ids
                 if isinstance(completion.stop_reason, int) and not req.params.include_stop_str_in_output:
                     ids = ids[:-1]  # the stop token's text is left out, as the server does
-                completion.text = self.tokenizer.decode(ids, skip_special_tokens=True)
+                completion.text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
         return results
 
     def flush_cache(self) -> bool:

@@ -33,7 +33,7 @@ STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INT_FIELDS = ("n", "top_k", "min_tokens")
 _OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
-_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
 
 def _is_int(value: Any) -> bool:
@@ -137,6 +137,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     stop_token_ids: list[int] | None = None
     stop: list[str] | None = None
     include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True  # the text leaves out special tokens (EOS, <|im_end|>, ...)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0

@@ -259,6 +259,15 @@ def metric(client, sample: str) -> float:
     return 0.0
 
 
+def test_skip_special_tokens_travels_in_the_sampling_params():
+    c, stub = make_client()
+    for path, body in ((CHAT, {"messages": USER}), (COMPLETIONS, {"prompt": "hi"}), ("/v1/responses", {"input": "hi"})):
+        assert c.post(path, json={**body, "skip_special_tokens": False}).status_code == 200, path
+        assert stub.submitted[-1].params.skip_special_tokens is False, path
+    assert c.post(CHAT, json={"messages": USER}).status_code == 200
+    assert stub.submitted[-1].params.skip_special_tokens is True
+
+
 def test_echo_with_max_tokens_0_counts_its_prompt_and_no_generated_token():
     c, stub = make_client(stub=StubFrontend(pieces=1))
     body = c.post(COMPLETIONS, json={"prompt": "hi", "echo": True, "max_tokens": 0}).json()

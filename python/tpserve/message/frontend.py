@@ -38,7 +38,6 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True):
     chat_template_kwargs: dict[str, Any] | None = None
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is continued, not closed
-    skip_special_tokens: bool = True
     tools: list[dict[str, Any]] | None = None  # rendered by the chat template
     structured_param: str = "response_format"  # the field params.structured came from, named if it is invalid
 

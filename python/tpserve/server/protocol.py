@@ -210,6 +210,7 @@ class _SamplingFields(_Body):
             "logit_bias": self.logit_bias_ids(),
             "min_tokens": self.min_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
+            "skip_special_tokens": self.skip_special_tokens,
             "structured": structured,
         }
         for name in ("temperature", "top_p", "top_k", "min_p"):

@@ -202,7 +202,6 @@ class Serving:
                 chat_template_kwargs=body.chat_template_kwargs,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                skip_special_tokens=body.skip_special_tokens,
                 tools=body.tools or None,
                 structured_param=body.structured_param,
             )
@@ -230,8 +229,7 @@ class Serving:
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             for choice_params in params.choices():
                 reqs.append(TokenizeRequest(rid=self.frontend.new_rid(), params=choice_params, text=text,
-                                            input_ids=ids, skip_special_tokens=body.skip_special_tokens,
-                                            structured_param=body.structured_param))
+                                            input_ids=ids, structured_param=body.structured_param))
         echo = None
         if body.echo:  # each choice's text starts with its prompt's
             echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]

@@ -129,7 +129,7 @@ class PromptPreparer:
                 stop=list(final.stop or []),
                 include_stop=final.include_stop_str_in_output,
                 min_tokens=final.min_tokens,
-                skip_special_tokens=req.skip_special_tokens,
+                skip_special_tokens=final.skip_special_tokens,
                 prompt_tokens=n,
                 prompt_in_reasoning=self._reasoning_state(req, chat_text),
             ),
