@@ -306,6 +306,26 @@ def test_ctrl_c_during_a_step_leaves_the_llm_working(llm):
     assert interrupted >= 10 and (stats.running, stats.waiting, stats.kv_pages_used) == (0, 0, 0), (interrupted, stats)
 
 
+@pytest.mark.parametrize("handler", ["ignore", "flag"])
+def test_a_sigint_that_does_not_interrupt_lets_the_call_finish(llm, handler):
+    """SIG_IGN (a job started with & by a non-interactive shell) or a handler that only notes it: the call goes on
+    (receive ended its steps at the signal and popped an empty outbox)."""
+    import threading
+
+    noted: list[int] = []
+    previous = signal.signal(signal.SIGINT, signal.SIG_IGN if handler == "ignore" else lambda s, f: noted.append(s))
+    timer = threading.Timer(0.01, os.kill, (os.getpid(), signal.SIGINT))
+    try:
+        timer.start()
+        outs = llm.generate([[5, 6, 7]] * 8, SamplingParams(max_tokens=40, ignore_eos=True), use_tqdm=False)
+        timer.join()
+    finally:
+        timer.cancel()
+        signal.signal(signal.SIGINT, previous)
+    assert [len(o.token_ids) for o in outs] == [40] * 8
+    assert noted == ([] if handler == "ignore" else [signal.SIGINT])
+
+
 def test_close_from_another_thread_during_generate_is_a_clear_error(qwen3_dir):
     import threading
 
@@ -346,6 +366,7 @@ def test_llm_seed_and_chat_iterables_and_unknown_keywords(llm, qwen3_dir):
         with LLM(qwen3_dir, device="cpu", seed=7) as seeded:
             runs.append([o.token_ids for o in seeded.generate([[5, 6, 7]] * 3, sample, use_tqdm=False)])
     assert runs[0] == runs[1] and len({tuple(r) for r in runs[0]}) > 1
+    assert seeded.config.seed == 7  # the engine's seed too (dummy weights), as the CLI's --seed
     with pytest.raises(TypeError, match="seed must be an integer or None, got 'x'"):
         LLM(qwen3_dir, device="cpu", seed="x")
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'max_num_seq' \(did you mean 'max_num_seqs'\?\)"):

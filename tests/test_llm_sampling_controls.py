@@ -111,6 +111,10 @@ def test_a_stop_tokens_text_is_left_out_and_named_as_the_stop_reason(llm):
     assert out.outputs[0].cumulative_logprob is None  # no logprobs asked
     scored = llm.generate(["Hello"], SamplingParams(max_tokens=3, logprobs=0, **GREEDY), use_tqdm=False)[0].outputs[0]
     assert scored.cumulative_logprob == pytest.approx(sum(scored.logprobs)) and scored.stop_reason is None
+    eos = llm.model_config.eos_token_ids[0]  # an EOS that ends it is no stop_reason (vLLM's)
+    at_eos = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, logit_bias={eos: 100.0}),
+                          use_tqdm=False)[0]
+    assert (at_eos.token_ids, at_eos.finish_reason, at_eos.outputs[0].stop_reason) == ([eos], "stop", None)
 
 
 def test_a_stop_string_its_last_allowed_token_completes_is_a_stop(llm):

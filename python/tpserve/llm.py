@@ -47,7 +47,7 @@ class CompletionOutput:
     # (token id, log-probability) pairs at each position.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
-    # The stop string or stop token id (an EOS one too) that ended it; None where it ended otherwise.
+    # The stop string or stop_token_ids token that ended it; None where it ended otherwise (EOS included), as vLLM's.
     stop_reason: int | str | None = None
 
     @property
@@ -106,9 +106,10 @@ class LLM:
         seed: int | None = None,
         **engine_kwargs,
     ) -> None:
-        """``seed``: where a request's SamplingParams has none, its seed comes from a generator seeded with this, so
-        a script run again samples the same (None: a different seed each run). Other keyword arguments are
-        ``EngineConfig``'s (or vLLM's names for them)."""
+        """``seed``: the engine's (``load_format="dummy"`` weights are drawn with it, as with the CLI's ``--seed``),
+        and where a request's SamplingParams has none, its seed comes from a generator seeded with it, so a script
+        run again samples the same (None: the engine's default, and a different request seed each run). Other
+        keyword arguments are ``EngineConfig``'s (or vLLM's names for them)."""
         from tpserve.launch.args import resolve_model_dir
         from tpserve.router.policy import LOAD_BALANCE_METHODS
 
@@ -121,6 +122,8 @@ class LLM:
         if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
             raise TypeError(f"seed must be an integer or None, got {seed!r}")
         engine_kwargs = _engine_kwargs(engine_kwargs)
+        if seed is not None:
+            engine_kwargs["seed"] = int(seed)
         tp_size = engine_kwargs.pop("tp_size", tp_size)
         dp_size = engine_kwargs.pop("dp_size", dp_size)
         if isinstance(dtype, torch.dtype):  # as vLLM takes it
@@ -251,6 +254,8 @@ class LLM:
                                      req.params.min_tokens, req.params.skip_special_tokens)
                  for req in requests if req.params.stop}
         parts: dict[int, list[str]] = {rid: [] for rid in texts}
+        req_params = {req.rid: req.params for req in requests}
+        ended_by_token: set[int] = set()  # by EOS or a stop token, whose text is left out
         unfinished: set[int] = set()
         try:  # from the first send: whatever fails later, nothing this call sent keeps running
             for req in requests:
@@ -274,8 +279,10 @@ class LLM:
                             result.prompt_top_logprobs = [None, *(out.prompt_top_logprobs or [])]
                         text = texts.get(out.rid)
                         final = out.finish_reason is not None
-                        if out.matched_stop is not None:
-                            completion.stop_reason = out.matched_stop
+                        if isinstance(out.matched_stop, int):
+                            ended_by_token.add(out.rid)
+                            if out.matched_stop in (req_params[out.rid].stop_token_ids or ()):
+                                completion.stop_reason = out.matched_stop
                         if text is not None:
                             parts[out.rid].append(text.add(out.token_ids, out.matched_stop, final))
                             if text.stop.stopped:  # at its stop string (completed by its last token, too)
@@ -299,7 +306,7 @@ class LLM:
                 completion.text = "".join(parts[req.rid])
             elif self.tokenizer is not None:
                 ids = completion.token_ids
-                if isinstance(completion.stop_reason, int) and not req.params.include_stop_str_in_output:
+                if req.rid in ended_by_token and not req.params.include_stop_str_in_output:
                     ids = ids[:-1]  # the stop token's text is left out, as the server does
                 completion.text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
         return results

@@ -119,6 +119,17 @@ def test_stop_at_the_very_start():
     assert "".join(out) == "" and stopped
 
 
+@pytest.mark.parametrize("stops", [["\n"], ["\n", "\n\n"], ["\n", "\nUser:"], ["\nUser:", "\n"]])
+def test_a_stop_that_ends_before_min_tokens_never_counts(stops):
+    """Chunks fed unarmed (the tokens up to min_tokens) can end no stop string, even one held back because it
+    might grow into a longer stop string (with two stop strings the held-back "\n" matched once armed)."""
+    f = StopStringFilter(stops)
+    out = [f.feed(c, armed=i >= 3) for i, c in enumerate("Hi\nthere\nmore")]
+    assert "".join(out) == "Hi\nthere" and f.stopped and f.matched == "\n"
+    f = StopStringFilter(["ab"])  # one that starts before the boundary and ends after it counts (vLLM's rule)
+    assert f.feed("xa", armed=False) + f.feed("b!") == "x" and f.stopped
+
+
 def test_nothing_after_stop():
     f = StopStringFilter(["x"])
     assert f.feed("axb") == "a"

@@ -42,16 +42,18 @@ def start_ranks(config: EngineConfig, load_balance_method: str = "cache_aware") 
 @contextlib.contextmanager
 def _sigint_after_step() -> Iterator[list[int]]:
     """SIGINT during the block is noted (the list it yields becomes non-empty) and raised again once the block
-    ends, to whatever handler was there; only the main thread receives signals."""
-    if threading.current_thread() is not threading.main_thread():
+    ends, to whatever handler was there; only the main thread receives signals, and an ignored SIGINT (or a
+    handler not installed from Python, which could not be put back) is left alone."""
+    previous = signal.getsignal(signal.SIGINT)
+    if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
         yield []
         return
     received: list[int] = []
-    previous = signal.signal(signal.SIGINT, lambda sig, frame: received.append(sig))
+    signal.signal(signal.SIGINT, lambda sig, frame: received.append(sig))
     try:
         yield received
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_DFL if previous is None else previous)  # None: not Python's
+        signal.signal(signal.SIGINT, previous)
         if received:
             signal.raise_signal(signal.SIGINT)
 
@@ -80,14 +82,16 @@ class LocalRank:
         step leaves this rank failed."""
         if self._failed is not None:
             raise RuntimeError(f"the engine failed in a step ({self._failed}); create a new LLM")
-        with _sigint_after_step() as interrupted:
-            while not self.io.outbox and not interrupted:
-                try:
-                    self.loop.run_once()
-                except BaseException as e:
-                    self._failed = f"{type(e).__name__}: {e}"
-                    raise
-        return self.io.outbox.popleft()
+        while True:  # a SIGINT handler that does not raise (one that sets a flag) lets the steps go on
+            with _sigint_after_step() as interrupted:
+                while not self.io.outbox and not interrupted:
+                    try:
+                        self.loop.run_once()
+                    except BaseException as e:
+                        self._failed = f"{type(e).__name__}: {e}"
+                        raise
+            if self.io.outbox:
+                return self.io.outbox.popleft()
 
     def close(self) -> None:
         """Free the engine now (its GPU memory included)."""

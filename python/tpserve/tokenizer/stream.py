@@ -91,6 +91,7 @@ class StopStringFilter:
         self.include_stop = include_stop  # the stop string (or the stop token's text) stays in the output
         self._text = ""  # everything received
         self._emitted = 0  # chars of _text already returned
+        self._armed_from = 0  # no match may end at or before this (the text of the tokens before min_tokens)
         self.stopped = False
         self.matched: str | None = None
 
@@ -105,6 +106,8 @@ class StopStringFilter:
         # Emitted text never holds the start of a stop string (a possible start is held back),
         # and an earlier complete match would have stopped us: a match must end in the new chunk.
         search_from = max(self._emitted, len(self._text) - len(chunk) - (self._max_len - 1))
+        if not armed:
+            self._armed_from = len(self._text)
         hit = self._first_stop(search_from) if armed else None
         if hit is not None:
             cut, self.matched = hit
@@ -116,7 +119,8 @@ class StopStringFilter:
 
     def _first_stop(self, start: int) -> tuple[int, str] | None:
         """(position, stop string) of the earliest match; the longest one at a shared position."""
-        hits = [(i, -len(s), s) for s in self._stop if (i := self._text.find(s, start)) >= 0]
+        hits = [(i, -len(s), s) for s in self._stop
+                if (i := self._text.find(s, max(start, self._armed_from - len(s) + 1))) >= 0]
         if not hits:
             return None
         i, _, s = min(hits)
