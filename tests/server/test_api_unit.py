@@ -269,9 +269,11 @@ def test_skip_special_tokens_travels_in_the_sampling_params():
 
 
 def test_echo_with_max_tokens_0_counts_its_prompt_and_no_generated_token():
-    c, stub = make_client(stub=StubFrontend(pieces=1))
+    c, stub = make_client(stub=StubFrontend(pieces=1, finish="stop"))
     body = c.post(COMPLETIONS, json={"prompt": "hi", "echo": True, "max_tokens": 0}).json()
-    assert body["usage"]["completion_tokens"] == 0
+    assert body["usage"]["completion_tokens"] == 0 and body["choices"][0]["finish_reason"] == "length"
+    assert metric(c, 'tpserve_requests_finished_total{finish_reason="length"}') == 1  # as the response says
+    assert metric(c, 'tpserve_requests_finished_total{finish_reason="stop"}') == 0
     assert metric(c, "tpserve_generation_tokens_total") == 0  # the hidden token: counted before
     assert metric(c, "tpserve_time_to_first_token_seconds_count") == 0
     assert metric(c, "tpserve_prompt_tokens_total") == stub.prompt_tokens

@@ -178,5 +178,7 @@ class RequestTimer:
         self._last = now
 
     def on_finish(self, finish_reason: str) -> None:
+        if not self._shown and finish_reason not in ("abort", "error"):
+            finish_reason = "length"  # as the response says: the hidden token's own reason is not shown
         self._metrics.finished.labels(finish_reason=finish_reason).inc()
         self._metrics.e2e.observe(time.monotonic() - self._start)
