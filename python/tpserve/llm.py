@@ -25,9 +25,12 @@ from tqdm import tqdm
 from tpserve.config import ModelConfig
 from tpserve.engine_config import EngineConfig, check_can_start
 from tpserve.launch.ranks import RankDriver, start_ranks
-from tpserve.message import AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, GetStats, SchedulerStats
+from tpserve.message import (
+    AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, GetStats, SchedulerStats, TokenOutput,
+)
 from tpserve.sampling_params import SEED_LIMIT, SamplingParams
 from tpserve.scheduler.gc_control import frozen_heap
+from tpserve.tokenizer.stream import OutputText
 
 if TYPE_CHECKING:
     from tpserve.tokenizer.prepare import PromptPreparer
@@ -87,6 +90,59 @@ class RequestOutput:
     @property
     def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
         return self.outputs[0].top_logprobs
+
+
+@dataclass
+class _Pending:
+    """One request of a call, its completion filled in from the ranks' outputs."""
+
+    request: GenerateRequest
+    result: RequestOutput
+    output: CompletionOutput
+    prompt_index: int
+    tokenizer: Any
+    text: OutputText | None = None  # with stop strings: the text as it comes, cut at one; else decoded at the end
+    parts: list[str] = field(default_factory=list)
+    ended_by_token: bool = False  # by EOS or a stop token, whose text is left out
+
+    def __post_init__(self) -> None:
+        params = self.request.params
+        if params.stop:
+            self.text = OutputText(self.tokenizer, params.stop, params.include_stop_str_in_output, params.min_tokens,
+                                   params.skip_special_tokens)
+
+    def add(self, out: TokenOutput) -> bool:
+        """Take one output; True once the completion is finished (at a stop string, before the ranks know it)."""
+        completion, params = self.output, self.request.params
+        completion.token_ids.extend(out.token_ids)
+        if out.logprobs is not None:
+            completion.logprobs = (completion.logprobs or []) + out.logprobs
+            completion.top_logprobs = (completion.top_logprobs or []) + (out.top_logprobs or [])
+        if out.prompt_logprobs is not None:
+            self.result.prompt_logprobs = [None, *out.prompt_logprobs]
+            self.result.prompt_top_logprobs = [None, *(out.prompt_top_logprobs or [])]
+        finish = out.finish_reason
+        if isinstance(out.matched_stop, int):
+            self.ended_by_token = True
+            if out.matched_stop in (params.stop_token_ids or ()):
+                completion.stop_reason = out.matched_stop
+        if self.text is not None:
+            self.parts.append(self.text.add(out.token_ids, out.matched_stop, final=finish is not None))
+            if self.text.stop.stopped:  # at its stop string (completed by its last token, too)
+                finish, completion.stop_reason = "stop", self.text.stop.matched
+        if finish is not None:
+            completion.finish_reason = finish
+        return finish is not None
+
+    def finish_text(self) -> None:
+        params = self.request.params
+        if self.text is not None:
+            self.output.text = "".join(self.parts)
+        elif self.tokenizer is not None:
+            ids = self.output.token_ids
+            if self.ended_by_token and not params.include_stop_str_in_output:
+                ids = ids[:-1]  # the stop token's text is left out, as the server does
+            self.output.text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
 
 class LLM:
@@ -240,75 +296,39 @@ class LLM:
     ) -> list[RequestOutput]:
         """Send each prompt's requests (one per completion) and collect their outputs until all finish.
         A request that cannot run raises ValueError; on any exception the ranks drop what is left of this call."""
-        from tpserve.tokenizer.stream import OutputText
-
         results = [RequestOutput(reqs[0].input_ids, [CompletionOutput(i) for i in range(len(reqs))])
                    for reqs in prompt_requests]
-        completions = {req.rid: (result, result.outputs[i])
-                       for result, reqs in zip(results, prompt_requests) for i, req in enumerate(reqs)}
-        prompt_of = {req.rid: index for index, reqs in enumerate(prompt_requests) for req in reqs}
+        items = [_Pending(req, result, result.outputs[i], index, self.tokenizer)
+                 for index, (result, reqs) in enumerate(zip(results, prompt_requests)) for i, req in enumerate(reqs)]
         left = [len(reqs) for reqs in prompt_requests]  # unfinished completions of each prompt
-        requests = [req for reqs in prompt_requests for req in reqs]
-        # The text of a request with stop strings as it comes (cut at one); the others' is decoded once at the end.
-        texts = {req.rid: OutputText(self.tokenizer, req.params.stop, req.params.include_stop_str_in_output,
-                                     req.params.min_tokens, req.params.skip_special_tokens)
-                 for req in requests if req.params.stop}
-        parts: dict[int, list[str]] = {rid: [] for rid in texts}
-        req_params = {req.rid: req.params for req in requests}
-        ended_by_token: set[int] = set()  # by EOS or a stop token, whose text is left out
-        unfinished: set[int] = set()
+        unfinished: dict[int, _Pending] = {}
         try:  # from the first send: whatever fails later, nothing this call sent keeps running
-            for req in requests:
-                unfinished.add(req.rid)
-                driver.send(req)
+            for item in items:
+                unfinished[item.request.rid] = item
+                driver.send(item.request)
             bar = tqdm(total=len(prompt_requests), desc="Generating", unit="prompt", disable=not progress)
             with bar, frozen_heap():
                 while unfinished:
                     for out in driver.receive().outputs:
-                        if out.rid not in unfinished:
+                        item = unfinished.get(out.rid)
+                        if item is None:
                             continue  # a request of an earlier call, or one stopped here
                         if out.finish_reason == "error":
-                            raise ValueError(f"prompts[{prompt_of[out.rid]}]: {out.error}")
-                        result, completion = completions[out.rid]
-                        completion.token_ids.extend(out.token_ids)
-                        if out.logprobs is not None:
-                            completion.logprobs = (completion.logprobs or []) + out.logprobs
-                            completion.top_logprobs = (completion.top_logprobs or []) + (out.top_logprobs or [])
-                        if out.prompt_logprobs is not None:
-                            result.prompt_logprobs = [None, *out.prompt_logprobs]
-                            result.prompt_top_logprobs = [None, *(out.prompt_top_logprobs or [])]
-                        text = texts.get(out.rid)
-                        final = out.finish_reason is not None
-                        if isinstance(out.matched_stop, int):
-                            ended_by_token.add(out.rid)
-                            if out.matched_stop in (req_params[out.rid].stop_token_ids or ()):
-                                completion.stop_reason = out.matched_stop
-                        if text is not None:
-                            parts[out.rid].append(text.add(out.token_ids, out.matched_stop, final))
-                            if text.stop.stopped:  # at its stop string (completed by its last token, too)
-                                if not final:
-                                    driver.send(AbortRequest(out.rid))
-                                out.finish_reason, completion.stop_reason = "stop", text.stop.matched
-                        if out.finish_reason is not None:
-                            completion.finish_reason = out.finish_reason
-                            unfinished.discard(out.rid)
-                            left[prompt_of[out.rid]] -= 1
-                            bar.update(left[prompt_of[out.rid]] == 0)
+                            raise ValueError(f"prompts[{item.prompt_index}]: {out.error}")
+                        if item.add(out):
+                            if out.finish_reason is None:
+                                driver.send(AbortRequest(out.rid))  # at its stop string: the ranks stop it
+                            del unfinished[out.rid]
+                            left[item.prompt_index] -= 1
+                            bar.update(left[item.prompt_index] == 0)
         except BaseException as e:
             if self._driver is None:  # close() from another thread: the ranks are gone
                 raise RuntimeError("the LLM was closed during this call") from e
             for rid in unfinished:
                 driver.send(AbortRequest(rid))
             raise
-        for req in requests:
-            completion = completions[req.rid][1]
-            if req.rid in texts:  # the text is cut at the stop string
-                completion.text = "".join(parts[req.rid])
-            elif self.tokenizer is not None:
-                ids = completion.token_ids
-                if req.rid in ended_by_token and not req.params.include_stop_str_in_output:
-                    ids = ids[:-1]  # the stop token's text is left out, as the server does
-                completion.text = self.tokenizer.decode(ids, skip_special_tokens=req.params.skip_special_tokens)
+        for item in items:
+            item.finish_text()
         return results
 
     def flush_cache(self) -> bool:
