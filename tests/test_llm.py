@@ -326,6 +326,32 @@ def test_a_sigint_that_does_not_interrupt_lets_the_call_finish(llm, handler):
     assert noted == ([] if handler == "ignore" else [signal.SIGINT])
 
 
+def test_a_second_ctrl_c_leaves_a_step_that_does_not_end(qwen3_dir):
+    """The first SIGINT waits for the step to end; a second one in the same step interrupts it (a hung step can
+    still be left), and the LLM then says it failed rather than running on half-updated state."""
+    import threading
+
+    llm = LLM(qwen3_dir, device="cpu")
+    stuck = threading.Event()
+
+    def step_forever() -> bool:
+        stuck.set()
+        while True:
+            time.sleep(0.01)
+
+    llm._driver.loop.run_once = step_forever
+    for delay in (0.3, 0.6):
+        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+        assert stuck.is_set()
+        with pytest.raises(RuntimeError, match="the engine failed in a step .*KeyboardInterrupt.*create a new LLM"):
+            llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
+    finally:
+        llm.close()
+
+
 def test_close_from_another_thread_during_generate_is_a_clear_error(qwen3_dir):
     import threading
 

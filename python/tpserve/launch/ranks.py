@@ -42,14 +42,21 @@ def start_ranks(config: EngineConfig, load_balance_method: str = "cache_aware") 
 @contextlib.contextmanager
 def _sigint_after_step() -> Iterator[list[int]]:
     """SIGINT during the block is noted (the list it yields becomes non-empty) and raised again once the block
-    ends, to whatever handler was there; only the main thread receives signals, and an ignored SIGINT (or a
-    handler not installed from Python, which could not be put back) is left alone."""
+    ends, to whatever handler was there; a second one raises KeyboardInterrupt at once (a step that never ends
+    can still be left). Only the main thread receives signals, and an ignored SIGINT (or a handler not installed
+    from Python, which could not be put back) is left alone."""
     previous = signal.getsignal(signal.SIGINT)
     if threading.current_thread() is not threading.main_thread() or previous in (signal.SIG_IGN, None):
         yield []
         return
     received: list[int] = []
-    signal.signal(signal.SIGINT, lambda sig, frame: received.append(sig))
+
+    def note(sig: int, frame: object) -> None:
+        received.append(sig)
+        if len(received) > 1:
+            raise KeyboardInterrupt
+
+    signal.signal(signal.SIGINT, note)
     try:
         yield received
     finally:
@@ -70,7 +77,6 @@ class LocalRank:
         self.engine = Engine(config, rank=0)
         self.scheduler, self.io = Scheduler(self.engine), LocalIO()
         self.loop = SchedulerLoop(self.scheduler, self.io, config.debug_check_invariants)
-
         self._failed: str | None = None  # why a step stopped halfway (its requests and pages are lost)
 
     def send(self, msg: SchedulerInput) -> None:
