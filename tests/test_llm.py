@@ -334,21 +334,30 @@ def test_a_second_ctrl_c_leaves_a_step_that_does_not_end(qwen3_dir):
     llm = LLM(qwen3_dir, device="cpu")
     stuck = threading.Event()
 
-    def step_forever() -> bool:
+    def step_forever() -> bool:  # for 60 s: a test that fails must not hang
         stuck.set()
-        while True:
+        deadline = time.monotonic() + 60
+        while time.monotonic() < deadline:
             time.sleep(0.01)
+        raise AssertionError("the second SIGINT did not interrupt the step")
 
     llm._driver.loop.run_once = step_forever
-    for delay in (0.3, 0.6):
-        threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)).start()
+    # Python's own handler: a process started in the background by a shell inherits SIGINT ignored
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timers = [threading.Timer(delay, os.kill, (os.getpid(), signal.SIGINT)) for delay in (0.3, 0.6)]
     try:
+        for timer in timers:
+            timer.start()
         with pytest.raises(KeyboardInterrupt):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
         assert stuck.is_set()
         with pytest.raises(RuntimeError, match="the engine failed in a step .*KeyboardInterrupt.*create a new LLM"):
             llm.generate([[5, 6, 7]], SamplingParams(max_tokens=2), use_tqdm=False)
     finally:
+        for timer in timers:
+            timer.cancel()
+            timer.join()
+        signal.signal(signal.SIGINT, previous)
         llm.close()
 
 
