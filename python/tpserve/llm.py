@@ -115,9 +115,11 @@ class _Pending:
         """Take one output; True once the completion is finished (at a stop string, before the ranks know it)."""
         completion, params = self.output, self.request.params
         completion.token_ids.extend(out.token_ids)
-        if out.logprobs is not None:
-            completion.logprobs = (completion.logprobs or []) + out.logprobs
-            completion.top_logprobs = (completion.top_logprobs or []) + (out.top_logprobs or [])
+        if out.logprobs is not None:  # in place: a new list per output made a long generation's copies quadratic
+            if completion.logprobs is None:
+                completion.logprobs, completion.top_logprobs = [], []
+            completion.logprobs.extend(out.logprobs)
+            completion.top_logprobs.extend(out.top_logprobs or [])
         if out.prompt_logprobs is not None:
             self.result.prompt_logprobs = [None, *out.prompt_logprobs]
             self.result.prompt_top_logprobs = [None, *(out.prompt_top_logprobs or [])]
