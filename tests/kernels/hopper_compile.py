@@ -8,7 +8,7 @@ TRITON_INTERPRET, compiles each distinct one with Triton's CUDA backend for sm_9
 A kernel with a ``PDL`` constexpr is also compiled as the GPU launches it (programmatic dependent
 launch, ``tpserve.kernels.triton_pdl``), which the interpreter cannot run. Every compiled kernel must fit
 an SM's shared memory, which the GPU checks only at load time; the grouped MoE GEMM is also compiled at
-each of its production tiles (``kernels.moe.TILES_BY_ROWS``, FP8 experts' apart) with Qwen3-30B-A3B's
+each of its production tiles (``kernels.moe.tiles_for``: bf16, float32 and FP8 experts) with Qwen3-30B-A3B's
 types, which the interpreter checks' small problems do not reach.
 
     python tests/kernels/hopper_compile.py LAUNCHES.json
@@ -74,21 +74,24 @@ def record_launches(path: str) -> None:
 
 
 def grouped_gemm_tile_launches() -> list[dict]:
-    """The grouped MoE GEMM at every production tile: bf16 experts, and FP8 ones with their float32 block scales
-    (the second GEMM's launch: the router weight scales its rows)."""
-    from tpserve.kernels.moe import FP8_TILES_BY_ROWS, TILES_BY_ROWS
+    """The grouped MoE GEMM at every production tile (``tiles_for``): bf16 and float32 experts (a float32
+    model's tiles hold fewer stages), and FP8 ones with their float32 block scales (the second GEMM's launch:
+    the router weight scales its rows)."""
+    from tpserve.kernels.moe import FP8_TILES_BY_ROWS, TILES_BY_ROWS, tiles_for
 
     launches = []
-    for fp8, tiles in ((False, TILES_BY_ROWS), (True, FP8_TILES_BY_ROWS)):
-        for _, tile in tiles:
+    for act, fp8, table in (("bf16", False, TILES_BY_ROWS), ("fp32", False, TILES_BY_ROWS),
+                            ("bf16", True, FP8_TILES_BY_ROWS)):
+        for bound, _ in table:
+            tile = tiles_for(bound or 1 << 30, fp8=fp8, itemsize=4 if act == "fp32" else 2)
             signature = {name: "i32" for name in ("num_rows", "N", "K", "stride_am", "stride_we", "stride_wn",
                                                   "stride_cm", "stride_se", "stride_sp", "stride_sn", "part_rows")}
-            signature.update(a_ptr="*bf16", w_ptr="*fp8e4nv" if fp8 else "*bf16", c_ptr="*bf16", scale_ptr="*bf16",
-                             sorted_rows_ptr="*i32", block_expert_ptr="*i32", padded_len_ptr="*i32",
-                             ws_ptr="*fp32" if fp8 else "*bf16")
-            constexprs = dict(A_ROWS_PER_TOKEN=1, SCALE=True, IEEE=False, BLOCK_M=tile.block_m, BLOCK_N=tile.block_n,
-                              BLOCK_K=tile.block_k, GROUP_M=tile.group_m, BN=128 if fp8 else 1, BK=128 if fp8 else 1,
-                              FP8=fp8, SILU=tile.fuse_silu)
+            signature.update(a_ptr=f"*{act}", w_ptr="*fp8e4nv" if fp8 else f"*{act}", c_ptr=f"*{act}",
+                             scale_ptr=f"*{act}", sorted_rows_ptr="*i32", block_expert_ptr="*i32",
+                             padded_len_ptr="*i32", ws_ptr="*fp32" if fp8 else f"*{act}")
+            constexprs = dict(A_ROWS_PER_TOKEN=1, SCALE=True, IEEE=act == "fp32", BLOCK_M=tile.block_m,
+                              BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
+                              BN=128 if fp8 else 1, BK=128 if fp8 else 1, FP8=fp8, SILU=tile.fuse_silu)
             signature.update({name: "constexpr" for name in constexprs})
             launches.append({"module": "tpserve.kernels.moe", "kernel": "_grouped_gemm_kernel", "signature": signature,
                              "constexprs": constexprs, "options": {"num_warps": tile.warps, "num_stages": tile.stages},

@@ -8,7 +8,7 @@ CUDA-graph safe: no host reads, and shapes depend only on the token count (padde
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import triton
@@ -136,10 +136,28 @@ FP8_TILES_BY_ROWS: tuple[tuple[int | None, Tile], ...] = (
 )
 
 
-def tiles_for(num_rows: int, fp8: bool = False) -> Tile:
-    """The grouped GEMM's tile at this many (token, k) rows (``TILES_BY_ROWS``, FP8 experts' apart)."""
+def tiles_for(num_rows: int, fp8: bool = False, itemsize: int = 2) -> Tile:
+    """The grouped GEMM's tile at this many (token, k) rows (``TILES_BY_ROWS``, FP8 experts' apart), its stages
+    cut to fit ``SHARED_MEMORY_BYTES`` at activations (and unquantized weights) of ``itemsize`` bytes."""
     tiles = FP8_TILES_BY_ROWS if fp8 else TILES_BY_ROWS
-    return next(tile for bound, tile in tiles if bound is None or num_rows <= bound)
+    tile = next(tile for bound, tile in tiles if bound is None or num_rows <= bound)
+    return tile if fp8 else fit_stages(tile, itemsize)
+
+
+# Hopper's shared memory a block may opt into (227 KB); the tiles above were picked for bf16 within it.
+SHARED_MEMORY_BYTES = 232448
+
+
+def fit_stages(tile: Tile, itemsize: int) -> Tile:
+    """``tile`` with at most the pipeline stages whose buffers fit in shared memory: Triton keeps stages - 1
+    copies of an A tile and one (SiLU fused: two) W tiles. float32 models need it: 128 x 256 in 4 stages asks
+    288 KB at 4 bytes an element."""
+    w_tiles = 2 if tile.fuse_silu else 1
+    per_stage = (tile.block_m + w_tiles * tile.block_n) * tile.block_k * itemsize
+    stages = tile.stages
+    while stages > 2 and (stages - 1) * per_stage > SHARED_MEMORY_BYTES:
+        stages -= 1
+    return tile if stages == tile.stages else replace(tile, stages=stages)
 
 
 def tile_row_bounds() -> tuple[int, ...]:
@@ -348,7 +366,7 @@ def grouped_experts(
     rows = tokens * top_k
     if rows == 0:
         return torch.zeros_like(x)
-    tile = tile or tiles_for(rows, fp8=scales is not None)
+    tile = tile or tiles_for(rows, fp8=scales is not None, itemsize=x.element_size())
     sorted_rows, block_expert, padded_len = align_by_expert(ids, gate_up.shape[0], tile.block_m)
     gate_up_scale, down_scale, block = (scales.gate_up, scales.down, scales.block) if scales else (None, None, (1, 1))
     width = gate_up.shape[1] // 2 if tile.fuse_silu else gate_up.shape[1]
