@@ -68,6 +68,54 @@ def test_frequency_and_presence_match_a_reference_greedy_loop(llm, qwen3_dir):
     assert unedited.token_ids != expected  # the penalties did change the output
 
 
+def reference_greedy(model_dir: str, prompt: list[int], new: int, allowed=None, bad_words=()) -> list[int]:
+    """Greedy on transformers' logits with vLLM's bans: only ``allowed`` tokens, and a bad word's last token
+    wherever the output (not the prompt) ends with the tokens before it."""
+    ids, out = list(prompt), []
+    for _ in range(new):
+        logits = hf_logits(model_dir, ids)[-1].double()
+        if allowed is not None:
+            keep = torch.full_like(logits, float("-inf"))
+            keep[allowed] = 0
+            logits += keep
+        for word in bad_words:
+            if len(word) - 1 <= len(out) and out[len(out) - len(word) + 1:] == word[:-1]:
+                logits[word[-1]] = float("-inf")
+        out.append(int(logits.argmax()))
+        ids.append(out[-1])
+    return out
+
+
+def test_allowed_token_ids_and_bad_words_match_a_reference_greedy_loop(llm, qwen3_dir):
+    """Under overlap scheduling too: a bad word of two tokens is banned right after its first token, which
+    the step planned next must already know (such a request's steps drain)."""
+    prompt, new = PROMPTS[1], 10
+    plain = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    free = llm.generate([prompt], plain, use_tqdm=False)[0].token_ids
+    allowed = sorted({free[1], free[4], 7, 8, 9, 100, 101})
+    bad = [[free[2], free[3]], [free[6]]]  # two tokens greedy takes in a row, and one it takes later
+    cases = [(dict(allowed_token_ids=allowed), dict(allowed=allowed)),
+             (dict(bad_words_token_ids=bad), dict(bad_words=bad))]
+    for extra, reference in cases:
+        params = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, **extra)
+        outs = llm.generate([prompt, prompt, PROMPTS[0]], [params, plain, params], use_tqdm=False)
+        assert outs[0].token_ids == reference_greedy(qwen3_dir, prompt, new, **reference) != free, extra
+        assert outs[1].token_ids == free  # the neighbour without them is left alone
+        assert outs[2].token_ids == reference_greedy(qwen3_dir, PROMPTS[0], new, **reference), extra
+    assert free[6] not in outs[0].token_ids
+
+
+def test_bad_words_as_text_never_appear(llm):
+    free = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
+    word = llm.tokenizer.decode(free.token_ids[3:5])
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, bad_words=[word])
+    out = llm.generate(["Hello"], params, use_tqdm=False)[0]
+    banned = llm.tokenizer.encode(word.lstrip(), add_special_tokens=False)
+    assert out.token_ids[:3] == free.token_ids[:3] and out.token_ids != free.token_ids
+    tail = len(banned)
+    assert all(out.token_ids[i:i + tail] != banned for i in range(len(out.token_ids)))
+
+
 def test_stop_strings_offline(llm):
     free = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=20, ignore_eos=True), use_tqdm=False)[0]
     assert len(free.text) > 4
@@ -88,6 +136,10 @@ def test_bad_sampling_controls(llm):
         SamplingParams(presence_penalty=3.0)
     with pytest.raises(ValueError, match="min_tokens"):
         SamplingParams(min_tokens=5, max_tokens=2)
+    with pytest.raises(ValueError, match=r"allowed_token_ids: token id 1000000 is out of range \[0, "):
+        llm.generate([[1]], SamplingParams(allowed_token_ids=[1, 10**6]), use_tqdm=False)
+    with pytest.raises(ValueError, match="bad_words_token_ids: token id 1000000 is out of range"):
+        llm.generate([[1]], SamplingParams(bad_words_token_ids=[[10**6]]), use_tqdm=False)
 
 
 GREEDY = dict(temperature=0, ignore_eos=True)

@@ -35,6 +35,15 @@ from tpserve.sampling_params import SamplingParams, StructuredOutput
         ({"logit_bias": {"5": 1.0}}, "logit_bias must map integer token ids to numbers, got {'5': 1.0}"),
         ({"logit_bias": {5: "big"}}, "logit_bias must map integer token ids to numbers, got {5: 'big'}"),
         ({"structured": "json_object"}, "structured must be a StructuredOutput, got 'json_object'"),
+        ({"allowed_token_ids": [1, "2"]}, "allowed_token_ids must be a list of integers, got [1, '2']"),
+        ({"allowed_token_ids": []}, "allowed_token_ids must not be empty"),
+        ({"allowed_token_ids": [-1]}, "allowed_token_ids must be token ids >= 0, got -1"),
+        ({"bad_words": "word"}, "bad_words must be a list of strings, got 'word'"),
+        ({"bad_words": [" "]}, "bad_words must not be empty or only spaces"),
+        ({"bad_words": ["w"] * 65}, "bad_words may hold at most 64 words"),
+        ({"bad_words_token_ids": [1, 2]}, "bad_words_token_ids must be a list of token-id lists, got [1, 2]"),
+        ({"bad_words_token_ids": [[1], []]}, "bad_words_token_ids must not hold an empty token list"),
+        ({"bad_words_token_ids": [[1, 2**63]]}, "bad_words_token_ids token id must be below 2**63"),
     ],
 )
 def test_wrong_types_are_value_errors_naming_the_field(kwargs, fragment):
@@ -112,3 +121,14 @@ def test_structured_output_of_the_wrong_type_names_it(kind, spec):
     """A spec that is not text failed in generate() inside the json module ("the JSON object must be str")."""
     with pytest.raises(ValueError, match=f"structured output spec must be a string, got {spec!r}"):
         StructuredOutput(kind, spec)
+
+
+def test_bad_word_bans_follow_the_outputs_tail():
+    """A bad word's last token is banned exactly where the output so far ends with its other tokens."""
+    params = SamplingParams(bad_words_token_ids=[[7], [3, 4], [1, 3, 5]])
+    assert params.bad_word_bans([]) == [7]
+    assert params.bad_word_bans([9, 3]) == [7, 4]
+    assert params.bad_word_bans([1, 3]) == [7, 4, 5]
+    assert params.bad_word_bans([3, 1]) == [7]
+    assert params.needs_output_history and not SamplingParams(bad_words_token_ids=[[7], [8]]).needs_output_history
+    assert SamplingParams(bad_words_token_ids=[[7]]).edits_logits and SamplingParams(allowed_token_ids=[1]).edits_logits

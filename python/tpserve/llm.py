@@ -30,6 +30,7 @@ from tpserve.message import (
 )
 from tpserve.sampling_params import SEED_LIMIT, SamplingParams
 from tpserve.scheduler.gc_control import frozen_heap
+from tpserve.tokenizer.prepare import encode_bad_words
 from tpserve.tokenizer.stream import OutputText
 
 if TYPE_CHECKING:
@@ -223,6 +224,9 @@ class LLM:
             prompt_requests = []
             for input_ids, params in zip(encoded, sampling_params):
                 seed = params.seed if params.seed is not None else self._seed_rng.randrange(SEED_LIMIT)
+                if params.bad_words:
+                    params = msgspec.structs.replace(params, bad_words_token_ids=(
+                        (params.bad_words_token_ids or []) + encode_bad_words(self.tokenizer, params.bad_words)))
                 choices = msgspec.structs.replace(params, seed=seed).choices()
                 prompt_requests.append([GenerateRequest(self._next_rid + i, input_ids, p) for i, p in enumerate(choices)])
                 self._next_rid += len(choices)
@@ -373,7 +377,11 @@ class LLM:
             check_spec(params.structured)
         if params.stop and self.tokenizer is None:
             raise ValueError("stop strings need the model's tokenizer; this model has none")
-        for name, ids in (("stop_token_ids", params.stop_token_ids or []), ("logit_bias", params.logit_bias or {})):
+        if params.bad_words and self.tokenizer is None:
+            raise ValueError("bad_words need the model's tokenizer; this model has none (give bad_words_token_ids)")
+        bad_word_ids = [t for ids in params.bad_words_token_ids or [] for t in ids]
+        for name, ids in (("stop_token_ids", params.stop_token_ids or []), ("logit_bias", params.logit_bias or {}),
+                          ("allowed_token_ids", params.allowed_token_ids or []), ("bad_words_token_ids", bad_word_ids)):
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]} is out of range [0, {vocab})")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import math
 import numbers
-from collections.abc import Iterable, Mapping
+from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import msgspec
@@ -26,6 +26,8 @@ MAX_STOP_CHARS = 512
 # Every generated token is looked up in stop_token_ids, and while min_tokens holds each one is a logit
 # edit uploaded every step: bounded as the stop strings are. 256 is far more than any model's end tokens.
 MAX_STOP_TOKEN_IDS = 256
+# Every bad word's token sequence is matched against the output's tail for each sampled token (on the host).
+MAX_BAD_WORDS = 64
 
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 # SamplingParams' fields by type, checked (and numpy scalars made plain) when it is made: the
@@ -69,12 +71,28 @@ def _as_stop(value: Any) -> list[str] | None:
     return [str(s) for s in stops]
 
 
-def _as_token_ids(value: Any) -> list[int] | None:
+def _as_token_ids(name: str, value: Any) -> list[int] | None:
     if value is None:
         return None
     if not isinstance(value, (list, tuple)) or not all(_is_int(t) for t in value):
-        raise ValueError(f"stop_token_ids must be a list of integers, got {value!r}")
-    return [int(t) for t in value]
+        raise ValueError(f"{name} must be a list of integers, got {value!r}")
+    return [_as_int(f"{name} token id", t) for t in value]
+
+
+def _as_words(value: Any) -> list[str] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(w, str) for w in value):
+        raise ValueError(f"bad_words must be a list of strings, got {value!r}")
+    return [str(w) for w in value]
+
+
+def _as_token_sequences(value: Any) -> list[list[int]] | None:
+    if value is None:
+        return None
+    if not isinstance(value, (list, tuple)) or not all(isinstance(ids, (list, tuple)) for ids in value):
+        raise ValueError(f"bad_words_token_ids must be a list of token-id lists, got {value!r}")
+    return [_as_token_ids("bad_words_token_ids", ids) for ids in value]
 
 
 def _as_logit_bias(value: Any) -> dict[int, float] | None:
@@ -116,8 +134,16 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     output is divided by it when positive, multiplied when negative), then ``frequency_penalty``
     times the token's count in the output and ``presence_penalty`` if it occurs there (OpenAI's
     rule), then ``logit_bias`` (token id -> added value), then end-of-sequence and
-    ``stop_token_ids`` are banned until ``min_tokens`` tokens are out, then ``structured``
+    ``stop_token_ids`` are banned until ``min_tokens`` tokens are out, then only
+    ``allowed_token_ids`` may be sampled (if given) and ``bad_words`` are banned, then ``structured``
     allows only the tokens its grammar accepts.
+
+    ``bad_words`` (vLLM's): words the output never contains as tokenized, each at the start of the text
+    and after a space (both tokenizations are banned). A word's last token is banned wherever the
+    output so far ends with the tokens before it, so the word may still appear spelt by other tokens.
+    The tokenizer fills ``bad_words_token_ids`` from them (a model without a tokenizer takes the token
+    sequences there directly). A request with a bad word of several tokens needs its last token before
+    its next step is planned: its steps do not overlap with the host's work (slower, correct).
 
     ``stop`` may be one string or a list of at most 16 (``MAX_STOP_STRINGS``), each at most 512
     characters (``MAX_STOP_CHARS``); ``stop_token_ids`` may hold at most 256 (``MAX_STOP_TOKEN_IDS``).
@@ -142,6 +168,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    bad_words_token_ids: list[list[int]] | None = None
     structured: StructuredOutput | None = None
     # None: no log-probabilities; n >= 0: each sampled token's log-probability under the model
     # (before temperature, penalties and filters) plus the n most likely tokens' at that position.
@@ -186,6 +215,23 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 raise ValueError(f"logit_bias token ids must be >= 0, got {token}")
             if not -MAX_LOGIT_BIAS <= bias <= MAX_LOGIT_BIAS:
                 raise ValueError(f"logit_bias values must be in [-100, 100], got {bias} for token {token}")
+        for name, ids in (("allowed_token_ids", self.allowed_token_ids or []),
+                          ("bad_words_token_ids", [t for word in self.bad_words_token_ids or [] for t in word])):
+            if any(t < 0 for t in ids):
+                raise ValueError(f"{name} must be token ids >= 0, got {min(ids)}")
+        if self.allowed_token_ids is not None and not self.allowed_token_ids:
+            raise ValueError("allowed_token_ids must not be empty (no token could be sampled)")
+        if self.bad_words is not None:
+            if any(not w.strip() for w in self.bad_words):
+                raise ValueError("bad_words must not be empty or only spaces")
+            if len(self.bad_words) > MAX_BAD_WORDS:
+                raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
+            if any(len(w) > MAX_STOP_CHARS for w in self.bad_words):
+                raise ValueError(f"bad_words must be at most {MAX_STOP_CHARS} characters each")
+        if self.bad_words_token_ids is not None and any(not ids for ids in self.bad_words_token_ids):
+            raise ValueError("bad_words_token_ids must not hold an empty token list")
+        if self.bad_words_token_ids is not None and len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:
+            raise ValueError(f"bad_words_token_ids may hold at most {2 * MAX_BAD_WORDS} token lists")
         if self.stop is not None and any(not s for s in self.stop):
             raise ValueError("stop strings must not be empty")
         if self.stop is not None and len(self.stop) > MAX_STOP_STRINGS:
@@ -213,8 +259,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
         self.stop = _as_stop(self.stop)
-        self.stop_token_ids = _as_token_ids(self.stop_token_ids)
+        self.stop_token_ids = _as_token_ids("stop_token_ids", self.stop_token_ids)
         self.logit_bias = _as_logit_bias(self.logit_bias)
+        self.allowed_token_ids = _as_token_ids("allowed_token_ids", self.allowed_token_ids)
+        self.bad_words = _as_words(self.bad_words)
+        self.bad_words_token_ids = _as_token_sequences(self.bad_words_token_ids)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
 
@@ -240,5 +289,20 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         return sorted(set(self.stop_token_ids or ()) | (set() if self.ignore_eos else set(eos_ids)))
 
     @property
+    def needs_output_history(self) -> bool:
+        """A bad word of several tokens: the next step's bans depend on the last token sampled."""
+        return any(len(ids) > 1 for ids in self.bad_words_token_ids or ())
+
+    def bad_word_bans(self, output_ids: Sequence[int]) -> list[int]:
+        """The tokens that would complete a bad word after ``output_ids`` (every output token so far)."""
+        bans = []
+        for ids in self.bad_words_token_ids or ():
+            before = len(ids) - 1
+            if before <= len(output_ids) and list(output_ids[len(output_ids) - before:]) == ids[:before]:
+                bans.append(ids[-1])
+        return bans
+
+    @property
     def edits_logits(self) -> bool:
-        return self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None
+        return (self.has_penalties or bool(self.logit_bias) or self.min_tokens > 0 or self.structured is not None
+                or self.allowed_token_ids is not None or bool(self.bad_words_token_ids))

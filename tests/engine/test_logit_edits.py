@@ -119,3 +119,19 @@ def test_reused_slot_starts_clean():
     e = LogitEdits.build(p, [0], [0], [True], [(0, [2])], EOS, V, "cpu")  # slot 0 given to a new request
     out = state.apply(torch.zeros(1, V), e)
     assert out.sum() == 0 and state.prompt_mask[0].nonzero().flatten().tolist() == [2]
+
+
+def test_allowed_token_ids_and_bad_words():
+    """Only the allowed tokens stay finite in their row; a bad word's last token is banned after its prefix;
+    the rows beside them are untouched."""
+    state = PenaltyState(V, torch.device("cpu"))
+    params = [SP(allowed_token_ids=[3, 5, V + 4]), SP(), SP(bad_words_token_ids=[[2], [6, 8]])]
+    edits = LogitEdits.build(params, [-1] * 3, [2] * 3, [True] * 3, [], EOS, V, "cpu", outputs=[[1], [6], [4, 6]])
+    logits = torch.randn(3, V)
+    out = state.apply(logits, edits)
+    assert torch.isfinite(out[0]).nonzero().flatten().tolist() == [3, 5]
+    assert torch.equal(out[0, [3, 5]], logits[0, [3, 5]])
+    assert torch.equal(out[1], logits[1])
+    assert torch.isinf(out[2]).nonzero().flatten().tolist() == [2, 8]
+    later = LogitEdits.build(params[2:], [-1], [3], [True], [], EOS, V, "cpu", outputs=[[4, 6, 1]])
+    assert torch.isinf(state.apply(logits[2:], later)).nonzero().tolist() == [[0, 2]]

@@ -169,6 +169,11 @@ def test_flush_cache():
         (COMPLETIONS, {"prompt": "x", "logprobs": True}, "logprobs", "logprobs"),
         # a token id past 64 bits arrives as a string key: a 400, not a failure to pass it to the ranks
         (CHAT, {"messages": USER, "logit_bias": {str(10**23): 1}}, "logit_bias", "logit_bias"),
+        (CHAT, {"messages": USER, "allowed_token_ids": []}, "allowed_token_ids must not be empty", "allowed_token_ids"),
+        (COMPLETIONS, {"prompt": "x", "allowed_token_ids": [-3]}, "allowed_token_ids", "allowed_token_ids"),
+        (CHAT, {"messages": USER, "allowed_token_ids": ["5"]}, None, "allowed_token_ids.0"),
+        (CHAT, {"messages": USER, "bad_words": [" "]}, "bad_words must not be empty", "bad_words"),
+        (COMPLETIONS, {"prompt": "x", "bad_words": "word"}, None, "bad_words"),
     ],
 )
 def test_bad_requests_are_400(client, path, body, fragment, param):
@@ -394,10 +399,12 @@ def test_lenient_fields_nulls_and_extra_part_keys():
     body = {"messages": [{"role": "user", "content": [{"type": "text", "text": "hi", "cache_control": {"type": "x"}}]}],
             "n": None, "temperature": None, "reasoning_effort": "low", "stream_options": None, "top_k": None,
             "min_tokens": 2, "include_stop_str_in_output": True, "presence_penalty": 0.5, "frequency_penalty": -0.5,
-            "repetition_penalty": 1.1, "logit_bias": {"5": -100, "6": 2.5}, "stop": "x"}
+            "repetition_penalty": 1.1, "logit_bias": {"5": -100, "6": 2.5}, "stop": "x",
+            "allowed_token_ids": [3, 4], "bad_words": ["no"]}
     resp = c.post(CHAT, json=body)
     assert resp.status_code == 200, resp.text
     p = stub.submitted[0].params
+    assert p.allowed_token_ids == [3, 4] and p.bad_words == ["no"]
     assert (p.presence_penalty, p.frequency_penalty, p.repetition_penalty) == (0.5, -0.5, 1.1)
     assert p.logit_bias == {5: -100.0, 6: 2.5} and p.min_tokens == 2 and p.include_stop_str_in_output
     assert stub.submitted[0].messages == [{"role": "user", "content": "hi"}]

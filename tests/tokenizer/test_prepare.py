@@ -181,6 +181,11 @@ def test_sampling_controls_checked(preparer):
         preparer.prepare(req(input_ids=[1], params=SamplingParams(structured=StructuredOutput("regex", "(a")),
                              structured_param="regex"))
     assert e.value.param == "regex"
+    for field, params in (("allowed_token_ids", SamplingParams(allowed_token_ids=[1, 700])),
+                          ("bad_words_token_ids", SamplingParams(bad_words_token_ids=[[1, 700]]))):
+        with pytest.raises(InvalidRequest, match="token id 700 is out of range") as e:
+            preparer.prepare(req(input_ids=[1], params=params))
+        assert e.value.param == field
     p = preparer.prepare(req(input_ids=[1], params=SamplingParams(stop=["x"], include_stop_str_in_output=True,
                                                                   min_tokens=3)))
     assert p.register.include_stop and p.register.min_tokens == 3
@@ -200,3 +205,18 @@ def test_prompt_chars_counts_everything_the_template_renders():
     assert plain >= len("hello") + len('{"a": "xyz"}')
     assert prompt_chars(req(messages=messages, tools=tools)) >= plain + 100
     assert prompt_chars(req(messages=messages, chat_template_kwargs={"system": "s" * 50})) >= plain + 50
+
+
+def test_bad_words_are_tokenized_at_the_start_and_after_a_space(preparer, tiny_tokenizer):
+    """vLLM's rule: the word as it starts the text, and as it follows a space where that spelling has
+    its own first token and as many tokens."""
+    params = SamplingParams(bad_words=["hello", " world"], bad_words_token_ids=[[3]])
+    ids = preparer.prepare(req(input_ids=[1], params=params)).generate.params.bad_words_token_ids
+    expected = [[3]]
+    for word in ("hello", "world"):
+        bare = tiny_tokenizer.encode(word, add_special_tokens=False)
+        spaced = tiny_tokenizer.encode(" " + word, add_special_tokens=False)
+        expected.append(bare)
+        if spaced[0] != bare[0] and len(spaced) == len(bare):
+            expected.append(spaced)
+    assert ids == expected and len(ids) >= 4  # the byte-level tokenizer spells " hello" apart from "hello"

@@ -1,5 +1,5 @@
 """Per-request logit edits before sampling: repetition/frequency/presence penalties, logit bias,
-min-tokens bans; batched device work, the same on every TP rank (no float atomics).
+min-tokens and bad-word bans, allowed token ids; batched device work, the same on every TP rank (no float atomics).
 
 A request with penalties gets a *slot* (chosen by the scheduler, alike on every rank) holding its
 prompt's token set and output token counts on the device. Each sampled token is counted right
@@ -37,6 +37,8 @@ class LogitEdits:
     penalties: torch.Tensor | None = None  # [3, P] float32: repetition, frequency, presence
     bias_index: torch.Tensor | None = None  # [2, N] int64 (row, token)
     bias_values: torch.Tensor | None = None  # [N] float32; -inf bans a token
+    allow_rows: torch.Tensor | None = None  # [A] rows that may sample only some tokens
+    allow_index: torch.Tensor | None = None  # [2, M] int64 (index into allow_rows, token)
     record_rows: torch.Tensor | None = None  # [R] rows whose sample counts toward their slot
     record_slots: torch.Tensor | None = None  # [R]
     # slots (re)assigned this step and their prompts
@@ -46,15 +48,17 @@ class LogitEdits:
 
     @property
     def edits_logits(self) -> bool:
-        return self.penalty_rows is not None or self.bias_index is not None
+        return self.penalty_rows is not None or self.bias_index is not None or self.allow_rows is not None
 
     @classmethod
     def build(
         cls, params: Sequence[SamplingParams], slots: Sequence[int], steps: Sequence[int], sampled: Sequence[bool],
         new_slots: Sequence[tuple[int, list[int]]], eos_ids: Sequence[int], vocab_size: int, device: torch.device | str,
+        outputs: Sequence[Sequence[int]] | None = None,
     ) -> LogitEdits | None:
         """None when no row edits its logits. ``slots[i]`` is row i's penalty slot (-1: none);
-        ``new_slots`` are the slots first given out this step, with their requests' prompts."""
+        ``new_slots`` are the slots first given out this step, with their requests' prompts; ``outputs[i]``:
+        row i's output tokens so far (all of them, for its bad words of several tokens)."""
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         bias_rows: list[int] = []
         bias_tokens: list[int] = []
@@ -65,13 +69,16 @@ class LogitEdits:
                     bias_rows.append(i)
                     bias_tokens.append(token)
                     bias_values.append(value)
+            banned = p.bad_word_bans(outputs[i] if outputs is not None else ())
             if steps[i] < p.min_tokens:
-                banned = [t for t in p.stops_before_min_tokens(eos_ids) if t < vocab_size]
-                bias_rows += [i] * len(banned)
-                bias_tokens += banned
-                bias_values += [float("-inf")] * len(banned)
+                banned += p.stops_before_min_tokens(eos_ids)
+            banned = [t for t in banned if t < vocab_size]
+            bias_rows += [i] * len(banned)
+            bias_tokens += banned
+            bias_values += [float("-inf")] * len(banned)
+        allow_rows = [i for i, p in enumerate(params) if p.allowed_token_ids is not None]
         record = [i for i in pen_rows if sampled[i]]
-        if not pen_rows and not bias_rows and not new_slots:
+        if not pen_rows and not bias_rows and not allow_rows and not new_slots:
             return None
 
         def ints(values: list[int] | list[list[int]]) -> torch.Tensor:
@@ -93,6 +100,10 @@ class LogitEdits:
         if bias_rows:
             edits.bias_index = ints([bias_rows, bias_tokens])
             edits.bias_values = upload(torch.tensor(bias_values, dtype=torch.float32), device)
+        if allow_rows:
+            allowed = [[t for t in params[i].allowed_token_ids if t < vocab_size] for i in allow_rows]
+            edits.allow_rows = ints(allow_rows)
+            edits.allow_index = ints([[a for a, ids in enumerate(allowed) for _ in ids], [t for ids in allowed for t in ids]])
         if new_slots:
             edits.init_slots = ints([s for s, _ in new_slots])
             edits.init_index = ints(
@@ -150,6 +161,10 @@ class PenaltyState:
             out.index_copy_(0, rows, sub)
         if edits.bias_index is not None:
             out.index_put_(tuple(edits.bias_index), edits.bias_values, accumulate=True)
+        if edits.allow_rows is not None:
+            allowed = torch.zeros((edits.allow_rows.numel(), out.shape[1]), dtype=torch.bool, device=out.device)
+            allowed.index_put_(tuple(edits.allow_index), torch.ones((), dtype=torch.bool, device=out.device))
+            out.index_copy_(0, edits.allow_rows, out.index_select(0, edits.allow_rows).masked_fill_(~allowed, -torch.inf))
         return out
 
     def record(self, tokens: torch.Tensor, edits: LogitEdits | None) -> None:

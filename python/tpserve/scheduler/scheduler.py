@@ -51,6 +51,7 @@ class _Launched:
     dead_end_rows: frozenset[int] = frozenset()  # rows whose grammar allowed no token (the job's, once joined)
     # per row: (request, first prompt position, count) of its extra logits rows (prompt log-probabilities)
     prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)
+    needs_drain: bool = False  # a row's next bans depend on this step's token (a bad word of several tokens)
 
 
 class AdmissionError(ValueError):
@@ -193,7 +194,7 @@ class Scheduler:
         if self.inflight is not None:  # the device ran it while this step was being planned
             outputs += self._process(self.inflight)
         self.inflight = launched
-        if self.inflight is not None and not self.overlap:
+        if self.inflight is not None and (not self.overlap or self.inflight.needs_drain):
             outputs += self._drain()
         if self.check_accounting:
             self._check_accounting()
@@ -259,7 +260,8 @@ class Scheduler:
                 req.pending += 1
                 req.future_row = row
             entries.append((req, sampled[row]))
-        return _Launched(entries, prepared, constrained, prompt_rows=prompt_rows)
+        return _Launched(entries, prepared, constrained, prompt_rows=prompt_rows,
+                         needs_drain=any(p.needs_output_history for p in params))
 
     def _start(self, launched: _Launched) -> None:
         """Enqueue a prepared step; a constrained one's masks are filled on the worker while its
@@ -292,7 +294,8 @@ class Scheduler:
                 new_slots.append((req.slot, req.prompt_ids))
         slots = [req.slot for req, _ in scheduled]
         vocab, device = self.engine.model_config.vocab_size, self.engine.device
-        return LogitEdits.build(params, slots, steps, sampled, new_slots, sorted(self.eos_ids), vocab, device)
+        outputs = [req.output_ids for req, _ in scheduled]  # complete: a step with bad words of several tokens drains
+        return LogitEdits.build(params, slots, steps, sampled, new_slots, sorted(self.eos_ids), vocab, device, outputs)
 
     def _take_slot(self) -> int:
         if self.free_slots:

@@ -129,6 +129,8 @@ class _SamplingFields(_Body):
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     repetition_penalty: float = Field(default=1.0, gt=0.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
+    allowed_token_ids: list[StrictInt] | None = None  # vLLM's: only these tokens may be sampled
+    bad_words: list[StrictStr] | None = None  # vLLM's: words the output does not contain (SamplingParams)
     min_tokens: int = Field(default=0, ge=0)
     include_stop_str_in_output: bool = False
     # structured output: OpenAI's response_format, and the vLLM/SGLang extensions
@@ -208,6 +210,8 @@ class _SamplingFields(_Body):
             "frequency_penalty": self.frequency_penalty,
             "repetition_penalty": self.repetition_penalty,
             "logit_bias": self.logit_bias_ids(),
+            "allowed_token_ids": self.allowed_token_ids,
+            "bad_words": self.bad_words,
             "min_tokens": self.min_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "skip_special_tokens": self.skip_special_tokens,

@@ -16,8 +16,8 @@ from tpserve.server.truncation import kept
 # chat fields a Responses request may carry as extensions (vLLM's sampling extras)
 CHAT_EXTENSIONS = frozenset({
     "seed", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
-    "presence_penalty", "frequency_penalty", "logit_bias", "skip_special_tokens", "chat_template_kwargs",
-    "regex", "ebnf",
+    "presence_penalty", "frequency_penalty", "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens",
+    "chat_template_kwargs", "regex", "ebnf",
 })
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")

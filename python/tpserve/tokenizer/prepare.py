@@ -24,6 +24,19 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
+def encode_bad_words(tokenizer: Any, words: list[str]) -> list[list[int]]:
+    """Each bad word's token ids as it would start the text and, where that tokenizes apart, after a
+    space (vLLM's rule: the spaced form counts when its first token differs and its length does not)."""
+    sequences = []
+    for word in words:
+        bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
+        sequences.append(bare)
+        if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
+            sequences.append(spaced)
+    return sequences
+
+
 class InvalidRequest(Exception):
     """A request the server refuses (HTTP 400); ``param`` names the offending field."""
 
@@ -112,6 +125,11 @@ class PromptPreparer:
             )
         self._check_ids(params.stop_token_ids or [], "stop_token_ids")
         self._check_ids(list(params.logit_bias or {}), "logit_bias")
+        self._check_ids(params.allowed_token_ids or [], "allowed_token_ids")
+        self._check_ids([t for ids in params.bad_words_token_ids or [] for t in ids], "bad_words_token_ids")
+        if params.bad_words:
+            params = msgspec.structs.replace(params, bad_words_token_ids=(
+                (params.bad_words_token_ids or []) + encode_bad_words(self._tokenizer, params.bad_words)))
         if params.structured is not None:
             try:
                 check_spec(params.structured)
