@@ -80,6 +80,12 @@ def resolve_backend(
             failure = "FlashInfer's GEMM, which takes the larger batches, does not run"
         if failure is not None:
             raise RuntimeError(f"{FP8_GEMM_ENV}={backend} does not run here ({failure})")
+    if backend == "flashinfer":  # its sm90 block-scale GEMM takes bf16 activations and 128 x 128 blocks only
+        failure = (f"activations are {dtype}, not bf16" if dtype != torch.bfloat16
+                   else f"weight blocks are {block}, not {FLASHINFER_BLOCK}" if block != FLASHINFER_BLOCK
+                   else None if flashinfer_runs(index) else "FlashInfer's FP8 GEMM does not run on this GPU")
+        if failure is not None:
+            raise RuntimeError(f"{FP8_GEMM_ENV}=flashinfer does not run here ({failure})")
     if backend != "auto":
         return backend
     if dtype != torch.bfloat16 or block != FLASHINFER_BLOCK:

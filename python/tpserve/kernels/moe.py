@@ -8,6 +8,7 @@ CUDA-graph safe: no host reads, and shapes depend only on the token count (padde
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass, replace
 
 import torch
@@ -136,28 +137,40 @@ FP8_TILES_BY_ROWS: tuple[tuple[int | None, Tile], ...] = (
 )
 
 
-def tiles_for(num_rows: int, fp8: bool = False, itemsize: int = 2) -> Tile:
-    """The grouped GEMM's tile at this many (token, k) rows (``TILES_BY_ROWS``, FP8 experts' apart), its stages
-    cut to fit ``SHARED_MEMORY_BYTES`` at activations (and unquantized weights) of ``itemsize`` bytes."""
+def tiles_for(num_rows: int, fp8: bool = False, itemsize: int = 2, shared_bytes: int | None = None) -> Tile:
+    """The grouped GEMM's tile at this many (token, k) rows (``TILES_BY_ROWS``, FP8 experts' apart); unquantized
+    experts' tiles cut to fit ``shared_bytes`` (Hopper's by default) at elements of ``itemsize`` bytes."""
     tiles = FP8_TILES_BY_ROWS if fp8 else TILES_BY_ROWS
     tile = next(tile for bound, tile in tiles if bound is None or num_rows <= bound)
-    return tile if fp8 else fit_stages(tile, itemsize)
+    return tile if fp8 else fit_shared_memory(tile, itemsize, shared_bytes or HOPPER_SHARED_MEMORY)
 
 
-# Hopper's shared memory a block may opt into (227 KB); the tiles above were picked for bf16 within it.
-SHARED_MEMORY_BYTES = 232448
+# The shared memory a block may opt into on Hopper (227 KB); the tiles above were picked for bf16 within it.
+HOPPER_SHARED_MEMORY = 232448
 
 
-def fit_stages(tile: Tile, itemsize: int) -> Tile:
-    """``tile`` with at most the pipeline stages whose buffers fit in shared memory: Triton keeps stages - 1
-    copies of an A tile and one (SiLU fused: two) W tiles. float32 models need it: 128 x 256 in 4 stages asks
-    288 KB at 4 bytes an element."""
-    w_tiles = 2 if tile.fuse_silu else 1
-    per_stage = (tile.block_m + w_tiles * tile.block_n) * tile.block_k * itemsize
-    stages = tile.stages
-    while stages > 2 and (stages - 1) * per_stage > SHARED_MEMORY_BYTES:
+@functools.cache
+def shared_memory_bytes(device_index: int) -> int:
+    """The shared memory a block may opt into on this GPU (Hopper 227 KB, A100 163 KB, Ada 99 KB)."""
+    from triton.runtime import driver
+
+    return int(driver.active.utils.get_device_properties(device_index)["max_shared_mem"])
+
+
+def fit_shared_memory(tile: Tile, itemsize: int, shared_bytes: int) -> Tile:
+    """``tile`` with its pipeline buffers within ``shared_bytes``: Triton keeps stages - 1 copies of an A tile
+    and one (SiLU fused: two) W tiles. Fewer stages first (down to 2), then narrower column blocks. float32
+    models need it on Hopper: 128 x 256 in 4 stages asks 288 KB at 4 bytes an element."""
+    def fits(stages: int, block_n: int) -> bool:
+        w_tiles = 2 if tile.fuse_silu else 1
+        return (stages - 1) * (tile.block_m + w_tiles * block_n) * tile.block_k * itemsize <= shared_bytes
+
+    stages, block_n = tile.stages, tile.block_n
+    while stages > 2 and not fits(stages, block_n):
         stages -= 1
-    return tile if stages == tile.stages else replace(tile, stages=stages)
+    while block_n > 16 and not fits(stages, block_n):
+        block_n //= 2
+    return tile if (stages, block_n) == (tile.stages, tile.block_n) else replace(tile, stages=stages, block_n=block_n)
 
 
 def tile_row_bounds() -> tuple[int, ...]:
@@ -366,7 +379,9 @@ def grouped_experts(
     rows = tokens * top_k
     if rows == 0:
         return torch.zeros_like(x)
-    tile = tile or tiles_for(rows, fp8=scales is not None, itemsize=x.element_size())
+    if tile is None:
+        shared = shared_memory_bytes(x.device.index) if x.is_cuda else None
+        tile = tiles_for(rows, fp8=scales is not None, itemsize=x.element_size(), shared_bytes=shared)
     sorted_rows, block_expert, padded_len = align_by_expert(ids, gate_up.shape[0], tile.block_m)
     gate_up_scale, down_scale, block = (scales.gate_up, scales.down, scales.block) if scales else (None, None, (1, 1))
     width = gate_up.shape[1] // 2 if tile.fuse_silu else gate_up.shape[1]
