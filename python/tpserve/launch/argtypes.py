@@ -29,13 +29,7 @@ def int_at_least(low: int) -> Callable[[str], int]:
     return number(int, lambda v: v >= low, f">= {low}")
 
 
-def float_above(low: float, requirement: str | None = None) -> Callable[[str], float]:
-    """Finite floats above ``low``."""
-    return number(float, lambda v: low < v < math.inf, requirement or f"> {low:g}")
-
-
-positive = float_above(0.0, "a positive number")
-non_negative = number(float, lambda v: 0.0 <= v < math.inf, ">= 0")
+positive = number(float, lambda v: 0.0 < v < math.inf, "a positive number")
 fraction = number(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
 port = number(int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
 
