@@ -8,9 +8,12 @@ from plan_configs import data_config
 from tpserve.plan import calibrate as calibration
 from tpserve.plan.cli import main
 
+# Tiny sizes: only the calibration code path is under test here, not its figures.
+QUICK_SIZES = calibration.Sizes(copy_bytes=8 << 20, matmul_n=128, small_bytes=4 << 10, large_bytes=1 << 20, iters=5)
+
 
 def test_calibration_measures_positive_figures():
-    cal = calibration.calibrate("cpu", calibration.QUICK_SIZES)
+    cal = calibration.calibrate("cpu", QUICK_SIZES)
     assert cal.device == "cpu" and cal.link is not None
     for value in (cal.memory_bytes, cal.copy_bandwidth, cal.matmul_flops, cal.link.alpha_s, cal.link.bus_bandwidth):
         assert 0 < value < float("inf")
@@ -19,7 +22,7 @@ def test_calibration_measures_positive_figures():
 
 
 def test_cli_calibrate_on_cpu_plans_with_the_measured_figures(monkeypatch, capsys):
-    monkeypatch.setattr(calibration, "CPU_SIZES", calibration.QUICK_SIZES)
+    monkeypatch.setattr(calibration, "CPU_SIZES", QUICK_SIZES)
     model = data_config("Qwen2.5-7B-Instruct")
     assert main(["--model", model, "--gpu", "cpu", "--gpus", "2", "--context", "1024", "--calibrate", "--memory-gib", "64"]) == 0
     out = capsys.readouterr().out

@@ -33,7 +33,6 @@ class Sizes:
 
 GPU_SIZES = Sizes(copy_bytes=4 << 30, matmul_n=8192, small_bytes=16 << 10, large_bytes=256 << 20, iters=50)
 CPU_SIZES = Sizes(copy_bytes=64 << 20, matmul_n=512, small_bytes=16 << 10, large_bytes=4 << 20, iters=10)
-QUICK_SIZES = Sizes(copy_bytes=8 << 20, matmul_n=128, small_bytes=4 << 10, large_bytes=1 << 20, iters=5)
 
 
 @dataclass(frozen=True)
