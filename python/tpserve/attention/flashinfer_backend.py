@@ -146,7 +146,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         device: torch.device,
         fused_rope_store: bool = False,
         decode_tensor_cores: bool | None = None,
-        prefill_backend: str = "auto",
         decode_kernel: str = "auto",
     ) -> None:
         super().__init__(pool, num_heads, num_kv_heads, head_dim, fused_rope_store)
@@ -162,8 +161,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         )
         # Shared by every wrapper: only one of them runs at a time.
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
-        if prefill_backend == "auto" and pool.dtype != pool.compute_dtype:
-            prefill_backend = "fa2"  # an FP8 cache under bf16/fp16 queries: FA3's kernels take FP8 q too or neither
+        # An FP8 cache under bf16/fp16 queries: fa2 (FA3's kernels take FP8 q too or neither).
+        prefill_backend = "fa2" if pool.dtype != pool.compute_dtype else "auto"
         self.prefill_wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
             self.workspace, "NHD", backend=prefill_backend
         )
