@@ -101,7 +101,7 @@ def point_variants(args: argparse.Namespace, workspace: torch.Tensor, q_heads: i
     scale = 1 / math.sqrt(q.shape[-1])
     for setting in args.settings.split(","):
         chunk, splits, warps, unroll = (int(x) for x in setting.split(":"))
-        kernel = TritonDecode(q_heads, kv_heads, 128, scale, q.device, max_batch=batch, chunk=chunk, max_splits=splits,
+        kernel = TritonDecode(q_heads, kv_heads, scale, q.device, max_batch=batch, chunk=chunk, max_splits=splits,
                               num_warps=warps, merge_unroll=unroll)
         meta = TableMetadata(kernel, table, lens)
         variants[f"t{setting}"] = lambda m=meta: m.attend(q, k_cache, v_cache)

@@ -75,7 +75,7 @@ def interpreter_check(launches: str) -> None:
     for i, (q_heads, kv_heads, head_dim, lengths, chunk, splits, prefetch) in enumerate(CASES):
         q, k_cache, v_cache, table, lens = paged_case(q_heads, kv_heads, head_dim, lengths, torch.float32, seed=i)
         scale = head_dim**-0.5
-        kernel = TritonDecode(q_heads, kv_heads, head_dim, scale, torch.device("cpu"), max_batch=len(lengths),
+        kernel = TritonDecode(q_heads, kv_heads, scale, torch.device("cpu"), max_batch=len(lengths),
                               chunk=chunk, max_splits=splits, prefetch=prefetch)
         expected = reference(q, k_cache, v_cache, table, lens, scale)
         for call in range(2):
@@ -87,7 +87,7 @@ def interpreter_check(launches: str) -> None:
     # 2 and 64 splits (32 "SMs"), and the prefetch
     for q_heads, kv_heads, lengths, prefetch in ((32, 4, [40, 1000], 0), (8, 1, [3000], 0), (32, 8, [512], 1)):
         q, k_cache, v_cache, table, lens = paged_case(q_heads, kv_heads, 128, lengths, torch.bfloat16, seed=9)
-        kernel = TritonDecode(q_heads, kv_heads, 128, 128**-0.5, torch.device("cpu"), max_batch=len(lengths),
+        kernel = TritonDecode(q_heads, kv_heads, 128**-0.5, torch.device("cpu"), max_batch=len(lengths),
                               prefetch=prefetch)
         TableMetadata(kernel, table, lens).attend(q, k_cache, v_cache)
     print("ok")
@@ -139,7 +139,7 @@ def test_wide_groups_split_sequences_less():
     from tpserve.attention.triton_decode import MAX_SPLITS, WIDE_GROUP_MAX_SPLITS, TritonDecode
 
     cpu = torch.device("cpu")
-    assert TritonDecode(32, 4, 128, 0.1, cpu, max_batch=1).max_splits == WIDE_GROUP_MAX_SPLITS == 16
-    assert TritonDecode(64, 4, 128, 0.1, cpu, max_batch=1).max_splits == 16
-    assert TritonDecode(32, 8, 128, 0.1, cpu, max_batch=1).max_splits == MAX_SPLITS == 32
-    assert TritonDecode(32, 4, 128, 0.1, cpu, max_batch=1, max_splits=64).max_splits == 64
+    assert TritonDecode(32, 4, 0.1, cpu, max_batch=1).max_splits == WIDE_GROUP_MAX_SPLITS == 16
+    assert TritonDecode(64, 4, 0.1, cpu, max_batch=1).max_splits == 16
+    assert TritonDecode(32, 8, 0.1, cpu, max_batch=1).max_splits == MAX_SPLITS == 32
+    assert TritonDecode(32, 4, 0.1, cpu, max_batch=1, max_splits=64).max_splits == 64

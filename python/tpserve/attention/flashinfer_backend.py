@@ -219,7 +219,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         reason = triton_decode.unsupported_reason(self.head_dim, self.num_heads, self.num_kv_heads, self.pool.fp8)
         if reason is not None:
             raise ValueError(f"decode attention triton: {reason}; use auto or flashinfer")
-        return triton_decode.TritonDecode(self.num_heads, self.num_kv_heads, self.head_dim, self.scale, self.device,
+        return triton_decode.TritonDecode(self.num_heads, self.num_kv_heads, self.scale, self.device,
                                           **triton_decode.config_from_env())
 
     def describe(self) -> str:

@@ -218,7 +218,7 @@ class TritonDecode:
 
     name = "Triton's split-KV"
 
-    def __init__(self, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device,
+    def __init__(self, num_heads: int, num_kv_heads: int, scale: float, device: torch.device,
                  max_batch: int = 4096, chunk: int = CHUNK, max_splits: int | None = None, num_warps: int = 4,
                  merge_unroll: int = MERGE_UNROLL, prefetch: int = 1) -> None:
         if max_splits is None:
