@@ -129,7 +129,7 @@ class FakeClient:
         ]
         return len(self.submitted)
 
-    def poll(self, rid, timeout_ms):
+    def poll(self, timeout_ms):
         events, self.pending = self.pending, []
         return events
 

@@ -78,8 +78,8 @@ class ShellClient(BackendLink):
     def abort(self, rid: int) -> None:
         self._to_scheduler.send(self._aborting(rid))
 
-    def poll(self, rid: int, timeout_ms: int) -> list[BackendEvent]:
-        """Outputs (ApiOutput / RequestRejected) of ``rid`` that arrived within the timeout."""
+    def poll(self, timeout_ms: int) -> list[BackendEvent]:
+        """Outputs (ApiOutput / RequestRejected) of the answer in progress that arrived within the timeout."""
         if self._from_backend.poll(timeout_ms):
             while True:
                 try:
@@ -88,7 +88,7 @@ class ShellClient(BackendLink):
                     break
                 for again in self._route_message(data):
                     self._to_scheduler.send(again)
-        events = []  # only ``rid``'s: an aborted answer's rid is no longer routed
+        events = []  # only the answer in progress's: an aborted answer's rid is no longer routed
         while not self._events.empty():
             events.append(self._events.get_nowait())
         return events
@@ -231,20 +231,20 @@ class Shell:
         rid = self._client.submit(system + messages, params, kwargs)
         answer = _Answer(self._reasoning)
         try:
-            if not self._stream(rid, answer):
+            if not self._stream(answer):
                 return  # rejected: the conversation is unchanged
         except KeyboardInterrupt:
             self._client.abort(rid)
             self._print(f"{answer.line_end}(stopped)\n")
         self.history = messages + [{"role": "assistant", "content": answer.content}]
 
-    def _stream(self, rid: int, answer: _Answer) -> bool:
+    def _stream(self, answer: _Answer) -> bool:
         """Show the answer as it comes; False if the request was rejected."""
         while True:
             dead = self._dead_child()
             if dead is not None:
                 raise dead
-            for event in self._client.poll(rid, POLL_MS):
+            for event in self._client.poll(POLL_MS):
                 if isinstance(event, RequestRejected):
                     self._print(f"error: {event.message}\n(the conversation is unchanged; /reset starts anew)\n")
                     return False
