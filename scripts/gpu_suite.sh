@@ -475,7 +475,7 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
       done
       stage engine_variants8 420 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \
         --pipelined --rounds 5 --batch-sizes 1 --context "${CONTEXT8:-512}" "${variant_args[@]}" --out $results/engine_variants8.json ;;
-    gemv_variants8)  # issue 16, Qwen3-8B batch 1: the GEMV built with GEMV_VARIANT (TPSERVE_GEMV_DEFINES, e.g. X_SMEM=1)
+    gemv_variants8)  # issue 16, Qwen3-8B batch 1: the GEMV built with GEMV_VARIANT (TPSERVE_GEMV_DEFINES, e.g. FP8_ROWS=4)
       # against the default, bf16 and FP8, 5 alternating rounds. Session 16's x_load1-3 were X_LOAD variants (removed)
       stage gemv_variants8 330 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \
         --pipelined --rounds 5 --batch-sizes 1 --variant "variant:TPSERVE_GEMV_DEFINES=${GEMV_VARIANT:?}" \
@@ -488,7 +488,7 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
       stage gemv_err_variant 150 python3 benchmarks/experiments/fp8_gemm.py --configs tests/data/configs/Qwen3-8B --ms 1 \
         --variants "bf16,cuda,cuda:${GEMV_VARIANT//,/:}" --out $results/gemv_err_variant.json ;;
     gemv_tests_variant)  # test_gemv.py (GEMV_TESTS_K: its -k, default the tiny models and chains) on each of GEMV_VARIANT
-      # (';'-separated TPSERVE_GEMV_DEFINES, e.g. "FP8_ASYNC=2;FP8_ASYNC=3")
+      # (';'-separated TPSERVE_GEMV_DEFINES, e.g. "FP8_LOADS=16;FP8_ROWS=4")
       IFS=';' read -ra variants <<< "${GEMV_VARIANT:?}"
       for v in "${variants[@]}"; do
         stage "gemv_tests_variant $v" 200 env TPSERVE_GEMV_DEFINES="$v" python3 -m pytest -q -p no:cacheprovider \
