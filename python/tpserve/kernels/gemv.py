@@ -202,18 +202,18 @@ def experts_unsupported(
 
 def experts(
     x: torch.Tensor, gate_up: torch.Tensor, down: torch.Tensor, logits: torch.Tensor, top_k: int, renormalize: bool,
-    norm: tuple[torch.Tensor, float] | None = None, scales: ExpertScales | None = None, pdl: bool | None = None,
-    module: Any = None, add_to: torch.Tensor | None = None,
+    norm: tuple[torch.Tensor, float] | None = None, scales: ExpertScales | None = None,
+    add_to: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """One token's MoE experts in two GEMVs that route themselves from the router's ``logits`` (bf16 [1, E]: softmax,
     top k, ties to the lower id, optionally renormalised, as ``kernels.moe_small.router_top_k``): [1, H] =
     sum_j weight_j * expert_j(x). gate_up [E, 2I, H] ([gate; up] rows), down [E, H, I], bf16 or (``scales``) FP8.
     ``norm`` (weight, eps): of RMSNorm(x) * weight, normed as read; ``add_to`` [1, H]: the sum, rounded to bf16, is
-    added to it in place (the residual stream) and it is returned; ``module``: a ``load_module(defines)`` variant."""
+    added to it in place (the residual stream) and it is returned. The module and PDL: as ``gemv``'s defaults."""
     reason = experts_unsupported(x, gate_up, down, logits, top_k, scales)
     if reason is not None:
         raise ValueError(f"expert gemv: {reason}")
-    x2, module, pdl = _launch_inputs(x, x.shape[-1], module, pdl)
+    x2, module, pdl = _launch_inputs(x, x.shape[-1], None, None)
     _check_fusion(x2, gate_up.shape[1] // 2, norm, None, True)
     _check_fusion(x2, down.shape[1], None, add_to, False)
     act = torch.empty(top_k, down.shape[2], dtype=torch.bfloat16, device=x.device)
