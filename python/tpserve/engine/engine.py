@@ -362,11 +362,9 @@ class Engine:
         rows = logits.shape[0] - extra
         return PendingSample(logits[:rows], step.sampling, step.top_logprobs, logits[rows:], step.prompt_logprobs)
 
-    def launch(
-        self, seqs: list[SequenceInput], sampling: SamplingBatch, top_logprobs: int | None = None
-    ) -> LaunchedStep:
-        """``prepare``, ``start`` and ``sample`` one step."""
-        return self.sample(self.start(self.prepare(seqs, sampling, top_logprobs)))
+    def launch(self, seqs: list[SequenceInput], sampling: SamplingBatch) -> LaunchedStep:
+        """``prepare``, ``start`` and ``sample`` one step (no log-probabilities)."""
+        return self.sample(self.start(self.prepare(seqs, sampling)))
 
     @torch.inference_mode()
     def sample(self, pending: PendingSample, mask: torch.Tensor | None = None) -> LaunchedStep:
