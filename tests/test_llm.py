@@ -228,9 +228,13 @@ def test_prompts_of_any_sequence_type_and_clear_errors_for_the_rest(llm):
     want = [o.token_ids for o in llm.generate([[5, 6, 7], [8, 9]], greedy, use_tqdm=False)]
     assert [o.token_ids for o in llm.generate(iter([[5, 6, 7], [8, 9]]), greedy, use_tqdm=False)] == want
     assert [o.token_ids for o in llm.generate(numpy.array([[5, 6, 7]]), greedy, use_tqdm=False)] == want[:1]
-    for bad in (None, 5, {"prompt": "hi"}, b"hi"):
-        with pytest.raises(TypeError, match="prompts must be a list of strings or a list of token-id lists, got"):
+    for bad in (None, 5, b"hi"):
+        with pytest.raises(TypeError, match="prompts must be a list of strings, token-id lists or .* dicts, got"):
             llm.generate(bad, use_tqdm=False)
+    # one prompt alone, as vLLM takes it: a list of one result
+    text = [o.token_ids for o in llm.generate(["hi"], greedy, use_tqdm=False)]
+    assert [o.token_ids for o in llm.generate("hi", greedy, use_tqdm=False)] == text
+    assert [o.token_ids for o in llm.generate({"prompt": "hi"}, greedy, use_tqdm=False)] == text
 
 
 def test_vllm_prompt_dicts_and_keywords(llm, qwen3_dir):

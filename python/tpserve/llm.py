@@ -210,8 +210,14 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
-        if isinstance(prompts, (str, bytes, Mapping)) or not isinstance(prompts, Iterable):
-            raise TypeError(f"prompts must be a list of strings or a list of token-id lists, got {prompts!r}")
+        """Completions of each prompt (a string, a token-id list, or vLLM's ``{"prompt": text}`` /
+        ``{"prompt_token_ids": ids}``; one such prompt alone, as vLLM, or any iterable of them) with one
+        ``SamplingParams`` or one per prompt; results in prompt order."""
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        elif isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
+            raise TypeError(f"prompts must be a list of strings, token-id lists or {{'prompt': text}} / "
+                            f"{{'prompt_token_ids': ids}} dicts, got {prompts!r}")
         prompts = list(prompts)  # any sequence or iterable of prompts (a generator, a 2-D numpy array), as vLLM
         if prompts and isinstance(prompts[0], numbers.Integral):
             raise TypeError("prompts must be a list of strings or a list of token-id lists, got a list of integers "

@@ -95,7 +95,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     model.add_argument("--served-model-name", nargs="+", default=None, metavar="NAME",
                        help="model name(s) in the API; requests may use any, responses carry the first "
-                       "(default: the --model value)")
+                       "(default: the model directory's name, or the Hugging Face id)")
     model.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                        help="Jinja chat template to use instead of the model's own: a file, or the template "
                        "itself (text with {{ or {%%}, as vLLM takes it)")
