@@ -626,3 +626,25 @@ def test_health_503_when_a_rank_stalls():
     state.liveness = lambda: "scheduler rank 1 has made no progress for 61.0 s"
     resp = c.get("/health")
     assert_error(resp, 503, "rank 1")
+
+
+def test_x_request_id_is_returned_and_names_the_completion():
+    """vLLM's X-Request-Id: the client's id comes back in the header and as the body's id (streamed chunks too);
+    without one the server makes one; a malformed one is a 400 that still carries no forged header."""
+    c, _ = make_client()
+    resp = c.post(CHAT, json={"messages": USER}, headers={"X-Request-Id": "trace-42.a:b"})
+    assert resp.status_code == 200 and resp.headers["x-request-id"] == "trace-42.a:b"
+    assert resp.json()["id"] == "chatcmpl-trace-42.a:b"
+    resp = c.post(COMPLETIONS, json={"prompt": "x", "stream": True}, headers={"X-Request-Id": "s1"})
+    assert resp.headers["x-request-id"] == "s1" and {e["id"] for e in sse_events(resp)} == {"cmpl-s1"}
+    resp = c.post(CHAT, json={"messages": USER})
+    made = resp.headers["x-request-id"]
+    assert len(made) == 32 and resp.json()["id"] == f"chatcmpl-{made}"
+    assert c.post(CHAT, json={"messages": USER}).headers["x-request-id"] != made
+    assert_error(c.post(CHAT, json={"max_tokens": 0}, headers={"X-Request-Id": "e1"}), 400)  # errors carry it too
+    assert c.post(CHAT, json={"max_tokens": 0}, headers={"X-Request-Id": "e1"}).headers["x-request-id"] == "e1"
+    assert c.get("/health", headers={"X-Request-Id": "h"}).headers["x-request-id"] == "h"
+    for bad in ("a b", "x" * 129, "a\u00e9"):
+        resp = c.post(CHAT, json={"messages": USER}, headers={"X-Request-Id": bad.encode("utf-8")})
+        assert_error(resp, 400, "X-Request-Id must be 1-128 characters", "X-Request-Id")
+        assert "x-request-id" not in resp.headers

@@ -46,6 +46,7 @@ from tpserve.server.responses import (
     list_input_items,
 )
 from tpserve.server.request_errors import JsonByDefault, install_error_handlers
+from tpserve.server.request_id import RequestIdHeader
 from tpserve.server.serving import Serving
 from tpserve.server.tokenize_service import TokenizeService
 
@@ -248,6 +249,7 @@ def create_app(state: AppState) -> FastAPI:
     app = FastAPI(title="tpserve", version=tpserve.__version__, docs_url=None, redoc_url=None, openapi_url=openapi_url)
     app.add_middleware(BodySizeLimit, max_bytes=state.args.max_request_bytes)
     app.add_middleware(JsonByDefault)
+    app.add_middleware(RequestIdHeader)
     app.add_middleware(CountResponses, metrics=state.metrics)  # outermost: sees the body-size limit's 413 too
     app.state.server = state
     app.include_router(_admin_router())

@@ -68,8 +68,9 @@ class ResponseFormat:
     id_prefix: str
     shows_output = True  # False: the generated tokens are left out (and not counted as generated)
 
-    def __init__(self, model: str, include_usage: bool = False, logprobs: bool = False) -> None:
-        self.id = f"{self.id_prefix}-{uuid.uuid4().hex}"
+    def __init__(self, model: str, include_usage: bool = False, logprobs: bool = False,
+                 request_id: str | None = None) -> None:
+        self.id = f"{self.id_prefix}-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
@@ -143,9 +144,10 @@ class ChatFormat(ResponseFormat):
     id_prefix = "chatcmpl"
 
     def __init__(
-        self, model: str, include_usage: bool = False, logprobs: bool = False, output: ChatOutputConfig | None = None
+        self, model: str, include_usage: bool = False, logprobs: bool = False, output: ChatOutputConfig | None = None,
+        request_id: str | None = None,
     ) -> None:
-        super().__init__(model, include_usage, logprobs)
+        super().__init__(model, include_usage, logprobs, request_id)
         self.output = output or ChatOutputConfig()
         self._parsers: dict[int, ChatOutputParser] = {}  # per choice, while streaming
 
@@ -215,9 +217,9 @@ class CompletionFormat(ResponseFormat):
 
     def __init__(
         self, model: str, include_usage: bool = False, logprobs: bool = False, echo: list[str] | None = None,
-        generates: bool = True,
+        generates: bool = True, request_id: str | None = None,
     ) -> None:
-        super().__init__(model, include_usage, logprobs)
+        super().__init__(model, include_usage, logprobs, request_id)
         self._offsets: dict[int, int] = {}  # per choice: text offset of its next token (streaming)
         self._echo = echo  # per choice: the prompt text its text starts with
         self._echoed: set[int] = set()  # choices whose stream has sent it

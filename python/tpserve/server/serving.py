@@ -22,6 +22,7 @@ from tpserve.server.formats import ChatFormat, Choice, CompletionFormat, Respons
 from tpserve.server.limits import RequestLimits
 from tpserve.server.metrics import RequestTimer, ServerMetrics
 from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tpserve.server.request_id import request_id
 
 DISCONNECT_POLL_S = 1.0
 
@@ -179,7 +180,8 @@ class Serving:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         reqs, output, params = self.chat_requests(body)
-        fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output)
+        fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output,
+                         request_id=request_id(request))
         return await self.run(reqs, fmt, body.stream, request, body.n)
 
     def chat_requests(
@@ -233,7 +235,8 @@ class Serving:
         echo = None
         if body.echo:  # each choice's text starts with its prompt's
             echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]
-        fmt = CompletionFormat(self.model_name, body.include_usage, params.logprobs is not None, echo, generates)
+        fmt = CompletionFormat(self.model_name, body.include_usage, params.logprobs is not None, echo, generates,
+                               request_id=request_id(request))
         return await self.run(reqs, fmt, body.stream, request, body.n)
 
     async def run(
