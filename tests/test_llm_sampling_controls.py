@@ -105,6 +105,22 @@ def test_allowed_token_ids_and_bad_words_match_a_reference_greedy_loop(llm, qwen
     assert free[6] not in outs[0].token_ids
 
 
+def test_allowed_tokens_all_banned_is_an_error_not_a_token_they_forbid(llm):
+    """allowed_token_ids holding only tokens min_tokens or bad_words ban leaves nothing to sample (every logit was
+    -inf and token 0 came out): the request fails saying so, at any position (a page's last too), and the LLM goes
+    on."""
+    eos = llm.model_config.eos_token_ids[0]
+    for prompt in ([1], list(range(1, 16))):
+        with pytest.raises(ValueError, match="every token in allowed_token_ids is banned after 0 generated tokens"):
+            llm.generate([prompt], SamplingParams(temperature=0, allowed_token_ids=[eos], min_tokens=2), use_tqdm=False)
+    params = SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=[7, 8], bad_words_token_ids=[[8], [7, 7]])
+    with pytest.raises(ValueError, match="every token in allowed_token_ids is banned after 1 generated tokens"):
+        llm.generate([[1]], params, use_tqdm=False)  # 8 is banned: 7; then 7 would complete [7, 7]
+    out = llm.generate([[1]], SamplingParams(temperature=0, max_tokens=3, ignore_eos=True, allowed_token_ids=[7, 8],
+                                             bad_words_token_ids=[[7, 7]]), use_tqdm=False)[0]
+    assert out.token_ids[0] in (7, 8) and all(t in (7, 8) for t in out.token_ids) and [7, 7] != out.token_ids[:2]
+
+
 def test_bad_words_as_text_never_appear(llm):
     free = llm.generate(["Hello"], SamplingParams(temperature=0, max_tokens=12, ignore_eos=True), use_tqdm=False)[0]
     word = llm.tokenizer.decode(free.token_ids[3:5])

@@ -45,6 +45,8 @@ class LogitEdits:
     init_slots: torch.Tensor | None = None  # [S]
     init_index: torch.Tensor | None = None  # [2, T] int64 (slot, token)
     max_slot: int = -1
+    # rows whose allowed tokens are all banned this step (min_tokens, bad words): nothing to sample
+    empty_rows: frozenset[int] = frozenset()
 
     @property
     def edits_logits(self) -> bool:
@@ -63,6 +65,7 @@ class LogitEdits:
         bias_rows: list[int] = []
         bias_tokens: list[int] = []
         bias_values: list[float] = []
+        empty_rows = set()
         for i, p in enumerate(params):
             for token, value in (p.logit_bias or {}).items():
                 if token < vocab_size:
@@ -73,6 +76,8 @@ class LogitEdits:
             if steps[i] < p.min_tokens:
                 banned += p.stops_before_min_tokens(eos_ids)
             banned = [t for t in banned if t < vocab_size]
+            if p.allowed_token_ids is not None and set(p.allowed_token_ids).issubset(banned):
+                empty_rows.add(i)
             bias_rows += [i] * len(banned)
             bias_tokens += banned
             bias_values += [float("-inf")] * len(banned)
@@ -84,7 +89,7 @@ class LogitEdits:
         def ints(values: list[int] | list[list[int]]) -> torch.Tensor:
             return upload(torch.tensor(values, dtype=torch.int64), device)
 
-        edits = cls()
+        edits = cls(empty_rows=frozenset(empty_rows))
         if pen_rows:
             edits.penalty_rows = ints(pen_rows)
             edits.penalty_slots = ints([slots[i] for i in pen_rows])

@@ -52,6 +52,20 @@ class _Launched:
     # per row: (request, first prompt position, count) of its extra logits rows (prompt log-probabilities)
     prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)
     needs_drain: bool = False  # a row's next bans depend on this step's token (a bad word of several tokens)
+    no_token_rows: frozenset[int] = frozenset()  # rows whose allowed tokens were all banned (LogitEdits.empty_rows)
+
+
+def _no_token_error(req: Request, grammar_dead_end: bool) -> str:
+    """Why a request's next step had no token it may sample."""
+    n = len(req.output_ids)
+    if not grammar_dead_end:
+        return (f"every token in allowed_token_ids is banned after {n} generated tokens (by min_tokens, which bans "
+                "the end-of-sequence and stop_token_ids, or by bad_words)")
+    kind = req.params.structured.kind
+    if req.grammar.only_stops:
+        return f"the {kind} constraint allows only the end after {n} generated tokens, but min_tokens is {req.params.min_tokens}"
+    return (f"the {kind} constraint allows no token after {n} generated tokens (a grammar that accepts no output, "
+            "or none that continues from here)")
 
 
 class AdmissionError(ValueError):
@@ -248,6 +262,7 @@ class Scheduler:
         sampling = SamplingBatch.build(params, [req.seed for req, _ in scheduled], steps, vocab, self.engine.device)
         if any(p.edits_logits for p in params):
             sampling.edits = self._logit_edits(scheduled, params, steps, sampled)
+        no_token_rows = sampling.edits.empty_rows if sampling.edits is not None else frozenset()
         wanted = [req.params.logprobs for req, _ in scheduled if req.params.logprobs is not None]
         counts, targets, prompt_top = prompt_logprobs.plan_rows(scheduled, seqs)
         prompt_rows = [(req, req.num_cached, count) for (req, _), count in zip(scheduled, counts) if count]
@@ -261,7 +276,7 @@ class Scheduler:
                 req.future_row = row
             entries.append((req, sampled[row]))
         return _Launched(entries, prepared, constrained, prompt_rows=prompt_rows,
-                         needs_drain=any(p.needs_output_history for p in params))
+                         needs_drain=any(p.needs_output_history for p in params), no_token_rows=no_token_rows)
 
     def _start(self, launched: _Launched) -> None:
         """Enqueue a prepared step; a constrained one's masks are filled on the worker while its
@@ -326,13 +341,8 @@ class Scheduler:
                 continue  # a mid-prompt chunk, or the request finished/aborted meanwhile
             req.pending -= 1
             first = not req.output_ids
-            if row in launched.dead_end_rows:
-                kind, n = req.params.structured.kind, len(req.output_ids)
-                error = (f"the {kind} constraint allows no token after {n} generated tokens (a grammar that accepts "
-                         "no output, or none that continues from here)")
-                if req.grammar.only_stops:
-                    error = (f"the {kind} constraint allows only the end after {n} generated tokens, but min_tokens "
-                             f"is {req.params.min_tokens}")
+            if row in launched.dead_end_rows or row in launched.no_token_rows:
+                error = _no_token_error(req, grammar_dead_end=row in launched.dead_end_rows)
                 outputs.append(TokenOutput(req.rid, [], "error", prompt_tokens=len(req.prompt_ids) if first else 0,
                                            error=error))
                 # under overlap the next step already counts this sample's position: it holds no token to cache
