@@ -185,8 +185,8 @@ def test_chat_errors_name_the_bad_value(llm, messages, options, fragment):
 
 
 def test_bad_inputs(llm):
-    with pytest.raises(TypeError):
-        llm.generate("a string, not a list")
+    with pytest.raises(TypeError, match="got b'bytes, not text'"):
+        llm.generate(b"bytes, not text")
     with pytest.raises(ValueError, match="2 sampling params for 1 prompts"):
         llm.generate(["hi"], [SamplingParams(), SamplingParams()])
     with pytest.raises(ValueError, match="temperature must be a finite number >= 0"):

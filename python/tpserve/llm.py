@@ -30,7 +30,7 @@ from tpserve.message import (
 )
 from tpserve.sampling_params import SEED_LIMIT, SamplingParams
 from tpserve.scheduler.gc_control import frozen_heap
-from tpserve.tokenizer.prepare import encode_bad_words
+from tpserve.tokenizer.prepare import with_bad_words_encoded
 from tpserve.tokenizer.stream import OutputText
 
 if TYPE_CHECKING:
@@ -206,13 +206,14 @@ class LLM:
 
     def generate(
         self,
-        prompts: Sequence[str] | Sequence[Sequence[int]],
+        prompts: str | Mapping[str, Any] | Iterable[str | Sequence[int] | Mapping[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
     ) -> list[RequestOutput]:
         """Completions of each prompt (a string, a token-id list, or vLLM's ``{"prompt": text}`` /
-        ``{"prompt_token_ids": ids}``; one such prompt alone, as vLLM, or any iterable of them) with one
-        ``SamplingParams`` or one per prompt; results in prompt order."""
+        ``{"prompt_token_ids": ids}``), given as any iterable of them, or one string or dict alone (as vLLM;
+        a token-id list alone is ``[[...]]``), with one ``SamplingParams`` or one per prompt; results in prompt
+        order."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         elif isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
@@ -223,16 +224,17 @@ class LLM:
             raise TypeError("prompts must be a list of strings or a list of token-id lists, got a list of integers "
                             "(one token-id prompt is [[...]])")
         sampling_params = _params_per_prompt(sampling_params, len(prompts))
-        for params in sampling_params:
-            self._check_params(params)
+        checked: dict[int, SamplingParams] = {}  # each params object once (one is often given for every prompt)
+        for i, params in enumerate(sampling_params):
+            if id(params) not in checked:
+                self._check_params(params)
+                checked[id(params)] = with_bad_words_encoded(params, self.tokenizer)
+            sampling_params[i] = checked[id(params)]
         encoded = [self._encode(prompt, i) for i, prompt in enumerate(prompts)]
         with self._calls:  # request ids too: each call's are its own
             prompt_requests = []
             for input_ids, params in zip(encoded, sampling_params):
                 seed = params.seed if params.seed is not None else self._seed_rng.randrange(SEED_LIMIT)
-                if params.bad_words:
-                    params = msgspec.structs.replace(params, bad_words_token_ids=(
-                        (params.bad_words_token_ids or []) + encode_bad_words(self.tokenizer, params.bad_words)))
                 choices = msgspec.structs.replace(params, seed=seed).choices()
                 prompt_requests.append([GenerateRequest(self._next_rid + i, input_ids, p) for i, p in enumerate(choices)])
                 self._next_rid += len(choices)

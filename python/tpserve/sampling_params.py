@@ -143,7 +143,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     output so far ends with the tokens before it, so the word may still appear spelt by other tokens.
     The tokenizer fills ``bad_words_token_ids`` from them (a model without a tokenizer takes the token
     sequences there directly). A request with a bad word of several tokens needs its last token before
-    its next step is planned: its steps do not overlap with the host's work (slower, correct).
+    its next step is planned: while it samples, its batch's steps do not overlap with the host's work (slower
+    for the whole batch, correct). Neither may be combined with ``structured``.
 
     ``stop`` may be one string or a list of at most 16 (``MAX_STOP_STRINGS``), each at most 512
     characters (``MAX_STOP_CHARS``); ``stop_token_ids`` may hold at most 256 (``MAX_STOP_TOKEN_IDS``).
@@ -228,6 +229,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                 raise ValueError(f"bad_words may hold at most {MAX_BAD_WORDS} words, got {len(self.bad_words)}")
             if any(len(w) > MAX_STOP_CHARS for w in self.bad_words):
                 raise ValueError(f"bad_words must be at most {MAX_STOP_CHARS} characters each")
+        if self.structured is not None and (self.allowed_token_ids is not None or self.bad_words or self.bad_words_token_ids):
+            raise ValueError("allowed_token_ids and bad_words cannot be combined with structured output: a grammar "
+                             "that allows only banned tokens would leave nothing to sample")
         if self.bad_words_token_ids is not None and any(not ids for ids in self.bad_words_token_ids):
             raise ValueError("bad_words_token_ids must not hold an empty token list")
         if self.bad_words_token_ids is not None and len(self.bad_words_token_ids) > 2 * MAX_BAD_WORDS:

@@ -25,6 +25,7 @@ pytest.importorskip("flashinfer")
 from engine_scenario import (LOGITS_RTOL, assert_routed_logits_close, assert_same_greedy, prompts_for,
                              row_errors, run_scenario)
 from fp8_checkpoint import fp8_experts, write_dequantized, write_fp8_checkpoint
+from moe_inputs import expert_inputs
 from reference import hf_greedy, hf_logits, rel_err
 from tpserve import LLM, SamplingParams, kernels
 from tpserve.engine.engine import Engine
@@ -45,14 +46,9 @@ TINY_MOE = dict(TINY, num_layers=3, num_experts=16, num_experts_per_tok=4, moe_i
 
 # ---- the MoE kernels outside bf16 ----
 
-def expert_inputs(tokens: int, dtype: torch.dtype, seed: int, experts=16, top_k=4, hidden=256, inter=128):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).to(dtype)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen, device=DEVICE) / hidden**0.5).to(dtype)
-    down = (torch.randn(experts, hidden, inter, generator=gen, device=DEVICE) / inter**0.5).to(dtype)
-    logits = torch.randn(tokens, experts, generator=gen, device=DEVICE)
-    weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
-    return x, gate_up, down, (weights / weights.sum(-1, keepdim=True)).to(dtype), ids, logits
+def inputs(tokens: int, dtype: torch.dtype, seed: int):
+    """test_moe.py's inputs at this file's shape (16 experts, top 4, hidden 256, width 128) in ``dtype``."""
+    return expert_inputs(tokens, 16, 4, 256, 128, seed, dtype)
 
 
 def float64_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
@@ -65,7 +61,7 @@ def float64_experts(x, gate_up, down, weights, ids) -> torch.Tensor:
 @pytest.mark.parametrize("tokens", [100, 400, 800, 1100])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_grouped_experts_every_tile(dtype, tokens):
-    x, gate_up, down, weights, ids, _ = expert_inputs(tokens, DTYPES[dtype], seed=tokens)
+    x, gate_up, down, weights, ids = inputs(tokens, DTYPES[dtype], seed=tokens)
     tile = tiles_for(ids.numel(), itemsize=x.element_size())
     expected = float64_experts(x, gate_up, down, weights, ids)
     got = fused_experts(x, gate_up, down, weights, ids)
@@ -80,7 +76,8 @@ def test_grouped_experts_every_tile(dtype, tokens):
 @pytest.mark.parametrize("tokens", [1, 3, SMALL_BATCH_MAX_ROWS // 4])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_small_batch_and_routed_experts(dtype, tokens):
-    x, gate_up, down, weights, ids, logits = expert_inputs(tokens, DTYPES[dtype], seed=20 + tokens)
+    x, gate_up, down, weights, ids = inputs(tokens, DTYPES[dtype], seed=20 + tokens)
+    logits = torch.randn(tokens, 16, generator=torch.Generator(device=DEVICE).manual_seed(tokens), device=DEVICE)
     expected = float64_experts(x, gate_up, down, weights, ids)
     small = small_batch_experts(x, gate_up, down, weights, ids)
     assert rel_err(small, expected) < KERNEL_RTOL[dtype]
@@ -96,7 +93,7 @@ def test_small_batch_and_routed_experts(dtype, tokens):
 @pytest.mark.parametrize("tokens", [1, 8, 100, 300, 1100])
 @pytest.mark.parametrize("dtype", ["float32", "float16"])
 def test_fp8_experts_under_float16_and_float32_activations(dtype, tokens):
-    x, gate_up, down, weights, ids, _ = expert_inputs(tokens, DTYPES[dtype], seed=30 + tokens)
+    x, gate_up, down, weights, ids = inputs(tokens, DTYPES[dtype], seed=30 + tokens)
     gu_q, d_q, scales, gu_deq, d_deq = fp8_experts(gate_up.float(), down.float(), (128, 128))
     expected = float64_experts(x, gu_deq, d_deq, weights, ids)
     got = fused_experts(x, gu_q, d_q, weights, ids, scales)

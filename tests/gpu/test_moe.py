@@ -26,6 +26,7 @@ pytest.importorskip("flashinfer")
 
 import tpserve.layers.moe as moe_layer
 from fp8_checkpoint import fp8_experts
+from moe_inputs import expert_inputs
 from engine_scenario import (assert_prefill_never_waits, assert_routed_logits_close, assert_same_greedy, prompts_for,
                              row_errors, run_scenario)
 from reference import rel_err
@@ -40,17 +41,6 @@ from tpserve.layers.moe import experts_torch
 DEVICE = torch.device("cuda")
 DTYPE = torch.bfloat16
 RTOL = 1e-2  # relative L2 error against float64; bf16 rounding of the intermediates alone is ~4e-3
-
-
-def expert_inputs(tokens: int, experts: int, top_k: int, hidden: int, inter: int, seed: int):
-    gen = torch.Generator(device=DEVICE).manual_seed(seed)
-    x = torch.randn(tokens, hidden, generator=gen, device=DEVICE).to(DTYPE)
-    gate_up = (torch.randn(experts, 2 * inter, hidden, generator=gen, device=DEVICE) / hidden**0.5).to(DTYPE)
-    down = (torch.randn(experts, hidden, inter, generator=gen, device=DEVICE) / inter**0.5).to(DTYPE)
-    logits = torch.randn(tokens, experts, generator=gen, device=DEVICE)
-    weights, ids = torch.topk(torch.softmax(logits, dim=-1), top_k, dim=-1)
-    return x, gate_up, down, (weights / weights.sum(-1, keepdim=True)).to(DTYPE), ids
-
 
 
 def reference(x, gate_up, down, weights, ids) -> torch.Tensor:

@@ -174,6 +174,8 @@ def test_flush_cache():
         (CHAT, {"messages": USER, "allowed_token_ids": ["5"]}, None, "allowed_token_ids.0"),
         (CHAT, {"messages": USER, "bad_words": [" "]}, "bad_words must not be empty", "bad_words"),
         (COMPLETIONS, {"prompt": "x", "bad_words": "word"}, None, "bad_words"),
+        (CHAT, {"messages": USER, "allowed_token_ids": [1], "regex": "a+"}, "cannot be combined with structured output",
+         "allowed_token_ids"),
     ],
 )
 def test_bad_requests_are_400(client, path, body, fragment, param):

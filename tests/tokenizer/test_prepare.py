@@ -220,3 +220,18 @@ def test_bad_words_are_tokenized_at_the_start_and_after_a_space(preparer, tiny_t
         if spaced[0] != bare[0] and len(spaced) == len(bare):
             expected.append(spaced)
     assert ids == expected and len(ids) >= 4  # the byte-level tokenizer spells " hello" apart from "hello"
+
+
+def test_a_bad_word_without_tokens_is_an_invalid_request(tiny_tokenizer):
+    class Dropping:  # a tokenizer whose normaliser drops the word's characters
+        def encode(self, text, add_special_tokens=True):
+            return []
+
+        def __len__(self):
+            return 700
+
+    preparer = PromptPreparer(tiny_tokenizer, PromptLimits(context_len=64, vocab_size=700))
+    preparer._tokenizer = Dropping()
+    with pytest.raises(InvalidRequest, match=r"bad_words\[0\] \('\\u200b'\) is no token at all") as e:
+        preparer.prepare(req(input_ids=[1], params=SamplingParams(bad_words=["\u200b"])))
+    assert e.value.param == "bad_words"

@@ -28,6 +28,15 @@ def _finite_repetition(penalty: float) -> float:
     return min(max(penalty, 1 / REPETITION_PENALTY_LIMIT), REPETITION_PENALTY_LIMIT)
 
 
+def allowed_mask(token_ids: Sequence[int], vocab_size: int, device: torch.device | str) -> torch.Tensor:
+    """[vocab_size] bool on ``device``: True at the ids below vocab_size (built once per request: a list as
+    long as the vocabulary is a few milliseconds of host work, too much for every step)."""
+    ids = torch.tensor([t for t in token_ids if t < vocab_size], dtype=torch.int64)
+    mask = torch.zeros(vocab_size, dtype=torch.bool)
+    mask[ids] = True
+    return upload(mask, device)
+
+
 @dataclass
 class LogitEdits:
     """One step's edits as device tensors; ``*_rows`` index the step's batch rows."""
@@ -38,7 +47,7 @@ class LogitEdits:
     bias_index: torch.Tensor | None = None  # [2, N] int64 (row, token)
     bias_values: torch.Tensor | None = None  # [N] float32; -inf bans a token
     allow_rows: torch.Tensor | None = None  # [A] rows that may sample only some tokens
-    allow_index: torch.Tensor | None = None  # [2, M] int64 (index into allow_rows, token)
+    allow_masks: torch.Tensor | None = None  # [A, V] bool: the tokens each of them may sample
     record_rows: torch.Tensor | None = None  # [R] rows whose sample counts toward their slot
     record_slots: torch.Tensor | None = None  # [R]
     # slots (re)assigned this step and their prompts
@@ -56,11 +65,12 @@ class LogitEdits:
     def build(
         cls, params: Sequence[SamplingParams], slots: Sequence[int], steps: Sequence[int], sampled: Sequence[bool],
         new_slots: Sequence[tuple[int, list[int]]], eos_ids: Sequence[int], vocab_size: int, device: torch.device | str,
-        outputs: Sequence[Sequence[int]] | None = None,
+        outputs: Sequence[Sequence[int]] | None = None, allowed: Sequence[torch.Tensor | None] | None = None,
     ) -> LogitEdits | None:
         """None when no row edits its logits. ``slots[i]`` is row i's penalty slot (-1: none);
         ``new_slots`` are the slots first given out this step, with their requests' prompts; ``outputs[i]``:
-        row i's output tokens so far (all of them, for its bad words of several tokens)."""
+        row i's output tokens so far (all of them, for its bad words of several tokens); ``allowed[i]``: row i's
+        ``allowed_mask`` (made once per request by the caller; made here when not given)."""
         pen_rows = [i for i, p in enumerate(params) if p.has_penalties]
         bias_rows: list[int] = []
         bias_tokens: list[int] = []
@@ -76,7 +86,8 @@ class LogitEdits:
             if steps[i] < p.min_tokens:
                 banned += p.stops_before_min_tokens(eos_ids)
             banned = [t for t in banned if t < vocab_size]
-            if p.allowed_token_ids is not None and set(p.allowed_token_ids).issubset(banned):
+            allowed_ids = p.allowed_token_ids
+            if allowed_ids is not None and len(allowed_ids) <= len(banned) and set(allowed_ids).issubset(banned):
                 empty_rows.add(i)
             bias_rows += [i] * len(banned)
             bias_tokens += banned
@@ -106,9 +117,10 @@ class LogitEdits:
             edits.bias_index = ints([bias_rows, bias_tokens])
             edits.bias_values = upload(torch.tensor(bias_values, dtype=torch.float32), device)
         if allow_rows:
-            allowed = [[t for t in params[i].allowed_token_ids if t < vocab_size] for i in allow_rows]
+            masks = [allowed[i] if allowed is not None and allowed[i] is not None
+                     else allowed_mask(params[i].allowed_token_ids, vocab_size, device) for i in allow_rows]
             edits.allow_rows = ints(allow_rows)
-            edits.allow_index = ints([[a for a, ids in enumerate(allowed) for _ in ids], [t for ids in allowed for t in ids]])
+            edits.allow_masks = torch.stack(masks)
         if new_slots:
             edits.init_slots = ints([s for s, _ in new_slots])
             edits.init_index = ints(
@@ -167,9 +179,11 @@ class PenaltyState:
         if edits.bias_index is not None:
             out.index_put_(tuple(edits.bias_index), edits.bias_values, accumulate=True)
         if edits.allow_rows is not None:
-            allowed = torch.zeros((edits.allow_rows.numel(), out.shape[1]), dtype=torch.bool, device=out.device)
-            allowed.index_put_(tuple(edits.allow_index), torch.ones((), dtype=torch.bool, device=out.device))
-            out.index_copy_(0, edits.allow_rows, out.index_select(0, edits.allow_rows).masked_fill_(~allowed, -torch.inf))
+            banned = ~edits.allow_masks[:, : out.shape[1]]
+            rows = out.index_select(0, edits.allow_rows)
+            rows[:, : banned.shape[1]].masked_fill_(banned, -torch.inf)
+            rows[:, banned.shape[1]:] = -torch.inf  # columns past the vocabulary (a padded LM head), if any
+            out.index_copy_(0, edits.allow_rows, rows)
         return out
 
     def record(self, tokens: torch.Tensor, edits: LogitEdits | None) -> None:

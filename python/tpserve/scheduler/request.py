@@ -9,6 +9,8 @@ from tpserve.kvcache.radix import Node
 from tpserve.sampling_params import SamplingParams
 
 if TYPE_CHECKING:
+    import torch
+
     from tpserve.structured.grammar import RequestGrammar
 
 
@@ -31,6 +33,7 @@ class Request:
     finish_reason: str | None = None
     slot: int = -1  # its row of the engine's penalty state (-1: none), kept until it finishes
     grammar: RequestGrammar | None = None  # structured output: its matcher
+    allowed_mask: torch.Tensor | None = None  # params.allowed_token_ids on the device (logit_edits.allowed_mask)
     # params.prompt_logprobs: entry p is (log-probability of prompt token p + 1, top (id, log-probability) pairs)
     prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
 

@@ -19,7 +19,7 @@ from concurrent.futures import Future
 from dataclasses import dataclass, field
 
 from tpserve.engine.engine import Engine, LaunchedStep, PendingSample, PreparedStep
-from tpserve.engine.logit_edits import LogitEdits
+from tpserve.engine.logit_edits import LogitEdits, allowed_mask
 from tpserve.engine.sampler import SamplingBatch
 from tpserve.forward import SequenceInput
 from tpserve.kvcache.pool import PageAllocator
@@ -276,7 +276,8 @@ class Scheduler:
                 req.future_row = row
             entries.append((req, sampled[row]))
         return _Launched(entries, prepared, constrained, prompt_rows=prompt_rows,
-                         needs_drain=any(p.needs_output_history for p in params), no_token_rows=no_token_rows)
+                         needs_drain=any(p.needs_output_history and s for p, s in zip(params, sampled)),
+                         no_token_rows=no_token_rows)
 
     def _start(self, launched: _Launched) -> None:
         """Enqueue a prepared step; a constrained one's masks are filled on the worker while its
@@ -309,8 +310,12 @@ class Scheduler:
                 new_slots.append((req.slot, req.prompt_ids))
         slots = [req.slot for req, _ in scheduled]
         vocab, device = self.engine.model_config.vocab_size, self.engine.device
+        for req, _ in scheduled:
+            if req.params.allowed_token_ids is not None and req.allowed_mask is None:
+                req.allowed_mask = allowed_mask(req.params.allowed_token_ids, vocab, device)
         outputs = [req.output_ids for req, _ in scheduled]  # complete: a step with bad words of several tokens drains
-        return LogitEdits.build(params, slots, steps, sampled, new_slots, sorted(self.eos_ids), vocab, device, outputs)
+        return LogitEdits.build(params, slots, steps, sampled, new_slots, sorted(self.eos_ids), vocab, device, outputs,
+                                [req.allowed_mask for req, _ in scheduled])
 
     def _take_slot(self) -> int:
         if self.free_slots:

@@ -12,7 +12,7 @@ import msgspec
 from tpserve.message import GenerateRequest
 from tpserve.message.frontend import DetokenizeRegister, TokenizeRequest
 from tpserve.parsers.reasoning import prompt_opens_reasoning
-from tpserve.sampling_params import SEED_LIMIT
+from tpserve.sampling_params import SEED_LIMIT, SamplingParams
 from tpserve.structured.grammar import InvalidGrammar, check_spec
 
 
@@ -24,17 +24,22 @@ RESERVED_TEMPLATE_KWARGS = frozenset({
 })
 
 
-def encode_bad_words(tokenizer: Any, words: list[str]) -> list[list[int]]:
-    """Each bad word's token ids as it would start the text and, where that tokenizes apart, after a
-    space (vLLM's rule: the spaced form counts when its first token differs and its length does not)."""
-    sequences = []
-    for word in words:
+def with_bad_words_encoded(params: SamplingParams, tokenizer: Any) -> SamplingParams:
+    """``params`` with its ``bad_words`` added to ``bad_words_token_ids``: each word's token ids as it would
+    start the text and, where that tokenizes apart, after a space (vLLM's rule: the spaced form counts when its
+    first token differs and its length does not). A word that tokenizes to nothing is a ValueError."""
+    if not params.bad_words:
+        return params
+    sequences = list(params.bad_words_token_ids or [])
+    for i, word in enumerate(params.bad_words):
         bare = tokenizer.encode(word.lstrip(), add_special_tokens=False)
+        if not bare:
+            raise ValueError(f"bad_words[{i}] ({word!r}) is no token at all for this model's tokenizer")
         spaced = tokenizer.encode(" " + word.lstrip(), add_special_tokens=False)
         sequences.append(bare)
         if spaced and spaced[0] != bare[0] and len(spaced) == len(bare):
             sequences.append(spaced)
-    return sequences
+    return msgspec.structs.replace(params, bad_words_token_ids=sequences)
 
 
 class InvalidRequest(Exception):
@@ -127,9 +132,10 @@ class PromptPreparer:
         self._check_ids(list(params.logit_bias or {}), "logit_bias")
         self._check_ids(params.allowed_token_ids or [], "allowed_token_ids")
         self._check_ids([t for ids in params.bad_words_token_ids or [] for t in ids], "bad_words_token_ids")
-        if params.bad_words:
-            params = msgspec.structs.replace(params, bad_words_token_ids=(
-                (params.bad_words_token_ids or []) + encode_bad_words(self._tokenizer, params.bad_words)))
+        try:
+            params = with_bad_words_encoded(params, self._tokenizer)
+        except ValueError as e:
+            raise InvalidRequest(str(e), "bad_words") from e
         if params.structured is not None:
             try:
                 check_spec(params.structured)
