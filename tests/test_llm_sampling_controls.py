@@ -220,3 +220,18 @@ def test_skip_special_tokens_false_shows_them(llm):
     assert llm.generate(["Hello"], SamplingParams(**forced), use_tqdm=False)[0].text == ""
     cut = llm.generate(["Hello"], SamplingParams(skip_special_tokens=False, stop=["|><"], **forced), use_tqdm=False)[0]
     assert cut.text == "<|im_start" and cut.finish_reason == "stop"  # through the stop-string path too
+
+
+def test_tp2_takes_the_same_bans_on_every_rank(llm, qwen3_dir):
+    """At TP 2 each rank builds the bans from its own copy of the requests and drains the same steps: the outputs
+    equal TP 1's (a rank that banned otherwise would sample otherwise, or wait at a collective forever)."""
+    prompt, new = PROMPTS[1], 8
+    plain = SamplingParams(temperature=0, max_tokens=new, ignore_eos=True)
+    free = llm.generate([prompt], plain, use_tqdm=False)[0].token_ids
+    params = [SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, bad_words_token_ids=[free[1:3]]),
+              SamplingParams(temperature=0, max_tokens=new, ignore_eos=True, allowed_token_ids=sorted(set(free[2:6]))),
+              plain]
+    want = [o.token_ids for o in llm.generate([prompt] * 3, params, use_tqdm=False)]
+    with LLM(qwen3_dir, tp_size=2, device="cpu") as tp2:
+        assert [o.token_ids for o in tp2.generate([prompt] * 3, params, use_tqdm=False)] == want
+    assert want[0] != free and want[2] == free
