@@ -43,10 +43,16 @@ class _Server(uvicorn.Server):
         yield
 
 
+# A request's headers must arrive within this many seconds of its first bytes (nginx's client_header_timeout is 60):
+# uvicorn has no such bound, so a client trickling a header a byte at a time held its connection forever.
+HEADER_TIMEOUT_S = 30.0
+
+
 def _idle_timeout_protocol() -> type:
     """uvicorn's HTTP protocol (httptools where installed, else h11, as its "auto") with its keep-alive timer armed
-    when a connection opens too: uvicorn arms it only after a response, so a connection that never sent a request
-    was held forever, and enough of them took every file descriptor (no client got an answer, /health included)."""
+    when a connection opens too (uvicorn arms it only after a response, so a connection that never sent a request
+    was held forever, and enough of them took every file descriptor: no client got an answer, /health included),
+    and a request whose headers are not complete ``HEADER_TIMEOUT_S`` after its first bytes closed (slowloris)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:
@@ -56,6 +62,29 @@ def _idle_timeout_protocol() -> type:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
+            self.header_deadline: asyncio.TimerHandle | None = None
+
+        def data_received(self, data: bytes) -> None:
+            cycle = self.cycle
+            super().data_received(data)
+            if self.cycle is not cycle:  # a request's headers completed
+                self._clear_header_deadline()
+            elif (cycle is None or cycle.response_complete) and self.header_deadline is None:
+                self.header_deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_too_slow)
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._clear_header_deadline()
+            super().connection_lost(exc)
+
+        def _clear_header_deadline(self) -> None:
+            if self.header_deadline is not None:
+                self.header_deadline.cancel()
+                self.header_deadline = None
+
+        def _headers_too_slow(self) -> None:
+            self.header_deadline = None
+            if not self.transport.is_closing():
+                self.transport.close()
 
     return IdleTimeoutProtocol
 
