@@ -298,7 +298,7 @@ for s in $stages; do
         tests/gpu/test_float32.py ;;
     shape_tests)  # what no other stage runs: MoE kernels in float32/float16, float16 engines, FP8 outside bf16, head_dim
       # 64/256, an odd tied vocabulary (tests/gpu/test_dtypes_and_shapes.py), and the float32 MoE model test_moe.py has
-      stage shape_tests 480 python3 -m pytest -q -p no:cacheprovider -rA tests/gpu/test_dtypes_and_shapes.py \
+      stage shape_tests 480 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_dtypes_and_shapes.py \
         tests/gpu/test_moe.py::test_moe_model_float32_triton_matches_torch_experts ;;
     moe30_tests) stage moe30_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py ;;
     moe_tests_k)  # tests/gpu/test_moe.py -k MOE_TESTS, e.g. "expert_gemv"
