@@ -650,3 +650,26 @@ def test_x_request_id_is_returned_and_names_the_completion():
         resp = c.post(CHAT, json={"messages": USER}, headers={"X-Request-Id": bad.encode("utf-8")})
         assert_error(resp, 400, "X-Request-Id must be 1-128 characters", "X-Request-Id")
         assert "x-request-id" not in resp.headers
+
+
+def test_reasoning_effort_refusals_and_unserved_chat_fields():
+    """reasoning_effort switches thinking as Responses' reasoning.effort does (it was ignored); an assistant's refusal
+    part is text; the deprecated functions, audio output and web search are 400s, not answers without them."""
+    c, stub = make_client()
+    for effort, kwargs, thinking in (("none", None, False), ("high", None, True), ("max", None, True),
+                                     ("none", {"enable_thinking": True}, True)):
+        body = {"messages": USER, "reasoning_effort": effort, "chat_template_kwargs": kwargs}
+        assert c.post(CHAT, json=body).status_code == 200
+        assert stub.submitted[-1].chat_template_kwargs == {"enable_thinking": thinking}
+    assert c.post(CHAT, json={"messages": USER}).status_code == 200 and stub.submitted[-1].chat_template_kwargs is None
+    assert_error(c.post(CHAT, json={"messages": USER, "reasoning_effort": "huge"}), 400, "reasoning_effort must be one of",
+                 "reasoning_effort")
+    replay = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": [{"type": "refusal", "refusal": "No."}]},
+              {"role": "user", "content": "why"}]
+    assert c.post(CHAT, json={"messages": replay}).status_code == 200
+    assert stub.submitted[-1].messages[1] == {"role": "assistant", "content": "No."}
+    for extra, param in (({"functions": [{"name": "f", "parameters": {}}]}, "functions"),
+                         ({"function_call": {"name": "f"}}, "function_call"), ({"audio": {"voice": "alloy"}}, "audio"),
+                         ({"modalities": ["text", "audio"]}, "modalities"), ({"web_search_options": {}}, "web_search_options")):
+        assert_error(c.post(CHAT, json={"messages": USER, **extra}), 400, None, param)
+    assert c.post(CHAT, json={"messages": USER, "modalities": ["text"]}).status_code == 200

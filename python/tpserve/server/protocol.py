@@ -61,6 +61,8 @@ def _part_text(part: Any, where: str) -> str:
     kind = part.get("type") if isinstance(part, dict) else None
     if kind == "text" and isinstance(part.get("text"), str):
         return part["text"]
+    if kind == "refusal" and isinstance(part.get("refusal"), str):  # an assistant turn's refusal, replayed
+        return part["refusal"]
     if kind in ("image_url", "input_image", "image", "input_audio", "audio", "video_url", "file"):
         raise APIError.invalid(f"{where}: {kind} content is not supported (tpserve serves text-only models)", "messages")
     raise APIError.invalid(f"{where}: a content part must be {{\"type\": \"text\", \"text\": ...}}", "messages")
@@ -95,6 +97,30 @@ class ChatMessage(_Lenient):
         if isinstance(msg.get("tool_calls"), list):
             msg["tool_calls"] = [_template_tool_call(c) for c in msg["tool_calls"]]
         return msg
+
+
+REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
+
+
+def thinking_kwargs(given: dict[str, Any] | None, effort: Any, param: str) -> dict[str, Any] | None:
+    """The chat template's kwargs with OpenAI's reasoning effort: "none" switches thinking off (Qwen3's
+    ``enable_thinking``), any other effort on, unless ``given`` (chat_template_kwargs) says otherwise."""
+    kwargs = dict(given or {})
+    if effort is None:
+        return kwargs or None
+    if effort not in REASONING_EFFORTS:
+        raise APIError.invalid(f"{param} must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}", param)
+    kwargs.setdefault("enable_thinking", effort != "none")
+    return kwargs
+
+
+# chat fields of features tpserve does not serve: a 400 naming them, not an answer without them
+UNSERVED_CHAT_FIELDS = {
+    "functions": "functions and function_call (deprecated) are not served: use tools and tool_choice",
+    "function_call": "functions and function_call (deprecated) are not served: use tools and tool_choice",
+    "audio": "audio output is not served (tpserve serves text-only models)",
+    "web_search_options": "web search is not served",
+}
 
 
 def check_continuation(messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool) -> None:
@@ -240,6 +266,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool = True
     separate_reasoning: bool = True  # SGLang's: false keeps the thinking in content
+    reasoning_effort: str | None = None  # "none" switches thinking off, any other effort on
 
     def tool_fields(self) -> tuple[Any, ...]:
         return self.tools, self.tool_choice, self.parallel_tool_calls
@@ -255,6 +282,13 @@ class ChatCompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self.check_common()
+        for name, why in UNSERVED_CHAT_FIELDS.items():
+            if (self.model_extra or {}).get(name) is not None:
+                raise APIError.invalid(why, name)
+        modalities = (self.model_extra or {}).get("modalities")
+        if modalities is not None and modalities != ["text"]:
+            raise APIError.invalid(f"modalities must be [\"text\"] (tpserve serves text-only models), got {modalities!r}",
+                                   "modalities")
         if self.top_logprobs is not None and not self.logprobs:
             raise APIError.invalid("top_logprobs needs logprobs: true", "top_logprobs")
         if self.top_logprobs is not None and not 0 <= self.top_logprobs <= MAX_LOGPROBS:
@@ -274,6 +308,10 @@ class ChatCompletionRequest(_SamplingFields):
 
     def template_messages(self) -> list[dict[str, Any]]:
         return [m.to_template(i) for i, m in enumerate(self.messages)]
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        """chat_template_kwargs with ``reasoning_effort`` ("none": thinking off, as Responses' reasoning.effort)."""
+        return thinking_kwargs(self.chat_template_kwargs, self.reasoning_effort, "reasoning_effort")
 
 
 PromptType = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]

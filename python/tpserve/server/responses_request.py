@@ -10,7 +10,7 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from tpserve.server.errors import APIError
-from tpserve.server.protocol import ChatCompletionRequest, ResponsesRequest
+from tpserve.server.protocol import ChatCompletionRequest, ResponsesRequest, thinking_kwargs
 from tpserve.server.truncation import kept
 
 # chat fields a Responses request may carry as extensions (vLLM's sampling extras)
@@ -21,7 +21,6 @@ CHAT_EXTENSIONS = frozenset({
 })
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")
-REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh")
 
 
 def _part_text(part: Any, where: str) -> str:
@@ -186,20 +185,11 @@ def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
 
 
 def _template_kwargs(body: ResponsesRequest) -> dict[str, Any] | None:
-    """``reasoning.effort`` "none" switches thinking off (Qwen3's enable_thinking), any other
-    effort on, unless chat_template_kwargs says otherwise."""
+    """chat_template_kwargs with ``reasoning.effort`` (``protocol.thinking_kwargs``)."""
     given = (body.model_extra or {}).get("chat_template_kwargs")
     if given is not None and not isinstance(given, dict):
         raise APIError.invalid("chat_template_kwargs must be an object", "chat_template_kwargs")
-    kwargs = dict(given or {})
-    effort = (body.reasoning or {}).get("effort")
-    if effort is None:
-        return kwargs or None
-    if effort not in REASONING_EFFORTS:
-        raise APIError.invalid(f"reasoning.effort must be one of {', '.join(REASONING_EFFORTS)}, got {effort!r}",
-                               "reasoning.effort")
-    kwargs.setdefault("enable_thinking", effort != "none")
-    return kwargs or None
+    return thinking_kwargs(given, (body.reasoning or {}).get("effort"), "reasoning.effort")
 
 
 def chat_request(body: ResponsesRequest, history: list[dict[str, Any]], start: int = 0) -> ChatCompletionRequest:

@@ -195,13 +195,14 @@ class Serving:
         output = self.chat_output(body, constrained=structure is not None)
         self.limits.check_sequences(1, body.n)
         messages = body.template_messages()
-        self.limits.check_chat(messages, body.tools, body.chat_template_kwargs)
+        template_kwargs = body.template_kwargs()
+        self.limits.check_chat(messages, body.tools, template_kwargs)
         reqs = [
             TokenizeRequest(
                 rid=self.frontend.new_rid(),
                 params=choice_params,
                 messages=messages,
-                chat_template_kwargs=body.chat_template_kwargs,
+                chat_template_kwargs=template_kwargs,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 tools=body.tools or None,
