@@ -265,6 +265,23 @@ def test_chat_output_reasoning_then_tool_call():
     assert cut.finish_reason("stop") == "stop"
 
 
+def test_parallel_tool_calls_false_returns_the_first_call_only():
+    """parallel_tool_calls false with tool_choice auto: the model wrote two calls, the first is returned (streamed or
+    whole); the second was returned too."""
+    from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
+
+    text = ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "g", "arguments": {"b": 2}}\n</tool_call>')
+    for single in (False, True):
+        for chunks in splits(text):
+            parser = ChatOutputParser(ChatOutputConfig(tool_parser="hermes", single_call=single))
+            streamed = [d for i, chunk in enumerate(chunks + [""]) for d in parser.feed(chunk, final=i == len(chunks)).tool_calls]
+            names = [d.name for d in streamed if d.name]
+            assert names == (["f"] if single else ["f", "g"])
+            assert [c.name for c in parser.tool_calls] == names
+            assert parser.finish_reason("stop") == "tool_calls"
+
+
 def test_constraints():
     from tpserve.parsers.constraints import FieldError, output_structure
 

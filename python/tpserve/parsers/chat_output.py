@@ -37,6 +37,7 @@ class ChatOutputConfig:
     tool_parser: str | None = None  # --tool-call-parser, when the request has tools (auto)
     forced_tools: bool = False  # tool_choice "required" or named: the output is the calls' JSON
     forced_function: str | None = None  # the named function
+    single_call: bool = False  # parallel_tool_calls false: only the first call is returned (a grammar forces it)
 
 
 class ChatOutputParser:
@@ -47,6 +48,7 @@ class ChatOutputParser:
         if config.constrained and start:
             start = None
 
+        self._single_call = config.single_call
         self._reasoning = ReasoningParser(start) if config.reasoning else None
         self._tools: ToolCallParser | None = None
         if config.forced_tools:
@@ -57,7 +59,8 @@ class ChatOutputParser:
     @property
     def tool_calls(self) -> list[ToolCallDelta]:
         """Every call so far, whole (id, name, all its arguments)."""
-        return self._tools.calls if self._tools is not None else []
+        calls = self._tools.calls if self._tools is not None else []
+        return calls[:1] if self._single_call else calls
 
     @property
     def in_reasoning(self) -> bool:
@@ -75,6 +78,8 @@ class ChatOutputParser:
             return out
         parsed = self._tools.feed(content, final)
         out.content, out.tool_calls = parsed.content, merge_deltas(parsed.calls)
+        if self._single_call:
+            out.tool_calls = [call for call in out.tool_calls if call.index == 0]
         return out
 
     def finish_reason(self, reason: str | None) -> str | None:

@@ -175,6 +175,7 @@ class Serving:
             tool_parser=self.tool_call_parser if wants_tools and not body.forced_tool else None,
             forced_tools=body.forced_tool,
             forced_function=named_tool(body.tool_choice),  # checked by body.structure()
+            single_call=not body.parallel_tool_calls,
         )
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
