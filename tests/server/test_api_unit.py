@@ -479,6 +479,29 @@ def test_forced_tool_choice_is_constrained_and_parsed():
     assert json.loads(stub.submitted[-1].params.structured.spec) == WEATHER[0]["function"]["parameters"]
 
 
+def test_allowed_tools_narrows_the_tools_and_takes_its_mode():
+    """OpenAI's tool_choice allowed_tools (was a 400): the prompt shows the allowed tools only, and its mode is the
+    tool_choice (required: a grammar over those)."""
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    stub = StubFrontend(reply='[{"name": "get_weather", "parameters": {"city": "Rome"}}]', finish="stop")
+    c, _ = make_client(stub=stub, tool_call_parser="hermes")
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "required", "tools": [
+        {"type": "function", "function": {"name": "get_weather"}}]}}
+    body = c.post(CHAT, json={"messages": USER, "tools": [other, *WEATHER], "tool_choice": allowed}).json()
+    assert body["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
+    assert stub.submitted[-1].tools == WEATHER
+    assert json.loads(stub.submitted[-1].params.structured.spec)["items"]["anyOf"][0]["properties"]["name"] == {
+        "const": "get_weather"}
+    allowed["allowed_tools"]["mode"] = "auto"
+    assert c.post(CHAT, json={"messages": USER, "tools": [other, *WEATHER], "tool_choice": allowed}).status_code == 200
+    assert stub.submitted[-1].tools == WEATHER and stub.submitted[-1].params.structured is None
+    for bad, fragment in ((dict(allowed, allowed_tools={"mode": "sometimes", "tools": []}), "must be"),
+                          (dict(allowed, allowed_tools={"tools": [{"type": "function", "function": {"name": "nope"}}]}),
+                           "allows 'nope', which is not in tools")):
+        assert_error(c.post(CHAT, json={"messages": USER, "tools": WEATHER, "tool_choice": bad}), 400, fragment,
+                     "tool_choice")
+
+
 def test_tool_choice_none_leaves_the_text_alone():
     stub = StubFrontend(reply=HERMES_REPLY, finish="stop")
     c, _ = make_client(stub=stub, tool_call_parser="hermes")

@@ -129,6 +129,10 @@ def test_chat_request_maps_tools_format_reasoning_and_extensions():
                                                                           "strict": True}}
     assert chat.chat_template_kwargs == {"enable_thinking": False}
     assert "unknown_vendor_field" not in chat.model_dump()
+    narrowed = ResponsesRequest.model_validate({"input": "hi", "tools": [FLAT_TOOL], "tool_choice": {
+        "type": "allowed_tools", "mode": "required", "tools": [{"type": "function", "name": "get_weather"}]}})
+    assert chat_request(narrowed, []).tool_choice == {"type": "allowed_tools", "allowed_tools": {
+        "mode": "required", "tools": [{"type": "function", "function": {"name": "get_weather"}}]}}
     thinking = ResponsesRequest.model_validate({"input": "hi", "reasoning": {"effort": "high"},
                                                 "chat_template_kwargs": {"x": 1}})
     assert chat_request(thinking, []).chat_template_kwargs == {"x": 1, "enable_thinking": True}

@@ -99,6 +99,13 @@ class ChatMessage(_Lenient):
         return msg
 
 
+def _function_name(tool: Any) -> str | None:
+    """A chat tool's function name (``{"type": "function", "function": {"name"}}``), or None."""
+    function = tool.get("function") if isinstance(tool, dict) else None
+    name = function.get("name") if isinstance(function, dict) else None
+    return name if isinstance(name, str) else None
+
+
 REASONING_EFFORTS = ("none", "minimal", "low", "medium", "high", "xhigh", "max")
 
 
@@ -281,7 +288,9 @@ class ChatCompletionRequest(_SamplingFields):
         return self.tool_choice is not None and self.tool_choice not in ("auto", "none")
 
     def check(self) -> None:
+        """The checks of a chat body; also narrows an ``allowed_tools`` tool_choice to its tools and mode."""
         self.check_common()
+        self._narrow_to_allowed_tools()
         for name, why in UNSERVED_CHAT_FIELDS.items():
             if (self.model_extra or {}).get(name) is not None:
                 raise APIError.invalid(why, name)
@@ -297,6 +306,28 @@ class ChatCompletionRequest(_SamplingFields):
         if both and self.max_tokens != self.max_completion_tokens:
             raise APIError.invalid("give max_tokens or max_completion_tokens, not both", "max_tokens")
         check_continuation(self.messages, self.add_generation_prompt, self.continue_final_message)
+
+    def _narrow_to_allowed_tools(self) -> None:
+        """OpenAI's ``{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}``: only the listed tools may be
+        called. Served as ``tools`` cut to those and ``tool_choice`` its mode (so the prompt shows those only)."""
+        choice = self.tool_choice
+        if not (isinstance(choice, dict) and choice.get("type") == "allowed_tools"):
+            return
+        spec = choice.get("allowed_tools")
+        usage = ('tool_choice allowed_tools must be {"type": "allowed_tools", "allowed_tools": {"mode": "auto" or '
+                 '"required", "tools": [{"type": "function", "function": {"name": ...}}, ...]}}')
+        if not isinstance(spec, dict) or spec.get("mode", "auto") not in ("auto", "required") \
+                or not isinstance(spec.get("tools"), list) or not spec["tools"]:
+            raise APIError.invalid(usage, "tool_choice")
+        names = [_function_name(tool) for tool in spec["tools"]]
+        if None in names:
+            raise APIError.invalid(usage, "tool_choice")
+        known = {_function_name(tool) for tool in self.tools or []}
+        unknown = [name for name in names if name not in known]
+        if unknown:
+            raise APIError.invalid(f"tool_choice allows {unknown[0]!r}, which is not in tools", "tool_choice")
+        self.tools = [tool for tool in self.tools or [] if _function_name(tool) in names]
+        self.tool_choice = spec.get("mode", "auto")
 
     @property
     def requested_logprobs(self) -> int | None:

@@ -162,8 +162,13 @@ def _chat_tool_choice(choice: str | dict[str, Any]) -> str | dict[str, Any]:
         return choice  # "auto", "none", "required"; anything else is a 400 from the chat checks
     if choice.get("type") == "function" and isinstance(choice.get("name"), str):
         return {"type": "function", "function": {"name": choice["name"]}}
-    raise APIError.invalid(f"tool_choice {choice!r} is not supported: give \"auto\", \"none\", \"required\" or "
-                           "{\"type\": \"function\", \"name\": ...}", "tool_choice")
+    if choice.get("type") == "allowed_tools" and isinstance(choice.get("tools"), list):  # chat's nests it
+        tools = [{"type": "function", "function": {"name": tool.get("name")}} if isinstance(tool, dict) else tool
+                 for tool in choice["tools"]]
+        return {"type": "allowed_tools", "allowed_tools": {"mode": choice.get("mode", "auto"), "tools": tools}}
+    raise APIError.invalid(f"tool_choice {choice!r} is not supported: give \"auto\", \"none\", \"required\", "
+                           "{\"type\": \"function\", \"name\": ...} or {\"type\": \"allowed_tools\", \"mode\", \"tools\"}",
+                           "tool_choice")
 
 
 def _response_format(text: dict[str, Any] | None) -> dict[str, Any] | None:
