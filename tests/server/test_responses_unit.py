@@ -659,6 +659,7 @@ def test_store_keeps_the_events_of_the_latest_finished_background_responses():
      "give only one of text.format, tool_choice", "tool_choice"),
     ({"input": "x", "max_output_tokens": 2, "min_tokens": 3}, "must not exceed max_output_tokens (2)", "min_tokens"),
     ({"input": "x", "prompt": {"id": "pmpt_1"}}, "prompt templates", "prompt"),
+    ({"input": "x", "moderation": {"model": "omni-moderation-latest"}}, "moderation is not served", "moderation"),
     ({"input": "x", "include": ["file_search_call.results"]}, "include", "include"),
     ({"input": "x", "top_logprobs": 21}, None, "top_logprobs"),
     ({"input": [{"type": "item_reference", "id": "msg_1"}]}, "no stored item has id 'msg_1'", "input"),

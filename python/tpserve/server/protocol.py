@@ -444,6 +444,7 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
 # Fields of the Responses API that tpserve does not serve: each is a 400 naming it, not ignored.
 UNSUPPORTED_RESPONSES_FIELDS = {
     "prompt": "prompt templates are not supported: send input (and instructions)",
+    "moderation": "moderation is not served",
 }
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # include values accepted: the output text's logprobs; encrypted reasoning (asked by agents with store: false)
