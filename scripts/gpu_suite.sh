@@ -82,7 +82,7 @@ stage() {  # stage NAME SECONDS COMMAND...
   shift 2
   echo "=== $name: $*" | tee -a "$log"
   local start=$SECONDS
-  timeout "$limit" "$@" 2>&1 | grep -v '^Loading weights' | tee -a "$log"
+  timeout "$limit" "$@" 2>&1 | grep --line-buffered -v '^Loading weights' | tee -a "$log"
   echo "=== $name rc=${PIPESTATUS[0]} in $((SECONDS - start)) s" | tee -a "$log"
 }
 

@@ -111,9 +111,9 @@ def test_allowed_tokens_all_banned_is_an_error_not_a_token_they_forbid(llm):
     -inf and token 0 came out): the request fails saying so, at any position (a page's last too), and the LLM goes
     on."""
     eos = llm.model_config.eos_token_ids[0]
-    for prompt in ([1], list(range(1, 16))):
+    for prompt, allowed in (([1], [eos]), (list(range(1, 16)), [eos, eos])):  # a repeated id is one token
         with pytest.raises(ValueError, match="every token in allowed_token_ids is banned after 0 generated tokens"):
-            llm.generate([prompt], SamplingParams(temperature=0, allowed_token_ids=[eos], min_tokens=2), use_tqdm=False)
+            llm.generate([prompt], SamplingParams(temperature=0, allowed_token_ids=allowed, min_tokens=2), use_tqdm=False)
     params = SamplingParams(temperature=0, max_tokens=5, allowed_token_ids=[7, 8], bad_words_token_ids=[[8], [7, 7]])
     with pytest.raises(ValueError, match="every token in allowed_token_ids is banned after 1 generated tokens"):
         llm.generate([[1]], params, use_tqdm=False)  # 8 is banned: 7; then 7 would complete [7, 7]

@@ -265,7 +265,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
         self.stop = _as_stop(self.stop)
         self.stop_token_ids = _as_token_ids("stop_token_ids", self.stop_token_ids)
         self.logit_bias = _as_logit_bias(self.logit_bias)
-        self.allowed_token_ids = _as_token_ids("allowed_token_ids", self.allowed_token_ids)
+        allowed = _as_token_ids("allowed_token_ids", self.allowed_token_ids)
+        self.allowed_token_ids = None if allowed is None else list(dict.fromkeys(allowed))  # a set, in given order
         self.bad_words = _as_words(self.bad_words)
         self.bad_words_token_ids = _as_token_sequences(self.bad_words_token_ids)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):

@@ -171,24 +171,34 @@ def test_float16_engine_matches_float32(models, arch):
     assert_same_greedy(own, exact_tokens, exact_logits)
 
 
-@pytest.mark.parametrize("dtype", ["float16", "float32"])
-def test_quantization_fp8_outside_bf16(models, dtype):
-    """``--quantization fp8`` with float16 (FlashInfer attention) and float32 (torch attention): ``auto`` resolves
-    to Triton's W8A8 GEMM, whose output is the compute dtype. Against the unquantized engine of the same dtype: FP8
-    weights and activations cost a few percent; a wrong kernel (or the wrong output dtype) costs order 1."""
-    model = models("qwen3", **TINY)
-    backend = "flashinfer" if dtype == "float16" else "torch"
-    prompts = prompts_for(5, 700, seed=4)
+def fp8_step_errors(model: str, dtype: str, backend: str, prompts) -> tuple[list[float], str]:
+    """Per-step logit errors of ``--quantization fp8`` against the unquantized engine of the same dtype, and the
+    down projection's FP8 backend."""
     ref = make_engine(model, dtype, backend, graphs=8)
     ref_tokens, ref_logits = run_scenario(ref, prompts)
     del ref
     engine = make_engine(model, dtype, backend, graphs=8, quantization="fp8")
     down = engine.model.model.layers[0].mlp.down_proj
-    assert down.weight.dtype == FP8_DTYPE and down.fp8_backend == "triton"
+    assert down.weight.dtype == FP8_DTYPE
     _, logits = run_scenario(engine, prompts, forced=ref_tokens)
-    errors = step_errors(logits, ref_logits)
-    print(f"fp8 in {dtype} vs {dtype}: mean {sum(errors) / len(errors):.3f}, max {max(errors):.3f}")
-    assert sum(errors) / len(errors) < 0.15 and max(errors) < 0.4
+    return step_errors(logits, ref_logits), down.fp8_backend
+
+
+@pytest.mark.parametrize("dtype", ["float16", "float32"])
+def test_quantization_fp8_outside_bf16(models, dtype):
+    """``--quantization fp8`` with float16 (FlashInfer attention) and float32 (torch attention): ``auto`` resolves
+    to Triton's W8A8 GEMM, whose output is the compute dtype. FP8 weights and activations move a random tiny
+    model's logits far (~0.4 relative in float32 on an H100), so the oracle is the same error in bf16, whose FP8
+    GEMMs other tests check against references: a wrong kernel or output dtype would be far past it."""
+    model = models("qwen3", **TINY)
+    prompts = prompts_for(5, 700, seed=4)
+    errors, backend = fp8_step_errors(model, dtype, "flashinfer" if dtype == "float16" else "torch", prompts)
+    assert backend == "triton"
+    bf16_errors, _ = fp8_step_errors(model, "bfloat16", "torch", prompts)
+    mean, bf16_mean = sum(errors) / len(errors), sum(bf16_errors) / len(bf16_errors)
+    print(f"fp8 in {dtype} vs {dtype}: mean {mean:.3f}, max {max(errors):.3f}; in bf16: mean {bf16_mean:.3f}, "
+          f"max {max(bf16_errors):.3f}")
+    assert mean < 1.25 * bf16_mean + 0.02 and max(errors) < 1.25 * max(bf16_errors) + 0.05
 
 
 def test_fp8_moe_checkpoint_in_float16(models, tmp_path):

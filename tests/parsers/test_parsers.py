@@ -306,3 +306,16 @@ def test_constraints():
         with pytest.raises(FieldError) as e:
             output_structure(**bad)
         assert e.value.param == param
+
+
+def test_single_call_finish_ignores_a_dropped_calls_unclosed_arguments():
+    from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
+
+    text = ('<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+            '<tool_call>\n{"name": "g", "arguments": {"b": ')
+    single = ChatOutputParser(ChatOutputConfig(tool_parser="hermes", single_call=True))
+    single.feed(text, final=True)
+    assert [c.name for c in single.tool_calls] == ["f"] and single.finish_reason("stop") == "tool_calls"
+    every = ChatOutputParser(ChatOutputConfig(tool_parser="hermes"))
+    every.feed(text, final=True)
+    assert every.finish_reason("stop") == "stop"  # all calls returned: the cut one keeps the reason

@@ -551,6 +551,8 @@ def test_tokenize_detokenize_and_model_aliases(qwen3_dir):
     assert body == {"tokens": tok.encode("Hello world"), "count": len(tok.encode("Hello world")), "max_model_len": 128}
     chat = c.post("/tokenize", json={"messages": USER}).json()
     assert tok.decode(chat["tokens"]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+    no_thinking = c.post("/tokenize", json={"messages": USER, "reasoning_effort": "none"}).json()  # as chat renders it
+    assert tok.decode(no_thinking["tokens"]).endswith("<think>\n\n</think>\n\n")
     assert c.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "Hello world"}
     assert_error(c.post("/detokenize", json={"tokens": [10**6]}), 400, "out of range", "tokens")
     assert_error(c.post("/tokenize", json={}), 400, "prompt or messages")

@@ -85,6 +85,8 @@ class ChatOutputParser:
     def finish_reason(self, reason: str | None) -> str | None:
         """A finish with tool calls is "tool_calls" (OpenAI), unless a call was cut short (by a stop
         string inside it: its arguments are as written, and the reason stays)."""
-        if reason == "stop" and self.tool_calls and not self._tools.cut_short:
+        # with one call kept, a later call's unclosed arguments do not matter: the first closed before it began
+        cut_short = self._tools is not None and self._tools.cut_short and not (self._single_call and len(self._tools.calls) > 1)
+        if reason == "stop" and self.tool_calls and not cut_short:
             return "tool_calls"
         return reason

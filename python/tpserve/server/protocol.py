@@ -411,6 +411,10 @@ class TokenizeBody(_Body):
     continue_final_message: bool = False  # for messages
     tools: list[dict[str, Any]] | None = None
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_effort: str | None = None  # as chat's: "none" renders the prompt with thinking off
+
+    def template_kwargs(self) -> dict[str, Any] | None:
+        return thinking_kwargs(self.chat_template_kwargs, self.reasoning_effort, "reasoning_effort")
 
     def check(self) -> None:
         if (self.prompt is None) == (self.messages is None):

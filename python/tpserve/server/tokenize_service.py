@@ -39,14 +39,15 @@ class TokenizeService:
         if body.prompt is not None:
             self._limits.check_text(len(body.prompt), "prompt")
         else:
-            self._limits.check_chat(messages, body.tools, body.chat_template_kwargs)
+            template_kwargs = body.template_kwargs()
+            self._limits.check_chat(messages, body.tools, template_kwargs)
         if body.prompt is not None:
             tokenizer = await self._load()
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
         else:
             ids = await self.chat_ids(TokenizeRequest(
                 rid=0, params=SamplingParams(), messages=messages,
-                chat_template_kwargs=body.chat_template_kwargs, add_generation_prompt=body.add_generation_prompt,
+                chat_template_kwargs=template_kwargs, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 tools=body.tools or None,
             ))
