@@ -12,8 +12,10 @@
 # rebuilt, never loaded stale; FlashInfer's are tied to its wheel (0.7.0: a new wheel needs a new .fiaot).
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
-# Next on nvidia-h200 (needs_h200): moe30_offline, workload A with session 36's prefill q/k norm + rotary + KV store (16
-#   tokens a program: the A3B prefill step 0.954x on an H100, prefill_kernels); session 35 made 6,077 tok/s = 80.2%.
+# Next on one GPU (either kind): shape_tests in a call of its own (session 39 ran its MoE kernel and float32 tests only:
+#   its float16 engines, head_dim 64/256 and FP8 KV in float16 build FlashInfer JIT modules first, minutes; then pack
+#   jit_aot.tgz into .fiaot), and check test_quantization_fp8_outside_bf16's bound against bf16's FP8 error.
+# moe30_offline with session 36's prefill kernels ran on the H200 in session 39: 6,025 tok/s = 79.3% (session 35: 6,077).
 #   What is left in that prefill step (H100): grouped GEMMs 52%, cuBLAS qkv/o 16%, the sum over top-k 4.7%, SiLU-and-mul 3.8%.
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
 # On one H200, session 14: attn_sweep and attn_setting (then named attn_prefetch) measured the Triton decode
