@@ -387,9 +387,7 @@ class LLM:
             raise ValueError("stop strings need the model's tokenizer; this model has none")
         if params.bad_words and self.tokenizer is None:
             raise ValueError("bad_words need the model's tokenizer; this model has none (give bad_words_token_ids)")
-        bad_word_ids = [t for ids in params.bad_words_token_ids or [] for t in ids]
-        for name, ids in (("stop_token_ids", params.stop_token_ids or []), ("logit_bias", params.logit_bias or {}),
-                          ("allowed_token_ids", params.allowed_token_ids or []), ("bad_words_token_ids", bad_word_ids)):
+        for name, ids in params.token_id_fields():
             bad = [t for t in ids if not 0 <= t < vocab]
             if bad:
                 raise ValueError(f"{name}: token id {bad[0]} is out of range [0, {vocab})")

@@ -61,14 +61,15 @@ def _as_float(name: str, value: Any) -> float:
     return float(value)
 
 
-def _as_stop(value: Any) -> list[str] | None:
-    """A stop string, or a list (any sequence) of them, as a list of plain strings."""
+def _as_strings(name: str, value: Any, one_alone: bool) -> list[str] | None:
+    """A list (or tuple) of strings as a list of plain strings; ``one_alone``: a string alone is a list of one."""
     if value is None:
         return None
-    stops = [value] if isinstance(value, str) else value
-    if not isinstance(stops, (list, tuple)) or not all(isinstance(s, str) for s in stops):
-        raise ValueError(f"stop must be a string or a list of strings, got {value!r}")
-    return [str(s) for s in stops]
+    strings = [value] if one_alone and isinstance(value, str) else value
+    if not isinstance(strings, (list, tuple)) or not all(isinstance(s, str) for s in strings):
+        kinds = "a string or a list of strings" if one_alone else "a list of strings"
+        raise ValueError(f"{name} must be {kinds}, got {value!r}")
+    return [str(s) for s in strings]
 
 
 def _as_token_ids(name: str, value: Any) -> list[int] | None:
@@ -77,14 +78,6 @@ def _as_token_ids(name: str, value: Any) -> list[int] | None:
     if not isinstance(value, (list, tuple)) or not all(_is_int(t) for t in value):
         raise ValueError(f"{name} must be a list of integers, got {value!r}")
     return [_as_int(f"{name} token id", t) for t in value]
-
-
-def _as_words(value: Any) -> list[str] | None:
-    if value is None:
-        return None
-    if not isinstance(value, (list, tuple)) or not all(isinstance(w, str) for w in value):
-        raise ValueError(f"bad_words must be a list of strings, got {value!r}")
-    return [str(w) for w in value]
 
 
 def _as_token_sequences(value: Any) -> list[list[int]] | None:
@@ -262,12 +255,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             value = getattr(self, name)
             if not isinstance(value, bool):
                 raise ValueError(f"{name} must be True or False, got {value!r}")
-        self.stop = _as_stop(self.stop)
+        self.stop = _as_strings("stop", self.stop, one_alone=True)
         self.stop_token_ids = _as_token_ids("stop_token_ids", self.stop_token_ids)
         self.logit_bias = _as_logit_bias(self.logit_bias)
         allowed = _as_token_ids("allowed_token_ids", self.allowed_token_ids)
         self.allowed_token_ids = None if allowed is None else list(dict.fromkeys(allowed))  # a set, in given order
-        self.bad_words = _as_words(self.bad_words)
+        self.bad_words = _as_strings("bad_words", self.bad_words, one_alone=False)
         self.bad_words_token_ids = _as_token_sequences(self.bad_words_token_ids)
         if self.structured is not None and not isinstance(self.structured, StructuredOutput):
             raise ValueError(f"structured must be a StructuredOutput, got {self.structured!r}")
@@ -292,6 +285,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     def stops_before_min_tokens(self, eos_ids: Iterable[int]) -> list[int]:
         """The tokens banned while fewer than ``min_tokens`` have been generated."""
         return sorted(set(self.stop_token_ids or ()) | (set() if self.ignore_eos else set(eos_ids)))
+
+    def token_id_fields(self) -> list[tuple[str, list[int]]]:
+        """Each field that holds token ids, with them: what must lie inside the model's vocabulary."""
+        return [("stop_token_ids", self.stop_token_ids or []), ("logit_bias", list(self.logit_bias or {})),
+                ("allowed_token_ids", self.allowed_token_ids or []),
+                ("bad_words_token_ids", [t for ids in self.bad_words_token_ids or [] for t in ids])]
 
     @property
     def needs_output_history(self) -> bool:

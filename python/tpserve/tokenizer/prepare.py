@@ -128,10 +128,8 @@ class PromptPreparer:
                 f"({ctx}) leaves after the {n}-token prompt",
                 "min_tokens",
             )
-        self._check_ids(params.stop_token_ids or [], "stop_token_ids")
-        self._check_ids(list(params.logit_bias or {}), "logit_bias")
-        self._check_ids(params.allowed_token_ids or [], "allowed_token_ids")
-        self._check_ids([t for ids in params.bad_words_token_ids or [] for t in ids], "bad_words_token_ids")
+        for name, ids in params.token_id_fields():
+            self._check_ids(ids, name)
         try:
             params = with_bad_words_encoded(params, self._tokenizer)
         except ValueError as e:
