@@ -12,9 +12,8 @@
 # rebuilt, never loaded stale; FlashInfer's are tied to its wheel (0.7.0: a new wheel needs a new .fiaot).
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
-# Next on one GPU (either kind): shape_tests in a call of its own (session 39 ran its MoE kernel and float32 tests only:
-#   its float16 engines, head_dim 64/256 and FP8 KV in float16 build FlashInfer JIT modules first, minutes; then pack
-#   jit_aot.tgz into .fiaot), and check test_quantization_fp8_outside_bf16's bound against bf16's FP8 error.
+# shape_tests passed whole on an H100 in session 40 (37 tests, 43 s once its FlashInfer JIT modules were built: 8 minutes on a
+#   fresh machine; carry them from .gpu/jit, e.g. scripts/gpu_carry.sh 'q_f16_dtype_kv_f16' 'xqa_input_f16', within the 64 MiB).
 # moe30_offline with session 36's prefill kernels ran on the H200 in session 39: 6,025 tok/s = 79.3% (session 35: 6,077).
 #   What is left in that prefill step (H100): grouped GEMMs 52%, cuBLAS qkv/o 16%, the sum over top-k 4.7%, SiLU-and-mul 3.8%.
 # On one H200 (session 9): `auto` takes XQA for FP8 caches only (xqa_kv4, xqa_variants, xqa_a3b_fp8 show why).
@@ -300,8 +299,9 @@ for s in $stages; do
         tests/gpu/test_float32.py ;;
     shape_tests)  # what no other stage runs: MoE kernels in float32/float16, float16 engines, FP8 outside bf16, head_dim
       # 64/256, an odd tied vocabulary (tests/gpu/test_dtypes_and_shapes.py), and the float32 MoE model test_moe.py has
-      stage shape_tests 480 python3 -m pytest -v -p no:cacheprovider tests/gpu/test_dtypes_and_shapes.py \
-        tests/gpu/test_moe.py::test_moe_model_float32_triton_matches_torch_experts ;;
+      # SHAPE_TESTS: other pytest node ids, in the order to run them; SHAPE_LIMIT: seconds
+      stage shape_tests "${SHAPE_LIMIT:-480}" python3 -m pytest -v -s --tb=short -p no:cacheprovider \
+        ${SHAPE_TESTS:-tests/gpu/test_dtypes_and_shapes.py tests/gpu/test_moe.py::test_moe_model_float32_triton_matches_torch_experts} ;;
     moe30_tests) stage moe30_tests 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py ;;
     moe_tests_k)  # tests/gpu/test_moe.py -k MOE_TESTS, e.g. "expert_gemv"
       stage moe_tests_k 300 python3 -m pytest -q -s -p no:cacheprovider tests/gpu/test_moe.py -k "${MOE_TESTS:?}" ;;
