@@ -313,6 +313,7 @@ def test_chat_response_schema():
     assert choice["index"] == 0 and choice["finish_reason"] == "length"
     assert choice["message"] == {"role": "assistant", "content": "Hello 你好!", "refusal": None}
     assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 3, "total_tokens": 8,
+                             "completion_tokens_details": {"reasoning_tokens": 0},
                              "prompt_tokens_details": {"cached_tokens": 0}}
     req = stub.submitted[0]
     assert req.params.max_tokens == 7 and req.params.temperature == 0 and req.params.stop == ["x"]
@@ -523,6 +524,22 @@ def test_reasoning_content_whole_and_streamed():
     # constrained output has no think block, even when the template opened one
     msg = c.post(CHAT, json={"messages": USER, "regex": ".*"}).json()["choices"][0]["message"]
     assert msg["content"] == stub.reply
+
+
+def test_reasoning_tokens_in_chat_usage_whole_and_streamed():
+    """usage.completion_tokens_details.reasoning_tokens: the think block's tokens, its tags and the newlines after
+    it (2 characters a token: "<t" ... "k>", "\n\n" are 10), per choice, whole and streamed alike (the Responses
+    API's count); 0 with the reasoning left in the content."""
+    stub = StubFrontend(reply="<think>hmm</think>\n\nAnswer!", pieces=14, finish="stop")
+    c, _ = make_client(stub=stub, reasoning_parser="qwen3")
+    usage = c.post(CHAT, json={"messages": USER, "n": 2}).json()["usage"]
+    assert usage["completion_tokens"] == 28 and usage["completion_tokens_details"] == {"reasoning_tokens": 20}
+    body = {"messages": USER, "n": 2, "stream": True, "stream_options": {"include_usage": True}}
+    with c.stream("POST", CHAT, json=body) as resp:
+        streamed = [e for e in sse_events(resp) if e.get("usage")][-1]["usage"]
+    assert streamed == usage
+    usage = c.post(CHAT, json={"messages": USER, "separate_reasoning": False}).json()["usage"]
+    assert usage["completion_tokens_details"] == {"reasoning_tokens": 0}
 
 
 def test_tool_message_history_reaches_the_template():

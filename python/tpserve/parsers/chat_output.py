@@ -82,6 +82,10 @@ class ChatOutputParser:
             out.tool_calls = [call for call in out.tool_calls if call.index == 0]
         return out
 
+    def is_reasoning(self, delta: ChatDelta) -> bool:
+        """Whether the piece just fed into ``delta`` went to reasoning: into the think block, its tags included."""
+        return bool(delta.reasoning) or self.in_reasoning
+
     def finish_reason(self, reason: str | None) -> str | None:
         """A finish with tool calls is "tool_calls" (OpenAI), unless a call was cut short (by a stop
         string inside it: its arguments are as written, and the reason stays)."""
@@ -90,3 +94,25 @@ class ChatOutputParser:
         if reason == "stop" and self.tool_calls and not cut_short:
             return "tool_calls"
         return reason
+
+
+@dataclass
+class ReasoningTokens:
+    """Counts a choice's reasoning tokens (``usage``'s ``reasoning_tokens``) from its pieces as they are parsed:
+    those of a piece that went to reasoning, and of the pieces before it that the parser held back (an empty
+    delta: a tag's first characters, say), which go with the next text the parser lets out."""
+
+    count: int = 0
+    held: int = 0
+
+    def add(self, delta: ChatDelta, tokens: int, reasoning: bool) -> int:
+        """A piece of ``tokens`` tokens parsed into ``delta``; returns the tokens (held ones included) of its
+        non-reasoning text, 0 where it held the piece back or went to reasoning."""
+        tokens, self.held = tokens + self.held, 0
+        if reasoning:
+            self.count += tokens
+            return 0
+        if not delta:
+            self.held = tokens
+            return 0
+        return tokens

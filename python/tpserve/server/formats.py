@@ -11,7 +11,7 @@ from typing import Any, Iterable
 import msgspec
 
 from tpserve.message.frontend import ApiOutput, TokenLogprob
-from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
+from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser, ReasoningTokens
 from tpserve.server.errors import APIError, error_body
 from tpserve.server.metrics import RequestTimer
 
@@ -150,6 +150,7 @@ class ChatFormat(ResponseFormat):
         super().__init__(model, include_usage, logprobs, request_id)
         self.output = output or ChatOutputConfig()
         self._parsers: dict[int, ChatOutputParser] = {}  # per choice, while streaming
+        self._reasoning: dict[int, ReasoningTokens] = {}  # per choice
 
     def _parser(self, prompt_in_reasoning: bool | None) -> ChatOutputParser:
         return ChatOutputParser(replace(self.output, starts_in_reasoning=prompt_in_reasoning))
@@ -170,6 +171,7 @@ class ChatFormat(ResponseFormat):
             parser = self._parsers[choice.index] = self._parser(out.prompt_in_reasoning)
         final = out.finish_reason is not None
         parsed = parser.feed(out.text, final)
+        self._reasoning.setdefault(choice.index, ReasoningTokens()).add(parsed, out.new_tokens, parser.is_reasoning(parsed))
         chunks = []
         if parsed or (self.logprobs and out.logprobs):
             delta: dict[str, Any] = {}
@@ -190,7 +192,21 @@ class ChatFormat(ResponseFormat):
             return None
         return {"content": chat_logprobs(entries), "refusal": None}
 
+    def counted(self, usage: dict[str, Any]) -> dict[str, Any]:
+        reasoning = sum(count.count for count in self._reasoning.values())
+        return {**usage, "completion_tokens_details": {"reasoning_tokens": reasoning}}
+
+    def _count_reasoning(self, choice: Choice) -> None:
+        """The whole response's count: the choice's pieces parsed again one by one, as they were streamed."""
+        parser, count = self._parser(choice.prompt_in_reasoning), ReasoningTokens()
+        for i, (text, tokens) in enumerate(zip(choice.text, choice.text_tokens)):
+            delta = parser.feed(text, final=i == len(choice.text) - 1)
+            count.add(delta, tokens, parser.is_reasoning(delta))
+        self._reasoning[choice.index] = count
+
     def full_choice(self, choice: Choice) -> dict[str, Any]:
+        if self.output.reasoning:
+            self._count_reasoning(choice)
         parser = self._parser(choice.prompt_in_reasoning)
         parsed = parser.feed("".join(choice.text), final=True)
         message: dict[str, Any] = {"role": "assistant", "content": parsed.content, "refusal": None}

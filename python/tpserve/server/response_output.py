@@ -14,7 +14,7 @@ from typing import Any, Callable, Iterable
 import msgspec
 
 from tpserve.message.frontend import ApiOutput, TokenLogprob
-from tpserve.parsers.chat_output import ChatDelta, ChatOutputConfig, ChatOutputParser
+from tpserve.parsers.chat_output import ChatDelta, ChatOutputConfig, ChatOutputParser, ReasoningTokens
 from tpserve.server.errors import APIError
 from tpserve.server.formats import Choice, ResponseFormat, chat_logprobs
 from tpserve.server.protocol import ResponsesRequest
@@ -71,10 +71,8 @@ class OutputItems:
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item being written (the last of ``items``)
         self._call_index: int | None = None  # the parser's index of the open function call
-        self.reasoning_tokens = 0
-        # the tokens of text the parser held back, and their log-probabilities: they go with that text
-        self._held_tokens = 0
-        self._held: list[dict[str, Any]] = []
+        self.reasoning = ReasoningTokens()
+        self._held: list[dict[str, Any]] = []  # log-probabilities of text the parser held back: they go with that text
 
     def add(
         self, delta: ChatDelta, tokens: int = 0, logprobs: list[dict[str, Any]] | None = None, reasoning: bool = False
@@ -82,18 +80,17 @@ class OutputItems:
         """``delta``: what ``tokens`` tokens, of log-probabilities ``logprobs``, were parsed into. Those of a
         ``reasoning`` piece (the think block, its tags, the newlines after it) count as reasoning tokens; the
         log-probabilities go with the message text (not the reasoning's, nor the tool calls')."""
-        held_tokens, held = self._held_tokens + tokens, self._held + (logprobs or [])
-        self._held_tokens, self._held = 0, []
+        held, self._held = self._held + (logprobs or []), []
+        self.reasoning.add(delta, tokens, reasoning)
         if reasoning:
-            self.reasoning_tokens += held_tokens
-            held_tokens, held = 0, []
+            held = []
         events: list[dict[str, Any]] = []
         if delta.reasoning:
             events += self._text("reasoning", delta.reasoning)
         if delta.content:
             events += self._text("message", delta.content, held)
         elif not delta:
-            self._held_tokens, self._held = held_tokens, held
+            self._held = held
         for call in delta.tool_calls:
             if call.id is not None:
                 events += self.end() + self._start({
@@ -216,8 +213,8 @@ class ResponsesFormat(ResponseFormat):
         if self._parser is None:
             self._parser = ChatOutputParser(replace(self.output, starts_in_reasoning=prompt_in_reasoning))
         delta = self._parser.feed(text, final=finish_reason is not None)
-        reasoning = bool(delta.reasoning) or self._parser.in_reasoning  # the block's tags are the reasoning's too
-        events = self._items.add(delta, tokens, chat_logprobs(logprobs) if self.logprobs else None, reasoning)
+        events = self._items.add(delta, tokens, chat_logprobs(logprobs) if self.logprobs else None,
+                                 self._parser.is_reasoning(delta))
         if finish_reason is not None:
             self._finish_reason = finish_reason
             events += self._items.close("incomplete" if finish_reason == "length" else "completed")
@@ -252,7 +249,7 @@ class ResponsesFormat(ResponseFormat):
             "top_p": body.top_p,
             "top_logprobs": body.top_logprobs,
             "truncation": body.truncation,
-            "usage": None if usage is None else _usage(usage, self._items.reasoning_tokens),
+            "usage": None if usage is None else _usage(usage, self._items.reasoning.count),
             "user": body.user,
         }
 
