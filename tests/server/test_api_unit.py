@@ -578,6 +578,15 @@ def test_tokenize_detokenize_and_model_aliases(qwen3_dir):
     assert_error(c.post("/tokenize", json={"prompt": "hi", "model": "nope"}), 404, "nope")
     assert_error(c.post("/detokenize", json={"tokens": [1], "model": "nope"}), 404, "nope")
     assert_error(c.post("/tokenize", json={"messages": USER, "tools": [{"type": "x"}]}), 400, "tools[0]", "tools")
+    # an allowed_tools tool_choice renders its tools only, as chat does
+    other = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object"}}}
+    allowed = {"type": "allowed_tools", "allowed_tools": {"mode": "auto", "tools": [
+        {"type": "function", "function": {"name": "get_weather"}}]}}
+    narrowed = c.post("/tokenize", json={"messages": USER, "tools": [other, *WEATHER], "tool_choice": allowed}).json()
+    assert narrowed["tokens"] == c.post("/tokenize", json={"messages": USER, "tools": WEATHER}).json()["tokens"]
+    assert narrowed["tokens"] != c.post("/tokenize", json={"messages": USER, "tools": [other, *WEATHER]}).json()["tokens"]
+    assert_error(c.post("/tokenize", json={"messages": USER, "tools": [other], "tool_choice": allowed}), 400,
+                 "allows 'get_weather', which is not in tools", "tool_choice")
     assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [MODEL, "alias"]
     assert c.post(CHAT, json={"model": "alias", "messages": USER}).json()["model"] == MODEL
 

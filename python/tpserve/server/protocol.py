@@ -260,6 +260,27 @@ class _SamplingFields(_Body):
             raise APIError.invalid(str(e), _param_of(str(e))) from e
 
 
+def narrow_to_allowed_tools(tools: list[dict[str, Any]] | None, choice: Any) -> tuple[list[dict[str, Any]] | None, Any]:
+    """OpenAI's ``{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}``: only the listed tools may be
+    called. Served as ``tools`` cut to those and ``tool_choice`` its mode (so the prompt shows those only)."""
+    if not (isinstance(choice, dict) and choice.get("type") == "allowed_tools"):
+        return tools, choice
+    spec = choice.get("allowed_tools")
+    usage = ('tool_choice allowed_tools must be {"type": "allowed_tools", "allowed_tools": {"mode": "auto" or '
+             '"required", "tools": [{"type": "function", "function": {"name": ...}}, ...]}}')
+    if not isinstance(spec, dict) or spec.get("mode", "auto") not in ("auto", "required") \
+            or not isinstance(spec.get("tools"), list) or not spec["tools"]:
+        raise APIError.invalid(usage, "tool_choice")
+    names = [_function_name(tool) for tool in spec["tools"]]
+    if None in names:
+        raise APIError.invalid(usage, "tool_choice")
+    known = {_function_name(tool) for tool in tools or []}
+    unknown = [name for name in names if name not in known]
+    if unknown:
+        raise APIError.invalid(f"tool_choice allows {unknown[0]!r}, which is not in tools", "tool_choice")
+    return [tool for tool in tools or [] if _function_name(tool) in names], spec.get("mode", "auto")
+
+
 class ChatCompletionRequest(_SamplingFields):
     messages: list[ChatMessage] = Field(min_length=1)
     max_tokens: int | None = Field(default=None, ge=1)
@@ -290,7 +311,7 @@ class ChatCompletionRequest(_SamplingFields):
     def check(self) -> None:
         """The checks of a chat body; also narrows an ``allowed_tools`` tool_choice to its tools and mode."""
         self.check_common()
-        self._narrow_to_allowed_tools()
+        self.tools, self.tool_choice = narrow_to_allowed_tools(self.tools, self.tool_choice)
         for name, why in UNSERVED_CHAT_FIELDS.items():
             if (self.model_extra or {}).get(name) is not None:
                 raise APIError.invalid(why, name)
@@ -306,28 +327,6 @@ class ChatCompletionRequest(_SamplingFields):
         if both and self.max_tokens != self.max_completion_tokens:
             raise APIError.invalid("give max_tokens or max_completion_tokens, not both", "max_tokens")
         check_continuation(self.messages, self.add_generation_prompt, self.continue_final_message)
-
-    def _narrow_to_allowed_tools(self) -> None:
-        """OpenAI's ``{"type": "allowed_tools", "allowed_tools": {"mode", "tools"}}``: only the listed tools may be
-        called. Served as ``tools`` cut to those and ``tool_choice`` its mode (so the prompt shows those only)."""
-        choice = self.tool_choice
-        if not (isinstance(choice, dict) and choice.get("type") == "allowed_tools"):
-            return
-        spec = choice.get("allowed_tools")
-        usage = ('tool_choice allowed_tools must be {"type": "allowed_tools", "allowed_tools": {"mode": "auto" or '
-                 '"required", "tools": [{"type": "function", "function": {"name": ...}}, ...]}}')
-        if not isinstance(spec, dict) or spec.get("mode", "auto") not in ("auto", "required") \
-                or not isinstance(spec.get("tools"), list) or not spec["tools"]:
-            raise APIError.invalid(usage, "tool_choice")
-        names = [_function_name(tool) for tool in spec["tools"]]
-        if None in names:
-            raise APIError.invalid(usage, "tool_choice")
-        known = {_function_name(tool) for tool in self.tools or []}
-        unknown = [name for name in names if name not in known]
-        if unknown:
-            raise APIError.invalid(f"tool_choice allows {unknown[0]!r}, which is not in tools", "tool_choice")
-        self.tools = [tool for tool in self.tools or [] if _function_name(tool) in names]
-        self.tool_choice = spec.get("mode", "auto")
 
     @property
     def requested_logprobs(self) -> int | None:
@@ -410,6 +409,7 @@ class TokenizeBody(_Body):
     add_generation_prompt: bool = True  # for messages
     continue_final_message: bool = False  # for messages
     tools: list[dict[str, Any]] | None = None
+    tool_choice: Any = None  # as chat's: an allowed_tools choice renders its tools only
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None  # as chat's: "none" renders the prompt with thinking off
 
@@ -424,6 +424,7 @@ class TokenizeBody(_Body):
             check_tools(self.tools)  # as chat checks them: what /tokenize renders is what chat would
         except FieldError as e:
             raise APIError.invalid(e.message, e.param) from e
+        self.tools, self.tool_choice = narrow_to_allowed_tools(self.tools, self.tool_choice)
 
 
 class DetokenizeBody(_Body):
