@@ -43,16 +43,20 @@ class _Server(uvicorn.Server):
         yield
 
 
-# A request's headers must arrive within this many seconds of its first bytes (nginx's client_header_timeout is 60):
-# uvicorn has no such bound, so a client trickling a header a byte at a time held its connection forever.
+# A request's headers must arrive within this many seconds of its first bytes (nginx's client_header_timeout is 60),
+# and its body within BODY_TIMEOUT_S of its headers (nginx's client_body_timeout, 60, bounds the gap between reads
+# only, which a body trickled a byte a minute passes): uvicorn has neither bound, so a client trickling a request held
+# its connection (and, for a body, the handler waiting on it) forever.
 HEADER_TIMEOUT_S = 30.0
+BODY_TIMEOUT_S = 60.0
 
 
 def _idle_timeout_protocol() -> type:
     """uvicorn's HTTP protocol (httptools where installed, else h11, as its "auto") with its keep-alive timer armed
     when a connection opens too (uvicorn arms it only after a response, so a connection that never sent a request
     was held forever, and enough of them took every file descriptor: no client got an answer, /health included),
-    and a request whose headers are not complete ``HEADER_TIMEOUT_S`` after its first bytes closed (slowloris)."""
+    and a request whose headers are not complete ``HEADER_TIMEOUT_S`` after its first bytes, or whose body is not
+    ``BODY_TIMEOUT_S`` after its headers, closed (slowloris)."""
     try:
         from uvicorn.protocols.http.httptools_impl import HttpToolsProtocol as base
     except ImportError:
@@ -62,27 +66,37 @@ def _idle_timeout_protocol() -> type:
         def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
             super().connection_made(transport)
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
-            self.header_deadline: asyncio.TimerHandle | None = None
+            self.read_deadline: asyncio.TimerHandle | None = None
+            self.deadline_cycle: object = None  # the request whose body the deadline bounds; None: the next headers
 
         def data_received(self, data: bytes) -> None:
-            cycle = self.cycle
             super().data_received(data)
-            if self.cycle is not cycle:  # a request's headers completed
-                self._clear_header_deadline()
-            elif (cycle is None or cycle.response_complete) and self.header_deadline is None:
-                self.header_deadline = self.loop.call_later(HEADER_TIMEOUT_S, self._headers_too_slow)
+            cycle = self.cycle
+            if cycle is None or cycle.response_complete:  # the next request's headers are arriving
+                self._arm(None, HEADER_TIMEOUT_S)
+            elif cycle.more_body:  # its headers are in, its body is arriving
+                self._arm(cycle, BODY_TIMEOUT_S)
+            else:  # the whole request is in: the app has it
+                self._disarm()
 
         def connection_lost(self, exc: Exception | None) -> None:
-            self._clear_header_deadline()
+            self._disarm()
             super().connection_lost(exc)
 
-        def _clear_header_deadline(self) -> None:
-            if self.header_deadline is not None:
-                self.header_deadline.cancel()
-                self.header_deadline = None
+        def _arm(self, cycle: object, seconds: float) -> None:
+            if self.read_deadline is not None and self.deadline_cycle is cycle:
+                return
+            self._disarm()
+            self.deadline_cycle = cycle
+            self.read_deadline = self.loop.call_later(seconds, self._read_too_slow)
 
-        def _headers_too_slow(self) -> None:
-            self.header_deadline = None
+        def _disarm(self) -> None:
+            if self.read_deadline is not None:
+                self.read_deadline.cancel()
+                self.read_deadline = None
+
+        def _read_too_slow(self) -> None:
+            self.read_deadline = None
             if not self.transport.is_closing():
                 self.transport.close()
 
