@@ -636,3 +636,25 @@ def test_prompt_logprobs_over_prefill_chunks(qwen3_dir, tp_size):
                                 use_tqdm=False)
     for out in outs:
         check_prompt_logprobs(out, qwen3_dir, 1)
+
+
+def test_calls_without_sampling_params_take_the_models_generation_config(qwen3_dir, tmp_path):
+    """As vLLM's LLM: generate() given no SamplingParams samples with get_default_sampling_params(), the model's
+    generation_config.json's fields (here temperature 0: greedy, so the tokens show it) with the override over them;
+    a bad one fails before anything is spawned."""
+    import json
+
+    model = tmp_path / "model"
+    shutil.copytree(qwen3_dir, model)
+    generation = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.0, "top_k": 5}))
+    with pytest.raises(ValueError, match="override_generation_config: 'max_tokens' is not one of"):
+        LLM(str(model), device="cpu", override_generation_config={"max_tokens": 3})
+    with LLM(str(model), device="cpu", override_generation_config={"min_p": 0.1}) as llm:
+        defaults = llm.get_default_sampling_params()
+        assert (defaults.temperature, defaults.top_k, defaults.min_p, defaults.max_tokens) == (0.0, 5, 0.1, 16)
+        prompt = "Hello world"
+        greedy = llm.generate(prompt, SamplingParams(temperature=0, max_tokens=16), use_tqdm=False)[0].token_ids
+        assert llm.generate(prompt, use_tqdm=False)[0].token_ids == greedy
+        assert llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)[0].token_ids == llm.chat(
+            [{"role": "user", "content": "hi"}], SamplingParams(temperature=0), use_tqdm=False)[0].token_ids

@@ -28,6 +28,7 @@ from tpserve.launch.ranks import RankDriver, start_ranks
 from tpserve.message import (
     AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, GetStats, SchedulerStats, TokenOutput,
 )
+from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT, SamplingParams
 from tpserve.scheduler.gc_control import frozen_heap
 from tpserve.tokenizer.prepare import with_bad_words_encoded
@@ -163,11 +164,15 @@ class LLM:
         dp_size: int = 1,
         load_balance_method: str = "cache_aware",
         seed: int | None = None,
+        generation_config: str = "auto",
+        override_generation_config: dict[str, Any] | None = None,
         **engine_kwargs,
     ) -> None:
         """``seed``: the engine's (``load_format="dummy"`` weights are drawn with it, as with the CLI's ``--seed``),
         and where a request's SamplingParams has none, its seed comes from a generator seeded with it, so a script
-        run again samples the same (None: the engine's default, and a different request seed each run). Other
+        run again samples the same (None: the engine's default, and a different request seed each run).
+        ``generation_config``, ``override_generation_config``: the sampling parameters of calls given none
+        (``get_default_sampling_params``), as the CLI's flags (``auto``: the model's generation_config.json). Other
         keyword arguments are ``EngineConfig``'s (or vLLM's names for them)."""
         from tpserve.launch.args import resolve_model_dir
         from tpserve.router.policy import LOAD_BALANCE_METHODS
@@ -196,6 +201,11 @@ class LLM:
         )
         self.model_config = ModelConfig.from_pretrained(model)
         check_can_start(self.config, self.model_config)  # fail here, before spawning anything
+        if not isinstance(generation_config, str) or not isinstance(override_generation_config, (dict, type(None))):
+            raise TypeError("generation_config must be 'auto', 'vllm' or a directory, and override_generation_config "
+                            f"a dict or None; got {generation_config!r}, {override_generation_config!r}")
+        self.sampling_defaults = load_sampling_defaults(model, generation_config, override_generation_config,
+                                                        names=("generation_config", "override_generation_config"))
         self.tokenizer = _load_tokenizer(model)
         self._next_rid = 0
         # One call at a time talks to the ranks: each call reads the shared output stream and keeps only its own
@@ -203,6 +213,10 @@ class LLM:
         self._calls = threading.Lock()
         self._seed_rng = random.Random(None if seed is None else int(seed))
         self._driver: RankDriver | None = start_ranks(self.config, load_balance_method)
+
+    def get_default_sampling_params(self) -> SamplingParams:
+        """What a call given no SamplingParams samples with: the model's generation config's (as vLLM's)."""
+        return SamplingParams(**self.sampling_defaults)
 
     def generate(
         self,
@@ -223,6 +237,8 @@ class LLM:
         if prompts and isinstance(prompts[0], numbers.Integral):
             raise TypeError("prompts must be a list of strings or a list of token-id lists, got a list of integers "
                             "(one token-id prompt is [[...]])")
+        if sampling_params is None:
+            sampling_params = self.get_default_sampling_params()
         sampling_params = _params_per_prompt(sampling_params, len(prompts))
         checked: dict[int, SamplingParams] = {}  # each params object once (one is often given for every prompt)
         for i, params in enumerate(sampling_params):
@@ -452,12 +468,8 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _params_per_prompt(
-    sampling_params: SamplingParams | Sequence[SamplingParams] | None, num_prompts: int
-) -> list[SamplingParams]:
-    """One SamplingParams per prompt (the default, or one given for all, repeated)."""
-    if sampling_params is None:
-        sampling_params = SamplingParams()
+def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams], num_prompts: int) -> list[SamplingParams]:
+    """One SamplingParams per prompt (one given for all, repeated)."""
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts
     if not isinstance(sampling_params, Sequence) or isinstance(sampling_params, str):

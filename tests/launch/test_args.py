@@ -85,6 +85,10 @@ def test_default_is_the_tiny_demo_model(monkeypatch, tmp_path):
         (["--quantization", "awq"], "argument --quantization/-q: invalid choice: 'awq'"),
         # torch's generator takes a signed 64-bit seed: a larger one was a traceback in the rank (dummy weights)
         (["--seed", str(2**64)], f"argument --seed: must be in [0, 2**63), got '{2**64}'"),
+        (["--generation-config", "/nowhere"], "--generation-config '/nowhere': no generation_config.json there"),
+        (["--override-generation-config", "temperature=0.5"], "must be a JSON object, got 'temperature=0.5'"),
+        (["--override-generation-config", '{"temperature": -1}'], "temperature must be a finite number >= 0"),
+        (["--override-generation-config", '{"max_tokens": 5}'], "'max_tokens' is not one of temperature"),
     ],
 )
 def test_bad_values_are_usage_errors(qwen3_dir, capsys, argv, fragment):
@@ -92,6 +96,22 @@ def test_bad_values_are_usage_errors(qwen3_dir, capsys, argv, fragment):
         parse_args(["--model", qwen3_dir, *argv])
     assert e.value.code == 2
     assert fragment in capsys.readouterr().err
+
+
+def test_generation_config_flags(qwen3_dir, tmp_path):
+    """The model's generation_config.json's sampling fields become the server's request defaults (the tiny
+    model's has none); vllm turns them off; the override goes over either."""
+    model = tmp_path / "model"
+    shutil.copytree(qwen3_dir, model)
+    generation = json.loads((model / "generation_config.json").read_text())
+    (model / "generation_config.json").write_text(json.dumps({**generation, "temperature": 0.6, "top_k": 20}))
+    assert parse_args(["--model", qwen3_dir]).sampling_defaults == {}
+    assert parse_args(["--model", str(model)]).sampling_defaults == {"temperature": 0.6, "top_k": 20}
+    assert parse_args(["--model", str(model), "--generation-config", "vllm"]).sampling_defaults == {}
+    assert parse_args(["--model", str(model), "--override-generation-config", '{"temperature": 0.3}']
+                      ).sampling_defaults == {"temperature": 0.3, "top_k": 20}
+    assert parse_args(["--model", qwen3_dir, "--generation-config", str(model)]).sampling_defaults == {
+        "temperature": 0.6, "top_k": 20}
 
 
 def test_expert_parallel_flag(tiny_model_factory, capsys):

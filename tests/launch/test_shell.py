@@ -13,7 +13,7 @@ import pexpect
 import psutil
 import pytest
 from server_process import FAKE_TPSERVE, HERE, wait_gone
-from tpserve.launch.shell import Shell
+from tpserve.launch.shell import Shell, ShellSettings
 from tpserve.message.frontend import ApiOutput
 
 PROMPT = ">>> "
@@ -177,6 +177,27 @@ def test_commands_set_the_next_requests(monkeypatch):
     assert "bad value 'hot' for temperature" in out and "bad value '0' for max_tokens" in out
     assert "unknown setting 'colour'" in out and "unknown command '/unknown'" in out
     assert out.count("/think on|off") == 2  # the help, after the unknown command and for /help
+
+
+def test_the_models_sampling_defaults_are_the_shells(monkeypatch):
+    """--generation-config: the shell samples with the model's temperature, top_p and top_k, /set temperature over it."""
+    feed = iter(["hi", "/set temperature 0.2", "again", "/set max_tokens 7"])
+
+    def fake_input(prompt=""):
+        try:
+            return next(feed)
+        except StopIteration:
+            raise EOFError from None
+
+    monkeypatch.setattr("builtins.input", fake_input)
+    client, out = FakeClient(), io.StringIO()
+    Shell(client, lambda: None, out, context_len=64,  # type: ignore[arg-type]
+          sampling_defaults={"temperature": 0.6, "top_p": 0.95, "top_k": 20}).run()
+    first, second = client.params
+    assert (first.temperature, first.top_p, first.top_k) == (0.6, 0.95, 20)
+    assert (second.temperature, second.top_p, second.top_k) == (0.2, 0.95, 20)
+    assert "(temperature 0.2, top_p 0.95, top_k 20, max_tokens 7" in out.getvalue()
+    assert ShellSettings().params().temperature == 0.7  # a model without them: the shell's own 0.7
 
 
 def test_a_max_tokens_no_request_can_carry_is_a_bad_value(monkeypatch):

@@ -542,6 +542,25 @@ def test_reasoning_tokens_in_chat_usage_whole_and_streamed():
     assert usage["completion_tokens_details"] == {"reasoning_tokens": 0}
 
 
+def test_the_models_sampling_defaults_fill_what_a_request_leaves_unset():
+    """--generation-config: Qwen3's recommended temperature, top_p and top_k (and a repetition_penalty) for chat,
+    completions and the Responses API, field by field: a request's own value wins, temperature 0 included."""
+    defaults = {"temperature": 0.6, "top_k": 20, "top_p": 0.95, "repetition_penalty": 1.05}
+    c, stub = make_client(sampling_defaults=defaults)
+    for path, body in ((CHAT, {"messages": USER}), ("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/responses", {"input": "hi"})):
+        assert c.post(path, json=body).status_code == 200
+        params = stub.submitted[-1].params
+        assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty) == (0.6, 20, 0.95, 1.05)
+    assert c.post(CHAT, json={"messages": USER, "temperature": 0, "top_p": 1.0, "repetition_penalty": 1.0}).status_code == 200
+    params = stub.submitted[-1].params
+    assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty) == (0, 20, 1.0, 1.0)
+    c, stub = make_client()  # none: SamplingParams' own (OpenAI's temperature 1, no top-k or top-p)
+    assert c.post(CHAT, json={"messages": USER}).status_code == 200
+    params = stub.submitted[-1].params
+    assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty) == (1.0, -1, 1.0, 1.0)
+
+
 def test_tool_message_history_reaches_the_template():
     c, stub = make_client()
     msgs = USER + [

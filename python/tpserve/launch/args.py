@@ -6,7 +6,7 @@ import argparse
 import json
 import os
 import socket
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tpserve.config import DTYPE_ALIASES, ModelConfig
@@ -14,10 +14,12 @@ from tpserve.engine_config import CHOICES, MAX_DIST_TIMEOUT_S, EngineConfig, che
 from tpserve.distributed.control import TOKEN_ENV, read_token
 from tpserve.distributed.nodes import split_addr
 from tpserve.quant.config import QUANTIZATION_METHODS
+from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT
 from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
-from tpserve.launch.argtypes import HelpFormatter, OneLineParser, fraction, int_at_least, number, port, positive
+from tpserve.launch.argtypes import (HelpFormatter, OneLineParser, fraction, int_at_least, json_object_arg, number, port,
+                                     positive)
 from tpserve.router.policy import LOAD_BALANCE_METHODS
 from tpserve.tokenizer.loader import (
     check_chat_template, has_tokenizer_files, load_tokenizer, missing_tokenizer_message,
@@ -56,6 +58,8 @@ class ServerArgs:
     health_timeout: float = 60.0  # /health is 503 when a rank's (or tokenizer's) loop stalls this long
     request_timeout: float | None = None  # seconds one API call may take (None: no limit)
     load_balance_method: str = "cache_aware"  # how the router picks a data-parallel replica
+    # sampling fields a request leaves unset get these (--generation-config: the model's generation_config.json)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_dir(self) -> str:
@@ -106,6 +110,14 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="split <think>...</think> into reasoning_content (qwen3, deepseek_r1); "
                        "default: reasoning stays in content")
+    model.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
+                       help="default sampling parameters for requests that leave them unset: auto takes "
+                       "temperature, top_p, top_k, min_p and repetition_penalty from the model's "
+                       "generation_config.json (Qwen3's: 0.6, 0.95, 20), DIR from DIR/generation_config.json, "
+                       "vllm none (OpenAI's defaults: temperature 1, no top-p/top-k)")
+    model.add_argument("--override-generation-config", type=json_object_arg, default=None, metavar="JSON",
+                       help="default sampling parameters over --generation-config's, e.g. "
+                       "'{\"temperature\": 0.5}' (the same five names)")
     model.add_argument("--load-format", choices=CHOICES["load_format"], default=_default("load_format"),
                        help="weights: safetensors files, or dummy (random, for benchmarks)")
     model.add_argument("--dtype", type=dtype_arg, default="auto",
@@ -309,9 +321,11 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     tool_parser = ns.tool_call_parser
     if tool_parser == "auto":
         tool_parser = detect_tool_parser(chat_template or _model_chat_template(model_dir))
+    sampling_defaults = load_sampling_defaults(model_dir, ns.generation_config, ns.override_generation_config)
     return _from_flags(
         ServerArgs, ns,
         engine=engine,
+        sampling_defaults=sampling_defaults,
         served_model_name=names[0],
         model_aliases=tuple(n for n in names[1:] if n != names[0]),
         chat_template=chat_template,

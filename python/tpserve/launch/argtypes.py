@@ -4,8 +4,9 @@ bad value must be, errors in one line, and defaults in the help."""
 from __future__ import annotations
 
 import argparse
+import json
 import math
-from typing import Callable, NoReturn, TypeVar
+from typing import Any, Callable, NoReturn, TypeVar
 
 N = TypeVar("N", int, float)
 
@@ -32,6 +33,17 @@ def int_at_least(low: int) -> Callable[[str], int]:
 positive = number(float, lambda v: 0.0 < v < math.inf, "a positive number")
 fraction = number(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
 port = number(int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
+
+
+def json_object_arg(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
+    return value
 
 
 class OneLineParser(argparse.ArgumentParser):

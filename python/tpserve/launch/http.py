@@ -23,6 +23,7 @@ import uvicorn
 from tpserve.launch.args import ServerArgs
 from tpserve.launch.backend import STOP_SIGNALS, Backend, ChildDied, StartupCancelled
 from tpserve.router.policy import Dispatch
+from tpserve.sampling_defaults import describe as describe_defaults
 from tpserve.server.api import AppState, create_app
 from tpserve.server.client import FrontendClient, ReplicaRouter
 from tpserve.server.limits import RequestLimits
@@ -195,9 +196,12 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
         state.serving = Serving(
             frontend, state.metrics, args.served_model_name,
             RequestLimits(args.context_len, args.max_sequences_per_request), args.model_aliases,
-            args.reasoning_parser, args.tool_call_parser, args.request_timeout,
+            args.reasoning_parser, args.tool_call_parser, args.request_timeout, args.sampling_defaults,
         )
         state.liveness = lambda: backend.stalled(args.health_timeout)
+        if args.sampling_defaults:
+            logger.info("requests that leave them unset sample with %s (the model's generation config; "
+                        "--generation-config vllm: none)", describe_defaults(args.sampling_defaults))
         logger.info("ready: serving %r on %s", args.served_model_name, url)
         return await _watch(backend, stop, [http_task, *tasks])
     finally:

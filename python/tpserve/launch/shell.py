@@ -48,14 +48,25 @@ DIM, BOLD, RESET = "\033[2m", "\033[1m", "\033[0m"
 
 @dataclass
 class ShellSettings:
-    temperature: float = 0.7
+    temperature: float = 0.7  # the model's generation config's where it has one (ShellSettings.for_model)
     max_tokens: int | None = None
     system: str | None = None
     think: bool | None = None  # None: the template's default
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # the model's other sampling fields (top_p, ...)
+
+    @classmethod
+    def for_model(cls, sampling_defaults: dict[str, Any]) -> "ShellSettings":
+        """The model's sampling defaults (``--generation-config``), with /set temperature over its temperature."""
+        others = {name: value for name, value in sampling_defaults.items() if name != "temperature"}
+        return cls(temperature=sampling_defaults.get("temperature", cls.temperature), sampling_defaults=others)
+
+    def params(self) -> SamplingParams:
+        return SamplingParams(**self.sampling_defaults, temperature=self.temperature, max_tokens=self.max_tokens)
 
     def describe(self) -> str:
         think = "template default" if self.think is None else ("on" if self.think else "off")
-        return (f"temperature {self.temperature:g}, max_tokens {self.max_tokens or 'context limit'}, "
+        others = "".join(f", {name} {value}" for name, value in self.sampling_defaults.items())
+        return (f"temperature {self.temperature:g}{others}, max_tokens {self.max_tokens or 'context limit'}, "
                 f"thinking {think}, system prompt {self.system!r}")
 
 
@@ -134,12 +145,13 @@ class Shell:
         reasoning: bool = False,
         log_file: str | None = None,
         history_file: str | None = None,
+        sampling_defaults: dict[str, Any] | None = None,
     ) -> None:
         self._client, self._dead_child, self._out = client, dead_child, out
         self._color = out.isatty()
         self._context_len, self._reasoning = context_len, reasoning
         self._log_file, self._history_file = log_file, history_file
-        self.settings = ShellSettings()
+        self.settings = ShellSettings.for_model(sampling_defaults or {})
         self.history: list[dict[str, Any]] = []
 
     def run(self) -> None:
@@ -226,7 +238,7 @@ class Shell:
         settings = self.settings
         messages = self.history + [{"role": "user", "content": text}]
         system = [{"role": "system", "content": settings.system}] if settings.system else []
-        params = SamplingParams(temperature=settings.temperature, max_tokens=settings.max_tokens)
+        params = settings.params()
         kwargs = None if settings.think is None else {"enable_thinking": settings.think}
         rid = self._client.submit(system + messages, params, kwargs)
         answer = _Answer(self._reasoning)
@@ -360,7 +372,8 @@ def run_shell(args: ServerArgs) -> int:
         backend.start()
         backend.wait_ready()
         Shell(client, backend.dead_child, context_len=args.context_len, reasoning=args.reasoning_parser is not None,
-              log_file=log_file, history_file=os.path.join(state_dir, "shell_history")).run()
+              log_file=log_file, history_file=os.path.join(state_dir, "shell_history"),
+              sampling_defaults=args.sampling_defaults).run()
         return 0
     except ChildDied as e:
         logger.error("%s", e)

@@ -13,11 +13,12 @@ import msgspec
 
 import json
 import logging
-from typing import Any, Literal, Union
+from typing import Any, Literal, Mapping, Union
 
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from tpserve.parsers.constraints import FieldError, check_tools, output_structure
+from tpserve.sampling_defaults import SAMPLING_FIELDS
 from tpserve.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams, StructuredOutput
 from tpserve.server.errors import APIError
 from tpserve.server.limits import check_transportable
@@ -160,7 +161,7 @@ class _SamplingFields(_Body):
     stream_options: StreamOptions | None = None
     presence_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(default=0.0, ge=-2.0, le=2.0)
-    repetition_penalty: float = Field(default=1.0, gt=0.0)
+    repetition_penalty: float | None = Field(default=None, gt=0.0)
     logit_bias: dict[str, float] | None = None  # token id (as a string) -> bias in [-100, 100]
     allowed_token_ids: list[StrictInt] | None = None  # vLLM's: only these tokens may be sampled
     bad_words: list[StrictStr] | None = None  # vLLM's: words the output does not contain (SamplingParams)
@@ -230,7 +231,10 @@ class _SamplingFields(_Body):
             return "ebnf"
         return "response_format"
 
-    def sampling_params(self, max_tokens: int | None, structured: StructuredOutput | None = None) -> SamplingParams:
+    def sampling_params(
+        self, max_tokens: int | None, structured: StructuredOutput | None = None, defaults: Mapping[str, Any] = {},
+    ) -> SamplingParams:
+        """``defaults``: the model's sampling defaults (``--generation-config``), for the fields the body leaves unset."""
         fields: dict[str, Any] = {
             "n": self.n,
             "max_tokens": max_tokens,
@@ -241,7 +245,6 @@ class _SamplingFields(_Body):
             "logprobs": self.requested_logprobs,
             "presence_penalty": self.presence_penalty,
             "frequency_penalty": self.frequency_penalty,
-            "repetition_penalty": self.repetition_penalty,
             "logit_bias": self.logit_bias_ids(),
             "allowed_token_ids": self.allowed_token_ids,
             "bad_words": self.bad_words,
@@ -250,8 +253,10 @@ class _SamplingFields(_Body):
             "skip_special_tokens": self.skip_special_tokens,
             "structured": structured,
         }
-        for name in ("temperature", "top_p", "top_k", "min_p"):
+        for name in SAMPLING_FIELDS:
             value = getattr(self, name)
+            if value is None:
+                value = defaults.get(name)
             if value is not None:
                 fields[name] = value
         try:
@@ -373,8 +378,10 @@ class CompletionRequest(_SamplingFields):
     def requested_logprobs(self) -> int | None:
         return self.logprobs
 
-    def sampling_params(self, max_tokens: int | None, structured: StructuredOutput | None = None) -> SamplingParams:
-        params = super().sampling_params(max_tokens, structured)
+    def sampling_params(
+        self, max_tokens: int | None, structured: StructuredOutput | None = None, defaults: Mapping[str, Any] = {},
+    ) -> SamplingParams:
+        params = super().sampling_params(max_tokens, structured, defaults)
         if self.echo and self.logprobs is not None:  # the echoed prompt comes with its log-probabilities
             params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)
         return params

@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
@@ -157,6 +157,7 @@ class Serving:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     request_timeout: float | None = None  # seconds; None: no limit
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # for fields a request leaves unset (--generation-config)
 
     def check_model(self, model: str | None) -> None:
         check_model_name(model, (self.model_name, *self.aliases))
@@ -192,7 +193,7 @@ class Serving:
         to split their output."""
         body.check()
         structure = body.structure()
-        params = body.sampling_params(body.effective_max_tokens, structure)
+        params = body.sampling_params(body.effective_max_tokens, structure, self.sampling_defaults)
         output = self.chat_output(body, constrained=structure is not None)
         self.limits.check_sequences(1, body.n)
         messages = body.template_messages()
@@ -220,7 +221,7 @@ class Serving:
         self.check_model(body.model)
         body.check()
         generates = body.max_tokens != 0  # 0 (with echo): one token is generated and left out
-        params = body.sampling_params(body.max_tokens if generates else 1, body.structure())
+        params = body.sampling_params(body.max_tokens if generates else 1, body.structure(), self.sampling_defaults)
         reqs = []
         prompts = body.prompts()
         self.limits.check_sequences(len(prompts), body.n)
