@@ -59,7 +59,7 @@ def parsed_events(lines: list[str]) -> list[dict]:
 def test_input_items_become_chat_messages():
     items = [
         {"role": "developer", "content": "Be brief."},
-        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in "},
+        {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in"},
                                                         {"type": "input_text", "text": "Rome?"}]},
         {"type": "reasoning", "id": "rs_1", "summary": [], "content": [{"type": "reasoning_text", "text": "hmm"}]},
         {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": "Checking."}]},
@@ -73,7 +73,7 @@ def test_input_items_become_chat_messages():
     assert chat_messages("Sys.", items) == [
         {"role": "system", "content": "Sys."},
         {"role": "developer", "content": "Be brief."},
-        {"role": "user", "content": "Weather in Rome?"},
+        {"role": "user", "content": "Weather in\nRome?"},  # a line a part, as chat's (vLLM's)
         {"role": "assistant", "content": "Checking.", "reasoning_content": "hmm", "tool_calls": calls},
         {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
         {"role": "tool", "tool_call_id": "call_2", "content": "rain"},

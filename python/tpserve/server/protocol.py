@@ -89,7 +89,8 @@ class ChatMessage(_Lenient):
     def to_template(self, index: int) -> dict[str, Any]:
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
-            msg["content"] = "".join(_part_text(p, f"messages[{index}].content") for p in self.content)
+            # as vLLM renders parts for a template that takes a string: one line each (not run together)
+            msg["content"] = "\n".join(_part_text(p, f"messages[{index}].content") for p in self.content)
         msg.setdefault("content", "")
         if msg["role"] == "developer":  # OpenAI's newer name for the system role
             msg["role"] = "system"

@@ -40,7 +40,7 @@ def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "".join(_part_text(part, f"{where}[{i}]") for i, part in enumerate(content))
+        return "\n".join(_part_text(part, f"{where}[{i}]") for i, part in enumerate(content))  # as chat's parts
     raise APIError.invalid(f"{where} must be a string or a list of content parts", "input")
 
 
