@@ -241,6 +241,17 @@ def test_bad_requests_via_openai_client(client):
         client.chat.completions.create(model="other", messages=MESSAGES)
 
 
+@pytest.mark.parametrize("arguments", ['{"n": 123456789012345678901234567890}', '{"q": "\\ud800"}', "not json"])
+def test_tool_call_arguments_the_messages_cannot_carry_are_rendered_as_written(client, arguments):
+    """A past call's arguments holding an integer past 64 bits or a lone surrogate escape were a 500 (the parsed
+    value could not reach the tokenizer worker): every later turn of such a conversation failed."""
+    messages = [*MESSAGES, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": arguments}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "ok"}]
+    ok = client.chat.completions.create(model="tiny", messages=messages, max_tokens=2)
+    assert ok.choices[0].finish_reason in ("stop", "length")
+
+
 def test_invalid_json(url):
     resp = httpx.post(f"{url}/v1/completions", content=b"{oops", timeout=10,
                       headers={"Authorization": f"Bearer {API_KEY}", "content-type": "application/json"})

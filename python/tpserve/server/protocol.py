@@ -70,13 +70,16 @@ def _part_text(part: Any, where: str) -> str:
 
 
 def _template_tool_call(call: Any) -> Any:
-    """Arguments as a JSON object: templates such as Llama 3.1's render them with ``tojson``."""
+    """Arguments as a JSON object: templates such as Llama 3.1's render them with ``tojson``. Arguments that are no
+    JSON, or hold what the tokenizer workers' messages cannot carry (an integer past 64 bits, a lone surrogate
+    escape: the request was a 500), stay the string the model wrote (Qwen3's template renders a string as it is)."""
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
         return call
     try:
         arguments = json.loads(function["arguments"])
-    except json.JSONDecodeError:
+        check_transportable(arguments)
+    except (json.JSONDecodeError, APIError):
         return call
     return {**call, "function": {**function, "arguments": arguments}}
 
