@@ -331,6 +331,24 @@ def test_chat_defaults_and_content_parts():
     assert req.params.max_tokens == 4 and req.params.seed is None
 
 
+def test_echo_leads_the_content_with_the_continued_assistant_message():
+    """vLLM's chat echo (was ignored): a last assistant message (continue_final_message) starts each choice's content,
+    whole and streamed; after a user message it echoes nothing."""
+    stub = StubFrontend(reply="42}", finish="stop")
+    c, _ = make_client(stub=stub)
+    msgs = [*USER, {"role": "assistant", "content": [{"type": "text", "text": "Sure: {"}]}]
+    body = {"messages": msgs, "add_generation_prompt": False, "continue_final_message": True, "echo": True, "n": 2}
+    choices = c.post(CHAT, json=body).json()["choices"]
+    assert [ch["message"]["content"] for ch in choices] == ["Sure: {42}"] * 2
+    with c.stream("POST", CHAT, json={**body, "stream": True}) as resp:
+        events = [e for e in sse_events(resp) if e["choices"]]
+    for index in (0, 1):
+        assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events
+                       if e["choices"][0]["index"] == index) == "Sure: {42}"
+    plain = c.post(CHAT, json={"messages": USER, "echo": True}).json()
+    assert plain["choices"][0]["message"]["content"] == "42}"
+
+
 def test_continue_final_message_reaches_the_template():
     c, stub = make_client()
     msgs = [*USER, {"role": "assistant", "content": "Sure: {"}]

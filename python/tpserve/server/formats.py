@@ -145,10 +145,11 @@ class ChatFormat(ResponseFormat):
 
     def __init__(
         self, model: str, include_usage: bool = False, logprobs: bool = False, output: ChatOutputConfig | None = None,
-        request_id: str | None = None,
+        request_id: str | None = None, echo: str = "",
     ) -> None:
         super().__init__(model, include_usage, logprobs, request_id)
         self.output = output or ChatOutputConfig()
+        self.echo = echo  # the text every choice's content starts with (chat's echo)
         self._parsers: dict[int, ChatOutputParser] = {}  # per choice, while streaming
         self._reasoning: dict[int, ReasoningTokens] = {}  # per choice
 
@@ -163,7 +164,7 @@ class ChatFormat(ResponseFormat):
         return self.chunk([choice])
 
     def start_chunk(self, index: int) -> bytes:
-        return self._delta(index, {"role": "assistant", "content": ""}, None)
+        return self._delta(index, {"role": "assistant", "content": self.echo}, None)
 
     def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
         parser = self._parsers.get(choice.index)
@@ -218,6 +219,8 @@ class ChatFormat(ResponseFormat):
                 {"id": call.id, "type": "function", "function": {"name": call.name, "arguments": call.arguments}}
                 for call in parser.tool_calls
             ]
+        if self.echo:
+            message["content"] = self.echo + (message["content"] or "")
         return {
             "index": choice.index,
             "message": message,

@@ -303,6 +303,7 @@ class ChatCompletionRequest(_SamplingFields):
     tool_choice: Union[str, dict[str, Any], None] = None
     parallel_tool_calls: bool = True
     separate_reasoning: bool = True  # SGLang's: false keeps the thinking in content
+    echo: bool = False  # vLLM's: a last assistant message (continue_final_message) leads each choice's content
     reasoning_effort: str | None = None  # "none" switches thinking off, any other effort on
 
     def tool_fields(self) -> tuple[Any, ...]:
@@ -311,6 +312,11 @@ class ChatCompletionRequest(_SamplingFields):
     @property
     def structured_param(self) -> str:
         return "tools" if self.forced_tool else super().structured_param
+
+    def echoed_text(self) -> str:
+        """With ``echo``, the text each choice's content starts with: the last message's, if it is the assistant's."""
+        last = self.messages[-1]
+        return last.to_template(len(self.messages) - 1)["content"] if self.echo and last.role == "assistant" else ""
 
     @property
     def forced_tool(self) -> bool:

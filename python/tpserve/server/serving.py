@@ -183,7 +183,7 @@ class Serving:
         self.check_model(body.model)
         reqs, output, params = self.chat_requests(body)
         fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output,
-                         request_id=request_id(request))
+                         request_id=request_id(request), echo=body.echoed_text())
         return await self.run(reqs, fmt, body.stream, request, body.n)
 
     def chat_requests(
