@@ -137,7 +137,7 @@ class FakeClient:
         pass
 
 
-def run_shell_lines(monkeypatch, lines, client=None, reasoning=False):
+def run_shell_lines(monkeypatch, lines, client=None, reasoning=False, **shell_kwargs):
     feed = iter(lines)
 
     def fake_input(prompt=""):
@@ -148,7 +148,7 @@ def run_shell_lines(monkeypatch, lines, client=None, reasoning=False):
 
     monkeypatch.setattr("builtins.input", fake_input)
     client, out = client or FakeClient(), io.StringIO()
-    shell = Shell(client, lambda: None, out, context_len=64, reasoning=reasoning)  # type: ignore[arg-type]
+    shell = Shell(client, lambda: None, out, context_len=64, reasoning=reasoning, **shell_kwargs)  # type: ignore[arg-type]
     shell.run()
     return shell, client, out.getvalue()
 
@@ -181,22 +181,12 @@ def test_commands_set_the_next_requests(monkeypatch):
 
 def test_the_models_sampling_defaults_are_the_shells(monkeypatch):
     """--generation-config: the shell samples with the model's temperature, top_p and top_k, /set temperature over it."""
-    feed = iter(["hi", "/set temperature 0.2", "again", "/set max_tokens 7"])
-
-    def fake_input(prompt=""):
-        try:
-            return next(feed)
-        except StopIteration:
-            raise EOFError from None
-
-    monkeypatch.setattr("builtins.input", fake_input)
-    client, out = FakeClient(), io.StringIO()
-    Shell(client, lambda: None, out, context_len=64,  # type: ignore[arg-type]
-          sampling_defaults={"temperature": 0.6, "top_p": 0.95, "top_k": 20}).run()
+    _, client, out = run_shell_lines(monkeypatch, ["hi", "/set temperature 0.2", "again", "/set max_tokens 7"],
+                                     sampling_defaults={"temperature": 0.6, "top_p": 0.95, "top_k": 20})
     first, second = client.params
     assert (first.temperature, first.top_p, first.top_k) == (0.6, 0.95, 20)
     assert (second.temperature, second.top_p, second.top_k) == (0.2, 0.95, 20)
-    assert "(temperature 0.2, top_p 0.95, top_k 20, max_tokens 7" in out.getvalue()
+    assert "(temperature 0.2, top_p 0.95, top_k 20, max_tokens 7" in out
     assert ShellSettings().params().temperature == 0.7  # a model without them: the shell's own 0.7
 
 
