@@ -103,6 +103,34 @@ def test_parse_with_pydantic_json_object_and_regex(client):
     assert re.fullmatch(r"(sunny|rainy) [0-9]{1,2}C", resp.choices[0].message.content)
 
 
+def test_vllm_structured_outputs_and_guided_fields(client):
+    """vLLM's structured_outputs (json, regex, choice, grammar, json_object) and its older guided_* fields (were
+    ignored: the output was unconstrained), through the openai client's extra_body as vLLM's users send them."""
+    choices = ["positive", "negative \"quoted\"", "naïve"]
+    for seed, extra in enumerate([{"structured_outputs": {"choice": choices}}, {"guided_choice": choices}]):
+        resp = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=20, seed=seed, extra_body=extra)
+        assert resp.choices[0].message.content in choices and resp.choices[0].finish_reason == "stop"
+    for extra in ({"structured_outputs": {"regex": "(sunny|rainy) [0-9]{1,2}C"}}, {"guided_regex": "(sunny|rainy) [0-9]{1,2}C"},
+                  {"structured_outputs": {"grammar": 'root ::= ("sunny" | "rainy") " " [0-9] "C"'}}):
+        text = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=40, seed=7,
+                                              extra_body=extra).choices[0].message.content
+        assert re.fullmatch(r"(sunny|rainy) [0-9]{1,2}C", text), (extra, text)
+    schema = Forecast.model_json_schema()
+    for extra in ({"structured_outputs": {"json": schema}}, {"guided_json": json.dumps(schema)}):
+        text = client.chat.completions.create(model="tiny", messages=ASK, max_tokens=200, seed=4,
+                                              extra_body=extra).choices[0].message.content
+        Forecast.model_validate_json(text)
+    text = client.completions.create(model="tiny", prompt="Weather:", max_tokens=64, seed=5,
+                                     extra_body={"structured_outputs": {"json_object": True}}).choices[0].text
+    assert text.startswith("{")
+    for extra, fragment in (({"guided_choice": choices, "regex": "a"}, "give only one of regex, guided_choice"),
+                            ({"structured_outputs": {"choice": []}}, "choice must be a list of non-empty strings"),
+                            ({"structured_outputs": {"structural_tag": "x"}}, "structured_outputs.structural_tag is not supported"),
+                            ({"structured_outputs": {"regex": "a", "choice": ["a"]}}, "not regex and choice")):
+        with pytest.raises(openai.BadRequestError, match=re.escape(fragment)):
+            client.chat.completions.create(model="tiny", messages=ASK, max_tokens=4, extra_body=extra)
+
+
 def test_lenient_fields_and_penalties(client):
     resp = client.chat.completions.create(
         model="tiny", messages=[{"role": "user", "content": [{"type": "text", "text": "Hi", "cache_control": {"type": "ephemeral"}}]}],

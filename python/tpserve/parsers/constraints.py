@@ -1,6 +1,7 @@
 """OpenAI request fields that constrain the output, turned into one grammar spec:
-``response_format`` (json_object, json_schema), the vLLM/SGLang extras ``regex`` and ``ebnf``,
-and ``tool_choice`` "required" or a named function (the calls' JSON, see ``ForcedToolCalls``)."""
+``response_format`` (json_object, json_schema), the vLLM/SGLang extras ``regex`` and ``ebnf``, vLLM's
+``structured_outputs`` (and its older ``guided_*`` fields), and ``tool_choice`` "required" or a named
+function (the calls' JSON, see ``ForcedToolCalls``)."""
 
 from __future__ import annotations
 
@@ -105,13 +106,52 @@ def response_format_structure(response_format: dict[str, Any] | None) -> Structu
     )
 
 
-def _grammar(kind: str, spec: str | None) -> StructuredOutput | None:
-    """A ``regex`` or ``ebnf`` field's constraint (None when not given)."""
+def _grammar(kind: str, spec: str | None, param: str | None = None) -> StructuredOutput | None:
+    """A ``regex`` or ``ebnf`` field's constraint (None when not given); ``param``: the field, if not ``kind``."""
     if spec is None:
         return None
     if not spec:
-        raise FieldError(f"{kind} must not be empty", kind)
+        raise FieldError(f"{param + ': ' if param else ''}{kind} must not be empty", param or kind)
     return StructuredOutput(kind, spec)
+
+
+# vLLM's structured outputs: one of these keys of ``structured_outputs`` (or its older field ``guided_<key>``)
+VLLM_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+
+
+def vllm_structure(spec: Any, param: str) -> StructuredOutput | None:
+    """vLLM's ``structured_outputs`` object (``{"choice": [...]}``, ``{"json": schema}``, ...) as a grammar spec;
+    ``param`` names the field it came from. A choice is a grammar of its literal strings."""
+    if spec is None:
+        return None
+    usage = f"{param} must be an object with one of {', '.join(VLLM_STRUCTURED_KINDS)}"
+    if not isinstance(spec, dict):
+        raise FieldError(usage, param)
+    unknown = sorted(key for key, value in spec.items() if key not in VLLM_STRUCTURED_KINDS and value is not None)
+    if unknown:
+        raise FieldError(f"{param}.{unknown[0]} is not supported ({usage})", param)
+    given = [key for key in VLLM_STRUCTURED_KINDS if spec.get(key) not in (None, False)]
+    if len(given) != 1:
+        raise FieldError(usage + (f", not {' and '.join(given)}" if given else ""), param)
+    kind, value = given[0], spec[given[0]]
+    if kind == "json_object":
+        return StructuredOutput("json_object")
+    if kind == "json":
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError:
+                raise FieldError(f"{param}: json must be a JSON schema (an object, or its JSON text)", param) from None
+        if not isinstance(value, (dict, bool)):
+            raise FieldError(f"{param}: json must be a JSON schema (an object, or its JSON text)", param)
+        return StructuredOutput("json_schema", json.dumps(value))
+    if kind == "choice":
+        if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
+            raise FieldError(f"{param}: choice must be a list of non-empty strings", param)
+        return StructuredOutput("ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
+    if not isinstance(value, str):
+        raise FieldError(f"{param}: {kind} must be a string", param)
+    return _grammar("regex" if kind == "regex" else "ebnf", value, param)
 
 
 def output_structure(
@@ -121,8 +161,10 @@ def output_structure(
     tools: list[dict[str, Any]] | None = None,
     tool_choice: Any = None,
     parallel_tool_calls: bool | None = None,
+    vllm_specs: dict[str, Any] | None = None,
 ) -> StructuredOutput | None:
-    """The one constraint a request asks for; FieldError if it asks for several."""
+    """The one constraint a request asks for; FieldError if it asks for several. ``vllm_specs``: field name ->
+    vLLM's structured_outputs object (``structured_outputs``, or a ``guided_*`` field as one)."""
     found = [
         (param, spec)
         for param, spec in (
@@ -130,6 +172,7 @@ def output_structure(
             ("regex", _grammar("regex", regex)),
             ("ebnf", _grammar("ebnf", ebnf)),
             ("tool_choice", tool_call_structure(tools, tool_choice, parallel_tool_calls)),
+            *((name, vllm_structure(spec, name)) for name, spec in (vllm_specs or {}).items()),
         )
         if spec is not None
     ]

@@ -175,6 +175,13 @@ class _SamplingFields(_Body):
     response_format: dict[str, Any] | None = None
     regex: str | None = None
     ebnf: str | None = None
+    # vLLM's: structured_outputs {"json" | "regex" | "choice" | "grammar" | "json_object": ...}, and its older fields
+    structured_outputs: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_choice: Any = None
+    guided_grammar: Any = None
+    guided_decoding_backend: str | None = None  # accepted and ignored: xgrammar compiles every grammar
     # ignored
     user: str | None = None
     metadata: dict[str, Any] | None = None
@@ -219,9 +226,19 @@ class _SamplingFields(_Body):
         """The grammar the output must follow (response_format, regex, ebnf, or a chat's forced
         tool calls), if any."""
         try:
-            return output_structure(self.response_format, self.regex, self.ebnf, *self.tool_fields())
+            return output_structure(self.response_format, self.regex, self.ebnf, *self.tool_fields(),
+                                    vllm_specs=self.vllm_structured_outputs())
         except FieldError as e:
             raise APIError.invalid(e.message, e.param) from e
+
+    def vllm_structured_outputs(self) -> dict[str, Any]:
+        """vLLM's constraint fields given, each as a structured_outputs object: guided_choice is {"choice": ...}."""
+        specs = {"structured_outputs": self.structured_outputs} if self.structured_outputs is not None else {}
+        for kind in ("json", "regex", "choice", "grammar"):
+            value = getattr(self, f"guided_{kind}")
+            if value is not None:
+                specs[f"guided_{kind}"] = {kind: value}
+        return specs
 
     def tool_fields(self) -> tuple[Any, ...]:
         return ()
@@ -233,7 +250,7 @@ class _SamplingFields(_Body):
             return "regex"
         if self.ebnf is not None:
             return "ebnf"
-        return "response_format"
+        return next(iter(self.vllm_structured_outputs()), "response_format")
 
     def sampling_params(
         self, max_tokens: int | None, structured: StructuredOutput | None = None, defaults: Mapping[str, Any] = {},
