@@ -579,6 +579,25 @@ def test_the_models_sampling_defaults_fill_what_a_request_leaves_unset():
     assert (params.temperature, params.top_k, params.top_p, params.repetition_penalty) == (1.0, -1, 1.0, 1.0)
 
 
+def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk():
+    """vLLM's stream_options.continuous_usage_stats (was accepted and ignored): each chunk's usage counts the
+    completion tokens sent so far; without it the chunks carry null and only the last has the usage."""
+    stub = StubFrontend(reply="abcdef", pieces=3, finish="stop")
+    c, _ = make_client(stub=stub)
+    body = {"messages": USER, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with c.stream("POST", CHAT, json=body) as resp:
+        events = list(sse_events(resp))
+    counts = [e["usage"]["completion_tokens"] for e in events]
+    assert counts == sorted(counts) and counts[-1] == 3 and all(e["usage"]["total_tokens"] > 0 for e in events)
+    assert [e["usage"]["completion_tokens"] for e in events if e["choices"] and e["choices"][0]["delta"].get("content")] == [1, 2, 3]
+    with c.stream("POST", "/v1/completions", json={"prompt": "hi", **{k: v for k, v in body.items() if k != "messages"}}) as resp:
+        assert [e["usage"]["completion_tokens"] for e in sse_events(resp) if e["choices"] and e["choices"][0]["text"]] == [1, 2, 3]
+    body["stream_options"]["continuous_usage_stats"] = False
+    with c.stream("POST", CHAT, json=body) as resp:
+        events = list(sse_events(resp))
+    assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 3
+
+
 def test_tool_message_history_reaches_the_template():
     c, stub = make_client()
     msgs = USER + [

@@ -6,7 +6,7 @@ from __future__ import annotations
 import time
 import uuid
 from dataclasses import dataclass, field, replace
-from typing import Any, Iterable
+from typing import Any, Callable, Iterable
 
 import msgspec
 
@@ -75,6 +75,8 @@ class ResponseFormat:
         self.model = model
         self.include_usage = include_usage
         self.logprobs = logprobs  # the request asked for them: "logprobs" is filled, not null
+        # continuous_usage_stats: the usage so far, which every chunk then carries (set by the stream)
+        self.usage_so_far: Callable[[], dict[str, Any]] | None = None
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -83,7 +85,7 @@ class ResponseFormat:
     def chunk(self, choices: list[dict[str, Any]]) -> bytes:
         body = self._envelope(self.chunk_object_name, choices)
         if self.include_usage:
-            body["usage"] = None
+            body["usage"] = None if self.usage_so_far is None else self.counted(self.usage_so_far())
         return sse(body)
 
     def usage_chunk(self, usage: dict[str, Any]) -> bytes:

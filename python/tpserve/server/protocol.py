@@ -53,7 +53,7 @@ class _Body(_Lenient):
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
-    continuous_usage_stats: bool = False  # accepted; usage is only sent at the end
+    continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
 def _part_text(part: Any, where: str) -> str:
@@ -201,6 +201,10 @@ class _SamplingFields(_Body):
     @property
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    @property
+    def continuous_usage(self) -> bool:
+        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
 
     def stop_list(self) -> list[str] | None:
         if self.stop is None:

@@ -184,7 +184,7 @@ class Serving:
         reqs, output, params = self.chat_requests(body)
         fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output,
                          request_id=request_id(request), echo=body.echoed_text())
-        return await self.run(reqs, fmt, body.stream, request, body.n)
+        return await self.run(reqs, fmt, body.stream, request, body.n, body.continuous_usage)
 
     def chat_requests(
         self, body: ChatCompletionRequest
@@ -240,15 +240,18 @@ class Serving:
             echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]
         fmt = CompletionFormat(self.model_name, body.include_usage, params.logprobs is not None, echo, generates,
                                request_id=request_id(request))
-        return await self.run(reqs, fmt, body.stream, request, body.n)
+        return await self.run(reqs, fmt, body.stream, request, body.n, body.continuous_usage)
 
     async def run(
-        self, reqs: list[TokenizeRequest], fmt: ResponseFormat, stream: bool, request: Request | None, n: int = 1
+        self, reqs: list[TokenizeRequest], fmt: ResponseFormat, stream: bool, request: Request | None, n: int = 1,
+        continuous_usage: bool = False,
     ) -> Response:
         """``request``: the HTTP client whose disconnection aborts the requests (None: no client, a
-        background response)."""
+        background response). ``continuous_usage``: every stream chunk carries the usage so far."""
         gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n, timeout=self.request_timeout,
                          shown=fmt.shows_output)
+        if continuous_usage:
+            fmt.usage_so_far = gen.usage
         disconnected = request.is_disconnected if request is not None else None
         try:  # from the first submit: whatever fails later, nothing this call started keeps running
             await gen.start()
