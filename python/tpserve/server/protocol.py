@@ -126,6 +126,14 @@ def thinking_kwargs(given: dict[str, Any] | None, effort: Any, param: str) -> di
     return kwargs
 
 
+# vLLM's fields of features tpserve does not serve (chat and completions), when set to ask for them: a 400 naming
+# them, not an answer without them
+UNSERVED_VLLM_FIELDS = {
+    "use_beam_search": "beam search is not served (use n with sampling)",
+    "priority": "request priorities are not served (requests are scheduled first come, first served)",
+    "cache_salt": "cache_salt is not served: the prefix cache is shared by every request of this server",
+    "chat_template": "a request's own chat_template is not accepted (the server's is --chat-template)",
+}
 # chat fields of features tpserve does not serve: a 400 naming them, not an answer without them
 UNSERVED_CHAT_FIELDS = {
     "functions": "functions and function_call (deprecated) are not served: use tools and tool_choice",
@@ -191,6 +199,9 @@ class _SamplingFields(_Body):
     def check_common(self) -> None:
         if self.model_extra:
             logger.debug("ignoring unknown request fields: %s", ", ".join(sorted(self.model_extra)))
+        for name, why in UNSERVED_VLLM_FIELDS.items():
+            if (self.model_extra or {}).get(name) not in (None, False, 0, ""):
+                raise APIError.invalid(why, name)
         if self.n > MAX_N:
             raise APIError.invalid(f"n must be at most {MAX_N}, got {self.n}", "n")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
