@@ -34,7 +34,7 @@ STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 # request is decoded with these types in every rank process, where a wrong type would be fatal.
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INT_FIELDS = ("n", "top_k", "min_tokens")
-_OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs")
+_OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 
 
@@ -173,6 +173,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # before it) and the n most likely tokens' at each of those positions (OpenAI's completions
     # ``echo`` with ``logprobs``). Such a prompt is computed whole: the prefix cache is not used for it.
     prompt_logprobs: int | None = None
+    # vLLM's: only the prompt's last k tokens are kept (left truncation); -1: as many as the context holds with
+    # max_tokens (or one token) after them
+    truncate_prompt_tokens: int | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -198,6 +201,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1):
+            raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {self.truncate_prompt_tokens}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)
             if not -MAX_PENALTY <= value <= MAX_PENALTY:

@@ -329,6 +329,10 @@ def test_chat_defaults_and_content_parts():
     req = stub.submitted[0]
     assert req.messages[0] == {"role": "system", "content": "a\nb"}  # one line a part, as vLLM (were run together)
     assert req.params.max_tokens == 4 and req.params.seed is None
+    assert c.post(CHAT, json={"messages": USER, "truncate_prompt_tokens": 5}).status_code == 200
+    assert stub.submitted[-1].params.truncate_prompt_tokens == 5  # vLLM's (was ignored)
+    assert_error(c.post(CHAT, json={"messages": USER, "truncate_prompt_tokens": 0}), 400, "must be >= 1 or -1",
+                 "truncate_prompt_tokens")
 
 
 def test_echo_leads_the_content_with_the_continued_assistant_message():
@@ -783,6 +787,7 @@ def test_reasoning_effort_refusals_and_unserved_chat_fields():
     # vLLM's fields for features not served: 400s when they ask for them, accepted at their off values
     for path, base in ((CHAT, {"messages": USER}), ("/v1/completions", {"prompt": "hi"})):
         for extra, fragment in (({"use_beam_search": True}, "beam search"), ({"priority": 5}, "priorities"),
-                                ({"cache_salt": "tenant-a"}, "cache_salt"), ({"chat_template": "{{ x }}"}, "--chat-template")):
+                                ({"cache_salt": "tenant-a"}, "cache_salt"), ({"chat_template": "{{ x }}"}, "--chat-template"),
+                                ({"return_tokens_as_token_ids": True}, "by their text")):
             assert_error(c.post(path, json={**base, **extra}), 400, fragment, next(iter(extra)))
         assert c.post(path, json={**base, "use_beam_search": False, "priority": 0}).status_code == 200

@@ -54,6 +54,22 @@ def test_max_tokens_and_seed_made_final(preparer):
     assert fixed.register.stop == ["x"]
 
 
+def test_truncate_prompt_tokens_keeps_the_prompts_end(preparer):
+    """vLLM's truncate_prompt_tokens: the last k tokens (a prompt as long as the context was a 400); -1: as many as
+    the context holds with max_tokens after them; the counts are the kept prompt's."""
+    long = list(range(1, 101))  # 100 tokens, context 64
+    p = preparer.prepare(req(input_ids=long, params=SamplingParams(max_tokens=None, truncate_prompt_tokens=10)))
+    assert p.generate.input_ids == long[-10:] and p.register.prompt_tokens == 10 and p.generate.params.max_tokens == 54
+    p = preparer.prepare(req(input_ids=long, params=SamplingParams(max_tokens=8, truncate_prompt_tokens=-1)))
+    assert p.generate.input_ids == long[-56:]
+    short = preparer.prepare(req(input_ids=[1, 2, 3], params=SamplingParams(truncate_prompt_tokens=10)))
+    assert short.generate.input_ids == [1, 2, 3]
+    with pytest.raises(InvalidRequest, match="context length is 64"):
+        preparer.prepare(req(input_ids=long, params=SamplingParams(max_tokens=None)))
+    with pytest.raises(ValueError, match="truncate_prompt_tokens must be >= 1 or -1"):
+        SamplingParams(truncate_prompt_tokens=0)
+
+
 def test_seeds_differ_between_requests(preparer):
     seeds = {preparer.prepare(req(rid=i, input_ids=[1])).generate.params.seed for i in range(5)}
     assert len(seeds) == 5

@@ -104,8 +104,13 @@ class PromptPreparer:
 
     def prepare(self, req: TokenizeRequest) -> PreparedRequest:
         input_ids, param, chat_text = self.input_ids(req)
-        n = len(input_ids)
         ctx = self._limits.context_len
+        keep = req.params.truncate_prompt_tokens
+        if keep == -1:
+            keep = ctx - (req.params.max_tokens or 1)
+        if keep is not None and keep > 0:
+            input_ids = input_ids[-keep:]
+        n = len(input_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty", param)
         if n >= ctx:
