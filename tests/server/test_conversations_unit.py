@@ -19,7 +19,7 @@ from test_responses_unit import HERMES_REPLY, FLAT_TOOL, FailingFrontend, Hangin
 from tpserve.server.conversation_store import ConversationStore
 from tpserve.server.errors import APIError
 from tpserve.server.metrics import ServerMetrics
-from tpserve.server.protocol import ResponsesRequest
+from tpserve.server.responses_protocol import ResponsesRequest
 from tpserve.server.response_store import ResponseStore
 from tpserve.server.responses import create_response
 from tpserve.server.serving import Serving

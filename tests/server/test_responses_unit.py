@@ -20,7 +20,7 @@ from tpserve.parsers.tool_calls import ToolCallDelta
 from tpserve.server.conversation_store import ConversationStore
 from tpserve.server.errors import APIError
 from tpserve.server.metrics import ServerMetrics
-from tpserve.server.protocol import ResponsesRequest
+from tpserve.server.responses_protocol import ResponsesRequest
 from tpserve.server.response_output import OutputItems, stored_item
 from tpserve.server.response_store import EventLog, ResponseStore, StoredResponse
 from tpserve.server.responses import create_response, get_response

@@ -27,17 +27,14 @@ from tpserve.server.conversations import (
     update_conversation,
 )
 from tpserve.server.pages import DEFAULT_LIMIT
-from tpserve.server.protocol import (
-    ChatCompletionRequest,
-    CompletionRequest,
+from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest, DetokenizeBody, TokenizeBody
+from tpserve.server.response_store import ResponseStore
+from tpserve.server.responses_protocol import (
     ConversationCreateBody,
     ConversationItemsBody,
     ConversationUpdateBody,
-    DetokenizeBody,
     ResponsesRequest,
-    TokenizeBody,
 )
-from tpserve.server.response_store import ResponseStore
 from tpserve.server.responses import (
     cancel_response,
     create_response,

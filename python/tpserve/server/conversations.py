@@ -10,7 +10,7 @@ from typing import Any
 from tpserve.server.conversation_store import ConversationStore
 from tpserve.server.errors import APIError
 from tpserve.server.pages import DEFAULT_LIMIT, item_list, page
-from tpserve.server.protocol import (
+from tpserve.server.responses_protocol import (
     ConversationCreateBody,
     ConversationItemsBody,
     ConversationUpdateBody,

@@ -17,7 +17,7 @@ from tpserve.message.frontend import ApiOutput, TokenLogprob
 from tpserve.parsers.chat_output import ChatDelta, ChatOutputConfig, ChatOutputParser, ReasoningTokens
 from tpserve.server.errors import APIError
 from tpserve.server.formats import Choice, ResponseFormat, chat_logprobs
-from tpserve.server.protocol import ResponsesRequest
+from tpserve.server.responses_protocol import ResponsesRequest
 from tpserve.server.response_store import EventLog
 from tpserve.server.responses_request import TEXT_PARTS
 

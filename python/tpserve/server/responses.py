@@ -23,7 +23,8 @@ from tpserve.parsers.chat_output import ChatOutputConfig
 from tpserve.server.conversation_store import ConversationStore, check_unique_ids
 from tpserve.server.errors import APIError
 from tpserve.server.pages import DEFAULT_LIMIT, page
-from tpserve.server.protocol import ChatCompletionRequest, ResponsesRequest
+from tpserve.server.protocol import ChatCompletionRequest
+from tpserve.server.responses_protocol import ResponsesRequest
 from tpserve.server.response_output import RESPONSES_PARAMS, ResponsesFormat, stored_item, with_responses_names
 from tpserve.server.response_store import ResponseStore, StoredResponse, not_found
 from tpserve.server.responses_request import chat_request, input_items

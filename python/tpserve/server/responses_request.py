@@ -10,7 +10,8 @@ from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
 from tpserve.server.errors import APIError
-from tpserve.server.protocol import ChatCompletionRequest, ResponsesRequest, thinking_kwargs
+from tpserve.server.protocol import ChatCompletionRequest, thinking_kwargs
+from tpserve.server.responses_protocol import ResponsesRequest
 from tpserve.server.truncation import kept
 
 # chat fields a Responses request may carry as extensions (vLLM's sampling extras)
