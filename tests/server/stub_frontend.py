@@ -67,5 +67,7 @@ class StubFrontend:
 
 
 def _logprob(token: str, top: int) -> TokenLogprob:
+    """Token ids: the piece's first character's code point, the alternatives' 1000 + i."""
     alternatives = [(f"{token}~{i}", f"{token}~{i}".encode(), -2.0 - i) for i in range(top)]
-    return TokenLogprob(token, -1.0, alternatives, token.encode())
+    return TokenLogprob(token, -1.0, alternatives, token.encode(), ord(token[0]) if token else 0,
+                        [1000 + i for i in range(top)])

@@ -602,6 +602,22 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk():
     assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 3
 
 
+def test_return_tokens_as_token_ids_names_tokens_by_id():
+    """vLLM's return_tokens_as_token_ids (was ignored): chat and legacy completions logprobs name every token and
+    alternative "token_id:N" (the stub's ids: a piece's first code point, alternatives 1000 + i)."""
+    c, _ = make_client(stub=StubFrontend(reply="ab", pieces=2, finish="stop"))
+    body = {"messages": USER, "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
+    content = c.post(CHAT, json=body).json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in content] == ["token_id:97", "token_id:98"] and [e["bytes"] for e in content] == [[97], [98]]
+    assert [t["token"] for t in content[0]["top_logprobs"]] == ["token_id:1000", "token_id:1001"]
+    legacy = c.post("/v1/completions", json={"prompt": "hi", "logprobs": 1, "return_tokens_as_token_ids": True}).json()
+    logprobs = legacy["choices"][0]["logprobs"]
+    assert logprobs["tokens"] == ["token_id:97", "token_id:98"] and logprobs["top_logprobs"][0] == {"token_id:1000": -2.0}
+    assert logprobs["text_offset"] == [0, 1]  # offsets still count the text
+    plain = c.post(CHAT, json={**body, "return_tokens_as_token_ids": False}).json()["choices"][0]["logprobs"]["content"]
+    assert [e["token"] for e in plain] == ["a", "b"]
+
+
 def test_tool_message_history_reaches_the_template():
     c, stub = make_client()
     msgs = USER + [
@@ -787,7 +803,6 @@ def test_reasoning_effort_refusals_and_unserved_chat_fields():
     # vLLM's fields for features not served: 400s when they ask for them, accepted at their off values
     for path, base in ((CHAT, {"messages": USER}), ("/v1/completions", {"prompt": "hi"})):
         for extra, fragment in (({"use_beam_search": True}, "beam search"), ({"priority": 5}, "priorities"),
-                                ({"cache_salt": "tenant-a"}, "cache_salt"), ({"chat_template": "{{ x }}"}, "--chat-template"),
-                                ({"return_tokens_as_token_ids": True}, "by their text")):
+                                ({"cache_salt": "tenant-a"}, "cache_salt"), ({"chat_template": "{{ x }}"}, "--chat-template")):
             assert_error(c.post(path, json={**base, **extra}), 400, fragment, next(iter(extra)))
         assert c.post(path, json={**base, "use_beam_search": False, "priority": 0}).status_code == 200

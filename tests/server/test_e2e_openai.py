@@ -118,6 +118,21 @@ def test_completions_text_ids_and_lists(client, tokenizer):
     assert streamed == {0: many.choices[0].text, 1: many.choices[1].text}
 
 
+def test_return_tokens_as_token_ids(client, tokenizer):
+    """vLLM's return_tokens_as_token_ids (RL trainers read the sampled ids from the logprobs): every token and
+    alternative is "token_id:N", the ids decode to the text, and the sampled token is the top alternative (greedy)."""
+    prompt = "Once upon a time"
+    kwargs = dict(model="tiny", max_tokens=8, extra_body={**IGNORE_EOS, "return_tokens_as_token_ids": True}, **GREEDY)
+    legacy = client.completions.create(prompt=prompt, logprobs=2, **kwargs).choices[0]
+    ids = [int(t.removeprefix("token_id:")) for t in legacy.logprobs.tokens]
+    assert len(ids) == 8 and tokenizer.decode(ids) == legacy.text
+    assert all(max(top, key=top.get) == f"token_id:{i}" for top, i in zip(legacy.logprobs.top_logprobs, ids))
+    chat = client.chat.completions.create(messages=MESSAGES, logprobs=True, top_logprobs=2, **kwargs).choices[0]
+    ids = [int(e.token.removeprefix("token_id:")) for e in chat.logprobs.content]
+    assert tokenizer.decode(ids) == chat.message.content
+    assert all(e.top_logprobs[0].token == e.token for e in chat.logprobs.content)
+
+
 def test_stop_strings(client):
     kwargs = dict(model="tiny", prompt="Weather report: Monday", max_tokens=40, extra_body=IGNORE_EOS, **GREEDY)
     text = client.completions.create(**kwargs).choices[0].text

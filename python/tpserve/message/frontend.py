@@ -69,12 +69,15 @@ DetokenizerInput = BatchTokenOutput | DetokenizeRegister | Shutdown
 class TokenLogprob(msgspec.Struct, array_like=True):
     """One token's text, its log-probability and the most likely alternatives (text, bytes,
     logprob) (a prompt's first token has neither: logprob None). ``raw``: the token's bytes, which a
-    token holding part of a multi-byte character has and its text (U+FFFD) has not."""
+    token holding part of a multi-byte character has and its text (U+FFFD) has not. ``token_id``,
+    ``top_ids``: the token's and the alternatives' ids (vLLM's ``return_tokens_as_token_ids`` shows them)."""
 
     token: str
     logprob: float | None
     top: list[tuple[str, bytes, float]]
     raw: bytes
+    token_id: int = -1
+    top_ids: list[int] = msgspec.field(default_factory=list)
 
 
 class ApiOutput(msgspec.Struct, kw_only=True):

@@ -69,12 +69,13 @@ class ResponseFormat:
     shows_output = True  # False: the generated tokens are left out (and not counted as generated)
 
     def __init__(self, model: str, include_usage: bool = False, logprobs: bool = False,
-                 request_id: str | None = None) -> None:
+                 request_id: str | None = None, tokens_as_ids: bool = False) -> None:
         self.id = f"{self.id_prefix}-{request_id or uuid.uuid4().hex}"
         self.created = int(time.time())
         self.model = model
         self.include_usage = include_usage
         self.logprobs = logprobs  # the request asked for them: "logprobs" is filled, not null
+        self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
         # continuous_usage_stats: the usage so far, which every chunk then carries (set by the stream)
         self.usage_so_far: Callable[[], dict[str, Any]] | None = None
 
@@ -124,18 +125,20 @@ class ResponseFormat:
         raise NotImplementedError
 
 
-def chat_logprobs(entries: list[TokenLogprob] | None) -> list[dict[str, Any]]:
+def chat_logprobs(entries: list[TokenLogprob] | None, tokens_as_ids: bool = False) -> list[dict[str, Any]]:
     """Tokens' log-probabilities as chat's ``logprobs.content`` lists them (and the Responses API's
-    ``output_text`` parts)."""
+    ``output_text`` parts); ``tokens_as_ids``: each token named ``token_id:N``."""
     return [
         {
-            "token": e.token,
+            "token": f"token_id:{e.token_id}" if tokens_as_ids else e.token,
             "logprob": e.logprob,
             "bytes": list(e.raw),
-            "top_logprobs": [{"token": t, "logprob": v, "bytes": list(raw)} for t, raw, v in e.top],
+            "top_logprobs": [{"token": f"token_id:{i}" if tokens_as_ids else t, "logprob": v, "bytes": list(raw)}
+                             for (t, raw, v), i in zip(e.top, e.top_ids)],
         }
         for e in entries or []
     ]
+
 
 
 class ChatFormat(ResponseFormat):
@@ -147,9 +150,9 @@ class ChatFormat(ResponseFormat):
 
     def __init__(
         self, model: str, include_usage: bool = False, logprobs: bool = False, output: ChatOutputConfig | None = None,
-        request_id: str | None = None, echo: str = "",
+        request_id: str | None = None, echo: str = "", tokens_as_ids: bool = False,
     ) -> None:
-        super().__init__(model, include_usage, logprobs, request_id)
+        super().__init__(model, include_usage, logprobs, request_id, tokens_as_ids)
         self.output = output or ChatOutputConfig()
         self.echo = echo  # the text every choice's content starts with (chat's echo)
         self._parsers: dict[int, ChatOutputParser] = {}  # per choice, while streaming
@@ -193,7 +196,7 @@ class ChatFormat(ResponseFormat):
     def _logprobs(self, entries: list[TokenLogprob] | None) -> dict[str, Any] | None:
         if not self.logprobs:
             return None
-        return {"content": chat_logprobs(entries), "refusal": None}
+        return {"content": chat_logprobs(entries, self.tokens_as_ids), "refusal": None}
 
     def counted(self, usage: dict[str, Any]) -> dict[str, Any]:
         reasoning = sum(count.count for count in self._reasoning.values())
@@ -238,9 +241,9 @@ class CompletionFormat(ResponseFormat):
 
     def __init__(
         self, model: str, include_usage: bool = False, logprobs: bool = False, echo: list[str] | None = None,
-        generates: bool = True, request_id: str | None = None,
+        generates: bool = True, request_id: str | None = None, tokens_as_ids: bool = False,
     ) -> None:
-        super().__init__(model, include_usage, logprobs, request_id)
+        super().__init__(model, include_usage, logprobs, request_id, tokens_as_ids)
         self._offsets: dict[int, int] = {}  # per choice: text offset of its next token (streaming)
         self._echo = echo  # per choice: the prompt text its text starts with
         self._echoed: set[int] = set()  # choices whose stream has sent it
@@ -268,11 +271,14 @@ class CompletionFormat(ResponseFormat):
             offsets.append(offset)
             offset += len(e.token)
         self._offsets[index] = offset
+        def shown(text: str, raw: bytes, token_id: int) -> str:
+            return f"token_id:{token_id}" if self.tokens_as_ids else legacy_token(text, raw)
+
         return {
-            "tokens": [legacy_token(e.token, e.raw) for e in entries],
+            "tokens": [shown(e.token, e.raw, e.token_id) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{legacy_token(t, raw): v for t, raw, v in e.top} if e.logprob is not None else None
-                             for e in entries],
+            "top_logprobs": [{shown(t, raw, i): v for (t, raw, v), i in zip(e.top, e.top_ids)}
+                             if e.logprob is not None else None for e in entries],
             "text_offset": offsets,
         }
 

@@ -132,8 +132,6 @@ UNSERVED_VLLM_FIELDS = {
     "use_beam_search": "beam search is not served (use n with sampling)",
     "priority": "request priorities are not served (requests are scheduled first come, first served)",
     "cache_salt": "cache_salt is not served: the prefix cache is shared by every request of this server",
-    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not served: logprobs name tokens by their text "
-                                  "(and bytes)",
     "chat_template": "a request's own chat_template is not accepted (the server's is --chat-template)",
 }
 # chat fields of features tpserve does not serve: a 400 naming them, not an answer without them
@@ -182,6 +180,7 @@ class _SamplingFields(_Body):
     min_tokens: int = Field(default=0, ge=0)
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens only (-1: as many as fit)
+    return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
     # structured output: OpenAI's response_format, and the vLLM/SGLang extensions
     response_format: dict[str, Any] | None = None
     regex: str | None = None

@@ -183,7 +183,8 @@ class Serving:
         self.check_model(body.model)
         reqs, output, params = self.chat_requests(body)
         fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output,
-                         request_id=request_id(request), echo=body.echoed_text())
+                         request_id=request_id(request), echo=body.echoed_text(),
+                         tokens_as_ids=body.return_tokens_as_token_ids)
         return await self.run(reqs, fmt, body.stream, request, body.n, body.continuous_usage)
 
     def chat_requests(
@@ -239,7 +240,7 @@ class Serving:
         if body.echo:  # each choice's text starts with its prompt's
             echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]
         fmt = CompletionFormat(self.model_name, body.include_usage, params.logprobs is not None, echo, generates,
-                               request_id=request_id(request))
+                               request_id=request_id(request), tokens_as_ids=body.return_tokens_as_token_ids)
         return await self.run(reqs, fmt, body.stream, request, body.n, body.continuous_usage)
 
     async def run(

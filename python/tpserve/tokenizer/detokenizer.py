@@ -138,7 +138,7 @@ class DetokenizerManager:
 
     def _entry(self, token_id: int, logprob: float | None, top: list[tuple[int, float]]) -> TokenLogprob:
         text, raw = self._text_of(token_id)
-        return TokenLogprob(text, logprob, [(*self._text_of(t), v) for t, v in top], raw)
+        return TokenLogprob(text, logprob, [(*self._text_of(t), v) for t, v in top], raw, token_id, [t for t, _ in top])
 
     def _text_of(self, token_id: int) -> tuple[str, bytes]:
         """A single token's text, as OpenAI's logprobs show it (special tokens included), and its bytes."""
