@@ -146,3 +146,37 @@ def test_a_body_trickled_past_the_deadline_closes_the_connection(monkeypatch):
         time.sleep(0.8)  # past the body deadline: a finished body's timer is gone
         timely.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
         assert response(timely).startswith(b"HTTP/1.1 200")
+
+
+def test_a_body_the_app_has_not_read_yet_is_no_slow_client(monkeypatch):
+    """The body deadline bounds the client, not the server: a body past uvicorn's buffer (reading paused until the
+    app reads it) whose app starts reading after the deadline is served, not cut off (as a pipelined request queued
+    behind a slow response is: its reads are paused too)."""
+    import asyncio
+
+    from tpserve.launch import http
+
+    monkeypatch.setattr(http, "BODY_TIMEOUT_S", 0.6)
+
+    async def late_reader(scope, receive, send):
+        if scope["type"] != "http":
+            return
+        await asyncio.sleep(1.5)
+        size = 0
+        while True:
+            message = await receive()
+            size += len(message.get("body", b""))
+            if not message.get("more_body"):
+                break
+        body = b"%d ok" % size
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-length", b"%d" % len(body))]})
+        await send({"type": "http.response.body", "body": body})
+
+    with trickle_server(late_reader) as port:
+        size = 1 << 20  # far past uvicorn's 64 KiB high-water mark
+        conn = socket.create_connection(("127.0.0.1", port), timeout=10)
+        conn.sendall(b"POST / HTTP/1.1\r\nHost: x\r\nContent-Length: %d\r\n\r\n" % size)
+        sender = threading.Thread(target=conn.sendall, args=(b"x" * size,), daemon=True)
+        sender.start()
+        assert response(conn).endswith(b"\r\n\r\n%d ok" % size)
+        sender.join(10)

@@ -319,3 +319,18 @@ def test_single_call_finish_ignores_a_dropped_calls_unclosed_arguments():
     every = ChatOutputParser(ChatOutputConfig(tool_parser="hermes"))
     every.feed(text, final=True)
     assert every.finish_reason("stop") == "stop"  # all calls returned: the cut one keeps the reason
+
+
+def test_vllm_structured_outputs_keys_at_their_defaults_are_accepted():
+    """vLLM clients send dataclasses.asdict(StructuredOutputsParams(...)): every option key at its default (False,
+    None) next to the one constraint. Those (and disable_fallback: xgrammar has no fallback) are accepted; an
+    option set to ask for something (whitespace control, a structural tag) is a 400."""
+    from tpserve.parsers.constraints import FieldError, vllm_structure
+
+    sent = {"json": None, "regex": None, "choice": ["a", "b"], "grammar": None, "json_object": None,
+            "disable_fallback": True, "disable_any_whitespace": False, "disable_additional_properties": False,
+            "whitespace_pattern": None, "structural_tag": None, "_backend": None, "_backend_was_auto": False}
+    assert vllm_structure(sent, "structured_outputs").kind == "ebnf"
+    for key, value in (("disable_any_whitespace", True), ("whitespace_pattern", r"[ ]?"), ("structural_tag", "{}")):
+        with pytest.raises(FieldError, match=f"structured_outputs.{key} is not supported"):
+            vllm_structure({**sent, key: value}, "structured_outputs")

@@ -518,6 +518,10 @@ def test_allowed_tools_narrows_the_tools_and_takes_its_mode():
     allowed["allowed_tools"]["mode"] = "auto"
     assert c.post(CHAT, json={"messages": USER, "tools": [other, *WEATHER], "tool_choice": allowed}).status_code == 200
     assert stub.submitted[-1].tools == WEATHER and stub.submitted[-1].params.structured is None
+    # every tool given is checked, allowed or not (as /tokenize checks them; a bad one passed when left out)
+    bad_tool = {"type": "function", "function": {"name": "g", "parameters": "oops"}}
+    assert_error(c.post(CHAT, json={"messages": USER, "tools": [*WEATHER, bad_tool], "tool_choice": allowed}), 400,
+                 "tools[1].function.parameters", "tools")
     for bad, fragment in ((dict(allowed, allowed_tools={"mode": "sometimes", "tools": []}), "must be"),
                           (dict(allowed, allowed_tools={"tools": [{"type": "function", "function": {"name": "nope"}}]}),
                            "allows 'nope', which is not in tools")):
@@ -584,38 +588,28 @@ def test_the_models_sampling_defaults_fill_what_a_request_leaves_unset():
 
 
 def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk():
-    """vLLM's stream_options.continuous_usage_stats (was accepted and ignored): each chunk's usage counts the
-    completion tokens sent so far; without it the chunks carry null and only the last has the usage."""
+    """vLLM's stream_options.continuous_usage_stats (was accepted and ignored): each chunk's usage is its choice's,
+    counting the completion tokens streamed so far (the role chunk 0); without it the chunks carry null and only
+    the last has the usage."""
     stub = StubFrontend(reply="abcdef", pieces=3, finish="stop")
     c, _ = make_client(stub=stub)
-    body = {"messages": USER, "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    body = {"messages": USER, "stream": True, "n": 2,
+            "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
     with c.stream("POST", CHAT, json=body) as resp:
         events = list(sse_events(resp))
-    counts = [e["usage"]["completion_tokens"] for e in events]
-    assert counts == sorted(counts) and counts[-1] == 3 and all(e["usage"]["total_tokens"] > 0 for e in events)
-    assert [e["usage"]["completion_tokens"] for e in events if e["choices"] and e["choices"][0]["delta"].get("content")] == [1, 2, 3]
-    with c.stream("POST", "/v1/completions", json={"prompt": "hi", **{k: v for k, v in body.items() if k != "messages"}}) as resp:
-        assert [e["usage"]["completion_tokens"] for e in sse_events(resp) if e["choices"] and e["choices"][0]["text"]] == [1, 2, 3]
+    for index in (0, 1):
+        mine = [e for e in events if e["choices"] and e["choices"][0]["index"] == index]
+        assert [e["usage"]["completion_tokens"] for e in mine] == [0, 1, 2, 3, 3]  # role, 3 pieces, finish
+        assert all(e["usage"]["total_tokens"] == e["usage"]["prompt_tokens"] + e["usage"]["completion_tokens"]
+                   for e in mine)
+    assert events[-1]["choices"] == [] and events[-1]["usage"]["completion_tokens"] == 6  # the whole call's
+    completions = {"prompt": "hi", "stream": True, "stream_options": body["stream_options"]}
+    with c.stream("POST", "/v1/completions", json=completions) as resp:
+        assert [e["usage"]["completion_tokens"] for e in sse_events(resp) if e["choices"]] == [1, 2, 3, 3]
     body["stream_options"]["continuous_usage_stats"] = False
     with c.stream("POST", CHAT, json=body) as resp:
         events = list(sse_events(resp))
-    assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 3
-
-
-def test_return_tokens_as_token_ids_names_tokens_by_id():
-    """vLLM's return_tokens_as_token_ids (was ignored): chat and legacy completions logprobs name every token and
-    alternative "token_id:N" (the stub's ids: a piece's first code point, alternatives 1000 + i)."""
-    c, _ = make_client(stub=StubFrontend(reply="ab", pieces=2, finish="stop"))
-    body = {"messages": USER, "logprobs": True, "top_logprobs": 2, "return_tokens_as_token_ids": True}
-    content = c.post(CHAT, json=body).json()["choices"][0]["logprobs"]["content"]
-    assert [e["token"] for e in content] == ["token_id:97", "token_id:98"] and [e["bytes"] for e in content] == [[97], [98]]
-    assert [t["token"] for t in content[0]["top_logprobs"]] == ["token_id:1000", "token_id:1001"]
-    legacy = c.post("/v1/completions", json={"prompt": "hi", "logprobs": 1, "return_tokens_as_token_ids": True}).json()
-    logprobs = legacy["choices"][0]["logprobs"]
-    assert logprobs["tokens"] == ["token_id:97", "token_id:98"] and logprobs["top_logprobs"][0] == {"token_id:1000": -2.0}
-    assert logprobs["text_offset"] == [0, 1]  # offsets still count the text
-    plain = c.post(CHAT, json={**body, "return_tokens_as_token_ids": False}).json()["choices"][0]["logprobs"]["content"]
-    assert [e["token"] for e in plain] == ["a", "b"]
+    assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 6
 
 
 def test_tool_message_history_reaches_the_template():

@@ -256,7 +256,8 @@ def test_bad_requests_via_openai_client(client):
         client.chat.completions.create(model="other", messages=MESSAGES)
 
 
-@pytest.mark.parametrize("arguments", ['{"n": 123456789012345678901234567890}', '{"q": "\\ud800"}', "not json"])
+@pytest.mark.parametrize("arguments", ['{"n": 123456789012345678901234567890}', '{"q": "\\ud800"}', "not json",
+                                       "[" * 1200 + "]" * 1200])  # nested past the JSON parser's depth (1,000)
 def test_tool_call_arguments_the_messages_cannot_carry_are_rendered_as_written(client, arguments):
     """A past call's arguments holding an integer past 64 bits or a lone surrogate escape were a 500 (the parsed
     value could not reach the tokenizer worker): every later turn of such a conversation failed."""

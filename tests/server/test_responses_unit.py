@@ -872,3 +872,13 @@ def test_truncation_auto_too_long_even_cut_is_the_usual_400():
     # the whole conversation was sent, and refused as without truncation
     assert stub.submitted[-1].messages == [{"role": "user", "content": words(130, "two")}]
     assert len(c.app.state.server.responses) == 1
+
+
+def test_the_response_reports_the_sampling_values_used():
+    """With the model's generation-config defaults, the response object shows the temperature and top_p sampled
+    with (it showed null), and a request's own values where it sets them."""
+    c, stub = make_client(sampling_defaults={"temperature": 0.6, "top_p": 0.95, "top_k": 20})
+    resp = c.post(RESPONSES, json={"input": "hi"}).json()
+    assert (resp["temperature"], resp["top_p"]) == (0.6, 0.95) and stub.submitted[-1].params.temperature == 0.6
+    resp = c.post(RESPONSES, json={"input": "hi", "temperature": 0.2}).json()
+    assert (resp["temperature"], resp["top_p"]) == (0.2, 0.95)

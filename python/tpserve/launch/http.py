@@ -89,16 +89,20 @@ def _idle_timeout_protocol() -> type:
                 return
             self._disarm()
             self.deadline_cycle = cycle
-            self.read_deadline = self.loop.call_later(seconds, self._read_too_slow)
+            self.read_deadline = self.loop.call_later(seconds, self._read_too_slow, seconds)
 
         def _disarm(self) -> None:
             if self.read_deadline is not None:
                 self.read_deadline.cancel()
                 self.read_deadline = None
 
-        def _read_too_slow(self) -> None:
+        def _read_too_slow(self, seconds: float) -> None:
             self.read_deadline = None
-            if not self.transport.is_closing():
+            if self.flow.read_paused or getattr(self, "pipeline", None):
+                # the server holds the reads back (a pipelined request queued behind a response, a body the app has
+                # not read yet), not the client: the deadline starts again
+                self.read_deadline = self.loop.call_later(seconds, self._read_too_slow, seconds)
+            elif not self.transport.is_closing():
                 self.transport.close()
 
     return IdleTimeoutProtocol

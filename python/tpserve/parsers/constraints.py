@@ -127,7 +127,10 @@ def vllm_structure(spec: Any, param: str) -> StructuredOutput | None:
     usage = f"{param} must be an object with one of {', '.join(VLLM_STRUCTURED_KINDS)}"
     if not isinstance(spec, dict):
         raise FieldError(usage, param)
-    unknown = sorted(key for key, value in spec.items() if key not in VLLM_STRUCTURED_KINDS and value is not None)
+    # vLLM's other keys at their defaults (as dataclasses.asdict(StructuredOutputsParams(...)) sends them) change
+    # nothing; disable_fallback neither (xgrammar compiles every grammar); set, the others ask for what is not served
+    unknown = sorted(key for key, value in spec.items()
+                     if key not in (*VLLM_STRUCTURED_KINDS, "disable_fallback") and value not in (None, False, ""))
     if unknown:
         raise FieldError(f"{param}.{unknown[0]} is not supported ({usage})", param)
     given = [key for key in VLLM_STRUCTURED_KINDS if spec.get(key) not in (None, False)]

@@ -48,6 +48,7 @@ class Choice:
     prompt_tokens: int = 0
     completion_tokens: int = 0
     cached_tokens: int = 0
+    streamed_tokens: int = 0  # the completion tokens of the chunks streamed so far
     started: bool = False  # the backend answered at least once
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob] | None = None  # asked with echo: one per prompt token
@@ -76,8 +77,8 @@ class ResponseFormat:
         self.include_usage = include_usage
         self.logprobs = logprobs  # the request asked for them: "logprobs" is filled, not null
         self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
-        # continuous_usage_stats: the usage so far, which every chunk then carries (set by the stream)
-        self.usage_so_far: Callable[[], dict[str, Any]] | None = None
+        # continuous_usage_stats: a choice's usage as streamed so far (by index), which its chunks then carry
+        self.usage_so_far: Callable[[int], dict[str, Any]] | None = None
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -86,7 +87,8 @@ class ResponseFormat:
     def chunk(self, choices: list[dict[str, Any]]) -> bytes:
         body = self._envelope(self.chunk_object_name, choices)
         if self.include_usage:
-            body["usage"] = None if self.usage_so_far is None else self.counted(self.usage_so_far())
+            continuous = self.usage_so_far is not None and len(choices) == 1
+            body["usage"] = self.counted(self.usage_so_far(choices[0]["index"]), choices[0]["index"]) if continuous else None
         return sse(body)
 
     def usage_chunk(self, usage: dict[str, Any]) -> bytes:
@@ -100,8 +102,8 @@ class ResponseFormat:
             bodies.append(body)
         return {**self._envelope(self.object_name, bodies), "usage": self.counted(usage)}
 
-    def counted(self, usage: dict[str, Any]) -> dict[str, Any]:
-        """The usage as the response shows it."""
+    def counted(self, usage: dict[str, Any], index: int | None = None) -> dict[str, Any]:
+        """The usage as the response shows it (``index``: one choice's, streamed with continuous_usage_stats)."""
         return usage
 
     def start_chunk(self, index: int) -> bytes | None:
@@ -198,9 +200,9 @@ class ChatFormat(ResponseFormat):
             return None
         return {"content": chat_logprobs(entries, self.tokens_as_ids), "refusal": None}
 
-    def counted(self, usage: dict[str, Any]) -> dict[str, Any]:
-        reasoning = sum(count.count for count in self._reasoning.values())
-        return {**usage, "completion_tokens_details": {"reasoning_tokens": reasoning}}
+    def counted(self, usage: dict[str, Any], index: int | None = None) -> dict[str, Any]:
+        counts = self._reasoning.values() if index is None else [self._reasoning.get(index, ReasoningTokens())]
+        return {**usage, "completion_tokens_details": {"reasoning_tokens": sum(count.count for count in counts)}}
 
     def _count_reasoning(self, choice: Choice) -> None:
         """The whole response's count: the choice's pieces parsed again one by one, as they were streamed."""
@@ -249,7 +251,7 @@ class CompletionFormat(ResponseFormat):
         self._echoed: set[int] = set()  # choices whose stream has sent it
         self.shows_output = generates  # False (max_tokens 0 with echo): the generated token is left out
 
-    def counted(self, usage: dict[str, Any]) -> dict[str, Any]:
+    def counted(self, usage: dict[str, Any], index: int | None = None) -> dict[str, Any]:
         if self.shows_output:
             return usage
         return {**usage, "completion_tokens": 0, "total_tokens": usage["prompt_tokens"]}

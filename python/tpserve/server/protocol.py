@@ -79,7 +79,7 @@ def _template_tool_call(call: Any) -> Any:
     try:
         arguments = json.loads(function["arguments"])
         check_transportable(arguments)
-    except (json.JSONDecodeError, APIError):
+    except (ValueError, RecursionError, APIError):  # no JSON (or nested past the parser's depth), or untransportable
         return call
     return {**call, "function": {**function, "arguments": arguments}}
 
@@ -309,6 +309,10 @@ def narrow_to_allowed_tools(tools: list[dict[str, Any]] | None, choice: Any) -> 
     called. Served as ``tools`` cut to those and ``tool_choice`` its mode (so the prompt shows those only)."""
     if not (isinstance(choice, dict) and choice.get("type") == "allowed_tools"):
         return tools, choice
+    try:
+        check_tools(tools)  # every tool given, as without allowed_tools (and as /tokenize checks them)
+    except FieldError as e:
+        raise APIError.invalid(e.message, e.param) from e
     spec = choice.get("allowed_tools")
     usage = ('tool_choice allowed_tools must be {"type": "allowed_tools", "allowed_tools": {"mode": "auto" or '
              '"required", "tools": [{"type": "function", "function": {"name": ...}}, ...]}}')

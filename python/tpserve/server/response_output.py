@@ -15,6 +15,7 @@ import msgspec
 
 from tpserve.message.frontend import ApiOutput, TokenLogprob
 from tpserve.parsers.chat_output import ChatDelta, ChatOutputConfig, ChatOutputParser, ReasoningTokens
+from tpserve.sampling_params import SamplingParams
 from tpserve.server.errors import APIError
 from tpserve.server.formats import Choice, ResponseFormat, chat_logprobs
 from tpserve.server.responses_protocol import ResponsesRequest
@@ -192,10 +193,12 @@ class ResponsesFormat(ResponseFormat):
     id_prefix = "resp"
 
     def __init__(self, model: str, body: ResponsesRequest, output: ChatOutputConfig,
-                 on_done: Callable[[dict[str, Any]], None]) -> None:
+                 on_done: Callable[[dict[str, Any]], None], params: SamplingParams | None = None) -> None:
+        """``params``: the sampling parameters used (the model's defaults where the body sets none), as reported."""
         super().__init__(model, logprobs=body.wants_logprobs)
         self.id = _new_id("resp")
         self.body = body
+        self.params = params
         self.output = output
         self.on_done = on_done
         self._items = OutputItems()
@@ -242,11 +245,11 @@ class ResponsesFormat(ResponseFormat):
             "conversation": None if body.conversation_id is None else {"id": body.conversation_id},
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
             "store": body.store,
-            "temperature": body.temperature,
+            "temperature": body.temperature if self.params is None else self.params.temperature,
             "text": body.text or {"format": {"type": "text"}},
             "tool_choice": body.tool_choice,
             "tools": body.tools,
-            "top_p": body.top_p,
+            "top_p": body.top_p if self.params is None else self.params.top_p,
             "top_logprobs": body.top_logprobs,
             "truncation": body.truncation,
             "usage": None if usage is None else _usage(usage, self._items.reasoning.count),

@@ -76,6 +76,13 @@ class Generation:
             "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)},
         }
 
+    def streamed_usage(self, index: int) -> dict[str, Any]:
+        """One choice's usage as its stream has sent it (continuous_usage_stats, as vLLM's): its prompt and the
+        completion tokens of its chunks so far."""
+        choice = next(c for c in self.choices.values() if c.index == index)
+        return {"prompt_tokens": choice.prompt_tokens, "completion_tokens": choice.streamed_tokens,
+                "total_tokens": choice.prompt_tokens + choice.streamed_tokens}
+
     async def next(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> tuple[Choice, ApiOutput]:
         """The next output. Raises APIError (rejected, backend error, timed out) or ClientGone."""
         while True:
@@ -252,7 +259,7 @@ class Serving:
         gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n, timeout=self.request_timeout,
                          shown=fmt.shows_output)
         if continuous_usage:
-            fmt.usage_so_far = gen.usage
+            fmt.usage_so_far = gen.streamed_usage
         disconnected = request.is_disconnected if request is not None else None
         try:  # from the first submit: whatever fails later, nothing this call started keeps running
             await gen.start()
@@ -291,6 +298,7 @@ async def _stream(
             if start is not None:
                 yield start
         for choice, out in early:
+            choice.streamed_tokens += out.new_tokens
             for chunk in fmt.output_chunks(choice, out):
                 yield chunk
         while not gen.finished:
@@ -300,6 +308,7 @@ async def _stream(
                 failed = True
                 yield fmt.error_chunk(e)
                 break
+            choice.streamed_tokens += out.new_tokens
             for chunk in fmt.output_chunks(choice, out):
                 yield chunk
         for chunk in fmt.end_chunks(gen.usage(), failed):
