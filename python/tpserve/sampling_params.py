@@ -28,6 +28,7 @@ MAX_STOP_CHARS = 512
 MAX_STOP_TOKEN_IDS = 256
 # Every bad word's token sequence is matched against the output's tail for each sampled token (on the host).
 MAX_BAD_WORDS = 64
+MAX_CACHE_SALT = 256  # characters: a salt names a tenant, it is no payload
 
 STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 # SamplingParams' fields by type, checked (and numpy scalars made plain) when it is made: the
@@ -176,6 +177,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # vLLM's: only the prompt's last k tokens are kept (left truncation); -1: as many as the context holds with
     # max_tokens (or one token) after them
     truncate_prompt_tokens: int | None = None
+    # vLLM's: requests share cached prefixes only with requests of the same salt (a tenant's prompts are neither
+    # reused nor timed by others)
+    cache_salt: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -201,6 +205,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT):
+            raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")
         if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1):
             raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {self.truncate_prompt_tokens}")
         for name in ("presence_penalty", "frequency_penalty"):

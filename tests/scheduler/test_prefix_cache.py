@@ -43,6 +43,24 @@ def test_lru_eviction_order():
     assert cache.evict(1) == [12, 13], "least recently used leaf first"
 
 
+def test_salted_requests_share_prefixes_only_with_their_salt():
+    """vLLM's cache_salt: a salted request's pages sit in its salt's own tree (no other request matches them, nor
+    they others'); locking, eviction and the page counts span every tree, and an evicted salt's tree is dropped."""
+    cache = RadixCache(page_size=2)
+    cache.insert([1, 2, 3, 4], [10, 11])
+    cache.insert([1, 2, 3, 4], [20, 21], salt="tenant-a")
+    assert cache.match([1, 2, 3, 4, 5]).pages == [10, 11]
+    assert cache.match([1, 2, 3, 4, 5], "tenant-a").pages == [20, 21]
+    assert cache.match([1, 2, 3, 4, 5], "tenant-b").pages == []
+    assert cache.insert([1, 2, 3, 4], [30, 31], salt="tenant-a") == [30, 31]  # already held: the copies go back
+    assert cache.num_pages == cache.num_evictable == 4
+    match = cache.match([1, 2, 3, 4], "tenant-a")
+    cache.lock(match.node)
+    assert cache.num_evictable == 2 and sorted(cache.evict(10)) == [10, 11]  # the locked salted prefix stays
+    cache.unlock(match.node)
+    assert sorted(cache.evict(10)) == [20, 21] and cache.num_pages == 0 and cache.salted == {}
+
+
 def random_workload(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:
     rng = random.Random(seed)
     system_prompts = [[rng.randrange(3, 600) for _ in range(rng.randint(5, 30))] for _ in range(4)]

@@ -797,6 +797,6 @@ def test_reasoning_effort_refusals_and_unserved_chat_fields():
     # vLLM's fields for features not served: 400s when they ask for them, accepted at their off values
     for path, base in ((CHAT, {"messages": USER}), ("/v1/completions", {"prompt": "hi"})):
         for extra, fragment in (({"use_beam_search": True}, "beam search"), ({"priority": 5}, "priorities"),
-                                ({"cache_salt": "tenant-a"}, "cache_salt"), ({"chat_template": "{{ x }}"}, "--chat-template")):
+                                ({"chat_template": "{{ x }}"}, "--chat-template")):
             assert_error(c.post(path, json={**base, **extra}), 400, fragment, next(iter(extra)))
         assert c.post(path, json={**base, "use_beam_search": False, "priority": 0}).status_code == 200

@@ -33,6 +33,21 @@ def test_second_chat_turn_reuses_the_first(server):
     assert metrics(server.url)["tpserve_prefix_cache_hit_rate"] > 0
 
 
+def test_cache_salt_keeps_prefixes_apart(server):
+    """vLLM's cache_salt (was ignored): the same prompt hits the cache only under the salt it ran with."""
+    client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="none", max_retries=0, timeout=120)
+    prompt = [(7 * i) % 500 + 3 for i in range(40)]
+
+    def cached(salt: str | None) -> int:
+        extra = {} if salt is None else {"cache_salt": salt}
+        return client.completions.create(model="tiny", prompt=prompt, max_tokens=1, extra_body=extra
+                                         ).usage.prompt_tokens_details.cached_tokens
+
+    assert cached("tenant-a") == 0
+    assert cached("tenant-b") == 0 and cached(None) == 0  # another salt, or none, does not see tenant a's pages
+    assert cached("tenant-a") >= 32 and cached(None) >= 32  # each its own
+
+
 async def _load(url: str) -> tuple[list[int], httpx.Response]:
     rng = random.Random(5)
     shared = [[rng.randrange(3, 600) for _ in range(rng.randint(8, 24))] for _ in range(3)]

@@ -1,6 +1,8 @@
 """The prefix cache: a radix tree over token ids whose nodes hold whole KV pages (kept empty for
 ``--cache naive``). Requests lock the prefix they reuse and insert theirs when done; unlocked leaves
-are evicted least recently used by a logical clock (never wall time), so every rank evicts alike."""
+are evicted least recently used by a logical clock (never wall time), so every rank evicts alike.
+Requests with a ``cache_salt`` (vLLM's) share a tree of their own per salt: no other request reuses, or
+can time, their prefixes."""
 
 from __future__ import annotations
 
@@ -32,18 +34,34 @@ class RadixCache:
     def __init__(self, page_size: int, enabled: bool = True) -> None:
         self.page_size = page_size
         self.enabled = enabled  # False (``--cache naive``): nothing is inserted, so nothing matches
-        self.root = Node(tokens=(), pages=[])
-        self.root.ref = 1  # never evicted
+        self.root = self._new_root()
+        self.salted: dict[str, Node] = {}  # a root per cache_salt, dropped when its tree is evicted whole
         self.num_pages = 0  # pages held by the tree
         self.num_evictable = 0  # of those, pages no running request uses
         self.clock = 0
 
+    @staticmethod
+    def _new_root() -> Node:
+        root = Node(tokens=(), pages=[])
+        root.ref = 1  # never evicted
+        return root
+
+    def _root(self, salt: str | None, create: bool = False) -> Node | None:
+        if salt is None:
+            return self.root
+        if create and salt not in self.salted:
+            self.salted[salt] = self._new_root()
+        return self.salted.get(salt)
+
     def _key(self, tokens: tuple[int, ...] | list[int], start: int) -> tuple[int, ...]:
         return tuple(tokens[start : start + self.page_size])
 
-    def match(self, tokens: list[int]) -> PrefixMatch:
-        """The longest cached prefix of ``tokens`` made of whole pages."""
-        node, pages, pos = self.root, [], 0
+    def match(self, tokens: list[int], salt: str | None = None) -> PrefixMatch:
+        """The longest cached prefix of ``tokens`` made of whole pages (among those of requests with ``salt``)."""
+        root = self._root(salt)
+        if root is None:
+            return PrefixMatch([], None)
+        node, pages, pos = root, [], 0
         while pos + self.page_size <= len(tokens):
             child = self._descend(node, tokens, pos)
             if child is None:
@@ -51,7 +69,7 @@ class RadixCache:
             pages.extend(child.pages)
             pos += len(child.tokens)
             node = child
-        return PrefixMatch(pages, node if node is not self.root else None)
+        return PrefixMatch(pages, node if node is not root else None)
 
     def _descend(self, node: Node, tokens: list[int], pos: int) -> Node | None:
         """The child of ``node`` that ``tokens[pos:]`` continues into, split to the pages they share."""
@@ -84,28 +102,29 @@ class RadixCache:
         return upper
 
     def lock(self, node: Node | None) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:  # up to its root
             if node.ref == 0:
                 self.num_evictable -= len(node.pages)
             node.ref += 1
             node = node.parent
 
     def unlock(self, node: Node | None) -> None:
-        while node is not None and node is not self.root:
+        while node is not None and node.parent is not None:
             node.ref -= 1
             if node.ref == 0:
                 self.num_evictable += len(node.pages)
             node = node.parent
 
-    def insert(self, tokens: list[int], pages: list[int]) -> list[int]:
-        """Cache ``pages`` holding ``tokens``; returns those whose tokens it held already (to free)."""
+    def insert(self, tokens: list[int], pages: list[int], salt: str | None = None) -> list[int]:
+        """Cache ``pages`` holding ``tokens`` (for requests with ``salt``); returns those whose tokens it held
+        already (to free)."""
         if not self.enabled:
             return list(pages)
         ps = self.page_size
         if len(tokens) != len(pages) * ps:
             raise ValueError(f"insert needs whole pages: {len(tokens)} tokens, {len(pages)} pages")
         duplicates: list[int] = []
-        node, pos = self.root, 0
+        node, pos = self._root(salt, create=True), 0
         while pos < len(tokens):
             child = self._descend(node, tokens, pos)
             if child is None:
@@ -134,16 +153,18 @@ class RadixCache:
             self.num_evictable -= len(node.pages)
             parent = node.parent or self.root
             del parent.children[self._key(node.tokens, 0)]
-            if parent is not self.root and not parent.children and parent.ref == 0:
+            if parent.parent is not None and not parent.children and parent.ref == 0:
                 counter += 1
                 heapq.heappush(heap, (parent.last_used, counter, parent))
+        for salt in [salt for salt, root in self.salted.items() if not root.children]:
+            del self.salted[salt]
         return freed
 
     def _leaves(self) -> list[Node]:
-        leaves, stack = [], [self.root]
+        leaves, stack = [], [self.root, *reversed(self.salted.values())]
         while stack:  # depth-first in insertion order: the same order on every rank
             node = stack.pop()
-            if not node.children and node is not self.root:
+            if not node.children and node.parent is not None:
                 leaves.append(node)
             stack.extend(node.children.values())
         return leaves

@@ -439,7 +439,7 @@ class Scheduler:
     def _cached_prefix(self, req: Request) -> PrefixMatch:
         if req.wants_prompt_logprobs:  # every prompt position's logits are needed
             return PrefixMatch([], None)
-        return self.cache.match(req.all_ids[: req.num_tokens - 1])
+        return self.cache.match(req.all_ids[: req.num_tokens - 1], req.params.cache_salt)
 
     # ---- pages ----
     def _grow(self, req: Request, num_tokens: int, outputs: list[TokenOutput]) -> bool:
@@ -488,7 +488,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         full = req.num_cached // self.page_size
-        duplicates = self.cache.insert(req.all_ids[: full * self.page_size], req.pages[:full])
+        duplicates = self.cache.insert(req.all_ids[: full * self.page_size], req.pages[:full], req.params.cache_salt)
         self.allocator.free(duplicates + req.pages[full:])
         self.cache.unlock(req.prefix_node)
         req.pages, req.num_shared_pages, req.prefix_node = [], 0, None

@@ -131,7 +131,6 @@ def thinking_kwargs(given: dict[str, Any] | None, effort: Any, param: str) -> di
 UNSERVED_VLLM_FIELDS = {
     "use_beam_search": "beam search is not served (use n with sampling)",
     "priority": "request priorities are not served (requests are scheduled first come, first served)",
-    "cache_salt": "cache_salt is not served: the prefix cache is shared by every request of this server",
     "chat_template": "a request's own chat_template is not accepted (the server's is --chat-template)",
 }
 # chat fields of features tpserve does not serve: a 400 naming them, not an answer without them
@@ -181,6 +180,7 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens only (-1: as many as fit)
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
+    cache_salt: StrictStr | None = None  # vLLM's: cached prefixes are shared only with requests of the same salt
     # structured output: OpenAI's response_format, and the vLLM/SGLang extensions
     response_format: dict[str, Any] | None = None
     regex: str | None = None
@@ -289,6 +289,7 @@ class _SamplingFields(_Body):
             "min_tokens": self.min_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "cache_salt": self.cache_salt,
             "skip_special_tokens": self.skip_special_tokens,
             "structured": structured,
         }
