@@ -114,7 +114,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="default sampling parameters for requests that leave them unset: auto takes "
                        "temperature, top_p, top_k, min_p and repetition_penalty from the model's "
                        "generation_config.json (Qwen3's: 0.6, 0.95, 20), DIR from DIR/generation_config.json, "
-                       "vllm none (OpenAI's defaults: temperature 1, no top-p/top-k)")
+                       "vllm none (OpenAI's defaults: temperature 1, no top-p/top-k); default: auto")
     model.add_argument("--override-generation-config", type=json_object_arg, default=None, metavar="JSON",
                        help="default sampling parameters over --generation-config's, e.g. "
                        "'{\"temperature\": 0.5}' (the same five names)")
