@@ -612,6 +612,16 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk():
     assert all(e["usage"] is None for e in events[:-1]) and events[-1]["usage"]["completion_tokens"] == 6
 
 
+def test_unserved_openai_endpoints_say_so():
+    """OpenAI endpoints of other modalities (embeddings, audio, ...) were a bare "Not Found": their 404 names them
+    and what is served; any other unknown path names the API's routes."""
+    c, _ = make_client()
+    for path in ("/v1/embeddings", "/v1/audio/transcriptions", "/v1/moderations", "/v1/batches"):
+        err = assert_error(c.post(path, json={"input": "hi", "model": MODEL}), 404, f"{path} is not served")
+        assert "/v1/chat/completions" in err["message"] and err["type"] == "invalid_request_error"
+    assert_error(c.post("/v1/chat/complete", json={}), 404, "no route /v1/chat/complete (the API is under /v1")
+
+
 def test_tool_message_history_reaches_the_template():
     c, stub = make_client()
     msgs = USER + [

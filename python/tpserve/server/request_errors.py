@@ -92,6 +92,19 @@ def _unreadable_body(exc: StarletteHTTPException) -> str:
     return str(exc.detail)
 
 
+# OpenAI API endpoints a text-generation server does not serve: their 404 says so (FastAPI's says "Not Found")
+UNSERVED_ENDPOINTS = ("embeddings", "audio", "images", "moderations", "files", "uploads", "batches", "fine_tuning",
+                      "assistants", "threads", "vector_stores", "realtime", "evals", "containers", "videos")
+
+
+def _not_found(path: str) -> str:
+    resource = path.removeprefix("/v1/").split("/", 1)[0]
+    if path.startswith("/v1/") and resource in UNSERVED_ENDPOINTS:
+        return (f"{path} is not served: tpserve serves text generation (/v1/chat/completions, /v1/completions, "
+                "/v1/responses, /v1/conversations)")
+    return f"no route {path} (the API is under /v1: chat/completions, completions, responses, conversations, models)"
+
+
 class JsonByDefault:
     """ASGI middleware: a request without a Content-Type is read as JSON (FastAPI's strict default
     would leave it unparsed; ``requests.post(url, data=json.dumps(body))`` sends none)."""
@@ -121,7 +134,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 400:  # FastAPI could not read the body
             return JSONResponse(error_body(_unreadable_body(exc), "invalid_request_error", code="invalid_request"), 400)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        return JSONResponse(error_body(str(exc.detail), kind), exc.status_code, headers=exc.headers)
+        message = _not_found(request.url.path) if exc.status_code == 404 else str(exc.detail)
+        return JSONResponse(error_body(message, kind), exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)
     async def on_internal_error(request: Request, exc: Exception) -> JSONResponse:
