@@ -658,3 +658,13 @@ def test_calls_without_sampling_params_take_the_models_generation_config(qwen3_d
         assert llm.generate(prompt, use_tqdm=False)[0].token_ids == greedy
         assert llm.chat([{"role": "user", "content": "hi"}], use_tqdm=False)[0].token_ids == llm.chat(
             [{"role": "user", "content": "hi"}], SamplingParams(temperature=0), use_tqdm=False)[0].token_ids
+
+
+def test_truncate_prompt_tokens_offline(llm):
+    """SamplingParams.truncate_prompt_tokens (vLLM's) offline too (it was applied only by the server's tokenizer):
+    the prompt's last k tokens, the same as giving those alone."""
+    ids = llm.tokenizer.encode("Once upon a time in a land far away there lived")
+    greedy = dict(temperature=0, max_tokens=4, ignore_eos=True)
+    cut = llm.generate([ids], SamplingParams(truncate_prompt_tokens=3, **greedy), use_tqdm=False)[0]
+    alone = llm.generate([ids[-3:]], SamplingParams(**greedy), use_tqdm=False)[0]
+    assert cut.prompt_token_ids == ids[-3:] and cut.token_ids == alone.token_ids

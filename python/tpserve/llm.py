@@ -31,7 +31,7 @@ from tpserve.message import (
 from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT, SamplingParams
 from tpserve.scheduler.gc_control import frozen_heap
-from tpserve.tokenizer.prepare import with_bad_words_encoded
+from tpserve.tokenizer.prepare import truncated_prompt, with_bad_words_encoded
 from tpserve.tokenizer.stream import OutputText
 
 if TYPE_CHECKING:
@@ -246,7 +246,9 @@ class LLM:
                 self._check_params(params)
                 checked[id(params)] = with_bad_words_encoded(params, self.tokenizer)
             sampling_params[i] = checked[id(params)]
-        encoded = [self._encode(prompt, i) for i, prompt in enumerate(prompts)]
+        context = self.config.max_model_len or self.model_config.context_length
+        encoded = [truncated_prompt(self._encode(prompt, i), params, context)
+                   for i, (prompt, params) in enumerate(zip(prompts, sampling_params))]
         with self._calls:  # request ids too: each call's are its own
             prompt_requests = []
             for input_ids, params in zip(encoded, sampling_params):

@@ -93,6 +93,15 @@ class PreparedRequest:
     register: DetokenizeRegister
 
 
+def truncated_prompt(ids: list[int], params: SamplingParams, context_len: int) -> list[int]:
+    """vLLM's ``truncate_prompt_tokens``: the prompt's last k ids; -1: as many as ``context_len`` holds with
+    ``max_tokens`` (or one token) after them."""
+    keep = params.truncate_prompt_tokens
+    if keep == -1:
+        keep = context_len - (params.max_tokens or 1)
+    return ids[-keep:] if keep is not None and keep > 0 else ids
+
+
 class PromptPreparer:
     def __init__(
         self, tokenizer: Any, limits: PromptLimits, rng: random.Random | None = None, chat_template: str | None = None
@@ -105,11 +114,7 @@ class PromptPreparer:
     def prepare(self, req: TokenizeRequest) -> PreparedRequest:
         input_ids, param, chat_text = self.input_ids(req)
         ctx = self._limits.context_len
-        keep = req.params.truncate_prompt_tokens
-        if keep == -1:
-            keep = ctx - (req.params.max_tokens or 1)
-        if keep is not None and keep > 0:
-            input_ids = input_ids[-keep:]
+        input_ids = truncated_prompt(input_ids, req.params, ctx)
         n = len(input_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty", param)
