@@ -89,6 +89,10 @@ def test_dispatch_routes_each_message():
     assert dispatch.destinations(AbortRequest(77)) == [0, 1], "not routed yet: every replica"
     assert dispatch.destinations(GetStats()) == [0, 1]
     assert dispatch.router.tables[0].match(page_hashes([1, 2, 3, 4], 4)) == 1
+    # a salted prompt's pages are its salt's (as the replicas cache them): they credit no other request's route
+    assert dispatch.destinations(GenerateRequest(3, [9, 9, 9, 9, 9], SamplingParams(cache_salt="a"))) == [0]
+    assert dispatch.router.tables[0].match(page_hashes([9, 9, 9, 9], 4, "a")) == 1
+    assert dispatch.router.tables[0].match(page_hashes([9, 9, 9, 9], 4)) == 0
     assert dispatch.destinations(FlushCache()) == [0, 1]
     assert len(dispatch.router.tables[0]) == 0, "a flush empties the prefix tables"
     dispatch.on_stats(SchedulerStats(running=0, waiting=0, kv_pages_used=0, kv_pages_total=123, replica=1))

@@ -59,6 +59,7 @@ def test_salted_requests_share_prefixes_only_with_their_salt():
     assert cache.num_evictable == 2 and sorted(cache.evict(10)) == [10, 11]  # the locked salted prefix stays
     cache.unlock(match.node)
     assert sorted(cache.evict(10)) == [20, 21] and cache.num_pages == 0 and cache.salted == {}
+    assert cache.insert([], [], salt="tenant-c") == [] and cache.salted == {}  # a request shorter than a page
 
 
 def random_workload(n: int, seed: int) -> list[tuple[list[int], SamplingParams]]:

@@ -333,6 +333,9 @@ def test_chat_defaults_and_content_parts():
     assert stub.submitted[-1].params.truncate_prompt_tokens == 5  # vLLM's (was ignored)
     assert_error(c.post(CHAT, json={"messages": USER, "truncate_prompt_tokens": 0}), 400, "must be >= 1 or -1",
                  "truncate_prompt_tokens")
+    # echo returns the prompt as sent, which a truncated prompt is not
+    assert_error(c.post("/v1/completions", json={"prompt": "abcdef", "echo": True, "truncate_prompt_tokens": 2}), 400,
+                 "cannot be combined with truncate_prompt_tokens", "truncate_prompt_tokens")
 
 
 def test_echo_leads_the_content_with_the_continued_assistant_message():

@@ -882,3 +882,18 @@ def test_the_response_reports_the_sampling_values_used():
     assert (resp["temperature"], resp["top_p"]) == (0.6, 0.95) and stub.submitted[-1].params.temperature == 0.6
     resp = c.post(RESPONSES, json={"input": "hi", "temperature": 0.2}).json()
     assert (resp["temperature"], resp["top_p"]) == (0.2, 0.95)
+
+
+def test_vllm_request_fields_are_served_or_refused_as_chat_does():
+    """vLLM's fields on /v1/responses were dropped silently (cache_salt's isolation too): those chat serves reach the
+    backend, those it refuses are 400s, and token-id logprobs (chat's format only) are a 400."""
+    c, stub = make_client()
+    body = {"input": "hi", "cache_salt": "tenant-a", "truncate_prompt_tokens": 8,
+            "structured_outputs": {"choice": ["yes", "no"]}}
+    assert c.post(RESPONSES, json=body).status_code == 200
+    params = stub.submitted[-1].params
+    assert (params.cache_salt, params.truncate_prompt_tokens, params.structured.kind) == ("tenant-a", 8, "ebnf")
+    for extra, param in (({"use_beam_search": True}, "use_beam_search"), ({"priority": 3}, "priority"),
+                         ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids")):
+        assert_error(c.post(RESPONSES, json={"input": "hi", **extra}), 400, None, param)
+    assert c.post(RESPONSES, json={"input": "hi", "return_tokens_as_token_ids": False}).status_code == 200

@@ -62,6 +62,9 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(preparer):
     assert p.generate.input_ids == long[-10:] and p.register.prompt_tokens == 10 and p.generate.params.max_tokens == 54
     p = preparer.prepare(req(input_ids=long, params=SamplingParams(max_tokens=8, truncate_prompt_tokens=-1)))
     assert p.generate.input_ids == long[-56:]
+    # without max_tokens, room for min_tokens is left (a 63-token prompt left 1: a 400)
+    p = preparer.prepare(req(input_ids=long, params=SamplingParams(max_tokens=None, min_tokens=8, truncate_prompt_tokens=-1)))
+    assert p.generate.input_ids == long[-56:] and p.generate.params.max_tokens == 8
     short = preparer.prepare(req(input_ids=[1, 2, 3], params=SamplingParams(truncate_prompt_tokens=10)))
     assert short.generate.input_ids == [1, 2, 3]
     with pytest.raises(InvalidRequest, match="context length is 64"):

@@ -123,6 +123,8 @@ class RadixCache:
         ps = self.page_size
         if len(tokens) != len(pages) * ps:
             raise ValueError(f"insert needs whole pages: {len(tokens)} tokens, {len(pages)} pages")
+        if not tokens:  # nothing to cache (a request shorter than a page): no salted tree is made for it
+            return []
         duplicates: list[int] = []
         node, pos = self._root(salt, create=True), 0
         while pos < len(tokens):

@@ -69,6 +69,17 @@ def _idle_timeout_protocol() -> type:
             self.timeout_keep_alive_task = self.loop.call_later(self.timeout_keep_alive, self.timeout_keep_alive_handler)
             self.read_deadline: asyncio.TimerHandle | None = None
             self.deadline_cycle: object = None  # the request whose body the deadline bounds; None: the next headers
+            self.deadline_seconds = 0.0
+            resume_reading = self.flow.resume_reading
+
+            def resume_and_restart() -> None:  # the client gets a whole period once the server reads again
+                paused = self.flow.read_paused
+                resume_reading()
+                if paused and self.read_deadline is not None:
+                    self.read_deadline.cancel()
+                    self.read_deadline = self.loop.call_later(self.deadline_seconds, self._read_too_slow)
+
+            self.flow.resume_reading = resume_and_restart
 
         def data_received(self, data: bytes) -> None:
             super().data_received(data)
@@ -88,20 +99,20 @@ def _idle_timeout_protocol() -> type:
             if self.read_deadline is not None and self.deadline_cycle is cycle:
                 return
             self._disarm()
-            self.deadline_cycle = cycle
-            self.read_deadline = self.loop.call_later(seconds, self._read_too_slow, seconds)
+            self.deadline_cycle, self.deadline_seconds = cycle, seconds
+            self.read_deadline = self.loop.call_later(seconds, self._read_too_slow)
 
         def _disarm(self) -> None:
             if self.read_deadline is not None:
                 self.read_deadline.cancel()
                 self.read_deadline = None
 
-        def _read_too_slow(self, seconds: float) -> None:
+        def _read_too_slow(self) -> None:
             self.read_deadline = None
             if self.flow.read_paused or getattr(self, "pipeline", None):
                 # the server holds the reads back (a pipelined request queued behind a response, a body the app has
-                # not read yet), not the client: the deadline starts again
-                self.read_deadline = self.loop.call_later(seconds, self._read_too_slow, seconds)
+                # not read yet), not the client: the deadline starts again (and again when reading resumes)
+                self.read_deadline = self.loop.call_later(self.deadline_seconds, self._read_too_slow)
             elif not self.transport.is_closing():
                 self.transport.close()
 

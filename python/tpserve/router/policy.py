@@ -41,9 +41,10 @@ DEFAULT_TABLE_PAGES = 1 << 16  # per replica, until its first stats give its KV-
 BALANCE_SLACK = 0.5
 
 
-def page_hashes(input_ids: list[int], page_size: int) -> list[int]:
-    """One hash per whole page of the prompt, each covering every token up to its page's end."""
-    hashes, previous = [], 0
+def page_hashes(input_ids: list[int], page_size: int, salt: str | None = None) -> list[int]:
+    """One hash per whole page of the prompt, each covering every token up to its page's end (and the request's
+    ``cache_salt``: a salted prompt's pages are cached apart from the same tokens' unsalted ones)."""
+    hashes, previous = [], 0 if salt is None else hash(salt)
     for start in range(0, len(input_ids) - page_size + 1, page_size):
         previous = hash((previous, *input_ids[start:start + page_size]))
         hashes.append(previous)
@@ -99,11 +100,11 @@ class Router:
         self._requests: dict[int, _InFlight] = {}
         self._turn = 0
 
-    def route(self, rid: int, input_ids: list[int], unavailable: Collection[int] = ()) -> int:
-        """The replica to run request ``rid``; its tokens count as that replica's work from now. None of
-        ``unavailable`` (stalled replicas), unless every replica is."""
+    def route(self, rid: int, input_ids: list[int], unavailable: Collection[int] = (), salt: str | None = None) -> int:
+        """The replica to run request ``rid`` (of ``cache_salt`` ``salt``); its tokens count as that replica's work
+        from now. None of ``unavailable`` (stalled replicas), unless every replica is."""
         candidates = [d for d in range(self.dp_size) if d not in unavailable] or list(range(self.dp_size))
-        hashes = page_hashes(input_ids, self.page_size) if self.method == "cache_aware" else []
+        hashes = page_hashes(input_ids, self.page_size, salt) if self.method == "cache_aware" else []
         matched = [table.match(hashes) * self.page_size for table in self.tables] if hashes else [0] * self.dp_size
         turn, loads = self._turn, self.loads
         costs = {d: loads[d] - matched[d] for d in candidates}
@@ -174,7 +175,7 @@ class Dispatch:
 
     def destinations(self, msg: SchedulerInput) -> list[int]:
         if isinstance(msg, GenerateRequest):
-            return [self.router.route(msg.rid, msg.input_ids, self._unavailable())]
+            return [self.router.route(msg.rid, msg.input_ids, self._unavailable(), msg.params.cache_salt)]
         if isinstance(msg, AbortRequest):
             replica = self.router.replica_of(msg.rid)
             if replica is not None:

@@ -414,6 +414,9 @@ class CompletionRequest(_SamplingFields):
 
     def check(self) -> None:
         self.check_common()
+        if self.echo and self.truncate_prompt_tokens is not None:
+            raise APIError.invalid("echo returns the prompt as sent: it cannot be combined with truncate_prompt_tokens",
+                                   "truncate_prompt_tokens")
         if self.max_tokens == 0 and not self.echo:
             raise APIError.invalid("max_tokens 0 needs echo (it returns the prompt and its log-probabilities only)",
                                    "max_tokens")

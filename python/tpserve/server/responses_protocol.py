@@ -29,6 +29,8 @@ def check_metadata(metadata: dict[str, str] | None) -> None:
 UNSUPPORTED_RESPONSES_FIELDS = {
     "prompt": "prompt templates are not supported: send input (and instructions)",
     "moderation": "moderation is not served",
+    "return_tokens_as_token_ids": "return_tokens_as_token_ids is not served by the Responses API (its logprobs name "
+                                  "tokens by text): use /v1/chat/completions",
 }
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # include values accepted: the output text's logprobs; encrypted reasoning (asked by agents with store: false)
@@ -77,7 +79,7 @@ class ResponsesRequest(_Body):
 
     def check(self) -> None:
         for name, why in UNSUPPORTED_RESPONSES_FIELDS.items():
-            if (self.model_extra or {}).get(name) not in (None, 0):
+            if (self.model_extra or {}).get(name) not in (None, 0, False):
                 raise APIError.invalid(why, name)
         if self.background and not self.store:
             raise APIError.invalid("background responses must be stored: send store: true", "background")

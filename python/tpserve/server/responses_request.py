@@ -14,11 +14,12 @@ from tpserve.server.protocol import ChatCompletionRequest, thinking_kwargs
 from tpserve.server.responses_protocol import ResponsesRequest
 from tpserve.server.truncation import kept
 
-# chat fields a Responses request may carry as extensions (vLLM's sampling extras)
+# chat fields a Responses request may carry as extensions (vLLM's sampling extras), served or refused as chat's
 CHAT_EXTENSIONS = frozenset({
     "seed", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens",
-    "chat_template_kwargs", "regex", "ebnf",
+    "chat_template_kwargs", "regex", "ebnf", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
+    "guided_grammar", "truncate_prompt_tokens", "cache_salt", "use_beam_search", "priority", "chat_template",
 })
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 TEXT_PARTS = ("input_text", "output_text", "text")

@@ -95,10 +95,10 @@ class PreparedRequest:
 
 def truncated_prompt(ids: list[int], params: SamplingParams, context_len: int) -> list[int]:
     """vLLM's ``truncate_prompt_tokens``: the prompt's last k ids; -1: as many as ``context_len`` holds with
-    ``max_tokens`` (or one token) after them."""
+    ``max_tokens`` (or ``min_tokens``, at least one token) after them."""
     keep = params.truncate_prompt_tokens
     if keep == -1:
-        keep = context_len - (params.max_tokens or 1)
+        keep = context_len - (params.max_tokens or max(1, params.min_tokens))
     return ids[-keep:] if keep is not None and keep > 0 else ids
 
 
