@@ -668,3 +668,11 @@ def test_truncate_prompt_tokens_offline(llm):
     cut = llm.generate([ids], SamplingParams(truncate_prompt_tokens=3, **greedy), use_tqdm=False)[0]
     alone = llm.generate([ids[-3:]], SamplingParams(**greedy), use_tqdm=False)[0]
     assert cut.prompt_token_ids == ids[-3:] and cut.token_ids == alone.token_ids
+
+
+def test_vllm_names_get_tokenizer_and_reset_prefix_cache(llm):
+    """vLLM's LLM.get_tokenizer() and reset_prefix_cache(), which scripts ported from vLLM call."""
+    assert llm.get_tokenizer() is llm.tokenizer and llm.get_tokenizer().encode("hi")
+    llm.generate("Once upon a time in a land far away", SamplingParams(max_tokens=2), use_tqdm=False)
+    assert llm.stats().kv_pages_cached > 0
+    assert llm.reset_prefix_cache() and llm.stats().kv_pages_cached == 0

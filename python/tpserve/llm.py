@@ -367,6 +367,12 @@ class LLM:
         """Drop every cached prefix (of every replica); True when every KV pool is free again."""
         return all(reply.flushed for reply in self._ask(FlushCache(), "flush_cache"))
 
+    reset_prefix_cache = flush_cache  # vLLM's name
+
+    def get_tokenizer(self) -> Any:
+        """The model's Hugging Face tokenizer (None for a model without one), as vLLM's ``LLM.get_tokenizer``."""
+        return self.tokenizer
+
     def stats(self) -> SchedulerStats:
         """KV pages in use, cached and free; cumulative cache hits, evictions, preemptions
         (summed over the replicas; ``replica_stats`` gives each replica's)."""
