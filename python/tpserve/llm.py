@@ -476,7 +476,9 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _params_per_prompt(sampling_params: SamplingParams | Sequence[SamplingParams], num_prompts: int) -> list[SamplingParams]:
+def _params_per_prompt(
+    sampling_params: SamplingParams | Sequence[SamplingParams], num_prompts: int
+) -> list[SamplingParams]:
     """One SamplingParams per prompt (one given for all, repeated)."""
     if isinstance(sampling_params, SamplingParams):
         return [sampling_params] * num_prompts

@@ -205,9 +205,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.cache_salt is not None and not (isinstance(self.cache_salt, str) and 0 < len(self.cache_salt) <= MAX_CACHE_SALT):
+        salt = self.cache_salt
+        if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT):
             raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")
-        if self.truncate_prompt_tokens is not None and not (self.truncate_prompt_tokens >= 1 or self.truncate_prompt_tokens == -1):
+        if self.truncate_prompt_tokens is not None and self.truncate_prompt_tokens < 1 and self.truncate_prompt_tokens != -1:
             raise ValueError(f"truncate_prompt_tokens must be >= 1 or -1, got {self.truncate_prompt_tokens}")
         for name in ("presence_penalty", "frequency_penalty"):
             value = getattr(self, name)

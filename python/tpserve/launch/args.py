@@ -18,8 +18,9 @@ from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT
 from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
-from tpserve.launch.argtypes import (HelpFormatter, OneLineParser, fraction, int_at_least, json_object_arg, number, port,
-                                     positive)
+from tpserve.launch.argtypes import (
+    HelpFormatter, OneLineParser, fraction, int_at_least, json_object_arg, number, port, positive,
+)
 from tpserve.router.policy import LOAD_BALANCE_METHODS
 from tpserve.tokenizer.loader import (
     check_chat_template, has_tokenizer_files, load_tokenizer, missing_tokenizer_message,

@@ -87,8 +87,10 @@ class ResponseFormat:
     def chunk(self, choices: list[dict[str, Any]]) -> bytes:
         body = self._envelope(self.chunk_object_name, choices)
         if self.include_usage:
-            continuous = self.usage_so_far is not None and len(choices) == 1
-            body["usage"] = self.counted(self.usage_so_far(choices[0]["index"]), choices[0]["index"]) if continuous else None
+            body["usage"] = None
+            if self.usage_so_far is not None and len(choices) == 1:  # continuous_usage_stats: the choice's so far
+                index = choices[0]["index"]
+                body["usage"] = self.counted(self.usage_so_far(index), index)
         return sse(body)
 
     def usage_chunk(self, usage: dict[str, Any]) -> bytes:
@@ -142,7 +144,6 @@ def chat_logprobs(entries: list[TokenLogprob] | None, tokens_as_ids: bool = Fals
     ]
 
 
-
 class ChatFormat(ResponseFormat):
     """Chat responses; ``output`` says whether to split out reasoning and tool calls."""
 
@@ -179,7 +180,8 @@ class ChatFormat(ResponseFormat):
             parser = self._parsers[choice.index] = self._parser(out.prompt_in_reasoning)
         final = out.finish_reason is not None
         parsed = parser.feed(out.text, final)
-        self._reasoning.setdefault(choice.index, ReasoningTokens()).add(parsed, out.new_tokens, parser.is_reasoning(parsed))
+        reasoning = self._reasoning.setdefault(choice.index, ReasoningTokens())
+        reasoning.add(parsed, out.new_tokens, parser.is_reasoning(parsed))
         chunks = []
         if parsed or (self.logprobs and out.logprobs):
             delta: dict[str, Any] = {}
@@ -273,6 +275,7 @@ class CompletionFormat(ResponseFormat):
             offsets.append(offset)
             offset += len(e.token)
         self._offsets[index] = offset
+
         def shown(text: str, raw: bytes, token_id: int) -> str:
             return f"token_id:{token_id}" if self.tokens_as_ids else legacy_token(text, raw)
 

@@ -272,7 +272,8 @@ class _SamplingFields(_Body):
     def sampling_params(
         self, max_tokens: int | None, structured: StructuredOutput | None = None, defaults: Mapping[str, Any] = {},
     ) -> SamplingParams:
-        """``defaults``: the model's sampling defaults (``--generation-config``), for the fields the body leaves unset."""
+        """``defaults``: the model's sampling defaults (``--generation-config``), for the fields the body leaves
+        unset."""
         fields: dict[str, Any] = {
             "n": self.n,
             "max_tokens": max_tokens,

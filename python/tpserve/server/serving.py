@@ -164,7 +164,8 @@ class Serving:
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
     request_timeout: float | None = None  # seconds; None: no limit
-    sampling_defaults: dict[str, Any] = field(default_factory=dict)  # for fields a request leaves unset (--generation-config)
+    # for the sampling fields a request leaves unset (--generation-config)
+    sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     def check_model(self, model: str | None) -> None:
         check_model_name(model, (self.model_name, *self.aliases))
