@@ -625,6 +625,30 @@ def test_unserved_openai_endpoints_say_so():
     assert_error(c.post("/v1/chat/complete", json={}), 404, "no route /v1/chat/complete (the API is under /v1")
 
 
+def test_a_requests_own_chat_template_needs_the_servers_trust(qwen3_dir):
+    """vLLM's chat_template field (was ignored): a 400 naming --trust-request-chat-template, as vLLM refuses it;
+    with the flag, chat sends it to the tokenizer workers and /tokenize renders with it."""
+    template = "{% for m in messages %}<<{{ m['content'] }}>>{% endfor %}"
+    c, stub = make_client()
+    assert_error(c.post(CHAT, json={"messages": USER, "chat_template": template}), 400,
+                 "--trust-request-chat-template", "chat_template")
+    c, stub = make_client(trust_request_chat_template=True)
+    assert c.post(CHAT, json={"messages": USER, "chat_template": template}).status_code == 200
+    assert stub.submitted[-1].chat_template == template
+    assert c.post(CHAT, json={"messages": USER}).status_code == 200 and stub.submitted[-1].chat_template is None
+    from tpserve.tokenizer.loader import load_tokenizer
+
+    tok = load_tokenizer(qwen3_dir)
+    for trusted in (False, True):
+        args = ServerArgs(engine=EngineConfig(model=qwen3_dir), served_model_name=MODEL, context_len=128,
+                          vocab_size=700, trust_request_chat_template=trusted)
+        tokenize = TestClient(create_app(AppState(args))).post("/tokenize", json={"messages": USER, "chat_template": template})
+        if trusted:
+            assert tok.decode(tokenize.json()["tokens"]) == "<<hi>>"
+        else:
+            assert_error(tokenize, 400, "--trust-request-chat-template", "chat_template")
+
+
 def test_tool_message_history_reaches_the_template():
     c, stub = make_client()
     msgs = USER + [
@@ -809,7 +833,6 @@ def test_reasoning_effort_refusals_and_unserved_chat_fields():
     assert c.post(CHAT, json={"messages": USER, "modalities": ["text"]}).status_code == 200
     # vLLM's fields for features not served: 400s when they ask for them, accepted at their off values
     for path, base in ((CHAT, {"messages": USER}), ("/v1/completions", {"prompt": "hi"})):
-        for extra, fragment in (({"use_beam_search": True}, "beam search"), ({"priority": 5}, "priorities"),
-                                ({"chat_template": "{{ x }}"}, "--chat-template")):
+        for extra, fragment in (({"use_beam_search": True}, "beam search"), ({"priority": 5}, "priorities")):
             assert_error(c.post(path, json={**base, **extra}), 400, fragment, next(iter(extra)))
         assert c.post(path, json={**base, "use_beam_search": False, "priority": 0}).status_code == 200

@@ -52,6 +52,7 @@ class ServerArgs:
     scheduler_entry: str = DEFAULT_SCHEDULER_ENTRY  # "module:function" run once per TP rank (tests set another)
     model_aliases: tuple[str, ...] = ()  # the other --served-model-name values
     chat_template: str | None = None  # --chat-template's text (None: the model's own)
+    trust_request_chat_template: bool = False  # a request's own chat_template is rendered (else a 400)
     tool_call_parser: str | None = None  # resolved from --tool-call-parser (auto: from the template)
     reasoning_parser: str | None = None
     max_request_bytes: int = 16 << 20
@@ -104,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--chat-template", default=None, metavar="FILE_OR_TEMPLATE",
                        help="Jinja chat template to use instead of the model's own: a file, or the template "
                        "itself (text with {{ or {%%}, as vLLM takes it)")
+    model.add_argument("--trust-request-chat-template", action="store_true",
+                       help="render a request's own chat_template (vLLM's field; a 400 without this flag): the "
+                       "template runs in Jinja's sandbox in the tokenizer workers, so only for trusted clients")
     model.add_argument("--tool-call-parser", choices=["auto", "none", *TOOL_CALL_PARSERS], default="auto",
                        help="how the model writes tool calls: hermes (Qwen2.5/Qwen3 <tool_call> JSON), "
                        "llama3_json (Llama 3.1 JSON); auto: from the chat template, none: no tool "

@@ -67,7 +67,8 @@ class AppState:
     def tokenize_service(self) -> TokenizeService:
         if self.tokenize is None:
             limits = RequestLimits(self.args.context_len, self.args.max_sequences_per_request)
-            self.tokenize = TokenizeService(self.args.model_dir, self.args.chat_template, limits)
+            self.tokenize = TokenizeService(self.args.model_dir, self.args.chat_template, limits,
+                                            self.args.trust_request_chat_template)
         return self.tokenize
 
 

@@ -131,7 +131,6 @@ def thinking_kwargs(given: dict[str, Any] | None, effort: Any, param: str) -> di
 UNSERVED_VLLM_FIELDS = {
     "use_beam_search": "beam search is not served (use n with sampling)",
     "priority": "request priorities are not served (requests are scheduled first come, first served)",
-    "chat_template": "a request's own chat_template is not accepted (the server's is --chat-template)",
 }
 # chat fields of features tpserve does not serve: a 400 naming them, not an answer without them
 UNSERVED_CHAT_FIELDS = {
@@ -140,6 +139,13 @@ UNSERVED_CHAT_FIELDS = {
     "audio": "audio output is not served (tpserve serves text-only models)",
     "web_search_options": "web search is not served",
 }
+
+
+def check_request_template(template: str | None, trusted: bool) -> None:
+    """A request's own chat_template is rendered only by a server started to trust them (as vLLM's)."""
+    if template is not None and not trusted:
+        raise APIError.invalid("a request's own chat_template is refused: start the server with "
+                               "--trust-request-chat-template to accept them (or set --chat-template)", "chat_template")
 
 
 def check_continuation(messages: list[ChatMessage], add_generation_prompt: bool, continue_final_message: bool) -> None:
@@ -345,6 +351,7 @@ class ChatCompletionRequest(_SamplingFields):
     parallel_tool_calls: bool = True
     separate_reasoning: bool = True  # SGLang's: false keeps the thinking in content
     echo: bool = False  # vLLM's: a last assistant message (continue_final_message) leads each choice's content
+    chat_template: StrictStr | None = None  # vLLM's: this request's template (--trust-request-chat-template)
     reasoning_effort: str | None = None  # "none" switches thinking off, any other effort on
 
     def tool_fields(self) -> tuple[Any, ...]:
@@ -473,6 +480,7 @@ class TokenizeBody(_Body):
     tool_choice: Any = None  # as chat's: an allowed_tools choice renders its tools only
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None  # as chat's: "none" renders the prompt with thinking off
+    chat_template: StrictStr | None = None  # as chat's (--trust-request-chat-template)
 
     def template_kwargs(self) -> dict[str, Any] | None:
         return thinking_kwargs(self.chat_template_kwargs, self.reasoning_effort, "reasoning_effort")

@@ -21,7 +21,7 @@ from tpserve.server.errors import APIError, check_model_name
 from tpserve.server.formats import ChatFormat, Choice, CompletionFormat, ResponseFormat
 from tpserve.server.limits import RequestLimits
 from tpserve.server.metrics import RequestTimer, ServerMetrics
-from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest
+from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest, check_request_template
 from tpserve.server.request_id import request_id
 
 DISCONNECT_POLL_S = 1.0
@@ -166,6 +166,7 @@ class Serving:
     request_timeout: float | None = None  # seconds; None: no limit
     # for the sampling fields a request leaves unset (--generation-config)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
+    trust_request_chat_template: bool = False  # a request's own chat_template is rendered (else a 400)
 
     def check_model(self, model: str | None) -> None:
         check_model_name(model, (self.model_name, *self.aliases))
@@ -201,6 +202,7 @@ class Serving:
         """The backend requests of a chat call (one per choice), checked against the limits, and how
         to split their output."""
         body.check()
+        check_request_template(body.chat_template, self.trust_request_chat_template)
         structure = body.structure()
         params = body.sampling_params(body.effective_max_tokens, structure, self.sampling_defaults)
         output = self.chat_output(body, constrained=structure is not None)
@@ -218,6 +220,7 @@ class Serving:
                 continue_final_message=body.continue_final_message,
                 tools=body.tools or None,
                 structured_param=body.structured_param,
+                chat_template=body.chat_template,
             )
             for choice_params in params.choices()
         ]

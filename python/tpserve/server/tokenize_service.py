@@ -10,7 +10,7 @@ from tpserve.message.frontend import TokenizeRequest
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.errors import APIError
 from tpserve.server.limits import RequestLimits
-from tpserve.server.protocol import DetokenizeBody, TokenizeBody
+from tpserve.server.protocol import DetokenizeBody, TokenizeBody, check_request_template
 from tpserve.tokenizer.prepare import InvalidRequest, PromptLimits, PromptPreparer
 
 
@@ -18,10 +18,12 @@ class TokenizeService:
     """/tokenize and /detokenize: the model's tokenizer (and chat template) in the API server,
     loaded on first use, run off the event loop. Their inputs have the completion endpoints' size limits."""
 
-    def __init__(self, model_dir: str, chat_template: str | None, limits: RequestLimits) -> None:
+    def __init__(self, model_dir: str, chat_template: str | None, limits: RequestLimits,
+                 trust_request_chat_template: bool = False) -> None:
         self._model_dir = model_dir
         self._chat_template = chat_template
         self._limits = limits
+        self._trust_request_chat_template = trust_request_chat_template
         self._tokenizer: Any = None
         self._lock = asyncio.Lock()
 
@@ -35,6 +37,7 @@ class TokenizeService:
 
     async def tokenize(self, body: TokenizeBody) -> dict[str, Any]:
         body.check()
+        check_request_template(body.chat_template, self._trust_request_chat_template)
         messages = [m.to_template(i) for i, m in enumerate(body.messages or [])]
         if body.prompt is not None:
             self._limits.check_text(len(body.prompt), "prompt")
@@ -49,7 +52,7 @@ class TokenizeService:
                 rid=0, params=SamplingParams(), messages=messages,
                 chat_template_kwargs=template_kwargs, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                tools=body.tools or None,
+                tools=body.tools or None, chat_template=body.chat_template,
             ))
         return {"tokens": list(ids), "count": len(ids), "max_model_len": self._limits.context_len}
 

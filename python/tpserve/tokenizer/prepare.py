@@ -186,12 +186,13 @@ class PromptPreparer:
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
         if reserved:
             raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")
-        if self._chat_template is None and not getattr(self._tokenizer, "chat_template", None):
+        template = req.chat_template or self._chat_template
+        if template is None and not getattr(self._tokenizer, "chat_template", None):
             raise InvalidRequest("this model has no chat template: use /v1/completions instead", "messages")
         try:
             return self._tokenizer.apply_chat_template(
                 req.messages,
-                chat_template=self._chat_template,
+                chat_template=template,
                 tokenize=False,
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
