@@ -636,6 +636,7 @@ def test_a_requests_own_chat_template_needs_the_servers_trust(qwen3_dir):
     assert c.post(CHAT, json={"messages": USER, "chat_template": template}).status_code == 200
     assert stub.submitted[-1].chat_template == template
     assert c.post(CHAT, json={"messages": USER}).status_code == 200 and stub.submitted[-1].chat_template is None
+    assert_error(c.post(CHAT, json={"messages": USER, "chat_template": ""}), 400, "must not be empty", "chat_template")
     from tpserve.tokenizer.loader import load_tokenizer
 
     tok = load_tokenizer(qwen3_dir)
@@ -645,6 +646,8 @@ def test_a_requests_own_chat_template_needs_the_servers_trust(qwen3_dir):
         tokenize = TestClient(create_app(AppState(args))).post("/tokenize", json={"messages": USER, "chat_template": template})
         if trusted:
             assert tok.decode(tokenize.json()["tokens"]) == "<<hi>>"
+            broken = TestClient(create_app(AppState(args))).post("/tokenize", json={"messages": USER, "chat_template": "{{"})
+            assert_error(broken, 400, "cannot apply the chat template", "chat_template")  # the request's, named
         else:
             assert_error(tokenize, 400, "--trust-request-chat-template", "chat_template")
 

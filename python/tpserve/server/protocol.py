@@ -143,6 +143,8 @@ UNSERVED_CHAT_FIELDS = {
 
 def check_request_template(template: str | None, trusted: bool) -> None:
     """A request's own chat_template is rendered only by a server started to trust them (as vLLM's)."""
+    if template == "":
+        raise APIError.invalid("chat_template must not be empty", "chat_template")
     if template is not None and not trusted:
         raise APIError.invalid("a request's own chat_template is refused: start the server with "
                                "--trust-request-chat-template to accept them (or set --chat-template)", "chat_template")

@@ -200,7 +200,8 @@ class PromptPreparer:
                 **kwargs,
             )
         except Exception as e:  # the template is model code and may raise anything on odd input
-            raise InvalidRequest(f"cannot apply the chat template: {e}", "messages") from e
+            raise InvalidRequest(f"cannot apply the chat template: {e}",
+                                 "chat_template" if req.chat_template else "messages") from e
 
     def _reasoning_state(self, req: TokenizeRequest, chat_text: str) -> bool | None:
         """The think block the prompt leaves the new turn in (``prompt_opens_reasoning``), judged on what the
