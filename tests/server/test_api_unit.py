@@ -662,6 +662,10 @@ def test_tool_message_history_reaches_the_template():
     assert c.post(CHAT, json={"messages": msgs, "tools": WEATHER, "tool_choice": "none"}).status_code == 200
     sent = stub.submitted[-1].messages
     assert sent[1]["tool_calls"][0]["function"]["arguments"] == {"city": "Paris"}  # as an object, for templates
+    no_args = [*USER, {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_2", "type": "function", "function": {"name": "now", "arguments": ""}}]}]
+    assert c.post(CHAT, json={"messages": no_args, "tools": WEATHER, "tool_choice": "none"}).status_code == 200
+    assert stub.submitted[-1].messages[1]["tool_calls"][0]["function"]["arguments"] == {}  # was "": `"arguments": }`
     assert sent[2] == {"role": "tool", "tool_call_id": "call_1", "content": "sunny"}
 
 

@@ -76,6 +76,8 @@ def _template_tool_call(call: Any) -> Any:
     function = call.get("function") if isinstance(call, dict) else None
     if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
         return call
+    if not function["arguments"].strip():  # a call without arguments: {} (as vLLM), not a template's `"arguments": }`
+        return {**call, "function": {**function, "arguments": {}}}
     try:
         arguments = json.loads(function["arguments"])
         check_transportable(arguments)
