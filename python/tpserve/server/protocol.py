@@ -50,6 +50,13 @@ class _Body(_Lenient):
         check_transportable(data)
         return data
 
+    def refuse_unserved(self, unserved: dict[str, str]) -> None:
+        """A 400 for the first extra field of ``unserved`` (name -> why) set to ask for its feature: null, false, 0
+        and "" ask for nothing."""
+        for name, why in unserved.items():
+            if (self.model_extra or {}).get(name) not in (None, False, 0, ""):
+                raise APIError.invalid(why, name)
+
 
 class StreamOptions(_Lenient):
     include_usage: bool = False
@@ -211,9 +218,7 @@ class _SamplingFields(_Body):
     def check_common(self) -> None:
         if self.model_extra:
             logger.debug("ignoring unknown request fields: %s", ", ".join(sorted(self.model_extra)))
-        for name, why in UNSERVED_VLLM_FIELDS.items():
-            if (self.model_extra or {}).get(name) not in (None, False, 0, ""):
-                raise APIError.invalid(why, name)
+        self.refuse_unserved(UNSERVED_VLLM_FIELDS)
         if self.n > MAX_N:
             raise APIError.invalid(f"n must be at most {MAX_N}, got {self.n}", "n")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
@@ -322,7 +327,7 @@ def narrow_to_allowed_tools(tools: list[dict[str, Any]] | None, choice: Any) -> 
     if not (isinstance(choice, dict) and choice.get("type") == "allowed_tools"):
         return tools, choice
     try:
-        check_tools(tools)  # every tool given, as without allowed_tools (and as /tokenize checks them)
+        known = check_tools(tools)  # every tool given, as without allowed_tools (and as /tokenize checks them)
     except FieldError as e:
         raise APIError.invalid(e.message, e.param) from e
     spec = choice.get("allowed_tools")
@@ -334,7 +339,6 @@ def narrow_to_allowed_tools(tools: list[dict[str, Any]] | None, choice: Any) -> 
     names = [_function_name(tool) for tool in spec["tools"]]
     if None in names:
         raise APIError.invalid(usage, "tool_choice")
-    known = {_function_name(tool) for tool in tools or []}
     unknown = [name for name in names if name not in known]
     if unknown:
         raise APIError.invalid(f"tool_choice allows {unknown[0]!r}, which is not in tools", "tool_choice")
@@ -379,9 +383,7 @@ class ChatCompletionRequest(_SamplingFields):
         """The checks of a chat body; also narrows an ``allowed_tools`` tool_choice to its tools and mode."""
         self.check_common()
         self.tools, self.tool_choice = narrow_to_allowed_tools(self.tools, self.tool_choice)
-        for name, why in UNSERVED_CHAT_FIELDS.items():
-            if (self.model_extra or {}).get(name) is not None:
-                raise APIError.invalid(why, name)
+        self.refuse_unserved(UNSERVED_CHAT_FIELDS)
         modalities = (self.model_extra or {}).get("modalities")
         if modalities is not None and modalities != ["text"]:
             raise APIError.invalid(f"modalities must be [\"text\"] (tpserve serves text-only models), got {modalities!r}",

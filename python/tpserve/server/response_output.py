@@ -193,7 +193,7 @@ class ResponsesFormat(ResponseFormat):
     id_prefix = "resp"
 
     def __init__(self, model: str, body: ResponsesRequest, output: ChatOutputConfig,
-                 on_done: Callable[[dict[str, Any]], None], params: SamplingParams | None = None) -> None:
+                 on_done: Callable[[dict[str, Any]], None], params: SamplingParams) -> None:
         """``params``: the sampling parameters used (the model's defaults where the body sets none), as reported."""
         super().__init__(model, logprobs=body.wants_logprobs)
         self.id = _new_id("resp")
@@ -245,11 +245,11 @@ class ResponsesFormat(ResponseFormat):
             "conversation": None if body.conversation_id is None else {"id": body.conversation_id},
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
             "store": body.store,
-            "temperature": body.temperature if self.params is None else self.params.temperature,
+            "temperature": self.params.temperature,
             "text": body.text or {"format": {"type": "text"}},
             "tool_choice": body.tool_choice,
             "tools": body.tools,
-            "top_p": body.top_p if self.params is None else self.params.top_p,
+            "top_p": self.params.top_p,
             "top_logprobs": body.top_logprobs,
             "truncation": body.truncation,
             "usage": None if usage is None else _usage(usage, self._items.reasoning.count),

@@ -78,9 +78,7 @@ class ResponsesRequest(_Body):
         return conversation.get("id") if isinstance(conversation, dict) else conversation
 
     def check(self) -> None:
-        for name, why in UNSUPPORTED_RESPONSES_FIELDS.items():
-            if (self.model_extra or {}).get(name) not in (None, 0, False):
-                raise APIError.invalid(why, name)
+        self.refuse_unserved(UNSUPPORTED_RESPONSES_FIELDS)
         if self.background and not self.store:
             raise APIError.invalid("background responses must be stored: send store: true", "background")
         for item in self.include or []:
