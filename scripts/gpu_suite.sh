@@ -297,6 +297,8 @@ for s in $stages; do
     rest_tests)  # the single-GPU tests engine_tests leaves out: the MoE kernels, decode attention kernels, float32 engines
       stage rest_tests 450 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_moe.py tests/gpu/test_decode_kernels.py \
         tests/gpu/test_float32.py ;;
+    gpu_tests)  # GPU_TESTS: pytest files or node ids (e.g. a new test file with the tests its change touches); GPU_LIMIT: s
+      stage gpu_tests "${GPU_LIMIT:-300}" python3 -m pytest -q -s -p no:cacheprovider ${GPU_TESTS:?} ;;
     shape_tests)  # what no other stage runs: MoE kernels in float32/float16, float16 engines, FP8 outside bf16, head_dim
       # 64/256, an odd tied vocabulary (tests/gpu/test_dtypes_and_shapes.py), and the float32 MoE model test_moe.py has
       # SHAPE_TESTS: other pytest node ids, in the order to run them; SHAPE_LIMIT: seconds

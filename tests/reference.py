@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 
 import torch
-from transformers import AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM
 
 
 @functools.lru_cache(maxsize=8)
@@ -29,6 +29,18 @@ def hf_greedy(model_dir: str, prompt: list[int], max_new_tokens: int) -> list[in
 def hf_logits(model_dir: str, ids: list[int]) -> torch.Tensor:
     """[len(ids), vocab] logits of a full forward pass."""
     return hf_model(model_dir)(torch.tensor([ids])).logits[0].float()
+
+
+@functools.lru_cache(maxsize=4)
+def hf_base_model(model_dir: str):
+    return AutoModel.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_embedding(model_dir: str, ids: list[int], normalize: bool = True) -> torch.Tensor:
+    """The last token's final hidden state (transformers' base model: after the final norm), L2-normalized."""
+    hidden = hf_base_model(model_dir)(torch.tensor([ids])).last_hidden_state[0, -1].float()
+    return torch.nn.functional.normalize(hidden, dim=0) if normalize else hidden
 
 
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:

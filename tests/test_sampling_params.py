@@ -132,3 +132,12 @@ def test_bad_word_bans_follow_the_outputs_tail():
     assert params.bad_word_bans([3, 1]) == [7]
     assert params.needs_output_history and not SamplingParams(bad_words_token_ids=[[7], [8]]).needs_output_history
     assert SamplingParams(bad_words_token_ids=[[7]]).edits_logits and SamplingParams(allowed_token_ids=[1]).edits_logits
+
+
+def test_an_embedding_request_asks_for_no_generated_output():
+    assert SamplingParams(embed=True).embed
+    for extra in ({"logprobs": 1}, {"prompt_logprobs": 0}, {"structured": StructuredOutput("json_object")}):
+        with pytest.raises(ValueError, match="an embedding request"):
+            SamplingParams(embed=True, **extra)
+    with pytest.raises(ValueError, match="embed must be True or False"):
+        SamplingParams(embed=1)

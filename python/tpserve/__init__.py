@@ -3,12 +3,13 @@
 from tpserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "SamplingParams", "__version__"]
+_LLM_NAMES = ("LLM", "CompletionOutput", "RequestOutput", "EmbeddingRequestOutput")
+__all__ = [*_LLM_NAMES, "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
     # Lazy, so `import tpserve` (e.g. in the tokenizer process) does not import torch.
-    if name in ("LLM", "CompletionOutput", "RequestOutput"):
+    if name in _LLM_NAMES:
         from tpserve import llm
 
         return getattr(llm, name)

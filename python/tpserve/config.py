@@ -21,6 +21,13 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2ForCausalLM": "qwen2",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    # the bare decoders (transformers' base models, as sentence-transformers saves embedding models such as
+    # Qwen3-Embedding's): no LM head, so they serve embeddings only
+    "Qwen3Model": "qwen3",
+    "Qwen3MoeModel": "qwen3_moe",
+    "Qwen2Model": "qwen2",
+    "LlamaModel": "llama",
+    "MistralModel": "mistral",
 }
 # Rotary types with frequencies fixed at load time (dynamic and longrope are not implemented).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -167,6 +174,7 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     moe: MoEConfig | None = None  # None: every layer's MLP is dense
     quantization: QuantConfig | None = None  # the checkpoint's quantization_config (FP8 weights)
+    lm_head: bool = True  # False: a bare decoder (``*Model``), which serves embeddings only
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id in self.moe.layers
@@ -191,6 +199,7 @@ class ModelConfig:
         if arch is None:
             raise ValueError(f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         kind = SUPPORTED_ARCHITECTURES[arch]
+        bare = arch.endswith("Model")
         _check_sizes(cfg)
         hf = _hf_config(cfg, kind)
         rope = _check_supported(cfg, hf, kind)
@@ -222,13 +231,16 @@ class ModelConfig:
             rope_parameters=rope,
             max_position_embeddings=hf.max_position_embeddings,
             context_length=_context_length(rope, hf.max_position_embeddings, _sliding_window(hf, kind)),
-            tie_word_embeddings=bool(hf.tie_word_embeddings),
+            # a bare decoder's head is its embedding (no memory of its own): its logits only feed the one sample an
+            # embedding request discards
+            tie_word_embeddings=bool(hf.tie_word_embeddings) or bare,
             qk_norm=kind in ("qwen3", "qwen3_moe"),
             qkv_bias=kind == "qwen2",
             torch_dtype=str(dtype).removeprefix("torch."),
             eos_token_ids=tuple(sorted(eos)),
             moe=moe,
             quantization=quantization,
+            lm_head=not bare,
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size", expert_parallel: bool = False) -> None:

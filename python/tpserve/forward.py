@@ -22,6 +22,7 @@ class SequenceInput:
     page_table: list[int]  # pages holding positions [0, prefix_len + len(token_ids))
     # the first this many new tokens' logits are wanted too (prompt log-probabilities), after the last one's
     extra_logits: int = 0
+    pooled: bool = False  # its last new token's final hidden state is wanted too (an embedding request)
 
     @property
     def extend_len(self) -> int:
@@ -43,6 +44,8 @@ class ForwardInputs:
     # head's rows; None where those are all T tokens in order (one token a sequence: decode)
     last_indices: torch.Tensor | None
     attn: object
+    # [P] rows of the LM head's input whose hidden states the step returns (``SequenceInput.pooled``); None: none
+    pooled_rows: torch.Tensor | None = None
 
 
 @dataclass
@@ -51,6 +54,7 @@ class ForwardContext:
 
     inputs: ForwardInputs
     attention: AttentionBackend
+    pooled: torch.Tensor | None = None  # set by the model: [P, hidden] final hidden states of ``inputs.pooled_rows``
 
 
 def int_array(values, count: int) -> np.ndarray:

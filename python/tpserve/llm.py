@@ -28,6 +28,7 @@ from tpserve.launch.ranks import RankDriver, start_ranks
 from tpserve.message import (
     AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, GetStats, SchedulerStats, TokenOutput,
 )
+from tpserve.pooling import embedding_vector
 from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT, SamplingParams
 from tpserve.scheduler.gc_control import frozen_heap
@@ -72,6 +73,7 @@ class RequestOutput:
     # it (None for the first), and the n most likely (token id, log-probability) pairs at each position.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    hidden_state: bytes | None = None  # with SamplingParams(embed=True): ``TokenOutput.embedding``
 
     @property
     def token_ids(self) -> list[int]:
@@ -92,6 +94,19 @@ class RequestOutput:
     @property
     def top_logprobs(self) -> list[list[tuple[int, float]]] | None:
         return self.outputs[0].top_logprobs
+
+
+@dataclass
+class EmbeddingOutput:
+    embedding: list[float]
+
+
+@dataclass
+class EmbeddingRequestOutput:
+    """One prompt's embedding (``LLM.embed``), as vLLM's: ``outputs.embedding``."""
+
+    prompt_token_ids: list[int]
+    outputs: EmbeddingOutput
 
 
 @dataclass
@@ -125,6 +140,8 @@ class _Pending:
         if out.prompt_logprobs is not None:
             self.result.prompt_logprobs = [None, *out.prompt_logprobs]
             self.result.prompt_top_logprobs = [None, *(out.prompt_top_logprobs or [])]
+        if out.embedding is not None:
+            self.result.hidden_state = out.embedding
         finish = out.finish_reason
         if isinstance(out.matched_stop, int):
             self.ended_by_token = True
@@ -257,6 +274,21 @@ class LLM:
                 prompt_requests.append([GenerateRequest(self._next_rid + i, input_ids, p) for i, p in enumerate(choices)])
                 self._next_rid += len(choices)
             return self._run(self._live_driver("generate"), prompt_requests, use_tqdm)
+
+    def embed(
+        self,
+        prompts: str | Mapping[str, Any] | Iterable[str | Sequence[int] | Mapping[str, Any]],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+        dimensions: int | None = None,
+        normalize: bool = True,
+    ) -> list[EmbeddingRequestOutput]:
+        """Each prompt's embedding (prompts as ``generate`` takes them): the final hidden state of its last token,
+        cut to its first ``dimensions`` values and L2-normalized (``normalize``), as /v1/embeddings answers."""
+        params = SamplingParams(embed=True, max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
+        results = self.generate(prompts, params, use_tqdm)
+        return [EmbeddingRequestOutput(r.prompt_token_ids, EmbeddingOutput(
+            embedding_vector(r.hidden_state, dimensions, normalize).tolist())) for r in results]
 
     def chat(
         self,

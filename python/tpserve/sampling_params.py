@@ -36,7 +36,7 @@ STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INT_FIELDS = ("n", "top_k", "min_tokens")
 _OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
-_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "embed")
 
 
 def _is_int(value: Any) -> bool:
@@ -180,6 +180,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # vLLM's: requests share cached prefixes only with requests of the same salt (a tenant's prompts are neither
     # reused nor timed by others)
     cache_salt: str | None = None
+    # An embedding request (``/v1/embeddings``, ``LLM.embed``): its answer is the final (normed) hidden state of the
+    # prompt's last token, and nothing is generated (the sampling fields are unused)
+    embed: bool = False
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -205,6 +208,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
+        if self.embed and (self.logprobs is not None or self.prompt_logprobs is not None or self.structured is not None):
+            raise ValueError("an embedding request (embed) generates no tokens: it takes no logprobs, prompt_logprobs "
+                             "or structured output")
         salt = self.cache_salt
         if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT):
             raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")

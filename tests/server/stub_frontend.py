@@ -6,6 +6,8 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import numpy as np
+
 from tpserve.message.frontend import ApiOutput, RequestRejected, TokenizeRequest, TokenLogprob
 
 
@@ -41,7 +43,12 @@ class StubFrontend:
     async def _answer(self, req: TokenizeRequest, queue) -> None:
         await asyncio.sleep(0)
         if req.text is not None and "REJECT" in req.text:
-            queue.put_nowait(RequestRejected(rid=req.rid, message="the prompt is too long", param="prompt"))
+            queue.put_nowait(RequestRejected(rid=req.rid, message="the prompt is too long", param=req.prompt_param))
+            return
+        if req.params.embed:  # the hidden state [rid, 1, 2, 3] (EMBEDDING_SIZE values)
+            vector = np.array([req.rid, 1, 2, 3], dtype="<f4").tobytes()
+            queue.put_nowait(ApiOutput(rid=req.rid, text="", new_tokens=0, completion_tokens=0,
+                                       prompt_tokens=self.prompt_tokens, finish_reason="stop", embedding=vector))
             return
         size = -(-len(self.reply) // self.pieces)
         chunks = [self.reply[i : i + size] for i in range(0, len(self.reply), size)]

@@ -616,10 +616,10 @@ def test_continuous_usage_stats_put_the_usage_so_far_in_every_chunk():
 
 
 def test_unserved_openai_endpoints_say_so():
-    """OpenAI endpoints of other modalities (embeddings, audio, ...) were a bare "Not Found": their 404 names them
+    """OpenAI endpoints of other modalities (audio, moderations, ...) were a bare "Not Found": their 404 names them
     and what is served; any other unknown path names the API's routes."""
     c, _ = make_client()
-    for path in ("/v1/embeddings", "/v1/audio/transcriptions", "/v1/moderations", "/v1/batches"):
+    for path in ("/v1/audio/transcriptions", "/v1/moderations", "/v1/batches"):
         err = assert_error(c.post(path, json={"input": "hi", "model": MODEL}), 404, f"{path} is not served")
         assert "/v1/chat/completions" in err["message"] and err["type"] == "invalid_request_error"
     assert_error(c.post("/v1/chat/complete", json={}), 404, "no route /v1/chat/complete (the API is under /v1")
@@ -843,3 +843,59 @@ def test_reasoning_effort_refusals_and_unserved_chat_fields():
         for extra, fragment in (({"use_beam_search": True}, "beam search"), ({"priority": 5}, "priorities")):
             assert_error(c.post(path, json={**base, **extra}), 400, fragment, next(iter(extra)))
         assert c.post(path, json={**base, "use_beam_search": False, "priority": 0}).status_code == 200
+
+
+def test_embeddings_request_and_response_shapes():
+    """/v1/embeddings (was a 404): one backend request per input (text or token ids, named ``input`` in errors),
+    OpenAI's list object in input order, the vector L2-normalized unless ``normalize`` is false, cut to
+    ``dimensions`` first, base64 as little-endian float32; usage counts each input's prompt tokens."""
+    import base64
+
+    import numpy as np
+
+    c, stub = make_client()
+    resp = c.post("/v1/embeddings", json={"input": ["a", "b"], "model": MODEL})
+    assert resp.status_code == 200, resp.text
+    body = resp.json()
+    assert body["object"] == "list" and body["model"] == MODEL and body["id"].startswith("embd-")
+    assert [d["index"] for d in body["data"]] == [0, 1] and all(d["object"] == "embedding" for d in body["data"])
+    first, second = stub.submitted[-2:]
+    assert first.params.embed and first.text == "a" and second.text == "b" and first.prompt_param == "input"
+    for d, req in zip(body["data"], (first, second)):
+        raw = np.array([req.rid, 1, 2, 3], dtype=np.float64)
+        assert np.allclose(d["embedding"], raw / np.linalg.norm(raw), atol=1e-7)
+    assert body["usage"] == {"prompt_tokens": 10, "total_tokens": 10}
+
+    body = c.post("/v1/embeddings", json={"input": [4, 5, 6], "dimensions": 2, "encoding_format": "base64"}).json()
+    assert stub.submitted[-1].input_ids == [4, 5, 6] and stub.submitted[-1].text is None
+    vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
+    rid = stub.submitted[-1].rid
+    assert np.allclose(vector, np.array([rid, 1]) / np.hypot(rid, 1), atol=1e-7)
+    body = c.post("/v1/embeddings", json={"input": [[4], [5]], "normalize": False}).json()
+    assert [d["embedding"] for d in body["data"]] == [[r.rid, 1, 2, 3] for r in stub.submitted[-2:]]
+    assert [r.input_ids for r in stub.submitted[-2:]] == [[4], [5]]
+
+
+@pytest.mark.parametrize("body, param, message", [
+    ({"input": []}, "input", "input must not be empty"),
+    ({"input": ""}, "input", "must not hold an empty string"),
+    ({"input": ["a", ""]}, "input", "must not hold an empty string"),
+    ({"input": [[1], []]}, "input", "an empty token list"),
+    ({"input": "a", "dimensions": 0}, "dimensions", "greater than or equal to 1"),
+    ({"input": "a", "dimensions": 5}, "dimensions", "dimensions must be in [1, 4]"),
+    ({"input": "a", "encoding_format": "int8"}, "encoding_format", "'float' or 'base64'"),
+    ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be >= 1 or -1"),
+    ({"input": 3}, "input", "input"),
+    ({"input": "REJECT me"}, "input", "too long"),
+    ({"input": ["a"] * 65}, "input", "exceed this server's limit of 64"),
+])
+def test_embeddings_bad_requests_are_400s(body, param, message):
+    c, stub = make_client()
+    assert_error(c.post("/v1/embeddings", json=body), 400, message, param)
+
+
+def test_embeddings_check_the_model_and_the_key():
+    c, _ = make_client(api_key="k")
+    assert c.post("/v1/embeddings", json={"input": "a"}).status_code == 401
+    resp = c.post("/v1/embeddings", json={"input": "a", "model": "other"}, headers={"Authorization": "Bearer k"})
+    assert_error(resp, 404, "does not exist", "model")

@@ -389,3 +389,53 @@ def test_n_choices(client):
                                      **GREEDY)
     assert [c.index for c in done.choices] == [0, 1, 2, 3]
     assert done.choices[0].text == done.choices[1].text and done.choices[2].text == done.choices[3].text
+
+
+def test_embeddings_match_transformers(client, url, tokenizer, qwen3_dir):
+    """/v1/embeddings through the official client at TP 1 and 2: each input's vector is transformers' base model's
+    final hidden state of its last token, normalized (float32: within 1e-5); base64 carries the same floats;
+    ``dimensions`` cuts then normalizes again; a chat request running beside them is unchanged."""
+    import base64
+
+    import numpy as np
+    import torch
+    from reference import hf_embedding
+
+    texts = ["The clockmaker's shop 你好", "tick tock " * 20]
+    ids = [tokenizer.encode(t) for t in texts] + [[5, 6, 7]]
+    kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=12, extra_body=IGNORE_EOS, **GREEDY)
+    alone = client.chat.completions.create(**kwargs).choices[0].message.content
+
+    async def together():
+        aclient = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key=API_KEY, max_retries=0, timeout=60)
+        chat = aclient.chat.completions.create(**kwargs)
+        embedded = aclient.embeddings.create(model="tiny", input=texts)
+        return await asyncio.gather(chat, embedded)
+
+    chat, result = asyncio.run(together())
+    assert chat.choices[0].message.content == alone
+    by_ids = client.embeddings.create(model="tiny", input=ids[2])
+    errors = []
+    for item, prompt in zip([*result.data, *by_ids.data], ids):
+        expected = hf_embedding(qwen3_dir, prompt)
+        errors.append(float((torch.tensor(item.embedding) - expected).abs().max()))
+    print(f"embedding max abs error vs transformers: {max(errors):.2e}")
+    assert max(errors) < 1e-5
+    assert result.usage.prompt_tokens == result.usage.total_tokens == len(ids[0]) + len(ids[1])
+
+    raw = httpx.post(f"{url}/v1/embeddings", headers={"Authorization": f"Bearer {API_KEY}"},
+                     json={"input": texts[0], "encoding_format": "base64"}).json()
+    decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
+    assert np.array_equal(decoded, np.array(result.data[0].embedding, dtype=np.float32))
+    cut = client.embeddings.create(model="tiny", input=texts[0], dimensions=8).data[0].embedding
+    head = hf_embedding(qwen3_dir, ids[0], normalize=False)[:8]
+    assert float((torch.tensor(cut) - head / head.norm()).abs().max()) < 1e-5
+
+
+def test_embeddings_errors_are_400s(client):
+    with pytest.raises(openai.BadRequestError, match="at most"):
+        client.embeddings.create(model="tiny", input="x " * 5000)
+    with pytest.raises(openai.BadRequestError, match="dimensions must be in"):
+        client.embeddings.create(model="tiny", input="hi", dimensions=100_000)
+    with pytest.raises(openai.BadRequestError, match="out of range"):
+        client.embeddings.create(model="tiny", input=[[10**6]])

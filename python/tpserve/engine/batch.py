@@ -77,10 +77,12 @@ def build_forward_inputs(
     if not identity:
         packed[3 * row :] = host.last_indices
     flat = upload(torch.from_numpy(packed), device)
+    pooled = [i for i, s in enumerate(seqs) if s.pooled]
     return ForwardInputs(
         input_ids=flat[:total],
         positions=flat[row : row + total],
         out_slots=flat[2 * row : 2 * row + total],
         last_indices=None if identity else flat[3 * row :],
         attn=attn,
+        pooled_rows=upload(torch.tensor(pooled, dtype=torch.int64), device) if pooled else None,
     )

@@ -74,6 +74,11 @@ class LaunchedStep:
             return None
         return tuple(self.host[prefix + name].tolist() for name in ("logprobs", "top_ids", "top_logprobs"))
 
+    def pooled(self) -> list[bytes]:
+        """The pooled sequences' hidden states as little-endian float32 bytes, in batch order; call after ``result``."""
+        pooled = self.host.get("pooled")
+        return [] if pooled is None else [row.numpy().astype("<f4").tobytes() for row in pooled]
+
 
 @dataclass
 class PromptLogprobs:
@@ -84,11 +89,15 @@ class PromptLogprobs:
     top: int
 
 
+# A forward's logits and the final hidden states of its pooled sequences (``SequenceInput.pooled``; None: none)
+Forwarded = tuple[torch.Tensor, torch.Tensor | None]
+
+
 @dataclass
 class PreparedStep:
     """A step whose host work is done and whose uploads are enqueued (``Engine.prepare``)."""
 
-    run: Callable[[torch.Tensor | None], torch.Tensor]  # the previous step's samples -> logits
+    run: Callable[[torch.Tensor | None], Forwarded]  # the previous step's samples -> logits (and pooled rows)
     has_futures: bool  # its tokens include placeholders for the previous step's samples
     sampling: SamplingBatch
     top_logprobs: int | None
@@ -104,6 +113,7 @@ class PendingSample:
     top_logprobs: int | None
     prompt_logits: torch.Tensor | None = None  # [E, vocab]: the extra rows
     prompt_logprobs: PromptLogprobs | None = None
+    pooled: torch.Tensor | None = None  # [P, hidden]: the hidden states of the pooled sequences
 
 
 def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> dict[str, torch.Tensor]:
@@ -318,20 +328,22 @@ class Engine:
         """One step over prefills and decodes alike: [B, vocab] float logits (overwritten by the next
         CUDA graph replay). A token id -(r + 1) stands for row r of ``previous_tokens`` (the last
         step's samples, still on the device): overlap scheduling plans a step before it knows them."""
-        return self._prepare_forward(seqs)(previous_tokens)
+        return self._prepare_forward(seqs)(previous_tokens)[0]
 
-    def _prepare_forward(self, seqs: list[SequenceInput]) -> Callable[[torch.Tensor | None], torch.Tensor]:
+    def _prepare_forward(self, seqs: list[SequenceInput]) -> Callable[[torch.Tensor | None], Forwarded]:
         """``forward``'s host work and uploads; the returned function resolves the placeholder
         tokens and runs the model."""
         if self.graph_runner is not None and self.graph_runner.can_run(seqs):
-            return self.graph_runner.prepare(seqs)
+            replay = self.graph_runner.prepare(seqs)
+            return lambda previous_tokens: (replay(previous_tokens), None)
         meta = self.attention.prepare(seqs, self.device)
         inputs = build_forward_inputs(seqs, self.page_size, self.device, meta)
 
-        def run(previous_tokens: torch.Tensor | None) -> torch.Tensor:
+        def run(previous_tokens: torch.Tensor | None) -> Forwarded:
             if previous_tokens is not None:
                 inputs.input_ids = resolve_future_tokens(inputs.input_ids, previous_tokens)
-            return self.model(ForwardContext(inputs, self.attention))
+            ctx = ForwardContext(inputs, self.attention)
+            return self.model(ctx), ctx.pooled
 
         return run
 
@@ -355,12 +367,12 @@ class Engine:
         """Enqueue a prepared step's forward (reading the last sampled step's tokens); ``sample``
         follows at once or, with grammar masks, once they are filled (they need the previous step's
         tokens, which the host learns while this forward runs)."""
-        logits = step.run(self._last_tokens if step.has_futures else None)
+        logits, pooled = step.run(self._last_tokens if step.has_futures else None)
         if step.prompt_logprobs is None:
-            return PendingSample(logits, step.sampling, step.top_logprobs)
+            return PendingSample(logits, step.sampling, step.top_logprobs, pooled=pooled)
         extra = step.prompt_logprobs.targets.numel()
         rows = logits.shape[0] - extra
-        return PendingSample(logits[:rows], step.sampling, step.top_logprobs, logits[rows:], step.prompt_logprobs)
+        return PendingSample(logits[:rows], step.sampling, step.top_logprobs, logits[rows:], step.prompt_logprobs, pooled)
 
     def launch(self, seqs: list[SequenceInput], sampling: SamplingBatch) -> LaunchedStep:
         """``prepare``, ``start`` and ``sample`` one step (no log-probabilities)."""
@@ -390,6 +402,8 @@ class Engine:
         if pending.prompt_logprobs is not None:
             prompt = compute_logprobs(pending.prompt_logits, pending.prompt_logprobs.targets, pending.prompt_logprobs.top)
             outputs.update({"prompt_" + name: value for name, value in prompt.items()})
+        if pending.pooled is not None:
+            outputs["pooled"] = pending.pooled.float()
         if self.copies is None:
             return LaunchedStep(outputs, None)
         return LaunchedStep(*self.copies.download(outputs))

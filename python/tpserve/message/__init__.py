@@ -69,6 +69,9 @@ class TokenOutput(msgspec.Struct):
     prompt_token_ids: list[int] | None = None
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
+    # An embedding request's answer (finish "stop", no tokens): its last prompt token's final hidden state,
+    # little-endian float32
+    embedding: bytes | None = None
 
 
 class SchedulerStats(msgspec.Struct):

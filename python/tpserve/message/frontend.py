@@ -41,6 +41,7 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True):
     tools: list[dict[str, Any]] | None = None  # rendered by the chat template
     chat_template: str | None = None  # the request's own template (--trust-request-chat-template), else the server's
     structured_param: str = "response_format"  # the field params.structured came from, named if it is invalid
+    prompt_param: str = "prompt"  # the field ``text`` or ``input_ids`` came from (``input`` for embeddings)
 
 
 TokenizerInput = TokenizeRequest | Shutdown
@@ -100,6 +101,7 @@ class ApiOutput(msgspec.Struct, kw_only=True):
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, with the first output, when asked
     matched_stop: int | str | None = None  # the stop token id or stop string that ended it
     prompt_in_reasoning: bool | None = None
+    embedding: bytes | None = None  # an embedding request's answer (``TokenOutput.embedding``)
 
 
 class ApiOutputBatch(msgspec.Struct, tag="api_outputs", kw_only=True):

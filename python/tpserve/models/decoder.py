@@ -138,9 +138,15 @@ class CausalLM(nn.Module):
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, tied=tied)
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
-        """Logits [B, vocab] of each sequence's last new token (only those go through the head)."""
+        """Logits [B, vocab] of each sequence's last new token (only those go through the head); the hidden states
+        of ``inputs.pooled_rows`` among those rows go to ``ctx.pooled``."""
         hidden = self.model(ctx)
-        rows = ctx.inputs.last_indices
-        if rows is None:  # one token a sequence: the head may norm its input as it reads it
+        rows, pooled = ctx.inputs.last_indices, ctx.inputs.pooled_rows
+        if rows is None and pooled is None:  # one token a sequence: the head may norm its input as it reads it
             return self.lm_head(hidden)
-        return self.lm_head((hidden.value() if isinstance(hidden, PendingNorm) else hidden)[rows])
+        head_in = hidden.value() if isinstance(hidden, PendingNorm) else hidden
+        if rows is not None:
+            head_in = head_in[rows]
+        if pooled is not None:
+            ctx.pooled = head_in[pooled]
+        return self.lm_head(head_in)

@@ -37,8 +37,19 @@ ShardId = str | int | tuple[int, int] | None  # tuple: (expert, part) of stacked
 Target = tuple[str, str, ShardId]  # (module path, parameter name, shard id)
 
 
-def checkpoint_target(name: str) -> Target:
+# The decoder's own modules, which a checkpoint of the bare decoder (transformers' Qwen3Model and kin, as
+# sentence-transformers saves embedding models) names without the "model." of *ForCausalLM's
+_DECODER_MODULES = ("embed_tokens.", "layers.", "norm.")
+
+
+def canonical_name(name: str) -> str:
+    """A checkpoint tensor's name as *ForCausalLM's checkpoints spell it."""
     name = name.removeprefix("language_model.")
+    return "model." + name if name.startswith(_DECODER_MODULES) else name
+
+
+def checkpoint_target(name: str) -> Target:
+    name = canonical_name(name)
     expert = _EXPERT.fullmatch(name)
     if expert:
         param, part = _EXPERT_PARTS[expert["proj"]]
@@ -102,7 +113,7 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> None:
 
 def checkpoint_pieces(name: str, tensor: torch.Tensor) -> Iterator[tuple[Target, torch.Tensor]]:
     """The (target, tensor) pairs of one checkpoint tensor: itself, or views of each expert's pieces."""
-    stacked = _STACKED_EXPERTS.fullmatch(name.removeprefix("language_model."))
+    stacked = _STACKED_EXPERTS.fullmatch(canonical_name(name))
     if stacked is None:
         yield checkpoint_target(name), tensor
         return

@@ -108,6 +108,9 @@ class Scheduler:
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
         if not prompt_ids:
             raise AdmissionError("the prompt is empty")
+        if not params.embed and not self.engine.model_config.lm_head:
+            raise AdmissionError(f"this model ({self.engine.model_config.architecture}, a decoder without an LM head) "
+                                 "serves embeddings only (/v1/embeddings, LLM.embed)")
         vocab = self.engine.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise AdmissionError(f"prompt token ids must be in [0, {vocab})")
@@ -122,7 +125,8 @@ class Scheduler:
                 f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {capacity} tokens in all"
             )
         room = self.max_model_len - len(prompt_ids)
-        max_new = room if params.max_tokens is None else min(params.max_tokens, room)
+        # an embedding request takes its prompt's one sample (never shown) for the hidden state beside it
+        max_new = 1 if params.embed else room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(rid, list(prompt_ids), params, seed, max_new)
         if params.structured is not None:
             self.compiling.add(rid, req, params.structured)
@@ -264,6 +268,8 @@ class Scheduler:
             sampling.edits = self._logit_edits(scheduled, params, steps, sampled)
         no_token_rows = sampling.edits.empty_rows if sampling.edits is not None else frozenset()
         wanted = [req.params.logprobs for req, _ in scheduled if req.params.logprobs is not None]
+        for seq, (req, _), last in zip(seqs, scheduled, sampled):
+            seq.pooled = last and req.params.embed
         counts, targets, prompt_top = prompt_logprobs.plan_rows(scheduled, seqs)
         prompt_rows = [(req, req.num_cached, count) for (req, _), count in zip(scheduled, counts) if count]
         prepared = self.engine.prepare(seqs, sampling, max(wanted) if wanted else None, targets, prompt_top)
@@ -340,12 +346,20 @@ class Scheduler:
         logprobs = launched.handle.logprobs()
         if launched.prompt_rows:
             prompt_logprobs.record(launched.prompt_rows, launched.handle)
+        pooled = iter(launched.handle.pooled())  # in batch order, one for each embedding request's last chunk
         outputs = []
         for row, ((req, sampled), token) in enumerate(zip(launched.entries, tokens)):
+            embedding = next(pooled) if sampled and req.params.embed else None
             if not sampled or self.running.get(req.rid) is not req:
                 continue  # a mid-prompt chunk, or the request finished/aborted meanwhile
             req.pending -= 1
             first = not req.output_ids
+            if embedding is not None:
+                req.finish_reason = "stop"
+                outputs.append(TokenOutput(req.rid, [], "stop", prompt_tokens=len(req.prompt_ids),
+                                           cached_tokens=req.cached_tokens, embedding=embedding))
+                self._retire(self.running.pop(req.rid))
+                continue
             if row in launched.dead_end_rows or row in launched.no_token_rows:
                 error = _no_token_error(req, grammar_dead_end=row in launched.dead_end_rows)
                 outputs.append(TokenOutput(req.rid, [], "error", prompt_tokens=len(req.prompt_ids) if first else 0,

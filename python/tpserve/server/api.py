@@ -17,6 +17,7 @@ from tpserve.server.errors import APIError, check_model_name
 from tpserve.server.limits import BodySizeLimit, RequestLimits
 from tpserve.server.metrics import CONTENT_TYPE, CountResponses, ServerMetrics
 from tpserve.server.conversation_store import ConversationStore
+from tpserve.server.embeddings import EmbeddingRequest, create_embeddings
 from tpserve.server.conversations import (
     add_items,
     create_conversation,
@@ -130,6 +131,10 @@ def _v1_router() -> APIRouter:
     @router.post("/completions")
     async def completions(body: CompletionRequest, request: Request) -> Response:
         return await _serving(request).completion(body, request, _state(request).tokenize_service().decode)
+
+    @router.post("/embeddings")
+    async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
+        return await create_embeddings(_serving(request), body, request)
 
     @router.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:

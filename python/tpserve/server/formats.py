@@ -54,6 +54,7 @@ class Choice:
     prompt_logprobs: list[TokenLogprob] | None = None  # asked with echo: one per prompt token
     prompt_in_reasoning: bool | None = None  # the prompt's think block (DetokenizeRegister's)
     matched_stop: int | str | None = None
+    embedding: bytes | None = None  # an embedding request's answer (ApiOutput.embedding)
 
     @property
     def finished(self) -> bool:

@@ -65,11 +65,12 @@ class RequestLimits:
     def max_prompt_chars(self) -> int:
         return self.context_len * MAX_CHARS_PER_TOKEN
 
-    def check_sequences(self, prompts: int, n: int) -> None:
+    def check_sequences(self, prompts: int, n: int, param: str = "prompt") -> None:
+        """``param``: the field the prompts came from."""
         if prompts * n > self.max_sequences:
             raise APIError.invalid(
                 f"{prompts} prompt(s) x n={n} = {prompts * n} sequences exceed this server's limit of "
-                f"{self.max_sequences} per request (--max-sequences-per-request)", "n" if n > 1 else "prompt"
+                f"{self.max_sequences} per request (--max-sequences-per-request)", "n" if n > 1 else param
             )
 
     def check_text(self, chars: int, param: str) -> None:

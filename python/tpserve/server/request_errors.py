@@ -93,7 +93,7 @@ def _unreadable_body(exc: StarletteHTTPException) -> str:
 
 
 # OpenAI API endpoints a text-generation server does not serve: their 404 says so (FastAPI's says "Not Found")
-UNSERVED_ENDPOINTS = ("embeddings", "audio", "images", "moderations", "files", "uploads", "batches", "fine_tuning",
+UNSERVED_ENDPOINTS = ("audio", "images", "moderations", "files", "uploads", "batches", "fine_tuning",
                       "assistants", "threads", "vector_stores", "realtime", "evals", "containers", "videos")
 
 
@@ -101,8 +101,9 @@ def _not_found(path: str) -> str:
     resource = path.removeprefix("/v1/").split("/", 1)[0]
     if path.startswith("/v1/") and resource in UNSERVED_ENDPOINTS:
         return (f"{path} is not served: tpserve serves text generation (/v1/chat/completions, /v1/completions, "
-                "/v1/responses, /v1/conversations)")
-    return f"no route {path} (the API is under /v1: chat/completions, completions, responses, conversations, models)"
+                "/v1/responses, /v1/conversations) and /v1/embeddings")
+    return (f"no route {path} (the API is under /v1: chat/completions, completions, responses, conversations, "
+            "embeddings, models)")
 
 
 class JsonByDefault:

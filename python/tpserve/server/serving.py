@@ -128,6 +128,8 @@ class Generation:
             choice.logprobs.extend(event.logprobs)
         if event.prompt_logprobs:
             choice.prompt_logprobs = event.prompt_logprobs
+        if event.embedding is not None:
+            choice.embedding = event.embedding
         choice.prompt_tokens = event.prompt_tokens
         choice.completion_tokens = event.completion_tokens
         choice.cached_tokens = event.cached_tokens

@@ -119,6 +119,7 @@ class DetokenizerManager:
             prompt_logprobs=self._prompt_logprobs(out),
             matched_stop=stop.matched if stop.stopped else out.matched_stop,
             prompt_in_reasoning=state.prompt_in_reasoning,
+            embedding=out.embedding,
         )
 
     def _logprobs(self, out: TokenOutput) -> list[TokenLogprob] | None:

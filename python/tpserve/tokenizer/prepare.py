@@ -118,6 +118,9 @@ class PromptPreparer:
         n = len(input_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty", param)
+        if n >= ctx and req.params.embed:
+            raise InvalidRequest(f"the input has {n} tokens, but this model's context length is {ctx} tokens "
+                                 f"(it embeds at most {ctx - 1})", param)
         if n >= ctx:
             raise InvalidRequest(
                 f"the prompt has {n} tokens, but this model's context length is {ctx} tokens "
@@ -173,12 +176,12 @@ class PromptPreparer:
             text = self.render_chat(req)
             return list(self._tokenizer.encode(text, add_special_tokens=False)), "messages", text
         if req.text is not None:
-            return list(self._tokenizer.encode(req.text)), "prompt", ""
+            return list(self._tokenizer.encode(req.text)), req.prompt_param, ""
         if req.input_ids is not None:
             # ids the tokenizer knows, as vLLM checks them: echo and /detokenize can then render the prompt (the
             # embedding's padding rows past the tokenizer, e.g. Qwen3's 151,669-151,935, are not a prompt's)
-            self._check_ids(req.input_ids, "prompt", min(self._limits.vocab_size, len(self._tokenizer)))
-            return list(req.input_ids), "prompt", ""
+            self._check_ids(req.input_ids, req.prompt_param, min(self._limits.vocab_size, len(self._tokenizer)))
+            return list(req.input_ids), req.prompt_param, ""
         raise InvalidRequest("the request has no prompt", "prompt")
 
     def render_chat(self, req: TokenizeRequest) -> str:

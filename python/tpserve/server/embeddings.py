@@ -1,0 +1,111 @@
+"""POST /v1/embeddings: OpenAI's embeddings API (and vLLM's extensions to it) over the served model.
+
+An input's embedding is the final (normed) hidden state of its last token, L2-normalized: the last-token pooling
+of Qwen3-Embedding and of the other decoder-based embedding models. Any served model answers; a generative
+model's vectors mean what its last hidden state means. The scheduler runs an embedding request as a prefill
+whose one sample is never shown (``SamplingParams.embed``), so it shares batches, chunked prefill and the
+prefix cache with generation.
+"""
+
+from __future__ import annotations
+
+import base64
+import time
+import uuid
+from typing import Literal, Union
+
+import numpy as np
+from fastapi import Request
+from fastapi.responses import JSONResponse, Response
+from pydantic import Field, StrictInt, StrictStr
+
+from tpserve.message.frontend import TokenizeRequest
+from tpserve.pooling import embedding_vector
+from tpserve.sampling_params import SamplingParams
+from tpserve.server.errors import APIError
+from tpserve.server.protocol import _Body
+from tpserve.server.serving import ClientGone, Generation, Serving
+
+EmbeddingInput = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
+
+
+class EmbeddingRequest(_Body):
+    input: EmbeddingInput
+    model: str | None = None
+    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32, as OpenAI sends them
+    dimensions: int | None = Field(default=None, ge=1)  # the first this many values, normalized again (Matryoshka)
+    user: str | None = None
+    normalize: bool = True  # vLLM's: False returns the hidden state as it is
+    truncate_prompt_tokens: int | None = None  # vLLM's: each input's last k tokens only (-1: as many as fit)
+
+    def inputs(self) -> list[str | list[int]]:
+        """One entry per embedding: a text or a list of token ids."""
+        given = self.input
+        if isinstance(given, str):
+            given = [given]
+        elif given and isinstance(given[0], int):
+            given = [list(given)]
+        if not given:
+            raise APIError.invalid("input must not be empty", "input")
+        if any(not item for item in given):
+            raise APIError.invalid("input must not hold an empty string or an empty token list", "input")
+        return list(given)
+
+    def sampling_params(self) -> SamplingParams:
+        try:
+            return SamplingParams(embed=True, max_tokens=1, truncate_prompt_tokens=self.truncate_prompt_tokens)
+        except ValueError as e:
+            raise APIError.invalid(str(e), "truncate_prompt_tokens") from e
+
+
+def _vector(raw: bytes, body: EmbeddingRequest) -> np.ndarray:
+    try:
+        return embedding_vector(raw, body.dimensions, body.normalize)
+    except ValueError as e:  # dimensions past the hidden size, known once the first answer is in
+        raise APIError.invalid(str(e), "dimensions") from e
+
+
+def encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
+    if encoding_format == "base64":
+        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+    return vector.tolist()
+
+
+async def create_embeddings(serving: Serving, body: EmbeddingRequest, request: Request) -> Response:
+    serving.check_model(body.model)
+    inputs = body.inputs()
+    params = body.sampling_params()
+    serving.limits.check_sequences(len(inputs), 1, "input")
+    for item in inputs:
+        if isinstance(item, str):
+            serving.limits.check_text(len(item), "input")
+        else:
+            serving.limits.check_ids(len(item), "input")
+    reqs = [
+        TokenizeRequest(rid=serving.frontend.new_rid(), params=params, prompt_param="input",
+                        text=item if isinstance(item, str) else None,
+                        input_ids=None if isinstance(item, str) else item)
+        for item in inputs
+    ]
+    gen = Generation(serving.frontend, serving.metrics, reqs, timeout=serving.request_timeout, shown=False)
+    try:
+        await gen.start()
+        while not gen.finished:
+            await gen.next(request.is_disconnected)
+    except ClientGone:
+        await gen.abort(client_gone=True)
+        return Response(status_code=499)
+    except BaseException:
+        await gen.abort()
+        raise
+    data = [
+        {"object": "embedding", "index": choice.index,
+         "embedding": encode(_vector(choice.embedding, body), body.encoding_format)}
+        for choice in sorted(gen.choices.values(), key=lambda c: c.index)
+    ]
+    prompt_tokens = gen.usage()["prompt_tokens"]
+    return JSONResponse({
+        "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": serving.model_name,
+        "data": data, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
+    })
+

@@ -1,0 +1,62 @@
+"""``LLM.embed`` and the bare-decoder checkpoints embedding models ship as (transformers' Qwen3Model: tensors
+without "model.", no LM head), against transformers' base model in float32."""
+
+from __future__ import annotations
+
+import shutil
+
+import numpy as np
+import pytest
+import torch
+from reference import hf_embedding
+
+from tpserve import LLM
+from tpserve.config import ModelConfig
+from tpserve.pooling import embedding_vector
+
+
+@pytest.fixture(scope="module")
+def bare_dir(qwen3_dir, tmp_path_factory) -> str:
+    """The tiny model's decoder saved as transformers saves a base model (architectures ["Qwen3Model"])."""
+    from transformers import AutoModel
+
+    out = tmp_path_factory.mktemp("bare")
+    AutoModel.from_pretrained(qwen3_dir, dtype=torch.float32).save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{qwen3_dir}/{name}", out)
+    return str(out)
+
+
+def test_embedding_vector_cuts_then_normalizes():
+    raw = np.array([3, 4, 12], dtype="<f4").tobytes()
+    assert np.allclose(embedding_vector(raw), [3 / 13, 4 / 13, 12 / 13])
+    assert np.allclose(embedding_vector(raw, dimensions=2), [0.6, 0.8])
+    assert embedding_vector(raw, normalize=False).tolist() == [3, 4, 12]
+    assert embedding_vector(np.zeros(2, "<f4").tobytes()).tolist() == [0, 0]  # no division by zero
+    with pytest.raises(ValueError, match=r"dimensions must be in \[1, 3\]"):
+        embedding_vector(raw, dimensions=4)
+
+
+@pytest.mark.parametrize("which", ["causal_lm", "bare"])
+def test_llm_embed_matches_transformers(which, qwen3_dir, bare_dir):
+    model_dir = bare_dir if which == "bare" else qwen3_dir
+    prompts = ["a clockmaker", [5, 6, 7, 8], {"prompt_token_ids": list(range(3, 40))}]
+    with LLM(model_dir, device="cpu", chunked_prefill_size=16) as llm:
+        outputs = llm.embed(prompts, use_tqdm=False)
+        cut = llm.embed([[5, 6, 7, 8]], use_tqdm=False, dimensions=8, normalize=False)[0]
+        if which == "bare":
+            with pytest.raises(ValueError, match=r"Qwen3Model, a decoder without an LM head\) serves embeddings only"):
+                llm.generate(["hi"], use_tqdm=False)
+    errors = [float((torch.tensor(o.outputs.embedding) - hf_embedding(qwen3_dir, o.prompt_token_ids)).abs().max())
+              for o in outputs]
+    print(f"{which}: embedding max abs error vs transformers: {max(errors):.2e}")
+    assert max(errors) < 1e-5 and [len(o.prompt_token_ids) for o in outputs][1:] == [4, 37]
+    expected = hf_embedding(qwen3_dir, [5, 6, 7, 8], normalize=False)[:8]
+    assert float((torch.tensor(cut.outputs.embedding) - expected).abs().max()) < 1e-5
+
+
+def test_a_bare_decoder_is_read_as_its_causal_lm_without_a_head(qwen3_dir, bare_dir):
+    bare, full = ModelConfig.from_pretrained(bare_dir), ModelConfig.from_pretrained(qwen3_dir)
+    assert bare.architecture == "Qwen3Model" and not bare.lm_head and full.lm_head
+    assert bare.tie_word_embeddings  # the head is the embedding: no memory of its own
+    assert bare.hidden_size == full.hidden_size and bare.num_hidden_layers == full.num_hidden_layers
