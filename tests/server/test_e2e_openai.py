@@ -370,6 +370,43 @@ def test_completions_echo(client, qwen3_dir):
     with pytest.raises(openai.BadRequestError, match="max_tokens 0 needs echo"):
         client.completions.create(model="tiny", prompt=ids, max_tokens=0)
 
+def test_vllm_prompt_logprobs_with_ranks(client, url, tokenizer, qwen3_dir):
+    """vLLM's prompt_logprobs (was ignored): completions give each choice, chat the response, per prompt token None
+    for the first, then {id: {logprob, rank, decoded_token}} of the token and the k most likely, as transformers
+    computes them; echo with logprobs keeps its own count of alternatives; with stream it is a 400, as in vLLM."""
+    import torch
+
+    from reference import hf_logits
+
+    ids = [40, 41, 42, 43, 44, 45]
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    body = {"model": "tiny", "prompt": ids, "max_tokens": 2, "prompt_logprobs": 2, "echo": True, "logprobs": 1}
+    choice = httpx.post(f"{url}/v1/completions", headers=headers, json=body).json()["choices"][0]
+    shown = choice["prompt_logprobs"]
+    logprobs = torch.log_softmax(hf_logits(qwen3_dir, ids)[:-1], dim=-1)
+    assert shown[0] is None and len(shown) == len(ids)
+    for position, entry in enumerate(shown[1:]):
+        row, token = logprobs[position], ids[position + 1]
+        mine = entry[str(token)]
+        assert abs(mine["logprob"] - float(row[token])) < 1e-4 and mine["decoded_token"] == tokenizer.decode([token])
+        assert mine["rank"] == int((row > row[token]).sum()) + 1
+        top = row.topk(2).indices.tolist()
+        assert all(entry[str(t)]["rank"] == r for r, t in enumerate(top, start=1) if t != token)
+        assert set(entry) == {str(token), *map(str, top)}
+    assert all(top is None or len(top) == 1 for top in choice["logprobs"]["top_logprobs"])  # echo's logprobs=1
+
+    chat = httpx.post(f"{url}/v1/chat/completions", headers=headers, json={
+        "model": "tiny", "messages": MESSAGES, "max_tokens": 2, "prompt_logprobs": 0}).json()
+    prompt = tokenizer.encode(tokenizer.apply_chat_template(MESSAGES, tokenize=False, add_generation_prompt=True),
+                              add_special_tokens=False)
+    assert len(chat["prompt_logprobs"]) == len(prompt) and chat["prompt_logprobs"][0] is None
+    assert [list(entry) for entry in chat["prompt_logprobs"][1:]] == [[str(t)] for t in prompt[1:]]
+    assert "prompt_logprobs" not in chat["choices"][0]
+    for stream_body in ({**body, "stream": True}, {**body, "prompt_logprobs": 21}):
+        resp = httpx.post(f"{url}/v1/completions", headers=headers, json=stream_body)
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "prompt_logprobs"
+
+
 def test_n_choices(client):
     kwargs = dict(model="tiny", messages=MESSAGES, max_tokens=6, temperature=1.0, seed=11, extra_body=IGNORE_EOS)
     three = client.chat.completions.create(n=3, **kwargs)

@@ -74,6 +74,10 @@ class LaunchedStep:
             return None
         return tuple(self.host[prefix + name].tolist() for name in ("logprobs", "top_ids", "top_logprobs"))
 
+    def prompt_ranks(self) -> list[int]:
+        """Each extra logits row's target's rank in the vocabulary; call after ``result``."""
+        return self.host["prompt_ranks"].tolist()
+
     def pooled(self) -> list[bytes]:
         """The pooled sequences' hidden states as little-endian float32 bytes, in batch order; call after ``result``."""
         pooled = self.host.get("pooled")
@@ -116,11 +120,18 @@ class PendingSample:
     pooled: torch.Tensor | None = None  # [P, hidden]: the hidden states of the pooled sequences
 
 
-def compute_logprobs(logits: torch.Tensor, tokens: torch.Tensor, top_n: int) -> dict[str, torch.Tensor]:
-    """Log-probabilities under the model (raw logits, before temperature and filters)."""
+def compute_logprobs(
+    logits: torch.Tensor, tokens: torch.Tensor, top_n: int, ranks: bool = False
+) -> dict[str, torch.Tensor]:
+    """Log-probabilities under the model (raw logits, before temperature and filters); ``ranks``: also each
+    token's rank among the vocabulary (1: the most likely; ties share the better rank)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     top_logprobs, top_ids = logprobs.topk(top_n, dim=-1)  # top_n 0 gives empty [B, 0] tensors
-    return {"logprobs": logprobs.gather(1, tokens[:, None]).squeeze(1), "top_ids": top_ids, "top_logprobs": top_logprobs}
+    chosen = logprobs.gather(1, tokens[:, None])
+    out = {"logprobs": chosen.squeeze(1), "top_ids": top_ids, "top_logprobs": top_logprobs}
+    if ranks:
+        out["ranks"] = (logprobs > chosen).sum(dim=1) + 1
+    return out
 
 
 def resolve_device(device: str | None, rank: int, first_gpu: int = 0) -> torch.device:
@@ -400,7 +411,8 @@ class Engine:
         if pending.top_logprobs is not None:  # before the next graph replay overwrites the logits
             outputs.update(compute_logprobs(logits, tokens, pending.top_logprobs))
         if pending.prompt_logprobs is not None:
-            prompt = compute_logprobs(pending.prompt_logits, pending.prompt_logprobs.targets, pending.prompt_logprobs.top)
+            prompt = compute_logprobs(pending.prompt_logits, pending.prompt_logprobs.targets, pending.prompt_logprobs.top,
+                                      ranks=True)
             outputs.update({"prompt_" + name: value for name, value in prompt.items()})
         if pending.pooled is not None:
             outputs["pooled"] = pending.pooled.float()

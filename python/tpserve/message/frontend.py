@@ -80,6 +80,7 @@ class TokenLogprob(msgspec.Struct, array_like=True):
     raw: bytes
     token_id: int = -1
     top_ids: list[int] = msgspec.field(default_factory=list)
+    rank: int = 0  # a prompt token's rank in the vocabulary (1: the most likely; 0: not known)
 
 
 class ApiOutput(msgspec.Struct, kw_only=True):

@@ -37,12 +37,13 @@ def record(entries: list[tuple[Request, int, int]], handle: LaunchedStep) -> Non
     """Store a step's results in their requests; ``entries``: (request, first position, count), in the
     order of the step's extra logits rows."""
     chosen, top_ids, top_values = handle.logprobs("prompt_")
+    ranks = handle.prompt_ranks()
     row = 0
     for req, start, count in entries:
         if req.prompt_logprobs is not None:  # None: it finished meanwhile
             n = req.params.prompt_logprobs
             for i, position in enumerate(range(start, start + count), start=row):
-                req.prompt_logprobs[position] = (chosen[i], list(zip(top_ids[i][:n], top_values[i][:n])))
+                req.prompt_logprobs[position] = (chosen[i], list(zip(top_ids[i][:n], top_values[i][:n])), ranks[i])
         row += count
 
 
@@ -52,4 +53,5 @@ def attach(out: TokenOutput, req: Request) -> None:
     out.prompt_token_ids = req.prompt_ids
     out.prompt_logprobs = [e[0] for e in entries]
     out.prompt_top_logprobs = [e[1] for e in entries]
+    out.prompt_ranks = [e[2] for e in entries]
     req.prompt_logprobs = None

@@ -34,8 +34,9 @@ class Request:
     slot: int = -1  # its row of the engine's penalty state (-1: none), kept until it finishes
     grammar: RequestGrammar | None = None  # structured output: its matcher
     allowed_mask: torch.Tensor | None = None  # params.allowed_token_ids on the device (logit_edits.allowed_mask)
-    # params.prompt_logprobs: entry p is (log-probability of prompt token p + 1, top (id, log-probability) pairs)
-    prompt_logprobs: list[tuple[float, list[tuple[int, float]]] | None] | None = None
+    # params.prompt_logprobs: entry p is (log-probability of prompt token p + 1, top (id, log-probability) pairs,
+    # its rank in the vocabulary)
+    prompt_logprobs: list[tuple[float, list[tuple[int, float]], int] | None] | None = None
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -69,6 +69,7 @@ class ResponseFormat:
     chunk_object_name: str
     id_prefix: str
     shows_output = True  # False: the generated tokens are left out (and not counted as generated)
+    prompt_logprobs_per_choice = True  # vLLM's prompt_logprobs on each choice (completions), or on the response (chat)
 
     def __init__(self, model: str, include_usage: bool = False, logprobs: bool = False,
                  request_id: str | None = None, tokens_as_ids: bool = False) -> None:
@@ -80,6 +81,7 @@ class ResponseFormat:
         self.tokens_as_ids = tokens_as_ids  # logprobs name tokens "token_id:N" (vLLM's return_tokens_as_token_ids)
         # continuous_usage_stats: a choice's usage as streamed so far (by index), which its chunks then carry
         self.usage_so_far: Callable[[int], dict[str, Any]] | None = None
+        self.prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: shown, with this many alternatives
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -98,12 +100,18 @@ class ResponseFormat:
         return sse({**self._envelope(self.chunk_object_name, []), "usage": self.counted(usage)})
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
+        ordered = sorted(choices, key=lambda c: c.index)
         bodies = []
-        for c in sorted(choices, key=lambda c: c.index):  # matched_stop: SGLang's extension, the stop that ended it
+        for c in ordered:  # matched_stop: SGLang's extension, the stop that ended it
             body = self.full_choice(c)
             body.setdefault("matched_stop", c.matched_stop)
+            if self.prompt_logprobs is not None and self.prompt_logprobs_per_choice:
+                body["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, self.prompt_logprobs)
             bodies.append(body)
-        return {**self._envelope(self.object_name, bodies), "usage": self.counted(usage)}
+        response = {**self._envelope(self.object_name, bodies), "usage": self.counted(usage)}
+        if self.prompt_logprobs is not None and not self.prompt_logprobs_per_choice:  # one prompt: the first's
+            response["prompt_logprobs"] = vllm_prompt_logprobs(ordered[0].prompt_logprobs, self.prompt_logprobs)
+        return response
 
     def counted(self, usage: dict[str, Any], index: int | None = None) -> dict[str, Any]:
         """The usage as the response shows it (``index``: one choice's, streamed with continuous_usage_stats)."""
@@ -130,6 +138,21 @@ class ResponseFormat:
         raise NotImplementedError
 
 
+def vllm_prompt_logprobs(entries: list[TokenLogprob] | None, top: int) -> list[dict[str, Any] | None]:
+    """vLLM's ``prompt_logprobs``: per prompt token, None for the first, then {token id: {logprob, rank,
+    decoded_token}} of the token itself and the ``top`` most likely ones (ranked 1..top)."""
+    shown: list[dict[str, Any] | None] = []
+    for e in entries or []:
+        if e.logprob is None:
+            shown.append(None)
+            continue
+        ranked = {str(e.token_id): {"logprob": e.logprob, "rank": e.rank, "decoded_token": e.token}}
+        for rank, ((text, _, logprob), token_id) in enumerate(zip(e.top[:top], e.top_ids[:top]), start=1):
+            ranked.setdefault(str(token_id), {"logprob": logprob, "rank": rank, "decoded_token": text})
+        shown.append(ranked)
+    return shown
+
+
 def chat_logprobs(entries: list[TokenLogprob] | None, tokens_as_ids: bool = False) -> list[dict[str, Any]]:
     """Tokens' log-probabilities as chat's ``logprobs.content`` lists them (and the Responses API's
     ``output_text`` parts); ``tokens_as_ids``: each token named ``token_id:N``."""
@@ -151,6 +174,7 @@ class ChatFormat(ResponseFormat):
     object_name = "chat.completion"
     chunk_object_name = "chat.completion.chunk"
     id_prefix = "chatcmpl"
+    prompt_logprobs_per_choice = False
 
     def __init__(
         self, model: str, include_usage: bool = False, logprobs: bool = False, output: ChatOutputConfig | None = None,
@@ -246,9 +270,11 @@ class CompletionFormat(ResponseFormat):
 
     def __init__(
         self, model: str, include_usage: bool = False, logprobs: bool = False, echo: list[str] | None = None,
-        generates: bool = True, request_id: str | None = None, tokens_as_ids: bool = False,
+        generates: bool = True, request_id: str | None = None, tokens_as_ids: bool = False, echo_top: int = 0,
     ) -> None:
+        """``echo_top``: the alternatives the echoed prompt's logprobs show (the request's ``logprobs``)."""
         super().__init__(model, include_usage, logprobs, request_id, tokens_as_ids)
+        self._echo_top = echo_top
         self._offsets: dict[int, int] = {}  # per choice: text offset of its next token (streaming)
         self._echo = echo  # per choice: the prompt text its text starts with
         self._echoed: set[int] = set()  # choices whose stream has sent it
@@ -293,7 +319,9 @@ class CompletionFormat(ResponseFormat):
         """``text`` and ``entries`` after the prompt's, with ``echo``."""
         if self._echo is None:
             return text, entries
-        return self._echo[index] + text, (prompt_entries or []) + (entries or [])
+        prompt_entries = [msgspec.structs.replace(e, top=e.top[:self._echo_top], top_ids=e.top_ids[:self._echo_top])
+                          for e in prompt_entries or []]  # prompt_logprobs may have asked for more
+        return self._echo[index] + text, prompt_entries + (entries or [])
 
     def output_chunks(self, choice: Choice, out: ApiOutput) -> list[bytes]:
         chunks = []

@@ -197,6 +197,8 @@ class _SamplingFields(_Body):
     include_stop_str_in_output: bool = False
     truncate_prompt_tokens: int | None = None  # vLLM's: the prompt's last k tokens only (-1: as many as fit)
     return_tokens_as_token_ids: bool = False  # vLLM's: logprobs name tokens "token_id:N"
+    # vLLM's: each prompt token's log-probability and rank, with the k most likely tokens at its position
+    prompt_logprobs: int | None = None
     cache_salt: StrictStr | None = None  # vLLM's: cached prefixes are shared only with requests of the same salt
     # structured output: OpenAI's response_format, and the vLLM/SGLang extensions
     response_format: dict[str, Any] | None = None
@@ -225,6 +227,11 @@ class _SamplingFields(_Body):
             raise APIError.invalid("seed must be in [0, 2**63)", "seed")
         if self.stream_options is not None and not self.stream:
             raise APIError.invalid("stream_options is only allowed with stream=true", "stream_options")
+        if self.prompt_logprobs is not None:
+            if not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:  # vLLM's -1 (the whole vocabulary) too
+                raise APIError.invalid(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}]", "prompt_logprobs")
+            if self.stream:  # as vLLM refuses it
+                raise APIError.invalid("prompt_logprobs is not available with stream=true", "prompt_logprobs")
 
     @property
     def include_usage(self) -> bool:
@@ -305,6 +312,7 @@ class _SamplingFields(_Body):
             "min_tokens": self.min_tokens,
             "include_stop_str_in_output": self.include_stop_str_in_output,
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
+            "prompt_logprobs": self.prompt_logprobs,
             "cache_salt": self.cache_salt,
             "skip_special_tokens": self.skip_special_tokens,
             "structured": structured,
@@ -450,7 +458,7 @@ class CompletionRequest(_SamplingFields):
     ) -> SamplingParams:
         params = super().sampling_params(max_tokens, structured, defaults)
         if self.echo and self.logprobs is not None:  # the echoed prompt comes with its log-probabilities
-            params = msgspec.structs.replace(params, prompt_logprobs=self.logprobs)
+            params = msgspec.structs.replace(params, prompt_logprobs=max(self.logprobs, self.prompt_logprobs or 0))
         return params
 
     def prompts(self) -> list[Union[str, list[int]]]:

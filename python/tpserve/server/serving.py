@@ -196,6 +196,7 @@ class Serving:
         fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output,
                          request_id=request_id(request), echo=body.echoed_text(),
                          tokens_as_ids=body.return_tokens_as_token_ids)
+        fmt.prompt_logprobs = body.prompt_logprobs
         return await self.run(reqs, fmt, body.stream, request, body.n, body.continuous_usage)
 
     def chat_requests(
@@ -253,7 +254,9 @@ class Serving:
         if body.echo:  # each choice's text starts with its prompt's
             echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]
         fmt = CompletionFormat(self.model_name, body.include_usage, params.logprobs is not None, echo, generates,
-                               request_id=request_id(request), tokens_as_ids=body.return_tokens_as_token_ids)
+                               request_id=request_id(request), tokens_as_ids=body.return_tokens_as_token_ids,
+                               echo_top=body.logprobs or 0)
+        fmt.prompt_logprobs = body.prompt_logprobs
         return await self.run(reqs, fmt, body.stream, request, body.n, body.continuous_usage)
 
     async def run(

@@ -133,13 +133,16 @@ class DetokenizerManager:
             return None
         ids = out.prompt_token_ids
         tops = out.prompt_top_logprobs or [[] for _ in ids[1:]]
+        ranks = out.prompt_ranks or [0 for _ in ids[1:]]
         entries = [self._entry(ids[0], None, [])]
-        entries += [self._entry(token, logprob, top) for token, logprob, top in zip(ids[1:], out.prompt_logprobs, tops)]
+        entries += [self._entry(token, logprob, top, rank)
+                    for token, logprob, top, rank in zip(ids[1:], out.prompt_logprobs, tops, ranks)]
         return entries
 
-    def _entry(self, token_id: int, logprob: float | None, top: list[tuple[int, float]]) -> TokenLogprob:
+    def _entry(self, token_id: int, logprob: float | None, top: list[tuple[int, float]], rank: int = 0) -> TokenLogprob:
         text, raw = self._text_of(token_id)
-        return TokenLogprob(text, logprob, [(*self._text_of(t), v) for t, v in top], raw, token_id, [t for t, _ in top])
+        return TokenLogprob(text, logprob, [(*self._text_of(t), v) for t, v in top], raw, token_id, [t for t, _ in top],
+                            rank)
 
     def _text_of(self, token_id: int) -> tuple[str, bytes]:
         """A single token's text, as OpenAI's logprobs show it (special tokens included), and its bytes."""
