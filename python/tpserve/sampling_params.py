@@ -208,7 +208,7 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.embed and (self.logprobs is not None or self.prompt_logprobs is not None or self.structured is not None):
+        if self.embed and not (self.logprobs is None and self.prompt_logprobs is None and self.structured is None):
             raise ValueError("an embedding request (embed) generates no tokens: it takes no logprobs, prompt_logprobs "
                              "or structured output")
         salt = self.cache_salt

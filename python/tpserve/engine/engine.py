@@ -383,7 +383,8 @@ class Engine:
             return PendingSample(logits, step.sampling, step.top_logprobs, pooled=pooled)
         extra = step.prompt_logprobs.targets.numel()
         rows = logits.shape[0] - extra
-        return PendingSample(logits[:rows], step.sampling, step.top_logprobs, logits[rows:], step.prompt_logprobs, pooled)
+        return PendingSample(logits[:rows], step.sampling, step.top_logprobs, logits[rows:], step.prompt_logprobs,
+                             pooled)
 
     def launch(self, seqs: list[SequenceInput], sampling: SamplingBatch) -> LaunchedStep:
         """``prepare``, ``start`` and ``sample`` one step (no log-probabilities)."""
@@ -411,8 +412,8 @@ class Engine:
         if pending.top_logprobs is not None:  # before the next graph replay overwrites the logits
             outputs.update(compute_logprobs(logits, tokens, pending.top_logprobs))
         if pending.prompt_logprobs is not None:
-            prompt = compute_logprobs(pending.prompt_logits, pending.prompt_logprobs.targets, pending.prompt_logprobs.top,
-                                      ranks=True)
+            asked = pending.prompt_logprobs
+            prompt = compute_logprobs(pending.prompt_logits, asked.targets, asked.top, ranks=True)
             outputs.update({"prompt_" + name: value for name, value in prompt.items()})
         if pending.pooled is not None:
             outputs["pooled"] = pending.pooled.float()

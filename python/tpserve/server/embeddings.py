@@ -10,21 +10,20 @@ prefix cache with generation.
 from __future__ import annotations
 
 import base64
-import time
-import uuid
-from typing import Literal, Union
+from typing import Any, Iterable, Literal, Union
 
-import numpy as np
 from fastapi import Request
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import Response
 from pydantic import Field, StrictInt, StrictStr
 
 from tpserve.message.frontend import TokenizeRequest
 from tpserve.pooling import embedding_vector
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.errors import APIError
+from tpserve.server.formats import Choice, ResponseFormat
 from tpserve.server.protocol import _Body
-from tpserve.server.serving import ClientGone, Generation, Serving
+from tpserve.server.request_id import request_id
+from tpserve.server.serving import Serving
 
 EmbeddingInput = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
 
@@ -58,17 +57,36 @@ class EmbeddingRequest(_Body):
             raise APIError.invalid(str(e), "truncate_prompt_tokens") from e
 
 
-def _vector(raw: bytes, body: EmbeddingRequest) -> np.ndarray:
-    try:
-        return embedding_vector(raw, body.dimensions, body.normalize)
-    except ValueError as e:  # dimensions past the hidden size, known once the first answer is in
-        raise APIError.invalid(str(e), "dimensions") from e
+class EmbeddingFormat(ResponseFormat):
+    """The embeddings API's list object, built from each input's hidden state (``Choice.embedding``)."""
 
+    object_name = "list"
+    id_prefix = "embd"
+    shows_output = False  # the one sampled token is no output
 
-def encode(vector: np.ndarray, encoding_format: str) -> list[float] | str:
-    if encoding_format == "base64":
-        return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
-    return vector.tolist()
+    def __init__(self, model: str, body: EmbeddingRequest, request_id: str | None = None) -> None:
+        super().__init__(model, request_id=request_id)
+        self.body = body
+
+    def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
+        ordered = sorted(choices, key=lambda c: c.index)
+        for c in ordered:
+            if c.embedding is None:  # ended otherwise, e.g. too long for the whole KV cache ("length")
+                raise APIError.invalid(f"input {c.index} could not be embedded (it ended with {c.finish_reason!r})",
+                                       "input")
+        data = [{"object": "embedding", "index": c.index, "embedding": self._encoded(c.embedding)} for c in ordered]
+        prompt_tokens = usage["prompt_tokens"]
+        return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+
+    def _encoded(self, raw: bytes) -> list[float] | str:
+        try:
+            vector = embedding_vector(raw, self.body.dimensions, self.body.normalize)
+        except ValueError as e:  # dimensions past the hidden size, known once the answers are in
+            raise APIError.invalid(str(e), "dimensions") from e
+        if self.body.encoding_format == "base64":
+            return base64.b64encode(vector.astype("<f4").tobytes()).decode("ascii")
+        return vector.tolist()
 
 
 async def create_embeddings(serving: Serving, body: EmbeddingRequest, request: Request) -> Response:
@@ -87,25 +105,4 @@ async def create_embeddings(serving: Serving, body: EmbeddingRequest, request: R
                         input_ids=None if isinstance(item, str) else item)
         for item in inputs
     ]
-    gen = Generation(serving.frontend, serving.metrics, reqs, timeout=serving.request_timeout, shown=False)
-    try:
-        await gen.start()
-        while not gen.finished:
-            await gen.next(request.is_disconnected)
-    except ClientGone:
-        await gen.abort(client_gone=True)
-        return Response(status_code=499)
-    except BaseException:
-        await gen.abort()
-        raise
-    data = [
-        {"object": "embedding", "index": choice.index,
-         "embedding": encode(_vector(choice.embedding, body), body.encoding_format)}
-        for choice in sorted(gen.choices.values(), key=lambda c: c.index)
-    ]
-    prompt_tokens = gen.usage()["prompt_tokens"]
-    return JSONResponse({
-        "id": f"embd-{uuid.uuid4().hex}", "object": "list", "created": int(time.time()), "model": serving.model_name,
-        "data": data, "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens},
-    })
-
+    return await serving.run(reqs, EmbeddingFormat(serving.model_name, body, request_id(request)), False, request)
