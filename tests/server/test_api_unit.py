@@ -64,6 +64,7 @@ def test_not_ready_is_503():
     c, _ = make_client(ready=False)
     assert_error(c.get("/health"), 503)
     assert c.head("/health").status_code == 503
+    assert c.get("/ping").status_code == c.post("/ping").status_code == 503
     err = assert_error(c.post(CHAT, json={"messages": USER}), 503)
     assert err["code"] == "not_ready"
     assert c.get("/version").status_code == 200
@@ -72,6 +73,7 @@ def test_not_ready_is_503():
 def test_health_version_metrics(client):
     assert client.get("/health").json() == {"status": "ok"}
     assert client.head("/health").status_code == 200  # load balancers probe with HEAD too
+    assert client.get("/ping").json() == client.post("/ping").json() == {"status": "ok"}  # vLLM's (SageMaker's)
     assert "version" in client.get("/version").json()
     text = client.get("/metrics").text
     for name in ("tpserve_num_requests_running", "tpserve_num_requests_waiting", "tpserve_kv_pages_used",
@@ -89,6 +91,7 @@ def test_api_key():
     assert c.get("/v1/models", headers={"Authorization": "Bearer sekret"}).status_code == 200
     assert c.get("/health").status_code == 200  # not behind the key
     assert_error(c.post("/flush_cache"), 401)
+    assert_error(c.post("/reset_prefix_cache"), 401)
 
 
 def test_models(client):
@@ -102,7 +105,8 @@ def test_models(client):
 def test_flush_cache():
     c, stub = make_client()
     assert c.post("/flush_cache").status_code == 200
-    assert stub.flushes == 1
+    assert c.post("/reset_prefix_cache").status_code == 200  # vLLM's name for it
+    assert stub.flushes == 2
 
 
 # ---- validation ----

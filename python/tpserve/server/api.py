@@ -212,6 +212,7 @@ def _admin_router() -> APIRouter:
     router = APIRouter()
 
     @router.api_route("/health", methods=["GET", "HEAD"])  # HEAD: load balancers' probes
+    @router.api_route("/ping", methods=["GET", "POST"])  # vLLM's (SageMaker's health check)
     async def health(request: Request) -> Response:
         _serving(request)  # 503 while starting or stopping
         state = _state(request)
@@ -239,6 +240,7 @@ def _admin_router() -> APIRouter:
         return await _state(request).tokenize_service().detokenize(body)
 
     @router.post("/flush_cache", dependencies=[Depends(_check_api_key)])
+    @router.post("/reset_prefix_cache", dependencies=[Depends(_check_api_key)])  # vLLM's name
     async def flush_cache(request: Request) -> dict[str, str]:
         await _serving(request).frontend.flush_cache()
         return {"status": "ok", "message": "prefix cache flush requested"}
