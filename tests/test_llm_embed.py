@@ -3,6 +3,7 @@ without "model.", no LM head), against transformers' base model in float32."""
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import numpy as np
@@ -45,7 +46,7 @@ def test_llm_embed_matches_transformers(which, qwen3_dir, bare_dir):
         outputs = llm.embed(prompts, use_tqdm=False)
         cut = llm.embed([[5, 6, 7, 8]], use_tqdm=False, dimensions=8, normalize=False)[0]
         if which == "bare":
-            with pytest.raises(ValueError, match=r"Qwen3Model, a decoder without an LM head\) serves embeddings only"):
+            with pytest.raises(ValueError, match=r"\(Qwen3Model\) has no LM head \(lm_head.weight\): it serves embeddings"):
                 llm.generate(["hi"], use_tqdm=False)
     errors = [float((torch.tensor(o.outputs.embedding) - hf_embedding(qwen3_dir, o.prompt_token_ids)).abs().max())
               for o in outputs]
@@ -55,8 +56,20 @@ def test_llm_embed_matches_transformers(which, qwen3_dir, bare_dir):
     assert float((torch.tensor(cut.outputs.embedding) - expected).abs().max()) < 1e-5
 
 
-def test_a_bare_decoder_is_read_as_its_causal_lm_without_a_head(qwen3_dir, bare_dir):
+def test_a_bare_decoder_is_read_as_its_causal_lm_without_a_head(qwen3_dir, bare_dir, tmp_path):
     bare, full = ModelConfig.from_pretrained(bare_dir), ModelConfig.from_pretrained(qwen3_dir)
     assert bare.architecture == "Qwen3Model" and not bare.lm_head and full.lm_head
     assert bare.tie_word_embeddings  # the head is the embedding: no memory of its own
     assert bare.hidden_size == full.hidden_size and bare.num_hidden_layers == full.num_hidden_layers
+    # a *ForCausalLM config (untied) over the bare decoder's weights, as embedding models may ship: no head either
+    shutil.copytree(bare_dir, tmp_path / "m")
+    config = json.loads((tmp_path / "m" / "config.json").read_text())
+    config.update(architectures=["Qwen3ForCausalLM"], tie_word_embeddings=False)
+    (tmp_path / "m" / "config.json").write_text(json.dumps(config))
+    labelled = ModelConfig.from_pretrained(str(tmp_path / "m"))
+    assert labelled.architecture == "Qwen3ForCausalLM" and not labelled.lm_head and labelled.tie_word_embeddings
+    with LLM(str(tmp_path / "m"), device="cpu") as llm:
+        vector = llm.embed([[5, 6, 7]], use_tqdm=False)[0].outputs.embedding
+        with pytest.raises(ValueError, match=r"\(Qwen3ForCausalLM\) has no LM head"):
+            llm.generate([[5, 6]], use_tqdm=False)
+    assert float((torch.tensor(vector) - hf_embedding(qwen3_dir, [5, 6, 7])).abs().max()) < 1e-5

@@ -1,5 +1,6 @@
 """``tpserve`` / ``python -m tpserve``: serve a model over HTTP, or chat with it (--shell);
-``python -m tpserve plan``: choose TP and DP for a model and a machine."""
+``python -m tpserve plan``: choose TP and DP for a model and a machine;
+``python -m tpserve run-batch``: answer a file of OpenAI batch requests offline."""
 
 from __future__ import annotations
 
@@ -17,6 +18,10 @@ def main(argv: list[str] | None = None) -> int:
         from tpserve.plan.cli import main as plan_main
 
         return plan_main(argv[1:])
+    if argv[:1] == ["run-batch"]:
+        from tpserve.launch.batch import main as batch_main
+
+        return batch_main(argv[1:])
     return serve(parse_args(argv))
 
 

@@ -3,6 +3,7 @@ implements, and its split over TP ranks (``check_tp_size``). The serving setting
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import os
 from dataclasses import dataclass
@@ -10,7 +11,7 @@ from typing import Any
 
 import torch
 
-from tpserve.models.checkpoint import read_json_object
+from tpserve.models.checkpoint import read_json_object, tensor_names
 from tpserve.quant.config import QuantConfig, parse_quantization_config
 
 logger = logging.getLogger(__name__)
@@ -318,7 +319,17 @@ class ModelConfig:
             gen_eos = read_json_object(gen_path).get("eos_token_id")
             if gen_eos is not None:
                 eos = gen_eos if isinstance(gen_eos, list) else [gen_eos]
-        return cls.from_dict(cfg, tuple(eos))
+        config = cls.from_dict(cfg, tuple(eos))
+        if config.lm_head and not config.tie_word_embeddings and _lacks_lm_head(model_dir):
+            # an embedding model's *ForCausalLM config over the bare decoder's weights (as sentence-transformers
+            # saves them): no head to generate with; its place is the embedding's, as for a *Model architecture
+            config = dataclasses.replace(config, tie_word_embeddings=True, lm_head=False)
+        return config
+
+
+def _lacks_lm_head(model_dir: str) -> bool:
+    names = tensor_names(model_dir)
+    return bool(names) and not any(name.removeprefix("language_model.") == "lm_head.weight" for name in names)
 
 
 def resolve_dtype(dtype: str | torch.dtype | None, model_config: ModelConfig, device: torch.device) -> torch.dtype:

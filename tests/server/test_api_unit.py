@@ -875,6 +875,9 @@ def test_embeddings_request_and_response_shapes():
     vector = np.frombuffer(base64.b64decode(body["data"][0]["embedding"]), dtype="<f4")
     rid = stub.submitted[-1].rid
     assert np.allclose(vector, np.array([rid, 1]) / np.hypot(rid, 1), atol=1e-7)
+    c.post("/v1/embeddings", json={"input": "a", "cache_salt": "tenant", "add_special_tokens": False})
+    assert stub.submitted[-1].params.cache_salt == "tenant" and not stub.submitted[-1].add_special_tokens
+    assert stub.submitted[-2].add_special_tokens
     body = c.post("/v1/embeddings", json={"input": [[4], [5]], "normalize": False}).json()
     assert [d["embedding"] for d in body["data"]] == [[r.rid, 1, 2, 3] for r in stub.submitted[-2:]]
     assert [r.input_ids for r in stub.submitted[-2:]] == [[4], [5]]
@@ -891,6 +894,8 @@ def test_embeddings_request_and_response_shapes():
     ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be >= 1 or -1"),
     ({"input": 3}, "input", "input"),
     ({"input": "REJECT me"}, "input", "too long"),
+    ({"input": "a", "priority": 1}, "priority", "request priorities are not served"),
+    ({"input": "a", "cache_salt": ""}, "cache_salt", "cache_salt must be a non-empty string"),
     ({"input": ["a"] * 65}, "input", "exceed this server's limit of 64"),
 ])
 def test_embeddings_bad_requests_are_400s(body, param, message):

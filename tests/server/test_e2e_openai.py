@@ -449,6 +449,7 @@ def test_embeddings_match_transformers(client, url, tokenizer, qwen3_dir):
         embedded = aclient.embeddings.create(model="tiny", input=texts)
         return await asyncio.gather(chat, embedded)
 
+    before = metrics(url)
     chat, result = asyncio.run(together())
     assert chat.choices[0].message.content == alone
     by_ids = client.embeddings.create(model="tiny", input=ids[2])
@@ -459,6 +460,11 @@ def test_embeddings_match_transformers(client, url, tokenizer, qwen3_dir):
     print(f"embedding max abs error vs transformers: {max(errors):.2e}")
     assert max(errors) < 1e-5
     assert result.usage.prompt_tokens == result.usage.total_tokens == len(ids[0]) + len(ids[1])
+    # the embeddings' prompts count as prompt tokens, and they finish "stop" (review: 0 tokens, "length")
+    after, stop = metrics(url), 'tpserve_requests_finished_total{finish_reason="stop"}'
+    prompt_delta = after["tpserve_prompt_tokens_total"] - before["tpserve_prompt_tokens_total"]
+    assert prompt_delta - chat.usage.prompt_tokens == result.usage.prompt_tokens + by_ids.usage.prompt_tokens
+    assert after[stop] - before.get(stop, 0.0) >= 3
 
     raw = httpx.post(f"{url}/v1/embeddings", headers={"Authorization": f"Bearer {API_KEY}"},
                      json={"input": texts[0], "encoding_format": "base64"}).json()

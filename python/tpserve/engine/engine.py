@@ -219,6 +219,8 @@ class Engine:
                 self.attention.describe(), self.num_pages - 1, self.page_size,
                 f"up to batch {self.graph_runner.max_batch_size}" if self.graph_runner else "off",
             )
+            if not self.model_config.lm_head:
+                logger.info("the checkpoint has no LM head: it serves embeddings only")
 
     def _quantization_note(self) -> str:
         quant = self.quantization

@@ -91,7 +91,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
         allow_abbrev=False,  # --mem would otherwise silently mean --mem-fraction
         epilog="To choose --tp-size and --dp-size for a model and a machine before launching: "
-        "python -m tpserve plan --help.",
+        "python -m tpserve plan --help. To answer a file of OpenAI batch requests offline: "
+        "python -m tpserve run-batch --help.",
     )
     model = p.add_argument_group("model")
     model.add_argument(
@@ -259,10 +260,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def parse_args(argv: list[str] | None = None) -> ServerArgs:
     """Parse and validate; a bad value exits with a usage error that names it."""
-    parser = build_parser()
+    return parse_with(build_parser(), argv)[0]
+
+
+def parse_with(parser: argparse.ArgumentParser, argv: list[str] | None) -> tuple[ServerArgs, argparse.Namespace]:
+    """``parse_args`` with ``build_parser``'s parser grown by a command's own flags, found in the namespace."""
     ns = parser.parse_args(argv)
     try:
-        return _to_server_args(ns)
+        return _to_server_args(ns), ns
     except (ModelNotFound, ValueError, KeyError, OSError) as e:
         parser.error(str(e))  # exits with status 2
 

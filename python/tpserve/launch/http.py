@@ -14,24 +14,18 @@ import math
 import resource
 import signal
 import socket
-import threading
 import time
 from typing import Callable, Iterator
 
 import uvicorn
 
 from tpserve.launch.args import ServerArgs
-from tpserve.launch.backend import STOP_SIGNALS, Backend, ChildDied, StartupCancelled
-from tpserve.router.policy import Dispatch
-from tpserve.sampling_defaults import describe as describe_defaults
+from tpserve.launch.backend import STOP_SIGNALS
+from tpserve.launch.frontend import serving_backend, watch
 from tpserve.server.api import AppState, create_app
-from tpserve.server.client import FrontendClient, ReplicaRouter
-from tpserve.server.limits import RequestLimits
-from tpserve.server.serving import Serving
 
 logger = logging.getLogger(__name__)
 
-WATCH_INTERVAL_S = 0.5
 HTTP_GRACEFUL_S = 2  # open connections get this long to finish when stopping
 OPEN_FILES_TARGET = 65536
 
@@ -193,89 +187,19 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
     http_task = asyncio.create_task(server.serve(sockets=[sock]), name="http")
     logger.info("listening on %s (starting up: /health is 503 until the model is loaded)", url)
 
-    backend = Backend(args.engine, args.log_level, args)
-    dispatch = Dispatch.for_replicas(args.engine, args.load_balance_method,
-                                     lambda: backend.stalled_replicas(args.health_timeout))
-    frontend = FrontendClient(backend.endpoints, state.metrics.on_stats, state.metrics.on_aborted_finish, dispatch)
-    router = None if dispatch is None else ReplicaRouter(backend.endpoints, dispatch)
-    if dispatch is not None:
-        state.metrics.watch_router(dispatch.router)
-    tasks: list[asyncio.Task] = []
-    try:
-        backend.start()
-        if not await _wait_ready(backend, stop, http_task):
-            return 1 if not stop.is_set() else 0
-        tasks.append(asyncio.create_task(frontend.run(), name="dispatcher"))
-        if router is not None:
-            tasks.append(asyncio.create_task(router.run(), name="router"))
-        state.serving = Serving(
-            frontend, state.metrics, args.served_model_name,
-            RequestLimits(args.context_len, args.max_sequences_per_request), args.model_aliases,
-            args.reasoning_parser, args.tool_call_parser, args.request_timeout, args.sampling_defaults,
-            args.trust_request_chat_template,
-        )
-        state.liveness = lambda: backend.stalled(args.health_timeout)
-        if args.sampling_defaults:
-            logger.info("requests that leave them unset sample with %s (the model's generation config; "
-                        "--generation-config vllm: none)", describe_defaults(args.sampling_defaults))
-        logger.info("ready: serving %r on %s", args.served_model_name, url)
-        return await _watch(backend, stop, [http_task, *tasks])
-    finally:
-        state.serving = None  # new requests: 503
-        state.stopping = True
-        frontend.cancel_all("the server is shutting down")  # open streams end cleanly
+    async def close_http() -> None:
         server.should_exit = True
         with contextlib.suppress(Exception, asyncio.CancelledError):
             await asyncio.wait_for(http_task, HTTP_GRACEFUL_S + 2)
-        for task in tasks:
-            task.cancel()
-        await asyncio.to_thread(backend.shutdown)
-        frontend.close()
-        if router is not None:
-            router.close()
-        logger.info("stopped")
+
+    async with serving_backend(args, state, stop, http_task, close_http) as running:
+        if running is None:
+            return 1 if not stop.is_set() else 0
+        logger.info("ready: serving %r on %s", args.served_model_name, url)
+        return await watch(running.backend, stop, [http_task, *running.tasks])
 
 
 def _on_signal(sig: int, stop: asyncio.Event) -> None:
     if not stop.is_set():
         logger.info("received %s: shutting down", signal.Signals(sig).name)
     stop.set()
-
-
-async def _wait_ready(backend: Backend, stop: asyncio.Event, http_task: asyncio.Task) -> bool:
-    """True once every child acknowledged; False on a signal or a start-up failure."""
-    cancel = threading.Event()
-    ready = asyncio.create_task(asyncio.to_thread(backend.wait_ready, cancel))
-    stopped = asyncio.create_task(stop.wait())
-    await asyncio.wait([ready, stopped, http_task], return_when=asyncio.FIRST_COMPLETED)
-    stopped.cancel()
-    cancel.set()
-    try:
-        await ready
-    except StartupCancelled:
-        return False
-    except ChildDied as e:
-        logger.error("start-up failed: %s", e)
-        return False
-    if http_task.done():
-        logger.error("the HTTP server stopped during start-up")
-        return False
-    return not stop.is_set()
-
-
-async def _watch(backend: Backend, stop: asyncio.Event, tasks: list[asyncio.Task]) -> int:
-    """Serve until a signal (exit 0) or a dead child or task (exit 1)."""
-    while True:
-        with contextlib.suppress(asyncio.TimeoutError):
-            await asyncio.wait_for(stop.wait(), WATCH_INTERVAL_S)
-        if stop.is_set():
-            return 0
-        dead = backend.dead_child()
-        if dead is not None:
-            logger.error("%s: shutting the server down", dead)
-            return 1
-        for task in tasks:
-            if task.done():
-                exc = None if task.cancelled() else task.exception()
-                logger.error("the %s task stopped (%r): shutting the server down", task.get_name(), exc)
-                return 1

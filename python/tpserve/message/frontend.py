@@ -42,6 +42,7 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True):
     chat_template: str | None = None  # the request's own template (--trust-request-chat-template), else the server's
     structured_param: str = "response_format"  # the field params.structured came from, named if it is invalid
     prompt_param: str = "prompt"  # the field ``text`` or ``input_ids`` came from (``input`` for embeddings)
+    add_special_tokens: bool = True  # ``text`` is tokenized with the tokenizer's special tokens (e.g. a BOS)
 
 
 TokenizerInput = TokenizeRequest | Shutdown

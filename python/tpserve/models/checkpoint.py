@@ -33,6 +33,22 @@ def safetensors_files(model_dir: str) -> list[str]:
     return [os.path.join(model_dir, n) for n in found]
 
 
+def tensor_names(model_dir: str) -> set[str] | None:
+    """The checkpoint's tensor names (the index's, else the files' headers), or None where it has no weights."""
+    index = os.path.join(model_dir, INDEX_FILE)
+    if os.path.exists(index):
+        weight_map = read_json_object(index).get("weight_map")
+        return set(weight_map) if isinstance(weight_map, dict) else None
+    try:
+        files = safetensors_files(model_dir)
+    except FileNotFoundError:
+        return None
+    names: set[str] = set()
+    for path in files:
+        names.update(open_safetensors(path).keys())
+    return names
+
+
 def read_json_object(path: str) -> dict[str, Any]:
     """A JSON file holding an object (config.json, the index); anything else is a ValueError naming the file."""
     with open(path, encoding="utf-8") as f:

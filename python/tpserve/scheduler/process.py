@@ -141,7 +141,7 @@ class SchedulerLoop:
         replies.extend(outputs)
         if replies:
             self.io.send(BatchTokenOutput(replies, self.scheduler.stats()))
-        self.maybe_log(len(outputs))
+        self.maybe_log(sum(len(out.token_ids) for out in outputs))
         return True
 
     def apply(self, msg: GenerateRequest | AbortRequest | GrammarReady | FlushCache | GetStats) -> list[TokenOutput]:

@@ -109,8 +109,8 @@ class Scheduler:
         if not prompt_ids:
             raise AdmissionError("the prompt is empty")
         if not params.embed and not self.engine.model_config.lm_head:
-            raise AdmissionError(f"this model ({self.engine.model_config.architecture}, a decoder without an LM head) "
-                                 "serves embeddings only (/v1/embeddings, LLM.embed)")
+            raise AdmissionError(f"this checkpoint ({self.engine.model_config.architecture}) has no LM head "
+                                 "(lm_head.weight): it serves embeddings only (/v1/embeddings, LLM.embed)")
         vocab = self.engine.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise AdmissionError(f"prompt token ids must be in [0, {vocab})")

@@ -21,7 +21,7 @@ from tpserve.pooling import embedding_vector
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.errors import APIError
 from tpserve.server.formats import Choice, ResponseFormat
-from tpserve.server.protocol import _Body
+from tpserve.server.protocol import UNSERVED_VLLM_FIELDS, _Body, _param_of
 from tpserve.server.request_id import request_id
 from tpserve.server.serving import Serving
 
@@ -36,9 +36,12 @@ class EmbeddingRequest(_Body):
     user: str | None = None
     normalize: bool = True  # vLLM's: False returns the hidden state as it is
     truncate_prompt_tokens: int | None = None  # vLLM's: each input's last k tokens only (-1: as many as fit)
+    add_special_tokens: bool = True  # vLLM's: texts are tokenized with the tokenizer's special tokens
+    cache_salt: StrictStr | None = None  # vLLM's: cached prefixes are shared only with requests of the same salt
 
     def inputs(self) -> list[str | list[int]]:
-        """One entry per embedding: a text or a list of token ids."""
+        """One entry per embedding: a text or a list of token ids (the body checked first)."""
+        self.refuse_unserved(UNSERVED_VLLM_FIELDS)
         given = self.input
         if isinstance(given, str):
             given = [given]
@@ -52,9 +55,10 @@ class EmbeddingRequest(_Body):
 
     def sampling_params(self) -> SamplingParams:
         try:
-            return SamplingParams(embed=True, max_tokens=1, truncate_prompt_tokens=self.truncate_prompt_tokens)
+            return SamplingParams(embed=True, max_tokens=1, truncate_prompt_tokens=self.truncate_prompt_tokens,
+                                  cache_salt=self.cache_salt)
         except ValueError as e:
-            raise APIError.invalid(str(e), "truncate_prompt_tokens") from e
+            raise APIError.invalid(str(e), _param_of(str(e))) from e
 
 
 class EmbeddingFormat(ResponseFormat):
@@ -62,7 +66,6 @@ class EmbeddingFormat(ResponseFormat):
 
     object_name = "list"
     id_prefix = "embd"
-    shows_output = False  # the one sampled token is no output
 
     def __init__(self, model: str, body: EmbeddingRequest, request_id: str | None = None) -> None:
         super().__init__(model, request_id=request_id)
@@ -101,7 +104,7 @@ async def create_embeddings(serving: Serving, body: EmbeddingRequest, request: R
             serving.limits.check_ids(len(item), "input")
     reqs = [
         TokenizeRequest(rid=serving.frontend.new_rid(), params=params, prompt_param="input",
-                        text=item if isinstance(item, str) else None,
+                        add_special_tokens=body.add_special_tokens, text=item if isinstance(item, str) else None,
                         input_ids=None if isinstance(item, str) else item)
         for item in inputs
     ]

@@ -158,15 +158,16 @@ class RequestTimer:
         self._last: float | None = None
         self._prompt_counted = False
 
-    def on_output(self, new_tokens: int, prompt_tokens: int) -> None:
+    def on_output(self, new_tokens: int, prompt_tokens: int, embedded: bool = False) -> None:
+        """``embedded``: the output is an embedding request's answer (its prompt counts, no token comes)."""
         m = self._metrics
-        if new_tokens <= 0:
+        if new_tokens <= 0 and not embedded:
             return
         now = time.monotonic()
         if not self._prompt_counted and prompt_tokens:
             m.prompt_tokens.inc(prompt_tokens)
             self._prompt_counted = True
-        if not self._shown:
+        if not self._shown or new_tokens <= 0:
             return
         m.generation_tokens.inc(new_tokens)
         if self._last is None:

@@ -133,7 +133,7 @@ class Generation:
         choice.prompt_tokens = event.prompt_tokens
         choice.completion_tokens = event.completion_tokens
         choice.cached_tokens = event.cached_tokens
-        choice.timer.on_output(event.new_tokens, event.prompt_tokens)
+        choice.timer.on_output(event.new_tokens, event.prompt_tokens, embedded=event.embedding is not None)
         if event.finish_reason is not None:
             choice.finish_reason = event.finish_reason
             choice.timer.on_finish(event.finish_reason)

@@ -1,0 +1,142 @@
+"""``tpserve run-batch -i requests.jsonl -o results.jsonl --model M``: OpenAI's batch file format, offline.
+
+Each input line is a request as OpenAI's Batch API takes it (``{"custom_id", "method": "POST", "url", "body"}``,
+url one of BATCH_URLS); each output line, in input order, its answer (``{"id", "custom_id", "response":
+{"status_code", "request_id", "body"}, "error"}``). The requests run through the server's own app in this process
+(no port is bound), so they are checked, answered and refused exactly as over HTTP; a line that is no such
+request gets ``error`` instead of a response.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import sys
+import uuid
+from typing import Any
+
+import httpx
+from tqdm import tqdm
+
+from tpserve.launch.args import build_parser, parse_with
+from tpserve.launch.argtypes import int_at_least
+from tpserve.launch.backend import STOP_SIGNALS
+from tpserve.launch.child import setup_logging
+from tpserve.launch.frontend import serving_backend, watch
+from tpserve.server.api import AppState, create_app
+
+logger = logging.getLogger(__name__)
+
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+
+
+def main(argv: list[str]) -> int:
+    parser = build_parser()
+    parser.prog = "tpserve run-batch"
+    parser.description = ("Answer a file of OpenAI batch requests (JSON lines) offline and write their results; "
+                          "takes every flag of the server.")
+    batch = parser.add_argument_group("batch")
+    batch.add_argument("-i", "--input-file", required=True,
+                       help="JSON lines, each {\"custom_id\", \"method\": \"POST\", \"url\", \"body\"} with url one of "
+                       + ", ".join(BATCH_URLS))
+    batch.add_argument("-o", "--output-file", required=True, help="where the results go, one JSON line each, in order")
+    batch.add_argument("--max-concurrent", type=int_at_least(1), default=256,
+                       help="requests in flight at once (the scheduler batches those it can)")
+    args, ns = parse_with(parser, argv)
+    if args.shell:
+        parser.error("--shell does not combine with run-batch")
+    try:
+        with open(ns.input_file, encoding="utf-8") as f:
+            lines = [line for line in f.read().splitlines() if line.strip()]
+    except (OSError, UnicodeDecodeError) as e:
+        parser.error(f"--input-file {ns.input_file!r}: {e}")
+    try:
+        output = open(ns.output_file, "w", encoding="utf-8")  # before the model loads: a bad path fails at once
+    except OSError as e:
+        parser.error(f"--output-file {ns.output_file!r}: {e}")
+    setup_logging(args.log_level)
+    logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
+    with output:
+        results = asyncio.run(_run(args, lines, ns.max_concurrent))
+        if results is None:
+            return 1
+        output.writelines(json.dumps(result, ensure_ascii=False) + "\n" for result in results)
+    failed = sum(result["error"] is not None or result["response"]["status_code"] != 200 for result in results)
+    logger.info("wrote %d results to %s (%d failed)", len(results), ns.output_file, failed)
+    return 0
+
+
+async def _run(args: Any, lines: list[str], max_concurrent: int) -> list[dict[str, Any]] | None:
+    """Every line's result, or None where the backend failed or a signal stopped the run."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in STOP_SIGNALS:
+        loop.add_signal_handler(sig, stop.set)
+    state = AppState(args)
+    async with serving_backend(args, state, stop) as running:
+        if running is None:
+            return None
+        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
+        transport = httpx.ASGITransport(app=create_app(state))
+        async with httpx.AsyncClient(transport=transport, base_url="http://tpserve", headers=headers,
+                                     timeout=None) as client:
+            work = asyncio.create_task(_answer_all(client, lines, max_concurrent))
+            watcher = asyncio.create_task(watch(running.backend, stop, running.tasks))
+            await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
+            watcher.cancel()
+            if not work.done():
+                work.cancel()
+                logger.error("run-batch stopped before every request was answered")
+                return None
+            return work.result()
+
+
+async def _answer_all(client: httpx.AsyncClient, lines: list[str], max_concurrent: int) -> list[dict[str, Any]]:
+    slots = asyncio.Semaphore(max_concurrent)
+    bar = tqdm(total=len(lines), desc="Requests", unit="req", file=sys.stderr)
+
+    async def answer(number: int, line: str) -> dict[str, Any]:
+        async with slots:
+            result = await _answer(client, number, line)
+        bar.update()
+        return result
+
+    with bar:
+        return await asyncio.gather(*(answer(number, line) for number, line in enumerate(lines, start=1)))
+
+
+async def _answer(client: httpx.AsyncClient, number: int, line: str) -> dict[str, Any]:
+    custom_id = None
+    try:
+        request = json.loads(line)
+        if not isinstance(request, dict):
+            raise ValueError("a line must be a JSON object")
+        custom_id = request.get("custom_id")
+        problem = _problem(request)
+        if problem is not None:
+            raise ValueError(problem)
+    except ValueError as e:  # json.JSONDecodeError too
+        return _result(custom_id, None, {"code": "invalid_request", "message": f"line {number}: {e}"})
+    response = await client.post(request["url"], json=request["body"])
+    body = response.json()
+    return _result(custom_id, {"status_code": response.status_code,
+                               "request_id": response.headers.get("x-request-id"), "body": body}, None)
+
+
+def _problem(request: dict[str, Any]) -> str | None:
+    if not isinstance(request.get("custom_id"), str):
+        return "custom_id must be a string"
+    if request.get("method") != "POST":
+        return f"method must be \"POST\", got {request.get('method')!r}"
+    if request.get("url") not in BATCH_URLS:
+        return f"url must be one of {', '.join(BATCH_URLS)}, got {request.get('url')!r}"
+    if not isinstance(request.get("body"), dict):
+        return "body must be a JSON object"
+    if request["body"].get("stream"):
+        return "stream is not supported in a batch"
+    return None
+
+
+def _result(custom_id: Any, response: dict[str, Any] | None, error: dict[str, str] | None) -> dict[str, Any]:
+    return {"id": f"batch_req_{uuid.uuid4().hex}", "custom_id": custom_id, "response": response, "error": error}
