@@ -136,7 +136,7 @@ def test_bad_word_bans_follow_the_outputs_tail():
 
 def test_an_embedding_request_asks_for_no_generated_output():
     assert SamplingParams(embed=True).embed
-    for extra in ({"logprobs": 1}, {"prompt_logprobs": 0}, {"structured": StructuredOutput("json_object")}):
+    for extra in ({"logprobs": 1}, {"prompt_logprobs": 0}, {"structured": StructuredOutput("json_object")}, {"n": 2}):
         with pytest.raises(ValueError, match="an embedding request"):
             SamplingParams(embed=True, **extra)
     with pytest.raises(ValueError, match="embed must be True or False"):

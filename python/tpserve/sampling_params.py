@@ -208,9 +208,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.embed and not (self.logprobs is None and self.prompt_logprobs is None and self.structured is None):
+        if self.embed and not (self.logprobs is None and self.prompt_logprobs is None and self.structured is None
+                               and self.n == 1):
             raise ValueError("an embedding request (embed) generates no tokens: it takes no logprobs, prompt_logprobs "
-                             "or structured output")
+                             "or structured output, and n 1")
         salt = self.cache_salt
         if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT):
             raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")

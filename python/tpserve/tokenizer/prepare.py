@@ -176,7 +176,8 @@ class PromptPreparer:
             text = self.render_chat(req)
             return list(self._tokenizer.encode(text, add_special_tokens=False)), "messages", text
         if req.text is not None:
-            return list(self._tokenizer.encode(req.text, add_special_tokens=req.add_special_tokens)), req.prompt_param, ""
+            ids = self._tokenizer.encode(req.text, add_special_tokens=req.add_special_tokens)
+            return list(ids), req.prompt_param, ""
         if req.input_ids is not None:
             # ids the tokenizer knows, as vLLM checks them: echo and /detokenize can then render the prompt (the
             # embedding's padding rows past the tokenizer, e.g. Qwen3's 151,669-151,935, are not a prompt's)
