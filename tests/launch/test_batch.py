@@ -35,7 +35,7 @@ def test_run_batch_answers_each_line_in_order(qwen3_dir, tmp_path):
     given = tmp_path / "in.jsonl"
     given.write_text("\n".join([*map(json.dumps, LINES), "not json", ""]) + "\n")
     out = tmp_path / "out.jsonl"
-    done = run_batch("-i", str(given), "-o", str(out), "--model", qwen3_dir, "--device", "cpu", "--tp-size", "2")
+    done = run_batch("-i", str(given), "-o", str(out), "--model", qwen3_dir, "--device", "cpu")
     assert done.returncode == 0, done.stderr[-2000:]
     assert "wrote 7 results" in done.stderr and "(4 failed)" in done.stderr
     results = [json.loads(line) for line in out.read_text().splitlines()]

@@ -469,7 +469,8 @@ def test_embeddings_match_transformers(client, url, tokenizer, qwen3_dir):
     raw = httpx.post(f"{url}/v1/embeddings", headers={"Authorization": f"Bearer {API_KEY}"},
                      json={"input": texts[0], "encoding_format": "base64"}).json()
     decoded = np.frombuffer(base64.b64decode(raw["data"][0]["embedding"]), dtype="<f4")
-    assert np.array_equal(decoded, np.array(result.data[0].embedding, dtype=np.float32))
+    # (alone, and over a cached prefix: the sums run in another order than in the batch above)
+    assert np.allclose(decoded, np.array(result.data[0].embedding, dtype=np.float32), atol=1e-5)
     cut = client.embeddings.create(model="tiny", input=texts[0], dimensions=8).data[0].embedding
     head = hf_embedding(qwen3_dir, ids[0], normalize=False)[:8]
     assert float((torch.tensor(cut) - head / head.norm()).abs().max()) < 1e-5
