@@ -894,6 +894,7 @@ def test_vllm_request_fields_are_served_or_refused_as_chat_does():
     params = stub.submitted[-1].params
     assert (params.cache_salt, params.truncate_prompt_tokens, params.structured.kind) == ("tenant-a", 8, "ebnf")
     for extra, param in (({"use_beam_search": True}, "use_beam_search"), ({"priority": 3}, "priority"),
-                         ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids")):
+                         ({"return_tokens_as_token_ids": True}, "return_tokens_as_token_ids"),
+                         ({"prompt_logprobs": 1}, "prompt_logprobs")):
         assert_error(c.post(RESPONSES, json={"input": "hi", **extra}), 400, None, param)
     assert c.post(RESPONSES, json={"input": "hi", "return_tokens_as_token_ids": False}).status_code == 200

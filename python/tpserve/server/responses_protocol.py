@@ -31,6 +31,7 @@ UNSUPPORTED_RESPONSES_FIELDS = {
     "moderation": "moderation is not served",
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not served by the Responses API (its logprobs name "
                                   "tokens by text): use /v1/chat/completions",
+    "prompt_logprobs": "prompt_logprobs is not served by the Responses API: use /v1/chat/completions",
 }
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # include values accepted: the output text's logprobs; encrypted reasoning (asked by agents with store: false)
