@@ -1,16 +1,16 @@
 """tpserve: a small, readable, tensor-parallel LLM serving engine."""
 
+from tpserve.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
 from tpserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-_LLM_NAMES = ("LLM", "CompletionOutput", "RequestOutput", "EmbeddingRequestOutput")
-__all__ = [*_LLM_NAMES, "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "EmbeddingRequestOutput", "SamplingParams", "__version__"]
 
 
 def __getattr__(name: str):
     # Lazy, so `import tpserve` (e.g. in the tokenizer process) does not import torch.
-    if name in _LLM_NAMES:
-        from tpserve import llm
+    if name == "LLM":
+        from tpserve.llm import LLM
 
-        return getattr(llm, name)
+        return LLM
     raise AttributeError(name)
