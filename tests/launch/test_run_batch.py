@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 
@@ -33,15 +34,29 @@ def test_run_batch_answers_each_line_in_order(qwen3_dir, tmp_path):
     from tpserve.tokenizer.loader import load_tokenizer
 
     given = tmp_path / "in.jsonl"
-    given.write_text("\n".join([*map(json.dumps, LINES), "not json", ""]) + "\n")
+    # (review) a prompt holding U+2028 and U+0085 unescaped, as json.dumps(ensure_ascii=False) writes them, is one
+    # line; a NaN is that line's 400, deep nesting that line's error, not the batch's end; line numbers count blanks
+    unusual = [json.dumps({"custom_id": "separators", "method": "POST", "url": "/v1/completions",
+                           "body": {"prompt": "a\u2028b\x85c", "max_tokens": 2}}, ensure_ascii=False),
+               '{"custom_id": "nan", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a", '
+               '"temperature": NaN}}',
+               "[" * 100_000 + "]" * 100_000,
+               json.dumps({"custom_id": "background", "method": "POST", "url": "/v1/responses",
+                           "body": {"input": "hi", "background": True}})]
+    given.write_text("\n".join([*map(json.dumps, LINES), "", "not json", *unusual]) + "\n")
     out = tmp_path / "out.jsonl"
     done = run_batch("-i", str(given), "-o", str(out), "--model", qwen3_dir, "--device", "cpu")
     assert done.returncode == 0, done.stderr[-2000:]
-    assert "wrote 7 results" in done.stderr and "(4 failed)" in done.stderr
+    assert "wrote 11 results" in done.stderr and "(7 failed)" in done.stderr
     results = [json.loads(line) for line in out.read_text().splitlines()]
-    assert [r["custom_id"] for r in results] == [*(line["custom_id"] for line in LINES), None]
+    assert [r["custom_id"] for r in results] == [*(line["custom_id"] for line in LINES), None, "separators", "nan",
+                                                 None, "background"]
     assert all(r["id"].startswith("batch_req_") for r in results)
-    completion, chat, embedding, refused, no_route, streamed, not_json = results
+    completion, chat, embedding, refused, no_route, streamed, not_json, separators, nan, deep, background = results
+    assert separators["response"]["status_code"] == 200
+    assert nan["response"]["status_code"] == 400 and "temperature" in nan["response"]["body"]["error"]["message"]
+    assert deep["error"]["message"].startswith("line 11:")
+    assert "background is not supported" in background["error"]["message"]
     text = completion["response"]["body"]["choices"][0]["text"]
     expected = load_tokenizer(qwen3_dir).decode(hf_greedy(qwen3_dir, [40, 41, 42, 43], 6))
     assert completion["response"]["status_code"] == 200 and text == expected and completion["error"] is None
@@ -51,7 +66,19 @@ def test_run_batch_answers_each_line_in_order(qwen3_dir, tmp_path):
     assert refused["response"]["status_code"] == 400 and refused["response"]["body"]["error"]["param"] == "messages"
     assert no_route["response"] is None and "url must be one of" in no_route["error"]["message"]
     assert "stream is not supported" in streamed["error"]["message"]
-    assert not_json["error"]["message"].startswith("line 7:")
+    assert not_json["error"]["message"].startswith("line 8:")  # after the blank line 7
+
+
+def test_a_failed_run_leaves_the_output_file_as_it_was(qwen3_dir, tmp_path):
+    broken = tmp_path / "model"
+    shutil.copytree(qwen3_dir, broken)
+    (broken / "model.safetensors").write_bytes(b"not safetensors")
+    given, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    given.write_text(json.dumps(LINES[0]) + "\n")
+    out.write_text("earlier results\n")
+    done = run_batch("-i", str(given), "-o", str(out), "--model", str(broken), "--device", "cpu")
+    assert done.returncode != 0 and out.read_text() == "earlier results\n"
+    assert [p.name for p in tmp_path.iterdir() if p.suffix == ".partial"] == []
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -63,3 +90,38 @@ def test_run_batch_answers_each_line_in_order(qwen3_dir, tmp_path):
 def test_run_batch_usage_errors_name_the_flag(qwen3_dir, argv, message):
     done = run_batch(*argv, "--model", qwen3_dir, "--device", "cpu")
     assert done.returncode == 2 and message in done.stderr and "Traceback" not in done.stderr
+
+
+def test_a_500_is_that_lines_answer():
+    """(review) The app re-raises what it answers with a 500: through the in-process transport that ended the batch."""
+    import asyncio
+
+    from tpserve.engine_config import EngineConfig
+    from tpserve.launch.args import ServerArgs
+    from tpserve.launch.batch import _answer_all, in_process_client
+    from tpserve.server.api import AppState
+    from tpserve.server.limits import RequestLimits
+    from tpserve.server.serving import Serving
+
+    class BrokenFrontend:
+        def new_rid(self) -> int:
+            return 1
+
+        async def submit(self, requests, queue) -> None:
+            raise RuntimeError("the tokenizer socket is gone")
+
+        async def abort(self, rid: int) -> None:
+            pass
+
+    args = ServerArgs(engine=EngineConfig(model="/nonexistent"), served_model_name="m", context_len=128, vocab_size=700)
+    state = AppState(args)
+    state.serving = Serving(BrokenFrontend(), state.metrics, "m", RequestLimits(128, 8))  # type: ignore[arg-type]
+    line = json.dumps({"custom_id": "x", "method": "POST", "url": "/v1/completions", "body": {"prompt": "a"}})
+
+    async def answer():
+        async with in_process_client(state, None) as client:
+            return await _answer_all(client, [(1, line), (2, line)], 4)
+
+    results = asyncio.run(answer())
+    assert [r["response"]["status_code"] for r in results] == [500, 500]
+    assert results[0]["response"]["body"]["error"]["type"] == "server_error"

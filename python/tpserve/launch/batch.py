@@ -12,7 +12,9 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import sys
+import tempfile
 import uuid
 from typing import Any
 
@@ -48,26 +50,33 @@ def main(argv: list[str]) -> int:
         parser.error("--shell does not combine with run-batch")
     try:
         with open(ns.input_file, encoding="utf-8") as f:
-            lines = [line for line in f.read().splitlines() if line.strip()]
+            # (line number, line); split at newlines only: JSON strings may hold U+2028 and U+0085 unescaped
+            lines = [(number, line) for number, line in enumerate(f.read().split("\n"), start=1) if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         parser.error(f"--input-file {ns.input_file!r}: {e}")
-    try:
-        output = open(ns.output_file, "w", encoding="utf-8")  # before the model loads: a bad path fails at once
+    try:  # a file beside the output, renamed over it once every result is in: a failed run leaves the old one
+        output = tempfile.NamedTemporaryFile("w", encoding="utf-8", delete=False,
+                                             dir=os.path.dirname(os.path.abspath(ns.output_file)), suffix=".partial")
     except OSError as e:
         parser.error(f"--output-file {ns.output_file!r}: {e}")
     setup_logging(args.log_level)
     logging.getLogger("httpx").setLevel(logging.WARNING)  # not a line per request
-    with output:
-        results = asyncio.run(_run(args, lines, ns.max_concurrent))
-        if results is None:
-            return 1
-        output.writelines(json.dumps(result, ensure_ascii=False) + "\n" for result in results)
+    try:
+        with output:
+            results = asyncio.run(_run(args, lines, ns.max_concurrent))
+            if results is None:
+                return 1
+            output.writelines(json.dumps(result, ensure_ascii=False) + "\n" for result in results)
+        os.replace(output.name, ns.output_file)
+    finally:
+        if os.path.exists(output.name):
+            os.unlink(output.name)
     failed = sum(result["error"] is not None or result["response"]["status_code"] != 200 for result in results)
     logger.info("wrote %d results to %s (%d failed)", len(results), ns.output_file, failed)
     return 0
 
 
-async def _run(args: Any, lines: list[str], max_concurrent: int) -> list[dict[str, Any]] | None:
+async def _run(args: Any, lines: list[tuple[int, str]], max_concurrent: int) -> list[dict[str, Any]] | None:
     """Every line's result, or None where the backend failed or a signal stopped the run."""
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
@@ -77,10 +86,7 @@ async def _run(args: Any, lines: list[str], max_concurrent: int) -> list[dict[st
     async with serving_backend(args, state, stop) as running:
         if running is None:
             return None
-        headers = {"Authorization": f"Bearer {args.api_key}"} if args.api_key else {}
-        transport = httpx.ASGITransport(app=create_app(state))
-        async with httpx.AsyncClient(transport=transport, base_url="http://tpserve", headers=headers,
-                                     timeout=None) as client:
+        async with in_process_client(state, args.api_key) as client:
             work = asyncio.create_task(_answer_all(client, lines, max_concurrent))
             watcher = asyncio.create_task(watch(running.backend, stop, running.tasks))
             await asyncio.wait([work, watcher], return_when=asyncio.FIRST_COMPLETED)
@@ -92,7 +98,17 @@ async def _run(args: Any, lines: list[str], max_concurrent: int) -> list[dict[st
             return work.result()
 
 
-async def _answer_all(client: httpx.AsyncClient, lines: list[str], max_concurrent: int) -> list[dict[str, Any]]:
+def in_process_client(state: AppState, api_key: str | None) -> httpx.AsyncClient:
+    """A client of the app itself, no socket between. A 500 is that request's answer: the app re-raises what it
+    answered with a 500, which the transport would otherwise raise in the client."""
+    transport = httpx.ASGITransport(app=create_app(state), raise_app_exceptions=False)
+    headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+    return httpx.AsyncClient(transport=transport, base_url="http://tpserve", headers=headers, timeout=None)
+
+
+async def _answer_all(
+    client: httpx.AsyncClient, lines: list[tuple[int, str]], max_concurrent: int
+) -> list[dict[str, Any]]:
     slots = asyncio.Semaphore(max_concurrent)
     bar = tqdm(total=len(lines), desc="Requests", unit="req", file=sys.stderr)
 
@@ -103,7 +119,7 @@ async def _answer_all(client: httpx.AsyncClient, lines: list[str], max_concurren
         return result
 
     with bar:
-        return await asyncio.gather(*(answer(number, line) for number, line in enumerate(lines, start=1)))
+        return await asyncio.gather(*(answer(number, line) for number, line in lines))
 
 
 async def _answer(client: httpx.AsyncClient, number: int, line: str) -> dict[str, Any]:
@@ -116,10 +132,16 @@ async def _answer(client: httpx.AsyncClient, number: int, line: str) -> dict[str
         problem = _problem(request)
         if problem is not None:
             raise ValueError(problem)
-    except ValueError as e:  # json.JSONDecodeError too
+    except (ValueError, RecursionError) as e:  # json.JSONDecodeError too; nesting past the parser's depth
         return _result(custom_id, None, {"code": "invalid_request", "message": f"line {number}: {e}"})
-    response = await client.post(request["url"], json=request["body"])
-    body = response.json()
+    try:  # the body as sent (NaN too: the app answers it with a 400, as over HTTP)
+        response = await client.post(request["url"], content=json.dumps(request["body"]).encode(),
+                                     headers={"Content-Type": "application/json"})
+        body = response.json()
+    except Exception as e:  # noqa: BLE001 -- that line's failure, not the batch's
+        logger.exception("line %d failed", number)
+        error = {"code": "internal_error", "message": f"line {number}: {type(e).__name__}: {e}"}
+        return _result(custom_id, None, error)
     return _result(custom_id, {"status_code": response.status_code,
                                "request_id": response.headers.get("x-request-id"), "body": body}, None)
 
@@ -135,6 +157,8 @@ def _problem(request: dict[str, Any]) -> str | None:
         return "body must be a JSON object"
     if request["body"].get("stream"):
         return "stream is not supported in a batch"
+    if request["body"].get("background"):
+        return "background is not supported in a batch (the answer is the result)"
     return None
 
 
