@@ -908,3 +908,19 @@ def test_embeddings_check_the_model_and_the_key():
     assert c.post("/v1/embeddings", json={"input": "a"}).status_code == 401
     resp = c.post("/v1/embeddings", json={"input": "a", "model": "other"}, headers={"Authorization": "Bearer k"})
     assert_error(resp, 404, "does not exist", "model")
+
+
+def test_a_tool_schema_may_hold_uint64_bounds():
+    """Integers up to 2**64 - 1 cross to the tokenizer workers (msgpack's uint64): a tool parameter's uint64 maximum
+    was a 400; 2**64 still is. (A forced call compiles the schema: xgrammar refuses integers past int64, a 400 there.)"""
+    import msgspec
+
+    tool = {"type": "function", "function": {"name": "f", "parameters": {
+        "type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 2**64 - 1}}}}}
+    c, stub = make_client(tool_call_parser="hermes")
+    assert c.post(CHAT, json={"messages": USER, "tools": [tool]}).status_code == 200
+    sent = stub.submitted[-1]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=type(sent)).tools == [tool]
+    tool["function"]["parameters"]["properties"]["n"]["maximum"] = 2**64
+    assert_error(c.post(CHAT, json={"messages": USER, "tools": [tool]}), 400, "outside the 64-bit range",
+                 "tools[0].function.parameters.properties.n.maximum")

@@ -1,6 +1,7 @@
 """What a request may hold, checked before any work is queued.
 
-- Every value must cross the process boundary: integers within 64 bits (msgpack's range),
+- Every value must cross the process boundary: integers within msgpack's range (int64 below zero, uint64 above:
+  a tool schema's ``"maximum": 18446744073709551615`` passes; each typed field has its own bound),
   finite numbers, strings that are valid Unicode (no lone surrogates, which UTF-8 cannot encode).
   One walk over the raw JSON checks all fields, present and future, instead of a bound per field.
 - Size: the body's bytes (``--max-request-bytes``, checked from Content-Length before the body is
@@ -20,7 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from tpserve.server.errors import APIError
 from tpserve.tokenizer.prepare import chat_chars
 
-INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+INT_MIN, INT_MAX = -(2**63), 2**64 - 1  # what msgpack carries
 # No tokenizer of a supported model has tokens this long on average over a whole prompt.
 MAX_CHARS_PER_TOKEN = 32
 
@@ -29,8 +30,8 @@ def _untransportable(item: Any) -> str | None:
     """Why a scalar cannot be encoded for the backend, or None if it can."""
     if isinstance(item, bool):
         return None
-    if isinstance(item, int) and not INT64_MIN <= item <= INT64_MAX:
-        return f"integer {item} is outside the 64-bit range"
+    if isinstance(item, int) and not INT_MIN <= item <= INT_MAX:
+        return f"integer {item} is outside the 64-bit range (-2**63 to 2**64 - 1)"
     if isinstance(item, float) and not math.isfinite(item):
         return f"{item} is not a finite number"
     if isinstance(item, str) and not item.isascii():
