@@ -12,6 +12,8 @@
 # rebuilt, never loaded stale; FlashInfer's are tied to its wheel (0.7.0: a new wheel needs a new .fiaot).
 # What waits for nvidia-h200-x2 (issues 13, 14, 15, 18), about three calls of 600 s:
 #   tests_tp2_f32 ar_fused tpdecode32_fused | serving32_after plan_tp2 | moe30_tp2 tests_dp2 tests_multinode serving06_dp
+# gpu_tests: any pytest files or node ids (GPU_TESTS), e.g. a change's own GPU tests; session 41 ran every tests/gpu file
+#   but test_float32.py and the two-GPU ones this way on H100s (docs/results/2026-12-06-session41/).
 # shape_tests passed whole on an H100 in session 40 (37 tests, 43 s once its FlashInfer JIT modules were built: 8 minutes on a
 #   fresh machine; carry them from .gpu/jit, e.g. scripts/gpu_carry.sh 'q_f16_dtype_kv_f16' 'xqa_input_f16', within the 64 MiB).
 # moe30_offline with session 36's prefill kernels ran on the H200 in session 39: 6,025 tok/s = 79.3% (session 35: 6,077).
