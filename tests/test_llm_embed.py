@@ -73,3 +73,31 @@ def test_a_bare_decoder_is_read_as_its_causal_lm_without_a_head(qwen3_dir, bare_
         with pytest.raises(ValueError, match=r"\(Qwen3ForCausalLM\) has no LM head"):
             llm.generate([[5, 6]], use_tqdm=False)
     assert float((torch.tensor(vector) - hf_embedding(qwen3_dir, [5, 6, 7])).abs().max()) < 1e-5
+
+
+def test_sentence_transformers_pooling_other_than_the_last_token_is_refused(bare_dir, tmp_path):
+    """An embedding model's modules.json says how it pools: last-token (Qwen3-Embedding's) is served; mean pooling or
+    a Dense projection after it would give other vectors, so such a model's embedding requests are refused."""
+    from tpserve.pooling import unserved_pooling
+
+    def model_with(modules: list[dict], pooling: dict | None) -> str:
+        out = tmp_path / f"m{len(list(tmp_path.iterdir()))}"
+        shutil.copytree(bare_dir, out)
+        (out / "modules.json").write_text(json.dumps(modules))
+        if pooling is not None:
+            (out / "1_Pooling").mkdir()
+            (out / "1_Pooling" / "config.json").write_text(json.dumps(pooling))
+        return str(out)
+
+    pooling_module = {"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}
+    base = [{"idx": 0, "name": "0", "path": "", "type": "sentence_transformers.models.Transformer"}, pooling_module]
+    last = {"word_embedding_dimension": 64, "pooling_mode_cls_token": False, "pooling_mode_mean_tokens": False,
+            "pooling_mode_lasttoken": True}
+    assert unserved_pooling(model_with(base, last)) is None
+    mean = model_with(base, {**last, "pooling_mode_lasttoken": False, "pooling_mode_mean_tokens": True})
+    assert "pooling is mean_tokens" in unserved_pooling(mean)
+    dense = [*base, {"idx": 2, "name": "2", "path": "2_Dense", "type": "sentence_transformers.models.Dense"}]
+    assert "(2_Dense: Dense)" in unserved_pooling(model_with(dense, last))
+    with LLM(mean, device="cpu") as llm:
+        with pytest.raises(ValueError, match="embeddings are not served: its sentence-transformers pooling is mean"):
+            llm.embed(["hi"], use_tqdm=False)

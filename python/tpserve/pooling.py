@@ -3,6 +3,9 @@
 
 from __future__ import annotations
 
+import json
+import os
+
 import numpy as np
 
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's: a zero vector stays zero
@@ -19,3 +22,31 @@ def embedding_vector(raw: bytes, dimensions: int | None = None, normalize: bool 
     if normalize:
         vector = vector / max(float(np.linalg.norm(vector)), NORM_EPS)
     return vector
+
+
+def unserved_pooling(model_dir: str) -> str | None:
+    """Why this model's embeddings are not the last token's hidden state, or None: its sentence-transformers modules
+    (``modules.json``) pool otherwise (``1_Pooling/config.json``'s mode) or transform the pooled vector (a Dense
+    layer), which tpserve does not do. Without ``modules.json`` last-token pooling is taken, as vLLM takes it for
+    decoder models."""
+    modules_path = os.path.join(model_dir, "modules.json")
+    if not os.path.isfile(modules_path):
+        return None
+    try:
+        with open(modules_path, encoding="utf-8") as f:
+            modules = json.load(f)
+        for module in modules:
+            kind, path = module.get("type", ""), module.get("path", "")
+            if kind.endswith(".Dense"):
+                return f"its sentence-transformers modules project the pooled vector ({path}: Dense); tpserve does not"
+            if kind.endswith(".Pooling"):
+                with open(os.path.join(model_dir, path, "config.json"), encoding="utf-8") as f:
+                    modes = [key.removeprefix("pooling_mode_") for key, on in json.load(f).items()
+                             if key.startswith("pooling_mode_") and on is True]
+                if modes != ["lasttoken"]:
+                    shown = " + ".join(modes) or "none"
+                    return (f"its sentence-transformers pooling is {shown} ({path}/config.json); tpserve pools "
+                            "the last token only")
+    except (OSError, ValueError, AttributeError, TypeError) as e:
+        return f"its sentence-transformers modules.json could not be read ({type(e).__name__}: {e})"
+    return None

@@ -25,6 +25,7 @@ from tpserve.forward import SequenceInput
 from tpserve.kvcache.pool import PageAllocator
 from tpserve.kvcache.radix import PrefixMatch, create_prefix_cache
 from tpserve.message import SchedulerStats, TokenOutput
+from tpserve.pooling import unserved_pooling
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler import prompt_logprobs
 from tpserve.scheduler.request import Request
@@ -79,6 +80,7 @@ class Scheduler:
         self.page_size = engine.page_size
         self.max_model_len = engine.max_model_len
         self.eos_ids = frozenset(engine.model_config.eos_token_ids)
+        self.pooling_problem = unserved_pooling(self.config.model)  # embedding requests are refused with it
         self.allocator = PageAllocator(engine.num_pages)
         self.cache = create_prefix_cache(self.config.cache, self.page_size)
         self.waiting: deque[Request] = deque()
@@ -108,6 +110,8 @@ class Scheduler:
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
         if not prompt_ids:
             raise AdmissionError("the prompt is empty")
+        if params.embed and self.pooling_problem is not None:
+            raise AdmissionError(f"this model's embeddings are not served: {self.pooling_problem}")
         if not params.embed and not self.engine.model_config.lm_head:
             raise AdmissionError(f"this checkpoint ({self.engine.model_config.architecture}) has no LM head "
                                  "(lm_head.weight): it serves embeddings only (/v1/embeddings, LLM.embed)")
