@@ -912,7 +912,8 @@ def test_embeddings_check_the_model_and_the_key():
 
 def test_a_tool_schema_may_hold_uint64_bounds():
     """Integers up to 2**64 - 1 cross to the tokenizer workers (msgpack's uint64): a tool parameter's uint64 maximum
-    was a 400; 2**64 still is. (A forced call compiles the schema: xgrammar refuses integers past int64, a 400 there.)"""
+    was a 400; 2**64 still is. (A forced call compiles the schema: xgrammar refuses integers past int64, a 400
+    there.)"""
     import msgspec
 
     tool = {"type": "function", "function": {"name": "f", "parameters": {
@@ -924,3 +925,69 @@ def test_a_tool_schema_may_hold_uint64_bounds():
     tool["function"]["parameters"]["properties"]["n"]["maximum"] = 2**64
     assert_error(c.post(CHAT, json={"messages": USER, "tools": [tool]}), 400, "outside the 64-bit range",
                  "tools[0].function.parameters.properties.n.maximum")
+
+
+def _stub_vector(rid: int):
+    import numpy as np
+
+    v = np.array([rid, 1, 2, 3], dtype=np.float64)
+    return v / np.linalg.norm(v)
+
+
+def test_score_pairs_texts_by_the_cosine_of_their_embeddings():
+    """vLLM's score API for an embedding model: one text_1 against each text_2, or pairs; every path vLLM serves."""
+    c, stub = make_client()
+    for path in ("/v1/score", "/score"):
+        body = c.post(path, json={"text_1": "q", "text_2": ["a", "b"], "model": MODEL}).json()
+        q, a, b = stub.submitted[-3:]
+        assert [r.text for r in (q, a, b)] == ["q", "a", "b"] and q.params.embed
+        assert [r.prompt_param for r in (q, a, b)] == ["text_1", "text_2", "text_2"]
+        assert body["object"] == "list" and body["id"].startswith("score-")
+        assert [d["index"] for d in body["data"]] == [0, 1] and all(d["object"] == "score" for d in body["data"])
+        expected = [float(_stub_vector(q.rid) @ _stub_vector(r.rid)) for r in (a, b)]
+        assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-6)
+        assert body["usage"] == {"prompt_tokens": 15, "total_tokens": 15}
+    body = c.post("/v1/score", json={"text_1": ["x", "y"], "text_2": ["z", "w"]}).json()
+    x, y, z, w = stub.submitted[-4:]
+    expected = [float(_stub_vector(x.rid) @ _stub_vector(z.rid)), float(_stub_vector(y.rid) @ _stub_vector(w.rid))]
+    assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-6)
+
+
+def test_rerank_orders_documents_by_relevance():
+    c, stub = make_client()
+    for path in ("/v1/rerank", "/rerank", "/v2/rerank"):
+        body = c.post(path, json={"query": "q", "documents": ["a", "b", "c"], "top_n": 2}).json()
+        q, *docs = stub.submitted[-4:]
+        scores = [float(_stub_vector(q.rid) @ _stub_vector(d.rid)) for d in docs]
+        best = sorted(range(3), key=lambda i: scores[i], reverse=True)[:2]
+        assert [r["index"] for r in body["results"]] == best and body["id"].startswith("rerank-")
+        assert [r["document"]["text"] for r in body["results"]] == [["a", "b", "c"][i] for i in best]
+        assert [r["relevance_score"] for r in body["results"]] == pytest.approx([scores[i] for i in best], abs=1e-6)
+        assert body["usage"] == {"total_tokens": 20}
+    assert len(c.post("/v1/rerank", json={"query": "q", "documents": ["a", "b"]}).json()["results"]) == 2
+
+
+@pytest.mark.parametrize("path, body, param, message", [
+    ("/v1/score", {"text_1": [], "text_2": "a"}, "text_1", "at least one text"),
+    ("/v1/score", {"text_1": "a", "text_2": ["b", ""]}, "text_2", "no empty one"),
+    ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1", "one text or as many as text_2 (3)"),
+    ("/v1/score", {"text_1": "a"}, "text_2", "text_2"),
+    ("/v1/score", {"text_1": "a", "text_2": "b", "priority": 2}, "priority", "priorities are not served"),
+    ("/v1/rerank", {"query": "", "documents": ["a"]}, "query", "query must not be empty"),
+    ("/v1/rerank", {"query": "q", "documents": []}, "documents", "at least one text"),
+    ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n", "top_n must be >= 0"),
+    ("/v1/rerank", {"query": "q", "documents": ["REJECT"]}, "documents", "too long"),
+    ("/rerank", {"query": "q", "documents": ["a"], "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", ">= 1"),
+])
+def test_score_and_rerank_bad_requests_are_400s(path, body, param, message):
+    c, _ = make_client()
+    assert_error(c.post(path, json=body), 400, message, param)
+
+
+def test_score_and_rerank_need_the_key_and_the_model():
+    c, _ = make_client(api_key="k")
+    for path in ("/v1/score", "/score", "/v1/rerank", "/rerank", "/v2/rerank"):
+        assert c.post(path, json={"query": "q", "documents": ["a"], "text_1": "a", "text_2": "b"}).status_code == 401
+    resp = c.post("/v1/rerank", json={"query": "q", "documents": ["a"], "model": "x"},
+                  headers={"Authorization": "Bearer k"})
+    assert_error(resp, 404, "does not exist", "model")

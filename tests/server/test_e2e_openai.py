@@ -476,6 +476,22 @@ def test_embeddings_match_transformers(client, url, tokenizer, qwen3_dir):
     assert float((torch.tensor(cut) - head / head.norm()).abs().max()) < 1e-5
 
 
+def test_score_and_rerank_match_transformers_cosines(url, tokenizer, qwen3_dir):
+    """vLLM's score and rerank APIs for an embedding model: the cosine of transformers' normalized last-token hidden
+    states, documents ranked by it."""
+    from reference import hf_embedding
+
+    headers = {"Authorization": f"Bearer {API_KEY}"}
+    query, documents = "where is the clockmaker", ["the clockmaker's shop", "tick tock", "你好 world"]
+    embed = {t: hf_embedding(qwen3_dir, tokenizer.encode(t)) for t in [query, *documents]}
+    expected = [float(embed[query] @ embed[d]) for d in documents]
+    scores = httpx.post(f"{url}/v1/score", headers=headers, json={"text_1": query, "text_2": documents}).json()
+    assert [d["score"] for d in scores["data"]] == pytest.approx(expected, abs=1e-5)
+    ranked = httpx.post(f"{url}/v1/rerank", headers=headers, json={"query": query, "documents": documents}).json()
+    assert [r["index"] for r in ranked["results"]] == sorted(range(3), key=lambda i: expected[i], reverse=True)
+    assert [r["relevance_score"] for r in ranked["results"]] == pytest.approx(sorted(expected, reverse=True), abs=1e-5)
+
+
 def test_embeddings_errors_are_400s(client):
     with pytest.raises(openai.BadRequestError, match="at most"):
         client.embeddings.create(model="tiny", input="x " * 5000)

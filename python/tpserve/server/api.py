@@ -18,6 +18,7 @@ from tpserve.server.limits import BodySizeLimit, RequestLimits
 from tpserve.server.metrics import CONTENT_TYPE, CountResponses, ServerMetrics
 from tpserve.server.conversation_store import ConversationStore
 from tpserve.server.embeddings import EmbeddingRequest, create_embeddings
+from tpserve.server.scores import RerankRequest, ScoreRequest, create_rerank, create_scores
 from tpserve.server.conversations import (
     add_items,
     create_conversation,
@@ -136,6 +137,14 @@ def _v1_router() -> APIRouter:
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         return await create_embeddings(_serving(request), body, request)
 
+    @router.post("/score")
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        return await create_scores(_serving(request), body, request)
+
+    @router.post("/rerank")
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        return await create_rerank(_serving(request), body, request)
+
     @router.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         state = _state(request)
@@ -238,6 +247,16 @@ def _admin_router() -> APIRouter:
     async def detokenize(body: DetokenizeBody, request: Request) -> dict[str, Any]:
         check_model_name(body.model, _model_names(_state(request)))
         return await _state(request).tokenize_service().detokenize(body)
+
+    # vLLM's other paths of the score and rerank APIs (/v1/score, /v1/rerank are the v1 router's)
+    @router.post("/score", dependencies=[Depends(_check_api_key)])
+    async def score(body: ScoreRequest, request: Request) -> Response:
+        return await create_scores(_serving(request), body, request)
+
+    @router.post("/rerank", dependencies=[Depends(_check_api_key)])
+    @router.post("/v2/rerank", dependencies=[Depends(_check_api_key)])
+    async def rerank(body: RerankRequest, request: Request) -> Response:
+        return await create_rerank(_serving(request), body, request)
 
     @router.post("/flush_cache", dependencies=[Depends(_check_api_key)])
     @router.post("/reset_prefix_cache", dependencies=[Depends(_check_api_key)])  # vLLM's name

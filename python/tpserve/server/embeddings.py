@@ -72,12 +72,8 @@ class EmbeddingFormat(ResponseFormat):
         self.body = body
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        ordered = sorted(choices, key=lambda c: c.index)
-        for c in ordered:
-            if c.embedding is None:  # ended otherwise, e.g. too long for the whole KV cache ("length")
-                raise APIError.invalid(f"input {c.index} could not be embedded (it ended with {c.finish_reason!r})",
-                                       "input")
-        data = [{"object": "embedding", "index": c.index, "embedding": self._encoded(c.embedding)} for c in ordered]
+        data = [{"object": "embedding", "index": i, "embedding": self._encoded(raw)}
+                for i, raw in enumerate(hidden_states(choices, "input"))]
         prompt_tokens = usage["prompt_tokens"]
         return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
                 "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
@@ -92,20 +88,37 @@ class EmbeddingFormat(ResponseFormat):
         return vector.tolist()
 
 
+def embedding_requests(
+    serving: Serving, inputs: list[tuple[str, str | list[int]]], params: SamplingParams, add_special_tokens: bool = True
+) -> list[TokenizeRequest]:
+    """One backend request per input, (the field it came from, a text or token ids), checked against the limits."""
+    serving.limits.check_sequences(len(inputs), 1, inputs[0][0])
+    for param, item in inputs:
+        if isinstance(item, str):
+            serving.limits.check_text(len(item), param)
+        else:
+            serving.limits.check_ids(len(item), param)
+    return [
+        TokenizeRequest(rid=serving.frontend.new_rid(), params=params, prompt_param=param,
+                        add_special_tokens=add_special_tokens, text=item if isinstance(item, str) else None,
+                        input_ids=None if isinstance(item, str) else item)
+        for param, item in inputs
+    ]
+
+
+def hidden_states(choices: Iterable[Choice], param: str) -> list[bytes]:
+    """Each choice's pooled hidden state, in input order; a 400 for one that ended without it (e.g. too long for
+    the whole KV cache: "length")."""
+    ordered = sorted(choices, key=lambda c: c.index)
+    for c in ordered:
+        if c.embedding is None:
+            raise APIError.invalid(f"{param} {c.index} could not be embedded (it ended with {c.finish_reason!r})",
+                                   param)
+    return [c.embedding for c in ordered]
+
+
 async def create_embeddings(serving: Serving, body: EmbeddingRequest, request: Request) -> Response:
     serving.check_model(body.model)
-    inputs = body.inputs()
-    params = body.sampling_params()
-    serving.limits.check_sequences(len(inputs), 1, "input")
-    for item in inputs:
-        if isinstance(item, str):
-            serving.limits.check_text(len(item), "input")
-        else:
-            serving.limits.check_ids(len(item), "input")
-    reqs = [
-        TokenizeRequest(rid=serving.frontend.new_rid(), params=params, prompt_param="input",
-                        add_special_tokens=body.add_special_tokens, text=item if isinstance(item, str) else None,
-                        input_ids=None if isinstance(item, str) else item)
-        for item in inputs
-    ]
+    inputs = [("input", item) for item in body.inputs()]
+    reqs = embedding_requests(serving, inputs, body.sampling_params(), body.add_special_tokens)
     return await serving.run(reqs, EmbeddingFormat(serving.model_name, body, request_id(request)), False, request)
