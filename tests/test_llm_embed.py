@@ -101,3 +101,20 @@ def test_sentence_transformers_pooling_other_than_the_last_token_is_refused(bare
     with LLM(mean, device="cpu") as llm:
         with pytest.raises(ValueError, match="embeddings are not served: its sentence-transformers pooling is mean"):
             llm.embed(["hi"], use_tqdm=False)
+
+
+def test_pooling_configs_as_sentence_transformers_reads_them(tmp_path):
+    """(review) A missing pooling_mode_mean_tokens is sentence-transformers' default, on; a pooling_mode string sets
+    the mode alone; a modules.json nested past the parser's depth is a reason, not a scheduler that dies."""
+    from tpserve.pooling import unserved_pooling
+
+    modules = [{"idx": 1, "name": "1", "path": "1_Pooling", "type": "sentence_transformers.models.Pooling"}]
+    (tmp_path / "1_Pooling").mkdir()
+    (tmp_path / "modules.json").write_text(json.dumps(modules))
+    for config, served in (({"pooling_mode_lasttoken": True}, False),
+                           ({"pooling_mode_lasttoken": True, "pooling_mode_mean_tokens": False}, True),
+                           ({"pooling_mode": "lasttoken"}, True), ({"pooling_mode": "mean"}, False)):
+        (tmp_path / "1_Pooling" / "config.json").write_text(json.dumps(config))
+        assert (unserved_pooling(str(tmp_path)) is None) == served, config
+    (tmp_path / "modules.json").write_text("[" * 100_000 + "]" * 100_000)
+    assert "could not be read (RecursionError" in unserved_pooling(str(tmp_path))

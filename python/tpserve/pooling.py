@@ -41,12 +41,21 @@ def unserved_pooling(model_dir: str) -> str | None:
                 return f"its sentence-transformers modules project the pooled vector ({path}: Dense); tpserve does not"
             if kind.endswith(".Pooling"):
                 with open(os.path.join(model_dir, path, "config.json"), encoding="utf-8") as f:
-                    modes = [key.removeprefix("pooling_mode_") for key, on in json.load(f).items()
-                             if key.startswith("pooling_mode_") and on is True]
+                    modes = _pooling_modes(json.load(f))
                 if modes != ["lasttoken"]:
                     shown = " + ".join(modes) or "none"
                     return (f"its sentence-transformers pooling is {shown} ({path}/config.json); tpserve pools "
                             "the last token only")
-    except (OSError, ValueError, AttributeError, TypeError) as e:
+    except (OSError, ValueError, AttributeError, TypeError, RecursionError) as e:
         return f"its sentence-transformers modules.json could not be read ({type(e).__name__}: {e})"
     return None
+
+
+def _pooling_modes(config: dict) -> list[str]:
+    """The modes a sentence-transformers Pooling config turns on, as its class reads it: ``pooling_mode`` alone, else
+    the ``pooling_mode_*`` flags over its defaults (mean tokens on)."""
+    if isinstance(config.get("pooling_mode"), str):
+        return [config["pooling_mode"]]  # "lasttoken", "mean", "cls", ...
+    flags = {"mean_tokens": True} | {key.removeprefix("pooling_mode_"): on for key, on in config.items()
+                                     if key.startswith("pooling_mode_")}
+    return [mode for mode, on in flags.items() if on is True]

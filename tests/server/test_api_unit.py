@@ -991,3 +991,24 @@ def test_score_and_rerank_need_the_key_and_the_model():
     resp = c.post("/v1/rerank", json={"query": "q", "documents": ["a"], "model": "x"},
                   headers={"Authorization": "Bearer k"})
     assert_error(resp, 404, "does not exist", "model")
+
+
+def test_score_and_rerank_errors_name_the_input_that_failed():
+    """(review) Too many documents named the query; an input that ended without a hidden state was numbered across
+    all the texts ("documents 1" for documents[0])."""
+    from tpserve.server.errors import APIError
+    from tpserve.server.formats import Choice
+    from tpserve.server.metrics import RequestTimer, ServerMetrics
+    from tpserve.server.scores import RerankFormat, RerankRequest, ScoreFormat
+
+    c, _ = make_client()
+    assert_error(c.post("/v1/rerank", json={"query": "q", "documents": ["d"] * 64}), 400, "exceed", "documents")
+    assert_error(c.post("/v1/score", json={"text_1": "q", "text_2": ["d"] * 64}), 400, "exceed", "text_2")
+    timer = RequestTimer(ServerMetrics())
+    choices = [Choice(0, 1, timer, embedding=b"\0" * 16), Choice(1, 2, timer, finish_reason="length")]
+    body = RerankRequest(query="q", documents=["a"])
+    with pytest.raises(APIError, match=r"documents\[0\] could not be embedded") as caught:
+        RerankFormat("m", body).response(choices, {"prompt_tokens": 2})
+    assert caught.value.param == "documents"
+    with pytest.raises(APIError, match=r"text_2\[0\] could not be embedded"):
+        ScoreFormat("m", ["text_1[0]", "text_2[0]"], 1).response(choices, {"prompt_tokens": 2})

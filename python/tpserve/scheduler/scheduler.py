@@ -114,7 +114,8 @@ class Scheduler:
             raise AdmissionError(f"this model's embeddings are not served: {self.pooling_problem}")
         if not params.embed and not self.engine.model_config.lm_head:
             raise AdmissionError(f"this checkpoint ({self.engine.model_config.architecture}) has no LM head "
-                                 "(lm_head.weight): it serves embeddings only (/v1/embeddings, LLM.embed)")
+                                 "(lm_head.weight): it serves embeddings only (/v1/embeddings, /v1/score, /v1/rerank, "
+                                 "LLM.embed)")
         vocab = self.engine.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise AdmissionError(f"prompt token ids must be in [0, {vocab})")

@@ -73,7 +73,7 @@ class EmbeddingFormat(ResponseFormat):
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
         data = [{"object": "embedding", "index": i, "embedding": self._encoded(raw)}
-                for i, raw in enumerate(hidden_states(choices, "input"))]
+                for i, raw in enumerate(hidden_states(choices, [f"input[{i}]" for i in range(len(choices))]))]
         prompt_tokens = usage["prompt_tokens"]
         return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
                 "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
@@ -88,37 +88,47 @@ class EmbeddingFormat(ResponseFormat):
         return vector.tolist()
 
 
+# An input to embed: where it came from ("input[2]", "query", "documents[0]": the field before any "["), and a text
+# or token ids
+Labelled = tuple[str, Union[str, list[int]]]
+
+
+def field_of(label: str) -> str:
+    return label.split("[", 1)[0]
+
+
 def embedding_requests(
-    serving: Serving, inputs: list[tuple[str, str | list[int]]], params: SamplingParams, add_special_tokens: bool = True
+    serving: Serving, inputs: list[Labelled], params: SamplingParams, add_special_tokens: bool = True
 ) -> list[TokenizeRequest]:
-    """One backend request per input, (the field it came from, a text or token ids), checked against the limits."""
-    serving.limits.check_sequences(len(inputs), 1, inputs[0][0])
-    for param, item in inputs:
+    """One backend request per input, checked against the limits (too many: named by the last input's field, the
+    list that holds them)."""
+    serving.limits.check_sequences(len(inputs), 1, field_of(inputs[-1][0]))
+    for label, item in inputs:
         if isinstance(item, str):
-            serving.limits.check_text(len(item), param)
+            serving.limits.check_text(len(item), field_of(label))
         else:
-            serving.limits.check_ids(len(item), param)
+            serving.limits.check_ids(len(item), field_of(label))
     return [
-        TokenizeRequest(rid=serving.frontend.new_rid(), params=params, prompt_param=param,
+        TokenizeRequest(rid=serving.frontend.new_rid(), params=params, prompt_param=field_of(label),
                         add_special_tokens=add_special_tokens, text=item if isinstance(item, str) else None,
                         input_ids=None if isinstance(item, str) else item)
-        for param, item in inputs
+        for label, item in inputs
     ]
 
 
-def hidden_states(choices: Iterable[Choice], param: str) -> list[bytes]:
-    """Each choice's pooled hidden state, in input order; a 400 for one that ended without it (e.g. too long for
-    the whole KV cache: "length")."""
+def hidden_states(choices: Iterable[Choice], labels: list[str]) -> list[bytes]:
+    """Each choice's pooled hidden state, in input order (``labels``: the inputs'); a 400 naming one that ended
+    without it (e.g. too long for the whole KV cache: "length")."""
     ordered = sorted(choices, key=lambda c: c.index)
     for c in ordered:
         if c.embedding is None:
-            raise APIError.invalid(f"{param} {c.index} could not be embedded (it ended with {c.finish_reason!r})",
-                                   param)
+            raise APIError.invalid(f"{labels[c.index]} could not be embedded (it ended with {c.finish_reason!r})",
+                                   field_of(labels[c.index]))
     return [c.embedding for c in ordered]
 
 
 async def create_embeddings(serving: Serving, body: EmbeddingRequest, request: Request) -> Response:
     serving.check_model(body.model)
-    inputs = [("input", item) for item in body.inputs()]
+    inputs = [(f"input[{i}]", item) for i, item in enumerate(body.inputs())]
     reqs = embedding_requests(serving, inputs, body.sampling_params(), body.add_special_tokens)
     return await serving.run(reqs, EmbeddingFormat(serving.model_name, body, request_id(request)), False, request)

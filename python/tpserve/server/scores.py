@@ -80,12 +80,12 @@ class ScoreFormat(ResponseFormat):
 
     id_prefix = "score"
 
-    def __init__(self, model: str, first: int, request_id: str | None = None) -> None:
+    def __init__(self, model: str, labels: list[str], first: int, request_id: str | None = None) -> None:
         super().__init__(model, request_id=request_id)
-        self.first = first
+        self.labels, self.first = labels, first
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        states = hidden_states(choices, "text_1")
+        states = hidden_states(choices, self.labels)
         left, right = states[: self.first], states[self.first :]
         left = left * len(right) if len(left) == 1 else left
         data = [{"index": i, "object": "score", "score": cosine(a, b)} for i, (a, b) in enumerate(zip(left, right))]
@@ -104,7 +104,8 @@ class RerankFormat(ResponseFormat):
         self.body = body
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        query, *documents = hidden_states(choices, "documents")
+        labels = ["query", *(f"documents[{i}]" for i in range(len(self.body.documents)))]
+        query, *documents = hidden_states(choices, labels)
         results = [{"index": i, "document": {"text": text}, "relevance_score": cosine(query, state)}
                    for i, (text, state) in enumerate(zip(self.body.documents, documents))]
         results.sort(key=lambda r: r["relevance_score"], reverse=True)
@@ -118,13 +119,16 @@ async def create_scores(serving: Serving, body: ScoreRequest, request: Request) 
     serving.check_model(body.model)
     params = body.sampling_params()
     first, second = body.texts()
-    reqs = embedding_requests(serving, [*(("text_1", t) for t in first), *(("text_2", t) for t in second)], params)
-    return await serving.run(reqs, ScoreFormat(serving.model_name, len(first), request_id(request)), False, request)
+    inputs = [*((f"text_1[{i}]", t) for i, t in enumerate(first)), *((f"text_2[{i}]", t) for i, t in enumerate(second))]
+    reqs = embedding_requests(serving, inputs, params)
+    fmt = ScoreFormat(serving.model_name, [label for label, _ in inputs], len(first), request_id(request))
+    return await serving.run(reqs, fmt, False, request)
 
 
 async def create_rerank(serving: Serving, body: RerankRequest, request: Request) -> Response:
     serving.check_model(body.model)
     params = body.sampling_params()
     query, *documents = body.texts()
-    reqs = embedding_requests(serving, [("query", query), *(("documents", d) for d in documents)], params)
+    reqs = embedding_requests(serving, [("query", query), *((f"documents[{i}]", d) for i, d in enumerate(documents))],
+                              params)
     return await serving.run(reqs, RerankFormat(serving.model_name, body, request_id(request)), False, request)

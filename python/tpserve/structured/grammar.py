@@ -62,6 +62,9 @@ def check_spec(spec: StructuredOutput) -> None:
             raise InvalidGrammar("the JSON schema must be an object")
         if (depth := nesting_depth(schema)) > MAX_SCHEMA_DEPTH:
             raise InvalidGrammar(f"the JSON schema is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed")
+        if (big := _past_int64(schema)) is not None:  # xgrammar takes its integers as doubles: a const of 2**64 - 1
+            raise InvalidGrammar(f"the JSON schema holds the integer {big}, past the 64-bit signed range that "
+                                 "structured output can hold exactly")  # came out 1.8446744073709552e+19
     try:
         _grammar(spec)
     except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
@@ -79,6 +82,20 @@ def nesting_depth(document: Any) -> int:
             deepest = max(deepest, depth)
             stack.extend((child, depth + 1) for child in children)
     return deepest
+
+
+def _past_int64(document: Any) -> int | None:
+    """An integer of a parsed JSON document outside [-2**63, 2**63), or None."""
+    stack = [document]
+    while stack:
+        item = stack.pop()
+        if isinstance(item, dict):
+            stack.extend(item.values())
+        elif isinstance(item, list):
+            stack.extend(item)
+        elif isinstance(item, int) and not isinstance(item, bool) and not -(2**63) <= item < 2**63:
+            return item
+    return None
 
 
 def _parser_message(error: Exception) -> str:
