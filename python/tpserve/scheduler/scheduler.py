@@ -262,19 +262,19 @@ class Scheduler:
 
     def _prepare(self, scheduled: list[tuple[Request, int]]) -> _Launched:
         scheduled.sort(key=lambda item: item[0].rid)
-        seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages) for req, n in scheduled]
         params = [req.params for req, _ in scheduled]
         steps = [len(req.output_ids) + req.pending for req, _ in scheduled]
-        # Only a chunk that reaches the end of the known sequence yields a usable sample.
+        # Only a chunk that reaches the end of the known sequence yields a usable sample (an embedding request's
+        # hidden state too: the sequence is pooled there).
         sampled = [req.num_cached + n == req.num_tokens + req.pending for req, n in scheduled]
+        seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages, pooled=last and req.params.embed)
+                for (req, n), last in zip(scheduled, sampled)]
         vocab = self.engine.model_config.vocab_size
         sampling = SamplingBatch.build(params, [req.seed for req, _ in scheduled], steps, vocab, self.engine.device)
         if any(p.edits_logits for p in params):
             sampling.edits = self._logit_edits(scheduled, params, steps, sampled)
         no_token_rows = sampling.edits.empty_rows if sampling.edits is not None else frozenset()
         wanted = [req.params.logprobs for req, _ in scheduled if req.params.logprobs is not None]
-        for seq, (req, _), last in zip(seqs, scheduled, sampled):
-            seq.pooled = last and req.params.embed
         counts, targets, prompt_top = prompt_logprobs.plan_rows(scheduled, seqs)
         prompt_rows = [(req, req.num_cached, count) for (req, _), count in zip(scheduled, counts) if count]
         prepared = self.engine.prepare(seqs, sampling, max(wanted) if wanted else None, targets, prompt_top)

@@ -40,8 +40,7 @@ class EmbeddingRequest(_Body):
     cache_salt: StrictStr | None = None  # vLLM's: cached prefixes are shared only with requests of the same salt
 
     def inputs(self) -> list[str | list[int]]:
-        """One entry per embedding: a text or a list of token ids (the body checked first)."""
-        self.refuse_unserved(UNSERVED_VLLM_FIELDS)
+        """One entry per embedding: a text or a list of token ids."""
         given = self.input
         if isinstance(given, str):
             given = [given]
@@ -54,6 +53,7 @@ class EmbeddingRequest(_Body):
         return list(given)
 
     def sampling_params(self) -> SamplingParams:
+        self.refuse_unserved(UNSERVED_VLLM_FIELDS)
         try:
             return SamplingParams(embed=True, max_tokens=1, truncate_prompt_tokens=self.truncate_prompt_tokens,
                                   cache_salt=self.cache_salt)

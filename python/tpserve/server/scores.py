@@ -71,8 +71,9 @@ class RerankRequest(_PairsBody):
         return [self.query, *self.documents]
 
 
-def cosine(a: bytes, b: bytes) -> float:
-    return float(np.dot(embedding_vector(a), embedding_vector(b)))
+def unit_vectors(states: list[bytes]) -> list[np.ndarray]:
+    """Each text's embedding, normalized once (a query's is dotted with every document's)."""
+    return [embedding_vector(state) for state in states]
 
 
 class ScoreFormat(ResponseFormat):
@@ -85,10 +86,10 @@ class ScoreFormat(ResponseFormat):
         self.labels, self.first = labels, first
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        states = hidden_states(choices, self.labels)
-        left, right = states[: self.first], states[self.first :]
+        vectors = unit_vectors(hidden_states(choices, self.labels))
+        left, right = vectors[: self.first], vectors[self.first :]
         left = left * len(right) if len(left) == 1 else left
-        data = [{"index": i, "object": "score", "score": cosine(a, b)} for i, (a, b) in enumerate(zip(left, right))]
+        data = [{"index": i, "object": "score", "score": float(a @ b)} for i, (a, b) in enumerate(zip(left, right))]
         tokens = usage["prompt_tokens"]
         return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
@@ -105,9 +106,9 @@ class RerankFormat(ResponseFormat):
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
         labels = ["query", *(f"documents[{i}]" for i in range(len(self.body.documents)))]
-        query, *documents = hidden_states(choices, labels)
-        results = [{"index": i, "document": {"text": text}, "relevance_score": cosine(query, state)}
-                   for i, (text, state) in enumerate(zip(self.body.documents, documents))]
+        query, *documents = unit_vectors(hidden_states(choices, labels))
+        results = [{"index": i, "document": {"text": text}, "relevance_score": float(query @ vector)}
+                   for i, (text, vector) in enumerate(zip(self.body.documents, documents))]
         results.sort(key=lambda r: r["relevance_score"], reverse=True)
         if self.body.top_n:
             results = results[: self.body.top_n]
