@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
+import shutil
 
 import torch
-from transformers import AutoModel, AutoModelForCausalLM
+from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceClassification
 
 
 @functools.lru_cache(maxsize=8)
@@ -43,7 +44,32 @@ def hf_embedding(model_dir: str, ids: list[int], normalize: bool = True) -> torc
     return torch.nn.functional.normalize(hidden, dim=0) if normalize else hidden
 
 
+@functools.lru_cache(maxsize=4)
+def hf_classifier(model_dir: str):
+    return AutoModelForSequenceClassification.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def hf_class_logits(model_dir: str, ids: list[int]) -> torch.Tensor:
+    """A sequence classifier's class logits for one prompt (its score head at the last token)."""
+    return hf_classifier(model_dir)(torch.tensor([ids])).logits[0].float()
+
+
 def rel_err(actual: torch.Tensor, expected: torch.Tensor) -> float:
     """||actual - expected|| / ||expected|| in float64; a non-finite ``actual`` fails the test."""
     assert torch.isfinite(actual).all(), "non-finite output"
     return float((actual.double() - expected.double()).norm() / expected.double().norm())
+
+
+def save_classifier(model_dir: str, out, labels: list[str]) -> str:
+    """The tiny model's decoder under a random score head, saved as transformers saves a classifier (its head's
+    std is raised from transformers' 0.02, whose logits would be nearly equal)."""
+    model = AutoModelForSequenceClassification.from_pretrained(
+        model_dir, dtype=torch.float32, id2label=dict(enumerate(labels)), label2id={l: i for i, l in enumerate(labels)})
+    with torch.no_grad():
+        model.score.weight.normal_(0.0, 0.5, generator=torch.Generator().manual_seed(len(labels)))
+    model.save_pretrained(out)
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        shutil.copy(f"{model_dir}/{name}", out)
+    return str(out)
+

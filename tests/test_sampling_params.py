@@ -134,10 +134,13 @@ def test_bad_word_bans_follow_the_outputs_tail():
     assert SamplingParams(bad_words_token_ids=[[7]]).edits_logits and SamplingParams(allowed_token_ids=[1]).edits_logits
 
 
-def test_an_embedding_request_asks_for_no_generated_output():
-    assert SamplingParams(embed=True).embed
-    for extra in ({"logprobs": 1}, {"prompt_logprobs": 0}, {"structured": StructuredOutput("json_object")}, {"n": 2}):
-        with pytest.raises(ValueError, match="an embedding request"):
-            SamplingParams(embed=True, **extra)
-    with pytest.raises(ValueError, match="embed must be True or False"):
-        SamplingParams(embed=1)
+def test_a_pooled_request_asks_for_no_generated_output():
+    assert SamplingParams(pooling="embed").pooled and SamplingParams(pooling="classify").pooled
+    assert not SamplingParams().pooled
+    for task in ("embed", "classify"):
+        for extra in ({"logprobs": 1}, {"prompt_logprobs": 0}, {"structured": StructuredOutput("json_object")}, {"n": 2}):
+            with pytest.raises(ValueError, match=rf"a pooled request \({task}\)"):
+                SamplingParams(pooling=task, **extra)
+    for bad in ("reward", 1, True):
+        with pytest.raises(ValueError, match="pooling must be one of embed, classify"):
+            SamplingParams(pooling=bad)

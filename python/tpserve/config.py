@@ -29,6 +29,13 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen2Model": "qwen2",
     "LlamaModel": "llama",
     "MistralModel": "mistral",
+    # sequence classifiers (rerankers, reward and sentiment models): a linear score head over the last token's final
+    # hidden state in place of the LM head, so they serve /classify, /v1/score and /v1/rerank only
+    "Qwen3ForSequenceClassification": "qwen3",
+    "Qwen3MoeForSequenceClassification": "qwen3_moe",
+    "Qwen2ForSequenceClassification": "qwen2",
+    "LlamaForSequenceClassification": "llama",
+    "MistralForSequenceClassification": "mistral",
 }
 # Rotary types with frequencies fixed at load time (dynamic and longrope are not implemented).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
@@ -175,7 +182,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...]
     moe: MoEConfig | None = None  # None: every layer's MLP is dense
     quantization: QuantConfig | None = None  # the checkpoint's quantization_config (FP8 weights)
-    lm_head: bool = True  # False: a bare decoder (``*Model``), which serves embeddings only
+    lm_head: bool = True  # False: a bare decoder (``*Model``) or a classifier, which generate nothing
+    labels: tuple[str, ...] = ()  # a sequence classifier's classes in id order (its score head's rows); () for any other model
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id in self.moe.layers
@@ -201,6 +209,7 @@ class ModelConfig:
             raise ValueError(f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")
         kind = SUPPORTED_ARCHITECTURES[arch]
         bare = arch.endswith("Model")
+        classifier = arch.endswith("ForSequenceClassification")
         _check_sizes(cfg)
         hf = _hf_config(cfg, kind)
         rope = _check_supported(cfg, hf, kind)
@@ -232,16 +241,17 @@ class ModelConfig:
             rope_parameters=rope,
             max_position_embeddings=hf.max_position_embeddings,
             context_length=_context_length(rope, hf.max_position_embeddings, _sliding_window(hf, kind)),
-            # a bare decoder's head is its embedding (no memory of its own): its logits only feed the one sample an
-            # embedding request discards
-            tie_word_embeddings=bool(hf.tie_word_embeddings) or bare,
+            # a bare decoder's or a classifier's LM head is its embedding (no memory of its own): its logits only
+            # feed the one sample a pooled request discards
+            tie_word_embeddings=bool(hf.tie_word_embeddings) or bare or classifier,
             qk_norm=kind in ("qwen3", "qwen3_moe"),
             qkv_bias=kind == "qwen2",
             torch_dtype=str(dtype).removeprefix("torch."),
             eos_token_ids=tuple(sorted(eos)),
             moe=moe,
             quantization=quantization,
-            lm_head=not bare,
+            lm_head=not (bare or classifier),
+            labels=_labels(hf) if classifier else (),
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size", expert_parallel: bool = False) -> None:
@@ -325,6 +335,14 @@ class ModelConfig:
             # saves them): no head to generate with; its place is the embedding's, as for a *Model architecture
             config = dataclasses.replace(config, tie_word_embeddings=True, lm_head=False)
         return config
+
+
+def _labels(hf: Any) -> tuple[str, ...]:
+    """A classifier's class names in id order (``id2label``; transformers names unnamed ones LABEL_i)."""
+    names = {int(i): str(name) for i, name in (hf.id2label or {}).items()}
+    if sorted(names) != list(range(len(names))) or not names:
+        raise ValueError(f"config.json: id2label must name classes 0..n-1 (n >= 1), got {hf.id2label!r}")
+    return tuple(names[i] for i in range(len(names)))
 
 
 def _lacks_lm_head(model_dir: str) -> bool:

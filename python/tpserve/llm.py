@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import msgspec
+import numpy as np
 import torch
 from tqdm import tqdm
 
@@ -28,8 +29,11 @@ from tpserve.launch.ranks import RankDriver, start_ranks
 from tpserve.message import (
     AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, GetStats, SchedulerStats, TokenOutput,
 )
-from tpserve.outputs import CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput, RequestOutput
-from tpserve.pooling import embedding_vector
+from tpserve.outputs import (
+    ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
+    RequestOutput, ScoringOutput, ScoringRequestOutput,
+)
+from tpserve.pooling import class_probabilities, embedding_vector
 from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT, SamplingParams
 from tpserve.scheduler.gc_control import frozen_heap
@@ -218,10 +222,54 @@ class LLM:
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (prompts as ``generate`` takes them): the final hidden state of its last token,
         cut to its first ``dimensions`` values and L2-normalized (``normalize``), as /v1/embeddings answers."""
-        params = SamplingParams(embed=True, max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
+        params = SamplingParams(pooling="embed", max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
         results = self.generate(prompts, params, use_tqdm)
         return [EmbeddingRequestOutput(r.prompt_token_ids, EmbeddingOutput(
             embedding_vector(r.hidden_state, dimensions, normalize).tolist())) for r in results]
+
+    def classify(
+        self,
+        prompts: str | Mapping[str, Any] | Iterable[str | Sequence[int] | Mapping[str, Any]],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ClassificationRequestOutput]:
+        """Each prompt's class probabilities from a sequence classifier (a ``*ForSequenceClassification``
+        checkpoint): the softmax of its score head's logits at the last token (one class: the sigmoid), as /classify
+        answers."""
+        params = SamplingParams(pooling="classify", max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
+        return [ClassificationRequestOutput(r.prompt_token_ids, ClassificationOutput(
+            class_probabilities(r.hidden_state).tolist())) for r in self.generate(prompts, params, use_tqdm)]
+
+    def score(
+        self,
+        data_1: str | Sequence[str],
+        data_2: str | Sequence[str],
+        use_tqdm: bool = True,
+        truncate_prompt_tokens: int | None = None,
+    ) -> list[ScoringRequestOutput]:
+        """vLLM's ``LLM.score``: a score for each pair (data_1[i], data_2[i]) (one data_1 text pairs with every
+        data_2), as /v1/score answers: a cross-encoder's (a classifier with one class) sigmoid of its logit for the
+        pair tokenized as one prompt, an embedding model's cosine of the two texts' embeddings."""
+        first = [data_1] if isinstance(data_1, str) else list(data_1)
+        second = [data_2] if isinstance(data_2, str) else list(data_2)
+        if not first or not second or not all(isinstance(t, str) for t in first + second):
+            raise TypeError("data_1 and data_2 must be a text or a non-empty list of texts")
+        if len(first) not in (1, len(second)):
+            raise ValueError(f"data_1 must hold one text or as many as data_2 ({len(second)}), got {len(first)}")
+        pairs = list(zip(first * len(second) if len(first) == 1 else first, second))
+        if self.model_config.labels:
+            if len(self.model_config.labels) != 1:
+                raise ValueError(f"this model classifies into {len(self.model_config.labels)} classes; score needs a "
+                                 "cross-encoder with one (its relevance logit): use classify")
+            if self.tokenizer is None:
+                raise ValueError("score needs the model's tokenizer (it tokenizes each pair as one prompt)")
+            ids = [self.tokenizer.encode(a, b) for a, b in pairs]
+            return [ScoringRequestOutput(out.prompt_token_ids, ScoringOutput(out.outputs.probs[0]))
+                    for out in self.classify(ids, use_tqdm, truncate_prompt_tokens)]
+        texts = list(dict.fromkeys(first + second))
+        embedded = dict(zip(texts, self.embed(texts, use_tqdm, truncate_prompt_tokens)))
+        return [ScoringRequestOutput(embedded[a].prompt_token_ids + embedded[b].prompt_token_ids, ScoringOutput(
+            float(np.dot(embedded[a].outputs.embedding, embedded[b].outputs.embedding)))) for a, b in pairs]
 
     def chat(
         self,

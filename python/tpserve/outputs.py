@@ -37,7 +37,7 @@ class RequestOutput:
     # it (None for the first), and the n most likely (token id, log-probability) pairs at each position.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
-    hidden_state: bytes | None = None  # with SamplingParams(embed=True): ``TokenOutput.embedding``
+    hidden_state: bytes | None = None  # a pooled request's (``SamplingParams.pooling``): ``TokenOutput.embedding``
 
     @property
     def token_ids(self) -> list[int]:
@@ -71,3 +71,29 @@ class EmbeddingRequestOutput:
 
     prompt_token_ids: list[int]
     outputs: EmbeddingOutput
+
+
+@dataclass
+class ClassificationOutput:
+    probs: list[float]  # the class probabilities (softmax; for one class the sigmoid of its logit)
+
+
+@dataclass
+class ClassificationRequestOutput:
+    """One prompt's class probabilities (``LLM.classify``), as vLLM's: ``outputs.probs``."""
+
+    prompt_token_ids: list[int]
+    outputs: ClassificationOutput
+
+
+@dataclass
+class ScoringOutput:
+    score: float
+
+
+@dataclass
+class ScoringRequestOutput:
+    """One pair's score (``LLM.score``), as vLLM's: ``outputs.score``; the prompt is the pair's tokens."""
+
+    prompt_token_ids: list[int]
+    outputs: ScoringOutput

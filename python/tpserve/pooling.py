@@ -1,12 +1,19 @@
-"""Embedding vectors from the scheduler's pooled hidden states (``TokenOutput.embedding``), for the server's
-/v1/embeddings and ``LLM.embed``: last-token pooling, then optionally cut (Matryoshka) and L2-normalized."""
+"""What a pooled request (``SamplingParams.pooling``) gets back (``TokenOutput.embedding``) and makes of it: an
+embedding (/v1/embeddings, ``LLM.embed``: the last token's final hidden state, optionally cut (Matryoshka) and
+L2-normalized), or a sequence classifier's class logits there (/classify, a cross-encoder's /v1/score), made
+probabilities; which tasks a model serves."""
 
 from __future__ import annotations
 
 import json
 import os
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tpserve.config import ModelConfig
 
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's: a zero vector stays zero
 
@@ -22,6 +29,55 @@ def embedding_vector(raw: bytes, dimensions: int | None = None, normalize: bool 
     if normalize:
         vector = vector / max(float(np.linalg.norm(vector)), NORM_EPS)
     return vector
+
+
+@dataclass(frozen=True)
+class ModelHead:
+    """What the API server must know of the model to answer pooled requests: its hidden size (an embedding's length)
+    and, for a sequence classifier, its classes in id order (``ModelConfig.labels``; empty: it embeds)."""
+
+    hidden_size: int | None = None  # None: not known (the server then checks ``dimensions`` on the answer)
+    labels: tuple[str, ...] = ()
+    architecture: str = "the model"
+
+    @property
+    def classifies(self) -> bool:
+        return bool(self.labels)
+
+    def unserved(self, task: str) -> str | None:
+        """Why this model does not answer pooling requests of ``task``, or None."""
+        if task == "embed" and self.labels:
+            return (f"this model ({self.architecture}) is a sequence classifier: it answers /classify, /v1/score and "
+                    "/v1/rerank (LLM.classify, LLM.score), not embeddings")
+        if task == "classify" and not self.labels:
+            return (f"this model ({self.architecture}) has no classification head: /classify (LLM.classify) needs a "
+                    "*ForSequenceClassification checkpoint")
+        return None
+
+
+def class_probabilities(raw: bytes) -> np.ndarray:
+    """A classifier's probabilities from its logits (little-endian float32 bytes): the softmax over its classes, or
+    for one class the sigmoid of its logit (a cross-encoder's relevance score), as vLLM's classify activation."""
+    logits = np.frombuffer(raw, dtype="<f4").astype(np.float64)
+    if logits.size == 1:
+        return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
+    exp = np.exp(logits - logits.max())
+    return (exp / exp.sum()).astype(np.float32)
+
+
+def task_problem(config: "ModelConfig", task: str | None, embedding_problem: str | None) -> str | None:
+    """Why this model cannot answer a request of ``task`` (a pooling task, or None: generation), or None.
+    ``embedding_problem``: ``unserved_pooling``'s answer for the model."""
+    if task is None:
+        if config.lm_head:
+            return None
+        serves = ("classification only (/classify, /v1/score, /v1/rerank, LLM.classify, LLM.score)" if config.labels
+                  else "embeddings only (/v1/embeddings, /v1/score, /v1/rerank, LLM.embed)")
+        return f"this checkpoint ({config.architecture}) has no LM head (lm_head.weight): it serves {serves}"
+    problem = ModelHead(config.hidden_size, config.labels, config.architecture).unserved(task)
+    if problem is None and task == "embed" and embedding_problem is not None:
+        problem = f"this model's embeddings are not served: {embedding_problem}"
+    return problem
 
 
 def unserved_pooling(model_dir: str) -> str | None:

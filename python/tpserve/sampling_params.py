@@ -36,7 +36,10 @@ STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
 _INT_FIELDS = ("n", "top_k", "min_tokens")
 _OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
-_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens", "embed")
+_BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
+# What a pooled request answers with instead of tokens: its embedding (the final hidden state of its last token), or a
+# sequence classifier's class logits there
+POOLING_TASKS = ("embed", "classify")
 
 
 def _is_int(value: Any) -> bool:
@@ -180,9 +183,10 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # vLLM's: requests share cached prefixes only with requests of the same salt (a tenant's prompts are neither
     # reused nor timed by others)
     cache_salt: str | None = None
-    # An embedding request (``/v1/embeddings``, ``LLM.embed``): its answer is the final (normed) hidden state of the
-    # prompt's last token, and nothing is generated (the sampling fields are unused)
-    embed: bool = False
+    # A pooled request (one of POOLING_TASKS): "embed" (``/v1/embeddings``, ``LLM.embed``) is answered with the final
+    # (normed) hidden state of the prompt's last token, "classify" (``/classify``, a cross-encoder's score) with a
+    # classifier's logits there; nothing is generated (the sampling fields are unused)
+    pooling: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -208,10 +212,12 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             raise ValueError(f"prompt_logprobs must be in [0, {MAX_LOGPROBS}], got {self.prompt_logprobs}")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
             raise ValueError(f"seed must be in [0, 2**63), got {self.seed}")
-        if self.embed and not (self.logprobs is None and self.prompt_logprobs is None and self.structured is None
-                               and self.n == 1):
-            raise ValueError("an embedding request (embed) generates no tokens: it takes no logprobs, prompt_logprobs "
-                             "or structured output, and n 1")
+        if self.pooling is not None and self.pooling not in POOLING_TASKS:
+            raise ValueError(f"pooling must be one of {', '.join(POOLING_TASKS)} (or None), got {self.pooling!r}")
+        if self.pooled and not (self.logprobs is None and self.prompt_logprobs is None and self.structured is None
+                                and self.n == 1):
+            raise ValueError(f"a pooled request ({self.pooling}) generates no tokens: it takes no logprobs, "
+                             "prompt_logprobs or structured output, and n 1")
         salt = self.cache_salt
         if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT):
             raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")
@@ -291,6 +297,11 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             msgspec.structs.replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % SEED_LIMIT)
             for i in range(self.n)
         ]
+
+    @property
+    def pooled(self) -> bool:
+        """Answered with a vector of the prompt's last token (``pooling``), not generated tokens."""
+        return self.pooling is not None
 
     @property
     def greedy(self) -> bool:

@@ -32,7 +32,7 @@ def test_embeddings_on_the_gpu_match_transformers(model_dir, chunk):
     scheduler.add_request(9, [9, 10, 11], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), seed=9)
     scheduler.step()  # the decodes run in CUDA graphs beside the embeddings
     for rid, prompt in prompts.items():
-        scheduler.add_request(rid, prompt, SamplingParams(embed=True), seed=rid)
+        scheduler.add_request(rid, prompt, SamplingParams(pooling="embed"), seed=rid)
     answers = {}
     while scheduler.has_work:
         for out in scheduler.step():

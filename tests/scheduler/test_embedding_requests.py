@@ -1,4 +1,4 @@
-"""Embedding requests (``SamplingParams.embed``) in the scheduler: a prefill whose answer is the last prompt
+"""Embedding requests (``SamplingParams.pooling``) in the scheduler: a prefill whose answer is the last prompt
 token's final hidden state, computed in chunks, after a cached prefix and beside generating requests."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from tpserve.engine_config import EngineConfig
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler.scheduler import Scheduler
 
-EMBED = SamplingParams(embed=True)
+EMBED = SamplingParams(pooling="embed")
 GREEDY = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
 
 

@@ -20,13 +20,14 @@ class StubFrontend:
 
     def __init__(
         self, reply: str = "Hello 你好!", pieces: int = 3, prompt_tokens: int = 5, finish: str = "length",
-        prompt_in_reasoning: bool | None = None,
+        prompt_in_reasoning: bool | None = None, classes: int = 3,
     ) -> None:
         self.reply = reply
         self.pieces = pieces
         self.prompt_tokens = prompt_tokens
         self.finish = finish
         self.prompt_in_reasoning = prompt_in_reasoning
+        self.classes = classes  # a classify request's logits: stub_logits(rid, classes)
         self.submitted: list[TokenizeRequest] = []
         self.aborted: list[int] = []
         self.flushes = 0
@@ -45,8 +46,9 @@ class StubFrontend:
         if req.text is not None and "REJECT" in req.text:
             queue.put_nowait(RequestRejected(rid=req.rid, message="the prompt is too long", param=req.prompt_param))
             return
-        if req.params.embed:  # the hidden state [rid, 1, 2, 3] (EMBEDDING_SIZE values)
-            vector = np.array([req.rid, 1, 2, 3], dtype="<f4").tobytes()
+        if req.params.pooled:  # the hidden state [rid, 1, 2, 3] (EMBEDDING_SIZE values), or a classifier's logits
+            values = [req.rid, 1, 2, 3] if req.params.pooling == "embed" else stub_logits(req.rid, self.classes)
+            vector = np.array(values, dtype="<f4").tobytes()
             queue.put_nowait(ApiOutput(rid=req.rid, text="", new_tokens=0, completion_tokens=0,
                                        prompt_tokens=self.prompt_tokens, finish_reason="stop", embedding=vector))
             return
@@ -71,6 +73,12 @@ class StubFrontend:
 
     async def flush_cache(self) -> None:
         self.flushes += 1
+
+
+def stub_logits(rid: int, classes: int) -> list[float]:
+    """The stub classifier's logits for request ``rid``: the class rid % classes is the most likely, and the logits
+    differ from one request to the next (a one-class model's too)."""
+    return [(2.0 if c == rid % classes else 0.0) - 0.25 * c + 0.1 * (rid % 7) for c in range(classes)]
 
 
 def _logprob(token: str, top: int) -> TokenLogprob:

@@ -864,7 +864,7 @@ def test_embeddings_request_and_response_shapes():
     assert body["object"] == "list" and body["model"] == MODEL and body["id"].startswith("embd-")
     assert [d["index"] for d in body["data"]] == [0, 1] and all(d["object"] == "embedding" for d in body["data"])
     first, second = stub.submitted[-2:]
-    assert first.params.embed and first.text == "a" and second.text == "b" and first.prompt_param == "input"
+    assert first.params.pooled and first.text == "a" and second.text == "b" and first.prompt_param == "input"
     for d, req in zip(body["data"], (first, second)):
         raw = np.array([req.rid, 1, 2, 3], dtype=np.float64)
         assert np.allclose(d["embedding"], raw / np.linalg.norm(raw), atol=1e-7)
@@ -940,7 +940,7 @@ def test_score_pairs_texts_by_the_cosine_of_their_embeddings():
     for path in ("/v1/score", "/score"):
         body = c.post(path, json={"text_1": "q", "text_2": ["a", "b"], "model": MODEL}).json()
         q, a, b = stub.submitted[-3:]
-        assert [r.text for r in (q, a, b)] == ["q", "a", "b"] and q.params.embed
+        assert [r.text for r in (q, a, b)] == ["q", "a", "b"] and q.params.pooled
         assert [r.prompt_param for r in (q, a, b)] == ["text_1", "text_2", "text_2"]
         assert body["object"] == "list" and body["id"].startswith("score-")
         assert [d["index"] for d in body["data"]] == [0, 1] and all(d["object"] == "score" for d in body["data"])
@@ -999,7 +999,7 @@ def test_score_and_rerank_errors_name_the_input_that_failed():
     from tpserve.server.errors import APIError
     from tpserve.server.formats import Choice
     from tpserve.server.metrics import RequestTimer, ServerMetrics
-    from tpserve.server.scores import RerankFormat, RerankRequest, ScoreFormat
+    from tpserve.server.scores import RerankFormat, RerankRequest, ScoreFormat, cosine_scorer, cross_scorer
 
     c, _ = make_client()
     assert_error(c.post("/v1/rerank", json={"query": "q", "documents": ["d"] * 64}), 400, "exceed", "documents")
@@ -1008,7 +1008,11 @@ def test_score_and_rerank_errors_name_the_input_that_failed():
     choices = [Choice(0, 1, timer, embedding=b"\0" * 16), Choice(1, 2, timer, finish_reason="length")]
     body = RerankRequest(query="q", documents=["a"])
     with pytest.raises(APIError, match=r"documents\[0\] could not be embedded") as caught:
-        RerankFormat("m", body).response(choices, {"prompt_tokens": 2})
+        query, document = ("query", "q"), ("documents[0]", "a")
+        RerankFormat("m", body, cosine_scorer([query, document], [(query, document)])).response(choices, {"prompt_tokens": 2})
     assert caught.value.param == "documents"
+    first, second = ("text_1[0]", "q"), ("text_2[0]", "a")
     with pytest.raises(APIError, match=r"text_2\[0\] could not be embedded"):
-        ScoreFormat("m", ["text_1[0]", "text_2[0]"], 1).response(choices, {"prompt_tokens": 2})
+        ScoreFormat("m", cosine_scorer([first, second], [(first, second)])).response(choices, {"prompt_tokens": 2})
+    with pytest.raises(APIError, match=r"text_2\[1\] could not be scored"):  # a cross-encoder: one request a pair
+        ScoreFormat("m", cross_scorer(["text_2[0]", "text_2[1]"], True)).response(choices, {"prompt_tokens": 2})

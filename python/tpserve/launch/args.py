@@ -13,6 +13,7 @@ from tpserve.config import DTYPE_ALIASES, ModelConfig
 from tpserve.engine_config import CHOICES, MAX_DIST_TIMEOUT_S, EngineConfig, check_can_start, check_nodes
 from tpserve.distributed.control import TOKEN_ENV, read_token
 from tpserve.distributed.nodes import split_addr
+from tpserve.pooling import ModelHead
 from tpserve.quant.config import QUANTIZATION_METHODS
 from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT
@@ -57,6 +58,7 @@ class ServerArgs:
     reasoning_parser: str | None = None
     max_request_bytes: int = 16 << 20
     max_sequences_per_request: int = 256  # prompts x n of one API call
+    head: ModelHead = ModelHead()  # the model's hidden size and classes (pooled requests' answers)
     health_timeout: float = 60.0  # /health is 503 when a rank's (or tokenizer's) loop stalls this long
     request_timeout: float | None = None  # seconds one API call may take (None: no limit)
     load_balance_method: str = "cache_aware"  # how the router picks a data-parallel replica
@@ -346,6 +348,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
              f"to {ns.max_total_tokens} tokens",) if ns.max_total_tokens is not None and ns.max_total_tokens < context
             else ()),
         vocab_size=model_config.vocab_size,
+        head=ModelHead(model_config.hidden_size, model_config.labels, model_config.architecture),
         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
         demo_model=demo,
     )

@@ -10,7 +10,7 @@ from torch import nn
 from tpserve.distributed.comm import Communicator
 from tpserve.distributed.info import get_tp_info
 from tpserve.kernels import gemv
-from tpserve.layers.linear import PendingNorm
+from tpserve.layers.linear import PendingNorm, ReplicatedWeights
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -71,3 +71,15 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.comm.world_size > 1:
             logits = self.comm.all_gather(logits)
         return logits[..., : self.vocab_size]
+
+
+class ScoreHead(ReplicatedWeights):
+    """A sequence classifier's head (transformers' ``score``: a linear layer without bias): its class logits from the
+    last token's final hidden state. Every rank holds it whole (it has a few rows), so its logits need no gather."""
+
+    def __init__(self, num_labels: int, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(num_labels, hidden_size), requires_grad=False)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return F.linear(hidden, self.weight)

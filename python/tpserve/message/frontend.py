@@ -43,6 +43,7 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True):
     structured_param: str = "response_format"  # the field params.structured came from, named if it is invalid
     prompt_param: str = "prompt"  # the field ``text`` or ``input_ids`` came from (``input`` for embeddings)
     add_special_tokens: bool = True  # ``text`` is tokenized with the tokenizer's special tokens (e.g. a BOS)
+    text_pair: str | None = None  # with ``text``: the pair's second text, both tokenized as one (a cross-encoder's)
 
 
 TokenizerInput = TokenizeRequest | Shutdown

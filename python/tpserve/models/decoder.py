@@ -15,7 +15,7 @@ from torch import nn
 from tpserve.config import ModelConfig
 from tpserve.distributed.comm import Communicator
 from tpserve.forward import ForwardContext
-from tpserve.layers.embedding import ParallelLMHead, VocabParallelEmbedding
+from tpserve.layers.embedding import ParallelLMHead, ScoreHead, VocabParallelEmbedding
 from tpserve.layers.linear import MergedColumnParallelLinear, PendingNorm, QKVParallelLinear, RowParallelLinear
 from tpserve.layers.moe import SparseMoeBlock
 from tpserve.layers.norm import RMSNorm
@@ -136,10 +136,11 @@ class CausalLM(nn.Module):
         self.model = DecoderBody(cfg, self.rotary, comm)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, tied=tied)
+        self.score = ScoreHead(len(cfg.labels), cfg.hidden_size) if cfg.labels else None
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Logits [B, vocab] of each sequence's last new token (only those go through the head); the hidden states
-        of ``inputs.pooled_rows`` among those rows go to ``ctx.pooled``."""
+        of ``inputs.pooled_rows`` among those rows go to ``ctx.pooled`` (a classifier's: their class logits)."""
         hidden = self.model(ctx)
         rows, pooled = ctx.inputs.last_indices, ctx.inputs.pooled_rows
         if rows is None and pooled is None:  # one token a sequence: the head may norm its input as it reads it
@@ -148,5 +149,5 @@ class CausalLM(nn.Module):
         if rows is not None:
             head_in = head_in[rows]
         if pooled is not None:
-            ctx.pooled = head_in[pooled]
+            ctx.pooled = head_in[pooled] if self.score is None else self.score(head_in[pooled])
         return self.lm_head(head_in)

@@ -25,7 +25,7 @@ from tpserve.forward import SequenceInput
 from tpserve.kvcache.pool import PageAllocator
 from tpserve.kvcache.radix import PrefixMatch, create_prefix_cache
 from tpserve.message import SchedulerStats, TokenOutput
-from tpserve.pooling import unserved_pooling
+from tpserve.pooling import task_problem, unserved_pooling
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler import prompt_logprobs
 from tpserve.scheduler.request import Request
@@ -110,12 +110,9 @@ class Scheduler:
     def add_request(self, rid: int, prompt_ids: list[int], params: SamplingParams, seed: int) -> None:
         if not prompt_ids:
             raise AdmissionError("the prompt is empty")
-        if params.embed and self.pooling_problem is not None:
-            raise AdmissionError(f"this model's embeddings are not served: {self.pooling_problem}")
-        if not params.embed and not self.engine.model_config.lm_head:
-            raise AdmissionError(f"this checkpoint ({self.engine.model_config.architecture}) has no LM head "
-                                 "(lm_head.weight): it serves embeddings only (/v1/embeddings, /v1/score, /v1/rerank, "
-                                 "LLM.embed)")
+        problem = task_problem(self.engine.model_config, params.pooling, self.pooling_problem)
+        if problem is not None:
+            raise AdmissionError(problem)
         vocab = self.engine.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise AdmissionError(f"prompt token ids must be in [0, {vocab})")
@@ -131,7 +128,7 @@ class Scheduler:
             )
         room = self.max_model_len - len(prompt_ids)
         # an embedding request takes its prompt's one sample (never shown) for the hidden state beside it
-        max_new = 1 if params.embed else room if params.max_tokens is None else min(params.max_tokens, room)
+        max_new = 1 if params.pooled else room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(rid, list(prompt_ids), params, seed, max_new)
         if params.structured is not None:
             self.compiling.add(rid, req, params.structured)
@@ -267,7 +264,7 @@ class Scheduler:
         # Only a chunk that reaches the end of the known sequence yields a usable sample (an embedding request's
         # hidden state too: the sequence is pooled there).
         sampled = [req.num_cached + n == req.num_tokens + req.pending for req, n in scheduled]
-        seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages, pooled=last and req.params.embed)
+        seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages, pooled=last and req.params.pooled)
                 for (req, n), last in zip(scheduled, sampled)]
         vocab = self.engine.model_config.vocab_size
         sampling = SamplingBatch.build(params, [req.seed for req, _ in scheduled], steps, vocab, self.engine.device)
@@ -354,7 +351,7 @@ class Scheduler:
         pooled = iter(launched.handle.pooled())  # in batch order, one for each embedding request's last chunk
         outputs = []
         for row, ((req, sampled), token) in enumerate(zip(launched.entries, tokens)):
-            embedding = next(pooled) if sampled and req.params.embed else None
+            embedding = next(pooled) if sampled and req.params.pooled else None
             if not sampled or self.running.get(req.rid) is not req:
                 continue  # a mid-prompt chunk, or the request finished/aborted meanwhile
             req.pending -= 1

@@ -17,6 +17,7 @@ from tpserve.server.errors import APIError, check_model_name
 from tpserve.server.limits import BodySizeLimit, RequestLimits
 from tpserve.server.metrics import CONTENT_TYPE, CountResponses, ServerMetrics
 from tpserve.server.conversation_store import ConversationStore
+from tpserve.server.classify import ClassifyRequest, create_classification
 from tpserve.server.embeddings import EmbeddingRequest, create_embeddings
 from tpserve.server.scores import RerankRequest, ScoreRequest, create_rerank, create_scores
 from tpserve.server.conversations import (
@@ -145,6 +146,10 @@ def _v1_router() -> APIRouter:
     async def rerank(body: RerankRequest, request: Request) -> Response:
         return await create_rerank(_serving(request), body, request)
 
+    @router.post("/classify")
+    async def classify(body: ClassifyRequest, request: Request) -> Response:
+        return await create_classification(_serving(request), body, request)
+
     @router.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
         state = _state(request)
@@ -248,7 +253,11 @@ def _admin_router() -> APIRouter:
         check_model_name(body.model, _model_names(_state(request)))
         return await _state(request).tokenize_service().detokenize(body)
 
-    # vLLM's other paths of the score and rerank APIs (/v1/score, /v1/rerank are the v1 router's)
+    # vLLM's other paths of the classify, score and rerank APIs (/v1/classify, /v1/score, /v1/rerank are the v1 router's)
+    @router.post("/classify", dependencies=[Depends(_check_api_key)])
+    async def classify(body: ClassifyRequest, request: Request) -> Response:
+        return await create_classification(_serving(request), body, request)
+
     @router.post("/score", dependencies=[Depends(_check_api_key)])
     async def score(body: ScoreRequest, request: Request) -> Response:
         return await create_scores(_serving(request), body, request)

@@ -1,9 +1,9 @@
 """POST /v1/embeddings: OpenAI's embeddings API (and vLLM's extensions to it) over the served model.
 
 An input's embedding is the final (normed) hidden state of its last token, L2-normalized: the last-token pooling
-of Qwen3-Embedding and of the other decoder-based embedding models. Any served model answers; a generative
-model's vectors mean what its last hidden state means. The scheduler runs an embedding request as a prefill
-whose one sample is never shown (``SamplingParams.embed``), so it shares batches, chunked prefill and the
+of Qwen3-Embedding and of the other decoder-based embedding models. Any served model but a classifier answers; a
+generative model's vectors mean what its last hidden state means. The scheduler runs an embedding request as a
+prefill whose one sample is never shown (``SamplingParams.pooling``), so it shares batches, chunked prefill and the
 prefix cache with generation.
 """
 
@@ -28,13 +28,12 @@ from tpserve.server.serving import Serving
 EmbeddingInput = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
 
 
-class EmbeddingRequest(_Body):
+class PooledInputBody(_Body):
+    """The fields the embeddings and classify bodies share: their inputs and vLLM's prompt handling."""
+
     input: EmbeddingInput
     model: str | None = None
-    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32, as OpenAI sends them
-    dimensions: int | None = Field(default=None, ge=1)  # the first this many values, normalized again (Matryoshka)
     user: str | None = None
-    normalize: bool = True  # vLLM's: False returns the hidden state as it is
     truncate_prompt_tokens: int | None = None  # vLLM's: each input's last k tokens only (-1: as many as fit)
     add_special_tokens: bool = True  # vLLM's: texts are tokenized with the tokenizer's special tokens
     cache_salt: StrictStr | None = None  # vLLM's: cached prefixes are shared only with requests of the same salt
@@ -52,13 +51,31 @@ class EmbeddingRequest(_Body):
             raise APIError.invalid("input must not hold an empty string or an empty token list", "input")
         return list(given)
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, task: str) -> SamplingParams:
         self.refuse_unserved(UNSERVED_VLLM_FIELDS)
-        try:
-            return SamplingParams(embed=True, max_tokens=1, truncate_prompt_tokens=self.truncate_prompt_tokens,
-                                  cache_salt=self.cache_salt)
-        except ValueError as e:
-            raise APIError.invalid(str(e), _param_of(str(e))) from e
+        return pooled_params(task, self.truncate_prompt_tokens, self.cache_salt)
+
+
+class EmbeddingRequest(PooledInputBody):
+    encoding_format: Literal["float", "base64"] = "float"  # base64: little-endian float32, as OpenAI sends them
+    dimensions: int | None = Field(default=None, ge=1)  # the first this many values, normalized again (Matryoshka)
+    normalize: bool = True  # vLLM's: False returns the hidden state as it is
+
+
+def pooled_params(task: str, truncate_prompt_tokens: int | None, cache_salt: str | None = None) -> SamplingParams:
+    """A pooled request's params (``SamplingParams.pooling``), a 400 naming a bad field."""
+    try:
+        return SamplingParams(pooling=task, max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens,
+                              cache_salt=cache_salt)
+    except ValueError as e:
+        raise APIError.invalid(str(e), _param_of(str(e))) from e
+
+
+def check_task(serving: Serving, task: str) -> None:
+    """A 400 where the model does not answer pooled requests of ``task`` (a classifier asked to embed, ...)."""
+    problem = serving.head.unserved(task)
+    if problem is not None:
+        raise APIError.invalid(problem, "model")
 
 
 class EmbeddingFormat(ResponseFormat):
@@ -88,47 +105,54 @@ class EmbeddingFormat(ResponseFormat):
         return vector.tolist()
 
 
-# An input to embed: where it came from ("input[2]", "query", "documents[0]": the field before any "["), and a text
-# or token ids
-Labelled = tuple[str, Union[str, list[int]]]
+# An input to pool: where it came from ("input[2]", "query", "documents[0]": the field before any "["), and a text,
+# token ids or a pair of texts tokenized as one (a cross-encoder's)
+Labelled = tuple[str, Union[str, list[int], tuple[str, str]]]
 
 
 def field_of(label: str) -> str:
     return label.split("[", 1)[0]
 
 
-def embedding_requests(
+def pooled_requests(
     serving: Serving, inputs: list[Labelled], params: SamplingParams, add_special_tokens: bool = True
 ) -> list[TokenizeRequest]:
     """One backend request per input, checked against the limits (too many: named by the last input's field, the
     list that holds them)."""
     serving.limits.check_sequences(len(inputs), 1, field_of(inputs[-1][0]))
+    reqs = []
     for label, item in inputs:
-        if isinstance(item, str):
-            serving.limits.check_text(len(item), field_of(label))
-        else:
+        texts = (item,) if isinstance(item, str) else item if isinstance(item, tuple) else None
+        if texts is None:
             serving.limits.check_ids(len(item), field_of(label))
-    return [
-        TokenizeRequest(rid=serving.frontend.new_rid(), params=params, prompt_param=field_of(label),
-                        add_special_tokens=add_special_tokens, text=item if isinstance(item, str) else None,
-                        input_ids=None if isinstance(item, str) else item)
-        for label, item in inputs
-    ]
+        else:
+            serving.limits.check_text(sum(map(len, texts)), field_of(label))
+        reqs.append(TokenizeRequest(
+            rid=serving.frontend.new_rid(), params=params, prompt_param=field_of(label),
+            add_special_tokens=add_special_tokens, input_ids=item if texts is None else None,
+            text=None if texts is None else texts[0], text_pair=texts[1] if texts is not None and len(texts) > 1 else None))
+    return reqs
 
 
-def hidden_states(choices: Iterable[Choice], labels: list[str]) -> list[bytes]:
-    """Each choice's pooled hidden state, in input order (``labels``: the inputs'); a 400 naming one that ended
-    without it (e.g. too long for the whole KV cache: "length")."""
+def hidden_states(choices: Iterable[Choice], labels: list[str], done: str = "embedded") -> list[bytes]:
+    """Each choice's pooled vector (an embedding, or a classifier's logits), in input order (``labels``: the
+    inputs'); a 400 naming one that ended without it (e.g. too long for the whole KV cache: "length") and saying
+    what it could not be (``done``)."""
     ordered = sorted(choices, key=lambda c: c.index)
     for c in ordered:
         if c.embedding is None:
-            raise APIError.invalid(f"{labels[c.index]} could not be embedded (it ended with {c.finish_reason!r})",
+            raise APIError.invalid(f"{labels[c.index]} could not be {done} (it ended with {c.finish_reason!r})",
                                    field_of(labels[c.index]))
     return [c.embedding for c in ordered]
 
 
 async def create_embeddings(serving: Serving, body: EmbeddingRequest, request: Request) -> Response:
     serving.check_model(body.model)
+    check_task(serving, "embed")
+    hidden = serving.head.hidden_size
+    if body.dimensions is not None and hidden is not None and body.dimensions > hidden:
+        raise APIError.invalid(f"dimensions must be in [1, {hidden}] (this model's hidden size), got {body.dimensions}",
+                               "dimensions")
     inputs = [(f"input[{i}]", item) for i, item in enumerate(body.inputs())]
-    reqs = embedding_requests(serving, inputs, body.sampling_params(), body.add_special_tokens)
+    reqs = pooled_requests(serving, inputs, body.sampling_params("embed"), body.add_special_tokens)
     return await serving.run(reqs, EmbeddingFormat(serving.model_name, body, request_id(request)), False, request)

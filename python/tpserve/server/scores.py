@@ -1,39 +1,43 @@
-"""vLLM's score and rerank APIs for an embedding model (``POST /v1/score``, ``/v1/rerank``; also ``/score``,
-``/rerank``, ``/v2/rerank``): a pair's score is the cosine similarity of the two texts' embeddings (last-token
-pooling, ``server/embeddings.py``), as vLLM scores pairs with a bi-encoder. A cross-encoder (a reranker whose score
-is a classification head's, e.g. Qwen3-Reranker's yes/no logits) is not served."""
+"""vLLM's score and rerank APIs (``POST /v1/score``, ``/v1/rerank``; also ``/score``, ``/rerank``, ``/v2/rerank``).
+As vLLM scores pairs, by the served model's kind:
+* an embedding model (a bi-encoder): the cosine similarity of the two texts' embeddings (last-token pooling,
+  ``server/embeddings.py``);
+* a sequence classifier with one class (a cross-encoder): the pair tokenized as one prompt (the tokenizer's pair
+  encoding), its relevance logit through a sigmoid (``use_activation`` False: the logit)."""
 
 from __future__ import annotations
 
-from typing import Any, Iterable, Union
+from typing import Any, Callable, Iterable, Union
 
 import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import StrictStr
 
+from tpserve.message.frontend import TokenizeRequest
 from tpserve.pooling import embedding_vector
 from tpserve.sampling_params import SamplingParams
-from tpserve.server.embeddings import embedding_requests, hidden_states
+from tpserve.server.classify import class_scores
+from tpserve.server.embeddings import Labelled, check_task, hidden_states, pooled_params, pooled_requests
 from tpserve.server.errors import APIError
 from tpserve.server.formats import Choice, ResponseFormat
-from tpserve.server.protocol import UNSERVED_VLLM_FIELDS, _Body, _param_of
+from tpserve.server.protocol import UNSERVED_VLLM_FIELDS, _Body
 from tpserve.server.request_id import request_id
 from tpserve.server.serving import Serving
 
 Texts = Union[StrictStr, list[StrictStr]]
+# The pairs' scores from the answers (choices) to the requests ``pair_requests`` made, in pair order
+Scorer = Callable[[Iterable[Choice]], list[float]]
 
 
 class _PairsBody(_Body):
     model: str | None = None
-    truncate_prompt_tokens: int | None = None  # each text's last k tokens only (-1: as many as fit)
+    truncate_prompt_tokens: int | None = None  # each prompt's last k tokens only (-1: as many as fit)
+    use_activation: bool = True  # a cross-encoder's: False scores a pair with its raw logit
 
-    def sampling_params(self) -> SamplingParams:
+    def sampling_params(self, task: str) -> SamplingParams:
         self.refuse_unserved(UNSERVED_VLLM_FIELDS)
-        try:
-            return SamplingParams(embed=True, max_tokens=1, truncate_prompt_tokens=self.truncate_prompt_tokens)
-        except ValueError as e:
-            raise APIError.invalid(str(e), _param_of(str(e))) from e
+        return pooled_params(task, self.truncate_prompt_tokens)
 
 
 class ScoreRequest(_PairsBody):
@@ -71,25 +75,52 @@ class RerankRequest(_PairsBody):
         return [self.query, *self.documents]
 
 
-def unit_vectors(states: list[bytes]) -> list[np.ndarray]:
-    """Each text's embedding, normalized once (a query's is dotted with every document's)."""
-    return [embedding_vector(state) for state in states]
+def pair_requests(
+    serving: Serving, body: _PairsBody, pairs: list[tuple[tuple[str, str], tuple[str, str]]]
+) -> tuple[list[TokenizeRequest], Scorer]:
+    """The backend requests that score ``pairs`` ((label, text) and (label, text)) on the served model, and how to
+    score them from the answers. A bi-encoder embeds each text once (a query shared by every pair too)."""
+    if serving.head.classifies:
+        if len(serving.head.labels) != 1:
+            raise APIError.invalid(
+                f"this model classifies into {len(serving.head.labels)} classes; scoring pairs needs a cross-encoder "
+                "with one (its relevance logit): use /classify", "model")
+        inputs: list[Labelled] = [(b_label, (a, b)) for (_, a), (b_label, b) in pairs]
+        reqs = pooled_requests(serving, inputs, body.sampling_params("classify"))
+        return reqs, cross_scorer([label for label, _ in inputs], body.use_activation)
+    check_task(serving, "embed")
+    texts = list(dict.fromkeys([a for a, _ in pairs] + [b for _, b in pairs]))  # each (label, text) once
+    return pooled_requests(serving, texts, body.sampling_params("embed")), cosine_scorer(texts, pairs)
+
+
+def cross_scorer(labels: list[str], activation: bool) -> Scorer:
+    """A cross-encoder's pair scores: choice i's relevance logit, through a sigmoid where ``activation``."""
+    return lambda choices: [float(class_scores(raw, activation)[0]) for raw in hidden_states(choices, labels, "scored")]
+
+
+def cosine_scorer(texts: list[tuple[str, str]], pairs: list[tuple[tuple[str, str], tuple[str, str]]]) -> Scorer:
+    """A bi-encoder's pair scores: the cosines of the pair's embeddings (choice i embeds ``texts[i]``; each vector
+    is normalized once, a query's shared by every pair)."""
+    slot = {text: i for i, text in enumerate(texts)}
+
+    def cosines(choices: Iterable[Choice]) -> list[float]:
+        vectors = [embedding_vector(raw) for raw in hidden_states(choices, [label for label, _ in texts])]
+        return [float(vectors[slot[a]] @ vectors[slot[b]]) for a, b in pairs]
+
+    return cosines
 
 
 class ScoreFormat(ResponseFormat):
-    """``/v1/score``'s list: choice i is text i of text_1 + text_2 as submitted (``first`` texts from text_1)."""
+    """``/v1/score``'s list: one score per pair."""
 
     id_prefix = "score"
 
-    def __init__(self, model: str, labels: list[str], first: int, request_id: str | None = None) -> None:
+    def __init__(self, model: str, scorer: Scorer, request_id: str | None = None) -> None:
         super().__init__(model, request_id=request_id)
-        self.labels, self.first = labels, first
+        self.scorer = scorer
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        vectors = unit_vectors(hidden_states(choices, self.labels))
-        left, right = vectors[: self.first], vectors[self.first :]
-        left = left * len(right) if len(left) == 1 else left
-        data = [{"index": i, "object": "score", "score": float(a @ b)} for i, (a, b) in enumerate(zip(left, right))]
+        data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(self.scorer(choices))]
         tokens = usage["prompt_tokens"]
         return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
                 "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
@@ -100,15 +131,13 @@ class RerankFormat(ResponseFormat):
 
     id_prefix = "rerank"
 
-    def __init__(self, model: str, body: RerankRequest, request_id: str | None = None) -> None:
+    def __init__(self, model: str, body: RerankRequest, scorer: Scorer, request_id: str | None = None) -> None:
         super().__init__(model, request_id=request_id)
-        self.body = body
+        self.body, self.scorer = body, scorer
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        labels = ["query", *(f"documents[{i}]" for i in range(len(self.body.documents)))]
-        query, *documents = unit_vectors(hidden_states(choices, labels))
-        results = [{"index": i, "document": {"text": text}, "relevance_score": float(query @ vector)}
-                   for i, (text, vector) in enumerate(zip(self.body.documents, documents))]
+        results = [{"index": i, "document": {"text": text}, "relevance_score": score}
+                   for i, (text, score) in enumerate(zip(self.body.documents, self.scorer(choices)))]
         results.sort(key=lambda r: r["relevance_score"], reverse=True)
         if self.body.top_n:
             results = results[: self.body.top_n]
@@ -118,18 +147,16 @@ class RerankFormat(ResponseFormat):
 
 async def create_scores(serving: Serving, body: ScoreRequest, request: Request) -> Response:
     serving.check_model(body.model)
-    params = body.sampling_params()
     first, second = body.texts()
-    inputs = [*((f"text_1[{i}]", t) for i, t in enumerate(first)), *((f"text_2[{i}]", t) for i, t in enumerate(second))]
-    reqs = embedding_requests(serving, inputs, params)
-    fmt = ScoreFormat(serving.model_name, [label for label, _ in inputs], len(first), request_id(request))
-    return await serving.run(reqs, fmt, False, request)
+    firsts = [(f"text_1[{i}]", t) for i, t in enumerate(first)] * (len(second) if len(first) == 1 else 1)
+    pairs = list(zip(firsts, ((f"text_2[{i}]", t) for i, t in enumerate(second))))
+    reqs, scorer = pair_requests(serving, body, pairs)
+    return await serving.run(reqs, ScoreFormat(serving.model_name, scorer, request_id(request)), False, request)
 
 
 async def create_rerank(serving: Serving, body: RerankRequest, request: Request) -> Response:
     serving.check_model(body.model)
-    params = body.sampling_params()
     query, *documents = body.texts()
-    reqs = embedding_requests(serving, [("query", query), *((f"documents[{i}]", d) for i, d in enumerate(documents))],
-                              params)
-    return await serving.run(reqs, RerankFormat(serving.model_name, body, request_id(request)), False, request)
+    pairs = [(("query", query), (f"documents[{i}]", d)) for i, d in enumerate(documents)]
+    reqs, scorer = pair_requests(serving, body, pairs)
+    return await serving.run(reqs, RerankFormat(serving.model_name, body, scorer, request_id(request)), False, request)

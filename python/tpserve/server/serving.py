@@ -15,6 +15,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tpserve.message.frontend import ApiOutput, RequestRejected, TokenizeRequest
 from tpserve.parsers.chat_output import ChatOutputConfig
 from tpserve.parsers.constraints import named_tool
+from tpserve.pooling import ModelHead
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.client import BackendEvent, FrontendClient, RequestCancelled
 from tpserve.server.errors import APIError, check_model_name
@@ -169,6 +170,7 @@ class Serving:
     # for the sampling fields a request leaves unset (--generation-config)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered (else a 400)
+    head: ModelHead = ModelHead()  # what pooled requests get back: embeddings, or a classifier's class logits
 
     def check_model(self, model: str | None) -> None:
         check_model_name(model, (self.model_name, *self.aliases))

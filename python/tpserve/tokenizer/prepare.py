@@ -77,7 +77,7 @@ def prompt_chars(req: TokenizeRequest) -> int:
     """The characters a request's prompt is made from (its text, or everything its chat template
     can render: messages, tools and template variables), before tokenizing."""
     if req.text is not None:
-        return len(req.text)
+        return len(req.text) + len(req.text_pair or "")
     return sum(chat_chars(req.messages, req.tools, req.chat_template_kwargs).values())
 
 
@@ -118,7 +118,7 @@ class PromptPreparer:
         n = len(input_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty", param)
-        if n >= ctx and req.params.embed:
+        if n >= ctx and req.params.pooled:
             raise InvalidRequest(f"the input has {n} tokens, but this model's context length is {ctx} tokens "
                                  f"(it embeds at most {ctx - 1})", param)
         if n >= ctx:
@@ -176,7 +176,7 @@ class PromptPreparer:
             text = self.render_chat(req)
             return list(self._tokenizer.encode(text, add_special_tokens=False)), "messages", text
         if req.text is not None:
-            ids = self._tokenizer.encode(req.text, add_special_tokens=req.add_special_tokens)
+            ids = self._tokenizer.encode(req.text, req.text_pair, add_special_tokens=req.add_special_tokens)
             return list(ids), req.prompt_param, ""
         if req.input_ids is not None:
             # ids the tokenizer knows, as vLLM checks them: echo and /detokenize can then render the prompt (the

@@ -1,0 +1,87 @@
+"""Sequence classifiers (transformers' ``*ForSequenceClassification``: a score head in place of the LM head):
+``LLM.classify`` and ``LLM.score`` against transformers in float32, at TP 1 and 2."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from reference import hf_class_logits, hf_embedding, save_classifier
+
+from tpserve import LLM
+from tpserve.config import ModelConfig
+from tpserve.pooling import class_probabilities
+
+PROMPTS = ["a clockmaker", [5, 6, 7, 8], {"prompt_token_ids": list(range(3, 40))}]
+
+
+@pytest.fixture(scope="module")
+def classifier_dir(qwen3_dir, tmp_path_factory) -> str:
+    return save_classifier(qwen3_dir, tmp_path_factory.mktemp("classifier"), ["negative", "neutral", "positive"])
+
+
+@pytest.fixture(scope="module")
+def cross_encoder_dir(qwen3_dir, tmp_path_factory) -> str:
+    return save_classifier(qwen3_dir, tmp_path_factory.mktemp("cross_encoder"), ["relevant"])
+
+
+def test_class_probabilities_are_softmax_or_one_sigmoid():
+    raw = np.array([1.0, 2.0, 0.5], dtype="<f4").tobytes()
+    expected = np.exp([1.0, 2.0, 0.5]) / np.exp([1.0, 2.0, 0.5]).sum()
+    assert np.allclose(class_probabilities(raw), expected)
+    assert np.allclose(class_probabilities(np.array([0.7], "<f4").tobytes()), [1 / (1 + np.exp(-0.7))])
+    assert np.isfinite(class_probabilities(np.array([1e4, -1e4], "<f4").tobytes())).all()
+
+
+def test_a_classifier_config_names_its_classes(classifier_dir):
+    config = ModelConfig.from_pretrained(classifier_dir)
+    assert config.architecture == "Qwen3ForSequenceClassification"
+    assert config.labels == ("negative", "neutral", "positive")
+    assert not config.lm_head and config.tie_word_embeddings  # no LM head of its own
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_llm_classify_matches_transformers(tp, classifier_dir):
+    with LLM(classifier_dir, device="cpu", tp_size=tp, chunked_prefill_size=16) as llm:
+        outputs = llm.classify(PROMPTS, use_tqdm=False)
+        with pytest.raises(ValueError, match=r"\(Qwen3ForSequenceClassification\) has no LM head .*classification only"):
+            llm.generate(["hi"], use_tqdm=False)
+        with pytest.raises(ValueError, match=r"is a sequence classifier: it answers /classify"):
+            llm.embed(["hi"], use_tqdm=False)
+    errors = []
+    for out in outputs:
+        expected = torch.softmax(hf_class_logits(classifier_dir, out.prompt_token_ids), dim=0)
+        assert len(out.outputs.probs) == 3 and abs(sum(out.outputs.probs) - 1) < 1e-5
+        errors.append(float((torch.tensor(out.outputs.probs) - expected).abs().max()))
+    print(f"TP {tp}: class probability max abs error vs transformers: {max(errors):.2e}")
+    assert max(errors) < 1e-5 and [len(o.prompt_token_ids) for o in outputs][1:] == [4, 37]
+    # the prompts' probabilities differ: the head sees each prompt's own last hidden state
+    assert len({tuple(np.round(o.outputs.probs, 4)) for o in outputs}) == 3
+
+
+def test_llm_score_with_a_cross_encoder_matches_transformers(cross_encoder_dir):
+    with LLM(cross_encoder_dir, device="cpu") as llm:
+        scores = llm.score("what is a clock", ["a clockmaker builds clocks", "the weather is fine"], use_tqdm=False)
+        pairs = llm.score(["q one", "q two"], ["d one", "d two"], use_tqdm=False)
+        tokenizer = llm.get_tokenizer()
+        with pytest.raises(ValueError, match="data_1 must hold one text or as many as data_2"):
+            llm.score(["a", "b"], ["c", "d", "e"], use_tqdm=False)
+    for (a, b), out in zip([("what is a clock", "a clockmaker builds clocks"), ("what is a clock", "the weather is fine"),
+                            ("q one", "d one"), ("q two", "d two")], scores + pairs):
+        ids = tokenizer.encode(a, b)  # the pair as one prompt, as transformers' pair encoding makes it
+        assert out.prompt_token_ids == ids
+        expected = float(torch.sigmoid(hf_class_logits(cross_encoder_dir, ids)[0]))
+        assert abs(out.outputs.score - expected) < 1e-5, (a, b)
+
+
+def test_llm_score_with_an_embedding_model_is_the_cosine(qwen3_dir, classifier_dir):
+    with LLM(qwen3_dir, device="cpu") as llm:
+        scores = llm.score("a query", ["doc one", "doc two"], use_tqdm=False)
+        ids = {t: llm.get_tokenizer().encode(t) for t in ("a query", "doc one", "doc two")}
+        with pytest.raises(ValueError, match=r"\(Qwen3ForCausalLM\) has no classification head"):
+            llm.classify(["hi"], use_tqdm=False)
+    for doc, out in zip(("doc one", "doc two"), scores):
+        expected = float(hf_embedding(qwen3_dir, ids["a query"]) @ hf_embedding(qwen3_dir, ids[doc]))
+        assert abs(out.outputs.score - expected) < 1e-5
+    with LLM(classifier_dir, device="cpu") as llm, pytest.raises(ValueError, match="classifies into 3 classes"):
+        llm.score("a", "b", use_tqdm=False)
