@@ -85,3 +85,53 @@ def test_llm_score_with_an_embedding_model_is_the_cosine(qwen3_dir, classifier_d
         assert abs(out.outputs.score - expected) < 1e-5
     with LLM(classifier_dir, device="cpu") as llm, pytest.raises(ValueError, match="classifies into 3 classes"):
         llm.score("a", "b", use_tqdm=False)
+
+
+def reranker_overrides(tokens: list[str]) -> dict:
+    """vLLM's --hf-overrides for a causal LM served as a classifier of its LM head's rows of ``tokens``."""
+    return {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": tokens}
+
+
+@pytest.mark.parametrize("tied", [False, True], ids=["lm_head", "tied"])
+def test_a_causal_lm_served_as_a_reranker_from_two_tokens(tied, qwen3_dir, tiny_model_factory):
+    """Qwen3-Reranker's scoring (the softmax of its "no" and "yes" logits at the last token, "yes") through
+    classifier_from_token: LLM.score equals it from transformers' causal LM, at TP 1 and 2 (the LM head's rows are
+    taken whole before the vocabulary is split)."""
+    from reference import hf_logits
+
+    model_dir = tiny_model_factory("qwen3", tie_word_embeddings=True) if tied else qwen3_dir
+    with LLM(model_dir, device="cpu") as llm:
+        tokenizer = llm.get_tokenizer()
+    no, yes = tokenizer.convert_ids_to_tokens([60, 61])
+    query, documents = "where is the clockmaker", ["the clockmaker's shop", "tick tock"]
+    for tp in (1, 2):
+        with LLM(model_dir, device="cpu", tp_size=tp, hf_overrides=reranker_overrides([no, yes])) as llm:
+            assert llm.model_config.labels == (yes,) and not llm.model_config.lm_head
+            scores = llm.score(query, documents, use_tqdm=False)
+        for document, out in zip(documents, scores):
+            logits = hf_logits(model_dir, tokenizer.encode(query, document))[-1]
+            expected = float(torch.softmax(logits[[60, 61]], dim=0)[1])
+            assert abs(out.outputs.score - expected) < 1e-5, (tp, document)
+
+
+def test_classifier_from_tokens_classifies_into_them(qwen3_dir):
+    from reference import hf_logits
+
+    with LLM(qwen3_dir, device="cpu") as llm:
+        tokens = llm.get_tokenizer().convert_ids_to_tokens([70, 71, 72])
+    with LLM(qwen3_dir, device="cpu", hf_overrides=reranker_overrides(tokens)) as llm:
+        assert llm.model_config.labels == tuple(tokens)
+        out = llm.classify([[5, 6, 7, 8]], use_tqdm=False)[0]
+    expected = torch.softmax(hf_logits(qwen3_dir, [5, 6, 7, 8])[-1][[70, 71, 72]], dim=0)
+    assert float((torch.tensor(out.outputs.probs) - expected).abs().max()) < 1e-5
+
+
+@pytest.mark.parametrize("overrides, message", [
+    ({"classifier_from_token": ["a", "b"]}, "architectures must be a \\*ForSequenceClassification"),
+    (reranker_overrides(["no-such-token"]), "'no-such-token' is not a token of the model's tokenizer"),
+    (reranker_overrides([]), "must be a non-empty list of tokens"),
+    ('["a"]', "hf_overrides must be a JSON object"),
+])
+def test_bad_hf_overrides_are_clear_errors(overrides, message, qwen3_dir):
+    with pytest.raises(ValueError, match=message):
+        LLM(qwen3_dir, device="cpu", hf_overrides=overrides)

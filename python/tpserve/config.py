@@ -184,6 +184,11 @@ class ModelConfig:
     quantization: QuantConfig | None = None  # the checkpoint's quantization_config (FP8 weights)
     lm_head: bool = True  # False: a bare decoder (``*Model``) or a classifier, which generate nothing
     labels: tuple[str, ...] = ()  # a sequence classifier's classes in id order (its score head's rows); () for any other model
+    # vLLM's classifier_from_token (a config.json key, set by --hf-overrides): a causal LM served as a classifier
+    # whose score head is its LM head's rows of these tokens; two ("no", "yes": Qwen3-Reranker's) make one class,
+    # the yes row minus the no row, so the class's sigmoid is the softmax of the two logits' yes
+    classifier_from_token: tuple[str, ...] = ()
+    classifier_token_ids: tuple[int, ...] = ()  # their ids (from_pretrained reads them from the tokenizer)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id in self.moe.layers
@@ -210,6 +215,7 @@ class ModelConfig:
         kind = SUPPORTED_ARCHITECTURES[arch]
         bare = arch.endswith("Model")
         classifier = arch.endswith("ForSequenceClassification")
+        tokens = _classifier_tokens(cfg.get("classifier_from_token"), classifier, archs)
         _check_sizes(cfg)
         hf = _hf_config(cfg, kind)
         rope = _check_supported(cfg, hf, kind)
@@ -251,7 +257,8 @@ class ModelConfig:
             moe=moe,
             quantization=quantization,
             lm_head=not (bare or classifier),
-            labels=_labels(hf) if classifier else (),
+            labels=_labels(hf, tokens) if classifier else (),
+            classifier_from_token=tokens,
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size", expert_parallel: bool = False) -> None:
@@ -321,8 +328,9 @@ class ModelConfig:
                 )
 
     @classmethod
-    def from_pretrained(cls, model_dir: str) -> "ModelConfig":
-        cfg = read_json_object(os.path.join(model_dir, "config.json"))
+    def from_pretrained(cls, model_dir: str, overrides: dict[str, Any] | None = None) -> "ModelConfig":
+        """The model's config.json, its top-level keys replaced by ``overrides`` (vLLM's --hf-overrides)."""
+        cfg = read_json_object(os.path.join(model_dir, "config.json")) | (overrides or {})
         eos: list[int] = []
         gen_path = os.path.join(model_dir, "generation_config.json")
         if os.path.exists(gen_path):
@@ -334,15 +342,45 @@ class ModelConfig:
             # an embedding model's *ForCausalLM config over the bare decoder's weights (as sentence-transformers
             # saves them): no head to generate with; its place is the embedding's, as for a *Model architecture
             config = dataclasses.replace(config, tie_word_embeddings=True, lm_head=False)
+        if config.classifier_from_token:
+            config = dataclasses.replace(config, classifier_token_ids=_token_ids(model_dir, config.classifier_from_token))
         return config
 
 
-def _labels(hf: Any) -> tuple[str, ...]:
-    """A classifier's class names in id order (``id2label``; transformers names unnamed ones LABEL_i)."""
+def _classifier_tokens(value: Any, classifier: bool, archs: list[str]) -> tuple[str, ...]:
+    if value is None:
+        return ()
+    if not isinstance(value, list) or not value or not all(isinstance(t, str) and t for t in value):
+        raise ValueError(f"config.json: classifier_from_token must be a non-empty list of tokens, got {value!r}")
+    if not classifier:
+        raise ValueError(f"config.json: classifier_from_token makes a classifier from an LM head: architectures must "
+                         f"be a *ForSequenceClassification (e.g. Qwen3ForSequenceClassification), got {archs}")
+    return tuple(value)
+
+
+def _labels(hf: Any, tokens: tuple[str, ...]) -> tuple[str, ...]:
+    """A classifier's class names in id order (``id2label``; transformers names unnamed ones LABEL_i), or its
+    classifier_from_token's (two tokens: one class, the second's)."""
+    if tokens:
+        return tokens[1:] if len(tokens) == 2 else tokens
     names = {int(i): str(name) for i, name in (hf.id2label or {}).items()}
     if sorted(names) != list(range(len(names))) or not names:
         raise ValueError(f"config.json: id2label must name classes 0..n-1 (n >= 1), got {hf.id2label!r}")
     return tuple(names[i] for i in range(len(names)))
+
+
+def _token_ids(model_dir: str, tokens: tuple[str, ...]) -> tuple[int, ...]:
+    """classifier_from_token's ids, each one token of the model's tokenizer."""
+    from tpserve.tokenizer.loader import load_tokenizer
+
+    tokenizer = load_tokenizer(model_dir)
+    ids = []
+    for token in tokens:
+        vocab_id = tokenizer.convert_tokens_to_ids(token)
+        if vocab_id is None or vocab_id == tokenizer.unk_token_id and token != tokenizer.unk_token:
+            raise ValueError(f"config.json: classifier_from_token {token!r} is not a token of the model's tokenizer")
+        ids.append(int(vocab_id))
+    return tuple(ids)
 
 
 def _lacks_lm_head(model_dir: str) -> bool:

@@ -4,6 +4,7 @@ model and the machine, made before any process starts (``check_can_start``)."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import numbers
 import os
@@ -77,6 +78,14 @@ class EngineConfig:
     # a MoE model's experts split whole over the tp_size ranks (num_experts / tp_size each) instead of every
     # expert's intermediate dim; attention and dense layers stay tensor-parallel
     expert_parallel: bool = False
+    # vLLM's --hf-overrides: config.json keys replaced (top-level), a JSON object; e.g. a Qwen3-Reranker served as
+    # the cross-encoder it is ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no",
+    # "yes"]})
+    hf_overrides: str | None = None
+
+    def load_model_config(self) -> ModelConfig:
+        """The model's config.json, with ``hf_overrides``."""
+        return ModelConfig.from_pretrained(self.model, hf_overrides_dict(self.hf_overrides))
 
     def __post_init__(self) -> None:
         _check_types(self)
@@ -109,6 +118,20 @@ class EngineConfig:
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         resolve_quantization(self.quantization, None)  # a clear error for an unknown method
+        hf_overrides_dict(self.hf_overrides)
+
+
+def hf_overrides_dict(text: str | None) -> dict[str, Any]:
+    """``EngineConfig.hf_overrides`` as the dict it must be (a ValueError naming it otherwise)."""
+    if text is None:
+        return {}
+    try:
+        overrides = json.loads(text)
+    except ValueError as e:
+        raise ValueError(f"hf_overrides must be a JSON object of config.json keys, got {text!r} ({e})") from None
+    if not isinstance(overrides, dict):
+        raise ValueError(f"hf_overrides must be a JSON object of config.json keys, got {text!r}")
+    return overrides
 
 
 _TYPE_NAMES = {"int": "an integer", "float": "a number", "bool": "True or False", "str": "a string"}

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import difflib
+import json
 import logging
 import numbers
 import os
@@ -153,7 +154,7 @@ class LLM:
             model=model, tp_size=tp_size, device=device, dtype=dtype, load_format=load_format, dp_size=dp_size,
             **engine_kwargs,
         )
-        self.model_config = ModelConfig.from_pretrained(model)
+        self.model_config = self.config.load_model_config()
         check_can_start(self.config, self.model_config)  # fail here, before spawning anything
         if not isinstance(generation_config, str) or not isinstance(override_generation_config, (dict, type(None))):
             raise TypeError("generation_config must be 'auto', 'vllm' or a directory, and override_generation_config "
@@ -485,7 +486,7 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
                             + (f" (did you mean {close[0]!r}?)" if close else ""))
         if target in out:
             raise TypeError(f"{name} and {target} name the same setting: give one")
-        out[target] = value
+        out[target] = json.dumps(value) if target == "hf_overrides" and isinstance(value, Mapping) else value
     return out
 
 

@@ -392,3 +392,12 @@ def test_docs_list_every_flag_and_choice():
             row = next(line for key, line in rows.items() if f"`{flags[0]}`" in key or f"`{flags[0]} " in key)
             missing = [c for c in action.choices if f"`{c}`" not in row and c not in ("auto", "none")]
             assert missing == [], f"{flags[0]}: {missing} not in docs/api.md"
+
+
+def test_hf_overrides_replace_config_keys(qwen3_dir):
+    overrides = '{"architectures": ["Qwen3ForSequenceClassification"], "num_labels": 2}'
+    args = parse_args(["--model", qwen3_dir, "--hf-overrides", overrides])
+    assert json.loads(args.engine.hf_overrides) == json.loads(overrides)
+    assert args.engine.load_model_config().labels == ("LABEL_0", "LABEL_1") and args.head.classifies
+    with pytest.raises(SystemExit):
+        parse_args(["--model", qwen3_dir, "--hf-overrides", "[1]"])

@@ -160,7 +160,7 @@ class Engine:
             torch.cuda.set_device(self.device)
         elif layout.ranks_per_node * config.dp_size > 1:  # ranks (of every replica) share the host's cores
             torch.set_num_threads(max(1, (os.cpu_count() or 1) // (layout.ranks_per_node * config.dp_size)))
-        self.model_config = ModelConfig.from_pretrained(config.model)
+        self.model_config = config.load_model_config()
         self.model_config.check_tp_size(config.tp_size, expert_parallel=config.expert_parallel)
         self.max_model_len = config.max_model_len or self.model_config.context_length
         self.dtype = resolve_dtype(config.dtype, self.model_config, self.device)

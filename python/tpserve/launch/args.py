@@ -126,6 +126,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--override-generation-config", type=json_object_arg, default=None, metavar="JSON",
                        help="default sampling parameters over --generation-config's, e.g. "
                        "'{\"temperature\": 0.5}' (the same five names)")
+    model.add_argument("--hf-overrides", type=json_object_arg, default=None, metavar="JSON",
+                       help="config.json keys to replace (top-level), as vLLM's flag; e.g. Qwen3-Reranker as the "
+                       "cross-encoder it is: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
+                       "\"classifier_from_token\": [\"no\", \"yes\"]}' (its score: the softmax of the two tokens' "
+                       "logits, yes)")
     model.add_argument("--load-format", choices=CHOICES["load_format"], default=_default("load_format"),
                        help="weights: safetensors files, or dummy (random, for benchmarks)")
     model.add_argument("--dtype", type=dtype_arg, default="auto",
@@ -314,7 +319,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         raise ValueError(f"--model: {model_dir} has no config.json")
     if not has_tokenizer_files(model_dir):  # the server and the shell tokenize and detokenize
         raise ValueError(f"--model: {missing_tokenizer_message(model_dir)}; copy the model's tokenizer files there")
-    model_config = ModelConfig.from_pretrained(model_dir)
+    model_config = ModelConfig.from_pretrained(model_dir, ns.hf_overrides)
     load_tokenizer(model_dir)  # a damaged file: named here, not in a child process's log (--shell) after start
     engine = _from_flags(
         EngineConfig, ns,
@@ -322,6 +327,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         device=None if ns.device == "auto" else ns.device,
         dtype=None if ns.dtype == "auto" else ns.dtype,
         dist_init_addr=_dist_init_addr(ns),
+        hf_overrides=None if ns.hf_overrides is None else json.dumps(ns.hf_overrides),
     )
     check_can_start(engine, model_config, cli=True)
     if ns.shell and ns.dp_size > 1:

@@ -183,6 +183,11 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
     expert_parallel = holds_whole_experts(model)
 
     tied_head: torch.Tensor | None = None  # the checkpoint's own lm_head.weight, where config.json ties it
+    # classifier_from_token: the score head is made of these rows of the LM head (or of the tied embedding)
+    score_tokens = list(model.config.classifier_token_ids)
+    head_rows: dict[str, torch.Tensor] = {}
+    if score_tokens:
+        expected.discard(("score", "weight", None))
 
     def skip(name: str) -> bool:  # per-expert tensors of other ranks are not even read
         if name.endswith(_IGNORED_SUFFIXES):
@@ -190,6 +195,11 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
         return expert_parallel and _held_elsewhere(model, checkpoint_target(name))
 
     for name, tensor in _iter_checkpoint(safetensors_files(model_dir), show_progress, skip):
+        head = canonical_name(name)
+        if score_tokens and head in ("lm_head.weight", "model.embed_tokens.weight"):
+            head_rows[head] = _rows(name, tensor, score_tokens)
+            if head == "lm_head.weight":  # the classifier has no LM head: only these rows are kept
+                continue
         if tied and name == "lm_head.weight":
             tied_head = tensor
             continue
@@ -225,6 +235,17 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
         raise ValueError(f"weights missing from the checkpoint: {', '.join(names[:10])}" + (" ..." if len(names) > 10 else ""))
     if tied_head is not None:
         _untie_if_different(model, tied_head)
+    if score_tokens:
+        rows = head_rows.get("lm_head.weight", head_rows.get("model.embed_tokens.weight"))
+        # two tokens: sigmoid((yes - no) . h) is the softmax of the two logits' yes; the difference taken in float32
+        model.score.load_weight("weight", rows[1:] - rows[:1] if len(score_tokens) == 2 else rows)
+
+
+def _rows(name: str, tensor: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
+    """classifier_from_token's rows of an LM head (or embedding) tensor, in float32."""
+    if max(token_ids) >= tensor.shape[0]:
+        raise ValueError(f"classifier_from_token id {max(token_ids)} is past the {tensor.shape[0]} rows of {name!r}")
+    return tensor[token_ids].float()
 
 
 def _check_float8(name: str, stored: torch.dtype, held: torch.dtype) -> None:
