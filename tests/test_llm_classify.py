@@ -10,7 +10,7 @@ from reference import hf_class_logits, hf_embedding, save_classifier
 
 from tpserve import LLM
 from tpserve.config import ModelConfig
-from tpserve.pooling import class_probabilities
+from tpserve.pooling import class_scores
 
 PROMPTS = ["a clockmaker", [5, 6, 7, 8], {"prompt_token_ids": list(range(3, 40))}]
 
@@ -25,12 +25,32 @@ def cross_encoder_dir(qwen3_dir, tmp_path_factory) -> str:
     return save_classifier(qwen3_dir, tmp_path_factory.mktemp("cross_encoder"), ["relevant"])
 
 
-def test_class_probabilities_are_softmax_or_one_sigmoid():
+def test_class_scores_apply_the_activation():
     raw = np.array([1.0, 2.0, 0.5], dtype="<f4").tobytes()
     expected = np.exp([1.0, 2.0, 0.5]) / np.exp([1.0, 2.0, 0.5]).sum()
-    assert np.allclose(class_probabilities(raw), expected)
-    assert np.allclose(class_probabilities(np.array([0.7], "<f4").tobytes()), [1 / (1 + np.exp(-0.7))])
-    assert np.isfinite(class_probabilities(np.array([1e4, -1e4], "<f4").tobytes())).all()
+    assert np.allclose(class_scores(raw, "softmax"), expected)
+    assert np.allclose(class_scores(raw, "sigmoid"), 1 / (1 + np.exp(-np.array([1.0, 2.0, 0.5]))))
+    assert class_scores(raw, "none").tolist() == [1.0, 2.0, 0.5]
+    assert np.isfinite(class_scores(np.array([1e4, -1e4], "<f4").tobytes(), "softmax")).all()
+
+
+@pytest.mark.parametrize("keys, classes, activation", [
+    ({}, 3, "softmax"),
+    ({}, 1, "sigmoid"),
+    ({"problem_type": "regression"}, 3, "none"),
+    ({"problem_type": "multi_label_classification"}, 3, "sigmoid"),
+    ({"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}}, 1, "none"),
+    ({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Sigmoid"}}, 3, "sigmoid"),
+])
+def test_a_classifier_activation_follows_vllm_rules(keys, classes, activation, classifier_dir):
+    import json
+
+    config = json.loads(open(f"{classifier_dir}/config.json").read())
+    config.pop("id2label"), config.pop("label2id")
+    config.update(keys, num_labels=classes)
+    assert ModelConfig.from_dict(config).class_activation == activation
+    with pytest.raises(ValueError, match="activation_fn 'torch.nn.Tanh' is not served"):
+        ModelConfig.from_dict(config | {"sentence_transformers": {"activation_fn": "torch.nn.Tanh"}})
 
 
 def test_a_classifier_config_names_its_classes(classifier_dir):
@@ -46,14 +66,17 @@ def test_llm_classify_matches_transformers(tp, classifier_dir):
         outputs = llm.classify(PROMPTS, use_tqdm=False)
         with pytest.raises(ValueError, match=r"\(Qwen3ForSequenceClassification\) has no LM head .*classification only"):
             llm.generate(["hi"], use_tqdm=False)
-        with pytest.raises(ValueError, match=r"is a sequence classifier: it answers /classify"):
+        with pytest.raises(ValueError, match=r"is a sequence classifier: it answers /classify, not embeddings"):
             llm.embed(["hi"], use_tqdm=False)
+        logits = llm.classify(PROMPTS[1:2], use_tqdm=False, use_activation=False)[0].outputs.probs
     errors = []
     for out in outputs:
         expected = torch.softmax(hf_class_logits(classifier_dir, out.prompt_token_ids), dim=0)
         assert len(out.outputs.probs) == 3 and abs(sum(out.outputs.probs) - 1) < 1e-5
         errors.append(float((torch.tensor(out.outputs.probs) - expected).abs().max()))
-    print(f"TP {tp}: class probability max abs error vs transformers: {max(errors):.2e}")
+    logit_error = float((torch.tensor(logits) - hf_class_logits(classifier_dir, PROMPTS[1])).abs().max())
+    print(f"TP {tp}: class probability max abs error vs transformers: {max(errors):.2e}, logits {logit_error:.2e}")
+    assert logit_error < 1e-5
     assert max(errors) < 1e-5 and [len(o.prompt_token_ids) for o in outputs][1:] == [4, 37]
     # the prompts' probabilities differ: the head sees each prompt's own last hidden state
     assert len({tuple(np.round(o.outputs.probs, 4)) for o in outputs}) == 3
@@ -64,14 +87,20 @@ def test_llm_score_with_a_cross_encoder_matches_transformers(cross_encoder_dir):
         scores = llm.score("what is a clock", ["a clockmaker builds clocks", "the weather is fine"], use_tqdm=False)
         pairs = llm.score(["q one", "q two"], ["d one", "d two"], use_tqdm=False)
         tokenizer = llm.get_tokenizer()
-        with pytest.raises(ValueError, match="data_1 must hold one text or as many as data_2"):
+        with pytest.raises(ValueError, match=r"data_1 must hold one text or as many as data_2 \(3\), got 2"):
             llm.score(["a", "b"], ["c", "d", "e"], use_tqdm=False)
+        # truncation cuts the longer text of a pair first, as vLLM (transformers' longest_first): the query stays
+        query, long_document = "what is a clock", " ".join(["tick tock"] * 40)
+        cut = llm.score(query, long_document, use_tqdm=False, truncate_prompt_tokens=12)[0]
     for (a, b), out in zip([("what is a clock", "a clockmaker builds clocks"), ("what is a clock", "the weather is fine"),
                             ("q one", "d one"), ("q two", "d two")], scores + pairs):
         ids = tokenizer.encode(a, b)  # the pair as one prompt, as transformers' pair encoding makes it
         assert out.prompt_token_ids == ids
         expected = float(torch.sigmoid(hf_class_logits(cross_encoder_dir, ids)[0]))
         assert abs(out.outputs.score - expected) < 1e-5, (a, b)
+    ids = tokenizer.encode(query, long_document, truncation="longest_first", max_length=12)
+    assert cut.prompt_token_ids == ids and ids[:len(tokenizer.encode(query))] == tokenizer.encode(query)
+    assert abs(cut.outputs.score - float(torch.sigmoid(hf_class_logits(cross_encoder_dir, ids)[0]))) < 1e-5
 
 
 def test_llm_score_with_an_embedding_model_is_the_cosine(qwen3_dir, classifier_dir):

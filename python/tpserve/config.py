@@ -189,6 +189,7 @@ class ModelConfig:
     # the yes row minus the no row, so the class's sigmoid is the softmax of the two logits' yes
     classifier_from_token: tuple[str, ...] = ()
     classifier_token_ids: tuple[int, ...] = ()  # their ids (from_pretrained reads them from the tokenizer)
+    class_activation: str = "softmax"  # how a classifier's logits become its answer (pooling.CLASS_ACTIVATIONS)
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id in self.moe.layers
@@ -219,6 +220,7 @@ class ModelConfig:
         _check_sizes(cfg)
         hf = _hf_config(cfg, kind)
         rope = _check_supported(cfg, hf, kind)
+        labels = _labels(hf, tokens) if classifier else ()
         rope.setdefault("rope_type", "default")
         rope.pop("type", None)  # the legacy spelling of rope_type, which transformers keeps beside it
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -257,8 +259,9 @@ class ModelConfig:
             moe=moe,
             quantization=quantization,
             lm_head=not (bare or classifier),
-            labels=_labels(hf, tokens) if classifier else (),
+            labels=labels,
             classifier_from_token=tokens,
+            class_activation=_class_activation(cfg, hf, len(labels)),
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size", expert_parallel: bool = False) -> None:
@@ -356,6 +359,29 @@ def _classifier_tokens(value: Any, classifier: bool, archs: list[str]) -> tuple[
         raise ValueError(f"config.json: classifier_from_token makes a classifier from an LM head: architectures must "
                          f"be a *ForSequenceClassification (e.g. Qwen3ForSequenceClassification), got {archs}")
     return tuple(value)
+
+
+# sentence-transformers' cross-encoder activations (config.json's sentence_transformers.activation_fn), by class name
+_ST_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "none", "Softmax": "softmax"}
+
+
+def _class_activation(cfg: dict[str, Any], hf: Any, classes: int) -> str:
+    """vLLM's: sentence-transformers' activation_fn where config.json names one; else by transformers' problem_type
+    (regression: the logits, multi-label: a sigmoid each); else a sigmoid for one class, the softmax for more."""
+    st = cfg.get("sentence_transformers")
+    name = st.get("activation_fn") if isinstance(st, dict) else None
+    if name is not None:
+        activation = _ST_ACTIVATIONS.get(str(name).rpartition(".")[2])
+        if activation is None:
+            raise ValueError(f"config.json: sentence_transformers.activation_fn {name!r} is not served (served: "
+                             f"{', '.join(_ST_ACTIVATIONS)})")
+        return activation
+    problem = getattr(hf, "problem_type", None)
+    if problem == "regression":
+        return "none"
+    if problem == "multi_label_classification" or classes == 1:
+        return "sigmoid"
+    return "softmax"
 
 
 def _labels(hf: Any, tokens: tuple[str, ...]) -> tuple[str, ...]:

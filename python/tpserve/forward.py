@@ -22,7 +22,7 @@ class SequenceInput:
     page_table: list[int]  # pages holding positions [0, prefix_len + len(token_ids))
     # the first this many new tokens' logits are wanted too (prompt log-probabilities), after the last one's
     extra_logits: int = 0
-    pooled: bool = False  # its last new token's final hidden state is wanted too (an embedding request)
+    pooled: bool = False  # its last new token's final hidden state (or class logits) is wanted too (a pooled request)
 
     @property
     def extend_len(self) -> int:

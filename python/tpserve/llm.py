@@ -34,11 +34,11 @@ from tpserve.outputs import (
     ClassificationOutput, ClassificationRequestOutput, CompletionOutput, EmbeddingOutput, EmbeddingRequestOutput,
     RequestOutput, ScoringOutput, ScoringRequestOutput,
 )
-from tpserve.pooling import class_probabilities, embedding_vector
+from tpserve.pooling import class_scores, embedding_vector, model_head, pair_texts
 from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT, SamplingParams
 from tpserve.scheduler.gc_control import frozen_heap
-from tpserve.tokenizer.prepare import truncated_prompt, with_bad_words_encoded
+from tpserve.tokenizer.prepare import kept_prompt_tokens, truncated_prompt, with_bad_words_encoded
 from tpserve.tokenizer.stream import OutputText
 
 if TYPE_CHECKING:
@@ -233,13 +233,15 @@ class LLM:
         prompts: str | Mapping[str, Any] | Iterable[str | Sequence[int] | Mapping[str, Any]],
         use_tqdm: bool = True,
         truncate_prompt_tokens: int | None = None,
+        use_activation: bool = True,
     ) -> list[ClassificationRequestOutput]:
         """Each prompt's class probabilities from a sequence classifier (a ``*ForSequenceClassification``
-        checkpoint): the softmax of its score head's logits at the last token (one class: the sigmoid), as /classify
-        answers."""
+        checkpoint): its score head's logits at the last token through the model's activation (the softmax; a sigmoid
+        for one class or a multi-label model), as /classify answers; ``use_activation`` False: the logits."""
         params = SamplingParams(pooling="classify", max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
+        activation = self.model_config.class_activation if use_activation else "none"
         return [ClassificationRequestOutput(r.prompt_token_ids, ClassificationOutput(
-            class_probabilities(r.hidden_state).tolist())) for r in self.generate(prompts, params, use_tqdm)]
+            class_scores(r.hidden_state, activation).tolist())) for r in self.generate(prompts, params, use_tqdm)]
 
     def score(
         self,
@@ -249,22 +251,23 @@ class LLM:
         truncate_prompt_tokens: int | None = None,
     ) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score``: a score for each pair (data_1[i], data_2[i]) (one data_1 text pairs with every
-        data_2), as /v1/score answers: a cross-encoder's (a classifier with one class) sigmoid of its logit for the
-        pair tokenized as one prompt, an embedding model's cosine of the two texts' embeddings."""
+        data_2), as /v1/score answers: a cross-encoder's (a classifier of one class) activated logit for the pair
+        tokenized as one prompt, an embedding model's cosine of the two texts' embeddings."""
         first = [data_1] if isinstance(data_1, str) else list(data_1)
         second = [data_2] if isinstance(data_2, str) else list(data_2)
         if not first or not second or not all(isinstance(t, str) for t in first + second):
             raise TypeError("data_1 and data_2 must be a text or a non-empty list of texts")
-        if len(first) not in (1, len(second)):
-            raise ValueError(f"data_1 must hold one text or as many as data_2 ({len(second)}), got {len(first)}")
-        pairs = list(zip(first * len(second) if len(first) == 1 else first, second))
+        pairs = [(first[i], second[j]) for i, j in pair_texts(first, second, ("data_1", "data_2"))]
+        problem = model_head(self.model_config).unserved("score")
+        if problem is not None:
+            raise ValueError(problem)
         if self.model_config.labels:
-            if len(self.model_config.labels) != 1:
-                raise ValueError(f"this model classifies into {len(self.model_config.labels)} classes; score needs a "
-                                 "cross-encoder with one (its relevance logit): use classify")
             if self.tokenizer is None:
                 raise ValueError("score needs the model's tokenizer (it tokenizes each pair as one prompt)")
-            ids = [self.tokenizer.encode(a, b) for a, b in pairs]
+            params = SamplingParams(pooling="classify", max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
+            keep = kept_prompt_tokens(params, self.config.max_model_len or self.model_config.context_length)
+            cut = {} if keep is None else {"truncation": "longest_first", "max_length": keep}  # as the server cuts
+            ids = [self.tokenizer.encode(a, b, **cut) for a, b in pairs]
             return [ScoringRequestOutput(out.prompt_token_ids, ScoringOutput(out.outputs.probs[0]))
                     for out in self.classify(ids, use_tqdm, truncate_prompt_tokens)]
         texts = list(dict.fromkeys(first + second))

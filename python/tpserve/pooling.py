@@ -16,12 +16,20 @@ if TYPE_CHECKING:
     from tpserve.config import ModelConfig
 
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's: a zero vector stays zero
+# How a classifier's logits become its answer (vLLM's rules, ``ModelConfig.class_activation``): the softmax over the
+# classes, a sigmoid of each (multi-label classifiers, cross-encoders), or the logits as they are (regression)
+CLASS_ACTIVATIONS = ("softmax", "sigmoid", "none")
+
+
+def pooled_values(raw: bytes) -> np.ndarray:
+    """A pooled answer (``TokenOutput.embedding``: little-endian float32 bytes) as a float32 array."""
+    return np.frombuffer(raw, dtype="<f4").astype(np.float32)
 
 
 def embedding_vector(raw: bytes, dimensions: int | None = None, normalize: bool = True) -> np.ndarray:
-    """The vector of a pooled hidden state (little-endian float32 bytes): its first ``dimensions`` values (None:
-    all), then scaled to length 1 where ``normalize``."""
-    vector = np.frombuffer(raw, dtype="<f4").astype(np.float32)
+    """The vector of a pooled hidden state: its first ``dimensions`` values (None: all), then scaled to length 1
+    where ``normalize``."""
+    vector = pooled_values(raw)
     if dimensions is not None:
         if not 1 <= dimensions <= vector.size:
             raise ValueError(f"dimensions must be in [1, {vector.size}] (this model's hidden size), got {dimensions}")
@@ -39,30 +47,49 @@ class ModelHead:
     hidden_size: int | None = None  # None: not known (the server then checks ``dimensions`` on the answer)
     labels: tuple[str, ...] = ()
     architecture: str = "the model"
+    activation: str = "softmax"  # a classifier's (one of CLASS_ACTIVATIONS)
 
     @property
     def classifies(self) -> bool:
         return bool(self.labels)
 
     def unserved(self, task: str) -> str | None:
-        """Why this model does not answer pooling requests of ``task``, or None."""
+        """Why this model does not answer requests of ``task`` (a pooling task, or "score": pairs scored by
+        /v1/score, /v1/rerank, ``LLM.score``), or None."""
         if task == "embed" and self.labels:
-            return (f"this model ({self.architecture}) is a sequence classifier: it answers /classify, /v1/score and "
-                    "/v1/rerank (LLM.classify, LLM.score), not embeddings")
+            serves = "/classify, /v1/score and /v1/rerank" if len(self.labels) == 1 else "/classify"
+            return f"this model ({self.architecture}) is a sequence classifier: it answers {serves}, not embeddings"
         if task == "classify" and not self.labels:
             return (f"this model ({self.architecture}) has no classification head: /classify (LLM.classify) needs a "
                     "*ForSequenceClassification checkpoint")
+        if task == "score" and len(self.labels) > 1:
+            return (f"this model classifies into {len(self.labels)} classes; scoring pairs needs a cross-encoder with "
+                    "one (its relevance logit): use /classify")
         return None
 
 
-def class_probabilities(raw: bytes) -> np.ndarray:
-    """A classifier's probabilities from its logits (little-endian float32 bytes): the softmax over its classes, or
-    for one class the sigmoid of its logit (a cross-encoder's relevance score), as vLLM's classify activation."""
-    logits = np.frombuffer(raw, dtype="<f4").astype(np.float64)
-    if logits.size == 1:
-        return (1.0 / (1.0 + np.exp(-logits))).astype(np.float32)
-    exp = np.exp(logits - logits.max())
-    return (exp / exp.sum()).astype(np.float32)
+def class_scores(raw: bytes, activation: str) -> np.ndarray:
+    """A classifier's answer from its logits: ``activation`` (one of CLASS_ACTIVATIONS) applied to them (a softmax of
+    one logit, always 1, is taken as its sigmoid)."""
+    logits = pooled_values(raw).astype(np.float64)
+    if activation == "sigmoid" or activation == "softmax" and logits.size == 1:
+        logits = 1.0 / (1.0 + np.exp(-logits))
+    elif activation == "softmax":
+        exp = np.exp(logits - logits.max())
+        logits = exp / exp.sum()
+    return logits.astype(np.float32)
+
+
+def model_head(config: "ModelConfig") -> ModelHead:
+    return ModelHead(config.hidden_size, config.labels, config.architecture, config.class_activation)
+
+
+def pair_texts(first: list[str], second: list[str], names: tuple[str, str]) -> list[tuple[int, int]]:
+    """The (first, second) index pairs a score request names: one first text against each second, or pairs of two
+    lists of one length (a ValueError naming the lists, ``names``, otherwise)."""
+    if len(first) not in (1, len(second)):
+        raise ValueError(f"{names[0]} must hold one text or as many as {names[1]} ({len(second)}), got {len(first)}")
+    return [(0 if len(first) == 1 else i, i) for i in range(len(second))]
 
 
 def task_problem(config: "ModelConfig", task: str | None, embedding_problem: str | None) -> str | None:
@@ -74,7 +101,7 @@ def task_problem(config: "ModelConfig", task: str | None, embedding_problem: str
         serves = ("classification only (/classify, /v1/score, /v1/rerank, LLM.classify, LLM.score)" if config.labels
                   else "embeddings only (/v1/embeddings, /v1/score, /v1/rerank, LLM.embed)")
         return f"this checkpoint ({config.architecture}) has no LM head (lm_head.weight): it serves {serves}"
-    problem = ModelHead(config.hidden_size, config.labels, config.architecture).unserved(task)
+    problem = model_head(config).unserved(task)
     if problem is None and task == "embed" and embedding_problem is not None:
         problem = f"this model's embeddings are not served: {embedding_problem}"
     return problem

@@ -92,3 +92,25 @@ def test_a_cross_encoder_scores_each_pair_as_one_prompt():
     best = sorted(range(3), key=lambda i: scores[i], reverse=True)[:2]
     assert [r["index"] for r in body["results"]] == best
     assert [r["relevance_score"] for r in body["results"]] == pytest.approx([scores[i] for i in best])
+
+
+def test_the_activation_is_the_models_unless_the_request_turns_it_off():
+    c, stub = make_client(head=ModelHead(16, ("a", "b", "c"), "X", activation="sigmoid"))  # a multi-label model
+    row = c.post("/classify", json={"input": "x"}).json()["data"][0]
+    assert row["probs"] == pytest.approx([sigmoid(v) for v in stub_logits(stub.submitted[-1].rid, 3)])
+    for off in ({"use_activation": False}, {"activation": False}, {"softmax": False}):  # vLLM's names, old and new
+        row = c.post("/classify", json={"input": "x", **off}).json()["data"][0]
+        assert row["probs"] == pytest.approx(stub_logits(stub.submitted[-1].rid, 3)), off
+
+
+def test_a_cross_encoder_request_holds_one_prompt_of_characters_in_all():
+    """A cross-encoder tokenizes the query once per document: the pairs together are held to one prompt's limit
+    (review: a 4 KB body made the tokenizers read 262,144 characters); a text too long is named by its own field."""
+    c, stub = make_client(head=CROSS_ENCODER, stub=StubFrontend(classes=1))
+    limit = 128 * 32  # the test limits' characters of one prompt
+    assert_error(c.post("/v1/rerank", json={"query": "q" * (limit + 1), "documents": ["d"]}), 400, "characters", "query")
+    assert_error(c.post("/v1/score", json={"text_1": "q" * (limit + 1), "text_2": "d"}), 400, "characters", "text_1")
+    body = {"query": "q" * (limit // 2), "documents": ["a", "b"]}
+    assert_error(c.post("/v1/rerank", json=body), 400, "the 2 pairs hold", "documents")
+    assert not stub.submitted
+    assert c.post("/v1/rerank", json={"query": "q" * (limit // 4), "documents": ["a", "b"]}).status_code == 200

@@ -219,7 +219,10 @@ class Engine:
                 self.attention.describe(), self.num_pages - 1, self.page_size,
                 f"up to batch {self.graph_runner.max_batch_size}" if self.graph_runner else "off",
             )
-            if not self.model_config.lm_head:
+            if self.model_config.labels:
+                logger.info("a sequence classifier of %d class(es) %s: it serves classification only",
+                            len(self.model_config.labels), list(self.model_config.labels[:8]))
+            elif not self.model_config.lm_head:
                 logger.info("the checkpoint has no LM head: it serves embeddings only")
 
     def _quantization_note(self) -> str:

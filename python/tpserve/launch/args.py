@@ -13,7 +13,7 @@ from tpserve.config import DTYPE_ALIASES, ModelConfig
 from tpserve.engine_config import CHOICES, MAX_DIST_TIMEOUT_S, EngineConfig, check_can_start, check_nodes
 from tpserve.distributed.control import TOKEN_ENV, read_token
 from tpserve.distributed.nodes import split_addr
-from tpserve.pooling import ModelHead
+from tpserve.pooling import ModelHead, model_head
 from tpserve.quant.config import QUANTIZATION_METHODS
 from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT
@@ -354,7 +354,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
              f"to {ns.max_total_tokens} tokens",) if ns.max_total_tokens is not None and ns.max_total_tokens < context
             else ()),
         vocab_size=model_config.vocab_size,
-        head=ModelHead(model_config.hidden_size, model_config.labels, model_config.architecture),
+        head=model_head(model_config),
         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
         demo_model=demo,
     )

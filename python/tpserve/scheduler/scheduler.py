@@ -127,7 +127,7 @@ class Scheduler:
                 f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {capacity} tokens in all"
             )
         room = self.max_model_len - len(prompt_ids)
-        # an embedding request takes its prompt's one sample (never shown) for the hidden state beside it
+        # a pooled request takes its prompt's one sample (never shown) for the vector beside it
         max_new = 1 if params.pooled else room if params.max_tokens is None else min(params.max_tokens, room)
         req = Request(rid, list(prompt_ids), params, seed, max_new)
         if params.structured is not None:
@@ -261,10 +261,10 @@ class Scheduler:
         scheduled.sort(key=lambda item: item[0].rid)
         params = [req.params for req, _ in scheduled]
         steps = [len(req.output_ids) + req.pending for req, _ in scheduled]
-        # Only a chunk that reaches the end of the known sequence yields a usable sample (an embedding request's
-        # hidden state too: the sequence is pooled there).
+        # Only a chunk that reaches the end of the known sequence yields a usable sample (a pooled request's
+        # vector too: the sequence is pooled there).
         sampled = [req.num_cached + n == req.num_tokens + req.pending for req, n in scheduled]
-        seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages, pooled=last and req.params.pooled)
+        seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages, pooled=last and req.params.pooling is not None)
                 for (req, n), last in zip(scheduled, sampled)]
         vocab = self.engine.model_config.vocab_size
         sampling = SamplingBatch.build(params, [req.seed for req, _ in scheduled], steps, vocab, self.engine.device)
@@ -348,10 +348,10 @@ class Scheduler:
         logprobs = launched.handle.logprobs()
         if launched.prompt_rows:
             prompt_logprobs.record(launched.prompt_rows, launched.handle)
-        pooled = iter(launched.handle.pooled())  # in batch order, one for each embedding request's last chunk
+        pooled = iter(launched.handle.pooled())  # in batch order, one for each pooled request's last chunk
         outputs = []
         for row, ((req, sampled), token) in enumerate(zip(launched.entries, tokens)):
-            embedding = next(pooled) if sampled and req.params.pooled else None
+            embedding = next(pooled) if sampled and req.params.pooling is not None else None
             if not sampled or self.running.get(req.rid) is not req:
                 continue  # a mid-prompt chunk, or the request finished/aborted meanwhile
             req.pending -= 1

@@ -1,6 +1,7 @@
 """vLLM's classification API (``POST /classify``, ``/v1/classify``) over a sequence classifier
 (``*ForSequenceClassification``): each input's class probabilities, from its score head's logits at the last token
-(softmax over the classes; sigmoid for one), and the most likely class's label (config.json's ``id2label``)."""
+(the model's activation: softmax over the classes, a sigmoid each, or none), and the most likely class's label
+(config.json's ``id2label``)."""
 
 from __future__ import annotations
 
@@ -10,27 +11,37 @@ import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 
-from tpserve.pooling import class_probabilities
+from tpserve.pooling import class_scores
 from tpserve.server.embeddings import PooledInputBody, check_task, hidden_states, pooled_requests
 from tpserve.server.formats import Choice, ResponseFormat
+from tpserve.server.protocol import _Body
 from tpserve.server.request_id import request_id
 from tpserve.server.serving import Serving
 
 
-class ClassifyRequest(PooledInputBody):
-    use_activation: bool = True  # vLLM's: False returns the raw logits as "probs"
+class ActivationField(_Body):
+    """vLLM's switch between a classifier's probabilities and its raw logits: ``use_activation``, or the names it
+    still takes for it, ``activation`` and ``softmax``."""
+
+    use_activation: bool | None = None
+    activation: bool | None = None
+    softmax: bool | None = None
+
+    def class_activation(self, model_activation: str) -> str:
+        """The activation to apply: the model's, or none where the request turned it off."""
+        on = next((v for v in (self.use_activation, self.activation, self.softmax) if v is not None), True)
+        return model_activation if on else "none"
 
 
-def class_scores(raw: bytes, activation: bool) -> np.ndarray:
-    """One input's answer: its class probabilities, or (``activation`` False) the logits."""
-    return class_probabilities(raw) if activation else np.frombuffer(raw, dtype="<f4").astype(np.float32)
+class ClassifyRequest(PooledInputBody, ActivationField):
+    pass
 
 
 class ClassifyFormat(ResponseFormat):
     object_name = "list"
     id_prefix = "classify"
 
-    def __init__(self, model: str, labels: tuple[str, ...], activation: bool, request_id: str | None = None) -> None:
+    def __init__(self, model: str, labels: tuple[str, ...], activation: str, request_id: str | None = None) -> None:
         super().__init__(model, request_id=request_id)
         self.labels, self.activation = labels, activation
 
@@ -51,5 +62,6 @@ async def create_classification(serving: Serving, body: ClassifyRequest, request
     check_task(serving, "classify")
     inputs = [(f"input[{i}]", item) for i, item in enumerate(body.inputs())]
     reqs = pooled_requests(serving, inputs, body.sampling_params("classify"), body.add_special_tokens)
-    fmt = ClassifyFormat(serving.model_name, serving.head.labels, body.use_activation, request_id(request))
+    activation = body.class_activation(serving.head.activation)
+    fmt = ClassifyFormat(serving.model_name, serving.head.labels, activation, request_id(request))
     return await serving.run(reqs, fmt, False, request)

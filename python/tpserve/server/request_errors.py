@@ -101,9 +101,9 @@ def _not_found(path: str) -> str:
     resource = path.removeprefix("/v1/").split("/", 1)[0]
     if path.startswith("/v1/") and resource in UNSERVED_ENDPOINTS:
         return (f"{path} is not served: tpserve serves text generation (/v1/chat/completions, /v1/completions, "
-                "/v1/responses, /v1/conversations), /v1/embeddings, /v1/score and /v1/rerank")
+                "/v1/responses, /v1/conversations), /v1/embeddings, /v1/score, /v1/rerank and /v1/classify")
     return (f"no route {path} (the API is under /v1: chat/completions, completions, responses, conversations, "
-            "embeddings, score, rerank, models)")
+            "embeddings, score, rerank, classify, models)")
 
 
 class JsonByDefault:

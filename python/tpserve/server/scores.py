@@ -15,25 +15,27 @@ from fastapi.responses import Response
 from pydantic import StrictStr
 
 from tpserve.message.frontend import TokenizeRequest
-from tpserve.pooling import embedding_vector
+from tpserve.pooling import class_scores, embedding_vector, pair_texts
 from tpserve.sampling_params import SamplingParams
-from tpserve.server.classify import class_scores
-from tpserve.server.embeddings import Labelled, check_task, hidden_states, pooled_params, pooled_requests
+from tpserve.server.classify import ActivationField
+from tpserve.server.embeddings import Labelled, check_task, field_of, hidden_states, pooled_params, pooled_requests
 from tpserve.server.errors import APIError
 from tpserve.server.formats import Choice, ResponseFormat
-from tpserve.server.protocol import UNSERVED_VLLM_FIELDS, _Body
+from tpserve.server.protocol import UNSERVED_VLLM_FIELDS
 from tpserve.server.request_id import request_id
 from tpserve.server.serving import Serving
 
 Texts = Union[StrictStr, list[StrictStr]]
+Pair = tuple[tuple[str, str], tuple[str, str]]  # (label, text) of the first text and of the second
 # The pairs' scores from the answers (choices) to the requests ``pair_requests`` made, in pair order
 Scorer = Callable[[Iterable[Choice]], list[float]]
 
 
-class _PairsBody(_Body):
+class _PairsBody(ActivationField):
+    """(A cross-encoder's activation off: a pair is scored with its raw logit.)"""
+
     model: str | None = None
     truncate_prompt_tokens: int | None = None  # each prompt's last k tokens only (-1: as many as fit)
-    use_activation: bool = True  # a cross-encoder's: False scores a pair with its raw logit
 
     def sampling_params(self, task: str) -> SamplingParams:
         self.refuse_unserved(UNSERVED_VLLM_FIELDS)
@@ -46,17 +48,18 @@ class ScoreRequest(_PairsBody):
     text_1: Texts
     text_2: Texts
 
-    def texts(self) -> tuple[list[str], list[str]]:
-        """text_1 (one text, or one per text_2) and text_2, checked."""
+    def pairs(self) -> list[Pair]:
+        """(text_1[i], text_2[i]), or (text_1[0], text_2[i]) for one text_1; checked."""
         first = [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
         second = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
         for name, texts in (("text_1", first), ("text_2", second)):
             if not texts or any(not t for t in texts):
                 raise APIError.invalid(f"{name} must hold at least one text and no empty one", name)
-        if len(first) != 1 and len(first) != len(second):
-            raise APIError.invalid(f"text_1 must hold one text or as many as text_2 ({len(second)}), got {len(first)}",
-                                   "text_1")
-        return first, second
+        try:
+            index_pairs = pair_texts(first, second, ("text_1", "text_2"))
+        except ValueError as e:
+            raise APIError.invalid(str(e), "text_1") from None
+        return [((f"text_1[{i}]", first[i]), (f"text_2[{j}]", second[j])) for i, j in index_pairs]
 
 
 class RerankRequest(_PairsBody):
@@ -64,41 +67,44 @@ class RerankRequest(_PairsBody):
     documents: list[StrictStr]
     top_n: int | None = None  # the best this many (None or 0: all)
 
-    def texts(self) -> list[str]:
-        """The query, then the documents, checked."""
+    def pairs(self) -> list[Pair]:
+        """(query, documents[i]) for each document, checked."""
         if not self.query:
             raise APIError.invalid("query must not be empty", "query")
         if not self.documents or any(not d for d in self.documents):
             raise APIError.invalid("documents must hold at least one text and no empty one", "documents")
         if self.top_n is not None and self.top_n < 0:
             raise APIError.invalid("top_n must be >= 0 (0: all)", "top_n")
-        return [self.query, *self.documents]
+        return [(("query", self.query), (f"documents[{i}]", d)) for i, d in enumerate(self.documents)]
 
 
-def pair_requests(
-    serving: Serving, body: _PairsBody, pairs: list[tuple[tuple[str, str], tuple[str, str]]]
-) -> tuple[list[TokenizeRequest], Scorer]:
-    """The backend requests that score ``pairs`` ((label, text) and (label, text)) on the served model, and how to
-    score them from the answers. A bi-encoder embeds each text once (a query shared by every pair too)."""
-    if serving.head.classifies:
-        if len(serving.head.labels) != 1:
-            raise APIError.invalid(
-                f"this model classifies into {len(serving.head.labels)} classes; scoring pairs needs a cross-encoder "
-                "with one (its relevance logit): use /classify", "model")
-        inputs: list[Labelled] = [(b_label, (a, b)) for (_, a), (b_label, b) in pairs]
-        reqs = pooled_requests(serving, inputs, body.sampling_params("classify"))
-        return reqs, cross_scorer([label for label, _ in inputs], body.use_activation)
-    check_task(serving, "embed")
+def pair_requests(serving: Serving, body: _PairsBody, pairs: list[Pair]) -> tuple[list[TokenizeRequest], Scorer]:
+    """The backend requests that score ``pairs`` on the served model, and how to score them from the answers. A
+    bi-encoder embeds each text once (a query shared by every pair too); a cross-encoder tokenizes each pair as one
+    prompt, so a query is tokenized once per document: all the pairs' characters together are held to one prompt's
+    limit (else a short body could make the tokenizers read a long query hundreds of times)."""
+    check_task(serving, "score")
     texts = list(dict.fromkeys([a for a, _ in pairs] + [b for _, b in pairs]))  # each (label, text) once
-    return pooled_requests(serving, texts, body.sampling_params("embed")), cosine_scorer(texts, pairs)
+    if not serving.head.classifies:
+        return pooled_requests(serving, texts, body.sampling_params("embed")), cosine_scorer(texts, pairs)
+    for label, text in texts:  # a text too long is named by its own field
+        serving.limits.check_text(len(text), field_of(label))
+    total = sum(len(a) + len(b) for (_, a), (_, b) in pairs)
+    if total > serving.limits.max_prompt_chars:
+        raise APIError.invalid(
+            f"the {len(pairs)} pairs hold {total} characters in all (the first text once per pair): more than "
+            f"{serving.limits.max_prompt_chars}, the limit of one prompt", field_of(pairs[-1][1][0]))
+    inputs: list[Labelled] = [(b_label, (a, b)) for (_, a), (b_label, b) in pairs]
+    reqs = pooled_requests(serving, inputs, body.sampling_params("classify"))
+    return reqs, cross_scorer([label for label, _ in inputs], body.class_activation(serving.head.activation))
 
 
-def cross_scorer(labels: list[str], activation: bool) -> Scorer:
-    """A cross-encoder's pair scores: choice i's relevance logit, through a sigmoid where ``activation``."""
+def cross_scorer(labels: list[str], activation: str) -> Scorer:
+    """A cross-encoder's pair scores: choice i's relevance logit through ``activation``."""
     return lambda choices: [float(class_scores(raw, activation)[0]) for raw in hidden_states(choices, labels, "scored")]
 
 
-def cosine_scorer(texts: list[tuple[str, str]], pairs: list[tuple[tuple[str, str], tuple[str, str]]]) -> Scorer:
+def cosine_scorer(texts: list[tuple[str, str]], pairs: list[Pair]) -> Scorer:
     """A bi-encoder's pair scores: the cosines of the pair's embeddings (choice i embeds ``texts[i]``; each vector
     is normalized once, a query's shared by every pair)."""
     slot = {text: i for i, text in enumerate(texts)}
@@ -147,16 +153,11 @@ class RerankFormat(ResponseFormat):
 
 async def create_scores(serving: Serving, body: ScoreRequest, request: Request) -> Response:
     serving.check_model(body.model)
-    first, second = body.texts()
-    firsts = [(f"text_1[{i}]", t) for i, t in enumerate(first)] * (len(second) if len(first) == 1 else 1)
-    pairs = list(zip(firsts, ((f"text_2[{i}]", t) for i, t in enumerate(second))))
-    reqs, scorer = pair_requests(serving, body, pairs)
+    reqs, scorer = pair_requests(serving, body, body.pairs())
     return await serving.run(reqs, ScoreFormat(serving.model_name, scorer, request_id(request)), False, request)
 
 
 async def create_rerank(serving: Serving, body: RerankRequest, request: Request) -> Response:
     serving.check_model(body.model)
-    query, *documents = body.texts()
-    pairs = [(("query", query), (f"documents[{i}]", d)) for i, d in enumerate(documents)]
-    reqs, scorer = pair_requests(serving, body, pairs)
+    reqs, scorer = pair_requests(serving, body, body.pairs())
     return await serving.run(reqs, RerankFormat(serving.model_name, body, scorer, request_id(request)), False, request)

@@ -93,13 +93,19 @@ class PreparedRequest:
     register: DetokenizeRegister
 
 
-def truncated_prompt(ids: list[int], params: SamplingParams, context_len: int) -> list[int]:
-    """vLLM's ``truncate_prompt_tokens``: the prompt's last k ids; -1: as many as ``context_len`` holds with
-    ``max_tokens`` (or ``min_tokens``, at least one token) after them."""
+def kept_prompt_tokens(params: SamplingParams, context_len: int) -> int | None:
+    """vLLM's ``truncate_prompt_tokens``: how many prompt tokens are kept (None: all); -1: as many as ``context_len``
+    holds with ``max_tokens`` (or ``min_tokens``, at least one token) after them."""
     keep = params.truncate_prompt_tokens
     if keep == -1:
         keep = context_len - (params.max_tokens or max(1, params.min_tokens))
-    return ids[-keep:] if keep is not None and keep > 0 else ids
+    return keep if keep is not None and keep > 0 else None
+
+
+def truncated_prompt(ids: list[int], params: SamplingParams, context_len: int) -> list[int]:
+    """The prompt's last ``kept_prompt_tokens`` ids."""
+    keep = kept_prompt_tokens(params, context_len)
+    return ids if keep is None else ids[-keep:]
 
 
 class PromptPreparer:
@@ -120,7 +126,7 @@ class PromptPreparer:
             raise InvalidRequest("the prompt is empty", param)
         if n >= ctx and req.params.pooled:
             raise InvalidRequest(f"the input has {n} tokens, but this model's context length is {ctx} tokens "
-                                 f"(it embeds at most {ctx - 1})", param)
+                                 f"(a pooled request takes at most {ctx - 1})", param)
         if n >= ctx:
             raise InvalidRequest(
                 f"the prompt has {n} tokens, but this model's context length is {ctx} tokens "
@@ -176,7 +182,12 @@ class PromptPreparer:
             text = self.render_chat(req)
             return list(self._tokenizer.encode(text, add_special_tokens=False)), "messages", text
         if req.text is not None:
-            ids = self._tokenizer.encode(req.text, req.text_pair, add_special_tokens=req.add_special_tokens)
+            keep = None if req.text_pair is None else kept_prompt_tokens(req.params, self._limits.context_len)
+            if keep is not None:  # a pair is cut as vLLM cuts it: the longer text first, not the first text's head
+                ids = self._tokenizer.encode(req.text, req.text_pair, add_special_tokens=req.add_special_tokens,
+                                             truncation="longest_first", max_length=keep)
+            else:
+                ids = self._tokenizer.encode(req.text, req.text_pair, add_special_tokens=req.add_special_tokens)
             return list(ids), req.prompt_param, ""
         if req.input_ids is not None:
             # ids the tokenizer knows, as vLLM checks them: echo and /detokenize can then render the prompt (the
