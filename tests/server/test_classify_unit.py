@@ -114,3 +114,27 @@ def test_a_cross_encoder_request_holds_one_prompt_of_characters_in_all():
     assert_error(c.post("/v1/rerank", json=body), 400, "the 2 pairs hold", "documents")
     assert not stub.submitted
     assert c.post("/v1/rerank", json={"query": "q" * (limit // 4), "documents": ["a", "b"]}).status_code == 200
+
+
+def test_a_conversation_is_pooled_as_one_chat_prompt():
+    """vLLM's ``messages`` for embeddings and classify: one answer, for the prompt the chat template renders (no
+    generation prompt unless asked)."""
+    for path, head in (("/v1/embeddings", ModelHead()), ("/classify", CLASSIFIER)):
+        c, stub = make_client(head=head)
+        messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]
+        body = c.post(path, json={"messages": messages}).json()
+        req = stub.submitted[-1]
+        assert len(body["data"]) == 1 and len(stub.submitted) == 1
+        assert req.messages == messages and req.text is None and not req.add_generation_prompt
+        c.post(path, json={"messages": messages[:1], "add_generation_prompt": True,
+                           "chat_template_kwargs": {"enable_thinking": False}})
+        assert stub.submitted[-1].add_generation_prompt and stub.submitted[-1].chat_template_kwargs
+        assert_error(c.post(path, json={"input": "x", "messages": messages}), 400, "either input or messages", "input")
+        assert_error(c.post(path, json={}), 400, "either input or messages", "input")
+        assert_error(c.post(path, json={"messages": []}), 400, "must not be empty", "messages")
+        assert_error(c.post(path, json={"messages": messages, "chat_template": "{{ 1 }}"}), 400,
+                     "--trust-request-chat-template", "chat_template")
+        assert_error(c.post(path, json={"messages": messages[:1], "continue_final_message": True}), 400,
+                     "continue_final_message")
+        assert_error(c.post(path, json={"messages": [{"role": "user", "content": "x" * 5000}]}), 400, "characters",
+                     "messages")

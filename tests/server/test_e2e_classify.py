@@ -47,6 +47,12 @@ def test_classify_matches_transformers_at_tp2(classifier, tokenizer):
         assert row["probs"] == pytest.approx(torch.softmax(logits, 0).tolist(), abs=1e-5)
         assert row["label"] == LABELS[int(logits.argmax())] and row["num_classes"] == 3
     assert body["usage"]["prompt_tokens"] == sum(len(tokenizer.encode(t)) for t in texts)
+    messages = [{"role": "user", "content": texts[0]}]  # vLLM's messages: the chat template's prompt, classified
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True),
+                           add_special_tokens=False)
+    chat = httpx.post(f"{url}/classify", json={"messages": messages, "add_generation_prompt": True}, timeout=60).json()
+    assert chat["data"][0]["probs"] == pytest.approx(torch.softmax(hf_class_logits(model_dir, ids), 0).tolist(),
+                                                     abs=1e-5)
 
 
 def test_a_classifier_refuses_what_it_does_not_serve(classifier):

@@ -476,6 +476,19 @@ def test_embeddings_match_transformers(client, url, tokenizer, qwen3_dir):
     assert float((torch.tensor(cut) - head / head.norm()).abs().max()) < 1e-5
 
 
+def test_embeddings_of_a_conversation_match_transformers(url, tokenizer, qwen3_dir):
+    """vLLM's ``messages`` on /v1/embeddings: the conversation rendered by the chat template (no generation prompt),
+    embedded as one prompt."""
+    from reference import hf_embedding
+
+    messages = [{"role": "user", "content": "where is the clockmaker"}, {"role": "assistant", "content": "here"}]
+    ids = tokenizer.encode(tokenizer.apply_chat_template(messages, tokenize=False), add_special_tokens=False)
+    body = httpx.post(f"{url}/v1/embeddings", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"messages": messages}, timeout=60).json()
+    assert body["usage"]["prompt_tokens"] == len(ids)
+    assert body["data"][0]["embedding"] == pytest.approx(hf_embedding(qwen3_dir, ids).tolist(), abs=1e-5)
+
+
 def test_score_and_rerank_match_transformers_cosines(url, tokenizer, qwen3_dir):
     """vLLM's score and rerank APIs for an embedding model: the cosine of transformers' normalized last-token hidden
     states, documents ranked by it."""

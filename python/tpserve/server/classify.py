@@ -41,15 +41,17 @@ class ClassifyFormat(ResponseFormat):
     object_name = "list"
     id_prefix = "classify"
 
-    def __init__(self, model: str, labels: tuple[str, ...], activation: str, request_id: str | None = None) -> None:
+    def __init__(self, model: str, classes: tuple[str, ...], activation: str, inputs: list[str],
+                 request_id: str | None = None) -> None:
+        """``classes``: the model's class names; ``inputs``: the inputs' labels (``input[0]``, ...)."""
         super().__init__(model, request_id=request_id)
-        self.labels, self.activation = labels, activation
+        self.classes, self.activation, self.inputs = classes, activation, inputs
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
         data = []
-        for i, raw in enumerate(hidden_states(choices, [f"input[{i}]" for i in range(len(choices))], "classified")):
+        for i, raw in enumerate(hidden_states(choices, self.inputs, "classified")):
             probs = class_scores(raw, self.activation)
-            data.append({"index": i, "label": self.labels[int(np.argmax(probs))], "probs": probs.tolist(),
+            data.append({"index": i, "label": self.classes[int(np.argmax(probs))], "probs": probs.tolist(),
                          "num_classes": len(probs)})
         tokens = usage["prompt_tokens"]
         return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
@@ -60,8 +62,9 @@ class ClassifyFormat(ResponseFormat):
 async def create_classification(serving: Serving, body: ClassifyRequest, request: Request) -> Response:
     serving.check_model(body.model)
     check_task(serving, "classify")
-    inputs = [(f"input[{i}]", item) for i, item in enumerate(body.inputs())]
+    inputs = body.inputs(serving.trust_request_chat_template)
     reqs = pooled_requests(serving, inputs, body.sampling_params("classify"), body.add_special_tokens)
     activation = body.class_activation(serving.head.activation)
-    fmt = ClassifyFormat(serving.model_name, serving.head.labels, activation, request_id(request))
+    fmt = ClassifyFormat(serving.model_name, serving.head.labels, activation, [label for label, _ in inputs],
+                         request_id(request))
     return await serving.run(reqs, fmt, False, request)

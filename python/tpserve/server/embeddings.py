@@ -10,6 +10,7 @@ prefix cache with generation.
 from __future__ import annotations
 
 import base64
+from dataclasses import dataclass
 from typing import Any, Iterable, Literal, Union
 
 from fastapi import Request
@@ -21,25 +22,54 @@ from tpserve.pooling import embedding_vector
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.errors import APIError
 from tpserve.server.formats import Choice, ResponseFormat
-from tpserve.server.protocol import UNSERVED_VLLM_FIELDS, _Body, _param_of
+from tpserve.server.protocol import (
+    UNSERVED_VLLM_FIELDS, ChatMessage, _Body, _param_of, check_continuation, check_request_template,
+)
 from tpserve.server.request_id import request_id
 from tpserve.server.serving import Serving
 
 EmbeddingInput = Union[StrictStr, list[StrictStr], list[StrictInt], list[list[StrictInt]]]
 
 
-class PooledInputBody(_Body):
-    """The fields the embeddings and classify bodies share: their inputs and vLLM's prompt handling."""
+@dataclass(frozen=True)
+class ChatInput:
+    """A conversation pooled as one prompt, rendered by the chat template (vLLM's ``messages`` for embeddings)."""
 
-    input: EmbeddingInput
+    messages: list[dict[str, Any]]
+    add_generation_prompt: bool
+    continue_final_message: bool
+    chat_template: str | None
+    chat_template_kwargs: dict[str, Any] | None
+
+
+class PooledInputBody(_Body):
+    """The fields the embeddings and classify bodies share: their inputs (texts, token ids, or vLLM's chat
+    ``messages``: one conversation, one answer) and vLLM's prompt handling."""
+
+    input: EmbeddingInput | None = None
+    messages: list[ChatMessage] | None = None
+    add_generation_prompt: bool = False  # for messages, as vLLM's embedding chat request
+    continue_final_message: bool = False  # for messages
+    chat_template: StrictStr | None = None  # for messages (--trust-request-chat-template)
+    chat_template_kwargs: dict[str, Any] | None = None  # for messages
     model: str | None = None
     user: str | None = None
     truncate_prompt_tokens: int | None = None  # vLLM's: each input's last k tokens only (-1: as many as fit)
     add_special_tokens: bool = True  # vLLM's: texts are tokenized with the tokenizer's special tokens
     cache_salt: StrictStr | None = None  # vLLM's: cached prefixes are shared only with requests of the same salt
 
-    def inputs(self) -> list[str | list[int]]:
-        """One entry per embedding: a text or a list of token ids."""
+    def inputs(self, trust_request_chat_template: bool) -> list[Labelled]:
+        """One labelled entry per answer: a text, a list of token ids, or the conversation."""
+        if (self.input is None) == (self.messages is None):
+            raise APIError.invalid("give either input or messages", "input")
+        if self.messages is not None:
+            if not self.messages:
+                raise APIError.invalid("messages must not be empty", "messages")
+            check_continuation(self.messages, self.add_generation_prompt, self.continue_final_message)
+            check_request_template(self.chat_template, trust_request_chat_template)
+            messages = [m.to_template(i) for i, m in enumerate(self.messages)]
+            return [("messages", ChatInput(messages, self.add_generation_prompt, self.continue_final_message,
+                                           self.chat_template, self.chat_template_kwargs))]
         given = self.input
         if isinstance(given, str):
             given = [given]
@@ -49,7 +79,7 @@ class PooledInputBody(_Body):
             raise APIError.invalid("input must not be empty", "input")
         if any(not item for item in given):
             raise APIError.invalid("input must not hold an empty string or an empty token list", "input")
-        return list(given)
+        return [(f"input[{i}]", item) for i, item in enumerate(given)]
 
     def sampling_params(self, task: str) -> SamplingParams:
         self.refuse_unserved(UNSERVED_VLLM_FIELDS)
@@ -84,13 +114,13 @@ class EmbeddingFormat(ResponseFormat):
     object_name = "list"
     id_prefix = "embd"
 
-    def __init__(self, model: str, body: EmbeddingRequest, request_id: str | None = None) -> None:
+    def __init__(self, model: str, body: EmbeddingRequest, labels: list[str], request_id: str | None = None) -> None:
         super().__init__(model, request_id=request_id)
-        self.body = body
+        self.body, self.labels = body, labels
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
         data = [{"object": "embedding", "index": i, "embedding": self._encoded(raw)}
-                for i, raw in enumerate(hidden_states(choices, [f"input[{i}]" for i in range(len(choices))]))]
+                for i, raw in enumerate(hidden_states(choices, self.labels))]
         prompt_tokens = usage["prompt_tokens"]
         return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
                 "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
@@ -106,8 +136,8 @@ class EmbeddingFormat(ResponseFormat):
 
 
 # An input to pool: where it came from ("input[2]", "query", "documents[0]": the field before any "["), and a text,
-# token ids or a pair of texts tokenized as one (a cross-encoder's)
-Labelled = tuple[str, Union[str, list[int], tuple[str, str]]]
+# token ids, a pair of texts tokenized as one (a cross-encoder's) or a conversation
+Labelled = tuple[str, Union[str, list[int], tuple[str, str], ChatInput]]
 
 
 def field_of(label: str) -> str:
@@ -122,6 +152,13 @@ def pooled_requests(
     serving.limits.check_sequences(len(inputs), 1, field_of(inputs[-1][0]))
     reqs = []
     for label, item in inputs:
+        if isinstance(item, ChatInput):
+            serving.limits.check_chat(item.messages, None, item.chat_template_kwargs)
+            reqs.append(TokenizeRequest(
+                rid=serving.frontend.new_rid(), params=params, messages=item.messages,
+                chat_template_kwargs=item.chat_template_kwargs, add_generation_prompt=item.add_generation_prompt,
+                continue_final_message=item.continue_final_message, chat_template=item.chat_template))
+            continue
         texts = (item,) if isinstance(item, str) else item if isinstance(item, tuple) else None
         if texts is None:
             serving.limits.check_ids(len(item), field_of(label))
@@ -153,6 +190,7 @@ async def create_embeddings(serving: Serving, body: EmbeddingRequest, request: R
     if body.dimensions is not None and hidden is not None and body.dimensions > hidden:
         raise APIError.invalid(f"dimensions must be in [1, {hidden}] (this model's hidden size), got {body.dimensions}",
                                "dimensions")
-    inputs = [(f"input[{i}]", item) for i, item in enumerate(body.inputs())]
+    inputs = body.inputs(serving.trust_request_chat_template)
     reqs = pooled_requests(serving, inputs, body.sampling_params("embed"), body.add_special_tokens)
-    return await serving.run(reqs, EmbeddingFormat(serving.model_name, body, request_id(request)), False, request)
+    fmt = EmbeddingFormat(serving.model_name, body, [label for label, _ in inputs], request_id(request))
+    return await serving.run(reqs, fmt, False, request)
