@@ -401,3 +401,11 @@ def test_hf_overrides_replace_config_keys(qwen3_dir):
     assert args.engine.load_model_config().labels == ("LABEL_0", "LABEL_1") and args.head.classifies
     with pytest.raises(SystemExit):
         parse_args(["--model", qwen3_dir, "--hf-overrides", "[1]"])
+
+
+def test_the_shell_needs_a_model_that_generates(qwen3_dir, capsys):
+    overrides = '{"architectures": ["Qwen3ForSequenceClassification"], "num_labels": 2}'
+    with pytest.raises(SystemExit):
+        parse_args(["--model", qwen3_dir, "--shell", "--hf-overrides", overrides])
+    assert "--shell chats with the model, but this checkpoint (Qwen3ForSequenceClassification) has no LM head" in (
+        capsys.readouterr().err)

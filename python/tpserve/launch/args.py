@@ -13,7 +13,7 @@ from tpserve.config import DTYPE_ALIASES, ModelConfig
 from tpserve.engine_config import CHOICES, MAX_DIST_TIMEOUT_S, EngineConfig, check_can_start, check_nodes
 from tpserve.distributed.control import TOKEN_ENV, read_token
 from tpserve.distributed.nodes import split_addr
-from tpserve.pooling import ModelHead, model_head
+from tpserve.pooling import ModelHead, model_head, task_problem
 from tpserve.quant.config import QUANTIZATION_METHODS
 from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT
@@ -332,6 +332,8 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     check_can_start(engine, model_config, cli=True)
     if ns.shell and ns.dp_size > 1:
         raise ValueError("--shell runs one replica: drop --dp-size")
+    if ns.shell and (problem := task_problem(model_config, None, None)) is not None:  # it chats: it generates
+        raise ValueError(f"--shell chats with the model, but {problem}")
     if ns.shell and engine.node_rank > 0:  # it ran headless, the flag quietly ignored
         raise ValueError(f"--shell runs on node 0; --node-rank {engine.node_rank} only runs its ranks: drop --shell")
     chat_template = _chat_template_flag(ns.chat_template) if ns.chat_template else None
