@@ -608,6 +608,9 @@ def check_prompt_logprobs(out, model_dir: str, top_n: int) -> None:
     assert len(out.prompt_logprobs) == len(out.prompt_top_logprobs) == len(prompt)
     expected = ref.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
     assert torch.allclose(torch.tensor(out.prompt_logprobs[1:]), expected, atol=1e-4)
+    # each prompt token's rank: 1 + how many tokens are more likely there (vLLM's Logprob.rank)
+    ranks = [1 + int((ref[p] > ref[p, t]).sum()) for p, t in enumerate(prompt[1:])]
+    assert out.prompt_ranks == [None, *ranks] and max(ranks) > 1
     for pos, top in enumerate(out.prompt_top_logprobs[1:]):
         assert [t for t, _ in top] == ref[pos].topk(top_n).indices.tolist()
         assert torch.allclose(torch.tensor([v for _, v in top]), ref[pos].topk(top_n).values, atol=1e-4)

@@ -78,6 +78,7 @@ class _Pending:
         if out.prompt_logprobs is not None:
             self.result.prompt_logprobs = [None, *out.prompt_logprobs]
             self.result.prompt_top_logprobs = [None, *(out.prompt_top_logprobs or [])]
+            self.result.prompt_ranks = [None, *(out.prompt_ranks or [])]
         if out.embedding is not None:
             self.result.hidden_state = out.embedding
         finish = out.finish_reason

@@ -37,6 +37,7 @@ class RequestOutput:
     # it (None for the first), and the n most likely (token id, log-probability) pairs at each position.
     prompt_logprobs: list[float | None] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]] | None] | None = None
+    prompt_ranks: list[int | None] | None = None  # each prompt token's rank among them (1: the most likely)
     hidden_state: bytes | None = None  # a pooled request's (``SamplingParams.pooling``): ``TokenOutput.embedding``
 
     @property
