@@ -19,6 +19,7 @@ from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT
 from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
+from tpserve.launch.vllm_flags import add_vllm_flags, check_vllm_flags, task_problem_of_flags
 from tpserve.launch.argtypes import (
     HelpFormatter, OneLineParser, fraction, int_at_least, json_object_arg, number, port, positive,
 )
@@ -262,6 +263,7 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--shell", action="store_true",
                         help="chat in the terminal instead of serving HTTP")
     server.add_argument("--log-level", type=str.lower, choices=LOG_LEVELS, default=_default("log_level", ServerArgs), help="logging level")
+    add_vllm_flags(p)
     return p
 
 
@@ -283,9 +285,9 @@ class ModelNotFound(ValueError):
     """--model (LLM's model) is no local directory and no Hugging Face id in the local cache."""
 
 
-def resolve_model_dir(model: str) -> str:
+def resolve_model_dir(model: str, revision: str | None = None, cache_dir: str | None = None) -> str:
     """The local directory holding ``model``'s files (a directory, or a Hugging Face id already in
-    the local cache). tpserve never downloads anything."""
+    the local cache: ``cache_dir``, else the default one, at ``revision``). tpserve never downloads anything."""
     expanded = os.path.expanduser(model)
     if os.path.isdir(expanded):
         return os.path.abspath(expanded)
@@ -296,7 +298,7 @@ def resolve_model_dir(model: str) -> str:
     from huggingface_hub import constants, snapshot_download
 
     try:
-        return snapshot_download(model, local_files_only=True)
+        return snapshot_download(model, revision=revision, cache_dir=cache_dir, local_files_only=True)
     except Exception as e:  # LocalEntryNotFoundError, or an invalid repo id
         raise ModelNotFound(
             f"model {model!r} is not a local directory and is not in the local Hugging Face "
@@ -307,19 +309,27 @@ def resolve_model_dir(model: str) -> str:
 
 
 def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
+    vllm_warnings = check_vllm_flags(ns)
     demo = ns.model is None
     if demo:
         from tpserve.tiny import default_tiny_model_dir
 
         model_dir = default_tiny_model_dir()
     else:
-        model_dir = resolve_model_dir(ns.model)
+        model_dir = resolve_model_dir(ns.model, ns.revision, ns.download_dir)
+    if ns.tokenizer is not None and resolve_model_dir(ns.tokenizer, ns.revision, ns.download_dir) != model_dir:
+        raise ValueError(f"--tokenizer {ns.tokenizer}: tpserve reads the tokenizer from the model's own files "
+                         "(copy the tokenizer files into the model directory)")
     names = _served_names(ns, model_dir)
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"--model: {model_dir} has no config.json")
     if not has_tokenizer_files(model_dir):  # the server and the shell tokenize and detokenize
         raise ValueError(f"--model: {missing_tokenizer_message(model_dir)}; copy the model's tokenizer files there")
     model_config = ModelConfig.from_pretrained(model_dir, ns.hf_overrides)
+    flags_problem = task_problem_of_flags(ns, generates=model_config.lm_head, embeds=not model_config.labels,
+                                          classifies=bool(model_config.labels))
+    if flags_problem is not None:
+        raise ValueError(flags_problem)
     load_tokenizer(model_dir)  # a damaged file: named here, not in a child process's log (--shell) after start
     engine = _from_flags(
         EngineConfig, ns,
@@ -351,7 +361,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         chat_template=chat_template,
         tool_call_parser=None if tool_parser == "none" else tool_parser,
         context_len=min(context, ns.max_total_tokens or context),
-        startup_warnings=(
+        startup_warnings=vllm_warnings + (
             (f"--max-total-tokens {ns.max_total_tokens} is below the context length {context}: requests are limited "
              f"to {ns.max_total_tokens} tokens",) if ns.max_total_tokens is not None and ns.max_total_tokens < context
             else ()),

@@ -1,0 +1,161 @@
+"""vLLM's command line, as users paste it (``vllm serve MODEL --max-num-seqs 256 --enforce-eager ...``): its flags
+that name a tpserve setting act on it, flags for what tpserve always does are taken as said, flags with no effect
+here are taken with a warning, and flags for features tpserve does not serve are a clear error naming them (rather
+than argparse's "unrecognized arguments"). Flags vLLM shares with tpserve's own names (``--tensor-parallel-size``,
+``--gpu-memory-utilization``, ...) are spelled beside those (``launch/args.py``)."""
+
+from __future__ import annotations
+
+import argparse
+from dataclasses import dataclass
+from typing import Any
+
+# The settings these flags reach in the parsed namespace (``launch/args.py``'s dests)
+_MAPPED: dict[str, tuple[str, Any, str]] = {  # flag -> (dest, value, help)
+    "--enforce-eager": ("cuda_graph_max_bs", 0, "no CUDA graphs (as --cuda-graph-max-bs 0)"),
+    "--disable-custom-all-reduce": ("all_reduce", "nccl", "NCCL for every all-reduce (as --all-reduce nccl)"),
+    "--no-enable-prefix-caching": ("cache", "naive", "no prefix cache (as --cache naive)"),
+    "--no-enable-chunked-prefill": ("chunked_prefill_size", 0, "no chunked prefill (as --chunked-prefill-size 0)"),
+}
+# What tpserve always does: taken as said
+_ALWAYS = {
+    "--enable-prefix-caching": "the radix prefix cache is on by default",
+    "--enable-chunked-prefill": "prefills are chunked by default (--chunked-prefill-size)",
+    "--enable-auto-tool-choice": "tool_choice auto works whenever a tool-call parser is known (--tool-call-parser)",
+    "--async-scheduling": "the scheduler overlaps each step with the next one's planning by default",
+    "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details.cached_tokens",
+    "--disable-fastapi-docs": "tpserve serves no /docs pages",
+    "--disable-log-requests": "tpserve does not log request contents",
+}
+
+
+@dataclass(frozen=True)
+class _Unused:
+    why: str
+    takes_value: bool = True
+
+
+# Flags with no effect in tpserve: taken, with a warning at start-up saying why
+_IGNORED = {
+    "--swap-space": _Unused("a preempted request is recomputed, never swapped to CPU memory"),
+    "--preemption-mode": _Unused("a preempted request is recomputed"),
+    "--disable-log-stats": _Unused("the scheduler's periodic log line stays (--log-level warning hides it)", False),
+    "--enable-log-requests": _Unused("tpserve does not log request contents", False),
+    "--max-log-len": _Unused("tpserve does not log request contents"),
+    "--uvicorn-log-level": _Unused("--log-level sets every process's level, uvicorn's included"),
+    "--disable-frontend-multiprocessing": _Unused("the API server is one process beside the scheduler ranks", False),
+    "--tokenizer-mode": _Unused("the model's fast tokenizer is always used"),
+    "--tokenizer-pool-size": _Unused("tokenizer workers are set by --num-tokenizers"),
+    "--max-parallel-loading-workers": _Unused("each rank streams its own shard of the weights"),
+    "--num-scheduler-steps": _Unused("each step is scheduled; overlap scheduling hides the host's work"),
+    "--max-seq-len-to-capture": _Unused("CUDA graphs hold decode steps only (--cuda-graph-max-bs)"),
+    "--cuda-graph-sizes": _Unused("decode graphs are captured up to --cuda-graph-max-bs"),
+    "--compilation-config": _Unused("tpserve compiles nothing with torch.compile"),
+    "-O": _Unused("tpserve compiles nothing with torch.compile"),
+    "--model-impl": _Unused("tpserve runs its own implementation of each architecture"),
+    "--config-format": _Unused("config.json is read as Hugging Face writes it"),
+    "--guided-decoding-backend": _Unused("structured output is compiled by xgrammar"),
+    "--max-logprobs": _Unused("logprobs and top_logprobs are at most 20, as OpenAI's"),
+}
+# Features tpserve does not serve: an error naming the flag
+_REFUSED = {
+    "--speculative-config": "speculative decoding is not served",
+    "--enable-lora": "LoRA adapters are not served (merge an adapter into the weights to serve it)",
+    "--lora-modules": "LoRA adapters are not served (merge an adapter into the weights to serve it)",
+    "--max-loras": "LoRA adapters are not served",
+    "--max-lora-rank": "LoRA adapters are not served",
+    "--enable-sleep-mode": "sleep mode is not served",
+    "--otlp-traces-endpoint": "OpenTelemetry traces are not served (metrics: GET /metrics)",
+    "--limit-mm-per-prompt": "tpserve serves text-only models",
+    "--mm-processor-kwargs": "tpserve serves text-only models",
+    "--num-gpu-blocks-override": "set the KV cache's size in tokens with --max-total-tokens",
+    "--ssl-keyfile": "TLS is not served: put a TLS-terminating proxy in front of the server",
+    "--ssl-certfile": "TLS is not served: put a TLS-terminating proxy in front of the server",
+    "--tokenizer-revision": "the tokenizer is read from the model's own files (--revision)",
+    "--code-revision": "tpserve runs no code from model repositories",
+}
+_REFUSED_SWITCHES = ("--enable-lora", "--enable-sleep-mode")  # these take no value
+# vLLM's tasks (--task, --runner, --convert) and what a model must be to serve them: checked once it is read
+TASKS = {"--task": ("auto", "generate", "embed", "embedding", "classify", "score", "reward"),
+         "--runner": ("auto", "generate", "pooling"),
+         "--convert": ("auto", "none", "embed", "classify", "reward")}
+
+
+class _Refused(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        raise argparse.ArgumentError(self, _REFUSED[self.option_strings[0]])
+
+
+class _Ignored(argparse.Action):
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        flag = self.option_strings[0]
+        namespace.vllm_ignored = [*getattr(namespace, "vllm_ignored", []), f"{flag}: no effect in tpserve "
+                                  f"({_IGNORED[flag].why})"]
+
+
+def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
+    """vLLM's flags and ``vllm serve``'s positional model, in a group of their own."""
+    parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
+                        help="the model, as `vllm serve MODEL` takes it (the same as --model)")
+    group = parser.add_argument_group("vLLM's flags", "taken as vLLM takes them, for pasted vLLM command lines")
+    group.add_argument("--max-num-seqs", dest="max_running_requests", type=int, default=argparse.SUPPRESS,
+                       help="as --max-running-requests")
+    group.add_argument("--max-num-batched-tokens", dest="chunked_prefill_size", type=int, default=argparse.SUPPRESS,
+                       help="as --chunked-prefill-size")
+    group.add_argument("--block-size", dest="page_size", type=int, default=argparse.SUPPRESS, help="as --page-size")
+    for flag, (dest, value, text) in _MAPPED.items():
+        group.add_argument(flag, dest=dest, action="store_const", const=value, default=argparse.SUPPRESS, help=text)
+    for flag, why in _ALWAYS.items():
+        group.add_argument(flag, action="store_true", dest=f"vllm_{flag[2:].replace('-', '_')}",
+                           help=f"always so: {why}")
+    group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="1",
+                       help="1 only: tpserve splits a model by tensor parallelism (--tp-size)")
+    group.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
+                       help="fcfs only (request priorities are not served): as --schedule-policy fcfs")
+    group.add_argument("--revision", default=None, help="a Hugging Face id's revision in the local cache")
+    group.add_argument("--download-dir", default=None,
+                       help="the Hugging Face cache directory a Hugging Face id is looked up in (never downloaded)")
+    group.add_argument("--tokenizer", default=None,
+                       help="the model's own tokenizer only (tpserve reads it from the model's files)")
+    for flag, choices in TASKS.items():
+        group.add_argument(flag, choices=choices, default="auto",
+                           help="checked against the model: tpserve serves every task its architecture has "
+                           "(generation with an LM head, embeddings, a *ForSequenceClassification's classify and score)")
+    for flag, unused in _IGNORED.items():
+        group.add_argument(flag, action=_Ignored, nargs=None if unused.takes_value else 0, metavar="VALUE",
+                           help=f"no effect (a warning): {unused.why}")
+    for flag, why in _REFUSED.items():
+        group.add_argument(flag, action=_Refused, nargs=0 if flag in _REFUSED_SWITCHES else None, metavar="VALUE",
+                           help=f"an error: {why}")
+
+
+def check_vllm_flags(ns: argparse.Namespace) -> tuple[str, ...]:
+    """The flags' values that need the whole command line: a ValueError naming one tpserve cannot take; returns
+    the warnings for the flags with no effect."""
+    if ns.model_tag is not None:
+        if ns.model is not None and ns.model != ns.model_tag:
+            raise ValueError(f"the model is given twice: {ns.model_tag!r} and --model {ns.model!r}")
+        ns.model = ns.model_tag
+    if ns.pipeline_parallel_size != 1:
+        raise ValueError(f"--pipeline-parallel-size {ns.pipeline_parallel_size}: tpserve splits a model by tensor "
+                         "parallelism only (use --tp-size, and --nnodes across nodes)")
+    if ns.scheduling_policy == "priority":
+        raise ValueError("--scheduling-policy priority: request priorities are not served (fcfs only)")
+    if (ns.revision is not None or ns.download_dir is not None) and ns.model is None:
+        raise ValueError("--revision and --download-dir need a model (a Hugging Face id)")
+    return tuple(getattr(ns, "vllm_ignored", ()))
+
+
+def task_problem_of_flags(ns: argparse.Namespace, generates: bool, embeds: bool, classifies: bool) -> str | None:
+    """Why vLLM's --task, --runner or --convert asks for what this model does not serve, or None."""
+    wanted = {"generate": generates, "embed": embeds, "embedding": embeds, "classify": classifies,
+              "score": classifies or embeds, "reward": False, "pooling": embeds or classifies}
+    for flag in TASKS:
+        value = getattr(ns, flag[2:])
+        if value not in ("auto", "none") and not wanted[value]:
+            return (f"{flag} {value}: this model does not serve it (tpserve serves what its architecture has: "
+                    f"generation {'yes' if generates else 'no'}, embeddings {'yes' if embeds else 'no'}, "
+                    f"classification {'yes' if classifies else 'no'})")
+    return None

@@ -1,0 +1,72 @@
+"""vLLM's command lines, pasted: its flags act on the tpserve settings they name, are taken as said where tpserve
+always does it, are warned about where they have no effect, and are a clear error for what is not served."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+
+from tpserve.launch.args import parse_args
+
+
+def vllm_error(argv: list[str], capsys) -> str:
+    with pytest.raises(SystemExit):
+        parse_args(argv)
+    return capsys.readouterr().err
+
+
+def test_a_pasted_vllm_command_line_sets_what_it_names(qwen3_dir):
+    args = parse_args([qwen3_dir, "--device", "cpu", "--max-num-seqs", "8", "--max-num-batched-tokens", "64",
+                       "--block-size", "32", "--enforce-eager", "--disable-custom-all-reduce",
+                       "--no-enable-prefix-caching", "--enable-chunked-prefill", "--enable-auto-tool-choice",
+                       "--tool-call-parser", "hermes", "--gpu-memory-utilization", "0.5", "--swap-space", "4",
+                       "--disable-log-stats", "-O3", "--uvicorn-log-level", "warning", "--pipeline-parallel-size", "1",
+                       "--scheduling-policy", "fcfs", "--task", "generate", "--tokenizer", qwen3_dir])
+    engine = args.engine
+    assert engine.model == qwen3_dir and engine.max_running_requests == 8 and engine.chunked_prefill_size == 64
+    assert engine.page_size == 32 and engine.cuda_graph_max_bs == 0 and engine.all_reduce == "nccl"
+    assert engine.cache == "naive" and engine.mem_fraction == 0.5 and args.tool_call_parser == "hermes"
+    warned = " ".join(args.startup_warnings)
+    for flag in ("--swap-space", "--disable-log-stats", "-O", "--uvicorn-log-level"):
+        assert f"{flag}: no effect in tpserve" in warned
+    defaults = parse_args([qwen3_dir, "--enable-prefix-caching", "--device", "cpu"])
+    assert defaults.engine.cache == "radix" and defaults.engine.cuda_graph_max_bs > 0 and not defaults.startup_warnings
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--enable-lora"], "argument --enable-lora: LoRA adapters are not served"),
+    (["--lora-modules", "a=/x"], "argument --lora-modules: LoRA adapters are not served"),
+    (["--speculative-config", "{}"], "argument --speculative-config: speculative decoding is not served"),
+    (["--ssl-keyfile", "k.pem"], "TLS is not served"),
+    (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: tpserve splits a model by tensor parallelism"),
+    (["--scheduling-policy", "priority"], "request priorities are not served"),
+    (["--model", "/elsewhere"], "the model is given twice"),
+    (["--task", "embed", "--hf-overrides", '{"architectures": ["Qwen3ForSequenceClassification"]}'],
+     "--task embed: this model does not serve it"),
+    (["--convert", "classify"], "--convert classify: this model does not serve it"),
+    (["--runner", "generate", "--hf-overrides", '{"architectures": ["Qwen3Model"]}'],
+     "--runner generate: this model does not serve it"),
+])
+def test_what_tpserve_does_not_serve_is_a_clear_error(argv, message, qwen3_dir, capsys):
+    assert message in vllm_error([qwen3_dir, *argv], capsys)
+
+
+def test_tasks_the_model_serves_are_taken(qwen3_dir):
+    for argv in (["--runner", "pooling"], ["--task", "embed"], ["--task", "score"], ["--convert", "none"]):
+        assert parse_args([qwen3_dir, *argv]).engine.model == qwen3_dir
+
+
+def test_an_hf_id_is_found_in_download_dir_at_its_revision(qwen3_dir, tmp_path, capsys):
+    """--download-dir and --revision look a Hugging Face id up in that cache (offline, as always)."""
+    commit = "a" * 40
+    repo = tmp_path / "models--tiny-org--tiny-model"
+    shutil.copytree(qwen3_dir, repo / "snapshots" / commit)
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(commit)
+    args = parse_args(["tiny-org/tiny-model", "--download-dir", str(tmp_path), "--revision", commit])
+    assert args.engine.model == str(repo / "snapshots" / commit)
+    assert parse_args(["tiny-org/tiny-model", "--download-dir", str(tmp_path)]).engine.model == args.engine.model
+    assert "is not in the local Hugging Face cache" in vllm_error(
+        ["tiny-org/tiny-model", "--download-dir", str(tmp_path), "--revision", "b" * 40], capsys)
+    assert "--tokenizer" in vllm_error([qwen3_dir, "--tokenizer", str(repo / "snapshots" / commit)], capsys)
