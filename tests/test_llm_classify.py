@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -34,23 +36,49 @@ def test_class_scores_apply_the_activation():
     assert np.isfinite(class_scores(np.array([1e4, -1e4], "<f4").tobytes(), "softmax")).all()
 
 
-@pytest.mark.parametrize("keys, classes, activation", [
-    ({}, 3, "softmax"),
-    ({}, 1, "sigmoid"),
-    ({"problem_type": "regression"}, 3, "none"),
-    ({"problem_type": "multi_label_classification"}, 3, "sigmoid"),
-    ({"sentence_transformers": {"activation_fn": "torch.nn.modules.linear.Identity"}}, 1, "none"),
-    ({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Sigmoid"}}, 3, "sigmoid"),
-])
-def test_a_classifier_activation_follows_vllm_rules(keys, classes, activation, classifier_dir):
-    import json
+IDENTITY = "torch.nn.modules.linear.Identity"
 
+
+@pytest.mark.parametrize("keys, classes, classify, score", [
+    ({}, 3, "softmax", "softmax"),
+    ({}, 1, "sigmoid", "sigmoid"),
+    ({"problem_type": "regression"}, 3, "none", "softmax"),  # /classify by problem_type, /score by the classes
+    ({"problem_type": "multi_label_classification"}, 3, "sigmoid", "softmax"),
+    ({"sentence_transformers": {"activation_fn": IDENTITY}}, 1, "sigmoid", "none"),  # /score by sentence-transformers
+    ({"sbert_ce_default_activation_function": IDENTITY}, 1, "sigmoid", "none"),
+    ({"sentence_transformers": {"activation_fn": "torch.nn.modules.activation.Sigmoid"}}, 3, "softmax", "sigmoid"),
+])
+def test_a_classifier_activations_follow_vllm_rules(keys, classes, classify, score, classifier_dir):
+    """vLLM's two activations: /classify's by transformers' problem_type, a cross-encoder's /score's by
+    sentence-transformers' function (else a sigmoid for one class, the softmax for more)."""
     config = json.loads(open(f"{classifier_dir}/config.json").read())
     config.pop("id2label"), config.pop("label2id")
     config.update(keys, num_labels=classes)
-    assert ModelConfig.from_dict(config).class_activation == activation
-    with pytest.raises(ValueError, match="activation_fn 'torch.nn.Tanh' is not served"):
-        ModelConfig.from_dict(config | {"sentence_transformers": {"activation_fn": "torch.nn.Tanh"}})
+    classifier = ModelConfig.from_dict(config).classifier
+    assert (classifier.classify_activation, classifier.score_activation) == (classify, score)
+    tanh = {"sentence_transformers": {"activation_fn": "torch.nn.Tanh"}}
+    with pytest.raises(ValueError, match="activation 'torch.nn.Tanh' is not served"):
+        ModelConfig.from_dict(config | tanh)
+    causal = config | tanh | {"architectures": ["Qwen3ForCausalLM"]}  # a key only classifiers read (review)
+    assert ModelConfig.from_dict(causal).classifier is None
+
+
+@pytest.mark.parametrize("keys, labels, two_way", [
+    ({"classifier_from_token": ["a", "b"]}, ("b",), True),
+    ({"classifier_from_token": ["a", "b"], "method": "no_post_processing"}, ("a", "b"), False),
+    ({"classifier_from_token": ["a", "b", "c"]}, ("a", "b", "c"), False),
+    ({"is_original_qwen3_reranker": True}, ("yes",), True),  # Qwen3-Reranker's: no, yes
+])
+def test_classifier_from_token_follows_vllm_methods(keys, labels, two_way, qwen3_dir):
+    config = json.loads(open(f"{qwen3_dir}/config.json").read()) | {"architectures": ["Qwen3ForSequenceClassification"]}
+    classifier = ModelConfig.from_dict(config | keys).classifier
+    assert classifier.labels == labels and classifier.two_way == two_way
+    assert classifier.joins_pairs and not ModelConfig.from_dict(config | keys | {"use_pad_token": True}).classifier.joins_pairs
+    for bad, message in (({"classifier_from_token": ["a"], "method": "from_2_way_softmax"}, "takes two"),
+                         ({"classifier_from_token": ["a"], "method": "mean"}, "method must be"),
+                         ({"method": "from_2_way_softmax"}, "method needs classifier_from_token")):
+        with pytest.raises(ValueError, match=message):
+            ModelConfig.from_dict(config | bad)
 
 
 def test_a_classifier_config_names_its_classes(classifier_dir):
@@ -125,7 +153,8 @@ def reranker_overrides(tokens: list[str]) -> dict:
 def test_a_causal_lm_served_as_a_reranker_from_two_tokens(tied, qwen3_dir, tiny_model_factory):
     """Qwen3-Reranker's scoring (the softmax of its "no" and "yes" logits at the last token, "yes") through
     classifier_from_token: LLM.score equals it from transformers' causal LM, at TP 1 and 2 (the LM head's rows are
-    taken whole before the vocabulary is split)."""
+    taken whole before the vocabulary is split). The pair is one text (query + document), as vLLM joins it for an
+    LLM as reranker (whose template the client writes around both)."""
     from reference import hf_logits
 
     model_dir = tiny_model_factory("qwen3", tie_word_embeddings=True) if tied else qwen3_dir
@@ -138,7 +167,8 @@ def test_a_causal_lm_served_as_a_reranker_from_two_tokens(tied, qwen3_dir, tiny_
             assert llm.model_config.labels == (yes,) and not llm.model_config.lm_head
             scores = llm.score(query, documents, use_tqdm=False)
         for document, out in zip(documents, scores):
-            logits = hf_logits(model_dir, tokenizer.encode(query, document))[-1]
+            assert out.prompt_token_ids == tokenizer.encode(query + document)
+            logits = hf_logits(model_dir, tokenizer.encode(query + document))[-1]
             expected = float(torch.softmax(logits[[60, 61]], dim=0)[1])
             assert abs(out.outputs.score - expected) < 1e-5, (tp, document)
 

@@ -11,6 +11,7 @@ from typing import Any
 
 import torch
 
+from tpserve.classifier import ClassifierConfig, classifier_config
 from tpserve.models.checkpoint import read_json_object, tensor_names
 from tpserve.quant.config import QuantConfig, parse_quantization_config
 
@@ -183,13 +184,12 @@ class ModelConfig:
     moe: MoEConfig | None = None  # None: every layer's MLP is dense
     quantization: QuantConfig | None = None  # the checkpoint's quantization_config (FP8 weights)
     lm_head: bool = True  # False: a bare decoder (``*Model``) or a classifier, which generate nothing
-    labels: tuple[str, ...] = ()  # a sequence classifier's classes in id order (its score head's rows); () for any other model
-    # vLLM's classifier_from_token (a config.json key, set by --hf-overrides): a causal LM served as a classifier
-    # whose score head is its LM head's rows of these tokens; two ("no", "yes": Qwen3-Reranker's) make one class,
-    # the yes row minus the no row, so the class's sigmoid is the softmax of the two logits' yes
-    classifier_from_token: tuple[str, ...] = ()
-    classifier_token_ids: tuple[int, ...] = ()  # their ids (from_pretrained reads them from the tokenizer)
-    class_activation: str = "softmax"  # how a classifier's logits become its answer (pooling.CLASS_ACTIVATIONS)
+    classifier: ClassifierConfig | None = None  # a sequence classifier's classes and rules; None: not one
+
+    @property
+    def labels(self) -> tuple[str, ...]:
+        """A classifier's classes in id order (its score head's rows); () for any other model."""
+        return () if self.classifier is None else self.classifier.labels
 
     def is_moe_layer(self, layer_id: int) -> bool:
         return self.moe is not None and layer_id in self.moe.layers
@@ -216,11 +216,12 @@ class ModelConfig:
         kind = SUPPORTED_ARCHITECTURES[arch]
         bare = arch.endswith("Model")
         classifier = arch.endswith("ForSequenceClassification")
-        tokens = _classifier_tokens(cfg.get("classifier_from_token"), classifier, archs)
+        if not classifier and ("classifier_from_token" in cfg or cfg.get("is_original_qwen3_reranker")):
+            raise ValueError(f"config.json: classifier_from_token makes a classifier from an LM head: architectures "
+                             f"must be a *ForSequenceClassification (e.g. Qwen3ForSequenceClassification), got {archs}")
         _check_sizes(cfg)
         hf = _hf_config(cfg, kind)
         rope = _check_supported(cfg, hf, kind)
-        labels = _labels(hf, tokens) if classifier else ()
         rope.setdefault("rope_type", "default")
         rope.pop("type", None)  # the legacy spelling of rope_type, which transformers keeps beside it
         head_dim = getattr(hf, "head_dim", None) or hf.hidden_size // hf.num_attention_heads
@@ -259,9 +260,7 @@ class ModelConfig:
             moe=moe,
             quantization=quantization,
             lm_head=not (bare or classifier),
-            labels=labels,
-            classifier_from_token=tokens,
-            class_activation=_class_activation(cfg, hf, len(labels)),
+            classifier=classifier_config(cfg, hf) if classifier else None,
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size", expert_parallel: bool = False) -> None:
@@ -345,54 +344,10 @@ class ModelConfig:
             # an embedding model's *ForCausalLM config over the bare decoder's weights (as sentence-transformers
             # saves them): no head to generate with; its place is the embedding's, as for a *Model architecture
             config = dataclasses.replace(config, tie_word_embeddings=True, lm_head=False)
-        if config.classifier_from_token:
-            config = dataclasses.replace(config, classifier_token_ids=_token_ids(model_dir, config.classifier_from_token))
+        if config.classifier is not None and config.classifier.from_tokens:
+            ids = _token_ids(model_dir, config.classifier.from_tokens)
+            config = dataclasses.replace(config, classifier=dataclasses.replace(config.classifier, token_ids=ids))
         return config
-
-
-def _classifier_tokens(value: Any, classifier: bool, archs: list[str]) -> tuple[str, ...]:
-    if value is None:
-        return ()
-    if not isinstance(value, list) or not value or not all(isinstance(t, str) and t for t in value):
-        raise ValueError(f"config.json: classifier_from_token must be a non-empty list of tokens, got {value!r}")
-    if not classifier:
-        raise ValueError(f"config.json: classifier_from_token makes a classifier from an LM head: architectures must "
-                         f"be a *ForSequenceClassification (e.g. Qwen3ForSequenceClassification), got {archs}")
-    return tuple(value)
-
-
-# sentence-transformers' cross-encoder activations (config.json's sentence_transformers.activation_fn), by class name
-_ST_ACTIVATIONS = {"Sigmoid": "sigmoid", "Identity": "none", "Softmax": "softmax"}
-
-
-def _class_activation(cfg: dict[str, Any], hf: Any, classes: int) -> str:
-    """vLLM's: sentence-transformers' activation_fn where config.json names one; else by transformers' problem_type
-    (regression: the logits, multi-label: a sigmoid each); else a sigmoid for one class, the softmax for more."""
-    st = cfg.get("sentence_transformers")
-    name = st.get("activation_fn") if isinstance(st, dict) else None
-    if name is not None:
-        activation = _ST_ACTIVATIONS.get(str(name).rpartition(".")[2])
-        if activation is None:
-            raise ValueError(f"config.json: sentence_transformers.activation_fn {name!r} is not served (served: "
-                             f"{', '.join(_ST_ACTIVATIONS)})")
-        return activation
-    problem = getattr(hf, "problem_type", None)
-    if problem == "regression":
-        return "none"
-    if problem == "multi_label_classification" or classes == 1:
-        return "sigmoid"
-    return "softmax"
-
-
-def _labels(hf: Any, tokens: tuple[str, ...]) -> tuple[str, ...]:
-    """A classifier's class names in id order (``id2label``; transformers names unnamed ones LABEL_i), or its
-    classifier_from_token's (two tokens: one class, the second's)."""
-    if tokens:
-        return tokens[1:] if len(tokens) == 2 else tokens
-    names = {int(i): str(name) for i, name in (hf.id2label or {}).items()}
-    if sorted(names) != list(range(len(names))) or not names:
-        raise ValueError(f"config.json: id2label must name classes 0..n-1 (n >= 1), got {hf.id2label!r}")
-    return tuple(names[i] for i in range(len(names)))
 
 
 def _token_ids(model_dir: str, tokens: tuple[str, ...]) -> tuple[int, ...]:

@@ -239,10 +239,14 @@ class LLM:
         """Each prompt's class probabilities from a sequence classifier (a ``*ForSequenceClassification``
         checkpoint): its score head's logits at the last token through the model's activation (the softmax; a sigmoid
         for one class or a multi-label model), as /classify answers; ``use_activation`` False: the logits."""
+        classifier = self.model_config.classifier
+        activation = classifier.classify_activation if classifier is not None and use_activation else "none"
+        return [ClassificationRequestOutput(r.prompt_token_ids, ClassificationOutput(class_scores(r.hidden_state,
+                activation).tolist())) for r in self._classified(prompts, use_tqdm, truncate_prompt_tokens)]
+
+    def _classified(self, prompts: Any, use_tqdm: bool, truncate_prompt_tokens: int | None) -> list[RequestOutput]:
         params = SamplingParams(pooling="classify", max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
-        activation = self.model_config.class_activation if use_activation else "none"
-        return [ClassificationRequestOutput(r.prompt_token_ids, ClassificationOutput(
-            class_scores(r.hidden_state, activation).tolist())) for r in self.generate(prompts, params, use_tqdm)]
+        return self.generate(prompts, params, use_tqdm)
 
     def score(
         self,
@@ -253,24 +257,28 @@ class LLM:
     ) -> list[ScoringRequestOutput]:
         """vLLM's ``LLM.score``: a score for each pair (data_1[i], data_2[i]) (one data_1 text pairs with every
         data_2), as /v1/score answers: a cross-encoder's (a classifier of one class) activated logit for the pair
-        tokenized as one prompt, an embedding model's cosine of the two texts' embeddings."""
+        as one prompt, an embedding model's cosine of the two texts' embeddings."""
         first = [data_1] if isinstance(data_1, str) else list(data_1)
         second = [data_2] if isinstance(data_2, str) else list(data_2)
         if not first or not second or not all(isinstance(t, str) for t in first + second):
             raise TypeError("data_1 and data_2 must be a text or a non-empty list of texts")
         pairs = [(first[i], second[j]) for i, j in pair_texts(first, second, ("data_1", "data_2"))]
-        problem = model_head(self.model_config).unserved("score")
+        head = model_head(self.model_config)
+        problem = head.unserved("score")
         if problem is not None:
             raise ValueError(problem)
-        if self.model_config.labels:
+        if head.classifies:
             if self.tokenizer is None:
                 raise ValueError("score needs the model's tokenizer (it tokenizes each pair as one prompt)")
-            params = SamplingParams(pooling="classify", max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
-            keep = kept_prompt_tokens(params, self.config.max_model_len or self.model_config.context_length)
-            cut = {} if keep is None else {"truncation": "longest_first", "max_length": keep}  # as the server cuts
-            ids = [self.tokenizer.encode(a, b, **cut) for a, b in pairs]
-            return [ScoringRequestOutput(out.prompt_token_ids, ScoringOutput(out.outputs.probs[0]))
-                    for out in self.classify(ids, use_tqdm, truncate_prompt_tokens)]
+            prompts: list[Any] = [a + b for a, b in pairs]  # an LLM as reranker: one text, as the server joins it
+            if not head.joins_pairs:  # the tokenizer's pair encoding, cut longer text first as the server cuts it
+                params = SamplingParams(pooling="classify", max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
+                keep = kept_prompt_tokens(params, self.config.max_model_len or self.model_config.context_length)
+                cut = {} if keep is None else {"truncation": "longest_first", "max_length": keep}
+                prompts = [self.tokenizer.encode(a, b, **cut) for a, b in pairs]
+            return [ScoringRequestOutput(r.prompt_token_ids, ScoringOutput(float(class_scores(
+                r.hidden_state, head.score_activation)[0]))) for r in self._classified(prompts, use_tqdm,
+                                                                                       truncate_prompt_tokens)]
         texts = list(dict.fromkeys(first + second))
         embedded = dict(zip(texts, self.embed(texts, use_tqdm, truncate_prompt_tokens)))
         return [ScoringRequestOutput(embedded[a].prompt_token_ids + embedded[b].prompt_token_ids, ScoringOutput(

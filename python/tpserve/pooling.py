@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from tpserve.config import ModelConfig
 
 NORM_EPS = 1e-12  # torch.nn.functional.normalize's: a zero vector stays zero
-# How a classifier's logits become its answer (vLLM's rules, ``ModelConfig.class_activation``): the softmax over the
+# How a classifier's logits become its answer (vLLM's rules, ``classifier.ClassifierConfig``): the softmax over the
 # classes, a sigmoid of each (multi-label classifiers, cross-encoders), or the logits as they are (regression)
 CLASS_ACTIVATIONS = ("softmax", "sigmoid", "none")
 
@@ -47,7 +47,9 @@ class ModelHead:
     hidden_size: int | None = None  # None: not known (the server then checks ``dimensions`` on the answer)
     labels: tuple[str, ...] = ()
     architecture: str = "the model"
-    activation: str = "softmax"  # a classifier's (one of CLASS_ACTIVATIONS)
+    classify_activation: str = "softmax"  # a classifier's, for /classify (one of CLASS_ACTIVATIONS)
+    score_activation: str = "sigmoid"  # a cross-encoder's, for /v1/score and /v1/rerank
+    joins_pairs: bool = False  # a cross-encoder scores a pair as one text (an LLM as reranker), not a text pair
 
     @property
     def classifies(self) -> bool:
@@ -81,7 +83,11 @@ def class_scores(raw: bytes, activation: str) -> np.ndarray:
 
 
 def model_head(config: "ModelConfig") -> ModelHead:
-    return ModelHead(config.hidden_size, config.labels, config.architecture, config.class_activation)
+    c = config.classifier
+    if c is None:
+        return ModelHead(config.hidden_size, (), config.architecture)
+    return ModelHead(config.hidden_size, c.labels, config.architecture, c.classify_activation, c.score_activation,
+                     c.joins_pairs)
 
 
 def pair_texts(first: list[str], second: list[str], names: tuple[str, str]) -> list[tuple[int, int]]:
@@ -98,8 +104,9 @@ def task_problem(config: "ModelConfig", task: str | None, embedding_problem: str
     if task is None:
         if config.lm_head:
             return None
-        serves = ("classification only (/classify, /v1/score, /v1/rerank, LLM.classify, LLM.score)" if config.labels
-                  else "embeddings only (/v1/embeddings, /v1/score, /v1/rerank, LLM.embed)")
+        serves = ("embeddings only (/v1/embeddings, /v1/score, /v1/rerank, LLM.embed)" if not config.labels else
+                  "classification only (/classify, /v1/score, /v1/rerank, LLM.classify, LLM.score)"
+                  if len(config.labels) == 1 else "classification only (/classify, LLM.classify)")
         return f"this checkpoint ({config.architecture}) has no LM head (lm_head.weight): it serves {serves}"
     problem = model_head(config).unserved(task)
     if problem is None and task == "embed" and embedding_problem is not None:

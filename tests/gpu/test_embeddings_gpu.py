@@ -90,7 +90,7 @@ def test_a_reranker_from_two_tokens_on_the_gpu_matches_transformers(model_dir):
     overrides = {"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["a", "b"]}
     config = EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", max_total_tokens=8192,
                           hf_overrides=json.dumps(overrides))
-    ids = config.load_model_config().classifier_token_ids
+    ids = config.load_model_config().classifier.token_ids
     answers = pooled_answers(config, PROMPTS, "classify")
     bf16 = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).cuda().eval()
     worst, oracle = 0.0, 0.0

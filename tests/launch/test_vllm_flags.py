@@ -70,3 +70,18 @@ def test_an_hf_id_is_found_in_download_dir_at_its_revision(qwen3_dir, tmp_path, 
     assert "is not in the local Hugging Face cache" in vllm_error(
         ["tiny-org/tiny-model", "--download-dir", str(tmp_path), "--revision", "b" * 40], capsys)
     assert "--tokenizer" in vllm_error([qwen3_dir, "--tokenizer", str(repo / "snapshots" / commit)], capsys)
+
+
+def test_flags_may_be_spelled_with_underscores_as_vllm_takes_them(qwen3_dir):
+    args = parse_args([qwen3_dir, "--max_num_seqs", "4", "--hf_overrides={\"max_position_embeddings\": 64}",
+                       "--served-model-name", "a_b"])
+    assert args.engine.max_running_requests == 4 and args.served_model_name == "a_b"  # values keep theirs
+    assert args.engine.load_model_config().max_position_embeddings == 64
+
+
+def test_plan_reads_the_overridden_config(qwen3_dir, capsys):
+    from tpserve.plan.cli import main
+
+    assert main(["--model", qwen3_dir, "--gpu", "cpu", "--hf-overrides", '{"max_position_embeddings": 96}']) == 0
+    out = capsys.readouterr().out
+    assert "context 96 tokens" in out and """--hf-overrides '{"max_position_embeddings": 96}'""" in out

@@ -95,7 +95,7 @@ def test_a_cross_encoder_scores_each_pair_as_one_prompt():
 
 
 def test_the_activation_is_the_models_unless_the_request_turns_it_off():
-    c, stub = make_client(head=ModelHead(16, ("a", "b", "c"), "X", activation="sigmoid"))  # a multi-label model
+    c, stub = make_client(head=ModelHead(16, ("a", "b", "c"), "X", classify_activation="sigmoid"))  # a multi-label model
     row = c.post("/classify", json={"input": "x"}).json()["data"][0]
     assert row["probs"] == pytest.approx([sigmoid(v) for v in stub_logits(stub.submitted[-1].rid, 3)])
     for off in ({"use_activation": False}, {"activation": False}, {"softmax": False}):  # vLLM's names, old and new
@@ -103,17 +103,28 @@ def test_the_activation_is_the_models_unless_the_request_turns_it_off():
         assert row["probs"] == pytest.approx(stub_logits(stub.submitted[-1].rid, 3)), off
 
 
-def test_a_cross_encoder_request_holds_one_prompt_of_characters_in_all():
-    """A cross-encoder tokenizes the query once per document: the pairs together are held to one prompt's limit
-    (review: a 4 KB body made the tokenizers read 262,144 characters); a text too long is named by its own field."""
+def test_a_cross_encoder_query_is_not_tokenized_past_a_few_prompts_worth():
+    """A cross-encoder tokenizes the query once per document: the query's characters times its documents may come to
+    4 prompts' worth (review: a 4 KB body made the tokenizers read 262,144 characters), while many ordinary documents
+    pass (review: 50 of 406 characters were refused by a cap on all the pairs); a text too long is named by its own
+    field."""
     c, stub = make_client(head=CROSS_ENCODER, stub=StubFrontend(classes=1))
     limit = 128 * 32  # the test limits' characters of one prompt
     assert_error(c.post("/v1/rerank", json={"query": "q" * (limit + 1), "documents": ["d"]}), 400, "characters", "query")
     assert_error(c.post("/v1/score", json={"text_1": "q" * (limit + 1), "text_2": "d"}), 400, "characters", "text_1")
-    body = {"query": "q" * (limit // 2), "documents": ["a", "b"]}
-    assert_error(c.post("/v1/rerank", json=body), 400, "the 2 pairs hold", "documents")
+    body = {"query": "q" * (limit // 2), "documents": ["d"] * 9}
+    assert_error(c.post("/v1/rerank", json=body), 400, "is tokenized again with each of the 9 texts", "query")
     assert not stub.submitted
-    assert c.post("/v1/rerank", json={"query": "q" * (limit // 4), "documents": ["a", "b"]}).status_code == 200
+    documents = ["d" * (limit // 8)] * 50  # 50 x 512 characters: 6 prompts' worth in all, each pair small
+    assert c.post("/v1/rerank", json={"query": "q" * 100, "documents": documents}).status_code == 200
+
+
+def test_an_llm_as_reranker_scores_each_pair_as_one_text():
+    """vLLM joins an LLM-as-reranker's pair (classifier_from_token) into one text, where a cross-encoder's is a pair."""
+    c, stub = make_client(head=ModelHead(16, ("yes",), "X", score_activation="sigmoid", joins_pairs=True),
+                          stub=StubFrontend(classes=1))
+    c.post("/v1/rerank", json={"query": "q:", "documents": ["a", "b"]})
+    assert [(r.text, r.text_pair) for r in stub.submitted[-2:]] == [("q:a", None), ("q:b", None)]
 
 
 def test_a_conversation_is_pooled_as_one_chat_prompt():

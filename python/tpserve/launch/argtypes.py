@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import sys
 from typing import Any, Callable, NoReturn, TypeVar
 
 N = TypeVar("N", int, float)
@@ -47,10 +48,23 @@ def json_object_arg(text: str) -> dict[str, Any]:
 
 
 class OneLineParser(argparse.ArgumentParser):
-    """Errors in one line (not the whole usage), naming the flag and the bad value."""
+    """Errors in one line (not the whole usage), naming the flag and the bad value. Flags may be spelled with
+    underscores (``--max_model_len``), as vLLM's parser takes them."""
+
+    def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
+        args = sys.argv[1:] if args is None else list(args)
+        return super().parse_known_args([_dashed(a) for a in args], namespace)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
+
+
+def _dashed(arg: str) -> str:
+    """``--flag_name[=value]`` as ``--flag-name[=value]``; anything else as it is."""
+    if not arg.startswith("--") or arg == "--":
+        return arg
+    name, eq, value = arg.partition("=")
+    return name.replace("_", "-") + eq + value
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

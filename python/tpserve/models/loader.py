@@ -184,7 +184,8 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
 
     tied_head: torch.Tensor | None = None  # the checkpoint's own lm_head.weight, where config.json ties it
     # classifier_from_token: the score head is made of these rows of the LM head (or of the tied embedding)
-    score_tokens = list(model.config.classifier_token_ids)
+    classifier = model.config.classifier
+    score_tokens = [] if classifier is None else list(classifier.token_ids)
     head_rows: dict[str, torch.Tensor] = {}
     if score_tokens:
         expected.discard(("score", "weight", None))
@@ -238,7 +239,7 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
     if score_tokens:
         rows = head_rows.get("lm_head.weight", head_rows.get("model.embed_tokens.weight"))
         # two tokens: sigmoid((yes - no) . h) is the softmax of the two logits' yes; the difference taken in float32
-        model.score.load_weight("weight", rows[1:] - rows[:1] if len(score_tokens) == 2 else rows)
+        model.score.load_weight("weight", rows[1:] - rows[:1] if classifier.two_way else rows)
 
 
 def _rows(name: str, tensor: torch.Tensor, token_ids: list[int]) -> torch.Tensor:

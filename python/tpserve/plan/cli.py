@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import sys
 from dataclasses import replace
@@ -10,7 +11,7 @@ from typing import Any, Callable
 
 from tpserve.config import ModelConfig
 from tpserve.engine_config import CHOICES
-from tpserve.launch.argtypes import HelpFormatter, OneLineParser, fraction, int_at_least, number
+from tpserve.launch.argtypes import HelpFormatter, OneLineParser, fraction, int_at_least, json_object_arg, number
 from tpserve.launch.args import ModelNotFound, dtype_arg, resolve_model_dir
 from tpserve.plan.cost import DTYPE_BYTES, GIB, GPUS, GPUSpec, Link, ModelShape
 from tpserve.plan.splits import Machine, Settings, plan_splits, render
@@ -44,6 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
         formatter_class=HelpFormatter,
     )
     p.add_argument("--model", required=True, help="local model directory, or a Hugging Face id in the local cache")
+    p.add_argument("--hf-overrides", type=json_object_arg, default=None, metavar="JSON",
+                   help="config.json keys to replace, as the server's flag (e.g. a longer max_position_embeddings)")
     p.add_argument("--gpus", type=_between(int, 1, MAX_GPUS_PER_NODE), default=1, help="GPUs per node (ranks, with --gpu cpu)")
     p.add_argument("--nodes", type=_between(int, 1, MAX_NODES), default=1,
                    help="nodes (DP spans them; a TP group may take whole nodes)")
@@ -111,7 +114,7 @@ def _gpu_spec(args: argparse.Namespace) -> tuple[GPUSpec, str]:
     return spec, source
 
 
-def _model_config(model: str) -> ModelConfig:
+def _model_config(model: str, overrides: dict | None = None) -> ModelConfig:
     try:
         model_dir = resolve_model_dir(model)
     except ModelNotFound as e:
@@ -119,7 +122,7 @@ def _model_config(model: str) -> ModelConfig:
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise PlanError(f"--model {model}: {model_dir} has no config.json")
     try:
-        return ModelConfig.from_pretrained(model_dir)
+        return ModelConfig.from_pretrained(model_dir, overrides)
     except (ValueError, OSError) as e:
         raise PlanError(f"--model {model}: {e}") from None
 
@@ -142,7 +145,7 @@ def _model_shape(args: argparse.Namespace, config: ModelConfig, device: str) -> 
 def run(argv: list[str]) -> str:
     """The report for ``argv``; raises PlanError on a bad value."""
     args = build_parser().parse_args(argv)
-    config = _model_config(args.model)
+    config = _model_config(args.model, args.hf_overrides)
     if args.context is None:
         args.context = min(DEFAULT_CONTEXT, config.context_length)
     elif args.context > config.context_length:
@@ -155,7 +158,9 @@ def run(argv: list[str]) -> str:
     settings = Settings(args.context, mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     plans, excluded = plan_splits(shape, machine, settings)
-    return render(shape, args.model, machine, settings, plans, excluded, args.workload, source)
+    # the printed commands serve the config planned for: the overrides ride with the model
+    model = args.model if args.hf_overrides is None else f"{args.model} --hf-overrides '{json.dumps(args.hf_overrides)}'"
+    return render(shape, model, machine, settings, plans, excluded, args.workload, source)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -64,7 +64,7 @@ async def create_classification(serving: Serving, body: ClassifyRequest, request
     check_task(serving, "classify")
     inputs = body.inputs(serving.trust_request_chat_template)
     reqs = pooled_requests(serving, inputs, body.sampling_params("classify"), body.add_special_tokens)
-    activation = body.class_activation(serving.head.activation)
+    activation = body.class_activation(serving.head.classify_activation)
     fmt = ClassifyFormat(serving.model_name, serving.head.labels, activation, [label for label, _ in inputs],
                          request_id(request))
     return await serving.run(reqs, fmt, False, request)

@@ -26,6 +26,9 @@ from tpserve.server.request_id import request_id
 from tpserve.server.serving import Serving
 
 Texts = Union[StrictStr, list[StrictStr]]
+# A cross-encoder tokenizes a query once per document: the query's characters times its documents may come to this
+# many prompts' worth (a short body must not make the tokenizers read a long query hundreds of times)
+REPEATED_TEXT_PROMPTS = 4
 Pair = tuple[tuple[str, str], tuple[str, str]]  # (label, text) of the first text and of the second
 # The pairs' scores from the answers (choices) to the requests ``pair_requests`` made, in pair order
 Scorer = Callable[[Iterable[Choice]], list[float]]
@@ -81,22 +84,26 @@ class RerankRequest(_PairsBody):
 def pair_requests(serving: Serving, body: _PairsBody, pairs: list[Pair]) -> tuple[list[TokenizeRequest], Scorer]:
     """The backend requests that score ``pairs`` on the served model, and how to score them from the answers. A
     bi-encoder embeds each text once (a query shared by every pair too); a cross-encoder tokenizes each pair as one
-    prompt, so a query is tokenized once per document: all the pairs' characters together are held to one prompt's
-    limit (else a short body could make the tokenizers read a long query hundreds of times)."""
+    prompt (the tokenizer's pair encoding, or the two texts joined for an LLM as reranker, as vLLM), so a query is
+    tokenized once per document (REPEATED_TEXT_PROMPTS)."""
     check_task(serving, "score")
     texts = list(dict.fromkeys([a for a, _ in pairs] + [b for _, b in pairs]))  # each (label, text) once
     if not serving.head.classifies:
         return pooled_requests(serving, texts, body.sampling_params("embed")), cosine_scorer(texts, pairs)
     for label, text in texts:  # a text too long is named by its own field
         serving.limits.check_text(len(text), field_of(label))
-    total = sum(len(a) + len(b) for (_, a), (_, b) in pairs)
-    if total > serving.limits.max_prompt_chars:
+    first_label, first = pairs[0][0]
+    repeats = sum(1 for (label, _), _ in pairs if label == first_label)
+    if len(first) * repeats > REPEATED_TEXT_PROMPTS * serving.limits.max_prompt_chars:
         raise APIError.invalid(
-            f"the {len(pairs)} pairs hold {total} characters in all (the first text once per pair): more than "
-            f"{serving.limits.max_prompt_chars}, the limit of one prompt", field_of(pairs[-1][1][0]))
-    inputs: list[Labelled] = [(b_label, (a, b)) for (_, a), (b_label, b) in pairs]
+            f"{first_label} ({len(first)} characters) is tokenized again with each of the {repeats} texts it is "
+            f"paired with: more than {REPEATED_TEXT_PROMPTS} prompts' worth of characters ({REPEATED_TEXT_PROMPTS} x "
+            f"{serving.limits.max_prompt_chars}); send a shorter {field_of(first_label)} or fewer texts at a time",
+            field_of(first_label))
+    joined = serving.head.joins_pairs
+    inputs: list[Labelled] = [(b_label, a + b if joined else (a, b)) for (_, a), (b_label, b) in pairs]
     reqs = pooled_requests(serving, inputs, body.sampling_params("classify"))
-    return reqs, cross_scorer([label for label, _ in inputs], body.class_activation(serving.head.activation))
+    return reqs, cross_scorer([label for label, _ in inputs], body.class_activation(serving.head.score_activation))
 
 
 def cross_scorer(labels: list[str], activation: str) -> Scorer:
