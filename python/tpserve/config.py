@@ -58,7 +58,7 @@ def _hf_config(cfg: dict[str, Any], model_type: str) -> Any:
 
     try:
         return CONFIG_MAPPING[model_type].from_dict(dict(cfg, model_type=model_type))
-    except (TypeError, ValueError, KeyError, StrictDataclassError) as e:
+    except (TypeError, ValueError, KeyError, AttributeError, StrictDataclassError) as e:
         reason = " ".join(str(e).split())  # one line (transformers' validation errors have several)
         raise ValueError(f"config.json cannot be read as a {model_type} config: {reason}") from e
 
@@ -210,6 +210,9 @@ class ModelConfig:
         raw_quant = cfg.get("quantization_config")
         if raw_quant is not None and not isinstance(raw_quant, dict):  # transformers would fail on it (AttributeError)
             raise ValueError(f"config.json: quantization_config must be an object, got {raw_quant!r}")
+        for key in ("id2label", "label2id"):  # transformers fails on another type with an AttributeError
+            if key in cfg and not isinstance(cfg[key], dict):
+                raise ValueError(f"config.json: {key} must be an object (class id -> name), got {cfg[key]!r}")
         arch = next((a for a in archs if a in SUPPORTED_ARCHITECTURES), None)
         if arch is None:
             raise ValueError(f"unsupported architecture {archs}; supported: {sorted(SUPPORTED_ARCHITECTURES)}")

@@ -85,3 +85,28 @@ def test_plan_reads_the_overridden_config(qwen3_dir, capsys):
     assert main(["--model", qwen3_dir, "--gpu", "cpu", "--hf-overrides", '{"max_position_embeddings": 96}']) == 0
     out = capsys.readouterr().out
     assert "context 96 tokens" in out and """--hf-overrides '{"max_position_embeddings": 96}'""" in out
+
+
+def test_review_the_pasted_line_cannot_go_wrong_quietly(qwen3_dir, capsys, tmp_path):
+    """(review) a model after --served-model-name served the demo model; on/off pairs depended on their order, not
+    on which came last; a list flag took one value; a template starting with "--" lost its underscores."""
+    assert "give MODEL before --served-model-name" in vllm_error(["--served-model-name", "foo", qwen3_dir], capsys)
+    last = parse_args([qwen3_dir, "--no-enable-prefix-caching", "--enable-prefix-caching"]).engine
+    assert last.cache == "radix"
+    off = parse_args([qwen3_dir, "--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096"]).engine
+    assert off.chunked_prefill_size == 0
+    assert parse_args([qwen3_dir, "--enable-prefix-caching", "--no-enable-prefix-caching"]).engine.cache == "naive"
+    sizes = parse_args([qwen3_dir, "--cuda-graph-sizes", "16", "32", "48", "--device", "cpu"])
+    assert sizes.engine.model == qwen3_dir and "--cuda-graph-sizes: no effect" in sizes.startup_warnings[0]
+    assert "--max-num-batched-tokens" in vllm_error([qwen3_dir, "--max-num-batched-tokens", "0"], capsys)
+    template = tmp_path / "t.jinja"
+    template.write_text("-- a_b {{ messages[0]['content'] }}")
+    assert parse_args([qwen3_dir, "--chat-template", "-- a_b {{ messages_x }}"]).chat_template == "-- a_b {{ messages_x }}"
+    assert "--tokenizer: model" in vllm_error([qwen3_dir, "--tokenizer", "/nonexistent"], capsys)
+    assert str(tmp_path) in vllm_error(["tiny-org/tiny-model", "--download-dir", str(tmp_path)], capsys)
+    two_classes = '{"architectures": ["Qwen3ForSequenceClassification"], "num_labels": 2}'
+    assert "--task score: this model does not serve it" in vllm_error(
+        [qwen3_dir, "--task", "score", "--hf-overrides", two_classes], capsys)
+    assert "id2label" in vllm_error(
+        [qwen3_dir, "--hf-overrides", '{"architectures": ["Qwen3ForSequenceClassification"], "id2label": ["a"]}'],
+        capsys)

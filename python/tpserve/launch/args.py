@@ -302,10 +302,17 @@ def resolve_model_dir(model: str, revision: str | None = None, cache_dir: str | 
     except Exception as e:  # LocalEntryNotFoundError, or an invalid repo id
         raise ModelNotFound(
             f"model {model!r} is not a local directory and is not in the local Hugging Face "
-            f"cache ({constants.HF_HUB_CACHE}); tpserve runs offline and never downloads. Download it "
+            f"cache ({cache_dir or constants.HF_HUB_CACHE}); tpserve runs offline and never downloads. Download it "
             f"where there is internet (e.g. `hf download {model}`) into that cache, "
             f"or pass the model's local directory ({type(e).__name__})"
         ) from e
+
+
+def _tokenizer_dir(ns: argparse.Namespace) -> str:
+    try:
+        return resolve_model_dir(ns.tokenizer, ns.revision, ns.download_dir)
+    except ModelNotFound as e:
+        raise ValueError(f"--tokenizer: {e}") from None
 
 
 def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
@@ -317,7 +324,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         model_dir = default_tiny_model_dir()
     else:
         model_dir = resolve_model_dir(ns.model, ns.revision, ns.download_dir)
-    if ns.tokenizer is not None and resolve_model_dir(ns.tokenizer, ns.revision, ns.download_dir) != model_dir:
+    if ns.tokenizer is not None and _tokenizer_dir(ns) != model_dir:
         raise ValueError(f"--tokenizer {ns.tokenizer}: tpserve reads the tokenizer from the model's own files "
                          "(copy the tokenizer files into the model directory)")
     names = _served_names(ns, model_dir)
@@ -327,7 +334,8 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         raise ValueError(f"--model: {missing_tokenizer_message(model_dir)}; copy the model's tokenizer files there")
     model_config = ModelConfig.from_pretrained(model_dir, ns.hf_overrides)
     flags_problem = task_problem_of_flags(ns, generates=model_config.lm_head, embeds=not model_config.labels,
-                                          classifies=bool(model_config.labels))
+                                          classifies=bool(model_config.labels),
+                                          scores=model_head(model_config).unserved("score") is None)
     if flags_problem is not None:
         raise ValueError(flags_problem)
     load_tokenizer(model_dir)  # a damaged file: named here, not in a child process's log (--shell) after start

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import re
 import sys
 from typing import Any, Callable, NoReturn, TypeVar
 
@@ -53,18 +54,25 @@ class OneLineParser(argparse.ArgumentParser):
 
     def parse_known_args(self, args: Any = None, namespace: Any = None) -> Any:
         args = sys.argv[1:] if args is None else list(args)
-        return super().parse_known_args([_dashed(a) for a in args], namespace)
+        return super().parse_known_args(_dashed(args), namespace)
 
     def error(self, message: str) -> NoReturn:
         self.exit(2, f"{self.prog}: error: {message}\n")
 
 
-def _dashed(arg: str) -> str:
-    """``--flag_name[=value]`` as ``--flag-name[=value]``; anything else as it is."""
-    if not arg.startswith("--") or arg == "--":
-        return arg
-    name, eq, value = arg.partition("=")
-    return name.replace("_", "-") + eq + value
+_FLAG_NAME = re.compile(r"--[A-Za-z0-9][A-Za-z0-9_-]*")
+
+
+def _dashed(args: list[str]) -> list[str]:
+    """``--flag_name[=value]`` as ``--flag-name[=value]``, up to a ``--``; anything else (a value that starts with
+    "--", such as a template's text) as it is."""
+    out = []
+    for i, arg in enumerate(args):
+        if arg == "--":
+            return out + args[i:]
+        name, eq, value = arg.partition("=")
+        out.append(name.replace("_", "-") + eq + value if _FLAG_NAME.fullmatch(name) else arg)
+    return out
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter):

@@ -7,20 +7,25 @@ than argparse's "unrecognized arguments"). Flags vLLM shares with tpserve's own 
 from __future__ import annotations
 
 import argparse
+import os
 from dataclasses import dataclass
 from typing import Any
+
+from tpserve.launch.argtypes import int_at_least
 
 # The settings these flags reach in the parsed namespace (``launch/args.py``'s dests)
 _MAPPED: dict[str, tuple[str, Any, str]] = {  # flag -> (dest, value, help)
     "--enforce-eager": ("cuda_graph_max_bs", 0, "no CUDA graphs (as --cuda-graph-max-bs 0)"),
     "--disable-custom-all-reduce": ("all_reduce", "nccl", "NCCL for every all-reduce (as --all-reduce nccl)"),
-    "--no-enable-prefix-caching": ("cache", "naive", "no prefix cache (as --cache naive)"),
-    "--no-enable-chunked-prefill": ("chunked_prefill_size", 0, "no chunked prefill (as --chunked-prefill-size 0)"),
+}
+# vLLM's on/off pairs for what tpserve does by default: the last of a pair given wins, as in vLLM; off sets the dest
+_SWITCHES: dict[str, tuple[str, Any, str]] = {  # the "on" flag -> (dest, off value, what it is)
+    "--enable-prefix-caching": ("cache", "naive", "the radix prefix cache (off: as --cache naive)"),
+    "--enable-chunked-prefill": ("chunked_prefill_size", 0, "chunked prefill (off: as --chunked-prefill-size 0, "
+                                 "whatever --max-num-batched-tokens says)"),
 }
 # What tpserve always does: taken as said
 _ALWAYS = {
-    "--enable-prefix-caching": "the radix prefix cache is on by default",
-    "--enable-chunked-prefill": "prefills are chunked by default (--chunked-prefill-size)",
     "--enable-auto-tool-choice": "tool_choice auto works whenever a tool-call parser is known (--tool-call-parser)",
     "--async-scheduling": "the scheduler overlaps each step with the next one's planning by default",
     "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details.cached_tokens",
@@ -32,24 +37,25 @@ _ALWAYS = {
 @dataclass(frozen=True)
 class _Unused:
     why: str
-    takes_value: bool = True
+    nargs: int | str | None = None  # argparse's: None one value, 0 a switch, "+" a list
 
 
 # Flags with no effect in tpserve: taken, with a warning at start-up saying why
 _IGNORED = {
     "--swap-space": _Unused("a preempted request is recomputed, never swapped to CPU memory"),
     "--preemption-mode": _Unused("a preempted request is recomputed"),
-    "--disable-log-stats": _Unused("the scheduler's periodic log line stays (--log-level warning hides it)", False),
-    "--enable-log-requests": _Unused("tpserve does not log request contents", False),
+    "--disable-log-stats": _Unused("the scheduler's periodic log line stays (--log-level warning hides it)", 0),
+    "--enable-log-requests": _Unused("tpserve does not log request contents", 0),
     "--max-log-len": _Unused("tpserve does not log request contents"),
     "--uvicorn-log-level": _Unused("--log-level sets every process's level, uvicorn's included"),
-    "--disable-frontend-multiprocessing": _Unused("the API server is one process beside the scheduler ranks", False),
+    "--disable-frontend-multiprocessing": _Unused("the API server is one process beside the scheduler ranks", 0),
     "--tokenizer-mode": _Unused("the model's fast tokenizer is always used"),
     "--tokenizer-pool-size": _Unused("tokenizer workers are set by --num-tokenizers"),
     "--max-parallel-loading-workers": _Unused("each rank streams its own shard of the weights"),
     "--num-scheduler-steps": _Unused("each step is scheduled; overlap scheduling hides the host's work"),
     "--max-seq-len-to-capture": _Unused("CUDA graphs hold decode steps only (--cuda-graph-max-bs)"),
-    "--cuda-graph-sizes": _Unused("decode graphs are captured up to --cuda-graph-max-bs"),
+    "--cuda-graph-sizes": _Unused("decode graphs are captured up to --cuda-graph-max-bs", "+"),
+    "--cudagraph-capture-sizes": _Unused("decode graphs are captured up to --cuda-graph-max-bs", "+"),
     "--compilation-config": _Unused("tpserve compiles nothing with torch.compile"),
     "-O": _Unused("tpserve compiles nothing with torch.compile"),
     "--model-impl": _Unused("tpserve runs its own implementation of each architecture"),
@@ -87,6 +93,14 @@ class _Refused(argparse.Action):
         raise argparse.ArgumentError(self, _REFUSED[self.option_strings[0]])
 
 
+class _Switch(argparse.Action):
+    """One of an on/off pair (``_SWITCHES``): recorded in order, resolved by ``check_vllm_flags``."""
+
+    def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
+                 option_string: str | None = None) -> None:
+        namespace.vllm_switches = [*getattr(namespace, "vllm_switches", []), option_string]
+
+
 class _Ignored(argparse.Action):
     def __call__(self, parser: argparse.ArgumentParser, namespace: argparse.Namespace, values: Any,
                  option_string: str | None = None) -> None:
@@ -102,11 +116,14 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group = parser.add_argument_group("vLLM's flags", "taken as vLLM takes them, for pasted vLLM command lines")
     group.add_argument("--max-num-seqs", dest="max_running_requests", type=int, default=argparse.SUPPRESS,
                        help="as --max-running-requests")
-    group.add_argument("--max-num-batched-tokens", dest="chunked_prefill_size", type=int, default=argparse.SUPPRESS,
-                       help="as --chunked-prefill-size")
+    group.add_argument("--max-num-batched-tokens", dest="chunked_prefill_size", type=int_at_least(1),
+                       default=argparse.SUPPRESS, help="as --chunked-prefill-size")
     group.add_argument("--block-size", dest="page_size", type=int, default=argparse.SUPPRESS, help="as --page-size")
     for flag, (dest, value, text) in _MAPPED.items():
         group.add_argument(flag, dest=dest, action="store_const", const=value, default=argparse.SUPPRESS, help=text)
+    for flag, (_, _, what) in _SWITCHES.items():
+        off = flag.replace("--enable-", "--no-enable-")
+        group.add_argument(flag, off, action=_Switch, nargs=0, help=f"{what}; on by default, the last of the pair wins")
     for flag, why in _ALWAYS.items():
         group.add_argument(flag, action="store_true", dest=f"vllm_{flag[2:].replace('-', '_')}",
                            help=f"always so: {why}")
@@ -124,7 +141,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                            help="checked against the model: tpserve serves every task its architecture has "
                            "(generation with an LM head, embeddings, a *ForSequenceClassification's classify and score)")
     for flag, unused in _IGNORED.items():
-        group.add_argument(flag, action=_Ignored, nargs=None if unused.takes_value else 0, metavar="VALUE",
+        group.add_argument(flag, action=_Ignored, nargs=unused.nargs, metavar="VALUE",
                            help=f"no effect (a warning): {unused.why}")
     for flag, why in _REFUSED.items():
         group.add_argument(flag, action=_Refused, nargs=0 if flag in _REFUSED_SWITCHES else None, metavar="VALUE",
@@ -136,8 +153,17 @@ def check_vllm_flags(ns: argparse.Namespace) -> tuple[str, ...]:
     the warnings for the flags with no effect."""
     if ns.model_tag is not None:
         if ns.model is not None and ns.model != ns.model_tag:
-            raise ValueError(f"the model is given twice: {ns.model_tag!r} and --model {ns.model!r}")
+            raise ValueError(f"the model is given twice: {ns.model_tag!r} and --model {ns.model!r} (or "
+                             f"{ns.model_tag!r} is a value no flag before it takes)")
         ns.model = ns.model_tag
+    swallowed = [n for n in ns.served_model_name or () if os.path.isdir(n)] if ns.model is None else []
+    if swallowed:  # `--served-model-name NAME MODEL`: the list took the model, which would serve the demo model
+        raise ValueError(f"--served-model-name took {swallowed[0]!r}, a model directory, as a name: give MODEL "
+                         "before --served-model-name (or use --model)")
+    for flag, (dest, off, _) in _SWITCHES.items():
+        given = [s for s in getattr(ns, "vllm_switches", ()) if s.endswith(flag[2:])]
+        if given and given[-1] != flag:  # the off flag came last
+            setattr(ns, dest, off)
     if ns.pipeline_parallel_size != 1:
         raise ValueError(f"--pipeline-parallel-size {ns.pipeline_parallel_size}: tpserve splits a model by tensor "
                          "parallelism only (use --tp-size, and --nnodes across nodes)")
@@ -148,10 +174,11 @@ def check_vllm_flags(ns: argparse.Namespace) -> tuple[str, ...]:
     return tuple(getattr(ns, "vllm_ignored", ()))
 
 
-def task_problem_of_flags(ns: argparse.Namespace, generates: bool, embeds: bool, classifies: bool) -> str | None:
+def task_problem_of_flags(ns: argparse.Namespace, generates: bool, embeds: bool, classifies: bool,
+                          scores: bool) -> str | None:
     """Why vLLM's --task, --runner or --convert asks for what this model does not serve, or None."""
     wanted = {"generate": generates, "embed": embeds, "embedding": embeds, "classify": classifies,
-              "score": classifies or embeds, "reward": False, "pooling": embeds or classifies}
+              "score": scores, "reward": False, "pooling": embeds or classifies}
     for flag in TASKS:
         value = getattr(ns, flag[2:])
         if value not in ("auto", "none") and not wanted[value]:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shlex
 import sys
 from dataclasses import replace
 from typing import Any, Callable
@@ -159,7 +160,7 @@ def run(argv: list[str]) -> str:
                         quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
     plans, excluded = plan_splits(shape, machine, settings)
     # the printed commands serve the config planned for: the overrides ride with the model
-    model = args.model if args.hf_overrides is None else f"{args.model} --hf-overrides '{json.dumps(args.hf_overrides)}'"
+    model = args.model if args.hf_overrides is None else f"{args.model} --hf-overrides {shlex.quote(json.dumps(args.hf_overrides))}"
     return render(shape, model, machine, settings, plans, excluded, args.workload, source)
 
 
