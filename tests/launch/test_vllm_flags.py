@@ -110,3 +110,21 @@ def test_review_the_pasted_line_cannot_go_wrong_quietly(qwen3_dir, capsys, tmp_p
     assert "id2label" in vllm_error(
         [qwen3_dir, "--hf-overrides", '{"architectures": ["Qwen3ForSequenceClassification"], "id2label": ["a"]}'],
         capsys)
+
+
+def test_cors_is_off_unless_origins_are_allowed(qwen3_dir):
+    """vLLM's CORS flags: a browser's preflight is answered for the allowed origins only."""
+    from fastapi.testclient import TestClient
+
+    from tpserve.server.api import AppState, create_app
+
+    preflight = {"Origin": "https://app.example", "Access-Control-Request-Method": "POST"}
+    for argv, allowed in (([], None), (["--allowed-origins", '["https://app.example"]'], "https://app.example"),
+                          (["--allowed-origins", '["https://other.example"]'], None)):
+        client = TestClient(create_app(AppState(parse_args([qwen3_dir, *argv]))))
+        answer = client.options("/v1/chat/completions", headers=preflight)
+        assert answer.headers.get("access-control-allow-origin") == allowed, argv
+        health = client.get("/health", headers={"Origin": "https://app.example"})
+        assert health.headers.get("access-control-allow-origin") == allowed, argv
+    with pytest.raises(SystemExit):
+        parse_args([qwen3_dir, "--allowed-origins", "https://app.example"])  # not a JSON list

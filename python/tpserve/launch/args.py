@@ -21,7 +21,7 @@ from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.vllm_flags import add_vllm_flags, check_vllm_flags, task_problem_of_flags
 from tpserve.launch.argtypes import (
-    HelpFormatter, OneLineParser, fraction, int_at_least, json_object_arg, number, port, positive,
+    HelpFormatter, OneLineParser, fraction, int_at_least, json_object_arg, json_strings_arg, number, port, positive,
 )
 from tpserve.router.policy import LOAD_BALANCE_METHODS
 from tpserve.tokenizer.loader import (
@@ -57,6 +57,10 @@ class ServerArgs:
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered (else a 400)
     tool_call_parser: str | None = None  # resolved from --tool-call-parser (auto: from the template)
     reasoning_parser: str | None = None
+    allowed_origins: tuple[str, ...] = ()  # CORS: none (browsers on other origins are refused)
+    allowed_methods: tuple[str, ...] = ("*",)
+    allowed_headers: tuple[str, ...] = ("*",)
+    allow_credentials: bool = False
     max_request_bytes: int = 16 << 20
     max_sequences_per_request: int = 256  # prompts x n of one API call
     head: ModelHead = ModelHead()  # the model's hidden size and classes (pooled requests' answers)
@@ -248,6 +252,15 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache "
                         f"(env {API_KEY_ENV})")
+    server.add_argument("--allowed-origins", type=json_strings_arg, default=(), metavar="JSON",
+                        help="CORS: the browser origins allowed to call the API, e.g. '[\"https://app.example\"]' "
+                        "or '[\"*\"]' (vLLM's flag; vLLM allows every origin by default, tpserve none)")
+    server.add_argument("--allowed-methods", type=json_strings_arg, default=("*",), metavar="JSON",
+                        help="CORS: the methods allowed to those origins")
+    server.add_argument("--allowed-headers", type=json_strings_arg, default=("*",), metavar="JSON",
+                        help="CORS: the request headers allowed to those origins")
+    server.add_argument("--allow-credentials", action="store_true",
+                        help="CORS: let those origins send credentials (cookies, Authorization)")
     server.add_argument("--max-request-bytes", type=int_at_least(1024), default=_default("max_request_bytes", ServerArgs),
                         help="largest request body in bytes; larger ones get 413 before they are read")
     server.add_argument("--max-sequences-per-request", type=int_at_least(1),

@@ -48,6 +48,17 @@ def json_object_arg(text: str) -> dict[str, Any]:
     return value
 
 
+def json_strings_arg(text: str) -> tuple[str, ...]:
+    """A JSON list of strings given on the command line (vLLM's form: '["http://a.example"]')."""
+    try:
+        value = json.loads(text)
+    except ValueError:
+        value = None
+    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
+        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
+    return tuple(value)
+
+
 class OneLineParser(argparse.ArgumentParser):
     """Errors in one line (not the whole usage), naming the flag and the bad value. Flags may be spelled with
     underscores (``--max_model_len``), as vLLM's parser takes them."""

@@ -9,6 +9,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import JSONResponse, Response
 
 import tpserve
@@ -283,7 +284,12 @@ def create_app(state: AppState) -> FastAPI:
     app.add_middleware(BodySizeLimit, max_bytes=state.args.max_request_bytes)
     app.add_middleware(JsonByDefault)
     app.add_middleware(RequestIdHeader)
-    app.add_middleware(CountResponses, metrics=state.metrics)  # outermost: sees the body-size limit's 413 too
+    app.add_middleware(CountResponses, metrics=state.metrics)  # sees the body-size limit's 413 too
+    args = state.args
+    if args.allowed_origins:  # outermost: a browser's preflight is answered before anything else runs
+        app.add_middleware(CORSMiddleware, allow_origins=list(args.allowed_origins),
+                           allow_methods=list(args.allowed_methods), allow_headers=list(args.allowed_headers),
+                           allow_credentials=args.allow_credentials)
     app.state.server = state
     app.include_router(_admin_router())
     app.include_router(_v1_router())
