@@ -128,3 +128,13 @@ def test_cors_is_off_unless_origins_are_allowed(qwen3_dir):
         assert health.headers.get("access-control-allow-origin") == allowed, argv
     with pytest.raises(SystemExit):
         parse_args([qwen3_dir, "--allowed-origins", "https://app.example"])  # not a JSON list
+
+
+def test_vllm_server_flags_reach_the_server(qwen3_dir, capsys):
+    args = parse_args([qwen3_dir, "--return-tokens-as-token-ids", "--enable-force-include-usage", "--root-path", "/llm",
+                       "--enable-request-id-headers", "--response-role", "assistant",
+                       "--chat-template-content-format", "string"])
+    assert args.return_tokens_as_token_ids and args.enable_force_include_usage and args.root_path == "/llm"
+    assert "role of chat answers is assistant" in vllm_error([qwen3_dir, "--response-role", "bot"], capsys)
+    assert "--chat-template-content-format openai" in vllm_error(
+        [qwen3_dir, "--chat-template-content-format", "openai"], capsys)

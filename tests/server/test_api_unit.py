@@ -1016,3 +1016,17 @@ def test_score_and_rerank_errors_name_the_input_that_failed():
         ScoreFormat("m", cosine_scorer([first, second], [(first, second)])).response(choices, {"prompt_tokens": 2})
     with pytest.raises(APIError, match=r"text_2\[1\] could not be scored"):  # a cross-encoder: one request a pair
         ScoreFormat("m", cross_scorer(["text_2[0]", "text_2[1]"], True)).response(choices, {"prompt_tokens": 2})
+
+
+def test_server_wide_token_ids_and_forced_usage():
+    """vLLM's --return-tokens-as-token-ids and --enable-force-include-usage: each request as if it asked."""
+    c, _ = make_client(tokens_as_ids=True, force_include_usage=True)
+    body = c.post(CHAT, json={"messages": USER, "logprobs": True}).json()
+    assert body["choices"][0]["logprobs"]["content"][0]["token"].startswith("token_id:")
+    for path, request in ((CHAT, {"messages": USER}), (COMPLETIONS, {"prompt": "x"})):
+        with c.stream("POST", path, json={**request, "stream": True}) as resp:
+            events = sse_events(resp)
+        assert events[-1]["choices"] == [] and events[-1]["usage"]["total_tokens"] == 8, path
+    plain, _ = make_client()
+    with plain.stream("POST", CHAT, json={"messages": USER, "stream": True}) as resp:
+        assert all(e.get("usage") is None for e in sse_events(resp))

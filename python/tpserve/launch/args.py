@@ -57,6 +57,9 @@ class ServerArgs:
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered (else a 400)
     tool_call_parser: str | None = None  # resolved from --tool-call-parser (auto: from the template)
     reasoning_parser: str | None = None
+    return_tokens_as_token_ids: bool = False  # vLLM's: every request's logprobs name their tokens "token_id:N"
+    enable_force_include_usage: bool = False  # vLLM's: every stream ends with its usage chunk
+    root_path: str = ""  # vLLM's (uvicorn's): the path prefix a proxy serves the API under
     allowed_origins: tuple[str, ...] = ()  # CORS: none (browsers on other origins are refused)
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
@@ -252,6 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--api-key", default=None,
                         help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache "
                         f"(env {API_KEY_ENV})")
+    server.add_argument("--return-tokens-as-token-ids", action="store_true",
+                        help="every request's logprobs name their tokens 'token_id:N' (as the request field of that "
+                        "name asks for one request; vLLM's flag)")
+    server.add_argument("--enable-force-include-usage", action="store_true",
+                        help="every streamed answer ends with its usage, asked for or not (vLLM's flag)")
+    server.add_argument("--root-path", default="",
+                        help="the path prefix a reverse proxy serves the API under (uvicorn's root_path; vLLM's flag)")
     server.add_argument("--allowed-origins", type=json_strings_arg, default=(), metavar="JSON",
                         help="CORS: the browser origins allowed to call the API, e.g. '[\"https://app.example\"]' "
                         "or '[\"*\"]' (vLLM's flag; vLLM allows every origin by default, tpserve none)")

@@ -31,6 +31,8 @@ _ALWAYS = {
     "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details.cached_tokens",
     "--disable-fastapi-docs": "tpserve serves no /docs pages",
     "--disable-log-requests": "tpserve does not log request contents",
+    "--enable-request-id-headers": "every answer carries X-Request-Id",
+    "--disable-uvicorn-access-log": "HTTP requests are logged at --log-level debug only",
 }
 
 
@@ -131,6 +133,11 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                        help="1 only: tpserve splits a model by tensor parallelism (--tp-size)")
     group.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
                        help="fcfs only (request priorities are not served): as --schedule-policy fcfs")
+    group.add_argument("--response-role", default="assistant", metavar="assistant",
+                       help="assistant only: the role of chat answers (another is an error)")
+    group.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto",
+                       help="string (auto takes it): a message's content parts reach the chat template as one text, "
+                       "joined by newlines; openai (parts as a list) is an error")
     group.add_argument("--revision", default=None, help="a Hugging Face id's revision in the local cache")
     group.add_argument("--download-dir", default=None,
                        help="the Hugging Face cache directory a Hugging Face id is looked up in (never downloaded)")
@@ -167,6 +174,11 @@ def check_vllm_flags(ns: argparse.Namespace) -> tuple[str, ...]:
     if ns.pipeline_parallel_size != 1:
         raise ValueError(f"--pipeline-parallel-size {ns.pipeline_parallel_size}: tpserve splits a model by tensor "
                          "parallelism only (use --tp-size, and --nnodes across nodes)")
+    if ns.response_role != "assistant":
+        raise ValueError(f"--response-role {ns.response_role}: the role of chat answers is assistant")
+    if ns.chat_template_content_format == "openai":
+        raise ValueError("--chat-template-content-format openai: tpserve hands the chat template each message's "
+                         "content as one text (string)")
     if ns.scheduling_policy == "priority":
         raise ValueError("--scheduling-policy priority: request priorities are not served (fcfs only)")
     if (ns.revision is not None or ns.download_dir is not None) and ns.model is None:

@@ -171,6 +171,8 @@ class Serving:
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered (else a 400)
     head: ModelHead = ModelHead()  # what pooled requests get back: embeddings, or a classifier's class logits
+    tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids: every request's logprobs name "token_id:N"
+    force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
 
     def check_model(self, model: str | None) -> None:
         check_model_name(model, (self.model_name, *self.aliases))
@@ -195,9 +197,9 @@ class Serving:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         reqs, output, params = self.chat_requests(body)
-        fmt = ChatFormat(self.model_name, body.include_usage, logprobs=params.logprobs is not None, output=output,
-                         request_id=request_id(request), echo=body.echoed_text(),
-                         tokens_as_ids=body.return_tokens_as_token_ids)
+        fmt = ChatFormat(self.model_name, body.include_usage or self.force_include_usage,
+                         logprobs=params.logprobs is not None, output=output, request_id=request_id(request),
+                         echo=body.echoed_text(), tokens_as_ids=body.return_tokens_as_token_ids or self.tokens_as_ids)
         fmt.prompt_logprobs = body.prompt_logprobs
         return await self.run(reqs, fmt, body.stream, request, body.n, body.continuous_usage)
 
@@ -255,8 +257,9 @@ class Serving:
         echo = None
         if body.echo:  # each choice's text starts with its prompt's
             echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]
-        fmt = CompletionFormat(self.model_name, body.include_usage, params.logprobs is not None, echo, generates,
-                               request_id=request_id(request), tokens_as_ids=body.return_tokens_as_token_ids,
+        fmt = CompletionFormat(self.model_name, body.include_usage or self.force_include_usage,
+                               params.logprobs is not None, echo, generates, request_id=request_id(request),
+                               tokens_as_ids=body.return_tokens_as_token_ids or self.tokens_as_ids,
                                echo_top=body.logprobs or 0)
         fmt.prompt_logprobs = body.prompt_logprobs
         return await self.run(reqs, fmt, body.stream, request, body.n, body.continuous_usage)
