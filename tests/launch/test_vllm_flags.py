@@ -135,6 +135,14 @@ def test_vllm_server_flags_reach_the_server(qwen3_dir, capsys):
                        "--enable-request-id-headers", "--response-role", "assistant",
                        "--chat-template-content-format", "string"])
     assert args.return_tokens_as_token_ids and args.enable_force_include_usage and args.root_path == "/llm"
+    from fastapi.testclient import TestClient
+
+    from tpserve.server.api import AppState, create_app
+
+    client = TestClient(create_app(AppState(args)))  # a proxy's prefix, kept or stripped: the same routes (review)
+    for path in ("/llm/v1/models", "/v1/models"):
+        assert client.get(path).status_code == 200, path
+    assert "is not served" in client.get("/llm/v1/images/generations").json()["error"]["message"]
     assert "role of chat answers is assistant" in vllm_error([qwen3_dir, "--response-role", "bot"], capsys)
     assert "--chat-template-content-format openai" in vllm_error(
         [qwen3_dir, "--chat-template-content-format", "openai"], capsys)

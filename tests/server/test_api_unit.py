@@ -1023,6 +1023,11 @@ def test_server_wide_token_ids_and_forced_usage():
     c, _ = make_client(tokens_as_ids=True, force_include_usage=True)
     body = c.post(CHAT, json={"messages": USER, "logprobs": True}).json()
     assert body["choices"][0]["logprobs"]["content"][0]["token"].startswith("token_id:")
+    response = c.post("/v1/responses", json={"input": "hi", "include": ["message.output_text.logprobs"]}).json()
+    assert response["output"][-1]["content"][0]["logprobs"][0]["token"].startswith("token_id:")  # (review)
+    with c.stream("POST", CHAT, json={"messages": USER, "stream": True,
+                                      "stream_options": {"continuous_usage_stats": True}}) as resp:
+        assert all(e["usage"] is not None for e in sse_events(resp))  # continuous, as the usage is forced (review)
     for path, request in ((CHAT, {"messages": USER}), (COMPLETIONS, {"prompt": "x"})):
         with c.stream("POST", path, json={**request, "stream": True}) as resp:
             events = sse_events(resp)

@@ -149,4 +149,3 @@ def test_a_conversation_is_pooled_as_one_chat_prompt():
                      "continue_final_message")
         assert_error(c.post(path, json={"messages": [{"role": "user", "content": "x" * 5000}]}), 400, "characters",
                      "messages")
-

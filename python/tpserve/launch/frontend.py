@@ -60,8 +60,8 @@ async def serving_backend(
             frontend, state.metrics, args.served_model_name,
             RequestLimits(args.context_len, args.max_sequences_per_request), args.model_aliases,
             args.reasoning_parser, args.tool_call_parser, args.request_timeout, args.sampling_defaults,
-            args.trust_request_chat_template, args.head, args.return_tokens_as_token_ids,
-            args.enable_force_include_usage,
+            args.trust_request_chat_template, args.head, tokens_as_ids=args.return_tokens_as_token_ids,
+            force_include_usage=args.enable_force_include_usage,
         )
         state.liveness = lambda: backend.stalled(args.health_timeout)
         if args.sampling_defaults:

@@ -182,7 +182,6 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
         timeout_graceful_shutdown=HTTP_GRACEFUL_S,
         http=_idle_timeout_protocol(),  # a connection idle for timeout_keep_alive (5 s) is closed, a new one too
         ws="none",  # no websocket routes: an upgrade would also outlive the header deadline's timer
-        root_path=args.root_path,
     )
     server = _Server(config)
     http_task = asyncio.create_task(server.serve(sockets=[sock]), name="http")

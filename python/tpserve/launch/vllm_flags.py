@@ -31,7 +31,7 @@ _ALWAYS = {
     "--enable-prompt-tokens-details": "usage always carries prompt_tokens_details.cached_tokens",
     "--disable-fastapi-docs": "tpserve serves no /docs pages",
     "--disable-log-requests": "tpserve does not log request contents",
-    "--enable-request-id-headers": "every answer carries X-Request-Id",
+    "--enable-request-id-headers": "answers to API requests carry X-Request-Id",
     "--disable-uvicorn-access-log": "HTTP requests are logged at --log-level debug only",
 }
 

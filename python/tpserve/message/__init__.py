@@ -70,8 +70,8 @@ class TokenOutput(msgspec.Struct):
     prompt_logprobs: list[float] | None = None
     prompt_top_logprobs: list[list[tuple[int, float]]] | None = None
     prompt_ranks: list[int] | None = None  # each of those prompt tokens' rank in the vocabulary (1: most likely)
-    # An embedding request's answer (finish "stop", no tokens): its last prompt token's final hidden state,
-    # little-endian float32
+    # A pooled request's answer (finish "stop", no tokens): its last prompt token's final hidden state, or a
+    # classifier's class logits there, little-endian float32
     embedding: bytes | None = None
 
 

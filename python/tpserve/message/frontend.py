@@ -104,7 +104,7 @@ class ApiOutput(msgspec.Struct, kw_only=True):
     prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token, with the first output, when asked
     matched_stop: int | str | None = None  # the stop token id or stop string that ended it
     prompt_in_reasoning: bool | None = None
-    embedding: bytes | None = None  # an embedding request's answer (``TokenOutput.embedding``)
+    embedding: bytes | None = None  # a pooled request's answer (``TokenOutput.embedding``)
 
 
 class ApiOutputBatch(msgspec.Struct, tag="api_outputs", kw_only=True):

@@ -280,13 +280,15 @@ def _admin_router() -> APIRouter:
 def create_app(state: AppState) -> FastAPI:
     # The OpenAPI schema is public only where the API is (no --api-key).
     openapi_url = "/openapi.json" if state.args.api_key is None else None
-    app = FastAPI(title="tpserve", version=tpserve.__version__, docs_url=None, redoc_url=None, openapi_url=openapi_url)
+    # root_path on the app (as vLLM sets it), not uvicorn's: paths are served with the proxy's prefix and without
+    app = FastAPI(title="tpserve", version=tpserve.__version__, docs_url=None, redoc_url=None, openapi_url=openapi_url,
+                  root_path=state.args.root_path)
     app.add_middleware(BodySizeLimit, max_bytes=state.args.max_request_bytes)
     app.add_middleware(JsonByDefault)
     app.add_middleware(RequestIdHeader)
     app.add_middleware(CountResponses, metrics=state.metrics)  # sees the body-size limit's 413 too
     args = state.args
-    if args.allowed_origins:  # outermost: a browser's preflight is answered before anything else runs
+    if args.allowed_origins:  # outside the others: a browser's preflight is answered before anything else runs
         app.add_middleware(CORSMiddleware, allow_origins=list(args.allowed_origins),
                            allow_methods=list(args.allowed_methods), allow_headers=list(args.allowed_headers),
                            allow_credentials=args.allow_credentials)

@@ -237,10 +237,6 @@ class _SamplingFields(_Body):
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
 
-    @property
-    def continuous_usage(self) -> bool:
-        return self.include_usage and self.stream_options is not None and self.stream_options.continuous_usage_stats
-
     def stop_list(self) -> list[str] | None:
         if self.stop is None:
             return None

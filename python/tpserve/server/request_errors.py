@@ -135,7 +135,8 @@ def install_error_handlers(app: FastAPI) -> None:
         if exc.status_code == 400:  # FastAPI could not read the body
             return JSONResponse(error_body(_unreadable_body(exc), "invalid_request_error", code="invalid_request"), 400)
         kind = "invalid_request_error" if exc.status_code < 500 else "server_error"
-        message = _not_found(request.url.path) if exc.status_code == 404 else str(exc.detail)
+        path = request.url.path.removeprefix(request.scope.get("root_path", ""))  # without a proxy's prefix
+        message = _not_found(path or "/") if exc.status_code == 404 else str(exc.detail)
         return JSONResponse(error_body(message, kind), exc.status_code, headers=exc.headers)
 
     @app.exception_handler(Exception)

@@ -193,9 +193,10 @@ class ResponsesFormat(ResponseFormat):
     id_prefix = "resp"
 
     def __init__(self, model: str, body: ResponsesRequest, output: ChatOutputConfig,
-                 on_done: Callable[[dict[str, Any]], None], params: SamplingParams) -> None:
-        """``params``: the sampling parameters used (the model's defaults where the body sets none), as reported."""
-        super().__init__(model, logprobs=body.wants_logprobs)
+                 on_done: Callable[[dict[str, Any]], None], params: SamplingParams, tokens_as_ids: bool = False) -> None:
+        """``params``: the sampling parameters used (the model's defaults where the body sets none), as reported;
+        ``tokens_as_ids``: logprobs name tokens "token_id:N" (--return-tokens-as-token-ids)."""
+        super().__init__(model, logprobs=body.wants_logprobs, tokens_as_ids=tokens_as_ids)
         self.id = _new_id("resp")
         self.body = body
         self.params = params
@@ -216,7 +217,7 @@ class ResponsesFormat(ResponseFormat):
         if self._parser is None:
             self._parser = ChatOutputParser(replace(self.output, starts_in_reasoning=prompt_in_reasoning))
         delta = self._parser.feed(text, final=finish_reason is not None)
-        events = self._items.add(delta, tokens, chat_logprobs(logprobs) if self.logprobs else None,
+        events = self._items.add(delta, tokens, chat_logprobs(logprobs, self.tokens_as_ids) if self.logprobs else None,
                                  self._parser.is_reasoning(delta))
         if finish_reason is not None:
             self._finish_reason = finish_reason

@@ -141,7 +141,7 @@ async def create_response(
             done = response["status"] in ("completed", "incomplete")
             conversations.release(conversation.id, fmt.id, own_items + response["output"] if done else None)
 
-    fmt = ResponsesFormat(serving.model_name, body, output, save, reqs[0].params)
+    fmt = ResponsesFormat(serving.model_name, body, output, save, reqs[0].params, serving.tokens_as_ids)
     release = partial(conversations.release, conversation.id, fmt.id) if conversation is not None else _nothing
     if conversation is not None:
         conversations.hold(conversation, fmt.id, own_items, history)

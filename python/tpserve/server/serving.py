@@ -174,6 +174,15 @@ class Serving:
     tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids: every request's logprobs name "token_id:N"
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
 
+    def include_usage(self, body: ChatCompletionRequest | CompletionRequest) -> bool:
+        """A stream ends with its usage: asked for, or forced (--enable-force-include-usage)."""
+        return body.include_usage or self.force_include_usage
+
+    def continuous_usage(self, body: ChatCompletionRequest | CompletionRequest) -> bool:
+        """Every chunk carries the usage so far (vLLM's continuous_usage_stats, where usage is included)."""
+        options = body.stream_options
+        return self.include_usage(body) and options is not None and options.continuous_usage_stats
+
     def check_model(self, model: str | None) -> None:
         check_model_name(model, (self.model_name, *self.aliases))
 
@@ -197,11 +206,11 @@ class Serving:
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
         self.check_model(body.model)
         reqs, output, params = self.chat_requests(body)
-        fmt = ChatFormat(self.model_name, body.include_usage or self.force_include_usage,
+        fmt = ChatFormat(self.model_name, self.include_usage(body),
                          logprobs=params.logprobs is not None, output=output, request_id=request_id(request),
                          echo=body.echoed_text(), tokens_as_ids=body.return_tokens_as_token_ids or self.tokens_as_ids)
         fmt.prompt_logprobs = body.prompt_logprobs
-        return await self.run(reqs, fmt, body.stream, request, body.n, body.continuous_usage)
+        return await self.run(reqs, fmt, body.stream, request, body.n, self.continuous_usage(body))
 
     def chat_requests(
         self, body: ChatCompletionRequest
@@ -257,12 +266,12 @@ class Serving:
         echo = None
         if body.echo:  # each choice's text starts with its prompt's
             echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]
-        fmt = CompletionFormat(self.model_name, body.include_usage or self.force_include_usage,
+        fmt = CompletionFormat(self.model_name, self.include_usage(body),
                                params.logprobs is not None, echo, generates, request_id=request_id(request),
                                tokens_as_ids=body.return_tokens_as_token_ids or self.tokens_as_ids,
                                echo_top=body.logprobs or 0)
         fmt.prompt_logprobs = body.prompt_logprobs
-        return await self.run(reqs, fmt, body.stream, request, body.n, body.continuous_usage)
+        return await self.run(reqs, fmt, body.stream, request, body.n, self.continuous_usage(body))
 
     async def run(
         self, reqs: list[TokenizeRequest], fmt: ResponseFormat, stream: bool, request: Request | None, n: int = 1,
