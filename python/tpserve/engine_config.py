@@ -78,7 +78,8 @@ class EngineConfig:
     # a MoE model's experts split whole over the tp_size ranks (num_experts / tp_size each) instead of every
     # expert's intermediate dim; attention and dense layers stay tensor-parallel
     expert_parallel: bool = False
-    # vLLM's --hf-overrides: config.json keys replaced (top-level), a JSON object; e.g. a Qwen3-Reranker served as
+    # vLLM's --hf-overrides: config.json keys replaced (top-level), as JSON object text (the config holds scalars only,
+    # type-checked field by field; hf_overrides_dict reads it); e.g. a Qwen3-Reranker served as
     # the cross-encoder it is ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no",
     # "yes"]})
     hf_overrides: str | None = None

@@ -37,26 +37,26 @@ fraction = number(float, lambda v: 0.0 < v <= 1.0, "in (0, 1]")
 port = number(int, lambda v: 0 <= v <= 65535, "in [0, 65535]")
 
 
-def json_object_arg(text: str) -> dict[str, Any]:
-    """A JSON object given on the command line."""
-    try:
-        value = json.loads(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}") from None
-    if not isinstance(value, dict):
-        raise argparse.ArgumentTypeError(f"must be a JSON object, got {text!r}")
-    return value
-
-
-def json_strings_arg(text: str) -> tuple[str, ...]:
-    """A JSON list of strings given on the command line (vLLM's form: '["http://a.example"]')."""
+def _json_arg(text: str, fits: Callable[[Any], bool], what: str) -> Any:
+    """JSON given on the command line, which ``fits`` must accept (else a usage error saying ``what`` it must be)."""
     try:
         value = json.loads(text)
     except ValueError:
         value = None
-    if not isinstance(value, list) or not all(isinstance(v, str) for v in value):
-        raise argparse.ArgumentTypeError(f"must be a JSON list of strings, got {text!r}")
-    return tuple(value)
+    if not fits(value):
+        raise argparse.ArgumentTypeError(f"must be {what}, got {text!r}")
+    return value
+
+
+def json_object_arg(text: str) -> dict[str, Any]:
+    """A JSON object given on the command line."""
+    return _json_arg(text, lambda v: isinstance(v, dict), "a JSON object")
+
+
+def json_strings_arg(text: str) -> tuple[str, ...]:
+    """A JSON list of strings given on the command line (vLLM's form: '["http://a.example"]')."""
+    fits = lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v)  # noqa: E731
+    return tuple(_json_arg(text, fits, "a JSON list of strings"))
 
 
 class OneLineParser(argparse.ArgumentParser):
