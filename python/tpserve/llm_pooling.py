@@ -15,7 +15,7 @@ from tpserve.outputs import (
 )
 from tpserve.pooling import class_scores, embedding_vector, model_head, pair_texts
 from tpserve.sampling_params import SamplingParams
-from tpserve.tokenizer.prepare import kept_prompt_tokens
+from tpserve.message.frontend import TokenizeRequest
 
 if TYPE_CHECKING:
     from tpserve.config import ModelConfig
@@ -88,12 +88,16 @@ class PoolingMethods:
         if head.classifies:
             if self.tokenizer is None:
                 raise ValueError("score needs the model's tokenizer (it tokenizes each pair as one prompt)")
-            prompts: list[Any] = [a + b for a, b in pairs]  # an LLM as reranker: one text, as the server joins it
-            if not head.joins_pairs:  # the tokenizer's pair encoding, cut longer text first as the server cuts it
-                params = SamplingParams(pooling="classify", max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
-                keep = kept_prompt_tokens(params, self.config.max_model_len or self.model_config.context_length)
-                cut = {} if keep is None else {"truncation": "longest_first", "max_length": keep}
-                prompts = [self.tokenizer.encode(a, b, **cut) for a, b in pairs]
+            # each pair tokenized by the tokenizer workers' own code, so as the server tokenizes it (joined for an LLM
+            # as reranker, else the pair encoding, cut longer text first)
+            from tpserve.tokenizer.prepare import PromptLimits, PromptPreparer
+
+            params = SamplingParams(pooling="classify", max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
+            context = self.config.max_model_len or self.model_config.context_length
+            preparer = PromptPreparer(self.tokenizer, PromptLimits(context, self.model_config.vocab_size))
+            prompts = [preparer.input_ids(TokenizeRequest(rid=0, params=params, text=a + b if head.joins_pairs else a,
+                                                          text_pair=None if head.joins_pairs else b))[0]
+                       for a, b in pairs]
             return [ScoringRequestOutput(r.prompt_token_ids, ScoringOutput(float(class_scores(
                 r.hidden_state, head.score_activation)[0]))) for r in self._classified(prompts, use_tqdm,
                                                                                        truncate_prompt_tokens)]

@@ -113,6 +113,22 @@ def _model_names(state: AppState) -> tuple[str, ...]:
     return (state.args.served_model_name, *state.args.model_aliases)
 
 
+async def _classify(body: ClassifyRequest, request: Request) -> Response:
+    return await create_classification(_serving(request), body, request)
+
+
+async def _score(body: ScoreRequest, request: Request) -> Response:
+    return await create_scores(_serving(request), body, request)
+
+
+async def _rerank(body: RerankRequest, request: Request) -> Response:
+    return await create_rerank(_serving(request), body, request)
+
+
+# vLLM's pooling APIs, served at /v1/... and at vLLM's paths without it
+_POOLING_ROUTES = {"/classify": _classify, "/score": _score, "/rerank": _rerank}
+
+
 def _v1_router() -> APIRouter:
     router = APIRouter(prefix="/v1", dependencies=[Depends(_check_api_key)])
 
@@ -139,17 +155,8 @@ def _v1_router() -> APIRouter:
     async def embeddings(body: EmbeddingRequest, request: Request) -> Response:
         return await create_embeddings(_serving(request), body, request)
 
-    @router.post("/score")
-    async def score(body: ScoreRequest, request: Request) -> Response:
-        return await create_scores(_serving(request), body, request)
-
-    @router.post("/rerank")
-    async def rerank(body: RerankRequest, request: Request) -> Response:
-        return await create_rerank(_serving(request), body, request)
-
-    @router.post("/classify")
-    async def classify(body: ClassifyRequest, request: Request) -> Response:
-        return await create_classification(_serving(request), body, request)
+    for path, handler in _POOLING_ROUTES.items():
+        router.add_api_route(path, handler, methods=["POST"])
 
     @router.post("/responses")
     async def responses(body: ResponsesRequest, request: Request) -> Response:
@@ -255,18 +262,8 @@ def _admin_router() -> APIRouter:
         return await _state(request).tokenize_service().detokenize(body)
 
     # vLLM's other paths of the classify, score and rerank APIs (/v1/classify, /v1/score, /v1/rerank are the v1 router's)
-    @router.post("/classify", dependencies=[Depends(_check_api_key)])
-    async def classify(body: ClassifyRequest, request: Request) -> Response:
-        return await create_classification(_serving(request), body, request)
-
-    @router.post("/score", dependencies=[Depends(_check_api_key)])
-    async def score(body: ScoreRequest, request: Request) -> Response:
-        return await create_scores(_serving(request), body, request)
-
-    @router.post("/rerank", dependencies=[Depends(_check_api_key)])
-    @router.post("/v2/rerank", dependencies=[Depends(_check_api_key)])
-    async def rerank(body: RerankRequest, request: Request) -> Response:
-        return await create_rerank(_serving(request), body, request)
+    for path, handler in {**_POOLING_ROUTES, "/v2/rerank": _POOLING_ROUTES["/rerank"]}.items():
+        router.add_api_route(path, handler, methods=["POST"], dependencies=[Depends(_check_api_key)])
 
     @router.post("/flush_cache", dependencies=[Depends(_check_api_key)])
     @router.post("/reset_prefix_cache", dependencies=[Depends(_check_api_key)])  # vLLM's name
