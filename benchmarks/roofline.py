@@ -72,6 +72,8 @@ def model_numbers(model_dir: str) -> ModelNumbers:
     shared = cfg.num_hidden_layers * attention + len(cfg.dense_layers) * dense_mlp
     if moe:
         shared += moe_layers * moe.num_experts * hidden  # the routers
+        if moe.shared_intermediate_size:  # Qwen2-MoE's shared expert (read by every step) and its gate
+            shared += moe_layers * (3 * hidden * moe.shared_intermediate_size + hidden)
     return ModelNumbers(
         shared_weights=shared,
         expert_weights=3 * hidden * moe.intermediate_size if moe else 0,

@@ -14,8 +14,9 @@ from safetensors.torch import load_file, save_file
 from tpserve.quant.config import QuantConfig
 from tpserve.quant.fp8 import ExpertScales, dequantize_blocks, quantize_blocks
 
-# The projections transformers' FP8 integration replaces (every nn.Linear but the LM head).
-_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# The projections transformers' FP8 integration replaces (every nn.Linear but the LM head, the MoE routers and
+# Qwen2-MoE's shared expert gate); w1/w3/w2: Mixtral's experts.
+_LINEAR = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "w1", "w2", "w3")
 
 
 def _weights(model_dir: str) -> dict[str, torch.Tensor]:

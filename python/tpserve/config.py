@@ -21,23 +21,30 @@ SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
+    "MixtralForCausalLM": "mixtral",
     # the bare decoders (transformers' base models, as sentence-transformers saves embedding models such as
     # Qwen3-Embedding's): no LM head, so they serve embeddings only
     "Qwen3Model": "qwen3",
     "Qwen3MoeModel": "qwen3_moe",
     "Qwen2Model": "qwen2",
+    "Qwen2MoeModel": "qwen2_moe",
     "LlamaModel": "llama",
     "MistralModel": "mistral",
+    "MixtralModel": "mixtral",
     # sequence classifiers (rerankers, reward and sentiment models): a linear score head over the last token's final
     # hidden state in place of the LM head, so they serve /classify, /v1/score and /v1/rerank only
     "Qwen3ForSequenceClassification": "qwen3",
     "Qwen3MoeForSequenceClassification": "qwen3_moe",
     "Qwen2ForSequenceClassification": "qwen2",
+    "Qwen2MoeForSequenceClassification": "qwen2_moe",
     "LlamaForSequenceClassification": "llama",
     "MistralForSequenceClassification": "mistral",
+    "MixtralForSequenceClassification": "mixtral",
 }
+MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral")
 # Rotary types with frequencies fixed at load time (dynamic and longrope are not implemented).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Keys of other architectures' configs that change the math; tpserve implements none of them.
@@ -85,7 +92,7 @@ def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
         raise ValueError(f"hidden_act {hf.hidden_act!r} is not supported (only silu)")
     if getattr(hf, "mlp_bias", False):
         raise ValueError("mlp_bias true is not supported")
-    if kind != "qwen2" and getattr(hf, "attention_bias", False):
+    if kind not in ("qwen2", "qwen2_moe") and getattr(hf, "attention_bias", False):
         raise ValueError("attention_bias true (biases on q/k/v/o projections) is not supported")
     for key in UNSUPPORTED_IF_SET:
         if cfg.get(key) is not None:
@@ -96,7 +103,7 @@ def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
 # Sizes that must be positive where config.json sets them (0 or less would crash a rank).
 POSITIVE_SIZES = (
     "vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
-    "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size",
+    "num_key_value_heads", "head_dim", "max_position_embeddings", "moe_intermediate_size", "num_local_experts",
 )
 
 
@@ -116,33 +123,45 @@ def _sliding_window(hf: Any, kind: str) -> int | None:
     layer_types = getattr(hf, "layer_types", None)
     if layer_types is not None:
         return window if any(t != "full_attention" for t in layer_types) else None
-    return window if kind == "mistral" else None  # transformers' Mistral: every layer
+    return window if kind in ("mistral", "mixtral") else None  # transformers' Mistral and Mixtral: every layer
 
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """The sparse layers of a mixture-of-experts model (Qwen3-MoE)."""
+    """The sparse layers of a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE, Mixtral)."""
 
     num_experts: int
     top_k: int  # experts per token
-    intermediate_size: int  # of each expert (moe_intermediate_size)
+    intermediate_size: int  # of each expert (moe_intermediate_size; Mixtral's intermediate_size)
     norm_topk_prob: bool  # renormalise the top-k router probabilities to sum to 1
     layers: tuple[int, ...]  # the decoder layers whose MLP is sparse; the others are dense
+    # Qwen2-MoE: a dense MLP of this size beside the routed experts, its output scaled by sigmoid(shared_expert_gate . x);
+    # 0: none
+    shared_intermediate_size: int = 0
 
 
 def _moe_config(hf: Any, kind: str, num_layers: int) -> MoEConfig | None:
     """transformers' rule for which layers are sparse: not in ``mlp_only_layers`` and every
-    ``decoder_sparse_step``-th layer (1-based)."""
-    if kind != "qwen3_moe" or not hf.num_experts:
+    ``decoder_sparse_step``-th layer (1-based); Mixtral's are all sparse, its top k always renormalised."""
+    if kind not in MOE_KINDS:
         return None
-    if not 1 <= hf.num_experts_per_tok <= hf.num_experts:
-        raise ValueError(f"num_experts_per_tok {hf.num_experts_per_tok} must be in [1, num_experts {hf.num_experts}]")
-    step = hf.decoder_sparse_step
-    if step < 1:
-        raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
-    dense = set(hf.mlp_only_layers or ())
-    layers = tuple(i for i in range(num_layers) if i not in dense and (i + 1) % step == 0)
-    return MoEConfig(hf.num_experts, hf.num_experts_per_tok, hf.moe_intermediate_size, bool(hf.norm_topk_prob), layers)
+    if kind == "mixtral":
+        num_experts, expert_size, norm_topk, layers = hf.num_local_experts, hf.intermediate_size, True, range(num_layers)
+    else:
+        if not hf.num_experts:
+            return None
+        step = hf.decoder_sparse_step
+        if step < 1:
+            raise ValueError(f"decoder_sparse_step must be >= 1, got {step}")
+        dense = set(hf.mlp_only_layers or ())
+        layers = [i for i in range(num_layers) if i not in dense and (i + 1) % step == 0]
+        num_experts, expert_size, norm_topk = hf.num_experts, hf.moe_intermediate_size, bool(hf.norm_topk_prob)
+    if not 1 <= hf.num_experts_per_tok <= num_experts:
+        raise ValueError(f"num_experts_per_tok {hf.num_experts_per_tok} must be in [1, num_experts {num_experts}]")
+    shared = getattr(hf, "shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
+    if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
+        raise ValueError(f"config.json: shared_expert_intermediate_size must be an integer >= 0, got {shared!r}")
+    return MoEConfig(num_experts, hf.num_experts_per_tok, expert_size, norm_topk, tuple(layers), shared)
 
 
 def _context_length(rope: dict[str, Any], max_positions: int, window: int | None) -> int:
@@ -257,7 +276,7 @@ class ModelConfig:
             # feed the one sample a pooled request discards
             tie_word_embeddings=bool(hf.tie_word_embeddings) or bare or classifier,
             qk_norm=kind in ("qwen3", "qwen3_moe"),
-            qkv_bias=kind == "qwen2",
+            qkv_bias=kind == "qwen2" or kind == "qwen2_moe" and bool(hf.qkv_bias),
             torch_dtype=str(dtype).removeprefix("torch."),
             eos_token_ids=tuple(sorted(eos)),
             moe=moe,
@@ -288,6 +307,10 @@ class ModelConfig:
                 f"{name} {tp_size} does not divide moe_intermediate_size {self.moe.intermediate_size} "
                 f"(each rank holds a slice of every expert's intermediate dimension; {_ep_hint(name)})"
             )
+        shared = 0 if self.moe is None else self.moe.shared_intermediate_size
+        if shared % tp_size:
+            raise ValueError(f"{name} {tp_size} does not divide shared_expert_intermediate_size {shared} (the shared "
+                             "expert is split like a dense MLP)")
         self._check_fp8_blocks(tp_size, name, expert_parallel)
 
     def kv_heads_per_rank(self, tp_size: int) -> int:
@@ -311,11 +334,18 @@ class ModelConfig:
             (every, ("self_attn.k_proj", "self_attn.v_proj"), "key/value output features", kv_width, bn),
             (dense, ("mlp.gate_proj", "mlp.up_proj"), "gate/up output features (intermediate_size)", inter_width, bn),
         ]
+        shared = (self.moe.layers, self.moe.shared_intermediate_size // tp_size) if self.moe is not None else ((), 0)
+        if shared[1]:
+            checks.append((shared[0], ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+                           "shared expert gate/up output features (shared_expert_intermediate_size)", shared[1], bn))
         if tp_size > 1:
             checks += [
                 (every, ("self_attn.o_proj",), "o_proj input features", q_width, bk),
                 (dense, ("mlp.down_proj",), "down_proj input features", inter_width, bk),
             ]
+            if shared[1]:
+                checks.append((shared[0], ("mlp.shared_expert.down_proj",),
+                               "shared expert down_proj input features (shared_expert_intermediate_size)", shared[1], bk))
             if self.moe is not None and not expert_parallel:  # each rank cuts every expert's intermediate dim
                 expert_width, sparse = self.moe.intermediate_size // tp_size, self.moe.layers
                 checks += [

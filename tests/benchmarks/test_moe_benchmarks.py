@@ -60,3 +60,19 @@ def test_decode_floor_reads_the_routed_experts(moe_model, monkeypatch):
     assert floor is not None
     for batch in (1, 5, 64):
         assert floor.ms(batch, 0) == pytest.approx(weight_bytes_per_decode_step(engine, batch) / 1e9 * 1e3)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_roofline_counts_every_linear_weight(tiny_model_factory, arch, monkeypatch):
+    """The roofline's weights (what every step reads, and each expert's) add up to the model's linear weights as the
+    planner counts them from the built layers: Qwen2-MoE's shared expert and its gate are read by every step."""
+    monkeypatch.syspath_prepend(BENCHMARKS)
+    from roofline import model_numbers
+
+    from tpserve.config import ModelConfig
+    from tpserve.plan.cost import ModelShape
+
+    model_dir = tiny_model_factory(arch, num_layers=3)
+    numbers = model_numbers(model_dir)
+    every_expert = numbers.moe_layers * numbers.num_experts * numbers.expert_weights
+    assert numbers.shared_weights + every_expert == ModelShape(ModelConfig.from_pretrained(model_dir), 2).layers_linear_params()

@@ -16,7 +16,7 @@ from transformers import AutoModelForCausalLM
 
 from reference import hf_greedy, hf_logits
 from tpserve import LLM, SamplingParams
-from tpserve.config import ModelConfig
+from tpserve.config import ModelConfig, MoEConfig
 from tpserve.engine_config import EngineConfig
 from tpserve.engine.engine import Engine
 
@@ -58,7 +58,7 @@ def test_rope_types_in_both_layouts_at_tp2(tiny_model_factory, arch, rope_type, 
     assert [o.token_ids for o in outs] == [hf_greedy(model_dir, p, 12) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral", "qwen3_moe"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "qwen2_moe", "mixtral"])
 def test_models_saved_by_transformers(tiny_model_factory, tmp_path, arch):
     """A checkpoint written by ``save_pretrained`` of the installed transformers, as a fine-tune is."""
     source = tiny_model_factory(arch)
@@ -136,7 +136,8 @@ def test_a_tied_config_whose_checkpoint_has_its_own_lm_head_uses_it(tiny_model_f
 def base_config(arch: str = "qwen3") -> dict:
     cfg = {
         "architectures": [{"qwen3": "Qwen3ForCausalLM", "qwen2": "Qwen2ForCausalLM", "llama": "LlamaForCausalLM",
-                           "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}[arch]],
+                           "mistral": "MistralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                           "qwen2_moe": "Qwen2MoeForCausalLM", "mixtral": "MixtralForCausalLM"}[arch]],
         "model_type": arch, "vocab_size": 128, "hidden_size": 64, "intermediate_size": 128,
         "num_hidden_layers": 2, "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 4096,
     }
@@ -285,6 +286,42 @@ def test_qwen3_moe_tp_errors_name_the_expert_size():
     with pytest.raises(ValueError, match=r"expert parallelism \(expert_parallel=True\) keeps experts whole"):
         wide.check_tp_size(4)
     wide.check_tp_size(4, expert_parallel=True)
+
+
+def test_mixtral_config():
+    """Mixtral: every layer sparse, its experts intermediate_size wide, the top k always renormalised; the window
+    (transformers' Mixtral: every layer) caps the context as Mistral's."""
+    cfg = ModelConfig.from_dict({**base_config("mixtral"), "num_local_experts": 8, "num_experts_per_tok": 2,
+                                 "intermediate_size": 96, "sliding_window": 1024})
+    assert cfg.moe == MoEConfig(8, 2, 96, True, (0, 1), 0) and cfg.dense_layers == ()
+    assert not cfg.qk_norm and not cfg.qkv_bias and cfg.context_length == 1024
+    cfg.check_tp_size(2)
+    with pytest.raises(ValueError, match="tp_size 4 does not divide num_experts 6 .expert parallelism"):
+        ModelConfig.from_dict({**base_config("mixtral"), "num_attention_heads": 8, "num_key_value_heads": 8,
+                               "num_local_experts": 6}).check_tp_size(4, expert_parallel=True)
+    with pytest.raises(ValueError, match="config.json: num_local_experts must be a positive integer, got 0"):
+        ModelConfig.from_dict({**base_config("mixtral"), "num_local_experts": 0})
+    with pytest.raises(ValueError, match=r"num_experts_per_tok 3 must be in \[1, num_experts 2\]"):
+        ModelConfig.from_dict({**base_config("mixtral"), "num_local_experts": 2, "num_experts_per_tok": 3})
+
+
+def test_qwen2_moe_config():
+    """Qwen2-MoE: q/k/v biases (qkv_bias), transformers' sparse-layer rule, the shared expert's width, checked
+    against the TP size like a dense MLP's."""
+    moe = {"num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32, "shared_expert_intermediate_size": 48,
+           "mlp_only_layers": [0], "norm_topk_prob": False}
+    cfg = ModelConfig.from_dict({**base_config("qwen2_moe"), **moe})
+    assert cfg.moe == MoEConfig(4, 2, 32, False, (1,), 48) and cfg.dense_layers == (0,)
+    assert cfg.qkv_bias and not cfg.qk_norm
+    assert not ModelConfig.from_dict({**base_config("qwen2_moe"), **moe, "qkv_bias": False}).qkv_bias
+    cfg.check_tp_size(2)
+    wide = ModelConfig.from_dict({**base_config("qwen2_moe"), **moe, "num_attention_heads": 32, "num_key_value_heads": 32,
+                                  "intermediate_size": 256, "num_experts": 32})
+    with pytest.raises(ValueError, match="tp_size 32 does not divide shared_expert_intermediate_size 48"):
+        wide.check_tp_size(32, expert_parallel=True)
+    with pytest.raises(ValueError, match="shared_expert_intermediate_size must be an integer >= 0, got -1"):
+        ModelConfig.from_dict({**base_config("qwen2_moe"), **moe, "shared_expert_intermediate_size": -1})
+    assert ModelConfig.from_dict({**base_config("qwen2_moe"), **moe, "shared_expert_intermediate_size": 0}).moe.shared_intermediate_size == 0
 
 
 def test_unsupported_architecture_is_named():

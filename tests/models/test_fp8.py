@@ -212,11 +212,11 @@ def fp8_moe(tiny_model_factory, tmp_path_factory):
     dense) in the published per-expert format with 16x16 blocks, cached."""
     made: dict = {}
 
-    def make(**kwargs) -> tuple[str, str]:
-        key = tuple(sorted(kwargs.items()))
+    def make(arch: str = "qwen3_moe", **kwargs) -> tuple[str, str]:
+        key = (arch, *sorted(kwargs.items()))
         if key not in made:
             root = tmp_path_factory.mktemp("fp8-moe")
-            fp8 = write_fp8_checkpoint(tiny_model_factory("qwen3_moe", num_layers=3, **kwargs), str(root / "fp8"), (16, 16))
+            fp8 = write_fp8_checkpoint(tiny_model_factory(arch, num_layers=3, **kwargs), str(root / "fp8"), (16, 16))
             made[key] = fp8, write_dequantized(fp8, str(root / "ref"))
         return made[key]
 
@@ -251,6 +251,26 @@ def test_fp8_moe_checkpoint_matches_transformers_at_tp_1_and_2(fp8_moe):
         with LLM(fp8_dir, tp_size=tp, device="cpu", page_size=4) as llm:
             outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
         assert [o.token_ids for o in outs] == expected, f"tp {tp}"
+
+
+@pytest.mark.parametrize("arch,quantized", [
+    ("qwen2_moe", "model.layers.1.mlp.shared_expert.down_proj.weight"),  # the shared expert FP8, its gate bf16
+    ("mixtral", "model.layers.2.block_sparse_moe.experts.7.w2.weight"),
+])
+def test_fp8_moe_architectures_match_transformers_at_tp_1_and_2(fp8_moe, arch, quantized):
+    """Qwen2-MoE's and Mixtral's FP8 checkpoints in the published block format against transformers on the
+    dequantized weights: greedy tokens at TP 1 and 2."""
+    from safetensors.torch import load_file
+
+    fp8_dir, ref_dir = fp8_moe(arch)
+    saved = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    assert saved[quantized].dtype == FP8_DTYPE and quantized + "_scale_inv" in saved
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [hf_greedy(ref_dir, p, 12) for p in PROMPTS]
+    for tp in (1, 2):
+        with LLM(fp8_dir, tp_size=tp, device="cpu", page_size=4) as llm:
+            outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+        assert [o.token_ids for o in outs] == expected, f"{arch} tp {tp}"
 
 
 def test_expert_tensors_of_another_width_are_errors_naming_them(fp8_moe, tmp_path):

@@ -17,7 +17,9 @@ from tpserve.distributed.comm import SingleRankCommunicator
 from tpserve.distributed.info import set_tp_info
 from tpserve.engine.engine import Engine
 from tpserve.models.decoder import CausalLM
-from tpserve.models.loader import checkpoint_name, checkpoint_target, load_safetensors, materialize, safetensors_files
+from tpserve.models.loader import (
+    checkpoint_name, checkpoint_target, load_safetensors, materialize, safetensors_files, spelled_for,
+)
 
 
 def copy_model(src: str, dst: str) -> str:
@@ -52,6 +54,15 @@ def test_sharded_checkpoint_loads_like_single_file(tiny_model_factory):
         ("qwen3", "model.layers.0.mlp.up_proj.weight", r"missing from the checkpoint: model\.layers\.0\.mlp\.up_proj\.weight$"),
         ("qwen3_moe", "model.layers.1.mlp.experts.6.down_proj.weight",
          r"missing from the checkpoint: model\.layers\.1\.mlp\.experts\.6\.down_proj\.weight$"),
+        # in Mixtral's own spelling, not the Qwen names tpserve's modules use
+        ("mixtral", "model.layers.1.block_sparse_moe.experts.6.w3.weight",
+         r"missing from the checkpoint: model\.layers\.1\.block_sparse_moe\.experts\.6\.w3\.weight$"),
+        ("mixtral", "model.layers.0.block_sparse_moe.gate.weight",
+         r"missing from the checkpoint: model\.layers\.0\.block_sparse_moe\.gate\.weight$"),
+        ("qwen2_moe", "model.layers.1.mlp.shared_expert.up_proj.weight",
+         r"missing from the checkpoint: model\.layers\.1\.mlp\.shared_expert\.up_proj\.weight$"),
+        ("qwen2_moe", "model.layers.1.mlp.shared_expert_gate.weight",
+         r"missing from the checkpoint: model\.layers\.1\.mlp\.shared_expert_gate\.weight$"),
     ],
 )
 def test_missing_weight_is_named(tiny_model_factory, tmp_path, arch, removed, message):
@@ -124,6 +135,22 @@ def test_expert_names_map_to_stacked_experts():
     assert checkpoint_target("model.layers.2.mlp.experts.5.up_proj.weight") == ("model.layers.2.mlp.experts", "gate_up_proj", (5, 1))
     assert checkpoint_target("model.layers.2.mlp.experts.0.down_proj.weight") == ("model.layers.2.mlp.experts", "down_proj", (0, 0))
     assert checkpoint_target("model.layers.2.mlp.gate.weight") == ("model.layers.2.mlp.gate", "weight", None)
+
+
+def test_mixtral_names_map_to_the_same_modules():
+    """Mixtral's block_sparse_moe and w1 (gate) / w3 (up) / w2 (down) load where Qwen's MoE names do."""
+    assert checkpoint_target("model.layers.2.block_sparse_moe.experts.5.w3.weight") == (
+        "model.layers.2.mlp.experts", "gate_up_proj", (5, 1))
+    assert checkpoint_target("model.layers.2.block_sparse_moe.experts.0.w2.weight") == (
+        "model.layers.2.mlp.experts", "down_proj", (0, 0))
+    assert checkpoint_target("model.layers.2.block_sparse_moe.experts.1.w1.weight_scale_inv") == (
+        "model.layers.2.mlp.experts", "gate_up_proj_scale_inv", (1, 0))
+    assert checkpoint_target("model.layers.2.block_sparse_moe.gate.weight") == ("model.layers.2.mlp.gate", "weight", None)
+    for name in ("model.layers.3.block_sparse_moe.experts.6.w1.weight", "model.layers.0.block_sparse_moe.gate.weight",
+                 "model.layers.1.self_attn.o_proj.weight"):
+        assert spelled_for("MixtralForCausalLM", checkpoint_name(checkpoint_target(name))) == name
+    assert spelled_for("Qwen3MoeForCausalLM", "model.layers.0.mlp.experts.1.gate_proj.weight") == (
+        "model.layers.0.mlp.experts.1.gate_proj.weight")
 
 
 def rank_state(model_dir: str, rank: int, size: int, expert_parallel: bool = False) -> dict[str, torch.Tensor]:

@@ -20,6 +20,9 @@ ARCHS = [
     ("mistral", {"num_kv_heads": 1}),
     ("qwen3_moe", {"num_layers": 3}),  # 8 experts, top-2, layer 0 dense (mlp_only_layers)
     ("qwen3_moe", {"num_experts_per_tok": 3, "norm_topk_prob": False, "mlp_only_layers": ()}),
+    # a gated shared expert beside the routed ones, q/k/v biases, layer 0 dense, the top k not renormalised
+    ("qwen2_moe", {"num_layers": 3, "norm_topk_prob": False}),
+    ("mixtral", {}),  # every layer sparse, Mixtral's checkpoint names (block_sparse_moe, w1/w3/w2)
 ]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 137))]
 
@@ -69,6 +72,10 @@ def test_logits_and_greedy_match_transformers(tiny_model_factory, arch, kwargs):
         # whole experts per rank (4, then 2 of 8); test_fp8 serves a width that TP cannot cut
         (2, "qwen3_moe", {"num_layers": 3}, {"expert_parallel": True}),
         (4, "qwen3_moe", {"num_layers": 3}, {"expert_parallel": True}),
+        (2, "qwen2_moe", {"num_layers": 3, "norm_topk_prob": False}, {}),  # the shared expert split like a dense MLP
+        (2, "qwen2_moe", {"num_layers": 3, "norm_topk_prob": False}, {"expert_parallel": True}),
+        (2, "mixtral", {}, {}),
+        (2, "mixtral", {}, {"expert_parallel": True}),
     ],
     ids=str,
 )

@@ -67,3 +67,28 @@ def test_decode_is_bandwidth_bound_and_grows_with_batch_and_context():
     assert one.seconds < many.seconds < long.seconds
     assert one.comm_seconds == 0.0
     assert decode_step(shape, gpu, 2, 1, 512).comm_share > 0
+
+
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("tp,expert_parallel", [(1, False), (2, False), (2, True)])
+def test_parameter_count_is_the_models(tiny_model_factory, arch, tp, expert_parallel):
+    """The cost model counts a rank's parameters as tpserve's layers hold them: routers, experts (sliced or whole) and
+    Qwen2-MoE's shared expert and its gate. The model is built on the meta device as each rank builds it."""
+    import torch
+
+    from tpserve.config import ModelConfig
+    from tpserve.distributed.comm import SingleRankCommunicator
+    from tpserve.distributed.info import set_tp_info
+    from tpserve.models.decoder import CausalLM
+
+    cfg = ModelConfig.from_pretrained(tiny_model_factory(arch, num_layers=3))
+    set_tp_info(0, tp, expert_parallel)
+    try:
+        with torch.device("meta"):
+            model = CausalLM(cfg, SingleRankCommunicator(), 64)
+    finally:
+        set_tp_info(0, 1)
+    held = sum(p.numel() for p in model.parameters())  # a tied head is counted once
+    padded_vocab = ModelShape(cfg, 2).vocab_rows(tp) * tp - cfg.vocab_size  # the last rank's zero rows
+    assert padded_vocab == 0
+    assert ModelShape(cfg, 2, expert_parallel=expert_parallel).params_per_rank(tp) == held

@@ -1,5 +1,6 @@
-"""The sparse mixture-of-experts MLP (Qwen3-MoE): a top-k router and stacked experts, TP cutting
-every expert's intermediate dim. The torch path is the CPU path and test oracle; CUDA runs kernels.moe."""
+"""The sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral): a top-k router and stacked experts, TP cutting
+every expert's intermediate dim, and Qwen2-MoE's gated shared expert. The torch path is the CPU path and test oracle;
+CUDA runs kernels.moe."""
 
 from __future__ import annotations
 
@@ -16,6 +17,7 @@ from tpserve.kernels import gemv, use_fp8_triton, use_triton
 from tpserve.kernels.settings import MOE_SMALL_ENV
 from tpserve.layers.activation import silu_and_mul
 from tpserve.layers.linear import PendingNorm, ReplicatedWeights, Slice, copy_checked, divide
+from tpserve.layers.mlp import MLP
 from tpserve.quant.fp8 import FP8_DTYPE, ExpertScales, dequantize_blocks, num_blocks
 
 # 0: the MoE layer's RMSNorm as a kernel of its own, not in the router's GEMV and the first expert kernel (an A/B switch,
@@ -75,6 +77,18 @@ class TopKRouter(ReplicatedWeights):
             weights = weights / weights.sum(dim=-1, keepdim=True)
         weights = weights.to(x.dtype)
         return (weights, ids) if self.local is None else localize(weights, ids, *self.local)
+
+
+class SharedExpertGate(ReplicatedWeights):
+    """``mlp.shared_expert_gate`` (Qwen2-MoE): the shared expert's output is scaled by sigmoid(w . x), one scalar a
+    token, computed in x's dtype as transformers does."""
+
+    def __init__(self, hidden_size: int) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(1, hidden_size), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.sigmoid(F.linear(x, self.weight))
 
 
 def localize(weights: torch.Tensor, ids: torch.Tensor, start: int, count: int) -> tuple[torch.Tensor, torch.Tensor]:
@@ -271,6 +285,9 @@ class SparseMoeBlock(nn.Module):
         self.expert_parallel = self.experts.expert_parallel
         local = (self.experts.expert_start, self.experts.num_experts) if self.expert_parallel else None
         self.gate = TopKRouter(cfg.hidden_size, moe.num_experts, moe.top_k, moe.norm_topk_prob, local)
+        shared = moe.shared_intermediate_size
+        self.shared_expert = MLP(cfg.hidden_size, shared, comm) if shared else None
+        self.shared_expert_gate = SharedExpertGate(cfg.hidden_size) if shared else None
         # the A/B switches, read once at build rather than on every step
         self.norm_in_kernels = os.environ.get(FUSE_NORM_ENV, "1") != "0"
         self.route_in_kernels = os.environ.get(FUSE_ROUTER_ENV, "1") != "0"
@@ -286,10 +303,15 @@ class SparseMoeBlock(nn.Module):
         themselves (``routes_in_experts``); there, at TP 1, the down kernel adds the sum to ``add_to`` (the
         residual stream) in place and None is returned, as ``RowParallelLinear`` does (else it is ignored). That
         spares the next layer's add + RMSNorm kernel but not time: Qwen3-30B-A3B's batch-1 step 1.003x (bf16) and
-        0.996x (FP8) with the kernel, within the noise (session 28); kept as the dense layers' shape."""
+        0.996x (FP8) with the kernel, within the noise (session 28); kept as the dense layers' shape. A shared expert
+        (Qwen2-MoE) runs first on the normed input, and its gated output joins the experts' partial sum."""
         gate_up, down, scales = self.experts.gate_up_proj, self.experts.down_proj, self.experts.scales()
         if isinstance(x, PendingNorm) and not self.fuses_norm(x.residual):
             x = x.value()
+        shared = None
+        if self.shared_expert is not None and self.shared_expert_gate is not None:
+            x = x.value() if isinstance(x, PendingNorm) else x  # (fuses_norm is False with a shared expert)
+            shared, add_to = self.shared_expert(x, reduce=False) * self.shared_expert_gate(x), None
         residual, norm = (x.residual, (x.norm.weight, x.norm.eps)) if isinstance(x, PendingNorm) else (x, None)
         routed = self.routes_in_experts(residual)
         if routed or norm is not None:  # the small-batch expert kernels (kernels/moe_small.py)
@@ -317,6 +339,8 @@ class SparseMoeBlock(nn.Module):
         else:
             weights, ids = self.gate(x)
             partial = run_experts(x, gate_up, down, weights, ids, scales, skip_others=self.expert_parallel)
+        if shared is not None:
+            partial = partial + shared
         return self.comm.all_reduce(partial) if reduce else partial
 
     def takes_expert_gemv(self, scales: ExpertScales | None) -> bool:
@@ -339,5 +363,6 @@ class SparseMoeBlock(nn.Module):
         from tpserve.kernels.moe import SMALL_BATCH_MAX_ROWS
 
         rows = residual.numel() // residual.shape[-1] * self.gate.top_k
-        return (self.norm_in_kernels and use_triton(residual.device) and rows <= SMALL_BATCH_MAX_ROWS
+        return (self.norm_in_kernels and self.shared_expert is None and use_triton(residual.device)
+                and rows <= SMALL_BATCH_MAX_ROWS
                 and self.gate.fuses_norm(residual))

@@ -1,4 +1,4 @@
-"""The decoder of Qwen3, Qwen3-MoE, Qwen2/2.5, Llama 3.x and Mistral (ModelConfig switches), with the
+"""The decoder of Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, Mistral and Mixtral (ModelConfig switches), with the
 checkpoints' parameter names but q/k/v merged into ``qkv_proj``, gate/up into ``gate_up_proj``.
 
 At TP > 1 attention and MLP return this rank's partial sum: the add+RMSNorm after each all-reduces
@@ -16,7 +16,8 @@ from tpserve.config import ModelConfig
 from tpserve.distributed.comm import Communicator
 from tpserve.forward import ForwardContext
 from tpserve.layers.embedding import ParallelLMHead, ScoreHead, VocabParallelEmbedding
-from tpserve.layers.linear import MergedColumnParallelLinear, PendingNorm, QKVParallelLinear, RowParallelLinear
+from tpserve.layers.linear import PendingNorm, QKVParallelLinear, RowParallelLinear
+from tpserve.layers.mlp import MLP
 from tpserve.layers.moe import SparseMoeBlock
 from tpserve.layers.norm import RMSNorm
 from tpserve.layers.rotary import RotaryEmbedding
@@ -64,18 +65,6 @@ class Attention(nn.Module):
         return ctx.attention.forward_fused(self.layer_id, qkv, inputs.positions, cos_sin, norm, inputs.out_slots, inputs.attn)
 
 
-class MLP(nn.Module):
-    def __init__(self, cfg: ModelConfig, comm: Communicator) -> None:
-        super().__init__()
-        self.gate_up_proj = MergedColumnParallelLinear(cfg.hidden_size, [cfg.intermediate_size] * 2)
-        self.down_proj = RowParallelLinear(cfg.intermediate_size, cfg.hidden_size, comm)
-
-    def forward(
-        self, x: torch.Tensor | PendingNorm, reduce: bool = True, add_to: torch.Tensor | None = None
-    ) -> torch.Tensor | None:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x), reduce=reduce, add_to=add_to)
-
-
 def add_and_norm(
     comm: Communicator, x: torch.Tensor | None, residual: torch.Tensor | None, norm: RMSNorm
 ) -> tuple[torch.Tensor | PendingNorm, torch.Tensor]:
@@ -96,7 +85,9 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id, rotary, comm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp: nn.Module = SparseMoeBlock(cfg, comm) if cfg.is_moe_layer(layer_id) else MLP(cfg, comm)
+        self.mlp: nn.Module = (
+            SparseMoeBlock(cfg, comm) if cfg.is_moe_layer(layer_id) else MLP(cfg.hidden_size, cfg.intermediate_size, comm)
+        )
 
     def forward(
         self, x: torch.Tensor | None, residual: torch.Tensor | None, ctx: ForwardContext

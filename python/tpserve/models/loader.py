@@ -42,10 +42,30 @@ Target = tuple[str, str, ShardId]  # (module path, parameter name, shard id)
 _DECODER_MODULES = ("embed_tokens.", "layers.", "norm.")
 
 
+# Mixtral's checkpoints name a layer's MoE block and its experts' projections otherwise (as transformers' conversion
+# mapping reads them): (Mixtral's spelling, the one tpserve's modules use)
+_MIXTRAL_SPELLING = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
+_MIXTRAL_EXPERT = re.compile(r"(?P<expert>\.experts\.\d+)(?P<proj>\.w[123]\.)")
+
+
 def canonical_name(name: str) -> str:
-    """A checkpoint tensor's name as *ForCausalLM's checkpoints spell it."""
+    """A checkpoint tensor's name as *ForCausalLM's checkpoints spell it (Mixtral's MoE names as Qwen's)."""
     name = name.removeprefix("language_model.")
-    return "model." + name if name.startswith(_DECODER_MODULES) else name
+    name = "model." + name if name.startswith(_DECODER_MODULES) else name
+    if ".block_sparse_moe." in name:
+        name = name.replace(*_MIXTRAL_SPELLING[0])
+        name = _MIXTRAL_EXPERT.sub(lambda m: m["expert"] + dict(_MIXTRAL_SPELLING[1:])[m["proj"]], name)
+    return name
+
+
+def spelled_for(architecture: str, name: str) -> str:
+    """A module or tensor name of tpserve's model as ``architecture``'s checkpoints spell it (Mixtral's MoE block)."""
+    if not architecture.startswith("Mixtral") or ".mlp." not in name:
+        return name
+    name = name.replace(".mlp.", ".block_sparse_moe.")
+    for mixtral, ours in _MIXTRAL_SPELLING[1:]:
+        name = re.sub(rf"(\.experts\.\d+){re.escape(ours)}", rf"\g<1>{mixtral}", name)
+    return name
 
 
 def checkpoint_target(name: str) -> Target:
@@ -88,7 +108,9 @@ def checkpoint_parts(module: str) -> tuple[str, ...]:
 def quantize_model(model: nn.Module, quant: QuantConfig) -> None:
     """Mark the linear layers ``quant`` converts (by checkpoint name), and an FP8 checkpoint's experts,
     before materialising. Quantizing at load leaves the experts in the compute dtype."""
-    for name, module in model.named_modules():
+    architecture = model.config.architecture if isinstance(model, CausalLM) else ""
+    for module_name, module in model.named_modules():
+        name = spelled_for(architecture, module_name)
         if isinstance(module, StackedExperts) and quant.prequantized and quant.converts(name):
             kept = [e for e in range(module.total_experts) if not quant.converts(f"{name}.{e}")]
             if kept:
@@ -99,7 +121,7 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> None:
             module.use_fp8(quant.block_size)
         if not isinstance(module, ParallelLinear):
             continue
-        parts = checkpoint_parts(name)
+        parts = tuple(spelled_for(architecture, part) for part in checkpoint_parts(module_name))
         converted = [quant.converts(part) for part in parts]
         if all(converted):
             module.use_fp8(quant.block_size, quant.prequantized)
@@ -232,7 +254,7 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
         del tensor
     missing = expected - loaded
     if missing:
-        names = sorted(checkpoint_name(target) for target in missing)
+        names = sorted(spelled_for(model.config.architecture, checkpoint_name(target)) for target in missing)
         raise ValueError(f"weights missing from the checkpoint: {', '.join(names[:10])}" + (" ..." if len(names) > 10 else ""))
     if tied_head is not None:
         _untie_if_different(model, tied_head)

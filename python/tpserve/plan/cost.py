@@ -137,7 +137,8 @@ class ModelShape:
 
     def layers_linear_params(self, tp: int = 1, experts: float | None = None) -> float:
         """The decoder layers' linear weights on a rank: attention, dense MLPs, the routers (whole on
-        every rank) and ``experts`` experts per sparse layer (None: all of them)."""
+        every rank), ``experts`` experts per sparse layer (None: all of them) and its shared expert (Qwen2-MoE: a
+        dense MLP, and its gate whole on every rank)."""
         c, moe = self.config, self.config.moe
         heads = c.num_attention_heads // tp
         qkv_width = (heads + 2 * self.kv_heads_per_rank(tp)) * c.head_dim
@@ -147,7 +148,8 @@ class ModelShape:
         if moe is not None:
             sparse_layers = len(moe.layers)
             held = self.experts_per_rank(tp) if experts is None else experts
-            per_sparse = moe.num_experts * self.hidden + held * self.expert_params(tp)
+            shared = 3 * self.hidden * (moe.shared_intermediate_size // tp) + self.hidden if moe.shared_intermediate_size else 0
+            per_sparse = moe.num_experts * self.hidden + held * self.expert_params(tp) + shared
         return self.layers * attention + (self.layers - sparse_layers) * dense_mlp + sparse_layers * per_sparse
 
     def layer_small_params(self, tp: int = 1) -> int:

@@ -114,7 +114,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("out_dir", metavar="OUT_DIR", help="directory to write (created if missing)")
     add("--arch", choices=list(ARCHITECTURES), default="qwen3",
         help="architecture: qwen3 (q/k RMSNorm), qwen3_moe (Qwen3 with mixture-of-experts MLPs), "
-        "qwen2 (q/k/v bias), llama (llama3 rope scaling), mistral")
+        "qwen2 (q/k/v bias), qwen2_moe (Qwen2 with experts and a gated shared expert), llama (llama3 rope "
+        "scaling), mistral, mixtral (Mistral with experts in every layer)")
     add("--layers", dest="num_layers", metavar="LAYERS", type=int, default=2, help="number of decoder layers")
     add("--hidden", dest="hidden_size", metavar="HIDDEN", type=int, default=64, help="hidden size")
     add("--heads", dest="num_heads", metavar="HEADS", type=int, default=4, help="number of attention (query) heads")
@@ -128,13 +129,15 @@ def build_parser() -> argparse.ArgumentParser:
         help=f"model vocab size, >= the tokenizer's size (default: the tokenizer's size rounded up to a multiple "
         f"of {VOCAB_MULTIPLE})")
     add("--experts", dest="num_experts", metavar="EXPERTS", type=int, default=8,
-        help="qwen3_moe: experts per sparse layer")
+        help="MoE architectures: experts per sparse layer")
     add("--top-k", dest="num_experts_per_tok", metavar="TOP_K", type=int, default=2,
-        help="qwen3_moe: experts per token")
+        help="MoE architectures: experts per token")
     add("--moe-intermediate", dest="moe_intermediate_size", metavar="MOE_INTERMEDIATE", type=int, default=None,
-        help="qwen3_moe: each expert's intermediate size (default: hidden / 2)")
-    add("--mlp-only-layers", type=int, nargs="*", default=[0],
-        help="qwen3_moe: layers with a dense MLP instead of experts")
+        help="MoE architectures: each expert's intermediate size (default: hidden / 2)")
+    add("--mlp-only-layers", type=int, nargs="*", default=None,
+        help="qwen3_moe, qwen2_moe: layers with a dense MLP instead of experts (default: 0)")
+    add("--shared-expert-intermediate", dest="shared_expert_intermediate_size", metavar="SHARED", type=int,
+        default=None, help="qwen2_moe: the shared expert's intermediate size, 0 for none (default: hidden)")
     add("--tie", dest="tie_word_embeddings", action="store_true",
         help="tie the LM head to the token embedding (then no lm_head.weight is saved)")
     add("--shards", dest="num_shards", metavar="SHARDS", type=int, default=1,

@@ -12,9 +12,12 @@ ARCHITECTURES = {
     "qwen3": "Qwen3ForCausalLM",
     "qwen3_moe": "Qwen3MoeForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
+    "qwen2_moe": "Qwen2MoeForCausalLM",
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
+    "mixtral": "MixtralForCausalLM",
 }
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
 
 VOCAB_MULTIPLE = 64
 ROPE_TYPES = ("default", "llama3", "yarn", "linear")
@@ -39,12 +42,15 @@ def model_config(
     num_experts: int = 8,
     num_experts_per_tok: int = 2,
     moe_intermediate_size: int | None = None,
-    mlp_only_layers: tuple[int, ...] | list[int] = (0,),
+    mlp_only_layers: tuple[int, ...] | list[int] | None = None,
     norm_topk_prob: bool = True,
+    shared_expert_intermediate_size: int | None = None,
 ) -> PreTrainedConfig:
     """The architecture's transformers config, with defaults filled in; shapes it cannot express
-    are rejected. The MoE settings apply to qwen3_moe only, whose sparse layers are all but
-    ``mlp_only_layers``."""
+    are rejected. The MoE settings apply to the MoE architectures: qwen3_moe and qwen2_moe, whose sparse layers are
+    all but ``mlp_only_layers`` (default: layer 0), and mixtral, whose layers are all sparse (its experts'
+    size is ``moe_intermediate_size``, its top k always renormalised). qwen2_moe's shared expert is
+    ``shared_expert_intermediate_size`` wide (default: hidden)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     if rope_type is None:
@@ -100,22 +106,34 @@ def model_config(
     }
     if arch != "qwen2":
         cfg["head_dim"] = head_dim
-    if arch in ("qwen2", "qwen3", "qwen3_moe"):
+    if arch in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         cfg["max_window_layers"] = num_layers
-    if arch == "qwen3_moe":
+    if arch in MOE_ARCHITECTURES:
         if moe_intermediate_size is None:
             moe_intermediate_size = hidden_size // 2
         if not 1 <= num_experts_per_tok <= num_experts:
             raise ValueError(f"num_experts_per_tok ({num_experts_per_tok}) must be in [1, num_experts ({num_experts})]")
         if moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size must be >= 1, got {moe_intermediate_size}")
-        bad = [i for i in mlp_only_layers if not 0 <= i < num_layers]
-        if bad:
-            raise ValueError(f"mlp_only_layers {bad} are not layers of a {num_layers}-layer model")
-        cfg.update(
-            num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, norm_topk_prob=norm_topk_prob,
-            moe_intermediate_size=moe_intermediate_size, mlp_only_layers=sorted(set(mlp_only_layers)),
-        )
+        if arch == "mixtral":
+            if mlp_only_layers:
+                raise ValueError("mixtral has no dense layers: mlp_only_layers must be empty")
+            cfg.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
+                       intermediate_size=moe_intermediate_size)
+        else:
+            dense = (0,) if mlp_only_layers is None else mlp_only_layers
+            bad = [i for i in dense if not 0 <= i < num_layers]
+            if bad:
+                raise ValueError(f"mlp_only_layers {bad} are not layers of a {num_layers}-layer model")
+            cfg.update(
+                num_experts=num_experts, num_experts_per_tok=num_experts_per_tok, norm_topk_prob=norm_topk_prob,
+                moe_intermediate_size=moe_intermediate_size, mlp_only_layers=sorted(set(dense)),
+            )
+        if arch == "qwen2_moe":
+            shared = hidden_size if shared_expert_intermediate_size is None else shared_expert_intermediate_size
+            if shared < 0:
+                raise ValueError(f"shared_expert_intermediate_size must be >= 0, got {shared}")
+            cfg["shared_expert_intermediate_size"] = shared
     from transformers import CONFIG_MAPPING
 
     return CONFIG_MAPPING[arch](**cfg)

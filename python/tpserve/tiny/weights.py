@@ -20,7 +20,11 @@ def weight_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, ...]]:
     h, inter, arch = config.hidden_size, config.intermediate_size, config.model_type
     d = getattr(config, "head_dim", None) or h // config.num_attention_heads  # qwen2 has no head_dim setting
     q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
-    num_experts = getattr(config, "num_experts", 0)  # qwen3_moe only
+    mixtral = arch == "mixtral"
+    num_experts = config.num_local_experts if mixtral else getattr(config, "num_experts", 0)
+    expert_size = inter if mixtral else getattr(config, "moe_intermediate_size", 0)
+    dense_layers = () if mixtral else getattr(config, "mlp_only_layers", ())
+    shared = getattr(config, "shared_expert_intermediate_size", 0)  # qwen2_moe only
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
@@ -28,7 +32,7 @@ def weight_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, ...]]:
         shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
         shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
         shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
-        if arch == "qwen2":
+        if arch in ("qwen2", "qwen2_moe"):
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
@@ -37,12 +41,8 @@ def weight_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if num_experts and i not in config.mlp_only_layers:
-            shapes[p + "mlp.gate.weight"] = (num_experts, h)
-            for e in range(num_experts):  # per expert, as published checkpoints and save_pretrained write them
-                shapes[p + f"mlp.experts.{e}.gate_proj.weight"] = (config.moe_intermediate_size, h)
-                shapes[p + f"mlp.experts.{e}.up_proj.weight"] = (config.moe_intermediate_size, h)
-                shapes[p + f"mlp.experts.{e}.down_proj.weight"] = (h, config.moe_intermediate_size)
+        if num_experts and i not in dense_layers:
+            shapes.update(_sparse_mlp_shapes(p, h, num_experts, expert_size, shared, mixtral))
             continue
         shapes[p + "mlp.gate_proj.weight"] = (inter, h)
         shapes[p + "mlp.up_proj.weight"] = (inter, h)
@@ -53,7 +53,27 @@ def weight_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
-_AMPLIFIED = ("q_proj.weight", "k_proj.weight", "o_proj.weight", "down_proj.weight")
+def _sparse_mlp_shapes(
+    prefix: str, h: int, num_experts: int, size: int, shared: int, mixtral: bool
+) -> dict[str, tuple[int, ...]]:
+    """A sparse layer's router and per-expert tensors (as published checkpoints and save_pretrained write them;
+    Mixtral's names: ``block_sparse_moe``, ``w1``/``w3``/``w2``), and Qwen2-MoE's shared expert and its gate."""
+    block = prefix + ("block_sparse_moe." if mixtral else "mlp.")
+    names = ("w1", "w3", "w2") if mixtral else ("gate_proj", "up_proj", "down_proj")
+    shapes = {block + "gate.weight": (num_experts, h)}
+    for e in range(num_experts):
+        shapes[block + f"experts.{e}.{names[0]}.weight"] = (size, h)
+        shapes[block + f"experts.{e}.{names[1]}.weight"] = (size, h)
+        shapes[block + f"experts.{e}.{names[2]}.weight"] = (h, size)
+    if shared:
+        shapes[block + "shared_expert.gate_proj.weight"] = (shared, h)
+        shapes[block + "shared_expert.up_proj.weight"] = (shared, h)
+        shapes[block + "shared_expert.down_proj.weight"] = (h, shared)
+        shapes[block + "shared_expert_gate.weight"] = (1, h)
+    return shapes
+
+
+_AMPLIFIED = ("q_proj.weight", "k_proj.weight", "o_proj.weight", "down_proj.weight", ".w2.weight")
 
 
 def _init_tensor(name: str, shape: tuple[int, ...], seed: int, hidden_size: int) -> torch.Tensor:

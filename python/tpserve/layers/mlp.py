@@ -1,0 +1,22 @@
+"""The dense SwiGLU MLP: gate/up column-parallel (merged), down row-parallel. A dense layer's MLP, and Qwen2-MoE's
+shared expert."""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from tpserve.distributed.comm import Communicator
+from tpserve.layers.linear import MergedColumnParallelLinear, PendingNorm, RowParallelLinear
+
+
+class MLP(nn.Module):
+    def __init__(self, hidden_size: int, intermediate_size: int, comm: Communicator) -> None:
+        super().__init__()
+        self.gate_up_proj = MergedColumnParallelLinear(hidden_size, [intermediate_size] * 2)
+        self.down_proj = RowParallelLinear(intermediate_size, hidden_size, comm)
+
+    def forward(
+        self, x: torch.Tensor | PendingNorm, reduce: bool = True, add_to: torch.Tensor | None = None
+    ) -> torch.Tensor | None:
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x), reduce=reduce, add_to=add_to)
