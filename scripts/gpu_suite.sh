@@ -339,6 +339,18 @@ for s in $stages; do
         stage moe30_decode_pdl$pdl 120 env TPSERVE_TRITON_PDL=$pdl python3 benchmarks/decode_latency.py --model $a3b \
           --batch-sizes 64,128,256 --contexts 512 --modes graph --out $results/decode_a3b_pdl$pdl.json
       done ;;
+    moe_archs)  # other MoE architectures, real configs with random weights (MOE_MODELS: config dirs; Qwen2-MoE's fits an
+      # H100): workload A with its roofline, batch-1 decode (bf16, pipelined, 3 rounds) and that step's floor
+      for m in ${MOE_MODELS:-tests/data/configs/Qwen1.5-MoE-A2.7B}; do
+        name=$(basename $m)
+        stage offline_$name 200 python3 benchmarks/offline_throughput.py --model $m --trace --out $results/offline_$name.json
+        stage roofline_$name 30 python3 benchmarks/roofline.py $results/offline_$name.json --model $m --peak-tflops 766
+        bw=$(python3 -c "import json; print(json.load(open('$results/offline_$name.json'))['copy_bandwidth_Bps'] / 1e12)")
+        stage floors_$name 30 python3 benchmarks/roofline.py --model $m --decode-batch 1 --context 512 --peak-tflops 766 \
+          --bandwidth-tbps $bw
+        stage decode_$name 200 python3 benchmarks/fp8_decode.py --configs $m --fp8-gemms "" --pipelined --rounds 3 \
+          --batch-sizes 1 --context 512 --out $results/decode_$name.json
+      done ;;
     moe30_decode)
       stage moe30_decode 120 python3 benchmarks/decode_latency.py --model $a3b --batch-sizes 1,64 --contexts 512 --out $results/decode_qwen3_30b_a3b.json
       stage moe30_floors 30 python3 benchmarks/roofline.py --model $a3b --decode-batch 1 64 --context 512 --peak-tflops 766 --bandwidth-tbps 4.26 ;;

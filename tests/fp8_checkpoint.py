@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tpserve.quant.config import QuantConfig
-from tpserve.quant.fp8 import ExpertScales, dequantize_blocks, quantize_blocks
+from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX, ExpertScales, dequantize_blocks, quantize_blocks
 
 # The projections transformers' FP8 integration replaces (every nn.Linear but the LM head, the MoE routers and
 # Qwen2-MoE's shared expert gate); w1/w3/w2: Mixtral's experts.
@@ -65,21 +65,54 @@ def write_fp8_checkpoint(
     })
 
 
+def write_compressed_tensors_checkpoint(src: str, dst: str, strategy: str, static_activations: bool = False) -> str:
+    """``src`` quantized as llm-compressor saves FP8 models (compressed-tensors, ``float-quantized``): each Linear's
+    weight in float8_e4m3fn with a bf16 ``weight_scale`` per output channel ([rows, 1]) or per tensor ([1]), the LM
+    head ignored; ``static_activations`` adds a per-tensor ``input_scale`` (the FP8 scheme), else activations are
+    dynamic per token (FP8_DYNAMIC)."""
+    out: dict[str, torch.Tensor] = {}
+    for name, tensor in _weights(src).items():
+        module, _, param = name.rpartition(".")
+        if param == "weight" and module.rpartition(".")[2] in _LINEAR:
+            amax = tensor.abs().amax(dim=1, keepdim=True) if strategy == "channel" else tensor.abs().amax().reshape(1)
+            scale = (amax.clamp(min=1e-12) / FP8_MAX).to(torch.bfloat16)
+            out[name] = (tensor / scale.float()).clamp(-FP8_MAX, FP8_MAX).to(FP8_DTYPE)
+            out[f"{module}.weight_scale"] = scale
+            if static_activations:
+                out[f"{module}.input_scale"] = torch.tensor([0.05], dtype=torch.bfloat16)
+        else:
+            out[name] = tensor.to(torch.bfloat16)
+    weights = {"num_bits": 8, "type": "float", "symmetric": True, "strategy": strategy, "dynamic": False,
+               "group_size": None, "block_structure": None, "actorder": None, "observer": "minmax", "observer_kwargs": {}}
+    activations = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": not static_activations,
+                   "strategy": "tensor" if static_activations else "token", "group_size": None, "observer": None}
+    return _write(src, dst, out, {
+        "quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": activations,
+                                      "output_activations": None}},
+        "ignore": ["lm_head"], "kv_cache_scheme": None, "sparsity_config": {}, "global_compression_ratio": None,
+    })
+
+
 def write_dequantized(fp8_dir: str, dst: str) -> str:
     """An FP8 checkpoint's weights dequantized to float32, with no quantization_config: what the
-    FP8 model computes (up to activation quantization), loadable by transformers on the CPU."""
+    FP8 model computes (up to activation quantization), loadable by transformers on the CPU. Block scales
+    (``weight_scale_inv``), or compressed-tensors' per-channel or per-tensor ``weight_scale``."""
     with open(os.path.join(fp8_dir, "config.json"), encoding="utf-8") as f:
-        block = tuple(json.load(f)["quantization_config"]["weight_block_size"])
+        quant = json.load(f)["quantization_config"]
     tensors = _weights(fp8_dir)
     out: dict[str, torch.Tensor] = {}
     for name, tensor in tensors.items():
-        if name.endswith(".weight_scale_inv"):
+        if name.endswith((".weight_scale_inv", ".weight_scale", ".input_scale")):
             continue
-        scale = tensors.get(name.removesuffix("weight") + "weight_scale_inv")
-        if scale is None:
-            out[name] = tensor.float()
+        prefix = name.removesuffix("weight")
+        if prefix + "weight_scale_inv" in tensors:
+            block = tuple(quant["weight_block_size"])
+            out[name] = dequantize_blocks(tensor, tensors[prefix + "weight_scale_inv"], block, torch.float32)  # type: ignore[arg-type]
+        elif prefix + "weight_scale" in tensors:
+            out[name] = tensor.float() * tensors[prefix + "weight_scale"].float()  # [rows, 1] or [1] broadcast
         else:
-            out[name] = dequantize_blocks(tensor, scale, block, torch.float32)  # type: ignore[arg-type]
+            out[name] = tensor.float()
     return _write(fp8_dir, dst, out, None)
 
 

@@ -376,3 +376,14 @@ def test_default_tiny_model_dir_lost_race(tmp_path: Path, monkeypatch: pytest.Mo
     assert [p.name for p in tmp_path.iterdir()] == [Path(path).name]
     assert not os.path.exists(built[0])
     load_model(path)
+
+
+def test_mixtral_experts_take_the_intermediate_size():
+    """Mixtral's experts are config.json's intermediate_size wide: --intermediate sets them (unless
+    --moe-intermediate does)."""
+    from tpserve.tiny.config import model_config
+
+    def size(**kwargs) -> int:
+        return model_config("mixtral", tokenizer_size=100, bos_token_id=0, eos_token_id=1, **kwargs).intermediate_size
+
+    assert (size(intermediate_size=96), size(intermediate_size=96, moe_intermediate_size=48), size()) == (96, 48, 32)

@@ -13,6 +13,7 @@ import torch
 
 from tpserve.classifier import ClassifierConfig, classifier_config
 from tpserve.models.checkpoint import read_json_object, tensor_names
+from tpserve.models.names import converted
 from tpserve.quant.config import QuantConfig, parse_quantization_config
 
 logger = logging.getLogger(__name__)
@@ -118,12 +119,14 @@ def _check_sizes(cfg: dict[str, Any]) -> None:
 def _sliding_window(hf: Any, kind: str) -> int | None:
     """The attention window of any layer that has one (None: every layer attends to the whole context)."""
     window = getattr(hf, "sliding_window", None)
-    if kind == "qwen3_moe":  # transformers' Qwen3-MoE applies it to every layer (its config keeps it only with
-        return window        # use_sliding_window) and ignores any layer_types a config.json carries
+    # transformers' Qwen3-MoE (whose config keeps the window only with use_sliding_window), Mistral and Mixtral apply it
+    # to every layer and ignore any layer_types a config.json carries
+    if kind in ("qwen3_moe", "mistral", "mixtral"):
+        return window
     layer_types = getattr(hf, "layer_types", None)
     if layer_types is not None:
         return window if any(t != "full_attention" for t in layer_types) else None
-    return window if kind in ("mistral", "mixtral") else None  # transformers' Mistral and Mixtral: every layer
+    return None
 
 
 @dataclass(frozen=True)
@@ -138,6 +141,7 @@ class MoEConfig:
     # Qwen2-MoE: a dense MLP of this size beside the routed experts, its output scaled by sigmoid(shared_expert_gate . x);
     # 0: none
     shared_intermediate_size: int = 0
+    size_key: str = "moe_intermediate_size"  # config.json's name of the experts' size (Mixtral's: intermediate_size)
 
 
 def _moe_config(hf: Any, kind: str, num_layers: int) -> MoEConfig | None:
@@ -161,7 +165,10 @@ def _moe_config(hf: Any, kind: str, num_layers: int) -> MoEConfig | None:
     shared = getattr(hf, "shared_expert_intermediate_size", 0) if kind == "qwen2_moe" else 0
     if not isinstance(shared, int) or isinstance(shared, bool) or shared < 0:
         raise ValueError(f"config.json: shared_expert_intermediate_size must be an integer >= 0, got {shared!r}")
-    return MoEConfig(num_experts, hf.num_experts_per_tok, expert_size, norm_topk, tuple(layers), shared)
+    if not layers:  # every layer dense (transformers builds no expert either)
+        return None
+    size_key = "intermediate_size" if kind == "mixtral" else "moe_intermediate_size"
+    return MoEConfig(num_experts, hf.num_experts_per_tok, expert_size, norm_topk, tuple(layers), shared, size_key)
 
 
 def _context_length(rope: dict[str, Any], max_positions: int, window: int | None) -> int:
@@ -304,7 +311,7 @@ class ModelConfig:
             )
         if self.moe is not None and not expert_parallel and self.moe.intermediate_size % tp_size:
             raise ValueError(
-                f"{name} {tp_size} does not divide moe_intermediate_size {self.moe.intermediate_size} "
+                f"{name} {tp_size} does not divide {self.moe.size_key} {self.moe.intermediate_size} "
                 f"(each rank holds a slice of every expert's intermediate dimension; {_ep_hint(name)})"
             )
         shared = 0 if self.moe is None else self.moe.shared_intermediate_size
@@ -321,8 +328,8 @@ class ModelConfig:
         """FP8 block scales are split (tensor parallelism) and merged (q/k/v, gate/up) with their
         weights, so every rank's part of a quantized projection must be whole blocks."""
         quant = self.quantization
-        if quant is None or not quant.prequantized:  # quantized at load time: per rank, any shape
-            return
+        if quant is None or not quant.prequantized or quant.row_scales:  # quantized at load time, or a scale a row:
+            return  # per rank, any shape
         bn, bk = quant.block_size
         q_width = self.num_attention_heads // tp_size * self.head_dim
         kv_width = self.kv_heads_per_rank(tp_size) * self.head_dim
@@ -348,18 +355,19 @@ class ModelConfig:
                                "shared expert down_proj input features (shared_expert_intermediate_size)", shared[1], bk))
             if self.moe is not None and not expert_parallel:  # each rank cuts every expert's intermediate dim
                 expert_width, sparse = self.moe.intermediate_size // tp_size, self.moe.layers
+                key = self.moe.size_key
                 checks += [
-                    (sparse, ("mlp.experts",), "expert gate/up output features (moe_intermediate_size)", expert_width, bn),
-                    (sparse, ("mlp.experts",), "expert down_proj input features (moe_intermediate_size)", expert_width, bk),
+                    (sparse, ("mlp.experts",), f"expert gate/up output features ({key})", expert_width, bn),
+                    (sparse, ("mlp.experts",), f"expert down_proj input features ({key})", expert_width, bk),
                 ]
         for layers, modules, what, width, block in checks:
-            converted = any(quant.converts(f"model.layers.{i}.{m}") for i in layers for m in modules)
-            if converted and width % block:
+            quantized = any(converted(quant, self.architecture, f"model.layers.{i}.{m}") for i in layers for m in modules)
+            if quantized and width % block:
                 raise ValueError(
                     f"{name} {tp_size}: each rank's share of the {what} is {width}, not a multiple of the FP8 "
                     f"weight block {block} (quantization_config.weight_block_size {[bn, bk]}); the block scales "
                     "can only be split across ranks and merged (q/k/v, gate/up) at block boundaries"
-                    + (f"; {_ep_hint(name)}" if "moe_intermediate_size" in what else "")
+                    + (f"; {_ep_hint(name)}" if what.startswith("expert ") else "")
                 )
 
     @classmethod

@@ -26,7 +26,7 @@ from tpserve.kernels.fp8_linear import FP8_GEMM_ENV, fp8_linear, kernel_for, res
 from tpserve.layers.linear import ParallelLinear
 from tpserve.quant.fp8 import FP8_DTYPE, fp8_linear_reference, quantize_blocks, weight_only_reference
 from engine_scenario import prompts_for, row_errors, run_scenario
-from fp8_checkpoint import write_dequantized, write_fp8_checkpoint
+from fp8_checkpoint import write_compressed_tensors_checkpoint, write_dequantized, write_fp8_checkpoint
 
 DEVICE = torch.device("cuda")
 BLOCK = (128, 128)
@@ -153,6 +153,14 @@ def test_fp8_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path, monkeypatch, bl
     assert experts.gate_up_proj.dtype == FP8_DTYPE and experts.scales() is not None
     assert "experts FP8" in engine._quantization_note()
     assert engine.graph_runner is not None
+    assert_fp8_near_dequantized(engine, ref_dir, f"{arch} fp8 MoE checkpoint ({block[0]}x{block[1]})")
+
+
+def assert_fp8_near_dequantized(engine: Engine, ref_dir: str, label: str) -> None:
+    """Teacher-forced on float32's greedy tokens over the dequantized weights, the FP8 engine's median row error
+    against the same weights' bf16 engine's. The tiny models amplify every rounding (bf16 alone: 4-11% a row); the W8A8
+    GEMMs' FP8 activations add 5-8x that (H100, session 43: 0.29-0.58 for the MoE models). A wrong scale, expert or
+    shared expert gives unrelated rows (~1.4)."""
     reference = Engine(EngineConfig(model=ref_dir, device="cuda", dtype="float32", attention_backend="torch",
                                     cuda_graph_max_bs=0, max_total_tokens=1024))
     bf16 = Engine(EngineConfig(model=ref_dir, device="cuda", dtype="bfloat16", max_total_tokens=1024))
@@ -160,11 +168,22 @@ def test_fp8_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path, monkeypatch, bl
     tokens, exact = run_scenario(reference, prompts)
     fp8_error = float(row_errors(run_scenario(engine, prompts, forced=tokens)[1], exact).median())
     bf16_error = float(row_errors(run_scenario(bf16, prompts, forced=tokens)[1], exact).median())
-    print(f"{arch} fp8 MoE checkpoint ({block[0]}x{block[1]}), teacher-forced against float32 on the dequantized "
-          f"weights: median row error {fp8_error:.2e} (the same weights in bf16: {bf16_error:.2e})")
-    # The tiny models amplify every rounding (bf16 alone: 4-11% a row); the W8A8 GEMMs' FP8 activations add 5-8x that
-    # (H100, session 43: 0.29-0.58). A wrong scale, expert or shared expert gives unrelated rows (~1.4).
+    print(f"{label}, teacher-forced against float32 on the dequantized weights: median row error {fp8_error:.2e} "
+          f"(the same weights in bf16: {bf16_error:.2e})")
     assert fp8_error < min(0.8, 10 * bf16_error)
+
+
+@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+def test_compressed_tensors_checkpoint_on_gpu(tiny_model_factory, tmp_path, strategy):
+    """llm-compressor's FP8 checkpoints (a weight_scale per output channel or per tensor) on the GPU: the weights stay
+    FP8 with one scale a row (1 x 128 blocks) in Triton's W8A8 GEMM, in CUDA graphs."""
+    fp8_dir = write_compressed_tensors_checkpoint(tiny_model_factory("qwen3", **TINY), str(tmp_path / "fp8"), strategy)
+    ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
+    engine = Engine(EngineConfig(model=fp8_dir, device="cuda", dtype="bfloat16", max_total_tokens=1024))
+    down = engine.model.model.layers[0].mlp.down_proj
+    assert down.weight.dtype == FP8_DTYPE and down.block_size == (1, 128) and down.fp8_backend == "triton"
+    assert engine.graph_runner is not None
+    assert_fp8_near_dequantized(engine, ref_dir, f"compressed-tensors {strategy}")
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -283,19 +283,17 @@ def check_fp8_mlp() -> None:
     each projection against torch on the kernel's own activation quantization (the interpreter's
     float8 cast, see check_fp8_gemm), and off the weight-only product (the activations were
     quantized)."""
-    from types import SimpleNamespace
-
     from tpserve.distributed.comm import SingleRankCommunicator
     from tpserve.distributed.info import set_tp_info
     from tpserve.kernels.fp8_gemm import quantize_activations
     from tpserve.kernels.fp8_linear import resolve_backend
-    from tpserve.models.decoder import MLP
+    from tpserve.layers.mlp import MLP
     from tpserve.quant.fp8 import dequantize_blocks, quantize_blocks
 
     gen = torch.Generator().manual_seed(7)
     set_tp_info(0, 1)
     hidden, block = 96, (16, 32)
-    mlp = MLP(SimpleNamespace(hidden_size=hidden, intermediate_size=128), SingleRankCommunicator())
+    mlp = MLP(hidden, 128, SingleRankCommunicator())
     dense = {}
     for layer in (mlp.gate_up_proj, mlp.down_proj):
         weight, scale = quantize_blocks(torch.randn(layer.out_features, layer.in_features, generator=gen) * 0.05, block)

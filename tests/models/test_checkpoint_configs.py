@@ -58,10 +58,13 @@ def test_rope_types_in_both_layouts_at_tp2(tiny_model_factory, arch, rope_type, 
     assert [o.token_ids for o in outs] == [hf_greedy(model_dir, p, 12) for p in PROMPTS]
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen2", "llama", "mistral", "qwen3_moe", "qwen2_moe", "mixtral"])
-def test_models_saved_by_transformers(tiny_model_factory, tmp_path, arch):
+@pytest.mark.parametrize("arch,kwargs", [(arch, {}) for arch in ["qwen3", "qwen2", "llama", "mistral", "qwen3_moe",
+                                                                   "qwen2_moe", "mixtral"]]
+                         # transformers writes a 0-wide shared expert's 0-row tensors and its gate; tpserve reads none
+                         + [("qwen2_moe", {"shared_expert_intermediate_size": 0})], ids=str)
+def test_models_saved_by_transformers(tiny_model_factory, tmp_path, arch, kwargs):
     """A checkpoint written by ``save_pretrained`` of the installed transformers, as a fine-tune is."""
-    source = tiny_model_factory(arch)
+    source = tiny_model_factory(arch, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
     model.save_pretrained(tmp_path)
     for name in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
@@ -240,6 +243,24 @@ def test_qwen3_moe_real_config():
         cfg.check_tp_size(tp)
 
 
+def test_mixtral_and_qwen2_moe_real_configs():
+    """Mixtral-8x7B-v0.1 and Qwen1.5-MoE-A2.7B as published (tests/data/configs: the fields their config.json holds,
+    as public repositories quote them): their experts, shared expert and the TP sizes they split over."""
+    mixtral = ModelConfig.from_pretrained(os.path.join(REAL_CONFIGS, "Mixtral-8x7B-v0.1"))
+    assert mixtral.moe == MoEConfig(8, 2, 14336, True, tuple(range(32)), 0, "intermediate_size")
+    assert (mixtral.head_dim, mixtral.rope_theta, mixtral.context_length) == (128, 1e6, 32768)
+    for tp in (1, 2, 4, 8):
+        mixtral.check_tp_size(tp)
+        mixtral.check_tp_size(tp, expert_parallel=True)
+    qwen = ModelConfig.from_pretrained(os.path.join(REAL_CONFIGS, "Qwen1.5-MoE-A2.7B"))
+    assert qwen.moe == MoEConfig(60, 4, 1408, False, tuple(range(24)), 5632) and qwen.qkv_bias
+    assert qwen.context_length == 8192  # sliding_window set, use_sliding_window false: no window
+    for tp in (1, 2, 4):
+        qwen.check_tp_size(tp)
+    with pytest.raises(ValueError, match="tp_size 8 does not divide num_experts 60"):
+        qwen.check_tp_size(8, expert_parallel=True)
+
+
 def test_qwen3_moe_fp8_real_config():
     """Qwen3-30B-A3B-FP8's layout (the real config with Qwen's quantization_config, routers unconverted): its
     experts' 768 intermediate features split into whole 128-blocks at TP 2 (384), not at TP 4 (192)."""
@@ -293,7 +314,7 @@ def test_mixtral_config():
     (transformers' Mixtral: every layer) caps the context as Mistral's."""
     cfg = ModelConfig.from_dict({**base_config("mixtral"), "num_local_experts": 8, "num_experts_per_tok": 2,
                                  "intermediate_size": 96, "sliding_window": 1024})
-    assert cfg.moe == MoEConfig(8, 2, 96, True, (0, 1), 0) and cfg.dense_layers == ()
+    assert cfg.moe == MoEConfig(8, 2, 96, True, (0, 1), 0, "intermediate_size") and cfg.dense_layers == ()
     assert not cfg.qk_norm and not cfg.qkv_bias and cfg.context_length == 1024
     cfg.check_tp_size(2)
     with pytest.raises(ValueError, match="tp_size 4 does not divide num_experts 6 .expert parallelism"):
@@ -303,6 +324,30 @@ def test_mixtral_config():
         ModelConfig.from_dict({**base_config("mixtral"), "num_local_experts": 0})
     with pytest.raises(ValueError, match=r"num_experts_per_tok 3 must be in \[1, num_experts 2\]"):
         ModelConfig.from_dict({**base_config("mixtral"), "num_local_experts": 2, "num_experts_per_tok": 3})
+
+
+def test_mixtral_errors_name_its_own_size_key_and_dense_only_moe_configs_are_dense():
+    """Mixtral's experts are intermediate_size wide (it has no moe_intermediate_size); a Qwen2-MoE whose
+    decoder_sparse_step leaves no layer sparse is a dense model (transformers builds no expert), so neither the experts'
+    nor the shared expert's width constrains the TP size."""
+    mixtral = ModelConfig.from_dict({**base_config("mixtral"), "num_attention_heads": 8, "num_key_value_heads": 8,
+                                     "num_local_experts": 8, "intermediate_size": 6})
+    with pytest.raises(ValueError, match=r"tp_size 4 does not divide intermediate_size 6 \(each rank holds a slice"):
+        mixtral.check_tp_size(4)
+    dense = ModelConfig.from_dict({**base_config("qwen2_moe"), "num_attention_heads": 8, "num_key_value_heads": 8,
+                                   "intermediate_size": 128, "num_experts": 4, "num_experts_per_tok": 2,
+                                   "moe_intermediate_size": 6, "shared_expert_intermediate_size": 6,
+                                   "decoder_sparse_step": 5})
+    assert dense.moe is None and dense.dense_layers == (0, 1)
+    dense.check_tp_size(4)
+
+
+def test_mistral_and_mixtral_window_every_layer_whatever_layer_types_says():
+    """transformers' Mistral and Mixtral apply sliding_window to every layer and ignore a config.json's layer_types."""
+    for arch, extra in (("mistral", {}), ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2})):
+        cfg = ModelConfig.from_dict({**base_config(arch), **extra, "sliding_window": 16,
+                                     "layer_types": ["full_attention"] * 2})
+        assert cfg.context_length == 16, arch
 
 
 def test_qwen2_moe_config():

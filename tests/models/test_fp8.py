@@ -18,7 +18,8 @@ from tpserve.engine.engine import Engine
 from tpserve.layers.linear import Slice
 from tpserve.quant.config import QuantConfig, parse_quantization_config
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX, dequantize_blocks, quantize_blocks
-from fp8_checkpoint import write_dequantized, write_fp8_checkpoint
+from fp8_checkpoint import write_compressed_tensors_checkpoint, write_dequantized, write_fp8_checkpoint
+from safetensors.torch import load_file, save_file
 
 PUBLISHED = {"activation_scheme": "dynamic", "fmt": "e4m3", "quant_method": "fp8", "weight_block_size": [128, 128]}
 
@@ -50,8 +51,7 @@ def test_published_config_is_read():
     [
         ({"quant_method": "awq"}, r"quantization_config\.quant_method: 'awq' is not supported"),
         ({"fmt": "e5m2"}, r"quantization_config\.fmt: 'e5m2'"),
-        ({"activation_scheme": "static"}, r"quantization_config\.activation_scheme: 'static'"),
-        ({"weight_block_size": None}, r"weight_block_size: null"),
+        ({"activation_scheme": "mixed"}, r"quantization_config\.activation_scheme: 'mixed'"),
         ({"weight_block_size": [128]}, r"weight_block_size: must be two positive integers"),
         ({"kv_cache_scheme": {}}, r"quantization_config\.kv_cache_scheme: is not supported"),
         ({"modules_to_not_convert": "lm_head"}, r"modules_to_not_convert: must be a list"),
@@ -60,6 +60,103 @@ def test_published_config_is_read():
 def test_unsupported_quantization_configs_name_the_key(change, message):
     with pytest.raises(ValueError, match=message):
         parse_quantization_config({**PUBLISHED, **change})
+
+
+def test_per_tensor_fp8_config_is_read():
+    """The older FP8 format (no weight_block_size; a weight_scale per tensor, and an input_scale where static), as vLLM
+    reads it: held as a scale per row."""
+    for scheme in ("static", "dynamic"):
+        quant = parse_quantization_config({"quant_method": "fp8", "activation_scheme": scheme, "ignored_layers": ["lm_head"]})
+        assert (quant.scales, quant.scale_name, quant.block_size, quant.row_scales) == ("tensor", "weight_scale", (1, 128), True)
+
+
+def compressed_tensors_config(**weights) -> dict:
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "symmetric": True, "strategy": "channel",
+                                                "dynamic": False, **weights},
+             "input_activations": {"num_bits": 8, "type": "float", "strategy": "token", "dynamic": True}}
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "config_groups": {"group_0": group},
+            "ignore": ["lm_head", "re:.*mlp.gate$"], "kv_cache_scheme": None, "quantization_status": "compressed"}
+
+
+def test_compressed_tensors_configs_are_read():
+    quant = parse_quantization_config(compressed_tensors_config())
+    assert (quant.scales, quant.scale_name, quant.row_scales) == ("channel", "weight_scale", True)
+    assert not quant.converts("lm_head") and not quant.converts("model.layers.3.mlp.gate")
+    assert quant.converts("model.layers.3.mlp.gate_proj") and quant.converts("model.lm_head_extra")
+    assert parse_quantization_config(compressed_tensors_config(strategy="tensor")).scales == "tensor"
+    block = parse_quantization_config(compressed_tensors_config(strategy="block", block_structure=[128, 128]))
+    assert (block.scales, block.block_size, block.scale_name, block.row_scales) == ("block", (128, 128), "weight_scale", False)
+
+
+@pytest.mark.parametrize(
+    "change,message",
+    [
+        ({"format": "pack-quantized"}, r"quantization_config\.format: 'pack-quantized' is not supported"),
+        ({"kv_cache_scheme": {"num_bits": 8}}, r"quantization_config\.kv_cache_scheme: is not supported"),
+        ({"sparsity_config": {"format": "sparse-24"}}, r"quantization_config\.sparsity_config: is not supported"),
+        ({"config_groups": {}}, r"quantization_config\.config_groups: must hold exactly one group"),
+        ({"weights": {"num_bits": 4, "type": "int"}}, r"config_groups\.group_0\.weights: must be 8-bit float"),
+        ({"weights": {"strategy": "group", "group_size": 128}}, r"weights\.strategy: 'group' is not supported"),
+        ({"weights": {"strategy": "block", "block_structure": None}}, r"weights\.block_structure: must be two positive"),
+        ({"weights": {"symmetric": False}}, r"weights: must be symmetric"),
+        ({"ignore": "lm_head"}, r"quantization_config\.ignore: must be a list"),
+        ({"other": 1}, r"quantization_config\.other: is not supported"),
+    ],
+)
+def test_unsupported_compressed_tensors_configs_name_the_key(change, message):
+    weights = change.pop("weights", {})
+    raw = {**compressed_tensors_config(**weights), **change}
+    with pytest.raises(ValueError, match=message):
+        parse_quantization_config(raw)
+
+
+@pytest.mark.parametrize("strategy,static", [("channel", False), ("tensor", True)], ids=["FP8_DYNAMIC", "FP8"])
+def test_compressed_tensors_checkpoint_matches_transformers_at_tp_1_and_2(tiny_model_factory, tmp_path, strategy, static):
+    """llm-compressor's FP8 checkpoints (per-channel scales with dynamic activations; per-tensor scales with a static
+    input_scale, not read): tpserve against transformers on the dequantized weights, logits and greedy tokens."""
+    from safetensors.torch import load_file
+
+    fp8_dir = write_compressed_tensors_checkpoint(tiny_model_factory("qwen3"), str(tmp_path / "fp8"), strategy, static)
+    ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
+    saved = load_file(os.path.join(fp8_dir, "model.safetensors"))
+    scale = saved["model.layers.0.self_attn.k_proj.weight_scale"]
+    assert saved["model.layers.0.self_attn.k_proj.weight"].dtype == FP8_DTYPE
+    assert scale.shape == ((saved["model.layers.0.self_attn.k_proj.weight"].shape[0], 1) if strategy == "channel" else (1,))
+    assert ("model.layers.0.mlp.down_proj.input_scale" in saved) == static
+    engine = Engine(EngineConfig(model=fp8_dir, device="cpu", page_size=4))
+    qkv = engine.model.model.layers[0].self_attn.qkv_proj
+    assert qkv.weight.dtype == torch.float32  # dequantized on the CPU
+    assert f"scales per {strategy}" in engine._quantization_note()
+    ids = list(range(30, 70))
+    err = (teacher_forced_logits(engine, ids, prefill=9) - hf_logits(ref_dir, ids)[8 : len(ids) - 1]).abs().max().item()
+    print(f"compressed-tensors {strategy}: max logit error {err:.2e}")
+    assert err < 1e-4
+    engine.shutdown()
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [hf_greedy(ref_dir, p, 12) for p in PROMPTS]
+    for tp in (1, 2):
+        with LLM(fp8_dir, tp_size=tp, device="cpu", page_size=4) as llm:
+            assert [o.token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == expected, f"tp {tp}"
+
+
+def test_compressed_tensors_errors_name_the_checkpoint_tensors(tiny_model_factory, tmp_path):
+    """A missing scale is named as the checkpoint names it (weight_scale); a scale of another shape is an error; MoE
+    experts scaled per channel are refused at load, naming the layer."""
+    src = tiny_model_factory("qwen3")
+    fp8_dir = write_compressed_tensors_checkpoint(src, str(tmp_path / "fp8"), "channel")
+    path = os.path.join(fp8_dir, "model.safetensors")
+    tensors = load_file(path)
+    scale = tensors.pop("model.layers.1.mlp.up_proj.weight_scale")
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"missing from the checkpoint: model\.layers\.1\.mlp\.up_proj\.weight_scale$"):
+        Engine(EngineConfig(model=fp8_dir, device="cpu", max_total_tokens=64))
+    tensors["model.layers.1.mlp.up_proj.weight_scale"] = scale[:, 0].reshape(2, -1)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight_scale' .* one scale per output row"):
+        Engine(EngineConfig(model=fp8_dir, device="cpu", max_total_tokens=64))
+    moe_dir = write_compressed_tensors_checkpoint(tiny_model_factory("qwen3_moe", num_layers=3), str(tmp_path / "moe"), "channel")
+    with pytest.raises(ValueError, match=r"FP8 experts scaled per channel \(model\.layers\.1\.mlp\.experts\) are not supported"):
+        Engine(EngineConfig(model=moe_dir, device="cpu", max_total_tokens=64))
 
 
 def test_modules_to_not_convert_match_as_transformers_does():
@@ -271,6 +368,24 @@ def test_fp8_moe_architectures_match_transformers_at_tp_1_and_2(fp8_moe, arch, q
         with LLM(fp8_dir, tp_size=tp, device="cpu", page_size=4) as llm:
             outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
         assert [o.token_ids for o in outs] == expected, f"{arch} tp {tp}"
+
+
+@pytest.mark.parametrize("pattern", [r"model\.layers\.\d+\.block_sparse_moe\.experts", r"model\.layers\.\d+\.mlp\.experts"])
+def test_mixtral_experts_left_unconverted_in_either_spelling(tiny_model_factory, tmp_path, pattern):
+    """modules_to_not_convert may name Mixtral's experts as its checkpoints do or as transformers' modules do (it reads
+    both): the experts stay bf16, and TP 2 may cut their 48 rows inside a 16-block, since no block is cut."""
+    src = tiny_model_factory("mixtral", num_layers=3, moe_intermediate_size=48)
+    mixtral_experts = r"model\.layers\.\d+\.block_sparse_moe\.experts"  # the helper matches the checkpoint's names
+    fp8_dir = write_fp8_checkpoint(src, str(tmp_path / "fp8"), (16, 16), ("lm_head", mixtral_experts))
+    cfg = json.loads(open(os.path.join(fp8_dir, "config.json")).read())
+    cfg["quantization_config"]["modules_to_not_convert"] = ["lm_head", pattern]
+    open(os.path.join(fp8_dir, "config.json"), "w").write(json.dumps(cfg))
+    ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [hf_greedy(ref_dir, p, 12) for p in PROMPTS]
+    for tp in (1, 2):
+        with LLM(fp8_dir, tp_size=tp, device="cpu", page_size=4) as llm:
+            assert [o.token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == expected, f"tp {tp}"
 
 
 def test_expert_tensors_of_another_width_are_errors_naming_them(fp8_moe, tmp_path):

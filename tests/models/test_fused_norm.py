@@ -18,7 +18,7 @@ from tpserve.engine.engine import Engine
 from tpserve.kernels import gemv, moe_small
 from tpserve.layers.linear import ParallelLinear
 from tpserve.layers.moe import SparseMoeBlock, experts_torch
-from tpserve.models.decoder import MLP
+from tpserve.layers.mlp import MLP
 from test_vs_transformers import PROMPTS, teacher_forced_logits
 
 

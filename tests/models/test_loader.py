@@ -17,9 +17,8 @@ from tpserve.distributed.comm import SingleRankCommunicator
 from tpserve.distributed.info import set_tp_info
 from tpserve.engine.engine import Engine
 from tpserve.models.decoder import CausalLM
-from tpserve.models.loader import (
-    checkpoint_name, checkpoint_target, load_safetensors, materialize, safetensors_files, spelled_for,
-)
+from tpserve.models.loader import checkpoint_name, checkpoint_target, load_safetensors, materialize, safetensors_files
+from tpserve.models.names import spelled_for
 
 
 def copy_model(src: str, dst: str) -> str:

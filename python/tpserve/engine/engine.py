@@ -237,7 +237,8 @@ class Engine:
             form += "; experts FP8 (CUDA GEMV at one token, Triton above)"
         elif any(m.dequantized for m in experts):
             form += f"; experts dequantized to {str(self.dtype).removeprefix('torch.')}"
-        return f", {quant.method} weights ({source}, blocks {quant.block_size[0]}x{quant.block_size[1]}, {form})"
+        scales = f"scales per {quant.scales}" if quant.row_scales else f"blocks {quant.block_size[0]}x{quant.block_size[1]}"
+        return f", {quant.method} weights ({source}, {scales}, {form})"
 
     def _fused_rope_store(self) -> bool:
         """Whether layers take qkv to q and the KV cache in one Triton kernel (kernels.rope_store)."""

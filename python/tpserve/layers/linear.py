@@ -95,10 +95,12 @@ class ParallelLinear(nn.Module):
         self.keep_dtype: tuple[str, ...] = ()  # parameters the compute dtype does not apply to
         self.fp8_backend = "auto"  # the GPU GEMM of FP8 weights (kernels.fp8_linear)
         self.bf16_gemv = False  # bf16 weight: the CUDA GEMV at one token (kernels.gemv)
+        self.row_scales = False  # FP8 scales per output row or tensor (compressed-tensors), not per block
 
-    def use_fp8(self, block_size: tuple[int, int], prequantized: bool) -> None:
-        """Hold the weight in FP8 (loaded so if ``prequantized``); called before materialising."""
-        self.block_size = block_size
+    def use_fp8(self, block_size: tuple[int, int], prequantized: bool, row_scales: bool = False) -> None:
+        """Hold the weight in FP8 (loaded so if ``prequantized``); called before materialising. ``row_scales``: the
+        checkpoint scales each output row (or the whole tensor), held as ``block_size`` (1, k) blocks of one scale."""
+        self.block_size, self.row_scales = block_size, row_scales
         if prequantized:
             device = self.weight.device
             self.weight = nn.Parameter(torch.empty(self.weight.shape, dtype=FP8_DTYPE, device=device), requires_grad=False)
@@ -167,10 +169,33 @@ class ParallelLinear(nn.Module):
         if param_name == "bias" and dim == 1:  # a row-parallel bias is added once, after the all-reduce
             copy_checked(param, loaded, param_name)
             return
+        if param_name == "weight_scale_inv" and self.row_scales:
+            self._load_row_scales(param, loaded, shard_id)
+            return
         part = self.part(shard_id)
         if param_name == "weight_scale_inv" and self.block_size is not None:
             part = part.blocks(self.block_size[dim], f"{param_name} (weight_block_size {list(self.block_size)})")
         copy_checked(param.narrow(dim, part.dest, part.size), part.cut(loaded, dim, param.dim(), param_name), param_name)
+
+
+    def _load_row_scales(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None) -> None:
+        """A checkpoint's scale per output row ([rows, 1] or [rows]) or per tensor (one element), repeated along this
+        rank's input blocks: rows are cut as the weight's; a row-parallel layer keeps them all (a row's scale holds
+        for any cut of its inputs)."""
+        name = "weight_scale"
+        if self.split_dim == 1:
+            part = Slice(0, param.shape[0], 0, param.shape[0])
+        else:
+            part = self.part(shard_id)
+        if loaded.numel() == 1:
+            rows = loaded.reshape(1).expand(part.full)
+        elif loaded.dim() == 2 and loaded.shape[1] == 1 or loaded.dim() == 1:
+            rows = loaded.reshape(-1)
+        else:
+            raise ValueError(f"{name}: expected one scale per output row ([rows, 1]) or per tensor, got shape "
+                             f"{tuple(loaded.shape)}")
+        rows = part.cut(rows, 0, 1, name)
+        param.narrow(0, part.dest, part.size).copy_(rows[:, None].expand(part.size, param.shape[1]))
 
 
 class ColumnParallelLinear(ParallelLinear):

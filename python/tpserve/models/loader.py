@@ -15,6 +15,7 @@ from tqdm import tqdm
 from tpserve.layers.linear import ParallelLinear
 from tpserve.layers.moe import StackedExperts, holds_whole_experts
 from tpserve.models.checkpoint import open_safetensors, safetensors_files
+from tpserve.models.names import canonical_name, converted, spelled_for
 from tpserve.models.decoder import CausalLM
 from tpserve.quant.config import QuantConfig
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX
@@ -35,37 +36,6 @@ _EXPERT_PARTS = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1
 
 ShardId = str | int | tuple[int, int] | None  # tuple: (expert, part) of stacked experts
 Target = tuple[str, str, ShardId]  # (module path, parameter name, shard id)
-
-
-# The decoder's own modules, which a checkpoint of the bare decoder (transformers' Qwen3Model and kin, as
-# sentence-transformers saves embedding models) names without the "model." of *ForCausalLM's
-_DECODER_MODULES = ("embed_tokens.", "layers.", "norm.")
-
-
-# Mixtral's checkpoints name a layer's MoE block and its experts' projections otherwise (as transformers' conversion
-# mapping reads them): (Mixtral's spelling, the one tpserve's modules use)
-_MIXTRAL_SPELLING = ((".block_sparse_moe.", ".mlp."), (".w1.", ".gate_proj."), (".w3.", ".up_proj."), (".w2.", ".down_proj."))
-_MIXTRAL_EXPERT = re.compile(r"(?P<expert>\.experts\.\d+)(?P<proj>\.w[123]\.)")
-
-
-def canonical_name(name: str) -> str:
-    """A checkpoint tensor's name as *ForCausalLM's checkpoints spell it (Mixtral's MoE names as Qwen's)."""
-    name = name.removeprefix("language_model.")
-    name = "model." + name if name.startswith(_DECODER_MODULES) else name
-    if ".block_sparse_moe." in name:
-        name = name.replace(*_MIXTRAL_SPELLING[0])
-        name = _MIXTRAL_EXPERT.sub(lambda m: m["expert"] + dict(_MIXTRAL_SPELLING[1:])[m["proj"]], name)
-    return name
-
-
-def spelled_for(architecture: str, name: str) -> str:
-    """A module or tensor name of tpserve's model as ``architecture``'s checkpoints spell it (Mixtral's MoE block)."""
-    if not architecture.startswith("Mixtral") or ".mlp." not in name:
-        return name
-    name = name.replace(".mlp.", ".block_sparse_moe.")
-    for mixtral, ours in _MIXTRAL_SPELLING[1:]:
-        name = re.sub(rf"(\.experts\.\d+){re.escape(ours)}", rf"\g<1>{mixtral}", name)
-    return name
 
 
 def checkpoint_target(name: str) -> Target:
@@ -109,27 +79,30 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> None:
     """Mark the linear layers ``quant`` converts (by checkpoint name), and an FP8 checkpoint's experts,
     before materialising. Quantizing at load leaves the experts in the compute dtype."""
     architecture = model.config.architecture if isinstance(model, CausalLM) else ""
-    for module_name, module in model.named_modules():
-        name = spelled_for(architecture, module_name)
-        if isinstance(module, StackedExperts) and quant.prequantized and quant.converts(name):
-            kept = [e for e in range(module.total_experts) if not quant.converts(f"{name}.{e}")]
+    for name, module in model.named_modules():
+        if isinstance(module, StackedExperts) and quant.prequantized and converted(quant, architecture, name):
+            if quant.row_scales:
+                raise ValueError(f"quantization_config: FP8 experts scaled per {quant.scales} ({name}) are not "
+                                 "supported; tpserve reads MoE checkpoints with block scales (Qwen3-30B-A3B-FP8's)")
+            kept = [e for e in range(module.total_experts) if not converted(quant, architecture, f"{name}.{e}")]
             if kept:
                 raise ValueError(
-                    f"quantization_config.modules_to_not_convert keeps expert(s) {kept[:8]} of {name} unquantized but "
+                    f"quantization_config.modules_to_not_convert keeps expert(s) {kept[:8]} of {spelled_for(architecture, name)} unquantized but "
                     "not the others; tpserve holds a layer's experts in one tensor, so they must all be quantized or none"
                 )
             module.use_fp8(quant.block_size)
         if not isinstance(module, ParallelLinear):
             continue
-        parts = tuple(spelled_for(architecture, part) for part in checkpoint_parts(module_name))
-        converted = [quant.converts(part) for part in parts]
-        if all(converted):
-            module.use_fp8(quant.block_size, quant.prequantized)
-        elif any(converted):
-            kept = [p for p, c in zip(parts, converted) if not c]
+        parts = checkpoint_parts(name)
+        converts = [converted(quant, architecture, part) for part in parts]
+        if all(converts):
+            module.use_fp8(quant.block_size, quant.prequantized, quant.row_scales)
+        elif any(converts):
+            kept = [spelled_for(architecture, p) for p, c in zip(parts, converts) if not c]
             raise ValueError(
                 f"quantization_config.modules_to_not_convert keeps {', '.join(kept)} unquantized but not the rest of "
-                f"{', '.join(parts)}; tpserve computes them in one matmul ({name}), so they must all be quantized or none"
+                f"{', '.join(spelled_for(architecture, p) for p in parts)}; tpserve computes them in one matmul ({name}), so "
+                "they must all be quantized or none"
             )
 
 
@@ -212,12 +185,25 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
     if score_tokens:
         expected.discard(("score", "weight", None))
 
+    # compressed-tensors' and per-tensor FP8 checkpoints name their scales weight_scale (read as weight_scale_inv: both
+    # multiply) and may hold static activation scales (input_scale), not read: tpserve quantizes activations per token
+    quant = model.config.quantization
+    scale_renamed = quant is not None and quant.scale_name == "weight_scale"
+
+    # transformers' Qwen2-MoE builds its shared expert even 0 wide (0-row tensors, and a gate whose product is 0): tpserve
+    # builds none, so those tensors are not read
+    moe = model.config.moe
+    no_shared = moe is not None and moe.shared_intermediate_size == 0 and model.config.architecture.startswith("Qwen2Moe")
+
     def skip(name: str) -> bool:  # per-expert tensors of other ranks are not even read
-        if name.endswith(_IGNORED_SUFFIXES):
+        if name.endswith(_IGNORED_SUFFIXES) or scale_renamed and name.endswith(".input_scale"):
+            return True
+        if no_shared and (".mlp.shared_expert." in name or ".mlp.shared_expert_gate." in name):
             return True
         return expert_parallel and _held_elsewhere(model, checkpoint_target(name))
 
-    for name, tensor in _iter_checkpoint(safetensors_files(model_dir), show_progress, skip):
+    for source, tensor in _iter_checkpoint(safetensors_files(model_dir), show_progress, skip):
+        name = source + "_inv" if scale_renamed and source.endswith(".weight_scale") else source
         head = canonical_name(name)
         if score_tokens and head in ("lm_head.weight", "model.embed_tokens.weight"):
             head_rows[head] = _rows(name, tensor, score_tokens)
@@ -231,23 +217,23 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
                 if _held_elsewhere(model, target):  # a stacked tensor's other experts
                     continue
                 raise ValueError(
-                    f"unexpected weight {name!r} in the checkpoint (no parameter {target[0]}.{target[1]}"
+                    f"unexpected weight {source!r} in the checkpoint (no parameter {target[0]}.{target[1]}"
                     + (f" for shard {target[2]})" if target[2] is not None else ")")
                 )
             if target in loaded:
-                raise ValueError(f"weight {name!r} appears twice in the checkpoint")
+                raise ValueError(f"weight {source!r} appears twice in the checkpoint")
             module, param, shard_id = target
             layer = model.get_submodule(module)
             if not piece.is_floating_point():  # copying an integer tensor would convert it silently
-                raise ValueError(f"checkpoint tensor {name!r} is {str(piece.dtype).removeprefix('torch.')}, not a "
+                raise ValueError(f"checkpoint tensor {source!r} is {str(piece.dtype).removeprefix('torch.')}, not a "
                                  "floating-point weight")
-            _check_float8(name, piece.dtype, getattr(layer, param).dtype)
+            _check_float8(source, piece.dtype, getattr(layer, param).dtype)
             try:
                 with torch.no_grad():
                     layer.load_weight(param, piece, shard_id)
             except ValueError as e:  # the layer's message names its parameter, not the checkpoint's tensor
                 raise ValueError(
-                    f"checkpoint tensor {name!r} of shape {tuple(tensor.shape)} does not fit the model config.json "
+                    f"checkpoint tensor {source!r} of shape {tuple(tensor.shape)} does not fit the model config.json "
                     f"describes: {e}"
                 ) from None
             loaded.add(target)
@@ -255,6 +241,8 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
     missing = expected - loaded
     if missing:
         names = sorted(spelled_for(model.config.architecture, checkpoint_name(target)) for target in missing)
+        if scale_renamed:
+            names = [n.removesuffix("_inv") if n.endswith(".weight_scale_inv") else n for n in names]
         raise ValueError(f"weights missing from the checkpoint: {', '.join(names[:10])}" + (" ..." if len(names) > 10 else ""))
     if tied_head is not None:
         _untie_if_different(model, tied_head)

@@ -1,5 +1,7 @@
-"""A checkpoint's ``quantization_config`` (FP8 with block scales, as Qwen and DeepSeek publish
-it), or the quantization asked for at load time (``--quantization fp8``)."""
+"""A checkpoint's ``quantization_config``: FP8 weights with block scales (Qwen's and DeepSeek's ``fp8``), with one
+scale per tensor (the older ``fp8`` without ``weight_block_size``) or as compressed-tensors writes them (llm-compressor's
+FP8 schemes: a scale per output channel, per tensor or per block); or the quantization asked for at load time
+(``--quantization fp8``)."""
 
 from __future__ import annotations
 
@@ -15,12 +17,28 @@ _KNOWN_KEYS = {
 }
 
 
+ROW_BLOCK = (1, 128)  # how tpserve holds per-channel and per-tensor scales: one per output row, repeated per 128 inputs
+_COMPRESSED_TENSORS_KEYS = {
+    "quant_method", "format", "config_groups", "ignore", "kv_cache_scheme", "quantization_status",
+    "global_compression_ratio", "sparsity_config", "version", "transform_config",
+}
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     method: str  # "fp8": float8_e4m3fn weights
     block_size: tuple[int, int]  # (output rows, input columns) of weights sharing one float32 scale
     prequantized: bool  # the checkpoint holds the FP8 weights and scales (else quantized at load time)
     not_converted: tuple[str, ...] = ()  # module-name patterns left unquantized (modules_to_not_convert)
+    # The checkpoint's scales: "block" (one a block_size block), "channel" (one an output row) or "tensor" (one a
+    # tensor). tpserve holds the last two as one scale a row, repeated along the input (block_size ROW_BLOCK, any
+    # tensor-parallel cut): ``row_scales``.
+    scales: str = "block"
+    scale_name: str = "weight_scale_inv"  # the checkpoint's scale tensors (compressed-tensors': weight_scale)
+
+    @property
+    def row_scales(self) -> bool:
+        return self.scales != "block"
 
     def converts(self, module: str) -> bool:
         """Whether the checkpoint module ``module`` is quantized; a pattern matches as in transformers:
@@ -35,12 +53,10 @@ def _error(key: str, message: str) -> ValueError:
     return ValueError(f"config.json quantization_config.{key}: {message}")
 
 
-def _block_size(value: Any) -> tuple[int, int]:
-    if value is None:
-        raise _error("weight_block_size", "null (one scale per tensor) is not supported; tpserve reads block-scaled FP8")
+def _block_size(value: Any, key: str = "weight_block_size") -> tuple[int, int]:
     ok = isinstance(value, (list, tuple)) and len(value) == 2
     if not ok or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in value):
-        raise _error("weight_block_size", f"must be two positive integers [rows, columns], got {value!r}")
+        raise _error(key, f"must be two positive integers [rows, columns], got {value!r}")
     return int(value[0]), int(value[1])
 
 
@@ -62,23 +78,75 @@ def parse_quantization_config(raw: Any) -> QuantConfig:
     if not isinstance(raw, dict):
         raise ValueError(f"config.json quantization_config must be an object, got {raw!r}")
     method = raw.get("quant_method")
+    if method == "compressed-tensors":
+        return _compressed_tensors(raw)
     if method not in QUANTIZATION_METHODS:
-        raise _error("quant_method", f"{method!r} is not supported (supported: {', '.join(QUANTIZATION_METHODS)})")
+        raise _error("quant_method", f"{method!r} is not supported (supported: {', '.join(QUANTIZATION_METHODS)}, "
+                     "compressed-tensors)")
     unknown = sorted(set(raw) - _KNOWN_KEYS)
     if unknown:
         raise _error(unknown[0], f"is not supported for quant_method fp8 (tpserve reads {', '.join(sorted(_KNOWN_KEYS))})")
     if raw.get("fmt", "e4m3") != "e4m3":
         raise _error("fmt", f"{raw['fmt']!r} is not supported (only e4m3: float8_e4m3fn weights)")
-    if str(raw.get("activation_scheme", "dynamic")).lower() != "dynamic":
-        raise _error("activation_scheme", f"{raw['activation_scheme']!r} is not supported (only dynamic)")
+    if str(raw.get("activation_scheme", "dynamic")).lower() not in ("dynamic", "static"):
+        raise _error("activation_scheme", f"{raw['activation_scheme']!r} is not supported (dynamic or static)")
     if raw.get("scale_fmt", "float") != "float":
         raise _error("scale_fmt", f"{raw['scale_fmt']!r} is not supported (only float: float32 scales)")
     if raw.get("modules_to_convert"):
         raise _error("modules_to_convert", "quantized embeddings are not supported")
+    if raw.get("weight_block_size") is None:  # one weight_scale a tensor (and an input_scale where static), as vLLM
+        return QuantConfig(method, ROW_BLOCK, True, _patterns(raw), scales="tensor", scale_name="weight_scale")
     return QuantConfig(
-        method=method, block_size=_block_size(raw.get("weight_block_size", [128, 128])), prequantized=True,
-        not_converted=_patterns(raw),
+        method=method, block_size=_block_size(raw["weight_block_size"]), prequantized=True, not_converted=_patterns(raw),
     )
+
+
+def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
+    """llm-compressor's FP8 checkpoints (FP8, FP8_DYNAMIC, FP8_BLOCK): one config group of 8-bit float weights on the
+    Linear layers, scaled per channel, tensor or block (``weight_scale``). Activations are quantized per token and
+    128 features as tpserve's FP8 GEMMs do, whatever the group says (a static ``input_scale`` is not read)."""
+    def error(key: str, message: str) -> ValueError:
+        return _error(key, message + " (tpserve reads compressed-tensors' FP8 weight schemes)")
+
+    unknown = sorted(set(raw) - _COMPRESSED_TENSORS_KEYS)
+    if unknown:
+        raise error(unknown[0], "is not supported")
+    if raw.get("format") not in ("float-quantized", "naive-quantized"):
+        raise error("format", f"{raw.get('format')!r} is not supported (float-quantized or naive-quantized)")
+    for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
+        if raw.get(key):
+            raise error(key, "is not supported (null or empty only)")
+    groups = raw.get("config_groups")
+    if not isinstance(groups, dict) or len(groups) != 1:
+        raise error("config_groups", f"must hold exactly one group, got {groups!r}")
+    (name, group), = groups.items()
+    key = f"config_groups.{name}"
+    if not isinstance(group, dict) or group.get("targets") != ["Linear"]:
+        raise error(f"{key}.targets", f"must be [\"Linear\"], got {group.get('targets') if isinstance(group, dict) else group!r}")
+    weights = group.get("weights")
+    if not isinstance(weights, dict) or weights.get("num_bits") != 8 or weights.get("type") != "float":
+        raise error(f"{key}.weights", f"must be 8-bit float (FP8 e4m3) weights, got {weights!r}")
+    if not weights.get("symmetric", True) or weights.get("dynamic"):
+        raise error(f"{key}.weights", "must be symmetric with static scales")
+    strategy = weights.get("strategy")
+    if strategy not in ("channel", "tensor", "block"):
+        raise error(f"{key}.weights.strategy", f"{strategy!r} is not supported (channel, tensor or block)")
+    activations = group.get("input_activations")
+    if activations is not None and (not isinstance(activations, dict) or activations.get("num_bits") != 8
+                                    or activations.get("type") != "float"):
+        raise error(f"{key}.input_activations", f"must be 8-bit float or null, got {activations!r}")
+    if group.get("output_activations") is not None:
+        raise error(f"{key}.output_activations", "must be null")
+    ignore = raw.get("ignore") or []
+    if not isinstance(ignore, list) or not all(isinstance(v, str) for v in ignore):
+        raise error("ignore", f"must be a list of module names, got {ignore!r}")
+    # compressed-tensors' names: a module's full name, or "re:" and a regular expression
+    patterns = tuple(v[3:] if v.startswith("re:") else re.escape(v) + "$" for v in ignore)
+    _patterns({"ignored_layers": list(patterns)})  # each compiles
+    if strategy == "block":
+        block = _block_size(weights.get("block_structure"), f"{key}.weights.block_structure")
+        return QuantConfig("fp8", block, True, patterns, scales="block", scale_name="weight_scale")
+    return QuantConfig("fp8", ROW_BLOCK, True, patterns, scales=strategy, scale_name="weight_scale")
 
 
 def resolve_quantization(asked: str | None, checkpoint: QuantConfig | None) -> QuantConfig | None:

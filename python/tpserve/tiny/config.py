@@ -49,7 +49,7 @@ def model_config(
     """The architecture's transformers config, with defaults filled in; shapes it cannot express
     are rejected. The MoE settings apply to the MoE architectures: qwen3_moe and qwen2_moe, whose sparse layers are
     all but ``mlp_only_layers`` (default: layer 0), and mixtral, whose layers are all sparse (its experts'
-    size is ``moe_intermediate_size``, its top k always renormalised). qwen2_moe's shared expert is
+    size is ``moe_intermediate_size`` or else ``intermediate_size``, its top k always renormalised). qwen2_moe's shared expert is
     ``shared_expert_intermediate_size`` wide (default: hidden)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
@@ -81,6 +81,8 @@ def model_config(
         raise ValueError(f"llama requires hidden_size ({hidden_size}) divisible by num_heads ({num_heads})")
     if head_dim < 2 or head_dim % 2 != 0:
         raise ValueError(f"head_dim must be even and >= 2 (rotary embedding), got {head_dim}")
+    if arch == "mixtral" and moe_intermediate_size is None:  # Mixtral's experts are intermediate_size wide
+        moe_intermediate_size = intermediate_size
     if intermediate_size is None:
         intermediate_size = 2 * hidden_size
     if intermediate_size < 1:
