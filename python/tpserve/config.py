@@ -365,7 +365,7 @@ class ModelConfig:
             if quantized and width % block:
                 raise ValueError(
                     f"{name} {tp_size}: each rank's share of the {what} is {width}, not a multiple of the FP8 "
-                    f"weight block {block} (quantization_config.weight_block_size {[bn, bk]}); the block scales "
+                    f"weight block {block} (quantization_config.{quant.block_key} {[bn, bk]}); the block scales "
                     "can only be split across ranks and merged (q/k/v, gate/up) at block boundaries"
                     + (f"; {_ep_hint(name)}" if what.startswith("expert ") else "")
                 )

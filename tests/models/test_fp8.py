@@ -40,6 +40,15 @@ def fp8_pair(tiny_model_factory, tmp_path_factory):
     return make
 
 
+def assert_greedy_matches_at_tp_1_and_2(fp8_dir: str, ref_dir: str) -> None:
+    """Greedy tokens of the FP8 checkpoint at TP 1 and 2 equal transformers' on its dequantized weights."""
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    expected = [hf_greedy(ref_dir, p, 12) for p in PROMPTS]
+    for tp in (1, 2):
+        with LLM(fp8_dir, tp_size=tp, device="cpu", page_size=4) as llm:
+            assert [o.token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == expected, f"tp {tp}"
+
+
 def test_published_config_is_read():
     quant = parse_quantization_config({**PUBLISHED, "modules_to_not_convert": ["lm_head"]})
     assert quant == QuantConfig("fp8", (128, 128), prequantized=True, not_converted=("lm_head",))
@@ -52,6 +61,8 @@ def test_published_config_is_read():
         ({"quant_method": "awq"}, r"quantization_config\.quant_method: 'awq' is not supported"),
         ({"fmt": "e5m2"}, r"quantization_config\.fmt: 'e5m2'"),
         ({"activation_scheme": "mixed"}, r"quantization_config\.activation_scheme: 'mixed'"),
+        # as vLLM: static activation scales come with per-tensor scales only
+        ({"activation_scheme": "static"}, r"activation_scheme: 'static' is not supported with weight_block_size"),
         ({"weight_block_size": [128]}, r"weight_block_size: must be two positive integers"),
         ({"kv_cache_scheme": {}}, r"quantization_config\.kv_cache_scheme: is not supported"),
         ({"modules_to_not_convert": "lm_head"}, r"modules_to_not_convert: must be a list"),
@@ -83,9 +94,22 @@ def test_compressed_tensors_configs_are_read():
     assert (quant.scales, quant.scale_name, quant.row_scales) == ("channel", "weight_scale", True)
     assert not quant.converts("lm_head") and not quant.converts("model.layers.3.mlp.gate")
     assert quant.converts("model.layers.3.mlp.gate_proj") and quant.converts("model.lm_head_extra")
-    assert parse_quantization_config(compressed_tensors_config(strategy="tensor")).scales == "tensor"
+    assert parse_quantization_config(compressed_tensors_config(strategy="TENSOR", type="FLOAT")).scales == "tensor"
     block = parse_quantization_config(compressed_tensors_config(strategy="block", block_structure=[128, 128]))
     assert (block.scales, block.block_size, block.scale_name, block.row_scales) == ("block", (128, 128), "weight_scale", False)
+    assert parse_quantization_config(compressed_tensors_config(strategy="block", block_structure="16x32")).block_size == (16, 32)
+    assert (block.ignore_key, block.block_key) == ("ignore", "config_groups.<group>.weights.block_structure")
+
+
+def test_compressed_tensors_ignore_matches_as_compressed_tensors_does():
+    """compressed-tensors' ignore: a full module name, or "re:" and a pattern matched from the start (re.match), with
+    none of transformers' module-boundary or suffix rules."""
+    quant = parse_quantization_config({**compressed_tensors_config(),
+                                       "ignore": ["lm_head", "re:.*self_attn.[qkv]", "re:.*layers.1", "re:mlp.down_proj"]})
+    assert not quant.converts("lm_head") and quant.converts("model.lm_head")
+    assert not quant.converts("model.layers.3.self_attn.k_proj") and quant.converts("model.layers.3.self_attn.o_proj")
+    assert not quant.converts("model.layers.11.mlp.up_proj")  # re.match: layers.1 is a prefix of layers.11
+    assert quant.converts("model.layers.3.mlp.down_proj")  # "mlp.down_proj" matches no name from its start
 
 
 @pytest.mark.parametrize(
@@ -100,6 +124,9 @@ def test_compressed_tensors_configs_are_read():
         ({"weights": {"strategy": "block", "block_structure": None}}, r"weights\.block_structure: must be two positive"),
         ({"weights": {"symmetric": False}}, r"weights: must be symmetric"),
         ({"ignore": "lm_head"}, r"quantization_config\.ignore: must be a list"),
+        ({"ignore": ["re:model.(("]}, r"quantization_config\.ignore: 're:model\.\(\(' is not a valid pattern"),
+        ({"config_groups": {"FP8_DYNAMIC": ["Linear"]}}, r"config_groups\.FP8_DYNAMIC: must be an object"),
+        ({"quantization_status": "frozen"}, r"quantization_status: 'frozen' is not supported"),
         ({"other": 1}, r"quantization_config\.other: is not supported"),
     ],
 )
@@ -132,11 +159,29 @@ def test_compressed_tensors_checkpoint_matches_transformers_at_tp_1_and_2(tiny_m
     print(f"compressed-tensors {strategy}: max logit error {err:.2e}")
     assert err < 1e-4
     engine.shutdown()
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [hf_greedy(ref_dir, p, 12) for p in PROMPTS]
-    for tp in (1, 2):
-        with LLM(fp8_dir, tp_size=tp, device="cpu", page_size=4) as llm:
-            assert [o.token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == expected, f"tp {tp}"
+    assert_greedy_matches_at_tp_1_and_2(fp8_dir, ref_dir)
+
+
+def test_transformers_per_tensor_fp8_checkpoint(tiny_model_factory, tmp_path):
+    """transformers' own per-tensor FP8 layout (weight_block_size null, activation_scheme static): a 0-d
+    weight_scale_inv and an activation_scale per layer (not read)."""
+    src = tiny_model_factory("qwen3")
+    fp8_dir = write_compressed_tensors_checkpoint(src, str(tmp_path / "fp8"), "tensor")
+    ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
+    path = os.path.join(fp8_dir, "model.safetensors")
+    tensors = {}
+    for name, tensor in load_file(path).items():
+        if name.endswith(".weight_scale"):
+            tensors[name + "_inv"] = tensor.float().reshape(())
+            tensors[name.removesuffix("weight_scale") + "activation_scale"] = torch.tensor(0.05)
+        else:
+            tensors[name] = tensor
+    save_file(tensors, path, metadata={"format": "pt"})
+    cfg = json.loads(open(os.path.join(fp8_dir, "config.json")).read())
+    cfg["quantization_config"] = {"quant_method": "fp8", "activation_scheme": "static", "weight_block_size": None,
+                                  "modules_to_not_convert": ["lm_head"]}
+    open(os.path.join(fp8_dir, "config.json"), "w").write(json.dumps(cfg))
+    assert_greedy_matches_at_tp_1_and_2(fp8_dir, ref_dir)
 
 
 def test_compressed_tensors_errors_name_the_checkpoint_tensors(tiny_model_factory, tmp_path):
@@ -342,12 +387,7 @@ def test_fp8_moe_checkpoint_matches_transformers_at_tp_1_and_2(fp8_moe):
     print(f"fp8 MoE checkpoint (block 16x16) vs transformers on the dequantized weights: max logit error {err:.2e}")
     assert err < 5e-4  # float32 over logits up to ~8, the experts summed in another order (1.1e-4 measured)
     assert torch.equal(ours.argmax(-1), ref.argmax(-1))
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [hf_greedy(ref_dir, p, 12) for p in PROMPTS]
-    for tp in (1, 2):
-        with LLM(fp8_dir, tp_size=tp, device="cpu", page_size=4) as llm:
-            outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
-        assert [o.token_ids for o in outs] == expected, f"tp {tp}"
+    assert_greedy_matches_at_tp_1_and_2(fp8_dir, ref_dir)
 
 
 @pytest.mark.parametrize("arch,quantized", [
@@ -362,12 +402,7 @@ def test_fp8_moe_architectures_match_transformers_at_tp_1_and_2(fp8_moe, arch, q
     fp8_dir, ref_dir = fp8_moe(arch)
     saved = load_file(os.path.join(fp8_dir, "model.safetensors"))
     assert saved[quantized].dtype == FP8_DTYPE and quantized + "_scale_inv" in saved
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [hf_greedy(ref_dir, p, 12) for p in PROMPTS]
-    for tp in (1, 2):
-        with LLM(fp8_dir, tp_size=tp, device="cpu", page_size=4) as llm:
-            outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
-        assert [o.token_ids for o in outs] == expected, f"{arch} tp {tp}"
+    assert_greedy_matches_at_tp_1_and_2(fp8_dir, ref_dir)
 
 
 @pytest.mark.parametrize("pattern", [r"model\.layers\.\d+\.block_sparse_moe\.experts", r"model\.layers\.\d+\.mlp\.experts"])
@@ -381,11 +416,7 @@ def test_mixtral_experts_left_unconverted_in_either_spelling(tiny_model_factory,
     cfg["quantization_config"]["modules_to_not_convert"] = ["lm_head", pattern]
     open(os.path.join(fp8_dir, "config.json"), "w").write(json.dumps(cfg))
     ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
-    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
-    expected = [hf_greedy(ref_dir, p, 12) for p in PROMPTS]
-    for tp in (1, 2):
-        with LLM(fp8_dir, tp_size=tp, device="cpu", page_size=4) as llm:
-            assert [o.token_ids for o in llm.generate(PROMPTS, greedy, use_tqdm=False)] == expected, f"tp {tp}"
+    assert_greedy_matches_at_tp_1_and_2(fp8_dir, ref_dir)
 
 
 def test_expert_tensors_of_another_width_are_errors_naming_them(fp8_moe, tmp_path):

@@ -87,7 +87,7 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> None:
             kept = [e for e in range(module.total_experts) if not converted(quant, architecture, f"{name}.{e}")]
             if kept:
                 raise ValueError(
-                    f"quantization_config.modules_to_not_convert keeps expert(s) {kept[:8]} of {spelled_for(architecture, name)} unquantized but "
+                    f"quantization_config.{quant.ignore_key} keeps expert(s) {kept[:8]} of {spelled_for(architecture, name)} unquantized but "
                     "not the others; tpserve holds a layer's experts in one tensor, so they must all be quantized or none"
                 )
             module.use_fp8(quant.block_size)
@@ -100,7 +100,7 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> None:
         elif any(converts):
             kept = [spelled_for(architecture, p) for p, c in zip(parts, converts) if not c]
             raise ValueError(
-                f"quantization_config.modules_to_not_convert keeps {', '.join(kept)} unquantized but not the rest of "
+                f"quantization_config.{quant.ignore_key} keeps {', '.join(kept)} unquantized but not the rest of "
                 f"{', '.join(spelled_for(architecture, p) for p in parts)}; tpserve computes them in one matmul ({name}), so "
                 "they must all be quantized or none"
             )
@@ -186,7 +186,8 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
         expected.discard(("score", "weight", None))
 
     # compressed-tensors' and per-tensor FP8 checkpoints name their scales weight_scale (read as weight_scale_inv: both
-    # multiply) and may hold static activation scales (input_scale), not read: tpserve quantizes activations per token
+    # multiply) and may hold static activation scales (vLLM's input_scale, transformers' activation_scale), not read:
+    # tpserve quantizes activations per token
     quant = model.config.quantization
     scale_renamed = quant is not None and quant.scale_name == "weight_scale"
 
@@ -196,7 +197,7 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
     no_shared = moe is not None and moe.shared_intermediate_size == 0 and model.config.architecture.startswith("Qwen2Moe")
 
     def skip(name: str) -> bool:  # per-expert tensors of other ranks are not even read
-        if name.endswith(_IGNORED_SUFFIXES) or scale_renamed and name.endswith(".input_scale"):
+        if name.endswith(_IGNORED_SUFFIXES) or scale_renamed and name.endswith((".input_scale", ".activation_scale")):
             return True
         if no_shared and (".mlp.shared_expert." in name or ".mlp.shared_expert_gate." in name):
             return True
@@ -227,7 +228,7 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
             if not piece.is_floating_point():  # copying an integer tensor would convert it silently
                 raise ValueError(f"checkpoint tensor {source!r} is {str(piece.dtype).removeprefix('torch.')}, not a "
                                  "floating-point weight")
-            _check_float8(source, piece.dtype, getattr(layer, param).dtype)
+            _check_float8(source, piece.dtype, getattr(layer, param).dtype, quant.ignore_key if quant else "")
             try:
                 with torch.no_grad():
                     layer.load_weight(param, piece, shard_id)
@@ -259,17 +260,17 @@ def _rows(name: str, tensor: torch.Tensor, token_ids: list[int]) -> torch.Tensor
     return tensor[token_ids].float()
 
 
-def _check_float8(name: str, stored: torch.dtype, held: torch.dtype) -> None:
+def _check_float8(name: str, stored: torch.dtype, held: torch.dtype, ignore_key: str) -> None:
     """A float8 tensor only where tpserve holds float8_e4m3fn, and one there (a copy would convert it silently)."""
     stored_fp8, held_fp8 = stored.itemsize == 1, held == FP8_DTYPE
     dtype = str(stored).removeprefix("torch.")
     if stored_fp8 and not held_fp8:
         raise ValueError(f"checkpoint tensor {name!r} is {dtype}, but tpserve holds it in {str(held).removeprefix('torch.')}"
-                         " (config.json has no quantization_config, its modules_to_not_convert lists the module, or "
+                         f" (config.json has no quantization_config, its {ignore_key or 'modules_to_not_convert'} lists the module, or "
                          "the tensor is never quantized: a scale, a norm, a MoE router)")
     if held_fp8 and stored != FP8_DTYPE:
         raise ValueError(f"checkpoint tensor {name!r} is {dtype}, but config.json's quantization_config (fmt e4m3) makes "
-                         "it float8_e4m3fn" + ("" if stored_fp8 else ": list its module in modules_to_not_convert if "
+                         "it float8_e4m3fn" + ("" if stored_fp8 else f": list its module in {ignore_key} if "
                                                "the checkpoint keeps it unquantized"))
 
 

@@ -35,14 +35,27 @@ class QuantConfig:
     # tensor-parallel cut): ``row_scales``.
     scales: str = "block"
     scale_name: str = "weight_scale_inv"  # the checkpoint's scale tensors (compressed-tensors': weight_scale)
+    compressed_tensors: bool = False  # llm-compressor's format: its ``ignore`` rules and key names
 
     @property
     def row_scales(self) -> bool:
         return self.scales != "block"
 
+    @property
+    def ignore_key(self) -> str:
+        """config.json's key listing the unquantized modules."""
+        return "ignore" if self.compressed_tensors else "modules_to_not_convert"
+
+    @property
+    def block_key(self) -> str:
+        return "config_groups.<group>.weights.block_structure" if self.compressed_tensors else "weight_block_size"
+
     def converts(self, module: str) -> bool:
-        """Whether the checkpoint module ``module`` is quantized; a pattern matches as in transformers:
-        from the start up to a module boundary (as a regular expression too), or as a suffix."""
+        """Whether the checkpoint module ``module`` is quantized. A pattern matches as in transformers: from the start
+        up to a module boundary (as a regular expression too), or as a suffix; compressed-tensors' ``ignore`` as it
+        matches: a full module name, or ``re:`` and a regular expression matched from the start (``re.match``)."""
+        if self.compressed_tensors:
+            return not any(re.match(p[3:], module) if p.startswith("re:") else p == module for p in self.not_converted)
         boundary = r"(?:(?<=\.)|(?=\.|$))"
         return not any(
             re.match(rf"(?:{pattern}){boundary}", module) or module.endswith(pattern) for pattern in self.not_converted
@@ -94,8 +107,13 @@ def parse_quantization_config(raw: Any) -> QuantConfig:
         raise _error("scale_fmt", f"{raw['scale_fmt']!r} is not supported (only float: float32 scales)")
     if raw.get("modules_to_convert"):
         raise _error("modules_to_convert", "quantized embeddings are not supported")
-    if raw.get("weight_block_size") is None:  # one weight_scale a tensor (and an input_scale where static), as vLLM
+    if raw.get("weight_block_size") is None:
+        # one scale a tensor: vLLM's weight_scale (and input_scale where static), or transformers' 0-d weight_scale_inv
+        # (and activation_scale); the activation scales are not read
         return QuantConfig(method, ROW_BLOCK, True, _patterns(raw), scales="tensor", scale_name="weight_scale")
+    if str(raw.get("activation_scheme", "dynamic")).lower() != "dynamic":
+        raise _error("activation_scheme", f"{raw['activation_scheme']!r} is not supported with weight_block_size "
+                     "(block-scaled FP8 quantizes activations dynamically)")
     return QuantConfig(
         method=method, block_size=_block_size(raw["weight_block_size"]), prequantized=True, not_converted=_patterns(raw),
     )
@@ -116,37 +134,50 @@ def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
     for key in ("sparsity_config", "transform_config", "kv_cache_scheme"):
         if raw.get(key):
             raise error(key, "is not supported (null or empty only)")
+    if raw.get("quantization_status", "compressed") != "compressed":
+        raise error("quantization_status", f"{raw['quantization_status']!r} is not supported (compressed: the weights "
+                    "saved in FP8)")
     groups = raw.get("config_groups")
     if not isinstance(groups, dict) or len(groups) != 1:
         raise error("config_groups", f"must hold exactly one group, got {groups!r}")
     (name, group), = groups.items()
     key = f"config_groups.{name}"
-    if not isinstance(group, dict) or group.get("targets") != ["Linear"]:
-        raise error(f"{key}.targets", f"must be [\"Linear\"], got {group.get('targets') if isinstance(group, dict) else group!r}")
+    if not isinstance(group, dict):
+        raise error(key, f"must be an object (targets, weights, input_activations), got {group!r}")
+    if group.get("targets") != ["Linear"]:
+        raise error(f"{key}.targets", f"must be [\"Linear\"], got {group.get('targets')!r}")
+    if group.get("format") not in (None, "float-quantized", "naive-quantized"):
+        raise error(f"{key}.format", f"{group['format']!r} is not supported (float-quantized or naive-quantized)")
     weights = group.get("weights")
-    if not isinstance(weights, dict) or weights.get("num_bits") != 8 or weights.get("type") != "float":
+    if not isinstance(weights, dict) or weights.get("num_bits") != 8 or str(weights.get("type")).lower() != "float":
         raise error(f"{key}.weights", f"must be 8-bit float (FP8 e4m3) weights, got {weights!r}")
     if not weights.get("symmetric", True) or weights.get("dynamic"):
         raise error(f"{key}.weights", "must be symmetric with static scales")
-    strategy = weights.get("strategy")
+    strategy = str(weights.get("strategy")).lower()
     if strategy not in ("channel", "tensor", "block"):
-        raise error(f"{key}.weights.strategy", f"{strategy!r} is not supported (channel, tensor or block)")
+        raise error(f"{key}.weights.strategy", f"{weights.get('strategy')!r} is not supported (channel, tensor or block)")
     activations = group.get("input_activations")
     if activations is not None and (not isinstance(activations, dict) or activations.get("num_bits") != 8
-                                    or activations.get("type") != "float"):
+                                    or str(activations.get("type")).lower() != "float"):
         raise error(f"{key}.input_activations", f"must be 8-bit float or null, got {activations!r}")
     if group.get("output_activations") is not None:
         raise error(f"{key}.output_activations", "must be null")
     ignore = raw.get("ignore") or []
     if not isinstance(ignore, list) or not all(isinstance(v, str) for v in ignore):
         raise error("ignore", f"must be a list of module names, got {ignore!r}")
-    # compressed-tensors' names: a module's full name, or "re:" and a regular expression
-    patterns = tuple(v[3:] if v.startswith("re:") else re.escape(v) + "$" for v in ignore)
-    _patterns({"ignored_layers": list(patterns)})  # each compiles
+    for pattern in ignore:  # a module's full name, or "re:" and a regular expression
+        try:
+            re.compile(pattern[3:] if pattern.startswith("re:") else "")
+        except re.error as e:
+            raise error("ignore", f"{pattern!r} is not a valid pattern ({e})") from e
+    block, scales = ROW_BLOCK, strategy
     if strategy == "block":
-        block = _block_size(weights.get("block_structure"), f"{key}.weights.block_structure")
-        return QuantConfig("fp8", block, True, patterns, scales="block", scale_name="weight_scale")
-    return QuantConfig("fp8", ROW_BLOCK, True, patterns, scales=strategy, scale_name="weight_scale")
+        structure = weights.get("block_structure")
+        if isinstance(structure, str) and re.fullmatch(r"\d+x\d+", structure):  # the older "128x128" spelling
+            structure = [int(v) for v in structure.split("x")]
+        block = _block_size(structure, f"{key}.weights.block_structure")
+    return QuantConfig("fp8", block, True, tuple(ignore), scales=scales, scale_name="weight_scale",
+                       compressed_tensors=True)
 
 
 def resolve_quantization(asked: str | None, checkpoint: QuantConfig | None) -> QuantConfig | None:
