@@ -177,7 +177,6 @@ class ParallelLinear(nn.Module):
             part = part.blocks(self.block_size[dim], f"{param_name} (weight_block_size {list(self.block_size)})")
         copy_checked(param.narrow(dim, part.dest, part.size), part.cut(loaded, dim, param.dim(), param_name), param_name)
 
-
     def _load_row_scales(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None) -> None:
         """A checkpoint's scale per output row ([rows, 1] or [rows]) or per tensor (one element), repeated along this
         rank's input blocks: rows are cut as the weight's; a row-parallel layer keeps them all (a row's scale holds
