@@ -184,9 +184,28 @@ def test_transformers_per_tensor_fp8_checkpoint(tiny_model_factory, tmp_path):
     assert_greedy_matches_at_tp_1_and_2(fp8_dir, ref_dir)
 
 
+@pytest.mark.parametrize("arch,strategy", [("qwen3_moe", "channel"), ("qwen2_moe", "tensor")])
+def test_compressed_tensors_moe_checkpoint_matches_transformers(tiny_model_factory, tmp_path, arch, strategy):
+    """llm-compressor's FP8 MoE checkpoints (RedHatAI's Qwen3-30B-A3B-FP8-dynamic layout: every expert projection and
+    Qwen2-MoE's shared expert scaled per channel or tensor): the experts dequantized at load (the expert kernels read
+    block scales), greedy tokens equal to transformers on the dequantized weights at TP 1 and 2, and with expert
+    parallelism."""
+    fp8_dir = write_compressed_tensors_checkpoint(tiny_model_factory(arch, num_layers=3), str(tmp_path / "fp8"), strategy)
+    ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
+    assert load_file(os.path.join(fp8_dir, "model.safetensors"))["model.layers.1.mlp.experts.5.down_proj.weight"].dtype == FP8_DTYPE
+    engine = Engine(EngineConfig(model=fp8_dir, device="cpu", max_total_tokens=64))
+    assert engine.model.model.layers[1].mlp.experts.dequantized
+    engine.shutdown()
+    assert_greedy_matches_at_tp_1_and_2(fp8_dir, ref_dir)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(fp8_dir, tp_size=2, device="cpu", page_size=4, expert_parallel=True) as llm:
+        outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(ref_dir, p, 12) for p in PROMPTS]
+
+
 def test_compressed_tensors_errors_name_the_checkpoint_tensors(tiny_model_factory, tmp_path):
-    """A missing scale is named as the checkpoint names it (weight_scale); a scale of another shape is an error; MoE
-    experts scaled per channel are refused at load, naming the layer."""
+    """A missing scale is named as the checkpoint names it (weight_scale); a scale of another shape is an error, for
+    a linear layer and for an expert."""
     src = tiny_model_factory("qwen3")
     fp8_dir = write_compressed_tensors_checkpoint(src, str(tmp_path / "fp8"), "channel")
     path = os.path.join(fp8_dir, "model.safetensors")
@@ -200,7 +219,13 @@ def test_compressed_tensors_errors_name_the_checkpoint_tensors(tiny_model_factor
     with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp\.up_proj\.weight_scale' .* one scale per output row"):
         Engine(EngineConfig(model=fp8_dir, device="cpu", max_total_tokens=64))
     moe_dir = write_compressed_tensors_checkpoint(tiny_model_factory("qwen3_moe", num_layers=3), str(tmp_path / "moe"), "channel")
-    with pytest.raises(ValueError, match=r"FP8 experts scaled per channel \(model\.layers\.1\.mlp\.experts\) are not supported"):
+    path = os.path.join(moe_dir, "model.safetensors")
+    tensors = load_file(path)
+    down = "model.layers.1.mlp.experts.3.down_proj.weight_scale"
+    tensors[down] = tensors[down][:-1]
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(ValueError, match=r"'model\.layers\.1\.mlp\.experts\.3\.down_proj\.weight_scale' .* expected one "
+                       r"scale per output row \(64, or \[64, 1\]\)"):
         Engine(EngineConfig(model=moe_dir, device="cpu", max_total_tokens=64))
 
 

@@ -91,6 +91,24 @@ def test_moe_fp8_checkpoint_counts_fp8_experts_and_quantization_flag_does_not(ca
         (shape.layers_linear_params(1) - routers) * shape.linear_bytes + routers * 2)
 
 
+def test_moe_checkpoint_scaled_per_channel_counts_its_experts_dequantized(tmp_path, capsys):
+    """A compressed-tensors FP8 MoE checkpoint scaled per channel: the engine dequantizes its experts at load (the
+    expert kernels read block scales), so the plan counts them in bf16 and only the attention in FP8 with a scale a row."""
+    import json
+
+    cfg = json.load(open(os.path.join(data_config("Qwen3-30B-A3B"), "config.json")))
+    group = {"targets": ["Linear"], "weights": {"num_bits": 8, "type": "float", "strategy": "channel", "symmetric": True,
+                                                "dynamic": False}}
+    cfg["quantization_config"] = {"quant_method": "compressed-tensors", "format": "float-quantized",
+                                  "config_groups": {"group_0": group}, "ignore": ["lm_head", "re:.*mlp.gate$"]}
+    channel = write_config(str(tmp_path / "channel"), cfg)
+    results = {}
+    for name, model in (("bf16", data_config("Qwen3-30B-A3B")), ("channel", channel)):
+        assert main(["--model", model, "--context", "4096"]) == 0
+        results[name] = weights_gib(capsys.readouterr().out)
+    assert results["bf16"] - results["channel"] == pytest.approx(0.84, abs=0.1)  # only the attention halved
+
+
 def test_cli_quantization_errors(tmp_path, capsys):
     plain = write_config(str(tmp_path / "bf16"), qwen3_8b())
     assert main(["--model", plain, "--quantization", "int4"]) == 2

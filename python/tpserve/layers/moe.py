@@ -128,11 +128,16 @@ class StackedExperts(nn.Module):
         self.block_size: tuple[int, int] | None = None  # an FP8 checkpoint's weight blocks
         self.keep_dtype: tuple[str, ...] = ()
         self.dequantized = False  # loaded from FP8, computed in the compute dtype
+        self.row_scales = False  # the checkpoint scales each output row (or tensor): dequantized at load
 
-    def use_fp8(self, block_size: tuple[int, int]) -> None:
-        """Load the experts as an FP8 checkpoint holds them; called before materialising."""
-        (bn, bk), hidden, size, device = block_size, self.down_proj.shape[1], self.local_intermediate, self.down_proj.device
-        self.block_size = block_size
+    def use_fp8(self, block_size: tuple[int, int], row_scales: bool = False) -> None:
+        """Load the experts as an FP8 checkpoint holds them; called before materialising. ``row_scales``: a scale per
+        output row or tensor (compressed-tensors), held as (1, K) blocks: such experts are dequantized at load."""
+        hidden, size, device = self.down_proj.shape[1], self.local_intermediate, self.down_proj.device
+        if row_scales:
+            block_size = (1, max(hidden, size))  # one block along every expert's inputs (H for gate/up, I for down)
+        (bn, bk) = block_size
+        self.block_size, self.row_scales = block_size, row_scales
         self.gate_up_proj = nn.Parameter(torch.empty(self.gate_up_proj.shape, dtype=FP8_DTYPE, device=device),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.down_proj.shape, dtype=FP8_DTYPE, device=device),
@@ -154,7 +159,8 @@ class StackedExperts(nn.Module):
         at a time."""
         if self.block_size is None:
             return
-        if use_fp8_triton(self.gate_up_proj.device) and os.environ.get(FP8_EXPERTS_ENV, "1") != "0":
+        if (use_fp8_triton(self.gate_up_proj.device) and os.environ.get(FP8_EXPERTS_ENV, "1") != "0"
+                and not self.row_scales):  # (the expert kernels read block scales)
             self.keep_dtype = ()
             return
         block, size = self.block_size, self.local_intermediate
@@ -207,6 +213,9 @@ class StackedExperts(nn.Module):
         bn, bk = self.block_size
         local = expert - self.expert_start
         rows = Slice(self.intermediate_start, self.local_intermediate, 0, self.full_intermediate)
+        if self.row_scales:
+            self._load_row_scales(param_name, loaded, expert, part, local, rows)
+            return
         if param_name == "gate_up_proj_scale_inv":
             proj = ("gate_proj", "up_proj")[part]
             cut = rows.blocks(bn, f"experts.{expert}.{proj} (moe_intermediate_size)")
@@ -216,6 +225,29 @@ class StackedExperts(nn.Module):
             cut = rows.blocks(bk, f"experts.{expert}.down_proj (moe_intermediate_size)")
             name = f"experts.{expert}.down_proj.weight_scale_inv"
             copy_checked(self.down_proj_scale_inv.data[local], cut.cut(loaded, 1, 2, name), name)
+
+
+    def _load_row_scales(self, param_name: str, loaded: torch.Tensor, expert: int, part: int, local: int,
+                         rows: Slice) -> None:
+        """One expert's scale per output row or per tensor: gate/up keep this rank's intermediate rows, down all its
+        hidden rows (a row's scale holds for any cut of its inputs); [E, 2, I_local, 1] and [E, H, 1]."""
+        if param_name == "gate_up_proj_scale_inv":
+            name = f"experts.{expert}.{('gate_proj', 'up_proj')[part]}.weight_scale"
+            scale = rows.cut(_row_scales(loaded, rows.full, name), 0, 1, name)
+            self.gate_up_proj_scale_inv.data[local, part, :, 0] = scale
+        else:
+            name = f"experts.{expert}.down_proj.weight_scale"
+            self.down_proj_scale_inv.data[local, :, 0] = _row_scales(loaded, self.down_proj.shape[1], name)
+
+def _row_scales(loaded: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    """A checkpoint's scale per output row ([rows, 1] or [rows]) or per tensor (one element), as [rows]."""
+    if loaded.numel() == 1:
+        return loaded.reshape(1).expand(rows)
+    if loaded.dim() == 2 and loaded.shape[1] == 1 or loaded.dim() == 1:
+        if loaded.numel() == rows:
+            return loaded.reshape(-1)
+    raise ValueError(f"{name}: expected one scale per output row ({rows}, or [{rows}, 1]) or per tensor, got shape "
+                     f"{tuple(loaded.shape)}")
 
 
 def experts_torch(

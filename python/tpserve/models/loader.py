@@ -81,16 +81,13 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> None:
     architecture = model.config.architecture if isinstance(model, CausalLM) else ""
     for name, module in model.named_modules():
         if isinstance(module, StackedExperts) and quant.prequantized and converted(quant, architecture, name):
-            if quant.row_scales:
-                raise ValueError(f"quantization_config: FP8 experts scaled per {quant.scales} ({name}) are not "
-                                 "supported; tpserve reads MoE checkpoints with block scales (Qwen3-30B-A3B-FP8's)")
             kept = [e for e in range(module.total_experts) if not converted(quant, architecture, f"{name}.{e}")]
             if kept:
                 raise ValueError(
                     f"quantization_config.{quant.ignore_key} keeps expert(s) {kept[:8]} of {spelled_for(architecture, name)} unquantized but "
                     "not the others; tpserve holds a layer's experts in one tensor, so they must all be quantized or none"
                 )
-            module.use_fp8(quant.block_size)
+            module.use_fp8(quant.block_size, quant.row_scales)
         if not isinstance(module, ParallelLinear):
             continue
         parts = checkpoint_parts(name)
