@@ -15,7 +15,7 @@ import torch
 
 from tpserve.config import DTYPE_ALIASES, DTYPES, FLASHINFER_DTYPES, ModelConfig, resolve_dtype
 from tpserve.models.checkpoint import check_safetensors
-from tpserve.quant.config import resolve_quantization
+from tpserve.quant.config import check_quantization_name, resolve_quantization
 from tpserve.sampling_params import SEED_LIMIT  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 DEFAULT_CPU_KV_TOKENS = 32768  # the KV cache on the CPU without max_total_tokens
@@ -118,7 +118,7 @@ class EngineConfig:
             raise ValueError(f"grammar_compile_timeout must be a positive number of seconds, got {self.grammar_compile_timeout}")
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
-        resolve_quantization(self.quantization, None)  # a clear error for an unknown method
+        check_quantization_name(self.quantization)  # a clear error for an unknown method
         hf_overrides_dict(self.hf_overrides)
 
 

@@ -16,7 +16,7 @@ from tpserve.config import ModelConfig
 from tpserve.engine_config import EngineConfig, check_can_start
 from tpserve.engine.engine import Engine
 from tpserve.layers.linear import Slice
-from tpserve.quant.config import QuantConfig, parse_quantization_config
+from tpserve.quant.config import QuantConfig, parse_quantization_config, resolve_quantization
 from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX, dequantize_blocks, quantize_blocks
 from fp8_checkpoint import write_compressed_tensors_checkpoint, write_dequantized, write_fp8_checkpoint
 from safetensors.torch import load_file, save_file
@@ -201,6 +201,21 @@ def test_compressed_tensors_moe_checkpoint_matches_transformers(tiny_model_facto
     with LLM(fp8_dir, tp_size=2, device="cpu", page_size=4, expert_parallel=True) as llm:
         outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
     assert [o.token_ids for o in outs] == [hf_greedy(ref_dir, p, 12) for p in PROMPTS]
+
+
+def test_quantization_compressed_tensors_names_the_checkpoint_format():
+    """vLLM's --quantization compressed-tensors: accepted for such a checkpoint (as fp8 is), an error for another."""
+    compressed = parse_quantization_config(compressed_tensors_config())
+    qwen = parse_quantization_config(PUBLISHED)
+    assert resolve_quantization("compressed-tensors", compressed) is compressed
+    assert resolve_quantization("fp8", compressed) is compressed
+    with pytest.raises(ValueError, match="the checkpoint is quantized with fp8; it cannot be served as compressed-tensors"):
+        resolve_quantization("compressed-tensors", qwen)
+    with pytest.raises(ValueError, match="quantization compressed-tensors reads a checkpoint saved so .* has no "
+                       "quantization_config; fp8 quantizes it at load"):
+        resolve_quantization("compressed-tensors", None)
+    with pytest.raises(ValueError, match="quantization must be one of fp8, compressed-tensors, got 'awq'"):
+        resolve_quantization("awq", None)
 
 
 def test_compressed_tensors_errors_name_the_checkpoint_tensors(tiny_model_factory, tmp_path):

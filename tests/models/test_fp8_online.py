@@ -60,5 +60,5 @@ def test_which_quantization_runs(qwen3_dir):
     assert resolve_quantization("fp8", checkpoint) is checkpoint  # an FP8 checkpoint is served as published
     assert resolve_quantization("fp8", None) == QuantConfig("fp8", ONLINE_BLOCK_SIZE, prequantized=False)
     assert resolve_quantization(None, None) is None
-    with pytest.raises(ValueError, match="quantization must be one of fp8, got 'int4'"):
+    with pytest.raises(ValueError, match="quantization must be one of fp8, compressed-tensors, got 'int4'"):
         EngineConfig(model=qwen3_dir, quantization="int4")

@@ -14,7 +14,7 @@ from tpserve.engine_config import CHOICES, MAX_DIST_TIMEOUT_S, EngineConfig, che
 from tpserve.distributed.control import TOKEN_ENV, read_token
 from tpserve.distributed.nodes import split_addr
 from tpserve.pooling import ModelHead, model_head, task_problem
-from tpserve.quant.config import QUANTIZATION_METHODS
+from tpserve.quant.config import QUANTIZATION_CHOICES
 from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT
 from tpserve.parsers.reasoning import REASONING_PARSERS
@@ -144,10 +144,11 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--dtype", type=dtype_arg, default="auto",
                        help="compute dtype: auto (the checkpoint's dtype on GPU, float32 on CPU), float32, "
                        "bfloat16, float16 (also spelled half, float, bf16)")
-    model.add_argument("--quantization", "-q", choices=QUANTIZATION_METHODS, default=_default("quantization"),
+    model.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=_default("quantization"),
                        help="fp8: quantize an unquantized checkpoint's linear weights to FP8 (e4m3, one scale "
                        "per 128x128 block) at load time. FP8 checkpoints (quantization_config in config.json) "
-                       "are read as such without it")
+                       "are read as such without it; compressed-tensors (as vLLM takes it) only names an "
+                       "llm-compressor checkpoint's format")
     model.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int_at_least(2),
                        default=None,
                        help="context limit (prompt + completion tokens); default: the model's "

@@ -16,7 +16,7 @@ from tpserve.launch.argtypes import HelpFormatter, OneLineParser, fraction, int_
 from tpserve.launch.args import ModelNotFound, dtype_arg, resolve_model_dir
 from tpserve.plan.cost import DTYPE_BYTES, GIB, GPUS, GPUSpec, Link, ModelShape
 from tpserve.plan.splits import Machine, Settings, plan_splits, render
-from tpserve.quant.config import QUANTIZATION_METHODS, resolve_quantization
+from tpserve.quant.config import QUANTIZATION_CHOICES, resolve_quantization
 
 CUSTOM_REQUIRED = ("memory_gib", "bandwidth_tbps", "tflops")
 DEFAULT_CONTEXT = 32768  # --context when not given, unless the model's context is shorter
@@ -61,7 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", type=dtype_arg, default="auto",
                    help="serving dtype: auto (the checkpoint's on GPU, float32 on cpu, as the engine), float32, "
                    "bfloat16, float16 (also spelled half, float, bf16)")
-    p.add_argument("--quantization", choices=list(QUANTIZATION_METHODS), default=None,
+    p.add_argument("--quantization", choices=list(QUANTIZATION_CHOICES), default=None,
                    help="the engine's --quantization: FP8 weights for an unquantized checkpoint (an FP8 checkpoint's "
                    "quantization_config counts without it)")
     p.add_argument("--kv-cache-dtype", choices=CHOICES["kv_cache_dtype"], default="auto",

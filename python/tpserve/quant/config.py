@@ -9,7 +9,8 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-QUANTIZATION_METHODS = ("fp8",)
+QUANTIZATION_METHODS = ("fp8",)  # applied at load to an unquantized checkpoint
+QUANTIZATION_CHOICES = (*QUANTIZATION_METHODS, "compressed-tensors")  # --quantization, as vLLM's (a format names itself)
 ONLINE_BLOCK_SIZE = (128, 128)  # the weights sharing one scale when tpserve quantizes at load time
 _KNOWN_KEYS = {
     "quant_method", "fmt", "activation_scheme", "weight_block_size", "modules_to_not_convert",
@@ -180,14 +181,24 @@ def _compressed_tensors(raw: dict[str, Any]) -> QuantConfig:
                        compressed_tensors=True)
 
 
+def check_quantization_name(asked: str | None) -> None:
+    """``--quantization``'s value: a method tpserve applies at load, or a checkpoint format (vLLM's
+    ``compressed-tensors``, which names what the checkpoint holds)."""
+    if asked is not None and asked not in QUANTIZATION_CHOICES:
+        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_CHOICES)}, got {asked!r}")
+
+
 def resolve_quantization(asked: str | None, checkpoint: QuantConfig | None) -> QuantConfig | None:
     """The checkpoint's own quantization, or ``asked`` applied at load time to an unquantized one."""
-    if asked is not None and asked not in QUANTIZATION_METHODS:
-        raise ValueError(f"quantization must be one of {', '.join(QUANTIZATION_METHODS)}, got {asked!r}")
+    check_quantization_name(asked)
     if checkpoint is not None:
-        if asked is not None and asked != checkpoint.method:
-            raise ValueError(f"the checkpoint is quantized with {checkpoint.method}; it cannot be served as {asked}")
+        held = "compressed-tensors" if checkpoint.compressed_tensors else checkpoint.method
+        if asked is not None and asked not in (checkpoint.method, held):
+            raise ValueError(f"the checkpoint is quantized with {held}; it cannot be served as {asked}")
         return checkpoint
     if asked is None:
         return None
+    if asked not in QUANTIZATION_METHODS:
+        raise ValueError(f"quantization {asked} reads a checkpoint saved so (llm-compressor's), and this one has no "
+                         f"quantization_config; {', '.join(QUANTIZATION_METHODS)} quantizes it at load")
     return QuantConfig(method=asked, block_size=ONLINE_BLOCK_SIZE, prequantized=False)
