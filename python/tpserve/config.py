@@ -341,20 +341,21 @@ class ModelConfig:
             (every, ("self_attn.k_proj", "self_attn.v_proj"), "key/value output features", kv_width, bn),
             (dense, ("mlp.gate_proj", "mlp.up_proj"), "gate/up output features (intermediate_size)", inter_width, bn),
         ]
-        shared = (self.moe.layers, self.moe.shared_intermediate_size // tp_size) if self.moe is not None else ((), 0)
-        if shared[1]:
-            checks.append((shared[0], ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
-                           "shared expert gate/up output features (shared_expert_intermediate_size)", shared[1], bn))
+        sparse = self.moe.layers if self.moe is not None else ()
+        shared_width = self.moe.shared_intermediate_size // tp_size if self.moe is not None else 0
+        if shared_width:
+            checks.append((sparse, ("mlp.shared_expert.gate_proj", "mlp.shared_expert.up_proj"),
+                           "shared expert gate/up output features (shared_expert_intermediate_size)", shared_width, bn))
         if tp_size > 1:
             checks += [
                 (every, ("self_attn.o_proj",), "o_proj input features", q_width, bk),
                 (dense, ("mlp.down_proj",), "down_proj input features", inter_width, bk),
             ]
-            if shared[1]:
-                checks.append((shared[0], ("mlp.shared_expert.down_proj",),
-                               "shared expert down_proj input features (shared_expert_intermediate_size)", shared[1], bk))
+            if shared_width:
+                checks.append((sparse, ("mlp.shared_expert.down_proj",),
+                               "shared expert down_proj input features (shared_expert_intermediate_size)", shared_width, bk))
             if self.moe is not None and not expert_parallel:  # each rank cuts every expert's intermediate dim
-                expert_width, sparse = self.moe.intermediate_size // tp_size, self.moe.layers
+                expert_width = self.moe.intermediate_size // tp_size
                 key = self.moe.size_key
                 checks += [
                     (sparse, ("mlp.experts",), f"expert gate/up output features ({key})", expert_width, bn),

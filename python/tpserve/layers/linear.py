@@ -13,7 +13,7 @@ from tpserve.distributed.info import get_tp_info
 from tpserve.kernels import gemv, use_fp8_gemm
 from tpserve.kernels.fp8_linear import backend_from_env, check_weight_block, fp8_linear, kernel_for, resolve_backend
 from tpserve.layers.activation import silu_and_mul
-from tpserve.quant.fp8 import FP8_DTYPE, dequantize_blocks, num_blocks, quantize_blocks
+from tpserve.quant.fp8 import FP8_DTYPE, dequantize_blocks, num_blocks, quantize_blocks, per_row_scales
 
 
 def divide(numerator: int, denominator: int, what: str) -> int:
@@ -186,14 +186,7 @@ class ParallelLinear(nn.Module):
             part = Slice(0, param.shape[0], 0, param.shape[0])
         else:
             part = self.part(shard_id)
-        if loaded.numel() == 1:
-            rows = loaded.reshape(1).expand(part.full)
-        elif loaded.dim() == 2 and loaded.shape[1] == 1 or loaded.dim() == 1:
-            rows = loaded.reshape(-1)
-        else:
-            raise ValueError(f"{name}: expected one scale per output row ([rows, 1]) or per tensor, got shape "
-                             f"{tuple(loaded.shape)}")
-        rows = part.cut(rows, 0, 1, name)
+        rows = part.cut(per_row_scales(loaded, part.full, name), 0, 1, name)
         param.narrow(0, part.dest, part.size).copy_(rows[:, None].expand(part.size, param.shape[1]))
 
 

@@ -18,7 +18,7 @@ from tpserve.kernels.settings import MOE_SMALL_ENV
 from tpserve.layers.activation import silu_and_mul
 from tpserve.layers.linear import PendingNorm, ReplicatedWeights, Slice, copy_checked, divide
 from tpserve.layers.mlp import MLP
-from tpserve.quant.fp8 import FP8_DTYPE, ExpertScales, dequantize_blocks, num_blocks
+from tpserve.quant.fp8 import FP8_DTYPE, ExpertScales, dequantize_blocks, num_blocks, per_row_scales
 
 # 0: the MoE layer's RMSNorm as a kernel of its own, not in the router's GEMV and the first expert kernel (an A/B switch,
 # read when the model is built)
@@ -226,28 +226,17 @@ class StackedExperts(nn.Module):
             name = f"experts.{expert}.down_proj.weight_scale_inv"
             copy_checked(self.down_proj_scale_inv.data[local], cut.cut(loaded, 1, 2, name), name)
 
-
     def _load_row_scales(self, param_name: str, loaded: torch.Tensor, expert: int, part: int, local: int,
                          rows: Slice) -> None:
         """One expert's scale per output row or per tensor: gate/up keep this rank's intermediate rows, down all its
         hidden rows (a row's scale holds for any cut of its inputs); [E, 2, I_local, 1] and [E, H, 1]."""
         if param_name == "gate_up_proj_scale_inv":
             name = f"experts.{expert}.{('gate_proj', 'up_proj')[part]}.weight_scale"
-            scale = rows.cut(_row_scales(loaded, rows.full, name), 0, 1, name)
+            scale = rows.cut(per_row_scales(loaded, rows.full, name), 0, 1, name)
             self.gate_up_proj_scale_inv.data[local, part, :, 0] = scale
         else:
             name = f"experts.{expert}.down_proj.weight_scale"
-            self.down_proj_scale_inv.data[local, :, 0] = _row_scales(loaded, self.down_proj.shape[1], name)
-
-def _row_scales(loaded: torch.Tensor, rows: int, name: str) -> torch.Tensor:
-    """A checkpoint's scale per output row ([rows, 1] or [rows]) or per tensor (one element), as [rows]."""
-    if loaded.numel() == 1:
-        return loaded.reshape(1).expand(rows)
-    if loaded.dim() == 2 and loaded.shape[1] == 1 or loaded.dim() == 1:
-        if loaded.numel() == rows:
-            return loaded.reshape(-1)
-    raise ValueError(f"{name}: expected one scale per output row ({rows}, or [{rows}, 1]) or per tensor, got shape "
-                     f"{tuple(loaded.shape)}")
+            self.down_proj_scale_inv.data[local, :, 0] = per_row_scales(loaded, self.down_proj.shape[1], name)
 
 
 def experts_torch(

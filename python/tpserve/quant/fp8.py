@@ -34,6 +34,16 @@ def _expand(scale: torch.Tensor, shape: torch.Size, block: tuple[int, int]) -> t
     return scale.repeat_interleave(bn, dim=0).repeat_interleave(bk, dim=1)[: shape[0], : shape[1]]
 
 
+def per_row_scales(loaded: torch.Tensor, rows: int, name: str) -> torch.Tensor:
+    """A checkpoint's scale per output row ([rows, 1] or [rows]) or per tensor (one element), as [rows]."""
+    if loaded.numel() == 1:
+        return loaded.reshape(1).expand(rows)
+    if (loaded.dim() == 1 or loaded.dim() == 2 and loaded.shape[1] == 1) and loaded.numel() == rows:
+        return loaded.reshape(-1)
+    raise ValueError(f"{name}: expected one scale per output row ({rows}, or [{rows}, 1]) or per tensor, got shape "
+                     f"{tuple(loaded.shape)}")
+
+
 def quantize_blocks(weight: torch.Tensor, block: tuple[int, int]) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn weight, float32 scale_inv per block): each block's amax maps to FP8_MAX."""
     n, k = weight.shape
