@@ -118,8 +118,9 @@ def main() -> None:
     parser.add_argument("--fp8-variant", action="append", default=[], metavar="LABEL:ENV=VALUE[,ENV=VALUE]",
                         help="also an FP8 engine (the first of --fp8-gemms) built with these environment variables, "
                              f"e.g. 'loads16:{DEFINES_ENV}=FP8_LOADS=16' (repeatable)")
-    parser.add_argument("--fp8-checkpoint", default=None, metavar="DIR",
-                        help="also an engine of DIR's config.json, an FP8 checkpoint's (random weights), for every config")
+    parser.add_argument("--fp8-checkpoint", action="append", default=[], metavar="DIR",
+                        help="also an engine of DIR's config.json, an FP8 checkpoint's (random weights), for every config "
+                             "(repeatable; past the first, labelled by DIR's name)")
     parser.add_argument("--fp8-checkpoint-variant", action="append", default=[], metavar="LABEL:ENV=VALUE[,ENV=VALUE]",
                         help="also an --fp8-checkpoint engine built with these environment variables (repeatable)")
     parser.add_argument("--pipelined", action="store_true",
@@ -158,12 +159,13 @@ def main() -> None:
             label, _, settings = variant.partition(":")
             env = {FP8_GEMM_ENV: first_gemm} | dict(kv.split("=", 1) for kv in settings.split(",") if kv)
             runs.append((f"fp8 {label}", "fp8", env))
-        if args.fp8_checkpoint:
-            runs.append(("fp8 ckpt", None, {}, args.fp8_checkpoint))
+        for i, checkpoint in enumerate(args.fp8_checkpoint):
+            ckpt = "fp8 ckpt" if i == 0 else f"ckpt {checkpoint.rstrip('/').rsplit('/', 1)[-1]}"
+            runs.append((ckpt, None, {}, checkpoint))
             for variant in args.fp8_checkpoint_variant:
                 label, _, settings = variant.partition(":")
-                runs.append((f"fp8 ckpt {label}", None, dict(kv.split("=", 1) for kv in settings.split(",") if kv),
-                             args.fp8_checkpoint))
+                runs.append((f"{ckpt} {label}", None, dict(kv.split("=", 1) for kv in settings.split(",") if kv),
+                             checkpoint))
         if args.rounds > 1:
             rows += alternating_rounds(model, runs, batches[0], args)
             continue

@@ -512,6 +512,13 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
         stage "gemv_tests_variant $v" 200 env TPSERVE_GEMV_DEFINES="$v" python3 -m pytest -q -p no:cacheprovider \
           tests/gpu/test_gemv.py -k "${GEMV_TESTS_K:-tiny_model or chain}"
       done ;;
+    fp8_dynamic)  # issue 16: llm-compressor's FP8_DYNAMIC layout (a scale per channel: RedHatAI's -FP8-dynamic checkpoints)
+      # against bf16 and Qwen's 128 x 128 blocks, decode at batch 1 and 32 (Triton decode attention: no FlashInfer decode
+      # module to carry): Qwen3-8B (its linears in Triton's W8A8 GEMM) and Qwen3-30B-A3B (experts FP8, a scale a row)
+      stage fp8_dynamic8 200 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B --fp8-gemms auto \
+        --fp8-checkpoint tests/data/configs/Qwen3-8B-FP8-dynamic --pipelined --batch-sizes 1,32 --out $results/fp8_dynamic8.json
+      stage fp8_dynamic_a3b 300 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --fp8-checkpoint ${a3b}-FP8 \
+        --fp8-checkpoint ${a3b}-FP8-dynamic --pipelined --batch-sizes 1,32 --out $results/fp8_dynamic_a3b.json ;;
     fp8_ratio32)  # issue 16's ratio at Qwen3-32B batch 1 with today's defaults, 3 alternating rounds
       stage fp8_ratio32 300 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-32B --fp8-gemms auto \
         --pipelined --rounds 3 --batch-sizes 1 --out $results/fp8_ratio32.json ;;

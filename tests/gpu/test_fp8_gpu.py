@@ -186,6 +186,27 @@ def test_compressed_tensors_checkpoint_on_gpu(tiny_model_factory, tmp_path, stra
     assert_fp8_near_dequantized(engine, ref_dir, f"compressed-tensors {strategy}")
 
 
+@pytest.mark.parametrize("arch,strategy", [("qwen3_moe", "channel"), ("qwen2_moe", "tensor"), ("mixtral", "channel")])
+def test_compressed_tensors_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path, monkeypatch, arch, strategy):
+    """llm-compressor's FP8 MoE checkpoints (RedHatAI's Qwen3-30B-A3B-FP8-dynamic layout: a scale per expert row or
+    projection): the experts stay FP8 with one scale a row in the Triton expert kernels (the CUDA expert GEMVs read
+    128 x 128 blocks only), in CUDA graphs, near the dequantized weights' bf16 error."""
+    from tpserve.kernels import gemv
+
+    src = tiny_model_factory(arch, **dict(TINY, num_layers=3, moe_intermediate_size=128, **MOE_ARCHS[arch]))
+    fp8_dir = write_compressed_tensors_checkpoint(src, str(tmp_path / "fp8"), strategy)
+    ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
+    calls = []
+    real_experts = gemv.experts
+    monkeypatch.setattr(gemv, "experts", lambda *args, **kwargs: calls.append(1) or real_experts(*args, **kwargs))
+    engine = Engine(EngineConfig(model=fp8_dir, device="cuda", dtype="bfloat16", max_total_tokens=1024))
+    experts = engine.model.model.layers[1].mlp.experts
+    assert experts.gate_up_proj.dtype == experts.down_proj.dtype == FP8_DTYPE and not experts.dequantized
+    assert experts.scales() is not None and experts.scales().block[0] == 1 and not calls
+    assert engine.graph_runner is not None
+    assert_fp8_near_dequantized(engine, ref_dir, f"{arch} compressed-tensors {strategy} MoE")
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_quantization_fp8_on_gpu(tiny_model_factory, monkeypatch, backend):
     model = tiny_model_factory("qwen3", **TINY)

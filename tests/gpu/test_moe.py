@@ -197,14 +197,16 @@ def test_grouped_experts_with_silu_in_the_first_gemm(tokens, tile, fp8):
     assert err < RTOL and err < 2 * unfused_err + 1e-3
 
 
-@pytest.mark.parametrize("block", [(128, 128), (8, 32)], ids=["128x128", "8x32"])
-@pytest.mark.parametrize("tokens", [1, 3, 8, 300, 1024])  # 1,024: the prefill tile (8,192 rows at top 8)
+@pytest.mark.parametrize("block", [(128, 128), (8, 32), None], ids=["128x128", "8x32", "row"])
+@pytest.mark.parametrize("tokens", [1, 3, 8, 32, 300, 1024])  # 1,024: the prefill tile (8,192 rows at top 8)
 @pytest.mark.parametrize("shape", [SHAPES[0], SHAPES[1], SHAPES[4]], ids=lambda s: "x".join(map(str, s)))
 def test_fp8_experts_match_dequantized(tokens, shape, block):
     """FP8 experts (an FP8 checkpoint's: per expert, gate and up scaled apart) through the small-batch kernels
     (routed too) and the grouped GEMMs: within bf16 rounding of float64 on the dequantized weights, as close as
     the same kernels on those weights in bf16; the routed kernels give the router kernel's bits, also replayed in
-    a CUDA graph. 8 x 32 blocks are thinner than the kernels' rows (scales gathered per row)."""
+    a CUDA graph. 8 x 32 blocks are thinner than the kernels' rows (scales gathered per row); ``row``: a scale per
+    row, held as compressed-tensors' experts are ((1, max(H, I)) blocks, StackedExperts)."""
+    block = block or (1, max(shape[2], shape[3]))
     x, gate_up, down, weights, ids = expert_inputs(tokens, *shape, seed=30 + tokens)
     gu_q, d_q, scales, gu_deq, d_deq = fp8_experts(gate_up.float(), down.float(), block)
     expected = reference(x, gu_deq, d_deq, weights, ids)

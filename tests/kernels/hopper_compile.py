@@ -91,7 +91,8 @@ def grouped_gemm_tile_launches() -> list[dict]:
                              padded_len_ptr="*i32", ws_ptr="*fp32" if fp8 else f"*{act}")
             constexprs = dict(A_ROWS_PER_TOKEN=1, SCALE=True, IEEE=act == "fp32", BLOCK_M=tile.block_m,
                               BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
-                              BN=128 if fp8 else 1, BK=128 if fp8 else 1, FP8=fp8, SILU=tile.fuse_silu)
+                              BN=128 if fp8 else 1, BK=128 if fp8 else 1, FP8=fp8, SILU=tile.fuse_silu,
+                              K_UNIFORM=fp8 and 128 % tile.block_k == 0)
             signature.update({name: "constexpr" for name in constexprs})
             launches.append({"module": "tpserve.kernels.moe", "kernel": "_grouped_gemm_kernel", "signature": signature,
                              "constexprs": constexprs, "options": {"num_warps": tile.warps, "num_stages": tile.stages},

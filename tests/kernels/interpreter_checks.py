@@ -414,7 +414,7 @@ def check_small_batch_moe() -> None:
 def check_fp8_experts() -> None:
     """FP8 experts (block scales per expert, gate and up apart) in the small-batch kernels, routed or not,
     and the grouped GEMMs, against the torch experts on the dequantized weights (float32): blocks whose
-    rows a program shares (128, 16) and blocks thinner than a program's rows (8 x 32, gathered per row),
+    rows a program shares (128, 16), blocks thinner than a program's rows (8 x 32, gathered per row), a scale a row,
     partial blocks at the ends; every block's scale far from its neighbours', so a wrong index shows."""
     from fp8_checkpoint import fp8_experts
     from tpserve.kernels.moe import Tile, fused_experts, grouped_experts
@@ -424,8 +424,12 @@ def check_fp8_experts() -> None:
     gen = torch.Generator().manual_seed(12)
     small = SmallBatchConfig(KernelConfig(block_n=16, block_k=16), KernelConfig(block_n=8, block_k=32, experts_per_step=4))
     prefetch = SmallBatchConfig(KernelConfig(block_n=8, block_k=16), KernelConfig(block_n=16, block_k=16, experts_per_step=4, prefetch=True))
-    for tokens, top_k, experts, hidden, inter, block in ((1, 4, 8, 64, 48, (16, 16)), (3, 2, 8, 80, 40, (8, 32)),
-                                                         (2, 4, 6, 96, 72, (128, 128)), (40, 2, 8, 48, 40, (16, 16))):
+    # and a scale a row as compressed-tensors' experts are held ((1, max(hidden, inter)) blocks: StackedExperts), each
+    # program's K chunk in one block or (hidden 72, chunks of 16) not
+    cases = ((1, 4, 8, 64, 48, (16, 16)), (3, 2, 8, 80, 40, (8, 32)), (2, 4, 6, 96, 72, (128, 128)),
+             (40, 2, 8, 48, 40, (16, 16)), (1, 4, 8, 64, 48, (1, 64)), (3, 2, 8, 80, 40, (1, 80)),
+             (2, 4, 6, 72, 40, (1, 72)), (40, 2, 8, 48, 40, (1, 48)))
+    for tokens, top_k, experts, hidden, inter, block in cases:
         x, gate_up, down, weights, ids = random_experts(gen, tokens, experts, top_k, hidden, inter)
         gate_up = gate_up * torch.rand(experts, 2 * inter, 1, generator=gen) * 8  # rows (and so blocks) of other ranges
         down = down * torch.rand(experts, 1, inter, generator=gen) * 8

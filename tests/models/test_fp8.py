@@ -187,9 +187,9 @@ def test_transformers_per_tensor_fp8_checkpoint(tiny_model_factory, tmp_path):
 @pytest.mark.parametrize("arch,strategy", [("qwen3_moe", "channel"), ("qwen2_moe", "tensor")])
 def test_compressed_tensors_moe_checkpoint_matches_transformers(tiny_model_factory, tmp_path, arch, strategy):
     """llm-compressor's FP8 MoE checkpoints (RedHatAI's Qwen3-30B-A3B-FP8-dynamic layout: every expert projection and
-    Qwen2-MoE's shared expert scaled per channel or tensor): the experts dequantized at load (the expert kernels read
-    block scales), greedy tokens equal to transformers on the dequantized weights at TP 1 and 2, and with expert
-    parallelism."""
+    Qwen2-MoE's shared expert scaled per channel or tensor): on the CPU the experts dequantized at load (the GPU keeps
+    them FP8: tests/gpu/test_fp8_gpu.py), greedy tokens equal to transformers on the dequantized weights at TP 1 and
+    2, and with expert parallelism."""
     fp8_dir = write_compressed_tensors_checkpoint(tiny_model_factory(arch, num_layers=3), str(tmp_path / "fp8"), strategy)
     ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
     assert load_file(os.path.join(fp8_dir, "model.safetensors"))["model.layers.1.mlp.experts.5.down_proj.weight"].dtype == FP8_DTYPE

@@ -91,9 +91,10 @@ def test_moe_fp8_checkpoint_counts_fp8_experts_and_quantization_flag_does_not(ca
         (shape.layers_linear_params(1) - routers) * shape.linear_bytes + routers * 2)
 
 
-def test_moe_checkpoint_scaled_per_channel_counts_its_experts_dequantized(tmp_path, capsys):
-    """A compressed-tensors FP8 MoE checkpoint scaled per channel: the engine dequantizes its experts at load (the
-    expert kernels read block scales), so the plan counts them in bf16 and only the attention in FP8 with a scale a row."""
+def test_moe_checkpoint_scaled_per_channel_counts_its_experts_fp8_with_a_scale_a_row(tmp_path, capsys):
+    """A compressed-tensors FP8 MoE checkpoint scaled per channel (RedHatAI's Qwen3-30B-A3B-FP8-dynamic layout): the
+    engine keeps its experts FP8 with one float32 scale per expert row, so the plan counts them so (not a scale per
+    1 x 128 block, as the attention's), and the attention in FP8 with a scale a row."""
     import json
 
     cfg = json.load(open(os.path.join(data_config("Qwen3-30B-A3B"), "config.json")))
@@ -106,7 +107,11 @@ def test_moe_checkpoint_scaled_per_channel_counts_its_experts_dequantized(tmp_pa
     for name, model in (("bf16", data_config("Qwen3-30B-A3B")), ("channel", channel)):
         assert main(["--model", model, "--context", "4096"]) == 0
         results[name] = weights_gib(capsys.readouterr().out)
-    assert results["bf16"] - results["channel"] == pytest.approx(0.84, abs=0.1)  # only the attention halved
+    # the attention halved (0.84 GiB) and the experts' 29.0e9 weights from 2 bytes to 1, less their 88 MB of scales
+    assert results["bf16"] - results["channel"] == pytest.approx(0.84 + 29.0e9 / 2**30 - 0.088e9 / 2**30, abs=0.1)
+    shape = ModelShape(ModelConfig.from_dict(cfg), 2, (1, 128), fp8_experts=True, fp8_row_scales=True)
+    assert shape.expert_bytes() == pytest.approx(1 + 4 * (2 * 768 + 2048) / (3 * 2048 * 768))
+    assert shape.linear_bytes == pytest.approx(1 + 4 / 128)
 
 
 def test_cli_quantization_errors(tmp_path, capsys):

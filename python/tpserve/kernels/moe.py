@@ -21,15 +21,19 @@ from tpserve.layers.activation import silu_and_mul
 
 
 @triton.jit
-def _weight_tile(w_ptrs, ws_ptr, expert, part, rows, k_abs, k_ok, n_ok, stride_se, stride_sp, stride_sn,
-                 BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, dtype: tl.constexpr):
-    """A [BLOCK_K, BLOCK_N] tile of w at rows ``rows`` of its scales' part ``part`` and columns ``k_abs``,
-    FP8 dequantized to ``dtype`` (the bits of experts dequantized at load)."""
+def _weight_tile(w_ptrs, ws_ptr, expert, part, rows, k_first, offs_k, k_ok, n_ok, stride_se, stride_sp, stride_sn,
+                 BN: tl.constexpr, BK: tl.constexpr, FP8: tl.constexpr, K_UNIFORM: tl.constexpr, dtype: tl.constexpr):
+    """A [BLOCK_K, BLOCK_N] tile of w at rows ``rows`` of its scales' part ``part`` and columns ``k_first + offs_k``,
+    FP8 dequantized to ``dtype`` (the bits of experts dequantized at load). K_UNIFORM: the tile's K lies in one
+    scale block (BK % BLOCK_K == 0), so its scales are one per column, loaded as a vector: a scale gathered per
+    element made Qwen3-30B-A3B-FP8's batch-32 step 6.2x bf16's on an H100 (session 44)."""
     w = tl.load(w_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
     if FP8:
-        s_ptrs = (ws_ptr + expert * stride_se + part[None, :] * stride_sp + (rows // BN)[None, :] * stride_sn
-                  + (k_abs // BK)[:, None])
-        s = tl.load(s_ptrs, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        s_ptrs = ws_ptr + expert * stride_se + part[None, :] * stride_sp + (rows // BN)[None, :] * stride_sn
+        if K_UNIFORM:
+            s = tl.load(s_ptrs + k_first // BK, mask=n_ok[None, :], other=0.0)
+        else:
+            s = tl.load(s_ptrs + ((k_first + offs_k) // BK)[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         w = (w.to(tl.float32) * s).to(dtype)
     return w
 
@@ -44,6 +48,7 @@ def _grouped_gemm_kernel(
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
     ws_ptr=None, stride_se=0, stride_sp=0, stride_sn=0, part_rows=1,
     BN: tl.constexpr = 1, BK: tl.constexpr = 1, FP8: tl.constexpr = False, SILU: tl.constexpr = False,
+    K_UNIFORM: tl.constexpr = False,
 ):
     """c[row, :N] = a[row // A_ROWS_PER_TOKEN] @ w[expert].T (* scale[row]) for the block's sorted rows.
     SILU (the first GEMM, w = [gate | up] with N rows each): c = silu(a @ gate.T) * (a @ up.T), from the
@@ -76,15 +81,15 @@ def _grouped_gemm_kernel(
     for k0 in range(0, tl.cdiv(K, BLOCK_K)):
         k_ok = offs_k < K - k0 * BLOCK_K
         a = tl.load(a_ptrs, mask=row_ok[:, None] & k_ok[None, :], other=0.0)
-        w = _weight_tile(w_ptrs, ws_ptr, expert, part, offs_n - part * part_rows, k0 * BLOCK_K + offs_k, k_ok, n_ok,
-                         stride_se, stride_sp, stride_sn, BN, BK, FP8, a.dtype)
+        w = _weight_tile(w_ptrs, ws_ptr, expert, part, offs_n - part * part_rows, k0 * BLOCK_K, offs_k, k_ok, n_ok,
+                         stride_se, stride_sp, stride_sn, BN, BK, FP8, K_UNIFORM, a.dtype)
         if IEEE:
             acc += tl.dot(a, w, input_precision="ieee")
         else:
             acc += tl.dot(a, w)
         if SILU:  # the up rows N further on, their scales part 1
-            u = _weight_tile(w_ptrs + N * stride_wn, ws_ptr, expert, part + 1, offs_n, k0 * BLOCK_K + offs_k, k_ok,
-                             n_ok, stride_se, stride_sp, stride_sn, BN, BK, FP8, a.dtype)
+            u = _weight_tile(w_ptrs + N * stride_wn, ws_ptr, expert, part + 1, offs_n, k0 * BLOCK_K, offs_k, k_ok,
+                             n_ok, stride_se, stride_sp, stride_sn, BN, BK, FP8, K_UNIFORM, a.dtype)
             if IEEE:
                 up += tl.dot(a, u, input_precision="ieee")
             else:
@@ -333,16 +338,18 @@ def _grouped_gemm(
         num_rows, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROWS_PER_TOKEN=rows_per_token, SCALE=scale is not None, IEEE=a.dtype == torch.float32,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k, GROUP_M=tile.group_m, num_warps=tile.warps,
-        num_stages=tile.stages, SILU=silu, **_weight_scale_args(w_scale, rows_w, block, a),
+        num_stages=tile.stages, SILU=silu, **_weight_scale_args(w_scale, rows_w, block, block_k, a),
     )
 
 
-def _weight_scale_args(w_scale: torch.Tensor | None, n: int, block: tuple[int, int], dummy: torch.Tensor) -> dict:
+def _weight_scale_args(w_scale: torch.Tensor | None, n: int, block: tuple[int, int], block_k: int,
+                       dummy: torch.Tensor) -> dict:
     if w_scale is None:
         return dict(ws_ptr=dummy)
     parts = w_scale.dim() == 4  # gate_up's scales: [E, 2, rows, cols]
     return dict(ws_ptr=w_scale, stride_se=w_scale.stride(0), stride_sp=w_scale.stride(1) if parts else 0,
-                stride_sn=w_scale.stride(-2), part_rows=n // 2 if parts else n, BN=block[0], BK=block[1], FP8=True)
+                stride_sn=w_scale.stride(-2), part_rows=n // 2 if parts else n, BN=block[0], BK=block[1], FP8=True,
+                K_UNIFORM=block[1] % block_k == 0)
 
 
 # Up to this many (token, k) rows the experts run as ``kernels.moe_small``'s two unsorted kernels:

@@ -128,11 +128,11 @@ class StackedExperts(nn.Module):
         self.block_size: tuple[int, int] | None = None  # an FP8 checkpoint's weight blocks
         self.keep_dtype: tuple[str, ...] = ()
         self.dequantized = False  # loaded from FP8, computed in the compute dtype
-        self.row_scales = False  # the checkpoint scales each output row (or tensor): dequantized at load
+        self.row_scales = False  # the checkpoint scales each output row (or tensor)
 
     def use_fp8(self, block_size: tuple[int, int], row_scales: bool = False) -> None:
         """Load the experts as an FP8 checkpoint holds them; called before materialising. ``row_scales``: a scale per
-        output row or tensor (compressed-tensors), held as (1, K) blocks: such experts are dequantized at load."""
+        output row or tensor (compressed-tensors), held as one block a row spanning every input ((1, K) blocks)."""
         hidden, size, device = self.down_proj.shape[1], self.local_intermediate, self.down_proj.device
         if row_scales:
             block_size = (1, max(hidden, size))  # one block along every expert's inputs (H for gate/up, I for down)
@@ -159,8 +159,7 @@ class StackedExperts(nn.Module):
         at a time."""
         if self.block_size is None:
             return
-        if (use_fp8_triton(self.gate_up_proj.device) and os.environ.get(FP8_EXPERTS_ENV, "1") != "0"
-                and not self.row_scales):  # (the expert kernels read block scales)
+        if use_fp8_triton(self.gate_up_proj.device) and os.environ.get(FP8_EXPERTS_ENV, "1") != "0":
             self.keep_dtype = ()
             return
         block, size = self.block_size, self.local_intermediate

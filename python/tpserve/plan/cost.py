@@ -68,6 +68,8 @@ class ModelShape:
     kv_dtype_bytes: int | None = None  # bytes per KV-cache element; None: the serving dtype's
     # a MoE model's experts FP8 too (an FP8 checkpoint's: --quantization fp8 leaves them in the serving dtype)
     fp8_experts: bool = False
+    # FP8 scales per output row (compressed-tensors): the experts hold one a row, not one per fp8_block
+    fp8_row_scales: bool = False
     # whole experts per rank (--expert-parallel) instead of a slice of every expert
     expert_parallel: bool = False
 
@@ -118,7 +120,12 @@ class ModelShape:
 
     def expert_bytes(self) -> float:
         """Bytes per expert weight."""
-        return self.linear_bytes if self.fp8_experts else self.dtype_bytes
+        moe = self.config.moe
+        if not self.fp8_experts or moe is None:
+            return self.dtype_bytes
+        if self.fp8_row_scales:  # gate/up's 2I rows and down's H rows, one float32 each, over 3HI weights
+            return 1 + 4 * (2 * moe.intermediate_size + self.hidden) / (3 * self.hidden * moe.intermediate_size)
+        return self.linear_bytes
 
     def sparse_layer_params(self, tp: int = 1, experts: float | None = None) -> tuple[float, float]:
         """(experts, routers) of every sparse layer on a rank: ``experts`` experts per layer (None: all of
