@@ -176,12 +176,17 @@ def assert_fp8_near_dequantized(engine: Engine, ref_dir: str, label: str) -> Non
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
 def test_compressed_tensors_checkpoint_on_gpu(tiny_model_factory, tmp_path, strategy):
     """llm-compressor's FP8 checkpoints (a weight_scale per output channel or per tensor) on the GPU: the weights stay
-    FP8 with one scale a row (1 x 128 blocks) in Triton's W8A8 GEMM, in CUDA graphs."""
+    FP8 with one scale a row (1 x 128 blocks), a decoding token's in the CUDA GEMV (its norm, SwiGLU and residual add
+    fused), more tokens' in Triton's W8A8 GEMM, in CUDA graphs."""
+    from tpserve.kernels import gemv
+
     fp8_dir = write_compressed_tensors_checkpoint(tiny_model_factory("qwen3", **TINY), str(tmp_path / "fp8"), strategy)
     ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
     engine = Engine(EngineConfig(model=fp8_dir, device="cuda", dtype="bfloat16", max_total_tokens=1024))
     down = engine.model.model.layers[0].mlp.down_proj
-    assert down.weight.dtype == FP8_DTYPE and down.block_size == (1, 128) and down.fp8_backend == "triton"
+    assert down.weight.dtype == FP8_DTYPE and down.block_size == (1, 128) and down.fp8_backend == "cuda_triton"
+    x = torch.randn(1, down.in_features, device="cuda", dtype=torch.bfloat16)
+    assert down.takes_gemv(x) and gemv.supported(x, down.weight, down.weight_scale_inv, row_scales=True)
     assert engine.graph_runner is not None
     assert_fp8_near_dequantized(engine, ref_dir, f"compressed-tensors {strategy}")
 
@@ -202,9 +207,10 @@ def test_compressed_tensors_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path, 
     engine = Engine(EngineConfig(model=fp8_dir, device="cuda", dtype="bfloat16", max_total_tokens=1024))
     experts = engine.model.model.layers[1].mlp.experts
     assert experts.gate_up_proj.dtype == experts.down_proj.dtype == FP8_DTYPE and not experts.dequantized
-    assert experts.scales() is not None and experts.scales().block[0] == 1 and not calls
+    assert experts.scales() is not None and experts.scales().block[0] == 1
     assert engine.graph_runner is not None
     assert_fp8_near_dequantized(engine, ref_dir, f"{arch} compressed-tensors {strategy} MoE")
+    assert not calls, "the expert GEMVs read 128 x 128 blocks only"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -180,6 +180,47 @@ def test_gemv_fused_norm_and_add(n, k, fp8):
         assert out is residual and torch.equal(residual, expected), f"m={m}: add_to differs"
 
 
+def row_scaled(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(FP8 weight, its scales held as compressed-tensors' per-channel layers hold them: [N, ceil(K / 128)], each
+    row's scale repeated, the weight dequantized in float32); rows of scales 1,000x apart, so a row read as
+    another's shows."""
+    gen = torch.Generator(device=DEVICE).manual_seed(seed)
+    w = 0.02 * torch.randn(n, k, device=DEVICE, generator=gen) * 10 ** (3 * torch.rand(n, 1, device=DEVICE, generator=gen))
+    scale = w.abs().amax(dim=1, keepdim=True) / 448
+    wq = (w / scale).to(torch.float8_e4m3fn)
+    return wq, scale.expand(n, -(-k // 128)).contiguous(), wq.float() * scale
+
+
+@pytest.mark.parametrize("n,k", [(6144, 4096), (24576, 4096), (4096, 12288), (400, 144), (404, 144), (16, 16)])
+def test_gemv_row_scales(n, k):
+    """One scale per weight row (``row_scales``: compressed-tensors' per-channel FP8) at one token, against float32
+    on the dequantized weight: plain, with the RMSNorm fused, with SiLU-and-mul (the gate and up rows each their own
+    scale), added to a residual stream; deterministic, and in a CUDA graph."""
+    wq, scale, w = row_scaled(n, k, seed=11)
+    gen = torch.Generator(device=DEVICE).manual_seed(12)
+    x = torch.randn(1, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+    got = gemv(x, wq, scale, row_scales=True)
+    assert rel_err(got, x.float() @ w.T) < 5e-3 and torch.equal(got, gemv(x, wq, scale, row_scales=True))
+    norm_weight = (torch.rand(k, device=DEVICE, generator=gen) + 0.5).to(torch.bfloat16)
+    normed = x.float() * torch.rsqrt(x.float().pow(2).mean(-1, keepdim=True) + 1e-6) * norm_weight.float()
+    assert rel_err(gemv(x, wq, scale, norm=(norm_weight, 1e-6), row_scales=True), normed @ w.T) < 5e-3
+    sums = (normed @ w.T).to(torch.bfloat16).float()
+    swiglu = torch.nn.functional.silu(sums[:, : n // 2]) * sums[:, n // 2 :]
+    silu_rows = n % 8 == 0  # (404: the last block of rows partial, no SwiGLU pairs)
+    if silu_rows:
+        assert rel_err(gemv(x, wq, scale, silu_mul=True, norm=(norm_weight, 1e-6), row_scales=True), swiglu) < 1e-2
+    residual = torch.randn(1, n, device=DEVICE, generator=gen).to(torch.bfloat16)
+    expected = (residual.float() + got.float()).to(torch.bfloat16)
+    assert torch.equal(gemv(x, wq, scale, add_to=residual, row_scales=True), expected)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = gemv(x, wq, scale, silu_mul=silu_rows, row_scales=True)
+    x.copy_(torch.randn(1, k, device=DEVICE, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, gemv(x, wq, scale, silu_mul=silu_rows, row_scales=True))
+
+
 @pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
 def test_gemv_outlier_activations(fp8):
     """Activations as large as real models' outliers (|x| up to ~2e4 in a few dimensions, the rest small), plain,

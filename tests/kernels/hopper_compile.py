@@ -80,8 +80,8 @@ def grouped_gemm_tile_launches() -> list[dict]:
     from tpserve.kernels.moe import FP8_TILES_BY_ROWS, TILES_BY_ROWS, tiles_for
 
     launches = []
-    for act, fp8, table in (("bf16", False, TILES_BY_ROWS), ("fp32", False, TILES_BY_ROWS),
-                            ("bf16", True, FP8_TILES_BY_ROWS)):
+    for act, fp8, table, k_uniform in (("bf16", False, TILES_BY_ROWS, False), ("fp32", False, TILES_BY_ROWS, False),
+                                       ("bf16", True, FP8_TILES_BY_ROWS, True), ("bf16", True, FP8_TILES_BY_ROWS, False)):
         for bound, _ in table:
             tile = tiles_for(bound or 1 << 30, fp8=fp8, itemsize=4 if act == "fp32" else 2)
             signature = {name: "i32" for name in ("num_rows", "N", "K", "stride_am", "stride_we", "stride_wn",
@@ -92,7 +92,7 @@ def grouped_gemm_tile_launches() -> list[dict]:
             constexprs = dict(A_ROWS_PER_TOKEN=1, SCALE=True, IEEE=act == "fp32", BLOCK_M=tile.block_m,
                               BLOCK_N=tile.block_n, BLOCK_K=tile.block_k, GROUP_M=tile.group_m,
                               BN=128 if fp8 else 1, BK=128 if fp8 else 1, FP8=fp8, SILU=tile.fuse_silu,
-                              K_UNIFORM=fp8 and 128 % tile.block_k == 0)
+                              K_UNIFORM=k_uniform)
             signature.update({name: "constexpr" for name in constexprs})
             launches.append({"module": "tpserve.kernels.moe", "kernel": "_grouped_gemm_kernel", "signature": signature,
                              "constexprs": constexprs, "options": {"num_warps": tile.warps, "num_stages": tile.stages},

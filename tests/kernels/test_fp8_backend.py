@@ -29,6 +29,13 @@ def test_backend_choice_and_blocks(monkeypatch):
         check_weight_block("cuda_triton", (128, 128), 200)
     with pytest.raises(ValueError, match="128x128"):
         check_weight_block("cuda_triton", (64, 64), 256)
+    # a scale a row (compressed-tensors, held in 1 x 128 blocks): the GEMV at one token, Triton's GEMM above
+    check_weight_block("cuda_triton", (1, 128), 208, row_scales=True)
+    for backend in ("cuda", "flashinfer"):
+        with pytest.raises(ValueError, match="128x128"):
+            check_weight_block(backend, (1, 128), 256, row_scales=True)
+    with pytest.raises(ValueError, match="multiples of 16"):
+        check_weight_block("cuda_triton", (1, 128), 200, row_scales=True)
     assert kernel_for("triton", 1) == "w8a8" and kernel_for("flashinfer", 1) == "flashinfer"
     assert [kernel_for("cuda", m) for m in (1, CUDA_GEMV_TOKENS, CUDA_GEMV_TOKENS + 1)] == ["cuda", "cuda", "flashinfer"]
     assert [kernel_for("cuda_triton", m) for m in (CUDA_GEMV_TOKENS, CUDA_GEMV_TOKENS + 1, 300)] == ["cuda", "w8a8", "w8a8"]
@@ -45,7 +52,24 @@ def test_auto_on_the_cpu_is_the_triton_gemm():
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu, torch.bfloat16, (128, 128), 4096) == "triton"
     assert resolve_backend("auto", cpu, torch.float32, (16, 32), 80) == "triton"
+    assert resolve_backend("auto", cpu, torch.bfloat16, (1, 128), 4096, row_scales=True) == "triton"
     assert [resolve_backend(b, cpu, torch.bfloat16, (128, 128), 4096) for b in BACKENDS[1:]] == list(BACKENDS[1:])
+
+
+def test_auto_gives_row_scaled_layers_the_gemv_at_one_token(monkeypatch):
+    """A scale a row (compressed-tensors): ``auto`` takes the CUDA GEMV (its row-scaled kernel probed) at one token and
+    Triton's GEMM above, where the GEMV reads K (% 16) and the activations are bf16; else Triton's GEMM throughout."""
+    from tpserve.kernels import gemv
+
+    cuda, block = torch.device("cuda", 0), (1, 128)
+    monkeypatch.setattr(gemv, "probe_rows", lambda index: None)
+    assert resolve_backend("auto", cuda, torch.bfloat16, block, 4096, row_scales=True) == "cuda_triton"
+    assert resolve_backend("auto", cuda, torch.bfloat16, block, 4104, row_scales=True) == "triton"
+    assert resolve_backend("auto", cuda, torch.float16, block, 4096, row_scales=True) == "triton"
+    monkeypatch.setattr(gemv, "probe_rows", lambda index: "no module")
+    assert resolve_backend("auto", cuda, torch.bfloat16, block, 4096, row_scales=True) == "triton"
+    # the GEMV's row-scaled kernel takes every batch the GEMV backends give it
+    assert CUDA_GEMV_TOKENS <= gemv.ROW_SCALES_MAX_TOKENS
 
 
 def test_warm_up_sizes_reach_every_tile_count():

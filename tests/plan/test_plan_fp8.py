@@ -111,6 +111,8 @@ def test_moe_checkpoint_scaled_per_channel_counts_its_experts_fp8_with_a_scale_a
     assert results["bf16"] - results["channel"] == pytest.approx(0.84 + 29.0e9 / 2**30 - 0.088e9 / 2**30, abs=0.1)
     shape = ModelShape(ModelConfig.from_dict(cfg), 2, (1, 128), fp8_experts=True, fp8_row_scales=True)
     assert shape.expert_bytes() == pytest.approx(1 + 4 * (2 * 768 + 2048) / (3 * 2048 * 768))
+    # at TP 4 a rank holds 192 rows of each gate and up but all 2,048 of down (a row's scale is not cut)
+    assert shape.expert_bytes(4) == pytest.approx(1 + 4 * (2 * 192 + 2048) / (3 * 2048 * 192))
     assert shape.linear_bytes == pytest.approx(1 + 4 / 128)
 
 

@@ -233,7 +233,9 @@ class Engine:
         source = "checkpoint" if quant.prequantized else "quantized at load"
         form = f"FP8 GEMM {'/'.join(gemms)}" if gemms else "dequantized for this device"
         experts = [m for m in self.model.modules() if isinstance(m, StackedExperts)]
-        if any(m.scales() is not None for m in experts):
+        if any(m.scales() is not None and m.row_scales for m in experts):
+            form += "; experts FP8, a scale a row (Triton's expert kernels)"
+        elif any(m.scales() is not None for m in experts):
             form += "; experts FP8 (CUDA GEMV at one token, Triton above)"
         elif any(m.dequantized for m in experts):
             form += f"; experts dequantized to {str(self.dtype).removeprefix('torch.')}"

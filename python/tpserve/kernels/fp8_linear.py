@@ -4,9 +4,11 @@
 - ``flashinfer``: FlashInfer's ``fp8_blockscale_gemm_sm90`` at every batch (sm90; bf16 activations
   quantized inside per token and 128 features; 128x128 blocks, K % 128 == 0; swap-AB below 32 tokens).
 - ``cuda`` / ``cuda_triton``: the CUDA GEMV (``kernels.gemv``; bf16 activations, unquantized; 128x128
-  blocks, K % 16 == 0) up to ``CUDA_GEMV_TOKENS`` tokens, FlashInfer's / the Triton GEMM above.
+  blocks, ``cuda_triton`` also a scale a row, K % 16 == 0) up to ``CUDA_GEMV_TOKENS`` tokens, FlashInfer's / the
+  Triton GEMM above.
 - ``auto`` (default): per layer, probed at load before CUDA graph capture, the first that runs of
-  ``cuda``, ``flashinfer``, ``cuda_triton``, ``triton``; ``triton`` on the CPU (the interpreter).
+  ``cuda``, ``flashinfer``, ``cuda_triton``, ``triton`` (a scale a row: ``cuda_triton``, ``triton``); ``triton`` on
+  the CPU (the interpreter).
 
 Measured slower and removed (docs/benchmarks.md, FP8; benchmarks/experiments/fp8_gemm.py): torch's
 block- and row-scaled matmuls (every Qwen3-8B shape); a Triton weight-only GEMV (vs the CUDA GEMV
@@ -67,10 +69,12 @@ def flashinfer_runs(device_index: int) -> bool:
 
 
 def resolve_backend(
-    backend: str, device: torch.device, dtype: torch.dtype, block: tuple[int, int], in_features: int
+    backend: str, device: torch.device, dtype: torch.dtype, block: tuple[int, int], in_features: int,
+    row_scales: bool = False,
 ) -> str:
     """``auto`` made concrete for a layer; ``cuda`` and ``cuda_triton`` checked (the GEMV built and
-    run once here, before any CUDA graph capture)."""
+    run once here, before any CUDA graph capture). ``row_scales``: the weight has one scale a row (held in
+    ``ROW_BLOCK``s), which the GEMV reads at one token and Triton's GEMM above (``cuda_triton``)."""
     if device.type != "cuda":  # Triton's CPU interpreter (the tests)
         return "triton" if backend == "auto" else backend
     index = device.index or 0
@@ -88,6 +92,8 @@ def resolve_backend(
             raise RuntimeError(f"{FP8_GEMM_ENV}=flashinfer does not run here ({failure})")
     if backend != "auto":
         return backend
+    if row_scales and dtype == torch.bfloat16 and in_features % GEMV_K_MULTIPLE == 0 and gemv.probe_rows(index) is None:
+        return "cuda_triton"
     if dtype != torch.bfloat16 or block != FLASHINFER_BLOCK:
         return "triton"
     flashinfer = in_features % FLASHINFER_BLOCK[1] == 0 and flashinfer_runs(index)
@@ -104,29 +110,32 @@ def kernel_for(backend: str, m: int) -> str:
     return _LARGE_KERNEL[backend]
 
 
-def check_weight_block(backend: str, block: tuple[int, int], in_features: int) -> None:
-    """Raise unless ``backend`` reads this layout: 128x128 blocks, K per ``_K_MULTIPLE`` (Triton: any)."""
+def check_weight_block(backend: str, block: tuple[int, int], in_features: int, row_scales: bool = False) -> None:
+    """Raise unless ``backend`` reads this layout: 128x128 blocks (``cuda_triton``: or a scale a row), K per
+    ``_K_MULTIPLE`` (Triton: any)."""
     multiple = _K_MULTIPLE.get(backend)
     if multiple is None:
         return
-    if block != FLASHINFER_BLOCK:
+    if block != FLASHINFER_BLOCK and not (row_scales and backend == "cuda_triton"):
         raise ValueError(f"{FP8_GEMM_ENV}={backend} takes 128x128 weight blocks, this model has {list(block)}")
     if in_features % multiple:
         raise ValueError(f"{FP8_GEMM_ENV}={backend} takes input features in multiples of {multiple}, got {in_features}")
 
 
 def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], backend: str = "auto"
+    x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block: tuple[int, int], backend: str = "auto",
+    row_scales: bool = False,
 ) -> torch.Tensor:
-    """x [..., K] @ (FP8 weight [N, K] with block scales).T in x's dtype, by ``backend``."""
+    """x [..., K] @ (FP8 weight [N, K] with block scales).T in x's dtype, by ``backend`` (``row_scales``: as
+    ``resolve_backend``'s)."""
     n, k = weight.shape
     x2 = x.reshape(-1, k)
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
-    backend = resolve_backend(backend, x.device, x.dtype, block, k)
+    backend = resolve_backend(backend, x.device, x.dtype, block, k, row_scales)
     kernel = kernel_for(backend, x2.shape[0])
     if kernel == "cuda":
-        y = gemv.gemv(x2, weight, scale_inv)
+        y = gemv.gemv(x2, weight, scale_inv, row_scales=row_scales)
     elif kernel == "flashinfer":
         from flashinfer.gemm import fp8_blockscale_gemm_sm90
 

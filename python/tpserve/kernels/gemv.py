@@ -1,5 +1,6 @@
 """The CUDA small-M GEMV (``csrc/gemv.cu``): y = x @ W.T for 1..``MAX_TOKENS`` bf16 tokens, W bf16
-or e4m3 with float32 scales per 128x128 block; float32 sums, bf16 out, the same bits every run.
+or e4m3 with float32 scales per 128x128 block (or, ``row_scales``, one token, one per row); float32 sums, bf16
+out, the same bits every run.
 Few-token decode is bound by reading W, which it only streams (16-byte loads, several in flight).
 Built on first use by FlashInfer's JIT (cached). bf16 layers (also LM head, MoE router) take it
 via ``linear``/``bf16_gemv_enabled``; FP8 layers via ``kernels.fp8_linear``. With ``silu_mul`` a
@@ -34,6 +35,7 @@ FUSED_MAX_TOKENS = 2  # ``norm`` and ``add_to``: batch-1 and -2 decode
 # Where the layers take that fusion: one token. At two, Qwen3-8B bf16's pipelined step was 1.046x the one with the
 # add + RMSNorm as kernels of their own (4.614 vs 4.410 ms; Qwen3-30B-A3B 1.004x: docs/benchmarks.md, session 19).
 FUSE_NORM_MAX_TOKENS = 1
+ROW_SCALES_MAX_TOKENS = 1  # weights scaled per row (compressed-tensors): one token, where the layers take the GEMV
 SCALE_BLOCK = 128
 BF16_GEMV_ENV = "TPSERVE_BF16_GEMV"
 # Programmatic dependent launch on Hopper and newer (see csrc/gemv.cu): ``0`` turns it off.
@@ -80,15 +82,16 @@ def _defines(setting: str) -> tuple[tuple[str, int], ...]:
 
 def unsupported(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, silu_mul: bool = False,
-    fused: bool = False,
+    fused: bool = False, row_scales: bool = False,
 ) -> str | None:
-    """Why ``gemv(x, weight, scale_inv, silu_mul=silu_mul)`` cannot run (``fused``: with ``norm`` or
-    ``add_to``), or None when it can."""
+    """Why ``gemv(x, weight, scale_inv, silu_mul=silu_mul, row_scales=row_scales)`` cannot run (``fused``: with
+    ``norm`` or ``add_to``), or None when it can."""
     m = x.numel() // x.shape[-1] if x.shape[-1] else 0
     fp8 = scale_inv is not None
     if x.dtype != torch.bfloat16 or weight.dtype != (torch.float8_e4m3fn if fp8 else torch.bfloat16):
         return f"x must be bf16 and weight {'float8_e4m3fn' if fp8 else 'bf16'}, got {x.dtype} and {weight.dtype}"
-    max_m = FUSED_MAX_TOKENS if fused else SILU_MUL_MAX_TOKENS if silu_mul else MAX_TOKENS
+    max_m = (ROW_SCALES_MAX_TOKENS if row_scales else FUSED_MAX_TOKENS if fused
+             else SILU_MUL_MAX_TOKENS if silu_mul else MAX_TOKENS)
     if not 1 <= m <= max_m:
         return f"{m} rows of x, the kernel takes 1 to {max_m}{' fused with a norm or add' if fused else ''}"
     if weight.dim() != 2 or not weight.is_contiguous() or weight.shape[1] != x.shape[-1] or weight.shape[0] == 0:
@@ -98,10 +101,13 @@ def unsupported(
         return f"SiLU-and-mul needs the merged gate/up rows ({n}) in a multiple of 8"
     if (k * weight.element_size()) % _VEC_BYTES or weight.data_ptr() % _VEC_BYTES:
         return f"K ({k}) must be a multiple of {_VEC_BYTES // weight.element_size()} and the weight 16-byte aligned"
+    if row_scales and not fp8:
+        return "a scale per row needs FP8 weights and their scale_inv"
     if fp8:
-        blocks = (-(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK))
+        blocks = (n if row_scales else -(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK))
+        what = "a row's scale repeated per 128 inputs" if row_scales else "128x128 blocks"
         if scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != blocks or not scale_inv.is_contiguous():
-            return f"scale_inv must be contiguous float32 {list(blocks)} (128x128 blocks), got {scale_inv.dtype} {list(scale_inv.shape)}"
+            return f"scale_inv must be contiguous float32 {list(blocks)} ({what}), got {scale_inv.dtype} {list(scale_inv.shape)}"
     if x.device.type != "cuda" or weight.device != x.device or (fp8 and scale_inv.device != x.device):
         return "x, weight and scale_inv must be on one CUDA device"
     return None
@@ -109,9 +115,9 @@ def unsupported(
 
 def supported(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, silu_mul: bool = False,
-    fused: bool = False,
+    fused: bool = False, row_scales: bool = False,
 ) -> bool:
-    return unsupported(x, weight, scale_inv, silu_mul, fused) is None
+    return unsupported(x, weight, scale_inv, silu_mul, fused, row_scales) is None
 
 
 def _check_fusion(x2: torch.Tensor, n_out: int, norm: tuple[torch.Tensor, float] | None,
@@ -146,14 +152,16 @@ def _launch_inputs(x: torch.Tensor, k: int, module: Any, pdl: bool | None) -> tu
 def gemv(
     x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor | None = None, module: Any = None,
     pdl: bool | None = None, silu_mul: bool = False, norm: tuple[torch.Tensor, float] | None = None,
-    add_to: torch.Tensor | None = None,
+    add_to: torch.Tensor | None = None, row_scales: bool = False,
 ) -> torch.Tensor:
-    """x [..., K] @ weight [N, K].T in bf16 (FP8: times ``scale_inv`` per 128x128 block); ``module``:
+    """x [..., K] @ weight [N, K].T in bf16 (FP8: times ``scale_inv`` per 128x128 block, or with ``row_scales``, one
+    token, scale_inv [N, ceil(K / 128)] holding each row's scale repeated: column 0 times the row's sum); ``module``:
     a ``load_module(defines)`` variant (experiments); ``pdl`` defaults to ``TPSERVE_GEMV_PDL``.
     ``silu_mul``: weight is [gate; up] and the result [..., N / 2] is SiLU(x @ gate.T) * (x @ up.T).
     ``norm`` (weight, eps): x is RMS-normed first (x * rsqrt(mean(x^2) + eps) * weight, unrounded);
     ``add_to`` [M, N]: the product, rounded to bf16, is added to it in place, and it is returned."""
-    reason = unsupported(x, weight, scale_inv, silu_mul, fused=norm is not None or add_to is not None)
+    reason = unsupported(x, weight, scale_inv, silu_mul, fused=norm is not None or add_to is not None,
+                         row_scales=row_scales)
     if reason is not None:
         raise ValueError(f"gemv: {reason}")
     n, k = weight.shape
@@ -164,6 +172,8 @@ def gemv(
     norm_weight, eps = norm if norm is not None else (None, 0.0)
     if scale_inv is None:
         module.gemv_bf16(x2, weight, y, pdl, silu_mul, norm_weight, eps, add_to is not None)
+    elif row_scales:
+        module.gemv_fp8_rows(x2, weight, scale_inv, y, pdl, silu_mul, norm_weight, eps, add_to is not None)
     else:
         module.gemv_fp8(x2, weight, scale_inv, y, pdl, silu_mul, norm_weight, eps, add_to is not None)
     return y if add_to is not None else y.view(*x.shape[:-1], n_out)
@@ -243,6 +253,26 @@ def probe(device_index: int) -> str | None:
         return None
     except Exception as exc:  # noqa: BLE001 -- no nvcc, no FlashInfer, an older GPU, ...
         logger.warning("the CUDA GEMV is unavailable (%s: %s)", type(exc).__name__, exc)
+        return f"{type(exc).__name__}: {exc}"
+
+
+@functools.cache
+def probe_rows(device_index: int) -> str | None:
+    """``probe``, then the kernel with a scale per row (``row_scales``) once: None, or why not (logged; the other
+    kernels stay in use)."""
+    failure = probe(device_index)
+    if failure is not None:
+        return failure
+    device = torch.device("cuda", device_index)
+    try:
+        x = torch.ones(1, 256, dtype=torch.bfloat16, device=device)
+        w = torch.ones(4, 256, dtype=torch.float8_e4m3fn, device=device)
+        y = gemv(x, w, torch.tensor([[0.25] * 2, [0.5] * 2, [1.0] * 2, [2.0] * 2], device=device), row_scales=True)
+        if y.tolist() != [[64.0, 128.0, 256.0, 512.0]]:
+            raise RuntimeError(f"computed {y.tolist()}, expected 64, 128, 256 and 512")
+        return None
+    except Exception as exc:  # noqa: BLE001 -- an older module, ...: row-scaled layers take Triton's GEMM
+        logger.warning("the CUDA GEMV with a scale per row is unavailable (%s: %s)", type(exc).__name__, exc)
         return f"{type(exc).__name__}: {exc}"
 
 

@@ -338,18 +338,19 @@ def _grouped_gemm(
         num_rows, n, k, a.stride(0), w.stride(0), w.stride(1), out.stride(0),
         A_ROWS_PER_TOKEN=rows_per_token, SCALE=scale is not None, IEEE=a.dtype == torch.float32,
         BLOCK_M=tile.block_m, BLOCK_N=tile.block_n, BLOCK_K=block_k, GROUP_M=tile.group_m, num_warps=tile.warps,
-        num_stages=tile.stages, SILU=silu, **_weight_scale_args(w_scale, rows_w, block, block_k, a),
+        num_stages=tile.stages, SILU=silu, **_weight_scale_args(w_scale, rows_w, k, block, block_k, a),
     )
 
 
-def _weight_scale_args(w_scale: torch.Tensor | None, n: int, block: tuple[int, int], block_k: int,
+def _weight_scale_args(w_scale: torch.Tensor | None, n: int, k: int, block: tuple[int, int], block_k: int,
                        dummy: torch.Tensor) -> dict:
+    """K_UNIFORM: each BLOCK_K chunk of K lies in one scale block (``block_k`` divides it, or one block spans K)."""
     if w_scale is None:
         return dict(ws_ptr=dummy)
     parts = w_scale.dim() == 4  # gate_up's scales: [E, 2, rows, cols]
     return dict(ws_ptr=w_scale, stride_se=w_scale.stride(0), stride_sp=w_scale.stride(1) if parts else 0,
                 stride_sn=w_scale.stride(-2), part_rows=n // 2 if parts else n, BN=block[0], BK=block[1], FP8=True,
-                K_UNIFORM=block[1] % block_k == 0)
+                K_UNIFORM=block[1] % block_k == 0 or block[1] >= k)
 
 
 # Up to this many (token, k) rows the experts run as ``kernels.moe_small``'s two unsorted kernels:

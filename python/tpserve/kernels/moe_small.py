@@ -407,7 +407,7 @@ def gate_up_silu(
         gate_up.stride(0), gate_up.stride(1), act.stride(0),
         TOP_K=top_k, BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=hidden % config.block_k == 0,
         NUM_STAGES=config.num_stages, PDL=pdl, WAIT_FIRST=wait_first, NORM=norm is not None, **routing,
-        **_scale_args(scales, "gate_up", config.block_n, config.block_k, x), **_skip_args(skip_others, gate_up),
+        **_scale_args(scales, "gate_up", config.block_n, config.block_k, hidden, x), **_skip_args(skip_others, gate_up),
         num_warps=config.num_warps, launch_pdl=pdl,
     )
     return act
@@ -445,7 +445,7 @@ def down_sum(
         TOP_K=top_k, EXPERTS_PER_STEP=experts_per_step, PREFETCH=prefetches(config, top_k),
         BLOCK_N=config.block_n, BLOCK_K=config.block_k, EVEN_K=inter % config.block_k == 0,
         NUM_STAGES=config.num_stages, PDL=pdl, **routing,
-        **_scale_args(scales, "down", config.block_n, config.block_k, act),
+        **_scale_args(scales, "down", config.block_n, config.block_k, inter, act),
         ADD_TO=add_to is not None, **_skip_args(skip_others, down), num_warps=config.num_warps, launch_pdl=pdl,
     )
     return out
@@ -455,16 +455,17 @@ def _skip_args(skip_others: bool, experts: torch.Tensor) -> dict:
     return dict(num_local=experts.shape[0], SKIP_OTHERS=True) if skip_others else {}
 
 
-def _scale_args(scales: ExpertScales | None, which: str, block_n: int, block_k: int, dummy: torch.Tensor) -> dict:
+def _scale_args(scales: ExpertScales | None, which: str, block_n: int, block_k: int, k: int,
+                dummy: torch.Tensor) -> dict:
     """The expert kernels' scale arguments for ``gate_up`` or ``down`` (ROW_UNIFORM: a program's ``block_n``
-    rows, aligned, share one row of scales; K_UNIFORM: each ``block_k`` chunk of a row lies in one block)."""
+    rows, aligned, share one row of scales; K_UNIFORM: each ``block_k`` chunk of a row's ``k`` lies in one block)."""
     if scales is None:
         return dict(NO_SCALES, scale_ptr=dummy)
     scale = scales.gate_up if which == "gate_up" else scales.down
     part = scale.stride(1) if which == "gate_up" else 0
     return dict(scale_ptr=scale, stride_se=scale.stride(0), stride_sp=part, stride_sn=scale.stride(-2),
                 BN=scales.block[0], BK=scales.block[1], FP8=True, ROW_UNIFORM=scales.block[0] % block_n == 0,
-                K_UNIFORM=scales.block[1] % block_k == 0)
+                K_UNIFORM=scales.block[1] % block_k == 0 or scales.block[1] >= k)
 
 
 def prefetches(down: KernelConfig, top_k: int) -> bool:

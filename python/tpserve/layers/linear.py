@@ -117,14 +117,15 @@ class ParallelLinear(nn.Module):
         fp8_compute = use_fp8_gemm(self.weight.device, self.block_size)
         backend = "auto"
         if fp8_compute:
-            backend = resolve_backend(backend_from_env(), self.weight.device, dtype, self.block_size, self.in_features)
+            backend = resolve_backend(backend_from_env(), self.weight.device, dtype, self.block_size, self.in_features,
+                                      self.row_scales)
         block = self.block_size
         if self.weight_scale_inv is None:
             weight, scale_inv = quantize_blocks(self.weight.data, block)
         else:
             weight, scale_inv = self.weight.data, self.weight_scale_inv.data
         if fp8_compute:
-            check_weight_block(backend, block, self.in_features)
+            check_weight_block(backend, block, self.in_features, self.row_scales)
             self.weight = nn.Parameter(weight, requires_grad=False)
             self.weight_scale_inv = nn.Parameter(scale_inv, requires_grad=False)
             self.fp8_backend = backend
@@ -136,7 +137,8 @@ class ParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if isinstance(x, PendingNorm):
             if self.fuses(x.residual):
-                y = gemv.gemv(x.residual, self.weight, self.weight_scale_inv, norm=(x.norm.weight, x.norm.eps))
+                y = gemv.gemv(x.residual, self.weight, self.weight_scale_inv, norm=(x.norm.weight, x.norm.eps),
+                              row_scales=self.row_scales)
                 return y if self.bias is None else y + self.bias
             x = x.value()
         return self.matmul(x, self.bias)
@@ -150,12 +152,13 @@ class ParallelLinear(nn.Module):
     def fuses(self, x: torch.Tensor, silu_mul: bool = False) -> bool:
         """Whether the GEMV takes ``x`` with a norm or add fused (``kernels.gemv``: one token)."""
         return (gemv.fuse_norm_enabled(x) and self.takes_gemv(x)
-                and gemv.supported(x, self.weight, self.weight_scale_inv, silu_mul, fused=True))
+                and gemv.supported(x, self.weight, self.weight_scale_inv, silu_mul, fused=True,
+                                   row_scales=self.row_scales))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale_inv is None:
             return gemv.linear(x, self.weight, self.bf16_gemv, bias)
-        y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size, self.fp8_backend)
+        y = fp8_linear(x, self.weight, self.weight_scale_inv, self.block_size, self.fp8_backend, self.row_scales)
         return y if bias is None else y + bias
 
     def part(self, shard_id: str | int | None) -> Slice:
@@ -221,11 +224,13 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         (which also norms a PendingNorm as it reads it)."""
         if self.gemv_silu_mul and isinstance(x, PendingNorm) and self.fuses(x.residual, silu_mul=True):
             norm = (x.norm.weight, x.norm.eps)
-            return gemv.gemv(x.residual, self.weight, self.weight_scale_inv, silu_mul=True, norm=norm)
+            return gemv.gemv(x.residual, self.weight, self.weight_scale_inv, silu_mul=True, norm=norm,
+                             row_scales=self.row_scales)
         if isinstance(x, PendingNorm):
             x = x.value()
-        if self.gemv_silu_mul and self.takes_gemv(x) and gemv.supported(x, self.weight, self.weight_scale_inv, True):
-            return gemv.gemv(x, self.weight, self.weight_scale_inv, silu_mul=True)
+        if self.gemv_silu_mul and self.takes_gemv(x) and gemv.supported(x, self.weight, self.weight_scale_inv, True,
+                                                                          row_scales=self.row_scales):
+            return gemv.gemv(x, self.weight, self.weight_scale_inv, silu_mul=True, row_scales=self.row_scales)
         return silu_and_mul(self(x))
 
 
@@ -274,7 +279,7 @@ class RowParallelLinear(ParallelLinear):
         ``add_to`` (the residual stream): at TP 1 where the GEMV runs, the output is added to it in
         place and None returned; else it is ignored."""
         if add_to is not None and self.tp_size == 1 and self.bias is None and self.fuses(x):
-            gemv.gemv(x, self.weight, self.weight_scale_inv, add_to=add_to)
+            gemv.gemv(x, self.weight, self.weight_scale_inv, add_to=add_to, row_scales=self.row_scales)
             return None
         y = self.matmul(x, None)
         if not reduce:

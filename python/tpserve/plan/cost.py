@@ -118,13 +118,14 @@ class ModelShape:
             below.append(min(cdf, 1.0))
         return sum(1 - f**tp for f in below)  # E[max] = sum over m of P(max > m)
 
-    def expert_bytes(self) -> float:
-        """Bytes per expert weight."""
+    def expert_bytes(self, tp: int = 1) -> float:
+        """Bytes per expert weight on a rank."""
         moe = self.config.moe
         if not self.fp8_experts or moe is None:
             return self.dtype_bytes
-        if self.fp8_row_scales:  # gate/up's 2I rows and down's H rows, one float32 each, over 3HI weights
-            return 1 + 4 * (2 * moe.intermediate_size + self.hidden) / (3 * self.hidden * moe.intermediate_size)
+        if self.fp8_row_scales:  # a float32 per row: gate/up's 2 I_rank rows and down's H rows (every rank's, whole)
+            inter = self.expert_params(tp) // (3 * self.hidden)
+            return 1 + 4 * (2 * inter + self.hidden) / (3 * self.hidden * inter)
         return self.linear_bytes
 
     def sparse_layer_params(self, tp: int = 1, experts: float | None = None) -> tuple[float, float]:
@@ -140,7 +141,7 @@ class ModelShape:
         """Bytes of the decoder layers' linear weights on a rank (``experts`` as in ``layers_linear_params``)."""
         expert_params, router_params = self.sparse_layer_params(tp, experts)
         rest = self.layers_linear_params(tp, experts) - expert_params - router_params
-        return rest * self.linear_bytes + expert_params * self.expert_bytes() + router_params * self.dtype_bytes
+        return rest * self.linear_bytes + expert_params * self.expert_bytes(tp) + router_params * self.dtype_bytes
 
     def layers_linear_params(self, tp: int = 1, experts: float | None = None) -> float:
         """The decoder layers' linear weights on a rank: attention, dense MLPs, the routers (whole on

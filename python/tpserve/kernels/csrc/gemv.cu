@@ -1,7 +1,9 @@
 // Small-M GEMV for decode: y[M, N] = x[M, K] @ W[N, K]^T for M = 1..8 tokens, x and y bf16
 // (row-major, contiguous), float32 accumulation. W is bf16, or float8_e4m3fn with one float32
 // scale per 128x128 block (scale_inv [ceil(N/128), ceil(K/128)], W_real = W * scale_inv: the
-// DeepSeek / Qwen3-FP8 layout). Built and called by tpserve.kernels.gemv.
+// DeepSeek / Qwen3-FP8 layout), or (kRowScale, one token) one scale per row (compressed-tensors' per-channel and
+// per-tensor checkpoints, held as [N, ceil(K/128)] with a row's scale repeated: column 0 is read), applied once to
+// the row's float32 sum. Built and called by tpserve.kernels.gemv.
 //
 // At a few tokens the product is bound by reading W, so everything serves W's stream:
 // * a block of kThreads threads owns R rows of W (R by M: x loads are shared by the R rows, so
@@ -285,7 +287,7 @@ __host__ __device__ constexpr int min_blocks() {
   return kFp8 && M == 1 && !kSiluMul && kFuse == kNormX ? TPSERVE_GEMV_NORM_MIN_BLOCKS : 0;
 }
 
-template <int M, bool kFp8, bool kSiluMul, int kFuse, int kMoe = kDense>
+template <int M, bool kFp8, bool kSiluMul, int kFuse, int kMoe = kDense, bool kRowScale = false>
 __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse>()))
     gemv_kernel(const __nv_bfloat16* __restrict__ x, const uint8_t* __restrict__ w,
                 const float* __restrict__ scale_inv, const __nv_bfloat16* __restrict__ norm_w, float eps,
@@ -294,7 +296,9 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
   static_assert(kMoe == kDense || (M == 1 && (kFuse != kAddToY || kMoe == kExpertDown)),
                 "the expert GEMVs: one token, only down adds to y");
   static_assert(kMoe != kExpertDown || (!kSiluMul && kFuse != kNormX), "the down GEMV fuses no norm");
-  constexpr bool kScaled = kFp8 || kMoe == kExpertDown;  // each chunk's sums times a scale (and routing weight)
+  static_assert(!kRowScale || (kFp8 && kMoe == kDense), "a scale per row: dense FP8 layers");
+  constexpr bool kChunkScale = kFp8 && !kRowScale;  // each chunk's sums times its block's scale
+  constexpr bool kScaled = kChunkScale || kMoe == kExpertDown;  // (and, kExpertDown, the routing weight)
   constexpr int R = rows_per_block<M, kFp8, kMoe>();
   constexpr int kOut = kSiluMul ? R / 2 : R;  // outputs per block: R / 2 (gate, up) row pairs
   static_assert(!kSiluMul || R % 2 == 0, "SiLU-and-mul pairs rows");
@@ -362,7 +366,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
     wrow[r] = reinterpret_cast<const uint4*>(w + row_off[r]);
   }
   const float* srow[2] = {nullptr, nullptr};  // scale rows of the first and (kSiluMul) the last kOut rows
-  if constexpr (kFp8 && kMoe != kExpertDown) {
+  if constexpr (kChunkScale && kMoe != kExpertDown) {
     const size_t blocks_k = (k + kScaleBlock - 1) / kScaleBlock;
     srow[0] = scale_inv + static_cast<size_t>(w_row(0) / kScaleBlock) * blocks_k;
     srow[1] = scale_inv + static_cast<size_t>(w_row(R - 1) / kScaleBlock) * blocks_k;
@@ -460,7 +464,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
         scale[0] = slot_weight[slot];
         if constexpr (kFp8) scale[0] *= __ldg(slot_scales[slot] + (c - slot * routing.seg_chunks) * kElems / kScaleBlock);
         scale[1] = scale[0];
-      } else if constexpr (kFp8) {
+      } else if constexpr (kChunkScale) {
         scale[0] = __ldg(srow[0] + c * kElems / kScaleBlock);
         scale[1] = kSiluMul ? __ldg(srow[1] + c * kElems / kScaleBlock) : scale[0];
       }
@@ -500,8 +504,12 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
   if (owns_out) {  // thread i < kOut * M writes the output of row i / M, token i % M
     const int i = threadIdx.x;
     const float rstd = kNorm ? rsqrtf(block_sum(R * M + out_m) / k + eps) : 1.f;
-    float s = block_sum(i) * rstd;
-    if constexpr (kSiluMul) s = silu_mul(s, block_sum(i + kOut * M) * rstd);
+    // kRowScale: row r's scale, column 0 of its row of [N, ceil(K / 128)]
+    auto row_scale = [&](int r) {
+      return kRowScale ? __ldg(scale_inv + static_cast<size_t>(w_row(r)) * ((k + kScaleBlock - 1) / kScaleBlock)) : 1.f;
+    };
+    float s = block_sum(i) * rstd * row_scale(out_r);
+    if constexpr (kSiluMul) s = silu_mul(s, block_sum(i + kOut * M) * rstd * row_scale(out_r + kOut));
     if constexpr (kFuse == kAddToY) s = __bfloat162float(__float2bfloat16(s)) + y_old;
     y[out_idx] = __float2bfloat16(s);
   }
@@ -515,7 +523,7 @@ struct Fusion {
 };
 
 // The kernel over W [n, k] (kExpertGateUp: each expert's slice, grid_y = top k slots).
-template <int M, bool kFp8, bool kSiluMul, int kFuse, int kMoe = kDense>
+template <int M, bool kFp8, bool kSiluMul, int kFuse, int kMoe = kDense, bool kRowScale = false>
 cudaError_t launch_grid(TensorView x, const void* w, int n, int k, const float* scale_inv, TensorView y, bool pdl,
                         Fusion fusion, Routing routing, int grid_y) {
   constexpr int kOut = kSiluMul ? rows_per_block<M, kFp8, kMoe>() / 2 : rows_per_block<M, kFp8, kMoe>();
@@ -529,25 +537,27 @@ cudaError_t launch_grid(TensorView x, const void* w, int n, int k, const float* 
   config.stream = get_stream(x.device());
   config.attrs = attrs;
   config.numAttrs = 1;
-  return cudaLaunchKernelEx(&config, gemv_kernel<M, kFp8, kSiluMul, kFuse, kMoe>,
+  return cudaLaunchKernelEx(&config, gemv_kernel<M, kFp8, kSiluMul, kFuse, kMoe, kRowScale>,
                             static_cast<const __nv_bfloat16*>(x.data_ptr()), static_cast<const uint8_t*>(w), scale_inv,
                             fusion.norm_w, fusion.eps, static_cast<__nv_bfloat16*>(y.data_ptr()), n, k, routing);
 }
 
-template <int M, bool kFp8, bool kSiluMul, int kFuse>
+template <int M, bool kFp8, bool kSiluMul, int kFuse, bool kRowScale = false>
 cudaError_t launch(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl, Fusion fusion) {
-  return launch_grid<M, kFp8, kSiluMul, kFuse>(x, w.data_ptr(), static_cast<int>(w.size(0)),
-                                               static_cast<int>(w.size(1)), scale_inv, y, pdl, fusion, Routing{}, 1);
+  return launch_grid<M, kFp8, kSiluMul, kFuse, kDense, kRowScale>(x, w.data_ptr(), static_cast<int>(w.size(0)),
+                                                                  static_cast<int>(w.size(1)), scale_inv, y, pdl,
+                                                                  fusion, Routing{}, 1);
 }
 
 // The fused kernels, at the token counts of batch-1 and -2 decode (fewer instantiations to compile).
-template <int M, bool kFp8, bool kSiluMul>
+// Also every kind at one token with a scale per row (kRowScale).
+template <int M, bool kFp8, bool kSiluMul, bool kRowScale = false>
 cudaError_t launch_fused(TensorView x, TensorView w, const float* scale_inv, TensorView y, bool pdl, Fusion fusion) {
-  if (fusion.kind == kNormX) return launch<M, kFp8, kSiluMul, kNormX>(x, w, scale_inv, y, pdl, fusion);
+  if (fusion.kind == kNormX) return launch<M, kFp8, kSiluMul, kNormX, kRowScale>(x, w, scale_inv, y, pdl, fusion);
   if constexpr (!kSiluMul) {
-    if (fusion.kind == kAddToY) return launch<M, kFp8, false, kAddToY>(x, w, scale_inv, y, pdl, fusion);
+    if (fusion.kind == kAddToY) return launch<M, kFp8, false, kAddToY, kRowScale>(x, w, scale_inv, y, pdl, fusion);
   }
-  return launch<M, kFp8, kSiluMul, kPlain>(x, w, scale_inv, y, pdl, fusion);
+  return launch<M, kFp8, kSiluMul, kPlain, kRowScale>(x, w, scale_inv, y, pdl, fusion);
 }
 
 template <bool kFp8>
@@ -648,6 +658,25 @@ void gemv_fp8(TensorView x, TensorView weight, TensorView scale_inv, TensorView 
             fusion_of(x, weight, norm_w, eps, add_to_y, silu_mul));
 }
 
+// The same for one token, weight scaled per row (compressed-tensors' per-channel and per-tensor FP8): scale_inv
+// float32 [N, ceil(K / 128)], each row's scale repeated along it (the layout Triton's W8A8 GEMM reads), column 0 read.
+void gemv_fp8_rows(TensorView x, TensorView weight, TensorView scale_inv, TensorView y, bool pdl, bool silu_mul,
+                   Optional<TensorView> norm_w, double eps, bool add_to_y) {
+  check(x, weight, y, 1, silu_mul);
+  CHECK_INPUT_TYPE(weight, dl_float8_e4m3fn);
+  CHECK_INPUT_AND_TYPE(scale_inv, dl_float32);
+  TVM_FFI_ICHECK(x.size(0) == 1) << "gemv with a scale per row takes one row of x";
+  TVM_FFI_ICHECK(scale_inv.ndim() == 2 && scale_inv.size(0) == weight.size(0) &&
+                 scale_inv.size(1) == (weight.size(1) + kScaleBlock - 1) / kScaleBlock)
+      << "gemv: scale_inv must be [N, ceil(K / 128)]";
+  ffi::CUDADeviceGuard device_guard(x.device().device_id);
+  const float* s = static_cast<const float*>(scale_inv.data_ptr());
+  const Fusion fusion = fusion_of(x, weight, norm_w, eps, add_to_y, silu_mul);
+  const cudaError_t status = silu_mul ? launch_fused<1, true, true, true>(x, weight, s, y, pdl, fusion)
+                                      : launch_fused<1, true, false, true>(x, weight, s, y, pdl, fusion);
+  TVM_FFI_ICHECK(status == cudaSuccess) << "gemv launch failed: " << cudaGetErrorString(status);
+}
+
 // The routing a pair of expert GEMVs shares: the router's bf16 logits [1, E] of the one token and its top k.
 static Routing routing_of(TensorView logits, int64_t top_k, bool renormalize, TensorView w, TensorView scales) {
   CHECK_INPUT_AND_TYPE(logits, dl_bfloat16);
@@ -740,5 +769,6 @@ void moe_down(TensorView act, TensorView down, TensorView scales, TensorView log
 
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gemv_bf16, gemv_bf16);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(gemv_fp8, gemv_fp8);
+TVM_FFI_DLL_EXPORT_TYPED_FUNC(gemv_fp8_rows, gemv_fp8_rows);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(moe_gate_up, moe_gate_up);
 TVM_FFI_DLL_EXPORT_TYPED_FUNC(moe_down, moe_down);
