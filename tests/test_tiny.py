@@ -378,12 +378,15 @@ def test_default_tiny_model_dir_lost_race(tmp_path: Path, monkeypatch: pytest.Mo
     load_model(path)
 
 
-def test_mixtral_experts_take_the_intermediate_size():
-    """Mixtral's experts are config.json's intermediate_size wide: --intermediate sets them (unless
-    --moe-intermediate does)."""
+@pytest.mark.parametrize("arch", ["mixtral", "olmoe"])
+def test_all_sparse_experts_take_the_intermediate_size(arch):
+    """Mixtral's and OLMoE's experts are config.json's intermediate_size wide: --intermediate sets them (unless
+    --moe-intermediate does); they have no dense layers."""
     from tpserve.tiny.config import model_config
 
     def size(**kwargs) -> int:
-        return model_config("mixtral", tokenizer_size=100, bos_token_id=0, eos_token_id=1, **kwargs).intermediate_size
+        return model_config(arch, tokenizer_size=100, bos_token_id=0, eos_token_id=1, **kwargs).intermediate_size
 
     assert (size(intermediate_size=96), size(intermediate_size=96, moe_intermediate_size=48), size()) == (96, 48, 32)
+    with pytest.raises(ValueError, match=f"{arch} has no dense layers"):
+        size(mlp_only_layers=(0,))

@@ -26,6 +26,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "MixtralForCausalLM": "mixtral",
+    "OlmoeForCausalLM": "olmoe",
     # the bare decoders (transformers' base models, as sentence-transformers saves embedding models such as
     # Qwen3-Embedding's): no LM head, so they serve embeddings only
     "Qwen3Model": "qwen3",
@@ -35,6 +36,7 @@ SUPPORTED_ARCHITECTURES = {
     "LlamaModel": "llama",
     "MistralModel": "mistral",
     "MixtralModel": "mixtral",
+    "OlmoeModel": "olmoe",
     # sequence classifiers (rerankers, reward and sentiment models): a linear score head over the last token's final
     # hidden state in place of the LM head, so they serve /classify, /v1/score and /v1/rerank only
     "Qwen3ForSequenceClassification": "qwen3",
@@ -45,7 +47,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForSequenceClassification": "mistral",
     "MixtralForSequenceClassification": "mixtral",
 }
-MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 # Rotary types with frequencies fixed at load time (dynamic and longrope are not implemented).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Keys of other architectures' configs that change the math; tpserve implements none of them.
@@ -98,6 +100,8 @@ def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
     for key in UNSUPPORTED_IF_SET:
         if cfg.get(key) is not None:
             raise ValueError(f"{key} is not supported")
+    if getattr(hf, "clip_qkv", None) is not None:  # OLMoE's optional clamp of q, k and v
+        raise ValueError(f"clip_qkv {hf.clip_qkv} is not supported (only null)")
     return rope
 
 
@@ -131,11 +135,11 @@ def _sliding_window(hf: Any, kind: str) -> int | None:
 
 @dataclass(frozen=True)
 class MoEConfig:
-    """The sparse layers of a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE, Mixtral)."""
+    """The sparse layers of a mixture-of-experts model (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE)."""
 
     num_experts: int
     top_k: int  # experts per token
-    intermediate_size: int  # of each expert (moe_intermediate_size; Mixtral's intermediate_size)
+    intermediate_size: int  # of each expert (moe_intermediate_size; Mixtral's and OLMoE's intermediate_size)
     norm_topk_prob: bool  # renormalise the top-k router probabilities to sum to 1
     layers: tuple[int, ...]  # the decoder layers whose MLP is sparse; the others are dense
     # Qwen2-MoE: a dense MLP of this size beside the routed experts, its output scaled by sigmoid(shared_expert_gate . x);
@@ -146,11 +150,15 @@ class MoEConfig:
 
 def _moe_config(hf: Any, kind: str, num_layers: int) -> MoEConfig | None:
     """transformers' rule for which layers are sparse: not in ``mlp_only_layers`` and every
-    ``decoder_sparse_step``-th layer (1-based); Mixtral's are all sparse, its top k always renormalised."""
+    ``decoder_sparse_step``-th layer (1-based); Mixtral's and OLMoE's are all sparse, Mixtral's top k always
+    renormalised."""
     if kind not in MOE_KINDS:
         return None
     if kind == "mixtral":
         num_experts, expert_size, norm_topk, layers = hf.num_local_experts, hf.intermediate_size, True, range(num_layers)
+    elif kind == "olmoe":
+        num_experts, expert_size, norm_topk = hf.num_experts, hf.intermediate_size, bool(hf.norm_topk_prob)
+        layers = range(num_layers)
     else:
         if not hf.num_experts:
             return None
@@ -167,7 +175,7 @@ def _moe_config(hf: Any, kind: str, num_layers: int) -> MoEConfig | None:
         raise ValueError(f"config.json: shared_expert_intermediate_size must be an integer >= 0, got {shared!r}")
     if not layers:  # every layer dense (transformers builds no expert either)
         return None
-    size_key = "intermediate_size" if kind == "mixtral" else "moe_intermediate_size"
+    size_key = "intermediate_size" if kind in ("mixtral", "olmoe") else "moe_intermediate_size"
     return MoEConfig(num_experts, hf.num_experts_per_tok, expert_size, norm_topk, tuple(layers), shared, size_key)
 
 
@@ -211,6 +219,7 @@ class ModelConfig:
     quantization: QuantConfig | None = None  # the checkpoint's quantization_config (FP8 weights)
     lm_head: bool = True  # False: a bare decoder (``*Model``) or a classifier, which generate nothing
     classifier: ClassifierConfig | None = None  # a sequence classifier's classes and rules; None: not one
+    projection_qk_norm: bool = False  # OLMoE: RMSNorm over the whole q and k projections (every head) before rotary
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -290,6 +299,7 @@ class ModelConfig:
             quantization=quantization,
             lm_head=not (bare or classifier),
             classifier=classifier_config(cfg, hf) if classifier else None,
+            projection_qk_norm=kind == "olmoe",
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size", expert_parallel: bool = False) -> None:

@@ -62,7 +62,7 @@ def test_decode_floor_reads_the_routed_experts(moe_model, monkeypatch):
         assert floor.ms(batch, 0) == pytest.approx(weight_bytes_per_decode_step(engine, batch) / 1e9 * 1e3)
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
 def test_roofline_counts_every_linear_weight(tiny_model_factory, arch, monkeypatch):
     """The roofline's weights (what every step reads, and each expert's) add up to the model's linear weights as the
     planner counts them from the built layers: Qwen2-MoE's shared expert and its gate are read by every step."""

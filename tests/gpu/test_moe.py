@@ -465,12 +465,14 @@ OTHER_ARCHS = {
     "qwen2_moe": {"num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": False,
                   "shared_expert_intermediate_size": 256},
     "mixtral": {"num_experts": 8, "num_experts_per_tok": 2},  # every layer sparse, Mixtral's checkpoint names
+    # every layer sparse, q/k RMSNorms over the whole projections (not the fused kernels' per-head norm)
+    "olmoe": {"num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": False},
 }
 
 
 @pytest.mark.parametrize("arch", list(OTHER_ARCHS))
 def test_other_moe_architectures_triton_and_graphs_match_torch_experts(tmp_path_factory, monkeypatch, arch):
-    """Qwen2-MoE and Mixtral through the same kernels, teacher-forced on the float32 torch experts' greedy tokens at
+    """Qwen2-MoE, Mixtral and OLMoE through the same kernels, teacher-forced on the float32 torch experts' greedy tokens at
     1 and 11 prompts: the float32 Triton experts within float32 rounding of them; the bf16 engine (Triton experts,
     CUDA graphs, FlashInfer) no further from them than the same bf16 model with the torch experts, eager (its own
     bf16 error is the bound: a tiny Mixtral's median row error is ~1e-2, where a wrong expert path moves every row

@@ -59,7 +59,7 @@ def test_rope_types_in_both_layouts_at_tp2(tiny_model_factory, arch, rope_type, 
 
 
 @pytest.mark.parametrize("arch,kwargs", [(arch, {}) for arch in ["qwen3", "qwen2", "llama", "mistral", "qwen3_moe",
-                                                                   "qwen2_moe", "mixtral"]]
+                                                                   "qwen2_moe", "mixtral", "olmoe"]]
                          # transformers writes a 0-wide shared expert's 0-row tensors and its gate; tpserve reads none
                          + [("qwen2_moe", {"shared_expert_intermediate_size": 0})], ids=str)
 def test_models_saved_by_transformers(tiny_model_factory, tmp_path, arch, kwargs):
@@ -259,6 +259,21 @@ def test_mixtral_and_qwen2_moe_real_configs():
         qwen.check_tp_size(tp)
     with pytest.raises(ValueError, match="tp_size 8 does not divide num_experts 60"):
         qwen.check_tp_size(8, expert_parallel=True)
+
+
+def test_olmoe_real_config():
+    """OLMoE-1B-7B-0924 as published: 64 experts of 1,024 features in every layer, top 8 not renormalised, its q/k
+    RMSNorms over the whole projections (not per head); 16 heads split over up to 16 ranks."""
+    cfg = ModelConfig.from_pretrained(os.path.join(REAL_CONFIGS, "OLMoE-1B-7B-0924"))
+    assert cfg.moe == MoEConfig(64, 8, 1024, False, tuple(range(16)), 0, "intermediate_size")
+    assert cfg.projection_qk_norm and not cfg.qk_norm and not cfg.qkv_bias
+    assert (cfg.head_dim, cfg.rope_theta, cfg.context_length, cfg.eos_token_ids) == (128, 1e4, 4096, (50279,))
+    for tp in (1, 2, 4, 8, 16):
+        cfg.check_tp_size(tp)
+        cfg.check_tp_size(tp, expert_parallel=True)
+    with pytest.raises(ValueError, match="clip_qkv 8.0 is not supported"):
+        ModelConfig.from_dict(dict(json.load(open(os.path.join(REAL_CONFIGS, "OLMoE-1B-7B-0924", "config.json"))),
+                                   clip_qkv=8.0))
 
 
 def test_qwen3_moe_fp8_real_config():

@@ -23,6 +23,7 @@ ARCHS = [
     # a gated shared expert beside the routed ones, q/k/v biases, layer 0 dense, the top k not renormalised
     ("qwen2_moe", {"num_layers": 3, "norm_topk_prob": False}),
     ("mixtral", {}),  # every layer sparse, Mixtral's checkpoint names (block_sparse_moe, w1/w3/w2)
+    ("olmoe", {"norm_topk_prob": False}),  # every layer sparse, q/k RMSNorms over the whole projections, the top k not renormalised
 ]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 137))]
 
@@ -76,6 +77,9 @@ def test_logits_and_greedy_match_transformers(tiny_model_factory, arch, kwargs):
         (2, "qwen2_moe", {"num_layers": 3, "norm_topk_prob": False}, {"expert_parallel": True}),
         (2, "mixtral", {}, {}),
         (2, "mixtral", {}, {"expert_parallel": True}),
+        (2, "olmoe", {"norm_topk_prob": False}, {}),  # the q/k norms' sums of squares all-reduced
+        (4, "olmoe", {"norm_topk_prob": False}, {}),  # and the 2 KV heads' counted once though each is on 2 ranks
+        (2, "olmoe", {"norm_topk_prob": False}, {"expert_parallel": True}),
     ],
     ids=str,
 )

@@ -4,7 +4,7 @@ all-reduce 10 us + 360 GB/s bus, HBM 3.35 TB/s, 989 TFLOP/s at 50% MFU)."""
 from __future__ import annotations
 
 import pytest
-from plan_configs import LLAMA_3_70B, QWEN3_0_6B, config
+from plan_configs import LLAMA_3_70B, QWEN3_0_6B, config, data_config
 
 from tpserve.plan.cost import (
     GPUS, PREFILL_MFU, Link, ModelShape, all_reduce_seconds, decode_step, layers_all_reduce_seconds, prefill_seconds,
@@ -24,6 +24,16 @@ def llama70b() -> ModelShape:
 def test_parameter_count(llama70b):
     assert llama70b.params() == pytest.approx(70.55e9, rel=1e-3)
     assert llama70b.weight_bytes_per_rank(8) == pytest.approx(70.55e9 * 2 / 8, rel=1e-3)
+
+
+def test_olmoe_layers_all_reduce_their_q_k_norm_sums_too():
+    """OLMoE's q/k RMSNorms span every head: a third all-reduce a layer, of 2 float32 sums a token."""
+    from tpserve.config import ModelConfig
+
+    olmoe = ModelShape(ModelConfig.from_pretrained(data_config("OLMoE-1B-7B-0924")), dtype_bytes=2)
+    per_layer = 2 * all_reduce_seconds(64 * 2048 * 2, 2, SEED_LINK) + all_reduce_seconds(64 * 2 * 4, 2, SEED_LINK)
+    assert layers_all_reduce_seconds(olmoe, 64, 2, SEED_LINK) == pytest.approx(16 * per_layer)
+    assert layers_all_reduce_seconds(olmoe, 64, 1, SEED_LINK) == 0.0
 
 
 def test_decode_batch_64_communication_and_weight_floor(llama70b):
@@ -69,7 +79,7 @@ def test_decode_is_bandwidth_bound_and_grows_with_batch_and_context():
     assert decode_step(shape, gpu, 2, 1, 512).comm_share > 0
 
 
-@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3", "qwen3_moe", "qwen2_moe", "mixtral", "olmoe"])
 @pytest.mark.parametrize("tp,expert_parallel", [(1, False), (2, False), (2, True)])
 def test_parameter_count_is_the_models(tiny_model_factory, arch, tp, expert_parallel):
     """The cost model counts a rank's parameters as tpserve's layers hold them: routers, experts (sliced or whole) and

@@ -9,7 +9,7 @@ from torch import nn
 
 from tpserve.config import FLASHINFER_DTYPES
 from tpserve.kernels import use_flashinfer, use_triton
-from tpserve.layers.linear import ReplicatedWeights
+from tpserve.layers.linear import ReplicatedWeights, Slice, copy_checked
 
 
 class RMSNorm(ReplicatedWeights):
@@ -46,3 +46,27 @@ class RMSNorm(ReplicatedWeights):
             return self._norm(x)
         residual = x + residual
         return self._norm(residual), residual
+
+
+class ProjectionNorm(nn.Module):
+    """OLMoE's q_norm / k_norm: an RMSNorm over a whole projection (every head of the model), of which this rank
+    holds ``part`` (its heads; the weight's matching slice). ``normalize`` takes the rank's part and the sum of
+    squares over the whole projection, which the caller all-reduces (``sum_of_squares``, then ``copies``: the ranks
+    holding each head, KV heads being replicated past their count)."""
+
+    def __init__(self, part: Slice, eps: float, copies: int = 1) -> None:
+        super().__init__()
+        self.part, self.eps, self.copies = Slice(part.start, part.size, 0, part.full), eps, copies
+        self.weight = nn.Parameter(torch.empty(part.size), requires_grad=False)
+
+    def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
+        copy_checked(self.weight.data, self.part.cut(loaded, 0, 1, param_name), param_name)
+
+    def sum_of_squares(self, x: torch.Tensor) -> torch.Tensor:
+        """[T] float32: this rank's share of the projection's sum of squares (divided among the copies)."""
+        return x.float().pow(2).sum(-1) / self.copies
+
+    def normalize(self, x: torch.Tensor, sum_sq: torch.Tensor) -> torch.Tensor:
+        """As transformers' RMSNorm: in float32, rounded to x's dtype, then times the weight."""
+        normed = x.float() * torch.rsqrt(sum_sq[:, None] / self.part.full + self.eps)
+        return self.weight * normed.to(x.dtype)

@@ -1,4 +1,4 @@
-"""The decoder of Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, Mistral and Mixtral (ModelConfig switches), with the
+"""The decoder of Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, Mistral, Mixtral and OLMoE (ModelConfig switches), with the
 checkpoints' parameter names but q/k/v merged into ``qkv_proj``, gate/up into ``gate_up_proj``.
 
 At TP > 1 attention and MLP return this rank's partial sum: the add+RMSNorm after each all-reduces
@@ -19,7 +19,8 @@ from tpserve.layers.embedding import ParallelLMHead, ScoreHead, VocabParallelEmb
 from tpserve.layers.linear import PendingNorm, QKVParallelLinear, RowParallelLinear
 from tpserve.layers.mlp import MLP
 from tpserve.layers.moe import SparseMoeBlock
-from tpserve.layers.norm import RMSNorm
+from tpserve.distributed.info import get_tp_info
+from tpserve.layers.norm import ProjectionNorm, RMSNorm
 from tpserve.layers.rotary import RotaryEmbedding
 
 
@@ -34,8 +35,17 @@ class Attention(nn.Module):
         self.num_heads = self.qkv_proj.num_heads
         self.num_kv_heads = self.qkv_proj.num_kv_heads
         self.o_proj = RowParallelLinear(cfg.num_attention_heads * cfg.head_dim, cfg.hidden_size, comm)
-        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps) if cfg.qk_norm else None
+        self.comm = comm
+        # q/k RMSNorms: per head (Qwen3), over the whole projections (OLMoE: ProjectionNorm), or none
+        self.q_norm: RMSNorm | ProjectionNorm | None = None
+        self.k_norm: RMSNorm | ProjectionNorm | None = None
+        self.head_norm, self.projection_norm = cfg.qk_norm, cfg.projection_qk_norm
+        if cfg.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps), RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        elif cfg.projection_qk_norm:
+            copies = max(1, get_tp_info().size // cfg.num_key_value_heads)  # ranks holding each KV head
+            self.q_norm = ProjectionNorm(self.qkv_proj.part("q"), cfg.rms_norm_eps)
+            self.k_norm = ProjectionNorm(self.qkv_proj.part("k"), cfg.rms_norm_eps, copies)
         self.rotary = [rotary]  # a list so the shared module is not registered once per layer
 
     def forward(
@@ -44,6 +54,8 @@ class Attention(nn.Module):
         """This rank's partial sum of the output projection (not all-reduced), or None where it was
         added to ``add_to`` (``RowParallelLinear``)."""
         qkv = self.qkv_proj(x)
+        if self.projection_norm:
+            qkv = self._norm_projections(qkv)
         if ctx.attention.fused_rope_store:
             out = self._fused_attention(qkv, ctx)
         else:
@@ -52,15 +64,24 @@ class Attention(nn.Module):
             q = q.view(-1, self.num_heads, self.head_dim)
             k = k.view(-1, self.num_kv_heads, self.head_dim)
             v = v.view(-1, self.num_kv_heads, self.head_dim)
-            if self.q_norm is not None and self.k_norm is not None:
+            if self.head_norm:
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary[0](ctx.inputs.positions, q, k)
             out = ctx.attention.forward(self.layer_id, q, k, v, ctx.inputs.out_slots, ctx.inputs.attn)
         return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim), reduce=False, add_to=add_to)
 
+    def _norm_projections(self, qkv: torch.Tensor) -> torch.Tensor:
+        """OLMoE's q and k RMSNorms over the whole projections: each rank's sums of squares, all-reduced in one
+        collective at TP > 1; the merged qkv rebuilt."""
+        q_norm, k_norm = self.q_norm, self.k_norm
+        q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
+        q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
+        sums = torch.stack([q_norm.sum_of_squares(q), k_norm.sum_of_squares(k)], dim=-1)
+        sums = self.comm.all_reduce(sums)
+        return torch.cat([q_norm.normalize(q, sums[:, 0]), k_norm.normalize(k, sums[:, 1]), v], dim=-1)
+
     def _fused_attention(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
-        has_norm = self.q_norm is not None and self.k_norm is not None
-        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if has_norm else None
+        norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.head_norm else None
         inputs, cos_sin = ctx.inputs, self.rotary[0].cos_sin_cache
         return ctx.attention.forward_fused(self.layer_id, qkv, inputs.positions, cos_sin, norm, inputs.out_slots, inputs.attn)
 

@@ -161,9 +161,11 @@ class ModelShape:
         return self.layers * attention + (self.layers - sparse_layers) * dense_mlp + sparse_layers * per_sparse
 
     def layer_small_params(self, tp: int = 1) -> int:
-        """Norms and biases: every rank keeps its own (norms whole, biases its slice)."""
+        """Norms and biases: every rank keeps its own (norms whole, biases and OLMoE's q/k norms its slice)."""
         c = self.config
         norms = 2 * c.hidden_size + (2 * c.head_dim if c.qk_norm else 0)
+        if c.projection_qk_norm:
+            norms += (c.num_attention_heads // tp + self.kv_heads_per_rank(tp)) * c.head_dim
         bias = (c.num_attention_heads // tp + 2 * self.kv_heads_per_rank(tp)) * c.head_dim if c.qkv_bias else 0
         return norms + bias
 
@@ -230,8 +232,12 @@ def all_gather_seconds(out_bytes: float, n: int, link: Link) -> float:
 
 
 def layers_all_reduce_seconds(shape: ModelShape, tokens: int, tp: int, link: Link) -> float:
-    """The decoder layers' two all-reduces each of ``tokens`` x hidden activations (seed 003's figure)."""
-    return 2 * shape.layers * all_reduce_seconds(tokens * shape.hidden * shape.dtype_bytes, tp, link)
+    """The decoder layers' two all-reduces each of ``tokens`` x hidden activations (seed 003's figure), and OLMoE's
+    third of the q/k norms' float32 sums of squares (``tokens`` x 2)."""
+    layer = 2 * all_reduce_seconds(tokens * shape.hidden * shape.dtype_bytes, tp, link)
+    if shape.config.projection_qk_norm:
+        layer += all_reduce_seconds(tokens * 2 * 4, tp, link)
+    return shape.layers * layer
 
 
 def comm_seconds(shape: ModelShape, tokens: int, last_tokens: int, tp: int, link: Link) -> float:

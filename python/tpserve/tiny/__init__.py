@@ -115,7 +115,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--arch", choices=list(ARCHITECTURES), default="qwen3",
         help="architecture: qwen3 (q/k RMSNorm), qwen3_moe (Qwen3 with mixture-of-experts MLPs), "
         "qwen2 (q/k/v bias), qwen2_moe (Qwen2 with experts and a gated shared expert), llama (llama3 rope "
-        "scaling), mistral, mixtral (Mistral with experts in every layer)")
+        "scaling), mistral, mixtral (Mistral with experts in every layer), olmoe (experts in every layer, q/k "
+        "RMSNorms over the whole projections)")
     add("--layers", dest="num_layers", metavar="LAYERS", type=int, default=2, help="number of decoder layers")
     add("--hidden", dest="hidden_size", metavar="HIDDEN", type=int, default=64, help="hidden size")
     add("--heads", dest="num_heads", metavar="HEADS", type=int, default=4, help="number of attention (query) heads")
@@ -135,7 +136,8 @@ def build_parser() -> argparse.ArgumentParser:
     add("--moe-intermediate", dest="moe_intermediate_size", metavar="MOE_INTERMEDIATE", type=int, default=None,
         help="MoE architectures: each expert's intermediate size (default: hidden / 2)")
     add("--mlp-only-layers", type=int, nargs="*", default=None,
-        help="qwen3_moe, qwen2_moe: layers with a dense MLP instead of experts (default: 0)")
+        help="qwen3_moe, qwen2_moe: layers with a dense MLP instead of experts (default: 0; mixtral and olmoe have "
+        "none)")
     add("--shared-expert-intermediate", dest="shared_expert_intermediate_size", metavar="SHARED", type=int,
         default=None, help="qwen2_moe: the shared expert's intermediate size, 0 for none (default: hidden)")
     add("--tie", dest="tie_word_embeddings", action="store_true",

@@ -16,8 +16,10 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
+    "olmoe": "OlmoeForCausalLM",
 }
-MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral")
+MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
+ALL_SPARSE = ("mixtral", "olmoe")  # every layer sparse, the experts intermediate_size wide
 
 VOCAB_MULTIPLE = 64
 ROPE_TYPES = ("default", "llama3", "yarn", "linear")
@@ -48,9 +50,9 @@ def model_config(
 ) -> PreTrainedConfig:
     """The architecture's transformers config, with defaults filled in; shapes it cannot express
     are rejected. The MoE settings apply to the MoE architectures: qwen3_moe and qwen2_moe, whose sparse layers are
-    all but ``mlp_only_layers`` (default: layer 0), and mixtral, whose layers are all sparse (its experts'
-    size is ``moe_intermediate_size`` or else ``intermediate_size``, its top k always renormalised). qwen2_moe's shared expert is
-    ``shared_expert_intermediate_size`` wide (default: hidden)."""
+    all but ``mlp_only_layers`` (default: layer 0), and mixtral and olmoe, whose layers are all sparse (their experts'
+    size is ``moe_intermediate_size`` or else ``intermediate_size``; mixtral's top k always renormalised). qwen2_moe's
+    shared expert is ``shared_expert_intermediate_size`` wide (default: hidden)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     if rope_type is None:
@@ -81,7 +83,7 @@ def model_config(
         raise ValueError(f"llama requires hidden_size ({hidden_size}) divisible by num_heads ({num_heads})")
     if head_dim < 2 or head_dim % 2 != 0:
         raise ValueError(f"head_dim must be even and >= 2 (rotary embedding), got {head_dim}")
-    if arch == "mixtral" and moe_intermediate_size is None:  # Mixtral's experts are intermediate_size wide
+    if arch in ALL_SPARSE and moe_intermediate_size is None:  # their experts are intermediate_size wide
         moe_intermediate_size = intermediate_size
     if intermediate_size is None:
         intermediate_size = 2 * hidden_size
@@ -117,11 +119,14 @@ def model_config(
             raise ValueError(f"num_experts_per_tok ({num_experts_per_tok}) must be in [1, num_experts ({num_experts})]")
         if moe_intermediate_size < 1:
             raise ValueError(f"moe_intermediate_size must be >= 1, got {moe_intermediate_size}")
-        if arch == "mixtral":
+        if arch in ALL_SPARSE:
             if mlp_only_layers:
-                raise ValueError("mixtral has no dense layers: mlp_only_layers must be empty")
-            cfg.update(num_local_experts=num_experts, num_experts_per_tok=num_experts_per_tok,
-                       intermediate_size=moe_intermediate_size)
+                raise ValueError(f"{arch} has no dense layers: mlp_only_layers must be empty")
+            experts_key = "num_local_experts" if arch == "mixtral" else "num_experts"
+            cfg.update({experts_key: num_experts, "num_experts_per_tok": num_experts_per_tok,
+                        "intermediate_size": moe_intermediate_size})
+            if arch == "olmoe":
+                cfg["norm_topk_prob"] = norm_topk_prob
         else:
             dense = (0,) if mlp_only_layers is None else mlp_only_layers
             bad = [i for i in dense if not 0 <= i < num_layers]

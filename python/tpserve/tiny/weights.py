@@ -22,8 +22,9 @@ def weight_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, ...]]:
     q_out, kv_out = config.num_attention_heads * d, config.num_key_value_heads * d
     mixtral = arch == "mixtral"
     num_experts = config.num_local_experts if mixtral else getattr(config, "num_experts", 0)
-    expert_size = inter if mixtral else getattr(config, "moe_intermediate_size", 0)
-    dense_layers = () if mixtral else getattr(config, "mlp_only_layers", ())
+    all_sparse = arch in ("mixtral", "olmoe")
+    expert_size = inter if all_sparse else getattr(config, "moe_intermediate_size", 0)
+    dense_layers = () if all_sparse else getattr(config, "mlp_only_layers", ())
     shared = getattr(config, "shared_expert_intermediate_size", 0)  # qwen2_moe only
     shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (config.vocab_size, h)}
     for i in range(config.num_hidden_layers):
@@ -39,6 +40,9 @@ def weight_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, ...]]:
         if arch in ("qwen3", "qwen3_moe"):
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
+        if arch == "olmoe":  # over the whole projections
+            shapes[p + "self_attn.q_norm.weight"] = (q_out,)
+            shapes[p + "self_attn.k_norm.weight"] = (kv_out,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         if num_experts and i not in dense_layers:
