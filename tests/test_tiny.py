@@ -390,3 +390,7 @@ def test_all_sparse_experts_take_the_intermediate_size(arch):
     assert (size(intermediate_size=96), size(intermediate_size=96, moe_intermediate_size=48), size()) == (96, 48, 32)
     with pytest.raises(ValueError, match=f"{arch} has no dense layers"):
         size(mlp_only_layers=(0,))
+    if arch == "olmoe":  # its q/k norms span hidden_size (transformers): the heads must fill it; top k as published
+        with pytest.raises(ValueError, match="olmoe has no head_dim setting"):
+            size(head_dim=32)
+        assert not model_config(arch, tokenizer_size=100, bos_token_id=0, eos_token_id=1).norm_topk_prob

@@ -102,6 +102,10 @@ def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
             raise ValueError(f"{key} is not supported")
     if getattr(hf, "clip_qkv", None) is not None:  # OLMoE's optional clamp of q, k and v
         raise ValueError(f"clip_qkv {hf.clip_qkv} is not supported (only null)")
+    heads_width = getattr(hf, "head_dim", None) and hf.head_dim * hf.num_attention_heads
+    if kind == "olmoe" and heads_width and heads_width != hf.hidden_size:  # transformers' q_norm is hidden_size wide
+        raise ValueError(f"olmoe: head_dim {hf.head_dim} x num_attention_heads {hf.num_attention_heads} must equal "
+                         f"hidden_size {hf.hidden_size} (its q_norm spans hidden_size)")
     return rope
 
 

@@ -131,6 +131,20 @@ def greedy_fp8_and_dequantized(fp8_dir: str, ref_dir: str) -> tuple[dict[str, li
 MOE_ARCHS = {"qwen3_moe": {}, "qwen2_moe": {"shared_expert_intermediate_size": 256}, "mixtral": {}}
 
 
+def tiny_moe_model(tiny_model_factory, arch: str) -> str:
+    return tiny_model_factory(arch, **dict(TINY, num_layers=3, moe_intermediate_size=128, **MOE_ARCHS[arch]))
+
+
+def count_expert_gemvs(monkeypatch) -> list[int]:
+    """A list that grows by one at each call of the CUDA expert GEMVs (which still run)."""
+    from tpserve.kernels import gemv
+
+    calls: list[int] = []
+    real_experts = gemv.experts
+    monkeypatch.setattr(gemv, "experts", lambda *args, **kwargs: calls.append(1) or real_experts(*args, **kwargs))
+    return calls
+
+
 @pytest.mark.parametrize("arch", list(MOE_ARCHS))
 @pytest.mark.parametrize("block", [(16, 16), (128, 128)], ids=["16x16", "128x128"])
 def test_fp8_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path, monkeypatch, block, arch):
@@ -138,14 +152,9 @@ def test_fp8_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path, monkeypatch, bl
     under its own names): attention in FP8 GEMMs, the experts FP8 in the Triton expert kernels, and at one token in
     128 x 128 blocks in the CUDA expert GEMVs (which the CUDA graphs capture). Teacher-forced on float32's greedy
     tokens over the dequantized weights, its logits are compared with the same weights' bf16 engine's error."""
-    from tpserve.kernels import gemv
-
-    src = tiny_model_factory(arch, **dict(TINY, num_layers=3, moe_intermediate_size=128, **MOE_ARCHS[arch]))
-    fp8_dir = write_fp8_checkpoint(src, str(tmp_path / "fp8"), block)
+    fp8_dir = write_fp8_checkpoint(tiny_moe_model(tiny_model_factory, arch), str(tmp_path / "fp8"), block)
     ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
-    calls = []
-    real_experts = gemv.experts
-    monkeypatch.setattr(gemv, "experts", lambda *args, **kwargs: calls.append(1) or real_experts(*args, **kwargs))
+    calls = count_expert_gemvs(monkeypatch)
     engine = Engine(EngineConfig(model=fp8_dir, device="cuda", dtype="bfloat16", max_total_tokens=1024))
     assert bool(calls) == (block == (128, 128)), "the expert GEMVs take 128 x 128 blocks, Triton the rest"
     assert engine.model.model.layers[0].self_attn.qkv_proj.weight.dtype == FP8_DTYPE
@@ -196,14 +205,10 @@ def test_compressed_tensors_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path, 
     """llm-compressor's FP8 MoE checkpoints (RedHatAI's Qwen3-30B-A3B-FP8-dynamic layout: a scale per expert row or
     projection): the experts stay FP8 with one scale a row in the Triton expert kernels (the CUDA expert GEMVs read
     128 x 128 blocks only), in CUDA graphs, near the dequantized weights' bf16 error."""
-    from tpserve.kernels import gemv
-
-    src = tiny_model_factory(arch, **dict(TINY, num_layers=3, moe_intermediate_size=128, **MOE_ARCHS[arch]))
-    fp8_dir = write_compressed_tensors_checkpoint(src, str(tmp_path / "fp8"), strategy)
+    fp8_dir = write_compressed_tensors_checkpoint(tiny_moe_model(tiny_model_factory, arch), str(tmp_path / "fp8"),
+                                                  strategy)
     ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
-    calls = []
-    real_experts = gemv.experts
-    monkeypatch.setattr(gemv, "experts", lambda *args, **kwargs: calls.append(1) or real_experts(*args, **kwargs))
+    calls = count_expert_gemvs(monkeypatch)
     engine = Engine(EngineConfig(model=fp8_dir, device="cuda", dtype="bfloat16", max_total_tokens=1024))
     experts = engine.model.model.layers[1].mlp.experts
     assert experts.gate_up_proj.dtype == experts.down_proj.dtype == FP8_DTYPE and not experts.dequantized

@@ -465,8 +465,9 @@ OTHER_ARCHS = {
     "qwen2_moe": {"num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": False,
                   "shared_expert_intermediate_size": 256},
     "mixtral": {"num_experts": 8, "num_experts_per_tok": 2},  # every layer sparse, Mixtral's checkpoint names
-    # every layer sparse, q/k RMSNorms over the whole projections (not the fused kernels' per-head norm)
-    "olmoe": {"num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": False},
+    # every layer sparse, q/k RMSNorms over the whole projections (not the fused kernels' per-head norm); its heads fill
+    # the hidden size
+    "olmoe": {"num_experts": 16, "num_experts_per_tok": 4, "norm_topk_prob": False, "hidden_size": 512},
 }
 
 
@@ -479,10 +480,9 @@ def test_other_moe_architectures_triton_and_graphs_match_torch_experts(tmp_path_
     far more)."""
     from tpserve.tiny import make_tiny_model
 
-    model_dir = make_tiny_model(
-        str(tmp_path_factory.mktemp(f"tiny-{arch}")), arch, num_layers=3, hidden_size=256, num_heads=4, num_kv_heads=2,
-        head_dim=128, intermediate_size=512, moe_intermediate_size=128, seed=1, **OTHER_ARCHS[arch],
-    )
+    shape = dict(num_layers=3, hidden_size=256, num_heads=4, num_kv_heads=2, head_dim=128, intermediate_size=512,
+                 moe_intermediate_size=128, seed=1)
+    model_dir = make_tiny_model(str(tmp_path_factory.mktemp(f"tiny-{arch}")), arch, **(shape | OTHER_ARCHS[arch]))
     routed = []
 
     def counted(*args, **kwargs):

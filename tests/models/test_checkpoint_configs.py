@@ -271,9 +271,13 @@ def test_olmoe_real_config():
     for tp in (1, 2, 4, 8, 16):
         cfg.check_tp_size(tp)
         cfg.check_tp_size(tp, expert_parallel=True)
+    published = json.load(open(os.path.join(REAL_CONFIGS, "OLMoE-1B-7B-0924", "config.json")))
     with pytest.raises(ValueError, match="clip_qkv 8.0 is not supported"):
-        ModelConfig.from_dict(dict(json.load(open(os.path.join(REAL_CONFIGS, "OLMoE-1B-7B-0924", "config.json"))),
-                                   clip_qkv=8.0))
+        ModelConfig.from_dict(dict(published, clip_qkv=8.0))
+    # transformers' q_norm is hidden_size wide: heads that do not fill it cannot be an OLMoE
+    with pytest.raises(ValueError, match="olmoe: head_dim 64 x num_attention_heads 16 must equal hidden_size 2048"):
+        ModelConfig.from_dict(dict(published, head_dim=64))
+    assert ModelConfig.from_dict(dict(published, head_dim=128)).head_dim == 128
 
 
 def test_qwen3_moe_fp8_real_config():

@@ -14,12 +14,12 @@ from torch import nn
 
 from tpserve.config import ModelConfig
 from tpserve.distributed.comm import Communicator
+from tpserve.distributed.info import get_tp_info
 from tpserve.forward import ForwardContext
 from tpserve.layers.embedding import ParallelLMHead, ScoreHead, VocabParallelEmbedding
 from tpserve.layers.linear import PendingNorm, QKVParallelLinear, RowParallelLinear
 from tpserve.layers.mlp import MLP
 from tpserve.layers.moe import SparseMoeBlock
-from tpserve.distributed.info import get_tp_info
 from tpserve.layers.norm import ProjectionNorm, RMSNorm
 from tpserve.layers.rotary import RotaryEmbedding
 

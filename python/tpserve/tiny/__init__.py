@@ -123,7 +123,7 @@ def build_parser() -> argparse.ArgumentParser:
     add("--kv-heads", dest="num_kv_heads", metavar="KV_HEADS", type=int, default=2,
         help="number of key/value heads; must divide --heads")
     add("--head-dim", type=int, default=None,
-        help="per-head dimension, even (default: hidden / heads, the only value qwen2 allows)")
+        help="per-head dimension, even (default: hidden / heads, the only value qwen2 and olmoe allow)")
     add("--intermediate", dest="intermediate_size", metavar="INTERMEDIATE", type=int, default=None,
         help="MLP intermediate size (default: 2 * hidden)")
     add("--vocab", dest="vocab_size", metavar="VOCAB", type=int, default=None,

@@ -45,18 +45,21 @@ def model_config(
     num_experts_per_tok: int = 2,
     moe_intermediate_size: int | None = None,
     mlp_only_layers: tuple[int, ...] | list[int] | None = None,
-    norm_topk_prob: bool = True,
+    norm_topk_prob: bool | None = None,
     shared_expert_intermediate_size: int | None = None,
 ) -> PreTrainedConfig:
     """The architecture's transformers config, with defaults filled in; shapes it cannot express
     are rejected. The MoE settings apply to the MoE architectures: qwen3_moe and qwen2_moe, whose sparse layers are
     all but ``mlp_only_layers`` (default: layer 0), and mixtral and olmoe, whose layers are all sparse (their experts'
     size is ``moe_intermediate_size`` or else ``intermediate_size``; mixtral's top k always renormalised). qwen2_moe's
-    shared expert is ``shared_expert_intermediate_size`` wide (default: hidden)."""
+    shared expert is ``shared_expert_intermediate_size`` wide (default: hidden). ``norm_topk_prob`` defaults to the
+    published models' (olmoe: False, the others: True)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     if rope_type is None:
         rope_type = "llama3" if arch == "llama" else "default"
+    if norm_topk_prob is None:
+        norm_topk_prob = arch != "olmoe"
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join(ROPE_TYPES)}")
     positive = {"num_layers": num_layers, "hidden_size": hidden_size, "num_heads": num_heads,
@@ -73,9 +76,10 @@ def model_config(
                 f"hidden_size ({hidden_size}) is not divisible by num_heads ({num_heads}); pass head_dim explicitly"
             )
         head_dim = hidden_size // num_heads
-    elif arch == "qwen2" and (not divisible or head_dim != hidden_size // num_heads):
+    elif arch in ("qwen2", "olmoe") and (not divisible or head_dim != hidden_size // num_heads):
+        # (OLMoE's q/k norms are hidden_size wide in transformers: its heads must fill the hidden size)
         raise ValueError(
-            f"qwen2 has no head_dim setting: head_dim ({head_dim}) must equal "
+            f"{arch} has no head_dim setting: head_dim ({head_dim}) must equal "
             f"hidden_size ({hidden_size}) / num_heads ({num_heads})"
         )
     elif arch == "llama" and not divisible:
