@@ -1,6 +1,6 @@
 """The sparse mixture-of-experts MLP (Qwen3-MoE, Qwen2-MoE, Mixtral, OLMoE): a top-k router and stacked experts, TP
-cutting every expert's intermediate dim, and Qwen2-MoE's gated shared expert. The torch path is the CPU path and test oracle;
-CUDA runs kernels.moe."""
+cutting every expert's intermediate dim, and Qwen2-MoE's gated shared expert. The torch path is the CPU path and test
+oracle; CUDA runs kernels.moe."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
-"""The decoder of Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, Mistral, Mixtral and OLMoE (ModelConfig switches), with the
-checkpoints' parameter names but q/k/v merged into ``qkv_proj``, gate/up into ``gate_up_proj``.
+"""The decoder of Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, Mistral, Mixtral and OLMoE (ModelConfig switches),
+with the checkpoints' parameter names but q/k/v merged into ``qkv_proj``, gate/up into ``gate_up_proj``.
 
 At TP > 1 attention and MLP return this rank's partial sum: the add+RMSNorm after each all-reduces
 it (``Communicator.all_reduce_add_rmsnorm``, in one kernel where it can). At TP 1, where the CUDA GEMV
