@@ -27,7 +27,9 @@ def fused_on_cpu(monkeypatch):
     """Every linear layer takes the 'GEMV' at 1 or 2 tokens; returns the count of fused calls by kind."""
     calls: collections.Counter = collections.Counter()
 
-    def fake_gemv(x, weight, scale_inv=None, module=None, pdl=None, silu_mul=False, norm=None, add_to=None):
+    def fake_gemv(x, weight, scale_inv=None, module=None, pdl=None, silu_mul=False, norm=None, add_to=None,
+                  row_scales=False):
+        assert not row_scales, "these models' weights are not FP8"
         calls["norm" if norm is not None else "add" if add_to is not None else "plain"] += 1
         return gemv_reference(x, weight, scale_inv, silu_mul=silu_mul, norm=norm, add_to=add_to)
 
@@ -89,7 +91,8 @@ def test_fusion_switch_and_batch_limit(tiny_model_factory, fused_on_cpu, monkeyp
     assert fused_on_cpu["norm"] == fused_on_cpu["add"] == 0
     monkeypatch.setenv(gemv.FUSE_NORM_ENV, "1")
     monkeypatch.setattr(ParallelLinear, "takes_gemv", lambda self, x: x.numel() // x.shape[-1] <= 3)
-    monkeypatch.setattr(gemv, "supported", lambda x, *args, fused=False: not fused or x.numel() // x.shape[-1] <= 2)
+    monkeypatch.setattr(gemv, "supported",
+                        lambda x, *args, fused=False, row_scales=False: not fused or x.numel() // x.shape[-1] <= 2)
     from tpserve.forward import SequenceInput
     from tpserve.kvcache.pool import PageAllocator
 
