@@ -133,8 +133,9 @@ TILES_BY_ROWS: tuple[tuple[int | None, Tile], ...] = (
     (4096, Tile(32, 128, 128, group_m=1)),
     (None, Tile(128, 256, warps=8, stages=4, group_m=1)),
 )
-# FP8 experts load a float32 scale per weight element of a tile, which those tiles' stages do not fit in shared
-# memory (128 x 256 in 4 stages asked 344 KB of 227): session 5's tiles.
+# Session 5's tiles for FP8 experts, picked when a tile loaded a float32 scale per weight element (the bf16 tiles' stages
+# did not fit in shared memory: 128 x 256 in 4 stages asked 344 KB of 227). Since session 44 a tile whose K lies in one
+# scale block loads one scale a column (K_UNIFORM), so the bf16 tiles may fit and win: not measured yet.
 FP8_TILES_BY_ROWS: tuple[tuple[int | None, Tile], ...] = (
     (512, Tile(16, 64)),
     (4096, Tile(64, 64)),
