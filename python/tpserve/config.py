@@ -100,8 +100,9 @@ def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
     for key in UNSUPPORTED_IF_SET:
         if cfg.get(key) is not None:
             raise ValueError(f"{key} is not supported")
-    if getattr(hf, "clip_qkv", None) is not None:  # OLMoE's optional clamp of q, k and v
-        raise ValueError(f"clip_qkv {hf.clip_qkv} is not supported (only null)")
+    clip = getattr(hf, "clip_qkv", None)  # OLMoE's optional clamp of q, k and v (a float: transformers checks the type)
+    if clip is not None and (kind != "olmoe" or clip <= 0):
+        raise ValueError(f"clip_qkv {clip!r} is not supported (OLMoE's: a positive number or null)")
     heads_width = getattr(hf, "head_dim", None) and hf.head_dim * hf.num_attention_heads
     if kind == "olmoe" and heads_width and heads_width != hf.hidden_size:  # transformers' q_norm is hidden_size wide
         raise ValueError(f"olmoe: head_dim {hf.head_dim} x num_attention_heads {hf.num_attention_heads} must equal "
@@ -224,6 +225,7 @@ class ModelConfig:
     lm_head: bool = True  # False: a bare decoder (``*Model``) or a classifier, which generate nothing
     classifier: ClassifierConfig | None = None  # a sequence classifier's classes and rules; None: not one
     projection_qk_norm: bool = False  # OLMoE: RMSNorm over the whole q and k projections (every head) before rotary
+    clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after those norms
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -304,6 +306,7 @@ class ModelConfig:
             lm_head=not (bare or classifier),
             classifier=classifier_config(cfg, hf) if classifier else None,
             projection_qk_norm=kind == "olmoe",
+            clip_qkv=None if getattr(hf, "clip_qkv", None) is None else float(hf.clip_qkv),
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size", expert_parallel: bool = False) -> None:

@@ -261,6 +261,18 @@ def test_mixtral_and_qwen2_moe_real_configs():
         qwen.check_tp_size(8, expert_parallel=True)
 
 
+def test_olmoe_clip_qkv_matches_transformers(tiny_model_factory, tmp_path):
+    """OLMoE's clip_qkv clamps q, k (after their norms) and v, as transformers does; a clamp that changes the logits."""
+    plain = tiny_model_factory("olmoe")
+    clipped = edited_copy(plain, tmp_path / "clipped", clip_qkv=1.5)
+    ids = list(range(30, 70))
+    assert (hf_logits(plain, ids) - hf_logits(clipped, ids)).abs().max() > 0.1
+    check_against_transformers(clipped, "olmoe, clip_qkv 1.5")
+    with LLM(clipped, tp_size=2, device="cpu", page_size=8) as llm:
+        outs = llm.generate(PROMPTS, GREEDY, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(clipped, p, 12) for p in PROMPTS]
+
+
 def test_olmoe_real_config():
     """OLMoE-1B-7B-0924 as published: 64 experts of 1,024 features in every layer, top 8 not renormalised, its q/k
     RMSNorms over the whole projections (not per head); 16 heads split over up to 16 ranks."""
@@ -272,8 +284,12 @@ def test_olmoe_real_config():
         cfg.check_tp_size(tp)
         cfg.check_tp_size(tp, expert_parallel=True)
     published = json.load(open(os.path.join(REAL_CONFIGS, "OLMoE-1B-7B-0924", "config.json")))
-    with pytest.raises(ValueError, match="clip_qkv 8.0 is not supported"):
-        ModelConfig.from_dict(dict(published, clip_qkv=8.0))
+    assert ModelConfig.from_dict(dict(published, clip_qkv=8.0)).clip_qkv == 8.0 and cfg.clip_qkv is None
+    for bad in (0.0, -1.0):
+        with pytest.raises(ValueError, match=f"clip_qkv {bad!r} is not supported"):
+            ModelConfig.from_dict(dict(published, clip_qkv=bad))
+    with pytest.raises(ValueError, match="cannot be read as a olmoe config: .*clip_qkv"):  # transformers' type check
+        ModelConfig.from_dict(dict(published, clip_qkv="8"))
     # transformers' q_norm is hidden_size wide: heads that do not fill it cannot be an OLMoE
     with pytest.raises(ValueError, match="olmoe: head_dim 64 x num_attention_heads 16 must equal hidden_size 2048"):
         ModelConfig.from_dict(dict(published, head_dim=64))

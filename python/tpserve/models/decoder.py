@@ -39,7 +39,7 @@ class Attention(nn.Module):
         # q/k RMSNorms: per head (Qwen3), over the whole projections (OLMoE: ProjectionNorm), or none
         self.q_norm: RMSNorm | ProjectionNorm | None = None
         self.k_norm: RMSNorm | ProjectionNorm | None = None
-        self.head_norm, self.projection_norm = cfg.qk_norm, cfg.projection_qk_norm
+        self.head_norm, self.projection_norm, self.clip_qkv = cfg.qk_norm, cfg.projection_qk_norm, cfg.clip_qkv
         if cfg.qk_norm:
             self.q_norm, self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps), RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         elif cfg.projection_qk_norm:
@@ -72,13 +72,14 @@ class Attention(nn.Module):
 
     def _norm_projections(self, qkv: torch.Tensor) -> torch.Tensor:
         """OLMoE's q and k RMSNorms over the whole projections: each rank's sums of squares, all-reduced in one
-        collective at TP > 1; the merged qkv rebuilt."""
+        collective at TP > 1; the merged qkv rebuilt, clamped to +-``clip_qkv`` where the config sets it."""
         q_norm, k_norm = self.q_norm, self.k_norm
         q_size, kv_size = self.qkv_proj.q_size, self.qkv_proj.kv_size
         q, k, v = qkv.split([q_size, kv_size, kv_size], dim=-1)
         sums = torch.stack([q_norm.sum_of_squares(q), k_norm.sum_of_squares(k)], dim=-1)
         sums = self.comm.all_reduce(sums)
-        return torch.cat([q_norm.normalize(q, sums[:, 0]), k_norm.normalize(k, sums[:, 1]), v], dim=-1)
+        qkv = torch.cat([q_norm.normalize(q, sums[:, 0]), k_norm.normalize(k, sums[:, 1]), v], dim=-1)
+        return qkv if self.clip_qkv is None else qkv.clamp_(-self.clip_qkv, self.clip_qkv)
 
     def _fused_attention(self, qkv: torch.Tensor, ctx: ForwardContext) -> torch.Tensor:
         norm = (self.q_norm.weight, self.k_norm.weight, self.q_norm.eps) if self.head_norm else None
