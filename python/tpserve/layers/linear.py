@@ -4,6 +4,7 @@ tensors; FP8 block scales are cut with their weights, so a shard boundary inside
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -137,11 +138,18 @@ class ParallelLinear(nn.Module):
     def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
         if isinstance(x, PendingNorm):
             if self.fuses(x.residual):
-                y = gemv.gemv(x.residual, self.weight, self.weight_scale_inv, norm=(x.norm.weight, x.norm.eps),
-                              row_scales=self.row_scales)
+                y = self.gemv(x.residual, norm=(x.norm.weight, x.norm.eps))
                 return y if self.bias is None else y + self.bias
             x = x.value()
         return self.matmul(x, self.bias)
+
+    def gemv(self, x: torch.Tensor, **fusion: Any) -> torch.Tensor:
+        """``kernels.gemv.gemv`` of this layer's weight (its scales as held: per block or a row); ``fusion``: its
+        ``silu_mul``, ``norm``, ``add_to``."""
+        return gemv.gemv(x, self.weight, self.weight_scale_inv, row_scales=self.row_scales, **fusion)
+
+    def gemv_supported(self, x: torch.Tensor, silu_mul: bool = False, fused: bool = False) -> bool:
+        return gemv.supported(x, self.weight, self.weight_scale_inv, silu_mul, fused=fused, row_scales=self.row_scales)
 
     def takes_gemv(self, x: torch.Tensor) -> bool:
         """Whether ``matmul(x)`` runs the CUDA GEMV (kernels.gemv)."""
@@ -152,8 +160,7 @@ class ParallelLinear(nn.Module):
     def fuses(self, x: torch.Tensor, silu_mul: bool = False) -> bool:
         """Whether the GEMV takes ``x`` with a norm or add fused (``kernels.gemv``: one token)."""
         return (gemv.fuse_norm_enabled(x) and self.takes_gemv(x)
-                and gemv.supported(x, self.weight, self.weight_scale_inv, silu_mul, fused=True,
-                                   row_scales=self.row_scales))
+                and self.gemv_supported(x, silu_mul, fused=True))
 
     def matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
         if self.weight_scale_inv is None:
@@ -224,13 +231,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         (which also norms a PendingNorm as it reads it)."""
         if self.gemv_silu_mul and isinstance(x, PendingNorm) and self.fuses(x.residual, silu_mul=True):
             norm = (x.norm.weight, x.norm.eps)
-            return gemv.gemv(x.residual, self.weight, self.weight_scale_inv, silu_mul=True, norm=norm,
-                             row_scales=self.row_scales)
+            return self.gemv(x.residual, silu_mul=True, norm=norm)
         if isinstance(x, PendingNorm):
             x = x.value()
-        if self.gemv_silu_mul and self.takes_gemv(x) and gemv.supported(x, self.weight, self.weight_scale_inv, True,
-                                                                          row_scales=self.row_scales):
-            return gemv.gemv(x, self.weight, self.weight_scale_inv, silu_mul=True, row_scales=self.row_scales)
+        if self.gemv_silu_mul and self.takes_gemv(x) and self.gemv_supported(x, silu_mul=True):
+            return self.gemv(x, silu_mul=True)
         return silu_and_mul(self(x))
 
 
@@ -279,7 +284,7 @@ class RowParallelLinear(ParallelLinear):
         ``add_to`` (the residual stream): at TP 1 where the GEMV runs, the output is added to it in
         place and None returned; else it is ignored."""
         if add_to is not None and self.tp_size == 1 and self.bias is None and self.fuses(x):
-            gemv.gemv(x, self.weight, self.weight_scale_inv, add_to=add_to, row_scales=self.row_scales)
+            self.gemv(x, add_to=add_to)
             return None
         y = self.matmul(x, None)
         if not reduce:
