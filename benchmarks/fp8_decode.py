@@ -9,8 +9,8 @@ batch 1). A step is timed synchronously (forward, sampling, host sync: ``step_ms
 the interval between steps, the inter-token time a user sees). ``--variant`` adds engines built
 under other environment settings (a kernel switched off, say), e.g. for Qwen3-30B-A3B without FP8:
 ``--fp8-gemms "" --variant gemv-off:TPSERVE_BF16_GEMV=0``. ``--fp8-checkpoint DIR`` adds an engine loading DIR's
-config.json, which carries a published FP8 ``quantization_config`` (random FP8 weights: the checkpoint path, where
-a MoE model's experts stay FP8, unlike ``quantization="fp8"``), e.g. ``tests/data/configs/Qwen3-30B-A3B-FP8``.
+config.json, which carries a published FP8 ``quantization_config`` (random FP8 weights: the checkpoint path; a MoE model's experts are FP8
+there and, since session 45, under ``quantization="fp8"`` too), e.g. ``tests/data/configs/Qwen3-30B-A3B-FP8``.
 The GEMMs one by one, against bf16 and for accuracy: ``benchmarks/experiments/fp8_gemm.py``.
 
     python benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-8B,tests/data/configs/Qwen3-32B \

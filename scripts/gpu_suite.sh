@@ -519,6 +519,10 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
         --fp8-checkpoint tests/data/configs/Qwen3-8B-FP8-dynamic --pipelined --batch-sizes 1,32 --out $results/fp8_dynamic8.json
       stage fp8_dynamic_a3b 300 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms "" --fp8-checkpoint ${a3b}-FP8 \
         --fp8-checkpoint ${a3b}-FP8-dynamic --pipelined --batch-sizes 1,32 --out $results/fp8_dynamic_a3b.json ;;
+    a3b_quant)  # issue 16: --quantization fp8 on Qwen3-30B-A3B (its experts quantized at load since session 45) against bf16
+      # and Qwen's FP8 checkpoint layout, decode at batch 1 and 32
+      stage a3b_quant 450 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms auto --fp8-checkpoint ${a3b}-FP8 \
+        --pipelined --batch-sizes 1,32 --out $results/a3b_quant.json ;;
     fp8_ratio32)  # issue 16's ratio at Qwen3-32B batch 1 with today's defaults, 3 alternating rounds
       stage fp8_ratio32 300 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-32B --fp8-gemms auto \
         --pipelined --rounds 3 --batch-sizes 1 --out $results/fp8_ratio32.json ;;

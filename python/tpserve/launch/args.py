@@ -145,7 +145,7 @@ def build_parser() -> argparse.ArgumentParser:
                        help="compute dtype: auto (the checkpoint's dtype on GPU, float32 on CPU), float32, "
                        "bfloat16, float16 (also spelled half, float, bf16)")
     model.add_argument("--quantization", "-q", choices=QUANTIZATION_CHOICES, default=_default("quantization"),
-                       help="fp8: quantize an unquantized checkpoint's linear weights to FP8 (e4m3, one scale "
+                       help="fp8: quantize an unquantized checkpoint's linear weights (MoE experts too) to FP8 (e4m3, one scale "
                        "per 128x128 block) at load time. FP8 checkpoints (quantization_config in config.json) "
                        "are read as such without it; compressed-tensors (as vLLM takes it) only names an "
                        "llm-compressor checkpoint's format")

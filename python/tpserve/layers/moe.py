@@ -18,7 +18,7 @@ from tpserve.kernels.settings import MOE_SMALL_ENV
 from tpserve.layers.activation import silu_and_mul
 from tpserve.layers.linear import PendingNorm, ReplicatedWeights, Slice, copy_checked, divide
 from tpserve.layers.mlp import MLP
-from tpserve.quant.fp8 import FP8_DTYPE, ExpertScales, dequantize_blocks, num_blocks, per_row_scales
+from tpserve.quant.fp8 import FP8_DTYPE, ExpertScales, dequantize_blocks, num_blocks, per_row_scales, quantize_blocks
 
 # 0: the MoE layer's RMSNorm as a kernel of its own, not in the router's GEMV and the first expert kernel (an A/B switch,
 # read when the model is built)
@@ -102,8 +102,10 @@ class StackedExperts(nn.Module):
     """``mlp.experts``: gate_up_proj [E, 2 * I_local, H] ([gate | up] rows) and down_proj [E, H, I_local].
     From an FP8 checkpoint (``use_fp8``) they load in float8_e4m3fn with their block scales
     (gate_up_proj_scale_inv [E, 2, I_local / bn, H / bk], down_proj_scale_inv [E, H / bn, I_local / bk]),
-    cut at block boundaries like the linear layers'. They stay FP8 where the Triton expert kernels run
-    (CUDA sm89+: ``scales()``), else are dequantized at ``finish_loading`` (the CPU path)."""
+    cut at block boundaries like the linear layers'. Quantizing at load (``--quantization fp8``), each expert's
+    projection is quantized into that layout as it is read (this rank's cut, 128x128 blocks), so the compute-dtype experts
+    are never all held. They stay FP8 where the Triton expert kernels run (CUDA sm89+: ``scales()``), else are
+    dequantized at ``finish_loading`` (the CPU path)."""
 
     def __init__(self, num_experts: int, hidden_size: int, intermediate_size: int) -> None:
         super().__init__()
@@ -129,15 +131,18 @@ class StackedExperts(nn.Module):
         self.keep_dtype: tuple[str, ...] = ()
         self.dequantized = False  # loaded from FP8, computed in the compute dtype
         self.row_scales = False  # the checkpoint scales each output row (or tensor)
+        self.quantizes_on_load = False  # compute-dtype checkpoint tensors, quantized as they are loaded
 
-    def use_fp8(self, block_size: tuple[int, int], row_scales: bool = False) -> None:
-        """Load the experts as an FP8 checkpoint holds them; called before materialising. ``row_scales``: a scale per
-        output row or tensor (compressed-tensors), held as one block a row spanning every input ((1, K) blocks)."""
+    def use_fp8(self, block_size: tuple[int, int], row_scales: bool = False, prequantized: bool = True) -> None:
+        """Hold the experts in FP8; called before materialising. ``prequantized``: loaded as an FP8 checkpoint holds
+        them (``row_scales``: a scale per output row or tensor (compressed-tensors), held as one block a row spanning
+        every input, (1, K) blocks); else each compute-dtype projection is quantized in ``block_size`` blocks as it
+        loads."""
         hidden, size, device = self.down_proj.shape[1], self.local_intermediate, self.down_proj.device
         if row_scales:
             block_size = (1, max(hidden, size))  # one block along every expert's inputs (H for gate/up, I for down)
         (bn, bk) = block_size
-        self.block_size, self.row_scales = block_size, row_scales
+        self.block_size, self.row_scales, self.quantizes_on_load = block_size, row_scales, not prequantized
         self.gate_up_proj = nn.Parameter(torch.empty(self.gate_up_proj.shape, dtype=FP8_DTYPE, device=device),
                                          requires_grad=False)
         self.down_proj = nn.Parameter(torch.empty(self.down_proj.shape, dtype=FP8_DTYPE, device=device),
@@ -178,6 +183,8 @@ class StackedExperts(nn.Module):
 
     def shard_ids(self, param_name: str) -> tuple[ShardId, ...]:
         """The checkpoint pieces this rank loads into ``param_name``."""
+        if self.quantizes_on_load and param_name.endswith("_scale_inv"):
+            return ()  # made at load from the weights, not in the checkpoint
         parts = (0, 1) if param_name.startswith("gate_up_proj") else (0,)
         experts = range(self.expert_start, self.expert_start + self.num_experts)
         return tuple((e, p) for e in experts for p in parts)
@@ -200,10 +207,25 @@ class StackedExperts(nn.Module):
             self._load_scale(param_name, loaded, expert, part)
         elif param_name == "gate_up_proj":
             name = f"experts.{expert}.{('gate_proj', 'up_proj')[part]}"
-            copy_checked(self.gate_up_proj.data[local].narrow(0, part * size, size), rows.cut(loaded, 0, 2, name), name)
+            weight = self._quantized(rows.cut(loaded, 0, 2, name), self.gate_up_proj_scale_inv, (local, part), name)
+            copy_checked(self.gate_up_proj.data[local].narrow(0, part * size, size), weight, name)
         else:
             name = f"experts.{expert}.down_proj"
-            copy_checked(self.down_proj.data[local], rows.cut(loaded, 1, 2, name), name)
+            weight = self._quantized(rows.cut(loaded, 1, 2, name), self.down_proj_scale_inv, (local,), name)
+            copy_checked(self.down_proj.data[local], weight, name)
+
+    def _quantized(self, weight: torch.Tensor, scales: nn.Parameter | None, index: tuple[int, ...],
+                   name: str) -> torch.Tensor:
+        """``weight`` as held: quantizing on load, its FP8 blocks (on the experts' device), their scales stored at
+        ``scales[index]``; else unchanged."""
+        if not self.quantizes_on_load:
+            return weight
+        if weight.dtype.itemsize == 1:
+            raise ValueError(f"{name}: an {str(weight.dtype).removeprefix('torch.')} tensor in a checkpoint quantized "
+                             "at load (its config.json has no quantization_config)")
+        quantized, scale_inv = quantize_blocks(weight.to(scales.device), self.block_size)
+        copy_checked(scales.data[index], scale_inv, f"{name} (its FP8 block scales)")
+        return quantized
 
     def _load_scale(self, param_name: str, loaded: torch.Tensor, expert: int, part: int) -> None:
         """This rank's block scales of one expert's projection (its intermediate dim cut at block boundaries)."""

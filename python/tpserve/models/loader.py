@@ -76,18 +76,17 @@ def checkpoint_parts(module: str) -> tuple[str, ...]:
 
 
 def quantize_model(model: nn.Module, quant: QuantConfig) -> None:
-    """Mark the linear layers ``quant`` converts (by checkpoint name), and an FP8 checkpoint's experts,
-    before materialising. Quantizing at load leaves the experts in the compute dtype."""
+    """Mark the linear layers and experts ``quant`` converts (by checkpoint name) before materialising."""
     architecture = model.config.architecture if isinstance(model, CausalLM) else ""
     for name, module in model.named_modules():
-        if isinstance(module, StackedExperts) and quant.prequantized and converted(quant, architecture, name):
+        if isinstance(module, StackedExperts) and converted(quant, architecture, name):
             kept = [e for e in range(module.total_experts) if not converted(quant, architecture, f"{name}.{e}")]
             if kept:
                 raise ValueError(
                     f"quantization_config.{quant.ignore_key} keeps expert(s) {kept[:8]} of {spelled_for(architecture, name)} unquantized but "
                     "not the others; tpserve holds a layer's experts in one tensor, so they must all be quantized or none"
                 )
-            module.use_fp8(quant.block_size, quant.row_scales)
+            module.use_fp8(quant.block_size, quant.row_scales, quant.prequantized)
         if not isinstance(module, ParallelLinear):
             continue
         parts = checkpoint_parts(name)
@@ -225,7 +224,8 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
             if not piece.is_floating_point():  # copying an integer tensor would convert it silently
                 raise ValueError(f"checkpoint tensor {source!r} is {str(piece.dtype).removeprefix('torch.')}, not a "
                                  "floating-point weight")
-            _check_float8(source, piece.dtype, getattr(layer, param).dtype, quant.ignore_key if quant else "")
+            if not getattr(layer, "quantizes_on_load", False):  # (else the layer checks what it quantizes)
+                _check_float8(source, piece.dtype, getattr(layer, param).dtype, quant.ignore_key if quant else "")
             try:
                 with torch.no_grad():
                     layer.load_weight(param, piece, shard_id)

@@ -139,8 +139,7 @@ def _model_shape(args: argparse.Namespace, config: ModelConfig, device: str) -> 
         raise PlanError(f"--quantization: {e}") from None
     fp8_block = None if quant is None or device == "cpu" else quant.block_size
     kv_dtype_bytes = 1 if args.kv_cache_dtype == "fp8_e4m3" else None
-    # experts stay FP8 only from an FP8 checkpoint (--quantization fp8 leaves them in the serving dtype)
-    fp8_experts = fp8_block is not None and quant.prequantized
+    fp8_experts = fp8_block is not None  # an FP8 checkpoint's, or quantized at load
     return ModelShape(config, DTYPE_BYTES.get(dtype, 2), fp8_block, kv_dtype_bytes=kv_dtype_bytes, fp8_experts=fp8_experts,
                       fp8_row_scales=fp8_experts and quant.row_scales)
 

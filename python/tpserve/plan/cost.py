@@ -66,7 +66,7 @@ class ModelShape:
     dtype_bytes: int
     fp8_block: tuple[int, int] | None = None  # FP8 linear weights with a scale per block of this shape
     kv_dtype_bytes: int | None = None  # bytes per KV-cache element; None: the serving dtype's
-    # a MoE model's experts FP8 too (an FP8 checkpoint's: --quantization fp8 leaves them in the serving dtype)
+    # a MoE model's experts FP8 too (an FP8 checkpoint's, or quantized at load by --quantization fp8)
     fp8_experts: bool = False
     # FP8 scales per output row (compressed-tensors): the experts hold one a row, not one per fp8_block
     fp8_row_scales: bool = False
