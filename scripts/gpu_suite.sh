@@ -523,6 +523,11 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
       # and Qwen's FP8 checkpoint layout, decode at batch 1 and 32
       stage a3b_quant 450 python3 benchmarks/fp8_decode.py --configs $a3b --fp8-gemms auto --fp8-checkpoint ${a3b}-FP8 \
         --pipelined --batch-sizes 1,32 --out $results/a3b_quant.json ;;
+    fp8_rowwise)  # issue 16: the row-scaled FP8 GEMMs (RedHatAI's -FP8-dynamic layout) at decode batch sizes, Qwen3-8B's linears:
+      # Triton's block GEMM (before session 45), fp8_gemm_rowwise and ROWWISE_VARIANTS (its tiles), torch._scaled_mm
+      stage fp8_rowwise 300 python3 benchmarks/experiments/fp8_rowwise_gemm.py --configs tests/data/configs/Qwen3-8B \
+        --ms "${ROWWISE_MS:-1,2,8,16,32,64,128}" --variants "w8a8,rowwise,${ROWWISE_VARIANTS:+$ROWWISE_VARIANTS,}scaled_mm,cuda" \
+        --out $results/fp8_rowwise.json ;;
     fp8_ratio32)  # issue 16's ratio at Qwen3-32B batch 1 with today's defaults, 3 alternating rounds
       stage fp8_ratio32 300 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-32B --fp8-gemms auto \
         --pipelined --rounds 3 --batch-sizes 1 --out $results/fp8_ratio32.json ;;

@@ -103,6 +103,33 @@ def test_small_scale_groups_on_gpu():
         assert rel_err(got, reference("auto", m, x, wq, scale, (16, 16))) < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 2, 64, 65, 300])
+def test_row_scaled_gemm_matches_reference(m):
+    """The GEMM of weights scaled per row above one token (``fp8_gemm_rowwise``: Triton up to ROWWISE_MAX_TOKENS,
+    torch's ``_scaled_mm`` above on Hopper) at Qwen3-8B's down shape, held as the engine holds the scales (column 0 of
+    [N, K / 128]), against the float32 reference with activations quantized per token, plain and in a CUDA graph."""
+    from tpserve.kernels.fp8_gemm import ROWWISE_MAX_TOKENS, fp8_gemm_rowwise, scaled_mm_runs
+
+    n, k = QWEN3_8B["down"]
+    gen = torch.Generator(device=DEVICE).manual_seed(m)
+    weight, scale = quantize_blocks(torch.randn(n, k, device=DEVICE, generator=gen) * 0.02, (1, k))
+    held = scale.expand(n, k // 128).contiguous()
+    x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
+    got = fp8_gemm_rowwise(x, weight, held)
+    err = rel_err(got, fp8_linear_reference(x.float(), weight, scale, (1, k)))
+    print(f"m {m}: {'_scaled_mm' if m > ROWWISE_MAX_TOKENS and scaled_mm_runs(0) else 'Triton'}, error {err:.2e}")
+    assert err < 5e-3
+    if torch.cuda.get_device_capability() == (9, 0):
+        assert scaled_mm_runs(0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fp8_gemm_rowwise(x, weight, held)
+    x.copy_(torch.randn(x.shape, device=DEVICE, generator=gen))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out, fp8_gemm_rowwise(x, weight, held))
+
+
 def test_fp8_checkpoint_served_with_fp8_weights(tiny_model_factory, tmp_path):
     fp8_dir = write_fp8_checkpoint(tiny_model_factory("qwen3", **TINY), str(tmp_path / "fp8"), (16, 16))
     ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
@@ -222,8 +249,8 @@ def test_compressed_tensors_checkpoint_on_gpu(tiny_model_factory, tmp_path, stra
 @pytest.mark.parametrize("arch,strategy", [("qwen3_moe", "channel"), ("qwen2_moe", "tensor"), ("mixtral", "channel")])
 def test_compressed_tensors_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path, monkeypatch, arch, strategy):
     """llm-compressor's FP8 MoE checkpoints (RedHatAI's Qwen3-30B-A3B-FP8-dynamic layout: a scale per expert row or
-    projection): the experts stay FP8 with one scale a row in the Triton expert kernels (the CUDA expert GEMVs read
-    128 x 128 blocks only), in CUDA graphs, near the dequantized weights' bf16 error."""
+    projection): the experts stay FP8 with one scale a row, one token's in the CUDA expert GEMVs (since session 45)
+    and more tokens' in the Triton expert kernels, in CUDA graphs, near the dequantized weights' bf16 error."""
     fp8_dir = write_compressed_tensors_checkpoint(tiny_moe_model(tiny_model_factory, arch), str(tmp_path / "fp8"),
                                                   strategy)
     ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
@@ -234,7 +261,7 @@ def test_compressed_tensors_moe_checkpoint_on_gpu(tiny_model_factory, tmp_path, 
     assert experts.scales() is not None and experts.scales().block[0] == 1
     assert engine.graph_runner is not None
     assert_fp8_near_dequantized(engine, ref_dir, f"{arch} compressed-tensors {strategy} MoE")
-    assert not calls, "the expert GEMVs read 128 x 128 blocks only"
+    assert calls, "one token's row-scaled experts take the expert GEMVs"
 
 
 @pytest.mark.parametrize("backend", BACKENDS)

@@ -325,21 +325,31 @@ def rms_normed(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tenso
 GEMV_SHAPES = [SHAPES[0], SHAPES[1], SHAPES[3], SHAPES[4], (128, 16, 256, 128), (60, 6, 256, 128)]
 
 
+FP8_KINDS = {False: "bf16", True: "fp8", "row": "fp8row"}  # bf16 experts, FP8 in 128 x 128 blocks, FP8 with a scale a row
+
+
+def fp8_block(fp8: bool | str, shape: tuple[int, int, int, int]) -> tuple[int, int]:
+    """The FP8 experts' blocks: 128 x 128, or (``row``) one a row as StackedExperts holds compressed-tensors' scales."""
+    return (128, 128) if fp8 is True else (1, max(shape[2], shape[3]))
+
+
 @pytest.mark.parametrize("norm", [False, True], ids=["plain", "norm"])
-@pytest.mark.parametrize("shape,fp8", [(s, fp8) for s in GEMV_SHAPES for fp8 in (False, True) if not fp8 or s[3] % 128 == 0],
-                         ids=lambda v: "fp8" if v is True else "bf16" if v is False else "x".join(map(str, v)))
+@pytest.mark.parametrize("shape,fp8", [(s, fp8) for s in GEMV_SHAPES for fp8 in FP8_KINDS
+                                       if fp8 is False or s[3] % (128 if fp8 is True else 16) == 0],
+                         ids=lambda v: "x".join(map(str, v)) if isinstance(v, tuple) else FP8_KINDS[v])
 def test_expert_gemv_matches_torch_and_triton(shape, fp8, norm):
     """The one-token experts through the CUDA GEMV (``gemv.experts``), routing themselves from the router's logits:
     within bf16 rounding of float64 (on the router kernel's experts and weights) as the routed Triton kernels are,
-    bf16 and FP8 (128 x 128 blocks), with the RMSNorm of x fused or not, the same bits every run. The logits are
-    rounded to bf16, so some tie: both take the lower id."""
+    bf16 and FP8 (128 x 128 blocks, or a scale a row: each row's sum times its scale, down's per slot), with the
+    RMSNorm of x fused or not, the same bits every run. The logits are rounded to bf16, so some tie: both take the
+    lower id."""
     from tpserve.kernels import gemv
 
     experts, top_k, hidden, _ = shape
     x, gate_up, down, _, _ = expert_inputs(1, *shape, seed=50)
     scales = None
     if fp8:
-        gate_up, down, scales, gu_deq, d_deq = fp8_experts(gate_up.float(), down.float(), (128, 128))
+        gate_up, down, scales, gu_deq, d_deq = fp8_experts(gate_up.float(), down.float(), fp8_block(fp8, shape))
     gen = torch.Generator(device=DEVICE).manual_seed(51)
     logits = (2 * torch.randn(1, experts, generator=gen, device=DEVICE)).to(DTYPE)
     fused_norm, expected_x = None, x.double()
@@ -357,17 +367,18 @@ def test_expert_gemv_matches_torch_and_triton(shape, fp8, norm):
     assert torch.equal(out, gemv.experts(x, gate_up, down, logits, top_k, True, fused_norm, scales))
 
 
-def one_token_experts(seed: int, fp8: bool):
-    """One token and Qwen3-30B-A3B's experts (SHAPES[0]), bf16 or FP8 in 128 x 128 blocks: (x, gate_up, down,
-    scales or None, and the weights a float64 reference takes: the dequantized ones for FP8)."""
+def one_token_experts(seed: int, fp8: bool | str):
+    """One token and Qwen3-30B-A3B's experts (SHAPES[0]), bf16 or FP8 (``fp8_block``): (x, gate_up, down, scales or
+    None, and the weights a float64 reference takes: the dequantized ones for FP8)."""
     x, gate_up, down, _, _ = expert_inputs(1, *SHAPES[0], seed=seed)
     if not fp8:
         return x, gate_up, down, None, gate_up, down
-    gate_up_q, down_q, scales, gate_up_deq, down_deq = fp8_experts(gate_up.float(), down.float(), (128, 128))
+    block = fp8_block(fp8, SHAPES[0])
+    gate_up_q, down_q, scales, gate_up_deq, down_deq = fp8_experts(gate_up.float(), down.float(), block)
     return x, gate_up_q, down_q, scales, gate_up_deq, down_deq
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fp8", list(FP8_KINDS), ids=list(FP8_KINDS.values()))
 def test_expert_gemv_in_a_cuda_graph_after_the_router_gemv(fp8):
     """As a MoE layer runs it: the router's GEMV, then the expert GEMVs routing from its logits (PDL: gate_up waits
     for the logits, down reads them before its own wait), captured once and replayed on new tokens (other experts):
@@ -396,7 +407,7 @@ def test_expert_gemv_in_a_cuda_graph_after_the_router_gemv(fp8):
         assert rel_err(out, reference(x, ref_gu, ref_down, weights, ids)) < RTOL
 
 
-@pytest.mark.parametrize("fp8", [False, True], ids=["bf16", "fp8"])
+@pytest.mark.parametrize("fp8", list(FP8_KINDS), ids=list(FP8_KINDS.values()))
 @pytest.mark.parametrize("path", ["triton", "gemv"])
 def test_one_token_experts_add_to_the_residual(path, fp8):
     """A MoE layer at one token and TP 1 has its down kernel add the experts' sum to the residual stream in place

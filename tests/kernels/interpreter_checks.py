@@ -277,6 +277,39 @@ def check_fp8_gemm() -> None:
             assert torch.equal(got[0, -1], torch.zeros(n, dtype=dtype))
 
 
+def check_fp8_gemm_rowwise() -> None:
+    """The row-scaled FP8 GEMM (compressed-tensors' per-channel weights) against torch on its own quantized
+    activations (one scale a token over all of K): partial M, N and K tiles, a row of zeros, bf16 and float32, the
+    weight's scales read from column 0 of the held [N, ceil(K / 128)] (the other columns NaN here), and the engine's
+    GEMM for such a layer above one token (``fp8_linear`` with ``row_scales``) is this one."""
+    from tpserve.kernels.fp8_gemm import RowwiseTiles, fp8_gemm_rowwise, quantize_activations
+    from tpserve.kernels.fp8_linear import fp8_linear
+    from tpserve.quant.config import ROW_BLOCK
+    from tpserve.quant.fp8 import dequantize_blocks, num_blocks, quantize_blocks
+
+    gen = torch.Generator().manual_seed(0)
+    for m, n, k, dtype, tiles in [
+        (5, 72, 176, torch.bfloat16, None),
+        (37, 200, 304, torch.float32, None),
+        (70, 40, 96, torch.bfloat16, RowwiseTiles(64, 32, 64, 2)),
+    ]:
+        x = torch.randn(m, k, generator=gen).to(dtype)
+        x[-1, :] = 0.0
+        weight, row_scale = quantize_blocks(torch.randn(n, k, generator=gen) * 0.05, (1, k))
+        held = torch.full((n, num_blocks(k, ROW_BLOCK[1])), float("nan"))
+        held[:, 0] = row_scale[:, 0]
+        got = fp8_gemm_rowwise(x, weight, held, tiles)
+        q, xs = quantize_activations(x, k)
+        assert xs.shape == (m, 1)
+        ref = dequantize_blocks(q, xs, (1, k), torch.float32) @ dequantize_blocks(weight, row_scale, (1, k), torch.float32).T
+        assert got.shape == (m, n) and got.dtype == dtype
+        torch.testing.assert_close(got.float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
+        assert torch.equal(got[-1], torch.zeros(n, dtype=dtype))
+        if tiles is None:
+            engine = fp8_linear(x.view(1, m, k), weight, held, ROW_BLOCK, "triton", row_scales=True)
+            assert torch.equal(engine[0], got)
+
+
 def check_fp8_mlp() -> None:
     """The decoder's MLP with FP8 weights (gate/up column-parallel, down row-parallel, SiLU-and-mul
     between) on the GEMM ``auto`` picks off the GPU, the W8A8 one, at one token and 70, float32:
@@ -728,7 +761,7 @@ def check_graph_inputs() -> None:
 CHECKS = (
     check_small_batch_moe, check_fused_moe, check_routed_moe, check_fp8_experts, check_fused_moe_model,
     check_expert_parallel_moe,
-    check_sampler_filters, check_fp8_gemm, check_fp8_mlp, check_sampler_on_edited_logits, check_sampler,
+    check_sampler_filters, check_fp8_gemm, check_fp8_gemm_rowwise, check_fp8_mlp, check_sampler_on_edited_logits, check_sampler,
     check_align_kernel_matches_torch, check_router_topk, check_norm_rope_store, check_greedy, check_add_rmsnorm,
     check_kv_store, check_graph_inputs,
 )

@@ -84,7 +84,7 @@ def test_defines_variant_setting():
 def test_expert_gemv_refusals_name_the_reason():
     """``gemv.experts`` (the one-token MoE experts, ``TPSERVE_MOE_GEMV=1``) says why it cannot run, so the MoE
     layer keeps the Triton or torch experts: at two tokens, past MAX_TOP_K, on unaligned sizes, FP8 scales in blocks
-    other than 128 x 128, on the CPU."""
+    other than 128 x 128 or a row's, on the CPU."""
     from tpserve.kernels.gemv import MAX_TOP_K, experts, experts_unsupported
     from tpserve.quant.fp8 import ExpertScales
 
@@ -108,6 +108,13 @@ def test_expert_gemv_refusals_name_the_reason():
     assert "128x128" in experts_unsupported(x, *fp8, logits, 2, thin)
     assert "intermediate (96) of 128" in experts_unsupported(
         x, gate_up[:, :192].to(torch.float8_e4m3fn), down[:, :, :96].to(torch.float8_e4m3fn), logits, 2, scales)
+    rows = ExpertScales(torch.ones(8, 2, 128, 1), torch.ones(8, 256, 1), (1, 256))  # a scale a row, as StackedExperts holds it
+    assert "CUDA device" in experts_unsupported(x, *fp8, logits, 2, rows)
+    narrow_rows = ExpertScales(torch.ones(8, 2, 96, 1), torch.ones(8, 256, 1), (1, 256))  # I = 96: 16-byte rows suffice
+    assert "CUDA device" in experts_unsupported(
+        x, gate_up[:, :192].to(torch.float8_e4m3fn), down[:, :, :96].to(torch.float8_e4m3fn), logits, 2, narrow_rows)
+    wrong = ExpertScales(torch.ones(8, 2, 128, 2), torch.ones(8, 256, 1), (1, 128))
+    assert "scaled per row need scales [[8, 2, 128, 1], [8, 256, 1]]" in experts_unsupported(x, *fp8, logits, 2, wrong)
     assert "CUDA device" in experts_unsupported(x, gate_up, down, logits, 2)  # the shapes pass: only the device is left
     with pytest.raises(ValueError, match="expert gemv: .*CUDA device"):
         experts(x, gate_up, down, logits, 2, True)

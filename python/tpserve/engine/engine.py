@@ -233,10 +233,9 @@ class Engine:
         source = "checkpoint" if quant.prequantized else "quantized at load"
         form = f"FP8 GEMM {'/'.join(gemms)}" if gemms else "dequantized for this device"
         experts = [m for m in self.model.modules() if isinstance(m, StackedExperts)]
-        if any(m.scales() is not None and m.row_scales for m in experts):
-            form += "; experts FP8, a scale a row (Triton's expert kernels)"
-        elif any(m.scales() is not None for m in experts):
-            form += "; experts FP8 (CUDA GEMV at one token, Triton above)"
+        if any(m.scales() is not None for m in experts):
+            rows = ", a scale a row" if any(m.row_scales for m in experts) else ""
+            form += f"; experts FP8{rows} (CUDA GEMV at one token, Triton above)"
         elif any(m.dequantized for m in experts):
             form += f"; experts dequantized to {str(self.dtype).removeprefix('torch.')}"
         scales = f"scales per {quant.scales}" if quant.row_scales else f"blocks {quant.block_size[0]}x{quant.block_size[1]}"

@@ -1,6 +1,6 @@
 """Which GEMM an FP8 linear layer runs on the GPU, picked by ``TPSERVE_FP8_GEMM`` (read at load).
 
-- ``triton``: the Triton W8A8 GEMM (``fp8_gemm``) at every batch; any block size.
+- ``triton``: the Triton W8A8 GEMM (``fp8_gemm``; a scale a row: ``fp8_gemm_rowwise``) at every batch; any block size.
 - ``flashinfer``: FlashInfer's ``fp8_blockscale_gemm_sm90`` at every batch (sm90; bf16 activations
   quantized inside per token and 128 features; 128x128 blocks, K % 128 == 0; swap-AB below 32 tokens).
 - ``cuda`` / ``cuda_triton``: the CUDA GEMV (``kernels.gemv``; bf16 activations, unquantized; 128x128
@@ -11,8 +11,9 @@
   the CPU (the interpreter).
 
 Measured slower and removed (docs/benchmarks.md, FP8; benchmarks/experiments/fp8_gemm.py): torch's
-block- and row-scaled matmuls (every Qwen3-8B shape); a Triton weight-only GEMV (vs the CUDA GEMV
-at one token, every Qwen3 shape).
+block-scaled matmul and, for 128x128 blocks, its row-scaled one (every Qwen3-8B shape; weights scaled per row
+take it above 64 tokens: ``fp8_gemm.fp8_gemm_rowwise``); a Triton weight-only GEMV (vs the CUDA GEMV at one token,
+every Qwen3 shape).
 """
 
 from __future__ import annotations
@@ -140,6 +141,10 @@ def fp8_linear(
         from flashinfer.gemm import fp8_blockscale_gemm_sm90
 
         y = fp8_blockscale_gemm_sm90(x2.contiguous(), weight, None, scale_inv, out_dtype=x.dtype)
+    elif row_scales:
+        from tpserve.kernels.fp8_gemm import fp8_gemm_rowwise
+
+        y = fp8_gemm_rowwise(x2, weight, scale_inv)
     else:
         from tpserve.kernels.fp8_gemm import fp8_gemm
 

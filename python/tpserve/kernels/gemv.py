@@ -7,7 +7,9 @@ via ``linear``/``bf16_gemv_enabled``; FP8 layers via ``kernels.fp8_linear``. Wit
 merged [gate; up] weight gives SiLU(gate) * up directly (a dense MLP's SwiGLU without its own kernel);
 with ``norm`` x is RMS-normed first and with ``add_to`` the product is added to a residual stream in
 place (1 or 2 tokens; the layers fuse at 1): the decoder's residual add + RMSNorm without a kernel of its own.
-``experts``: the same kernel over a MoE layer's top-k experts at one token, routed from the router's logits.
+``experts``: the same kernel over a MoE layer's top-k experts at one token, routed from the router's logits (FP8
+experts in 128x128 blocks or, since session 45, with a scale a row: Qwen3-30B-A3B-FP8-dynamic's batch-1 step 1.25x
+bf16's in the Triton expert kernels, 0.82x here; H100).
 """
 
 from __future__ import annotations
@@ -198,13 +200,20 @@ def experts_unsupported(
         return f"the router's logits must be contiguous bf16 [1, {experts}], got {logits.dtype} {list(logits.shape)}"
     if not (1 <= top_k <= MAX_TOP_K and experts <= MAX_EXPERTS):
         return f"top_k {top_k} of {experts} experts is outside {MAX_TOP_K} of {MAX_EXPERTS}"
-    multiple = SCALE_BLOCK if scales is not None else 8
+    row_scales = scales is not None and scales.block[0] == 1
+    multiple = 16 if row_scales else SCALE_BLOCK if scales is not None else 8
     if hidden % 16 or inter % multiple or gate_up.data_ptr() % _VEC_BYTES or down.data_ptr() % _VEC_BYTES:
         return (f"hidden ({hidden}) must be a multiple of 16, intermediate ({inter}) of {multiple}, the experts "
                 "16-byte aligned")
-    if scales is not None and (scales.block != (SCALE_BLOCK, SCALE_BLOCK) or not scales.gate_up.is_contiguous()
-                               or not scales.down.is_contiguous()):
-        return f"FP8 experts need contiguous scales per {SCALE_BLOCK}x{SCALE_BLOCK} block, got {scales.block}"
+    if scales is not None:
+        # a scale per row: as StackedExperts holds them, one (1, max(H, I)) block a row
+        blocks = ((experts, 2, inter, 1), (experts, hidden, 1)) if row_scales else None
+        if not (scales.gate_up.is_contiguous() and scales.down.is_contiguous()):
+            return "FP8 experts need contiguous scales"
+        if row_scales and (tuple(scales.gate_up.shape), tuple(scales.down.shape)) != blocks:
+            return f"FP8 experts scaled per row need scales {[list(b) for b in blocks]}, got {scales.block} blocks"
+        if not row_scales and scales.block != (SCALE_BLOCK, SCALE_BLOCK):
+            return f"FP8 experts need scales per {SCALE_BLOCK}x{SCALE_BLOCK} block or per row, got {scales.block}"
     if x.device.type != "cuda" or gate_up.device != x.device or down.device != x.device:
         return "x and the experts must be on one CUDA device"
     return probe(x.device.index or 0)
@@ -217,7 +226,8 @@ def experts(
 ) -> torch.Tensor:
     """One token's MoE experts in two GEMVs that route themselves from the router's ``logits`` (bf16 [1, E]: softmax,
     top k, ties to the lower id, optionally renormalised, as ``kernels.moe_small.router_top_k``): [1, H] =
-    sum_j weight_j * expert_j(x). gate_up [E, 2I, H] ([gate; up] rows), down [E, H, I], bf16 or (``scales``) FP8.
+    sum_j weight_j * expert_j(x). gate_up [E, 2I, H] ([gate; up] rows), down [E, H, I], bf16 or (``scales``) FP8 in
+    128x128 blocks or with a scale a row (``ExpertScales.block`` (1, K): [E, 2, I, 1] and [E, H, 1]).
     ``norm`` (weight, eps): of RMSNorm(x) * weight, normed as read; ``add_to`` [1, H]: the sum, rounded to bf16, is
     added to it in place (the residual stream) and it is returned. The module and PDL: as ``gemv``'s defaults."""
     reason = experts_unsupported(x, gate_up, down, logits, top_k, scales)
@@ -229,9 +239,10 @@ def experts(
     act = torch.empty(top_k, down.shape[2], dtype=torch.bfloat16, device=x.device)
     norm_weight, eps = norm if norm is not None else (None, 0.0)
     gate_up_scales, down_scales = (scales.gate_up, scales.down) if scales is not None else (logits, logits)
-    module.moe_gate_up(x2, gate_up, gate_up_scales, logits, top_k, act, pdl, norm_weight, eps)
+    row_scales = scales is not None and scales.block[0] == 1
+    module.moe_gate_up(x2, gate_up, gate_up_scales, logits, top_k, act, pdl, norm_weight, eps, row_scales)
     out = add_to if add_to is not None else torch.empty(1, down.shape[1], dtype=torch.bfloat16, device=x.device)
-    module.moe_down(act, down, down_scales, logits, top_k, renormalize, out, pdl, add_to is not None)
+    module.moe_down(act, down, down_scales, logits, top_k, renormalize, out, pdl, add_to is not None, row_scales)
     return out if add_to is not None else out.view(*x.shape[:-1], down.shape[1])
 
 

@@ -2,8 +2,8 @@
 // (row-major, contiguous), float32 accumulation. W is bf16, or float8_e4m3fn with one float32
 // scale per 128x128 block (scale_inv [ceil(N/128), ceil(K/128)], W_real = W * scale_inv: the
 // DeepSeek / Qwen3-FP8 layout), or (kRowScale, one token) one scale per row (compressed-tensors' per-channel and
-// per-tensor checkpoints, held as [N, ceil(K/128)] with a row's scale repeated: column 0 is read), applied once to
-// the row's float32 sum. Built and called by tpserve.kernels.gemv.
+// per-tensor checkpoints, held as [N, ceil(K/128)] with a row's scale repeated: column 0 is read; a MoE layer's
+// experts as [E, rows, 1]), applied once to the row's float32 sum. Built and called by tpserve.kernels.gemv.
 //
 // At a few tokens the product is bound by reading W, so everything serves W's stream:
 // * a block of kThreads threads owns R rows of W (R by M: x loads are shared by the R rows, so
@@ -72,7 +72,8 @@ constexpr int kMaxSiluMulTokens = 2;
 // GEMV and them): each warp takes the token's top k from the router's bf16 logits itself (route_top_k).
 // kExpertGateUp: the grid's y is the slot j of the top k, W the [2I, H] slice of its expert, y row j ([k, I]: SwiGLU).
 // kExpertDown: x is those k rows [k * I] as one vector and row r of W the k experts' rows r side by side, each chunk's
-// sum times its slot's routing weight (and FP8 block scale): out [H] = sum_j weight_j * down[e_j] @ act_j.
+// sum times its slot's routing weight (and FP8 block scale, or with kRowScale the slot's scale of the row):
+// out [H] = sum_j weight_j * down[e_j] @ act_j.
 enum Experts : int { kDense = 0, kExpertGateUp = 1, kExpertDown = 2 };
 constexpr int kMaxTopK = 16;
 constexpr int kMaxExperts = 128;  // 4 logits a lane (Qwen3-MoE: 128)
@@ -116,6 +117,9 @@ constexpr int kMaxExperts = 128;  // 4 logits a lane (Qwen3-MoE: 128)
 // experts' rows side by side): the layer alone 0.965x the Triton small-batch kernels, but whole Qwen3-30B-A3B steps
 // 1.027x slower with the router's top-k as a kernel of its own. Session 27 (kExpertGateUp / kExpertDown, routing in
 // the kernels): FP8 experts 0.85x the Triton kernels' step, bf16 experts still 1.18x (so the layer takes it for FP8).
+// Session 45: FP8 experts with a scale a row (kRowScale: gate_up's in its epilogue, down's per slot and row, times
+// the routing weight, in shared memory): Qwen3-30B-A3B-FP8-dynamic's batch-1 step 0.816x bf16's, against 1.249x in
+// the Triton kernels (H100).
 template <int M, bool kFp8, int kMoe = kDense>
 __host__ __device__ constexpr int rows_per_block() {
   return kMoe == kExpertDown && kFp8  ? TPSERVE_GEMV_FP8_DOWN_ROWS
@@ -211,7 +215,7 @@ struct Routing {
   int top_k = 0;
   bool renormalize = false;
   int64_t expert_bytes = 0;  // one expert's slice of W
-  int64_t expert_scales = 0;  // FP8: one expert's scales (floats)
+  int64_t expert_scales = 0;  // FP8: one expert's scales (floats; kRowScale: one a row)
   int seg_chunks = 0;  // kExpertDown: 16-byte chunks of one expert's row (of I)
   int seg_scale_blocks = 0;  // kExpertDown, FP8: 128-wide scale blocks of one expert's row
 };
@@ -296,7 +300,7 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
   static_assert(kMoe == kDense || (M == 1 && (kFuse != kAddToY || kMoe == kExpertDown)),
                 "the expert GEMVs: one token, only down adds to y");
   static_assert(kMoe != kExpertDown || (!kSiluMul && kFuse != kNormX), "the down GEMV fuses no norm");
-  static_assert(!kRowScale || (kFp8 && kMoe == kDense), "a scale per row: dense FP8 layers");
+  static_assert(!kRowScale || kFp8, "a scale per row: FP8 weights");
   constexpr bool kChunkScale = kFp8 && !kRowScale;  // each chunk's sums times its block's scale
   constexpr bool kScaled = kChunkScale || kMoe == kExpertDown;  // (and, kExpertDown, the routing weight)
   constexpr int R = rows_per_block<M, kFp8, kMoe>();
@@ -328,6 +332,8 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
   __shared__ const uint8_t* slot_w[kMoe == kExpertDown ? kMaxTopK : 1];
   __shared__ const float* slot_scales[kMoe == kExpertDown ? kMaxTopK : 1];
   __shared__ float slot_weight[kMoe == kExpertDown ? kMaxTopK : 1];
+  // kExpertDown with kRowScale: each slot's routing weight times its expert's scale of the block's row r
+  __shared__ float slot_row_scale[kMoe == kExpertDown && kRowScale ? kMaxTopK : 1][R];
   if constexpr (kMoe == kExpertDown) {
     if (threadIdx.x < 32) {
       float total = 0.f;
@@ -335,9 +341,10 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
         total += prob;
         if (threadIdx.x == 0) {
           slot_w[j] = w + id * routing.expert_bytes;
-          slot_scales[j] = kFp8 ? scale_inv + id * routing.expert_scales +
-                                      static_cast<size_t>(min(n0, n - 1) / kScaleBlock) * routing.seg_scale_blocks
-                                : nullptr;
+          slot_scales[j] = !kFp8      ? nullptr
+                           : kRowScale ? scale_inv + id * routing.expert_scales
+                                       : scale_inv + id * routing.expert_scales +
+                                             static_cast<size_t>(min(n0, n - 1) / kScaleBlock) * routing.seg_scale_blocks;
           slot_weight[j] = prob;
         }
       });
@@ -348,6 +355,13 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
       }
     }
     __syncthreads();
+    if constexpr (kRowScale) {
+      if (threadIdx.x < routing.top_k * R) {
+        const int j = threadIdx.x / R, r = threadIdx.x % R;
+        slot_row_scale[j][r] = slot_weight[j] * __ldg(slot_scales[j] + min(n0 + r, n - 1));
+      }
+      __syncthreads();
+    }
   }
 
   // W row of the block's row r: rows past the end read the last one (kOut divides 128 and, with
@@ -458,21 +472,26 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
           }
         }
       }
-      float scale[2] = {1.f, 1.f};
+      float scale[R];  // row r's factor for this chunk's sums
+#pragma unroll
+      for (int r = 0; r < R; ++r) scale[r] = 1.f;
       if constexpr (kMoe == kExpertDown) {
         const int slot = c / routing.seg_chunks;
-        scale[0] = slot_weight[slot];
-        if constexpr (kFp8) scale[0] *= __ldg(slot_scales[slot] + (c - slot * routing.seg_chunks) * kElems / kScaleBlock);
-        scale[1] = scale[0];
+        float s = slot_weight[slot];
+        if constexpr (kChunkScale) s *= __ldg(slot_scales[slot] + (c - slot * routing.seg_chunks) * kElems / kScaleBlock);
+#pragma unroll
+        for (int r = 0; r < R; ++r) scale[r] = kRowScale ? slot_row_scale[slot][r] : s;
       } else if constexpr (kChunkScale) {
-        scale[0] = __ldg(srow[0] + c * kElems / kScaleBlock);
-        scale[1] = kSiluMul ? __ldg(srow[1] + c * kElems / kScaleBlock) : scale[0];
+        const float first = __ldg(srow[0] + c * kElems / kScaleBlock);
+        const float last = kSiluMul ? __ldg(srow[1] + c * kElems / kScaleBlock) : first;
+#pragma unroll
+        for (int r = 0; r < R; ++r) scale[r] = r < kOut ? first : last;
       }
 #pragma unroll
       for (int r = 0; r < R; ++r)
 #pragma unroll
         for (int m = 0; m < M; ++m)
-          acc[r][m] = kScaled ? fmaf(part[r][m], scale[r < kOut ? 0 : 1], acc[r][m]) : acc[r][m] + part[r][m];
+          acc[r][m] = kScaled ? fmaf(part[r][m], scale[r], acc[r][m]) : acc[r][m] + part[r][m];
     }
   }
 
@@ -504,9 +523,11 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
   if (owns_out) {  // thread i < kOut * M writes the output of row i / M, token i % M
     const int i = threadIdx.x;
     const float rstd = kNorm ? rsqrtf(block_sum(R * M + out_m) / k + eps) : 1.f;
-    // kRowScale: row r's scale, column 0 of its row of [N, ceil(K / 128)]
+    // kRowScale: row r's scale, column 0 of its row of [N, ceil(K / 128)] (an expert's: [rows, 1]); kExpertDown's
+    // are in its chunks' factors
+    const size_t scale_row_stride = kMoe == kDense ? (k + kScaleBlock - 1) / kScaleBlock : 1;
     auto row_scale = [&](int r) {
-      return kRowScale ? __ldg(scale_inv + static_cast<size_t>(w_row(r)) * ((k + kScaleBlock - 1) / kScaleBlock)) : 1.f;
+      return kRowScale && kMoe != kExpertDown ? __ldg(scale_inv + static_cast<size_t>(w_row(r)) * scale_row_stride) : 1.f;
     };
     float s = block_sum(i) * rstd * row_scale(out_r);
     if constexpr (kSiluMul) s = silu_mul(s, block_sum(i + kOut * M) * rstd * row_scale(out_r + kOut));
@@ -678,7 +699,8 @@ void gemv_fp8_rows(TensorView x, TensorView weight, TensorView scale_inv, Tensor
 }
 
 // The routing a pair of expert GEMVs shares: the router's bf16 logits [1, E] of the one token and its top k.
-static Routing routing_of(TensorView logits, int64_t top_k, bool renormalize, TensorView w, TensorView scales) {
+static Routing routing_of(TensorView logits, int64_t top_k, bool renormalize, TensorView w, TensorView scales,
+                          bool row_scales) {
   CHECK_INPUT_AND_TYPE(logits, dl_bfloat16);
   TVM_FFI_ICHECK(logits.ndim() == 2 && logits.size(0) == 1 && logits.size(1) >= 1 && logits.size(1) <= kMaxExperts &&
                  top_k >= 1 && top_k <= kMaxTopK && top_k <= logits.size(1) && logits.size(1) == w.size(0))
@@ -692,7 +714,12 @@ static Routing routing_of(TensorView logits, int64_t top_k, bool renormalize, Te
   routing.top_k = static_cast<int>(top_k);
   routing.renormalize = renormalize;
   routing.expert_bytes = w.size(1) * w.size(2) * (w.dtype() == dl_float8_e4m3fn ? 1 : 2);
-  if (w.dtype() == dl_float8_e4m3fn) {
+  if (w.dtype() == dl_float8_e4m3fn && row_scales) {
+    CHECK_INPUT_AND_TYPE(scales, dl_float32);
+    TVM_FFI_ICHECK(scales.numel() == w.size(0) * w.size(1))
+        << "expert gemv: FP8 experts scaled per row need one float32 scale per row of each expert, contiguous";
+    routing.expert_scales = w.size(1);
+  } else if (w.dtype() == dl_float8_e4m3fn) {
     CHECK_INPUT_AND_TYPE(scales, dl_float32);
     const int64_t row_blocks = (w.size(1) + kScaleBlock - 1) / kScaleBlock, k_blocks = (w.size(2) + kScaleBlock - 1) / kScaleBlock;
     TVM_FFI_ICHECK(scales.numel() == w.size(0) * row_blocks * k_blocks)
@@ -701,24 +728,28 @@ static Routing routing_of(TensorView logits, int64_t top_k, bool renormalize, Te
     routing.seg_scale_blocks = static_cast<int>(k_blocks);
   } else {
     CHECK_INPUT_TYPE(w, dl_bfloat16);
+    TVM_FFI_ICHECK(!row_scales) << "expert gemv: a scale per row needs FP8 experts";
   }
   return routing;
 }
 
+// The multiple of 16 bytes an expert's intermediate size I must be (FP8 128-blocks: whole blocks).
+static int64_t inter_multiple(bool fp8, bool row_scales) { return fp8 && !row_scales ? kScaleBlock : 16; }
+
 // act [k, I] = SiLU(x @ gate.T) * (x @ up.T) of x [1, H] through the slice of gate_up [E, 2I, H] ([gate; up]; bf16, or
-// FP8 with scales [E, 2, I / 128, H / 128]) of each of the token's top k experts, routed from logits;
-// norm_w: x is RMS-normed first, as in gemv_bf16.
+// FP8 with scales [E, 2, I / 128, H / 128], or with row_scales one a row, [E, 2, I, 1]) of each of the token's top k
+// experts, routed from logits; norm_w: x is RMS-normed first, as in gemv_bf16.
 void moe_gate_up(TensorView x, TensorView gate_up, TensorView scales, TensorView logits, int64_t top_k,
-                 TensorView act, bool pdl, Optional<TensorView> norm_w, double eps) {
-  Routing routing = routing_of(logits, top_k, false, gate_up, scales);
+                 TensorView act, bool pdl, Optional<TensorView> norm_w, double eps, bool row_scales) {
+  Routing routing = routing_of(logits, top_k, false, gate_up, scales, row_scales);
   const int64_t rows = gate_up.size(1), hidden = gate_up.size(2);
   const bool fp8 = gate_up.dtype() == dl_float8_e4m3fn;
+  const int64_t multiple = fp8 ? inter_multiple(true, row_scales) : 4;
   CHECK_INPUT_AND_TYPE(x, dl_bfloat16);
   CHECK_INPUT_AND_TYPE(act, dl_bfloat16);
   TVM_FFI_ICHECK(x.ndim() == 2 && x.size(0) == 1 && x.size(1) == hidden && act.ndim() == 2 && act.size(0) == top_k &&
-                 act.size(1) == rows / 2 && rows % (fp8 ? 2 * kScaleBlock : 8) == 0)
-      << "expert gemv: x [1, H], gate_up [E, 2I, H] (I a multiple of " << (fp8 ? kScaleBlock : 4)
-      << "), act [k, I] do not match";
+                 act.size(1) == rows / 2 && rows % (2 * multiple) == 0)
+      << "expert gemv: x [1, H], gate_up [E, 2I, H] (I a multiple of " << multiple << "), act [k, I] do not match";
   TVM_FFI_ICHECK((hidden * (fp8 ? 1 : 2)) % kVecBytes == 0 && aligned(x))
       << "expert gemv: H must be a multiple of 16 bytes and x 16-byte aligned";
   ffi::CUDADeviceGuard device_guard(x.device().device_id);
@@ -727,7 +758,11 @@ void moe_gate_up(TensorView x, TensorView gate_up, TensorView scales, TensorView
   const float* s = fp8 ? static_cast<const float*>(scales.data_ptr()) : nullptr;
   const void* w = gate_up.data_ptr();
   cudaError_t status;
-  if (fp8)
+  if (fp8 && row_scales)
+    status = fusion.kind == kNormX
+                 ? launch_grid<1, true, true, kNormX, kExpertGateUp, true>(x, w, n, k, s, act, pdl, fusion, routing, top_k)
+                 : launch_grid<1, true, true, kPlain, kExpertGateUp, true>(x, w, n, k, s, act, pdl, fusion, routing, top_k);
+  else if (fp8)
     status = fusion.kind == kNormX
                  ? launch_grid<1, true, true, kNormX, kExpertGateUp>(x, w, n, k, s, act, pdl, fusion, routing, top_k)
                  : launch_grid<1, true, true, kPlain, kExpertGateUp>(x, w, n, k, s, act, pdl, fusion, routing, top_k);
@@ -740,11 +775,11 @@ void moe_gate_up(TensorView x, TensorView gate_up, TensorView scales, TensorView
 
 // out [1, H] = sum_j weight_j * act[j] @ down[e_j].T over the token's top k experts e_j, routed from logits as
 // moe_gate_up routes them (weight_j: the softmax, optionally renormalised over the k, rounded to bf16); act [k, I],
-// down [E, H, I] bf16, or FP8 with scales [E, H / 128, I / 128]. add_to_y: out (the residual stream) += the sum,
-// rounded to bf16 first, as the dense down GEMV adds.
+// down [E, H, I] bf16, or FP8 with scales [E, H / 128, I / 128] (row_scales: [E, H, 1]). add_to_y: out (the residual
+// stream) += the sum, rounded to bf16 first, as the dense down GEMV adds.
 void moe_down(TensorView act, TensorView down, TensorView scales, TensorView logits, int64_t top_k, bool renormalize,
-              TensorView out, bool pdl, bool add_to_y) {
-  Routing routing = routing_of(logits, top_k, renormalize, down, scales);
+              TensorView out, bool pdl, bool add_to_y, bool row_scales) {
+  Routing routing = routing_of(logits, top_k, renormalize, down, scales, row_scales);
   const int64_t hidden = down.size(1), inter = down.size(2);
   const bool fp8 = down.dtype() == dl_float8_e4m3fn;
   CHECK_INPUT_AND_TYPE(act, dl_bfloat16);
@@ -752,15 +787,19 @@ void moe_down(TensorView act, TensorView down, TensorView scales, TensorView log
   TVM_FFI_ICHECK(act.ndim() == 2 && act.size(0) == top_k && act.size(1) == inter && out.ndim() == 2 &&
                  out.size(0) == 1 && out.size(1) == hidden)
       << "expert gemv: act [k, I], down [E, H, I], out [1, H] do not match";
-  TVM_FFI_ICHECK(inter % (fp8 ? kScaleBlock : 8) == 0 && aligned(act))
-      << "expert gemv: I must be a multiple of " << (fp8 ? kScaleBlock : 8) << " and act 16-byte aligned";
+  const int64_t multiple = fp8 ? inter_multiple(true, row_scales) : 8;
+  TVM_FFI_ICHECK(inter % multiple == 0 && aligned(act))
+      << "expert gemv: I must be a multiple of " << multiple << " and act 16-byte aligned";
   ffi::CUDADeviceGuard device_guard(act.device().device_id);
   routing.seg_chunks = static_cast<int>(inter * (fp8 ? 1 : 2) / kVecBytes);
   const float* s = fp8 ? static_cast<const float*>(scales.data_ptr()) : nullptr;
   const int n = static_cast<int>(hidden), k = static_cast<int>(top_k * inter);
   const void* w = down.data_ptr();
   const cudaError_t status =
-      fp8 ? (add_to_y ? launch_grid<1, true, false, kAddToY, kExpertDown>(act, w, n, k, s, out, pdl, {}, routing, 1)
+      fp8 && row_scales
+          ? (add_to_y ? launch_grid<1, true, false, kAddToY, kExpertDown, true>(act, w, n, k, s, out, pdl, {}, routing, 1)
+                      : launch_grid<1, true, false, kPlain, kExpertDown, true>(act, w, n, k, s, out, pdl, {}, routing, 1))
+      : fp8 ? (add_to_y ? launch_grid<1, true, false, kAddToY, kExpertDown>(act, w, n, k, s, out, pdl, {}, routing, 1)
                       : launch_grid<1, true, false, kPlain, kExpertDown>(act, w, n, k, s, out, pdl, {}, routing, 1))
           : (add_to_y ? launch_grid<1, false, false, kAddToY, kExpertDown>(act, w, n, k, s, out, pdl, {}, routing, 1)
                       : launch_grid<1, false, false, kPlain, kExpertDown>(act, w, n, k, s, out, pdl, {}, routing, 1));
