@@ -528,6 +528,9 @@ triton:chunk=16,triton:chunk=64,triton:num_warps=2 \
       stage fp8_rowwise 300 python3 benchmarks/experiments/fp8_rowwise_gemm.py --configs tests/data/configs/Qwen3-8B \
         --ms "${ROWWISE_MS:-1,2,8,16,32,64,128}" --variants "w8a8,rowwise,${ROWWISE_VARIANTS:+$ROWWISE_VARIANTS,}scaled_mm,cuda" \
         --out $results/fp8_rowwise.json ;;
+    moe_fp8_tiles)  # issue 16: the grouped GEMM's tiles on FP8 experts (Qwen3-30B-A3B-FP8's layout): the FP8 table against
+      # the unquantized experts' (session 44's K_UNIFORM scale loads may let them fit and win), decode to prefill sizes
+      stage moe_fp8_tiles 240 python3 benchmarks/experiments/moe_tiles.py --sweep tables --fp8 --out $results/moe_fp8_tiles.json ;;
     fp8_ratio32)  # issue 16's ratio at Qwen3-32B batch 1 with today's defaults, 3 alternating rounds
       stage fp8_ratio32 300 python3 benchmarks/fp8_decode.py --configs tests/data/configs/Qwen3-32B --fp8-gemms auto \
         --pipelined --rounds 3 --batch-sizes 1 --out $results/fp8_ratio32.json ;;

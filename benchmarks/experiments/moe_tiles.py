@@ -5,9 +5,11 @@ rows = tokens x top-k routed uniformly at random. For each tile (``kernels.moe.T
 BLOCK_K, warps, stages, GROUP_M, SiLU-and-mul in the first GEMM or not): the whole expert computation (the
 sort, both GEMMs, SiLU-and-mul, the sum over k), graph-timed, as TFLOP/s of the rows' work and against its
 floor (the touched experts' weights over the copy bandwidth); each tile's output checked against the
-default's (``tiles_for``). Prints one table per shape and the best tile per row count.
+default's (``tiles_for``). Prints one table per shape and the best tile per row count. ``--fp8``: the experts in
+FP8 with 128 x 128 block scales (Qwen3-30B-A3B-FP8's layout), the FP8 default against the FP8 table's other tiles,
+the unquantized experts' (``TILES_BY_ROWS``) and the sweep's.
 
-    python benchmarks/experiments/moe_tiles.py [--sweep decode] --out $OUT/moe_tiles.json
+    python benchmarks/experiments/moe_tiles.py [--sweep decode] [--fp8] --out $OUT/moe_tiles.json
 """
 
 from __future__ import annotations
@@ -25,8 +27,9 @@ if importlib.util.find_spec("tpserve") is None:
 
 import torch
 from common import print_table, write_json
-from tpserve.kernels.moe import Tile, grouped_experts, tiles_for
+from tpserve.kernels.moe import FP8_TILES_BY_ROWS, TILES_BY_ROWS, Tile, grouped_experts, tiles_for
 from tpserve.plan.calibrate import time_in_graph
+from tpserve.quant.fp8 import ExpertScales, quantize_blocks
 
 EXPERTS, HIDDEN, TOP_K = 128, 2048, 8
 COPY_BANDWIDTH = 4.27e12  # bytes/s, an H200's device-to-device copy (benchmarks/roofline.py's)
@@ -39,25 +42,41 @@ def label(tile: Tile) -> str:
     return f"{tile.block_m}x{tile.block_n}x{tile.block_k} w{tile.warps} s{tile.stages} g{group}{silu}"
 
 
-def run_shape(tokens: int, intermediate: int, tiles: list[Tile]) -> list[dict]:
+FP8_BLOCK = (128, 128)
+
+
+def fp8_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ExpertScales]:
+    """The experts in FP8 as an FP8 checkpoint holds them: gate and up quantized apart, per expert."""
+    inter = gate_up.shape[1] // 2
+    gu = [[quantize_blocks(gate_up[e, p * inter:(p + 1) * inter], FP8_BLOCK) for p in (0, 1)] for e in range(EXPERTS)]
+    dn = [quantize_blocks(down[e], FP8_BLOCK) for e in range(EXPERTS)]
+    scales = ExpertScales(torch.stack([torch.stack([s for _, s in parts]) for parts in gu]),
+                          torch.stack([s for _, s in dn]), FP8_BLOCK)
+    return (torch.stack([torch.cat([q for q, _ in parts]) for parts in gu]), torch.stack([q for q, _ in dn]), scales)
+
+
+def run_shape(tokens: int, intermediate: int, tiles: list[Tile], fp8: bool = False) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
     gate_up = (torch.randn(EXPERTS, 2 * intermediate, HIDDEN, device="cuda", generator=gen) * 0.02).bfloat16()
     down = (torch.randn(EXPERTS, HIDDEN, intermediate, device="cuda", generator=gen) * 0.02).bfloat16()
+    scales = None
+    if fp8:
+        gate_up, down, scales = fp8_experts(gate_up, down)
     ids = torch.rand(tokens, EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices  # int64, as the router
     weights = torch.rand(tokens, TOP_K, device="cuda", generator=gen)
     rows = tokens * TOP_K
     flops = 2 * rows * (2 * intermediate * HIDDEN + HIDDEN * intermediate)
-    weight_bytes = ids.unique().numel() * 3 * intermediate * HIDDEN * 2  # the experts the rows touch, bf16
+    weight_bytes = ids.unique().numel() * 3 * intermediate * HIDDEN * gate_up.element_size()  # the experts the rows touch
     floor_us = weight_bytes / COPY_BANDWIDTH * 1e6
-    default = tiles_for(rows)
+    default = tiles_for(rows, fp8)
     reference = None
     out_rows = []
     for tile in [default, *[t for t in tiles if t != default]]:
         out = {}
 
         def run(tile=tile):
-            out["y"] = grouped_experts(x, gate_up, down, weights, ids, tile=tile)
+            out["y"] = grouped_experts(x, gate_up, down, weights, ids, scales, tile=tile)
 
         try:
             seconds = time_in_graph(run, 20, repeat=1)
@@ -93,7 +112,9 @@ def decode_tiles() -> list[Tile]:
     return tiles + [Tile(m, n, 128, 4, 3, 1, fuse_silu=True) for m, n in itertools.product((16, 32), (32, 64, 128))]
 
 
-SWEEPS = {"prefill": (prefill_tiles, "2048,8192"), "decode": (decode_tiles, "32,64,128,256")}
+# tables: only the tile tables' tiles (with --fp8: FP8 experts in the unquantized experts' tiles too)
+SWEEPS = {"prefill": (prefill_tiles, "2048,8192"), "decode": (decode_tiles, "32,64,128,256"),
+          "tables": (list, "32,128,512,2048,8192")}
 
 
 def main() -> None:
@@ -101,13 +122,16 @@ def main() -> None:
     parser.add_argument("--sweep", choices=sorted(SWEEPS), default="prefill", help="which tiles, at which token counts")
     parser.add_argument("--tokens", default=None, help="tokens per step (rows = tokens x 8; default: the sweep's)")
     parser.add_argument("--intermediates", default="768", help="expert intermediate size per rank (TP 1: 768, TP 2: 384)")
+    parser.add_argument("--fp8", action="store_true", help="FP8 experts (128 x 128 blocks); also the tile tables' tiles")
     parser.add_argument("--out", default=None)
     args = parser.parse_args()
     make_tiles, default_tokens = SWEEPS[args.sweep]
     tiles = make_tiles()
+    if args.fp8:
+        tiles = list(dict.fromkeys([t for _, t in FP8_TILES_BY_ROWS + TILES_BY_ROWS] + tiles))
     results, best = [], []
     for tokens, intermediate in itertools.product(map(int, (args.tokens or default_tokens).split(",")), map(int, args.intermediates.split(","))):
-        rows = run_shape(tokens, intermediate, tiles)
+        rows = run_shape(tokens, intermediate, tiles, args.fp8)
         results += rows
         ok = sorted((r for r in rows if "us" in r and r["err_vs_default"] < 1e-2), key=lambda r: r["us"])
         print(f"\ntokens {tokens}, I {intermediate}: fastest 8 of {len(rows)} tiles (BLOCK_M x N x K, warps, stages, GROUP_M, +silu)")

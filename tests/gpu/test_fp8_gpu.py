@@ -118,7 +118,8 @@ def test_row_scaled_gemm_matches_reference(m):
     got = fp8_gemm_rowwise(x, weight, held)
     err = rel_err(got, fp8_linear_reference(x.float(), weight, scale, (1, k)))
     print(f"m {m}: {'_scaled_mm' if m > ROWWISE_MAX_TOKENS and scaled_mm_runs(0) else 'Triton'}, error {err:.2e}")
-    assert err < 5e-3
+    # bf16 rounding of the output gives ~1.7e-3; Hopper's FP8 accumulator left unpromoted gave 3.1e-3 at m = 64
+    assert err < 2.5e-3
     if torch.cuda.get_device_capability() == (9, 0):
         assert scaled_mm_runs(0)
     graph = torch.cuda.CUDAGraph()

@@ -114,7 +114,8 @@ def test_expert_gemv_refusals_name_the_reason():
     assert "CUDA device" in experts_unsupported(
         x, gate_up[:, :192].to(torch.float8_e4m3fn), down[:, :, :96].to(torch.float8_e4m3fn), logits, 2, narrow_rows)
     wrong = ExpertScales(torch.ones(8, 2, 128, 2), torch.ones(8, 256, 1), (1, 128))
-    assert "scaled per row need scales [[8, 2, 128, 1], [8, 256, 1]]" in experts_unsupported(x, *fp8, logits, 2, wrong)
+    assert ("scaled per row need scales [[8, 2, 128, 1], [8, 256, 1]], got [[8, 2, 128, 2], [8, 256, 1]]"
+            in experts_unsupported(x, *fp8, logits, 2, wrong))
     assert "CUDA device" in experts_unsupported(x, gate_up, down, logits, 2)  # the shapes pass: only the device is left
     with pytest.raises(ValueError, match="expert gemv: .*CUDA device"):
         experts(x, gate_up, down, logits, 2, True)

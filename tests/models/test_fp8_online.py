@@ -121,5 +121,6 @@ def test_float8_expert_tensor_in_a_checkpoint_quantized_at_load_is_an_error(tiny
     name = next(n for n in tensors if ".experts." in n and "down" in n)
     tensors[name] = tensors[name].to(torch.float8_e4m3fn)
     save_file(tensors, path, metadata={"format": "pt"})
-    with pytest.raises(ValueError, match=r"float8_e4m3fn tensor in a checkpoint quantized at load"):
+    with pytest.raises(ValueError, match=rf"checkpoint tensor '{name}' is float8_e4m3fn, but config.json has no "
+                       r"quantization_config: --quantization fp8 quantizes"):
         Engine(EngineConfig(model=model, device="cpu", max_total_tokens=64, quantization="fp8"))

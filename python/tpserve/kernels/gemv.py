@@ -211,7 +211,8 @@ def experts_unsupported(
         if not (scales.gate_up.is_contiguous() and scales.down.is_contiguous()):
             return "FP8 experts need contiguous scales"
         if row_scales and (tuple(scales.gate_up.shape), tuple(scales.down.shape)) != blocks:
-            return f"FP8 experts scaled per row need scales {[list(b) for b in blocks]}, got {scales.block} blocks"
+            return (f"FP8 experts scaled per row need scales {[list(b) for b in blocks]}, got "
+                    f"{[list(scales.gate_up.shape), list(scales.down.shape)]}")
         if not row_scales and scales.block != (SCALE_BLOCK, SCALE_BLOCK):
             return f"FP8 experts need scales per {SCALE_BLOCK}x{SCALE_BLOCK} block or per row, got {scales.block}"
     if x.device.type != "cuda" or gate_up.device != x.device or down.device != x.device:

@@ -133,12 +133,13 @@ TILES_BY_ROWS: tuple[tuple[int | None, Tile], ...] = (
     (4096, Tile(32, 128, 128, group_m=1)),
     (None, Tile(128, 256, warps=8, stages=4, group_m=1)),
 )
-# Session 5's tiles for FP8 experts, picked when a tile loaded a float32 scale per weight element (the bf16 tiles' stages
-# did not fit in shared memory: 128 x 256 in 4 stages asked 344 KB of 227). Since session 44 a tile whose K lies in one
-# scale block loads one scale a column (K_UNIFORM), so the bf16 tiles may fit and win: not measured yet.
+# FP8 experts (128 x 128 blocks). Session 5's tiles were picked when a tile loaded a float32 scale per weight element;
+# since session 44 a tile whose K lies in one scale block loads one scale a column (K_UNIFORM), and session 45 timed the
+# bf16 table's tiles on FP8 experts (moe_tiles.py --sweep tables --fp8, H100): faster at 256 / 1,024 / 4,096 rows
+# (1.30x / 1.48x / 1.11x session 5's 16 x 64 x 64 and 64 x 64 x 64), 128 x 128 x 64 still the best from 16,384.
 FP8_TILES_BY_ROWS: tuple[tuple[int | None, Tile], ...] = (
-    (512, Tile(16, 64)),
-    (4096, Tile(64, 64)),
+    (1024, Tile(16, 64, 128, group_m=1)),
+    (4096, Tile(32, 128, 128, group_m=1)),
     (None, Tile(128, 128, warps=8)),
 )
 

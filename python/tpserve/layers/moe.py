@@ -220,9 +220,6 @@ class StackedExperts(nn.Module):
         ``scales[index]``; else unchanged."""
         if not self.quantizes_on_load:
             return weight
-        if weight.dtype.itemsize == 1:
-            raise ValueError(f"{name}: an {str(weight.dtype).removeprefix('torch.')} tensor in a checkpoint quantized "
-                             "at load (its config.json has no quantization_config)")
         quantized, scale_inv = quantize_blocks(weight.to(scales.device), self.block_size)
         copy_checked(scales.data[index], scale_inv, f"{name} (its FP8 block scales)")
         return quantized

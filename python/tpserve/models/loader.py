@@ -224,7 +224,12 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
             if not piece.is_floating_point():  # copying an integer tensor would convert it silently
                 raise ValueError(f"checkpoint tensor {source!r} is {str(piece.dtype).removeprefix('torch.')}, not a "
                                  "floating-point weight")
-            if not getattr(layer, "quantizes_on_load", False):  # (else the layer checks what it quantizes)
+            if getattr(layer, "quantizes_on_load", False):  # held FP8, loaded in the compute dtype and quantized
+                if piece.dtype.itemsize == 1:
+                    raise ValueError(f"checkpoint tensor {source!r} is {str(piece.dtype).removeprefix('torch.')}, but "
+                                     "config.json has no quantization_config: --quantization fp8 quantizes a checkpoint "
+                                     "of unquantized weights at load")
+            else:
                 _check_float8(source, piece.dtype, getattr(layer, param).dtype, quant.ignore_key if quant else "")
             try:
                 with torch.no_grad():

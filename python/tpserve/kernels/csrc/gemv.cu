@@ -788,6 +788,10 @@ void moe_down(TensorView act, TensorView down, TensorView scales, TensorView log
                  out.size(0) == 1 && out.size(1) == hidden)
       << "expert gemv: act [k, I], down [E, H, I], out [1, H] do not match";
   const int64_t multiple = fp8 ? inter_multiple(true, row_scales) : 8;
+  // (a thread fills each slot's scale of each of the block's rows)
+  constexpr int kDownRows = rows_per_block<1, true, kExpertDown>();
+  TVM_FFI_ICHECK(!row_scales || top_k * kDownRows <= kThreads)
+      << "expert gemv: top_k " << top_k << " times the down kernel's rows a block exceeds its threads";
   TVM_FFI_ICHECK(inter % multiple == 0 && aligned(act))
       << "expert gemv: I must be a multiple of " << multiple << " and act 16-byte aligned";
   ffi::CUDADeviceGuard device_guard(act.device().device_id);
