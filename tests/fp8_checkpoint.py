@@ -12,7 +12,7 @@ import torch
 from safetensors.torch import load_file, save_file
 
 from tpserve.quant.config import QuantConfig
-from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX, ExpertScales, dequantize_blocks, quantize_blocks
+from tpserve.quant.fp8 import FP8_DTYPE, FP8_MAX, dequantize_blocks, dequantize_experts, quantize_blocks, quantize_experts
 
 # The projections transformers' FP8 integration replaces (every nn.Linear but the LM head, the MoE routers and
 # Qwen2-MoE's shared expert gate); w1/w3/w2: Mixtral's experts.
@@ -119,17 +119,5 @@ def write_dequantized(fp8_dir: str, dst: str) -> str:
 def fp8_experts(gate_up: torch.Tensor, down: torch.Tensor, block: tuple[int, int]):
     """Experts quantized per expert and projection as an FP8 checkpoint holds them: (gate_up fp8, down fp8,
     ExpertScales, gate_up and down dequantized to float32)."""
-    inter = gate_up.shape[1] // 2
-    gu_q, gu_s, d_q, d_s = [], [], [], []
-    for e in range(gate_up.shape[0]):
-        parts = [quantize_blocks(gate_up[e, p * inter : (p + 1) * inter], block) for p in (0, 1)]
-        gu_q.append(torch.cat([q for q, _ in parts]))
-        gu_s.append(torch.stack([s for _, s in parts]))
-        q, s = quantize_blocks(down[e], block)
-        d_q.append(q)
-        d_s.append(s)
-    scales = ExpertScales(torch.stack(gu_s), torch.stack(d_s), block)
-    gu_deq = torch.stack([torch.cat([dequantize_blocks(q[p * inter : (p + 1) * inter], s[p], block, torch.float32)
-                                     for p in (0, 1)]) for q, s in zip(gu_q, gu_s)])
-    d_deq = torch.stack([dequantize_blocks(q, s, block, torch.float32) for q, s in zip(d_q, d_s)])
-    return torch.stack(gu_q), torch.stack(d_q), scales, gu_deq, d_deq
+    gate_up_q, down_q, scales = quantize_experts(gate_up, down, block)
+    return (gate_up_q, down_q, scales, *dequantize_experts(gate_up_q, down_q, scales, torch.float32))

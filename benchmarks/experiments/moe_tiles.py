@@ -29,7 +29,7 @@ import torch
 from common import print_table, write_json
 from tpserve.kernels.moe import FP8_TILES_BY_ROWS, TILES_BY_ROWS, Tile, grouped_experts, tiles_for
 from tpserve.plan.calibrate import time_in_graph
-from tpserve.quant.fp8 import ExpertScales, quantize_blocks
+from tpserve.quant.fp8 import quantize_experts
 
 EXPERTS, HIDDEN, TOP_K = 128, 2048, 8
 COPY_BANDWIDTH = 4.27e12  # bytes/s, an H200's device-to-device copy (benchmarks/roofline.py's)
@@ -45,16 +45,6 @@ def label(tile: Tile) -> str:
 FP8_BLOCK = (128, 128)
 
 
-def fp8_experts(gate_up: torch.Tensor, down: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, ExpertScales]:
-    """The experts in FP8 as an FP8 checkpoint holds them: gate and up quantized apart, per expert."""
-    inter = gate_up.shape[1] // 2
-    gu = [[quantize_blocks(gate_up[e, p * inter:(p + 1) * inter], FP8_BLOCK) for p in (0, 1)] for e in range(EXPERTS)]
-    dn = [quantize_blocks(down[e], FP8_BLOCK) for e in range(EXPERTS)]
-    scales = ExpertScales(torch.stack([torch.stack([s for _, s in parts]) for parts in gu]),
-                          torch.stack([s for _, s in dn]), FP8_BLOCK)
-    return (torch.stack([torch.cat([q for q, _ in parts]) for parts in gu]), torch.stack([q for q, _ in dn]), scales)
-
-
 def run_shape(tokens: int, intermediate: int, tiles: list[Tile], fp8: bool = False) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(tokens)
     x = torch.randn(tokens, HIDDEN, device="cuda", generator=gen).bfloat16()
@@ -62,7 +52,7 @@ def run_shape(tokens: int, intermediate: int, tiles: list[Tile], fp8: bool = Fal
     down = (torch.randn(EXPERTS, HIDDEN, intermediate, device="cuda", generator=gen) * 0.02).bfloat16()
     scales = None
     if fp8:
-        gate_up, down, scales = fp8_experts(gate_up, down)
+        gate_up, down, scales = quantize_experts(gate_up, down, FP8_BLOCK)
     ids = torch.rand(tokens, EXPERTS, device="cuda", generator=gen).topk(TOP_K, dim=-1).indices  # int64, as the router
     weights = torch.rand(tokens, TOP_K, device="cuda", generator=gen)
     rows = tokens * TOP_K

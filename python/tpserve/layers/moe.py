@@ -18,7 +18,7 @@ from tpserve.kernels.settings import MOE_SMALL_ENV
 from tpserve.layers.activation import silu_and_mul
 from tpserve.layers.linear import PendingNorm, ReplicatedWeights, Slice, copy_checked, divide
 from tpserve.layers.mlp import MLP
-from tpserve.quant.fp8 import FP8_DTYPE, ExpertScales, dequantize_blocks, num_blocks, per_row_scales, quantize_blocks
+from tpserve.quant.fp8 import FP8_DTYPE, ExpertScales, dequantize_experts, num_blocks, per_row_scales, quantize_blocks
 
 # 0: the MoE layer's RMSNorm as a kernel of its own, not in the router's GEMV and the first expert kernel (an A/B switch,
 # read when the model is built)
@@ -167,15 +167,7 @@ class StackedExperts(nn.Module):
         if use_fp8_triton(self.gate_up_proj.device) and os.environ.get(FP8_EXPERTS_ENV, "1") != "0":
             self.keep_dtype = ()
             return
-        block, size = self.block_size, self.local_intermediate
-        gate_up = torch.empty(self.gate_up_proj.shape, dtype=dtype, device=self.gate_up_proj.device)
-        down = torch.empty(self.down_proj.shape, dtype=dtype, device=self.down_proj.device)
-        for e in range(self.num_experts):
-            for part in (0, 1):
-                rows = slice(part * size, (part + 1) * size)
-                gate_up[e, rows] = dequantize_blocks(self.gate_up_proj[e, rows], self.gate_up_proj_scale_inv[e, part],
-                                                     block, dtype)
-            down[e] = dequantize_blocks(self.down_proj[e], self.down_proj_scale_inv[e], block, dtype)
+        gate_up, down = dequantize_experts(self.gate_up_proj, self.down_proj, self.scales(), dtype)
         self.gate_up_proj = nn.Parameter(gate_up, requires_grad=False)
         self.down_proj = nn.Parameter(down, requires_grad=False)
         self.gate_up_proj_scale_inv = self.down_proj_scale_inv = None

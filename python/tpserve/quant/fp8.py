@@ -63,6 +63,39 @@ def dequantize_blocks(
     return (weight.float() * _expand(scale_inv.float(), weight.shape, block)).to(dtype)
 
 
+def quantize_experts(
+    gate_up: torch.Tensor, down: torch.Tensor, block: tuple[int, int]
+) -> tuple[torch.Tensor, torch.Tensor, ExpertScales]:
+    """Stacked experts (gate_up [E, 2I, H] as [gate; up], down [E, H, I]) in FP8 as an FP8 checkpoint holds them: each
+    expert's gate, up and down quantized apart in ``block`` blocks."""
+    inter = gate_up.shape[1] // 2
+    gate_up_q, gate_up_s, down_q, down_s = [], [], [], []
+    for e in range(gate_up.shape[0]):
+        parts = [quantize_blocks(gate_up[e, p * inter:(p + 1) * inter], block) for p in (0, 1)]
+        gate_up_q.append(torch.cat([q for q, _ in parts]))
+        gate_up_s.append(torch.stack([s for _, s in parts]))
+        q, s = quantize_blocks(down[e], block)
+        down_q.append(q)
+        down_s.append(s)
+    scales = ExpertScales(torch.stack(gate_up_s), torch.stack(down_s), block)
+    return torch.stack(gate_up_q), torch.stack(down_q), scales
+
+
+def dequantize_experts(
+    gate_up: torch.Tensor, down: torch.Tensor, scales: ExpertScales, dtype: torch.dtype
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """FP8 experts (``quantize_experts``' layout) in ``dtype``, one expert at a time."""
+    inter = gate_up.shape[1] // 2
+    gate_up_out = torch.empty(gate_up.shape, dtype=dtype, device=gate_up.device)
+    down_out = torch.empty(down.shape, dtype=dtype, device=down.device)
+    for e in range(gate_up.shape[0]):
+        for part in (0, 1):
+            rows = slice(part * inter, (part + 1) * inter)
+            gate_up_out[e, rows] = dequantize_blocks(gate_up[e, rows], scales.gate_up[e, part], scales.block, dtype)
+        down_out[e] = dequantize_blocks(down[e], scales.down[e], scales.block, dtype)
+    return gate_up_out, down_out
+
+
 def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, torch.Tensor]:
     """(float8_e4m3fn x, float32 scale_inv [M, ceil(K / group)]): per token and ``group`` features."""
     return quantize_blocks(x.reshape(-1, x.shape[-1]), (1, group))
