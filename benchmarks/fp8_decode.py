@@ -38,17 +38,22 @@ def decode_engine(model: str, quantization: str | None, max_batch: int, context:
     plus the timed steps, its KV cache filled. Prefill chunks no longer than the pipelined timing's
     prompts need: an FP8 engine warms its GEMMs up to that size at start (8192 tokens took 93 s
     on an H200 without a carried cache; docs/results/2026-12-02-h200-session12/call4)."""
-    longest = context + iters + warmup + 8
+    chunk = max(1024, context + iters + warmup + 8)
+    # the pipelined timing's requests decode one token a prefill step while the batch's prompts prefill
+    longest = context + iters + warmup + 8 + -(-max_batch * context // chunk)
     engine = make_engine(model, quantization=quantization, max_total_tokens=(max_batch + 2) * longest,
                          cuda_graph_max_bs=max_batch, decode_attention=decode_attention,
-                         chunked_prefill_size=max(1024, longest), max_running_requests=max(max_batch, 8))
+                         chunked_prefill_size=chunk, max_running_requests=max(max_batch, 8))
     fill_kv_randomly(engine)
     return engine
 
 
 def pipelined_ms(engine, batch: int, context: int, warmup: int, iters: int) -> float | None:
     timed = time_pipelined(engine, batch, context, warmup, iters)
-    return None if isinstance(timed, str) else timed[0] * 1e3
+    if isinstance(timed, str):
+        print(f"pipelined batch {batch}, context {context}: not timed ({timed})", flush=True)
+        return None
+    return timed[0] * 1e3
 
 
 def decode_step_ms(model: str, quantization: str | None, batch_sizes: list[int], context: int, warmup: int,

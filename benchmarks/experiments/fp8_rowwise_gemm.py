@@ -43,7 +43,8 @@ TILE_KEYS = {"BM": "block_m", "BN": "block_n", "BK": "block_k", "S": "num_stages
 
 
 def row_weights(n: int, k: int, copies: int, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]]:
-    """(bf16, e4m3, scale [N, 1], held scales [N, ceil(K / 128)]) per copy."""
+    """(bf16, e4m3, scale [N, 1] (as the engine holds it), the scale repeated per 128 inputs (``w8a8``'s (1, 128)
+    blocks)) per copy."""
     out = []
     for _ in range(copies):
         w = (0.02 * torch.randn(n, k, device="cuda", generator=gen)).to(torch.bfloat16)
@@ -58,30 +59,30 @@ def calls_for(variant: str, x: torch.Tensor, weights: list) -> list:
     if name == "bf16":
         return [lambda w=w: F.linear(x, w) for w, *_ in weights]
     if name == "w8a8":
-        return [lambda q=q, h=h: fp8_gemm(x, q, h, ROW_BLOCK) for _, q, _, h in weights]
+        return [lambda q=q, b=b: fp8_gemm(x, q, b, ROW_BLOCK) for _, q, _, b in weights]
     if name == "rowwise":
         t = rowwise_tiles(m, weights[0][1].shape[0]).__dict__ | {TILE_KEYS[o.split("=")[0]]: int(o.split("=")[1]) for o in options}
         tiles = RowwiseTiles(**t)
-        return [lambda q=q, h=h: fp8_gemm_rowwise(x, q, h, tiles) for _, q, _, h in weights]
+        return [lambda q=q, s=s: fp8_gemm_rowwise(x, q, s, tiles) for _, q, s, _ in weights]
     if name == "engine":
-        return [lambda q=q, h=h: fp8_gemm_rowwise(x, q, h) for _, q, _, h in weights]
+        return [lambda q=q, s=s: fp8_gemm_rowwise(x, q, s) for _, q, s, _ in weights]
     if name == "scaled_mm":
         def call(q: torch.Tensor, s: torch.Tensor) -> torch.Tensor:
             a, sa = quantize_activations(x, k)
             return torch._scaled_mm(a, q.t(), scale_a=sa, scale_b=s.view(1, -1), out_dtype=torch.bfloat16)
         return [lambda q=q, s=s: call(q, s) for _, q, s, _ in weights]
     if name == "cuda":
-        return [lambda q=q, h=h: gemv.gemv(x, q, h, row_scales=True) for _, q, _, h in weights]
+        return [lambda q=q, s=s: gemv.gemv(x, q, s, row_scales=True) for _, q, s, _ in weights]
     raise ValueError(variant)
 
 
 def reference(variant: str, x: torch.Tensor, weights: list) -> torch.Tensor:
-    w, q, scale, held = weights[0]
+    w, q, scale, blocks = weights[0]
     name = variant.split(":")[0]
     if name == "bf16":
         return F.linear(x.float(), w.float())
     if name == "w8a8":
-        return fp8_linear_reference(x.float(), q, held, ROW_BLOCK)
+        return fp8_linear_reference(x.float(), q, blocks, ROW_BLOCK)
     if name == "cuda":
         return weight_only_reference(x.float(), q, scale, (1, x.shape[1]))
     return fp8_linear_reference(x.float(), q, scale, (1, x.shape[1]))

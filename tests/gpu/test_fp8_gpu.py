@@ -232,7 +232,7 @@ def test_quantization_fp8_moe_on_gpu(tiny_model_factory, tmp_path, monkeypatch, 
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
 def test_compressed_tensors_checkpoint_on_gpu(tiny_model_factory, tmp_path, strategy):
     """llm-compressor's FP8 checkpoints (a weight_scale per output channel or per tensor) on the GPU: the weights stay
-    FP8 with one scale a row (1 x 128 blocks), a decoding token's in the CUDA GEMV (its norm, SwiGLU and residual add
+    FP8 with one scale a row ([rows, 1]), a decoding token's in the CUDA GEMV (its norm, SwiGLU and residual add
     fused), more tokens' in Triton's W8A8 GEMM, in CUDA graphs."""
     from tpserve.kernels import gemv
 
@@ -240,7 +240,8 @@ def test_compressed_tensors_checkpoint_on_gpu(tiny_model_factory, tmp_path, stra
     ref_dir = write_dequantized(fp8_dir, str(tmp_path / "ref"))
     engine = Engine(EngineConfig(model=fp8_dir, device="cuda", dtype="bfloat16", max_total_tokens=1024))
     down = engine.model.model.layers[0].mlp.down_proj
-    assert down.weight.dtype == FP8_DTYPE and down.block_size == (1, 128) and down.fp8_backend == "cuda_triton"
+    assert down.weight.dtype == FP8_DTYPE and down.block_size == (1, down.in_features) and down.fp8_backend == "cuda_triton"
+    assert down.weight_scale_inv.shape == (down.out_features, 1)
     x = torch.randn(1, down.in_features, device="cuda", dtype=torch.bfloat16)
     assert down.takes_gemv(x) and gemv.supported(x, down.weight, down.weight_scale_inv, row_scales=True)
     assert engine.graph_runner is not None

@@ -181,14 +181,13 @@ def test_gemv_fused_norm_and_add(n, k, fp8):
 
 
 def row_scaled(n: int, k: int, seed: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(FP8 weight, its scales held as compressed-tensors' per-channel layers hold them: [N, ceil(K / 128)], each
-    row's scale repeated, the weight dequantized in float32); rows of scales 1,000x apart, so a row read as
-    another's shows."""
+    """(FP8 weight, its scales as the layers hold a compressed-tensors per-channel checkpoint's: [N, 1], the weight
+    dequantized in float32); rows of scales 1,000x apart, so a row read as another's shows."""
     gen = torch.Generator(device=DEVICE).manual_seed(seed)
     w = 0.02 * torch.randn(n, k, device=DEVICE, generator=gen) * 10 ** (3 * torch.rand(n, 1, device=DEVICE, generator=gen))
     scale = w.abs().amax(dim=1, keepdim=True) / 448
     wq = (w / scale).to(torch.float8_e4m3fn)
-    return wq, scale.expand(n, -(-k // 128)).contiguous(), wq.float() * scale
+    return wq, scale, wq.float() * scale
 
 
 @pytest.mark.parametrize("n,k", [(6144, 4096), (24576, 4096), (4096, 12288), (400, 144), (404, 144), (16, 16)])

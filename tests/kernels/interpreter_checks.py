@@ -280,12 +280,11 @@ def check_fp8_gemm() -> None:
 def check_fp8_gemm_rowwise() -> None:
     """The row-scaled FP8 GEMM (compressed-tensors' per-channel weights) against torch on its own quantized
     activations (one scale a token over all of K): partial M, N and K tiles, a row of zeros, bf16 and float32, the
-    weight's scales read from column 0 of the held [N, ceil(K / 128)] (the other columns NaN here), and the engine's
-    GEMM for such a layer above one token (``fp8_linear`` with ``row_scales``) is this one."""
+    weight's scales [N, 1] as the layers hold them, and the engine's GEMM for such a layer above one token
+    (``fp8_linear`` with ``row_scales``) is this one."""
     from tpserve.kernels.fp8_gemm import RowwiseTiles, fp8_gemm_rowwise, quantize_activations
     from tpserve.kernels.fp8_linear import fp8_linear
-    from tpserve.quant.config import ROW_BLOCK
-    from tpserve.quant.fp8 import dequantize_blocks, num_blocks, quantize_blocks
+    from tpserve.quant.fp8 import dequantize_blocks, quantize_blocks
 
     gen = torch.Generator().manual_seed(0)
     for m, n, k, dtype, tiles in [
@@ -296,9 +295,8 @@ def check_fp8_gemm_rowwise() -> None:
         x = torch.randn(m, k, generator=gen).to(dtype)
         x[-1, :] = 0.0
         weight, row_scale = quantize_blocks(torch.randn(n, k, generator=gen) * 0.05, (1, k))
-        held = torch.full((n, num_blocks(k, ROW_BLOCK[1])), float("nan"))
-        held[:, 0] = row_scale[:, 0]
-        got = fp8_gemm_rowwise(x, weight, held, tiles)
+        assert row_scale.shape == (n, 1)
+        got = fp8_gemm_rowwise(x, weight, row_scale, tiles)
         q, xs = quantize_activations(x, k)
         assert xs.shape == (m, 1)
         ref = dequantize_blocks(q, xs, (1, k), torch.float32) @ dequantize_blocks(weight, row_scale, (1, k), torch.float32).T
@@ -306,7 +304,7 @@ def check_fp8_gemm_rowwise() -> None:
         torch.testing.assert_close(got.float(), ref, rtol=1e-2 if dtype == torch.bfloat16 else 1e-5, atol=1e-4)
         assert torch.equal(got[-1], torch.zeros(n, dtype=dtype))
         if tiles is None:
-            engine = fp8_linear(x.view(1, m, k), weight, held, ROW_BLOCK, "triton", row_scales=True)
+            engine = fp8_linear(x.view(1, m, k), weight, row_scale, (1, k), "triton", row_scales=True)
             assert torch.equal(engine[0], got)
 
 

@@ -30,14 +30,15 @@ def test_unsupported_names_the_reason():
 
 
 def test_row_scales_take_one_token_and_a_scale_a_row():
-    """``row_scales`` (compressed-tensors' per-channel FP8): scale_inv [N, ceil(K / 128)], one token, FP8 weights."""
+    """``row_scales`` (compressed-tensors' per-channel FP8): scale_inv [N, 1], one token, FP8 weights."""
     w = torch.zeros(384, 256, dtype=torch.float8_e4m3fn)
-    rows, blocks = torch.ones(384, 2), torch.ones(3, 2)
+    rows, blocks = torch.ones(384, 1), torch.ones(3, 2)
     one, two = torch.zeros(1, 256, dtype=torch.bfloat16), torch.zeros(2, 256, dtype=torch.bfloat16)
     assert "CUDA device" in unsupported(one, w, rows, row_scales=True)  # the shapes pass: only the device is left
     assert "CUDA device" in unsupported(one, w, rows, silu_mul=True, fused=True, row_scales=True)
     assert "rows of x" in unsupported(two, w, rows, row_scales=True)
-    assert "[384, 2] (a row's scale" in unsupported(one, w, blocks, row_scales=True)
+    assert "[384, 1] (a row's scale)" in unsupported(one, w, blocks, row_scales=True)
+    assert "[384, 1] (a row's scale)" in unsupported(one, w, torch.ones(384, 2), row_scales=True)  # the old repeats
     assert "[3, 2] (128x128 blocks)" in unsupported(one, w, rows)
     assert "needs FP8 weights" in unsupported(one, torch.zeros(384, 256, dtype=torch.bfloat16), row_scales=True)
 

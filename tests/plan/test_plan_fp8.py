@@ -93,8 +93,8 @@ def test_moe_fp8_checkpoint_and_quantization_flag_count_fp8_experts(capsys):
 
 def test_moe_checkpoint_scaled_per_channel_counts_its_experts_fp8_with_a_scale_a_row(tmp_path, capsys):
     """A compressed-tensors FP8 MoE checkpoint scaled per channel (RedHatAI's Qwen3-30B-A3B-FP8-dynamic layout): the
-    engine keeps its experts FP8 with one float32 scale per expert row, so the plan counts them so (not a scale per
-    1 x 128 block, as the attention's), and the attention in FP8 with a scale a row."""
+    engine keeps its experts FP8 with one float32 scale per expert row, so the plan counts them so, and the attention
+    in FP8 with a scale a row too (held as [rows, 1])."""
     import json
 
     cfg = json.load(open(os.path.join(data_config("Qwen3-30B-A3B"), "config.json")))
@@ -113,7 +113,9 @@ def test_moe_checkpoint_scaled_per_channel_counts_its_experts_fp8_with_a_scale_a
     assert shape.expert_bytes() == pytest.approx(1 + 4 * (2 * 768 + 2048) / (3 * 2048 * 768))
     # at TP 4 a rank holds 192 rows of each gate and up but all 2,048 of down (a row's scale is not cut)
     assert shape.expert_bytes(4) == pytest.approx(1 + 4 * (2 * 192 + 2048) / (3 * 2048 * 192))
-    assert shape.linear_bytes == pytest.approx(1 + 4 / 128)
+    assert shape.linear_bytes == pytest.approx(1 + 4 / 2048)
+    assert main(["--model", channel]) == 0
+    assert "1 byte each and a float32 scale a row, experts too" in capsys.readouterr().out
 
 
 def test_cli_quantization_errors(tmp_path, capsys):

@@ -3,15 +3,13 @@
 - ``fp8_gemm``: block scales ``scale_inv`` [ceil(N / bn), >= ceil(K / bk)] (checkpoint layout; row stride
   read); x quantized to e4m3 per token and bk features, float32 sums of FP8 dots times both tiles' scales.
 - ``fp8_gemm_rowwise``: a scale per weight row (compressed-tensors' per-channel and per-tensor checkpoints, held
-  as [N, ceil(K / 128)] with the row's scale repeated: column 0 read); x quantized per token over all of K, so the
+  as [N, 1]); x quantized per token over all of K, so the
   K loop is FP8 dots alone and both scales multiply the float32 sums once, in the epilogue. Above
   ``ROWWISE_MAX_TOKENS`` the same product goes to torch's ``_scaled_mm`` with row-wise scales (cuBLASLt / CUTLASS)
   where it runs. Qwen3-8B's four linears against bf16 cuBLAS (H100, session 45, fp8_rowwise_gemm.py): this kernel
   0.62x / 0.66x / 0.66x / 0.71x / 0.99x / 1.93x at 2 / 8 / 32 / 64 / 128 / 512 tokens (0.63x / 0.76x at 32 / 64 with
   its accumulator promoted, below), ``_scaled_mm`` 0.90x / 0.88x / 0.84x / 0.78x / 0.77x / 0.74x, the block GEMM
-  above reading the row scales as (1, 128) blocks 0.91x-1.77x.
-  ``_scaled_mm`` takes the weight's scales as a contiguous [1, N], so each call copies column 0 of the held scales
-  (0.84x against its 0.79x at 65-128 tokens, 0.69x against 0.68x at 2,048).
+  above reading the row scales as (1, 128) blocks 0.91x-1.77x. ``_scaled_mm`` reads the held [N, 1] as its [1, N].
 
 References: ``quant.fp8.fp8_linear_reference`` (block (1, K) for the row-wise one), also checked in Triton's
 interpreter (tests/kernels/interpreter_checks.py).
@@ -180,15 +178,14 @@ def scaled_mm_runs(device_index: int) -> bool:
 
 def fp8_gemm_rowwise(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor,
                      tiles: RowwiseTiles | None = None) -> torch.Tensor:
-    """x [M, K] (unit stride along K) @ weight [N, K] (e4m3, a scale a row: column 0 of ``scale_inv``).T in x's dtype;
+    """x [M, K] (unit stride along K) @ weight [N, K] (e4m3, a scale a row: ``scale_inv`` [N, 1]).T in x's dtype;
     ``tiles``: ``rowwise_tiles``' by default (experiments sweep others; they also keep it from ``_scaled_mm``)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > ROWWISE_MAX_TOKENS and tiles is None and x.is_cuda and x.dtype == torch.bfloat16 and k % 16 == 0 \
             and n % 16 == 0 and scaled_mm_runs(x.device.index or 0):
         a, a_scale = quantize_activations(x, k)
-        return torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=scale_inv[:, 0].reshape(1, n).contiguous(),
-                                out_dtype=x.dtype)
+        return torch._scaled_mm(a, weight.t(), scale_a=a_scale, scale_b=scale_inv.view(1, n), out_dtype=x.dtype)
     out = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m:
         a, a_scale = quantize_activations(x, k)

@@ -106,8 +106,8 @@ def unsupported(
     if row_scales and not fp8:
         return "a scale per row needs FP8 weights and their scale_inv"
     if fp8:
-        blocks = (n if row_scales else -(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK))
-        what = "a row's scale repeated per 128 inputs" if row_scales else "128x128 blocks"
+        blocks = (n, 1) if row_scales else (-(-n // SCALE_BLOCK), -(-k // SCALE_BLOCK))
+        what = "a row's scale" if row_scales else "128x128 blocks"
         if scale_inv.dtype != torch.float32 or tuple(scale_inv.shape) != blocks or not scale_inv.is_contiguous():
             return f"scale_inv must be contiguous float32 {list(blocks)} ({what}), got {scale_inv.dtype} {list(scale_inv.shape)}"
     if x.device.type != "cuda" or weight.device != x.device or (fp8 and scale_inv.device != x.device):
@@ -157,7 +157,7 @@ def gemv(
     add_to: torch.Tensor | None = None, row_scales: bool = False,
 ) -> torch.Tensor:
     """x [..., K] @ weight [N, K].T in bf16 (FP8: times ``scale_inv`` per 128x128 block, or with ``row_scales``, one
-    token, scale_inv [N, ceil(K / 128)] holding each row's scale repeated: column 0 times the row's sum); ``module``:
+    token, scale_inv [N, 1]: a row's scale times its sum); ``module``:
     a ``load_module(defines)`` variant (experiments); ``pdl`` defaults to ``TPSERVE_GEMV_PDL``.
     ``silu_mul``: weight is [gate; up] and the result [..., N / 2] is SiLU(x @ gate.T) * (x @ up.T).
     ``norm`` (weight, eps): x is RMS-normed first (x * rsqrt(mean(x^2) + eps) * weight, unrounded);
@@ -279,7 +279,7 @@ def probe_rows(device_index: int) -> str | None:
     try:
         x = torch.ones(1, 256, dtype=torch.bfloat16, device=device)
         w = torch.ones(4, 256, dtype=torch.float8_e4m3fn, device=device)
-        y = gemv(x, w, torch.tensor([[0.25] * 2, [0.5] * 2, [1.0] * 2, [2.0] * 2], device=device), row_scales=True)
+        y = gemv(x, w, torch.tensor([[0.25], [0.5], [1.0], [2.0]], device=device), row_scales=True)
         if y.tolist() != [[64.0, 128.0, 256.0, 512.0]]:
             raise RuntimeError(f"computed {y.tolist()}, expected 64, 128, 256 and 512")
         return None

@@ -100,7 +100,10 @@ class ParallelLinear(nn.Module):
 
     def use_fp8(self, block_size: tuple[int, int], prequantized: bool, row_scales: bool = False) -> None:
         """Hold the weight in FP8 (loaded so if ``prequantized``); called before materialising. ``row_scales``: the
-        checkpoint scales each output row (or the whole tensor), held as ``block_size`` (1, k) blocks of one scale."""
+        checkpoint scales each output row (or the whole tensor), held as [rows, 1]: one block a row spanning this
+        rank's inputs, which every kernel reads as it is (the GEMV, the row-wise GEMM, ``_scaled_mm``'s [1, N])."""
+        if row_scales:
+            block_size = (1, self.in_features)
         self.block_size, self.row_scales = block_size, row_scales
         if prequantized:
             device = self.weight.device
@@ -188,16 +191,15 @@ class ParallelLinear(nn.Module):
         copy_checked(param.narrow(dim, part.dest, part.size), part.cut(loaded, dim, param.dim(), param_name), param_name)
 
     def _load_row_scales(self, param: torch.Tensor, loaded: torch.Tensor, shard_id: str | int | None) -> None:
-        """A checkpoint's scale per output row ([rows, 1] or [rows]) or per tensor (one element), repeated along this
-        rank's input blocks: rows are cut as the weight's; a row-parallel layer keeps them all (a row's scale holds
-        for any cut of its inputs)."""
+        """A checkpoint's scale per output row ([rows, 1] or [rows]) or per tensor (one element), into [rows, 1]: rows
+        are cut as the weight's; a row-parallel layer keeps them all (a row's scale holds for any cut of its inputs)."""
         name = "weight_scale"
         if self.split_dim == 1:
             part = Slice(0, param.shape[0], 0, param.shape[0])
         else:
             part = self.part(shard_id)
         rows = part.cut(per_row_scales(loaded, part.full, name), 0, 1, name)
-        param.narrow(0, part.dest, part.size).copy_(rows[:, None].expand(part.size, param.shape[1]))
+        param.narrow(0, part.dest, part.size).copy_(rows[:, None])
 
 
 class ColumnParallelLinear(ParallelLinear):

@@ -68,7 +68,7 @@ class ModelShape:
     kv_dtype_bytes: int | None = None  # bytes per KV-cache element; None: the serving dtype's
     # a MoE model's experts FP8 too (an FP8 checkpoint's, or quantized at load by --quantization fp8)
     fp8_experts: bool = False
-    # FP8 scales per output row (compressed-tensors): the experts hold one a row, not one per fp8_block
+    # FP8 scales per output row (compressed-tensors): every FP8 weight holds one a row, not one per fp8_block
     fp8_row_scales: bool = False
     # whole experts per rank (--expert-parallel) instead of a slice of every expert
     expert_parallel: bool = False
@@ -78,6 +78,8 @@ class ModelShape:
         """Bytes per decoder-layer linear weight."""
         if self.fp8_block is None:
             return self.dtype_bytes
+        if self.fp8_row_scales:  # a float32 per row of K >= hidden inputs (counted at K = hidden: at most that)
+            return 1 + 4 / self.hidden
         return 1 + 4 / (self.fp8_block[0] * self.fp8_block[1])
 
     @property

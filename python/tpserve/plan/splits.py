@@ -245,9 +245,9 @@ def render(shape: ModelShape, model: str, machine: Machine, settings: Settings, 
     fp8 = ""
     if shape.fp8_block is not None:
         bn, bk = shape.fp8_block
-        experts = ("" if cfg.moe is None else ", experts too with a float32 scale a row" if shape.fp8_row_scales
-                   else ", experts too" if shape.fp8_experts else ", experts in the serving dtype")
-        fp8 = f" (decoder linears FP8: 1 byte each and a float32 scale per {bn}x{bk} block{experts})"
+        experts = ("" if cfg.moe is None else ", experts too" if shape.fp8_experts else ", experts in the serving dtype")
+        scales = "a row" if shape.fp8_row_scales else f"per {bn}x{bk} block"
+        fp8 = f" (decoder linears FP8: 1 byte each and a float32 scale {scales}{experts})"
     moe = ""
     if cfg.moe is not None:
         moe = f", MoE: {cfg.moe.num_experts} experts, {cfg.moe.top_k} per token in {len(cfg.moe.layers)} layers"

@@ -18,7 +18,9 @@ _KNOWN_KEYS = {
 }
 
 
-ROW_BLOCK = (1, 128)  # how tpserve holds per-channel and per-tensor scales: one per output row, repeated per 128 inputs
+# A row-scaled (per-channel or per-tensor) checkpoint's block in its QuantConfig; each layer holds such scales as
+# [rows, 1], one (1, K) block a row over its own K inputs (layers.linear, layers.moe)
+ROW_BLOCK = (1, 128)
 _COMPRESSED_TENSORS_KEYS = {
     "quant_method", "format", "config_groups", "ignore", "kv_cache_scheme", "quantization_status",
     "global_compression_ratio", "sparsity_config", "version", "transform_config",
@@ -32,8 +34,7 @@ class QuantConfig:
     prequantized: bool  # the checkpoint holds the FP8 weights and scales (else quantized at load time)
     not_converted: tuple[str, ...] = ()  # module-name patterns left unquantized (modules_to_not_convert)
     # The checkpoint's scales: "block" (one a block_size block), "channel" (one an output row) or "tensor" (one a
-    # tensor). tpserve holds the last two as one scale a row, repeated along the input (block_size ROW_BLOCK, any
-    # tensor-parallel cut): ``row_scales``.
+    # tensor). tpserve holds the last two as one scale a row (any tensor-parallel cut): ``row_scales``.
     scales: str = "block"
     scale_name: str = "weight_scale_inv"  # the checkpoint's scale tensors (compressed-tensors': weight_scale)
     compressed_tensors: bool = False  # llm-compressor's format: its ``ignore`` rules and key names

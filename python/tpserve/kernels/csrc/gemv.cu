@@ -2,8 +2,8 @@
 // (row-major, contiguous), float32 accumulation. W is bf16, or float8_e4m3fn with one float32
 // scale per 128x128 block (scale_inv [ceil(N/128), ceil(K/128)], W_real = W * scale_inv: the
 // DeepSeek / Qwen3-FP8 layout), or (kRowScale, one token) one scale per row (compressed-tensors' per-channel and
-// per-tensor checkpoints, held as [N, ceil(K/128)] with a row's scale repeated: column 0 is read; a MoE layer's
-// experts as [E, rows, 1]), applied once to the row's float32 sum. Built and called by tpserve.kernels.gemv.
+// per-tensor checkpoints, held as [N, 1]; a MoE layer's experts as [E, rows, 1]), applied once to the row's float32
+// sum. Built and called by tpserve.kernels.gemv.
 //
 // At a few tokens the product is bound by reading W, so everything serves W's stream:
 // * a block of kThreads threads owns R rows of W (R by M: x loads are shared by the R rows, so
@@ -523,12 +523,8 @@ __global__ void __launch_bounds__(kThreads, (min_blocks<M, kFp8, kSiluMul, kFuse
   if (owns_out) {  // thread i < kOut * M writes the output of row i / M, token i % M
     const int i = threadIdx.x;
     const float rstd = kNorm ? rsqrtf(block_sum(R * M + out_m) / k + eps) : 1.f;
-    // kRowScale: row r's scale, column 0 of its row of [N, ceil(K / 128)] (an expert's: [rows, 1]); kExpertDown's
-    // are in its chunks' factors
-    const size_t scale_row_stride = kMoe == kDense ? (k + kScaleBlock - 1) / kScaleBlock : 1;
-    auto row_scale = [&](int r) {
-      return kRowScale && kMoe != kExpertDown ? __ldg(scale_inv + static_cast<size_t>(w_row(r)) * scale_row_stride) : 1.f;
-    };
+    // kRowScale: row r's scale of [N, 1] (an expert's: [rows, 1]); kExpertDown's are in its chunks' factors
+    auto row_scale = [&](int r) { return kRowScale && kMoe != kExpertDown ? __ldg(scale_inv + w_row(r)) : 1.f; };
     float s = block_sum(i) * rstd * row_scale(out_r);
     if constexpr (kSiluMul) s = silu_mul(s, block_sum(i + kOut * M) * rstd * row_scale(out_r + kOut));
     if constexpr (kFuse == kAddToY) s = __bfloat162float(__float2bfloat16(s)) + y_old;
@@ -680,16 +676,15 @@ void gemv_fp8(TensorView x, TensorView weight, TensorView scale_inv, TensorView 
 }
 
 // The same for one token, weight scaled per row (compressed-tensors' per-channel and per-tensor FP8): scale_inv
-// float32 [N, ceil(K / 128)], each row's scale repeated along it (the layout Triton's W8A8 GEMM reads), column 0 read.
+// float32 [N, 1].
 void gemv_fp8_rows(TensorView x, TensorView weight, TensorView scale_inv, TensorView y, bool pdl, bool silu_mul,
                    Optional<TensorView> norm_w, double eps, bool add_to_y) {
   check(x, weight, y, 1, silu_mul);
   CHECK_INPUT_TYPE(weight, dl_float8_e4m3fn);
   CHECK_INPUT_AND_TYPE(scale_inv, dl_float32);
   TVM_FFI_ICHECK(x.size(0) == 1) << "gemv with a scale per row takes one row of x";
-  TVM_FFI_ICHECK(scale_inv.ndim() == 2 && scale_inv.size(0) == weight.size(0) &&
-                 scale_inv.size(1) == (weight.size(1) + kScaleBlock - 1) / kScaleBlock)
-      << "gemv: scale_inv must be [N, ceil(K / 128)]";
+  TVM_FFI_ICHECK(scale_inv.ndim() == 2 && scale_inv.size(0) == weight.size(0) && scale_inv.size(1) == 1)
+      << "gemv: scale_inv must be [N, 1]";
   ffi::CUDADeviceGuard device_guard(x.device().device_id);
   const float* s = static_cast<const float*>(scale_inv.data_ptr());
   const Fusion fusion = fusion_of(x, weight, norm_w, eps, add_to_y, silu_mul);
