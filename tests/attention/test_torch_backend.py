@@ -25,8 +25,9 @@ def test_mixed_prefill_chunk_and_decode_batch():
     heads, kv_heads, dim, page = 4, 2, 8, 3
     pool = KVCachePool(1, 32, page, kv_heads, dim, torch.float32, torch.device("cpu"))
     backend = TorchAttentionBackend(pool, heads, kv_heads, dim)
-    # (cached prefix, new tokens, page table): a fresh prefill, a chunk on a prefix, a decode.
-    shapes = [(0, 7, [5, 9, 2]), (4, 5, [1, 3, 4]), (10, 1, [6, 7, 8, 10])]
+    # (cached prefix, new tokens, page table): a fresh prefill, a chunk on a prefix, a decode, and a prefill and a
+    # decode of the first's and the third's sizes (one padded block each pair)
+    shapes = [(0, 7, [5, 9, 2]), (4, 5, [1, 3, 4]), (10, 1, [6, 7, 8, 10]), (0, 6, [11, 12]), (9, 1, [13, 14, 15, 16])]
     full_k = [torch.randn(p + n, kv_heads, dim) for p, n, _ in shapes]
     full_v = [torch.randn(p + n, kv_heads, dim) for p, n, _ in shapes]
     # Write each prefix into the cache as earlier steps would have.
@@ -36,6 +37,7 @@ def test_mixed_prefill_chunk_and_decode_batch():
             pool.store(0, slots, k[:p], v[:p])
     seqs = [SequenceInput([1] * n, p, table) for p, n, table in shapes]
     meta = backend.prepare(seqs, torch.device("cpu"))
+    assert sorted(tuple(g.mask.shape) for g in meta.groups) == [(1, 1, 5, 9), (2, 1, 1, 11), (2, 1, 7, 7)]
     inputs = build_forward_inputs(seqs, page, torch.device("cpu"), meta)
     qs = [torch.randn(n, heads, dim) for _, n, _ in shapes]
     out = backend.forward(
@@ -49,3 +51,15 @@ def test_mixed_prefill_chunk_and_decode_batch():
     expected = torch.cat([reference(q, k, v, p) for q, k, v, (p, _, _) in zip(qs, full_k, full_v, shapes)])
     assert torch.allclose(out, expected, atol=1e-5), (out - expected).abs().max()
     assert pool.k[0][0].abs().sum() == 0, "the scratch page is never written by real tokens"
+
+
+def test_a_long_prompt_is_not_padded_into_the_decodes():
+    """A step's padded attention stays near its real work: a 3,000-token prompt among 100 decodes of 200 cached tokens
+    (one padded block made that 100 x 3,000 x 3,000 scores; a CPU server's step took 100 s)."""
+    pool = KVCachePool(1, 4, 16, 2, 8, torch.float32, torch.device("cpu"))
+    backend = TorchAttentionBackend(pool, 4, 2, 8)
+    seqs = [SequenceInput([1], 200, list(range(13))) for _ in range(100)]
+    seqs.insert(40, SequenceInput([1] * 3000, 0, list(range(188))))
+    meta = backend.prepare(seqs, torch.device("cpu"))
+    assert sorted(tuple(g.mask.shape) for g in meta.groups) == [(1, 1, 3000, 3000), (100, 1, 1, 201)]
+    assert sorted(torch.cat([g.tokens for g in meta.groups]).tolist()) == list(range(3100))

@@ -149,9 +149,14 @@ CALL = '<tool_call>\n{"name": "f", "arguments": '
     ("hermes", CALL + '{"city": "Paris"}, "id": "x1"}\n</tool_call>', [("f", '{"city": "Paris"}')], False),
     ("llama3_json", '{"name": "f", "parameters": {"a": "}"}, "id": 1}', [("f", '{"a": "}"}')], False),
     ("hermes", CALL + '{"city": "Paris"}} oops\n</tool_call>', [("f", '{"city": "Paris"}')], False),
+    # the end tag inside an argument string is the argument's
+    ("hermes", CALL + '{"a": "</tool_call>"}}\n</tool_call>', [("f", '{"a": "</tool_call>"}')], False),
+    # closed by its tag, the arguments unclosed: a call (its arguments as written, as OpenAI's need not parse)
+    ("hermes", CALL + '{"city": "Pa\n</tool_call>', [("f", '{"city": "Pa\n')], False),
+    ("hermes", CALL + '{"a": \n</tool_call>', [("f", '{"a": \n')], False),
     # cut short (max_tokens, a stop string): the call as far as it was written, whether streamed or not
     ("hermes", CALL + '{"city":', [("f", '{"city":')], True),
-    ("hermes", CALL + '{"city": "Pa\n</tool_call>', [("f", '{"city": "Pa\n')], True),
+    ("hermes", CALL + '{"a": "</tool_call>', [("f", '{"a": "</tool_call>')], True),
     ("llama3_json", '{"name": "f", "parameters": {"a": [1', [("f", '{"a": [1')], True),
 ])
 def test_a_call_reads_the_same_streamed_or_whole(parser, text, expected, cut_short):
@@ -280,6 +285,37 @@ def test_parallel_tool_calls_false_returns_the_first_call_only():
             assert names == (["f"] if single else ["f", "g"])
             assert [c.name for c in parser.tool_calls] == names
             assert parser.finish_reason("stop") == "tool_calls"
+
+
+def test_required_tool_calls_keep_the_tools_own_references():
+    """tool_choice "required" nests each tool's parameters in one schema of the calls; a tool whose parameters refer to
+    themselves ($defs as Pydantic writes them, or "#" for recursion) keeps its references resolving against its own
+    schema, not the calls' root (they failed to compile: "Cannot find field '$defs'")."""
+    from xgrammar import Grammar
+    from xgrammar.testing import _is_grammar_accept_string as accepts
+
+    from tpserve.parsers.constraints import output_structure
+
+    point = {"type": "object", "properties": {"x": {"type": "integer"}}, "required": ["x"]}
+    tools = [
+        {"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": {"p": {"$ref": "#/$defs/P"}}, "required": ["p"], "$defs": {"P": point}}}},
+        {"type": "function", "function": {"name": "tree", "parameters": {
+            "type": "object", "properties": {"child": {"$ref": "#"}}, "additionalProperties": False}}},
+        {"type": "function", "function": {"name": "plain", "parameters": {"type": "object", "properties": {
+            "q": {"type": "string"}}, "required": ["q"]}}},
+    ]
+    spec = output_structure(None, tools=tools, tool_choice="required").spec
+    assert json.loads(spec)["items"]["anyOf"][2]["properties"]["parameters"] == tools[2]["function"]["parameters"]
+    grammar = Grammar.from_json_schema(spec, any_whitespace=False)
+    for text, ok in [
+        ('[{"name": "f", "parameters": {"p": {"x": 3}}}]', True),
+        ('[{"name": "f", "parameters": {"p": {"x": "3"}}}]', False),
+        ('[{"name": "tree", "parameters": {"child": {"child": {}}}}]', True),
+        ('[{"name": "tree", "parameters": {"child": {"leaf": 1}}}]', False),
+        ('[{"name": "plain", "parameters": {"q": "a"}}, {"name": "f", "parameters": {"p": {"x": 1}}}]', True),
+    ]:
+        assert accepts(grammar, text) == ok, text
 
 
 def test_constraints():

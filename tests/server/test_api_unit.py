@@ -122,6 +122,9 @@ def test_flush_cache():
         (CHAT, {"messages": USER, "frequency_penalty": -3}, "frequency_penalty", "frequency_penalty"),
         (CHAT, {"messages": USER, "repetition_penalty": 0}, "repetition_penalty", "repetition_penalty"),
         (CHAT, {"messages": USER, "logit_bias": {"x": 1}}, "token ids", "logit_bias"),
+        # what int() would read as 10: an underscore, spaces, other scripts' digits
+        *[(COMPLETIONS, {"prompt": "x", "logit_bias": {key: 1}}, "token ids", "logit_bias")
+          for key in ("1_0", " 10 ", "\u0661\u0660", "-1", "+1")],
         (CHAT, {"messages": USER, "logit_bias": {"5": 101}}, "logit_bias", "logit_bias"),
         (CHAT, {"messages": USER, "min_tokens": 9, "max_tokens": 3}, "min_tokens", "min_tokens"),
         (CHAT, {"messages": USER, "temperature": -1}, None, "temperature"),
@@ -689,6 +692,9 @@ def test_tokenize_detokenize_and_model_aliases(qwen3_dir):
     no_thinking = c.post("/tokenize", json={"messages": USER, "reasoning_effort": "none"}).json()  # as chat renders it
     assert tok.decode(no_thinking["tokens"]).endswith("<think>\n\n</think>\n\n")
     assert c.post("/detokenize", json={"tokens": body["tokens"]}).json() == {"prompt": "Hello world"}
+    spelled = c.post("/tokenize", json={"prompt": "Hello world", "return_token_strs": True}).json()
+    assert spelled["tokens"] == body["tokens"] and spelled["token_strs"] == tok.convert_ids_to_tokens(body["tokens"])
+    assert "".join(spelled["token_strs"]) == "HelloĠworld"  # the vocabulary's byte-level spelling
     assert_error(c.post("/detokenize", json={"tokens": [10**6]}), 400, "out of range", "tokens")
     assert_error(c.post("/tokenize", json={}), 400, "prompt or messages")
     # model and tools are checked as the /v1 routes check them
@@ -965,6 +971,8 @@ def test_rerank_orders_documents_by_relevance():
         assert [r["relevance_score"] for r in body["results"]] == pytest.approx([scores[i] for i in best], abs=1e-6)
         assert body["usage"] == {"total_tokens": 20}
     assert len(c.post("/v1/rerank", json={"query": "q", "documents": ["a", "b"]}).json()["results"]) == 2
+    bare = c.post("/v1/rerank", json={"query": "q", "documents": ["a", "b"], "return_documents": False}).json()
+    assert [sorted(r) for r in bare["results"]] == [["index", "relevance_score"]] * 2
 
 
 @pytest.mark.parametrize("path, body, param, message", [

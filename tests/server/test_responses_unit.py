@@ -110,6 +110,11 @@ def test_bad_input_items_are_400_naming_the_item(item, fragment):
     assert err.value.status == 400 and fragment in err.value.message and err.value.param == "input"
 
 
+def test_input_of_the_wrong_type_is_named_in_words():
+    c, _ = make_client()
+    assert_error(c.post(RESPONSES, json={"input": ["hi"]}), 400, "input must be a string or a list of objects", "input")
+
+
 def test_chat_request_maps_tools_format_reasoning_and_extensions():
     body = ResponsesRequest.model_validate({
         "model": "m", "input": "hi", "instructions": "Sys.", "max_output_tokens": 7, "temperature": 0.5,

@@ -1,8 +1,10 @@
 """Attention in plain torch over the paged cache: the CPU path and the reference.
 
-All sequences of a step (prefills, chunks and decodes alike) are padded into one
-[B, max_new, heads, dim] query block against a [B, max_len] gather of their cached keys, with a
-mask that is causal from each sequence's prefix length. One SDPA call per layer.
+A step's sequences are grouped by size (new tokens and cached length, each to the next power of two); each group
+is padded into one [B, max_new, heads, dim] query block against a [B, max_len] gather of its cached keys, with a
+mask that is causal from each sequence's prefix length: one SDPA call per group and layer. Padding the whole step
+into one block made its cost B x the longest chunk x the longest context: a 3,000-token prompt among 116 decodes
+held a CPU server's step for 100 s.
 """
 
 from __future__ import annotations
@@ -17,11 +19,18 @@ from tpserve.forward import SequenceInput
 
 
 @dataclass
-class TorchAttentionMetadata:
+class TorchAttentionGroup:
     query_index: torch.Tensor  # [B, max_new] index into the step's T tokens (T = padding row)
     kv_slots: torch.Tensor  # [B, max_len] flat cache slots (slot 0 = scratch for padding)
     mask: torch.Tensor  # [B, 1, max_new, max_len] True where attention is allowed
-    token_rows: torch.Tensor  # [T] row of each real token in the flattened [B * max_new] block
+    token_rows: torch.Tensor  # [t] row of each real token in the flattened [B * max_new] block
+    tokens: torch.Tensor  # [t] those tokens' indices in the step
+
+
+@dataclass
+class TorchAttentionMetadata:
+    groups: list[TorchAttentionGroup]
+    num_tokens: int  # T, the step's tokens
 
 
 class TorchAttentionBackend(AttentionBackend):
@@ -29,6 +38,19 @@ class TorchAttentionBackend(AttentionBackend):
         return "torch attention"
 
     def prepare(self, seqs: list[SequenceInput], device: torch.device) -> TorchAttentionMetadata:
+        starts, total = [], 0
+        for seq in seqs:
+            starts.append(total)
+            total += seq.extend_len
+        by_size: dict[tuple[int, int], list[int]] = {}
+        for b, seq in enumerate(seqs):
+            by_size.setdefault((seq.extend_len.bit_length(), seq.seq_len.bit_length()), []).append(b)
+        groups = [self._group([seqs[b] for b in members], [starts[b] for b in members], total, device)
+                  for members in by_size.values()]
+        return TorchAttentionMetadata(groups, total)
+
+    def _group(self, seqs: list[SequenceInput], starts: list[int], total: int,
+               device: torch.device) -> TorchAttentionGroup:
         page_size = self.pool.page_size
         new_len = torch.tensor([s.extend_len for s in seqs])
         prefix_len = torch.tensor([s.prefix_len for s in seqs])
@@ -40,32 +62,35 @@ class TorchAttentionBackend(AttentionBackend):
             kv_slots[b, : seq.seq_len] = pages * page_size + positions % page_size
         cols = torch.arange(max_new)
         real = cols[None, :] < new_len[:, None]  # [B, max_new], False on padding rows
-        starts = new_len.cumsum(0) - new_len
-        query_index = torch.where(real, starts[:, None] + cols, int(new_len.sum()))
+        query_index = torch.where(real, torch.tensor(starts)[:, None] + cols, total)
         k_pos = torch.arange(max_len)
         causal = k_pos <= (prefix_len[:, None] + cols)[:, :, None]
         # Padding query rows attend to key 0 only, so they stay finite; their output is dropped.
         mask = torch.where(real[:, :, None], causal, k_pos == 0)
-        return TorchAttentionMetadata(
+        token_rows = real.flatten().nonzero().squeeze(1)
+        return TorchAttentionGroup(
             query_index=query_index.to(device),
             kv_slots=kv_slots.to(device),
             mask=mask.unsqueeze(1).to(device),
-            token_rows=real.flatten().nonzero().squeeze(1).to(device),
+            token_rows=token_rows.to(device),
+            tokens=query_index.flatten()[token_rows].to(device),
         )
 
     def attend(self, layer: int, q: torch.Tensor, meta: TorchAttentionMetadata) -> torch.Tensor:
         k_cache = self.pool.k[layer].view(-1, self.num_kv_heads, self.head_dim)
         v_cache = self.pool.v[layer].view(-1, self.num_kv_heads, self.head_dim)
-        q_padded = torch.cat([q, q.new_zeros(1, *q.shape[1:])])[meta.query_index]  # [B, N, H, D]
-        keys = self.pool.read(k_cache[meta.kv_slots])  # [B, L, Hkv, D]
-        values = self.pool.read(v_cache[meta.kv_slots])
-        out = F.scaled_dot_product_attention(
-            q_padded.transpose(1, 2),
-            keys.transpose(1, 2),
-            values.transpose(1, 2),
-            attn_mask=meta.mask,
-            scale=self.scale,
-            enable_gqa=self.num_heads != self.num_kv_heads,
-        )  # [B, H, N, D]
-        out = out.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)
-        return out[meta.token_rows]
+        q_rows = torch.cat([q, q.new_zeros(1, *q.shape[1:])])
+        out = q.new_empty(meta.num_tokens, self.num_heads, self.head_dim)
+        for group in meta.groups:
+            keys = self.pool.read(k_cache[group.kv_slots])  # [B, L, Hkv, D]
+            values = self.pool.read(v_cache[group.kv_slots])
+            attended = F.scaled_dot_product_attention(
+                q_rows[group.query_index].transpose(1, 2),  # [B, H, N, D]
+                keys.transpose(1, 2),
+                values.transpose(1, 2),
+                attn_mask=group.mask,
+                scale=self.scale,
+                enable_gqa=self.num_heads != self.num_kv_heads,
+            )  # [B, H, N, D]
+            out[group.tokens] = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)[group.token_rows]
+        return out

@@ -67,24 +67,54 @@ def tool_call_structure(
         if name not in functions:
             raise FieldError(f"tool_choice names function {name!r}, which is not in tools", "tool_choice")
         return StructuredOutput("json_schema", json.dumps(functions[name]))
-    calls = {
+    defs: dict[str, Any] = {}
+    calls: dict[str, Any] = {
         "type": "array",
         "minItems": 1,
         "items": {
             "anyOf": [
                 {
                     "type": "object",
-                    "properties": {"name": {"const": fn}, "parameters": schema},
+                    "properties": {"name": {"const": fn}, "parameters": _rooted(schema, f"tool{i}", defs)},
                     "required": ["name", "parameters"],
                     "additionalProperties": False,
                 }
-                for fn, schema in functions.items()
+                for i, (fn, schema) in enumerate(functions.items())
             ]
         },
     }
     if parallel_tool_calls is False:
         calls["maxItems"] = 1
+    if defs:
+        calls["$defs"] = defs
     return StructuredOutput("json_schema", json.dumps(calls))
+
+
+def _rooted(schema: dict[str, Any], key: str, defs: dict[str, Any]) -> dict[str, Any]:
+    """``schema`` as a part of the "required" calls' schema: where it refers to itself (``$ref`` "#...", as Pydantic's
+    ``$defs`` are referred to), it moves whole under the new root's ``$defs[key]`` and its references are re-pointed
+    there, so they resolve against it and not against the new root."""
+    if not _has_local_ref(schema):
+        return schema
+    defs[key] = _repoint(schema, f"#/$defs/{key}")
+    return {"$ref": f"#/$defs/{key}"}
+
+
+def _has_local_ref(node: Any) -> bool:
+    if isinstance(node, dict):
+        ref = node.get("$ref")
+        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in node.values())
+    return isinstance(node, list) and any(_has_local_ref(v) for v in node)
+
+
+def _repoint(node: Any, root: str) -> Any:
+    """A copy of ``node`` whose local references ("#" + a JSON pointer) point under ``root``."""
+    if isinstance(node, dict):
+        return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _repoint(v, root)
+                for k, v in node.items()}
+    if isinstance(node, list):
+        return [_repoint(v, root) for v in node]
+    return node
 
 
 def response_format_structure(response_format: dict[str, Any] | None) -> StructuredOutput | None:

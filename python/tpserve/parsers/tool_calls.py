@@ -77,28 +77,67 @@ def _call_from_json(obj: Any) -> tuple[str, str] | None:
     return obj["name"], _arguments_text(args)
 
 
-class _ObjectEnd:
+class _JsonStrings:
+    """Whether each character of a growing JSON text lies inside a string (each character read once)."""
+
+    def __init__(self) -> None:
+        self._scanned = 0
+        self._in_string = self._escaped = False
+
+    def _step(self, c: str) -> bool:
+        """Reads ``c``; whether it is outside every string (a quote that opens or closes one is not)."""
+        self._scanned += 1
+        if self._in_string:
+            if self._escaped:
+                self._escaped = False
+            elif c == "\\":
+                self._escaped = True
+            elif c == '"':
+                self._in_string = False
+            return False
+        if c == '"':
+            self._in_string = True
+            return False
+        return True
+
+
+class _TagOutsideStrings(_JsonStrings):
+    """Where ``tag`` first occurs in a growing text outside its JSON strings (a call's end tag: the same characters
+    inside an argument string are the argument's). A raw line break ends a string here: JSON writes it escaped, so
+    the model has left the string (a call cut off mid-string, then closed on the next line)."""
+
+    def __init__(self, tag: str) -> None:
+        super().__init__()
+        self.tag = tag
+
+    def find(self, text: str) -> int:
+        """The tag's index, or -1 while it is not (yet) there: a tail that may be its start is read again later."""
+        while self._scanned < len(text):
+            i = self._scanned
+            if not self._in_string and text.startswith(self.tag[: len(text) - i], i):
+                if len(text) - i >= len(self.tag):
+                    return i
+                return -1  # the tag's start, or not: known once more text comes
+            if self._in_string and text[i] == "\n":
+                self._in_string = self._escaped = False
+            self._step(text[i])
+        return -1
+
+
+class _ObjectEnd(_JsonStrings):
     """Where the JSON object a text starts with closes, read as the text grows (each character once)."""
 
     def __init__(self) -> None:
+        super().__init__()
         self.end: int | None = None  # the index after the closing brace, once found
-        self._scanned = self._depth = 0
-        self._in_string = self._escaped = False
+        self._depth = 0
 
     def find(self, text: str) -> int | None:
         while self.end is None and self._scanned < len(text):
             c = text[self._scanned]
-            self._scanned += 1
-            if self._in_string:
-                if self._escaped:
-                    self._escaped = False
-                elif c == "\\":
-                    self._escaped = True
-                elif c == '"':
-                    self._in_string = False
-            elif c == '"':
-                self._in_string = True
-            elif c in "{[":
+            if not self._step(c):
+                continue
+            if c in "{[":
                 self._depth += 1
             elif c in "}]":
                 self._depth -= 1
@@ -159,14 +198,15 @@ class ToolCallParser:
             self._add_arguments(self._call, args[self._args_sent:upto], out)
             self._args_sent = upto
 
-    def _close_call(self, body: str, out: ToolParse) -> bool:
-        """``body``, a call's whole JSON as written (closed, or cut short by the output's end):
-        True if it is a streamed call, which ends here whatever follows its arguments (so a call
-        reads the same streamed or whole); False if it is still to be parsed and sent whole."""
+    def _close_call(self, body: str, out: ToolParse, closed: bool = False) -> bool:
+        """``body``, a call's whole JSON as written (``closed`` by the format's end tag, or cut short by the output's
+        end): True if it is a streamed call, which ends here whatever follows its arguments (so a call reads the same
+        streamed or whole); False if it is still to be parsed and sent whole. A call closed by its tag is a call,
+        whatever its arguments (as OpenAI's, they need not parse); one cut short leaves the finish reason as it is."""
         self._stream_call(body, out)
         if self._call is None:
             return False
-        self.cut_short = self.cut_short or self._args_end.end is None
+        self.cut_short = self.cut_short or (self._args_end.end is None and not closed)
         self._call = None
         return True
 
@@ -183,6 +223,7 @@ class HermesParser(ToolCallParser):
         # such whitespace waits here until text follows it in the same stretch of content.
         self._pending_space = ""
         self._stretch_has_text = False
+        self._end = _TagOutsideStrings(_HERMES_END)  # the open call's end tag
 
     def feed(self, text: str, final: bool = False) -> ToolParse:
         out = ToolParse()
@@ -199,7 +240,8 @@ class HermesParser(ToolCallParser):
                 self._buffer = self._buffer[i + len(_HERMES_START):]
                 self._in_call = True
                 self._pending_space, self._stretch_has_text = "", False
-            end = self._buffer.find(_HERMES_END)
+                self._end = _TagOutsideStrings(_HERMES_END)
+            end = self._end.find(self._buffer)
             if end < 0 and not final:
                 self._stream_call(self._buffer[: len(self._buffer) - partial_suffix_len(self._buffer, (_HERMES_END,))], out)
                 return out
@@ -220,7 +262,7 @@ class HermesParser(ToolCallParser):
             self._pending_space += text  # whitespace between or after calls, so far
 
     def _finish_call(self, body: str, closed: bool, out: ToolParse) -> None:
-        if self._close_call(body, out):
+        if self._close_call(body, out, closed):
             return
         try:
             parsed = _call_from_json(json.loads(body, strict=False))

@@ -252,10 +252,11 @@ class _SamplingFields(_Body):
     def logit_bias_ids(self) -> dict[int, float] | None:
         if not self.logit_bias:
             return None
-        try:
-            return {int(token): float(bias) for token, bias in self.logit_bias.items()}
-        except ValueError:
-            raise APIError.invalid("logit_bias keys must be token ids", "logit_bias") from None
+        # ASCII digits only: int() also reads " 10 ", "1_0" and other scripts' digits
+        bad = next((token for token in self.logit_bias if not (token.isascii() and token.isdigit())), None)
+        if bad is not None:
+            raise APIError.invalid(f"logit_bias keys must be token ids (decimal digits), got {bad!r}", "logit_bias")
+        return {int(token): float(bias) for token, bias in self.logit_bias.items()}
 
     def structure(self) -> StructuredOutput | None:
         """The grammar the output must follow (response_format, regex, ebnf, or a chat's forced
@@ -491,6 +492,7 @@ class TokenizeBody(_Body):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_effort: str | None = None  # as chat's: "none" renders the prompt with thinking off
     chat_template: StrictStr | None = None  # as chat's (--trust-request-chat-template)
+    return_token_strs: bool = False  # also each token's string (the vocabulary's spelling), as vLLM's token_strs
 
     def template_kwargs(self) -> dict[str, Any] | None:
         return thinking_kwargs(self.chat_template_kwargs, self.reasoning_effort, "reasoning_effort")

@@ -30,6 +30,7 @@ def _body_problem(err: dict[str, Any]) -> str:
 _UNION_MEMBERS = {
     "str": "a string", "int": "an integer", "list[str]": "a list of strings", "list[int]": "a list of token ids",
     "list[list[int]]": "a list of token-id lists", "list[any]": "a list", "dict[str,any]": "an object",
+    "list[dict[str,any]]": "a list of objects",
 }
 
 

@@ -69,6 +69,7 @@ class RerankRequest(_PairsBody):
     query: StrictStr
     documents: list[StrictStr]
     top_n: int | None = None  # the best this many (None or 0: all)
+    return_documents: bool = True  # each result's document text (Jina's and vLLM's default; Cohere's is false)
 
     def pairs(self) -> list[Pair]:
         """(query, documents[i]) for each document, checked."""
@@ -149,7 +150,8 @@ class RerankFormat(ResponseFormat):
         self.body, self.scorer = body, scorer
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        results = [{"index": i, "document": {"text": text}, "relevance_score": score}
+        results = [{"index": i, "relevance_score": score} | ({"document": {"text": text}} if self.body.return_documents
+                                                             else {})
                    for i, (text, score) in enumerate(zip(self.body.documents, self.scorer(choices)))]
         results.sort(key=lambda r: r["relevance_score"], reverse=True)
         if self.body.top_n:

@@ -54,7 +54,11 @@ class TokenizeService:
                 continue_final_message=body.continue_final_message,
                 tools=body.tools or None, chat_template=body.chat_template,
             ))
-        return {"tokens": list(ids), "count": len(ids), "max_model_len": self._limits.context_len}
+        out: dict[str, Any] = {"tokens": list(ids), "count": len(ids), "max_model_len": self._limits.context_len}
+        if body.return_token_strs:
+            tokenizer = await self._load()
+            out["token_strs"] = tokenizer.convert_ids_to_tokens(list(ids))
+        return out
 
     async def chat_ids(self, req: TokenizeRequest) -> list[int]:
         """A chat request's prompt tokens, rendered and encoded as the tokenizer worker does (a
