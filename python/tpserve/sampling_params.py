@@ -30,7 +30,7 @@ MAX_STOP_TOKEN_IDS = 256
 MAX_BAD_WORDS = 64
 MAX_CACHE_SALT = 256  # characters: a salt names a tenant, it is no payload
 
-STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf")
+STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_tag")
 # SamplingParams' fields by type, checked (and numpy scalars made plain) when it is made: the
 # request is decoded with these types in every rank process, where a wrong type would be fatal.
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
@@ -102,7 +102,9 @@ def _as_logit_bias(value: Any) -> dict[int, float] | None:
 
 class StructuredOutput(msgspec.Struct, frozen=True):
     """A constraint on the whole output: ``kind`` is one of STRUCTURED_KINDS; ``spec`` is the
-    JSON schema text (json_schema), the regex, or the EBNF grammar (empty for json_object)."""
+    JSON schema text (json_schema), the regex, the EBNF grammar, or the structural tag's JSON (xgrammar's
+    ``{"type": "structural_tag", "format": ...}``, or the older ``{"structures": [...], "triggers": [...]}``); empty for
+    json_object."""
 
     kind: str
     spec: str = ""

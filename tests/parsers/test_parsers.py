@@ -320,6 +320,7 @@ def test_required_tool_calls_keep_the_tools_own_references():
 
 def test_constraints():
     from tpserve.parsers.constraints import FieldError, output_structure
+    from tpserve.sampling_params import StructuredOutput
 
     tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}},
              {"type": "function", "function": {"name": "g"}}]
@@ -332,6 +333,10 @@ def test_constraints():
     assert output_structure({"type": "json_object"}).kind == "json_object"
     assert output_structure({"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "integer"}}}).spec == '{"type": "integer"}'
     assert output_structure(None, regex="[ab]+").kind == "regex"
+    tag = {"type": "structural_tag", "format": {"type": "const_string", "value": "hi"}}
+    assert output_structure(tag) == StructuredOutput("structural_tag", json.dumps(tag))
+    vllm = {"structured_outputs": {"structural_tag": json.dumps(tag)}}
+    assert output_structure(None, vllm_specs=vllm) == StructuredOutput("structural_tag", json.dumps(tag))
     for bad, param in [
         (dict(response_format={"type": "xml"}), "response_format"),
         (dict(response_format={"type": "json_object"}, regex="a"), "regex"),
@@ -360,13 +365,18 @@ def test_single_call_finish_ignores_a_dropped_calls_unclosed_arguments():
 def test_vllm_structured_outputs_keys_at_their_defaults_are_accepted():
     """vLLM clients send dataclasses.asdict(StructuredOutputsParams(...)): every option key at its default (False,
     None) next to the one constraint. Those (and disable_fallback: xgrammar has no fallback) are accepted; an
-    option set to ask for something (whitespace control, a structural tag) is a 400."""
+    option set to ask for something (whitespace control) is a 400, and a structural tag beside the choice is two
+    constraints (a 400 too)."""
     from tpserve.parsers.constraints import FieldError, vllm_structure
 
     sent = {"json": None, "regex": None, "choice": ["a", "b"], "grammar": None, "json_object": None,
             "disable_fallback": True, "disable_any_whitespace": False, "disable_additional_properties": False,
             "whitespace_pattern": None, "structural_tag": None, "_backend": None, "_backend_was_auto": False}
     assert vllm_structure(sent, "structured_outputs").kind == "ebnf"
-    for key, value in (("disable_any_whitespace", True), ("whitespace_pattern", r"[ ]?"), ("structural_tag", "{}")):
+    for key, value in (("disable_any_whitespace", True), ("whitespace_pattern", r"[ ]?")):
         with pytest.raises(FieldError, match=f"structured_outputs.{key} is not supported"):
             vllm_structure({**sent, key: value}, "structured_outputs")
+    with pytest.raises(FieldError, match="not choice and structural_tag"):
+        vllm_structure({**sent, "structural_tag": "{}"}, "structured_outputs")
+    tag = vllm_structure({**sent, "choice": None, "structural_tag": '{"type": "structural_tag"}'}, "structured_outputs")
+    assert (tag.kind, tag.spec) == ("structural_tag", '{"type": "structural_tag"}')

@@ -57,6 +57,29 @@ def test_json_schema_regex_ebnf_are_followed(llm):
     assert outs[6].token_ids == alone  # the unconstrained neighbour is unaffected
 
 
+def test_structural_tags_are_followed(llm):
+    """A structural tag (vLLM's response_format type, xgrammar's format): a tag around a JSON schema, in its current
+    layout and in the older begin / schema / end one, and an error for a format xgrammar does not know."""
+    point = {"type": "object", "properties": {"x": {"type": "integer", "minimum": 0, "maximum": 9}}, "required": ["x"],
+             "additionalProperties": False}
+    tagged = {"type": "structural_tag", "format": {"type": "tag", "begin": "<p>", "end": "</p>",
+                                                   "content": {"type": "json_schema", "json_schema": point}}}
+    outs = llm.generate([[5, 6, 7]] * 2, [params(StructuredOutput("structural_tag", json.dumps(tagged)), seed=s)
+                                          for s in (1, 2)], use_tqdm=False)
+    for out in outs:
+        assert out.finish_reason == "stop" and out.text.startswith("<p>") and out.text.endswith("</p>"), out.text
+        jsonschema.validate(json.loads(out.text[3:-4]), point)
+    older = {"type": "structural_tag", "structures": [{"begin": "<p>", "schema": point, "end": "</p>"}],
+             "triggers": ["<p>"]}
+    out = llm.generate([[5, 6, 7]], params(StructuredOutput("structural_tag", json.dumps(older)), max_tokens=200),
+                       use_tqdm=False)[0]
+    for body in re.findall(r"<p>(.*?)</p>", out.text, re.S):  # free text, but every tag holds the schema's JSON
+        jsonschema.validate(json.loads(body), point)
+    with pytest.raises(ValueError, match="invalid structural_tag: .*nope"):
+        bad = {"type": "structural_tag", "format": {"type": "nope"}}
+        llm.generate([[1]], params(StructuredOutput("structural_tag", json.dumps(bad))), use_tqdm=False)
+
+
 def test_greedy_json_object_and_reproducible(llm):
     schema = StructuredOutput("json_schema", json.dumps(SCHEMA))
     a, b = llm.generate([[9, 10], [9, 10]], params(schema, temperature=0), use_tqdm=False)

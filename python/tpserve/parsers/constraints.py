@@ -1,5 +1,5 @@
 """OpenAI request fields that constrain the output, turned into one grammar spec:
-``response_format`` (json_object, json_schema), the vLLM/SGLang extras ``regex`` and ``ebnf``, vLLM's
+``response_format`` (json_object, json_schema, structural_tag), the vLLM/SGLang extras ``regex`` and ``ebnf``, vLLM's
 ``structured_outputs`` (and its older ``guided_*`` fields), and ``tool_choice`` "required" or a named
 function (the calls' JSON, see ``ForcedToolCalls``)."""
 
@@ -131,8 +131,11 @@ def response_format_structure(response_format: dict[str, Any] | None) -> Structu
         if not isinstance(schema, (dict, bool)):
             raise FieldError("response_format json_schema needs json_schema.schema (a JSON schema)", "response_format")
         return StructuredOutput("json_schema", json.dumps(schema))
+    if kind == "structural_tag":  # vLLM's: xgrammar's structural tag ("format"), or its older "structures"/"triggers"
+        return StructuredOutput("structural_tag", json.dumps(response_format))
     raise FieldError(
-        f"response_format type must be text, json_object or json_schema, got {kind!r}", "response_format"
+        f"response_format type must be text, json_object, json_schema or structural_tag, got {kind!r}",
+        "response_format",
     )
 
 
@@ -146,7 +149,7 @@ def _grammar(kind: str, spec: str | None, param: str | None = None) -> Structure
 
 
 # vLLM's structured outputs: one of these keys of ``structured_outputs`` (or its older field ``guided_<key>``)
-VLLM_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object")
+VLLM_STRUCTURED_KINDS = ("json", "regex", "choice", "grammar", "json_object", "structural_tag")
 
 
 def vllm_structure(spec: Any, param: str) -> StructuredOutput | None:
@@ -184,6 +187,8 @@ def vllm_structure(spec: Any, param: str) -> StructuredOutput | None:
         return StructuredOutput("ebnf", "root ::= " + " | ".join(json.dumps(c, ensure_ascii=False) for c in value))
     if not isinstance(value, str):
         raise FieldError(f"{param}: {kind} must be a string", param)
+    if kind == "structural_tag":  # its JSON text, as vLLM's StructuredOutputsParams holds it
+        return _grammar("structural_tag", value, param)
     return _grammar("regex" if kind == "regex" else "ebnf", value, param)
 
 

@@ -48,11 +48,28 @@ def _grammar(spec: StructuredOutput):
         return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.spec)
+    if spec.kind == "structural_tag":
+        tag = json.loads(spec.spec)
+        if isinstance(tag, dict) and "structures" in tag:  # vLLM's first layout: tags, each begin, schema and end
+            items = [xgr.StructuralTagItem(begin=s["begin"], schema=json.dumps(s["schema"]), end=s["end"])
+                     for s in tag["structures"]]
+            return xgr.Grammar.from_structural_tag(items, tag.get("triggers", []))
+        return xgr.Grammar.from_structural_tag(tag)
     return xgr.Grammar.from_ebnf(spec.spec)
 
 
 def check_spec(spec: StructuredOutput) -> None:
     """Parse the spec without compiling it against a vocabulary (cheap); InvalidGrammar if bad."""
+    if spec.kind == "structural_tag":
+        try:
+            tag = json.loads(spec.spec)
+        except json.JSONDecodeError as e:
+            raise InvalidGrammar(f"the structural tag is not valid JSON: {e}") from e
+        if not isinstance(tag, dict):
+            raise InvalidGrammar("the structural tag must be an object")
+        if (depth := nesting_depth(tag)) > MAX_SCHEMA_DEPTH:
+            raise InvalidGrammar(f"the structural tag is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are "
+                                 "allowed")
     if spec.kind == "json_schema":
         try:
             schema = json.loads(spec.spec)
