@@ -433,6 +433,11 @@ def test_model_must_be_a_path(qwen3_dir, tmp_path):
     assert issubclass(ModelNotFound, ValueError)  # a missing model is a ValueError, as every bad argument
 
 
+def test_vllm_named_arguments_are_named_in_their_errors(qwen3_dir):
+    with pytest.raises(ValueError, match=r"^max_num_seqs must be >= 1, got 0 \(tpserve's max_running_requests\)$"):
+        LLM(qwen3_dir, device="cpu", max_num_seqs=0)
+
+
 def test_an_llm_used_after_its_with_block_says_so(qwen3_dir):
     with LLM(qwen3_dir, device="cpu") as closed:
         pass
@@ -441,6 +446,9 @@ def test_an_llm_used_after_its_with_block_says_so(qwen3_dir):
         ("chat", lambda: closed.chat([{"role": "user", "content": "hi"}], use_tqdm=False)),  # said generate()
         ("flush_cache", closed.flush_cache),
         ("get_stats", closed.stats),
+        ("embed", lambda: closed.embed(["hi"], use_tqdm=False)),  # these three said generate()
+        ("classify", lambda: closed.classify(["hi"], use_tqdm=False)),
+        ("score", lambda: closed.score("a", "b", use_tqdm=False)),
     ):
         with pytest.raises(RuntimeError, match=rf"^{name}\(\) called after close\(\)$"):
             call()

@@ -1,10 +1,12 @@
-"""``tpserve`` / ``python -m tpserve``: serve a model over HTTP, or chat with it (--shell);
+"""``tpserve`` / ``python -m tpserve``: serve a model over HTTP, or chat with it (--shell); ``tpserve serve MODEL ...``
+as vLLM's ``vllm serve`` line is the same;
 ``python -m tpserve plan``: choose TP and DP for a model and a machine;
 ``python -m tpserve run-batch``: answer a file of OpenAI batch requests offline."""
 
 from __future__ import annotations
 
 import logging
+import os
 import sys
 
 from tpserve.launch.args import ServerArgs, parse_args
@@ -22,6 +24,8 @@ def main(argv: list[str] | None = None) -> int:
         from tpserve.launch.batch import main as batch_main
 
         return batch_main(argv[1:])
+    if argv[:1] == ["serve"] and not os.path.isdir("serve"):  # a pasted `vllm serve MODEL ...` line
+        argv = argv[1:]
     return serve(parse_args(argv))
 
 

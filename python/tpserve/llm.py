@@ -137,6 +137,7 @@ class LLM(PoolingMethods):
             raise TypeError(f"model must be a model directory or a Hugging Face id, got {model!r}")
         if seed is not None and (not isinstance(seed, numbers.Integral) or isinstance(seed, bool)):
             raise TypeError(f"seed must be an integer or None, got {seed!r}")
+        aliases = {_VLLM_KWARGS[name]: name for name in engine_kwargs if name in _VLLM_KWARGS}
         engine_kwargs = _engine_kwargs(engine_kwargs)
         if seed is not None:
             engine_kwargs["seed"] = int(seed)
@@ -147,10 +148,16 @@ class LLM(PoolingMethods):
         model = resolve_model_dir(os.fspath(model))  # a local directory, or a HF id from the local cache (as the server)
         if not os.path.isfile(os.path.join(model, "config.json")):  # as the CLI says it (was a FileNotFoundError)
             raise ValueError(f"model: {model} has no config.json")
-        self.config = EngineConfig(
-            model=model, tp_size=tp_size, device=device, dtype=dtype, load_format=load_format, dp_size=dp_size,
-            **engine_kwargs,
-        )
+        try:
+            self.config = EngineConfig(
+                model=model, tp_size=tp_size, device=device, dtype=dtype, load_format=load_format, dp_size=dp_size,
+                **engine_kwargs,
+            )
+        except ValueError as e:  # named as the caller named it: max_num_seqs, not max_running_requests
+            target = next((t for t in aliases if str(e).startswith(t)), None)
+            if target is None:
+                raise
+            raise ValueError(f"{aliases[target]}{str(e)[len(target):]} (tpserve's {target})") from None
         self.model_config = self.config.load_model_config()
         check_can_start(self.config, self.model_config)  # fail here, before spawning anything
         if not isinstance(generation_config, str) or not isinstance(override_generation_config, (dict, type(None))):

@@ -31,6 +31,7 @@ class PoolingMethods:
     model_config: ModelConfig
     tokenizer: Any
     generate: Callable[..., list[RequestOutput]]
+    _live_driver: Callable[[str], Any]  # raises, naming the method, after close()
 
     def embed(
         self,
@@ -42,6 +43,7 @@ class PoolingMethods:
     ) -> list[EmbeddingRequestOutput]:
         """Each prompt's embedding (prompts as ``generate`` takes them): the final hidden state of its last token,
         cut to its first ``dimensions`` values and L2-normalized (``normalize``), as /v1/embeddings answers."""
+        self._live_driver("embed")
         params = SamplingParams(pooling="embed", max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
         results = self.generate(prompts, params, use_tqdm)
         return [EmbeddingRequestOutput(r.prompt_token_ids, EmbeddingOutput(
@@ -57,6 +59,7 @@ class PoolingMethods:
         """Each prompt's class probabilities from a sequence classifier (a ``*ForSequenceClassification``
         checkpoint): its score head's logits at the last token through the model's activation (the softmax; a sigmoid
         for one class or a multi-label model), as /classify answers; ``use_activation`` False: the logits."""
+        self._live_driver("classify")
         classifier = self.model_config.classifier
         activation = classifier.classify_activation if classifier is not None and use_activation else "none"
         return [ClassificationRequestOutput(r.prompt_token_ids, ClassificationOutput(class_scores(r.hidden_state,
@@ -76,6 +79,7 @@ class PoolingMethods:
         """vLLM's ``LLM.score``: a score for each pair (data_1[i], data_2[i]) (one data_1 text pairs with every
         data_2), as /v1/score answers: a cross-encoder's (a classifier of one class) activated logit for the pair
         as one prompt, an embedding model's cosine of the two texts' embeddings."""
+        self._live_driver("score")
         first = [data_1] if isinstance(data_1, str) else list(data_1)
         second = [data_2] if isinstance(data_2, str) else list(data_2)
         if not first or not second or not all(isinstance(t, str) for t in first + second):

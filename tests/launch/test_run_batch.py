@@ -67,6 +67,9 @@ def test_run_batch_answers_each_line_in_order(qwen3_dir, tmp_path):
     assert no_route["response"] is None and "url must be one of" in no_route["error"]["message"]
     assert "stream is not supported" in streamed["error"]["message"]
     assert not_json["error"]["message"].startswith("line 8:")  # after the blank line 7
+    umask = os.umask(0)
+    os.umask(umask)
+    assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as open() makes a file, not a temporary file's 0o600
 
 
 def test_a_failed_run_leaves_the_output_file_as_it_was(qwen3_dir, tmp_path):
@@ -85,6 +88,7 @@ def test_a_failed_run_leaves_the_output_file_as_it_was(qwen3_dir, tmp_path):
     (["-i", "/nonexistent/in.jsonl", "-o", "/tmp/x.jsonl"], "--input-file '/nonexistent/in.jsonl'"),
     (["-o", "/tmp/x.jsonl"], "the following arguments are required: -i/--input-file"),
     (["-i", __file__, "-o", "/nonexistent/dir/out.jsonl"], "--output-file '/nonexistent/dir/out.jsonl'"),
+    (["-i", __file__, "-o", "/tmp"], "--output-file '/tmp' is a directory"),  # was a traceback after all the work
     (["-i", __file__, "-o", "/tmp/x.jsonl", "--shell"], "--shell does not combine with run-batch"),
 ])
 def test_run_batch_usage_errors_name_the_flag(qwen3_dir, argv, message):

@@ -91,6 +91,11 @@ def test_review_the_pasted_line_cannot_go_wrong_quietly(qwen3_dir, capsys, tmp_p
     """(review) a model after --served-model-name served the demo model; on/off pairs depended on their order, not
     on which came last; a list flag took one value; a template starting with "--" lost its underscores."""
     assert "give MODEL before --served-model-name" in vllm_error(["--served-model-name", "foo", qwen3_dir], capsys)
+    # a Hugging Face id after the first name too (it served the demo model under both names)
+    assert "'org/model', a model id" in vllm_error(["--served-model-name", "foo", "org/model"], capsys)
+    # vLLM's spellings are checked as tpserve's own flags are, and named as given
+    assert "argument --max-num-seqs: must be >= 1, got '0'" in vllm_error(["--max-num-seqs", "0"], capsys)
+    assert "argument --block-size: must be >= 1, got '0'" in vllm_error(["--block-size", "0"], capsys)
     last = parse_args([qwen3_dir, "--no-enable-prefix-caching", "--enable-prefix-caching"]).engine
     assert last.cache == "radix"
     off = parse_args([qwen3_dir, "--no-enable-chunked-prefill", "--max-num-batched-tokens", "4096"]).engine
@@ -110,6 +115,16 @@ def test_review_the_pasted_line_cannot_go_wrong_quietly(qwen3_dir, capsys, tmp_p
     assert "id2label" in vllm_error(
         [qwen3_dir, "--hf-overrides", '{"architectures": ["Qwen3ForSequenceClassification"], "id2label": ["a"]}'],
         capsys)
+
+
+def test_a_pasted_vllm_serve_line_keeps_its_serve_word(qwen3_dir, monkeypatch):
+    """`tpserve serve MODEL ...` (vLLM's `vllm serve` line) serves MODEL (it was "unrecognized arguments: MODEL")."""
+    import tpserve.__main__ as entry
+
+    served = []
+    monkeypatch.setattr(entry, "serve", lambda args: served.append(args) or 0)
+    assert entry.main(["serve", qwen3_dir, "--device", "cpu", "--max-num-seqs", "4"]) == 0
+    assert served[0].engine.model == qwen3_dir and served[0].engine.max_running_requests == 4
 
 
 def test_cors_is_off_unless_origins_are_allowed(qwen3_dir):

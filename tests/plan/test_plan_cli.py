@@ -157,3 +157,15 @@ def test_the_servers_memory_fraction_spellings(capsys):
     for flag in ("--gpu-memory-utilization", "--mem-fraction-static"):
         assert plan(capsys, *args, flag, "0.6")[1] == expected
     assert expected != plan(capsys, *args)[1]
+
+
+def test_the_launch_commands_carry_every_engine_flag_the_plan_used(capsys):
+    """The printed commands serve what was planned: a --dtype and --max-running-requests given to the plan were left
+    out (the server then took the checkpoint's dtype and 256 requests)."""
+    args = ("--model", QWEN3_8B, "--context", "2048", "--gpus", "2")
+    _, out, _ = plan(capsys, *args, "--dtype", "float32", "--max-running-requests", "8")
+    commands = [line for line in out.splitlines() if "python -m tpserve" in line]
+    assert commands and all("--dtype float32" in c and "--max-running-requests 8" in c for c in commands)
+    _, out, _ = plan(capsys, *args)
+    commands = [line for line in out.splitlines() if "python -m tpserve" in line]
+    assert commands and not any("--dtype" in c or "--max-running-requests" in c for c in commands)

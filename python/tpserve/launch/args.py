@@ -102,7 +102,7 @@ def build_parser() -> argparse.ArgumentParser:
         allow_abbrev=False,  # --mem would otherwise silently mean --mem-fraction
         epilog="To choose --tp-size and --dp-size for a model and a machine before launching: "
         "python -m tpserve plan --help. To answer a file of OpenAI batch requests offline: "
-        "python -m tpserve run-batch --help.",
+        "python -m tpserve run-batch --help. A pasted `vllm serve MODEL ...` line runs as `tpserve serve MODEL ...`.",
     )
     model = p.add_argument_group("model")
     model.add_argument(

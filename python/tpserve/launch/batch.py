@@ -54,9 +54,12 @@ def main(argv: list[str]) -> int:
             lines = [(number, line) for number, line in enumerate(f.read().split("\n"), start=1) if line.strip()]
     except (OSError, UnicodeDecodeError) as e:
         parser.error(f"--input-file {ns.input_file!r}: {e}")
+    if os.path.isdir(ns.output_file):
+        parser.error(f"--output-file {ns.output_file!r} is a directory: name the file to write")
     try:  # a file beside the output, renamed over it once every result is in: a failed run leaves the old one
         output = tempfile.NamedTemporaryFile("w", encoding="utf-8", delete=False,
                                              dir=os.path.dirname(os.path.abspath(ns.output_file)), suffix=".partial")
+        os.chmod(output.name, _new_file_mode())  # as open() would create it (a temporary file is the owner's only)
     except OSError as e:
         parser.error(f"--output-file {ns.output_file!r}: {e}")
     setup_logging(args.log_level)
@@ -74,6 +77,13 @@ def main(argv: list[str]) -> int:
     failed = sum(result["error"] is not None or result["response"]["status_code"] != 200 for result in results)
     logger.info("wrote %d results to %s (%d failed)", len(results), ns.output_file, failed)
     return 0
+
+
+def _new_file_mode() -> int:
+    """The mode open() gives a new file: 0o666 less the process's umask (read by setting it, the only way)."""
+    umask = os.umask(0)
+    os.umask(umask)
+    return 0o666 & ~umask
 
 
 async def _run(args: Any, lines: list[tuple[int, str]], max_concurrent: int) -> list[dict[str, Any]] | None:

@@ -116,11 +116,12 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("model_tag", nargs="?", default=None, metavar="MODEL",
                         help="the model, as `vllm serve MODEL` takes it (the same as --model)")
     group = parser.add_argument_group("vLLM's flags", "taken as vLLM takes them, for pasted vLLM command lines")
-    group.add_argument("--max-num-seqs", dest="max_running_requests", type=int, default=argparse.SUPPRESS,
+    group.add_argument("--max-num-seqs", dest="max_running_requests", type=int_at_least(1), default=argparse.SUPPRESS,
                        help="as --max-running-requests")
     group.add_argument("--max-num-batched-tokens", dest="chunked_prefill_size", type=int_at_least(1),
                        default=argparse.SUPPRESS, help="as --chunked-prefill-size")
-    group.add_argument("--block-size", dest="page_size", type=int, default=argparse.SUPPRESS, help="as --page-size")
+    group.add_argument("--block-size", dest="page_size", type=int_at_least(1), default=argparse.SUPPRESS,
+                       help="as --page-size")
     for flag, (dest, value, text) in _MAPPED.items():
         group.add_argument(flag, dest=dest, action="store_const", const=value, default=argparse.SUPPRESS, help=text)
     for flag, (_, _, what) in _SWITCHES.items():
@@ -163,9 +164,13 @@ def check_vllm_flags(ns: argparse.Namespace) -> tuple[str, ...]:
             raise ValueError(f"the model is given twice: {ns.model_tag!r} and --model {ns.model!r} (or "
                              f"{ns.model_tag!r} is a value no flag before it takes)")
         ns.model = ns.model_tag
-    swallowed = [n for n in ns.served_model_name or () if os.path.isdir(n)] if ns.model is None else []
-    if swallowed:  # `--served-model-name NAME MODEL`: the list took the model, which would serve the demo model
-        raise ValueError(f"--served-model-name took {swallowed[0]!r}, a model directory, as a name: give MODEL "
+    # `--served-model-name NAME MODEL`: the list took the model, which would serve the demo model: a directory, or
+    # after the first name one that reads as a Hugging Face id (org/name)
+    names = list(ns.served_model_name or ()) if ns.model is None else []
+    swallowed = [n for i, n in enumerate(names) if os.path.isdir(n) or (i > 0 and n.count("/") == 1)]
+    if swallowed:
+        what = "a model directory" if os.path.isdir(swallowed[0]) else "a model id"
+        raise ValueError(f"--served-model-name took {swallowed[0]!r}, {what}, as a name: give MODEL "
                          "before --served-model-name (or use --model)")
     for flag, (dest, off, _) in _SWITCHES.items():
         given = [s for s in getattr(ns, "vllm_switches", ()) if s.endswith(flag[2:])]

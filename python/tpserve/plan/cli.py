@@ -158,7 +158,7 @@ def run(argv: list[str]) -> str:
         gpu = replace(gpu, memory_bytes=gpu.memory_bytes / args.gpus)
     machine = Machine(gpu, args.gpus, args.nodes)
     settings = Settings(args.context, mem_fraction=args.mem_fraction, max_running_requests=args.max_running_requests,
-                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype)
+                        quantization=args.quantization, kv_cache_dtype=args.kv_cache_dtype, dtype=args.dtype)
     plans, excluded = plan_splits(shape, machine, settings)
     # the printed commands serve the config planned for: the overrides ride with the model
     model = args.model if args.hf_overrides is None else f"{args.model} --hf-overrides {shlex.quote(json.dumps(args.hf_overrides))}"

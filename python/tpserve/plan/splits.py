@@ -27,13 +27,15 @@ class Machine:
 
 @dataclass(frozen=True)
 class Settings:
-    """The engine's flags the plan follows, and the tokens each request holds (prompt + completion)."""
+    """The engine's flags the plan follows (at the engine's defaults unless given), and the tokens each request holds
+    (prompt + completion)."""
 
     context: int
     mem_fraction: float = 0.85
     max_running_requests: int = 256
     quantization: str | None = None
     kv_cache_dtype: str = "auto"
+    dtype: str = "auto"
 
 
 @dataclass(frozen=True)
@@ -197,8 +199,12 @@ def launch_commands(plan: SplitPlan, model: str, machine: Machine, settings: Set
     flags = f"--model {model} --tp-size {plan.tp} --max-model-len {settings.context}"
     if machine.gpu.device == "cpu":  # the CPU engine sizes its KV cache from --max-total-tokens only
         flags += f" --device cpu --max-total-tokens {plan.kv_tokens}"
-    if settings.mem_fraction != 0.85:
+    if settings.dtype != Settings.dtype:
+        flags += f" --dtype {settings.dtype}"
+    if settings.mem_fraction != Settings.mem_fraction:
         flags += f" --mem-fraction {settings.mem_fraction}"
+    if settings.max_running_requests != Settings.max_running_requests:
+        flags += f" --max-running-requests {settings.max_running_requests}"
     if settings.quantization is not None:
         flags += f" --quantization {settings.quantization}"
     if settings.kv_cache_dtype != "auto":
