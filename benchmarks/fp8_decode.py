@@ -39,8 +39,9 @@ def decode_engine(model: str, quantization: str | None, max_batch: int, context:
     prompts need: an FP8 engine warms its GEMMs up to that size at start (8192 tokens took 93 s
     on an H200 without a carried cache; docs/results/2026-12-02-h200-session12/call4)."""
     chunk = max(1024, context + iters + warmup + 8)
-    # the pipelined timing's requests decode one token a prefill step while the batch's prompts prefill
-    longest = context + iters + warmup + 8 + -(-max_batch * context // chunk)
+    # the pipelined timing's requests decode one token a prefill step while the batch's prompts prefill, and each
+    # takes whole pages (16 tokens, the default page size, of slack)
+    longest = context + iters + warmup + 8 + -(-max_batch * context // chunk) + 16
     engine = make_engine(model, quantization=quantization, max_total_tokens=(max_batch + 2) * longest,
                          cuda_graph_max_bs=max_batch, decode_attention=decode_attention,
                          chunked_prefill_size=chunk, max_running_requests=max(max_batch, 8))

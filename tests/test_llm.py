@@ -434,7 +434,7 @@ def test_model_must_be_a_path(qwen3_dir, tmp_path):
 
 
 def test_vllm_named_arguments_are_named_in_their_errors(qwen3_dir):
-    with pytest.raises(ValueError, match=r"^max_num_seqs must be >= 1, got 0 \(tpserve's max_running_requests\)$"):
+    with pytest.raises(ValueError, match=r"^max_num_seqs \(tpserve's max_running_requests\) must be >= 1, got 0$"):
         LLM(qwen3_dir, device="cpu", max_num_seqs=0)
 
 

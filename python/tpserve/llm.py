@@ -14,6 +14,7 @@ import logging
 import numbers
 import os
 import random
+import re
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -154,10 +155,12 @@ class LLM(PoolingMethods):
                 **engine_kwargs,
             )
         except ValueError as e:  # named as the caller named it: max_num_seqs, not max_running_requests
-            target = next((t for t in aliases if str(e).startswith(t)), None)
-            if target is None:
+            message = str(e)
+            for target, name in aliases.items():
+                message = re.sub(rf"\b{target}\b", f"{name} (tpserve's {target})", message)
+            if message == str(e):
                 raise
-            raise ValueError(f"{aliases[target]}{str(e)[len(target):]} (tpserve's {target})") from None
+            raise ValueError(message) from None
         self.model_config = self.config.load_model_config()
         check_can_start(self.config, self.model_config)  # fail here, before spawning anything
         if not isinstance(generation_config, str) or not isinstance(override_generation_config, (dict, type(None))):

@@ -291,6 +291,7 @@ def check_fp8_gemm_rowwise() -> None:
         (5, 72, 176, torch.bfloat16, None),
         (37, 200, 304, torch.float32, None),
         (70, 40, 96, torch.bfloat16, RowwiseTiles(64, 32, 64, 2)),
+        (3, 40, 200, torch.bfloat16, None),  # K % 16 != 0 (a row-parallel cut): the K tiles masked
     ]:
         x = torch.randn(m, k, generator=gen).to(dtype)
         x[-1, :] = 0.0

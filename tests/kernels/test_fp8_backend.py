@@ -29,13 +29,14 @@ def test_backend_choice_and_blocks(monkeypatch):
         check_weight_block("cuda_triton", (128, 128), 200)
     with pytest.raises(ValueError, match="128x128"):
         check_weight_block("cuda_triton", (64, 64), 256)
-    # a scale a row (compressed-tensors, held in 1 x 128 blocks): the GEMV at one token, Triton's GEMM above
-    check_weight_block("cuda_triton", (1, 128), 208, row_scales=True)
+    # a scale a row (compressed-tensors, held as [rows, 1]: one (1, K) block a row): the GEMV at one token, Triton's
+    # GEMM above
+    check_weight_block("cuda_triton", (1, 208), 208, row_scales=True)
     for backend in ("cuda", "flashinfer"):
         with pytest.raises(ValueError, match="128x128"):
-            check_weight_block(backend, (1, 128), 256, row_scales=True)
+            check_weight_block(backend, (1, 256), 256, row_scales=True)
     with pytest.raises(ValueError, match="multiples of 16"):
-        check_weight_block("cuda_triton", (1, 128), 200, row_scales=True)
+        check_weight_block("cuda_triton", (1, 200), 200, row_scales=True)
     assert kernel_for("triton", 1) == "w8a8" and kernel_for("flashinfer", 1) == "flashinfer"
     assert [kernel_for("cuda", m) for m in (1, CUDA_GEMV_TOKENS, CUDA_GEMV_TOKENS + 1)] == ["cuda", "cuda", "flashinfer"]
     assert [kernel_for("cuda_triton", m) for m in (CUDA_GEMV_TOKENS, CUDA_GEMV_TOKENS + 1, 300)] == ["cuda", "w8a8", "w8a8"]
@@ -52,7 +53,7 @@ def test_auto_on_the_cpu_is_the_triton_gemm():
     cpu = torch.device("cpu")
     assert resolve_backend("auto", cpu, torch.bfloat16, (128, 128), 4096) == "triton"
     assert resolve_backend("auto", cpu, torch.float32, (16, 32), 80) == "triton"
-    assert resolve_backend("auto", cpu, torch.bfloat16, (1, 128), 4096, row_scales=True) == "triton"
+    assert resolve_backend("auto", cpu, torch.bfloat16, (1, 4096), 4096, row_scales=True) == "triton"
     assert [resolve_backend(b, cpu, torch.bfloat16, (128, 128), 4096) for b in BACKENDS[1:]] == list(BACKENDS[1:])
 
 
@@ -61,7 +62,7 @@ def test_auto_gives_row_scaled_layers_the_gemv_at_one_token(monkeypatch):
     Triton's GEMM above, where the GEMV reads K (% 16) and the activations are bf16; else Triton's GEMM throughout."""
     from tpserve.kernels import gemv
 
-    cuda, block = torch.device("cuda", 0), (1, 128)
+    cuda, block = torch.device("cuda", 0), (1, 4096)
     monkeypatch.setattr(gemv, "probe_rows", lambda index: None)
     assert resolve_backend("auto", cuda, torch.bfloat16, block, 4096, row_scales=True) == "cuda_triton"
     assert resolve_backend("auto", cuda, torch.bfloat16, block, 4104, row_scales=True) == "triton"
@@ -99,3 +100,16 @@ def test_warm_up_runs_each_shape_once_per_size(monkeypatch):
     sizes = [m for m in warm_up_sizes(512) if m > CUDA_GEMV_TOKENS]
     assert fp8_linear.warm_up(layers, 512) == 2 * len(sizes)
     assert sorted(runs) == sorted((shape, m) for shape in ((256, 128), (128, 256)) for m in sizes)
+
+
+def test_row_scaled_weights_stay_fp8_at_any_input_width(monkeypatch):
+    """A row-scaled layer's block is (1, K): a K not divisible by 16 (a row-parallel cut) still takes the row-wise GEMM,
+    which masks its K tiles; block scales need their blocks % 16 (a K tile in one block)."""
+    from tpserve import kernels
+
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(kernels, "use_fp8_triton", lambda device: True)
+    assert kernels.use_fp8_gemm(cpu, (1, 200), row_scales=True)
+    assert not kernels.use_fp8_gemm(cpu, (128, 200)) and kernels.use_fp8_gemm(cpu, (128, 128))
+    monkeypatch.setattr(kernels, "use_fp8_triton", lambda device: False)
+    assert not kernels.use_fp8_gemm(cpu, (1, 208), row_scales=True)

@@ -72,6 +72,16 @@ def test_run_batch_answers_each_line_in_order(qwen3_dir, tmp_path):
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as open() makes a file, not a temporary file's 0o600
 
 
+def test_a_replaced_output_file_keeps_its_mode(qwen3_dir, tmp_path):
+    given, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    given.write_text(json.dumps(LINES[0]) + "\n")
+    out.write_text("earlier results\n")
+    out.chmod(0o640)
+    done = run_batch("-i", str(given), "-o", str(out), "--model", qwen3_dir, "--device", "cpu")
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert out.stat().st_mode & 0o777 == 0o640 and len(out.read_text().splitlines()) == 1
+
+
 def test_a_failed_run_leaves_the_output_file_as_it_was(qwen3_dir, tmp_path):
     broken = tmp_path / "model"
     shutil.copytree(qwen3_dir, broken)

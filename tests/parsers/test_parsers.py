@@ -307,6 +307,12 @@ def test_required_tool_calls_keep_the_tools_own_references():
     ]
     spec = output_structure(None, tools=tools, tool_choice="required").spec
     assert json.loads(spec)["items"]["anyOf"][2]["properties"]["parameters"] == tools[2]["function"]["parameters"]
+    # a "$ref" inside a value (const, enum, default, examples) is data, left as it is
+    data = {"type": "object", "properties": {"p": {"const": {"$ref": "#/x"}}, "q": {"$ref": "#/$defs/Q"}},
+            "$defs": {"Q": {"type": "integer"}}}
+    moved = json.loads(output_structure(None, tools=[{"type": "function", "function": {"name": "d", "parameters": data}}],
+                                        tool_choice="required").spec)["$defs"]["tool0"]
+    assert moved["properties"] == {"p": {"const": {"$ref": "#/x"}}, "q": {"$ref": "#/$defs/tool0/$defs/Q"}}
     grammar = Grammar.from_json_schema(spec, any_whitespace=False)
     for text, ok in [
         ('[{"name": "f", "parameters": {"p": {"x": 3}}}]', True),

@@ -75,9 +75,14 @@ def test_structural_tags_are_followed(llm):
                        use_tqdm=False)[0]
     for body in re.findall(r"<p>(.*?)</p>", out.text, re.S):  # free text, but every tag holds the schema's JSON
         jsonschema.validate(json.loads(body), point)
-    with pytest.raises(ValueError, match="invalid structural_tag: .*nope"):
-        bad = {"type": "structural_tag", "format": {"type": "nope"}}
-        llm.generate([[1]], params(StructuredOutput("structural_tag", json.dumps(bad))), use_tqdm=False)
+    for bad, message in [
+        ({"type": "structural_tag", "format": {"type": "nope"}}, "invalid structural_tag: .*nope"),
+        ({**older, "structures": [{"begin": "<p>", "schema": point}]}, r"structures\[0\]\.end must be a string"),
+        ({"type": "structural_tag", "format": {"type": "json_schema", "json_schema": {"const": 2**64 - 1}}},
+         "the structural tag holds the integer 18446744073709551615"),
+    ]:
+        with pytest.raises(ValueError, match=message):
+            llm.generate([[1]], params(StructuredOutput("structural_tag", json.dumps(bad))), use_tqdm=False)
 
 
 def test_greedy_json_object_and_reproducible(llm):

@@ -56,6 +56,8 @@ def use_fp8_triton(device: torch.device) -> bool:
     return use_triton(device) and torch.cuda.get_device_capability(device) >= (8, 9)
 
 
-def use_fp8_gemm(device: torch.device, block_size: tuple[int, int]) -> bool:
-    """Whether FP8 linear weights stay FP8 (Triton's GEMM: sm89+, input blocks % 16 == 0), else dequantized."""
-    return use_fp8_triton(device) and block_size[1] % 16 == 0
+def use_fp8_gemm(device: torch.device, block_size: tuple[int, int], row_scales: bool = False) -> bool:
+    """Whether FP8 linear weights stay FP8, else dequantized: Triton's GEMMs run (sm89+) and take the layout (block
+    scales: input blocks % 16 == 0, so a K tile lies in one block; a scale a row (``row_scales``): any K, the row-wise
+    GEMM masking its K tiles)."""
+    return use_fp8_triton(device) and (row_scales or block_size[1] % 16 == 0)

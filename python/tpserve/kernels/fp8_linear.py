@@ -74,8 +74,8 @@ def resolve_backend(
     row_scales: bool = False,
 ) -> str:
     """``auto`` made concrete for a layer; ``cuda`` and ``cuda_triton`` checked (the GEMV built and
-    run once here, before any CUDA graph capture). ``row_scales``: the weight has one scale a row (held in
-    ``ROW_BLOCK``s), which the GEMV reads at one token and Triton's GEMM above (``cuda_triton``)."""
+    run once here, before any CUDA graph capture). ``row_scales``: the weight has one scale a row (held as [N, 1]),
+    which the GEMV reads at one token and Triton's GEMM above (``cuda_triton``)."""
     if device.type != "cuda":  # Triton's CPU interpreter (the tests)
         return "triton" if backend == "auto" else backend
     index = device.index or 0

@@ -59,7 +59,7 @@ def main(argv: list[str]) -> int:
     try:  # a file beside the output, renamed over it once every result is in: a failed run leaves the old one
         output = tempfile.NamedTemporaryFile("w", encoding="utf-8", delete=False,
                                              dir=os.path.dirname(os.path.abspath(ns.output_file)), suffix=".partial")
-        os.chmod(output.name, _new_file_mode())  # as open() would create it (a temporary file is the owner's only)
+        os.chmod(output.name, _output_mode(ns.output_file))  # a temporary file is the owner's only
     except OSError as e:
         parser.error(f"--output-file {ns.output_file!r}: {e}")
     setup_logging(args.log_level)
@@ -79,8 +79,11 @@ def main(argv: list[str]) -> int:
     return 0
 
 
-def _new_file_mode() -> int:
-    """The mode open() gives a new file: 0o666 less the process's umask (read by setting it, the only way)."""
+def _output_mode(path: str) -> int:
+    """The mode ``open(path, "w")`` leaves the output with: an existing file's own, else 0o666 less the umask (read by
+    setting it, the only way)."""
+    if os.path.exists(path):
+        return os.stat(path).st_mode & 0o7777
     umask = os.umask(0)
     os.umask(umask)
     return 0o666 & ~umask

@@ -118,7 +118,7 @@ class ParallelLinear(nn.Module):
         if self.block_size is None:
             self.bf16_gemv = gemv.bf16_gemv_enabled(self.weight.data)
             return
-        fp8_compute = use_fp8_gemm(self.weight.device, self.block_size)
+        fp8_compute = use_fp8_gemm(self.weight.device, self.block_size, self.row_scales)
         backend = "auto"
         if fp8_compute:
             backend = resolve_backend(backend_from_env(), self.weight.device, dtype, self.block_size, self.in_features,

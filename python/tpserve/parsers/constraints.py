@@ -100,17 +100,24 @@ def _rooted(schema: dict[str, Any], key: str, defs: dict[str, Any]) -> dict[str,
     return {"$ref": f"#/$defs/{key}"}
 
 
+_DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))  # values, not schemas: a "$ref" in them is data
+
+
+def _is_local_ref(key: str, value: Any) -> bool:
+    """A reference to the document's root or a JSON pointer in it ("#", "#/..."; an anchor "#name" is not one)."""
+    return key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/"))
+
+
 def _has_local_ref(node: Any) -> bool:
     if isinstance(node, dict):
-        ref = node.get("$ref")
-        return (isinstance(ref, str) and ref.startswith("#")) or any(_has_local_ref(v) for v in node.values())
+        return any(_is_local_ref(k, v) or (k not in _DATA_KEYWORDS and _has_local_ref(v)) for k, v in node.items())
     return isinstance(node, list) and any(_has_local_ref(v) for v in node)
 
 
 def _repoint(node: Any, root: str) -> Any:
-    """A copy of ``node`` whose local references ("#" + a JSON pointer) point under ``root``."""
+    """A copy of ``node`` whose local references point under ``root``."""
     if isinstance(node, dict):
-        return {k: root + v[1:] if k == "$ref" and isinstance(v, str) and v.startswith("#") else _repoint(v, root)
+        return {k: root + v[1:] if _is_local_ref(k, v) else v if k in _DATA_KEYWORDS else _repoint(v, root)
                 for k, v in node.items()}
     if isinstance(node, list):
         return [_repoint(v, root) for v in node]

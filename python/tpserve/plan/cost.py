@@ -78,8 +78,8 @@ class ModelShape:
         """Bytes per decoder-layer linear weight."""
         if self.fp8_block is None:
             return self.dtype_bytes
-        if self.fp8_row_scales:  # a float32 per row of K >= hidden inputs (counted at K = hidden: at most that)
-            return 1 + 4 / self.hidden
+        if self.fp8_row_scales:  # a float32 per output row, counted as if each had K = hidden inputs (a rank's o and
+            return 1 + 4 / self.hidden  # down rows have fewer, all of them kept: a few MB a model more at large TP)
         return 1 + 4 / (self.fp8_block[0] * self.fp8_block[1])
 
     @property

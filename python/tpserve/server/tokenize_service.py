@@ -57,7 +57,7 @@ class TokenizeService:
         out: dict[str, Any] = {"tokens": list(ids), "count": len(ids), "max_model_len": self._limits.context_len}
         if body.return_token_strs:
             tokenizer = await self._load()
-            out["token_strs"] = tokenizer.convert_ids_to_tokens(list(ids))
+            out["token_strs"] = await asyncio.to_thread(tokenizer.convert_ids_to_tokens, list(ids))
         return out
 
     async def chat_ids(self, req: TokenizeRequest) -> list[int]:

@@ -60,32 +60,40 @@ def _grammar(spec: StructuredOutput):
 
 def check_spec(spec: StructuredOutput) -> None:
     """Parse the spec without compiling it against a vocabulary (cheap); InvalidGrammar if bad."""
-    if spec.kind == "structural_tag":
+    if spec.kind in ("json_schema", "structural_tag"):
+        what = "JSON schema" if spec.kind == "json_schema" else "structural tag"
         try:
-            tag = json.loads(spec.spec)
+            document = json.loads(spec.spec)
         except json.JSONDecodeError as e:
-            raise InvalidGrammar(f"the structural tag is not valid JSON: {e}") from e
-        if not isinstance(tag, dict):
-            raise InvalidGrammar("the structural tag must be an object")
-        if (depth := nesting_depth(tag)) > MAX_SCHEMA_DEPTH:
-            raise InvalidGrammar(f"the structural tag is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are "
-                                 "allowed")
-    if spec.kind == "json_schema":
-        try:
-            schema = json.loads(spec.spec)
-        except json.JSONDecodeError as e:
-            raise InvalidGrammar(f"the JSON schema is not valid JSON: {e}") from e
-        if not isinstance(schema, (dict, bool)):
-            raise InvalidGrammar("the JSON schema must be an object")
-        if (depth := nesting_depth(schema)) > MAX_SCHEMA_DEPTH:
-            raise InvalidGrammar(f"the JSON schema is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed")
-        if (big := _past_int64(schema)) is not None:  # xgrammar takes its integers as doubles: a const of 2**64 - 1
-            raise InvalidGrammar(f"the JSON schema holds the integer {big}, past the 64-bit signed range that "
+            raise InvalidGrammar(f"the {what} is not valid JSON: {e}") from e
+        if not isinstance(document, (dict, bool) if spec.kind == "json_schema" else dict):
+            raise InvalidGrammar(f"the {what} must be an object")
+        if (depth := nesting_depth(document)) > MAX_SCHEMA_DEPTH:
+            raise InvalidGrammar(f"the {what} is nested {depth} levels deep; at most {MAX_SCHEMA_DEPTH} are allowed")
+        if (big := _past_int64(document)) is not None:  # xgrammar takes its integers as doubles: a const of 2**64 - 1
+            raise InvalidGrammar(f"the {what} holds the integer {big}, past the 64-bit signed range that "
                                  "structured output can hold exactly")  # came out 1.8446744073709552e+19
+        if spec.kind == "structural_tag" and "structures" in document:
+            _check_structures(document)
     try:
         _grammar(spec)
     except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
         raise InvalidGrammar(f"invalid {spec.kind}: {_parser_message(e)}") from e
+
+
+def _check_structures(tag: dict[str, Any]) -> None:
+    """vLLM's older structural tag: ``structures`` of {"begin", "schema", "end"} and ``triggers``, strings."""
+    structures, triggers = tag["structures"], tag.get("triggers", [])
+    if not isinstance(structures, list) or not all(isinstance(s, dict) for s in structures):
+        raise InvalidGrammar("the structural tag's structures must be a list of objects")
+    for i, item in enumerate(structures):
+        for key in ("begin", "end"):
+            if not isinstance(item.get(key), str):
+                raise InvalidGrammar(f"the structural tag's structures[{i}].{key} must be a string")
+        if not isinstance(item.get("schema"), (dict, bool)):
+            raise InvalidGrammar(f"the structural tag's structures[{i}].schema must be a JSON schema")
+    if not isinstance(triggers, list) or not all(isinstance(t, str) and t for t in triggers):
+        raise InvalidGrammar("the structural tag's triggers must be a list of non-empty strings")
 
 
 def nesting_depth(document: Any) -> int:
