@@ -106,14 +106,15 @@ def test_small_scale_groups_on_gpu():
 @pytest.mark.parametrize("m", [1, 2, 64, 65, 300])
 def test_row_scaled_gemm_matches_reference(m):
     """The GEMM of weights scaled per row above one token (``fp8_gemm_rowwise``: Triton up to ROWWISE_MAX_TOKENS,
-    torch's ``_scaled_mm`` above on Hopper) at Qwen3-8B's down shape, held as the engine holds the scales (column 0 of
-    [N, K / 128]), against the float32 reference with activations quantized per token, plain and in a CUDA graph."""
+    torch's ``_scaled_mm`` above on Hopper) at Qwen3-8B's down shape, the scales held as the engine holds them ([N, 1]),
+    against the float32 reference with activations quantized per token, plain and in a CUDA graph."""
     from tpserve.kernels.fp8_gemm import ROWWISE_MAX_TOKENS, fp8_gemm_rowwise, scaled_mm_runs
 
     n, k = QWEN3_8B["down"]
     gen = torch.Generator(device=DEVICE).manual_seed(m)
     weight, scale = quantize_blocks(torch.randn(n, k, device=DEVICE, generator=gen) * 0.02, (1, k))
-    held = scale.expand(n, k // 128).contiguous()
+    held = scale
+    assert held.shape == (n, 1)
     x = torch.randn(m, k, device=DEVICE, generator=gen).to(torch.bfloat16)
     got = fp8_gemm_rowwise(x, weight, held)
     err = rel_err(got, fp8_linear_reference(x.float(), weight, scale, (1, k)))
