@@ -69,6 +69,20 @@ def quantize_activations(x: torch.Tensor, group: int) -> tuple[torch.Tensor, tor
 
 
 @triton.jit
+def _tile(pid_m, pid_n, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr):
+    """A program's rows of x and of the weight (output columns), and which of them exist."""
+    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    return rows, cols, rows < M, cols < N
+
+
+@triton.jit
+def _store_tile(c_ptr, out, rows, cols, row_ok, col_ok, N):
+    mask = row_ok[:, None] & col_ok[None, :]
+    tl.store(c_ptr + rows[:, None] * N + cols[None, :], out.to(c_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
 def _k_tiles(a_ptr, b_ptr, rows, cols, row_ok, col_ok, k0, K, BLOCK_K: tl.constexpr):
     """The K step from ``k0`` of x's rows [BLOCK_M, BLOCK_K] and of the weight's rows as [BLOCK_K, BLOCK_N] (both
     row-major along K), 0 past M, N and K."""
@@ -85,11 +99,7 @@ def _gemm_kernel(
     GROUP_N: tl.constexpr, GROUP_K: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < M, cols < N
+    rows, cols, row_ok, col_ok = _tile(tl.program_id(0), tl.program_id(1), M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a, b = _k_tiles(a_ptr, b_ptr, rows, cols, row_ok, col_ok, k0, K, BLOCK_K)
@@ -101,7 +111,7 @@ def _gemm_kernel(
         else:
             part = tl.dot(a, b)
         acc += part * a_scale[:, None] * b_scale[None, :]
-    tl.store(c_ptr + rows[:, None] * N + cols[None, :], acc.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_tile(c_ptr, acc, rows, cols, row_ok, col_ok, N)
 
 
 def fp8_gemm(x: torch.Tensor, weight: torch.Tensor, scale_inv: torch.Tensor, block_size: tuple[int, int]) -> torch.Tensor:
@@ -145,11 +155,8 @@ def _rowwise_kernel(
     a_ptr, b_ptr, c_ptr, a_scale_ptr, b_scale_ptr, M, N, K, stride_bs,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, IMPRECISE_K: tl.constexpr,
 ):
-    pid_n = tl.program_id(0)
-    pid_m = tl.program_id(1)
-    rows = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
-    cols = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    row_ok, col_ok = rows < M, cols < N
+    # N on the grid's first axis: programs launched together share x's rows and stream different weight rows
+    rows, cols, row_ok, col_ok = _tile(tl.program_id(1), tl.program_id(0), M, N, BLOCK_M, BLOCK_N)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, K, BLOCK_K):
         a, b = _k_tiles(a_ptr, b_ptr, rows, cols, row_ok, col_ok, k0, K, BLOCK_K)
@@ -159,8 +166,7 @@ def _rowwise_kernel(
         acc = tl.dot(a, b, acc, max_num_imprecise_acc=IMPRECISE_K)
     a_scale = tl.load(a_scale_ptr + rows, mask=row_ok, other=0.0)
     b_scale = tl.load(b_scale_ptr + cols * stride_bs, mask=col_ok, other=0.0)
-    out = acc * a_scale[:, None] * b_scale[None, :]
-    tl.store(c_ptr + rows[:, None] * N + cols[None, :], out.to(c_ptr.dtype.element_ty), mask=row_ok[:, None] & col_ok[None, :])
+    _store_tile(c_ptr, acc * a_scale[:, None] * b_scale[None, :], rows, cols, row_ok, col_ok, N)
 
 
 @functools.cache

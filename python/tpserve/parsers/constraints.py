@@ -94,9 +94,10 @@ def _rooted(schema: dict[str, Any], key: str, defs: dict[str, Any]) -> dict[str,
     """``schema`` as a part of the "required" calls' schema: where it refers to itself (``$ref`` "#...", as Pydantic's
     ``$defs`` are referred to), it moves whole under the new root's ``$defs[key]`` and its references are re-pointed
     there, so they resolve against it and not against the new root."""
-    if not _has_local_ref(schema):
+    repointed = _repoint(schema, f"#/$defs/{key}")
+    if repointed == schema:  # no reference of its own: nested as it is
         return schema
-    defs[key] = _repoint(schema, f"#/$defs/{key}")
+    defs[key] = repointed
     return {"$ref": f"#/$defs/{key}"}
 
 
@@ -106,12 +107,6 @@ _DATA_KEYWORDS = frozenset(("const", "enum", "default", "examples"))  # values, 
 def _is_local_ref(key: str, value: Any) -> bool:
     """A reference to the document's root or a JSON pointer in it ("#", "#/..."; an anchor "#name" is not one)."""
     return key == "$ref" and isinstance(value, str) and (value == "#" or value.startswith("#/"))
-
-
-def _has_local_ref(node: Any) -> bool:
-    if isinstance(node, dict):
-        return any(_is_local_ref(k, v) or (k not in _DATA_KEYWORDS and _has_local_ref(v)) for k, v in node.items())
-    return isinstance(node, list) and any(_has_local_ref(v) for v in node)
 
 
 def _repoint(node: Any, root: str) -> Any:
