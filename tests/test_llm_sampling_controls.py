@@ -32,6 +32,7 @@ def hf_generate(model_dir: str, prompt: list[int], new: int, **kwargs) -> list[i
 def test_greedy_with_edits_matches_transformers_generate(llm, qwen3_dir):
     eos = list(llm.model_config.eos_token_ids)
     bias = {5: 3.0, 6: -2.5}
+    seen_bias = {21: 6.0, 32: 6.0, 41: 6.0}
     cases = [
         (SamplingParams(temperature=0, max_tokens=12, repetition_penalty=1.5),
          dict(repetition_penalty=1.5, eos_token_id=eos)),
@@ -39,6 +40,10 @@ def test_greedy_with_edits_matches_transformers_generate(llm, qwen3_dir):
          dict(sequence_bias={(t,): v for t, v in bias.items()}, eos_token_id=eos)),
         (SamplingParams(temperature=0, max_tokens=12, min_tokens=12, repetition_penalty=0.8),
          dict(min_new_tokens=12, repetition_penalty=0.8, eos_token_id=eos)),
+        # the bias comes first, as generate's sequence_bias (and vLLM's logit_bias): a seen token's biased logit
+        # is what the repetition penalty divides (the prompts' own tokens are biased here)
+        (SamplingParams(temperature=0, max_tokens=12, repetition_penalty=2.0, logit_bias=seen_bias),
+         dict(repetition_penalty=2.0, sequence_bias={(t,): v for t, v in seen_bias.items()}, eos_token_id=eos)),
     ]
     plain = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     alone = llm.generate([PROMPTS[0]], plain, use_tqdm=False)[0].token_ids

@@ -128,14 +128,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     temperature 0 (or below 1e-5) means greedy. top_k -1 (or 0) disables top-k. A request with a ``seed``
     samples the same tokens every time, whatever else is in its batch.
 
-    Logit edits, applied in this order before temperature and the filters (greedy rows too):
-    ``repetition_penalty`` (transformers' rule: a logit of a token already in the prompt or the
-    output is divided by it when positive, multiplied when negative), then ``frequency_penalty``
-    times the token's count in the output and ``presence_penalty`` if it occurs there (OpenAI's
-    rule), then ``logit_bias`` (token id -> added value), then end-of-sequence and
-    ``stop_token_ids`` are banned until ``min_tokens`` tokens are out, then only
-    ``allowed_token_ids`` may be sampled (if given) and ``bad_words`` are banned, then ``structured``
-    allows only the tokens its grammar accepts.
+    Logit edits, applied in this order before temperature and the filters (greedy rows too), as vLLM
+    (and transformers' ``sequence_bias`` before its repetition penalty) applies them: ``logit_bias``
+    (token id -> added value), with end-of-sequence and ``stop_token_ids`` banned until ``min_tokens``
+    tokens are out and ``bad_words`` banned, then ``repetition_penalty`` (transformers' rule: a logit
+    of a token already in the prompt or the output is divided by it when positive, multiplied when
+    negative), then ``frequency_penalty`` times the token's count in the output and ``presence_penalty``
+    if it occurs there (OpenAI's rule), then only ``allowed_token_ids`` may be sampled (if given), then
+    ``structured`` allows only the tokens its grammar accepts.
 
     ``bad_words`` (vLLM's): words the output never contains as tokenized, each at the start of the text
     and after a space (both tokenizations are banned). A word's last token is banned wherever the

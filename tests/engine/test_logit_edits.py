@@ -85,6 +85,20 @@ def test_logit_bias_and_min_tokens_match_transformers():
     torch.testing.assert_close(ours[1], logits[1])  # its 1 token reached min_tokens: nothing banned
 
 
+def test_logit_bias_comes_before_the_repetition_penalty():
+    """As transformers' generate (SequenceBiasLogitsProcessor, then RepetitionPenaltyLogitsProcessor) and vLLM
+    (logit_bias, then the penalties): a biased token already seen gets (x + b) / r, not x / r + b."""
+    logits = torch.full((1, V), 0.5)
+    logits[0, 1] = 2.0
+    params = [SP(repetition_penalty=2.0, logit_bias={1: 4.0, 2: -1.0, 20: 3.0})]
+    ours = run_edits(logits, params, [[1, 2, 3]], [[]])
+    ids = torch.tensor([[1, 2, 3]])
+    ref = SequenceBiasLogitsProcessor({(1,): 4.0, (2,): -1.0, (20,): 3.0})(ids, logits.clone())
+    ref = RepetitionPenaltyLogitsProcessor(2.0)(ids, ref)
+    torch.testing.assert_close(ours[0], ref[0])
+    assert ours[0, 1] == 3.0  # (2 + 4) / 2, not 2 / 2 + 4 = 5
+
+
 def test_rows_without_edits_are_untouched_and_raw_logits_kept():
     logits = torch.randn(2, V)
     raw = logits.clone()

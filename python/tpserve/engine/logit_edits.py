@@ -1,5 +1,5 @@
-"""Per-request logit edits before sampling: repetition/frequency/presence penalties, logit bias,
-min-tokens and bad-word bans, allowed token ids; batched device work, the same on every TP rank (no float atomics).
+"""Per-request logit edits before sampling: logit bias, min-tokens and bad-word bans, then
+repetition/frequency/presence penalties (vLLM's and transformers' order), allowed token ids; batched device work, the same on every TP rank (no float atomics).
 
 A request with penalties gets a *slot* (chosen by the scheduler, alike on every rank) holding its
 prompt's token set and output token counts on the device. Each sampled token is counted right
@@ -166,6 +166,9 @@ class PenaltyState:
         if not edits.edits_logits:
             return logits
         out = logits.float().clone() if logits.dtype == torch.float32 else logits.float()
+        if edits.bias_index is not None:  # before the penalties, as transformers' sequence_bias and vLLM's logit_bias:
+            # the repetition penalty scales the biased logit ((x + b) / r, not x / r + b)
+            out.index_put_(tuple(edits.bias_index), edits.bias_values, accumulate=True)
         if edits.penalty_rows is not None:
             rows, slots = edits.penalty_rows, edits.penalty_slots
             sub = out.index_select(0, rows)
@@ -176,8 +179,6 @@ class PenaltyState:
             sub = torch.where(seen, penalized, sub)
             sub -= frequency * counts + presence * (counts > 0)
             out.index_copy_(0, rows, sub)
-        if edits.bias_index is not None:
-            out.index_put_(tuple(edits.bias_index), edits.bias_values, accumulate=True)
         if edits.allow_rows is not None:
             banned = ~edits.allow_masks[:, : out.shape[1]]
             rows = out.index_select(0, edits.allow_rows)
