@@ -386,3 +386,15 @@ def test_vllm_structured_outputs_keys_at_their_defaults_are_accepted():
         vllm_structure({**sent, "structural_tag": "{}"}, "structured_outputs")
     tag = vllm_structure({**sent, "choice": None, "structural_tag": '{"type": "structural_tag"}'}, "structured_outputs")
     assert (tag.kind, tag.spec) == ("structural_tag", '{"type": "structural_tag"}')
+
+
+@pytest.mark.parametrize("text,in_reasoning,expected", [
+    ("\n\ndef f():\n    pass", None, ("", "\n\ndef f():\n    pass")),  # no think block: the answer as written
+    ("\nAnswer.", False, ("", "\nAnswer.")),  # thinking off (the prompt closed the block)
+    ("\n<think>r</think>\n\nAnswer.", None, ("r", "Answer.")),  # after the output's own </think>: dropped
+])
+def test_only_the_newlines_after_the_outputs_think_block_are_dropped(text, in_reasoning, expected):
+    """An answer's own leading newlines were dropped whenever a reasoning parser was on, though no think block
+    preceded them (vLLM's qwen3 parser returns such output unchanged): content differed from the text."""
+    for chunks in splits(text):
+        assert run_reasoning(chunks, in_reasoning) == expected, chunks

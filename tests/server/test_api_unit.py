@@ -1043,3 +1043,18 @@ def test_server_wide_token_ids_and_forced_usage():
     plain, _ = make_client()
     with plain.stream("POST", CHAT, json={"messages": USER, "stream": True}) as resp:
         assert all(e.get("usage") is None for e in sse_events(resp))
+
+
+@pytest.mark.parametrize("path", [CHAT, COMPLETIONS])
+@pytest.mark.parametrize("stop_token_ids, reason", [([7], 7), (None, None)])
+def test_stop_reason_names_a_requested_stop_token_as_vllm(path, stop_token_ids, reason):
+    """vLLM's ``stop_reason`` (read by its clients beside ``finish_reason``): the stop_token_ids id that ended the
+    choice, None at EOS (token 7 here, which ``matched_stop`` names either way). It was missing: always null."""
+    c, _ = make_client(stub=StubFrontend(finish="stop"))
+    body = {"messages": USER} if path == CHAT else {"prompt": "hi"}
+    body["stop_token_ids"] = stop_token_ids
+    choice = c.post(path, json=body).json()["choices"][0]
+    assert (choice["finish_reason"], choice["matched_stop"], choice["stop_reason"]) == ("stop", 7, reason)
+    with c.stream("POST", path, json={**body, "stream": True}) as resp:
+        last = [e for e in sse_events(resp) if e["choices"]][-1]["choices"][0]
+    assert (last["finish_reason"], last["matched_stop"], last["stop_reason"]) == ("stop", 7, reason)

@@ -148,3 +148,45 @@ def test_every_split_point(split):
 def test_overlapping_prefixes():
     out, stopped = run(["aab"], ["a", "a", "a", "b", "c"])
     assert "".join(out) == "a" and stopped
+
+
+@pytest.mark.parametrize("stops", [["\n", "\n\n"], ["\n\n", "\n"]])
+@pytest.mark.parametrize("chunks", [["x\n\n"], ["x\n", "\n"], ["x", "\n", "\n"]])
+def test_stop_complete_first_wins_however_the_text_is_cut(stops, chunks):
+    """"\n" and "\n\n" start together in Qwen's one token "\n\n": "\n" is complete first, so it is the match (the
+    longest at the shared start was taken: include_stop_str_in_output kept "\n\n", matched_stop was "\n\n", and
+    the answer depended on whether the model wrote "\n\n" as one token or two)."""
+    f = StopStringFilter(stops, include_stop=True)
+    assert "".join(f.feed(c) for c in chunks) == "x\n" and f.matched == "\n"
+
+
+@pytest.mark.parametrize("chunks", [["abc"], ["ab", "c"], ["a", "b", "c"]])
+def test_a_later_starting_stop_that_ends_first_wins(chunks):
+    """"b" is complete before "abc" is: the output stops there in any chunking (with "abc" in one token the
+    earlier start "abc" was taken, so the text depended on the tokenization)."""
+    f = StopStringFilter(["abc", "b"])
+    assert "".join(f.feed(c) for c in chunks) == "a" and f.matched == "b"
+
+
+def test_long_streams_keep_only_what_a_match_can_reach():
+    """Random texts fed in random chunks give the text cut where the first stop completes, while the filter keeps
+    no more than the unsent tail and the longest stop's reach back (linear time on long outputs)."""
+    import random
+
+    rng = random.Random(0)
+    for _ in range(300):
+        stops = ["".join(rng.choice("ab\n") for _ in range(rng.randint(1, 4))) for _ in range(rng.randint(1, 3))]
+        text = "".join(rng.choice("abc\n") for _ in range(rng.randint(0, 200)))
+        ends = [(i + len(s), i) for s in stops if (i := text.find(s)) >= 0]
+        expected = text[: min(ends)[1]] if ends else text
+        f, out, pos = StopStringFilter(stops), [], 0
+        while pos < len(text) and not f.stopped:
+            step = rng.randint(1, 7)
+            out.append(f.feed(text[pos : pos + step]))
+            pos += step
+        out.append(f.feed("", final=True))
+        assert "".join(out) == expected, (stops, text)
+    f = StopStringFilter(["STOP"])
+    for _ in range(10_000):
+        f.feed("abcdefgh")
+    assert len(f._text) < 16

@@ -76,8 +76,8 @@ class ReasoningParser:
                 if not final and THINK_START.startswith(stripped):
                     break  # could still become "<think>"
             text_out = self._buffer
-            if not self._content_started:
-                text_out = text_out.lstrip("\n")  # the newlines after </think>
+            if not self._content_started and self._closed_here:
+                text_out = text_out.lstrip("\n")  # the newlines after the output's </think> (not an answer's own)
                 if not text_out and not final:
                     self._buffer = ""
                     break

@@ -82,6 +82,13 @@ class ResponseFormat:
         # continuous_usage_stats: a choice's usage as streamed so far (by index), which its chunks then carry
         self.usage_so_far: Callable[[int], dict[str, Any]] | None = None
         self.prompt_logprobs: int | None = None  # vLLM's prompt_logprobs: shown, with this many alternatives
+        self.stop_token_ids: frozenset[int] = frozenset()  # the request's, which vLLM's stop_reason names
+
+    def stop_fields(self, matched_stop: int | str | None) -> dict[str, Any]:
+        """A finished choice's stop: ``matched_stop`` (SGLang's: the stop string, or the EOS or stop token id) and
+        vLLM's ``stop_reason`` (the stop string or a ``stop_token_ids`` id; None at EOS or any other end)."""
+        named = isinstance(matched_stop, str) or matched_stop in self.stop_token_ids
+        return {"matched_stop": matched_stop, "stop_reason": matched_stop if named else None}
 
     def _envelope(self, obj: str, choices: list[dict[str, Any]]) -> dict[str, Any]:
         return {"id": self.id, "object": obj, "created": self.created, "model": self.model,
@@ -104,7 +111,8 @@ class ResponseFormat:
         bodies = []
         for c in ordered:  # matched_stop: SGLang's extension, the stop that ended it
             body = self.full_choice(c)
-            body.setdefault("matched_stop", c.matched_stop)
+            for key, value in self.stop_fields(c.matched_stop).items():
+                body.setdefault(key, value)
             if self.prompt_logprobs is not None and self.prompt_logprobs_per_choice:
                 body["prompt_logprobs"] = vllm_prompt_logprobs(c.prompt_logprobs, self.prompt_logprobs)
             bodies.append(body)
@@ -193,7 +201,7 @@ class ChatFormat(ResponseFormat):
                logprobs: dict[str, Any] | None = None, matched_stop: int | str | None = None) -> bytes:
         choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": finish_reason}
         if finish_reason is not None:
-            choice["matched_stop"] = matched_stop
+            choice.update(self.stop_fields(matched_stop))
         return self.chunk([choice])
 
     def start_chunk(self, index: int) -> bytes:
@@ -334,7 +342,7 @@ class CompletionFormat(ResponseFormat):
             chunks.append(self.chunk([self._choice(choice.index, text, None, logprobs)]))
         if out.finish_reason is not None:
             finish = self._choice(choice.index, "", out.finish_reason if self.shows_output else "length")
-            finish["matched_stop"] = out.matched_stop if self.shows_output else None
+            finish.update(self.stop_fields(out.matched_stop if self.shows_output else None))
             chunks.append(self.chunk([finish]))
         return chunks
 
@@ -343,4 +351,4 @@ class CompletionFormat(ResponseFormat):
         text, entries = self._echoed_text(choice.index, text, entries, choice.prompt_logprobs)
         if self.shows_output or choice.finish_reason in ("abort", "error"):
             return self._choice(choice.index, text, choice.finish_reason, self._logprobs(choice.index, entries))
-        return {**self._choice(choice.index, text, "length", self._logprobs(choice.index, entries)), "matched_stop": None}
+        return {**self._choice(choice.index, text, "length", self._logprobs(choice.index, entries)), **self.stop_fields(None)}

@@ -210,6 +210,7 @@ class Serving:
                          logprobs=params.logprobs is not None, output=output, request_id=request_id(request),
                          echo=body.echoed_text(), tokens_as_ids=body.return_tokens_as_token_ids or self.tokens_as_ids)
         fmt.prompt_logprobs = body.prompt_logprobs
+        fmt.stop_token_ids = frozenset(params.stop_token_ids or ())
         return await self.run(reqs, fmt, body.stream, request, body.n, self.continuous_usage(body))
 
     def chat_requests(
@@ -271,6 +272,7 @@ class Serving:
                                tokens_as_ids=body.return_tokens_as_token_ids or self.tokens_as_ids,
                                echo_top=body.logprobs or 0)
         fmt.prompt_logprobs = body.prompt_logprobs
+        fmt.stop_token_ids = frozenset(params.stop_token_ids or ())
         return await self.run(reqs, fmt, body.stream, request, body.n, self.continuous_usage(body))
 
     async def run(
