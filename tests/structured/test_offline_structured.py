@@ -258,6 +258,7 @@ def test_an_abort_drops_a_compile_not_started_that_no_other_request_waits_for(ll
         scheduler.add_request(901, [1, 2], p, seed=0)
         future = scheduler.compiling.compile_of(900)
         assert scheduler.compiling.compile_of(901) is future  # one compile for both
+        assert scheduler.stats().waiting == 2  # requests compiling their grammar count as waiting in /metrics
         assert scheduler.abort(900) and not future.cancelled()  # 901 still waits for it
         assert scheduler.abort(901) and future.cancelled() and not scheduler.compiling
         assert compiler.submit(p.structured) is not future  # asked for again, it is compiled afresh

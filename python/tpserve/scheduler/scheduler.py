@@ -184,7 +184,7 @@ class Scheduler:
         free, cached = self.allocator.num_free, self.cache.num_evictable
         return SchedulerStats(
             running=len(self.running),
-            waiting=len(self.waiting),
+            waiting=len(self.waiting) + len(self.compiling),  # a request compiling its grammar waits too (vLLM's)
             kv_pages_used=self.allocator.total - free - cached,
             kv_pages_total=self.allocator.total,
             kv_pages_cached=cached,
