@@ -1058,3 +1058,21 @@ def test_stop_reason_names_a_requested_stop_token_as_vllm(path, stop_token_ids, 
     with c.stream("POST", path, json={**body, "stream": True}) as resp:
         last = [e for e in sse_events(resp) if e["choices"]][-1]["choices"][0]
     assert (last["finish_reason"], last["matched_stop"], last["stop_reason"]) == ("stop", 7, reason)
+
+
+@pytest.mark.parametrize("path, field", [("/v1/embeddings", "input"), ("/classify", "input"),
+                                         ("/v1/completions", "prompt")])
+def test_token_prompts_longer_than_the_context_are_truncated_when_asked(path, field):
+    """(review) With truncate_prompt_tokens a text longer than the context is cut by the tokenizer, but token ids
+    were refused before it ("the prompt has 300 tokens: more than the context (256)") though vLLM cuts them too.
+    Without it such ids stay a 400; with it they are bounded as a text's characters are."""
+    from tpserve.pooling import ModelHead
+
+    c, stub = make_client(**({"head": ModelHead(4, ("a", "b"))} if path == "/classify" else {}))
+    ids = [5] * 300  # context 128
+    resp = c.post(path, json={field: ids, "truncate_prompt_tokens": -1})
+    assert resp.status_code == 200, resp.text
+    assert stub.submitted[-1].input_ids == ids and stub.submitted[-1].params.truncate_prompt_tokens == -1
+    assert_error(c.post(path, json={field: ids}), 400, "more than the context (128)", field)
+    too_many = [5] * (LIMITS.max_prompt_chars + 1)
+    assert_error(c.post(path, json={field: too_many, "truncate_prompt_tokens": 8}), 400, "a truncated prompt", field)

@@ -161,7 +161,7 @@ def pooled_requests(
             continue
         texts = (item,) if isinstance(item, str) else item if isinstance(item, tuple) else None
         if texts is None:
-            serving.limits.check_ids(len(item), field_of(label))
+            serving.limits.check_ids(len(item), field_of(label), params.truncate_prompt_tokens is not None)
         else:
             serving.limits.check_text(sum(map(len, texts)), field_of(label))
         reqs.append(TokenizeRequest(

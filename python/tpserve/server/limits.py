@@ -87,7 +87,14 @@ class RequestLimits:
         parts = chat_chars(messages, tools, chat_template_kwargs)
         self.check_text(sum(parts.values()), max(parts, key=lambda name: parts[name]))
 
-    def check_ids(self, count: int, param: str) -> None:
+    def check_ids(self, count: int, param: str, truncated: bool = False) -> None:
+        """``truncated``: the prompt is cut to its last tokens (``truncate_prompt_tokens``) before it is checked
+        against the context, so it may hold as many ids as a text may hold characters."""
+        if truncated:
+            if count > self.max_prompt_chars:
+                raise APIError.invalid(f"the prompt has {count} tokens: more than {self.max_prompt_chars}, the most "
+                                       "a truncated prompt may hold", param)
+            return
         if count > self.context_len:
             raise APIError.invalid(f"the prompt has {count} tokens: more than the context ({self.context_len})", param)
 

@@ -258,7 +258,7 @@ class Serving:
             if isinstance(prompt, str):
                 self.limits.check_text(len(prompt), "prompt")
             else:
-                self.limits.check_ids(len(prompt), "prompt")
+                self.limits.check_ids(len(prompt), "prompt", params.truncate_prompt_tokens is not None)
         for prompt in prompts:  # choice index = prompt index * n + i, as OpenAI orders them
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
             for choice_params in params.choices():

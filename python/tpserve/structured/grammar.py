@@ -44,8 +44,9 @@ def _grammar(spec: StructuredOutput):
     if spec.kind == "json_object":  # any object (OpenAI's JSON mode), not any JSON value
         return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
     if spec.kind == "json_schema":
-        # strict: no properties beyond the schema's, as OpenAI's strict mode
-        return xgr.Grammar.from_json_schema(spec.spec, any_whitespace=False, strict_mode=True)
+        # strict: no properties beyond the schema's, as OpenAI's strict mode (a required name is one of them)
+        schema = with_required_properties(json.loads(spec.spec))
+        return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.spec)
     if spec.kind == "structural_tag":
@@ -73,12 +74,98 @@ def check_spec(spec: StructuredOutput) -> None:
         if (big := _past_int64(document)) is not None:  # xgrammar takes its integers as doubles: a const of 2**64 - 1
             raise InvalidGrammar(f"the {what} holds the integer {big}, past the 64-bit signed range that "
                                  "structured output can hold exactly")  # came out 1.8446744073709552e+19
+        if spec.kind == "json_schema" and (unenforced := unenforced_keyword(document)) is not None:
+            raise InvalidGrammar(f"the JSON schema uses {unenforced}, which structured output (xgrammar) does not "
+                                 "enforce: the output could break it")
         if spec.kind == "structural_tag" and "structures" in document:
             _check_structures(document)
     try:
         _grammar(spec)
     except Exception as e:  # xgrammar raises RuntimeError/ValueError with its parser's message
         raise InvalidGrammar(f"invalid {spec.kind}: {_parser_message(e)}") from e
+
+
+# Keywords whose values are schemas (one, a list, or a map of names to schemas), as far as a walk of a schema needs
+_SCHEMA_VALUED = frozenset(("items", "additionalProperties", "not", "contains", "propertyNames", "if", "then", "else",
+                            "additionalItems", "unevaluatedItems", "unevaluatedProperties"))
+_SCHEMA_LISTS = frozenset(("anyOf", "oneOf", "allOf", "prefixItems"))
+_SCHEMA_MAPS = frozenset(("properties", "$defs", "definitions", "patternProperties", "dependentSchemas"))
+# Keywords xgrammar (0.2.9) parses but does not hold the output to (checked against jsonschema): a grammar that ignores
+# them would let a "stop" answer break the schema. vLLM's xgrammar backend refuses such schemas too.
+_UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
+               "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems")
+
+
+def _subschemas(node: dict[str, Any]) -> list[Any]:
+    """The schemas directly inside schema ``node``."""
+    found: list[Any] = []
+    for key, value in node.items():
+        if key in _SCHEMA_VALUED:
+            found.extend(value if isinstance(value, list) else [value])  # items as a list: draft 4's tuples
+        elif key in _SCHEMA_LISTS and isinstance(value, list):
+            found.extend(value)
+        elif key in _SCHEMA_MAPS and isinstance(value, dict):
+            found.extend(value.values())
+    return [child for child in found if isinstance(child, dict)]
+
+
+def unenforced_keyword(schema: Any) -> str | None:
+    """The first keyword of ``schema`` (and its subschemas) the grammar would silently not enforce, described, or
+    None: those of ``_UNENFORCED`` (``uniqueItems`` only when true), ``multipleOf`` but an integer's by an integer,
+    ``allOf`` of more than one schema, and a string's ``minLength``/``maxLength`` beside a ``pattern`` or ``format``
+    (xgrammar keeps only the latter)."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if not isinstance(node, dict):
+            continue
+        for key in _UNENFORCED:
+            if key in node and not (key == "uniqueItems" and node[key] is not True):
+                return f"'{key}'"
+        step = node.get("multipleOf")
+        integer_step = isinstance(step, int) and not isinstance(step, bool)
+        if step is not None and not (node.get("type") == "integer" and integer_step):
+            return "'multipleOf' (enforced only for an integer type and an integer step)"
+        if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
+            return "'allOf' of more than one schema"
+        lengths = [key for key in ("minLength", "maxLength") if key in node]
+        if lengths and ("pattern" in node or "format" in node):
+            return f"'{lengths[0]}' beside '{'pattern' if 'pattern' in node else 'format'}'"
+        stack.extend(_subschemas(node))
+    return None
+
+
+def with_required_properties(schema: Any) -> Any:
+    """``schema`` with every object's required names that its ``properties`` leave out added to them (as its
+    ``additionalProperties`` schema, else any value): in strict mode xgrammar would otherwise leave them out, and its
+    output would lack a required property. A schema that needs no change is returned as it is."""
+    if not isinstance(schema, dict):
+        return schema
+    changed = False
+
+    def fix(node: dict[str, Any]) -> dict[str, Any]:
+        nonlocal changed
+        out = dict(node)
+        for key, value in node.items():
+            if key in _SCHEMA_VALUED:
+                out[key] = [fix(v) if isinstance(v, dict) else v for v in value] if isinstance(value, list) else \
+                    fix(value) if isinstance(value, dict) else value
+            elif key in _SCHEMA_LISTS and isinstance(value, list):
+                out[key] = [fix(v) if isinstance(v, dict) else v for v in value]
+            elif key in _SCHEMA_MAPS and isinstance(value, dict):
+                out[key] = {k: fix(v) if isinstance(v, dict) else v for k, v in value.items()}
+        required, properties = node.get("required"), out.get("properties", {})
+        if isinstance(required, list) and isinstance(properties, dict):
+            missing = [name for name in required if isinstance(name, str) and name not in properties]
+            if missing:
+                extra = node.get("additionalProperties")
+                value_schema = extra if isinstance(extra, dict) else {}
+                out["properties"] = {**properties, **{name: value_schema for name in missing}}
+                changed = True
+        return out
+
+    fixed = fix(schema)
+    return fixed if changed else schema
 
 
 def _check_structures(tag: dict[str, Any]) -> None:
