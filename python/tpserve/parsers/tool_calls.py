@@ -290,7 +290,7 @@ class Llama3JsonParser(ToolCallParser):
     def feed(self, text: str, final: bool = False) -> ToolParse:
         out = ToolParse()
         self._buffer += text
-        if not self.calls:
+        if not self.calls and self._mode != "content":  # content for good: the text is never needed again
             self._text += text
         if self._mode is None:
             head = self._buffer.lstrip()
