@@ -254,6 +254,14 @@ class LLM(PoolingMethods):
 
         limits = PromptLimits(self.model_config.context_length, self.model_config.vocab_size)
         preparer = PromptPreparer(self.tokenizer, limits, chat_template=chat_template)
+        if tools:  # checked and shown to the template as the HTTP chat endpoint shows them (vLLM's tool dump)
+            from tpserve.parsers.constraints import FieldError, check_tools, template_tools
+
+            try:
+                check_tools(tools)
+            except FieldError as e:
+                raise ValueError(e.message) from None
+            tools = template_tools(tools)
         options = dict(chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, tools=tools or None)
         prompts = [self._chat_ids(preparer, c, i, **options) for i, c in enumerate(conversations)]

@@ -13,6 +13,7 @@ from tpserve.engine_config import EngineConfig
 from tpserve.server.api import AppState, create_app
 from tpserve.launch.args import ServerArgs
 from tpserve.server.limits import RequestLimits
+from tpserve.parsers.constraints import template_tools
 from tpserve.server.serving import Serving
 
 MODEL = "tiny-test"
@@ -483,7 +484,7 @@ def test_tool_calls_auto_whole_and_streamed():
     call = msg["tool_calls"][0]
     assert call["type"] == "function" and call["id"].startswith("call_")
     assert call["function"]["name"] == "get_weather" and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
-    assert stub.submitted[-1].tools == WEATHER
+    assert stub.submitted[-1].tools == template_tools(WEATHER)
     with c.stream("POST", CHAT, json={"messages": USER, "tools": WEATHER, "stream": True}) as resp:
         events = sse_events(resp)
     deltas = [e["choices"][0]["delta"] for e in events]
@@ -522,12 +523,12 @@ def test_allowed_tools_narrows_the_tools_and_takes_its_mode():
         {"type": "function", "function": {"name": "get_weather"}}]}}
     body = c.post(CHAT, json={"messages": USER, "tools": [other, *WEATHER], "tool_choice": allowed}).json()
     assert body["choices"][0]["message"]["tool_calls"][0]["function"]["name"] == "get_weather"
-    assert stub.submitted[-1].tools == WEATHER
+    assert stub.submitted[-1].tools == template_tools(WEATHER)
     assert json.loads(stub.submitted[-1].params.structured.spec)["items"]["anyOf"][0]["properties"]["name"] == {
         "const": "get_weather"}
     allowed["allowed_tools"]["mode"] = "auto"
     assert c.post(CHAT, json={"messages": USER, "tools": [other, *WEATHER], "tool_choice": allowed}).status_code == 200
-    assert stub.submitted[-1].tools == WEATHER and stub.submitted[-1].params.structured is None
+    assert stub.submitted[-1].tools == template_tools(WEATHER) and stub.submitted[-1].params.structured is None
     # every tool given is checked, allowed or not (as /tokenize checks them; a bad one passed when left out)
     bad_tool = {"type": "function", "function": {"name": "g", "parameters": "oops"}}
     assert_error(c.post(CHAT, json={"messages": USER, "tools": [*WEATHER, bad_tool], "tool_choice": allowed}), 400,
@@ -927,7 +928,7 @@ def test_a_tool_schema_may_hold_uint64_bounds():
     c, stub = make_client(tool_call_parser="hermes")
     assert c.post(CHAT, json={"messages": USER, "tools": [tool]}).status_code == 200
     sent = stub.submitted[-1]
-    assert msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=type(sent)).tools == [tool]
+    assert msgspec.msgpack.decode(msgspec.msgpack.encode(sent), type=type(sent)).tools == template_tools([tool])
     tool["function"]["parameters"]["properties"]["n"]["maximum"] = 2**64
     assert_error(c.post(CHAT, json={"messages": USER, "tools": [tool]}), 400, "outside the 64-bit range",
                  "tools[0].function.parameters.properties.n.maximum")
@@ -1076,3 +1077,53 @@ def test_token_prompts_longer_than_the_context_are_truncated_when_asked(path, fi
     assert_error(c.post(path, json={field: ids}), 400, "more than the context (128)", field)
     too_many = [5] * (LIMITS.max_prompt_chars + 1)
     assert_error(c.post(path, json={field: too_many, "truncate_prompt_tokens": 8}), 400, "a truncated prompt", field)
+
+
+def test_chat_messages_and_tools_reach_the_template_as_vllm_normalizes_them():
+    """As vLLM's chat parser hands them to the chat template: tools as ChatCompletionToolsParam.model_dump() (Qwen3's
+    template writes each with tojson, so a missing description showed as no key, not vLLM's null, and extra keys or
+    another key order changed the prompt); a past call's arguments that are no JSON or null as {} (were rendered as
+    written / as null); an empty tool_calls dropped; reasoning under both names, ``reasoning`` winning (transformers
+    picked reasoning_content); documents passed to the template (were ignored)."""
+    c, stub = make_client()
+    tools = [{"function": {"parameters": {"type": "object"}, "name": "f", "x": 1}, "type": "function", "cache": 1},
+             {"type": "function", "function": {"strict": True, "name": "g", "description": "d"}}]
+    msgs = [*USER, {"role": "assistant", "content": "", "reasoning": "new", "reasoning_content": "old", "tool_calls": [
+        {"id": "c1", "type": "function", "function": {"name": "f", "arguments": "{city: Paris"}},
+        {"id": "c2", "type": "function", "function": {"name": "g", "arguments": None}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": [{"type": "input_text", "text": "ok"}]},
+        {"role": "assistant", "content": "done", "tool_calls": []}]
+    docs = [{"title": "t", "text": "x"}]
+    assert c.post(CHAT, json={"messages": msgs, "tools": tools, "tool_choice": "none", "documents": docs}).status_code == 200
+    sent = stub.submitted[-1]
+    assert sent.tools == [
+        {"type": "function", "function": {"name": "f", "description": None, "parameters": {"type": "object"}}},
+        {"type": "function", "function": {"name": "g", "description": "d", "parameters": None, "strict": True}}]
+    assert [call["function"]["arguments"] for call in sent.messages[1]["tool_calls"]] == [{}, {}]
+    assert sent.messages[1]["reasoning"] == sent.messages[1]["reasoning_content"] == "new"
+    assert sent.messages[2]["content"] == "ok" and "tool_calls" not in sent.messages[3]
+    assert sent.documents == docs
+
+
+@pytest.mark.parametrize("message, fragment", [
+    ({"role": "tool", "content": "ok"}, "messages[1].tool_call_id"),
+    ({"role": "tool", "tool_call_id": 5, "content": "ok"}, "messages[1].tool_call_id"),
+    ({"role": "assistant", "tool_calls": "call"}, "messages[1].tool_calls must be a list"),
+    ({"role": "assistant", "tool_calls": ["call"]}, "messages[1].tool_calls[0] must be"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "type": "function"}]}, "messages[1].tool_calls[0] must be"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "function": {"arguments": "{}"}}]}, "tool_calls[0] must be"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": 5, "arguments": "{}"}}]}, "tool_calls[0]"),
+    ({"role": "assistant", "tool_calls": [{"id": "c", "function": {"name": "f", "arguments": [1]}}]},
+     "tool_calls[0].function.arguments must be a string"),
+])
+def test_malformed_tool_messages_and_calls_are_a_400(message, fragment):
+    """A tool message without its tool_call_id, or a tool call that is no {"function": {"name", "arguments"}}, was
+    rendered (a call without a name as `"name": ""`) or failed in the template with an unhelpful message."""
+    c, stub = make_client()
+    for path in (CHAT, "/tokenize"):
+        assert_error(c.post(path, json={"messages": [*USER, message]}), 400, fragment, "messages")
+    assert stub.submitted == []
+    legacy = {"role": "function", "name": "now", "content": "12:00"}  # the legacy result: no tool_call_id to give
+    assert c.post(CHAT, json={"messages": [*USER, legacy]}).status_code == 200
+    bad_tool = {"type": "function", "function": {"name": "f", "description": 5}}
+    assert_error(c.post(CHAT, json={"messages": USER, "tools": [bad_tool]}), 400, "description must be a string", "tools")

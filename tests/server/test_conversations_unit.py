@@ -217,8 +217,8 @@ def test_function_calls_and_reasoning_carry_over():
     c.post(RESPONSES, json={"input": "hi", "conversation": cid})
     assert [i["type"] for i in items_of(c, cid)] == ["message", "reasoning", "message"]
     c.post(RESPONSES, json={"input": "more", "conversation": cid})
-    assert stub.submitted[-1].messages[1] == {"role": "assistant", "content": "The answer",
-                                              "reasoning_content": "let me think"}
+    assert stub.submitted[-1].messages[1] == {"role": "assistant", "content": "The answer",  # both names, as vLLM's
+                                              "reasoning_content": "let me think", "reasoning": "let me think"}
 
 
 def test_failed_rejected_and_cancelled_responses_add_nothing():

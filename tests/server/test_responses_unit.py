@@ -849,7 +849,7 @@ def test_truncation_auto_drops_the_oldest_items_until_the_answer_fits():
 
 def test_truncation_auto_keeps_a_call_with_its_output_and_the_system_messages():
     c, stub, _ = truncating_client()
-    items = [{"role": "developer", "content": "Dev."}, {"role": "user", "content": words(10, "ask")},
+    items = [{"role": "system", "content": "Dev."}, {"role": "user", "content": words(10, "ask")},
              call("c1", words(40, "arg")), {"type": "function_call_output", "call_id": "c1", "output": words(10, "out")},
              {"role": "user", "content": words(40, "next")}]
     # 2 + 11 + 42 + 11 + 41 + 1 = 108 tokens; with 30 for the answer the first user message goes (the

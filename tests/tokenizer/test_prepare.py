@@ -254,3 +254,12 @@ def test_a_bad_word_without_tokens_is_an_invalid_request(tiny_tokenizer):
     with pytest.raises(InvalidRequest, match=r"bad_words\[0\] \('\\u200b'\) is no token at all") as e:
         preparer.prepare(req(input_ids=[1], params=SamplingParams(bad_words=["\u200b"])))
     assert e.value.param == "bad_words"
+
+
+def test_documents_reach_the_chat_template(qwen3_tokenizer):
+    """vLLM's ``documents`` (RAG) are the template's ``documents`` (chat ignored them)."""
+    preparer = PromptPreparer(qwen3_tokenizer, PromptLimits(context_len=4096, vocab_size=200_000))
+    template = "{% for d in documents %}[{{ d.title }}] {{ d.text }}\n{% endfor %}{{ messages[0].content }}"
+    docs = [{"title": "Paris", "text": "Sunny."}]
+    text = preparer.render_chat(req(messages=[{"role": "user", "content": "hi"}], documents=docs, chat_template=template))
+    assert text == "[Paris] Sunny.\nhi"

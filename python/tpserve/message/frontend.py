@@ -39,6 +39,7 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True):
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # the last (assistant) message is continued, not closed
     tools: list[dict[str, Any]] | None = None  # rendered by the chat template
+    documents: list[dict[str, Any]] | None = None  # rendered by the chat template (vLLM's RAG documents)
     chat_template: str | None = None  # the request's own template (--trust-request-chat-template), else the server's
     structured_param: str = "response_format"  # the field params.structured came from, named if it is invalid
     prompt_param: str = "prompt"  # the field ``text`` or ``input_ids`` came from (``input`` for embeddings)

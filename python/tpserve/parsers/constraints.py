@@ -30,11 +30,33 @@ def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]
         name = function.get("name")
         if not isinstance(name, str) or not name:
             raise FieldError(f"tools[{i}].function.name must be a non-empty string", "tools")
+        if function.get("description") is not None and not isinstance(function["description"], str):
+            raise FieldError(f"tools[{i}].function.description must be a string", "tools")
+        if function.get("strict") is not None and not isinstance(function["strict"], bool):
+            raise FieldError(f"tools[{i}].function.strict must be a boolean", "tools")
         parameters = function.get("parameters") or {"type": "object", "properties": {}}
         if not isinstance(parameters, dict):
             raise FieldError(f"tools[{i}].function.parameters must be a JSON schema object", "tools")
         functions[name] = parameters
     return functions
+
+
+def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
+    """Tools (checked by ``check_tools``) as vLLM hands them to the chat template (its ``ChatCompletionToolsParam``'s
+    ``model_dump()``): ``type``, then the function's ``name``, ``description`` and ``parameters`` (null where not
+    given) and ``strict`` (where given), in that order; other keys are left out. Templates such as Qwen3's write each
+    tool with ``tojson``, so key order and missing keys show in the prompt."""
+    if not tools:
+        return None
+    shown = []
+    for tool in tools:
+        function = tool["function"]
+        spec = {"name": function["name"], "description": function.get("description"),
+                "parameters": function.get("parameters")}
+        if function.get("strict") is not None:
+            spec["strict"] = function["strict"]
+        shown.append({"type": "function", "function": spec})
+    return shown
 
 
 def named_tool(tool_choice: Any) -> str | None:

@@ -81,10 +81,10 @@ class RequestLimits:
                 f"hold ({self.max_prompt_chars} characters at most)", param
             )
 
-    def check_chat(self, messages: Any, tools: Any, chat_template_kwargs: Any) -> None:
+    def check_chat(self, messages: Any, tools: Any, chat_template_kwargs: Any, documents: Any = None) -> None:
         """Everything the chat template renders must fit the character limit; the error names the
         largest part."""
-        parts = chat_chars(messages, tools, chat_template_kwargs)
+        parts = chat_chars(messages, tools, chat_template_kwargs, documents)
         self.check_text(sum(parts.values()), max(parts, key=lambda name: parts[name]))
 
     def check_ids(self, count: int, param: str, truncated: bool = False) -> None:

@@ -67,7 +67,7 @@ def _part_text(part: Any, where: str) -> str:
     if isinstance(part, str):
         return part
     kind = part.get("type") if isinstance(part, dict) else None
-    if kind == "text" and isinstance(part.get("text"), str):
+    if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):  # vLLM takes all three
         return part["text"]
     if kind == "refusal" and isinstance(part.get("refusal"), str):  # an assistant turn's refusal, replayed
         return part["refusal"]
@@ -76,21 +76,32 @@ def _part_text(part: Any, where: str) -> str:
     raise APIError.invalid(f"{where}: a content part must be {{\"type\": \"text\", \"text\": ...}}", "messages")
 
 
-def _template_tool_call(call: Any) -> Any:
-    """Arguments as a JSON object: templates such as Llama 3.1's render them with ``tojson``. Arguments that are no
-    JSON, or hold what the tokenizer workers' messages cannot carry (an integer past 64 bits, a lone surrogate
-    escape: the request was a 500), stay the string the model wrote (Qwen3's template renders a string as it is)."""
+def _template_tool_call(call: Any, where: str) -> Any:
+    """An assistant's tool call as vLLM hands it to the chat template: arguments as a JSON object (templates such as
+    Llama 3.1's render them with ``tojson``); arguments that are no JSON, empty or null are ``{}`` (vLLM's
+    ``_postprocess_messages``). Arguments holding what the tokenizer workers' messages cannot carry (an integer past 64
+    bits, a lone surrogate escape: the request was a 500) stay the string given (Qwen3's template renders a string as
+    it is). A call that is no ``{"function": {"name": str, "arguments": str}}`` is a 400, as vLLM's validation."""
     function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("arguments"), str):
+    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+        raise APIError.invalid(f'{where} must be {{"id", "type": "function", "function": {{"name": string, '
+                               f'"arguments": string}}}}', "messages")
+    arguments = function.get("arguments")
+    if isinstance(arguments, dict):
         return call
-    if not function["arguments"].strip():  # a call without arguments: {} (as vLLM), not a template's `"arguments": }`
+    if arguments is not None and not isinstance(arguments, str):
+        raise APIError.invalid(f"{where}.function.arguments must be a string (the call's arguments as JSON)", "messages")
+    if arguments is None or not arguments.strip():  # a call without arguments: {} (as vLLM), not `"arguments": }`
         return {**call, "function": {**function, "arguments": {}}}
     try:
-        arguments = json.loads(function["arguments"])
-        check_transportable(arguments)
-    except (ValueError, RecursionError, APIError):  # no JSON (or nested past the parser's depth), or untransportable
+        parsed = json.loads(arguments)
+    except (ValueError, RecursionError):  # no JSON (or nested past the parser's depth): {} as vLLM renders it
+        return {**call, "function": {**function, "arguments": {}}}
+    try:
+        check_transportable(parsed)
+    except APIError:  # untransportable: the string as given
         return call
-    return {**call, "function": {**function, "arguments": arguments}}
+    return {**call, "function": {**function, "arguments": parsed}}
 
 
 class ChatMessage(_Lenient):
@@ -106,11 +117,33 @@ class ChatMessage(_Lenient):
         msg.setdefault("content", "")
         if msg["role"] == "developer":  # OpenAI's newer name for the system role
             msg["role"] = "system"
+        if self.role == "tool" and not isinstance(msg.get("tool_call_id"), str):  # required, as OpenAI's
+            raise APIError.invalid(f"messages[{index}].tool_call_id (the id of the call it answers) is required for a "
+                                   "tool message and must be a string", "messages")
         if msg["role"] == "function":  # the legacy name of a tool result
             msg["role"] = "tool"
-        if isinstance(msg.get("tool_calls"), list):
-            msg["tool_calls"] = [_template_tool_call(c) for c in msg["tool_calls"]]
+        if msg["role"] == "assistant":
+            _assistant_for_template(msg, index)
         return msg
+
+
+def _assistant_for_template(msg: dict[str, Any], index: int) -> None:
+    """An assistant message as vLLM's chat parser leaves it: its tool calls checked, their arguments as objects, an
+    empty ``tool_calls`` dropped (templates such as Llama 3.1's test ``'tool_calls' in message``), and its reasoning
+    under both names (``reasoning`` wins over the older ``reasoning_content``, as in vLLM)."""
+    if "tool_calls" in msg:
+        calls = msg["tool_calls"]
+        if not isinstance(calls, list):
+            raise APIError.invalid(f"messages[{index}].tool_calls must be a list of tool calls", "messages")
+        if calls:
+            msg["tool_calls"] = [_template_tool_call(c, f"messages[{index}].tool_calls[{i}]") for i, c in enumerate(calls)]
+        else:
+            del msg["tool_calls"]
+    reasoning = msg.get("reasoning")
+    if reasoning is None:
+        reasoning = msg.get("reasoning_content")
+    if reasoning is not None:
+        msg["reasoning"] = msg["reasoning_content"] = reasoning
 
 
 def _function_name(tool: Any) -> str | None:
@@ -355,6 +388,7 @@ class ChatCompletionRequest(_SamplingFields):
     max_tokens: int | None = Field(default=None, ge=1)
     max_completion_tokens: int | None = Field(default=None, ge=1)
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # vLLM's: RAG documents, passed to the chat template
     add_generation_prompt: bool = True
     continue_final_message: bool = False  # vLLM's: the model continues the last (assistant) message
     logprobs: bool | None = False
@@ -490,6 +524,7 @@ class TokenizeBody(_Body):
     tools: list[dict[str, Any]] | None = None
     tool_choice: Any = None  # as chat's: an allowed_tools choice renders its tools only
     chat_template_kwargs: dict[str, Any] | None = None
+    documents: list[dict[str, Any]] | None = None  # as chat's
     reasoning_effort: str | None = None  # as chat's: "none" renders the prompt with thinking off
     chat_template: StrictStr | None = None  # as chat's (--trust-request-chat-template)
     return_token_strs: bool = False  # also each token's string (the vocabulary's spelling), as vLLM's token_strs

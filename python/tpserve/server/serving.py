@@ -14,7 +14,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 
 from tpserve.message.frontend import ApiOutput, RequestRejected, TokenizeRequest
 from tpserve.parsers.chat_output import ChatOutputConfig
-from tpserve.parsers.constraints import named_tool
+from tpserve.parsers.constraints import named_tool, template_tools
 from tpserve.pooling import ModelHead
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.client import BackendEvent, FrontendClient, RequestCancelled
@@ -226,7 +226,7 @@ class Serving:
         self.limits.check_sequences(1, body.n)
         messages = body.template_messages()
         template_kwargs = body.template_kwargs()
-        self.limits.check_chat(messages, body.tools, template_kwargs)
+        self.limits.check_chat(messages, body.tools, template_kwargs, body.documents)
         reqs = [
             TokenizeRequest(
                 rid=self.frontend.new_rid(),
@@ -235,7 +235,8 @@ class Serving:
                 chat_template_kwargs=template_kwargs,
                 add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                tools=body.tools or None,
+                tools=template_tools(body.tools),
+                documents=body.documents,
                 structured_param=body.structured_param,
                 chat_template=body.chat_template,
             )

@@ -10,6 +10,7 @@ from tpserve.message.frontend import TokenizeRequest
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.errors import APIError
 from tpserve.server.limits import RequestLimits
+from tpserve.parsers.constraints import template_tools
 from tpserve.server.protocol import DetokenizeBody, TokenizeBody, check_request_template
 from tpserve.tokenizer.prepare import InvalidRequest, PromptLimits, PromptPreparer
 
@@ -43,7 +44,7 @@ class TokenizeService:
             self._limits.check_text(len(body.prompt), "prompt")
         else:
             template_kwargs = body.template_kwargs()
-            self._limits.check_chat(messages, body.tools, template_kwargs)
+            self._limits.check_chat(messages, body.tools, template_kwargs, body.documents)
         if body.prompt is not None:
             tokenizer = await self._load()
             ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
@@ -52,7 +53,7 @@ class TokenizeService:
                 rid=0, params=SamplingParams(), messages=messages,
                 chat_template_kwargs=template_kwargs, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
-                tools=body.tools or None, chat_template=body.chat_template,
+                tools=template_tools(body.tools), documents=body.documents, chat_template=body.chat_template,
             ))
         out: dict[str, Any] = {"tokens": list(ids), "count": len(ids), "max_model_len": self._limits.context_len}
         if body.return_token_strs:

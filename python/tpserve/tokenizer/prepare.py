@@ -67,10 +67,10 @@ def text_chars(value: Any) -> int:
     return total
 
 
-def chat_chars(messages: Any, tools: Any, chat_template_kwargs: Any) -> dict[str, int]:
+def chat_chars(messages: Any, tools: Any, chat_template_kwargs: Any, documents: Any = None) -> dict[str, int]:
     """The characters of each part a chat template renders, by the request field it comes from."""
     return {"messages": text_chars(messages), "tools": text_chars(tools),
-            "chat_template_kwargs": text_chars(chat_template_kwargs)}
+            "chat_template_kwargs": text_chars(chat_template_kwargs), "documents": text_chars(documents)}
 
 
 def prompt_chars(req: TokenizeRequest) -> int:
@@ -78,7 +78,7 @@ def prompt_chars(req: TokenizeRequest) -> int:
     can render: messages, tools and template variables), before tokenizing."""
     if req.text is not None:
         return len(req.text) + len(req.text_pair or "")
-    return sum(chat_chars(req.messages, req.tools, req.chat_template_kwargs).values())
+    return sum(chat_chars(req.messages, req.tools, req.chat_template_kwargs, req.documents).values())
 
 
 @dataclass(frozen=True)
@@ -212,6 +212,7 @@ class PromptPreparer:
                 add_generation_prompt=req.add_generation_prompt,
                 continue_final_message=req.continue_final_message,
                 tools=req.tools,
+                documents=req.documents,
                 **kwargs,
             )
         except Exception as e:  # the template is model code and may raise anything on odd input
