@@ -88,3 +88,33 @@ def test_peer_memory_all_reduce_does_not_span_nodes(qwen3_dir):
     with pytest.raises(ValueError, match="peer GPU memory, which does not span nodes"):
         EngineConfig(qwen3_dir, tp_size=2, nnodes=2, dist_init_addr="tcp://h:1", all_reduce="one_shot")
     assert EngineConfig(qwen3_dir, tp_size=2, nnodes=2, dist_init_addr="tcp://h:1", all_reduce="auto")
+
+
+def test_a_rank_whose_store_closes_while_joining_gets_a_node_failure(qwen3_dir):
+    """Node 0's ranks give up joining at about the same moment; rank 0, which holds the store, exits with its
+    NodeFailure, and its node's other rank, still polling the store, got torch's DistNetworkError (a traceback, and
+    the error the server's summary named instead of the missing node)."""
+    import threading
+
+    config = EngineConfig(qwen3_dir, tp_size=4, nnodes=2, dist_init_addr=f"tcp://127.0.0.1:{free_port()}",
+                          dist_timeout=30.0)
+    errors: list[BaseException] = []
+    groups: list[NodeGroup] = []
+
+    def join_rank_1() -> None:
+        try:
+            groups.append(NodeGroup.join(1, config))
+        except BaseException as e:  # noqa: BLE001
+            errors.append(e)
+
+    from tpserve.distributed.comm import rendezvous_store
+
+    store = rendezvous_store(config.dist_init_addr, 0, 4, 30.0, wait_for_workers=False)  # rank 0's store
+    rank_1 = threading.Thread(target=join_rank_1)
+    rank_1.start()
+    time.sleep(1.0)  # rank 1 is waiting for ranks 0, 2 and 3
+    del store  # rank 0 gave up and exited: its store is gone
+    rank_1.join(timeout=30)
+    assert not rank_1.is_alive() and not groups
+    assert len(errors) == 1 and isinstance(errors[0], NodeFailure), errors
+    assert "rank 1 (node 0)" in str(errors[0]) and "closed before every rank joined" in str(errors[0])

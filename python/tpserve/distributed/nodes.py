@@ -129,7 +129,13 @@ class NodeGroup:
         group = cls(rank, layout, host, port, config.dist_timeout, store)
         store.add(f"{_BEAT}{rank}", 1)
         store.set(f"{_JOINED}{rank}", f"{socket.gethostname()} pid {os.getpid()}")
-        missing = group._wait_all(_JOINED, config.dist_timeout)
+        try:
+            missing = group._wait_all(_JOINED, config.dist_timeout)
+        except (RuntimeError, OSError):  # torch's DistNetworkError: rank 0 gave up waiting (or died) and its store went
+            raise NodeFailure(
+                f"{me}: node 0's rendezvous store at {host}:{port} closed before every rank joined (rank 0 "
+                "stopped: its log names the ranks that did not join)"
+            ) from None
         if missing:
             raise NodeFailure(
                 f"{me}: {layout.names(missing)} did not join within {config.dist_timeout:g} s "

@@ -121,7 +121,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "template runs in Jinja's sandbox in the tokenizer workers, so only for trusted clients")
     model.add_argument("--tool-call-parser", choices=["auto", "none", *TOOL_CALL_PARSERS], default="auto",
                        help="how the model writes tool calls: hermes (Qwen2.5/Qwen3 <tool_call> JSON), "
-                       "llama3_json (Llama 3.1 JSON); auto: from the chat template, none: no tool "
+                       "llama3_json (Llama 3.1 JSON); auto: from the chat template (<tool_call> in it: hermes; "
+                       "<|python_tag|>, or tools with \"parameters\": llama3_json; else none), none: no tool "
                        "parsing (tool_choice required or named still work)")
     model.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="split <think>...</think> into reasoning_content (qwen3, deepseek_r1); "
@@ -151,8 +152,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "llm-compressor checkpoint's format")
     model.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int_at_least(2),
                        default=None,
-                       help="context limit (prompt + completion tokens); default: the model's "
-                       "context length (max_position_embeddings, extended by YaRN or linear rope scaling)")
+                       help="context limit (prompt + completion tokens), at most the model's; default: the "
+                       "model's context length (max_position_embeddings, extended by YaRN or linear rope scaling, "
+                       "capped at a sliding window)")
     model.add_argument("--trust-remote-code", action="store_true",
                        help="accepted for vLLM/SGLang compatibility and ignored: tpserve runs no code from "
                        "model repositories (only the architectures it implements)")
@@ -254,22 +256,24 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--host", default=_default("host", ServerArgs), help="HTTP bind address")
     server.add_argument("--port", type=port, default=_default("port", ServerArgs), help="HTTP port (0: any free port)")
     server.add_argument("--api-key", default=None,
-                        help="require 'Authorization: Bearer KEY' on /v1/* and /flush_cache "
-                        f"(env {API_KEY_ENV})")
+                        help="require 'Authorization: Bearer KEY' on /v1/*, /tokenize, /detokenize, /classify, "
+                        "/score, /rerank, /v2/rerank, /flush_cache and /reset_prefix_cache (not /health, /ping, "
+                        f"/metrics, /version) (env {API_KEY_ENV})")
     server.add_argument("--return-tokens-as-token-ids", action="store_true",
                         help="every request's logprobs name their tokens 'token_id:N' (as the request field of that "
                         "name asks for one request; vLLM's flag)")
     server.add_argument("--enable-force-include-usage", action="store_true",
                         help="every streamed answer ends with its usage, asked for or not (vLLM's flag)")
     server.add_argument("--root-path", default="",
-                        help="the path prefix a reverse proxy serves the API under (uvicorn's root_path; vLLM's flag)")
+                        help="the path prefix a reverse proxy serves the API under (uvicorn's root_path; vLLM's flag); "
+                        "default: none")
     server.add_argument("--allowed-origins", type=json_strings_arg, default=(), metavar="JSON",
                         help="CORS: the browser origins allowed to call the API, e.g. '[\"https://app.example\"]' "
                         "or '[\"*\"]' (vLLM's flag; vLLM allows every origin by default, tpserve none)")
     server.add_argument("--allowed-methods", type=json_strings_arg, default=("*",), metavar="JSON",
-                        help="CORS: the methods allowed to those origins")
+                        help="CORS: the methods allowed to those origins (default: '[\"*\"]')")
     server.add_argument("--allowed-headers", type=json_strings_arg, default=("*",), metavar="JSON",
-                        help="CORS: the request headers allowed to those origins")
+                        help="CORS: the request headers allowed to those origins (default: '[\"*\"]')")
     server.add_argument("--allow-credentials", action="store_true",
                         help="CORS: let those origins send credentials (cookies, Authorization)")
     server.add_argument("--max-request-bytes", type=int_at_least(1024), default=_default("max_request_bytes", ServerArgs),

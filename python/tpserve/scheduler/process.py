@@ -49,7 +49,7 @@ def run_scheduler(
         nodes = NodeGroup.join(rank, engine_config)
     except NodeFailure as e:  # nothing to tell the others: the group never formed
         logger.error("%s", e)
-        raise SystemExit(1) from None
+        raise ChildCannotGoOn(str(e)) from None  # the parent's summary names it
     try:
         _run_rank(engine_config, rank, endpoints, ack_queue, heartbeat, nodes)
     except Exception as e:  # noqa: BLE001 - whatever stops a rank stops the job, with a verdict
