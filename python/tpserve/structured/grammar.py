@@ -45,8 +45,10 @@ def _grammar(spec: StructuredOutput):
         return xgr.Grammar.from_json_schema('{"type": "object"}', any_whitespace=False, strict_mode=False)
     if spec.kind == "json_schema":
         # strict: no properties beyond the schema's, as OpenAI's strict mode (a required name is one of them)
-        schema = with_required_properties(json.loads(spec.spec))
-        return xgr.Grammar.from_json_schema(json.dumps(schema), any_whitespace=False, strict_mode=True)
+        document = json.loads(spec.spec)
+        schema = with_required_properties(document)
+        text = spec.spec if schema is document else json.dumps(schema)  # the schema as sent where nothing changed
+        return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
     if spec.kind == "regex":
         return xgr.Grammar.from_regex(spec.spec)
     if spec.kind == "structural_tag":
