@@ -11,12 +11,14 @@ the scheduler gives up on one that takes too long, and an abort drops a compile 
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 import os
 import re
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -111,16 +113,22 @@ def _subschemas(node: dict[str, Any]) -> list[Any]:
     return [child for child in found if isinstance(child, dict)]
 
 
+def _schema_nodes(schema: Any) -> Iterator[dict[str, Any]]:
+    """Every (sub)schema object of ``schema``, without recursion; a node's subschemas are read after it is yielded."""
+    stack = [schema]
+    while stack:
+        node = stack.pop()
+        if isinstance(node, dict):
+            yield node
+            stack.extend(_subschemas(node))
+
+
 def unenforced_keyword(schema: Any) -> str | None:
     """The first keyword of ``schema`` (and its subschemas) the grammar would silently not enforce, described, or
     None: those of ``_UNENFORCED`` (``uniqueItems`` only when true), ``multipleOf`` but an integer's by an integer,
     ``allOf`` of more than one schema, and a string's ``minLength``/``maxLength`` beside a ``pattern`` or ``format``
     (xgrammar keeps only the latter)."""
-    stack = [schema]
-    while stack:
-        node = stack.pop()
-        if not isinstance(node, dict):
-            continue
+    for node in _schema_nodes(schema):
         for key in _UNENFORCED:
             if key in node and not (key == "uniqueItems" and node[key] is not True):
                 return f"'{key}'"
@@ -133,41 +141,30 @@ def unenforced_keyword(schema: Any) -> str | None:
         lengths = [key for key in ("minLength", "maxLength") if key in node]
         if lengths and ("pattern" in node or "format" in node):
             return f"'{lengths[0]}' beside '{'pattern' if 'pattern' in node else 'format'}'"
-        stack.extend(_subschemas(node))
     return None
+
+
+def _missing_required(node: dict[str, Any]) -> list[str]:
+    """The names an object schema requires that its ``properties`` do not list."""
+    required, properties = node.get("required"), node.get("properties", {})
+    if not isinstance(required, list) or not isinstance(properties, dict):
+        return []
+    return [name for name in required if isinstance(name, str) and name not in properties]
 
 
 def with_required_properties(schema: Any) -> Any:
     """``schema`` with every object's required names that its ``properties`` leave out added to them (as its
     ``additionalProperties`` schema, else any value): in strict mode xgrammar would otherwise leave them out, and its
-    output would lack a required property. A schema that needs no change is returned as it is."""
-    if not isinstance(schema, dict):
+    output would lack a required property. A schema that needs no change is returned as it is (not copied)."""
+    if not any(_missing_required(node) for node in _schema_nodes(schema)):
         return schema
-    changed = False
-
-    def fix(node: dict[str, Any]) -> dict[str, Any]:
-        nonlocal changed
-        out = dict(node)
-        for key, value in node.items():
-            if key in _SCHEMA_VALUED:
-                out[key] = [fix(v) if isinstance(v, dict) else v for v in value] if isinstance(value, list) else \
-                    fix(value) if isinstance(value, dict) else value
-            elif key in _SCHEMA_LISTS and isinstance(value, list):
-                out[key] = [fix(v) if isinstance(v, dict) else v for v in value]
-            elif key in _SCHEMA_MAPS and isinstance(value, dict):
-                out[key] = {k: fix(v) if isinstance(v, dict) else v for k, v in value.items()}
-        required, properties = node.get("required"), out.get("properties", {})
-        if isinstance(required, list) and isinstance(properties, dict):
-            missing = [name for name in required if isinstance(name, str) and name not in properties]
-            if missing:
-                extra = node.get("additionalProperties")
-                value_schema = extra if isinstance(extra, dict) else {}
-                out["properties"] = {**properties, **{name: value_schema for name in missing}}
-                changed = True
-        return out
-
-    fixed = fix(schema)
-    return fixed if changed else schema
+    fixed = copy.deepcopy(schema)
+    for node in _schema_nodes(fixed):
+        if missing := _missing_required(node):
+            extra = node.get("additionalProperties")
+            value_schema = extra if isinstance(extra, dict) else {}
+            node["properties"] = {**node.get("properties", {}), **dict.fromkeys(missing, value_schema)}
+    return fixed
 
 
 def _check_structures(tag: dict[str, Any]) -> None:
