@@ -118,3 +118,17 @@ def test_pooling_configs_as_sentence_transformers_reads_them(tmp_path):
         assert (unserved_pooling(str(tmp_path)) is None) == served, config
     (tmp_path / "modules.json").write_text("[" * 100_000 + "]" * 100_000)
     assert "could not be read (RecursionError" in unserved_pooling(str(tmp_path))
+
+
+def test_a_pooled_input_may_fill_the_context(qwen3_dir):
+    """No token follows a pooled input, so it may take the whole context (vLLM's bound); one more is refused."""
+    full = list(range(3, 3 + 48))
+    with LLM(qwen3_dir, device="cpu", max_model_len=48, chunked_prefill_size=16) as llm:
+        out = llm.embed([full], use_tqdm=False)[0]
+        kept = llm.embed([full + [60, 61]], use_tqdm=False, truncate_prompt_tokens=-1)[0]
+        with pytest.raises(ValueError, match="has 49 tokens; the context limit is 48$"):
+            llm.embed([full + [60]], use_tqdm=False)
+        with pytest.raises(ValueError, match="48 \\(prompt plus at least one generated token"):
+            llm.generate([{"prompt_token_ids": full}], use_tqdm=False)
+    error = float((torch.tensor(out.outputs.embedding) - hf_embedding(qwen3_dir, full)).abs().max())
+    assert error < 1e-5 and kept.prompt_token_ids == full[2:] + [60, 61]

@@ -73,6 +73,17 @@ def test_truncate_prompt_tokens_keeps_the_prompts_end(preparer):
         SamplingParams(truncate_prompt_tokens=0)
 
 
+def test_a_pooled_input_may_fill_the_context(preparer):
+    """vLLM's bound for embeddings, classify and score: the whole context (no token follows), also under
+    truncate_prompt_tokens=-1; a generation prompt leaves a place for one token."""
+    pooled = SamplingParams(pooling="embed", max_tokens=1)
+    assert len(preparer.prepare(req(input_ids=list(range(1, 65)), params=pooled)).generate.input_ids) == 64
+    with pytest.raises(InvalidRequest, match="the input has 65 tokens, but this model's context length is 64 tokens$"):
+        preparer.prepare(req(input_ids=list(range(1, 66)), params=pooled))
+    cut = SamplingParams(pooling="embed", max_tokens=1, truncate_prompt_tokens=-1)
+    assert preparer.prepare(req(input_ids=list(range(1, 101)), params=cut)).generate.input_ids == list(range(37, 101))
+
+
 def test_seeds_differ_between_requests(preparer):
     seeds = {preparer.prepare(req(rid=i, input_ids=[1])).generate.params.seed for i in range(5)}
     assert len(seeds) == 5

@@ -116,13 +116,14 @@ class Scheduler:
         vocab = self.engine.model_config.vocab_size
         if min(prompt_ids) < 0 or max(prompt_ids) >= vocab:
             raise AdmissionError(f"prompt token ids must be in [0, {vocab})")
-        if len(prompt_ids) >= self.max_model_len:
+        after = 0 if params.pooled else 1  # a generated token's place; a pooled input may fill the context
+        if len(prompt_ids) + after > self.max_model_len:
             raise AdmissionError(
-                f"the prompt has {len(prompt_ids)} tokens; the context limit is {self.max_model_len} "
-                "(prompt plus at least one generated token)"
+                f"the prompt has {len(prompt_ids)} tokens; the context limit is {self.max_model_len}"
+                + ("" if params.pooled else " (prompt plus at least one generated token)")
             )
         capacity = self.allocator.total * self.page_size
-        if len(prompt_ids) + 1 > capacity:
+        if len(prompt_ids) + after > capacity:
             raise AdmissionError(
                 f"the prompt has {len(prompt_ids)} tokens; the KV cache holds {capacity} tokens in all"
             )

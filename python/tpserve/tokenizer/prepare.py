@@ -95,10 +95,10 @@ class PreparedRequest:
 
 def kept_prompt_tokens(params: SamplingParams, context_len: int) -> int | None:
     """vLLM's ``truncate_prompt_tokens``: how many prompt tokens are kept (None: all); -1: as many as ``context_len``
-    holds with ``max_tokens`` (or ``min_tokens``, at least one token) after them."""
+    holds with ``max_tokens`` (or ``min_tokens``, at least one token) after them, or all of it for a pooled request."""
     keep = params.truncate_prompt_tokens
     if keep == -1:
-        keep = context_len - (params.max_tokens or max(1, params.min_tokens))
+        keep = context_len - (0 if params.pooled else params.max_tokens or max(1, params.min_tokens))
     return keep if keep is not None and keep > 0 else None
 
 
@@ -124,17 +124,16 @@ class PromptPreparer:
         n = len(input_ids)
         if n == 0:
             raise InvalidRequest("the prompt is empty", param)
-        if n >= ctx and req.params.pooled:
-            raise InvalidRequest(f"the input has {n} tokens, but this model's context length is {ctx} tokens "
-                                 f"(a pooled request takes at most {ctx - 1})", param)
-        if n >= ctx:
+        if n > ctx and req.params.pooled:  # no token follows a pooled input: it may fill the context, as in vLLM
+            raise InvalidRequest(f"the input has {n} tokens, but this model's context length is {ctx} tokens", param)
+        if n >= ctx and not req.params.pooled:
             raise InvalidRequest(
                 f"the prompt has {n} tokens, but this model's context length is {ctx} tokens "
                 "(the prompt must leave room for at least one generated token)",
                 param,
             )
         params = req.params
-        if params.max_tokens is not None and n + params.max_tokens > ctx:
+        if params.max_tokens is not None and n + params.max_tokens > ctx and not params.pooled:
             raise InvalidRequest(
                 f"this model's context length is {ctx} tokens, but {n + params.max_tokens} were "
                 f"requested ({n} in the prompt, {params.max_tokens} for the completion); "
