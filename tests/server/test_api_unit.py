@@ -429,6 +429,22 @@ def test_completion_stream_multi_prompt():
     assert "usage" not in events[0]
 
 
+@pytest.mark.parametrize("top", [0, 2])
+def test_completion_top_logprobs_always_hold_the_chosen_token(top):
+    """OpenAI's legacy completions show the chosen token's logprob among ``top_logprobs`` (up to ``logprobs`` + 1
+    entries; ``logprobs: 0``: that one alone), as vLLM's do; they held the alternatives only (``{}`` for 0), whole
+    and streamed. (The stub's token is none of its alternatives: logprob -1, theirs -2, -3, ...)"""
+    c, _ = make_client()
+    body = {"prompt": "hi", "logprobs": top}
+    logprobs = c.post(COMPLETIONS, json=body).json()["choices"][0]["logprobs"]
+    with c.stream("POST", COMPLETIONS, json={**body, "stream": True}) as resp:
+        streamed = [ch["logprobs"] for e in sse_events(resp) for ch in e["choices"] if ch["logprobs"]]
+    for shown in (logprobs, *streamed):
+        for token, chosen, alternatives in zip(shown["tokens"], shown["token_logprobs"], shown["top_logprobs"]):
+            assert alternatives == {**{f"{token}~{i}": -2.0 - i for i in range(top)}, token: chosen} and chosen == -1.0
+    assert sum((s["tokens"] for s in streamed), []) == logprobs["tokens"] and len(logprobs["tokens"]) == 3
+
+
 # ---- issue 12: lenient fields, sampling controls, structured output, tools, reasoning ----
 def test_lenient_fields_nulls_and_extra_part_keys():
     c, stub = make_client()

@@ -244,9 +244,15 @@ def test_logprobs_whole_and_streamed():
     with c.stream("POST", RESPONSES, json={**body, "stream": True}) as r:
         events = events_of(r)
     deltas = [e["logprobs"] for e in events if e["type"] == "response.output_text.delta"]
-    assert [len(d) for d in deltas] == [1, 1, 1] and sum(deltas, []) == part["logprobs"]
+    # the events' logprobs are OpenAI's (and vLLM's) of those events: token, logprob, top_logprobs (token, logprob),
+    # without the part's bytes (they carried them)
+    in_events = [{"token": lp["token"], "logprob": lp["logprob"],
+                  "top_logprobs": [{"token": t["token"], "logprob": t["logprob"]} for t in lp["top_logprobs"]]}
+                 for lp in part["logprobs"]]
+    assert [len(d) for d in deltas] == [1, 1, 1] and sum(deltas, []) == in_events
     done = next(e for e in events if e["type"] == "response.output_text.done")
-    assert done["logprobs"] == part["logprobs"] == events[-1]["response"]["output"][0]["content"][0]["logprobs"]
+    assert done["logprobs"] == in_events
+    assert part["logprobs"] == events[-1]["response"]["output"][0]["content"][0]["logprobs"]
     # top_logprobs alone asks for none, as OpenAI's API
     plain = c.post(RESPONSES, json={"input": "hi", "top_logprobs": 2}).json()
     assert plain["output"][0]["content"][0]["logprobs"] == [] and stub.submitted[-1].params.logprobs is None
@@ -304,7 +310,7 @@ def test_logprobs_of_the_think_block_its_tags_and_the_newlines_after_are_left_ou
     with c.stream("POST", RESPONSES, json={**body, "stream": True}) as r:
         events = events_of(r)
     deltas = [e["logprobs"] for e in events if e["type"] == "response.output_text.delta"]
-    assert sum(deltas, []) == part["logprobs"]
+    assert [lp["token"] for lp in sum(deltas, [])] == [lp["token"] for lp in part["logprobs"]]
 
 
 # ---- store ----

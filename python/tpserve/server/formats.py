@@ -314,11 +314,19 @@ class CompletionFormat(ResponseFormat):
         def shown(text: str, raw: bytes, token_id: int) -> str:
             return f"token_id:{token_id}" if self.tokens_as_ids else legacy_token(text, raw)
 
+        def top(e: TokenLogprob) -> dict[str, float] | None:
+            """The alternatives, and the token itself where it is none of them: OpenAI's legacy completions
+            always show the chosen token's (up to ``logprobs`` + 1 entries; ``logprobs`` 0: that one), as vLLM's."""
+            if e.logprob is None:
+                return None
+            alternatives = {shown(t, raw, i): v for (t, raw, v), i in zip(e.top, e.top_ids)}
+            alternatives.setdefault(shown(e.token, e.raw, e.token_id), e.logprob)
+            return alternatives
+
         return {
             "tokens": [shown(e.token, e.raw, e.token_id) for e in entries],
             "token_logprobs": [e.logprob for e in entries],
-            "top_logprobs": [{shown(t, raw, i): v for (t, raw, v), i in zip(e.top, e.top_ids)}
-                             if e.logprob is not None else None for e in entries],
+            "top_logprobs": [top(e) for e in entries],
             "text_offset": offsets,
         }
 

@@ -122,7 +122,7 @@ class OutputItems:
             part = item["content"][0]
             if item["type"] == "message":
                 events = [_item_event(item, index, "response.output_text.done", content_index=0, text=part["text"],
-                                      logprobs=part["logprobs"])]
+                                      logprobs=_event_logprobs(part["logprobs"]))]
             else:
                 events = [_item_event(item, index, "response.reasoning_text.done", content_index=0, text=part["text"])]
             events.append(_item_event(item, index, "response.content_part.done", content_index=0, part=dict(part)))
@@ -139,7 +139,7 @@ class OutputItems:
         extra: dict[str, Any] = {}
         if kind == "message":
             part["logprobs"] += logprobs or []
-            extra["logprobs"] = logprobs or []
+            extra["logprobs"] = _event_logprobs(logprobs or [])
         return events + [_item_event(item, len(self.items) - 1, name, content_index=0, delta=text, **extra)]
 
     def _start_text_item(self, kind: str) -> list[dict[str, Any]]:
@@ -159,6 +159,16 @@ class OutputItems:
         self.items.append(item)
         self._open = item
         return [{"type": "response.output_item.added", "output_index": len(self.items) - 1, "item": _copy(item)}]
+
+
+def _event_logprobs(logprobs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Logprobs as the text events carry them: without ``bytes`` (OpenAI's ``response.output_text.delta``/``.done``
+    logprobs, and vLLM's, are token, logprob and top_logprobs of token and logprob); the output_text part keeps them."""
+    def shown(entry: dict[str, Any]) -> dict[str, Any]:
+        return {k: v for k, v in entry.items() if k != "bytes"}
+
+    return [{**shown(lp), "top_logprobs": [shown(t) for t in lp["top_logprobs"]]} if "top_logprobs" in lp else shown(lp)
+            for lp in logprobs]
 
 
 def _item_event(item: dict[str, Any], index: int, name: str, **fields: Any) -> dict[str, Any]:
