@@ -9,17 +9,16 @@ one-line 400.
 
 from __future__ import annotations
 
-import msgspec
-
-import json
 import logging
 from typing import Any, Literal, Mapping, Union
 
+import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
 from tpserve.parsers.constraints import FieldError, check_tools, output_structure
 from tpserve.sampling_defaults import SAMPLING_FIELDS
 from tpserve.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams, StructuredOutput
+from tpserve.server.chat_messages import assistant_for_template, part_text
 from tpserve.server.errors import APIError
 from tpserve.server.limits import check_transportable
 
@@ -63,47 +62,6 @@ class StreamOptions(_Lenient):
     continuous_usage_stats: bool = False  # vLLM's: every chunk carries the usage so far
 
 
-def _part_text(part: Any, where: str) -> str:
-    if isinstance(part, str):
-        return part
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind in ("text", "input_text", "output_text") and isinstance(part.get("text"), str):  # vLLM takes all three
-        return part["text"]
-    if kind == "refusal" and isinstance(part.get("refusal"), str):  # an assistant turn's refusal, replayed
-        return part["refusal"]
-    if kind in ("image_url", "input_image", "image", "input_audio", "audio", "video_url", "file"):
-        raise APIError.invalid(f"{where}: {kind} content is not supported (tpserve serves text-only models)", "messages")
-    raise APIError.invalid(f"{where}: a content part must be {{\"type\": \"text\", \"text\": ...}}", "messages")
-
-
-def _template_tool_call(call: Any, where: str) -> Any:
-    """An assistant's tool call as vLLM hands it to the chat template: arguments as a JSON object (templates such as
-    Llama 3.1's render them with ``tojson``); arguments that are no JSON, empty or null are ``{}`` (vLLM's
-    ``_postprocess_messages``). Arguments holding what the tokenizer workers' messages cannot carry (an integer past 64
-    bits, a lone surrogate escape: the request was a 500) stay the string given (Qwen3's template renders a string as
-    it is). A call that is no ``{"function": {"name": str, "arguments": str}}`` is a 400, as vLLM's validation."""
-    function = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(function, dict) or not isinstance(function.get("name"), str):
-        raise APIError.invalid(f'{where} must be {{"id", "type": "function", "function": {{"name": string, '
-                               f'"arguments": string}}}}', "messages")
-    arguments = function.get("arguments")
-    if isinstance(arguments, dict):
-        return call
-    if arguments is not None and not isinstance(arguments, str):
-        raise APIError.invalid(f"{where}.function.arguments must be a string (the call's arguments as JSON)", "messages")
-    if arguments is None or not arguments.strip():  # a call without arguments: {} (as vLLM), not `"arguments": }`
-        return {**call, "function": {**function, "arguments": {}}}
-    try:
-        parsed = json.loads(arguments)
-    except (ValueError, RecursionError):  # no JSON (or nested past the parser's depth): {} as vLLM renders it
-        return {**call, "function": {**function, "arguments": {}}}
-    try:
-        check_transportable(parsed)
-    except APIError:  # untransportable: the string as given
-        return call
-    return {**call, "function": {**function, "arguments": parsed}}
-
-
 class ChatMessage(_Lenient):
     # Extra keys (name, tool_calls, tool_call_id, reasoning_content, ...) go to the chat template.
     role: Literal["system", "developer", "user", "assistant", "tool", "function"]
@@ -113,7 +71,7 @@ class ChatMessage(_Lenient):
         msg = self.model_dump(exclude_none=True)
         if isinstance(self.content, list):
             # as vLLM renders parts for a template that takes a string: one line each (not run together)
-            msg["content"] = "\n".join(_part_text(p, f"messages[{index}].content") for p in self.content)
+            msg["content"] = "\n".join(part_text(p, f"messages[{index}].content", "messages") for p in self.content)
         msg.setdefault("content", "")
         if msg["role"] == "developer":  # OpenAI's newer name for the system role
             msg["role"] = "system"
@@ -123,27 +81,8 @@ class ChatMessage(_Lenient):
         if msg["role"] == "function":  # the legacy name of a tool result
             msg["role"] = "tool"
         if msg["role"] == "assistant":
-            _assistant_for_template(msg, index)
+            assistant_for_template(msg, index)
         return msg
-
-
-def _assistant_for_template(msg: dict[str, Any], index: int) -> None:
-    """An assistant message as vLLM's chat parser leaves it: its tool calls checked, their arguments as objects, an
-    empty ``tool_calls`` dropped (templates such as Llama 3.1's test ``'tool_calls' in message``), and its reasoning
-    under both names (``reasoning`` wins over the older ``reasoning_content``, as in vLLM)."""
-    if "tool_calls" in msg:
-        calls = msg["tool_calls"]
-        if not isinstance(calls, list):
-            raise APIError.invalid(f"messages[{index}].tool_calls must be a list of tool calls", "messages")
-        if calls:
-            msg["tool_calls"] = [_template_tool_call(c, f"messages[{index}].tool_calls[{i}]") for i, c in enumerate(calls)]
-        else:
-            del msg["tool_calls"]
-    reasoning = msg.get("reasoning")
-    if reasoning is None:
-        reasoning = msg.get("reasoning_content")
-    if reasoning is not None:
-        msg["reasoning"] = msg["reasoning_content"] = reasoning
 
 
 def _function_name(tool: Any) -> str | None:

@@ -20,7 +20,7 @@ from tpserve.server.errors import APIError
 from tpserve.server.formats import Choice, ResponseFormat, chat_logprobs
 from tpserve.server.responses_protocol import ResponsesRequest
 from tpserve.server.response_store import EventLog
-from tpserve.server.responses_request import TEXT_PARTS
+from tpserve.server.chat_messages import TEXT_PARTS
 
 # a chat field named in an error -> the Responses field it came from
 RESPONSES_PARAMS = {"response_format": "text.format", "messages": "input", "max_tokens": "max_output_tokens"}

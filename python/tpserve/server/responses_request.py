@@ -9,6 +9,7 @@ from typing import Any
 from fastapi.exceptions import RequestValidationError
 from pydantic import ValidationError
 
+from tpserve.server.chat_messages import part_text
 from tpserve.server.errors import APIError
 from tpserve.server.protocol import ChatCompletionRequest, thinking_kwargs
 from tpserve.server.responses_protocol import ResponsesRequest
@@ -22,27 +23,13 @@ CHAT_EXTENSIONS = frozenset({
     "guided_grammar", "truncate_prompt_tokens", "cache_salt", "use_beam_search", "priority", "chat_template",
 })
 INPUT_ROLES = ("user", "system", "developer", "assistant")
-TEXT_PARTS = ("input_text", "output_text", "text")
-
-
-def _part_text(part: Any, where: str) -> str:
-    if isinstance(part, str):
-        return part
-    kind = part.get("type") if isinstance(part, dict) else None
-    if kind in TEXT_PARTS and isinstance(part.get("text"), str):
-        return part["text"]
-    if kind == "refusal" and isinstance(part.get("refusal"), str):
-        return part["refusal"]
-    if kind in ("input_image", "input_file", "input_audio"):
-        raise APIError.invalid(f"{where}: {kind} content is not supported (tpserve serves text-only models)", "input")
-    raise APIError.invalid(f"{where}: a content part must be {{\"type\": \"input_text\", \"text\": ...}}", "input")
 
 
 def _content_text(content: Any, where: str) -> str:
     if isinstance(content, str):
         return content
     if isinstance(content, list):
-        return "\n".join(_part_text(part, f"{where}[{i}]") for i, part in enumerate(content))  # as chat's parts
+        return "\n".join(part_text(part, f"{where}[{i}]", "input") for i, part in enumerate(content))  # as chat's parts
     raise APIError.invalid(f"{where} must be a string or a list of content parts", "input")
 
 
