@@ -398,3 +398,53 @@ def test_only_the_newlines_after_the_outputs_think_block_are_dropped(text, in_re
     preceded them (vLLM's qwen3 parser returns such output unchanged): content differed from the text."""
     for chunks in splits(text):
         assert run_reasoning(chunks, in_reasoning) == expected, chunks
+
+
+@pytest.mark.parametrize("text,expected", [
+    ("<think>\nplan a b</think>\n\nThe answer.", ("\nplan a b", "The answer.")),
+    ("\n<think>plan</think>Done", ("plan", "Done")),
+    ("plan <think> aside</think>Done", ("plan <think> aside", "Done")),  # not at the start: the reasoning's own text
+    ("\n\nplan</think>Done", ("\n\nplan", "Done")),
+    ("<thi", ("<thi", "")),
+])
+def test_a_think_tag_written_again_in_a_block_the_prompt_opened_is_markup(text, expected):
+    """The template opened the block (QwQ, DeepSeek-R1-0528, Qwen3 thinking-2507) and the model writes <think> once
+    more: it went to reasoning_content as text ("<think>\\nplan a b"); vLLM's parsers drop it."""
+    for chunks in splits(text):
+        assert run_reasoning(chunks, True) == expected, chunks
+
+
+FIRST_CALL = '<tool_call>\n{"name": "f", "arguments": {"a": 1}}\n</tool_call>\n'
+
+
+@pytest.mark.parametrize("parser, text, content", [
+    ("hermes", FIRST_CALL + '<tool_call>\n{"name": "g", "argu', '<tool_call>\n{"name": "g", "argu'),
+    ("hermes", FIRST_CALL + '<tool_call>\n{"arguments": {"b": ', '<tool_call>\n{"arguments": {"b": '),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; {"parameters": {"b": ', '{"parameters": {"b": '),
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; {"name": "g", "par', '{"name": "g", "par'),
+])
+def test_output_that_ends_inside_a_call_that_never_parsed_keeps_its_finish_reason(parser, text, content):
+    """A stop string cut the second call before its JSON parsed (its block is content, as written): the output ended
+    inside a call, so finish_reason stays "stop", as for a call cut inside its arguments; it was "tool_calls". With
+    one call kept (parallel_tool_calls false), the first call closed before the cut one began: "tool_calls"."""
+    from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
+
+    for single in (False, True):
+        for chunks in splits(text):
+            chat = ChatOutputParser(ChatOutputConfig(tool_parser=parser, single_call=single))
+            got = "".join(chat.feed(chunk, final=i == len(chunks) - 1).content for i, chunk in enumerate(chunks))
+            assert (got, [(c.name, c.arguments) for c in chat.tool_calls]) == (content, [("f", '{"a": 1}')]), chunks
+            assert chat.finish_reason("stop") == ("tool_calls" if single else "stop"), chunks
+            assert chat.finish_reason("length") == "length"
+
+
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", FIRST_CALL + "<tool_call>\n{not json}\n</tool_call>"),  # closed by its tag: not a call, not cut
+    ("llama3_json", '{"name": "f", "parameters": {"a": 1}}; {not json}'),
+])
+def test_a_closed_block_that_is_not_a_call_leaves_tool_calls_as_the_finish(parser, text):
+    from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
+
+    chat = ChatOutputParser(ChatOutputConfig(tool_parser=parser))
+    chat.feed(text, final=True)
+    assert [c.name for c in chat.tool_calls] == ["f"] and chat.finish_reason("stop") == "tool_calls"

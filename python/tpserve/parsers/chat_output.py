@@ -87,10 +87,11 @@ class ChatOutputParser:
         return bool(delta.reasoning) or self.in_reasoning
 
     def finish_reason(self, reason: str | None) -> str | None:
-        """A finish with tool calls is "tool_calls" (OpenAI), unless a call was cut short (by a stop
-        string inside it: its arguments are as written, and the reason stays)."""
-        # with one call kept, a later call's unclosed arguments do not matter: the first closed before it began
-        cut_short = self._tools is not None and self._tools.cut_short and not (self._single_call and len(self._tools.calls) > 1)
+        """A finish with tool calls is "tool_calls" (OpenAI), unless the output ended inside a call (a stop string
+        inside it: its arguments are as written, or the block is content if its JSON never parsed; the reason stays)."""
+        # with one call kept, a later call cut short does not matter: the first closed before it began
+        cut_at = self._tools.cut_at if self._tools is not None else None
+        cut_short = cut_at is not None and not (self._single_call and cut_at > 0)
         if reason == "stop" and self.tool_calls and not cut_short:
             return "tool_calls"
         return reason

@@ -46,6 +46,9 @@ class ReasoningParser:
         self._buffer = ""  # held-back text that may be the start of a tag
         self._content_started = False
         self._closed_here = False  # the output closed a think block
+        # In a block the prompt opened, a <think> the output starts with is that block's tag written again (vLLM drops
+        # it too): markup, not reasoning. Decided at the output's first non-blank characters.
+        self._may_reopen = in_reasoning is True
 
     @property
     def in_block(self) -> bool:
@@ -56,6 +59,14 @@ class ReasoningParser:
         out = Split()
         self._buffer += text
         while self._buffer:
+            if self._may_reopen:
+                stripped = self._buffer.lstrip()
+                if stripped.startswith(THINK_START):
+                    self._buffer, self._may_reopen = stripped[len(THINK_START):], False
+                    continue
+                if not final and THINK_START.startswith(stripped):
+                    break  # could still become "<think>"
+                self._may_reopen = False
             if self._in_reasoning:
                 i = self._buffer.find(THINK_END)
                 if i >= 0:

@@ -155,7 +155,13 @@ class ToolCallParser:
         self._call: ToolCallDelta | None = None  # the call whose arguments are streaming
         self._args_sent = 0  # characters of the streaming call's arguments text sent
         self._args_end = _ObjectEnd()  # where the streaming call's arguments object closes
-        self.cut_short = False  # a call's arguments never closed (max_tokens or a stop string inside it)
+        # the call the output ended inside (max_tokens or a stop string), by index: its arguments never closed, or
+        # its JSON never parsed (then it is content, as written)
+        self.cut_at: int | None = None
+
+    @property
+    def cut_short(self) -> bool:
+        return self.cut_at is not None
 
     def feed(self, text: str, final: bool = False) -> ToolParse:
         raise NotImplementedError
@@ -206,7 +212,8 @@ class ToolCallParser:
         self._stream_call(body, out)
         if self._call is None:
             return False
-        self.cut_short = self.cut_short or (self._args_end.end is None and not closed)
+        if self._args_end.end is None and not closed:
+            self.cut_at = self._call.index
         self._call = None
         return True
 
@@ -270,6 +277,8 @@ class HermesParser(ToolCallParser):
             parsed = None
         if parsed is None:
             out.content += f"{_HERMES_START}{body}{_HERMES_END if closed else ''}"  # not a call: as written
+            if not closed:  # the output ended inside the block
+                self.cut_at = len(self.calls)
         else:
             self._whole_call(*parsed, out)
 
@@ -322,7 +331,9 @@ class Llama3JsonParser(ToolCallParser):
                     self._stream_call(self._buffer, out)
                 elif self._close_call(self._buffer, out):
                     self._buffer = ""
-                else:
+                else:  # not a call: content, as written
+                    if _ObjectEnd().find(self._buffer) is None:  # the output ended inside the object
+                        self.cut_at = len(self.calls)
                     self._to_content()
                 return
             body, self._buffer = self._buffer[:end], self._buffer[end:]
