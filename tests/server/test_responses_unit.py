@@ -183,6 +183,36 @@ def test_logprobs_go_with_the_message_text():
     assert done["logprobs"] == items.items[1]["content"][0]["logprobs"] == [{"token": t} for t in ("<to", "x", "!")]
 
 
+def test_events_show_each_item_as_it_stood_sharing_the_per_token_entries():
+    items = OutputItems()
+    entries = [{"token": "a", "top_logprobs": [{"token": "b"}]}, {"token": "c", "top_logprobs": []}]
+    events = items.add(ChatDelta(content="a"), 1, entries[:1])
+    events += items.add(ChatDelta(content="c"), 1, entries[1:])
+    events += items.close()
+    added = next(e for e in events if e["type"] == "response.output_item.added")["item"]
+    part_added = next(e for e in events if e["type"] == "response.content_part.added")["part"]
+    assert added["content"] == [] and added["status"] == "in_progress"  # not the item's later state
+    assert part_added["text"] == "" and part_added["logprobs"] == []
+    done = next(e for e in events if e["type"] == "response.output_item.done")["item"]
+    assert done["content"][0]["text"] == "ac"
+    # the entries themselves are shared (never changed once made), not copied again for every event
+    assert all(shown is entry for shown, entry in zip(done["content"][0]["logprobs"], entries, strict=True))
+
+
+def test_the_open_items_text_is_written_when_read_not_token_by_token():
+    items = OutputItems()
+    for piece in ("a", "b", "c"):
+        items.add(ChatDelta(content=piece))
+    assert items.items[0]["content"][0]["text"] == ""  # the pieces wait: each one added copied the whole text
+    assert items.so_far()[0]["content"][0]["text"] == "abc"
+    items.add(ChatDelta(content="d"))
+    items.add(ChatDelta(tool_calls=[ToolCallDelta(0, "call_a", "f"), ToolCallDelta(0, arguments='{"x"')]))
+    items.add(ChatDelta(tool_calls=[ToolCallDelta(0, arguments=": 1}")]))
+    assert items.items[0]["content"][0]["text"] == "abcd"  # ended by the call
+    done = next(e for e in items.close() if e["type"] == "response.function_call_arguments.done")
+    assert done["arguments"] == items.items[1]["arguments"] == '{"x": 1}'
+
+
 def test_an_empty_output_is_an_empty_message():
     items = OutputItems()
     events = items.close("incomplete")

@@ -22,6 +22,7 @@ import uvicorn
 from tpserve.launch.args import ServerArgs
 from tpserve.launch.backend import STOP_SIGNALS
 from tpserve.launch.frontend import serving_backend, watch
+from tpserve.scheduler.gc_control import freeze_startup_heap
 from tpserve.server.api import AppState, create_app
 
 logger = logging.getLogger(__name__)
@@ -196,6 +197,7 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
         if running is None:
             return 1 if not stop.is_set() else 0
         logger.info("ready: serving %r on %s", args.served_model_name, url)
+        freeze_startup_heap()  # as vLLM's API server: a full collection under load no longer scans the imports
         return await watch(running.backend, stop, [http_task, *running.tasks])
 
 

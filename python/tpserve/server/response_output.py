@@ -71,6 +71,9 @@ class OutputItems:
     def __init__(self) -> None:
         self.items: list[dict[str, Any]] = []
         self._open: dict[str, Any] | None = None  # the item being written (the last of ``items``)
+        # The open item's text (or arguments) since it was last brought up to date (``_flush``): added to it piece by
+        # piece, the whole text so far was copied for every token, quadratic in a long output.
+        self._pieces: list[str] = []
         self._call_index: int | None = None  # the parser's index of the open function call
         self.reasoning = ReasoningTokens()
         self._held: list[dict[str, Any]] = []  # log-probabilities of text the parser held back: they go with that text
@@ -99,7 +102,7 @@ class OutputItems:
                     "arguments": "", "status": "in_progress"})
                 self._call_index = call.index
             if call.arguments and self._open is not None and call.index == self._call_index:
-                self._open["arguments"] += call.arguments
+                self._pieces.append(call.arguments)
                 events.append(_item_event(self._open, len(self.items) - 1, "response.function_call_arguments.delta",
                                           delta=call.arguments))
         return events
@@ -109,8 +112,24 @@ class OutputItems:
         events = [] if self.items else self._start_text_item("message")
         return events + self.end(status)
 
+    def so_far(self) -> list[dict[str, Any]]:
+        """``items``, the open one's text brought up to date."""
+        self._flush()
+        return self.items
+
+    def _flush(self) -> None:
+        if not self._pieces or self._open is None:
+            return
+        written = "".join(self._pieces)
+        self._pieces.clear()
+        if self._open["type"] == "function_call":
+            self._open["arguments"] += written
+        else:
+            self._open["content"][0]["text"] += written
+
     def end(self, status: str = "completed") -> list[dict[str, Any]]:
         """End the open item, if any, with ``status``."""
+        self._flush()
         item, index = self._open, len(self.items) - 1
         if item is None:
             return []
@@ -134,7 +153,7 @@ class OutputItems:
             events += self.end() + self._start_text_item(kind)
         item = self._open
         part = item["content"][0]  # type: ignore[index]
-        part["text"] += text
+        self._pieces.append(text)
         name = "response.output_text.delta" if kind == "message" else "response.reasoning_text.delta"
         extra: dict[str, Any] = {}
         if kind == "message":
@@ -153,7 +172,7 @@ class OutputItems:
         events = self._start(item)
         item["content"].append(part)
         return events + [_item_event(item, len(self.items) - 1, "response.content_part.added", content_index=0,
-                                     part=_copy(part))]
+                                     part=_copy_part(part))]
 
     def _start(self, item: dict[str, Any]) -> list[dict[str, Any]]:
         self.items.append(item)
@@ -175,8 +194,22 @@ def _item_event(item: dict[str, Any], index: int, name: str, **fields: Any) -> d
     return {"type": name, "item_id": item["id"], "output_index": index, **fields}
 
 
-def _copy(obj: Any) -> Any:
-    return msgspec.json.decode(msgspec.json.encode(obj))
+def _copy(item: dict[str, Any]) -> dict[str, Any]:
+    """An output item as it stands: what ``OutputItems`` changes later (the item, its parts, a part's log-probabilities
+    list) copied; the rest shared, as nothing changes it once made (the per-token log-probability entries, a long
+    output's bulk: a JSON round trip copied those too, twice per response, each copy more work for the garbage
+    collector to scan as long as the response lives)."""
+    copied = dict(item)
+    if "content" in item:
+        copied["content"] = [_copy_part(part) for part in item["content"]]
+    return copied
+
+
+def _copy_part(part: dict[str, Any]) -> dict[str, Any]:
+    copied = dict(part)
+    if "logprobs" in part:
+        copied["logprobs"] = list(part["logprobs"])
+    return copied
 
 
 def _event_bytes(event: dict[str, Any]) -> bytes:
@@ -250,7 +283,7 @@ class ResponsesFormat(ResponseFormat):
             "max_tool_calls": body.max_tool_calls,
             "metadata": body.metadata or {},
             "model": self.model,
-            "output": _copy(self._items.items),
+            "output": [_copy(item) for item in self._items.so_far()],
             "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id,
             "conversation": None if body.conversation_id is None else {"id": body.conversation_id},

@@ -104,6 +104,13 @@ class Generation:
                 continue
             return self._apply(event)
 
+    def next_ready(self) -> tuple[Choice, ApiOutput] | None:
+        """The next output if one has arrived already (None: none has, or all are done), without waiting.
+        Raises APIError as ``next`` does."""
+        if self.finished or self._queue.empty():
+            return None
+        return self._apply(self._queue.get_nowait())
+
     def _apply(self, event: BackendEvent) -> tuple[Choice, ApiOutput]:
         choice = self.choices[event.rid]
         if isinstance(event, RequestCancelled):
@@ -327,16 +334,22 @@ async def _stream(
             choice.streamed_tokens += out.new_tokens
             for chunk in fmt.output_chunks(choice, out):
                 yield chunk
-        while not gen.finished:
+        while not gen.finished and not failed:
+            # The outputs that arrived while the last write went out go in one write: a server behind its streams
+            # pays its per-write cost (ASGI send, HTTP framing, a syscall) once per wake-up, not once per token.
+            chunks: list[bytes] = []
             try:
-                choice, out = await gen.next()
+                event: tuple[Choice, ApiOutput] | None = await gen.next()
+                while event is not None:
+                    choice, out = event
+                    choice.streamed_tokens += out.new_tokens
+                    chunks += fmt.output_chunks(choice, out)
+                    event = gen.next_ready()
             except APIError as e:
                 failed = True
-                yield fmt.error_chunk(e)
-                break
-            choice.streamed_tokens += out.new_tokens
-            for chunk in fmt.output_chunks(choice, out):
-                yield chunk
+                chunks.append(fmt.error_chunk(e))
+            if chunks:
+                yield b"".join(chunks)
         for chunk in fmt.end_chunks(gen.usage(), failed):
             yield chunk
     finally:
