@@ -119,6 +119,16 @@ def test_arguments_written_as_a_json_string_stream_as_they_parse_whole(parser, t
         assert content == "" and [(c["name"], c["arguments"]) for c in calls] == [("f", '{"a": 1}')], chunks
 
 
+@pytest.mark.parametrize("parser, text", [
+    ("hermes", '<tool_call>\n{"name": "f", "arguments": "hello"}\n</tool_call>'),
+    ("llama3_json", '{"name": "f", "parameters": "hello"}'),
+])
+def test_arguments_written_as_a_string_that_holds_no_json_stay_json(parser, text):
+    """A string of no JSON comes back encoded, as vLLM's parsers do ('"hello"'): its bare text was no JSON."""
+    for chunks in splits(text):
+        assert [c["arguments"] for c in run_tools(create_tool_parser(parser), chunks)[1]] == ['"hello"'], chunks
+
+
 @pytest.mark.parametrize("after, content", [("\n\n", ""), ("\nDone.\n\n", "\nDone.\n\n"), ("\n\n<tool", "\n\n<tool")])
 def test_hermes_text_after_a_call_is_the_same_in_any_chunking(after, content):
     """Whitespace alone between or after calls is dropped; with text it is kept, however the

@@ -66,7 +66,15 @@ def merge_deltas(deltas: list[ToolCallDelta]) -> list[ToolCallDelta]:
 
 
 def _arguments_text(value: Any) -> str:
-    return value if isinstance(value, str) else json.dumps(value, ensure_ascii=False)
+    """Arguments as JSON text: a JSON string holding JSON (OpenAI's own layout) its text, any other value encoded (a
+    string that holds no JSON too, as vLLM's: its text alone was no JSON for the client to parse)."""
+    if isinstance(value, str):
+        try:
+            json.loads(value)
+            return value
+        except ValueError:
+            pass
+    return json.dumps(value, ensure_ascii=False)
 
 
 def _call_from_json(obj: Any) -> tuple[str, str] | None:
