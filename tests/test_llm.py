@@ -63,9 +63,9 @@ def test_n_completions_per_prompt(llm):
     for out in outs:
         assert [c.index for c in out.outputs] == [0, 1, 2]
         assert len({tuple(c.token_ids) for c in out.outputs}) == 3
-        assert all(len(c.token_ids) == len(c.logprobs) == 6 and c.finish_reason == "length" for c in out.outputs)
-        assert (out.token_ids, out.text, out.logprobs) == (out.outputs[0].token_ids, out.outputs[0].text,
-                                                            out.outputs[0].logprobs)
+        assert all(len(c.token_ids) == len(c.logprobs) == len(c.token_logprobs) == 6 and c.finish_reason == "length" for c in out.outputs)
+        assert (out.token_ids, out.text, out.logprobs, out.token_logprobs) == (
+            out.outputs[0].token_ids, out.outputs[0].text, out.outputs[0].logprobs, out.outputs[0].token_logprobs)
         for i, completion in enumerate(out.outputs):
             solo = llm.generate([out.prompt_token_ids], SamplingParams(temperature=1.0, seed=7 + i, max_tokens=6,
                                                                         ignore_eos=True), use_tqdm=False)[0]
@@ -292,9 +292,9 @@ def test_ctrl_c_during_a_step_leaves_the_llm_working(llm):
     try:
         for _ in range(40):
             timer = threading.Timer(rng.uniform(0.001, 0.05), os.kill, (os.getpid(), signal.SIGINT))
-            generating.set()
-            timer.start()
-            try:
+            try:  # the signal may land before the call begins (a loaded machine): still an interruption
+                generating.set()
+                timer.start()
                 llm.generate([[rng.randrange(600) for _ in range(rng.randrange(5, 60))] for _ in range(8)],
                              SamplingParams(n=2, temperature=1, max_tokens=30, ignore_eos=True), use_tqdm=False)
             except KeyboardInterrupt:
@@ -587,12 +587,12 @@ def test_logprobs_match_transformers(llm, qwen3_dir):
     sampled = llm.generate([prompt], SamplingParams(temperature=1.0, seed=5, max_tokens=6, ignore_eos=True,
                                                     logprobs=0), use_tqdm=False)[0]
     plain = llm.generate([prompt], SamplingParams(max_tokens=2), use_tqdm=False)[0]
-    assert plain.logprobs is None and plain.top_logprobs is None
+    assert plain.logprobs is None and plain.top_logprobs is None and plain.token_logprobs is None
     for out, top_n in ((greedy, 3), (sampled, 0)):
         ref = torch.log_softmax(hf_logits(qwen3_dir, prompt + out.token_ids)[len(prompt) - 1 : -1], dim=-1)
-        assert len(out.logprobs) == len(out.token_ids) == 6
+        assert len(out.token_logprobs) == len(out.token_ids) == 6
         expected = ref.gather(1, torch.tensor(out.token_ids)[:, None]).squeeze(1)
-        assert torch.allclose(torch.tensor(out.logprobs), expected, atol=1e-4)
+        assert torch.allclose(torch.tensor(out.token_logprobs), expected, atol=1e-4)
         for pos, top in enumerate(out.top_logprobs):
             assert len(top) == top_n
             ids = [t for t, _ in top]
@@ -612,10 +612,10 @@ def check_prompt_logprobs(out, model_dir: str, top_n: int) -> None:
 
     prompt = out.prompt_token_ids
     ref = torch.log_softmax(hf_logits(model_dir, prompt)[:-1], dim=-1)  # row p predicts prompt[p + 1]
-    assert out.prompt_logprobs[0] is None and out.prompt_top_logprobs[0] is None
-    assert len(out.prompt_logprobs) == len(out.prompt_top_logprobs) == len(prompt)
+    assert out.prompt_token_logprobs[0] is None and out.prompt_top_logprobs[0] is None
+    assert len(out.prompt_token_logprobs) == len(out.prompt_top_logprobs) == len(prompt)
     expected = ref.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
-    assert torch.allclose(torch.tensor(out.prompt_logprobs[1:]), expected, atol=1e-4)
+    assert torch.allclose(torch.tensor(out.prompt_token_logprobs[1:]), expected, atol=1e-4)
     # each prompt token's rank: 1 + how many tokens are more likely there (vLLM's Logprob.rank)
     ranks = [1 + int((ref[p] > ref[p, t]).sum()) for p, t in enumerate(prompt[1:])]
     assert out.prompt_ranks == [None, *ranks] and max(ranks) > 1
@@ -687,3 +687,57 @@ def test_vllm_names_get_tokenizer_and_reset_prefix_cache(llm):
     llm.generate("Once upon a time in a land far away", SamplingParams(max_tokens=2), use_tqdm=False)
     assert llm.stats().kv_pages_cached > 0
     assert llm.reset_prefix_cache() and llm.stats().kv_pages_cached == 0
+
+
+def test_request_outputs_carry_vllms_fields(llm):
+    """vLLM's quickstart reads ``output.prompt`` (AttributeError before); ``request_id`` (a string, unique across
+    calls), ``finished``, ``num_cached_tokens`` and ``CompletionOutput.finished()`` as vLLM's. ``prompt`` is a text
+    prompt's text, None for token ids and chat (vLLM's TokensPrompt)."""
+    from tpserve import TextPrompt, TokensPrompt
+
+    long = "Once upon a time in a land far away there lived a king who had three daughters and a dog"
+    params = SamplingParams(max_tokens=2, n=2)
+    outs = llm.generate([long, TextPrompt(prompt="Hi"), TokensPrompt(prompt_token_ids=[5, 6, 7])], params,
+                        use_tqdm=False)
+    assert [o.prompt for o in outs] == [long, "Hi", None]
+    assert all(o.finished and all(c.finished() for c in o.outputs) for o in outs)
+    again = llm.generate(long, params, use_tqdm=False)[0]
+    ids = [o.request_id for o in outs + [again]]
+    assert all(isinstance(i, str) for i in ids) and len(set(ids)) == 4
+    assert again.num_cached_tokens > 0 and again.num_cached_tokens < len(again.prompt_token_ids)
+    assert llm.chat([{"role": "user", "content": "hi"}], params, use_tqdm=False)[0].prompt is None
+    embedded = llm.embed(["hi"], use_tqdm=False)[0]
+    assert isinstance(embedded.request_id, str) and embedded.finished
+
+
+def test_logprobs_are_laid_out_as_vllms(llm):
+    """vLLM's ``CompletionOutput.logprobs`` and ``RequestOutput.prompt_logprobs``: at each position a dict token id ->
+    Logprob(logprob, rank, decoded_token), the chosen token first and then the asked most likely ones by rank (was a
+    flat list of floats, so ``logprobs[i][token_id].logprob`` failed); the flat values stay as ``token_logprobs``,
+    ``top_logprobs``, ``prompt_token_logprobs``, ``prompt_top_logprobs`` and ``prompt_ranks``."""
+    from tpserve import Logprob
+
+    decode = llm.tokenizer.decode
+    prompt = list(range(40, 52))
+    out = llm.generate([prompt], SamplingParams(temperature=1.0, seed=3, max_tokens=6, ignore_eos=True, logprobs=2,
+                                                prompt_logprobs=1), use_tqdm=False)[0]
+    completion = out.outputs[0]
+    assert len(completion.logprobs) == len(completion.token_ids) == 6
+    for token, value, top, position in zip(completion.token_ids, completion.token_logprobs, completion.top_logprobs,
+                                           completion.logprobs):
+        assert next(iter(position)) == token and position[token].logprob == value
+        assert position[token].decoded_token == decode([token])
+        top_ids = [t for t, _ in top]
+        assert position[token].rank == (top_ids.index(token) + 1 if token in top_ids else None)
+        assert {t: position[t] for t in top_ids} == {t: Logprob(v, r, decode([t])) for r, (t, v) in enumerate(top, 1)}
+        assert len(position) == 2 + (token not in top_ids)
+    assert completion.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in
+                                                             zip(completion.token_ids, completion.logprobs)))
+    assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)
+    for p in range(1, len(prompt)):
+        position, token = out.prompt_logprobs[p], prompt[p]
+        assert next(iter(position)) == token
+        assert position[token] == Logprob(out.prompt_token_logprobs[p], out.prompt_ranks[p], decode([token]))
+        (best, value), = out.prompt_top_logprobs[p]
+        assert position[best] == Logprob(value, 1, decode([best]))
+    assert llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].logprobs is None

@@ -187,7 +187,7 @@ def test_a_stop_tokens_text_is_left_out_and_named_as_the_stop_reason(llm):
         assert kept.text == decode(ids[: k + 1], skip_special_tokens=True), stop
     assert out.outputs[0].cumulative_logprob is None  # no logprobs asked
     scored = llm.generate(["Hello"], SamplingParams(max_tokens=3, logprobs=0, **GREEDY), use_tqdm=False)[0].outputs[0]
-    assert scored.cumulative_logprob == pytest.approx(sum(scored.logprobs)) and scored.stop_reason is None
+    assert scored.cumulative_logprob == pytest.approx(sum(scored.token_logprobs)) and scored.stop_reason is None
     eos = llm.model_config.eos_token_ids[0]  # an EOS that ends it is no stop_reason (vLLM's)
     at_eos = llm.generate(["Hello"], SamplingParams(max_tokens=4, temperature=0, logit_bias={eos: 100.0}),
                           use_tqdm=False)[0]

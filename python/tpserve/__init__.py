@@ -1,10 +1,12 @@
 """tpserve: a small, readable, tensor-parallel LLM serving engine."""
 
-from tpserve.outputs import CompletionOutput, EmbeddingRequestOutput, RequestOutput
+from tpserve.inputs import TextPrompt, TokensPrompt
+from tpserve.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from tpserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
-__all__ = ["LLM", "CompletionOutput", "RequestOutput", "EmbeddingRequestOutput", "SamplingParams", "__version__"]
+__all__ = ["LLM", "CompletionOutput", "RequestOutput", "EmbeddingRequestOutput", "Logprob", "SamplingParams",
+           "TextPrompt", "TokensPrompt", "__version__"]
 
 
 def __getattr__(name: str):

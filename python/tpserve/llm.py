@@ -16,7 +16,7 @@ import os
 import random
 import re
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
@@ -31,7 +31,7 @@ from tpserve.message import (
     AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, GetStats, SchedulerStats, TokenOutput,
 )
 from tpserve.llm_pooling import PoolingMethods
-from tpserve.outputs import CompletionOutput, RequestOutput
+from tpserve.outputs import CompletionOutput, RequestOutput, position_logprobs
 from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT, SamplingParams
 from tpserve.scheduler.gc_control import frozen_heap
@@ -68,14 +68,16 @@ class _Pending:
         completion, params = self.output, self.request.params
         completion.token_ids.extend(out.token_ids)
         if out.logprobs is not None:  # in place: a new list per output made a long generation's copies quadratic
-            if completion.logprobs is None:
-                completion.logprobs, completion.top_logprobs = [], []
-            completion.logprobs.extend(out.logprobs)
+            if completion.token_logprobs is None:
+                completion.token_logprobs, completion.top_logprobs = [], []
+            completion.token_logprobs.extend(out.logprobs)
             completion.top_logprobs.extend(out.top_logprobs or [])
         if out.prompt_logprobs is not None:
-            self.result.prompt_logprobs = [None, *out.prompt_logprobs]
+            self.result.prompt_token_logprobs = [None, *out.prompt_logprobs]
             self.result.prompt_top_logprobs = [None, *(out.prompt_top_logprobs or [])]
             self.result.prompt_ranks = [None, *(out.prompt_ranks or [])]
+        if out.cached_tokens and completion.index == 0:  # with the request's first output
+            self.result.num_cached_tokens = out.cached_tokens
         if out.embedding is not None:
             self.result.hidden_state = out.embedding
         finish = out.finish_reason
@@ -90,6 +92,20 @@ class _Pending:
         if finish is not None:
             completion.finish_reason = finish
         return finish is not None
+
+    def finish(self, decode: Callable[[int], str | None]) -> None:
+        """The text, and the log-probabilities as vLLM lays them out (``decode``: one token's text)."""
+        self.finish_text()
+        completion, result = self.output, self.result
+        if completion.token_logprobs is not None:
+            tops = completion.top_logprobs or []
+            completion.logprobs = [position_logprobs(t, lp, None, top, decode)
+                                   for t, lp, top in zip(completion.token_ids, completion.token_logprobs, tops)]
+        if completion.index == 0 and result.prompt_token_logprobs is not None:
+            ranks, tops = result.prompt_ranks or [], result.prompt_top_logprobs or []
+            result.prompt_logprobs = [None, *(
+                position_logprobs(t, lp, rank, top or [], decode) for t, lp, rank, top in
+                zip(result.prompt_token_ids[1:], result.prompt_token_logprobs[1:], ranks[1:], tops[1:]))]
 
     def finish_text(self) -> None:
         params = self.request.params
@@ -218,7 +234,8 @@ class LLM(PoolingMethods):
                 choices = msgspec.structs.replace(params, seed=seed).choices()
                 prompt_requests.append([GenerateRequest(self._next_rid + i, input_ids, p) for i, p in enumerate(choices)])
                 self._next_rid += len(choices)
-            return self._run(self._live_driver("generate"), prompt_requests, use_tqdm)
+            texts = [_prompt_text(prompt) for prompt in prompts]
+            return self._run(self._live_driver("generate"), prompt_requests, texts, use_tqdm)
 
     def chat(
         self,
@@ -294,12 +311,14 @@ class LLM(PoolingMethods):
             raise ValueError(f"conversation {index}: {e.message}") from None
 
     def _run(
-        self, driver: RankDriver, prompt_requests: list[list[GenerateRequest]], progress: bool
+        self, driver: RankDriver, prompt_requests: list[list[GenerateRequest]], texts: list[str | None],
+        progress: bool,
     ) -> list[RequestOutput]:
         """Send each prompt's requests (one per completion) and collect their outputs until all finish.
         A request that cannot run raises ValueError; on any exception the ranks drop what is left of this call."""
-        results = [RequestOutput(reqs[0].input_ids, [CompletionOutput(i) for i in range(len(reqs))])
-                   for reqs in prompt_requests]
+        results = [RequestOutput(reqs[0].input_ids, [CompletionOutput(i) for i in range(len(reqs))],
+                                 request_id=str(reqs[0].rid), prompt=text)
+                   for reqs, text in zip(prompt_requests, texts)]
         items = [_Pending(req, result, result.outputs[i], index, self.tokenizer)
                  for index, (result, reqs) in enumerate(zip(results, prompt_requests)) for i, req in enumerate(reqs)]
         left = [len(reqs) for reqs in prompt_requests]  # unfinished completions of each prompt
@@ -329,8 +348,15 @@ class LLM(PoolingMethods):
             for rid in unfinished:
                 driver.send(AbortRequest(rid))
             raise
+        decoded: dict[int, str | None] = {}
+
+        def decode(token: int) -> str | None:  # a token's text, as vLLM's Logprob.decoded_token
+            if token not in decoded:
+                decoded[token] = None if self.tokenizer is None else self.tokenizer.decode([token]) or ""
+            return decoded[token]
+
         for item in items:
-            item.finish_text()
+            item.finish(decode)
         return results
 
     def flush_cache(self) -> bool:
@@ -444,6 +470,13 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
             raise TypeError(f"{name} and {target} name the same setting: give one")
         out[target] = json.dumps(value) if target == "hf_overrides" and isinstance(value, Mapping) else value
     return out
+
+
+def _prompt_text(prompt: Any) -> str | None:
+    """A prompt's text as vLLM's ``RequestOutput.prompt`` gives it: None for token ids."""
+    if isinstance(prompt, Mapping):
+        prompt = prompt.get("prompt")
+    return prompt if isinstance(prompt, str) else None
 
 
 def _params_per_prompt(

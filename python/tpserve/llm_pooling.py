@@ -47,7 +47,7 @@ class PoolingMethods:
         params = SamplingParams(pooling="embed", max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
         results = self.generate(prompts, params, use_tqdm)
         return [EmbeddingRequestOutput(r.prompt_token_ids, EmbeddingOutput(
-            embedding_vector(r.hidden_state, dimensions, normalize).tolist())) for r in results]
+            embedding_vector(r.hidden_state, dimensions, normalize).tolist()), r.request_id) for r in results]
 
     def classify(
         self,
@@ -63,7 +63,7 @@ class PoolingMethods:
         classifier = self.model_config.classifier
         activation = classifier.classify_activation if classifier is not None and use_activation else "none"
         return [ClassificationRequestOutput(r.prompt_token_ids, ClassificationOutput(class_scores(r.hidden_state,
-                activation).tolist())) for r in self._classified(prompts, use_tqdm, truncate_prompt_tokens)]
+                activation).tolist()), r.request_id) for r in self._classified(prompts, use_tqdm, truncate_prompt_tokens)]
 
     def _classified(self, prompts: Any, use_tqdm: bool, truncate_prompt_tokens: int | None) -> list[RequestOutput]:
         params = SamplingParams(pooling="classify", max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens)
@@ -103,9 +103,10 @@ class PoolingMethods:
                                                           text_pair=None if head.joins_pairs else b))[0]
                        for a, b in pairs]
             return [ScoringRequestOutput(r.prompt_token_ids, ScoringOutput(float(class_scores(
-                r.hidden_state, head.score_activation)[0]))) for r in self._classified(prompts, use_tqdm,
-                                                                                       truncate_prompt_tokens)]
+                r.hidden_state, head.score_activation)[0])), r.request_id) for r in self._classified(
+                    prompts, use_tqdm, truncate_prompt_tokens)]
         texts = list(dict.fromkeys(first + second))
         embedded = dict(zip(texts, self.embed(texts, use_tqdm, truncate_prompt_tokens)))
         return [ScoringRequestOutput(embedded[a].prompt_token_ids + embedded[b].prompt_token_ids, ScoringOutput(
-            float(np.dot(embedded[a].outputs.embedding, embedded[b].outputs.embedding)))) for a, b in pairs]
+            float(np.dot(embedded[a].outputs.embedding, embedded[b].outputs.embedding))),
+            f"{embedded[a].request_id}_{embedded[b].request_id}") for a, b in pairs]  # as vLLM names the pair

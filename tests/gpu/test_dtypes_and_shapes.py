@@ -330,8 +330,8 @@ def test_float32_moe_long_prefill_and_prompt_logprobs(models, chunk):
         assert out.token_ids == hf_greedy(model, prompt, 6)
         expected = torch.log_softmax(hf_logits(model, prompt)[:-1].double(), dim=-1)
         expected = expected.gather(1, torch.tensor(prompt[1:])[:, None]).flatten()
-        got = torch.tensor(out.prompt_logprobs[1:], dtype=torch.float64)
-        assert out.prompt_logprobs[0] is None
+        got = torch.tensor(out.prompt_token_logprobs[1:], dtype=torch.float64)
+        assert out.prompt_token_logprobs[0] is None
         assert torch.allclose(got, expected, atol=1e-3, rtol=1e-4), float((got - expected).abs().max())
 
 

@@ -95,7 +95,7 @@ def test_tensor_parallel_matches_transformers(tiny_model_factory, tp_size, arch,
         assert out.token_ids == hf_greedy(model_dir, prompt, 12)
         ref = torch.log_softmax(hf_logits(model_dir, prompt + out.token_ids)[len(prompt) - 1 : -1], dim=-1)
         ref_chosen = ref.gather(1, torch.tensor(out.token_ids)[:, None])[:, 0]
-        err = max(err, (torch.tensor(out.logprobs) - ref_chosen).abs().max().item())
+        err = max(err, (torch.tensor(out.token_logprobs) - ref_chosen).abs().max().item())
     print(f"tp {tp_size} {arch} {kwargs} {engine}: max log-probability error {err:.2e}")
     assert err < 1e-4, f"max log-probability error {err}"
     with LLM(model_dir, device="cpu", page_size=8) as single:
