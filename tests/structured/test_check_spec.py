@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 
 import pytest
 
@@ -75,5 +76,55 @@ def test_keywords_the_grammar_enforces_pass(schema):
 def test_required_names_left_out_of_properties_are_required(schema, good, bad):
     """(review) In strict mode xgrammar dropped a required name that ``properties`` does not list: the output was
     ``{}`` (finish "stop") for {"type": "object", "required": ["a"]}."""
+    check_spec(StructuredOutput("json_schema", json.dumps(schema)))
+    assert _accepts(schema, good) and not _accepts(schema, bad)
+
+
+@pytest.mark.parametrize("schema, keyword", [
+    ({"minimum": 5}, "'minimum' in a schema without a 'type'"),  # took 3
+    ({"maxLength": 2}, "'maxLength' in a schema without a 'type'"),  # took a long string
+    ({"format": "uuid"}, "'format' in a schema without a 'type'"),  # took ""
+    ({"type": "integer", "anyOf": [{"minimum": 5}]}, "'minimum' in a schema without a 'type'"),  # took 0
+    ({"type": "object", "properties": {"zz": {"type": "integer"}}, "propertyNames": {"pattern": "^[a-c]+$"}},
+     "'propertyNames' beside 'properties'"),  # took {"zz": 1}
+    ({"type": "object", "patternProperties": {"^a": {"type": "integer"}}, "properties": {"b": {"type": "string"}}},
+     "'patternProperties' of more than one pattern, or beside 'properties'"),
+    ({"type": "string", "format": "idn-email"}, "the string format 'idn-email'"),  # took ""
+    ({"type": "integer", "exclusiveMaximum": 3, "multipleOf": 5}, "'multipleOf' with a bound on one side only"),  # -24
+])
+def test_keywords_xgrammar_ignores_there_are_refused(schema, keyword):
+    """(review, fuzzing) xgrammar parses these and ignores them: outputs finished "stop" breaking the schema."""
+    with pytest.raises(InvalidGrammar, match=f"uses {re.escape(keyword)}.*does not enforce"):
+        check_spec(StructuredOutput("json_schema", json.dumps(schema)))
+
+
+@pytest.mark.parametrize("schema", [
+    {"type": "object", "propertyNames": {"pattern": "^[a-c]+$"}},
+    {"type": "object", "patternProperties": {"^a": {"type": "integer"}}},
+    {"type": "integer", "format": "int64"},  # OpenAPI's: not a string format
+    {"type": ["string", "null"], "format": "uuid"},
+    {"type": "object", "properties": {"a": {"type": "integer"}}},
+])
+def test_their_held_forms_pass(schema):
+    check_spec(StructuredOutput("json_schema", json.dumps(schema)))
+
+
+@pytest.mark.parametrize("pattern", ['^"$', r"^\x22$", r"^a\\b$", r"^a\nb$"])
+def test_a_pattern_that_needs_an_escaped_character_is_refused(pattern):
+    """(review, fuzzing) xgrammar wrote such a pattern's characters unescaped: ``^"$`` finished "stop" with the string
+    ``\"\"\"``, not JSON."""
+    with pytest.raises(InvalidGrammar, match="needs a character that a JSON string must escape"):
+        check_spec(StructuredOutput("json_schema", json.dumps({"type": "string", "pattern": pattern})))
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "string", "pattern": "^.é$"}, '"aé"', '""é"'),  # gave '""é"': a pattern not all ASCII went unescaped
+    ({"type": "string", "pattern": r"^[^a]\é{1,2}$"}, '"bé"', '"\\é"'),
+    ({"type": "object", "patternProperties": {"^ü.$": {"type": "integer"}}}, '{"üx": 1}', '{"ü"": 1}'),
+    ({"type": "string", "format": "ipv4"}, '"10.0.255.1"', '"031.030.43.68"'),  # RFC 2673: no leading zero
+    ({"type": "string", "format": "date"}, '"2024-02-29"', '"2023-02-29"'),
+    ({"type": "string", "format": "date"}, '"2000-02-29"', '"2021-04-31"'),
+])
+def test_patterns_and_formats_hold_inside_a_json_string(schema, good, bad):
     check_spec(StructuredOutput("json_schema", json.dumps(schema)))
     assert _accepts(schema, good) and not _accepts(schema, bad)

@@ -48,7 +48,7 @@ def _grammar(spec: StructuredOutput):
     if spec.kind == "json_schema":
         # strict: no properties beyond the schema's, as OpenAI's strict mode (a required name is one of them)
         document = json.loads(spec.spec)
-        schema = with_required_properties(document)
+        schema = with_xgrammar_formats(with_escaped_patterns(with_required_properties(document)))
         text = spec.spec if schema is document else json.dumps(schema)  # the schema as sent where nothing changed
         return xgr.Grammar.from_json_schema(text, any_whitespace=False, strict_mode=True)
     if spec.kind == "regex":
@@ -81,6 +81,10 @@ def check_spec(spec: StructuredOutput) -> None:
         if spec.kind == "json_schema" and (unenforced := unenforced_keyword(document)) is not None:
             raise InvalidGrammar(f"the JSON schema uses {unenforced}, which structured output (xgrammar) does not "
                                  "enforce: the output could break it")
+        if spec.kind == "json_schema" and (pattern := unescaped_pattern(document)) is not None:
+            raise InvalidGrammar(f"the JSON schema's pattern {pattern!r} needs a character that a JSON string must "
+                                 "escape (a quote, a backslash or a control character), which structured output "
+                                 "(xgrammar) writes unescaped: its output would not be JSON")
         if spec.kind == "structural_tag" and "structures" in document:
             _check_structures(document)
     try:
@@ -98,6 +102,14 @@ _SCHEMA_MAPS = frozenset(("properties", "$defs", "definitions", "patternProperti
 # them would let a "stop" answer break the schema. vLLM's xgrammar backend refuses such schemas too.
 _UNENFORCED = ("uniqueItems", "contains", "minContains", "maxContains", "not", "if", "then", "else",
                "dependentRequired", "dependentSchemas", "unevaluatedProperties", "unevaluatedItems")
+# Keywords of one type that xgrammar ignores in a schema without "type" ({"minimum": 5} took 3), and where a subschema
+# leaves its type to its parent ({"type": "integer", "anyOf": [{"minimum": 5}]} took 0). ("properties" or "items" make
+# it an object or an array, and are held.)
+_TYPED = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "minLength", "maxLength", "pattern", "format",
+          "minItems", "maxItems", "minProperties", "maxProperties", "propertyNames", "patternProperties")
+# The string formats xgrammar 0.2.9 writes; it takes any string for another ("idn-email" took "")
+_FORMATS = frozenset(("email", "date", "time", "date-time", "duration", "ipv4", "ipv6", "hostname", "uuid", "uri",
+                      "uri-reference", "uri-template", "json-pointer", "relative-json-pointer"))
 
 
 def _subschemas(node: dict[str, Any]) -> list[Any]:
@@ -128,20 +140,49 @@ def unenforced_keyword(schema: Any) -> str | None:
     None: those of ``_UNENFORCED`` (``uniqueItems`` only when true), ``multipleOf`` but an integer's by an integer,
     ``allOf`` of more than one schema, and a string's ``minLength``/``maxLength`` beside a ``pattern`` or ``format``
     (xgrammar keeps only the latter)."""
+    names_schemas: set[int] = set()  # propertyNames' schemas, of strings without saying so (a parent comes first)
     for node in _schema_nodes(schema):
         for key in _UNENFORCED:
             if key in node and not (key == "uniqueItems" and node[key] is not True):
                 return f"'{key}'"
+        if isinstance(node.get("propertyNames"), dict):
+            names_schemas.add(id(node["propertyNames"]))
+        typed = next((key for key in _TYPED if key in node), None)
+        if typed is not None and "type" not in node and id(node) not in names_schemas:
+            return f"'{typed}' in a schema without a 'type' (xgrammar holds it only beside its type)"
+        if "propertyNames" in node and (beside := _beside_names(node)) is not None:
+            return f"'propertyNames' beside {beside}"
+        patterns = node.get("patternProperties")
+        if isinstance(patterns, dict) and (len(patterns) > 1 or _beside_names(node) not in (None, "'patternProperties'")):
+            return "'patternProperties' of more than one pattern, or beside 'properties' or an 'additionalProperties' schema"
+        types = node.get("type") if isinstance(node.get("type"), list) else [node.get("type")]
+        if "string" in types and isinstance(node.get("format"), str) and node["format"] not in _FORMATS:
+            return f"the string format {node['format']!r}"
         step = node.get("multipleOf")
         integer_step = isinstance(step, int) and not isinstance(step, bool)
         if step is not None and not (node.get("type") == "integer" and integer_step):
             return "'multipleOf' (enforced only for an integer type and an integer step)"
+        bounds = [any(key in node for key in side) for side in (("minimum", "exclusiveMinimum"),
+                                                                   ("maximum", "exclusiveMaximum"))]
+        if step is not None and bounds[0] != bounds[1]:  # xgrammar drops it there: exclusiveMaximum 3 took -24 for 5
+            return "'multipleOf' with a bound on one side only"
         if isinstance(node.get("allOf"), list) and len(node["allOf"]) > 1:
             return "'allOf' of more than one schema"
         lengths = [key for key in ("minLength", "maxLength") if key in node]
         if lengths and ("pattern" in node or "format" in node):
             return f"'{lengths[0]}' beside '{'pattern' if 'pattern' in node else 'format'}'"
     return None
+
+
+def _beside_names(node: dict[str, Any]) -> str | None:
+    """What of an object schema, beside its ``propertyNames`` or ``patternProperties``, xgrammar then does not hold to
+    (as vLLM's xgrammar backend refuses them), described: ``propertyNames`` "^[a-c]+$" beside ``properties`` took
+    {"zz": 1}; ``patternProperties`` "^a" beside ``properties`` gave a name "an..." its ``additionalProperties``'
+    boolean."""
+    for key in ("properties", "patternProperties"):
+        if key in node:
+            return f"'{key}'"
+    return "an 'additionalProperties' schema" if isinstance(node.get("additionalProperties"), dict) else None
 
 
 def _missing_required(node: dict[str, Any]) -> list[str]:
@@ -164,6 +205,84 @@ def with_required_properties(schema: Any) -> Any:
             extra = node.get("additionalProperties")
             value_schema = extra if isinstance(extra, dict) else {}
             node["properties"] = {**node.get("properties", {}), **dict.fromkeys(missing, value_schema)}
+    return fixed
+
+
+def _escaped_pattern(pattern: str) -> str:
+    """``pattern`` with each character outside printable ASCII written as an escape ``\\u{...}`` (an escaped one's
+    backslash dropped). xgrammar compiles a pattern of printable ASCII into a JSON string's body, escapes included; any
+    other it spells out character by character, unescaped: ``^.é$`` gave the string ``""é"``, not JSON."""
+    out, escaped = [], False
+    for char in pattern:
+        if 0x20 <= ord(char) <= 0x7E:
+            out.append(char)
+            escaped = char == "\\" and not escaped
+            continue
+        if escaped:  # "\é" is "é"
+            out.pop()
+        out.append(f"\\u{{{ord(char):X}}}")
+        escaped = False
+    return "".join(out)
+
+
+def with_escaped_patterns(schema: Any) -> Any:
+    """``schema`` with every string ``pattern`` (and ``patternProperties`` name) through ``_escaped_pattern``; one
+    that needs no change is returned as it is (not copied)."""
+    def changes(node: dict[str, Any]) -> bool:
+        names = node.get("patternProperties")
+        return ((isinstance(node.get("pattern"), str) and _escaped_pattern(node["pattern"]) != node["pattern"])
+                or (isinstance(names, dict) and any(_escaped_pattern(name) != name for name in names)))
+
+    if not any(changes(node) for node in _schema_nodes(schema)):
+        return schema
+    fixed = copy.deepcopy(schema)
+    for node in _schema_nodes(fixed):
+        if isinstance(node.get("pattern"), str):
+            node["pattern"] = _escaped_pattern(node["pattern"])
+        if isinstance(node.get("patternProperties"), dict):
+            node["patternProperties"] = {_escaped_pattern(k): v for k, v in node["patternProperties"].items()}
+    return fixed
+
+
+def unescaped_pattern(schema: Any) -> str | None:
+    """A ``pattern`` of ``schema`` that xgrammar cannot hold inside a JSON string, or None: one that matches only with
+    a character a JSON string escapes (a quote, a backslash, a control character). xgrammar then spells the pattern
+    out unescaped, as it does one its regex engine does not take: ``^"$`` gave the string ``\"\"\"``."""
+    import xgrammar as xgr
+
+    for node in _schema_nodes(schema):
+        pattern = node.get("pattern")
+        if isinstance(pattern, str):
+            alone = json.dumps({"type": "string", "pattern": _escaped_pattern(pattern)})
+            try:
+                grammar = str(xgr.Grammar.from_json_schema(alone, any_whitespace=False, strict_mode=True))
+            except Exception:  # the whole schema's parse names it
+                continue
+            if "json_string=true" not in grammar:  # xgrammar's JSON-string regex, which escapes, was not used
+                return pattern
+    return None
+
+
+# Formats whose xgrammar regex takes strings the format refuses, as patterns that hold them: an octet "031" (RFC 2673's
+# dotted quad has no leading zero), a day 31 in any month ("2021-02-31")
+_IPV4_OCTET = r"(25[0-5]|2[0-4][0-9]|1[0-9][0-9]|[1-9]?[0-9])"
+_DATE = (r"([0-9]{4}-((0[13578]|1[02])-(0[1-9]|[12][0-9]|3[01])|(0[469]|11)-(0[1-9]|[12][0-9]|30)|02-(0[1-9]|1[0-9]|"
+         r"2[0-8]))|([0-9]{2}(0[48]|[2468][048]|[13579][26])|([02468][048]|[13579][26])00)-02-29)")
+_FORMAT_PATTERNS = {
+    "ipv4": rf"^({_IPV4_OCTET}\.){{3}}{_IPV4_OCTET}$",
+    "date": rf"^{_DATE}$",
+}
+
+
+def with_xgrammar_formats(schema: Any) -> Any:
+    """``schema`` with the string formats of ``_FORMAT_PATTERNS`` as their patterns (a copy only if any)."""
+    if not any(node.get("format") in _FORMAT_PATTERNS and "pattern" not in node for node in _schema_nodes(schema)):
+        return schema
+    fixed = copy.deepcopy(schema)
+    for node in _schema_nodes(fixed):
+        if (pattern := _FORMAT_PATTERNS.get(node.get("format"))) is not None and "pattern" not in node:  # type: ignore[arg-type]
+            del node["format"]
+            node["pattern"] = pattern
     return fixed
 
 
