@@ -1,9 +1,10 @@
 """Default sampling parameters from the model's ``generation_config.json`` (``--generation-config``, as vLLM's):
 the temperature, top_p, top_k, min_p and repetition_penalty its authors recommend (Qwen3's: 0.6, 0.95, 20) apply
-to every request that does not set them, on the server, in the shell and in the offline ``LLM``.
+to every request that does not set them, on the server, in the shell and in the offline ``LLM``. Its
+``max_new_tokens``, as vLLM's, is ``max_tokens``: the default of an offline call given no SamplingParams, and on the
+server a cap on every request's (the least of it and the request's).
 
-As vLLM, ``do_sample`` is not read (the values apply as written), nor is ``max_new_tokens`` (a request's default
-``max_tokens`` stays the rest of the context)."""
+As vLLM, ``do_sample`` is not read (the values apply as written)."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from tpserve.models.checkpoint import read_json_object
 from tpserve.sampling_params import SamplingParams
 
 SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty")
+CONFIG_FIELDS = (*SAMPLING_FIELDS, "max_new_tokens")  # what generation_config.json and the overrides may set
 GENERATION_CONFIG_CHOICES = ("auto", "vllm")  # or a directory holding a generation_config.json
 
 
@@ -34,11 +36,13 @@ def load_sampling_defaults(
         if source != "auto" and not os.path.isfile(path):
             raise ValueError(f"{name} {source!r}: no generation_config.json there (auto: the model's, vllm: none)")
         config = read_json_object(path) if os.path.isfile(path) else {}
-    defaults = {field: config[field] for field in SAMPLING_FIELDS if config.get(field) is not None}
-    unknown = sorted(set(overrides or {}) - set(SAMPLING_FIELDS))
+    unknown = sorted(set(overrides or {}) - set(CONFIG_FIELDS))
     if unknown:
-        raise ValueError(f"{override_name}: {unknown[0]!r} is not one of {', '.join(SAMPLING_FIELDS)}")
-    defaults.update(overrides or {})
+        raise ValueError(f"{override_name}: {unknown[0]!r} is not one of {', '.join(CONFIG_FIELDS)}")
+    merged = {**config, **(overrides or {})}
+    defaults = {field: merged[field] for field in CONFIG_FIELDS if merged.get(field) is not None}
+    if "max_new_tokens" in defaults:  # transformers' name for max_tokens
+        defaults["max_tokens"] = defaults.pop("max_new_tokens")
     try:
         SamplingParams(**defaults)
     except (TypeError, ValueError) as e:

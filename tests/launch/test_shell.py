@@ -258,3 +258,10 @@ def test_transformers_warnings_go_to_the_log_file_not_the_terminal(tmp_path):
     done = subprocess.run([sys.executable, "-c", code, str(log)], capture_output=True, text=True, timeout=60)
     assert done.returncode == 0 and "Token indices" not in done.stderr, done.stderr
     assert "WARNING" in log.read_text() and "Token indices sequence length" in log.read_text()
+
+
+def test_the_models_max_new_tokens_is_the_shells_max_tokens():
+    """generation_config's max_new_tokens (vLLM's max_tokens): the shell's until /set max_tokens."""
+    settings = ShellSettings.for_model({"temperature": 0.6, "max_tokens": 32})
+    assert (settings.params().max_tokens, settings.params().temperature) == (32, 0.6)
+    assert "max_tokens 32" in settings.describe()

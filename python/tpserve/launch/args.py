@@ -130,11 +130,12 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                        help="default sampling parameters for requests that leave them unset: auto takes "
                        "temperature, top_p, top_k, min_p and repetition_penalty from the model's "
-                       "generation_config.json (Qwen3's: 0.6, 0.95, 20), DIR from DIR/generation_config.json, "
+                       "generation_config.json (Qwen3's: 0.6, 0.95, 20), and its max_new_tokens as a cap on "
+                       "every request's max_tokens; DIR from DIR/generation_config.json, "
                        "vllm none (OpenAI's defaults: temperature 1, no top-p/top-k); default: auto")
     model.add_argument("--override-generation-config", type=json_object_arg, default=None, metavar="JSON",
                        help="default sampling parameters over --generation-config's, e.g. "
-                       "'{\"temperature\": 0.5}' (the same five names)")
+                       "'{\"temperature\": 0.5}' (the same five names and max_new_tokens; null drops one)")
     model.add_argument("--hf-overrides", type=json_object_arg, default=None, metavar="JSON",
                        help="config.json keys to replace (top-level), as vLLM's flag; e.g. Qwen3-Reranker as the "
                        "cross-encoder it is: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "

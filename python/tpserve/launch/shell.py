@@ -56,9 +56,11 @@ class ShellSettings:
 
     @classmethod
     def for_model(cls, sampling_defaults: dict[str, Any]) -> "ShellSettings":
-        """The model's sampling defaults (``--generation-config``), with /set temperature over its temperature."""
-        others = {name: value for name, value in sampling_defaults.items() if name != "temperature"}
-        return cls(temperature=sampling_defaults.get("temperature", cls.temperature), sampling_defaults=others)
+        """The model's sampling defaults (``--generation-config``), with /set temperature and /set max_tokens over its
+        temperature and max_new_tokens."""
+        others = {name: value for name, value in sampling_defaults.items() if name not in ("temperature", "max_tokens")}
+        return cls(temperature=sampling_defaults.get("temperature", cls.temperature),
+                   max_tokens=sampling_defaults.get("max_tokens"), sampling_defaults=others)
 
     def params(self) -> SamplingParams:
         return SamplingParams(**self.sampling_defaults, temperature=self.temperature, max_tokens=self.max_tokens)

@@ -292,6 +292,8 @@ class _SamplingFields(_Body):
                 value = defaults.get(name)
             if value is not None:
                 fields[name] = value
+        if (cap := defaults.get("max_tokens")) is not None:  # generation_config's max_new_tokens caps all, as vLLM's
+            fields["max_tokens"] = cap if max_tokens is None else min(max_tokens, cap)
         try:
             return SamplingParams(**fields)
         except ValueError as e:
