@@ -417,6 +417,16 @@ def test_llm_seed_and_chat_iterables_and_unknown_keywords(llm, qwen3_dir):
     assert llm.chat((c for c in [[message]]), greedy, use_tqdm=False)[0].token_ids == want
 
 
+def test_vllms_switches_and_kv_cache_dtype_spelling_reach_the_engine():
+    """LLM(enforce_eager=True, enable_prefix_caching=False, kv_cache_dtype="fp8"), as vLLM scripts pass them, set what
+    the CLI's vLLM flags set (they were unexpected keyword arguments, and "fp8" not a choice)."""
+    from tpserve.llm import _engine_kwargs
+
+    assert _engine_kwargs({"enforce_eager": True, "enable_prefix_caching": False, "kv_cache_dtype": "fp8"}) == {
+        "cuda_graph_max_bs": 0, "cache": "naive", "kv_cache_dtype": "fp8_e4m3"}
+    assert _engine_kwargs({"enforce_eager": False, "enable_prefix_caching": True}) == {}  # what tpserve does anyway
+
+
 def test_a_rank_side_error_names_its_prompt(llm):
     with pytest.raises(ValueError, match=r"prompts\[1\]: "):
         llm.generate([[5, 6], []], SamplingParams(max_tokens=2), use_tqdm=False)

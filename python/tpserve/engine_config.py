@@ -21,6 +21,7 @@ from tpserve.sampling_params import SEED_LIMIT  # torch.Generator.manual_seed ta
 DEFAULT_CPU_KV_TOKENS = 32768  # the KV cache on the CPU without max_total_tokens
 MAX_DIST_TIMEOUT_S = 2_000_000  # torch's TCPStore takes its timeout in milliseconds as a C int (2**31 ms: 24.8 days)
 # EngineConfig's string settings (the CLI offers the same choices).
+KV_CACHE_DTYPE_ALIASES = {"fp8": "fp8_e4m3"}  # vLLM's name for e4m3 on CUDA
 CHOICES = {
     "device": ("cpu", "cuda"),
     "dtype": tuple(DTYPES),
@@ -30,7 +31,7 @@ CHOICES = {
     "attention_backend": ("auto", "flashinfer", "torch"),
     "decode_attention": ("auto", "flashinfer", "xqa", "triton"),
     "all_reduce": ("auto", "nccl", "one_shot", "two_shot", "fused"),
-    "kv_cache_dtype": ("auto", "fp8_e4m3"),
+    "kv_cache_dtype": ("auto", "fp8_e4m3"),  # and vLLM's "fp8" (KV_CACHE_DTYPE_ALIASES), taken as its e4m3
 }
 
 

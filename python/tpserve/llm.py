@@ -25,7 +25,7 @@ import torch
 from tqdm import tqdm
 
 from tpserve.config import ModelConfig
-from tpserve.engine_config import EngineConfig, check_can_start
+from tpserve.engine_config import KV_CACHE_DTYPE_ALIASES, EngineConfig, check_can_start
 from tpserve.launch.ranks import RankDriver, start_ranks
 from tpserve.message import (
     AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, GetStats, SchedulerStats, TokenOutput,
@@ -452,6 +452,8 @@ class LLM(PoolingMethods):
 _VLLM_KWARGS = {"tensor_parallel_size": "tp_size", "data_parallel_size": "dp_size", "gpu_memory_utilization": "mem_fraction",
                 "max_num_seqs": "max_running_requests", "enable_expert_parallel": "expert_parallel"}
 _IGNORED_KWARGS = ("trust_remote_code",)  # tpserve runs no code from the checkpoint
+# vLLM's switches, as the CLI takes them (launch/vllm_flags.py): name -> (the value that acts, setting, its value)
+_VLLM_SWITCHES = {"enforce_eager": (True, "cuda_graph_max_bs", 0), "enable_prefix_caching": (False, "cache", "naive")}
 
 
 def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
@@ -461,6 +463,13 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     for name, value in kwargs.items():
         if name in _IGNORED_KWARGS:
             continue
+        if name in _VLLM_SWITCHES:
+            acting_value, setting, setting_value = _VLLM_SWITCHES[name]
+            if value != acting_value:  # what tpserve does anyway
+                continue
+            name, value = setting, setting_value
+        if name == "kv_cache_dtype":
+            value = KV_CACHE_DTYPE_ALIASES.get(value, value)
         target = _VLLM_KWARGS.get(name, name)
         if target not in known:
             close = difflib.get_close_matches(target, known | set(_VLLM_KWARGS), n=1)

@@ -43,6 +43,10 @@ def test_advanced_engine_flags(qwen3_dir):
     assert (e.attention_backend, e.cuda_graph_max_bs, e.disable_overlap) == ("torch", 0, True)
 
 
+def test_vllms_fp8_kv_cache_dtype_is_e4m3(qwen3_dir):
+    assert parse_args(["--model", qwen3_dir, "--kv-cache-dtype", "fp8"]).engine.kv_cache_dtype == "fp8_e4m3"
+
+
 def test_defaults(qwen3_dir, monkeypatch):
     monkeypatch.delenv(API_KEY_ENV, raising=False)
     a = parse_args(["--model", qwen3_dir])

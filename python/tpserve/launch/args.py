@@ -10,7 +10,9 @@ from dataclasses import dataclass, field, fields
 from typing import Any
 
 from tpserve.config import DTYPE_ALIASES, ModelConfig
-from tpserve.engine_config import CHOICES, MAX_DIST_TIMEOUT_S, EngineConfig, check_can_start, check_nodes
+from tpserve.engine_config import (
+    CHOICES, KV_CACHE_DTYPE_ALIASES, MAX_DIST_TIMEOUT_S, EngineConfig, check_can_start, check_nodes,
+)
 from tpserve.distributed.control import TOKEN_ENV, read_token
 from tpserve.distributed.nodes import split_addr
 from tpserve.pooling import ModelHead, model_head, task_problem
@@ -185,8 +187,10 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--page-size", type=int_at_least(1), default=_default("page_size"),
                         help="tokens per KV-cache page")
     engine.add_argument("--kv-cache-dtype", choices=CHOICES["kv_cache_dtype"], default=_default("kv_cache_dtype"),
+                        type=lambda value: KV_CACHE_DTYPE_ALIASES.get(value, value),
                         help="KV-cache storage: auto (the compute dtype) or fp8_e4m3 (float8 e4m3 with a scale "
-                        "of 1: half the bytes of bf16, so twice the tokens; read back in the compute dtype)")
+                        "of 1: half the bytes of bf16, so twice the tokens; read back in the compute dtype; vLLM's "
+                        "fp8 is the same)")
     engine.add_argument("--mem-fraction", "--gpu-memory-utilization", "--mem-fraction-static",
                         dest="mem_fraction", type=fraction, default=_default("mem_fraction"),
                         help="share of each GPU's total memory tpserve may fill: the KV cache gets what is "
