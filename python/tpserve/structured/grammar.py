@@ -400,7 +400,10 @@ class GrammarCompiler:
                 )
             if json_kind not in self._compilers:
                 info = json_tokenizer_info(self._info) if json_kind else self._info
-                self._compilers[json_kind] = xgr.GrammarCompiler(info, max_threads=1)
+                # cache_enabled=False: xgrammar's own cache (on by default) has no size limit and kept every spec
+                # ever compiled (a small JSON schema ~190 KB at a 150k-token vocabulary, on every rank); ``_cache``
+                # above is the one cache, bounded, and the same on every rank (``forget``)
+                self._compilers[json_kind] = xgr.GrammarCompiler(info, max_threads=1, cache_enabled=False)
             return self._compilers[json_kind]
 
     def _compile(self, spec: StructuredOutput) -> Any:
