@@ -425,6 +425,8 @@ def test_vllms_switches_and_kv_cache_dtype_spelling_reach_the_engine():
     assert _engine_kwargs({"enforce_eager": True, "enable_prefix_caching": False, "kv_cache_dtype": "fp8"}) == {
         "cuda_graph_max_bs": 0, "cache": "naive", "kv_cache_dtype": "fp8_e4m3"}
     assert _engine_kwargs({"enforce_eager": False, "enable_prefix_caching": True}) == {}  # what tpserve does anyway
+    with pytest.raises(TypeError, match="enforce_eager and cuda_graph_max_bs name the same setting"):
+        _engine_kwargs({"cuda_graph_max_bs": 8, "enforce_eager": True})
 
 
 def test_a_rank_side_error_names_its_prompt(llm):

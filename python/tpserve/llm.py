@@ -460,23 +460,24 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
     """``LLM``'s extra keyword arguments as EngineConfig's: vLLM's names taken, ignored ones dropped."""
     out: dict[str, Any] = {}
     known = {f.name for f in dataclasses.fields(EngineConfig)}
-    for name, value in kwargs.items():
-        if name in _IGNORED_KWARGS:
+    for given, value in kwargs.items():
+        if given in _IGNORED_KWARGS:
             continue
-        if name in _VLLM_SWITCHES:
-            acting_value, setting, setting_value = _VLLM_SWITCHES[name]
+        name = given
+        if given in _VLLM_SWITCHES:
+            acting_value, name, setting_value = _VLLM_SWITCHES[given]
             if value != acting_value:  # what tpserve does anyway
                 continue
-            name, value = setting, setting_value
+            value = setting_value
         if name == "kv_cache_dtype":
             value = KV_CACHE_DTYPE_ALIASES.get(value, value)
         target = _VLLM_KWARGS.get(name, name)
         if target not in known:
             close = difflib.get_close_matches(target, known | set(_VLLM_KWARGS), n=1)
-            raise TypeError(f"LLM() got an unexpected keyword argument {name!r}"
+            raise TypeError(f"LLM() got an unexpected keyword argument {given!r}"
                             + (f" (did you mean {close[0]!r}?)" if close else ""))
         if target in out:
-            raise TypeError(f"{name} and {target} name the same setting: give one")
+            raise TypeError(f"{given} and {target} name the same setting: give one")
         out[target] = json.dumps(value) if target == "hf_overrides" and isinstance(value, Mapping) else value
     return out
 
