@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 
@@ -97,7 +98,7 @@ class RequestOutput:
 
 
 def position_logprobs(token: int, logprob: float, rank: int | None, top: list[tuple[int, float]],
-                      decode) -> LogprobsOnePosition:
+                      decode: Callable[[int], str | None]) -> LogprobsOnePosition:
     """One position's vLLM logprobs: the chosen token first, then the most likely ones by rank (the chosen one among
     them keeps its place and takes its rank there, as vLLM's dict)."""
     top_rank = next((i for i, (t, _) in enumerate(top, 1) if t == token), None)
