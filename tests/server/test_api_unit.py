@@ -891,7 +891,9 @@ def test_embeddings_request_and_response_shapes():
     for d, req in zip(body["data"], (first, second)):
         raw = np.array([req.rid, 1, 2, 3], dtype=np.float64)
         assert np.allclose(d["embedding"], raw / np.linalg.norm(raw), atol=1e-7)
-    assert body["usage"] == {"prompt_tokens": 10, "total_tokens": 10}
+    # vLLM's UsageInfo: OpenAI's two counts, and its completion_tokens and prompt_tokens_details
+    assert body["usage"] == {"prompt_tokens": 10, "total_tokens": 10, "completion_tokens": 0,
+                             "prompt_tokens_details": None}
 
     body = c.post("/v1/embeddings", json={"input": [4, 5, 6], "dimensions": 2, "encoding_format": "base64"}).json()
     assert stub.submitted[-1].input_ids == [4, 5, 6] and stub.submitted[-1].text is None
@@ -969,7 +971,9 @@ def test_score_pairs_texts_by_the_cosine_of_their_embeddings():
         assert [d["index"] for d in body["data"]] == [0, 1] and all(d["object"] == "score" for d in body["data"])
         expected = [float(_stub_vector(q.rid) @ _stub_vector(r.rid)) for r in (a, b)]
         assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-6)
-        assert body["usage"] == {"prompt_tokens": 15, "total_tokens": 15}
+        # as vLLM counts a bi-encoder's usage: each pair's two texts (the query once per pair), 2 x (5 + 5)
+        assert body["usage"] == {"prompt_tokens": 20, "total_tokens": 20, "completion_tokens": 0,
+                                 "prompt_tokens_details": None}
     body = c.post("/v1/score", json={"text_1": ["x", "y"], "text_2": ["z", "w"]}).json()
     x, y, z, w = stub.submitted[-4:]
     expected = [float(_stub_vector(x.rid) @ _stub_vector(z.rid)), float(_stub_vector(y.rid) @ _stub_vector(w.rid))]
@@ -986,10 +990,28 @@ def test_rerank_orders_documents_by_relevance():
         assert [r["index"] for r in body["results"]] == best and body["id"].startswith("rerank-")
         assert [r["document"]["text"] for r in body["results"]] == [["a", "b", "c"][i] for i in best]
         assert [r["relevance_score"] for r in body["results"]] == pytest.approx([scores[i] for i in best], abs=1e-6)
-        assert body["usage"] == {"total_tokens": 20}
+        assert body["usage"] == {"prompt_tokens": 30, "total_tokens": 30}  # each pair's tokens, 3 x (5 + 5)
     assert len(c.post("/v1/rerank", json={"query": "q", "documents": ["a", "b"]}).json()["results"]) == 2
     bare = c.post("/v1/rerank", json={"query": "q", "documents": ["a", "b"], "return_documents": False}).json()
     assert [sorted(r) for r in bare["results"]] == [["index", "relevance_score"]] * 2
+
+
+def test_score_takes_each_of_vllms_names_for_its_two_sides():
+    """(review) Newer vLLM's score requests name the sides queries and documents (or items), or data_1 and data_2;
+    only text_1 and text_2 were read (the others a 400 saying text_1 is missing)."""
+    c, stub = make_client()
+    for first, second in (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2")):
+        body = c.post("/v1/score", json={first: "q", second: ["a", "b"]}).json()
+        q, a, b = stub.submitted[-3:]
+        assert [r.text for r in (q, a, b)] == ["q", "a", "b"]
+        assert [r.prompt_param for r in (q, a, b)] == [first, second, second]
+        expected = [float(_stub_vector(q.rid) @ _stub_vector(r.rid)) for r in (a, b)]
+        assert [d["score"] for d in body["data"]] == pytest.approx(expected, abs=1e-6)
+    assert_error(c.post("/v1/score", json={"queries": ["a", "b"], "documents": ["c", "d", "e"]}), 400,
+                 "queries must hold one text or as many as documents (3)", "queries")
+    assert_error(c.post("/v1/score", json={"queries": "q"}), 400, "documents is required", "documents")
+    assert_error(c.post("/v1/score", json={"data_2": "q"}), 400, "data_1 is required", "data_1")
+    assert_error(c.post("/v1/score", json={}), 400, "text_1 and text_2", "text_1")
 
 
 @pytest.mark.parametrize("path, body, param, message", [

@@ -79,7 +79,8 @@ def test_a_cross_encoder_scores_each_pair_as_one_prompt():
     assert [(r.text, r.text_pair) for r in reqs] == [("q", "a"), ("q", "b")]
     assert all(r.params.pooling == "classify" and r.prompt_param == "text_2" for r in reqs)
     assert [d["score"] for d in body["data"]] == pytest.approx([sigmoid(stub_logits(r.rid, 1)[0]) for r in reqs])
-    assert body["usage"] == {"prompt_tokens": 10, "total_tokens": 10}
+    assert body["usage"] == {"prompt_tokens": 10, "total_tokens": 10, "completion_tokens": 0,
+                             "prompt_tokens_details": None}  # vLLM's UsageInfo
     body = c.post("/score", json={"text_1": ["x", "y"], "text_2": ["z", "w"], "use_activation": False}).json()
     reqs = stub.submitted[-2:]
     assert [(r.text, r.text_pair) for r in reqs] == [("x", "z"), ("y", "w")]
@@ -92,6 +93,7 @@ def test_a_cross_encoder_scores_each_pair_as_one_prompt():
     best = sorted(range(3), key=lambda i: scores[i], reverse=True)[:2]
     assert [r["index"] for r in body["results"]] == best
     assert [r["relevance_score"] for r in body["results"]] == pytest.approx([scores[i] for i in best])
+    assert body["usage"] == {"prompt_tokens": 15, "total_tokens": 15}  # every pair's prompt, top_n or not (vLLM's)
 
 
 def test_the_activation_is_the_models_unless_the_request_turns_it_off():

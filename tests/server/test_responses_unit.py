@@ -369,6 +369,33 @@ def test_previous_response_id_continues_and_get_delete():
     assert_error(c.get(f"{RESPONSES}/{unstored['id']}"), 404)
 
 
+def test_an_unknown_previous_response_has_openais_code():
+    """Clients (Codex, proxies) resend the whole conversation when the code says the previous response is gone."""
+    c, _ = make_client(stub=StubFrontend(finish="stop"))
+    unstored = c.post(RESPONSES, json={"input": "x", "store": False}).json()["id"]
+    for rid in ("resp_nope", unstored):
+        err = assert_error(c.post(RESPONSES, json={"input": "y", "previous_response_id": rid}), 400,
+                           f"Previous response with id '{rid}' not found.", "previous_response_id")
+        assert (err["type"], err["code"]) == ("invalid_request_error", "previous_response_not_found")
+
+
+def test_items_already_in_the_previous_responses_history_are_a_400():
+    """As OpenAI's: an input item (or item_reference) whose id the previous_response_id chain holds is a duplicate."""
+    c, stub = make_client(stub=StubFrontend(finish="stop"))
+    first = c.post(RESPONSES, json={"input": [{"type": "message", "id": "msg_in", "role": "user", "content": "one"}]})
+    out = first.json()["output"][0]
+    second = c.post(RESPONSES, json={"input": "two", "previous_response_id": first.json()["id"]}).json()
+    submitted = len(stub.submitted)
+    for item in ({"type": "item_reference", "id": out["id"]}, {"type": "item_reference", "id": "msg_in"}, out):
+        err = assert_error(c.post(RESPONSES, json={"input": [item, {"role": "user", "content": "three"}],
+                                                   "previous_response_id": second["id"]}), 400,
+                           "Duplicate item found with id", "input")
+        assert item["id"] in err["message"]
+    assert len(stub.submitted) == submitted  # nothing ran
+    # without previous_response_id the same items are a new conversation
+    assert c.post(RESPONSES, json={"input": [{"type": "item_reference", "id": out["id"]}]}).status_code == 200
+
+
 def test_input_items_lists_the_request_items_with_ids_and_pages():
     c, stub = make_client(stub=StubFrontend(finish="stop"))
     first = c.post(RESPONSES, json={"input": "one", "instructions": "Sys."}).json()

@@ -123,7 +123,8 @@ class EmbeddingFormat(ResponseFormat):
                 for i, raw in enumerate(hidden_states(choices, self.labels))]
         prompt_tokens = usage["prompt_tokens"]
         return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
-                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens}}
+                "usage": {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens, "completion_tokens": 0,
+                          "prompt_tokens_details": None}}  # vLLM's usage (OpenAI's: its first two)
 
     def _encoded(self, raw: bytes) -> list[float] | str:
         try:

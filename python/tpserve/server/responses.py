@@ -40,8 +40,9 @@ def _history(store: ResponseStore, previous_response_id: str | None) -> list[dic
     if previous_response_id is None:
         return []
     entry = store.get(previous_response_id)
-    if entry is None:
-        raise APIError.invalid(f"Previous response with id '{previous_response_id}' not found.", "previous_response_id")
+    if entry is None:  # OpenAI's code, which clients check to resend the whole conversation instead
+        raise APIError(400, f"Previous response with id '{previous_response_id}' not found.",
+                       param="previous_response_id", code="previous_response_not_found")
     if entry.running is not None:
         raise APIError.invalid(f"Previous response with id '{previous_response_id}' is still in progress.",
                                "previous_response_id")
@@ -133,7 +134,8 @@ async def create_response(
     else:
         reqs, output = _prepare(serving, chat_request(body, history))
     own_items = [stored_item(item) for item in input_items(body)]
-    check_unique_ids(own_items, "input")
+    # an item already in the history (previous_response_id's or the conversation's) is a 400, as OpenAI's
+    check_unique_ids(own_items, "input", {item["id"] for item in history})
 
     def save(response: dict[str, Any]) -> None:
         store.finish(StoredResponse(response, history + own_items + response["output"], own_items, events=fmt.log))

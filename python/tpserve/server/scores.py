@@ -9,7 +9,6 @@ from __future__ import annotations
 
 from typing import Any, Callable, Iterable, Union
 
-import numpy as np
 from fastapi import Request
 from fastapi.responses import Response
 from pydantic import StrictStr
@@ -30,8 +29,10 @@ Texts = Union[StrictStr, list[StrictStr]]
 # many prompts' worth (a short body must not make the tokenizers read a long query hundreds of times)
 REPEATED_TEXT_PROMPTS = 4
 Pair = tuple[tuple[str, str], tuple[str, str]]  # (label, text) of the first text and of the second
-# The pairs' scores from the answers (choices) to the requests ``pair_requests`` made, in pair order
-Scorer = Callable[[Iterable[Choice]], list[float]]
+# The pairs' scores and prompt tokens from the answers (choices) to the requests ``pair_requests`` made, in pair
+# order. A pair's tokens are its prompt's, or a bi-encoder's two texts' together (a query once per pair, as vLLM
+# counts a bi-encoder's pair: its usage is the pairs', not the texts embedded)
+Scorer = Callable[[Iterable[Choice]], list[tuple[float, int]]]
 
 
 class _PairsBody(ActivationField):
@@ -45,24 +46,47 @@ class _PairsBody(ActivationField):
         return pooled_params(task, self.truncate_prompt_tokens)
 
 
-class ScoreRequest(_PairsBody):
-    """Pairs (text_1[i], text_2[i]); a single text_1 pairs with every text_2."""
+# vLLM's names for a score request's two sides, in the order its request union tries them (the newest first)
+SCORE_SIDES = (("queries", "documents"), ("queries", "items"), ("data_1", "data_2"), ("text_1", "text_2"))
 
-    text_1: Texts
-    text_2: Texts
+
+class ScoreRequest(_PairsBody):
+    """Pairs (first[i], second[i]); a single first text pairs with every second. The two sides by any of vLLM's
+    names for them (SCORE_SIDES): text_1 and text_2, or newer vLLM's queries and documents (or items), data_1 and
+    data_2."""
+
+    text_1: Texts | None = None
+    text_2: Texts | None = None
+    queries: Texts | None = None
+    documents: Texts | None = None
+    items: Texts | None = None
+    data_1: Texts | None = None
+    data_2: Texts | None = None
+
+    def sides(self) -> tuple[tuple[str, list[str]], tuple[str, list[str]]]:
+        """The two sides' names and texts: the first of SCORE_SIDES given whole, else a 400 naming what is missing."""
+        for names in SCORE_SIDES:
+            given = [getattr(self, name) for name in names]
+            if all(v is not None for v in given):
+                first, second = ([v] if isinstance(v, str) else list(v) for v in given)
+                return (names[0], first), (names[1], second)
+        for names in sorted(SCORE_SIDES, key=lambda n: n[0] == "queries"):  # one side given: the other is missing
+            if any(getattr(self, name) is not None for name in names):
+                missing = next(name for name in names if getattr(self, name) is None)
+                raise APIError.invalid(f"{missing} is required with {names[1 - names.index(missing)]}", missing)
+        raise APIError.invalid("give the texts to score: text_1 and text_2 (or queries and documents)", "text_1")
 
     def pairs(self) -> list[Pair]:
-        """(text_1[i], text_2[i]), or (text_1[0], text_2[i]) for one text_1; checked."""
-        first = [self.text_1] if isinstance(self.text_1, str) else list(self.text_1)
-        second = [self.text_2] if isinstance(self.text_2, str) else list(self.text_2)
-        for name, texts in (("text_1", first), ("text_2", second)):
+        """(first[i], second[i]), or (first[0], second[i]) for one first text; checked."""
+        (name_1, first), (name_2, second) = self.sides()
+        for name, texts in ((name_1, first), (name_2, second)):
             if not texts or any(not t for t in texts):
                 raise APIError.invalid(f"{name} must hold at least one text and no empty one", name)
         try:
-            index_pairs = pair_texts(first, second, ("text_1", "text_2"))
+            index_pairs = pair_texts(first, second, (name_1, name_2))
         except ValueError as e:
-            raise APIError.invalid(str(e), "text_1") from None
-        return [((f"text_1[{i}]", first[i]), (f"text_2[{j}]", second[j])) for i, j in index_pairs]
+            raise APIError.invalid(str(e), name_1) from None
+        return [((f"{name_1}[{i}]", first[i]), (f"{name_2}[{j}]", second[j])) for i, j in index_pairs]
 
 
 class RerankRequest(_PairsBody):
@@ -108,18 +132,26 @@ def pair_requests(serving: Serving, body: _PairsBody, pairs: list[Pair]) -> tupl
 
 
 def cross_scorer(labels: list[str], activation: str) -> Scorer:
-    """A cross-encoder's pair scores: choice i's relevance logit through ``activation``."""
-    return lambda choices: [float(class_scores(raw, activation)[0]) for raw in hidden_states(choices, labels, "scored")]
+    """A cross-encoder's pair scores: choice i's relevance logit through ``activation``, and its prompt's tokens."""
+
+    def scores(choices: Iterable[Choice]) -> list[tuple[float, int]]:
+        ordered = sorted(choices, key=lambda c: c.index)
+        raws = hidden_states(ordered, labels, "scored")
+        return [(float(class_scores(raw, activation)[0]), c.prompt_tokens) for raw, c in zip(raws, ordered)]
+
+    return scores
 
 
 def cosine_scorer(texts: list[tuple[str, str]], pairs: list[Pair]) -> Scorer:
     """A bi-encoder's pair scores: the cosines of the pair's embeddings (choice i embeds ``texts[i]``; each vector
-    is normalized once, a query's shared by every pair)."""
+    is normalized once, a query's shared by every pair), and the two texts' tokens together."""
     slot = {text: i for i, text in enumerate(texts)}
 
-    def cosines(choices: Iterable[Choice]) -> list[float]:
-        vectors = [embedding_vector(raw) for raw in hidden_states(choices, [label for label, _ in texts])]
-        return [float(vectors[slot[a]] @ vectors[slot[b]]) for a, b in pairs]
+    def cosines(choices: Iterable[Choice]) -> list[tuple[float, int]]:
+        ordered = sorted(choices, key=lambda c: c.index)
+        vectors = [embedding_vector(raw) for raw in hidden_states(ordered, [label for label, _ in texts])]
+        return [(float(vectors[slot[a]] @ vectors[slot[b]]), ordered[slot[a]].prompt_tokens +
+                 ordered[slot[b]].prompt_tokens) for a, b in pairs]
 
     return cosines
 
@@ -134,10 +166,12 @@ class ScoreFormat(ResponseFormat):
         self.scorer = scorer
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
-        data = [{"index": i, "object": "score", "score": score} for i, score in enumerate(self.scorer(choices))]
-        tokens = usage["prompt_tokens"]
+        scored = self.scorer(choices)
+        data = [{"index": i, "object": "score", "score": score} for i, (score, _) in enumerate(scored)]
+        tokens = sum(n for _, n in scored)
         return {"id": self.id, "object": "list", "created": self.created, "model": self.model, "data": data,
-                "usage": {"prompt_tokens": tokens, "total_tokens": tokens}}
+                "usage": {"prompt_tokens": tokens, "total_tokens": tokens, "completion_tokens": 0,
+                          "prompt_tokens_details": None}}
 
 
 class RerankFormat(ResponseFormat):
@@ -150,13 +184,15 @@ class RerankFormat(ResponseFormat):
         self.body, self.scorer = body, scorer
 
     def response(self, choices: Iterable[Choice], usage: dict[str, Any]) -> dict[str, Any]:
+        scored = self.scorer(choices)
         results = [{"index": i, "relevance_score": score} | ({"document": {"text": text}} if self.body.return_documents
                                                              else {})
-                   for i, (text, score) in enumerate(zip(self.body.documents, self.scorer(choices)))]
+                   for i, (text, (score, _)) in enumerate(zip(self.body.documents, scored))]
         results.sort(key=lambda r: r["relevance_score"], reverse=True)
         if self.body.top_n:
             results = results[: self.body.top_n]
-        return {"id": self.id, "model": self.model, "usage": {"total_tokens": usage["prompt_tokens"]},
+        tokens = sum(n for _, n in scored)
+        return {"id": self.id, "model": self.model, "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
                 "results": results}
 
 
