@@ -110,19 +110,14 @@ def _missing_required(node: dict[str, Any]) -> list[str]:
     return [name for name in required if isinstance(name, str) and name not in properties]
 
 
-def with_required_properties(schema: Any) -> Any:
-    """``schema`` with every object's required names that its ``properties`` leave out added to them (as its
-    ``additionalProperties`` schema, else any value): in strict mode xgrammar would otherwise leave them out, and its
-    output would lack a required property. A schema that needs no change is returned as it is (not copied)."""
-    if not any(_missing_required(node) for node in _schema_nodes(schema)):
-        return schema
-    fixed = copy.deepcopy(schema)
-    for node in _schema_nodes(fixed):
-        if missing := _missing_required(node):
-            extra = node.get("additionalProperties")
-            value_schema = extra if isinstance(extra, dict) else {}
-            node["properties"] = {**node.get("properties", {}), **dict.fromkeys(missing, value_schema)}
-    return fixed
+def _add_required_properties(node: dict[str, Any]) -> None:
+    """The object's required names that its ``properties`` leave out, added to them (as its ``additionalProperties``
+    schema, else any value): in strict mode xgrammar would otherwise leave them out, and its output would lack a
+    required property."""
+    if missing := _missing_required(node):
+        extra = node.get("additionalProperties")
+        value_schema = extra if isinstance(extra, dict) else {}
+        node["properties"] = {**node.get("properties", {}), **dict.fromkeys(missing, value_schema)}
 
 
 def _escaped_pattern(pattern: str) -> str:
@@ -142,23 +137,12 @@ def _escaped_pattern(pattern: str) -> str:
     return "".join(out)
 
 
-def with_escaped_patterns(schema: Any) -> Any:
-    """``schema`` with every string ``pattern`` (and ``patternProperties`` name) through ``_escaped_pattern``; one
-    that needs no change is returned as it is (not copied)."""
-    def changes(node: dict[str, Any]) -> bool:
-        names = node.get("patternProperties")
-        return ((isinstance(node.get("pattern"), str) and _escaped_pattern(node["pattern"]) != node["pattern"])
-                or (isinstance(names, dict) and any(_escaped_pattern(name) != name for name in names)))
-
-    if not any(changes(node) for node in _schema_nodes(schema)):
-        return schema
-    fixed = copy.deepcopy(schema)
-    for node in _schema_nodes(fixed):
-        if isinstance(node.get("pattern"), str):
-            node["pattern"] = _escaped_pattern(node["pattern"])
-        if isinstance(node.get("patternProperties"), dict):
-            node["patternProperties"] = {_escaped_pattern(k): v for k, v in node["patternProperties"].items()}
-    return fixed
+def _escape_patterns(node: dict[str, Any]) -> None:
+    """The node's ``pattern`` and ``patternProperties`` names through ``_escaped_pattern``."""
+    if isinstance(node.get("pattern"), str):
+        node["pattern"] = _escaped_pattern(node["pattern"])
+    if isinstance(node.get("patternProperties"), dict):
+        node["patternProperties"] = {_escaped_pattern(k): v for k, v in node["patternProperties"].items()}
 
 
 def unescaped_pattern(schema: Any) -> str | None:
@@ -191,19 +175,19 @@ _FORMAT_PATTERNS = {
 }
 
 
-def with_xgrammar_formats(schema: Any) -> Any:
-    """``schema`` with the string formats of ``_FORMAT_PATTERNS`` as their patterns (a copy only if any)."""
-    if not any(node.get("format") in _FORMAT_PATTERNS and "pattern" not in node for node in _schema_nodes(schema)):
-        return schema
-    fixed = copy.deepcopy(schema)
-    for node in _schema_nodes(fixed):
-        if (pattern := _FORMAT_PATTERNS.get(node.get("format"))) is not None and "pattern" not in node:  # type: ignore[arg-type]
-            del node["format"]
-            node["pattern"] = pattern
-    return fixed
+def _format_as_pattern(node: dict[str, Any]) -> None:
+    """A string format of ``_FORMAT_PATTERNS`` as its pattern."""
+    if (pattern := _FORMAT_PATTERNS.get(node.get("format"))) is not None and "pattern" not in node:  # type: ignore[arg-type]
+        del node["format"]
+        node["pattern"] = pattern
 
 
 def xgrammar_schema(schema: Any) -> Any:
     """``schema`` as xgrammar is given it: required names listed, patterns escaped, loose formats as patterns; the same
-    object where nothing changes."""
-    return with_xgrammar_formats(with_escaped_patterns(with_required_properties(schema)))
+    object where nothing changes (each edit is idempotent, so a subschema shared by two places may meet it twice)."""
+    fixed = copy.deepcopy(schema)
+    for node in _schema_nodes(fixed):
+        _add_required_properties(node)
+        _escape_patterns(node)
+        _format_as_pattern(node)
+    return schema if fixed == schema else fixed
