@@ -224,15 +224,18 @@ def test_an_empty_output_is_an_empty_message():
 def test_response_object_echoes_the_request():
     c, stub = make_client(stub=StubFrontend(finish="stop"))
     body = {"model": "tiny-test", "input": "hi", "instructions": "Sys.", "max_output_tokens": 9, "temperature": 0.3,
-            "metadata": {"k": "v"}, "user": "u1", "text": {"format": {"type": "json_object"}}, "max_tool_calls": 2}
+            "metadata": {"k": "v"}, "user": "u1", "text": {"format": {"type": "json_object"}}, "max_tool_calls": 2,
+            "safety_identifier": "h1", "prompt_cache_key": "p1", "service_tier": "auto"}
     resp = c.post(RESPONSES, json=body).json()
     Response.model_validate(resp)
     assert resp["id"].startswith("resp_") and resp["object"] == "response" and resp["status"] == "completed"
     assert resp["output"][0]["content"][0]["text"] == "Hello 你好!" and resp["incomplete_details"] is None
-    keys = ("instructions", "max_output_tokens", "temperature", "metadata", "user", "store", "max_tool_calls")
+    keys = ("instructions", "max_output_tokens", "temperature", "metadata", "user", "store", "max_tool_calls",
+            "safety_identifier", "prompt_cache_key", "service_tier")
     assert {k: resp[k] for k in keys} == {
         "instructions": "Sys.", "max_output_tokens": 9, "temperature": 0.3, "metadata": {"k": "v"}, "user": "u1",
-        "store": True, "max_tool_calls": 2}
+        "store": True, "max_tool_calls": 2, "safety_identifier": "h1", "prompt_cache_key": "p1",
+        "service_tier": "default"}
     assert resp["usage"]["input_tokens"] == 5 and resp["usage"]["output_tokens"] == 3
     assert resp["usage"]["total_tokens"] == 8
     req = stub.submitted[-1]

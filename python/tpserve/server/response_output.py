@@ -286,8 +286,12 @@ class ResponsesFormat(ResponseFormat):
             "output": [_copy(item) for item in self._items.so_far()],
             "parallel_tool_calls": body.parallel_tool_calls,
             "previous_response_id": body.previous_response_id,
+            "prompt": None,
+            "prompt_cache_key": body.prompt_cache_key,
             "conversation": None if body.conversation_id is None else {"id": body.conversation_id},
             "reasoning": {"effort": reasoning.get("effort"), "summary": reasoning.get("summary")},
+            "safety_identifier": body.safety_identifier,
+            "service_tier": "default",  # the tier that served it: tpserve has one
             "store": body.store,
             "temperature": self.params.temperature,
             "text": body.text or {"format": {"type": "text"}},

@@ -60,6 +60,10 @@ class ResponsesRequest(_Body):
     conversation: Union[StrictStr, dict[str, Any]] | None = None  # an id, or {"id": ...}
     metadata: dict[str, StrictStr] | None = None
     user: str | None = None
+    # echoed in the response, as OpenAI does; tpserve's prefix cache needs no key and has no safety system
+    safety_identifier: str | None = None
+    prompt_cache_key: str | None = None
+    service_tier: Literal["auto", "default", "flex", "scale", "priority"] | None = None
     background: bool = False
     truncation: Literal["auto", "disabled"] = "disabled"  # auto: server/truncation.py
     # OpenAI's bound on calls to built-in tools, which tpserve does not serve: function calls are not
