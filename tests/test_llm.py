@@ -610,6 +610,10 @@ def test_logprobs_match_transformers(llm, qwen3_dir):
             ids = [t for t, _ in top]
             assert ids == ref[pos].topk(top_n).indices.tolist()
             assert torch.allclose(torch.tensor([v for _, v in top]), ref[pos, ids], atol=1e-4)
+        # each sampled token's rank in the vocabulary, whether or not among the top ones (vLLM's Logprob.rank)
+        ranks = [1 + int((ref[p] > ref[p, t]).sum()) for p, t in enumerate(out.token_ids)]
+        assert [position[t].rank for t, position in zip(out.token_ids, out.logprobs)] == ranks
+    assert max(p[t].rank for t, p in zip(sampled.token_ids, sampled.logprobs)) > 1
     # Greedy: the sampled token is the most likely one.
     assert [top[0][0] for top in greedy.top_logprobs] == greedy.token_ids
     with pytest.raises(ValueError, match="logprobs must be in"):
@@ -740,9 +744,11 @@ def test_logprobs_are_laid_out_as_vllms(llm):
         assert next(iter(position)) == token and position[token].logprob == value
         assert position[token].decoded_token == decode([token])
         top_ids = [t for t, _ in top]
-        assert position[token].rank == (top_ids.index(token) + 1 if token in top_ids else None)
+        # a sampled token outside the top ones has its rank in the vocabulary too (was None)
+        assert position[token].rank == top_ids.index(token) + 1 if token in top_ids else position[token].rank > 2
         assert {t: position[t] for t in top_ids} == {t: Logprob(v, r, decode([t])) for r, (t, v) in enumerate(top, 1)}
         assert len(position) == 2 + (token not in top_ids)
+    assert any(t not in dict(top) for t, top in zip(completion.token_ids, completion.top_logprobs))
     assert completion.cumulative_logprob == pytest.approx(sum(p[t].logprob for t, p in
                                                              zip(completion.token_ids, completion.logprobs)))
     assert out.prompt_logprobs[0] is None and len(out.prompt_logprobs) == len(prompt)

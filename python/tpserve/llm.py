@@ -55,6 +55,7 @@ class _Pending:
     tokenizer: Any
     text: OutputText | None = None  # with stop strings: the text as it comes, cut at one; else decoded at the end
     parts: list[str] = field(default_factory=list)
+    ranks: list[int] = field(default_factory=list)  # each generated token's rank in the vocabulary, with logprobs
     ended_by_token: bool = False  # by EOS or a stop token, whose text is left out
 
     def __post_init__(self) -> None:
@@ -72,6 +73,7 @@ class _Pending:
                 completion.token_logprobs, completion.top_logprobs = [], []
             completion.token_logprobs.extend(out.logprobs)
             completion.top_logprobs.extend(out.top_logprobs or [])
+            self.ranks.extend(out.ranks or [])
         if out.prompt_logprobs is not None:
             self.result.prompt_token_logprobs = [None, *out.prompt_logprobs]
             self.result.prompt_top_logprobs = [None, *(out.prompt_top_logprobs or [])]
@@ -99,8 +101,8 @@ class _Pending:
         completion, result = self.output, self.result
         if completion.token_logprobs is not None:
             tops = completion.top_logprobs or []
-            completion.logprobs = [position_logprobs(t, lp, None, top, decode)
-                                   for t, lp, top in zip(completion.token_ids, completion.token_logprobs, tops)]
+            completion.logprobs = [position_logprobs(t, lp, rank, top, decode) for t, lp, rank, top in
+                                   zip(completion.token_ids, completion.token_logprobs, self.ranks, tops)]
         if completion.index == 0 and result.prompt_token_logprobs is not None:
             ranks, tops = result.prompt_ranks or [], result.prompt_top_logprobs or []
             result.prompt_logprobs = [None, *(

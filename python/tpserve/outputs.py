@@ -97,12 +97,11 @@ class RequestOutput:
         return self.outputs[0].token_logprobs
 
 
-def position_logprobs(token: int, logprob: float, rank: int | None, top: list[tuple[int, float]],
+def position_logprobs(token: int, logprob: float, rank: int, top: list[tuple[int, float]],
                       decode: Callable[[int], str | None]) -> LogprobsOnePosition:
     """One position's vLLM logprobs: the chosen token first, then the most likely ones by rank (the chosen one among
     them keeps its place and takes its rank there, as vLLM's dict)."""
-    top_rank = next((i for i, (t, _) in enumerate(top, 1) if t == token), None)
-    out = {token: Logprob(logprob, rank if rank is not None else top_rank, decode(token))}
+    out = {token: Logprob(logprob, rank, decode(token))}
     for i, (t, value) in enumerate(top, 1):
         out[t] = Logprob(value, i, decode(t))
     return out

@@ -74,9 +74,10 @@ class LaunchedStep:
             return None
         return tuple(self.host[prefix + name].tolist() for name in ("logprobs", "top_ids", "top_logprobs"))
 
-    def prompt_ranks(self) -> list[int]:
-        """Each extra logits row's target's rank in the vocabulary; call after ``result``."""
-        return self.host["prompt_ranks"].tolist()
+    def ranks(self, prefix: str = "") -> list[int]:
+        """Each row's sampled token's rank in the vocabulary (``prefix="prompt_"``: each extra logits row's
+        target's); call after ``result``, where ``logprobs`` gives values."""
+        return self.host[prefix + "ranks"].tolist()
 
     def pooled(self) -> list[bytes]:
         """The pooled sequences' hidden states as little-endian float32 bytes, in batch order; call after ``result``."""
@@ -417,7 +418,7 @@ class Engine:
         self._last_tokens = tokens
         outputs = {"tokens": tokens}
         if pending.top_logprobs is not None:  # before the next graph replay overwrites the logits
-            outputs.update(compute_logprobs(logits, tokens, pending.top_logprobs))
+            outputs.update(compute_logprobs(logits, tokens, pending.top_logprobs, ranks=True))
         if pending.prompt_logprobs is not None:
             asked = pending.prompt_logprobs
             prompt = compute_logprobs(pending.prompt_logits, asked.targets, asked.top, ranks=True)

@@ -63,6 +63,7 @@ class TokenOutput(msgspec.Struct):
     # Only for requests that asked for logprobs: one entry per token in token_ids.
     logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None
+    ranks: list[int] | None = None  # each token's rank in the vocabulary (1: most likely), as vLLM's Logprob.rank
     matched_stop: int | None = None  # the EOS or stop token id that ended it (finish "stop")
     # With its first token, for requests that asked for prompt log-probabilities: the prompt, and for
     # each prompt token after the first its log-probability and the most likely (id, log-probability) pairs.

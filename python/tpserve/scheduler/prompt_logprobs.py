@@ -37,7 +37,7 @@ def record(entries: list[tuple[Request, int, int]], handle: LaunchedStep) -> Non
     """Store a step's results in their requests; ``entries``: (request, first position, count), in the
     order of the step's extra logits rows."""
     chosen, top_ids, top_values = handle.logprobs("prompt_")
-    ranks = handle.prompt_ranks()
+    ranks = handle.ranks("prompt_")
     row = 0
     for req, start, count in entries:
         if req.prompt_logprobs is not None:  # None: it finished meanwhile

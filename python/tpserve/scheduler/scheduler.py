@@ -347,6 +347,7 @@ class Scheduler:
             self._sample_constrained(launched)
         tokens = launched.handle.result()
         logprobs = launched.handle.logprobs()
+        ranks = launched.handle.ranks() if logprobs is not None else None
         if launched.prompt_rows:
             prompt_logprobs.record(launched.prompt_rows, launched.handle)
         pooled = iter(launched.handle.pooled())  # in batch order, one for each pooled request's last chunk
@@ -386,6 +387,7 @@ class Scheduler:
                 n = req.params.logprobs
                 out.logprobs = [chosen[row]]
                 out.top_logprobs = [list(zip(top_ids[row][:n], top_values[row][:n]))]
+                out.ranks = [ranks[row]]
             if first and req.params.prompt_logprobs is not None:
                 prompt_logprobs.attach(out, req)
             outputs.append(out)
