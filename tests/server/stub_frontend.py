@@ -6,6 +6,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 
+import msgspec
 import numpy as np
 
 from tpserve.message.frontend import ApiOutput, RequestRejected, TokenizeRequest, TokenLogprob
@@ -37,6 +38,7 @@ class StubFrontend:
         return next(self._rids)
 
     async def submit(self, requests, queue) -> None:
+        requests = [choice for req in requests for choice in _choices(req)]
         self.submitted.extend(requests)
         for req in requests:
             asyncio.get_running_loop().create_task(self._answer(req, queue))
@@ -73,6 +75,13 @@ class StubFrontend:
 
     async def flush_cache(self) -> None:
         self.flushes += 1
+
+
+def _choices(req: TokenizeRequest) -> list[TokenizeRequest]:
+    """A request with ``more_choices`` as one request per choice (what the tokenizer worker sends on)."""
+    return [msgspec.structs.replace(req, more_choices=[]), *(
+        msgspec.structs.replace(req, rid=rid, params=msgspec.structs.replace(req.params, seed=seed), more_choices=[])
+        for rid, seed in req.more_choices)]
 
 
 def stub_logits(rid: int, classes: int) -> list[float]:

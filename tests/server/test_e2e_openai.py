@@ -428,6 +428,12 @@ def test_n_choices(client):
                                      **GREEDY)
     assert [c.index for c in done.choices] == [0, 1, 2, 3]
     assert done.choices[0].text == done.choices[1].text and done.choices[2].text == done.choices[3].text
+    # the choices of a prompt are prepared from one tokenization: a prompt too long is each one's 400, and the
+    # server goes on serving
+    for _ in range(2):
+        with pytest.raises(openai.BadRequestError, match="context length"):
+            client.completions.create(model="tiny", prompt=["a b", "word " * 5000], n=3, max_tokens=1)
+    assert len(client.chat.completions.create(n=2, **kwargs).choices) == 2
 
 
 def test_embeddings_match_transformers(client, url, tokenizer, qwen3_dir):

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 
+import msgspec
 import pytest
 from tpserve.message.frontend import TokenizeRequest
 from tpserve.sampling_params import SamplingParams
@@ -87,6 +88,24 @@ def test_a_pooled_input_may_fill_the_context(preparer):
 def test_seeds_differ_between_requests(preparer):
     seeds = {preparer.prepare(req(rid=i, input_ids=[1])).generate.params.seed for i in range(5)}
     assert len(seeds) == 5
+
+
+def test_a_prompts_choices_are_rendered_once(preparer, tiny_tokenizer, monkeypatch):
+    """n > 1: the other choices (rid, seed) share the first one's tokens and final params but their own seed (a
+    given one, else a new one each); the chat template renders once, not once per choice."""
+    renders = []
+    render = preparer.render_chat
+    monkeypatch.setattr(preparer, "render_chat", lambda r: renders.append(r) or render(r))
+    params = SamplingParams(max_tokens=None, seed=7, stop=["x"])
+    choices = preparer.prepare_choices(req(messages=[{"role": "user", "content": "hi"}], params=params,
+                                           more_choices=[(2, 8), (3, None), (4, None)]))
+    assert len(renders) == 1 and [c.generate.rid for c in choices] == [c.register.rid for c in choices] == [1, 2, 3, 4]
+    assert all(c.generate.input_ids == choices[0].generate.input_ids for c in choices)
+    assert all(c.register == msgspec.structs.replace(choices[0].register, rid=c.generate.rid) for c in choices)
+    seeds = [c.generate.params.seed for c in choices]
+    assert seeds[:2] == [7, 8] and len(set(seeds)) == 4
+    assert all(c.generate.params == msgspec.structs.replace(choices[0].generate.params, seed=s)
+               for c, s in zip(choices, seeds))
 
 
 @pytest.mark.parametrize(

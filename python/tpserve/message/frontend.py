@@ -45,6 +45,13 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True):
     prompt_param: str = "prompt"  # the field ``text`` or ``input_ids`` came from (``input`` for embeddings)
     add_special_tokens: bool = True  # ``text`` is tokenized with the tokenizer's special tokens (e.g. a BOS)
     text_pair: str | None = None  # with ``text``: the pair's second text, both tokenized as one (a cross-encoder's)
+    # n > 1: the prompt's other choices as (rid, seed), each prepared from this one's tokens and params (the prompt
+    # is rendered and tokenized once)
+    more_choices: list[tuple[int, int | None]] = []
+
+    @property
+    def choice_rids(self) -> list[int]:
+        return [self.rid, *(rid for rid, _ in self.more_choices)]
 
 
 TokenizerInput = TokenizeRequest | Shutdown

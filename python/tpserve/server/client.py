@@ -81,7 +81,8 @@ class BackendLink:
         is encoded before any is watched, so one that cannot be leaves nothing half-sent."""
         messages = [encode(req) for req in requests]
         for req in requests:
-            self._queues[req.rid] = queue
+            for rid in req.choice_rids:
+                self._queues[rid] = queue
         return messages
 
     def _aborting(self, rid: int) -> bytes:

@@ -49,7 +49,8 @@ class Generation:
         self._metrics = metrics
         self._requests = requests
         self._queue: asyncio.Queue[BackendEvent] = asyncio.Queue()
-        self.choices = {req.rid: Choice(i, req.rid, RequestTimer(metrics, shown)) for i, req in enumerate(requests)}
+        rids = [rid for req in requests for rid in req.choice_rids]
+        self.choices = {rid: Choice(i, rid, RequestTimer(metrics, shown)) for i, rid in enumerate(rids)}
         self._last_disconnect_check = time.monotonic()
         self._timeout = timeout
         self._deadline = None if timeout is None else time.monotonic() + timeout
@@ -223,7 +224,7 @@ class Serving:
     def chat_requests(
         self, body: ChatCompletionRequest
     ) -> tuple[list[TokenizeRequest], ChatOutputConfig, SamplingParams]:
-        """The backend requests of a chat call (one per choice), checked against the limits, and how
+        """The backend request of a chat call (its n choices in one), checked against the limits, and how
         to split their output."""
         body.check()
         check_request_template(body.chat_template, self.trust_request_chat_template)
@@ -234,22 +235,21 @@ class Serving:
         messages = body.template_messages()
         template_kwargs = body.template_kwargs()
         self.limits.check_chat(messages, body.tools, template_kwargs, body.documents)
-        reqs = [
-            TokenizeRequest(
-                rid=self.frontend.new_rid(),
-                params=choice_params,
-                messages=messages,
-                chat_template_kwargs=template_kwargs,
-                add_generation_prompt=body.add_generation_prompt,
-                continue_final_message=body.continue_final_message,
-                tools=template_tools(body.tools),
-                documents=body.documents,
-                structured_param=body.structured_param,
-                chat_template=body.chat_template,
-            )
-            for choice_params in params.choices()
-        ]
-        return reqs, output, params
+        first, *more = params.choices()
+        req = TokenizeRequest(
+            rid=self.frontend.new_rid(),
+            params=first,
+            messages=messages,
+            chat_template_kwargs=template_kwargs,
+            add_generation_prompt=body.add_generation_prompt,
+            continue_final_message=body.continue_final_message,
+            tools=template_tools(body.tools),
+            documents=body.documents,
+            structured_param=body.structured_param,
+            chat_template=body.chat_template,
+            more_choices=[(self.frontend.new_rid(), choice.seed) for choice in more],
+        )
+        return [req], output, params
 
     async def completion(
         self, body: CompletionRequest, request: Request, decode: Callable[[list[int]], Awaitable[str]]
@@ -269,9 +269,10 @@ class Serving:
                 self.limits.check_ids(len(prompt), "prompt", params.truncate_prompt_tokens is not None)
         for prompt in prompts:  # choice index = prompt index * n + i, as OpenAI orders them
             text, ids = (prompt, None) if isinstance(prompt, str) else (None, prompt)
-            for choice_params in params.choices():
-                reqs.append(TokenizeRequest(rid=self.frontend.new_rid(), params=choice_params, text=text,
-                                            input_ids=ids, structured_param=body.structured_param))
+            first, *more = params.choices()
+            reqs.append(TokenizeRequest(rid=self.frontend.new_rid(), params=first, text=text, input_ids=ids,
+                                        structured_param=body.structured_param,
+                                        more_choices=[(self.frontend.new_rid(), choice.seed) for choice in more]))
         echo = None
         if body.echo:  # each choice's text starts with its prompt's
             echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]

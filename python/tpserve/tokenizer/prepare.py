@@ -175,6 +175,17 @@ class PromptPreparer:
             ),
         )
 
+    def prepare_choices(self, req: TokenizeRequest) -> list[PreparedRequest]:
+        """``prepare`` for the request and each of its ``more_choices``, which differ from it only in rid and seed."""
+        first = self.prepare(req)
+        choices = [first]
+        for rid, seed in req.more_choices:
+            seed = self._rng.randrange(SEED_LIMIT) if seed is None else seed
+            params = msgspec.structs.replace(first.generate.params, seed=seed)
+            choices.append(PreparedRequest(msgspec.structs.replace(first.generate, rid=rid, params=params),
+                                           msgspec.structs.replace(first.register, rid=rid)))
+        return choices
+
     def input_ids(self, req: TokenizeRequest) -> tuple[list[int], str, str]:
         """(token ids, the request field they came from, the rendered chat prompt or "")."""
         if req.messages is not None:

@@ -60,11 +60,12 @@ def run_tokenizer(
     def process(req: TokenizeRequest, preparer: PromptPreparer) -> None:
         prepared = _prepare(req, preparer)
         with lock:
-            if isinstance(prepared, RequestRejected):
-                to_api.send(prepared)
-            else:
-                to_detokenizer.send(prepared.register)
-                to_scheduler.send(prepared.generate)
+            for choice in prepared:
+                if isinstance(choice, RequestRejected):
+                    to_api.send(choice)
+                else:
+                    to_detokenizer.send(choice.register)
+                    to_scheduler.send(choice.generate)
 
     def handle(req: TokenizeRequest) -> None:
         if prompt_chars(req) > LONG_PROMPT_CHARS:
@@ -84,11 +85,12 @@ def _preparer(config: TokenizerConfig) -> PromptPreparer:
     return PromptPreparer(load_tokenizer(config.model_dir, config.chat_template), config.limits)
 
 
-def _prepare(req: TokenizeRequest, preparer: PromptPreparer) -> PreparedRequest | RequestRejected:
+def _prepare(req: TokenizeRequest, preparer: PromptPreparer) -> list[PreparedRequest] | list[RequestRejected]:
+    """Each choice's request, or each one's rejection (they share the prompt and its faults)."""
     try:
-        return preparer.prepare(req)
+        return preparer.prepare_choices(req)
     except InvalidRequest as e:
-        return RequestRejected(rid=req.rid, message=e.message, param=e.param)
+        return [RequestRejected(rid=rid, message=e.message, param=e.param) for rid in req.choice_rids]
     except Exception as e:  # a tokenizer bug must fail one request, not the server
         logger.exception("tokenizing request %d failed", req.rid)
-        return RequestRejected(rid=req.rid, message=f"tokenization failed: {e}", status=500)
+        return [RequestRejected(rid=rid, message=f"tokenization failed: {e}", status=500) for rid in req.choice_rids]
