@@ -759,3 +759,20 @@ def test_logprobs_are_laid_out_as_vllms(llm):
         (best, value), = out.prompt_top_logprobs[p]
         assert position[best] == Logprob(value, 1, decode([best]))
     assert llm.generate([prompt], SamplingParams(max_tokens=1), use_tqdm=False)[0].outputs[0].logprobs is None
+
+
+def test_priority_as_vllms(llm, qwen3_dir):
+    """vLLM's ``generate(..., priority=[...])`` under ``scheduling_policy="priority"``: the outputs are those of fcfs
+    (priority orders the work, not its result); under fcfs a priority other than 0 is a ValueError, as is a list
+    of the wrong length."""
+    prompts = [[5, 6, 7], [8, 9], [10, 11, 12, 13]]
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    plain = [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False)]
+    with pytest.raises(ValueError, match="priority 3 needs the priority schedule policy"):
+        llm.generate(prompts, params, use_tqdm=False, priority=[0, 3, 0])
+    assert [o.token_ids for o in llm.generate(prompts, params, use_tqdm=False, priority=[0, 0, 0])] == plain
+    with LLM(qwen3_dir, device="cpu", scheduling_policy="priority", max_num_seqs=1) as ranked:
+        assert ranked.config.schedule_policy == "priority"
+        assert [o.token_ids for o in ranked.generate(prompts, params, use_tqdm=False, priority=[2, -1, 0])] == plain
+        with pytest.raises(ValueError, match="got 2 priorities for 3 prompts"):
+            ranked.generate(prompts, params, use_tqdm=False, priority=[1, 2])

@@ -105,7 +105,7 @@ def test_integer_floats_are_still_refused_but_ints_are_taken_for_floats():
         SamplingParams(max_tokens=16.0)
 
 
-@pytest.mark.parametrize("name", ["n", "top_k", "max_tokens", "min_tokens"])
+@pytest.mark.parametrize("name", ["n", "top_k", "max_tokens", "min_tokens", "priority"])
 def test_integers_beyond_64_bits_are_refused_not_a_crash_on_the_wire(name):
     """msgpack carries at most 64-bit integers: a larger one made at tp_size > 1 (and in the server's
     shell) an OverflowError from deep inside the encoder, after the request was accepted."""
@@ -114,6 +114,10 @@ def test_integers_beyond_64_bits_are_refused_not_a_crash_on_the_wire(name):
         SamplingParams(**kwargs)
     request = GenerateRequest(1, [1], SamplingParams(**{**kwargs, name: 2**63 - 1}))
     msgspec.msgpack.encode(request)  # the largest accepted value travels
+    if name == "priority":  # the one field that may be negative
+        msgspec.msgpack.encode(GenerateRequest(1, [1], SamplingParams(priority=-2**63)))
+        with pytest.raises(ValueError, match=r"priority must be in \[-2\*\*63, 2\*\*63\)"):
+            SamplingParams(priority=-2**63 - 1)
 
 
 @pytest.mark.parametrize("kind, spec", [("json_schema", 5), ("regex", None), ("ebnf", b"root ::= 'a'")])

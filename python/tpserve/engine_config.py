@@ -27,7 +27,7 @@ CHOICES = {
     "dtype": tuple(DTYPES),
     "load_format": ("auto", "safetensors", "dummy"),
     "cache": ("radix", "naive"),
-    "schedule_policy": ("fcfs", "lpm"),
+    "schedule_policy": ("fcfs", "lpm", "priority"),
     "attention_backend": ("auto", "flashinfer", "torch"),
     "decode_attention": ("auto", "flashinfer", "xqa", "triton"),
     "all_reduce": ("auto", "nccl", "one_shot", "two_shot", "fused"),
@@ -50,7 +50,7 @@ class EngineConfig:
     max_running_requests: int = 256
     chunked_prefill_size: int = 8192  # prefill tokens per step; longer prompts are chunked (<= 0: off)
     cache: str = "radix"  # prefix cache (naive: none)
-    schedule_policy: str = "fcfs"  # lpm: longest cached prefix first
+    schedule_policy: str = "fcfs"  # lpm: longest cached prefix first; priority: requests' priority, then arrival
     max_model_len: int | None = None  # context limit; default: the model's max_position_embeddings
     seed: int = 0
     dist_init_addr: str | None = None  # tcp://HOST:PORT: chosen by the parent on one node, given across nodes

@@ -203,11 +203,12 @@ class LLM(PoolingMethods):
         prompts: str | Mapping[str, Any] | Iterable[str | Sequence[int] | Mapping[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Completions of each prompt (a string, a token-id list, or vLLM's ``{"prompt": text}`` /
         ``{"prompt_token_ids": ids}``), given as any iterable of them, or one string or dict alone (as vLLM;
         a token-id list alone is ``[[...]]``), with one ``SamplingParams`` or one per prompt; results in prompt
-        order."""
+        order. ``priority``: one per prompt, as vLLM's (``schedule_policy="priority"`` only; lower first)."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         elif isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
@@ -220,6 +221,10 @@ class LLM(PoolingMethods):
         if sampling_params is None:
             sampling_params = self.get_default_sampling_params()
         sampling_params = _params_per_prompt(sampling_params, len(prompts))
+        if priority is not None:
+            if len(priority) != len(prompts):
+                raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
+            sampling_params = [msgspec.structs.replace(p, priority=v) for p, v in zip(sampling_params, priority)]
         checked: dict[int, SamplingParams] = {}  # each params object once (one is often given for every prompt)
         for i, params in enumerate(sampling_params):
             if id(params) not in checked:
@@ -399,6 +404,9 @@ class LLM(PoolingMethods):
 
     def _check_params(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
+        if params.priority and self.config.schedule_policy != "priority":
+            raise ValueError(f"priority {params.priority} needs the priority schedule policy: "
+                             "LLM(..., schedule_policy='priority') (vLLM's scheduling_policy)")
         if params.structured is not None:
             from tpserve.structured.grammar import check_spec
 
@@ -452,7 +460,8 @@ class LLM(PoolingMethods):
 
 # vLLM's names for LLM's keyword arguments (the CLI takes the same aliases), and those it accepts and ignores.
 _VLLM_KWARGS = {"tensor_parallel_size": "tp_size", "data_parallel_size": "dp_size", "gpu_memory_utilization": "mem_fraction",
-                "max_num_seqs": "max_running_requests", "enable_expert_parallel": "expert_parallel"}
+                "max_num_seqs": "max_running_requests", "enable_expert_parallel": "expert_parallel",
+                "scheduling_policy": "schedule_policy"}
 _IGNORED_KWARGS = ("trust_remote_code",)  # tpserve runs no code from the checkpoint
 # vLLM's switches, as the CLI takes them (launch/vllm_flags.py): name -> (the value that acts, setting, its value)
 _VLLM_SWITCHES = {"enforce_eager": (True, "cuda_graph_max_bs", 0), "enable_prefix_caching": (False, "cache", "naive")}

@@ -12,6 +12,7 @@ import msgspec
 
 MAX_LOGPROBS = 20
 SEED_LIMIT = 2**63  # seeds are in [0, SEED_LIMIT)
+PRIORITY_LIMIT = 2**63  # priorities are int64, as msgpack carries them
 # Requests reach the rank processes as msgpack, which carries 64-bit integers: every integer field is below this.
 INT_LIMIT = SEED_LIMIT
 # Temperatures below this are greedy, as in vLLM: dividing logits by 1e-50 would overflow to inf
@@ -34,7 +35,7 @@ STRUCTURED_KINDS = ("json_object", "json_schema", "regex", "ebnf", "structural_t
 # SamplingParams' fields by type, checked (and numpy scalars made plain) when it is made: the
 # request is decoded with these types in every rank process, where a wrong type would be fatal.
 _FLOAT_FIELDS = ("temperature", "top_p", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
-_INT_FIELDS = ("n", "top_k", "min_tokens")
+_INT_FIELDS = ("n", "top_k", "min_tokens", "priority")
 _OPTIONAL_INT_FIELDS = ("max_tokens", "seed", "logprobs", "prompt_logprobs", "truncate_prompt_tokens")
 _BOOL_FIELDS = ("ignore_eos", "include_stop_str_in_output", "skip_special_tokens")
 # What a pooled request answers with instead of tokens: its embedding (the final hidden state of its last token), or a
@@ -189,6 +190,9 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # (normed) hidden state of the prompt's last token, "classify" (``/classify``, a cross-encoder's score) with a
     # classifier's logits there; nothing is generated (the sampling fields are unused)
     pooling: str | None = None
+    # vLLM's: under the priority schedule policy, waiting requests are admitted lowest value first (then in order
+    # of arrival) and a running request of a higher value is preempted first; 0 under any other policy
+    priority: int = 0
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -220,6 +224,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                                 and self.n == 1):
             raise ValueError(f"a pooled request ({self.pooling}) generates no tokens: it takes no logprobs, "
                              "prompt_logprobs or structured output, and n 1")
+        if not -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT:
+            raise ValueError(f"priority must be in [-2**63, 2**63), got {self.priority}")
         salt = self.cache_salt
         if salt is not None and (not isinstance(salt, str) or not 0 < len(salt) <= MAX_CACHE_SALT):
             raise ValueError(f"cache_salt must be a non-empty string of at most {MAX_CACHE_SALT} characters")

@@ -32,6 +32,8 @@ def test_a_pasted_vllm_command_line_sets_what_it_names(qwen3_dir):
         assert f"{flag}: no effect in tpserve" in warned
     defaults = parse_args([qwen3_dir, "--enable-prefix-caching", "--device", "cpu"])
     assert defaults.engine.cache == "radix" and defaults.engine.cuda_graph_max_bs > 0 and not defaults.startup_warnings
+    assert engine.schedule_policy == defaults.engine.schedule_policy == "fcfs"
+    assert parse_args([qwen3_dir, "--scheduling-policy", "priority"]).engine.schedule_policy == "priority"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -40,7 +42,7 @@ def test_a_pasted_vllm_command_line_sets_what_it_names(qwen3_dir):
     (["--speculative-config", "{}"], "argument --speculative-config: speculative decoding is not served"),
     (["--ssl-keyfile", "k.pem"], "TLS is not served"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: tpserve splits a model by tensor parallelism"),
-    (["--scheduling-policy", "priority"], "request priorities are not served"),
+    (["--scheduling-policy", "priority", "--schedule-policy", "lpm"], "--scheduling-policy priority and --schedule-policy lpm: give one"),
     (["--model", "/elsewhere"], "the model is given twice"),
     (["--task", "embed", "--hf-overrides", '{"architectures": ["Qwen3ForSequenceClassification"]}'],
      "--task embed: this model does not serve it"),

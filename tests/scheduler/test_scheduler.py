@@ -206,3 +206,49 @@ def test_prompt_logprobs_in_small_chunks_under_kv_pressure(small_engine, qwen3_d
         expected = ref.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
         assert torch.allclose(torch.tensor(out.prompt_logprobs), expected, atol=1e-4)
         assert [top[0][0] for top in out.prompt_top_logprobs] == ref.argmax(-1).tolist()
+
+
+def test_priority_policy_admits_by_priority_and_preempts_the_least_urgent(small_engine):
+    """vLLM's priority scheduling: waiting requests are admitted lowest priority value first (ties by arrival), and
+    under KV pressure the running request of the highest value is preempted, not the newest; the tokens are those
+    each request gets alone. Under fcfs a priority other than 0 is refused."""
+    scheduler = Scheduler(small_engine)
+    scheduler.config = replace(scheduler.config, schedule_policy="priority", max_running_requests=1)
+    priorities = {0: 5, 1: 0, 2: -3, 3: 0}
+    params = {rid: SamplingParams(temperature=0, ignore_eos=True, max_tokens=3, priority=p)
+              for rid, p in priorities.items()}
+    tokens, finish, concurrency = run(scheduler, {rid: ([rid + 1] * 5, params[rid]) for rid in priorities})
+    firsts = [rid for step in concurrency for rid in step]
+    assert list(dict.fromkeys(firsts)) == [2, 1, 3, 0], concurrency  # -3, then the two 0s as they came, then 5
+
+    # 64 tokens of KV cache: two 30-token requests grow past it. The urgent one (admitted last) keeps running.
+    scheduler = Scheduler(small_engine)
+    scheduler.config = replace(scheduler.config, schedule_policy="priority")
+    scheduler.check_accounting = True
+    preempted = []
+    preempt = scheduler._preempt
+    scheduler._preempt = lambda req: preempted.append(req.rid) or preempt(req)
+    long = {rid: (list(range(10 + rid, 30 + rid)), SamplingParams(temperature=0, ignore_eos=True, max_tokens=20,
+                                                                   priority=p)) for rid, p in ((0, 1), (1, 1))}
+    early = []
+    for rid in (0, 1):
+        scheduler.add_request(rid, *long[rid], seed=rid)
+        early += scheduler.step()
+    urgent = (list(range(50, 70)), SamplingParams(temperature=0, ignore_eos=True, max_tokens=20, priority=0))
+    tokens, finish, _ = run(scheduler, {2: urgent})
+    for out in reversed(early):
+        tokens[out.rid][:0] = out.token_ids
+    assert preempted and 2 not in preempted, preempted
+    assert preempted[0] == 1  # of the two equally urgent, the newer
+    for rid, request in {**long, 2: urgent}.items():
+        alone, _, _ = run(Scheduler(small_engine), {rid: (request[0], replace_priority(request[1]))})
+        assert alone[rid] == tokens[rid]
+
+    with pytest.raises(AdmissionError, match="priority 2 needs the priority schedule policy"):
+        Scheduler(small_engine).add_request(9, [1, 2], SamplingParams(priority=2), seed=0)
+
+
+def replace_priority(params: SamplingParams) -> SamplingParams:
+    import msgspec
+
+    return msgspec.structs.replace(params, priority=0)

@@ -867,9 +867,22 @@ def test_reasoning_effort_refusals_and_unserved_chat_fields():
     assert c.post(CHAT, json={"messages": USER, "modalities": ["text"]}).status_code == 200
     # vLLM's fields for features not served: 400s when they ask for them, accepted at their off values
     for path, base in ((CHAT, {"messages": USER}), ("/v1/completions", {"prompt": "hi"})):
-        for extra, fragment in (({"use_beam_search": True}, "beam search"), ({"priority": 5}, "priorities")):
+        for extra, fragment in (({"use_beam_search": True}, "beam search"), ({"priority": 5}, "--schedule-policy priority")):
             assert_error(c.post(path, json={**base, **extra}), 400, fragment, next(iter(extra)))
         assert c.post(path, json={**base, "use_beam_search": False, "priority": 0}).status_code == 200
+
+
+def test_priority_reaches_the_scheduler_under_the_priority_policy():
+    """vLLM's ``priority`` on every generating and pooling endpoint: with --schedule-policy priority each backend
+    request carries it (every choice of n); without, a priority other than 0 is a 400 naming it (above)."""
+    c, stub = make_client(priority_scheduling=True)
+    for path, body in ((CHAT, {"messages": USER, "n": 2}), ("/v1/completions", {"prompt": "hi"}),
+                       ("/v1/embeddings", {"input": "hi"}), ("/v1/score", {"text_1": "a", "text_2": "b"}),
+                       ("/v1/rerank", {"query": "q", "documents": ["a"]}), ("/v1/responses", {"input": "hi"})):
+        before = len(stub.submitted)
+        assert c.post(path, json={**body, "priority": -7}).status_code == 200, path
+        assert {r.params.priority for r in stub.submitted[before:]} == {-7}, path
+    assert_error(c.post(CHAT, json={"messages": USER, "priority": 1.5}), 400, None, "priority")
 
 
 def test_embeddings_request_and_response_shapes():
@@ -919,7 +932,8 @@ def test_embeddings_request_and_response_shapes():
     ({"input": "a", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be >= 1 or -1"),
     ({"input": 3}, "input", "input"),
     ({"input": "REJECT me"}, "input", "too long"),
-    ({"input": "a", "priority": 1}, "priority", "request priorities are not served"),
+    ({"input": "a", "priority": 1}, "priority", "priority scheduling is not enabled"),
+    ({"input": "a", "priority": 2**63}, "priority", "priority"),
     ({"input": "a", "cache_salt": ""}, "cache_salt", "cache_salt must be a non-empty string"),
     ({"input": ["a"] * 65}, "input", "exceed this server's limit of 64"),
 ])
@@ -1019,7 +1033,7 @@ def test_score_takes_each_of_vllms_names_for_its_two_sides():
     ("/v1/score", {"text_1": "a", "text_2": ["b", ""]}, "text_2", "no empty one"),
     ("/v1/score", {"text_1": ["a", "b"], "text_2": ["c", "d", "e"]}, "text_1", "one text or as many as text_2 (3)"),
     ("/v1/score", {"text_1": "a"}, "text_2", "text_2"),
-    ("/v1/score", {"text_1": "a", "text_2": "b", "priority": 2}, "priority", "priorities are not served"),
+    ("/v1/score", {"text_1": "a", "text_2": "b", "priority": 2}, "priority", "priority scheduling is not enabled"),
     ("/v1/rerank", {"query": "", "documents": ["a"]}, "query", "query must not be empty"),
     ("/v1/rerank", {"query": "q", "documents": []}, "documents", "at least one text"),
     ("/v1/rerank", {"query": "q", "documents": ["a"], "top_n": -1}, "top_n", "top_n must be >= 0"),

@@ -47,7 +47,7 @@ def test_classify_answers_each_input_with_its_class_probabilities():
     ({"input": ""}, "input", "must not hold an empty string"),
     ({"input": []}, "input", "must not be empty"),
     ({"input": "x", "truncate_prompt_tokens": 0}, "truncate_prompt_tokens", "must be >= 1 or -1"),
-    ({"input": "x", "priority": 1}, "priority", "not served"),
+    ({"input": "x", "priority": 1}, "priority", "priority scheduling is not enabled"),
     ({"input": "x", "model": "other"}, "model", "does not exist"),
 ])
 def test_classify_bad_requests_are_400s(body, param, message):

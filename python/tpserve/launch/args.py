@@ -211,7 +211,9 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--cache", "--prefix-cache", choices=CHOICES["cache"], default=_default("cache"),
                         help="prefix cache: radix (shared prefixes reuse KV pages) or naive (none)")
     engine.add_argument("--schedule-policy", choices=CHOICES["schedule_policy"], default=_default("schedule_policy"),
-                        help="admission order: fcfs, or lpm (longest cached prefix first)")
+                        help="admission order: fcfs; lpm (longest cached prefix first); or priority (vLLM's: "
+                             "requests' priority field, lowest first, then arrival; a running request of a higher "
+                             "value is preempted first). Under fcfs and lpm a request's priority must be 0")
     engine.add_argument("--attention-backend", choices=CHOICES["attention_backend"],
                         default=_default("attention_backend"),
                         help="auto: flashinfer on CUDA in bfloat16/float16 when installed, else torch "

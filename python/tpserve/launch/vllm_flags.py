@@ -133,7 +133,7 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--pipeline-parallel-size", "-pp", type=int, default=1, metavar="1",
                        help="1 only: tpserve splits a model by tensor parallelism (--tp-size)")
     group.add_argument("--scheduling-policy", choices=("fcfs", "priority"), default="fcfs",
-                       help="fcfs only (request priorities are not served): as --schedule-policy fcfs")
+                       help="as --schedule-policy fcfs or priority")
     group.add_argument("--response-role", default="assistant", metavar="assistant",
                        help="assistant only: the role of chat answers (another is an error)")
     group.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto",
@@ -185,7 +185,9 @@ def check_vllm_flags(ns: argparse.Namespace) -> tuple[str, ...]:
         raise ValueError("--chat-template-content-format openai: tpserve hands the chat template each message's "
                          "content as one text (string)")
     if ns.scheduling_policy == "priority":
-        raise ValueError("--scheduling-policy priority: request priorities are not served (fcfs only)")
+        if ns.schedule_policy not in ("fcfs", "priority"):  # fcfs: --schedule-policy's default
+            raise ValueError(f"--scheduling-policy priority and --schedule-policy {ns.schedule_policy}: give one")
+        ns.schedule_policy = "priority"
     if (ns.revision is not None or ns.download_dir is not None) and ns.model is None:
         raise ValueError("--revision and --download-dir need a model (a Hugging Face id)")
     return tuple(getattr(ns, "vllm_ignored", ()))

@@ -29,6 +29,7 @@ class Request:
     pending: int = 0  # 1 while a launched step's sample for it is not yet known on the host
     future_row: int = -1  # its row in the last launched step, where that pending sample is
     admit_order: int = -1  # when it was (last) admitted; the newest is preempted first
+    arrival: int = -1  # when it reached the scheduler (the priority policy admits by priority, then arrival)
     cached_tokens: int = -1  # prefix-cache hit at first admission, reported in usage
     finish_reason: str | None = None
     slot: int = -1  # its row of the engine's penalty state (-1: none), kept until it finishes
@@ -72,6 +73,11 @@ class Request:
         if self.pending and len(ids) < n:
             ids.append(-(self.future_row + 1))
         return ids
+
+    def rank(self) -> tuple[int, int]:
+        """Running requests in the order they get their tokens and pages (the last is preempted first): by admission,
+        after priority (0 for all but under the priority policy)."""
+        return self.params.priority, self.admit_order
 
     @property
     def finished(self) -> bool:

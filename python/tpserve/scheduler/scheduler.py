@@ -2,7 +2,8 @@
 
 Every step, running requests (oldest first) get their next tokens (one decoding, a chunk
 prefilling) and pages, evicting cached prefixes and then preempting the newest requests; then
-waiting requests are admitted while the prefill budget and pages allow. Every rank runs this on
+waiting requests are admitted while the prefill budget and pages allow. Under the priority policy
+"oldest" and "newest" rank by (priority, age): a lower priority value comes first, as in vLLM. Every rank runs this on
 the same inputs and takes the same decisions (ordered queues, batches sorted by request id).
 
 With overlap (the default) step i+1 is launched before step i's samples are read: a decoding
@@ -87,6 +88,7 @@ class Scheduler:
         self.running: dict[int, Request] = {}
         self.step_count = 0
         self.admissions = 0
+        self.arrivals = 0
         self.prompt_tokens_total = 0
         self.cached_tokens_total = 0
         self.evicted_pages_total = 0
@@ -130,7 +132,11 @@ class Scheduler:
         room = self.max_model_len - len(prompt_ids)
         # a pooled request takes its prompt's one sample (never shown) for the vector beside it
         max_new = 1 if params.pooled else room if params.max_tokens is None else min(params.max_tokens, room)
-        req = Request(rid, list(prompt_ids), params, seed, max_new)
+        if params.priority and self.config.schedule_policy != "priority":
+            raise AdmissionError(f"priority {params.priority} needs the priority schedule policy "
+                                 "(--schedule-policy priority)")
+        req = Request(rid, list(prompt_ids), params, seed, max_new, arrival=self.arrivals)
+        self.arrivals += 1
         if params.structured is not None:
             self.compiling.add(rid, req, params.structured)
         else:
@@ -227,7 +233,7 @@ class Scheduler:
         preemptions = self.preemptions_total
         decodes: list[tuple[Request, int]] = []
         prefills: list[tuple[Request, int]] = []
-        for req in sorted(self.running.values(), key=lambda r: r.admit_order):
+        for req in sorted(self.running.values(), key=Request.rank):
             if self.running.get(req.rid) is not req or req.samples_left <= 0:
                 continue  # gone during a drain, or only waiting for its last sample
             todo = req.num_to_compute
@@ -449,6 +455,9 @@ class Scheduler:
 
     def _next_waiting(self) -> tuple[Request, PrefixMatch]:
         """The request to admit next and its cached prefix (whole pages, leaving a token to compute)."""
+        if self.config.schedule_policy == "priority":
+            first = min(self.waiting, key=lambda r: (r.params.priority, r.arrival))
+            return first, self._cached_prefix(first)
         if self.config.schedule_policy == "fcfs" or len(self.waiting) > LPM_MAX_QUEUE:
             return self.waiting[0], self._cached_prefix(self.waiting[0])
         # lpm: the longest cached prefix first; ties keep queue order (max returns the first).
@@ -462,8 +471,8 @@ class Scheduler:
 
     # ---- pages ----
     def _grow(self, req: Request, num_tokens: int, outputs: list[TokenOutput]) -> bool:
-        """Give ``req`` pages for ``num_tokens`` tokens, evicting cache and preempting newer requests
-        as needed. False if ``req`` itself had to give way."""
+        """Give ``req`` pages for ``num_tokens`` tokens, evicting cache and preempting newer requests (by
+        ``Request.rank``) as needed. False if ``req`` itself had to give way."""
         need = -(-num_tokens // self.page_size) - len(req.pages)
         while need > self.allocator.num_free + self.cache.num_evictable:
             if self.inflight is not None:
@@ -473,9 +482,9 @@ class Scheduler:
                 if self.running.get(req.rid) is not req:
                     return False
                 continue
-            newer = [r for r in self.running.values() if r.admit_order > req.admit_order]
+            newer = [r for r in self.running.values() if r.rank() > req.rank()]
             if newer:
-                self._preempt(max(newer, key=lambda r: r.admit_order))
+                self._preempt(max(newer, key=Request.rank))
             elif len(self.running) > 1:
                 self._preempt(req)
                 return False

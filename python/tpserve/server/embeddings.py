@@ -57,6 +57,7 @@ class PooledInputBody(_Body):
     truncate_prompt_tokens: int | None = None  # vLLM's: each input's last k tokens only (-1: as many as fit)
     add_special_tokens: bool = True  # vLLM's: texts are tokenized with the tokenizer's special tokens
     cache_salt: StrictStr | None = None  # vLLM's: cached prefixes are shared only with requests of the same salt
+    priority: int = 0  # vLLM's: under --schedule-policy priority, lower values are served first
 
     def inputs(self, trust_request_chat_template: bool) -> list[Labelled]:
         """One labelled entry per answer: a text, a list of token ids, or the conversation."""
@@ -83,7 +84,7 @@ class PooledInputBody(_Body):
 
     def sampling_params(self, task: str) -> SamplingParams:
         self.refuse_unserved(UNSERVED_VLLM_FIELDS)
-        return pooled_params(task, self.truncate_prompt_tokens, self.cache_salt)
+        return pooled_params(task, self.truncate_prompt_tokens, self.cache_salt, self.priority)
 
 
 class EmbeddingRequest(PooledInputBody):
@@ -92,11 +93,13 @@ class EmbeddingRequest(PooledInputBody):
     normalize: bool = True  # vLLM's: False returns the hidden state as it is
 
 
-def pooled_params(task: str, truncate_prompt_tokens: int | None, cache_salt: str | None = None) -> SamplingParams:
+def pooled_params(
+    task: str, truncate_prompt_tokens: int | None, cache_salt: str | None = None, priority: int = 0
+) -> SamplingParams:
     """A pooled request's params (``SamplingParams.pooling``), a 400 naming a bad field."""
     try:
         return SamplingParams(pooling=task, max_tokens=1, truncate_prompt_tokens=truncate_prompt_tokens,
-                              cache_salt=cache_salt)
+                              cache_salt=cache_salt, priority=priority)
     except ValueError as e:
         raise APIError.invalid(str(e), _param_of(str(e))) from e
 

@@ -111,7 +111,6 @@ def thinking_kwargs(given: dict[str, Any] | None, effort: Any, param: str) -> di
 # them, not an answer without them
 UNSERVED_VLLM_FIELDS = {
     "use_beam_search": "beam search is not served (use n with sampling)",
-    "priority": "request priorities are not served (requests are scheduled first come, first served)",
 }
 # chat fields of features tpserve does not serve: a 400 naming them, not an answer without them
 UNSERVED_CHAT_FIELDS = {
@@ -172,6 +171,7 @@ class _SamplingFields(_Body):
     # vLLM's: each prompt token's log-probability and rank, with the k most likely tokens at its position
     prompt_logprobs: int | None = None
     cache_salt: StrictStr | None = None  # vLLM's: cached prefixes are shared only with requests of the same salt
+    priority: int = 0  # vLLM's: under --schedule-policy priority, lower values are served first
     # structured output: OpenAI's response_format, and the vLLM/SGLang extensions
     response_format: dict[str, Any] | None = None
     regex: str | None = None
@@ -283,6 +283,7 @@ class _SamplingFields(_Body):
             "truncate_prompt_tokens": self.truncate_prompt_tokens,
             "prompt_logprobs": self.prompt_logprobs,
             "cache_salt": self.cache_salt,
+            "priority": self.priority,
             "skip_special_tokens": self.skip_special_tokens,
             "structured": structured,
         }

@@ -40,10 +40,11 @@ class _PairsBody(ActivationField):
 
     model: str | None = None
     truncate_prompt_tokens: int | None = None  # each prompt's last k tokens only (-1: as many as fit)
+    priority: int = 0  # vLLM's: under --schedule-policy priority, lower values are served first
 
     def sampling_params(self, task: str) -> SamplingParams:
         self.refuse_unserved(UNSERVED_VLLM_FIELDS)
-        return pooled_params(task, self.truncate_prompt_tokens)
+        return pooled_params(task, self.truncate_prompt_tokens, priority=self.priority)
 
 
 # vLLM's names for a score request's two sides, in the order its request union tries them (the newest first)

@@ -181,6 +181,7 @@ class Serving:
     head: ModelHead = ModelHead()  # what pooled requests get back: embeddings, or a classifier's class logits
     tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids: every request's logprobs name "token_id:N"
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
+    priority_scheduling: bool = False  # --schedule-policy priority: requests may give a priority other than 0
 
     def include_usage(self, body: ChatCompletionRequest | CompletionRequest) -> bool:
         """A stream ends with its usage: asked for, or forced (--enable-force-include-usage)."""
@@ -290,6 +291,10 @@ class Serving:
     ) -> Response:
         """``request``: the HTTP client whose disconnection aborts the requests (None: no client, a
         background response). ``continuous_usage``: every stream chunk carries the usage so far."""
+        if not self.priority_scheduling and any(req.params.priority for req in reqs):
+            raise APIError.invalid("priority scheduling is not enabled: start the server with --schedule-policy "
+                                   "priority (vLLM's --scheduling-policy priority) to serve a priority other than 0",
+                                   "priority")
         gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n, timeout=self.request_timeout,
                          shown=fmt.shows_output)
         if continuous_usage:
