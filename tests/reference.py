@@ -27,6 +27,17 @@ def hf_greedy(model_dir: str, prompt: list[int], max_new_tokens: int) -> list[in
 
 
 @torch.inference_mode()
+def hf_beam_search(model_dir: str, prompt: list[int], beams: int, max_new_tokens: int) -> list[tuple[list[int], float]]:
+    """transformers' beam search, every beam running ``max_new_tokens`` (length_penalty 0: ranked by their summed
+    log-probabilities): (generated tokens, that sum) of each beam, best first."""
+    out = hf_model(model_dir).generate(
+        torch.tensor([prompt]), num_beams=beams, num_return_sequences=beams, max_new_tokens=max_new_tokens,
+        min_new_tokens=max_new_tokens, do_sample=False, length_penalty=0.0, early_stopping=False,
+        output_scores=True, return_dict_in_generate=True)
+    return [(seq[len(prompt):].tolist(), float(score)) for seq, score in zip(out.sequences, out.sequences_scores)]
+
+
+@torch.inference_mode()
 def hf_logits(model_dir: str, ids: list[int]) -> torch.Tensor:
     """[len(ids), vocab] logits of a full forward pass."""
     return hf_model(model_dir)(torch.tensor([ids])).logits[0].float()

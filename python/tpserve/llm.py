@@ -24,6 +24,7 @@ import msgspec
 import torch
 from tqdm import tqdm
 
+from tpserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tpserve.config import ModelConfig
 from tpserve.engine_config import KV_CACHE_DTYPE_ALIASES, EngineConfig, check_can_start
 from tpserve.launch.ranks import RankDriver, start_ranks
@@ -290,6 +291,43 @@ class LLM(PoolingMethods):
                        continue_final_message=continue_final_message, tools=tools or None)
         prompts = [self._chat_ids(preparer, c, i, **options) for i, c in enumerate(conversations)]
         return self.generate(prompts, sampling_params, use_tqdm)
+
+    def beam_search(
+        self,
+        prompts: str | Mapping[str, Any] | Iterable[str | Sequence[int] | Mapping[str, Any]],
+        params: BeamSearchParams,
+        use_tqdm: bool = False,
+    ) -> list[BeamSearchOutput]:
+        """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best beams (``tpserve.beam_search`` says
+        how), each step one ``generate`` call over every live beam of every prompt."""
+        self._live_driver("beam_search")
+        if isinstance(prompts, (str, Mapping)):
+            prompts = [prompts]
+        context = self.config.max_model_len or self.model_config.context_length
+        searches = []
+        for i, prompt in enumerate(prompts):
+            ids = self._encode(prompt, i)
+            if not ids or len(ids) + params.max_tokens > context:
+                raise ValueError(f"prompts[{i}] has {len(ids)} tokens; with max_tokens {params.max_tokens} that is "
+                                 f"more than the context length, {context}")
+            searches.append(BeamSearch(ids, params, getattr(self.tokenizer, "eos_token_id", None)))
+        step = params.step_params()
+        with tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm) as bar:
+            while live := [search for search in searches if not search.done]:
+                outputs = iter(self.generate([{"prompt_token_ids": beam.tokens} for search in live
+                                              for beam in search.live], step, use_tqdm=False))
+                for search in live:
+                    positions = [next(outputs).outputs[0].logprobs[0] for _ in search.live]
+                    search.advance([({t: p.logprob for t, p in position.items()}, position) for position in positions])
+                bar.update()
+        results = []
+        for search in searches:
+            best = search.best()
+            for beam in best:
+                generated = search.generated(beam)
+                beam.text = self.tokenizer.decode(generated) if self.tokenizer is not None else None
+            results.append(BeamSearchOutput(best))
+        return results
 
     @staticmethod
     def _chat_ids(preparer: PromptPreparer, conversation: Sequence[Any], index: int, **options: Any) -> list[int]:

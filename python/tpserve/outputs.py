@@ -9,8 +9,7 @@ from dataclasses import dataclass, field
 @dataclass
 class Logprob:
     """vLLM's ``vllm.logprobs.Logprob``: a token's log-probability at one position, its rank in the vocabulary there
-    (1: the most likely; None for a sampled token outside the asked most likely ones, whose rank tpserve does not
-    compute) and its text (``tokenizer.decode([token_id])``; None without a tokenizer)."""
+    (1: the most likely) and its text (``tokenizer.decode([token_id])``; None without a tokenizer)."""
 
     logprob: float
     rank: int | None = None
