@@ -865,11 +865,19 @@ def test_reasoning_effort_refusals_and_unserved_chat_fields():
                          ({"modalities": ["text", "audio"]}, "modalities"), ({"web_search_options": {}}, "web_search_options")):
         assert_error(c.post(CHAT, json={"messages": USER, **extra}), 400, None, param)
     assert c.post(CHAT, json={"messages": USER, "modalities": ["text"]}).status_code == 200
-    # vLLM's fields for features not served: 400s when they ask for them, accepted at their off values
+    # vLLM's fields for features not enabled: 400s when they ask for them, accepted at their off values; a beam
+    # search refuses the fields it would not apply, its neutral values taken
     for path, base in ((CHAT, {"messages": USER}), ("/v1/completions", {"prompt": "hi"})):
-        for extra, fragment in (({"use_beam_search": True}, "beam search"), ({"priority": 5}, "--schedule-policy priority")):
-            assert_error(c.post(path, json={**base, **extra}), 400, fragment, next(iter(extra)))
+        assert_error(c.post(path, json={**base, "priority": 5}), 400, "--schedule-policy priority", "priority")
         assert c.post(path, json={**base, "use_beam_search": False, "priority": 0}).status_code == 200
+        beam = {**base, "use_beam_search": True}
+        for extra, param in (({"stop": "x"}, "stop"), ({"top_p": 0.5}, "top_p"), ({"min_tokens": 2}, "min_tokens"),
+                             ({"presence_penalty": 1.0}, "presence_penalty"), ({"logit_bias": {"3": 1}}, "logit_bias"),
+                             ({"regex": "a+"}, "regex"), ({"n": 11}, "n"), ({"length_penalty": "x"}, "length_penalty")):
+            assert_error(c.post(path, json={**beam, **extra}), 400, None, param)
+        # past the checks: this stub server has no tokenizer to search with
+        assert_error(c.post(path, json={**beam, "top_p": 1.0, "top_k": -1, "stop": [], "presence_penalty": 0.0}), 400,
+                     "use_beam_search is not served here", "use_beam_search")
 
 
 def test_priority_reaches_the_scheduler_under_the_priority_policy():

@@ -520,3 +520,30 @@ def test_embeddings_errors_are_400s(client):
         client.embeddings.create(model="tiny", input="hi", dimensions=100_000)
     with pytest.raises(openai.BadRequestError, match="out of range"):
         client.embeddings.create(model="tiny", input=[[10**6]])
+
+
+def test_beam_search_matches_transformers(client, url, qwen3_dir):
+    """vLLM's use_beam_search: the n choices are the n best beams, the same as transformers' num_beams search
+    (every beam running max_tokens: ignore_eos), best first, at TP 1 and 2; chat answers n beams too, streamed as
+    one chunk each; fields a beam search does not apply are a 400 naming them."""
+    from reference import hf_beam_search
+
+    prompt = [5, 6, 7, 8]
+    done = client.completions.create(model="tiny", prompt=prompt, n=3, max_tokens=5, logprobs=1, extra_body={
+        "use_beam_search": True, "ignore_eos": True, "length_penalty": 0.0, "return_tokens_as_token_ids": True})
+    beams = [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in done.choices]
+    assert beams == [tokens for tokens, _ in hf_beam_search(qwen3_dir, prompt, beams=3, max_new_tokens=5)]
+    assert [c.finish_reason for c in done.choices] == ["length"] * 3 and done.usage.completion_tokens == 15
+    assert done.usage.prompt_tokens == len(prompt)
+    kwargs = dict(model="tiny", messages=MESSAGES, n=2, max_tokens=4, extra_body={"use_beam_search": True})
+    whole = client.chat.completions.create(**kwargs)
+    assert len(whole.choices) == 2 and whole.choices[0].message.content != whole.choices[1].message.content
+    texts = {0: "", 1: ""}
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        for choice in chunk.choices:
+            texts[choice.index] += choice.delta.content or ""
+    assert texts == {i: whole.choices[i].message.content for i in (0, 1)}
+    for extra, param in (({"stop": ["x"]}, "stop"), ({"top_k": 5}, "top_k"), ({"n": 11}, "n")):
+        resp = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
+                          json={"prompt": "hi", "use_beam_search": True, **extra})
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text

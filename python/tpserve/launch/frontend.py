@@ -62,7 +62,7 @@ async def serving_backend(
             args.reasoning_parser, args.tool_call_parser, args.request_timeout, args.sampling_defaults,
             args.trust_request_chat_template, args.head, tokens_as_ids=args.return_tokens_as_token_ids,
             force_include_usage=args.enable_force_include_usage,
-            priority_scheduling=args.engine.schedule_policy == "priority",
+            priority_scheduling=args.engine.schedule_policy == "priority", prompts=state.tokenize_service(),
         )
         state.liveness = lambda: backend.stalled(args.health_timeout)
         if args.sampling_defaults:

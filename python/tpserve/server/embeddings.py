@@ -23,7 +23,7 @@ from tpserve.sampling_params import SamplingParams
 from tpserve.server.errors import APIError
 from tpserve.server.formats import Choice, ResponseFormat
 from tpserve.server.protocol import (
-    UNSERVED_VLLM_FIELDS, ChatMessage, _Body, _param_of, check_continuation, check_request_template,
+    ChatMessage, _Body, _param_of, check_continuation, check_request_template,
 )
 from tpserve.server.request_id import request_id
 from tpserve.server.serving import Serving
@@ -83,7 +83,6 @@ class PooledInputBody(_Body):
         return [(f"input[{i}]", item) for i, item in enumerate(given)]
 
     def sampling_params(self, task: str) -> SamplingParams:
-        self.refuse_unserved(UNSERVED_VLLM_FIELDS)
         return pooled_params(task, self.truncate_prompt_tokens, self.cache_salt, self.priority)
 
 

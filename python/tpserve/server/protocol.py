@@ -15,6 +15,7 @@ from typing import Any, Literal, Mapping, Union
 import msgspec
 from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr, model_validator
 
+from tpserve.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from tpserve.parsers.constraints import FieldError, check_tools, output_structure
 from tpserve.sampling_defaults import SAMPLING_FIELDS
 from tpserve.sampling_params import MAX_LOGPROBS, SEED_LIMIT, SamplingParams, StructuredOutput
@@ -109,8 +110,13 @@ def thinking_kwargs(given: dict[str, Any] | None, effort: Any, param: str) -> di
 
 # vLLM's fields of features tpserve does not serve (chat and completions), when set to ask for them: a 400 naming
 # them, not an answer without them
-UNSERVED_VLLM_FIELDS = {
-    "use_beam_search": "beam search is not served (use n with sampling)",
+# fields that change what a sampled completion is, and their values that change nothing: a beam search (beams
+# ranked by their log-probabilities alone) refuses any other value
+BEAM_SEARCH_NEUTRAL: dict[str, tuple[Any, ...]] = {
+    "top_p": (None, 1.0), "top_k": (None, -1, 0), "min_p": (None, 0.0), "stop": (None, "", []),
+    "stop_token_ids": (None, []), "presence_penalty": (0.0,), "frequency_penalty": (0.0,),
+    "repetition_penalty": (None, 1.0), "logit_bias": (None, {}), "allowed_token_ids": (None,), "bad_words": (None, []),
+    "min_tokens": (0,), "prompt_logprobs": (None,), "echo": (False,),
 }
 # chat fields of features tpserve does not serve: a 400 naming them, not an answer without them
 UNSERVED_CHAT_FIELDS = {
@@ -172,6 +178,8 @@ class _SamplingFields(_Body):
     prompt_logprobs: int | None = None
     cache_salt: StrictStr | None = None  # vLLM's: cached prefixes are shared only with requests of the same salt
     priority: int = 0  # vLLM's: under --schedule-policy priority, lower values are served first
+    use_beam_search: bool = False  # vLLM's: the n choices are the n best beams (tpserve/beam_search.py)
+    length_penalty: float = 1.0  # vLLM's, with use_beam_search: beams rank by cum_logprob / length ** length_penalty
     # structured output: OpenAI's response_format, and the vLLM/SGLang extensions
     response_format: dict[str, Any] | None = None
     regex: str | None = None
@@ -192,7 +200,6 @@ class _SamplingFields(_Body):
     def check_common(self) -> None:
         if self.model_extra:
             logger.debug("ignoring unknown request fields: %s", ", ".join(sorted(self.model_extra)))
-        self.refuse_unserved(UNSERVED_VLLM_FIELDS)
         if self.n > MAX_N:
             raise APIError.invalid(f"n must be at most {MAX_N}, got {self.n}", "n")
         if self.seed is not None and not 0 <= self.seed < SEED_LIMIT:
@@ -259,6 +266,26 @@ class _SamplingFields(_Body):
         if self.ebnf is not None:
             return "ebnf"
         return next(iter(self.vllm_structured_outputs()), "response_format")
+
+    def beam_search_params(self, params: SamplingParams, structured_param: str) -> BeamSearchParams | None:
+        """With use_beam_search, the search's params (``params``: this body's sampling params); fields a beam search
+        does not apply are a 400 naming them, not ignored."""
+        if not self.use_beam_search:
+            return None
+        for name, neutral in BEAM_SEARCH_NEUTRAL.items():
+            if getattr(self, name, None) not in neutral:
+                raise APIError.invalid(f"use_beam_search does not take {name}: beams are ranked by their "
+                                       "log-probabilities alone", name)
+        if params.structured is not None:
+            raise APIError.invalid("use_beam_search does not take structured output", structured_param)
+        if self.n > MAX_BEAM_WIDTH:
+            raise APIError.invalid(f"n, the beam width, must be at most {MAX_BEAM_WIDTH} with use_beam_search", "n")
+        try:
+            return BeamSearchParams(beam_width=self.n, max_tokens=params.max_tokens or 1, ignore_eos=self.ignore_eos,
+                                    temperature=params.temperature, length_penalty=self.length_penalty,
+                                    include_stop_str_in_output=self.include_stop_str_in_output)
+        except ValueError as e:
+            raise APIError.invalid(str(e), _param_of(str(e))) from e
 
     def sampling_params(
         self, max_tokens: int | None, structured: StructuredOutput | None = None, defaults: Mapping[str, Any] = {},

@@ -32,6 +32,7 @@ UNSUPPORTED_RESPONSES_FIELDS = {
     "return_tokens_as_token_ids": "return_tokens_as_token_ids is not served by the Responses API (its logprobs name "
                                   "tokens by text): use /v1/chat/completions",
     "prompt_logprobs": "prompt_logprobs is not served by the Responses API: use /v1/chat/completions",
+    "use_beam_search": "use_beam_search is not served by the Responses API: use /v1/chat/completions",
 }
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
 # include values accepted: the output text's logprobs; encrypted reasoning (asked by agents with store: false)

@@ -20,7 +20,7 @@ CHAT_EXTENSIONS = frozenset({
     "seed", "top_k", "min_p", "stop", "stop_token_ids", "ignore_eos", "min_tokens", "repetition_penalty",
     "presence_penalty", "frequency_penalty", "logit_bias", "allowed_token_ids", "bad_words", "skip_special_tokens",
     "chat_template_kwargs", "regex", "ebnf", "structured_outputs", "guided_json", "guided_regex", "guided_choice",
-    "guided_grammar", "truncate_prompt_tokens", "cache_salt", "use_beam_search", "priority", "chat_template",
+    "guided_grammar", "truncate_prompt_tokens", "cache_salt", "priority", "chat_template",
 })
 INPUT_ROLES = ("user", "system", "developer", "assistant")
 

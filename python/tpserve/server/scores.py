@@ -20,7 +20,6 @@ from tpserve.server.classify import ActivationField
 from tpserve.server.embeddings import Labelled, check_task, field_of, hidden_states, pooled_params, pooled_requests
 from tpserve.server.errors import APIError
 from tpserve.server.formats import Choice, ResponseFormat
-from tpserve.server.protocol import UNSERVED_VLLM_FIELDS
 from tpserve.server.request_id import request_id
 from tpserve.server.serving import Serving
 
@@ -43,7 +42,6 @@ class _PairsBody(ActivationField):
     priority: int = 0  # vLLM's: under --schedule-policy priority, lower values are served first
 
     def sampling_params(self, task: str) -> SamplingParams:
-        self.refuse_unserved(UNSERVED_VLLM_FIELDS)
         return pooled_params(task, self.truncate_prompt_tokens, priority=self.priority)
 
 

@@ -1,168 +1,30 @@
 """Running one chat or text completion call: submit its backend requests (one per prompt and
-choice), read their outputs as one stream of events, answer as JSON or as an SSE stream."""
+choice), read their outputs as one stream of events (``Generation``), answer as JSON or as an SSE stream."""
 
 from __future__ import annotations
 
-import asyncio
-import math
-import time
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
-from tpserve.message.frontend import ApiOutput, RequestRejected, TokenizeRequest
+from tpserve.beam_search import BeamSearchParams
+from tpserve.message.frontend import ApiOutput, TokenizeRequest
 from tpserve.parsers.chat_output import ChatOutputConfig
 from tpserve.parsers.constraints import named_tool, template_tools
 from tpserve.pooling import ModelHead
 from tpserve.sampling_params import SamplingParams
-from tpserve.server.client import BackendEvent, FrontendClient, RequestCancelled
+from tpserve.server.client import FrontendClient
+from tpserve.server.beam_search import BeamGeneration
 from tpserve.server.errors import APIError, check_model_name
 from tpserve.server.formats import ChatFormat, Choice, CompletionFormat, ResponseFormat
+from tpserve.server.generation import ClientGone, Generation
 from tpserve.server.limits import RequestLimits
-from tpserve.server.metrics import RequestTimer, ServerMetrics
+from tpserve.server.metrics import ServerMetrics
 from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest, check_request_template
 from tpserve.server.request_id import request_id
-
-DISCONNECT_POLL_S = 1.0
-
-
-class Generation:
-    """Submits the requests, then yields ``(choice, output)`` as outputs arrive.
-
-    A rejection or a backend error raises APIError; ``abort`` stops whatever still runs.
-    """
-
-    def __init__(
-        self,
-        frontend: FrontendClient,
-        metrics: ServerMetrics,
-        requests: list[TokenizeRequest],
-        choices_per_prompt: int = 1,
-        timeout: float | None = None,
-        shown: bool = True,
-    ) -> None:
-        """``shown`` False: the generated tokens are not shown (``echo`` with ``max_tokens`` 0) nor counted."""
-        self._choices_per_prompt = choices_per_prompt
-        self._frontend = frontend
-        self._metrics = metrics
-        self._requests = requests
-        self._queue: asyncio.Queue[BackendEvent] = asyncio.Queue()
-        rids = [rid for req in requests for rid in req.choice_rids]
-        self.choices = {rid: Choice(i, rid, RequestTimer(metrics, shown)) for i, rid in enumerate(rids)}
-        self._last_disconnect_check = time.monotonic()
-        self._timeout = timeout
-        self._deadline = None if timeout is None else time.monotonic() + timeout
-
-    async def start(self) -> None:
-        await self._frontend.submit(self._requests, self._queue)
-
-    @property
-    def finished(self) -> bool:
-        return all(c.finished for c in self.choices.values())
-
-    @property
-    def all_started(self) -> bool:
-        return all(c.started or c.finished for c in self.choices.values())
-
-    def usage(self) -> dict[str, Any]:
-        """Prompt tokens count once per prompt (not per choice), as OpenAI counts them with n > 1."""
-        firsts = [c for c in self.choices.values() if c.index % self._choices_per_prompt == 0]
-        prompt_tokens = sum(c.prompt_tokens for c in firsts)
-        completion_tokens = sum(c.completion_tokens for c in self.choices.values())
-        return {
-            "prompt_tokens": prompt_tokens,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt_tokens + completion_tokens,
-            "prompt_tokens_details": {"cached_tokens": sum(c.cached_tokens for c in firsts)},
-        }
-
-    def streamed_usage(self, index: int) -> dict[str, Any]:
-        """One choice's usage as its stream has sent it (continuous_usage_stats, as vLLM's): its prompt and the
-        completion tokens of its chunks so far."""
-        choice = next(c for c in self.choices.values() if c.index == index)
-        return {"prompt_tokens": choice.prompt_tokens, "completion_tokens": choice.streamed_tokens,
-                "total_tokens": choice.prompt_tokens + choice.streamed_tokens}
-
-    async def next(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> tuple[Choice, ApiOutput]:
-        """The next output. Raises APIError (rejected, backend error, timed out) or ClientGone."""
-        while True:
-            now = time.monotonic()
-            if self._deadline is not None and now >= self._deadline:
-                raise APIError(504, f"the request did not finish within {self._timeout:g} s (--request-timeout)",
-                               type="server_error", code="request_timeout")
-            if is_disconnected is not None and now - self._last_disconnect_check >= DISCONNECT_POLL_S:
-                self._last_disconnect_check = now
-                if await is_disconnected():
-                    raise ClientGone()
-            wait = DISCONNECT_POLL_S if is_disconnected is not None else None
-            if self._deadline is not None:
-                wait = min(wait or math.inf, self._deadline - now)
-            try:
-                event = await asyncio.wait_for(self._queue.get(), wait)
-            except asyncio.TimeoutError:
-                continue
-            return self._apply(event)
-
-    def next_ready(self) -> tuple[Choice, ApiOutput] | None:
-        """The next output if one has arrived already (None: none has, or all are done), without waiting.
-        Raises APIError as ``next`` does."""
-        if self.finished or self._queue.empty():
-            return None
-        return self._apply(self._queue.get_nowait())
-
-    def _apply(self, event: BackendEvent) -> tuple[Choice, ApiOutput]:
-        choice = self.choices[event.rid]
-        if isinstance(event, RequestCancelled):
-            choice.finish_reason = "abort"
-            raise APIError(503, event.message, type="server_error", code="shutting_down")
-        if isinstance(event, RequestRejected):
-            # the prompt's other choices are refused alike (the same prompt and limits): counted, and not aborted
-            group = [c for c in self.choices.values()
-                     if c.index // self._choices_per_prompt == choice.index // self._choices_per_prompt]
-            for sibling in group:
-                sibling.finish_reason = "rejected"
-            self._metrics.rejected.inc(len(group))
-            invalid = event.status < 500
-            raise APIError(event.status, event.message, param=event.param,
-                           type="invalid_request_error" if invalid else "server_error",
-                           code="invalid_request" if invalid else "internal_error")
-        choice.started = True
-        choice.prompt_in_reasoning = event.prompt_in_reasoning
-        choice.matched_stop = event.matched_stop
-        choice.text.append(event.text)
-        choice.text_tokens.append(event.new_tokens)
-        if event.logprobs:
-            choice.logprobs.extend(event.logprobs)
-        if event.prompt_logprobs:
-            choice.prompt_logprobs = event.prompt_logprobs
-        if event.embedding is not None:
-            choice.embedding = event.embedding
-        choice.prompt_tokens = event.prompt_tokens
-        choice.completion_tokens = event.completion_tokens
-        choice.cached_tokens = event.cached_tokens
-        choice.timer.on_output(event.new_tokens, event.prompt_tokens, embedded=event.embedding is not None)
-        if event.finish_reason is not None:
-            choice.finish_reason = event.finish_reason
-            choice.timer.on_finish(event.finish_reason)
-            if event.finish_reason == "error":
-                raise APIError(400, event.error or "the request failed in the scheduler", code="invalid_request")
-        return choice, event
-
-    async def abort(self, client_gone: bool = False) -> None:
-        """Abort every unfinished choice (frees their KV pages)."""
-        for choice in self.choices.values():
-            if not choice.finished:
-                choice.finish_reason = "abort"
-                if client_gone:
-                    self._metrics.client_aborts.inc()
-                await self._frontend.abort(choice.rid)
-
-
-class ClientGone(Exception):
-    """The HTTP client disconnected."""
-
+from tpserve.server.tokenize_service import TokenizeService
 
 
 @dataclass(frozen=True)
@@ -182,6 +44,7 @@ class Serving:
     tokens_as_ids: bool = False  # vLLM's --return-tokens-as-token-ids: every request's logprobs name "token_id:N"
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
     priority_scheduling: bool = False  # --schedule-policy priority: requests may give a priority other than 0
+    prompts: TokenizeService | None = None  # the tokenizer in this process: a beam search's prompts and beams' text
 
     def include_usage(self, body: ChatCompletionRequest | CompletionRequest) -> bool:
         """A stream ends with its usage: asked for, or forced (--enable-force-include-usage)."""
@@ -220,7 +83,8 @@ class Serving:
                          echo=body.echoed_text(), tokens_as_ids=body.return_tokens_as_token_ids or self.tokens_as_ids)
         fmt.prompt_logprobs = body.prompt_logprobs
         fmt.stop_token_ids = frozenset(params.stop_token_ids or ())
-        return await self.run(reqs, fmt, body.stream, request, body.n, self.continuous_usage(body))
+        beam = body.beam_search_params(params, body.structured_param)
+        return await self.run(reqs, fmt, body.stream, request, body.n, self.continuous_usage(body), beam)
 
     def chat_requests(
         self, body: ChatCompletionRequest
@@ -283,20 +147,28 @@ class Serving:
                                echo_top=body.logprobs or 0)
         fmt.prompt_logprobs = body.prompt_logprobs
         fmt.stop_token_ids = frozenset(params.stop_token_ids or ())
-        return await self.run(reqs, fmt, body.stream, request, body.n, self.continuous_usage(body))
+        beam = body.beam_search_params(params, body.structured_param)
+        return await self.run(reqs, fmt, body.stream, request, body.n, self.continuous_usage(body), beam)
 
     async def run(
         self, reqs: list[TokenizeRequest], fmt: ResponseFormat, stream: bool, request: Request | None, n: int = 1,
-        continuous_usage: bool = False,
+        continuous_usage: bool = False, beam: BeamSearchParams | None = None,
     ) -> Response:
         """``request``: the HTTP client whose disconnection aborts the requests (None: no client, a
-        background response). ``continuous_usage``: every stream chunk carries the usage so far."""
+        background response). ``continuous_usage``: every stream chunk carries the usage so far. ``beam``: the
+        choices are a beam search's (``server/beam_search.py``)."""
         if not self.priority_scheduling and any(req.params.priority for req in reqs):
             raise APIError.invalid("priority scheduling is not enabled: start the server with --schedule-policy "
                                    "priority (vLLM's --scheduling-policy priority) to serve a priority other than 0",
                                    "priority")
-        gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n, timeout=self.request_timeout,
-                         shown=fmt.shows_output)
+        if beam is None:
+            gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n, timeout=self.request_timeout,
+                             shown=fmt.shows_output)
+        elif self.prompts is None:
+            raise APIError.invalid("use_beam_search is not served here", "use_beam_search")
+        else:
+            gen = BeamGeneration(self.frontend, self.metrics, reqs, beam, self.prompts, self.request_timeout,
+                                 reqs[0].params.logprobs)
         if continuous_usage:
             fmt.usage_so_far = gen.streamed_usage
         disconnected = request.is_disconnected if request is not None else None

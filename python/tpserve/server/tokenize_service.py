@@ -12,7 +12,7 @@ from tpserve.server.errors import APIError
 from tpserve.server.limits import RequestLimits
 from tpserve.parsers.constraints import template_tools
 from tpserve.server.protocol import DetokenizeBody, TokenizeBody, check_request_template
-from tpserve.tokenizer.prepare import InvalidRequest, PromptLimits, PromptPreparer
+from tpserve.tokenizer.prepare import InvalidRequest, PreparedRequest, PromptLimits, PromptPreparer
 
 
 class TokenizeService:
@@ -61,16 +61,30 @@ class TokenizeService:
             out["token_strs"] = await asyncio.to_thread(tokenizer.convert_ids_to_tokens, list(ids))
         return out
 
+    async def _preparer(self) -> PromptPreparer:
+        tokenizer = await self._load()
+        return PromptPreparer(tokenizer, PromptLimits(self._limits.context_len, len(tokenizer)))
+
     async def chat_ids(self, req: TokenizeRequest) -> list[int]:
         """A chat request's prompt tokens, rendered and encoded as the tokenizer worker does (a
         template error: 400)."""
-        tokenizer = await self._load()
-        preparer = PromptPreparer(tokenizer, PromptLimits(self._limits.context_len, len(tokenizer)))
+        preparer = await self._preparer()
         try:
             ids, _, _ = await asyncio.to_thread(preparer.input_ids, req)
         except InvalidRequest as e:
             raise APIError.invalid(e.message, e.param) from e
         return ids
+
+    async def prepare(self, req: TokenizeRequest) -> PreparedRequest:
+        """A request as the tokenizer worker makes it for the scheduler (its refusal: a 400)."""
+        preparer = await self._preparer()
+        try:
+            return await asyncio.to_thread(preparer.prepare, req)
+        except InvalidRequest as e:
+            raise APIError.invalid(e.message, e.param) from e
+
+    async def eos_token_id(self) -> int | None:
+        return (await self._load()).eos_token_id
 
     async def count_chat(self, req: TokenizeRequest) -> int:
         return len(await self.chat_ids(req))
