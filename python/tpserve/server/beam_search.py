@@ -27,6 +27,8 @@ class BeamGeneration(Generation):
                  top_logprobs: int | None = None) -> None:
         super().__init__(frontend, metrics, requests, params.beam_width, timeout)
         self._params, self._prompts, self._top_logprobs = params, prompts, top_logprobs
+        for choice in self.choices.values():  # the beams are no backend requests: their steps' requests are counted
+            choice.timer = _NotTimed()  # type: ignore[assignment]
         self._searched = False
         self._step: Generation | None = None  # the step in flight
 
@@ -83,6 +85,14 @@ class BeamGeneration(Generation):
         return ApiOutput(rid=rid, text=await self._prompts.decode(generated), new_tokens=steps,
                          completion_tokens=steps, prompt_tokens=search.prompt_len, finish_reason=beam.finish_reason,
                          matched_stop=beam.stop_reason, logprobs=logprobs, prompt_in_reasoning=prompt_in_reasoning)
+
+
+class _NotTimed:
+    def on_output(self, new_tokens: int, prompt_tokens: int, embedded: bool = False) -> None:
+        pass
+
+    def on_finish(self, finish_reason: str) -> None:
+        pass
 
 
 def _candidates(record: TokenLogprob) -> dict[int, float]:
