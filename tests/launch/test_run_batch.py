@@ -72,6 +72,27 @@ def test_run_batch_answers_each_line_in_order(qwen3_dir, tmp_path):
     assert out.stat().st_mode & 0o777 == 0o666 & ~umask  # as open() makes a file, not a temporary file's 0o600
 
 
+def test_run_batch_answers_score_and_rerank_lines(qwen3_dir, tmp_path):
+    """(review) vLLM's run-batch takes score and rerank requests (any url ending in /score or /rerank): so does this
+    one, at each path the server answers them on."""
+    score = {"text_1": "a", "text_2": ["b", "c"]}
+    rerank = {"query": "a", "documents": ["b", "c"]}
+    urls = [("/v1/score", score), ("/score", score), ("/v1/rerank", rerank), ("/rerank", rerank),
+            ("/v2/rerank", rerank)]
+    given, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    given.write_text("".join(json.dumps({"custom_id": url, "method": "POST", "url": url, "body": body}) + "\n"
+                             for url, body in urls))
+    done = run_batch("-i", str(given), "-o", str(out), "--model", qwen3_dir, "--device", "cpu")
+    assert done.returncode == 0, done.stderr[-2000:]
+    results = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [r["custom_id"] for r in results] == [url for url, _ in urls]
+    assert all(r["error"] is None and r["response"]["status_code"] == 200 for r in results), results
+    scores = [r["response"]["body"] for r in results]
+    first, second = ([d["score"] for d in s["data"]] for s in scores[:2])
+    assert len(first) == 2 and first == pytest.approx(second, abs=1e-5)  # batched with others: not bit-equal
+    assert all(len(s["results"]) == 2 for s in scores[2:])
+
+
 def test_a_replaced_output_file_keeps_its_mode(qwen3_dir, tmp_path):
     given, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
     given.write_text(json.dumps(LINES[0]) + "\n")

@@ -703,7 +703,8 @@ def test_tokenize_detokenize_and_model_aliases(qwen3_dir):
 
     tok = load_tokenizer(qwen3_dir)
     body = c.post("/tokenize", json={"prompt": "Hello world"}).json()
-    assert body == {"tokens": tok.encode("Hello world"), "count": len(tok.encode("Hello world")), "max_model_len": 128}
+    assert body == {"tokens": tok.encode("Hello world"), "count": len(tok.encode("Hello world")), "max_model_len": 128,
+                    "token_strs": None}  # (review) as vLLM's TokenizeResponse, the key is there unasked
     chat = c.post("/tokenize", json={"messages": USER}).json()
     assert tok.decode(chat["tokens"]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
     no_thinking = c.post("/tokenize", json={"messages": USER, "reasoning_effort": "none"}).json()  # as chat renders it
@@ -730,6 +731,36 @@ def test_tokenize_detokenize_and_model_aliases(qwen3_dir):
                  "allows 'get_weather', which is not in tools", "tool_choice")
     assert [m["id"] for m in c.get("/v1/models").json()["data"]] == [MODEL, "alias"]
     assert c.post(CHAT, json={"model": "alias", "messages": USER}).json()["model"] == MODEL
+
+
+def test_tokenize_add_special_tokens_as_vllm(qwen3_dir, tmp_path):
+    """(review) vLLM's add_special_tokens: a prompt's default true; messages' default false, and true adds the
+    tokenizer's special tokens (a BOS here) on top of the chat template's (was ignored for messages)."""
+    import shutil
+
+    from tpserve.tokenizer.loader import load_tokenizer
+
+    model = tmp_path / "bos"
+    shutil.copytree(qwen3_dir, model)
+    spec = json.loads((model / "tokenizer.json").read_text())
+    bos = next(t for t in spec["added_tokens"] if t["content"] == "<|endoftext|>")
+    spec["post_processor"] = {"type": "TemplateProcessing", "single": [{"SpecialToken": {"id": bos["content"],
+                              "type_id": 0}}, {"Sequence": {"id": "A", "type_id": 0}}], "pair": [], "special_tokens": {
+                              bos["content"]: {"id": bos["content"], "ids": [bos["id"]], "tokens": [bos["content"]]}}}
+    (model / "tokenizer.json").write_text(json.dumps(spec))
+    tok = load_tokenizer(str(model))
+    assert tok.encode("hi")[0] == bos["id"]  # the tokenizer adds a BOS
+    args = ServerArgs(engine=EngineConfig(model=str(model)), served_model_name=MODEL, context_len=128, vocab_size=700)
+    c = TestClient(create_app(AppState(args)))
+
+    def tokens(**body) -> list[int]:
+        return c.post("/tokenize", json=body).json()["tokens"]
+
+    assert tokens(prompt="hi") == tok.encode("hi") and tokens(prompt="hi", add_special_tokens=False)[0] != bos["id"]
+    template = tok.apply_chat_template(USER, tokenize=False, add_generation_prompt=True)
+    assert tokens(messages=USER) == tok.encode(template, add_special_tokens=False)
+    assert tokens(messages=USER, add_special_tokens=False) == tokens(messages=USER)
+    assert tokens(messages=USER, add_special_tokens=True) == [bos["id"], *tokens(messages=USER)]
 
 
 @pytest.mark.parametrize(

@@ -30,7 +30,9 @@ from tpserve.server.api import AppState, create_app
 
 logger = logging.getLogger(__name__)
 
-BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses")
+# vLLM's run-batch also takes score and rerank requests, at any of the paths the server answers them on
+BATCH_URLS = ("/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/v1/responses", "/v1/score", "/v1/rerank",
+              "/score", "/rerank", "/v2/rerank")
 
 
 def main(argv: list[str]) -> int:

@@ -487,7 +487,9 @@ class TokenizeBody(_Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = None
-    add_special_tokens: bool = True  # for a prompt
+    # the tokenizer's special tokens (e.g. BOS): a prompt's by default; messages' on top of the template's only if
+    # true (vLLM's defaults: True for a prompt, False for messages)
+    add_special_tokens: bool | None = None
     add_generation_prompt: bool = True  # for messages
     continue_final_message: bool = False  # for messages
     tools: list[dict[str, Any]] | None = None

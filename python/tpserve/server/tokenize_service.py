@@ -47,32 +47,37 @@ class TokenizeService:
             self._limits.check_chat(messages, body.tools, template_kwargs, body.documents)
         if body.prompt is not None:
             tokenizer = await self._load()
-            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=body.add_special_tokens)
+            add_special_tokens = body.add_special_tokens is not False
+            ids = await asyncio.to_thread(tokenizer.encode, body.prompt, add_special_tokens=add_special_tokens)
         else:
             ids = await self.chat_ids(TokenizeRequest(
                 rid=0, params=SamplingParams(), messages=messages,
                 chat_template_kwargs=template_kwargs, add_generation_prompt=body.add_generation_prompt,
                 continue_final_message=body.continue_final_message,
                 tools=template_tools(body.tools), documents=body.documents, chat_template=body.chat_template,
-            ))
-        out: dict[str, Any] = {"tokens": list(ids), "count": len(ids), "max_model_len": self._limits.context_len}
+            ), add_special_tokens=body.add_special_tokens is True)
+        token_strs = None  # vLLM's response has the key either way
         if body.return_token_strs:
             tokenizer = await self._load()
-            out["token_strs"] = await asyncio.to_thread(tokenizer.convert_ids_to_tokens, list(ids))
-        return out
+            token_strs = await asyncio.to_thread(tokenizer.convert_ids_to_tokens, list(ids))
+        return {"tokens": list(ids), "count": len(ids), "max_model_len": self._limits.context_len,
+                "token_strs": token_strs}
 
     async def _preparer(self) -> PromptPreparer:
         tokenizer = await self._load()
         return PromptPreparer(tokenizer, PromptLimits(self._limits.context_len, len(tokenizer)))
 
-    async def chat_ids(self, req: TokenizeRequest) -> list[int]:
+    async def chat_ids(self, req: TokenizeRequest, add_special_tokens: bool = False) -> list[int]:
         """A chat request's prompt tokens, rendered and encoded as the tokenizer worker does (a
-        template error: 400)."""
+        template error: 400); ``add_special_tokens``: with the tokenizer's special tokens on top of the template's."""
         preparer = await self._preparer()
         try:
-            ids, _, _ = await asyncio.to_thread(preparer.input_ids, req)
+            ids, _, text = await asyncio.to_thread(preparer.input_ids, req)
         except InvalidRequest as e:
             raise APIError.invalid(e.message, e.param) from e
+        if add_special_tokens:
+            tokenizer = await self._load()
+            ids = await asyncio.to_thread(tokenizer.encode, text, add_special_tokens=True)
         return ids
 
     async def prepare(self, req: TokenizeRequest) -> PreparedRequest:
