@@ -221,7 +221,74 @@ def test_llama3_json_odd_outputs(text, expected):
         assert (content, rebuilt) == expected, chunks
 
 
-@pytest.mark.parametrize("parser,text", [("hermes", HERMES), ("llama3_json", LLAMA)])
+CODER = ('I will look.\n<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n'
+         '<parameter=days>\n3\n</parameter>\n<parameter=opts>\n{"unit": "C", "x": [1, 2]}\n</parameter>\n</function>\n'
+         '</tool_call>\n<tool_call>\n<function=run>\n<parameter=code>\nprint("a")\nif 1 < 2:\n    pass\n</parameter>\n'
+         '</function>\n</tool_call>')
+CODER_PARAMS = {"get_weather": {"city": {"type": "string"}, "days": {"type": "integer"}, "opts": {"type": "object"}},
+                "run": {"code": {"type": "string"}}}
+
+
+def test_qwen3_coder_calls_in_any_chunking():
+    """Qwen3-Coder's XML calls: each call's id and name as soon as its function opens, then one parameter at a
+    time, the arguments the JSON of the values typed by the tool's schema (vLLM's qwen3_coder), in any chunking."""
+    for chunks in splits(CODER):
+        parser = create_tool_parser("qwen3_coder", CODER_PARAMS)
+        content, calls = run_tools(parser, chunks)
+        assert content == "I will look.\n" and parser.cut_at is None
+        assert [c["name"] for c in calls] == ["get_weather", "run"]
+        assert calls[0]["arguments"] == json.dumps({"city": "Paris", "days": 3, "opts": {"unit": "C", "x": [1, 2]}})
+        assert json.loads(calls[1]["arguments"]) == {"code": 'print("a")\nif 1 < 2:\n    pass'}
+    parser = create_tool_parser("qwen3_coder", CODER_PARAMS)
+    out = parser.feed("<tool_call>\n<function=get_weather>\n<parameter=city>\nParis\n</parameter>\n<parameter=da")
+    assert [(d.name, d.arguments) for d in out.calls] == [("get_weather", ""), (None, '{"city": "Paris"')]
+
+
+@pytest.mark.parametrize("value, schema, expected", [
+    ("42", {"type": "integer"}, 42), ("4x", {"type": "integer"}, "4x"), ("3.0", {"type": "number"}, 3),
+    ("2.5", {"type": "number"}, 2.5), ("True", {"type": "boolean"}, True), ("no", {"type": "boolean"}, False),
+    ("null", {"type": "string"}, None), ('["a", 1]', {"type": "array"}, ["a", 1]), ("{'a': 1}", {"type": "object"},
+    {"a": 1}), ("(1, 2", {"type": "object"}, "(1, 2"), ("007", {"type": "string"}, "007"), ("7", None, "7"),
+    ("7", {}, "7"), ("[1]", {"anyOf": []}, "[1]"),
+])
+def test_qwen3_coder_values_are_typed_by_the_tool_schema(value, schema, expected):
+    from tpserve.parsers.tool_calls import typed_parameter
+
+    assert typed_parameter(value, schema) == expected
+
+
+@pytest.mark.parametrize("text, content, calls, cut_short", [
+    # the output ends after the function, before the block's end tag: a whole call
+    ("<tool_call>\n<function=f>\n<parameter=a>\n1\n</parameter>\n</function>", "", [("f", {"a": "1"})], False),
+    # ... or inside a value: the call as far as it got, its finish reason left as it is
+    ("<tool_call>\n<function=f>\n<parameter=a>\nab", "", [("f", {"a": "ab"})], True),
+    ("<tool_call>\n<function=f>\n</function>\n</tool_call>\nDone.", "\nDone.", [("f", {})], False),
+    # a value closed by the next parameter or the function's end, as vLLM reads it
+    ("<tool_call>\n<function=f>\n<parameter=a>\n1\n<parameter=b>\n2\n</function>\n</tool_call>", "",
+     [("f", {"a": "1", "b": "2"})], False),
+    # a block with no function in it is content, as written; so is plain text with tags in it
+    ("Hi <tool_call>\noops\n</tool_call>", "Hi <tool_call>\noops\n</tool_call>", [], False),
+    ("Hi <tool_call>\noops", "Hi <tool_call>\noops", [], True),
+    ("a <function=f> b", "a <function=f> b", [], False),
+])
+def test_qwen3_coder_odd_outputs(text, content, calls, cut_short):
+    for chunks in splits(text):
+        parser = create_tool_parser("qwen3_coder")
+        got_content, got_calls = run_tools(parser, chunks)
+        assert got_content == content and parser.cut_short == cut_short
+        assert [(c["name"], json.loads(c["arguments"])) for c in got_calls] == calls
+
+
+def test_qwen3_coder_is_detected_from_its_template():
+    from tpserve.parsers.tool_calls import detect_tool_parser
+
+    template = ("{%- if tools %}<tools>...</tools> call as <tool_call>\n<function=example_function_name>\n"
+                "<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>{%- endif %}")
+    assert detect_tool_parser(template) == "qwen3_coder"
+    assert detect_tool_parser("... <tool_call>\n{\"name\": ...}\n</tool_call> ...") == "hermes"
+
+
+@pytest.mark.parametrize("parser,text", [("hermes", HERMES), ("llama3_json", LLAMA), ("qwen3_coder", CODER)])
 def test_streamed_calls_rebuilt_by_the_openai_sdk(parser, text):
     """The deltas, sent in chunks as the server sends them, rebuild the calls in the openai SDK's
     own stream accumulator, with the arguments arriving in several fragments."""

@@ -513,6 +513,24 @@ def test_tool_calls_auto_whole_and_streamed():
     assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
 
 
+def test_qwen3_coder_calls_are_typed_by_the_requests_tools():
+    """--tool-call-parser qwen3_coder: a call's values are text, typed by the request's tool schemas (days: an
+    integer; a parameter the tool does not declare stays text), whole and streamed alike."""
+    tools = [{"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"}}}}}]
+    reply = ("<tool_call>\n<function=get_weather>\n<parameter=city>\n42\n</parameter>\n<parameter=days>\n3\n"
+             "</parameter>\n<parameter=x>\n5\n</parameter>\n</function>\n</tool_call>")
+    c, _ = make_client(stub=StubFrontend(reply=reply, pieces=9, finish="stop"), tool_call_parser="qwen3_coder")
+    choice = c.post(CHAT, json={"messages": USER, "tools": tools}).json()["choices"][0]
+    call = choice["message"]["tool_calls"][0]["function"]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] is None
+    assert call["name"] == "get_weather" and json.loads(call["arguments"]) == {"city": "42", "days": 3, "x": "5"}
+    with c.stream("POST", CHAT, json={"messages": USER, "tools": tools, "stream": True}) as resp:
+        deltas = [e["choices"][0]["delta"] for e in sse_events(resp)]
+    streamed = "".join(t["function"]["arguments"] for d in deltas for t in d.get("tool_calls") or [])
+    assert streamed == call["arguments"]
+
+
 def test_forced_tool_choice_is_constrained_and_parsed():
     stub = StubFrontend(reply='[{"name": "get_weather", "parameters": {"city": "Rome"}}]', finish="stop")
     c, _ = make_client(stub=stub)  # no --tool-call-parser needed: the output format is ours

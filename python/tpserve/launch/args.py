@@ -123,7 +123,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "template runs in Jinja's sandbox in the tokenizer workers, so only for trusted clients")
     model.add_argument("--tool-call-parser", choices=["auto", "none", *TOOL_CALL_PARSERS], default="auto",
                        help="how the model writes tool calls: hermes (Qwen2.5/Qwen3 <tool_call> JSON), "
-                       "llama3_json (Llama 3.1 JSON); auto: from the chat template (<tool_call> in it: hermes; "
+                       "qwen3_coder (Qwen3-Coder's <function=...> XML, values typed by the tools' schemas), "
+                       "llama3_json (Llama 3.1 JSON); auto: from the chat template (<function= in it: qwen3_coder; "
+                       "<tool_call>: hermes; "
                        "<|python_tag|>, or tools with \"parameters\": llama3_json; else none), none: no tool "
                        "parsing (tool_choice required or named still work)")
     model.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,

@@ -3,7 +3,9 @@ tool calls, streamed or whole."""
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import Any
 
 from tpserve.parsers.reasoning import ReasoningParser
 from tpserve.parsers.tool_calls import (
@@ -38,6 +40,8 @@ class ChatOutputConfig:
     forced_tools: bool = False  # tool_choice "required" or named: the output is the calls' JSON
     forced_function: str | None = None  # the named function
     single_call: bool = False  # parallel_tool_calls false: only the first call is returned (a grammar forces it)
+    # each function's parameter schemas (its JSON schema's properties), for a parser that types text values
+    tool_params: Mapping[str, Mapping[str, Any]] | None = field(default=None, compare=False, hash=False)
 
 
 class ChatOutputParser:
@@ -54,7 +58,7 @@ class ChatOutputParser:
         if config.forced_tools:
             self._tools = ForcedToolCalls(config.forced_function)
         elif config.tool_parser is not None:
-            self._tools = create_tool_parser(config.tool_parser)
+            self._tools = create_tool_parser(config.tool_parser, config.tool_params)
 
     @property
     def tool_calls(self) -> list[ToolCallDelta]:

@@ -41,6 +41,13 @@ def check_tools(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]
     return functions
 
 
+def tool_parameters(tools: list[dict[str, Any]] | None) -> dict[str, dict[str, Any]]:
+    """Each function's parameter schemas (checked tools): its JSON schema's ``properties``, or the schema itself where
+    it has none (vLLM's qwen3_coder reading of them)."""
+    schemas = check_tools(tools)
+    return {name: schema.get("properties", schema) for name, schema in schemas.items()}
+
+
 def template_tools(tools: list[dict[str, Any]] | None) -> list[dict[str, Any]] | None:
     """Tools (checked by ``check_tools``) as vLLM hands them to the chat template (its ``ChatCompletionToolsParam``'s
     ``model_dump()``): ``type``, then the function's ``name``, ``description`` and ``parameters`` (null where not

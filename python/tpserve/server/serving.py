@@ -12,7 +12,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from tpserve.beam_search import BeamSearchParams
 from tpserve.message.frontend import ApiOutput, TokenizeRequest
 from tpserve.parsers.chat_output import ChatOutputConfig
-from tpserve.parsers.constraints import named_tool, template_tools
+from tpserve.parsers.constraints import named_tool, template_tools, tool_parameters
 from tpserve.pooling import ModelHead
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.client import FrontendClient
@@ -73,6 +73,7 @@ class Serving:
             forced_tools=body.forced_tool,
             forced_function=named_tool(body.tool_choice),  # checked by body.structure()
             single_call=not body.parallel_tool_calls,
+            tool_params=tool_parameters(body.tools),
         )
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
