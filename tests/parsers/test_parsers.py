@@ -279,6 +279,35 @@ def test_qwen3_coder_odd_outputs(text, content, calls, cut_short):
         assert [(c["name"], json.loads(c["arguments"])) for c in got_calls] == calls
 
 
+MISTRAL = ('Sure.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris", "days": [1, 2]}}, '
+           '{"name": "search", "arguments": {"q": "a]b,c"}}]')
+
+
+def test_mistral_calls_in_any_chunking():
+    """Mistral's [TOOL_CALLS] and a JSON array of calls: content before it, each call streamed as it is written,
+    ids of 9 letters and digits (Mistral's templates refuse others in the calls sent back)."""
+    for chunks in splits(MISTRAL):
+        parser = create_tool_parser("mistral")
+        content, calls = run_tools(parser, chunks)
+        assert content == "Sure." and parser.cut_at is None
+        assert [(c["name"], json.loads(c["arguments"])) for c in calls] == [
+            ("get_weather", {"city": "Paris", "days": [1, 2]}), ("search", {"q": "a]b,c"})]
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+    parser = create_tool_parser("mistral")
+    out = parser.feed('[TOOL_CALLS] [{"name": "f", "arguments": {"a": 1, "b": "lo')
+    assert [d.name for d in out.calls] == ["f", None] and out.calls[1].arguments == '{"a": 1, "b": "lo'
+
+
+@pytest.mark.parametrize("text, content", [
+    ("Just text, [TOOL and more", "Just text, [TOOL and more"),  # a partial token held back, then let out
+    ("Hi [TOOL_CALLS] not json", "Hi [TOOL_CALLS] not json"),  # no call after the token: content, as written
+])
+def test_mistral_text_without_calls_is_content(text, content):
+    for chunks in splits(text):
+        got, calls = run_tools(create_tool_parser("mistral"), chunks)
+        assert (got, calls) == (content, [])
+
+
 def test_qwen3_coder_is_detected_from_its_template():
     from tpserve.parsers.tool_calls import detect_tool_parser
 
@@ -286,9 +315,11 @@ def test_qwen3_coder_is_detected_from_its_template():
                 "<parameter=example_parameter_1>\nvalue_1\n</parameter>\n</function>\n</tool_call>{%- endif %}")
     assert detect_tool_parser(template) == "qwen3_coder"
     assert detect_tool_parser("... <tool_call>\n{\"name\": ...}\n</tool_call> ...") == "hermes"
+    assert detect_tool_parser('{{- "[TOOL_CALLS] [" }}{%- for tool_call in message.tool_calls %}') == "mistral"
 
 
-@pytest.mark.parametrize("parser,text", [("hermes", HERMES), ("llama3_json", LLAMA), ("qwen3_coder", CODER)])
+@pytest.mark.parametrize("parser,text", [("hermes", HERMES), ("llama3_json", LLAMA), ("qwen3_coder", CODER),
+                                         ("mistral", MISTRAL)])
 def test_streamed_calls_rebuilt_by_the_openai_sdk(parser, text):
     """The deltas, sent in chunks as the server sends them, rebuild the calls in the openai SDK's
     own stream accumulator, with the arguments arriving in several fragments."""

@@ -531,6 +531,20 @@ def test_qwen3_coder_calls_are_typed_by_the_requests_tools():
     assert streamed == call["arguments"]
 
 
+def test_mistral_calls_keep_the_special_token_in_the_text():
+    """[TOOL_CALLS] is a special token: under the mistral parser a chat request with tools keeps special tokens in
+    its text (as vLLM's adjust_request), so its calls are parsed, not shown as content; without tools it does not."""
+    reply = 'Ok.[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'
+    c, stub = make_client(stub=StubFrontend(reply=reply, pieces=4, finish="stop"), tool_call_parser="mistral")
+    choice = c.post(CHAT, json={"messages": USER, "tools": WEATHER}).json()["choices"][0]
+    assert stub.submitted[-1].params.skip_special_tokens is False
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == "Ok."
+    call = choice["message"]["tool_calls"][0]
+    assert len(call["id"]) == 9 and json.loads(call["function"]["arguments"]) == {"city": "Paris"}
+    c.post(CHAT, json={"messages": USER})
+    assert stub.submitted[-1].params.skip_special_tokens is True
+
+
 def test_forced_tool_choice_is_constrained_and_parsed():
     stub = StubFrontend(reply='[{"name": "get_weather", "parameters": {"city": "Rome"}}]', finish="stop")
     c, _ = make_client(stub=stub)  # no --tool-call-parser needed: the output format is ours

@@ -124,8 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--tool-call-parser", choices=["auto", "none", *TOOL_CALL_PARSERS], default="auto",
                        help="how the model writes tool calls: hermes (Qwen2.5/Qwen3 <tool_call> JSON), "
                        "qwen3_coder (Qwen3-Coder's <function=...> XML, values typed by the tools' schemas), "
-                       "llama3_json (Llama 3.1 JSON); auto: from the chat template (<function= in it: qwen3_coder; "
-                       "<tool_call>: hermes; "
+                       "llama3_json (Llama 3.1 JSON), mistral ([TOOL_CALLS] and a JSON array); auto: from the chat "
+                       "template (<function= in it: qwen3_coder; <tool_call>: hermes; [TOOL_CALLS]: mistral; "
                        "<|python_tag|>, or tools with \"parameters\": llama3_json; else none), none: no tool "
                        "parsing (tool_choice required or named still work)")
     model.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,

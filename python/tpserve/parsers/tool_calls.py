@@ -9,6 +9,8 @@ Parsers (``--tool-call-parser``):
 * ``qwen3_coder`` (Qwen3-Coder; Qwen3.5's templates too): ``<tool_call>\\n<function=NAME>\\n<parameter=P>\\n``
   ``VALUE\\n</parameter>\\n...</function>\\n</tool_call>``; a value is text, typed by the tool's JSON schema for it (vLLM's
   rule: integer, number, boolean, object/array parsed, else the text), and the arguments stream a parameter at a time;
+* ``mistral`` (Mistral-7B-Instruct-v0.3, Mixtral-8x22B-Instruct): content, then ``[TOOL_CALLS]`` (a special token,
+  kept in such requests' text) and a JSON array of ``{"name", "arguments"}``; call ids of 9 letters and digits;
 * ``llama3_json`` (Llama 3.1/3.2): the whole output is ``{"name": ..., "parameters": {...}}``
   (optionally after ``<|python_tag|>``, several separated by ``;``); each call streams as it is
   generated, as with hermes.
@@ -22,7 +24,9 @@ from __future__ import annotations
 
 import ast
 import json
+import random
 import re
+import string
 import uuid
 from dataclasses import dataclass, field
 from collections.abc import Mapping
@@ -30,7 +34,9 @@ from typing import Any
 
 from tpserve.parsers.partial import partial_suffix_len
 
-TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json")
+TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral")
+# parsers whose start marker is a special token, which a request's text must then keep (skip_special_tokens off)
+NEEDS_SPECIAL_TOKENS = ("mistral",)
 
 
 @dataclass
@@ -179,8 +185,12 @@ class ToolCallParser:
     def feed(self, text: str, final: bool = False) -> ToolParse:
         raise NotImplementedError
 
+    @staticmethod
+    def new_call_id() -> str:
+        return f"call_{uuid.uuid4().hex[:24]}"
+
     def _start_call(self, name: str, out: ToolParse) -> ToolCallDelta:
-        call = ToolCallDelta(len(self.calls), f"call_{uuid.uuid4().hex[:24]}", name)
+        call = ToolCallDelta(len(self.calls), self.new_call_id(), name)
         self.calls.append(call)
         out.calls.append(ToolCallDelta(call.index, call.id, name))
         return call
@@ -428,6 +438,7 @@ class Llama3JsonParser(ToolCallParser):
     Output that turns out not to be calls is content."""
 
     PYTHON_TAG = "<|python_tag|>"
+    SEPARATORS = " \t\r\n;"  # between calls
 
     def __init__(self) -> None:
         super().__init__()  # _buffer, in calls mode: from the start of the object not yet closed
@@ -457,7 +468,7 @@ class Llama3JsonParser(ToolCallParser):
 
     def _read_calls(self, final: bool, out: ToolParse) -> None:
         while True:
-            self._buffer = self._buffer.lstrip(" \t\r\n;")
+            self._buffer = self._buffer.lstrip(self.SEPARATORS)
             if not self._buffer:
                 return
             if not self._buffer.startswith("{"):
@@ -490,6 +501,38 @@ class Llama3JsonParser(ToolCallParser):
         self._mode = "content"
         if not self.calls:
             self._buffer = self._text
+
+
+class MistralParser(Llama3JsonParser):
+    """``mistral`` (Mistral-7B-Instruct-v0.3, Mixtral-8x22B-Instruct, as their chat templates teach it): content,
+    then ``[TOOL_CALLS]`` and the calls as a JSON array of ``{"name", "arguments"}`` objects, each streamed as
+    llama3_json's. Call ids are 9 letters and digits: the templates refuse any other id in the calls sent back."""
+
+    TOKEN = "[TOOL_CALLS]"  # a special token: such requests keep special tokens in their text (``needs_special_tokens``)
+    SEPARATORS = " \t\r\n,[]"
+
+    @staticmethod
+    def new_call_id() -> str:
+        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
+
+    def feed(self, text: str, final: bool = False) -> ToolParse:
+        out = ToolParse()
+        self._buffer += text
+        if self._mode is None:  # content up to the token
+            i = self._buffer.find(self.TOKEN)
+            if i < 0:
+                keep = 0 if final else partial_suffix_len(self._buffer, (self.TOKEN,))
+                out.content, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                return out
+            out.content, self._buffer, self._mode = self._buffer[:i], self._buffer[i + len(self.TOKEN):], "calls"
+            self._text = self.TOKEN + self._buffer  # content after all if no call parses
+        elif not self.calls and self._mode == "calls":
+            self._text += text
+        if self._mode == "calls":
+            self._read_calls(final, out)
+        if self._mode == "content":
+            out.content, self._buffer = out.content + self._buffer, ""
+        return out
 
 
 class ForcedToolCalls(ToolCallParser):
@@ -528,6 +571,8 @@ def detect_tool_parser(chat_template: str | None) -> str | None:
         return "qwen3_coder"
     if "<tool_call>" in template:
         return "hermes"
+    if "[TOOL_CALLS]" in template:
+        return "mistral"
     if "<|python_tag|>" in template or ("tools" in template and '"parameters"' in template):
         return "llama3_json"
     return None
@@ -541,4 +586,6 @@ def create_tool_parser(name: str, tool_params: Mapping[str, Mapping[str, Any]] |
         return Qwen3CoderParser(tool_params)
     if name == "llama3_json":
         return Llama3JsonParser()
+    if name == "mistral":
+        return MistralParser()
     raise ValueError(f"unknown tool call parser {name!r}; choose from {', '.join(TOOL_CALL_PARSERS)}")

@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Any, AsyncIterator, Awaitable, Callable
 
+import msgspec
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 
@@ -13,6 +14,7 @@ from tpserve.beam_search import BeamSearchParams
 from tpserve.message.frontend import ApiOutput, TokenizeRequest
 from tpserve.parsers.chat_output import ChatOutputConfig
 from tpserve.parsers.constraints import named_tool, template_tools, tool_parameters
+from tpserve.parsers.tool_calls import NEEDS_SPECIAL_TOKENS
 from tpserve.pooling import ModelHead
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.client import FrontendClient
@@ -97,6 +99,8 @@ class Serving:
         structure = body.structure()
         params = body.sampling_params(body.effective_max_tokens, structure, self.sampling_defaults)
         output = self.chat_output(body, constrained=structure is not None)
+        if output.tool_parser in NEEDS_SPECIAL_TOKENS:  # its calls start with a special token: the text keeps them
+            params = msgspec.structs.replace(params, skip_special_tokens=False)
         self.limits.check_sequences(1, body.n)
         messages = body.template_messages()
         template_kwargs = body.template_kwargs()
