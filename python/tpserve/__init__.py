@@ -1,13 +1,13 @@
 """tpserve: a small, readable, tensor-parallel LLM serving engine."""
 
 from tpserve.beam_search import BeamSearchOutput, BeamSearchParams, BeamSearchSequence
-from tpserve.inputs import TextPrompt, TokensPrompt
+from tpserve.inputs import LoRARequest, TextPrompt, TokensPrompt
 from tpserve.outputs import CompletionOutput, EmbeddingRequestOutput, Logprob, RequestOutput
 from tpserve.sampling_params import SamplingParams
 
 __version__ = "0.1.0"
 __all__ = ["LLM", "CompletionOutput", "RequestOutput", "EmbeddingRequestOutput", "Logprob", "SamplingParams",
-           "TextPrompt", "TokensPrompt", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "__version__"]
+           "TextPrompt", "TokensPrompt", "LoRARequest", "BeamSearchParams", "BeamSearchOutput", "BeamSearchSequence", "__version__"]
 
 
 def __getattr__(name: str):

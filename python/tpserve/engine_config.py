@@ -8,6 +8,7 @@ import json
 import math
 import numbers
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from typing import Any
 
@@ -73,6 +74,9 @@ class EngineConfig:
     nnodes: int = 1  # tp_size // nnodes ranks on each node (node 0 holds rank 0)
     node_rank: int = 0
     dist_timeout: float = 15.0  # seconds a node may be silent (joining, heartbeats, collectives); nnodes > 1
+    # LoRA adapters served beside the base model: (name, PEFT directory) each (models/adapters.py)
+    lora_modules: tuple[tuple[str, str], ...] = ()
+    max_lora_rank: int = 16  # the largest adapter rank (each adapted layer holds max_lora_rank rows an adapter)
     kv_cache_dtype: str = "auto"  # fp8_e4m3: the KV cache in float8 e4m3 (scale 1), read back in the compute dtype
     dp_size: int = 1  # independent replicas of tp_size ranks (one node), on GPUs from dp_rank * tp_size
     dp_rank: int = 0
@@ -120,6 +124,7 @@ class EngineConfig:
         if not 0.0 < self.mem_fraction <= 1.0:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         check_quantization_name(self.quantization)  # a clear error for an unknown method
+        _check_min("max_lora_rank", self.max_lora_rank, 1)
         hf_overrides_dict(self.hf_overrides)
 
 
@@ -147,13 +152,26 @@ def _check_types(config: EngineConfig) -> None:
         optional = kind != f.type
         if value is None and optional:
             continue
-        if kind == "int" and isinstance(value, numbers.Integral) and not isinstance(value, bool):
+        if f.name == "lora_modules":
+            value = _lora_modules(value)
+        elif kind == "int" and isinstance(value, numbers.Integral) and not isinstance(value, bool):
             value = int(value)
         elif kind == "float" and isinstance(value, numbers.Real) and not isinstance(value, bool):
             value = float(value)
         elif not (kind == "bool" and isinstance(value, bool) or kind == "str" and isinstance(value, str)):
             raise TypeError(f"{f.name} must be {_TYPE_NAMES[kind]}{' or None' if optional else ''}, got {value!r}")
         object.__setattr__(config, f.name, value)
+
+
+def _lora_modules(value: Any) -> tuple[tuple[str, str], ...]:
+    """``lora_modules`` as (name, directory) pairs, from a mapping or pairs; distinct non-empty names."""
+    pairs = tuple(value.items()) if isinstance(value, Mapping) else tuple(tuple(p) for p in value)
+    if not all(len(p) == 2 and all(isinstance(x, str) and x for x in p) for p in pairs):
+        raise TypeError(f"lora_modules must be {{name: directory}} or (name, directory) pairs, got {value!r}")
+    names = [name for name, _ in pairs]
+    if len(set(names)) != len(names):
+        raise ValueError(f"lora_modules names a LoRA adapter twice: {names}")
+    return pairs
 
 
 def _check_min(name: str, value: int, low: int) -> None:

@@ -11,6 +11,7 @@ import torch
 
 if TYPE_CHECKING:  # annotation only: attention sits above this module
     from tpserve.attention.base import AttentionBackend
+    from tpserve.layers.lora import LoRABatch
 
 
 @dataclass
@@ -23,6 +24,7 @@ class SequenceInput:
     # the first this many new tokens' logits are wanted too (prompt log-probabilities), after the last one's
     extra_logits: int = 0
     pooled: bool = False  # its last new token's final hidden state (or class logits) is wanted too (a pooled request)
+    lora: int = 0  # its LoRA adapter's slot (models/adapters.py); 0: none
 
     @property
     def extend_len(self) -> int:
@@ -55,6 +57,7 @@ class ForwardContext:
     inputs: ForwardInputs
     attention: AttentionBackend
     pooled: torch.Tensor | None = None  # set by the model: [P, hidden] final hidden states of ``inputs.pooled_rows``
+    lora: LoRABatch | None = None  # the step's LoRA adapters, where a sequence has one
 
 
 def int_array(values, count: int) -> np.ndarray:

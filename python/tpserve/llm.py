@@ -32,6 +32,7 @@ from tpserve.message import (
     AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, GetStats, SchedulerStats, TokenOutput,
 )
 from tpserve.llm_pooling import PoolingMethods
+from tpserve.inputs import LoRARequest
 from tpserve.outputs import CompletionOutput, RequestOutput, position_logprobs
 from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT, SamplingParams
@@ -204,12 +205,15 @@ class LLM(PoolingMethods):
         prompts: str | Mapping[str, Any] | Iterable[str | Sequence[int] | Mapping[str, Any]],
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         use_tqdm: bool = True,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         priority: Sequence[int] | None = None,
     ) -> list[RequestOutput]:
         """Completions of each prompt (a string, a token-id list, or vLLM's ``{"prompt": text}`` /
         ``{"prompt_token_ids": ids}``), given as any iterable of them, or one string or dict alone (as vLLM;
         a token-id list alone is ``[[...]]``), with one ``SamplingParams`` or one per prompt; results in prompt
-        order. ``priority``: one per prompt, as vLLM's (``schedule_policy="priority"`` only; lower first)."""
+        order. ``lora_request``: one LoRA adapter for all prompts or one per prompt (None: the base model), among
+        those the LLM was started with (``lora_modules``). ``priority``: one per prompt, as vLLM's
+        (``schedule_policy="priority"`` only; lower first)."""
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
         elif isinstance(prompts, bytes) or not isinstance(prompts, Iterable):
@@ -226,6 +230,12 @@ class LLM(PoolingMethods):
             if len(priority) != len(prompts):
                 raise ValueError(f"got {len(priority)} priorities for {len(prompts)} prompts")
             sampling_params = [msgspec.structs.replace(p, priority=v) for p, v in zip(sampling_params, priority)]
+        if lora_request is not None:
+            adapters = [lora_request] * len(prompts) if isinstance(lora_request, LoRARequest) else list(lora_request)
+            if len(adapters) != len(prompts):
+                raise ValueError(f"got {len(adapters)} LoRA requests for {len(prompts)} prompts")
+            sampling_params = [p if a is None else msgspec.structs.replace(p, lora=self._lora_name(a))
+                               for p, a in zip(sampling_params, adapters)]
         checked: dict[int, SamplingParams] = {}  # each params object once (one is often given for every prompt)
         for i, params in enumerate(sampling_params):
             if id(params) not in checked:
@@ -440,6 +450,13 @@ class LLM(PoolingMethods):
             raise RuntimeError(f"{method}() called after close()")
         return self._driver
 
+    def _lora_name(self, request: LoRARequest) -> str:
+        loaded = dict(self.config.lora_modules)
+        if not isinstance(request, LoRARequest) or request.lora_name not in loaded:
+            raise ValueError(f"LoRA adapter {getattr(request, 'lora_name', request)!r} is not loaded: start the LLM with "
+                             f"lora_modules={{name: path}} (loaded: {', '.join(loaded) or 'none'})")
+        return request.lora_name
+
     def _check_params(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
         if params.priority and self.config.schedule_policy != "priority":
@@ -500,7 +517,8 @@ class LLM(PoolingMethods):
 _VLLM_KWARGS = {"tensor_parallel_size": "tp_size", "data_parallel_size": "dp_size", "gpu_memory_utilization": "mem_fraction",
                 "max_num_seqs": "max_running_requests", "enable_expert_parallel": "expert_parallel",
                 "scheduling_policy": "schedule_policy"}
-_IGNORED_KWARGS = ("trust_remote_code",)  # tpserve runs no code from the checkpoint
+# tpserve runs no code from the checkpoint; LoRA adapters are served where lora_modules names them
+_IGNORED_KWARGS = ("trust_remote_code", "enable_lora")
 # vLLM's switches, as the CLI takes them (launch/vllm_flags.py): name -> (the value that acts, setting, its value)
 _VLLM_SWITCHES = {"enforce_eager": (True, "cuda_graph_max_bs", 0), "enable_prefix_caching": (False, "cache", "naive")}
 

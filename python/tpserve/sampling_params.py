@@ -193,6 +193,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
     # vLLM's: under the priority schedule policy, waiting requests are admitted lowest value first (then in order
     # of arrival) and a running request of a higher value is preempted first; 0 under any other policy
     priority: int = 0
+    # a LoRA adapter the engine was started with (by its name; tpserve.models.adapters), or None: the base model
+    lora: str | None = None
 
     def __post_init__(self) -> None:
         self._check_types()
@@ -224,6 +226,8 @@ class SamplingParams(msgspec.Struct, kw_only=True):
                                 and self.n == 1):
             raise ValueError(f"a pooled request ({self.pooling}) generates no tokens: it takes no logprobs, "
                              "prompt_logprobs or structured output, and n 1")
+        if self.lora is not None and (not isinstance(self.lora, str) or not self.lora):
+            raise ValueError(f"lora must be a LoRA adapter's name, got {self.lora!r}")
         if not -PRIORITY_LIMIT <= self.priority < PRIORITY_LIMIT:
             raise ValueError(f"priority must be in [-2**63, 2**63), got {self.priority}")
         salt = self.cache_salt
@@ -305,6 +309,14 @@ class SamplingParams(msgspec.Struct, kw_only=True):
             msgspec.structs.replace(self, n=1, seed=None if self.seed is None else (self.seed + i) % SEED_LIMIT)
             for i in range(self.n)
         ]
+
+    @property
+    def prefix_key(self) -> str | None:
+        """Whose cached prefixes this request may share: its ``cache_salt``'s, apart for each LoRA adapter (an
+        adapter changes every layer's keys and values)."""
+        if self.lora is None:
+            return self.cache_salt
+        return f"{self.cache_salt or ''}\x00lora:{self.lora}"
 
     @property
     def pooled(self) -> bool:

@@ -9,6 +9,7 @@ import numpy as np
 import torch
 
 from tpserve.forward import ForwardInputs, SequenceInput, check_page_tables, int_array
+from tpserve.layers.lora import LoRABatch
 
 
 @dataclass
@@ -61,6 +62,15 @@ def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
         return host.to(device)
     # the caching host allocator reuses the pinned block only once this copy has run
     return host.pin_memory().to(device, non_blocking=True)
+
+
+def lora_batch(seqs: list[SequenceInput], device: torch.device) -> LoRABatch | None:
+    """Each token's LoRA slot (its sequence's), or None where no sequence has an adapter."""
+    slots = sorted({s.lora for s in seqs if s.lora})
+    if not slots:
+        return None
+    ids = np.repeat(int_array((s.lora for s in seqs), len(seqs)), int_array((len(s.token_ids) for s in seqs), len(seqs)))
+    return LoRABatch(upload(torch.from_numpy(ids), device), tuple(slots))
 
 
 def build_forward_inputs(

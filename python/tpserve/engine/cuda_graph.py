@@ -74,7 +74,7 @@ class CUDAGraphRunner:
 
     def can_run(self, seqs: list[SequenceInput]) -> bool:
         return 0 < len(seqs) <= self.max_batch_size and all(
-            len(s.token_ids) == 1 and not s.extra_logits and not s.pooled for s in seqs
+            len(s.token_ids) == 1 and not s.extra_logits and not s.pooled and not s.lora for s in seqs
         )
 
     def _inputs(self, batch_size: int, attn_meta: object) -> ForwardInputs:

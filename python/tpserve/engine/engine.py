@@ -16,7 +16,7 @@ from tpserve.engine_config import DEFAULT_CPU_KV_TOKENS, EngineConfig
 from tpserve.distributed.comm import init_process_groups
 from tpserve.distributed.info import set_tp_info
 from tpserve.distributed.nodes import NodeGroup, NodeLayout
-from tpserve.engine.batch import build_forward_inputs, upload
+from tpserve.engine.batch import build_forward_inputs, lora_batch, upload
 from tpserve.engine.cuda_graph import CUDAGraphRunner
 from tpserve.engine.logit_edits import PenaltyState
 from tpserve.engine.side_copies import SideCopies
@@ -26,6 +26,7 @@ from tpserve.kernels import use_triton
 from tpserve.kvcache.pool import KVCachePool, kv_cache_dtype
 from tpserve.layers.linear import ParallelLinear
 from tpserve.layers.moe import StackedExperts, holds_whole_experts
+from tpserve.models.adapters import attach_lora
 from tpserve.models.decoder import CausalLM
 from tpserve.models.loader import load_model_weights, quantize_model
 from tpserve.quant.config import resolve_quantization
@@ -184,6 +185,10 @@ class Engine:
             self.model, config.model, config.load_format, self.device, self.dtype, config.seed, show_progress=rank == 0
         )
         self.model.eval()
+        self.lora_slots = {name: slot for slot, (name, _) in enumerate(config.lora_modules, start=1)}
+        if config.lora_modules:
+            attach_lora(self.model, [path for _, path in config.lora_modules], config.max_lora_rank, self.device,
+                        self.dtype)
         if self.device.type == "cuda" and self.quantization is not None:
             self._warm_up_fp8_gemms()  # before the KV cache takes the free memory
         if nodes is not None:  # nodes load at their own pace; the collectives below have a deadline
@@ -225,6 +230,10 @@ class Engine:
                             len(self.model_config.labels), list(self.model_config.labels[:8]))
             elif not self.model_config.lm_head:
                 logger.info("the checkpoint has no LM head: it serves embeddings only")
+
+    def lora_slot(self, name: str | None) -> int:
+        """A LoRA adapter's slot in the layers (0: the base model); the scheduler admits only loaded ones."""
+        return 0 if name is None else self.lora_slots[name]
 
     def _quantization_note(self) -> str:
         quant = self.quantization
@@ -357,11 +366,12 @@ class Engine:
             return lambda previous_tokens: (replay(previous_tokens), None)
         meta = self.attention.prepare(seqs, self.device)
         inputs = build_forward_inputs(seqs, self.page_size, self.device, meta)
+        lora = lora_batch(seqs, self.device)
 
         def run(previous_tokens: torch.Tensor | None) -> Forwarded:
             if previous_tokens is not None:
                 inputs.input_ids = resolve_future_tokens(inputs.input_ids, previous_tokens)
-            ctx = ForwardContext(inputs, self.attention)
+            ctx = ForwardContext(inputs, self.attention, lora=lora)
             return self.model(ctx), ctx.pooled
 
         return run

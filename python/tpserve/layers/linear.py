@@ -14,6 +14,7 @@ from tpserve.distributed.info import get_tp_info
 from tpserve.kernels import gemv, use_fp8_gemm
 from tpserve.kernels.fp8_linear import backend_from_env, check_weight_block, fp8_linear, kernel_for, resolve_backend
 from tpserve.layers.activation import silu_and_mul
+from tpserve.layers.lora import LoRABatch, LoRAWeights
 from tpserve.quant.fp8 import FP8_DTYPE, dequantize_blocks, num_blocks, quantize_blocks, per_row_scales
 
 
@@ -97,6 +98,7 @@ class ParallelLinear(nn.Module):
         self.fp8_backend = "auto"  # the GPU GEMM of FP8 weights (kernels.fp8_linear)
         self.bf16_gemv = False  # bf16 weight: the CUDA GEMV at one token (kernels.gemv)
         self.row_scales = False  # FP8 scales per output row or tensor (compressed-tensors), not per block
+        self.lora: LoRAWeights | None = None  # LoRA adapters' slots (tpserve.lora), where one adapts this layer
 
     def use_fp8(self, block_size: tuple[int, int], prequantized: bool, row_scales: bool = False) -> None:
         """Hold the weight in FP8 (loaded so if ``prequantized``); called before materialising. ``row_scales``: the
@@ -138,7 +140,11 @@ class ParallelLinear(nn.Module):
             self.weight_scale_inv, self.block_size = None, None
         self.keep_dtype = ()
 
-    def forward(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+    def forward(self, x: torch.Tensor | PendingNorm, lora: LoRABatch | None = None) -> torch.Tensor:
+        """``lora``: the step's adapters, added to the output where they adapt this layer (no fused GEMV then)."""
+        if lora is not None and self.lora is not None:
+            x = x.value() if isinstance(x, PendingNorm) else x
+            return self.matmul(x, self.bias) + self.lora.delta(x, lora)
         if isinstance(x, PendingNorm):
             if self.fuses(x.residual):
                 y = self.gemv(x.residual, norm=(x.norm.weight, x.norm.eps))
@@ -228,9 +234,11 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
         gate, *rest = self.local_part_sizes
         self.gemv_silu_mul = rest == [gate] and self.bias is None and gemv.silu_mul_enabled()
 
-    def silu_and_mul(self, x: torch.Tensor | PendingNorm) -> torch.Tensor:
+    def silu_and_mul(self, x: torch.Tensor | PendingNorm, lora: LoRABatch | None = None) -> torch.Tensor:
         """SiLU(gate) * up of the two parts; in the GEMV's epilogue at the batches that take the GEMV
         (which also norms a PendingNorm as it reads it)."""
+        if lora is not None and self.lora is not None:
+            return silu_and_mul(self(x, lora))
         if self.gemv_silu_mul and isinstance(x, PendingNorm) and self.fuses(x.residual, silu_mul=True):
             norm = (x.norm.weight, x.norm.eps)
             return self.gemv(x.residual, silu_mul=True, norm=norm)
@@ -280,15 +288,18 @@ class RowParallelLinear(ParallelLinear):
         self.comm = comm
 
     def forward(
-        self, x: torch.Tensor, reduce: bool = True, add_to: torch.Tensor | None = None
+        self, x: torch.Tensor, reduce: bool = True, add_to: torch.Tensor | None = None, lora: LoRABatch | None = None
     ) -> torch.Tensor | None:
         """Summed over the ranks, or (``reduce=False``) this rank's partial sum for all_reduce_add_rmsnorm.
         ``add_to`` (the residual stream): at TP 1 where the GEMV runs, the output is added to it in
-        place and None returned; else it is ignored."""
-        if add_to is not None and self.tp_size == 1 and self.bias is None and self.fuses(x):
+        place and None returned; else it is ignored. ``lora``: the step's adapters, added to this rank's partial sum."""
+        lora = lora if self.lora is not None else None
+        if add_to is not None and lora is None and self.tp_size == 1 and self.bias is None and self.fuses(x):
             self.gemv(x, add_to=add_to)
             return None
         y = self.matmul(x, None)
+        if lora is not None:
+            y = y + self.lora.delta(x, lora)
         if not reduce:
             if self.bias is not None:
                 raise ValueError("a row-parallel layer with a bias must all-reduce its output itself")

@@ -8,6 +8,7 @@ from torch import nn
 
 from tpserve.distributed.comm import Communicator
 from tpserve.layers.linear import MergedColumnParallelLinear, PendingNorm, RowParallelLinear
+from tpserve.layers.lora import LoRABatch
 
 
 class MLP(nn.Module):
@@ -17,6 +18,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(intermediate_size, hidden_size, comm)
 
     def forward(
-        self, x: torch.Tensor | PendingNorm, reduce: bool = True, add_to: torch.Tensor | None = None
+        self, x: torch.Tensor | PendingNorm, reduce: bool = True, add_to: torch.Tensor | None = None,
+        lora: LoRABatch | None = None,
     ) -> torch.Tensor | None:
-        return self.down_proj(self.gate_up_proj.silu_and_mul(x), reduce=reduce, add_to=add_to)
+        return self.down_proj(self.gate_up_proj.silu_and_mul(x, lora), reduce=reduce, add_to=add_to, lora=lora)

@@ -53,7 +53,7 @@ class Attention(nn.Module):
     ) -> torch.Tensor | None:
         """This rank's partial sum of the output projection (not all-reduced), or None where it was
         added to ``add_to`` (``RowParallelLinear``)."""
-        qkv = self.qkv_proj(x)
+        qkv = self.qkv_proj(x, ctx.lora)
         if self.projection_norm:
             qkv = self._norm_projections(qkv)
         if ctx.attention.fused_rope_store:
@@ -68,7 +68,7 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary[0](ctx.inputs.positions, q, k)
             out = ctx.attention.forward(self.layer_id, q, k, v, ctx.inputs.out_slots, ctx.inputs.attn)
-        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim), reduce=False, add_to=add_to)
+        return self.o_proj(out.reshape(-1, self.num_heads * self.head_dim), reduce=False, add_to=add_to, lora=ctx.lora)
 
     def _norm_projections(self, qkv: torch.Tensor) -> torch.Tensor:
         """OLMoE's q and k RMSNorms over the whole projections: each rank's sums of squares, all-reduced in one
@@ -120,6 +120,8 @@ class DecoderLayer(nn.Module):
         x, residual = add_and_norm(self.comm, x, residual, self.input_layernorm)
         x = self.self_attn(x, ctx, add_to=residual)
         x, residual = add_and_norm(self.comm, x, residual, self.post_attention_layernorm)
+        if isinstance(self.mlp, MLP):  # a MoE block is not adapted (models/adapters.py refuses such adapters)
+            return self.mlp(x, reduce=False, add_to=residual, lora=ctx.lora), residual
         return self.mlp(x, reduce=False, add_to=residual), residual
 
 

@@ -175,7 +175,7 @@ class Dispatch:
 
     def destinations(self, msg: SchedulerInput) -> list[int]:
         if isinstance(msg, GenerateRequest):
-            return [self.router.route(msg.rid, msg.input_ids, self._unavailable(), msg.params.cache_salt)]
+            return [self.router.route(msg.rid, msg.input_ids, self._unavailable(), msg.params.prefix_key)]
         if isinstance(msg, AbortRequest):
             replica = self.router.replica_of(msg.rid)
             if replica is not None:

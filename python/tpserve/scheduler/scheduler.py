@@ -132,6 +132,9 @@ class Scheduler:
         room = self.max_model_len - len(prompt_ids)
         # a pooled request takes its prompt's one sample (never shown) for the vector beside it
         max_new = 1 if params.pooled else room if params.max_tokens is None else min(params.max_tokens, room)
+        if params.lora is not None and params.lora not in self.engine.lora_slots:
+            raise AdmissionError(f"LoRA adapter {params.lora!r} is not loaded (this engine has "
+                                 f"{', '.join(self.engine.lora_slots) or 'none'})")
         if params.priority and self.config.schedule_policy != "priority":
             raise AdmissionError(f"priority {params.priority} needs the priority schedule policy "
                                  "(--schedule-policy priority)")
@@ -271,8 +274,8 @@ class Scheduler:
         # Only a chunk that reaches the end of the known sequence yields a usable sample (a pooled request's
         # vector too: the sequence is pooled there).
         sampled = [req.num_cached + n == req.num_tokens + req.pending for req, n in scheduled]
-        seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages, pooled=last and req.params.pooling is not None)
-                for (req, n), last in zip(scheduled, sampled)]
+        seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages, pooled=last and req.params.pooling is not None,
+                              lora=self.engine.lora_slot(req.params.lora)) for (req, n), last in zip(scheduled, sampled)]
         vocab = self.engine.model_config.vocab_size
         sampling = SamplingBatch.build(params, [req.seed for req, _ in scheduled], steps, vocab, self.engine.device)
         if any(p.edits_logits for p in params):
@@ -467,7 +470,7 @@ class Scheduler:
     def _cached_prefix(self, req: Request) -> PrefixMatch:
         if req.wants_prompt_logprobs:  # every prompt position's logits are needed
             return PrefixMatch([], None)
-        return self.cache.match(req.all_ids[: req.num_tokens - 1], req.params.cache_salt)
+        return self.cache.match(req.all_ids[: req.num_tokens - 1], req.params.prefix_key)
 
     # ---- pages ----
     def _grow(self, req: Request, num_tokens: int, outputs: list[TokenOutput]) -> bool:
@@ -516,7 +519,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         full = req.num_cached // self.page_size
-        duplicates = self.cache.insert(req.all_ids[: full * self.page_size], req.pages[:full], req.params.cache_salt)
+        duplicates = self.cache.insert(req.all_ids[: full * self.page_size], req.pages[:full], req.params.prefix_key)
         self.allocator.free(duplicates + req.pages[full:])
         self.cache.unlock(req.prefix_node)
         req.pages, req.num_shared_pages, req.prefix_node = [], 0, None

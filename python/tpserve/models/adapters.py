@@ -1,0 +1,115 @@
+"""LoRA adapters (PEFT checkpoints: ``adapter_config.json`` and ``adapter_model.safetensors``), as vLLM serves them:
+each adapter has a slot in every layer it adapts (slot 0: none), and a step's tokens add
+``scale * B_slot @ A_slot @ x`` to the layer's output for the slot their request names.
+
+The adapters' A and B are sharded as the layer's weight: a column-parallel layer keeps A whole and its rows of B,
+a row-parallel layer its columns of A and all of B (the partial sums are then all-reduced with the layer's own).
+A merged layer (q/k/v, gate/up) stacks its parts' A and places each part's B on its own rows and rank columns.
+Slots are loaded once at start, on every rank in the same order."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from tpserve.layers.linear import ParallelLinear
+from tpserve.layers.lora import LoRAWeights
+from tpserve.models.checkpoint import open_safetensors
+
+ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
+# the layers an adapter may adapt, by the checkpoint's module names (tpserve merges q/k/v and gate/up)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+_PARTS = {"q_proj": ("qkv_proj", "q", 0), "k_proj": ("qkv_proj", "k", 1), "v_proj": ("qkv_proj", "v", 2),
+          "gate_proj": ("gate_up_proj", 0, 0), "up_proj": ("gate_up_proj", 1, 1),
+          "o_proj": ("o_proj", None, 0), "down_proj": ("down_proj", None, 0)}
+_NUM_PARTS = {"qkv_proj": 3, "gate_up_proj": 2, "o_proj": 1, "down_proj": 1}
+
+
+@dataclass(frozen=True)
+class AdapterConfig:
+    rank: int
+    scale: float  # lora_alpha / rank (/ sqrt(rank) with rsLoRA)
+    targets: frozenset[str]
+
+
+def read_adapter_config(path: str, max_rank: int) -> AdapterConfig:
+    """A PEFT adapter's settings; a ValueError names what tpserve cannot serve."""
+    config_file = os.path.join(path, ADAPTER_CONFIG)
+    if not os.path.isfile(config_file) or not os.path.isfile(os.path.join(path, ADAPTER_WEIGHTS)):
+        raise ValueError(f"LoRA adapter {path}: needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} (a PEFT checkpoint)")
+    with open(config_file) as f:
+        config = json.load(f)
+    rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
+    if not isinstance(rank, int) or rank < 1:
+        raise ValueError(f"LoRA adapter {path}: r must be a positive integer, got {rank!r}")
+    if rank > max_rank:
+        raise ValueError(f"LoRA adapter {path} has rank {rank}, more than --max-lora-rank {max_rank}")
+    unserved = [key for key in ("use_dora", "modules_to_save", "layers_to_transform") if config.get(key)]
+    if config.get("bias", "none") != "none":
+        unserved.append("bias")
+    if unserved:
+        raise ValueError(f"LoRA adapter {path}: {', '.join(unserved)} is not served")
+    targets = config.get("target_modules") or []
+    targets = [targets] if isinstance(targets, str) else list(targets)
+    others = sorted(set(targets) - set(TARGETS))
+    if others:
+        raise ValueError(f"LoRA adapter {path} adapts {', '.join(others)}: tpserve adapts only {', '.join(TARGETS)}")
+    scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
+    return AdapterConfig(rank, scale, frozenset(targets))
+
+
+def attach_lora(model: nn.Module, adapters: list[str], max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
+    """Give the adapted layers of ``model`` (a CausalLM) a slot per adapter (``adapters``: PEFT directories, slot
+    i + 1 each) and load each adapter's shard into it."""
+    configs = [read_adapter_config(path, max_rank) for path in adapters]
+    adapted = {_PARTS[target][0] for config in configs for target in config.targets}
+    layers = {name: module for name, module in model.named_modules()  # not a MoE block's shared expert
+              if isinstance(module, ParallelLinear) and name.rpartition(".")[2] in adapted and ".shared_expert." not in name}
+    for name, module in layers.items():
+        module.lora = LoRAWeights(len(adapters) + 1, _NUM_PARTS[name.rpartition(".")[2]], max_rank,
+                                  module.in_features, module.out_features, device, dtype)
+    for slot, (path, config) in enumerate(zip(adapters, configs), start=1):
+        _load_adapter(layers, slot, path, config)
+
+
+def _load_adapter(layers: dict[str, nn.Module], slot: int, path: str, config: AdapterConfig) -> None:
+    with open_safetensors(os.path.join(path, ADAPTER_WEIGHTS)) as tensors:
+        names = list(tensors.keys())
+        for name in names:
+            module_name, kind = _adapter_target(name, path)
+            parent, _, leaf = module_name.rpartition(".")
+            merged, shard_id, part = _PARTS[leaf]
+            layer = layers.get(f"{parent}.{merged}")
+            if layer is None:
+                raise ValueError(f"LoRA adapter {path}: {name} adapts a layer this model does not have (or one "
+                                 "tpserve does not adapt: MoE experts)")
+            loaded = tensors.get_tensor(name)
+            lora: LoRAWeights = layer.lora
+            rows = slice(part * lora.max_rank, part * lora.max_rank + config.rank)
+            if kind == "lora_A":
+                if layer.split_dim == 1:  # row-parallel: this rank's inputs
+                    loaded = layer.part(None).cut(loaded, 1, 2, name)
+                lora.a[slot, rows].copy_(loaded.to(lora.a.dtype))
+            else:
+                piece = layer.part(shard_id) if layer.split_dim == 0 else None
+                if piece is not None:
+                    lora.b[slot, piece.dest : piece.dest + piece.size, rows].copy_(
+                        (piece.cut(loaded, 0, 2, name) * config.scale).to(lora.b.dtype))
+                else:
+                    lora.b[slot, :, rows].copy_((loaded * config.scale).to(lora.b.dtype))
+
+
+def _adapter_target(name: str, path: str) -> tuple[str, str]:
+    """(the checkpoint's module name, lora_A or lora_B) of a PEFT tensor name."""
+    stem = name.removeprefix("base_model.model.")
+    module, _, rest = stem.partition(".lora_")
+    if not rest or rest not in ("A.weight", "B.weight") or module.rpartition(".")[2] not in TARGETS:
+        raise ValueError(f"LoRA adapter {path}: unexpected tensor {name}")
+    if not module.startswith("model."):
+        module = "model." + module
+    return module, "lora_" + rest[0]

@@ -1,0 +1,83 @@
+"""LoRA adapters (``models/adapters.py``) against PEFT's own model (float32, CPU): greedy tokens equal and
+log-probabilities within 1e-4, at TP 1 and 2, with several adapters and the base model in one batch."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import pytest
+import torch
+
+from tpserve import LLM, LoRARequest, SamplingParams
+
+ALL = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+@pytest.fixture(scope="module")
+def adapters(qwen3_dir, tmp_path_factory):
+    from lora_adapters import make_adapter
+
+    return {"all": make_adapter(qwen3_dir, str(tmp_path_factory.mktemp("lora-all")), ALL),
+            "qv": make_adapter(qwen3_dir, str(tmp_path_factory.mktemp("lora-qv")), ("q_proj", "v_proj"), rank=8,
+                               alpha=4, seed=1, rslora=True)}
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_adapters_match_peft_in_one_batch(qwen3_dir, adapters, tp):
+    from lora_adapters import peft_greedy
+    from reference import hf_greedy
+
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [5, 6, 7, 8, 9]]
+    which = ["all", "qv", None]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
+    with LLM(qwen3_dir, device="cpu", tensor_parallel_size=tp, lora_modules=adapters, max_lora_rank=8,
+             enable_lora=True) as llm:
+        requests = [None if name is None else LoRARequest(name, i + 1, adapters[name]) for i, name in enumerate(which)]
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
+    worst = 0.0
+    for prompt, name, out in zip(prompts, which, outs):
+        if name is None:
+            assert out.token_ids == hf_greedy(qwen3_dir, prompt, 8)
+            continue
+        expected, logits = peft_greedy(qwen3_dir, adapters[name], prompt, 8)
+        assert out.token_ids == expected, name
+        reference = torch.log_softmax(logits, dim=-1)
+        worst = max(worst, max(abs(v - float(reference[i, t])) for i, (t, v) in
+                               enumerate(zip(out.token_ids, out.token_logprobs))))
+    assert outs[0].token_ids != outs[2].token_ids, "the adapter changes the answer"
+    assert worst < 1e-4, worst
+
+
+def test_adapters_keep_their_own_cached_prefixes(qwen3_dir, adapters):
+    """A prompt's cached pages serve only requests of the same adapter (an adapter changes every layer's K and V);
+    an adapter the LLM was not started with, or too large a rank, is a ValueError."""
+    prompt = list(range(10, 50))  # 40 tokens: two whole pages of 16
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    with LLM(qwen3_dir, device="cpu", lora_modules={"all": adapters["all"]}) as llm:
+        cached = []
+        for adapter in (None, None, LoRARequest("all"), LoRARequest("all"), None):
+            cached.append(llm.generate([prompt], params, use_tqdm=False, lora_request=adapter)[0].num_cached_tokens)
+        assert cached[0] == 0 and cached[1] > 0 and cached[2] == 0 and cached[3] > 0 and cached[4] > 0, cached
+        with pytest.raises(ValueError, match="LoRA adapter 'qv' is not loaded"):
+            llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("qv", 2, adapters["qv"]))
+    with pytest.raises(ValueError, match="has rank 8, more than --max-lora-rank 4"):
+        LLM(qwen3_dir, device="cpu", lora_modules={"qv": adapters["qv"]}, max_lora_rank=4)
+
+
+def test_adapters_tpserve_cannot_serve_are_clear_errors(qwen3_dir, adapters, tmp_path):
+    import shutil
+
+    from tpserve.models.adapters import read_adapter_config
+
+    bad = tmp_path / "bad"
+    shutil.copytree(adapters["all"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    for change, message in (({"target_modules": ["embed_tokens"]}, "adapts embed_tokens: tpserve adapts only"),
+                            ({"use_dora": True}, "use_dora is not served"), ({"r": 0}, "r must be a positive")):
+        (bad / "adapter_config.json").write_text(json.dumps({**config, **change}))
+        with pytest.raises(ValueError, match=message):
+            read_adapter_config(str(bad), 16)
+    os.remove(bad / "adapter_model.safetensors")
+    with pytest.raises(ValueError, match="needs adapter_config.json and adapter_model.safetensors"):
+        read_adapter_config(str(bad), 16)
