@@ -81,3 +81,28 @@ def test_adapters_tpserve_cannot_serve_are_clear_errors(qwen3_dir, adapters, tmp
     os.remove(bad / "adapter_model.safetensors")
     with pytest.raises(ValueError, match="needs adapter_config.json and adapter_model.safetensors"):
         read_adapter_config(str(bad), 16)
+
+
+def test_a_moe_models_attention_adapter_matches_peft_and_expert_adapters_are_refused(tiny_model_factory, tmp_path):
+    """Qwen3-MoE (one dense layer, mlp_only_layers): an adapter of its attention and its dense layer's MLP is served
+    (PEFT's tokens); one of the experts' projections is an error naming them, not a silent no-op."""
+    from lora_adapters import make_adapter, peft_greedy
+
+    moe_dir = tiny_model_factory("qwen3_moe")
+    adapter = make_adapter(moe_dir, str(tmp_path / "attn"), ("q_proj", "k_proj", "v_proj", "o_proj"))
+    prompt = [5, 6, 7, 8, 9]
+    with LLM(moe_dir, device="cpu", lora_modules={"a": adapter}) as llm:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=6, ignore_eos=True), use_tqdm=False,
+                           lora_request=LoRARequest("a"))[0]
+    assert out.token_ids == peft_greedy(moe_dir, adapter, prompt, 6)[0]
+    experts = tmp_path / "experts"
+    experts.mkdir()
+    from safetensors.torch import save_file
+
+    config = json.loads((tmp_path / "attn" / "adapter_config.json").read_text())
+    (experts / "adapter_config.json").write_text(json.dumps({**config, "target_modules": ["gate_proj"]}))
+    save_file({"base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_A.weight": torch.zeros(4, 64),
+               "base_model.model.model.layers.0.mlp.experts.0.gate_proj.lora_B.weight": torch.zeros(32, 4)},
+              str(experts / "adapter_model.safetensors"))
+    with pytest.raises(Exception, match="adapts a layer this model does not have"):
+        LLM(moe_dir, device="cpu", lora_modules={"e": str(experts)})

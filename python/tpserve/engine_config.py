@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from tpserve.config import DTYPE_ALIASES, DTYPES, FLASHINFER_DTYPES, ModelConfig, resolve_dtype
+from tpserve.models.adapters import read_adapter_config
 from tpserve.models.checkpoint import check_safetensors
 from tpserve.quant.config import check_quantization_name, resolve_quantization
 from tpserve.sampling_params import SEED_LIMIT  # torch.Generator.manual_seed takes a signed 64-bit seed
@@ -269,6 +270,11 @@ def check_can_start(engine: EngineConfig, model: ModelConfig, cli: bool = False)
     bad setting is one clear error (naming the CLI flag when ``cli``) rather than a traceback from
     every rank."""
     resolve_quantization(engine.quantization, model.quantization)
+    for name, path in engine.lora_modules:  # each adapter readable and of a rank the layers hold
+        try:
+            read_adapter_config(path, engine.max_lora_rank)
+        except ValueError as e:
+            raise ValueError(f"{'--lora-modules' if cli else 'lora_modules'} {name}={path}: {e}") from None
     model.check_tp_size(engine.tp_size, name="--tp-size" if cli else "tp_size", expert_parallel=engine.expert_parallel)
     if engine.max_model_len is not None and engine.max_model_len > model.context_length:
         raise ValueError(

@@ -37,8 +37,9 @@ def test_a_pasted_vllm_command_line_sets_what_it_names(qwen3_dir):
 
 
 @pytest.mark.parametrize("argv, message", [
-    (["--enable-lora"], "argument --enable-lora: LoRA adapters are not served"),
-    (["--lora-modules", "a=/x"], "argument --lora-modules: LoRA adapters are not served"),
+    (["--lora-modules", "a=/x"], "--lora-modules a=/x: LoRA adapter /x: needs adapter_config.json"),
+    (["--lora-modules", "a"], "argument --lora-modules: must be NAME=PATH"),
+    (["--lora-modules", "a=/x", "a=/y"], "lora_modules names a LoRA adapter twice"),
     (["--speculative-config", "{}"], "argument --speculative-config: speculative decoding is not served"),
     (["--ssl-keyfile", "k.pem"], "TLS is not served"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: tpserve splits a model by tensor parallelism"),

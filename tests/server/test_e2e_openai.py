@@ -16,10 +16,19 @@ GREEDY = {"temperature": 0}
 IGNORE_EOS = {"ignore_eos": True}
 
 
+@pytest.fixture(scope="module")
+def adapter_dir(qwen3_dir, tmp_path_factory) -> str:
+    """A LoRA adapter of every projection, made by PEFT (tests/lora_adapters.py)."""
+    from lora_adapters import make_adapter
+
+    targets = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return make_adapter(qwen3_dir, str(tmp_path_factory.mktemp("lora")), targets)
+
+
 @pytest.fixture(scope="module", params=[1, 2], ids=["tp1", "tp2"])
-def server(qwen3_dir, request):
+def server(qwen3_dir, adapter_dir, request):
     yield from running_server(["--model", qwen3_dir, "--device", "cpu", "--api-key", API_KEY, "--tp-size", str(request.param),
-                             "--served-model-name", "tiny", "--num-tokenizers", "2"])
+                             "--served-model-name", "tiny", "--num-tokenizers", "2", "--lora-modules", f"sql={adapter_dir}"])
 
 
 @pytest.fixture(scope="module")
@@ -55,7 +64,7 @@ MESSAGES = [{"role": "user", "content": "Tell me about the clockmaker 你好"}]
 
 
 def test_models_and_health(client, url):
-    assert [m.id for m in client.models.list().data] == ["tiny"]
+    assert [m.id for m in client.models.list().data] == ["tiny", "sql"]  # the model, then its LoRA adapter
     assert httpx.get(f"{url}/health").status_code == 200
     assert httpx.get(f"{url}/version").json()["version"]
 
@@ -547,3 +556,27 @@ def test_beam_search_matches_transformers(client, url, qwen3_dir):
         resp = httpx.post(f"{url}/v1/completions", headers={"Authorization": f"Bearer {API_KEY}"},
                           json={"prompt": "hi", "use_beam_search": True, **extra})
         assert resp.status_code == 400 and resp.json()["error"]["param"] == param, resp.text
+
+
+def test_lora_adapter_served_by_its_name(client, url, qwen3_dir, adapter_dir):
+    """--lora-modules: a request whose model names the adapter runs with it (PEFT's greedy tokens, at TP 1 and 2),
+    one naming the model without; the answer names what served it; /v1/models lists the adapter with the model as
+    its parent; a pooling endpoint refuses it."""
+    from lora_adapters import peft_greedy
+    from reference import hf_greedy
+
+    prompt = [5, 6, 7, 8, 9]
+    kwargs = dict(prompt=prompt, max_tokens=6, logprobs=0, extra_body={"ignore_eos": True, "return_tokens_as_token_ids": True},
+                  **GREEDY)
+    adapted = client.completions.create(model="sql", **kwargs)
+    base = client.completions.create(model="tiny", **kwargs)
+    tokens = lambda out: [int(t.removeprefix("token_id:")) for t in out.choices[0].logprobs.tokens]  # noqa: E731
+    assert tokens(adapted) == peft_greedy(qwen3_dir, adapter_dir, prompt, 6)[0] and adapted.model == "sql"
+    assert tokens(base) == hf_greedy(qwen3_dir, prompt, 6) and base.model == "tiny"
+    chat = client.chat.completions.create(model="sql", messages=MESSAGES, max_tokens=3)
+    assert chat.model == "sql" and chat.choices[0].message.content is not None
+    cards = {m.id: m for m in client.models.list().data}
+    assert cards["sql"].parent == "tiny" and cards["sql"].root == adapter_dir
+    resp = httpx.post(f"{url}/v1/embeddings", headers={"Authorization": f"Bearer {API_KEY}"},
+                      json={"model": "sql", "input": "hi"})
+    assert resp.status_code == 400 and resp.json()["error"]["param"] == "model"

@@ -23,7 +23,8 @@ from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.vllm_flags import add_vllm_flags, check_vllm_flags, task_problem_of_flags
 from tpserve.launch.argtypes import (
-    HelpFormatter, OneLineParser, fraction, int_at_least, json_object_arg, json_strings_arg, number, port, positive,
+    HelpFormatter, OneLineParser, fraction, int_at_least, json_object_arg, json_strings_arg, lora_module_arg, number, port,
+    positive,
 )
 from tpserve.router.policy import LOAD_BALANCE_METHODS
 from tpserve.tokenizer.loader import (
@@ -155,6 +156,15 @@ def build_parser() -> argparse.ArgumentParser:
                        "per 128x128 block) at load time. FP8 checkpoints (quantization_config in config.json) "
                        "are read as such without it; compressed-tensors (as vLLM takes it) only names an "
                        "llm-compressor checkpoint's format")
+    model.add_argument("--lora-modules", nargs="+", type=lora_module_arg, default=(), metavar="NAME=PATH",
+                       help="LoRA adapters (PEFT checkpoints) served beside the model, as vLLM's: a request whose "
+                       "model is NAME runs with that adapter (chat, completions, responses); /v1/models lists them. "
+                       "All are loaded at start; adapters and the base model share batches (CUDA graphs run only "
+                       "batches without an adapter)")
+    model.add_argument("--max-lora-rank", type=int_at_least(1), default=_default("max_lora_rank"),
+                       help="the largest adapter rank served (each adapted layer holds this many rows an adapter)")
+    model.add_argument("--enable-lora", action="store_true",
+                       help="vLLM's switch: tpserve serves the --lora-modules adapters with or without it")
     model.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int_at_least(2),
                        default=None,
                        help="context limit (prompt + completion tokens), at most the model's; default: the "

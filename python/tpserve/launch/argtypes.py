@@ -53,6 +53,19 @@ def json_object_arg(text: str) -> dict[str, Any]:
     return _json_arg(text, lambda v: isinstance(v, dict), "a JSON object")
 
 
+def lora_module_arg(text: str) -> tuple[str, str]:
+    """One of --lora-modules: ``NAME=PATH``, or vLLM's JSON form ``{"name": ..., "path": ...}``."""
+    if text.lstrip().startswith("{"):
+        spec = _json_arg(text, lambda v: isinstance(v, dict) and isinstance(v.get("name"), str)
+                         and isinstance(v.get("path"), str), 'NAME=PATH or {"name": ..., "path": ...}')
+        name, path = spec["name"], spec["path"]
+    else:
+        name, _, path = text.partition("=")
+    if not name or not path:
+        raise argparse.ArgumentTypeError(f'must be NAME=PATH or {{"name": ..., "path": ...}}, got {text!r}')
+    return name, path
+
+
 def json_strings_arg(text: str) -> tuple[str, ...]:
     """A JSON list of strings given on the command line (vLLM's form: '["http://a.example"]')."""
     fits = lambda v: isinstance(v, list) and all(isinstance(s, str) for s in v)  # noqa: E731

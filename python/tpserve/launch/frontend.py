@@ -63,6 +63,7 @@ async def serving_backend(
             args.trust_request_chat_template, args.head, tokens_as_ids=args.return_tokens_as_token_ids,
             force_include_usage=args.enable_force_include_usage,
             priority_scheduling=args.engine.schedule_policy == "priority", prompts=state.tokenize_service(),
+            lora_adapters=tuple(name for name, _ in args.engine.lora_modules),
         )
         state.liveness = lambda: backend.stalled(args.health_timeout)
         if args.sampling_defaults:

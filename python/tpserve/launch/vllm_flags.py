@@ -52,6 +52,7 @@ _IGNORED = {
     "--uvicorn-log-level": _Unused("--log-level sets every process's level, uvicorn's included"),
     "--disable-frontend-multiprocessing": _Unused("the API server is one process beside the scheduler ranks", 0),
     "--tokenizer-mode": _Unused("the model's fast tokenizer is always used"),
+    "--max-loras": _Unused("every --lora-modules adapter is loaded at start, and any of them may share a batch"),
     "--tokenizer-pool-size": _Unused("tokenizer workers are set by --num-tokenizers"),
     "--max-parallel-loading-workers": _Unused("each rank streams its own shard of the weights"),
     "--num-scheduler-steps": _Unused("each step is scheduled; overlap scheduling hides the host's work"),
@@ -68,10 +69,6 @@ _IGNORED = {
 # Features tpserve does not serve: an error naming the flag
 _REFUSED = {
     "--speculative-config": "speculative decoding is not served",
-    "--enable-lora": "LoRA adapters are not served (merge an adapter into the weights to serve it)",
-    "--lora-modules": "LoRA adapters are not served (merge an adapter into the weights to serve it)",
-    "--max-loras": "LoRA adapters are not served",
-    "--max-lora-rank": "LoRA adapters are not served",
     "--enable-sleep-mode": "sleep mode is not served",
     "--otlp-traces-endpoint": "OpenTelemetry traces are not served (metrics: GET /metrics)",
     "--limit-mm-per-prompt": "tpserve serves text-only models",
@@ -82,7 +79,7 @@ _REFUSED = {
     "--tokenizer-revision": "the tokenizer is read from the model's own files (--revision)",
     "--code-revision": "tpserve runs no code from model repositories",
 }
-_REFUSED_SWITCHES = ("--enable-lora", "--enable-sleep-mode")  # these take no value
+_REFUSED_SWITCHES = ("--enable-sleep-mode",)  # these take no value
 # vLLM's tasks (--task, --runner, --convert) and what a model must be to serve them: checked once it is read
 TASKS = {"--task": ("auto", "generate", "embed", "embedding", "classify", "score", "reward"),
          "--runner": ("auto", "generate", "pooling"),

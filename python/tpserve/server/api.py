@@ -98,19 +98,22 @@ def _serving(request: Request) -> Serving:
 
 
 def _model_card(state: AppState, name: str) -> dict[str, Any]:
+    """The model's card, or a LoRA adapter's (as vLLM's: its directory as root, the model as parent)."""
+    adapters = dict(state.args.engine.lora_modules)
     return {
         "id": name,
         "object": "model",
         "created": state.created,
         "owned_by": "tpserve",
-        "root": state.args.model_dir,
-        "parent": None,
+        "root": adapters.get(name, state.args.model_dir),
+        "parent": state.args.served_model_name if name in adapters else None,
         "max_model_len": state.args.context_len,
     }
 
 
 def _model_names(state: AppState) -> tuple[str, ...]:
-    return (state.args.served_model_name, *state.args.model_aliases)
+    """The model's names, then its LoRA adapters'."""
+    return (state.args.served_model_name, *state.args.model_aliases, *(n for n, _ in state.args.engine.lora_modules))
 
 
 async def _classify(body: ClassifyRequest, request: Request) -> Response:

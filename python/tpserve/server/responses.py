@@ -117,7 +117,7 @@ async def create_response(
     its input and output items are appended; failed, cancelled or left by its client, nothing is.
     ``count``: a chat prompt's tokens, for ``truncation: "auto"`` (which shortens the prompt only:
     the history stored with the response is whole)."""
-    serving.check_model(body.model)
+    serving.check_model(body.model, generates=True)
     body.check()
     conversation = None if body.conversation_id is None else conversations.get(body.conversation_id, "conversation")
     if conversation is not None:
@@ -143,7 +143,7 @@ async def create_response(
             done = response["status"] in ("completed", "incomplete")
             conversations.release(conversation.id, fmt.id, own_items + response["output"] if done else None)
 
-    fmt = ResponsesFormat(serving.model_name, body, output, save, reqs[0].params, serving.tokens_as_ids)
+    fmt = ResponsesFormat(serving.answering_model(body.model), body, output, save, reqs[0].params, serving.tokens_as_ids)
     release = partial(conversations.release, conversation.id, fmt.id) if conversation is not None else _nothing
     if conversation is not None:
         conversations.hold(conversation, fmt.id, own_items, history)

@@ -47,6 +47,7 @@ class Serving:
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
     priority_scheduling: bool = False  # --schedule-policy priority: requests may give a priority other than 0
     prompts: TokenizeService | None = None  # the tokenizer in this process: a beam search's prompts and beams' text
+    lora_adapters: tuple[str, ...] = ()  # LoRA adapters' names (--lora-modules): a generation request's model may be one
 
     def include_usage(self, body: ChatCompletionRequest | CompletionRequest) -> bool:
         """A stream ends with its usage: asked for, or forced (--enable-force-include-usage)."""
@@ -57,8 +58,20 @@ class Serving:
         options = body.stream_options
         return self.include_usage(body) and options is not None and options.continuous_usage_stats
 
-    def check_model(self, model: str | None) -> None:
-        check_model_name(model, (self.model_name, *self.aliases))
+    def check_model(self, model: str | None, generates: bool = False) -> None:
+        """``model`` must name the model or, for a generation request (``generates``), a LoRA adapter."""
+        if model in self.lora_adapters and not generates:
+            raise APIError.invalid(f"the LoRA adapter {model!r} serves generation (chat, completions, responses), "
+                                   "not this endpoint", "model")
+        check_model_name(model, (self.model_name, *self.aliases, *self.lora_adapters))
+
+    def adapter(self, model: str | None) -> str | None:
+        """The LoRA adapter a request's ``model`` names, or None (the base model)."""
+        return model if model in self.lora_adapters else None
+
+    def answering_model(self, model: str | None) -> str:
+        """The model name a response shows: the adapter's, or the served model's."""
+        return self.adapter(model) or self.model_name
 
     def chat_output(self, body: ChatCompletionRequest, constrained: bool) -> ChatOutputConfig:
         """How to split this request's output into reasoning, content and tool calls."""
@@ -79,9 +92,9 @@ class Serving:
         )
 
     async def chat(self, body: ChatCompletionRequest, request: Request) -> Response:
-        self.check_model(body.model)
+        self.check_model(body.model, generates=True)
         reqs, output, params = self.chat_requests(body)
-        fmt = ChatFormat(self.model_name, self.include_usage(body),
+        fmt = ChatFormat(self.answering_model(body.model), self.include_usage(body),
                          logprobs=params.logprobs is not None, output=output, request_id=request_id(request),
                          echo=body.echoed_text(), tokens_as_ids=body.return_tokens_as_token_ids or self.tokens_as_ids)
         fmt.prompt_logprobs = body.prompt_logprobs
@@ -101,6 +114,7 @@ class Serving:
         output = self.chat_output(body, constrained=structure is not None)
         if output.tool_parser in NEEDS_SPECIAL_TOKENS:  # its calls start with a special token: the text keeps them
             params = msgspec.structs.replace(params, skip_special_tokens=False)
+        params = msgspec.structs.replace(params, lora=self.adapter(body.model))
         self.limits.check_sequences(1, body.n)
         messages = body.template_messages()
         template_kwargs = body.template_kwargs()
@@ -125,10 +139,11 @@ class Serving:
         self, body: CompletionRequest, request: Request, decode: Callable[[list[int]], Awaitable[str]]
     ) -> Response:
         """``decode``: a token-id prompt's text, for ``echo``."""
-        self.check_model(body.model)
+        self.check_model(body.model, generates=True)
         body.check()
         generates = body.max_tokens != 0  # 0 (with echo): one token is generated and left out
         params = body.sampling_params(body.max_tokens if generates else 1, body.structure(), self.sampling_defaults)
+        params = msgspec.structs.replace(params, lora=self.adapter(body.model))
         reqs = []
         prompts = body.prompts()
         self.limits.check_sequences(len(prompts), body.n)
@@ -146,7 +161,7 @@ class Serving:
         echo = None
         if body.echo:  # each choice's text starts with its prompt's
             echo = [p if isinstance(p, str) else await decode(p) for p in prompts for _ in range(body.n)]
-        fmt = CompletionFormat(self.model_name, self.include_usage(body),
+        fmt = CompletionFormat(self.answering_model(body.model), self.include_usage(body),
                                params.logprobs is not None, echo, generates, request_id=request_id(request),
                                tokens_as_ids=body.return_tokens_as_token_ids or self.tokens_as_ids,
                                echo_top=body.logprobs or 0)
