@@ -77,7 +77,7 @@ def test_beam_search_matches_transformers(llm, qwen3_dir):
         assert [lp for _, lp in got] == pytest.approx([lp for _, lp in expected], abs=1e-4)
         for beam in output.sequences:
             assert beam.tokens[: len(prompt)] == prompt and beam.finish_reason == "length"
-            assert beam.text == llm.tokenizer.decode(beam.tokens[len(prompt):])
+            assert beam.text == llm.tokenizer.decode(beam.tokens)  # vLLM's: the prompt's text too
             assert len(beam.logprobs) == 6 and all(len(step) >= 6 for step in beam.logprobs)  # 2 x beam_width each
     # a text prompt is tokenized as generate's; beam_width 1 is greedy
     text = llm.tokenizer.decode(prompts[0])
@@ -86,3 +86,24 @@ def test_beam_search_matches_transformers(llm, qwen3_dir):
     assert len(one) == 1 and one[0].tokens[-5:] == greedy.token_ids
     with pytest.raises(ValueError, match="more than the context length"):
         llm.beam_search([{"prompt_token_ids": [1] * 10}], BeamSearchParams(beam_width=2, max_tokens=10**6))
+
+
+def test_offline_beams_keep_their_eos_as_vllms(llm, monkeypatch):
+    """vLLM's LLM.beam_search: a beam ended by EOS keeps the EOS token (include_stop_str_in_output or not), and every
+    beam's text is its whole sequence's, the prompt's included."""
+    prompt = [5, 6, 7, 8]
+    greedy = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=1), use_tqdm=False)[0]
+    first = greedy.outputs[0].token_ids[0]
+
+    class EosAt:  # the model's tokenizer, its EOS the greedy first token (a beam ends there at once)
+        eos_token_id = first
+
+        def __getattr__(self, name):
+            return getattr(tokenizer, name)
+
+    tokenizer = llm.tokenizer
+    monkeypatch.setattr(llm, "tokenizer", EosAt())
+    beams = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=2, max_tokens=3))[0].sequences
+    ended = [beam for beam in beams if beam.finish_reason == "stop"]
+    assert [beam.tokens for beam in ended] == [prompt + [first]] and ended[0].stop_reason == first, beams
+    assert all(beam.text == tokenizer.decode(beam.tokens) for beam in beams)

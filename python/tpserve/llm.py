@@ -320,7 +320,9 @@ class LLM(PoolingMethods):
             if not ids or len(ids) + params.max_tokens > context:
                 raise ValueError(f"prompts[{i}] has {len(ids)} tokens; with max_tokens {params.max_tokens} that is "
                                  f"more than the context length, {context}")
-            searches.append(BeamSearch(ids, params, getattr(self.tokenizer, "eos_token_id", None)))
+            # vLLM's offline beams keep their EOS token (include_stop_str_in_output is the HTTP API's)
+            searches.append(BeamSearch(ids, dataclasses.replace(params, include_stop_str_in_output=True),
+                                       getattr(self.tokenizer, "eos_token_id", None)))
         step = params.step_params()
         with tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm) as bar:
             while live := [search for search in searches if not search.done]:
@@ -333,9 +335,8 @@ class LLM(PoolingMethods):
         results = []
         for search in searches:
             best = search.best()
-            for beam in best:
-                generated = search.generated(beam)
-                beam.text = self.tokenizer.decode(generated) if self.tokenizer is not None else None
+            for beam in best:  # vLLM's text: the whole sequence's, the prompt's included
+                beam.text = self.tokenizer.decode(beam.tokens) if self.tokenizer is not None else None
             results.append(BeamSearchOutput(best))
         return results
 

@@ -248,6 +248,26 @@ def test_priority_policy_admits_by_priority_and_preempts_the_least_urgent(small_
         Scheduler(small_engine).add_request(9, [1, 2], SamplingParams(priority=2), seed=0)
 
 
+def test_priority_policy_preempts_by_arrival_not_admission(small_engine):
+    """vLLM's victim under the priority policy is the running request of the highest (priority, arrival): of two
+    equally urgent ones, the later to arrive, even when the earlier was admitted after it (as a request whose grammar
+    compiles is); admission order is fcfs's rule."""
+    scheduler = Scheduler(small_engine)
+    scheduler.config = replace(scheduler.config, schedule_policy="priority")
+    preempted = []
+    preempt = scheduler._preempt
+    scheduler._preempt = lambda req: preempted.append(req.rid) or preempt(req)
+    params = SamplingParams(temperature=0, ignore_eos=True, max_tokens=20)
+    scheduler.add_request(0, list(range(10, 30)), params, seed=0)
+    scheduler.add_request(1, list(range(40, 60)), params, seed=1)
+    held = scheduler.waiting.popleft()  # request 0 waits out of the queue (its grammar compiling)
+    outputs = scheduler.step()
+    scheduler.waiting.append(held)
+    while scheduler.has_work and not preempted:
+        outputs += scheduler.step()
+    assert scheduler.admissions >= 2 and preempted[0] == 1, preempted
+
+
 def replace_priority(params: SamplingParams) -> SamplingParams:
     import msgspec
 

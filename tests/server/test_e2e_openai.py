@@ -544,6 +544,16 @@ def test_beam_search_matches_transformers(client, url, qwen3_dir):
     assert beams == [tokens for tokens, _ in hf_beam_search(qwen3_dir, prompt, beams=3, max_new_tokens=5)]
     assert [c.finish_reason for c in done.choices] == ["length"] * 3 and done.usage.completion_tokens == 15
     assert done.usage.prompt_tokens == len(prompt)
+    # a prompt whose beams take ids of the model's vocabulary past the tokenizer's (its padding rows: 642-703 here):
+    # the steps take them back as the model gave them, and each prompt of a call is searched on its own
+    other = [40, 41, 42]
+    both = client.completions.create(model="tiny", prompt=[prompt, other], n=2, max_tokens=3, logprobs=1, extra_body={
+        "use_beam_search": True, "ignore_eos": True, "length_penalty": 0.0, "return_tokens_as_token_ids": True})
+    beams = [[int(t.removeprefix("token_id:")) for t in c.logprobs.tokens] for c in both.choices]
+    expected = [tokens for p in (prompt, other)
+                for tokens, _ in hf_beam_search(qwen3_dir, p, beams=2, max_new_tokens=3)]
+    assert beams == expected and any(t >= 642 for beam in beams for t in beam), beams
+    assert both.usage.prompt_tokens == len(prompt) + len(other) and both.usage.completion_tokens == 12
     kwargs = dict(model="tiny", messages=MESSAGES, n=2, max_tokens=4, extra_body={"use_beam_search": True})
     whole = client.chat.completions.create(**kwargs)
     assert len(whole.choices) == 2 and whole.choices[0].message.content != whole.choices[1].message.content

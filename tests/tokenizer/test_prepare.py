@@ -143,6 +143,10 @@ def test_prompt_ids_are_the_tokenizers_and_biased_ids_the_models(preparer, tiny_
         preparer.prepare(req(input_ids=[1, past]))
     prepared = preparer.prepare(req(input_ids=[1], params=SamplingParams(logit_bias={past: 5.0}, stop_token_ids=[699])))
     assert prepared.generate.params.logit_bias == {past: 5.0}
+    # a beam search's steps: the tokens the model generated, which may be padding ids, are taken up to its vocabulary
+    assert preparer.prepare(req(input_ids=[1, past, 699], model_ids=True)).generate.input_ids == [1, past, 699]
+    with pytest.raises(InvalidRequest, match="token id 700 is out of range \\[0, 700\\)"):
+        preparer.prepare(req(input_ids=[1, 700], model_ids=True))
 
 
 def test_template_errors_become_invalid_requests(tiny_tokenizer):

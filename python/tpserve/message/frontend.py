@@ -48,6 +48,9 @@ class TokenizeRequest(msgspec.Struct, tag="tokenize", kw_only=True):
     # n > 1: the prompt's other choices as (rid, seed), each prepared from this one's tokens and params (the prompt
     # is rendered and tokenized once)
     more_choices: list[tuple[int, int | None]] = []
+    # ``input_ids`` the model produced (a beam search's steps): ids of the model's vocabulary past the tokenizer's
+    # (its padding rows) are taken, as vLLM takes them in any prompt
+    model_ids: bool = False
 
     @property
     def choice_rids(self) -> list[int]:

@@ -74,11 +74,6 @@ class Request:
             ids.append(-(self.future_row + 1))
         return ids
 
-    def rank(self) -> tuple[int, int]:
-        """Running requests in the order they get their tokens and pages (the last is preempted first): by admission,
-        after priority (0 for all but under the priority policy)."""
-        return self.params.priority, self.admit_order
-
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None

@@ -3,8 +3,9 @@
 Every step, running requests (oldest first) get their next tokens (one decoding, a chunk
 prefilling) and pages, evicting cached prefixes and then preempting the newest requests; then
 waiting requests are admitted while the prefill budget and pages allow. Under the priority policy
-"oldest" and "newest" rank by (priority, age): a lower priority value comes first, as in vLLM. Every rank runs this on
-the same inputs and takes the same decisions (ordered queues, batches sorted by request id).
+"oldest" and "newest" rank by (priority, arrival): a lower priority value comes first, as in vLLM.
+Every rank runs this on the same inputs and takes the same decisions (ordered queues, batches
+sorted by request id).
 
 With overlap (the default) step i+1 is launched before step i's samples are read: a decoding
 request's next input is a placeholder the engine fills on the device, and finishing is noticed
@@ -236,7 +237,7 @@ class Scheduler:
         preemptions = self.preemptions_total
         decodes: list[tuple[Request, int]] = []
         prefills: list[tuple[Request, int]] = []
-        for req in sorted(self.running.values(), key=Request.rank):
+        for req in sorted(self.running.values(), key=self._rank):
             if self.running.get(req.rid) is not req or req.samples_left <= 0:
                 continue  # gone during a drain, or only waiting for its last sample
             todo = req.num_to_compute
@@ -472,10 +473,17 @@ class Scheduler:
             return PrefixMatch([], None)
         return self.cache.match(req.all_ids[: req.num_tokens - 1], req.params.prefix_key)
 
+    def _rank(self, req: Request) -> tuple[int, int]:
+        """Running requests in the order they get their tokens and pages (the last is preempted first): by admission;
+        under the priority policy by priority, then arrival (vLLM's), which a re-admission does not change."""
+        if self.config.schedule_policy == "priority":
+            return req.params.priority, req.arrival
+        return 0, req.admit_order
+
     # ---- pages ----
     def _grow(self, req: Request, num_tokens: int, outputs: list[TokenOutput]) -> bool:
         """Give ``req`` pages for ``num_tokens`` tokens, evicting cache and preempting newer requests (by
-        ``Request.rank``) as needed. False if ``req`` itself had to give way."""
+        ``_rank``) as needed. False if ``req`` itself had to give way."""
         need = -(-num_tokens // self.page_size) - len(req.pages)
         while need > self.allocator.num_free + self.cache.num_evictable:
             if self.inflight is not None:
@@ -485,9 +493,9 @@ class Scheduler:
                 if self.running.get(req.rid) is not req:
                     return False
                 continue
-            newer = [r for r in self.running.values() if r.rank() > req.rank()]
+            newer = [r for r in self.running.values() if self._rank(r) > self._rank(req)]
             if newer:
-                self._preempt(max(newer, key=Request.rank))
+                self._preempt(max(newer, key=self._rank))
             elif len(self.running) > 1:
                 self._preempt(req)
                 return False

@@ -5,7 +5,6 @@ end, as vLLM's)."""
 
 from __future__ import annotations
 
-import time
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
@@ -59,10 +58,11 @@ class BeamGeneration(Generation):
         step_params = self._params.step_params(seed=first.seed, cache_salt=first.cache_salt, priority=first.priority)
         while live := [search for search in searches if not search.done]:
             beams = [beam for search in live for beam in search.live]
-            step = [TokenizeRequest(rid=self._frontend.new_rid(), params=step_params, input_ids=beam.tokens)
-                    for beam in beams]
-            left = None if self._deadline is None else max(self._deadline - time.monotonic(), 0.0)
-            self._step = Generation(self._frontend, self._metrics, step, timeout=left)
+            step = [TokenizeRequest(rid=self._frontend.new_rid(), params=step_params, input_ids=beam.tokens,
+                                    model_ids=True) for beam in beams]
+            # the steps share the call's deadline and client watch: each step is far shorter than DISCONNECT_POLL_S,
+            # so a watch of its own would never look at the client
+            self._step = Generation(self._frontend, self._metrics, step, within=self)
             await self._step.start()
             while not self._step.finished:
                 await self._step.next(is_disconnected)
@@ -82,7 +82,7 @@ class BeamGeneration(Generation):
         if self._top_logprobs is not None:
             logprobs = [_chosen(record, token, self._top_logprobs) for record, token in zip(beam.logprobs, generated)]
         steps = len(beam.logprobs)  # the tokens it generated, a closing EOS included
-        return ApiOutput(rid=rid, text=await self._prompts.decode(generated), new_tokens=steps,
+        return ApiOutput(rid=rid, text=await self._prompts.decode(generated, generated=True), new_tokens=steps,
                          completion_tokens=steps, prompt_tokens=search.prompt_len, finish_reason=beam.finish_reason,
                          matched_stop=beam.stop_reason, logprobs=logprobs, prompt_in_reasoning=prompt_in_reasoning)
 

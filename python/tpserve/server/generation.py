@@ -30,8 +30,10 @@ class Generation:
         choices_per_prompt: int = 1,
         timeout: float | None = None,
         shown: bool = True,
+        within: Generation | None = None,
     ) -> None:
-        """``shown`` False: the generated tokens are not shown (``echo`` with ``max_tokens`` 0) nor counted."""
+        """``shown`` False: the generated tokens are not shown (``echo`` with ``max_tokens`` 0) nor counted.
+        ``within``: the call this is part of (a beam search's step), whose deadline and client watch it shares."""
         self._choices_per_prompt = choices_per_prompt
         self._frontend = frontend
         self._metrics = metrics
@@ -39,9 +41,9 @@ class Generation:
         self._queue: asyncio.Queue[BackendEvent] = asyncio.Queue()
         rids = [rid for req in requests for rid in req.choice_rids]
         self.choices = {rid: Choice(i, rid, RequestTimer(metrics, shown)) for i, rid in enumerate(rids)}
-        self._last_disconnect_check = time.monotonic()
-        self._timeout = timeout
-        self._deadline = None if timeout is None else time.monotonic() + timeout
+        self._watch = [time.monotonic()] if within is None else within._watch  # when the client was last looked at
+        self._timeout = timeout if within is None else within._timeout
+        self._deadline = (None if timeout is None else time.monotonic() + timeout) if within is None else within._deadline
 
     async def start(self) -> None:
         await self._frontend.submit(self._requests, self._queue)
@@ -80,8 +82,8 @@ class Generation:
             if self._deadline is not None and now >= self._deadline:
                 raise APIError(504, f"the request did not finish within {self._timeout:g} s (--request-timeout)",
                                type="server_error", code="request_timeout")
-            if is_disconnected is not None and now - self._last_disconnect_check >= DISCONNECT_POLL_S:
-                self._last_disconnect_check = now
+            if is_disconnected is not None and now - self._watch[0] >= DISCONNECT_POLL_S:
+                self._watch[0] = now
                 if await is_disconnected():
                     raise ClientGone()
             wait = DISCONNECT_POLL_S if is_disconnected is not None else None

@@ -98,9 +98,11 @@ class TokenizeService:
         self._limits.check_ids(len(body.tokens), "tokens")
         return {"prompt": await self.decode(body.tokens, "tokens")}
 
-    async def decode(self, tokens: list[int], param: str = "prompt") -> str:
+    async def decode(self, tokens: list[int], param: str = "prompt", generated: bool = False) -> str:
+        """``generated``: tokens the model produced, which may be ids of its vocabulary's padding past the
+        tokenizer's (decoded as nothing, as the detokenizer does), not a request's error."""
         tokenizer = await self._load()
         bad = [t for t in tokens if not 0 <= t < len(tokenizer)]
-        if bad:
+        if bad and not generated:
             raise APIError.invalid(f"token id {bad[0]} is out of range [0, {len(tokenizer)})", param)
         return await asyncio.to_thread(tokenizer.decode, tokens)

@@ -202,7 +202,8 @@ class PromptPreparer:
         if req.input_ids is not None:
             # ids the tokenizer knows, as vLLM checks them: echo and /detokenize can then render the prompt (the
             # embedding's padding rows past the tokenizer, e.g. Qwen3's 151,669-151,935, are not a prompt's)
-            self._check_ids(req.input_ids, req.prompt_param, min(self._limits.vocab_size, len(self._tokenizer)))
+            vocab = self._limits.vocab_size if req.model_ids else min(self._limits.vocab_size, len(self._tokenizer))
+            self._check_ids(req.input_ids, req.prompt_param, vocab)
             return list(req.input_ids), req.prompt_param, ""
         raise InvalidRequest("the request has no prompt", "prompt")
 

@@ -1,0 +1,89 @@
+"""``use_beam_search`` in the API server (``server/beam_search.py``) over a scripted backend: its steps watch the
+client and the call's deadline as one call does."""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+
+import pytest
+
+from tpserve.beam_search import BeamSearchParams
+from tpserve.message.frontend import ApiOutput, TokenizeRequest, TokenLogprob
+from tpserve.sampling_params import SamplingParams
+from tpserve.server import generation
+from tpserve.server.errors import APIError
+from tpserve.server.formats import CompletionFormat
+from tpserve.server.limits import RequestLimits
+from tpserve.server.metrics import ServerMetrics
+from tpserve.server.serving import Serving
+from tpserve.server.tokenize_service import TokenizeService
+
+STEP_S = 0.005  # how long each step's one token takes
+
+
+class StepFrontend:
+    """Answers each one-token step request after STEP_S: token 10 and the alternatives 11, 12, ..."""
+
+    def __init__(self) -> None:
+        self.submitted: list[TokenizeRequest] = []
+        self.aborted: list[int] = []
+        self._rids = itertools.count(1)
+
+    def new_rid(self) -> int:
+        return next(self._rids)
+
+    async def submit(self, requests: list[TokenizeRequest], queue: asyncio.Queue) -> None:
+        self.submitted += requests
+        for req in requests:
+            k = req.params.logprobs
+            step = TokenLogprob("a", -0.5, [(f"t{i}", b"t", -1.0 - i) for i in range(k)], b"a", 10,
+                                list(range(11, 11 + k)))
+            out = ApiOutput(rid=req.rid, text="a", new_tokens=1, completion_tokens=1, prompt_tokens=len(req.input_ids),
+                            finish_reason="length", logprobs=[step])
+            asyncio.get_running_loop().call_later(STEP_S, queue.put_nowait, out)
+
+    async def abort(self, rid: int) -> None:
+        self.aborted.append(rid)
+
+
+class GoneClient:
+    """An HTTP request whose client has gone."""
+
+    def __init__(self) -> None:
+        self.polls = 0
+
+    async def is_disconnected(self) -> bool:
+        self.polls += 1
+        return True
+
+
+def beam_call(qwen3_dir, frontend: StepFrontend, client: GoneClient | None, timeout: float | None = None):
+    limits = RequestLimits(context_len=4096, max_sequences=8)
+    serving = Serving(frontend, ServerMetrics(), "m", limits, request_timeout=timeout,  # type: ignore[arg-type]
+                      prompts=TokenizeService(qwen3_dir, None, limits))
+    req = TokenizeRequest(rid=frontend.new_rid(), params=SamplingParams(max_tokens=2000), input_ids=[5, 6, 7],
+                          more_choices=[(frontend.new_rid(), None)])
+    beam = BeamSearchParams(beam_width=2, max_tokens=2000, ignore_eos=True)
+    return asyncio.run(serving.run([req], CompletionFormat("m"), False, client, 2, beam=beam))  # type: ignore[arg-type]
+
+
+def test_a_client_gone_during_a_beam_search_stops_it(qwen3_dir, monkeypatch):
+    """Each step is a call of its own to the backend, far shorter than the client poll: the search still looks at
+    the client every DISCONNECT_POLL_S, and a client gone aborts the step in flight (a 499), not after max_tokens."""
+    monkeypatch.setattr(generation, "DISCONNECT_POLL_S", 0.05)
+    frontend, client = StepFrontend(), GoneClient()
+    response = beam_call(qwen3_dir, frontend, client)
+    assert response.status_code == 499 and client.polls == 1
+    steps = len(frontend.submitted) // 2
+    assert steps < 100, f"{steps} steps ran for a client that had gone"
+
+
+def test_a_beam_search_past_its_deadline_names_the_request_timeout(qwen3_dir):
+    """The steps share the call's deadline: the 504 names --request-timeout (not the time left to the last step),
+    and the step in flight is aborted."""
+    frontend = StepFrontend()
+    with pytest.raises(APIError, match=r"did not finish within 0.1 s \(--request-timeout\)") as e:
+        beam_call(qwen3_dir, frontend, None, timeout=0.1)
+    assert e.value.status == 504
+    assert frontend.aborted == [req.rid for req in frontend.submitted[-2:]]
