@@ -106,3 +106,20 @@ def test_a_moe_models_attention_adapter_matches_peft_and_expert_adapters_are_ref
               str(experts / "adapter_model.safetensors"))
     with pytest.raises(Exception, match="adapts a layer this model does not have"):
         LLM(moe_dir, device="cpu", lora_modules={"e": str(experts)})
+
+
+def test_beam_search_runs_with_the_adapter(qwen3_dir, adapters):
+    """LLM.beam_search(..., lora_request=...) searches the adapted model: PEFT's own num_beams search."""
+    from tpserve import BeamSearchParams
+
+    from lora_adapters import peft_model
+
+    prompt = [5, 6, 7, 8]
+    with LLM(qwen3_dir, device="cpu", lora_modules={"all": adapters["all"]}) as llm:
+        beams = llm.beam_search([{"prompt_token_ids": prompt}], BeamSearchParams(beam_width=2, max_tokens=4,
+                                ignore_eos=True, length_penalty=0.0), lora_request=LoRARequest("all"))[0].sequences
+    with torch.inference_mode():
+        out = peft_model(qwen3_dir, adapters["all"]).generate(
+            input_ids=torch.tensor([prompt]), num_beams=2, num_return_sequences=2, max_new_tokens=4, min_new_tokens=4,
+            do_sample=False, length_penalty=0.0, early_stopping=False)
+    assert [b.tokens[len(prompt):] for b in beams] == [seq[len(prompt):].tolist() for seq in out]

@@ -307,6 +307,7 @@ class LLM(PoolingMethods):
         prompts: str | Mapping[str, Any] | Iterable[str | Sequence[int] | Mapping[str, Any]],
         params: BeamSearchParams,
         use_tqdm: bool = False,
+        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best beams (``tpserve.beam_search`` says
         how), each step one ``generate`` call over every live beam of every prompt."""
@@ -323,7 +324,7 @@ class LLM(PoolingMethods):
             # vLLM's offline beams keep their EOS token (include_stop_str_in_output is the HTTP API's)
             searches.append(BeamSearch(ids, dataclasses.replace(params, include_stop_str_in_output=True),
                                        getattr(self.tokenizer, "eos_token_id", None)))
-        step = params.step_params()
+        step = params.step_params(lora=None if lora_request is None else self._lora_name(lora_request))
         with tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm) as bar:
             while live := [search for search in searches if not search.done]:
                 outputs = iter(self.generate([{"prompt_token_ids": beam.tokens} for search in live

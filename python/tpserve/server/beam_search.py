@@ -55,7 +55,8 @@ class BeamGeneration(Generation):
             searches.append(BeamSearch(ready.generate.input_ids, params, eos))
             prepared.append(ready)
         first = self._requests[0].params
-        step_params = self._params.step_params(seed=first.seed, cache_salt=first.cache_salt, priority=first.priority)
+        step_params = self._params.step_params(seed=first.seed, cache_salt=first.cache_salt, priority=first.priority,
+                                               lora=first.lora)
         while live := [search for search in searches if not search.done]:
             beams = [beam for search in live for beam in search.live]
             step = [TokenizeRequest(rid=self._frontend.new_rid(), params=step_params, input_ids=beam.tokens,
