@@ -300,6 +300,14 @@ def test_flush_cache_and_metrics(url, client):
     assert metric(url, "tpserve_kv_pages_total") > 0
     assert metric(url, "tpserve_time_to_first_token_seconds_count") > 0
     assert metric(url, "tpserve_inter_token_latency_seconds_count") > 0
+    # the same series under vLLM's names (its dashboards and autoscalers read them), labelled with the model
+    text = httpx.get(f"{url}/metrics").text
+    for ours, vllm in (("tpserve_prompt_tokens_total", "vllm:prompt_tokens_total"),
+                       ("tpserve_generation_tokens_total", "vllm:generation_tokens_total"),
+                       ("tpserve_time_to_first_token_seconds_count", "vllm:time_to_first_token_seconds_count")):
+        assert f'{vllm}{{model_name="tiny"}} {metric(url, ours)}' in text, vllm
+    assert 'vllm:request_success_total{finished_reason="stop",model_name="tiny"}' in text
+    assert 'vllm:kv_cache_usage_perc{engine="0",model_name="tiny"}' in text
 
 
 def test_logprobs_chat_and_completions(client, qwen3_dir):

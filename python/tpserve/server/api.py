@@ -58,7 +58,7 @@ class AppState:
     """Everything the routes use (kept in ``app.state.server``)."""
 
     args: ServerArgs
-    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    metrics: ServerMetrics = field(init=False)
     serving: Serving | None = None  # set once the backend is ready, unset when stopping
     stopping: bool = False
     created: int = field(default_factory=lambda: int(time.time()))
@@ -67,6 +67,9 @@ class AppState:
     conversations: ConversationStore = field(default_factory=ConversationStore)  # /v1/conversations
     # Why the backend is not live (a rank stopped making progress), or None; set once serving.
     liveness: Callable[[], str | None] | None = None
+
+    def __post_init__(self) -> None:
+        self.metrics = ServerMetrics(self.args.served_model_name)
 
     def tokenize_service(self) -> TokenizeService:
         if self.tokenize is None:

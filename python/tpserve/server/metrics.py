@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import time
-from typing import Iterator
+from typing import Any, Iterator
 
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
-from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from tpserve.message import SchedulerStats
@@ -75,8 +75,54 @@ class _RouterCollector:
         yield load
 
 
+# vLLM's names for the same series (its dashboards and autoscalers read them), each with its model_name label:
+# vLLM's name -> tpserve's, and how a value is read from the tpserve family's sample (None: as it is)
+VLLM_NAMES = {
+    "vllm:num_requests_running": "tpserve_num_requests_running",
+    "vllm:num_requests_waiting": "tpserve_num_requests_waiting",
+    "vllm:prompt_tokens": "tpserve_prompt_tokens",
+    "vllm:generation_tokens": "tpserve_generation_tokens",
+    "vllm:request_success": "tpserve_requests_finished",
+    "vllm:num_preemptions": "tpserve_preemptions",
+    "vllm:prefix_cache_queries": "tpserve_scheduler_prompt_tokens",
+    "vllm:prefix_cache_hits": "tpserve_prefix_cache_hit_tokens",
+    "vllm:time_to_first_token_seconds": "tpserve_time_to_first_token_seconds",
+    "vllm:inter_token_latency_seconds": "tpserve_inter_token_latency_seconds",
+    "vllm:e2e_request_latency_seconds": "tpserve_e2e_request_latency_seconds",
+}
+_VLLM_LABELS = {"finish_reason": "finished_reason", "replica": "engine"}  # vLLM's label names
+
+
+class _VllmNames:
+    """The series of ``VLLM_NAMES`` again under vLLM's names and labels (``model_name``; ``finished_reason``,
+    ``engine``), and vLLM's ``kv_cache_usage_perc`` (a fraction), read from the registry at scrape time."""
+
+    def __init__(self, sources: list[Any], model_name: str) -> None:
+        self.sources, self.model_name = sources, model_name  # the collectors of tpserve's series
+
+    def collect(self) -> Iterator[Metric]:
+        ours = {family.name: family for source in self.sources for family in source.collect()}
+        for vllm, name in VLLM_NAMES.items():
+            family = ours.get(name)
+            if family is None:
+                continue
+            renamed = Metric(vllm, family.documentation, family.type)
+            for s in family.samples:
+                labels = {_VLLM_LABELS.get(k, k): v for k, v in s.labels.items()} | {"model_name": self.model_name}
+                renamed.add_sample(vllm + s.name[len(name):], labels, s.value)
+            yield renamed
+        used, total = ours.get("tpserve_kv_pages_used"), ours.get("tpserve_kv_pages_total")
+        if used is not None and total is not None:
+            usage = GaugeMetricFamily("vllm:kv_cache_usage_perc", "KV-cache usage (1: full).",
+                                      labels=["model_name", "engine"])
+            for u, t in zip(used.samples, total.samples):
+                usage.add_metric([self.model_name, u.labels.get("replica", "0")], u.value / t.value if t.value else 0.0)
+            yield usage
+
+
 class ServerMetrics:
-    def __init__(self) -> None:
+    def __init__(self, model_name: str = "") -> None:
+        """``model_name``: the ``model_name`` label of vLLM's names for the series (``VLLM_NAMES``)."""
         r = self.registry = CollectorRegistry()
         self._scheduler = _SchedulerCollector()
         r.register(self._scheduler)
@@ -98,6 +144,8 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         self.e2e = Histogram("tpserve_e2e_request_latency_seconds", "Request latency, end to end.",
                              buckets=_LATENCY_BUCKETS, registry=r)
+        r.register(_VllmNames([self._scheduler, self.prompt_tokens, self.generation_tokens, self.finished, self.ttft,
+                                self.itl, self.e2e], model_name))
 
     def on_aborted_finish(self, finish_reason: str) -> None:
         """An aborted request's last output arrived: how did the scheduler end it?"""
