@@ -259,28 +259,41 @@ class HermesParser(ToolCallParser):
         out = ToolParse()
         self._buffer += text
         while True:
-            if not self._in_call:
-                i = self._buffer.find(_HERMES_START)
-                if i < 0:
-                    keep = 0 if final else partial_suffix_len(self._buffer, (_HERMES_START,))
-                    self._emit_content(self._buffer[: len(self._buffer) - keep], out)
-                    self._buffer = self._buffer[len(self._buffer) - keep:]
-                    return out
-                self._emit_content(self._buffer[:i], out)
-                self._buffer = self._buffer[i + len(_HERMES_START):]
-                self._in_call = True
-                self._pending_space, self._stretch_has_text = "", False
-                self._end = _TagOutsideStrings(_HERMES_END)
-            end = self._end.find(self._buffer)
-            if end < 0 and not final:
-                self._stream_call(self._buffer[: len(self._buffer) - partial_suffix_len(self._buffer, (_HERMES_END,))], out)
+            if not self._in_call and not self._enter_block(final, out):
                 return out
-            body = self._buffer if end < 0 else self._buffer[:end]
-            self._buffer = "" if end < 0 else self._buffer[end + len(_HERMES_END):]
-            self._in_call = False
-            self._finish_call(body, end >= 0, out)
-            if end < 0:
+            if not self._read_block(final, out):
                 return out
+
+    def _read_block(self, final: bool, out: ToolParse) -> bool:
+        """Read the open block; True once it has ended (the text after it is left in the buffer)."""
+        end = self._end.find(self._buffer)
+        if end < 0 and not final:
+            self._stream_call(self._buffer[: len(self._buffer) - partial_suffix_len(self._buffer, (_HERMES_END,))], out)
+            return False
+        body = self._buffer if end < 0 else self._buffer[:end]
+        self._buffer = "" if end < 0 else self._buffer[end + len(_HERMES_END):]
+        self._in_call = False
+        self._finish_call(body, end >= 0, out)
+        return end >= 0
+
+    def _enter_block(self, final: bool, out: ToolParse) -> bool:
+        """The content up to the next ``<tool_call>``; True once past it (a block is open), False to wait for more
+        text (a tag's first characters are held back until the text shows they are none)."""
+        i = self._buffer.find(_HERMES_START)
+        if i < 0:
+            keep = 0 if final else partial_suffix_len(self._buffer, (_HERMES_START,))
+            self._emit_content(self._buffer[: len(self._buffer) - keep], out)
+            self._buffer = self._buffer[len(self._buffer) - keep:]
+            return False
+        self._emit_content(self._buffer[:i], out)
+        self._buffer = self._buffer[i + len(_HERMES_START):]
+        self._in_call = True
+        self._pending_space, self._stretch_has_text = "", False
+        self._block_opened()
+        return True
+
+    def _block_opened(self) -> None:
+        self._end = _TagOutsideStrings(_HERMES_END)
 
     def _emit_content(self, text: str, out: ToolParse) -> None:
         if not self.calls or self._stretch_has_text:
@@ -356,23 +369,8 @@ class Qwen3CoderParser(HermesParser):
         self._params = 0  # parameters the open call has sent
         self._block_has_call = False  # a block with no function in it is content, as written
 
-    def feed(self, text: str, final: bool = False) -> ToolParse:
-        out = ToolParse()
-        self._buffer += text
-        while True:
-            if not self._in_call:
-                i = self._buffer.find(_HERMES_START)
-                if i < 0:
-                    keep = 0 if final else partial_suffix_len(self._buffer, (_HERMES_START,))
-                    self._emit_content(self._buffer[: len(self._buffer) - keep], out)
-                    self._buffer = self._buffer[len(self._buffer) - keep:]
-                    return out
-                self._emit_content(self._buffer[:i], out)
-                self._buffer = self._buffer[i + len(_HERMES_START):]
-                self._in_call, self._block_has_call = True, False
-                self._pending_space, self._stretch_has_text = "", False
-            if not self._read_block(final, out):
-                return out
+    def _block_opened(self) -> None:
+        self._block_has_call = False
 
     def _read_block(self, final: bool, out: ToolParse) -> bool:
         """Read the open block; True once it has ended (the text after it is left in the buffer)."""
