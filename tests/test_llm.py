@@ -611,7 +611,7 @@ def test_logprobs_match_transformers(llm, qwen3_dir):
             assert ids == ref[pos].topk(top_n).indices.tolist()
             assert torch.allclose(torch.tensor([v for _, v in top]), ref[pos, ids], atol=1e-4)
         # each sampled token's rank in the vocabulary, whether or not among the top ones (vLLM's Logprob.rank)
-        ranks = [1 + int((ref[p] > ref[p, t]).sum()) for p, t in enumerate(out.token_ids)]
+        ranks = [int((ref[p] >= ref[p, t]).sum()) for p, t in enumerate(out.token_ids)]
         assert [position[t].rank for t, position in zip(out.token_ids, out.logprobs)] == ranks
     assert max(p[t].rank for t, p in zip(sampled.token_ids, sampled.logprobs)) > 1
     # Greedy: the sampled token is the most likely one.
@@ -632,8 +632,8 @@ def check_prompt_logprobs(out, model_dir: str, top_n: int) -> None:
     assert len(out.prompt_token_logprobs) == len(out.prompt_top_logprobs) == len(prompt)
     expected = ref.gather(1, torch.tensor(prompt[1:])[:, None]).squeeze(1)
     assert torch.allclose(torch.tensor(out.prompt_token_logprobs[1:]), expected, atol=1e-4)
-    # each prompt token's rank: 1 + how many tokens are more likely there (vLLM's Logprob.rank)
-    ranks = [1 + int((ref[p] > ref[p, t]).sum()) for p, t in enumerate(prompt[1:])]
+    # each prompt token's rank: how many tokens are at least as likely there, itself included (vLLM's Logprob.rank)
+    ranks = [int((ref[p] >= ref[p, t]).sum()) for p, t in enumerate(prompt[1:])]
     assert out.prompt_ranks == [None, *ranks] and max(ranks) > 1
     for pos, top in enumerate(out.prompt_top_logprobs[1:]):
         assert [t for t, _ in top] == ref[pos].topk(top_n).indices.tolist()

@@ -126,13 +126,13 @@ def compute_logprobs(
     logits: torch.Tensor, tokens: torch.Tensor, top_n: int, ranks: bool = False
 ) -> dict[str, torch.Tensor]:
     """Log-probabilities under the model (raw logits, before temperature and filters); ``ranks``: also each
-    token's rank among the vocabulary (1: the most likely; ties share the better rank)."""
+    token's rank among the vocabulary (1: the most likely; tied tokens all take the worse rank, as vLLM counts them)."""
     logprobs = torch.log_softmax(logits.float(), dim=-1)
     top_logprobs, top_ids = logprobs.topk(top_n, dim=-1)  # top_n 0 gives empty [B, 0] tensors
     chosen = logprobs.gather(1, tokens[:, None])
     out = {"logprobs": chosen.squeeze(1), "top_ids": top_ids, "top_logprobs": top_logprobs}
     if ranks:
-        out["ranks"] = (logprobs > chosen).sum(dim=1) + 1
+        out["ranks"] = (logprobs >= chosen).sum(dim=1)
     return out
 
 
