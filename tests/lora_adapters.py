@@ -8,19 +8,23 @@ import functools
 import torch
 
 
-def make_adapter(model_dir: str, out_dir: str, targets: tuple[str, ...], rank: int = 4, alpha: int = 8,
-                 seed: int = 0, rslora: bool = False) -> str:
+def make_adapter(model_dir: str, out_dir: str, targets: tuple[str, ...] | str, rank: int = 4, alpha: int = 8,
+                 seed: int = 0, rslora: bool = False, dtype: torch.dtype | None = None) -> str:
+    """``targets``: module names, or a string PEFT takes (a regex, "all-linear"); ``dtype``: the saved tensors'."""
     from peft import LoraConfig, get_peft_model
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
     base = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
-    peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha, target_modules=list(targets),
+    peft_model = get_peft_model(base, LoraConfig(r=rank, lora_alpha=alpha,
+                                                 target_modules=targets if isinstance(targets, str) else list(targets),
                                                  use_rslora=rslora))
     with torch.no_grad():
         for name, param in peft_model.named_parameters():
             if "lora_" in name:
                 param.normal_(0.0, 0.2)
+    if dtype is not None:
+        peft_model.to(dtype)
     peft_model.save_pretrained(out_dir)
     return out_dir
 

@@ -123,3 +123,45 @@ def test_beam_search_runs_with_the_adapter(qwen3_dir, adapters):
             input_ids=torch.tensor([prompt]), num_beams=2, num_return_sequences=2, max_new_tokens=4, min_new_tokens=4,
             do_sample=False, length_penalty=0.0, early_stopping=False)
     assert [b.tokens[len(prompt):] for b in beams] == [seq[len(prompt):].tolist() for seq in out]
+
+
+def test_target_modules_as_peft_writes_them_and_bf16_adapters_match_peft(qwen3_dir, tmp_path):
+    """PEFT saves target_modules as a regex string as given, and "all-linear" as full module paths: the adapted layers
+    are the tensors' (as vLLM reads them). A bf16 adapter of a float32 model is scaled in float32 (rsLoRA's
+    alpha / sqrt(r) is no power of two): PEFT's logits within 1e-4."""
+    from lora_adapters import make_adapter, peft_greedy
+
+    regex = make_adapter(qwen3_dir, str(tmp_path / "regex"), r".*\.(q_proj|down_proj)", rank=3, alpha=7, rslora=True,
+                         dtype=torch.bfloat16)
+    linear = make_adapter(qwen3_dir, str(tmp_path / "all-linear"), "all-linear", seed=2)
+    prompt = [5, 6, 7, 8, 9]
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True, logprobs=0)
+    with LLM(qwen3_dir, device="cpu", lora_modules={"regex": regex, "linear": linear}) as llm:
+        outs = llm.generate([prompt, prompt], params, use_tqdm=False,
+                            lora_request=[LoRARequest("regex"), LoRARequest("linear")])
+    for adapter, out in zip((regex, linear), outs):
+        expected, logits = peft_greedy(qwen3_dir, adapter, prompt, 6)
+        assert out.token_ids == expected, adapter
+        reference = torch.log_softmax(logits, dim=-1)
+        worst = max(abs(v - float(reference[i, t])) for i, (t, v) in enumerate(zip(out.token_ids, out.token_logprobs)))
+        assert worst < 1e-4, (adapter, worst)
+
+
+def test_chat_and_beam_search_take_a_lora_request(qwen3_dir, adapters):
+    """As vLLM's LLM.chat(lora_request=...) and LLM.beam_search(prompts, params, lora_request): the adapter's answer
+    (a one-beam search is its greedy answer), the base model's where a prompt's request is None."""
+    from tpserve import BeamSearchParams
+
+    prompt = [5, 6, 7, 8, 9]
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    messages = [{"role": "user", "content": "Tell me about the clockmaker"}]
+    with LLM(qwen3_dir, device="cpu", lora_modules={"all": adapters["all"]}) as llm:
+        adapted, base = (llm.generate([prompt], greedy, use_tqdm=False, lora_request=r)[0].outputs[0].token_ids
+                         for r in (LoRARequest("all"), None))
+        beams = llm.beam_search([{"prompt_token_ids": prompt}] * 2, BeamSearchParams(beam_width=1, max_tokens=5,
+                                ignore_eos=True), [LoRARequest("all"), None])
+        chats = [llm.chat(messages, greedy, use_tqdm=False, lora_request=r)[0].outputs[0].token_ids
+                 for r in (LoRARequest("all"), None)]
+    assert adapted != base
+    assert [out.sequences[0].tokens[len(prompt):] for out in beams] == [adapted, base]
+    assert chats[0] != chats[1]

@@ -265,13 +265,14 @@ class LLM(PoolingMethods):
         continue_final_message: bool = False,
         tools: list[dict[str, Any]] | None = None,
         chat_template: str | None = None,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
     ) -> list[RequestOutput]:
         """Answer one conversation (a list of OpenAI-style messages) or several (a list of such lists),
         as vLLM's ``LLM.chat``: each is rendered by the model's chat template as the HTTP chat endpoint
         renders it, then generated as ``generate`` does (``sampling_params``: one, or one per conversation).
         ``chat_template`` (Jinja text, as in the file of the server's ``--chat-template``) renders them
         instead of the model's template. The output's text is the raw completion: reasoning and tool
-        calls are not split out."""
+        calls are not split out. ``lora_request``: as ``generate``'s (one per conversation, or one for all)."""
         self._live_driver("chat")
         if not isinstance(messages, (str, Mapping)) and isinstance(messages, Iterable):
             messages = list(messages)  # a generator of messages or of conversations too
@@ -300,20 +301,26 @@ class LLM(PoolingMethods):
         options = dict(chat_template_kwargs=chat_template_kwargs, add_generation_prompt=add_generation_prompt,
                        continue_final_message=continue_final_message, tools=tools or None)
         prompts = [self._chat_ids(preparer, c, i, **options) for i, c in enumerate(conversations)]
-        return self.generate(prompts, sampling_params, use_tqdm)
+        return self.generate(prompts, sampling_params, use_tqdm, lora_request=lora_request)
 
     def beam_search(
         self,
         prompts: str | Mapping[str, Any] | Iterable[str | Sequence[int] | Mapping[str, Any]],
         params: BeamSearchParams,
+        lora_request: LoRARequest | Sequence[LoRARequest | None] | None = None,
         use_tqdm: bool = False,
-        lora_request: LoRARequest | None = None,
     ) -> list[BeamSearchOutput]:
         """vLLM's ``LLM.beam_search``: each prompt's ``params.beam_width`` best beams (``tpserve.beam_search`` says
-        how), each step one ``generate`` call over every live beam of every prompt."""
+        how), each step one ``generate`` call over every live beam of every prompt. ``lora_request``: one LoRA
+        adapter for all prompts or one per prompt, as ``generate``'s (each beam's steps run with its prompt's)."""
         self._live_driver("beam_search")
         if isinstance(prompts, (str, Mapping)):
             prompts = [prompts]
+        prompts = list(prompts)
+        if lora_request is None or isinstance(lora_request, LoRARequest):
+            adapters = [lora_request] * len(prompts)
+        elif len(adapters := list(lora_request)) != len(prompts):
+            raise ValueError(f"got {len(adapters)} LoRA requests for {len(prompts)} prompts")
         context = self.config.max_model_len or self.model_config.context_length
         searches = []
         for i, prompt in enumerate(prompts):
@@ -324,12 +331,14 @@ class LLM(PoolingMethods):
             # vLLM's offline beams keep their EOS token (include_stop_str_in_output is the HTTP API's)
             searches.append(BeamSearch(ids, dataclasses.replace(params, include_stop_str_in_output=True),
                                        getattr(self.tokenizer, "eos_token_id", None)))
-        step = params.step_params(lora=None if lora_request is None else self._lora_name(lora_request))
+        step = params.step_params()
         with tqdm(total=params.max_tokens, desc="Beam search", unit="step", disable=not use_tqdm) as bar:
-            while live := [search for search in searches if not search.done]:
-                outputs = iter(self.generate([{"prompt_token_ids": beam.tokens} for search in live
-                                              for beam in search.live], step, use_tqdm=False))
-                for search in live:
+            while live := [(search, adapter) for search, adapter in zip(searches, adapters) if not search.done]:
+                beams = [({"prompt_token_ids": beam.tokens}, adapter)
+                         for search, adapter in live for beam in search.live]
+                outputs = iter(self.generate([beam for beam, _ in beams], step, use_tqdm=False,
+                                             lora_request=[adapter for _, adapter in beams]))
+                for search, _ in live:
                     positions = [next(outputs).outputs[0].logprobs[0] for _ in search.live]
                     search.advance([({t: p.logprob for t, p in position.items()}, position) for position in positions])
                 bar.update()

@@ -247,14 +247,38 @@ def test_qwen3_coder_calls_in_any_chunking():
 @pytest.mark.parametrize("value, schema, expected", [
     ("42", {"type": "integer"}, 42), ("4x", {"type": "integer"}, "4x"), ("3.0", {"type": "number"}, 3),
     ("2.5", {"type": "number"}, 2.5), ("True", {"type": "boolean"}, True), ("no", {"type": "boolean"}, False),
-    ("null", {"type": "string"}, None), ('["a", 1]', {"type": "array"}, ["a", 1]), ("{'a': 1}", {"type": "object"},
-    {"a": 1}), ("(1, 2", {"type": "object"}, "(1, 2"), ("007", {"type": "string"}, "007"), ("7", None, "7"),
-    ("7", {}, "7"), ("[1]", {"anyOf": []}, "[1]"),
+    ("null", {"type": "integer"}, None), ("None", {"type": "object"}, None), ('["a", 1]', {"type": "array"}, ["a", 1]),
+    ("{'a': 1}", {"type": "object"}, {"a": 1}), ("(1, 2", {"type": "object"}, "(1, 2"),
+    ("007", {"type": "string"}, "007"),
+    ("7", None, "7"), ("7", {}, "7"), ("[1]", {"anyOf": []}, "[1]"),
+    # a string keeps the text "null" (and an undeclared parameter its text), unless its schema admits null
+    ("null", {"type": "string"}, "null"), ("null", None, "null"),
+    ("None", {"anyOf": [{"type": "string"}, {"type": "null"}]}, None),
+    # anyOf (Pydantic's Optional[T]): its first type other than null
+    ("5", {"anyOf": [{"type": "integer"}, {"type": "null"}], "default": 5}, 5),
+    ('["a", "b"]', {"anyOf": [{"type": "array", "items": {"type": "string"}}, {"type": "null"}]}, ["a", "b"]),
+    ("true", {"anyOf": [{"type": "null"}, {"type": "boolean"}]}, True),
+    ("some text", {"anyOf": [{"type": "string"}, {"type": "integer"}, {"type": "null"}]}, "some text"),
+    ("42", {"type": ["integer", "null"]}, 42),
+    # a Python repr JSON-encoded by a buggy template: decoded twice
+    ('"{\'key\': \'value\', \'n\': 1}"', {"type": "object"}, {"key": "value", "n": 1}),
 ])
 def test_qwen3_coder_values_are_typed_by_the_tool_schema(value, schema, expected):
+    """As vLLM's qwen3coder_tool_parser (_convert_param_value)."""
     from tpserve.parsers.tool_calls import typed_parameter
 
     assert typed_parameter(value, schema) == expected
+
+
+def test_qwen3_coder_values_without_a_json_form_are_sent_as_their_text():
+    """A typed value JSON cannot hold (NaN for a number, a Python set or bytes literal) goes out as its text: the
+    arguments stay JSON (they were 'NaN', or the parser raised)."""
+    schemas = {"f": {"x": {"type": "number"}, "s": {"type": "object"}, "b": {"type": "array"}}}
+    text = ("<tool_call>\n<function=f>\n<parameter=x>\nnan\n</parameter>\n<parameter=s>\n{1, 2}\n</parameter>\n"
+            "<parameter=b>\nb'raw'\n</parameter>\n</function>\n</tool_call>")
+    for chunks in splits(text):
+        _, calls = run_tools(create_tool_parser("qwen3_coder", schemas), chunks)
+        assert [json.loads(c["arguments"]) for c in calls] == [{"x": "nan", "s": "{1, 2}", "b": "b'raw'"}]
 
 
 @pytest.mark.parametrize("text, content, calls, cut_short", [

@@ -58,13 +58,14 @@ class GoneClient:
         return True
 
 
-def beam_call(qwen3_dir, frontend: StepFrontend, client: GoneClient | None, timeout: float | None = None):
+def beam_call(qwen3_dir, frontend: StepFrontend, client: GoneClient | None, timeout: float | None = None,
+              max_tokens: int = 2000, lora: str | None = None):
     limits = RequestLimits(context_len=4096, max_sequences=8)
     serving = Serving(frontend, ServerMetrics(), "m", limits, request_timeout=timeout,  # type: ignore[arg-type]
                       prompts=TokenizeService(qwen3_dir, None, limits))
-    req = TokenizeRequest(rid=frontend.new_rid(), params=SamplingParams(max_tokens=2000), input_ids=[5, 6, 7],
-                          more_choices=[(frontend.new_rid(), None)])
-    beam = BeamSearchParams(beam_width=2, max_tokens=2000, ignore_eos=True)
+    req = TokenizeRequest(rid=frontend.new_rid(), params=SamplingParams(max_tokens=max_tokens, lora=lora),
+                          input_ids=[5, 6, 7], more_choices=[(frontend.new_rid(), None)])
+    beam = BeamSearchParams(beam_width=2, max_tokens=max_tokens, ignore_eos=True)
     return asyncio.run(serving.run([req], CompletionFormat("m"), False, client, 2, beam=beam))  # type: ignore[arg-type]
 
 
@@ -87,3 +88,12 @@ def test_a_beam_search_past_its_deadline_names_the_request_timeout(qwen3_dir):
         beam_call(qwen3_dir, frontend, None, timeout=0.1)
     assert e.value.status == 504
     assert frontend.aborted == [req.rid for req in frontend.submitted[-2:]]
+
+
+def test_a_beam_search_for_a_lora_adapter_runs_its_steps_with_it(qwen3_dir):
+    """A request whose model names a LoRA adapter (params.lora): every step of its beam search runs with the adapter
+    (as vLLM's beam search passes its lora_request to each step), not with the base model."""
+    frontend = StepFrontend()
+    response = beam_call(qwen3_dir, frontend, None, max_tokens=3, lora="sql")
+    assert response.status_code == 200 and len(frontend.submitted) == 1 + 2 + 2  # a beam, then two
+    assert [req.params.lora for req in frontend.submitted] == ["sql"] * len(frontend.submitted)

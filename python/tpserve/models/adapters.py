@@ -54,9 +54,13 @@ def read_adapter_config(path: str, max_rank: int) -> AdapterConfig:
         unserved.append("bias")
     if unserved:
         raise ValueError(f"LoRA adapter {path}: {', '.join(unserved)} is not served")
-    targets = config.get("target_modules") or []
-    targets = [targets] if isinstance(targets, str) else list(targets)
-    others = sorted(set(targets) - set(TARGETS))
+    # the layers it adapts are its tensors' (as vLLM reads them): target_modules may be a regex, "all-linear" or full
+    # module paths; a list still names its modules (the last part of each)
+    named = config.get("target_modules") or []
+    named = set() if isinstance(named, str) else {target.rpartition(".")[2] for target in named}
+    with open_safetensors(os.path.join(path, ADAPTER_WEIGHTS)) as tensors:
+        targets = {name.partition(".lora_")[0].rpartition(".")[2] for name in tensors.keys()}
+    others = sorted((named | targets) - set(TARGETS))
     if others:
         raise ValueError(f"LoRA adapter {path} adapts {', '.join(others)}: tpserve adapts only {', '.join(TARGETS)}")
     scale = alpha / (math.sqrt(rank) if config.get("use_rslora") else rank)
@@ -97,11 +101,12 @@ def _load_adapter(layers: dict[str, nn.Module], slot: int, path: str, config: Ad
                 lora.a[slot, rows].copy_(loaded.to(lora.a.dtype))
             else:
                 piece = layer.part(shard_id) if layer.split_dim == 0 else None
+                loaded = loaded.float() * config.scale  # scaled in float32, then rounded once (a bf16 adapter too)
                 if piece is not None:
                     lora.b[slot, piece.dest : piece.dest + piece.size, rows].copy_(
-                        (piece.cut(loaded, 0, 2, name) * config.scale).to(lora.b.dtype))
+                        piece.cut(loaded, 0, 2, name).to(lora.b.dtype))
                 else:
-                    lora.b[slot, :, rows].copy_((loaded * config.scale).to(lora.b.dtype))
+                    lora.b[slot, :, rows].copy_(loaded.to(lora.b.dtype))
 
 
 def _adapter_target(name: str, path: str) -> tuple[str, str]:

@@ -323,16 +323,32 @@ _FUNCTION, _PARAMETER, _PARAMETER_END, _FUNCTION_END = "<function=", "<parameter
 _INT_TYPES = ("int", "uint", "long", "short", "unsigned")
 
 
+def _schema_type(schema: Any) -> tuple[str, bool]:
+    """(the type a parameter's JSON schema gives it, whether it admits null), as vLLM reads them: ``type``, else an
+    ``anyOf``'s first type other than null (Pydantic's ``Optional[T]``), else string."""
+    if isinstance(schema, dict) and "type" in schema:
+        kind = str(schema["type"]).strip().lower()
+        return kind, kind == "null"
+    if isinstance(schema, dict) and isinstance(schema.get("anyOf"), list):
+        kinds = [str(option["type"]).strip().lower() for option in schema["anyOf"]
+                 if isinstance(option, dict) and "type" in option]
+        others = [kind for kind in kinds if kind != "null"]
+        return (others[0] if others else "string"), "null" in kinds
+    return "string", False
+
+
 def typed_parameter(value: str, schema: Any) -> Any:
     """A qwen3_coder parameter's text as the type its JSON schema gives it (vLLM's rule; text where it does not
-    convert). ``schema`` None: the tool does not declare the parameter."""
-    if value.lower() == "null":
-        return None
+    convert). ``schema`` None: the tool does not declare the parameter (its text as written)."""
     if schema is None:
         return value
-    kind = str(schema.get("type", "string") if isinstance(schema, dict) else "string").strip().lower()
+    kind, nullable = _schema_type(schema)
+    if nullable and value.lower() in ("null", "none"):
+        return None
     if kind in ("string", "str", "text", "varchar", "char", "enum"):
-        return value
+        return value  # a string's "null" is its text, unless the schema admits null
+    if value.lower() in ("null", "none"):
+        return None
     if kind.startswith(_INT_TYPES):
         try:
             return int(value)
@@ -346,15 +362,31 @@ def typed_parameter(value: str, schema: Any) -> Any:
         return int(number) if number.is_integer() else number
     if kind in ("boolean", "bool", "binary"):
         return value.lower() == "true"
-    if kind in ("object", "array", "arr") or kind.startswith(("dict", "list")):
+    container = kind in ("object", "array", "arr") or kind.startswith(("dict", "list"))
+    if container:
         try:
-            return json.loads(value)
+            parsed = json.loads(value)
+            # a Python repr JSON-encoded by a buggy template ("{'k': 'v'}" in quotes): decoded once more
+            return _literal(parsed) if isinstance(parsed, str) else parsed
         except json.JSONDecodeError:
             pass
+    parsed = _literal(value)
+    return _literal(parsed) if container and isinstance(parsed, str) and parsed is not value else parsed
+
+
+def _literal(value: str) -> Any:
     try:
         return ast.literal_eval(value)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):
         return value
+
+
+def _json_value(value: Any, text: str) -> str:
+    """A typed value as JSON; its text where it has no JSON form (a set or bytes from a Python literal, NaN)."""
+    try:
+        return json.dumps(value, ensure_ascii=False, allow_nan=False)
+    except (TypeError, ValueError):
+        return json.dumps(text, ensure_ascii=False)
 
 
 class Qwen3CoderParser(HermesParser):
@@ -423,7 +455,7 @@ class Qwen3CoderParser(HermesParser):
         value = body[j + 1: end].removeprefix("\n").removesuffix("\n") if j >= 0 else ""
         schemas = self._tool_params.get(call.name or "")
         typed = typed_parameter(value, schemas.get(name) if isinstance(schemas, Mapping) else None)
-        piece = f"{json.dumps(name, ensure_ascii=False)}: {json.dumps(typed, ensure_ascii=False)}"
+        piece = f"{json.dumps(name, ensure_ascii=False)}: {_json_value(typed, value)}"
         self._add_arguments(call, ("{" if self._params == 0 else ", ") + piece, out)
         self._params += 1
         self._buffer = body[end:].removeprefix(_PARAMETER_END)
