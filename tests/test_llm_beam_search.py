@@ -43,6 +43,24 @@ def test_beams_keep_the_best_extensions_and_set_aside_those_at_eos():
     assert [b.tokens for b in search.best()] == [[9, EOS]] and not search.finished
 
 
+@pytest.mark.parametrize("length_penalty, best", [(1e308, [[1, 3], [2, 4]]), (400.0, [[1, 3], [2, 4]]),
+                                                   (-1e308, [[], [1, 3]]), (-400.0, [[], [1, 3]])])
+def test_extreme_length_penalties_rank_beams_without_an_arithmetic_error(length_penalty, best):
+    """length ** length_penalty past a float's range was an OverflowError or ZeroDivisionError in best() (a 500 on
+    the server); they rank as the score would (a large one favours the longest beams, a negative one the shortest)."""
+    search = BeamSearch([9] * 8, BeamSearchParams(beam_width=2, max_tokens=2, length_penalty=length_penalty), EOS)
+    search.advance([({1: -0.1, 2: -0.5, EOS: -3.0}, None)])
+    search.advance([({3: -0.2}, None), ({4: -0.3}, None)])
+    assert [b.tokens[8:] for b in search.best()] == best
+
+
+def test_a_prompt_of_eos_alone_is_scored():
+    """A beam finished at EOS right after a prompt of EOS alone was 0 tokens long (a ZeroDivisionError)."""
+    search = BeamSearch([EOS], BeamSearchParams(beam_width=2, max_tokens=1), EOS)
+    search.advance([({EOS: -0.1, 1: -0.5}, None)])
+    assert [(b.tokens, b.finish_reason) for b in search.best()] == [([EOS], "stop"), ([EOS, 1], "length")]
+
+
 @pytest.mark.parametrize("kwargs, message", [
     ({"beam_width": 0}, "beam_width must be in [1, 10]"),
     ({"beam_width": 11}, "beam_width must be in [1, 10]"),

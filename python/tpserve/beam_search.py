@@ -65,8 +65,24 @@ class BeamSearchOutput:
 
 
 def beam_score(beam: BeamSearchSequence, eos_token_id: int | None, length_penalty: float) -> float:
-    length = len(beam.tokens) - (1 if beam.tokens[-1] == eos_token_id else 0)
-    return beam.cum_logprob / length**length_penalty
+    return beam.cum_logprob / _length(beam, eos_token_id) ** length_penalty
+
+
+def _length(beam: BeamSearchSequence, eos_token_id: int | None) -> int:
+    """The length the score divides by: at least 1 (a prompt of EOS alone, finished at once, was 0 long)."""
+    return max(1, len(beam.tokens) - (1 if beam.tokens[-1] == eos_token_id else 0))
+
+
+def _log_rank(beam: BeamSearchSequence, eos_token_id: int | None, length_penalty: float) -> float:
+    """``beam_score``'s order where length ** length_penalty leaves a float's range (an extreme, so non-zero,
+    length_penalty): cum_logprob <= 0, so a higher score is a lower log(-cum_logprob) - length_penalty * log(length),
+    here over |length_penalty| to stay finite."""
+    if beam.cum_logprob >= 0:
+        return math.inf
+    if beam.cum_logprob == -math.inf or length_penalty == 0:  # (0: the score itself, a -inf among them)
+        return beam.cum_logprob
+    return (math.copysign(math.log(_length(beam, eos_token_id)), length_penalty)
+            - math.log(-beam.cum_logprob) / abs(length_penalty))
 
 
 class BeamSearch:
@@ -102,8 +118,14 @@ class BeamSearch:
 
     def best(self) -> list[BeamSearchSequence]:
         """The beam_width best beams (live ones finish by length), best first; their text is the caller's to set."""
-        ranked = sorted(self.finished + self.live, reverse=True,
-                        key=lambda b: beam_score(b, self.eos_token_id, self.params.length_penalty))
+        beams, penalty = self.finished + self.live, self.params.length_penalty
+        try:
+            scores = [beam_score(beam, self.eos_token_id, penalty) for beam in beams]
+            if not all(math.isfinite(score) for score in scores):
+                raise OverflowError
+        except (OverflowError, ZeroDivisionError):  # past a float's range: ranked in the log domain
+            scores = [_log_rank(beam, self.eos_token_id, penalty) for beam in beams]
+        ranked = [beam for _, beam in sorted(zip(scores, beams), key=lambda pair: pair[0], reverse=True)]
         best = ranked[: self.params.beam_width]
         for beam in best:
             beam.finish_reason = beam.finish_reason or "length"

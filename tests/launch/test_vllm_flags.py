@@ -40,6 +40,8 @@ def test_a_pasted_vllm_command_line_sets_what_it_names(qwen3_dir):
     (["--lora-modules", "a=/x"], "--lora-modules a=/x: LoRA adapter /x: needs adapter_config.json"),
     (["--lora-modules", "a"], "argument --lora-modules: must be NAME=PATH"),
     (["--lora-modules", "a=/x", "a=/y"], "lora_modules names a LoRA adapter twice"),
+    (["--served-model-name", "m", "b", "--lora-modules", "b=/x"],
+     "--lora-modules b=/x: 'b' is the served model's name"),
     (["--speculative-config", "{}"], "argument --speculative-config: speculative decoding is not served"),
     (["--ssl-keyfile", "k.pem"], "TLS is not served"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: tpserve splits a model by tensor parallelism"),

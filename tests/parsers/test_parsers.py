@@ -332,6 +332,21 @@ def test_mistral_text_without_calls_is_content(text, content):
         assert (got, calls) == (content, [])
 
 
+@pytest.mark.parametrize("parser, text", [
+    ("llama3_json", '{"name": "f", "parameters": {"x": ' + "[" * 3000),
+    ("llama3_json", '{"name": "f", "parameters": {"x": ' + "[" * 3000 + "]" * 3000 + "}}"),
+    ("mistral", '[TOOL_CALLS] [{"name": "f", "arguments": {"x": ' + "[" * 3000),
+    ("qwen3_coder",
+     "<tool_call>\n<function=f>\n<parameter=x>\n" + "[" * 3000 + "\n</parameter>\n</function>\n</tool_call>"),
+])
+def test_json_nested_past_the_decoders_depth_is_no_parser_error(parser, text):
+    """A model's output of brackets nested past json's depth was a RecursionError out of the parser (the request a
+    500, a stream cut off); the call goes out as its text, as any JSON that does not parse."""
+    for chunks in ([text], [text[i:i + 500] for i in range(0, len(text), 500)]):
+        _, calls = run_tools(create_tool_parser(parser, {"f": {"x": {"type": "array"}}}), chunks)
+        assert [c["name"] for c in calls] == ["f"]
+
+
 def test_qwen3_coder_is_detected_from_its_template():
     from tpserve.parsers.tool_calls import detect_tool_parser
 

@@ -4,6 +4,7 @@ client and the call's deadline as one call does."""
 from __future__ import annotations
 
 import asyncio
+import json
 import itertools
 
 import pytest
@@ -59,14 +60,16 @@ class GoneClient:
 
 
 def beam_call(qwen3_dir, frontend: StepFrontend, client: GoneClient | None, timeout: float | None = None,
-              max_tokens: int = 2000, lora: str | None = None):
+              max_tokens: int = 2000, lora: str | None = None, logprobs: int | None = None):
     limits = RequestLimits(context_len=4096, max_sequences=8)
     serving = Serving(frontend, ServerMetrics(), "m", limits, request_timeout=timeout,  # type: ignore[arg-type]
                       prompts=TokenizeService(qwen3_dir, None, limits))
-    req = TokenizeRequest(rid=frontend.new_rid(), params=SamplingParams(max_tokens=max_tokens, lora=lora),
+    params = SamplingParams(max_tokens=max_tokens, lora=lora, logprobs=logprobs)
+    req = TokenizeRequest(rid=frontend.new_rid(), params=params,
                           input_ids=[5, 6, 7], more_choices=[(frontend.new_rid(), None)])
     beam = BeamSearchParams(beam_width=2, max_tokens=max_tokens, ignore_eos=True)
-    return asyncio.run(serving.run([req], CompletionFormat("m"), False, client, 2, beam=beam))  # type: ignore[arg-type]
+    fmt = CompletionFormat("m", logprobs=logprobs is not None)
+    return asyncio.run(serving.run([req], fmt, False, client, 2, beam=beam))  # type: ignore[arg-type]
 
 
 def test_a_client_gone_during_a_beam_search_stops_it(qwen3_dir, monkeypatch):
@@ -97,3 +100,14 @@ def test_a_beam_search_for_a_lora_adapter_runs_its_steps_with_it(qwen3_dir):
     response = beam_call(qwen3_dir, frontend, None, max_tokens=3, lora="sql")
     assert response.status_code == 200 and len(frontend.submitted) == 1 + 2 + 2  # a beam, then two
     assert [req.params.lora for req in frontend.submitted] == ["sql"] * len(frontend.submitted)
+
+
+def test_a_beam_search_shows_the_top_logprobs_asked_past_twice_its_width(qwen3_dir):
+    """Each step asked 2 x beam_width log-probabilities, and the answer showed at most those (4 of logprobs 7 at
+    n 2); the steps ask for as many as the answer shows, the beams still extended by the 2 x width best only."""
+    frontend = StepFrontend()
+    response = beam_call(qwen3_dir, frontend, None, max_tokens=3, logprobs=7)
+    assert response.status_code == 200 and {req.params.logprobs for req in frontend.submitted} == {7}
+    choices = json.loads(response.body)["choices"]
+    assert all(len(top) >= 7 for choice in choices for top in choice["logprobs"]["top_logprobs"])
+    assert [choice["logprobs"]["tokens"] for choice in choices] == [["a", "a", "a"], ["a", "a", "t0"]]

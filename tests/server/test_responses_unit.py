@@ -567,6 +567,15 @@ class WaitingFrontend(HangingFrontend):
         await self.aborting.wait()
 
 
+def test_a_priority_without_the_priority_policy_is_a_400_for_a_background_response_too():
+    """It was queued (200), then failed: the check ran as the generation started, after the background answer."""
+    c, stub = make_client()
+    with c:
+        assert_error(c.post(RESPONSES, json={"input": "hi", "priority": 1, "background": True}), 400,
+                     "priority scheduling is not enabled", "priority")
+    assert stub.submitted == []
+
+
 def test_a_background_response_cancelled_before_any_output_streams_its_creation():
     c, _ = make_client(stub=WaitingFrontend())
     with c:

@@ -375,6 +375,9 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         raise ValueError(f"--tokenizer {ns.tokenizer}: tpserve reads the tokenizer from the model's own files "
                          "(copy the tokenizer files into the model directory)")
     names = _served_names(ns, model_dir)
+    if (clash := next(((n, path) for n, path in ns.lora_modules if n in names), None)) is not None:  # the model
+        raise ValueError(f"--lora-modules {clash[0]}={clash[1]}: {clash[0]!r} is the served model's name (a request "
+                         "naming it would run the adapter, the model unreachable); give the adapter another name")
     if not os.path.isfile(os.path.join(model_dir, "config.json")):
         raise ValueError(f"--model: {model_dir} has no config.json")
     if not has_tokenizer_files(model_dir):  # the server and the shell tokenize and detokenize

@@ -368,7 +368,7 @@ def typed_parameter(value: str, schema: Any) -> Any:
             parsed = json.loads(value)
             # a Python repr JSON-encoded by a buggy template ("{'k': 'v'}" in quotes): decoded once more
             return _literal(parsed) if isinstance(parsed, str) else parsed
-        except json.JSONDecodeError:
+        except (json.JSONDecodeError, RecursionError):  # (nested past the decoder's depth: its text, as _literal's)
             pass
     parsed = _literal(value)
     return _literal(parsed) if container and isinstance(parsed, str) and parsed is not value else parsed
@@ -506,7 +506,7 @@ class Llama3JsonParser(ToolCallParser):
                 return
             try:
                 obj, end = self._decoder.raw_decode(self._buffer)
-            except json.JSONDecodeError:  # not closed yet (or cut short at the end)
+            except (json.JSONDecodeError, RecursionError):  # not closed yet (or cut short, or nested past the depth)
                 if not final:
                     self._stream_call(self._buffer, out)
                 elif self._close_call(self._buffer, out):

@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
+import msgspec
+
 from tpserve.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence
 from tpserve.message.frontend import ApiOutput, TokenizeRequest, TokenLogprob
 from tpserve.server.client import FrontendClient
@@ -57,6 +59,9 @@ class BeamGeneration(Generation):
         first = self._requests[0].params
         step_params = self._params.step_params(seed=first.seed, cache_salt=first.cache_salt, priority=first.priority,
                                                lora=first.lora)
+        width = step_params.logprobs  # the candidates each beam is extended with
+        if self._top_logprobs is not None and self._top_logprobs > width:  # the answer shows as many as it asks
+            step_params = msgspec.structs.replace(step_params, logprobs=self._top_logprobs)
         while live := [search for search in searches if not search.done]:
             beams = [beam for search in live for beam in search.live]
             step = [TokenizeRequest(rid=self._frontend.new_rid(), params=step_params, input_ids=beam.tokens,
@@ -69,7 +74,8 @@ class BeamGeneration(Generation):
                 await self._step.next(is_disconnected)
             records = iter(choice.logprobs[0] for choice in sorted(self._step.choices.values(), key=lambda c: c.index))
             for search in live:
-                search.advance([(_candidates(record), record) for record in (next(records) for _ in search.live)])
+                search.advance([(_candidates(record, width), record)
+                                for record in (next(records) for _ in search.live)])
             self._step = None
         rids = iter(rid for req in self._requests for rid in req.choice_rids)
         for search, ready in zip(searches, prepared):
@@ -96,9 +102,10 @@ class _NotTimed:
         pass
 
 
-def _candidates(record: TokenLogprob) -> dict[int, float]:
-    """A step's tokens to extend its beam with: the sampled one and the most likely ones."""
-    return {record.token_id: record.logprob, **{t: value for t, (_, _, value) in zip(record.top_ids, record.top)}}
+def _candidates(record: TokenLogprob, width: int) -> dict[int, float]:
+    """A step's tokens to extend its beam with: the sampled one and the ``width`` most likely ones."""
+    return {record.token_id: record.logprob,
+            **{t: value for t, (_, _, value) in zip(record.top_ids[:width], record.top[:width])}}
 
 
 def _chosen(record: TokenLogprob, token: int, top: int) -> TokenLogprob:

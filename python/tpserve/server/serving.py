@@ -65,6 +65,13 @@ class Serving:
                                    "not this endpoint", "model")
         check_model_name(model, (self.model_name, *self.aliases, *self.lora_adapters))
 
+    def check_priority(self, priority: int) -> None:
+        """A priority other than 0 needs --schedule-policy priority."""
+        if priority and not self.priority_scheduling:
+            raise APIError.invalid("priority scheduling is not enabled: start the server with --schedule-policy "
+                                   "priority (vLLM's --scheduling-policy priority) to serve a priority other than 0",
+                                   "priority")
+
     def adapter(self, model: str | None) -> str | None:
         """The LoRA adapter a request's ``model`` names, or None (the base model)."""
         return model if model in self.lora_adapters else None
@@ -111,6 +118,7 @@ class Serving:
         check_request_template(body.chat_template, self.trust_request_chat_template)
         structure = body.structure()
         params = body.sampling_params(body.effective_max_tokens, structure, self.sampling_defaults)
+        self.check_priority(params.priority)  # here too: a background response's is a 400, not a failed response
         output = self.chat_output(body, constrained=structure is not None)
         if output.tool_parser in NEEDS_SPECIAL_TOKENS:  # its calls start with a special token: the text keeps them
             params = msgspec.structs.replace(params, skip_special_tokens=False)
@@ -177,10 +185,7 @@ class Serving:
         """``request``: the HTTP client whose disconnection aborts the requests (None: no client, a
         background response). ``continuous_usage``: every stream chunk carries the usage so far. ``beam``: the
         choices are a beam search's (``server/beam_search.py``)."""
-        if not self.priority_scheduling and any(req.params.priority for req in reqs):
-            raise APIError.invalid("priority scheduling is not enabled: start the server with --schedule-policy "
-                                   "priority (vLLM's --scheduling-policy priority) to serve a priority other than 0",
-                                   "priority")
+        self.check_priority(next((req.params.priority for req in reqs if req.params.priority), 0))
         if beam is None:
             gen = Generation(self.frontend, self.metrics, reqs, choices_per_prompt=n, timeout=self.request_timeout,
                              shown=fmt.shows_output)
