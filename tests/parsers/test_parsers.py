@@ -8,7 +8,8 @@ import random
 import pytest
 
 from tpserve.parsers.reasoning import ReasoningParser, prompt_opens_reasoning
-from tpserve.parsers.tool_calls import ForcedToolCalls, create_tool_parser
+from tpserve.parsers.chat_output import create_tool_parser
+from tpserve.parsers.tool_calls import ForcedToolCalls
 
 
 def splits(text: str) -> list[list[str]]:
@@ -265,7 +266,7 @@ def test_qwen3_coder_calls_in_any_chunking():
 ])
 def test_qwen3_coder_values_are_typed_by_the_tool_schema(value, schema, expected):
     """As vLLM's qwen3coder_tool_parser (_convert_param_value)."""
-    from tpserve.parsers.tool_calls import typed_parameter
+    from tpserve.parsers.qwen3_coder import typed_parameter
 
     assert typed_parameter(value, schema) == expected
 

@@ -7,14 +7,32 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpserve.parsers.qwen3_coder import Qwen3CoderParser
 from tpserve.parsers.reasoning import ReasoningParser
 from tpserve.parsers.tool_calls import (
+    TOOL_CALL_PARSERS,
     ForcedToolCalls,
+    HermesParser,
+    Llama3JsonParser,
+    MistralParser,
     ToolCallDelta,
     ToolCallParser,
-    create_tool_parser,
     merge_deltas,
 )
+
+
+def create_tool_parser(name: str, tool_params: Mapping[str, Mapping[str, Any]] | None = None) -> ToolCallParser:
+    """The ``--tool-call-parser`` named ``name``; ``tool_params``: each function's parameter schemas, for the parsers
+    that type text values (qwen3_coder)."""
+    if name == "hermes":
+        return HermesParser()
+    if name == "qwen3_coder":
+        return Qwen3CoderParser(tool_params)
+    if name == "llama3_json":
+        return Llama3JsonParser()
+    if name == "mistral":
+        return MistralParser()
+    raise ValueError(f"unknown tool call parser {name!r}; choose from {', '.join(TOOL_CALL_PARSERS)}")
 
 
 @dataclass
