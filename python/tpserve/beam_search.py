@@ -107,7 +107,8 @@ class BeamSearch:
                 total = beam.cum_logprob + logprob
                 if token == self.eos_token_id and not params.ignore_eos:
                     tokens = beam.tokens + [token] if params.include_stop_str_in_output else beam.tokens
-                    self.finished.append(BeamSearchSequence(tokens, beam.logprobs + [record], total, finish_reason="stop",
+                    self.finished.append(BeamSearchSequence(tokens, beam.logprobs + [record], total,
+                                                            finish_reason="stop",
                                                             stop_reason=token))
                 else:
                     candidates.append((total, token, beam, record))

@@ -464,8 +464,9 @@ class LLM(PoolingMethods):
     def _lora_name(self, request: LoRARequest) -> str:
         loaded = dict(self.config.lora_modules)
         if not isinstance(request, LoRARequest) or request.lora_name not in loaded:
-            raise ValueError(f"LoRA adapter {getattr(request, 'lora_name', request)!r} is not loaded: start the LLM with "
-                             f"lora_modules={{name: path}} (loaded: {', '.join(loaded) or 'none'})")
+            name = getattr(request, "lora_name", request)
+            raise ValueError(f"LoRA adapter {name!r} is not loaded: start the LLM with lora_modules={{name: path}} "
+                             f"(loaded: {', '.join(loaded) or 'none'})")
         return request.lora_name
 
     def _check_params(self, params: SamplingParams) -> None:

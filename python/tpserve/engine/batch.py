@@ -69,7 +69,8 @@ def lora_batch(seqs: list[SequenceInput], device: torch.device) -> LoRABatch | N
     slots = sorted({s.lora for s in seqs if s.lora})
     if not slots:
         return None
-    ids = np.repeat(int_array((s.lora for s in seqs), len(seqs)), int_array((len(s.token_ids) for s in seqs), len(seqs)))
+    counts = int_array((len(s.token_ids) for s in seqs), len(seqs))
+    ids = np.repeat(int_array((s.lora for s in seqs), len(seqs)), counts)
     return LoRABatch(upload(torch.from_numpy(ids), device), tuple(slots))
 
 

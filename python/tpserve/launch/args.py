@@ -23,8 +23,8 @@ from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.vllm_flags import add_vllm_flags, check_vllm_flags, task_problem_of_flags
 from tpserve.launch.argtypes import (
-    HelpFormatter, OneLineParser, fraction, int_at_least, json_object_arg, json_strings_arg, lora_module_arg, number, port,
-    positive,
+    HelpFormatter, OneLineParser, fraction, int_at_least, json_object_arg, json_strings_arg, lora_module_arg, number,
+    port, positive,
 )
 from tpserve.router.policy import LOAD_BALANCE_METHODS
 from tpserve.tokenizer.loader import (

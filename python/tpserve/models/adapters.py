@@ -73,7 +73,8 @@ def attach_lora(model: nn.Module, adapters: list[str], max_rank: int, device: to
     configs = [read_adapter_config(path, max_rank) for path in adapters]
     adapted = {_PARTS[target][0] for config in configs for target in config.targets}
     layers = {name: module for name, module in model.named_modules()  # not a MoE block's shared expert
-              if isinstance(module, ParallelLinear) and name.rpartition(".")[2] in adapted and ".shared_expert." not in name}
+              if isinstance(module, ParallelLinear) and name.rpartition(".")[2] in adapted
+              and ".shared_expert." not in name}
     for name, module in layers.items():
         module.lora = LoRAWeights(len(adapters) + 1, _NUM_PARTS[name.rpartition(".")[2]], max_rank,
                                   module.in_features, module.out_features, device, dtype)

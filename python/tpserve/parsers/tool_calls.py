@@ -6,9 +6,10 @@ Parsers (``--tool-call-parser``):
 * ``hermes`` (Qwen2.5, Qwen3, Hermes): ``<tool_call>\\n{"name": ..., "arguments": {...}}\\n</tool_call>``,
   one block per call, text before the first block is content. When the JSON starts with the
   name (as these models write it), the arguments stream as they are generated;
-* ``qwen3_coder`` (Qwen3-Coder; Qwen3.5's templates too; ``parsers/qwen3_coder.py``): ``<tool_call>\\n<function=NAME>\\n<parameter=P>\\n``
-  ``VALUE\\n</parameter>\\n...</function>\\n</tool_call>``; a value is text, typed by the tool's JSON schema for it (vLLM's
-  rule: integer, number, boolean, object/array parsed, else the text), and the arguments stream a parameter at a time;
+* ``qwen3_coder`` (Qwen3-Coder; Qwen3.5's templates too; ``parsers/qwen3_coder.py``):
+  ``<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>``; a value
+  is text, typed by the tool's JSON schema for it (vLLM's rule: integer, number, boolean, object/array parsed, else
+  the text), and the arguments stream a parameter at a time;
 * ``mistral`` (Mistral-7B-Instruct-v0.3, Mixtral-8x22B-Instruct): content, then ``[TOOL_CALLS]`` (a special token,
   kept in such requests' text) and a JSON array of ``{"name", "arguments"}``; call ids of 9 letters and digits;
 * ``llama3_json`` (Llama 3.1/3.2): the whole output is ``{"name": ..., "parameters": {...}}``
@@ -393,7 +394,7 @@ class MistralParser(Llama3JsonParser):
     then ``[TOOL_CALLS]`` and the calls as a JSON array of ``{"name", "arguments"}`` objects, each streamed as
     llama3_json's. Call ids are 9 letters and digits: the templates refuse any other id in the calls sent back."""
 
-    TOKEN = "[TOOL_CALLS]"  # a special token: such requests keep special tokens in their text (``needs_special_tokens``)
+    TOKEN = "[TOOL_CALLS]"  # a special token: such requests keep special tokens in their text (NEEDS_SPECIAL_TOKENS)
     SEPARATORS = " \t\r\n,[]"
 
     @staticmethod
@@ -407,7 +408,8 @@ class MistralParser(Llama3JsonParser):
             i = self._buffer.find(self.TOKEN)
             if i < 0:
                 keep = 0 if final else partial_suffix_len(self._buffer, (self.TOKEN,))
-                out.content, self._buffer = self._buffer[: len(self._buffer) - keep], self._buffer[len(self._buffer) - keep:]
+                cut = len(self._buffer) - keep
+                out.content, self._buffer = self._buffer[:cut], self._buffer[cut:]
                 return out
             out.content, self._buffer, self._mode = self._buffer[:i], self._buffer[i + len(self.TOKEN):], "calls"
             self._text = self.TOKEN + self._buffer  # content after all if no call parses

@@ -276,7 +276,8 @@ class Scheduler:
         # vector too: the sequence is pooled there).
         sampled = [req.num_cached + n == req.num_tokens + req.pending for req, n in scheduled]
         seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages, pooled=last and req.params.pooling is not None,
-                              lora=self.engine.lora_slot(req.params.lora)) for (req, n), last in zip(scheduled, sampled)]
+                              lora=self.engine.lora_slot(req.params.lora))
+                for (req, n), last in zip(scheduled, sampled)]
         vocab = self.engine.model_config.vocab_size
         sampling = SamplingBatch.build(params, [req.seed for req, _ in scheduled], steps, vocab, self.engine.device)
         if any(p.edits_logits for p in params):

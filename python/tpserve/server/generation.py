@@ -43,7 +43,8 @@ class Generation:
         self.choices = {rid: Choice(i, rid, RequestTimer(metrics, shown)) for i, rid in enumerate(rids)}
         self._watch = [time.monotonic()] if within is None else within._watch  # when the client was last looked at
         self._timeout = timeout if within is None else within._timeout
-        self._deadline = (None if timeout is None else time.monotonic() + timeout) if within is None else within._deadline
+        own_deadline = None if timeout is None else time.monotonic() + timeout
+        self._deadline = own_deadline if within is None else within._deadline
 
     async def start(self) -> None:
         await self._frontend.submit(self._requests, self._queue)

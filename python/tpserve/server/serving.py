@@ -47,7 +47,7 @@ class Serving:
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
     priority_scheduling: bool = False  # --schedule-policy priority: requests may give a priority other than 0
     prompts: TokenizeService | None = None  # the tokenizer in this process: a beam search's prompts and beams' text
-    lora_adapters: tuple[str, ...] = ()  # LoRA adapters' names (--lora-modules): a generation request's model may be one
+    lora_adapters: tuple[str, ...] = ()  # LoRA adapters' names (--lora-modules): a generation request may name one
 
     def include_usage(self, body: ChatCompletionRequest | CompletionRequest) -> bool:
         """A stream ends with its usage: asked for, or forced (--enable-force-include-usage)."""
