@@ -90,7 +90,8 @@ def test_a_beam_search_past_its_deadline_names_the_request_timeout(qwen3_dir):
     with pytest.raises(APIError, match=r"did not finish within 0.1 s \(--request-timeout\)") as e:
         beam_call(qwen3_dir, frontend, None, timeout=0.1)
     assert e.value.status == 504
-    assert frontend.aborted == [req.rid for req in frontend.submitted[-2:]]
+    # the step in flight's unfinished requests (one of its two may have answered before the deadline)
+    assert frontend.aborted and set(frontend.aborted) <= {req.rid for req in frontend.submitted[-2:]}
 
 
 def test_a_beam_search_for_a_lora_adapter_runs_its_steps_with_it(qwen3_dir):
