@@ -44,6 +44,25 @@ def test_bf16_adapter_batches_run_eagerly_near_peft(model_and_adapter, batch):
     expected, logits = peft_greedy(model_dir, adapter, prompts[0], 6)
     reference = torch.log_softmax(logits, dim=-1)
     first = mixed[0]
-    assert first.token_ids[0] == expected[0] and first.token_ids != base[0]
-    worst = max(abs(v - float(reference[0, t])) for t, v in zip(first.token_ids[:1], first.token_logprobs[:1]))
-    assert worst < 5e-2, worst
+    assert first.token_ids != base[0]
+    agree = next((i for i, (a, b) in enumerate(zip(first.token_ids, expected)) if a != b), len(expected))
+    assert agree >= 3, (first.token_ids, expected)  # the prefill's token and at least two decode steps'
+    # bf16 rounding moves this model's log-probabilities by up to ~0.25 (PEFT's own bf16 model on these steps), while
+    # the adapter moves each chosen token's by 2-10 nats: an adapter missed, doubled or misplaced in a step is off by
+    # about the whole shift, a correct one in bf16 by a few percent of it
+    ids = list(prompts[0])
+    for step in range(agree):
+        token = expected[step]
+        shift = abs(float(reference[step, token]) - float(base_log_softmax(model_dir, ids)[token]))
+        error = abs(first.token_logprobs[step] - float(reference[step, token]))
+        assert shift > 1.0 and error < min(0.35, shift / 4), (step, error, shift)
+        ids.append(token)
+
+
+def base_log_softmax(model_dir: str, prompt: list[int]) -> torch.Tensor:
+    """The base model's (transformers, float32) next-token log-probabilities after ``prompt``."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    with torch.inference_mode():
+        return torch.log_softmax(model(torch.tensor([prompt])).logits[0, -1].float(), dim=-1)
