@@ -25,7 +25,9 @@ class LoRAWeights:
         self.b = torch.zeros(slots, out_features, parts * max_rank, device=device, dtype=dtype)
 
     def delta(self, x: torch.Tensor, batch: LoRABatch) -> torch.Tensor:
-        """The adapters' sum over ``x`` [T, in]: each token through its own slot's (a token of slot 0 adds 0)."""
+        """The adapters' sum over ``x`` [T, in]: each token through its own slot's (a token of slot 0 adds 0).
+        Each slot masks the whole input rather than gathering its rows: a gather needs the rows' count on the host,
+        a sync per layer, and the masked product is rank-sized (``max_rank`` columns), small beside the layer's."""
         out = None
         for slot in batch.slots:
             mine = x * (batch.ids == slot).to(x.dtype)[:, None]

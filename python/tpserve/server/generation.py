@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import math
 import time
+from dataclasses import dataclass, field
 from typing import Any, Awaitable, Callable
 
 from tpserve.message.frontend import ApiOutput, RequestRejected, TokenizeRequest
@@ -14,6 +15,13 @@ from tpserve.server.formats import Choice
 from tpserve.server.metrics import RequestTimer, ServerMetrics
 
 DISCONNECT_POLL_S = 1.0
+
+
+@dataclass
+class _ClientWatch:
+    """When the client was last asked whether it is still connected; shared by a call's generations."""
+
+    last: float = field(default_factory=time.monotonic)
 
 
 class Generation:
@@ -41,7 +49,7 @@ class Generation:
         self._queue: asyncio.Queue[BackendEvent] = asyncio.Queue()
         rids = [rid for req in requests for rid in req.choice_rids]
         self.choices = {rid: Choice(i, rid, RequestTimer(metrics, shown)) for i, rid in enumerate(rids)}
-        self._watch = [time.monotonic()] if within is None else within._watch  # when the client was last looked at
+        self._watch = _ClientWatch() if within is None else within._watch
         self._timeout = timeout if within is None else within._timeout
         own_deadline = None if timeout is None else time.monotonic() + timeout
         self._deadline = own_deadline if within is None else within._deadline
@@ -83,8 +91,8 @@ class Generation:
             if self._deadline is not None and now >= self._deadline:
                 raise APIError(504, f"the request did not finish within {self._timeout:g} s (--request-timeout)",
                                type="server_error", code="request_timeout")
-            if is_disconnected is not None and now - self._watch[0] >= DISCONNECT_POLL_S:
-                self._watch[0] = now
+            if is_disconnected is not None and now - self._watch.last >= DISCONNECT_POLL_S:
+                self._watch.last = now
                 if await is_disconnected():
                     raise ClientGone()
             wait = DISCONNECT_POLL_S if is_disconnected is not None else None
