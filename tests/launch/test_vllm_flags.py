@@ -166,3 +166,18 @@ def test_vllm_server_flags_reach_the_server(qwen3_dir, capsys):
     assert "role of chat answers is assistant" in vllm_error([qwen3_dir, "--response-role", "bot"], capsys)
     assert "--chat-template-content-format openai" in vllm_error(
         [qwen3_dir, "--chat-template-content-format", "openai"], capsys)
+
+
+def test_chat_template_defaults_load_tracking_and_graph_size_flags(qwen3_dir, capsys):
+    args = parse_args([qwen3_dir, "--device", "cpu", "--default-chat-template-kwargs", '{"enable_thinking": false}',
+                       "--exclude-tools-when-tool-choice-none", "--enable-server-load-tracking",
+                       "--max-cudagraph-capture-size", "16"])
+    assert args.default_chat_template_kwargs == {"enable_thinking": False} and args.exclude_tools_when_tool_choice_none
+    assert args.enable_server_load_tracking and args.engine.cuda_graph_max_bs == 16
+    plain = parse_args([qwen3_dir, "--device", "cpu"])
+    assert plain.default_chat_template_kwargs is None and not plain.exclude_tools_when_tool_choice_none
+    assert not plain.enable_server_load_tracking
+    assert "must be a JSON object" in vllm_error([qwen3_dir, "--default-chat-template-kwargs", "[1]"], capsys)
+    with pytest.raises(SystemExit):
+        parse_args([qwen3_dir, "--default-chat-template-kwargs", '{"tools": [], "messages": []}'])
+    assert "--default-chat-template-kwargs may not set messages, tools" in capsys.readouterr().err

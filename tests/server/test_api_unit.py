@@ -1250,3 +1250,49 @@ def test_malformed_tool_messages_and_calls_are_a_400(message, fragment):
     assert c.post(CHAT, json={"messages": [*USER, legacy]}).status_code == 200
     bad_tool = {"type": "function", "function": {"name": "f", "description": 5}}
     assert_error(c.post(CHAT, json={"messages": USER, "tools": [bad_tool]}), 400, "description must be a string", "tools")
+
+
+def test_default_chat_template_kwargs_reach_tokenize(qwen3_dir):
+    """--default-chat-template-kwargs renders /tokenize's chats as the tokenizer workers render chat's; a request's
+    reasoning_effort (or chat_template_kwargs) still wins."""
+    args = ServerArgs(engine=EngineConfig(model=qwen3_dir), served_model_name=MODEL, context_len=128,
+                      vocab_size=700, default_chat_template_kwargs={"enable_thinking": False})
+    c = TestClient(create_app(AppState(args)))
+    from tpserve.tokenizer.loader import load_tokenizer
+
+    tok = load_tokenizer(qwen3_dir)
+    assert tok.decode(c.post("/tokenize", json={"messages": USER}).json()["tokens"]).endswith("<think>\n\n</think>\n\n")
+    thinking = c.post("/tokenize", json={"messages": USER, "reasoning_effort": "high"}).json()
+    assert tok.decode(thinking["tokens"]) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_tool_choice_none_renders_no_tools_with_the_flag():
+    """vLLM's --exclude-tools-when-tool-choice-none: the template gets no tools when tool_choice is "none" (by
+    default it gets them, and any other tool_choice keeps them)."""
+    c, stub = make_client()
+    assert c.post(CHAT, json={"messages": USER, "tools": WEATHER, "tool_choice": "none"}).status_code == 200
+    assert stub.submitted[-1].tools == template_tools(WEATHER)
+    c, stub = make_client(exclude_tools_when_tool_choice_none=True, tool_call_parser="hermes")
+    assert c.post(CHAT, json={"messages": USER, "tools": WEATHER, "tool_choice": "none"}).status_code == 200
+    assert stub.submitted[-1].tools is None
+    assert c.post(CHAT, json={"messages": USER, "tools": WEATHER, "tool_choice": "auto"}).status_code == 200
+    assert stub.submitted[-1].tools == template_tools(WEATHER)
+
+
+@pytest.mark.parametrize("tracking", [False, True])
+def test_load_counts_the_calls_in_flight(tracking):
+    """vLLM's GET /load: with --enable-server-load-tracking, the generating and pooling calls in flight (a stream
+    until its last chunk); 0 without the flag."""
+    args = ServerArgs(engine=EngineConfig(model="/nonexistent"), served_model_name=MODEL, context_len=128,
+                      vocab_size=700, enable_server_load_tracking=tracking)
+    state = AppState(args)
+    state.serving = Serving(StubFrontend(), state.metrics, MODEL, LIMITS)  # type: ignore[arg-type]
+    c = TestClient(create_app(state))
+    seen = []
+    with c.stream("POST", CHAT, json={"messages": USER, "stream": True}) as resp:
+        for _ in resp.iter_lines():
+            seen.append(c.get("/load").json()["server_load"])
+    assert seen and set(seen) == ({1} if tracking else {0})
+    assert c.get("/load").json() == {"server_load": 0}
+    assert_error(c.post(CHAT, json={"messages": "no"}), 400)
+    assert c.get("/load").json() == {"server_load": 0}  # a refused call counted only while it ran

@@ -297,3 +297,14 @@ def test_documents_reach_the_chat_template(qwen3_tokenizer):
     docs = [{"title": "Paris", "text": "Sunny."}]
     text = preparer.render_chat(req(messages=[{"role": "user", "content": "hi"}], documents=docs, chat_template=template))
     assert text == "[Paris] Sunny.\nhi"
+
+
+def test_default_template_kwargs_sit_under_the_requests(tiny_tokenizer):
+    """--default-chat-template-kwargs (vLLM's and SGLang's): every chat gets them unless its request sets them."""
+    limits = PromptLimits(context_len=64, vocab_size=700)
+    preparer = PromptPreparer(tiny_tokenizer, limits, default_template_kwargs={"enable_thinking": False})
+    msgs = [{"role": "user", "content": "hi"}]
+    by_default = tiny_tokenizer.decode(preparer.prepare(req(messages=msgs)).generate.input_ids)
+    assert by_default.endswith("<think>\n\n</think>\n\n")
+    asked = preparer.prepare(req(messages=msgs, chat_template_kwargs={"enable_thinking": True})).generate.input_ids
+    assert tiny_tokenizer.decode(asked) == "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n"

@@ -55,3 +55,14 @@ def test_short_requests_overtake_a_long_one(qwen3_dir):
     finally:
         ctx.destroy(linger=0)
         shutil.rmtree(endpoints.directory, ignore_errors=True)
+
+
+def test_the_workers_render_with_the_servers_default_template_kwargs(qwen3_dir):
+    """--default-chat-template-kwargs reaches each worker's preparer through its TokenizerConfig."""
+    from tpserve.tokenizer.worker import _preparer
+
+    limits = PromptLimits(context_len=10**4, vocab_size=10**6)
+    chat = TokenizeRequest(rid=1, params=SamplingParams(max_tokens=1), messages=[{"role": "user", "content": "hi"}])
+    plain = _preparer(TokenizerConfig(qwen3_dir, limits)).render_chat(chat)
+    off = _preparer(TokenizerConfig(qwen3_dir, limits, default_template_kwargs={"enable_thinking": False}))
+    assert off.render_chat(chat) == plain + "<think>\n\n</think>\n\n"

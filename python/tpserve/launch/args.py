@@ -30,6 +30,7 @@ from tpserve.router.policy import LOAD_BALANCE_METHODS
 from tpserve.tokenizer.loader import (
     check_chat_template, has_tokenizer_files, load_tokenizer, missing_tokenizer_message,
 )
+from tpserve.tokenizer.prepare import RESERVED_TEMPLATE_KWARGS
 
 DEFAULT_SCHEDULER_ENTRY = "tpserve.scheduler.process:run_scheduler"
 DEMO_MODEL_NAME = "tpserve-tiny-random"
@@ -58,10 +59,13 @@ class ServerArgs:
     model_aliases: tuple[str, ...] = ()  # the other --served-model-name values
     chat_template: str | None = None  # --chat-template's text (None: the model's own)
     trust_request_chat_template: bool = False  # a request's own chat_template is rendered (else a 400)
+    default_chat_template_kwargs: dict[str, Any] | None = None  # under each request's chat_template_kwargs
+    exclude_tools_when_tool_choice_none: bool = False  # vLLM's: tool_choice "none" renders no tools
     tool_call_parser: str | None = None  # resolved from --tool-call-parser (auto: from the template)
     reasoning_parser: str | None = None
     return_tokens_as_token_ids: bool = False  # vLLM's: every request's logprobs name their tokens "token_id:N"
     enable_force_include_usage: bool = False  # vLLM's: every stream ends with its usage chunk
+    enable_server_load_tracking: bool = False  # vLLM's: GET /load counts the calls in flight
     root_path: str = ""  # vLLM's (uvicorn's): the path prefix a proxy serves the API under
     allowed_origins: tuple[str, ...] = ()  # CORS: none (browsers on other origins are refused)
     allowed_methods: tuple[str, ...] = ("*",)
@@ -122,6 +126,13 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--trust-request-chat-template", action="store_true",
                        help="render a request's own chat_template (vLLM's field; a 400 without this flag): the "
                        "template runs in Jinja's sandbox in the tokenizer workers, so only for trusted clients")
+    model.add_argument("--default-chat-template-kwargs", type=json_object_arg, default=None, metavar="JSON",
+                       help="chat template arguments every chat gets unless its request's chat_template_kwargs "
+                       "set them (vLLM's and SGLang's flag), e.g. '{\"enable_thinking\": false}' to switch Qwen3's "
+                       "thinking off by default; a request's reasoning_effort still switches it")
+    model.add_argument("--exclude-tools-when-tool-choice-none", action="store_true",
+                       help="a chat with tool_choice \"none\" renders its prompt without the tools (vLLM's flag; "
+                       "default: the tools are in the prompt, the model told not to call them)")
     model.add_argument("--tool-call-parser", choices=["auto", "none", *TOOL_CALL_PARSERS], default="auto",
                        help="how the model writes tool calls: hermes (Qwen2.5/Qwen3 <tool_call> JSON), "
                        "qwen3_coder (Qwen3-Coder's <function=...> XML, values typed by the tools' schemas), "
@@ -405,6 +416,9 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
     if ns.shell and engine.node_rank > 0:  # it ran headless, the flag quietly ignored
         raise ValueError(f"--shell runs on node 0; --node-rank {engine.node_rank} only runs its ranks: drop --shell")
     chat_template = _chat_template_flag(ns.chat_template) if ns.chat_template else None
+    reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(ns.default_chat_template_kwargs or {}))
+    if reserved:
+        raise ValueError(f"--default-chat-template-kwargs may not set {', '.join(reserved)}: a request gives them")
     context = ns.max_model_len or model_config.context_length  # a request can be no longer than the KV cache holds
     tool_parser = ns.tool_call_parser
     if tool_parser == "auto":

@@ -152,7 +152,7 @@ class Backend:
         children.append(("detokenizer", DETOKENIZER_ENTRY,
                          (args.model_dir, ep, self._ack_queue, self._heartbeat("the detokenizer"))))
         limits = PromptLimits(args.context_len, args.vocab_size)
-        tok_config = TokenizerConfig(args.model_dir, limits, args.chat_template)
+        tok_config = TokenizerConfig(args.model_dir, limits, args.chat_template, args.default_chat_template_kwargs)
         children += [
             (f"tokenizer-{i}", TOKENIZER_ENTRY, (tok_config, ep, self._ack_queue, i, self._heartbeat(f"tokenizer {i}")))
             for i in range(args.num_tokenizers)

@@ -59,8 +59,11 @@ async def serving_backend(
         state.serving = Serving(
             frontend, state.metrics, args.served_model_name,
             RequestLimits(args.context_len, args.max_sequences_per_request), args.model_aliases,
-            args.reasoning_parser, args.tool_call_parser, args.request_timeout, args.sampling_defaults,
-            args.trust_request_chat_template, args.head, tokens_as_ids=args.return_tokens_as_token_ids,
+            args.reasoning_parser, args.tool_call_parser, request_timeout=args.request_timeout,
+            sampling_defaults=args.sampling_defaults,
+            exclude_tools_when_tool_choice_none=args.exclude_tools_when_tool_choice_none,
+            trust_request_chat_template=args.trust_request_chat_template, head=args.head,
+            tokens_as_ids=args.return_tokens_as_token_ids,
             force_include_usage=args.enable_force_include_usage,
             priority_scheduling=args.engine.schedule_policy == "priority", prompts=state.tokenize_service(),
             lora_adapters=tuple(name for name, _ in args.engine.lora_modules),

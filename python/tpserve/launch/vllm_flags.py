@@ -119,6 +119,11 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
                        default=argparse.SUPPRESS, help="as --chunked-prefill-size")
     group.add_argument("--block-size", dest="page_size", type=int_at_least(1), default=argparse.SUPPRESS,
                        help="as --page-size")
+    group.add_argument("--max-cudagraph-capture-size", dest="cuda_graph_max_bs", type=int_at_least(0),
+                       default=argparse.SUPPRESS, help="as --cuda-graph-max-bs")
+    group.add_argument("--enable-server-load-tracking", action="store_true",
+                       help="GET /load answers {\"server_load\": N}: the chat, completions, embeddings, classify, "
+                       "score and rerank calls in flight (without this flag N stays 0, as in vLLM)")
     for flag, (dest, value, text) in _MAPPED.items():
         group.add_argument(flag, dest=dest, action="store_const", const=value, default=argparse.SUPPRESS, help=text)
     for flag, (_, _, what) in _SWITCHES.items():

@@ -16,7 +16,7 @@ import tpserve
 from tpserve.launch.args import ServerArgs
 from tpserve.server.errors import APIError, check_model_name
 from tpserve.server.limits import BodySizeLimit, RequestLimits
-from tpserve.server.metrics import CONTENT_TYPE, CountResponses, ServerMetrics
+from tpserve.server.metrics import CONTENT_TYPE, CountResponses, ServerMetrics, TrackServerLoad
 from tpserve.server.conversation_store import ConversationStore
 from tpserve.server.classify import ClassifyRequest, create_classification
 from tpserve.server.embeddings import EmbeddingRequest, create_embeddings
@@ -75,7 +75,8 @@ class AppState:
         if self.tokenize is None:
             limits = RequestLimits(self.args.context_len, self.args.max_sequences_per_request)
             self.tokenize = TokenizeService(self.args.model_dir, self.args.chat_template, limits,
-                                            self.args.trust_request_chat_template)
+                                            self.args.trust_request_chat_template,
+                                            self.args.default_chat_template_kwargs)
         return self.tokenize
 
 
@@ -249,6 +250,10 @@ def _admin_router() -> APIRouter:
             raise APIError(503, problem, type="server_error", code="backend_stalled")
         return JSONResponse({"status": "ok"})
 
+    @router.get("/load")  # vLLM's; 0 unless --enable-server-load-tracking
+    async def load(request: Request) -> dict[str, int]:
+        return {"server_load": _state(request).metrics.server_load}
+
     @router.get("/version")
     async def version() -> dict[str, str]:
         return {"version": tpserve.__version__}
@@ -290,6 +295,8 @@ def create_app(state: AppState) -> FastAPI:
     app.add_middleware(JsonByDefault)
     app.add_middleware(RequestIdHeader)
     app.add_middleware(CountResponses, metrics=state.metrics)  # sees the body-size limit's 413 too
+    if state.args.enable_server_load_tracking:
+        app.add_middleware(TrackServerLoad, metrics=state.metrics)
     args = state.args
     if args.allowed_origins:  # outside the others: a browser's preflight is answered before anything else runs
         app.add_middleware(CORSMiddleware, allow_origins=list(args.allowed_origins),

@@ -146,6 +146,7 @@ class ServerMetrics:
                              buckets=_LATENCY_BUCKETS, registry=r)
         r.register(_VllmNames([self._scheduler, self.prompt_tokens, self.generation_tokens, self.finished, self.ttft,
                                 self.itl, self.e2e], model_name))
+        self.server_load = 0  # generating and pooling calls in flight (TrackServerLoad), for GET /load
 
     def on_aborted_finish(self, finish_reason: str) -> None:
         """An aborted request's last output arrived: how did the scheduler end it?"""
@@ -193,6 +194,28 @@ class CountResponses:
             if not started:  # Starlette's outermost middleware answers it with a 500, past this one
                 self.metrics.http_responses.labels(status="500").inc()
             raise
+
+
+# vLLM's load-aware routes (its load_aware_call), as tpserve serves them
+LOAD_AWARE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/pooling", "/classify",
+                              "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"})
+
+
+class TrackServerLoad:
+    """ASGI middleware (--enable-server-load-tracking, vLLM's): ``metrics.server_load`` counts the calls to
+    ``LOAD_AWARE_PATHS`` in flight, a stream until its last chunk is sent, a refused call until its error is."""
+
+    def __init__(self, app: ASGIApp, metrics: ServerMetrics) -> None:
+        self.app, self.metrics = app, metrics
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http" or scope["path"].removeprefix(scope.get("root_path", "")) not in LOAD_AWARE_PATHS:
+            return await self.app(scope, receive, send)
+        self.metrics.server_load += 1
+        try:
+            await self.app(scope, receive, send)
+        finally:
+            self.metrics.server_load -= 1
 
 
 class RequestTimer:

@@ -38,6 +38,7 @@ class Serving:
     aliases: tuple[str, ...] = ()  # more names the model answers to (--served-model-name A B)
     reasoning_parser: str | None = None
     tool_call_parser: str | None = None
+    exclude_tools_when_tool_choice_none: bool = False  # vLLM's flag: tool_choice "none" renders no tools
     request_timeout: float | None = None  # seconds; None: no limit
     # for the sampling fields a request leaves unset (--generation-config)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
@@ -135,7 +136,8 @@ class Serving:
             chat_template_kwargs=template_kwargs,
             add_generation_prompt=body.add_generation_prompt,
             continue_final_message=body.continue_final_message,
-            tools=template_tools(body.tools),
+            tools=None if self.exclude_tools_when_tool_choice_none and body.tool_choice == "none"
+            else template_tools(body.tools),
             documents=body.documents,
             structured_param=body.structured_param,
             chat_template=body.chat_template,

@@ -20,8 +20,10 @@ class TokenizeService:
     loaded on first use, run off the event loop. Their inputs have the completion endpoints' size limits."""
 
     def __init__(self, model_dir: str, chat_template: str | None, limits: RequestLimits,
-                 trust_request_chat_template: bool = False) -> None:
+                 trust_request_chat_template: bool = False,
+                 default_template_kwargs: dict[str, Any] | None = None) -> None:
         self._model_dir = model_dir
+        self._default_template_kwargs = default_template_kwargs
         self._chat_template = chat_template
         self._limits = limits
         self._trust_request_chat_template = trust_request_chat_template
@@ -65,7 +67,8 @@ class TokenizeService:
 
     async def _preparer(self) -> PromptPreparer:
         tokenizer = await self._load()
-        return PromptPreparer(tokenizer, PromptLimits(self._limits.context_len, len(tokenizer)))
+        return PromptPreparer(tokenizer, PromptLimits(self._limits.context_len, len(tokenizer)),
+                              default_template_kwargs=self._default_template_kwargs)
 
     async def chat_ids(self, req: TokenizeRequest, add_special_tokens: bool = False) -> list[int]:
         """A chat request's prompt tokens, rendered and encoded as the tokenizer worker does (a

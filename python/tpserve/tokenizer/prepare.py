@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import random
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
@@ -110,12 +111,15 @@ def truncated_prompt(ids: list[int], params: SamplingParams, context_len: int) -
 
 class PromptPreparer:
     def __init__(
-        self, tokenizer: Any, limits: PromptLimits, rng: random.Random | None = None, chat_template: str | None = None
+        self, tokenizer: Any, limits: PromptLimits, rng: random.Random | None = None, chat_template: str | None = None,
+        default_template_kwargs: Mapping[str, Any] | None = None,
     ) -> None:
+        """``default_template_kwargs``: --default-chat-template-kwargs, under each request's own."""
         self._tokenizer = tokenizer
         self._limits = limits
         self._rng = rng or random.SystemRandom()
         self._chat_template = chat_template  # renders chats instead of the tokenizer's (LLM.chat's chat_template)
+        self._default_template_kwargs = dict(default_template_kwargs or {})
 
     def prepare(self, req: TokenizeRequest) -> PreparedRequest:
         input_ids, param, chat_text = self.input_ids(req)
@@ -208,7 +212,7 @@ class PromptPreparer:
         raise InvalidRequest("the request has no prompt", "prompt")
 
     def render_chat(self, req: TokenizeRequest) -> str:
-        kwargs = dict(req.chat_template_kwargs or {})
+        kwargs = self._default_template_kwargs | (req.chat_template_kwargs or {})  # the request's win, as vLLM's
         reserved = sorted(RESERVED_TEMPLATE_KWARGS.intersection(kwargs))
         if reserved:
             raise InvalidRequest(f"chat_template_kwargs may not set {', '.join(reserved)}", "chat_template_kwargs")

@@ -19,6 +19,7 @@ import multiprocessing
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Any
 
 import zmq
 
@@ -38,6 +39,7 @@ class TokenizerConfig:
     model_dir: str
     limits: PromptLimits
     chat_template: str | None = None  # replaces the model's (--chat-template)
+    default_template_kwargs: dict[str, Any] | None = None  # --default-chat-template-kwargs
 
 
 def run_tokenizer(
@@ -82,7 +84,8 @@ def run_tokenizer(
 
 
 def _preparer(config: TokenizerConfig) -> PromptPreparer:
-    return PromptPreparer(load_tokenizer(config.model_dir, config.chat_template), config.limits)
+    return PromptPreparer(load_tokenizer(config.model_dir, config.chat_template), config.limits,
+                          default_template_kwargs=config.default_template_kwargs)
 
 
 def _prepare(req: TokenizeRequest, preparer: PromptPreparer) -> list[PreparedRequest] | list[RequestRejected]:
