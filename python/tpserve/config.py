@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import logging
+import math
 import os
 from dataclasses import dataclass
 from typing import Any
@@ -27,6 +28,7 @@ SUPPORTED_ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
+    "GraniteForCausalLM": "granite",
     # the bare decoders (transformers' base models, as sentence-transformers saves embedding models such as
     # Qwen3-Embedding's): no LM head, so they serve embeddings only
     "Qwen3Model": "qwen3",
@@ -52,6 +54,10 @@ MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
 # Keys of other architectures' configs that change the math; tpserve implements none of them.
 UNSUPPORTED_IF_SET = ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "attention_multiplier")
+# Granite's scalars (transformers' GraniteConfig): the embedding times embedding_multiplier, each sublayer's output
+# times residual_multiplier before it joins the residual stream, attention_multiplier as the softmax scale, logits
+# divided by logits_scaling
+GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The spellings vLLM and SGLang users type (--dtype half, LLM(dtype="bf16")), mapped to tpserve's.
@@ -98,7 +104,7 @@ def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
     if kind not in ("qwen2", "qwen2_moe") and getattr(hf, "attention_bias", False):
         raise ValueError("attention_bias true (biases on q/k/v/o projections) is not supported")
     for key in UNSUPPORTED_IF_SET:
-        if cfg.get(key) is not None:
+        if cfg.get(key) is not None and not (kind == "granite" and key in GRANITE_SCALARS):
             raise ValueError(f"{key} is not supported")
     clip = getattr(hf, "clip_qkv", None)  # OLMoE's optional clamp of q, k and v (a float: transformers checks the type)
     if clip is not None and (kind != "olmoe" or clip <= 0):
@@ -200,6 +206,17 @@ def _context_length(rope: dict[str, Any], max_positions: int, window: int | None
     return length
 
 
+def _granite_scalars(hf: Any) -> dict[str, float]:
+    """Granite's GRANITE_SCALARS, each a finite number other than 0."""
+    values = {}
+    for key in GRANITE_SCALARS:
+        value = getattr(hf, key)
+        if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value == 0:
+            raise ValueError(f"config.json: {key} must be a finite number other than 0, got {value!r}")
+        values[key] = float(value)
+    return values
+
+
 @dataclass(frozen=True)
 class ModelConfig:
     architecture: str
@@ -226,6 +243,15 @@ class ModelConfig:
     classifier: ClassifierConfig | None = None  # a sequence classifier's classes and rules; None: not one
     projection_qk_norm: bool = False  # OLMoE: RMSNorm over the whole q and k projections (every head) before rotary
     clip_qkv: float | None = None  # OLMoE: q, k and v clamped to [-clip_qkv, clip_qkv] after those norms
+    # Granite's scalars (GRANITE_SCALARS); the others' are these defaults
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float | None = None  # the softmax scale; None: head_dim ** -0.5
+    logits_scaling: float = 1.0
+
+    @property
+    def attention_scale(self) -> float:
+        return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier
 
     @property
     def labels(self) -> tuple[str, ...]:
@@ -307,6 +333,7 @@ class ModelConfig:
             classifier=classifier_config(cfg, hf) if classifier else None,
             projection_qk_norm=kind == "olmoe",
             clip_qkv=None if getattr(hf, "clip_qkv", None) is None else float(hf.clip_qkv),
+            **(_granite_scalars(hf) if kind == "granite" else {}),
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size", expert_parallel: bool = False) -> None:

@@ -24,6 +24,8 @@ ARCHS = [
     ("qwen2_moe", {"num_layers": 3, "norm_topk_prob": False}),
     ("mixtral", {}),  # every layer sparse, Mixtral's checkpoint names (block_sparse_moe, w1/w3/w2)
     ("olmoe", {"norm_topk_prob": False}),  # every layer sparse, q/k RMSNorms over the whole projections, the top k not renormalised
+    # Granite 3's embedding, residual, attention and logits scalars; tied embeddings as Granite 3's
+    ("granite", {"tie_word_embeddings": True}),
 ]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 137))]
 
@@ -80,6 +82,7 @@ def test_logits_and_greedy_match_transformers(tiny_model_factory, arch, kwargs):
         (2, "olmoe", {"norm_topk_prob": False}, {}),  # the q/k norms' sums of squares all-reduced
         (4, "olmoe", {"norm_topk_prob": False}, {}),  # and the 2 KV heads' counted once though each is on 2 ranks
         (2, "olmoe", {"norm_topk_prob": False}, {"expert_parallel": True}),
+        (2, "granite", {"tie_word_embeddings": True}, {}),  # the residual multiplier in each rank's o/down shard
     ],
     ids=str,
 )

@@ -15,14 +15,16 @@ class AttentionBackend(ABC):
     supports_cuda_graphs = False  # whether cuda_graph_metadata/plan_cuda_graph are implemented
 
     def __init__(
-        self, pool: KVCachePool, num_heads: int, num_kv_heads: int, head_dim: int, fused_rope_store: bool = False
+        self, pool: KVCachePool, num_heads: int, num_kv_heads: int, head_dim: int, fused_rope_store: bool = False,
+        scale: float | None = None,
     ) -> None:
+        """``scale``: the softmax scale (None: head_dim ** -0.5; Granite's attention_multiplier)."""
         self.pool = pool
         self.fused_rope_store = fused_rope_store  # layers call forward_fused (chosen by the engine)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
-        self.scale = head_dim**-0.5
+        self.scale = head_dim**-0.5 if scale is None else scale
 
     def describe(self) -> str:
         """The kernels in use, for the engine's start-up log."""

@@ -38,13 +38,16 @@ def create_backend(
     device: torch.device,
     fused_rope_store: bool = False,
     decode_attention: str = "auto",
+    scale: float | None = None,
 ) -> AttentionBackend:
+    """``scale``: the softmax scale (None: head_dim ** -0.5)."""
     if resolve_backend_name(name, device, pool.compute_dtype) == "flashinfer":
         return FlashInferAttentionBackend(
-            pool, num_heads, num_kv_heads, head_dim, device, fused_rope_store, decode_kernel=decode_attention
+            pool, num_heads, num_kv_heads, head_dim, device, fused_rope_store, decode_kernel=decode_attention,
+            scale=scale,
         )
     if decode_attention in ("xqa", "triton"):
         raise ValueError(
             f"decode attention {decode_attention} is a kernel of the flashinfer attention backend, which is not in use"
         )
-    return TorchAttentionBackend(pool, num_heads, num_kv_heads, head_dim, fused_rope_store)
+    return TorchAttentionBackend(pool, num_heads, num_kv_heads, head_dim, fused_rope_store, scale)

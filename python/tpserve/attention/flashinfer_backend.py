@@ -147,8 +147,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         fused_rope_store: bool = False,
         decode_tensor_cores: bool | None = None,
         decode_kernel: str = "auto",
+        scale: float | None = None,
     ) -> None:
-        super().__init__(pool, num_heads, num_kv_heads, head_dim, fused_rope_store)
+        super().__init__(pool, num_heads, num_kv_heads, head_dim, fused_rope_store, scale)
         if device.type != "cuda":
             raise ValueError(f"the flashinfer attention backend needs a CUDA device, got {device}")
         self.dtype = pool.compute_dtype  # of q and the output; the cache's is pool.dtype

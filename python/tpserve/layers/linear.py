@@ -99,6 +99,7 @@ class ParallelLinear(nn.Module):
         self.bf16_gemv = False  # bf16 weight: the CUDA GEMV at one token (kernels.gemv)
         self.row_scales = False  # FP8 scales per output row or tensor (compressed-tensors), not per block
         self.lora: LoRAWeights | None = None  # LoRA adapters' slots (tpserve.lora), where one adapts this layer
+        self.output_multiplier = 1.0  # Granite's residual_multiplier, folded into the weights (models/loader.py)
 
     def use_fp8(self, block_size: tuple[int, int], prequantized: bool, row_scales: bool = False) -> None:
         """Hold the weight in FP8 (loaded so if ``prequantized``); called before materialising. ``row_scales``: the

@@ -102,7 +102,8 @@ def _load_adapter(layers: dict[str, nn.Module], slot: int, path: str, config: Ad
                 lora.a[slot, rows].copy_(loaded.to(lora.a.dtype))
             else:
                 piece = layer.part(shard_id) if layer.split_dim == 0 else None
-                loaded = loaded.float() * config.scale  # scaled in float32, then rounded once (a bf16 adapter too)
+                # scaled in float32, then rounded once (a bf16 adapter too); a Granite layer's residual_multiplier too
+                loaded = loaded.float() * (config.scale * layer.output_multiplier)
                 if piece is not None:
                     lora.b[slot, piece.dest : piece.dest + piece.size, rows].copy_(
                         piece.cut(loaded, 0, 2, name).to(lora.b.dtype))

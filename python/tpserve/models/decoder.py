@@ -132,10 +132,13 @@ class DecoderBody(nn.Module):
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
         self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, comm) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embedding_multiplier = cfg.embedding_multiplier
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor | PendingNorm:
         """The final hidden states, normed or (``PendingNorm``) with the final norm left to the LM head."""
         x = self.embed_tokens(ctx.inputs.input_ids)
+        if self.embedding_multiplier != 1.0:  # Granite's
+            x = x * self.embedding_multiplier
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
@@ -159,10 +162,15 @@ class CausalLM(nn.Module):
         hidden = self.model(ctx)
         rows, pooled = ctx.inputs.last_indices, ctx.inputs.pooled_rows
         if rows is None and pooled is None:  # one token a sequence: the head may norm its input as it reads it
-            return self.lm_head(hidden)
+            return self._scaled(self.lm_head(hidden))
         head_in = hidden.value() if isinstance(hidden, PendingNorm) else hidden
         if rows is not None:
             head_in = head_in[rows]
         if pooled is not None:
             ctx.pooled = head_in[pooled] if self.score is None else self.score(head_in[pooled])
-        return self.lm_head(head_in)
+        return self._scaled(self.lm_head(head_in))
+
+    def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        """Granite's logits divided by logits_scaling (after the head, as transformers divides them)."""
+        scaling = self.config.logits_scaling
+        return logits if scaling == 1.0 else logits / scaling

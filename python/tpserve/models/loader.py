@@ -311,6 +311,24 @@ def init_dummy(model: CausalLM, seed: int) -> None:
                 param.normal_(0.0, 0.02, generator=generator)
 
 
+def fold_residual_multiplier(model: CausalLM) -> None:
+    """Granite's residual_multiplier, folded into the projections whose outputs join the residual stream (o_proj,
+    down_proj): ``residual + m * (W x + b)`` is ``residual + (m W) x + m b``, so the fused GEMVs that add their output
+    to the residual need no change. An FP8 weight's scales take it. Its LoRA adapters' B take it too
+    (``output_multiplier``, read by ``models/adapters.py``)."""
+    m = model.config.residual_multiplier
+    if m == 1.0:
+        return
+    with torch.no_grad():
+        for name, module in model.named_modules():
+            if not (isinstance(module, ParallelLinear) and name.endswith((".o_proj", ".down_proj"))):
+                continue
+            (module.weight if module.weight_scale_inv is None else module.weight_scale_inv).mul_(m)
+            if module.bias is not None:
+                module.bias.mul_(m)
+            module.output_multiplier = m
+
+
 def load_model_weights(
     model: CausalLM, model_dir: str, load_format: str, device: torch.device, dtype: torch.dtype, seed: int, show_progress: bool
 ) -> None:
@@ -319,6 +337,7 @@ def load_model_weights(
         init_dummy(model, seed)
     else:
         load_safetensors(model, model_dir, show_progress)
+    fold_residual_multiplier(model)
     for module in model.modules():
         finish_loading = getattr(module, "finish_loading", None)
         if finish_loading is not None:

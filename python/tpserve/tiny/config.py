@@ -17,7 +17,11 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
+    "granite": "GraniteForCausalLM",
 }
+# Granite 3's scalars (granite-3.3-8b-instruct's config.json), which each change the tokens
+GRANITE_SCALARS = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
+                   "logits_scaling": 16.0}
 MOE_ARCHITECTURES = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 ALL_SPARSE = ("mixtral", "olmoe")  # every layer sparse, the experts intermediate_size wide
 
@@ -114,6 +118,8 @@ def model_config(
     }
     if arch != "qwen2":
         cfg["head_dim"] = head_dim
+    if arch == "granite":
+        cfg.update(GRANITE_SCALARS)
     if arch in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         cfg["max_window_layers"] = num_layers
     if arch in MOE_ARCHITECTURES:
