@@ -132,7 +132,12 @@ class BeamSearch:
             beam.finish_reason = beam.finish_reason or "length"
         return best
 
+    def token_ids(self, beam: BeamSearchSequence) -> list[int]:
+        """A beam's generated tokens as vLLM's API returns them, its usage counting these: a closing EOS only where
+        the search kept it (include_stop_str_in_output), unlike a plain request's, which counts its EOS."""
+        return beam.tokens[self.prompt_len :]
+
     def generated(self, beam: BeamSearchSequence) -> list[int]:
-        """A beam's generated tokens, less a closing EOS (its text leaves it out, as vLLM's)."""
-        tokens = beam.tokens[self.prompt_len :]
+        """A beam's generated tokens, less a closing EOS (its text leaves it out, kept or not, as vLLM's)."""
+        tokens = self.token_ids(beam)
         return tokens[:-1] if beam.stop_reason is not None and tokens and tokens[-1] == beam.stop_reason else tokens

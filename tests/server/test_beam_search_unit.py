@@ -60,14 +60,15 @@ class GoneClient:
 
 
 def beam_call(qwen3_dir, frontend: StepFrontend, client: GoneClient | None, timeout: float | None = None,
-              max_tokens: int = 2000, lora: str | None = None, logprobs: int | None = None):
+              max_tokens: int = 2000, lora: str | None = None, logprobs: int | None = None,
+              beam: BeamSearchParams | None = None):
     limits = RequestLimits(context_len=4096, max_sequences=8)
     serving = Serving(frontend, ServerMetrics(), "m", limits, request_timeout=timeout,  # type: ignore[arg-type]
                       prompts=TokenizeService(qwen3_dir, None, limits))
     params = SamplingParams(max_tokens=max_tokens, lora=lora, logprobs=logprobs)
     req = TokenizeRequest(rid=frontend.new_rid(), params=params,
                           input_ids=[5, 6, 7], more_choices=[(frontend.new_rid(), None)])
-    beam = BeamSearchParams(beam_width=2, max_tokens=max_tokens, ignore_eos=True)
+    beam = beam or BeamSearchParams(beam_width=2, max_tokens=max_tokens, ignore_eos=True)
     fmt = CompletionFormat("m", logprobs=logprobs is not None)
     return asyncio.run(serving.run([req], fmt, False, client, 2, beam=beam))  # type: ignore[arg-type]
 
@@ -112,3 +113,35 @@ def test_a_beam_search_shows_the_top_logprobs_asked_past_twice_its_width(qwen3_d
     choices = json.loads(response.body)["choices"]
     assert all(len(top) >= 7 for choice in choices for top in choice["logprobs"]["top_logprobs"])
     assert [choice["logprobs"]["tokens"] for choice in choices] == [["a", "a", "a"], ["a", "a", "t0"]]
+
+
+class EosFrontend(StepFrontend):
+    """Answers each step with token 10, EOS the likeliest of its alternatives."""
+
+    def __init__(self, eos: int) -> None:
+        super().__init__()
+        self.eos = eos
+
+    async def submit(self, requests: list[TokenizeRequest], queue: asyncio.Queue) -> None:
+        self.submitted += requests
+        for req in requests:
+            top = [self.eos, 11, 12, 13]
+            step = TokenLogprob("a", -0.5, [(f"t{i}", b"t", -0.1 - i) for i in range(len(top))], b"a", 10, top)
+            out = ApiOutput(rid=req.rid, text="a", new_tokens=1, completion_tokens=1, prompt_tokens=len(req.input_ids),
+                            finish_reason="length", logprobs=[step])
+            asyncio.get_running_loop().call_later(STEP_S, queue.put_nowait, out)
+
+
+@pytest.mark.parametrize("keep_eos", [False, True])
+def test_a_beam_ended_by_eos_counts_its_eos_only_where_it_is_kept(qwen3_dir, keep_eos):
+    """vLLM's beam search returns an EOS-ended beam's tokens without its EOS (with it under
+    include_stop_str_in_output), its text without it either way, and its usage counts those tokens (len(token_ids));
+    the EOS was counted always, as a plain request's is."""
+    eos = asyncio.run(TokenizeService(qwen3_dir, None, RequestLimits(context_len=4096, max_sequences=8)).eos_token_id())
+    params = BeamSearchParams(beam_width=2, max_tokens=1, include_stop_str_in_output=keep_eos)
+    response = beam_call(qwen3_dir, EosFrontend(eos), None, max_tokens=1, logprobs=1, beam=params)
+    body = json.loads(response.body)
+    ended, live = body["choices"]
+    assert (ended["finish_reason"], ended["text"], live["finish_reason"], live["text"]) == ("stop", "", "length", "+")
+    assert len(ended["logprobs"]["tokens"]) == int(keep_eos) and len(live["logprobs"]["tokens"]) == 1
+    assert body["usage"]["completion_tokens"] == 1 + int(keep_eos)

@@ -84,13 +84,13 @@ class BeamGeneration(Generation):
 
     async def _output(self, rid: int, search: BeamSearch, beam: BeamSearchSequence,
                       prompt_in_reasoning: bool | None) -> ApiOutput:
-        generated = search.generated(beam)
+        tokens = search.token_ids(beam)  # vLLM's usage and logprobs: an EOS that ended it only where it was kept
         logprobs = None
         if self._top_logprobs is not None:
-            logprobs = [_chosen(record, token, self._top_logprobs) for record, token in zip(beam.logprobs, generated)]
-        steps = len(beam.logprobs)  # the tokens it generated, a closing EOS included
-        return ApiOutput(rid=rid, text=await self._prompts.decode(generated, generated=True), new_tokens=steps,
-                         completion_tokens=steps, prompt_tokens=search.prompt_len, finish_reason=beam.finish_reason,
+            logprobs = [_chosen(record, token, self._top_logprobs) for record, token in zip(beam.logprobs, tokens)]
+        text = await self._prompts.decode(search.generated(beam), generated=True)
+        return ApiOutput(rid=rid, text=text, new_tokens=len(tokens), completion_tokens=len(tokens),
+                         prompt_tokens=search.prompt_len, finish_reason=beam.finish_reason,
                          matched_stop=beam.stop_reason, logprobs=logprobs, prompt_in_reasoning=prompt_in_reasoning)
 
 
