@@ -333,6 +333,56 @@ def test_mistral_text_without_calls_is_content(text, content):
         assert (got, calls) == (content, [])
 
 
+MISTRAL_V11 = ('Sure.[TOOL_CALLS]get_weather{"city": "Paris", "days": [1, 2]}'
+               '[TOOL_CALLS]search[ARGS]{"q": "a]b,c [TOOL"}')
+
+
+def test_mistral_v11_calls_in_any_chunking():
+    """v11+ Mistral tokenizers write each call as [TOOL_CALLS], its name ([ARGS] after it in some templates) and its
+    arguments' JSON (vLLM's mistral parser, >= v11): read as such, not as content, streamed or whole."""
+    for chunks in splits(MISTRAL_V11):
+        parser = create_tool_parser("mistral")
+        content, calls = run_tools(parser, chunks)
+        assert content == "Sure." and parser.cut_at is None, chunks
+        assert [(c["name"], c["arguments"]) for c in calls] == [
+            ("get_weather", '{"city": "Paris", "days": [1, 2]}'), ("search", '{"q": "a]b,c [TOOL"}')], chunks
+        assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in calls)
+    parser = create_tool_parser("mistral")
+    assert parser.feed("Hi[TOOL_CALLS]get_wea").calls == []  # the name is not complete yet
+    out = parser.feed('ther{"a": 1, "b": "lo')
+    assert [(d.name, d.arguments) for d in out.calls] == [("get_weather", ""), (None, '{"a": 1, "b": "lo')]
+
+
+@pytest.mark.parametrize("text, content, calls, cut_short", [
+    # the arguments are the text up to the next [TOOL_CALLS] or the end, as written (vLLM's)
+    ('[TOOL_CALLS]f{"a": 1}\n', "", [("f", '{"a": 1}\n')], False),
+    ('[TOOL_CALLS] f [ARGS]{"a": [1}[TOOL_CALLS]g{}', "", [("f", '{"a": [1}'), ("g", "{}")], False),
+    # cut short inside the arguments, or before them: the finish reason stays
+    ('[TOOL_CALLS]f{"a": "cu', "", [("f", '{"a": "cu')], True),
+    ("[TOOL_CALLS]get_wea", "[TOOL_CALLS]get_wea", [], True),
+    # a stretch with no name and arguments is no call: content, as written
+    ("[TOOL_CALLS]f{}[TOOL_CALLS]{}[TOOL_CALLS]g{}", "[TOOL_CALLS]{}", [("f", "{}"), ("g", "{}")], False),
+    # the array layout, a space or not after the token
+    ('[TOOL_CALLS][{"name": "f", "arguments": {}}]', "", [("f", "{}")], False),
+])
+def test_mistral_layout_is_told_by_what_follows_the_token(text, content, calls, cut_short):
+    for chunks in splits(text):
+        parser = create_tool_parser("mistral")
+        got, got_calls = run_tools(parser, chunks)
+        assert (got, [(c["name"], c["arguments"]) for c in got_calls]) == (content, calls), chunks
+        assert parser.cut_short == cut_short, chunks
+
+
+def test_mistral_v11_calls_finish_as_tool_calls():
+    from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser
+
+    for single in (False, True):
+        chat = ChatOutputParser(ChatOutputConfig(tool_parser="mistral", single_call=single))
+        chat.feed(MISTRAL_V11, final=True)
+        assert [c.name for c in chat.tool_calls] == (["get_weather"] if single else ["get_weather", "search"])
+        assert chat.finish_reason("stop") == "tool_calls"
+
+
 @pytest.mark.parametrize("parser, text", [
     ("llama3_json", '{"name": "f", "parameters": {"x": ' + "[" * 3000),
     ("llama3_json", '{"name": "f", "parameters": {"x": ' + "[" * 3000 + "]" * 3000 + "}}"),
@@ -356,10 +406,12 @@ def test_qwen3_coder_is_detected_from_its_template():
     assert detect_tool_parser(template) == "qwen3_coder"
     assert detect_tool_parser("... <tool_call>\n{\"name\": ...}\n</tool_call> ...") == "hermes"
     assert detect_tool_parser('{{- "[TOOL_CALLS] [" }}{%- for tool_call in message.tool_calls %}') == "mistral"
+    v11 = "{%- for tool in message.tool_calls %}{{- '[TOOL_CALLS]' + tool.function.name + '[ARGS]' + arguments }}"
+    assert detect_tool_parser(v11) == "mistral"
 
 
 @pytest.mark.parametrize("parser,text", [("hermes", HERMES), ("llama3_json", LLAMA), ("qwen3_coder", CODER),
-                                         ("mistral", MISTRAL)])
+                                         ("mistral", MISTRAL), ("mistral", MISTRAL_V11)])
 def test_streamed_calls_rebuilt_by_the_openai_sdk(parser, text):
     """The deltas, sent in chunks as the server sends them, rebuild the calls in the openai SDK's
     own stream accumulator, with the arguments arriving in several fragments."""

@@ -7,6 +7,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+from tpserve.parsers.mistral import MistralParser
 from tpserve.parsers.qwen3_coder import Qwen3CoderParser
 from tpserve.parsers.reasoning import ReasoningParser
 from tpserve.parsers.tool_calls import (
@@ -14,7 +15,6 @@ from tpserve.parsers.tool_calls import (
     ForcedToolCalls,
     HermesParser,
     Llama3JsonParser,
-    MistralParser,
     ToolCallDelta,
     ToolCallParser,
     merge_deltas,

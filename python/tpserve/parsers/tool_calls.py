@@ -10,8 +10,10 @@ Parsers (``--tool-call-parser``):
   ``<tool_call>\\n<function=NAME>\\n<parameter=P>\\nVALUE\\n</parameter>\\n...</function>\\n</tool_call>``; a value
   is text, typed by the tool's JSON schema for it (vLLM's rule: integer, number, boolean, object/array parsed, else
   the text), and the arguments stream a parameter at a time;
-* ``mistral`` (Mistral-7B-Instruct-v0.3, Mixtral-8x22B-Instruct): content, then ``[TOOL_CALLS]`` (a special token,
-  kept in such requests' text) and a JSON array of ``{"name", "arguments"}``; call ids of 9 letters and digits;
+* ``mistral`` (``parsers/mistral.py``): content, then ``[TOOL_CALLS]`` (a special token, kept in such requests'
+  text) and a JSON array of ``{"name", "arguments"}`` (Mistral-7B-Instruct-v0.3, Mixtral-8x22B-Instruct), or
+  ``NAME{arguments}`` after each call's own ``[TOOL_CALLS]`` (v11+ tokenizers: Mistral-Small-3.2, Magistral);
+  call ids of 9 letters and digits;
 * ``llama3_json`` (Llama 3.1/3.2): the whole output is ``{"name": ..., "parameters": {...}}``
   (optionally after ``<|python_tag|>``, several separated by ``;``); each call streams as it is
   generated, as with hermes.
@@ -24,9 +26,7 @@ arguments, and ``ForcedToolCalls`` reads that.
 from __future__ import annotations
 
 import json
-import random
 import re
-import string
 import uuid
 from dataclasses import dataclass, field
 from typing import Any
@@ -387,39 +387,6 @@ class Llama3JsonParser(ToolCallParser):
         self._mode = "content"
         if not self.calls:
             self._buffer = self._text
-
-
-class MistralParser(Llama3JsonParser):
-    """``mistral`` (Mistral-7B-Instruct-v0.3, Mixtral-8x22B-Instruct, as their chat templates teach it): content,
-    then ``[TOOL_CALLS]`` and the calls as a JSON array of ``{"name", "arguments"}`` objects, each streamed as
-    llama3_json's. Call ids are 9 letters and digits: the templates refuse any other id in the calls sent back."""
-
-    TOKEN = "[TOOL_CALLS]"  # a special token: such requests keep special tokens in their text (NEEDS_SPECIAL_TOKENS)
-    SEPARATORS = " \t\r\n,[]"
-
-    @staticmethod
-    def new_call_id() -> str:
-        return "".join(random.choices(string.ascii_letters + string.digits, k=9))
-
-    def feed(self, text: str, final: bool = False) -> ToolParse:
-        out = ToolParse()
-        self._buffer += text
-        if self._mode is None:  # content up to the token
-            i = self._buffer.find(self.TOKEN)
-            if i < 0:
-                keep = 0 if final else partial_suffix_len(self._buffer, (self.TOKEN,))
-                cut = len(self._buffer) - keep
-                out.content, self._buffer = self._buffer[:cut], self._buffer[cut:]
-                return out
-            out.content, self._buffer, self._mode = self._buffer[:i], self._buffer[i + len(self.TOKEN):], "calls"
-            self._text = self.TOKEN + self._buffer  # content after all if no call parses
-        elif not self.calls and self._mode == "calls":
-            self._text += text
-        if self._mode == "calls":
-            self._read_calls(final, out)
-        if self._mode == "content":
-            out.content, self._buffer = out.content + self._buffer, ""
-        return out
 
 
 class ForcedToolCalls(ToolCallParser):
