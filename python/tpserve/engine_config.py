@@ -78,6 +78,10 @@ class EngineConfig:
     # LoRA adapters served beside the base model: (name, PEFT directory) each (models/adapters.py)
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 16  # the largest adapter rank (each adapted layer holds max_lora_rank rows an adapter)
+    # adapter slots each adaptable layer holds (vLLM's max_loras), at least one per lora_modules adapter; they exist
+    # where enable_lora is set or lora_modules given, and runtime loads (/v1/load_lora_adapter) fill the free ones
+    max_loras: int = 1
+    enable_lora: bool = False
     kv_cache_dtype: str = "auto"  # fp8_e4m3: the KV cache in float8 e4m3 (scale 1), read back in the compute dtype
     dp_size: int = 1  # independent replicas of tp_size ranks (one node), on GPUs from dp_rank * tp_size
     dp_rank: int = 0
@@ -89,6 +93,13 @@ class EngineConfig:
     # the cross-encoder it is ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no",
     # "yes"]})
     hf_overrides: str | None = None
+
+    @property
+    def lora_slots(self) -> int:
+        """Adapter slots in each adaptable layer (slot 0, the base model's, aside): none without LoRA."""
+        if not self.enable_lora and not self.lora_modules:
+            return 0
+        return max(self.max_loras, len(self.lora_modules))
 
     def load_model_config(self) -> ModelConfig:
         """The model's config.json, with ``hf_overrides``."""
@@ -126,6 +137,7 @@ class EngineConfig:
             raise ValueError(f"mem_fraction must be in (0, 1], got {self.mem_fraction}")
         check_quantization_name(self.quantization)  # a clear error for an unknown method
         _check_min("max_lora_rank", self.max_lora_rank, 1)
+        _check_min("max_loras", self.max_loras, 1)
         hf_overrides_dict(self.hf_overrides)
 
 

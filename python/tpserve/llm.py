@@ -27,9 +27,11 @@ from tqdm import tqdm
 from tpserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tpserve.config import ModelConfig
 from tpserve.engine_config import KV_CACHE_DTYPE_ALIASES, EngineConfig, check_can_start
+from tpserve.models.adapters import read_adapter_config
 from tpserve.launch.ranks import RankDriver, start_ranks
 from tpserve.message import (
-    AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, GetStats, SchedulerStats, TokenOutput,
+    AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, GetStats, LoadLoRA, SchedulerStats, TokenOutput,
+    UnloadLoRA,
 )
 from tpserve.llm_pooling import PoolingMethods
 from tpserve.inputs import LoRARequest
@@ -194,6 +196,7 @@ class LLM(PoolingMethods):
         # requests' outputs, so a second thread's call would lose the first's (generate/chat from threads queue here).
         self._calls = threading.Lock()
         self._seed_rng = random.Random(None if seed is None else int(seed))
+        self._adapters = dict(self.config.lora_modules)  # the LoRA adapters loaded: name -> directory
         self._driver: RankDriver | None = start_ranks(self.config, load_balance_method)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -444,7 +447,46 @@ class LLM(PoolingMethods):
         """``stats`` of each data-parallel replica, in replica order."""
         return sorted((reply.stats for reply in self._ask(GetStats(), "get_stats")), key=lambda s: s.replica)
 
-    def _ask(self, msg: FlushCache | GetStats, tag: str) -> list[BatchTokenOutput]:
+    def add_lora(self, lora_request: LoRARequest) -> bool:
+        """Load the PEFT adapter at ``lora_request.lora_path`` as ``lora_request.lora_name`` into a free adapter slot
+        (``max_loras`` of them, with ``enable_lora=True``), as vLLM's ``LLM.llm_engine.add_lora``; later calls may
+        name it. A ValueError says why it cannot be loaded."""
+        if not isinstance(lora_request, LoRARequest) or not lora_request.lora_name or not lora_request.lora_path:
+            raise ValueError(f"add_lora needs a LoRARequest with a lora_name and a lora_path, got {lora_request!r}")
+        name, path = lora_request.lora_name, os.fspath(lora_request.lora_path)
+        if name in self._adapters:
+            raise ValueError(f"LoRA adapter {name!r} is already loaded")
+        read_adapter_config(path, self.config.max_lora_rank)  # most problems named before the ranks see it
+        self._update_lora(LoadLoRA(self._take_rid(), name, path), name)
+        self._adapters[name] = path
+        return True
+
+    def remove_lora(self, lora_name: str) -> bool:
+        """Unload an adapter (``add_lora``'s or ``lora_modules``'), freeing its slot; False where none is loaded by
+        that name."""
+        if lora_name not in self._adapters:
+            return False
+        del self._adapters[lora_name]
+        self._update_lora(UnloadLoRA(self._take_rid(), lora_name), lora_name)
+        return True
+
+    def list_loras(self) -> list[str]:
+        """The loaded LoRA adapters' names."""
+        return list(self._adapters)
+
+    def _update_lora(self, msg: LoadLoRA | UnloadLoRA, name: str) -> None:
+        replies = self._ask(msg, msg.__struct_config__.tag)
+        errors = [reply.lora.error for reply in replies if reply.lora is not None and reply.lora.error is not None]
+        if errors and isinstance(msg, LoadLoRA) and len(errors) < len(replies):  # undo the replicas that loaded it
+            self._ask(UnloadLoRA(self._take_rid(), name), "unload_lora")
+        if errors:
+            raise ValueError(errors[0])
+
+    def _take_rid(self) -> int:
+        self._next_rid += 1
+        return self._next_rid - 1
+
+    def _ask(self, msg: FlushCache | GetStats | LoadLoRA | UnloadLoRA, tag: str) -> list[BatchTokenOutput]:
         """Every replica's answer (each answers once)."""
         with self._calls:
             driver = self._live_driver(tag)
@@ -462,11 +504,11 @@ class LLM(PoolingMethods):
         return self._driver
 
     def _lora_name(self, request: LoRARequest) -> str:
-        loaded = dict(self.config.lora_modules)
+        loaded = self._adapters
         if not isinstance(request, LoRARequest) or request.lora_name not in loaded:
             name = getattr(request, "lora_name", request)
             raise ValueError(f"LoRA adapter {name!r} is not loaded: start the LLM with lora_modules={{name: path}} "
-                             f"(loaded: {', '.join(loaded) or 'none'})")
+                             f"or load it with add_lora (loaded: {', '.join(loaded) or 'none'})")
         return request.lora_name
 
     def _check_params(self, params: SamplingParams) -> None:
@@ -529,8 +571,8 @@ class LLM(PoolingMethods):
 _VLLM_KWARGS = {"tensor_parallel_size": "tp_size", "data_parallel_size": "dp_size", "gpu_memory_utilization": "mem_fraction",
                 "max_num_seqs": "max_running_requests", "enable_expert_parallel": "expert_parallel",
                 "scheduling_policy": "schedule_policy"}
-# tpserve runs no code from the checkpoint; LoRA adapters are served where lora_modules names them
-_IGNORED_KWARGS = ("trust_remote_code", "enable_lora")
+# tpserve runs no code from the checkpoint
+_IGNORED_KWARGS = ("trust_remote_code",)
 # vLLM's switches, as the CLI takes them (launch/vllm_flags.py): name -> (the value that acts, setting, its value)
 _VLLM_SWITCHES = {"enforce_eager": (True, "cuda_graph_max_bs", 0), "enable_prefix_caching": (False, "cache", "naive")}
 

@@ -96,9 +96,9 @@ class ServerProcess:
         print(self.log)
 
 
-def running_server(args: list[str]) -> Iterator[ServerProcess]:
+def running_server(args: list[str], env: dict[str, str] | None = None) -> Iterator[ServerProcess]:
     """A ready server for a module-scoped fixture (``yield from running_server([...])``), stopped after."""
-    srv = ServerProcess(args)
+    srv = ServerProcess(args, env)
     try:
         srv.wait_ready()
         yield srv

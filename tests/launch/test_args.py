@@ -413,3 +413,18 @@ def test_the_shell_needs_a_model_that_generates(qwen3_dir, capsys):
         parse_args(["--model", qwen3_dir, "--shell", "--hf-overrides", overrides])
     assert "--shell chats with the model, but this checkpoint (Qwen3ForSequenceClassification) has no LM head" in (
         capsys.readouterr().err)
+
+
+def test_lora_flags(qwen3_dir, monkeypatch):
+    """--max-loras (vLLM's) sets the adapter slots; --allow-runtime-lora-updating, or vLLM's
+    VLLM_ALLOW_RUNTIME_LORA_UPDATING=true, serves /v1/load_lora_adapter and gives the layers slots."""
+    monkeypatch.delenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", raising=False)
+    plain = parse_args(["--model", qwen3_dir])
+    assert not plain.allow_runtime_lora_updating and plain.engine.lora_slots == 0
+    flagged = parse_args(["--model", qwen3_dir, "--allow-runtime-lora-updating", "--max-loras", "3"])
+    assert flagged.allow_runtime_lora_updating and flagged.engine.enable_lora and flagged.engine.lora_slots == 3
+    assert parse_args(["--model", qwen3_dir, "--enable-lora"]).engine.lora_slots == 1
+    monkeypatch.setenv("VLLM_ALLOW_RUNTIME_LORA_UPDATING", "true")
+    assert parse_args(["--model", qwen3_dir]).allow_runtime_lora_updating
+    help_text = " ".join(build_parser().format_help().split())
+    assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING" in help_text and "/v1/load_lora_adapter" in help_text

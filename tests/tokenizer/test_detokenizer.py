@@ -233,3 +233,12 @@ def test_a_stop_tokens_text_is_left_out_unless_asked(tiny_tokenizer):
                 TokenOutput(rid=1, token_ids=ids[-1:], finish_reason="stop", matched_stop=ids[-1])]
         texts = [o.text for o in m.on_batch(batch(*outs)).api.outputs]
         assert head != "Hi there" and "".join(texts) == expected
+
+
+def test_lora_answers_pass_through(tiny_tokenizer):
+    """A scheduler's answer to a LoRA load or unload reaches the API server as it is (its rid is no request's)."""
+    from tpserve.message import BatchTokenOutput, LoRAAnswer
+
+    m = DetokenizerManager(tiny_tokenizer)
+    result = m.on_batch(BatchTokenOutput([], answers="load_lora", lora=LoRAAnswer(5, "no free LoRA slot")))
+    assert result.api is not None and result.api.lora == LoRAAnswer(5, "no free LoRA slot") and result.api.outputs == []

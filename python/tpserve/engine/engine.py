@@ -26,7 +26,8 @@ from tpserve.kernels import use_triton
 from tpserve.kvcache.pool import KVCachePool, kv_cache_dtype
 from tpserve.layers.linear import ParallelLinear
 from tpserve.layers.moe import StackedExperts, holds_whole_experts
-from tpserve.models.adapters import attach_lora
+from tpserve.engine.lora_slots import LoadedAdapter, LoRASlots
+from tpserve.models.adapters import attach_lora, clear_slot, load_adapter, read_adapter_config
 from tpserve.models.decoder import CausalLM
 from tpserve.models.loader import load_model_weights, quantize_model
 from tpserve.quant.config import resolve_quantization
@@ -185,10 +186,11 @@ class Engine:
             self.model, config.model, config.load_format, self.device, self.dtype, config.seed, show_progress=rank == 0
         )
         self.model.eval()
-        self.lora_slots = {name: slot for slot, (name, _) in enumerate(config.lora_modules, start=1)}
-        if config.lora_modules:
-            attach_lora(self.model, [path for _, path in config.lora_modules], config.max_lora_rank, self.device,
-                        self.dtype)
+        self.loras = LoRASlots(config.lora_slots)
+        self.lora_layers = (attach_lora(self.model, config.lora_slots, config.max_lora_rank, self.device, self.dtype)
+                            if config.lora_slots else {})
+        for name, path in config.lora_modules:
+            self.load_lora(name, path)
         if self.device.type == "cuda" and self.quantization is not None:
             self._warm_up_fp8_gemms()  # before the KV cache takes the free memory
         if nodes is not None:  # nodes load at their own pace; the collectives below have a deadline
@@ -231,9 +233,16 @@ class Engine:
             elif not self.model_config.lm_head:
                 logger.info("the checkpoint has no LM head: it serves embeddings only")
 
-    def lora_slot(self, name: str | None) -> int:
-        """A LoRA adapter's slot in the layers (0: the base model); the scheduler admits only loaded ones."""
-        return 0 if name is None else self.lora_slots[name]
+    def load_lora(self, name: str, path: str) -> LoadedAdapter:
+        """Load a PEFT adapter into a free slot (a ValueError says why it cannot be)."""
+        slot = self.loras.free_slot(name)
+        load_adapter(self.lora_layers, slot, path, read_adapter_config(path, self.config.max_lora_rank))
+        return self.loras.add(name, slot, path)
+
+    def release_lora_slot(self, slot: int) -> None:
+        """An unloaded adapter's slot, used by no request any more, is zeroed and free again."""
+        clear_slot(self.lora_layers, slot)
+        self.loras.release(slot)
 
     def _quantization_note(self) -> str:
         quant = self.quantization

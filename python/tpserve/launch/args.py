@@ -7,6 +7,7 @@ import json
 import os
 import socket
 from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
 from typing import Any
 
 from tpserve.config import DTYPE_ALIASES, ModelConfig
@@ -35,6 +36,7 @@ from tpserve.tokenizer.prepare import RESERVED_TEMPLATE_KWARGS
 DEFAULT_SCHEDULER_ENTRY = "tpserve.scheduler.process:run_scheduler"
 DEMO_MODEL_NAME = "tpserve-tiny-random"
 API_KEY_ENV = "TPSERVE_API_KEY"
+RUNTIME_LORA_ENV = "VLLM_ALLOW_RUNTIME_LORA_UPDATING"
 LOG_LEVELS = ("debug", "info", "warning", "error")
 
 
@@ -77,12 +79,19 @@ class ServerArgs:
     health_timeout: float = 60.0  # /health is 503 when a rank's (or tokenizer's) loop stalls this long
     request_timeout: float | None = None  # seconds one API call may take (None: no limit)
     load_balance_method: str = "cache_aware"  # how the router picks a data-parallel replica
+    # vLLM's VLLM_ALLOW_RUNTIME_LORA_UPDATING: POST /v1/load_lora_adapter and /v1/unload_lora_adapter are served
+    allow_runtime_lora_updating: bool = False
     # sampling fields a request leaves unset get these (--generation-config: the model's generation_config.json)
     sampling_defaults: dict[str, Any] = field(default_factory=dict)
 
     @property
     def model_dir(self) -> str:
         return self.engine.model
+
+
+def runtime_updating_allowed(environ: Mapping[str, str] = os.environ) -> bool:
+    """VLLM_ALLOW_RUNTIME_LORA_UPDATING as vLLM reads it (its envs.py): "1" or "true", any case."""
+    return environ.get(RUNTIME_LORA_ENV, "0").strip().lower() in ("1", "true")
 
 
 def _default(name: str, cls: type = EngineConfig) -> Any:
@@ -175,7 +184,18 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--max-lora-rank", type=int_at_least(1), default=_default("max_lora_rank"),
                        help="the largest adapter rank served (each adapted layer holds this many rows an adapter)")
     model.add_argument("--enable-lora", action="store_true",
-                       help="vLLM's switch: tpserve serves the --lora-modules adapters with or without it")
+                       help="give the layers LoRA adapter slots (--max-loras) for adapters loaded at run time; the "
+                       "--lora-modules adapters are served with or without it")
+    model.add_argument("--max-loras", type=int_at_least(1), default=_default("max_loras"),
+                       help="adapter slots in each adapted layer, as vLLM's (at least one per --lora-modules "
+                       "adapter): how many adapters may be loaded at once, all of which may share a batch")
+    model.add_argument("--allow-runtime-lora-updating", action="store_true",
+                       default=runtime_updating_allowed(),
+                       help="serve vLLM's POST /v1/load_lora_adapter ({\"lora_name\", \"lora_path\"}: a PEFT "
+                       "directory on the server) and /v1/unload_lora_adapter ({\"lora_name\"}), as vLLM does where "
+                       "the environment sets VLLM_ALLOW_RUNTIME_LORA_UPDATING=true (which turns this on); implies "
+                       "--enable-lora. A load takes a free slot of --max-loras; an unloaded adapter's requests "
+                       "finish with it. Only for trusted clients: they name files on the server")
     model.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int_at_least(2),
                        default=None,
                        help="context limit (prompt + completion tokens), at most the model's; default: the "
@@ -407,6 +427,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         dtype=None if ns.dtype == "auto" else ns.dtype,
         dist_init_addr=_dist_init_addr(ns),
         hf_overrides=None if ns.hf_overrides is None else json.dumps(ns.hf_overrides),
+        enable_lora=ns.enable_lora or ns.allow_runtime_lora_updating,
     )
     check_can_start(engine, model_config, cli=True)
     if ns.shell and ns.dp_size > 1:

@@ -66,7 +66,7 @@ async def serving_backend(
             tokens_as_ids=args.return_tokens_as_token_ids,
             force_include_usage=args.enable_force_include_usage,
             priority_scheduling=args.engine.schedule_policy == "priority", prompts=state.tokenize_service(),
-            lora_adapters=tuple(name for name, _ in args.engine.lora_modules),
+            lora_adapters=state.adapters,
         )
         state.liveness = lambda: backend.stalled(args.health_timeout)
         if args.sampling_defaults:

@@ -52,7 +52,6 @@ _IGNORED = {
     "--uvicorn-log-level": _Unused("--log-level sets every process's level, uvicorn's included"),
     "--disable-frontend-multiprocessing": _Unused("the API server is one process beside the scheduler ranks", 0),
     "--tokenizer-mode": _Unused("the model's fast tokenizer is always used"),
-    "--max-loras": _Unused("every --lora-modules adapter is loaded at start, and any of them may share a batch"),
     "--tokenizer-pool-size": _Unused("tokenizer workers are set by --num-tokenizers"),
     "--max-parallel-loading-workers": _Unused("each rank streams its own shard of the weights"),
     "--num-scheduler-steps": _Unused("each step is scheduled; overlap scheduling hides the host's work"),

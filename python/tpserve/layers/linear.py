@@ -143,7 +143,7 @@ class ParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor | PendingNorm, lora: LoRABatch | None = None) -> torch.Tensor:
         """``lora``: the step's adapters, added to the output where they adapt this layer (no fused GEMV then)."""
-        if lora is not None and self.lora is not None:
+        if lora is not None and self.lora is not None and self.lora.adapts(lora):
             x = x.value() if isinstance(x, PendingNorm) else x
             return self.matmul(x, self.bias) + self.lora.delta(x, lora)
         if isinstance(x, PendingNorm):
@@ -238,7 +238,7 @@ class MergedColumnParallelLinear(ColumnParallelLinear):
     def silu_and_mul(self, x: torch.Tensor | PendingNorm, lora: LoRABatch | None = None) -> torch.Tensor:
         """SiLU(gate) * up of the two parts; in the GEMV's epilogue at the batches that take the GEMV
         (which also norms a PendingNorm as it reads it)."""
-        if lora is not None and self.lora is not None:
+        if lora is not None and self.lora is not None and self.lora.adapts(lora):
             return silu_and_mul(self(x, lora))
         if self.gemv_silu_mul and isinstance(x, PendingNorm) and self.fuses(x.residual, silu_mul=True):
             norm = (x.norm.weight, x.norm.eps)
@@ -294,7 +294,7 @@ class RowParallelLinear(ParallelLinear):
         """Summed over the ranks, or (``reduce=False``) this rank's partial sum for all_reduce_add_rmsnorm.
         ``add_to`` (the residual stream): at TP 1 where the GEMV runs, the output is added to it in
         place and None returned; else it is ignored. ``lora``: the step's adapters, added to this rank's partial sum."""
-        lora = lora if self.lora is not None else None
+        lora = lora if lora is not None and self.lora is not None and self.lora.adapts(lora) else None
         if add_to is not None and lora is None and self.tp_size == 1 and self.bias is None and self.fuses(x):
             self.gemv(x, add_to=add_to)
             return None

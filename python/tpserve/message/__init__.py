@@ -42,11 +42,27 @@ class GetStats(msgspec.Struct, tag="get_stats"):
     """Rank 0 answers with the current ``SchedulerStats`` (as it answers FlushCache)."""
 
 
+class LoadLoRA(msgspec.Struct, tag="load_lora"):
+    """Load the PEFT adapter at ``path`` as ``name`` into a free slot of every rank (of every replica); rank 0
+    answers with a ``LoRAAnswer`` of ``rid`` (an id of the API server's, never a request's)."""
+
+    rid: int
+    name: str
+    path: str
+
+
+class UnloadLoRA(msgspec.Struct, tag="unload_lora"):
+    """Unload adapter ``name``: requests admitted with it finish with it, new ones may not name it."""
+
+    rid: int
+    name: str
+
+
 class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-SchedulerInput = GenerateRequest | AbortRequest | GrammarReady | FlushCache | GetStats | Shutdown
+SchedulerInput = GenerateRequest | AbortRequest | GrammarReady | FlushCache | GetStats | LoadLoRA | UnloadLoRA | Shutdown
 
 
 # ---- out of scheduler rank 0 (to the detokenizer) ----
@@ -89,8 +105,16 @@ class SchedulerStats(msgspec.Struct):
     replica: int = 0  # the data-parallel replica (dp_rank) these are of
 
 
+class LoRAAnswer(msgspec.Struct):
+    """A replica's answer to a LoadLoRA or UnloadLoRA: ``error`` None where it was done, else why not."""
+
+    rid: int
+    error: str | None = None
+
+
 class BatchTokenOutput(msgspec.Struct, tag="batch_output"):
     outputs: list[TokenOutput]
     stats: SchedulerStats | None = None
-    answers: str | None = None  # the tag of the FlushCache or GetStats this answers
+    answers: str | None = None  # the tag of the FlushCache, GetStats, LoadLoRA or UnloadLoRA this answers
     flushed: bool = False  # answering FlushCache: the whole KV pool is free again
+    lora: LoRAAnswer | None = None  # answering LoadLoRA or UnloadLoRA

@@ -17,7 +17,7 @@ from typing import Any
 
 import msgspec
 
-from tpserve.message import BatchTokenOutput, SchedulerStats, Shutdown
+from tpserve.message import BatchTokenOutput, LoRAAnswer, SchedulerStats, Shutdown
 from tpserve.sampling_params import SamplingParams
 
 
@@ -121,6 +121,7 @@ class ApiOutput(msgspec.Struct, kw_only=True):
 class ApiOutputBatch(msgspec.Struct, tag="api_outputs", kw_only=True):
     outputs: list[ApiOutput]
     stats: SchedulerStats | None = None
+    lora: LoRAAnswer | None = None  # a replica's answer to the API server's LoadLoRA or UnloadLoRA
 
 
 class RequestRejected(msgspec.Struct, tag="rejected", kw_only=True):

@@ -5,7 +5,8 @@ each adapter has a slot in every layer it adapts (slot 0: none), and a step's to
 The adapters' A and B are sharded as the layer's weight: a column-parallel layer keeps A whole and its rows of B,
 a row-parallel layer its columns of A and all of B (the partial sums are then all-reduced with the layer's own).
 A merged layer (q/k/v, gate/up) stacks its parts' A and places each part's B on its own rows and rank columns.
-Slots are loaded once at start, on every rank in the same order."""
+Every rank loads an adapter into the same slot at the same point of its schedule: the --lora-modules adapters at
+start, others when the server's /v1/load_lora_adapter asks (``engine/lora_slots.py`` keeps which slot holds what)."""
 
 from __future__ import annotations
 
@@ -67,48 +68,67 @@ def read_adapter_config(path: str, max_rank: int) -> AdapterConfig:
     return AdapterConfig(rank, scale, frozenset(targets))
 
 
-def attach_lora(model: nn.Module, adapters: list[str], max_rank: int, device: torch.device, dtype: torch.dtype) -> None:
-    """Give the adapted layers of ``model`` (a CausalLM) a slot per adapter (``adapters``: PEFT directories, slot
-    i + 1 each) and load each adapter's shard into it."""
-    configs = [read_adapter_config(path, max_rank) for path in adapters]
-    adapted = {_PARTS[target][0] for config in configs for target in config.targets}
+def attach_lora(model: nn.Module, slots: int, max_rank: int, device: torch.device,
+                dtype: torch.dtype) -> dict[str, ParallelLinear]:
+    """Give every layer of ``model`` (a CausalLM) an adapter may adapt ``slots`` zeroed adapter slots (1 to
+    ``slots``; 0 is the base model's), allocated once here: loads copy into them. Returns those layers by name."""
     layers = {name: module for name, module in model.named_modules()  # not a MoE block's shared expert
-              if isinstance(module, ParallelLinear) and name.rpartition(".")[2] in adapted
+              if isinstance(module, ParallelLinear) and name.rpartition(".")[2] in _NUM_PARTS
               and ".shared_expert." not in name}
     for name, module in layers.items():
-        module.lora = LoRAWeights(len(adapters) + 1, _NUM_PARTS[name.rpartition(".")[2]], max_rank,
+        module.lora = LoRAWeights(slots + 1, _NUM_PARTS[name.rpartition(".")[2]], max_rank,
                                   module.in_features, module.out_features, device, dtype)
-    for slot, (path, config) in enumerate(zip(adapters, configs), start=1):
-        _load_adapter(layers, slot, path, config)
+    return layers
 
 
-def _load_adapter(layers: dict[str, nn.Module], slot: int, path: str, config: AdapterConfig) -> None:
+def load_adapter(layers: dict[str, ParallelLinear], slot: int, path: str, config: AdapterConfig) -> None:
+    """Copy this rank's shard of the adapter at ``path`` into ``slot`` of ``layers`` (``attach_lora``'s). Every
+    tensor is matched to its layer before any is copied; a copy that fails leaves the slot zero."""
     with open_safetensors(os.path.join(path, ADAPTER_WEIGHTS)) as tensors:
-        names = list(tensors.keys())
-        for name in names:
-            module_name, kind = _adapter_target(name, path)
-            parent, _, leaf = module_name.rpartition(".")
-            merged, shard_id, part = _PARTS[leaf]
-            layer = layers.get(f"{parent}.{merged}")
-            if layer is None:
-                raise ValueError(f"LoRA adapter {path}: {name} adapts a layer this model does not have (or one "
-                                 "tpserve does not adapt: MoE experts)")
-            loaded = tensors.get_tensor(name)
-            lora: LoRAWeights = layer.lora
-            rows = slice(part * lora.max_rank, part * lora.max_rank + config.rank)
-            if kind == "lora_A":
-                if layer.split_dim == 1:  # row-parallel: this rank's inputs
-                    loaded = layer.part(None).cut(loaded, 1, 2, name)
-                lora.a[slot, rows].copy_(loaded.to(lora.a.dtype))
-            else:
-                piece = layer.part(shard_id) if layer.split_dim == 0 else None
-                # scaled in float32, then rounded once (a bf16 adapter too); a Granite layer's residual_multiplier too
-                loaded = loaded.float() * (config.scale * layer.output_multiplier)
-                if piece is not None:
-                    lora.b[slot, piece.dest : piece.dest + piece.size, rows].copy_(
-                        piece.cut(loaded, 0, 2, name).to(lora.b.dtype))
-                else:
-                    lora.b[slot, :, rows].copy_(loaded.to(lora.b.dtype))
+        targets = [(name, *_target_layer(layers, name, path)) for name in tensors.keys()]
+        try:
+            for name, layer, shard_id, part, kind in targets:
+                _copy(layer, slot, tensors.get_tensor(name), name, shard_id, part, kind, config)
+        except BaseException:
+            clear_slot(layers, slot)
+            raise
+    for _, layer, *_ in targets:
+        layer.lora.filled.add(slot)
+
+
+def clear_slot(layers: dict[str, ParallelLinear], slot: int) -> None:
+    for layer in layers.values():
+        layer.lora.clear(slot)
+
+
+def _target_layer(layers: dict[str, ParallelLinear], name: str, path: str) -> tuple[ParallelLinear, str | int | None, int, str]:
+    """(the layer, its shard id, the part of it, lora_A or lora_B) a PEFT tensor adapts."""
+    module_name, kind = _adapter_target(name, path)
+    parent, _, leaf = module_name.rpartition(".")
+    merged, shard_id, part = _PARTS[leaf]
+    layer = layers.get(f"{parent}.{merged}")
+    if layer is None:
+        raise ValueError(f"LoRA adapter {path}: {name} adapts a layer this model does not have (or one "
+                         "tpserve does not adapt: MoE experts)")
+    return layer, shard_id, part, kind
+
+
+def _copy(layer: ParallelLinear, slot: int, loaded: torch.Tensor, name: str, shard_id: str | int | None, part: int,
+          kind: str, config: AdapterConfig) -> None:
+    lora: LoRAWeights = layer.lora
+    rows = slice(part * lora.max_rank, part * lora.max_rank + config.rank)
+    if kind == "lora_A":
+        if layer.split_dim == 1:  # row-parallel: this rank's inputs
+            loaded = layer.part(None).cut(loaded, 1, 2, name)
+        lora.a[slot, rows].copy_(loaded.to(lora.a.dtype))
+    else:
+        piece = layer.part(shard_id) if layer.split_dim == 0 else None
+        # scaled in float32, then rounded once (a bf16 adapter too); a Granite layer's residual_multiplier too
+        loaded = loaded.float() * (config.scale * layer.output_multiplier)
+        if piece is not None:
+            lora.b[slot, piece.dest : piece.dest + piece.size, rows].copy_(piece.cut(loaded, 0, 2, name).to(lora.b.dtype))
+        else:
+            lora.b[slot, :, rows].copy_(loaded.to(lora.b.dtype))
 
 
 def _adapter_target(name: str, path: str) -> tuple[str, str]:

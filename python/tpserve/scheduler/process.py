@@ -20,8 +20,12 @@ from tpserve.message import (
     GenerateRequest,
     GetStats,
     GrammarReady,
+    LoadLoRA,
+    LoRAAnswer,
+    SchedulerInput,
     Shutdown,
     TokenOutput,
+    UnloadLoRA,
 )
 from tpserve.message.endpoints import Endpoints
 from tpserve.scheduler.gc_control import freeze_startup_heap
@@ -144,7 +148,7 @@ class SchedulerLoop:
         self.maybe_log(sum(len(out.token_ids) for out in outputs))
         return True
 
-    def apply(self, msg: GenerateRequest | AbortRequest | GrammarReady | FlushCache | GetStats) -> list[TokenOutput]:
+    def apply(self, msg: SchedulerInput) -> list[TokenOutput]:
         if isinstance(msg, GrammarReady):
             return self.scheduler.attach_grammar(msg.rid, msg.timed_out)
         if isinstance(msg, GenerateRequest):
@@ -162,7 +166,21 @@ class SchedulerLoop:
             self.io.send(BatchTokenOutput([], self.scheduler.stats(), answers="flush_cache", flushed=flushed))
         elif isinstance(msg, GetStats):
             self.io.send(BatchTokenOutput([], self.scheduler.stats(), answers="get_stats"))
+        elif isinstance(msg, (LoadLoRA, UnloadLoRA)):
+            self.io.send(BatchTokenOutput([], self.scheduler.stats(), answers=msg.__struct_config__.tag,
+                                          lora=LoRAAnswer(msg.rid, self._update_lora(msg))))
         return []
+
+    def _update_lora(self, msg: LoadLoRA | UnloadLoRA) -> str | None:
+        """Why the load or unload failed (the same on every rank: each reads the same files), or None."""
+        try:
+            if isinstance(msg, LoadLoRA):
+                self.scheduler.load_lora(msg.name, msg.path)
+            else:
+                self.scheduler.unload_lora(msg.name)
+        except Exception as e:  # the adapter's files are the user's: a damaged one (safetensors' own error) too
+            return str(e) or type(e).__name__
+        return None
 
     def check_agreement(self, outputs: list[TokenOutput]) -> None:
         """Debug mode: every rank must have scheduled and sampled exactly the same."""

@@ -33,6 +33,8 @@ class Request:
     cached_tokens: int = -1  # prefix-cache hit at first admission, reported in usage
     finish_reason: str | None = None
     slot: int = -1  # its row of the engine's penalty state (-1: none), kept until it finishes
+    lora_slot: int = 0  # its LoRA adapter's slot in the layers (0: none), taken at admission and kept to the end
+    prefix_key: str | None = None  # whose cached prefixes it shares (params.prefix_key, apart for each adapter load)
     grammar: RequestGrammar | None = None  # structured output: its matcher
     allowed_mask: torch.Tensor | None = None  # params.allowed_token_ids on the device (logit_edits.allowed_mask)
     # params.prompt_logprobs: entry p is (log-probability of prompt token p + 1, top (id, log-probability) pairs,

@@ -133,13 +133,16 @@ class Scheduler:
         room = self.max_model_len - len(prompt_ids)
         # a pooled request takes its prompt's one sample (never shown) for the vector beside it
         max_new = 1 if params.pooled else room if params.max_tokens is None else min(params.max_tokens, room)
-        if params.lora is not None and params.lora not in self.engine.lora_slots:
+        adapter = None if params.lora is None else self.engine.loras.loaded.get(params.lora)
+        if params.lora is not None and adapter is None:
             raise AdmissionError(f"LoRA adapter {params.lora!r} is not loaded (this engine has "
-                                 f"{', '.join(self.engine.lora_slots) or 'none'})")
+                                 f"{', '.join(self.engine.loras.loaded) or 'none'})")
         if params.priority and self.config.schedule_policy != "priority":
             raise AdmissionError(f"priority {params.priority} needs the priority schedule policy "
                                  "(--schedule-policy priority)")
-        req = Request(rid, list(prompt_ids), params, seed, max_new, arrival=self.arrivals)
+        req = Request(rid, list(prompt_ids), params, seed, max_new, arrival=self.arrivals, prefix_key=params.prefix_key)
+        if adapter is not None:
+            req.lora_slot, req.prefix_key = adapter.slot, f"{params.prefix_key}\x00{adapter.load_id}"
         self.arrivals += 1
         if params.structured is not None:
             self.compiling.add(rid, req, params.structured)
@@ -186,6 +189,30 @@ class Scheduler:
         self.allocator.free(self.cache.evict(self.cache.num_pages))
         return self.allocator.num_free == self.allocator.total
 
+    # ---- LoRA adapters loaded and unloaded at run time (every rank at the same point of its schedule) ----
+    def load_lora(self, name: str, path: str) -> None:
+        """Load an adapter into a free slot; a ValueError says why it cannot be."""
+        self._release_lora_slots()
+        self.engine.load_lora(name, path)
+        logger.info("LoRA adapter %r loaded from %s", name, path)
+
+    def unload_lora(self, name: str) -> None:
+        """New requests may no longer name the adapter; those already admitted finish with it, and its slot is
+        free once they are gone."""
+        self.engine.loras.remove(name)
+        self._release_lora_slots()
+        logger.info("LoRA adapter %r unloaded", name)
+
+    def _release_lora_slots(self) -> None:
+        """Free the slots of unloaded adapters that no request (waiting, compiling, running or in flight) uses."""
+        if not self.engine.loras.retired:
+            return
+        used = {req.lora_slot for req in (*self.waiting, *self.running.values(), *self.compiling.requests())}
+        if self.inflight is not None:
+            used.update(req.lora_slot for req, _ in self.inflight.entries)
+        for slot in sorted(self.engine.loras.retired - used):
+            self.engine.release_lora_slot(slot)
+
     @property
     def has_work(self) -> bool:
         """Something to step (requests compiling their grammar wait for ``attach_grammar``)."""
@@ -215,6 +242,7 @@ class Scheduler:
         tokens; so this step's host work comes first, while the device runs that step's forward."""
         self.step_count += 1
         self.cache.clock = self.step_count
+        self._release_lora_slots()
         outputs: list[TokenOutput] = []
         scheduled = self._schedule(outputs)
         launched = self._prepare(scheduled) if scheduled else None
@@ -276,7 +304,7 @@ class Scheduler:
         # vector too: the sequence is pooled there).
         sampled = [req.num_cached + n == req.num_tokens + req.pending for req, n in scheduled]
         seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages, pooled=last and req.params.pooling is not None,
-                              lora=self.engine.lora_slot(req.params.lora))
+                              lora=req.lora_slot)
                 for (req, n), last in zip(scheduled, sampled)]
         vocab = self.engine.model_config.vocab_size
         sampling = SamplingBatch.build(params, [req.seed for req, _ in scheduled], steps, vocab, self.engine.device)
@@ -472,7 +500,7 @@ class Scheduler:
     def _cached_prefix(self, req: Request) -> PrefixMatch:
         if req.wants_prompt_logprobs:  # every prompt position's logits are needed
             return PrefixMatch([], None)
-        return self.cache.match(req.all_ids[: req.num_tokens - 1], req.params.prefix_key)
+        return self.cache.match(req.all_ids[: req.num_tokens - 1], req.prefix_key)
 
     def _rank(self, req: Request) -> tuple[int, int]:
         """Running requests in the order they get their tokens and pages (the last is preempted first): by admission;
@@ -528,7 +556,7 @@ class Scheduler:
 
     def _release(self, req: Request) -> None:
         full = req.num_cached // self.page_size
-        duplicates = self.cache.insert(req.all_ids[: full * self.page_size], req.pages[:full], req.params.prefix_key)
+        duplicates = self.cache.insert(req.all_ids[: full * self.page_size], req.pages[:full], req.prefix_key)
         self.allocator.free(duplicates + req.pages[full:])
         self.cache.unlock(req.prefix_node)
         req.pages, req.num_shared_pages, req.prefix_node = [], 0, None

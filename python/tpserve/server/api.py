@@ -10,12 +10,13 @@ from typing import Any, Callable, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Query, Request
 from fastapi.middleware.cors import CORSMiddleware
-from fastapi.responses import JSONResponse, Response
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
 
 import tpserve
 from tpserve.launch.args import ServerArgs
 from tpserve.server.errors import APIError, check_model_name
 from tpserve.server.limits import BodySizeLimit, RequestLimits
+from tpserve.server.lora_updates import LoadLoRAAdapterRequest, LoRAUpdates, ServedAdapters, UnloadLoRAAdapterRequest
 from tpserve.server.metrics import CONTENT_TYPE, CountResponses, ServerMetrics, TrackServerLoad
 from tpserve.server.conversation_store import ConversationStore
 from tpserve.server.classify import ClassifyRequest, create_classification
@@ -68,8 +69,16 @@ class AppState:
     # Why the backend is not live (a rank stopped making progress), or None; set once serving.
     liveness: Callable[[], str | None] | None = None
 
+    adapters: ServedAdapters = field(init=False)  # the LoRA adapters requests may name
+    lora_updates: LoRAUpdates = field(init=False)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
+
     def __post_init__(self) -> None:
         self.metrics = ServerMetrics(self.args.served_model_name)
+        args = self.args
+        self.adapters = ServedAdapters(args.engine.lora_modules)
+        self.lora_updates = LoRAUpdates(self.adapters, (args.served_model_name, *args.model_aliases),
+                                        args.engine.max_lora_rank, args.engine.dp_size,
+                                        args.allow_runtime_lora_updating)
 
     def tokenize_service(self) -> TokenizeService:
         if self.tokenize is None:
@@ -103,21 +112,21 @@ def _serving(request: Request) -> Serving:
 
 def _model_card(state: AppState, name: str) -> dict[str, Any]:
     """The model's card, or a LoRA adapter's (as vLLM's: its directory as root, the model as parent)."""
-    adapters = dict(state.args.engine.lora_modules)
+    adapter = state.adapters.path(name)
     return {
         "id": name,
         "object": "model",
         "created": state.created,
         "owned_by": "tpserve",
-        "root": adapters.get(name, state.args.model_dir),
-        "parent": state.args.served_model_name if name in adapters else None,
+        "root": adapter or state.args.model_dir,
+        "parent": state.args.served_model_name if adapter is not None else None,
         "max_model_len": state.args.context_len,
     }
 
 
 def _model_names(state: AppState) -> tuple[str, ...]:
     """The model's names, then its LoRA adapters'."""
-    return (state.args.served_model_name, *state.args.model_aliases, *(n for n, _ in state.args.engine.lora_modules))
+    return (state.args.served_model_name, *state.args.model_aliases, *state.adapters)
 
 
 async def _classify(body: ClassifyRequest, request: Request) -> Response:
@@ -149,6 +158,16 @@ def _v1_router() -> APIRouter:
         state = _state(request)
         check_model_name(model, _model_names(state))
         return _model_card(state, model)
+
+    @router.post("/load_lora_adapter", response_class=PlainTextResponse)
+    async def load_lora_adapter(body: LoadLoRAAdapterRequest, request: Request) -> str:
+        state = _state(request)
+        return await state.lora_updates.load(_serving(request).frontend, body)
+
+    @router.post("/unload_lora_adapter", response_class=PlainTextResponse)
+    async def unload_lora_adapter(body: UnloadLoRAAdapterRequest, request: Request) -> str:
+        state = _state(request)
+        return await state.lora_updates.unload(_serving(request).frontend, body)
 
     @router.post("/chat/completions")
     async def chat_completions(body: ChatCompletionRequest, request: Request) -> Response:

@@ -18,7 +18,7 @@ import msgspec
 import zmq
 import zmq.asyncio
 
-from tpserve.message import AbortRequest, FlushCache, SchedulerStats
+from tpserve.message import AbortRequest, FlushCache, LoadLoRA, LoRAAnswer, SchedulerStats, UnloadLoRA
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import ApiInput, ApiOutput, RequestRejected, TokenizeRequest
 from tpserve.message.transport import encode, open_socket
@@ -33,7 +33,7 @@ class RequestCancelled:
     message: str
 
 
-BackendEvent = Union[ApiOutput, RequestRejected, RequestCancelled]
+BackendEvent = Union[ApiOutput, RequestRejected, RequestCancelled, LoRAAnswer]
 ABORT_MEMORY_S = 300.0  # how long an aborted rid's late outputs still trigger a repeat abort
 
 
@@ -98,6 +98,8 @@ class BackendLink:
         if isinstance(msg, RequestRejected):
             self._route(msg.rid, msg, finished=True)
             return []
+        if msg.lora is not None:  # each replica answers: the caller releases the rid once it has them all
+            self._route(msg.lora.rid, msg.lora, finished=False)
         if msg.stats is not None:
             if self._on_stats is not None:
                 self._on_stats(msg.stats)
@@ -163,6 +165,21 @@ class FrontendClient(BackendLink):
     async def flush_cache(self) -> None:
         """Every replica's (with data parallelism the router sends it to each)."""
         await self._to_scheduler.send(encode(FlushCache()))
+
+    async def update_lora(self, update: LoadLoRA | UnloadLoRA, replicas: int, timeout: float) -> list[BackendEvent]:
+        """Send a LoRA load or unload (``update.rid`` from ``new_rid``) to every replica; their ``LoRAAnswer``s
+        (ending early with a RequestCancelled at shut-down), or a TimeoutError after ``timeout`` seconds."""
+        queue: asyncio.Queue[BackendEvent] = asyncio.Queue()
+        self._queues[update.rid] = queue
+        events: list[BackendEvent] = []
+        try:
+            await self._to_scheduler.send(encode(update))
+            async with asyncio.timeout(timeout):
+                while len(events) < replicas and (not events or isinstance(events[-1], LoRAAnswer)):
+                    events.append(await queue.get())
+            return events
+        finally:
+            self.release(update.rid)
 
     async def run(self) -> None:
         """Route backend messages forever (cancel the task to stop)."""

@@ -4,7 +4,7 @@ choice), read their outputs as one stream of events (``Generation``), answer as 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable
+from typing import Any, AsyncIterator, Awaitable, Callable, Collection
 
 import msgspec
 from fastapi import Request
@@ -48,7 +48,9 @@ class Serving:
     force_include_usage: bool = False  # vLLM's --enable-force-include-usage: every stream ends with its usage
     priority_scheduling: bool = False  # --schedule-policy priority: requests may give a priority other than 0
     prompts: TokenizeService | None = None  # the tokenizer in this process: a beam search's prompts and beams' text
-    lora_adapters: tuple[str, ...] = ()  # LoRA adapters' names (--lora-modules): a generation request may name one
+    # LoRA adapters' names (--lora-modules, and those loaded at run time: a ServedAdapters): a generation request may
+    # name one
+    lora_adapters: Collection[str] = ()
 
     def include_usage(self, body: ChatCompletionRequest | CompletionRequest) -> bool:
         """A stream ends with its usage: asked for, or forced (--enable-force-include-usage)."""

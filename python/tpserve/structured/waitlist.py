@@ -43,6 +43,9 @@ class GrammarWaitlist(Generic[R]):
     def __contains__(self, rid: int) -> bool:
         return rid in self._waiting
 
+    def requests(self) -> list[R]:
+        return [waiting.request for waiting in self._waiting.values()]
+
     def add(self, rid: int, request: R, spec: StructuredOutput) -> None:
         self._waiting[rid] = _Waiting(request, spec, self.compiler.submit(spec), time.monotonic())
 

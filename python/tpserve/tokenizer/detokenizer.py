@@ -14,6 +14,7 @@ import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import msgspec
 import zmq
 
 from tpserve.message import AbortRequest, BatchTokenOutput, TokenOutput
@@ -78,7 +79,11 @@ class DetokenizerManager:
 
     def on_batch(self, batch: BatchTokenOutput) -> DetokenizeResult:
         self._drop_old_orphans()
-        return self._process(batch.outputs, batch.stats)
+        result = self._process(batch.outputs, batch.stats)
+        if batch.lora is not None:  # passed on as it is
+            api = result.api if result.api is not None else ApiOutputBatch(outputs=[], stats=batch.stats)
+            result = DetokenizeResult(msgspec.structs.replace(api, lora=batch.lora), result.aborts)
+        return result
 
     def _process(self, outputs: list[TokenOutput], stats) -> DetokenizeResult:
         api: list[ApiOutput] = []

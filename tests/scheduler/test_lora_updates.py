@@ -1,0 +1,82 @@
+"""LoRA adapters loaded and unloaded at run time on one rank (a real engine, float32 on the CPU): an unload with a
+request of the adapter running lets it finish with the adapter (PEFT's tokens), keeps the slot until then, and a
+reloaded adapter shares no cached prefix with the one it replaced."""
+
+from __future__ import annotations
+
+import pytest
+from msgspec.structs import replace
+
+from tpserve.engine.engine import Engine
+from tpserve.engine_config import EngineConfig
+from tpserve.engine.lora_slots import LoRASlotError
+from tpserve.sampling_params import SamplingParams
+from tpserve.scheduler.scheduler import AdmissionError, Scheduler
+
+PROMPT = list(range(10, 30))  # 20 tokens: a whole page of 16 to cache
+GREEDY = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def adapters(qwen3_dir, tmp_path_factory) -> dict[str, str]:
+    from lora_adapters import make_adapter
+
+    all_layers = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return {"all": make_adapter(qwen3_dir, str(tmp_path_factory.mktemp("all")), all_layers),
+            "qv": make_adapter(qwen3_dir, str(tmp_path_factory.mktemp("qv")), ("q_proj", "v_proj"), rank=8, seed=3)}
+
+
+def run_until_done(scheduler: Scheduler, tokens: dict[int, list[int]], cached: dict[int, int]) -> None:
+    while scheduler.has_work:
+        for out in scheduler.step():
+            tokens.setdefault(out.rid, []).extend(out.token_ids)
+            cached[out.rid] = max(cached.get(out.rid, 0), out.cached_tokens)
+
+
+def test_unload_while_running_then_reload(qwen3_dir, adapters):
+    from lora_adapters import peft_greedy
+
+    engine = Engine(EngineConfig(model=qwen3_dir, device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8))
+    scheduler = Scheduler(engine)
+    scheduler.check_accounting = True
+    with pytest.raises(AdmissionError, match="LoRA adapter 'all' is not loaded"):
+        scheduler.add_request(1, PROMPT, SamplingParams(lora="all"), seed=1)
+    scheduler.load_lora("all", adapters["all"])
+    with pytest.raises(LoRASlotError, match="already been loaded"):
+        scheduler.load_lora("all", adapters["all"])
+    scheduler.add_request(1, PROMPT, replace(GREEDY, lora="all"), seed=1)
+    tokens: dict[int, list[int]] = {}
+    cached: dict[int, int] = {}
+    for _ in range(3):  # prefilled and decoding
+        for out in scheduler.step():
+            tokens.setdefault(out.rid, []).extend(out.token_ids)
+    scheduler.unload_lora("all")
+    assert engine.loras.retired == {1}, "its slot stays while its request runs"
+    with pytest.raises(AdmissionError, match="LoRA adapter 'all' is not loaded"):
+        scheduler.add_request(2, PROMPT, SamplingParams(lora="all"), seed=2)
+    with pytest.raises(LoRASlotError, match="no free LoRA slot for 'qv'"):
+        scheduler.load_lora("qv", adapters["qv"])
+    with pytest.raises(LoRASlotError, match="The lora adapter 'all' cannot be found."):
+        scheduler.unload_lora("all")
+    run_until_done(scheduler, tokens, cached)
+    assert tokens[1] == peft_greedy(qwen3_dir, adapters["all"], PROMPT, 8)[0], "the unload did not touch it"
+
+    scheduler.load_lora("qv", adapters["qv"])  # the freed slot, zeroed: no layer keeps the first adapter's weights
+    assert engine.loras.loaded["qv"].slot == 1 and not engine.loras.retired
+    layers = engine.lora_layers.values()
+    assert all(float(layer.lora.a[1].abs().sum()) == 0 for layer in layers if 1 not in layer.lora.filled)
+    assert {name.rpartition(".")[2] for name, layer in engine.lora_layers.items() if 1 in layer.lora.filled} \
+        == {"qkv_proj"}
+    scheduler.add_request(3, PROMPT, replace(GREEDY, lora="qv"), seed=3)
+    run_until_done(scheduler, tokens, cached)
+    assert tokens[3] == peft_greedy(qwen3_dir, adapters["qv"], PROMPT, 8)[0]
+
+    # "qv" unloaded and loaded again (the same name and files): a new load shares no cached pages with the old
+    scheduler.unload_lora("qv")
+    scheduler.load_lora("qv", adapters["qv"])
+    for rid in (4, 5):
+        scheduler.add_request(rid, PROMPT, replace(GREEDY, lora="qv"), seed=rid)
+        run_until_done(scheduler, tokens, cached)
+    assert cached[4] == 0 and cached[5] > 0, cached
+    assert tokens[4] == tokens[5] == tokens[3]
+

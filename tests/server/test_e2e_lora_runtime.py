@@ -1,0 +1,96 @@
+"""End to end: vLLM's runtime LoRA loading (VLLM_ALLOW_RUNTIME_LORA_UPDATING=true) through a real server (tiny model,
+CPU, TP 1, one adapter slot): load, generate with it (PEFT's tokens), list, unload with a stream of it running (the
+stream ends as PEFT's), the error after unload, and the checks as 400s and 404s."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from server_process import running_server
+
+LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture(scope="module")
+def adapters(qwen3_dir, tmp_path_factory) -> dict[str, str]:
+    from lora_adapters import make_adapter
+
+    all_layers = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    return {"all": make_adapter(qwen3_dir, str(tmp_path_factory.mktemp("all")), all_layers),
+            "qv": make_adapter(qwen3_dir, str(tmp_path_factory.mktemp("qv")), ("q_proj", "v_proj"), seed=1),
+            "r8": make_adapter(qwen3_dir, str(tmp_path_factory.mktemp("r8")), ("q_proj",), rank=8)}
+
+
+@pytest.fixture(scope="module")
+def url(qwen3_dir, adapters):
+    yield from (server.url for server in running_server(
+        ["--model", qwen3_dir, "--device", "cpu", "--served-model-name", "tiny", "--max-lora-rank", "4"],
+        env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "True"}))
+
+
+def completion_tokens(url: str, model: str, max_tokens: int) -> httpx.Response:
+    return httpx.post(f"{url}/v1/completions", timeout=60, json={
+        "model": model, "prompt": PROMPT, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True,
+        "logprobs": 0, "return_tokens_as_token_ids": True})
+
+
+def chunk_tokens(line: str) -> list[str]:
+    """A completion stream's ``data: {...}`` line's tokens (the last chunk has none)."""
+    return (json.loads(line.removeprefix("data: "))["choices"][0]["logprobs"] or {}).get("tokens", [])
+
+
+def ids(tokens: list[str]) -> list[int]:
+    return [int(t.removeprefix("token_id:")) for t in tokens]
+
+
+def test_load_generate_list_unload(url, qwen3_dir, adapters):
+    from lora_adapters import peft_greedy
+
+    resp = httpx.post(f"{url}{LOAD}", json={"lora_name": "sql", "lora_path": adapters["all"]})
+    assert resp.status_code == 200 and resp.text == "Success: LoRA adapter 'sql' added successfully."
+    models = httpx.get(f"{url}/v1/models").json()["data"]
+    assert [m["id"] for m in models] == ["tiny", "sql"] and models[1]["root"] == adapters["all"]
+    out = completion_tokens(url, "sql", 6).json()
+    assert out["model"] == "sql" and ids(out["choices"][0]["logprobs"]["tokens"]) == \
+        peft_greedy(qwen3_dir, adapters["all"], PROMPT, 6)[0]
+    full = httpx.post(f"{url}{LOAD}", json={"lora_name": "qv", "lora_path": adapters["qv"]})
+    assert full.status_code == 400 and "no free LoRA slot" in full.json()["error"]["message"], full.text
+
+    # unloaded while a stream of it runs: the stream ends with the adapter's tokens, new requests get a 404
+    body = {"model": "sql", "prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True,
+            "logprobs": 0, "return_tokens_as_token_ids": True}
+    streamed: list[str] = []
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as stream:
+        lines = (line for line in stream.iter_lines() if line.startswith("data: {"))
+        streamed += chunk_tokens(next(lines))
+        resp = httpx.post(f"{url}{UNLOAD}", json={"lora_name": "sql"})
+        assert resp.status_code == 200 and resp.text == "Success: LoRA adapter 'sql' removed successfully."
+        gone = completion_tokens(url, "sql", 2)
+        assert gone.status_code == 404 and gone.json()["error"]["code"] == "model_not_found", gone.text
+        for line in lines:
+            streamed += chunk_tokens(line)
+    assert ids(streamed) == peft_greedy(qwen3_dir, adapters["all"], PROMPT, 64)[0]
+    assert [m["id"] for m in httpx.get(f"{url}/v1/models").json()["data"]] == ["tiny"]
+
+    # the slot is free again (zeroed): the next adapter runs as PEFT's
+    assert httpx.post(f"{url}{LOAD}", json={"lora_name": "qv", "lora_path": adapters["qv"]}).status_code == 200
+    out = completion_tokens(url, "qv", 6).json()
+    assert ids(out["choices"][0]["logprobs"]["tokens"]) == peft_greedy(qwen3_dir, adapters["qv"], PROMPT, 6)[0]
+    assert httpx.post(f"{url}{UNLOAD}", json={"lora_name": "qv"}).status_code == 200
+
+
+def test_errors_are_400s_and_404s(url, adapters, tmp_path):
+    cases = [
+        (LOAD, {"lora_name": "x", "lora_path": str(tmp_path / "nowhere")}, 404, "No adapter found"),
+        (LOAD, {"lora_name": "x", "lora_path": str(tmp_path)}, 400, "needs adapter_config.json"),
+        (LOAD, {"lora_name": "x", "lora_path": adapters["r8"]}, 400, "more than --max-lora-rank 4"),
+        (LOAD, {"lora_name": "tiny", "lora_path": adapters["qv"]}, 400, "is the served model's name"),
+        (LOAD, {"lora_name": "x"}, 400, "Both 'lora_name' and 'lora_path' must be provided."),
+        (UNLOAD, {"lora_name": "x"}, 404, "The lora adapter 'x' cannot be found."),
+    ]
+    for path, body, status, message in cases:
+        resp = httpx.post(f"{url}{path}", json=body)
+        assert resp.status_code == status and message in resp.json()["error"]["message"], (body, resp.text)

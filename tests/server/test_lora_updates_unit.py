@@ -1,0 +1,132 @@
+"""vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter in-process (TestClient, a stub backend that answers the
+LoRA updates): vLLM's success lines, its checks as OpenAI-style 400s and 404s, the gate, /v1/models and the names
+generation requests may use."""
+
+from __future__ import annotations
+
+import pytest
+from fastapi.testclient import TestClient
+from stub_frontend import StubFrontend
+from tpserve.engine_config import EngineConfig
+from tpserve.launch.args import ServerArgs
+from tpserve.message import LoadLoRA, LoRAAnswer, UnloadLoRA
+from tpserve.server.api import AppState, create_app
+from tpserve.server.limits import RequestLimits
+from tpserve.server.serving import Serving
+
+MODEL = "tiny-test"
+LOAD, UNLOAD = "/v1/load_lora_adapter", "/v1/unload_lora_adapter"
+
+
+class LoRAStub(StubFrontend):
+    """Each replica answers a LoRA update with ``errors[replica]`` (None: done)."""
+
+    def __init__(self, errors: list[str | None] | None = None) -> None:
+        super().__init__()
+        self.errors = errors or [None]
+        self.updates: list[LoadLoRA | UnloadLoRA] = []
+
+    async def update_lora(self, update, replicas, timeout):
+        self.updates.append(update)
+        errors = self.errors if isinstance(update, LoadLoRA) else [None] * replicas
+        return [LoRAAnswer(update.rid, error) for error in errors[:replicas]]
+
+
+def make_client(enabled: bool = True, stub: LoRAStub | None = None, dp_size: int = 1, **engine):
+    args = ServerArgs(engine=EngineConfig(model="/nonexistent", dp_size=dp_size, **engine), served_model_name=MODEL,
+                      context_len=128, vocab_size=700, model_aliases=("alias",), allow_runtime_lora_updating=enabled)
+    state = AppState(args)
+    stub = stub or LoRAStub()
+    state.serving = Serving(stub, state.metrics, MODEL, RequestLimits(128, 64), ("alias",),  # type: ignore[arg-type]
+                            lora_adapters=state.adapters)
+    return TestClient(create_app(state)), stub
+
+
+@pytest.fixture(scope="module")
+def adapter(qwen3_dir, tmp_path_factory) -> str:
+    from lora_adapters import make_adapter
+
+    return make_adapter(qwen3_dir, str(tmp_path_factory.mktemp("lora")), ("q_proj", "v_proj"), rank=8)
+
+
+def error_of(resp, status: int) -> dict:
+    assert resp.status_code == status, resp.text
+    assert set(resp.json()["error"]) == {"message", "type", "param", "code"}
+    return resp.json()["error"]
+
+
+def test_load_lists_serves_and_unload_forgets_the_adapter(adapter):
+    client, stub = make_client()
+    resp = client.post(LOAD, json={"lora_name": "sql", "lora_path": adapter})
+    assert resp.status_code == 200 and resp.text == "Success: LoRA adapter 'sql' added successfully."
+    assert isinstance(stub.updates[-1], LoadLoRA) and (stub.updates[-1].name, stub.updates[-1].path) == ("sql", adapter)
+    cards = client.get("/v1/models").json()["data"]
+    assert [c["id"] for c in cards] == [MODEL, "alias", "sql"]
+    assert cards[2]["root"] == adapter and cards[2]["parent"] == MODEL
+    assert client.get("/v1/models/sql").status_code == 200
+    resp = client.post("/v1/completions", json={"model": "sql", "prompt": "hi", "max_tokens": 2})
+    assert resp.status_code == 200 and resp.json()["model"] == "sql"
+    assert stub.submitted[-1].params.lora == "sql"
+
+    resp = client.post(UNLOAD, json={"lora_name": "sql"})
+    assert resp.status_code == 200 and resp.text == "Success: LoRA adapter 'sql' removed successfully."
+    assert isinstance(stub.updates[-1], UnloadLoRA) and stub.updates[-1].name == "sql"
+    assert [c["id"] for c in client.get("/v1/models").json()["data"]] == [MODEL, "alias"]
+    error = error_of(client.post("/v1/completions", json={"model": "sql", "prompt": "hi"}), 404)
+    assert error["code"] == "model_not_found"
+    # loaded again (its slot freed), under the same name
+    assert client.post(LOAD, json={"lora_name": "sql", "lora_path": adapter}).status_code == 200
+
+
+def test_the_checks_are_400s_and_404s(adapter, tmp_path):
+    client, stub = make_client(max_lora_rank=4)
+    cases = [
+        ({"lora_name": "x"}, 400, "Both 'lora_name' and 'lora_path' must be provided."),
+        ({"lora_path": adapter}, 400, "Both 'lora_name' and 'lora_path' must be provided."),
+        ({"lora_name": MODEL, "lora_path": adapter}, 400, "is the served model's name"),
+        ({"lora_name": "alias", "lora_path": adapter}, 400, "is the served model's name"),
+        ({"lora_name": "x", "lora_path": str(tmp_path / "nowhere")}, 404, "No adapter found for"),
+        ({"lora_name": "x", "lora_path": str(tmp_path)}, 400, "needs adapter_config.json and adapter_model"),
+        ({"lora_name": "x", "lora_path": adapter}, 400, "has rank 8, more than --max-lora-rank 4"),
+        ({"lora_name": 3, "lora_path": adapter}, 400, None),
+    ]
+    for body, status, message in cases:
+        error = error_of(client.post(LOAD, json=body), status)
+        assert message is None or message in error["message"], (body, error)
+    assert not stub.updates, "each was refused before any rank saw it"
+    error = error_of(client.post(UNLOAD, json={"lora_name": "x"}), 404)
+    assert error["message"] == "The lora adapter 'x' cannot be found."
+    error_of(client.post(UNLOAD, json={}), 400)
+
+
+def test_a_name_loaded_twice_and_the_engines_refusal_are_400s(adapter):
+    client, stub = make_client(stub=LoRAStub())
+    assert client.post(LOAD, json={"lora_name": "a", "lora_path": adapter}).status_code == 200
+    error = error_of(client.post(LOAD, json={"lora_name": "a", "lora_path": adapter}), 400)
+    assert error["message"] == "The lora adapter 'a' has already been loaded."
+    stub.errors = ["no free LoRA slot for 'b': all 1 hold adapters"]
+    error = error_of(client.post(LOAD, json={"lora_name": "b", "lora_path": adapter}), 400)
+    assert "no free LoRA slot" in error["message"]
+    assert [c["id"] for c in client.get("/v1/models").json()["data"]] == [MODEL, "alias", "a"]
+
+
+def test_a_replica_that_could_not_load_undoes_the_others(adapter):
+    """With --dp-size 2, one replica without a free slot: the replica that loaded it unloads it, the load is a 400."""
+    stub = LoRAStub([None, "no free LoRA slot for 'a'"])
+    client, _ = make_client(stub=stub, dp_size=2)
+    error_of(client.post(LOAD, json={"lora_name": "a", "lora_path": adapter}), 400)
+    assert [type(u) for u in stub.updates] == [LoadLoRA, UnloadLoRA]
+    assert "a" not in [c["id"] for c in client.get("/v1/models").json()["data"]]
+
+
+def test_disabled_unless_the_flag_or_vllms_environment_variable(adapter, monkeypatch):
+    client, stub = make_client(enabled=False)
+    for path, body in ((LOAD, {"lora_name": "a", "lora_path": adapter}), (UNLOAD, {"lora_name": "a"})):
+        error = error_of(client.post(path, json=body), 404)
+        assert "VLLM_ALLOW_RUNTIME_LORA_UPDATING=true" in error["message"], error
+    assert not stub.updates
+    from tpserve.launch.args import runtime_updating_allowed
+
+    assert [runtime_updating_allowed({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": v}) for v in ("1", "True", " true", "0", "")] \
+        == [True, True, True, False, False]
+    assert not runtime_updating_allowed({})
