@@ -195,3 +195,18 @@ def test_adapters_loaded_at_run_time_match_peft(qwen3_dir, adapters, tp):
         worst = max(abs(v - float(reference[i, t])) for i, (t, v) in enumerate(zip(expected, out.token_logprobs)))
         assert worst < 1e-4, (name, worst)
     assert outs[0].outputs[0].token_ids != outs[1].outputs[0].token_ids, "the adapter changes the answer"
+
+
+def test_a_run_time_adapter_reaches_every_replica(qwen3_dir, adapters):
+    """dp_size=2: add_lora loads it into each replica (each answers), so requests routed to either run with it."""
+    from lora_adapters import peft_greedy
+
+    prompts = [[5, 6, 7, 8, 9], [40, 41, 42], [7, 8], [60, 61, 62, 63]]
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    with LLM(qwen3_dir, device="cpu", dp_size=2, enable_lora=True, load_balance_method="minimum_tokens") as llm:
+        llm.add_lora(LoRARequest("all", 1, adapters["all"]))
+        outs = llm.generate(prompts, params, use_tqdm=False, lora_request=LoRARequest("all"))
+        assert all(stats.prompt_tokens_total > 0 for stats in llm.replica_stats()), "both replicas served"
+        assert llm.remove_lora("all") and llm.list_loras() == []
+    assert [out.outputs[0].token_ids for out in outs] == [peft_greedy(qwen3_dir, adapters["all"], p, 4)[0]
+                                                          for p in prompts]

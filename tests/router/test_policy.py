@@ -4,7 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from tpserve.message import AbortRequest, FlushCache, GenerateRequest, GetStats, SchedulerStats
+from tpserve.message import (
+    AbortRequest, FlushCache, GenerateRequest, GetStats, LoadLoRA, SchedulerStats, UnloadLoRA,
+)
 from tpserve.router.policy import Dispatch, PrefixTable, Router, page_hashes
 from tpserve.sampling_params import SamplingParams
 
@@ -88,6 +90,7 @@ def test_dispatch_routes_each_message():
     assert dispatch.destinations(AbortRequest(2)) == [1]
     assert dispatch.destinations(AbortRequest(77)) == [0, 1], "not routed yet: every replica"
     assert dispatch.destinations(GetStats()) == [0, 1]
+    assert dispatch.destinations(LoadLoRA(8, "a", "/a")) == dispatch.destinations(UnloadLoRA(9, "a")) == [0, 1]
     assert dispatch.router.tables[0].match(page_hashes([1, 2, 3, 4], 4)) == 1
     # a salted prompt's pages are its salt's (as the replicas cache them): they credit no other request's route
     assert dispatch.destinations(GenerateRequest(3, [9, 9, 9, 9, 9], SamplingParams(cache_salt="a"))) == [0]

@@ -127,6 +127,7 @@ def test_disabled_unless_the_flag_or_vllms_environment_variable(adapter, monkeyp
     assert not stub.updates
     from tpserve.launch.args import runtime_updating_allowed
 
-    assert [runtime_updating_allowed({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": v}) for v in ("1", "True", " true", "0", "")] \
+    values = ("1", "True", " true", "0", "")
+    assert [runtime_updating_allowed({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": v}) for v in values] \
         == [True, True, True, False, False]
     assert not runtime_updating_allowed({})

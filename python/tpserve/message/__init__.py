@@ -62,7 +62,8 @@ class Shutdown(msgspec.Struct, tag="shutdown"):
     pass
 
 
-SchedulerInput = GenerateRequest | AbortRequest | GrammarReady | FlushCache | GetStats | LoadLoRA | UnloadLoRA | Shutdown
+SchedulerInput = (GenerateRequest | AbortRequest | GrammarReady | FlushCache | GetStats | LoadLoRA | UnloadLoRA
+                  | Shutdown)
 
 
 # ---- out of scheduler rank 0 (to the detokenizer) ----

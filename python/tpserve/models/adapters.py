@@ -101,7 +101,8 @@ def clear_slot(layers: dict[str, ParallelLinear], slot: int) -> None:
         layer.lora.clear(slot)
 
 
-def _target_layer(layers: dict[str, ParallelLinear], name: str, path: str) -> tuple[ParallelLinear, str | int | None, int, str]:
+def _target_layer(layers: dict[str, ParallelLinear], name: str,
+                  path: str) -> tuple[ParallelLinear, str | int | None, int, str]:
     """(the layer, its shard id, the part of it, lora_A or lora_B) a PEFT tensor adapts."""
     module_name, kind = _adapter_target(name, path)
     parent, _, leaf = module_name.rpartition(".")
@@ -126,7 +127,8 @@ def _copy(layer: ParallelLinear, slot: int, loaded: torch.Tensor, name: str, sha
         # scaled in float32, then rounded once (a bf16 adapter too); a Granite layer's residual_multiplier too
         loaded = loaded.float() * (config.scale * layer.output_multiplier)
         if piece is not None:
-            lora.b[slot, piece.dest : piece.dest + piece.size, rows].copy_(piece.cut(loaded, 0, 2, name).to(lora.b.dtype))
+            piece_rows = slice(piece.dest, piece.dest + piece.size)
+            lora.b[slot, piece_rows, rows].copy_(piece.cut(loaded, 0, 2, name).to(lora.b.dtype))
         else:
             lora.b[slot, :, rows].copy_(loaded.to(lora.b.dtype))
 
