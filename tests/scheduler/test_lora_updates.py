@@ -80,3 +80,24 @@ def test_unload_while_running_then_reload(qwen3_dir, adapters):
     assert cached[4] == 0 and cached[5] > 0, cached
     assert tokens[4] == tokens[5] == tokens[3]
 
+
+
+def test_a_load_one_rank_fails_is_undone_on_every_rank(qwen3_dir, adapters, monkeypatch):
+    """Each rank reads the adapter's files itself (another node's copy may be missing or damaged): a load that
+    fails on any rank is refused and undone on the ranks that did it, or their books (and batches) would differ."""
+    from tpserve.message import LoadLoRA
+    from tpserve.scheduler import process
+    from tpserve.scheduler.io import LocalIO
+
+    engine = Engine(EngineConfig(model=qwen3_dir, device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8))
+    loop = process.SchedulerLoop(Scheduler(engine), LocalIO(), check_ranks=False)
+    monkeypatch.setattr(process, "every_rank", lambda value, group: [value, "No adapter found for /a on node 1"])
+    loop.apply(LoadLoRA(7, "qv", adapters["qv"]))
+    answer = loop.io.outbox.pop().lora
+    assert answer.rid == 7 and answer.error == "tp rank 1: No adapter found for /a on node 1"
+    assert not engine.loras.loaded and not engine.loras.retired, "undone on the rank that loaded it"
+    assert all(not layer.lora.filled and float(layer.lora.b[1].abs().sum()) == 0
+               for layer in engine.lora_layers.values())
+    monkeypatch.setattr(process, "every_rank", lambda value, group: [value, None])
+    loop.apply(LoadLoRA(8, "qv", adapters["qv"]))
+    assert loop.io.outbox.pop().lora.error is None and engine.loras.loaded["qv"].slot == 1

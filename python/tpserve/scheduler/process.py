@@ -109,6 +109,15 @@ def _run_rank(
     engine.shutdown()
 
 
+def every_rank(value: str | None, cpu_group: dist.ProcessGroup | None) -> list[str | None]:
+    """Every rank's ``value``, in rank order (a collective: every rank calls it; just ``value`` at tp 1)."""
+    if cpu_group is None:
+        return [value]
+    values: list[str | None] = [None] * dist.get_world_size(cpu_group)
+    dist.all_gather_object(values, value, group=cpu_group)
+    return values
+
+
 class SchedulerLoop:
     """A rank's loop: take the new messages (the same on every rank), step, send the outputs; run
     until Shutdown, or stepped by the offline LLM at tp 1 (``LocalRank``)."""
@@ -172,7 +181,20 @@ class SchedulerLoop:
         return []
 
     def _update_lora(self, msg: LoadLoRA | UnloadLoRA) -> str | None:
-        """Why the load or unload failed (the same on every rank: each reads the same files), or None."""
+        """Why the load or unload failed on some rank, or None. Each rank reads the adapter's files itself (another
+        node's copy may be missing or damaged), so the ranks agree first: a load that failed anywhere is undone on
+        the ranks that did it, or their books and batches would differ."""
+        error = self._try_update_lora(msg)
+        errors = every_rank(error, self.io.cpu_group)
+        failed = next(((rank, e) for rank, e in enumerate(errors) if e is not None), None)
+        if failed is None:
+            return None
+        if error is None and isinstance(msg, LoadLoRA):  # no step ran since: no request uses its slot
+            self.scheduler.unload_lora(msg.name)
+        rank, first = failed
+        return first if rank == self.io.rank else f"tp rank {rank}: {first}"
+
+    def _try_update_lora(self, msg: LoadLoRA | UnloadLoRA) -> str | None:
         try:
             if isinstance(msg, LoadLoRA):
                 self.scheduler.load_lora(msg.name, msg.path)
