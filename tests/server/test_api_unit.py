@@ -1296,3 +1296,23 @@ def test_load_counts_the_calls_in_flight(tracking):
     assert c.get("/load").json() == {"server_load": 0}
     assert_error(c.post(CHAT, json={"messages": "no"}), 400)
     assert c.get("/load").json() == {"server_load": 0}  # a refused call counted only while it ran
+
+
+@pytest.mark.parametrize("path", ["/v1/classify", "/classify", "/v1/score", "/v1/rerank", "/v2/rerank",
+                                  "/v1/embeddings", "/v1/completions", "/api/v1/classify"])
+def test_load_counts_every_served_pooling_path(path):
+    """Every path tpserve serves a load-aware API under is counted (/v1/classify as /classify), a root_path
+    prefix stripped."""
+    import asyncio
+
+    from tpserve.server.metrics import ServerMetrics, TrackServerLoad
+
+    metrics = ServerMetrics(MODEL)
+    seen = []
+
+    async def inner(scope, receive, send):
+        seen.append(metrics.server_load)
+
+    scope = {"type": "http", "path": path, "root_path": "/api" if path.startswith("/api") else ""}
+    asyncio.run(TrackServerLoad(inner, metrics)(scope, None, None))
+    assert seen == [1] and metrics.server_load == 0

@@ -196,9 +196,9 @@ class CountResponses:
             raise
 
 
-# vLLM's load-aware routes (its load_aware_call), as tpserve serves them
+# vLLM's load-aware routes (its load_aware_call), as tpserve serves them (/v1/classify too, /classify's twin)
 LOAD_AWARE_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/embeddings", "/pooling", "/classify",
-                              "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"})
+                              "/v1/classify", "/score", "/v1/score", "/rerank", "/v1/rerank", "/v2/rerank"})
 
 
 class TrackServerLoad:
