@@ -210,3 +210,22 @@ def test_a_run_time_adapter_reaches_every_replica(qwen3_dir, adapters):
         assert llm.remove_lora("all") and llm.list_loras() == []
     assert [out.outputs[0].token_ids for out in outs] == [peft_greedy(qwen3_dir, adapters["all"], p, 4)[0]
                                                           for p in prompts]
+
+
+def test_a_lora_request_with_a_path_is_loaded_on_first_use(qwen3_dir, adapters):
+    """vLLM's offline LoRA: LLM(enable_lora=True).generate(..., lora_request=LoRARequest(name, id, path)) loads the
+    adapter the first time it is named (no add_lora call), then serves it as PEFT's; without enable_lora it is the
+    not-loaded ValueError."""
+    from lora_adapters import peft_greedy
+
+    prompt = [5, 6, 7, 8, 9]
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    with LLM(qwen3_dir, device="cpu", enable_lora=True, max_lora_rank=8) as llm:
+        first = llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("all", 1, adapters["all"]))
+        again = llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("all", 1, adapters["all"]))
+        assert llm.list_loras() == ["all"]
+    expected = peft_greedy(qwen3_dir, adapters["all"], prompt, 8)[0]
+    assert first[0].outputs[0].token_ids == again[0].outputs[0].token_ids == expected
+    with LLM(qwen3_dir, device="cpu") as llm:
+        with pytest.raises(ValueError, match="LoRA adapter 'all' is not loaded"):
+            llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("all", 1, adapters["all"]))

@@ -17,8 +17,9 @@ class TokensPrompt(TypedDict):
 
 @dataclass(frozen=True)
 class LoRARequest:
-    """vLLM's ``vllm.lora.request.LoRARequest``: which adapter a request runs with. tpserve serves the adapters it
-    was started with (``LLM(..., lora_modules={name: path})``, ``--lora-modules``), named by ``lora_name``."""
+    """vLLM's ``vllm.lora.request.LoRARequest``: which adapter a request runs with, named by ``lora_name``: one the
+    LLM was started with (``lora_modules={name: path}``) or loaded (``add_lora``), or, with ``enable_lora=True``,
+    the one at ``lora_path``, loaded the first time a request names it."""
 
     lora_name: str
     lora_int_id: int = 0

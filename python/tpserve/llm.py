@@ -197,6 +197,7 @@ class LLM(PoolingMethods):
         self._calls = threading.Lock()
         self._seed_rng = random.Random(None if seed is None else int(seed))
         self._adapters = dict(self.config.lora_modules)  # the LoRA adapters loaded: name -> directory
+        self._first_use = threading.Lock()  # a LoRARequest's adapter loaded on first use (_lora_name)
         self._driver: RankDriver | None = start_ranks(self.config, load_balance_method)
 
     def get_default_sampling_params(self) -> SamplingParams:
@@ -504,7 +505,14 @@ class LLM(PoolingMethods):
         return self._driver
 
     def _lora_name(self, request: LoRARequest) -> str:
+        """The adapter a request names; one with a lora_path is loaded on first use where the LLM has adapter slots
+        (enable_lora), as vLLM's LLM loads a LoRARequest's adapter (a full set of slots is add_lora's ValueError)."""
         loaded = self._adapters
+        if (isinstance(request, LoRARequest) and request.lora_name and request.lora_path
+                and request.lora_name not in loaded and self.config.enable_lora):
+            with self._first_use:  # threads naming a new adapter at once load it once
+                if request.lora_name not in loaded:
+                    self.add_lora(request)
         if not isinstance(request, LoRARequest) or request.lora_name not in loaded:
             name = getattr(request, "lora_name", request)
             raise ValueError(f"LoRA adapter {name!r} is not loaded: start the LLM with lora_modules={{name: path}} "
