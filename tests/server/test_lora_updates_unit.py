@@ -131,3 +131,18 @@ def test_disabled_unless_the_flag_or_vllms_environment_variable(adapter, monkeyp
     assert [runtime_updating_allowed({"VLLM_ALLOW_RUNTIME_LORA_UPDATING": v}) for v in values] \
         == [True, True, True, False, False]
     assert not runtime_updating_allowed({})
+
+
+@pytest.mark.parametrize("config", [[], {"r": 8, "lora_alpha": "16"}, {"r": 8, "lora_alpha": None},
+                                    {"r": 8, "target_modules": [1]}, {"r": 8, "lora_alpha": True}])
+def test_a_malformed_adapter_config_is_a_400(adapter, tmp_path, config):
+    """adapter_config.json's values are the client's files: a wrong type is a 400 naming the adapter, not a 500."""
+    import json
+    import shutil
+
+    path = tmp_path / "bad"
+    shutil.copytree(adapter, path)
+    (path / "adapter_config.json").write_text(json.dumps(config))
+    client, stub = make_client()
+    error = error_of(client.post(LOAD, json={"lora_name": "x", "lora_path": str(path)}), 400)
+    assert f"LoRA adapter {path}" in error["message"] and not stub.updates

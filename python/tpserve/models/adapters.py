@@ -45,9 +45,13 @@ def read_adapter_config(path: str, max_rank: int) -> AdapterConfig:
         raise ValueError(f"LoRA adapter {path}: needs {ADAPTER_CONFIG} and {ADAPTER_WEIGHTS} (a PEFT checkpoint)")
     with open(config_file) as f:
         config = json.load(f)
+    if not isinstance(config, dict):
+        raise ValueError(f"LoRA adapter {path}: {ADAPTER_CONFIG} must hold a JSON object")
     rank, alpha = config.get("r"), config.get("lora_alpha", config.get("r"))
-    if not isinstance(rank, int) or rank < 1:
+    if isinstance(rank, bool) or not isinstance(rank, int) or rank < 1:
         raise ValueError(f"LoRA adapter {path}: r must be a positive integer, got {rank!r}")
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not math.isfinite(alpha):
+        raise ValueError(f"LoRA adapter {path}: lora_alpha must be a number, got {alpha!r}")
     if rank > max_rank:
         raise ValueError(f"LoRA adapter {path} has rank {rank}, more than --max-lora-rank {max_rank}")
     unserved = [key for key in ("use_dora", "modules_to_save", "layers_to_transform") if config.get(key)]
@@ -58,6 +62,8 @@ def read_adapter_config(path: str, max_rank: int) -> AdapterConfig:
     # the layers it adapts are its tensors' (as vLLM reads them): target_modules may be a regex, "all-linear" or full
     # module paths; a list still names its modules (the last part of each)
     named = config.get("target_modules") or []
+    if not isinstance(named, (str, list)) or not all(isinstance(target, str) for target in named):
+        raise ValueError(f"LoRA adapter {path}: target_modules must be a string or a list of strings, got {named!r}")
     named = set() if isinstance(named, str) else {target.rpartition(".")[2] for target in named}
     with open_safetensors(os.path.join(path, ADAPTER_WEIGHTS)) as tensors:
         targets = {name.partition(".lora_")[0].rpartition(".")[2] for name in tensors.keys()}
