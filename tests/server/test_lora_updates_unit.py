@@ -146,3 +146,24 @@ def test_a_malformed_adapter_config_is_a_400(adapter, tmp_path, config):
     client, stub = make_client()
     error = error_of(client.post(LOAD, json={"lora_name": "x", "lora_path": str(path)}), 400)
     assert f"LoRA adapter {path}" in error["message"] and not stub.updates
+
+
+def test_an_unload_the_engine_did_not_answer_keeps_the_adapter_served(adapter):
+    """A 503 unload (no answer in time) may not have reached the ranks: the adapter stays served, so the unload can
+    be tried again (forgetting it would leave its slot taken and its name refused by every later load)."""
+
+    class SlowUnload(LoRAStub):
+        slow = True
+
+        async def update_lora(self, update, replicas, timeout):
+            if isinstance(update, UnloadLoRA) and self.slow:
+                self.slow = False
+                raise TimeoutError
+            return await super().update_lora(update, replicas, timeout)
+
+    client, stub = make_client(stub=SlowUnload())
+    assert client.post(LOAD, json={"lora_name": "a", "lora_path": adapter}).status_code == 200
+    error_of(client.post(UNLOAD, json={"lora_name": "a"}), 503)
+    assert "a" in [c["id"] for c in client.get("/v1/models").json()["data"]]
+    assert client.post(UNLOAD, json={"lora_name": "a"}).status_code == 200
+    assert "a" not in [c["id"] for c in client.get("/v1/models").json()["data"]]

@@ -50,8 +50,9 @@ class ServedAdapters:
     def add(self, name: str, path: str) -> None:
         self._paths[name] = path
 
-    def remove(self, name: str) -> None:
-        del self._paths[name]
+    def remove(self, name: str) -> str:
+        """Forget ``name``; returns its directory."""
+        return self._paths.pop(name)
 
 
 class LoadLoRAAdapterRequest(_Body):
@@ -112,9 +113,13 @@ class LoRAUpdates:
             if name not in self.adapters:
                 raise APIError(404, f"The lora adapter '{name}' cannot be found.", param="lora_name",
                                code="not_found")
-            self.adapters.remove(name)  # new requests naming it: the unknown model's 404 from now on
-            errors = [answer.error for answer in await self._ask(frontend, UnloadLoRA(frontend.new_rid(), name))
-                      if answer.error is not None]
+            path = self.adapters.remove(name)  # new requests naming it: the unknown model's 404 from now on
+            try:
+                answers = await self._ask(frontend, UnloadLoRA(frontend.new_rid(), name))
+            except APIError:  # the ranks may not have unloaded it: still served, so the unload can be tried again
+                self.adapters.add(name, path)
+                raise
+            errors = [answer.error for answer in answers if answer.error is not None]
             if errors:  # no replica should lack an adapter the server serves
                 logger.warning("unloading LoRA adapter '%s': %s", name, errors[0])
         logger.info("Removed LoRA adapter: name '%s'", name)
