@@ -27,12 +27,12 @@ from tqdm import tqdm
 from tpserve.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from tpserve.config import ModelConfig
 from tpserve.engine_config import KV_CACHE_DTYPE_ALIASES, EngineConfig, check_can_start
-from tpserve.models.adapters import read_adapter_config
 from tpserve.launch.ranks import RankDriver, start_ranks
 from tpserve.message import (
     AbortRequest, BatchTokenOutput, FlushCache, GenerateRequest, GetStats, LoadLoRA, SchedulerStats, TokenOutput,
     UnloadLoRA,
 )
+from tpserve.llm_lora import LoRAMethods
 from tpserve.llm_pooling import PoolingMethods
 from tpserve.inputs import LoRARequest
 from tpserve.outputs import CompletionOutput, RequestOutput, position_logprobs
@@ -124,7 +124,7 @@ class _Pending:
             self.output.text = self.tokenizer.decode(ids, skip_special_tokens=params.skip_special_tokens)
 
 
-class LLM(PoolingMethods):
+class LLM(PoolingMethods, LoRAMethods):
     """Offline generation. ``LLM(model_dir, tp_size=2)`` runs two rank processes on this host;
     ``dp_size=2`` runs two independent replicas (of tp_size ranks each) and spreads the requests
     over them (``load_balance_method``: see ``tpserve.router.policy``)."""
@@ -448,41 +448,6 @@ class LLM(PoolingMethods):
         """``stats`` of each data-parallel replica, in replica order."""
         return sorted((reply.stats for reply in self._ask(GetStats(), "get_stats")), key=lambda s: s.replica)
 
-    def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load the PEFT adapter at ``lora_request.lora_path`` as ``lora_request.lora_name`` into a free adapter slot
-        (``max_loras`` of them, with ``enable_lora=True``), as vLLM's ``LLM.llm_engine.add_lora``; later calls may
-        name it. A ValueError says why it cannot be loaded."""
-        if not isinstance(lora_request, LoRARequest) or not lora_request.lora_name or not lora_request.lora_path:
-            raise ValueError(f"add_lora needs a LoRARequest with a lora_name and a lora_path, got {lora_request!r}")
-        name, path = lora_request.lora_name, os.fspath(lora_request.lora_path)
-        if name in self._adapters:
-            raise ValueError(f"LoRA adapter {name!r} is already loaded")
-        read_adapter_config(path, self.config.max_lora_rank)  # most problems named before the ranks see it
-        self._update_lora(LoadLoRA(self._take_rid(), name, path), name)
-        self._adapters[name] = path
-        return True
-
-    def remove_lora(self, lora_name: str) -> bool:
-        """Unload an adapter (``add_lora``'s or ``lora_modules``'), freeing its slot; False where none is loaded by
-        that name."""
-        if lora_name not in self._adapters:
-            return False
-        del self._adapters[lora_name]
-        self._update_lora(UnloadLoRA(self._take_rid(), lora_name), lora_name)
-        return True
-
-    def list_loras(self) -> list[str]:
-        """The loaded LoRA adapters' names."""
-        return list(self._adapters)
-
-    def _update_lora(self, msg: LoadLoRA | UnloadLoRA, name: str) -> None:
-        replies = self._ask(msg, msg.__struct_config__.tag)
-        errors = [reply.lora.error for reply in replies if reply.lora is not None and reply.lora.error is not None]
-        if errors and isinstance(msg, LoadLoRA) and len(errors) < len(replies):  # undo the replicas that loaded it
-            self._ask(UnloadLoRA(self._take_rid(), name), "unload_lora")
-        if errors:
-            raise ValueError(errors[0])
-
     def _take_rid(self) -> int:
         self._next_rid += 1
         return self._next_rid - 1
@@ -503,21 +468,6 @@ class LLM(PoolingMethods):
         if self._driver is None:
             raise RuntimeError(f"{method}() called after close()")
         return self._driver
-
-    def _lora_name(self, request: LoRARequest) -> str:
-        """The adapter a request names; one with a lora_path is loaded on first use where the LLM has adapter slots
-        (enable_lora), as vLLM's LLM loads a LoRARequest's adapter (a full set of slots is add_lora's ValueError)."""
-        loaded = self._adapters
-        if (isinstance(request, LoRARequest) and request.lora_name and request.lora_path
-                and request.lora_name not in loaded and self.config.enable_lora):
-            with self._first_use:  # threads naming a new adapter at once load it once
-                if request.lora_name not in loaded:
-                    self.add_lora(request)
-        if not isinstance(request, LoRARequest) or request.lora_name not in loaded:
-            name = getattr(request, "lora_name", request)
-            raise ValueError(f"LoRA adapter {name!r} is not loaded: start the LLM with lora_modules={{name: path}} "
-                             f"or load it with add_lora (loaded: {', '.join(loaded) or 'none'})")
-        return request.lora_name
 
     def _check_params(self, params: SamplingParams) -> None:
         vocab = self.model_config.vocab_size
