@@ -29,6 +29,7 @@ SUPPORTED_ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "OlmoeForCausalLM": "olmoe",
     "GraniteForCausalLM": "granite",
+    "Phi3ForCausalLM": "phi3",
     # the bare decoders (transformers' base models, as sentence-transformers saves embedding models such as
     # Qwen3-Embedding's): no LM head, so they serve embeddings only
     "Qwen3Model": "qwen3",
@@ -134,9 +135,9 @@ def _check_sizes(cfg: dict[str, Any]) -> None:
 def _sliding_window(hf: Any, kind: str) -> int | None:
     """The attention window of any layer that has one (None: every layer attends to the whole context)."""
     window = getattr(hf, "sliding_window", None)
-    # transformers' Qwen3-MoE (whose config keeps the window only with use_sliding_window), Mistral and Mixtral apply it
-    # to every layer and ignore any layer_types a config.json carries
-    if kind in ("qwen3_moe", "mistral", "mixtral"):
+    # transformers' Qwen3-MoE (whose config keeps the window only with use_sliding_window), Mistral, Mixtral and Phi-3
+    # apply it to every layer and ignore any layer_types a config.json carries
+    if kind in ("qwen3_moe", "mistral", "mixtral", "phi3"):
         return window
     layer_types = getattr(hf, "layer_types", None)
     if layer_types is not None:
@@ -248,6 +249,7 @@ class ModelConfig:
     residual_multiplier: float = 1.0
     attention_multiplier: float | None = None  # the softmax scale; None: head_dim ** -0.5
     logits_scaling: float = 1.0
+    fused_projections: bool = False  # Phi-3: the checkpoint holds q/k/v as one qkv_proj, gate/up as one gate_up_proj
 
     @property
     def attention_scale(self) -> float:
@@ -334,6 +336,7 @@ class ModelConfig:
             projection_qk_norm=kind == "olmoe",
             clip_qkv=None if getattr(hf, "clip_qkv", None) is None else float(hf.clip_qkv),
             **(_granite_scalars(hf) if kind == "granite" else {}),
+            fused_projections=kind == "phi3",
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size", expert_parallel: bool = False) -> None:

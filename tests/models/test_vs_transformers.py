@@ -26,6 +26,7 @@ ARCHS = [
     ("olmoe", {"norm_topk_prob": False}),  # every layer sparse, q/k RMSNorms over the whole projections, the top k not renormalised
     # Granite 3's embedding, residual, attention and logits scalars; tied embeddings as Granite 3's
     ("granite", {"tie_word_embeddings": True}),
+    ("phi3", {}),  # q/k/v and gate/up fused in the checkpoint, split before sharding
 ]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 137))]
 
@@ -83,6 +84,7 @@ def test_logits_and_greedy_match_transformers(tiny_model_factory, arch, kwargs):
         (4, "olmoe", {"norm_topk_prob": False}, {}),  # and the 2 KV heads' counted once though each is on 2 ranks
         (2, "olmoe", {"norm_topk_prob": False}, {"expert_parallel": True}),
         (2, "granite", {"tie_word_embeddings": True}, {}),  # the residual multiplier in each rank's o/down shard
+        (2, "phi3", {"num_kv_heads": 1}, {}),  # each rank's rows of the fused q/k/v, the one KV head replicated
     ],
     ids=str,
 )

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
+from tpserve.config import ModelConfig
 from tpserve.layers.linear import ParallelLinear
 from tpserve.layers.moe import StackedExperts, holds_whole_experts
 from tpserve.models.checkpoint import open_safetensors, safetensors_files
@@ -102,9 +103,23 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> None:
             )
 
 
-def checkpoint_pieces(name: str, tensor: torch.Tensor) -> Iterator[tuple[Target, torch.Tensor]]:
-    """The (target, tensor) pairs of one checkpoint tensor: itself, or views of each expert's pieces."""
-    stacked = _STACKED_EXPERTS.fullmatch(canonical_name(name))
+def checkpoint_pieces(name: str, tensor: torch.Tensor, fused_rows: dict[str, tuple[int, ...]] | None = None
+                      ) -> Iterator[tuple[Target, torch.Tensor]]:
+    """The (target, tensor) pairs of one checkpoint tensor: itself, or views of each expert's pieces, or of each part
+    of a projection the checkpoint fuses (Phi-3's ``qkv_proj`` and ``gate_up_proj``: ``fused_rows``, each part's rows),
+    so each part is sharded as the checkpoints with separate parts are."""
+    canonical = canonical_name(name)
+    module, _, param = canonical.rpartition(".")
+    leaf = module.rpartition(".")[2]
+    if fused_rows and leaf in fused_rows and param in ("weight", "bias"):
+        sizes = fused_rows[leaf]
+        if tensor.shape[0] != sum(sizes):
+            raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, not the {sum(sizes)} of its fused "
+                             f"parts {sizes} config.json describes")
+        for shard_id, piece in zip(_SHARDS[leaf], tensor.split(sizes, dim=0)):
+            yield (module, param, shard_id), piece
+        return
+    stacked = _STACKED_EXPERTS.fullmatch(canonical)
     if stacked is None:
         yield checkpoint_target(name), tensor
         return
@@ -199,6 +214,7 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
             return True
         return expert_parallel and _held_elsewhere(model, checkpoint_target(name))
 
+    fused_rows = _fused_rows(model.config) if model.config.fused_projections else None
     for source, tensor in _iter_checkpoint(safetensors_files(model_dir), show_progress, skip):
         name = source + "_inv" if scale_renamed and source.endswith(".weight_scale") else source
         head = canonical_name(name)
@@ -209,7 +225,7 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
         if tied and name == "lm_head.weight":
             tied_head = tensor
             continue
-        for target, piece in checkpoint_pieces(name, tensor):
+        for target, piece in checkpoint_pieces(name, tensor, fused_rows):
             if target not in expected:
                 if _held_elsewhere(model, target):  # a stacked tensor's other experts
                     continue
@@ -243,7 +259,7 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
         del tensor
     missing = expected - loaded
     if missing:
-        names = sorted(spelled_for(model.config.architecture, checkpoint_name(target)) for target in missing)
+        names = sorted({spelled_for(model.config.architecture, checkpoint_name(target)) for target in missing})
         if scale_renamed:
             names = [n.removesuffix("_inv") if n.endswith(".weight_scale_inv") else n for n in names]
         raise ValueError(f"weights missing from the checkpoint: {', '.join(names[:10])}" + (" ..." if len(names) > 10 else ""))
@@ -253,6 +269,12 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
         rows = head_rows.get("lm_head.weight", head_rows.get("model.embed_tokens.weight"))
         # two tokens: sigmoid((yes - no) . h) is the softmax of the two logits' yes; the difference taken in float32
         model.score.load_weight("weight", rows[1:] - rows[:1] if classifier.two_way else rows)
+
+
+def _fused_rows(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """The rows of each part of the projections a checkpoint fuses (Phi-3's): q, k, v; gate, up."""
+    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
+    return {"qkv_proj": (q, kv, kv), "gate_up_proj": (config.intermediate_size, config.intermediate_size)}
 
 
 def _rows(name: str, tensor: torch.Tensor, token_ids: list[int]) -> torch.Tensor:

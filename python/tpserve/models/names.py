@@ -31,8 +31,15 @@ def canonical_name(name: str) -> str:
     return name
 
 
+# Phi-3's checkpoints hold the parts tpserve's checkpoint_name names apart in one tensor
+_PHI3_FUSED = re.compile(r"\.(?:q_proj|k_proj|v_proj)\.|\.(?:gate_proj|up_proj)\.")
+
+
 def spelled_for(architecture: str, name: str) -> str:
-    """A module or tensor name of tpserve's model as ``architecture``'s checkpoints spell it (Mixtral's MoE block)."""
+    """A module or tensor name of tpserve's model as ``architecture``'s checkpoints spell it (Mixtral's MoE block,
+    Phi-3's fused projections)."""
+    if architecture.startswith("Phi3"):
+        return _PHI3_FUSED.sub(lambda m: ".qkv_proj." if m[0][1] in "qkv" else ".gate_up_proj.", name)
     if not architecture.startswith("Mixtral") or ".mlp." not in name:
         return name
     name = name.replace(".mlp.", ".block_sparse_moe.")

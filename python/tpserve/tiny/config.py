@@ -18,6 +18,7 @@ ARCHITECTURES = {
     "mixtral": "MixtralForCausalLM",
     "olmoe": "OlmoeForCausalLM",
     "granite": "GraniteForCausalLM",
+    "phi3": "Phi3ForCausalLM",  # q/k/v and gate/up fused in the checkpoint
 }
 # Granite 3's scalars (granite-3.3-8b-instruct's config.json), which each change the tokens
 GRANITE_SCALARS = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
@@ -120,6 +121,8 @@ def model_config(
         cfg["head_dim"] = head_dim
     if arch == "granite":
         cfg.update(GRANITE_SCALARS)
+    if arch == "phi3":  # (its config's defaults are Phi-3-mini's: a pretraining length and a padding id past the vocab)
+        cfg.update(original_max_position_embeddings=max_position_embeddings, pad_token_id=eos_token_id)
     if arch in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         cfg["max_window_layers"] = num_layers
     if arch in MOE_ARCHITECTURES:

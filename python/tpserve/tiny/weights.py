@@ -30,6 +30,13 @@ def weight_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.num_hidden_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
+        if arch == "phi3":  # q/k/v and gate/up fused
+            shapes[p + "self_attn.qkv_proj.weight"] = (q_out + 2 * kv_out, h)
+            shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
+            shapes[p + "post_attention_layernorm.weight"] = (h,)
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * inter, h)
+            shapes[p + "mlp.down_proj.weight"] = (h, inter)
+            continue
         shapes[p + "self_attn.q_proj.weight"] = (q_out, h)
         shapes[p + "self_attn.k_proj.weight"] = (kv_out, h)
         shapes[p + "self_attn.v_proj.weight"] = (kv_out, h)
