@@ -181,3 +181,24 @@ def test_chat_template_defaults_load_tracking_and_graph_size_flags(qwen3_dir, ca
     with pytest.raises(SystemExit):
         parse_args([qwen3_dir, "--default-chat-template-kwargs", '{"tools": [], "messages": []}'])
     assert "--default-chat-template-kwargs may not set messages, tools" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--cpu-offload-gb", "4"], "--cpu-offload-gb: weights are not offloaded"),
+    (["--rope-scaling", '{"rope_type": "yarn"}'], "--rope-scaling: give it as config.json's: --hf-overrides"),
+    (["--headless"], "--headless: data parallelism across nodes is not served"),
+    (["--tool-parser-plugin", "p.py"], "--tool-parser-plugin: tpserve runs no plugin code"),
+    (["--logprobs-mode", "processed_logprobs"], "--logprobs-mode processed_logprobs: tpserve returns the model's own"),
+])
+def test_more_vllm_flags_tpserve_does_not_serve_are_errors(argv, message, qwen3_dir, capsys):
+    assert message in vllm_error([qwen3_dir, *argv], capsys)
+
+
+def test_more_vllm_flags_with_no_effect_are_warnings(qwen3_dir):
+    args = parse_args([qwen3_dir, "--device", "cpu", "--distributed-executor-backend", "mp", "--fully-sharded-loras",
+                       "--ignore-patterns", "original/*", "*.pth", "--logprobs-mode", "raw_logprobs",
+                       "--structured-outputs-config", '{"backend": "xgrammar"}', "--max-num-partial-prefills", "2"])
+    warned = " ".join(args.startup_warnings)
+    for flag in ("--distributed-executor-backend", "--fully-sharded-loras", "--ignore-patterns",
+                 "--structured-outputs-config", "--max-num-partial-prefills"):
+        assert f"{flag}: no effect in tpserve" in warned

@@ -64,6 +64,24 @@ _IGNORED = {
     "--config-format": _Unused("config.json is read as Hugging Face writes it"),
     "--guided-decoding-backend": _Unused("structured output is compiled by xgrammar"),
     "--max-logprobs": _Unused("logprobs and top_logprobs are at most 20, as OpenAI's"),
+    "--structured-outputs-config": _Unused("structured output is compiled by xgrammar"),
+    "--distributed-executor-backend": _Unused("the ranks are tpserve's own processes (as vLLM's mp)"),
+    "--scheduler-delay-factor": _Unused("a waiting request is admitted at the next step"),
+    "--num-lookahead-slots": _Unused("tpserve does not decode speculatively"),
+    "--prefix-caching-hash-algo": _Unused("the radix prefix cache compares token ids, not hashes"),
+    "--ignore-patterns": _Unused("only the model's *.safetensors are read", "+"),
+    "--long-prefill-token-threshold": _Unused("a long prompt is prefilled in --chunked-prefill-size chunks"),
+    "--max-num-partial-prefills": _Unused("a long prompt is prefilled in --chunked-prefill-size chunks"),
+    "--max-long-partial-prefills": _Unused("a long prompt is prefilled in --chunked-prefill-size chunks"),
+    "--max-cpu-loras": _Unused("adapters stay in their --max-loras slots on the device"),
+    "--fully-sharded-loras": _Unused("an adapter is sharded as its layer's weight", 0),
+    "--lora-dtype": _Unused("adapters are held in the model's dtype"),
+    "--api-server-count": _Unused("one API server process serves every request"),
+    "--h11-max-incomplete-event-size": _Unused("request bodies are bounded by --max-request-bytes"),
+    "--h11-max-header-count": _Unused("request bodies are bounded by --max-request-bytes"),
+    "--disable-access-log-for-endpoints": _Unused("HTTP requests are logged at --log-level debug only"),
+    "--enable-log-outputs": _Unused("tpserve does not log request contents", 0),
+    "--log-error-stack": _Unused("a 500's traceback is logged always", 0),
 }
 # Features tpserve does not serve: an error naming the flag
 _REFUSED = {
@@ -77,8 +95,20 @@ _REFUSED = {
     "--ssl-certfile": "TLS is not served: put a TLS-terminating proxy in front of the server",
     "--tokenizer-revision": "the tokenizer is read from the model's own files (--revision)",
     "--code-revision": "tpserve runs no code from model repositories",
+    "--cpu-offload-gb": "weights are not offloaded to CPU memory: use more GPUs (--tp-size) or FP8 (--quantization fp8)",
+    "--kv-transfer-config": "disaggregated prefill (KV transfer between instances) is not served",
+    "--tool-parser-plugin": "tpserve runs no plugin code: --tool-call-parser names its built-in parsers",
+    "--reasoning-parser-plugin": "tpserve runs no plugin code: --reasoning-parser names its built-in parsers",
+    "--middleware": "tpserve imports no code named on its command line",
+    "--rope-scaling": "give it as config.json's: --hf-overrides '{\"rope_scaling\": {...}}'",
+    "--headless": "data parallelism across nodes is not served (tensor parallelism is: --nnodes, --node-rank)",
+    "--data-parallel-address": "data parallelism across nodes is not served (tensor parallelism is: --nnodes)",
+    "--tokens-only": "the Tokens In<>Out endpoint is not served",
+    "--long-lora-scaling-factors": "long-context LoRA adapters are not served",
+    "--log-config-file": "logging is set by --log-level (every process, uvicorn included)",
 }
-_REFUSED_SWITCHES = ("--enable-sleep-mode",)  # these take no value
+_REFUSED_SWITCHES = ("--enable-sleep-mode", "--headless", "--tokens-only")  # these take no value
+LOGPROBS_MODES = ("raw_logprobs", "raw_logits", "processed_logprobs", "processed_logits")  # vLLM's
 # vLLM's tasks (--task, --runner, --convert) and what a model must be to serve them: checked once it is read
 TASKS = {"--task": ("auto", "generate", "embed", "embedding", "classify", "score", "reward"),
          "--runner": ("auto", "generate", "pooling"),
@@ -140,6 +170,9 @@ def add_vllm_flags(parser: argparse.ArgumentParser) -> None:
     group.add_argument("--chat-template-content-format", choices=("auto", "string", "openai"), default="auto",
                        help="string (auto takes it): a message's content parts reach the chat template as one text, "
                        "joined by newlines; openai (parts as a list) is an error")
+    group.add_argument("--logprobs-mode", choices=LOGPROBS_MODES, default="raw_logprobs",
+                       help="raw_logprobs only: returned log-probabilities are the model's, before temperature, "
+                       "penalties and top-k/top-p (another mode is an error)")
     group.add_argument("--revision", default=None, help="a Hugging Face id's revision in the local cache")
     group.add_argument("--download-dir", default=None,
                        help="the Hugging Face cache directory a Hugging Face id is looked up in (never downloaded)")
@@ -182,6 +215,9 @@ def check_vllm_flags(ns: argparse.Namespace) -> tuple[str, ...]:
                          "parallelism only (use --tp-size, and --nnodes across nodes)")
     if ns.response_role != "assistant":
         raise ValueError(f"--response-role {ns.response_role}: the role of chat answers is assistant")
+    if ns.logprobs_mode != "raw_logprobs":
+        raise ValueError(f"--logprobs-mode {ns.logprobs_mode}: tpserve returns the model's own log-probabilities "
+                         "(raw_logprobs), not the sampler's processed ones or logits")
     if ns.chat_template_content_format == "openai":
         raise ValueError("--chat-template-content-format openai: tpserve hands the chat template each message's "
                          "content as one text (string)")
