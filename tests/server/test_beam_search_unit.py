@@ -16,6 +16,7 @@ from tpserve.server import generation
 from tpserve.server.errors import APIError
 from tpserve.server.formats import CompletionFormat
 from tpserve.server.limits import RequestLimits
+from tpserve.server.lora_updates import ServedAdapters
 from tpserve.server.metrics import ServerMetrics
 from tpserve.server.serving import Serving
 from tpserve.server.tokenize_service import TokenizeService
@@ -64,7 +65,8 @@ def beam_call(qwen3_dir, frontend: StepFrontend, client: GoneClient | None, time
               beam: BeamSearchParams | None = None):
     limits = RequestLimits(context_len=4096, max_sequences=8)
     serving = Serving(frontend, ServerMetrics(), "m", limits, request_timeout=timeout,  # type: ignore[arg-type]
-                      prompts=TokenizeService(qwen3_dir, None, limits))
+                      prompts=TokenizeService(qwen3_dir, None, limits),
+                      lora_adapters=ServedAdapters([] if lora is None else [(lora, "/adapter")]))
     params = SamplingParams(max_tokens=max_tokens, lora=lora, logprobs=logprobs)
     req = TokenizeRequest(rid=frontend.new_rid(), params=params,
                           input_ids=[5, 6, 7], more_choices=[(frontend.new_rid(), None)])

@@ -5,6 +5,8 @@ stream ends as PEFT's), the error after unload, and the checks as 400s and 404s.
 from __future__ import annotations
 
 import json
+import time
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
@@ -94,3 +96,31 @@ def test_errors_are_400s_and_404s(url, adapters, tmp_path):
     for path, body, status, message in cases:
         resp = httpx.post(f"{url}{path}", json=body)
         assert resp.status_code == status and message in resp.json()["error"]["message"], (body, resp.text)
+
+
+def test_a_beam_search_ends_with_the_adapter_it_began_with(url, adapters):
+    """A beam search sends a request per step, each naming its adapter: unloaded mid-search (and its name then loaded
+    with another adapter), the search still ends with its own adapter's beams (later steps were a 400: 'not
+    loaded'); the unload answers once the search is done."""
+    body = {"model": "beam", "prompt": PROMPT, "max_tokens": 64, "n": 4, "use_beam_search": True, "ignore_eos": True}
+
+    def load(path: str) -> int:
+        return httpx.post(f"{url}{LOAD}", json={"lora_name": "beam", "lora_path": path}).status_code
+
+    def running() -> bool:
+        metrics = httpx.get(f"{url}/metrics").text
+        return any(line.startswith("tpserve_num_requests_running") and not line.endswith(" 0.0")
+                   for line in metrics.splitlines())
+
+    assert load(adapters["all"]) == 200
+    expected = httpx.post(f"{url}/v1/completions", json=body, timeout=120).json()["choices"]
+    with ThreadPoolExecutor(1) as pool:
+        search = pool.submit(httpx.post, f"{url}/v1/completions", json=body, timeout=120)
+        deadline = time.monotonic() + 60
+        while not running() and not search.done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert httpx.post(f"{url}{UNLOAD}", json={"lora_name": "beam"}, timeout=120).status_code == 200
+        assert load(adapters["qv"]) == 200
+        resp = search.result()
+    assert resp.status_code == 200 and resp.json()["choices"] == expected, resp.text
+    assert httpx.post(f"{url}{UNLOAD}", json={"lora_name": "beam"}).status_code == 200

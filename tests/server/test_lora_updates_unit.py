@@ -167,3 +167,34 @@ def test_an_unload_the_engine_did_not_answer_keeps_the_adapter_served(adapter):
     assert "a" in [c["id"] for c in client.get("/v1/models").json()["data"]]
     assert client.post(UNLOAD, json={"lora_name": "a"}).status_code == 200
     assert "a" not in [c["id"] for c in client.get("/v1/models").json()["data"]]
+
+
+def test_an_unload_waits_for_the_searches_pinning_its_adapter(adapter):
+    """A beam search names its adapter at every step (``ServedAdapters.pinned``): the ranks unload it only once the
+    search is done, though new requests get the 404 at once (a search lost its adapter mid-way: a 400)."""
+    import asyncio
+
+    from tpserve.server.errors import APIError
+    from tpserve.server.lora_updates import LoadLoRAAdapterRequest, LoRAUpdates, ServedAdapters
+    from tpserve.server.lora_updates import UnloadLoRAAdapterRequest
+
+    async def scenario() -> None:
+        stub = LoRAStub()
+        adapters = ServedAdapters([("sql", adapter)])
+        updates = LoRAUpdates(adapters, (MODEL,), max_rank=8, replicas=1, enabled=True)
+        with adapters.pinned("sql"):
+            unload = asyncio.create_task(updates.unload(stub, UnloadLoRAAdapterRequest(lora_name="sql")))
+            await asyncio.sleep(0.2)
+            assert not unload.done() and not stub.updates and "sql" not in adapters
+            load = asyncio.create_task(updates.load(stub, LoadLoRAAdapterRequest(lora_name="sql", lora_path=adapter)))
+            await asyncio.sleep(0.1)
+            assert not load.done()  # the name's next load waits for the unload
+        assert await unload == "Success: LoRA adapter 'sql' removed successfully."
+        await load
+        assert [type(update) for update in stub.updates] == [UnloadLoRA, LoadLoRA]
+        with pytest.raises(APIError) as gone:  # a search naming an adapter no longer served: the model's 404
+            with adapters.pinned("other"):
+                pass
+        assert gone.value.status == 404
+
+    asyncio.run(scenario())

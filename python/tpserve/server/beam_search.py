@@ -8,6 +8,8 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable
 from dataclasses import replace
 
+import contextlib
+
 import msgspec
 
 from tpserve.beam_search import BeamSearch, BeamSearchParams, BeamSearchSequence
@@ -15,6 +17,7 @@ from tpserve.message.frontend import ApiOutput, TokenizeRequest, TokenLogprob
 from tpserve.server.client import FrontendClient
 from tpserve.server.formats import Choice
 from tpserve.server.generation import Generation
+from tpserve.server.lora_updates import ServedAdapters
 from tpserve.server.metrics import ServerMetrics
 from tpserve.server.tokenize_service import TokenizeService
 
@@ -25,9 +28,11 @@ class BeamGeneration(Generation):
 
     def __init__(self, frontend: FrontendClient, metrics: ServerMetrics, requests: list[TokenizeRequest],
                  params: BeamSearchParams, prompts: TokenizeService, timeout: float | None = None,
-                 top_logprobs: int | None = None) -> None:
+                 top_logprobs: int | None = None, adapters: ServedAdapters | None = None) -> None:
+        """``adapters``: the served LoRA adapters, one of which the search may name (it pins it while it runs)."""
         super().__init__(frontend, metrics, requests, params.beam_width, timeout)
         self._params, self._prompts, self._top_logprobs = params, prompts, top_logprobs
+        self._adapters = adapters
         for choice in self.choices.values():  # the beams are no backend requests: their steps' requests are counted
             choice.timer = _NotTimed()  # type: ignore[assignment]
         self._searched = False
@@ -39,7 +44,10 @@ class BeamGeneration(Generation):
     async def next(self, is_disconnected: Callable[[], Awaitable[bool]] | None = None) -> tuple[Choice, ApiOutput]:
         if not self._searched:
             self._searched = True
-            await self._search(is_disconnected)
+            lora, adapters = self._requests[0].params.lora, self._adapters
+            # every step names the adapter: an unload waits for the search, which ends with the adapter it began with
+            with adapters.pinned(lora) if lora is not None and adapters is not None else contextlib.nullcontext():
+                await self._search(is_disconnected)
         return await super().next(is_disconnected)
 
     async def abort(self, client_gone: bool = False) -> None:

@@ -6,11 +6,14 @@
 A load reaches every rank of every replica (``LoadLoRA``), each copying the adapter into a free slot at the same
 point of its schedule; it is served (``/v1/models``, requests naming it) once every replica has it. An unload stops
 new requests naming the adapter at once; requests already admitted finish with it, as vLLM lets them, and its slot
-is free once they are gone (``engine/lora_slots.py``)."""
+is free once they are gone (``engine/lora_slots.py``). A beam search sends a backend request per step, naming the
+adapter each time: it pins the adapter (``ServedAdapters.pinned``), and an unload waits for its pins before the
+ranks drop it, so the search ends with the adapter it started with (and a load of the name waits too)."""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
 from collections.abc import Iterable, Iterator
@@ -26,6 +29,7 @@ from tpserve.server.protocol import _Body
 logger = logging.getLogger(__name__)
 
 UPDATE_TIMEOUT_S = 300.0  # a load reads the adapter on every rank; a rank that never answers is a 503, not a hang
+PIN_POLL_S = 0.05  # how often an unload looks whether the searches pinning its adapter are done
 
 
 class ServedAdapters:
@@ -34,6 +38,7 @@ class ServedAdapters:
 
     def __init__(self, modules: Iterable[tuple[str, str]] = ()) -> None:
         self._paths = dict(modules)
+        self._pins: dict[str, int] = {}  # name -> the calls using it across several backend requests
 
     def __contains__(self, name: object) -> bool:
         return name in self._paths
@@ -53,6 +58,25 @@ class ServedAdapters:
     def remove(self, name: str) -> str:
         """Forget ``name``; returns its directory."""
         return self._paths.pop(name)
+
+    @contextlib.contextmanager
+    def pinned(self, name: str) -> Iterator[None]:
+        """Keep adapter ``name`` on the ranks while a call that sends several backend requests naming it (a beam
+        search's steps) runs: its unload waits (``unpinned``). An adapter no longer served is the model's 404."""
+        if name not in self._paths:
+            raise APIError.model_not_found(name)
+        self._pins[name] = self._pins.get(name, 0) + 1
+        try:
+            yield
+        finally:
+            self._pins[name] -= 1
+            if not self._pins[name]:
+                del self._pins[name]
+
+    async def unpinned(self, name: str) -> None:
+        """Return once no call pins ``name``."""
+        while name in self._pins:
+            await asyncio.sleep(PIN_POLL_S)
 
 
 class LoadLoRAAdapterRequest(_Body):
@@ -115,6 +139,7 @@ class LoRAUpdates:
                                code="not_found")
             path = self.adapters.remove(name)  # new requests naming it: the unknown model's 404 from now on
             try:
+                await self.adapters.unpinned(name)  # a beam search that started with it ends with it
                 answers = await self._ask(frontend, UnloadLoRA(frontend.new_rid(), name))
             except APIError:  # the ranks may not have unloaded it: still served, so the unload can be tried again
                 self.adapters.add(name, path)

@@ -4,7 +4,7 @@ choice), read their outputs as one stream of events (``Generation``), answer as 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, AsyncIterator, Awaitable, Callable, Collection
+from typing import Any, AsyncIterator, Awaitable, Callable
 
 import msgspec
 from fastapi import Request
@@ -22,6 +22,7 @@ from tpserve.server.beam_search import BeamGeneration
 from tpserve.server.errors import APIError, check_model_name
 from tpserve.server.formats import ChatFormat, Choice, CompletionFormat, ResponseFormat
 from tpserve.server.generation import ClientGone, Generation
+from tpserve.server.lora_updates import ServedAdapters
 from tpserve.server.limits import RequestLimits
 from tpserve.server.metrics import ServerMetrics
 from tpserve.server.protocol import ChatCompletionRequest, CompletionRequest, check_request_template
@@ -50,7 +51,7 @@ class Serving:
     prompts: TokenizeService | None = None  # the tokenizer in this process: a beam search's prompts and beams' text
     # LoRA adapters' names (--lora-modules, and those loaded at run time: a ServedAdapters): a generation request may
     # name one
-    lora_adapters: Collection[str] = ()
+    lora_adapters: ServedAdapters = field(default_factory=ServedAdapters)
 
     def include_usage(self, body: ChatCompletionRequest | CompletionRequest) -> bool:
         """A stream ends with its usage: asked for, or forced (--enable-force-include-usage)."""
@@ -197,7 +198,7 @@ class Serving:
             raise APIError.invalid("use_beam_search is not served here", "use_beam_search")
         else:
             gen = BeamGeneration(self.frontend, self.metrics, reqs, beam, self.prompts, self.request_timeout,
-                                 reqs[0].params.logprobs)
+                                 reqs[0].params.logprobs, self.lora_adapters)
         if continuous_usage:
             fmt.usage_so_far = gen.streamed_usage
         disconnected = request.is_disconnected if request is not None else None
