@@ -65,3 +65,31 @@ def test_partial_rotary_and_longrope_are_refused(phi3_dir):
                 "original_max_position_embeddings": 1024}
     with pytest.raises(ValueError, match="longrope"):
         ModelConfig.from_dict({**config, "rope_parameters": longrope})
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_a_peft_adapter_of_the_fused_projections_matches_peft(phi3_dir, tmp_path, tp):
+    """A Phi-3 PEFT adapter names the checkpoint's fused qkv_proj and gate_up_proj ("all-linear" adapts them): one A,
+    B over all the parts' rows; served as each part's (it was refused: 'adapts gate_up_proj, qkv_proj'). PEFT's tokens
+    at TP 1 and 2, and a B of other rows is an error naming them."""
+    from lora_adapters import make_adapter, peft_greedy
+    from tpserve import SamplingParams
+    from tpserve.inputs import LoRARequest
+
+    adapter = make_adapter(phi3_dir, str(tmp_path / "all"), "all-linear", rank=4)
+    prompt = [5, 6, 7, 8, 9]
+    with LLM(phi3_dir, device="cpu", tensor_parallel_size=tp, lora_modules={"a": adapter}, max_lora_rank=4) as llm:
+        out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False,
+                           lora_request=LoRARequest("a"))[0]
+        base = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=8, ignore_eos=True), use_tqdm=False)[0]
+    assert out.token_ids == peft_greedy(phi3_dir, adapter, prompt, 8)[0] != base.token_ids
+    if tp == 1:
+        import shutil
+
+        bad = tmp_path / "bad"
+        shutil.copytree(adapter, bad)
+        tensors = load_file(str(bad / "adapter_model.safetensors"))
+        name = next(k for k in tensors if "qkv_proj.lora_B" in k)
+        save_file({**tensors, name: tensors[name][:-2]}, str(bad / "adapter_model.safetensors"))
+        with pytest.raises(Exception, match=r"rows should be the \d+ of the fused module's parts"):
+            LLM(phi3_dir, device="cpu", lora_modules={"b": str(bad)}, max_lora_rank=4)

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import math
 import os
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -24,10 +25,14 @@ from tpserve.models.checkpoint import open_safetensors
 
 ADAPTER_CONFIG, ADAPTER_WEIGHTS = "adapter_config.json", "adapter_model.safetensors"
 # the layers an adapter may adapt, by the checkpoint's module names (tpserve merges q/k/v and gate/up)
-TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+# (and Phi-3's fused qkv_proj and gate_up_proj, as its checkpoints and so its PEFT adapters name them)
+TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj", "qkv_proj", "gate_up_proj")
 _PARTS = {"q_proj": ("qkv_proj", "q", 0), "k_proj": ("qkv_proj", "k", 1), "v_proj": ("qkv_proj", "v", 2),
           "gate_proj": ("gate_up_proj", 0, 0), "up_proj": ("gate_up_proj", 1, 1),
           "o_proj": ("o_proj", None, 0), "down_proj": ("down_proj", None, 0)}
+# a fused module's adapter (one A, B over all its parts' rows) is each part's: A copied into every part's ranks, B cut
+# into the parts' rows; so its delta B @ A @ x is the same, rank x parts columns computed
+_FUSED = {"qkv_proj": ("q", "k", "v"), "gate_up_proj": (0, 1)}
 _NUM_PARTS = {"qkv_proj": 3, "gate_up_proj": 2, "o_proj": 1, "down_proj": 1}
 
 
@@ -94,7 +99,9 @@ def load_adapter(layers: dict[str, ParallelLinear], slot: int, path: str, config
         targets = [(name, *_target_layer(layers, name, path)) for name in tensors.keys()]
         try:
             for name, layer, shard_id, part, kind in targets:
-                _copy(layer, slot, tensors.get_tensor(name), name, shard_id, part, kind, config)
+                for piece_shard, piece_part, piece in _parts(layer, shard_id, part, kind, tensors.get_tensor(name),
+                                                             name):
+                    _copy(layer, slot, piece, name, piece_shard, piece_part, kind, config)
         except BaseException:
             clear_slot(layers, slot)
             raise
@@ -108,16 +115,34 @@ def clear_slot(layers: dict[str, ParallelLinear], slot: int) -> None:
 
 
 def _target_layer(layers: dict[str, ParallelLinear], name: str,
-                  path: str) -> tuple[ParallelLinear, str | int | None, int, str]:
-    """(the layer, its shard id, the part of it, lora_A or lora_B) a PEFT tensor adapts."""
+                  path: str) -> tuple[ParallelLinear, str | int | tuple | None, int, str]:
+    """(the layer, its shard id, the part of it, lora_A or lora_B) a PEFT tensor adapts; a fused module's shard id is
+    its parts' (``_parts`` cuts it)."""
     module_name, kind = _adapter_target(name, path)
     parent, _, leaf = module_name.rpartition(".")
-    merged, shard_id, part = _PARTS[leaf]
+    merged, shard_id, part = _PARTS[leaf] if leaf in _PARTS else (leaf, _FUSED[leaf], 0)
     layer = layers.get(f"{parent}.{merged}")
     if layer is None:
         raise ValueError(f"LoRA adapter {path}: {name} adapts a layer this model does not have (or one "
                          "tpserve does not adapt: MoE experts)")
     return layer, shard_id, part, kind
+
+
+def _parts(layer: ParallelLinear, shard_id: str | int | tuple | None, part: int, kind: str, loaded: torch.Tensor,
+           name: str) -> Iterator[tuple[str | int | None, int, torch.Tensor]]:
+    """(shard id, part, tensor) of each part a PEFT tensor adapts: itself, or a fused module's parts (its A for each
+    part, its B cut into the parts' rows, as the checkpoint's fused weight is)."""
+    if not isinstance(shard_id, tuple):
+        yield shard_id, part, loaded
+        return
+    if kind == "lora_A":
+        yield from ((shard, index, loaded) for index, shard in enumerate(shard_id))
+        return
+    sizes = [layer.part(shard).full for shard in shard_id]
+    if loaded.dim() != 2 or loaded.shape[0] != sum(sizes):
+        raise ValueError(f"LoRA adapter tensor {name} has shape {tuple(loaded.shape)}: its rows should be the "
+                         f"{sum(sizes)} of the fused module's parts {tuple(sizes)}")
+    yield from ((shard, index, piece) for index, (shard, piece) in enumerate(zip(shard_id, loaded.split(sizes))))
 
 
 def _copy(layer: ParallelLinear, slot: int, loaded: torch.Tensor, name: str, shard_id: str | int | None, part: int,
