@@ -198,3 +198,26 @@ def test_an_unload_waits_for_the_searches_pinning_its_adapter(adapter):
         assert gone.value.status == 404
 
     asyncio.run(scenario())
+
+
+def test_an_adapter_unloaded_before_its_request_reached_the_engine_is_the_models_404(adapter):
+    """The server checked the name, then the unload reached the engine before the request did: the engine's refusal
+    ('not loaded (this engine has ...)', a 400) is the unknown model's 404, as a request sent after the unload gets."""
+    from tpserve.message.frontend import ApiOutput
+
+    class UnloadedMeanwhile(LoRAStub):
+        async def submit(self, requests, queue) -> None:
+            self.submitted.extend(requests)
+            state.adapters.remove("sql")
+            for req in requests:
+                queue.put_nowait(ApiOutput(rid=req.rid, text="", new_tokens=0, completion_tokens=0, prompt_tokens=2,
+                                           finish_reason="error", error="LoRA adapter 'sql' is not loaded"))
+
+    client, stub = make_client(stub=UnloadedMeanwhile())
+    state = client.app.state.server
+    assert client.post(LOAD, json={"lora_name": "sql", "lora_path": adapter}).status_code == 200
+    for stream in (False, True):
+        state.adapters.add("sql", adapter)
+        body = {"model": "sql", "prompt": "hi", "max_tokens": 2, "stream": stream}
+        error = error_of(client.post("/v1/completions", json=body), 404)
+        assert error["code"] == "model_not_found" and "`sql` does not exist" in error["message"]

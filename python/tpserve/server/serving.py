@@ -215,6 +215,12 @@ class Serving:
         except ClientGone:
             await gen.abort(client_gone=True)
             return Response(status_code=499)
+        except APIError:
+            await gen.abort()
+            lora = reqs[0].params.lora
+            if lora is not None and lora not in self.lora_adapters:  # unloaded after the check: the engine refused it
+                raise APIError.model_not_found(lora) from None
+            raise
         except BaseException:
             await gen.abort()
             raise
