@@ -229,3 +229,39 @@ def test_a_lora_request_with_a_path_is_loaded_on_first_use(qwen3_dir, adapters):
     with LLM(qwen3_dir, device="cpu") as llm:
         with pytest.raises(ValueError, match="LoRA adapter 'all' is not loaded"):
             llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("all", 1, adapters["all"]))
+
+
+def test_add_lora_and_a_first_use_from_two_threads_load_the_adapter_once(qwen3_dir, adapters, monkeypatch):
+    """A thread's add_lora and another's generate naming the same new adapter with its path: one load, and neither
+    call fails (the generate's first-use load was the engine's 'already been loaded' ValueError while add_lora read
+    the adapter's files)."""
+    import threading
+    import time
+
+    import tpserve.llm_lora as llm_lora
+
+    read = llm_lora.read_adapter_config
+
+    def slow_read(path, max_rank):  # add_lora's file check takes a while (a large adapter, a slow disk)
+        time.sleep(0.5)
+        return read(path, max_rank)
+
+    monkeypatch.setattr(llm_lora, "read_adapter_config", slow_read)
+    request = LoRARequest("all", 1, adapters["all"])
+    params = SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)
+    errors: list[BaseException] = []
+
+    def run(call) -> None:
+        try:
+            call()
+        except BaseException as e:  # noqa: BLE001 - the test reports it
+            errors.append(e)
+
+    with LLM(qwen3_dir, device="cpu", enable_lora=True, max_lora_rank=8) as llm:
+        adding = threading.Thread(target=run, args=(lambda: llm.add_lora(request),))
+        adding.start()
+        time.sleep(0.1)
+        run(lambda: llm.generate([[5, 6, 7]], params, use_tqdm=False, lora_request=request))
+        adding.join()
+        assert llm.list_loras() == ["all"]
+    assert errors == [], errors

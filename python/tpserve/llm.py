@@ -197,7 +197,8 @@ class LLM(PoolingMethods, LoRAMethods):
         self._calls = threading.Lock()
         self._seed_rng = random.Random(None if seed is None else int(seed))
         self._adapters = dict(self.config.lora_modules)  # the LoRA adapters loaded: name -> directory
-        self._first_use = threading.Lock()  # a LoRARequest's adapter loaded on first use (_lora_name)
+        # one LoRA update at a time (add_lora, remove_lora, a LoRARequest's adapter loaded on first use: _lora_name)
+        self._lora_updates = threading.RLock()
         self._driver: RankDriver | None = start_ranks(self.config, load_balance_method)
 
     def get_default_sampling_params(self) -> SamplingParams:

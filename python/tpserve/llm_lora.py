@@ -21,7 +21,7 @@ class LoRAMethods:
 
     config: EngineConfig
     _adapters: dict[str, str]  # loaded adapters' names -> paths
-    _first_use: threading.Lock
+    _lora_updates: threading.RLock  # one update at a time: a name's check and its load or unload stay together
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
         """Load the PEFT adapter at ``lora_request.lora_path`` as ``lora_request.lora_name`` into a free adapter slot
@@ -30,20 +30,22 @@ class LoRAMethods:
         if not isinstance(lora_request, LoRARequest) or not lora_request.lora_name or not lora_request.lora_path:
             raise ValueError(f"add_lora needs a LoRARequest with a lora_name and a lora_path, got {lora_request!r}")
         name, path = lora_request.lora_name, os.fspath(lora_request.lora_path)
-        if name in self._adapters:
-            raise ValueError(f"LoRA adapter {name!r} is already loaded")
-        read_adapter_config(path, self.config.max_lora_rank)  # most problems named before the ranks see it
-        self._update_lora(LoadLoRA(self._take_rid(), name, path), name)
-        self._adapters[name] = path
+        with self._lora_updates:
+            if name in self._adapters:
+                raise ValueError(f"LoRA adapter {name!r} is already loaded")
+            read_adapter_config(path, self.config.max_lora_rank)  # most problems named before the ranks see it
+            self._update_lora(LoadLoRA(self._take_rid(), name, path), name)
+            self._adapters[name] = path
         return True
 
     def remove_lora(self, lora_name: str) -> bool:
         """Unload an adapter (``add_lora``'s or ``lora_modules``'), freeing its slot; False where none is loaded by
         that name."""
-        if lora_name not in self._adapters:
-            return False
-        del self._adapters[lora_name]
-        self._update_lora(UnloadLoRA(self._take_rid(), lora_name), lora_name)
+        with self._lora_updates:
+            if lora_name not in self._adapters:
+                return False
+            del self._adapters[lora_name]
+            self._update_lora(UnloadLoRA(self._take_rid(), lora_name), lora_name)
         return True
 
     def list_loras(self) -> list[str]:
@@ -64,7 +66,7 @@ class LoRAMethods:
         loaded = self._adapters
         if (isinstance(request, LoRARequest) and request.lora_name and request.lora_path
                 and request.lora_name not in loaded and self.config.enable_lora):
-            with self._first_use:  # threads naming a new adapter at once load it once
+            with self._lora_updates:  # threads naming a new adapter at once (or add_lora meanwhile) load it once
                 if request.lora_name not in loaded:
                     self.add_lora(request)
         if not isinstance(request, LoRARequest) or request.lora_name not in loaded:
