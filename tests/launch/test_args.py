@@ -72,7 +72,7 @@ def test_default_is_the_tiny_demo_model(monkeypatch, tmp_path):
 @pytest.mark.parametrize(
     "argv, fragment",
     [
-        (["--tp", "0"], "--tp-size/--tensor-parallel-size/--tp: must be >= 1, got '0'"),
+        (["--tp", "0"], "--tp-size/--tensor-parallel-size/--tp/-tp: must be >= 1, got '0'"),
         (["--tp-size", "two"], "must be an integer, got 'two'"),
         (["--port", "70000"], "must be in [0, 65535], got '70000'"),
         (["--mem-fraction", "1.5"], "must be in (0, 1], got '1.5'"),

@@ -202,3 +202,14 @@ def test_more_vllm_flags_with_no_effect_are_warnings(qwen3_dir):
     for flag in ("--distributed-executor-backend", "--fully-sharded-loras", "--ignore-patterns",
                  "--structured-outputs-config", "--max-num-partial-prefills"):
         assert f"{flag}: no effect in tpserve" in warned
+
+
+def test_short_parallel_flags_and_human_readable_lengths(qwen3_dir, capsys):
+    """vLLM's -tp and -dp, and --max-model-len as its human_readable_int reads it (lower case x 1000, upper x 1024)."""
+    args = parse_args([qwen3_dir, "--device", "cpu", "-tp", "2", "-dp", "1", "--max-model-len", "1.5k"])
+    assert args.engine.tp_size == 2 and args.engine.dp_size == 1 and args.engine.max_model_len == 1500
+    assert parse_args([qwen3_dir, "--device", "cpu", "--max-model-len", "2K"]).engine.max_model_len == 2048
+    assert parse_args([qwen3_dir, "--device", "cpu", "--max-model-len", "1000"]).engine.max_model_len == 1000
+    for bad in ("1.5K", "2x", "k"):
+        assert "--max-model-len/--context-length: must be an integer" in vllm_error(
+            [qwen3_dir, "--max-model-len", bad], capsys)

@@ -43,7 +43,7 @@ def test_flags(qwen3_dir, capsys):
     assert args.engine.dp_size == 3 and args.engine.dp_rank == 0 and args.load_balance_method == "minimum_tokens"
     assert parse_args(["--model", qwen3_dir, "--device", "cpu"]).load_balance_method == "cache_aware"
     for argv, fragment in (
-        (["--dp-size", "0"], "argument --dp-size/--data-parallel-size/--dp: must be >= 1"),
+        (["--dp-size", "0"], "argument --dp-size/--data-parallel-size/--dp/-dp: must be >= 1"),
         (["--dp-size", "2", "--shell"], "--shell runs one replica: drop --dp-size"),
         (["--load-balance-method", "random"], "invalid choice: 'random'"),
     ):

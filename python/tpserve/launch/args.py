@@ -24,7 +24,7 @@ from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
 from tpserve.launch.vllm_flags import add_vllm_flags, check_vllm_flags, task_problem_of_flags
 from tpserve.launch.argtypes import (
-    HelpFormatter, OneLineParser, fraction, int_at_least, json_object_arg, json_strings_arg, lora_module_arg, number,
+    HelpFormatter, OneLineParser, fraction, human_int_at_least, int_at_least, json_object_arg, json_strings_arg, lora_module_arg, number,
     port, positive,
 )
 from tpserve.router.policy import LOAD_BALANCE_METHODS
@@ -196,19 +196,19 @@ def build_parser() -> argparse.ArgumentParser:
                        "the environment sets VLLM_ALLOW_RUNTIME_LORA_UPDATING=true (which turns this on); implies "
                        "--enable-lora. A load takes a free slot of --max-loras; an unloaded adapter's requests "
                        "finish with it. Only for trusted clients: they name files on the server")
-    model.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=int_at_least(2),
+    model.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=human_int_at_least(2),
                        default=None,
                        help="context limit (prompt + completion tokens), at most the model's; default: the "
                        "model's context length (max_position_embeddings, extended by YaRN or linear rope scaling, "
-                       "capped at a sliding window)")
+                       "capped at a sliding window); vLLM's 32k (32,000) and 32K (32,768) are taken too")
     model.add_argument("--trust-remote-code", action="store_true",
                        help="accepted for vLLM/SGLang compatibility and ignored: tpserve runs no code from "
                        "model repositories (only the architectures it implements)")
     engine = p.add_argument_group("engine")
-    engine.add_argument("--tp-size", "--tensor-parallel-size", "--tp", dest="tp_size",
+    engine.add_argument("--tp-size", "--tensor-parallel-size", "--tp", "-tp", dest="tp_size",
                         type=int_at_least(1), default=_default("tp_size"),
                         help="tensor-parallel size: number of GPUs (processes) the model is split over")
-    engine.add_argument("--dp-size", "--data-parallel-size", "--dp", dest="dp_size", type=int_at_least(1),
+    engine.add_argument("--dp-size", "--data-parallel-size", "--dp", "-dp", dest="dp_size", type=int_at_least(1),
                         default=_default("dp_size"),
                         help="data-parallel replicas: independent TP groups (each --tp-size GPUs, its own "
                         "KV cache) behind one API server; replica d uses GPUs d*tp .. d*tp+tp-1")

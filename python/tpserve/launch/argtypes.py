@@ -20,7 +20,8 @@ def number(kind: Callable[[str], N], ok: Callable[[N], bool], requirement: str) 
         try:
             value = kind(text)
         except ValueError:
-            raise argparse.ArgumentTypeError(f"must be {'an integer' if kind is int else 'a number'}, got {text!r}") from None
+            raise argparse.ArgumentTypeError(
+                f"must be {'an integer' if kind in (int, human_int) else 'a number'}, got {text!r}") from None
         if not ok(value):
             raise argparse.ArgumentTypeError(f"must be {requirement}, got {text!r}")
         return value
@@ -30,6 +31,26 @@ def number(kind: Callable[[str], N], ok: Callable[[N], bool], requirement: str) 
 
 def int_at_least(low: int) -> Callable[[str], int]:
     return number(int, lambda v: v >= low, f">= {low}")
+
+
+_HUMAN_INT = re.compile(r"(\d+(?:\.\d+)?)([kmgtKMGT])")
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+
+
+def human_int(text: str) -> int:
+    """An integer as vLLM's ``human_readable_int`` reads one: ``32768``, ``32k`` (lower case: x 1000, ``25.6k`` too)
+    or ``32K`` (upper case: x 1024, whole numbers only)."""
+    match = _HUMAN_INT.fullmatch(text.strip())
+    if match is None:
+        return int(text)  # a ValueError: number()'s "must be an integer"
+    digits, suffix = match.groups()
+    if suffix.isupper() and "." in digits:
+        raise ValueError(f"{text!r}: a decimal takes a lower-case (x 1000) suffix, e.g. {digits}{suffix.lower()}")
+    return int(float(digits) * _SUFFIXES[suffix]) if suffix.islower() else int(digits) * _SUFFIXES[suffix]
+
+
+def human_int_at_least(low: int) -> Callable[[str], int]:
+    return number(human_int, lambda v: v >= low, f">= {low}")
 
 
 positive = number(float, lambda v: 0.0 < v < math.inf, "a positive number")
