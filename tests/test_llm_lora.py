@@ -265,3 +265,16 @@ def test_add_lora_and_a_first_use_from_two_threads_load_the_adapter_once(qwen3_d
         adding.join()
         assert llm.list_loras() == ["all"]
     assert errors == [], errors
+
+
+def test_an_adapter_whose_r_disagrees_with_its_tensors_names_the_tensor(qwen3_dir, adapters, tmp_path):
+    """adapter_config.json's r must be its tensors' rank; it was torch's "size of tensor a ..." message."""
+    import shutil
+
+    bad = tmp_path / "bad-rank"
+    shutil.copytree(adapters["all"], bad)
+    config = json.loads((bad / "adapter_config.json").read_text())
+    (bad / "adapter_config.json").write_text(json.dumps({**config, "r": config["r"] + 2}))
+    with pytest.raises(ValueError, match=r"LoRA adapter tensor .*lora_A.weight has shape \(4, \d+\): its rows must be "
+                                         r"the adapter's r \(6\)"):
+        LLM(qwen3_dir, device="cpu", lora_modules={"bad": str(bad)})

@@ -148,6 +148,10 @@ def _parts(layer: ParallelLinear, shard_id: str | int | tuple | None, part: int,
 def _copy(layer: ParallelLinear, slot: int, loaded: torch.Tensor, name: str, shard_id: str | int | None, part: int,
           kind: str, config: AdapterConfig) -> None:
     lora: LoRAWeights = layer.lora
+    rank_dim = 0 if kind == "lora_A" else 1
+    if loaded.dim() != 2 or loaded.shape[rank_dim] != config.rank:
+        raise ValueError(f"LoRA adapter tensor {name} has shape {tuple(loaded.shape)}: its "
+                         f"{'rows' if rank_dim == 0 else 'columns'} must be the adapter's r ({config.rank})")
     rows = slice(part * lora.max_rank, part * lora.max_rank + config.rank)
     if kind == "lora_A":
         if layer.split_dim == 1:  # row-parallel: this rank's inputs
