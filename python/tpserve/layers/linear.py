@@ -3,6 +3,7 @@ tensors; FP8 block scales are cut with their weights, so a shard boundary inside
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -182,6 +183,10 @@ class ParallelLinear(nn.Module):
         """The rank's part of the checkpoint tensor named by ``shard_id``, along ``split_dim``."""
         size = self.weight.shape[self.split_dim]
         return Slice(self.tp_rank * size, size, 0, size * self.tp_size)
+
+    def checkpoint_rows(self, shard_ids: Iterable[str | int | None]) -> tuple[int, ...]:
+        """Each part's rows in the checkpoint, unsharded: how a tensor that fuses the parts (Phi-3's) splits."""
+        return tuple(self.part(shard_id).full for shard_id in shard_ids)
 
     def load_weight(self, param_name: str, loaded: torch.Tensor, shard_id: str | int | None = None) -> None:
         param = getattr(self, param_name).data

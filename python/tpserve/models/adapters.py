@@ -138,7 +138,7 @@ def _parts(layer: ParallelLinear, shard_id: str | int | tuple | None, part: int,
     if kind == "lora_A":
         yield from ((shard, index, loaded) for index, shard in enumerate(shard_id))
         return
-    sizes = [layer.part(shard).full for shard in shard_id]
+    sizes = list(layer.checkpoint_rows(shard_id))
     if loaded.dim() != 2 or loaded.shape[0] != sum(sizes):
         raise ValueError(f"LoRA adapter tensor {name} has shape {tuple(loaded.shape)}: its rows should be the "
                          f"{sum(sizes)} of the fused module's parts {tuple(sizes)}")

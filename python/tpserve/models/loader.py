@@ -12,7 +12,6 @@ import torch
 from torch import nn
 from tqdm import tqdm
 
-from tpserve.config import ModelConfig
 from tpserve.layers.linear import ParallelLinear
 from tpserve.layers.moe import StackedExperts, holds_whole_experts
 from tpserve.models.checkpoint import open_safetensors, safetensors_files
@@ -103,16 +102,17 @@ def quantize_model(model: nn.Module, quant: QuantConfig) -> None:
             )
 
 
-def checkpoint_pieces(name: str, tensor: torch.Tensor, fused_rows: dict[str, tuple[int, ...]] | None = None
+def checkpoint_pieces(name: str, tensor: torch.Tensor, model: nn.Module | None = None
                       ) -> Iterator[tuple[Target, torch.Tensor]]:
     """The (target, tensor) pairs of one checkpoint tensor: itself, or views of each expert's pieces, or of each part
-    of a projection the checkpoint fuses (Phi-3's ``qkv_proj`` and ``gate_up_proj``: ``fused_rows``, each part's rows),
-    so each part is sharded as the checkpoints with separate parts are."""
+    of a projection the checkpoint fuses (Phi-3's ``qkv_proj`` and ``gate_up_proj``, given the ``model`` whose layer
+    says each part's rows), so each part is sharded as the checkpoints with separate parts are."""
     canonical = canonical_name(name)
     module, _, param = canonical.rpartition(".")
     leaf = module.rpartition(".")[2]
-    if fused_rows and leaf in fused_rows and param in ("weight", "bias"):
-        sizes = fused_rows[leaf]
+    layer = _merged_layer(model, module) if leaf in _SHARDS and param in ("weight", "bias") else None
+    if layer is not None:
+        sizes = layer.checkpoint_rows(_SHARDS[leaf])
         if tensor.shape[0] != sum(sizes):
             raise ValueError(f"checkpoint tensor {name!r} has {tensor.shape[0]} rows, not the {sum(sizes)} of its fused "
                              f"parts {sizes} config.json describes")
@@ -214,7 +214,7 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
             return True
         return expert_parallel and _held_elsewhere(model, checkpoint_target(name))
 
-    fused_rows = _fused_rows(model.config) if model.config.fused_projections else None
+    fused = model if model.config.fused_projections else None
     for source, tensor in _iter_checkpoint(safetensors_files(model_dir), show_progress, skip):
         name = source + "_inv" if scale_renamed and source.endswith(".weight_scale") else source
         head = canonical_name(name)
@@ -225,7 +225,7 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
         if tied and name == "lm_head.weight":
             tied_head = tensor
             continue
-        for target, piece in checkpoint_pieces(name, tensor, fused_rows):
+        for target, piece in checkpoint_pieces(name, tensor, fused):
             if target not in expected:
                 if _held_elsewhere(model, target):  # a stacked tensor's other experts
                     continue
@@ -271,10 +271,13 @@ def load_safetensors(model: CausalLM, model_dir: str, show_progress: bool = Fals
         model.score.load_weight("weight", rows[1:] - rows[:1] if classifier.two_way else rows)
 
 
-def _fused_rows(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """The rows of each part of the projections a checkpoint fuses (Phi-3's): q, k, v; gate, up."""
-    q, kv = config.num_attention_heads * config.head_dim, config.num_key_value_heads * config.head_dim
-    return {"qkv_proj": (q, kv, kv), "gate_up_proj": (config.intermediate_size, config.intermediate_size)}
+def _merged_layer(model: nn.Module | None, module: str) -> ParallelLinear | None:
+    """``model``'s merged layer (q/k/v, gate/up) at ``module``, which a fused checkpoint tensor fills; None: none."""
+    try:
+        layer = None if model is None else model.get_submodule(module)
+    except AttributeError:  # not a module of this model: the unexpected-weight error names the tensor
+        return None
+    return layer if isinstance(layer, ParallelLinear) else None
 
 
 def _rows(name: str, tensor: torch.Tensor, token_ids: list[int]) -> torch.Tensor:
