@@ -32,7 +32,7 @@ def test_adapters_match_peft_in_one_batch(qwen3_dir, adapters, tp):
     which = ["all", "qv", None]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     with LLM(qwen3_dir, device="cpu", tensor_parallel_size=tp, lora_modules=adapters, max_lora_rank=8,
-             enable_lora=True) as llm:
+             enable_lora=True, max_loras=2) as llm:
         requests = [None if name is None else LoRARequest(name, i + 1, adapters[name]) for i, name in enumerate(which)]
         outs = llm.generate(prompts, params, use_tqdm=False, lora_request=requests)
     worst = 0.0
@@ -169,26 +169,29 @@ def test_chat_and_beam_search_take_a_lora_request(qwen3_dir, adapters):
 
 @pytest.mark.parametrize("tp", [1, 2])
 def test_adapters_loaded_at_run_time_match_peft(qwen3_dir, adapters, tp):
-    """LLM.add_lora into the one slot of max_loras=1 (vLLM's default): PEFT's greedy tokens and log-probabilities
-    beside the base model's; remove_lora frees the slot for another adapter, which runs as PEFT's with no trace of
-    the first (it adapts fewer layers); a second adapter with the slot taken is a ValueError."""
+    """LLM.add_lora of two adapters with the one slot of max_loras=1 (vLLM's default): their requests, queued at once
+    with the base model's, take turns in the slot (every rank swapping at the same step), each with PEFT's greedy
+    tokens and log-probabilities (the one adapting fewer layers with no trace of the other); after remove_lora
+    the adapter is unknown and the other still served."""
     from lora_adapters import peft_greedy
     from reference import hf_greedy
 
     prompt = [5, 6, 7, 8, 9]
     params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, logprobs=0)
     with LLM(qwen3_dir, device="cpu", tensor_parallel_size=tp, enable_lora=True, max_lora_rank=8) as llm:
-        assert llm.add_lora(LoRARequest("all", 1, adapters["all"])) and llm.list_loras() == ["all"]
-        outs = llm.generate([prompt, prompt], params, use_tqdm=False, lora_request=[LoRARequest("all"), None])
-        with pytest.raises(ValueError, match="no free LoRA slot for 'qv': all 1 hold adapters"):
-            llm.add_lora(LoRARequest("qv", 2, adapters["qv"]))
+        assert llm.add_lora(LoRARequest("all", 1, adapters["all"]))
+        assert llm.add_lora(LoRARequest("qv", 2, adapters["qv"])) and llm.list_loras() == ["all", "qv"]
+        which = ["all", None, "qv", "all", "qv"]
+        outs = llm.generate([prompt] * len(which), params, use_tqdm=False,
+                            lora_request=[name and LoRARequest(name) for name in which])
         assert llm.remove_lora("all") and not llm.remove_lora("all")
         with pytest.raises(ValueError, match="LoRA adapter 'all' is not loaded"):
             llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("all"))
-        llm.add_lora(LoRARequest("qv", 2, adapters["qv"]))
         outs += llm.generate([prompt], params, use_tqdm=False, lora_request=LoRARequest("qv"))
     assert outs[1].outputs[0].token_ids == hf_greedy(qwen3_dir, prompt, 8)
-    for name, out in (("all", outs[0]), ("qv", outs[2])):
+    for name, out in zip([*which, "qv"], outs):
+        if name is None:
+            continue
         expected, logits = peft_greedy(qwen3_dir, adapters[name], prompt, 8)
         assert out.outputs[0].token_ids == expected, name
         reference = torch.log_softmax(logits, dim=-1)

@@ -78,8 +78,8 @@ class EngineConfig:
     # LoRA adapters served beside the base model: (name, PEFT directory) each (models/adapters.py)
     lora_modules: tuple[tuple[str, str], ...] = ()
     max_lora_rank: int = 16  # the largest adapter rank (each adapted layer holds max_lora_rank rows an adapter)
-    # adapter slots each adaptable layer holds (vLLM's max_loras), at least one per lora_modules adapter; they exist
-    # where enable_lora is set or lora_modules given, and runtime loads (/v1/load_lora_adapter) fill the free ones
+    # adapter slots each adaptable layer holds (vLLM's max_loras: the adapters one batch may use; any number are
+    # loaded, in host memory); they exist where enable_lora is set or lora_modules given
     max_loras: int = 1
     enable_lora: bool = False
     kv_cache_dtype: str = "auto"  # fp8_e4m3: the KV cache in float8 e4m3 (scale 1), read back in the compute dtype
@@ -99,7 +99,7 @@ class EngineConfig:
         """Adapter slots in each adaptable layer (slot 0, the base model's, aside): none without LoRA."""
         if not self.enable_lora and not self.lora_modules:
             return 0
-        return max(self.max_loras, len(self.lora_modules))
+        return self.max_loras
 
     def load_model_config(self) -> ModelConfig:
         """The model's config.json, with ``hf_overrides``."""

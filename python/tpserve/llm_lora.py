@@ -24,9 +24,9 @@ class LoRAMethods:
     _lora_updates: threading.RLock  # one update at a time: a name's check and its load or unload stay together
 
     def add_lora(self, lora_request: LoRARequest) -> bool:
-        """Load the PEFT adapter at ``lora_request.lora_path`` as ``lora_request.lora_name`` into a free adapter slot
-        (``max_loras`` of them, with ``enable_lora=True``), as vLLM's ``LLM.llm_engine.add_lora``; later calls may
-        name it. A ValueError says why it cannot be loaded."""
+        """Load the PEFT adapter at ``lora_request.lora_path`` as ``lora_request.lora_name`` (with
+        ``enable_lora=True``; its requests take turns in the ``max_loras`` slots), as vLLM's
+        ``LLM.llm_engine.add_lora``; later calls may name it. A ValueError says why it cannot be loaded."""
         if not isinstance(lora_request, LoRARequest) or not lora_request.lora_name or not lora_request.lora_path:
             raise ValueError(f"add_lora needs a LoRARequest with a lora_name and a lora_path, got {lora_request!r}")
         name, path = lora_request.lora_name, os.fspath(lora_request.lora_path)
@@ -39,8 +39,7 @@ class LoRAMethods:
         return True
 
     def remove_lora(self, lora_name: str) -> bool:
-        """Unload an adapter (``add_lora``'s or ``lora_modules``'), freeing its slot; False where none is loaded by
-        that name."""
+        """Unload an adapter (``add_lora``'s or ``lora_modules``'); False where none is loaded by that name."""
         with self._lora_updates:
             if lora_name not in self._adapters:
                 return False
@@ -62,7 +61,7 @@ class LoRAMethods:
 
     def _lora_name(self, request: LoRARequest) -> str:
         """The adapter a request names; one with a lora_path is loaded on first use where the LLM has adapter slots
-        (enable_lora), as vLLM's LLM loads a LoRARequest's adapter (a full set of slots is add_lora's ValueError)."""
+        (enable_lora), as vLLM's LLM loads a LoRARequest's adapter."""
         loaded = self._adapters
         if (isinstance(request, LoRARequest) and request.lora_name and request.lora_path
                 and request.lora_name not in loaded and self.config.enable_lora):

@@ -32,6 +32,23 @@ def test_float32_adapter_matches_peft_on_cuda(model_and_adapter):
     assert outs[2].token_ids == peft_greedy(model_dir, adapter, PROMPTS[2], 10)[0]
 
 
+def test_float32_adapters_taking_turns_in_one_slot_match_peft_on_cuda(model_and_adapter, tmp_path):
+    """Two adapters, one slot (max_loras=1), their requests and the base model's queued at once: each swap copies an
+    adapter from pinned host memory in stream order, after the steps already launched (overlap on), and every
+    request gets PEFT's tokens."""
+    model_dir, adapter = model_and_adapter
+    other = make_adapter(model_dir, str(tmp_path / "qv"), ("q_proj", "v_proj"), seed=4)
+    greedy = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    which = ["a", "b", None, "b", "a", "a"]
+    prompts = [PROMPTS[i % len(PROMPTS)] for i in range(len(which))]
+    with LLM(model_dir, device="cuda", dtype="float32", lora_modules={"a": adapter, "b": other}) as llm:
+        outs = llm.generate(prompts, greedy, use_tqdm=False, lora_request=[n and LoRARequest(n) for n in which])
+    paths = {"a": adapter, "b": other}
+    for name, prompt, out in zip(which, prompts, outs):
+        if name is not None:
+            assert out.token_ids == peft_greedy(model_dir, paths[name], prompt, 10)[0], name
+
+
 @pytest.mark.parametrize("batch", [1, 3])
 def test_bf16_adapter_batches_run_eagerly_near_peft(model_and_adapter, batch):
     model_dir, adapter = model_and_adapter

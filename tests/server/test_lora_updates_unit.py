@@ -104,15 +104,16 @@ def test_a_name_loaded_twice_and_the_engines_refusal_are_400s(adapter):
     assert client.post(LOAD, json={"lora_name": "a", "lora_path": adapter}).status_code == 200
     error = error_of(client.post(LOAD, json={"lora_name": "a", "lora_path": adapter}), 400)
     assert error["message"] == "The lora adapter 'a' has already been loaded."
-    stub.errors = ["no free LoRA slot for 'b': all 1 hold adapters"]
+    stub.errors = ["tp rank 1: No adapter found for /b on node 1"]
     error = error_of(client.post(LOAD, json={"lora_name": "b", "lora_path": adapter}), 400)
-    assert "no free LoRA slot" in error["message"]
+    assert error["message"] == "tp rank 1: No adapter found for /b on node 1"
     assert [c["id"] for c in client.get("/v1/models").json()["data"]] == [MODEL, "alias", "a"]
 
 
 def test_a_replica_that_could_not_load_undoes_the_others(adapter):
-    """With --dp-size 2, one replica without a free slot: the replica that loaded it unloads it, the load is a 400."""
-    stub = LoRAStub([None, "no free LoRA slot for 'a'"])
+    """With --dp-size 2, one replica that could not read the adapter: the replica that loaded it unloads it, the load
+    is a 400."""
+    stub = LoRAStub([None, "No adapter found for /a on node 1"])
     client, _ = make_client(stub=stub, dp_size=2)
     error_of(client.post(LOAD, json={"lora_name": "a", "lora_path": adapter}), 400)
     assert [type(u) for u in stub.updates] == [LoadLoRA, UnloadLoRA]

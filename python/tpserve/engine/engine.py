@@ -27,7 +27,7 @@ from tpserve.kvcache.pool import KVCachePool, kv_cache_dtype
 from tpserve.layers.linear import ParallelLinear
 from tpserve.layers.moe import StackedExperts, holds_whole_experts
 from tpserve.engine.lora_slots import LoadedAdapter, LoRASlots
-from tpserve.models.adapters import attach_lora, clear_slot, load_adapter, read_adapter_config
+from tpserve.models.adapters import attach_lora, clear_slot, install_adapter, read_adapter, read_adapter_config
 from tpserve.models.decoder import CausalLM
 from tpserve.models.loader import load_model_weights, quantize_model
 from tpserve.quant.config import resolve_quantization
@@ -234,10 +234,16 @@ class Engine:
                 logger.info("the checkpoint has no LM head: it serves embeddings only")
 
     def load_lora(self, name: str, path: str) -> LoadedAdapter:
-        """Load a PEFT adapter into a free slot (a ValueError says why it cannot be)."""
-        slot = self.loras.free_slot(name)
-        load_adapter(self.lora_layers, slot, path, read_adapter_config(path, self.config.max_lora_rank))
-        return self.loras.add(name, slot, path)
+        """Read a PEFT adapter's shard into host memory (a ValueError says why it cannot be served)."""
+        self.loras.check_new(name)
+        config = read_adapter_config(path, self.config.max_lora_rank)
+        weights = read_adapter(self.lora_layers, path, config, pin=self.device.type == "cuda")
+        return self.loras.add(name, path, weights)
+
+    def place_lora(self, slot: int, adapter: LoadedAdapter) -> None:
+        """Give ``adapter`` ``slot`` (``loras.slot_for``'s), copying it in unless the slot holds it already."""
+        if self.loras.place(slot, adapter):
+            install_adapter(self.lora_layers, slot, adapter.weights)
 
     def release_lora_slot(self, slot: int) -> None:
         """An unloaded adapter's slot, used by no request any more, is zeroed and free again."""

@@ -187,14 +187,15 @@ def build_parser() -> argparse.ArgumentParser:
                        help="give the layers LoRA adapter slots (--max-loras) for adapters loaded at run time; the "
                        "--lora-modules adapters are served with or without it")
     model.add_argument("--max-loras", type=int_at_least(1), default=_default("max_loras"),
-                       help="adapter slots in each adapted layer, as vLLM's (at least one per --lora-modules "
-                       "adapter): how many adapters may be loaded at once, all of which may share a batch")
+                       help="adapter slots in each adapted layer, as vLLM's: how many adapters one batch may use. Any "
+                       "number are loaded (each in host memory); a request waits for a slot its adapter may take "
+                       "(one no running request uses), and requests behind it go on")
     model.add_argument("--allow-runtime-lora-updating", action="store_true",
                        default=runtime_updating_allowed(),
                        help="serve vLLM's POST /v1/load_lora_adapter ({\"lora_name\", \"lora_path\"}: a PEFT "
                        "directory on the server) and /v1/unload_lora_adapter ({\"lora_name\"}), as vLLM does where "
                        "the environment sets VLLM_ALLOW_RUNTIME_LORA_UPDATING=true (which turns this on); implies "
-                       "--enable-lora. A load takes a free slot of --max-loras; an unloaded adapter's requests "
+                       "--enable-lora. An unloaded adapter's requests "
                        "finish with it. Only for trusted clients: they name files on the server")
     model.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=human_int_at_least(2),
                        default=None,

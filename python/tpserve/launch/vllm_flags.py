@@ -73,7 +73,7 @@ _IGNORED = {
     "--long-prefill-token-threshold": _Unused("a long prompt is prefilled in --chunked-prefill-size chunks"),
     "--max-num-partial-prefills": _Unused("a long prompt is prefilled in --chunked-prefill-size chunks"),
     "--max-long-partial-prefills": _Unused("a long prompt is prefilled in --chunked-prefill-size chunks"),
-    "--max-cpu-loras": _Unused("adapters stay in their --max-loras slots on the device"),
+    "--max-cpu-loras": _Unused("every loaded adapter stays in host memory, read from disk once"),
     "--fully-sharded-loras": _Unused("an adapter is sharded as its layer's weight", 0),
     "--lora-dtype": _Unused("adapters are held in the model's dtype"),
     "--api-server-count": _Unused("one API server process serves every request"),

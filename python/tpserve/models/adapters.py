@@ -5,8 +5,9 @@ each adapter has a slot in every layer it adapts (slot 0: none), and a step's to
 The adapters' A and B are sharded as the layer's weight: a column-parallel layer keeps A whole and its rows of B,
 a row-parallel layer its columns of A and all of B (the partial sums are then all-reduced with the layer's own).
 A merged layer (q/k/v, gate/up) stacks its parts' A and places each part's B on its own rows and rank columns.
-Every rank loads an adapter into the same slot at the same point of its schedule: the --lora-modules adapters at
-start, others when the server's /v1/load_lora_adapter asks (``engine/lora_slots.py`` keeps which slot holds what)."""
+Every rank reads its shard of an adapter into host memory at the same point of its schedule (the --lora-modules
+adapters at start, others when the server's /v1/load_lora_adapter asks) and copies it into a slot when a request
+needs it there (``engine/lora_slots.py`` keeps which slot holds what)."""
 
 from __future__ import annotations
 
@@ -14,7 +15,7 @@ import json
 import math
 import os
 from collections.abc import Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 from torch import nn
@@ -92,21 +93,49 @@ def attach_lora(model: nn.Module, slots: int, max_rank: int, device: torch.devic
     return layers
 
 
-def load_adapter(layers: dict[str, ParallelLinear], slot: int, path: str, config: AdapterConfig) -> None:
-    """Copy this rank's shard of the adapter at ``path`` into ``slot`` of ``layers`` (``attach_lora``'s). Every
-    tensor is matched to its layer before any is copied; a copy that fails leaves the slot zero."""
+@dataclass(frozen=True)
+class _Write:
+    """One piece of an adapter: ``value`` goes to ``index`` of a slot of ``layer``'s A (``kind`` "a") or B."""
+
+    layer: ParallelLinear
+    kind: str
+    index: tuple[slice, ...]
+    value: torch.Tensor
+
+
+@dataclass(frozen=True)
+class AdapterWeights:
+    """This rank's shard of an adapter, in host memory (pinned beside a GPU), as ``install_adapter`` writes it."""
+
+    writes: tuple[_Write, ...]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(write.value.nbytes for write in self.writes)
+
+
+def read_adapter(layers: dict[str, ParallelLinear], path: str, config: AdapterConfig, pin: bool) -> AdapterWeights:
+    """This rank's shard of the adapter at ``path`` for ``layers`` (``attach_lora``'s), in host memory. Every tensor
+    is matched to its layer and checked before the adapter is used."""
+    writes = []
     with open_safetensors(os.path.join(path, ADAPTER_WEIGHTS)) as tensors:
         targets = [(name, *_target_layer(layers, name, path)) for name in tensors.keys()]
-        try:
-            for name, layer, shard_id, part, kind in targets:
-                for piece_shard, piece_part, piece in _parts(layer, shard_id, part, kind, tensors.get_tensor(name),
-                                                             name):
-                    _copy(layer, slot, piece, name, piece_shard, piece_part, kind, config)
-        except BaseException:
-            clear_slot(layers, slot)
-            raise
-    for _, layer, *_ in targets:
-        layer.lora.filled.add(slot)
+        for name, layer, shard_id, part, kind in targets:
+            for piece_shard, piece_part, piece in _parts(layer, shard_id, part, kind, tensors.get_tensor(name), name):
+                write = _write(layer, piece, name, piece_shard, piece_part, kind, config)
+                writes.append(replace(write, value=write.value.pin_memory()) if pin else write)
+    return AdapterWeights(tuple(writes))
+
+
+def install_adapter(layers: dict[str, ParallelLinear], slot: int, weights: AdapterWeights) -> None:
+    """Copy an adapter into ``slot`` of ``layers``, replacing what the slot held (in stream order on a GPU: after
+    the steps already launched)."""
+    clear_slot(layers, slot)
+    for write in weights.writes:
+        lora: LoRAWeights = write.layer.lora
+        target = lora.a if write.kind == "a" else lora.b
+        target[slot][write.index].copy_(write.value, non_blocking=True)
+        lora.filled.add(slot)
 
 
 def clear_slot(layers: dict[str, ParallelLinear], slot: int) -> None:
@@ -145,8 +174,8 @@ def _parts(layer: ParallelLinear, shard_id: str | int | tuple | None, part: int,
     yield from ((shard, index, piece) for index, (shard, piece) in enumerate(zip(shard_id, loaded.split(sizes))))
 
 
-def _copy(layer: ParallelLinear, slot: int, loaded: torch.Tensor, name: str, shard_id: str | int | None, part: int,
-          kind: str, config: AdapterConfig) -> None:
+def _write(layer: ParallelLinear, loaded: torch.Tensor, name: str, shard_id: str | int | None, part: int,
+           kind: str, config: AdapterConfig) -> _Write:
     lora: LoRAWeights = layer.lora
     rank_dim = 0 if kind == "lora_A" else 1
     if loaded.dim() != 2 or loaded.shape[rank_dim] != config.rank:
@@ -156,16 +185,15 @@ def _copy(layer: ParallelLinear, slot: int, loaded: torch.Tensor, name: str, sha
     if kind == "lora_A":
         if layer.split_dim == 1:  # row-parallel: this rank's inputs
             loaded = layer.part(None).cut(loaded, 1, 2, name)
-        lora.a[slot, rows].copy_(loaded.to(lora.a.dtype))
+        return _Write(layer, "a", (rows,), loaded.to(lora.a.dtype, copy=True).contiguous())
+    piece = layer.part(shard_id) if layer.split_dim == 0 else None
+    # scaled in float32, then rounded once (a bf16 adapter too); a Granite layer's residual_multiplier too
+    loaded = loaded.float() * (config.scale * layer.output_multiplier)
+    if piece is not None:
+        loaded, out_rows = piece.cut(loaded, 0, 2, name), slice(piece.dest, piece.dest + piece.size)
     else:
-        piece = layer.part(shard_id) if layer.split_dim == 0 else None
-        # scaled in float32, then rounded once (a bf16 adapter too); a Granite layer's residual_multiplier too
-        loaded = loaded.float() * (config.scale * layer.output_multiplier)
-        if piece is not None:
-            piece_rows = slice(piece.dest, piece.dest + piece.size)
-            lora.b[slot, piece_rows, rows].copy_(piece.cut(loaded, 0, 2, name).to(lora.b.dtype))
-        else:
-            lora.b[slot, :, rows].copy_(loaded.to(lora.b.dtype))
+        out_rows = slice(None)
+    return _Write(layer, "b", (out_rows, rows), loaded.to(lora.b.dtype).contiguous())
 
 
 def _adapter_target(name: str, path: str) -> tuple[str, str]:

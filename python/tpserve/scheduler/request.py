@@ -11,6 +11,7 @@ from tpserve.sampling_params import SamplingParams
 if TYPE_CHECKING:
     import torch
 
+    from tpserve.engine.lora_slots import LoadedAdapter
     from tpserve.structured.grammar import RequestGrammar
 
 
@@ -33,7 +34,8 @@ class Request:
     cached_tokens: int = -1  # prefix-cache hit at first admission, reported in usage
     finish_reason: str | None = None
     slot: int = -1  # its row of the engine's penalty state (-1: none), kept until it finishes
-    lora_slot: int = 0  # its LoRA adapter's slot in the layers (0: none), taken at admission and kept to the end
+    adapter: LoadedAdapter | None = None  # its LoRA adapter (kept if the adapter is unloaded meanwhile)
+    lora_slot: int = 0  # its adapter's slot in the layers (0: none), taken at each admission, kept while running
     prefix_key: str | None = None  # whose cached prefixes it shares (params.prefix_key, apart for each adapter load)
     grammar: RequestGrammar | None = None  # structured output: its matcher
     allowed_mask: torch.Tensor | None = None  # params.allowed_token_ids on the device (logit_edits.allowed_mask)

@@ -142,7 +142,7 @@ class Scheduler:
                                  "(--schedule-policy priority)")
         req = Request(rid, list(prompt_ids), params, seed, max_new, arrival=self.arrivals, prefix_key=params.prefix_key)
         if adapter is not None:
-            req.lora_slot, req.prefix_key = adapter.slot, f"{params.prefix_key}\x00{adapter.load_id}"
+            req.adapter, req.prefix_key = adapter, f"{params.prefix_key}\x00{adapter.load_id}"
         self.arrivals += 1
         if params.structured is not None:
             self.compiling.add(rid, req, params.structured)
@@ -191,27 +191,32 @@ class Scheduler:
 
     # ---- LoRA adapters loaded and unloaded at run time (every rank at the same point of its schedule) ----
     def load_lora(self, name: str, path: str) -> None:
-        """Load an adapter into a free slot; a ValueError says why it cannot be."""
-        self._release_lora_slots()
+        """Load an adapter (into host memory; a slot when a request needs it); a ValueError says why it cannot be."""
         self.engine.load_lora(name, path)
         logger.info("LoRA adapter %r loaded from %s", name, path)
 
     def unload_lora(self, name: str) -> None:
-        """New requests may no longer name the adapter; those already admitted finish with it, and its slot is
-        free once they are gone."""
+        """New requests may no longer name the adapter; those that did finish with it, and its slot is free once
+        no admitted request uses it."""
         self.engine.loras.remove(name)
         self._release_lora_slots()
         logger.info("LoRA adapter %r unloaded", name)
 
     def _release_lora_slots(self) -> None:
-        """Free the slots of unloaded adapters that no request (waiting, compiling, running or in flight) uses."""
-        if not self.engine.loras.retired:
-            return
-        used = {req.lora_slot for req in (*self.waiting, *self.running.values(), *self.compiling.requests())}
-        if self.inflight is not None:
-            used.update(req.lora_slot for req, _ in self.inflight.entries)
-        for slot in sorted(self.engine.loras.retired - used):
-            self.engine.release_lora_slot(slot)
+        """Free the slots of unloaded adapters that no admitted request (running or in flight) uses."""
+        unloaded = self.engine.loras.unloaded_slots()
+        if unloaded:
+            busy = self._busy_lora_slots()
+            for slot in unloaded:
+                if slot not in busy:
+                    self.engine.release_lora_slot(slot)
+
+    def _busy_lora_slots(self) -> set[int]:
+        """The adapter slots admitted requests use: their adapters stay put while they run."""
+        busy = {req.lora_slot for req in self.running.values()}
+        if self.inflight is not None:  # a request aborted with a step in flight: that step still reads its slot
+            busy.update(req.lora_slot for req, _ in self.inflight.entries)
+        return busy
 
     @property
     def has_work(self) -> bool:
@@ -442,8 +447,15 @@ class Scheduler:
     # ---- admission ----
     def _admit(self, budget: int, outputs: list[TokenOutput]) -> list[tuple[Request, int]]:
         admitted: list[tuple[Request, int]] = []
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_running_requests:
-            req, match = self._next_waiting()
+        skipped: set[int] = set()  # waiting for a LoRA slot: the requests behind them go on (vLLM's)
+        while len(self.waiting) > len(skipped) and budget > 0 and len(self.running) < self.config.max_running_requests:
+            req, match = self._next_waiting(skipped)
+            lora_slot = 0
+            if req.adapter is not None:
+                lora_slot = self.engine.loras.slot_for(req.adapter, self._busy_lora_slots())
+                if lora_slot is None:  # every slot holds another adapter admitted requests use
+                    skipped.add(req.rid)
+                    continue
             ids = req.all_ids
             cached = match.num_pages * self.page_size
             n = self._chunk(req, min(len(ids) - cached, budget))
@@ -464,6 +476,9 @@ class Scheduler:
                     continue
                 break  # it waits for pages; requests behind it do not overtake it
             self.waiting.remove(req)
+            if req.adapter is not None:
+                self.engine.place_lora(lora_slot, req.adapter)
+            req.lora_slot = lora_slot
             req.pages, req.num_shared_pages, req.prefix_node = list(match.pages), match.num_pages, match.node
             req.num_cached = cached
             self._allocate(req, need)
@@ -486,15 +501,17 @@ class Scheduler:
         self.prompt_logprob_rows_left -= n
         return n
 
-    def _next_waiting(self) -> tuple[Request, PrefixMatch]:
-        """The request to admit next and its cached prefix (whole pages, leaving a token to compute)."""
+    def _next_waiting(self, skipped: set[int]) -> tuple[Request, PrefixMatch]:
+        """The request to admit next (of those not ``skipped``) and its cached prefix (whole pages, leaving a token
+        to compute)."""
+        waiting = [req for req in self.waiting if req.rid not in skipped] if skipped else self.waiting
         if self.config.schedule_policy == "priority":
-            first = min(self.waiting, key=lambda r: (r.params.priority, r.arrival))
+            first = min(waiting, key=lambda r: (r.params.priority, r.arrival))
             return first, self._cached_prefix(first)
-        if self.config.schedule_policy == "fcfs" or len(self.waiting) > LPM_MAX_QUEUE:
-            return self.waiting[0], self._cached_prefix(self.waiting[0])
+        if self.config.schedule_policy == "fcfs" or len(waiting) > LPM_MAX_QUEUE:
+            return waiting[0], self._cached_prefix(waiting[0])
         # lpm: the longest cached prefix first; ties keep queue order (max returns the first).
-        matches = [(req, self._cached_prefix(req)) for req in self.waiting]
+        matches = [(req, self._cached_prefix(req)) for req in waiting]
         return max(matches, key=lambda item: item[1].num_pages)
 
     def _cached_prefix(self, req: Request) -> PrefixMatch:
@@ -579,3 +596,7 @@ class Scheduler:
                 f"KV page accounting broken: free {self.allocator.num_free} + cached {self.cache.num_pages} "
                 f"+ request-owned {own} != total {self.allocator.total}"
             )
+        holders = self.engine.loras.holders
+        moved = [req.rid for req in self.running.values() if holders.get(req.lora_slot) is not req.adapter]
+        if moved:
+            raise RuntimeError(f"LoRA slot accounting broken: running requests {moved} lost their adapter's slot")

@@ -3,12 +3,13 @@
 (vLLM's entrypoints/openai/serving_models.py), served only where VLLM_ALLOW_RUNTIME_LORA_UPDATING is true or
 --allow-runtime-lora-updating is given.
 
-A load reaches every rank of every replica (``LoadLoRA``), each copying the adapter into a free slot at the same
-point of its schedule; it is served (``/v1/models``, requests naming it) once every replica has it. An unload stops
-new requests naming the adapter at once; requests already admitted finish with it, as vLLM lets them, and its slot
-is free once they are gone (``engine/lora_slots.py``). A beam search sends a backend request per step, naming the
-adapter each time: it pins the adapter (``ServedAdapters.pinned``), and an unload waits for its pins before the
-ranks drop it, so the search ends with the adapter it started with (and a load of the name waits too)."""
+A load reaches every rank of every replica (``LoadLoRA``), each reading its shard into host memory at the same
+point of its schedule (requests take turns in the --max-loras slots: ``engine/lora_slots.py``); it is served
+(``/v1/models``, requests naming it) once every replica has it. An unload stops new requests naming the adapter at
+once; requests that named it finish with it, as vLLM lets them, and its slot is free once they are gone. A beam
+search sends a backend request per step, naming the adapter each time: it pins the adapter
+(``ServedAdapters.pinned``), and an unload waits for its pins before the ranks drop it, so the search ends with the
+adapter it started with (and a load of the name waits too)."""
 
 from __future__ import annotations
 
@@ -121,7 +122,7 @@ class LoRAUpdates:
             errors = [answer.error for answer in await self._ask(frontend, LoadLoRA(frontend.new_rid(), name, path))
                       if answer.error is not None]
             if errors:
-                if len(errors) < self.replicas:  # a replica had no free slot (an unloaded adapter still running)
+                if len(errors) < self.replicas:  # undo the replicas that loaded it
                     await self._ask(frontend, UnloadLoRA(frontend.new_rid(), name))
                 raise APIError.invalid(errors[0], "lora_path")
             self.adapters.add(name, path)
