@@ -128,6 +128,9 @@ def test_more_adapters_than_slots_take_turns(qwen3_dir, adapters, tmp_path):
             first_step.setdefault(rid, scheduler.step_count)
         in_use = {req.adapter.name for req in scheduler.running.values() if req.adapter is not None}
         assert len(in_use) <= 2, in_use
+        if scheduler.step_count == 1:  # what /metrics' vllm:lora_requests_info shows
+            stats = scheduler.stats()
+            assert (stats.running_loras, stats.waiting_loras) == (["all", "qv"], ["od"]), stats
     assert first_step[4] == first_step[1] == first_step[2] == first_step[5] == first_step[7] == 1, first_step
     assert first_step[3] > 1 and first_step[6] > 1, "od waited for a slot"
     for rid, name in which.items():

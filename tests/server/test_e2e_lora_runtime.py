@@ -69,6 +69,8 @@ def test_load_generate_list_unload(url, qwen3_dir, adapters):
         adapter = {"sql": adapters["all"], "qv": adapters["qv"]}.get(name)
         expected = hf_greedy(qwen3_dir, PROMPT, 6) if adapter is None else peft_greedy(qwen3_dir, adapter, PROMPT, 6)[0]
         assert ids(out["choices"][0]["logprobs"]["tokens"]) == expected, name
+    info = [line for line in httpx.get(f"{url}/metrics").text.splitlines() if line.startswith("vllm:lora_requests_info")]
+    assert len(info) == 1 and info[0].startswith('vllm:lora_requests_info{max_lora="1",running_lora_adapters=""'), info
 
     # unloaded while a stream of it runs: the stream ends with the adapter's tokens, new requests get a 404
     body = {"model": "sql", "prompt": PROMPT, "max_tokens": 64, "temperature": 0, "ignore_eos": True, "stream": True,

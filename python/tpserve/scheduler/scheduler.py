@@ -236,7 +236,15 @@ class Scheduler:
             evicted_pages_total=self.evicted_pages_total,
             preemptions_total=self.preemptions_total,
             replica=self.engine.config.dp_rank,
+            **self._lora_stats(),
         )
+
+    def _lora_stats(self) -> dict[str, list[str]]:
+        if not self.engine.loras.capacity:
+            return {}
+        waiting = (*self.waiting, *self.compiling.requests())
+        return {"running_loras": sorted({req.adapter.name for req in self.running.values() if req.adapter}),
+                "waiting_loras": sorted({req.adapter.name for req in waiting if req.adapter})}
 
     # ---- one step ----
     def step(self) -> list[TokenOutput]:

@@ -73,8 +73,8 @@ class AppState:
     lora_updates: LoRAUpdates = field(init=False)  # /v1/load_lora_adapter, /v1/unload_lora_adapter
 
     def __post_init__(self) -> None:
-        self.metrics = ServerMetrics(self.args.served_model_name)
         args = self.args
+        self.metrics = ServerMetrics(args.served_model_name, args.engine.lora_slots or None)
         self.adapters = ServedAdapters(args.engine.lora_modules)
         self.lora_updates = LoRAUpdates(self.adapters, (args.served_model_name, *args.model_aliases),
                                         args.engine.max_lora_rank, args.engine.dp_size,

@@ -22,9 +22,10 @@ class _SchedulerCollector:
     """Exports the latest SchedulerStats (forwarded by the detokenizer) at scrape time: one
     sample per family with one replica, one per replica (label ``replica``) with several."""
 
-    def __init__(self) -> None:
+    def __init__(self, max_loras: int | None) -> None:
         self.stats = {0: SchedulerStats(running=0, waiting=0, kv_pages_used=0, kv_pages_total=0)}
         self.labeled = False  # set with data-parallel replicas
+        self.max_loras = max_loras  # None: LoRA off
 
     def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         gauges = (
@@ -54,6 +55,19 @@ class _SchedulerCollector:
                 for replica, stats in sorted(self.stats.items()):
                     family.add_metric([str(replica)], value(stats))
                 yield family
+        if self.max_loras is not None:
+            yield self._lora_info()
+
+    def _lora_info(self) -> GaugeMetricFamily:
+        """vLLM's ``vllm:lora_requests_info`` (the Gateway API inference extension's LoRA-affinity routing reads it):
+        the adapters of running and waiting requests as comma-separated label values, the time as its value."""
+        labels = ["max_lora", "running_lora_adapters", "waiting_lora_adapters"]
+        family = GaugeMetricFamily("vllm:lora_requests_info", "Running stats on lora requests.",
+                                   labels=labels + (["engine"] if self.labeled else []))
+        for replica, stats in sorted(self.stats.items()):
+            values = [str(self.max_loras), ",".join(stats.running_loras), ",".join(stats.waiting_loras)]
+            family.add_metric(values + ([str(replica)] if self.labeled else []), time.time())
+        return family
 
 
 class _RouterCollector:
@@ -121,10 +135,11 @@ class _VllmNames:
 
 
 class ServerMetrics:
-    def __init__(self, model_name: str = "") -> None:
-        """``model_name``: the ``model_name`` label of vLLM's names for the series (``VLLM_NAMES``)."""
+    def __init__(self, model_name: str = "", max_loras: int | None = None) -> None:
+        """``model_name``: the ``model_name`` label of vLLM's names for the series (``VLLM_NAMES``); ``max_loras``:
+        the adapters a batch may use, where LoRA is on (None: off)."""
         r = self.registry = CollectorRegistry()
-        self._scheduler = _SchedulerCollector()
+        self._scheduler = _SchedulerCollector(max_loras)
         r.register(self._scheduler)
         self.prompt_tokens = Counter("tpserve_prompt_tokens", "Prompt tokens of requests that ran.", registry=r)
         self.generation_tokens = Counter("tpserve_generation_tokens", "Generated tokens.", registry=r)
