@@ -5,6 +5,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import ssl
 import subprocess
 import sys
 import threading
@@ -17,7 +18,7 @@ import psutil
 
 HERE = Path(__file__).resolve().parent
 FAKE_TPSERVE = str(HERE / "fake_tpserve.py")  # tpserve over the fake scheduler
-_URL = re.compile(r"listening on (http://\S+)")
+_URL = re.compile(r"listening on (https?://\S+)")
 
 
 class ServerProcess:
@@ -52,14 +53,15 @@ class ServerProcess:
             raise TimeoutError(f"no URL logged:\n{self.log}")
         return self.url  # type: ignore[return-value]
 
-    def wait_ready(self, timeout: float = 180) -> str:
+    def wait_ready(self, timeout: float = 180, verify: ssl.SSLContext | bool = True) -> str:
+        """``verify``: what httpx checks an HTTPS server's certificate with (its CA's context)."""
         url = self.wait_url(timeout)
         deadline = time.monotonic() + timeout
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
                 raise RuntimeError(f"server exited ({self.proc.returncode}):\n{self.log}")
             try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                if httpx.get(f"{url}/health", timeout=2, verify=verify).status_code == 200:
                     return url
             except httpx.HTTPError:
                 pass

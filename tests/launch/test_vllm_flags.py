@@ -43,7 +43,6 @@ def test_a_pasted_vllm_command_line_sets_what_it_names(qwen3_dir):
     (["--served-model-name", "m", "b", "--lora-modules", "b=/x"],
      "--lora-modules b=/x: 'b' is the served model's name"),
     (["--speculative-config", "{}"], "argument --speculative-config: speculative decoding is not served"),
-    (["--ssl-keyfile", "k.pem"], "TLS is not served"),
     (["--pipeline-parallel-size", "2"], "--pipeline-parallel-size 2: tpserve splits a model by tensor parallelism"),
     (["--scheduling-policy", "priority", "--schedule-policy", "lpm"], "--scheduling-policy priority and --schedule-policy lpm: give one"),
     (["--model", "/elsewhere"], "the model is given twice"),

@@ -6,6 +6,7 @@ import argparse
 import json
 import os
 import socket
+import ssl
 from dataclasses import dataclass, field, fields
 from collections.abc import Mapping
 from typing import Any
@@ -22,6 +23,7 @@ from tpserve.sampling_defaults import load_sampling_defaults
 from tpserve.sampling_params import SEED_LIMIT
 from tpserve.parsers.reasoning import REASONING_PARSERS
 from tpserve.parsers.tool_calls import TOOL_CALL_PARSERS, detect_tool_parser
+from tpserve.launch.tls import TLSFiles
 from tpserve.launch.vllm_flags import add_vllm_flags, check_vllm_flags, task_problem_of_flags
 from tpserve.launch.argtypes import (
     HelpFormatter, OneLineParser, fraction, human_int_at_least, int_at_least, json_object_arg, json_strings_arg, lora_module_arg, number,
@@ -69,6 +71,8 @@ class ServerArgs:
     enable_force_include_usage: bool = False  # vLLM's: every stream ends with its usage chunk
     enable_server_load_tracking: bool = False  # vLLM's: GET /load counts the calls in flight
     root_path: str = ""  # vLLM's (uvicorn's): the path prefix a proxy serves the API under
+    tls: TLSFiles | None = None  # HTTPS (--ssl-certfile ...); None: plain HTTP
+    enable_ssl_refresh: bool = False  # re-read the TLS files when they change
     allowed_origins: tuple[str, ...] = ()  # CORS: none (browsers on other origins are refused)
     allowed_methods: tuple[str, ...] = ("*",)
     allowed_headers: tuple[str, ...] = ("*",)
@@ -318,6 +322,18 @@ def build_parser() -> argparse.ArgumentParser:
     server.add_argument("--root-path", default="",
                         help="the path prefix a reverse proxy serves the API under (uvicorn's root_path; vLLM's flag); "
                         "default: none")
+    tls = p.add_argument_group("TLS (vLLM's flags)", "serve HTTPS (uvicorn's TLS)")
+    tls.add_argument("--ssl-certfile", default=None, help="the server's certificate (PEM; the chain after it); turns "
+                     "HTTPS on")
+    tls.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM), unless --ssl-certfile "
+                     "holds it")
+    tls.add_argument("--ssl-ca-certs", default=None, help="the CA certificates client certificates are checked against")
+    tls.add_argument("--ssl-cert-reqs", type=int, choices=(ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED),
+                     default=ssl.CERT_NONE, help="client certificates: 0 not asked for (default), 1 checked when "
+                     "given, 2 required (needs --ssl-ca-certs)")
+    tls.add_argument("--ssl-ciphers", default=None, help="the TLS cipher list (OpenSSL's syntax; default: uvicorn's)")
+    tls.add_argument("--enable-ssl-refresh", action="store_true", help="re-read the certificate, key and CA files "
+                     "when they change (checked every second): a renewed certificate is served without a restart")
     server.add_argument("--allowed-origins", type=json_strings_arg, default=(), metavar="JSON",
                         help="CORS: the browser origins allowed to call the API, e.g. '[\"https://app.example\"]' "
                         "or '[\"*\"]' (vLLM's flag; vLLM allows every origin by default, tpserve none)")
@@ -463,7 +479,24 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         head=model_head(model_config),
         api_key=ns.api_key or os.environ.get(API_KEY_ENV) or None,
         demo_model=demo,
+        tls=_tls_files(ns),
     )
+
+
+def _tls_files(ns: argparse.Namespace) -> TLSFiles | None:
+    """--ssl-* as one TLSFiles, checked (the files load); None without --ssl-certfile / --ssl-keyfile."""
+    if ns.ssl_certfile is None and ns.ssl_keyfile is None:
+        given = [flag for flag, value in (("--ssl-ca-certs", ns.ssl_ca_certs), ("--ssl-ciphers", ns.ssl_ciphers),
+                                          ("--enable-ssl-refresh", ns.enable_ssl_refresh),
+                                          ("--ssl-cert-reqs", ns.ssl_cert_reqs != ssl.CERT_NONE)) if value]
+        if given:
+            raise ValueError(f"{', '.join(given)} without --ssl-certfile: HTTPS is off")
+        return None
+    if ns.ssl_certfile is None:
+        raise ValueError("--ssl-keyfile needs --ssl-certfile, the certificate it is the key of")
+    files = TLSFiles(ns.ssl_certfile, ns.ssl_keyfile, ns.ssl_ca_certs, ns.ssl_cert_reqs, ns.ssl_ciphers)
+    files.check()
+    return files
 
 
 def _from_flags(cls: type, ns: argparse.Namespace, **computed: Any) -> Any:

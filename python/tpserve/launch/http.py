@@ -171,7 +171,7 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
         loop.add_signal_handler(sig, _on_signal, sig, stop)
 
     host, port = sock.getsockname()[:2]
-    url = f"http://{'[' + host + ']' if ':' in host else host}:{port}"
+    url = f"{'https' if args.tls else 'http'}://{'[' + host + ']' if ':' in host else host}:{port}"
     state = AppState(args)
     if args.log_level != "debug":  # uvicorn's start-up lines repeat ours (under the name uvicorn.error)
         logging.getLogger("uvicorn.error").setLevel(logging.WARNING)
@@ -183,9 +183,14 @@ async def _serve(args: ServerArgs, sock: socket.socket) -> int:
         timeout_graceful_shutdown=HTTP_GRACEFUL_S,
         http=_idle_timeout_protocol(),  # a connection idle for timeout_keep_alive (5 s) is closed, a new one too
         ws="none",  # no websocket routes: an upgrade would also outlive the header deadline's timer
+        **(args.tls.uvicorn_options() if args.tls else {}),
     )
     server = _Server(config)
     http_task = asyncio.create_task(server.serve(sockets=[sock]), name="http")
+    if args.tls and args.enable_ssl_refresh:
+        config.load()  # the context uvicorn serves with (serve() loads the config once), which refresh updates
+        refresh = asyncio.create_task(args.tls.refresh(config.ssl, stop), name="tls-refresh")
+        http_task.add_done_callback(lambda _: refresh.cancel())
     logger.info("listening on %s (starting up: /health is 503 until the model is loaded)", url)
 
     async def close_http() -> None:

@@ -91,8 +91,6 @@ _REFUSED = {
     "--limit-mm-per-prompt": "tpserve serves text-only models",
     "--mm-processor-kwargs": "tpserve serves text-only models",
     "--num-gpu-blocks-override": "set the KV cache's size in tokens with --max-total-tokens",
-    "--ssl-keyfile": "TLS is not served: put a TLS-terminating proxy in front of the server",
-    "--ssl-certfile": "TLS is not served: put a TLS-terminating proxy in front of the server",
     "--tokenizer-revision": "the tokenizer is read from the model's own files (--revision)",
     "--code-revision": "tpserve runs no code from model repositories",
     "--cpu-offload-gb": "weights are not offloaded to CPU memory: use more GPUs (--tp-size) or FP8 (--quantization fp8)",
