@@ -18,6 +18,7 @@ from tpserve.config import DTYPE_ALIASES, DTYPES, FLASHINFER_DTYPES, ModelConfig
 from tpserve.models.adapters import read_adapter_config
 from tpserve.models.checkpoint import check_safetensors
 from tpserve.quant.config import check_quantization_name, resolve_quantization
+from tpserve.scheduler.ngram import NgramConfig
 from tpserve.sampling_params import SEED_LIMIT  # torch.Generator.manual_seed takes a signed 64-bit seed
 
 DEFAULT_CPU_KV_TOKENS = 32768  # the KV cache on the CPU without max_total_tokens
@@ -93,6 +94,8 @@ class EngineConfig:
     # the cross-encoder it is ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no",
     # "yes"]})
     hf_overrides: str | None = None
+    # vLLM's --speculative-config, as JSON object text: n-gram drafts (scheduler/ngram.py; turns overlap off)
+    speculative_config: str | None = None
 
     @property
     def lora_slots(self) -> int:
@@ -139,6 +142,7 @@ class EngineConfig:
         _check_min("max_lora_rank", self.max_lora_rank, 1)
         _check_min("max_loras", self.max_loras, 1)
         hf_overrides_dict(self.hf_overrides)
+        NgramConfig.from_json(self.speculative_config)
 
 
 def hf_overrides_dict(text: str | None) -> dict[str, Any]:

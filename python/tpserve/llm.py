@@ -558,7 +558,8 @@ def _engine_kwargs(kwargs: dict[str, Any]) -> dict[str, Any]:
                             + (f" (did you mean {close[0]!r}?)" if close else ""))
         if target in out:
             raise TypeError(f"{given} and {target} name the same setting: give one")
-        out[target] = json.dumps(value) if target == "hf_overrides" and isinstance(value, Mapping) else value
+        json_text = target in ("hf_overrides", "speculative_config") and isinstance(value, Mapping)
+        out[target] = json.dumps(value) if json_text else value
     return out
 
 

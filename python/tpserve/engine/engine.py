@@ -109,13 +109,17 @@ class PreparedStep:
     sampling: SamplingBatch
     top_logprobs: int | None
     prompt_logprobs: PromptLogprobs | None = None
+    # speculative decoding: the extra logits rows sampled (each draft's position), after the sequences' rows, and
+    # with prompt log-probabilities in the same step the extra rows those are
+    draft_rows: torch.Tensor | None = None
+    prompt_rows: torch.Tensor | None = None
 
 
 @dataclass
 class PendingSample:
     """A step whose forward is enqueued and whose sampling waits for ``Engine.sample``."""
 
-    logits: torch.Tensor  # [B, vocab]: the sequences' last tokens
+    logits: torch.Tensor  # [B (+ D), vocab]: the sequences' last tokens (then the draft positions')
     sampling: SamplingBatch
     top_logprobs: int | None
     prompt_logits: torch.Tensor | None = None  # [E, vocab]: the extra rows
@@ -394,17 +398,26 @@ class Engine:
     @torch.inference_mode()
     def prepare(
         self, seqs: list[SequenceInput], sampling: SamplingBatch, top_logprobs: int | None = None,
-        prompt_targets: list[int] | None = None, prompt_top: int = 0,
+        prompt_targets: list[int] | None = None, prompt_top: int = 0, draft_rows: list[int] | None = None,
     ) -> PreparedStep:
         """A step's host work and uploads (overlapping the device's previous forward); ``start`` runs
         it. With ``top_logprobs`` (not None) it also returns every row's log-probabilities; with
         ``prompt_targets``, the token each extra logits row (``SequenceInput.extra_logits``, in order)
-        predicts, those tokens' log-probabilities and the ``prompt_top`` most likely at each row."""
+        predicts, those tokens' log-probabilities and the ``prompt_top`` most likely at each row. ``draft_rows``:
+        the extra rows to sample too (speculative decoding's draft positions; ``sampling`` has a row for each,
+        after the sequences'), the others being the prompt targets'."""
         has_futures = any(t < 0 for s in seqs for t in s.token_ids[:1])
         prompt = None
         if prompt_targets:
             prompt = PromptLogprobs(upload(torch.tensor(prompt_targets, dtype=torch.int64), self.device), prompt_top)
-        return PreparedStep(self._prepare_forward(seqs), has_futures, sampling, top_logprobs, prompt)
+        drafts = prompt_rows = None
+        if draft_rows:
+            drafts = upload(torch.tensor(draft_rows, dtype=torch.int64), self.device)
+            if prompt_targets:
+                others = sorted(set(range(len(draft_rows) + len(prompt_targets))) - set(draft_rows))
+                prompt_rows = upload(torch.tensor(others, dtype=torch.int64), self.device)
+        return PreparedStep(self._prepare_forward(seqs), has_futures, sampling, top_logprobs, prompt, drafts,
+                            prompt_rows)
 
     @torch.inference_mode()
     def start(self, step: PreparedStep) -> PendingSample:
@@ -412,12 +425,20 @@ class Engine:
         follows at once or, with grammar masks, once they are filled (they need the previous step's
         tokens, which the host learns while this forward runs)."""
         logits, pooled = step.run(self._last_tokens if step.has_futures else None)
-        if step.prompt_logprobs is None:
+        if step.prompt_logprobs is None and step.draft_rows is None:
             return PendingSample(logits, step.sampling, step.top_logprobs, pooled=pooled)
-        extra = step.prompt_logprobs.targets.numel()
+        extra = (0 if step.prompt_logprobs is None else step.prompt_logprobs.targets.numel()) + (
+            0 if step.draft_rows is None else step.draft_rows.numel())
         rows = logits.shape[0] - extra
-        return PendingSample(logits[:rows], step.sampling, step.top_logprobs, logits[rows:], step.prompt_logprobs,
-                             pooled)
+        if step.draft_rows is None:
+            sampled, prompt_logits = logits[:rows], logits[rows:]
+        elif step.prompt_rows is None:  # every extra row is a draft's
+            sampled, prompt_logits = logits, None
+        else:
+            extras = logits[rows:]
+            sampled = torch.cat([logits[:rows], extras[step.draft_rows]])
+            prompt_logits = extras[step.prompt_rows]
+        return PendingSample(sampled, step.sampling, step.top_logprobs, prompt_logits, step.prompt_logprobs, pooled)
 
     def launch(self, seqs: list[SequenceInput], sampling: SamplingBatch) -> LaunchedStep:
         """``prepare``, ``start`` and ``sample`` one step (no log-probabilities)."""

@@ -6,7 +6,6 @@ import argparse
 import json
 import os
 import socket
-import ssl
 from dataclasses import dataclass, field, fields
 from collections.abc import Mapping
 from typing import Any
@@ -165,6 +164,13 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--override-generation-config", type=json_object_arg, default=None, metavar="JSON",
                        help="default sampling parameters over --generation-config's, e.g. "
                        "'{\"temperature\": 0.5}' (the same five names and max_new_tokens; null drops one)")
+    model.add_argument("--speculative-config", type=json_object_arg, default=None, metavar="JSON",
+                       help="speculative decoding, as vLLM's flag: '{\"method\": \"ngram\", "
+                       "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' drafts "
+                       "the tokens that followed the latest earlier occurrence of a request's last 2-4 tokens and "
+                       "checks them in one step (the same output, in fewer steps where text repeats its context); "
+                       "optional disable_by_batch_size: no drafts while more requests run. Turns overlap "
+                       "scheduling off")
     model.add_argument("--hf-overrides", type=json_object_arg, default=None, metavar="JSON",
                        help="config.json keys to replace (top-level), as vLLM's flag; e.g. Qwen3-Reranker as the "
                        "cross-encoder it is: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "
@@ -328,8 +334,7 @@ def build_parser() -> argparse.ArgumentParser:
     tls.add_argument("--ssl-keyfile", default=None, help="the certificate's private key (PEM), unless --ssl-certfile "
                      "holds it")
     tls.add_argument("--ssl-ca-certs", default=None, help="the CA certificates client certificates are checked against")
-    tls.add_argument("--ssl-cert-reqs", type=int, choices=(ssl.CERT_NONE, ssl.CERT_OPTIONAL, ssl.CERT_REQUIRED),
-                     default=ssl.CERT_NONE, help="client certificates: 0 not asked for (default), 1 checked when "
+    tls.add_argument("--ssl-cert-reqs", type=int, choices=(0, 1, 2), default=0, help="client certificates: 0 not asked for (default), 1 checked when "
                      "given, 2 required (needs --ssl-ca-certs)")
     tls.add_argument("--ssl-ciphers", default=None, help="the TLS cipher list (OpenSSL's syntax; default: uvicorn's)")
     tls.add_argument("--enable-ssl-refresh", action="store_true", help="re-read the certificate, key and CA files "
@@ -444,6 +449,7 @@ def _to_server_args(ns: argparse.Namespace) -> ServerArgs:
         dtype=None if ns.dtype == "auto" else ns.dtype,
         dist_init_addr=_dist_init_addr(ns),
         hf_overrides=None if ns.hf_overrides is None else json.dumps(ns.hf_overrides),
+        speculative_config=None if ns.speculative_config is None else json.dumps(ns.speculative_config),
         enable_lora=ns.enable_lora or ns.allow_runtime_lora_updating,
     )
     check_can_start(engine, model_config, cli=True)
@@ -488,7 +494,7 @@ def _tls_files(ns: argparse.Namespace) -> TLSFiles | None:
     if ns.ssl_certfile is None and ns.ssl_keyfile is None:
         given = [flag for flag, value in (("--ssl-ca-certs", ns.ssl_ca_certs), ("--ssl-ciphers", ns.ssl_ciphers),
                                           ("--enable-ssl-refresh", ns.enable_ssl_refresh),
-                                          ("--ssl-cert-reqs", ns.ssl_cert_reqs != ssl.CERT_NONE)) if value]
+                                          ("--ssl-cert-reqs", ns.ssl_cert_reqs != 0)) if value]
         if given:
             raise ValueError(f"{', '.join(given)} without --ssl-certfile: HTTPS is off")
         return None

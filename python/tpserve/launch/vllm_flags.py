@@ -85,7 +85,6 @@ _IGNORED = {
 }
 # Features tpserve does not serve: an error naming the flag
 _REFUSED = {
-    "--speculative-config": "speculative decoding is not served",
     "--enable-sleep-mode": "sleep mode is not served",
     "--otlp-traces-endpoint": "OpenTelemetry traces are not served (metrics: GET /metrics)",
     "--limit-mm-per-prompt": "tpserve serves text-only models",

@@ -104,6 +104,8 @@ class SchedulerStats(msgspec.Struct):
     evicted_pages_total: int = 0
     preemptions_total: int = 0
     replica: int = 0  # the data-parallel replica (dp_rank) these are of
+    draft_tokens_total: int = 0  # speculative decoding: drafts proposed, and those accepted (cumulative)
+    accepted_tokens_total: int = 0
     # the LoRA adapters of running and of waiting requests (names, sorted), with LoRA on (vLLM's lora_requests_info)
     running_loras: list[str] = msgspec.field(default_factory=list)
     waiting_loras: list[str] = msgspec.field(default_factory=list)

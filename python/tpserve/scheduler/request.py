@@ -12,6 +12,7 @@ if TYPE_CHECKING:
     import torch
 
     from tpserve.engine.lora_slots import LoadedAdapter
+    from tpserve.scheduler.ngram import TokenHistory
     from tpserve.structured.grammar import RequestGrammar
 
 
@@ -42,6 +43,8 @@ class Request:
     # params.prompt_logprobs: entry p is (log-probability of prompt token p + 1, top (id, log-probability) pairs,
     # its rank in the vocabulary)
     prompt_logprobs: list[tuple[float, list[tuple[int, float]], int] | None] | None = None
+    drafts: list[int] = field(default_factory=list)  # speculative decoding: this step's drafts after its last token
+    history: TokenHistory | None = None  # its tokens as the n-gram drafts search them (made at its first draft)
 
     @property
     def wants_prompt_logprobs(self) -> bool:

@@ -30,6 +30,7 @@ from tpserve.message import SchedulerStats, TokenOutput
 from tpserve.pooling import task_problem, unserved_pooling
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler import prompt_logprobs
+from tpserve.scheduler.ngram import NgramConfig, TokenHistory
 from tpserve.scheduler.request import Request
 from tpserve.structured.grammar import GrammarCompiler, MaskFiller
 from tpserve.structured.waitlist import GrammarWaitlist
@@ -54,6 +55,8 @@ class _Launched:
     dead_end_rows: frozenset[int] = frozenset()  # rows whose grammar allowed no token (the job's, once joined)
     # per row: (request, first prompt position, count) of its extra logits rows (prompt log-probabilities)
     prompt_rows: list[tuple[Request, int, int]] = field(default_factory=list)
+    # speculative decoding: row -> (its drafts, where its draft positions' samples start among the step's samples)
+    drafts: dict[int, tuple[list[int], int]] = field(default_factory=dict)
     needs_drain: bool = False  # a row's next bans depend on this step's token (a bad word of several tokens)
     no_token_rows: frozenset[int] = frozenset()  # rows whose allowed tokens were all banned (LogitEdits.empty_rows)
 
@@ -95,7 +98,11 @@ class Scheduler:
         self.evicted_pages_total = 0
         self.preemptions_total = 0
         self.check_accounting = self.config.debug_check_invariants
-        self.overlap = not self.config.disable_overlap
+        self.speculative = NgramConfig.from_json(self.config.speculative_config)
+        # drafts are searched from each request's last token: the host must know it before the next step is planned
+        self.overlap = not self.config.disable_overlap and self.speculative is None
+        self.draft_tokens_total = 0
+        self.accepted_tokens_total = 0
         self.inflight: _Launched | None = None
         self.decodes_held = False  # the last step left the decodes out (prefill work past --mixed-prefill-tokens)
         self.prompt_logprob_rows_left = PROMPT_LOGPROBS_CHUNK  # this step's (see _chunk)
@@ -236,6 +243,8 @@ class Scheduler:
             evicted_pages_total=self.evicted_pages_total,
             preemptions_total=self.preemptions_total,
             replica=self.engine.config.dp_rank,
+            draft_tokens_total=self.draft_tokens_total,
+            accepted_tokens_total=self.accepted_tokens_total,
             **self._lora_stats(),
         )
 
@@ -282,7 +291,8 @@ class Scheduler:
             if self.running.get(req.rid) is not req or req.samples_left <= 0:
                 continue  # gone during a drain, or only waiting for its last sample
             todo = req.num_to_compute
-            n = 1 if todo == 1 else self._chunk(req, min(todo, budget))
+            req.drafts = self._drafts(req) if todo == 1 else []
+            n = 1 + len(req.drafts) if todo == 1 else self._chunk(req, min(todo, budget))
             if n > 0 and self._grow(req, req.num_cached + n, outputs):
                 if todo == 1:
                     decodes.append((req, n))
@@ -312,22 +322,43 @@ class Scheduler:
     def _prepare(self, scheduled: list[tuple[Request, int]]) -> _Launched:
         scheduled.sort(key=lambda item: item[0].rid)
         params = [req.params for req, _ in scheduled]
-        steps = [len(req.output_ids) + req.pending for req, _ in scheduled]
+        if any(p.edits_logits for p in params):  # edits and grammar masks are a row per sequence: no drafts beside them
+            scheduled = [(req, n - len(req.drafts)) for req, n in scheduled]
+            for req, _ in scheduled:
+                req.drafts = []
+        steps = [len(req.output_ids) + req.pending + len(req.drafts) for req, _ in scheduled]
         # Only a chunk that reaches the end of the known sequence yields a usable sample (a pooled request's
-        # vector too: the sequence is pooled there).
-        sampled = [req.num_cached + n == req.num_tokens + req.pending for req, n in scheduled]
-        seqs = [SequenceInput(req.input_ids(n), req.num_cached, req.pages, pooled=last and req.params.pooling is not None,
+        # vector too: the sequence is pooled there); a chunk of drafts yields one at each.
+        sampled = [bool(req.drafts) or req.num_cached + n == req.num_tokens + req.pending for req, n in scheduled]
+        seqs = [SequenceInput(req.input_ids(n - len(req.drafts)) + req.drafts, req.num_cached, req.pages,
+                              extra_logits=len(req.drafts), pooled=last and req.params.pooling is not None,
                               lora=req.lora_slot)
                 for (req, n), last in zip(scheduled, sampled)]
+        drafted = [(row, req) for row, (req, _) in enumerate(scheduled) if req.drafts]
+        seeds = [req.seed for req, _ in scheduled]
+        for _, req in drafted:  # the draft positions' samples, after the sequences': each at its own step
+            params += [req.params] * len(req.drafts)
+            seeds += [req.seed] * len(req.drafts)
+            steps += range(len(req.output_ids), len(req.output_ids) + len(req.drafts))
         vocab = self.engine.model_config.vocab_size
-        sampling = SamplingBatch.build(params, [req.seed for req, _ in scheduled], steps, vocab, self.engine.device)
+        sampling = SamplingBatch.build(params, seeds, steps, vocab, self.engine.device)
+        params = params[: len(scheduled)]
         if any(p.edits_logits for p in params):
             sampling.edits = self._logit_edits(scheduled, params, steps, sampled)
         no_token_rows = sampling.edits.empty_rows if sampling.edits is not None else frozenset()
         wanted = [req.params.logprobs for req, _ in scheduled if req.params.logprobs is not None]
         counts, targets, prompt_top = prompt_logprobs.plan_rows(scheduled, seqs)
         prompt_rows = [(req, req.num_cached, count) for (req, _), count in zip(scheduled, counts) if count]
-        prepared = self.engine.prepare(seqs, sampling, max(wanted) if wanted else None, targets, prompt_top)
+        draft_rows, drafts, extra, sample_row = [], {}, 0, len(scheduled)
+        for row, seq in enumerate(seqs):  # the extra logits rows, in sequence order: prompt targets' or drafts'
+            req = scheduled[row][0]
+            if req.drafts:
+                draft_rows += range(extra, extra + len(req.drafts))
+                drafts[row] = (req.drafts, sample_row)
+                sample_row += len(req.drafts)
+            extra += seq.extra_logits
+        prepared = self.engine.prepare(seqs, sampling, max(wanted) if wanted else None, targets, prompt_top,
+                                       draft_rows)
         constrained = [(row, req) for row, (req, _) in enumerate(scheduled) if sampled[row] and req.grammar is not None]
         entries = []
         for row, (req, n) in enumerate(scheduled):
@@ -338,7 +369,7 @@ class Scheduler:
             entries.append((req, sampled[row]))
         return _Launched(entries, prepared, constrained, prompt_rows=prompt_rows,
                          needs_drain=any(p.needs_output_history and s for p, s in zip(params, sampled)),
-                         no_token_rows=no_token_rows)
+                         no_token_rows=no_token_rows, drafts=drafts)
 
     def _start(self, launched: _Launched) -> None:
         """Enqueue a prepared step; a constrained one's masks are filled on the worker while its
@@ -424,11 +455,20 @@ class Scheduler:
                 req.num_cached = min(req.num_cached, req.num_tokens)
                 self._retire(self.running.pop(req.rid))
                 continue
-            req.output_ids.append(token)
-            req.finish_reason = self._finish_reason(req, token)
+            new_tokens, rows = [token], [row]
+            if row in launched.drafts:
+                new_tokens, rows = self._accepted(req, *launched.drafts[row], tokens, row)
+            for count, token in enumerate(new_tokens, start=1):
+                req.output_ids.append(token)
+                req.finish_reason = self._finish_reason(req, token)
+                if req.finish_reason is not None:
+                    new_tokens = new_tokens[:count]
+                    break
+            if row in launched.drafts:  # drafts past a finish hold no token of it
+                req.num_cached = min(req.num_cached, req.num_tokens)
             out = TokenOutput(
                 rid=req.rid,
-                token_ids=[token],
+                token_ids=new_tokens,
                 finish_reason=req.finish_reason,
                 prompt_tokens=len(req.prompt_ids) if first else 0,
                 cached_tokens=req.cached_tokens if first else 0,
@@ -437,15 +477,29 @@ class Scheduler:
             if logprobs is not None and req.params.logprobs is not None:
                 chosen, top_ids, top_values = logprobs
                 n = req.params.logprobs
-                out.logprobs = [chosen[row]]
-                out.top_logprobs = [list(zip(top_ids[row][:n], top_values[row][:n]))]
-                out.ranks = [ranks[row]]
+                rows = rows[: len(new_tokens)]
+                out.logprobs = [chosen[r] for r in rows]
+                out.top_logprobs = [list(zip(top_ids[r][:n], top_values[r][:n])) for r in rows]
+                out.ranks = [ranks[r] for r in rows]
             if first and req.params.prompt_logprobs is not None:
                 prompt_logprobs.attach(out, req)
             outputs.append(out)
             if req.finished:
                 self._retire(self.running.pop(req.rid))
         return outputs
+
+    def _accepted(self, req: Request, drafts: list[int], first: int, tokens: list[int],
+                  row: int) -> tuple[list[int], list[int]]:
+        """A drafted row's new tokens and their sample rows: each position's sample (``first`` on among
+        ``tokens``; the last position's at ``row``) while the draft after it equals it, then the first that does
+        not. The K/V computed past them is left behind (overwritten when those positions come again)."""
+        rows = [*range(first, first + len(drafts)), row]
+        samples = [tokens[r] for r in rows]
+        accepted = next((i for i, (draft, sample) in enumerate(zip(drafts, samples)) if draft != sample), len(drafts))
+        self.draft_tokens_total += len(drafts)
+        self.accepted_tokens_total += accepted
+        req.num_cached -= len(drafts) - accepted
+        return samples[: accepted + 1], rows[: accepted + 1]
 
     def _drain(self) -> list[TokenOutput]:
         """Wait for the step in flight and apply its samples."""
@@ -484,6 +538,7 @@ class Scheduler:
                     continue
                 break  # it waits for pages; requests behind it do not overtake it
             self.waiting.remove(req)
+            req.drafts = []
             if req.adapter is not None:
                 self.engine.place_lora(lora_slot, req.adapter)
             req.lora_slot = lora_slot
@@ -500,6 +555,21 @@ class Scheduler:
             admitted.append((req, n))
             budget -= n
         return admitted
+
+    def _drafts(self, req: Request) -> list[int]:
+        """A decoding request's n-gram drafts for this step (speculative decoding), as many as its token budget,
+        the context and its own pages plus the free ones allow (drafts never evict a cached prefix or preempt)."""
+        spec = self.speculative
+        if (spec is None or req.pending or req.params.edits_logits or req.params.pooling is not None
+                or (spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size)):
+            return []
+        room = min(req.samples_left, self.max_model_len - req.num_tokens) - 1
+        room = min(room, (len(req.pages) + self.allocator.num_free) * self.page_size - req.num_cached - 1)
+        if room <= 0:
+            return []
+        if req.history is None:
+            req.history = TokenHistory(req.prompt_ids)
+        return spec.propose(req.history.tokens(req.output_ids), room)
 
     def _chunk(self, req: Request, n: int) -> int:
         """``n`` tokens, fewer for a prompt whose log-probabilities are asked (``PROMPT_LOGPROBS_CHUNK``)."""

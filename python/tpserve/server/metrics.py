@@ -45,6 +45,9 @@ class _SchedulerCollector:
              lambda s: s.cached_tokens_total),
             ("tpserve_kv_pages_evicted", "Cached KV pages evicted.", lambda s: s.evicted_pages_total),
             ("tpserve_preemptions", "Requests preempted under KV-cache pressure.", lambda s: s.preemptions_total),
+            ("tpserve_spec_draft_tokens", "Speculative decoding: draft tokens proposed.", lambda s: s.draft_tokens_total),
+            ("tpserve_spec_accepted_tokens", "Speculative decoding: draft tokens accepted.",
+             lambda s: s.accepted_tokens_total),
         )
         for kind, families in ((GaugeMetricFamily, gauges), (CounterMetricFamily, counters)):
             for name, doc, value in families:
@@ -100,6 +103,8 @@ VLLM_NAMES = {
     "vllm:num_preemptions": "tpserve_preemptions",
     "vllm:prefix_cache_queries": "tpserve_scheduler_prompt_tokens",
     "vllm:prefix_cache_hits": "tpserve_prefix_cache_hit_tokens",
+    "vllm:spec_decode_num_draft_tokens": "tpserve_spec_draft_tokens",
+    "vllm:spec_decode_num_accepted_tokens": "tpserve_spec_accepted_tokens",
     "vllm:time_to_first_token_seconds": "tpserve_time_to_first_token_seconds",
     "vllm:inter_token_latency_seconds": "tpserve_inter_token_latency_seconds",
     "vllm:e2e_request_latency_seconds": "tpserve_e2e_request_latency_seconds",

@@ -1,0 +1,95 @@
+"""Speculative decoding with n-gram drafts (vLLM's ``--speculative-config '{"method": "ngram", ...}'``, prompt lookup):
+a decoding request whose last n tokens (n from ``prompt_lookup_max`` down to ``prompt_lookup_min``) appeared before
+in its prompt or output drafts the tokens that followed them there, and one step computes its last token and the
+drafts together. Each position's token is sampled as a plain step would (its own step's seed), and the drafts are
+accepted while they equal those samples: the output is the one decoding gives, token for token (for random sampling
+too: sampling t ~ p and keeping a draft d where t == d accepts d with probability p(d), the rejection rule for a
+draft of probability one, and a rejected position's t is then p's sample outside d), only in fewer steps."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+
+import numpy as np
+
+METHODS = ("ngram", "[ngram]")  # vLLM's names for it
+
+
+@dataclass(frozen=True)
+class NgramConfig:
+    num_speculative_tokens: int
+    prompt_lookup_min: int
+    prompt_lookup_max: int
+    disable_by_batch_size: int | None = None  # no drafts while more requests than this run
+
+    @classmethod
+    def from_json(cls, text: str | None) -> NgramConfig | None:
+        """vLLM's speculative_config (JSON text; None: off); a ValueError names what tpserve cannot serve. Only
+        the n-gram method: its drafts need no second model."""
+        if text is None:
+            return None
+        try:
+            config = json.loads(text)
+        except ValueError as e:
+            raise ValueError(f"speculative_config must be a JSON object, got {text!r} ({e})") from None
+        if not isinstance(config, dict):
+            raise ValueError(f"speculative_config must be a JSON object, got {text!r}")
+        method = config.get("method")
+        if method not in METHODS:
+            served = "" if method is None else f" (method {method!r}: drafts from a second model are not served)"
+            raise ValueError(f"speculative_config: tpserve serves method \"ngram\" only{served}")
+        unknown = sorted(set(config) - {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
+                                        "disable_by_batch_size"})
+        if unknown:
+            raise ValueError(f"speculative_config: {', '.join(unknown)} is not served with the ngram method")
+        low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
+        if low is None and high is None:
+            low = high = 5  # vLLM's defaults
+        low, high = (high if low is None else low), (low if high is None else high)
+        values = {"num_speculative_tokens": config.get("num_speculative_tokens"), "prompt_lookup_min": low,
+                  "prompt_lookup_max": high}
+        for name, value in values.items():
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"speculative_config: {name} must be a positive integer, got {value!r}")
+        if low > high:
+            raise ValueError(f"speculative_config: prompt_lookup_min {low} is above prompt_lookup_max {high}")
+        limit = config.get("disable_by_batch_size")
+        if limit is not None and (isinstance(limit, bool) or not isinstance(limit, int) or limit < 2):
+            raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 2, got {limit!r}")
+        return cls(values["num_speculative_tokens"], low, high, limit)
+
+    def propose(self, tokens: np.ndarray, most: int) -> list[int]:
+        """Up to ``most`` drafts after ``tokens`` (a request's prompt and output so far): the tokens that followed
+        the latest earlier occurrence of its longest suffix of ``prompt_lookup_min``..``prompt_lookup_max`` tokens
+        that has one."""
+        most = min(most, self.num_speculative_tokens)
+        length = len(tokens)
+        for n in range(min(self.prompt_lookup_max, length - 1), self.prompt_lookup_min - 1, -1):
+            windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
+            hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
+            if len(hits):
+                start = int(hits[-1]) + n
+                return tokens[start: start + most].tolist()
+        return []
+
+
+class TokenHistory:
+    """A request's prompt and output tokens as one array, grown as tokens come (drafts search it every step)."""
+
+    def __init__(self, prompt_ids: list[int]) -> None:
+        self.prompt_len = len(prompt_ids)
+        self.array = np.empty(max(64, 2 * self.prompt_len), dtype=np.int64)
+        self.array[: self.prompt_len] = prompt_ids
+        self.length = self.prompt_len
+
+    def tokens(self, output_ids: list[int]) -> np.ndarray:
+        new = output_ids[self.length - self.prompt_len:]
+        end = self.length + len(new)
+        if end > len(self.array):
+            grown = np.empty(2 * end, dtype=np.int64)
+            grown[: self.length] = self.array[: self.length]
+            self.array = grown
+        self.array[self.length: end] = new
+        self.length = end
+        return self.array[:end]

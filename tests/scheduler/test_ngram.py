@@ -1,0 +1,153 @@
+"""Speculative decoding with n-gram drafts (``--speculative-config '{"method": "ngram", ...}'``): the config as vLLM
+reads it, the drafts, and engines with drafts against the same engines without (float32, CPU): the same tokens and
+log-probabilities, greedy and seeded random, at TP 1 and 2, with stops, limits and logit edits beside, while drafts
+are both accepted and rejected; and through the server, streamed."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import numpy as np
+import pytest
+import torch
+
+from tpserve import LLM, SamplingParams
+from tpserve.scheduler.ngram import NgramConfig
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+PROMPTS = [[i, i + 1, i + 2] for i in range(1, 200, 23)]
+
+
+def test_config_as_vllm_reads_it():
+    assert NgramConfig.from_json(None) is None
+    assert NgramConfig.from_json('{"method": "ngram", "num_speculative_tokens": 3}') == NgramConfig(3, 5, 5)
+    assert NgramConfig.from_json('{"method": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_max": 4}') \
+        == NgramConfig(3, 4, 4)
+    assert NgramConfig.from_json(json.dumps({**SPEC, "disable_by_batch_size": 8})) == NgramConfig(4, 1, 3, 8)
+    for config, message in (
+        ({"method": "eagle", "model": "x", "num_speculative_tokens": 2}, "method 'eagle': drafts from a second model"),
+        ({"num_speculative_tokens": 2}, 'serves method "ngram" only'),
+        ({**SPEC, "num_speculative_tokens": 0}, "num_speculative_tokens must be a positive integer, got 0"),
+        ({**SPEC, "prompt_lookup_min": 4}, "prompt_lookup_min 4 is above prompt_lookup_max 3"),
+        ({**SPEC, "prompt_lookup_max": "3"}, "prompt_lookup_max must be a positive integer, got '3'"),
+        ({**SPEC, "disable_by_batch_size": 1}, "disable_by_batch_size must be an integer >= 2"),
+        ({**SPEC, "draft_tensor_parallel_size": 1}, "draft_tensor_parallel_size is not served"),
+    ):
+        with pytest.raises(ValueError, match=message):
+            NgramConfig.from_json(json.dumps(config))
+    with pytest.raises(ValueError, match="must be a JSON object"):
+        NgramConfig.from_json("[1]")
+
+
+def test_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix():
+    config = NgramConfig(3, 1, 3)
+    tokens = np.array([1, 2, 3, 9, 8, 2, 3, 7, 1, 2, 3])
+    assert config.propose(tokens, 5) == [9, 8, 2], "the 3-token suffix's match, over the later 2-token one"
+    assert config.propose(np.array([5, 2, 3, 7, 4, 2, 3]), 5) == [7, 4, 2], "no 3-token match: the 2-token one"
+    assert config.propose(np.array([1, 2, 1, 2, 3, 1, 2]), 5) == [3, 1, 2], "the latest of two"
+    assert config.propose(np.array([1, 2, 3, 9, 8, 2, 3, 7, 1, 2, 3]), 2) == [9, 8], "at most the room"
+    assert config.propose(np.array([4, 5, 6]), 3) == [] and config.propose(np.array([4]), 3) == []
+    assert NgramConfig(3, 2, 3).propose(np.array([1, 2, 9, 3, 2]), 3) == [], "one token matching is below the min"
+
+
+@pytest.fixture(scope="module")
+def loopy_dir(tiny_model_factory, tmp_path_factory) -> str:
+    """A tiny Qwen3 whose attention and MLP outputs are scaled down (x0.02): its greedy text soon repeats itself, so
+    drafts are accepted, while each token still depends on the K/V of all before it (a stale K/V after a rejected
+    draft moves the log-probabilities far past 1e-5)."""
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_model_factory("qwen3", vocab_size=700)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.02)
+            layer.mlp.down_proj.weight.mul_(0.02)
+    out = tmp_path_factory.mktemp("loopy") / "model"
+    shutil.copytree(source, out)  # the tokenizer's files too
+    model.save_pretrained(out)
+    return str(out)
+
+
+def run(model_dir: str, params: list[SamplingParams], spec: dict | None, tp: int = 1, prompts=PROMPTS):
+    kwargs = {} if spec is None else {"speculative_config": spec}
+    with LLM(model_dir, device="cpu", tensor_parallel_size=tp, **kwargs) as llm:
+        outs = llm.generate(prompts, params, use_tqdm=False)
+        stats = llm.replica_stats()[0]
+    return outs, (stats.draft_tokens_total, stats.accepted_tokens_total)
+
+
+@pytest.mark.parametrize("tp", [1, 2])
+def test_greedy_drafts_give_the_same_tokens_and_logprobs(loopy_dir, tp):
+    from reference import hf_greedy
+
+    params = [SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, logprobs=2)] * len(PROMPTS)
+    plain, _ = run(loopy_dir, params, None, tp)
+    drafted, (drafts, accepted) = run(loopy_dir, params, SPEC, tp)
+    print(f"tp {tp}: {accepted} of {drafts} drafts accepted")
+    assert 30 < accepted < drafts, (drafts, accepted)
+    worst = 0.0
+    for p, d, prompt in zip(plain, drafted, PROMPTS):
+        assert d.outputs[0].token_ids == p.outputs[0].token_ids == hf_greedy(loopy_dir, prompt, 80)
+        worst = max(worst, max(abs(a - b) for a, b in zip(d.token_logprobs, p.token_logprobs)))
+        assert [len(top) for top in d.outputs[0].logprobs] == [len(top) for top in p.outputs[0].logprobs]
+    print(f"max log-probability difference {worst:.2e}")
+    assert worst < 1e-5, worst
+
+
+def test_seeded_sampling_stops_and_edits_beside_drafts(loopy_dir):
+    """Each position is sampled at its own step's seed, as without drafts; a stop token or max_tokens inside an
+    accepted run ends the request there; a request that edits logits (its row's penalties) keeps the batch from
+    drafting that step, and is served as without drafts."""
+    greedy_run = run(loopy_dir, [SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)] * 2, None,
+                     prompts=PROMPTS[:2])[0]
+    repeated = greedy_run[0].outputs[0].token_ids[40]  # a token of the part that loops
+    params = [
+        SamplingParams(temperature=0.8, top_p=0.9, max_tokens=60, ignore_eos=True, seed=11),
+        SamplingParams(temperature=0, max_tokens=60, stop_token_ids=[repeated]),
+        SamplingParams(temperature=0, max_tokens=37, ignore_eos=True),
+        SamplingParams(temperature=0.5, max_tokens=60, ignore_eos=True, seed=5, top_k=3),
+        SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, repetition_penalty=1.05),  # drafts wait for it
+    ]
+    prompts = [PROMPTS[1], PROMPTS[0], PROMPTS[2], PROMPTS[3], PROMPTS[4]]
+    plain, _ = run(loopy_dir, params, None, prompts=prompts)
+    drafted, (drafts, accepted) = run(loopy_dir, params, SPEC, prompts=prompts)
+    assert accepted > 0
+    for p, d in zip(plain, drafted):
+        assert d.outputs[0].token_ids == p.outputs[0].token_ids
+        assert d.outputs[0].finish_reason == p.outputs[0].finish_reason
+    assert drafted[1].outputs[0].finish_reason == "stop" and drafted[1].outputs[0].token_ids[-1] == repeated
+    assert len(drafted[2].outputs[0].token_ids) == 37
+
+
+def test_a_server_with_drafts_streams_the_same_tokens(loopy_dir):
+    """Several tokens a step reach the client as decoding's would: the same ids and log-probabilities, streamed or
+    not, and the usage counts every token."""
+    import httpx
+    from server_process import running_server
+
+    params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True, logprobs=0)
+    plain, _ = run(loopy_dir, [params] * 2, None, prompts=PROMPTS[:2])
+    body = {"model": "loopy", "max_tokens": 50, "temperature": 0, "ignore_eos": True, "logprobs": 0,
+            "return_tokens_as_token_ids": True}
+    for server in running_server(["--model", loopy_dir, "--device", "cpu", "--served-model-name", "loopy",
+                                   "--speculative-config", json.dumps(SPEC)]):
+        for prompt, expected in zip(PROMPTS[:2], plain):
+            whole = httpx.post(f"{server.url}/v1/completions", json={**body, "prompt": prompt}, timeout=60).json()
+            tokens = whole["choices"][0]["logprobs"]["tokens"]
+            assert [int(t.removeprefix("token_id:")) for t in tokens] == expected.outputs[0].token_ids
+            assert whole["usage"]["completion_tokens"] == 50
+            lines = []
+            with httpx.stream("POST", f"{server.url}/v1/completions", timeout=60,
+                              json={**body, "prompt": prompt, "stream": True,
+                                    "stream_options": {"include_usage": True}}) as stream:
+                lines = [json.loads(line[6:]) for line in stream.iter_lines() if line.startswith("data: {")]
+            pieces = [chunk["choices"][0]["logprobs"] or {} for chunk in lines if chunk["choices"]]
+            streamed = [t for piece in pieces for t in piece.get("tokens", [])]
+            assert streamed == tokens and lines[-1]["usage"]["completion_tokens"] == 50
+            values = [v for piece in pieces for v in piece.get("token_logprobs", [])]
+            assert max(abs(a - b) for a, b in zip(values, expected.token_logprobs)) < 1e-5
+        text = httpx.get(f"{server.url}/metrics").text
+        accepted = [line for line in text.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
+        assert accepted and float(accepted[0].rsplit(" ", 1)[1]) > 0, accepted
