@@ -30,6 +30,7 @@ SUPPORTED_ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "GraniteForCausalLM": "granite",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3_text",  # Gemma 3's text-only models (1B, 270M); the 4B+ are multimodal
     # the bare decoders (transformers' base models, as sentence-transformers saves embedding models such as
     # Qwen3-Embedding's): no LM head, so they serve embeddings only
     "Qwen3Model": "qwen3",
@@ -59,6 +60,11 @@ UNSUPPORTED_IF_SET = ("attn_logit_softcapping", "final_logit_softcapping", "logi
 # times residual_multiplier before it joins the residual stream, attention_multiplier as the softmax scale, logits
 # divided by logits_scaling
 GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
+GEMMA_KINDS = ("gemma3_text",)
+# the activations of the gated MLP: transformers' names (its swish is SiLU) -> tpserve's (layers/activation.py)
+ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
+# Gemma 3's attention kinds (its layer_types): a local layer attends within sliding_window with its own rotary
+GEMMA_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # The spellings vLLM and SGLang users type (--dtype half, LLM(dtype="bf16")), mapped to tpserve's.
@@ -80,12 +86,9 @@ def _hf_config(cfg: dict[str, Any], model_type: str) -> Any:
         raise ValueError(f"config.json cannot be read as a {model_type} config: {reason}") from e
 
 
-def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
-    """Reject every setting that changes the math and is not implemented; the rotary parameters."""
-    rope = dict(hf.rope_parameters or {})
-    rope_key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
-    if rope and all(isinstance(v, dict) for v in rope.values()):
-        raise ValueError(f"{rope_key}: per-layer-type rotary parameters are not supported")
+def _check_rope(cfg: dict[str, Any], rope: dict[str, Any], rope_key: str) -> dict[str, Any]:
+    """One set of rotary parameters (``rope_key``: where config.json spells them, for errors)."""
+    rope = dict(rope or {})
     rope_type = rope.get("rope_type", "default")
     if rope_type not in SUPPORTED_ROPE_TYPES:
         raise ValueError(
@@ -95,11 +98,28 @@ def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
         # a top-level pretraining length (Phi-3 style) wins over the rotary dict's, as transformers' rotary
         # embedding reads it (standardize_rope_params); the parsed config's dict does not show it
         rope["original_max_position_embeddings"] = cfg["original_max_position_embeddings"]
+    return rope
+
+
+def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
+    """Reject every setting that changes the math and is not implemented; the rotary parameters (Gemma 3's: its
+    global layers')."""
+    rope = dict(hf.rope_parameters or {})
+    rope_key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
+    if kind in GEMMA_KINDS:  # transformers keeps one set per layer type: the global layers' (rope_theta, rope_scaling)
+        rope_key = f"{rope_key}.full_attention" if rope_key == "rope_parameters" else rope_key
+        rope = dict(rope.get("full_attention") or {})
+    elif rope and all(isinstance(v, dict) for v in rope.values()):
+        raise ValueError(f"{rope_key}: per-layer-type rotary parameters are not supported")
+    rope = _check_rope(cfg, rope, rope_key)
     partial = rope.get("partial_rotary_factor", getattr(hf, "partial_rotary_factor", None))
     if partial not in (None, 1, 1.0):
         raise ValueError(f"partial_rotary_factor {partial} is not supported (rotary over the whole head only)")
-    if getattr(hf, "hidden_act", "silu") not in ("silu", "swish"):  # (transformers' swish is SiLU)
-        raise ValueError(f"hidden_act {hf.hidden_act!r} is not supported (only silu)")
+    act_key, act = _activation(hf, kind)
+    if act not in ACTIVATIONS:
+        raise ValueError(f"{act_key} {act!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    if kind in MOE_KINDS and ACTIVATIONS[act] != "silu":  # the expert kernels compute SiLU only
+        raise ValueError(f"{act_key} {act!r} is not supported in a mixture-of-experts model (only silu)")
     if getattr(hf, "mlp_bias", False):
         raise ValueError("mlp_bias true is not supported")
     if kind not in ("qwen2", "qwen2_moe") and getattr(hf, "attention_bias", False):
@@ -115,6 +135,46 @@ def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
         raise ValueError(f"olmoe: head_dim {hf.head_dim} x num_attention_heads {hf.num_attention_heads} must equal "
                          f"hidden_size {hf.hidden_size} (its q_norm spans hidden_size)")
     return rope
+
+
+def _activation(hf: Any, kind: str) -> tuple[str, str]:
+    """(config.json's key, its value) of the gated MLP's activation: Gemma's hidden_activation, the others'
+    hidden_act."""
+    if kind in GEMMA_KINDS:
+        return "hidden_activation", hf.hidden_activation
+    return "hidden_act", getattr(hf, "hidden_act", "silu")
+
+
+def _gemma(cfg: dict[str, Any], hf: Any) -> dict[str, Any]:
+    """Gemma 3's ModelConfig fields: RMSNorms times (1 + weight), four norms a layer, the embedding times
+    sqrt(hidden_size) rounded to the compute dtype, the softmax scale query_pre_attn_scalar ** -0.5, and its local
+    (sliding_attention) layers' own rotary parameters (rope_local_base_freq, unscaled)."""
+    if getattr(hf, "use_bidirectional_attention", False):
+        raise ValueError("use_bidirectional_attention true is not supported (tpserve's attention is causal)")
+    layer_types = tuple(hf.layer_types)
+    bad = sorted({t for t in layer_types if t not in GEMMA_LAYER_TYPES})
+    if bad or len(layer_types) != hf.num_hidden_layers:
+        raise ValueError(f"config.json: layer_types must list {hf.num_hidden_layers} of {', '.join(GEMMA_LAYER_TYPES)}"
+                         f", got {list(layer_types)!r}")
+    scalar = hf.query_pre_attn_scalar
+    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not math.isfinite(scalar) or scalar <= 0:
+        raise ValueError(f"config.json: query_pre_attn_scalar must be a positive number, got {scalar!r}")
+    local_key = "rope_parameters.sliding_attention" if cfg.get("rope_parameters") else "rope_local_base_freq"
+    local = _check_rope(cfg, dict(hf.rope_parameters.get("sliding_attention") or {}), local_key)
+    if local.get("partial_rotary_factor") not in (None, 1, 1.0):
+        raise ValueError(f"partial_rotary_factor {local['partial_rotary_factor']} is not supported (rotary over the "
+                         "whole head only)")
+    local.setdefault("rope_type", "default")
+    local.pop("type", None)
+    return dict(
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        embedding_multiplier=float(hf.hidden_size**0.5),
+        embedding_multiplier_in_dtype=True,
+        attention_multiplier=float(scalar**-0.5),
+        local_rope_parameters=local,
+        local_layers=tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention"),
+    )
 
 
 # Sizes that must be positive where config.json sets them (0 or less would crash a rank).
@@ -234,7 +294,7 @@ class ModelConfig:
     max_position_embeddings: int
     context_length: int  # longest sequence served (see _context_length)
     tie_word_embeddings: bool
-    qk_norm: bool  # Qwen3: RMSNorm on each q/k head before rotary
+    qk_norm: bool  # Qwen3, Gemma 3: RMSNorm on each q/k head before rotary
     qkv_bias: bool  # Qwen2/2.5: bias on q/k/v projections
     torch_dtype: str  # the checkpoint's dtype
     eos_token_ids: tuple[int, ...]
@@ -250,6 +310,16 @@ class ModelConfig:
     attention_multiplier: float | None = None  # the softmax scale; None: head_dim ** -0.5
     logits_scaling: float = 1.0
     fused_projections: bool = False  # Phi-3: the checkpoint holds q/k/v as one qkv_proj, gate/up as one gate_up_proj
+    hidden_act: str = "silu"  # the gated MLP's activation (ACTIVATIONS' values): silu, or Gemma's gelu_tanh
+    # Gemma: every RMSNorm multiplies by (1 + weight), the checkpoint's weight plus this (folded in at load)
+    norm_weight_offset: float = 0.0
+    # Gemma: the attention output normed (post_attention_layernorm) before it joins the residual stream, the MLP's
+    # input and output normed by pre_feedforward_layernorm and post_feedforward_layernorm
+    sandwich_norms: bool = False
+    embedding_multiplier_in_dtype: bool = False  # Gemma: the multiplier rounded to the compute dtype first
+    # Gemma 3: the layers (local_layers) that attend within the sliding window rotate with these parameters
+    local_rope_parameters: dict[str, Any] | None = None
+    local_layers: tuple[int, ...] = ()
 
     @property
     def attention_scale(self) -> float:
@@ -325,7 +395,7 @@ class ModelConfig:
             # a bare decoder's or a classifier's LM head is its embedding (no memory of its own): its logits only
             # feed the one sample a pooled request discards
             tie_word_embeddings=bool(hf.tie_word_embeddings) or bare or classifier,
-            qk_norm=kind in ("qwen3", "qwen3_moe"),
+            qk_norm=kind in ("qwen3", "qwen3_moe", *GEMMA_KINDS),
             qkv_bias=kind == "qwen2" or kind == "qwen2_moe" and bool(hf.qkv_bias),
             torch_dtype=str(dtype).removeprefix("torch."),
             eos_token_ids=tuple(sorted(eos)),
@@ -337,6 +407,8 @@ class ModelConfig:
             clip_qkv=None if getattr(hf, "clip_qkv", None) is None else float(hf.clip_qkv),
             **(_granite_scalars(hf) if kind == "granite" else {}),
             fused_projections=kind == "phi3",
+            hidden_act=ACTIVATIONS[_activation(hf, kind)[1]],
+            **(_gemma(cfg, hf) if kind in GEMMA_KINDS else {}),
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size", expert_parallel: bool = False) -> None:

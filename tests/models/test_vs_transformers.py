@@ -27,6 +27,9 @@ ARCHS = [
     # Granite 3's embedding, residual, attention and logits scalars; tied embeddings as Granite 3's
     ("granite", {"tie_word_embeddings": True}),
     ("phi3", {}),  # q/k/v and gate/up fused in the checkpoint, split before sharding
+    # (1 + weight) and sandwich norms, GELU, sqrt(hidden) embedding, query_pre_attn_scalar, local and global rotary
+    # (linear scaling), head_dim 32 of hidden 64 / 4 heads, tied embeddings as Gemma 3's
+    ("gemma3_text", {"num_kv_heads": 1, "head_dim": 32, "tie_word_embeddings": True}),
 ]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 137))]
 
@@ -85,6 +88,8 @@ def test_logits_and_greedy_match_transformers(tiny_model_factory, arch, kwargs):
         (2, "olmoe", {"norm_topk_prob": False}, {"expert_parallel": True}),
         (2, "granite", {"tie_word_embeddings": True}, {}),  # the residual multiplier in each rank's o/down shard
         (2, "phi3", {"num_kv_heads": 1}, {}),  # each rank's rows of the fused q/k/v, the one KV head replicated
+        # the sandwich norms' all-reduces before each norm, the one KV head replicated
+        (2, "gemma3_text", {"num_kv_heads": 1, "head_dim": 32, "tie_word_embeddings": True}, {}),
     ],
     ids=str,
 )

@@ -1,11 +1,15 @@
-"""The decoder of Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, Mistral, Mixtral and OLMoE (ModelConfig switches),
-with the checkpoints' parameter names but q/k/v merged into ``qkv_proj``, gate/up into ``gate_up_proj``.
+"""The decoder of Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, Mistral, Mixtral, OLMoE, Granite, Phi-3 and Gemma 3
+(ModelConfig switches), with the checkpoints' parameter names but q/k/v merged into ``qkv_proj``, gate/up into
+``gate_up_proj``.
 
 At TP > 1 attention and MLP return this rank's partial sum: the add+RMSNorm after each all-reduces
 it (``Communicator.all_reduce_add_rmsnorm``, in one kernel where it can). At TP 1, where the CUDA GEMV
 runs at one token (``gemv.FUSE_NORM_MAX_TOKENS``), the add + RMSNorm rides in the GEMVs around it: o_proj and down_proj
 (a MoE block's down kernel) add their output to the residual stream and return None, and qkv_proj, gate_up_proj and a MoE block (its router's
-GEMV and its first expert kernel) take a ``PendingNorm`` that they norm as they read it (``add_and_norm``)."""
+GEMV and its first expert kernel) take a ``PendingNorm`` that they norm as they read it (``add_and_norm``).
+
+Gemma's sandwich norms (``sandwich_norms``) norm each sublayer's output before it joins the residual stream: that
+output is all-reduced first (a norm is not linear), normed and added; the next norm then reads the residual whole."""
 
 from __future__ import annotations
 
@@ -107,8 +111,13 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = Attention(cfg, layer_id, rotary, comm)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.sandwich = cfg.sandwich_norms
+        if self.sandwich:  # Gemma's (post_attention_layernorm then norms the attention output)
+            self.pre_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+            self.post_feedforward_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp: nn.Module = (
-            SparseMoeBlock(cfg, comm) if cfg.is_moe_layer(layer_id) else MLP(cfg.hidden_size, cfg.intermediate_size, comm)
+            SparseMoeBlock(cfg, comm) if cfg.is_moe_layer(layer_id)
+            else MLP(cfg.hidden_size, cfg.intermediate_size, comm, cfg.hidden_act)
         )
 
     def forward(
@@ -118,6 +127,8 @@ class DecoderLayer(nn.Module):
         this rank's partial sum, or None where it was added to ``residual``; returns this layer's
         likewise, and the residual."""
         x, residual = add_and_norm(self.comm, x, residual, self.input_layernorm)
+        if self.sandwich:
+            return self._sandwich(x, residual, ctx)
         x = self.self_attn(x, ctx, add_to=residual)
         x, residual = add_and_norm(self.comm, x, residual, self.post_attention_layernorm)
         if isinstance(self.mlp, MLP):  # a MoE block is not adapted (models/adapters.py refuses such adapters)
@@ -125,20 +136,45 @@ class DecoderLayer(nn.Module):
         return self.mlp(x, reduce=False, add_to=residual), residual
 
 
+    def _sandwich(
+        self, x: torch.Tensor | PendingNorm, residual: torch.Tensor, ctx: ForwardContext
+    ) -> tuple[None, torch.Tensor]:
+        """Gemma's layer after its input norm: residual += post_attention_layernorm(attention), then
+        residual += post_feedforward_layernorm(mlp(pre_feedforward_layernorm(residual))), each sublayer's output
+        all-reduced before its norm. Returns (None, the residual): the next layer's input norm reads it whole."""
+        attended = self.comm.all_reduce(self.self_attn(x, ctx))
+        x, residual = self.pre_feedforward_layernorm(self.post_attention_layernorm(attended), residual)
+        out = self.comm.all_reduce(self.mlp(x, reduce=False, lora=ctx.lora))
+        return None, residual + self.post_feedforward_layernorm(out)
+
+
+def embedding_multiplier(cfg: ModelConfig, dtype: torch.dtype) -> float:
+    """Granite's as it is; Gemma's rounded to the compute dtype (transformers casts its normalizer so)."""
+    if not cfg.embedding_multiplier_in_dtype:
+        return cfg.embedding_multiplier
+    return torch.tensor(cfg.embedding_multiplier, dtype=dtype).item()
+
+
 class DecoderBody(nn.Module):
-    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, comm: Communicator) -> None:
+    def __init__(
+        self, cfg: ModelConfig, rotary: RotaryEmbedding, comm: Communicator, local_rotary: RotaryEmbedding | None = None
+    ) -> None:
+        """``local_rotary``: that of ``cfg.local_layers`` (Gemma 3's sliding-window layers)."""
         super().__init__()
         self.comm = comm
         self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size, comm)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i, rotary, comm) for i in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, i, local_rotary if i in cfg.local_layers and local_rotary else rotary, comm)
+            for i in range(cfg.num_hidden_layers)
+        )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.embedding_multiplier = cfg.embedding_multiplier
+        self.config = cfg
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor | PendingNorm:
         """The final hidden states, normed or (``PendingNorm``) with the final norm left to the LM head."""
         x = self.embed_tokens(ctx.inputs.input_ids)
-        if self.embedding_multiplier != 1.0:  # Granite's
-            x = x * self.embedding_multiplier
+        if self.config.embedding_multiplier != 1.0:  # Granite's, Gemma's
+            x = x * embedding_multiplier(self.config, x.dtype)
         residual = None
         for layer in self.layers:
             x, residual = layer(x, residual, ctx)
@@ -151,10 +187,20 @@ class CausalLM(nn.Module):
         super().__init__()
         self.config = cfg
         self.rotary = RotaryEmbedding(cfg.head_dim, max_positions, cfg.rope_parameters, cfg.max_position_embeddings)
-        self.model = DecoderBody(cfg, self.rotary, comm)
+        self.local_rotary = None  # Gemma 3's sliding-window layers' (rope_local_base_freq, unscaled)
+        if cfg.local_rope_parameters is not None:
+            self.local_rotary = RotaryEmbedding(
+                cfg.head_dim, max_positions, cfg.local_rope_parameters, cfg.max_position_embeddings
+            )
+        self.model = DecoderBody(cfg, self.rotary, comm, self.local_rotary)
         tied = self.model.embed_tokens if cfg.tie_word_embeddings else None
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size, comm, tied=tied)
         self.score = ScoreHead(len(cfg.labels), cfg.hidden_size) if cfg.labels else None
+
+    def build_rotary_caches(self, device: torch.device, dtype: torch.dtype) -> None:
+        for rotary in (self.rotary, self.local_rotary):
+            if rotary is not None:
+                rotary.build_cache(device, dtype)
 
     def forward(self, ctx: ForwardContext) -> torch.Tensor:
         """Logits [B, vocab] of each sequence's last new token (only those go through the head); the hidden states

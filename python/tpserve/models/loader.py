@@ -13,6 +13,7 @@ from torch import nn
 from tqdm import tqdm
 
 from tpserve.layers.linear import ParallelLinear
+from tpserve.layers.norm import RMSNorm
 from tpserve.layers.moe import StackedExperts, holds_whole_experts
 from tpserve.models.checkpoint import open_safetensors, safetensors_files
 from tpserve.models.names import canonical_name, converted, spelled_for
@@ -354,6 +355,21 @@ def fold_residual_multiplier(model: CausalLM) -> None:
             module.output_multiplier = m
 
 
+def fold_norm_weight_offset(model: CausalLM) -> None:
+    """Gemma's RMSNorms multiply by (1 + weight) in float32: the offset is added to every norm weight once, so the
+    norm kernels (and the GEMVs and all-reduces that fuse a norm) need no change. In float32 this is exact: transformers
+    computes the same float32 sum, ``1.0 + weight.float()``, then the same product. In half precision the sum is rounded
+    to the compute dtype once (as any norm weight is) and, as for every model, tpserve multiplies after rounding the
+    normed input, where transformers' Gemma rounds after the product."""
+    offset = model.config.norm_weight_offset
+    if offset == 0.0:
+        return
+    with torch.no_grad():
+        for module in model.modules():
+            if isinstance(module, RMSNorm):
+                module.weight.copy_(module.weight.float() + offset)
+
+
 def load_model_weights(
     model: CausalLM, model_dir: str, load_format: str, device: torch.device, dtype: torch.dtype, seed: int, show_progress: bool
 ) -> None:
@@ -362,6 +378,7 @@ def load_model_weights(
         init_dummy(model, seed)
     else:
         load_safetensors(model, model_dir, show_progress)
+        fold_norm_weight_offset(model)  # (init_dummy's norms are 1 already)
     fold_residual_multiplier(model)
     for module in model.modules():
         finish_loading = getattr(module, "finish_loading", None)
@@ -369,4 +386,4 @@ def load_model_weights(
             finish_loading(dtype)
     if device.type == "cuda":  # weights replaced by their FP8 form: give the memory back for the KV cache
         torch.cuda.empty_cache()
-    model.rotary.build_cache(device, dtype)
+    model.build_rotary_caches(device, dtype)

@@ -19,7 +19,14 @@ ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
     "granite": "GraniteForCausalLM",
     "phi3": "Phi3ForCausalLM",  # q/k/v and gate/up fused in the checkpoint
+    "gemma3_text": "Gemma3ForCausalLM",  # sandwich norms, (1 + weight) norms, GELU, local and global layers
 }
+# Gemma 3's tiny model: its layers alternate sliding_attention (local rotary, theta 10,000) and full_attention (global
+# rotary, theta 1,000,000 and the rope_type asked: linear by default, as the 4B+'s); the window is wider than the
+# tests' sequences (tpserve serves a windowed model up to its window), the softmax scale query_pre_attn_scalar ** -0.5
+# other than head_dim ** -0.5 (as Gemma 3 27B's)
+GEMMA3_WINDOW = 128
+GEMMA3_QUERY_PRE_ATTN_SCALAR = 24
 # Granite 3's scalars (granite-3.3-8b-instruct's config.json), which each change the tokens
 GRANITE_SCALARS = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
                    "logits_scaling": 16.0}
@@ -62,7 +69,7 @@ def model_config(
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     if rope_type is None:
-        rope_type = "llama3" if arch == "llama" else "default"
+        rope_type = {"llama": "llama3", "gemma3_text": "linear"}.get(arch, "default")
     if norm_topk_prob is None:
         norm_topk_prob = arch != "olmoe"
     if rope_type not in ROPE_TYPES:
@@ -125,6 +132,13 @@ def model_config(
         cfg.update(original_max_position_embeddings=max_position_embeddings, pad_token_id=eos_token_id)
     if arch in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         cfg["max_window_layers"] = num_layers
+    if arch == "gemma3_text":
+        cfg.update(
+            layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)],
+            sliding_window=GEMMA3_WINDOW, query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR, pad_token_id=eos_token_id,
+            rope_parameters={"full_attention": rope_parameters(arch, rope_type, max_position_embeddings),
+                             "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
+        )
     if arch in MOE_ARCHITECTURES:
         if moe_intermediate_size is None:
             moe_intermediate_size = hidden_size // 2
@@ -163,7 +177,7 @@ def rope_parameters(arch: str, rope_type: str, max_position_embeddings: int) -> 
     """Rotary settings in transformers' ``rope_parameters`` form. The scaled types use a small
     original context so that, at tiny head dims, they change some frequencies (and YaRN scales
     attention): a model that ignored them would give other tokens."""
-    theta = 500000.0 if arch == "llama" else 10000.0
+    theta = {"llama": 500000.0, "gemma3_text": 1000000.0}.get(arch, 10000.0)
     original = max(16, max_position_embeddings // 8)
     if rope_type == "llama3":
         return {

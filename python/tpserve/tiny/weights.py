@@ -44,7 +44,7 @@ def weight_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_proj.bias"] = (q_out,)
             shapes[p + "self_attn.k_proj.bias"] = (kv_out,)
             shapes[p + "self_attn.v_proj.bias"] = (kv_out,)
-        if arch in ("qwen3", "qwen3_moe"):
+        if arch in ("qwen3", "qwen3_moe", "gemma3_text"):
             shapes[p + "self_attn.q_norm.weight"] = (d,)
             shapes[p + "self_attn.k_norm.weight"] = (d,)
         if arch == "olmoe":  # over the whole projections
@@ -52,6 +52,9 @@ def weight_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_norm.weight"] = (kv_out,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if arch == "gemma3_text":  # the MLP's sandwich
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if num_experts and i not in dense_layers:
             shapes.update(_sparse_mlp_shapes(p, h, num_experts, expert_size, shared, mixtral))
             continue
@@ -112,8 +115,20 @@ def _init_tensor(name: str, shape: tuple[int, ...], seed: int, hidden_size: int)
     return noise * (gain / shape[1] ** 0.5)
 
 
+_SANDWICH_OUTPUT_NORMS = ("post_attention_layernorm.weight", "post_feedforward_layernorm.weight")
+
+
+def _gemma_norm(name: str, weight: torch.Tensor) -> torch.Tensor:
+    """Gemma's norms multiply by (1 + weight): the same norms, stored so; the norms of the sublayers' outputs ~3 (as
+    o/down are amplified elsewhere), else a tied LM head mostly echoes the input token."""
+    return (3.0 * weight if name.endswith(_SANDWICH_OUTPUT_NORMS) else weight) - 1.0
+
+
 def random_weights(config: PreTrainedConfig, seed: int) -> dict[str, torch.Tensor]:
-    return {name: _init_tensor(name, shape, seed, config.hidden_size) for name, shape in weight_shapes(config).items()}
+    weights = {name: _init_tensor(name, shape, seed, config.hidden_size) for name, shape in weight_shapes(config).items()}
+    if config.model_type == "gemma3_text":
+        weights = {name: _gemma_norm(name, w) if name.endswith("norm.weight") else w for name, w in weights.items()}
+    return weights
 
 
 def _split_evenly(names: list[str], sizes: dict[str, int], num_shards: int) -> list[list[str]]:

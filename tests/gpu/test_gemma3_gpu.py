@@ -1,0 +1,70 @@
+"""Gemma 3 on a GPU (CPU correctness against transformers: tests/models/test_gemma3.py and test_vs_transformers). Its
+MLP's GELU must never reach tpserve's SiLU-fused kernels (the CUDA GEMV's silu_mul epilogue, FlashInfer's
+silu_and_mul), which a bf16 decode of one token would take for a SiLU model: a spy fails the test if it does. In
+float32 the tokens equal transformers'; in bf16 FlashInfer's prefills, the decode kernels inside CUDA graphs, the fused
+rotary + KV store (each layer with its own rotary: local or global) and the GEMVs that norm their input (with the
+(1 + weight) folded into the norm weights) give the torch backend's eager logits."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from reference import hf_greedy
+from tpserve import LLM, SamplingParams
+from tpserve.layers.linear import MergedColumnParallelLinear, ParallelLinear
+
+PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 137))]
+# head_dim 128 (FlashInfer's), one KV head, hidden_size != heads x head_dim as Gemma 3 1B's
+SHAPE = {"head_dim": 128, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 1, "intermediate_size": 512,
+         "num_layers": 4, "tie_word_embeddings": True}
+
+
+@pytest.fixture
+def no_silu(monkeypatch):
+    """Fails on any SiLU-and-mul of a dense MLP: the merged layer's (GEMV epilogue or FlashInfer), or a GEMV asked for
+    its silu_mul epilogue."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a GELU model took a SiLU path")
+
+    gemv = ParallelLinear.gemv
+
+    def checked_gemv(self, x, **fusion):
+        assert not fusion.get("silu_mul"), "a GELU model took the GEMV's SiLU epilogue"
+        return gemv(self, x, **fusion)
+
+    monkeypatch.setattr(MergedColumnParallelLinear, "silu_and_mul", refuse)
+    monkeypatch.setattr(ParallelLinear, "gemv", checked_gemv)
+
+
+def test_float32_on_cuda_matches_transformers(tiny_model_factory, no_silu):
+    model_dir = tiny_model_factory("gemma3_text", **SHAPE)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    with LLM(model_dir, device="cuda", dtype="float32") as llm:
+        outs = llm.generate(PROMPTS, greedy, use_tqdm=False)
+    assert [o.token_ids for o in outs] == [hf_greedy(model_dir, p, 12) for p in PROMPTS]
+
+
+def test_bf16_flashinfer_and_graphs_match_torch_attention(tiny_model_factory, no_silu):
+    pytest.importorskip("flashinfer")
+    from engine_scenario import assert_logits_close, assert_same_greedy, prompts_for, run_scenario
+    from tpserve.engine.engine import Engine
+    from tpserve.engine_config import EngineConfig
+
+    def make_engine(backend: str, graph_max_bs: int) -> Engine:
+        return Engine(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", attention_backend=backend,
+                                   cuda_graph_max_bs=graph_max_bs, max_total_tokens=16384, page_size=16))
+
+    model_dir = tiny_model_factory("gemma3_text", **SHAPE)
+    reference = make_engine("torch", 0)
+    prompts = prompts_for(6, reference.model_config.vocab_size, seed=7)
+    ref_tokens, ref_logits = run_scenario(reference, prompts)
+    del reference
+    engine = make_engine("flashinfer", 16)
+    assert engine.graph_runner is not None
+    _, forced_logits = run_scenario(engine, prompts, forced=ref_tokens)
+    assert_logits_close(forced_logits, ref_logits)
+    own_tokens, _ = run_scenario(engine, prompts)
+    assert_same_greedy(own_tokens, ref_tokens, ref_logits)
