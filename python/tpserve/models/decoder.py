@@ -135,7 +135,6 @@ class DecoderLayer(nn.Module):
             return self.mlp(x, reduce=False, add_to=residual, lora=ctx.lora), residual
         return self.mlp(x, reduce=False, add_to=residual), residual
 
-
     def _sandwich(
         self, x: torch.Tensor | PendingNorm, residual: torch.Tensor, ctx: ForwardContext
     ) -> tuple[None, torch.Tensor]:
