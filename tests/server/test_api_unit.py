@@ -1316,3 +1316,16 @@ def test_load_counts_every_served_pooling_path(path):
     scope = {"type": "http", "path": path, "root_path": "/api" if path.startswith("/api") else ""}
     asyncio.run(TrackServerLoad(inner, metrics)(scope, None, None))
     assert seen == [1] and metrics.server_load == 0
+
+
+def test_granite_reasoning_whole_and_streamed():
+    """--reasoning-parser granite: Granite 3.2's phrases split the reasoning from the answer, whole and streamed alike,
+    the phrases cut across the stream's pieces."""
+    reply = "Here is my thought process:\nAdd them.\nHere is my response:\n4"
+    c, _ = make_client(stub=StubFrontend(reply=reply, pieces=11, finish="stop"), reasoning_parser="granite")
+    msg = c.post(CHAT, json={"messages": USER}).json()["choices"][0]["message"]
+    assert (msg["reasoning_content"], msg["content"]) == ("\nAdd them.\n", "\n4")
+    with c.stream("POST", CHAT, json={"messages": USER, "stream": True}) as resp:
+        deltas = [e["choices"][0]["delta"] for e in sse_events(resp)]
+    assert "".join(d.get("reasoning_content") or "" for d in deltas) == "\nAdd them.\n"
+    assert "".join(d.get("content") or "" for d in deltas) == "\n4"

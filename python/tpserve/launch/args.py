@@ -153,8 +153,9 @@ def build_parser() -> argparse.ArgumentParser:
                        "<|python_tag|>, or tools with \"parameters\": llama3_json; else none), none: no tool "
                        "parsing (tool_choice required or named still work)")
     model.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
-                       help="split <think>...</think> into reasoning_content (qwen3, deepseek_r1); "
-                       "default: reasoning stays in content")
+                       help="split <think>...</think> into reasoning_content (qwen3, deepseek_r1), or Granite "
+                       "3.2+'s 'Here is my thought process:' ... 'Here is my response:' (granite); default: reasoning "
+                       "stays in content")
     model.add_argument("--generation-config", default="auto", metavar="auto|vllm|DIR",
                        help="default sampling parameters for requests that leave them unset: auto takes "
                        "temperature, top_p, top_k, min_p and repetition_penalty from the model's "

@@ -25,7 +25,7 @@ from tpserve.launch.backend import Backend, ChildDied, ignore_stop_signals
 from tpserve.launch.child import setup_logging
 from tpserve.message.endpoints import Endpoints
 from tpserve.message.frontend import RequestRejected, TokenizeRequest
-from tpserve.parsers.reasoning import ReasoningParser
+from tpserve.parsers.reasoning import GraniteReasoningParser, ReasoningParser, create_reasoning_parser
 from tpserve.sampling_params import SamplingParams
 from tpserve.server.client import BackendEvent, BackendLink
 
@@ -112,7 +112,8 @@ class _Answer:
     """One streamed answer: its reasoning/content split and its token count."""
 
     reasoning: bool
-    parser: ReasoningParser | None = None
+    parser: ReasoningParser | GraniteReasoningParser | None = None
+    reasoning_parser: str | None = None  # --reasoning-parser (None: the <think> one)
     content: str = ""
     reasoning_shown: bool = False
     tokens: int = 0
@@ -129,7 +130,7 @@ class _Answer:
             parts = [("content", text)] if text else []
         else:
             if self.parser is None:
-                self.parser = ReasoningParser(prompt_in_reasoning)
+                self.parser = create_reasoning_parser(self.reasoning_parser, prompt_in_reasoning)
             split = self.parser.feed(text, final=final)
             parts = [(k, t) for k, t in (("reasoning", split.reasoning), ("content", split.content)) if t]
         if parts:
@@ -145,6 +146,7 @@ class Shell:
         out: TextIO = sys.stdout,
         context_len: int | None = None,
         reasoning: bool = False,
+        reasoning_parser: str | None = None,
         log_file: str | None = None,
         history_file: str | None = None,
         sampling_defaults: dict[str, Any] | None = None,
@@ -152,6 +154,7 @@ class Shell:
         self._client, self._dead_child, self._out = client, dead_child, out
         self._color = out.isatty()
         self._context_len, self._reasoning = context_len, reasoning
+        self._reasoning_parser = reasoning_parser  # which splits the reasoning out, where it is on
         self._log_file, self._history_file = log_file, history_file
         self.settings = ShellSettings.for_model(sampling_defaults or {})
         self.history: list[dict[str, Any]] = []
@@ -243,7 +246,7 @@ class Shell:
         params = settings.params()
         kwargs = None if settings.think is None else {"enable_thinking": settings.think}
         rid = self._client.submit(system + messages, params, kwargs)
-        answer = _Answer(self._reasoning)
+        answer = _Answer(self._reasoning, reasoning_parser=self._reasoning_parser)
         try:
             if not self._stream(answer):
                 return  # rejected: the conversation is unchanged
@@ -374,7 +377,7 @@ def run_shell(args: ServerArgs) -> int:
         backend.start()
         backend.wait_ready()
         Shell(client, backend.dead_child, context_len=args.context_len, reasoning=args.reasoning_parser is not None,
-              log_file=log_file, history_file=os.path.join(state_dir, "shell_history"),
+              reasoning_parser=args.reasoning_parser, log_file=log_file, history_file=os.path.join(state_dir, "shell_history"),
               sampling_defaults=args.sampling_defaults).run()
         return 0
     except ChildDied as e:

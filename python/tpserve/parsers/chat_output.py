@@ -9,7 +9,7 @@ from typing import Any
 
 from tpserve.parsers.mistral import MistralParser
 from tpserve.parsers.qwen3_coder import Qwen3CoderParser
-from tpserve.parsers.reasoning import ReasoningParser
+from tpserve.parsers.reasoning import create_reasoning_parser
 from tpserve.parsers.tool_calls import (
     TOOL_CALL_PARSERS,
     ForcedToolCalls,
@@ -50,6 +50,7 @@ class ChatOutputConfig:
     """What to look for in a request's output."""
 
     reasoning: bool = False  # a reasoning parser is on
+    reasoning_parser: str | None = None  # which (--reasoning-parser; None: the <think> one)
     starts_in_reasoning: bool | None = None  # the prompt's think block: open, closed, none (None)
     # A grammar constrains the output: a think block is only one if the output writes <think>
     # (a JSON answer is never reasoning, whatever state the prompt left).
@@ -71,7 +72,7 @@ class ChatOutputParser:
             start = None
 
         self._single_call = config.single_call
-        self._reasoning = ReasoningParser(start) if config.reasoning else None
+        self._reasoning = create_reasoning_parser(config.reasoning_parser, start) if config.reasoning else None
         self._tools: ToolCallParser | None = None
         if config.forced_tools:
             self._tools = ForcedToolCalls(config.forced_function)

@@ -1,5 +1,6 @@
 """Reasoning separation: the text inside ``<think>...</think>`` goes to ``reasoning_content``,
-the rest to ``content`` (``--reasoning-parser qwen3`` or ``deepseek_r1``).
+the rest to ``content`` (``--reasoning-parser qwen3`` or ``deepseek_r1``); ``granite`` (IBM Granite 3.2+) splits at
+the phrases its template asks for instead (``GraniteReasoningParser``).
 
 A chat template may open the think block itself (the prompt then ends inside it, and the output
 has no ``<think>``: DeepSeek-R1-0528, QwQ), or close an empty one (Qwen3 with
@@ -17,7 +18,7 @@ from tpserve.parsers.partial import partial_suffix_len
 
 THINK_START = "<think>"
 THINK_END = "</think>"
-REASONING_PARSERS = ("qwen3", "deepseek_r1")
+REASONING_PARSERS = ("qwen3", "deepseek_r1", "granite")
 
 
 def prompt_opens_reasoning(prompt_text: str) -> bool | None:
@@ -97,3 +98,64 @@ class ReasoningParser:
             self._buffer = ""
         return out
 
+
+
+# Granite's phrases, as vLLM's granite parser matches them ("Here's" too: some quantized Granites write it)
+GRANITE_THINK_STARTS = ("Here is my thought process:", "Here's my thought process:")
+GRANITE_RESPONSE_STARTS = ("Here is my response:", "Here's my response:")
+
+
+class GraniteReasoningParser:
+    """``granite`` (Granite 3.2+ with ``thinking`` on): ``Here is my thought process:`` opens the reasoning and ``Here
+    is my response:`` ends it, the rest being content (either phrase with "Here's", as vLLM's). Output that does not
+    start with the first phrase (blanks aside) is all content. The phrases are dropped, the text around them kept as
+    written (the newlines after them too, as vLLM's). A phrase's first characters are held back until the text shows
+    whether they are one, however the output is cut into pieces. The output ending before the second phrase leaves
+    its thoughts in reasoning (vLLM: so streamed; whole, it returns such output as content, phrase and all)."""
+
+    def __init__(self, in_reasoning: bool | None = None) -> None:
+        """``in_reasoning``: the prompt's think-block state, which Granite's prompts have no part in (ignored)."""
+        self._state = "start"  # "start": before the output shows whether it reasons; "reasoning"; "content"
+        self._buffer = ""  # held-back text: the output's start, or a tail that may begin the response phrase
+        self._closed_here = False  # the response phrase was read
+        self._content_started = False
+
+    @property
+    def in_block(self) -> bool:
+        """Inside the reasoning, or just past the response phrase before any content."""
+        return self._state == "reasoning" or (self._closed_here and not self._content_started)
+
+    def feed(self, text: str, final: bool = False) -> Split:
+        out = Split()
+        self._buffer += text
+        if self._state == "start":
+            head = self._buffer.lstrip()
+            start = next((p for p in GRANITE_THINK_STARTS if head.startswith(p)), None)
+            if start is not None:
+                self._state, self._buffer = "reasoning", head[len(start):]
+            elif not final and (not head or any(p.startswith(head) for p in GRANITE_THINK_STARTS)):
+                return out  # could still become the phrase
+            else:
+                self._state = "content"
+        if self._state == "reasoning":
+            ends = [(i, p) for p in GRANITE_RESPONSE_STARTS if (i := self._buffer.find(p)) >= 0]
+            if not ends:
+                keep = 0 if final else partial_suffix_len(self._buffer, GRANITE_RESPONSE_STARTS)
+                out.reasoning = self._buffer[: len(self._buffer) - keep]
+                self._buffer = self._buffer[len(self._buffer) - keep:]
+                return out
+            i, phrase = min(ends)
+            out.reasoning, self._buffer = self._buffer[:i], self._buffer[i + len(phrase):]
+            self._state, self._closed_here = "content", True
+        out.content, self._buffer = self._buffer, ""
+        self._content_started = self._content_started or bool(out.content)
+        return out
+
+
+def create_reasoning_parser(name: str | None, in_reasoning: bool | None) -> ReasoningParser | GraniteReasoningParser:
+    """The ``--reasoning-parser`` named ``name`` (None: the ``<think>`` one), starting in the prompt's state."""
+    if name == "granite":
+        return GraniteReasoningParser(in_reasoning)
+    if name in (None, "qwen3", "deepseek_r1"):
+        return ReasoningParser(in_reasoning)
+    raise ValueError(f"unknown reasoning parser {name!r}; choose from {', '.join(REASONING_PARSERS)}")

@@ -94,6 +94,7 @@ class Serving:
             )
         return ChatOutputConfig(
             reasoning=self.reasoning_parser is not None and body.separate_reasoning,
+            reasoning_parser=self.reasoning_parser,
             constrained=constrained,
             tool_parser=self.tool_call_parser if wants_tools and not body.forced_tool else None,
             forced_tools=body.forced_tool,
