@@ -1329,3 +1329,38 @@ def test_granite_reasoning_whole_and_streamed():
         deltas = [e["choices"][0]["delta"] for e in sse_events(resp)]
     assert "".join(d.get("reasoning_content") or "" for d in deltas) == "\nAdd them.\n"
     assert "".join(d.get("content") or "" for d in deltas) == "\n4"
+
+
+@pytest.mark.parametrize("parser, reply, content", [
+    ("pythonic", 'Checking.[get_weather(city="Paris"), get_weather(city="Zürich, CH")]', "Checking."),
+    ("granite", '<|tool_call|>[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                '{"name": "get_weather", "arguments": {"city": "Zürich, CH"}}]', None),
+    ("phi4_mini_json", 'Checking.functools[{"name": "get_weather", "arguments": {"city": "Paris"}}, '
+                       '{"name": "get_weather", "arguments": {"city": "Zürich, CH"}}]', "Checking."),
+])
+def test_more_tool_parsers_whole_and_streamed(parser, reply, content):
+    """--tool-call-parser pythonic, granite, phi4_mini_json through the chat API: the same calls whole and streamed
+    (the stream's pieces cut through the calls), finish_reason tool_calls; and in the Responses API."""
+    c, stub = make_client(stub=StubFrontend(reply=reply, pieces=9, finish="stop"), tool_call_parser=parser)
+    choice = c.post(CHAT, json={"messages": USER, "tools": WEATHER}).json()["choices"][0]
+    assert choice["finish_reason"] == "tool_calls" and choice["message"]["content"] == content
+    calls = choice["message"]["tool_calls"]
+    assert [(t["function"]["name"], json.loads(t["function"]["arguments"])) for t in calls] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Zürich, CH"})]
+    assert stub.submitted[-1].params.skip_special_tokens is True  # none needs special tokens kept
+    with c.stream("POST", CHAT, json={"messages": USER, "tools": WEATHER, "stream": True}) as resp:
+        events = sse_events(resp)
+    streamed: dict[int, dict] = {}
+    for delta in (e["choices"][0]["delta"] for e in events):
+        for t in delta.get("tool_calls") or []:
+            call = streamed.setdefault(t["index"], {"name": "", "arguments": ""})
+            call["name"] += t["function"].get("name", "")
+            call["arguments"] += t["function"]["arguments"]
+    assert [(s["name"], s["arguments"]) for s in streamed.values()] == [
+        (t["function"]["name"], t["function"]["arguments"]) for t in calls]
+    assert "".join(e["choices"][0]["delta"].get("content") or "" for e in events) == (content or "")
+    assert events[-1]["choices"][0]["finish_reason"] == "tool_calls"
+    body = c.post("/v1/responses", json={"input": "hi", "tools": [
+        {"type": "function", "name": "get_weather", "parameters": WEATHER[0]["function"]["parameters"]}]}).json()
+    assert [(o["name"], json.loads(o["arguments"])) for o in body["output"] if o["type"] == "function_call"] == [
+        ("get_weather", {"city": "Paris"}), ("get_weather", {"city": "Zürich, CH"})]

@@ -148,10 +148,13 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--tool-call-parser", choices=["auto", "none", *TOOL_CALL_PARSERS], default="auto",
                        help="how the model writes tool calls: hermes (Qwen2.5/Qwen3 <tool_call> JSON), "
                        "qwen3_coder (Qwen3-Coder's <function=...> XML, values typed by the tools' schemas), "
-                       "llama3_json (Llama 3.1 JSON), mistral ([TOOL_CALLS] and a JSON array); auto: from the chat "
-                       "template (<function= in it: qwen3_coder; <tool_call>: hermes; [TOOL_CALLS]: mistral; "
-                       "<|python_tag|>, or tools with \"parameters\": llama3_json; else none), none: no tool "
-                       "parsing (tool_choice required or named still work)")
+                       "llama3_json (Llama 3.1 JSON), mistral ([TOOL_CALLS] and a JSON array), pythonic (Llama "
+                       "3.2/4 and Gemma 3 with vLLM's pythonic templates, ToolACE: [f(a=1), g(b=\"x\")]), granite "
+                       "(Granite 3.x: <|tool_call|> and a JSON array), phi4_mini_json (Phi-4-mini with vLLM's "
+                       "template: functools[...]); auto: from the chat template (<function= in it: qwen3_coder; "
+                       "<|tool_call|>: granite; <tool_call>: hermes; [TOOL_CALLS]: mistral; functools[: "
+                       "phi4_mini_json; [func_name1(: pythonic; <|python_tag|>, or tools with \"parameters\": "
+                       "llama3_json; else none), none: no tool parsing (tool_choice required or named still work)")
     model.add_argument("--reasoning-parser", choices=list(REASONING_PARSERS), default=None,
                        help="split <think>...</think> into reasoning_content (qwen3, deepseek_r1), or Granite "
                        "3.2+'s 'Here is my thought process:' ... 'Here is my response:' (granite); default: reasoning "

@@ -7,12 +7,14 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from tpserve.parsers.mistral import MistralParser
+from tpserve.parsers.mistral import MistralParser, Phi4MiniJsonParser
+from tpserve.parsers.pythonic import PythonicParser
 from tpserve.parsers.qwen3_coder import Qwen3CoderParser
 from tpserve.parsers.reasoning import create_reasoning_parser
 from tpserve.parsers.tool_calls import (
     TOOL_CALL_PARSERS,
     ForcedToolCalls,
+    GraniteParser,
     HermesParser,
     Llama3JsonParser,
     ToolCallDelta,
@@ -32,6 +34,12 @@ def create_tool_parser(name: str, tool_params: Mapping[str, Mapping[str, Any]] |
         return Llama3JsonParser()
     if name == "mistral":
         return MistralParser()
+    if name == "pythonic":
+        return PythonicParser()
+    if name == "granite":
+        return GraniteParser()
+    if name == "phi4_mini_json":
+        return Phi4MiniJsonParser()
     raise ValueError(f"unknown tool call parser {name!r}; choose from {', '.join(TOOL_CALL_PARSERS)}")
 
 

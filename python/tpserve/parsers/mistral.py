@@ -17,7 +17,7 @@ import random
 import string
 
 from tpserve.parsers.partial import partial_suffix_len
-from tpserve.parsers.tool_calls import Llama3JsonParser, ToolParse, _ObjectEnd
+from tpserve.parsers.tool_calls import Llama3JsonParser, ToolCallParser, ToolParse, _ObjectEnd
 
 TOKEN = "[TOOL_CALLS]"  # a special token: such requests keep special tokens in their text (NEEDS_SPECIAL_TOKENS)
 ARGS = "[ARGS]"  # v11+ tokenizers' token between a call's name and its arguments
@@ -40,6 +40,7 @@ class MistralParser(Llama3JsonParser):
     the output's end, as vLLM's (which returns them as written, parsed or not, so the model sees the call it made)."""
 
     SEPARATORS = " \t\r\n,[]"
+    TOKEN = TOKEN  # what starts the calls
 
     def __init__(self) -> None:
         super().__init__()
@@ -53,14 +54,14 @@ class MistralParser(Llama3JsonParser):
         out = ToolParse()
         self._buffer += text
         if self._mode is None:  # content up to the token
-            i = self._buffer.find(TOKEN)
+            i = self._buffer.find(self.TOKEN)
             if i < 0:
-                keep = 0 if final else partial_suffix_len(self._buffer, (TOKEN,))
+                keep = 0 if final else partial_suffix_len(self._buffer, (self.TOKEN,))
                 cut = len(self._buffer) - keep
                 out.content, self._buffer = self._buffer[:cut], self._buffer[cut:]
                 return out
-            out.content, self._buffer, self._mode = self._buffer[:i], self._buffer[i + len(TOKEN):], "calls"
-            self._text = TOKEN + self._buffer  # content after all if no call parses
+            out.content, self._buffer, self._mode = self._buffer[:i], self._buffer[i + len(self.TOKEN):], "calls"
+            self._text = self.TOKEN + self._buffer  # content after all if no call parses
         elif not self.calls and self._mode == "calls":
             self._text += text
         if self._mode == "calls" and self._names_first is None:
@@ -79,10 +80,10 @@ class MistralParser(Llama3JsonParser):
         """v11+ calls: ``_buffer`` holds the text after a ``[TOOL_CALLS]``, from the open call's ``{`` once its name
         is read (``_args_sent`` of it sent)."""
         while True:
-            token = self._buffer.find(TOKEN)
+            token = self._buffer.find(self.TOKEN)
             closed = token >= 0 or final  # this call's text is all here
             end = token if token >= 0 else len(self._buffer) - (0 if final else partial_suffix_len(self._buffer,
-                                                                                                  (TOKEN,)))
+                                                                                                  (self.TOKEN,)))
             if self._call is None:
                 if self._open_named(end, closed, token >= 0, out) or token >= 0:
                     continue  # read on from the call's arguments, or from the next token
@@ -96,7 +97,7 @@ class MistralParser(Llama3JsonParser):
             if token < 0 and self._args_end.end is None:  # the output ended inside the arguments
                 self.cut_at = self._call.index
             self._call = None
-            self._buffer = "" if token < 0 else self._buffer[token + len(TOKEN):]
+            self._buffer = "" if token < 0 else self._buffer[token + len(self.TOKEN):]
             if token < 0:
                 return
 
@@ -112,8 +113,26 @@ class MistralParser(Llama3JsonParser):
             return True
         if not closed:
             return False
-        out.content += TOKEN + self._buffer[:end]
+        out.content += self.TOKEN + self._buffer[:end]
         if not more:  # the output ended inside it
             self.cut_at = len(self.calls)
-        self._buffer = self._buffer[end + len(TOKEN):] if more else ""
+        self._buffer = self._buffer[end + len(self.TOKEN):] if more else ""
         return False
+
+
+class Phi4MiniJsonParser(MistralParser):
+    """``phi4_mini_json`` (Phi-4-mini with vLLM's template, which asks for ``functools[{"name": ..., "arguments":
+    ...}, ...]``): content, then ``functools[`` and the JSON array of calls (``arguments`` or ``parameters``), read as
+    mistral's array layout, so the calls stream as they are written. vLLM's parser reads the whole output only
+    (streamed, it sends nothing) and drops the text before ``functools[``; here that text is content, and an array
+    that holds no call is content as written (vLLM: an array that does not parse is no content and no calls)."""
+
+    TOKEN = "functools["
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._names_first = False  # only the array layout
+
+    @staticmethod
+    def new_call_id() -> str:
+        return ToolCallParser.new_call_id()

@@ -16,7 +16,14 @@ Parsers (``--tool-call-parser``):
   call ids of 9 letters and digits;
 * ``llama3_json`` (Llama 3.1/3.2): the whole output is ``{"name": ..., "parameters": {...}}``
   (optionally after ``<|python_tag|>``, several separated by ``;``); each call streams as it is
-  generated, as with hermes.
+  generated, as with hermes;
+* ``pythonic`` (Llama 3.2/Llama 4/Gemma 3 with vLLM's pythonic templates, ToolACE; ``parsers/pythonic.py``): a
+  Python list of calls, ``[get_weather(city="Paris"), lookup(id=3)]``, literal keyword arguments read with ``ast``,
+  each call sent whole once it closes;
+* ``granite`` (Granite 3.x): ``<|tool_call|>`` (or ``<tool_call>``) and a JSON array of ``{"name", "arguments"}``, the
+  whole output calls or content as llama3_json's;
+* ``phi4_mini_json`` (Phi-4-mini with vLLM's template; ``parsers/mistral.py``): content, then ``functools[`` and a
+  JSON array of ``{"name", "arguments"}``, read as mistral's array.
 
 With ``tool_choice`` "required" or a named function, decoding is constrained by a grammar to a
 JSON array of calls (``[{"name": ..., "parameters": {...}}]``) or to the named function's
@@ -33,7 +40,7 @@ from typing import Any
 
 from tpserve.parsers.partial import partial_suffix_len
 
-TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral")
+TOOL_CALL_PARSERS = ("hermes", "qwen3_coder", "llama3_json", "mistral", "pythonic", "granite", "phi4_mini_json")
 # parsers whose start marker is a special token, which a request's text must then keep (skip_special_tokens off)
 NEEDS_SPECIAL_TOKENS = ("mistral",)
 
@@ -339,18 +346,28 @@ class Llama3JsonParser(ToolCallParser):
             self._text += text
         if self._mode is None:
             head = self._buffer.lstrip()
-            if head.startswith("{") or head.startswith(self.PYTHON_TAG):
+            start = self._calls_start(head)
+            if start is not None and start >= 0:
                 self._mode = "calls"
-                self._buffer = head.removeprefix(self.PYTHON_TAG)
-            elif head and not self.PYTHON_TAG.startswith(head):
+                self._buffer = head[start:]
+            elif start is not None or final:
                 self._mode = "content"
-            elif not final:
+            else:
                 return out
         if self._mode == "calls":
             self._read_calls(final, out)
         if self._mode != "calls":
             out.content, self._buffer = out.content + self._buffer, ""
         return out
+
+    def _calls_start(self, head: str) -> int | None:
+        """Where the calls begin in ``head``, the output from its first non-blank character: -1 if the output is
+        content, None while it may still be either (empty, or the start of a tag)."""
+        if head.startswith("{"):
+            return 0
+        if head.startswith(self.PYTHON_TAG):
+            return len(self.PYTHON_TAG)
+        return None if self.PYTHON_TAG.startswith(head) else -1
 
     def _read_calls(self, final: bool, out: ToolParse) -> None:
         while True:
@@ -389,6 +406,30 @@ class Llama3JsonParser(ToolCallParser):
             self._buffer = self._text
 
 
+class GraniteParser(Llama3JsonParser):
+    """``granite`` (IBM Granite 3.x), as vLLM's: the whole output is either calls or content, by its first non-blank
+    characters: ``<|tool_call|>`` (Granite 3.x's; where a tokenizer makes it a special token, skipped as special
+    tokens are by default, only the array is in the text) and/or ``<tool_call>`` (3.1), then a JSON array of ``{"name", "arguments"}``, each call streamed as
+    llama3_json's; or the array alone. After a tag an object alone is a call too (vLLM: content); text after the
+    array is content (vLLM: the whole output content)."""
+
+    TAGS = ("<|tool_call|>", "<tool_call>")  # vLLM strips them in this order, each optional
+    SEPARATORS = " \t\r\n,[]"
+
+    def _calls_start(self, head: str) -> int | None:
+        i, tagged = 0, False
+        for tag in self.TAGS:
+            rest = head[i:]
+            if rest.startswith(tag):
+                i, tagged = len(head) - len(rest[len(tag):].lstrip()), True
+            elif rest and tag.startswith(rest):
+                return None  # may still be the tag
+        rest = head[i:]
+        if rest.startswith("[") or (tagged and rest.startswith("{")):
+            return i
+        return None if not rest else -1
+
+
 class ForcedToolCalls(ToolCallParser):
     """Output constrained to a JSON array of ``{"name", "parameters"}`` (tool_choice "required")
     or to one function's arguments (``function_name`` set: a named tool_choice)."""
@@ -418,15 +459,25 @@ class ForcedToolCalls(ToolCallParser):
         return out
 
 
+# the call list that pythonic templates show: "[func_name1(params_name1=params_value1, ...), func_name2(params)]"
+_PYTHONIC_EXAMPLE = re.compile(r"\[func_name1?\(")
+
+
 def detect_tool_parser(chat_template: str | None) -> str | None:
     """The parser for the tool-call format a chat template teaches the model, if recognisable."""
     template = chat_template or ""
     if "<function=" in template:
         return "qwen3_coder"
+    if "<|tool_call|>" in template:  # Granite 3.x's ("respond only with <|tool_call|> followed by a JSON list")
+        return "granite"
     if "<tool_call>" in template:
         return "hermes"
     if "[TOOL_CALLS]" in template:
         return "mistral"
+    if "functools[" in template:  # vLLM's Phi-4-mini template (Microsoft's own does not say how calls are written)
+        return "phi4_mini_json"
+    if _PYTHONIC_EXAMPLE.search(template):  # vLLM's Llama 3.2/Llama 4/Gemma 3 pythonic templates, ToolACE's
+        return "pythonic"
     if "<|python_tag|>" in template or ("tools" in template and '"parameters"' in template):
         return "llama3_json"
     return None
