@@ -1,0 +1,56 @@
+"""Speculative decoding with n-gram drafts on a GPU (CPU: tests/scheduler/test_ngram.py): a drafted step is a chunk of
+several tokens through FlashInfer's prefill over the paged cache with extra logits rows, between decode steps that
+run in CUDA graphs; float32 tokens and log-probabilities equal the plain engine's, while drafts are both accepted and
+rejected."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+
+from tpserve import LLM, SamplingParams
+
+SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
+PROMPTS = [[i, i + 1, i + 2] for i in range(1, 200, 23)]
+
+
+@pytest.fixture(scope="module")
+def loopy_dir(tiny_model_factory, tmp_path_factory) -> str:
+    """FlashInfer's head_dim, attention and MLP outputs scaled down (x0.02): the greedy text soon repeats itself."""
+    from transformers import AutoModelForCausalLM
+
+    source = tiny_model_factory("qwen3", head_dim=128, hidden_size=256, vocab_size=700)
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.self_attn.o_proj.weight.mul_(0.02)
+            layer.mlp.down_proj.weight.mul_(0.02)
+    out = tmp_path_factory.mktemp("loopy") / "model"
+    shutil.copytree(source, out)
+    model.save_pretrained(out)
+    return str(out)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_drafts_on_cuda_give_the_plain_engines_tokens(loopy_dir, dtype):
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True, logprobs=0)
+    runs = []
+    for spec in (None, SPEC):
+        kwargs = {} if spec is None else {"speculative_config": spec}
+        with LLM(loopy_dir, device="cuda", dtype=dtype, **kwargs) as llm:
+            outs = llm.generate(PROMPTS, params, use_tqdm=False)
+            stats = llm.replica_stats()[0]
+        runs.append((outs, stats))
+    (plain, _), (drafted, stats) = runs
+    assert 30 < stats.accepted_tokens_total < stats.draft_tokens_total, stats
+    same = sum(p.outputs[0].token_ids == d.outputs[0].token_ids for p, d in zip(plain, drafted))
+    if dtype == "float32":
+        assert same == len(PROMPTS)
+        worst = max(abs(a - b) for p, d in zip(plain, drafted) for a, b in zip(p.token_logprobs, d.token_logprobs))
+        assert worst < 1e-3, worst
+    else:  # bf16: a chunk's logits round differently from a graph's decode; near ties may part ways
+        assert same >= len(PROMPTS) - 2, same
