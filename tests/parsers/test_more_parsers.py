@@ -11,6 +11,7 @@ import pytest
 
 from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser, create_tool_parser
 from tpserve.parsers.reasoning import create_reasoning_parser
+from test_parsers import run_tools as accumulate
 
 
 def chunkings(text: str) -> list[list[str]]:
@@ -94,24 +95,12 @@ def test_granite_reasoning_through_the_chat_output_parser():
 
 
 def run_tools(parser, chunks: list[str]) -> tuple[str, list[tuple[str, str]]]:
-    """Content and the calls (name, arguments) rebuilt the way the openai SDK's stream accumulator does; each call's
-    id and name come first, once."""
-    content, calls = "", {}
-    for i, chunk in enumerate(chunks + [""]):
-        out = parser.feed(chunk, final=i == len(chunks))
-        content += out.content
-        for delta in out.calls:
-            d = delta.to_openai()
-            call = calls.setdefault(d["index"], {"id": None, "name": "", "arguments": ""})
-            if "id" in d:
-                assert call["id"] is None and d["function"]["name"], "id and name come first, once"
-                call["id"], call["name"] = d["id"], d["function"]["name"]
-            else:
-                assert call["id"] is not None, "arguments before the call's id"
-            call["arguments"] += d["function"]["arguments"]
-    assert [c.name for c in parser.calls] == [calls[i]["name"] for i in sorted(calls)]
-    assert [c.arguments for c in parser.calls] == [calls[i]["arguments"] for i in sorted(calls)]
-    return content, [(calls[i]["name"], calls[i]["arguments"]) for i in sorted(calls)]
+    """Content and the calls (name, arguments) rebuilt the way the openai SDK's stream accumulator does (each call's
+    id and name first, once: ``test_parsers.run_tools``), equal to the parser's own calls."""
+    content, calls = accumulate(parser, chunks)
+    assert [c.name for c in parser.calls] == [call["name"] for call in calls]
+    assert [c.arguments for c in parser.calls] == [call["arguments"] for call in calls]
+    return content, [(call["name"], call["arguments"]) for call in calls]
 
 
 def check_any_chunking(name: str, text: str, content: str, calls: list[tuple[str, Any]], cut_short: bool = False):

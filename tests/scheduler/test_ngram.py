@@ -6,11 +6,9 @@ are both accepted and rejected; and through the server, streamed."""
 from __future__ import annotations
 
 import json
-import shutil
 
 import numpy as np
 import pytest
-import torch
 
 from tpserve import LLM, SamplingParams
 from tpserve.scheduler.ngram import NgramConfig
@@ -53,21 +51,9 @@ def test_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix():
 
 @pytest.fixture(scope="module")
 def loopy_dir(tiny_model_factory, tmp_path_factory) -> str:
-    """A tiny Qwen3 whose attention and MLP outputs are scaled down (x0.02): its greedy text soon repeats itself, so
-    drafts are accepted, while each token still depends on the K/V of all before it (a stale K/V after a rejected
-    draft moves the log-probabilities far past 1e-5)."""
-    from transformers import AutoModelForCausalLM
+    from loopy_model import loopy_model
 
-    source = tiny_model_factory("qwen3", vocab_size=700)
-    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
-    with torch.no_grad():
-        for layer in model.model.layers:
-            layer.self_attn.o_proj.weight.mul_(0.02)
-            layer.mlp.down_proj.weight.mul_(0.02)
-    out = tmp_path_factory.mktemp("loopy") / "model"
-    shutil.copytree(source, out)  # the tokenizer's files too
-    model.save_pretrained(out)
-    return str(out)
+    return loopy_model(tiny_model_factory("qwen3", vocab_size=700), tmp_path_factory.mktemp("loopy") / "model")
 
 
 def run(model_dir: str, params: list[SamplingParams], spec: dict | None, tp: int = 1, prompts=PROMPTS):
