@@ -22,15 +22,17 @@ from common import device_name, print_table, setup_logging, write_json
 from tpserve import LLM, SamplingParams
 
 
-def loopy_model(config_dir: str, scale: float, out: str) -> str:
-    """The config's model with random weights (bf16), o_proj and down_proj times ``scale``, saved at ``out`` with the
-    directory's other files (its tokenizer)."""
+def loopy_model(config_dir: str, scale: float, out: str, vocab_size: int | None) -> str:
+    """The config's model with random weights (bf16), o_proj and down_proj times ``scale`` (and ``vocab_size``
+    tokens, where given), saved at ``out`` with the directory's other files (its tokenizer)."""
     import shutil
 
     from transformers import AutoConfig, AutoModelForCausalLM
 
     shutil.copytree(config_dir, out, ignore=shutil.ignore_patterns("*.safetensors", "*.index.json"))
     config = AutoConfig.from_pretrained(os.path.abspath(config_dir))
+    if vocab_size is not None:
+        config.vocab_size = vocab_size
     torch.manual_seed(0)
     with torch.device("cuda" if torch.cuda.is_available() else "cpu"):
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
@@ -46,6 +48,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a model directory's config.json (weights are made)")
     parser.add_argument("--scale", type=float, default=0.02)
+    parser.add_argument("--vocab-size", type=int, default=None,
+                        help="fewer tokens than the config's: a random model's text then repeats sooner")
     parser.add_argument("--tokens", type=int, default=256, help="generated tokens per request")
     parser.add_argument("--batch-sizes", default="1,8")
     parser.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, '
@@ -56,7 +60,7 @@ def main() -> None:
     batches = [int(b) for b in args.batch_sizes.split(",")]
     rows = []
     with tempfile.TemporaryDirectory() as tmp:
-        model_dir = loopy_model(args.config, args.scale, os.path.join(tmp, "model"))
+        model_dir = loopy_model(args.config, args.scale, os.path.join(tmp, "model"), args.vocab_size)
         params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
         results: dict[tuple[str, int], tuple[float, list[list[int]]]] = {}
         for name, spec in (("plain", None), ("ngram", json.loads(args.spec))):
@@ -82,7 +86,8 @@ def main() -> None:
             same = sum(a == b for a, b in zip(plain_tokens, spec_tokens))
             rows.append({"engine": "ngram / plain", "batch": batch, "out_tok_s": round(plain_s / spec_s, 3),
                          "drafts": f"same tokens {same}/{batch}", "accepted": "", "acceptance": ""})
-    print(f"device: {device_name()}, config {args.config}, scale {args.scale}, {args.tokens} tokens, spec {args.spec}")
+    print(f"device: {device_name()}, config {args.config}, scale {args.scale}, vocab {args.vocab_size or 'the config'}'s, "
+          f"{args.tokens} tokens, spec {args.spec}")
     print_table(rows, ["engine", "batch", "out_tok_s", "drafts", "accepted", "acceptance"])
     write_json(args.out, {"device": device_name(), "args": vars(args), "rows": rows})
 

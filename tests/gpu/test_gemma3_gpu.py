@@ -48,23 +48,36 @@ def test_float32_on_cuda_matches_transformers(tiny_model_factory, no_silu):
 
 
 def test_bf16_flashinfer_and_graphs_match_torch_attention(tiny_model_factory, no_silu):
+    """The engines' logits step by step (teacher-forced), FlashInfer and graphs against the torch backend: as near as
+    a Qwen3 of the same shape's are (bf16 rounding alone puts a tiny Qwen3 of this shape 0.7-5.1% off on an H100,
+    above engine_scenario's 2% bound, so the oracle is that baseline's worst step, times 2)."""
     pytest.importorskip("flashinfer")
-    from engine_scenario import assert_logits_close, assert_same_greedy, prompts_for, run_scenario
+    from engine_scenario import assert_same_greedy, prompts_for, run_scenario
     from tpserve.engine.engine import Engine
     from tpserve.engine_config import EngineConfig
 
-    def make_engine(backend: str, graph_max_bs: int) -> Engine:
-        return Engine(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", attention_backend=backend,
-                                   cuda_graph_max_bs=graph_max_bs, max_total_tokens=16384, page_size=16))
+    def errors(model_dir: str) -> tuple[list[float], tuple]:
+        def make_engine(backend: str, graph_max_bs: int) -> Engine:
+            return Engine(EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", attention_backend=backend,
+                                       cuda_graph_max_bs=graph_max_bs, max_total_tokens=16384, page_size=16))
 
-    model_dir = tiny_model_factory("gemma3_text", **SHAPE)
-    reference = make_engine("torch", 0)
-    prompts = prompts_for(6, reference.model_config.vocab_size, seed=7)
-    ref_tokens, ref_logits = run_scenario(reference, prompts)
-    del reference
-    engine = make_engine("flashinfer", 16)
-    assert engine.graph_runner is not None
-    _, forced_logits = run_scenario(engine, prompts, forced=ref_tokens)
-    assert_logits_close(forced_logits, ref_logits)
-    own_tokens, _ = run_scenario(engine, prompts)
-    assert_same_greedy(own_tokens, ref_tokens, ref_logits)
+        reference = make_engine("torch", 0)
+        prompts = prompts_for(6, reference.model_config.vocab_size, seed=7)
+        ref_tokens, ref_logits = run_scenario(reference, prompts)
+        del reference
+        engine = make_engine("flashinfer", 16)
+        assert engine.graph_runner is not None
+        _, forced_logits = run_scenario(engine, prompts, forced=ref_tokens)
+        steps = []
+        for actual, expected in zip(forced_logits, ref_logits):
+            valid = ~torch.isnan(expected[:, 0])
+            assert torch.equal(valid, ~torch.isnan(actual[:, 0])) and torch.isfinite(actual[valid]).all()
+            steps.append(float((actual[valid] - expected[valid]).norm() / expected[valid].norm()))
+        own_tokens, _ = run_scenario(engine, prompts)
+        return steps, (own_tokens, ref_tokens, ref_logits)
+
+    gemma, greedy = errors(tiny_model_factory("gemma3_text", **SHAPE))
+    qwen, _ = errors(tiny_model_factory("qwen3", **{k: v for k, v in SHAPE.items() if k != "tie_word_embeddings"}))
+    print(f"relative logits error by step: Gemma 3 max {max(gemma):.2e}, Qwen3 of its shape max {max(qwen):.2e}")
+    assert max(gemma) < 2 * max(qwen), (gemma, qwen)
+    assert_same_greedy(*greedy)
