@@ -71,6 +71,9 @@ class _Pending:
     def add(self, out: TokenOutput) -> bool:
         """Take one output; True once the completion is finished (at a stop string, before the ranks know it)."""
         completion, params = self.output, self.request.params
+        if self.text is not None:
+            self.parts.append(self.text.add(out.token_ids, out.matched_stop, final=out.finish_reason is not None))
+            out = out.cut(self.text.kept)  # not the tokens after a stop string (several tokens a step: drafts)
         completion.token_ids.extend(out.token_ids)
         if out.logprobs is not None:  # in place: a new list per output made a long generation's copies quadratic
             if completion.token_logprobs is None:
@@ -92,7 +95,6 @@ class _Pending:
             if out.matched_stop in (params.stop_token_ids or ()):
                 completion.stop_reason = out.matched_stop
         if self.text is not None:
-            self.parts.append(self.text.add(out.token_ids, out.matched_stop, final=finish is not None))
             if self.text.stop.stopped:  # at its stop string (completed by its last token, too)
                 finish, completion.stop_reason = "stop", self.text.stop.matched
         if finish is not None:

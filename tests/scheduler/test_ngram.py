@@ -137,3 +137,28 @@ def test_a_server_with_drafts_streams_the_same_tokens(loopy_dir):
         text = httpx.get(f"{server.url}/metrics").text
         accepted = [line for line in text.splitlines() if line.startswith("vllm:spec_decode_num_accepted_tokens_total")]
         assert accepted and float(accepted[0].rsplit(" ", 1)[1]) > 0, accepted
+
+
+def test_a_stop_string_inside_an_accepted_run_ends_the_output_at_its_token(loopy_dir):
+    """A stop string completed by a token of an accepted run: the output ends at that token, as decoding's (the
+    tokens after it are neither returned nor counted, nor their log-probabilities)."""
+    prompts = [[i, i + 1, i + 2] for i in range(1, 600, 7)]
+    greedy = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    with LLM(loopy_dir, device="cpu") as llm:
+        plain = llm.generate(prompts, greedy, use_tqdm=False)
+        tokenizer = llm.get_tokenizer()
+    stops = []
+    for prompt, out in zip(prompts, plain):  # five tokens' text from the output: met again, or where it is drafted
+        ids = out.outputs[0].token_ids
+        text = next((t for j in range(5, 30) if len((t := tokenizer.decode(ids[j: j + 5])).strip()) > 3
+                     and "\ufffd" not in t), None)
+        if text is not None:
+            stops.append((prompt, SamplingParams(temperature=0, max_tokens=40, ignore_eos=True, stop=[text], logprobs=1)))
+    prompts, params = [p for p, _ in stops], [s for _, s in stops]
+    plain, _ = run(loopy_dir, params, None, prompts=prompts)
+    drafted, (_, accepted) = run(loopy_dir, params, SPEC, prompts=prompts)
+    assert accepted > 0
+    for p, d in zip(plain, drafted):
+        p, d = p.outputs[0], d.outputs[0]
+        assert (d.token_ids, d.text, d.finish_reason, d.stop_reason) == (p.token_ids, p.text, "stop", p.stop_reason)
+        assert len(d.logprobs) == len(p.logprobs) == len(p.token_ids)

@@ -242,3 +242,19 @@ def test_lora_answers_pass_through(tiny_tokenizer):
     m = DetokenizerManager(tiny_tokenizer)
     result = m.on_batch(BatchTokenOutput([], answers="load_lora", lora=LoRAAnswer(5, "no free LoRA slot")))
     assert result.api is not None and result.api.lora == LoRAAnswer(5, "no free LoRA slot") and result.api.outputs == []
+
+
+def test_a_stop_string_inside_several_tokens_of_one_output_ends_the_count_there(tiny_tokenizer):
+    """Several tokens in one output (speculative decoding's accepted drafts): a stop string completed by one of them
+    ends the output at that token; those after it are not counted, nor their log-probabilities sent."""
+    ids = ids_of(tiny_tokenizer, "keep this STOP here and not this")
+    end = next(k for k in range(len(ids)) if "STOP" in tiny_tokenizer.decode(ids[: k + 1])) + 1
+    m = DetokenizerManager(tiny_tokenizer)
+    m.register(DetokenizeRegister(rid=2, stop=["STOP"]))
+    out = TokenOutput(rid=2, token_ids=ids, prompt_tokens=3, logprobs=[-1.0] * len(ids),
+                      top_logprobs=[[]] * len(ids), ranks=[1] * len(ids))
+    res = m.on_batch(batch(out))
+    api = res.api.outputs[0]
+    assert (api.text, api.finish_reason, api.matched_stop) == ("keep this ", "stop", "STOP")
+    assert api.completion_tokens == api.new_tokens == end < len(ids)
+    assert len(api.logprobs) == end and res.aborts == [AbortRequest(rid=2)]

@@ -92,6 +92,16 @@ class TokenOutput(msgspec.Struct):
     # classifier's class logits there, little-endian float32
     embedding: bytes | None = None
 
+    def cut(self, kept: int) -> TokenOutput:
+        """Its first ``kept`` tokens and their log-probabilities (a stop string ended the output at them)."""
+        if kept >= len(self.token_ids):
+            return self
+        def first(values):
+            return None if values is None else values[:kept]
+        return msgspec.structs.replace(self, token_ids=self.token_ids[:kept], logprobs=first(self.logprobs),
+                                       top_logprobs=first(self.top_logprobs), ranks=first(self.ranks),
+                                       matched_stop=None)
+
 
 class SchedulerStats(msgspec.Struct):
     running: int

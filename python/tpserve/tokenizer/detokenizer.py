@@ -103,10 +103,11 @@ class DetokenizerManager:
         return DetokenizeResult(batch, aborts)
 
     def _step(self, rid: int, state: _RequestState, out: TokenOutput) -> ApiOutput:
+        text = state.text.add(out.token_ids, out.matched_stop, final=out.finish_reason is not None)
+        out = out.cut(state.text.kept)  # not the tokens after a stop string (several tokens a step: drafts)
         state.completion_tokens += len(out.token_ids)
         state.prompt_tokens = out.prompt_tokens or state.prompt_tokens
         state.cached_tokens = max(state.cached_tokens, out.cached_tokens)
-        text = state.text.add(out.token_ids, out.matched_stop, final=out.finish_reason is not None)
         stop = state.text.stop
         finish_reason = "stop" if stop.stopped else out.finish_reason
         if finish_reason is not None:

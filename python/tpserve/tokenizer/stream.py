@@ -158,9 +158,25 @@ class OutputText:
         self.stop = StopStringFilter(stop, include_stop)
         self._min_tokens = min_tokens
         self._tokens = 0
+        self.kept = 0  # of the last ``add``'s tokens, those the output keeps: up to the one that completed a stop string
 
     def add(self, token_ids: list[int], matched_stop: int | str | None, final: bool) -> str:
-        """The new text of ``token_ids``; ``matched_stop``: the stop token (an int) that ended the request, if one did."""
+        """The new text of ``token_ids``; ``matched_stop``: the stop token (an int) that ended the request, if one did.
+        Several tokens (speculative decoding's accepted drafts) are read one at a time, as decoding's come: a stop
+        string ends the output at the token that completed it (``kept``)."""
+        self.kept = len(token_ids)
+        if len(token_ids) > 1 and self.stop._stop:
+            texts = []
+            for count, token in enumerate(token_ids, start=1):
+                last = count == len(token_ids)
+                texts.append(self._add([token], matched_stop if last else None, final and last))
+                if self.stop.stopped:
+                    self.kept = count
+                    break
+            return "".join(texts)
+        return self._add(token_ids, matched_stop, final)
+
+    def _add(self, token_ids: list[int], matched_stop: int | str | None, final: bool) -> str:
         self._tokens += len(token_ids)
         if isinstance(matched_stop, int) and not self.stop.include_stop:
             token_ids = token_ids[:-1]  # an EOS shown by skip_special_tokens false too, as vLLM leaves it out
