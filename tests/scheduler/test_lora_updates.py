@@ -6,6 +6,7 @@ until then; and a reloaded adapter shares no cached prefix with the one it repla
 from __future__ import annotations
 
 import pytest
+import torch
 from msgspec.structs import replace
 
 from tpserve.engine.engine import Engine
@@ -138,3 +139,24 @@ def test_more_adapters_than_slots_take_turns(qwen3_dir, adapters, tmp_path):
         expected = (hf_greedy(qwen3_dir, prompt, 8) if name is None
                     else peft_greedy(qwen3_dir, paths[name], prompt, 8)[0])
         assert tokens[rid] == expected, (rid, name)
+
+
+def test_an_adapter_for_another_shape_is_refused_at_load_not_at_admission(qwen3_dir, adapters, tmp_path):
+    """An adapter whose tensors do not fit the model's layers (another model's hidden size) is refused when loaded,
+    as before the adapters were kept in host memory: copied into a slot at a request's admission, it raised in the
+    middle of a step (the scheduler, and every request, gone)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "wider"
+    shutil.copytree(adapters["all"], bad)
+    tensors = load_file(str(bad / "adapter_model.safetensors"))
+    name = next(n for n in tensors if n.endswith("q_proj.lora_A.weight"))
+    tensors[name] = torch.cat([tensors[name], tensors[name][:, :8]], dim=1)  # 8 more input features
+    save_file(tensors, str(bad / "adapter_model.safetensors"))
+    engine = Engine(EngineConfig(model=qwen3_dir, device="cpu", enable_lora=True, max_loras=1, max_lora_rank=8))
+    scheduler = Scheduler(engine)
+    with pytest.raises(ValueError, match=r"LoRA adapter tensor .*q_proj.lora_A.weight has shape"):
+        scheduler.load_lora("wider", str(bad))
+    assert not engine.loras.loaded

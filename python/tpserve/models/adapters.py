@@ -123,6 +123,10 @@ def read_adapter(layers: dict[str, ParallelLinear], path: str, config: AdapterCo
         for name, layer, shard_id, part, kind in targets:
             for piece_shard, piece_part, piece in _parts(layer, shard_id, part, kind, tensors.get_tensor(name), name):
                 write = _write(layer, piece, name, piece_shard, piece_part, kind, config)
+                slot_shape = (layer.lora.a if write.kind == "a" else layer.lora.b)[0][write.index].shape
+                if write.value.shape != slot_shape:  # checked here: a slot is filled mid-schedule, at an admission
+                    raise ValueError(f"LoRA adapter tensor {name} has shape {tuple(piece.shape)}: this model's "
+                                     f"layer takes {tuple(slot_shape)} (this rank's shard)")
                 writes.append(replace(write, value=write.value.pin_memory()) if pin else write)
     return AdapterWeights(tuple(writes))
 
