@@ -162,3 +162,15 @@ def test_a_stop_string_inside_an_accepted_run_ends_the_output_at_its_token(loopy
         p, d = p.outputs[0], d.outputs[0]
         assert (d.token_ids, d.text, d.finish_reason, d.stop_reason) == (p.token_ids, p.text, "stop", p.stop_reason)
         assert len(d.logprobs) == len(p.logprobs) == len(p.token_ids)
+
+
+def test_the_ngram_method_named_by_model_as_vllm_reads_it():
+    """vLLM takes {"model": "[ngram]"} (or "ngram") without a method as the ngram method, the older spelling of it."""
+    assert NgramConfig.from_json('{"model": "[ngram]", "num_speculative_tokens": 3, "prompt_lookup_max": 4}') \
+        == NgramConfig(3, 4, 4)
+    assert NgramConfig.from_json('{"model": "ngram", "method": "ngram", "num_speculative_tokens": 2}') \
+        == NgramConfig(2, 5, 5)
+    with pytest.raises(ValueError, match="drafts from a second model are not served"):
+        NgramConfig.from_json('{"model": "some/draft", "num_speculative_tokens": 3}')
+    with pytest.raises(ValueError, match="drafts from a second model are not served"):
+        NgramConfig.from_json('{"model": "some/draft", "method": "ngram", "num_speculative_tokens": 3}')

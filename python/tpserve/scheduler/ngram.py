@@ -35,12 +35,17 @@ class NgramConfig:
             raise ValueError(f"speculative_config must be a JSON object, got {text!r} ({e})") from None
         if not isinstance(config, dict):
             raise ValueError(f"speculative_config must be a JSON object, got {text!r}")
-        method = config.get("method")
+        method, model = config.get("method"), config.get("model")
+        if method is None and model in METHODS:
+            method = "ngram"  # vLLM's older spelling: the model names the method
         if method not in METHODS:
-            served = "" if method is None else f" (method {method!r}: drafts from a second model are not served)"
+            named = f"method {method!r}" if method is not None else None if model is None else f"model {model!r}"
+            served = "" if named is None else f" ({named}: drafts from a second model are not served)"
             raise ValueError(f"speculative_config: tpserve serves method \"ngram\" only{served}")
-        unknown = sorted(set(config) - {"method", "num_speculative_tokens", "prompt_lookup_min", "prompt_lookup_max",
-                                        "disable_by_batch_size"})
+        if model is not None and model not in METHODS:
+            raise ValueError(f"speculative_config: model {model!r}: drafts from a second model are not served")
+        unknown = sorted(set(config) - {"method", "model", "num_speculative_tokens", "prompt_lookup_min",
+                                        "prompt_lookup_max", "disable_by_batch_size"})
         if unknown:
             raise ValueError(f"speculative_config: {', '.join(unknown)} is not served with the ngram method")
         low, high = config.get("prompt_lookup_min"), config.get("prompt_lookup_max")
