@@ -591,11 +591,15 @@ def _params_per_prompt(
 
 
 def sum_stats(stats: list[SchedulerStats]) -> SchedulerStats:
-    """The replicas' stats added up (as if of one replica, 0)."""
+    """The replicas' stats added up (as if of one replica, 0); their adapter names joined."""
     if len(stats) == 1:
         return stats[0]
-    fields = [f for f in SchedulerStats.__struct_fields__ if f != "replica"]
-    return SchedulerStats(**{f: sum(getattr(s, f) for s in stats) for f in fields})
+
+    def total(name: str) -> int | list[str]:
+        values = [getattr(s, name) for s in stats]
+        return sorted(set().union(*values)) if isinstance(values[0], list) else sum(values)
+
+    return SchedulerStats(**{f: total(f) for f in SchedulerStats.__struct_fields__ if f != "replica"})
 
 
 def _check_chat_template(chat_template: Any) -> None:

@@ -45,3 +45,16 @@ def test_bad_dp_settings(qwen3_dir):
         LLM(qwen3_dir, device="cpu", dp_size=0)
     with pytest.raises(ValueError, match="load_balance_method must be one of cache_aware, minimum_tokens"):
         LLM(qwen3_dir, device="cpu", dp_size=2, load_balance_method="random")
+
+
+def test_replicas_stats_add_counts_and_join_adapter_names():
+    from tpserve.llm import sum_stats
+    from tpserve.message import SchedulerStats
+
+    one = SchedulerStats(running=1, waiting=2, kv_pages_used=3, kv_pages_total=10, draft_tokens_total=4,
+                         running_loras=["b"], waiting_loras=["a"])
+    two = SchedulerStats(running=2, waiting=0, kv_pages_used=1, kv_pages_total=10, replica=1, accepted_tokens_total=5,
+                         running_loras=["a", "b"])
+    total = sum_stats([one, two])
+    assert (total.running, total.waiting, total.kv_pages_total, total.draft_tokens_total) == (3, 2, 20, 4)
+    assert (total.accepted_tokens_total, total.running_loras, total.waiting_loras, total.replica) == (5, ["a", "b"], ["a"], 0)
