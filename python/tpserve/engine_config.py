@@ -94,7 +94,7 @@ class EngineConfig:
     # the cross-encoder it is ({"architectures": ["Qwen3ForSequenceClassification"], "classifier_from_token": ["no",
     # "yes"]})
     hf_overrides: str | None = None
-    # vLLM's --speculative-config, as JSON object text: n-gram drafts (scheduler/ngram.py; turns overlap off)
+    # vLLM's --speculative-config, as JSON object text: n-gram drafts (scheduler/ngram.py)
     speculative_config: str | None = None
 
     @property

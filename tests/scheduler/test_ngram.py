@@ -47,6 +47,10 @@ def test_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix():
     assert config.propose(np.array([1, 2, 3, 9, 8, 2, 3, 7, 1, 2, 3]), 2) == [9, 8], "at most the room"
     assert config.propose(np.array([4, 5, 6]), 3) == [] and config.propose(np.array([4]), 3) == []
     assert NgramConfig(3, 2, 3).propose(np.array([1, 2, 9, 3, 2]), 3) == [], "one token matching is below the min"
+    run = np.array([4, 6, 6, 6, 6, 6, 6])
+    assert config.propose(run, 3) == [6, 6, 6], "in a run of one token, an occurrence followed by enough of it"
+    assert config.propose(tokens, 5, skip=1) == [8, 2, 3], "the guess of a token not yet known left out"
+    assert config.propose(np.array([5, 8, 8]), 3, skip=1) == [], "nothing after the guess"
 
 
 @pytest.fixture(scope="module")

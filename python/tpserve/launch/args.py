@@ -173,8 +173,8 @@ def build_parser() -> argparse.ArgumentParser:
                        "\"num_speculative_tokens\": 4, \"prompt_lookup_max\": 4, \"prompt_lookup_min\": 2}' drafts "
                        "the tokens that followed the latest earlier occurrence of a request's last 2-4 tokens and "
                        "checks them in one step (the same output, in fewer steps where text repeats its context); "
-                       "optional disable_by_batch_size: no drafts while more requests run. Turns overlap "
-                       "scheduling off")
+                       "optional disable_by_batch_size: no drafts while more requests run. A step with drafts is "
+                       "waited for before the next is planned (overlap scheduling stays on for steps without)")
     model.add_argument("--hf-overrides", type=json_object_arg, default=None, metavar="JSON",
                        help="config.json keys to replace (top-level), as vLLM's flag; e.g. Qwen3-Reranker as the "
                        "cross-encoder it is: '{\"architectures\": [\"Qwen3ForSequenceClassification\"], "

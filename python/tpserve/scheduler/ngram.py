@@ -64,17 +64,23 @@ class NgramConfig:
             raise ValueError(f"speculative_config: disable_by_batch_size must be an integer >= 2, got {limit!r}")
         return cls(values["num_speculative_tokens"], low, high, limit)
 
-    def propose(self, tokens: np.ndarray, most: int) -> list[int]:
+    def propose(self, tokens: np.ndarray, most: int, skip: int = 0) -> list[int]:
         """Up to ``most`` drafts after ``tokens`` (a request's prompt and output so far): the tokens that followed
         the latest earlier occurrence of its longest suffix of ``prompt_lookup_min``..``prompt_lookup_max`` tokens
-        that has one."""
+        that has one, the first ``skip`` of them left out (guesses of tokens sampled but not yet known). An
+        occurrence followed by too few tokens (in a run of one repeated token, the latest is the one just before)
+        gives way to the latest followed by enough, else the earliest."""
         most = min(most, self.num_speculative_tokens)
         length = len(tokens)
         for n in range(min(self.prompt_lookup_max, length - 1), self.prompt_lookup_min - 1, -1):
             windows = np.lib.stride_tricks.sliding_window_view(tokens[: length - 1], n)
             hits = np.flatnonzero((windows == tokens[length - n:]).all(axis=1))
-            if len(hits):
-                start = int(hits[-1]) + n
+            if not len(hits):
+                continue
+            starts = hits + n + skip
+            enough = starts[starts + most <= length]
+            start = int(enough[-1] if len(enough) else starts[0])
+            if start < length:
                 return tokens[start: start + most].tolist()
         return []
 

@@ -99,8 +99,7 @@ class Scheduler:
         self.preemptions_total = 0
         self.check_accounting = self.config.debug_check_invariants
         self.speculative = NgramConfig.from_json(self.config.speculative_config)
-        # drafts are searched from each request's last token: the host must know it before the next step is planned
-        self.overlap = not self.config.disable_overlap and self.speculative is None
+        self.overlap = not self.config.disable_overlap
         self.draft_tokens_total = 0
         self.accepted_tokens_total = 0
         self.inflight: _Launched | None = None
@@ -339,7 +338,8 @@ class Scheduler:
         for _, req in drafted:  # the draft positions' samples, after the sequences': each at its own step
             params += [req.params] * len(req.drafts)
             seeds += [req.seed] * len(req.drafts)
-            steps += range(len(req.output_ids), len(req.output_ids) + len(req.drafts))
+            first = len(req.output_ids) + req.pending
+            steps += range(first, first + len(req.drafts))
         vocab = self.engine.model_config.vocab_size
         sampling = SamplingBatch.build(params, seeds, steps, vocab, self.engine.device)
         params = params[: len(scheduled)]
@@ -368,7 +368,7 @@ class Scheduler:
                 req.future_row = row
             entries.append((req, sampled[row]))
         return _Launched(entries, prepared, constrained, prompt_rows=prompt_rows,
-                         needs_drain=any(p.needs_output_history and s for p, s in zip(params, sampled)),
+                         needs_drain=bool(drafts) or any(p.needs_output_history and s for p, s in zip(params, sampled)),
                          no_token_rows=no_token_rows, drafts=drafts)
 
     def _start(self, launched: _Launched) -> None:
@@ -558,18 +558,22 @@ class Scheduler:
 
     def _drafts(self, req: Request) -> list[int]:
         """A decoding request's n-gram drafts for this step (speculative decoding), as many as its token budget,
-        the context and its own pages plus the free ones allow (drafts never evict a cached prefix or preempt)."""
+        the context and its own pages plus the free ones allow (drafts never take a cached prefix's pages).
+        Under overlap its last token may still be on the device (``pending``): the search then ends a token
+        earlier and its first draft, that token's guess, is dropped (a wrong guess leaves drafts that its
+        sample rejects). A step with drafts is drained before the next is planned (``_Launched.needs_drain``):
+        the next chunk starts where its accepted tokens end."""
         spec = self.speculative
-        if (spec is None or req.pending or req.params.edits_logits or req.params.pooling is not None
+        if (spec is None or req.pending > 1 or req.params.edits_logits or req.params.pooling is not None
                 or (spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size)):
             return []
-        room = min(req.samples_left, self.max_model_len - req.num_tokens) - 1
+        room = min(req.samples_left, self.max_model_len - req.num_tokens - req.pending) - 1
         room = min(room, (len(req.pages) + self.allocator.num_free) * self.page_size - req.num_cached - 1)
         if room <= 0:
             return []
         if req.history is None:
             req.history = TokenHistory(req.prompt_ids)
-        return spec.propose(req.history.tokens(req.output_ids), room)
+        return spec.propose(req.history.tokens(req.output_ids), room, skip=req.pending)
 
     def _chunk(self, req: Request, n: int) -> int:
         """``n`` tokens, fewer for a prompt whose log-probabilities are asked (``PROMPT_LOGPROBS_CHUNK``)."""
