@@ -10,8 +10,13 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import numpy as np
+
+if TYPE_CHECKING:
+    from tpserve.kvcache.pool import PageAllocator
+    from tpserve.scheduler.request import Request
 
 METHODS = ("ngram", "[ngram]")  # vLLM's names for it
 
@@ -104,3 +109,48 @@ class TokenHistory:
         self.array[self.length: end] = new
         self.length = end
         return self.array[:end]
+
+
+class Drafting:
+    """The scheduler's side of it (mixed into ``Scheduler``): each decoding request's drafts, and the tokens a
+    drafted row keeps."""
+
+    speculative: NgramConfig | None
+    running: dict[int, Request]
+    allocator: PageAllocator
+    max_model_len: int
+    page_size: int
+    draft_tokens_total: int
+    accepted_tokens_total: int
+
+    def _drafts(self, req: Request) -> list[int]:
+        """A decoding request's n-gram drafts for this step (speculative decoding), as many as its token budget,
+        the context and its own pages plus the free ones allow (drafts never take a cached prefix's pages).
+        Under overlap its last token may still be on the device (``pending``): the search then ends a token
+        earlier and its first draft, that token's guess, is dropped (a wrong guess leaves drafts that its
+        sample rejects). A step with drafts is drained before the next is planned (``_Launched.needs_drain``):
+        the next chunk starts where its accepted tokens end."""
+        spec = self.speculative
+        if (spec is None or req.pending > 1 or req.params.edits_logits or req.params.pooling is not None
+                or (spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size)):
+            return []
+        room = min(req.samples_left, self.max_model_len - req.num_tokens - req.pending) - 1
+        room = min(room, (len(req.pages) + self.allocator.num_free) * self.page_size - req.num_cached - 1)
+        if room <= 0:
+            return []
+        if req.history is None:
+            req.history = TokenHistory(req.prompt_ids)
+        return spec.propose(req.history.tokens(req.output_ids), room, skip=req.pending)
+
+    def _accepted(self, req: Request, drafts: list[int], first: int, tokens: list[int],
+                  row: int) -> tuple[list[int], list[int]]:
+        """A drafted row's new tokens and their sample rows: each position's sample (``first`` on among
+        ``tokens``; the last position's at ``row``) while the draft after it equals it, then the first that does
+        not. The K/V computed past them is left behind (overwritten when those positions come again)."""
+        rows = [*range(first, first + len(drafts)), row]
+        samples = [tokens[r] for r in rows]
+        accepted = next((i for i, (draft, sample) in enumerate(zip(drafts, samples)) if draft != sample), len(drafts))
+        self.draft_tokens_total += len(drafts)
+        self.accepted_tokens_total += accepted
+        req.num_cached -= len(drafts) - accepted
+        return samples[: accepted + 1], rows[: accepted + 1]

@@ -30,7 +30,8 @@ from tpserve.message import SchedulerStats, TokenOutput
 from tpserve.pooling import task_problem, unserved_pooling
 from tpserve.sampling_params import SamplingParams
 from tpserve.scheduler import prompt_logprobs
-from tpserve.scheduler.ngram import NgramConfig, TokenHistory
+from tpserve.scheduler.lora import LoRAScheduling
+from tpserve.scheduler.ngram import Drafting, NgramConfig
 from tpserve.scheduler.request import Request
 from tpserve.structured.grammar import GrammarCompiler, MaskFiller
 from tpserve.structured.waitlist import GrammarWaitlist
@@ -78,7 +79,7 @@ class AdmissionError(ValueError):
     """The request can never run (e.g. longer than the context or the whole KV cache)."""
 
 
-class Scheduler:
+class Scheduler(LoRAScheduling, Drafting):
     def __init__(self, engine: Engine) -> None:
         self.engine = engine
         self.config = engine.config
@@ -195,35 +196,6 @@ class Scheduler:
         self.allocator.free(self.cache.evict(self.cache.num_pages))
         return self.allocator.num_free == self.allocator.total
 
-    # ---- LoRA adapters loaded and unloaded at run time (every rank at the same point of its schedule) ----
-    def load_lora(self, name: str, path: str) -> None:
-        """Load an adapter (into host memory; a slot when a request needs it); a ValueError says why it cannot be."""
-        self.engine.load_lora(name, path)
-        logger.info("LoRA adapter %r loaded from %s", name, path)
-
-    def unload_lora(self, name: str) -> None:
-        """New requests may no longer name the adapter; those that did finish with it, and its slot is free once
-        no admitted request uses it."""
-        self.engine.loras.remove(name)
-        self._release_lora_slots()
-        logger.info("LoRA adapter %r unloaded", name)
-
-    def _release_lora_slots(self) -> None:
-        """Free the slots of unloaded adapters that no admitted request (running or in flight) uses."""
-        unloaded = self.engine.loras.unloaded_slots()
-        if unloaded:
-            busy = self._busy_lora_slots()
-            for slot in unloaded:
-                if slot not in busy:
-                    self.engine.release_lora_slot(slot)
-
-    def _busy_lora_slots(self) -> set[int]:
-        """The adapter slots admitted requests use: their adapters stay put while they run."""
-        busy = {req.lora_slot for req in self.running.values()}
-        if self.inflight is not None:  # a request aborted with a step in flight: that step still reads its slot
-            busy.update(req.lora_slot for req, _ in self.inflight.entries)
-        return busy
-
     @property
     def has_work(self) -> bool:
         """Something to step (requests compiling their grammar wait for ``attach_grammar``)."""
@@ -246,13 +218,6 @@ class Scheduler:
             accepted_tokens_total=self.accepted_tokens_total,
             **self._lora_stats(),
         )
-
-    def _lora_stats(self) -> dict[str, list[str]]:
-        if not self.engine.loras.capacity:
-            return {}
-        waiting = (*self.waiting, *self.compiling.requests())
-        return {"running_loras": sorted({req.adapter.name for req in self.running.values() if req.adapter}),
-                "waiting_loras": sorted({req.adapter.name for req in waiting if req.adapter})}
 
     # ---- one step ----
     def step(self) -> list[TokenOutput]:
@@ -488,19 +453,6 @@ class Scheduler:
                 self._retire(self.running.pop(req.rid))
         return outputs
 
-    def _accepted(self, req: Request, drafts: list[int], first: int, tokens: list[int],
-                  row: int) -> tuple[list[int], list[int]]:
-        """A drafted row's new tokens and their sample rows: each position's sample (``first`` on among
-        ``tokens``; the last position's at ``row``) while the draft after it equals it, then the first that does
-        not. The K/V computed past them is left behind (overwritten when those positions come again)."""
-        rows = [*range(first, first + len(drafts)), row]
-        samples = [tokens[r] for r in rows]
-        accepted = next((i for i, (draft, sample) in enumerate(zip(drafts, samples)) if draft != sample), len(drafts))
-        self.draft_tokens_total += len(drafts)
-        self.accepted_tokens_total += accepted
-        req.num_cached -= len(drafts) - accepted
-        return samples[: accepted + 1], rows[: accepted + 1]
-
     def _drain(self) -> list[TokenOutput]:
         """Wait for the step in flight and apply its samples."""
         launched, self.inflight = self.inflight, None
@@ -555,25 +507,6 @@ class Scheduler:
             admitted.append((req, n))
             budget -= n
         return admitted
-
-    def _drafts(self, req: Request) -> list[int]:
-        """A decoding request's n-gram drafts for this step (speculative decoding), as many as its token budget,
-        the context and its own pages plus the free ones allow (drafts never take a cached prefix's pages).
-        Under overlap its last token may still be on the device (``pending``): the search then ends a token
-        earlier and its first draft, that token's guess, is dropped (a wrong guess leaves drafts that its
-        sample rejects). A step with drafts is drained before the next is planned (``_Launched.needs_drain``):
-        the next chunk starts where its accepted tokens end."""
-        spec = self.speculative
-        if (spec is None or req.pending > 1 or req.params.edits_logits or req.params.pooling is not None
-                or (spec.disable_by_batch_size is not None and len(self.running) > spec.disable_by_batch_size)):
-            return []
-        room = min(req.samples_left, self.max_model_len - req.num_tokens - req.pending) - 1
-        room = min(room, (len(req.pages) + self.allocator.num_free) * self.page_size - req.num_cached - 1)
-        if room <= 0:
-            return []
-        if req.history is None:
-            req.history = TokenHistory(req.prompt_ids)
-        return spec.propose(req.history.tokens(req.output_ids), room, skip=req.pending)
 
     def _chunk(self, req: Request, n: int) -> int:
         """``n`` tokens, fewer for a prompt whose log-probabilities are asked (``PROMPT_LOGPROBS_CHUNK``)."""
