@@ -11,7 +11,7 @@ import pytest
 
 from tpserve.parsers.chat_output import ChatOutputConfig, ChatOutputParser, create_tool_parser
 from tpserve.parsers.reasoning import create_reasoning_parser
-from test_parsers import run_tools as accumulate
+from test_parsers import rebuilt_by_the_openai_sdk, run_tools as accumulate
 
 
 def chunkings(text: str) -> list[list[str]]:
@@ -256,25 +256,7 @@ def test_phi4_mini_json_calls_in_any_chunking(text, content, calls, cut_short):
 def test_streamed_calls_rebuilt_by_the_openai_sdk(parser, text):
     """The deltas, sent in chunks as the server sends them, rebuild the calls in the openai SDK's own stream
     accumulator."""
-    from openai.lib.streaming.chat import ChatCompletionStreamState
-    from openai.types.chat import ChatCompletionChunk
-
-    from tpserve.parsers.tool_calls import merge_deltas
-
-    state = ChatCompletionStreamState()
-    tool_parser = create_tool_parser(parser)
-    pieces = [text[i: i + 3] for i in range(0, len(text), 3)]
-    for i, piece in enumerate(pieces + [""]):
-        out = tool_parser.feed(piece, final=i == len(pieces))
-        delta: dict = {"role": "assistant"} if i == 0 else {}
-        if out.content:
-            delta["content"] = out.content
-        if out.calls:
-            delta["tool_calls"] = [d.to_openai() for d in merge_deltas(out.calls)]
-        chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
-                 "choices": [{"index": 0, "delta": delta, "finish_reason": "tool_calls" if i == len(pieces) else None}]}
-        state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
-    message = state.get_final_completion().choices[0].message
+    message, tool_parser, _ = rebuilt_by_the_openai_sdk(parser, text)
     assert [(c.id, c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == [
         (c.id, c.name, json.loads(c.arguments)) for c in tool_parser.calls]
     assert len(message.tool_calls) == 2

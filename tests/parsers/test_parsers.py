@@ -410,11 +410,9 @@ def test_qwen3_coder_is_detected_from_its_template():
     assert detect_tool_parser(v11) == "mistral"
 
 
-@pytest.mark.parametrize("parser,text", [("hermes", HERMES), ("llama3_json", LLAMA), ("qwen3_coder", CODER),
-                                         ("mistral", MISTRAL), ("mistral", MISTRAL_V11)])
-def test_streamed_calls_rebuilt_by_the_openai_sdk(parser, text):
-    """The deltas, sent in chunks as the server sends them, rebuild the calls in the openai SDK's
-    own stream accumulator, with the arguments arriving in several fragments."""
+def rebuilt_by_the_openai_sdk(parser: str, text: str):
+    """(the final message, the parser, the argument fragments sent): ``text`` fed to parser ``parser`` in chunks of 3
+    characters, its deltas sent as the server sends them into the openai SDK's own stream accumulator."""
     from openai.lib.streaming.chat import ChatCompletionStreamState
     from openai.types.chat import ChatCompletionChunk
 
@@ -435,7 +433,15 @@ def test_streamed_calls_rebuilt_by_the_openai_sdk(parser, text):
         chunk = {"id": "c", "object": "chat.completion.chunk", "created": 0, "model": "m",
                  "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
         state.handle_chunk(ChatCompletionChunk.model_validate(chunk))
-    message = state.get_final_completion().choices[0].message
+    return state.get_final_completion().choices[0].message, tool_parser, fragments
+
+
+@pytest.mark.parametrize("parser,text", [("hermes", HERMES), ("llama3_json", LLAMA), ("qwen3_coder", CODER),
+                                         ("mistral", MISTRAL), ("mistral", MISTRAL_V11)])
+def test_streamed_calls_rebuilt_by_the_openai_sdk(parser, text):
+    """The deltas, sent in chunks as the server sends them, rebuild the calls in the openai SDK's
+    own stream accumulator, with the arguments arriving in several fragments."""
+    message, tool_parser, fragments = rebuilt_by_the_openai_sdk(parser, text)
     expected = [(c.name, json.loads(c.arguments)) for c in tool_parser.calls]
     assert [(c.function.name, json.loads(c.function.arguments)) for c in message.tool_calls] == expected
     assert [c.id for c in message.tool_calls] == [c.id for c in tool_parser.calls]
