@@ -4,7 +4,6 @@ implements, and its split over TP ranks (``check_tp_size``). The serving setting
 from __future__ import annotations
 
 import dataclasses
-import logging
 import math
 import os
 from dataclasses import dataclass
@@ -17,7 +16,6 @@ from tpserve.models.checkpoint import read_json_object, tensor_names
 from tpserve.models.names import converted
 from tpserve.quant.config import QuantConfig, parse_quantization_config
 
-logger = logging.getLogger(__name__)
 
 SUPPORTED_ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
@@ -192,17 +190,21 @@ def _check_sizes(cfg: dict[str, Any]) -> None:
             raise ValueError(f"config.json: {key} must be a positive integer, got {value!r}")
 
 
-def _sliding_window(hf: Any, kind: str) -> int | None:
-    """The attention window of any layer that has one (None: every layer attends to the whole context)."""
+def _sliding_window(hf: Any, kind: str) -> tuple[int | None, tuple[int, ...]]:
+    """(the attention window, the layers that attend within it) as transformers reads them; (None, ()) where every
+    layer attends to the whole context. A layer attends to its own token and the window - 1 before it."""
     window = getattr(hf, "sliding_window", None)
     # transformers' Qwen3-MoE (whose config keeps the window only with use_sliding_window), Mistral, Mixtral and Phi-3
     # apply it to every layer and ignore any layer_types a config.json carries
     if kind in ("qwen3_moe", "mistral", "mixtral", "phi3"):
-        return window
-    layer_types = getattr(hf, "layer_types", None)
-    if layer_types is not None:
-        return window if any(t != "full_attention" for t in layer_types) else None
-    return None
+        layers = tuple(range(hf.num_hidden_layers)) if window is not None else ()
+    else:  # the others by layer_types (where no layer has a window, Qwen2-MoE's config says sliding_window 0)
+        layers = tuple(i for i, t in enumerate(getattr(hf, "layer_types", None) or ()) if t == "sliding_attention")
+    if not layers:
+        return None, ()
+    if isinstance(window, bool) or not isinstance(window, int) or window < 1:
+        raise ValueError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
+    return window, layers
 
 
 @dataclass(frozen=True)
@@ -251,19 +253,15 @@ def _moe_config(hf: Any, kind: str, num_layers: int) -> MoEConfig | None:
     return MoEConfig(num_experts, hf.num_experts_per_tok, expert_size, norm_topk, tuple(layers), shared, size_key)
 
 
-def _context_length(rope: dict[str, Any], max_positions: int, window: int | None) -> int:
+def _context_length(rope: dict[str, Any], max_positions: int) -> int:
     """The longest sequence served: YaRN and linear scaling extend the trained context as vLLM reads
-    them (original context, resp. max_position_embeddings, x factor); with no sliding-window attention
-    a windowed model is served up to its window, where full attention computes the same thing."""
+    them (original context, resp. max_position_embeddings, x factor)."""
     length = max_positions
     factor = rope.get("factor")
     if rope.get("rope_type") == "yarn" and factor:
         length = max(length, int(rope.get("original_max_position_embeddings", max_positions) * factor))
     elif rope.get("rope_type") == "linear" and factor:
         length = int(max_positions * factor)
-    if window is not None and window < length:
-        logger.warning("the model uses sliding-window attention (window %d): serving contexts up to %d tokens", window, window)
-        length = window
     return length
 
 
@@ -320,6 +318,15 @@ class ModelConfig:
     # Gemma 3: the layers (local_layers) that attend within the sliding window rotate with these parameters
     local_rope_parameters: dict[str, Any] | None = None
     local_layers: tuple[int, ...] = ()
+    # sliding-window attention: these layers attend to their token and the sliding_window - 1 before it (Gemma 3's
+    # local layers; every layer of Mistral, Mixtral and Phi-3 with a window; Qwen2's from max_window_layers on)
+    sliding_window: int | None = None
+    window_layers: tuple[int, ...] = ()
+
+    @property
+    def layer_windows(self) -> tuple[int, ...]:
+        """Each layer's attention window in tokens; 0 for the whole context."""
+        return tuple(self.sliding_window if i in self.window_layers else 0 for i in range(self.num_hidden_layers))
 
     @property
     def attention_scale(self) -> float:
@@ -391,7 +398,8 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             rope_parameters=rope,
             max_position_embeddings=hf.max_position_embeddings,
-            context_length=_context_length(rope, hf.max_position_embeddings, _sliding_window(hf, kind)),
+            context_length=_context_length(rope, hf.max_position_embeddings),
+            **dict(zip(("sliding_window", "window_layers"), _sliding_window(hf, kind))),
             # a bare decoder's or a classifier's LM head is its embedding (no memory of its own): its logits only
             # feed the one sample a pooled request discards
             tie_word_embeddings=bool(hf.tie_word_embeddings) or bare or classifier,

@@ -192,24 +192,30 @@ def test_query_heads_must_be_a_multiple_of_the_kv_heads():
         ModelConfig.from_dict({**base_config(), "num_key_value_heads": 3})
 
 
-def test_sliding_window_caps_the_context():
-    """No sliding-window attention in tpserve: a windowed model is served up to its window, where
-    full attention computes the same thing (never silently past it)."""
+def test_sliding_windows_are_read_as_transformers_reads_them():
+    """Which layers attend within sliding_window (test_sliding_window.py checks their tokens against transformers'); the
+    context is not capped by it."""
     mistral = ModelConfig.from_dict({**base_config("mistral"), "sliding_window": 1024})
-    assert mistral.context_length == 1024
+    assert mistral.layer_windows == (1024, 1024) and mistral.context_length == 4096
     qwen2 = ModelConfig.from_dict({**base_config("qwen2"), "use_sliding_window": True, "sliding_window": 512,
                                    "max_window_layers": 1})
-    assert qwen2.context_length == 512
+    assert qwen2.layer_windows == (0, 512) and qwen2.context_length == 4096
     no_window_layers = ModelConfig.from_dict({**base_config("qwen2"), "use_sliding_window": True,
                                               "sliding_window": 512, "max_window_layers": 2})
-    assert no_window_layers.context_length == 4096
-    assert ModelConfig.from_dict({**base_config("mistral"), "sliding_window": None}).context_length == 4096
+    assert no_window_layers.layer_windows == (0, 0) and no_window_layers.sliding_window is None
+    unused = ModelConfig.from_dict({**base_config("qwen2"), "use_sliding_window": False, "sliding_window": 512,
+                                    "max_window_layers": 0})
+    assert unused.layer_windows == (0, 0)
+    assert ModelConfig.from_dict({**base_config("mistral"), "sliding_window": None}).layer_windows == (0, 0)
     # transformers' Qwen3-MoE windows every layer whatever layer_types says (a probe's config.json carried both)
     moe = {**base_config("qwen3_moe"), "num_experts": 4, "num_experts_per_tok": 2, "moe_intermediate_size": 32,
            "use_sliding_window": True, "sliding_window": 16}
-    assert ModelConfig.from_dict(moe).context_length == 16
-    assert ModelConfig.from_dict({**moe, "layer_types": ["full_attention"] * 2}).context_length == 16
-    assert ModelConfig.from_dict({**moe, "use_sliding_window": False}).context_length == 4096
+    assert ModelConfig.from_dict(moe).layer_windows == (16, 16)
+    assert ModelConfig.from_dict({**moe, "layer_types": ["full_attention"] * 2}).layer_windows == (16, 16)
+    assert ModelConfig.from_dict({**moe, "use_sliding_window": False}).layer_windows == (0, 0)
+    for bad in (0, -4):  # (a float or a string: transformers' own error, naming the field)
+        with pytest.raises(ValueError, match=rf"sliding_window must be a positive integer or null, got {bad!r}"):
+            ModelConfig.from_dict({**base_config("mistral"), "sliding_window": bad})
 
 
 REAL_CONFIGS = os.path.join(os.path.dirname(__file__), "..", "data", "configs")
@@ -347,11 +353,11 @@ def test_qwen3_moe_tp_errors_name_the_expert_size():
 
 def test_mixtral_config():
     """Mixtral: every layer sparse, its experts intermediate_size wide, the top k always renormalised; the window
-    (transformers' Mixtral: every layer) caps the context as Mistral's."""
+    applies to every layer, as Mistral's."""
     cfg = ModelConfig.from_dict({**base_config("mixtral"), "num_local_experts": 8, "num_experts_per_tok": 2,
                                  "intermediate_size": 96, "sliding_window": 1024})
     assert cfg.moe == MoEConfig(8, 2, 96, True, (0, 1), 0, "intermediate_size") and cfg.dense_layers == ()
-    assert not cfg.qk_norm and not cfg.qkv_bias and cfg.context_length == 1024
+    assert not cfg.qk_norm and not cfg.qkv_bias and cfg.layer_windows == (1024, 1024)
     cfg.check_tp_size(2)
     with pytest.raises(ValueError, match="tp_size 4 does not divide num_experts 6 .expert parallelism"):
         ModelConfig.from_dict({**base_config("mixtral"), "num_attention_heads": 8, "num_key_value_heads": 8,
@@ -383,7 +389,7 @@ def test_mistral_and_mixtral_window_every_layer_whatever_layer_types_says():
     for arch, extra in (("mistral", {}), ("mixtral", {"num_local_experts": 4, "num_experts_per_tok": 2})):
         cfg = ModelConfig.from_dict({**base_config(arch), **extra, "sliding_window": 16,
                                      "layer_types": ["full_attention"] * 2})
-        assert cfg.context_length == 16, arch
+        assert cfg.layer_windows == (16, 16), arch
 
 
 def test_qwen2_moe_config():

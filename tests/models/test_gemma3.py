@@ -71,8 +71,8 @@ def test_each_gemma_setting_changes_the_logits(gemma3_dir, tmp_path, change):
 
 
 def test_the_published_config_is_read_as_transformers_reads_it():
-    """gemma-3-1b-it: global layers every sixth (theta 1,000,000), the others local (theta 10,000); the window bounds
-    the context (tpserve has no sliding-window attention: full attention computes the same within it)."""
+    """gemma-3-1b-it: global layers every sixth (theta 1,000,000), the others local (theta 10,000, a window of 512
+    tokens)."""
     config = ModelConfig.from_dict(GEMMA3_1B)
     assert config.local_layers == tuple(i for i in range(26) if (i + 1) % 6)
     assert config.rope_parameters == {"rope_type": "default", "rope_theta": 1000000.0}
@@ -80,7 +80,8 @@ def test_the_published_config_is_read_as_transformers_reads_it():
     assert config.attention_scale == 256**-0.5 and config.head_dim == 256 and config.num_key_value_heads == 1
     assert config.embedding_multiplier == 1152**0.5 and config.tie_word_embeddings
     assert config.hidden_act == "gelu_tanh" and config.norm_weight_offset == 1.0 and config.sandwich_norms
-    assert config.context_length == 512 and config.eos_token_ids == (1, 106)
+    assert config.context_length == 32768 and config.eos_token_ids == (1, 106)
+    assert config.window_layers == config.local_layers and set(config.layer_windows) == {0, 512}
     config.check_tp_size(2)  # the one KV head replicated
     # the 4B+'s text config: linear scaling (factor 8) of the global layers only
     scaled = ModelConfig.from_dict({**GEMMA3_1B, "rope_scaling": {"rope_type": "linear", "factor": 8.0}})

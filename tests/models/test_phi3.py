@@ -1,7 +1,7 @@
 """Phi-3 (Phi3ForCausalLM: Phi-3, Phi-3.5-MoE aside, Phi-4): Llama's decoder whose checkpoints fuse q/k/v into one
 ``qkv_proj`` and gate/up into one ``gate_up_proj``; the loader splits them into the parts it shards
 (test_vs_transformers checks the tokens at TP 1 and 2). Here: what a checkpoint that does not fit says, and the
-sliding window Phi-3-mini's config carries."""
+sliding window Phi-3-mini's config carries (test_sliding_window.py: its tokens)."""
 
 from __future__ import annotations
 
@@ -44,12 +44,13 @@ def test_a_missing_fused_tensor_is_named_as_the_checkpoint_spells_it(phi3_dir, t
         LLM(bad, device="cpu")
 
 
-def test_phi3_minis_sliding_window_bounds_the_context(phi3_dir):
-    """transformers' Phi-3 applies sliding_window to every layer (Phi-3-mini-4k's 2047): served up to it."""
+def test_phi3_minis_sliding_window_applies_to_every_layer(phi3_dir):
+    """transformers' Phi-3 applies sliding_window to every layer (Phi-3-mini-4k's 2047)."""
     with open(os.path.join(phi3_dir, "config.json")) as f:
         config = json.load(f)
-    assert ModelConfig.from_dict(config).context_length == config["max_position_embeddings"]
-    assert ModelConfig.from_dict({**config, "sliding_window": 2047}).context_length == 2047
+    assert ModelConfig.from_dict(config).layer_windows == (0, 0)
+    windowed = ModelConfig.from_dict({**config, "sliding_window": 2047})
+    assert windowed.layer_windows == (2047, 2047) and windowed.context_length == config["max_position_embeddings"]
 
 
 def test_partial_rotary_and_longrope_are_refused(phi3_dir):

@@ -15,9 +15,9 @@ from tpserve.kvcache.pool import PageAllocator
 ARCHS = [
     ("qwen3", {}),
     ("qwen3", {"tie_word_embeddings": True, "num_shards": 3}),
-    ("qwen2", {}),
+    ("qwen2", {"sliding_window": 8}),  # layer 0 attends to the whole context, layer 1 within 8 tokens
     ("llama", {}),  # with llama3 rope scaling
-    ("mistral", {"num_kv_heads": 1}),
+    ("mistral", {"num_kv_heads": 1, "sliding_window": 8}),  # every layer within 8 tokens
     ("qwen3_moe", {"num_layers": 3}),  # 8 experts, top-2, layer 0 dense (mlp_only_layers)
     ("qwen3_moe", {"num_experts_per_tok": 3, "norm_topk_prob": False, "mlp_only_layers": ()}),
     # a gated shared expert beside the routed ones, q/k/v biases, layer 0 dense, the top k not renormalised
@@ -27,8 +27,8 @@ ARCHS = [
     # Granite 3's embedding, residual, attention and logits scalars; tied embeddings as Granite 3's
     ("granite", {"tie_word_embeddings": True}),
     ("phi3", {}),  # q/k/v and gate/up fused in the checkpoint, split before sharding
-    # (1 + weight) and sandwich norms, GELU, sqrt(hidden) embedding, query_pre_attn_scalar, local and global rotary
-    # (linear scaling), head_dim 32 of hidden 64 / 4 heads, tied embeddings as Gemma 3's
+    # (1 + weight) and sandwich norms, GELU, sqrt(hidden) embedding, query_pre_attn_scalar, local (a window of 16
+    # tokens) and global rotary (linear scaling), head_dim 32 of hidden 64 / 4 heads, tied embeddings as Gemma 3's
     ("gemma3_text", {"num_kv_heads": 1, "head_dim": 32, "tie_word_embeddings": True}),
 ]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 137))]
@@ -87,7 +87,8 @@ def test_logits_and_greedy_match_transformers(tiny_model_factory, arch, kwargs):
         (4, "olmoe", {"norm_topk_prob": False}, {}),  # and the 2 KV heads' counted once though each is on 2 ranks
         (2, "olmoe", {"norm_topk_prob": False}, {"expert_parallel": True}),
         (2, "granite", {"tie_word_embeddings": True}, {}),  # the residual multiplier in each rank's o/down shard
-        (2, "phi3", {"num_kv_heads": 1}, {}),  # each rank's rows of the fused q/k/v, the one KV head replicated
+        # each rank's rows of the fused q/k/v, the one KV head replicated, every layer within 8 tokens
+        (2, "phi3", {"num_kv_heads": 1, "sliding_window": 8}, {}),
         # the sandwich norms' all-reduces before each norm, the one KV head replicated
         (2, "gemma3_text", {"num_kv_heads": 1, "head_dim": 32, "tie_word_embeddings": True}, {}),
     ],

@@ -16,15 +16,22 @@ class AttentionBackend(ABC):
 
     def __init__(
         self, pool: KVCachePool, num_heads: int, num_kv_heads: int, head_dim: int, fused_rope_store: bool = False,
-        scale: float | None = None,
+        scale: float | None = None, layer_windows: tuple[int, ...] = (),
     ) -> None:
-        """``scale``: the softmax scale (None: head_dim ** -0.5; Granite's attention_multiplier)."""
+        """``scale``: the softmax scale (None: head_dim ** -0.5; Granite's attention_multiplier). ``layer_windows``:
+        each layer's sliding window in tokens (0 or missing: the whole context; ``ModelConfig.layer_windows``)."""
         self.pool = pool
         self.fused_rope_store = fused_rope_store  # layers call forward_fused (chosen by the engine)
         self.num_heads = num_heads
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
+        self.layer_windows = layer_windows
+        self.windows = sorted(set(layer_windows) | {0})  # the distinct windows, 0 (none) first
+
+    def window(self, layer: int) -> int:
+        """Layer ``layer``'s window in tokens: it attends to its token and the window - 1 before it; 0: no window."""
+        return self.layer_windows[layer] if layer < len(self.layer_windows) else 0
 
     def describe(self) -> str:
         """The kernels in use, for the engine's start-up log."""

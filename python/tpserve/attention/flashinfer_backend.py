@@ -13,7 +13,7 @@ from __future__ import annotations
 import logging
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from importlib import import_module
 from itertools import chain
 from types import ModuleType
@@ -117,10 +117,13 @@ class PinnedStaging:
 
 @dataclass
 class FlashInferMetadata:
-    wrapper: object  # the planned BatchDecode/BatchPrefill wrapper that every layer runs
+    wrapper: object  # the planned BatchDecode/BatchPrefill wrapper that every layer without a window runs
+    # by window: the wrappers planned for the sliding-window layers (FlashInfer fixes the window at plan time)
+    windowed: dict[int, object] = field(default_factory=dict)
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        return self.wrapper.run(q.contiguous(), (k_cache, v_cache))
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int = 0) -> torch.Tensor:
+        wrapper = self.windowed[window] if window else self.wrapper
+        return wrapper.run(q.contiguous(), (k_cache, v_cache))
 
 
 def decode_kernel_choice(decode_kernel: str, fp8_pages: bool, auto_triton: Callable[[], bool]) -> str:
@@ -148,8 +151,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         decode_tensor_cores: bool | None = None,
         decode_kernel: str = "auto",
         scale: float | None = None,
+        layer_windows: tuple[int, ...] = (),
     ) -> None:
-        super().__init__(pool, num_heads, num_kv_heads, head_dim, fused_rope_store, scale)
+        super().__init__(pool, num_heads, num_kv_heads, head_dim, fused_rope_store, scale, layer_windows)
         if device.type != "cuda":
             raise ValueError(f"the flashinfer attention backend needs a CUDA device, got {device}")
         self.dtype = pool.compute_dtype  # of q and the output; the cache's is pool.dtype
@@ -164,12 +168,17 @@ class FlashInferAttentionBackend(AttentionBackend):
         self.workspace = torch.zeros(WORKSPACE_BYTES, dtype=torch.uint8, device=device)
         # An FP8 cache under bf16/fp16 queries: fa2 (FA3's kernels take FP8 q too or neither).
         prefill_backend = "fa2" if pool.dtype != pool.compute_dtype else "auto"
-        self.prefill_wrapper = self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(
-            self.workspace, "NHD", backend=prefill_backend
-        )
-        self.decode_wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
-        )
+        # Keyed by sliding window (0: none): each window's layers run a wrapper planned for it.
+        self.prefill_wrappers = {
+            window: self.flashinfer.BatchPrefillWithPagedKVCacheWrapper(self.workspace, "NHD", backend=prefill_backend)
+            for window in self.windows
+        }
+        self.decode_wrappers = {
+            window: self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace, "NHD", use_tensor_cores=self.decode_tensor_cores
+            )
+            for window in self.windows
+        }
         # When set, decode steps of up to table_decode_max_batch sequences run it (larger: the wrapper).
         self.table_decode, self.table_decode_max_batch = self._make_table_decode(decode_kernel)
         self._graph_table: tuple[torch.Tensor, torch.Tensor] | None = None  # dense page table and lengths
@@ -189,9 +198,12 @@ class FlashInferAttentionBackend(AttentionBackend):
             from tpserve.attention.triton_decode import AUTO_MAX_BATCH
 
             return self._make_triton_decode(), AUTO_MAX_BATCH if decode_kernel == "auto" else sys.maxsize
-        reason = xqa.unsupported_reason(
-            self.flashinfer, self.device, self.pool.page_size, self.head_dim, self.num_heads, self.num_kv_heads
-        )
+        if any(self.layer_windows):
+            reason = "tpserve does not run XQA with sliding-window attention"
+        else:
+            reason = xqa.unsupported_reason(
+                self.flashinfer, self.device, self.pool.page_size, self.head_dim, self.num_heads, self.num_kv_heads
+            )
         if reason is None:
             try:
                 xqa_decode = xqa.XqaDecode(self.pool, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
@@ -229,7 +241,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self.table_decode is not None:
             limit = self.table_decode_max_batch
             decode = self.table_decode.name + ("" if limit == sys.maxsize else f" up to batch {limit}, then {decode}")
-        return f"FlashInfer attention over {pages} pages (decode: {decode})"
+        windows = ", sliding window " + "/".join(map(str, self.windows[1:])) if len(self.windows) > 1 else ""
+        return f"FlashInfer attention over {pages} pages (decode: {decode}){windows}"
 
     def _use_table(self, batch_size: int) -> bool:
         return self.table_decode is not None and batch_size <= self.table_decode_max_batch
@@ -265,28 +278,30 @@ class FlashInferAttentionBackend(AttentionBackend):
             self._mark_planned()
             return meta
         layout = self._stage(paged_layout(seqs, self.pool.page_size))
-        if decode:
-            self._plan_decode(self.decode_wrapper, layout)
-            self._mark_planned()
-            return FlashInferMetadata(self.decode_wrapper)
-        self.prefill_wrapper.plan(
-            layout.qo_indptr,
-            layout.kv_indptr,
-            layout.kv_indices,
-            layout.last_page_len,
-            self.num_heads,
-            self.num_kv_heads,
-            self.head_dim,
-            self.pool.page_size,
-            causal=True,
-            sm_scale=self.scale,
-            q_data_type=self.dtype,
-            kv_data_type=self.pool.dtype,
-        )
+        wrappers = self.decode_wrappers if decode else self.prefill_wrappers
+        for window, wrapper in wrappers.items():
+            if decode:
+                self._plan_decode(wrapper, layout, window)
+            else:
+                wrapper.plan(
+                    layout.qo_indptr,
+                    layout.kv_indptr,
+                    layout.kv_indices,
+                    layout.last_page_len,
+                    self.num_heads,
+                    self.num_kv_heads,
+                    self.head_dim,
+                    self.pool.page_size,
+                    causal=True,
+                    sm_scale=self.scale,
+                    q_data_type=self.dtype,
+                    kv_data_type=self.pool.dtype,
+                    window_left=window - 1,  # FlashInfer's window excludes the query's own token; -1: none
+                )
         self._mark_planned()
-        return FlashInferMetadata(self.prefill_wrapper)
+        return FlashInferMetadata(wrappers[0], {w: wrapper for w, wrapper in wrappers.items() if w})
 
-    def _plan_decode(self, wrapper: object, layout: PagedLayout) -> None:
+    def _plan_decode(self, wrapper: object, layout: PagedLayout, window: int = 0) -> None:
         wrapper.plan(
             layout.kv_indptr,
             layout.kv_indices,
@@ -298,10 +313,11 @@ class FlashInferAttentionBackend(AttentionBackend):
             sm_scale=self.scale,
             q_data_type=self.dtype,
             kv_data_type=self.pool.dtype,
+            window_left=window - 1,
         )
 
     def attend(self, layer: int, q: torch.Tensor, meta: FlashInferMetadata | TableMetadata) -> torch.Tensor:
-        return meta.attend(q, self.pool.k[layer], self.pool.v[layer])
+        return meta.attend(q, self.pool.k[layer], self.pool.v[layer], self.window(layer))
 
     # ---- CUDA graphs (decode only) ----
     def cuda_graph_metadata(self, batch_size: int, max_pages_per_seq: int) -> FlashInferMetadata | TableMetadata:
@@ -322,16 +338,22 @@ class FlashInferAttentionBackend(AttentionBackend):
             if self._graph_indices is not None:
                 raise RuntimeError("capture CUDA graphs largest batch first (the page-id buffer is shared)")
             self._graph_indices = torch.zeros(capacity, dtype=torch.int32, device=self.device)
-        wrapper = self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
-            self.workspace,
-            "NHD",
-            use_cuda_graph=True,
-            use_tensor_cores=self.decode_tensor_cores,
-            paged_kv_indptr_buffer=torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device),
-            paged_kv_indices_buffer=self._graph_indices,
-            paged_kv_last_page_len_buffer=torch.ones(batch_size, dtype=torch.int32, device=self.device),
-        )
-        return FlashInferMetadata(wrapper)
+        # One wrapper a window; they share the page table's buffers, which each plan fills alike.
+        indptr = torch.zeros(batch_size + 1, dtype=torch.int32, device=self.device)
+        last_page_len = torch.ones(batch_size, dtype=torch.int32, device=self.device)
+        wrappers = {
+            window: self.flashinfer.BatchDecodeWithPagedKVCacheWrapper(
+                self.workspace,
+                "NHD",
+                use_cuda_graph=True,
+                use_tensor_cores=self.decode_tensor_cores,
+                paged_kv_indptr_buffer=indptr,
+                paged_kv_indices_buffer=self._graph_indices,
+                paged_kv_last_page_len_buffer=last_page_len,
+            )
+            for window in self.windows
+        }
+        return FlashInferMetadata(wrappers[0], {w: wrapper for w, wrapper in wrappers.items() if w})
 
     @torch.inference_mode()  # the buffers were made during capture, in inference mode
     def plan_cuda_graph(
@@ -351,4 +373,6 @@ class FlashInferAttentionBackend(AttentionBackend):
         indices.copy_(layout.kv_indices, non_blocking=True)
         layout.kv_indices = indices
         self._plan_decode(meta.wrapper, layout)
+        for window, wrapper in meta.windowed.items():
+            self._plan_decode(wrapper, layout, window)
         self._mark_planned()

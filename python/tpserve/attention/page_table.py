@@ -35,7 +35,7 @@ class TableDecodeKernel(Protocol):
     name: str  # for the engine's start-up log
 
     def run(
-        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TableMetadata
+        self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TableMetadata, window: int = 0
     ) -> torch.Tensor: ...
 
 
@@ -48,5 +48,6 @@ class TableMetadata:
     page_table: torch.Tensor  # [batch, pages] int32
     seq_lens: torch.Tensor  # [batch] int32
 
-    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> torch.Tensor:
-        return self.kernel.run(q, k_cache, v_cache, self)
+    def attend(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, window: int = 0) -> torch.Tensor:
+        """``window`` > 0: a sliding window, the newest token and the window - 1 before it."""
+        return self.kernel.run(q, k_cache, v_cache, self, window)

@@ -1,4 +1,4 @@
-"""Attention in plain torch over the paged cache: the CPU path and the reference.
+"""Attention in plain torch over the paged cache: the CPU path and the reference (sliding windows as masks).
 
 A step's sequences are grouped by size (new tokens and cached length, each to the next power of two); each group
 is padded into one [B, max_new, heads, dim] query block against a [B, max_len] gather of its cached keys, with a
@@ -22,7 +22,7 @@ from tpserve.forward import SequenceInput
 class TorchAttentionGroup:
     query_index: torch.Tensor  # [B, max_new] index into the step's T tokens (T = padding row)
     kv_slots: torch.Tensor  # [B, max_len] flat cache slots (slot 0 = scratch for padding)
-    mask: torch.Tensor  # [B, 1, max_new, max_len] True where attention is allowed
+    masks: dict[int, torch.Tensor]  # by window (0: none): [B, 1, max_new, max_len] True where attention is allowed
     token_rows: torch.Tensor  # [t] row of each real token in the flattened [B * max_new] block
     tokens: torch.Tensor  # [t] those tokens' indices in the step
 
@@ -35,7 +35,8 @@ class TorchAttentionMetadata:
 
 class TorchAttentionBackend(AttentionBackend):
     def describe(self) -> str:
-        return "torch attention"
+        windows = ", sliding window " + "/".join(map(str, self.windows[1:])) if len(self.windows) > 1 else ""
+        return "torch attention" + windows
 
     def prepare(self, seqs: list[SequenceInput], device: torch.device) -> TorchAttentionMetadata:
         starts, total = [], 0
@@ -64,14 +65,17 @@ class TorchAttentionBackend(AttentionBackend):
         real = cols[None, :] < new_len[:, None]  # [B, max_new], False on padding rows
         query_index = torch.where(real, torch.tensor(starts)[:, None] + cols, total)
         k_pos = torch.arange(max_len)
-        causal = k_pos <= (prefix_len[:, None] + cols)[:, :, None]
-        # Padding query rows attend to key 0 only, so they stay finite; their output is dropped.
-        mask = torch.where(real[:, :, None], causal, k_pos == 0)
+        q_pos = (prefix_len[:, None] + cols)[:, :, None]
+        masks = {}
+        for window in self.windows:
+            allowed = (k_pos <= q_pos) & (k_pos > q_pos - window) if window else k_pos <= q_pos
+            # Padding query rows attend to key 0 only, so they stay finite; their output is dropped.
+            masks[window] = torch.where(real[:, :, None], allowed, k_pos == 0).unsqueeze(1).to(device)
         token_rows = real.flatten().nonzero().squeeze(1)
         return TorchAttentionGroup(
             query_index=query_index.to(device),
             kv_slots=kv_slots.to(device),
-            mask=mask.unsqueeze(1).to(device),
+            masks=masks,
             token_rows=token_rows.to(device),
             tokens=query_index.flatten()[token_rows].to(device),
         )
@@ -88,7 +92,7 @@ class TorchAttentionBackend(AttentionBackend):
                 q_rows[group.query_index].transpose(1, 2),  # [B, H, N, D]
                 keys.transpose(1, 2),
                 values.transpose(1, 2),
-                attn_mask=group.mask,
+                attn_mask=group.masks[self.window(layer)],
                 scale=self.scale,
                 enable_gqa=self.num_heads != self.num_kv_heads,
             )  # [B, H, N, D]

@@ -125,7 +125,7 @@ def _attend_chunk(q, k, v, ok, big_m, total, acc, scale_log2, IEEE: tl.constexpr
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_out_ptr, part_ml_ptr, counter_ptr, out_ptr, scale_log2,
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_out_ptr, part_ml_ptr, counter_ptr, out_ptr, scale_log2, window,
     stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, G_MERGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr, MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr,
@@ -138,19 +138,21 @@ def _decode_kernel(
     s = tl.program_id(2)
     grid_splits = tl.num_programs(2)  # a launch argument, so one compiled kernel serves every batch size
     seq_len = tl.load(lens_ptr + b)  # lengths and page table: the host's, no kernel writes them
-    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len, grid_splits), CHUNK), 1) * CHUNK
-    splits = tl.cdiv(seq_len, per_split)
+    # a sliding window (window > 0) attends to the newest token and the window - 1 before it: keys from lo on
+    lo = tl.where(window > 0, tl.maximum(seq_len - window, 0), 0)
+    per_split = tl.maximum(tl.cdiv(tl.cdiv(seq_len - lo, grid_splits), CHUNK), 1) * CHUNK
+    splits = tl.cdiv(seq_len - lo, per_split)
     if s < splits:
         g = tl.arange(0, G_PAD)
         d = tl.arange(0, HEAD_DIM)
         real = (g < GROUP)[:, None]
-        t_end = tl.minimum(seq_len, (s + 1) * per_split)
+        t_end = tl.minimum(seq_len, lo + (s + 1) * per_split)
         big_m = tl.full([G_PAD], -float("inf"), tl.float32)
         total = tl.zeros([G_PAD], dtype=tl.float32)
         acc = tl.zeros([G_PAD, HEAD_DIM], dtype=tl.float32)
-        offs = s * per_split + tl.arange(0, CHUNK)
+        start = lo + s * per_split
+        offs = start + tl.arange(0, CHUNK)
         page = tl.load(table_ptr + b * stride_tb + offs // PAGE, mask=offs < t_end, other=0)
-        start = s * per_split
         if PREFETCH:  # the first chunk's k and v before the wait: only the newest token's are the previous kernel's
             ok = offs < t_end
             rows = (page.to(tl.int64) * stride_kp + (offs % PAGE) * stride_ks + h * stride_kh)[:, None] + d[None, :]
@@ -239,8 +241,10 @@ class TritonDecode:
         self.counters = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
         self._retired: list[torch.Tensor] = []  # smaller counters that captured graphs may still use
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TableMetadata) -> torch.Tensor:
-        """out [B, Hq, D] of q [B, Hq, D] over the caches [pages, page_size, Hkv, D]."""
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TableMetadata,
+            window: int = 0) -> torch.Tensor:
+        """out [B, Hq, D] of q [B, Hq, D] over the caches [pages, page_size, Hkv, D]; ``window`` > 0: each sequence's
+        newest token attends to itself and the window - 1 tokens before it."""
         batch, _, head_dim = q.shape
         q = q.contiguous()
         if batch * self.num_kv_heads > self.counters.numel():
@@ -256,7 +260,7 @@ class TritonDecode:
         pdl = triton_pdl(q.device, batch)
         _decode_kernel[(batch, self.num_kv_heads, splits)](
             q, k_cache, v_cache, meta.page_table, meta.seq_lens, part_out, part_ml, self.counters, out,
-            self.scale_log2, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
+            self.scale_log2, window, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
             meta.page_table.stride(0), out.stride(0), out.stride(1),
             KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.g_pad, G_MERGE=self.g_merge,
             HEAD_DIM=head_dim, PAGE=k_cache.shape[1], CHUNK=self.chunk, MAX_SPLITS=self.max_splits,

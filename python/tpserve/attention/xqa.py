@@ -80,7 +80,10 @@ class XqaDecode:
         self.workspace = torch.zeros(SEMAPHORE_BYTES + SCRATCH_BYTES, dtype=torch.uint8, device=device)
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
 
-    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TableMetadata) -> torch.Tensor:
+    def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TableMetadata,
+            window: int = 0) -> torch.Tensor:
+        if window:  # the backend never builds XQA for a windowed model
+            raise ValueError("XQA decode is not run with a sliding window in tpserve")
         q = q.contiguous()
         out = torch.empty_like(q)
         self.kernel(

@@ -214,8 +214,8 @@ def build_parser() -> argparse.ArgumentParser:
     model.add_argument("--max-model-len", "--context-length", dest="max_model_len", type=human_int_at_least(2),
                        default=None,
                        help="context limit (prompt + completion tokens), at most the model's; default: the "
-                       "model's context length (max_position_embeddings, extended by YaRN or linear rope scaling, "
-                       "capped at a sliding window); vLLM's 32k (32,000) and 32K (32,768) are taken too")
+                       "model's context length (max_position_embeddings, extended by YaRN or linear rope scaling); "
+                       "vLLM's 32k (32,000) and 32K (32,768) are taken too")
     model.add_argument("--trust-remote-code", action="store_true",
                        help="accepted for vLLM/SGLang compatibility and ignored: tpserve runs no code from "
                        "model repositories (only the architectures it implements)")

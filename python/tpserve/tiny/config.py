@@ -22,10 +22,13 @@ ARCHITECTURES = {
     "gemma3_text": "Gemma3ForCausalLM",  # sandwich norms, (1 + weight) norms, GELU, local and global layers
 }
 # Gemma 3's tiny model: its layers alternate sliding_attention (local rotary, theta 10,000) and full_attention (global
-# rotary, theta 1,000,000 and the rope_type asked: linear by default, as the 4B+'s); the window is wider than the
-# tests' sequences (tpserve serves a windowed model up to its window), the softmax scale query_pre_attn_scalar ** -0.5
+# rotary, theta 1,000,000 and the rope_type asked: linear by default, as the 4B+'s); the window shorter than the
+# tests' longer sequences, so their local layers attend within it; the softmax scale query_pre_attn_scalar ** -0.5
 # other than head_dim ** -0.5 (as Gemma 3 27B's)
-GEMMA3_WINDOW = 128
+GEMMA3_WINDOW = 16
+# The architectures whose transformers config takes a sliding window (model_config's sliding_window): Mistral, Mixtral,
+# Phi-3 and Qwen3-MoE window every layer, Qwen2 and Qwen3 the layers from max_window_layers (1 here) on
+WINDOWED = ("mistral", "mixtral", "phi3", "qwen3_moe", "qwen2", "qwen3", "gemma3_text")
 GEMMA3_QUERY_PRE_ATTN_SCALAR = 24
 # Granite 3's scalars (granite-3.3-8b-instruct's config.json), which each change the tokens
 GRANITE_SCALARS = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
@@ -59,19 +62,24 @@ def model_config(
     mlp_only_layers: tuple[int, ...] | list[int] | None = None,
     norm_topk_prob: bool | None = None,
     shared_expert_intermediate_size: int | None = None,
+    sliding_window: int | None = None,
 ) -> PreTrainedConfig:
     """The architecture's transformers config, with defaults filled in; shapes it cannot express
     are rejected. The MoE settings apply to the MoE architectures: qwen3_moe and qwen2_moe, whose sparse layers are
     all but ``mlp_only_layers`` (default: layer 0), and mixtral and olmoe, whose layers are all sparse (their experts'
     size is ``moe_intermediate_size`` or else ``intermediate_size``; mixtral's top k always renormalised). qwen2_moe's
     shared expert is ``shared_expert_intermediate_size`` wide (default: hidden). ``norm_topk_prob`` defaults to the
-    published models' (olmoe: False, the others: True)."""
+    published models' (olmoe: False, the others: True). ``sliding_window``: the attention window of the WINDOWED
+    architectures (gemma3_text's local layers: GEMMA3_WINDOW by default; the others: none)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     if rope_type is None:
         rope_type = {"llama": "llama3", "gemma3_text": "linear"}.get(arch, "default")
     if norm_topk_prob is None:
         norm_topk_prob = arch != "olmoe"
+    if sliding_window is not None and (arch not in WINDOWED or sliding_window < 1):
+        raise ValueError(f"sliding_window must be >= 1 and the architecture one of {', '.join(WINDOWED)}, got "
+                         f"{sliding_window} for {arch}")
     if rope_type not in ROPE_TYPES:
         raise ValueError(f"unknown rope_type {rope_type!r}; choose one of {', '.join(ROPE_TYPES)}")
     positive = {"num_layers": num_layers, "hidden_size": hidden_size, "num_heads": num_heads,
@@ -131,11 +139,13 @@ def model_config(
     if arch == "phi3":  # (its config's defaults are Phi-3-mini's: a pretraining length and a padding id past the vocab)
         cfg.update(original_max_position_embeddings=max_position_embeddings, pad_token_id=eos_token_id)
     if arch in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
-        cfg["max_window_layers"] = num_layers
+        cfg["max_window_layers"] = num_layers if sliding_window is None else 1
+    if sliding_window is not None and arch != "gemma3_text":
+        cfg.update(sliding_window=sliding_window, use_sliding_window=True)
     if arch == "gemma3_text":
         cfg.update(
             layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)],
-            sliding_window=GEMMA3_WINDOW, query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR, pad_token_id=eos_token_id,
+            sliding_window=sliding_window or GEMMA3_WINDOW, query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR, pad_token_id=eos_token_id,
             rope_parameters={"full_attention": rope_parameters(arch, rope_type, max_position_embeddings),
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
         )
