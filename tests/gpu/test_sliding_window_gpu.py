@@ -49,6 +49,12 @@ def random_pool() -> KVCachePool:
     return pool
 
 
+def windowed_backend(kernel: str) -> FlashInferAttentionBackend:
+    """Over a random two-layer cache: layer 0 without a window, layer 1 within WINDOW; decode by ``kernel``."""
+    return FlashInferAttentionBackend(random_pool(), HEADS, KV_HEADS, HEAD_DIM, torch.device("cuda"),
+                                      decode_kernel=kernel, layer_windows=(0, WINDOW))
+
+
 def check(backend, meta, seqs: list[SequenceInput], q: torch.Tensor, label: str) -> None:
     """Layer 1 (windowed) against the windowed reference, and unlike the unwindowed one where a sequence passes the
     window; layer 0 against the whole context."""
@@ -68,10 +74,8 @@ def check(backend, meta, seqs: list[SequenceInput], q: torch.Tensor, label: str)
 
 @pytest.mark.parametrize("kernel", ["flashinfer", "triton"])
 def test_prefill_and_decode_within_the_window(kernel):
-    pool = random_pool()
-    backend = FlashInferAttentionBackend(pool, HEADS, KV_HEADS, HEAD_DIM, torch.device("cuda"), decode_kernel=kernel,
-                                         layer_windows=(0, WINDOW))
-    allocator = PageAllocator(pool.num_pages)
+    backend = windowed_backend(kernel)
+    allocator = PageAllocator(backend.pool.num_pages)
     # a prefill longer than the window, a chunk of 37 on a prefix of 200, a short prefill
     prefill = [SequenceInput([1] * n, p, allocator.allocate(-(-(p + n) // PAGE))) for p, n in ((0, 150), (200, 37),
                                                                                               (0, 20))]
@@ -88,10 +92,8 @@ def test_prefill_and_decode_within_the_window(kernel):
 @pytest.mark.parametrize("kernel", ["flashinfer", "triton"])
 def test_decode_graph_within_the_window(kernel):
     """A graph captured on padding, replayed for batches on both sides of the window."""
-    pool = random_pool()
-    backend = FlashInferAttentionBackend(pool, HEADS, KV_HEADS, HEAD_DIM, torch.device("cuda"), decode_kernel=kernel,
-                                         layer_windows=(0, WINDOW))
-    allocator = PageAllocator(pool.num_pages)
+    backend = windowed_backend(kernel)
+    pool, allocator = backend.pool, PageAllocator(backend.pool.num_pages)
     size = 8
     meta = backend.cuda_graph_metadata(size, 600)
     backend.plan_cuda_graph([], meta, size)
