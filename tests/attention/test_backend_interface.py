@@ -86,3 +86,65 @@ def test_decode_kernel_and_its_batch_limit(monkeypatch):
         assert backend._make_table_decode("triton")[1] == sys.maxsize
         backend._auto_triton = lambda: False
         assert backend._make_table_decode("auto") == (None, 0)
+
+
+class PlanRecorder:
+    """A FlashInfer wrapper that records its plans' keyword arguments."""
+
+    def __init__(self) -> None:
+        self.plans: list[dict] = []
+
+    def plan(self, *args, **kwargs) -> None:
+        self.plans.append(kwargs)
+
+
+def test_every_flashinfer_plan_takes_the_soft_cap_and_the_scale(monkeypatch):
+    """Gemma 2's attention soft-cap reaches every FlashInfer plan (prefill, decode, a CUDA graph's decode; each window's
+    wrapper) beside the softmax scale: FlashInfer computes cap * tanh(sm_scale * q.k / cap), transformers' order
+    (FlashInfer 0.7.0's LogitsSoftCap variant: the scale times 1 / cap before the tanh, cap * log2(e) after)."""
+    from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
+    from tpserve.forward import SequenceInput
+
+    pool = KVCachePool(2, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
+    backend = object.__new__(FlashInferAttentionBackend)  # skip the CUDA-only set-up
+    AttentionBackend.__init__(backend, pool, 4, 2, 16, scale=0.125, layer_windows=(8, 0), softcap=50.0)
+    backend.dtype, backend.table_decode, backend.table_decode_max_batch = torch.float32, None, 0
+    backend.prefill_wrappers = {w: PlanRecorder() for w in backend.windows}
+    backend.decode_wrappers = {w: PlanRecorder() for w in backend.windows}
+    monkeypatch.setattr(backend, "_stage", lambda layout: layout)  # (pinned host memory needs CUDA)
+    monkeypatch.setattr(backend, "_mark_planned", lambda: None)
+    backend.prepare([SequenceInput([1, 2, 3], 2, [1, 2])], torch.device("cpu"))
+    backend.prepare([SequenceInput([1], 5, [1, 2])], torch.device("cpu"))
+    graph = FlashInferMetadata(PlanRecorder(), {8: PlanRecorder()})
+    backend._graph_indices = torch.zeros(16, dtype=torch.int32)
+    backend.plan_cuda_graph([SequenceInput([1], 5, [1, 2])], graph, 2)
+    wrappers = [*backend.prefill_wrappers.values(), *backend.decode_wrappers.values(), graph.wrapper, graph.windowed[8]]
+    plans = [plan for wrapper in wrappers for plan in wrapper.plans]
+    assert len(plans) == 6
+    assert all(plan["logits_soft_cap"] == 50.0 and plan["sm_scale"] == 0.125 for plan in plans), plans
+
+
+def test_a_soft_capped_model_decodes_without_xqa(monkeypatch):
+    """XQA has no soft-cap in tpserve: asked for, it is refused by name; under ``auto`` over FP8 pages the decode
+    wrapper runs; the Triton kernel takes the backend's cap."""
+    import pytest
+
+    from tpserve.attention import xqa
+    from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    monkeypatch.setattr(xqa, "unsupported_reason", lambda *args: None)  # XQA could run but for the cap
+    monkeypatch.setattr(xqa, "XqaDecode", lambda *args: pytest.fail("XQA built for a soft-capped model"))
+    for fp8 in (False, True):
+        dtype = torch.float8_e4m3fn if fp8 else torch.float32
+        pool = KVCachePool(1, 4, 16, 2, 16, dtype, torch.device("cpu"), torch.float32)
+        backend = object.__new__(FlashInferAttentionBackend)  # skip the CUDA-only set-up
+        AttentionBackend.__init__(backend, pool, 4, 2, 16, softcap=30.0)
+        backend.device, backend.flashinfer = torch.device("cpu"), None
+        backend._auto_triton = lambda: True
+        with pytest.raises(ValueError, match="decode attention xqa: tpserve does not run XQA with attention logit "
+                                             "soft-capping"):
+            backend._make_table_decode("xqa")
+        if fp8:
+            assert backend._make_table_decode("auto") == (None, 0)
+        else:
+            assert backend._make_table_decode("triton")[0].softcap == 30.0

@@ -11,25 +11,30 @@ from tpserve.forward import SequenceInput
 from tpserve.kvcache.pool import KVCachePool
 
 
-def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, window: int = 0) -> torch.Tensor:
+def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, window: int = 0,
+              softcap: float | None = None) -> torch.Tensor:
     """q: [n, H, D] new tokens at positions prefix.., k/v: [prefix + n, Hkv, D]; ``window``: each query attends to
-    itself and the window - 1 keys before it (0: all before it)."""
+    itself and the window - 1 keys before it (0: all before it); ``softcap``: the scaled scores become
+    softcap * tanh(score / softcap) before the mask (transformers' Gemma). In float64."""
     rep = q.shape[1] // k.shape[1]
-    k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
+    q, k, v = q.double(), k.double().repeat_interleave(rep, 1), v.double().repeat_interleave(rep, 1)
     scores = torch.einsum("qhd,khd->hqk", q, k) / q.shape[-1] ** 0.5
+    if softcap is not None:
+        scores = softcap * torch.tanh(scores / softcap)
     k_pos, q_pos = torch.arange(k.shape[0])[None, :], torch.arange(prefix, prefix + q.shape[0])[:, None]
     allowed = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
     scores = scores.masked_fill(~allowed, float("-inf"))
-    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
 
 
-@pytest.mark.parametrize("window", [0, 4, 1])
-def test_mixed_prefill_chunk_and_decode_batch(window):
-    """Layer 1 attends within ``window`` tokens (a sliding window; 0: none), layer 0 to the whole context."""
+@pytest.mark.parametrize("window,softcap", [(0, None), (4, None), (1, None), (0, 1.0), (4, 0.5)])
+def test_mixed_prefill_chunk_and_decode_batch(window, softcap):
+    """Layer 1 attends within ``window`` tokens (a sliding window; 0: none), layer 0 to the whole context; every layer
+    soft-caps its scores where ``softcap`` is set (Gemma 2's attn_logit_softcapping: plain torch, SDPA has no cap)."""
     torch.manual_seed(0)
     heads, kv_heads, dim, page = 4, 2, 8, 3
     pool = KVCachePool(2, 32, page, kv_heads, dim, torch.float32, torch.device("cpu"))
-    backend = TorchAttentionBackend(pool, heads, kv_heads, dim, layer_windows=(0, window))
+    backend = TorchAttentionBackend(pool, heads, kv_heads, dim, layer_windows=(0, window), softcap=softcap)
     # (cached prefix, new tokens, page table): a fresh prefill, a chunk on a prefix, a decode, and a prefill and a
     # decode of the first's and the third's sizes (one padded block each pair)
     shapes = [(0, 7, [5, 9, 2]), (4, 5, [1, 3, 4]), (10, 1, [6, 7, 8, 10]), (0, 6, [11, 12]), (9, 1, [13, 14, 15, 16])]
@@ -55,11 +60,14 @@ def test_mixed_prefill_chunk_and_decode_batch(window):
             inputs.out_slots,
             meta,
         )
-        expected = torch.cat([reference(q, k, v, p, (0, window)[layer])
+        expected = torch.cat([reference(q, k, v, p, (0, window)[layer], softcap)
                               for q, k, v, (p, _, _) in zip(qs, full_k, full_v, shapes)])
         assert torch.allclose(out, expected, atol=1e-5), (out - expected).abs().max()
     if window:  # the window changed layer 1's answer
-        assert not torch.allclose(out, torch.cat([reference(q, k, v, p) for q, k, v, (p, _, _)
+        assert not torch.allclose(out, torch.cat([reference(q, k, v, p, 0, softcap) for q, k, v, (p, _, _)
+                                                  in zip(qs, full_k, full_v, shapes)]), atol=1e-3)
+    if softcap is not None:  # so did the cap
+        assert not torch.allclose(out, torch.cat([reference(q, k, v, p, window) for q, k, v, (p, _, _)
                                                   in zip(qs, full_k, full_v, shapes)]), atol=1e-3)
     assert pool.k[0][0].abs().sum() == 0, "the scratch page is never written by real tokens"
 
@@ -74,3 +82,10 @@ def test_a_long_prompt_is_not_padded_into_the_decodes():
     meta = backend.prepare(seqs, torch.device("cpu"))
     assert sorted(tuple(g.masks[0].shape) for g in meta.groups) == [(1, 1, 3000, 3000), (100, 1, 1, 201)]
     assert sorted(torch.cat([g.tokens for g in meta.groups]).tolist()) == list(range(3100))
+
+
+def test_a_soft_cap_is_a_positive_number():
+    pool = KVCachePool(1, 4, 4, 2, 8, torch.float32, torch.device("cpu"))
+    for bad in (0.0, -1.0, float("nan")):
+        with pytest.raises(ValueError, match="soft-cap must be a positive number"):
+            TorchAttentionBackend(pool, 4, 2, 8, softcap=bad)

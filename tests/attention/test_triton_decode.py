@@ -21,20 +21,24 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 # written directly); splits merged by the last program; GQA 1, 4, 5 (not a power of two) and 8;
 # lengths on and off page and step edges; more tokens than CHUNK x splits (several steps a split);
 # more splits than the merge loads at once (10); the first chunk read before the newest token
-# (prefetch), with the newest token inside and outside that chunk; sliding windows (the last field, 0: none) shorter
-# and longer than the sequences, off page and chunk edges, split or not, with and without the prefetch. On the CPU the
-# kernel takes 32 SMs (splits_for).
+# (prefetch), with the newest token inside and outside that chunk; sliding windows (0: none) shorter
+# and longer than the sequences, off page and chunk edges, split or not, with and without the prefetch; logit soft-caps
+# (the last field, None: none; the scaled scores have a spread of ~1), alone, under a window, over merged splits and
+# the prefetched chunk. On the CPU the kernel takes 32 SMs (splits_for).
 CASES = [
-    (4, 4, 32, [1], 16, 4, 1, 0),
-    (8, 2, 32, [37, 5], 16, 4, 1, 0),
-    (8, 1, 32, [100, 16], 16, 8, 0, 0),
-    (10, 2, 32, [16, 33, 70], 16, 2, 1, 0),
-    (16, 2, 32, [300], 16, 16, 0, 0),
-    (8, 2, 128, [129, 64], 64, 32, 0, 0),
-    (8, 2, 32, [37, 5, 1], 16, 4, 1, 9),
-    (16, 2, 32, [300, 60], 16, 16, 0, 101),
-    (8, 1, 32, [100, 16, 33], 16, 8, 1, 33),
-    (4, 4, 32, [20], 16, 4, 0, 1),
+    (4, 4, 32, [1], 16, 4, 1, 0, None),
+    (8, 2, 32, [37, 5], 16, 4, 1, 0, None),
+    (8, 1, 32, [100, 16], 16, 8, 0, 0, None),
+    (10, 2, 32, [16, 33, 70], 16, 2, 1, 0, None),
+    (16, 2, 32, [300], 16, 16, 0, 0, None),
+    (8, 2, 128, [129, 64], 64, 32, 0, 0, None),
+    (8, 2, 32, [37, 5, 1], 16, 4, 1, 9, None),
+    (16, 2, 32, [300, 60], 16, 16, 0, 101, None),
+    (8, 1, 32, [100, 16, 33], 16, 8, 1, 33, None),
+    (4, 4, 32, [20], 16, 4, 0, 1, None),
+    (8, 2, 32, [37, 5, 1], 16, 4, 1, 0, 1.5),
+    (10, 2, 32, [16, 33, 70], 16, 2, 0, 20, 0.5),
+    (8, 1, 32, [100, 16], 16, 8, 1, 0, 4.0),
 ]
 PAGE = 16
 
@@ -57,14 +61,19 @@ def paged_case(q_heads: int, kv_heads: int, head_dim: int, lengths: list[int], d
     return q, k_cache, v_cache, table, torch.tensor(lengths, dtype=torch.int32)
 
 
-def reference(q, k_cache, v_cache, table, lens, scale: float, window: int = 0) -> torch.Tensor:
+def reference(q, k_cache, v_cache, table, lens, scale: float, window: int = 0,
+              softcap: float | None = None) -> torch.Tensor:
+    """float64 attention; ``softcap``: the scaled scores become softcap * tanh(score / softcap) (Gemma 2's)."""
     out = torch.empty(q.shape, dtype=torch.float64)
     group = q.shape[1] // k_cache.shape[2]
     for b, n in enumerate(lens.tolist()):
         pages = table[b, : -(-n // PAGE)].long()
         first = max(n - window, 0) if window else 0
         k, v = (c[pages].flatten(0, 1)[first:n].double().repeat_interleave(group, dim=1) for c in (k_cache, v_cache))
-        weights = (torch.einsum("hd,thd->ht", q[b].double(), k) * scale).softmax(dim=-1)
+        scores = torch.einsum("hd,thd->ht", q[b].double(), k) * scale
+        if softcap is not None:
+            scores = softcap * torch.tanh(scores / softcap)
+        weights = scores.softmax(dim=-1)
         out[b] = torch.einsum("ht,thd->hd", weights, v)
     return out
 
@@ -78,26 +87,31 @@ def interpreter_check(launches: str) -> None:
     from tpserve.attention.page_table import TableMetadata
     from tpserve.attention.triton_decode import TritonDecode
 
-    for i, (q_heads, kv_heads, head_dim, lengths, chunk, splits, prefetch, window) in enumerate(CASES):
+    for i, (q_heads, kv_heads, head_dim, lengths, chunk, splits, prefetch, window, softcap) in enumerate(CASES):
         q, k_cache, v_cache, table, lens = paged_case(q_heads, kv_heads, head_dim, lengths, torch.float32, seed=i)
         scale = head_dim**-0.5
         kernel = TritonDecode(q_heads, kv_heads, scale, torch.device("cpu"), max_batch=len(lengths),
-                              chunk=chunk, max_splits=splits, prefetch=prefetch)
-        expected = reference(q, k_cache, v_cache, table, lens, scale, window)
+                              chunk=chunk, max_splits=splits, prefetch=prefetch, softcap=softcap)
+        expected = reference(q, k_cache, v_cache, table, lens, scale, window, softcap)
         if window and window < max(lengths):
-            assert not torch.allclose(expected, reference(q, k_cache, v_cache, table, lens, scale), atol=1e-3)
+            assert not torch.allclose(expected, reference(q, k_cache, v_cache, table, lens, scale, 0, softcap),
+                                      atol=1e-3)
+        if softcap is not None:  # the cap changes the answer
+            assert not torch.allclose(expected, reference(q, k_cache, v_cache, table, lens, scale, window), atol=1e-3)
         for call in range(2):
             got = TableMetadata(kernel, table, lens).attend(q, k_cache, v_cache, window)
             err = float((got.double() - expected).abs().max())
             assert err < 1e-5, f"case {i} call {call}: max error {err:.2e}"
             assert not kernel.counters.any(), f"case {i}: a merge counter was left non-zero"
     record_launches(launches)
-    # 2 and 64 splits (32 "SMs"), the prefetch, a window
-    for q_heads, kv_heads, lengths, prefetch, window in ((32, 4, [40, 1000], 0, 0), (8, 1, [3000], 0, 0),
-                                                         (32, 8, [512], 1, 0), (32, 8, [512], 1, 100)):
+    # 2 and 64 splits (32 "SMs"), the prefetch, a window, Gemma 2's soft-cap (under its window)
+    for q_heads, kv_heads, lengths, prefetch, window, softcap in (
+        (32, 4, [40, 1000], 0, 0, None), (8, 1, [3000], 0, 0, None), (32, 8, [512], 1, 0, None),
+        (32, 8, [512], 1, 100, None), (8, 4, [300], 1, 100, 50.0),
+    ):
         q, k_cache, v_cache, table, lens = paged_case(q_heads, kv_heads, 128, lengths, torch.bfloat16, seed=9)
         kernel = TritonDecode(q_heads, kv_heads, 128**-0.5, torch.device("cpu"), max_batch=len(lengths),
-                              prefetch=prefetch)
+                              prefetch=prefetch, softcap=softcap)
         TableMetadata(kernel, table, lens).attend(q, k_cache, v_cache, window)
     print("ok")
 

@@ -16,10 +16,14 @@ class AttentionBackend(ABC):
 
     def __init__(
         self, pool: KVCachePool, num_heads: int, num_kv_heads: int, head_dim: int, fused_rope_store: bool = False,
-        scale: float | None = None, layer_windows: tuple[int, ...] = (),
+        scale: float | None = None, layer_windows: tuple[int, ...] = (), softcap: float | None = None,
     ) -> None:
         """``scale``: the softmax scale (None: head_dim ** -0.5; Granite's attention_multiplier). ``layer_windows``:
-        each layer's sliding window in tokens (0 or missing: the whole context; ``ModelConfig.layer_windows``)."""
+        each layer's sliding window in tokens (0 or missing: the whole context; ``ModelConfig.layer_windows``).
+        ``softcap``: the scores, after the softmax scale, become softcap * tanh(score / softcap) before the mask and
+        softmax (Gemma's attn_logit_softcapping; None: none)."""
+        if softcap is not None and not softcap > 0:
+            raise ValueError(f"the attention logit soft-cap must be a positive number or None, got {softcap!r}")
         self.pool = pool
         self.fused_rope_store = fused_rope_store  # layers call forward_fused (chosen by the engine)
         self.num_heads = num_heads
@@ -28,6 +32,7 @@ class AttentionBackend(ABC):
         self.scale = head_dim**-0.5 if scale is None else scale
         self.layer_windows = layer_windows
         self.windows = sorted(set(layer_windows) | {0})  # the distinct windows, 0 (none) first
+        self.softcap = softcap
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s window in tokens: it attends to its token and the window - 1 before it; 0: no window."""

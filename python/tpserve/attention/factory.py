@@ -40,15 +40,18 @@ def create_backend(
     decode_attention: str = "auto",
     scale: float | None = None,
     layer_windows: tuple[int, ...] = (),
+    softcap: float | None = None,
 ) -> AttentionBackend:
-    """``scale``: the softmax scale (None: head_dim ** -0.5); ``layer_windows``: each layer's sliding window (0: none)."""
+    """``scale``: the softmax scale (None: head_dim ** -0.5); ``layer_windows``: each layer's sliding window (0: none);
+    ``softcap``: the attention logit soft-cap (None: none)."""
     if resolve_backend_name(name, device, pool.compute_dtype) == "flashinfer":
         return FlashInferAttentionBackend(
             pool, num_heads, num_kv_heads, head_dim, device, fused_rope_store, decode_kernel=decode_attention,
-            scale=scale, layer_windows=layer_windows,
+            scale=scale, layer_windows=layer_windows, softcap=softcap,
         )
     if decode_attention in ("xqa", "triton"):
         raise ValueError(
             f"decode attention {decode_attention} is a kernel of the flashinfer attention backend, which is not in use"
         )
-    return TorchAttentionBackend(pool, num_heads, num_kv_heads, head_dim, fused_rope_store, scale, layer_windows)
+    return TorchAttentionBackend(pool, num_heads, num_kv_heads, head_dim, fused_rope_store, scale, layer_windows,
+                                 softcap)

@@ -152,8 +152,9 @@ class FlashInferAttentionBackend(AttentionBackend):
         decode_kernel: str = "auto",
         scale: float | None = None,
         layer_windows: tuple[int, ...] = (),
+        softcap: float | None = None,
     ) -> None:
-        super().__init__(pool, num_heads, num_kv_heads, head_dim, fused_rope_store, scale, layer_windows)
+        super().__init__(pool, num_heads, num_kv_heads, head_dim, fused_rope_store, scale, layer_windows, softcap)
         if device.type != "cuda":
             raise ValueError(f"the flashinfer attention backend needs a CUDA device, got {device}")
         self.dtype = pool.compute_dtype  # of q and the output; the cache's is pool.dtype
@@ -200,6 +201,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             return self._make_triton_decode(), AUTO_MAX_BATCH if decode_kernel == "auto" else sys.maxsize
         if any(self.layer_windows):
             reason = "tpserve does not run XQA with sliding-window attention"
+        elif self.softcap is not None:
+            reason = "tpserve does not run XQA with attention logit soft-capping"
         else:
             reason = xqa.unsupported_reason(
                 self.flashinfer, self.device, self.pool.page_size, self.head_dim, self.num_heads, self.num_kv_heads
@@ -233,7 +236,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if reason is not None:
             raise ValueError(f"decode attention triton: {reason}; use auto or flashinfer")
         return triton_decode.TritonDecode(self.num_heads, self.num_kv_heads, self.scale, self.device,
-                                          **triton_decode.config_from_env())
+                                          softcap=self.softcap, **triton_decode.config_from_env())
 
     def describe(self) -> str:
         pages = "FP8" if self.pool.fp8 else str(self.pool.dtype).removeprefix("torch.")
@@ -242,7 +245,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             limit = self.table_decode_max_batch
             decode = self.table_decode.name + ("" if limit == sys.maxsize else f" up to batch {limit}, then {decode}")
         windows = ", sliding window " + "/".join(map(str, self.windows[1:])) if len(self.windows) > 1 else ""
-        return f"FlashInfer attention over {pages} pages (decode: {decode}){windows}"
+        softcap = f", logit soft-cap {self.softcap:g}" if self.softcap is not None else ""
+        return f"FlashInfer attention over {pages} pages (decode: {decode}){windows}{softcap}"
 
     def _use_table(self, batch_size: int) -> bool:
         return self.table_decode is not None and batch_size <= self.table_decode_max_batch
@@ -297,6 +301,8 @@ class FlashInferAttentionBackend(AttentionBackend):
                     q_data_type=self.dtype,
                     kv_data_type=self.pool.dtype,
                     window_left=window - 1,  # FlashInfer's window excludes the query's own token; -1: none
+                    # cap * tanh(sm_scale * q.k / cap): FlashInfer applies sm_scale before the cap, as transformers
+                    logits_soft_cap=self.softcap,
                 )
         self._mark_planned()
         return FlashInferMetadata(wrappers[0], {w: wrapper for w, wrapper in wrappers.items() if w})
@@ -314,6 +320,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             q_data_type=self.dtype,
             kv_data_type=self.pool.dtype,
             window_left=window - 1,
+            logits_soft_cap=self.softcap,
         )
 
     def attend(self, layer: int, q: torch.Tensor, meta: FlashInferMetadata | TableMetadata) -> torch.Tensor:

@@ -1,4 +1,5 @@
-"""Attention in plain torch over the paged cache: the CPU path and the reference (sliding windows as masks).
+"""Attention in plain torch over the paged cache: the CPU path and the reference (sliding windows as masks; a logit
+soft-cap, which SDPA lacks, in plain torch).
 
 A step's sequences are grouped by size (new tokens and cached length, each to the next power of two); each group
 is padded into one [B, max_new, heads, dim] query block against a [B, max_len] gather of its cached keys, with a
@@ -36,7 +37,8 @@ class TorchAttentionMetadata:
 class TorchAttentionBackend(AttentionBackend):
     def describe(self) -> str:
         windows = ", sliding window " + "/".join(map(str, self.windows[1:])) if len(self.windows) > 1 else ""
-        return "torch attention" + windows
+        softcap = f", logit soft-cap {self.softcap:g}" if self.softcap is not None else ""
+        return "torch attention" + windows + softcap
 
     def prepare(self, seqs: list[SequenceInput], device: torch.device) -> TorchAttentionMetadata:
         starts, total = [], 0
@@ -88,13 +90,24 @@ class TorchAttentionBackend(AttentionBackend):
         for group in meta.groups:
             keys = self.pool.read(k_cache[group.kv_slots])  # [B, L, Hkv, D]
             values = self.pool.read(v_cache[group.kv_slots])
-            attended = F.scaled_dot_product_attention(
-                q_rows[group.query_index].transpose(1, 2),  # [B, H, N, D]
-                keys.transpose(1, 2),
-                values.transpose(1, 2),
-                attn_mask=group.masks[self.window(layer)],
-                scale=self.scale,
-                enable_gqa=self.num_heads != self.num_kv_heads,
-            )  # [B, H, N, D]
+            queries = q_rows[group.query_index].transpose(1, 2)  # [B, H, N, D]
+            mask = group.masks[self.window(layer)]
+            if self.softcap is None:
+                attended = F.scaled_dot_product_attention(
+                    queries, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mask, scale=self.scale,
+                    enable_gqa=self.num_heads != self.num_kv_heads,
+                )  # [B, H, N, D]
+            else:
+                attended = self._capped(queries, keys.transpose(1, 2), values.transpose(1, 2), mask)
             out[group.tokens] = attended.transpose(1, 2).reshape(-1, self.num_heads, self.head_dim)[group.token_rows]
         return out
+
+    def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        """SDPA's attention with soft-capped scores, as transformers' eager attention computes it: q [B, H, N, D], k and
+        v [B, Hkv, L, D], mask [B, 1, N, L] -> [B, H, N, D]. Scores and softmax in float32."""
+        group = self.num_heads // self.num_kv_heads
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        scores = torch.matmul(q.float(), k.float().transpose(2, 3)) * self.scale
+        scores = torch.tanh(scores / self.softcap) * self.softcap
+        weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
+        return torch.matmul(weights.to(v.dtype), v)

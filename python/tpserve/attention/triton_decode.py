@@ -106,13 +106,26 @@ def _merge_splits(part_out_ptr, part_ml_ptr, out_ptr, first, splits, b, h, strid
 
 
 @triton.jit
-def _attend_chunk(q, k, v, ok, big_m, total, acc, scale_log2, IEEE: tl.constexpr):
-    """One chunk of the online softmax: the running max, sum and output after the tokens ``ok``."""
+def _tanh(x):
+    """tanh from exp2 (Triton has no tanh the CPU interpreter runs): e^(-2|x|) is at most 1, so nothing overflows."""
+    e = tl.exp2(-2.8853900817779268 * tl.abs(x))  # 2 log2(e)
+    t = (1.0 - e) / (1.0 + e)
+    return tl.where(x < 0, -t, t)
+
+
+@triton.jit
+def _attend_chunk(q, k, v, ok, big_m, total, acc, qk_scale, cap_log2, IEEE: tl.constexpr, SOFTCAP: tl.constexpr):
+    """One chunk of the online softmax: the running max, sum and output after the tokens ``ok``. The softmax runs in
+    base 2: the scores times ``qk_scale``, scale * log2(e); with SOFTCAP, scale / cap, whose tanh is then times
+    ``cap_log2``, cap * log2(e) (FlashInfer's split of the soft-cap)."""
     if IEEE:  # float32 (the CPU check under TRITON_INTERPRET=1)
         scores = tl.dot(q, tl.trans(k), input_precision="ieee")
     else:
         scores = tl.dot(q, tl.trans(k))
-    scores = tl.where(ok[None, :], scores * scale_log2, -float("inf"))
+    scores = scores * qk_scale
+    if SOFTCAP:
+        scores = _tanh(scores) * cap_log2
+    scores = tl.where(ok[None, :], scores, -float("inf"))
     new_m = tl.maximum(big_m, tl.max(scores, axis=1))
     p = tl.exp2(scores - new_m[:, None])
     alpha = tl.exp2(big_m - new_m)
@@ -125,11 +138,11 @@ def _attend_chunk(q, k, v, ok, big_m, total, acc, scale_log2, IEEE: tl.constexpr
 
 @triton.jit
 def _decode_kernel(
-    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_out_ptr, part_ml_ptr, counter_ptr, out_ptr, scale_log2, window,
-    stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
+    q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_out_ptr, part_ml_ptr, counter_ptr, out_ptr, qk_scale, cap_log2,
+    window, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, G_MERGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr, MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr,
-    PDL: tl.constexpr, PREFETCH: tl.constexpr,
+    PDL: tl.constexpr, PREFETCH: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     if PDL:  # the next kernel (the o projection's GEMV) may launch and load its weights meanwhile
         tl.extra.cuda.gdc_launch_dependents()
@@ -169,7 +182,8 @@ def _decode_kernel(
             v = tl.where(newest, tl.load(v_ptr + rows, mask=newest, other=0.0), v)
             offs += CHUNK
             page = tl.load(table_ptr + b * stride_tb + offs // PAGE, mask=offs < t_end, other=0)
-            big_m, total, acc = _attend_chunk(q, k, v, ok, big_m, total, acc, scale_log2, IEEE)
+            big_m, total, acc = _attend_chunk(q, k, v, ok, big_m, total, acc, qk_scale, cap_log2, IEEE,
+                                              SOFTCAP)
             start += CHUNK
         for t in range(start, t_end, CHUNK):
             ok = offs < t_end
@@ -179,7 +193,8 @@ def _decode_kernel(
             # The next step's page ids, issued before this step's math (they lead its loads).
             offs += CHUNK
             page = tl.load(table_ptr + b * stride_tb + offs // PAGE, mask=offs < t_end, other=0)
-            big_m, total, acc = _attend_chunk(q, k, v, ok, big_m, total, acc, scale_log2, IEEE)
+            big_m, total, acc = _attend_chunk(q, k, v, ok, big_m, total, acc, qk_scale, cap_log2, IEEE,
+                                              SOFTCAP)
         out_rows = out_ptr + b * stride_ob + (h * GROUP + g)[:, None] * stride_oh + d[None, :]
         if splits == 1:
             tl.store(out_rows, (acc / total[:, None]).to(out_ptr.dtype.element_ty), mask=real)
@@ -222,7 +237,8 @@ class TritonDecode:
 
     def __init__(self, num_heads: int, num_kv_heads: int, scale: float, device: torch.device,
                  max_batch: int = 4096, chunk: int = CHUNK, max_splits: int | None = None, num_warps: int = 4,
-                 merge_unroll: int = MERGE_UNROLL, prefetch: int = 1) -> None:
+                 merge_unroll: int = MERGE_UNROLL, prefetch: int = 1, softcap: float | None = None) -> None:
+        """``softcap``: each score (after ``scale``) becomes softcap * tanh(score / softcap) (None: none)."""
         if max_splits is None:
             max_splits = WIDE_GROUP_MAX_SPLITS if num_heads // num_kv_heads >= WIDE_GROUP else MAX_SPLITS
         if max_splits & (max_splits - 1) or chunk & (chunk - 1):
@@ -231,7 +247,10 @@ class TritonDecode:
         self.g_merge = triton.next_power_of_2(self.group)  # the merge's rows: the group unpadded
         self.g_pad = max(16, self.g_merge)  # the split programs' rows: tl.dot takes 16 at least
         self.num_kv_heads = num_kv_heads
-        self.scale_log2 = scale * math.log2(math.e)  # the kernel's softmax runs in base 2
+        # the kernel's softmax runs in base 2 (_attend_chunk): log2(e) with the scale, or after a soft-cap's tanh
+        self.softcap = softcap
+        self.qk_scale = scale * math.log2(math.e) if softcap is None else scale / softcap
+        self.cap_log2 = 0.0 if softcap is None else softcap * math.log2(math.e)
         self.chunk, self.max_splits, self.num_warps, self.merge_unroll = chunk, max_splits, num_warps, merge_unroll
         # 1: each program reads its first chunk's k and v before it waits on the previous kernel, so those
         # loads are out before the o GEMV's weight prefetch fills the memory system. Whole batch-1 steps on an
@@ -260,11 +279,12 @@ class TritonDecode:
         pdl = triton_pdl(q.device, batch)
         _decode_kernel[(batch, self.num_kv_heads, splits)](
             q, k_cache, v_cache, meta.page_table, meta.seq_lens, part_out, part_ml, self.counters, out,
-            self.scale_log2, window, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1), k_cache.stride(2),
-            meta.page_table.stride(0), out.stride(0), out.stride(1),
+            self.qk_scale, self.cap_log2, window, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            k_cache.stride(2), meta.page_table.stride(0), out.stride(0), out.stride(1),
             KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.g_pad, G_MERGE=self.g_merge,
             HEAD_DIM=head_dim, PAGE=k_cache.shape[1], CHUNK=self.chunk, MAX_SPLITS=self.max_splits,
             MERGE_UNROLL=self.merge_unroll, IEEE=q.dtype == torch.float32, PDL=pdl, PREFETCH=self.prefetch,
+            SOFTCAP=self.softcap is not None,
             num_warps=self.num_warps,
             launch_pdl=pdl,
         )
