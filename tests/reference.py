@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import functools
+import json
+import os
 import shutil
 
 import torch
@@ -11,7 +13,16 @@ from transformers import AutoModel, AutoModelForCausalLM, AutoModelForSequenceCl
 
 @functools.lru_cache(maxsize=8)
 def hf_model(model_dir: str):
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32, **attention_of(model_dir)).eval()
+
+
+def attention_of(model_dir: str) -> dict[str, str]:
+    """transformers' eager attention for a model whose config soft-caps the attention scores (Gemma 2): its SDPA path
+    has no soft-cap and refuses one. Gemma 2 declares no SDPA support and loads eager anyway; named here so that the
+    reference cannot lose the cap to a change of transformers' default."""
+    with open(os.path.join(model_dir, "config.json")) as f:
+        capped = json.load(f).get("attn_logit_softcapping") is not None
+    return {"attn_implementation": "eager"} if capped else {}
 
 
 @torch.inference_mode()

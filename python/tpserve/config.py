@@ -28,6 +28,7 @@ SUPPORTED_ARCHITECTURES = {
     "OlmoeForCausalLM": "olmoe",
     "GraniteForCausalLM": "granite",
     "Phi3ForCausalLM": "phi3",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3_text",  # Gemma 3's text-only models (1B, 270M); the 4B+ are multimodal
     # the bare decoders (transformers' base models, as sentence-transformers saves embedding models such as
     # Qwen3-Embedding's): no LM head, so they serve embeddings only
@@ -52,16 +53,22 @@ SUPPORTED_ARCHITECTURES = {
 MOE_KINDS = ("qwen3_moe", "qwen2_moe", "mixtral", "olmoe")
 # Rotary types with frequencies fixed at load time (dynamic and longrope are not implemented).
 SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "yarn")
-# Keys of other architectures' configs that change the math; tpserve implements none of them.
+# Keys of other architectures' configs that change the math; tpserve implements them only where SERVED_IF_SET says.
 UNSUPPORTED_IF_SET = ("attn_logit_softcapping", "final_logit_softcapping", "logit_scale", "attention_multiplier")
+# Gemma's logit soft-caps (cap * tanh(x / cap)): of the attention scores before the mask and softmax, of the LM head's
+# logits
+SOFTCAPS = ("attn_logit_softcapping", "final_logit_softcapping")
 # Granite's scalars (transformers' GraniteConfig): the embedding times embedding_multiplier, each sublayer's output
 # times residual_multiplier before it joins the residual stream, attention_multiplier as the softmax scale, logits
 # divided by logits_scaling
 GRANITE_SCALARS = ("embedding_multiplier", "residual_multiplier", "attention_multiplier", "logits_scaling")
-GEMMA_KINDS = ("gemma3_text",)
+GEMMA_KINDS = ("gemma2", "gemma3_text")
+# The UNSUPPORTED_IF_SET keys a kind serves, as transformers applies them: Granite's attention_multiplier, Gemma 2's
+# soft-caps, Gemma 3's final one (transformers' Gemma 3 reads attn_logit_softcapping but never applies it: refused)
+SERVED_IF_SET = {"granite": GRANITE_SCALARS, "gemma2": SOFTCAPS, "gemma3_text": ("final_logit_softcapping",)}
 # the activations of the gated MLP: transformers' names (its swish is SiLU) -> tpserve's (layers/activation.py)
 ACTIVATIONS = {"silu": "silu", "swish": "silu", "gelu_pytorch_tanh": "gelu_tanh"}
-# Gemma 3's attention kinds (its layer_types): a local layer attends within sliding_window with its own rotary
+# Gemma's attention kinds (its layer_types): a local layer attends within sliding_window (Gemma 3's with its own rotary)
 GEMMA_LAYER_TYPES = ("sliding_attention", "full_attention")
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -104,7 +111,7 @@ def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
     global layers')."""
     rope = dict(hf.rope_parameters or {})
     rope_key = "rope_scaling" if cfg.get("rope_scaling") else "rope_parameters"
-    if kind in GEMMA_KINDS:  # transformers keeps one set per layer type: the global layers' (rope_theta, rope_scaling)
+    if kind == "gemma3_text":  # transformers keeps a set per layer type: the global layers' (rope_theta, rope_scaling)
         rope_key = f"{rope_key}.full_attention" if rope_key == "rope_parameters" else rope_key
         rope = dict(rope.get("full_attention") or {})
     elif rope and all(isinstance(v, dict) for v in rope.values()):
@@ -123,8 +130,9 @@ def _check_supported(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
     if kind not in ("qwen2", "qwen2_moe") and getattr(hf, "attention_bias", False):
         raise ValueError("attention_bias true (biases on q/k/v/o projections) is not supported")
     for key in UNSUPPORTED_IF_SET:
-        if cfg.get(key) is not None and not (kind == "granite" and key in GRANITE_SCALARS):
-            raise ValueError(f"{key} is not supported")
+        if cfg.get(key) is not None and key not in SERVED_IF_SET.get(kind, ()):
+            why = " (transformers' Gemma 3 does not apply it)" if kind == "gemma3_text" and key in SOFTCAPS else ""
+            raise ValueError(f"{key} is not supported{why}")
     clip = getattr(hf, "clip_qkv", None)  # OLMoE's optional clamp of q, k and v (a float: transformers checks the type)
     if clip is not None and (kind != "olmoe" or clip <= 0):
         raise ValueError(f"clip_qkv {clip!r} is not supported (OLMoE's: a positive number or null)")
@@ -143,9 +151,10 @@ def _activation(hf: Any, kind: str) -> tuple[str, str]:
     return "hidden_act", getattr(hf, "hidden_act", "silu")
 
 
-def _gemma(cfg: dict[str, Any], hf: Any) -> dict[str, Any]:
-    """Gemma 3's ModelConfig fields: RMSNorms times (1 + weight), four norms a layer, the embedding times
-    sqrt(hidden_size) rounded to the compute dtype, the softmax scale query_pre_attn_scalar ** -0.5, and its local
+def _gemma(cfg: dict[str, Any], hf: Any, kind: str) -> dict[str, Any]:
+    """Gemma 2's and 3's ModelConfig fields: RMSNorms times (1 + weight), four norms a layer, the embedding times
+    sqrt(hidden_size) rounded to the compute dtype, the softmax scale query_pre_attn_scalar ** -0.5, the logit
+    soft-caps (Gemma 2's both; Gemma 3's final one, null in its published configs), and Gemma 3's local
     (sliding_attention) layers' own rotary parameters (rope_local_base_freq, unscaled)."""
     if getattr(hf, "use_bidirectional_attention", False):
         raise ValueError("use_bidirectional_attention true is not supported (tpserve's attention is causal)")
@@ -155,8 +164,38 @@ def _gemma(cfg: dict[str, Any], hf: Any) -> dict[str, Any]:
         raise ValueError(f"config.json: layer_types must list {hf.num_hidden_layers} of {', '.join(GEMMA_LAYER_TYPES)}"
                          f", got {list(layer_types)!r}")
     scalar = hf.query_pre_attn_scalar
-    if isinstance(scalar, bool) or not isinstance(scalar, (int, float)) or not math.isfinite(scalar) or scalar <= 0:
+    if not _positive_number(scalar):
         raise ValueError(f"config.json: query_pre_attn_scalar must be a positive number, got {scalar!r}")
+    fields = dict(
+        norm_weight_offset=1.0,
+        sandwich_norms=True,
+        embedding_multiplier=float(hf.hidden_size**0.5),
+        embedding_multiplier_in_dtype=True,
+        attention_multiplier=float(scalar**-0.5),
+        **_softcaps(hf, kind),
+    )
+    if kind == "gemma3_text":
+        fields.update(_gemma3_local_rotary(cfg, hf, layer_types))
+    return fields
+
+
+def _positive_number(value: Any) -> bool:
+    return not isinstance(value, bool) and isinstance(value, (int, float)) and math.isfinite(value) and value > 0
+
+
+def _softcaps(hf: Any, kind: str) -> dict[str, float | None]:
+    """The SOFTCAPS this Gemma serves, each a positive number or null (none; transformers would divide by a 0)."""
+    caps = {}
+    for key in (k for k in SOFTCAPS if k in SERVED_IF_SET[kind]):
+        value = getattr(hf, key, None)
+        if value is not None and not _positive_number(value):
+            raise ValueError(f"config.json: {key} must be a positive number or null, got {value!r}")
+        caps[key] = None if value is None else float(value)
+    return caps
+
+
+def _gemma3_local_rotary(cfg: dict[str, Any], hf: Any, layer_types: tuple[str, ...]) -> dict[str, Any]:
+    """Gemma 3's local (sliding_attention) layers and their own rotary parameters."""
     local_key = "rope_parameters.sliding_attention" if cfg.get("rope_parameters") else "rope_local_base_freq"
     local = _check_rope(cfg, dict(hf.rope_parameters.get("sliding_attention") or {}), local_key)
     if local.get("partial_rotary_factor") not in (None, 1, 1.0):
@@ -165,11 +204,6 @@ def _gemma(cfg: dict[str, Any], hf: Any) -> dict[str, Any]:
     local.setdefault("rope_type", "default")
     local.pop("type", None)
     return dict(
-        norm_weight_offset=1.0,
-        sandwich_norms=True,
-        embedding_multiplier=float(hf.hidden_size**0.5),
-        embedding_multiplier_in_dtype=True,
-        attention_multiplier=float(scalar**-0.5),
         local_rope_parameters=local,
         local_layers=tuple(i for i, t in enumerate(layer_types) if t == "sliding_attention"),
     )
@@ -292,7 +326,7 @@ class ModelConfig:
     max_position_embeddings: int
     context_length: int  # longest sequence served (see _context_length)
     tie_word_embeddings: bool
-    qk_norm: bool  # Qwen3, Gemma 3: RMSNorm on each q/k head before rotary
+    qk_norm: bool  # Qwen3, Gemma 3 (not Gemma 2): RMSNorm on each q/k head before rotary
     qkv_bias: bool  # Qwen2/2.5: bias on q/k/v projections
     torch_dtype: str  # the checkpoint's dtype
     eos_token_ids: tuple[int, ...]
@@ -322,6 +356,11 @@ class ModelConfig:
     # local layers; every layer of Mistral, Mixtral and Phi-3 with a window; Qwen2's from max_window_layers on)
     sliding_window: int | None = None
     window_layers: tuple[int, ...] = ()
+    # Gemma's logit soft-caps (cap * tanh(x / cap); None: none): Gemma 2's attention scores (after the softmax scale,
+    # before the mask and softmax: every attention backend's softcap) and Gemma 2's and 3's LM head logits (after its
+    # all-gather, before sampling)
+    attn_logit_softcapping: float | None = None
+    final_logit_softcapping: float | None = None
 
     @property
     def layer_windows(self) -> tuple[int, ...]:
@@ -403,7 +442,7 @@ class ModelConfig:
             # a bare decoder's or a classifier's LM head is its embedding (no memory of its own): its logits only
             # feed the one sample a pooled request discards
             tie_word_embeddings=bool(hf.tie_word_embeddings) or bare or classifier,
-            qk_norm=kind in ("qwen3", "qwen3_moe", *GEMMA_KINDS),
+            qk_norm=kind in ("qwen3", "qwen3_moe", "gemma3_text"),
             qkv_bias=kind == "qwen2" or kind == "qwen2_moe" and bool(hf.qkv_bias),
             torch_dtype=str(dtype).removeprefix("torch."),
             eos_token_ids=tuple(sorted(eos)),
@@ -416,7 +455,7 @@ class ModelConfig:
             **(_granite_scalars(hf) if kind == "granite" else {}),
             fused_projections=kind == "phi3",
             hidden_act=ACTIVATIONS[_activation(hf, kind)[1]],
-            **(_gemma(cfg, hf) if kind in GEMMA_KINDS else {}),
+            **(_gemma(cfg, hf, kind) if kind in GEMMA_KINDS else {}),
         )
 
     def check_tp_size(self, tp_size: int, name: str = "tp_size", expert_parallel: bool = False) -> None:

@@ -60,7 +60,7 @@ def test_rope_types_in_both_layouts_at_tp2(tiny_model_factory, arch, rope_type, 
 
 @pytest.mark.parametrize("arch,kwargs", [(arch, {}) for arch in ["qwen3", "qwen2", "llama", "mistral", "qwen3_moe",
                                                                    "qwen2_moe", "mixtral", "olmoe", "granite", "phi3",
-                                                                   "gemma3_text"]]
+                                                                   "gemma2", "gemma3_text"]]
                          # transformers writes a 0-wide shared expert's 0-row tensors and its gate; tpserve reads none
                          + [("qwen2_moe", {"shared_expert_intermediate_size": 0})], ids=str)
 def test_models_saved_by_transformers(tiny_model_factory, tmp_path, arch, kwargs):

@@ -98,8 +98,10 @@ def test_the_published_config_is_read_as_transformers_reads_it():
     ({"rope_parameters": {"full_attention": {"rope_type": "default", "rope_theta": 1e6},
                           "sliding_attention": {"rope_type": "dynamic", "rope_theta": 1e4, "factor": 2.0}}},
      "rope_parameters.sliding_attention.rope_type 'dynamic' is not supported"),
-    ({"attn_logit_softcapping": 50.0}, "attn_logit_softcapping is not supported"),
-    ({"final_logit_softcapping": 30.0}, "final_logit_softcapping is not supported"),
+    # transformers' Gemma 3 reads it but never applies it (its final_logit_softcapping it applies: test_gemma2)
+    ({"attn_logit_softcapping": 50.0}, r"attn_logit_softcapping is not supported \(transformers' Gemma 3 does not "
+                                       r"apply it\)"),
+    ({"final_logit_softcapping": 0.0}, "final_logit_softcapping must be a positive number or null, got 0.0"),
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention true is not supported"),
     ({"hidden_activation": "relu"}, "hidden_activation 'relu' is not supported"),
 ])

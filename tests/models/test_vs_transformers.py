@@ -30,6 +30,9 @@ ARCHS = [
     # (1 + weight) and sandwich norms, GELU, sqrt(hidden) embedding, query_pre_attn_scalar, local (a window of 16
     # tokens) and global rotary (linear scaling), head_dim 32 of hidden 64 / 4 heads, tied embeddings as Gemma 3's
     ("gemma3_text", {"num_kv_heads": 1, "head_dim": 32, "tie_word_embeddings": True}),
+    # Gemma 3's layer without q/k norms or a local rotary; local layers within 8 tokens; attention scores soft-capped at
+    # 10 (transformers' eager attention), logits at 5
+    ("gemma2", {"head_dim": 32}),
 ]
 PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 137))]
 
@@ -91,6 +94,8 @@ def test_logits_and_greedy_match_transformers(tiny_model_factory, arch, kwargs):
         (2, "phi3", {"num_kv_heads": 1, "sliding_window": 8}, {}),
         # the sandwich norms' all-reduces before each norm, the one KV head replicated
         (2, "gemma3_text", {"num_kv_heads": 1, "head_dim": 32, "tie_word_embeddings": True}, {}),
+        # a KV head a rank; the logits soft-capped after the all-gather of a vocabulary split with padding
+        (2, "gemma2", {"head_dim": 32, "vocab_size": 643}, {}),
     ],
     ids=str,
 )

@@ -1,6 +1,6 @@
-"""The decoder of Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, Mistral, Mixtral, OLMoE, Granite, Phi-3 and Gemma 3
-(ModelConfig switches), with the checkpoints' parameter names but q/k/v merged into ``qkv_proj``, gate/up into
-``gate_up_proj``.
+"""The decoder of Qwen3, Qwen3-MoE, Qwen2/2.5, Qwen2-MoE, Llama 3.x, Mistral, Mixtral, OLMoE, Granite, Phi-3, Gemma 2
+and Gemma 3 (ModelConfig switches), with the checkpoints' parameter names but q/k/v merged into ``qkv_proj``, gate/up
+into ``gate_up_proj``.
 
 At TP > 1 attention and MLP return this rank's partial sum: the add+RMSNorm after each all-reduces
 it (``Communicator.all_reduce_add_rmsnorm``, in one kernel where it can). At TP 1, where the CUDA GEMV
@@ -216,6 +216,11 @@ class CausalLM(nn.Module):
         return self._scaled(self.lm_head(head_in))
 
     def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
-        """Granite's logits divided by logits_scaling (after the head, as transformers divides them)."""
-        scaling = self.config.logits_scaling
-        return logits if scaling == 1.0 else logits / scaling
+        """Granite's logits divided by logits_scaling, Gemma's soft-capped (final_logit_softcapping): after the head's
+        all-gather, as transformers computes them."""
+        scaling, cap = self.config.logits_scaling, self.config.final_logit_softcapping
+        if scaling != 1.0:
+            logits = logits / scaling
+        if cap is not None:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -117,7 +117,8 @@ def build_parser() -> argparse.ArgumentParser:
         "qwen2 (q/k/v bias), qwen2_moe (Qwen2 with experts and a gated shared expert), llama (llama3 rope "
         "scaling), mistral, mixtral (Mistral with experts in every layer), olmoe (experts in every layer, q/k "
         "RMSNorms over the whole projections), granite (Granite's scalars), phi3 (fused q/k/v and gate/up), "
-        "gemma3_text (Gemma 3: sandwich norms, GELU, local and global layers)")
+        "gemma2 (Gemma 2: sandwich norms, GELU, local and global layers, logit soft-caps), gemma3_text (Gemma 3: "
+        "Gemma 2's layer with q/k norms and the local layers' own rotary)")
     add("--layers", dest="num_layers", metavar="LAYERS", type=int, default=2, help="number of decoder layers")
     add("--hidden", dest="hidden_size", metavar="HIDDEN", type=int, default=64, help="hidden size")
     add("--heads", dest="num_heads", metavar="HEADS", type=int, default=4, help="number of attention (query) heads")

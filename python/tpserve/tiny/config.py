@@ -19,6 +19,7 @@ ARCHITECTURES = {
     "olmoe": "OlmoeForCausalLM",
     "granite": "GraniteForCausalLM",
     "phi3": "Phi3ForCausalLM",  # q/k/v and gate/up fused in the checkpoint
+    "gemma2": "Gemma2ForCausalLM",  # Gemma 3's layer without q/k norms or a local rotary; logit soft-caps
     "gemma3_text": "Gemma3ForCausalLM",  # sandwich norms, (1 + weight) norms, GELU, local and global layers
 }
 # Gemma 3's tiny model: its layers alternate sliding_attention (local rotary, theta 10,000) and full_attention (global
@@ -26,10 +27,18 @@ ARCHITECTURES = {
 # tests' longer sequences, so their local layers attend within it; the softmax scale query_pre_attn_scalar ** -0.5
 # other than head_dim ** -0.5 (as Gemma 3 27B's)
 GEMMA3_WINDOW = 16
+# Gemma 2's tiny model: its layers alternate sliding_attention and full_attention (one rotary, theta 10,000), the
+# window shorter than the tests' longer sequences, the softmax scale query_pre_attn_scalar ** -0.5 other than
+# head_dim ** -0.5. Its soft-caps are about the spread of what they cap (its scaled attention scores: std ~10, at most
+# ~40; its logits within +-9), so that tanh bends most values without flattening them: the published 50 and 30 would
+# barely touch them, caps of a few units would saturate most
+GEMMA2_WINDOW = 8
+GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 10.0, "final_logit_softcapping": 5.0}
 # The architectures whose transformers config takes a sliding window (model_config's sliding_window): Mistral, Mixtral,
 # Phi-3 and Qwen3-MoE window every layer, Qwen2 and Qwen3 the layers from max_window_layers (1 here) on
-WINDOWED = ("mistral", "mixtral", "phi3", "qwen3_moe", "qwen2", "qwen3", "gemma3_text")
-GEMMA3_QUERY_PRE_ATTN_SCALAR = 24
+WINDOWED = ("mistral", "mixtral", "phi3", "qwen3_moe", "qwen2", "qwen3", "gemma2", "gemma3_text")
+GEMMA_QUERY_PRE_ATTN_SCALAR = 24
+GEMMA_KINDS = ("gemma2", "gemma3_text")
 # Granite 3's scalars (granite-3.3-8b-instruct's config.json), which each change the tokens
 GRANITE_SCALARS = {"embedding_multiplier": 12.0, "residual_multiplier": 0.22, "attention_multiplier": 0.0078125,
                    "logits_scaling": 16.0}
@@ -70,7 +79,8 @@ def model_config(
     size is ``moe_intermediate_size`` or else ``intermediate_size``; mixtral's top k always renormalised). qwen2_moe's
     shared expert is ``shared_expert_intermediate_size`` wide (default: hidden). ``norm_topk_prob`` defaults to the
     published models' (olmoe: False, the others: True). ``sliding_window``: the attention window of the WINDOWED
-    architectures (gemma3_text's local layers: GEMMA3_WINDOW by default; the others: none)."""
+    architectures (gemma3_text's and gemma2's local layers: GEMMA3_WINDOW, GEMMA2_WINDOW by default; the others:
+    none)."""
     if arch not in ARCHITECTURES:
         raise ValueError(f"unknown arch {arch!r}; choose one of {', '.join(ARCHITECTURES)}")
     if rope_type is None:
@@ -140,12 +150,16 @@ def model_config(
         cfg.update(original_max_position_embeddings=max_position_embeddings, pad_token_id=eos_token_id)
     if arch in ("qwen2", "qwen3", "qwen3_moe", "qwen2_moe"):
         cfg["max_window_layers"] = num_layers if sliding_window is None else 1
-    if sliding_window is not None and arch != "gemma3_text":
+    if sliding_window is not None and arch not in GEMMA_KINDS:
         cfg.update(sliding_window=sliding_window, use_sliding_window=True)
+    if arch in GEMMA_KINDS:  # local layers first, as the published models' (gemma-2-2b-it: 26 layers, 13 of each)
+        cfg.update(layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)],
+                   query_pre_attn_scalar=GEMMA_QUERY_PRE_ATTN_SCALAR, pad_token_id=eos_token_id)
+    if arch == "gemma2":
+        cfg.update(sliding_window=sliding_window or GEMMA2_WINDOW, **GEMMA2_SOFTCAPS)
     if arch == "gemma3_text":
         cfg.update(
-            layer_types=["full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)],
-            sliding_window=sliding_window or GEMMA3_WINDOW, query_pre_attn_scalar=GEMMA3_QUERY_PRE_ATTN_SCALAR, pad_token_id=eos_token_id,
+            sliding_window=sliding_window or GEMMA3_WINDOW,
             rope_parameters={"full_attention": rope_parameters(arch, rope_type, max_position_embeddings),
                              "sliding_attention": {"rope_type": "default", "rope_theta": 10000.0}},
         )

@@ -52,7 +52,7 @@ def weight_shapes(config: PreTrainedConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_norm.weight"] = (kv_out,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q_out)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        if arch == "gemma3_text":  # the MLP's sandwich
+        if arch in ("gemma2", "gemma3_text"):  # the MLP's sandwich
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if num_experts and i not in dense_layers:
@@ -126,7 +126,7 @@ def _gemma_norm(name: str, weight: torch.Tensor) -> torch.Tensor:
 
 def random_weights(config: PreTrainedConfig, seed: int) -> dict[str, torch.Tensor]:
     weights = {name: _init_tensor(name, shape, seed, config.hidden_size) for name, shape in weight_shapes(config).items()}
-    if config.model_type == "gemma3_text":
+    if config.model_type in ("gemma2", "gemma3_text"):
         weights = {name: _gemma_norm(name, w) if name.endswith("norm.weight") else w for name, w in weights.items()}
     return weights
 
