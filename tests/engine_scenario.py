@@ -4,6 +4,8 @@ CPU tests of the comparisons themselves."""
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from tpserve.engine.engine import Engine
@@ -73,6 +75,28 @@ def run_scenario(
         tokens.append(step_tokens)
         logits_per_step.append(step_logits)
     return tokens, logits_per_step
+
+
+def teacher_forced_errors(
+    make_engine: Callable[[str, str], Engine], engine_dir: str, reference_dir: str
+) -> tuple[list[float], tuple[list[list[int]], list[list[int]], list[torch.Tensor]]]:
+    """The relative logits error of each step: ``make_engine(engine_dir, "flashinfer")`` teacher-forced on the tokens of
+    ``make_engine(reference_dir, "torch")``; with (its own greedy tokens, the reference's tokens and logits) for
+    ``assert_same_greedy``. Each engine is dropped before the next is built (two may not fit beside a graph pool)."""
+    reference = make_engine(reference_dir, "torch")
+    prompts = prompts_for(6, reference.model_config.vocab_size, seed=7)
+    ref_tokens, ref_logits = run_scenario(reference, prompts)
+    del reference
+    engine = make_engine(engine_dir, "flashinfer")
+    assert engine.graph_runner is not None
+    _, forced_logits = run_scenario(engine, prompts, forced=ref_tokens)
+    steps = []
+    for actual, expected in zip(forced_logits, ref_logits):
+        valid = ~torch.isnan(expected[:, 0])
+        assert torch.equal(valid, ~torch.isnan(actual[:, 0])) and torch.isfinite(actual[valid]).all()
+        steps.append(float((actual[valid] - expected[valid]).norm() / expected[valid].norm()))
+    own_tokens, _ = run_scenario(engine, prompts)
+    return steps, (own_tokens, ref_tokens, ref_logits)
 
 
 def assert_logits_close(actual: list[torch.Tensor], expected: list[torch.Tensor]) -> None:

@@ -9,7 +9,6 @@ model without the attention cap."""
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
@@ -18,10 +17,10 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from reference import hf_greedy, rel_err
+from paged_reference import HEAD_DIM, HEADS, KV_HEADS, PAGE, RTOL, WINDOW, random_pool, reference
 from tpserve import LLM, SamplingParams
 from tpserve.forward import SequenceInput
 from tpserve.kvcache.pool import KVCachePool, PageAllocator
-from tpserve.layers.linear import MergedColumnParallelLinear, ParallelLinear
 
 hopper = pytest.mark.skipif(
     not torch.cuda.is_available() or torch.cuda.get_device_capability()[0] != 9, reason="needs a Hopper GPU"
@@ -31,51 +30,7 @@ PROMPTS = [[5, 6, 7, 8, 9, 10, 11], [40, 41], list(range(100, 137))]
 # one token)
 SHAPE = {"head_dim": 128, "hidden_size": 256, "num_heads": 4, "num_kv_heads": 2, "intermediate_size": 512,
          "num_layers": 4}
-HEAD_DIM, PAGE, HEADS, KV_HEADS, WINDOW = 128, 16, 32, 8, 100
 CAP, Q_GAIN = 4.0, 2.0  # q ~ N(0, 4): scaled scores with a spread of ~2, which a cap of 4 bends
-RTOL = 1e-2  # bf16 kernels against float32 (test_decode_kernels.py's bound)
-
-
-@pytest.fixture
-def no_silu(monkeypatch):
-    """Fails on any SiLU-and-mul of a dense MLP: the merged layer's (GEMV epilogue or FlashInfer), or a GEMV asked for
-    its silu_mul epilogue."""
-    def refuse(*args, **kwargs):
-        raise AssertionError("a GELU model took a SiLU path")
-
-    gemv = ParallelLinear.gemv
-
-    def checked_gemv(self, x, **fusion):
-        assert not fusion.get("silu_mul"), "a GELU model took the GEMV's SiLU epilogue"
-        return gemv(self, x, **fusion)
-
-    monkeypatch.setattr(MergedColumnParallelLinear, "silu_and_mul", refuse)
-    monkeypatch.setattr(ParallelLinear, "gemv", checked_gemv)
-
-
-def reference(pool: KVCachePool, layer: int, q: torch.Tensor, seq: SequenceInput, window: int,
-              softcap: float | None) -> torch.Tensor:
-    """float32 attention of ``seq``'s new tokens (q [n, H, D]) over its cache, each within ``window`` (0: none), the
-    scaled scores soft-capped (transformers' Gemma 2) where ``softcap`` is set."""
-    pages = torch.tensor(seq.page_table, device=q.device)
-    k, v = (c[layer][pages].float().flatten(0, 1)[: seq.seq_len].repeat_interleave(HEADS // KV_HEADS, dim=1)
-            for c in (pool.k, pool.v))
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) / math.sqrt(HEAD_DIM)
-    if softcap is not None:
-        scores = softcap * torch.tanh(scores / softcap)
-    k_pos = torch.arange(seq.seq_len, device=q.device)[None, :]
-    q_pos = torch.arange(seq.prefix_len, seq.seq_len, device=q.device)[:, None]
-    allowed = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
-
-
-def random_pool() -> KVCachePool:
-    pool = KVCachePool(2, 1200, PAGE, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cuda"),
-                       compute_dtype=torch.bfloat16)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for cache in (*pool.k, *pool.v):
-        cache.copy_(torch.randn(cache.shape, generator=gen, device="cuda"))
-    return pool
 
 
 def capped_backend(pool: KVCachePool, kernel: str):
@@ -177,7 +132,7 @@ def test_bf16_flashinfer_and_graphs_match_torch_attention(tiny_model_factory, tm
     a Qwen3 of the same shape's are (the oracle is that baseline's worst step, times 2, as test_gemma3_gpu's), and
     far from the torch backend's without the attention cap."""
     pytest.importorskip("flashinfer")
-    from engine_scenario import assert_same_greedy, prompts_for, run_scenario
+    from engine_scenario import assert_same_greedy, teacher_forced_errors
     from tpserve.engine.engine import Engine
     from tpserve.engine_config import EngineConfig
 
@@ -187,31 +142,16 @@ def test_bf16_flashinfer_and_graphs_match_torch_attention(tiny_model_factory, tm
                                    decode_attention=decode if backend == "flashinfer" else "auto",
                                    max_total_tokens=16384, page_size=16))
 
-    def errors(engine_dir: str, reference_dir: str) -> tuple[list[float], tuple]:
-        reference = make_engine(reference_dir, "torch")
-        prompts = prompts_for(6, reference.model_config.vocab_size, seed=7)
-        ref_tokens, ref_logits = run_scenario(reference, prompts)
-        del reference
-        engine = make_engine(engine_dir, "flashinfer")
-        assert engine.graph_runner is not None
-        _, forced_logits = run_scenario(engine, prompts, forced=ref_tokens)
-        steps = []
-        for actual, expected in zip(forced_logits, ref_logits):
-            valid = ~torch.isnan(expected[:, 0])
-            assert torch.equal(valid, ~torch.isnan(actual[:, 0])) and torch.isfinite(actual[valid]).all()
-            steps.append(float((actual[valid] - expected[valid]).norm() / expected[valid].norm()))
-        own_tokens, _ = run_scenario(engine, prompts)
-        return steps, (own_tokens, ref_tokens, ref_logits)
-
     capped = tiny_model_factory("gemma2", **SHAPE)
     uncapped = tmp_path / "uncapped"
     shutil.copytree(capped, uncapped)
     config = json.loads((uncapped / "config.json").read_text())
     (uncapped / "config.json").write_text(json.dumps({**config, "attn_logit_softcapping": None}))
+    gemma, greedy = teacher_forced_errors(make_engine, capped, capped)
+    without_cap, _ = teacher_forced_errors(make_engine, capped, str(uncapped))
+    no_silu.undo()  # the Qwen3 baseline's MLP is SiLU's
     qwen_dir = tiny_model_factory("qwen3", **SHAPE)
-    gemma, greedy = errors(capped, capped)
-    qwen, _ = errors(qwen_dir, qwen_dir)
-    without_cap, _ = errors(capped, str(uncapped))
+    qwen, _ = teacher_forced_errors(make_engine, qwen_dir, qwen_dir)
     print(f"{decode}: relative logits error by step: Gemma 2 max {max(gemma):.2e}, Qwen3 of its shape max "
           f"{max(qwen):.2e}, against the torch backend without the attention cap {max(without_cap):.2e}")
     assert max(gemma) < 2 * max(qwen), (gemma, qwen)

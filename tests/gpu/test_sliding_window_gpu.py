@@ -7,7 +7,6 @@ graph). Then whole bf16 engines with FlashInfer and CUDA graphs against the torc
 from __future__ import annotations
 
 import json
-import math
 import shutil
 
 import pytest
@@ -18,35 +17,12 @@ pytestmark = pytest.mark.skipif(
 )
 pytest.importorskip("flashinfer")
 
+from paged_reference import HEAD_DIM, HEADS, KV_HEADS, PAGE, RTOL, WINDOW, random_pool, reference
 from reference import rel_err
 from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
 from tpserve.attention.page_table import TableMetadata
 from tpserve.forward import SequenceInput
-from tpserve.kvcache.pool import KVCachePool, PageAllocator
-
-HEAD_DIM, PAGE, HEADS, KV_HEADS, WINDOW = 128, 16, 32, 8, 100
-RTOL = 1e-2  # bf16 kernels against float32 (test_decode_kernels.py's bound)
-
-
-def reference(pool: KVCachePool, layer: int, q: torch.Tensor, seq: SequenceInput, window: int) -> torch.Tensor:
-    """float32 attention of ``seq``'s new tokens (q [n, H, D]) over its cache, each within ``window`` (0: none)."""
-    pages = torch.tensor(seq.page_table, device=q.device)
-    k, v = (c[layer][pages].float().flatten(0, 1)[: seq.seq_len].repeat_interleave(HEADS // KV_HEADS, dim=1)
-            for c in (pool.k, pool.v))
-    scores = torch.einsum("qhd,khd->hqk", q.float(), k) / math.sqrt(HEAD_DIM)
-    k_pos = torch.arange(seq.seq_len, device=q.device)[None, :]
-    q_pos = torch.arange(seq.prefix_len, seq.seq_len, device=q.device)[:, None]
-    allowed = (k_pos <= q_pos) & ((k_pos > q_pos - window) if window else True)
-    return torch.einsum("hqk,khd->qhd", scores.masked_fill(~allowed, float("-inf")).softmax(-1), v)
-
-
-def random_pool() -> KVCachePool:
-    pool = KVCachePool(2, 1200, PAGE, KV_HEADS, HEAD_DIM, torch.bfloat16, torch.device("cuda"),
-                       compute_dtype=torch.bfloat16)
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for cache in (*pool.k, *pool.v):
-        cache.copy_(torch.randn(cache.shape, generator=gen, device="cuda"))
-    return pool
+from tpserve.kvcache.pool import PageAllocator
 
 
 def windowed_backend(kernel: str) -> FlashInferAttentionBackend:
@@ -131,7 +107,7 @@ def test_engine_with_flashinfer_and_graphs_matches_torch_attention(tiny_model_fa
     """A tiny Qwen3 (head_dim 128) whose layers 1-3 attend within 16 tokens, in bf16: FlashInfer with CUDA graphs
     (decode: Triton's kernel under auto, the decode wrapper) against the torch backend, teacher-forced, as near as
     the same comparison without a window is; the windowless torch backend is far from both."""
-    from engine_scenario import prompts_for, run_scenario
+    from engine_scenario import teacher_forced_errors
     from tpserve.engine.engine import Engine
     from tpserve.engine_config import EngineConfig
 
@@ -144,24 +120,13 @@ def test_engine_with_flashinfer_and_graphs_matches_torch_attention(tiny_model_fa
     (plain / "config.json").write_text(json.dumps({**config, "use_sliding_window": False, "sliding_window": None,
                                                    "layer_types": ["full_attention"] * 4}))
 
-    def make_engine(model_dir, backend: str) -> Engine:
+    def make_engine(model_dir: str, backend: str) -> Engine:
         return Engine(EngineConfig(model=str(model_dir), device="cuda", dtype="bfloat16", attention_backend=backend,
                                    cuda_graph_max_bs=16 if backend == "flashinfer" else 0, decode_attention=decode
                                    if backend == "flashinfer" else "auto", max_total_tokens=16384, page_size=16))
 
     def errors(engine_dir, reference_dir) -> list[float]:
-        reference = make_engine(reference_dir, "torch")
-        prompts = prompts_for(6, reference.model_config.vocab_size, seed=7)
-        ref_tokens, ref_logits = run_scenario(reference, prompts)
-        del reference
-        engine = make_engine(engine_dir, "flashinfer")
-        assert engine.graph_runner is not None
-        _, forced = run_scenario(engine, prompts, forced=ref_tokens)
-        steps = []
-        for actual, expected in zip(forced, ref_logits):
-            valid = ~torch.isnan(expected[:, 0])
-            steps.append(float((actual[valid] - expected[valid]).norm() / expected[valid].norm()))
-        return steps
+        return teacher_forced_errors(make_engine, engine_dir, reference_dir)[0]
 
     window, baseline, unwindowed = errors(windowed, windowed), errors(plain, plain), errors(windowed, plain)
     print(f"{decode}: max relative logits error by step {max(window):.2e} (no window: {max(baseline):.2e}; "

@@ -297,12 +297,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                     self.head_dim,
                     self.pool.page_size,
                     causal=True,
-                    sm_scale=self.scale,
-                    q_data_type=self.dtype,
-                    kv_data_type=self.pool.dtype,
-                    window_left=window - 1,  # FlashInfer's window excludes the query's own token; -1: none
-                    # cap * tanh(sm_scale * q.k / cap): FlashInfer applies sm_scale before the cap, as transformers
-                    logits_soft_cap=self.softcap,
+                    **self._plan_options(window),
                 )
         self._mark_planned()
         return FlashInferMetadata(wrappers[0], {w: wrapper for w, wrapper in wrappers.items() if w})
@@ -316,10 +311,17 @@ class FlashInferAttentionBackend(AttentionBackend):
             self.num_kv_heads,
             self.head_dim,
             self.pool.page_size,
+            **self._plan_options(window),
+        )
+
+    def _plan_options(self, window: int) -> dict[str, object]:
+        """What every plan call takes beside the page table: the scale, dtypes, window and soft-cap."""
+        return dict(
             sm_scale=self.scale,
             q_data_type=self.dtype,
             kv_data_type=self.pool.dtype,
-            window_left=window - 1,
+            window_left=window - 1,  # FlashInfer's window excludes the query's own token; -1: none
+            # cap * tanh(sm_scale * q.k / cap): FlashInfer applies sm_scale before the cap, as transformers does
             logits_soft_cap=self.softcap,
         )
 
