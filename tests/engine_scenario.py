@@ -117,17 +117,17 @@ def top2_margin(logits: torch.Tensor) -> float:
 
 
 def assert_same_greedy(
-    actual: list[list[int]], expected: list[list[int]], expected_logits: list[torch.Tensor]
+    actual: list[list[int]], expected: list[list[int]], expected_logits: list[torch.Tensor], near_tie: float = NEAR_TIE
 ) -> None:
-    """Every sequence's greedy tokens agree until a near-tie in the reference, if any (after
-    that the two runs decode different texts, so the sequence is no longer compared)."""
+    """Every sequence's greedy tokens agree until a near-tie (top two within ``near_tie``) in the reference, if any
+    (after that the two runs decode different texts, so the sequence is no longer compared)."""
     diverged: set[int] = set()
     for step, (a_row, e_row) in enumerate(zip(actual, expected)):
         for i, (a, e) in enumerate(zip(a_row, e_row)):
             if i in diverged or a == e:
                 continue
             margin = top2_margin(expected_logits[step][i])
-            assert margin < NEAR_TIE, f"step {step} seq {i}: token {a} != {e} with a clear margin {margin:.3f}"
+            assert margin < near_tie, f"step {step} seq {i}: token {a} != {e} with a clear margin {margin:.3f}"
             diverged.add(i)
     assert len(diverged) <= len(expected[0]) // 2, f"{len(diverged)} sequences hit near-ties: suspicious"
 
