@@ -287,11 +287,12 @@ def _moe_config(hf: Any, kind: str, num_layers: int) -> MoEConfig | None:
     return MoEConfig(num_experts, hf.num_experts_per_tok, expert_size, norm_topk, tuple(layers), shared, size_key)
 
 
-def _context_length(rope: dict[str, Any], max_positions: int) -> int:
+def _context_length(rope: dict[str, Any], max_positions: int, kind: str = "") -> int:
     """The longest sequence served: YaRN and linear scaling extend the trained context as vLLM reads
-    them (original context, resp. max_position_embeddings, x factor)."""
+    them (original context, resp. max_position_embeddings, x factor). Gemma 3's max_position_embeddings is the scaled
+    context already (the 4B+'s 131,072 with linear factor 8): not multiplied again, as vLLM skips it."""
     length = max_positions
-    factor = rope.get("factor")
+    factor = rope.get("factor") if kind != "gemma3_text" else None
     if rope.get("rope_type") == "yarn" and factor:
         length = max(length, int(rope.get("original_max_position_embeddings", max_positions) * factor))
     elif rope.get("rope_type") == "linear" and factor:
@@ -437,7 +438,7 @@ class ModelConfig:
             rms_norm_eps=hf.rms_norm_eps,
             rope_parameters=rope,
             max_position_embeddings=hf.max_position_embeddings,
-            context_length=_context_length(rope, hf.max_position_embeddings),
+            context_length=_context_length(rope, hf.max_position_embeddings, kind),
             **dict(zip(("sliding_window", "window_layers"), _sliding_window(hf, kind))),
             # a bare decoder's or a classifier's LM head is its embedding (no memory of its own): its logits only
             # feed the one sample a pooled request discards

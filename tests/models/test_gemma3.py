@@ -89,6 +89,16 @@ def test_the_published_config_is_read_as_transformers_reads_it():
     assert scaled.local_rope_parameters == {"rope_type": "default", "rope_theta": 10000.0}
 
 
+def test_a_linearly_scaled_gemma3_serves_its_max_position_embeddings():
+    """Gemma 3 4B+'s text config: max_position_embeddings (131,072) is the scaled context already, linear factor 8 or
+    not (vLLM does not multiply Gemma 3's by the factor). Before sliding windows the window (1,024) capped the context,
+    which hid a 1,048,576-token context_length here."""
+    text_4b = {**GEMMA3_1B, "max_position_embeddings": 131072, "sliding_window": 1024,
+               "rope_scaling": {"rope_type": "linear", "factor": 8.0}}
+    config = ModelConfig.from_dict(text_4b)
+    assert config.rope_parameters["factor"] == 8.0 and config.context_length == 131072
+
+
 @pytest.mark.parametrize("changes,message", [
     ({"rope_scaling": {"rope_type": "dynamic", "factor": 2.0}}, "rope_scaling.rope_type 'dynamic' is not supported"),
     ({"rope_parameters": {"full_attention": {"rope_type": "longrope", "rope_theta": 1e6, "short_factor": [1.0] * 128,
