@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 
@@ -107,6 +108,30 @@ def test_decode_attention_xqa_is_checked_before_start(qwen3_dir, two_gpus, monke
     capability[0], installed[0] = (9, 0), False
     with pytest.raises(ValueError, match="flashinfer package is not installed; use --decode-attention auto"):
         start()
+
+
+def test_decode_attention_xqa_on_a_windowed_or_capped_model_is_checked_before_start(tiny_model_factory, two_gpus,
+                                                                                  monkeypatch):
+    """XQA is never built for sliding windows or an attention soft-cap: asked for, that is one clear error at start-up,
+    not one from every rank once the weights are loaded (the machine is faked as above)."""
+    import importlib.util
+
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: (9, 0))
+    real_find_spec = importlib.util.find_spec
+    monkeypatch.setattr(importlib.util, "find_spec",
+                        lambda name, *a: object() if name == "flashinfer" else real_find_spec(name, *a))
+    for arch, kwargs, fragment in (
+        ("mistral", {"sliding_window": 8}, "tpserve does not run XQA with sliding-window attention"),
+        ("gemma2", {"head_dim": 32}, "tpserve does not run XQA with sliding-window attention"),
+    ):
+        model_dir = tiny_model_factory(arch, **kwargs)
+        config = EngineConfig(model=model_dir, device="cuda", dtype="bfloat16", decode_attention="xqa")
+        with pytest.raises(ValueError, match=rf"--decode-attention xqa: {fragment}; use --decode-attention auto"):
+            check_can_start(config, ModelConfig.from_pretrained(model_dir), cli=True)
+    gemma2 = tiny_model_factory("gemma2", head_dim=32)
+    capped = dataclasses.replace(ModelConfig.from_pretrained(gemma2), window_layers=(), sliding_window=None)
+    with pytest.raises(ValueError, match="tpserve does not run XQA with attention logit soft-capping"):
+        check_can_start(EngineConfig(model=gemma2, device="cuda", dtype="bfloat16", decode_attention="xqa"), capped)
 
 
 def test_decode_attention_triton_is_checked_before_start(qwen3_dir, two_gpus, monkeypatch):
