@@ -236,6 +236,9 @@ def _sliding_window(hf: Any, kind: str) -> tuple[int | None, tuple[int, ...]]:
         layers = tuple(i for i, t in enumerate(getattr(hf, "layer_types", None) or ()) if t == "sliding_attention")
     if not layers:
         return None, ()
+    if window is None:  # (only a layer_types model gets here: transformers' sliding mask would fail on it)
+        raise ValueError(f"config.json: sliding_window is null, yet layer_types makes layers {list(layers)} "
+                         "sliding_attention: it must be a positive integer")
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
         raise ValueError(f"config.json: sliding_window must be a positive integer or null, got {window!r}")
     return window, layers

@@ -113,7 +113,7 @@ def test_the_published_config_is_read_as_transformers_reads_it():
     ({"use_bidirectional_attention": True}, "use_bidirectional_attention true is not supported"),
     ({"hidden_activation": "relu"}, "hidden_activation 'relu' is not supported"),
     ({"layer_types": ["sliding_attention", "chunked_attention"] * 13}, "layer_types must list 26 of"),
-    ({"sliding_window": None}, "sliding_window must be a positive integer or null, got None"),
+    ({"sliding_window": None}, "sliding_window is null, yet layer_types makes layers .0, 2, .* sliding_attention"),
     ({"query_pre_attn_scalar": 0}, "query_pre_attn_scalar must be a positive number, got 0"),
     ({"attention_bias": True}, "attention_bias true"),
 ])
