@@ -1,7 +1,7 @@
 """Phi-3 (Phi3ForCausalLM: Phi-3, Phi-3.5-MoE aside, Phi-4): Llama's decoder whose checkpoints fuse q/k/v into one
 ``qkv_proj`` and gate/up into one ``gate_up_proj``; the loader splits them into the parts it shards
 (test_vs_transformers checks the tokens at TP 1 and 2). Here: what a checkpoint that does not fit says, and the
-sliding window Phi-3-mini's config carries (test_sliding_window.py: its tokens)."""
+sliding window Phi-3-mini's config carries (test_vs_transformers, at TP 2: its tokens)."""
 
 from __future__ import annotations
 

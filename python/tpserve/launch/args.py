@@ -279,7 +279,7 @@ def build_parser() -> argparse.ArgumentParser:
     engine.add_argument("--decode-attention", choices=CHOICES["decode_attention"],
                         default=_default("decode_attention"),
                         help="decode kernel of the flashinfer backend: auto (on Hopper GPUs: XQA for an FP8 KV "
-                        "cache; for bfloat16/float16 pages the Triton kernel up to 32 sequences a step and the "
+                        "cache, the decode wrapper where the model has sliding windows or an attention soft-cap; for bfloat16/float16 pages the Triton kernel up to 32 sequences a step and the "
                         "decode wrapper above; elsewhere FlashInfer's decode wrapper), flashinfer (always the "
                         "decode wrapper), xqa (always XQA; Hopper only), or triton (always tpserve's split-KV "
                         "Triton kernel; bfloat16/float16 pages)")
