@@ -371,6 +371,11 @@ class ModelConfig:
         """Each layer's attention window in tokens; 0 for the whole context."""
         return tuple(self.sliding_window if i in self.window_layers else 0 for i in range(self.num_hidden_layers))
 
+    def windows_within(self, max_len: int) -> tuple[int, ...]:
+        """``layer_windows`` where a window cuts a sequence of up to ``max_len`` tokens, 0 where it never does (so such
+        a layer keeps XQA and plans no window of its own)."""
+        return tuple(w if w < max_len else 0 for w in self.layer_windows)
+
     @property
     def attention_scale(self) -> float:
         return self.head_dim**-0.5 if self.attention_multiplier is None else self.attention_multiplier

@@ -237,7 +237,7 @@ def _decode_kernel_unsupported(engine: EngineConfig, model: ModelConfig, device:
     if engine.decode_attention == "xqa" and torch.cuda.get_device_capability()[0] != 9:
         return "XQA decode runs here on Hopper (sm90) GPUs only"
     # the backend's refusals (FlashInferAttentionBackend._make_table_decode), here before any rank loads the weights
-    if engine.decode_attention == "xqa" and any(model.layer_windows):
+    if engine.decode_attention == "xqa" and any(model.windows_within(engine.max_model_len or model.context_length)):
         return "tpserve does not run XQA with sliding-window attention"
     if engine.decode_attention == "xqa" and model.attn_logit_softcapping is not None:
         return "tpserve does not run XQA with attention logit soft-capping"

@@ -148,3 +148,32 @@ def test_a_soft_capped_model_decodes_without_xqa(monkeypatch):
             assert backend._make_table_decode("auto") == (None, 0)
         else:
             assert backend._make_table_decode("triton")[0].softcap == 30.0
+
+
+def test_each_window_in_use_plans_a_wrapper_of_its_own(monkeypatch):
+    """FlashInfer's window_left is the window - 1 (the query's own token excluded; -1: none) in each window's wrapper,
+    prefill, decode and a CUDA graph's; a model whose layers all have a window plans no full-context wrapper."""
+    from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
+    from tpserve.forward import SequenceInput
+
+    for layer_windows, expected in (((8, 0), {0: -1, 8: 7}), ((8, 8), {8: 7}), ((), {0: -1})):
+        pool = KVCachePool(2, 8, 4, 2, 16, torch.float32, torch.device("cpu"))
+        backend = object.__new__(FlashInferAttentionBackend)  # skip the CUDA-only set-up
+        AttentionBackend.__init__(backend, pool, 4, 2, 16, layer_windows=layer_windows)
+        assert backend.windows == sorted(expected)
+        backend.dtype, backend.table_decode, backend.table_decode_max_batch = torch.float32, None, 0
+        backend.prefill_wrappers = {w: PlanRecorder() for w in backend.windows}
+        backend.decode_wrappers = {w: PlanRecorder() for w in backend.windows}
+        monkeypatch.setattr(backend, "_stage", lambda layout: layout)  # (pinned host memory needs CUDA)
+        monkeypatch.setattr(backend, "_mark_planned", lambda: None)
+        for seq in (SequenceInput([1, 2, 3], 2, [1, 2]), SequenceInput([1], 5, [1, 2])):
+            meta = backend.prepare([seq], torch.device("cpu"))
+            assert (meta.wrapper is None) == (0 not in expected) and sorted(meta.windowed) == [w for w in expected if w]
+        graph = FlashInferMetadata(PlanRecorder() if 0 in expected else None,
+                                   {w: PlanRecorder() for w in expected if w})
+        backend._graph_indices = torch.zeros(16, dtype=torch.int32)
+        backend.plan_cuda_graph([SequenceInput([1], 5, [1, 2])], graph, 2)
+        for window, left in expected.items():
+            wrappers = (backend.prefill_wrappers[window], backend.decode_wrappers[window],
+                        graph.windowed[window] if window else graph.wrapper)
+            assert [plan["window_left"] for wrapper in wrappers for plan in wrapper.plans] == [left] * 3, layer_windows

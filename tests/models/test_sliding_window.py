@@ -41,3 +41,15 @@ def test_window_across_chunks_cached_prefixes_and_preemption(windowed_dir, engin
     assert [o.token_ids for o in again] == expected
     if engine.get("cache") == "radix":
         assert stats.cached_tokens_total > 0 and stats.preemptions_total > 0, stats
+
+
+def test_a_window_no_sequence_reaches_is_no_window(windowed_dir):
+    """A window at least the context limit never cuts a sequence: its layers plan no window (and keep XQA's decode
+    over FP8 pages on a GPU); one token shorter, the window is planned."""
+    from tpserve.engine.engine import Engine
+    from tpserve.engine_config import EngineConfig
+
+    for max_model_len, per_layer in ((WINDOW, (0, 0)), (WINDOW + 1, (0, WINDOW))):
+        engine = Engine(EngineConfig(model=windowed_dir, device="cpu", page_size=4, max_model_len=max_model_len))
+        assert engine.model_config.windows_within(max_model_len) == per_layer
+        assert engine.attention.windows == sorted(set(per_layer)), max_model_len

@@ -31,8 +31,15 @@ class AttentionBackend(ABC):
         self.head_dim = head_dim
         self.scale = head_dim**-0.5 if scale is None else scale
         self.layer_windows = layer_windows
-        self.windows = sorted(set(layer_windows) | {0})  # the distinct windows, 0 (none) first
+        # the distinct windows the layers use (0: none), so a model whose layers all have one plans no full attention
+        self.windows = sorted(set(layer_windows)) if layer_windows else [0]
         self.softcap = softcap
+
+    def describe_scores(self) -> str:
+        """The sliding windows in use and the soft-cap, for ``describe``."""
+        windows = [w for w in self.windows if w]
+        text = ", sliding window " + "/".join(map(str, windows)) if windows else ""
+        return text + (f", logit soft-cap {self.softcap:g}" if self.softcap is not None else "")
 
     def window(self, layer: int) -> int:
         """Layer ``layer``'s window in tokens: it attends to its token and the window - 1 before it; 0: no window."""

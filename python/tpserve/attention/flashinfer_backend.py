@@ -117,7 +117,7 @@ class PinnedStaging:
 
 @dataclass
 class FlashInferMetadata:
-    wrapper: object  # the planned BatchDecode/BatchPrefill wrapper that every layer without a window runs
+    wrapper: object | None  # the planned BatchDecode/BatchPrefill wrapper of the layers without a window (None: none)
     # by window: the wrappers planned for the sliding-window layers (FlashInfer fixes the window at plan time)
     windowed: dict[int, object] = field(default_factory=dict)
 
@@ -244,9 +244,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if self.table_decode is not None:
             limit = self.table_decode_max_batch
             decode = self.table_decode.name + ("" if limit == sys.maxsize else f" up to batch {limit}, then {decode}")
-        windows = ", sliding window " + "/".join(map(str, self.windows[1:])) if len(self.windows) > 1 else ""
-        softcap = f", logit soft-cap {self.softcap:g}" if self.softcap is not None else ""
-        return f"FlashInfer attention over {pages} pages (decode: {decode}){windows}{softcap}"
+        return f"FlashInfer attention over {pages} pages (decode: {decode}){self.describe_scores()}"
 
     def _use_table(self, batch_size: int) -> bool:
         return self.table_decode is not None and batch_size <= self.table_decode_max_batch
@@ -300,7 +298,7 @@ class FlashInferAttentionBackend(AttentionBackend):
                     **self._plan_options(window),
                 )
         self._mark_planned()
-        return FlashInferMetadata(wrappers[0], {w: wrapper for w, wrapper in wrappers.items() if w})
+        return FlashInferMetadata(wrappers.get(0), {w: wrapper for w, wrapper in wrappers.items() if w})
 
     def _plan_decode(self, wrapper: object, layout: PagedLayout, window: int = 0) -> None:
         wrapper.plan(
@@ -362,7 +360,7 @@ class FlashInferAttentionBackend(AttentionBackend):
             )
             for window in self.windows
         }
-        return FlashInferMetadata(wrappers[0], {w: wrapper for w, wrapper in wrappers.items() if w})
+        return FlashInferMetadata(wrappers.get(0), {w: wrapper for w, wrapper in wrappers.items() if w})
 
     @torch.inference_mode()  # the buffers were made during capture, in inference mode
     def plan_cuda_graph(
@@ -381,7 +379,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         indices = self._graph_indices[: layout.kv_indices.numel()]
         indices.copy_(layout.kv_indices, non_blocking=True)
         layout.kv_indices = indices
-        self._plan_decode(meta.wrapper, layout)
-        for window, wrapper in meta.windowed.items():
-            self._plan_decode(wrapper, layout, window)
+        for window, wrapper in ((0, meta.wrapper), *meta.windowed.items()):
+            if wrapper is not None:
+                self._plan_decode(wrapper, layout, window)
         self._mark_planned()

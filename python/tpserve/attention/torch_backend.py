@@ -36,9 +36,7 @@ class TorchAttentionMetadata:
 
 class TorchAttentionBackend(AttentionBackend):
     def describe(self) -> str:
-        windows = ", sliding window " + "/".join(map(str, self.windows[1:])) if len(self.windows) > 1 else ""
-        softcap = f", logit soft-cap {self.softcap:g}" if self.softcap is not None else ""
-        return "torch attention" + windows + softcap
+        return "torch attention" + self.describe_scores()
 
     def prepare(self, seqs: list[SequenceInput], device: torch.device) -> TorchAttentionMetadata:
         starts, total = [], 0

@@ -212,7 +212,8 @@ class Engine:
         self.attention = create_backend(
             config.attention_backend, self.kv_pool, self.num_heads, self.num_kv_heads, head_dim, self.device,
             self._fused_rope_store(), config.decode_attention, scale=self.model_config.attention_scale,
-            layer_windows=self.model_config.layer_windows, softcap=self.model_config.attn_logit_softcapping,
+            layer_windows=self.model_config.windows_within(self.max_model_len),
+            softcap=self.model_config.attn_logit_softcapping,
         )
         self.sampler = Sampler()
         self.penalty_state = PenaltyState(self.model_config.vocab_size, self.device)
