@@ -10,14 +10,12 @@ attention one it ignores, so tpserve refuses it: test_gemma3)."""
 
 from __future__ import annotations
 
-import json
-import os
-import shutil
 
 import pytest
 import torch
 from transformers import AutoModelForCausalLM, Gemma2Config
 
+from model_dirs import config_of, with_config
 from reference import hf_logits, hf_model
 from test_vs_transformers import teacher_forced_logits
 from tpserve.config import ModelConfig
@@ -44,17 +42,6 @@ GEMMA2_2B_IT = {
 @pytest.fixture(scope="module")
 def gemma2_dir(tiny_model_factory):
     return tiny_model_factory("gemma2", **GEMMA2)
-
-
-def config_of(model_dir: str) -> dict:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return json.load(f)
-
-
-def with_config(model_dir: str, out, **changes) -> str:
-    shutil.copytree(model_dir, out, dirs_exist_ok=True)
-    (out / "config.json").write_text(json.dumps({**config_of(model_dir), **changes}))
-    return str(out)
 
 
 def test_the_reference_is_transformers_eager_attention_with_every_tensor(gemma2_dir, monkeypatch):

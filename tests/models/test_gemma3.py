@@ -8,12 +8,11 @@ transformers reads it, what is refused, and the FP8 and LoRA paths."""
 from __future__ import annotations
 
 import json
-import os
-import shutil
 
 import pytest
 import torch
 
+from model_dirs import config_of, with_config
 from reference import hf_greedy, hf_logits
 from test_vs_transformers import PROMPTS
 from tpserve import LLM, LoRARequest, SamplingParams
@@ -38,17 +37,6 @@ GEMMA3_1B = {
 @pytest.fixture(scope="module")
 def gemma3_dir(tiny_model_factory):
     return tiny_model_factory("gemma3_text", **GEMMA3)
-
-
-def config_of(model_dir: str) -> dict:
-    with open(os.path.join(model_dir, "config.json")) as f:
-        return json.load(f)
-
-
-def with_config(model_dir: str, out, **changes) -> str:
-    shutil.copytree(model_dir, out, dirs_exist_ok=True)
-    (out / "config.json").write_text(json.dumps({**config_of(model_dir), **changes}))
-    return str(out)
 
 
 @pytest.mark.parametrize("change", ["query_pre_attn_scalar", "local_rope_theta", "global_rope_scaling"])
