@@ -27,10 +27,14 @@ def reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix: int, wi
     return torch.einsum("hqk,khd->qhd", scores.softmax(-1), v).float()
 
 
-@pytest.mark.parametrize("window,softcap", [(0, None), (4, None), (1, None), (0, 1.0), (4, 0.5)])
-def test_mixed_prefill_chunk_and_decode_batch(window, softcap):
+@pytest.mark.parametrize("window,softcap,capped_scores", [(0, None, None), (4, None, None), (1, None, None),
+                                                        (0, 1.0, None), (4, 0.5, None), (4, 0.5, 200), (0, 1.0, 1)])
+def test_mixed_prefill_chunk_and_decode_batch(window, softcap, capped_scores, monkeypatch):
     """Layer 1 attends within ``window`` tokens (a sliding window; 0: none), layer 0 to the whole context; every layer
-    soft-caps its scores where ``softcap`` is set (Gemma 2's attn_logit_softcapping: plain torch, SDPA has no cap)."""
+    soft-caps its scores where ``softcap`` is set (Gemma 2's attn_logit_softcapping: plain torch, SDPA has no cap), its
+    query rows in blocks of CAPPED_SCORES scores (``capped_scores``: 200 makes blocks of 2 rows or more, 1 of one)."""
+    if capped_scores is not None:
+        monkeypatch.setattr("tpserve.attention.torch_backend.CAPPED_SCORES", capped_scores)
     torch.manual_seed(0)
     heads, kv_heads, dim, page = 4, 2, 8, 3
     pool = KVCachePool(2, 32, page, kv_heads, dim, torch.float32, torch.device("cpu"))

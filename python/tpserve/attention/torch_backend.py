@@ -34,6 +34,9 @@ class TorchAttentionMetadata:
     num_tokens: int  # T, the step's tokens
 
 
+CAPPED_SCORES = 1 << 24  # float32 scores a soft-capped attention holds at once (64 MiB)
+
+
 class TorchAttentionBackend(AttentionBackend):
     def describe(self) -> str:
         return "torch attention" + self.describe_scores()
@@ -102,10 +105,16 @@ class TorchAttentionBackend(AttentionBackend):
 
     def _capped(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         """SDPA's attention with soft-capped scores, as transformers' eager attention computes it: q [B, H, N, D], k and
-        v [B, Hkv, L, D], mask [B, 1, N, L] -> [B, H, N, D]. Scores and softmax in float32."""
+        v [B, Hkv, L, D], mask [B, 1, N, L] -> [B, H, N, D]. Scores and softmax in float32, CAPPED_SCORES at a time
+        (query rows in blocks: a long prefill chunk's whole [B, H, N, L] scores would take gigabytes a layer)."""
         group = self.num_heads // self.num_kv_heads
-        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        scores = torch.matmul(q.float(), k.float().transpose(2, 3)) * self.scale
-        scores = torch.tanh(scores / self.softcap) * self.softcap
-        weights = scores.masked_fill(~mask, float("-inf")).softmax(dim=-1)
-        return torch.matmul(weights.to(v.dtype), v)
+        k, v = k.repeat_interleave(group, dim=1).float(), v.repeat_interleave(group, dim=1)
+        rows = max(1, CAPPED_SCORES // (q.shape[0] * q.shape[1] * k.shape[2]))
+        out = torch.empty_like(q)
+        for start in range(0, q.shape[2], rows):
+            block = slice(start, start + rows)
+            scores = torch.matmul(q[:, :, block].float(), k.transpose(2, 3)) * self.scale
+            scores = torch.tanh(scores / self.softcap) * self.softcap
+            weights = scores.masked_fill(~mask[:, :, block], float("-inf")).softmax(dim=-1)
+            out[:, :, block] = torch.matmul(weights.to(v.dtype), v)
+        return out
