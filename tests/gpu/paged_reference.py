@@ -1,5 +1,6 @@
 """float32 attention over a paged cache, the oracle of the GPU attention kernels' window and soft-cap tests
-(test_sliding_window_gpu.py, test_gemma2_gpu.py), and the random two-layer bf16 cache they read."""
+(test_sliding_window_gpu.py, test_gemma2_gpu.py), the random two-layer bf16 cache they read, and the decode graph
+they replay."""
 
 from __future__ import annotations
 
@@ -37,3 +38,26 @@ def random_pool() -> KVCachePool:
     for cache in (*pool.k, *pool.v):
         cache.copy_(torch.randn(cache.shape, generator=gen, device="cuda"))
     return pool
+
+
+def capture_both_layers(backend, size: int) -> tuple[torch.cuda.CUDAGraph, object, torch.Tensor, list[torch.Tensor]]:
+    """A decode graph of ``size`` sequences attending layers 0 and 1 of ``backend``'s cache, captured on padding
+    (warmed up on a side stream first): (graph, its metadata to plan, q to fill, each layer's output)."""
+    meta = backend.cuda_graph_metadata(size, 600)
+    backend.plan_cuda_graph([], meta, size)
+    q = torch.zeros(size, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
+    outs = [torch.empty_like(q) for _ in range(2)]
+
+    def attend_both() -> None:
+        for layer, out in enumerate(outs):
+            out.copy_(backend.attend(layer, q, meta))
+
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):
+        attend_both()
+    torch.cuda.current_stream().wait_stream(stream)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        attend_both()
+    return graph, meta, q, outs

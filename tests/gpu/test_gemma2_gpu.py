@@ -17,7 +17,8 @@ import torch
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
 from reference import hf_greedy, rel_err
-from paged_reference import HEAD_DIM, HEADS, KV_HEADS, PAGE, RTOL, WINDOW, random_pool, reference
+from paged_reference import (HEAD_DIM, HEADS, KV_HEADS, PAGE, RTOL, WINDOW, capture_both_layers, random_pool,
+                             reference)
 from tpserve import LLM, SamplingParams
 from tpserve.forward import SequenceInput
 from tpserve.tiny.config import GEMMA2_SOFTCAPS
@@ -91,23 +92,7 @@ def test_capped_decode_graph(kernel):
     backend = capped_backend(pool, kernel)
     allocator = PageAllocator(pool.num_pages)
     size = 8
-    meta = backend.cuda_graph_metadata(size, 600)
-    backend.plan_cuda_graph([], meta, size)
-    q = torch.zeros(size, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    outs = [torch.empty_like(q) for _ in range(2)]
-
-    def attend_both() -> None:
-        for layer, out in enumerate(outs):
-            out.copy_(backend.attend(layer, q, meta))
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        attend_both()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attend_both()
+    graph, meta, q, outs = capture_both_layers(backend, size)
     for lengths in ([4000, 17, 1], [16, 2049, 300, 15, 1, 101, 33, 100]):
         seqs = [SequenceInput([1], n - 1, allocator.allocate(-(-n // PAGE))) for n in lengths]
         q.copy_(Q_GAIN * torch.randn(size, HEADS, HEAD_DIM, device="cuda"))

@@ -17,7 +17,8 @@ pytestmark = pytest.mark.skipif(
 )
 pytest.importorskip("flashinfer")
 
-from paged_reference import HEAD_DIM, HEADS, KV_HEADS, PAGE, RTOL, WINDOW, random_pool, reference
+from paged_reference import (HEAD_DIM, HEADS, KV_HEADS, PAGE, RTOL, WINDOW, capture_both_layers, random_pool,
+                             reference)
 from reference import rel_err
 from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
 from tpserve.attention.page_table import TableMetadata
@@ -71,23 +72,7 @@ def test_decode_graph_within_the_window(kernel):
     backend = windowed_backend(kernel)
     pool, allocator = backend.pool, PageAllocator(backend.pool.num_pages)
     size = 8
-    meta = backend.cuda_graph_metadata(size, 600)
-    backend.plan_cuda_graph([], meta, size)
-    q = torch.zeros(size, HEADS, HEAD_DIM, device="cuda", dtype=torch.bfloat16)
-    outs = [torch.empty_like(q) for _ in range(2)]
-
-    def attend_both() -> None:
-        for layer, out in enumerate(outs):
-            out.copy_(backend.attend(layer, q, meta))
-
-    stream = torch.cuda.Stream()
-    stream.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(stream):
-        attend_both()
-    torch.cuda.current_stream().wait_stream(stream)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        attend_both()
+    graph, meta, q, outs = capture_both_layers(backend, size)
     for lengths in ([4000, 17, 1], [16, 2049, 300, 15, 1, 101, 33, 100]):
         seqs = [SequenceInput([1], n - 1, allocator.allocate(-(-n // PAGE))) for n in lengths]
         q.copy_(torch.randn(size, HEADS, HEAD_DIM, device="cuda"))
