@@ -8,6 +8,7 @@ from collections.abc import Callable
 
 import torch
 
+from tpserve.engine.batch import one_token_rows
 from tpserve.engine.engine import Engine
 from tpserve.forward import SequenceInput
 from tpserve.kvcache.pool import PageAllocator
@@ -176,3 +177,28 @@ def assert_prefill_never_waits(engine: Engine, tokens: int) -> None:
     finally:
         torch.cuda.set_sync_debug_mode("default")
     torch.cuda.synchronize()
+
+
+
+def drafted_step_logits(engine: Engine, drafts: list[int], seed: int = 3) -> tuple[torch.Tensor, ...]:
+    """A drafted step (speculative decoding's verify: each sequence's last token, then ``drafts[i]`` drafts, every
+    position's logits wanted) after prefilled prompts: its logits [B + drafts, vocab] as the engine runs it (with
+    CUDA graphs: a decode graph, a row a token), as one-token rows (``one_token_rows``), and eagerly, a chunk a
+    sequence."""
+    vocab, page_size = engine.model_config.vocab_size, engine.page_size
+    prompts = prompts_for(len(drafts), vocab, seed)
+    gen = torch.Generator().manual_seed(seed)
+    allocator = PageAllocator(engine.num_pages)
+    tables = [allocator.allocate(-(-(len(p) + n + 1) // page_size)) for p, n in zip(prompts, drafts)]
+    engine.forward([SequenceInput(p, 0, t) for p, t in zip(prompts, tables)])
+    seqs = [SequenceInput(torch.randint(0, vocab, (n + 1,), generator=gen).tolist(), len(p), t, extra_logits=n)
+            for p, t, n in zip(prompts, tables, drafts)]
+    as_run = engine.forward(seqs).float().clone()
+    rows = one_token_rows(seqs, max(drafts) + 1)
+    as_rows = engine.forward(rows.seqs).float()[torch.from_numpy(rows.order).to(engine.device)].clone()
+    runner, engine.graph_runner = engine.graph_runner, None
+    try:
+        chunked = engine.forward(seqs).float().clone()
+    finally:
+        engine.graph_runner = runner
+    return as_run, as_rows, chunked

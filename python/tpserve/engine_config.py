@@ -104,6 +104,12 @@ class EngineConfig:
             return 0
         return self.max_loras
 
+    @property
+    def speculative_tokens(self) -> int:
+        """The most drafts a sequence verifies in one step (``num_speculative_tokens``); 0 without speculation."""
+        spec = NgramConfig.from_json(self.speculative_config)
+        return 0 if spec is None else spec.num_speculative_tokens
+
     def load_model_config(self) -> ModelConfig:
         """The model's config.json, with ``hf_overrides``."""
         return ModelConfig.from_pretrained(self.model, hf_overrides_dict(self.hf_overrides))

@@ -41,6 +41,14 @@ CASES = [
     (8, 1, 32, [100, 16], 16, 8, 1, 0, 4.0),
 ]
 PAGE = 16
+# (query heads, kv heads, lengths, CHUNK, most splits, window, fresh_tokens): the prefetch with a drafted step's rows,
+# whose newest `fresh` keys are re-read after the wait: inside one chunk, across a chunk and a split edge, all of a
+# short sequence, under a window
+FRESH_CASES = [
+    (8, 2, [37, 5, 3], 16, 4, 0, 5),
+    (8, 1, [100, 33, 18], 16, 8, 0, 5),
+    (4, 4, [70, 2], 16, 4, 20, 3),
+]
 
 
 def paged_case(q_heads: int, kv_heads: int, head_dim: int, lengths: list[int], dtype: torch.dtype, seed: int):
@@ -103,15 +111,22 @@ def interpreter_check(launches: str) -> None:
             err = float((got.double() - expected).abs().max())
             assert err < 1e-5, f"case {i} call {call}: max error {err:.2e}"
             assert not kernel.counters.any(), f"case {i}: a merge counter was left non-zero"
+    for i, (q_heads, kv_heads, lengths, chunk, splits, window, fresh) in enumerate(FRESH_CASES):
+        q, k_cache, v_cache, table, lens = paged_case(q_heads, kv_heads, 32, lengths, torch.float32, seed=50 + i)
+        kernel = TritonDecode(q_heads, kv_heads, 32**-0.5, torch.device("cpu"), max_batch=len(lengths), chunk=chunk,
+                              max_splits=splits, prefetch=1, fresh_tokens=fresh)
+        got = TableMetadata(kernel, table, lens).attend(q, k_cache, v_cache, window)
+        err = float((got.double() - reference(q, k_cache, v_cache, table, lens, 32**-0.5, window)).abs().max())
+        assert err < 1e-5, f"fresh case {i}: max error {err:.2e}"
     record_launches(launches)
-    # 2 and 64 splits (32 "SMs"), the prefetch, a window, Gemma 2's soft-cap (under its window)
+    # 2 and 64 splits (32 "SMs"), the prefetch, a window, Gemma 2's soft-cap (under its window), a drafted step's rows
     for q_heads, kv_heads, lengths, prefetch, window, softcap in (
         (32, 4, [40, 1000], 0, 0, None), (8, 1, [3000], 0, 0, None), (32, 8, [512], 1, 0, None),
-        (32, 8, [512], 1, 100, None), (8, 4, [300], 1, 100, 50.0),
+        (32, 8, [512], 1, 100, None), (8, 4, [300], 1, 100, 50.0), (32, 8, [512, 513, 514], 1, 0, None),
     ):
         q, k_cache, v_cache, table, lens = paged_case(q_heads, kv_heads, 128, lengths, torch.bfloat16, seed=9)
         kernel = TritonDecode(q_heads, kv_heads, 128**-0.5, torch.device("cpu"), max_batch=len(lengths),
-                              prefetch=prefetch, softcap=softcap)
+                              prefetch=prefetch, softcap=softcap, fresh_tokens=len(lengths))
         TableMetadata(kernel, table, lens).attend(q, k_cache, v_cache, window)
     print("ok")
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from tpserve.attention.factory import create_backend, resolve_backend_name
 from tpserve.attention.flashinfer_backend import paged_layout
-from tpserve.engine.batch import build_forward_inputs
+from tpserve.engine.batch import build_forward_inputs, build_host_batch, one_token_rows
 from tpserve.engine.cuda_graph import capture_sizes
 from tpserve.forward import SequenceInput
 from tpserve.kvcache.pool import KVCachePool
@@ -104,3 +104,31 @@ def test_forward_inputs_start_16_byte_aligned(lengths):
     assert (inputs.last_indices is None) == all(n == 1 for n in lengths)
     for tensor in (inputs.input_ids, inputs.positions, inputs.out_slots, inputs.last_indices):
         assert tensor is None or tensor.data_ptr() % 16 == 0
+
+
+def test_one_token_rows_of_a_drafted_step():
+    seqs = [SequenceInput([5, 6, 7], 14, [7, 9], extra_logits=2), SequenceInput([8], 3, [5]),
+            SequenceInput([1, 2], 30, [4, 6], extra_logits=1)]
+    rows = one_token_rows(seqs, 3)
+    assert [(r.token_ids, r.prefix_len, r.page_table) for r in rows.seqs] == [
+        ([5], 14, [7, 9]), ([6], 15, [7, 9]), ([7], 16, [7, 9]), ([8], 3, [5]), ([1], 30, [4, 6]), ([2], 31, [4, 6])]
+    # the LM head rows the chunked step would give, in its order: last tokens, then the drafts' positions
+    assert rows.order.tolist() == build_host_batch(seqs, 16).last_indices.tolist() == [2, 3, 5, 0, 1, 4]
+    # each row's KV slot is the one the chunked step writes for that token
+    assert build_host_batch(rows.seqs, 16).tokens.tolist() == build_host_batch(seqs, 16).tokens.tolist()
+    assert one_token_rows(seqs, 2) is None  # a sequence of more rows than the graphs were built for
+    assert one_token_rows(seqs, 1) is None  # no speculation
+    assert one_token_rows([SequenceInput([5, 6, 7], 14, [7, 9], extra_logits=1)], 3) is None  # a token without logits
+    assert one_token_rows([SequenceInput([5], 14, [7, 9])], 3) is None  # a plain decode batch: the graphs take it
+    assert one_token_rows([SequenceInput([5, 6], 14, [7, 9], extra_logits=1, pooled=True)], 3) is None
+
+
+def test_a_drafted_step_as_one_token_rows_gives_the_chunked_logits(qwen3_dir):
+    from engine_scenario import drafted_step_logits
+    from tpserve.engine.engine import Engine
+    from tpserve.engine_config import EngineConfig
+
+    engine = Engine(EngineConfig(model=qwen3_dir, device="cpu", dtype="float32", max_total_tokens=1024, page_size=4))
+    _, as_rows, chunked = drafted_step_logits(engine, [4, 0, 2, 1])
+    assert as_rows.shape == chunked.shape == (4 + 7, engine.model_config.vocab_size)
+    torch.testing.assert_close(as_rows, chunked, rtol=1e-4, atol=1e-4)

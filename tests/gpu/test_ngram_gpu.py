@@ -1,7 +1,7 @@
-"""Speculative decoding with n-gram drafts on a GPU (CPU: tests/scheduler/test_ngram.py): a drafted step is a chunk of
-several tokens through FlashInfer's prefill over the paged cache with extra logits rows, between decode steps that
-run in CUDA graphs; float32 tokens and log-probabilities equal the plain engine's, while drafts are both accepted and
-rejected."""
+"""Speculative decoding with n-gram drafts on a GPU (CPU: tests/scheduler/test_ngram.py): a drafted step runs in a
+decode CUDA graph, a row a token (``engine/batch.py`` ``one_token_rows``; eagerly as a chunk a sequence through
+FlashInfer's prefill where the graphs are too small), between plain decode steps; float32 tokens and
+log-probabilities equal the plain engine's, while drafts are both accepted and rejected."""
 
 from __future__ import annotations
 
@@ -10,7 +10,12 @@ import torch
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
 
+import json
+
+from engine_scenario import assert_logits_close, drafted_step_logits
 from tpserve import LLM, SamplingParams
+from tpserve.engine.engine import Engine
+from tpserve.engine_config import EngineConfig
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, "prompt_lookup_min": 1}
 PROMPTS = [[i, i + 1, i + 2] for i in range(1, 200, 23)]
@@ -49,3 +54,21 @@ def test_drafts_on_cuda_give_the_plain_engines_tokens(loopy_dir, dtype):
         if split is not None:
             gap = abs(d.token_logprobs[split] - p.token_logprobs[split])
             assert split > 0 and gap < 0.1, (split, gap)
+
+
+@pytest.mark.parametrize("decode_attention", ["auto", "flashinfer"])
+def test_a_drafted_step_runs_in_a_decode_graph(tiny_model_factory, decode_attention):
+    """bf16 with CUDA graphs: the drafted step replays a decode graph (its logits are those of its rows replayed, to the
+    bit) and agrees with the same step run eagerly, a chunk a sequence, within bf16's kernel-to-kernel rounding. Under
+    ``auto`` the rows run Triton's decode kernel, whose keys read before the PDL wait must leave out the step's own."""
+    model = tiny_model_factory("qwen3", head_dim=128, hidden_size=256, vocab_size=700)
+    config = EngineConfig(model=model, device="cuda", dtype="bfloat16", max_total_tokens=4096,
+                          decode_attention=decode_attention, speculative_config=json.dumps(SPEC))
+    engine = Engine(config)
+    try:
+        assert engine.graph_runner is not None and engine.rows_per_sequence == 5
+        as_run, as_rows, chunked = drafted_step_logits(engine, [4, 0, 3, 4, 1, 2, 4, 4])
+        assert torch.equal(as_run, as_rows)
+        assert_logits_close([as_rows], [chunked])
+    finally:
+        engine.shutdown()

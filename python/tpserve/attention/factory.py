@@ -41,13 +41,15 @@ def create_backend(
     scale: float | None = None,
     layer_windows: tuple[int, ...] = (),
     softcap: float | None = None,
+    rows_per_sequence: int = 1,
 ) -> AttentionBackend:
     """``scale``: the softmax scale (None: head_dim ** -0.5); ``layer_windows``: each layer's sliding window (0: none);
-    ``softcap``: the attention logit soft-cap (None: none)."""
+    ``softcap``: the attention logit soft-cap (None: none); ``rows_per_sequence``: the most one-token rows a
+    sequence has in a decode step (1 + its drafts: ``engine/batch.py`` ``one_token_rows``)."""
     if resolve_backend_name(name, device, pool.compute_dtype) == "flashinfer":
         return FlashInferAttentionBackend(
             pool, num_heads, num_kv_heads, head_dim, device, fused_rope_store, decode_kernel=decode_attention,
-            scale=scale, layer_windows=layer_windows, softcap=softcap,
+            scale=scale, layer_windows=layer_windows, softcap=softcap, rows_per_sequence=rows_per_sequence,
         )
     if decode_attention in ("xqa", "triton"):
         raise ValueError(

@@ -139,6 +139,7 @@ def decode_kernel_choice(decode_kernel: str, fp8_pages: bool, auto_triton: Calla
 
 class FlashInferAttentionBackend(AttentionBackend):
     supports_cuda_graphs = True
+    rows_per_sequence = 1  # the most one-token rows a sequence has in a decode step (create_backend's)
 
     def __init__(
         self,
@@ -153,8 +154,10 @@ class FlashInferAttentionBackend(AttentionBackend):
         scale: float | None = None,
         layer_windows: tuple[int, ...] = (),
         softcap: float | None = None,
+        rows_per_sequence: int = 1,
     ) -> None:
         super().__init__(pool, num_heads, num_kv_heads, head_dim, fused_rope_store, scale, layer_windows, softcap)
+        self.rows_per_sequence = rows_per_sequence
         if device.type != "cuda":
             raise ValueError(f"the flashinfer attention backend needs a CUDA device, got {device}")
         self.dtype = pool.compute_dtype  # of q and the output; the cache's is pool.dtype
@@ -236,7 +239,8 @@ class FlashInferAttentionBackend(AttentionBackend):
         if reason is not None:
             raise ValueError(f"decode attention triton: {reason}; use auto or flashinfer")
         return triton_decode.TritonDecode(self.num_heads, self.num_kv_heads, self.scale, self.device,
-                                          softcap=self.softcap, **triton_decode.config_from_env())
+                                          softcap=self.softcap, fresh_tokens=self.rows_per_sequence,
+                                          **triton_decode.config_from_env())
 
     def describe(self) -> str:
         pages = "FP8" if self.pool.fp8 else str(self.pool.dtype).removeprefix("torch.")

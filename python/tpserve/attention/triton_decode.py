@@ -10,7 +10,8 @@ the GPU (``splits_for``). Each program takes the GQA group's query heads (padded
 splits a sequence uses follows its length inside the kernel: at least CHUNK tokens a split, so a
 graph captured once serves every context length, and programs past a short sequence's splits
 return at once. Each program loads its first chunk's k and v before it waits on the previous kernel
-(PDL): only the newest token's row is that kernel's, and it is read again after the wait. A sequence
+(PDL): only the newest token's row is that kernel's (a drafted step's rows: the newest ``fresh_tokens``), and it is
+read again after the wait. A sequence
 of one split writes its output directly. Otherwise the program that finishes last merges the
 partials: an atomic counter tells it that it is last, and it sets the counter back to zero (so graph
 replays need no memset).
@@ -139,7 +140,7 @@ def _attend_chunk(q, k, v, ok, big_m, total, acc, qk_scale, cap_log2, IEEE: tl.c
 @triton.jit
 def _decode_kernel(
     q_ptr, k_ptr, v_ptr, table_ptr, lens_ptr, part_out_ptr, part_ml_ptr, counter_ptr, out_ptr, qk_scale, cap_log2,
-    window, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
+    window, fresh, stride_qb, stride_qh, stride_kp, stride_ks, stride_kh, stride_tb, stride_ob, stride_oh,
     KV_HEADS: tl.constexpr, GROUP: tl.constexpr, G_PAD: tl.constexpr, G_MERGE: tl.constexpr, HEAD_DIM: tl.constexpr,
     PAGE: tl.constexpr, CHUNK: tl.constexpr, MAX_SPLITS: tl.constexpr, MERGE_UNROLL: tl.constexpr, IEEE: tl.constexpr,
     PDL: tl.constexpr, PREFETCH: tl.constexpr, SOFTCAP: tl.constexpr,
@@ -166,18 +167,18 @@ def _decode_kernel(
         start = lo + s * per_split
         offs = start + tl.arange(0, CHUNK)
         page = tl.load(table_ptr + b * stride_tb + offs // PAGE, mask=offs < t_end, other=0)
-        if PREFETCH:  # the first chunk's k and v before the wait: only the newest token's are the previous kernel's
+        if PREFETCH:  # the first chunk's k and v before the wait: only the newest `fresh` tokens' are this step's
             ok = offs < t_end
             rows = (page.to(tl.int64) * stride_kp + (offs % PAGE) * stride_ks + h * stride_kh)[:, None] + d[None, :]
-            older = (offs < tl.minimum(t_end, seq_len - 1))[:, None]
+            older = (offs < tl.minimum(t_end, seq_len - fresh))[:, None]
             k = tl.load(k_ptr + rows, mask=older, other=0.0)
             v = tl.load(v_ptr + rows, mask=older, other=0.0)
-        if PDL:  # q and the newest token's k and v: written by the previous kernel
+        if PDL:  # q and the newest tokens' k and v: written by the previous kernel
             tl.extra.cuda.gdc_wait()
         q_rows = q_ptr + b * stride_qb + (h * GROUP + g)[:, None] * stride_qh + d[None, :]
         q = tl.load(q_rows, mask=real, other=0.0)
         if PREFETCH:
-            newest = (offs == seq_len - 1)[:, None]  # false everywhere but in the last split's first chunk
+            newest = ((offs >= seq_len - fresh) & ok)[:, None]  # later chunks are read after the wait anyway
             k = tl.where(newest, tl.load(k_ptr + rows, mask=newest, other=0.0), k)
             v = tl.where(newest, tl.load(v_ptr + rows, mask=newest, other=0.0), v)
             offs += CHUNK
@@ -237,8 +238,11 @@ class TritonDecode:
 
     def __init__(self, num_heads: int, num_kv_heads: int, scale: float, device: torch.device,
                  max_batch: int = 4096, chunk: int = CHUNK, max_splits: int | None = None, num_warps: int = 4,
-                 merge_unroll: int = MERGE_UNROLL, prefetch: int = 1, softcap: float | None = None) -> None:
-        """``softcap``: each score (after ``scale``) becomes softcap * tanh(score / softcap) (None: none)."""
+                 merge_unroll: int = MERGE_UNROLL, prefetch: int = 1, softcap: float | None = None,
+                 fresh_tokens: int = 1) -> None:
+        """``softcap``: each score (after ``scale``) becomes softcap * tanh(score / softcap) (None: none).
+        ``fresh_tokens``: how many of a row's newest keys its step writes (1; more where a drafted step runs a row a
+        token, whose earlier rows' keys are this step's too): the prefetch reads those again after the wait."""
         if max_splits is None:
             max_splits = WIDE_GROUP_MAX_SPLITS if num_heads // num_kv_heads >= WIDE_GROUP else MAX_SPLITS
         if max_splits & (max_splits - 1) or chunk & (chunk - 1):
@@ -256,6 +260,9 @@ class TritonDecode:
         # loads are out before the o GEMV's weight prefetch fills the memory system. Whole batch-1 steps on an
         # H200: 0.969x at context 512 for Qwen3-30B-A3B, 0.993x for Qwen3-8B (docs/benchmarks.md, session 14)
         self.prefetch = bool(prefetch)
+        if fresh_tokens < 1:
+            raise ValueError(f"fresh_tokens must be at least 1, got {fresh_tokens}")
+        self.fresh_tokens = fresh_tokens
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 32
         self.counters = torch.zeros(max_batch * num_kv_heads, dtype=torch.int32, device=device)
         self._retired: list[torch.Tensor] = []  # smaller counters that captured graphs may still use
@@ -279,7 +286,7 @@ class TritonDecode:
         pdl = triton_pdl(q.device, batch)
         _decode_kernel[(batch, self.num_kv_heads, splits)](
             q, k_cache, v_cache, meta.page_table, meta.seq_lens, part_out, part_ml, self.counters, out,
-            self.qk_scale, self.cap_log2, window, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
+            self.qk_scale, self.cap_log2, window, self.fresh_tokens, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
             k_cache.stride(2), meta.page_table.stride(0), out.stride(0), out.stride(1),
             KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.g_pad, G_MERGE=self.g_merge,
             HEAD_DIM=head_dim, PAGE=k_cache.shape[1], CHUNK=self.chunk, MAX_SPLITS=self.max_splits,

@@ -53,6 +53,32 @@ def build_host_batch(seqs: list[SequenceInput], page_size: int) -> HostBatch:
     return HostBatch(tokens, np.concatenate([ends - 1, *extra]) if extra else ends - 1)
 
 
+@dataclass
+class OneTokenRows:
+    """A step of short multi-token sequences as one-token rows, so a decode CUDA graph can run it."""
+
+    seqs: list[SequenceInput]  # a row per token: its sequence's pages, its own position
+    order: np.ndarray  # [B + E] int64: the rows whose logits the step's LM head rows are, in their order
+
+
+def one_token_rows(seqs: list[SequenceInput], most: int) -> OneTokenRows | None:
+    """``seqs`` as one-token rows where every sequence has at most ``most`` new tokens and wants each one's logits
+    (a drafted step: the last token and, as extra rows, its drafts' positions); None otherwise. A row attends to its
+    sequence's cache up to its own position, which holds the rows before it: every layer stores the step's K/V
+    before attention reads them (decode kernels that read keys before that store must re-read the newest ``most``:
+    ``TritonDecode``'s ``fresh_tokens``)."""
+    if most < 2 or any(
+        len(s.token_ids) > most or s.extra_logits != len(s.token_ids) - 1 or s.pooled for s in seqs
+    ) or all(len(s.token_ids) == 1 for s in seqs):
+        return None
+    rows = [SequenceInput([token], s.prefix_len + i, s.page_table, lora=s.lora)
+            for s in seqs for i, token in enumerate(s.token_ids)]
+    extend = int_array((len(s.token_ids) for s in seqs), len(seqs))
+    ends = np.cumsum(extend)
+    extra = [np.arange(end - n, end - 1) for end, n in zip(ends.tolist(), extend.tolist()) if n > 1]
+    return OneTokenRows(rows, np.concatenate([ends - 1, *extra]))
+
+
 def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
     """``host`` copied to ``device`` without blocking the host. On a GPU through pinned memory: a copy
     from pageable memory is staged by the driver and may first wait for the work queued before it

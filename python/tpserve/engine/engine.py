@@ -16,7 +16,7 @@ from tpserve.engine_config import DEFAULT_CPU_KV_TOKENS, EngineConfig
 from tpserve.distributed.comm import init_process_groups
 from tpserve.distributed.info import set_tp_info
 from tpserve.distributed.nodes import NodeGroup, NodeLayout
-from tpserve.engine.batch import build_forward_inputs, lora_batch, upload
+from tpserve.engine.batch import build_forward_inputs, lora_batch, one_token_rows, upload
 from tpserve.engine.cuda_graph import CUDAGraphRunner
 from tpserve.engine.logit_edits import PenaltyState
 from tpserve.engine.side_copies import SideCopies
@@ -209,11 +209,12 @@ class Engine:
             self.model_config.num_hidden_layers, self.num_pages, self.page_size, self.num_kv_heads, head_dim,
             kv_cache_dtype(config.kv_cache_dtype, self.dtype), self.device, compute_dtype=self.dtype,
         )
+        self.rows_per_sequence = 1 + config.speculative_tokens  # of a decode batch (engine/batch.py one_token_rows)
         self.attention = create_backend(
             config.attention_backend, self.kv_pool, self.num_heads, self.num_kv_heads, head_dim, self.device,
             self._fused_rope_store(), config.decode_attention, scale=self.model_config.attention_scale,
             layer_windows=self.model_config.windows_within(self.max_model_len),
-            softcap=self.model_config.attn_logit_softcapping,
+            softcap=self.model_config.attn_logit_softcapping, rows_per_sequence=self.rows_per_sequence,
         )
         self.sampler = Sampler()
         self.penalty_state = PenaltyState(self.model_config.vocab_size, self.device)
@@ -281,7 +282,8 @@ class Engine:
         return rope_store.supported(self.model_config.head_dim, self.model.rotary.cos_sin_cache)
 
     def _capture_cuda_graphs(self) -> CUDAGraphRunner | None:
-        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests)
+        # a drafted step's rows: up to 1 + drafts a sequence
+        max_bs = min(self.config.cuda_graph_max_bs, self.config.max_running_requests * self.rows_per_sequence)
         if self.device.type != "cuda" or max_bs <= 0 or not self.attention.supports_cuda_graphs:
             return None
         runner = CUDAGraphRunner(
@@ -382,9 +384,15 @@ class Engine:
     def _prepare_forward(self, seqs: list[SequenceInput]) -> Callable[[torch.Tensor | None], Forwarded]:
         """``forward``'s host work and uploads; the returned function resolves the placeholder
         tokens and runs the model."""
-        if self.graph_runner is not None and self.graph_runner.can_run(seqs):
-            replay = self.graph_runner.prepare(seqs)
-            return lambda previous_tokens: (replay(previous_tokens), None)
+        if self.graph_runner is not None:
+            if self.graph_runner.can_run(seqs):
+                replay = self.graph_runner.prepare(seqs)
+                return lambda previous_tokens: (replay(previous_tokens), None)
+            # a drafted step (speculative decoding's verify) in a decode graph, a row a token, rather than eagerly
+            rows = one_token_rows(seqs, self.rows_per_sequence)
+            if rows is not None and self.graph_runner.can_run(rows.seqs):
+                replay, order = self.graph_runner.prepare(rows.seqs), upload(torch.from_numpy(rows.order), self.device)
+                return lambda previous_tokens: (replay(previous_tokens)[order], None)
         meta = self.attention.prepare(seqs, self.device)
         inputs = build_forward_inputs(seqs, self.page_size, self.device, meta)
         lora = lora_batch(seqs, self.device)

@@ -284,7 +284,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "decode wrapper), xqa (always XQA; Hopper only), or triton (always tpserve's split-KV "
                         "Triton kernel; bfloat16/float16 pages)")
     engine.add_argument("--cuda-graph-max-bs", type=int_at_least(0), default=_default("cuda_graph_max_bs"),
-                        help="largest decode batch captured in a CUDA graph (0: no CUDA graphs)")
+                        help="largest decode batch captured in a CUDA graph, in rows: a sequence's speculative "
+                        "verify step takes 1 + its drafts (0: no CUDA graphs)")
     engine.add_argument("--grammar-threads", type=int_at_least(0), default=_default("grammar_threads"),
                         help="most threads filling one step's grammar masks (structured output); a "
                         "thread per 64 constrained requests (0: auto, half the CPUs, at most 8)")
