@@ -242,11 +242,13 @@ def _decode_kernel_unsupported(engine: EngineConfig, model: ModelConfig, device:
         return f"{name} takes bfloat16 or float16 queries"
     if engine.decode_attention == "xqa" and torch.cuda.get_device_capability()[0] != 9:
         return "XQA decode runs here on Hopper (sm90) GPUs only"
-    # the backend's refusals (FlashInferAttentionBackend._make_table_decode), here before any rank loads the weights
-    if engine.decode_attention == "xqa" and any(model.windows_within(engine.max_model_len or model.context_length)):
-        return "tpserve does not run XQA with sliding-window attention"
-    if engine.decode_attention == "xqa" and model.attn_logit_softcapping is not None:
-        return "tpserve does not run XQA with attention logit soft-capping"
+    if engine.decode_attention == "xqa":  # the backend's refusal, here before any rank loads the weights
+        from tpserve.attention.xqa import attention_unsupported_reason
+
+        windowed = any(model.windows_within(engine.max_model_len or model.context_length))
+        reason = attention_unsupported_reason(windowed, model.attn_logit_softcapping)
+        if reason is not None:
+            return reason
     for package in ("flashinfer",) if engine.decode_attention == "xqa" else ("flashinfer", "triton"):
         if importlib.util.find_spec(package) is None:
             return f"the {package} package is not installed"

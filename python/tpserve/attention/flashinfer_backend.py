@@ -202,11 +202,8 @@ class FlashInferAttentionBackend(AttentionBackend):
             from tpserve.attention.triton_decode import AUTO_MAX_BATCH
 
             return self._make_triton_decode(), AUTO_MAX_BATCH if decode_kernel == "auto" else sys.maxsize
-        if any(self.layer_windows):
-            reason = "tpserve does not run XQA with sliding-window attention"
-        elif self.softcap is not None:
-            reason = "tpserve does not run XQA with attention logit soft-capping"
-        else:
+        reason = xqa.attention_unsupported_reason(any(self.layer_windows), self.softcap)
+        if reason is None:
             reason = xqa.unsupported_reason(
                 self.flashinfer, self.device, self.pool.page_size, self.head_dim, self.num_heads, self.num_kv_heads
             )

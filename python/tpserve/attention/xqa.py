@@ -41,6 +41,15 @@ def shape_unsupported_reason(page_size: int, head_dim: int, num_heads: int, num_
     return None
 
 
+def attention_unsupported_reason(windowed: bool, softcap: float | None) -> str | None:
+    """Why tpserve does not run XQA on this model's attention (a sliding window, a logit soft-cap), or None."""
+    if windowed:
+        return "tpserve does not run XQA with sliding-window attention"
+    if softcap is not None:
+        return "tpserve does not run XQA with attention logit soft-capping"
+    return None
+
+
 def unsupported_reason(
     flashinfer: ModuleType, device: torch.device, page_size: int, head_dim: int, num_heads: int, num_kv_heads: int
 ) -> str | None:
