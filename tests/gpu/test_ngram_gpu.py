@@ -56,17 +56,24 @@ def test_drafts_on_cuda_give_the_plain_engines_tokens(loopy_dir, dtype):
             assert split > 0 and gap < 0.1, (split, gap)
 
 
-@pytest.mark.parametrize("decode_attention", ["auto", "flashinfer"])
-def test_a_drafted_step_runs_in_a_decode_graph(tiny_model_factory, decode_attention):
+@pytest.mark.parametrize("decode_attention,kv_cache_dtype", [("auto", "auto"), ("flashinfer", "auto"),
+                                                             ("auto", "fp8_e4m3")])
+def test_a_drafted_step_runs_in_a_decode_graph(tiny_model_factory, decode_attention, kv_cache_dtype):
     """bf16 with CUDA graphs: the drafted step replays a decode graph (its logits are those of its rows replayed, to the
-    bit) and agrees with the same step run eagerly, a chunk a sequence, within bf16's kernel-to-kernel rounding. Under
-    ``auto`` the rows run Triton's decode kernel, whose keys read before the PDL wait must leave out the step's own."""
+    bit) and agrees with the same step run eagerly, a chunk a sequence, within bf16's kernel-to-kernel rounding. The
+    rows run Triton's decode kernel (``auto``), whose keys read before the PDL wait must leave out the step's own, the
+    decode wrapper, and XQA over FP8 pages (``auto``), launched without PDL here (it reads older tiles before its wait).
+    The prompts' lengths (up to 80) put some drafted steps across a 64-key tile."""
     model = tiny_model_factory("qwen3", head_dim=128, hidden_size=256, vocab_size=700)
     config = EngineConfig(model=model, device="cuda", dtype="bfloat16", max_total_tokens=4096,
-                          decode_attention=decode_attention, speculative_config=json.dumps(SPEC))
+                          decode_attention=decode_attention, kv_cache_dtype=kv_cache_dtype,
+                          speculative_config=json.dumps(SPEC))
     engine = Engine(config)
     try:
         assert engine.graph_runner is not None and engine.rows_per_sequence == 5
+        table_kernel = engine.attention.table_decode
+        if kv_cache_dtype == "fp8_e4m3":
+            assert table_kernel.name == "XQA" and not table_kernel.pdl
         as_run, as_rows, chunked = drafted_step_logits(engine, [4, 0, 3, 4, 1, 2, 4, 4])
         assert torch.equal(as_run, as_rows)
         assert_logits_close([as_rows], [chunked])

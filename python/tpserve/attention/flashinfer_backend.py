@@ -210,7 +210,7 @@ class FlashInferAttentionBackend(AttentionBackend):
         if reason is None:
             try:
                 xqa_decode = xqa.XqaDecode(self.pool, self.num_heads, self.num_kv_heads, self.head_dim, self.scale,
-                                           self.device)
+                                           self.device, pdl=self.rows_per_sequence == 1)
                 return xqa_decode, sys.maxsize
             except Exception as exc:  # noqa: BLE001 -- e.g. no nvcc to build the kernel: auto falls back
                 reason = f"building the XQA kernel failed ({type(exc).__name__}: {exc})"

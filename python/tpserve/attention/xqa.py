@@ -75,8 +75,12 @@ class XqaDecode:
     name = "XQA"
 
     def __init__(
-        self, pool: KVCachePool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device
+        self, pool: KVCachePool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device,
+        pdl: bool = True,
     ) -> None:
+        """``pdl``: launch it with programmatic dependent launch. FlashInfer builds XQA's "aggressive" PDL on sm90, which
+        loads every 64-key tile but the newest before its wait: a drafted step's rows (``one_token_rows``), whose
+        newest keys are that step's, need it off."""
         self.kernel = xqa_function()
         # FlashInfer compiles XQA for each layout on first use: do it now, not in a served step.
         import_module("flashinfer.xqa").get_xqa_module(
@@ -88,6 +92,7 @@ class XqaDecode:
         self.q_scale = scale * head_dim**0.5  # XQA scales by 1/sqrt(head_dim) itself
         self.workspace = torch.zeros(SEMAPHORE_BYTES + SCRATCH_BYTES, dtype=torch.uint8, device=device)
         self.sm_count = torch.cuda.get_device_properties(device).multi_processor_count
+        self.pdl = pdl
 
     def run(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, meta: TableMetadata,
             window: int = 0) -> torch.Tensor:
@@ -109,6 +114,6 @@ class XqaDecode:
             q_scale=self.q_scale,
             kv_scale=1.0,  # tpserve's FP8 pages hold k and v as they are
             sm_count=self.sm_count,
-            enable_pdl=True,
+            enable_pdl=self.pdl,
         )
         return out
