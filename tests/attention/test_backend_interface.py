@@ -88,6 +88,30 @@ def test_decode_kernel_and_its_batch_limit(monkeypatch):
         assert backend._make_table_decode("auto") == (None, 0)
 
 
+def test_drafted_steps_as_decode_rows_reach_the_table_kernels(monkeypatch):
+    """With speculative decoding (rows_per_sequence 1 + drafts) Triton's kernel re-reads that many newest keys after
+    its PDL wait, and XQA, whose sm90 build reads every 64-key tile but the newest before its wait, runs without PDL."""
+    from tpserve.attention import xqa
+    from tpserve.attention.flashinfer_backend import FlashInferAttentionBackend
+
+    built = []
+    monkeypatch.setattr(xqa, "unsupported_reason", lambda *args: None)
+    monkeypatch.setattr(xqa, "XqaDecode", lambda *args, pdl: built.append(pdl) or "xqa")
+    for rows in (1, 5):
+        for fp8 in (False, True):
+            dtype = torch.float8_e4m3fn if fp8 else torch.float32
+            pool = KVCachePool(1, 4, 16, 2, 16, dtype, torch.device("cpu"), torch.float32)
+            backend = object.__new__(FlashInferAttentionBackend)  # skip the CUDA-only set-up
+            AttentionBackend.__init__(backend, pool, 4, 2, 16)
+            backend.device, backend.flashinfer, backend.rows_per_sequence = torch.device("cpu"), None, rows
+            backend._auto_triton = lambda: True
+            kernel, _ = backend._make_table_decode("auto")
+            if fp8:
+                assert kernel == "xqa" and built[-1] is (rows == 1)
+            else:
+                assert kernel.fresh_tokens == rows
+
+
 class PlanRecorder:
     """A FlashInfer wrapper that records its plans' keyword arguments."""
 
