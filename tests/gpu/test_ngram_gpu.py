@@ -63,7 +63,10 @@ def test_a_drafted_step_runs_in_a_decode_graph(tiny_model_factory, decode_attent
     bit) and agrees with the same step run eagerly, a chunk a sequence, within bf16's kernel-to-kernel rounding. The
     rows run Triton's decode kernel (``auto``), whose keys read before the PDL wait must leave out the step's own, the
     decode wrapper, and XQA over FP8 pages (``auto``), launched without PDL here (it reads older tiles before its wait).
-    The prompts' lengths (up to 80) put some drafted steps across a 64-key tile."""
+    The prompts' lengths (up to 80) put some drafted steps across a 64-key tile. XQA's FP8 math (q and the softmax
+    weights in e4m3) moves this random model's logits far from the chunk's (FA2, bf16 math over the same FP8 pages;
+    session 53: 0.18 relative), so there the rows that attend to keys of earlier rows of the step are held to the
+    rows that attend to the cache and their own key only, which a plain decode step's rows are."""
     model = tiny_model_factory("qwen3", head_dim=128, hidden_size=256, vocab_size=700)
     config = EngineConfig(model=model, device="cuda", dtype="bfloat16", max_total_tokens=4096,
                           decode_attention=decode_attention, kv_cache_dtype=kv_cache_dtype,
@@ -74,8 +77,18 @@ def test_a_drafted_step_runs_in_a_decode_graph(tiny_model_factory, decode_attent
         table_kernel = engine.attention.table_decode
         if kv_cache_dtype == "fp8_e4m3":
             assert table_kernel.name == "XQA" and not table_kernel.pdl
-        as_run, as_rows, chunked = drafted_step_logits(engine, [4, 0, 3, 4, 1, 2, 4, 4])
+        drafts = [4, 0, 3, 4, 1, 2, 4, 4]
+        as_run, as_rows, chunked = drafted_step_logits(engine, drafts)
         assert torch.equal(as_run, as_rows)
-        assert_logits_close([as_rows], [chunked])
+        if kv_cache_dtype == "auto":
+            assert_logits_close([as_rows], [chunked])
+            return
+        # each logits row's place in its sequence's step: the last tokens' rows, then each sequence's drafts' positions
+        places = torch.tensor(drafts + [i for n in drafts for i in range(n)], device=chunked.device)
+        errors = (as_rows - chunked).norm(dim=-1) / chunked.norm(dim=-1)
+        alone, after = errors[places == 0], errors[places > 0]
+        print(f"XQA rows vs the chunk: median row error {float(alone.median()):.3f} attending to the cache alone, "
+              f"{float(after.median()):.3f} to earlier rows too")
+        assert torch.isfinite(as_rows).all() and float(after.median()) < 1.5 * float(alone.median()) + 0.02
     finally:
         engine.shutdown()
