@@ -10,11 +10,10 @@ the GPU (``splits_for``). Each program takes the GQA group's query heads (padded
 splits a sequence uses follows its length inside the kernel: at least CHUNK tokens a split, so a
 graph captured once serves every context length, and programs past a short sequence's splits
 return at once. Each program loads its first chunk's k and v before it waits on the previous kernel
-(PDL): only the newest token's row is that kernel's (a drafted step's rows: the newest ``fresh_tokens``), and it is
-read again after the wait. A sequence
-of one split writes its output directly. Otherwise the program that finishes last merges the
-partials: an atomic counter tells it that it is last, and it sets the counter back to zero (so graph
-replays need no memset).
+(PDL): only the newest token's row is that kernel's (the newest ``fresh_tokens`` rows where a drafted step runs a row
+a token), and it is read again after the wait. A sequence of one split writes its output directly.
+Otherwise the program that finishes last merges the partials: an atomic counter tells it that it is
+last, and it sets the counter back to zero (so graph replays need no memset).
 
 On one H200, alone (benchmarks/experiments/triton_decode_attention.py, L2 cold, session 11): 0.53-0.86x
 the wrapper's time at batch 1-8 and context 512, 0.74x at batch 1 and context 4096 with 32:8 heads,
@@ -286,8 +285,8 @@ class TritonDecode:
         pdl = triton_pdl(q.device, batch)
         _decode_kernel[(batch, self.num_kv_heads, splits)](
             q, k_cache, v_cache, meta.page_table, meta.seq_lens, part_out, part_ml, self.counters, out,
-            self.qk_scale, self.cap_log2, window, self.fresh_tokens, q.stride(0), q.stride(1), k_cache.stride(0), k_cache.stride(1),
-            k_cache.stride(2), meta.page_table.stride(0), out.stride(0), out.stride(1),
+            self.qk_scale, self.cap_log2, window, self.fresh_tokens, q.stride(0), q.stride(1), k_cache.stride(0),
+            k_cache.stride(1), k_cache.stride(2), meta.page_table.stride(0), out.stride(0), out.stride(1),
             KV_HEADS=self.num_kv_heads, GROUP=self.group, G_PAD=self.g_pad, G_MERGE=self.g_merge,
             HEAD_DIM=head_dim, PAGE=k_cache.shape[1], CHUNK=self.chunk, MAX_SPLITS=self.max_splits,
             MERGE_UNROLL=self.merge_unroll, IEEE=q.dtype == torch.float32, PDL=pdl, PREFETCH=self.prefetch,

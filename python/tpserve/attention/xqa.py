@@ -78,9 +78,9 @@ class XqaDecode:
         self, pool: KVCachePool, num_heads: int, num_kv_heads: int, head_dim: int, scale: float, device: torch.device,
         pdl: bool = True,
     ) -> None:
-        """``pdl``: launch it with programmatic dependent launch. FlashInfer builds XQA's "aggressive" PDL on sm90, which
-        loads every 64-key tile but the newest before its wait: a drafted step's rows (``one_token_rows``), whose
-        newest keys are that step's, need it off."""
+        """``pdl``: launch it with programmatic dependent launch. FlashInfer builds XQA's "aggressive" PDL on sm90,
+        which loads every 64-key tile but the newest before its wait: a drafted step's rows (``one_token_rows``),
+        whose newest keys are that step's, need it off."""
         self.kernel = xqa_function()
         # FlashInfer compiles XQA for each layout on first use: do it now, not in a served step.
         import_module("flashinfer.xqa").get_xqa_module(
