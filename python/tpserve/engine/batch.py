@@ -49,8 +49,15 @@ def build_host_batch(seqs: list[SequenceInput], page_size: int) -> HostBatch:
     page_base = np.cumsum(page_counts) - page_counts
     page_index = np.repeat(page_base - first_page, extend) + positions // page_size
     tokens[2] = pages[page_index] * page_size + positions % page_size
-    extra = [np.arange(start, start + s.extra_logits) for s, start in zip(seqs, (ends - extend).tolist()) if s.extra_logits]
-    return HostBatch(tokens, np.concatenate([ends - 1, *extra]) if extra else ends - 1)
+    return HostBatch(tokens, head_rows(seqs, ends))
+
+
+def head_rows(seqs: list[SequenceInput], ends: np.ndarray) -> np.ndarray:
+    """The LM head's rows among a step's tokens (``ends``: where each sequence's new tokens end): each sequence's last
+    token, then the first ``extra_logits`` tokens of each."""
+    starts = ends - int_array((len(s.token_ids) for s in seqs), len(seqs))
+    extra = [np.arange(start, start + s.extra_logits) for s, start in zip(seqs, starts.tolist()) if s.extra_logits]
+    return np.concatenate([ends - 1, *extra]) if extra else ends - 1
 
 
 @dataclass
@@ -73,10 +80,7 @@ def one_token_rows(seqs: list[SequenceInput], most: int) -> OneTokenRows | None:
         return None
     rows = [SequenceInput([token], s.prefix_len + i, s.page_table, lora=s.lora)
             for s in seqs for i, token in enumerate(s.token_ids)]
-    extend = int_array((len(s.token_ids) for s in seqs), len(seqs))
-    ends = np.cumsum(extend)
-    extra = [np.arange(end - n, end - 1) for end, n in zip(ends.tolist(), extend.tolist()) if n > 1]
-    return OneTokenRows(rows, np.concatenate([ends - 1, *extra]))
+    return OneTokenRows(rows, head_rows(seqs, np.cumsum(int_array((len(s.token_ids) for s in seqs), len(seqs)))))
 
 
 def upload(host: torch.Tensor, device: torch.device | str) -> torch.Tensor:
