@@ -53,6 +53,33 @@ def test_drafts_follow_the_latest_earlier_occurrence_of_the_longest_suffix():
     assert config.propose(np.array([5, 8, 8]), 3, skip=1) == [], "nothing after the guess"
 
 
+def drafts_by_definition(tokens: list[int], config: NgramConfig, most: int, skip: int) -> list[int]:
+    """``NgramConfig.propose`` as its docstring says it, one window at a time."""
+    most, length = min(most, config.num_speculative_tokens), len(tokens)
+    for n in range(min(config.prompt_lookup_max, length - 1), config.prompt_lookup_min - 1, -1):
+        starts = [i + n + skip for i in range(length - n) if tokens[i: i + n] == tokens[length - n:]]
+        if starts:
+            enough = [start for start in starts if start + most <= length]
+            start = enough[-1] if enough else starts[0]
+            if start < length:
+                return tokens[start: start + most]
+    return []
+
+
+def test_drafts_equal_their_definition_on_random_histories():
+    rng = np.random.default_rng(0)
+    proposed = 0
+    for _ in range(3000):
+        low = int(rng.integers(1, 4))
+        config = NgramConfig(int(rng.integers(1, 6)), low, low + int(rng.integers(0, 3)))
+        tokens = rng.integers(0, int(rng.integers(2, 6)), size=int(rng.integers(1, 40))).tolist()
+        most, skip = int(rng.integers(1, 7)), int(rng.integers(0, 3))
+        drafts = config.propose(np.array(tokens), most, skip)
+        assert drafts == drafts_by_definition(tokens, config, most, skip), (tokens, config, most, skip)
+        proposed += bool(drafts)
+    assert proposed > 1000
+
+
 @pytest.fixture(scope="module")
 def loopy_dir(tiny_model_factory, tmp_path_factory) -> str:
     from loopy_model import loopy_model
