@@ -11,6 +11,10 @@ near-ties part the drafted and plain texts (session 52: 0 / 2 of 36 / 281 drafts
 
     python benchmarks/spec_decode.py --config tests/data/configs/Qwen3-0.6B --tokens 256 --batch-sizes 1,8
     python benchmarks/spec_decode.py --config tests/data/configs/Qwen3-8B --scale 0 --vocab-size 4096 --batch-sizes 1,8
+
+``--prompt-tokens N`` gives each request a prompt of N tokens (long contexts: a drafted step's rows each read the
+sequence's KV cache in the decode graph), and ``--chunked`` adds an engine whose drafted steps run eagerly as
+chunks (``cuda_graph_max_bs`` at the largest batch, so their rows fit no graph), which read it once a sequence.
 """
 
 from __future__ import annotations
@@ -56,6 +60,8 @@ def main() -> None:
                         help="fewer tokens than the config's: a random model's text then repeats sooner")
     parser.add_argument("--tokens", type=int, default=256, help="generated tokens per request")
     parser.add_argument("--batch-sizes", default="1,8")
+    parser.add_argument("--prompt-tokens", type=int, default=3, help="each prompt's length (a long context)")
+    parser.add_argument("--chunked", action="store_true", help="also drafts run eagerly as chunks (no graph rows)")
     parser.add_argument("--spec", default='{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_max": 3, '
                         '"prompt_lookup_min": 1}')
     parser.add_argument("--out", default=None)
@@ -67,11 +73,15 @@ def main() -> None:
         model_dir = loopy_model(args.config, args.scale, os.path.join(tmp, "model"), args.vocab_size)
         params = SamplingParams(temperature=0, max_tokens=args.tokens, ignore_eos=True)
         results: dict[tuple[str, int], tuple[float, list[list[int]]]] = {}
-        for name, spec in (("plain", None), ("ngram", json.loads(args.spec))):
-            kwargs = {} if spec is None else {"speculative_config": spec}
+        spec = json.loads(args.spec)
+        engines = [("plain", {}), ("ngram", {"speculative_config": spec})]
+        if args.chunked:
+            engines.append(("ngram_chunked", {"speculative_config": spec, "cuda_graph_max_bs": max(batches)}))
+        vocab = args.vocab_size or 32_000
+        for name, kwargs in engines:
             with LLM(model_dir, **kwargs) as llm:
                 for batch in batches:
-                    prompts = [[7 + 31 * i, 8 + 31 * i, 9 + 31 * i] for i in range(batch)]
+                    prompts = [[(7 + 31 * i + j) % vocab for j in range(args.prompt_tokens)] for i in range(batch)]
                     # untimed first: the drafted steps' shapes compile their kernels here (Triton, FlashInfer plans)
                     llm.generate(prompts, params, use_tqdm=False)
                     before = llm.replica_stats()[0]
@@ -85,14 +95,15 @@ def main() -> None:
                     rows.append({"engine": name, "batch": batch, "out_tok_s": round(batch * args.tokens / elapsed, 1),
                                  "drafts": drafts, "accepted": accepted,
                                  "acceptance": round(accepted / drafts, 3) if drafts else None})
-        for batch in batches:
-            plain_s, plain_tokens = results[("plain", batch)]
-            spec_s, spec_tokens = results[("ngram", batch)]
-            same = sum(a == b for a, b in zip(plain_tokens, spec_tokens))
-            rows.append({"engine": "ngram / plain", "batch": batch, "out_tok_s": round(plain_s / spec_s, 3),
-                         "drafts": f"same tokens {same}/{batch}", "accepted": "", "acceptance": ""})
+        for name, _ in engines[1:]:
+            for batch in batches:
+                plain_s, plain_tokens = results[("plain", batch)]
+                spec_s, spec_tokens = results[(name, batch)]
+                same = sum(a == b for a, b in zip(plain_tokens, spec_tokens))
+                rows.append({"engine": f"{name} / plain", "batch": batch, "out_tok_s": round(plain_s / spec_s, 3),
+                             "drafts": f"same tokens {same}/{batch}", "accepted": "", "acceptance": ""})
     print(f"device: {device_name()}, config {args.config}, scale {args.scale}, vocab {args.vocab_size or 'the config'}'s, "
-          f"{args.tokens} tokens, spec {args.spec}")
+          f"{args.prompt_tokens}-token prompts, {args.tokens} tokens, spec {args.spec}")
     print_table(rows, ["engine", "batch", "out_tok_s", "drafts", "accepted", "acceptance"])
     write_json(args.out, {"device": device_name(), "args": vars(args), "rows": rows})
 
