@@ -118,10 +118,13 @@ def top2_margin(logits: torch.Tensor) -> float:
 
 
 def assert_same_greedy(
-    actual: list[list[int]], expected: list[list[int]], expected_logits: list[torch.Tensor], near_tie: float = NEAR_TIE
+    actual: list[list[int]], expected: list[list[int]], expected_logits: list[torch.Tensor], near_tie: float = NEAR_TIE,
+    ties_expected: bool = False,
 ) -> None:
     """Every sequence's greedy tokens agree until a near-tie (top two within ``near_tie``) in the reference, if any
-    (after that the two runs decode different texts, so the sequence is no longer compared)."""
+    (after that the two runs decode different texts, so the sequence is no longer compared). More than half the
+    sequences parting at near-ties is suspicious, unless ``ties_expected`` (a model whose margins are mostly within
+    the dtype's rounding; its caller holds the logits to a reference)."""
     diverged: set[int] = set()
     for step, (a_row, e_row) in enumerate(zip(actual, expected)):
         for i, (a, e) in enumerate(zip(a_row, e_row)):
@@ -130,7 +133,8 @@ def assert_same_greedy(
             margin = top2_margin(expected_logits[step][i])
             assert margin < near_tie, f"step {step} seq {i}: token {a} != {e} with a clear margin {margin:.3f}"
             diverged.add(i)
-    assert len(diverged) <= len(expected[0]) // 2, f"{len(diverged)} sequences hit near-ties: suspicious"
+    suspicious = not ties_expected and len(diverged) > len(expected[0]) // 2
+    assert not suspicious, f"{len(diverged)} sequences hit near-ties: suspicious"
 
 
 # Mixture-of-experts models in bf16: a router near a tie between its k-th and (k+1)-th expert picks

@@ -144,5 +144,7 @@ def test_bf16_flashinfer_and_graphs_match_torch_attention(tiny_model_factory, tm
     assert max(without_cap) > 5 * max(qwen), (without_cap, qwen)
     # The final soft-cap (5 on the tiny model) holds every logit in (-5, 5): bf16 rounding, ~5% of the logits' norm a
     # step as for the Qwen3 baseline, moves a margin by more than engine_scenario's NEAR_TIE there (both bf16 engine
-    # tests failed at 0.05 on an H100, session 52), so a tie is a margin under 5% of the cap
-    assert_same_greedy(*greedy, near_tie=0.05 * GEMMA2_SOFTCAPS["final_logit_softcapping"])
+    # tests failed at 0.05 on an H100, session 52), so a tie is a margin under 5% of the cap. At that, 4 and 5 of the
+    # 6 sequences still part at a tie (session 54, H100): the squashed top logits sit within the rounding, so the
+    # check is that each parts at a tie, the logits above being this test's oracle.
+    assert_same_greedy(*greedy, near_tie=0.05 * GEMMA2_SOFTCAPS["final_logit_softcapping"], ties_expected=True)
