@@ -426,7 +426,7 @@ for s in $stages; do
     auto_tests) stage auto_tests 150 python3 -m pytest -q -p no:cacheprovider tests/gpu/test_decode_kernels.py -k auto ;;
     spec_long)  # n-gram drafts at a long context (8,000-token prompts; every draft right once the text cycles): drafted
       # steps as one-token rows in the decode graph (each row reads its sequence's KV pages) against plain decoding and
-      # against drafted steps run eagerly as chunks (--chunked: one read a sequence); never run yet (session 54 got no GPU)
+      # against drafted steps run eagerly as chunks (--chunked: one read a sequence); session 54 call1/ (H100)
       stage spec_long 300 python3 benchmarks/spec_decode.py --config tests/data/configs/Qwen3-8B --scale 0 --vocab-size 4096 \
         --prompt-tokens 8000 --tokens 128 --batch-sizes 1,8 --chunked --out $results/spec_long.json ;;
     fp8_ratio8)  # issue 16's ratio at Qwen3-8B batch 1 with today's defaults (carry fp8_blockscale_gemm_90 and the bf16 sm90 prefill)
