@@ -77,7 +77,8 @@ def main() -> None:
         engines = [("plain", {}), ("ngram", {"speculative_config": spec})]
         if args.chunked:
             engines.append(("ngram_chunked", {"speculative_config": spec, "cuda_graph_max_bs": max(batches)}))
-        vocab = args.vocab_size or 32_000
+        with open(os.path.join(model_dir, "config.json")) as f:
+            vocab = json.load(f)["vocab_size"]
         for name, kwargs in engines:
             with LLM(model_dir, **kwargs) as llm:
                 for batch in batches:
